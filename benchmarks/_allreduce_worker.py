@@ -1,0 +1,211 @@
+"""Worker processes for ``benchmarks/allreduce.py``.
+
+Each worker is started as ``python benchmarks/_allreduce_worker.py CONFIG_JSON`` by the
+driver, runs one role, and writes a JSON result file named in the config. Roles:
+
+``tcp-recv`` / ``tcp-send``
+    Raw loopback TCP bandwidth with plain blocking sockets, one direction.
+``gloo``
+    One rank of a torch.distributed Gloo all-reduce sweep.
+``p2pdist``
+    One rank of a p2pdist ``Group.all_reduce`` sweep (TLS or plaintext).
+
+The all-reduce roles time every call with :func:`time.perf_counter` after a barrier and
+report the per-size median; the driver takes the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Chunk size for the raw TCP bandwidth measurement.
+TCP_CHUNK = 4 << 20
+
+
+def _expected_sum(world: int) -> float:
+    """Value of every element after summing ``rank + 1`` over all ranks."""
+    return world * (world + 1) / 2.0
+
+
+def _check(values: np.ndarray[Any, Any], world: int, what: str) -> None:
+    """Raise unless every element of ``values`` equals the expected all-reduce sum."""
+    expected = _expected_sum(world)
+    if values.size and not (float(values.min()) == expected and float(values.max()) == expected):
+        raise AssertionError(
+            f"{what}: wrong all-reduce result (min={values.min()}, max={values.max()},"
+            f" expected {expected})"
+        )
+
+
+def _summary(times: list[float]) -> dict[str, float]:
+    """Median/min/max of per-iteration times in seconds."""
+    return {
+        "median": statistics.median(times),
+        "min": min(times),
+        "max": max(times),
+    }
+
+
+# ----------------------------------------------------------------------------- TCP
+
+
+def tcp_recv(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Accept one connection, receive ``total`` bytes, acknowledge with one byte."""
+    total: int = cfg["total"]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", cfg["port"]))
+        srv.listen(1)
+        srv.settimeout(cfg["timeout"])
+        conn, _ = srv.accept()
+        with conn:
+            conn.settimeout(cfg["timeout"])
+            buf = bytearray(TCP_CHUNK)
+            view = memoryview(buf)
+            got = 0
+            t0 = 0.0
+            while got < total:
+                n = conn.recv_into(view, min(TCP_CHUNK, total - got))
+                if n == 0:
+                    raise ConnectionError(f"sender closed after {got} of {total} bytes")
+                if got == 0:
+                    t0 = time.perf_counter()
+                got += n
+            t1 = time.perf_counter()
+            conn.sendall(b"k")
+    return {"bytes": got, "seconds": t1 - t0}
+
+
+def tcp_send(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Connect, send ``total`` bytes in large chunks, wait for the one-byte ack."""
+    total: int = cfg["total"]
+    deadline = time.monotonic() + cfg["timeout"]
+    while True:
+        try:
+            sock = socket.create_connection(("127.0.0.1", cfg["port"]), timeout=5.0)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    with sock:
+        sock.settimeout(cfg["timeout"])
+        payload = memoryview(np.ones(TCP_CHUNK, dtype=np.uint8).tobytes())
+        sent = 0
+        t0 = time.perf_counter()
+        while sent < total:
+            n = min(TCP_CHUNK, total - sent)
+            sock.sendall(payload[:n])
+            sent += n
+        if sock.recv(1) != b"k":
+            raise ConnectionError("no acknowledgement from receiver")
+        t1 = time.perf_counter()
+    return {"bytes": sent, "seconds": t1 - t0}
+
+
+# ----------------------------------------------------------------------------- Gloo
+
+
+def gloo(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run one rank of the Gloo all-reduce sweep."""
+    import torch
+    import torch.distributed as dist
+
+    rank: int = cfg["rank"]
+    world: int = cfg["world"]
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{cfg['port']}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=cfg["timeout"]),
+    )
+    results: list[dict[str, Any]] = []
+    try:
+        for nbytes, warmup, iters in zip(cfg["sizes"], cfg["warmup"], cfg["iters"], strict=True):
+            t = torch.full((nbytes // 4,), float(rank + 1), dtype=torch.float32)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            _check(t.numpy(), world, f"gloo {nbytes} B")
+            for _ in range(warmup):
+                dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            dist.barrier()
+            times: list[float] = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                dist.all_reduce(t, op=dist.ReduceOp.SUM)
+                times.append(time.perf_counter() - t0)
+            results.append({"bytes": nbytes, "iters": iters, **_summary(times)})
+            del t
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return {"results": results}
+
+
+# -------------------------------------------------------------------------- p2pdist
+
+
+async def _p2pdist_async(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run one rank of the p2pdist all-reduce sweep inside the event loop."""
+    from p2pdist import Group
+
+    rank: int = cfg["rank"]
+    world: int = cfg["world"]
+    g = Group.from_seed(cfg["seed"], rank=rank, world=world, peers=cfg["peers"], tls=cfg["tls"])
+    results: list[dict[str, Any]] = []
+    async with g:
+        for nbytes, warmup, iters in zip(cfg["sizes"], cfg["warmup"], cfg["iters"], strict=True):
+            x = np.full(nbytes // 4, float(rank + 1), dtype=np.float32)
+            out = await g.all_reduce(x, op="sum")
+            _check(np.asarray(out), world, f"p2pdist {nbytes} B")
+            del out
+            for _ in range(warmup):
+                await g.all_reduce(x, op="sum")
+            await g.barrier()
+            times: list[float] = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                await g.all_reduce(x, op="sum")
+                times.append(time.perf_counter() - t0)
+            results.append({"bytes": nbytes, "iters": iters, **_summary(times)})
+            del x
+        await g.barrier()
+    return {"results": results}
+
+
+def p2pdist(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run one rank of the p2pdist all-reduce sweep."""
+    return asyncio.run(_p2pdist_async(cfg))
+
+
+ROLES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "tcp-recv": tcp_recv,
+    "tcp-send": tcp_send,
+    "gloo": gloo,
+    "p2pdist": p2pdist,
+}
+
+
+def main(argv: list[str]) -> int:
+    """Entry point: ``_allreduce_worker.py CONFIG_JSON``."""
+    cfg: dict[str, Any] = json.loads(argv[1])
+    result = ROLES[cfg["role"]](cfg)
+    tmp = Path(cfg["result"] + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(cfg["result"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

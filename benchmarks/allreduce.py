@@ -1,0 +1,563 @@
+"""All-reduce benchmark: p2pdist (TLS and plaintext) against torch.distributed Gloo.
+
+Everything runs on 127.0.0.1 in the same invocation so the numbers are comparable:
+
+* raw loopback TCP bandwidth (two processes, blocking sockets, one direction);
+* for every world size, a p2pdist sweep per transport mode and a Gloo sweep, each in
+  ``world`` fresh worker processes (``benchmarks/_allreduce_worker.py``).
+
+Timing: per size, a few warm-up calls, a barrier, then timed calls; each rank reports the
+median time per all-reduce and the table shows the maximum of those medians over ranks.
+``algbw = bytes / time`` and ``busbw = algbw * 2(n-1)/n`` (the nccl-tests convention), in
+GB/s (1e9 bytes per second). Sizes are bytes of float32 data.
+
+Usage::
+
+    python benchmarks/allreduce.py [--world 2 4] [--sizes 4K 64K 1M 16M 64M] [--iters N]
+                                   [--modes tls plaintext] [--no-gloo] [--markdown]
+
+Run it with an interpreter that has torch installed (``.bench-venv``) to get the Gloo
+columns; without torch they are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import secrets
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+WORKER = Path(__file__).resolve().with_name("_allreduce_worker.py")
+DEFAULT_SIZES = ["4K", "64K", "1M", "16M", "64M"]
+DEFAULT_WORLDS = [2, 4]
+DEFAULT_MODES = ["tls", "plaintext"]
+TCP_TOTAL = 1 << 30
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+    "GIB": 1 << 30,
+}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def parse_size(text: str) -> int:
+    """Parse ``4K``/``16M``/``1G``/``4096`` (binary units) into a byte count."""
+    s = text.strip().upper()
+    i = len(s)
+    while i > 0 and not s[i - 1].isdigit():
+        i -= 1
+    if i == 0 or s[i:] not in _UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 4K, 16M)")
+    n = int(s[:i]) * _UNITS[s[i:]]
+    if n <= 0 or n % 4:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be a positive multiple of 4")
+    return n
+
+
+def format_size(n: int) -> str:
+    """Format a byte count with the largest exact binary unit (``64K``, ``16M``)."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"
+
+
+def default_iterations(nbytes: int) -> tuple[int, int]:
+    """(warm-up, timed) iteration counts: many for small sizes, few for large ones."""
+    if nbytes <= 16 << 10:
+        return 20, 200
+    if nbytes <= 256 << 10:
+        return 10, 100
+    if nbytes <= 4 << 20:
+        return 5, 30
+    if nbytes <= 32 << 20:
+        return 3, 10
+    return 2, 6
+
+
+def free_ports(count: int) -> list[int]:
+    """Reserve ``count`` distinct free TCP ports on 127.0.0.1 by binding port 0."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def torch_version() -> str | None:
+    """Installed torch version, or None when torch is not importable."""
+    if importlib.util.find_spec("torch") is None:
+        return None
+    try:
+        import torch
+    except Exception:  # a broken install counts as absent
+        return None
+    return str(torch.__version__)
+
+
+def p2pdist_group_error() -> str | None:
+    """None when ``from p2pdist import Group`` works, else the reason it does not."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "from p2pdist import Group"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if proc.returncode == 0:
+        return None
+    lines = proc.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit status {proc.returncode}"
+
+
+def cpu_model() -> str:
+    """CPU model name from /proc/cpuinfo (Linux), else platform.processor()."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+# ------------------------------------------------------------------------ launching
+
+
+class LaunchError(RuntimeError):
+    """A group of worker processes failed or ran past its timeout."""
+
+
+def launch(
+    configs: list[dict[str, Any]], timeout: float, workdir: Path, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Start one worker per config, wait (bounded) for all, return their results.
+
+    If any worker exits non-zero or the group runs past ``timeout`` seconds, all
+    remaining workers are killed and :class:`LaunchError` carries the stderr tail.
+    """
+    procs: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
+    child_env = {**os.environ, **(env or {})}
+    try:
+        for i, cfg in enumerate(configs):
+            tag = f"{cfg['role']}-{time.monotonic_ns()}-{i}"
+            result = workdir / f"{tag}.json"
+            log = workdir / f"{tag}.log"
+            cfg = {**cfg, "result": str(result), "timeout": timeout}
+            with log.open("wb") as fh:
+                p = subprocess.Popen(
+                    [sys.executable, str(WORKER), json.dumps(cfg)],
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=child_env,
+                )
+            procs.append((p, result, log))
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p, _, _ in procs]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                i = failed[0]
+                raise LaunchError(
+                    f"worker {i} ({configs[i]['role']}) exited with status {codes[i]}:\n"
+                    + _tail(procs[i][2])
+                )
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                stuck = [i for i, c in enumerate(codes) if c is None]
+                raise LaunchError(
+                    f"timed out after {timeout:.0f}s waiting for workers {stuck}:\n"
+                    + _tail(procs[stuck[0]][2])
+                )
+            time.sleep(0.05)
+        return [json.loads(result.read_text()) for _, result, _ in procs]
+    finally:
+        for p, _, _ in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    """Last ``lines`` lines of a worker log, indented."""
+    try:
+        text = path.read_text(errors="replace").rstrip().splitlines()[-lines:]
+    except OSError:
+        return "    (no log)"
+    return "\n".join("    " + line for line in text) or "    (empty log)"
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass
+class Point:
+    """Result for one size: max over ranks of the per-rank median, in seconds."""
+
+    nbytes: int
+    seconds: float
+    world: int
+
+    @property
+    def algbw(self) -> float:
+        """Algorithm bandwidth in GB/s."""
+        return self.nbytes / self.seconds / 1e9
+
+    @property
+    def busbw(self) -> float:
+        """Bus bandwidth in GB/s (nccl-tests all-reduce convention)."""
+        return self.algbw * 2 * (self.world - 1) / self.world
+
+
+@dataclass
+class Series:
+    """One backend/mode at one world size: points by size, or why there are none."""
+
+    name: str
+    points: dict[int, Point] = field(default_factory=dict)
+    error: str | None = None
+
+
+def measure_tcp(workdir: Path, timeout: float) -> float:
+    """Raw loopback TCP bandwidth in GB/s (sender-side time incl. final ack)."""
+    (port,) = free_ports(1)
+    base = {"port": port, "total": TCP_TOTAL}
+    _recv, send = launch(
+        [{**base, "role": "tcp-recv"}, {**base, "role": "tcp-send"}], timeout, workdir
+    )
+    return float(send["bytes"]) / float(send["seconds"]) / 1e9
+
+
+def run_series(
+    name: str,
+    role: str,
+    world: int,
+    sizes: list[int],
+    warmup: list[int],
+    iters: list[int],
+    workdir: Path,
+    timeout: float,
+    extra: dict[str, Any],
+    env: dict[str, str] | None = None,
+) -> Series:
+    """Run one all-reduce sweep in ``world`` processes and reduce it over ranks."""
+    series = Series(name)
+    configs = [
+        {
+            "role": role,
+            "rank": r,
+            "world": world,
+            "sizes": sizes,
+            "warmup": warmup,
+            "iters": iters,
+            **extra,
+        }
+        for r in range(world)
+    ]
+    t0 = time.monotonic()
+    try:
+        results = launch(configs, timeout, workdir, env)
+    except LaunchError as exc:
+        series.error = str(exc)
+        print(f"  {name} world={world}: FAILED\n{exc}", file=sys.stderr, flush=True)
+        return series
+    for i, nbytes in enumerate(sizes):
+        worst = max(float(r["results"][i]["median"]) for r in results)
+        series.points[nbytes] = Point(nbytes, worst, world)
+    print(
+        f"  {name} world={world}: done in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True
+    )
+    return series
+
+
+# -------------------------------------------------------------------------- printing
+
+
+def _lat(p: Point | None) -> str:
+    return "-" if p is None else f"{p.seconds * 1e6:,.0f}"
+
+
+def _bw(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def render_table(headers: list[str], rows: list[list[str]], markdown: bool) -> str:
+    """Render a right-aligned text table or a GitHub markdown table."""
+    if markdown:
+        out = [
+            "| " + " | ".join(headers) + " |",
+            "|" + "|".join(["---"] + ["---:"] * (len(headers) - 1)) + "|",
+        ]
+        out += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(out)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))
+    out = [line, "-" * len(line)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out)
+
+
+def world_table(
+    world: int, sizes: list[int], modes: list[Series], gloo: Series | None, markdown: bool
+) -> str:
+    """Table for one world size: latency/busbw per backend plus p2pdist/gloo ratios."""
+    headers = ["size"]
+    for s in modes:
+        headers += [f"{s.name} lat (us)", f"{s.name} busbw"]
+    if gloo is not None:
+        headers += ["gloo lat (us)", "gloo busbw"]
+        headers += [f"{s.name}/gloo" for s in modes]
+    rows = []
+    for n in sizes:
+        row = [format_size(n)]
+        for s in modes:
+            p = s.points.get(n)
+            row += [_lat(p), _bw(p.busbw if p else None)]
+        if gloo is not None:
+            gp = gloo.points.get(n)
+            row += [_lat(gp), _bw(gp.busbw if gp else None)]
+            for s in modes:
+                p = s.points.get(n)
+                row.append("-" if p is None or gp is None else f"{p.busbw / gp.busbw:.2f}")
+        rows.append(row)
+    return render_table(headers, rows, markdown)
+
+
+def detail_table(world: int, sizes: list[int], series: list[Series], markdown: bool) -> str:
+    """Per-backend table with latency, algbw and busbw for every size."""
+    headers = ["backend", "size", "lat (us)", "algbw GB/s", "busbw GB/s"]
+    rows = []
+    for s in series:
+        for n in sizes:
+            p = s.points.get(n)
+            rows.append(
+                [
+                    s.name,
+                    format_size(n),
+                    _lat(p),
+                    _bw(p.algbw if p else None),
+                    _bw(p.busbw if p else None),
+                ]
+            )
+    return render_table(headers, rows, markdown)
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line interface."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--world", type=int, nargs="+", default=DEFAULT_WORLDS, help="world sizes (default: 2 4)"
+    )
+    ap.add_argument(
+        "--sizes",
+        type=parse_size,
+        nargs="+",
+        default=[parse_size(s) for s in DEFAULT_SIZES],
+        help="message sizes in bytes of float32 data (default: 4K 64K 1M 16M 64M)",
+    )
+    ap.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="timed iterations for every size (default: per size, 200 down to 6)",
+    )
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="warm-up iterations for every size (default: per size, 20 down to 2)",
+    )
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        choices=DEFAULT_MODES,
+        default=DEFAULT_MODES,
+        help="p2pdist transport modes (default: tls plaintext)",
+    )
+    ap.add_argument("--no-gloo", action="store_true", help="skip the torch Gloo reference")
+    ap.add_argument("--no-p2pdist", action="store_true", help="skip p2pdist (baselines only)")
+    ap.add_argument("--no-tcp", action="store_true", help="skip the raw TCP measurement")
+    ap.add_argument("--markdown", action="store_true", help="print markdown tables")
+    ap.add_argument(
+        "--detail", action="store_true", help="also print per-backend tables with algbw"
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds allowed for each group of worker processes (default 300)",
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print the tables; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    import numpy as np
+
+    sizes: list[int] = sorted(set(args.sizes))
+    plan = [default_iterations(n) for n in sizes]
+    warmup = [args.warmup if args.warmup is not None else w for w, _ in plan]
+    iters = [args.iters if args.iters is not None else i for _, i in plan]
+    if min(iters) < 1 or min(warmup) < 0:
+        print("--iters must be >= 1 and --warmup >= 0", file=sys.stderr)
+        return 2
+
+    tv = torch_version()
+    p2p_version = "?"
+    try:
+        from importlib.metadata import version
+
+        p2p_version = version("p2pdist")
+    except Exception:
+        pass
+    notes: list[str] = []
+    run_gloo = not args.no_gloo
+    if run_gloo and tv is None:
+        run_gloo = False
+        notes.append(
+            "gloo: skipped (torch is not importable in this interpreter; "
+            "use .bench-venv/bin/python)"
+        )
+    run_p2p = not args.no_p2pdist
+    if run_p2p:
+        err = p2pdist_group_error()
+        if err is not None:
+            run_p2p = False
+            notes.append(f"p2pdist: skipped (`from p2pdist import Group` fails: {err})")
+
+    cmd = (
+        shlex.join(["python", *sys.argv])
+        if argv is None
+        else shlex.join(["python", "benchmarks/allreduce.py", *argv])
+    )
+    machine = (
+        f"machine: {os.cpu_count()} CPUs ({cpu_model()}), "
+        f"Python {platform.python_version()}, numpy {np.__version__}, "
+        f"torch {tv or 'n/a'}, p2pdist {p2p_version}, {platform.system()} "
+        f"{platform.release()}"
+    )
+    out: list[str] = []
+    t_start = time.monotonic()
+
+    with tempfile.TemporaryDirectory(prefix="p2pdist-bench-") as tmp:
+        workdir = Path(tmp)
+        tcp_line = "loopback TCP: skipped"
+        if not args.no_tcp:
+            print("measuring loopback TCP ...", file=sys.stderr, flush=True)
+            try:
+                gbps = measure_tcp(workdir, args.timeout)
+                tcp_line = (
+                    f"loopback TCP (1 stream, blocking sockets, 4 MiB sends, "
+                    f"{TCP_TOTAL >> 30} GiB one way): {gbps:.2f} GB/s"
+                )
+            except LaunchError as exc:
+                tcp_line = f"loopback TCP: FAILED ({exc})"
+
+        tables: list[str] = []
+        for world in args.world:
+            if world < 2:
+                print(f"skipping world {world} (< 2)", file=sys.stderr)
+                continue
+            mode_series: list[Series] = []
+            if run_p2p:
+                seed = secrets.token_hex(32)
+                for mode in args.modes:
+                    peers = [f"127.0.0.1:{p}" for p in free_ports(world)]
+                    mode_series.append(
+                        run_series(
+                            mode,
+                            "p2pdist",
+                            world,
+                            sizes,
+                            warmup,
+                            iters,
+                            workdir,
+                            args.timeout,
+                            {"seed": seed, "peers": peers, "tls": mode == "tls"},
+                        )
+                    )
+            gloo_series: Series | None = None
+            if run_gloo:
+                (port,) = free_ports(1)
+                gloo_series = run_series(
+                    "gloo",
+                    "gloo",
+                    world,
+                    sizes,
+                    warmup,
+                    iters,
+                    workdir,
+                    args.timeout,
+                    {"port": port},
+                    env={"GLOO_SOCKET_IFNAME": "lo"},
+                )
+            title = f"world {world}"
+            if args.markdown:
+                tables.append(
+                    f"#### {title}\n\n" + world_table(world, sizes, mode_series, gloo_series, True)
+                )
+            else:
+                tables.append(
+                    f"== {title} ==\n" + world_table(world, sizes, mode_series, gloo_series, False)
+                )
+            if args.detail:
+                all_series = [*mode_series, *([gloo_series] if gloo_series else [])]
+                tables.append(detail_table(world, sizes, all_series, args.markdown))
+            for s in [*mode_series, *([gloo_series] if gloo_series else [])]:
+                if s.error:
+                    notes.append(f"{s.name} world={world}: failed ({s.error.splitlines()[0]})")
+
+    out.append(f"command: {cmd}")
+    out.append(machine)
+    out.append(tcp_line)
+    out.append(
+        "timing: per size, warm-up then barrier then timed calls; latency = max over "
+        "ranks of the per-rank median; busbw = bytes/time * 2(n-1)/n, GB/s = 1e9 B/s"
+    )
+    out.append(
+        "iterations (warm-up/timed): "
+        + ", ".join(
+            f"{format_size(n)} {w}/{i}" for n, w, i in zip(sizes, warmup, iters, strict=True)
+        )
+    )
+    out += [f"note: {n}" for n in notes]
+    sep = "\n\n"
+    print(("  \n" if args.markdown else "\n").join(out) + sep + sep.join(tables), flush=True)
+    print(f"\n(total wall time {time.monotonic() - t_start:.0f}s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,6 @@
+"""The process group: collectives over a set of ranks."""
+
+from .config import GroupConfig
+from .group import Group
+
+__all__ = ["Group", "GroupConfig"]

@@ -1,0 +1,213 @@
+"""Collective algorithms as schedules over a :class:`Link`.
+
+The algorithms only see ranks, arrays and a ``Link`` that sends bytes to a rank and
+receives the next message from a rank (sized and checked by the Link). Which transport,
+channel or sequence number carries a message is the Link's business.
+
+* ring reduce-scatter / all-gather (bandwidth-optimal, chunked so that the transfer of one
+  chunk overlaps the reduction of the previous one);
+* direct one-round exchanges for small arrays (latency-optimal: every rank reduces the
+  same inputs in rank order, so all ranks get bitwise-identical results);
+* a pipelined chain for broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from .ops import ReduceOp
+
+__all__ = [
+    "Link",
+    "barrier",
+    "chain_broadcast",
+    "direct_all_gather",
+    "direct_all_reduce",
+    "direct_broadcast",
+    "direct_reduce_scatter",
+    "ring_all_gather",
+    "ring_reduce_scatter",
+    "split_bounds",
+]
+
+
+class Link(Protocol):
+    """What an algorithm needs from its group: ranks and sized messages."""
+
+    @property
+    def rank(self) -> int:
+        """This rank."""
+        ...
+
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+        ...
+
+    async def send(self, peer: int, payload: memoryview) -> None:
+        """Send one message to ``peer``."""
+        ...
+
+    async def recv(self, peer: int, nbytes: int) -> memoryview:
+        """The next message from ``peer``, which must be ``nbytes`` long."""
+        ...
+
+
+def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of ``parts`` pieces of ``n`` items (numpy.array_split rule)."""
+    base, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def _chunks(start: int, end: int, step: int) -> list[tuple[int, int]]:
+    if end <= start:
+        return [(start, start)]
+    return [(s, min(s + step, end)) for s in range(start, end, step)]
+
+
+def _bytes(a: np.ndarray) -> memoryview:
+    return a.data.cast("B") if a.size else memoryview(b"")
+
+
+def _view(payload: memoryview, dtype: np.dtype[Any]) -> np.ndarray:
+    return np.frombuffer(payload, dtype=dtype) if payload.nbytes else np.empty(0, dtype)
+
+
+async def ring_reduce_scatter(
+    link: Link, flat: np.ndarray, bounds: list[tuple[int, int]], op: ReduceOp, chunk: int
+) -> None:
+    """Reduce ``flat`` across ranks so that segment ``bounds[rank]`` holds the result.
+
+    Step k sends segment (rank-k-1) to the right and reduces segment (rank-k-2) from the
+    left into ours; after size-1 steps this rank's own segment has every contribution.
+    """
+    n, r = link.size, link.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    item = flat.dtype.itemsize
+    for k in range(n - 1):
+        s0, s1 = bounds[(r - k - 1) % n]
+        r0, r1 = bounds[(r - k - 2) % n]
+        send_chunks, recv_chunks = _chunks(s0, s1, chunk), _chunks(r0, r1, chunk)
+        for i in range(max(len(send_chunks), len(recv_chunks))):
+            if i < len(send_chunks):
+                a, b = send_chunks[i]
+                await link.send(right, _bytes(flat[a:b]))
+            if i < len(recv_chunks):
+                a, b = recv_chunks[i]
+                data = await link.recv(left, (b - a) * item)
+                if b > a:
+                    op.combine(flat[a:b], _view(data, flat.dtype))
+
+
+async def ring_all_gather(
+    link: Link, flat: np.ndarray, bounds: list[tuple[int, int]], chunk: int
+) -> None:
+    """Given segment ``bounds[rank]`` of ``flat`` on each rank, fill in all the others."""
+    n, r = link.size, link.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    item = flat.dtype.itemsize
+    for k in range(n - 1):
+        s0, s1 = bounds[(r - k) % n]
+        r0, r1 = bounds[(r - k - 1) % n]
+        send_chunks, recv_chunks = _chunks(s0, s1, chunk), _chunks(r0, r1, chunk)
+        for i in range(max(len(send_chunks), len(recv_chunks))):
+            if i < len(send_chunks):
+                a, b = send_chunks[i]
+                await link.send(right, _bytes(flat[a:b]))
+            if i < len(recv_chunks):
+                a, b = recv_chunks[i]
+                data = await link.recv(left, (b - a) * item)
+                if b > a:
+                    flat[a:b] = _view(data, flat.dtype)
+
+
+async def direct_all_reduce(link: Link, flat: np.ndarray, op: ReduceOp, out: np.ndarray) -> None:
+    """One round: send ``flat`` to everyone, reduce all inputs in rank order into ``out``."""
+    n, r = link.size, link.rank
+    payload = _bytes(flat)
+    for p in range(n):
+        if p != r:
+            await link.send(p, payload)
+    parts: list[np.ndarray] = []
+    for p in range(n):
+        parts.append(flat if p == r else _view(await link.recv(p, flat.nbytes), flat.dtype))
+    np.copyto(out, parts[0])
+    for part in parts[1:]:
+        op.combine(out, part)
+
+
+async def direct_reduce_scatter(
+    link: Link, flat: np.ndarray, bounds: list[tuple[int, int]], op: ReduceOp, out: np.ndarray
+) -> None:
+    """One round: send segment p to rank p; reduce the pieces of ours in rank order."""
+    n, r = link.size, link.rank
+    for p in range(n):
+        if p != r:
+            a, b = bounds[p]
+            await link.send(p, _bytes(flat[a:b]))
+    a, b = bounds[r]
+    mine = flat[a:b]
+    parts = [
+        mine if p == r else _view(await link.recv(p, mine.nbytes), flat.dtype) for p in range(n)
+    ]
+    np.copyto(out, parts[0])
+    for part in parts[1:]:
+        op.combine(out, part)
+
+
+async def direct_all_gather(link: Link, block: np.ndarray, out: np.ndarray) -> None:
+    """One round: send our block to everyone; ``out[p]`` receives rank p's block."""
+    n, r = link.size, link.rank
+    payload = _bytes(block)
+    for p in range(n):
+        if p != r:
+            await link.send(p, payload)
+    out[r] = block
+    for p in range(n):
+        if p != r:
+            out[p] = _view(await link.recv(p, block.nbytes), block.dtype)
+
+
+async def direct_broadcast(link: Link, flat: np.ndarray, src: int) -> None:
+    """``src`` sends ``flat`` to every rank, which writes it into its own ``flat``."""
+    if link.rank == src:
+        payload = _bytes(flat)
+        for p in range(link.size):
+            if p != src:
+                await link.send(p, payload)
+    else:
+        data = await link.recv(src, flat.nbytes)
+        if flat.size:
+            flat[:] = _view(data, flat.dtype)
+
+
+async def chain_broadcast(link: Link, flat: np.ndarray, src: int, chunk: int) -> None:
+    """Pipelined chain src -> src+1 -> ...: each rank forwards a chunk as soon as it lands."""
+    n, r = link.size, link.rank
+    pos = (r - src) % n
+    prev, nxt = (r - 1) % n, (r + 1) % n
+    item = flat.dtype.itemsize
+    for a, b in _chunks(0, flat.size, chunk):
+        if pos > 0:
+            data = await link.recv(prev, (b - a) * item)
+            if b > a:
+                flat[a:b] = _view(data, flat.dtype)
+        if pos < n - 1:
+            await link.send(nxt, _bytes(flat[a:b]))
+
+
+async def barrier(link: Link) -> None:
+    """Everyone tells everyone it arrived; returns once all have."""
+    for p in range(link.size):
+        if p != link.rank:
+            await link.send(p, memoryview(b""))
+    for p in range(link.size):
+        if p != link.rank:
+            await link.recv(p, 0)

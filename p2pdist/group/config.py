@@ -1,0 +1,30 @@
+"""Group settings (frozen; times in seconds, sizes in bytes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..transport.base import TransportConfig
+
+__all__ = ["GroupConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupConfig:
+    """How a :class:`~p2pdist.Group` behaves."""
+
+    timeout: float = 60.0
+    """Default bound on every collective and recv (override per call with ``timeout=``)."""
+    connect_timeout: float = 60.0
+    """How long forming the group may take (peers may start at different times)."""
+    small_bytes: int = 64 * 1024
+    """Arrays up to this size use the one-round direct algorithms instead of the ring."""
+    chunk_bytes: int = 1 << 20
+    """Ring and pipeline chunk size: transfer of one chunk overlaps reduction of the last."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0 or self.connect_timeout <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.chunk_bytes < 4096:
+            raise ValueError("chunk_bytes must be at least 4096")

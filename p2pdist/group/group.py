@@ -1,0 +1,739 @@
+"""The Group (process group): membership, connections, failure handling, collectives."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import msgpack
+import numpy as np
+
+from ..errors import (
+    ConnectionBrokenError,
+    GroupBrokenError,
+    MismatchError,
+    P2PError,
+    P2PTimeoutError,
+    PeerAuthenticationError,
+    PeerTimeoutError,
+    RemoteProtocolError,
+    UsageError,
+)
+from ..identity import EndpointId, SecretKey
+from ..transport.base import Address, Connection, TransportConfig
+from ..transport.mailbox import SPACE_SHIFT
+from ..transport.tcp import TcpTransport, parse_address
+from ..wire.arrays import ArrayHeader, ArrayHeaderError, check_dtype
+from . import algorithms as alg
+from .config import GroupConfig
+from .link import CollectiveLink, describe_call
+from .ops import reduce_op
+
+__all__ = ["Group"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_COLLECTIVE_SPACE = 0
+_P2P_SPACE = 1
+_CONTROL_CHANNEL = 0xFFFF << SPACE_SHIFT
+_P2P_CHUNK = 64 << 20
+
+
+def _label(rank: int, eid: EndpointId) -> str:
+    return f"rank {rank} ({eid.short()})"
+
+
+class Group:
+    """A fixed set of ranks that run collectives together.
+
+    Build one with :meth:`from_seed` or :meth:`from_env` and use it as an async context
+    manager. A group of size 1 needs no network and every collective is the identity.
+    All ranks must issue collectives in the same order (as with MPI or torch.distributed);
+    a different call on another rank is detected and raised as :class:`MismatchError`.
+    """
+
+    def __init__(
+        self,
+        key: SecretKey,
+        rank: int,
+        peer_ids: Sequence[EndpointId],
+        *,
+        addresses: Sequence[Address] | None = None,
+        listen: Address | None = None,
+        config: GroupConfig | None = None,
+    ) -> None:
+        world = len(peer_ids)
+        if not isinstance(rank, int) or not 0 <= rank < world:
+            raise UsageError(f"rank must be in [0, {world}), got {rank!r}")
+        if peer_ids[rank] != key.endpoint_id:
+            raise UsageError(f"rank {rank}'s endpoint id does not match the secret key given")
+        if len(set(peer_ids)) != world:
+            raise UsageError("endpoint ids of a group must be distinct")
+        if addresses is not None and len(addresses) != world:
+            raise UsageError(f"need one address per rank: {world} ranks, {len(addresses)} given")
+        if addresses is None and world > 1:
+            raise UsageError("peers= (one host:port per rank, in rank order) is required")
+        self._key = key
+        self._rank = rank
+        self._ids = list(peer_ids)
+        self._rank_of = {eid: r for r, eid in enumerate(self._ids)}
+        self._addresses = list(addresses) if addresses is not None else None
+        self._listen = listen
+        self.config = config or GroupConfig()
+        self._transport: TcpTransport | None = None
+        self._conns: dict[int, Connection] = {}
+        self._next_cid = 0
+        self._p2p_sent: dict[int, int] = {}
+        self._p2p_received: dict[int, int] = {}
+        self._broken: BaseException | None = None
+        self._started = False
+        self._closing = False
+        self._listeners: list[asyncio.Task[None]] = []
+
+    # ---- construction ---------------------------------------------------------------
+
+    @classmethod
+    def from_seed(
+        cls,
+        seed: str | bytes,
+        *,
+        rank: int,
+        world: int,
+        peers: Sequence[Address] | None = None,
+        tls: bool = True,
+        timeout: float | None = None,
+        listen: Address | None = None,
+        config: GroupConfig | None = None,
+    ) -> Group:
+        """A group whose keys all derive from ``seed`` (a shared secret: whoever knows it
+        can act as any rank). ``peers`` lists every rank's ``host:port`` in rank order;
+        this rank listens on its own entry (or on ``listen``). ``tls=False`` is
+        authenticated plaintext, for trusted networks only."""
+        if not isinstance(world, int) or world < 1:
+            raise UsageError(f"world must be an int >= 1, got {world!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
+            raise UsageError(f"rank must be in [0, {world}), got {rank!r}")
+        cfg = config or GroupConfig()
+        changes: dict[str, Any] = {}
+        if timeout is not None:
+            changes["timeout"] = timeout
+        if tls != cfg.transport.tls:
+            changes["transport"] = TransportConfig(
+                **{**_fields(cfg.transport), "tls": tls}  # keep the other transport settings
+            )
+        if changes:
+            cfg = GroupConfig(**{**_fields(cfg), **changes})
+        keys = [SecretKey.from_seed(seed, r) for r in range(world)]
+        return cls(
+            keys[rank],
+            rank,
+            [k.endpoint_id for k in keys],
+            addresses=list(peers) if peers is not None else None,
+            listen=listen,
+            config=cfg,
+        )
+
+    @classmethod
+    def from_env(cls, *, config: GroupConfig | None = None) -> Group:
+        """A seed group described by P2PDIST_SEED, P2PDIST_RANK, P2PDIST_WORLD and
+        P2PDIST_PEERS (comma-separated host:port); P2PDIST_TLS=0 selects plaintext."""
+
+        def need(name: str) -> str:
+            value = os.environ.get(name)
+            if not value:
+                raise UsageError(f"environment variable {name} is not set")
+            return value
+
+        try:
+            rank, world = int(need("P2PDIST_RANK")), int(need("P2PDIST_WORLD"))
+        except ValueError:
+            raise UsageError("P2PDIST_RANK and P2PDIST_WORLD must be integers") from None
+        peers_text = os.environ.get("P2PDIST_PEERS", "")
+        peers = [p for p in peers_text.split(",") if p] if world > 1 else None
+        if world > 1 and not peers:
+            raise UsageError("environment variable P2PDIST_PEERS is not set")
+        tls = os.environ.get("P2PDIST_TLS", "1") not in ("0", "false", "no")
+        return cls.from_seed(
+            need("P2PDIST_SEED"), rank=rank, world=world, peers=peers, tls=tls, config=config
+        )
+
+    # ---- properties -----------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank, 0 <= rank < size."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        return len(self._ids)
+
+    @property
+    def endpoint_id(self) -> EndpointId:
+        """This rank's endpoint id."""
+        return self._key.endpoint_id
+
+    @property
+    def peer_ids(self) -> list[EndpointId]:
+        """Every rank's endpoint id, in rank order."""
+        return list(self._ids)
+
+    @property
+    def broken(self) -> BaseException | None:
+        """The failure that made the group unusable, or None."""
+        return self._broken
+
+    def peer_label(self, rank: int) -> str:
+        """How errors name a rank: ``"rank 2 (abcdefghij)"``."""
+        return _label(rank, self._ids[rank])
+
+    def connection(self, rank: int) -> Connection:
+        """The live connection to ``rank`` (for statistics and diagnostics)."""
+        try:
+            return self._conns[rank]
+        except KeyError:
+            raise UsageError(f"no connection to rank {rank}") from None
+
+    def __repr__(self) -> str:
+        state = "broken" if self._broken else ("started" if self._started else "new")
+        return f"Group(rank={self._rank}, size={self.size}, id={self.endpoint_id.short()}, {state})"
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    async def __aenter__(self) -> Group:
+        return await self.start()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def start(self) -> Group:
+        """Connect to every peer (bounded by ``config.connect_timeout``)."""
+        if self._started:
+            raise UsageError("group already started")
+        self._started = True
+        if self.size == 1:
+            return self
+        assert self._addresses is not None
+        transport = TcpTransport(
+            self._key,
+            self.config.transport,
+            accept_from=lambda eid: eid in self._rank_of,
+            label_for=lambda eid: (
+                _label(self._rank_of[eid], eid)
+                if eid in self._rank_of
+                else f"unknown peer {eid.short()}"
+            ),
+        )
+        self._transport = transport
+        try:
+            await self._listen_on(transport)
+            async with asyncio.timeout(self.config.connect_timeout):
+                await asyncio.gather(
+                    self._accept_higher(transport),
+                    *(self._dial(transport, r) for r in range(self._rank)),
+                )
+        except TimeoutError:
+            missing = [r for r in range(self.size) if r != self._rank and r not in self._conns]
+            await self.close()
+            where = ", ".join(f"{self.peer_label(r)} at {self._addresses[r]}" for r in missing)
+            raise P2PTimeoutError(
+                f"{self.peer_label(self._rank)}: forming the group took over "
+                f"{self.config.connect_timeout:g} s; no connection to {where}"
+            ) from None
+        except BaseException:
+            await self.close()
+            raise
+        for r, conn in self._conns.items():
+            conn.label = self.peer_label(r)
+            conn.add_close_callback(functools.partial(self._on_connection_end, r))
+            self._listeners.append(asyncio.create_task(self._listen_control(r, conn)))
+        log.info("%s: group of %d formed", self.peer_label(self._rank), self.size)
+        return self
+
+    async def _listen_on(self, transport: TcpTransport) -> None:
+        assert self._addresses is not None
+        host, port = parse_address(self._listen or self._addresses[self._rank])
+        try:
+            await transport.listen(host, port)
+        except OSError as exc:
+            raise UsageError(
+                f"{self.peer_label(self._rank)} cannot listen on {host}:{port}: {exc}"
+            ) from None
+
+    async def _dial(self, transport: TcpTransport, r: int) -> None:
+        assert self._addresses is not None
+        delay = 0.02
+        while True:
+            try:
+                self._conns[r] = await transport.connect(
+                    self._ids[r], self._addresses[r], label=self.peer_label(r)
+                )
+                return
+            except PeerAuthenticationError:
+                raise
+            except (ConnectionBrokenError, PeerTimeoutError, RemoteProtocolError) as exc:
+                log.debug("dial %s: %s; retrying", self.peer_label(r), exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    async def _accept_higher(self, transport: TcpTransport) -> None:
+        want = set(range(self._rank + 1, self.size))
+        while want:
+            conn = await transport.accept()
+            r = self._rank_of[conn.peer_id]
+            if r not in want:
+                log.warning("%s: unexpected extra connection; closing it", self.peer_label(r))
+                await conn.close()
+                continue
+            self._conns[r] = conn
+            want.discard(r)
+
+    async def close(self) -> None:
+        """Close every connection (bounded); the group cannot be used afterwards."""
+        if self._closing:
+            return
+        self._closing = True
+        for task in self._listeners:
+            task.cancel()
+        if self._transport is not None:
+            await self._transport.close()
+        if self._broken is None:
+            self._broken = GroupBrokenError("the group was closed")
+
+    # ---- failure handling -------------------------------------------------------------
+
+    def _on_connection_end(self, rank: int, error: BaseException | None) -> None:
+        if error is None or self._closing:
+            return
+        log.warning("%s: connection ended: %s", self.peer_label(rank), error)
+        self._break(error)
+
+    async def _listen_control(self, rank: int, conn: Connection) -> None:
+        with contextlib.suppress(BaseException):
+            while True:
+                frame = await conn.recv(_CONTROL_CHANNEL)
+                try:
+                    body = msgpack.unpackb(frame.meta, raw=False)
+                    reason = str(body.get("abort", "no reason given"))
+                except Exception:
+                    reason = "undecodable abort notice"
+                self._break(
+                    GroupBrokenError(f"{self.peer_label(rank)} aborted the group: {reason}")
+                )
+
+    def _break(self, error: BaseException, *, notify: bool = False) -> None:
+        """Mark the group unusable and wake every waiter with ``error``."""
+        if self._broken is not None:
+            return
+        self._broken = error
+        if notify:
+            meta = bytes(msgpack.packb({"abort": str(error)}, use_bin_type=True))
+            for conn in self._conns.values():
+                with contextlib.suppress(P2PError):
+                    conn.send_nowait(_CONTROL_CHANNEL, meta=meta)
+        for conn in self._conns.values():
+            conn.interrupt(error)
+
+    def _check_usable(self) -> None:
+        if not self._started:
+            raise UsageError("the group is not started; use `async with Group...` or start()")
+        if self._broken is not None:
+            if isinstance(self._broken, GroupBrokenError):
+                raise self._broken
+            raise GroupBrokenError("the group is broken", self._broken)
+
+    def _timeout_error(self, link: CollectiveLink, seconds: float) -> P2PError:
+        what = f"{link.explain()} timed out after {seconds:g} s"
+        silent = sorted(
+            ((c.idle_for(), r) for r, c in self._conns.items()),
+            reverse=True,
+        )
+        quiet_limit = 3 * self.config.transport.keepalive_interval
+        if silent and silent[0][0] > quiet_limit:
+            idle, r = silent[0]
+            extra = ""
+            if link.waiting_on is not None and link.waiting_on != r:
+                extra = f" (this rank was waiting for {self.peer_label(link.waiting_on)})"
+            return PeerTimeoutError(self.peer_label(r), f"{what}: silent for {idle:.1f} s{extra}")
+        if link.waiting_on is not None:
+            return PeerTimeoutError(self.peer_label(link.waiting_on), f"{what} waiting for it")
+        return P2PTimeoutError(what)
+
+    # ---- running a collective -----------------------------------------------------------
+
+    def _new_link(self, descriptor: bytes) -> CollectiveLink:
+        cid = self._next_cid
+        self._next_cid += 1
+        return CollectiveLink(
+            self._rank,
+            self.size,
+            (_COLLECTIVE_SPACE << SPACE_SHIFT) | cid,
+            descriptor,
+            self._conns.__getitem__,
+        )
+
+    async def _run(
+        self,
+        link: CollectiveLink,
+        timeout: float | None,
+        body: Callable[[CollectiveLink], Awaitable[T]],
+    ) -> T:
+        seconds = self.config.timeout if timeout is None else timeout
+        if seconds <= 0:
+            raise UsageError(f"timeout must be positive, got {seconds}")
+        try:
+            async with asyncio.timeout(seconds):
+                return await body(link)
+        except (MismatchError, RemoteProtocolError) as err:
+            self._break(err, notify=True)
+            raise
+        except P2PError as err:
+            self._break(err)
+            raise
+        except TimeoutError:
+            timeout_err = self._timeout_error(link, seconds)
+            self._break(timeout_err, notify=True)
+            raise timeout_err from None
+        except asyncio.CancelledError:
+            me = self.peer_label(self._rank)
+            self._break(GroupBrokenError(f"{link.explain()} was cancelled on {me}"), notify=True)
+            raise
+        finally:
+            for conn in self._conns.values():
+                conn.retire(link.channel)
+
+    # ---- collectives ------------------------------------------------------------------
+
+    async def all_reduce(
+        self,
+        x: np.ndarray,
+        op: str = "sum",
+        *,
+        out: np.ndarray | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """Elementwise reduction of ``x`` over all ranks; every rank gets the same bits.
+
+        ``op`` is one of sum, mean (floating dtypes), max, min, prod. The result is written
+        to ``out`` when given (it may be ``x`` itself) and returned.
+        """
+        arr = _as_array(x)
+        rop = reduce_op(op, arr.dtype)
+        work = _result_buffer(arr, arr.shape, arr.dtype, out)
+        self._check_usable()
+        link = self._new_link(describe_call("all_reduce", op, arr.dtype.str, arr.shape))
+        if self.size == 1 or arr.size == 0:
+            if work is not arr:
+                np.copyto(work, arr)
+            rop.finish(work, self.size)
+            return work
+        cfg = self.config
+
+        async def body(lk: CollectiveLink) -> np.ndarray:
+            flat = work.reshape(-1)
+            if arr.nbytes <= cfg.small_bytes or arr.size < self.size:
+                src = arr.reshape(-1) if work is not arr else flat.copy()
+                await alg.direct_all_reduce(lk, src, rop, flat)
+            else:
+                if work is not arr:
+                    np.copyto(work, arr)
+                bounds = alg.split_bounds(flat.size, self.size)
+                chunk = max(1, cfg.chunk_bytes // arr.dtype.itemsize)
+                await alg.ring_reduce_scatter(lk, flat, bounds, rop, chunk)
+                await alg.ring_all_gather(lk, flat, bounds, chunk)
+            rop.finish(work, self.size)
+            return work
+
+        return await self._run(link, timeout, body)
+
+    async def reduce_scatter(
+        self,
+        x: np.ndarray,
+        op: str = "sum",
+        *,
+        out: np.ndarray | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """Reduce ``x`` over all ranks and return this rank's piece of the result.
+
+        The pieces split axis 0 the way ``numpy.array_split(result, size)`` does, so rank r
+        gets ``array_split(reduced, size)[r]`` (pieces may be empty when the axis is short).
+        """
+        arr = _as_array(x)
+        if arr.ndim == 0:
+            raise UsageError("reduce_scatter needs an array with at least one dimension")
+        rop = reduce_op(op, arr.dtype)
+        rows = alg.split_bounds(arr.shape[0], self.size)
+        row_items = int(np.prod(arr.shape[1:], dtype=np.int64))
+        bounds = [(a * row_items, b * row_items) for a, b in rows]
+        r0, r1 = rows[self._rank]
+        result = _result_buffer(None, (r1 - r0, *arr.shape[1:]), arr.dtype, out)
+        self._check_usable()
+        link = self._new_link(describe_call("reduce_scatter", op, arr.dtype.str, arr.shape))
+        if self.size == 1 or arr.size == 0:
+            np.copyto(result, arr[r0:r1])
+            rop.finish(result, self.size)
+            return result
+        cfg = self.config
+
+        async def body(lk: CollectiveLink) -> np.ndarray:
+            if arr.nbytes <= cfg.small_bytes:
+                await alg.direct_reduce_scatter(
+                    lk, arr.reshape(-1), bounds, rop, result.reshape(-1)
+                )
+            else:
+                flat = arr.reshape(-1).copy()
+                chunk = max(1, cfg.chunk_bytes // arr.dtype.itemsize)
+                await alg.ring_reduce_scatter(lk, flat, bounds, rop, chunk)
+                a, b = bounds[self._rank]
+                np.copyto(result.reshape(-1), flat[a:b])
+            rop.finish(result, self.size)
+            return result
+
+        return await self._run(link, timeout, body)
+
+    async def all_gather(
+        self, x: np.ndarray, *, out: np.ndarray | None = None, timeout: float | None = None
+    ) -> np.ndarray:
+        """Every rank's ``x`` stacked in rank order: shape ``(size, *x.shape)``.
+
+        All ranks must pass the same dtype and shape (checked).
+        """
+        arr = _as_array(x)
+        result = _result_buffer(None, (self.size, *arr.shape), arr.dtype, out)
+        self._check_usable()
+        link = self._new_link(describe_call("all_gather", "", arr.dtype.str, arr.shape))
+        if self.size == 1:
+            result[0] = arr
+            return result
+        cfg = self.config
+
+        async def body(lk: CollectiveLink) -> np.ndarray:
+            if arr.nbytes <= cfg.small_bytes:
+                await alg.direct_all_gather(lk, arr, result)
+            else:
+                flat = result.reshape(-1)
+                bounds = [(p * arr.size, (p + 1) * arr.size) for p in range(self.size)]
+                result[self._rank] = arr
+                chunk = max(1, cfg.chunk_bytes // arr.dtype.itemsize)
+                await alg.ring_all_gather(lk, flat, bounds, chunk)
+            return result
+
+        return await self._run(link, timeout, body)
+
+    async def broadcast(
+        self,
+        x: np.ndarray,
+        src: int = 0,
+        *,
+        out: np.ndarray | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """Rank ``src``'s ``x`` on every rank. Other ranks' ``x`` gives the expected dtype and
+        shape (checked against ``src``'s)."""
+        self._check_rank(src, "src")
+        arr = _as_array(x)
+        work = _result_buffer(arr, arr.shape, arr.dtype, out)
+        self._check_usable()
+        link = self._new_link(describe_call("broadcast", "", arr.dtype.str, arr.shape, src))
+        if self._rank == src and work is not arr:
+            np.copyto(work, arr)
+        if self.size == 1:
+            return work
+        cfg = self.config
+
+        async def body(lk: CollectiveLink) -> np.ndarray:
+            flat = work.reshape(-1)
+            if arr.nbytes <= cfg.small_bytes:
+                await alg.direct_broadcast(lk, flat, src)
+            else:
+                chunk = max(1, cfg.chunk_bytes // arr.dtype.itemsize)
+                await alg.chain_broadcast(lk, flat, src, chunk)
+            return work
+
+        return await self._run(link, timeout, body)
+
+    async def barrier(self, *, timeout: float | None = None) -> None:
+        """Return once every rank has entered the barrier."""
+        self._check_usable()
+        link = self._new_link(describe_call("barrier", "", "", ()))
+        if self.size > 1:
+            await self._run(link, timeout, alg.barrier)
+
+    # ---- point to point -----------------------------------------------------------------
+
+    def _check_rank(self, r: int, what: str) -> None:
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.size:
+            raise UsageError(f"{what} must be a rank in [0, {self.size}), got {r!r}")
+
+    def _check_peer(self, r: int, what: str) -> None:
+        self._check_rank(r, what)
+        if r == self._rank:
+            raise UsageError(f"{what} must be another rank, not this one ({r})")
+
+    async def send(self, x: np.ndarray, dst: int, *, timeout: float | None = None) -> None:
+        """Send ``x`` to rank ``dst`` (matched in order by ``dst``'s :meth:`recv`)."""
+        self._check_peer(dst, "dst")
+        arr = _as_array(x)
+        header = ArrayHeader.of(arr)
+        self._check_usable()
+        conn = self._conns[dst]
+        index = self._p2p_sent.get(dst, 0)
+        self._p2p_sent[dst] = index + 1
+        channel = (_P2P_SPACE << SPACE_SHIFT) | index
+        data = arr.reshape(-1).data.cast("B") if arr.size else memoryview(b"")
+        pieces = [data[i : i + _P2P_CHUNK] for i in range(0, data.nbytes, _P2P_CHUNK)] or [data]
+        meta = bytes(msgpack.packb([header.to_wire(), len(pieces)], use_bin_type=True))
+        seconds = self.config.timeout if timeout is None else timeout
+        try:
+            async with asyncio.timeout(seconds):
+                for seq, piece in enumerate(pieces):
+                    await conn.send(channel, piece, meta=meta if seq == 0 else b"", seq=seq)
+        except TimeoutError:
+            raise PeerTimeoutError(
+                conn.label, f"send of {header.describe()} did not drain within {seconds:g} s"
+            ) from None
+
+    async def recv(
+        self,
+        src: int,
+        *,
+        like: np.ndarray | None = None,
+        shape: Sequence[int] | None = None,
+        dtype: Any = None,
+        out: np.ndarray | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """Receive the next array rank ``src`` sent us.
+
+        The expected dtype and shape come from ``out``, ``like`` or ``shape``/``dtype`` (any
+        may be omitted to accept what arrives). A mismatch raises :class:`MismatchError`
+        naming the sender; the message is discarded and the link stays usable.
+        """
+        self._check_peer(src, "src")
+        want_dtype, want_shape = _expectation(like, shape, dtype, out)
+        self._check_usable()
+        conn = self._conns[src]
+        index = self._p2p_received.get(src, 0)
+        self._p2p_received[src] = index + 1
+        channel = (_P2P_SPACE << SPACE_SHIFT) | index
+        seconds = self.config.timeout if timeout is None else timeout
+        try:
+            async with asyncio.timeout(seconds):
+                first = await conn.recv(channel)
+                header, count = _parse_p2p_meta(conn, first.meta)
+                mismatch = []
+                if want_dtype is not None and header.dtype != want_dtype:
+                    mismatch.append(f"dtype {want_dtype}")
+                if want_shape is not None and header.shape != want_shape:
+                    mismatch.append(f"shape {list(want_shape)}")
+                if mismatch:
+                    raise MismatchError(
+                        conn.label,
+                        f"sent {header.describe()} but recv expected {' and '.join(mismatch)}",
+                    )
+                result = out if out is not None else np.empty(header.shape, header.dtype)
+                flat = result.reshape(-1).view(np.uint8) if result.size else None
+                filled, frame = 0, first
+                for seq in range(count):
+                    if seq:
+                        frame = await conn.recv(channel)
+                    n = frame.payload.nbytes
+                    if frame.seq != seq or filled + n > header.nbytes:
+                        raise RemoteProtocolError(conn.label, "malformed array message")
+                    if n and flat is not None:
+                        flat[filled : filled + n] = np.frombuffer(frame.payload, np.uint8)
+                    filled += n
+                if filled != header.nbytes:
+                    raise RemoteProtocolError(conn.label, "array message shorter than its header")
+                return result
+        except TimeoutError:
+            raise PeerTimeoutError(conn.label, f"recv got no array within {seconds:g} s") from None
+        except RemoteProtocolError as err:
+            self._break(err, notify=True)
+            raise
+        finally:
+            conn.retire(channel)
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
+
+
+def _as_array(x: Any) -> np.ndarray:
+    """A C-contiguous ndarray view of ``x`` (copying only when needed), dtype checked."""
+    if not isinstance(x, np.ndarray):
+        if hasattr(x, "__cuda_array_interface__"):
+            raise UsageError("CuPy arrays are not supported yet; pass a numpy array")
+        x = np.asarray(x)
+    try:
+        check_dtype(x.dtype)
+    except ArrayHeaderError as exc:
+        raise UsageError(str(exc)) from None
+    if x.dtype.byteorder == ">":
+        x = x.astype(x.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(x)
+
+
+def _result_buffer(
+    source: np.ndarray | None, shape: tuple[int, ...], dtype: Any, out: np.ndarray | None
+) -> np.ndarray:
+    """``out`` checked for shape and dtype, or a fresh buffer."""
+    if out is None:
+        return np.empty(shape, dtype)
+    if not isinstance(out, np.ndarray):
+        raise UsageError(f"out must be a numpy array, got {type(out).__name__}")
+    if out.shape != tuple(shape) or out.dtype != dtype:
+        raise UsageError(
+            f"out has {out.dtype}{list(out.shape)}, the result is {np.dtype(dtype)}{list(shape)}"
+        )
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise UsageError("out must be a writeable C-contiguous array")
+    if source is not None and out is not source and np.shares_memory(out, source):
+        raise UsageError("out overlaps the input without being the same array")
+    return out
+
+
+def _expectation(
+    like: np.ndarray | None, shape: Sequence[int] | None, dtype: Any, out: np.ndarray | None
+) -> tuple[np.dtype[Any] | None, tuple[int, ...] | None]:
+    ref = out if out is not None else like
+    want_dtype = np.dtype(dtype) if dtype is not None else (ref.dtype if ref is not None else None)
+    if shape is not None:
+        want_shape: tuple[int, ...] | None = tuple(int(s) for s in shape)
+    else:
+        want_shape = tuple(ref.shape) if ref is not None else None
+    if out is not None:
+        if (want_dtype is not None and out.dtype != want_dtype) or (
+            want_shape is not None and out.shape != want_shape
+        ):
+            raise UsageError("out disagrees with the dtype/shape asked for")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise UsageError("out must be a writeable C-contiguous array")
+    return want_dtype, want_shape
+
+
+def _parse_p2p_meta(conn: Connection, meta: bytes) -> tuple[ArrayHeader, int]:
+    try:
+        header_wire, count = msgpack.unpackb(meta, raw=False)
+        header = ArrayHeader.from_wire(header_wire)
+        if not isinstance(count, int) or not 1 <= count <= (1 << 20):
+            raise ArrayHeaderError("bad chunk count")
+    except (ArrayHeaderError, ValueError, TypeError) as exc:
+        raise RemoteProtocolError(conn.label, f"malformed array header: {exc}") from None
+    except Exception as exc:  # msgpack's own exception types
+        raise RemoteProtocolError(conn.label, f"undecodable array header: {exc}") from None
+    return header, count

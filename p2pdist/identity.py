@@ -1,0 +1,209 @@
+"""Endpoint identity: Ed25519 secret keys and the endpoint ids (public keys) peers are named by.
+
+An :class:`EndpointId` is the 32-byte Ed25519 public key. Its text form is 52 lowercase
+RFC 4648 base32 characters (no padding) and round-trips exactly; :meth:`EndpointId.short`
+gives the first 10 characters for logs.
+
+:meth:`SecretKey.from_seed` derives one key per rank with HKDF-SHA256. The seed is a
+**shared secret**: anyone who knows it can derive every rank's secret key and act as any
+rank. Use a long random seed (``p2pdist keygen --seed`` prints one) and keep it like a password.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import stat
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from .errors import KeyFileError, UsageError
+
+__all__ = ["EndpointId", "SecretKey", "derive_endpoint_ids"]
+
+ID_LEN = 32
+TEXT_LEN = 52
+SHORT_LEN = 10
+_SEED_SALT = b"p2pdist/v1/seed-salt"
+_SEED_INFO = b"p2pdist/v1/rank-endpoint-key/"
+MIN_SEED_BYTES = 8
+
+
+class EndpointId:
+    """A peer's identity: its Ed25519 public key (32 bytes)."""
+
+    __slots__ = ("_bytes", "_key")
+
+    def __init__(self, raw: bytes) -> None:
+        if not isinstance(raw, bytes | bytearray) or len(raw) != ID_LEN:
+            raise UsageError(f"an endpoint id is {ID_LEN} bytes, got {len(raw)!r}")
+        self._bytes = bytes(raw)
+        try:
+            self._key = Ed25519PublicKey.from_public_bytes(self._bytes)
+        except ValueError as exc:
+            raise UsageError(f"not an Ed25519 public key: {exc}") from exc
+
+    @classmethod
+    def parse(cls, text: str) -> EndpointId:
+        """Parse the 52-character text form; raises :class:`UsageError` with the reason."""
+        if not isinstance(text, str):
+            raise UsageError(f"endpoint id text must be str, got {type(text).__name__}")
+        t = text.strip()
+        if len(t) != TEXT_LEN:
+            raise UsageError(
+                f"endpoint id must be {TEXT_LEN} base32 characters, got {len(t)}: {t[:60]!r}"
+            )
+        try:
+            raw = base64.b32decode(t.upper() + "====")
+        except (binascii.Error, ValueError) as exc:
+            raise UsageError(f"endpoint id {t!r} is not valid base32 (a-z, 2-7)") from exc
+        return cls(raw)
+
+    def __bytes__(self) -> bytes:
+        return self._bytes
+
+    def __str__(self) -> str:
+        return base64.b32encode(self._bytes).decode("ascii").rstrip("=").lower()
+
+    def __repr__(self) -> str:
+        return f"EndpointId({self})"
+
+    def short(self) -> str:
+        """First characters of the text form, for log lines and error messages."""
+        return str(self)[:SHORT_LEN]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EndpointId) and other._bytes == self._bytes
+
+    def __hash__(self) -> int:
+        return hash(self._bytes)
+
+    def verify(self, signature: bytes, message: bytes) -> bool:
+        """True when ``signature`` is this endpoint's Ed25519 signature of ``message``."""
+        try:
+            self._key.verify(signature, message)
+        except InvalidSignature:
+            return False
+        return True
+
+    def public_key(self) -> Ed25519PublicKey:
+        """The ``cryptography`` public key object."""
+        return self._key
+
+
+class SecretKey:
+    """An Ed25519 secret key. Its repr never shows key material."""
+
+    __slots__ = ("_key", "_public")
+
+    def __init__(self, key: Ed25519PrivateKey) -> None:
+        self._key = key
+        self._public = EndpointId(key.public_key().public_bytes_raw())
+
+    @classmethod
+    def generate(cls) -> SecretKey:
+        """A fresh random key."""
+        return cls(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> SecretKey:
+        """Load the 32-byte Ed25519 private seed."""
+        if len(raw) != ID_LEN:
+            raise UsageError(f"an Ed25519 secret key is {ID_LEN} bytes, got {len(raw)}")
+        return cls(Ed25519PrivateKey.from_private_bytes(bytes(raw)))
+
+    @classmethod
+    def from_seed(cls, seed: str | bytes, rank: int) -> SecretKey:
+        """Derive rank ``rank``'s key from a group seed with HKDF-SHA256.
+
+        The seed is a shared secret: whoever holds it can derive every rank's key.
+        """
+        seed_bytes = seed.encode("utf-8") if isinstance(seed, str) else bytes(seed)
+        if len(seed_bytes) < MIN_SEED_BYTES:
+            raise UsageError(
+                f"seed must be at least {MIN_SEED_BYTES} bytes; use a long random secret"
+            )
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise UsageError(f"rank must be a non-negative int, got {rank!r}")
+        hkdf = HKDF(
+            algorithm=hashes.SHA256(),
+            length=ID_LEN,
+            salt=_SEED_SALT,
+            info=_SEED_INFO + rank.to_bytes(8, "big"),
+        )
+        return cls.from_bytes(hkdf.derive(seed_bytes))
+
+    @property
+    def endpoint_id(self) -> EndpointId:
+        """The public identity of this key."""
+        return self._public
+
+    def sign(self, message: bytes) -> bytes:
+        """Ed25519 signature (64 bytes) of ``message``."""
+        return self._key.sign(message)
+
+    def private_key(self) -> Ed25519PrivateKey:
+        """The ``cryptography`` private key object (handle with care)."""
+        return self._key
+
+    def __repr__(self) -> str:
+        return f"SecretKey(endpoint_id={self._public.short()}…, secret=<hidden>)"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SecretKey) and other._public == self._public
+
+    def __hash__(self) -> int:
+        return hash(self._public)
+
+    def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+        """Write the key as PKCS#8 PEM, created with mode 0600."""
+        p = Path(path)
+        pem = self._key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
+        try:
+            fd = os.open(p, flags, 0o600)
+        except FileExistsError as exc:
+            raise KeyFileError(f"{p} exists; pass overwrite=True to replace it") from exc
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(pem)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> SecretKey:
+        """Read a key written by :meth:`save`; refuses files readable by group or others."""
+        p = Path(path)
+        try:
+            st = p.stat()
+        except FileNotFoundError as exc:
+            raise KeyFileError(f"key file {p} does not exist") from exc
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise KeyFileError(
+                f"key file {p} is accessible by group or others "
+                f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {p}"
+            )
+        data = p.read_bytes()
+        try:
+            key = serialization.load_pem_private_key(data, password=None)
+        except (ValueError, TypeError) as exc:
+            raise KeyFileError(f"key file {p} is not an unencrypted PEM private key") from exc
+        if not isinstance(key, Ed25519PrivateKey):
+            raise KeyFileError(f"key file {p} holds a {type(key).__name__}, not an Ed25519 key")
+        return cls(key)
+
+
+def derive_endpoint_ids(seed: str | bytes, world: int) -> list[EndpointId]:
+    """Every rank's endpoint id for a seed-derived group of ``world`` ranks."""
+    if world < 1:
+        raise UsageError(f"world must be >= 1, got {world}")
+    return [SecretKey.from_seed(seed, r).endpoint_id for r in range(world)]

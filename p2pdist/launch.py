@@ -1,0 +1,324 @@
+"""Run N local ranks of a command, wired together through ``P2PDIST_*`` variables.
+
+``p2pdist launch -n 3 -- python train.py`` starts three copies of ``python train.py``.
+Each child gets:
+
+* ``P2PDIST_SEED`` - the group seed (random unless given), shared by all ranks;
+* ``P2PDIST_RANK`` / ``P2PDIST_WORLD`` - its rank and the number of ranks;
+* ``P2PDIST_PEERS`` - ``host:port`` of every rank, comma-separated, in rank order;
+* ``P2PDIST_TLS`` - ``"1"``, or ``"0"`` with ``--plaintext``.
+
+Every line a child writes is echoed with a ``[rank R] `` prefix (stdout to stdout,
+stderr to stderr). If a rank fails, the others are stopped (SIGTERM, then SIGKILL
+after :attr:`LaunchConfig.grace_s`) and the launcher exits with the failing code.
+Each rank runs in its own session, so stopping a rank also stops its children.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from .errors import UsageError
+
+__all__ = [
+    "ENV_PEERS",
+    "ENV_RANK",
+    "ENV_SEED",
+    "ENV_TLS",
+    "ENV_WORLD",
+    "LaunchConfig",
+    "LineSplitter",
+    "RankExit",
+    "exit_status",
+    "launch",
+    "pick_free_ports",
+    "rank_env",
+]
+
+ENV_SEED = "P2PDIST_SEED"
+ENV_RANK = "P2PDIST_RANK"
+ENV_WORLD = "P2PDIST_WORLD"
+ENV_PEERS = "P2PDIST_PEERS"
+ENV_TLS = "P2PDIST_TLS"
+
+_READ_CHUNK = 65536
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What to launch and how.
+
+    ``grace_s`` (seconds) is how long stopped ranks get between SIGTERM and SIGKILL;
+    ``kill_wait_s`` (seconds) bounds the wait after SIGKILL; ``drain_s`` (seconds)
+    bounds how long output is still read after the ranks have exited (a grandchild
+    may hold a pipe open).
+    """
+
+    command: tuple[str, ...]
+    nprocs: int
+    host: str = "127.0.0.1"
+    tls: bool = True
+    seed: str | None = None
+    grace_s: float = 3.0
+    kill_wait_s: float = 2.0
+    drain_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise UsageError("launch needs a command after '--', e.g. -- python train.py")
+        if self.nprocs < 1:
+            raise UsageError(f"the number of ranks (-n) must be >= 1, got {self.nprocs}")
+        if self.seed is not None and not self.seed:
+            raise UsageError("--seed must not be empty")
+        for name in ("grace_s", "kill_wait_s", "drain_s"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"{name} must be >= 0 seconds")
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """How one rank ended: ``returncode`` as asyncio reports it (negative = signal)."""
+
+    rank: int
+    returncode: int
+
+    @property
+    def ok(self) -> bool:
+        """Whether the rank exited with status 0."""
+        return self.returncode == 0
+
+    def describe(self) -> str:
+        """A human sentence, e.g. ``rank 1 exited with code 3``."""
+        if self.returncode < 0:
+            return f"rank {self.rank} was killed by signal {_signal_name(-self.returncode)}"
+        return f"rank {self.rank} exited with code {self.returncode}"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return f"{signal.Signals(signum).name} ({signum})"
+    except ValueError:
+        return str(signum)
+
+
+def exit_status(returncode: int) -> int:
+    """The launcher's exit status for a failed rank's ``returncode``.
+
+    A positive code is passed through; death by signal ``s`` gives ``128 + s``.
+    """
+    if returncode < 0:
+        return 128 + (-returncode)
+    return returncode if returncode > 0 else 1
+
+
+def pick_free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct TCP ports on ``host`` that are free right now.
+
+    All sockets are held open until every port is chosen, so the ports differ.
+    """
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            s = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    except OSError as exc:
+        raise UsageError(f"cannot bind a TCP port on {host!r}: {exc}") from exc
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _format_peer(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def rank_env(
+    base: Mapping[str, str], *, rank: int, world: int, seed: str, peers: Sequence[str], tls: bool
+) -> dict[str, str]:
+    """The environment for rank ``rank``: ``base`` plus the ``P2PDIST_*`` variables."""
+    env = dict(base)
+    env[ENV_SEED] = seed
+    env[ENV_RANK] = str(rank)
+    env[ENV_WORLD] = str(world)
+    env[ENV_PEERS] = ",".join(peers)
+    env[ENV_TLS] = "1" if tls else "0"
+    return env
+
+
+class LineSplitter:
+    """Cuts a byte stream into lines (sans-I/O).
+
+    :meth:`feed` returns the complete lines (with their ``\\n``); a partial line longer
+    than ``max_line`` bytes is returned early so memory stays bounded. :meth:`flush`
+    returns what is left at EOF.
+    """
+
+    def __init__(self, max_line: int = 1 << 20) -> None:
+        self._buf = bytearray()
+        self._max_line = max_line
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Add ``data``; return the lines it completed."""
+        self._buf += data
+        lines: list[bytes] = []
+        start = 0
+        while (nl := self._buf.find(b"\n", start)) >= 0:
+            lines.append(bytes(self._buf[start : nl + 1]))
+            start = nl + 1
+        del self._buf[:start]
+        if len(self._buf) >= self._max_line:
+            lines.append(bytes(self._buf))
+            self._buf.clear()
+        return lines
+
+    def flush(self) -> list[bytes]:
+        """The unterminated tail, if any."""
+        tail = bytes(self._buf)
+        self._buf.clear()
+        return [tail] if tail else []
+
+
+def _emit(out: BinaryIO, prefix: bytes, lines: list[bytes]) -> None:
+    for line in lines:
+        out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+        out.flush()
+
+
+async def _pump(stream: asyncio.StreamReader, out: BinaryIO, prefix: bytes) -> None:
+    """Copy ``stream`` to ``out`` line by line, each line prefixed."""
+    splitter = LineSplitter()
+    try:
+        while chunk := await stream.read(_READ_CHUNK):
+            _emit(out, prefix, splitter.feed(chunk))
+    finally:
+        _emit(out, prefix, splitter.flush())
+
+
+def _say(message: str) -> None:
+    print(f"p2pdist launch: {message}", file=sys.stderr, flush=True)
+
+
+class _Launcher:
+    """Owns the child processes of one launch and tears them down."""
+
+    def __init__(self, cfg: LaunchConfig) -> None:
+        self.cfg = cfg
+        self.procs: list[asyncio.subprocess.Process] = []
+        self.pumps: list[asyncio.Task[None]] = []
+        self.stop = asyncio.Event()
+        self.stop_signal = 0
+
+    async def start(self, envs: Sequence[dict[str, str]]) -> None:
+        """Spawn one child per environment, each with its output pumps."""
+        for rank, env in enumerate(envs):
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *self.cfg.command,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    env=env,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise UsageError(f"cannot start {self.cfg.command[0]!r}: {exc}") from exc
+            self.procs.append(proc)
+            prefix = f"[rank {rank}] ".encode()
+            assert proc.stdout is not None and proc.stderr is not None
+            self.pumps.append(asyncio.create_task(_pump(proc.stdout, sys.stdout.buffer, prefix)))
+            self.pumps.append(asyncio.create_task(_pump(proc.stderr, sys.stderr.buffer, prefix)))
+
+    def on_signal(self, signum: int) -> None:
+        """Signal handler: ask :meth:`supervise` to stop everything."""
+        if not self.stop_signal:
+            self.stop_signal = signum
+        self.stop.set()
+
+    async def supervise(self) -> int:
+        """Wait until all ranks exit 0, one fails, or a stop signal; return the status."""
+        waits = {asyncio.create_task(p.wait()): rank for rank, p in enumerate(self.procs)}
+        stopper = asyncio.create_task(self.stop.wait())
+        try:
+            while waits:
+                done, _ = await asyncio.wait({*waits, stopper}, return_when="FIRST_COMPLETED")
+                if stopper in done:
+                    _say(f"got {_signal_name(self.stop_signal)}; stopping all ranks")
+                    return 128 + self.stop_signal
+                for task in done:
+                    result = RankExit(waits.pop(task), task.result())
+                    if not result.ok:
+                        _say(f"{result.describe()}; stopping the other ranks")
+                        return exit_status(result.returncode)
+            return 0
+        finally:
+            for task in (*waits, stopper):
+                task.cancel()
+
+    def _signal_running(self, sig: int) -> None:
+        for proc in self.procs:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, sig)
+
+    async def _wait_all(self, timeout: float) -> bool:
+        running = [p.wait() for p in self.procs if p.returncode is None]
+        if not running:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.gather(*running), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def teardown(self) -> None:
+        """Stop every rank still running (TERM, grace, KILL) and drain their output."""
+        self._signal_running(signal.SIGTERM)
+        if not await self._wait_all(self.cfg.grace_s):
+            _say(f"ranks still running after {self.cfg.grace_s:g} s; sending SIGKILL")
+            self._signal_running(signal.SIGKILL)
+            if not await self._wait_all(self.cfg.kill_wait_s):
+                _say("some ranks did not exit even after SIGKILL")
+        if self.pumps:
+            _, pending = await asyncio.wait(self.pumps, timeout=self.cfg.drain_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*self.pumps, return_exceptions=True)
+
+
+async def _run(cfg: LaunchConfig, envs: Sequence[dict[str, str]]) -> int:
+    launcher = _Launcher(cfg)
+    loop = asyncio.get_running_loop()
+    handled = (signal.SIGINT, signal.SIGTERM)
+    for sig in handled:
+        loop.add_signal_handler(sig, launcher.on_signal, sig)
+    try:
+        await launcher.start(envs)
+        return await launcher.supervise()
+    finally:
+        await asyncio.shield(launcher.teardown())
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+
+
+def launch(cfg: LaunchConfig) -> int:
+    """Run ``cfg.nprocs`` ranks of ``cfg.command``; return the launcher's exit status."""
+    seed = cfg.seed if cfg.seed is not None else secrets.token_hex(32)
+    ports = pick_free_ports(cfg.host, cfg.nprocs)
+    peers = [_format_peer(cfg.host, port) for port in ports]
+    envs = [
+        rank_env(os.environ, rank=r, world=cfg.nprocs, seed=seed, peers=peers, tls=cfg.tls)
+        for r in range(cfg.nprocs)
+    ]
+    return asyncio.run(_run(cfg, envs))

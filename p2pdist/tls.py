@@ -1,0 +1,103 @@
+"""TLS 1.3 with certificates pinned to endpoint ids.
+
+Each endpoint presents a self-signed X.509 certificate carrying its Ed25519 endpoint key.
+There is no CA: trust comes from pinning. The dialing side knows the id it wants and checks
+the presented certificate key against it; the accepting side learns the claimed id from the
+handshake, trusts exactly that one certificate for this one connection (so OpenSSL itself
+verifies the client's proof of possession) and checks the key again afterwards.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import secrets
+import ssl
+import tempfile
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.x509.oid import NameOID
+
+from .identity import EndpointId, SecretKey
+
+__all__ = ["TlsIdentity", "endpoint_id_of_cert"]
+
+_NOT_BEFORE = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
+_NOT_AFTER = datetime.datetime(9999, 12, 31, tzinfo=datetime.UTC)
+
+
+def make_certificate(key: SecretKey) -> x509.Certificate:
+    """A self-signed certificate for ``key`` (deterministic: Ed25519 signing is)."""
+    eid = key.endpoint_id
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"p2pdist {eid}")])
+    serial = int.from_bytes(hashlib.sha256(bytes(eid)).digest()[:16], "big") >> 1
+    return (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.private_key().public_key())
+        .serial_number(serial)
+        .not_valid_before(_NOT_BEFORE)
+        .not_valid_after(_NOT_AFTER)
+        .sign(key.private_key(), None)
+    )
+
+
+def endpoint_id_of_cert(der: bytes) -> EndpointId:
+    """The endpoint id an X.509 certificate (DER) carries; ValueError if not Ed25519."""
+    cert = x509.load_der_x509_certificate(der)
+    pub = cert.public_key()
+    if not isinstance(pub, Ed25519PublicKey):
+        raise ValueError(f"certificate key is {type(pub).__name__}, not Ed25519")
+    return EndpointId(pub.public_bytes_raw())
+
+
+class TlsIdentity:
+    """An endpoint's certificate and the SSL contexts built from it."""
+
+    def __init__(self, key: SecretKey) -> None:
+        self._key = key
+        self.certificate = make_certificate(key)
+        self.cert_der = self.certificate.public_bytes(serialization.Encoding.DER)
+        self._client_ctx: ssl.SSLContext | None = None
+
+    def _load_identity(self, ctx: ssl.SSLContext) -> None:
+        # ssl can only load keys from files: write one encrypted with a one-time password
+        # into a private directory, load it, and remove it at once.
+        password = secrets.token_bytes(32)
+        pem = self._key.private_key().private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(password),
+        ) + self.certificate.public_bytes(serialization.Encoding.PEM)
+        with tempfile.TemporaryDirectory(prefix="p2pdist-tls-") as d:
+            path = os.path.join(d, "identity.pem")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(pem)
+            ctx.load_cert_chain(path, password=password)
+
+    def client_context(self) -> ssl.SSLContext:
+        """Context for dialing: presents our cert; the server key is checked after the
+        handshake against the expected id (no CA can vouch for a self-signed key)."""
+        if self._client_ctx is None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+            self._load_identity(ctx)
+            self._client_ctx = ctx
+        return self._client_ctx
+
+    def server_context(self, client_cert_der: bytes) -> ssl.SSLContext:
+        """Context for accepting one connection whose client must present exactly
+        ``client_cert_der`` and prove it holds that certificate's key."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(cadata=client_cert_der)
+        self._load_identity(ctx)
+        return ctx

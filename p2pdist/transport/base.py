@@ -1,0 +1,151 @@
+"""The transport interface (typing.Protocol) and its configuration."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from ..identity import EndpointId
+from ..wire.frames import Frame, FrameLimits
+
+__all__ = ["Address", "Connection", "ConnectionStats", "Transport", "TransportConfig"]
+
+Address = str | tuple[str, int]
+"""A network address: ``"host:port"``, ``"[v6]:port"`` or ``(host, port)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransportConfig:
+    """Settings shared by all transports. Times are seconds, sizes bytes."""
+
+    tls: bool = True
+    """Encrypt with TLS 1.3. ``False`` is plaintext (still authenticated by signatures):
+    only for trusted networks such as one machine or a private cluster fabric."""
+    limits: FrameLimits = field(default_factory=FrameLimits)
+    handshake_timeout: float = 10.0
+    keepalive_interval: float = 1.0
+    """Send a PING when we have sent nothing for this long."""
+    idle_timeout: float = 30.0
+    """Declare the peer dead when nothing arrived from it for this long."""
+    max_buffered: int = 512 * 1024 * 1024
+    """Received-but-unconsumed bytes per connection before we stop reading (backpressure)."""
+    write_buffer_high: int = 8 * 1024 * 1024
+    """Outgoing bytes queued in user space before ``send`` waits for the socket."""
+
+    def __post_init__(self) -> None:
+        if self.keepalive_interval <= 0 or self.idle_timeout <= self.keepalive_interval:
+            raise ValueError("need 0 < keepalive_interval < idle_timeout")
+        if self.handshake_timeout <= 0:
+            raise ValueError("handshake_timeout must be positive")
+
+
+@dataclass(slots=True)
+class ConnectionStats:
+    """Counters of one connection."""
+
+    frames_sent: int = 0
+    bytes_sent: int = 0
+    frames_received: int = 0
+    bytes_received: int = 0
+    dropped_stale: int = 0
+    """Frames that arrived for a retired channel and were discarded."""
+    rtt: float | None = None
+    """Last keepalive round-trip time, seconds."""
+
+
+@runtime_checkable
+class Connection(Protocol):
+    """An authenticated, ordered-per-channel message pipe to one peer."""
+
+    label: str
+    """How errors and logs name the peer (the Group sets ``"rank 2 (abcdefghij)"``)."""
+
+    @property
+    def peer_id(self) -> EndpointId:
+        """The authenticated endpoint id of the peer (from the handshake, never a frame)."""
+        ...
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection can no longer send."""
+        ...
+
+    @property
+    def stats(self) -> ConnectionStats:
+        """Counters."""
+        ...
+
+    def idle_for(self) -> float:
+        """Seconds since anything arrived from the peer."""
+        ...
+
+    async def send(
+        self,
+        channel: int,
+        payload: bytes | bytearray | memoryview = b"",
+        *,
+        meta: bytes = b"",
+        seq: int = 0,
+    ) -> None:
+        """Queue one message on ``channel``; waits while the peer is not keeping up."""
+        ...
+
+    def send_nowait(
+        self,
+        channel: int,
+        payload: bytes | bytearray | memoryview = b"",
+        *,
+        meta: bytes = b"",
+        seq: int = 0,
+    ) -> None:
+        """Queue one message without waiting (small control messages)."""
+        ...
+
+    def interrupt(self, error: BaseException) -> None:
+        """Fail current and future receives and send waits with ``error``; stays open."""
+        ...
+
+    async def recv(self, channel: int, *, timeout: float | None = None) -> Frame:
+        """The next message on ``channel`` (messages on one channel arrive in send order)."""
+        ...
+
+    def retire(self, channel: int) -> None:
+        """Forget ``channel``: queued and later frames for it are dropped and counted."""
+        ...
+
+    def add_close_callback(self, callback: Callable[[BaseException | None], None]) -> None:
+        """Call ``callback(error)`` once when the connection ends (None: closed by us)."""
+        ...
+
+    async def close(self) -> None:
+        """Say goodbye and close; pending receivers get ConnectionClosedError."""
+        ...
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Makes authenticated connections to peers named by endpoint id."""
+
+    @property
+    def endpoint_id(self) -> EndpointId:
+        """Our own endpoint id."""
+        ...
+
+    async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Start accepting; returns the bound (host, port)."""
+        ...
+
+    async def connect(
+        self, peer: EndpointId, address: Address, *, label: str | None = None
+    ) -> Connection:
+        """Dial ``address`` and authenticate that the other end is ``peer``."""
+        ...
+
+    async def accept(self, *, timeout: float | None = None) -> Connection:
+        """The next authenticated incoming connection."""
+        ...
+
+    async def close(self) -> None:
+        """Stop listening and close every connection."""
+        ...

@@ -1,0 +1,61 @@
+"""Keepalive timing (sans-I/O): when to ping and when a silent peer counts as dead."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["Keepalive", "KeepaliveAction"]
+
+
+class KeepaliveAction(enum.Enum):
+    """What the glue must do after :meth:`Keepalive.poll`."""
+
+    NONE = "none"
+    PING = "ping"
+    DEAD = "dead"
+
+
+@dataclass
+class Keepalive:
+    """Tracks last send/receive times; ``now`` is always passed in (monotonic seconds)."""
+
+    interval: float
+    idle_timeout: float
+    last_rx: float
+    last_tx: float
+    last_poll: float
+
+    @classmethod
+    def start(cls, interval: float, idle_timeout: float, now: float) -> Keepalive:
+        """A keepalive that starts counting at ``now``."""
+        return cls(interval, idle_timeout, now, now, now)
+
+    def on_receive(self, now: float) -> None:
+        """Anything arrived from the peer."""
+        self.last_rx = now
+
+    def on_send(self, now: float) -> None:
+        """We sent something (so no ping is needed for a while)."""
+        self.last_tx = now
+
+    def poll(self, now: float) -> KeepaliveAction:
+        """Decide what to do at ``now``.
+
+        When our own polls were late by several intervals, this process was stalled
+        (a long computation blocked the event loop), so the peer's silence is not
+        evidence against it: give it a fresh idle period instead of declaring it dead.
+        """
+        stalled = now - self.last_poll > 3 * self.interval
+        self.last_poll = now
+        if stalled:
+            self.last_rx = max(self.last_rx, now - self.interval)
+        if now - self.last_rx >= self.idle_timeout:
+            return KeepaliveAction.DEAD
+        if now - self.last_tx >= self.interval:
+            return KeepaliveAction.PING
+        return KeepaliveAction.NONE
+
+    def next_deadline(self) -> float:
+        """When :meth:`poll` should be called next."""
+        return min(self.last_tx + self.interval, self.last_rx + self.idle_timeout)

@@ -1,0 +1,135 @@
+"""Per-connection inbox: frames queued by channel, waiters, retired channels, backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+from ..errors import PeerTimeoutError
+from ..wire.frames import Frame
+
+__all__ = ["Mailbox", "RetiredChannels"]
+
+SPACE_SHIFT = 48
+"""Channels are ``space << 48 | counter``; counters retire roughly in order per space."""
+
+
+class RetiredChannels:
+    """Remembers retired channels compactly: a floor per space plus the few above it."""
+
+    def __init__(self) -> None:
+        self._floor: dict[int, int] = {}
+        self._above: dict[int, set[int]] = {}
+
+    def retire(self, channel: int) -> None:
+        """Mark ``channel`` retired."""
+        space, counter = channel >> SPACE_SHIFT, channel & ((1 << SPACE_SHIFT) - 1)
+        floor = self._floor.get(space, 0)
+        if counter < floor:
+            return
+        above = self._above.setdefault(space, set())
+        above.add(counter)
+        while floor in above:
+            above.discard(floor)
+            floor += 1
+        self._floor[space] = floor
+
+    def __contains__(self, channel: int) -> bool:
+        space, counter = channel >> SPACE_SHIFT, channel & ((1 << SPACE_SHIFT) - 1)
+        return counter < self._floor.get(space, 0) or counter in self._above.get(space, ())
+
+
+class Mailbox:
+    """Holds received frames until a receiver asks for their channel."""
+
+    def __init__(
+        self,
+        max_buffered: int,
+        pause: Callable[[], None],
+        resume: Callable[[], None],
+        label: Callable[[], str],
+    ) -> None:
+        self._queues: dict[int, deque[Frame]] = {}
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._retired = RetiredChannels()
+        self._error: BaseException | None = None
+        self._buffered = 0
+        self._max = max_buffered
+        self._paused = False
+        self._pause, self._resume, self._label = pause, resume, label
+        self.dropped = 0
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held for receivers that have not asked yet."""
+        return self._buffered
+
+    def deliver(self, frame: Frame) -> None:
+        """Queue a frame (or drop it when its channel is retired)."""
+        ch = frame.channel
+        if ch in self._retired:
+            self.dropped += 1
+            return
+        self._queues.setdefault(ch, deque()).append(frame)
+        self._buffered += frame.nbytes
+        if self._buffered > self._max and not self._paused:
+            self._paused = True
+            self._pause()
+        w = self._waiters.pop(ch, None)
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def fail(self, error: BaseException) -> None:
+        """No more frames will come: wake every waiter with ``error`` (queued ones stay)."""
+        if self._error is None:
+            self._error = error
+        for w in self._waiters.values():
+            if not w.done():
+                w.set_result(None)
+        self._waiters.clear()
+
+    def _pop(self, channel: int) -> Frame | None:
+        q = self._queues.get(channel)
+        if not q:
+            return None
+        frame = q.popleft()
+        if not q:
+            del self._queues[channel]
+        self._buffered -= frame.nbytes
+        if self._paused and self._buffered <= self._max // 2:
+            self._paused = False
+            self._resume()
+        return frame
+
+    async def get(self, channel: int, timeout: float | None) -> Frame:
+        """Wait (at most ``timeout`` seconds) for the next frame on ``channel``."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            frame = self._pop(channel)
+            if frame is not None:
+                return frame
+            if self._error is not None:
+                raise self._error
+            if channel in self._waiters:
+                raise RuntimeError(f"two receivers on channel {channel:#x}")
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters[channel] = fut
+            try:
+                remaining = None if deadline is None else max(0.0, deadline - loop.time())
+                async with asyncio.timeout(remaining):
+                    await fut
+            except TimeoutError:
+                raise PeerTimeoutError(
+                    self._label(), f"no message on channel {channel:#x} within {timeout:g} s"
+                ) from None
+            finally:
+                if self._waiters.get(channel) is fut:
+                    del self._waiters[channel]
+
+    def retire(self, channel: int) -> None:
+        """Drop queued frames of ``channel`` and every later one."""
+        self._retired.retire(channel)
+        while self._pop(channel) is not None:
+            self.dropped += 1

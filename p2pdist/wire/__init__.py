@@ -1,0 +1,1 @@
+"""Sans-I/O codecs: frames, arrays and the connection handshake. No asyncio in here."""

@@ -1,0 +1,104 @@
+"""Array headers: how an ndarray's dtype and shape travel next to its raw bytes.
+
+Only plain numeric and boolean dtypes are accepted; object, structured and void dtypes
+are refused, so nothing received is ever unpickled or interpreted as Python objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ArrayHeader", "ArrayHeaderError", "check_dtype", "WIRE_DTYPES"]
+
+WIRE_DTYPES = frozenset(
+    np.dtype(t).str.lstrip("<>|=")
+    for t in (
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+)
+MAX_NDIM = 32
+
+
+class ArrayHeaderError(ValueError):
+    """An array header is malformed or names a refused dtype."""
+
+
+def check_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """Return the little-endian wire form of ``dtype`` or raise for refused dtypes."""
+    dt = np.dtype(dtype)
+    code = dt.str.lstrip("<>|=")
+    if code not in WIRE_DTYPES:
+        raise ArrayHeaderError(f"dtype {dt} cannot travel on the wire (numeric and bool only)")
+    return dt.newbyteorder("<") if dt.byteorder == ">" else dt
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayHeader:
+    """dtype and shape of an array whose raw C-order bytes follow."""
+
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, arr: np.ndarray) -> ArrayHeader:
+        """Header for ``arr`` (which must be C-contiguous little/native-endian)."""
+        return cls(check_dtype(arr.dtype), tuple(int(s) for s in arr.shape))
+
+    @property
+    def nbytes(self) -> int:
+        """Payload size in bytes."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def to_wire(self) -> list[Any]:
+        """A msgpack-ready value."""
+        return ["<" + self.dtype.str.lstrip("<>|="), list(self.shape)]
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> ArrayHeader:
+        """Validate and parse a value produced by :meth:`to_wire`."""
+        if not (isinstance(obj, list | tuple) and len(obj) == 2):
+            raise ArrayHeaderError("array header must be [dtype, shape]")
+        code, shape = obj
+        if not isinstance(code, str) or len(code) > 8:
+            raise ArrayHeaderError("array dtype must be a short string")
+        if code.lstrip("<>|=") not in WIRE_DTYPES:
+            raise ArrayHeaderError(f"refused dtype {code!r}")
+        if not isinstance(shape, list | tuple) or len(shape) > MAX_NDIM:
+            raise ArrayHeaderError("array shape must be a list of at most 32 ints")
+        dims: list[int] = []
+        for d in shape:
+            if not isinstance(d, int) or isinstance(d, bool) or d < 0 or d > 1 << 62:
+                raise ArrayHeaderError(f"bad array dimension {d!r}")
+            dims.append(d)
+        dt = np.dtype(code if code[0] in "<>|=" else "<" + code)
+        return cls(dt, tuple(dims))
+
+    def describe(self) -> str:
+        """Human form such as ``float32[4, 3]``."""
+        return f"{self.dtype.name}{list(self.shape)}"
+
+    def view(self, payload: memoryview) -> np.ndarray:
+        """Interpret ``payload`` as this array without copying; checks the byte count."""
+        if payload.nbytes != self.nbytes:
+            raise ArrayHeaderError(
+                f"payload of {payload.nbytes} bytes does not match {self.describe()} "
+                f"({self.nbytes} bytes)"
+            )
+        flat = np.frombuffer(payload, dtype=self.dtype) if self.nbytes else np.empty(0, self.dtype)
+        return flat.reshape(self.shape)

@@ -1,0 +1,220 @@
+"""Frame codec (sans-I/O).
+
+Every frame is a fixed 32-byte big-endian header, then ``meta_len`` bytes of metadata
+(msgpack, small) and ``payload_len`` bytes of raw payload::
+
+    version u8 | kind u8 | flags u16 | meta_len u32 | channel u64 | seq u64 | payload_len u64
+
+:class:`FrameDecoder` is driven the way ``asyncio.BufferedProtocol`` is: ask it for a buffer
+with :meth:`FrameDecoder.get_buffer`, write received bytes into it, and report the count with
+:meth:`FrameDecoder.buffer_updated`. Small frames are assembled in a scratch buffer; a large
+payload is received straight into its own freshly allocated array, so bulk data is copied
+once, from the kernel into its final buffer.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "HEADER",
+    "VERSION",
+    "Frame",
+    "FrameDecoder",
+    "FrameError",
+    "FrameKind",
+    "FrameLimits",
+    "encode_header",
+]
+
+VERSION = 1
+HEADER = struct.Struct(">BBHIQQQ")
+assert HEADER.size == 32
+U64_MAX = (1 << 64) - 1
+
+
+class FrameKind(enum.IntEnum):
+    """What a frame carries."""
+
+    DATA = 1  # meta + payload for one channel
+    PING = 2  # keepalive request
+    PONG = 3  # keepalive answer
+    GOODBYE = 4  # orderly close: the sender will send nothing more
+
+
+class FrameError(Exception):
+    """A frame broke the codec's rules; the glue turns this into RemoteProtocolError."""
+
+
+@dataclass(frozen=True, slots=True)
+class FrameLimits:
+    """Hard limits enforced on every received frame (and checked on send)."""
+
+    max_meta: int = 64 * 1024
+    """Largest metadata block, bytes."""
+    max_payload: int = 1 << 30
+    """Largest payload, bytes (1 GiB). Collectives chunk far below this."""
+    direct_threshold: int = 64 * 1024
+    """Payloads larger than this are received straight into their own buffer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One decoded frame. ``payload`` is writable and owned by the frame."""
+
+    kind: FrameKind
+    channel: int
+    seq: int
+    meta: bytes
+    payload: memoryview
+    flags: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this frame occupies in memory (meta + payload)."""
+        return len(self.meta) + self.payload.nbytes
+
+
+def encode_header(
+    kind: FrameKind,
+    channel: int = 0,
+    seq: int = 0,
+    meta: bytes = b"",
+    payload_len: int = 0,
+    *,
+    flags: int = 0,
+    limits: FrameLimits | None = None,
+) -> bytes:
+    """The header plus ``meta``; the caller sends ``payload_len`` payload bytes after it."""
+    lim = limits or FrameLimits()
+    if len(meta) > lim.max_meta:
+        raise ValueError(f"frame meta {len(meta)} bytes exceeds limit {lim.max_meta}")
+    if payload_len > lim.max_payload:
+        raise ValueError(f"frame payload {payload_len} bytes exceeds limit {lim.max_payload}")
+    if not (0 <= channel <= U64_MAX and 0 <= seq <= U64_MAX):
+        raise ValueError("channel and seq must fit in 64 unsigned bits")
+    return HEADER.pack(VERSION, int(kind), flags, len(meta), channel, seq, payload_len) + meta
+
+
+_EMPTY = memoryview(bytearray())
+
+
+class FrameDecoder:
+    """Incremental frame parser; raises :class:`FrameError` on malformed input."""
+
+    def __init__(self, limits: FrameLimits | None = None, scratch_size: int = 256 * 1024) -> None:
+        self.limits = limits or FrameLimits()
+        if scratch_size < HEADER.size + self.limits.max_meta + self.limits.direct_threshold:
+            scratch_size = HEADER.size + self.limits.max_meta + self.limits.direct_threshold
+        self._scratch = bytearray(scratch_size)
+        self._view = memoryview(self._scratch)
+        self._start = 0
+        self._end = 0
+        # State while a large payload is being received directly.
+        self._pending: tuple[FrameKind, int, int, int, bytes] | None = None
+        self._payload: np.ndarray | None = None
+        self._filled = 0
+
+    @property
+    def mid_frame(self) -> bool:
+        """True when part of a frame has arrived but not all of it."""
+        return self._payload is not None or self._end > self._start
+
+    def get_buffer(self) -> memoryview:
+        """Where the next received bytes must be written (never empty)."""
+        if self._payload is not None:
+            return self._payload.data[self._filled :]
+        if self._end == len(self._scratch) or (
+            self._start > 0 and len(self._scratch) - self._end < HEADER.size
+        ):
+            self._compact()
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> list[Frame]:
+        """Account for ``nbytes`` written into the last buffer; return completed frames."""
+        if self._payload is not None:
+            self._filled += nbytes
+            if self._filled < len(self._payload):
+                return []
+            frames = [self._finish_direct()]
+            return frames
+        self._end += nbytes
+        return self._parse()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        """Push arbitrary bytes through the decoder (for tests and non-buffered glue)."""
+        out: list[Frame] = []
+        mv = memoryview(data).cast("B")
+        while mv.nbytes:
+            buf = self.get_buffer()
+            n = min(buf.nbytes, mv.nbytes)
+            buf[:n] = mv[:n]
+            mv = mv[n:]
+            out.extend(self.buffer_updated(n))
+        return out
+
+    def _compact(self) -> None:
+        n = self._end - self._start
+        if self._start:
+            self._scratch[:n] = self._scratch[self._start : self._end]
+        self._start, self._end = 0, n
+
+    def _finish_direct(self) -> Frame:
+        assert self._pending is not None and self._payload is not None
+        kind, flags, channel, seq, meta = self._pending
+        frame = Frame(kind, channel, seq, meta, self._payload.data, flags)
+        self._pending, self._payload, self._filled = None, None, 0
+        frames = self._parse()  # scratch is empty here; keeps the invariant simple
+        assert not frames
+        return frame
+
+    def _parse(self) -> list[Frame]:
+        frames: list[Frame] = []
+        lim = self.limits
+        while self._end - self._start >= HEADER.size:
+            s = self._start
+            version, kind_raw, flags, meta_len, channel, seq, payload_len = HEADER.unpack_from(
+                self._scratch, s
+            )
+            if version != VERSION:
+                raise FrameError(f"unsupported frame version {version} (expected {VERSION})")
+            try:
+                kind = FrameKind(kind_raw)
+            except ValueError:
+                raise FrameError(f"unknown frame kind {kind_raw}") from None
+            if meta_len > lim.max_meta:
+                raise FrameError(f"frame meta of {meta_len} bytes exceeds limit {lim.max_meta}")
+            if payload_len > lim.max_payload:
+                raise FrameError(
+                    f"frame payload of {payload_len} bytes exceeds limit {lim.max_payload}"
+                )
+            if kind is not FrameKind.DATA and (meta_len or payload_len):
+                raise FrameError(f"{kind.name} frame must be empty")
+            body = s + HEADER.size
+            avail = self._end - body
+            if avail < meta_len:
+                break
+            meta = bytes(self._scratch[body : body + meta_len])
+            pstart = body + meta_len
+            have = self._end - pstart
+            if payload_len > lim.direct_threshold and have < payload_len:
+                # Large payload: copy what already arrived, receive the rest in place.
+                payload = np.empty(payload_len, dtype=np.uint8)
+                payload[:have] = np.frombuffer(self._scratch, np.uint8, have, pstart)
+                self._start = self._end = 0
+                self._pending = (kind, flags, channel, seq, meta)
+                self._payload, self._filled = payload, have
+                return frames
+            if have < payload_len:
+                break
+            data = bytearray(self._scratch[pstart : pstart + payload_len])
+            payload_view = memoryview(data) if payload_len else _EMPTY
+            frames.append(Frame(kind, channel, seq, meta, payload_view, flags))
+            self._start = pstart + payload_len
+        if self._start == self._end:
+            self._start = self._end = 0
+        return frames

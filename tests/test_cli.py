@@ -1,0 +1,247 @@
+"""End-to-end tests of the ``p2pdist`` command line, run as a real subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from p2pdist.launch import LineSplitter, exit_status, rank_env
+
+TIMEOUT_S = 60
+ENDPOINT_ID = re.compile(r"^[a-z2-7]{52}$")
+
+
+def run_cli(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m p2pdist.cli ARGS`` and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "p2pdist.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_version() -> None:
+    proc = run_cli("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("p2pdist ")
+
+
+CHILD_OK = textwrap.dedent(
+    """
+    import os, sys
+    peers = os.environ["P2PDIST_PEERS"].split(",")
+    assert len(peers) == 3, peers
+    assert len(set(peers)) == 3, peers
+    assert os.environ["P2PDIST_TLS"] == "1"
+    assert os.environ["P2PDIST_SEED"]
+    print("rank", os.environ["P2PDIST_RANK"], "world", os.environ["P2PDIST_WORLD"])
+    print("to stderr", file=sys.stderr)
+    """
+)
+
+
+def test_launch_runs_all_ranks_with_prefixed_output() -> None:
+    proc = run_cli("launch", "-n", "3", "--", sys.executable, "-c", CHILD_OK)
+    assert proc.returncode == 0, proc.stderr
+    out_lines = sorted(proc.stdout.splitlines())
+    assert out_lines == [f"[rank {r}] rank {r} world 3" for r in range(3)]
+    err_lines = sorted(proc.stderr.splitlines())
+    assert err_lines == [f"[rank {r}] to stderr" for r in range(3)]
+
+
+def test_launch_passes_seed_and_plaintext() -> None:
+    code = "import os; print(os.environ['P2PDIST_SEED'], os.environ['P2PDIST_TLS'])"
+    proc = run_cli(
+        "launch",
+        "-n",
+        "2",
+        "--plaintext",
+        "--seed",
+        "s3cr3t-seed",
+        "--",
+        sys.executable,
+        "-c",
+        code,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == [f"[rank {r}] s3cr3t-seed 0" for r in range(2)]
+
+
+def test_launch_handles_large_output_without_deadlock() -> None:
+    code = "import sys; [print('x' * 100) for _ in range(20000)]; sys.stderr.write('e' * 300000)"
+    proc = run_cli("launch", "-n", "2", "--", sys.executable, "-c", code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(proc.stdout.splitlines()) == 40000
+    assert proc.stderr.count("e") >= 600000
+
+
+CHILD_FAIL = textwrap.dedent(
+    """
+    import os, sys, time
+    rank = int(os.environ["P2PDIST_RANK"])
+    print("pid", os.getpid(), flush=True)
+    if rank == 1:
+        time.sleep(0.5)
+        sys.exit(3)
+    time.sleep(60)
+    """
+)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_launch_failing_rank_stops_the_others() -> None:
+    # The 20 s bound is far below the sleepers' 60 s: finishing at all proves they were stopped.
+    proc = run_cli("launch", "-n", "3", "--", sys.executable, "-c", CHILD_FAIL, timeout=20)
+    assert proc.returncode == 3
+    assert "rank 1 exited with code 3" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    pids = [int(m) for m in re.findall(r"^\[rank \d\] pid (\d+)$", proc.stdout, re.M)]
+    assert len(pids) == 3
+    assert not any(_pid_alive(pid) for pid in pids)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["launch", "-n", "2"], "needs a command"),
+        (["launch", "-n", "2", "--"], "needs a command"),
+        (["launch", "-n", "0", "--", "true"], "must be >= 1"),
+    ],
+)
+def test_launch_usage_errors(args: list[str], message: str) -> None:
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("p2pdist: error: ")
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_keygen_out_then_id(tmp_path: Path) -> None:
+    key = tmp_path / "k.pem"
+    gen = run_cli("keygen", "--out", str(key))
+    assert gen.returncode == 0, gen.stderr
+    eid = gen.stdout.strip()
+    assert ENDPOINT_ID.match(eid)
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    shown = run_cli("id", str(key))
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == eid
+
+
+def test_keygen_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
+    key = tmp_path / "k.pem"
+    assert run_cli("keygen", "--out", str(key)).returncode == 0
+    again = run_cli("keygen", "--out", str(key))
+    assert again.returncode == 2
+    assert "--force" in again.stderr
+    forced = run_cli("keygen", "--out", str(key), "--force")
+    assert forced.returncode == 0
+    assert run_cli("id", str(key)).stdout.strip() == forced.stdout.strip()
+
+
+def test_keygen_to_stdout_then_id(tmp_path: Path) -> None:
+    key = tmp_path / "k.pem"
+    with key.open("wb") as f:
+        os.fchmod(f.fileno(), 0o644)
+        gen = subprocess.run(
+            [sys.executable, "-m", "p2pdist.cli", "keygen"],
+            stdout=f,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=TIMEOUT_S,
+            check=False,
+        )
+    assert gen.returncode == 0, gen.stderr
+    assert key.read_text().startswith("-----BEGIN PRIVATE KEY-----")
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    eid = gen.stderr.strip().rsplit(" ", 1)[-1]
+    assert run_cli("id", str(key)).stdout.strip() == eid
+
+
+def test_id_refuses_readable_key_file(tmp_path: Path) -> None:
+    key = tmp_path / "k.pem"
+    assert run_cli("keygen", "--out", str(key)).returncode == 0
+    key.chmod(0o644)
+    proc = run_cli("id", str(key))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("p2pdist: error: ")
+    assert f"chmod 600 {key}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_id_missing_file() -> None:
+    proc = run_cli("id", "/nonexistent/k.pem")
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_id_seed_world_lists_distinct_ids() -> None:
+    proc = run_cli("id", "--seed", "a-long-enough-group-seed", "--world", "4")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
+    ids = [r[1] for r in rows]
+    assert all(ENDPOINT_ID.match(i) for i in ids)
+    assert len(set(ids)) == 4
+    again = run_cli("id", "--seed", "a-long-enough-group-seed", "--world", "4")
+    assert again.stdout == proc.stdout
+
+
+def test_keygen_seed_prints_fresh_seed() -> None:
+    first = run_cli("keygen", "--seed")
+    second = run_cli("keygen", "--seed")
+    assert first.returncode == 0 and second.returncode == 0
+    seed = first.stdout.strip()
+    assert len(seed) >= 40
+    assert re.fullmatch(r"[A-Za-z0-9_-]+", seed)
+    assert seed != second.stdout.strip()
+    ids = run_cli("id", "--seed", seed, "--world", "2")
+    assert ids.returncode == 0, ids.stderr
+
+
+def test_unknown_argument_is_a_usage_error() -> None:
+    proc = run_cli("keygen", "--bogus")
+    assert proc.returncode == 2
+    assert "unrecognized arguments" in proc.stderr
+
+
+def test_line_splitter_partial_and_long_lines() -> None:
+    s = LineSplitter(max_line=8)
+    assert s.feed(b"ab") == []
+    assert s.feed(b"c\nde\nf") == [b"abc\n", b"de\n"]
+    assert s.feed(b"ghijklm") == [b"fghijklm"]
+    assert s.feed(b"n") == []
+    assert s.flush() == [b"n"]
+    assert s.flush() == []
+
+
+def test_exit_status_and_rank_env() -> None:
+    assert exit_status(3) == 3
+    assert exit_status(-9) == 137
+    env = rank_env({"X": "1"}, rank=1, world=2, seed="s", peers=["h:1", "h:2"], tls=False)
+    assert env == {
+        "X": "1",
+        "P2PDIST_SEED": "s",
+        "P2PDIST_RANK": "1",
+        "P2PDIST_WORLD": "2",
+        "P2PDIST_PEERS": "h:1,h:2",
+        "P2PDIST_TLS": "0",
+    }
