@@ -166,7 +166,7 @@ def launch(
     child_env = {**os.environ, **(env or {})}
     try:
         for i, cfg in enumerate(configs):
-            tag = f"{cfg['role']}-{time.monotonic_ns()}-{i}"
+            tag = f"{cfg['role']}-{time.monotonic_ns()}-rank{i}"
             result = workdir / f"{tag}.json"
             log = workdir / f"{tag}.log"
             cfg = {**cfg, "result": str(result), "timeout": timeout}
@@ -184,18 +184,28 @@ def launch(
             codes = [p.poll() for p, _, _ in procs]
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
+                # Give the other ranks a moment to fail on their own so that their
+                # errors (often the root cause) land in their logs too.
+                grace = time.monotonic() + 2.0
+                while time.monotonic() < grace and any(p.poll() is None for p, _, _ in procs):
+                    time.sleep(0.05)
+                codes = [p.poll() for p, _, _ in procs]
+                lines = [
+                    f"rank {j} exit {c}: {_last_line(procs[j][2])}"
+                    for j, c in enumerate(codes)
+                    if c not in (None, 0)
+                ]
                 i = failed[0]
                 raise LaunchError(
-                    f"worker {i} ({configs[i]['role']}) exited with status {codes[i]}:\n"
-                    + _tail(procs[i][2])
+                    f"{configs[i]['role']}: " + "; ".join(lines) + "\n" + _tail(procs[i][2])
                 )
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:
                 stuck = [i for i, c in enumerate(codes) if c is None]
                 raise LaunchError(
-                    f"timed out after {timeout:.0f}s waiting for workers {stuck}:\n"
-                    + _tail(procs[stuck[0]][2])
+                    f"{configs[0]['role']}: timed out after {timeout:.0f}s waiting for"
+                    f" ranks {stuck}\n" + _tail(procs[stuck[0]][2])
                 )
             time.sleep(0.05)
         return [json.loads(result.read_text()) for _, result, _ in procs]
@@ -206,7 +216,16 @@ def launch(
                 p.wait(timeout=10)
 
 
-def _tail(path: Path, lines: int = 15) -> str:
+def _last_line(path: Path) -> str:
+    """Last non-empty line of a worker log (usually the exception message)."""
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return text[-1] if text else "(empty log)"
+
+
+def _tail(path: Path, lines: int = 25) -> str:
     """Last ``lines`` lines of a worker log, indented."""
     try:
         text = path.read_text(errors="replace").rstrip().splitlines()[-lines:]
@@ -418,6 +437,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="seconds allowed for each group of worker processes (default 300)",
     )
+    ap.add_argument(
+        "--logdir",
+        type=Path,
+        default=None,
+        help="keep worker logs and result files in this folder (default: a temporary one)",
+    )
     return ap
 
 
@@ -473,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="p2pdist-bench-") as tmp:
         workdir = Path(tmp)
+        if args.logdir is not None:
+            workdir = args.logdir
+            workdir.mkdir(parents=True, exist_ok=True)
         tcp_line = "loopback TCP: skipped"
         if not args.no_tcp:
             print("measuring loopback TCP ...", file=sys.stderr, flush=True)

@@ -172,7 +172,8 @@ async def direct_all_gather(link: Link, block: np.ndarray, out: np.ndarray) -> N
     out[r] = block
     for p in range(n):
         if p != r:
-            out[p] = _view(await link.recv(p, block.nbytes), block.dtype)
+            data = await link.recv(p, block.nbytes)
+            out[p] = _view(data, block.dtype).reshape(block.shape)
 
 
 async def direct_broadcast(link: Link, flat: np.ndarray, src: int) -> None:

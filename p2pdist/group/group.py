@@ -107,7 +107,7 @@ class Group:
         rank: int,
         world: int,
         peers: Sequence[Address] | None = None,
-        tls: bool = True,
+        tls: bool | None = None,
         timeout: float | None = None,
         listen: Address | None = None,
         config: GroupConfig | None = None,
@@ -115,7 +115,8 @@ class Group:
         """A group whose keys all derive from ``seed`` (a shared secret: whoever knows it
         can act as any rank). ``peers`` lists every rank's ``host:port`` in rank order;
         this rank listens on its own entry (or on ``listen``). ``tls=False`` is
-        authenticated plaintext, for trusted networks only."""
+        authenticated plaintext, for trusted networks only; None keeps ``config``'s
+        setting (TLS by default)."""
         if not isinstance(world, int) or world < 1:
             raise UsageError(f"world must be an int >= 1, got {world!r}")
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
@@ -124,7 +125,7 @@ class Group:
         changes: dict[str, Any] = {}
         if timeout is not None:
             changes["timeout"] = timeout
-        if tls != cfg.transport.tls:
+        if tls is not None and tls != cfg.transport.tls:
             changes["transport"] = TransportConfig(
                 **{**_fields(cfg.transport), "tls": tls}  # keep the other transport settings
             )
@@ -319,7 +320,7 @@ class Group:
         if error is None or self._closing:
             return
         log.warning("%s: connection ended: %s", self.peer_label(rank), error)
-        self._break(error)
+        self._break(error, notify=True)
 
     async def _listen_control(self, rank: int, conn: Connection) -> None:
         with contextlib.suppress(BaseException):
@@ -401,7 +402,8 @@ class Group:
             self._break(err, notify=True)
             raise
         except P2PError as err:
-            self._break(err)
+            # Tell the others why, unless this failure is itself someone's abort notice.
+            self._break(err, notify=not isinstance(err, GroupBrokenError))
             raise
         except TimeoutError:
             timeout_err = self._timeout_error(link, seconds)
@@ -685,7 +687,7 @@ def _as_array(x: Any) -> np.ndarray:
         raise UsageError(str(exc)) from None
     if x.dtype.byteorder == ">":
         x = x.astype(x.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(x)
+    return x if x.flags.c_contiguous else np.array(x, order="C")  # keeps 0-d arrays 0-d
 
 
 def _result_buffer(

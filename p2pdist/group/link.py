@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import msgpack
+import numpy as np
 
 from ..errors import MismatchError, RemoteProtocolError
 from ..transport.base import Connection
@@ -31,6 +32,10 @@ def _explain(desc: bytes) -> str:
         name, op, dtype, shape, root = msgpack.unpackb(desc, raw=False)
     except Exception:
         return "an undecodable call"
+    try:
+        dtype = np.dtype(dtype).name if dtype else ""
+    except TypeError:
+        dtype = repr(dtype)
     parts = [f"{dtype}{list(shape)}"]
     if op:
         parts.append(f"op={op!r}")

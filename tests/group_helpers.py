@@ -1,0 +1,52 @@
+"""Helpers that form real groups on loopback inside one event loop (or as processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+from p2pdist import Group, GroupConfig, TransportConfig
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (all bound at once, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def loopback_peers(n: int) -> list[str]:
+    """One free ``127.0.0.1:port`` address per rank."""
+    return [f"127.0.0.1:{p}" for p in free_ports(n)]
+
+
+@contextlib.asynccontextmanager
+async def groups(
+    n: int,
+    *,
+    tls: bool = False,
+    seed: str = "test-seed-0123456789",
+    timeout: float = 20.0,
+    **transport: Any,
+) -> AsyncIterator[list[Group]]:
+    """``n`` started groups, one per rank, all in this event loop over real sockets."""
+    cfg = GroupConfig(
+        timeout=timeout, connect_timeout=20.0, transport=TransportConfig(tls=tls, **transport)
+    )
+    peers = loopback_peers(n)
+    gs = [Group.from_seed(seed, rank=r, world=n, peers=peers, config=cfg) for r in range(n)]
+    await asyncio.gather(*(g.start() for g in gs))
+    try:
+        yield gs
+    finally:
+        await asyncio.gather(*(g.close() for g in gs), return_exceptions=True)

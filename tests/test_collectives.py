@@ -1,0 +1,229 @@
+"""Collectives against numpy over real loopback sockets, world sizes 1..6."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from p2pdist import Group, MismatchError, UsageError
+
+from group_helpers import groups
+
+DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]
+
+
+def make_input(rank: int, shape: tuple[int, ...], dtype: str, seed: int = 0) -> np.ndarray:
+    """Rank ``rank``'s deterministic input (small values, so int sums do not overflow)."""
+    rng = np.random.default_rng(1000 * seed + rank)
+    if dtype == "bool":
+        return np.asarray(rng.random(shape) < 0.5)
+    if np.dtype(dtype).kind in "iu":
+        return np.asarray(rng.integers(0, 4, size=shape), dtype=dtype)
+    return np.asarray(rng.standard_normal(shape), dtype=dtype)
+
+
+def reference(inputs: list[np.ndarray], op: str) -> np.ndarray:
+    """Rank-order reduction in the input dtype (the order the direct algorithm uses)."""
+    fn = {"sum": np.add, "mean": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+    acc = inputs[0].copy()
+    for x in inputs[1:]:
+        fn[op](acc, x, out=acc)
+    if op == "mean":
+        np.divide(acc, acc.dtype.type(len(inputs)), out=acc)
+    return acc
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, dtype: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if np.dtype(dtype).kind == "f":
+        tol = {"float16": 1e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 10)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+async def run_all(gs: list[Group], fn: Any) -> list[Any]:
+    return list(await asyncio.gather(*(fn(g) for g in gs)))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6])
+async def test_all_reduce_every_dtype_and_world(world: int) -> None:
+    async with groups(world) as gs:
+        for dtype in DTYPES:
+            for shape in [(), (1,), (7, 3), (world - 1 if world > 1 else 0,), (40_000,)]:
+                ops = ["sum", "max", "min"] + (["mean"] if np.dtype(dtype).kind == "f" else [])
+                for op in ops:
+                    xs = [make_input(r, shape, dtype) for r in range(world)]
+                    outs = await run_all(gs, lambda g, xs=xs, op=op: g.all_reduce(xs[g.rank], op))
+                    assert_close(outs[0], reference(xs, op), dtype)
+                    for o in outs[1:]:
+                        assert o.tobytes() == outs[0].tobytes()  # bitwise identical on all ranks
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+@pytest.mark.parametrize("n", [0, 1, 4, 1000, 300_001])
+async def test_ring_and_direct_paths_all_ops(world: int, n: int) -> None:
+    async with groups(world) as gs:
+        for op, dtype in [
+            ("sum", "float32"),
+            ("prod", "float64"),
+            ("max", "int32"),
+            ("min", "int64"),
+            ("mean", "float64"),
+            ("sum", "int8"),
+        ]:
+            xs = [make_input(r, (n,), dtype, seed=n) for r in range(world)]
+            if op == "prod":
+                xs = [1 + 0.01 * x for x in xs]
+            outs = await run_all(gs, lambda g, xs=xs, op=op: g.all_reduce(xs[g.rank], op))
+            assert_close(outs[0], reference(xs, op), dtype)
+            assert len({o.tobytes() for o in outs}) == 1
+
+
+async def test_out_in_place_and_non_contiguous() -> None:
+    async with groups(3) as gs:
+        base = [make_input(r, (64, 2000), "float32") for r in range(3)]
+        views = [b[::2, ::3] for b in base]  # non-contiguous
+        assert not views[0].flags.c_contiguous
+        outs = await run_all(gs, lambda g: g.all_reduce(views[g.rank]))
+        assert_close(outs[0], reference([np.ascontiguousarray(v) for v in views], "sum"), "float32")
+        # in place: out is the input itself
+        xs = [make_input(r, (50_000,), "float64") for r in range(3)]
+        want = reference(xs, "sum")
+        bufs = [x.copy() for x in xs]
+        res = await run_all(gs, lambda g: g.all_reduce(bufs[g.rank], out=bufs[g.rank]))
+        for r in range(3):
+            assert res[r] is bufs[r]
+            np.testing.assert_allclose(bufs[r], want, rtol=1e-12)
+        # out separate from the input; the input is left alone
+        outs2 = [np.empty(50_000) for _ in range(3)]
+        await run_all(gs, lambda g: g.all_reduce(xs[g.rank], op="max", out=outs2[g.rank]))
+        np.testing.assert_array_equal(outs2[1], np.maximum.reduce(xs))
+        np.testing.assert_array_equal(xs[0], make_input(0, (50_000,), "float64"))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("rows", [0, 1, 5, 4096])
+async def test_reduce_scatter_matches_array_split(world: int, rows: int) -> None:
+    async with groups(world) as gs:
+        for dtype in ["float32", "int32"]:
+            xs = [make_input(r, (rows, 3), dtype) for r in range(world)]
+            full = reference(xs, "sum")
+            outs = await run_all(gs, lambda g, xs=xs: g.reduce_scatter(xs[g.rank]))
+            for r, piece in enumerate(outs):
+                assert_close(piece, np.array_split(full, world)[r], dtype)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 5])
+@pytest.mark.parametrize("shape", [(), (0,), (3, 2), (70_000,)])
+async def test_all_gather_and_broadcast(world: int, shape: tuple[int, ...]) -> None:
+    async with groups(world) as gs:
+        xs = [make_input(r, shape, "float32") for r in range(world)]
+        outs = await run_all(gs, lambda g: g.all_gather(xs[g.rank]))
+        for o in outs:
+            np.testing.assert_array_equal(o, np.stack(xs))
+        src = world - 1
+        blank = np.zeros(shape, np.float32)
+        res = await run_all(gs, lambda g: g.broadcast(xs[src] if g.rank == src else blank, src))
+        for o in res:
+            np.testing.assert_array_equal(o, xs[src])
+        await run_all(gs, lambda g: g.barrier())
+
+
+async def test_tls_group_collectives() -> None:
+    async with groups(3, tls=True) as gs:
+        xs = [make_input(r, (200_000,), "float32") for r in range(3)]
+        outs = await run_all(gs, lambda g: g.all_reduce(xs[g.rank]))
+        np.testing.assert_allclose(outs[2], reference(xs, "sum"), rtol=1e-5, atol=1e-5)
+        conn = gs[0].connection(1)
+        assert getattr(conn, "encrypted", False)
+
+
+async def test_send_recv_and_mismatch_keeps_link_usable() -> None:
+    async with groups(2) as gs:
+        a, b = gs
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        big = np.arange(3_000_000, dtype=np.int64)
+        await asyncio.gather(a.send(x, 1), a.send(big, 1))
+        got = await b.recv(0, like=x)
+        np.testing.assert_array_equal(got, x)
+        got_big = await b.recv(0, dtype=np.int64, shape=big.shape)
+        np.testing.assert_array_equal(got_big, big)
+        # mismatch: clear error naming the sender, then the link still works
+        await a.send(x.astype(np.float64), 1)
+        with pytest.raises(MismatchError) as info:
+            await b.recv(0, like=x)
+        assert "rank 0" in str(info.value) and "float64" in str(info.value)
+        await a.send(x, 1)
+        out = np.empty_like(x)
+        res = await b.recv(0, out=out)
+        assert res is out
+        np.testing.assert_array_equal(out, x)
+        # the group still runs collectives after the p2p mismatch
+        outs = await run_all(gs, lambda g: g.all_reduce(np.ones(3)))
+        np.testing.assert_array_equal(outs[0], [2, 2, 2])
+
+
+async def test_collective_mismatch_is_detected_and_named() -> None:
+    async with groups(3) as gs:
+
+        async def call(g: Group) -> Any:
+            shape = (5,) if g.rank != 2 else (6,)
+            return await g.all_reduce(np.ones(shape, np.float32), timeout=5)
+
+        results = await asyncio.gather(*(call(g) for g in gs), return_exceptions=True)
+        assert all(isinstance(r, Exception) for r in results)
+        text = " ".join(str(r) for r in results)
+        assert "rank 2" in text and "float32[6]" in text
+        assert any(isinstance(r, MismatchError) for r in results)
+
+
+async def test_concurrent_collectives_from_several_tasks() -> None:
+    async with groups(3) as gs:
+        arrays = [
+            [make_input(r, (n,), "float64", seed=n) for r in range(3)] for n in (10, 90_000, 7)
+        ]
+
+        async def many(g: Group) -> list[np.ndarray]:
+            tasks = [asyncio.create_task(g.all_reduce(arrays[i][g.rank])) for i in range(3)]
+            return list(await asyncio.gather(*tasks))
+
+        outs = await run_all(gs, many)
+        for i in range(3):
+            want = reference(arrays[i], "sum")
+            for r in range(3):
+                np.testing.assert_allclose(outs[r][i], want, rtol=1e-12)
+
+
+async def test_usage_errors_are_clear() -> None:
+    async with groups(2) as gs:
+        g = gs[0]
+        with pytest.raises(UsageError, match="unknown op"):
+            await g.all_reduce(np.ones(3), op="avg")
+        with pytest.raises(UsageError, match="floating"):
+            await g.all_reduce(np.ones(3, np.int32), op="mean")
+        with pytest.raises(UsageError, match="out has"):
+            await g.all_reduce(np.ones(3), out=np.ones(4))
+        with pytest.raises(UsageError, match="cannot travel"):
+            await g.all_reduce(np.array(["a", "b"], dtype=object))
+        with pytest.raises(UsageError, match="src"):
+            await g.broadcast(np.ones(3), src=5)
+        with pytest.raises(UsageError, match="dst"):
+            await g.send(np.ones(3), 0)
+    with pytest.raises(UsageError):
+        Group.from_seed("test-seed-0123456789", rank=3, world=2, peers=["a:1", "b:2"])
+    with pytest.raises(UsageError, match="peers"):
+        Group.from_seed("test-seed-0123456789", rank=0, world=2)
+
+
+async def test_size_one_group_is_identity_without_network() -> None:
+    async with Group.from_seed("test-seed-0123456789", rank=0, world=1) as g:
+        x = np.arange(6.0).reshape(2, 3)
+        np.testing.assert_array_equal(await g.all_reduce(x, op="mean"), x)
+        np.testing.assert_array_equal(await g.all_gather(x), x[None])
+        np.testing.assert_array_equal(await g.reduce_scatter(x), x)
+        np.testing.assert_array_equal(await g.broadcast(x, 0), x)
+        await g.barrier()

@@ -1,0 +1,118 @@
+"""Failures: dead, silent and absent peers are named; late frames never leak; cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from p2pdist import GroupBrokenError, PeerTimeoutError
+from p2pdist.group.group import _COLLECTIVE_SPACE
+from p2pdist.transport.mailbox import SPACE_SHIFT
+
+from group_helpers import groups, loopback_peers
+
+WORKER = Path(__file__).with_name("fault_worker.py")
+
+
+def run_ranks(mode: str, world: int) -> list[subprocess.Popen[str]]:
+    peers = ",".join(loopback_peers(world))
+    return [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), mode, str(r), str(world), peers],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+
+
+def survivors_output(procs: list[subprocess.Popen[str]]) -> list[str]:
+    lines = []
+    for p in procs[:-1]:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        lines.append([ln for ln in out.splitlines() if ln.startswith(("ERROR", "OK"))][-1])
+    return lines
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_killed_rank_is_named_by_every_survivor(world: int) -> None:
+    procs = run_ranks("kill", world)
+    try:
+        lines = survivors_output(procs)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+    victim = f"rank {world - 1} ("
+    for line in lines:
+        assert line.startswith("ERROR"), line
+        assert victim in line, line
+
+
+def test_silent_rank_is_named_by_every_survivor() -> None:
+    procs = run_ranks("stop", 3)
+    try:
+        lines = survivors_output(procs)
+    finally:
+        for p in procs:
+            with_pid = p.pid
+            try:
+                os.kill(with_pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            p.kill()
+            p.wait(timeout=10)
+    for line in lines:
+        assert line.startswith("ERROR"), line
+        assert "rank 2 (" in line, line
+
+
+async def test_absent_rank_is_named_within_the_timeout() -> None:
+    async with groups(3) as gs:
+        calls = [g.all_reduce(np.ones(4), timeout=1.0) for g in gs[:2]]  # rank 2 never calls
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for res in results:
+            assert isinstance(res, PeerTimeoutError), res
+            assert "rank 2 (" in str(res)
+        with pytest.raises(GroupBrokenError):
+            await gs[0].all_reduce(np.ones(4))
+
+
+async def test_late_frame_of_an_old_collective_is_dropped() -> None:
+    async with groups(2) as gs:
+        a, b = gs
+        outs = await asyncio.gather(a.all_reduce(np.ones(3)), b.all_reduce(np.ones(3)))
+        assert outs[0].tolist() == [2, 2, 2]
+        conn = a.connection(1)
+        old_channel = (_COLLECTIVE_SPACE << SPACE_SHIFT) | 0  # the finished collective
+        junk = np.full(3, 1e9).tobytes()
+        await conn.send(old_channel, junk, seq=0)
+        await conn.send(old_channel, junk, seq=1)
+        outs = await asyncio.gather(a.all_reduce(np.ones(3)), b.all_reduce(np.ones(3)))
+        assert outs[1].tolist() == [2, 2, 2]
+        await asyncio.gather(a.barrier(), b.barrier())
+        assert b.connection(0).stats.dropped_stale >= 2
+
+
+async def test_cancelled_collective_breaks_the_group_loudly() -> None:
+    async with groups(2) as gs:
+        a, b = gs
+        task = asyncio.create_task(a.all_reduce(np.ones(1 << 20), timeout=10))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(GroupBrokenError, match="cancelled"):
+            await a.all_reduce(np.ones(4))
+        # the peer learns it from the abort notice instead of waiting for its timeout
+        with pytest.raises(GroupBrokenError, match="rank 0"):
+            await b.all_reduce(np.ones(1 << 20), timeout=10)
