@@ -69,7 +69,14 @@ class PeerAuthenticationError(PeerError):
 
 
 class ConnectionBrokenError(PeerError):
-    """The peer's connection broke (EOF, reset, or it stopped answering keepalives)."""
+    """The peer's connection broke (EOF, reset, or it stopped answering keepalives).
+
+    ``graceful`` is True when the peer said goodbye first (it closed on purpose).
+    """
+
+    def __init__(self, peer: str, message: str, *, graceful: bool = False) -> None:
+        super().__init__(peer, message)
+        self.graceful = graceful
 
 
 class P2PTimeoutError(P2PError, TimeoutError):

@@ -17,7 +17,7 @@ import os
 import stat
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -40,8 +40,10 @@ class EndpointId:
     __slots__ = ("_bytes", "_key")
 
     def __init__(self, raw: bytes) -> None:
-        if not isinstance(raw, bytes | bytearray) or len(raw) != ID_LEN:
-            raise UsageError(f"an endpoint id is {ID_LEN} bytes, got {len(raw)!r}")
+        if not isinstance(raw, bytes | bytearray):
+            raise UsageError(f"an endpoint id is {ID_LEN} bytes, got {type(raw).__name__}")
+        if len(raw) != ID_LEN:
+            raise UsageError(f"an endpoint id is {ID_LEN} bytes, got {len(raw)}")
         self._bytes = bytes(raw)
         try:
             self._key = Ed25519PublicKey.from_public_bytes(self._bytes)
@@ -62,7 +64,12 @@ class EndpointId:
             raw = base64.b32decode(t.upper() + "====")
         except (binascii.Error, ValueError) as exc:
             raise UsageError(f"endpoint id {t!r} is not valid base32 (a-z, 2-7)") from exc
-        return cls(raw)
+        eid = cls(raw)
+        if str(eid) != t.lower():
+            # 52 characters carry 260 bits for 256: the last 4 must be zero, so that every
+            # id has exactly one text form.
+            raise UsageError(f"endpoint id {t!r} is not canonical (did you mean {eid}?)")
+        return eid
 
     def __bytes__(self) -> bytes:
         return self._bytes
@@ -123,13 +130,18 @@ class SecretKey:
 
         The seed is a shared secret: whoever holds it can derive every rank's key.
         """
-        seed_bytes = seed.encode("utf-8") if isinstance(seed, str) else bytes(seed)
+        if isinstance(seed, str):
+            seed_bytes = seed.encode("utf-8")
+        elif isinstance(seed, bytes | bytearray | memoryview):
+            seed_bytes = bytes(seed)
+        else:  # bytes(10) would silently be ten zero bytes
+            raise UsageError(f"seed must be str or bytes, got {type(seed).__name__}")
         if len(seed_bytes) < MIN_SEED_BYTES:
             raise UsageError(
                 f"seed must be at least {MIN_SEED_BYTES} bytes; use a long random secret"
             )
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise UsageError(f"rank must be a non-negative int, got {rank!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < 1 << 64:
+            raise UsageError(f"rank must be a non-negative int below 2**64, got {rank!r}")
         hkdf = HKDF(
             algorithm=hashes.SHA256(),
             length=ID_LEN,
@@ -187,15 +199,20 @@ class SecretKey:
             st = p.stat()
         except FileNotFoundError as exc:
             raise KeyFileError(f"key file {p} does not exist") from exc
+        except OSError as exc:
+            raise KeyFileError(f"cannot read key file {p}: {exc}") from exc
         if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise KeyFileError(
                 f"key file {p} is accessible by group or others "
                 f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {p}"
             )
-        data = p.read_bytes()
+        try:
+            data = p.read_bytes()
+        except OSError as exc:
+            raise KeyFileError(f"cannot read key file {p}: {exc}") from exc
         try:
             key = serialization.load_pem_private_key(data, password=None)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
             raise KeyFileError(f"key file {p} is not an unencrypted PEM private key") from exc
         if not isinstance(key, Ed25519PrivateKey):
             raise KeyFileError(f"key file {p} holds a {type(key).__name__}, not an Ed25519 key")

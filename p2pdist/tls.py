@@ -47,9 +47,18 @@ def make_certificate(key: SecretKey) -> x509.Certificate:
 
 
 def endpoint_id_of_cert(der: bytes) -> EndpointId:
-    """The endpoint id an X.509 certificate (DER) carries; ValueError if not Ed25519."""
-    cert = x509.load_der_x509_certificate(der)
-    pub = cert.public_key()
+    """The endpoint id an X.509 certificate (DER) carries; ValueError if not Ed25519.
+
+    The DER comes from the peer, so every way it can fail to parse (including a key type
+    ``cryptography`` does not know, which raises ``UnsupportedAlgorithm``) becomes ValueError.
+    """
+    try:
+        cert = x509.load_der_x509_certificate(der)
+        pub = cert.public_key()
+    except ValueError:
+        raise
+    except Exception as exc:  # UnsupportedAlgorithm, TypeError on non-bytes, ...
+        raise ValueError(f"unusable certificate: {exc}") from None
     if not isinstance(pub, Ed25519PublicKey):
         raise ValueError(f"certificate key is {type(pub).__name__}, not Ed25519")
     return EndpointId(pub.public_bytes_raw())

@@ -319,6 +319,11 @@ class Group:
     def _on_connection_end(self, rank: int, error: BaseException | None) -> None:
         if error is None or self._closing:
             return
+        if isinstance(error, ConnectionBrokenError) and error.graceful:
+            # A peer that closes on purpose is no failure until someone still needs it.
+            log.info("%s left the group", self.peer_label(rank))
+            self._break(error)
+            return
         log.warning("%s: connection ended: %s", self.peer_label(rank), error)
         self._break(error, notify=True)
 

@@ -25,6 +25,8 @@ class Keepalive:
     last_rx: float
     last_tx: float
     last_poll: float
+    rx_paused: bool = False
+    """True while we deliberately stopped reading from the peer (backpressure)."""
 
     @classmethod
     def start(cls, interval: float, idle_timeout: float, now: float) -> Keepalive:
@@ -39,6 +41,16 @@ class Keepalive:
         """We sent something (so no ping is needed for a while)."""
         self.last_tx = now
 
+    def set_rx_paused(self, paused: bool, now: float) -> None:
+        """We stopped (``True``) or resumed (``False``) reading from the peer.
+
+        While we are not reading, the peer's pings and answers pile up unread, so its
+        silence is our own doing: :meth:`poll` never declares it dead then, and the idle
+        period starts afresh when reading resumes.
+        """
+        self.rx_paused = paused
+        self.last_rx = max(self.last_rx, now)
+
     def poll(self, now: float) -> KeepaliveAction:
         """Decide what to do at ``now``.
 
@@ -48,7 +60,7 @@ class Keepalive:
         """
         stalled = now - self.last_poll > 3 * self.interval
         self.last_poll = now
-        if stalled:
+        if stalled or self.rx_paused:
             self.last_rx = max(self.last_rx, now - self.interval)
         if now - self.last_rx >= self.idle_timeout:
             return KeepaliveAction.DEAD

@@ -6,7 +6,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-from ..errors import PeerTimeoutError
+from ..errors import PeerTimeoutError, UsageError
 from ..wire.frames import Frame
 
 __all__ = ["Mailbox", "RetiredChannels"]
@@ -113,7 +113,7 @@ class Mailbox:
             if self._error is not None:
                 raise self._error
             if channel in self._waiters:
-                raise RuntimeError(f"two receivers on channel {channel:#x}")
+                raise UsageError(f"{self._label()}: two receivers on channel {channel:#x}")
             fut: asyncio.Future[None] = loop.create_future()
             self._waiters[channel] = fut
             try:

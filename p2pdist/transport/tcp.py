@@ -297,7 +297,7 @@ class TcpConnection(asyncio.BufferedProtocol):
             self._ka_timer.cancel()
         err: PeerError
         if self._goodbye_received and exc is None:
-            err = ConnectionBrokenError(self.label, "closed its connection (left)")
+            err = ConnectionBrokenError(self.label, "closed its connection (left)", graceful=True)
         elif self._decoder.mid_frame and exc is None:
             err = RemoteProtocolError(self.label, "connection ended in the middle of a frame")
         else:

@@ -6,6 +6,7 @@ are refused, so nothing received is ever unpickled or interpreted as Python obje
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,8 @@ WIRE_DTYPES = frozenset(
     )
 )
 MAX_NDIM = 32
+MAX_NBYTES = 1 << 62
+"""Largest array a header may describe, bytes (so sizes never overflow int64)."""
 
 
 class ArrayHeaderError(ValueError):
@@ -58,12 +61,16 @@ class ArrayHeader:
     @classmethod
     def of(cls, arr: np.ndarray) -> ArrayHeader:
         """Header for ``arr`` (which must be C-contiguous little/native-endian)."""
+        if arr.dtype.byteorder == ">":
+            raise ArrayHeaderError(f"array of {arr.dtype} is big-endian; convert it first")
+        if not arr.flags.c_contiguous:
+            raise ArrayHeaderError("array is not C-contiguous; copy it first")
         return cls(check_dtype(arr.dtype), tuple(int(s) for s in arr.shape))
 
     @property
     def nbytes(self) -> int:
         """Payload size in bytes."""
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # exact: no int64 overflow
 
     def to_wire(self) -> list[Any]:
         """A msgpack-ready value."""
@@ -77,7 +84,8 @@ class ArrayHeader:
         code, shape = obj
         if not isinstance(code, str) or len(code) > 8:
             raise ArrayHeaderError("array dtype must be a short string")
-        if code.lstrip("<>|=") not in WIRE_DTYPES:
+        order, base = (code[0], code[1:]) if code[:1] in ("<", ">", "|", "=") else ("<", code)
+        if base not in WIRE_DTYPES:
             raise ArrayHeaderError(f"refused dtype {code!r}")
         if not isinstance(shape, list | tuple) or len(shape) > MAX_NDIM:
             raise ArrayHeaderError("array shape must be a list of at most 32 ints")
@@ -86,7 +94,10 @@ class ArrayHeader:
             if not isinstance(d, int) or isinstance(d, bool) or d < 0 or d > 1 << 62:
                 raise ArrayHeaderError(f"bad array dimension {d!r}")
             dims.append(d)
-        dt = np.dtype(code if code[0] in "<>|=" else "<" + code)
+        dt = np.dtype(order + base)
+        # numpy refuses shapes whose extent overflows even when a dimension is 0.
+        if math.prod(max(d, 1) for d in dims) * dt.itemsize > MAX_NBYTES:
+            raise ArrayHeaderError(f"array {dt.name}{dims} is too large")
         return cls(dt, tuple(dims))
 
     def describe(self) -> str:

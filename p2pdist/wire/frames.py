@@ -47,7 +47,16 @@ class FrameKind(enum.IntEnum):
 
 
 class FrameError(Exception):
-    """A frame broke the codec's rules; the glue turns this into RemoteProtocolError."""
+    """A frame broke the codec's rules; the glue turns this into RemoteProtocolError.
+
+    ``frames`` holds the well-formed frames that were decoded from the same input before the
+    bad bytes (the glue should still deliver them). After raising, the decoder is failed:
+    every later call raises :class:`FrameError` again.
+    """
+
+    def __init__(self, message: str, frames: list[Frame] | None = None) -> None:
+        super().__init__(message)
+        self.frames: list[Frame] = frames if frames is not None else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +100,11 @@ def encode_header(
 ) -> bytes:
     """The header plus ``meta``; the caller sends ``payload_len`` payload bytes after it."""
     lim = limits or FrameLimits()
+    kind = FrameKind(kind)
+    if kind is not FrameKind.DATA and (meta or payload_len):
+        raise ValueError(f"{kind.name} frames carry no meta or payload")
+    if payload_len < 0 or not 0 <= flags <= 0xFFFF:
+        raise ValueError("payload_len must be >= 0 and flags must fit in 16 bits")
     if len(meta) > lim.max_meta:
         raise ValueError(f"frame meta {len(meta)} bytes exceeds limit {lim.max_meta}")
     if payload_len > lim.max_payload:
@@ -118,6 +132,7 @@ class FrameDecoder:
         self._pending: tuple[FrameKind, int, int, int, bytes] | None = None
         self._payload: np.ndarray | None = None
         self._filled = 0
+        self._failure: str | None = None
 
     @property
     def mid_frame(self) -> bool:
@@ -136,6 +151,8 @@ class FrameDecoder:
 
     def buffer_updated(self, nbytes: int) -> list[Frame]:
         """Account for ``nbytes`` written into the last buffer; return completed frames."""
+        if self._failure is not None:
+            raise FrameError(self._failure)
         if self._payload is not None:
             self._filled += nbytes
             if self._filled < len(self._payload):
@@ -154,7 +171,11 @@ class FrameDecoder:
             n = min(buf.nbytes, mv.nbytes)
             buf[:n] = mv[:n]
             mv = mv[n:]
-            out.extend(self.buffer_updated(n))
+            try:
+                out.extend(self.buffer_updated(n))
+            except FrameError as exc:
+                exc.frames[:0] = out
+                raise
         return out
 
     def _compact(self) -> None:
@@ -174,6 +195,15 @@ class FrameDecoder:
 
     def _parse(self) -> list[Frame]:
         frames: list[Frame] = []
+        try:
+            self._parse_into(frames)
+        except FrameError as exc:
+            self._failure = str(exc)
+            exc.frames[:0] = frames
+            raise
+        return frames
+
+    def _parse_into(self, frames: list[Frame]) -> None:
         lim = self.limits
         while self._end - self._start >= HEADER.size:
             s = self._start
@@ -208,7 +238,7 @@ class FrameDecoder:
                 self._start = self._end = 0
                 self._pending = (kind, flags, channel, seq, meta)
                 self._payload, self._filled = payload, have
-                return frames
+                return
             if have < payload_len:
                 break
             data = bytearray(self._scratch[pstart : pstart + payload_len])
@@ -217,4 +247,3 @@ class FrameDecoder:
             self._start = pstart + payload_len
         if self._start == self._end:
             self._start = self._end = 0
-        return frames

@@ -1,0 +1,164 @@
+"""One-way throughput of one connection, to show what receiving in place buys.
+
+Compares, between two processes on loopback, for the same message sizes:
+
+* ``p2pdist``: :class:`p2pdist.TcpTransport` (BufferedProtocol: payloads are received
+  straight into their own buffer), plaintext and TLS;
+* ``streams``: the naive asyncio way, ``StreamReader.readexactly`` per message (bytes are
+  copied through the stream's internal buffer);
+* ``socket``: blocking ``sendall`` / ``recv_into`` into a preallocated buffer (the ceiling).
+
+Run: ``python benchmarks/transport_throughput.py [--mib 512] [--size-mib 8]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import socket
+import struct
+import time
+from typing import Any
+
+import numpy as np
+
+from p2pdist import SecretKey, TcpTransport, TransportConfig
+
+SEED = "transport-bench-seed-0123"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _p2pdist(role: str, port: int, count: int, size: int, tls: bool, q: Any) -> None:
+    cfg = TransportConfig(tls=tls)
+    server_key, client_key = SecretKey.from_seed(SEED, 0), SecretKey.from_seed(SEED, 1)
+    if role == "recv":
+        t = TcpTransport(server_key, cfg)
+        await t.listen("127.0.0.1", port)
+        q.put("listening")
+        conn = await t.accept(timeout=30)
+        await conn.recv(1, timeout=30)
+        start = time.perf_counter()
+        for _ in range(count - 1):
+            await conn.recv(1, timeout=30)
+        q.put((count - 1) * size / (time.perf_counter() - start))
+        await conn.send(2, b"done")
+        await conn.recv(3, timeout=30)
+    else:
+        t = TcpTransport(client_key, cfg)
+        conn = await t.connect(server_key.endpoint_id, ("127.0.0.1", port))
+        payload = np.ones(size, np.uint8)
+        for _ in range(count):
+            await conn.send(1, payload)
+        await conn.recv(2, timeout=60)
+        await conn.send(3, b"bye")
+    await t.close()
+
+
+async def _streams(role: str, port: int, count: int, size: int, q: Any) -> None:
+    head = struct.Struct(">Q")
+    if role == "recv":
+        done = asyncio.get_running_loop().create_future()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            start = 0.0
+            for i in range(count):
+                (n,) = head.unpack(await reader.readexactly(8))
+                await reader.readexactly(n)
+                if i == 0:
+                    start = time.perf_counter()
+            q.put((count - 1) * size / (time.perf_counter() - start))
+            writer.write(b"k")
+            await writer.drain()
+            writer.close()
+            done.set_result(None)
+
+        server = await asyncio.start_server(handle, "127.0.0.1", port)
+        q.put("listening")
+        await asyncio.wait_for(done, 120)
+        server.close()
+    else:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        payload = np.ones(size, np.uint8)
+        for _ in range(count):
+            writer.write(head.pack(size))
+            writer.write(payload.data)
+            await writer.drain()
+        await asyncio.wait_for(reader.read(1), 60)
+        writer.close()
+
+
+def _socket(role: str, port: int, count: int, size: int, q: Any) -> None:
+    if role == "recv":
+        with socket.create_server(("127.0.0.1", port)) as srv:
+            q.put("listening")
+            conn, _ = srv.accept()
+            buf = np.empty(size, np.uint8)
+            view = buf.data.cast("B")
+            start = 0.0
+            for i in range(count):
+                got = 0
+                while got < size:
+                    got += conn.recv_into(view[got:])
+                if i == 0:
+                    start = time.perf_counter()
+            q.put((count - 1) * size / (time.perf_counter() - start))
+            conn.sendall(b"k")
+            conn.close()
+    else:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            payload = np.ones(size, np.uint8)
+            for _ in range(count):
+                s.sendall(payload.data)
+            s.recv(1)
+
+
+def _worker(kind: str, role: str, port: int, count: int, size: int, q: Any) -> None:
+    if kind == "socket":
+        _socket(role, port, count, size, q)
+    elif kind == "streams":
+        asyncio.run(_streams(role, port, count, size, q))
+    else:
+        asyncio.run(_p2pdist(role, port, count, size, kind == "p2pdist-tls", q))
+
+
+def measure(kind: str, total: int, size: int) -> float:
+    """Bytes per second received by one process from another."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port, count = _free_port(), max(2, total // size)
+    recv = ctx.Process(target=_worker, args=(kind, "recv", port, count, size, q))
+    recv.start()
+    assert q.get(timeout=60) == "listening"
+    send = ctx.Process(target=_worker, args=(kind, "send", port, count, size, q))
+    send.start()
+    rate = float(q.get(timeout=300))
+    for p in (send, recv):
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    return rate
+
+
+def main() -> None:
+    """Print the table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=512, help="total MiB per measurement")
+    ap.add_argument("--size-mib", type=float, nargs="+", default=[0.25, 8.0])
+    args = ap.parse_args()
+    kinds = ["socket", "streams", "p2pdist-plain", "p2pdist-tls"]
+    print("one-way throughput, GB/s (loopback, 2 processes)")
+    print(f"{'message':>10} " + " ".join(f"{k:>14}" for k in kinds))
+    for mib in args.size_mib:
+        size = int(mib * (1 << 20))
+        rates = [measure(k, args.mib << 20, size) / 1e9 for k in kinds]
+        print(f"{mib:>7g}MiB " + " ".join(f"{r:>14.2f}" for r in rates))
+
+
+if __name__ == "__main__":
+    main()
