@@ -119,8 +119,8 @@ def tcp_send(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def gloo(cfg: dict[str, Any]) -> dict[str, Any]:
     """Run one rank of the Gloo all-reduce sweep."""
-    import torch
-    import torch.distributed as dist
+    import torch  # type: ignore[import-not-found,unused-ignore]
+    import torch.distributed as dist  # type: ignore[import-not-found,unused-ignore]
 
     rank: int = cfg["rank"]
     world: int = cfg["world"]

@@ -115,7 +115,7 @@ def torch_version() -> str | None:
     if importlib.util.find_spec("torch") is None:
         return None
     try:
-        import torch
+        import torch  # type: ignore[import-not-found,unused-ignore]
     except Exception:  # a broken install counts as absent
         return None
     return str(torch.__version__)
@@ -493,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {tv or 'n/a'}, p2pdist {p2p_version}, {platform.system()} "
         f"{platform.release()}"
     )
+    if hasattr(os, "getloadavg"):
+        machine += ", load average {:.2f} {:.2f} {:.2f} at start".format(*os.getloadavg())
     out: list[str] = []
     t_start = time.monotonic()
 

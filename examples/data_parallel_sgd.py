@@ -31,9 +31,7 @@ def make_shard(
     """This rank's shard ``(X, y)`` and the true weights ``w*`` (shared by all ranks)."""
     w_star = np.random.default_rng([seed, 0]).standard_normal(features).astype(np.float32)
     rng = np.random.default_rng([seed, 1, rank])  # different data on every rank
-    x = (rng.standard_normal((samples, features)) + rng.normal(0, 0.1, features)).astype(
-        np.float32
-    )
+    x = (rng.standard_normal((samples, features)) + rng.normal(0, 0.1, features)).astype(np.float32)
     noise = 0.1 * rng.standard_normal(samples)
     y = (x @ w_star + noise).astype(np.float32)
     return x, y, w_star

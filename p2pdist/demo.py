@@ -35,7 +35,7 @@ from .errors import P2PError, UsageError
 from .group import Group, GroupConfig
 from .launch import LaunchConfig, launch
 
-__all__ = ["CheckResult", "main"]
+__all__ = ["CheckResult", "main", "run_checks", "train_sgd"]
 
 _NAME = 46  # width of the check-name column
 _FLOAT_OPS = ("sum", "mean", "max", "min", "prod")
@@ -49,6 +49,7 @@ _REDUCE: dict[str, np.ufunc] = {
 }
 
 Maker = Callable[[np.random.Generator], np.ndarray]
+"""Makes one rank's input for a check from that rank's generator."""
 
 
 @dataclass(frozen=True)
@@ -129,10 +130,12 @@ def _compare(got: np.ndarray, want: np.ndarray, dtype: np.dtype[Any], bound: flo
 class Checker:
     """Runs the collective checks of one rank and records their results."""
 
-    def __init__(self, g: Group, seed: int) -> None:
+    def __init__(self, g: Group, seed: int, *, corrupt: bool = False) -> None:
         self.g = g
         self.rngs = [np.random.default_rng(seed + r) for r in range(g.size)]
         self.results: list[CheckResult] = []
+        self.corrupt = corrupt
+        """Feed a wrong input to the first all_reduce (to test that failures are caught)."""
 
     def draw(self, make: Maker) -> list[np.ndarray]:
         """Every rank's input for the next check (same sequence on every rank)."""
@@ -155,6 +158,9 @@ class Checker:
         """all_reduce(op) of random inputs against numpy, plus cross-rank bit agreement."""
         inputs = self.draw(make)
         mine = inputs[self.g.rank]
+        if self.corrupt:
+            self.corrupt = False
+            mine = mine + 1
         before = mine.copy()
         t0 = time.perf_counter()
         got = await self.g.all_reduce(mine, op=op)
@@ -229,9 +235,13 @@ class Checker:
         self.record(f"send/recv ring {_describe(mine)} ({how}=)", problem, seconds)
 
 
-async def run_checks(g: Group, seed: int) -> list[CheckResult]:
-    """Check every collective of ``g`` against numpy; return the results of this rank."""
-    c = Checker(g, seed)
+async def run_checks(g: Group, seed: int, *, corrupt: bool = False) -> list[CheckResult]:
+    """Check every collective of ``g`` against numpy; return the results of this rank.
+
+    ``corrupt=True`` makes this rank contribute a wrong input to the first all_reduce, so
+    that check fails on every rank (a test of the checking itself).
+    """
+    c = Checker(g, seed, corrupt=corrupt)
     n = g.size
     f32, f64, i32, i64 = np.float32, np.float64, np.int32, np.int64
     for op in _FLOAT_OPS:
@@ -365,7 +375,7 @@ async def _worker(args: argparse.Namespace) -> int:
         if rank == 0:
             mode = "TLS 1.3" if g.config.transport.tls else "authenticated plaintext"
             print(f"[group] {n} ranks formed in {t_formed:.2f} s ({mode})", flush=True)
-        results = await run_checks(g, args.seed)
+        results = await run_checks(g, args.seed, corrupt=rank == args.corrupt_rank)
         failed = sum(not r.ok for r in results)
         sgd = await train_sgd(g, args.seed, args.steps)
         sgd_checks = [
@@ -401,7 +411,9 @@ async def _worker(args: argparse.Namespace) -> int:
             nbytes = args.bench_mib << 20
             algbw = nbytes / big_s / 1e9
             busbw = algbw * 2 * (n - 1) / n
-            print(f"[time] all_reduce float32[1] latency: median {small_s * 1e6:.0f} us")
+            print(
+                f"[time] all_reduce float32[1] latency: median {small_s * 1e6:.0f} us", flush=True
+            )
             print(
                 f"[time] all_reduce {args.bench_mib} MiB: median {big_s * 1e3:.1f} ms, "
                 f"algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s"
@@ -414,7 +426,6 @@ async def _worker(args: argparse.Namespace) -> int:
             f"{verdict}; sent {_sent_bytes(g) / 2**20:.1f} MiB",
             flush=True,
         )
-        await g.barrier()
     return 1 if total_failed else 0
 
 
@@ -430,6 +441,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
     p.add_argument("--bench-mib", type=int, default=16, help="bandwidth test size in MiB")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    # Testing the demo itself: this rank feeds a wrong input to one check.
+    p.add_argument("--corrupt-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p
 
 
@@ -447,6 +460,7 @@ def main(argv: list[str]) -> int:
             return 1
     command = [sys.executable, "-m", "p2pdist.demo", "--worker", "--steps", str(args.steps)]
     command += ["--seed", str(args.seed), "--bench-mib", str(args.bench_mib)]
+    command += ["--corrupt-rank", str(args.corrupt_rank)]
     try:
         cfg = LaunchConfig(command=tuple(command), nprocs=args.nprocs, tls=not args.plaintext)
     except UsageError as exc:

@@ -28,14 +28,16 @@ async def main(mode: str, rank: int, world: int, peers: list[str]) -> None:
         "fault-seed-0123456789", rank=rank, world=world, peers=peers, config=cfg
     ) as g:
         x = np.ones(1 << 20, np.float32)  # ring path
-        await g.all_reduce(x)
-        print("READY", flush=True)
-        if rank == world - 1:
-            if mode == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif mode == "stop":
-                os.kill(os.getpid(), signal.SIGSTOP)
         try:
+            # The victim may die while slower ranks still finish this first collective:
+            # then that one fails, which must name the victim just the same.
+            await g.all_reduce(x)
+            print("READY", flush=True)
+            if rank == world - 1:
+                if mode == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif mode == "stop":
+                    os.kill(os.getpid(), signal.SIGSTOP)
             timeout = 30.0 if mode == "kill" else 6.0
             await g.all_reduce(x, timeout=timeout)
             print("OK", flush=True)

@@ -69,6 +69,19 @@ def test_demo_single_rank() -> None:
     assert "(bitwise identical: yes)" in proc.stdout
 
 
+def test_demo_fails_when_a_check_fails() -> None:
+    # Rank 1 feeds a wrong input to the first all_reduce: every rank must notice.
+    proc = run(
+        "-m", "p2pdist.demo", "-n", "2", "--steps", "2", "--bench-mib", "1", "--corrupt-rank", "1"
+    )  # fmt: skip
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert re.search(
+        r"^\[rank 0\] \[check\] all_reduce sum float32\[5,7\] +FAIL", proc.stdout, re.M
+    )
+    assert "FAILED across ranks" in proc.stdout
+    assert "p2pdist demo: FAILED" in proc.stdout
+
+
 def test_demo_rejects_bad_arguments() -> None:
     proc = run("-m", "p2pdist.cli", "demo", "-n", "0")
     assert proc.returncode == 2

@@ -116,3 +116,29 @@ async def test_cancelled_collective_breaks_the_group_loudly() -> None:
         # the peer learns it from the abort notice instead of waiting for its timeout
         with pytest.raises(GroupBrokenError, match="rank 0"):
             await b.all_reduce(np.ones(1 << 20), timeout=10)
+
+
+async def test_graceful_leave_blocks_collectives_but_not_other_pairs() -> None:
+    async with groups(3) as gs:
+        await gs[0].close()
+        x = np.arange(5.0)
+        await gs[1].send(x, 2)
+        np.testing.assert_array_equal(await gs[2].recv(1, like=x), x)
+        for g in gs[1:]:
+            for _ in range(100):  # the goodbye arrives asynchronously (bounded wait)
+                if g._left:
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(GroupBrokenError, match="rank 0 .* left"):
+                await g.all_reduce(x)
+        with pytest.raises(Exception, match="rank 0"):
+            await gs[1].recv(0, timeout=2)
+
+
+async def test_empty_collectives_retire_their_channels() -> None:
+    async with groups(2) as gs:
+        for _ in range(20):
+            await asyncio.gather(*(g.all_reduce(np.empty(0)) for g in gs))
+            await asyncio.gather(*(g.reduce_scatter(np.empty((0, 2))) for g in gs))
+        retired = gs[0].connection(1)._mailbox._retired  # type: ignore[attr-defined]
+        assert not retired._above.get(0), "retired channels did not compact"

@@ -21,6 +21,8 @@ class GroupConfig:
     """Arrays up to this size use the one-round direct algorithms instead of the ring."""
     chunk_bytes: int = 1 << 20
     """Ring and pipeline chunk size: transfer of one chunk overlaps reduction of the last."""
+    max_message_bytes: int = 16 << 30
+    """Largest array :meth:`Group.recv` allocates for a sender (without ``out=``)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
 
     def __post_init__(self) -> None:

@@ -44,6 +44,7 @@ _COLLECTIVE_SPACE = 0
 _P2P_SPACE = 1
 _CONTROL_CHANNEL = 0xFFFF << SPACE_SHIFT
 _P2P_CHUNK = 64 << 20
+_ATTRIBUTION_WINDOW = 0.25  # seconds a failing collective waits for other failure reports
 
 
 def _label(rank: int, eid: EndpointId) -> str:
@@ -93,6 +94,8 @@ class Group:
         self._p2p_sent: dict[int, int] = {}
         self._p2p_received: dict[int, int] = {}
         self._broken: BaseException | None = None
+        self._left: dict[int, BaseException] = {}
+        self._failure_log: list[str] = []
         self._started = False
         self._closing = False
         self._listeners: list[asyncio.Task[None]] = []
@@ -241,11 +244,10 @@ class Group:
         self._transport = transport
         try:
             await self._listen_on(transport)
-            async with asyncio.timeout(self.config.connect_timeout):
-                await asyncio.gather(
-                    self._accept_higher(transport),
-                    *(self._dial(transport, r) for r in range(self._rank)),
-                )
+            async with asyncio.timeout(self.config.connect_timeout), asyncio.TaskGroup() as tg:
+                tg.create_task(self._accept_higher(transport))
+                for r in range(self._rank):
+                    tg.create_task(self._dial(transport, r))
         except TimeoutError:
             missing = [r for r in range(self.size) if r != self._rank and r not in self._conns]
             await self.close()
@@ -254,6 +256,10 @@ class Group:
                 f"{self.peer_label(self._rank)}: forming the group took over "
                 f"{self.config.connect_timeout:g} s; no connection to {where}"
             ) from None
+        except BaseExceptionGroup as group:
+            await self.close()
+            first = group.exceptions[0]
+            raise first from None
         except BaseException:
             await self.close()
             raise
@@ -320,11 +326,13 @@ class Group:
         if error is None or self._closing:
             return
         if isinstance(error, ConnectionBrokenError) and error.graceful:
-            # A peer that closes on purpose is no failure until someone still needs it.
+            # A peer that closes on purpose is no failure until someone still needs it:
+            # later collectives refuse to start, a receive from it raises, the rest runs on.
             log.info("%s left the group", self.peer_label(rank))
-            self._break(error)
+            self._left.setdefault(rank, error)
             return
         log.warning("%s: connection ended: %s", self.peer_label(rank), error)
+        self._failure_log.append(str(error))
         self._break(error, notify=True)
 
     async def _listen_control(self, rank: int, conn: Connection) -> None:
@@ -336,9 +344,9 @@ class Group:
                     reason = str(body.get("abort", "no reason given"))
                 except Exception:
                     reason = "undecodable abort notice"
-                self._break(
-                    GroupBrokenError(f"{self.peer_label(rank)} aborted the group: {reason}")
-                )
+                notice = f"{self.peer_label(rank)} aborted the group: {reason}"
+                self._failure_log.append(notice)
+                self._break(GroupBrokenError(notice))
 
     def _break(self, error: BaseException, *, notify: bool = False) -> None:
         """Mark the group unusable and wake every waiter with ``error``."""
@@ -353,13 +361,31 @@ class Group:
         for conn in self._conns.values():
             conn.interrupt(error)
 
-    def _check_usable(self) -> None:
+    async def _attribute(self, err: ConnectionBrokenError) -> ConnectionBrokenError:
+        """Wait briefly for other reports, so the error names the root cause too.
+
+        When rank A dies, rank B may notice first, fail and exit; if B's own exit reaches
+        us before A's, "B lost" alone would send the user after the wrong rank. Abort
+        notices and other losses that arrive within the window are added to the message.
+        """
+        await asyncio.sleep(_ATTRIBUTION_WINDOW)
+        others = [f for f in self._failure_log if f != str(err)]
+        if not others:
+            return err
+        return ConnectionBrokenError(
+            err.peer, f"{err.args[0].split(': ', 1)[-1]}; also: " + "; ".join(others)
+        )
+
+    def _check_usable(self, *, collective: bool = True) -> None:
         if not self._started:
             raise UsageError("the group is not started; use `async with Group...` or start()")
         if self._broken is not None:
             if isinstance(self._broken, GroupBrokenError):
                 raise self._broken
             raise GroupBrokenError("the group is broken", self._broken)
+        if collective and self._left:
+            gone = ", ".join(self.peer_label(r) for r in sorted(self._left))
+            raise GroupBrokenError(f"collectives need every rank, but {gone} left the group")
 
     def _timeout_error(self, link: CollectiveLink, seconds: float) -> P2PError:
         what = f"{link.explain()} timed out after {seconds:g} s"
@@ -406,6 +432,11 @@ class Group:
         except (MismatchError, RemoteProtocolError) as err:
             self._break(err, notify=True)
             raise
+        except ConnectionBrokenError as err:
+            self._break(err, notify=True)
+            if err.graceful:
+                raise
+            raise await self._attribute(err) from err
         except P2PError as err:
             # Tell the others why, unless this failure is itself someone's abort notice.
             self._break(err, notify=not isinstance(err, GroupBrokenError))
@@ -442,7 +473,7 @@ class Group:
         work = _result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
         link = self._new_link(describe_call("all_reduce", op, arr.dtype.str, arr.shape))
-        if self.size == 1 or arr.size == 0:
+        if self.size == 1:
             if work is not arr:
                 np.copyto(work, arr)
             rop.finish(work, self.size)
@@ -490,7 +521,7 @@ class Group:
         result = _result_buffer(None, (r1 - r0, *arr.shape[1:]), arr.dtype, out)
         self._check_usable()
         link = self._new_link(describe_call("reduce_scatter", op, arr.dtype.str, arr.shape))
-        if self.size == 1 or arr.size == 0:
+        if self.size == 1:
             np.copyto(result, arr[r0:r1])
             rop.finish(result, self.size)
             return result
@@ -596,7 +627,7 @@ class Group:
         self._check_peer(dst, "dst")
         arr = _as_array(x)
         header = ArrayHeader.of(arr)
-        self._check_usable()
+        self._check_usable(collective=False)
         conn = self._conns[dst]
         index = self._p2p_sent.get(dst, 0)
         self._p2p_sent[dst] = index + 1
@@ -632,7 +663,7 @@ class Group:
         """
         self._check_peer(src, "src")
         want_dtype, want_shape = _expectation(like, shape, dtype, out)
-        self._check_usable()
+        self._check_usable(collective=False)
         conn = self._conns[src]
         index = self._p2p_received.get(src, 0)
         self._p2p_received[src] = index + 1
@@ -642,6 +673,14 @@ class Group:
             async with asyncio.timeout(seconds):
                 first = await conn.recv(channel)
                 header, count = _parse_p2p_meta(conn, first.meta)
+                if count != max(1, -(-header.nbytes // _P2P_CHUNK)):
+                    raise RemoteProtocolError(conn.label, "array chunk count does not match")
+                if header.nbytes > self.config.max_message_bytes and out is None:
+                    raise MismatchError(
+                        conn.label,
+                        f"sent {header.describe()} ({header.nbytes} bytes), over this group's "
+                        f"max_message_bytes={self.config.max_message_bytes}",
+                    )
                 mismatch = []
                 if want_dtype is not None and header.dtype != want_dtype:
                     mismatch.append(f"dtype {want_dtype}")

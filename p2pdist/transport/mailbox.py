@@ -111,7 +111,7 @@ class Mailbox:
             if frame is not None:
                 return frame
             if self._error is not None:
-                raise self._error
+                raise self._error.with_traceback(None)
             if channel in self._waiters:
                 raise UsageError(f"{self._label()}: two receivers on channel {channel:#x}")
             fut: asyncio.Future[None] = loop.create_future()

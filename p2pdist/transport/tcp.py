@@ -9,11 +9,13 @@ buffers (``asyncio.BufferedProtocol``), so bulk data is copied once by the kerne
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import secrets
 import socket
 import ssl
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +49,7 @@ __all__ = ["TcpConnection", "TcpTransport", "parse_address"]
 log = logging.getLogger(__name__)
 
 _SMALL_WRITE = 64 * 1024
+_WRITE_COPIES = sys.version_info < (3, 12)
 _HANDSHAKE_BUFFER_PAUSE = 1 << 20
 _PING = encode_header(FrameKind.PING)
 _PONG = encode_header(FrameKind.PONG)
@@ -191,7 +194,9 @@ class TcpConnection(asyncio.BufferedProtocol):
             t.write(header + mv.tobytes() if n else header)
         else:
             t.write(header)
-            t.write(mv)
+            # Python 3.12+ queues a reference to a buffer it could not send at once, so
+            # the caller could change bytes "already sent"; copy there. 3.11 copies itself.
+            t.write(mv if _WRITE_COPIES else mv.tobytes())
         self._stats.frames_sent += 1
         self._stats.bytes_sent += n + len(header)
         if self._keepalive is not None:
@@ -278,6 +283,8 @@ class TcpConnection(asyncio.BufferedProtocol):
                 self._on_frames(frames)
                 return
         except FrameError as exc:
+            if exc.frames:
+                self._on_frames(exc.frames)
             self._protocol_error(str(exc))
             return
         except Exception as exc:  # nothing may escape the receive path
@@ -336,10 +343,14 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._check_open()
 
     def _pause_reading(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.set_rx_paused(True, self._loop.time())
         if self._transport is not None and not self._transport.is_closing():
             self._transport.pause_reading()
 
     def _resume_reading(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.set_rx_paused(False, self._loop.time())
         if self._transport is not None and not self._transport.is_closing():
             self._transport.resume_reading()
 
@@ -450,8 +461,10 @@ class TcpConnection(asyncio.BufferedProtocol):
                 server_side=self._server_side,
                 ssl_handshake_timeout=self._cfg.handshake_timeout,
             )
-        except (ssl.SSLError, ConnectionError, OSError) as exc:
+        except ssl.SSLError as exc:
             raise PeerAuthenticationError(self.label, f"TLS handshake failed: {exc}") from None
+        except OSError as exc:  # reset or closed mid-handshake: a network failure
+            raise ConnectionBrokenError(self.label, f"lost during TLS handshake: {exc}") from None
         if new is None:
             raise ConnectionBrokenError(self.label, "connection lost during TLS handshake")
         assert isinstance(new, asyncio.Transport)
@@ -535,9 +548,8 @@ class TcpConnection(asyncio.BufferedProtocol):
         if mode != my_mode:
             refusal = f"this endpoint runs {my_mode!r}, the dialer asked for {mode!r}"
         elif want != bytes(owner.endpoint_id):
-            refusal = (
-                f"identity mismatch: expected {EndpointId(want)}, presented {owner.endpoint_id}"
-            )
+            wanted = base64.b32encode(want).decode().rstrip("=").lower()
+            refusal = f"identity mismatch: expected {wanted}, presented {owner.endpoint_id}"
         elif not owner.accepts(client):
             refusal = f"endpoint {client} is not allowed to connect here"
         cert = rec.get("cert")
@@ -582,6 +594,8 @@ class TcpConnection(asyncio.BufferedProtocol):
             try:
                 frames = self._decoder.feed(leftover)
             except FrameError as exc:
+                if exc.frames:
+                    self._on_frames(exc.frames)
                 self._protocol_error(str(exc))
                 return
             self._on_frames(frames)

@@ -210,12 +210,7 @@ class FrameDecoder:
             version, kind_raw, flags, meta_len, channel, seq, payload_len = HEADER.unpack_from(
                 self._scratch, s
             )
-            if version != VERSION:
-                raise FrameError(f"unsupported frame version {version} (expected {VERSION})")
-            try:
-                kind = FrameKind(kind_raw)
-            except ValueError:
-                raise FrameError(f"unknown frame kind {kind_raw}") from None
+            kind = _check_start(version, kind_raw)
             if meta_len > lim.max_meta:
                 raise FrameError(f"frame meta of {meta_len} bytes exceeds limit {lim.max_meta}")
             if payload_len > lim.max_payload:
@@ -245,5 +240,22 @@ class FrameDecoder:
             payload_view = memoryview(data) if payload_len else _EMPTY
             frames.append(Frame(kind, channel, seq, meta, payload_view, flags))
             self._start = pstart + payload_len
+        partial = self._end - self._start
+        if 0 < partial < HEADER.size:
+            # Refuse a bad version or kind as soon as its byte arrives: a stranger sending
+            # a short line (or nothing more) is refused at once, not when more bytes come.
+            s = self._start
+            kind_raw = self._scratch[s + 1] if partial > 1 else FrameKind.DATA  # not here yet
+            _check_start(self._scratch[s], kind_raw)
         if self._start == self._end:
             self._start = self._end = 0
+
+
+def _check_start(version: int, kind_raw: int) -> FrameKind:
+    """Validate a header's first two bytes."""
+    if version != VERSION:
+        raise FrameError(f"unsupported frame version {version} (expected {VERSION})")
+    try:
+        return FrameKind(kind_raw)
+    except ValueError:
+        raise FrameError(f"unknown frame kind {kind_raw}") from None

@@ -1,0 +1,418 @@
+"""Endpoint ids, secret keys, seed derivation, key files and certificates."""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import logging
+import os
+import re
+import stat
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.x509.oid import NameOID
+
+from p2pdist.errors import KeyFileError, UsageError
+from p2pdist.identity import EndpointId, SecretKey, derive_endpoint_ids
+from p2pdist.tls import TlsIdentity, endpoint_id_of_cert
+
+SEED = "test seed: correct horse battery staple"
+TEXT_FORM = re.compile(r"^[a-z2-7]{52}$")
+
+
+def some_keys(n: int = 5) -> list[SecretKey]:
+    return [SecretKey.from_seed(SEED, r) for r in range(n)] + [SecretKey.generate()]
+
+
+# ---- EndpointId text form -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", some_keys(), ids=lambda k: k.endpoint_id.short())
+def test_endpoint_id_text_round_trip(key: SecretKey) -> None:
+    eid = key.endpoint_id
+    text = str(eid)
+    assert TEXT_FORM.match(text), text
+    parsed = EndpointId.parse(text)
+    assert parsed == eid
+    assert bytes(parsed) == bytes(eid)
+    assert str(parsed) == text
+    assert hash(parsed) == hash(eid)
+    assert repr(eid) == f"EndpointId({text})"
+    assert EndpointId(bytes(eid)) == eid
+
+
+def test_endpoint_id_equality_and_hash() -> None:
+    a, b = SecretKey.from_seed(SEED, 0).endpoint_id, SecretKey.from_seed(SEED, 1).endpoint_id
+    assert a != b
+    assert a == EndpointId(bytes(a))
+    assert a != bytes(a)  # an id is not equal to its raw bytes
+    assert {a: 1, b: 2}[EndpointId.parse(str(b))] == 2
+
+
+def test_short_is_prefix_of_text_form() -> None:
+    eid = SecretKey.from_seed(SEED, 3).endpoint_id
+    assert len(eid.short()) == 10
+    assert str(eid).startswith(eid.short())
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "abc", "a" * 51, "a" * 53, "a" * 104],
+    ids=["empty", "short", "51", "53", "double"],
+)
+def test_parse_wrong_length(text: str) -> None:
+    with pytest.raises(UsageError, match="52 base32 characters"):
+        EndpointId.parse(text)
+
+
+@pytest.mark.parametrize("bad", ["0", "1", "8", "9", "!", "=", "é", "_"])
+def test_parse_bad_characters(bad: str) -> None:
+    good = str(SecretKey.from_seed(SEED, 0).endpoint_id)
+    text = good[:20] + bad + good[21:]
+    assert len(text) == 52
+    with pytest.raises(UsageError, match="not valid base32"):
+        EndpointId.parse(text)
+
+
+def test_parse_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        EndpointId.parse("nope")
+
+
+def test_parse_refuses_non_canonical_alias() -> None:
+    """52 characters hold 260 bits for a 256-bit key: the last 4 bits must be zero,
+    otherwise 16 different texts would name the same endpoint."""
+    eid = SecretKey.from_seed(SEED, 0).endpoint_id
+    text = str(eid)
+    alphabet = "abcdefghijklmnopqrstuvwxyz234567"
+    last = alphabet.index(text[-1])
+    assert last % 16 == 0  # canonical: low 4 bits clear
+    alias = text[:-1] + alphabet[last + 1]
+    with pytest.raises(UsageError, match="not canonical"):
+        EndpointId.parse(alias)
+
+
+def test_parse_refuses_non_str() -> None:
+    eid = SecretKey.from_seed(SEED, 0).endpoint_id
+    with pytest.raises(UsageError, match="must be str"):
+        EndpointId.parse(str(eid).encode())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x00" * 31, b"\x00" * 33, 12345, "x" * 32])
+def test_endpoint_id_from_bad_raw(raw: object) -> None:
+    with pytest.raises(UsageError, match="32 bytes"):
+        EndpointId(raw)  # type: ignore[arg-type]
+
+
+# ---- signatures -------------------------------------------------------------------------
+
+
+def test_sign_and_verify() -> None:
+    key, other = SecretKey.from_seed(SEED, 0), SecretKey.from_seed(SEED, 1)
+    msg = b"the message"
+    sig = key.sign(msg)
+    assert len(sig) == 64
+    assert key.endpoint_id.verify(sig, msg)
+    assert not key.endpoint_id.verify(sig, msg + b"!")
+    assert not key.endpoint_id.verify(sig, b"The message")
+    tampered = bytes([sig[0] ^ 1]) + sig[1:]
+    assert not key.endpoint_id.verify(tampered, msg)
+    assert not other.endpoint_id.verify(sig, msg)
+    assert not key.endpoint_id.verify(sig[:10], msg)
+    assert not key.endpoint_id.verify(b"", msg)
+
+
+# ---- seed derivation ----------------------------------------------------------------------
+
+
+def test_from_seed_is_deterministic() -> None:
+    a, b = SecretKey.from_seed(SEED, 2), SecretKey.from_seed(SEED, 2)
+    assert a.endpoint_id == b.endpoint_id
+    assert a.sign(b"x") == b.sign(b"x")  # Ed25519 is deterministic: same secret
+    assert SecretKey.from_seed(SEED.encode(), 2).endpoint_id == a.endpoint_id
+
+
+def test_from_seed_differs_per_rank_and_seed() -> None:
+    ids = {SecretKey.from_seed(SEED, r).endpoint_id for r in range(32)}
+    assert len(ids) == 32
+    other = {SecretKey.from_seed(SEED + "!", r).endpoint_id for r in range(32)}
+    assert not ids & other
+
+
+def test_from_seed_is_hkdf_sha256_as_specified() -> None:
+    """Pins the derivation so that every version of p2pdist agrees on the ids of a seed."""
+    for rank in (0, 1, 255, 256, 2**40):
+        hkdf = HKDF(
+            algorithm=hashes.SHA256(),
+            length=32,
+            salt=b"p2pdist/v1/seed-salt",
+            info=b"p2pdist/v1/rank-endpoint-key/" + rank.to_bytes(8, "big"),
+        )
+        expected = SecretKey.from_bytes(hkdf.derive(SEED.encode()))
+        assert SecretKey.from_seed(SEED, rank).endpoint_id == expected.endpoint_id
+
+
+def test_from_seed_is_not_seed_repetition() -> None:
+    """The flaw this replaces: a key made by repeating the seed bytes."""
+    seed = b"0123456789abcdef"
+    repeated = SecretKey.from_bytes((seed * 2)[:32])
+    assert SecretKey.from_seed(seed, 0).endpoint_id != repeated.endpoint_id
+
+
+@pytest.mark.parametrize("seed", ["", "short", b"1234567", "1234567"])
+def test_from_seed_rejects_short_seed(seed: str | bytes) -> None:
+    with pytest.raises(UsageError, match="at least 8 bytes"):
+        SecretKey.from_seed(seed, 0)
+
+
+def test_from_seed_accepts_eight_bytes() -> None:
+    assert SecretKey.from_seed(b"12345678", 0).endpoint_id
+
+
+@pytest.mark.parametrize("rank", [-1, -(2**70), True, 1.0, "1", 2**64])
+def test_from_seed_rejects_bad_rank(rank: object) -> None:
+    with pytest.raises(UsageError, match="rank"):
+        SecretKey.from_seed(SEED, rank)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", [10, 12345678901, None, 3.5])
+def test_from_seed_rejects_non_text_seed(seed: object) -> None:
+    # bytes(10) is ten zero bytes: an int must not silently become a (public) seed.
+    with pytest.raises(UsageError, match="seed must be str or bytes"):
+        SecretKey.from_seed(seed, 0)  # type: ignore[arg-type]
+
+
+def test_derive_endpoint_ids_matches_from_seed() -> None:
+    ids = derive_endpoint_ids(SEED, 6)
+    assert ids == [SecretKey.from_seed(SEED, r).endpoint_id for r in range(6)]
+    assert len(set(ids)) == 6
+    assert derive_endpoint_ids(SEED, 1) == ids[:1]
+    with pytest.raises(UsageError):
+        derive_endpoint_ids(SEED, 0)
+
+
+def test_from_bytes_round_trip() -> None:
+    key = SecretKey.generate()
+    raw = key.private_key().private_bytes_raw()
+    assert SecretKey.from_bytes(raw).endpoint_id == key.endpoint_id
+    with pytest.raises(UsageError, match="32 bytes"):
+        SecretKey.from_bytes(raw[:31])
+
+
+# ---- key files ------------------------------------------------------------------------------
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    key = SecretKey.generate()
+    path = tmp_path / "key.pem"
+    key.save(path)
+    assert mode_of(path) == 0o600
+    loaded = SecretKey.load(path)
+    assert loaded.endpoint_id == key.endpoint_id
+    assert loaded.sign(b"m") == key.sign(b"m")
+
+
+def test_save_mode_ignores_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        SecretKey.generate().save(tmp_path / "k")
+    finally:
+        os.umask(old)
+    assert mode_of(tmp_path / "k") == 0o600
+
+
+def test_save_refuses_to_overwrite(tmp_path: Path) -> None:
+    path = tmp_path / "key.pem"
+    first, second = SecretKey.generate(), SecretKey.generate()
+    first.save(path)
+    with pytest.raises(KeyFileError, match="overwrite=True"):
+        second.save(path)
+    assert SecretKey.load(path).endpoint_id == first.endpoint_id
+
+
+def test_save_overwrite_tightens_mode(tmp_path: Path) -> None:
+    path = tmp_path / "key.pem"
+    path.write_bytes(b"old")
+    path.chmod(0o644)
+    key = SecretKey.generate()
+    key.save(path, overwrite=True)
+    assert mode_of(path) == 0o600
+    assert SecretKey.load(path).endpoint_id == key.endpoint_id
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o700 | 0o010])
+def test_load_refuses_permissive_file(tmp_path: Path, mode: int) -> None:
+    path = tmp_path / "key.pem"
+    SecretKey.generate().save(path)
+    path.chmod(mode)
+    with pytest.raises(KeyFileError, match=f"chmod 600 {re.escape(str(path))}"):
+        SecretKey.load(path)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"garbage\n", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"],
+    ids=["empty", "text", "bad-pem"],
+)
+def test_load_garbage(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "key.pem"
+    path.write_bytes(content)
+    path.chmod(0o600)
+    with pytest.raises(KeyFileError, match="not an unencrypted PEM private key"):
+        SecretKey.load(path)
+
+
+def test_load_encrypted_key(tmp_path: Path) -> None:
+    path = tmp_path / "key.pem"
+    pem = (
+        SecretKey.generate()
+        .private_key()
+        .private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"pw"),
+        )
+    )
+    path.write_bytes(pem)
+    path.chmod(0o600)
+    with pytest.raises(KeyFileError):
+        SecretKey.load(path)
+
+
+def test_load_non_ed25519_key(tmp_path: Path) -> None:
+    path = tmp_path / "key.pem"
+    pem = ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    path.write_bytes(pem)
+    path.chmod(0o600)
+    with pytest.raises(KeyFileError, match="not an Ed25519 key"):
+        SecretKey.load(path)
+
+
+def test_load_missing_or_unreadable(tmp_path: Path) -> None:
+    with pytest.raises(KeyFileError, match="does not exist"):
+        SecretKey.load(tmp_path / "nope.pem")
+    d = tmp_path / "dir"
+    d.mkdir(mode=0o700)
+    with pytest.raises(KeyFileError, match="cannot read"):
+        SecretKey.load(d)
+
+
+# ---- secrets never shown ---------------------------------------------------------------------
+
+
+def secret_renderings(key: SecretKey) -> list[str]:
+    raw = key.private_key().private_bytes_raw()
+    pem_body = "".join(
+        key.private_key()
+        .private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        .decode()
+        .splitlines()[1:-1]
+    )
+    forms = [
+        raw.hex(),
+        raw.hex().upper(),
+        base64.b64encode(raw).decode(),
+        base64.urlsafe_b64encode(raw).decode(),
+        base64.b32encode(raw).decode().rstrip("=").lower(),
+        pem_body,
+        repr(raw),
+    ]
+    # Also any 16-character window of the encodings, in case something prints a prefix.
+    forms += [raw.hex()[:16], base64.b64encode(raw).decode()[:16]]
+    return [f.rstrip("=") for f in forms]
+
+
+def test_secret_key_repr_hides_secret() -> None:
+    key = SecretKey.from_seed(SEED, 0)
+    shown = [repr(key), str(key), f"{key}", f"{key!r}", repr([key]), repr({"k": key})]
+    for text in shown:
+        assert key.endpoint_id.short() in text
+        assert "hidden" in text
+        for secret in secret_renderings(key):
+            assert secret not in text, (secret, text)
+
+
+def test_secret_key_never_logged(caplog: pytest.LogCaptureFixture) -> None:
+    key = SecretKey.from_seed(SEED, 1)
+    log = logging.getLogger("p2pdist.test")
+    with caplog.at_level(logging.DEBUG, logger="p2pdist.test"):
+        log.info("key %s", key)
+        log.info("key %r", key)
+        log.info("keys %s", [key])
+        log.info(key)
+    assert caplog.text.count(key.endpoint_id.short()) == 4
+    for secret in secret_renderings(key):
+        assert secret not in caplog.text
+
+
+def test_secret_key_equality_by_identity() -> None:
+    a, b = SecretKey.from_seed(SEED, 0), SecretKey.from_seed(SEED, 0)
+    assert a == b and hash(a) == hash(b)
+    assert a != SecretKey.from_seed(SEED, 1)
+
+
+# ---- certificates ------------------------------------------------------------------------------
+
+
+def test_certificate_carries_endpoint_id() -> None:
+    key = SecretKey.from_seed(SEED, 0)
+    ident = TlsIdentity(key)
+    assert endpoint_id_of_cert(ident.cert_der) == key.endpoint_id
+    assert TlsIdentity(key).cert_der == ident.cert_der  # deterministic
+
+
+def test_endpoint_id_of_cert_refuses_other_key_types() -> None:
+    ec_key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "not p2pdist")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(ec_key.public_key())
+        .serial_number(1)
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .sign(ec_key, hashes.SHA256())
+    )
+    with pytest.raises(ValueError, match="not Ed25519"):
+        endpoint_id_of_cert(cert.public_bytes(serialization.Encoding.DER))
+
+
+def unknown_key_type_cert(key: SecretKey) -> bytes:
+    """The key's certificate with its public-key algorithm OID changed to an unknown one."""
+    der = bytearray(TlsIdentity(key).cert_der)
+    ed25519_oid = bytes.fromhex("06032b6570")  # 1.3.101.112
+    first = der.find(ed25519_oid)  # signature algorithm
+    spki = der.find(ed25519_oid, first + 1)  # subjectPublicKeyInfo algorithm
+    assert first >= 0 and spki > first
+    der[spki + 4] = 0x7F  # 1.3.101.127: no such key type
+    return bytes(der)
+
+
+@pytest.mark.parametrize(
+    "der",
+    [b"", b"\x30\x03\x02\x01\x00", b"garbage" * 10, unknown_key_type_cert(SecretKey.generate())],
+    ids=["empty", "tiny-der", "garbage", "unknown-key-type"],
+)
+def test_endpoint_id_of_cert_malformed_is_value_error(der: bytes) -> None:
+    """The DER comes from the peer: every failure must be the documented ValueError."""
+    with pytest.raises(ValueError):
+        endpoint_id_of_cert(der)
