@@ -59,6 +59,12 @@ def endpoint_id_of_cert(der: bytes) -> EndpointId:
         raise
     except Exception as exc:  # UnsupportedAlgorithm, TypeError on non-bytes, ...
         raise ValueError(f"unusable certificate: {exc}") from None
+    # cryptography parses lazily and more leniently than OpenSSL, which must load the same
+    # bytes for the TLS handshake: a certificate only one of them accepts is refused here.
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=der)
+    except (ssl.SSLError, ValueError) as exc:
+        raise ValueError(f"certificate refused by OpenSSL: {exc}") from None
     if not isinstance(pub, Ed25519PublicKey):
         raise ValueError(f"certificate key is {type(pub).__name__}, not Ed25519")
     return EndpointId(pub.public_bytes_raw())
@@ -103,10 +109,16 @@ class TlsIdentity:
 
     def server_context(self, client_cert_der: bytes) -> ssl.SSLContext:
         """Context for accepting one connection whose client must present exactly
-        ``client_cert_der`` and prove it holds that certificate's key."""
+        ``client_cert_der`` and prove it holds that certificate's key.
+
+        Raises ValueError when OpenSSL cannot load the certificate (check it with
+        :func:`endpoint_id_of_cert` first, which refuses such certificates)."""
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         ctx.verify_mode = ssl.CERT_REQUIRED
-        ctx.load_verify_locations(cadata=client_cert_der)
+        try:
+            ctx.load_verify_locations(cadata=client_cert_der)
+        except ssl.SSLError as exc:
+            raise ValueError(f"certificate refused by OpenSSL: {exc}") from None
         self._load_identity(ctx)
         return ctx

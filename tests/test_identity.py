@@ -407,10 +407,38 @@ def unknown_key_type_cert(key: SecretKey) -> bytes:
     return bytes(der)
 
 
+def bad_utf8_subject_cert(key: SecretKey) -> bytes:
+    """The key's certificate with invalid UTF-8 in its subject: cryptography still finds the
+    key (it parses names lazily) but OpenSSL refuses to load the certificate."""
+    der = bytearray(TlsIdentity(key).cert_der)
+    der[der.find(f"p2pdist {key.endpoint_id}".encode()) + 5] = 0xFF
+    return bytes(der)
+
+
+def test_openssl_refused_certificate_is_refused() -> None:
+    """Such a certificate used to pass endpoint_id_of_cert and then crash the TLS setup of
+    the accepting side (ssl.SSLError escaping its handshake task)."""
+    k = SecretKey.from_seed(SEED, 4)
+    der = bad_utf8_subject_cert(k)
+    assert x509.load_der_x509_certificate(der).public_key().public_bytes_raw() == bytes(
+        k.endpoint_id
+    )
+    with pytest.raises(ValueError, match="OpenSSL"):
+        endpoint_id_of_cert(der)
+    with pytest.raises(ValueError, match="OpenSSL"):
+        TlsIdentity(SecretKey.from_seed(SEED, 5)).server_context(der)
+
+
 @pytest.mark.parametrize(
     "der",
-    [b"", b"\x30\x03\x02\x01\x00", b"garbage" * 10, unknown_key_type_cert(SecretKey.generate())],
-    ids=["empty", "tiny-der", "garbage", "unknown-key-type"],
+    [
+        b"",
+        b"\x30\x03\x02\x01\x00",
+        b"garbage" * 10,
+        unknown_key_type_cert(SecretKey.generate()),
+        bad_utf8_subject_cert(SecretKey.generate()),
+    ],
+    ids=["empty", "tiny-der", "garbage", "unknown-key-type", "bad-utf8-subject"],
 )
 def test_endpoint_id_of_cert_malformed_is_value_error(der: bytes) -> None:
     """The DER comes from the peer: every failure must be the documented ValueError."""

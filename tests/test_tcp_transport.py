@@ -326,14 +326,22 @@ async def test_client_claiming_id_without_its_key_fails_tls(
         await assert_still_serving(server, addr, True)
 
 
-async def test_client_hello_with_unparsable_certificate_is_refused() -> None:
-    """A certificate whose key type cryptography does not know must be refused cleanly
-    (it used to escape the handshake task and leave the socket open)."""
+def mangled_cert(how: str) -> bytes:
     der = bytearray(TlsIdentity(key(2)).cert_der)
-    oid = bytes.fromhex("06032b6570")
-    der[der.find(oid, der.find(oid) + 1) + 4] = 0x7F  # unknown key algorithm
+    if how == "unknown-key-type":  # cryptography raises UnsupportedAlgorithm
+        oid = bytes.fromhex("06032b6570")
+        der[der.find(oid, der.find(oid) + 1) + 4] = 0x7F
+    else:  # invalid UTF-8 in the subject: cryptography finds the key, OpenSSL refuses
+        der[der.find(f"p2pdist {eid(2)}".encode()) + 5] = 0xFF
+    return bytes(der)
+
+
+@pytest.mark.parametrize("how", ["unknown-key-type", "bad-utf8-subject"])
+async def test_client_hello_with_unusable_certificate_is_refused(how: str) -> None:
+    """Certificates that cannot be used must be refused with an answer and a closed socket
+    (both used to escape the handshake task and leave the socket open)."""
     async with listening(True) as (server, addr):
-        rec, _ = hello(eid(2), server.endpoint_id, tls=True, cert=bytes(der))
+        rec, _ = hello(eid(2), server.endpoint_id, tls=True, cert=mangled_cert(how))
         reader, writer = await asyncio.open_connection(*addr)
         try:
             writer.write(encode_record(rec, first=True))

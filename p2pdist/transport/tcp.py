@@ -328,7 +328,7 @@ class TcpConnection(asyncio.BufferedProtocol):
         if self._closed_locally:
             raise ConnectionClosedError(f"connection to {self.label} was closed locally")
         if self._error is not None:
-            raise self._error
+            raise self._error.with_traceback(None)
         if self._handshaking:
             raise UsageError(f"connection to {self.label} is still handshaking")
 
@@ -441,7 +441,7 @@ class TcpConnection(asyncio.BufferedProtocol):
             if rec is not None:
                 return rec
             if self._error is not None:
-                raise self._error
+                raise self._error.with_traceback(None)
             self._hs_wakeup = self._loop.create_future()
             await self._hs_wakeup
 
