@@ -7,10 +7,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from group_helpers import groups
 
 from p2pdist import Group, MismatchError, UsageError
-
-from group_helpers import groups
 
 DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]
 

@@ -180,9 +180,12 @@ class TcpConnection(asyncio.BufferedProtocol):
     ) -> None:
         """Queue one message without waiting for the socket (for small control messages)."""
         self._check_open()
-        mv = memoryview(payload)
-        if mv.ndim != 1 or mv.itemsize != 1:
-            mv = mv.cast("B")
+        try:
+            mv = memoryview(payload)
+            if mv.ndim != 1 or mv.itemsize != 1:
+                mv = mv.cast("B")
+        except TypeError as exc:
+            raise UsageError(f"payload must be a C-contiguous bytes-like object: {exc}") from None
         n = mv.nbytes
         try:
             header = encode_header(FrameKind.DATA, channel, seq, meta, n, limits=self._cfg.limits)
@@ -619,7 +622,7 @@ class TcpTransport:
         self._label_for = label_for
         self._tls: TlsIdentity | None = None
         self._server: asyncio.Server | None = None
-        self._accepted: asyncio.Queue[TcpConnection] = asyncio.Queue()
+        self._accepted: asyncio.Queue[TcpConnection | None] = asyncio.Queue()  # None: closed
         self._connections: set[TcpConnection] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -683,7 +686,10 @@ class TcpTransport:
                 name, f"handshake with {host}:{port} took over {self.config.handshake_timeout} s"
             ) from None
         except OSError as exc:
-            raise ConnectionBrokenError(name, f"cannot connect to {host}:{port}: {exc}") from None
+            err = ConnectionBrokenError(name, f"cannot connect to {host}:{port}: {exc}")
+            if conn is not None:
+                conn.abort(err)
+            raise err from None
         except BaseException as exc:
             if conn is not None:
                 conn.abort(exc if isinstance(exc, P2PError) else ConnectionClosedError("cancelled"))
@@ -696,9 +702,13 @@ class TcpTransport:
             raise ConnectionClosedError("transport is closed")
         try:
             async with asyncio.timeout(timeout):
-                return await self._accepted.get()
+                conn = await self._accepted.get()
         except TimeoutError:
             raise P2PTimeoutError(f"no incoming connection within {timeout} s") from None
+        if conn is None:
+            self._accepted.put_nowait(None)  # wake the next waiter too
+            raise ConnectionClosedError("transport is closed")
+        return conn
 
     def _on_incoming(self, conn: TcpConnection) -> None:
         if self._closed:
@@ -721,6 +731,13 @@ class TcpTransport:
             conn.abort(exc)
             log.warning("refused incoming connection: %s", exc)
             return
+        except Exception as exc:  # never leave a half-open socket behind
+            log.exception("%s: incoming handshake failed", conn.label)
+            conn.abort(RemoteProtocolError(conn.label, f"handshake failed: {exc!r}"))
+            return
+        if self._closed:
+            conn.abort(ConnectionClosedError("transport is closed"))
+            return
         self._accepted.put_nowait(conn)
 
     def _forget(self, conn: TcpConnection) -> None:
@@ -733,11 +750,19 @@ class TcpTransport:
         self._closed = True
         if self._server is not None:
             self._server.close()
-        for task in list(self._handshakes):
+        handshakes = list(self._handshakes)
+        for task in handshakes:
             task.cancel()
+        if handshakes:
+            await asyncio.wait(handshakes, timeout=2.0)
         conns = list(self._connections)
-        if conns:
-            await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
         while not self._accepted.empty():
             c = self._accepted.get_nowait()
-            await c.close()
+            if c is not None:
+                conns.append(c)
+        if conns:
+            await asyncio.gather(*(c.close() for c in set(conns)), return_exceptions=True)
+        self._accepted.put_nowait(None)
+        if self._server is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
