@@ -68,7 +68,7 @@ def _cmd_keygen(args: argparse.Namespace, extra: list[str]) -> int:
     if args.seed:
         if args.out is not None or args.force:
             raise UsageError("keygen --seed takes neither --out nor --force")
-        print(secrets.token_urlsafe(32))
+        print(secrets.token_hex(32))  # hex: never starts with "-", safe as a CLI argument
         return 0
     key = SecretKey.generate()
     if args.out is not None:

@@ -211,7 +211,7 @@ def test_keygen_seed_prints_fresh_seed() -> None:
     assert first.returncode == 0 and second.returncode == 0
     seed = first.stdout.strip()
     assert len(seed) >= 40
-    assert re.fullmatch(r"[A-Za-z0-9_-]+", seed)
+    assert re.fullmatch(r"[0-9a-f]{64}", seed)
     assert seed != second.stdout.strip()
     ids = run_cli("id", "--seed", seed, "--world", "2")
     assert ids.returncode == 0, ids.stderr
