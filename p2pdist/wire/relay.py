@@ -1,0 +1,253 @@
+"""Relay protocol codec (sans-I/O): URLs, the HTTP upgrade, frames and the auth proof.
+
+A client reaches the relay over TCP + TLS, asks for an HTTP/1.1 upgrade to
+``p2pdist-relay`` (so the connection passes HTTP proxies and shares the HTTPS port with
+``/health`` and ``/metrics``), then both sides exchange frames::
+
+    type u8 | length u32 big-endian | body (length bytes, at most MAX_BODY)
+
+The full byte layouts are in docs/protocol.md ("Relay protocol").
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import msgpack
+
+from ..errors import UsageError
+from ..identity import ID_LEN, EndpointId
+
+__all__ = [
+    "MAX_BODY",
+    "RelayFrameDecoder",
+    "RelayFrameType",
+    "RelayProtocolError",
+    "RelayUrl",
+    "auth_message",
+    "decode_addressed",
+    "encode_addressed",
+    "encode_frame",
+    "parse_http_head",
+    "upgrade_request",
+    "upgrade_response",
+]
+
+VERSION = 1
+UPGRADE_TOKEN = "p2pdist-relay"
+UPGRADE_PATH = "/relay"
+MAX_BODY = 64 * 1024
+"""Largest frame body; a datagram may use MAX_BODY - 32 bytes."""
+MAX_DATAGRAM = MAX_BODY - ID_LEN
+MAX_HTTP_HEAD = 8 * 1024
+_HEAD = struct.Struct(">BI")
+
+
+class RelayProtocolError(ValueError):
+    """Bytes that break the relay protocol (the glue closes that connection)."""
+
+
+class RelayFrameType(enum.IntEnum):
+    """Relay frame types (see docs/protocol.md)."""
+
+    CHALLENGE = 0x01  # relay -> client: version u8 | challenge 32
+    AUTH = 0x02  # client -> relay: id 32 | signature 64 | token (rest, utf-8)
+    AUTH_OK = 0x03  # relay -> client: msgpack map (observed address, limits)
+    ERROR = 0x04  # relay -> client: utf-8 reason; the relay closes afterwards
+    SEND = 0x10  # client -> relay: destination id 32 | datagram
+    RECV = 0x11  # relay -> client: source id 32 | datagram
+    PEER_GONE = 0x12  # relay -> client: id 32 (the destination is not connected)
+    PING = 0x20  # either way: 8 opaque bytes
+    PONG = 0x21  # answer to PING: the same 8 bytes
+    RECONNECT = 0x30  # relay -> client: msgpack {"reason": str, "retry_after": float}
+
+
+def encode_frame(kind: RelayFrameType, body: bytes | bytearray | memoryview = b"") -> bytes:
+    """One frame; raises ValueError when ``body`` is over MAX_BODY."""
+    if len(body) > MAX_BODY:
+        raise ValueError(f"relay frame body of {len(body)} bytes exceeds {MAX_BODY}")
+    return _HEAD.pack(int(kind), len(body)) + bytes(body)
+
+
+def encode_addressed(kind: RelayFrameType, peer: EndpointId | bytes, datagram: bytes) -> bytes:
+    """A SEND (to ``peer``) or RECV (from ``peer``) frame carrying ``datagram``."""
+    return encode_frame(kind, bytes(peer) + datagram)
+
+
+def decode_addressed(body: bytes) -> tuple[bytes, bytes]:
+    """(peer id bytes, datagram) of a SEND or RECV body."""
+    if len(body) < ID_LEN:
+        raise RelayProtocolError("addressed frame shorter than an endpoint id")
+    return body[:ID_LEN], body[ID_LEN:]
+
+
+class RelayFrameDecoder:
+    """Incremental frame parser with a hard size limit."""
+
+    def __init__(self, max_body: int = MAX_BODY) -> None:
+        self._buf = bytearray()
+        self._max = max_body
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[tuple[RelayFrameType, bytes]]:
+        """Add received bytes; return every complete frame."""
+        self._buf += data
+        out: list[tuple[RelayFrameType, bytes]] = []
+        start = 0
+        buf = self._buf
+        while len(buf) - start >= _HEAD.size:
+            kind_raw, length = _HEAD.unpack_from(buf, start)
+            try:
+                kind = RelayFrameType(kind_raw)
+            except ValueError:
+                raise RelayProtocolError(f"unknown relay frame type {kind_raw:#x}") from None
+            if length > self._max:
+                raise RelayProtocolError(f"relay frame of {length} bytes exceeds {self._max}")
+            end = start + _HEAD.size + length
+            if end > len(buf):
+                break
+            out.append((kind, bytes(buf[start + _HEAD.size : end])))
+            start = end
+        del buf[:start]
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete frame held."""
+        return len(self._buf)
+
+
+def auth_message(cert_sha256: bytes, challenge: bytes, client_id: bytes) -> bytes:
+    """What a client signs to authenticate: bound to the relay's TLS certificate (as the
+    client saw it) and the relay's fresh challenge, so a proof can neither be replayed nor
+    forwarded to another relay."""
+    if len(cert_sha256) != 32 or len(challenge) != 32 or len(client_id) != ID_LEN:
+        raise ValueError("auth_message needs 32-byte hash, challenge and id")
+    return b"p2pdist/v1/relay-auth\x00" + cert_sha256 + challenge + client_id
+
+
+def cert_fingerprint(cert_der: bytes) -> bytes:
+    """SHA-256 of a DER certificate (what :func:`auth_message` binds to)."""
+    return hashlib.sha256(cert_der).digest()
+
+
+def encode_map(fields: dict[str, Any]) -> bytes:
+    """msgpack body for AUTH_OK and RECONNECT."""
+    return bytes(msgpack.packb(fields, use_bin_type=True))
+
+
+def decode_map(body: bytes) -> dict[str, Any]:
+    """Parse a msgpack map body; RelayProtocolError when it is not one."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise RelayProtocolError(f"undecodable relay control body: {exc}") from None
+    if not isinstance(obj, dict):
+        raise RelayProtocolError("relay control body must be a map")
+    return obj
+
+
+# ---- HTTP upgrade --------------------------------------------------------------------
+
+
+def upgrade_request(host: str) -> bytes:
+    """The client's HTTP/1.1 upgrade request."""
+    return (
+        f"GET {UPGRADE_PATH} HTTP/1.1\r\nHost: {host}\r\nConnection: Upgrade\r\n"
+        f"Upgrade: {UPGRADE_TOKEN}\r\nP2pdist-Relay-Version: {VERSION}\r\n\r\n"
+    ).encode("ascii")
+
+
+def upgrade_response() -> bytes:
+    """The relay's 101 answer."""
+    return (
+        f"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+        f"Upgrade: {UPGRADE_TOKEN}\r\n\r\n"
+    ).encode("ascii")
+
+
+@dataclass(frozen=True, slots=True)
+class HttpHead:
+    """A parsed request or status line plus headers (names lower-cased)."""
+
+    start_line: list[str]
+    headers: dict[str, str]
+
+    def header(self, name: str) -> str:
+        """Header value or ''."""
+        return self.headers.get(name.lower(), "")
+
+
+def parse_http_head(buf: bytes | bytearray) -> tuple[HttpHead, int] | None:
+    """Parse an HTTP/1.1 head from the start of ``buf``; returns (head, bytes used), or
+    None when more bytes are needed. RelayProtocolError for malformed or oversized heads."""
+    end = bytes(buf[: MAX_HTTP_HEAD + 4]).find(b"\r\n\r\n")
+    if end < 0:
+        if len(buf) > MAX_HTTP_HEAD:
+            raise RelayProtocolError("HTTP head too large")
+        return None
+    try:
+        text = bytes(buf[:end]).decode("latin-1")
+    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes everything
+        raise RelayProtocolError("undecodable HTTP head") from None
+    lines = text.split("\r\n")
+    start = lines[0].split(" ", 2)
+    if len(start) < 2:
+        raise RelayProtocolError(f"malformed HTTP start line {lines[0][:80]!r}")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not name.strip():
+            raise RelayProtocolError(f"malformed HTTP header {line[:80]!r}")
+        headers[name.strip().lower()] = value.strip()
+    return HttpHead(start, headers), end + 4
+
+
+# ---- URLs ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RelayUrl:
+    """Where a relay is and how to trust it.
+
+    ``https://host:port`` trusts the relay's certificate through the system CAs;
+    ``https://host:port/?pin=<endpoint id>`` trusts exactly the relay's own Ed25519 key
+    (a self-hosted relay without a CA). Verification is never switched off.
+    """
+
+    host: str
+    port: int
+    pin: EndpointId | None
+
+    @classmethod
+    def parse(cls, url: str) -> RelayUrl:
+        """Parse and validate; UsageError says what is wrong."""
+        if not isinstance(url, str):
+            raise UsageError(f"relay URL must be a string, got {type(url).__name__}")
+        parts = urlsplit(url.strip())
+        if parts.scheme != "https":
+            raise UsageError(f"relay URL must start with https://, got {url!r}")
+        if not parts.hostname:
+            raise UsageError(f"relay URL {url!r} has no host")
+        try:
+            port = parts.port or 443
+        except ValueError:
+            raise UsageError(f"relay URL {url!r} has a bad port") from None
+        query = parse_qs(parts.query)
+        unknown = set(query) - {"pin"}
+        if unknown:
+            raise UsageError(f"relay URL {url!r}: unknown parameter(s) {sorted(unknown)}")
+        pins = query.get("pin", [])
+        if len(pins) > 1:
+            raise UsageError(f"relay URL {url!r} has more than one pin")
+        pin = EndpointId.parse(pins[0]) if pins else None
+        return cls(parts.hostname, port, pin)
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        base = f"https://{host}:{self.port}/"
+        return base + (f"?pin={self.pin}" if self.pin else "")
