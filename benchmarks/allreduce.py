@@ -29,7 +29,6 @@ import os
 import platform
 import secrets
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from p2pdist.launch import pick_free_ports
 
 WORKER = Path(__file__).resolve().with_name("_allreduce_worker.py")
 DEFAULT_SIZES = ["4K", "64K", "1M", "16M", "64M"]
@@ -98,16 +99,7 @@ def default_iterations(nbytes: int) -> tuple[int, int]:
 
 def free_ports(count: int) -> list[int]:
     """Reserve ``count`` distinct free TCP ports on 127.0.0.1 by binding port 0."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return pick_free_ports("127.0.0.1", count)
 
 
 def torch_version() -> str | None:

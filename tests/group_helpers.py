@@ -4,25 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 from p2pdist import Group, GroupConfig, TransportConfig
+from p2pdist.launch import pick_free_ports
 
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free TCP ports on 127.0.0.1 (all bound at once, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return pick_free_ports("127.0.0.1", n)
 
 
 def loopback_peers(n: int) -> list[str]:

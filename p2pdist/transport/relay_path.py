@@ -1,0 +1,359 @@
+"""The relay path: one authenticated session to the home relay that carries datagrams.
+
+A :class:`RelayPath` keeps a session to the relay alive for as long as it runs:
+it dials (TCP + TLS + HTTP upgrade, docs/protocol.md section 8), proves our endpoint
+id, sends keepalives, and reconnects with exponential backoff and jitter when the
+session breaks or the relay asks clients to reconnect. Datagrams are best effort: while
+there is no session they are dropped and counted (QUIC above retransmits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import random
+import ssl
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from ..errors import ConnectionBrokenError, P2PTimeoutError, PeerAuthenticationError, UsageError
+from ..identity import EndpointId, SecretKey
+from ..tls import endpoint_id_of_cert
+from ..wire.relay import (
+    MAX_DATAGRAM,
+    RelayFrameType,
+    RelayProtocolError,
+    RelayUrl,
+    auth_message,
+    cert_fingerprint,
+    decode_addressed,
+    decode_map,
+    encode_addressed,
+    encode_frame,
+    parse_http_head,
+    upgrade_request,
+)
+
+__all__ = ["RelayConfig", "RelayPath", "RelayState", "RelayStatus"]
+
+log = logging.getLogger(__name__)
+_FRAME_HEAD = struct.Struct(">BI")
+
+
+class RelayState(enum.Enum):
+    """Where the session to the relay stands."""
+
+    CONNECTING = "connecting"
+    CONNECTED = "connected"
+    BACKOFF = "backoff"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class RelayConfig:
+    """Relay client settings (seconds and bytes)."""
+
+    connect_timeout: float = 10.0
+    """Bound on TCP + TLS + upgrade + authentication of one attempt."""
+    backoff_initial: float = 0.1
+    backoff_max: float = 10.0
+    keepalive: float | None = None
+    """PING interval; None takes the relay's advertised value."""
+    send_buffer: int = 4 << 20
+    """Bytes queued towards the relay beyond which new datagrams are dropped."""
+
+
+@dataclass(frozen=True, slots=True)
+class RelayStatus:
+    """A snapshot of the relay session, for callers and ``p2pdist doctor``."""
+
+    url: str
+    state: RelayState
+    observed: str | None = None
+    """Our ip:port as the relay sees it."""
+    rtt: float | None = None
+    """Last PING round trip, seconds."""
+    connects: int = 0
+    last_error: str | None = None
+    datagrams_sent: int = 0
+    datagrams_received: int = 0
+    dropped: int = 0
+    """Datagrams dropped here (no session, or the send buffer full)."""
+    limits: dict[str, float] = field(default_factory=dict)
+
+
+class RelayPath:
+    """Datagrams to and from peers through one relay, addressed by endpoint id."""
+
+    def __init__(
+        self,
+        key: SecretKey,
+        url: str | RelayUrl,
+        *,
+        token: str | None = None,
+        config: RelayConfig | None = None,
+    ) -> None:
+        self._key = key
+        self.url = url if isinstance(url, RelayUrl) else RelayUrl.parse(url)
+        self._token = token or ""
+        self.config = config or RelayConfig()
+        self.on_datagram: Callable[[EndpointId, bytes], None] | None = None
+        self.on_peer_gone: Callable[[EndpointId], None] | None = None
+        self.max_datagram = MAX_DATAGRAM
+        self._status = RelayStatus(str(self.url), RelayState.CONNECTING)
+        self._writer: asyncio.StreamWriter | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()
+        self._closed = False
+        self._ping_sent: dict[bytes, float] = {}
+
+    # ---- public -------------------------------------------------------------------
+
+    @property
+    def endpoint_id(self) -> EndpointId:
+        """Our endpoint id."""
+        return self._key.endpoint_id
+
+    @property
+    def status(self) -> RelayStatus:
+        """The session's current state and counters."""
+        return self._status
+
+    def start(self) -> None:
+        """Begin (and keep) the session in the background."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def wait_connected(self, timeout: float) -> None:
+        """Wait until a session is up; the error names the last failure."""
+        self.start()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._connected.wait()
+        except TimeoutError:
+            why = self._status.last_error or "no answer"
+            raise P2PTimeoutError(
+                f"relay {self.url}: no session within {timeout:g} s ({why})"
+            ) from None
+
+    def send(self, dst: EndpointId, datagram: bytes) -> None:
+        """Send one datagram to ``dst`` through the relay (best effort)."""
+        if len(datagram) > self.max_datagram:
+            raise UsageError(f"datagram of {len(datagram)} bytes exceeds {self.max_datagram}")
+        w = self._writer
+        if (
+            w is None
+            or w.is_closing()
+            or w.transport.get_write_buffer_size() > self.config.send_buffer
+        ):
+            self._count(dropped=1)
+            return
+        w.write(encode_addressed(RelayFrameType.SEND, dst, datagram))
+        self._count(sent=1)
+
+    async def close(self) -> None:
+        """End the session and stop reconnecting."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        self._set(state=RelayState.CLOSED)
+
+    # ---- session loop -------------------------------------------------------------------
+
+    def _set(self, **changes: object) -> None:
+        self._status = replace(self._status, **changes)  # type: ignore[arg-type]
+
+    def _count(self, *, sent: int = 0, received: int = 0, dropped: int = 0) -> None:
+        s = self._status
+        self._status = replace(
+            s,
+            datagrams_sent=s.datagrams_sent + sent,
+            datagrams_received=s.datagrams_received + received,
+            dropped=s.dropped + dropped,
+        )
+
+    async def _run(self) -> None:
+        delay = self.config.backoff_initial
+        while not self._closed:
+            self._set(state=RelayState.CONNECTING)
+            started = time.monotonic()
+            retry_after: float | None = None
+            try:
+                retry_after = await self._session()
+            except (
+                OSError,
+                ssl.SSLError,
+                RelayProtocolError,
+                ConnectionBrokenError,
+                PeerAuthenticationError,
+                TimeoutError,
+                asyncio.IncompleteReadError,
+            ) as exc:
+                msg = str(exc) or type(exc).__name__
+                self._set(last_error=msg)
+                log.info("relay %s: session ended: %s", self.url, msg)
+            finally:
+                self._connected.clear()
+                self._writer = None
+            if self._closed:
+                break
+            if time.monotonic() - started > 10 * self.config.backoff_max:
+                delay = self.config.backoff_initial  # a long good session resets the backoff
+            wait = retry_after if retry_after is not None else random.uniform(0, delay)
+            delay = min(delay * 2, self.config.backoff_max)
+            self._set(state=RelayState.BACKOFF)
+            await asyncio.sleep(wait)
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        url = self.url
+        if url.pin is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE  # the pin below is the verification
+            server_hostname = None
+        else:
+            ctx = ssl.create_default_context()
+            server_hostname = url.host
+        reader, writer = await asyncio.open_connection(
+            url.host, url.port, ssl=ctx, server_hostname=server_hostname, limit=1 << 17
+        )
+        sslobj = writer.get_extra_info("ssl_object")
+        der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
+        if not der:
+            writer.close()
+            raise PeerAuthenticationError(f"relay {url}", "presented no certificate")
+        if url.pin is not None:
+            try:
+                presented = endpoint_id_of_cert(der)
+            except ValueError as exc:
+                writer.close()
+                raise PeerAuthenticationError(f"relay {url}", f"bad certificate: {exc}") from None
+            if presented != url.pin:
+                writer.close()
+                raise PeerAuthenticationError(
+                    f"relay {url}", f"identity mismatch: expected {url.pin}, presented {presented}"
+                )
+        self._cert_hash = cert_fingerprint(der)
+        return reader, writer
+
+    async def _read_frame(self, reader: asyncio.StreamReader) -> tuple[RelayFrameType, bytes]:
+        head = await reader.readexactly(_FRAME_HEAD.size)
+        kind_raw, length = _FRAME_HEAD.unpack(head)
+        try:
+            kind = RelayFrameType(kind_raw)
+        except ValueError:
+            raise RelayProtocolError(f"unknown relay frame type {kind_raw:#x}") from None
+        if length > MAX_DATAGRAM + 32:
+            raise RelayProtocolError(f"relay frame of {length} bytes is too large")
+        return kind, await reader.readexactly(length)
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> float:
+        """Upgrade and authenticate; returns the keepalive interval."""
+        writer.write(upgrade_request(self.url.host))
+        head_bytes = await reader.readuntil(b"\r\n\r\n")
+        parsed = parse_http_head(head_bytes)
+        if parsed is None or parsed[0].start_line[1:2] != ["101"]:
+            line = " ".join(parsed[0].start_line) if parsed else "?"
+            raise RelayProtocolError(f"relay refused the upgrade: {line}")
+        kind, body = await self._read_frame(reader)
+        if kind is not RelayFrameType.CHALLENGE or len(body) != 33 or body[0] != 1:
+            raise RelayProtocolError("relay did not send a version-1 challenge")
+        me = bytes(self.endpoint_id)
+        sig = self._key.sign(auth_message(self._cert_hash, body[1:], me))
+        writer.write(encode_frame(RelayFrameType.AUTH, me + sig + self._token.encode()))
+        kind, body = await self._read_frame(reader)
+        if kind is RelayFrameType.ERROR:
+            raise PeerAuthenticationError(
+                f"relay {self.url}", f"refused us: {body.decode('utf-8', 'replace')}"
+            )
+        if kind is not RelayFrameType.AUTH_OK:
+            raise RelayProtocolError(f"expected AUTH_OK, got {kind.name}")
+        info = decode_map(body)
+        max_dgram = info.get("max_datagram")
+        if isinstance(max_dgram, int) and 1200 <= max_dgram <= MAX_DATAGRAM:
+            self.max_datagram = max_dgram
+        keepalive = info.get("keepalive")
+        interval = self.config.keepalive or (
+            float(keepalive) if isinstance(keepalive, int | float) and keepalive > 0 else 5.0
+        )
+        limits = {k: float(v) for k, v in info.items() if isinstance(v, int | float)}
+        observed = info.get("observed")
+        self._set(
+            state=RelayState.CONNECTED,
+            observed=observed if isinstance(observed, str) else None,
+            connects=self._status.connects + 1,
+            last_error=None,
+            limits=limits,
+        )
+        return interval
+
+    async def _session(self) -> float | None:
+        """One session; returns the relay's retry_after when it asked us to reconnect."""
+        async with asyncio.timeout(self.config.connect_timeout):
+            reader, writer = await self._open()
+        try:
+            async with asyncio.timeout(self.config.connect_timeout):
+                interval = await self._handshake(reader, writer)
+            self._writer = writer
+            self._connected.set()
+            log.info("relay %s: connected as %s", self.url, self.endpoint_id.short())
+            pinger = asyncio.get_running_loop().create_task(self._keepalive(writer, interval))
+            try:
+                return await self._receive(reader, writer, interval)
+            finally:
+                pinger.cancel()
+        finally:
+            writer.close()
+
+    async def _keepalive(self, writer: asyncio.StreamWriter, interval: float) -> None:
+        while not writer.is_closing():
+            await asyncio.sleep(interval)
+            nonce = random.randbytes(8)
+            self._ping_sent = {nonce: time.monotonic()}
+            writer.write(encode_frame(RelayFrameType.PING, nonce))
+
+    async def _receive(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, interval: float
+    ) -> float | None:
+        while True:
+            try:
+                async with asyncio.timeout(3 * interval):
+                    kind, body = await self._read_frame(reader)
+            except TimeoutError:
+                raise ConnectionBrokenError(
+                    f"relay {self.url}", f"silent for {3 * interval:g} s"
+                ) from None
+            if kind is RelayFrameType.RECV:
+                src, datagram = decode_addressed(body)
+                self._count(received=1)
+                if self.on_datagram is not None:
+                    self.on_datagram(EndpointId(src), datagram)
+            elif kind is RelayFrameType.PEER_GONE:
+                if len(body) == 32 and self.on_peer_gone is not None:
+                    self.on_peer_gone(EndpointId(body))
+            elif kind is RelayFrameType.PING:
+                writer.write(encode_frame(RelayFrameType.PONG, body))
+            elif kind is RelayFrameType.PONG:
+                sent = self._ping_sent.pop(body, None)
+                if sent is not None:
+                    self._set(rtt=time.monotonic() - sent)
+            elif kind is RelayFrameType.RECONNECT:
+                info = decode_map(body)
+                after = info.get("retry_after", 0.5)
+                reason = info.get("reason", "relay asked clients to reconnect")
+                self._set(last_error=f"relay going away: {reason}")
+                log.info("relay %s asks clients to reconnect: %s", self.url, reason)
+                return max(0.0, min(float(after), 60.0)) if isinstance(after, int | float) else 0.5
+            elif kind is RelayFrameType.ERROR:
+                raise ConnectionBrokenError(
+                    f"relay {self.url}", body.decode("utf-8", "replace") or "error"
+                )
+            else:
+                raise RelayProtocolError(f"unexpected {kind.name} from the relay")
