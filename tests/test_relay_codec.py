@@ -1,0 +1,149 @@
+"""Relay frame, HTTP upgrade, URL and STUN codecs: whole, byte by byte, and fuzzed."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from p2pdist import SecretKey, UsageError
+from p2pdist.wire import stun
+from p2pdist.wire.relay import (
+    MAX_BODY,
+    RelayFrameDecoder,
+    RelayFrameType,
+    RelayProtocolError,
+    RelayUrl,
+    auth_message,
+    decode_addressed,
+    encode_addressed,
+    encode_frame,
+    parse_http_head,
+    upgrade_request,
+    upgrade_response,
+)
+
+KEY = SecretKey.from_seed("relay-codec-seed-0123", 0)
+
+
+def test_frames_round_trip_whole_and_byte_by_byte() -> None:
+    frames = [
+        (RelayFrameType.CHALLENGE, b"\x01" + bytes(32)),
+        (RelayFrameType.SEND, bytes(KEY.endpoint_id) + b"datagram"),
+        (RelayFrameType.PING, b"12345678"),
+        (RelayFrameType.RECONNECT, b""),
+        (RelayFrameType.RECV, bytes(32) + bytes(MAX_BODY - 32)),
+    ]
+    data = b"".join(encode_frame(k, b) for k, b in frames)
+    assert RelayFrameDecoder().feed(data) == frames
+    dec = RelayFrameDecoder()
+    got = []
+    for i in range(len(data)):
+        got += dec.feed(data[i : i + 1])
+    assert got == frames and dec.pending == 0
+
+
+def test_frame_limits_and_garbage() -> None:
+    with pytest.raises(ValueError):
+        encode_frame(RelayFrameType.SEND, bytes(MAX_BODY + 1))
+    with pytest.raises(RelayProtocolError, match="exceeds"):
+        RelayFrameDecoder().feed(b"\x10" + (MAX_BODY + 1).to_bytes(4, "big"))
+    good = encode_frame(RelayFrameType.PING, b"abcdefgh")
+    with pytest.raises(RelayProtocolError, match="unknown relay frame type"):
+        RelayFrameDecoder().feed(good + b"\xee\x00\x00\x00\x00")
+    assert RelayFrameDecoder().feed(good[:-1]) == []  # truncated: waits for more
+
+
+def test_addressed_frames() -> None:
+    frame = encode_addressed(RelayFrameType.SEND, KEY.endpoint_id, b"xyz")
+    ((kind, body),) = RelayFrameDecoder().feed(frame)
+    assert kind is RelayFrameType.SEND
+    assert decode_addressed(body) == (bytes(KEY.endpoint_id), b"xyz")
+    with pytest.raises(RelayProtocolError):
+        decode_addressed(b"short")
+
+
+@given(st.binary(max_size=300), st.integers(min_value=1, max_value=50))
+def test_decoder_never_raises_anything_but_protocol_errors(data: bytes, step: int) -> None:
+    dec = RelayFrameDecoder()
+    try:
+        for i in range(0, len(data), step):
+            for kind, body in dec.feed(data[i : i + step]):
+                assert isinstance(kind, RelayFrameType) and len(body) <= MAX_BODY
+    except RelayProtocolError:
+        pass
+
+
+def test_auth_message_binds_everything() -> None:
+    base = auth_message(b"h" * 32, b"c" * 32, b"i" * 32)
+    assert base != auth_message(b"H" * 32, b"c" * 32, b"i" * 32)
+    assert base != auth_message(b"h" * 32, b"C" * 32, b"i" * 32)
+    assert base != auth_message(b"h" * 32, b"c" * 32, b"I" * 32)
+    with pytest.raises(ValueError):
+        auth_message(b"short", b"c" * 32, b"i" * 32)
+
+
+def test_http_upgrade_heads() -> None:
+    req = upgrade_request("relay.example")
+    parsed = parse_http_head(req + b"\x01\x02")
+    assert parsed is not None
+    head, used = parsed
+    assert used == len(req)
+    assert head.start_line[:2] == ["GET", "/relay"]
+    assert head.header("Upgrade") == "p2pdist-relay"
+    resp = parse_http_head(upgrade_response())
+    assert resp is not None and resp[0].start_line[1] == "101"
+    assert parse_http_head(req[:-2]) is None
+    with pytest.raises(RelayProtocolError, match="too large"):
+        parse_http_head(b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 2000)
+    with pytest.raises(RelayProtocolError):
+        parse_http_head(b"GET / HTTP/1.1\r\nno colon here\r\n\r\n")
+
+
+def test_relay_urls() -> None:
+    eid = KEY.endpoint_id
+    url = RelayUrl.parse(f"https://127.0.0.1:8443/?pin={eid}")
+    assert (url.host, url.port, url.pin) == ("127.0.0.1", 8443, eid)
+    assert RelayUrl.parse(str(url)) == url
+    plain = RelayUrl.parse("https://relay.example.com")
+    assert (plain.port, plain.pin) == (443, None)
+    v6 = RelayUrl.parse(f"https://[::1]:9/?pin={eid}")
+    assert v6.host == "::1" and RelayUrl.parse(str(v6)) == v6
+    for bad in [
+        "http://x",
+        "https://",
+        "https://x:99999",
+        "https://x/?pin=abc",
+        "https://x/?token=1",
+        f"https://x/?pin={eid}&pin={eid}",
+    ]:
+        with pytest.raises(UsageError):
+            RelayUrl.parse(bad)
+
+
+def test_stun_binding_round_trip_and_rejections() -> None:
+    txid = stun.new_transaction_id()
+    req = stun.binding_request(txid)
+    assert len(req) == 20 and stun.parse_binding_request(req) == txid
+    for ip, port in [("203.0.113.7", 40000), ("2001:db8::1", 1)]:
+        resp = stun.binding_response(txid, ip, port)
+        assert stun.parse_binding_response(resp, txid) == (ip, port)
+    resp = stun.binding_response(txid, "198.51.100.1", 5)
+    with pytest.raises(stun.StunError, match="another transaction"):
+        stun.parse_binding_response(resp, stun.new_transaction_id())
+    with pytest.raises(stun.StunError):
+        stun.parse_binding_request(resp)  # a response is not a request
+    with pytest.raises(stun.StunError):
+        stun.parse_binding_request(b"GET / HTTP/1.1\r\n\r\n")
+    with pytest.raises(stun.StunError):
+        stun.parse_binding_request(req + b"junk")  # length field disagrees
+
+
+@given(st.binary(max_size=200))
+def test_stun_parsers_only_raise_stun_errors(data: bytes) -> None:
+    txid = bytes(12)
+    for parse in (stun.parse_binding_request, lambda d: stun.parse_binding_response(d, txid)):
+        with contextlib.suppress(stun.StunError):
+            parse(data)
