@@ -29,8 +29,9 @@ from ..identity import EndpointId, SecretKey
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.mailbox import SPACE_SHIFT
 from ..transport.tcp import TcpTransport, parse_address
-from ..wire.arrays import ArrayHeader, ArrayHeaderError, check_dtype
 from . import algorithms as alg
+from . import p2p
+from .buffers import as_array, expectation, result_buffer
 from .config import GroupConfig
 from .link import CollectiveLink, describe_call
 from .ops import reduce_op
@@ -43,7 +44,6 @@ T = TypeVar("T")
 _COLLECTIVE_SPACE = 0
 _P2P_SPACE = 1
 _CONTROL_CHANNEL = 0xFFFF << SPACE_SHIFT
-_P2P_CHUNK = 64 << 20
 _ATTRIBUTION_WINDOW = 0.25  # seconds a failing collective waits for other failure reports
 
 
@@ -468,9 +468,9 @@ class Group:
         ``op`` is one of sum, mean (floating dtypes), max, min, prod. The result is written
         to ``out`` when given (it may be ``x`` itself) and returned.
         """
-        arr = _as_array(x)
+        arr = as_array(x)
         rop = reduce_op(op, arr.dtype)
-        work = _result_buffer(arr, arr.shape, arr.dtype, out)
+        work = result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
         link = self._new_link(describe_call("all_reduce", op, arr.dtype.str, arr.shape))
         if self.size == 1:
@@ -510,7 +510,7 @@ class Group:
         The pieces split axis 0 the way ``numpy.array_split(result, size)`` does, so rank r
         gets ``array_split(reduced, size)[r]`` (pieces may be empty when the axis is short).
         """
-        arr = _as_array(x)
+        arr = as_array(x)
         if arr.ndim == 0:
             raise UsageError("reduce_scatter needs an array with at least one dimension")
         rop = reduce_op(op, arr.dtype)
@@ -518,7 +518,7 @@ class Group:
         row_items = int(np.prod(arr.shape[1:], dtype=np.int64))
         bounds = [(a * row_items, b * row_items) for a, b in rows]
         r0, r1 = rows[self._rank]
-        result = _result_buffer(None, (r1 - r0, *arr.shape[1:]), arr.dtype, out)
+        result = result_buffer(None, (r1 - r0, *arr.shape[1:]), arr.dtype, out)
         self._check_usable()
         link = self._new_link(describe_call("reduce_scatter", op, arr.dtype.str, arr.shape))
         if self.size == 1:
@@ -550,8 +550,8 @@ class Group:
 
         All ranks must pass the same dtype and shape (checked).
         """
-        arr = _as_array(x)
-        result = _result_buffer(None, (self.size, *arr.shape), arr.dtype, out)
+        arr = as_array(x)
+        result = result_buffer(None, (self.size, *arr.shape), arr.dtype, out)
         self._check_usable()
         link = self._new_link(describe_call("all_gather", "", arr.dtype.str, arr.shape))
         if self.size == 1:
@@ -583,8 +583,8 @@ class Group:
         """Rank ``src``'s ``x`` on every rank. Other ranks' ``x`` gives the expected dtype and
         shape (checked against ``src``'s)."""
         self._check_rank(src, "src")
-        arr = _as_array(x)
-        work = _result_buffer(arr, arr.shape, arr.dtype, out)
+        arr = as_array(x)
+        work = result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
         link = self._new_link(describe_call("broadcast", "", arr.dtype.str, arr.shape, src))
         if self._rank == src and work is not arr:
@@ -625,25 +625,12 @@ class Group:
     async def send(self, x: np.ndarray, dst: int, *, timeout: float | None = None) -> None:
         """Send ``x`` to rank ``dst`` (matched in order by ``dst``'s :meth:`recv`)."""
         self._check_peer(dst, "dst")
-        arr = _as_array(x)
-        header = ArrayHeader.of(arr)
+        arr = as_array(x)
         self._check_usable(collective=False)
-        conn = self._conns[dst]
         index = self._p2p_sent.get(dst, 0)
         self._p2p_sent[dst] = index + 1
         channel = (_P2P_SPACE << SPACE_SHIFT) | index
-        data = arr.reshape(-1).data.cast("B") if arr.size else memoryview(b"")
-        pieces = [data[i : i + _P2P_CHUNK] for i in range(0, data.nbytes, _P2P_CHUNK)] or [data]
-        meta = bytes(msgpack.packb([header.to_wire(), len(pieces)], use_bin_type=True))
-        seconds = self.config.timeout if timeout is None else timeout
-        try:
-            async with asyncio.timeout(seconds):
-                for seq, piece in enumerate(pieces):
-                    await conn.send(channel, piece, meta=meta if seq == 0 else b"", seq=seq)
-        except TimeoutError:
-            raise PeerTimeoutError(
-                conn.label, f"send of {header.describe()} did not drain within {seconds:g} s"
-            ) from None
+        await p2p.send_array(self._conns[dst], channel, arr, self._seconds(timeout))
 
     async def recv(
         self,
@@ -662,124 +649,30 @@ class Group:
         naming the sender; the message is discarded and the link stays usable.
         """
         self._check_peer(src, "src")
-        want_dtype, want_shape = _expectation(like, shape, dtype, out)
+        want = expectation(like, shape, dtype, out)
         self._check_usable(collective=False)
-        conn = self._conns[src]
         index = self._p2p_received.get(src, 0)
         self._p2p_received[src] = index + 1
         channel = (_P2P_SPACE << SPACE_SHIFT) | index
-        seconds = self.config.timeout if timeout is None else timeout
         try:
-            async with asyncio.timeout(seconds):
-                first = await conn.recv(channel)
-                header, count = _parse_p2p_meta(conn, first.meta)
-                if count != max(1, -(-header.nbytes // _P2P_CHUNK)):
-                    raise RemoteProtocolError(conn.label, "array chunk count does not match")
-                if header.nbytes > self.config.max_message_bytes and out is None:
-                    raise MismatchError(
-                        conn.label,
-                        f"sent {header.describe()} ({header.nbytes} bytes), over this group's "
-                        f"max_message_bytes={self.config.max_message_bytes}",
-                    )
-                mismatch = []
-                if want_dtype is not None and header.dtype != want_dtype:
-                    mismatch.append(f"dtype {want_dtype}")
-                if want_shape is not None and header.shape != want_shape:
-                    mismatch.append(f"shape {list(want_shape)}")
-                if mismatch:
-                    raise MismatchError(
-                        conn.label,
-                        f"sent {header.describe()} but recv expected {' and '.join(mismatch)}",
-                    )
-                result = out if out is not None else np.empty(header.shape, header.dtype)
-                flat = result.reshape(-1).view(np.uint8) if result.size else None
-                filled, frame = 0, first
-                for seq in range(count):
-                    if seq:
-                        frame = await conn.recv(channel)
-                    n = frame.payload.nbytes
-                    if frame.seq != seq or filled + n > header.nbytes:
-                        raise RemoteProtocolError(conn.label, "malformed array message")
-                    if n and flat is not None:
-                        flat[filled : filled + n] = np.frombuffer(frame.payload, np.uint8)
-                    filled += n
-                if filled != header.nbytes:
-                    raise RemoteProtocolError(conn.label, "array message shorter than its header")
-                return result
-        except TimeoutError:
-            raise PeerTimeoutError(conn.label, f"recv got no array within {seconds:g} s") from None
+            return await p2p.recv_array(
+                self._conns[src],
+                channel,
+                want,
+                out,
+                self._seconds(timeout),
+                self.config.max_message_bytes,
+            )
         except RemoteProtocolError as err:
             self._break(err, notify=True)
             raise
-        finally:
-            conn.retire(channel)
+
+    def _seconds(self, timeout: float | None) -> float:
+        seconds = self.config.timeout if timeout is None else timeout
+        if seconds <= 0:
+            raise UsageError(f"timeout must be positive, got {seconds}")
+        return seconds
 
 
 def _fields(obj: Any) -> dict[str, Any]:
     return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
-
-
-def _as_array(x: Any) -> np.ndarray:
-    """A C-contiguous ndarray view of ``x`` (copying only when needed), dtype checked."""
-    if not isinstance(x, np.ndarray):
-        if hasattr(x, "__cuda_array_interface__"):
-            raise UsageError("CuPy arrays are not supported yet; pass a numpy array")
-        x = np.asarray(x)
-    try:
-        check_dtype(x.dtype)
-    except ArrayHeaderError as exc:
-        raise UsageError(str(exc)) from None
-    if x.dtype.byteorder == ">":
-        x = x.astype(x.dtype.newbyteorder("<"))
-    return x if x.flags.c_contiguous else np.array(x, order="C")  # keeps 0-d arrays 0-d
-
-
-def _result_buffer(
-    source: np.ndarray | None, shape: tuple[int, ...], dtype: Any, out: np.ndarray | None
-) -> np.ndarray:
-    """``out`` checked for shape and dtype, or a fresh buffer."""
-    if out is None:
-        return np.empty(shape, dtype)
-    if not isinstance(out, np.ndarray):
-        raise UsageError(f"out must be a numpy array, got {type(out).__name__}")
-    if out.shape != tuple(shape) or out.dtype != dtype:
-        raise UsageError(
-            f"out has {out.dtype}{list(out.shape)}, the result is {np.dtype(dtype)}{list(shape)}"
-        )
-    if not out.flags.c_contiguous or not out.flags.writeable:
-        raise UsageError("out must be a writeable C-contiguous array")
-    if source is not None and out is not source and np.shares_memory(out, source):
-        raise UsageError("out overlaps the input without being the same array")
-    return out
-
-
-def _expectation(
-    like: np.ndarray | None, shape: Sequence[int] | None, dtype: Any, out: np.ndarray | None
-) -> tuple[np.dtype[Any] | None, tuple[int, ...] | None]:
-    ref = out if out is not None else like
-    want_dtype = np.dtype(dtype) if dtype is not None else (ref.dtype if ref is not None else None)
-    if shape is not None:
-        want_shape: tuple[int, ...] | None = tuple(int(s) for s in shape)
-    else:
-        want_shape = tuple(ref.shape) if ref is not None else None
-    if out is not None:
-        if (want_dtype is not None and out.dtype != want_dtype) or (
-            want_shape is not None and out.shape != want_shape
-        ):
-            raise UsageError("out disagrees with the dtype/shape asked for")
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            raise UsageError("out must be a writeable C-contiguous array")
-    return want_dtype, want_shape
-
-
-def _parse_p2p_meta(conn: Connection, meta: bytes) -> tuple[ArrayHeader, int]:
-    try:
-        header_wire, count = msgpack.unpackb(meta, raw=False)
-        header = ArrayHeader.from_wire(header_wire)
-        if not isinstance(count, int) or not 1 <= count <= (1 << 20):
-            raise ArrayHeaderError("bad chunk count")
-    except (ArrayHeaderError, ValueError, TypeError) as exc:
-        raise RemoteProtocolError(conn.label, f"malformed array header: {exc}") from None
-    except Exception as exc:  # msgpack's own exception types
-        raise RemoteProtocolError(conn.label, f"undecodable array header: {exc}") from None
-    return header, count

@@ -1,0 +1,66 @@
+"""Checks and buffers for the arrays collectives take and return."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import UsageError
+from ..wire.arrays import ArrayHeaderError, check_dtype
+
+__all__ = ["as_array", "expectation", "result_buffer"]
+
+
+def as_array(x: Any) -> np.ndarray:
+    """A C-contiguous ndarray view of ``x`` (copying only when needed), dtype checked."""
+    if not isinstance(x, np.ndarray):
+        if hasattr(x, "__cuda_array_interface__"):
+            raise UsageError("CuPy arrays are not supported yet; pass a numpy array")
+        x = np.asarray(x)
+    try:
+        check_dtype(x.dtype)
+    except ArrayHeaderError as exc:
+        raise UsageError(str(exc)) from None
+    if x.dtype.byteorder == ">":
+        x = x.astype(x.dtype.newbyteorder("<"))
+    return x if x.flags.c_contiguous else np.array(x, order="C")  # keeps 0-d arrays 0-d
+
+
+def result_buffer(
+    source: np.ndarray | None, shape: tuple[int, ...], dtype: Any, out: np.ndarray | None
+) -> np.ndarray:
+    """``out`` checked for shape and dtype, or a fresh buffer."""
+    if out is None:
+        return np.empty(shape, dtype)
+    if not isinstance(out, np.ndarray):
+        raise UsageError(f"out must be a numpy array, got {type(out).__name__}")
+    if out.shape != tuple(shape) or out.dtype != dtype:
+        raise UsageError(
+            f"out has {out.dtype}{list(out.shape)}, the result is {np.dtype(dtype)}{list(shape)}"
+        )
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise UsageError("out must be a writeable C-contiguous array")
+    if source is not None and out is not source and np.shares_memory(out, source):
+        raise UsageError("out overlaps the input without being the same array")
+    return out
+
+
+def expectation(
+    like: np.ndarray | None, shape: Sequence[int] | None, dtype: Any, out: np.ndarray | None
+) -> tuple[np.dtype[Any] | None, tuple[int, ...] | None]:
+    ref = out if out is not None else like
+    want_dtype = np.dtype(dtype) if dtype is not None else (ref.dtype if ref is not None else None)
+    if shape is not None:
+        want_shape: tuple[int, ...] | None = tuple(int(s) for s in shape)
+    else:
+        want_shape = tuple(ref.shape) if ref is not None else None
+    if out is not None:
+        if (want_dtype is not None and out.dtype != want_dtype) or (
+            want_shape is not None and out.shape != want_shape
+        ):
+            raise UsageError("out disagrees with the dtype/shape asked for")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise UsageError("out must be a writeable C-contiguous array")
+    return want_dtype, want_shape

@@ -1,0 +1,104 @@
+"""Point-to-point array messages: one array as a few frames on its own channel.
+
+Frame 0's meta is msgpack ``[array header, frame count]``; the payloads are consecutive
+pieces of the array's bytes, at most :data:`CHUNK` each. The receiver checks the sender's
+dtype and shape against what it expects before it allocates anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ..errors import MismatchError, PeerTimeoutError, RemoteProtocolError
+from ..transport.base import Connection
+from ..wire.arrays import ArrayHeader, ArrayHeaderError
+
+__all__ = ["CHUNK", "recv_array", "send_array"]
+
+CHUNK = 64 << 20
+
+
+async def send_array(conn: Connection, channel: int, arr: np.ndarray, seconds: float) -> None:
+    """Send ``arr`` (C-contiguous) on ``channel``; bounded by ``seconds``."""
+    header = ArrayHeader.of(arr)
+    data = arr.reshape(-1).data.cast("B") if arr.size else memoryview(b"")
+    pieces = [data[i : i + CHUNK] for i in range(0, data.nbytes, CHUNK)] or [data]
+    meta = bytes(msgpack.packb([header.to_wire(), len(pieces)], use_bin_type=True))
+    try:
+        async with asyncio.timeout(seconds):
+            for seq, piece in enumerate(pieces):
+                await conn.send(channel, piece, meta=meta if seq == 0 else b"", seq=seq)
+    except TimeoutError:
+        raise PeerTimeoutError(
+            conn.label, f"send of {header.describe()} did not drain within {seconds:g} s"
+        ) from None
+
+
+async def recv_array(
+    conn: Connection,
+    channel: int,
+    want: tuple[np.dtype[Any] | None, tuple[int, ...] | None],
+    out: np.ndarray | None,
+    seconds: float,
+    max_bytes: int,
+) -> np.ndarray:
+    """Receive the array sent on ``channel``; the channel is retired afterwards."""
+    want_dtype, want_shape = want
+    try:
+        async with asyncio.timeout(seconds):
+            first = await conn.recv(channel)
+            header, count = _parse_meta(conn, first.meta)
+            if count != max(1, -(-header.nbytes // CHUNK)):
+                raise RemoteProtocolError(conn.label, "array chunk count does not match")
+            if header.nbytes > max_bytes and out is None:
+                raise MismatchError(
+                    conn.label,
+                    f"sent {header.describe()} ({header.nbytes} bytes), over this group's "
+                    f"max_message_bytes={max_bytes}",
+                )
+            mismatch = []
+            if want_dtype is not None and header.dtype != want_dtype:
+                mismatch.append(f"dtype {want_dtype}")
+            if want_shape is not None and header.shape != want_shape:
+                mismatch.append(f"shape {list(want_shape)}")
+            if mismatch:
+                raise MismatchError(
+                    conn.label,
+                    f"sent {header.describe()} but recv expected {' and '.join(mismatch)}",
+                )
+            result = out if out is not None else np.empty(header.shape, header.dtype)
+            flat = result.reshape(-1).view(np.uint8) if result.size else None
+            filled, frame = 0, first
+            for seq in range(count):
+                if seq:
+                    frame = await conn.recv(channel)
+                n = frame.payload.nbytes
+                if frame.seq != seq or filled + n > header.nbytes:
+                    raise RemoteProtocolError(conn.label, "malformed array message")
+                if n and flat is not None:
+                    flat[filled : filled + n] = np.frombuffer(frame.payload, np.uint8)
+                filled += n
+            if filled != header.nbytes:
+                raise RemoteProtocolError(conn.label, "array message shorter than its header")
+            return result
+    except TimeoutError:
+        raise PeerTimeoutError(conn.label, f"recv got no array within {seconds:g} s") from None
+    finally:
+        conn.retire(channel)
+
+
+def _parse_meta(conn: Connection, meta: bytes) -> tuple[ArrayHeader, int]:
+    try:
+        header_wire, count = msgpack.unpackb(meta, raw=False)
+        header = ArrayHeader.from_wire(header_wire)
+        if not isinstance(count, int) or not 1 <= count <= (1 << 20):
+            raise ArrayHeaderError("bad chunk count")
+    except (ArrayHeaderError, ValueError, TypeError) as exc:
+        raise RemoteProtocolError(conn.label, f"malformed array header: {exc}") from None
+    except Exception as exc:  # msgpack's own exception types
+        raise RemoteProtocolError(conn.label, f"undecodable array header: {exc}") from None
+    return header, count
