@@ -28,11 +28,18 @@ async def groups(
     tls: bool = False,
     seed: str = "test-seed-0123456789",
     timeout: float = 20.0,
+    config: dict[str, Any] | None = None,
     **transport: Any,
 ) -> AsyncIterator[list[Group]]:
-    """``n`` started groups, one per rank, all in this event loop over real sockets."""
+    """``n`` started groups, one per rank, all in this event loop over real sockets.
+
+    ``config`` holds extra GroupConfig fields; other keywords are TransportConfig fields.
+    """
     cfg = GroupConfig(
-        timeout=timeout, connect_timeout=20.0, transport=TransportConfig(tls=tls, **transport)
+        timeout=timeout,
+        connect_timeout=20.0,
+        transport=TransportConfig(tls=tls, **transport),
+        **(config or {}),
     )
     peers = loopback_peers(n)
     gs = [Group.from_seed(seed, rank=r, world=n, peers=peers, config=cfg) for r in range(n)]

@@ -27,6 +27,7 @@ __all__ = [
     "direct_all_reduce",
     "direct_broadcast",
     "direct_reduce_scatter",
+    "ordered_reduce_scatter",
     "ring_all_gather",
     "ring_reduce_scatter",
     "split_bounds",
@@ -212,3 +213,44 @@ async def barrier(link: Link) -> None:
     for p in range(link.size):
         if p != link.rank:
             await link.recv(p, 0)
+
+
+async def ordered_reduce_scatter(
+    link: Link,
+    flat: np.ndarray,
+    bounds: list[tuple[int, int]],
+    op: ReduceOp,
+    chunk: int,
+    out: np.ndarray,
+) -> None:
+    """Deterministic reduce-scatter: this rank's segment, reduced in rank order in float64.
+
+    Every rank sends segment p of its input straight to rank p. The owner folds the
+    contributions in the fixed order rank 0, 1, ..., n-1 in float64 (complex128 for complex
+    inputs) and rounds once into
+    ``out`` (its segment, in the input dtype), so the result does not depend on arrival
+    timing, on where a ring would start, or on the world's chunking.
+    """
+    n, r = link.size, link.rank
+    item = flat.dtype.itemsize
+    for p in range(n):
+        if p != r:
+            a, b = bounds[p]
+            for c0, c1 in _chunks(a, b, chunk):
+                await link.send(p, _bytes(flat[c0:c1]))
+    a, b = bounds[r]
+    for c0, c1 in _chunks(a, b, chunk):
+        acc: np.ndarray | None = None
+        for p in range(n):
+            if p == r:
+                part = flat[c0:c1]
+            else:
+                part = _view(await link.recv(p, (c1 - c0) * item), flat.dtype)
+            if acc is None:
+                acc = part.astype(np.promote_types(part.dtype, np.float64))
+            else:
+                op.combine(acc, part)  # numpy casts part up to float64 on the fly
+        assert acc is not None
+        if op.divide:
+            acc /= n
+        out[c0 - a : c1 - a] = acc  # the single rounding to the output dtype

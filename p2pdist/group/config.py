@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 from ..transport.base import TransportConfig
 
-__all__ = ["GroupConfig"]
+__all__ = ["MODES", "GroupConfig"]
+
+MODES = ("fast", "deterministic")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +23,9 @@ class GroupConfig:
     """Arrays up to this size use the one-round direct algorithms instead of the ring."""
     chunk_bytes: int = 1 << 20
     """Ring and pipeline chunk size: transfer of one chunk overlaps reduction of the last."""
+    mode: str = "fast"
+    """Default reduction mode: "fast" (ring/direct, identical on all ranks) or
+    "deterministic" (float64 accumulation in rank order, identical across runs too)."""
     max_message_bytes: int = 16 << 30
     """Largest array :meth:`Group.recv` allocates for a sender (without ``out=``)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
@@ -30,3 +35,5 @@ class GroupConfig:
             raise ValueError("timeouts must be positive")
         if self.chunk_bytes < 4096:
             raise ValueError("chunk_bytes must be at least 4096")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")

@@ -32,9 +32,9 @@ from ..transport.tcp import TcpTransport, parse_address
 from . import algorithms as alg
 from . import p2p
 from .buffers import as_array, expectation, result_buffer
-from .config import GroupConfig
+from .config import MODES, GroupConfig
 from .link import CollectiveLink, describe_call
-from .ops import reduce_op
+from .ops import ReduceOp, reduce_op
 
 __all__ = ["Group"]
 
@@ -455,24 +455,39 @@ class Group:
 
     # ---- collectives ------------------------------------------------------------------
 
+    def _ordered(self, mode: str | None, rop: ReduceOp, arr: np.ndarray) -> bool:
+        """Whether this reduction takes the deterministic (rank-ordered float64) path."""
+        chosen = self.config.mode if mode is None else mode
+        if chosen not in MODES:
+            raise UsageError(f"mode must be one of {MODES}, got {chosen!r}")
+        # Integer arithmetic and max/min give the same bits in any order already.
+        return chosen == "deterministic" and rop.order_sensitive and arr.dtype.kind in "fc"
+
     async def all_reduce(
         self,
         x: np.ndarray,
         op: str = "sum",
         *,
         out: np.ndarray | None = None,
+        mode: str | None = None,
         timeout: float | None = None,
     ) -> np.ndarray:
         """Elementwise reduction of ``x`` over all ranks; every rank gets the same bits.
 
         ``op`` is one of sum, mean (floating dtypes), max, min, prod. The result is written
-        to ``out`` when given (it may be ``x`` itself) and returned.
+        to ``out`` when given (it may be ``x`` itself) and returned. ``mode`` (default
+        ``config.mode``) "deterministic" makes floating sums, means and products equal to
+        "reduce in rank order in float64, round once", whatever the timing; all ranks must
+        pass the same mode (checked).
         """
         arr = as_array(x)
         rop = reduce_op(op, arr.dtype)
+        ordered = self._ordered(mode, rop, arr)
         work = result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
-        link = self._new_link(describe_call("all_reduce", op, arr.dtype.str, arr.shape))
+        link = self._new_link(
+            describe_call("all_reduce", _op_label(op, ordered), arr.dtype.str, arr.shape)
+        )
         if self.size == 1:
             if work is not arr:
                 np.copyto(work, arr)
@@ -482,6 +497,14 @@ class Group:
 
         async def body(lk: CollectiveLink) -> np.ndarray:
             flat = work.reshape(-1)
+            if ordered:
+                src = arr.reshape(-1) if work is not arr else flat.copy()
+                bounds = alg.split_bounds(flat.size, self.size)
+                chunk = max(1, cfg.chunk_bytes // arr.dtype.itemsize)
+                a, b = bounds[self._rank]
+                await alg.ordered_reduce_scatter(lk, src, bounds, rop, chunk, flat[a:b])
+                await alg.ring_all_gather(lk, flat, bounds, chunk)
+                return work  # ordered_reduce_scatter already divided for mean
             if arr.nbytes <= cfg.small_bytes or arr.size < self.size:
                 src = arr.reshape(-1) if work is not arr else flat.copy()
                 await alg.direct_all_reduce(lk, src, rop, flat)
@@ -503,6 +526,7 @@ class Group:
         op: str = "sum",
         *,
         out: np.ndarray | None = None,
+        mode: str | None = None,
         timeout: float | None = None,
     ) -> np.ndarray:
         """Reduce ``x`` over all ranks and return this rank's piece of the result.
@@ -514,13 +538,16 @@ class Group:
         if arr.ndim == 0:
             raise UsageError("reduce_scatter needs an array with at least one dimension")
         rop = reduce_op(op, arr.dtype)
+        ordered = self._ordered(mode, rop, arr)
         rows = alg.split_bounds(arr.shape[0], self.size)
         row_items = int(np.prod(arr.shape[1:], dtype=np.int64))
         bounds = [(a * row_items, b * row_items) for a, b in rows]
         r0, r1 = rows[self._rank]
         result = result_buffer(None, (r1 - r0, *arr.shape[1:]), arr.dtype, out)
         self._check_usable()
-        link = self._new_link(describe_call("reduce_scatter", op, arr.dtype.str, arr.shape))
+        link = self._new_link(
+            describe_call("reduce_scatter", _op_label(op, ordered), arr.dtype.str, arr.shape)
+        )
         if self.size == 1:
             np.copyto(result, arr[r0:r1])
             rop.finish(result, self.size)
@@ -528,6 +555,12 @@ class Group:
         cfg = self.config
 
         async def body(lk: CollectiveLink) -> np.ndarray:
+            if ordered:
+                chunk = max(1, cfg.chunk_bytes // arr.dtype.itemsize)
+                await alg.ordered_reduce_scatter(
+                    lk, arr.reshape(-1), bounds, rop, chunk, result.reshape(-1)
+                )
+                return result
             if arr.nbytes <= cfg.small_bytes:
                 await alg.direct_reduce_scatter(
                     lk, arr.reshape(-1), bounds, rop, result.reshape(-1)
@@ -676,3 +709,8 @@ class Group:
 
 def _fields(obj: Any) -> dict[str, Any]:
     return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
+
+
+def _op_label(op: str, ordered: bool) -> str:
+    """The op as the call descriptor names it (the mode is part of the call)."""
+    return f"{op}:deterministic" if ordered else op

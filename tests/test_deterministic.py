@@ -1,0 +1,133 @@
+"""Deterministic reductions: rank-order float64, rounded once, whatever the timing."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+from group_helpers import groups
+
+from p2pdist import GroupConfig, MismatchError, TransportConfig, UsageError
+from p2pdist.group.link import CollectiveLink
+
+
+def reference(xs: list[np.ndarray], op: str) -> np.ndarray:
+    """Reduce in rank order in float64 (complex128), round once to the input dtype."""
+    wide = np.promote_types(xs[0].dtype, np.float64)
+    acc = xs[0].astype(wide)
+    for x in xs[1:]:
+        if op == "prod":
+            acc *= x
+        else:
+            acc += x
+    if op == "mean":
+        acc /= len(xs)
+    return acc.astype(xs[0].dtype)
+
+
+def inputs(world: int, n: int, dtype: str, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    # wildly different magnitudes make float sums order-sensitive
+    top = 3 if dtype == "float16" else 7  # float16 overflows past 65504
+    scale = 10.0 ** rng.integers(-top + 1, top, size=n)
+    xs = [rng.standard_normal(n) * scale for _ in range(world)]
+    if dtype.startswith("complex"):
+        xs = [x + 1j * rng.standard_normal(n) * scale for x in xs]
+    return [x.astype(dtype) for x in xs]
+
+
+@pytest.fixture
+def jitter(monkeypatch: pytest.MonkeyPatch) -> random.Random:
+    """Random delays before every collective send and receive (changes arrival order)."""
+    rng = random.Random(0)
+    send, recv = CollectiveLink.send, CollectiveLink.recv
+
+    async def slow_send(self: CollectiveLink, peer: int, payload: memoryview) -> None:
+        await asyncio.sleep(rng.random() * 0.003)
+        await send(self, peer, payload)
+
+    async def slow_recv(self: CollectiveLink, peer: int, nbytes: int) -> memoryview:
+        await asyncio.sleep(rng.random() * 0.003)
+        return await recv(self, peer, nbytes)
+
+    monkeypatch.setattr(CollectiveLink, "send", slow_send)
+    monkeypatch.setattr(CollectiveLink, "recv", slow_recv)
+    return rng
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+async def test_bitwise_equal_to_reference_across_runs_with_random_delays(
+    world: int, jitter: random.Random
+) -> None:
+    async with groups(world) as gs:
+        for dtype in ["float16", "float32", "float64", "complex64"]:
+            for n in [0, 1, world - 1, 1000, 70_000]:
+                for op in ["sum", "mean", "prod"] if dtype != "float16" else ["sum"]:
+                    xs = inputs(world, n, dtype, seed=n)
+                    if op == "prod":
+                        xs = [1 + x / (1 + np.abs(x)) for x in xs]
+                    want = reference(xs, op)
+                    seen = set()
+                    for run in range(3):
+                        jitter.seed(run)
+                        outs = await asyncio.gather(
+                            *(g.all_reduce(xs[g.rank], op, mode="deterministic") for g in gs)
+                        )
+                        for o in outs:
+                            assert o.dtype == want.dtype and o.shape == want.shape
+                            seen.add(o.tobytes())
+                    assert seen == {want.tobytes()}, (dtype, n, op)
+
+
+async def test_reduce_scatter_deterministic_and_chunk_independent() -> None:
+    xs = inputs(3, 300_000, "float32", seed=7)
+    want = reference(xs, "sum")
+    results = []
+    for chunk in [4096, 1 << 20]:
+        async with groups(3, config={"chunk_bytes": chunk}) as gs:
+            outs = await asyncio.gather(
+                *(g.reduce_scatter(xs[g.rank], mode="deterministic") for g in gs)
+            )
+            for r, piece in enumerate(outs):
+                assert piece.tobytes() == np.array_split(want, 3)[r].tobytes()
+            results.append(b"".join(o.tobytes() for o in outs))
+    assert results[0] == results[1]
+
+
+async def test_fast_mode_differs_from_rank_order_somewhere() -> None:
+    """Guard: the deterministic test is meaningful only if plain float32 order matters."""
+    xs = inputs(3, 70_000, "float32", seed=3)
+    async with groups(3) as gs:
+        fast = await asyncio.gather(*(g.all_reduce(xs[g.rank]) for g in gs))
+    assert fast[0].tobytes() != reference(xs, "sum").tobytes()
+
+
+async def test_group_default_mode_and_disagreement() -> None:
+    async with groups(2) as gs:
+        x = np.linspace(0, 1, 10, dtype=np.float32)
+        results = await asyncio.gather(
+            gs[0].all_reduce(x, mode="deterministic", timeout=5),
+            gs[1].all_reduce(x, mode="fast", timeout=5),
+            return_exceptions=True,
+        )
+        text = " ".join(map(str, results))
+        assert any(isinstance(r, MismatchError) for r in results), text
+        assert "deterministic" in text
+        with pytest.raises(UsageError, match="mode"):
+            await gs[0].all_reduce(x, mode="exact")
+    with pytest.raises(ValueError, match="mode"):
+        GroupConfig(mode="exact", transport=TransportConfig())
+
+
+async def test_integer_and_max_are_exact_in_either_mode() -> None:
+    async with groups(3) as gs:
+        xs = [np.arange(1000, dtype=np.int32) * (r + 1) for r in range(3)]
+        outs = await asyncio.gather(*(g.all_reduce(xs[g.rank], mode="deterministic") for g in gs))
+        np.testing.assert_array_equal(outs[0], xs[0] * 6)
+        fl = inputs(3, 5000, "float32", seed=1)
+        mx = await asyncio.gather(
+            *(g.all_reduce(fl[g.rank], "max", mode="deterministic") for g in gs)
+        )
+        np.testing.assert_array_equal(mx[2], np.maximum.reduce(fl))
