@@ -412,9 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--modes",
         nargs="+",
-        choices=DEFAULT_MODES,
+        choices=[*DEFAULT_MODES, "tls-det", "plaintext-det"],
         default=DEFAULT_MODES,
-        help="p2pdist transport modes (default: tls plaintext)",
+        help="p2pdist modes (default: tls plaintext; -det = deterministic reduction)",
     )
     ap.add_argument("--no-gloo", action="store_true", help="skip the torch Gloo reference")
     ap.add_argument("--no-p2pdist", action="store_true", help="skip p2pdist (baselines only)")
@@ -527,7 +527,12 @@ def main(argv: list[str] | None = None) -> int:
                             iters,
                             workdir,
                             args.timeout,
-                            {"seed": seed, "peers": peers, "tls": mode == "tls"},
+                            {
+                                "seed": seed,
+                                "peers": peers,
+                                "tls": mode.startswith("tls"),
+                                "reduce_mode": "deterministic" if mode.endswith("-det") else "fast",
+                            },
                         )
                     )
             gloo_series: Series | None = None

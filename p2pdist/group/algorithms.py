@@ -27,6 +27,8 @@ __all__ = [
     "direct_all_reduce",
     "direct_broadcast",
     "direct_reduce_scatter",
+    "ordered_all_reduce",
+    "ordered_reduce",
     "ordered_reduce_scatter",
     "ring_all_gather",
     "ring_reduce_scatter",
@@ -215,6 +217,46 @@ async def barrier(link: Link) -> None:
             await link.recv(p, 0)
 
 
+def ordered_reduce(parts: list[np.ndarray], op: ReduceOp, world: int, out: np.ndarray) -> None:
+    """``out = round(parts[0] (op) parts[1] (op) ...)``, folded left to right in float64
+    (complex128 for complex), in cache-sized blocks, rounded once into ``out``."""
+    wide = np.promote_types(out.dtype, np.float64)
+    if len(parts) == 2 and not op.divide and out.dtype.kind == "f" and out.dtype.itemsize <= 4:
+        # One float64 add or multiply of two float32 (or float16) values is exact, so
+        # rounding it to float32 is the correctly rounded float32 operation itself
+        # (53 >= 2 * 24 + 2 bits: double rounding is innocuous). Same bits, no casts.
+        op.ufunc(parts[0], parts[1], out=out)
+        return
+    block = 32 * 1024
+    acc = np.empty(min(block, out.size), wide)
+    for s0 in range(0, out.size, block):
+        s1 = min(s0 + block, out.size)
+        a = acc[: s1 - s0]
+        if len(parts) == 1:
+            a[...] = parts[0][s0:s1]
+        else:
+            op.ufunc(parts[0][s0:s1], parts[1][s0:s1], out=a, dtype=wide)
+        for part in parts[2:]:
+            op.ufunc(a, part[s0:s1], out=a, dtype=wide)
+        if op.divide:
+            a /= world
+        out[s0:s1] = a  # the single rounding to the output dtype
+
+
+async def ordered_all_reduce(link: Link, flat: np.ndarray, op: ReduceOp, out: np.ndarray) -> None:
+    """Deterministic one-round all-reduce for small arrays: everyone sends everything,
+    everyone folds all inputs in rank order in float64 (same bits everywhere)."""
+    n, r = link.size, link.rank
+    payload = _bytes(flat)
+    for p in range(n):
+        if p != r:
+            await link.send(p, payload)
+    parts = [
+        flat if p == r else _view(await link.recv(p, flat.nbytes), flat.dtype) for p in range(n)
+    ]
+    ordered_reduce(parts, op, n, out)
+
+
 async def ordered_reduce_scatter(
     link: Link,
     flat: np.ndarray,
@@ -227,9 +269,8 @@ async def ordered_reduce_scatter(
 
     Every rank sends segment p of its input straight to rank p. The owner folds the
     contributions in the fixed order rank 0, 1, ..., n-1 in float64 (complex128 for complex
-    inputs) and rounds once into
-    ``out`` (its segment, in the input dtype), so the result does not depend on arrival
-    timing, on where a ring would start, or on the world's chunking.
+    inputs) and rounds once into ``out`` (its segment, in the input dtype), so the result
+    does not depend on arrival timing, on where a ring would start, or on chunk sizes.
     """
     n, r = link.size, link.rank
     item = flat.dtype.itemsize
@@ -240,17 +281,8 @@ async def ordered_reduce_scatter(
                 await link.send(p, _bytes(flat[c0:c1]))
     a, b = bounds[r]
     for c0, c1 in _chunks(a, b, chunk):
-        acc: np.ndarray | None = None
-        for p in range(n):
-            if p == r:
-                part = flat[c0:c1]
-            else:
-                part = _view(await link.recv(p, (c1 - c0) * item), flat.dtype)
-            if acc is None:
-                acc = part.astype(np.promote_types(part.dtype, np.float64))
-            else:
-                op.combine(acc, part)  # numpy casts part up to float64 on the fly
-        assert acc is not None
-        if op.divide:
-            acc /= n
-        out[c0 - a : c1 - a] = acc  # the single rounding to the output dtype
+        parts = [
+            flat[c0:c1] if p == r else _view(await link.recv(p, (c1 - c0) * item), flat.dtype)
+            for p in range(n)
+        ]
+        ordered_reduce(parts, op, n, out[c0 - a : c1 - a])

@@ -499,6 +499,9 @@ class Group:
             flat = work.reshape(-1)
             if ordered:
                 src = arr.reshape(-1) if work is not arr else flat.copy()
+                if arr.nbytes <= cfg.small_bytes or arr.size < self.size:
+                    await alg.ordered_all_reduce(lk, src, rop, flat)
+                    return work
                 bounds = alg.split_bounds(flat.size, self.size)
                 chunk = max(1, cfg.chunk_bytes // arr.dtype.itemsize)
                 a, b = bounds[self._rank]
