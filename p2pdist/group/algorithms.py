@@ -274,15 +274,19 @@ async def ordered_reduce_scatter(
     """
     n, r = link.size, link.rank
     item = flat.dtype.itemsize
-    for p in range(n):
-        if p != r:
-            a, b = bounds[p]
-            for c0, c1 in _chunks(a, b, chunk):
+    pieces = [_chunks(a, b, chunk) for a, b in bounds]
+    a = bounds[r][0]
+    # Interleave: send chunk i of every other rank's piece, then fold our chunk i, so the
+    # transfer of the next chunks overlaps this fold and no large backlog builds up.
+    for i in range(max(len(c) for c in pieces)):
+        for p in range(n):
+            if p != r and i < len(pieces[p]):
+                c0, c1 = pieces[p][i]
                 await link.send(p, _bytes(flat[c0:c1]))
-    a, b = bounds[r]
-    for c0, c1 in _chunks(a, b, chunk):
-        parts = [
-            flat[c0:c1] if p == r else _view(await link.recv(p, (c1 - c0) * item), flat.dtype)
-            for p in range(n)
-        ]
-        ordered_reduce(parts, op, n, out[c0 - a : c1 - a])
+        if i < len(pieces[r]):
+            c0, c1 = pieces[r][i]
+            parts = [
+                flat[c0:c1] if p == r else _view(await link.recv(p, (c1 - c0) * item), flat.dtype)
+                for p in range(n)
+            ]
+            ordered_reduce(parts, op, n, out[c0 - a : c1 - a])
