@@ -163,21 +163,21 @@ async def _p2pdist_async(cfg: dict[str, Any]) -> dict[str, Any]:
     rank: int = cfg["rank"]
     world: int = cfg["world"]
     g = Group.from_seed(cfg["seed"], rank=rank, world=world, peers=cfg["peers"], tls=cfg["tls"])
-    mode: str = cfg.get("reduce_mode", "fast")
+    kw: dict[str, Any] = cfg.get("reduce_kwargs", {})
     results: list[dict[str, Any]] = []
     async with g:
         for nbytes, warmup, iters in zip(cfg["sizes"], cfg["warmup"], cfg["iters"], strict=True):
             x = np.full(nbytes // 4, float(rank + 1), dtype=np.float32)
-            out = await g.all_reduce(x, op="sum", mode=mode)
+            out = await g.all_reduce(x, op="sum", **kw)
             _check(np.asarray(out), world, f"p2pdist {nbytes} B")
             del out
             for _ in range(warmup):
-                await g.all_reduce(x, op="sum", mode=mode)
+                await g.all_reduce(x, op="sum", **kw)
             await g.barrier()
             times: list[float] = []
             for _ in range(iters):
                 t0 = time.perf_counter()
-                await g.all_reduce(x, op="sum", mode=mode)
+                await g.all_reduce(x, op="sum", **kw)
                 times.append(time.perf_counter() - t0)
             results.append({"bytes": nbytes, "iters": iters, **_summary(times)})
             del x

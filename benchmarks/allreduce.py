@@ -43,6 +43,14 @@ WORKER = Path(__file__).resolve().with_name("_allreduce_worker.py")
 DEFAULT_SIZES = ["4K", "64K", "1M", "16M", "64M"]
 DEFAULT_WORLDS = [2, 4]
 DEFAULT_MODES = ["tls", "plaintext"]
+VARIANTS: dict[str, dict[str, str]] = {
+    "": {},
+    "-det": {"mode": "deterministic"},
+    "-f16": {"wire_dtype": "float16"},
+    "-bf16": {"wire_dtype": "bfloat16"},
+    "-int8": {"wire_dtype": "int8"},
+}
+"""Mode suffixes: how the all_reduce is called (deterministic, or a compressed wire)."""
 TCP_TOTAL = 1 << 30
 _UNITS = {
     "": 1,
@@ -412,9 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--modes",
         nargs="+",
-        choices=[*DEFAULT_MODES, "tls-det", "plaintext-det"],
+        choices=[f"{m}{v}" for m in DEFAULT_MODES for v in VARIANTS],
         default=DEFAULT_MODES,
-        help="p2pdist modes (default: tls plaintext; -det = deterministic reduction)",
+        help="p2pdist modes (default: tls plaintext); suffix -det = deterministic, "
+        "-f16/-bf16/-int8 = compressed wire",
     )
     ap.add_argument("--no-gloo", action="store_true", help="skip the torch Gloo reference")
     ap.add_argument("--no-p2pdist", action="store_true", help="skip p2pdist (baselines only)")
@@ -531,7 +540,9 @@ def main(argv: list[str] | None = None) -> int:
                                 "seed": seed,
                                 "peers": peers,
                                 "tls": mode.startswith("tls"),
-                                "reduce_mode": "deterministic" if mode.endswith("-det") else "fast",
+                                "reduce_kwargs": VARIANTS[
+                                    mode[mode.find("-") :] if "-" in mode else ""
+                                ],
                             },
                         )
                     )

@@ -14,7 +14,7 @@ from .errors import (
     RemoteProtocolError,
     UsageError,
 )
-from .group import Group, GroupConfig
+from .group import ErrorFeedback, Group, GroupConfig
 from .identity import EndpointId, SecretKey, derive_endpoint_ids
 from .transport import TcpTransport, TransportConfig
 
@@ -24,6 +24,7 @@ __all__ = [
     "ConnectionBrokenError",
     "ConnectionClosedError",
     "EndpointId",
+    "ErrorFeedback",
     "Group",
     "GroupBrokenError",
     "GroupConfig",

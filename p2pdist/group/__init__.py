@@ -1,6 +1,7 @@
 """The process group: collectives over a set of ranks."""
 
+from .compress import ErrorFeedback
 from .config import GroupConfig
 from .group import Group
 
-__all__ = ["Group", "GroupConfig"]
+__all__ = ["ErrorFeedback", "Group", "GroupConfig"]

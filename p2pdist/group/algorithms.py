@@ -17,12 +17,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .compress import WireCodec
 from .ops import ReduceOp
 
 __all__ = [
     "Link",
     "barrier",
     "chain_broadcast",
+    "compressed_direct_all_reduce",
+    "compressed_ring_all_reduce",
     "direct_all_gather",
     "direct_all_reduce",
     "direct_broadcast",
@@ -290,3 +293,66 @@ async def ordered_reduce_scatter(
                 for p in range(n)
             ]
             ordered_reduce(parts, op, n, out[c0 - a : c1 - a])
+
+
+async def compressed_ring_all_reduce(
+    link: Link, work: np.ndarray, bounds: list[tuple[int, int]], codec: WireCodec, chunk: int
+) -> None:
+    """Sum float32 ``work`` over ranks with a narrow wire format, in place.
+
+    Reduce-scatter: every hop decodes the incoming partial sum and adds it in float32,
+    then re-encodes (fresh int8 scales per hop, so partial sums never saturate). The owner
+    then encodes its final segment once and those same bytes travel the all-gather ring;
+    the owner keeps the decoded value too, so every rank ends with identical bits.
+    """
+    n, r = link.size, link.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    for k in range(n - 1):
+        sends = _chunks(*bounds[(r - k - 1) % n], chunk)
+        recvs = _chunks(*bounds[(r - k - 2) % n], chunk)
+        for i in range(max(len(sends), len(recvs))):
+            if i < len(sends):
+                a, b = sends[i]
+                await link.send(right, _bytes(codec.encode(work[a:b])))
+            if i < len(recvs):
+                a, b = recvs[i]
+                data = await link.recv(left, codec.nbytes(b - a))
+                if b > a:
+                    work[a:b] += codec.decode(data, b - a)
+    held: dict[tuple[int, int], memoryview] = {}
+    for a, b in _chunks(*bounds[r], chunk):
+        enc = codec.encode(work[a:b])
+        work[a:b] = codec.decode(enc, b - a)
+        held[(a, b)] = _bytes(enc)
+    for k in range(n - 1):
+        sends = _chunks(*bounds[(r - k) % n], chunk)
+        recvs = _chunks(*bounds[(r - k - 1) % n], chunk)
+        for i in range(max(len(sends), len(recvs))):
+            if i < len(sends):
+                await link.send(right, held.pop(sends[i]))
+            if i < len(recvs):
+                a, b = recvs[i]
+                data = await link.recv(left, codec.nbytes(b - a))
+                work[a:b] = codec.decode(data, b - a)
+                held[(a, b)] = data
+
+
+async def compressed_direct_all_reduce(link: Link, work: np.ndarray, codec: WireCodec) -> None:
+    """One round: everyone sends ``encode(work)`` to everyone; everyone decodes all inputs
+    (its own included) and sums them in rank order in float32, in place."""
+    n, r = link.size, link.rank
+    enc = codec.encode(work)
+    payload = _bytes(enc)
+    for p in range(n):
+        if p != r:
+            await link.send(p, payload)
+    size = work.size
+    total: np.ndarray | None = None
+    for p in range(n):
+        part = codec.decode(enc if p == r else await link.recv(p, len(payload)), size)
+        if total is None:
+            total = part
+        else:
+            total += part
+    assert total is not None
+    work[:] = total

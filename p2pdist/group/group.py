@@ -32,6 +32,7 @@ from ..transport.tcp import TcpTransport, parse_address
 from . import algorithms as alg
 from . import p2p
 from .buffers import as_array, expectation, result_buffer
+from .compress import ErrorFeedback, WireCodec, make_codec
 from .config import MODES, GroupConfig
 from .link import CollectiveLink, describe_call
 from .ops import ReduceOp, reduce_op
@@ -455,6 +456,37 @@ class Group:
 
     # ---- collectives ------------------------------------------------------------------
 
+    async def _compressed(
+        self,
+        link: CollectiveLink,
+        arr: np.ndarray,
+        work: np.ndarray,
+        rop: ReduceOp,
+        codec: WireCodec,
+        feedback: ErrorFeedback | None,
+        timeout: float | None,
+    ) -> np.ndarray:
+        """all_reduce with a narrow wire format; float32 accumulation everywhere."""
+        if self.size == 1:  # the identity, as every collective of a size-1 group
+            if work is not arr:
+                np.copyto(work, arr)
+            return work
+        flat = feedback.apply(arr, codec) if feedback else arr.reshape(-1).astype(np.float32)
+        cfg = self.config
+
+        async def body(lk: CollectiveLink) -> np.ndarray:
+            if arr.nbytes <= cfg.small_bytes or arr.size < self.size:
+                await alg.compressed_direct_all_reduce(lk, flat, codec)
+            else:
+                bounds = alg.split_bounds(flat.size, self.size)
+                chunk = max(1, cfg.chunk_bytes // 4)
+                await alg.compressed_ring_all_reduce(lk, flat, bounds, codec, chunk)
+            rop.finish(flat, self.size)
+            work.reshape(-1)[:] = flat
+            return work
+
+        return await self._run(link, timeout, body)
+
     def _ordered(self, mode: str | None, rop: ReduceOp, arr: np.ndarray) -> bool:
         """Whether this reduction takes the deterministic (rank-ordered float64) path."""
         chosen = self.config.mode if mode is None else mode
@@ -470,6 +502,9 @@ class Group:
         *,
         out: np.ndarray | None = None,
         mode: str | None = None,
+        wire_dtype: str | None = None,
+        block: int = 256,
+        error_feedback: ErrorFeedback | None = None,
         timeout: float | None = None,
     ) -> np.ndarray:
         """Elementwise reduction of ``x`` over all ranks; every rank gets the same bits.
@@ -479,15 +514,22 @@ class Group:
         ``config.mode``) "deterministic" makes floating sums, means and products equal to
         "reduce in rank order in float64, round once", whatever the timing; all ranks must
         pass the same mode (checked).
+
+        ``wire_dtype`` ("float16", "bfloat16" or "int8" with one scale per ``block``
+        elements) compresses what travels for floating sum/mean; every hop accumulates in
+        float32. ``error_feedback`` (an :class:`ErrorFeedback`, one per tensor) carries
+        this call's compression error into the next call's input.
         """
         arr = as_array(x)
         rop = reduce_op(op, arr.dtype)
         ordered = self._ordered(mode, rop, arr)
+        codec = _codec_for(wire_dtype, block, error_feedback, rop, arr, ordered)
         work = result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
-        link = self._new_link(
-            describe_call("all_reduce", _op_label(op, ordered), arr.dtype.str, arr.shape)
-        )
+        label = _op_label(op, ordered) + (f"@{wire_dtype}/{block}" if codec else "")
+        link = self._new_link(describe_call("all_reduce", label, arr.dtype.str, arr.shape))
+        if codec is not None:
+            return await self._compressed(link, arr, work, rop, codec, error_feedback, timeout)
         if self.size == 1:
             if work is not arr:
                 np.copyto(work, arr)
@@ -717,3 +759,26 @@ def _fields(obj: Any) -> dict[str, Any]:
 def _op_label(op: str, ordered: bool) -> str:
     """The op as the call descriptor names it (the mode is part of the call)."""
     return f"{op}:deterministic" if ordered else op
+
+
+def _codec_for(
+    wire_dtype: str | None,
+    block: int,
+    feedback: ErrorFeedback | None,
+    rop: ReduceOp,
+    arr: np.ndarray,
+    ordered: bool,
+) -> WireCodec | None:
+    """The wire codec of a compressed all_reduce, or None; checks the combination."""
+    if wire_dtype is None:
+        if feedback is not None:
+            raise UsageError("error_feedback needs a wire_dtype")
+        return None
+    codec = make_codec(wire_dtype, block)
+    if arr.dtype.kind != "f" or rop.name not in ("sum", "mean"):
+        raise UsageError(
+            f"wire_dtype compresses floating sum/mean only, not op={rop.name!r} on {arr.dtype}"
+        )
+    if ordered:
+        raise UsageError("mode='deterministic' cannot be combined with a wire_dtype")
+    return codec

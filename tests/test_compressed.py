@@ -1,0 +1,108 @@
+"""Compressed all-reduce: error bounds, identical bits, no saturation, error feedback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from group_helpers import groups
+
+from p2pdist import ErrorFeedback, Group, UsageError
+
+# Documented bounds (docs/collectives.md): max |result - float64 sum| / max |float64 sum|
+# on Gaussian inputs, for worlds up to 4.
+BOUNDS = {"float16": 2e-3, "bfloat16": 2e-2, "int8": 3e-2}
+
+
+def gaussian(world: int, n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+
+
+def rel_error(got: np.ndarray, xs: list[np.ndarray]) -> float:
+    ref = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+async def reduce_all(gs: list[Group], xs: list[np.ndarray], **kw: object) -> list[np.ndarray]:
+    return list(await asyncio.gather(*(g.all_reduce(xs[g.rank], **kw) for g in gs)))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("wire", ["float16", "bfloat16", "int8"])
+async def test_error_within_documented_bound_and_identical(world: int, wire: str) -> None:
+    async with groups(world) as gs:
+        for n in [5, 1000, 300_001]:  # direct path and ring path
+            xs = gaussian(world, n, seed=n)
+            outs = await reduce_all(gs, xs, wire_dtype=wire)
+            assert outs[0].dtype == np.float32
+            assert len({o.tobytes() for o in outs}) == 1, "ranks disagree"
+            assert rel_error(outs[0], xs) <= BOUNDS[wire], (wire, n, rel_error(outs[0], xs))
+            means = await reduce_all(gs, xs, op="mean", wire_dtype=wire)
+            np.testing.assert_allclose(means[0], outs[0] / world, rtol=1e-6)
+
+
+async def test_int8_partial_sums_never_saturate() -> None:
+    async with groups(4) as gs:
+        xs = [np.full(200_000, 100.0, np.float32) for _ in range(4)]
+        outs = await reduce_all(gs, xs, wire_dtype="int8", block=64)
+        np.testing.assert_allclose(outs[0], 400.0, rtol=1e-2)  # clipping would give 100
+
+
+async def test_wire_bytes_shrink_as_documented() -> None:
+    async with groups(2) as gs:
+        x = gaussian(2, 1 << 20)
+
+        async def sent_for(**kw: object) -> int:
+            before = gs[0].connection(1).stats.bytes_sent
+            await reduce_all(gs, x, **kw)
+            return gs[0].connection(1).stats.bytes_sent - before
+
+        plain = await sent_for()
+        for wire, per_elem in [("float16", 2.0), ("bfloat16", 2.0), ("int8", 1 + 4 / 256)]:
+            ratio = await sent_for(wire_dtype=wire) / plain
+            assert abs(ratio - per_elem / 4) < 0.01, (wire, ratio)
+
+
+async def test_error_feedback_keeps_the_long_run_sum_unbiased() -> None:
+    async with groups(2) as gs:
+        xs = gaussian(2, 4096, seed=5)
+        truth = np.sum([x.astype(np.float64) for x in xs], axis=0)
+        efs = [ErrorFeedback(), ErrorFeedback()]
+        with_ef = np.zeros_like(truth)
+        without = np.zeros_like(truth)
+        steps = 30
+        for _ in range(steps):
+            a = await asyncio.gather(
+                *(
+                    g.all_reduce(
+                        xs[g.rank], wire_dtype="int8", block=512, error_feedback=efs[g.rank]
+                    )
+                    for g in gs
+                )
+            )
+            b = await reduce_all(gs, xs, wire_dtype="int8", block=512)
+            with_ef += a[0]
+            without += b[0]
+        err_ef = np.abs(with_ef - steps * truth).max()
+        err_plain = np.abs(without - steps * truth).max()
+        assert err_ef < 0.2 * err_plain, (err_ef, err_plain)
+
+
+async def test_compression_usage_errors() -> None:
+    async with groups(2) as gs:
+        g = gs[0]
+        with pytest.raises(UsageError, match="wire_dtype must be"):
+            await g.all_reduce(np.ones(4, np.float32), wire_dtype="int4")
+        with pytest.raises(UsageError, match="floating sum/mean"):
+            await g.all_reduce(np.ones(4, np.int32), wire_dtype="int8")
+        with pytest.raises(UsageError, match="floating sum/mean"):
+            await g.all_reduce(np.ones(4, np.float32), op="max", wire_dtype="int8")
+        with pytest.raises(UsageError, match="deterministic"):
+            await g.all_reduce(np.ones(4), mode="deterministic", wire_dtype="float16")
+        with pytest.raises(UsageError, match="needs a wire_dtype"):
+            await g.all_reduce(np.ones(4), error_feedback=ErrorFeedback())
+    async with Group.from_seed("test-seed-0123456789", rank=0, world=1) as solo:
+        x = np.linspace(0, 1, 7, dtype=np.float32)
+        assert np.array_equal(await solo.all_reduce(x, wire_dtype="int8"), x)
