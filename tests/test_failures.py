@@ -15,7 +15,7 @@ import pytest
 from group_helpers import groups, loopback_peers
 
 from p2pdist import ConnectionBrokenError, GroupBrokenError, PeerTimeoutError
-from p2pdist.group.group import _COLLECTIVE_SPACE
+from p2pdist.group.core import _COLLECTIVE_SPACE
 from p2pdist.transport.mailbox import SPACE_SHIFT
 
 WORKER = Path(__file__).with_name("fault_worker.py")

@@ -1,0 +1,516 @@
+"""GroupCore: membership, connections, failure handling, point to point, and the plumbing
+every collective runs through (:meth:`GroupCore._run`). The collectives live in group.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import msgpack
+import numpy as np
+
+from ..errors import (
+    ConnectionBrokenError,
+    GroupBrokenError,
+    MismatchError,
+    P2PError,
+    P2PTimeoutError,
+    PeerAuthenticationError,
+    PeerTimeoutError,
+    RemoteProtocolError,
+    UsageError,
+)
+from ..identity import EndpointId, SecretKey
+from ..transport.base import Address, Connection, TransportConfig
+from ..transport.mailbox import SPACE_SHIFT
+from ..transport.tcp import TcpTransport, parse_address
+from . import p2p
+from .buffers import as_array, expectation
+from .config import GroupConfig
+from .link import CollectiveLink
+
+__all__ = ["GroupCore"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_COLLECTIVE_SPACE = 0
+_P2P_SPACE = 1
+_CONTROL_CHANNEL = 0xFFFF << SPACE_SHIFT
+_ATTRIBUTION_WINDOW = 0.25  # seconds a failing collective waits for other failure reports
+
+
+def _label(rank: int, eid: EndpointId) -> str:
+    return f"rank {rank} ({eid.short()})"
+
+
+class GroupCore:
+    """Membership, connections, failure handling and point-to-point of a group.
+
+    Use :class:`~p2pdist.group.group.Group`, which adds the collectives.
+    """
+
+    def __init__(
+        self,
+        key: SecretKey,
+        rank: int,
+        peer_ids: Sequence[EndpointId],
+        *,
+        addresses: Sequence[Address] | None = None,
+        listen: Address | None = None,
+        config: GroupConfig | None = None,
+    ) -> None:
+        world = len(peer_ids)
+        if not isinstance(rank, int) or not 0 <= rank < world:
+            raise UsageError(f"rank must be in [0, {world}), got {rank!r}")
+        if peer_ids[rank] != key.endpoint_id:
+            raise UsageError(f"rank {rank}'s endpoint id does not match the secret key given")
+        if len(set(peer_ids)) != world:
+            raise UsageError("endpoint ids of a group must be distinct")
+        if addresses is not None and len(addresses) != world:
+            raise UsageError(f"need one address per rank: {world} ranks, {len(addresses)} given")
+        if addresses is None and world > 1:
+            raise UsageError("peers= (one host:port per rank, in rank order) is required")
+        self._key = key
+        self._rank = rank
+        self._ids = list(peer_ids)
+        self._rank_of = {eid: r for r, eid in enumerate(self._ids)}
+        self._addresses = list(addresses) if addresses is not None else None
+        self._listen = listen
+        self.config = config or GroupConfig()
+        self._transport: TcpTransport | None = None
+        self._conns: dict[int, Connection] = {}
+        self._next_cid = 0
+        self._p2p_sent: dict[int, int] = {}
+        self._p2p_received: dict[int, int] = {}
+        self._broken: BaseException | None = None
+        self._left: dict[int, BaseException] = {}
+        self._failure_log: list[str] = []
+        self._started = False
+        self._closing = False
+        self._listeners: list[asyncio.Task[None]] = []
+
+    # ---- construction ---------------------------------------------------------------
+
+    @classmethod
+    def from_seed(
+        cls,
+        seed: str | bytes,
+        *,
+        rank: int,
+        world: int,
+        peers: Sequence[Address] | None = None,
+        tls: bool | None = None,
+        timeout: float | None = None,
+        listen: Address | None = None,
+        config: GroupConfig | None = None,
+    ) -> Self:
+        """A group whose keys all derive from ``seed`` (a shared secret: whoever knows it
+        can act as any rank). ``peers`` lists every rank's ``host:port`` in rank order;
+        this rank listens on its own entry (or on ``listen``). ``tls=False`` is
+        authenticated plaintext, for trusted networks only; None keeps ``config``'s
+        setting (TLS by default)."""
+        if not isinstance(world, int) or world < 1:
+            raise UsageError(f"world must be an int >= 1, got {world!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
+            raise UsageError(f"rank must be in [0, {world}), got {rank!r}")
+        cfg = config or GroupConfig()
+        changes: dict[str, Any] = {}
+        if timeout is not None:
+            changes["timeout"] = timeout
+        if tls is not None and tls != cfg.transport.tls:
+            changes["transport"] = TransportConfig(
+                **{**_fields(cfg.transport), "tls": tls}  # keep the other transport settings
+            )
+        if changes:
+            cfg = GroupConfig(**{**_fields(cfg), **changes})
+        keys = [SecretKey.from_seed(seed, r) for r in range(world)]
+        return cls(
+            keys[rank],
+            rank,
+            [k.endpoint_id for k in keys],
+            addresses=list(peers) if peers is not None else None,
+            listen=listen,
+            config=cfg,
+        )
+
+    @classmethod
+    def from_env(cls, *, config: GroupConfig | None = None) -> Self:
+        """A seed group described by P2PDIST_SEED, P2PDIST_RANK, P2PDIST_WORLD and
+        P2PDIST_PEERS (comma-separated host:port); P2PDIST_TLS=0 selects plaintext."""
+
+        def need(name: str) -> str:
+            value = os.environ.get(name)
+            if not value:
+                raise UsageError(f"environment variable {name} is not set")
+            return value
+
+        try:
+            rank, world = int(need("P2PDIST_RANK")), int(need("P2PDIST_WORLD"))
+        except ValueError:
+            raise UsageError("P2PDIST_RANK and P2PDIST_WORLD must be integers") from None
+        peers_text = os.environ.get("P2PDIST_PEERS", "")
+        peers = [p for p in peers_text.split(",") if p] if world > 1 else None
+        if world > 1 and not peers:
+            raise UsageError("environment variable P2PDIST_PEERS is not set")
+        tls = os.environ.get("P2PDIST_TLS", "1") not in ("0", "false", "no")
+        return cls.from_seed(
+            need("P2PDIST_SEED"), rank=rank, world=world, peers=peers, tls=tls, config=config
+        )
+
+    # ---- properties -----------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank, 0 <= rank < size."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        return len(self._ids)
+
+    @property
+    def endpoint_id(self) -> EndpointId:
+        """This rank's endpoint id."""
+        return self._key.endpoint_id
+
+    @property
+    def peer_ids(self) -> list[EndpointId]:
+        """Every rank's endpoint id, in rank order."""
+        return list(self._ids)
+
+    @property
+    def broken(self) -> BaseException | None:
+        """The failure that made the group unusable, or None."""
+        return self._broken
+
+    def peer_label(self, rank: int) -> str:
+        """How errors name a rank: ``"rank 2 (abcdefghij)"``."""
+        return _label(rank, self._ids[rank])
+
+    def connection(self, rank: int) -> Connection:
+        """The live connection to ``rank`` (for statistics and diagnostics)."""
+        try:
+            return self._conns[rank]
+        except KeyError:
+            raise UsageError(f"no connection to rank {rank}") from None
+
+    def __repr__(self) -> str:
+        state = "broken" if self._broken else ("started" if self._started else "new")
+        return f"Group(rank={self._rank}, size={self.size}, id={self.endpoint_id.short()}, {state})"
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def start(self) -> Self:
+        """Connect to every peer (bounded by ``config.connect_timeout``)."""
+        if self._started:
+            raise UsageError("group already started")
+        self._started = True
+        if self.size == 1:
+            return self
+        assert self._addresses is not None
+        transport = TcpTransport(
+            self._key,
+            self.config.transport,
+            accept_from=lambda eid: eid in self._rank_of,
+            label_for=lambda eid: (
+                _label(self._rank_of[eid], eid)
+                if eid in self._rank_of
+                else f"unknown peer {eid.short()}"
+            ),
+        )
+        self._transport = transport
+        try:
+            await self._listen_on(transport)
+            async with asyncio.timeout(self.config.connect_timeout), asyncio.TaskGroup() as tg:
+                tg.create_task(self._accept_higher(transport))
+                for r in range(self._rank):
+                    tg.create_task(self._dial(transport, r))
+        except TimeoutError:
+            missing = [r for r in range(self.size) if r != self._rank and r not in self._conns]
+            await self.close()
+            where = ", ".join(f"{self.peer_label(r)} at {self._addresses[r]}" for r in missing)
+            raise P2PTimeoutError(
+                f"{self.peer_label(self._rank)}: forming the group took over "
+                f"{self.config.connect_timeout:g} s; no connection to {where}"
+            ) from None
+        except BaseExceptionGroup as group:
+            await self.close()
+            first = group.exceptions[0]
+            raise first from None
+        except BaseException:
+            await self.close()
+            raise
+        for r, conn in self._conns.items():
+            conn.label = self.peer_label(r)
+            conn.add_close_callback(functools.partial(self._on_connection_end, r))
+            self._listeners.append(asyncio.create_task(self._listen_control(r, conn)))
+        log.info("%s: group of %d formed", self.peer_label(self._rank), self.size)
+        return self
+
+    async def _listen_on(self, transport: TcpTransport) -> None:
+        assert self._addresses is not None
+        host, port = parse_address(self._listen or self._addresses[self._rank])
+        try:
+            await transport.listen(host, port)
+        except OSError as exc:
+            raise UsageError(
+                f"{self.peer_label(self._rank)} cannot listen on {host}:{port}: {exc}"
+            ) from None
+
+    async def _dial(self, transport: TcpTransport, r: int) -> None:
+        assert self._addresses is not None
+        delay = 0.02
+        while True:
+            try:
+                self._conns[r] = await transport.connect(
+                    self._ids[r], self._addresses[r], label=self.peer_label(r)
+                )
+                return
+            except PeerAuthenticationError:
+                raise
+            except (ConnectionBrokenError, PeerTimeoutError, RemoteProtocolError) as exc:
+                log.debug("dial %s: %s; retrying", self.peer_label(r), exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    async def _accept_higher(self, transport: TcpTransport) -> None:
+        want = set(range(self._rank + 1, self.size))
+        while want:
+            conn = await transport.accept()
+            r = self._rank_of[conn.peer_id]
+            if r not in want:
+                log.warning("%s: unexpected extra connection; closing it", self.peer_label(r))
+                await conn.close()
+                continue
+            self._conns[r] = conn
+            want.discard(r)
+
+    async def close(self) -> None:
+        """Close every connection (bounded); the group cannot be used afterwards."""
+        if self._closing:
+            return
+        self._closing = True
+        for task in self._listeners:
+            task.cancel()
+        if self._transport is not None:
+            await self._transport.close()
+        if self._broken is None:
+            self._broken = GroupBrokenError("the group was closed")
+
+    # ---- failure handling -------------------------------------------------------------
+
+    def _on_connection_end(self, rank: int, error: BaseException | None) -> None:
+        if error is None or self._closing:
+            return
+        if isinstance(error, ConnectionBrokenError) and error.graceful:
+            # A peer that closes on purpose is no failure until someone still needs it:
+            # later collectives refuse to start, a receive from it raises, the rest runs on.
+            log.info("%s left the group", self.peer_label(rank))
+            self._left.setdefault(rank, error)
+            return
+        log.warning("%s: connection ended: %s", self.peer_label(rank), error)
+        self._failure_log.append(str(error))
+        self._break(error, notify=True)
+
+    async def _listen_control(self, rank: int, conn: Connection) -> None:
+        with contextlib.suppress(BaseException):
+            while True:
+                frame = await conn.recv(_CONTROL_CHANNEL)
+                try:
+                    body = msgpack.unpackb(frame.meta, raw=False)
+                    reason = str(body.get("abort", "no reason given"))
+                except Exception:
+                    reason = "undecodable abort notice"
+                notice = f"{self.peer_label(rank)} aborted the group: {reason}"
+                self._failure_log.append(notice)
+                self._break(GroupBrokenError(notice))
+
+    def _break(self, error: BaseException, *, notify: bool = False) -> None:
+        """Mark the group unusable and wake every waiter with ``error``."""
+        if self._broken is not None:
+            return
+        self._broken = error
+        if notify:
+            meta = bytes(msgpack.packb({"abort": str(error)}, use_bin_type=True))
+            for conn in self._conns.values():
+                with contextlib.suppress(P2PError):
+                    conn.send_nowait(_CONTROL_CHANNEL, meta=meta)
+        for conn in self._conns.values():
+            conn.interrupt(error)
+
+    async def _attribute(self, err: ConnectionBrokenError) -> ConnectionBrokenError:
+        """Wait briefly for other reports, so the error names the root cause too.
+
+        When rank A dies, rank B may notice first, fail and exit; if B's own exit reaches
+        us before A's, "B lost" alone would send the user after the wrong rank. Abort
+        notices and other losses that arrive within the window are added to the message.
+        """
+        await asyncio.sleep(_ATTRIBUTION_WINDOW)
+        others = [f for f in self._failure_log if f != str(err)]
+        if not others:
+            return err
+        return ConnectionBrokenError(
+            err.peer, f"{err.args[0].split(': ', 1)[-1]}; also: " + "; ".join(others)
+        )
+
+    def _check_usable(self, *, collective: bool = True) -> None:
+        if not self._started:
+            raise UsageError("the group is not started; use `async with Group...` or start()")
+        if self._broken is not None:
+            if isinstance(self._broken, GroupBrokenError):
+                raise self._broken
+            raise GroupBrokenError("the group is broken", self._broken)
+        if collective and self._left:
+            gone = ", ".join(self.peer_label(r) for r in sorted(self._left))
+            raise GroupBrokenError(f"collectives need every rank, but {gone} left the group")
+
+    def _timeout_error(self, link: CollectiveLink, seconds: float) -> P2PError:
+        what = f"{link.explain()} timed out after {seconds:g} s"
+        silent = sorted(
+            ((c.idle_for(), r) for r, c in self._conns.items()),
+            reverse=True,
+        )
+        quiet_limit = 3 * self.config.transport.keepalive_interval
+        if silent and silent[0][0] > quiet_limit:
+            idle, r = silent[0]
+            extra = ""
+            if link.waiting_on is not None and link.waiting_on != r:
+                extra = f" (this rank was waiting for {self.peer_label(link.waiting_on)})"
+            return PeerTimeoutError(self.peer_label(r), f"{what}: silent for {idle:.1f} s{extra}")
+        if link.waiting_on is not None:
+            return PeerTimeoutError(self.peer_label(link.waiting_on), f"{what} waiting for it")
+        return P2PTimeoutError(what)
+
+    # ---- running a collective -----------------------------------------------------------
+
+    def _new_link(self, descriptor: bytes) -> CollectiveLink:
+        cid = self._next_cid
+        self._next_cid += 1
+        return CollectiveLink(
+            self._rank,
+            self.size,
+            (_COLLECTIVE_SPACE << SPACE_SHIFT) | cid,
+            descriptor,
+            self._conns.__getitem__,
+        )
+
+    async def _run(
+        self,
+        link: CollectiveLink,
+        timeout: float | None,
+        body: Callable[[CollectiveLink], Awaitable[T]],
+    ) -> T:
+        seconds = self.config.timeout if timeout is None else timeout
+        if seconds <= 0:
+            raise UsageError(f"timeout must be positive, got {seconds}")
+        try:
+            async with asyncio.timeout(seconds):
+                return await body(link)
+        except (MismatchError, RemoteProtocolError) as err:
+            self._break(err, notify=True)
+            raise
+        except ConnectionBrokenError as err:
+            self._break(err, notify=True)
+            if err.graceful:
+                raise
+            raise await self._attribute(err) from err
+        except P2PError as err:
+            # Tell the others why, unless this failure is itself someone's abort notice.
+            self._break(err, notify=not isinstance(err, GroupBrokenError))
+            raise
+        except TimeoutError:
+            timeout_err = self._timeout_error(link, seconds)
+            self._break(timeout_err, notify=True)
+            raise timeout_err from None
+        except asyncio.CancelledError:
+            me = self.peer_label(self._rank)
+            self._break(GroupBrokenError(f"{link.explain()} was cancelled on {me}"), notify=True)
+            raise
+        finally:
+            for conn in self._conns.values():
+                conn.retire(link.channel)
+
+    # ---- point to point -----------------------------------------------------------------
+
+    def _check_rank(self, r: int, what: str) -> None:
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.size:
+            raise UsageError(f"{what} must be a rank in [0, {self.size}), got {r!r}")
+
+    def _check_peer(self, r: int, what: str) -> None:
+        self._check_rank(r, what)
+        if r == self._rank:
+            raise UsageError(f"{what} must be another rank, not this one ({r})")
+
+    async def send(self, x: np.ndarray, dst: int, *, timeout: float | None = None) -> None:
+        """Send ``x`` to rank ``dst`` (matched in order by ``dst``'s :meth:`recv`)."""
+        self._check_peer(dst, "dst")
+        arr = as_array(x)
+        self._check_usable(collective=False)
+        index = self._p2p_sent.get(dst, 0)
+        self._p2p_sent[dst] = index + 1
+        channel = (_P2P_SPACE << SPACE_SHIFT) | index
+        await p2p.send_array(self._conns[dst], channel, arr, self._seconds(timeout))
+
+    async def recv(
+        self,
+        src: int,
+        *,
+        like: np.ndarray | None = None,
+        shape: Sequence[int] | None = None,
+        dtype: Any = None,
+        out: np.ndarray | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """Receive the next array rank ``src`` sent us.
+
+        The expected dtype and shape come from ``out``, ``like`` or ``shape``/``dtype`` (any
+        may be omitted to accept what arrives). A mismatch raises :class:`MismatchError`
+        naming the sender; the message is discarded and the link stays usable.
+        """
+        self._check_peer(src, "src")
+        want = expectation(like, shape, dtype, out)
+        self._check_usable(collective=False)
+        index = self._p2p_received.get(src, 0)
+        self._p2p_received[src] = index + 1
+        channel = (_P2P_SPACE << SPACE_SHIFT) | index
+        try:
+            return await p2p.recv_array(
+                self._conns[src],
+                channel,
+                want,
+                out,
+                self._seconds(timeout),
+                self.config.max_message_bytes,
+            )
+        except RemoteProtocolError as err:
+            self._break(err, notify=True)
+            raise
+
+    def _seconds(self, timeout: float | None) -> float:
+        seconds = self.config.timeout if timeout is None else timeout
+        if seconds <= 0:
+            raise UsageError(f"timeout must be positive, got {seconds}")
+        return seconds
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
