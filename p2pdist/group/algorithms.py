@@ -17,11 +17,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..errors import RemoteProtocolError
 from .compress import WireCodec
 from .ops import ReduceOp
 
 __all__ = [
     "Link",
+    "all_to_all",
+    "all_to_all_v",
+    "direct_reduce",
+    "gather_segments",
+    "gather_to",
+    "scatter_from",
     "barrier",
     "chain_broadcast",
     "compressed_direct_all_reduce",
@@ -59,6 +66,14 @@ class Link(Protocol):
     async def recv(self, peer: int, nbytes: int) -> memoryview:
         """The next message from ``peer``, which must be ``nbytes`` long."""
         ...
+
+    def label(self, peer: int) -> str:
+        """How errors name ``peer``."""
+        ...
+
+
+MAX_ALL_TO_ALL_V_BYTES = 1 << 40
+"""Largest piece a peer may announce in all_to_all_v (1 TiB: a sanity bound)."""
 
 
 def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -356,3 +371,103 @@ async def compressed_direct_all_reduce(link: Link, work: np.ndarray, codec: Wire
             total += part
     assert total is not None
     work[:] = total
+
+
+async def gather_to(link: Link, block: np.ndarray, dst: int, out: np.ndarray | None) -> None:
+    """Everyone sends ``block`` to ``dst``, which fills ``out[p]`` with rank p's block."""
+    r = link.rank
+    if r != dst:
+        await link.send(dst, _bytes(block))
+        return
+    assert out is not None
+    out[r] = block
+    for p in range(link.size):
+        if p != r:
+            data = await link.recv(p, block.nbytes)
+            out[p] = _view(data, block.dtype).reshape(block.shape)
+
+
+async def gather_segments(
+    link: Link, flat: np.ndarray, bounds: list[tuple[int, int]], dst: int
+) -> None:
+    """After a reduce-scatter, bring every rank's segment of ``flat`` to ``dst``."""
+    r = link.rank
+    if r != dst:
+        a, b = bounds[r]
+        await link.send(dst, _bytes(flat[a:b]))
+        return
+    for p in range(link.size):
+        if p != r:
+            a, b = bounds[p]
+            data = await link.recv(p, (b - a) * flat.dtype.itemsize)
+            if b > a:
+                flat[a:b] = _view(data, flat.dtype)
+
+
+async def direct_reduce(
+    link: Link, flat: np.ndarray, op: ReduceOp, dst: int, out: np.ndarray | None
+) -> None:
+    """Everyone sends ``flat`` to ``dst``, which folds all inputs in rank order."""
+    r = link.rank
+    if r != dst:
+        await link.send(dst, _bytes(flat))
+        return
+    assert out is not None
+    parts = [
+        flat if p == r else _view(await link.recv(p, flat.nbytes), flat.dtype)
+        for p in range(link.size)
+    ]
+    np.copyto(out, parts[0])
+    for part in parts[1:]:
+        op.combine(out, part)
+
+
+async def scatter_from(link: Link, blocks: np.ndarray | None, src: int, out: np.ndarray) -> None:
+    """``src`` sends ``blocks[p]`` to rank p; every rank writes its block into ``out``."""
+    r = link.rank
+    if r == src:
+        assert blocks is not None
+        for p in range(link.size):
+            if p != r:
+                await link.send(p, _bytes(np.ascontiguousarray(blocks[p])))
+        out[...] = blocks[r]
+        return
+    data = await link.recv(src, out.nbytes)
+    out[...] = _view(data, out.dtype).reshape(out.shape)
+
+
+async def all_to_all(link: Link, blocks: np.ndarray, out: np.ndarray) -> None:
+    """Rank r sends ``blocks[p]`` to p and gets p's ``blocks[r]`` in ``out[p]``."""
+    n, r = link.size, link.rank
+    for p in range(n):
+        if p != r:
+            await link.send(p, _bytes(np.ascontiguousarray(blocks[p])))
+    out[r] = blocks[r]
+    for p in range(n):
+        if p != r:
+            data = await link.recv(p, out[p].nbytes)
+            out[p] = _view(data, out.dtype).reshape(out.shape[1:])
+
+
+async def all_to_all_v(
+    link: Link, parts: list[np.ndarray], row_shape: tuple[int, ...], dtype: np.dtype[Any]
+) -> list[np.ndarray]:
+    """Variable-size all-to-all: rank r sends ``parts[p]`` (any number of rows, zero too)
+    to p; returns what each rank sent to r. Each message is a row count, then the rows."""
+    n, r = link.size, link.rank
+    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+    for p in range(n):
+        if p != r:
+            await link.send(p, memoryview(len(parts[p]).to_bytes(8, "little")))
+            await link.send(p, _bytes(np.ascontiguousarray(parts[p])))
+    result: list[np.ndarray] = []
+    for p in range(n):
+        if p == r:
+            result.append(parts[r].copy())
+            continue
+        rows = int.from_bytes(await link.recv(p, 8), "little")
+        if rows * row_bytes > MAX_ALL_TO_ALL_V_BYTES:
+            raise RemoteProtocolError(link.label(p), f"announced {rows} rows for all_to_all_v")
+        data = await link.recv(p, rows * row_bytes)
+        result.append(_view(data, dtype).reshape((rows, *row_shape)).copy())
+    return result

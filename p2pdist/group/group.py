@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from ..errors import UsageError
@@ -259,6 +261,170 @@ class Group(GroupCore):
         link = self._new_link(describe_call("barrier", "", "", ()))
         if self.size > 1:
             await self._run(link, timeout, alg.barrier)
+
+    async def reduce(
+        self,
+        x: np.ndarray,
+        dst: int = 0,
+        op: str = "sum",
+        *,
+        out: np.ndarray | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray | None:
+        """Reduce ``x`` over all ranks onto rank ``dst``; returns the result there and None
+        on the other ranks."""
+        self._check_rank(dst, "dst")
+        arr = as_array(x)
+        rop = reduce_op(op, arr.dtype)
+        mine = self._rank == dst
+        result = result_buffer(arr, arr.shape, arr.dtype, out) if mine else None
+        self._check_usable()
+        link = self._new_link(describe_call("reduce", op, arr.dtype.str, arr.shape, dst))
+        if self.size == 1:
+            assert result is not None
+            if result is not arr:
+                np.copyto(result, arr)
+            rop.finish(result, 1)
+            return result
+        cfg = self.config
+
+        async def body(lk: CollectiveLink) -> np.ndarray | None:
+            src = arr.reshape(-1) if result is not arr else arr.reshape(-1).copy()
+            if arr.nbytes <= cfg.small_bytes or arr.size < self.size:
+                target = result.reshape(-1) if result is not None else None
+                await alg.direct_reduce(lk, src, rop, dst, target)
+            else:
+                flat = arr.reshape(-1).copy()  # the ring works in place: spare the input
+                bounds = alg.split_bounds(flat.size, self.size)
+                chunk = max(1, cfg.chunk_bytes // arr.dtype.itemsize)
+                await alg.ring_reduce_scatter(lk, flat, bounds, rop, chunk)
+                await alg.gather_segments(lk, flat, bounds, dst)
+                if result is not None:
+                    result.reshape(-1)[:] = flat
+            if result is not None:
+                rop.finish(result, self.size)
+            return result
+
+        return await self._run(link, timeout, body)
+
+    async def gather(
+        self,
+        x: np.ndarray,
+        dst: int = 0,
+        *,
+        out: np.ndarray | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray | None:
+        """Every rank's ``x`` stacked on rank ``dst`` (shape ``(size, *x.shape)``); None on
+        the other ranks. All ranks pass the same dtype and shape (checked)."""
+        self._check_rank(dst, "dst")
+        arr = as_array(x)
+        mine = self._rank == dst
+        result = result_buffer(None, (self.size, *arr.shape), arr.dtype, out) if mine else None
+        self._check_usable()
+        link = self._new_link(describe_call("gather", "", arr.dtype.str, arr.shape, dst))
+        if self.size == 1:
+            assert result is not None
+            result[0] = arr
+            return result
+
+        async def body(lk: CollectiveLink) -> np.ndarray | None:
+            await alg.gather_to(lk, arr, dst, result)
+            return result
+
+        return await self._run(link, timeout, body)
+
+    async def scatter(
+        self,
+        xs: np.ndarray | None,
+        src: int = 0,
+        *,
+        like: np.ndarray | None = None,
+        out: np.ndarray | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """Rank ``src`` passes ``xs`` of shape ``(size, *item)``; every rank gets
+        ``xs[rank]``. Other ranks pass ``xs=None`` and say what they expect with ``like``
+        or ``out`` (an ``item``-shaped array), or pass an ``xs`` of the right shape."""
+        self._check_rank(src, "src")
+        if self._rank == src:
+            if xs is None:
+                raise UsageError(f"rank {src} is the scatter source and must pass xs")
+            blocks = as_array(xs)
+            if blocks.ndim == 0 or blocks.shape[0] != self.size:
+                raise UsageError(
+                    f"scatter needs xs with {self.size} rows (one per rank), got {blocks.shape}"
+                )
+            dtype, item = blocks.dtype, blocks.shape[1:]
+        else:
+            ref = xs[0] if xs is not None else (out if out is not None else like)
+            if ref is None:
+                raise UsageError("scatter on a non-source rank needs like=, out= or xs")
+            blocks, dtype, item = None, as_array(ref).dtype, tuple(np.shape(ref))
+        result = result_buffer(None, item, dtype, out)
+        self._check_usable()
+        link = self._new_link(describe_call("scatter", "", dtype.str, item, src))
+        if self.size == 1:
+            assert blocks is not None
+            result[...] = blocks[0]
+            return result
+
+        async def body(lk: CollectiveLink) -> np.ndarray:
+            await alg.scatter_from(lk, blocks, src, result)
+            return result
+
+        return await self._run(link, timeout, body)
+
+    async def all_to_all(
+        self, x: np.ndarray, *, out: np.ndarray | None = None, timeout: float | None = None
+    ) -> np.ndarray:
+        """``x`` has shape ``(size, *item)``; rank r sends ``x[p]`` to rank p and returns
+        the array whose row p is what rank p sent to r."""
+        arr = as_array(x)
+        if arr.ndim == 0 or arr.shape[0] != self.size:
+            raise UsageError(f"all_to_all needs {self.size} rows (one per rank), got {arr.shape}")
+        result = result_buffer(arr, arr.shape, arr.dtype, out)
+        self._check_usable()
+        link = self._new_link(describe_call("all_to_all", "", arr.dtype.str, arr.shape))
+        if self.size == 1:
+            if result is not arr:
+                np.copyto(result, arr)
+            return result
+        src = arr if result is not arr else arr.copy()
+
+        async def body(lk: CollectiveLink) -> np.ndarray:
+            await alg.all_to_all(lk, src, result)
+            return result
+
+        return await self._run(link, timeout, body)
+
+    async def all_to_all_v(
+        self, xs: Sequence[np.ndarray], *, timeout: float | None = None
+    ) -> list[np.ndarray]:
+        """Variable-size all-to-all: ``xs[p]`` (any number of rows, zero allowed, same dtype
+        and row shape everywhere) goes to rank p; returns ``[what rank p sent us, ...]``."""
+        if len(xs) != self.size:
+            raise UsageError(f"all_to_all_v needs {self.size} arrays (one per rank), got {len(xs)}")
+        parts = [as_array(x) for x in xs]
+        first = parts[0]
+        if first.ndim == 0:
+            raise UsageError("all_to_all_v arrays need at least one dimension (rows)")
+        row_shape = first.shape[1:]
+        for i, part in enumerate(parts):
+            if part.dtype != first.dtype or part.shape[1:] != row_shape:
+                raise UsageError(
+                    f"all_to_all_v: xs[{i}] is {part.dtype}{list(part.shape)}, xs[0] is "
+                    f"{first.dtype}{list(first.shape)}; dtype and row shape must agree"
+                )
+        self._check_usable()
+        link = self._new_link(describe_call("all_to_all_v", "", first.dtype.str, (-1, *row_shape)))
+        if self.size == 1:
+            return [parts[0].copy()]
+
+        async def body(lk: CollectiveLink) -> list[np.ndarray]:
+            return await alg.all_to_all_v(lk, parts, row_shape, first.dtype)
+
+        return await self._run(link, timeout, body)
 
 
 def _op_label(op: str, ordered: bool) -> str:

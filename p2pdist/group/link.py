@@ -108,6 +108,10 @@ class CollectiveLink:
             )
         return frame.payload
 
+    def label(self, peer: int) -> str:
+        """How errors name ``peer``."""
+        return self._conn(peer).label
+
     def explain(self) -> str:
         """This call in words, e.g. ``all_reduce(float32[1024], op='sum')``."""
         return _explain(self.descriptor)

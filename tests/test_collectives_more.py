@@ -1,0 +1,104 @@
+"""reduce, gather, scatter, all_to_all and all_to_all_v against numpy."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from group_helpers import groups
+
+from p2pdist import Group, MismatchError, UsageError
+
+
+def data(rank: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(100 * seed + rank).standard_normal(shape)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("n", [0, 2, 1000, 100_000])
+async def test_reduce_and_gather_to_every_root(world: int, n: int) -> None:
+    async with groups(world) as gs:
+        xs = [data(r, (n,), seed=n) for r in range(world)]
+        copies = [x.copy() for x in xs]
+        for root in range(world):
+            outs = await asyncio.gather(*(g.reduce(xs[g.rank], root) for g in gs))
+            for r, o in enumerate(outs):
+                if r == root:
+                    assert o is not None
+                    np.testing.assert_allclose(o, np.sum(xs, axis=0), rtol=1e-12, atol=1e-12)
+                else:
+                    assert o is None
+            gathered = await asyncio.gather(*(g.gather(xs[g.rank], root) for g in gs))
+            assert gathered[root] is not None
+            np.testing.assert_array_equal(gathered[root], np.stack(xs))
+            assert all(o is None for r, o in enumerate(gathered) if r != root)
+        for x, c in zip(xs, copies, strict=True):
+            np.testing.assert_array_equal(x, c)  # inputs untouched
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+async def test_scatter(world: int) -> None:
+    async with groups(world) as gs:
+        blocks = data(0, (world, 3, 2))
+        item = np.empty((3, 2))
+
+        async def one(g: Group) -> np.ndarray:
+            if g.rank == world - 1:
+                return await g.scatter(blocks, src=world - 1)
+            return await g.scatter(None, src=world - 1, like=item)
+
+        outs = await asyncio.gather(*(one(g) for g in gs))
+        for r, o in enumerate(outs):
+            np.testing.assert_array_equal(o, blocks[r])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+async def test_all_to_all(world: int) -> None:
+    async with groups(world) as gs:
+        xs = [
+            np.arange(world * 4, dtype=np.int64).reshape(world, 4) + 100 * r for r in range(world)
+        ]
+        outs = await asyncio.gather(*(g.all_to_all(xs[g.rank]) for g in gs))
+        for r, o in enumerate(outs):
+            for p in range(world):
+                np.testing.assert_array_equal(o[p], xs[p][r])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+async def test_all_to_all_v_with_zero_counts(world: int) -> None:
+    async with groups(world) as gs:
+        rng = np.random.default_rng(world)
+        counts = rng.integers(0, 4, size=(world, world))
+        counts[0, :] = 0  # rank 0 sends nothing to anyone
+        if world > 1:
+            counts[:, 1] = 0  # nobody sends anything to rank 1
+        parts = [
+            [np.full((counts[r, p], 2), 10 * r + p, np.float32) for p in range(world)]
+            for r in range(world)
+        ]
+        outs = await asyncio.gather(*(g.all_to_all_v(parts[g.rank]) for g in gs))
+        for r, got in enumerate(outs):
+            assert len(got) == world
+            for p in range(world):
+                np.testing.assert_array_equal(got[p], parts[p][r])
+                assert got[p].shape == (counts[p, r], 2)
+
+
+async def test_more_collectives_check_their_arguments() -> None:
+    async with groups(2) as gs:
+        g = gs[0]
+        with pytest.raises(UsageError, match="rows"):
+            await g.all_to_all(np.ones((3, 2)))
+        with pytest.raises(UsageError, match="row shape"):
+            await g.all_to_all_v([np.ones((1, 2)), np.ones((1, 3))])
+        with pytest.raises(UsageError, match="source"):
+            await g.scatter(None, src=0)
+        with pytest.raises(UsageError, match="like="):
+            await gs[1].scatter(None, src=0)
+        results = await asyncio.gather(
+            gs[0].gather(np.ones(3), 0, timeout=5),
+            gs[1].gather(np.ones(4), 0, timeout=5),
+            return_exceptions=True,
+        )
+        assert any(isinstance(r, MismatchError) for r in results), results
