@@ -102,3 +102,35 @@ async def test_more_collectives_check_their_arguments() -> None:
             return_exceptions=True,
         )
         assert any(isinstance(r, MismatchError) for r in results), results
+
+
+async def test_split_into_subgroups_running_beside_the_parent() -> None:
+    async with groups(5) as gs:
+        subs = await asyncio.gather(
+            *(g.split(None if g.rank == 4 else g.rank % 2, key=-g.rank) for g in gs)
+        )
+        assert subs[4] is None
+        evens, odds = [subs[0], subs[2]], [subs[1], subs[3]]
+        assert [s.rank for s in evens if s] == [1, 0]  # ordered by key = -rank
+        assert all(s is not None and s.size == 2 for s in evens + odds)
+
+        async def work(r: int) -> tuple[np.ndarray, np.ndarray | None]:
+            world = gs[r].all_reduce(np.full(3, float(r)))
+            sub = subs[r]
+            part = sub.all_reduce(np.full(70_000, float(r))) if sub else None
+            return await world, (await part if part is not None else None)
+
+        results = await asyncio.gather(*(work(r) for r in range(5)))
+        for r, (world, part) in enumerate(results):
+            np.testing.assert_array_equal(world, np.full(3, 10.0))
+            if r < 4:
+                assert part is not None
+                np.testing.assert_array_equal(part, np.full(70_000, 2.0 if r % 2 == 0 else 4.0))
+        # point to point inside a sub-group, then a nested split
+        a, b = odds
+        assert a is not None and b is not None
+        got = await asyncio.gather(a.send(np.arange(4), 1 - a.rank), b.recv(1 - b.rank))
+        np.testing.assert_array_equal(got[1], np.arange(4))
+        nested = await asyncio.gather(*(s.split(0) for s in (a, b)))
+        out = await asyncio.gather(*(n.all_reduce(np.ones(2)) for n in nested if n))
+        np.testing.assert_array_equal(out[0], [2.0, 2.0])

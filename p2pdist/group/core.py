@@ -42,6 +42,8 @@ T = TypeVar("T")
 
 _COLLECTIVE_SPACE = 0
 _P2P_SPACE = 1
+_FIRST_SUBGROUP_SPACE = 2
+_LAST_SPACE = 0xFFFE  # 0xFFFF is the control channel's
 _CONTROL_CHANNEL = 0xFFFF << SPACE_SHIFT
 _ATTRIBUTION_WINDOW = 0.25  # seconds a failing collective waits for other failure reports
 
@@ -65,6 +67,7 @@ class GroupCore:
         addresses: Sequence[Address] | None = None,
         listen: Address | None = None,
         config: GroupConfig | None = None,
+        _subgroup: bool = False,
     ) -> None:
         world = len(peer_ids)
         if not isinstance(rank, int) or not 0 <= rank < world:
@@ -75,7 +78,7 @@ class GroupCore:
             raise UsageError("endpoint ids of a group must be distinct")
         if addresses is not None and len(addresses) != world:
             raise UsageError(f"need one address per rank: {world} ranks, {len(addresses)} given")
-        if addresses is None and world > 1:
+        if addresses is None and world > 1 and not _subgroup:
             raise UsageError("peers= (one host:port per rank, in rank order) is required")
         self._key = key
         self._rank = rank
@@ -95,6 +98,11 @@ class GroupCore:
         self._started = False
         self._closing = False
         self._listeners: list[asyncio.Task[None]] = []
+        # Channel spaces of this group; sub-groups from split() get their own pair.
+        self._space = _COLLECTIVE_SPACE
+        self._p2p_space = _P2P_SPACE
+        self._parent: GroupCore | None = None
+        self._next_space = _FIRST_SUBGROUP_SPACE  # used on the root group only
 
     # ---- construction ---------------------------------------------------------------
 
@@ -372,7 +380,34 @@ class GroupCore:
             err.peer, f"{err.args[0].split(': ', 1)[-1]}; also: " + "; ".join(others)
         )
 
+    def _root(self) -> GroupCore:
+        group = self
+        while group._parent is not None:
+            group = group._parent
+        return group
+
+    def _child(self, members: list[int], space: int) -> Self:
+        """A sub-group of ``members`` (ranks of this group, in their new order) sharing
+        this group's connections on channel spaces ``space`` and ``space + 1``."""
+        child = object.__new__(type(self))
+        GroupCore.__init__(
+            child,
+            self._key,
+            members.index(self._rank),
+            [self._ids[r] for r in members],
+            addresses=[self._addresses[r] for r in members] if self._addresses else None,
+            config=self.config,
+            _subgroup=True,
+        )
+        child._conns = {i: self._conns[r] for i, r in enumerate(members) if r != self._rank}
+        child._space, child._p2p_space = space, space + 1
+        child._parent = self
+        child._started = True
+        return child
+
     def _check_usable(self, *, collective: bool = True) -> None:
+        if self._parent is not None:
+            self._parent._check_usable(collective=False)
         if not self._started:
             raise UsageError("the group is not started; use `async with Group...` or start()")
         if self._broken is not None:
@@ -408,7 +443,7 @@ class GroupCore:
         return CollectiveLink(
             self._rank,
             self.size,
-            (_COLLECTIVE_SPACE << SPACE_SHIFT) | cid,
+            (self._space << SPACE_SHIFT) | cid,
             descriptor,
             self._conns.__getitem__,
         )
@@ -467,7 +502,7 @@ class GroupCore:
         self._check_usable(collective=False)
         index = self._p2p_sent.get(dst, 0)
         self._p2p_sent[dst] = index + 1
-        channel = (_P2P_SPACE << SPACE_SHIFT) | index
+        channel = (self._p2p_space << SPACE_SHIFT) | index
         await p2p.send_array(self._conns[dst], channel, arr, self._seconds(timeout))
 
     async def recv(
@@ -491,7 +526,7 @@ class GroupCore:
         self._check_usable(collective=False)
         index = self._p2p_received.get(src, 0)
         self._p2p_received[src] = index + 1
-        channel = (_P2P_SPACE << SPACE_SHIFT) | index
+        channel = (self._p2p_space << SPACE_SHIFT) | index
         try:
             return await p2p.recv_array(
                 self._conns[src],

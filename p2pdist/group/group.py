@@ -11,7 +11,7 @@ from . import algorithms as alg
 from .buffers import as_array, result_buffer
 from .compress import ErrorFeedback, WireCodec, make_codec
 from .config import MODES
-from .core import GroupCore
+from .core import _LAST_SPACE, GroupCore
 from .link import CollectiveLink, describe_call
 from .ops import ReduceOp, reduce_op
 
@@ -425,6 +425,36 @@ class Group(GroupCore):
             return await alg.all_to_all_v(lk, parts, row_shape, first.dtype)
 
         return await self._run(link, timeout, body)
+
+    async def split(
+        self, color: int | None, key: int = 0, *, timeout: float | None = None
+    ) -> Group | None:
+        """Split into sub-groups (as MLX's ``split``): ranks passing the same ``color`` form
+        one group, ordered by ``(key, rank)``; ``color=None`` opts out (returns None).
+
+        Collective over this group. A sub-group shares this group's connections on channel
+        spaces of its own, so its collectives can run beside the parent's; a failure in
+        either breaks the connections both use.
+        """
+        if color is not None and (not isinstance(color, int) or color < 0):
+            raise UsageError(f"color must be a non-negative int or None, got {color!r}")
+        if not isinstance(key, int):
+            raise UsageError(f"key must be an int, got {key!r}")
+        root = self._root()
+        mine = np.array([-1 if color is None else color, key, root._next_space], np.int64)
+        table = await self.all_gather(mine, timeout=timeout)
+        if color is None:
+            return None
+        members = sorted(
+            (r for r in range(self.size) if table[r, 0] == color),
+            key=lambda r: (int(table[r, 1]), r),
+        )
+        # Every member proposes its lowest unused space; the largest is unused by them all.
+        space = int(max(table[r, 2] for r in members))
+        if space + 1 > _LAST_SPACE:
+            raise UsageError("too many sub-groups: channel spaces are used up")
+        root._next_space = space + 2
+        return self._child(members, space)
 
 
 def _op_label(op: str, ordered: bool) -> str:
