@@ -14,7 +14,7 @@ from .errors import (
     RemoteProtocolError,
     UsageError,
 )
-from .group import ErrorFeedback, Group, GroupConfig
+from .group import ErrorFeedback, GradientBuckets, Group, GroupConfig
 from .identity import EndpointId, SecretKey, derive_endpoint_ids
 from .transport import TcpTransport, TransportConfig
 
@@ -25,6 +25,7 @@ __all__ = [
     "ConnectionClosedError",
     "EndpointId",
     "ErrorFeedback",
+    "GradientBuckets",
     "Group",
     "GroupBrokenError",
     "GroupConfig",

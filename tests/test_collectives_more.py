@@ -134,3 +134,30 @@ async def test_split_into_subgroups_running_beside_the_parent() -> None:
         nested = await asyncio.gather(*(s.split(0) for s in (a, b)))
         out = await asyncio.gather(*(n.all_reduce(np.ones(2)) for n in nested if n))
         np.testing.assert_array_equal(out[0], [2.0, 2.0])
+
+
+async def test_gradient_buckets_reduce_everything_in_place_in_the_background() -> None:
+    from p2pdist import GradientBuckets
+
+    async with groups(3) as gs:
+        shapes = [(10,), (300, 40), (7, 7), (50_000,), (3,)]
+        grads = [
+            [np.full(s, float(r + i), np.float32) for i, s in enumerate(shapes)] for r in range(3)
+        ]
+        buckets = await asyncio.gather(
+            *(GradientBuckets.create(g, bucket_bytes=64 * 1024) for g in gs)
+        )
+
+        async def step(r: int) -> np.ndarray:
+            for grad in grads[r]:
+                buckets[r].add(grad)
+            # the caller carries on while buckets reduce; its own collective is unaffected
+            other = await gs[r].all_reduce(np.array([float(r)]))
+            await buckets[r].wait()
+            return other
+
+        others = await asyncio.gather(*(step(r) for r in range(3)))
+        assert others[0].tolist() == [3.0]
+        for r in range(3):
+            for i, grad in enumerate(grads[r]):
+                np.testing.assert_array_equal(grad, np.full(shapes[i], 1.0 + i))  # mean of r+i
