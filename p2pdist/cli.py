@@ -1,4 +1,4 @@
-"""The ``p2pdist`` command line: ``launch``, ``keygen``, ``id`` and ``demo``.
+"""The ``p2pdist`` command line: ``launch``, ``keygen``, ``id``, ``demo`` and ``bench``.
 
 Every :class:`~p2pdist.errors.P2PError` that reaches the top is printed as
 ``p2pdist: error: <message>`` and the exit status is 2, without a traceback.
@@ -99,10 +99,13 @@ def _cmd_id(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
-    # Imported lazily: the demo pulls in the whole group stack.
-    demo_main: Callable[[list[str]], int] = importlib.import_module("p2pdist.demo").main
-    return demo_main(extra)
+def _passthrough(module: str) -> Callable[[argparse.Namespace, list[str]], int]:
+    def run(args: argparse.Namespace, extra: list[str]) -> int:
+        # Imported lazily: these pull in the whole group stack.
+        entry: Callable[[list[str]], int] = importlib.import_module(module).main
+        return entry(extra)
+
+    return run
 
 
 def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -147,14 +150,15 @@ def _add_id(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(handler=_cmd_id)
 
 
-def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="run the local demo (see: p2pdist demo --help)",
-        add_help=False,
-        usage="%(prog)s [-n 4] [--plaintext] [--steps 30]",
-    )
-    p.set_defaults(handler=_cmd_demo, passthrough=True)
+def _add_passthrough(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    module: str,
+    help: str,
+    usage: str,
+) -> None:
+    p = sub.add_parser(name, help=help, add_help=False, usage=usage)
+    p.set_defaults(handler=_passthrough(module), passthrough=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +171,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch(sub)
     _add_keygen(sub)
     _add_id(sub)
-    _add_demo(sub)
+    _add_passthrough(
+        sub,
+        "demo",
+        "p2pdist.demo",
+        "run the local demo (see: p2pdist demo --help)",
+        "%(prog)s [-n 4] [--plaintext] [--steps 30]",
+    )
+    _add_passthrough(
+        sub,
+        "bench",
+        "p2pdist.bench",
+        "profile the links of N local ranks: alpha-beta fit and a PNG plot",
+        "%(prog)s [-n 2] [--plaintext] [--png FILE] [--repeats 5]",
+    )
     return parser
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,6 +15,9 @@ from .config import MODES
 from .core import _LAST_SPACE, GroupCore
 from .link import CollectiveLink, describe_call
 from .ops import ReduceOp, reduce_op
+
+if TYPE_CHECKING:
+    from .profile import LinkProfile
 
 __all__ = ["Group"]
 
@@ -455,6 +459,13 @@ class Group(GroupCore):
             raise UsageError("too many sub-groups: channel spaces are used up")
         root._next_space = space + 2
         return self._child(members, space)
+
+    async def profile_links(self, repeats: int = 5) -> list[LinkProfile]:
+        """Time every pair of ranks and fit ``t = alpha + bytes / beta`` per link
+        (collective; every rank gets the same list). See also ``p2pdist bench``."""
+        from .profile import profile_links
+
+        return await profile_links(self, repeats=repeats)
 
 
 def _op_label(op: str, ordered: bool) -> str:

@@ -1,0 +1,102 @@
+"""``p2pdist bench``: profile every link of N local ranks, print the alpha-beta model and
+write a PNG of bandwidth against message size."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from .errors import P2PError, UsageError
+from .group import Group
+from .group.profile import LinkProfile, profile_links
+from .launch import LaunchConfig, launch
+
+__all__ = ["format_table", "main", "plot"]
+
+
+def format_table(profiles: list[LinkProfile]) -> str:
+    """The fitted model and measured bandwidth per link, as text."""
+    lines = [f"{'link':>8} {'alpha (us)':>11} {'beta (GB/s)':>12} {'16 MiB one-way (GB/s)':>22}"]
+    for p in profiles:
+        top = p.bandwidth()[-1] / 1e9
+        lines.append(
+            f"{p.a:>3} - {p.b:<2} {p.alpha * 1e6:>11.1f} {p.beta / 1e9:>12.2f} {top:>22.2f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(profiles: list[LinkProfile], path: Path) -> None:
+    """Bandwidth against message size, one line per link (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("writing the plot needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for p in profiles:
+        (line,) = ax.plot(
+            p.sizes, [b / 1e9 for b in p.bandwidth()], marker="o", label=f"{p.a}-{p.b}"
+        )
+        model = [m / (p.alpha + m / p.beta) / 1e9 for m in p.sizes]
+        ax.plot(p.sizes, model, linestyle="--", alpha=0.6, color=line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("one-way bandwidth (GB/s)")
+    ax.set_title("p2pdist links: measured (points) and alpha-beta fit (dashed)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(title="link")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+async def _worker(png: str, repeats: int) -> int:
+    async with Group.from_env() as g:
+        profiles = await profile_links(g, repeats=repeats)
+        if g.rank == 0:
+            print(format_table(profiles), flush=True)
+            if png:
+                plot(profiles, Path(png))
+                print(f"plot written to {png}", flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """Run the profiler on N local ranks (or, with ``--worker``, one rank of it)."""
+    p = argparse.ArgumentParser(prog="p2pdist bench", description=__doc__)
+    p.add_argument("-n", "--nprocs", type=int, default=2, help="local ranks (default 2)")
+    p.add_argument("--plaintext", action="store_true", help="authenticated plaintext, no TLS")
+    p.add_argument("--png", default="p2pdist-links.png", help="plot file ('' for none)")
+    p.add_argument("--repeats", type=int, default=5, help="ping-pongs per size (default 5)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        try:
+            return asyncio.run(_worker(args.png, args.repeats))
+        except P2PError as exc:
+            print(f"[error] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            return 1
+    png = str(Path(args.png).resolve()) if args.png else ""
+    command = (
+        sys.executable,
+        "-m",
+        "p2pdist.bench",
+        "--worker",
+        "--png",
+        png,
+        "--repeats",
+        str(args.repeats),
+    )
+    try:
+        cfg = LaunchConfig(command=command, nprocs=args.nprocs, tls=not args.plaintext)
+    except UsageError as exc:
+        p.error(str(exc))
+    return launch(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
