@@ -12,9 +12,9 @@ fi
 .venv/bin/python -m pip install --quiet -e '.[test]'
 
 echo "== ruff"
-.venv/bin/ruff check p2pdist tests benchmarks examples
-.venv/bin/ruff format --check p2pdist tests benchmarks examples
+.venv/bin/ruff check p2pdist relay tests benchmarks examples
+.venv/bin/ruff format --check p2pdist relay tests benchmarks examples
 echo "== mypy --strict"
-.venv/bin/mypy --strict p2pdist
+.venv/bin/mypy --strict p2pdist relay
 echo "== pytest"
 .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,28 @@
+"""p2pdist-relay: the self-hosted relay server of p2pdist.
+
+A relay forwards opaque datagrams between clients it has authenticated, addressed by
+endpoint id (docs/protocol.md, section 8; operations in docs/relay.md). It never sees
+plaintext: the peers encrypt end to end, and the relay only adds the sender's
+authenticated id to what it forwards.
+
+Layout (each module has one job):
+
+* :mod:`relay.config`, :mod:`relay.cli` - the frozen configuration, TOML file and flags.
+* :mod:`relay.state` - the sans-I/O core: sessions, authentication, routing, limits.
+* :mod:`relay.session`, :mod:`relay.limits`, :mod:`relay.access`, :mod:`relay.metrics`,
+  :mod:`relay.http` - the pieces the core is built from (no asyncio, time passed in).
+* :mod:`relay.server` - thin asyncio glue: TLS listener, STUN port, timers, shutdown.
+* :mod:`relay.tlsconfig` - the relay's certificate (pinned Ed25519 key, or a real one).
+* :mod:`relay.tlsproto` - asyncio's TLS protocol with a 32 KiB (not 256 KiB) read buffer.
+* :mod:`relay.stun_server` - the UDP port answering STUN Binding Requests.
+* :mod:`relay.healthcheck` - ``python -m relay.healthcheck``, the liveness probe.
+* :mod:`relay.tap` - debug tap of every byte the relay reads and writes on client links.
+* :mod:`relay.testclient` - a minimal client for tests, benchmarks and smoke checks.
+"""
+
+from __future__ import annotations
+
+from .config import ConfigError, RelayConfig
+from .server import RelayServer
+
+__all__ = ["ConfigError", "RelayConfig", "RelayServer"]

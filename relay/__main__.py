@@ -1,0 +1,105 @@
+"""``python -m relay`` / ``p2pdist-relay``: run a relay until SIGTERM or SIGINT.
+
+Prints exactly one line ``relay url: URL`` to stdout once listening (tools parse it);
+logs go to stderr as ``time level logger event key=value ...``. SIGHUP reloads the
+allowlist and the certificate. Exit status: 0 after a graceful shutdown, 2 for a
+configuration error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .cli import load_config
+from .config import ConfigError, RelayConfig
+from .logfmt import kv
+from .server import RelayServer
+
+__all__ = ["main", "run"]
+
+log = logging.getLogger("relay")
+
+
+def _raise_fd_limit(max_clients: int) -> None:
+    """Each client is one file descriptor: lift the soft limit as far as allowed."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, max_clients + 1024)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:  # pragma: no cover - container policy
+            log.warning(kv("rlimit_nofile", error=exc))
+    if soft != resource.RLIM_INFINITY and soft < max_clients + 64:
+        log.warning(
+            kv(
+                "rlimit_nofile_low",
+                limit=soft,
+                max_clients=max_clients,
+                hint="raise 'ulimit -n' (or LimitNOFILE=) to hold max-clients",
+            )
+        )
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ConfigError(f"cannot write url-file {path}: {exc}") from None
+
+
+async def run(config: RelayConfig) -> int:
+    """Serve until SIGTERM/SIGINT, then shut down gracefully; returns the exit status."""
+    loop = asyncio.get_running_loop()
+    server = RelayServer(config)
+    stop = asyncio.Event()
+    # Handlers go in before the url line: whoever reads it may signal at once.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: server.reload() if server.url else None)
+    try:
+        await server.start()
+        if config.url_file is not None:
+            _write_atomically(config.url_file, server.url + "\n")
+        print(f"relay url: {server.url}", flush=True)
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        await server.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``p2pdist-relay``."""
+    try:
+        config = load_config(argv)
+    except ConfigError as exc:
+        print(f"p2pdist-relay: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    _raise_fd_limit(config.max_clients)
+    try:
+        return asyncio.run(run(config))
+    except ConfigError as exc:
+        print(f"p2pdist-relay: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # pragma: no cover - a second Ctrl-C during shutdown
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Access control: open, an allowlist of endpoint ids (reloaded when its file changes),
+a shared token, or both.
+
+The allowlist file holds one endpoint id (52 base32 characters) per line; blank lines
+and everything after ``#`` are ignored. The relay checks the file's modification time,
+size and inode at most once per ``check_interval`` seconds, on each authentication, and
+reloads it when they changed; :meth:`Allowlist.refresh` with ``force=True`` (SIGHUP)
+reloads unconditionally. A file that becomes unreadable or malformed keeps the last good
+list in force (and is logged), so a half-written edit never opens or closes the relay.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from p2pdist.errors import UsageError
+from p2pdist.identity import EndpointId
+
+from .logfmt import kv
+
+__all__ = ["AccessPolicy", "Allowlist", "AllowlistError", "Refusal", "parse_allowlist"]
+
+log = logging.getLogger(__name__)
+
+
+class AllowlistError(ValueError):
+    """The allowlist file is malformed; the message names the line."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a client may not use the relay: a metric label and the ERROR text."""
+
+    reason: str
+    message: str
+
+
+BAD_TOKEN = Refusal("bad_token", "bad token")
+NOT_ALLOWED = Refusal("not_allowed", "endpoint not allowed")
+
+
+def parse_allowlist(text: str, source: str) -> frozenset[bytes]:
+    """The raw ids listed in ``text``; AllowlistError naming ``source`` and the line."""
+    ids: set[bytes] = set()
+    for lineno, line in enumerate(text.splitlines(), 1):
+        entry = line.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        try:
+            ids.add(bytes(EndpointId.parse(entry)))
+        except UsageError as exc:
+            raise AllowlistError(f"{source}:{lineno}: {exc}") from None
+    return frozenset(ids)
+
+
+class Allowlist:
+    """The set of allowed endpoint ids, backed by a file."""
+
+    def __init__(self, path: Path, *, check_interval: float = 1.0) -> None:
+        self.path = path
+        self._interval = check_interval
+        self._ids: frozenset[bytes] = frozenset()
+        self._signature: tuple[int, int, int] | None = None
+        self._checked: float | None = None
+        self._load()  # at start-up a bad file is an error, not a warning
+
+    def _stat(self) -> tuple[int, int, int]:
+        st = os.stat(self.path)
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _load(self) -> None:
+        try:
+            signature = self._stat()
+            text = self.path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise AllowlistError(f"cannot read allowlist {self.path}: {exc}") from None
+        self._ids = parse_allowlist(text, str(self.path))
+        self._signature = signature
+        log.info(kv("allowlist_loaded", path=self.path, entries=len(self._ids)))
+
+    def refresh(self, now: float, *, force: bool = False) -> None:
+        """Reload the file if it changed (checked at most every ``check_interval`` s)."""
+        if not force and self._checked is not None and now - self._checked < self._interval:
+            return
+        self._checked = now
+        try:
+            if not force and self._stat() == self._signature:
+                return
+            self._load()
+        except (OSError, AllowlistError) as exc:
+            log.error(kv("allowlist_reload_failed", error=exc, kept=len(self._ids)))
+
+    def __contains__(self, raw_id: bytes) -> bool:
+        return raw_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+class AccessPolicy:
+    """Who may use the relay: everyone, listed ids, token holders, or listed token holders."""
+
+    def __init__(self, allowlist: Allowlist | None = None, token: str | None = None) -> None:
+        self.allowlist = allowlist
+        self._token = token.encode("utf-8") if token else None
+
+    @property
+    def mode(self) -> str:
+        """``open``, ``allowlist``, ``token`` or ``allowlist+token`` (for logs)."""
+        parts = [n for n, on in (("allowlist", self.allowlist), ("token", self._token)) if on]
+        return "+".join(parts) or "open"
+
+    def check(self, raw_id: bytes, token: bytes, now: float) -> Refusal | None:
+        """None when the (already authenticated) endpoint may use the relay."""
+        if self._token is not None and not hmac.compare_digest(token, self._token):
+            return BAD_TOKEN
+        if self.allowlist is not None:
+            self.allowlist.refresh(now)
+            if raw_id not in self.allowlist:
+                return NOT_ALLOWED
+        return None
+
+    def reload(self, now: float) -> None:
+        """Re-read the allowlist now (SIGHUP)."""
+        if self.allowlist is not None:
+            self.allowlist.refresh(now, force=True)

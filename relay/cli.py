@@ -1,0 +1,75 @@
+"""Command line and config file: flags override the TOML file, which overrides defaults.
+
+The token may also come from the environment (``P2PDIST_RELAY_TOKEN``), which sits
+between the file and the flags, so that it need not appear in ``ps`` output or on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import TOKEN_ENV, ConfigError, RelayConfig, coerce, normalize_keys
+
+__all__ = ["build_parser", "load_config", "read_config_file"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``p2pdist-relay`` argument parser (every flag defaults to 'not given')."""
+    p = argparse.ArgumentParser(
+        prog="p2pdist-relay",
+        description="Self-hosted p2pdist relay: forwards end-to-end encrypted datagrams "
+        "between authenticated endpoints. Prints 'relay url: URL' once listening.",
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file with the same settings")
+    for f in dataclasses.fields(RelayConfig):
+        flag = "--" + f.name.replace("_", "-")
+        text = f.metadata["help"]
+        if f.default is not None:
+            text += f" [default: {f.default}]"
+        p.add_argument(flag, dest=f.name, metavar=f.metadata.get("metavar"), help=text)
+    return p
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Raw settings from a TOML file, keyed by field name."""
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    return normalize_keys(data, f"config file {path}")
+
+
+def load_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> RelayConfig:
+    """Parse flags, read ``--config`` if given, apply the environment; ConfigError on
+    anything wrong (argparse itself exits with status 2 on unknown flags)."""
+    env = os.environ if environ is None else environ
+    args = vars(build_parser().parse_args(argv))
+    config_path = args.pop("config", None)
+    merged: dict[str, Any] = {}
+    file_values: dict[str, Any] = {}
+    base: Path | None = None
+    if config_path is not None:
+        path = Path(config_path).expanduser()
+        file_values = read_config_file(path)
+        base = path.resolve().parent
+    if env.get(TOKEN_ENV):
+        merged["token"] = env[TOKEN_ENV]
+    merged.update(args)
+    # The file's paths are relative to the file, the flags' to the working directory;
+    # validation happens once, on the merged result.
+    values = {**coerce(file_values, base=base), **coerce(merged)}
+    return RelayConfig(**values)

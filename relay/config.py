@@ -1,0 +1,280 @@
+"""The relay's configuration: one frozen dataclass, validated once, with documented units.
+
+Every field is also a command-line flag (``max_clients`` is ``--max-clients``) and a key
+of the TOML config file (``max-clients = 500``; ``max_clients`` is accepted too). The
+help text of each flag lives in the field's metadata, so the three spellings never drift
+apart. :func:`from_mapping` turns already-merged raw values (file, environment, flags)
+into a :class:`RelayConfig` and says clearly what is wrong when something is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from p2pdist.wire.relay import MAX_BODY
+
+__all__ = ["ConfigError", "RelayConfig", "coerce", "from_mapping", "normalize_keys", "option_names"]
+
+TOKEN_ENV = "P2PDIST_RELAY_TOKEN"
+MAX_TOKEN_BYTES = 1024
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or inconsistent; the message says which."""
+
+
+def _doc(help: str, metavar: str | None = None) -> dict[str, str | None]:
+    return {"help": help, "metavar": metavar}
+
+
+@dataclass(frozen=True, slots=True)
+class RelayConfig:
+    """Everything a relay process is told. Sizes are bytes, times are seconds."""
+
+    host: str = field(default="0.0.0.0", metadata=_doc("address to bind (TCP and STUN)", "ADDR"))
+    port: int = field(default=8443, metadata=_doc("TCP port for TLS (0: any free port)", "PORT"))
+    public_host: str | None = field(
+        default=None,
+        metadata=_doc(
+            "host name put in the printed URL (default: the bind address; 127.0.0.1 for "
+            "0.0.0.0, ::1 for ::)",
+            "NAME",
+        ),
+    )
+    stun_port: int | None = field(
+        default=None,
+        metadata=_doc(
+            "UDP port answering STUN binding requests (default: same number as the "
+            "TCP port; 0 disables)",
+            "PORT",
+        ),
+    )
+    key: Path | None = field(
+        default=None,
+        metadata=_doc(
+            "pinned mode: the relay's Ed25519 key file (created with mode 0600 if "
+            "missing); without --key and --cert an ephemeral key is used",
+            "FILE",
+        ),
+    )
+    cert: Path | None = field(
+        default=None, metadata=_doc("certificate chain (PEM) of a real certificate", "FILE")
+    )
+    cert_key: Path | None = field(
+        default=None, metadata=_doc("private key (PEM) of --cert", "FILE")
+    )
+    allowlist: Path | None = field(
+        default=None,
+        metadata=_doc(
+            "file of allowed endpoint ids, one per line, '#' comments; reloaded when "
+            "it changes and on SIGHUP",
+            "FILE",
+        ),
+    )
+    token: str | None = field(
+        default=None,
+        repr=False,
+        metadata=_doc(f"shared token clients must present (or env {TOKEN_ENV})", "TOKEN"),
+    )
+    max_clients: int = field(default=4096, metadata=_doc("most authenticated clients at once", "N"))
+    rate: int = field(
+        default=0, metadata=_doc("per-client SEND budget in bytes/s (0: unlimited)", "BYTES_PER_S")
+    )
+    burst: int = field(
+        default=1 << 20, metadata=_doc("per-client token bucket size in bytes", "BYTES")
+    )
+    queue_bytes: int = field(
+        default=1 << 20,
+        metadata=_doc(
+            "per-client bound on bytes queued towards it; RECVs beyond are dropped", "BYTES"
+        ),
+    )
+    keepalive: float = field(
+        default=15.0,
+        metadata=_doc(
+            "client ping interval advertised in AUTH_OK; silent clients are dropped after 3x",
+            "SECONDS",
+        ),
+    )
+    auth_timeout: float = field(
+        default=10.0,
+        metadata=_doc(
+            "time allowed for the TLS handshake, and again from there to a completed AUTH",
+            "SECONDS",
+        ),
+    )
+    drain_timeout: float = field(
+        default=3.0, metadata=_doc("graceful shutdown: how long to let queues drain", "SECONDS")
+    )
+    retry_after: float = field(
+        default=1.0, metadata=_doc("retry_after advertised in RECONNECT on shutdown", "SECONDS")
+    )
+    url_file: Path | None = field(
+        default=None,
+        metadata=_doc(
+            "also write the relay URL to FILE once listening (scripts, containers)", "FILE"
+        ),
+    )
+    log_level: str = field(
+        default="info", metadata=_doc("one of " + ", ".join(LOG_LEVELS), "LEVEL")
+    )
+    tap: Path | None = field(
+        default=None,
+        metadata=_doc(
+            "DEBUG: append every byte read/written on client connections (after TLS) to FILE",
+            "FILE",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def pinned(self) -> bool:
+        """True when the relay presents its own Ed25519 key (no real certificate)."""
+        return self.cert is None
+
+    def effective_stun_port(self, bound_tcp_port: int) -> int:
+        """The UDP port to bind for STUN (0: disabled) once the TCP port is known."""
+        return bound_tcp_port if self.stun_port is None else self.stun_port
+
+    def url_host(self) -> str:
+        """The host name to print in the relay URL."""
+        if self.public_host:
+            return self.public_host
+        if self.host in ("", "0.0.0.0"):
+            return "127.0.0.1"
+        if self.host == "::":  # an IPv6-only wildcard listener (asyncio sets V6ONLY)
+            return "::1"
+        return self.host
+
+
+def option_names() -> list[str]:
+    """Field names in declaration order (flags are these with '-' for '_')."""
+    return [f.name for f in dataclasses.fields(RelayConfig)]
+
+
+def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name} must be a finite number {bound}, got {value!r}")
+
+
+def _port(name: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= 65535:
+        raise ConfigError(f"{name} must be a port number 0..65535, got {value}")
+
+
+def _validate(c: RelayConfig) -> None:
+    _port("port", c.port)
+    _port("stun-port", c.stun_port)
+    if c.host not in ("", "localhost"):
+        try:
+            ipaddress.ip_address(c.host)
+        except ValueError:
+            raise ConfigError(
+                f"host must be an IP address to bind (or 'localhost'), got {c.host!r}; "
+                "use public-host for the name in the URL"
+            ) from None
+    if c.public_host is not None and (
+        not c.public_host or any(ch in c.public_host for ch in "/?# ")
+    ):
+        raise ConfigError(f"public-host must be a bare host name or address, got {c.public_host!r}")
+    if c.cert is not None and c.key is not None:
+        raise ConfigError("key (pinned mode) and cert (real certificate) exclude each other")
+    if (c.cert is None) != (c.cert_key is None):
+        raise ConfigError("cert and cert-key must be given together")
+    if c.token is not None:
+        if not c.token:
+            raise ConfigError("token must not be empty (leave it unset for no token)")
+        if len(c.token.encode("utf-8")) > MAX_TOKEN_BYTES:
+            raise ConfigError(f"token must be at most {MAX_TOKEN_BYTES} bytes")
+    if c.max_clients < 1:
+        raise ConfigError(f"max-clients must be >= 1, got {c.max_clients}")
+    _positive("rate", c.rate, allow_zero=True)
+    if c.rate and c.burst < MAX_BODY:
+        raise ConfigError(
+            f"burst must be at least {MAX_BODY} bytes (the largest SEND) when rate is set, "
+            f"got {c.burst}; a smaller bucket would drop large datagrams forever"
+        )
+    _positive("burst", c.burst)
+    if c.queue_bytes < MAX_BODY + 5:
+        raise ConfigError(
+            f"queue-bytes must be at least {MAX_BODY + 5} (one frame), got {c.queue_bytes}"
+        )
+    for name in ("keepalive", "auth_timeout", "drain_timeout"):
+        _positive(name.replace("_", "-"), float(getattr(c, name)))
+    _positive("retry-after", c.retry_after, allow_zero=True)
+    if c.log_level not in LOG_LEVELS:
+        raise ConfigError(f"log-level must be one of {', '.join(LOG_LEVELS)}, got {c.log_level!r}")
+
+
+# ---- raw values -> RelayConfig --------------------------------------------------------
+
+
+def _field_kind(f: dataclasses.Field[Any]) -> str:
+    t = str(f.type)
+    for kind in ("Path", "int", "float", "str"):
+        if kind in t:
+            return kind
+    raise AssertionError(f"unhandled config field type {t}")  # pragma: no cover
+
+
+def _coerce(name: str, kind: str, value: Any, base: Path | None) -> Any:
+    flag = name.replace("_", "-")
+    if value is None:
+        return None
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ConfigError(f"{flag} must be an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{flag} must be an integer, got {value!r}") from None
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ConfigError(f"{flag} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{flag} must be a number, got {value!r}") from None
+    if not isinstance(value, str | Path):
+        raise ConfigError(f"{flag} must be a string, got {value!r}")
+    if kind == "Path":
+        p = Path(value).expanduser()
+        return base / p if base is not None and not p.is_absolute() else p
+    return str(value)
+
+
+def normalize_keys(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Map ``max-clients`` / ``max_clients`` keys to field names; unknown keys are errors."""
+    known = set(option_names())
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            valid = ", ".join(n.replace("_", "-") for n in option_names())
+            raise ConfigError(f"{source}: unknown setting {key!r} (valid: {valid})")
+        if name in out:
+            raise ConfigError(f"{source}: {key!r} is given twice")
+        out[name] = value
+    return out
+
+
+def coerce(values: Mapping[str, Any], *, base: Path | None = None) -> dict[str, Any]:
+    """Typed values from raw ones keyed by field name (strings are accepted for numbers,
+    as they come from flags or the environment); ``base`` resolves relative paths."""
+    kinds = {f.name: _field_kind(f) for f in dataclasses.fields(RelayConfig)}
+    return {name: _coerce(name, kinds[name], value, base) for name, value in values.items()}
+
+
+def from_mapping(values: Mapping[str, Any], *, base: Path | None = None) -> RelayConfig:
+    """Build and validate a config from raw values keyed by field name."""
+    return RelayConfig(**coerce(values, base=base))

@@ -1,0 +1,72 @@
+"""The HTTP/1.1 side of the relay port (sans-I/O): the upgrade, /health and /metrics.
+
+:func:`route` looks at one parsed request head and decides: switch to relay frames
+(``101``), or answer and close (``200`` / ``400`` / ``404``). Nothing here reads sockets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from p2pdist.wire.relay import UPGRADE_PATH, UPGRADE_TOKEN, VERSION, HttpHead, upgrade_response
+
+__all__ = ["HttpDecision", "response", "route"]
+
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found"}
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True, slots=True)
+class HttpDecision:
+    """What to do with a request: ``upgrade`` to relay frames, or answer and close."""
+
+    upgrade: bool
+    status: int
+    response: bytes
+
+
+def response(status: int, body: str, content_type: str = "text/plain; charset=utf-8") -> bytes:
+    """A complete ``Connection: close`` response."""
+    data = body.encode("utf-8")
+    head = (
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
+        f"Content-Type: {content_type}\r\nContent-Length: {len(data)}\r\n"
+        "Cache-Control: no-store\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + data
+
+
+def _tokens(value: str) -> set[str]:
+    return {t.strip().lower() for t in value.split(",") if t.strip()}
+
+
+def _upgrade(head: HttpHead) -> HttpDecision:
+    if UPGRADE_TOKEN not in _tokens(head.header("upgrade")) or "upgrade" not in _tokens(
+        head.header("connection")
+    ):
+        return HttpDecision(False, 400, response(400, f"expected Upgrade: {UPGRADE_TOKEN}\n"))
+    version = head.header("p2pdist-relay-version")
+    if version and version != str(VERSION):
+        return HttpDecision(
+            False, 400, response(400, f"unsupported relay protocol version {version[:16]!r}\n")
+        )
+    return HttpDecision(True, 101, upgrade_response())
+
+
+def route(head: HttpHead, metrics_text: Callable[[], str]) -> HttpDecision:
+    """Decide on one request; ``metrics_text`` is only called for ``GET /metrics``."""
+    line = head.start_line
+    if len(line) != 3 or not line[2].startswith("HTTP/1."):
+        return HttpDecision(False, 400, response(400, "malformed request line\n"))
+    method, target = line[0], line[1]
+    path = target.split("?", 1)[0]
+    if method != "GET":
+        return HttpDecision(False, 400, response(400, "only GET is supported\n"))
+    if path == UPGRADE_PATH:
+        return _upgrade(head)
+    if path == "/health":
+        return HttpDecision(False, 200, response(200, "ok"))
+    if path == "/metrics":
+        return HttpDecision(False, 200, response(200, metrics_text(), METRICS_TYPE))
+    return HttpDecision(False, 404, response(404, "not found\n"))

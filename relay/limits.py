@@ -1,0 +1,76 @@
+"""Rate limits with time passed in: a token bucket and the PEER_GONE throttle."""
+
+from __future__ import annotations
+
+__all__ = ["PeerGoneThrottle", "TokenBucket"]
+
+
+class TokenBucket:
+    """``rate`` tokens (bytes) per second, holding at most ``burst``; starts full.
+
+    ``rate`` 0 means unlimited: :meth:`take` always succeeds.
+    """
+
+    __slots__ = ("_burst", "_rate", "_stamp", "_tokens")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        if rate < 0 or burst <= 0:
+            raise ValueError(f"token bucket needs rate >= 0 and burst > 0, got {rate}, {burst}")
+        self._rate = float(rate)
+        self._burst = float(burst)
+        self._tokens = float(burst)
+        self._stamp = now
+
+    def take(self, n: int, now: float) -> bool:
+        """Spend ``n`` tokens if there are that many (after refilling up to ``now``)."""
+        if not self._rate:
+            return True
+        elapsed = now - self._stamp
+        if elapsed > 0:
+            self._tokens = min(self._burst, self._tokens + elapsed * self._rate)
+            self._stamp = now
+        if n <= self._tokens:
+            self._tokens -= n
+            return True
+        return False
+
+    @property
+    def tokens(self) -> float:
+        """Tokens left at the last :meth:`take`."""
+        return self._tokens
+
+
+class PeerGoneThrottle:
+    """Allows one PEER_GONE per destination per ``interval`` seconds (for one sender).
+
+    Remembers at most ``max_entries`` destinations; when full, entries older than the
+    interval are forgotten, and if none are, the oldest half goes (a sender cycling
+    through random ids then gets a few extra notices, never unbounded memory).
+    """
+
+    __slots__ = ("_interval", "_last", "_max")
+
+    def __init__(self, interval: float = 1.0, max_entries: int = 1024) -> None:
+        self._interval = interval
+        self._max = max_entries
+        self._last: dict[bytes, float] = {}
+
+    def allow(self, dest: bytes, now: float) -> bool:
+        """True when a PEER_GONE for ``dest`` may be sent now (and records it)."""
+        last = self._last.get(dest)
+        if last is not None and now - last < self._interval:
+            return False
+        if last is None and len(self._last) >= self._max:
+            self._prune(now)
+        self._last[dest] = now
+        return True
+
+    def _prune(self, now: float) -> None:
+        fresh = {k: t for k, t in self._last.items() if now - t < self._interval}
+        if len(fresh) >= self._max:
+            keep = sorted(fresh.items(), key=lambda kv: kv[1])[len(fresh) // 2 :]
+            fresh = dict(keep)
+        self._last = fresh
+
+    def __len__(self) -> int:
+        return len(self._last)

@@ -1,0 +1,300 @@
+"""asyncio glue: the TLS listener, the STUN port, the tick timer and graceful shutdown.
+
+Everything that decides anything lives in :class:`relay.state.RelayCore`; this module
+only moves bytes between sockets and the core and tells it the time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import TracebackType
+from typing import cast
+
+from p2pdist.wire.relay import RelayUrl
+
+from .access import AccessPolicy, Allowlist, AllowlistError
+from .config import ConfigError, RelayConfig
+from .logfmt import kv
+from .metrics import Metrics
+from .session import Session
+from .state import CoreConfig, RelayCore
+from .stun_server import StunProtocol
+from .tap import FileTap, Tap
+from .tlsconfig import RelayTls, load_or_create_key
+from .tlsproto import tls_protocol_factory
+
+__all__ = ["RelayServer"]
+
+log = logging.getLogger(__name__)
+
+CLOSE_GRACE = 5.0
+"""A closed connection whose peer does not read is aborted after this many seconds."""
+
+
+class _ClientConnection(asyncio.Protocol):
+    """One accepted TLS connection: feeds the core and implements its Link."""
+
+    def __init__(self, server: RelayServer) -> None:
+        self._server = server
+        self._core = server.core
+        self._loop = asyncio.get_running_loop()
+        self._tap = server.tap
+        self._transport: asyncio.Transport | None = None
+        self._session: Session | None = None
+        self._abort: asyncio.TimerHandle | None = None
+
+    # ---- asyncio.Protocol -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername") or ("?", 0)
+        self._server.connections.add(self)
+        self._session = self._core.open(self, (str(peer[0]), int(peer[1])), self._loop.time())
+
+    def data_received(self, data: bytes) -> None:
+        if self._session is None:
+            return
+        if self._tap is not None:
+            self._tap(self._session.conn_id, "in", data)
+        try:
+            self._core.receive(self._session, data, self._loop.time())
+        except Exception:  # pragma: no cover - a bug costs this connection, not the relay
+            log.exception(kv("receive_failed", conn=self._session.label))
+            self.abort()
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._abort is not None:
+            self._abort.cancel()
+            self._abort = None
+        if self._session is not None:
+            self._core.lost(self._session, self._loop.time())
+        self._server.connection_gone(self)
+
+    # ---- Link -------------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        """Queue ``data`` on the TLS transport."""
+        if self._transport is None or self._transport.is_closing():
+            return
+        if self._tap is not None and self._session is not None:
+            self._tap(self._session.conn_id, "out", data)
+        self._transport.write(data)
+
+    def buffered(self) -> int:
+        """Plaintext and ciphertext not yet handed to the kernel."""
+        return 0 if self._transport is None else self._transport.get_write_buffer_size()
+
+    def close(self) -> None:
+        """Flush and close; abort if the peer does not take the bytes within CLOSE_GRACE."""
+        if self._transport is None or self._transport.is_closing():
+            return
+        self._transport.close()
+        self._abort = self._loop.call_later(CLOSE_GRACE, self.abort)
+
+    def abort(self) -> None:
+        """Drop the connection now."""
+        if self._transport is not None:
+            self._transport.abort()
+
+
+class RelayServer:
+    """A running relay: ``await start()``, then ``url``; ``await close()`` to shut down
+    gracefully (RECONNECT to every client, bounded drain). Also an async context manager.
+
+    ``tap`` (tests, debugging) sees every byte read from or written to client
+    connections after TLS; ``config.tap`` writes the same to a file.
+    """
+
+    def __init__(self, config: RelayConfig, *, tap: Tap | None = None) -> None:
+        self.config = config
+        self.tap: Tap | None = tap
+        self._own_tap: FileTap | None = None
+        self.connections: set[_ClientConnection] = set()
+        self._all_gone: asyncio.Event | None = None
+        self._server: asyncio.Server | None = None
+        self._stun: asyncio.DatagramTransport | None = None
+        self._tick: asyncio.TimerHandle | None = None
+        self._closed = False
+        self.port = 0
+        self.stun_port = 0
+        self.url = ""
+        self.tls: RelayTls | None = None
+        self._core: RelayCore | None = None
+
+    @property
+    def core(self) -> RelayCore:
+        """The sans-I/O core (after :meth:`start`)."""
+        if self._core is None:
+            raise RuntimeError("RelayServer.start() has not run")
+        return self._core
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load keys and lists, bind the ports and start serving; ConfigError if unable."""
+        c = self.config
+        loop = asyncio.get_running_loop()
+        if c.cert is not None and c.cert_key is not None:
+            self.tls = RelayTls.from_files(c.cert, c.cert_key)
+        else:
+            self.tls = RelayTls.pinned(load_or_create_key(c.key))
+        try:
+            allowlist = Allowlist(c.allowlist) if c.allowlist is not None else None
+        except AllowlistError as exc:
+            raise ConfigError(str(exc)) from None
+        core_cfg = CoreConfig(
+            max_clients=c.max_clients,
+            rate=c.rate,
+            burst=c.burst,
+            queue_bytes=c.queue_bytes,
+            keepalive=c.keepalive,
+            auth_timeout=c.auth_timeout,
+            retry_after=c.retry_after,
+        )
+        access = AccessPolicy(allowlist, c.token)
+        self._core = RelayCore(core_cfg, self.tls.fingerprints, access, Metrics())
+        if self.tap is None and c.tap is not None:
+            self._own_tap = FileTap(c.tap)
+            self.tap = self._own_tap
+            log.warning(kv("tap_enabled", path=c.tap, hint="debug only: records all traffic"))
+        host = c.host or None
+        app_factory = lambda: _ClientConnection(self)  # noqa: E731
+        small = tls_protocol_factory(
+            app_factory,
+            self.tls.context,
+            handshake_timeout=c.auth_timeout,
+            shutdown_timeout=c.drain_timeout,
+        )
+        try:
+            if small is not None:
+                self._server = await loop.create_server(
+                    small, host, c.port, backlog=4096, reuse_address=True
+                )
+            else:  # pragma: no cover - asyncio without a usable SSLProtocol
+                self._server = await loop.create_server(
+                    app_factory,
+                    host,
+                    c.port,
+                    ssl=self.tls.context,
+                    ssl_handshake_timeout=c.auth_timeout,
+                    ssl_shutdown_timeout=c.drain_timeout,
+                    backlog=4096,
+                    reuse_address=True,
+                )
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {c.host}:{c.port}: {exc}") from None
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        await self._start_stun(c.effective_stun_port(self.port))
+        self.url = str(RelayUrl(c.url_host(), self.port, self.tls.pin))
+        self._all_gone = asyncio.Event()
+        self._schedule_tick()
+        log.info(
+            kv(
+                "listening",
+                url=self.url,
+                bind=f"{c.host}:{self.port}",
+                stun=self.stun_port or "off",
+                tls="pinned" if self.tls.pin else "certificate",
+                access=access.mode,
+                max_clients=c.max_clients,
+                rate=c.rate or "unlimited",
+                queue_bytes=c.queue_bytes,
+                keepalive=c.keepalive,
+            )
+        )
+
+    async def _start_stun(self, port: int) -> None:
+        if not port:
+            return
+        loop = asyncio.get_running_loop()
+        host = self.config.host or "0.0.0.0"
+        try:
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: StunProtocol(self.core.metrics), local_addr=(host, port)
+            )
+        except OSError as exc:
+            if self._server is not None:
+                self._server.close()
+            raise ConfigError(
+                f"cannot bind STUN port {host}:{port} (UDP): {exc}; pass --stun-port N or 0"
+            ) from None
+        self._stun = transport
+        self.stun_port = int(transport.get_extra_info("sockname")[1])
+
+    def _schedule_tick(self) -> None:
+        c = self.config
+        interval = min(1.0, c.keepalive / 2, c.auth_timeout / 2)
+        self._tick = asyncio.get_running_loop().call_later(interval, self._on_tick)
+
+    def _on_tick(self) -> None:
+        try:
+            self.core.tick(asyncio.get_running_loop().time())
+        except Exception:  # pragma: no cover - a bug must not stop the timeouts
+            log.exception(kv("tick_failed"))
+        if not self._closed:
+            self._schedule_tick()
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the allowlist and (certificate mode) the certificate files."""
+        log.info(kv("reload"))
+        self.core.access.reload(asyncio.get_running_loop().time())
+        if self.tls is not None and self.tls.reload():
+            self.core.set_cert_fingerprints(self.tls.fingerprints)
+
+    def connection_gone(self, conn: _ClientConnection) -> None:
+        """Called by a connection once it is lost."""
+        self.connections.discard(conn)
+        if not self.connections and self._all_gone is not None:
+            self._all_gone.set()
+
+    async def close(self) -> None:
+        """Graceful shutdown: stop accepting, RECONNECT everyone, drain (bounded), close."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is None:  # never started (or failed to)
+            if self._own_tap is not None:
+                self._own_tap.close()
+            return
+        log.info(kv("shutdown", connections=len(self.connections)))
+        if self._server is not None:
+            self._server.close()
+        if self._tick is not None:
+            self._tick.cancel()
+        if self._stun is not None:
+            self._stun.close()
+        if self._core is not None:
+            self._core.shutdown()
+        if self.connections and self._all_gone is not None:
+            self._all_gone.clear()
+            try:
+                await asyncio.wait_for(self._all_gone.wait(), self.config.drain_timeout)
+            except TimeoutError:
+                log.warning(kv("drain_timeout", left=len(self.connections)))
+        for conn in list(self.connections):
+            conn.abort()
+        for _ in range(3):  # let connection_lost callbacks run
+            await asyncio.sleep(0)
+        if self._own_tap is not None:
+            self._own_tap.close()
+        log.info(kv("stopped"))
+
+    async def __aenter__(self) -> RelayServer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        clients = self._core.clients if self._core is not None else 0
+        return f"RelayServer({self.url or 'not started'}, clients={clients})"

@@ -1,0 +1,392 @@
+"""The relay's sans-I/O core: authentication, the client registry, routing and limits.
+
+:class:`RelayCore` is fed events by the asyncio glue (:mod:`relay.server`), always with
+the current monotonic time: :meth:`~RelayCore.open`, :meth:`~RelayCore.receive`,
+:meth:`~RelayCore.lost`, :meth:`~RelayCore.tick` and :meth:`~RelayCore.shutdown`. It
+answers through each session's :class:`~relay.session.Link`. It never sleeps, never
+awaits and never reads a clock, so tests move time by hand.
+
+Writes produced while handling one chunk of input are batched per destination and
+handed to the links once, at the end of the call (fewer TLS records and syscalls when a
+client sends many small datagrams at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from p2pdist.errors import UsageError
+from p2pdist.identity import ID_LEN, EndpointId
+from p2pdist.wire.relay import (
+    MAX_DATAGRAM,
+    VERSION,
+    RelayFrameType,
+    RelayProtocolError,
+    auth_message,
+    encode_frame,
+    encode_map,
+    parse_http_head,
+)
+
+from .access import AccessPolicy, Refusal
+from .http import response, route
+from .limits import TokenBucket
+from .logfmt import kv
+from .metrics import Metrics
+from .session import Link, Phase, Session
+
+__all__ = ["CoreConfig", "RelayCore"]
+
+log = logging.getLogger(__name__)
+
+SIG_LEN = 64
+PING_LEN = 8
+REPLACED = "replaced by a newer connection from the same endpoint"
+_HEAD = struct.Struct(">BI")
+_RECV = int(RelayFrameType.RECV)
+
+BAD_SIGNATURE = Refusal("bad_signature", "bad signature")
+MALFORMED = Refusal("malformed", "malformed AUTH")
+RELAY_FULL = Refusal("relay_full", "relay full")
+AUTH_TIMEOUT = Refusal("timeout", "authentication timed out")
+SHUTTING_DOWN = Refusal("shutting_down", "relay shutting down")
+
+
+@dataclass(frozen=True, slots=True)
+class CoreConfig:
+    """The limits the core enforces (sizes in bytes, times in seconds)."""
+
+    max_clients: int = 4096
+    rate: int = 0
+    burst: int = 1 << 20
+    queue_bytes: int = 1 << 20
+    keepalive: float = 15.0
+    auth_timeout: float = 10.0
+    retry_after: float = 1.0
+
+
+def _closed(s: Session) -> bool:
+    # A function, so type checkers do not narrow ``s.phase`` across calls that change it.
+    return s.phase is Phase.CLOSED
+
+
+def format_address(ip: str, port: int) -> str:
+    """``ip:port``, ``[v6]:port``; IPv4-mapped IPv6 addresses are shown as IPv4."""
+    if ip.startswith("::ffff:") and "." in ip:
+        ip = ip[7:]
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+class RelayCore:
+    """Sessions, the registry of authenticated clients, and what to do with each frame."""
+
+    def __init__(
+        self,
+        config: CoreConfig,
+        cert_fingerprints: Iterable[bytes],
+        access: AccessPolicy | None = None,
+        metrics: Metrics | None = None,
+        random_bytes: Callable[[int], bytes] = secrets.token_bytes,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.access = access if access is not None else AccessPolicy()
+        self._fingerprints: tuple[bytes, ...] = ()
+        self.set_cert_fingerprints(cert_fingerprints)
+        self._random = random_bytes
+        self._sessions: set[Session] = set()
+        self._clients: dict[bytes, Session] = {}
+        self._dirty: list[Session] = []
+        self._next_id = 0
+        self._closing = False
+
+    # ---- queries ----------------------------------------------------------------------
+
+    @property
+    def clients(self) -> int:
+        """Authenticated clients now."""
+        return len(self._clients)
+
+    @property
+    def connections(self) -> int:
+        """Open sessions in any phase."""
+        return len(self._sessions)
+
+    def client(self, endpoint: EndpointId | bytes) -> Session | None:
+        """The active session of ``endpoint``, if connected."""
+        return self._clients.get(bytes(endpoint))
+
+    def metrics_text(self) -> str:
+        """The Prometheus page."""
+        return self.metrics.render(clients=self.clients, connections=self.connections)
+
+    def set_cert_fingerprints(self, fingerprints: Iterable[bytes]) -> None:
+        """SHA-256 of the certificate(s) clients may have seen (two during a rotation)."""
+        fps = tuple(fingerprints)
+        if not fps or any(len(f) != 32 for f in fps):
+            raise ValueError("need at least one 32-byte certificate fingerprint")
+        self._fingerprints = fps
+
+    # ---- events from the glue ---------------------------------------------------------
+
+    def open(self, link: Link, peer: tuple[str, int], now: float) -> Session:
+        """A TLS connection was accepted from ``peer``."""
+        self._next_id += 1
+        s = Session(self._next_id, link, format_address(*peer), now)
+        self._sessions.add(s)
+        self.metrics.connections_total += 1
+        log.debug(kv("connect", conn=s.label, peer=s.observed))
+        return s
+
+    def receive(self, s: Session, data: bytes, now: float) -> None:
+        """Bytes arrived from ``s``'s client."""
+        if s.phase is Phase.CLOSED:
+            return
+        s.last_heard = now
+        self.metrics.bytes_in_total += len(data)
+        try:
+            if s.phase is Phase.HTTP:
+                data = self._http(s, data, now)
+                if not data:
+                    return
+            for kind, body in s.decoder.feed(data):
+                self._frame(s, kind, body, now)
+                if _closed(s):
+                    break
+        except RelayProtocolError as exc:
+            self.metrics.protocol_errors_total += 1
+            self._close(s, "protocol_error", error=str(exc))
+        finally:
+            self.flush()
+
+    def lost(self, s: Session, now: float) -> None:
+        """The connection of ``s`` is gone (EOF, reset, or after our close)."""
+        if s.phase is not Phase.CLOSED:
+            level = logging.INFO if s.phase is Phase.ACTIVE else logging.DEBUG
+            log.log(level, kv("disconnect", conn=s.label, after=now - s.opened_at))
+            self._forget(s)
+        self._sessions.discard(s)
+
+    def tick(self, now: float) -> None:
+        """Enforce the auth timeout and keepalive silence; call about once a second."""
+        silence = 3 * self.config.keepalive
+        for s in list(self._sessions):
+            if s.phase is Phase.ACTIVE:
+                if now - s.last_heard > silence:
+                    self.metrics.keepalive_timeouts_total += 1
+                    self._close(
+                        s, "keepalive_timeout", error=f"no traffic for {now - s.last_heard:.1f} s"
+                    )
+            elif s.phase is not Phase.CLOSED and now - s.opened_at > self.config.auth_timeout:
+                if s.phase is Phase.AUTH:
+                    self._refuse(s, AUTH_TIMEOUT)
+                else:
+                    self._close(s, "http_timeout", quiet=True)
+        self.flush()
+
+    def shutdown(self, reason: str = "relay shutting down") -> None:
+        """Send RECONNECT to every authenticated client and close every connection."""
+        self._closing = True
+        body = encode_map({"reason": reason, "retry_after": float(self.config.retry_after)})
+        frame = encode_frame(RelayFrameType.RECONNECT, body)
+        log.info(kv("reconnect_all", clients=len(self._clients), connections=len(self._sessions)))
+        for s in list(self._sessions):
+            if s.phase is Phase.ACTIVE:
+                self._close(s, "reconnect_sent", frame=frame, quiet=True)
+            elif s.phase is not Phase.CLOSED:
+                self._close(s, "closed_for_shutdown", quiet=True)
+
+    def flush(self) -> None:
+        """Hand the batched frames to their links."""
+        dirty, self._dirty = self._dirty, []
+        for s in dirty:
+            if not s.out:
+                continue
+            data = s.out[0] if len(s.out) == 1 else b"".join(s.out)
+            s.out.clear()
+            s.out_bytes = 0
+            if s.phase is not Phase.CLOSED:
+                self.metrics.bytes_out_total += len(data)
+                s.link.write(data)
+
+    # ---- HTTP phase -------------------------------------------------------------------
+
+    def _http(self, s: Session, data: bytes, now: float) -> bytes:
+        """Consume the request head; returns bytes that follow a completed upgrade."""
+        s.http_buf += data
+        try:
+            parsed = parse_http_head(s.http_buf)
+        except RelayProtocolError as exc:
+            self.metrics.http_requests_total += 1
+            self._queue(s, response(400, f"{exc}\n"))
+            self._close(s, "bad_http", quiet=True, fields={"why": str(exc)[:80]})
+            return b""
+        if parsed is None:
+            return b""
+        head, used = parsed
+        rest = bytes(s.http_buf[used:])
+        s.http_buf = bytearray()
+        decision = route(head, self.metrics_text)
+        if not decision.upgrade:
+            self.metrics.http_requests_total += 1
+            self._queue(s, decision.response)
+            path = head.start_line[1][:64] if len(head.start_line) > 1 else ""
+            self._close(s, "http", quiet=True, fields={"status": decision.status, "path": path})
+            return b""
+        s.phase = Phase.AUTH
+        s.challenge = self._random(32)
+        self._queue(s, decision.response)
+        self._queue(s, encode_frame(RelayFrameType.CHALLENGE, bytes([VERSION]) + s.challenge))
+        return rest
+
+    # ---- frames -----------------------------------------------------------------------
+
+    def _frame(self, s: Session, kind: RelayFrameType, body: bytes, now: float) -> None:
+        if kind is RelayFrameType.SEND and s.phase is Phase.ACTIVE:
+            self._forward(s, body, now)
+        elif s.phase is Phase.AUTH:
+            if kind is not RelayFrameType.AUTH:
+                raise RelayProtocolError(f"{kind.name} frame before AUTH")
+            self._auth(s, body, now)
+        elif kind is RelayFrameType.PING:
+            if len(body) != PING_LEN:
+                raise RelayProtocolError(f"PING of {len(body)} bytes (expected {PING_LEN})")
+            self._control(s, encode_frame(RelayFrameType.PONG, body))
+        elif kind is not RelayFrameType.PONG:
+            raise RelayProtocolError(f"unexpected {kind.name} frame from a client")
+
+    def _forward(self, s: Session, body: bytes, now: float) -> None:
+        m = self.metrics
+        m.datagrams_in_total += 1
+        if len(body) < ID_LEN:
+            raise RelayProtocolError("SEND shorter than an endpoint id")
+        if s.bucket is not None and not s.bucket.take(len(body), now):
+            m.dropped["rate_limited"] += 1
+            return
+        dest_id = body[:ID_LEN]
+        dest = self._clients.get(dest_id)
+        if dest is None:
+            m.dropped["unknown_peer"] += 1
+            if s.peer_gone.allow(dest_id, now):
+                m.peer_gone_total += 1
+                self._control(s, encode_frame(RelayFrameType.PEER_GONE, dest_id))
+            return
+        frame = b"".join((_HEAD.pack(_RECV, len(body)), s.raw_id, memoryview(body)[ID_LEN:]))
+        if dest.queued() + len(frame) > self.config.queue_bytes:
+            m.dropped["queue_full"] += 1
+            return
+        m.datagrams_out_total += 1
+        self._queue(dest, frame)
+
+    def _auth(self, s: Session, body: bytes, now: float) -> None:
+        if len(body) < ID_LEN + SIG_LEN:
+            self._refuse(s, MALFORMED)
+            return
+        raw_id, sig, token = (
+            body[:ID_LEN],
+            body[ID_LEN : ID_LEN + SIG_LEN],
+            body[ID_LEN + SIG_LEN :],
+        )
+        try:
+            eid = EndpointId(raw_id)
+        except UsageError:
+            self._refuse(s, BAD_SIGNATURE)
+            return
+        if not any(
+            eid.verify(sig, auth_message(fp, s.challenge, raw_id)) for fp in self._fingerprints
+        ):
+            self._refuse(s, BAD_SIGNATURE, claimed=eid.short())
+            return
+        refusal = self.access.check(raw_id, token, now)
+        if refusal is not None:
+            self._refuse(s, refusal, claimed=eid.short())
+            return
+        if self._closing:
+            self._refuse(s, SHUTTING_DOWN)
+            return
+        old = self._clients.get(raw_id)
+        if old is None and len(self._clients) >= self.config.max_clients:
+            self._refuse(s, RELAY_FULL, claimed=eid.short())
+            return
+        if old is not None:
+            self.metrics.replaced_total += 1
+            self._close(old, "replaced", error=REPLACED)
+        s.phase = Phase.ACTIVE
+        s.endpoint = eid
+        s.raw_id = raw_id
+        if self.config.rate:
+            s.bucket = TokenBucket(self.config.rate, self.config.burst, now)
+        self._clients[raw_id] = s
+        self.metrics.auth_ok_total += 1
+        self._queue(s, encode_frame(RelayFrameType.AUTH_OK, self._auth_ok_body(s)))
+        log.info(kv("auth_ok", conn=s.label, peer=s.observed, clients=len(self._clients)))
+
+    def _auth_ok_body(self, s: Session) -> bytes:
+        c = self.config
+        return encode_map(
+            {
+                "observed": s.observed,
+                "max_datagram": MAX_DATAGRAM,
+                "keepalive": float(c.keepalive),
+                "rate": int(c.rate),
+                "burst": int(c.burst),
+            }
+        )
+
+    # ---- output and closing -----------------------------------------------------------
+
+    def _queue(self, s: Session, frame: bytes) -> None:
+        if not s.out:
+            self._dirty.append(s)
+        s.out.append(frame)
+        s.out_bytes += len(frame)
+
+    def _control(self, s: Session, frame: bytes) -> None:
+        """PONG / PEER_GONE: dropped, like datagrams, when the client is not reading."""
+        if s.queued() + len(frame) > self.config.queue_bytes:
+            self.metrics.dropped["queue_full"] += 1
+            return
+        self._queue(s, frame)
+
+    def _refuse(self, s: Session, refusal: Refusal, **fields: object) -> None:
+        self.metrics.auth_failures[refusal.reason] += 1
+        self._close(
+            s, "auth_failed", error=refusal.message, fields={"reason": refusal.reason, **fields}
+        )
+
+    def _close(
+        self,
+        s: Session,
+        event: str,
+        *,
+        error: str | None = None,
+        frame: bytes | None = None,
+        quiet: bool = False,
+        fields: dict[str, object] | None = None,
+    ) -> None:
+        """Write what is batched for ``s`` plus a final ERROR/RECONNECT, then close it."""
+        if s.phase is Phase.CLOSED:
+            return
+        if error is not None:
+            frame = encode_frame(RelayFrameType.ERROR, error.encode("utf-8")[:1024])
+        if frame is not None:
+            s.out.append(frame)
+        data = b"".join(s.out)
+        s.out.clear()
+        s.out_bytes = 0
+        if data:
+            self.metrics.bytes_out_total += len(data)
+            s.link.write(data)
+        level = logging.DEBUG if quiet else logging.INFO
+        log.log(level, kv(event, conn=s.label, peer=s.observed, error=error, **(fields or {})))
+        self._forget(s)
+        s.link.close()
+
+    def _forget(self, s: Session) -> None:
+        s.phase = Phase.CLOSED
+        if s.raw_id and self._clients.get(s.raw_id) is s:
+            del self._clients[s.raw_id]

@@ -1,0 +1,50 @@
+"""The relay's UDP address-observation port: answers STUN Binding Requests
+(RFC 8489) with the address each request came from. Everything else is ignored."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, cast
+
+from p2pdist.wire.stun import StunError, binding_response, parse_binding_request
+
+from .logfmt import kv
+from .metrics import Metrics
+
+__all__ = ["StunProtocol"]
+
+log = logging.getLogger(__name__)
+
+
+def _unmap(ip: str) -> str:
+    return ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
+
+
+class StunProtocol(asyncio.DatagramProtocol):
+    """Stateless: one response datagram (32 or 44 bytes) per valid request."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self._transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        try:
+            txid = parse_binding_request(data)
+        except StunError:
+            return
+        if self._transport is None:
+            return
+        ip, port = _unmap(str(addr[0])), int(addr[1])
+        try:
+            self._transport.sendto(binding_response(txid, ip, port), addr)
+        except (OSError, ValueError) as exc:  # pragma: no cover - kernel-side trouble
+            log.debug(kv("stun_send_failed", to=f"{ip}:{port}", error=exc))
+            return
+        self._metrics.stun_requests_total += 1
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug(kv("stun_error", error=exc))

@@ -1,0 +1,223 @@
+"""A minimal relay client on asyncio streams, for tests, benchmarks and smoke checks.
+
+It speaks the protocol of docs/protocol.md section 8 step by step and lets a test break
+any step (claim another id, corrupt the signature, send raw bytes). It is not the
+production client (``p2pdist.transport.relay_path``): no reconnects, no keepalive task.
+
+    client = await RelayTestClient.open("https://127.0.0.1:8443/?pin=...")
+    info = await client.authenticate(SecretKey.generate())   # the AUTH_OK map
+    client.send(other_id, b"datagram")
+    src, data = await client.recv()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ssl
+from typing import Any
+
+from p2pdist.identity import EndpointId, SecretKey
+from p2pdist.tls import endpoint_id_of_cert
+from p2pdist.wire.relay import (
+    RelayFrameDecoder,
+    RelayFrameType,
+    RelayUrl,
+    auth_message,
+    cert_fingerprint,
+    decode_addressed,
+    decode_map,
+    encode_addressed,
+    encode_frame,
+    upgrade_request,
+)
+
+__all__ = ["RelayClosed", "RelayRefused", "RelayTestClient", "http_get"]
+
+
+class RelayRefused(Exception):
+    """The relay answered with ERROR; ``reason`` is its text."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class RelayClosed(ConnectionError):
+    """The relay closed the connection."""
+
+
+def client_context(url: RelayUrl, cafile: str | None = None) -> ssl.SSLContext:
+    """TLS 1.3 context: CA-verified for a plain URL, key-pinned (checked after the
+    handshake by :meth:`RelayTestClient.open`) for ``?pin=``."""
+    if url.pin is None:
+        ctx = ssl.create_default_context(cafile=cafile)
+    else:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE  # the pin is checked right after the handshake
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    return ctx
+
+
+async def _tls_open(
+    url: RelayUrl, cafile: str | None, timeout: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    ctx = client_context(url, cafile)
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection(url.host, url.port, ssl=ctx, server_hostname=url.host),
+        timeout,
+    )
+    sslobj = writer.get_extra_info("ssl_object")
+    der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
+    if not der:
+        writer.close()
+        raise ssl.SSLError("relay presented no certificate")
+    if url.pin is not None and endpoint_id_of_cert(der) != url.pin:
+        writer.close()
+        raise ssl.SSLError("relay key does not match the pin in its URL")
+    return reader, writer, der
+
+
+async def http_get(
+    url: str, path: str, *, cafile: str | None = None, timeout: float = 10.0
+) -> tuple[int, str]:
+    """``GET path`` on the relay port: (status, body)."""
+    u = RelayUrl.parse(url)
+    reader, writer, _ = await _tls_open(u, cafile, timeout)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {u.host}\r\n\r\n".encode())
+        raw = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, body.decode("utf-8")
+
+
+class RelayTestClient:
+    """One connection to a relay, after the upgrade and the CHALLENGE."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, cert_der: bytes
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.cert_der = cert_der
+        self.challenge = b""
+        self.endpoint: EndpointId | None = None
+        self.auth_ok: dict[str, Any] = {}
+        self._decoder = RelayFrameDecoder()
+        self._frames: collections.deque[tuple[RelayFrameType, bytes]] = collections.deque()
+
+    @classmethod
+    async def open(
+        cls, url: str, *, cafile: str | None = None, timeout: float = 10.0
+    ) -> RelayTestClient:
+        """TLS, the HTTP upgrade and the CHALLENGE frame."""
+        u = RelayUrl.parse(url)
+        reader, writer, der = await _tls_open(u, cafile, timeout)
+        try:
+            writer.write(upgrade_request(u.host))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+            if not head.startswith(b"HTTP/1.1 101 "):
+                raise RelayRefused(head.decode("latin-1").split("\r\n", 1)[0])
+            client = cls(reader, writer, der)
+            kind, body = await client.next_frame(timeout)
+            if kind is not RelayFrameType.CHALLENGE or len(body) != 33 or body[0] != 1:
+                raise RelayRefused(f"expected CHALLENGE v1, got {kind.name}")
+            client.challenge = body[1:]
+        except BaseException:
+            writer.close()
+            raise
+        return client
+
+    def auth_body(
+        self, key: SecretKey, token: str | bytes = b"", *, claim: bytes | None = None
+    ) -> bytes:
+        """An AUTH body signed by ``key``; ``claim`` puts another id in it (a forgery)."""
+        my_id = bytes(key.endpoint_id)
+        claimed = my_id if claim is None else claim
+        sig = key.sign(auth_message(cert_fingerprint(self.cert_der), self.challenge, claimed))
+        tok = token.encode("utf-8") if isinstance(token, str) else token
+        return claimed + sig + tok
+
+    async def authenticate(
+        self,
+        key: SecretKey,
+        token: str | bytes = b"",
+        *,
+        claim: bytes | None = None,
+        timeout: float = 10.0,
+    ) -> dict[str, Any]:
+        """Send AUTH and return the AUTH_OK map; RelayRefused with the ERROR text."""
+        self.write_frame(RelayFrameType.AUTH, self.auth_body(key, token, claim=claim))
+        kind, body = await self.next_frame(timeout)
+        if kind is RelayFrameType.ERROR:
+            raise RelayRefused(body.decode("utf-8", "replace"))
+        if kind is not RelayFrameType.AUTH_OK:
+            raise RelayRefused(f"expected AUTH_OK, got {kind.name}")
+        self.endpoint = key.endpoint_id
+        self.auth_ok = decode_map(body)
+        return self.auth_ok
+
+    # ---- frames -----------------------------------------------------------------------
+
+    def write_frame(self, kind: RelayFrameType, body: bytes = b"") -> None:
+        """Send one frame."""
+        self.writer.write(encode_frame(kind, body))
+
+    def send(self, dest: EndpointId | bytes, datagram: bytes) -> None:
+        """SEND ``datagram`` to ``dest``."""
+        self.writer.write(encode_addressed(RelayFrameType.SEND, dest, datagram))
+
+    def send_raw(self, data: bytes) -> None:
+        """Write arbitrary bytes."""
+        self.writer.write(data)
+
+    async def drain(self) -> None:
+        """Wait for the stream's write buffer to go below its high-water mark."""
+        await self.writer.drain()
+
+    async def next_frame(self, timeout: float = 10.0) -> tuple[RelayFrameType, bytes]:
+        """The next frame of any type; RelayClosed at EOF, TimeoutError after ``timeout``."""
+        async with asyncio.timeout(timeout):
+            while not self._frames:
+                data = await self.reader.read(256 * 1024)
+                if not data:
+                    raise RelayClosed("relay closed the connection")
+                self._frames.extend(self._decoder.feed(data))
+        return self._frames.popleft()
+
+    async def recv(self, timeout: float = 10.0) -> tuple[bytes, bytes]:
+        """The next RECV (source id, datagram), skipping PONG and PEER_GONE; RelayRefused
+        on ERROR."""
+        while True:
+            kind, body = await self.next_frame(timeout)
+            if kind is RelayFrameType.RECV:
+                return decode_addressed(body)
+            if kind is RelayFrameType.ERROR:
+                raise RelayRefused(body.decode("utf-8", "replace"))
+
+    async def expect(self, kind: RelayFrameType, timeout: float = 10.0) -> bytes:
+        """Skip frames until one of ``kind`` arrives; return its body."""
+        while True:
+            got, body = await self.next_frame(timeout)
+            if got is kind:
+                return body
+
+    async def wait_closed(self, timeout: float = 10.0) -> list[tuple[RelayFrameType, bytes]]:
+        """Read until the relay closes the connection; the frames seen on the way."""
+        seen: list[tuple[RelayFrameType, bytes]] = []
+        try:
+            while True:
+                seen.append(await self.next_frame(timeout))
+        except OSError:  # RelayClosed, resets, TLS errors
+            return seen
+
+    async def close(self) -> None:
+        """Close our side (bounded)."""
+        self.writer.close()
+        with contextlib.suppress(TimeoutError, OSError):
+            await asyncio.wait_for(self.writer.wait_closed(), 5.0)

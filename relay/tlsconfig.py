@@ -1,0 +1,161 @@
+"""The relay's TLS side: a pinned Ed25519 key or a real certificate, and its fingerprint.
+
+* Pinned mode: the relay presents the self-signed certificate of its own Ed25519 key
+  (:func:`p2pdist.tls.make_certificate`, the same kind peers present); the URL carries
+  ``?pin=<relay endpoint id>`` and clients check the key against it.
+* Certificate mode: a PEM chain and key (e.g. from Let's Encrypt); clients verify it
+  through the system CAs. :meth:`RelayTls.reload` re-reads the files into the same SSL
+  context (new connections get the new certificate; SIGHUP after a renewal).
+
+Either way, the core needs the SHA-256 of the leaf certificate (DER) the clients see,
+because their AUTH proof is bound to it (``auth_message``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import secrets
+import ssl
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from p2pdist.errors import KeyFileError
+from p2pdist.identity import EndpointId, SecretKey
+from p2pdist.tls import make_certificate
+from p2pdist.wire.relay import cert_fingerprint
+
+from .config import ConfigError
+from .logfmt import kv
+
+__all__ = ["RelayTls", "load_or_create_key"]
+
+log = logging.getLogger(__name__)
+
+
+def _server_context() -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.verify_mode = ssl.CERT_NONE  # clients prove their identity with AUTH, not certs
+    return ctx
+
+
+def load_or_create_key(path: Path | None) -> SecretKey:
+    """The relay's pinned key: loaded from ``path``, created there (mode 0600) if missing,
+    or ephemeral when ``path`` is None (with a warning: the pin changes on restart)."""
+    if path is None:
+        log.warning(kv("ephemeral_key", hint="the pin changes on every restart; pass --key FILE"))
+        return SecretKey.generate()
+    try:
+        if path.exists():
+            return SecretKey.load(path)
+        key = SecretKey.generate()
+        key.save(path)
+    except KeyFileError as exc:
+        raise ConfigError(str(exc)) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot create key file {path}: {exc}") from None
+    log.info(kv("key_created", path=path, id=key.endpoint_id.short()))
+    return key
+
+
+def _load_pinned_identity(ctx: ssl.SSLContext, key: SecretKey, cert: x509.Certificate) -> None:
+    # ssl loads keys only from files: write one encrypted with a one-time password into a
+    # private directory, load it and remove it at once (as p2pdist.tls does).
+    password = secrets.token_bytes(32)
+    pem = key.private_key().private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(password),
+    ) + cert.public_bytes(serialization.Encoding.PEM)
+    with tempfile.TemporaryDirectory(prefix="p2pdist-relay-tls-") as d:
+        p = os.path.join(d, "identity.pem")
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(pem)
+        ctx.load_cert_chain(p, password=password)
+
+
+def _leaf_der(cert_path: Path) -> bytes:
+    try:
+        certs = x509.load_pem_x509_certificates(cert_path.read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"cannot read certificate {cert_path}: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{cert_path} holds no PEM certificate: {exc}") from None
+    leaf = certs[0]
+    now = datetime.datetime.now(datetime.UTC)
+    left = leaf.not_valid_after_utc - now
+    if left.total_seconds() < 0:
+        log.error(kv("certificate_expired", path=cert_path, not_after=leaf.not_valid_after_utc))
+    elif left.days < 14:
+        log.warning(kv("certificate_expires_soon", path=cert_path, days=left.days))
+    return leaf.public_bytes(serialization.Encoding.DER)
+
+
+@dataclass
+class RelayTls:
+    """The server SSL context and what clients will sign against."""
+
+    context: ssl.SSLContext
+    fingerprint: bytes
+    pin: EndpointId | None = None
+    cert_path: Path | None = None
+    key_path: Path | None = None
+    previous: tuple[bytes, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def pinned(cls, key: SecretKey) -> RelayTls:
+        """Present the self-signed certificate of ``key``; clients pin its endpoint id."""
+        cert = make_certificate(key)
+        ctx = _server_context()
+        _load_pinned_identity(ctx, key, cert)
+        der = cert.public_bytes(serialization.Encoding.DER)
+        return cls(ctx, cert_fingerprint(der), pin=key.endpoint_id)
+
+    @classmethod
+    def from_files(cls, cert_path: Path, key_path: Path) -> RelayTls:
+        """A real certificate chain (PEM) and its private key (PEM)."""
+        ctx = _server_context()
+        der = _leaf_der(cert_path)
+        _load_chain(ctx, cert_path, key_path)
+        return cls(ctx, cert_fingerprint(der), cert_path=cert_path, key_path=key_path)
+
+    @property
+    def fingerprints(self) -> tuple[bytes, ...]:
+        """Fingerprints an AUTH may be bound to: the current certificate's, then the one
+        before the last reload (a client may have connected just before it)."""
+        return (self.fingerprint, *self.previous)
+
+    def reload(self) -> bool:
+        """Re-read certificate files (certificate mode); True when the certificate changed.
+        Errors are logged and the old certificate stays in use."""
+        if self.cert_path is None or self.key_path is None:
+            return False
+        try:
+            der = _leaf_der(self.cert_path)
+            _load_chain(self.context, self.cert_path, self.key_path)
+        except ConfigError as exc:
+            log.error(kv("certificate_reload_failed", error=exc))
+            return False
+        fp = cert_fingerprint(der)
+        if fp == self.fingerprint:
+            return False
+        self.previous = (self.fingerprint,)
+        self.fingerprint = fp
+        log.info(kv("certificate_reloaded", path=self.cert_path))
+        return True
+
+
+def _load_chain(ctx: ssl.SSLContext, cert_path: Path, key_path: Path) -> None:
+    try:
+        ctx.load_cert_chain(cert_path, key_path)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"cannot load certificate {cert_path} with key {key_path}: {exc}"
+        ) from None

@@ -1,0 +1,76 @@
+"""Server-side TLS for many mostly idle connections: asyncio's own TLS protocol with a
+smaller receive buffer.
+
+``asyncio.sslproto.SSLProtocol`` gives every connection a 256 KiB receive buffer
+(``max_size``), allocated and zero-filled up front: about 256 KiB of RSS per client, the
+bulk of a relay's memory. This subclass reads at most :data:`READ_BUFFER` bytes per
+``recv`` (two full TLS records) and is otherwise asyncio's code path unchanged:
+the listener is created without ``ssl=`` and each raw connection gets this protocol,
+which wraps the relay's protocol exactly as ``loop.create_server(ssl=...)`` would.
+
+``SSLProtocol`` is not public API. When it is missing or its constructor differs,
+:func:`tls_protocol_factory` returns None and the caller falls back to ``ssl=``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["READ_BUFFER", "tls_protocol_factory"]
+
+READ_BUFFER = 32 * 1024
+
+try:
+    from asyncio.sslproto import SSLProtocol as _SSLProtocol
+except ImportError:  # pragma: no cover - other Python implementations
+    _SSLProtocol = None  # type: ignore[assignment,misc]
+
+_EXPECTED = ["loop", "app_protocol", "sslcontext", "waiter", "server_side"]
+
+
+def _compatible() -> bool:
+    if _SSLProtocol is None or not hasattr(_SSLProtocol, "max_size"):
+        return False
+    try:
+        params = list(inspect.signature(_SSLProtocol.__init__).parameters)[1:]
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+    return params[: len(_EXPECTED)] == _EXPECTED and "ssl_shutdown_timeout" in params
+
+
+if _SSLProtocol is not None:
+
+    class _SmallBufferSSLProtocol(_SSLProtocol):
+        max_size = READ_BUFFER
+
+
+def tls_protocol_factory(
+    app_factory: Callable[[], asyncio.BaseProtocol],
+    context: ssl.SSLContext,
+    *,
+    handshake_timeout: float,
+    shutdown_timeout: float,
+) -> Callable[[], asyncio.BaseProtocol] | None:
+    """A protocol factory for a plain ``create_server`` that terminates TLS with small
+    buffers, or None when this Python's asyncio does not allow it."""
+    if not _compatible():
+        return None
+
+    # typeshed is stricter than asyncio here (waiter may be None, timeouts are floats).
+    options: dict[str, Any] = {
+        "waiter": None,
+        "server_side": True,
+        "ssl_handshake_timeout": handshake_timeout,
+        "ssl_shutdown_timeout": shutdown_timeout,
+    }
+
+    def factory() -> asyncio.BaseProtocol:
+        return _SmallBufferSSLProtocol(
+            asyncio.get_running_loop(), app_factory(), context, **options
+        )
+
+    return factory

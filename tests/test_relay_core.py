@@ -1,0 +1,526 @@
+"""The relay's sans-I/O pieces with fake links and a hand-moved clock: the core
+(authentication, routing, limits, timeouts, shutdown), HTTP routing, token bucket,
+PEER_GONE throttle, allowlist, metrics, configuration and the tap file format."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from p2pdist.identity import EndpointId, SecretKey
+from p2pdist.wire.relay import (
+    MAX_BODY,
+    MAX_DATAGRAM,
+    RelayFrameDecoder,
+    RelayFrameType,
+    auth_message,
+    decode_map,
+    encode_addressed,
+    encode_frame,
+    upgrade_request,
+)
+from relay.access import AccessPolicy, Allowlist, AllowlistError, parse_allowlist
+from relay.cli import load_config
+from relay.config import ConfigError, RelayConfig, from_mapping
+from relay.limits import PeerGoneThrottle, TokenBucket
+from relay.metrics import AUTH_FAILURE_REASONS, DROP_REASONS, Metrics
+from relay.session import Phase, Session
+from relay.state import REPLACED, CoreConfig, RelayCore, format_address
+from relay.tap import FileTap, read_tap
+
+FP = bytes(range(32))  # the fingerprint of "the relay's certificate" in these tests
+T = RelayFrameType
+
+
+class FakeLink:
+    """Records what the core writes; ``backlog`` pretends bytes are stuck in the socket."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.closed = False
+        self.backlog = 0
+        self._decoder = RelayFrameDecoder()
+        self._head_done = False
+
+    def write(self, data: bytes) -> None:
+        assert not self.closed, "write after close"
+        self.data += data
+
+    def buffered(self) -> int:
+        return self.backlog
+
+    def close(self) -> None:
+        self.closed = True
+
+    def http(self) -> bytes:
+        return bytes(self.data)
+
+    def frames(self) -> list[tuple[RelayFrameType, bytes]]:
+        """Frames written since the last call (after the 101 head)."""
+        if not self._head_done:
+            end = self.data.find(b"\r\n\r\n")
+            assert self.data.startswith(b"HTTP/1.1 101 "), bytes(self.data[:80])
+            del self.data[: end + 4]
+            self._head_done = True
+        out = self._decoder.feed(bytes(self.data))
+        self.data.clear()
+        return out
+
+
+def core(**kw: object) -> RelayCore:
+    cfg = CoreConfig(**kw)  # type: ignore[arg-type]
+    return RelayCore(cfg, [FP], random_bytes=lambda n: b"\x07" * n)
+
+
+def upgrade(c: RelayCore, now: float = 0.0) -> tuple[Session, FakeLink]:
+    link = FakeLink()
+    s = c.open(link, ("192.0.2.7", 4000), now)
+    c.receive(s, upgrade_request("relay.test"), now)
+    [(kind, body)] = link.frames()
+    assert kind is T.CHALLENGE and body == b"\x01" + b"\x07" * 32
+    return s, link
+
+
+def auth_frame(
+    key: SecretKey, *, claim: bytes | None = None, fp: bytes = FP, token: bytes = b""
+) -> bytes:
+    raw = bytes(key.endpoint_id) if claim is None else claim
+    sig = key.sign(auth_message(fp, b"\x07" * 32, raw))
+    return encode_frame(T.AUTH, raw + sig + token)
+
+
+def join(c: RelayCore, key: SecretKey, *, now: float = 0.0, **kw: Any) -> tuple[Session, FakeLink]:
+    s, link = upgrade(c, now)
+    c.receive(s, auth_frame(key, **kw), now)
+    return s, link
+
+
+def only(link: FakeLink) -> tuple[RelayFrameType, bytes]:
+    frames = link.frames()
+    assert len(frames) == 1, frames
+    return frames[0]
+
+
+A, B, C = (SecretKey.from_seed("relay core tests seed", r) for r in range(3))
+
+
+# ---- authentication -----------------------------------------------------------------
+
+
+def test_auth_ok_advertises_limits_and_observed_address() -> None:
+    c = core(rate=100_000, burst=MAX_BODY, keepalive=7.5)
+    s, link = join(c, A)
+    kind, body = only(link)
+    assert kind is T.AUTH_OK
+    assert decode_map(body) == {
+        "observed": "192.0.2.7:4000",
+        "max_datagram": MAX_DATAGRAM,
+        "keepalive": 7.5,
+        "rate": 100_000,
+        "burst": MAX_BODY,
+    }
+    assert s.phase is Phase.ACTIVE and c.client(A.endpoint_id) is s and c.clients == 1
+    assert c.metrics.auth_ok_total == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason", "message"),
+    [
+        ({"claim": bytes(B.endpoint_id)}, "bad_signature", "bad signature"),
+        ({"fp": bytes(32)}, "bad_signature", "bad signature"),  # proof made for another relay
+        ({"claim": b"\xff" * 32}, "bad_signature", "bad signature"),  # not a curve point
+    ],
+)
+def test_auth_refusals(kwargs: dict[str, Any], reason: str, message: str) -> None:
+    c = core()
+    s, link = join(c, A, **kwargs)
+    assert only(link) == (T.ERROR, message.encode())
+    assert link.closed and s.phase is Phase.CLOSED and c.clients == 0
+    assert c.metrics.auth_failures[reason] == 1
+
+
+def test_short_auth_is_malformed() -> None:
+    c = core()
+    s, link = upgrade(c)
+    c.receive(s, encode_frame(T.AUTH, b"x" * 95), 0.0)
+    assert only(link) == (T.ERROR, b"malformed AUTH") and link.closed
+    assert c.metrics.auth_failures["malformed"] == 1
+
+
+@pytest.mark.parametrize("kind", [T.SEND, T.PING, T.AUTH_OK, T.RECV])
+def test_any_frame_but_auth_first_closes(kind: RelayFrameType) -> None:
+    c = core()
+    s, link = upgrade(c)
+    c.receive(s, encode_frame(kind, b"\0" * 40), 0.0)
+    [(err, text)] = link.frames()
+    assert err is T.ERROR and b"before AUTH" in text and link.closed
+    assert c.metrics.protocol_errors_total == 1
+
+
+def test_token_and_allowlist(tmp_path: Path) -> None:
+    path = tmp_path / "allow"
+    path.write_text(f"# who may\n{A.endpoint_id}  # alice\n\n")
+    c = core()
+    c.access = AccessPolicy(Allowlist(path), "s3cret")
+    for key, token, expect in [
+        (A, b"", b"bad token"),
+        (A, b"s3cre", b"bad token"),
+        (B, b"s3cret", b"endpoint not allowed"),
+        (A, b"s3cret", None),
+    ]:
+        _s, link = join(c, key, token=token)
+        kind, body = only(link)
+        assert (kind, body) == ((T.AUTH_OK, body) if expect is None else (T.ERROR, expect))
+    assert c.metrics.auth_failures["bad_token"] == 2
+    assert c.metrics.auth_failures["not_allowed"] == 1
+
+
+def test_allowlist_reloads_when_the_file_changes(tmp_path: Path) -> None:
+    path = tmp_path / "allow"
+    path.write_text(f"{A.endpoint_id}\n")
+    allow = Allowlist(path, check_interval=1.0)
+    policy = AccessPolicy(allow)
+    assert policy.check(bytes(B.endpoint_id), b"", 0.0) is not None
+    path.write_text(f"{A.endpoint_id}\n{B.endpoint_id}\n")
+    # Checked at most once per interval: still the old list within the second ...
+    assert policy.check(bytes(B.endpoint_id), b"", 0.5) is not None
+    # ... and the new one after it.
+    assert policy.check(bytes(B.endpoint_id), b"", 1.5) is None
+    # A broken edit keeps the last good list.
+    path.write_text("not an id\n")
+    assert policy.check(bytes(B.endpoint_id), b"", 3.0) is None
+    # SIGHUP (force) reloads even when size, mtime and inode look unchanged.
+    st = path.stat()
+    path.write_text(f"{C.endpoint_id}\n")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    policy.reload(3.1)
+    assert policy.check(bytes(C.endpoint_id), b"", 3.2) is None
+
+
+def test_parse_allowlist_names_the_bad_line() -> None:
+    assert parse_allowlist(f"# c\n\n{A.endpoint_id} # x\n", "f") == {bytes(A.endpoint_id)}
+    with pytest.raises(AllowlistError, match="f:2"):
+        parse_allowlist(f"{A.endpoint_id}\nnope\n", "f")
+
+
+# ---- routing ------------------------------------------------------------------------
+
+
+def test_forward_carries_authenticated_source_and_exact_bytes() -> None:
+    c = core()
+    sa, la = join(c, A)
+    _sb, lb = join(c, B)
+    la.frames(), lb.frames()
+    payloads = [b"", b"x", bytes(range(256)) * 3, b"\xab" * MAX_DATAGRAM]
+    c.receive(sa, b"".join(encode_addressed(T.SEND, B.endpoint_id, p) for p in payloads), 1.0)
+    got = lb.frames()
+    assert got == [(T.RECV, bytes(A.endpoint_id) + p) for p in payloads]
+    assert c.metrics.datagrams_in_total == c.metrics.datagrams_out_total == 4
+    assert la.frames() == []
+
+
+def test_unknown_destination_gets_peer_gone_once_per_second() -> None:
+    c = core()
+    sa, la = join(c, A)
+    la.frames()
+    gone = bytes(C.endpoint_id)
+    for now in (1.0, 1.5, 1.99):
+        c.receive(sa, encode_addressed(T.SEND, gone, b"x"), now)
+    assert la.frames() == [(T.PEER_GONE, gone)]
+    c.receive(sa, encode_addressed(T.SEND, gone, b"x"), 2.0)
+    assert la.frames() == [(T.PEER_GONE, gone)]
+    assert c.metrics.dropped["unknown_peer"] == 4 and c.metrics.peer_gone_total == 2
+
+
+def test_rate_limit_drops_over_budget_and_refills_with_time() -> None:
+    c = core(rate=MAX_BODY, burst=MAX_BODY)
+    sa, la = join(c, A)
+    sb, lb = join(c, B)
+    lb.frames()
+    big = b"z" * (MAX_BODY // 2 - 32)  # SEND body = half the bucket
+    for _ in range(3):
+        c.receive(sa, encode_addressed(T.SEND, B.endpoint_id, big), 0.0)
+    assert len(lb.frames()) == 2 and c.metrics.dropped["rate_limited"] == 1
+    c.receive(sa, encode_addressed(T.SEND, B.endpoint_id, big), 0.5)  # half a second refills half
+    assert len(lb.frames()) == 1 and c.metrics.dropped["rate_limited"] == 1
+    # B's own budget is untouched by A's flood.
+    c.receive(sb, encode_addressed(T.SEND, A.endpoint_id, big), 0.5)
+    assert len([f for f in la.frames() if f[0] is T.RECV]) == 1
+
+
+def test_queue_full_drops_for_a_slow_reader_only() -> None:
+    c = core(queue_bytes=MAX_BODY + 5)
+    sa, _la = join(c, A)
+    _sb, lb = join(c, B)
+    _sc, lc = join(c, C)
+    lb.frames(), lc.frames()
+    lb.backlog = MAX_BODY  # B is not reading
+    c.receive(sa, encode_addressed(T.SEND, B.endpoint_id, b"x" * 100), 1.0)
+    c.receive(sa, encode_addressed(T.SEND, C.endpoint_id, b"y" * 100), 1.0)
+    assert lb.frames() == [] and c.metrics.dropped["queue_full"] == 1
+    assert lc.frames() == [(T.RECV, bytes(A.endpoint_id) + b"y" * 100)]
+    # Frames batched within one receive count towards the bound too.
+    lb.backlog = 0
+    burst = encode_addressed(T.SEND, B.endpoint_id, b"w" * 40_000)
+    c.receive(sa, burst * 3, 2.0)
+    assert len(lb.frames()) == 1 and c.metrics.dropped["queue_full"] == 3
+
+
+def test_ping_pong_and_protocol_errors_after_auth() -> None:
+    c = core()
+    sa, la = join(c, A)
+    la.frames()
+    c.receive(sa, encode_frame(T.PING, b"12345678"), 1.0)
+    assert la.frames() == [(T.PONG, b"12345678")]
+    c.receive(sa, encode_frame(T.PONG, b"12345678"), 1.0)  # ignored
+    assert la.frames() == []
+    c.receive(sa, encode_frame(T.PING, b"123"), 1.0)
+    [(kind, text)] = la.frames()
+    assert kind is T.ERROR and b"PING" in text and la.closed and c.clients == 0
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x99\0\0\0\0",  # unknown type
+        bytes([T.SEND]) + (MAX_BODY + 1).to_bytes(4, "big"),  # oversized
+        encode_frame(T.SEND, b"short"),  # SEND without a full id
+        encode_frame(T.AUTH, b"\0" * 96),  # a second AUTH
+        encode_frame(T.CHALLENGE, b"\0" * 33),  # relay-to-client type
+    ],
+)
+def test_bad_frames_after_auth_close_only_that_client(raw: bytes) -> None:
+    c = core()
+    sa, la = join(c, A)
+    sb, lb = join(c, B)
+    la.frames(), lb.frames()
+    c.receive(sa, raw, 1.0)
+    assert la.frames()[-1][0] is T.ERROR and la.closed and sa.phase is Phase.CLOSED
+    assert c.client(B.endpoint_id) is sb and not lb.closed
+    c.receive(sa, encode_addressed(T.SEND, B.endpoint_id, b"late"), 1.0)  # ignored
+    assert lb.frames() == [] and c.metrics.protocol_errors_total == 1
+
+
+# ---- lifecycle ----------------------------------------------------------------------
+
+
+def test_newest_connection_with_the_same_id_wins() -> None:
+    c = core(max_clients=1)
+    old, lold = join(c, A)
+    lold.frames()
+    new, lnew = join(c, A, now=1.0)  # allowed although the relay is full
+    assert lold.frames() == [(T.ERROR, REPLACED.encode())] and lold.closed
+    assert only(lnew)[0] is T.AUTH_OK and c.client(A.endpoint_id) is new
+    c.lost(old, 2.0)  # the old connection's late close must not unregister the new one
+    assert c.client(A.endpoint_id) is new and c.metrics.replaced_total == 1
+
+
+def test_max_clients() -> None:
+    c = core(max_clients=2)
+    join(c, A), join(c, B)
+    _s, link = join(c, C)
+    assert only(link) == (T.ERROR, b"relay full") and c.metrics.auth_failures["relay_full"] == 1
+    assert c.clients == 2
+
+
+def test_auth_timeout_and_keepalive_silence() -> None:
+    c = core(keepalive=10.0, auth_timeout=5.0)
+    _pending, lp = upgrade(c, now=0.0)
+    raw_link = FakeLink()
+    http_only = c.open(raw_link, ("::ffff:192.0.2.9", 1), 0.0)
+    _sa, la = join(c, A, now=0.0)
+    sb, lb = join(c, B, now=0.0)
+    c.tick(4.9)
+    assert not lp.closed and not raw_link.closed
+    c.tick(5.1)
+    assert lp.frames() == [(T.ERROR, b"authentication timed out")] and lp.closed
+    assert raw_link.closed and raw_link.data == b"" and http_only.phase is Phase.CLOSED
+    c.receive(sb, encode_frame(T.PING, b"\0" * 8), 20.0)  # B keeps talking, A is silent
+    c.tick(30.1)
+    assert la.closed and not lb.closed and c.clients == 1
+    assert c.metrics.keepalive_timeouts_total == 1 and c.metrics.auth_failures["timeout"] == 1
+
+
+def test_shutdown_sends_reconnect_and_refuses_new_auth() -> None:
+    c = core(retry_after=2.5)
+    _sa, la = join(c, A)
+    _pending, lp = upgrade(c)
+    la.frames()
+    c.shutdown()
+    [(kind, body)] = la.frames()
+    assert kind is T.RECONNECT and decode_map(body) == {
+        "reason": "relay shutting down",
+        "retry_after": 2.5,
+    }
+    assert la.closed and lp.closed and c.clients == 0
+    _s, link = join(c, B)
+    assert only(link) == (T.ERROR, b"relay shutting down")
+
+
+# ---- HTTP ---------------------------------------------------------------------------
+
+
+def http(c: RelayCore, request: bytes) -> tuple[bytes, FakeLink]:
+    link = FakeLink()
+    s = c.open(link, ("127.0.0.1", 1), 0.0)
+    c.receive(s, request, 0.0)
+    assert link.closed or s.phase is Phase.HTTP
+    return link.http(), link
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", b"200"),
+        (b"GET /nope HTTP/1.1\r\n\r\n", b"404"),
+        (b"POST /relay HTTP/1.1\r\n\r\n", b"400"),
+        (b"GET /relay HTTP/1.1\r\nHost: x\r\n\r\n", b"400"),  # no Upgrade
+        (upgrade_request("x").replace(b"Version: 1", b"Version: 9"), b"400"),
+        (b"garbage\r\n\r\n", b"400"),
+        (b"GET / HTTP/1.1\r\nno colon\r\n\r\n", b"400"),
+        (b"GET /" + b"a" * 9000, b"400"),  # head too large
+    ],
+)
+def test_http_answers(request_bytes: bytes, status: bytes) -> None:
+    out, link = http(core(), request_bytes)
+    assert out.split(b" ")[1] == status and link.closed
+
+
+def test_http_head_may_arrive_in_pieces() -> None:
+    c = core()
+    link = FakeLink()
+    s = c.open(link, ("127.0.0.1", 1), 0.0)
+    for byte in upgrade_request("x"):
+        c.receive(s, bytes([byte]), 0.0)
+    assert link.frames()[0][0] is T.CHALLENGE
+
+
+def test_metrics_page_lists_every_metric() -> None:
+    c = core()
+    join(c, A)
+    out, _ = http(c, b"GET /metrics HTTP/1.1\r\n\r\n")
+    text = out.decode()
+    assert "Content-Type: text/plain; version=0.0.4" in text
+    assert "\np2pdist_relay_clients 1\n" in text
+    for name in (
+        "connections", "connections_total", "auth_ok_total", "replaced_total",
+        "bytes_in_total", "bytes_out_total", "datagrams_in_total", "datagrams_out_total",
+        "peer_gone_total", "protocol_errors_total", "keepalive_timeouts_total",
+        "http_requests_total", "stun_requests_total",
+    ):  # fmt: skip
+        assert f"# TYPE p2pdist_relay_{name} " in text
+    for reason in DROP_REASONS:
+        assert f'p2pdist_relay_dropped_total{{reason="{reason}"}} 0' in text
+    for reason in AUTH_FAILURE_REASONS:
+        assert f'p2pdist_relay_auth_failures_total{{reason="{reason}"}} 0' in text
+    assert Metrics().render(clients=0, connections=0).endswith("\n")
+
+
+# ---- small pieces -------------------------------------------------------------------
+
+
+def test_token_bucket() -> None:
+    b = TokenBucket(rate=100, burst=200, now=0.0)
+    assert b.take(150, 0.0) and not b.take(100, 0.0) and b.take(50, 0.0)
+    assert not b.take(1, 0.0) and b.take(100, 1.0) and not b.take(1, 1.0)
+    assert b.take(200, 100.0) and not b.take(1, 100.0)  # never more than the burst
+    assert TokenBucket(0, 1, 0.0).take(10**9, 0.0)  # rate 0: unlimited
+    with pytest.raises(ValueError):
+        TokenBucket(-1, 10, 0.0)
+
+
+def test_peer_gone_throttle_is_bounded() -> None:
+    t = PeerGoneThrottle(interval=1.0, max_entries=8)
+    assert t.allow(b"a", 0.0) and not t.allow(b"a", 0.9) and t.allow(b"a", 1.0)
+    for i in range(100):
+        assert t.allow(i.to_bytes(4, "big"), 5.0)
+    assert len(t) <= 8
+
+
+def test_format_address() -> None:
+    assert format_address("192.0.2.1", 5) == "192.0.2.1:5"
+    assert format_address("2001:db8::1", 5) == "[2001:db8::1]:5"
+    assert format_address("::ffff:192.0.2.1", 5) == "192.0.2.1:5"
+
+
+def test_tap_file_round_trip(tmp_path: Path) -> None:
+    tap = FileTap(tmp_path / "tap")
+    tap(1, "in", b"MAR")
+    tap(2, "out", b"zz")
+    tap(1, "in", b"KER")
+    tap(1, "out", b"o")
+    tap.close()
+    tap(1, "in", b"ignored after close")
+    assert read_tap(tmp_path / "tap") == {(1, "in"): b"MARKER", (2, "out"): b"zz", (1, "out"): b"o"}
+
+
+# ---- configuration ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"port": 70000}, "port"),
+        ({"host": "relay.example.com"}, "IP address"),
+        ({"cert": "c.pem"}, "together"),
+        ({"cert": "c.pem", "cert_key": "k.pem", "key": "r.key"}, "exclude"),
+        ({"rate": 1000, "burst": 1000}, "burst must be at least"),
+        ({"queue_bytes": 1000}, "queue-bytes"),
+        ({"keepalive": 0}, "keepalive"),
+        ({"keepalive": "nan"}, "keepalive"),
+        ({"max_clients": 0}, "max-clients"),
+        ({"token": ""}, "token"),
+        ({"log_level": "loud"}, "log-level"),
+        ({"max_clients": "many"}, "integer"),
+        ({"max_clients": True}, "integer"),
+        ({"public_host": "a/b"}, "public-host"),
+    ],
+)
+def test_config_validation(values: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        from_mapping(values)
+
+
+def test_config_file_flags_and_environment(tmp_path: Path) -> None:
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(
+        'port = 9000\nmax-clients = 10\nallowlist = "allow.txt"\nqueue_bytes = 200000\n'
+        'token = "from-file"\nkeepalive = 5\n'
+    )
+    c = load_config(["--config", str(cfg), "--max-clients", "20"], environ={})
+    assert (c.port, c.max_clients, c.queue_bytes, c.keepalive) == (9000, 20, 200000, 5.0)
+    assert c.allowlist == tmp_path / "allow.txt" and c.token == "from-file"
+    env = {"P2PDIST_RELAY_TOKEN": "from-env"}
+    assert load_config(["--config", str(cfg)], environ=env).token == "from-env"
+    assert load_config(["--config", str(cfg), "--token", "flag"], environ=env).token == "flag"
+    assert "from-file" not in repr(load_config(["--config", str(cfg)], environ={}))
+    assert load_config([], environ={}) == RelayConfig()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("nope = 1\n", "unknown setting 'nope'"), ("port = [\n", "not valid TOML"),
+     ("port = 1\nport_ = 2\n", "unknown"), ("max-clients = 1\nmax_clients = 2\n", "twice")],
+)  # fmt: skip
+def test_config_file_errors(tmp_path: Path, text: str, message: str) -> None:
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(["--config", str(cfg)], environ={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(["--config", str(tmp_path / "missing.toml")], environ={})
+
+
+def test_url_host() -> None:
+    assert RelayConfig().url_host() == "127.0.0.1"
+    assert RelayConfig(host="10.0.0.5").url_host() == "10.0.0.5"
+    assert RelayConfig(host="::").url_host() == "::1"
+    assert RelayConfig(public_host="relay.example.com").url_host() == "relay.example.com"
+
+
+def test_endpoint_ids_in_fixture_are_distinct() -> None:
+    assert len({A.endpoint_id, B.endpoint_id, C.endpoint_id}) == 3
+    assert isinstance(A.endpoint_id, EndpointId)

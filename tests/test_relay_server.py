@@ -1,0 +1,677 @@
+"""The relay server end to end on 127.0.0.1: in-process (:class:`relay.RelayServer`)
+and as a real ``python -m relay`` subprocess, with the minimal client of
+:mod:`relay.testclient` (TLS, upgrade, challenge/response, frames).
+
+Every wait is bounded; nothing asserts on elapsed time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import ipaddress
+import os
+import re
+import select
+import signal
+import socket
+import ssl
+import stat
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from p2pdist.identity import SecretKey
+from p2pdist.wire.relay import (
+    MAX_BODY,
+    MAX_DATAGRAM,
+    RelayFrameType,
+    RelayUrl,
+    decode_map,
+    encode_frame,
+)
+from p2pdist.wire.stun import binding_request, new_transaction_id, parse_binding_response
+from relay import RelayConfig, RelayServer
+from relay.healthcheck import main as healthcheck
+from relay.tap import read_tap
+from relay.testclient import RelayRefused, RelayTestClient, http_get
+
+ROOT = Path(__file__).resolve().parent.parent
+T = RelayFrameType
+KEYS = [SecretKey.from_seed("relay server tests seed", r) for r in range(8)]
+A, B, C, D = KEYS[:4]
+
+
+# ---- helpers ------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def running(tap: Any = None, **overrides: Any) -> AsyncIterator[RelayServer]:
+    """An in-process relay on 127.0.0.1 (STUN off unless asked for)."""
+    values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "stun_port": 0}
+    values.update(overrides)
+    server = RelayServer(RelayConfig(**values), tap=tap)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await asyncio.wait_for(server.close(), 30)
+
+
+async def joined(url: str, key: SecretKey, token: str = "", **kw: Any) -> RelayTestClient:
+    client = await RelayTestClient.open(url, **kw)
+    await client.authenticate(key, token)
+    return client
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 30.0) -> None:
+    """Poll ``check`` until it holds; fail after ``timeout`` seconds."""
+    async with asyncio.timeout(timeout):
+        while not await check():  # noqa: ASYNC110 - polling a remote counter
+            await asyncio.sleep(0.05)
+
+
+def metric(text: str, name: str) -> int:
+    m = re.search(rf"^{re.escape(name)} (\d+)$", text, re.M)
+    assert m, f"{name} not in metrics"
+    return int(m.group(1))
+
+
+async def remote_metric(url: str, name: str) -> int:
+    status, text = await http_get(url, "/metrics")
+    assert status == 200
+    return metric(text, name)
+
+
+def dropped(reason: str) -> str:
+    return f'p2pdist_relay_dropped_total{{reason="{reason}"}}'
+
+
+def auth_failures(reason: str) -> str:
+    return f'p2pdist_relay_auth_failures_total{{reason="{reason}"}}'
+
+
+class RelayProcess:
+    """``python -m relay`` on 127.0.0.1, any free port; logs go to a file."""
+
+    def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.log = tmp / f"relay-{os.getpid()}-{id(self)}.log"
+        self._log_fh = self.log.open("wb")
+        cmd = [sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0", *args]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=self._log_fh,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+        )
+        self.url = self._read_url()
+
+    def _read_url(self, timeout: float = 30.0) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline().decode() if ready else ""
+        if not line.startswith("relay url: "):
+            self.proc.kill()
+            raise AssertionError(f"no url line ({line!r}); log:\n{self.log.read_text()}")
+        return line[len("relay url: ") :].strip()
+
+    def stop(self, sig: int = signal.SIGTERM) -> tuple[int, str]:
+        """Signal, wait (bounded), and return (exit status, remaining stdout)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            out, _ = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate(timeout=30)
+        self._log_fh.close()
+        return self.proc.returncode, out.decode()
+
+    def __enter__(self) -> RelayProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.stop(signal.SIGKILL)
+        self._log_fh.close()
+
+
+# ---- HTTP side, authentication, trust --------------------------------------------------
+
+
+async def test_health_metrics_and_everything_else() -> None:
+    async with running() as srv:
+        assert await http_get(srv.url, "/health") == (200, "ok")
+        status, text = await http_get(srv.url, "/metrics")
+        assert status == 200 and metric(text, "p2pdist_relay_clients") == 0
+        assert metric(text, dropped("rate_limited")) == 0
+        assert (await http_get(srv.url, "/"))[0] == 404
+        assert (await http_get(srv.url, "/relay"))[0] == 400  # no Upgrade header
+
+
+async def test_auth_ok_and_observed_address() -> None:
+    async with running(keepalive=4.0) as srv:
+        client = await RelayTestClient.open(srv.url)
+        info = await client.authenticate(A)
+        local = client.writer.get_extra_info("sockname")
+        assert info["observed"] == f"{local[0]}:{local[1]}"
+        assert info["max_datagram"] == MAX_DATAGRAM and info["keepalive"] == 4.0
+        assert info["rate"] == 0
+        _, text = await http_get(srv.url, "/metrics")
+        assert metric(text, "p2pdist_relay_clients") == 1
+        await client.close()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback")
+async def test_ipv6_listener_url_observed_address_and_stun() -> None:
+    async with running(host="::1", stun_port=None) as srv:
+        assert srv.url.startswith(f"https://[::1]:{srv.port}/?pin=")
+        client = await RelayTestClient.open(srv.url)
+        info = await client.authenticate(A)
+        local = client.writer.get_extra_info("sockname")
+        assert info["observed"] == f"[::1]:{local[1]}"
+        loop = asyncio.get_running_loop()
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as sock:
+            sock.bind(("::1", 0))
+            sock.setblocking(False)
+            txid = new_transaction_id()
+            sock.sendto(binding_request(txid), ("::1", srv.stun_port))
+            data = await asyncio.wait_for(loop.sock_recv(sock, 2048), 10)
+            assert parse_binding_response(data, txid) == ("::1", sock.getsockname()[1])
+        await client.close()
+
+
+async def test_bad_signature_and_claiming_another_id_are_refused() -> None:
+    async with running() as srv:
+        forged = await RelayTestClient.open(srv.url)
+        with pytest.raises(RelayRefused, match="bad signature"):
+            await forged.authenticate(A, claim=bytes(B.endpoint_id))  # signed by A, claims B
+        assert await forged.wait_closed() == []
+        corrupt = await RelayTestClient.open(srv.url)
+        body = bytearray(corrupt.auth_body(A))
+        body[40] ^= 1
+        corrupt.write_frame(T.AUTH, bytes(body))
+        assert await corrupt.next_frame() == (T.ERROR, b"bad signature")
+        assert srv.core.metrics.auth_failures["bad_signature"] == 2
+        assert srv.core.clients == 0
+
+
+async def test_client_refuses_a_relay_whose_key_is_not_the_pin() -> None:
+    async with running() as srv:
+        wrong = str(RelayUrl("127.0.0.1", srv.port, B.endpoint_id))
+        with pytest.raises(ssl.SSLError, match="pin"):
+            await RelayTestClient.open(wrong)
+
+
+def _certificate(tmp: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 that the test trusts as its own CA."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "relay test")])
+    now = datetime.datetime.now(datetime.UTC)
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(ski, critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False
+        )
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+async def test_real_certificate_mode(tmp_path: Path) -> None:
+    cert, key = _certificate(tmp_path)
+    async with running(cert=cert, cert_key=key) as srv:
+        assert srv.url == f"https://127.0.0.1:{srv.port}/"
+        a = await joined(srv.url, A, cafile=str(cert))
+        b = await joined(srv.url, B, cafile=str(cert))
+        a.send(B.endpoint_id, b"over a CA-verified relay")
+        assert await b.recv() == (bytes(A.endpoint_id), b"over a CA-verified relay")
+        with pytest.raises(ssl.SSLCertVerificationError):  # not trusted without the CA
+            await RelayTestClient.open(srv.url)
+        srv.reload()  # same files: still works
+        c = await joined(srv.url, C, cafile=str(cert))
+        await c.close()
+
+
+# ---- access control -----------------------------------------------------------------
+
+
+async def test_allowlist_is_enforced_and_reloaded_when_the_file_changes(tmp_path: Path) -> None:
+    allow = tmp_path / "allow.txt"
+    allow.write_text(f"# relay users\n{A.endpoint_id}\n")
+    async with running(allowlist=allow) as srv:
+        await joined(srv.url, A)
+        with pytest.raises(RelayRefused, match="endpoint not allowed"):
+            await joined(srv.url, B)
+        allow.write_text(f"{A.endpoint_id}\n{B.endpoint_id}  # bob\n")
+
+        async def b_allowed() -> bool:
+            try:
+                await joined(srv.url, B)
+            except RelayRefused:
+                return False
+            return True
+
+        await eventually(b_allowed)  # the file is checked at most once per second
+        assert srv.core.metrics.auth_failures["not_allowed"] >= 1
+
+
+async def test_sighup_reloads_the_allowlist(tmp_path: Path) -> None:
+    allow = tmp_path / "allow.txt"
+    allow.write_text(f"{A.endpoint_id}\n")
+    st_before = allow.stat()
+    with RelayProcess(tmp_path, "--allowlist", str(allow), "--stun-port", "0") as relay:
+        with pytest.raises(RelayRefused, match="endpoint not allowed"):
+            await joined(relay.url, C)
+        # Same size, same inode, same mtime: only SIGHUP can notice the change.
+        with allow.open("r+") as fh:
+            fh.write(f"{C.endpoint_id}\n")
+        os.utime(allow, ns=(st_before.st_atime_ns, st_before.st_mtime_ns))
+        relay.proc.send_signal(signal.SIGHUP)
+
+        async def c_allowed() -> bool:
+            try:
+                await joined(relay.url, C)
+            except RelayRefused:
+                return False
+            return True
+
+        await eventually(c_allowed)
+        assert relay.stop()[0] == 0
+
+
+async def test_token_mode_from_the_environment(tmp_path: Path) -> None:
+    env = {"P2PDIST_RELAY_TOKEN": "open sesame"}
+    with RelayProcess(tmp_path, "--stun-port", "0", env=env) as relay:
+        for token in ("", "open sesam", "open sesame!"):
+            with pytest.raises(RelayRefused, match="bad token"):
+                await joined(relay.url, A, token)
+        a = await joined(relay.url, A, "open sesame")
+        assert await remote_metric(relay.url, auth_failures("bad_token")) == 3
+        await a.close()
+        assert "open sesame" not in relay.log.read_text()
+
+
+# ---- forwarding ---------------------------------------------------------------------
+
+
+async def test_forwarding_carries_the_source_id_and_exact_bytes() -> None:
+    async with running() as srv:
+        a, b = await joined(srv.url, A), await joined(srv.url, B)
+        payloads = [b"", b"\x00", os.urandom(1200), os.urandom(MAX_DATAGRAM)]
+        for p in payloads:
+            a.send(B.endpoint_id, p)
+        for p in payloads:
+            assert await b.recv() == (bytes(A.endpoint_id), p)
+        b.send(A.endpoint_id, b"back")
+        assert await a.recv() == (bytes(B.endpoint_id), b"back")
+        a.write_frame(T.PING, b"pingpong")
+        assert await a.expect(T.PONG) == b"pingpong"
+
+
+async def test_unknown_destination_gets_peer_gone_and_is_counted() -> None:
+    async with running() as srv:
+        a = await joined(srv.url, A)
+        a.send(D.endpoint_id, b"anyone there?")
+        assert await a.next_frame() == (T.PEER_GONE, bytes(D.endpoint_id))
+        _, text = await http_get(srv.url, "/metrics")
+        assert metric(text, dropped("unknown_peer")) == 1
+        assert metric(text, "p2pdist_relay_peer_gone_total") == 1
+
+
+async def test_newest_connection_with_the_same_id_replaces_the_old() -> None:
+    async with running() as srv:
+        old = await joined(srv.url, A)
+        new = await joined(srv.url, A)
+        assert await old.wait_closed() == [
+            (T.ERROR, b"replaced by a newer connection from the same endpoint")
+        ]
+        b = await joined(srv.url, B)
+        b.send(A.endpoint_id, b"to the new one")
+        assert await new.recv() == (bytes(B.endpoint_id), b"to the new one")
+        assert srv.core.metrics.replaced_total == 1 and srv.core.clients == 2
+
+
+async def test_max_clients() -> None:
+    async with running(max_clients=2) as srv:
+        kept = [await joined(srv.url, A), await joined(srv.url, B)]
+        with pytest.raises(RelayRefused, match="relay full"):
+            await joined(srv.url, C)
+        kept.append(await joined(srv.url, A))  # replacing an id is not a new client
+        assert srv.core.clients == 2
+
+
+async def test_flooding_client_is_rate_limited_while_another_pair_keeps_flowing(
+    tmp_path: Path,
+) -> None:
+    args = ("--stun-port", "0", "--rate", "200000", "--burst", "65536")
+    with RelayProcess(tmp_path, *args) as relay:
+        flooder, sink = await joined(relay.url, A), await joined(relay.url, B)
+        a, b = await joined(relay.url, C), await joined(relay.url, D)
+        stop = asyncio.Event()
+
+        async def flood() -> None:
+            payload = b"f" * 1000
+            while not stop.is_set():
+                for _ in range(32):
+                    flooder.send(B.endpoint_id, payload)
+                await flooder.drain()
+                await asyncio.sleep(0)
+
+        async def drain_sink() -> None:
+            with contextlib.suppress(OSError, TimeoutError):
+                while True:
+                    await sink.next_frame(timeout=120)
+
+        tasks = [asyncio.create_task(flood()), asyncio.create_task(drain_sink())]
+        try:
+            limited = dropped("rate_limited")
+            await eventually(lambda: _above(relay.url, limited, 0))
+            for i in range(40):  # a well-behaved pair keeps flowing meanwhile
+                a.send(D.endpoint_id, f"ping {i}".encode())
+                assert await b.recv() == (bytes(C.endpoint_id), f"ping {i}".encode())
+                b.send(C.endpoint_id, f"pong {i}".encode())
+                assert await a.recv() == (bytes(D.endpoint_id), f"pong {i}".encode())
+            seen = await remote_metric(relay.url, limited)
+            await eventually(lambda: _above(relay.url, limited, seen))  # still flooding
+        finally:
+            stop.set()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        assert (await asyncio.to_thread(relay.stop))[0] == 0
+
+
+async def _above(url: str, name: str, value: int) -> bool:
+    return await remote_metric(url, name) > value
+
+
+async def test_slow_reader_only_loses_its_own_datagrams() -> None:
+    async with running(queue_bytes=128 * 1024, drain_timeout=0.5) as srv:
+        a, slow = await joined(srv.url, A), await joined(srv.url, B)
+        assert slow.endpoint == B.endpoint_id  # kept open, never read
+        c, d = await joined(srv.url, C), await joined(srv.url, D)
+        payload = b"s" * 16000
+
+        async def until_dropped() -> None:  # ``slow`` never reads: its buffers fill up
+            while srv.core.metrics.dropped["queue_full"] == 0:
+                for _ in range(16):
+                    a.send(B.endpoint_id, payload)
+                await a.drain()
+
+        await asyncio.wait_for(until_dropped(), 120)
+        c.send(D.endpoint_id, b"unaffected")
+        assert await d.recv() == (bytes(C.endpoint_id), b"unaffected")
+        assert srv.core.client(B.endpoint_id) is not None  # dropped datagrams, not the client
+
+
+# ---- misbehaving clients ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"\x99\x00\x00\x00\x00", b"unknown relay frame type"),
+        (bytes([T.SEND]) + (MAX_BODY + 1).to_bytes(4, "big"), b"exceeds"),
+        (encode_frame(T.SEND, b"too short"), b"shorter than an endpoint id"),
+        (encode_frame(T.AUTH_OK, b""), b"unexpected AUTH_OK"),
+    ],
+)
+async def test_bad_frames_close_only_that_client(raw: bytes, reason: bytes) -> None:
+    async with running() as srv:
+        bad, b = await joined(srv.url, A), await joined(srv.url, B)
+        bad.send_raw(raw)
+        [(kind, text)] = await bad.wait_closed()
+        assert kind is T.ERROR and reason in text
+        c = await joined(srv.url, C)
+        c.send(B.endpoint_id, b"still here")
+        assert await b.recv() == (bytes(C.endpoint_id), b"still here")
+        assert srv.core.metrics.protocol_errors_total == 1
+
+
+async def test_truncated_frame_then_eof_closes_quietly() -> None:
+    async with running() as srv:
+        bad = await joined(srv.url, A)
+        bad.send_raw(encode_frame(T.SEND, bytes(B.endpoint_id) + b"x" * 100)[:50])
+        await bad.close()
+        await eventually(_no_clients(srv))
+        b = await joined(srv.url, B)
+        await b.close()
+
+
+def _no_clients(srv: RelayServer) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return srv.core.clients == 0
+
+    return check
+
+
+@pytest.fixture(scope="module")
+def shared_relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RelayProcess]:
+    """One relay subprocess for the property-based tests."""
+    tmp = tmp_path_factory.mktemp("relay")
+    with RelayProcess(tmp, "--stun-port", "0", "--auth-timeout", "5") as relay:
+        yield relay
+        assert relay.proc.poll() is None, "the relay died"
+        assert relay.stop()[0] == 0
+
+
+async def _probe(url: str) -> None:
+    """The relay is up and forwards between two fresh, well-behaved clients."""
+    a, b = await joined(url, KEYS[6]), await joined(url, KEYS[7])
+    a.send(KEYS[7].endpoint_id, b"probe")
+    assert await b.recv() == (bytes(KEYS[6].endpoint_id), b"probe")
+    await asyncio.gather(a.close(), b.close())
+
+
+async def _garbage(url: str, phase: str, data: bytes) -> None:
+    u = RelayUrl.parse(url)
+    if phase == "http":
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        _, writer = await asyncio.wait_for(asyncio.open_connection(u.host, u.port, ssl=ctx), 10)
+        writer.write(data)
+        await writer.drain()
+        writer.close()
+        with contextlib.suppress(OSError, TimeoutError):
+            await asyncio.wait_for(writer.wait_closed(), 5)
+        return
+    client = await RelayTestClient.open(url)
+    if phase == "active":
+        await client.authenticate(KEYS[5])
+    client.send_raw(data)
+    await client.drain()
+    await client.close()
+
+
+_frame_like = st.builds(
+    lambda kind, length, body: bytes([kind]) + length.to_bytes(4, "big") + body,
+    st.sampled_from([int(t) for t in T] + [0, 0x05, 0x13, 0xFF]),
+    st.one_of(st.integers(0, 300), st.integers(0, 2**32 - 1)),
+    st.binary(max_size=300),
+)
+_garbage_bytes = st.one_of(
+    st.binary(max_size=4096),
+    st.lists(_frame_like, min_size=1, max_size=8).map(b"".join),
+)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=_garbage_bytes, phase=st.sampled_from(["http", "auth"]))
+def test_random_bytes_before_auth_never_hurt_the_relay(
+    shared_relay: RelayProcess, data: bytes, phase: str
+) -> None:
+    async def scenario() -> None:
+        await _garbage(shared_relay.url, phase, data)
+        await _probe(shared_relay.url)
+
+    asyncio.run(scenario())
+    assert shared_relay.proc.poll() is None
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=_garbage_bytes)
+def test_random_bytes_after_auth_never_hurt_the_relay(
+    shared_relay: RelayProcess, data: bytes
+) -> None:
+    async def scenario() -> None:
+        await _garbage(shared_relay.url, "active", data)
+        await _probe(shared_relay.url)
+
+    asyncio.run(scenario())
+    assert shared_relay.proc.poll() is None
+
+
+# ---- liveness, STUN, shutdown, tap, CLI -------------------------------------------------
+
+
+async def test_silent_client_is_dropped_after_three_keepalives() -> None:
+    async with running(keepalive=0.2) as srv:
+        silent = await joined(srv.url, A)
+        frames = await silent.wait_closed(timeout=30)
+        assert frames[-1][0] is T.ERROR and b"no traffic" in frames[-1][1]
+        assert srv.core.metrics.keepalive_timeouts_total == 1
+
+
+async def test_stun_binding_reports_the_observed_address() -> None:
+    async with running(stun_port=None) as srv:  # the TCP port's number, over UDP
+        assert srv.stun_port == srv.port
+        loop = asyncio.get_running_loop()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            sock.setblocking(False)
+            txid = new_transaction_id()
+            sock.sendto(b"not stun", ("127.0.0.1", srv.stun_port))  # ignored
+            sock.sendto(binding_request(txid), ("127.0.0.1", srv.stun_port))
+            data = await asyncio.wait_for(loop.sock_recv(sock, 2048), 10)
+            assert parse_binding_response(data, txid) == sock.getsockname()
+        assert srv.core.metrics.stun_requests_total == 1
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_graceful_shutdown_sends_reconnect_and_exits_0(tmp_path: Path, sig: int) -> None:
+    with RelayProcess(tmp_path, "--stun-port", "0", "--retry-after", "2") as relay:
+        a, b = await joined(relay.url, A), await joined(relay.url, B)
+        pending = await RelayTestClient.open(relay.url)  # upgraded, not authenticated
+        code, rest = await asyncio.to_thread(relay.stop, sig)  # clients keep reading
+        for client in (a, b):
+            frames = await client.wait_closed()
+            assert frames[-1][0] is T.RECONNECT
+            assert decode_map(frames[-1][1]) == {
+                "reason": "relay shutting down",
+                "retry_after": 2.0,
+            }
+        assert await pending.wait_closed() == []
+        assert code == 0 and rest == ""  # the url line was the only stdout line
+        log = relay.log.read_text()
+        assert "shutdown" in log and "Traceback" not in log
+
+
+async def test_tap_sees_every_byte_the_relay_handles(tmp_path: Path) -> None:
+    seen: dict[tuple[int, str], bytearray] = {}
+
+    def tap(conn: int, direction: str, data: bytes) -> None:
+        seen.setdefault((conn, direction), bytearray()).extend(data)
+
+    async with running(tap=tap) as srv:
+        a, b = await joined(srv.url, A), await joined(srv.url, B)
+        a.send(B.endpoint_id, b"MARKER-1234")
+        await b.recv()
+    ins = [bytes(v) for (_, d), v in seen.items() if d == "in"]
+    outs = [bytes(v) for (_, d), v in seen.items() if d == "out"]
+    assert any(b"MARKER-1234" in x for x in ins) and any(b"MARKER-1234" in x for x in outs)
+    assert any(x.startswith(b"GET /relay HTTP/1.1\r\n") for x in ins)
+
+    tap_file = tmp_path / "tap.bin"
+    with RelayProcess(tmp_path, "--stun-port", "0", "--tap", str(tap_file)) as relay:
+        a, b = await joined(relay.url, A), await joined(relay.url, B)
+        a.send(B.endpoint_id, b"MARKER-5678")
+        await b.recv()
+        assert (await asyncio.to_thread(relay.stop))[0] == 0
+    streams = read_tap(tap_file)
+    assert sum(b"MARKER-5678" in v for v in streams.values()) == 2  # in from A, out to B
+
+
+def test_cli_key_file_is_created_private_and_keeps_the_pin(tmp_path: Path) -> None:
+    key, url_file = tmp_path / "relay.key", tmp_path / "relay.url"
+    args = ("--key", str(key), "--stun-port", "0", "--url-file", str(url_file))
+    with RelayProcess(tmp_path, *args) as first:
+        url1 = first.url
+        assert url_file.read_text() == url1 + "\n"
+        port = str(RelayUrl.parse(url1).port)
+        assert healthcheck(["--url", url1]) == 0 and healthcheck(["--port", port]) == 0
+        assert first.stop()[0] == 0
+    assert healthcheck(["--port", port, "--timeout", "5"]) == 1
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert RelayUrl.parse(url1).pin == SecretKey.load(key).endpoint_id
+    with RelayProcess(tmp_path, "--key", str(key), "--stun-port", "0") as second:
+        assert RelayUrl.parse(second.url).pin == RelayUrl.parse(url1).pin
+        assert second.stop()[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--rate", "1000", "--burst", "1000"], "burst must be at least"),
+        (["--cert", "x.pem"], "cert and cert-key"),
+        (["--allowlist", "/nonexistent/allow"], "cannot read allowlist"),
+        (["--config", "/nonexistent.toml"], "does not exist"),
+        (["--max-clients", "zero"], "integer"),
+    ],
+)
+def test_cli_configuration_errors_exit_2(args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "p2pdist-relay: error:" in proc.stderr and message in proc.stderr
