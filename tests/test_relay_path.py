@@ -1,0 +1,110 @@
+"""The relay client (RelayPath) against a real relay process."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from relay_helpers import RelayProcess
+
+from p2pdist import EndpointId, P2PTimeoutError, SecretKey
+from p2pdist.transport.relay_path import RelayConfig, RelayPath, RelayState
+
+FAST = RelayConfig(connect_timeout=5.0, backoff_initial=0.05, backoff_max=0.5)
+
+
+def key(i: int) -> SecretKey:
+    return SecretKey.from_seed("relay-path-tests-0123", i)
+
+
+class Inbox:
+    """Collects (source, datagram) pairs delivered to a RelayPath."""
+
+    def __init__(self, path: RelayPath) -> None:
+        self.items: asyncio.Queue[tuple[EndpointId, bytes]] = asyncio.Queue()
+        path.on_datagram = lambda src, data: self.items.put_nowait((src, data))
+
+    async def get(self) -> tuple[EndpointId, bytes]:
+        return await asyncio.wait_for(self.items.get(), 10)
+
+
+async def send_until_received(a: RelayPath, b_id: EndpointId, inbox: Inbox, data: bytes) -> None:
+    """Datagrams are best effort: resend until one arrives (bounded)."""
+    for _ in range(100):
+        a.send(b_id, data)
+        try:
+            src, got = await asyncio.wait_for(inbox.items.get(), 0.2)
+        except TimeoutError:
+            continue
+        assert (src, got) == (a.endpoint_id, data)
+        return
+    raise AssertionError("no datagram made it through the relay")
+
+
+async def test_datagrams_flow_with_authenticated_sources(tmp_path: Path) -> None:
+    with RelayProcess(tmp_path, "--key", str(tmp_path / "relay.key")) as relay:
+        a, b = RelayPath(key(0), relay.url, config=FAST), RelayPath(key(1), relay.url, config=FAST)
+        inbox_b = Inbox(b)
+        try:
+            await asyncio.gather(a.wait_connected(10), b.wait_connected(10))
+            assert a.status.state is RelayState.CONNECTED
+            assert a.status.observed is not None and a.status.observed.startswith("127.0.0.1:")
+            payload = bytes(range(256)) * 4
+            a.send(b.endpoint_id, payload)
+            assert await inbox_b.get() == (a.endpoint_id, payload)
+            assert a.status.datagrams_sent == 1 and b.status.datagrams_received == 1
+            gone: asyncio.Queue[EndpointId] = asyncio.Queue()
+            a.on_peer_gone = gone.put_nowait
+            a.send(key(7).endpoint_id, b"anyone?")
+            assert await asyncio.wait_for(gone.get(), 10) == key(7).endpoint_id
+        finally:
+            await asyncio.gather(a.close(), b.close())
+        assert a.status.state is RelayState.CLOSED
+
+
+async def test_wrong_pin_is_refused_and_named(tmp_path: Path) -> None:
+    with RelayProcess(tmp_path) as relay:
+        parts = urlsplit(relay.url)
+        wrong = f"https://{parts.netloc}/?pin={key(9).endpoint_id}"
+        path = RelayPath(key(0), wrong, config=FAST)
+        try:
+            with pytest.raises(P2PTimeoutError, match="identity mismatch"):
+                await path.wait_connected(2)
+        finally:
+            await path.close()
+
+
+async def test_token_mode(tmp_path: Path) -> None:
+    with RelayProcess(tmp_path, "--token", "s3cret-token") as relay:
+        bad = RelayPath(key(0), relay.url, config=FAST)
+        good = RelayPath(key(1), relay.url, token="s3cret-token", config=FAST)
+        try:
+            await good.wait_connected(10)
+            with pytest.raises(P2PTimeoutError, match="bad token"):
+                await bad.wait_connected(2)
+        finally:
+            await asyncio.gather(bad.close(), good.close())
+
+
+async def test_reconnects_after_a_relay_restart(tmp_path: Path) -> None:
+    keyfile = tmp_path / "relay.key"
+    first = RelayProcess(tmp_path, "--key", str(keyfile))
+    port = str(urlsplit(first.url).port)
+    a, b = RelayPath(key(0), first.url, config=FAST), RelayPath(key(1), first.url, config=FAST)
+    inbox_b = Inbox(b)
+    try:
+        await asyncio.gather(a.wait_connected(10), b.wait_connected(10))
+        await send_until_received(a, b.endpoint_id, inbox_b, b"before")
+        status, _ = await asyncio.to_thread(first.stop)  # graceful: RECONNECT to clients
+        assert status == 0
+        assert a.status.state is not RelayState.CONNECTED or a.status.last_error
+        with RelayProcess(tmp_path, "--key", str(keyfile), "--port", port) as second:
+            assert second.url == first.url  # same key, same port: same URL
+            await asyncio.gather(a.wait_connected(15), b.wait_connected(15))
+            await send_until_received(a, b.endpoint_id, inbox_b, b"after")
+            assert a.status.connects >= 2 and b.status.connects >= 2
+    finally:
+        await asyncio.gather(a.close(), b.close())
+        first.__exit__()
