@@ -21,7 +21,8 @@ from transport_conformance import (
     PairFactory,
     bounded,
     closing,
-    wait_until,
+    still_serving,
+    wait_for_log,
 )
 
 from p2pdist.errors import (
@@ -181,30 +182,9 @@ def hello(
     return rec, nonce
 
 
-async def wait_for_log(caplog: pytest.LogCaptureFixture, *needles: str) -> str:
-    def found() -> str | None:
-        for r in caplog.records:
-            msg = r.getMessage()
-            if all(n in msg for n in needles):
-                return msg
-        return None
-
-    await wait_until(lambda: found() is not None, f"a log line with {needles}")
-    msg = found()
-    assert msg is not None
-    return msg
-
-
 async def assert_still_serving(server: TcpTransport, addr: tuple[str, int], tls: bool) -> None:
     """A legitimate client can still connect, and it is the next connection accepted."""
-    client = TcpTransport(key(9), config(tls))
-    async with closing(client):
-        conn = await bounded(client.connect(server.endpoint_id, addr), "a legitimate connect")
-        accepted = await bounded(server.accept(), "accepting the legitimate client")
-        assert accepted.peer_id == eid(9)
-        await conn.send(1, b"hi")
-        assert bytes((await bounded(accepted.recv(1), "recv")).payload) == b"hi"
-        await accepted.close()
+    await still_serving(server, TcpTransport(key(9), config(tls)), addr)
 
 
 @contextlib.asynccontextmanager

@@ -35,7 +35,17 @@ from p2pdist.errors import (
 from p2pdist.transport.base import Connection, Transport
 from p2pdist.wire.frames import Frame, FrameKind
 
-__all__ = ["BOUND", "CHECKS", "Pair", "PairFactory", "bounded", "wait_until"]
+__all__ = [
+    "BOUND",
+    "CHECKS",
+    "Pair",
+    "PairFactory",
+    "bounded",
+    "closing",
+    "still_serving",
+    "wait_for_log",
+    "wait_until",
+]
 
 BOUND = 10.0
 """Seconds any single wait in a check may take before the check fails."""
@@ -445,3 +455,31 @@ async def closing(*transports: Transport) -> AsyncIterator[None]:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(BOUND):
                     await t.close()
+
+
+async def wait_for_log(caplog: pytest.LogCaptureFixture, *needles: str) -> str:
+    """The first captured log message that contains every one of ``needles`` (waits)."""
+
+    def found() -> str | None:
+        for r in caplog.records:
+            msg = r.getMessage()
+            if all(n in msg for n in needles):
+                return msg
+        return None
+
+    await wait_until(lambda: found() is not None, f"a log line with {needles}")
+    msg = found()
+    assert msg is not None
+    return msg
+
+
+async def still_serving(server: Transport, client: Transport, address: Any) -> None:
+    """``client`` (a fresh transport, closed here) can still connect to ``server`` at
+    ``address``, and it is the next connection ``server`` accepts."""
+    async with closing(client):
+        conn = await bounded(client.connect(server.endpoint_id, address), "a legitimate connect")
+        accepted = await bounded(server.accept(), "accepting the legitimate client")
+        assert accepted.peer_id == client.endpoint_id
+        await conn.send(1, b"hi")
+        assert bytes((await bounded(accepted.recv(1), "recv")).payload) == b"hi"
+        await accepted.close()

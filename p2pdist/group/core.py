@@ -29,7 +29,10 @@ from ..errors import (
 from ..identity import EndpointId, SecretKey
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.mailbox import SPACE_SHIFT
+from ..transport.quic import QuicTransport
+from ..transport.relay_path import RelayPath, RelayStatus
 from ..transport.tcp import TcpTransport, parse_address
+from ..wire.relay import RelayUrl
 from . import p2p
 from .buffers import as_array, expectation
 from .config import GroupConfig
@@ -67,6 +70,8 @@ class GroupCore:
         addresses: Sequence[Address] | None = None,
         listen: Address | None = None,
         config: GroupConfig | None = None,
+        relay: str | None = None,
+        relay_token: str | None = None,
         _subgroup: bool = False,
     ) -> None:
         world = len(peer_ids)
@@ -78,8 +83,15 @@ class GroupCore:
             raise UsageError("endpoint ids of a group must be distinct")
         if addresses is not None and len(addresses) != world:
             raise UsageError(f"need one address per rank: {world} ranks, {len(addresses)} given")
-        if addresses is None and world > 1 and not _subgroup:
-            raise UsageError("peers= (one host:port per rank, in rank order) is required")
+        if addresses is None and relay is None and world > 1 and not _subgroup:
+            raise UsageError(
+                "give peers= (one host:port per rank, in rank order) or relay= (a relay URL)"
+            )
+        self._relay_url = RelayUrl.parse(relay) if relay is not None else None
+        self._relay_token = relay_token
+        self._relay_path: RelayPath | None = None
+        if self._relay_url is not None and not (config or GroupConfig()).transport.tls:
+            raise UsageError("relay= runs QUIC, which always encrypts: do not pass tls=False")
         self._key = key
         self._rank = rank
         self._ids = list(peer_ids)
@@ -87,7 +99,7 @@ class GroupCore:
         self._addresses = list(addresses) if addresses is not None else None
         self._listen = listen
         self.config = config or GroupConfig()
-        self._transport: TcpTransport | None = None
+        self._transport: TcpTransport | QuicTransport | None = None
         self._conns: dict[int, Connection] = {}
         self._next_cid = 0
         self._p2p_sent: dict[int, int] = {}
@@ -118,11 +130,18 @@ class GroupCore:
         timeout: float | None = None,
         listen: Address | None = None,
         config: GroupConfig | None = None,
+        relay: str | None = None,
+        relay_token: str | None = None,
     ) -> Self:
         """A group whose keys all derive from ``seed`` (a shared secret: whoever knows it
-        can act as any rank). ``peers`` lists every rank's ``host:port`` in rank order;
-        this rank listens on its own entry (or on ``listen``). ``tls=False`` is
-        authenticated plaintext, for trusted networks only; None keeps ``config``'s
+        can act as any rank).
+
+        Either ``peers`` lists every rank's ``host:port`` in rank order (TCP; this rank
+        listens on its own entry, or on ``listen``), or ``relay`` is a relay URL
+        (``https://host:port/?pin=<id>``, as ``p2pdist-relay`` prints it): then the ranks
+        reach each other by endpoint id alone, over QUIC through the relay, with no
+        addresses at all (``relay_token`` for a relay that wants one). ``tls=False`` is
+        authenticated plaintext TCP, for trusted networks only; None keeps ``config``'s
         setting (TLS by default)."""
         if not isinstance(world, int) or world < 1:
             raise UsageError(f"world must be an int >= 1, got {world!r}")
@@ -146,12 +165,15 @@ class GroupCore:
             addresses=list(peers) if peers is not None else None,
             listen=listen,
             config=cfg,
+            relay=relay,
+            relay_token=relay_token,
         )
 
     @classmethod
     def from_env(cls, *, config: GroupConfig | None = None) -> Self:
-        """A seed group described by P2PDIST_SEED, P2PDIST_RANK, P2PDIST_WORLD and
-        P2PDIST_PEERS (comma-separated host:port); P2PDIST_TLS=0 selects plaintext."""
+        """A seed group described by P2PDIST_SEED, P2PDIST_RANK, P2PDIST_WORLD and either
+        P2PDIST_PEERS (comma-separated host:port) or P2PDIST_RELAY (a relay URL, with
+        P2PDIST_RELAY_TOKEN if the relay wants one); P2PDIST_TLS=0 selects plaintext."""
 
         def need(name: str) -> str:
             value = os.environ.get(name)
@@ -163,13 +185,21 @@ class GroupCore:
             rank, world = int(need("P2PDIST_RANK")), int(need("P2PDIST_WORLD"))
         except ValueError:
             raise UsageError("P2PDIST_RANK and P2PDIST_WORLD must be integers") from None
+        relay = os.environ.get("P2PDIST_RELAY") or None
         peers_text = os.environ.get("P2PDIST_PEERS", "")
-        peers = [p for p in peers_text.split(",") if p] if world > 1 else None
-        if world > 1 and not peers:
-            raise UsageError("environment variable P2PDIST_PEERS is not set")
+        peers = [p for p in peers_text.split(",") if p] if world > 1 and not relay else None
+        if world > 1 and not peers and not relay:
+            raise UsageError("set P2PDIST_PEERS (host:port list) or P2PDIST_RELAY (a relay URL)")
         tls = os.environ.get("P2PDIST_TLS", "1") not in ("0", "false", "no")
         return cls.from_seed(
-            need("P2PDIST_SEED"), rank=rank, world=world, peers=peers, tls=tls, config=config
+            need("P2PDIST_SEED"),
+            rank=rank,
+            world=world,
+            peers=peers,
+            tls=tls,
+            config=config,
+            relay=relay,
+            relay_token=os.environ.get("P2PDIST_RELAY_TOKEN") or None,
         )
 
     # ---- properties -----------------------------------------------------------------
@@ -203,6 +233,11 @@ class GroupCore:
         """How errors name a rank: ``"rank 2 (abcdefghij)"``."""
         return _label(rank, self._ids[rank])
 
+    @property
+    def relay_status(self) -> RelayStatus | None:
+        """The relay session's state and counters, or None without a relay."""
+        return self._relay_path.status if self._relay_path is not None else None
+
     def connection(self, rank: int) -> Connection:
         """The live connection to ``rank`` (for statistics and diagnostics)."""
         try:
@@ -234,20 +269,9 @@ class GroupCore:
         self._started = True
         if self.size == 1:
             return self
-        assert self._addresses is not None
-        transport = TcpTransport(
-            self._key,
-            self.config.transport,
-            accept_from=lambda eid: eid in self._rank_of,
-            label_for=lambda eid: (
-                _label(self._rank_of[eid], eid)
-                if eid in self._rank_of
-                else f"unknown peer {eid.short()}"
-            ),
-        )
-        self._transport = transport
         try:
-            await self._listen_on(transport)
+            async with asyncio.timeout(self.config.connect_timeout):
+                transport = await self._open_transport()
             async with asyncio.timeout(self.config.connect_timeout), asyncio.TaskGroup() as tg:
                 tg.create_task(self._accept_higher(transport))
                 for r in range(self._rank):
@@ -255,7 +279,7 @@ class GroupCore:
         except TimeoutError:
             missing = [r for r in range(self.size) if r != self._rank and r not in self._conns]
             await self.close()
-            where = ", ".join(f"{self.peer_label(r)} at {self._addresses[r]}" for r in missing)
+            where = ", ".join(f"{self.peer_label(r)} {self._where(r)}" for r in missing)
             raise P2PTimeoutError(
                 f"{self.peer_label(self._rank)}: forming the group took over "
                 f"{self.config.connect_timeout:g} s; no connection to {where}"
@@ -274,24 +298,58 @@ class GroupCore:
         log.info("%s: group of %d formed", self.peer_label(self._rank), self.size)
         return self
 
-    async def _listen_on(self, transport: TcpTransport) -> None:
+    def _where(self, r: int) -> str:
+        if self._relay_url is not None:
+            return f"through relay {self._relay_url}"
+        return f"at {self._addresses[r]}" if self._addresses else ""
+
+    def _peer_name(self, eid: EndpointId) -> str:
+        r = self._rank_of.get(eid)
+        return _label(r, eid) if r is not None else f"unknown peer {eid.short()}"
+
+    async def _open_transport(self) -> TcpTransport | QuicTransport:
+        """TCP listening on our address, or QUIC over a session to the relay."""
+        members = self._rank_of.__contains__
+        if self._relay_url is not None:
+            path = RelayPath(self._key, self._relay_url, token=self._relay_token)
+            self._relay_path = path
+            quic = QuicTransport(
+                self._key,
+                self.config.transport,
+                accept_from=members,
+                label_for=self._peer_name,
+                relay=path,
+            )
+            self._transport = quic
+            await path.wait_connected(self.config.connect_timeout)
+            return quic
         assert self._addresses is not None
+        tcp = TcpTransport(
+            self._key, self.config.transport, accept_from=members, label_for=self._peer_name
+        )
+        self._transport = tcp
         host, port = parse_address(self._listen or self._addresses[self._rank])
         try:
-            await transport.listen(host, port)
+            await tcp.listen(host, port)
         except OSError as exc:
             raise UsageError(
                 f"{self.peer_label(self._rank)} cannot listen on {host}:{port}: {exc}"
             ) from None
+        return tcp
 
-    async def _dial(self, transport: TcpTransport, r: int) -> None:
-        assert self._addresses is not None
+    async def _dial(self, transport: TcpTransport | QuicTransport, r: int) -> None:
         delay = 0.02
         while True:
             try:
-                self._conns[r] = await transport.connect(
-                    self._ids[r], self._addresses[r], label=self.peer_label(r)
-                )
+                if isinstance(transport, QuicTransport):
+                    self._conns[r] = await transport.connect(
+                        self._ids[r], None, label=self.peer_label(r)
+                    )
+                else:
+                    assert self._addresses is not None
+                    self._conns[r] = await transport.connect(
+                        self._ids[r], self._addresses[r], label=self.peer_label(r)
+                    )
                 return
             except PeerAuthenticationError:
                 raise
@@ -300,7 +358,7 @@ class GroupCore:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
-    async def _accept_higher(self, transport: TcpTransport) -> None:
+    async def _accept_higher(self, transport: TcpTransport | QuicTransport) -> None:
         want = set(range(self._rank + 1, self.size))
         while want:
             conn = await transport.accept()

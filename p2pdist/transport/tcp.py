@@ -1,9 +1,9 @@
 """TCP transport: TLS 1.3 pinned to endpoint ids (default) or authenticated plaintext.
 
 Thin asyncio glue around the sans-I/O pieces: :mod:`p2pdist.wire.handshake` for the
-preamble, :mod:`p2pdist.wire.frames` for framing, :mod:`.keepalive` for liveness and
-:mod:`.mailbox` for per-channel delivery. Received payloads land directly in their own
-buffers (``asyncio.BufferedProtocol``), so bulk data is copied once by the kernel.
+preamble, and :class:`.framed.FramedConnection` (shared with QUIC) for frames, keepalive,
+per-channel delivery and close. Received payloads land directly in their own buffers
+(``asyncio.BufferedProtocol``), so bulk data is copied once by the kernel.
 """
 
 from __future__ import annotations
@@ -23,16 +23,13 @@ from ..errors import (
     ConnectionBrokenError,
     ConnectionClosedError,
     P2PError,
-    P2PTimeoutError,
     PeerAuthenticationError,
-    PeerError,
     PeerTimeoutError,
     RemoteProtocolError,
     UsageError,
 )
 from ..identity import EndpointId, SecretKey
-from ..tls import TlsIdentity, endpoint_id_of_cert
-from ..wire.frames import Frame, FrameDecoder, FrameError, FrameKind, encode_header
+from ..tls import endpoint_id_of_cert
 from ..wire.handshake import (
     HandshakeError,
     RecordReader,
@@ -40,9 +37,8 @@ from ..wire.handshake import (
     encode_record,
     get_bytes,
 )
-from .base import Address, ConnectionStats, TransportConfig
-from .keepalive import Keepalive, KeepaliveAction
-from .mailbox import Mailbox
+from .base import Address, TransportConfig
+from .framed import EndpointBase, FramedConnection
 
 __all__ = ["TcpConnection", "TcpTransport", "parse_address"]
 
@@ -51,9 +47,6 @@ log = logging.getLogger(__name__)
 _SMALL_WRITE = 64 * 1024
 _WRITE_COPIES = sys.version_info < (3, 12)
 _HANDSHAKE_BUFFER_PAUSE = 1 << 20
-_PING = encode_header(FrameKind.PING)
-_PONG = encode_header(FrameKind.PONG)
-_GOODBYE = encode_header(FrameKind.GOODBYE)
 
 
 def parse_address(address: Address) -> tuple[str, int]:
@@ -76,62 +69,27 @@ def parse_address(address: Address) -> tuple[str, int]:
     return host, int(port)
 
 
-class TcpConnection(asyncio.BufferedProtocol):
+class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
     """One TCP connection to one authenticated peer (also its asyncio protocol)."""
 
     def __init__(
         self, owner: TcpTransport, *, server_side: bool, expected: EndpointId | None = None
     ) -> None:
+        super().__init__(
+            owner.config,
+            label=f"peer {expected.short()}" if expected else "incoming peer",
+            peer=expected,
+            on_finish=owner._forget,
+        )
         self._owner = owner
-        self._cfg = owner.config
         self._server_side = server_side
         self._expected = expected
-        self._peer: EndpointId | None = expected
-        self.label = f"peer {expected.short()}" if expected else "incoming peer"
         self._transport: asyncio.Transport | None = None
-        self._loop = asyncio.get_running_loop()
         # Handshake phase state.
-        self._handshaking = True
         self._hs_buf = bytearray(64 * 1024)
         self._hs_reader = RecordReader(expect_magic=server_side)
         self._hs_wakeup: asyncio.Future[None] | None = None
-        # Frame phase state.
-        self._decoder = FrameDecoder(self._cfg.limits)
-        self._mailbox = Mailbox(
-            self._cfg.max_buffered, self._pause_reading, self._resume_reading, lambda: self.label
-        )
-        self._stats = ConnectionStats()
-        self._keepalive: Keepalive | None = None
-        self._ka_timer: asyncio.TimerHandle | None = None
-        self._ping_sent_at: float | None = None
-        self._write_paused = False
-        self._drain_waiter: asyncio.Future[None] | None = None
-        self._error: BaseException | None = None
-        self._interrupted: BaseException | None = None
-        self._closed_locally = False
-        self._goodbye_received = False
         self._lost = self._loop.create_future()
-        self._callbacks: list[Callable[[BaseException | None], None]] = []
-
-    # ---- public Connection API -------------------------------------------------------
-
-    @property
-    def peer_id(self) -> EndpointId:
-        """The authenticated endpoint id of the peer."""
-        if self._peer is None:
-            raise UsageError("connection not authenticated yet")
-        return self._peer
-
-    @property
-    def closed(self) -> bool:
-        """True once the connection can no longer send."""
-        return self._error is not None or self._closed_locally
-
-    @property
-    def stats(self) -> ConnectionStats:
-        """Counters (``dropped_stale`` included)."""
-        self._stats.dropped_stale = self._mailbox.dropped
-        return self._stats
 
     @property
     def encrypted(self) -> bool:
@@ -140,114 +98,45 @@ class TcpConnection(asyncio.BufferedProtocol):
             self._transport is not None and self._transport.get_extra_info("ssl_object") is not None
         )
 
-    def idle_for(self) -> float:
-        """Seconds since anything arrived from the peer."""
-        if self._keepalive is None:
-            return 0.0
-        return self._loop.time() - self._keepalive.last_rx
+    # ---- FramedConnection hooks ----------------------------------------------------------
 
-    def add_close_callback(self, callback: Callable[[BaseException | None], None]) -> None:
-        """Call ``callback(error)`` once when the connection ends (None: closed by us)."""
-        if self.closed:
-            self._loop.call_soon(callback, None if self._closed_locally else self._error)
-        else:
-            self._callbacks.append(callback)
+    def _write(self, data: bytes) -> None:
+        assert self._transport is not None
+        self._transport.write(data)
 
-    async def send(
-        self,
-        channel: int,
-        payload: bytes | bytearray | memoryview = b"",
-        *,
-        meta: bytes = b"",
-        seq: int = 0,
-    ) -> None:
-        """Send one message on ``channel``; waits while the socket is backed up.
-
-        The whole frame is handed to the socket layer before the first wait, so frames of
-        concurrent senders never interleave.
-        """
-        self.send_nowait(channel, payload, meta=meta, seq=seq)
-        if self._write_paused:
-            await self._drain()
-
-    def send_nowait(
-        self,
-        channel: int,
-        payload: bytes | bytearray | memoryview = b"",
-        *,
-        meta: bytes = b"",
-        seq: int = 0,
-    ) -> None:
-        """Queue one message without waiting for the socket (for small control messages)."""
-        self._check_open()
-        try:
-            mv = memoryview(payload)
-            if mv.ndim != 1 or mv.itemsize != 1:
-                mv = mv.cast("B")
-        except TypeError as exc:
-            raise UsageError(f"payload must be a C-contiguous bytes-like object: {exc}") from None
-        n = mv.nbytes
-        try:
-            header = encode_header(FrameKind.DATA, channel, seq, meta, n, limits=self._cfg.limits)
-        except ValueError as exc:
-            raise UsageError(f"{self.label}: {exc}") from None
+    def _write_frame(self, header: bytes, payload: memoryview) -> None:
         t = self._transport
         assert t is not None
-        if n <= _SMALL_WRITE:
-            t.write(header + mv.tobytes() if n else header)
+        if payload.nbytes <= _SMALL_WRITE:
+            t.write(header + payload.tobytes() if payload.nbytes else header)
         else:
             t.write(header)
             # Python 3.12+ queues a reference to a buffer it could not send at once, so
             # the caller could change bytes "already sent"; copy there. 3.11 copies itself.
-            t.write(mv if _WRITE_COPIES else mv.tobytes())
-        self._stats.frames_sent += 1
-        self._stats.bytes_sent += n + len(header)
-        if self._keepalive is not None:
-            self._keepalive.on_send(self._loop.time())
+            t.write(payload if _WRITE_COPIES else payload.tobytes())
 
-    async def recv(self, channel: int, *, timeout: float | None = None) -> Frame:
-        """The next message on ``channel``."""
-        if self._closed_locally:
-            raise ConnectionClosedError(f"connection to {self.label} was closed locally")
-        return await self._mailbox.get(channel, timeout)
+    def _writable(self) -> bool:
+        return self._transport is not None and not self._transport.is_closing()
 
-    def retire(self, channel: int) -> None:
-        """Drop queued and future frames of ``channel``."""
-        self._mailbox.retire(channel)
+    def _set_reading(self, on: bool) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            if on:
+                self._transport.resume_reading()
+            else:
+                self._transport.pause_reading()
 
-    def interrupt(self, error: BaseException) -> None:
-        """Fail current and future receives and send waits with ``error``.
-
-        The connection stays open, so small control messages can still be sent.
-        """
-        if self._interrupted is None:
-            self._interrupted = error
-        self._mailbox.fail(error)
-        w, self._drain_waiter = self._drain_waiter, None
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def close(self) -> None:
-        """Say goodbye and close; waits (briefly, bounded) for the socket to flush."""
-        if self._closed_locally:
-            return
-        self._closed_locally = True
+    async def _shutdown(self) -> None:
         t = self._transport
-        if t is not None and self._error is None and not self._handshaking:
-            with contextlib.suppress(Exception):
-                t.write(_GOODBYE)
-        self._finish(ConnectionClosedError(f"connection to {self.label} was closed locally"))
-        if t is not None:
-            t.close()
-            try:
-                async with asyncio.timeout(2.0):
-                    await asyncio.shield(self._lost)
-            except TimeoutError:
-                t.abort()
+        if t is None:
+            return
+        t.close()
+        try:
+            async with asyncio.timeout(2.0):
+                await asyncio.shield(self._lost)
+        except TimeoutError:
+            t.abort()
 
-    def abort(self, error: BaseException) -> None:
-        """Drop the connection at once, failing everyone waiting with ``error``."""
-        self._finish(error)
+    def _drop(self) -> None:
         if self._transport is not None:
             self._transport.abort()
 
@@ -278,24 +167,7 @@ class TcpConnection(asyncio.BufferedProtocol):
                 self._transport.pause_reading()
             self._wake_handshake()
             return
-        if self._error is not None:
-            return
-        try:
-            frames = self._decoder.buffer_updated(nbytes)
-            if frames:
-                self._on_frames(frames)
-                return
-        except FrameError as exc:
-            if exc.frames:
-                self._on_frames(exc.frames)
-            self._protocol_error(str(exc))
-            return
-        except Exception as exc:  # nothing may escape the receive path
-            log.exception("%s: error while receiving", self.label)
-            self._protocol_error(f"could not process received data: {exc!r}")
-            return
-        if self._keepalive is not None:
-            self._keepalive.on_receive(self._loop.time())
+        self._decode(self._decoder.buffer_updated, nbytes)
 
     def eof_received(self) -> bool | None:
         return None
@@ -305,128 +177,14 @@ class TcpConnection(asyncio.BufferedProtocol):
             self._lost.set_result(None)
         if self._ka_timer is not None:
             self._ka_timer.cancel()
-        err: PeerError
-        if self._goodbye_received and exc is None:
-            err = ConnectionBrokenError(self.label, "closed its connection (left)", graceful=True)
-        elif self._decoder.mid_frame and exc is None:
-            err = RemoteProtocolError(self.label, "connection ended in the middle of a frame")
-        else:
-            why = f": {exc}" if exc else ""
-            err = ConnectionBrokenError(self.label, f"connection lost{why}")
-        self._finish(err)
+        self._finish(self._end_of_stream_error(str(exc) if exc else None))
         self._wake_handshake()
 
     def pause_writing(self) -> None:
         self._write_paused = True
 
     def resume_writing(self) -> None:
-        self._write_paused = False
-        w, self._drain_waiter = self._drain_waiter, None
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    # ---- internals -------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed_locally:
-            raise ConnectionClosedError(f"connection to {self.label} was closed locally")
-        if self._error is not None:
-            raise self._error.with_traceback(None)
-        if self._handshaking:
-            raise UsageError(f"connection to {self.label} is still handshaking")
-
-    async def _drain(self) -> None:
-        while self._write_paused:
-            self._check_open()
-            if self._interrupted is not None:
-                raise self._interrupted
-            if self._drain_waiter is None or self._drain_waiter.done():
-                self._drain_waiter = self._loop.create_future()
-            await self._drain_waiter
-        self._check_open()
-
-    def _pause_reading(self) -> None:
-        if self._keepalive is not None:
-            self._keepalive.set_rx_paused(True, self._loop.time())
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.pause_reading()
-
-    def _resume_reading(self) -> None:
-        if self._keepalive is not None:
-            self._keepalive.set_rx_paused(False, self._loop.time())
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.resume_reading()
-
-    def _finish(self, error: BaseException) -> None:
-        """Record the end of the connection once and tell everyone waiting."""
-        if self._error is not None:
-            return
-        self._error = error
-        if self._ka_timer is not None:
-            self._ka_timer.cancel()
-        self._mailbox.fail(error)
-        w, self._drain_waiter = self._drain_waiter, None
-        if w is not None and not w.done():
-            w.set_result(None)
-        report = None if self._closed_locally else error
-        callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            try:
-                cb(report)
-            except Exception:
-                log.exception("%s: close callback failed", self.label)
-        self._owner._forget(self)
-
-    def _protocol_error(self, message: str) -> None:
-        err = RemoteProtocolError(self.label, message)
-        log.warning("%s", err)
-        self.abort(err)
-
-    def _on_frames(self, frames: list[Frame]) -> None:
-        now = self._loop.time()
-        if self._keepalive is not None:
-            self._keepalive.on_receive(now)
-        for f in frames:
-            self._stats.frames_received += 1
-            self._stats.bytes_received += f.nbytes
-            if f.kind is FrameKind.DATA:
-                self._mailbox.deliver(f)
-            elif f.kind is FrameKind.PING:
-                if self._transport is not None and not self._transport.is_closing():
-                    self._transport.write(_PONG)
-            elif f.kind is FrameKind.PONG:
-                if self._ping_sent_at is not None:
-                    self._stats.rtt = now - self._ping_sent_at
-                    self._ping_sent_at = None
-            elif f.kind is FrameKind.GOODBYE:
-                self._goodbye_received = True
-
-    def _arm_keepalive(self) -> None:
-        if self._keepalive is None or self._error is not None:
-            return
-        self._ka_timer = self._loop.call_at(
-            self._keepalive.next_deadline() + 0.001, self._on_keepalive_timer
-        )
-
-    def _on_keepalive_timer(self) -> None:
-        ka = self._keepalive
-        if ka is None or self.closed:
-            return
-        now = self._loop.time()
-        action = ka.poll(now)
-        if action is KeepaliveAction.DEAD:
-            self.abort(
-                ConnectionBrokenError(
-                    self.label, f"silent for {now - ka.last_rx:.1f} s (keepalive timeout)"
-                )
-            )
-            return
-        if action is KeepaliveAction.PING and self._transport is not None:
-            self._transport.write(_PING)
-            ka.on_send(now)
-            if self._ping_sent_at is None:
-                self._ping_sent_at = now
-        self._arm_keepalive()
+        self._resume_writing()
 
     # ---- handshake ---------------------------------------------------------------------
 
@@ -447,10 +205,6 @@ class TcpConnection(asyncio.BufferedProtocol):
                 raise self._error.with_traceback(None)
             self._hs_wakeup = self._loop.create_future()
             await self._hs_wakeup
-
-    def _write(self, data: bytes) -> None:
-        assert self._transport is not None
-        self._transport.write(data)
 
     async def _start_tls(self, ctx: ssl.SSLContext) -> None:
         assert self._transport is not None
@@ -587,25 +341,15 @@ class TcpConnection(asyncio.BufferedProtocol):
 
     def _enter_frames(self) -> None:
         leftover = self._hs_reader.leftover()
-        self._handshaking = False
         self._hs_buf = bytearray()
-        now = self._loop.time()
-        self._keepalive = Keepalive.start(self._cfg.keepalive_interval, self._cfg.idle_timeout, now)
+        self._start_frames()
         if self._transport is not None:
             self._transport.resume_reading()
         if leftover:
-            try:
-                frames = self._decoder.feed(leftover)
-            except FrameError as exc:
-                if exc.frames:
-                    self._on_frames(exc.frames)
-                self._protocol_error(str(exc))
-                return
-            self._on_frames(frames)
-        self._arm_keepalive()
+            self._decode(self._decoder.feed, leftover)
 
 
-class TcpTransport:
+class TcpTransport(EndpointBase[TcpConnection]):
     """Authenticated TCP transport (TLS 1.3 unless ``config.tls`` is False)."""
 
     def __init__(
@@ -616,41 +360,13 @@ class TcpTransport:
         accept_from: Callable[[EndpointId], bool] | None = None,
         label_for: Callable[[EndpointId], str] | None = None,
     ) -> None:
-        self.key = key
-        self.config = config or TransportConfig()
-        self._accept_from = accept_from
-        self._label_for = label_for
-        self._tls: TlsIdentity | None = None
+        super().__init__(key, config, accept_from, label_for)
         self._server: asyncio.Server | None = None
-        self._accepted: asyncio.Queue[TcpConnection | None] = asyncio.Queue()  # None: closed
-        self._connections: set[TcpConnection] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
-        self._closed = False
-
-    @property
-    def endpoint_id(self) -> EndpointId:
-        """Our endpoint id."""
-        return self.key.endpoint_id
-
-    @property
-    def tls_identity(self) -> TlsIdentity:
-        """Our certificate and SSL contexts (made on first use)."""
-        if self._tls is None:
-            self._tls = TlsIdentity(self.key)
-        return self._tls
-
-    def label_for(self, peer: EndpointId) -> str:
-        """How to name ``peer`` in errors."""
-        return self._label_for(peer) if self._label_for else f"peer {peer.short()}"
-
-    def accepts(self, peer: EndpointId) -> bool:
-        """Whether ``peer`` may connect to us."""
-        return self._accept_from is None or self._accept_from(peer)
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Start accepting connections; returns the bound (host, port)."""
-        if self._closed:
-            raise ConnectionClosedError("transport is closed")
+        self._check_not_closed()
         if self._server is not None:
             raise UsageError("already listening")
         loop = asyncio.get_running_loop()
@@ -664,8 +380,7 @@ class TcpTransport:
         self, peer: EndpointId, address: Address, *, label: str | None = None
     ) -> TcpConnection:
         """Dial ``address`` and authenticate the other end as ``peer``."""
-        if self._closed:
-            raise ConnectionClosedError("transport is closed")
+        self._check_not_closed()
         host, port = parse_address(address)
         name = label or self.label_for(peer)
         loop = asyncio.get_running_loop()
@@ -696,20 +411,6 @@ class TcpTransport:
             raise
         return conn
 
-    async def accept(self, *, timeout: float | None = None) -> TcpConnection:
-        """The next authenticated incoming connection."""
-        if self._closed:
-            raise ConnectionClosedError("transport is closed")
-        try:
-            async with asyncio.timeout(timeout):
-                conn = await self._accepted.get()
-        except TimeoutError:
-            raise P2PTimeoutError(f"no incoming connection within {timeout} s") from None
-        if conn is None:
-            self._accepted.put_nowait(None)  # wake the next waiter too
-            raise ConnectionClosedError("transport is closed")
-        return conn
-
     def _on_incoming(self, conn: TcpConnection) -> None:
         if self._closed:
             conn.abort(ConnectionClosedError("transport is closed"))
@@ -738,10 +439,7 @@ class TcpTransport:
         if self._closed:
             conn.abort(ConnectionClosedError("transport is closed"))
             return
-        self._accepted.put_nowait(conn)
-
-    def _forget(self, conn: TcpConnection) -> None:
-        self._connections.discard(conn)
+        self._accepted.put(conn)
 
     async def close(self) -> None:
         """Stop listening and close every connection (bounded)."""
@@ -755,14 +453,7 @@ class TcpTransport:
             task.cancel()
         if handshakes:
             await asyncio.wait(handshakes, timeout=2.0)
-        conns = list(self._connections)
-        while not self._accepted.empty():
-            c = self._accepted.get_nowait()
-            if c is not None:
-                conns.append(c)
-        if conns:
-            await asyncio.gather(*(c.close() for c in set(conns)), return_exceptions=True)
-        self._accepted.put_nowait(None)
+        await self._close_all()
         if self._server is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)

@@ -1,0 +1,273 @@
+"""One-way throughput of QUIC between two processes on loopback, against its references.
+
+Each row is one sender process and one receiver process; the receiver times from the first
+to the last message and reports MB/s (10^6 bytes per second of payload):
+
+* ``aioquic bare``: a minimal aioquic client and server (``aioquic.asyncio.connect`` /
+  ``serve``) pushing one stream over UDP, with the same TLS and window settings: the
+  ceiling of aioquic's packet machinery in this Python;
+* ``p2pdist QUIC direct``: :class:`p2pdist.transport.quic.QuicTransport` over UDP;
+* ``p2pdist QUIC relay``: the same through a relay (only with ``--relay URL``);
+* ``p2pdist TCP plain/TLS``: :class:`p2pdist.TcpTransport`, for reference;
+
+then the variants tried to lift the QUIC ceiling (datagram size, receive window,
+congestion controller, several connections per peer).
+
+Run: ``python benchmarks/quic_throughput.py [--mib 128] [--msg-kib 1024] [--relay URL]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import socket
+import ssl
+import time
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+from aioquic.asyncio import QuicConnectionProtocol, connect, serve
+from aioquic.quic.events import QuicEvent, StreamDataReceived
+
+from p2pdist import SecretKey, TcpTransport, TransportConfig
+from p2pdist.tls import make_certificate
+from p2pdist.transport.quic import QuicTransport
+from p2pdist.transport.quic_core import QuicConfig, quic_configuration
+
+SEED = "quic-bench-seed-0123456789"
+SERVER, CLIENT = SecretKey.from_seed(SEED, 0), SecretKey.from_seed(SEED, 1)
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---- bare aioquic -----------------------------------------------------------------------------
+
+
+class _Sink(QuicConnectionProtocol):
+    """Counts stream bytes; reports the rate once ``total`` arrived."""
+
+    total = 0
+    queue: Any = None
+    finished: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.got = 0
+        self.start = 0.0
+        self._first = 0
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, StreamDataReceived) and event.data:
+            if self.got == 0:
+                self.start = time.perf_counter()
+            self.got += len(event.data)
+            if self.got >= self.total:
+                rate = (self.got - self._first) / (time.perf_counter() - self.start)
+                self.queue.put(rate)
+                self._quic.send_stream_data(event.stream_id, b"k", end_stream=True)
+                self.transmit()
+                self.finished.set()
+            elif self.got == len(event.data):
+                self._first = len(event.data)
+
+
+async def _bare(role: str, port: int, total: int, size: int, qc: QuicConfig, q: Any) -> None:
+    key = SERVER if role == "recv" else CLIENT
+    cfg = quic_configuration(
+        key,
+        make_certificate(key),
+        qc,
+        is_client=role == "send",
+        max_datagram=qc.loopback_datagram,
+        idle_timeout=60,
+    )
+    cfg.verify_mode = ssl.CERT_NONE
+    if role == "recv":
+        _Sink.total, _Sink.queue = total, q
+        server = await serve("127.0.0.1", port, configuration=cfg, create_protocol=_Sink)
+        q.put("listening")
+        _Sink.finished = asyncio.Event()
+        await asyncio.wait_for(_Sink.finished.wait(), 300)
+        await asyncio.sleep(0.2)  # let the answer leave
+        server.close()
+        return
+    async with connect("127.0.0.1", port, configuration=cfg) as proto:
+        quic = proto._quic
+        sid = quic.get_next_available_stream_id()
+        payload = np.ones(size, np.uint8).tobytes()
+        done = asyncio.get_running_loop().create_future()
+        _Done.fut = done
+        proto.quic_event_received = _Done.on_event  # type: ignore[method-assign]
+        for _ in range(total // size):
+            quic.send_stream_data(sid, payload)
+        proto.transmit()
+        await asyncio.wait_for(done, 300)
+
+
+class _Done:
+    fut: Any = None
+
+    @staticmethod
+    def on_event(event: QuicEvent) -> None:
+        if isinstance(event, StreamDataReceived) and event.end_stream and not _Done.fut.done():
+            _Done.fut.set_result(None)
+
+
+# ---- p2pdist transports -----------------------------------------------------------------------
+
+
+async def _p2pdist(
+    role: str, kind: str, port: int, total: int, size: int, opts: dict[str, Any], q: Any
+) -> None:
+    nconn = int(opts.get("conns", 1))
+    count = max(2, total // size)
+    if kind == "tcp":
+        cfg = TransportConfig(tls=bool(opts["tls"]))
+        t: Any = TcpTransport(SERVER if role == "recv" else CLIENT, cfg)
+    else:
+        relay = None
+        if opts.get("relay"):
+            from p2pdist.transport.relay_path import RelayPath
+
+            relay = RelayPath(SERVER if role == "recv" else CLIENT, opts["relay"])
+            await relay.wait_connected(30)
+        qc = opts["quic"]
+        t = QuicTransport(SERVER if role == "recv" else CLIENT, relay=relay, quic=qc)
+    address: Any = None if opts.get("relay") else ("127.0.0.1", port)
+    if role == "recv":
+        if address is not None:
+            await t.listen("127.0.0.1", port)
+        q.put("listening")
+        conns = [await t.accept(timeout=60) for _ in range(nconn)]
+        per = [count // nconn + (i < count % nconn) for i in range(nconn)]
+
+        async def drain(c: Any, n: int) -> None:
+            for _ in range(n):
+                await c.recv(1, timeout=120)
+
+        await asyncio.gather(*(c.recv(9, timeout=60) for c in conns))  # all connected
+        start = time.perf_counter()
+        await asyncio.gather(*(drain(c, n) for c, n in zip(conns, per, strict=True)))
+        q.put(count * size / (time.perf_counter() - start))
+        for c in conns:
+            await c.send(2, b"done")
+            await c.recv(3, timeout=60)
+    else:
+        conns = [await t.connect(SERVER.endpoint_id, address) for _ in range(nconn)]
+        for c in conns:
+            await c.send(9, b"go")
+        payload = np.ones(size, np.uint8)
+
+        async def pump(c: Any, n: int) -> None:
+            for _ in range(n):
+                await c.send(1, payload)
+
+        per = [count // nconn + (i < count % nconn) for i in range(nconn)]
+        await asyncio.gather(*(pump(c, n) for c, n in zip(conns, per, strict=True)))
+        for c in conns:
+            await c.recv(2, timeout=120)
+            await c.send(3, b"bye")
+    await t.close()
+
+
+def _worker(
+    kind: str, role: str, port: int, total: int, size: int, opts: dict[str, Any], q: Any
+) -> None:
+    if kind == "bare":
+        asyncio.run(_bare(role, port, total, size, opts["quic"], q))
+    else:
+        asyncio.run(_p2pdist(role, kind, port, total, size, opts, q))
+
+
+def measure(kind: str, total: int, size: int, **opts: Any) -> float:
+    """Payload bytes per second received by one process from another."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_tcp_port() if kind == "tcp" else _free_udp_port()
+    recv = ctx.Process(target=_worker, args=(kind, "recv", port, total, size, opts, q))
+    recv.start()
+    try:
+        assert q.get(timeout=60) == "listening"
+        send = ctx.Process(target=_worker, args=(kind, "send", port, total, size, opts, q))
+        send.start()
+        rate = float(q.get(timeout=600))
+        send.join(timeout=60)
+        if send.is_alive():
+            send.kill()
+    finally:
+        recv.join(timeout=5)
+        if recv.is_alive():
+            recv.kill()
+    return rate
+
+
+def main() -> None:
+    """Print the table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=256, help="MiB per measurement")
+    ap.add_argument("--msg-kib", type=int, default=1024, help="message size, KiB")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per row (the median is shown)")
+    ap.add_argument("--relay", help="relay URL for the relay row (needs a running relay)")
+    ap.add_argument("--quick", action="store_true", help="only the main rows")
+    args = ap.parse_args()
+    total, size = args.mib << 20, args.msg_kib << 10
+    base = QuicConfig()
+    rows: list[tuple[str, str, dict[str, Any]]] = [
+        ("aioquic bare (same settings)", "bare", {"quic": base}),
+        ("p2pdist QUIC direct", "quic", {"quic": base}),
+    ]
+    if args.relay:
+        rows.append(("p2pdist QUIC relay", "quic", {"quic": base, "relay": args.relay}))
+    rows += [
+        ("p2pdist TCP plaintext", "tcp", {"tls": False}),
+        ("p2pdist TCP TLS", "tcp", {"tls": True}),
+    ]
+    if not args.quick:
+        for d in (1452, 4096, 8192):
+            q = replace(base, loopback_datagram=d)
+            rows.append((f"  aioquic bare, {d} B datagrams", "bare", {"quic": q}))
+            rows.append((f"  QUIC direct, {d} B datagrams", "quic", {"quic": q}))
+        for w in (4, 64):
+            q = replace(base, stream_window=w << 20, connection_window=max(64, w) << 20)
+            rows.append((f"  QUIC direct, {w} MiB stream window", "quic", {"quic": q}))
+        q = replace(base, congestion_control="cubic")
+        rows.append(("  QUIC direct, cubic", "quic", {"quic": q}))
+        for n in (2, 4):
+            rows.append((f"  QUIC direct, {n} connections", "quic", {"quic": base, "conns": n}))
+    print(
+        f"one-way throughput, MB/s, median of {args.repeat} (loopback, 2 processes, "
+        f"{args.mib} MiB in {args.msg_kib} KiB messages; QUIC defaults: "
+        f"{base.loopback_datagram} B datagrams, {base.stream_window >> 20} MiB stream window, "
+        f"{base.congestion_control}); ratio: against bare aioquic, same datagram size"
+    )
+    bare: dict[int, float] = {}
+    for name, kind, opts in rows:
+        try:
+            runs = sorted(measure(kind, total, size, **opts) / 1e6 for _ in range(args.repeat))
+        except Exception as exc:  # one failing row must not hide the others
+            print(f"{name:<40} failed: {exc!r}", flush=True)
+            continue
+        rate = runs[len(runs) // 2]
+        dgram = opts["quic"].loopback_datagram if "quic" in opts else 0
+        if kind == "bare":
+            bare[dgram] = rate
+        ref = bare.get(dgram)
+        ratio = f"  {rate / ref:5.2f}x bare" if ref and kind == "quic" else ""
+        spread = f"  ({runs[0]:.0f}..{runs[-1]:.0f})"
+        print(f"{name:<40} {rate:9.1f}{ratio}{spread}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

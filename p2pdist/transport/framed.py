@@ -1,0 +1,473 @@
+"""What every transport shares above its byte pipe: frames, mailbox, keepalive, close.
+
+:class:`FramedConnection` is the frame-level half of a connection. It owns the
+:class:`~p2pdist.wire.frames.FrameDecoder`, the :class:`~.mailbox.Mailbox`, the
+:class:`~.keepalive.Keepalive` timer, the counters, the close callbacks and the public
+send/receive API. A transport subclasses it and supplies the byte pipe through a handful
+of hooks (``_write``, ``_write_frame``, ``_writable``, ``_set_reading``, ``_shutdown``,
+``_drop``) and feeds received bytes to :meth:`FramedConnection._decode`.
+
+:class:`EndpointBase` is the transport-level half: our key, the accept policy, how peers
+are named, the queue of accepted connections and the set of live ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar, cast
+
+from ..errors import (
+    ConnectionBrokenError,
+    ConnectionClosedError,
+    P2PTimeoutError,
+    PeerError,
+    RemoteProtocolError,
+    UsageError,
+)
+from ..identity import EndpointId, SecretKey
+from ..tls import TlsIdentity
+from ..wire.frames import Frame, FrameDecoder, FrameError, FrameKind, encode_header
+from .base import ConnectionStats, TransportConfig
+from .keepalive import Keepalive, KeepaliveAction
+from .mailbox import Mailbox
+
+__all__ = ["AcceptQueue", "EndpointBase", "FramedConnection"]
+
+log = logging.getLogger(__name__)
+
+PING = encode_header(FrameKind.PING)
+PONG = encode_header(FrameKind.PONG)
+GOODBYE = encode_header(FrameKind.GOODBYE)
+
+_T = TypeVar("_T")
+C = TypeVar("C", bound="FramedConnection")
+
+
+class FramedConnection:
+    """The frame-level logic of one connection to one peer (transport independent).
+
+    Subclasses implement the hooks below; everything else (the public
+    :class:`~p2pdist.transport.base.Connection` API, keepalive, GOODBYE, close
+    callbacks, errors naming the peer) lives here.
+    """
+
+    def __init__(
+        self,
+        config: TransportConfig,
+        *,
+        label: str,
+        peer: EndpointId | None,
+        on_finish: Callable[[FramedConnection], None],
+    ) -> None:
+        self._cfg = config
+        self._peer = peer
+        self.label = label
+        self._on_finish = on_finish
+        self._loop = asyncio.get_running_loop()
+        self._handshaking = True
+        """True until frames flow (the transport's own handshake is not done)."""
+        self._decoder = FrameDecoder(config.limits)
+        self._mailbox = Mailbox(
+            config.max_buffered, self._pause_reading, self._resume_reading, lambda: self.label
+        )
+        self._stats = ConnectionStats()
+        self._keepalive: Keepalive | None = None
+        self._ka_timer: asyncio.TimerHandle | None = None
+        self._ping_sent_at: float | None = None
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self._error: BaseException | None = None
+        self._interrupted: BaseException | None = None
+        self._closed_locally = False
+        self._goodbye_received = False
+        self._callbacks: list[Callable[[BaseException | None], None]] = []
+
+    # ---- hooks for the transport ---------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        """Hand ``data`` (a small control frame) to the byte pipe, in order."""
+        raise NotImplementedError
+
+    def _write_frame(self, header: bytes, payload: memoryview) -> None:
+        """Hand one DATA frame to the byte pipe; ``payload`` may change after return."""
+        raise NotImplementedError
+
+    def _writable(self) -> bool:
+        """Whether the byte pipe still takes bytes."""
+        raise NotImplementedError
+
+    def _set_reading(self, on: bool) -> None:
+        """Stop (``False``) or resume (``True``) taking bytes from the peer."""
+        raise NotImplementedError
+
+    async def _shutdown(self) -> None:
+        """After GOODBYE: let queued bytes go (bounded), then close the byte pipe."""
+        raise NotImplementedError
+
+    def _drop(self) -> None:
+        """Close the byte pipe at once, without flushing."""
+        raise NotImplementedError
+
+    # ---- public Connection API -------------------------------------------------------
+
+    @property
+    def peer_id(self) -> EndpointId:
+        """The authenticated endpoint id of the peer."""
+        if self._peer is None:
+            raise UsageError("connection not authenticated yet")
+        return self._peer
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection can no longer send."""
+        return self._error is not None or self._closed_locally
+
+    @property
+    def stats(self) -> ConnectionStats:
+        """Counters (``dropped_stale`` included)."""
+        self._stats.dropped_stale = self._mailbox.dropped
+        return self._stats
+
+    def idle_for(self) -> float:
+        """Seconds since anything arrived from the peer."""
+        if self._keepalive is None:
+            return 0.0
+        return self._loop.time() - self._keepalive.last_rx
+
+    def add_close_callback(self, callback: Callable[[BaseException | None], None]) -> None:
+        """Call ``callback(error)`` once when the connection ends (None: closed by us)."""
+        if self.closed:
+            self._loop.call_soon(callback, None if self._closed_locally else self._error)
+        else:
+            self._callbacks.append(callback)
+
+    async def send(
+        self,
+        channel: int,
+        payload: bytes | bytearray | memoryview = b"",
+        *,
+        meta: bytes = b"",
+        seq: int = 0,
+    ) -> None:
+        """Send one message on ``channel``; waits while the byte pipe is backed up.
+
+        The whole frame is handed to the byte pipe before the first wait, so frames of
+        concurrent senders never interleave.
+        """
+        self.send_nowait(channel, payload, meta=meta, seq=seq)
+        if self._write_paused:
+            await self._drain()
+
+    def send_nowait(
+        self,
+        channel: int,
+        payload: bytes | bytearray | memoryview = b"",
+        *,
+        meta: bytes = b"",
+        seq: int = 0,
+    ) -> None:
+        """Queue one message without waiting (for small control messages)."""
+        self._check_open()
+        try:
+            mv = memoryview(payload)
+            if mv.ndim != 1 or mv.itemsize != 1:
+                mv = mv.cast("B")
+        except TypeError as exc:
+            raise UsageError(f"payload must be a C-contiguous bytes-like object: {exc}") from None
+        n = mv.nbytes
+        try:
+            header = encode_header(FrameKind.DATA, channel, seq, meta, n, limits=self._cfg.limits)
+        except ValueError as exc:
+            raise UsageError(f"{self.label}: {exc}") from None
+        self._write_frame(header, mv)
+        self._stats.frames_sent += 1
+        self._stats.bytes_sent += n + len(header)
+        if self._keepalive is not None:
+            self._keepalive.on_send(self._loop.time())
+
+    async def recv(self, channel: int, *, timeout: float | None = None) -> Frame:
+        """The next message on ``channel``."""
+        if self._closed_locally:
+            raise ConnectionClosedError(f"connection to {self.label} was closed locally")
+        return await self._mailbox.get(channel, timeout)
+
+    def retire(self, channel: int) -> None:
+        """Drop queued and future frames of ``channel``."""
+        self._mailbox.retire(channel)
+
+    def interrupt(self, error: BaseException) -> None:
+        """Fail current and future receives and send waits with ``error``.
+
+        The connection stays open, so small control messages can still be sent.
+        """
+        if self._interrupted is None:
+            self._interrupted = error
+        self._mailbox.fail(error)
+        self._wake_drain()
+
+    async def close(self) -> None:
+        """Say goodbye and close; waits (briefly, bounded) for queued bytes to leave."""
+        if self._closed_locally:
+            return
+        self._closed_locally = True
+        if self._error is None and not self._handshaking and self._writable():
+            with contextlib.suppress(Exception):
+                self._write(GOODBYE)
+        self._finish(ConnectionClosedError(f"connection to {self.label} was closed locally"))
+        await self._shutdown()
+
+    def abort(self, error: BaseException) -> None:
+        """Drop the connection at once, failing everyone waiting with ``error``."""
+        self._finish(error)
+        self._drop()
+
+    # ---- for the transport ---------------------------------------------------------------
+
+    def _start_frames(self) -> None:
+        """The transport's handshake is done: frames flow and keepalives start."""
+        self._handshaking = False
+        self._keepalive = Keepalive.start(
+            self._cfg.keepalive_interval, self._cfg.idle_timeout, self._loop.time()
+        )
+        self._arm_keepalive()
+
+    def _decode(self, decode: Callable[[_T], list[Frame]], arg: _T) -> None:
+        """Run ``decode(arg)`` on received bytes and act on the frames or the error.
+
+        Nothing escapes: a malformed frame (or any bug while processing) closes this
+        connection with a RemoteProtocolError naming the peer.
+        """
+        if self._error is not None:
+            return
+        try:
+            frames = decode(arg)
+        except FrameError as exc:
+            if exc.frames:
+                self._on_frames(exc.frames)
+            self._protocol_error(str(exc))
+            return
+        except Exception as exc:  # nothing may escape the receive path
+            log.exception("%s: error while receiving", self.label)
+            self._protocol_error(f"could not process received data: {exc!r}")
+            return
+        if frames:
+            self._on_frames(frames)
+        elif self._keepalive is not None:
+            self._keepalive.on_receive(self._loop.time())
+
+    def _end_of_stream_error(self, why: str | None) -> PeerError:
+        """The error for the peer's byte stream ending (``why``: None for a clean end)."""
+        if self._goodbye_received and why is None:
+            return ConnectionBrokenError(self.label, "closed its connection (left)", graceful=True)
+        if self._decoder.mid_frame and why is None:
+            return RemoteProtocolError(self.label, "connection ended in the middle of a frame")
+        return ConnectionBrokenError(self.label, f"connection lost{f': {why}' if why else ''}")
+
+    def _resume_writing(self) -> None:
+        """The byte pipe drained below its low-water mark: let senders go on."""
+        self._write_paused = False
+        self._wake_drain()
+
+    def _finish(self, error: BaseException) -> None:
+        """Record the end of the connection once and tell everyone waiting."""
+        if self._error is not None:
+            return
+        self._error = error
+        if self._ka_timer is not None:
+            self._ka_timer.cancel()
+        self._mailbox.fail(error)
+        self._wake_drain()
+        report = None if self._closed_locally else error
+        callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            try:
+                cb(report)
+            except Exception:
+                log.exception("%s: close callback failed", self.label)
+        self._on_finish(self)
+
+    def _protocol_error(self, message: str) -> None:
+        err = RemoteProtocolError(self.label, message)
+        log.warning("%s", err)
+        self.abort(err)
+
+    def _send_ping(self) -> None:
+        """Send a keepalive PING (also measures the round-trip time)."""
+        now = self._loop.time()
+        self._write(PING)
+        if self._keepalive is not None:
+            self._keepalive.on_send(now)
+        if self._ping_sent_at is None:
+            self._ping_sent_at = now
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed_locally:
+            raise ConnectionClosedError(f"connection to {self.label} was closed locally")
+        if self._error is not None:
+            raise self._error.with_traceback(None)
+        if self._handshaking:
+            raise UsageError(f"connection to {self.label} is still handshaking")
+
+    def _wake_drain(self) -> None:
+        w, self._drain_waiter = self._drain_waiter, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _drain(self) -> None:
+        while self._write_paused:
+            self._check_open()
+            if self._interrupted is not None:
+                raise self._interrupted
+            if self._drain_waiter is None or self._drain_waiter.done():
+                self._drain_waiter = self._loop.create_future()
+            await self._drain_waiter
+        self._check_open()
+
+    def _pause_reading(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.set_rx_paused(True, self._loop.time())
+        self._set_reading(False)
+
+    def _resume_reading(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.set_rx_paused(False, self._loop.time())
+        self._set_reading(True)
+
+    def _on_frames(self, frames: list[Frame]) -> None:
+        now = self._loop.time()
+        if self._keepalive is not None:
+            self._keepalive.on_receive(now)
+        for f in frames:
+            self._stats.frames_received += 1
+            self._stats.bytes_received += f.nbytes
+            if f.kind is FrameKind.DATA:
+                self._mailbox.deliver(f)
+            elif f.kind is FrameKind.PING:
+                if self._writable():
+                    self._write(PONG)
+            elif f.kind is FrameKind.PONG:
+                if self._ping_sent_at is not None:
+                    self._stats.rtt = now - self._ping_sent_at
+                    self._ping_sent_at = None
+            elif f.kind is FrameKind.GOODBYE:
+                self._goodbye_received = True
+
+    def _arm_keepalive(self) -> None:
+        if self._keepalive is None or self._error is not None:
+            return
+        self._ka_timer = self._loop.call_at(
+            self._keepalive.next_deadline() + 0.001, self._on_keepalive_timer
+        )
+
+    def _on_keepalive_timer(self) -> None:
+        ka = self._keepalive
+        if ka is None or self.closed:
+            return
+        now = self._loop.time()
+        action = ka.poll(now)
+        if action is KeepaliveAction.DEAD:
+            self.abort(
+                ConnectionBrokenError(
+                    self.label, f"silent for {now - ka.last_rx:.1f} s (keepalive timeout)"
+                )
+            )
+            return
+        if action is KeepaliveAction.PING and self._writable():
+            self._send_ping()
+        self._arm_keepalive()
+
+
+class AcceptQueue(Generic[C]):
+    """Authenticated incoming connections waiting for ``accept()``; closable."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[C | None] = asyncio.Queue()  # None: closed
+
+    def put(self, conn: C) -> None:
+        """Hand ``conn`` to the next ``get``."""
+        self._queue.put_nowait(conn)
+
+    async def get(self, timeout: float | None) -> C:
+        """The next connection; ConnectionClosedError once :meth:`close` was called."""
+        try:
+            async with asyncio.timeout(timeout):
+                conn = await self._queue.get()
+        except TimeoutError:
+            raise P2PTimeoutError(f"no incoming connection within {timeout} s") from None
+        if conn is None:
+            self._queue.put_nowait(None)  # wake the next waiter too
+            raise ConnectionClosedError("transport is closed")
+        return conn
+
+    def close(self) -> list[C]:
+        """Wake every waiter with ConnectionClosedError; returns the unclaimed connections."""
+        left: list[C] = []
+        while not self._queue.empty():
+            c = self._queue.get_nowait()
+            if c is not None:
+                left.append(c)
+        self._queue.put_nowait(None)
+        return left
+
+
+class EndpointBase(Generic[C]):
+    """Key, configuration, accept policy, peer names and connection bookkeeping."""
+
+    def __init__(
+        self,
+        key: SecretKey,
+        config: TransportConfig | None,
+        accept_from: Callable[[EndpointId], bool] | None,
+        label_for: Callable[[EndpointId], str] | None,
+    ) -> None:
+        self.key = key
+        self.config = config or TransportConfig()
+        self._accept_from = accept_from
+        self._label_for = label_for
+        self._tls: TlsIdentity | None = None
+        self._accepted: AcceptQueue[C] = AcceptQueue()
+        self._connections: set[C] = set()
+        self._closed = False
+
+    @property
+    def endpoint_id(self) -> EndpointId:
+        """Our endpoint id."""
+        return self.key.endpoint_id
+
+    @property
+    def tls_identity(self) -> TlsIdentity:
+        """Our certificate and SSL contexts (made on first use)."""
+        if self._tls is None:
+            self._tls = TlsIdentity(self.key)
+        return self._tls
+
+    def label_for(self, peer: EndpointId) -> str:
+        """How to name ``peer`` in errors."""
+        return self._label_for(peer) if self._label_for else f"peer {peer.short()}"
+
+    def accepts(self, peer: EndpointId) -> bool:
+        """Whether ``peer`` may connect to us."""
+        return self._accept_from is None or self._accept_from(peer)
+
+    async def accept(self, *, timeout: float | None = None) -> C:
+        """The next authenticated incoming connection."""
+        self._check_not_closed()
+        return await self._accepted.get(timeout)
+
+    def _check_not_closed(self) -> None:
+        if self._closed:
+            raise ConnectionClosedError("transport is closed")
+
+    def _forget(self, conn: FramedConnection) -> None:
+        self._connections.discard(cast(C, conn))
+
+    async def _close_all(self, extra: Iterable[C] = ()) -> None:
+        """Close every connection, accepted or not (bounded), and wake ``accept()``."""
+        conns = set(self._connections) | set(self._accepted.close()) | set(extra)
+        if conns:
+            await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)

@@ -1,0 +1,293 @@
+"""Datagram paths under QUIC: a UDP socket (direct) and a relay (addressed by endpoint id).
+
+A QUIC connection never touches a socket. Everything it sends leaves through its
+:class:`Route`, which knows one way to the peer:
+
+* :class:`UdpRoute`: a UDP socket of ours (:class:`UdpSocket`) and the peer's ip:port;
+* :class:`RelayRoute`: a :class:`Relay` (the session to our home relay) and the peer's
+  endpoint id. aioquic wants a network address for every datagram, so relay datagrams
+  carry the synthetic address :data:`RELAY_ADDR`.
+
+Received datagrams go the other way: the socket or the relay hands them to the
+transport, which finds the connection (by QUIC connection id) and checks that they came
+by that connection's route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
+
+from ..identity import EndpointId
+
+__all__ = [
+    "RELAY_ADDR",
+    "Relay",
+    "RelayRoute",
+    "Route",
+    "UdpRoute",
+    "UdpSocket",
+    "is_loopback",
+]
+
+log = logging.getLogger(__name__)
+
+RELAY_ADDR = ("relay", 0)
+"""The address aioquic sees for every datagram that travels through the relay."""
+
+SOCKET_BUFFER = 4 << 20
+"""Requested kernel send and receive buffer of a UDP socket (the kernel may cap it)."""
+READ_BATCH = 64
+"""Datagrams read per wake-up of a UDP socket before the event loop runs other work."""
+SEND_QUEUE = 4096
+"""Datagrams queued in user space while the kernel's send buffer is full."""
+
+PathKind = Literal["direct", "relay"]
+UdpAddress = tuple[str, int]
+
+
+class Relay(Protocol):
+    """What QUIC needs from a session to a relay (:class:`p2pdist.transport.relay_path.RelayPath`).
+
+    Datagrams are best effort. ``on_datagram`` receives ``(source id, datagram)``; the
+    relay authenticated the source, so it is the sender's endpoint id. ``on_peer_gone``
+    receives the id of a destination the relay could not deliver to (not connected).
+    """
+
+    on_datagram: Callable[[EndpointId, bytes], None] | None
+    on_peer_gone: Callable[[EndpointId], None] | None
+    max_datagram: int
+    """Largest datagram the relay accepts, bytes."""
+
+    @property
+    def endpoint_id(self) -> EndpointId:
+        """Our endpoint id (as authenticated to the relay)."""
+        ...
+
+    def send(self, dst: EndpointId, datagram: bytes) -> None:
+        """Send one datagram to ``dst`` (dropped when the relay session is down)."""
+        ...
+
+    async def close(self) -> None:
+        """End the relay session."""
+        ...
+
+
+class Route(Protocol):
+    """One way to one peer: where a connection's datagrams go."""
+
+    kind: PathKind
+    """``"direct"`` (UDP) or ``"relay"``."""
+    quic_addr: Any
+    """The network address aioquic uses for the peer on this route."""
+    max_datagram: int
+    """Largest QUIC datagram to send on this route, bytes."""
+
+    @property
+    def remote(self) -> UdpAddress | EndpointId:
+        """The peer's ip:port (direct) or endpoint id (relay)."""
+        ...
+
+    @property
+    def up(self) -> bool:
+        """False once the route can carry nothing any more (socket closed)."""
+        ...
+
+    def send(self, datagram: bytes, addr: Any) -> None:
+        """Send one datagram; ``addr`` is where aioquic wants it (direct routes use it)."""
+        ...
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address) is a loopback address."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class UdpSocket:
+    """One non-blocking UDP socket on the event loop.
+
+    Received datagrams go to ``on_datagram(self, data, (ip, port))``, up to
+    :data:`READ_BATCH` per wake-up: the connections they touch then send (ACKs, more
+    data) once per batch instead of once per datagram. Nothing raised while handling a
+    datagram escapes into the event loop. Sends go straight to the kernel; when its buffer
+    is full they queue (up to :data:`SEND_QUEUE` datagrams, then drop: QUIC treats a drop
+    as a loss). Sending on a closed socket drops silently.
+    """
+
+    def __init__(
+        self, sock: socket.socket, on_datagram: Callable[[UdpSocket, bytes, UdpAddress], None]
+    ) -> None:
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._on_datagram = on_datagram
+        self._loop = asyncio.get_running_loop()
+        self._queue: deque[tuple[bytes, UdpAddress]] = deque()
+        self._closed = False
+        self.dropped = 0
+        """Datagrams not sent: the socket was closed, the queue full, or the kernel refused."""
+        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        self._loop.add_reader(self._fd, self._readable)
+
+    @classmethod
+    async def open(
+        cls, host: str, port: int, on_datagram: Callable[[UdpSocket, bytes, UdpAddress], None]
+    ) -> UdpSocket:
+        """Bind a socket on ``host:port`` (port 0: any free port)."""
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            sock.bind(addr)
+        except OSError:
+            sock.close()
+            raise
+        return cls(sock, on_datagram)
+
+    @property
+    def local_address(self) -> UdpAddress:
+        """The bound (host, port)."""
+        name = self._sock.getsockname()
+        return str(name[0]), int(name[1])
+
+    @property
+    def family(self) -> int:
+        """``socket.AF_INET`` or ``socket.AF_INET6``."""
+        return int(self._sock.family)
+
+    @property
+    def closed(self) -> bool:
+        """True once the socket is closed."""
+        return self._closed
+
+    def send(self, data: bytes, addr: UdpAddress) -> None:
+        """Send one datagram to ``addr`` (dropped if the socket is closed)."""
+        if self._closed:
+            self.dropped += 1
+            return
+        if self._queue:
+            self._enqueue(data, addr)
+            return
+        try:
+            self._sock.sendto(data, addr)
+        except (BlockingIOError, InterruptedError):
+            self._enqueue(data, addr)
+            self._loop.add_writer(self._fd, self._writable)
+        except OSError as exc:
+            self.dropped += 1
+            log.debug("UDP send to %s failed: %s", addr, exc)
+
+    def close(self) -> None:
+        """Close the socket (queued datagrams are dropped)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.remove_reader(self._fd)
+        if self._queue:
+            self._loop.remove_writer(self._fd)
+            self.dropped += len(self._queue)
+            self._queue.clear()
+        self._sock.close()
+
+    def _enqueue(self, data: bytes, addr: UdpAddress) -> None:
+        if len(self._queue) >= SEND_QUEUE:
+            self.dropped += 1
+        else:
+            self._queue.append((data, addr))
+
+    def _writable(self) -> None:
+        while self._queue:
+            data, addr = self._queue[0]
+            try:
+                self._sock.sendto(data, addr)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.dropped += 1
+                log.debug("UDP send to %s failed: %s", addr, exc)
+            self._queue.popleft()
+        self._loop.remove_writer(self._fd)
+
+    def _readable(self) -> None:
+        for _ in range(READ_BATCH):
+            try:
+                data, addr = self._sock.recvfrom(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. an ICMP error reported on the socket
+                log.debug("UDP receive error: %s", exc)
+                return
+            try:
+                self._on_datagram(self, data, (str(addr[0]), int(addr[1])))
+            except Exception:  # a datagram must never take the socket down
+                log.exception("error while handling a datagram from %s", addr)
+            if self._closed:
+                return
+
+
+class UdpRoute:
+    """The direct path: a UDP socket of ours and the peer's ip:port."""
+
+    kind: PathKind = "direct"
+
+    def __init__(self, sock: UdpSocket, addr: UdpAddress, max_datagram: int) -> None:
+        self.sock = sock
+        self.quic_addr = addr
+        self.max_datagram = max_datagram
+
+    @property
+    def remote(self) -> UdpAddress:
+        """The peer's (ip, port)."""
+        return self.quic_addr
+
+    @property
+    def up(self) -> bool:
+        """False once our socket is closed."""
+        return not self.sock.closed
+
+    def send(self, datagram: bytes, addr: Any) -> None:
+        """Send to ``addr`` (aioquic's current address of the peer)."""
+        self.sock.send(datagram, addr)
+
+
+class RelayRoute:
+    """The relay path: datagrams addressed to the peer's endpoint id."""
+
+    kind: PathKind = "relay"
+    quic_addr = RELAY_ADDR
+
+    def __init__(self, relay: Relay, peer: EndpointId, max_datagram: int) -> None:
+        self.relay = relay
+        self.peer = peer
+        self.max_datagram = max_datagram
+        self.dropped = 0
+
+    @property
+    def remote(self) -> EndpointId:
+        """The peer's endpoint id."""
+        return self.peer
+
+    @property
+    def up(self) -> bool:
+        """Always True: the relay session reconnects by itself."""
+        return True
+
+    def send(self, datagram: bytes, addr: Any) -> None:
+        """Send through the relay; a datagram it refuses is dropped (QUIC resends)."""
+        try:
+            self.relay.send(self.peer, datagram)
+        except Exception as exc:  # e.g. the relay lowered max_datagram after a reconnect
+            self.dropped += 1
+            log.debug("relay refused a datagram for %s: %s", self.peer.short(), exc)

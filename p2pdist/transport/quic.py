@@ -1,0 +1,332 @@
+"""QuicTransport: QUIC connections over a UDP socket and/or a relay, routed by connection id.
+
+Incoming datagrams, whatever path brought them, are routed the way aioquic's own asyncio
+server does it: parse the QUIC header (``pull_quic_header``) and look the destination
+connection id up among the ids our connections issued. A datagram must also come by the
+connection's own route (the same UDP socket, or the relay with the same authenticated
+source id); anything else, including garbage, is dropped and counted. A new Initial
+packet (at least 1200 bytes, a supported version) on the listening socket or through the
+relay starts a server-side connection; on the relay path its peer is the source id the
+relay authenticated, and the certificate must carry that key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+from collections.abc import Callable
+from typing import cast
+
+from aioquic.buffer import Buffer  # type: ignore[attr-defined]  # re-exported from _buffer
+from aioquic.quic.packet import QuicPacketType, QuicProtocolVersion, pull_quic_header
+
+from ..errors import (
+    ConnectionBrokenError,
+    ConnectionClosedError,
+    P2PError,
+    PeerTimeoutError,
+    UsageError,
+)
+from ..identity import EndpointId, SecretKey
+from .base import Address, TransportConfig
+from .framed import EndpointBase, FramedConnection
+from .paths import Relay, RelayRoute, Route, UdpAddress, UdpRoute, UdpSocket, is_loopback
+from .quic_conn import QuicConnection
+from .quic_core import CID_LENGTH, PinnedQuicConnection, QuicConfig, quic_configuration
+from .tcp import parse_address
+
+__all__ = ["QuicConnection", "QuicTransport"]
+
+log = logging.getLogger(__name__)
+
+_VERSIONS = frozenset({QuicProtocolVersion.VERSION_1, QuicProtocolVersion.VERSION_2})
+
+
+class QuicTransport(EndpointBase[QuicConnection]):
+    """Authenticated QUIC transport over UDP (direct) and/or a relay.
+
+    ``relay`` (optional) is a running relay session (:class:`~.paths.Relay`, e.g.
+    :class:`~p2pdist.transport.relay_path.RelayPath`). The transport takes it over: it sets
+    its callbacks, accepts connections that come through it, and closes it in
+    :meth:`close`. ``quic`` holds the QUIC-specific settings.
+    """
+
+    def __init__(
+        self,
+        key: SecretKey,
+        config: TransportConfig | None = None,
+        *,
+        accept_from: Callable[[EndpointId], bool] | None = None,
+        label_for: Callable[[EndpointId], str] | None = None,
+        relay: Relay | None = None,
+        quic: QuicConfig | None = None,
+    ) -> None:
+        super().__init__(key, config, accept_from, label_for)
+        if not self.config.tls:
+            raise UsageError("QUIC always encrypts: TransportConfig(tls=False) is for TCP only")
+        self.quic_config = quic or QuicConfig()
+        self.garbage = 0
+        """Datagrams dropped because they belong to no connection of ours."""
+        self._relay = relay
+        self._udp: UdpSocket | None = None
+        self._dial_sockets: dict[int, UdpSocket] = {}
+        self._routes: dict[bytes, QuicConnection] = {}
+        self._handshaking: set[QuicConnection] = set()
+        self._live: set[QuicConnection] = set()
+        if relay is not None:
+            relay.on_datagram = self._on_relay_datagram
+            relay.on_peer_gone = self._on_peer_gone
+
+    async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Bind the UDP socket that accepts connections; returns the bound (host, port)."""
+        self._check_not_closed()
+        if self._udp is not None:
+            raise UsageError("already listening")
+        try:
+            self._udp = await UdpSocket.open(host, port, self._on_udp_datagram)
+        except OSError as exc:
+            raise UsageError(f"cannot listen on {host}:{port}: {exc}") from None
+        return self._udp.local_address
+
+    async def connect(
+        self, peer: EndpointId, address: Address | None = None, *, label: str | None = None
+    ) -> QuicConnection:
+        """Connect to ``peer`` at ``address`` (UDP), or through the relay when it is None,
+        and authenticate that the other end holds ``peer``'s key."""
+        self._check_not_closed()
+        name = label or self.label_for(peer)
+        route = await self._route_to(peer, address, name)
+        conn = self._new_connection(route, server_side=False, expected=peer, label=name)
+        where = f"{route.remote[0]}:{route.remote[1]}" if isinstance(route, UdpRoute) else "relay"
+        try:
+            async with asyncio.timeout(self.config.handshake_timeout):
+                conn.start_client()
+                await conn.wait_established()
+        except TimeoutError:
+            conn.abort(PeerTimeoutError(name, "handshake timed out"))
+            raise PeerTimeoutError(
+                name, f"handshake via {where} took over {self.config.handshake_timeout} s"
+            ) from None
+        except BaseException as exc:
+            conn.abort(exc if isinstance(exc, P2PError) else ConnectionClosedError("cancelled"))
+            raise
+        return conn
+
+    async def close(self) -> None:
+        """Close every connection (bounded), the UDP sockets and the relay session."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in list(self._handshaking):
+            conn.abort(ConnectionClosedError("transport is closed"))
+        await self._close_all()
+        for conn in set(self._routes.values()) | self._live:
+            conn.stop()
+        for sock in [self._udp, *self._dial_sockets.values()]:
+            if sock is not None:
+                sock.close()
+        if self._relay is not None:
+            self._relay.on_datagram = None
+            self._relay.on_peer_gone = None
+            await self._relay.close()
+
+    # ---- connections ---------------------------------------------------------------------
+
+    async def _route_to(self, peer: EndpointId, address: Address | None, name: str) -> Route:
+        if address is None:
+            if self._relay is None:
+                raise UsageError(f"{name}: no address given and no relay to reach it through")
+            return self._relay_route(self._relay, peer)
+        host, port = parse_address(address)
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        except OSError as exc:
+            raise ConnectionBrokenError(name, f"cannot resolve {host}: {exc}") from None
+        family, *_, sockaddr = infos[0]
+        ip = str(sockaddr[0])
+        return self._udp_route(await self._socket_for(family, ip), (ip, int(sockaddr[1])))
+
+    def _udp_route(self, sock: UdpSocket, addr: UdpAddress) -> UdpRoute:
+        qc = self.quic_config
+        size = qc.loopback_datagram if is_loopback(addr[0]) else qc.direct_datagram
+        return UdpRoute(sock, addr, size)
+
+    def _relay_route(self, relay: Relay, peer: EndpointId) -> RelayRoute:
+        # QUIC needs 1200-byte datagrams; a relay that takes fewer drops them (and says so).
+        size = max(1200, min(self.quic_config.relay_datagram, relay.max_datagram))
+        return RelayRoute(relay, peer, size)
+
+    async def _socket_for(self, family: int, ip: str) -> UdpSocket:
+        """The listening socket when it can reach ``ip``, else a dial-only socket (a
+        socket bound to a loopback address cannot send elsewhere, and vice versa)."""
+        udp = self._udp
+        if udp is not None and udp.family == family:
+            host = udp.local_address[0]
+            if ipaddress.ip_address(host).is_unspecified or is_loopback(host) == is_loopback(ip):
+                return udp
+        sock = self._dial_sockets.get(family)
+        if sock is None or sock.closed:
+            any_host = "::" if family == socket.AF_INET6 else "0.0.0.0"
+            sock = await UdpSocket.open(any_host, 0, self._on_udp_datagram)
+            self._dial_sockets[family] = sock
+        return sock
+
+    def _new_connection(
+        self,
+        route: Route,
+        *,
+        server_side: bool,
+        expected: EndpointId | None,
+        label: str,
+        odcid: bytes | None = None,
+    ) -> QuicConnection:
+        qc = self.quic_config
+        configuration = quic_configuration(
+            self.key,
+            self.tls_identity.certificate,
+            qc,
+            is_client=not server_side,
+            max_datagram=route.max_datagram,
+            idle_timeout=2 * self.config.idle_timeout + 1.0,
+        )
+        quic = PinnedQuicConnection(
+            configuration=configuration,
+            stream_window=qc.stream_window,
+            original_destination_connection_id=odcid,
+        )
+        conn = QuicConnection(
+            self, quic, route, server_side=server_side, expected=expected, label=label
+        )
+        self._connections.add(conn)
+        self._live.add(conn)
+        self._route_cid(quic.host_cid, conn)
+        if odcid is not None:
+            self._route_cid(odcid, conn)
+        return conn
+
+    def _incoming(self, route: Route, odcid: bytes) -> QuicConnection | None:
+        if len(self._handshaking) >= self.quic_config.max_pending_handshakes:
+            return None
+        peer = route.remote if isinstance(route.remote, EndpointId) else None
+        label = self.label_for(peer) if peer is not None else "incoming peer"
+        conn = self._new_connection(
+            route, server_side=True, expected=peer, label=label, odcid=odcid
+        )
+        self._handshaking.add(conn)
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.config.handshake_timeout, self._handshake_deadline, conn)
+        return conn
+
+    def _handshake_deadline(self, conn: QuicConnection) -> None:
+        if conn in self._handshaking:
+            self._handshaking.discard(conn)
+            conn.handshake_expired()
+
+    def _refusal(self, route: Route, presented: EndpointId) -> str | None:
+        """Why a dialer whose certificate carries ``presented`` is refused, or None."""
+        if isinstance(route, RelayRoute) and presented != route.peer:
+            return (
+                f"identity mismatch: the relay authenticated {route.peer}, "
+                f"the certificate presents {presented}"
+            )
+        if not self.accepts(presented):
+            return f"endpoint {presented} is not allowed to connect here"
+        return None
+
+    def _on_established(self, conn: QuicConnection) -> None:
+        self._handshaking.discard(conn)
+        if self._closed:
+            conn.abort(ConnectionClosedError("transport is closed"))
+            return
+        self._accepted.put(conn)
+
+    def _forget(self, conn: FramedConnection) -> None:
+        super()._forget(conn)
+        self._handshaking.discard(cast(QuicConnection, conn))
+
+    # ---- routing ---------------------------------------------------------------------------
+
+    def _route_cid(self, cid: bytes, conn: QuicConnection) -> None:
+        self._routes[cid] = conn
+
+    def _unroute_cid(self, cid: bytes, conn: QuicConnection) -> None:
+        if self._routes.get(cid) is conn:
+            del self._routes[cid]
+
+    def _unroute(self, conn: QuicConnection) -> None:
+        for cid in [c for c, v in self._routes.items() if v is conn]:
+            del self._routes[cid]
+        self._live.discard(conn)
+
+    def _dispatch(
+        self,
+        data: bytes,
+        addr: object,
+        fits: Callable[[Route], bool],
+        new_route: Callable[[], Route] | None,
+    ) -> None:
+        """Hand one datagram to its connection, start a new one, or drop it."""
+        try:
+            header = pull_quic_header(Buffer(data=data), host_cid_length=CID_LENGTH)
+        except Exception:  # garbage: not even a QUIC header
+            self.garbage += 1
+            return
+        conn = self._routes.get(header.destination_cid)
+        if conn is None:
+            if (
+                new_route is None
+                or self._closed
+                or header.packet_type != QuicPacketType.INITIAL
+                or header.version not in _VERSIONS
+                or len(data) < 1200
+            ):
+                self.garbage += 1
+                return
+            conn = self._incoming(new_route(), header.destination_cid)
+            if conn is None:
+                return
+            conn.datagram_received(data, addr)
+            if not conn.decrypted_any:  # it looked like an Initial, but is not one
+                self.garbage += 1
+                conn.discard()
+            return
+        if not fits(conn.route):
+            self.garbage += 1
+            return
+        conn.datagram_received(data, addr)
+
+    def _on_udp_datagram(self, sock: UdpSocket, data: bytes, addr: UdpAddress) -> None:
+        def fits(route: Route) -> bool:
+            return isinstance(route, UdpRoute) and route.sock is sock
+
+        def new_route() -> Route:
+            return self._udp_route(sock, addr)
+
+        self._dispatch(data, addr, fits, new_route if sock is self._udp else None)
+
+    def _on_relay_datagram(self, src: EndpointId, data: bytes) -> None:
+        relay = self._relay
+        assert relay is not None
+
+        def fits(route: Route) -> bool:
+            return isinstance(route, RelayRoute) and route.peer == src
+
+        def new_route() -> Route:
+            return self._relay_route(relay, src)
+
+        try:
+            self._dispatch(data, RelayRoute.quic_addr, fits, new_route)
+        except Exception:  # never let a datagram break the relay session's loop
+            log.exception("error while handling a datagram relayed from %s", src.short())
+
+    def _on_peer_gone(self, peer: EndpointId) -> None:
+        """The relay could not deliver to ``peer``: fail our dials to it through the relay
+        (like a refused TCP connect). Established connections ride it out: the peer may be
+        reconnecting to the relay, and the keepalive bounds the wait anyway."""
+        for conn in list(self._live):
+            route = conn.route
+            if isinstance(route, RelayRoute) and route.peer == peer and conn.dialing:
+                conn.abort(ConnectionBrokenError(conn.label, "is not connected to the relay"))

@@ -1,0 +1,231 @@
+"""aioquic, set up for p2pdist: mutual TLS pinned to endpoint ids and a real receive window.
+
+:class:`PinnedQuicConnection` is aioquic's sans-I/O ``QuicConnection`` with three
+changes, each relying on an aioquic internal (hence the ``aioquic>=1.2,<2`` pin;
+``tests/test_quic_transport.py`` has a test per internal that fails when aioquic changes it):
+
+1. **Client certificates.** aioquic servers never ask for one. Its TLS context can:
+   ``tls.Context._request_client_certificate`` (documented "for test purposes") makes the
+   server send CertificateRequest, and the context then verifies the client's
+   CertificateVerify signature against the presented certificate. We set it in
+   ``_initialize``, where aioquic creates the context. The presented certificate is read
+   from ``tls.Context._peer_certificate`` after the handshake and pinned to an endpoint id
+   by the glue (:mod:`.quic`). A client that sends no certificate completes the TLS
+   handshake with ``_peer_certificate`` unset, and the glue refuses it.
+2. **Receive window.** aioquic doubles a stream's MAX_STREAM_DATA whenever half of it was
+   received, and hands every byte to the application at once: the receiver could never
+   push back. ``_write_stream_limits`` is replaced by a sliding window: the peer may send
+   ``stream_window`` bytes beyond what we consumed, and nothing more while
+   :attr:`receive_paused` (the mailbox is full) is set.
+3. **Introspection.** :meth:`unsent` (send backpressure) and :meth:`send_acked` (a close
+   that waits for the peer to have everything) read the stream's sender; :meth:`ending`
+   reads the pending close.
+"""
+
+from __future__ import annotations
+
+import enum
+import ssl
+from dataclasses import dataclass
+from typing import cast
+
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import (
+    MAX_STREAM_DATA_FRAME_CAPACITY,
+    QuicConnection,
+    QuicConnectionState,
+)
+from aioquic.quic.events import ConnectionTerminated
+from aioquic.quic.packet import QuicFrameType
+from aioquic.quic.packet_builder import QuicPacketBuilder
+from aioquic.quic.recovery import QuicPacketSpace
+from aioquic.quic.stream import QuicStream
+from aioquic.tls import CipherSuite
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+
+from ..identity import SecretKey
+
+__all__ = ["ALPN", "AppError", "PinnedQuicConnection", "QuicConfig", "quic_configuration"]
+
+ALPN = "p2pdist/1"
+"""The TLS application protocol both ends must offer."""
+
+MAX_DATAGRAM = 16384
+"""Largest datagram we let aioquic build: QUIC needs 1200, and aioquic writes a STREAM
+frame's length in a 2-byte varint (at most 16383 bytes), so a larger datagram would hold a
+frame it cannot encode."""
+
+CID_LENGTH = 8
+"""Length of our QUIC connection ids (aioquic's default), bytes."""
+
+
+class AppError(enum.IntEnum):
+    """QUIC application error codes in CONNECTION_CLOSE (the reason phrase says more)."""
+
+    NO_ERROR = 0x0
+    """Orderly close (after GOODBYE and the end of the stream)."""
+    REFUSED = 0x1
+    """Authentication failed or the accept policy refused the peer."""
+    PROTOCOL = 0x2
+    """The peer broke the p2pdist frame protocol."""
+    ABORTED = 0x3
+    """Any other local failure (keepalive timeout, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class QuicConfig:
+    """QUIC settings (sizes in bytes). Defaults are tuned for bulk arrays on loopback and
+    LAN; see benchmarks/quic_throughput.py."""
+
+    stream_window: int = 16 << 20
+    """Receive window of our stream: how far the peer may send beyond what we consumed."""
+    connection_window: int = 64 << 20
+    """Initial connection-wide receive window (aioquic raises it as it is used)."""
+    loopback_datagram: int = 16384
+    """Largest QUIC datagram to a loopback address (loopback has no 1500-byte MTU)."""
+    direct_datagram: int = 1452
+    """Largest QUIC datagram on other direct paths (1500-byte MTU minus IPv6 + UDP)."""
+    relay_datagram: int = 16384
+    """Largest QUIC datagram through a relay (also capped by the relay's ``max_datagram``)."""
+    congestion_control: str = "reno"
+    """aioquic's congestion controller: ``"reno"`` or ``"cubic"``."""
+    cipher_suites: tuple[CipherSuite, ...] = (
+        CipherSuite.AES_128_GCM_SHA256,
+        CipherSuite.AES_256_GCM_SHA384,
+        CipherSuite.CHACHA20_POLY1305_SHA256,
+    )
+    """In order of preference (AES-128-GCM first: the fastest with AES-NI)."""
+    max_pending_handshakes: int = 256
+    """Incoming handshakes in progress beyond which new Initial packets are dropped."""
+
+    def __post_init__(self) -> None:
+        for name in ("loopback_datagram", "direct_datagram", "relay_datagram"):
+            if not 1200 <= getattr(self, name) <= MAX_DATAGRAM:
+                raise ValueError(f"{name} must be within 1200..{MAX_DATAGRAM}")
+        if self.stream_window < 65536 or self.connection_window < self.stream_window:
+            raise ValueError("need 64 KiB <= stream_window <= connection_window")
+
+
+def quic_configuration(
+    key: SecretKey,
+    certificate: x509.Certificate,
+    config: QuicConfig,
+    *,
+    is_client: bool,
+    max_datagram: int,
+    idle_timeout: float,
+) -> QuicConfiguration:
+    """The aioquic configuration of one connection: ``certificate`` (``key``'s, from
+    :func:`p2pdist.tls.make_certificate`), no CA, our ALPN."""
+    return QuicConfiguration(
+        alpn_protocols=[ALPN],
+        is_client=is_client,
+        connection_id_length=CID_LENGTH,
+        idle_timeout=idle_timeout,
+        max_data=config.connection_window,
+        max_stream_data=config.stream_window,
+        max_datagram_size=max_datagram,
+        congestion_control_algorithm=config.congestion_control,
+        cipher_suites=list(config.cipher_suites),
+        # No CA can vouch for a self-signed key: the glue pins the certificate's key to
+        # the expected endpoint id after the handshake. Signatures are still verified.
+        verify_mode=ssl.CERT_NONE,
+        certificate=certificate,
+        private_key=key.private_key(),
+    )
+
+
+class PinnedQuicConnection(QuicConnection):
+    """aioquic's QuicConnection that asks for client certificates and has a sliding,
+    pausable receive window (see the module docstring for the internals it uses)."""
+
+    def __init__(
+        self,
+        *,
+        configuration: QuicConfiguration,
+        stream_window: int,
+        original_destination_connection_id: bytes | None = None,
+    ) -> None:
+        super().__init__(
+            configuration=configuration,
+            original_destination_connection_id=original_destination_connection_id,
+        )
+        self.stream_window = stream_window
+        self.receive_paused = False
+        """While True, the peer gets no more credit (backpressure from the mailbox)."""
+        self._written: dict[int, int] = {}
+
+    # ---- aioquic overrides --------------------------------------------------------------
+
+    def _initialize(self, peer_cid: bytes) -> None:
+        super()._initialize(peer_cid)
+        if not self._is_client:
+            self.tls._request_client_certificate = True
+
+    def _write_stream_limits(
+        self, builder: QuicPacketBuilder, space: QuicPacketSpace, stream: QuicStream
+    ) -> None:
+        # Replaces aioquic's "double the limit when half is used" with a sliding window
+        # over what was consumed, updated in steps of 1/8 window, frozen while paused.
+        if stream.max_stream_data_local and not self.receive_paused:
+            target = stream.receiver.starting_offset() + self.stream_window
+            if target - stream.max_stream_data_local >= self.stream_window // 8:
+                stream.max_stream_data_local = target
+        if stream.max_stream_data_local_sent != stream.max_stream_data_local:
+            assert stream.stream_id is not None
+            buf = builder.start_frame(
+                QuicFrameType.MAX_STREAM_DATA,
+                capacity=MAX_STREAM_DATA_FRAME_CAPACITY,
+                handler=self._on_max_stream_data_delivery,
+                handler_args=(stream,),
+            )
+            buf.push_uint_var(stream.stream_id)
+            buf.push_uint_var(stream.max_stream_data_local)
+            stream.max_stream_data_local_sent = stream.max_stream_data_local
+
+    # ---- what the glue reads -------------------------------------------------------------
+
+    def peer_certificate_der(self) -> bytes | None:
+        """The certificate the peer presented in the TLS handshake (DER), if any."""
+        cert = self.tls._peer_certificate
+        return None if cert is None else cert.public_bytes(Encoding.DER)
+
+    def write(
+        self, stream_id: int, data: bytes | bytearray | memoryview, end_stream: bool = False
+    ) -> None:
+        """Queue ``data`` on a stream. aioquic copies it into the stream's send buffer, so
+        any bytes-like object works and the caller may reuse its buffer at once."""
+        self.send_stream_data(stream_id, cast(bytes, data), end_stream)
+        self._written[stream_id] = self._written.get(stream_id, 0) + len(data)
+
+    def unsent(self, stream_id: int) -> int:
+        """Bytes written to the stream that have not been put in a packet yet."""
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return 0
+        return self._written.get(stream_id, 0) - stream.sender.highest_offset
+
+    def send_acked(self, stream_id: int) -> bool:
+        """Whether the peer acknowledged everything we sent on the stream, FIN included."""
+        stream = self._streams.get(stream_id)
+        return stream is None or stream.sender.is_finished
+
+    def ending(self) -> tuple[ConnectionTerminated, bool] | None:
+        """``(close event, by_peer)`` once a close began (by us, by the peer, or by aioquic
+        on a protocol violation or idle timeout); ``by_peer`` is True when the peer sent
+        CONNECTION_CLOSE."""
+        ev = self._close_event
+        if ev is None:
+            return None
+        return ev, self._state is QuicConnectionState.DRAINING
+
+    @property
+    def decrypted_any(self) -> bool:
+        """Whether a packet from the peer was decrypted yet (else it may be garbage)."""
+        return self._state is not QuicConnectionState.FIRSTFLIGHT
+
+    @property
+    def is_closing(self) -> bool:
+        """True once the connection closes or has closed."""
+        return self._close_event is not None

@@ -1,0 +1,96 @@
+"""A group formed through a real relay process: endpoint ids only, QUIC, no direct path."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from relay_helpers import RelayProcess
+
+from p2pdist import Group, GroupConfig, P2PError
+
+SEED = "relay-group-seed-0123456789"
+MARKER = b"PLAINTEXT-MARKER-7d1f0c"
+
+
+def config(**kw: float) -> GroupConfig:
+    return GroupConfig(timeout=kw.get("timeout", 30.0), connect_timeout=30.0)
+
+
+async def form(url: str, world: int, **kw: float) -> list[Group]:
+    gs = [
+        Group.from_seed(SEED, rank=r, world=world, relay=url, config=config(**kw))
+        for r in range(world)
+    ]
+    await asyncio.gather(*(g.start() for g in gs))
+    return gs
+
+
+async def test_group_of_three_through_the_relay_runs_every_collective(tmp_path: Path) -> None:
+    tap = tmp_path / "tap.bin"
+    with RelayProcess(tmp_path, "--tap", str(tap)) as relay:
+        gs = await form(relay.url, 3)
+        try:
+            for g in gs:  # reached by endpoint id alone, and never directly
+                assert g.relay_status is not None and g.relay_status.state.value == "connected"
+                for r in range(3):
+                    if r != g.rank:
+                        assert g.connection(r).path_kind == "relay"  # type: ignore[attr-defined]
+            xs = [np.random.default_rng(r).standard_normal(50_000) for r in range(3)]
+            outs = await asyncio.gather(*(g.all_reduce(xs[g.rank]) for g in gs))
+            np.testing.assert_allclose(outs[0], np.sum(xs, axis=0), rtol=1e-12)
+            assert len({o.tobytes() for o in outs}) == 1
+            small = await asyncio.gather(*(g.all_reduce(np.array([g.rank]), "max") for g in gs))
+            assert [int(s[0]) for s in small] == [2, 2, 2]
+            pieces = await asyncio.gather(*(g.reduce_scatter(xs[g.rank]) for g in gs))
+            for r, piece in enumerate(pieces):
+                np.testing.assert_allclose(piece, np.array_split(np.sum(xs, 0), 3)[r], rtol=1e-12)
+            gathered = await asyncio.gather(*(g.all_gather(xs[g.rank][:10]) for g in gs))
+            np.testing.assert_array_equal(gathered[1], np.stack([x[:10] for x in xs]))
+            bc = await asyncio.gather(*(g.broadcast(xs[g.rank], src=2) for g in gs))
+            np.testing.assert_array_equal(bc[0], xs[2])
+            await asyncio.gather(*(g.barrier() for g in gs))
+            # a plaintext marker between peers must never show in what the relay handles
+            marker = np.frombuffer(MARKER * 50, np.uint8)
+            got = await asyncio.gather(gs[0].send(marker, 1), gs[1].recv(0, like=marker))
+            assert bytes(got[1]) == MARKER * 50
+            for g in gs:
+                for r in range(3):
+                    if r != g.rank:
+                        assert g.connection(r).path_kind == "relay"  # type: ignore[attr-defined]
+        finally:
+            await asyncio.gather(*(g.close() for g in gs))
+    handled = tap.read_bytes()
+    assert len(handled) > 1_000_000  # the tap saw the traffic ...
+    assert MARKER not in handled  # ... and none of it was readable
+    assert MARKER[:12] not in handled
+
+
+async def test_relay_restart_mid_run_then_the_next_collective_succeeds(tmp_path: Path) -> None:
+    keyfile = tmp_path / "relay.key"
+    first = RelayProcess(tmp_path, "--key", str(keyfile))
+    port = first.url.split(":")[2].split("/")[0]
+    gs = await form(first.url, 3, timeout=20.0)
+    try:
+        ones = await asyncio.gather(*(g.all_reduce(np.ones(1000)) for g in gs))
+        assert ones[0][0] == 3.0
+        # a collective in flight while the relay goes away: completes or fails clearly
+        inflight = [asyncio.create_task(g.all_reduce(np.ones(200_000), timeout=20)) for g in gs]
+        await asyncio.to_thread(first.stop)
+        with RelayProcess(tmp_path, "--key", str(keyfile), "--port", port):
+            results = await asyncio.gather(*inflight, return_exceptions=True)
+            for res in results:
+                assert isinstance(res, np.ndarray | P2PError), res
+            if all(isinstance(res, np.ndarray) for res in results):
+                nxt = await asyncio.gather(*(g.all_reduce(np.full(7, 2.0)) for g in gs))
+                np.testing.assert_array_equal(nxt[2], np.full(7, 6.0))
+                for g in gs:
+                    status = g.relay_status
+                    assert status is not None and status.connects >= 2
+            else:
+                pytest.fail(f"in-flight collective failed instead of riding it out: {results}")
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+        first.__exit__()

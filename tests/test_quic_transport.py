@@ -1,0 +1,515 @@
+"""QuicTransport: the conformance suite over UDP loopback and over an in-memory relay,
+mutual authentication, hostile datagrams, dead peers, flow control, and the aioquic
+internals the transport relies on (each checked on its own, so an aioquic upgrade that
+changes one fails here by name)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import random
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from aioquic import tls as aioquic_tls
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection as AioQuicConnection
+from aioquic.quic.connection import QuicConnectionState
+from aioquic.quic.events import HandshakeCompleted, StreamDataReceived
+from aioquic.quic.stream import QuicStream
+from fake_relay import FakeRelayHub
+from transport_conformance import (
+    CHECKS,
+    Pair,
+    PairFactory,
+    bounded,
+    closing,
+    still_serving,
+    wait_for_log,
+    wait_until,
+)
+
+import p2pdist.transport.quic as quic_module
+from p2pdist.errors import (
+    ConnectionBrokenError,
+    P2PTimeoutError,
+    PeerAuthenticationError,
+    RemoteProtocolError,
+    UsageError,
+)
+from p2pdist.identity import EndpointId, SecretKey
+from p2pdist.tls import TlsIdentity, make_certificate
+from p2pdist.transport import TransportConfig
+from p2pdist.transport.quic import QuicConnection, QuicTransport
+from p2pdist.transport.quic_core import (
+    ALPN,
+    PinnedQuicConnection,
+    QuicConfig,
+    quic_configuration,
+)
+
+SEED = "quic transport tests: a shared secret"
+QUIC_LOG = "p2pdist.transport"
+FAST = {"keepalive_interval": 0.2, "idle_timeout": 2.0}
+"""A dead UDP peer sends no reset: only the keepalive can tell, so tests keep it short."""
+
+
+def key(rank: int) -> SecretKey:
+    return SecretKey.from_seed(SEED, rank)
+
+
+def eid(rank: int) -> EndpointId:
+    return key(rank).endpoint_id
+
+
+def config(**kw: Any) -> TransportConfig:
+    return TransportConfig(**{**FAST, **kw})
+
+
+# ---- pairs ------------------------------------------------------------------------------------
+
+
+def silence(conn: QuicConnection) -> None:
+    """The connection stays open but sends nothing and reads nothing any more."""
+    if conn._ka_timer is not None:
+        conn._ka_timer.cancel()
+    conn.datagram_received = lambda data, addr: None  # type: ignore[method-assign]
+    conn._route = BlackHole(conn._route)  # type: ignore[assignment]
+
+
+class BlackHole:
+    """A route that swallows everything (wraps the real one for its attributes)."""
+
+    def __init__(self, route: Any) -> None:
+        self.kind, self.quic_addr, self.max_datagram = route.kind, route.quic_addr, 1200
+        self.remote, self.up = route.remote, True
+
+    def send(self, datagram: bytes, addr: Any) -> None:
+        pass
+
+
+def kill_udp(transport: QuicTransport) -> None:
+    """Close the transport's UDP sockets under it, as a dying process would."""
+    for sock in [transport._udp, *transport._dial_sockets.values()]:
+        if sock is not None:
+            sock.close()
+
+
+@contextlib.asynccontextmanager
+async def connected(
+    client_t: QuicTransport, server_t: QuicTransport, addr: Any, kill: Callable[[], None]
+) -> AsyncIterator[Pair]:
+    """Connect ``client_t`` to ``server_t`` (closing both afterwards)."""
+    async with closing(client_t, server_t):
+        if addr == "listen":
+            addr = await server_t.listen("127.0.0.1", 0)
+        client = await bounded(client_t.connect(server_t.endpoint_id, addr), "connect")
+        server = await bounded(server_t.accept(), "accept")
+        silence_client = functools.partial(silence, client)
+        yield Pair(client, server, client_t, server_t, kill, silence_client)
+
+
+@contextlib.asynccontextmanager
+async def direct_pair(**cfg: Any) -> AsyncIterator[Pair]:
+    conf = config(**cfg)
+    client_t, server_t = QuicTransport(key(0), conf), QuicTransport(key(1), conf)
+    async with connected(client_t, server_t, "listen", lambda: kill_udp(client_t)) as p:
+        assert isinstance(p.client, QuicConnection) and isinstance(p.server, QuicConnection)
+        assert p.client.path_kind == p.server.path_kind == "direct"
+        yield p
+
+
+@contextlib.asynccontextmanager
+async def relay_pair(**cfg: Any) -> AsyncIterator[Pair]:
+    conf = config(**cfg)
+    hub = FakeRelayHub()
+    client_t = QuicTransport(key(0), conf, relay=hub.attach(eid(0)))
+    server_t = QuicTransport(key(1), conf, relay=hub.attach(eid(1)))
+    async with connected(client_t, server_t, None, lambda: hub.detach(eid(0))) as p:
+        assert isinstance(p.client, QuicConnection) and isinstance(p.server, QuicConnection)
+        assert p.client.path_kind == p.server.path_kind == "relay"
+        assert p.client.remote_address == eid(1) and p.server.remote_address == eid(0)
+        for t in (client_t, server_t):  # no UDP socket at all
+            assert t._udp is None and not t._dial_sockets
+        yield p
+
+
+@pytest.fixture(params=["direct", "relay"])
+def make_pair(request: pytest.FixtureRequest) -> PairFactory:
+    return direct_pair if request.param == "direct" else relay_pair
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__.removeprefix("check_") for c in CHECKS])
+async def test_conformance(
+    check: Callable[[PairFactory], Awaitable[None]], make_pair: PairFactory
+) -> None:
+    await check(make_pair)
+
+
+# ---- authentication -------------------------------------------------------------------------
+
+
+async def assert_still_serving(server: QuicTransport, addr: tuple[str, int]) -> None:
+    """A legitimate client can still connect, and it is the next connection accepted."""
+    await still_serving(server, QuicTransport(key(9), config()), addr)
+
+
+@contextlib.asynccontextmanager
+async def listening(rank: int = 1, **kw: Any) -> AsyncIterator[tuple[QuicTransport, Any]]:
+    server = QuicTransport(key(rank), config(), **kw)
+    async with closing(server):
+        yield server, await server.listen()
+
+
+async def test_tls13_alpn_and_cipher() -> None:
+    async with direct_pair() as p:
+        assert isinstance(p.client, QuicConnection) and isinstance(p.server, QuicConnection)
+        assert p.client.encrypted and p.server.encrypted
+        for conn in (p.client, p.server):
+            ctx = conn._quic.tls
+            assert ctx.alpn_negotiated == ALPN
+            assert ctx.key_schedule is not None
+            assert ctx.key_schedule.cipher_suite == aioquic_tls.CipherSuite.AES_128_GCM_SHA256
+
+
+async def test_connect_to_wrong_identity_is_refused() -> None:
+    """Dialing id A where key B listens: refused, both ids in the message."""
+    async with listening(rank=1) as (server, addr):
+        client = QuicTransport(key(0), config())
+        async with closing(client):
+            with pytest.raises(PeerAuthenticationError) as info:
+                await bounded(client.connect(eid(7), addr), "connect")
+            msg = str(info.value)
+            assert str(eid(7)) in msg and str(eid(1)) in msg and "identity mismatch" in msg
+            assert info.value.peer == f"peer {eid(7).short()}"
+            assert not client._connections
+        with pytest.raises(P2PTimeoutError):  # the server never accepted it
+            await server.accept(timeout=0.2)
+        await assert_still_serving(server, addr)
+
+
+async def test_accept_from_refuses_unlisted_client(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger=QUIC_LOG)
+    allowed = {eid(9)}
+    async with listening(accept_from=allowed.__contains__) as (server, addr):
+        intruder = QuicTransport(key(0), config())
+        async with closing(intruder):
+            with pytest.raises(PeerAuthenticationError, match="not allowed") as info:
+                await bounded(intruder.connect(server.endpoint_id, addr), "connect")
+            assert str(eid(0)) in str(info.value) and "refused us" in str(info.value)
+        await wait_for_log(caplog, "refused incoming connection", eid(0).short())
+        await assert_still_serving(server, addr)
+
+
+def patched_client_tls(monkeypatch: pytest.MonkeyPatch, certificate: Any, private_key: Any) -> None:
+    """Make every client connection present ``certificate`` and sign with ``private_key``."""
+    real = quic_configuration
+
+    def fake(*args: Any, **kw: Any) -> QuicConfiguration:
+        cfg = real(*args, **kw)
+        if cfg.is_client:
+            cfg.certificate, cfg.private_key = certificate, private_key
+        return cfg
+
+    monkeypatch.setattr(quic_module, "quic_configuration", fake)
+
+
+async def test_client_without_certificate_is_refused(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger=QUIC_LOG)
+    async with listening() as (server, addr):
+        client = QuicTransport(key(0), config())
+        patched_client_tls(monkeypatch, None, None)
+        async with closing(client):
+            with pytest.raises(PeerAuthenticationError, match="presented no certificate"):
+                await bounded(client.connect(server.endpoint_id, addr), "connect")
+        await wait_for_log(caplog, "refused incoming connection", "no certificate")
+        monkeypatch.undo()
+        await assert_still_serving(server, addr)
+
+
+async def test_client_with_certificate_of_another_key_is_refused(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client presents key 3's (public) certificate but holds key 2: it cannot make
+    the CertificateVerify signature, and the server's TLS refuses it."""
+    caplog.set_level(logging.INFO, logger=QUIC_LOG)
+    async with listening() as (server, addr):
+        client = QuicTransport(key(2), config())
+        patched_client_tls(monkeypatch, make_certificate(key(3)), key(2).private_key())
+        async with closing(client):
+            with pytest.raises(PeerAuthenticationError, match="TLS handshake failed"):
+                await bounded(client.connect(server.endpoint_id, addr), "connect")
+        await wait_for_log(caplog, "refused incoming connection", "TLS handshake failed")
+        monkeypatch.undo()
+        with pytest.raises(P2PTimeoutError):
+            await server.accept(timeout=0.2)
+        await assert_still_serving(server, addr)
+
+
+async def test_relay_source_must_match_certificate() -> None:
+    """Through the relay, the server requires the certificate key to be the source id
+    the relay authenticated: a client whose relay session is another id is refused."""
+    hub = FakeRelayHub()
+    server = QuicTransport(key(1), config(), relay=hub.attach(eid(1)))
+    client = QuicTransport(key(0), config(), relay=hub.attach(eid(5)))  # relay says "5"
+    async with closing(client, server):
+        with pytest.raises(PeerAuthenticationError, match="the relay authenticated") as info:
+            await bounded(client.connect(eid(1)), "connect")
+        assert str(eid(5)) in str(info.value) and str(eid(0)) in str(info.value)
+
+
+async def test_relay_peer_not_connected_fails_fast() -> None:
+    hub = FakeRelayHub()
+    client = QuicTransport(key(0), config(handshake_timeout=60), relay=hub.attach(eid(0)))
+    async with closing(client):
+        with pytest.raises(ConnectionBrokenError, match="not connected to the relay") as info:
+            await bounded(client.connect(eid(1)), "connect")
+        assert eid(1).short() in str(info.value)
+
+
+async def test_misuse() -> None:
+    with pytest.raises(UsageError, match="QUIC always encrypts"):
+        QuicTransport(key(0), TransportConfig(tls=False))
+    t = QuicTransport(key(0), config())
+    async with closing(t):
+        with pytest.raises(UsageError, match="no relay"):
+            await t.connect(eid(1))
+        await t.listen()
+        with pytest.raises(UsageError, match="already listening"):
+            await t.listen()
+    with pytest.raises(ValueError, match="1200"):
+        QuicConfig(direct_datagram=1000)
+
+
+# ---- hostile datagrams ---------------------------------------------------------------------
+
+
+def garbage_datagrams() -> list[bytes]:
+    """Random bytes, truncated headers, and fake Initials that decrypt to nothing."""
+    rnd = random.Random(5)
+    out = [b"", b"\x00", b"\xff" * 5, rnd.randbytes(40), rnd.randbytes(1400)]
+    # Long-header Initial, version 1, plausible connection ids, random payload, padded.
+    initial = bytes([0xC3]) + (1).to_bytes(4, "big") + b"\x08" + rnd.randbytes(8) + b"\x08"
+    initial += rnd.randbytes(8) + b"\x00" + b"\x44\xd0" + rnd.randbytes(1300)
+    out.append(initial)
+    out.append(initial[:60])  # the same, cut short
+    # Short header for a connection id nobody issued.
+    out.append(bytes([0x40]) + rnd.randbytes(8) + rnd.randbytes(200))
+    return out
+
+
+async def test_garbage_datagrams_do_not_hurt(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR)
+    async with direct_pair() as p:
+        server_t = p.server_transport
+        assert isinstance(server_t, QuicTransport) and server_t._udp is not None
+        addr = server_t._udp.local_address
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as raw:
+            for _ in range(3):
+                for d in garbage_datagrams():
+                    raw.sendto(d, addr)
+            # Also aim garbage at the existing connection's own ids, from a stranger.
+            quic = p.server._quic  # type: ignore[attr-defined]
+            raw.sendto(bytes([0x40]) + quic.host_cid + b"\x00" * 100, addr)
+        await wait_until(lambda: server_t.garbage >= 20, "the garbage being counted")
+        for src, dst in ((p.client, p.server), (p.server, p.client)):
+            await src.send(3, b"unaffected")
+            assert bytes((await bounded(dst.recv(3), "recv")).payload) == b"unaffected"
+        assert not server_t._handshaking  # nothing half-open was kept for the fake Initials
+        assert len(server_t._connections) == 1
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors, errors
+        await assert_still_serving(server_t, addr)
+
+
+async def test_unexpected_stream_is_a_protocol_error() -> None:
+    """A peer that opens a second QUIC stream breaks the protocol: that connection ends
+    with RemoteProtocolError naming it, the peer learns why."""
+    async with direct_pair() as p:
+        client = p.client
+        assert isinstance(client, QuicConnection)
+        client._quic.write(4, b"x")
+        client._schedule_transmit()
+        with pytest.raises(RemoteProtocolError, match="unexpected QUIC stream") as info:
+            await bounded(p.server.recv(1), "the protocol error")
+        assert eid(0).short() in str(info.value)
+        with pytest.raises(ConnectionBrokenError, match="unexpected QUIC stream"):
+            await bounded(client.recv(1), "the offender learning it was dropped")
+
+
+async def test_malformed_frame_closes_only_that_connection() -> None:
+    async with direct_pair() as p:
+        bystander_t = QuicTransport(key(2), config())
+        async with closing(bystander_t):
+            server_t = p.server_transport
+            assert isinstance(server_t, QuicTransport) and server_t._udp is not None
+            addr = server_t._udp.local_address
+            bystander = await bounded(bystander_t.connect(eid(1), addr), "second connect")
+            bystander_srv = await bounded(server_t.accept(), "second accept")
+            assert isinstance(p.client, QuicConnection)
+            p.client._write(b"\x09" + b"\x00" * 31)  # frame version 9
+            with pytest.raises(RemoteProtocolError, match="version 9"):
+                await bounded(p.server.recv(1), "the protocol error")
+            for src, dst in ((bystander, bystander_srv), (bystander_srv, bystander)):
+                await src.send(3, b"unaffected")
+                assert bytes((await bounded(dst.recv(3), "recv")).payload) == b"unaffected"
+
+
+# ---- dead peers, flow control -------------------------------------------------------------------
+
+
+async def test_peer_whose_socket_closed_is_detected() -> None:
+    """Close the peer's UDP socket (no goodbye, no CONNECTION_CLOSE): the survivor's
+    pending recv fails within the keepalive idle timeout, naming it."""
+    async with direct_pair(keepalive_interval=0.05, idle_timeout=0.5) as p:
+        pending = asyncio.create_task(p.server.recv(1))
+        await asyncio.sleep(0)
+        p.kill_client()
+        with pytest.raises(ConnectionBrokenError, match="keepalive timeout") as info:
+            await bounded(pending, "noticing the dead peer")
+        assert eid(0).short() in str(info.value)
+
+
+async def test_backpressure_stops_the_sender_and_is_not_death() -> None:
+    """A receiver that does not consume stops granting flow-control credit: the sender's
+    send() waits instead of filling memory, and the pause is not taken for a dead peer."""
+    cfg = {"keepalive_interval": 0.05, "idle_timeout": 0.3, "max_buffered": 1 << 20}
+    quic = QuicConfig(stream_window=256 << 10, connection_window=1 << 20)
+    conf = config(**cfg, write_buffer_high=512 << 10)
+    client_t = QuicTransport(key(0), conf, quic=quic)
+    server_t = QuicTransport(key(1), conf, quic=quic)
+    async with closing(client_t, server_t):
+        addr = await server_t.listen()
+        client = await bounded(client_t.connect(eid(1), addr), "connect")
+        server = await bounded(server_t.accept(), "accept")
+        sent = 0
+
+        async def sender() -> None:
+            nonlocal sent
+            for i in range(32):
+                await client.send(1, bytes(256 << 10), seq=i)
+                sent += 1
+
+        task = asyncio.create_task(sender())
+        try:
+            await asyncio.sleep(1.0)  # the application is busy; both peers are alive
+            assert not task.done()  # 8 MiB cannot fit in 1 MiB + window + send buffer
+            assert server._mailbox.buffered <= (1 << 20) + (768 << 10)
+            for i in range(32):
+                assert (await bounded(server.recv(1), "recv")).seq == i
+            await bounded(task, "the sender finishing")
+            assert not client.closed and not server.closed
+        finally:
+            task.cancel()
+
+
+# ---- the aioquic internals we rely on (sans-I/O: time is passed in) --------------------------
+
+
+ADDR = ("192.0.2.1", 4433)
+
+
+def pump(a: AioQuicConnection, b: AioQuicConnection, now: float) -> None:
+    """Move datagrams between two in-memory QUIC connections until both are quiet."""
+    for _ in range(200):
+        moved = False
+        for src, dst in ((a, b), (b, a)):
+            for data, _ in src.datagrams_to_send(now=now):
+                dst.receive_datagram(data, ADDR, now=now)
+                moved = True
+        if not moved:
+            return
+    raise AssertionError("the connections never went quiet")
+
+
+def sans_io_pair(server_cls: type[AioQuicConnection] = PinnedQuicConnection) -> tuple[Any, Any]:
+    """A handshaken client (PinnedQuicConnection) and server (``server_cls``), in memory."""
+    qc = QuicConfig(stream_window=128 << 10, connection_window=1 << 20)
+
+    def cfg(rank: int, client: bool) -> QuicConfiguration:
+        k = key(rank)
+        return quic_configuration(
+            k, make_certificate(k), qc, is_client=client, max_datagram=1400, idle_timeout=60
+        )
+
+    client = PinnedQuicConnection(configuration=cfg(0, True), stream_window=qc.stream_window)
+    client.connect(ADDR, now=0.0)
+    odcid = client.original_destination_connection_id
+    server: Any
+    if server_cls is PinnedQuicConnection:
+        server = PinnedQuicConnection(
+            configuration=cfg(1, False),
+            stream_window=qc.stream_window,
+            original_destination_connection_id=odcid,
+        )
+    else:
+        server = server_cls(configuration=cfg(1, False), original_destination_connection_id=odcid)
+    pump(client, server, 0.0)
+    return client, server
+
+
+def test_aioquic_internals_exist() -> None:
+    """The private names PinnedQuicConnection uses (quic_core.py docstring)."""
+    ctx = aioquic_tls.Context(is_client=False)
+    assert ctx._request_client_certificate is False
+    assert ctx._peer_certificate is None
+    for name in ("_initialize", "_write_stream_limits", "_on_max_stream_data_delivery"):
+        assert callable(getattr(AioQuicConnection, name))
+    stream = QuicStream(stream_id=0, max_stream_data_local=10, max_stream_data_remote=10)
+    assert stream.max_stream_data_local_sent == 10
+    assert stream.receiver.starting_offset() == 0
+    assert stream.sender.highest_offset == 0 and stream.sender.is_finished is False
+    assert QuicConnectionState.DRAINING and QuicConnectionState.FIRSTFLIGHT
+
+
+def test_server_requests_and_verifies_client_certificate() -> None:
+    client, server = sans_io_pair()
+    assert any(isinstance(e, HandshakeCompleted) for e in iter(server.next_event, None))
+    assert server.peer_certificate_der() == TlsIdentity(key(0)).cert_der
+    assert client.peer_certificate_der() == TlsIdentity(key(1)).cert_der
+    # Without the flag (plain aioquic), the server never learns who the client is: this
+    # is what the _initialize override changes.
+    _, plain = sans_io_pair(AioQuicConnection)
+    assert plain.tls._peer_certificate is None
+
+
+def test_receive_window_slides_and_pauses() -> None:
+    client, server = sans_io_pair()
+    client.write(0, bytes(1 << 20))
+    now = 0.0
+    for _ in range(200):  # the receiver consumes everything it gets: all 1 MiB arrives
+        now += 0.01
+        client.handle_timer(now)
+        pump(client, server, now)
+    got = sum(
+        len(e.data) for e in iter(server.next_event, None) if isinstance(e, StreamDataReceived)
+    )
+    assert got == 1 << 20 and client.unsent(0) == 0
+    server.receive_paused = True
+    client.write(0, bytes(1 << 20))
+    for _ in range(200):
+        now += 0.01
+        client.handle_timer(now)
+        pump(client, server, now)
+    # Paused: at most one window (plus the step not yet granted) beyond the last credit.
+    assert client.unsent(0) >= (1 << 20) - 2 * server.stream_window
+    server.receive_paused = False
+    for _ in range(400):
+        now += 0.01
+        client.handle_timer(now)
+        pump(client, server, now)
+    assert client.unsent(0) == 0 and not client.send_acked(0)  # no FIN sent yet
+
+
+def test_quic_config_is_frozen_and_replaceable() -> None:
+    qc = replace(QuicConfig(), stream_window=1 << 20)
+    assert qc.stream_window == 1 << 20
+    with pytest.raises(ValueError, match="stream_window"):
+        QuicConfig(stream_window=1 << 20, connection_window=1 << 19)
