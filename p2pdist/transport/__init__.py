@@ -1,10 +1,22 @@
 """Transports: how frames get from one endpoint to another.
 
 :class:`~p2pdist.transport.base.Transport` and :class:`~p2pdist.transport.base.Connection`
-are the interface every transport implements; :class:`TcpTransport` is the first one.
+are the interface every transport implements: :class:`TcpTransport` (TLS or plaintext)
+and :class:`QuicTransport` (over UDP, or a relay through :class:`RelayPath`).
 """
 
 from .base import Connection, ConnectionStats, Transport, TransportConfig
+from .quic import QuicConnection, QuicTransport
+from .relay_path import RelayPath
 from .tcp import TcpTransport
 
-__all__ = ["Connection", "ConnectionStats", "TcpTransport", "Transport", "TransportConfig"]
+__all__ = [
+    "Connection",
+    "ConnectionStats",
+    "QuicConnection",
+    "QuicTransport",
+    "RelayPath",
+    "TcpTransport",
+    "Transport",
+    "TransportConfig",
+]
