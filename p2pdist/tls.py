@@ -23,7 +23,7 @@ from cryptography.x509.oid import NameOID
 
 from .identity import EndpointId, SecretKey
 
-__all__ = ["TlsIdentity", "endpoint_id_of_cert"]
+__all__ = ["TlsIdentity", "endpoint_id_of_cert", "load_identity", "make_certificate"]
 
 _NOT_BEFORE = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
 _NOT_AFTER = datetime.datetime(9999, 12, 31, tzinfo=datetime.UTC)
@@ -70,6 +70,26 @@ def endpoint_id_of_cert(der: bytes) -> EndpointId:
     return EndpointId(pub.public_bytes_raw())
 
 
+def load_identity(ctx: ssl.SSLContext, key: SecretKey, cert: x509.Certificate) -> None:
+    """Make ``ctx`` present ``cert`` with ``key``.
+
+    ssl can only load keys from files: write one encrypted with a one-time password into
+    a private directory, load it, and remove it at once.
+    """
+    password = secrets.token_bytes(32)
+    pem = key.private_key().private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(password),
+    ) + cert.public_bytes(serialization.Encoding.PEM)
+    with tempfile.TemporaryDirectory(prefix="p2pdist-tls-") as d:
+        path = os.path.join(d, "identity.pem")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+        ctx.load_cert_chain(path, password=password)
+
+
 class TlsIdentity:
     """An endpoint's certificate and the SSL contexts built from it."""
 
@@ -80,20 +100,7 @@ class TlsIdentity:
         self._client_ctx: ssl.SSLContext | None = None
 
     def _load_identity(self, ctx: ssl.SSLContext) -> None:
-        # ssl can only load keys from files: write one encrypted with a one-time password
-        # into a private directory, load it, and remove it at once.
-        password = secrets.token_bytes(32)
-        pem = self._key.private_key().private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.BestAvailableEncryption(password),
-        ) + self.certificate.public_bytes(serialization.Encoding.PEM)
-        with tempfile.TemporaryDirectory(prefix="p2pdist-tls-") as d:
-            path = os.path.join(d, "identity.pem")
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(pem)
-            ctx.load_cert_chain(path, password=password)
+        load_identity(ctx, self._key, self.certificate)
 
     def client_context(self) -> ssl.SSLContext:
         """Context for dialing: presents our cert; the server key is checked after the

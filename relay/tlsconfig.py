@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
-import secrets
 import ssl
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +24,7 @@ from cryptography.hazmat.primitives import serialization
 
 from p2pdist.errors import KeyFileError
 from p2pdist.identity import EndpointId, SecretKey
-from p2pdist.tls import make_certificate
+from p2pdist.tls import load_identity, make_certificate
 from p2pdist.wire.relay import cert_fingerprint
 
 from .config import ConfigError
@@ -64,23 +61,6 @@ def load_or_create_key(path: Path | None) -> SecretKey:
     return key
 
 
-def _load_pinned_identity(ctx: ssl.SSLContext, key: SecretKey, cert: x509.Certificate) -> None:
-    # ssl loads keys only from files: write one encrypted with a one-time password into a
-    # private directory, load it and remove it at once (as p2pdist.tls does).
-    password = secrets.token_bytes(32)
-    pem = key.private_key().private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.BestAvailableEncryption(password),
-    ) + cert.public_bytes(serialization.Encoding.PEM)
-    with tempfile.TemporaryDirectory(prefix="p2pdist-relay-tls-") as d:
-        p = os.path.join(d, "identity.pem")
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(pem)
-        ctx.load_cert_chain(p, password=password)
-
-
 def _leaf_der(cert_path: Path) -> bytes:
     try:
         certs = x509.load_pem_x509_certificates(cert_path.read_bytes())
@@ -114,7 +94,7 @@ class RelayTls:
         """Present the self-signed certificate of ``key``; clients pin its endpoint id."""
         cert = make_certificate(key)
         ctx = _server_context()
-        _load_pinned_identity(ctx, key, cert)
+        load_identity(ctx, key, cert)
         der = cert.public_bytes(serialization.Encoding.DER)
         return cls(ctx, cert_fingerprint(der), pin=key.endpoint_id)
 
