@@ -33,6 +33,9 @@ import numpy as np
 TCP_CHUNK = 4 << 20
 
 
+BARRIER_ITERS = 200
+
+
 def _expected_sum(world: int) -> float:
     """Value of every element after summing ``rank + 1`` over all ranks."""
     return world * (world + 1) / 2.0
@@ -148,9 +151,14 @@ def gloo(cfg: dict[str, Any]) -> dict[str, Any]:
             results.append({"bytes": nbytes, "iters": iters, **_summary(times)})
             del t
         dist.barrier()
+        barrier: list[float] = []
+        for _ in range(BARRIER_ITERS):
+            t0 = time.perf_counter()
+            dist.barrier()
+            barrier.append(time.perf_counter() - t0)
     finally:
         dist.destroy_process_group()
-    return {"results": results}
+    return {"results": results, "barrier": _summary(barrier)}
 
 
 # -------------------------------------------------------------------------- p2pdist
@@ -182,7 +190,12 @@ async def _p2pdist_async(cfg: dict[str, Any]) -> dict[str, Any]:
             results.append({"bytes": nbytes, "iters": iters, **_summary(times)})
             del x
         await g.barrier()
-    return {"results": results}
+        barrier: list[float] = []
+        for _ in range(BARRIER_ITERS):
+            t0 = time.perf_counter()
+            await g.barrier()
+            barrier.append(time.perf_counter() - t0)
+    return {"results": results, "barrier": _summary(barrier)}
 
 
 def p2pdist(cfg: dict[str, Any]) -> dict[str, Any]:

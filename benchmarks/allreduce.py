@@ -263,6 +263,8 @@ class Series:
     name: str
     points: dict[int, Point] = field(default_factory=dict)
     error: str | None = None
+    barrier: float | None = None
+    """Median barrier time, seconds (max over ranks)."""
 
 
 def measure_tcp(workdir: Path, timeout: float) -> float:
@@ -311,6 +313,8 @@ def run_series(
     for i, nbytes in enumerate(sizes):
         worst = max(float(r["results"][i]["median"]) for r in results)
         series.points[nbytes] = Point(nbytes, worst, world)
+    if all("barrier" in r for r in results):
+        series.barrier = max(float(r["barrier"]["median"]) for r in results)
     print(
         f"  {name} world={world}: done in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True
     )
@@ -367,7 +371,21 @@ def world_table(
                 p = s.points.get(n)
                 row.append("-" if p is None or gp is None else f"{p.busbw / gp.busbw:.2f}")
         rows.append(row)
+    row = ["barrier"]
+    for s in modes:
+        row += [_us(s.barrier), ""]
+    if gloo is not None:
+        row += [_us(gloo.barrier), ""]
+        row += [
+            "-" if s.barrier is None or gloo.barrier is None else f"{gloo.barrier / s.barrier:.2f}"
+            for s in modes
+        ]
+    rows.append(row)
     return render_table(headers, rows, markdown)
+
+
+def _us(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e6:,.0f}"
 
 
 def detail_table(world: int, sizes: list[int], series: list[Series], markdown: bool) -> str:
