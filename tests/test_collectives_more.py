@@ -161,3 +161,44 @@ async def test_gradient_buckets_reduce_everything_in_place_in_the_background() -
         for r in range(3):
             for i, grad in enumerate(grads[r]):
                 np.testing.assert_array_equal(grad, np.full(shapes[i], 1.0 + i))  # mean of r+i
+
+
+async def test_concurrent_splits_get_distinct_spaces() -> None:
+    async with groups(2) as gs:
+        pairs = await asyncio.gather(*(asyncio.gather(g.split(0), g.split(0)) for g in gs))
+        (a1, a2), (b1, b2) = pairs
+        assert a1 is not None and a2 is not None and b1 is not None and b2 is not None
+        assert a1._space != a2._space and (a1._space, a2._space) == (b1._space, b2._space)
+        outs = await asyncio.gather(
+            a1.all_reduce(np.ones(3)),
+            a2.all_reduce(np.full(3, 2.0)),
+            b1.all_reduce(np.ones(3)),
+            b2.all_reduce(np.full(3, 2.0)),
+        )
+        assert [o[0] for o in outs] == [2.0, 4.0, 2.0, 4.0]
+
+
+async def test_disagreeing_roots_are_a_mismatch_not_a_silent_answer() -> None:
+    async with groups(2) as gs:
+        x = np.arange(4.0)
+        results = await asyncio.gather(
+            *(g.broadcast(x, src=g.rank, timeout=5) for g in gs), return_exceptions=True
+        )
+        assert all(isinstance(r, Exception) for r in results), results
+        assert any(isinstance(r, MismatchError) for r in results), results
+
+
+async def test_a_subgroup_failure_breaks_the_parent_loudly() -> None:
+    from p2pdist import GroupBrokenError
+
+    async with groups(2) as gs:
+        subs = await asyncio.gather(*(g.split(0) for g in gs))
+        results = await asyncio.gather(
+            subs[0].all_reduce(np.ones(5), timeout=5),  # type: ignore[union-attr]
+            subs[1].all_reduce(np.ones(6), timeout=5),  # type: ignore[union-attr]
+            return_exceptions=True,
+        )
+        assert any(isinstance(r, MismatchError) for r in results), results
+        for g in gs:
+            with pytest.raises(GroupBrokenError):
+                await g.all_reduce(np.ones(3), timeout=5)

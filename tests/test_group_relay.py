@@ -119,3 +119,14 @@ def test_from_env_with_a_relay_runs_the_hello_example(tmp_path: Path) -> None:
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
         assert "all_reduce sum = [3. 3. 3. 3.]" in out
+
+
+async def test_a_relay_refusal_is_named_when_the_group_forms(tmp_path: Path) -> None:
+    from p2pdist import PeerAuthenticationError
+
+    with RelayProcess(tmp_path, "--token", "the-right-token") as relay:
+        g = Group.from_seed(
+            SEED, rank=0, world=2, relay=relay.url, relay_token="wrong", config=config()
+        )
+        with pytest.raises(PeerAuthenticationError, match="bad token"):
+            await g.start()

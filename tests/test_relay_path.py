@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 import pytest
 from relay_helpers import RelayProcess
 
-from p2pdist import EndpointId, P2PTimeoutError, SecretKey
+from p2pdist import EndpointId, PeerAuthenticationError, SecretKey
 from p2pdist.transport.relay_path import RelayConfig, RelayPath, RelayState
 
 FAST = RelayConfig(connect_timeout=5.0, backoff_initial=0.05, backoff_max=0.5)
@@ -70,8 +70,8 @@ async def test_wrong_pin_is_refused_and_named(tmp_path: Path) -> None:
         wrong = f"https://{parts.netloc}/?pin={key(9).endpoint_id}"
         path = RelayPath(key(0), wrong, config=FAST)
         try:
-            with pytest.raises(P2PTimeoutError, match="identity mismatch"):
-                await path.wait_connected(2)
+            with pytest.raises(PeerAuthenticationError, match="identity mismatch"):
+                await path.wait_connected(10)
         finally:
             await path.close()
 
@@ -82,8 +82,8 @@ async def test_token_mode(tmp_path: Path) -> None:
         good = RelayPath(key(1), relay.url, token="s3cret-token", config=FAST)
         try:
             await good.wait_connected(10)
-            with pytest.raises(P2PTimeoutError, match="bad token"):
-                await bad.wait_connected(2)
+            with pytest.raises(PeerAuthenticationError, match="bad token"):
+                await bad.wait_connected(10)
         finally:
             await asyncio.gather(bad.close(), good.close())
 

@@ -23,6 +23,7 @@ from .ops import ReduceOp
 
 __all__ = [
     "Link",
+    "agree",
     "all_to_all",
     "all_to_all_v",
     "direct_reduce",
@@ -74,6 +75,8 @@ class Link(Protocol):
 
 MAX_ALL_TO_ALL_V_BYTES = 1 << 40
 """Largest piece a peer may announce in all_to_all_v (1 TiB: a sanity bound)."""
+MAX_ALL_TO_ALL_V_ROWS = 1 << 40
+"""Largest row count a peer may announce (rows may be empty, so bytes alone do not bound it)."""
 
 
 def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -223,6 +226,13 @@ async def chain_broadcast(link: Link, flat: np.ndarray, src: int, chunk: int) ->
                 flat[a:b] = _view(data, flat.dtype)
         if pos < n - 1:
             await link.send(nxt, _bytes(flat[a:b]))
+
+
+async def agree(link: Link) -> None:
+    """One round of empty messages, all to all: every rank checks every other rank's call
+    descriptor (it travels with the first message). Rooted collectives start with it, as
+    otherwise ranks that disagree about the root would never hear from each other."""
+    await barrier(link)
 
 
 async def barrier(link: Link) -> None:
@@ -466,7 +476,7 @@ async def all_to_all_v(
             result.append(parts[r].copy())
             continue
         rows = int.from_bytes(await link.recv(p, 8), "little")
-        if rows * row_bytes > MAX_ALL_TO_ALL_V_BYTES:
+        if rows > MAX_ALL_TO_ALL_V_ROWS or rows * row_bytes > MAX_ALL_TO_ALL_V_BYTES:
             raise RemoteProtocolError(link.label(p), f"announced {rows} rows for all_to_all_v")
         data = await link.recv(p, rows * row_bytes)
         result.append(_view(data, dtype).reshape((rows, *row_shape)).copy())

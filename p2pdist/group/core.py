@@ -270,8 +270,13 @@ class GroupCore:
         if self.size == 1:
             return self
         try:
-            async with asyncio.timeout(self.config.connect_timeout):
-                transport = await self._open_transport()
+            # Bounded inside (a relay session waits at most connect_timeout and says why
+            # it failed, e.g. "refused us: bad token"); a listen is immediate.
+            transport = await self._open_transport()
+        except BaseException:
+            await self.close()
+            raise
+        try:
             async with asyncio.timeout(self.config.connect_timeout), asyncio.TaskGroup() as tg:
                 tg.create_task(self._accept_higher(transport))
                 for r in range(self._rank):
@@ -377,10 +382,11 @@ class GroupCore:
         self._closing = True
         for task in self._listeners:
             task.cancel()
-        if self._transport is not None:
-            await self._transport.close()
         if self._broken is None:
             self._broken = GroupBrokenError("the group was closed")
+        if self._transport is not None:
+            # Shielded: a cancelled close() still finishes closing in the background.
+            await asyncio.shield(self._transport.close())
 
     # ---- failure handling -------------------------------------------------------------
 
@@ -422,6 +428,9 @@ class GroupCore:
                     conn.send_nowait(_CONTROL_CHANNEL, meta=meta)
         for conn in self._conns.values():
             conn.interrupt(error)
+        if self._parent is not None:
+            # The connections are shared: a sub-group failure breaks its ancestors too.
+            self._parent._break(GroupBrokenError("a sub-group failed", error), notify=notify)
 
     async def _attribute(self, err: ConnectionBrokenError) -> ConnectionBrokenError:
         """Wait briefly for other reports, so the error names the root cause too.

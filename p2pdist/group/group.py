@@ -40,7 +40,7 @@ class Group(GroupCore):
         work: np.ndarray,
         rop: ReduceOp,
         codec: WireCodec,
-        feedback: ErrorFeedback | None,
+        flat: np.ndarray,
         timeout: float | None,
     ) -> np.ndarray:
         """all_reduce with a narrow wire format; float32 accumulation everywhere."""
@@ -48,7 +48,6 @@ class Group(GroupCore):
             if work is not arr:
                 np.copyto(work, arr)
             return work
-        flat = feedback.apply(arr, codec) if feedback else arr.reshape(-1).astype(np.float32)
         cfg = self.config
 
         async def body(lk: CollectiveLink) -> np.ndarray:
@@ -104,9 +103,13 @@ class Group(GroupCore):
         work = result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
         label = _op_label(op, ordered) + (f"@{wire_dtype}/{block}" if codec else "")
+        # Compression error feedback is applied before the call takes a channel, so a
+        # failure here cannot leave a channel that is never retired.
+        flat = _compressed_input(arr, codec, error_feedback, self.size)
         link = self._new_link(describe_call("all_reduce", label, arr.dtype.str, arr.shape))
         if codec is not None:
-            return await self._compressed(link, arr, work, rop, codec, error_feedback, timeout)
+            assert flat is not None
+            return await self._compressed(link, arr, work, rop, codec, flat, timeout)
         if self.size == 1:
             if work is not arr:
                 np.copyto(work, arr)
@@ -249,6 +252,7 @@ class Group(GroupCore):
         cfg = self.config
 
         async def body(lk: CollectiveLink) -> np.ndarray:
+            await alg.agree(lk)  # a rank that names another root is caught here
             flat = work.reshape(-1)
             if arr.nbytes <= cfg.small_bytes:
                 await alg.direct_broadcast(lk, flat, src)
@@ -293,6 +297,7 @@ class Group(GroupCore):
         cfg = self.config
 
         async def body(lk: CollectiveLink) -> np.ndarray | None:
+            await alg.agree(lk)  # a rank that names another root is caught here
             src = arr.reshape(-1) if result is not arr else arr.reshape(-1).copy()
             if arr.nbytes <= cfg.small_bytes or arr.size < self.size:
                 target = result.reshape(-1) if result is not None else None
@@ -333,6 +338,7 @@ class Group(GroupCore):
             return result
 
         async def body(lk: CollectiveLink) -> np.ndarray | None:
+            await alg.agree(lk)  # a rank that names another root is caught here
             await alg.gather_to(lk, arr, dst, result)
             return result
 
@@ -374,6 +380,7 @@ class Group(GroupCore):
             return result
 
         async def body(lk: CollectiveLink) -> np.ndarray:
+            await alg.agree(lk)  # a rank that names another root is caught here
             await alg.scatter_from(lk, blocks, src, result)
             return result
 
@@ -445,7 +452,10 @@ class Group(GroupCore):
         if not isinstance(key, int):
             raise UsageError(f"key must be an int, got {key!r}")
         root = self._root()
-        mine = np.array([-1 if color is None else color, key, root._next_space], np.int64)
+        # Reserve our proposal before awaiting, so a concurrent split proposes another.
+        proposal = root._next_space
+        root._next_space = proposal + 2
+        mine = np.array([-1 if color is None else color, key, proposal], np.int64)
         table = await self.all_gather(mine, timeout=timeout)
         if color is None:
             return None
@@ -457,7 +467,7 @@ class Group(GroupCore):
         space = int(max(table[r, 2] for r in members))
         if space + 1 > _LAST_SPACE:
             raise UsageError("too many sub-groups: channel spaces are used up")
-        root._next_space = space + 2
+        root._next_space = max(root._next_space, space + 2)
         return self._child(members, space)
 
     async def profile_links(self, repeats: int = 5) -> list[LinkProfile]:
@@ -494,3 +504,14 @@ def _codec_for(
     if ordered:
         raise UsageError("mode='deterministic' cannot be combined with a wire_dtype")
     return codec
+
+
+def _compressed_input(
+    arr: np.ndarray, codec: WireCodec | None, feedback: ErrorFeedback | None, size: int
+) -> np.ndarray | None:
+    """The float32 values a compressed all_reduce starts from (None when uncompressed)."""
+    if codec is None:
+        return None
+    if feedback is not None and size > 1:
+        return feedback.apply(arr, codec)
+    return arr.reshape(-1).astype(np.float32)

@@ -119,6 +119,10 @@ class QuicTransport(EndpointBase[QuicConnection]):
         if self._closed:
             return
         self._closed = True
+        # Shielded: a cancelled close() still finishes closing in the background.
+        await asyncio.shield(self._shutdown())
+
+    async def _shutdown(self) -> None:
         for conn in list(self._handshaking):
             conn.abort(ConnectionClosedError("transport is closed"))
         await self._close_all()
@@ -317,8 +321,11 @@ class QuicTransport(EndpointBase[QuicConnection]):
         def new_route() -> Route:
             return self._relay_route(relay, src)
 
+        # The relay authenticated the source: a stranger may not start a handshake at all
+        # (else anyone on the relay could fill our pending-handshake slots).
+        accept_new = new_route if self.accepts(src) else None
         try:
-            self._dispatch(data, RelayRoute.quic_addr, fits, new_route)
+            self._dispatch(data, RelayRoute.quic_addr, fits, accept_new)
         except Exception:  # never let a datagram break the relay session's loop
             log.exception("error while handling a datagram relayed from %s", src.short())
 

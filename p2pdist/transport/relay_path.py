@@ -10,7 +10,6 @@ there is no session they are dropped and counted (QUIC above retransmits).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import random
@@ -109,6 +108,7 @@ class RelayPath:
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
+        self._refused = asyncio.Event()
         self._closed = False
         self._ping_sent: dict[bytes, float] = {}
         self._sent = self._received = self._dropped = 0
@@ -141,14 +141,20 @@ class RelayPath:
     async def wait_connected(self, timeout: float) -> None:
         """Wait until a session is up; the error names the last failure."""
         self.start()
+        self._refused.clear()
+        connected = asyncio.ensure_future(self._connected.wait())
+        refused = asyncio.ensure_future(self._refused.wait())
         try:
-            async with asyncio.timeout(timeout):
-                await self._connected.wait()
-        except TimeoutError:
-            why = self._status.last_error or "no answer"
-            raise P2PTimeoutError(
-                f"relay {self.url}: no session within {timeout:g} s ({why})"
-            ) from None
+            await asyncio.wait([connected, refused], timeout=timeout, return_when="FIRST_COMPLETED")
+        finally:
+            connected.cancel()
+            refused.cancel()
+        if self._connected.is_set():
+            return
+        why = self._status.last_error or "no answer"
+        if self._refused.is_set():
+            raise PeerAuthenticationError(f"relay {self.url}", why)
+        raise P2PTimeoutError(f"relay {self.url}: no session within {timeout:g} s ({why})")
 
     def send(self, dst: EndpointId, datagram: bytes) -> None:
         """Send one datagram to ``dst`` through the relay (best effort)."""
@@ -182,8 +188,7 @@ class RelayPath:
         self._closed = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+            await asyncio.wait([self._task], timeout=5.0)  # our own cancellation still raises
         self._set(state=RelayState.CLOSED)
 
     # ---- session loop -------------------------------------------------------------------
@@ -205,15 +210,13 @@ class RelayPath:
             retry_after: float | None = None
             try:
                 retry_after = await self._session()
-            except (
-                OSError,
-                ssl.SSLError,
-                RelayProtocolError,
-                ConnectionBrokenError,
-                PeerAuthenticationError,
-                TimeoutError,
-                asyncio.IncompleteReadError,
-            ) as exc:
+            except PeerAuthenticationError as exc:
+                # The relay refused us (or is not the pinned relay): tell waiters now;
+                # keep retrying in the background (an allowlist may be reloaded).
+                self._set(last_error=str(exc))
+                self._refused.set()
+                log.warning("relay %s: %s", self.url, exc)
+            except Exception as exc:  # any failure ends this session, never the loop
                 msg = str(exc) or type(exc).__name__
                 self._set(last_error=msg)
                 log.info("relay %s: session ended: %s", self.url, msg)

@@ -446,6 +446,10 @@ class TcpTransport(EndpointBase[TcpConnection]):
         if self._closed:
             return
         self._closed = True
+        # Shielded: a cancelled close() still finishes closing in the background.
+        await asyncio.shield(self._shutdown())
+
+    async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
         handshakes = list(self._handshakes)
