@@ -14,8 +14,8 @@ import enum
 import logging
 import random
 import ssl
-import struct
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -41,7 +41,6 @@ from ..wire.relay import (
 __all__ = ["RelayConfig", "RelayPath", "RelayState", "RelayStatus"]
 
 log = logging.getLogger(__name__)
-_FRAME_HEAD = struct.Struct(">BI")
 
 
 class RelayState(enum.Enum):
@@ -265,18 +264,9 @@ class RelayPath:
         self._cert_hash = cert_fingerprint(der)
         return reader, writer
 
-    async def _read_frame(self, reader: asyncio.StreamReader) -> tuple[RelayFrameType, bytes]:
-        head = await reader.readexactly(_FRAME_HEAD.size)
-        kind_raw, length = _FRAME_HEAD.unpack(head)
-        try:
-            kind = RelayFrameType(kind_raw)
-        except ValueError:
-            raise RelayProtocolError(f"unknown relay frame type {kind_raw:#x}") from None
-        if length > MAX_DATAGRAM + 32:
-            raise RelayProtocolError(f"relay frame of {length} bytes is too large")
-        return kind, await reader.readexactly(length)
-
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> float:
+    async def _handshake(
+        self, reader: asyncio.StreamReader, frames: _FrameReader, writer: asyncio.StreamWriter
+    ) -> float:
         """Upgrade and authenticate; returns the keepalive interval."""
         writer.write(upgrade_request(self.url.host))
         head_bytes = await reader.readuntil(b"\r\n\r\n")
@@ -284,13 +274,13 @@ class RelayPath:
         if parsed is None or parsed[0].start_line[1:2] != ["101"]:
             line = " ".join(parsed[0].start_line) if parsed else "?"
             raise RelayProtocolError(f"relay refused the upgrade: {line}")
-        kind, body = await self._read_frame(reader)
+        kind, body = await frames.next()
         if kind is not RelayFrameType.CHALLENGE or len(body) != 33 or body[0] != 1:
             raise RelayProtocolError("relay did not send a version-1 challenge")
         me = bytes(self.endpoint_id)
         sig = self._key.sign(auth_message(self._cert_hash, body[1:], me))
         writer.write(encode_frame(RelayFrameType.AUTH, me + sig + self._token.encode()))
-        kind, body = await self._read_frame(reader)
+        kind, body = await frames.next()
         if kind is RelayFrameType.ERROR:
             raise PeerAuthenticationError(
                 f"relay {self.url}", f"refused us: {body.decode('utf-8', 'replace')}"
@@ -320,15 +310,16 @@ class RelayPath:
         """One session; returns the relay's retry_after when it asked us to reconnect."""
         async with asyncio.timeout(self.config.connect_timeout):
             reader, writer = await self._open()
+        frames = _FrameReader(reader, f"relay {self.url}")
         try:
             async with asyncio.timeout(self.config.connect_timeout):
-                interval = await self._handshake(reader, writer)
+                interval = await self._handshake(reader, frames, writer)
             self._writer = writer
             self._connected.set()
             log.info("relay %s: connected as %s", self.url, self.endpoint_id.short())
             pinger = asyncio.get_running_loop().create_task(self._keepalive(writer, interval))
             try:
-                return await self._receive(reader, writer, interval)
+                return await self._receive(frames, writer, interval)
             finally:
                 pinger.cancel()
         finally:
@@ -342,22 +333,17 @@ class RelayPath:
             writer.write(encode_frame(RelayFrameType.PING, nonce))
 
     async def _receive(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, interval: float
+        self, frames: _FrameReader, writer: asyncio.StreamWriter, interval: float
     ) -> float | None:
-        decoder = RelayFrameDecoder(max_body=MAX_DATAGRAM + 32)
         while True:
-            # Read whatever has arrived and handle every frame in it: one wake-up for many
-            # datagrams, instead of two awaits per datagram.
             try:
                 async with asyncio.timeout(3 * interval):
-                    chunk = await reader.read(1 << 18)
+                    batch = await frames.batch()
             except TimeoutError:
                 raise ConnectionBrokenError(
                     f"relay {self.url}", f"silent for {3 * interval:g} s"
                 ) from None
-            if not chunk:
-                raise ConnectionBrokenError(f"relay {self.url}", "closed the connection")
-            for kind, body in decoder.feed(chunk):
+            for kind, body in batch:
                 after = self._handle(kind, body, writer)
                 if after is not None:
                     return after
@@ -394,3 +380,33 @@ class RelayPath:
         else:
             raise RelayProtocolError(f"unexpected {kind.name} from the relay")
         return None
+
+
+class _FrameReader:
+    """Relay frames from a stream: reads whatever has arrived and parses every frame in
+    it (one wake-up for many datagrams), keeping what the caller has not taken yet."""
+
+    def __init__(self, reader: asyncio.StreamReader, label: str) -> None:
+        self._reader = reader
+        self._label = label
+        self._decoder = RelayFrameDecoder(max_body=MAX_DATAGRAM + 32)
+        self._ready: deque[tuple[RelayFrameType, bytes]] = deque()
+
+    async def _fill(self) -> None:
+        while not self._ready:
+            chunk = await self._reader.read(1 << 18)
+            if not chunk:
+                raise ConnectionBrokenError(self._label, "closed the connection")
+            self._ready.extend(self._decoder.feed(chunk))
+
+    async def next(self) -> tuple[RelayFrameType, bytes]:
+        """The next frame."""
+        await self._fill()
+        return self._ready.popleft()
+
+    async def batch(self) -> list[tuple[RelayFrameType, bytes]]:
+        """Every frame available now (at least one)."""
+        await self._fill()
+        out = list(self._ready)
+        self._ready.clear()
+        return out
