@@ -140,3 +140,20 @@ async def test_empty_collectives_retire_their_channels() -> None:
             await asyncio.gather(*(g.reduce_scatter(np.empty((0, 2))) for g in gs))
         retired = gs[0].connection(1)._mailbox._retired  # type: ignore[attr-defined]
         assert not retired._above.get(0), "retired channels did not compact"
+
+
+async def test_a_late_dial_after_formation_is_refused() -> None:
+    from p2pdist import PeerAuthenticationError, SecretKey, TcpTransport, TransportConfig
+
+    async with groups(2) as gs:
+        host_port = gs[0]._addresses[0]  # type: ignore[index]
+        late = TcpTransport(
+            SecretKey.from_seed("test-seed-0123456789", 1), TransportConfig(tls=False)
+        )
+        try:
+            with pytest.raises(PeerAuthenticationError, match="not allowed"):
+                await late.connect(gs[0].endpoint_id, host_port)
+        finally:
+            await late.close()
+        out = await asyncio.gather(*(g.all_reduce(np.ones(2)) for g in gs))
+        assert out[0].tolist() == [2.0, 2.0]

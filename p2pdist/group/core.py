@@ -108,6 +108,7 @@ class GroupCore:
         self._left: dict[int, BaseException] = {}
         self._failure_log: list[str] = []
         self._started = False
+        self._formed = False
         self._closing = False
         self._listeners: list[asyncio.Task[None]] = []
         # Channel spaces of this group; sub-groups from split() get their own pair.
@@ -300,8 +301,14 @@ class GroupCore:
             conn.label = self.peer_label(r)
             conn.add_close_callback(functools.partial(self._on_connection_end, r))
             self._listeners.append(asyncio.create_task(self._listen_control(r, conn)))
+        self._formed = True
         log.info("%s: group of %d formed", self.peer_label(self._rank), self.size)
         return self
+
+    def _accepts(self, eid: EndpointId) -> bool:
+        """Group members, and only until the group has formed: a rank that restarts and
+        dials again is refused at once instead of joining a group that cannot take it."""
+        return eid in self._rank_of and not self._formed
 
     def _where(self, r: int) -> str:
         if self._relay_url is not None:
@@ -314,7 +321,7 @@ class GroupCore:
 
     async def _open_transport(self) -> TcpTransport | QuicTransport:
         """TCP listening on our address, or QUIC over a session to the relay."""
-        members = self._rank_of.__contains__
+        members = self._accepts
         if self._relay_url is not None:
             path = RelayPath(self._key, self._relay_url, token=self._relay_token)
             self._relay_path = path
