@@ -74,31 +74,50 @@ class _Int8Codec:
         return 4 * -(-n // self.block) + n
 
     def encode(self, x: np.ndarray) -> np.ndarray:
-        n = x.size
-        nblocks = -(-n // self.block)
+        n, block = x.size, self.block
+        nblocks = -(-n // block)
         out = np.empty(self.nbytes(n), np.uint8)
         scales = out[: 4 * nblocks].view(np.float32)
         q = out[4 * nblocks :].view(np.int8)
-        padded = n - n % self.block
-        if padded:
-            body = x[:padded].reshape(-1, self.block)
-            np.max(np.abs(body), axis=1, out=scales[: padded // self.block])
-        if padded < n:
-            scales[-1] = np.max(np.abs(x[padded:]))
-        scales /= 127.0
-        safe = np.where(scales > 0, scales, 1.0).astype(np.float32)
-        per_elem = np.repeat(safe, self.block)[:n]
-        np.rint(x / per_elem, out=per_elem)
-        q[:] = per_elem  # |values| <= 127 by construction: no saturation
+        full = n - n % block
+        # Whole blocks as a (blocks, block) matrix: broadcasting instead of np.repeat.
+        for xs, qs, sc in self._parts(x, q, scales, full):
+            np.max(np.abs(xs), axis=1, out=sc)
+            sc /= 127.0
+            inv = np.divide(1.0, sc, out=np.zeros_like(sc), where=sc > 0)
+            qs[...] = np.rint(xs * inv[:, None])  # |values| <= 127: no saturation
         return out
 
+    def _parts(
+        self, x: np.ndarray, q: np.ndarray, scales: np.ndarray, full: int
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(values, quantized, scales) views for the whole blocks and the tail block."""
+        block, n = self.block, x.size
+        parts = []
+        if full:
+            parts.append(
+                (x[:full].reshape(-1, block), q[:full].reshape(-1, block), scales[: full // block])
+            )
+        if full < n:
+            parts.append((x[full:].reshape(1, -1), q[full:].reshape(1, -1), scales[-1:]))
+        return parts
+
     def decode(self, data: Any, n: int) -> np.ndarray:
-        nblocks = -(-n // self.block)
+        block = self.block
+        nblocks = -(-n // block)
         raw = np.frombuffer(data, np.uint8, self.nbytes(n))
         scales = raw[: 4 * nblocks].view(np.float32)
         q = raw[4 * nblocks :].view(np.int8)
-        out = q.astype(np.float32)
-        out *= np.repeat(scales, self.block)[:n]
+        out = np.empty(n, np.float32)
+        full = n - n % block
+        if full:
+            np.multiply(
+                q[:full].reshape(-1, block),
+                scales[: full // block, None],
+                out=out[:full].reshape(-1, block),
+            )
+        if full < n:
+            np.multiply(q[full:], scales[-1], out=out[full:])
         return out
 
 
