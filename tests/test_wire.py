@@ -6,6 +6,7 @@ and fuzzed with hypothesis.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import struct
@@ -412,13 +413,9 @@ frame_tuples = st.one_of(
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(frames=st.lists(frame_tuples, max_size=12), chunks=st.lists(st.integers(1, 700)))
-def test_property_round_trip_under_any_chunking(
-    frames: list[FrameTuple], chunks: list[int]
-) -> None:
-    data = stream_of(frames, SMALL)
-    dec = FrameDecoder(SMALL)
-    out: list[Frame] = []
+def feed_in_steps(dec: FrameDecoder, data: bytes, chunks: list[int], out: list[Frame]) -> None:
+    """Write ``data`` into the decoder's own buffers in steps of ``chunks`` (cycled),
+    appending decoded frames to ``out``; every buffer offered must be non-empty."""
     pos, i = 0, 0
     while pos < len(data):
         buf = dec.get_buffer()
@@ -428,6 +425,16 @@ def test_property_round_trip_under_any_chunking(
         buf[:n] = data[pos : pos + n]
         pos, i = pos + n, i + 1
         out += dec.buffer_updated(n)
+
+
+@given(frames=st.lists(frame_tuples, max_size=12), chunks=st.lists(st.integers(1, 700)))
+def test_property_round_trip_under_any_chunking(
+    frames: list[FrameTuple], chunks: list[int]
+) -> None:
+    data = stream_of(frames, SMALL)
+    dec = FrameDecoder(SMALL)
+    out: list[Frame] = []
+    feed_in_steps(dec, data, chunks, out)
     assert [as_tuple(f) for f in out] == frames
     assert not dec.mid_frame
 
@@ -437,18 +444,8 @@ def decode_or_frame_error(data: bytes, chunks: list[int]) -> list[Frame]:
     make progress (a non-empty buffer), so the decoder can never spin."""
     dec = FrameDecoder(SMALL)
     out: list[Frame] = []
-    pos, i = 0, 0
-    try:
-        while pos < len(data):
-            buf = dec.get_buffer()
-            assert buf.nbytes > 0
-            step = chunks[i % len(chunks)] if chunks else len(data)
-            n = min(buf.nbytes, step, len(data) - pos)
-            buf[:n] = data[pos : pos + n]
-            pos, i = pos + n, i + 1
-            out += dec.buffer_updated(n)
-    except FrameError:
-        pass
+    with contextlib.suppress(FrameError):
+        feed_in_steps(dec, data, chunks, out)
     return out
 
 

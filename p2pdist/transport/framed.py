@@ -463,6 +463,18 @@ class EndpointBase(Generic[C]):
         if self._closed:
             raise ConnectionClosedError("transport is closed")
 
+    async def close(self) -> None:
+        """Stop accepting and close every connection and socket (bounded)."""
+        if self._closed:
+            return
+        self._closed = True
+        # Shielded: a cancelled close() still finishes closing in the background.
+        await asyncio.shield(self._shutdown())
+
+    async def _shutdown(self) -> None:
+        """The transport-specific part of :meth:`close`."""
+        await self._close_all()
+
     def _forget(self, conn: FramedConnection) -> None:
         self._connections.discard(cast(C, conn))
 

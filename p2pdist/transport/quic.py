@@ -114,15 +114,8 @@ class QuicTransport(EndpointBase[QuicConnection]):
             raise
         return conn
 
-    async def close(self) -> None:
-        """Close every connection (bounded), the UDP sockets and the relay session."""
-        if self._closed:
-            return
-        self._closed = True
-        # Shielded: a cancelled close() still finishes closing in the background.
-        await asyncio.shield(self._shutdown())
-
     async def _shutdown(self) -> None:
+        """Close: every connection (bounded), the UDP sockets and the relay session."""
         for conn in list(self._handshaking):
             conn.abort(ConnectionClosedError("transport is closed"))
         await self._close_all()

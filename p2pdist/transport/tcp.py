@@ -441,15 +441,8 @@ class TcpTransport(EndpointBase[TcpConnection]):
             return
         self._accepted.put(conn)
 
-    async def close(self) -> None:
-        """Stop listening and close every connection (bounded)."""
-        if self._closed:
-            return
-        self._closed = True
-        # Shielded: a cancelled close() still finishes closing in the background.
-        await asyncio.shield(self._shutdown())
-
     async def _shutdown(self) -> None:
+        """Close: stop listening and close every connection (bounded)."""
         if self._server is not None:
             self._server.close()
         handshakes = list(self._handshakes)
