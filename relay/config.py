@@ -56,6 +56,15 @@ class RelayConfig:
             "PORT",
         ),
     )
+    stun_alt_port: int | None = field(
+        default=None,
+        metadata=_doc(
+            "second UDP observation port, so clients can tell endpoint-independent from "
+            "endpoint-dependent NAT mapping (default: the STUN port + 1, skipped with a "
+            "warning if that cannot be bound; 0 disables)",
+            "PORT",
+        ),
+    )
     key: Path | None = field(
         default=None,
         metadata=_doc(
@@ -145,6 +154,16 @@ class RelayConfig:
         """The UDP port to bind for STUN (0: disabled) once the TCP port is known."""
         return bound_tcp_port if self.stun_port is None else self.stun_port
 
+    def effective_stun_alt_port(self, stun_port: int) -> tuple[int, bool]:
+        """The second observation port to bind (0: none) once the STUN port is known,
+        and whether it was asked for explicitly (then failing to bind it is an error;
+        the default, ``stun_port + 1``, is only tried)."""
+        if self.stun_alt_port is not None:
+            return (self.stun_alt_port if stun_port else 0), True
+        if not stun_port or stun_port >= 65535:
+            return 0, False
+        return stun_port + 1, False
+
     def url_host(self) -> str:
         """The host name to print in the relay URL."""
         if self.public_host:
@@ -175,6 +194,14 @@ def _port(name: str, value: int | None) -> None:
 def _validate(c: RelayConfig) -> None:
     _port("port", c.port)
     _port("stun-port", c.stun_port)
+    _port("stun-alt-port", c.stun_alt_port)
+    if c.stun_alt_port:
+        if c.stun_port == 0:
+            raise ConfigError("stun-alt-port needs the STUN port (stun-port is 0, disabled)")
+        if c.stun_alt_port == c.stun_port or (c.stun_port is None and c.stun_alt_port == c.port):
+            raise ConfigError(
+                f"stun-alt-port must differ from the STUN port, got {c.stun_alt_port} for both"
+            )
     if c.host not in ("", "localhost"):
         try:
             ipaddress.ip_address(c.host)

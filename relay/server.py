@@ -117,10 +117,12 @@ class RelayServer:
         self._all_gone: asyncio.Event | None = None
         self._server: asyncio.Server | None = None
         self._stun: asyncio.DatagramTransport | None = None
+        self._stun_alt: asyncio.DatagramTransport | None = None
         self._tick: asyncio.TimerHandle | None = None
         self._closed = False
         self.port = 0
         self.stun_port = 0
+        self.stun_alt_port = 0
         self.url = ""
         self.tls: RelayTls | None = None
         self._core: RelayCore | None = None
@@ -137,7 +139,6 @@ class RelayServer:
     async def start(self) -> None:
         """Load keys and lists, bind the ports and start serving; ConfigError if unable."""
         c = self.config
-        loop = asyncio.get_running_loop()
         if c.cert is not None and c.cert_key is not None:
             self.tls = RelayTls.from_files(c.cert, c.cert_key)
         else:
@@ -146,6 +147,21 @@ class RelayServer:
             allowlist = Allowlist(c.allowlist) if c.allowlist is not None else None
         except AllowlistError as exc:
             raise ConfigError(str(exc)) from None
+        access = AccessPolicy(allowlist, c.token)
+        metrics = Metrics()
+        if self.tap is None and c.tap is not None:
+            self._own_tap = FileTap(c.tap)
+            self.tap = self._own_tap
+            log.warning(kv("tap_enabled", path=c.tap, hint="debug only: records all traffic"))
+        # Listen without accepting until the core exists: the core's AUTH_OK advertises
+        # the observation ports, which are only known once they are bound.
+        self._server = await self._listen(start_serving=False)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        try:
+            await self._start_stun(metrics)
+        except ConfigError:
+            self._server.close()
+            raise
         core_cfg = CoreConfig(
             max_clients=c.max_clients,
             rate=c.rate,
@@ -154,13 +170,33 @@ class RelayServer:
             keepalive=c.keepalive,
             auth_timeout=c.auth_timeout,
             retry_after=c.retry_after,
+            stun_ports=self.stun_ports,
         )
-        access = AccessPolicy(allowlist, c.token)
-        self._core = RelayCore(core_cfg, self.tls.fingerprints, access, Metrics())
-        if self.tap is None and c.tap is not None:
-            self._own_tap = FileTap(c.tap)
-            self.tap = self._own_tap
-            log.warning(kv("tap_enabled", path=c.tap, hint="debug only: records all traffic"))
+        self._core = RelayCore(core_cfg, self.tls.fingerprints, access, metrics)
+        await self._server.start_serving()
+        self.url = str(RelayUrl(c.url_host(), self.port, self.tls.pin))
+        self._all_gone = asyncio.Event()
+        self._schedule_tick()
+        log.info(
+            kv(
+                "listening",
+                url=self.url,
+                bind=f"{c.host}:{self.port}",
+                stun=self.stun_port or "off",
+                stun_alt=self.stun_alt_port or "off",
+                tls="pinned" if self.tls.pin else "certificate",
+                access=access.mode,
+                max_clients=c.max_clients,
+                rate=c.rate or "unlimited",
+                queue_bytes=c.queue_bytes,
+                keepalive=c.keepalive,
+            )
+        )
+
+    async def _listen(self, *, start_serving: bool) -> asyncio.Server:
+        c = self.config
+        assert self.tls is not None
+        loop = asyncio.get_running_loop()
         host = c.host or None
         app_factory = lambda: _ClientConnection(self)  # noqa: E731
         small = tls_protocol_factory(
@@ -171,59 +207,80 @@ class RelayServer:
         )
         try:
             if small is not None:
-                self._server = await loop.create_server(
-                    small, host, c.port, backlog=4096, reuse_address=True
-                )
-            else:  # pragma: no cover - asyncio without a usable SSLProtocol
-                self._server = await loop.create_server(
-                    app_factory,
+                return await loop.create_server(
+                    small,
                     host,
                     c.port,
-                    ssl=self.tls.context,
-                    ssl_handshake_timeout=c.auth_timeout,
-                    ssl_shutdown_timeout=c.drain_timeout,
                     backlog=4096,
                     reuse_address=True,
+                    start_serving=start_serving,
                 )
+            return await loop.create_server(  # pragma: no cover - no usable SSLProtocol
+                app_factory,
+                host,
+                c.port,
+                ssl=self.tls.context,
+                ssl_handshake_timeout=c.auth_timeout,
+                ssl_shutdown_timeout=c.drain_timeout,
+                backlog=4096,
+                reuse_address=True,
+                start_serving=start_serving,
+            )
         except OSError as exc:
             raise ConfigError(f"cannot listen on {c.host}:{c.port}: {exc}") from None
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        await self._start_stun(c.effective_stun_port(self.port))
-        self.url = str(RelayUrl(c.url_host(), self.port, self.tls.pin))
-        self._all_gone = asyncio.Event()
-        self._schedule_tick()
-        log.info(
-            kv(
-                "listening",
-                url=self.url,
-                bind=f"{c.host}:{self.port}",
-                stun=self.stun_port or "off",
-                tls="pinned" if self.tls.pin else "certificate",
-                access=access.mode,
-                max_clients=c.max_clients,
-                rate=c.rate or "unlimited",
-                queue_bytes=c.queue_bytes,
-                keepalive=c.keepalive,
-            )
-        )
 
-    async def _start_stun(self, port: int) -> None:
-        if not port:
-            return
+    @property
+    def stun_ports(self) -> tuple[int, ...]:
+        """The bound UDP observation ports (STUN first, then the alternate), as
+        advertised in AUTH_OK; empty when STUN is off."""
+        return tuple(p for p in (self.stun_port, self.stun_alt_port) if p)
+
+    async def _bind_udp(self, metrics: Metrics, port: int) -> asyncio.DatagramTransport:
         loop = asyncio.get_running_loop()
         host = self.config.host or "0.0.0.0"
+        transport, _ = await loop.create_datagram_endpoint(
+            lambda: StunProtocol(metrics), local_addr=(host, port)
+        )
+        return transport
+
+    async def _start_stun(self, metrics: Metrics) -> None:
+        """Bind the STUN port and the alternate observation port (see RelayConfig)."""
+        c = self.config
+        port = c.effective_stun_port(self.port)
+        if not port:
+            return
+        host = c.host or "0.0.0.0"
         try:
-            transport, _ = await loop.create_datagram_endpoint(
-                lambda: StunProtocol(self.core.metrics), local_addr=(host, port)
-            )
+            self._stun = await self._bind_udp(metrics, port)
         except OSError as exc:
-            if self._server is not None:
-                self._server.close()
             raise ConfigError(
                 f"cannot bind STUN port {host}:{port} (UDP): {exc}; pass --stun-port N or 0"
             ) from None
-        self._stun = transport
-        self.stun_port = int(transport.get_extra_info("sockname")[1])
+        self.stun_port = int(self._stun.get_extra_info("sockname")[1])
+        alt, explicit = c.effective_stun_alt_port(self.stun_port)
+        if not alt:
+            if self.stun_port >= 65535 and c.stun_alt_port is None:
+                log.warning(kv("stun_alt_port_unavailable", port=65536, error="out of range"))
+            return
+        try:
+            self._stun_alt = await self._bind_udp(metrics, alt)
+        except OSError as exc:
+            if explicit:
+                self._stun.close()
+                raise ConfigError(
+                    f"cannot bind STUN alternate port {host}:{alt} (UDP): {exc}; "
+                    "pass --stun-alt-port N or 0"
+                ) from None
+            log.warning(
+                kv(
+                    "stun_alt_port_unavailable",
+                    port=alt,
+                    error=exc,
+                    hint="clients cannot tell NAT mapping types; pass --stun-alt-port N",
+                )
+            )
+            return
+        self.stun_alt_port = int(self._stun_alt.get_extra_info("sockname")[1])
 
     def _schedule_tick(self) -> None:
         c = self.config
@@ -265,8 +322,9 @@ class RelayServer:
             self._server.close()
         if self._tick is not None:
             self._tick.cancel()
-        if self._stun is not None:
-            self._stun.close()
+        for udp in (self._stun, self._stun_alt):
+            if udp is not None:
+                udp.close()
         if self._core is not None:
             self._core.shutdown()
         if self.connections and self._all_gone is not None:

@@ -67,6 +67,8 @@ class CoreConfig:
     keepalive: float = 15.0
     auth_timeout: float = 10.0
     retry_after: float = 1.0
+    stun_ports: tuple[int, ...] = ()
+    """Bound UDP observation ports (STUN, then the alternate), advertised in AUTH_OK."""
 
 
 def _closed(s: Session) -> bool:
@@ -334,6 +336,7 @@ class RelayCore:
                 "keepalive": float(c.keepalive),
                 "rate": int(c.rate),
                 "burst": int(c.burst),
+                "stun_ports": list(c.stun_ports),
             }
         )
 

@@ -121,9 +121,16 @@ def test_auth_ok_advertises_limits_and_observed_address() -> None:
         "keepalive": 7.5,
         "rate": 100_000,
         "burst": MAX_BODY,
+        "stun_ports": [],
     }
     assert s.phase is Phase.ACTIVE and c.client(A.endpoint_id) is s and c.clients == 1
     assert c.metrics.auth_ok_total == 1
+
+
+def test_auth_ok_advertises_the_observation_ports() -> None:
+    _, link = join(core(stun_ports=(3478, 3479)), A)
+    kind, body = only(link)
+    assert kind is T.AUTH_OK and decode_map(body)["stun_ports"] == [3478, 3479]
 
 
 @pytest.mark.parametrize(
@@ -477,6 +484,10 @@ def test_tap_file_round_trip(tmp_path: Path) -> None:
         ({"max_clients": "many"}, "integer"),
         ({"max_clients": True}, "integer"),
         ({"public_host": "a/b"}, "public-host"),
+        ({"stun_alt_port": 70000}, "stun-alt-port must be a port"),
+        ({"stun_port": 0, "stun_alt_port": 3479}, "stun-alt-port needs"),
+        ({"stun_port": 3478, "stun_alt_port": 3478}, "must differ"),
+        ({"port": 8443, "stun_alt_port": 8443}, "must differ"),
     ],
 )
 def test_config_validation(values: dict[str, object], message: str) -> None:
@@ -512,6 +523,21 @@ def test_config_file_errors(tmp_path: Path, text: str, message: str) -> None:
         load_config(["--config", str(cfg)], environ={})
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(["--config", str(tmp_path / "missing.toml")], environ={})
+
+
+def test_stun_alt_port_defaults_and_config_file(tmp_path: Path) -> None:
+    assert RelayConfig().effective_stun_alt_port(8443) == (8444, False)
+    assert RelayConfig().effective_stun_alt_port(0) == (0, False)  # STUN off: none
+    assert RelayConfig().effective_stun_alt_port(65535) == (0, False)  # no port 65536
+    assert RelayConfig(stun_alt_port=0).effective_stun_alt_port(8443) == (0, True)
+    assert RelayConfig(stun_alt_port=9000).effective_stun_alt_port(8443) == (9000, True)
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text("stun-port = 3478\nstun-alt-port = 3480\n")
+    c = load_config(["--config", str(cfg)], environ={})
+    assert (c.stun_port, c.stun_alt_port) == (3478, 3480)
+    assert (
+        load_config(["--config", str(cfg), "--stun-alt-port", "0"], environ={}).stun_alt_port == 0
+    )
 
 
 def test_url_host() -> None:

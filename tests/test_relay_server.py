@@ -32,6 +32,8 @@ from hypothesis import strategies as st
 from relay_helpers import RelayProcess
 
 from p2pdist.identity import SecretKey
+from p2pdist.transport.relay_path import RelayConfig as RelayPathConfig
+from p2pdist.transport.relay_path import RelayPath, parse_stun_ports
 from p2pdist.wire.relay import (
     MAX_BODY,
     MAX_DATAGRAM,
@@ -42,6 +44,7 @@ from p2pdist.wire.relay import (
 )
 from p2pdist.wire.stun import binding_request, new_transaction_id, parse_binding_response
 from relay import RelayConfig, RelayServer
+from relay.config import ConfigError
 from relay.healthcheck import main as healthcheck
 from relay.tap import read_tap
 from relay.testclient import RelayRefused, RelayTestClient, http_get
@@ -548,6 +551,125 @@ async def test_stun_binding_reports_the_observed_address() -> None:
         assert srv.core.metrics.stun_requests_total == 1
 
 
+async def _mapped(sock: socket.socket, port: int) -> tuple[str, int]:
+    """The address the relay's observation port ``port`` saw ``sock`` at."""
+    txid = new_transaction_id()
+    sock.sendto(binding_request(txid), ("127.0.0.1", port))
+    data = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 2048), 10)
+    return parse_binding_response(data, txid)
+
+
+def _udp_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.setblocking(False)
+    return sock
+
+
+async def test_second_observation_port_is_bound_answered_and_advertised() -> None:
+    async with running(stun_port=None) as srv:  # the alternate port defaults to STUN + 1
+        assert srv.stun_alt_port == srv.stun_port + 1
+        assert srv.stun_ports == (srv.stun_port, srv.stun_alt_port)
+        with _udp_socket() as sock:  # one local socket, both relay ports: same mapping
+            assert await _mapped(sock, srv.stun_port) == sock.getsockname()
+            assert await _mapped(sock, srv.stun_alt_port) == sock.getsockname()
+        assert srv.core.metrics.stun_requests_total == 2
+        client = await RelayTestClient.open(srv.url)
+        info = await client.authenticate(A)
+        assert info["stun_ports"] == [srv.stun_port, srv.stun_alt_port]
+        await client.close()
+
+
+def _port_pair() -> tuple[int, socket.socket]:
+    """A free UDP port p, with p + 1 held by the returned socket."""
+    for _ in range(50):
+        held = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        held.bind(("127.0.0.1", 0))
+        p = held.getsockname()[1] - 1
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.bind(("127.0.0.1", p))
+        except OSError:
+            held.close()
+            continue
+        return p, held
+    raise AssertionError("no free UDP port pair")
+
+
+async def test_default_alternate_port_taken_runs_without_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    p, held = _port_pair()
+    with held:
+        async with running(stun_port=p) as srv:
+            assert (srv.stun_port, srv.stun_alt_port, srv.stun_ports) == (p, 0, (p,))
+            info = await (await RelayTestClient.open(srv.url)).authenticate(A)
+            assert info["stun_ports"] == [p]
+        assert "stun_alt_port_unavailable" in caplog.text
+        # Asked for explicitly, the same port is a startup error, like --stun-port.
+        server = RelayServer(
+            RelayConfig(host="127.0.0.1", port=0, stun_port=p, stun_alt_port=p + 1)
+        )
+        with pytest.raises(ConfigError, match="cannot bind STUN alternate port"):
+            await server.start()
+        await server.close()
+        # ... and so is a taken STUN port, which the alternate port does not change.
+        server = RelayServer(
+            RelayConfig(host="127.0.0.1", port=0, stun_port=p + 1, stun_alt_port=0)
+        )
+        with pytest.raises(ConfigError, match="cannot bind STUN port"):
+            await server.start()
+        await server.close()
+
+
+async def test_observation_ports_off_and_explicit() -> None:
+    async with running() as srv:  # stun_port=0: none at all
+        assert srv.stun_ports == ()
+        info = await (await RelayTestClient.open(srv.url)).authenticate(A)
+        assert info["stun_ports"] == []
+    async with running(stun_port=None, stun_alt_port=0) as srv:
+        assert srv.stun_ports == (srv.port,)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as free:
+        free.bind(("127.0.0.1", 0))
+        alt = free.getsockname()[1]
+    async with running(stun_port=None, stun_alt_port=alt) as srv:
+        assert srv.stun_ports == (srv.port, alt)
+        with _udp_socket() as sock:
+            assert await _mapped(sock, alt) == sock.getsockname()
+
+
+async def test_relay_path_status_carries_the_observation_ports() -> None:
+    async with running(stun_port=None) as srv:
+        path = RelayPath(A, srv.url, config=RelayPathConfig(connect_timeout=10.0))
+        try:
+            await path.wait_connected(10)
+            assert path.status.stun_ports == srv.stun_ports and len(srv.stun_ports) == 2
+        finally:
+            await path.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ([3478, 3479], (3478, 3479)),
+        ([3478], (3478,)),
+        ((3478, 3478), (3478,)),
+        ([], ()),
+        (None, ()),
+        ("3478", ()),
+        ([3478, "3479"], ()),
+        ([0], ()),
+        ([70000], ()),
+        ([True], ()),
+        ([1.5], ()),
+        ({"a": 1}, ()),
+        (list(range(1, 20)), ()),
+    ],
+)
+def test_parse_stun_ports_ignores_malformed(value: object, expected: tuple[int, ...]) -> None:
+    assert parse_stun_ports(value) == expected
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 async def test_graceful_shutdown_sends_reconnect_and_exits_0(tmp_path: Path, sig: int) -> None:
     with RelayProcess(tmp_path, "--stun-port", "0", "--retry-after", "2") as relay:
@@ -617,6 +739,7 @@ def test_cli_key_file_is_created_private_and_keeps_the_pin(tmp_path: Path) -> No
         (["--allowlist", "/nonexistent/allow"], "cannot read allowlist"),
         (["--config", "/nonexistent.toml"], "does not exist"),
         (["--max-clients", "zero"], "integer"),
+        (["--stun-port", "0", "--stun-alt-port", "3479"], "stun-alt-port needs"),
     ],
 )
 def test_cli_configuration_errors_exit_2(args: list[str], message: str) -> None:

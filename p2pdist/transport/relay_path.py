@@ -38,7 +38,7 @@ from ..wire.relay import (
     upgrade_request,
 )
 
-__all__ = ["RelayConfig", "RelayPath", "RelayState", "RelayStatus"]
+__all__ = ["RelayConfig", "RelayPath", "RelayState", "RelayStatus", "parse_stun_ports"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,24 @@ class RelayStatus:
     dropped: int = 0
     """Datagrams dropped here (no session, or the send buffer full)."""
     limits: dict[str, float] = field(default_factory=dict)
+    stun_ports: tuple[int, ...] = ()
+    """The relay's UDP observation ports (STUN Binding), from AUTH_OK; two ports let a
+    client tell endpoint-independent from endpoint-dependent NAT mapping. Empty when the
+    relay advertises none (or sent something malformed)."""
+
+
+def parse_stun_ports(value: object) -> tuple[int, ...]:
+    """AUTH_OK's ``stun_ports`` as a tuple of distinct ports 1..65535, in order; ``()``
+    when absent or malformed (a list of anything else, too long, not a list)."""
+    if not isinstance(value, list | tuple) or len(value) > 8:
+        return ()
+    ports: list[int] = []
+    for p in value:
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 < p <= 65535:
+            return ()
+        if p not in ports:
+            ports.append(p)
+    return tuple(ports)
 
 
 class RelayPath:
@@ -300,6 +318,7 @@ class RelayPath:
         self._set(
             state=RelayState.CONNECTED,
             observed=observed if isinstance(observed, str) else None,
+            stun_ports=parse_stun_ports(info.get("stun_ports")),
             connects=self._status.connects + 1,
             last_error=None,
             limits=limits,
