@@ -1,0 +1,623 @@
+"""A NAT lab made of Linux network namespaces, built and torn down by the tests.
+
+Topology (all addresses exist only inside the lab's namespaces)::
+
+    side a                     "internet" namespace                 side b
+    host 10.0.0.2 ── router ── bridge br0, relay 203.0.113.1 ── router ── host 10.0.0.2
+         (LAN 10.0.0.0/24)   WAN 203.0.113.10        WAN 203.0.113.20  (the same LAN subnet)
+
+Each side is one of :data:`KINDS`:
+
+- ``"none"``: no router; the host sits on the bridge with its own public address
+  (203.0.113.10 or .20).
+- ``"eim"``: MASQUERADE, i.e. endpoint-independent mapping with address-and-port-
+  dependent filtering (the common home router; hole punching works when both sides
+  send).
+- ``"symmetric"``: MASQUERADE --random-fully, i.e. endpoint-dependent mapping (a new
+  public port per destination; punching fails, the relay is needed).
+- ``"udp-blocked"``: ``"eim"`` that also drops all forwarded UDP (TCP still works).
+
+Routers drop unsolicited inbound (FORWARD and INPUT policy DROP; ESTABLISHED,RELATED and
+LAN->WAN accepted). They must: a router that accepted an early punch packet would let
+conntrack move the host's next mapping to a new port, and the NAT would then behave as
+symmetric (docs: GUIDE.md, section 6).
+
+Usage::
+
+    with NatLab("eim", "symmetric", workdir=tmp_path) as lab:
+        url = lab.spawn_relay()
+        a = lab.udp_agent("a")                        # one UDP socket on host a
+        mapped = a.stun(lab.relay_ip, lab.stun_ports)  # [(ip, port) | None, ...]
+        proc = lab.spawn("b", [sys.executable, "-m", "p2pdist", ...])
+        lab.block_udp("a")                            # at a's router, at run time
+
+Namespaces are named ``p2pnat-<pid>-<n>-<role>``; a lab removes namespaces left behind
+by a crashed run (whose pid is gone) when it starts, and everything of its own when it
+ends, also on an exception. Everything runs as root: call :func:`require_root` first
+(it skips the test with a reason when the lab cannot run here).
+
+Run as a script, this module is the UDP agent that :meth:`NatLab.udp_agent` starts
+inside a namespace (``python tests/natlab.py agent``): it holds one UDP socket and
+answers JSON commands on stdin, one per line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+__all__ = [
+    "KINDS",
+    "PREFIX",
+    "NatLab",
+    "NatLabError",
+    "UdpAgent",
+    "lab_unavailable",
+    "leftover_namespaces",
+    "require_root",
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+KINDS = ("none", "eim", "symmetric", "udp-blocked")
+PREFIX = "p2pnat-"
+RELAY_IP = "203.0.113.1"
+PUBLIC_IP = {"a": "203.0.113.10", "b": "203.0.113.20"}
+LAN_HOST_IP = "10.0.0.2"
+LAN_ROUTER_IP = "10.0.0.1"
+_BLOCK_COMMENT = "natlab-block-udp"
+_counter = itertools.count()
+
+
+class NatLabError(RuntimeError):
+    """A lab command failed; the message names the command and its stderr."""
+
+
+# ---- can the lab run here? ------------------------------------------------------------
+
+
+def _run(argv: Sequence[str], *, input: str | None = None, check: bool = True) -> str:
+    proc = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise NatLabError(f"{' '.join(argv)}: exit {proc.returncode}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+_unavailable: list[str | None] = []
+
+
+def lab_unavailable() -> str | None:
+    """Why the lab cannot run on this machine (not root, no ``ip`` or ``iptables``,
+    namespaces or nf_tables refused), or None when it can. Probed once per process."""
+    if _unavailable:
+        return _unavailable[0]
+    reason: str | None = None
+    if os.geteuid() != 0:
+        reason = "the NAT lab needs root (network namespaces, iptables)"
+    else:
+        missing = [t for t in ("ip", "iptables", "iptables-restore") if not shutil.which(t)]
+        if missing:
+            reason = f"the NAT lab needs {', '.join(missing)} (apt-get install iproute2 iptables)"
+    if reason is None:
+        probe = f"{PREFIX}{os.getpid()}-probe"
+        try:
+            _run(["ip", "netns", "add", probe])
+            _run(["ip", "netns", "exec", probe, "iptables", "-t", "nat", "-L", "-n"])
+        except (NatLabError, OSError, subprocess.SubprocessError) as exc:
+            reason = f"network namespaces or iptables do not work here: {exc}"
+        finally:
+            _run(["ip", "netns", "del", probe], check=False)
+    _unavailable.append(reason)
+    return reason
+
+
+def require_root() -> None:
+    """Skip the calling test (printing the reason) when the lab cannot run here."""
+    import pytest
+
+    reason = lab_unavailable()
+    if reason is not None:
+        print(f"natlab: skipped: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+
+
+def _namespaces() -> list[str]:
+    return [line.split()[0] for line in _run(["ip", "netns", "list"]).splitlines() if line]
+
+
+def leftover_namespaces(prefix: str = PREFIX) -> list[str]:
+    """Namespaces whose name starts with ``prefix`` (for tests and cleanup)."""
+    return [n for n in _namespaces() if n.startswith(prefix)]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _delete_namespace(ns: str) -> None:
+    """Kill whatever still runs inside ``ns``, then delete it."""
+    pids = _run(["ip", "netns", "pids", ns], check=False).split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+    _run(["ip", "netns", "del", ns], check=False)
+
+
+def _remove_stale() -> None:
+    """Delete lab namespaces of runs whose process is gone (a crash, a SIGKILL)."""
+    for ns in leftover_namespaces():
+        owner = ns[len(PREFIX) :].split("-", 1)[0]
+        if owner.isdigit() and not _pid_alive(int(owner)):
+            _delete_namespace(ns)
+
+
+# ---- the lab --------------------------------------------------------------------------
+
+
+def _ruleset(kind: str, wan: str, lan: str) -> str:
+    """iptables-restore input for a router of ``kind``."""
+    masq = "-j MASQUERADE --random-fully" if kind == "symmetric" else "-j MASQUERADE"
+    block = (
+        f'-A FORWARD -p udp -m comment --comment "{_BLOCK_COMMENT}" -j DROP\n'
+        if kind == "udp-blocked"
+        else ""
+    )
+    return (
+        "*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n"
+        f":POSTROUTING ACCEPT [0:0]\n-A POSTROUTING -o {wan} {masq}\nCOMMIT\n"
+        "*filter\n:INPUT DROP [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\n"
+        f"{block}"
+        "-A FORWARD -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT\n"
+        f"-A FORWARD -i {lan} -o {wan} -j ACCEPT\n"
+        "-A INPUT -i lo -j ACCEPT\n"
+        "-A INPUT -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT\n"
+        f"-A INPUT -i {lan} -j ACCEPT\n"
+        "COMMIT\n"
+    )
+
+
+class NatLab:
+    """Two sides (``"a"``, ``"b"``) of the given kinds, an internet namespace with a
+    bridge, and optionally a real relay in it. A context manager: ``__enter__`` builds
+    it, ``__exit__`` kills every process it started and deletes every namespace.
+
+    ``udp_timeout`` (seconds) sets both routers' conntrack UDP timeouts (see
+    :meth:`set_udp_timeout`); ``workdir`` holds the relay's log (default: a temporary
+    directory removed at teardown).
+    """
+
+    relay_ip = RELAY_IP
+    """The relay host's address in the internet namespace."""
+    lan_host_ip = LAN_HOST_IP
+    """The address of the host behind every router (the same on both sides)."""
+
+    def __init__(
+        self,
+        a: str = "eim",
+        b: str = "eim",
+        *,
+        udp_timeout: int | None = None,
+        workdir: Path | None = None,
+    ) -> None:
+        for kind in (a, b):
+            if kind not in KINDS:
+                raise ValueError(f"NAT kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        self.kinds = {"a": a, "b": b}
+        self.prefix = f"{PREFIX}{os.getpid()}-{next(_counter)}-"
+        self.inet_ns = self.prefix + "inet"
+        self._udp_timeout = udp_timeout
+        self._own_workdir = workdir is None
+        self.workdir = workdir if workdir is not None else Path("/nonexistent")
+        self._namespaces: list[str] = []
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._files: list[IO[Any]] = []
+        self.relay_url: str | None = None
+        self.relay_port = 0
+        """The relay's TCP port (after :meth:`spawn_relay`)."""
+        self.stun_ports: tuple[int, ...] = ()
+        """The relay's bound UDP observation ports, STUN first (after spawn_relay)."""
+        self.relay_log: Path | None = None
+        self.relay_proc: subprocess.Popen[bytes] | None = None
+
+    # ---- names and addresses ------------------------------------------------------
+
+    def _side(self, side: str) -> str:
+        if side not in self.kinds:
+            raise ValueError(f"side must be 'a' or 'b', got {side!r}")
+        return side
+
+    def kind(self, side: str) -> str:
+        """The NAT kind of ``side``."""
+        return self.kinds[self._side(side)]
+
+    def host_ns(self, side: str) -> str:
+        """The namespace of the host on ``side``."""
+        return self.prefix + "h" + self._side(side)
+
+    def router_ns(self, side: str) -> str | None:
+        """The namespace of the router on ``side`` (None for kind ``"none"``)."""
+        return None if self.kind(side) == "none" else self.prefix + "r" + side
+
+    def public_ip(self, side: str) -> str:
+        """The router's WAN address, or the host's own public address for ``"none"``."""
+        return PUBLIC_IP[self._side(side)]
+
+    def host_ip(self, side: str) -> str:
+        """The address the host's sockets bind: its LAN address behind a router, its
+        public address for ``"none"``."""
+        return self.public_ip(side) if self.kind(side) == "none" else LAN_HOST_IP
+
+    def ns_of(self, where: str) -> str:
+        """``"a"``/``"b"`` (the hosts) or ``"internet"`` -> namespace name."""
+        return self.inet_ns if where == "internet" else self.host_ns(where)
+
+    # ---- build and teardown -------------------------------------------------------
+
+    def __enter__(self) -> NatLab:
+        reason = lab_unavailable()
+        if reason is not None:
+            raise NatLabError(reason)
+        _remove_stale()
+        if self._own_workdir:
+            self.workdir = Path(tempfile.mkdtemp(prefix="natlab-"))
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _ns(self, name: str) -> str:
+        _run(["ip", "netns", "add", name])
+        self._namespaces.append(name)
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        return name
+
+    def _ip(self, ns: str, *args: str) -> None:
+        _run(["ip", "-n", ns, *args])
+
+    def _sysctl(self, ns: str, values: dict[str, int]) -> None:
+        args = [f"{k}={v}" for k, v in values.items()]
+        _run(["ip", "netns", "exec", ns, "sysctl", "-qw", *args])
+
+    def _build(self) -> None:
+        inet = self._ns(self.inet_ns)
+        self._ip(inet, "link", "add", "br0", "type", "bridge")
+        self._ip(inet, "addr", "add", f"{RELAY_IP}/24", "dev", "br0")
+        self._ip(inet, "link", "set", "br0", "up")
+        for side in ("a", "b"):
+            host = self._ns(self.host_ns(side))
+            router = self.router_ns(side)
+            # The namespace attached to the bridge: the router, or the host itself.
+            outer = self._ns(router) if router is not None else host
+            port = f"to{side}"
+            self._ip(
+                inet, "link", "add", port, "type", "veth", "peer", "name", "wan0", "netns", outer
+            )
+            self._ip(inet, "link", "set", port, "master", "br0", "up")
+            self._ip(outer, "addr", "add", f"{PUBLIC_IP[side]}/24", "dev", "wan0")
+            self._ip(outer, "link", "set", "wan0", "up")
+            if router is None:
+                continue
+            self._ip(
+                router, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", host
+            )
+            self._ip(router, "addr", "add", f"{LAN_ROUTER_IP}/24", "dev", "lan0")
+            self._ip(router, "link", "set", "lan0", "up")
+            self._ip(host, "addr", "add", f"{LAN_HOST_IP}/24", "dev", "eth0")
+            self._ip(host, "link", "set", "eth0", "up")
+            self._ip(host, "route", "add", "default", "via", LAN_ROUTER_IP)
+            self._sysctl(router, {"net.ipv4.ip_forward": 1})
+            rules = _ruleset(self.kind(side), "wan0", "lan0")
+            _run(["ip", "netns", "exec", router, "iptables-restore"], input=rules)
+            if self._udp_timeout is not None:
+                self.set_udp_timeout(side, self._udp_timeout)
+
+    def close(self) -> None:
+        """Kill every process started here, delete every namespace (idempotent)."""
+        for proc in reversed(self._procs):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.terminate()
+        deadline = time.monotonic() + 3.0
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+        self._procs.clear()
+        for fh in self._files:
+            fh.close()
+        self._files.clear()
+        for ns in reversed(self._namespaces):
+            _delete_namespace(ns)
+        self._namespaces.clear()
+        if self._own_workdir and self.workdir.name.startswith("natlab-"):
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # ---- processes ----------------------------------------------------------------
+
+    def exec_prefix(self, where: str) -> list[str]:
+        """``ip netns exec NS`` for ``"a"``, ``"b"`` or ``"internet"``."""
+        return ["ip", "netns", "exec", self.ns_of(where)]
+
+    def spawn(self, where: str, argv: Sequence[str], **popen_kw: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` inside host ``"a"``/``"b"`` (or ``"internet"``); cwd defaults
+        to the repository root. Terminated (then killed) at teardown."""
+        popen_kw.setdefault("cwd", ROOT)
+        proc: subprocess.Popen[Any] = subprocess.Popen(
+            [*self.exec_prefix(where), *argv], **popen_kw
+        )
+        self._procs.append(proc)
+        return proc
+
+    def spawn_relay(self, *extra_args: str, timeout: float = 30.0) -> str:
+        """Start ``python -m relay`` on 203.0.113.1 (port 0: STUN on the TCP port's
+        number and the alternate port + 1) in the internet namespace; return its URL.
+        ``extra_args`` are appended (later flags win). Its log is :attr:`relay_log`."""
+        if self.relay_proc is not None:
+            raise NatLabError("the lab already has a relay")
+        self.relay_log = self.workdir / f"relay-{self.prefix}log"
+        log = self.relay_log.open("wb")
+        self._files.append(log)
+        argv = [sys.executable, "-m", "relay", "--host", RELAY_IP, "--port", "0", *extra_args]
+        proc = self.spawn("internet", argv, stdout=subprocess.PIPE, stderr=log)
+        self.relay_proc = proc
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        line = proc.stdout.readline().decode() if ready else ""
+        if not line.startswith("relay url: "):
+            raise NatLabError(
+                f"relay printed no url ({line!r}); log:\n{self.relay_log.read_text()}"
+            )
+        from p2pdist.wire.relay import RelayUrl
+
+        self.relay_url = line[len("relay url: ") :].strip()
+        self.relay_port = RelayUrl.parse(self.relay_url).port
+        # The log's "listening" line (written before the url) names the bound UDP ports.
+        found = re.search(r" stun=(\S+) stun_alt=(\S+)", self.relay_log.read_text())
+        self.stun_ports = tuple(int(p) for p in (found.groups() if found else ()) if p.isdigit())
+        return self.relay_url
+
+    def udp_agent(self, where: str, port: int = 0) -> UdpAgent:
+        """A :class:`UdpAgent` holding one UDP socket bound to the host's address and
+        ``port`` (0: any) inside ``where``; stopped at teardown."""
+        ip = RELAY_IP if where == "internet" else self.host_ip(where)
+        argv = [sys.executable, "-u", str(Path(__file__).resolve()), "agent", ip, str(port)]
+        proc = self.spawn(where, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        return UdpAgent(proc)
+
+    # ---- runtime changes at the routers -------------------------------------------
+
+    def _filter_ns(self, side: str) -> str:
+        return self.router_ns(side) or self.host_ns(side)
+
+    def block_udp(self, side: str) -> None:
+        """Drop all UDP at ``side``'s router (forwarded, established flows too); for a
+        ``"none"`` side, drop UDP in and out of the host itself."""
+        ns = self._filter_ns(side)
+        chains = ["FORWARD"] if self.router_ns(side) else ["INPUT", "OUTPUT"]
+        for chain in chains:
+            rule = [chain, "-p", "udp", "-m", "comment", "--comment", _BLOCK_COMMENT, "-j", "DROP"]
+            _run(["ip", "netns", "exec", ns, "iptables", "-I", *rule])
+
+    def unblock_udp(self, side: str) -> None:
+        """Undo :meth:`block_udp` (also lifts a ``"udp-blocked"`` router's block)."""
+        ns = self._filter_ns(side)
+        for chain in ("FORWARD", "INPUT", "OUTPUT"):
+            rule = [chain, "-p", "udp", "-m", "comment", "--comment", _BLOCK_COMMENT, "-j", "DROP"]
+            argv = ["ip", "netns", "exec", ns, "iptables", "-D", *rule]
+            while subprocess.run(argv, capture_output=True, timeout=30).returncode == 0:
+                pass
+
+    def set_udp_timeout(self, side: str, seconds: int, stream_seconds: int | None = None) -> None:
+        """Conntrack UDP timeouts at ``side``'s router: ``seconds`` for flows seen one
+        way, ``stream_seconds`` (default: the same) for flows seen both ways. Mappings
+        then expire that long after their last packet; keepalive tests use a few s."""
+        router = self.router_ns(side)
+        if router is None:
+            raise NatLabError(f"side {side} has no router (kind 'none')")
+        self._sysctl(
+            router,
+            {
+                "net.netfilter.nf_conntrack_udp_timeout": seconds,
+                "net.netfilter.nf_conntrack_udp_timeout_stream": stream_seconds or seconds,
+            },
+        )
+
+
+# ---- the UDP agent ----------------------------------------------------------------------
+
+
+class UdpAgent:
+    """Drives ``natlab.py agent`` (one UDP socket in a namespace) over its stdin/stdout.
+
+    Addresses are ``(ip, port)`` tuples. Every call is bounded by its timeout plus a
+    margin; :meth:`begin` / :meth:`finish` let two agents work at the same time (a hole
+    punch needs both sides sending).
+    """
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        hello = self._read(30.0)
+        self.local: tuple[str, int] = (hello["local"][0], hello["local"][1])
+        """The socket's own address (inside its namespace)."""
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            raise NatLabError(f"UDP agent gave no answer within {timeout} s")
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise NatLabError(f"UDP agent: {reply['error']}")
+        return reply
+
+    def begin(self, op: str, **args: Any) -> float:
+        """Send a command; returns the bound on its reply time for :meth:`finish`."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        return float(args.get("timeout", 1.0)) + 10.0
+
+    def finish(self, bound: float) -> dict[str, Any]:
+        """The reply to the command :meth:`begin` sent."""
+        return self._read(bound)
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        """Send a command and wait for its reply."""
+        return self.finish(self.begin(op, **args))
+
+    def stun(
+        self, host: str, ports: Sequence[int], timeout: float = 1.0
+    ) -> list[tuple[str, int] | None]:
+        """STUN Binding from this socket to each ``host:port``; the mapped address per
+        port, None where no answer came within ``timeout`` s (requests are resent)."""
+        reply = self.call("stun", host=host, ports=list(ports), timeout=timeout)
+        return [None if m is None else (m[0], m[1]) for m in reply["mapped"]]
+
+    def send(self, to: tuple[str, int], data: str) -> None:
+        """Send one datagram (``data`` as UTF-8)."""
+        self.call("send", to=list(to), data=data)
+
+    def recv(self, timeout: float) -> tuple[tuple[str, int], str] | None:
+        """The next datagram that is not a STUN response, or None after ``timeout`` s."""
+        reply = self.call("recv", timeout=timeout)
+        if reply.get("from") is None:
+            return None
+        return (reply["from"][0], reply["from"][1]), reply["data"]
+
+    def punch_begin(self, to: tuple[str, int], timeout: float) -> float:
+        """Start sending to ``to`` every 50 ms until a datagram from it arrives (then
+        0.5 s more, so the peer hears us too) or ``timeout`` s pass."""
+        return self.begin("punch", to=list(to), timeout=timeout)
+
+    def tcp(self, host: str, port: int, timeout: float = 3.0) -> str | None:
+        """Open (and close) a TCP connection; None on success, else the error text."""
+        reply = self.call("tcp", host=host, port=port, timeout=timeout)
+        return reply.get("failed")
+
+
+def _agent(ip: str, port: int) -> None:  # pragma: no cover - runs in a namespace
+    """The agent's main loop: one JSON command per stdin line, one reply per line."""
+    sys.path.insert(0, str(ROOT))
+    from p2pdist.wire.stun import (
+        StunError,
+        binding_request,
+        new_transaction_id,
+        parse_binding_response,
+    )
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((ip, port))
+
+    def reply(**fields: Any) -> None:
+        print(json.dumps(fields), flush=True)
+
+    def wait(deadline: float) -> tuple[bytes, tuple[str, int]] | None:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([sock], [], [], left)[0]:
+            return None
+        data, addr = sock.recvfrom(2048)
+        return data, (addr[0], addr[1])
+
+    reply(local=list(sock.getsockname()))
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op, timeout = cmd["op"], float(cmd.get("timeout", 1.0))
+        try:
+            if op == "stun":
+                txids = {p: new_transaction_id() for p in cmd["ports"]}
+                mapped: dict[int, list[Any]] = {}
+                deadline, resend = time.monotonic() + timeout, 0.0
+                while len(mapped) < len(txids) and time.monotonic() < deadline:
+                    if time.monotonic() >= resend:
+                        for p, txid in txids.items():
+                            if p not in mapped:
+                                sock.sendto(binding_request(txid), (cmd["host"], p))
+                        resend = time.monotonic() + 0.2
+                    got = wait(min(deadline, resend))
+                    if got is not None and got[1][1] in txids:
+                        with contextlib.suppress(StunError):
+                            mapped[got[1][1]] = list(
+                                parse_binding_response(got[0], txids[got[1][1]])
+                            )
+                reply(mapped=[mapped.get(p) for p in cmd["ports"]])
+            elif op == "send":
+                sock.sendto(cmd["data"].encode(), tuple(cmd["to"]))
+                reply(ok=True)
+            elif op == "recv":
+                deadline = time.monotonic() + timeout
+                while (got := wait(deadline)) is not None and got[0][:2] == b"\x01\x01":
+                    pass  # a late STUN response
+                reply(
+                    **(
+                        {}
+                        if got is None
+                        else {"from": list(got[1]), "data": got[0].decode("utf-8", "replace")}
+                    )
+                )
+            elif op == "punch":
+                to = (cmd["to"][0], int(cmd["to"][1]))
+                start = time.monotonic()
+                deadline, heard, next_send = start + timeout, None, 0.0
+                while time.monotonic() < deadline:
+                    if time.monotonic() >= next_send:
+                        sock.sendto(b"punch", to)
+                        next_send = time.monotonic() + 0.05
+                    got = wait(min(deadline, next_send))
+                    if got is not None and got[1] == to and heard is None:
+                        heard = time.monotonic() - start
+                        deadline = min(deadline, time.monotonic() + 0.5)
+                reply(heard=heard)
+            elif op == "tcp":
+                try:
+                    socket.create_connection((cmd["host"], cmd["port"]), timeout=timeout).close()
+                    reply(failed=None)
+                except OSError as exc:
+                    reply(failed=str(exc) or type(exc).__name__)
+            else:
+                reply(error=f"unknown op {op!r}")
+        except Exception as exc:
+            reply(error=f"{type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if len(sys.argv) == 4 and sys.argv[1] == "agent":
+        _agent(sys.argv[2], int(sys.argv[3]))
+    else:
+        sys.exit("usage: natlab.py agent IP PORT")
