@@ -3,6 +3,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The NAT lab tests (tests/natlab.py) need root, iproute2 and iptables; CI runs as root.
+# Without them (or without apt) those tests skip and say why.
+missing=""
+command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
+command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+if [ "$(id -u)" = 0 ] && [ -n "$missing" ]; then
+    if command -v apt-get >/dev/null 2>&1; then
+        echo "== installing$missing (NAT lab)"
+        export DEBIAN_FRONTEND=noninteractive
+        # shellcheck disable=SC2086 # one word per package
+        apt-get install -y -qq $missing >/dev/null 2>&1 \
+            || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $missing >/dev/null 2>&1; } \
+            || echo "warning: could not install$missing; the NAT lab tests will skip" >&2
+    else
+        echo "warning:$missing missing and no apt-get; the NAT lab tests will skip" >&2
+    fi
+fi
+
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x .venv/bin/python ]; then
