@@ -33,12 +33,24 @@ def with_relay(lab: NatLab) -> NatLab:
 
 def mapped_once(agent: UdpAgent, lab: NatLab) -> Addr:
     """The agent's public mapping as the relay's STUN port sees it."""
-    m = agent.stun(lab.relay_ip, lab.stun_ports[:1])[0]
+    m = agent.stun(lab.relay_ip, lab.stun_ports[:1], timeout=5.0)[0]
     assert m is not None
     return m
 
 
-def received(agent: UdpAgent, data: str, timeout: float = 0.5) -> Addr | None:
+def arrivals(agent: UdpAgent, timeout: float = 0.5) -> list[str]:
+    """Every datagram but punch packets that arrives within ``timeout`` s (a slow
+    machine only makes a check for "nothing arrives" pass more easily)."""
+    out: list[str] = []
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        got = agent.recv(left)
+        if got is not None and got[1] != "punch":
+            out.append(got[1])
+    return out
+
+
+def received(agent: UdpAgent, data: str, timeout: float = 5.0) -> Addr | None:
     """The source of ``data`` if it arrives within ``timeout`` s (other datagrams, such
     as the tail of a punch, are skipped)."""
     deadline = time.monotonic() + timeout
@@ -60,7 +72,8 @@ def test_observation_ports_show_each_kinds_mapping(
 ) -> None:
     lab = with_relay(make_lab(kind, "none"))
     a = lab.udp_agent("a")
-    first, second = a.stun(lab.relay_ip, lab.stun_ports, timeout=1.0)
+    # Answers come within milliseconds; the bound only matters for udp-blocked.
+    first, second = a.stun(lab.relay_ip, lab.stun_ports, timeout=1.0 if "blocked" in kind else 5.0)
     if kind == "none":  # the host's own public address, unchanged
         assert first == second == (lab.public_ip("a"), a.local[1])
         assert a.local[0] == lab.public_ip("a")
@@ -75,7 +88,10 @@ def test_observation_ports_show_each_kinds_mapping(
         assert (first, second) == (None, None)
         assert a.tcp(lab.relay_ip, lab.relay_port) is None
         b = lab.udp_agent("b")  # the relay itself answers; the router is the block
-        assert b.stun(lab.relay_ip, lab.stun_ports) == [(lab.public_ip("b"), b.local[1])] * 2
+        assert (
+            b.stun(lab.relay_ip, lab.stun_ports, timeout=5.0)
+            == [(lab.public_ip("b"), b.local[1])] * 2
+        )
 
 
 # ---- filtering ------------------------------------------------------------------------
@@ -89,14 +105,13 @@ def test_eim_router_drops_unsolicited_udp_and_filters_by_address_and_port(
     m = mapped_once(a, lab)  # the mapping exists now (towards the relay's STUN port)
     internet.send(m, "from the relay's address, another port")
     b.send(m, "unsolicited")
-    assert received(a, "from the relay's address, another port") is None
-    assert received(a, "unsolicited") is None
+    assert arrivals(a) == []
     a.send(b.local, "hello b")  # a opens its side towards b's exact address...
     assert received(b, "hello b") == m  # ...from the same public mapping (EIM)
     b.send(m, "reply")
     assert received(a, "reply") == b.local  # ...and now b's packets are let in
     internet.send(m, "still filtered")
-    assert received(a, "still filtered") is None
+    assert arrivals(a) == []
 
 
 # ---- hole punching with plain sockets -----------------------------------------------------
@@ -126,7 +141,7 @@ def test_manual_hole_punch(
     else:
         assert heard_a is None and heard_b is None
         a.send(mb, "direct")
-        assert received(b, "direct") is None
+        assert arrivals(b) == []
 
 
 def test_block_udp_at_runtime_and_mapping_expiry(make_lab: Callable[..., NatLab]) -> None:
@@ -137,14 +152,14 @@ def test_block_udp_at_runtime_and_mapping_expiry(make_lab: Callable[..., NatLab]
     assert a.finish(bounds[0])["heard"] is not None and b.finish(bounds[1])["heard"] is not None
     lab.block_udp("a")  # an established direct path dies
     b.send(ma, "blocked")
-    assert received(a, "blocked") is None
+    assert arrivals(a) == []
     lab.unblock_udp("a")
     a.send(mb, "keepalive")  # traffic refreshes the mapping
     b.send(ma, "back")
     assert received(a, "back") == mb
     time.sleep(3.0)  # silence beyond the 2 s conntrack timeout: the mapping is gone
     b.send(ma, "expired")
-    assert received(a, "expired") is None
+    assert arrivals(a) == []
 
 
 # ---- lifecycle -----------------------------------------------------------------------------
