@@ -16,7 +16,7 @@ from .errors import (
 )
 from .group import ErrorFeedback, GradientBuckets, Group, GroupConfig
 from .identity import EndpointId, SecretKey, derive_endpoint_ids
-from .transport import TcpTransport, TransportConfig
+from .transport import PathInfo, PunchConfig, TcpTransport, TransportConfig
 
 __version__ = "0.1.0"
 
@@ -33,9 +33,11 @@ __all__ = [
     "MismatchError",
     "P2PError",
     "P2PTimeoutError",
+    "PathInfo",
     "PeerAuthenticationError",
     "PeerError",
     "PeerTimeoutError",
+    "PunchConfig",
     "RemoteProtocolError",
     "SecretKey",
     "TcpTransport",

@@ -1,4 +1,6 @@
-"""A group formed through a real relay process: endpoint ids only, QUIC, no direct path."""
+"""A group formed through a real relay process: endpoint ids only, QUIC, no direct path
+(hole punching is off here, so everything stays on the relay; tests/test_holepunch.py
+covers the upgrade to a direct path)."""
 
 from __future__ import annotations
 
@@ -9,14 +11,16 @@ import numpy as np
 import pytest
 from relay_helpers import RelayProcess
 
-from p2pdist import Group, GroupConfig, P2PError
+from p2pdist import Group, GroupConfig, P2PError, PunchConfig
 
 SEED = "relay-group-seed-0123456789"
 MARKER = b"PLAINTEXT-MARKER-7d1f0c"
 
 
 def config(**kw: float) -> GroupConfig:
-    return GroupConfig(timeout=kw.get("timeout", 30.0), connect_timeout=30.0)
+    return GroupConfig(
+        timeout=kw.get("timeout", 30.0), connect_timeout=30.0, punch=PunchConfig(enabled=False)
+    )
 
 
 async def form(url: str, world: int, **kw: float) -> list[Group]:

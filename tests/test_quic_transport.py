@@ -45,6 +45,7 @@ from p2pdist.errors import (
 from p2pdist.identity import EndpointId, SecretKey
 from p2pdist.tls import TlsIdentity, make_certificate
 from p2pdist.transport import TransportConfig
+from p2pdist.transport.punch import PunchConfig
 from p2pdist.transport.quic import QuicConnection, QuicTransport
 from p2pdist.transport.quic_core import (
     ALPN,
@@ -124,24 +125,54 @@ async def direct_pair(**cfg: Any) -> AsyncIterator[Pair]:
         yield p
 
 
+NO_PUNCH = PunchConfig(enabled=False)
+
+
 @contextlib.asynccontextmanager
 async def relay_pair(**cfg: Any) -> AsyncIterator[Pair]:
+    """A pair through the in-memory relay that stays there (hole punching off)."""
     conf = config(**cfg)
     hub = FakeRelayHub()
-    client_t = QuicTransport(key(0), conf, relay=hub.attach(eid(0)))
-    server_t = QuicTransport(key(1), conf, relay=hub.attach(eid(1)))
+    client_t = QuicTransport(key(0), conf, relay=hub.attach(eid(0)), punch=NO_PUNCH)
+    server_t = QuicTransport(key(1), conf, relay=hub.attach(eid(1)), punch=NO_PUNCH)
     async with connected(client_t, server_t, None, lambda: hub.detach(eid(0))) as p:
         assert isinstance(p.client, QuicConnection) and isinstance(p.server, QuicConnection)
         assert p.client.path_kind == p.server.path_kind == "relay"
         assert p.client.remote_address == eid(1) and p.server.remote_address == eid(0)
         for t in (client_t, server_t):  # no UDP socket at all
-            assert t._udp is None and not t._dial_sockets
+            assert t._udp is None and not t._dial_sockets and t._punch_sock is None
         yield p
 
 
-@pytest.fixture(params=["direct", "relay"])
+def kill_punched(hub: FakeRelayHub, transport: QuicTransport) -> None:
+    """The client dies: off the relay, and its punching socket closed."""
+    hub.detach(transport.endpoint_id)
+    if transport._punch_sock is not None:
+        transport._punch_sock.close()
+
+
+@contextlib.asynccontextmanager
+async def punched_pair(**cfg: Any) -> AsyncIterator[Pair]:
+    """A pair that met through the in-memory relay and moved to a direct UDP path."""
+    conf = config(**cfg)
+    hub = FakeRelayHub()
+    client_t = QuicTransport(key(0), conf, relay=hub.attach(eid(0)))
+    server_t = QuicTransport(key(1), conf, relay=hub.attach(eid(1)))
+    kill = functools.partial(kill_punched, hub, client_t)
+    async with connected(client_t, server_t, None, kill) as p:
+        assert isinstance(p.client, QuicConnection) and isinstance(p.server, QuicConnection)
+        client, server = p.client, p.server
+        await wait_until(lambda: client.path_kind == server.path_kind == "direct", "a direct path")
+        assert client.remote_address[0] == "127.0.0.1"  # type: ignore[index]
+        yield p
+
+
+PAIRS = {"direct": direct_pair, "relay": relay_pair, "punched": punched_pair}
+
+
+@pytest.fixture(params=sorted(PAIRS))
 def make_pair(request: pytest.FixtureRequest) -> PairFactory:
-    return direct_pair if request.param == "direct" else relay_pair
+    return PAIRS[request.param]
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__.removeprefix("check_") for c in CHECKS])

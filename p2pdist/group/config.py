@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..transport.base import TransportConfig
+from ..transport.punch import PunchConfig
 
 __all__ = ["MODES", "GroupConfig"]
 
@@ -29,6 +30,9 @@ class GroupConfig:
     max_message_bytes: int = 16 << 30
     """Largest array :meth:`Group.recv` allocates for a sender (without ``out=``)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
+    punch: PunchConfig = field(default_factory=PunchConfig)
+    """Hole punching for ranks that meet through a relay (``PunchConfig(enabled=False)``
+    keeps them on the relay)."""
 
     def __post_init__(self) -> None:
         if self.timeout <= 0 or self.connect_timeout <= 0:

@@ -29,6 +29,7 @@ from ..errors import (
 from ..identity import EndpointId, SecretKey
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.mailbox import SPACE_SHIFT
+from ..transport.pathinfo import PathInfo, PathStats
 from ..transport.quic import QuicTransport
 from ..transport.relay_path import RelayPath, RelayStatus
 from ..transport.tcp import TcpTransport, parse_address
@@ -239,6 +240,34 @@ class GroupCore:
         """The relay session's state and counters, or None without a relay."""
         return self._relay_path.status if self._relay_path is not None else None
 
+    def paths(self) -> dict[int, PathInfo]:
+        """How each other rank is reached now, by rank: the path kind (``direct`` or
+        ``relay``), the remote address, the smoothed RTT and the traffic per path. Over a
+        relay, hole punching moves peers to direct paths when their NATs allow it
+        (docs/nat-traversal.md); every change is also logged."""
+        t = self._transport
+        quic = t.paths() if isinstance(t, QuicTransport) else {}
+        out: dict[int, PathInfo] = {}
+        for r, conn in sorted(self._conns.items()):
+            info = quic.get(conn.peer_id)
+            if info is None:
+                remote = getattr(conn, "remote_address", None) or "?"
+                st = conn.stats
+                stats = PathStats(
+                    "direct",
+                    remote,
+                    True,
+                    st.frames_sent,
+                    st.bytes_sent,
+                    st.frames_received,
+                    st.bytes_received,
+                    st.rtt,
+                )
+                kind = "quic" if isinstance(t, QuicTransport) else "tcp"
+                info = PathInfo(conn.peer_id, "direct", remote, st.rtt, kind, (stats,))
+            out[r] = info
+        return out
+
     def connection(self, rank: int) -> Connection:
         """The live connection to ``rank`` (for statistics and diagnostics)."""
         try:
@@ -331,6 +360,7 @@ class GroupCore:
                 accept_from=members,
                 label_for=self._peer_name,
                 relay=path,
+                punch=self.config.punch,
             )
             self._transport = quic
             await path.wait_connected(self.config.connect_timeout)

@@ -6,6 +6,8 @@ and :class:`QuicTransport` (over UDP, or a relay through :class:`RelayPath`).
 """
 
 from .base import Connection, ConnectionStats, Transport, TransportConfig
+from .pathinfo import PathInfo, PathStats
+from .punch import PunchConfig
 from .quic import QuicConnection, QuicTransport
 from .relay_path import RelayPath
 from .tcp import TcpTransport
@@ -13,6 +15,9 @@ from .tcp import TcpTransport
 __all__ = [
     "Connection",
     "ConnectionStats",
+    "PathInfo",
+    "PathStats",
+    "PunchConfig",
     "QuicConnection",
     "QuicTransport",
     "RelayPath",

@@ -34,6 +34,7 @@ __all__ = [
     "UdpRoute",
     "UdpSocket",
     "is_loopback",
+    "path_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -82,12 +83,18 @@ class Relay(Protocol):
 class Route(Protocol):
     """One way to one peer: where a connection's datagrams go."""
 
-    kind: PathKind
-    """``"direct"`` (UDP) or ``"relay"``."""
     quic_addr: Any
     """The network address aioquic uses for the peer on this route."""
-    max_datagram: int
-    """Largest QUIC datagram to send on this route, bytes."""
+
+    @property
+    def kind(self) -> PathKind:
+        """``"direct"`` (UDP) or ``"relay"``: where datagrams go now."""
+        ...
+
+    @property
+    def max_datagram(self) -> int:
+        """Largest QUIC datagram to send on this route now, bytes."""
+        ...
 
     @property
     def remote(self) -> UdpAddress | EndpointId:
@@ -263,31 +270,95 @@ class UdpRoute:
 
 
 class RelayRoute:
-    """The relay path: datagrams addressed to the peer's endpoint id."""
+    """The relay path to one peer, addressed by its endpoint id, which hole punching can
+    upgrade to a direct UDP path.
 
-    kind: PathKind = "relay"
+    aioquic always sees :data:`RELAY_ADDR` as the peer's address, whichever way a
+    datagram actually travels: the QUIC connection does not care (and does not run its
+    own path validation), while :class:`~p2pdist.transport.holepunch.HolePuncher` validates
+    direct paths with signed probes. Once :meth:`use_direct` was called, datagrams go
+    straight to the peer's ip:port; the relay stays the backup and still delivers.
+    """
+
     quic_addr = RELAY_ADDR
 
     def __init__(self, relay: Relay, peer: EndpointId, max_datagram: int) -> None:
         self.relay = relay
         self.peer = peer
-        self.max_datagram = max_datagram
+        self.relay_datagram = max_datagram
         self.dropped = 0
+        self.direct: tuple[UdpSocket, UdpAddress] | None = None
+        self.direct_datagram = max_datagram
+        self.changes = 0
+        """How many times the path changed (direct <-> relay)."""
+        self.sent: dict[str, list[int]] = {}
+        """Per path (``"relay"`` or ``"ip:port"``): [datagrams, bytes] sent."""
+        self.received: dict[str, list[int]] = {}
+        """Per path: [datagrams, bytes] received."""
+        self._key = "relay"
 
     @property
-    def remote(self) -> EndpointId:
-        """The peer's endpoint id."""
-        return self.peer
+    def kind(self) -> PathKind:
+        """``"direct"`` once upgraded, else ``"relay"``."""
+        return "relay" if self.direct is None else "direct"
+
+    @property
+    def remote(self) -> UdpAddress | EndpointId:
+        """The peer's ip:port while direct, else its endpoint id."""
+        return self.peer if self.direct is None else self.direct[1]
+
+    @property
+    def max_datagram(self) -> int:
+        """The size for the path in use."""
+        return self.relay_datagram if self.direct is None else self.direct_datagram
 
     @property
     def up(self) -> bool:
         """Always True: the relay session reconnects by itself."""
         return True
 
+    def use_direct(self, sock: UdpSocket, addr: UdpAddress, max_datagram: int) -> None:
+        """Send to ``addr`` on ``sock`` from now on."""
+        self.direct = (sock, addr)
+        self.direct_datagram = min(max_datagram, self.relay_datagram)
+        self._key = path_key(addr)
+        self.changes += 1
+
+    def use_relay(self) -> None:
+        """Send through the relay from now on."""
+        if self.direct is not None:
+            self.direct = None
+            self._key = "relay"
+            self.changes += 1
+
+    def count_received(self, nbytes: int, addr: UdpAddress | None) -> None:
+        """Account a datagram that arrived by ``addr`` (None: the relay)."""
+        _bump(self.received, "relay" if addr is None else path_key(addr), nbytes)
+
     def send(self, datagram: bytes, addr: Any) -> None:
-        """Send through the relay; a datagram it refuses is dropped (QUIC resends)."""
+        """Send on the path in use; a datagram the relay refuses is dropped (QUIC resends)."""
+        _bump(self.sent, self._key, len(datagram))
+        direct = self.direct
+        if direct is not None and not direct[0].closed:
+            direct[0].send(datagram, direct[1])
+            return
         try:
             self.relay.send(self.peer, datagram)
         except Exception as exc:  # e.g. the relay lowered max_datagram after a reconnect
             self.dropped += 1
             log.debug("relay refused a datagram for %s: %s", self.peer.short(), exc)
+
+
+def path_key(addr: UdpAddress) -> str:
+    """``ip:port`` (``[ip]:port`` for IPv6): how per-path counters name a direct path."""
+    host, port = addr
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _bump(table: dict[str, list[int]], key: str, nbytes: int) -> None:
+    entry = table.get(key)
+    if entry is None:
+        table[key] = [1, nbytes]
+    else:
+        entry[0] += 1
+        entry[1] += nbytes

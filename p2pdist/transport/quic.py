@@ -30,9 +30,22 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId, SecretKey
+from ..wire.probe import DatagramKind, classify
 from .base import Address, TransportConfig
 from .framed import EndpointBase, FramedConnection
-from .paths import Relay, RelayRoute, Route, UdpAddress, UdpRoute, UdpSocket, is_loopback
+from .holepunch import HolePuncher
+from .pathinfo import PathInfo, PathStats
+from .paths import (
+    Relay,
+    RelayRoute,
+    Route,
+    UdpAddress,
+    UdpRoute,
+    UdpSocket,
+    is_loopback,
+    path_key,
+)
+from .punch import PunchConfig
 from .quic_conn import QuicConnection
 from .quic_core import CID_LENGTH, PinnedQuicConnection, QuicConfig, quic_configuration
 from .tcp import parse_address
@@ -50,7 +63,11 @@ class QuicTransport(EndpointBase[QuicConnection]):
     ``relay`` (optional) is a running relay session (:class:`~.paths.Relay`, e.g.
     :class:`~p2pdist.transport.relay_path.RelayPath`). The transport takes it over: it sets
     its callbacks, accepts connections that come through it, and closes it in
-    :meth:`close`. ``quic`` holds the QUIC-specific settings.
+    :meth:`close`. ``quic`` holds the QUIC-specific settings. Connections made through
+    the relay try for a direct UDP path by hole punching (``punch``, see
+    docs/nat-traversal.md), from the listening socket if there is one, else from a UDP
+    socket of their own on ``0.0.0.0`` (``127.0.0.1`` when the relay is on loopback or
+    unknown); :meth:`paths` shows where each peer's datagrams go.
     """
 
     def __init__(
@@ -62,6 +79,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
         label_for: Callable[[EndpointId], str] | None = None,
         relay: Relay | None = None,
         quic: QuicConfig | None = None,
+        punch: PunchConfig | None = None,
     ) -> None:
         super().__init__(key, config, accept_from, label_for)
         if not self.config.tls:
@@ -75,6 +93,9 @@ class QuicTransport(EndpointBase[QuicConnection]):
         self._routes: dict[bytes, QuicConnection] = {}
         self._handshaking: set[QuicConnection] = set()
         self._live: set[QuicConnection] = set()
+        self.punch_config = punch or PunchConfig()
+        self._puncher: HolePuncher | None = None
+        self._punch_sock: UdpSocket | None = None
         if relay is not None:
             relay.on_datagram = self._on_relay_datagram
             relay.on_peer_gone = self._on_peer_gone
@@ -121,7 +142,9 @@ class QuicTransport(EndpointBase[QuicConnection]):
         await self._close_all()
         for conn in set(self._routes.values()) | self._live:
             conn.stop()
-        for sock in [self._udp, *self._dial_sockets.values()]:
+        if self._puncher is not None:
+            await self._puncher.close()
+        for sock in [self._udp, self._punch_sock, *self._dial_sockets.values()]:
             if sock is not None:
                 sock.close()
         if self._relay is not None:
@@ -257,6 +280,13 @@ class QuicTransport(EndpointBase[QuicConnection]):
         for cid in [c for c, v in self._routes.items() if v is conn]:
             del self._routes[cid]
         self._live.discard(conn)
+        route = conn.route
+        if (
+            isinstance(route, RelayRoute)
+            and self._puncher is not None
+            and not any(r.peer == route.peer for r in self._relay_routes())
+        ):
+            self._puncher.unwatch(route.peer)
 
     def _dispatch(
         self,
@@ -290,14 +320,36 @@ class QuicTransport(EndpointBase[QuicConnection]):
                 self.garbage += 1
                 conn.discard()
             return
-        if not fits(conn.route):
+        route = conn.route
+        if not fits(route):
             self.garbage += 1
             return
+        if isinstance(route, RelayRoute):
+            route.count_received(len(data), addr if isinstance(addr, tuple) and addr[1] else None)
+            addr = route.quic_addr
         conn.datagram_received(data, addr)
 
     def _on_udp_datagram(self, sock: UdpSocket, data: bytes, addr: UdpAddress) -> None:
+        kind = classify(data)
+        if kind is not DatagramKind.QUIC:
+            puncher = self._puncher
+            if puncher is None or kind is DatagramKind.GARBAGE:
+                self.garbage += 1
+            elif kind is DatagramKind.PROBE:
+                puncher.on_udp_probe(sock, data, addr)
+            else:
+                puncher.on_stun(sock, data, addr)
+            return
+
         def fits(route: Route) -> bool:
-            return isinstance(route, UdpRoute) and route.sock is sock
+            if isinstance(route, UdpRoute):
+                return route.sock is sock
+            puncher = self._puncher
+            return (
+                isinstance(route, RelayRoute)
+                and puncher is not None
+                and puncher.accepts(route.peer, sock, addr)
+            )
 
         def new_route() -> Route:
             return self._udp_route(sock, addr)
@@ -317,6 +369,10 @@ class QuicTransport(EndpointBase[QuicConnection]):
         # The relay authenticated the source: a stranger may not start a handshake at all
         # (else anyone on the relay could fill our pending-handshake slots).
         accept_new = new_route if self.accepts(src) else None
+        if classify(data) is DatagramKind.PROBE:
+            if self._puncher is not None:
+                self._puncher.on_relay_probe(src, data)
+            return
         try:
             self._dispatch(data, RelayRoute.quic_addr, fits, accept_new)
         except Exception:  # never let a datagram break the relay session's loop
@@ -330,3 +386,127 @@ class QuicTransport(EndpointBase[QuicConnection]):
             route = conn.route
             if isinstance(route, RelayRoute) and route.peer == peer and conn.dialing:
                 conn.abort(ConnectionBrokenError(conn.label, "is not connected to the relay"))
+
+    # ---- hole punching -----------------------------------------------------------------
+
+    def paths(self) -> dict[EndpointId, PathInfo]:
+        """How each connected peer is reached now (see :class:`~.pathinfo.PathInfo`)."""
+        out: dict[EndpointId, PathInfo] = {}
+        for conn in self._live:
+            if conn.closed or conn.dialing or conn.peer_id in out:
+                continue
+            out[conn.peer_id] = self._path_info(conn)
+        return out
+
+    def _path_info(self, conn: QuicConnection) -> PathInfo:
+        route = conn.route
+        peer = conn.peer_id
+        if isinstance(route, UdpRoute):
+            only = (PathStats("direct", path_key(route.remote), True),)
+            return PathInfo(peer, "direct", path_key(route.remote), conn.rtt, "quic", only)
+        assert isinstance(route, RelayRoute)
+        state = self._puncher.state(peer) if self._puncher is not None else None
+        rtts = {path_key(a): p.rtt for a, p in state.paths.items()} if state else {}
+        active = "relay" if route.direct is None else path_key(route.direct[1])
+        keys = sorted({active, "relay", *route.sent, *route.received})
+        per_path: list[PathStats] = []
+        for key in keys:
+            sent = route.sent.get(key, [0, 0])
+            got = route.received.get(key, [0, 0])
+            per_path.append(
+                PathStats(
+                    "relay" if key == "relay" else "direct",
+                    key,
+                    key == active,
+                    datagrams_sent=sent[0],
+                    bytes_sent=sent[1],
+                    datagrams_received=got[0],
+                    bytes_received=got[1],
+                    rtt=rtts.get(key),
+                )
+            )
+        url = getattr(self._relay, "url", None)
+        remote = active if route.direct is not None else f"relay {url}" if url else "relay"
+        return PathInfo(
+            peer,
+            route.kind,
+            remote,
+            conn.rtt,
+            "quic",
+            tuple(per_path),
+            punching=state.phase.value if state is not None else "off",
+            changes=route.changes,
+            last_failure=state.last_failure if state is not None else None,
+        )
+
+    def _relay_routes(self) -> list[RelayRoute]:
+        return [c.route for c in self._live if isinstance(c.route, RelayRoute)]
+
+    def _punch_towards(self, conn: QuicConnection) -> None:
+        """``conn`` came up through the relay: punch towards its peer (if enabled)."""
+        route = conn.route
+        if not isinstance(route, RelayRoute) or not self.punch_config.enabled:
+            return
+        if self._puncher is None:
+            assert self._relay is not None
+            self._puncher = HolePuncher(
+                self.key,
+                self._relay,
+                self.punch_config,
+                open_socket=self._open_punch_socket,
+                stun_targets=self._stun_targets,
+                on_change=self._path_change,
+                label_for=self.label_for,
+            )
+        puncher = self._puncher
+        state = puncher.state(route.peer)
+        if state is not None and state.current is not None and puncher.socket is not None:
+            self._move(conn, puncher.socket, state.current)
+        puncher.watch(route.peer)
+
+    async def _open_punch_socket(self) -> UdpSocket:
+        if self._udp is not None and not self._udp.closed:
+            return self._udp
+        if self._punch_sock is None or self._punch_sock.closed:
+            # A relay on loopback (tests, one machine): punch on loopback only.
+            targets = await self._stun_targets()
+            local = not targets or all(is_loopback(h) for h, _ in targets)
+            host = "127.0.0.1" if local else "0.0.0.0"
+            self._punch_sock = await UdpSocket.open(host, 0, self._on_udp_datagram)
+        return self._punch_sock
+
+    async def _stun_targets(self) -> list[UdpAddress]:
+        """The relay's observation ports (a RelayPath's host; none for other relays)."""
+        url = getattr(self._relay, "url", None)
+        status = getattr(self._relay, "status", None)
+        if url is None or status is None:
+            return []
+        ports = tuple(getattr(status, "stun_ports", ()) or ()) or (int(url.port),)
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(url.host, None, family=socket.AF_INET)
+        except OSError as exc:
+            log.info("cannot resolve relay host %s for address observation: %s", url.host, exc)
+            return []
+        ip = str(infos[0][4][0])
+        return [(ip, int(p)) for p in ports]
+
+    def _path_change(
+        self, peer: EndpointId, sock: UdpSocket | None, addr: UdpAddress | None, reason: str
+    ) -> None:
+        for conn in list(self._live):
+            route = conn.route
+            if isinstance(route, RelayRoute) and route.peer == peer:
+                if sock is None or addr is None:
+                    route.use_relay()
+                    conn.path_changed()
+                else:
+                    self._move(conn, sock, addr)
+
+    def _move(self, conn: QuicConnection, sock: UdpSocket, addr: UdpAddress) -> None:
+        route = conn.route
+        assert isinstance(route, RelayRoute)
+        qc = self.quic_config
+        size = qc.loopback_datagram if is_loopback(addr[0]) else qc.direct_datagram
+        route.use_direct(sock, addr, size)
+        conn.path_changed()

@@ -262,7 +262,8 @@ class QuicConnection(FramedConnection):
         if self._server_side:
             self._peer = presented
             self.label = self._owner.label_for(presented)
-        else:
+        self._owner._punch_towards(self)
+        if not self._server_side:
             self._stream_open = True
             self._start_frames()
             self._send_ping()  # opens the stream; the server's PONG confirms it accepted us
@@ -347,6 +348,18 @@ class QuicConnection(FramedConnection):
         if not self._transmit_soon:
             self._transmit_soon = True
             self._loop.call_soon(self._transmit)
+
+    def path_changed(self) -> None:
+        """The route now sends another way (hole punching): adapt and send promptly."""
+        self._quic.path_changed(self._route.max_datagram)
+        if not self._terminated.done():
+            self._arm_timer()
+            self._schedule_transmit()
+
+    @property
+    def rtt(self) -> float | None:
+        """QUIC's smoothed round-trip time to the peer, seconds."""
+        return self._quic.smoothed_rtt
 
     def _transmit(self) -> None:
         self._transmit_soon = False

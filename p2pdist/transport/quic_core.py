@@ -19,7 +19,10 @@ changes, each relying on an aioquic internal (hence the ``aioquic>=1.2,<2`` pin;
    :attr:`receive_paused` (the mailbox is full) is set.
 3. **Introspection.** :meth:`unsent` (send backpressure) and :meth:`send_acked` (a close
    that waits for the peer to have everything) read the stream's sender; :meth:`ending`
-   reads the pending close.
+   reads the pending close; :attr:`smoothed_rtt` reads the loss recovery's estimate.
+4. **Path changes.** :meth:`path_changed` sets the datagram size (``_max_datagram_size``,
+   also the pacer's) and resets the probe-timeout count (``_loss._pto_count``) when hole
+   punching moves the connection between the relay and a direct path.
 """
 
 from __future__ import annotations
@@ -219,6 +222,20 @@ class PinnedQuicConnection(QuicConnection):
         if ev is None:
             return None
         return ev, self._state is QuicConnectionState.DRAINING
+
+    def path_changed(self, max_datagram: int) -> None:
+        """Datagrams take another path from now on (the route below changed): build them
+        at most ``max_datagram`` bytes long and restart the probe-timeout backoff, so
+        what was lost on the old path is resent promptly on the new one."""
+        self._max_datagram_size = max_datagram
+        self._loss._pacer._max_datagram_size = max_datagram
+        self._loss._pto_count = 0
+
+    @property
+    def smoothed_rtt(self) -> float | None:
+        """aioquic's smoothed round-trip time, seconds (None before the first sample)."""
+        loss = self._loss
+        return loss._rtt_smoothed if loss._rtt_initialized else None
 
     @property
     def decrypted_any(self) -> bool:

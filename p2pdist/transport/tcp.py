@@ -92,6 +92,15 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         self._lost = self._loop.create_future()
 
     @property
+    def remote_address(self) -> str | None:
+        """The peer's ``ip:port`` (None before the socket is connected)."""
+        name = self._transport.get_extra_info("peername") if self._transport else None
+        if not name:
+            return None
+        host, port = str(name[0]), int(name[1])
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    @property
     def encrypted(self) -> bool:
         """True when TLS protects this connection."""
         return (

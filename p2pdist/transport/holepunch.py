@@ -1,0 +1,386 @@
+"""asyncio glue for hole punching: candidates, signed probes, timers, path switches.
+
+One :class:`HolePuncher` serves a :class:`~p2pdist.transport.quic.QuicTransport` that has
+a relay. For every peer connected through the relay it runs a
+:class:`~.punch.PeerPaths` (the sans-I/O logic) and carries out its actions:
+
+* our candidates (the UDP socket's interface addresses, plus the address the relay's
+  STUN ports observe) go to the peer through the relay, signed;
+* PINGs and PONGs go over the UDP socket, signed (:mod:`p2pdist.wire.probe`); a probe
+  that is not from the expected peer, or not for us, is dropped before it can touch
+  any state;
+* a path change moves the peer's QUIC datagrams (``on_change``): the QUIC connection
+  keeps running, only the route below it changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+import struct
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from ..identity import EndpointId, SecretKey
+from ..wire.probe import (
+    MAX_CANDIDATES,
+    ProbeError,
+    ProbeKind,
+    decode_probe,
+    encode_candidates,
+    encode_ping,
+    encode_pong,
+    peek_sender,
+)
+from ..wire.stun import StunError, binding_request, new_transaction_id, parse_binding_response
+from .paths import Relay, UdpAddress, UdpSocket, is_loopback
+from .punch import Action, PathChange, PeerPaths, PunchConfig, SendCandidates, SendPing, SendPong
+
+__all__ = ["HolePuncher", "Observation", "interface_addresses", "mapping_behaviour"]
+
+log = logging.getLogger(__name__)
+
+_STUN_RETRY = 0.1
+_SIOCGIFADDR = 0x8915
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the relay's observation ports saw of our UDP socket."""
+
+    mapped: tuple[tuple[UdpAddress, UdpAddress], ...]
+    """(relay observation address, our address as seen from it), one per answer."""
+    at: float
+
+    @property
+    def addresses(self) -> list[UdpAddress]:
+        """Our distinct server-reflexive addresses."""
+        return list(dict.fromkeys(m for _, m in self.mapped))
+
+
+def mapping_behaviour(obs: Observation | None, targets: int) -> str:
+    """``endpoint-independent``, ``endpoint-dependent``, ``no UDP`` (no answer) or
+    ``unknown`` (one observation port only), from one socket's observations."""
+    if obs is None or not obs.mapped:
+        return "no UDP" if targets else "unknown"
+    if len(obs.mapped) < 2:
+        return "unknown"
+    return "endpoint-independent" if len(obs.addresses) == 1 else "endpoint-dependent"
+
+
+def interface_addresses() -> list[str]:
+    """IPv4 addresses of this host's interfaces (Linux; elsewhere an empty list)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    import fcntl
+
+    found: list[str] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = struct.pack("256s", name.encode()[:15])
+                res = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, packed)
+            except OSError:
+                continue  # no IPv4 address on this interface
+            found.append(socket.inet_ntoa(res[20:24]))
+    return found
+
+
+class _Peer:
+    def __init__(self, peer: EndpointId, paths: PeerPaths) -> None:
+        self.peer = peer
+        self.paths = paths
+        self.timer: asyncio.TimerHandle | None = None
+        self.changes = 0
+        self.direct_since: float | None = None
+
+
+class HolePuncher:
+    """Hole punching for every peer connected through the relay (see module docstring).
+
+    ``open_socket`` returns the UDP socket to punch from (opened once, on first use);
+    ``stun_targets`` the relay's observation ports; ``on_change(peer, sock, addr,
+    reason)`` moves a peer's datagrams to ``addr`` on ``sock`` (None: the relay).
+    """
+
+    def __init__(
+        self,
+        key: SecretKey,
+        relay: Relay,
+        config: PunchConfig,
+        *,
+        open_socket: Callable[[], Awaitable[UdpSocket]],
+        stun_targets: Callable[[], Awaitable[list[UdpAddress]]],
+        on_change: Callable[[EndpointId, UdpSocket | None, UdpAddress | None, str], None],
+        label_for: Callable[[EndpointId], str],
+    ) -> None:
+        self._key = key
+        self._me = key.endpoint_id
+        self._relay = relay
+        self.config = config
+        self._open_socket = open_socket
+        self._stun_targets = stun_targets
+        self._on_change = on_change
+        self._label_for = label_for
+        self._loop = asyncio.get_running_loop()
+        self._peers: dict[EndpointId, _Peer] = {}
+        self._sock: UdpSocket | None = None
+        self._stun_pending: dict[bytes, UdpAddress] = {}
+        self._stun_answers: dict[bytes, UdpAddress] = {}
+        self._stun_all_in: asyncio.Event | None = None
+        self._observation: Observation | None = None
+        self._observing: asyncio.Task[Observation | None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._targets: list[UdpAddress] = []
+        self._closed = False
+        self.bad_probes = 0
+        """Probes dropped: bad signature, not for us, or from a peer we do not expect."""
+
+    # ---- driven by the transport ------------------------------------------------------------
+
+    @property
+    def socket(self) -> UdpSocket | None:
+        """The UDP socket we punch from, once opened."""
+        return self._sock
+
+    @property
+    def observation(self) -> Observation | None:
+        """The latest answers of the relay's observation ports."""
+        return self._observation
+
+    def state(self, peer: EndpointId) -> PeerPaths | None:
+        """The punching state towards ``peer`` (None: not connected through the relay)."""
+        p = self._peers.get(peer)
+        return None if p is None else p.paths
+
+    def changes(self, peer: EndpointId) -> int:
+        """How many times ``peer``'s path changed."""
+        p = self._peers.get(peer)
+        return 0 if p is None else p.changes
+
+    def watch(self, peer: EndpointId) -> None:
+        """A connection to ``peer`` through the relay is up: punch towards it."""
+        if self._closed or not self.config.enabled or peer in self._peers:
+            return
+        self._peers[peer] = _Peer(peer, PeerPaths(self.config))
+        self._spawn(self._start(peer))
+
+    def unwatch(self, peer: EndpointId) -> None:
+        """No connection to ``peer`` through the relay is left: stop punching."""
+        p = self._peers.pop(peer, None)
+        if p is not None and p.timer is not None:
+            p.timer.cancel()
+
+    def accepts(self, peer: EndpointId, sock: UdpSocket, addr: UdpAddress) -> bool:
+        """Whether a QUIC datagram from ``addr`` on ``sock`` may be ``peer``'s."""
+        p = self._peers.get(peer)
+        return p is not None and sock is self._sock and p.paths.accepts(addr, self._loop.time())
+
+    def on_relay_probe(self, src: EndpointId, data: bytes) -> None:
+        """A probe message that came through the relay (from ``src``, authenticated)."""
+        p = self._peers.get(src)
+        if p is None:
+            return  # not a peer we are connected to through the relay
+        try:
+            msg = decode_probe(data, self._me)
+        except ProbeError as exc:
+            self.bad_probes += 1
+            log.debug("bad probe relayed from %s: %s", src.short(), exc)
+            return
+        if msg.sender != src or msg.kind is not ProbeKind.CANDIDATES:
+            self.bad_probes += 1
+            return
+        log.debug("%s: candidates %s", self._label_for(src), msg.candidates)
+        self._run(p, p.paths.on_candidates(msg.candidates, msg.reply_wanted, self._loop.time()))
+
+    def on_udp_probe(self, sock: UdpSocket, data: bytes, addr: UdpAddress) -> None:
+        """A probe message (PING or PONG) that arrived on a UDP socket from ``addr``."""
+        sender = peek_sender(data)
+        p = self._peers.get(sender) if sender is not None else None
+        if p is None or sock is not self._sock:
+            self.bad_probes += 1
+            return
+        try:
+            msg = decode_probe(data, self._me)
+        except ProbeError as exc:
+            self.bad_probes += 1
+            log.debug("bad probe from %s: %s", addr, exc)
+            return
+        now = self._loop.time()
+        if msg.kind is ProbeKind.PING:
+            self._run(p, p.paths.on_ping(addr, msg.txid, now))
+        elif msg.kind is ProbeKind.PONG:
+            self._run(p, p.paths.on_pong(addr, msg.txid, now))
+        else:
+            self.bad_probes += 1
+
+    def on_stun(self, sock: UdpSocket, data: bytes, addr: UdpAddress) -> None:
+        """A STUN message on our socket: maybe the answer of a relay observation port."""
+        txid = bytes(data[8:20])
+        target = self._stun_pending.get(txid)
+        if target is None or sock is not self._sock:
+            return
+        try:
+            mapped = parse_binding_response(data, txid)
+        except StunError:
+            return
+        del self._stun_pending[txid]
+        self._stun_answers[txid] = mapped
+        log.debug("observed at %s by %s", mapped, target)
+        if self._stun_all_in is not None and not self._stun_pending:
+            self._stun_all_in.set()
+
+    async def observe(self, *, fresh: bool = False) -> Observation | None:
+        """Ask the relay's observation ports where they see our socket (bounded by
+        ``stun_timeout``); shared by concurrent callers, cached for a minute."""
+        obs = self._observation
+        if obs is not None and not fresh and time.monotonic() - obs.at < 60.0:
+            return obs
+        if self._observing is None or self._observing.done():
+            self._observing = self._loop.create_task(self._observe())
+        return await asyncio.shield(self._observing)
+
+    async def candidates(self) -> list[UdpAddress]:
+        """Our candidate addresses: the socket's local addresses and the observed ones."""
+        sock = await self._socket()
+        obs = await self.observe()
+        host, port = sock.local_address
+        if ipaddress.ip_address(host).is_unspecified:
+            hosts = [h for h in interface_addresses() if not is_loopback(h)]
+        else:
+            hosts = [host]
+        found: list[UdpAddress] = [(h, port) for h in hosts]
+        if obs is not None:
+            found += obs.addresses
+        return list(dict.fromkeys(found))[:MAX_CANDIDATES]
+
+    async def close(self) -> None:
+        """Stop every timer and task (the socket belongs to the transport)."""
+        self._closed = True
+        for peer in list(self._peers):
+            self.unwatch(peer)
+        tasks = list(self._tasks)
+        if self._observing is not None:
+            tasks.append(self._observing)  # type: ignore[arg-type]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=1.0)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    async def _socket(self) -> UdpSocket:
+        if self._sock is None or self._sock.closed:
+            self._sock = await self._open_socket()
+        return self._sock
+
+    async def _observe(self) -> Observation | None:
+        sock = await self._socket()
+        self._targets = await self._stun_targets()
+        if not self._targets:
+            return None
+        txids = {new_transaction_id(): t for t in self._targets}
+        self._stun_pending.update(txids)
+        self._stun_all_in = asyncio.Event()
+        deadline = self._loop.time() + self.config.stun_timeout
+        delay = _STUN_RETRY
+        try:
+            while True:
+                for txid, target in txids.items():
+                    if txid not in self._stun_answers:
+                        sock.send(binding_request(txid), target)
+                left = deadline - self._loop.time()
+                if left <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(delay, left)):
+                        await self._stun_all_in.wait()
+                if all(t in self._stun_answers for t in txids):
+                    break
+                delay *= 2
+        finally:
+            self._stun_all_in = None
+            for txid in txids:
+                self._stun_pending.pop(txid, None)
+        answers = self._stun_answers
+        mapped = tuple((t, answers.pop(x)) for x, t in txids.items() if x in answers)
+        obs = Observation(mapped, time.monotonic())
+        self._observation = obs
+        if not mapped:
+            log.info("no answer from the relay observation ports (UDP blocked?)")
+        return obs
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        async def guarded() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a punching hiccup must never surface in user code
+                log.exception("hole punching task failed")
+
+        task = self._loop.create_task(guarded())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _start(self, peer: EndpointId) -> None:
+        await self._socket()
+        p = self._peers.get(peer)
+        if p is not None:
+            self._run(p, p.paths.start(self._loop.time()))
+
+    async def _send_candidates(self, p: _Peer, reply_wanted: bool) -> None:
+        addrs = await self.candidates()
+        if self._peers.get(p.peer) is not p:
+            return
+        data = encode_candidates(self._key, p.peer, addrs, reply_wanted=reply_wanted)
+        log.debug("%s: sending candidates %s", self._label_for(p.peer), addrs)
+        self._relay.send(p.peer, data)
+
+    def _run(self, p: _Peer, actions: list[Action]) -> None:
+        sock = self._sock
+        for act in actions:
+            if isinstance(act, SendPing):
+                if sock is not None:
+                    sock.send(encode_ping(self._key, p.peer, act.txid), act.addr)
+            elif isinstance(act, SendPong):
+                if sock is not None:
+                    sock.send(encode_pong(self._key, p.peer, act.txid, act.addr), act.addr)
+            elif isinstance(act, SendCandidates):
+                self._spawn(self._send_candidates(p, act.reply_wanted))
+            elif isinstance(act, PathChange):
+                self._change(p, act)
+        self._arm(p)
+
+    def _change(self, p: _Peer, act: PathChange) -> None:
+        p.changes += 1
+        name = self._label_for(p.peer)
+        now = self._loop.time()
+        if act.new is not None:
+            started = p.paths.round_started
+            took = f" {now - started:.3f} s after the round began" if started is not None else ""
+            log.info("%s: path relay -> direct %s:%d (%s)%s", name, *act.new, act.reason, took)
+            p.direct_since = now
+        else:
+            old = f"{act.old[0]}:{act.old[1]}" if act.old else "?"
+            log.info("%s: path direct %s -> relay (%s)", name, old, act.reason)
+            p.direct_since = None
+        self._on_change(p.peer, self._sock if act.new else None, act.new, act.reason)
+
+    def _arm(self, p: _Peer) -> None:
+        if p.timer is not None:
+            p.timer.cancel()
+            p.timer = None
+        at = p.paths.next_deadline()
+        if at is not None and self._peers.get(p.peer) is p:
+            p.timer = self._loop.call_at(at, self._fire, p)
+
+    def _fire(self, p: _Peer) -> None:
+        p.timer = None
+        if self._peers.get(p.peer) is p:
+            self._run(p, p.paths.poll(self._loop.time()))

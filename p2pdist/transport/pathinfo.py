@@ -1,0 +1,51 @@
+"""What a caller can see of the way to each peer: :class:`PathInfo` and :class:`PathStats`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..identity import EndpointId
+from .paths import PathKind
+
+__all__ = ["PathInfo", "PathStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class PathStats:
+    """Traffic on one path to a peer (a direct ip:port, or the relay)."""
+
+    kind: PathKind
+    remote: str
+    """``ip:port`` for a direct path, ``relay`` for the relay."""
+    active: bool
+    """Whether datagrams go this way now."""
+    datagrams_sent: int = 0
+    bytes_sent: int = 0
+    datagrams_received: int = 0
+    bytes_received: int = 0
+    rtt: float | None = None
+    """Smoothed PING round trip on a direct path, seconds (None for the relay)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PathInfo:
+    """How we reach one peer right now."""
+
+    peer: EndpointId
+    kind: PathKind
+    """``"direct"`` or ``"relay"``: where our datagrams (or TCP stream) go now."""
+    remote: str
+    """The peer's ``ip:port`` on a direct path, ``relay <url>`` on the relay."""
+    rtt: float | None
+    """Smoothed round-trip time, seconds: QUIC's estimate (TCP: the last keepalive)."""
+    transport: str
+    """``"tcp"`` or ``"quic"``."""
+    paths: tuple[PathStats, ...] = ()
+    """Traffic per path (QUIC); a TCP connection has one path."""
+    punching: str = "off"
+    """Hole punching towards the peer: ``off``, ``idle``, ``punching``, ``direct`` or
+    ``backoff`` (waiting to try again)."""
+    changes: int = 0
+    """How many times the path changed."""
+    last_failure: str | None = None
+    """Why the last punching round or direct path failed, if one did."""

@@ -1,0 +1,311 @@
+"""Hole punching towards one peer, sans-I/O: which direct path to use, if any.
+
+A :class:`PeerPaths` is fed what happens (candidates from the peer, PINGs and PONGs that
+passed their signature check, the clock) and answers with :data:`Action` values for the
+glue (:mod:`.holepunch`) to carry out: send a PING or PONG over UDP, send our candidates
+through the relay, switch the connection to another path. Time is passed in.
+
+States (:class:`Phase`)::
+
+    IDLE --start--> PUNCHING --PONG--> DIRECT --path silent--> BACKOFF --retry--> PUNCHING
+                        |                                         ^
+                        +-------------- round timed out ----------+
+
+While PUNCHING, every candidate address of the peer (the ones it sent, and the
+peer-reflexive addresses its PINGs came from) gets a PING, then more with exponential
+backoff, until a PONG comes back or the round ends. The first PONG validates that address
+both ways: the connection's datagrams move to it (the relay stays as the backup path,
+so nothing is lost while datagrams still in the relay arrive). On the direct path, a PING
+every ``keepalive`` seconds holds the NAT mapping open and measures the RTT; when no PONG
+came back for ``path_timeout`` seconds, datagrams return to the relay and a new round is
+tried after a backoff. Only PONGs count as proof that our datagrams reach the peer: a
+peer's PINGs only show that its datagrams reach us.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = [
+    "Action",
+    "Address",
+    "PathChange",
+    "PeerPaths",
+    "Phase",
+    "PunchConfig",
+    "SendCandidates",
+    "SendPing",
+    "SendPong",
+]
+
+Address = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class PunchConfig:
+    """Hole-punching timers (seconds). The defaults suit internet paths; tests shorten
+    them. docs/nat-traversal.md explains each."""
+
+    enabled: bool = True
+    """Try direct paths at all (False: relayed connections stay relayed)."""
+    probe_interval: float = 0.1
+    """Gap after the first PING to a candidate; it doubles after each further PING."""
+    probe_interval_max: float = 1.0
+    """Largest gap between PINGs to one candidate during a round."""
+    punch_timeout: float = 6.0
+    """Bound on one punching round: no PONG by then and the peer stays on the relay."""
+    retry_after: float = 15.0
+    """Wait before the next round after a failed one or a fallback; doubles each time."""
+    retry_max: float = 300.0
+    """Longest wait between rounds."""
+    keepalive: float = 1.5
+    """PING interval on the direct path in use (holds the NAT mapping, measures RTT)."""
+    path_timeout: float = 5.0
+    """No PONG on the direct path for this long: datagrams return to the relay."""
+    stun_timeout: float = 1.0
+    """Longest wait for our observed address before candidates are sent without it."""
+    candidate_refresh: float = 1.0
+    """A peer asking for our candidates gets them again only if we sent none this recently."""
+
+    def __post_init__(self) -> None:
+        for name in ("probe_interval", "punch_timeout", "keepalive", "path_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.path_timeout <= self.keepalive:
+            raise ValueError("path_timeout must exceed keepalive")
+        if self.probe_interval_max < self.probe_interval or self.retry_max < self.retry_after:
+            raise ValueError("a maximum is below its initial value")
+
+
+class Phase(enum.Enum):
+    """Where punching towards one peer stands."""
+
+    IDLE = "idle"
+    PUNCHING = "punching"
+    DIRECT = "direct"
+    BACKOFF = "backoff"
+
+
+@dataclass(frozen=True, slots=True)
+class SendPing:
+    """Send a PING with transaction id ``txid`` to ``addr`` over UDP."""
+
+    addr: Address
+    txid: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SendPong:
+    """Answer the PING ``txid`` that came from ``addr``."""
+
+    addr: Address
+    txid: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SendCandidates:
+    """Send our candidate addresses to the peer through the relay."""
+
+    reply_wanted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PathChange:
+    """Datagrams to the peer now go to ``new`` (None: through the relay)."""
+
+    old: Address | None
+    new: Address | None
+    reason: str
+
+
+Action = SendPing | SendPong | SendCandidates | PathChange
+
+
+@dataclass(slots=True)
+class _Candidate:
+    source: str  # "peer" (it told us) or "reflexive" (its PING came from there)
+    next_probe: float
+    interval: float
+
+
+@dataclass(slots=True)
+class DirectPath:
+    """A direct address that answered our PING."""
+
+    addr: Address
+    rtt: float
+    """Smoothed PING round trip, seconds."""
+    last_pong: float
+
+
+class PeerPaths:
+    """Hole punching and direct-path upkeep towards one peer (sans-I/O)."""
+
+    def __init__(self, config: PunchConfig, new_txid: Callable[[], bytes] | None = None) -> None:
+        self.config = config
+        self._new_txid = new_txid or (lambda: secrets.token_bytes(12))
+        self.phase = Phase.IDLE
+        self.current: Address | None = None
+        """The direct address datagrams go to, or None (the relay)."""
+        self.paths: dict[Address, DirectPath] = {}
+        self.rounds = 0
+        """Punching rounds started."""
+        self.last_failure: str | None = None
+        self.round_started: float | None = None
+        self._candidates: dict[Address, _Candidate] = {}
+        self._pending: dict[bytes, tuple[Address, float]] = {}
+        self._heard: dict[Address, float] = {}
+        self._round_end = 0.0
+        self._retry_at = 0.0
+        self._retry_delay = config.retry_after
+        self._candidates_sent: float | None = None
+        self._next_keepalive = 0.0
+
+    # ---- inputs ------------------------------------------------------------------------
+
+    def start(self, now: float) -> list[Action]:
+        """The peer is connected through the relay: try for a direct path."""
+        if self.phase in (Phase.PUNCHING, Phase.DIRECT):
+            return []
+        return self._begin_round(now, ask=True)
+
+    def on_candidates(
+        self, addrs: tuple[Address, ...], reply_wanted: bool, now: float
+    ) -> list[Action]:
+        """The peer sent its candidate addresses (through the relay)."""
+        out: list[Action] = []
+        if reply_wanted and (
+            self._candidates_sent is None
+            or now - self._candidates_sent >= self.config.candidate_refresh
+        ):
+            self._candidates_sent = now
+            out.append(SendCandidates(reply_wanted=False))
+        for addr in addrs:
+            self._add_candidate(addr, "peer", now)
+        if self.phase in (Phase.IDLE, Phase.BACKOFF):
+            out += self._begin_round(now, ask=False)
+        return out + self.poll(now)
+
+    def on_ping(self, addr: Address, txid: bytes, now: float) -> list[Action]:
+        """An authenticated PING from the peer arrived from ``addr``."""
+        self._heard[addr] = now
+        out: list[Action] = [SendPong(addr, txid)]
+        if addr not in self._candidates:
+            self._add_candidate(addr, "reflexive", now)
+        if self.phase in (Phase.IDLE, Phase.BACKOFF):
+            out += self._begin_round(now, ask=False)
+        return out + self.poll(now)
+
+    def on_pong(self, addr: Address, txid: bytes, now: float) -> list[Action]:
+        """An authenticated PONG from the peer arrived from ``addr``."""
+        pending = self._pending.get(txid)
+        if pending is None or pending[0] != addr:
+            return []  # not ours, already answered, or from elsewhere than we asked
+        del self._pending[txid]
+        rtt = now - pending[1]
+        path = self.paths.get(addr)
+        if path is None:
+            self.paths[addr] = DirectPath(addr, rtt, now)
+        else:
+            path.rtt = 0.875 * path.rtt + 0.125 * rtt
+            path.last_pong = now
+        self._heard[addr] = now
+        if self.current is None:
+            self.current = addr
+            self.phase = Phase.DIRECT
+            self._retry_delay = self.config.retry_after
+            self._next_keepalive = now + self.config.keepalive
+            return [PathChange(None, addr, f"direct path validated (PING round trip {rtt:.4f} s)")]
+        return []
+
+    def accepts(self, addr: Address, now: float) -> bool:
+        """Whether a QUIC datagram from ``addr`` may be delivered (the peer proved it sends
+        from there, by a signed PING or PONG)."""
+        return addr in self._heard
+
+    def poll(self, now: float) -> list[Action]:
+        """What is due at ``now``: PINGs, the end of a round, keepalives, a fallback."""
+        cfg = self.config
+        out: list[Action] = []
+        if self._pending:
+            horizon = now - cfg.punch_timeout
+            for txid in [t for t, (_, sent) in self._pending.items() if sent < horizon]:
+                del self._pending[txid]
+        if self.phase is Phase.PUNCHING:
+            for addr, cand in self._candidates.items():
+                if cand.next_probe <= now:
+                    out.append(self._ping(addr, now))
+                    cand.next_probe = now + cand.interval
+                    cand.interval = min(cand.interval * 2, cfg.probe_interval_max)
+            if now >= self._round_end:
+                self._fail(now, f"no direct path after {cfg.punch_timeout:g} s of probing")
+        elif self.phase is Phase.DIRECT:
+            assert self.current is not None
+            path = self.paths[self.current]
+            if now - path.last_pong >= cfg.path_timeout:
+                old = self.current
+                self.current = None
+                self.paths.clear()
+                self._fail(now, f"direct path {_fmt(old)} silent for {now - path.last_pong:.1f} s")
+                out.append(PathChange(old, None, self.last_failure or ""))
+            elif now >= self._next_keepalive:
+                out.append(self._ping(self.current, now))
+                self._next_keepalive = now + cfg.keepalive
+        elif self.phase is Phase.BACKOFF and now >= self._retry_at:
+            out += self._begin_round(now, ask=True)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`poll` has something to do next (None: nothing is scheduled)."""
+        if self.phase is Phase.PUNCHING:
+            return min([self._round_end, *(c.next_probe for c in self._candidates.values())])
+        if self.phase is Phase.DIRECT:
+            assert self.current is not None
+            return min(
+                self._next_keepalive, self.paths[self.current].last_pong + self.config.path_timeout
+            )
+        if self.phase is Phase.BACKOFF:
+            return self._retry_at
+        return None
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _begin_round(self, now: float, *, ask: bool) -> list[Action]:
+        self.phase = Phase.PUNCHING
+        self.rounds += 1
+        self.round_started = now
+        self._round_end = now + self.config.punch_timeout
+        for cand in self._candidates.values():
+            cand.next_probe = now
+            cand.interval = self.config.probe_interval
+        if not ask:
+            return []
+        self._candidates_sent = now
+        return [SendCandidates(reply_wanted=True)]
+
+    def _add_candidate(self, addr: Address, source: str, now: float) -> None:
+        cand = self._candidates.get(addr)
+        if cand is None:
+            self._candidates[addr] = _Candidate(source, now, self.config.probe_interval)
+        elif self.phase is not Phase.DIRECT and cand.next_probe > now + self.config.probe_interval:
+            cand.next_probe = now  # the peer is punching right now: answer its timing
+            cand.interval = self.config.probe_interval
+
+    def _ping(self, addr: Address, now: float) -> SendPing:
+        txid = self._new_txid()
+        self._pending[txid] = (addr, now)
+        return SendPing(addr, txid)
+
+    def _fail(self, now: float, why: str) -> None:
+        self.phase = Phase.BACKOFF
+        self.last_failure = why
+        self._retry_at = now + self._retry_delay
+        self._retry_delay = min(self._retry_delay * 2, self.config.retry_max)
+
+
+def _fmt(addr: Address) -> str:
+    host, port = addr
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,388 @@
+"""Hole punching on loopback: the signed probe codec, the sans-I/O punching logic with a
+hand-moved clock, and the transport moving a relayed QUIC connection to a direct path and
+back without losing a byte. The NAT behaviour itself is proven in tests/test_nat_matrix.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fake_relay import FakeRelayHub
+from hypothesis import given
+from hypothesis import strategies as st
+from relay_helpers import RelayProcess
+from transport_conformance import bounded, closing, wait_until
+
+from p2pdist import Group, GroupConfig, PunchConfig
+from p2pdist.identity import SecretKey
+from p2pdist.transport import TransportConfig
+from p2pdist.transport.punch import (
+    PathChange,
+    PeerPaths,
+    Phase,
+    SendCandidates,
+    SendPing,
+    SendPong,
+)
+from p2pdist.transport.quic import QuicConnection, QuicTransport
+from p2pdist.wire.probe import (
+    DatagramKind,
+    ProbeError,
+    ProbeKind,
+    classify,
+    decode_probe,
+    encode_candidates,
+    encode_ping,
+    encode_pong,
+)
+from p2pdist.wire.stun import binding_request, binding_response
+
+SEED = "hole punching tests: a shared secret"
+A, B, C = (SecretKey.from_seed(SEED, r) for r in range(3))
+FAST_PUNCH = PunchConfig(
+    probe_interval=0.05, keepalive=0.2, path_timeout=0.8, retry_after=0.5, punch_timeout=2.0
+)
+
+# ---- the probe codec ------------------------------------------------------------------------
+
+
+def test_probes_round_trip_and_are_bound_to_sender_and_receiver() -> None:
+    txid = bytes(range(12))
+    ping = decode_probe(encode_ping(A, B.endpoint_id, txid), B.endpoint_id)
+    assert (ping.kind, ping.sender, ping.txid) == (ProbeKind.PING, A.endpoint_id, txid)
+    pong = decode_probe(encode_pong(B, A.endpoint_id, txid, ("10.0.0.2", 4242)), A.endpoint_id)
+    assert (pong.kind, pong.address, pong.txid) == (ProbeKind.PONG, ("10.0.0.2", 4242), txid)
+    v6 = decode_probe(encode_pong(B, A.endpoint_id, txid, ("::1", 9)), A.endpoint_id)
+    assert v6.address == ("::1", 9)
+    addrs = (("203.0.113.7", 1000), ("10.0.0.2", 2000), ("2001:db8::1", 3000))
+    cands = decode_probe(
+        encode_candidates(A, B.endpoint_id, addrs, reply_wanted=True), B.endpoint_id
+    )
+    assert cands.candidates == addrs and cands.reply_wanted
+    # a probe for B is worthless to C, and no byte of it can be changed
+    data = encode_ping(A, B.endpoint_id, txid)
+    with pytest.raises(ProbeError, match="signature"):
+        decode_probe(data, C.endpoint_id)
+    for i in range(len(data)):
+        bad = bytearray(data)
+        bad[i] ^= 0x01
+        with pytest.raises(ProbeError):
+            decode_probe(bytes(bad), B.endpoint_id)
+    for cut in range(len(data)):
+        with pytest.raises(ProbeError):
+            decode_probe(data[:cut], B.endpoint_id)
+    with pytest.raises(ProbeError):
+        decode_probe(data + b"\x00", B.endpoint_id)
+
+
+def test_one_socket_tells_quic_stun_and_probes_apart() -> None:
+    assert classify(encode_ping(A, B.endpoint_id, bytes(12))) is DatagramKind.PROBE
+    assert classify(binding_request(bytes(12))) is DatagramKind.STUN
+    assert classify(binding_response(bytes(12), "10.0.0.1", 5)) is DatagramKind.STUN
+    assert classify(b"\xc0" + bytes(1199)) is DatagramKind.QUIC  # long header, fixed bit
+    assert classify(b"\x40" + bytes(40)) is DatagramKind.QUIC  # short header
+    assert classify(b"") is DatagramKind.GARBAGE
+    assert classify(b"\x00garbage") is DatagramKind.GARBAGE
+
+
+@given(st.binary(max_size=300))
+def test_probe_decoder_only_ever_raises_probe_error(data: bytes) -> None:
+    with contextlib.suppress(ProbeError):
+        decode_probe(data, B.endpoint_id)
+
+
+# ---- the sans-I/O logic, with a hand-moved clock --------------------------------------------
+
+
+def counter() -> Any:
+    n = iter(range(1, 1 << 30))
+    return lambda: next(n).to_bytes(12, "big")
+
+
+def pings(actions: list[Any]) -> list[SendPing]:
+    return [a for a in actions if isinstance(a, SendPing)]
+
+
+def test_a_round_probes_every_candidate_with_backoff_until_a_pong() -> None:
+    cfg = PunchConfig(probe_interval=0.1, probe_interval_max=0.4, punch_timeout=2.0)
+    p = PeerPaths(cfg, counter())
+    assert p.start(0.0) == [SendCandidates(reply_wanted=True)]
+    assert p.phase is Phase.PUNCHING
+    x, y = ("203.0.113.5", 1000), ("10.0.0.2", 1000)
+    first = p.on_candidates((x, y), reply_wanted=False, now=0.01)
+    assert [a.addr for a in pings(first)] == [x, y]
+    sent_at = [0.01]
+    t = 0.01
+    while len(sent_at) < 5:  # the gaps double up to the maximum
+        nxt = p.next_deadline()
+        assert nxt is not None
+        t = nxt
+        if pings(p.poll(t)):
+            sent_at.append(t)
+    gaps = [round(b - a, 6) for a, b in itertools.pairwise(sent_at)]
+    assert gaps == [0.1, 0.2, 0.4, 0.4]
+    # a PONG for an unknown transaction, or from elsewhere than asked, validates nothing
+    assert p.on_pong(x, b"\xff" * 12, t) == []
+    last = pings(p.poll(p.next_deadline() or t))
+    assert p.on_pong(y, last[0].txid if last[0].addr == x else last[1].txid, t + 0.1) == []
+    ping_x = next(a for a in last if a.addr == x)
+    change = p.on_pong(x, ping_x.txid, t + 0.2)
+    assert change and isinstance(change[0], PathChange) and change[0].new == x
+    assert p.phase is Phase.DIRECT and p.current == x
+    assert p.accepts(x, t) and not p.accepts(("198.51.100.1", 1), t)
+
+
+def test_a_round_that_gets_no_pong_ends_and_retries_with_backoff() -> None:
+    cfg = PunchConfig(punch_timeout=1.0, retry_after=5.0, retry_max=12.0)
+    p = PeerPaths(cfg, counter())
+    p.start(0.0)
+    p.on_candidates((("203.0.113.5", 1000),), reply_wanted=False, now=0.0)
+    t = 0.0
+    while p.phase is Phase.PUNCHING:
+        t = p.next_deadline() or t
+        p.poll(t)
+    assert p.phase is Phase.BACKOFF and t == pytest.approx(1.0)
+    assert p.last_failure is not None and "no direct path" in p.last_failure
+    starts = []
+    for _ in range(3):
+        t = p.next_deadline() or t
+        acts = p.poll(t)
+        assert SendCandidates(reply_wanted=True) in acts
+        starts.append(t)
+        while p.phase is Phase.PUNCHING:
+            t = p.next_deadline() or t
+            p.poll(t)
+    gaps = [round(b - a, 6) for a, b in zip([1.0, *starts], starts, strict=False)]
+    assert gaps == [5.0, 11.0, 13.0]  # retry_after, doubled, capped (+ the 1 s rounds)
+    assert p.rounds == 4
+
+
+def test_direct_path_keepalive_and_fallback_when_pongs_stop() -> None:
+    cfg = PunchConfig(keepalive=1.0, path_timeout=3.0, retry_after=10.0)
+    p = PeerPaths(cfg, counter())
+    x = ("203.0.113.5", 1000)
+    acts = p.on_ping(x, b"\x01" * 12, 0.0)  # the peer punches us first
+    assert acts[0] == SendPong(x, b"\x01" * 12)
+    ping = pings(acts)[0]
+    assert ping.addr == x  # its address became a (peer-reflexive) candidate
+    p.on_pong(x, ping.txid, 0.05)
+    assert p.current == x
+    t, keepalives = 0.05, []
+    while True:
+        t = p.next_deadline() or t
+        acts = p.poll(t)
+        if any(isinstance(a, PathChange) for a in acts):
+            break
+        keepalives += [round(t, 6) for a in pings(acts)]
+    assert keepalives == [1.05, 2.05]
+    assert t == pytest.approx(3.05)  # path_timeout after the last PONG
+    change = next(a for a in acts if isinstance(a, PathChange))
+    assert change.old == x and change.new is None and "silent" in change.reason
+    assert p.phase is Phase.BACKOFF and p.current is None
+
+
+def test_keepalive_pongs_keep_the_path() -> None:
+    p = PeerPaths(PunchConfig(keepalive=1.0, path_timeout=3.0), counter())
+    x = ("203.0.113.5", 1000)
+    p.on_pong(x, pings(p.on_ping(x, b"\x01" * 12, 0.0))[0].txid, 0.0)
+    t = 0.0
+    for _ in range(20):
+        t = p.next_deadline() or t
+        for a in p.poll(t):
+            assert not isinstance(a, PathChange)
+            if isinstance(a, SendPing):
+                p.on_pong(a.addr, a.txid, t + 0.01)
+    assert p.phase is Phase.DIRECT and t > 9.0
+
+
+def test_candidates_are_answered_once_per_refresh_interval() -> None:
+    p = PeerPaths(PunchConfig(candidate_refresh=1.0), counter())
+    assert SendCandidates(False) in p.on_candidates((), reply_wanted=True, now=0.0)
+    assert SendCandidates(False) not in p.on_candidates((), reply_wanted=True, now=0.5)
+    assert SendCandidates(False) in p.on_candidates((), reply_wanted=True, now=1.5)
+    assert SendCandidates(False) not in p.on_candidates((), reply_wanted=False, now=9.0)
+
+
+def test_punch_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="path_timeout"):
+        PunchConfig(keepalive=2.0, path_timeout=1.0)
+    with pytest.raises(ValueError):
+        PunchConfig(probe_interval=0)
+
+
+# ---- the transport ----------------------------------------------------------------------------
+
+
+def transport_config() -> TransportConfig:
+    return TransportConfig(keepalive_interval=0.2, idle_timeout=5.0)
+
+
+@contextlib.asynccontextmanager
+async def relayed_pair(
+    punch: PunchConfig = FAST_PUNCH,
+) -> AsyncIterator[tuple[QuicTransport, QuicTransport, QuicConnection, QuicConnection]]:
+    hub = FakeRelayHub()
+    ta = QuicTransport(A, transport_config(), relay=hub.attach(A.endpoint_id), punch=punch)
+    tb = QuicTransport(B, transport_config(), relay=hub.attach(B.endpoint_id), punch=punch)
+    async with closing(ta, tb):
+        ca = await bounded(ta.connect(B.endpoint_id, None), "connect")
+        cb = await bounded(tb.accept(), "accept")
+        assert isinstance(ca, QuicConnection) and isinstance(cb, QuicConnection)
+        yield ta, tb, ca, cb
+
+
+class UdpBlock:
+    """Drops every datagram a UDP socket sends (a router that blocks UDP)."""
+
+    def __init__(self, transport: QuicTransport) -> None:
+        self.sock = transport._punch_sock
+        assert self.sock is not None
+        self.real = self.sock.send
+        self.dropped = 0
+
+    def __enter__(self) -> UdpBlock:
+        def drop(data: bytes, addr: tuple[str, int]) -> None:
+            self.dropped += 1
+
+        self.sock.send = drop  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.send = self.real  # type: ignore[method-assign]
+
+
+async def test_relayed_connection_moves_to_direct_and_reports_its_paths() -> None:
+    async with relayed_pair() as (ta, _tb, ca, cb):
+        await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct paths")
+        payload = np.random.default_rng(1).bytes(3 << 20)
+        await ca.send(5, payload)
+        got = await bounded(cb.recv(5), "the payload")
+        assert bytes(got.payload) == payload
+        info = ta.paths()[B.endpoint_id]
+        assert info.kind == "direct" and info.transport == "quic"
+        assert info.remote.startswith("127.0.0.1:") and info.punching == "direct"
+        assert info.rtt is not None and info.rtt > 0 and info.changes == 1
+        by_kind = {s.kind: s for s in info.paths}
+        assert by_kind["direct"].active and not by_kind["relay"].active
+        assert by_kind["direct"].bytes_sent > len(payload)  # the payload went direct
+        assert by_kind["relay"].bytes_sent < 100_000  # the relay carried the handshake only
+        assert by_kind["direct"].rtt is not None
+
+
+async def test_direct_path_dies_traffic_returns_to_the_relay_then_punches_again() -> None:
+    async with relayed_pair() as (ta, tb, ca, cb):
+        await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct paths")
+        payload = np.random.default_rng(2).bytes(8 << 20)
+        with UdpBlock(ta) as block_a, UdpBlock(tb) as block_b:
+            send = asyncio.create_task(ca.send(7, payload))  # in flight as the path dies
+            got = await bounded(cb.recv(7), "the payload, via the relay")
+            await bounded(send, "send")
+            assert bytes(got.payload) == payload
+            assert ca.path_kind == cb.path_kind == "relay"
+            assert block_a.dropped and block_b.dropped
+            info = ta.paths()[B.endpoint_id]
+            assert info.kind == "relay" and info.punching in ("backoff", "punching")
+            assert info.last_failure is not None and "silent" in info.last_failure
+        # the network heals: the next round finds the direct path again
+        await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct again")
+        await ca.send(8, b"after")
+        assert bytes((await bounded(cb.recv(8), "after")).payload) == b"after"
+        assert ta.paths()[B.endpoint_id].changes == 3
+
+
+async def test_forged_or_foreign_probes_never_make_a_path() -> None:
+    hub = FakeRelayHub()
+    punch = replace_punch(punch_timeout=0.5, retry_after=60.0)
+    ta = QuicTransport(A, transport_config(), relay=hub.attach(A.endpoint_id), punch=punch)
+    # B never punches (it has no UDP socket at all), so A can only stay on the relay
+    off = PunchConfig(enabled=False)
+    tb = QuicTransport(B, transport_config(), relay=hub.attach(B.endpoint_id), punch=off)
+    async with closing(ta, tb):
+        ca = await bounded(ta.connect(B.endpoint_id, None), "connect")
+        await bounded(tb.accept(), "accept")
+        await wait_until(lambda: ta._punch_sock is not None, "A's punching socket")
+        sock_a = ta._punch_sock
+        assert sock_a is not None and ta._puncher is not None
+        puncher = ta._puncher
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as raw:
+            raw.bind(("127.0.0.1", 0))
+            txid = bytes(12)
+            forged = bytearray(encode_ping(B, A.endpoint_id, txid))
+            forged[-1] ^= 1  # claims to be B, bad signature
+            raw.sendto(bytes(forged), sock_a.local_address)
+            raw.sendto(encode_ping(C, A.endpoint_id, txid), sock_a.local_address)  # a stranger
+            raw.sendto(encode_ping(B, C.endpoint_id, txid), sock_a.local_address)  # for C
+            await wait_until(lambda: puncher.bad_probes >= 3, "three refused probes")
+            state = puncher.state(B.endpoint_id)
+            assert state is not None and not state.accepts(raw.getsockname(), 0.0)
+        await wait_until(lambda: state.phase is Phase.BACKOFF, "the round to give up")
+        assert ca.path_kind == "relay" and state.last_failure is not None
+        assert ta.paths()[B.endpoint_id].punching == "backoff"
+
+
+def replace_punch(**kw: float) -> PunchConfig:
+    from dataclasses import replace
+
+    return replace(FAST_PUNCH, **kw)
+
+
+async def test_punching_off_keeps_the_relay() -> None:
+    async with relayed_pair(PunchConfig(enabled=False)) as (ta, _tb, ca, cb):
+        await asyncio.sleep(0.3)
+        assert ca.path_kind == cb.path_kind == "relay"
+        assert ta._punch_sock is None and ta.paths()[B.endpoint_id].punching == "off"
+
+
+# ---- a group through a real relay process --------------------------------------------------
+
+
+async def test_group_through_a_real_relay_goes_direct_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="p2pdist.transport.holepunch")
+    cfg = GroupConfig(timeout=30.0, connect_timeout=30.0, punch=FAST_PUNCH)
+    with RelayProcess(tmp_path) as relay:
+        gs = [Group.from_seed(SEED, rank=r, world=3, relay=relay.url, config=cfg) for r in range(3)]
+        await asyncio.gather(*(g.start() for g in gs))
+        try:
+
+            def all_direct() -> bool:
+                return all(i.kind == "direct" for g in gs for i in g.paths().values())
+
+            await wait_until(all_direct, "every pair on a direct path")
+            xs = [np.random.default_rng(r).standard_normal(300_000) for r in range(3)]
+            outs = await asyncio.gather(*(g.all_reduce(xs[g.rank]) for g in gs))
+            np.testing.assert_allclose(outs[1], np.sum(xs, axis=0), rtol=1e-9, atol=1e-12)
+            assert len({o.tobytes() for o in outs}) == 1
+            paths = gs[0].paths()
+            assert sorted(paths) == [1, 2]
+            for info in paths.values():
+                assert info.remote.startswith("127.0.0.1:") and info.rtt is not None
+                assert [s.kind for s in info.paths if s.active] == ["direct"]
+            # the ring's bytes went over the direct paths (the relay carried handshakes)
+            sent = {s.kind: 0 for s in paths[1].paths}
+            for info in paths.values():
+                for s in info.paths:
+                    sent[s.kind] += s.bytes_sent
+            assert sent["direct"] > 2_000_000 and sent["relay"] < 200_000
+        finally:
+            await asyncio.gather(*(g.close() for g in gs))
+    changes = [r.getMessage() for r in caplog.records if "path relay -> direct" in r.message]
+    assert len(changes) == 6  # one line per rank and peer
+
+
+async def test_tcp_group_paths_are_direct_tcp() -> None:
+    from group_helpers import groups
+
+    async with groups(2) as gs:
+        await asyncio.gather(*(g.all_reduce(np.ones(10)) for g in gs))
+        info = gs[0].paths()[1]
+        assert info.kind == "direct" and info.transport == "tcp"
+        assert info.remote.startswith("127.0.0.1:") and info.paths[0].bytes_sent > 0
