@@ -46,6 +46,9 @@ __all__ = ["HolePuncher", "Observation", "interface_addresses", "mapping_behavio
 log = logging.getLogger(__name__)
 
 _STUN_RETRY = 0.1
+_EARLY_MAX = 64
+"""Relayed probe messages kept for peers whose connection is not up yet (one each)."""
+_EARLY_TTL = 5.0
 _SIOCGIFADDR = 0x8915
 
 
@@ -137,6 +140,7 @@ class HolePuncher:
         self._observing: asyncio.Task[Observation | None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._targets: list[UdpAddress] = []
+        self._early: dict[EndpointId, tuple[bytes, float]] = {}
         self._closed = False
         self.bad_probes = 0
         """Probes dropped: bad signature, not for us, or from a peer we do not expect."""
@@ -184,8 +188,15 @@ class HolePuncher:
     def on_relay_probe(self, src: EndpointId, data: bytes) -> None:
         """A probe message that came through the relay (from ``src``, authenticated)."""
         p = self._peers.get(src)
-        if p is None:
-            return  # not a peer we are connected to through the relay
+        if p is None or self._sock is None:
+            # Its connection may still be finishing its handshake here, or our socket is
+            # still opening: keep the latest message a few seconds for _start() (bounded;
+            # the relay vouches for src).
+            self._early.pop(src, None)
+            self._early[src] = (data, self._loop.time())
+            while len(self._early) > _EARLY_MAX:
+                del self._early[next(iter(self._early))]
+            return
         try:
             msg = decode_probe(data, self._me)
         except ProbeError as exc:
@@ -331,8 +342,12 @@ class HolePuncher:
     async def _start(self, peer: EndpointId) -> None:
         await self._socket()
         p = self._peers.get(peer)
-        if p is not None:
-            self._run(p, p.paths.start(self._loop.time()))
+        if p is None:
+            return
+        self._run(p, p.paths.start(self._loop.time()))
+        early = self._early.pop(peer, None)
+        if early is not None and self._loop.time() - early[1] < _EARLY_TTL:
+            self.on_relay_probe(peer, early[0])
 
     async def _send_candidates(self, p: _Peer, reply_wanted: bool) -> None:
         addrs = await self.candidates()

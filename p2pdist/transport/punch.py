@@ -193,7 +193,7 @@ class PeerPaths:
         """An authenticated PING from the peer arrived from ``addr``."""
         self._heard[addr] = now
         out: list[Action] = [SendPong(addr, txid)]
-        if addr not in self._candidates:
+        if addr not in self.paths:
             self._add_candidate(addr, "reflexive", now)
         if self.phase in (Phase.IDLE, Phase.BACKOFF):
             out += self._begin_round(now, ask=False)
@@ -290,9 +290,12 @@ class PeerPaths:
         cand = self._candidates.get(addr)
         if cand is None:
             self._candidates[addr] = _Candidate(source, now, self.config.probe_interval)
-        elif self.phase is not Phase.DIRECT and cand.next_probe > now + self.config.probe_interval:
-            cand.next_probe = now  # the peer is punching right now: answer its timing
-            cand.interval = self.config.probe_interval
+        elif self.phase is not Phase.DIRECT and (
+            source == "reflexive" or cand.next_probe > now + self.config.probe_interval
+        ):
+            # The peer is punching right now (its PING just came through from there):
+            # answer at once, while the hole is open, instead of at our next backoff step.
+            cand.next_probe = min(cand.next_probe, now)
 
     def _ping(self, addr: Address, now: float) -> SendPing:
         txid = self._new_txid()

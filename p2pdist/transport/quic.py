@@ -392,8 +392,8 @@ class QuicTransport(EndpointBase[QuicConnection]):
     def paths(self) -> dict[EndpointId, PathInfo]:
         """How each connected peer is reached now (see :class:`~.pathinfo.PathInfo`)."""
         out: dict[EndpointId, PathInfo] = {}
-        for conn in self._live:
-            if conn.closed or conn.dialing or conn.peer_id in out:
+        for conn in sorted(self._live, key=lambda c: c.closed):  # open ones first
+            if conn.dialing or conn._peer is None or conn.peer_id in out:
                 continue
             out[conn.peer_id] = self._path_info(conn)
         return out

@@ -1,0 +1,145 @@
+"""Hole punching in the NAT lab (tests/natlab.py): two ranks behind every pair of NAT
+types meet through a real relay process and move to a direct path exactly when their
+NATs allow it; otherwise they stay on the relay and every collective is still correct.
+Runs as root (CI); skips with the reason elsewhere."""
+
+from __future__ import annotations
+
+import json
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from natlab import NatLab, require_root
+
+WORKER = str(Path(__file__).resolve().parent / "nat_worker.py")
+BOUND = 60.0
+
+
+@pytest.fixture(autouse=True)
+def _root() -> None:
+    require_root()
+
+
+class Rank:
+    """A nat_worker process in one host namespace, read line by line (bounded)."""
+
+    def __init__(self, lab: NatLab, side: str, rank: int, url: str, *args: str) -> None:
+        self.side = side
+        self.log = lab.workdir / f"{lab.prefix}{side}.err"
+        self.proc = lab.spawn(
+            side,
+            [sys.executable, WORKER, "--url", url, "--rank", str(rank), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log.open("wb"),
+            text=True,
+        )
+        self.events: dict[str, dict[str, Any]] = {}
+
+    def expect(self, event: str, timeout: float = BOUND) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while event not in self.events:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
+            line = self.proc.stdout.readline() if ready else ""
+            if not line:
+                self.proc.kill()
+                pytest.fail(
+                    f"side {self.side}: no {event!r} (exit {self.proc.poll()}); stderr:\n"
+                    + self.log.read_text()[-4000:]
+                )
+            msg = json.loads(line)
+            self.events[msg["event"]] = msg
+        return self.events[event]
+
+    def tell(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def finish(self) -> dict[str, Any]:
+        done = self.expect("done")
+        assert self.proc.wait(timeout=BOUND) == 0, self.log.read_text()[-4000:]
+        assert all(done["ok"]), f"side {self.side}: wrong all-reduce results {done['ok']}"
+        return done
+
+
+def run_pair(lab: NatLab, *args: str) -> tuple[Rank, Rank]:
+    url = lab.spawn_relay()
+    return Rank(lab, "a", 0, url, *args), Rank(lab, "b", 1, url, *args)
+
+
+DIRECT = [("none", "none"), ("none", "eim"), ("eim", "eim")]
+RELAYED = [("eim", "symmetric"), ("symmetric", "symmetric"), ("udp-blocked", "eim")]
+
+
+@pytest.mark.parametrize(("a", "b"), DIRECT, ids=[f"{a}-{b}" for a, b in DIRECT])
+def test_direct_within_two_seconds(a: str, b: str, tmp_path: Path) -> None:
+    with NatLab(a, b, workdir=tmp_path) as lab:
+        ranks = run_pair(lab)
+        for r in ranks:
+            assert r.expect("formed")["path"] == "relay"  # usable at once, through the relay
+        times = [r.expect("direct")["seconds"] for r in ranks]
+        assert all(t is not None and t < 2.0 for t in times), times
+        print(f"\n{a}-{b}: direct path {max(times):.3f} s after the group formed")
+        for r, other in zip(ranks, "ba", strict=True):
+            done = r.finish()
+            assert done["path"]["kind"] == "direct"
+            host, _ = done["path"]["remote"].rsplit(":", 1)
+            assert host == lab.public_ip(other)  # the peer's public address, never 10.0.0.2
+
+
+def test_none_symmetric_goes_direct_through_the_peer_reflexive_address(tmp_path: Path) -> None:
+    with NatLab("none", "symmetric", workdir=tmp_path) as lab:
+        pub, sym = run_pair(lab)
+        times = [r.expect("direct")["seconds"] for r in (pub, sym)]
+        assert all(t is not None and t < 2.0 for t in times), times
+        print(f"\nnone-symmetric: direct path {max(times):.3f} s after the group formed")
+        done_pub, done_sym = pub.finish(), sym.finish()
+        assert done_pub["path"]["kind"] == done_sym["path"]["kind"] == "direct"
+        # the public side reaches the symmetric NAT at a port the relay never saw: the one
+        # its PINGs came from (peer-reflexive), not a candidate the peer could announce
+        host, port = done_pub["path"]["remote"].rsplit(":", 1)
+        assert host == lab.public_ip("b")
+        announced = {int(p) for _, p in done_sym["observed"]}
+        assert announced and int(port) not in announced
+
+
+@pytest.mark.parametrize(("a", "b"), RELAYED, ids=[f"{a}-{b}" for a, b in RELAYED])
+def test_stays_relayed_and_correct(a: str, b: str, tmp_path: Path) -> None:
+    with NatLab(a, b, workdir=tmp_path) as lab:
+        ranks = run_pair(lab)
+        for r in ranks:
+            assert r.expect("direct")["seconds"] is None
+            done = r.finish()
+            path = done["path"]
+            assert path["kind"] == "relay" and path["punching"] in ("punching", "backoff")
+            assert [s["kind"] for s in path["paths"] if s["active"]] == ["relay"]
+        if a == "udp-blocked":  # no UDP at all: the relay (TCP + TLS) carried everything
+            blocked = ranks[0].events["done"]
+            assert blocked["observed"] == []
+
+
+def test_direct_path_dies_mid_run_and_the_all_reduce_completes_on_the_relay(
+    tmp_path: Path,
+) -> None:
+    with NatLab("eim", "eim", workdir=tmp_path) as lab:
+        ranks = run_pair(lab, "--fallback")
+        assert all(r.expect("direct")["seconds"] is not None for r in ranks)
+        for r in ranks:
+            r.tell("go")
+        for r in ranks:
+            r.expect("started")
+        time.sleep(0.3)
+        lab.block_udp("a")
+        for r in ranks:
+            done = r.finish()  # every all-reduce correct, none lost to the dead path
+            kinds = done["kinds"]
+            assert kinds[0] == "direct" and kinds[-1] == "relay", kinds
+            assert done["path"]["last_failure"] and "silent" in done["path"]["last_failure"]
