@@ -1,0 +1,107 @@
+"""One federated-learning client: trains softmax regression on its non-IID shard of the
+digits data and submits model deltas to the coordinator. It only dials out.
+
+    python -m examples.federated.client --coordinator ID --address HOST:PORT --index 0 --clients 6
+    python -m examples.federated.client --coordinator ID --relay URL --index 0 --clients 6
+
+``--index``/``--clients``/``--seed`` pick the shard (the same numbers on every machine
+give the same split). Behaviour flags for the demo: ``--work S`` (simulated compute time
+per round, seconds), ``--slow F`` (multiply it), ``--crash-round R`` (exit abruptly
+after receiving round R's model: a disconnect mid-round), ``--leave-round R`` (leave
+politely after submitting to round R), ``--attack scale|nan`` (a malicious client:
+updates times ``--scale``, or NaN).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+import numpy as np
+
+from p2pdist import SecretKey, TransportConfig
+from p2pdist.federated import FederatedClient, RoundTask
+
+from .model import Split, load_digits, non_iid_shards, sgd
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--coordinator", required=True, help="the coordinator's endpoint id")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--address", help="the coordinator's host:port (TCP)")
+    where.add_argument("--relay", help="a relay URL (QUIC through the relay)")
+    p.add_argument("--relay-token", default=os.environ.get("P2PDIST_RELAY_TOKEN"))
+    p.add_argument("--index", type=int, required=True, help="this client's shard, 0-based")
+    p.add_argument("--clients", type=int, required=True, help="how many shards")
+    p.add_argument("--seed", type=int, default=0, help="data split and training seed")
+    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet non-IID concentration")
+    p.add_argument("--epochs", type=int, default=1, help="local epochs per round")
+    p.add_argument("--lr", type=float, default=0.5, help="local learning rate")
+    p.add_argument("--work", type=float, default=0.05, help="simulated compute s/round")
+    p.add_argument("--slow", type=float, default=1.0, help="multiply --work by this")
+    p.add_argument("--crash-round", type=int, default=None)
+    p.add_argument("--leave-round", type=int, default=None)
+    p.add_argument("--attack", choices=["scale", "nan"], default=None)
+    p.add_argument("--scale", type=float, default=1e6)
+    p.add_argument("--key-seed", default=None, help="derive this client's key from a seed")
+    p.add_argument("--plaintext", action="store_true", help="TCP without TLS (trusted nets)")
+    p.add_argument("--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+async def run(args: argparse.Namespace) -> int:
+    """Connect, train and submit until the coordinator says stop."""
+    train, _ = load_digits()
+    shard = non_iid_shards(train.y, args.clients, alpha=args.alpha, seed=args.seed)[args.index]
+    data = Split(train.x[shard], train.y[shard])
+    key = SecretKey.from_seed(args.key_seed, args.index) if args.key_seed else None
+    client = FederatedClient(
+        args.coordinator,
+        address=args.address,
+        relay=args.relay,
+        relay_token=args.relay_token,
+        key=key,
+        transport=TransportConfig(tls=not args.plaintext),
+        name=f"client {args.index}",
+    )
+    task: RoundTask | None = await client.connect()
+    assert task is not None
+    print(f"client {args.index}: joined at round {task.round} with {len(data.y)} samples")
+    try:
+        while task is not None:
+            if args.crash_round is not None and task.round >= args.crash_round:
+                print(f"client {args.index}: crashing mid-round {task.round}", flush=True)
+                os._exit(17)  # no goodbye, no cleanup: like a power cut
+            new = sgd(task.model, data, epochs=args.epochs, lr=args.lr, seed=task.round)
+            update = new - task.model
+            await asyncio.sleep(args.work * args.slow)
+            if args.attack == "scale":
+                update = (update * args.scale).astype(np.float32)
+            elif args.attack == "nan":
+                update = np.full_like(update, np.nan)
+            await client.submit(update, len(data.y), task.round)
+            if args.leave_round is not None and task.round >= args.leave_round:
+                print(f"client {args.index}: leaving after round {task.round}")
+                break
+            task = await client.next_round(timeout=120.0)
+    finally:
+        await client.close()
+    rejected = sum(1 for a in client.acks if not a.accepted)
+    print(f"client {args.index}: done; {len(client.acks)} verdicts, {rejected} refused")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

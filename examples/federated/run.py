@@ -1,0 +1,231 @@
+"""Run the whole federated-learning demo on this machine with one command.
+
+    python -m examples.federated.run                 # coordinator on TCP 127.0.0.1
+    python -m examples.federated.run --relay local   # start a local relay; everyone dials it
+    python -m examples.federated.run --relay URL     # use a running relay
+
+The coordinator runs in this process; each client is its own process
+(``python -m examples.federated.client``), with a non-IID shard of the digits data.
+By default, of 6 clients: one is malicious (its updates are scaled by 1e6), one is slow
+(its updates arrive a round late), one crashes mid-round (it is restarted and rejoins,
+receiving the current model and round id), and one joins late. The table shows, per
+round: members, participants, stale updates, drops, rejections, the closing reason,
+test loss and accuracy. The accuracy plot goes to ``--png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import select
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from p2pdist import SecretKey
+from p2pdist.federated import Coordinator
+
+from .coordinator import add_coordinator_args, serve
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_coordinator_args(p)
+    p.add_argument("--relay", default=None, help="'local' (start one) or a relay URL")
+    p.add_argument("--malicious", type=int, default=1, help="clients scaling updates by 1e6")
+    p.add_argument("--attack", choices=["scale", "nan"], default="scale")
+    p.add_argument("--slow", type=int, default=1, help="slow clients")
+    p.add_argument("--slow-factor", type=float, default=8.0, help="their compute x this")
+    p.add_argument("--dropouts", type=int, default=1, help="clients that crash mid-round")
+    p.add_argument("--late", type=int, default=1, help="clients that join a few rounds late")
+    p.add_argument("--work", type=float, default=0.05, help="simulated compute s/round")
+    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet non-IID concentration")
+    p.add_argument("--logs", type=Path, default=None, help="client logs (default: a temp dir)")
+    args = p.parse_args(argv)
+    roles = args.malicious + args.slow + args.dropouts + args.late
+    if roles > args.clients:
+        p.error(f"{roles} special clients but only --clients {args.clients}")
+    return args
+
+
+class Fleet:
+    """The client processes (and the local relay, if any)."""
+
+    def __init__(self, args: argparse.Namespace, coordinator: str, logs: Path) -> None:
+        self.args = args
+        self.coordinator = coordinator
+        self.logs = logs
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.address: str | None = None
+        self.relay: str | None = None
+
+    def role(self, i: int) -> str:
+        """What client ``i`` does: malicious, slow, dropout, late or honest."""
+        a = self.args
+        bounds = [
+            ("malicious", a.malicious),
+            ("slow", a.slow),
+            ("dropout", a.dropouts),
+            ("late", a.late),
+        ]
+        start = 0
+        for name, count in bounds:
+            if start <= i < start + count:
+                return name
+            start += count
+        return "honest"
+
+    def start(self, i: int, *, crash: bool = True) -> None:
+        """Start client ``i`` with the flags of its role."""
+        a = self.args
+        cmd = [
+            sys.executable,
+            "-m",
+            "examples.federated.client",
+            "--coordinator",
+            self.coordinator,
+            "--index",
+            str(i),
+            "--clients",
+            str(a.clients),
+            "--seed",
+            str(a.seed),
+            "--alpha",
+            str(a.alpha),
+            "--epochs",
+            str(a.epochs),
+            "--work",
+            str(a.work),
+        ]
+        cmd += ["--relay", self.relay] if self.relay else ["--address", str(self.address)]
+        if a.plaintext:
+            cmd.append("--plaintext")
+        role = self.role(i)
+        if role == "malicious":
+            cmd += ["--attack", a.attack]
+        elif role == "slow":
+            cmd += ["--slow", str(a.slow_factor)]
+        elif role == "dropout" and crash:
+            cmd += ["--crash-round", str(max(1, a.rounds // 3))]
+        log = (self.logs / f"client{i}.log").open("ab")
+        self.procs[i] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    async def supervise(self, coord: Coordinator) -> None:
+        """Start late joiners a few rounds in, restart crashed clients once."""
+        late = [i for i in range(self.args.clients) if self.role(i) == "late"]
+        late_round = max(1, self.args.rounds // 5)
+        restarted: set[int] = set()
+        while True:
+            await asyncio.sleep(0.05)
+            if late and coord.round >= late_round:
+                for i in late:
+                    print(f"   + client {i} joins late, at round {coord.round}", flush=True)
+                    self.start(i)
+                late = []
+            for i, proc in list(self.procs.items()):
+                if proc.poll() == 17 and i not in restarted:
+                    restarted.add(i)
+                    print(
+                        f"   ! client {i} crashed mid-round {coord.round}; restarting it",
+                        flush=True,
+                    )
+                    self.start(i, crash=False)
+
+    def stop(self) -> None:
+        """Stop every process (clients get stop from the coordinator first)."""
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def start_local_relay(logs: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """``python -m relay`` on 127.0.0.1 (any free port); returns it and its URL."""
+    err = (logs / "relay.log").open("ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=err,
+    )
+    err.close()
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 30.0)
+    line = proc.stdout.readline().decode() if ready else ""
+    if not line.startswith("relay url: "):
+        proc.kill()
+        raise SystemExit(f"the local relay did not start; see {logs / 'relay.log'}")
+    return proc, line[len("relay url: ") :].strip()
+
+
+async def main_async(args: argparse.Namespace, logs: Path) -> None:
+    """Coordinator here, clients as processes; returns when all rounds are done."""
+    key = SecretKey.generate()
+    fleet = Fleet(args, str(key.endpoint_id), logs)
+    relay_proc = None
+    if args.relay == "local":
+        relay_proc, fleet.relay = start_local_relay(logs)
+        print(f"local relay: {fleet.relay}")
+    elif args.relay:
+        fleet.relay = args.relay
+    supervisor: asyncio.Task[None] | None = None
+
+    def on_ready(coord: Coordinator) -> None:
+        nonlocal supervisor
+        if coord.address is not None:
+            fleet.address = f"{coord.address[0]}:{coord.address[1]}"
+        for i in range(args.clients):
+            if fleet.role(i) != "late":
+                fleet.start(i)
+        print(
+            f"started {args.clients - args.late} client processes "
+            f"({args.malicious} malicious, {args.slow} slow, {args.dropouts} crashing); "
+            f"logs in {logs}",
+            flush=True,
+        )
+        supervisor = asyncio.get_running_loop().create_task(fleet.supervise(coord))
+
+    try:
+        await serve(
+            args,
+            wait_for=args.clients - args.late,
+            listen=None if fleet.relay else "127.0.0.1:0",
+            relay=fleet.relay,
+            key=key,
+            on_ready=on_ready,
+        )
+    finally:
+        if supervisor is not None:
+            supervisor.cancel()
+        fleet.stop()
+        if relay_proc is not None:
+            relay_proc.terminate()
+            relay_proc.wait(timeout=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    if not args.verbose:  # the table counts rejections; the log lines would clutter it
+        logging.getLogger("p2pdist.federated").setLevel(logging.ERROR)
+    if args.logs is not None:
+        args.logs.mkdir(parents=True, exist_ok=True)
+        asyncio.run(main_async(args, args.logs))
+    else:
+        with tempfile.TemporaryDirectory(prefix="fedlogs-") as tmp:
+            asyncio.run(main_async(args, Path(tmp)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Pure functions: update validation and the aggregation rules (no I/O, no clocks).
+
+Every rule gives the same bits for the same inputs in the same order on any machine:
+accumulation is elementwise in float64, in the order given, with no reduction whose
+association numpy may choose, and the result is rounded once to the model's dtype.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import UsageError
+from .config import FederatedConfig
+
+__all__ = ["Reason", "aggregate", "check_update", "trim_count"]
+
+
+class Reason(enum.StrEnum):
+    """Why an update did not count. The first five are *rejections* (bad content); the
+    others are *drops* (the update came at the wrong time or was replaced)."""
+
+    DTYPE = "dtype"
+    """The update's dtype differs from the model's."""
+    SHAPE = "shape"
+    """The update's shape differs from the model's."""
+    NONFINITE = "nonfinite"
+    """The update holds NaN or Inf."""
+    NORM = "norm"
+    """The update's L2 norm exceeds ``max_norm``."""
+    SAMPLES = "samples"
+    """``num_samples`` is not an int in [1, max_num_samples]."""
+    TOO_STALE = "too_stale"
+    """``round - base_round`` exceeds ``max_staleness`` (or ``base_round`` is ahead)."""
+    FUTURE = "future_round"
+    """Submitted for a round that has not opened yet."""
+    DUPLICATE = "duplicate"
+    """A second update from the same client for the same round and base."""
+    SUPERSEDED = "superseded"
+    """Replaced by a newer update (a later ``base_round``) from the same client."""
+
+    @property
+    def is_rejection(self) -> bool:
+        """True for validation failures (counted as *rejected*, not *dropped*)."""
+        return self in _REJECTIONS
+
+
+_REJECTIONS = frozenset({Reason.DTYPE, Reason.SHAPE, Reason.NONFINITE, Reason.NORM, Reason.SAMPLES})
+
+
+def check_update(
+    update: np.ndarray,
+    num_samples: Any,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    config: FederatedConfig,
+) -> tuple[Reason, str] | None:
+    """None when ``update`` may be aggregated, else ``(reason, explanation)``."""
+    if (
+        isinstance(num_samples, bool)
+        or not isinstance(num_samples, int)
+        or num_samples < 1
+        or (config.max_num_samples is not None and num_samples > config.max_num_samples)
+    ):
+        return Reason.SAMPLES, f"num_samples {num_samples!r} is not an int in [1, max]"
+    if update.dtype != dtype:
+        return Reason.DTYPE, f"dtype {update.dtype} where the model has {dtype}"
+    if update.shape != shape:
+        return Reason.SHAPE, f"shape {list(update.shape)} where the model has {list(shape)}"
+    if update.dtype.kind in "fc" and not bool(np.isfinite(update).all()):
+        return Reason.NONFINITE, "holds NaN or Inf"
+    if config.max_norm is not None:
+        norm = float(np.linalg.norm(update.reshape(-1).astype(np.float64)))
+        if norm > config.max_norm:
+            return Reason.NORM, f"L2 norm {norm:.4g} exceeds max_norm {config.max_norm:g}"
+    return None
+
+
+def trim_count(n: int, fraction: float) -> int:
+    """Values cut from each end of a coordinate by the trimmed mean of ``n`` values."""
+    k = math.floor(fraction * n + 1e-9)
+    return k if n - 2 * k >= 1 else (n - 1) // 2
+
+
+def aggregate(
+    updates: Sequence[np.ndarray],
+    weights: Sequence[float],
+    rule: str,
+    trim_fraction: float,
+    dtype: np.dtype[Any],
+) -> np.ndarray:
+    """Combine ``updates`` (same shape) by ``rule``; the result has ``dtype``.
+
+    ``"mean"``: ``sum(w_i * x_i) / sum(w_i)``, summed in the order given.
+    ``"median"``: coordinate-wise median (weights ignored).
+    ``"trimmed_mean"``: per coordinate, sort, cut :func:`trim_count` values from each end,
+    average the rest (weights ignored).
+    """
+    if not updates:
+        raise UsageError("aggregate needs at least one update")
+    if len(weights) != len(updates):
+        raise UsageError("one weight per update")
+    shape = updates[0].shape
+    if rule == "mean":
+        acc = np.zeros(shape, np.float64)
+        total = 0.0
+        for x, w in zip(updates, weights, strict=True):
+            acc += np.multiply(x, float(w), dtype=np.float64)
+            total += float(w)
+        if not total > 0:
+            raise UsageError("weights must sum to a positive number")
+        acc /= total
+        return acc.astype(dtype, copy=False)
+    stacked = np.stack([np.asarray(x, np.float64).reshape(-1) for x in updates])
+    stacked.sort(axis=0)
+    n = len(updates)
+    if rule == "median":
+        mid = n // 2
+        out: np.ndarray = stacked[mid].copy() if n % 2 else (stacked[mid - 1] + stacked[mid]) * 0.5
+        return out.reshape(shape).astype(dtype, copy=False)
+    if rule == "trimmed_mean":
+        k = trim_count(n, trim_fraction)
+        kept = stacked[k : n - k]
+        acc = np.array(kept[0], copy=True)
+        for row in kept[1:]:
+            acc += row
+        acc /= float(len(kept))
+        return acc.reshape(shape).astype(dtype, copy=False)
+    raise UsageError(f"unknown aggregation rule {rule!r}")

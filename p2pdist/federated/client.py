@@ -1,0 +1,278 @@
+"""A federated-averaging client: dials the coordinator (directly or through a relay),
+receives models, submits updates. It never listens on any port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Self
+
+import numpy as np
+
+from ..errors import (
+    ConnectionBrokenError,
+    ConnectionClosedError,
+    P2PError,
+    P2PTimeoutError,
+    RemoteProtocolError,
+    UsageError,
+)
+from ..identity import EndpointId, SecretKey
+from ..transport.base import Address, Connection, TransportConfig
+from ..transport.quic import QuicTransport
+from ..transport.tcp import TcpTransport
+from .messages import CLIENT_CHANNEL, Message, decode, encode
+from .net import dial, open_transport
+
+__all__ = ["Ack", "FederatedClient", "RoundTask"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundTask:
+    """A model the coordinator sent: train from it and submit with ``base_round=round``."""
+
+    round: int
+    model: np.ndarray = field(repr=False)
+    open: bool
+    """Whether the round was open when the model was sent (a joiner between rounds gets
+    the model of the round about to open)."""
+    deadline: float
+    """When the round closes at the latest, on this event loop's clock (``loop.time()``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """The coordinator's verdict on one submission."""
+
+    round: int
+    """The round the update was sent for."""
+    accepted: bool
+    reason: str
+    """Why it did not count (a :class:`~.aggregate.Reason` value), or ``""``."""
+    current_round: int
+    """The coordinator's round when it decided."""
+
+
+class FederatedClient:
+    """One client of a :class:`~.coordinator.Coordinator`.
+
+    ``coordinator`` is its endpoint id (pinned: a different key is refused). Give
+    ``address`` (``host:port``, TCP) or ``relay`` (a relay URL: QUIC through the relay, by
+    endpoint id alone). ``key`` is this client's identity (fresh by default); ``name`` is
+    a free-form label for the coordinator's logs.
+    """
+
+    def __init__(
+        self,
+        coordinator: EndpointId | str,
+        *,
+        address: Address | None = None,
+        relay: str | None = None,
+        relay_token: str | None = None,
+        key: SecretKey | None = None,
+        transport: TransportConfig | None = None,
+        connect_timeout: float = 30.0,
+        name: str = "",
+    ) -> None:
+        if (address is None) == (relay is None):
+            raise UsageError("give exactly one of address= (host:port) or relay= (a relay URL)")
+        self.coordinator = (
+            coordinator if isinstance(coordinator, EndpointId) else EndpointId.parse(coordinator)
+        )
+        self.key = key or SecretKey.generate()
+        self.name = name
+        self._address = address
+        self._relay = relay
+        self._relay_token = relay_token
+        self._tconfig = transport or TransportConfig()
+        self._connect_timeout = connect_timeout
+        self._transport: TcpTransport | QuicTransport | None = None
+        self._conn: Connection | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._latest: RoundTask | None = None
+        self._returned = -1
+        self._changed = asyncio.Event()
+        self._error: BaseException | None = None
+        self.acks: list[Ack] = []
+        """Verdicts received, oldest first."""
+        self.stopped: str | None = None
+        """The coordinator's reason once it said stop."""
+
+    @property
+    def endpoint_id(self) -> EndpointId:
+        """This client's endpoint id."""
+        return self.key.endpoint_id
+
+    @property
+    def latest(self) -> RoundTask | None:
+        """The newest model received."""
+        return self._latest
+
+    async def __aenter__(self) -> Self:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def connect(self) -> RoundTask:
+        """Dial the coordinator (retrying for ``connect_timeout`` s), say hello and return
+        the current model and round id."""
+        if self._transport is not None:
+            raise UsageError("already connected")
+        label = f"coordinator {self.coordinator.short()}"
+        self._transport = await open_transport(
+            self.key,
+            self._tconfig,
+            relay=self._relay,
+            relay_token=self._relay_token,
+            accept_from=lambda _eid: False,  # a client never accepts connections
+            label_for=None,
+            timeout=self._connect_timeout,
+        )
+        try:
+            conn = await dial(
+                self._transport, self.coordinator, self._address, label, self._connect_timeout
+            )
+            self._conn = conn
+            meta, payload = encode("hello", {"name": self.name})
+            await conn.send(CLIENT_CHANNEL, payload, meta=meta)
+            self._reader = asyncio.get_running_loop().create_task(self._read(conn))
+            task = await self.next_round(timeout=self._connect_timeout)
+        except BaseException:
+            await self.close()
+            raise
+        if task is None:
+            raise ConnectionClosedError(f"{label} stopped: {self.stopped}")
+        return task
+
+    async def next_round(self, *, timeout: float | None = None) -> RoundTask | None:
+        """The newest model newer than the last one returned (rounds a slow client missed
+        are skipped), or None once the coordinator has said stop."""
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    latest = self._latest
+                    if latest is not None and latest.round > self._returned:
+                        self._returned = latest.round
+                        return latest
+                    if self.stopped is not None:
+                        return None
+                    if self._error is not None:
+                        raise self._error
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            raise P2PTimeoutError(f"no new round from the coordinator within {timeout} s") from None
+
+    async def submit(
+        self,
+        update: np.ndarray,
+        num_samples: int,
+        base_round: int,
+        *,
+        round_id: int | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        """Send ``update`` (the model delta trained from round ``base_round``'s model, on
+        ``num_samples`` samples) for round ``round_id`` (default: the newest round this
+        client has heard of). The verdict arrives later in :attr:`acks`."""
+        conn = self._need_conn()
+        if round_id is None:
+            round_id = self._latest.round if self._latest is not None else base_round
+        meta, payload = encode(
+            "submit", {"r": round_id, "b": base_round, "n": num_samples}, np.asarray(update)
+        )
+        try:
+            async with asyncio.timeout(timeout):
+                await conn.send(CLIENT_CHANNEL, payload, meta=meta)
+        except TimeoutError:
+            raise P2PTimeoutError(f"update not sent within {timeout:g} s") from None
+
+    async def wait_ack(self, count: int, *, timeout: float = 30.0) -> Ack:
+        """Wait until ``count`` verdicts have arrived; returns the ``count``-th."""
+        try:
+            async with asyncio.timeout(timeout):
+                while len(self.acks) < count:
+                    if self._error is not None:
+                        raise self._error
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            raise P2PTimeoutError(f"no verdict within {timeout:g} s") from None
+        return self.acks[count - 1]
+
+    async def close(self) -> None:
+        """Say bye (leaving on purpose) and close."""
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.closed:
+            meta, payload = encode("bye")
+            with contextlib.suppress(P2PError):
+                conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._transport is not None:
+            await asyncio.shield(self._transport.close())
+
+    def _need_conn(self) -> Connection:
+        if self._conn is None:
+            raise UsageError("not connected: call connect() first")
+        if self._error is not None:
+            raise self._error
+        return self._conn
+
+    async def _read(self, conn: Connection) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                message = decode(await conn.recv(CLIENT_CHANNEL), conn.label)
+                self._on_message(message, conn.label, loop.time())
+                self._changed.set()
+                if self.stopped is not None:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if not isinstance(exc, ConnectionBrokenError | ConnectionClosedError):
+                log.warning("%s: %s", conn.label, exc)
+            self._error = exc
+            self._changed.set()
+            if isinstance(exc, RemoteProtocolError):
+                await conn.close()
+
+    def _on_message(self, message: Message, label: str, now: float) -> None:
+        if message.kind == "model":
+            is_open = bool(message.fields.get("open"))
+            task = RoundTask(
+                message.get_int("r", label),
+                np.array(message.need_array(label)),
+                is_open,
+                now + max(0.0, message.get_float("left", label)),
+            )
+            if self._latest is None or task.round >= self._latest.round:
+                self._latest = task
+        elif message.kind == "ack":
+            why = message.fields.get("why")
+            self.acks.append(
+                Ack(
+                    message.get_int("r", label),
+                    bool(message.fields.get("ok")),
+                    why if isinstance(why, str) else "",
+                    message.get_int("round", label),
+                )
+            )
+        elif message.kind == "stop":
+            why = message.fields.get("why")
+            self.stopped = why if isinstance(why, str) else "stopped"
+        else:
+            raise RemoteProtocolError(label, f"unexpected {message.kind!r} message")

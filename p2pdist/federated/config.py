@@ -1,0 +1,107 @@
+"""Federated averaging settings (frozen; times in seconds, counts in updates or rounds)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import UsageError
+
+__all__ = ["DISCOUNTS", "POLICIES", "RULES", "FederatedConfig"]
+
+RULES = ("mean", "median", "trimmed_mean")
+"""Aggregation rules: sample-weighted mean, coordinate-wise median, trimmed mean."""
+POLICIES = ("deadline", "quorum")
+"""When a round closes: at its deadline, or as soon as the quorum is met."""
+DISCOUNTS = ("polynomial", "exponential", "none")
+"""Staleness discounts: ``(1 + s) ** -a``, ``a ** s``, or 1."""
+
+
+@dataclass(frozen=True, slots=True)
+class FederatedConfig:
+    """How rounds of federated averaging open, close, weigh and check updates.
+
+    An *update* is a model delta: the client's model after local training minus the
+    model of the round it started from (its ``base_round``). The round's aggregate is
+    added to the model (times ``server_lr``).
+    """
+
+    round_timeout: float = 10.0
+    """Seconds from a round's opening to its deadline. The round closes at the deadline
+    at the latest, with whatever valid updates have arrived."""
+    policy: str = "deadline"
+    """``"deadline"``: wait until the deadline, or until every member of the round has
+    submitted. ``"quorum"``: also close as soon as ``quorum`` valid updates are in."""
+    quorum: int | float = 1
+    """Valid updates a round needs to produce an aggregate: an ``int`` count (>= 1), or a
+    ``float`` fraction in (0, 1] of the members at the round's opening (rounded up, at
+    least 1). A round that closes short of it leaves the model unchanged, and its valid
+    updates roll into the next round (where their staleness has grown by one)."""
+    max_staleness: int = 2
+    """Largest accepted ``round - base_round``, in rounds. Older updates are dropped and
+    counted (reason ``too_stale``)."""
+    discount: str = "polynomial"
+    """Staleness discount ``d(s)``: ``"polynomial"`` is ``(1 + s) ** -discount_param``,
+    ``"exponential"`` is ``discount_param ** s``, ``"none"`` is 1."""
+    discount_param: float = 0.5
+    """The exponent (polynomial, >= 0) or base (exponential, in (0, 1]). The default,
+    ``(1 + s) ** -0.5``, is FedAsync's polynomial staleness function (Xie et al. 2019):
+    an update one round old weighs 0.71 of a fresh one, two rounds old 0.58."""
+    rule: str = "mean"
+    """``"mean"``: weighted by ``num_samples * d(staleness)``. ``"median"`` and
+    ``"trimmed_mean"``: coordinate-wise and unweighted (a client could lie about its
+    sample count), robust to a minority of arbitrary updates."""
+    trim_fraction: float = 0.2
+    """For ``"trimmed_mean"``: the fraction of values cut from *each* end of every
+    coordinate, ``floor(trim_fraction * n)`` of ``n`` (when that leaves at least one)."""
+    max_norm: float | None = None
+    """Reject updates whose L2 norm exceeds this (None: no bound)."""
+    max_num_samples: int | None = None
+    """Reject submissions claiming more samples than this (None: no bound)."""
+    server_lr: float = 1.0
+    """Factor applied to the aggregate before it is added to the model."""
+
+    def __post_init__(self) -> None:
+        if not self.round_timeout > 0 or not math.isfinite(self.round_timeout):
+            raise UsageError("round_timeout must be a positive number of seconds")
+        if self.policy not in POLICIES:
+            raise UsageError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        q = self.quorum
+        if isinstance(q, bool) or not isinstance(q, int | float):
+            raise UsageError(f"quorum must be an int count or a float fraction, got {q!r}")
+        if isinstance(q, int) and q < 1:
+            raise UsageError("a quorum count must be at least 1")
+        if isinstance(q, float) and not 0.0 < q <= 1.0:
+            raise UsageError("a quorum fraction must be in (0, 1]")
+        if self.max_staleness < 0:
+            raise UsageError("max_staleness must be >= 0")
+        if self.discount not in DISCOUNTS:
+            raise UsageError(f"discount must be one of {DISCOUNTS}, got {self.discount!r}")
+        if self.discount == "polynomial" and not self.discount_param >= 0:
+            raise UsageError("a polynomial discount needs discount_param >= 0")
+        if self.discount == "exponential" and not 0.0 < self.discount_param <= 1.0:
+            raise UsageError("an exponential discount needs discount_param in (0, 1]")
+        if self.rule not in RULES:
+            raise UsageError(f"rule must be one of {RULES}, got {self.rule!r}")
+        if not 0.0 <= self.trim_fraction < 0.5:
+            raise UsageError("trim_fraction must be in [0, 0.5)")
+        if self.max_norm is not None and not self.max_norm > 0:
+            raise UsageError("max_norm must be positive (or None)")
+        if self.max_num_samples is not None and self.max_num_samples < 1:
+            raise UsageError("max_num_samples must be >= 1 (or None)")
+        if not math.isfinite(self.server_lr):
+            raise UsageError("server_lr must be finite")
+
+    def needed(self, members: int) -> int:
+        """The quorum as a count, for a round that opened with ``members`` members."""
+        if isinstance(self.quorum, int):
+            return self.quorum
+        return max(1, math.ceil(self.quorum * members - 1e-9))
+
+    def staleness_factor(self, staleness: int) -> float:
+        """``d(staleness)``, the discount multiplied into a stale update's weight."""
+        if self.discount == "none" or staleness <= 0:
+            return 1.0
+        if self.discount == "polynomial":
+            return float((1.0 + staleness) ** -self.discount_param)
+        return float(self.discount_param**staleness)

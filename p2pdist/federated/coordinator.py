@@ -1,0 +1,377 @@
+"""The coordinator of the coordinator + clients shape (asyncio glue over FederatedRounds).
+
+Clients only dial out: the coordinator listens on TCP, or is reached by endpoint id
+through a relay (QUIC), and clients connect to it. Each client's connection carries one
+channel each way (:data:`~.messages.CLIENT_CHANNEL`)::
+
+    client -> coordinator   hello {name}            first message, once
+                            submit {r, b, n} + update
+                            bye {}                   leaving on purpose
+    coordinator -> client   model {r, open, left} + model   on joining and at every round
+                            ack {r, ok, why, round}  the verdict on one submission
+                            stop {why}               training is over
+
+Every message is matched to a round by its ids, never by when it arrives: the state
+machine decides (accept, roll a straggler into the current round, drop, reject).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self
+
+import numpy as np
+
+from ..errors import (
+    ConnectionClosedError,
+    P2PError,
+    P2PTimeoutError,
+    PeerError,
+    RemoteProtocolError,
+    UsageError,
+)
+from ..identity import EndpointId, SecretKey
+from ..transport.base import Address, Connection, TransportConfig
+from ..transport.quic import QuicTransport
+from ..transport.tcp import TcpTransport, parse_address
+from .config import FederatedConfig
+from .messages import CLIENT_CHANNEL, Message, decode, encode
+from .net import open_transport
+from .rounds import FederatedRounds, Phase, RoundOutcome
+
+__all__ = ["Coordinator"]
+
+log = logging.getLogger(__name__)
+
+_HELLO_TIMEOUT = 10.0  # seconds a new connection has to say hello
+
+
+@dataclass(eq=False)
+class _Client:
+    id: str
+    label: str
+    conn: Connection
+    name: str = ""
+    latest: tuple[bytes, memoryview] | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    sender: asyncio.Task[None] | None = None
+
+
+class Coordinator:
+    """Runs rounds of federated averaging for clients that dial in.
+
+    ``model`` is the initial model (any numeric array; updates must match its shape and
+    dtype). ``key`` is the coordinator's identity (clients pin its endpoint id); a fresh
+    one by default. ``accept`` decides which client endpoint ids may connect (all by
+    default). Use as ``async with Coordinator(...) as c: await c.start(listen=...)``.
+    """
+
+    def __init__(
+        self,
+        model: np.ndarray,
+        config: FederatedConfig | None = None,
+        *,
+        key: SecretKey | None = None,
+        transport: TransportConfig | None = None,
+        accept: Callable[[EndpointId], bool] | None = None,
+    ) -> None:
+        self.key = key or SecretKey.generate()
+        self.config = config or FederatedConfig()
+        self._model = np.array(model, copy=True, order="C")
+        self._state = FederatedRounds(
+            self._model.shape,
+            self._model.dtype,
+            self.config,
+            label=lambda cid: f"client {cid[:10]}",  # the short endpoint id
+        )
+        self._tconfig = transport or TransportConfig()
+        self._accept = accept
+        self._transport: TcpTransport | QuicTransport | None = None
+        self._address: tuple[str, int] | None = None
+        self._clients: dict[str, _Client] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+        self._closed = False
+        self.protocol_errors = 0
+        """Connections closed because the client broke the message protocol."""
+
+    # ---- properties -------------------------------------------------------------------
+
+    @property
+    def endpoint_id(self) -> EndpointId:
+        """The coordinator's endpoint id (clients dial it)."""
+        return self.key.endpoint_id
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """The bound TCP (host, port), or None through a relay."""
+        return self._address
+
+    @property
+    def model(self) -> np.ndarray:
+        """The current model (a read-only view; it is replaced, never changed, per round)."""
+        view = self._model.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def round(self) -> int:
+        """The open round's id, or the next round's between rounds."""
+        return self._state.round
+
+    @property
+    def members(self) -> list[str]:
+        """Endpoint ids (text) of the connected clients, sorted."""
+        return sorted(self._state.members)
+
+    @property
+    def state(self) -> FederatedRounds:
+        """The round state machine (for inspection: totals, submitted, phase)."""
+        return self._state
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def start(
+        self,
+        *,
+        listen: Address | None = None,
+        relay: str | None = None,
+        relay_token: str | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        """Accept clients: on TCP at ``listen`` (``host:port``; port 0 picks one, see
+        :attr:`address`), or through ``relay`` (a relay URL; bounded by ``timeout`` s)."""
+        if self._transport is not None or self._closed:
+            raise UsageError("the coordinator is already started (or closed)")
+        if (listen is None) == (relay is None):
+            raise UsageError("give exactly one of listen= (host:port) or relay= (a relay URL)")
+        transport = await open_transport(
+            self.key,
+            self._tconfig,
+            relay=relay,
+            relay_token=relay_token,
+            accept_from=self._accept,
+            label_for=lambda eid: f"client {eid.short()}",
+            timeout=timeout,
+        )
+        self._transport = transport
+        if listen is not None:
+            host, port = parse_address(listen)
+            try:
+                self._address = await transport.listen(host, port)
+            except OSError as exc:
+                await transport.close()
+                raise UsageError(f"coordinator cannot listen on {host}:{port}: {exc}") from None
+        self._spawn(self._accept_loop(transport))
+
+    async def close(self, why: str = "training is over") -> None:
+        """Tell every client to stop, close every connection, stop accepting."""
+        if self._closed:
+            return
+        self._closed = True
+        meta, payload = encode("stop", {"why": why})
+        for client in list(self._clients.values()):
+            with contextlib.suppress(P2PError):
+                client.conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
+        for task in list(self._tasks):
+            task.cancel()
+        for client in list(self._clients.values()):
+            if client.sender is not None:
+                client.sender.cancel()
+        if self._transport is not None:
+            await asyncio.shield(self._transport.close())
+
+    # ---- rounds -------------------------------------------------------------------------
+
+    async def wait_for_members(self, count: int, timeout: float) -> None:
+        """Wait until at least ``count`` clients are connected (P2PTimeoutError after
+        ``timeout`` seconds)."""
+        try:
+            async with asyncio.timeout(timeout):
+                while len(self._state.members) < count:
+                    self._wake.clear()
+                    await self._wake.wait()
+        except TimeoutError:
+            raise P2PTimeoutError(
+                f"coordinator: {len(self._state.members)} of {count} clients "
+                f"connected within {timeout:g} s"
+            ) from None
+
+    async def run_round(self) -> RoundOutcome:
+        """Open a round, send the model to every client, collect updates until the round
+        is due (quorum, everyone, or the deadline), apply the aggregate and return what
+        happened. Never waits past the deadline for anyone. A cancelled call leaves the
+        round open; the next call resumes it."""
+        if self._transport is None or self._closed:
+            raise UsageError("start the coordinator first (and do not use it after close)")
+        loop = asyncio.get_running_loop()
+        state = self._state
+        if state.phase is Phase.WAITING:
+            state.open(loop.time())
+            self._broadcast()
+        deadline = state.deadline
+        assert deadline is not None
+        while (why := state.due(loop.time())) is None:
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                    await self._wake.wait()
+        outcome = state.close(loop.time(), why)
+        if outcome.aggregate is not None:
+            step = outcome.aggregate * self.config.server_lr
+            self._model = (self._model + step).astype(self._model.dtype, copy=False)
+        log.info(
+            "round %d closed (%s): %d participants, %d stale, %d dropped, %d rejected",
+            outcome.round,
+            outcome.reason,
+            len(outcome.participants),
+            outcome.stale,
+            outcome.num_dropped,
+            outcome.num_rejected,
+        )
+        return outcome
+
+    def _model_message(self) -> tuple[bytes, memoryview]:
+        state = self._state
+        loop = asyncio.get_running_loop()
+        is_open = state.phase is Phase.OPEN
+        left = (state.deadline or 0.0) - loop.time() if is_open else self.config.round_timeout
+        return encode("model", {"r": state.round, "open": is_open, "left": left}, self._model)
+
+    def _broadcast(self) -> None:
+        message = self._model_message()
+        for client in self._clients.values():
+            self._post(client, message)
+
+    # ---- clients ------------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept_loop(self, transport: TcpTransport | QuicTransport) -> None:
+        while True:
+            try:
+                conn = await transport.accept()
+            except (ConnectionClosedError, asyncio.CancelledError):
+                return
+            except P2PError as exc:  # a failed handshake of one client; keep accepting
+                log.info("coordinator: incoming connection failed: %s", exc)
+                continue
+            self._spawn(self._serve(conn))
+
+    async def _serve(self, conn: Connection) -> None:
+        """One client's life: hello, then submissions until it leaves or breaks."""
+        cid = str(conn.peer_id)
+        label = f"client {conn.peer_id.short()}"
+        conn.label = label
+        client: _Client | None = None
+        try:
+            async with asyncio.timeout(_HELLO_TIMEOUT):
+                hello = decode(await conn.recv(CLIENT_CHANNEL), label)
+            if hello.kind != "hello":
+                raise RemoteProtocolError(label, f"sent {hello.kind!r} before hello")
+            old = self._clients.pop(cid, None)
+            if old is not None:  # the same client again: the newer connection wins
+                log.info("%s reconnected; closing its old connection", label)
+                self._forget(old)
+                self._spawn(old.conn.close())
+            name = hello.fields.get("name")
+            client = _Client(cid, label, conn, name if isinstance(name, str) else "")
+            self._clients[cid] = client
+            client.sender = asyncio.get_running_loop().create_task(self._sender(client))
+            self._state.join(cid)
+            self._post(client, self._model_message())  # a late joiner gets model + round id
+            log.info("%s joined (%s); %d members", label, client.name, len(self._clients))
+            self._wake.set()
+            while True:
+                message = decode(await conn.recv(CLIENT_CHANNEL), label)
+                if message.kind == "submit":
+                    self._on_submit(client, message)
+                elif message.kind == "bye":
+                    log.info("%s left", label)
+                    return
+                else:
+                    raise RemoteProtocolError(label, f"unexpected {message.kind!r} message")
+        except RemoteProtocolError as exc:
+            self.protocol_errors += 1
+            log.warning("%s", exc)
+        except TimeoutError:
+            log.info("%s: no hello within %g s", label, _HELLO_TIMEOUT)
+        except (PeerError, ConnectionClosedError) as exc:
+            log.info("%s: gone: %s", label, exc)
+        except Exception:  # nothing a client does may take the coordinator down
+            log.exception("%s: unexpected error; dropping the client", label)
+        finally:
+            if client is not None and self._clients.get(cid) is client:
+                del self._clients[cid]
+                self._forget(client)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(conn.close())
+
+    def _forget(self, client: _Client) -> None:
+        if client.sender is not None:
+            client.sender.cancel()
+        if client.id not in self._clients:
+            self._state.leave(client.id)
+        self._wake.set()
+
+    def _on_submit(self, client: _Client, message: Message) -> None:
+        label = client.label
+        round_id = message.get_int("r", label)
+        base = message.get_int("b", label)
+        update = message.need_array(label)
+        now = asyncio.get_running_loop().time()
+        verdict = self._state.submit(
+            client.id, round_id, base, message.fields.get("n"), update, now
+        )
+        reply = {
+            "r": round_id,
+            "ok": verdict.accepted,
+            "why": verdict.reason.value if verdict.reason else "",
+            "round": self._state.round,
+        }
+        meta, payload = encode("ack", reply)
+        with contextlib.suppress(P2PError):
+            client.conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
+        self._wake.set()
+
+    def _post(self, client: _Client, message: tuple[bytes, memoryview]) -> None:
+        """Queue a model message; a client still busy receiving the last one gets only the
+        newest (a slow link never holds more than one model in memory)."""
+        client.latest = message
+        client.ready.set()
+
+    async def _sender(self, client: _Client) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            while True:
+                await client.ready.wait()
+                client.ready.clear()
+                if client.latest is None:
+                    continue
+                meta, payload = client.latest
+                client.latest = None
+                try:
+                    async with asyncio.timeout(self.config.round_timeout):
+                        await client.conn.send(CLIENT_CHANNEL, payload, meta=meta)
+                except (TimeoutError, P2PError) as exc:
+                    log.info("%s: could not send the model (%s); dropping it", client.label, exc)
+                    self._spawn(client.conn.close())
+                    return

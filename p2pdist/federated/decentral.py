@@ -1,0 +1,430 @@
+"""Decentralised federated averaging among the ranks of a :class:`~p2pdist.Group`.
+
+No coordinator process: every rank holds the model, trains, and sends its update to
+every other rank. One rank, the *leader*, runs the round's clock
+(:class:`~.rounds.FederatedRounds`): when the round is due (quorum, everyone, or the
+deadline) it decides who took part and sends that decision (ranks, base rounds, sample
+counts, weights) to all. Every rank then aggregates the updates named in the decision,
+in the decision's order, with the same pure function: all ranks get the same bits, and
+none waited for a rank that missed the deadline. See docs/federated.md.
+
+Channels: round ``k`` uses two channels of its own in the federated space
+(:func:`~.messages.round_channel`), retired by every rank when it finishes the round, so
+a late update of round ``k`` is dropped on arrival and can never be read by round
+``k + 1`` or by any collective (those use other channel spaces).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import numpy as np
+
+from ..errors import (
+    ConnectionBrokenError,
+    GroupBrokenError,
+    MismatchError,
+    P2PError,
+    PeerTimeoutError,
+    RemoteProtocolError,
+    UsageError,
+)
+from ..transport.base import Connection
+from .aggregate import Reason, aggregate
+from .config import FederatedConfig
+from .messages import Message, decode, encode, round_channel
+from .rounds import FederatedRounds, Phase
+
+if TYPE_CHECKING:
+    from ..group.group import Group
+
+__all__ = ["GroupAveraging", "GroupRound"]
+
+log = logging.getLogger(__name__)
+
+_UPDATE, _DECISION = 0, 1
+
+
+def _cid(rank: int) -> str:
+    return f"{rank:06d}"  # sorts in rank order
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRound:
+    """One round as every rank sees it (identical on all ranks but ``included``,
+    ``carried`` and ``own_reason``)."""
+
+    round: int
+    applied: bool
+    """True when the quorum was met and the aggregate was applied to the model."""
+    reason: str
+    """Why the leader closed the round (a :class:`~.rounds.CloseReason` value)."""
+    participants: tuple[int, ...]
+    """Ranks whose updates make up the aggregate, in aggregation order."""
+    stale: int
+    dropped: Mapping[str, int]
+    """Drops the leader counted in this round, by reason."""
+    rejected: Mapping[str, int]
+    """Rejections the leader counted in this round, by reason."""
+    included: bool
+    """This rank's update is in the aggregate."""
+    carried: bool
+    """This rank's update missed the round (late, or no quorum) and, still within
+    ``max_staleness``, will be sent again with the next :meth:`GroupAveraging.step`."""
+    own_reason: str
+    """Why this rank's update was refused or dropped (a Reason value), or ``""``."""
+    aggregate: np.ndarray | None = field(repr=False)
+
+
+@dataclass(slots=True)
+class _Own:
+    update: np.ndarray
+    num_samples: int
+    base_round: int
+
+
+class GroupAveraging:
+    """Bounded-staleness federated averaging among the ranks of ``group``.
+
+    Every rank builds one with the same ``model`` shape and dtype and the same
+    ``config``, calls :meth:`start` (a broadcast of the leader's model, so all begin
+    equal), then :meth:`step` once per round. ``tag`` (0..255) tells apart several
+    instances on one group. ``decision_timeout`` (seconds, default the group's timeout)
+    bounds a rank's wait for the leader's decision.
+    """
+
+    def __init__(
+        self,
+        group: Group,
+        model: np.ndarray,
+        config: FederatedConfig | None = None,
+        *,
+        leader: int = 0,
+        tag: int = 0,
+        decision_timeout: float | None = None,
+    ) -> None:
+        if not 0 <= leader < group.size:
+            raise UsageError(f"leader must be a rank in [0, {group.size}), got {leader}")
+        round_channel(tag, 0, 0)  # checks the tag
+        self.group = group
+        self.config = config or FederatedConfig()
+        self.leader = leader
+        self.tag = tag
+        self._model = np.array(model, copy=True, order="C")
+        self._timeout = decision_timeout or group.config.timeout
+        self._round = 0
+        self._own: _Own | None = None
+        self._started = False
+        self._state: FederatedRounds | None = None
+        self._collectors: list[asyncio.Task[None]] = []
+        self._wake = asyncio.Event()
+        self._left: set[int] = set()
+        self._refused: list[tuple[int, str]] = []
+        self.local_drops = 0
+        """This rank's own updates it stopped carrying because they grew too stale."""
+
+    @property
+    def model(self) -> np.ndarray:
+        """This rank's model (bit-identical on every rank after the same rounds)."""
+        return self._model
+
+    @property
+    def round(self) -> int:
+        """The round the next :meth:`step` takes part in."""
+        return self._round
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank runs the rounds' clock."""
+        return self.group.rank == self.leader
+
+    async def start(self, *, timeout: float | None = None) -> None:
+        """Make every rank's model the leader's (a broadcast: every rank must call it)
+        and open round 0."""
+        if self._started:
+            raise UsageError("already started")
+        self._started = True
+        self._model = np.array(
+            await self.group.broadcast(self._model, src=self.leader, timeout=timeout), order="C"
+        )
+        if self.is_leader:
+            state = FederatedRounds(
+                self._model.shape,
+                self._model.dtype,
+                self.config,
+                label=lambda cid: self.group.peer_label(int(cid)),
+            )
+            for r in range(self.group.size):
+                state.join(_cid(r))
+            self._state = state
+            self._open(0)
+
+    async def close(self) -> None:
+        """Stop this rank's background readers (the group stays open)."""
+        self._stop_collectors()
+
+    async def step(
+        self, update: np.ndarray | None, num_samples: int = 0, *, base_round: int | None = None
+    ) -> GroupRound:
+        """Take part in round :attr:`round`: contribute ``update`` (the model delta trained
+        from round ``base_round``'s model, default :attr:`round`, on ``num_samples``
+        samples), or, with None, the update carried from an earlier round (if any), then
+        wait for the round's decision, aggregate, and apply it to :attr:`model`.
+
+        A rank that calls late still gets the round's result: its update is carried to
+        the next round (within ``max_staleness``) instead of blocking anyone."""
+        if not self._started:
+            raise UsageError("call start() first")
+        k = self._round
+        if update is not None:
+            base = k if base_round is None else base_round
+            self._own = _Own(np.ascontiguousarray(update), num_samples, base)
+        own = self._own
+        if own is not None and k - own.base_round > self.config.max_staleness:
+            self._own, own = None, None
+            self.local_drops += 1
+        try:
+            if self.is_leader:
+                body, agg = await self._lead(k, own)
+            else:
+                if own is not None:
+                    self._contribute(k, own)
+                body = await self._decision(k)
+                agg = await self._follow(k, body, own)
+        finally:
+            for conn in self._conns().values():
+                conn.retire(round_channel(self.tag, k, _UPDATE))
+                conn.retire(round_channel(self.tag, k, _DECISION))
+        self._round = k + 1
+        applied = bool(body["ok"])
+        ranks = tuple(int(p[0]) for p in body["p"])
+        me = self.group.rank
+        refused = {int(r): str(why) for r, why in body["refused"]}
+        included = applied and me in ranks
+        own_reason = refused.get(me, "")
+        carried = False
+        if own is not None and not included:
+            if own_reason and Reason(own_reason).is_rejection:
+                self._own = None  # a rejected update is not sent again
+            elif k + 1 - own.base_round <= self.config.max_staleness:
+                carried = True
+            else:
+                self._own = None
+                self.local_drops += 1
+        elif included:
+            self._own = None
+        if agg is not None:
+            step = agg * self.config.server_lr
+            self._model = (self._model + step).astype(self._model.dtype, copy=False)
+        return GroupRound(
+            k,
+            applied,
+            str(body["why"]),
+            ranks if applied else (),
+            int(body["stale"]),
+            dict(body["dropped"]),
+            dict(body["rejected"]),
+            included,
+            carried,
+            own_reason,
+            agg,
+        )
+
+    # ---- every rank -----------------------------------------------------------------------
+
+    def _conns(self) -> dict[int, Connection]:
+        out = {}
+        for r in range(self.group.size):
+            if r != self.group.rank and r not in self._left:
+                with contextlib.suppress(UsageError):
+                    out[r] = self.group.connection(r)
+        return out
+
+    def _contribute(self, k: int, own: _Own) -> None:
+        """Send our update to every rank, the leader last (so whoever the leader counts
+        has, in all likelihood, already reached the others). Never waits."""
+        meta, payload = encode(
+            "update", {"r": k, "b": own.base_round, "n": own.num_samples}, own.update
+        )
+        channel = round_channel(self.tag, k, _UPDATE)
+        conns = self._conns()
+        order = [r for r in conns if r != self.leader] + [r for r in conns if r == self.leader]
+        for r in order:
+            try:
+                conns[r].send_nowait(channel, payload, meta=meta)
+            except P2PError as exc:
+                log.info("%s: update not sent: %s", self.group.peer_label(r), exc)
+
+    # ---- followers --------------------------------------------------------------------------
+
+    async def _decision(self, k: int) -> dict[str, Any]:
+        label = self.group.peer_label(self.leader)
+        conn = self.group.connection(self.leader)
+        try:
+            frame = await conn.recv(round_channel(self.tag, k, _DECISION), timeout=self._timeout)
+        except PeerTimeoutError:
+            raise PeerTimeoutError(
+                label, f"no decision for round {k} from the leader within {self._timeout:g} s"
+            ) from None
+        message = decode(frame, label)
+        body = _decision_body(message, label, k)
+        mine = [self.config.rule, self.config.trim_fraction, self.config.server_lr]
+        if body["cfg"] != mine:
+            raise MismatchError(label, f"leader aggregates with {body['cfg']}, this rank {mine}")
+        return body
+
+    async def _follow(self, k: int, body: dict[str, Any], own: _Own | None) -> np.ndarray | None:
+        if not body["ok"]:
+            return None
+        channel = round_channel(self.tag, k, _UPDATE)
+        updates, weights = [], []
+        for rank, base, n, weight in body["p"]:
+            if rank == self.group.rank:
+                if own is None or own.base_round != base or own.num_samples != n:
+                    raise MismatchError(
+                        self.group.peer_label(self.leader),
+                        f"decision of round {k} names an update this rank did not send",
+                    )
+                updates.append(own.update)
+            else:
+                label = self.group.peer_label(rank)
+                frame = await self.group.connection(rank).recv(channel, timeout=self._timeout)
+                got = decode(frame, label)
+                if (got.get_int("r", label), got.get_int("b", label), got.fields.get("n")) != (
+                    k,
+                    base,
+                    n,
+                ):
+                    raise MismatchError(label, f"its update differs from round {k}'s decision")
+                updates.append(got.need_array(label))
+            weights.append(weight)
+        return aggregate(
+            updates, weights, self.config.rule, self.config.trim_fraction, self._model.dtype
+        )
+
+    # ---- the leader ---------------------------------------------------------------------------
+
+    def _open(self, k: int) -> None:
+        assert self._state is not None
+        self._state.open(asyncio.get_running_loop().time())
+        self._stop_collectors()
+        self._refused = []
+        for r, conn in self._conns().items():
+            task = asyncio.get_running_loop().create_task(self._collect(k, r, conn))
+            self._collectors.append(task)
+
+    def _stop_collectors(self) -> None:
+        for task in self._collectors:
+            task.cancel()
+        self._collectors = []
+
+    async def _collect(self, k: int, r: int, conn: Connection) -> None:
+        """Feed rank ``r``'s updates for round ``k`` to the state machine as they come."""
+        assert self._state is not None
+        label = self.group.peer_label(r)
+        channel = round_channel(self.tag, k, _UPDATE)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                frame = await conn.recv(channel)
+                try:
+                    message = decode(frame, label)
+                    if message.kind != "update" or message.get_int("r", label) != k:
+                        raise RemoteProtocolError(label, f"not an update for round {k}")
+                    verdict = self._state.submit(
+                        _cid(r),
+                        k,
+                        message.get_int("b", label),
+                        message.fields.get("n"),
+                        message.need_array(label),
+                        loop.time(),
+                    )
+                    if verdict.reason is not None:
+                        self._refused.append((r, verdict.reason.value))
+                except RemoteProtocolError as exc:
+                    log.warning("round %d: ignored a malformed update: %s", k, exc)
+                self._wake.set()
+        except ConnectionBrokenError as exc:
+            if exc.graceful:
+                log.info("round %d: %s left", k, label)
+                self._left.add(r)
+                self._state.leave(_cid(r))
+            self._wake.set()
+        except P2PError:
+            self._wake.set()  # the group is broken; step() raises it
+
+    async def _lead(self, k: int, own: _Own | None) -> tuple[dict[str, Any], np.ndarray | None]:
+        state = self._state
+        assert state is not None and state.phase is Phase.OPEN and state.round == k
+        loop = asyncio.get_running_loop()
+        me = _cid(self.group.rank)
+        refused = self._refused
+        if own is not None:
+            verdict = state.submit(me, k, own.base_round, own.num_samples, own.update, loop.time())
+            if verdict.reason is not None:
+                refused.append((self.group.rank, verdict.reason.value))
+        deadline = state.deadline
+        assert deadline is not None
+        while (why := state.due(loop.time())) is None:
+            if self.group.broken is not None:
+                raise GroupBrokenError("the group is broken", self.group.broken)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                    await self._wake.wait()
+        outcome = state.close(loop.time(), why)
+        self._stop_collectors()
+        if not outcome.applied:
+            state.take_pending()  # their owners send them again (carried)
+        body: dict[str, Any] = {
+            "r": k,
+            "ok": outcome.applied,
+            "why": outcome.reason.value,
+            "p": [
+                [int(p.client), p.base_round, p.num_samples, p.weight] for p in outcome.participants
+            ],
+            "refused": refused,
+            "stale": outcome.stale,
+            "dropped": dict(outcome.dropped),
+            "rejected": dict(outcome.rejected),
+            "cfg": [self.config.rule, self.config.trim_fraction, self.config.server_lr],
+        }
+        meta = bytes(msgpack.packb({"t": "decision", **body}, use_bin_type=True))
+        channel = round_channel(self.tag, k, _DECISION)
+        for r, conn in self._conns().items():
+            try:
+                conn.send_nowait(channel, meta=meta)
+            except P2PError as exc:
+                log.info("%s: decision not sent: %s", self.group.peer_label(r), exc)
+        self._open(k + 1)
+        return body, outcome.aggregate
+
+
+def _decision_body(message: Message, label: str, k: int) -> dict[str, Any]:
+    """Check the shape of a decision message; RemoteProtocolError if it is malformed."""
+    f = message.fields
+    if message.kind != "decision" or message.get_int("r", label) != k:
+        raise RemoteProtocolError(label, f"expected the decision of round {k}")
+    try:
+        p = [[int(r), int(b), int(n), float(w)] for r, b, n, w in f["p"]]
+        refused = [(int(r), str(Reason(why))) for r, why in f["refused"]]
+        body = {
+            "r": k,
+            "ok": bool(f["ok"]),
+            "why": str(f["why"]),
+            "p": p,
+            "refused": refused,
+            "stale": int(f["stale"]),
+            "dropped": {str(a): int(b) for a, b in dict(f["dropped"]).items()},
+            "rejected": {str(a): int(b) for a, b in dict(f["rejected"]).items()},
+            "cfg": [str(f["cfg"][0]), float(f["cfg"][1]), float(f["cfg"][2])],
+        }
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise RemoteProtocolError(label, f"malformed decision: {exc!r}") from None
+    return body

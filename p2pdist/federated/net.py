@@ -1,0 +1,81 @@
+"""Opening transports and dialing for the coordinator and its clients (asyncio glue)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from ..errors import (
+    ConnectionBrokenError,
+    P2PTimeoutError,
+    PeerAuthenticationError,
+    PeerTimeoutError,
+    RemoteProtocolError,
+    UsageError,
+)
+from ..identity import EndpointId, SecretKey
+from ..transport.base import Address, Connection, TransportConfig
+from ..transport.quic import QuicTransport
+from ..transport.relay_path import RelayPath
+from ..transport.tcp import TcpTransport
+
+__all__ = ["dial", "open_transport"]
+
+log = logging.getLogger(__name__)
+
+
+async def open_transport(
+    key: SecretKey,
+    config: TransportConfig,
+    *,
+    relay: str | None,
+    relay_token: str | None,
+    accept_from: Callable[[EndpointId], bool] | None,
+    label_for: Callable[[EndpointId], str] | None,
+    timeout: float,
+) -> TcpTransport | QuicTransport:
+    """QUIC over a session to ``relay`` (waits at most ``timeout`` s for it), or TCP."""
+    if relay is None:
+        return TcpTransport(key, config, accept_from=accept_from, label_for=label_for)
+    path = RelayPath(key, relay, token=relay_token)
+    quic = QuicTransport(key, config, accept_from=accept_from, label_for=label_for, relay=path)
+    try:
+        await path.wait_connected(timeout)
+    except BaseException:
+        await quic.close()
+        raise
+    return quic
+
+
+async def dial(
+    transport: TcpTransport | QuicTransport,
+    peer: EndpointId,
+    address: Address | None,
+    label: str,
+    timeout: float,
+) -> Connection:
+    """Connect to ``peer`` (at ``address``, or through the relay when None), retrying
+    refusals and timeouts with backoff for at most ``timeout`` seconds."""
+    delay = 0.02
+    last: BaseException | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                try:
+                    if isinstance(transport, QuicTransport):
+                        return await transport.connect(peer, address, label=label)
+                    if address is None:
+                        raise UsageError("TCP needs the coordinator's host:port")
+                    return await transport.connect(peer, address, label=label)
+                except PeerAuthenticationError:
+                    raise
+                except (ConnectionBrokenError, PeerTimeoutError, RemoteProtocolError) as exc:
+                    last = exc
+                    log.debug("dial %s: %s; retrying", label, exc)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.5)
+    except TimeoutError:
+        raise P2PTimeoutError(
+            f"{label}: no connection within {timeout:g} s (last error: {last})"
+        ) from None

@@ -1,0 +1,302 @@
+"""The sans-I/O core of federated averaging: staleness, weights, quorum and deadline,
+validation, robust rules, membership. Time is passed in; no sockets, no sleeping."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from p2pdist import UsageError
+from p2pdist.federated import (
+    CloseReason,
+    FederatedConfig,
+    FederatedRounds,
+    Phase,
+    Reason,
+    aggregate,
+    trim_count,
+)
+
+F32 = np.dtype(np.float32)
+
+
+def vec(value: float, n: int = 4) -> np.ndarray:
+    return np.full(n, value, np.float32)
+
+
+def rounds(**kw: object) -> FederatedRounds:
+    return FederatedRounds((4,), np.float32, FederatedConfig(**kw))  # type: ignore[arg-type]
+
+
+def test_stale_update_is_discounted_exactly_per_the_rule() -> None:
+    st = rounds(max_staleness=2, discount="polynomial", discount_param=0.5)
+    for c in "abc":
+        st.join(c)
+    st.open(0.0)
+    st.close(1.0)  # round 0: nobody
+    st.open(1.0)
+    st.close(2.0)  # round 1
+    st.open(2.0)  # round 2
+    assert st.submit("a", 2, 2, 10, vec(1.0), 2.1).accepted  # fresh
+    v = st.submit("b", 2, 1, 30, vec(2.0), 2.2)  # staleness 1
+    assert v.accepted and v.staleness == 1
+    v = st.submit("c", 2, 0, 20, vec(4.0), 2.3)  # staleness 2 == max: still accepted
+    assert v.accepted and v.staleness == 2
+    out = st.close(3.0)
+    w = {p.client: p.weight for p in out.participants}
+    assert w == {"a": 10.0, "b": 30 * 2**-0.5, "c": 20 * 3**-0.5}
+    expected = (10 * 1.0 + w["b"] * 2.0 + w["c"] * 4.0) / (10 + w["b"] + w["c"])
+    assert out.aggregate is not None
+    np.testing.assert_array_equal(out.aggregate, vec(expected))
+    assert out.stale == 2 and out.applied and out.reason is CloseReason.COMPLETE
+
+
+def test_update_staler_than_max_staleness_is_dropped_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    st = rounds(max_staleness=1)
+    st.join("a")
+    for t in range(3):  # rounds 0, 1, 2 close empty
+        st.open(float(t))
+        st.close(float(t) + 0.5)
+    st.open(3.0)  # round 3
+    with caplog.at_level(logging.INFO, logger="p2pdist.federated.rounds"):
+        v = st.submit("a", 3, 1, 5, vec(1.0), 3.1)
+    assert not v.accepted and v.reason is Reason.TOO_STALE and v.staleness == 2
+    assert "staleness 2 > max_staleness 1" in caplog.text
+    assert st.submit("a", 3, 2, 5, vec(1.0), 3.2).accepted  # staleness 1: fine
+    out = st.close(4.0)
+    assert out.dropped == {"too_stale": 1} and st.totals["too_stale"] == 1
+    assert len(out.participants) == 1 and out.participants[0].staleness == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "param", "s", "factor"),
+    [
+        ("polynomial", 0.5, 3, 0.5),
+        ("polynomial", 1.0, 1, 0.5),
+        ("exponential", 0.5, 2, 0.25),
+        ("none", 0.5, 5, 1.0),
+        ("polynomial", 0.5, 0, 1.0),
+    ],
+)
+def test_staleness_factors(kind: str, param: float, s: int, factor: float) -> None:
+    cfg = FederatedConfig(discount=kind, discount_param=param)
+    assert cfg.staleness_factor(s) == pytest.approx(factor, rel=1e-15)
+
+
+def test_straggler_of_round_k_rolls_into_round_k_plus_1_with_its_staleness() -> None:
+    st = rounds(max_staleness=1)
+    st.join("a")
+    st.join("slow")
+    st.open(0.0)
+    assert st.submit("a", 0, 0, 10, vec(1.0), 0.5).accepted
+    out0 = st.close(10.0)  # deadline: the slow client missed it
+    assert out0.reason is CloseReason.DEADLINE and [p.client for p in out0.participants] == ["a"]
+    np.testing.assert_array_equal(out0.aggregate, vec(1.0))
+    st.open(10.0)  # round 1
+    v = st.submit("slow", 0, 0, 10, vec(3.0), 10.1)  # sent for round 0, arrives in 1
+    assert v.accepted and v.carried and v.staleness == 1
+    assert st.submit("a", 1, 1, 10, vec(1.0), 10.2).accepted
+    out1 = st.close(11.0)
+    ws = 10 * 2**-0.5
+    np.testing.assert_allclose(out1.aggregate, vec((10 * 1.0 + ws * 3.0) / (10 + ws)), rtol=1e-6)
+    assert out1.stale == 1 and [p.carried for p in out1.participants] == [False, True]
+    # with max_staleness 0 the same straggler is dropped instead
+    st0 = rounds(max_staleness=0)
+    st0.join("a")
+    st0.open(0.0)
+    st0.close(10.0)
+    st0.open(10.0)
+    v = st0.submit("a", 0, 0, 10, vec(3.0), 10.1)
+    assert not v.accepted and v.reason is Reason.TOO_STALE
+
+
+def test_quorum_policy_closes_at_quorum_deadline_policy_waits_for_the_slow_client() -> None:
+    def run(policy: str) -> list[tuple[float, CloseReason | None]]:
+        st = rounds(policy=policy, quorum=0.6, round_timeout=10.0)
+        for c in "abcd":
+            st.join(c)
+        st.open(0.0)
+        assert st.needed == 3  # ceil(0.6 * 4)
+        seen = []
+        for t, c in [(1.0, "a"), (2.0, "b"), (3.0, "c")]:  # "d" is slow
+            st.submit(c, 0, 0, 1, vec(1.0), t)
+            seen.append((t, st.due(t)))
+        seen.append((9.99, st.due(9.99)))
+        seen.append((10.0, st.due(10.0)))
+        return seen
+
+    q = run("quorum")
+    assert q[1][1] is None and q[2][1] is CloseReason.QUORUM
+    d = run("deadline")
+    assert [r for _, r in d[:-1]] == [None] * 4 and d[-1][1] is CloseReason.DEADLINE
+
+
+def test_round_short_of_quorum_applies_nothing_and_carries_its_updates() -> None:
+    st = rounds(quorum=2, max_staleness=1)
+    st.join("a")
+    st.join("b")
+    st.open(0.0)
+    st.submit("a", 0, 0, 4, vec(2.0), 1.0)
+    out = st.close(10.0)
+    assert not out.applied and out.aggregate is None and len(out.participants) == 1
+    st.open(10.0)
+    st.submit("b", 1, 1, 4, vec(4.0), 11.0)
+    out = st.close(12.0)  # "a"'s update counts now, one round staler
+    assert out.applied and [p.staleness for p in out.participants] == [1, 0]
+    st.open(12.0)
+    out = st.close(22.0)
+    assert not out.applied
+
+
+def test_fraction_quorum_rounds_up_and_needs_one() -> None:
+    assert FederatedConfig(quorum=0.5).needed(5) == 3
+    assert FederatedConfig(quorum=0.5).needed(4) == 2
+    assert FederatedConfig(quorum=0.1).needed(0) == 1
+    assert FederatedConfig(quorum=3).needed(10) == 3
+
+
+@pytest.mark.parametrize(
+    ("update", "samples", "reason"),
+    [
+        (np.array([1.0, np.nan, 0, 0], np.float32), 5, Reason.NONFINITE),
+        (np.array([1.0, np.inf, 0, 0], np.float32), 5, Reason.NONFINITE),
+        (np.zeros(5, np.float32), 5, Reason.SHAPE),
+        (np.zeros(4, np.float64), 5, Reason.DTYPE),
+        (np.full(4, 100.0, np.float32), 5, Reason.NORM),
+        (np.zeros(4, np.float32), 0, Reason.SAMPLES),
+        (np.zeros(4, np.float32), 10**9, Reason.SAMPLES),
+        (np.zeros(4, np.float32), 2.5, Reason.SAMPLES),
+    ],
+)
+def test_invalid_updates_are_rejected_logged_and_counted_and_the_round_goes_on(
+    update: np.ndarray, samples: object, reason: Reason, caplog: pytest.LogCaptureFixture
+) -> None:
+    st = rounds(max_norm=10.0, max_num_samples=1000)
+    st.join("bad")
+    st.join("good")
+    st.open(0.0)
+    with caplog.at_level(logging.WARNING, logger="p2pdist.federated.rounds"):
+        v = st.submit("bad", 0, 0, samples, update, 0.1)
+    assert not v.accepted and v.reason is reason and reason.is_rejection
+    assert f"rejected update from bad: {v.detail}" in caplog.text
+    assert st.submit("good", 0, 0, 3, vec(0.5), 0.2).accepted
+    out = st.close(10.0)
+    assert out.rejected == {reason.value: 1} and out.num_rejected == 1
+    np.testing.assert_array_equal(out.aggregate, vec(0.5))
+
+
+def test_duplicates_future_rounds_and_superseding() -> None:
+    st = rounds(max_staleness=3)
+    st.join("a")
+    for t in range(2):
+        st.open(float(t))
+        st.close(t + 0.5)
+    st.open(2.0)  # round 2
+    assert st.submit("a", 3, 2, 1, vec(1.0), 2.0).reason is Reason.FUTURE
+    assert st.submit("a", 1, 2, 1, vec(1.0), 2.0).reason is Reason.TOO_STALE  # base > round
+    assert st.submit("a", 1, 0, 1, vec(1.0), 2.0).accepted  # straggler
+    assert st.submit("a", 2, 2, 1, vec(5.0), 2.1).accepted  # fresher: supersedes it
+    assert st.submit("a", 2, 2, 1, vec(9.0), 2.2).reason is Reason.DUPLICATE
+    out = st.close(3.0)
+    np.testing.assert_array_equal(out.aggregate, vec(5.0))
+    assert out.dropped == {"future_round": 1, "too_stale": 1, "superseded": 1, "duplicate": 1}
+
+
+def test_leaving_mid_round_never_blocks_and_joiners_count_from_the_next_round() -> None:
+    st = rounds(round_timeout=100.0)
+    for c in "abc":
+        st.join(c)
+    st.open(0.0)
+    st.submit("a", 0, 0, 1, vec(1.0), 1.0)
+    st.submit("b", 0, 0, 1, vec(1.0), 2.0)
+    assert st.due(3.0) is None
+    st.join("late")  # joins mid-round: not waited for
+    st.leave("c")  # disconnects mid-round
+    assert st.due(3.0) is CloseReason.COMPLETE
+    out = st.close(3.0)
+    assert out.members == 3
+    st.open(3.0)
+    st.submit("a", 1, 1, 1, vec(1.0), 4.0)
+    st.submit("b", 1, 1, 1, vec(1.0), 4.0)
+    assert st.due(4.0) is None  # now "late" is a member of the round
+    st.submit("late", 1, 1, 1, vec(1.0), 5.0)
+    assert st.due(5.0) is CloseReason.COMPLETE
+
+
+def test_empty_round_waits_for_its_deadline() -> None:
+    st = rounds(round_timeout=5.0)
+    assert st.open(1.0) == 6.0
+    assert st.due(5.9) is None and st.due(6.0) is CloseReason.DEADLINE
+    out = st.close(6.0)
+    assert not out.applied and st.phase is Phase.WAITING and st.round == 1
+    with pytest.raises(UsageError):
+        st.close(7.0)
+
+
+def test_submissions_between_rounds_count_in_the_next_one() -> None:
+    st = rounds()
+    st.join("a")
+    assert st.submit("a", 0, 0, 2, vec(3.0), 0.0).accepted  # round 0 not opened yet
+    st.open(1.0)
+    assert st.due(1.0) is CloseReason.COMPLETE
+    np.testing.assert_array_equal(st.close(1.0).aggregate, vec(3.0))
+
+
+def test_weighted_mean_uses_sample_counts() -> None:
+    xs = [vec(1.0), vec(2.0), vec(10.0)]
+    out = aggregate(xs, [1.0, 1.0, 2.0], "mean", 0.0, F32)
+    np.testing.assert_array_equal(out, vec(23.0 / 4))
+    assert out.dtype == F32
+
+
+def test_robust_rules_ignore_an_update_scaled_by_a_million() -> None:
+    rng = np.random.default_rng(0)
+    honest = [rng.normal(1.0, 0.1, 1000).astype(np.float32) for _ in range(6)]
+    evil = (honest[0] * 1e6).astype(np.float32)
+    ups = [*honest, evil]
+    w = [1.0] * 7
+    truth = np.mean(honest, axis=0)
+    mean = aggregate(ups, w, "mean", 0.0, F32)
+    med = aggregate(ups, w, "median", 0.0, F32)
+    trim = aggregate(ups, w, "trimmed_mean", 0.2, F32)
+    assert float(np.abs(mean - truth).max()) > 1e4
+    assert float(np.abs(med - truth).max()) < 0.5
+    assert float(np.abs(trim - truth).max()) < 0.5
+    assert trim_count(7, 0.2) == 1 and trim_count(2, 0.4) == 0 and trim_count(3, 0.49) == 1
+
+
+def test_median_of_even_count_and_trimmed_mean_by_hand() -> None:
+    xs = [np.array([v], np.float64) for v in (4.0, 1.0, 3.0, 2.0)]
+    assert aggregate(xs, [1] * 4, "median", 0.0, np.dtype(np.float64))[0] == 2.5
+    xs5 = [np.array([v], np.float64) for v in (100.0, 1.0, 3.0, 2.0, -50.0)]
+    assert aggregate(xs5, [1] * 5, "trimmed_mean", 0.2, np.dtype(np.float64))[0] == 2.0
+
+
+def test_aggregate_bits_do_not_depend_on_the_machine_order_only_on_the_input_order() -> None:
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal(999).astype(np.float32) for _ in range(5)]
+    ws = [3.0, 1.0, 7.0, 2.0, 5.0]
+    a = aggregate(xs, ws, "mean", 0.0, F32)
+    b = aggregate([x.copy() for x in xs], list(ws), "mean", 0.0, F32)
+    assert a.tobytes() == b.tobytes()
+
+
+def test_config_validation() -> None:
+    for bad in (
+        {"quorum": 0},
+        {"quorum": 1.5},
+        {"quorum": True},
+        {"policy": "whenever"},
+        {"rule": "mode"},
+        {"discount": "exponential", "discount_param": 2.0},
+        {"trim_fraction": 0.5},
+        {"round_timeout": 0},
+        {"max_staleness": -1},
+        {"max_norm": 0.0},
+    ):
+        with pytest.raises(UsageError):
+            FederatedConfig(**bad)  # type: ignore[arg-type]
