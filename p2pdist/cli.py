@@ -185,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
         "profile the links of N local ranks: alpha-beta fit and a PNG plot",
         "%(prog)s [-n 2] [--plaintext] [--png FILE] [--repeats 5]",
     )
+    _add_passthrough(
+        sub,
+        "doctor",
+        "p2pdist.doctor",
+        "check the network: relay, UDP, NAT mapping, direct path to a peer",
+        "%(prog)s --relay URL [--peer ID | --serve] [--json] [--timeout S]",
+    )
     return parser
 
 

@@ -143,3 +143,51 @@ def test_direct_path_dies_mid_run_and_the_all_reduce_completes_on_the_relay(
             kinds = done["kinds"]
             assert kinds[0] == "direct" and kinds[-1] == "relay", kinds
             assert done["path"]["last_failure"] and "silent" in done["path"]["last_failure"]
+
+
+DOCTOR_CASES = [
+    ("eim", "endpoint-independent", True),
+    ("symmetric", "endpoint-dependent", False),
+    ("udp-blocked", "no UDP", False),
+]
+DOCTOR_IDS = [c[0] for c in DOCTOR_CASES]
+
+
+@pytest.mark.parametrize(
+    ("kind", "mapping", "direct"), DOCTOR_CASES, ids=[c[0] for c in DOCTOR_CASES]
+)
+def test_doctor_names_the_nat_and_the_path_to_a_peer(
+    kind: str, mapping: str, direct: bool, tmp_path: Path
+) -> None:
+    with NatLab(kind, "eim", workdir=tmp_path) as lab:
+        url = lab.spawn_relay()
+        cli = [sys.executable, "-m", "p2pdist.cli", "doctor", "--relay", url]
+        server = lab.spawn("b", [*cli, "--serve"], stdout=subprocess.PIPE, text=True)
+        assert server.stdout is not None
+        ready, _, _ = select.select([server.stdout], [], [], BOUND)
+        line = server.stdout.readline() if ready else ""
+        assert line.startswith("doctor serving as "), line
+        peer = line.split()[-1]
+        argv = [*lab.exec_prefix("a"), *cli, "--peer", peer, "--timeout", "4", "--json"]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=BOUND, cwd=lab_root())
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        assert report["relay_connected"] and report["relay_rtt"] > 0
+        assert report["mapping"] == mapping and report["udp"] is (kind != "udp-blocked")
+        seen = report["observed"]
+        if kind == "eim":
+            assert seen == [f"{lab.public_ip('a')}:{seen[0].split(':')[1]}"] * 2
+        p = report["peer"]
+        assert p["connected"] and p["direct"] is direct and p["transfer_mb_s"] > 0
+        if direct:
+            assert p["direct_after"] < 2.0 and p["remote"].startswith(lab.public_ip("b"))
+        # and the readable form says the same
+        text = subprocess.run(
+            argv[:-1], capture_output=True, text=True, timeout=BOUND, cwd=lab_root()
+        )
+        assert f"NAT mapping  {mapping}" in text.stdout
+        assert ("direct path after" in text.stdout) is direct
+
+
+def lab_root() -> Path:
+    return Path(__file__).resolve().parent.parent

@@ -128,6 +128,7 @@ class RelayPath:
         self._refused = asyncio.Event()
         self._closed = False
         self._ping_sent: dict[bytes, float] = {}
+        self._ping_waiters: dict[bytes, asyncio.Future[float]] = {}
         self._sent = self._received = self._dropped = 0
         self._outbox: list[bytes] = []
         self._outbox_bytes = 0
@@ -347,9 +348,31 @@ class RelayPath:
     async def _keepalive(self, writer: asyncio.StreamWriter, interval: float) -> None:
         while not writer.is_closing():
             await asyncio.sleep(interval)
-            nonce = random.randbytes(8)
-            self._ping_sent = {nonce: time.monotonic()}
-            writer.write(encode_frame(RelayFrameType.PING, nonce))
+            self._send_ping(writer)
+
+    def _send_ping(self, writer: asyncio.StreamWriter) -> bytes:
+        now = time.monotonic()
+        self._ping_sent = {k: t for k, t in self._ping_sent.items() if now - t < 60.0}
+        nonce = random.randbytes(8)
+        self._ping_sent[nonce] = now
+        writer.write(encode_frame(RelayFrameType.PING, nonce))
+        return nonce
+
+    async def ping(self, timeout: float = 5.0) -> float:
+        """One round trip to the relay over the session (PING/PONG), seconds."""
+        w = self._writer
+        if w is None or w.is_closing():
+            raise ConnectionBrokenError(f"relay {self.url}", "no session")
+        fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        nonce = self._send_ping(w)
+        self._ping_waiters[nonce] = fut
+        try:
+            async with asyncio.timeout(timeout):
+                return await fut
+        except TimeoutError:
+            raise P2PTimeoutError(f"relay {self.url}: no PONG within {timeout:g} s") from None
+        finally:
+            self._ping_waiters.pop(nonce, None)
 
     async def _receive(
         self, frames: _FrameReader, writer: asyncio.StreamWriter, interval: float
@@ -384,7 +407,11 @@ class RelayPath:
         elif kind is RelayFrameType.PONG:
             sent = self._ping_sent.pop(body, None)
             if sent is not None:
-                self._set(rtt=time.monotonic() - sent)
+                rtt = time.monotonic() - sent
+                self._set(rtt=rtt)
+                waiter = self._ping_waiters.pop(body, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(rtt)
         elif kind is RelayFrameType.RECONNECT:
             info = decode_map(body)
             after = info.get("retry_after", 0.5)

@@ -1,0 +1,346 @@
+"""``p2pdist doctor``: what this host's network lets p2pdist do, in one command.
+
+``p2pdist doctor --relay URL`` connects to the relay and reports: whether the session
+comes up and its round-trip time; whether UDP gets out (the relay's observation ports
+answer a STUN Binding Request); the address(es) they see; and, from one local socket
+to two observation ports, the NAT's mapping behaviour: *endpoint-independent* (the same
+public port towards every destination, so hole punching works with most peers) or
+*endpoint-dependent* ("symmetric": a new port per destination, so only peers without
+NAT are reached directly and the rest stays on the relay).
+
+``--peer ID`` also dials that endpoint through the relay, waits for hole punching to
+find a direct path (bounded by ``--timeout``), and reports how long it took, the
+path's RTT and a one-way transfer rate. The other end runs ``p2pdist doctor --relay URL
+--serve``, which prints its endpoint id and answers doctors until interrupted.
+``--json`` prints one JSON object instead of the readable report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import P2PError, UsageError
+from .identity import EndpointId, SecretKey
+from .transport.base import TransportConfig
+from .transport.holepunch import interface_addresses
+from .transport.paths import UdpAddress, UdpSocket, is_loopback, path_key
+from .transport.quic import QuicConnection, QuicTransport
+from .transport.relay_path import RelayPath
+from .wire.probe import DatagramKind, classify
+from .wire.stun import StunError, binding_request, new_transaction_id, parse_binding_response
+
+__all__ = ["DoctorReport", "PeerReport", "diagnose", "main", "serve"]
+
+DATA_CHANNEL = 1
+ACK_CHANNEL = 2
+TRANSFER_BYTES = 8 << 20
+
+
+@dataclass(slots=True)
+class PeerReport:
+    """What ``--peer`` found out."""
+
+    peer: str
+    connected: bool = False
+    error: str | None = None
+    direct: bool = False
+    direct_after: float | None = None
+    """Seconds from the relayed connection to a direct path."""
+    remote: str | None = None
+    rtt: float | None = None
+    """QUIC's smoothed RTT on the final path, seconds."""
+    transfer_mb_s: float | None = None
+    """One-way rate of an 8 MiB message on the final path, MB/s."""
+    punching: str | None = None
+    last_failure: str | None = None
+
+
+@dataclass(slots=True)
+class DoctorReport:
+    """Everything ``p2pdist doctor`` measured."""
+
+    relay: str
+    endpoint: str
+    relay_connected: bool = False
+    relay_error: str | None = None
+    relay_rtt: float | None = None
+    """Seconds, PING/PONG over the relay session (TCP + TLS)."""
+    relay_sees: str | None = None
+    """Our TCP address as the relay sees it."""
+    local: str | None = None
+    """The local UDP socket the observations were made from."""
+    interfaces: list[str] = field(default_factory=list)
+    observation_ports: list[int] = field(default_factory=list)
+    observed: list[str] = field(default_factory=list)
+    """Our UDP address as each observation port saw it (in port order)."""
+    udp: bool = False
+    """Whether any observation port answered (UDP gets out and back)."""
+    mapping: str = "unknown"
+    """``endpoint-independent``, ``endpoint-dependent``, ``no UDP`` or ``unknown``."""
+    peer: PeerReport | None = None
+
+    def verdict(self) -> str:
+        """One line: what to expect for direct paths from this host."""
+        if not self.relay_connected:
+            return "cannot reach the relay: nothing works until it can"
+        if not self.udp:
+            return "UDP is blocked: every peer is reached through the relay (TCP + TLS)"
+        if self.mapping == "endpoint-dependent":
+            return "symmetric NAT: direct paths only to peers without NAT, the rest stay relayed"
+        if self.mapping == "endpoint-independent":
+            return "hole punching should work with most peers (relay as the fallback)"
+        return "UDP works; the mapping type is unknown (the relay has one observation port)"
+
+
+async def _observe(host: str, ports: list[int], timeout: float) -> tuple[str, list[str | None]]:
+    """STUN Binding Requests from one new socket to each port; (local, [seen or None])."""
+    answers: dict[bytes, UdpAddress] = {}
+    done = asyncio.Event()
+
+    def on_datagram(sock: UdpSocket, data: bytes, addr: UdpAddress) -> None:
+        if classify(data) is not DatagramKind.STUN:
+            return
+        txid = bytes(data[8:20])
+        if txid in txids:
+            try:
+                answers[txid] = parse_binding_response(data, txid)
+            except StunError:
+                return
+            if len(answers) == len(txids):
+                done.set()
+
+    bind = "127.0.0.1" if is_loopback(host) else "0.0.0.0"
+    sock = await UdpSocket.open(bind, 0, on_datagram)
+    txids = {new_transaction_id(): p for p in ports}
+    try:
+        deadline = time.monotonic() + timeout
+        delay = 0.1
+        while not done.is_set() and time.monotonic() < deadline:
+            for txid, port in txids.items():
+                if txid not in answers:
+                    sock.send(binding_request(txid), (host, port))
+            try:
+                async with asyncio.timeout(min(delay, max(0.0, deadline - time.monotonic()))):
+                    await done.wait()
+            except TimeoutError:
+                delay *= 2
+        local = path_key(sock.local_address)
+    finally:
+        sock.close()
+    seen = [path_key(answers[t]) if t in answers else None for t in txids]
+    return local, seen
+
+
+async def _resolve(host: str) -> str:
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, None, family=2)  # AF_INET: observation is IPv4
+    return str(infos[0][4][0])
+
+
+async def diagnose(
+    relay: str,
+    *,
+    key: SecretKey | None = None,
+    peer: EndpointId | None = None,
+    token: str | None = None,
+    timeout: float = 10.0,
+) -> DoctorReport:
+    """Run every check (see the module docstring); never raises for network trouble,
+    the report says what failed."""
+    key = key or SecretKey.generate()
+    path = RelayPath(key, relay, token=token)
+    report = DoctorReport(str(path.url), str(key.endpoint_id))
+    report.interfaces = [a for a in interface_addresses() if not is_loopback(a)]
+    transport = QuicTransport(key, TransportConfig(handshake_timeout=timeout), relay=path)
+    try:
+        try:
+            await path.wait_connected(timeout)
+            report.relay_connected = True
+            report.relay_rtt = await path.ping(timeout)
+        except P2PError as exc:
+            report.relay_error = str(exc)
+            return report
+        status = path.status
+        report.relay_sees = status.observed
+        ports = list(status.stun_ports) or [path.url.port]
+        report.observation_ports = ports
+        try:
+            host = await _resolve(path.url.host)
+        except OSError as exc:
+            report.relay_error = f"cannot resolve {path.url.host}: {exc}"
+            return report
+        local, seen = await _observe(host, ports, min(timeout, 3.0))
+        report.local = local
+        report.observed = [s or "no answer" for s in seen]
+        answered = [s for s in seen if s is not None]
+        report.udp = bool(answered)
+        if not answered:
+            report.mapping = "no UDP"
+        elif len(answered) < 2:
+            report.mapping = "unknown"
+        else:
+            report.mapping = (
+                "endpoint-independent" if len(set(answered)) == 1 else "endpoint-dependent"
+            )
+        if peer is not None:
+            report.peer = await _check_peer(transport, peer, timeout)
+        return report
+    finally:
+        await transport.close()
+
+
+async def _check_peer(transport: QuicTransport, peer: EndpointId, timeout: float) -> PeerReport:
+    out = PeerReport(str(peer))
+    try:
+        conn = await transport.connect(peer, None, label=f"peer {peer.short()}")
+    except P2PError as exc:
+        out.error = str(exc)
+        return out
+    out.connected = True
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if conn.path_kind == "direct":
+            out.direct = True
+            out.direct_after = time.monotonic() - start
+            break
+        await asyncio.sleep(0.01)
+    try:
+        payload = bytes(TRANSFER_BYTES)
+        t0 = time.perf_counter()
+        await conn.send(DATA_CHANNEL, payload)
+        await conn.recv(ACK_CHANNEL, timeout=max(timeout, 30.0))
+        out.transfer_mb_s = TRANSFER_BYTES / (time.perf_counter() - t0) / 1e6
+    except P2PError as exc:
+        out.error = f"transfer failed: {exc}"
+    info = transport.paths().get(peer)
+    if info is not None:
+        out.remote, out.rtt = info.remote, info.rtt
+        out.punching, out.last_failure = info.punching, info.last_failure
+    await conn.close()
+    return out
+
+
+async def serve(
+    relay: str,
+    *,
+    key: SecretKey | None = None,
+    token: str | None = None,
+    ready: asyncio.Event | None = None,
+) -> None:
+    """Answer doctors that dial us through ``relay`` (forever; cancel to stop)."""
+    key = key or SecretKey.generate()
+    path = RelayPath(key, relay, token=token)
+    transport = QuicTransport(key, relay=path)
+    try:
+        await path.wait_connected(10.0)
+        print(f"doctor serving as {key.endpoint_id}", flush=True)
+        if ready is not None:
+            ready.set()
+        tasks: set[asyncio.Task[None]] = set()
+        while True:
+            conn = await transport.accept()
+            task = asyncio.create_task(_answer(conn))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+    finally:
+        await transport.close()
+
+
+async def _answer(conn: Any) -> None:
+    assert isinstance(conn, QuicConnection)
+    try:
+        while True:
+            frame = await conn.recv(DATA_CHANNEL, timeout=120.0)
+            await conn.send(ACK_CHANNEL, len(frame.payload).to_bytes(8, "big"))
+    except P2PError:
+        pass
+    finally:
+        await conn.close()
+
+
+def _ms(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def render(r: DoctorReport) -> str:
+    """The readable report."""
+    lines = [f"p2pdist doctor (as {r.endpoint[:10]})"]
+    if not r.relay_connected:
+        lines.append(f"  relay        {r.relay}: NOT CONNECTED ({r.relay_error})")
+    else:
+        lines.append(f"  relay        {r.relay}")
+        lines.append(f"               connected, RTT {_ms(r.relay_rtt)}, sees us at {r.relay_sees}")
+        seen_by = zip(r.observation_ports, r.observed, strict=False)
+        pairs = ", ".join(f"{seen} (port {port})" for port, seen in seen_by)
+        lines.append(f"  UDP          {'reachable' if r.udp else 'BLOCKED'}: {pairs}")
+        lines.append(f"  local        {r.local} (interfaces: {', '.join(r.interfaces) or '-'})")
+        lines.append(f"  NAT mapping  {r.mapping}")
+    p = r.peer
+    if p is not None:
+        if not p.connected:
+            lines.append(f"  peer         {p.peer[:10]}: NOT CONNECTED ({p.error})")
+        elif p.direct:
+            lines.append(
+                f"  peer         {p.peer[:10]}: direct path after {_ms(p.direct_after)} "
+                f"to {p.remote}, RTT {_ms(p.rtt)}"
+            )
+        else:
+            why = f" ({p.last_failure})" if p.last_failure else ""
+            lines.append(
+                f"  peer         {p.peer[:10]}: NO direct path, relayed{why}, RTT {_ms(p.rtt)}"
+            )
+        if p.transfer_mb_s is not None:
+            lines.append(f"               8 MiB one way: {p.transfer_mb_s:.1f} MB/s")
+        elif p.connected and p.error:
+            lines.append(f"               {p.error}")
+    lines.append(f"  verdict      {r.verdict()}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """``p2pdist doctor``: exit 0 when the relay is reachable (and the peer, if asked),
+    1 otherwise."""
+    ap = argparse.ArgumentParser(prog="p2pdist doctor", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--relay", required=True, help="relay URL, as p2pdist-relay prints it")
+    ap.add_argument("--peer", help="endpoint id of a peer running `p2pdist doctor --serve`")
+    ap.add_argument("--serve", action="store_true", help="answer other doctors (until ^C)")
+    ap.add_argument("--key", help="key file to use (default: a fresh key)")
+    ap.add_argument("--token", help="relay access token")
+    ap.add_argument("--timeout", type=float, default=10.0, help="bound per check, seconds")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    try:
+        key = SecretKey.load(args.key) if args.key else None
+        if args.serve:
+            asyncio.run(serve(args.relay, key=key, token=args.token))
+            return 0
+        peer = EndpointId.parse(args.peer) if args.peer else None
+        report = asyncio.run(
+            diagnose(args.relay, key=key, peer=peer, token=args.token, timeout=args.timeout)
+        )
+    except UsageError as exc:
+        ap.error(str(exc))
+    except P2PError as exc:
+        print(f"p2pdist doctor: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report), indent=2))
+    else:
+        print(render(report))
+    ok = report.relay_connected and (
+        report.peer is None or (report.peer.connected and report.peer.error is None)
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
