@@ -386,3 +386,37 @@ async def test_tcp_group_paths_are_direct_tcp() -> None:
         info = gs[0].paths()[1]
         assert info.kind == "direct" and info.transport == "tcp"
         assert info.remote.startswith("127.0.0.1:") and info.paths[0].bytes_sent > 0
+
+
+async def test_doctor_on_loopback_sees_udp_and_a_direct_path_to_a_peer(tmp_path: Path) -> None:
+    from p2pdist.doctor import diagnose, render, serve
+
+    with RelayProcess(tmp_path) as relay:
+        ready = asyncio.Event()
+        server = asyncio.create_task(serve(relay.url, key=B, ready=ready))
+        try:
+            await bounded(ready.wait(), "the doctor server")
+            report = await diagnose(relay.url, key=A, peer=B.endpoint_id, timeout=5.0)
+        finally:
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+    assert report.relay_connected and report.relay_rtt is not None
+    assert report.udp and report.mapping == "endpoint-independent"  # loopback: no NAT
+    assert len(report.observed) == 2 and report.observed[0] == report.local
+    peer = report.peer
+    assert peer is not None and peer.connected and peer.direct and peer.error is None
+    assert peer.direct_after is not None and peer.transfer_mb_s is not None
+    text = render(report)
+    assert "NAT mapping  endpoint-independent" in text and "direct path after" in text
+
+
+async def test_doctor_names_an_unreachable_relay() -> None:
+    from p2pdist.doctor import diagnose, render
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"https://127.0.0.1:{port}/?pin={C.endpoint_id}"
+    report = await diagnose(url, timeout=1.0)
+    assert not report.relay_connected and report.relay_error
+    assert "cannot reach the relay" in render(report)
