@@ -221,6 +221,9 @@ class FederatedClient:
                 conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
         if self._reader is not None:
             self._reader.cancel()
+        if self._error is None:
+            self._error = ConnectionClosedError("the client was closed")
+        self._changed.set()
         if self._transport is not None:
             await asyncio.shield(self._transport.close())
 

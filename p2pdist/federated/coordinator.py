@@ -97,6 +97,7 @@ class Coordinator:
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._closed = False
+        self._announced = -1
         self.protocol_errors = 0
         """Connections closed because the client broke the message protocol."""
 
@@ -214,17 +215,19 @@ class Coordinator:
             ) from None
 
     async def run_round(self) -> RoundOutcome:
-        """Open a round, send the model to every client, collect updates until the round
-        is due (quorum, everyone, or the deadline), apply the aggregate and return what
-        happened. Never waits past the deadline for anyone. A cancelled call leaves the
-        round open; the next call resumes it."""
+        """Open a round (sending the model to every client unless it went out when the
+        last round closed), collect updates until the round is due (quorum, everyone, or
+        the deadline), apply the aggregate, send the new model with the next round's id,
+        and return what happened. Never waits past the deadline for anyone. A cancelled
+        call leaves the round open; the next call resumes it."""
         if self._transport is None or self._closed:
             raise UsageError("start the coordinator first (and do not use it after close)")
         loop = asyncio.get_running_loop()
         state = self._state
         if state.phase is Phase.WAITING:
             state.open(loop.time())
-            self._broadcast()
+            if self._announced != state.round:
+                self._broadcast()
         deadline = state.deadline
         assert deadline is not None
         while (why := state.due(loop.time())) is None:
@@ -236,6 +239,7 @@ class Coordinator:
         if outcome.aggregate is not None:
             step = outcome.aggregate * self.config.server_lr
             self._model = (self._model + step).astype(self._model.dtype, copy=False)
+        self._broadcast()  # the next round's model, at once: clients need not wait for it
         log.info(
             "round %d closed (%s): %d participants, %d stale, %d dropped, %d rejected",
             outcome.round,
@@ -255,6 +259,7 @@ class Coordinator:
         return encode("model", {"r": state.round, "open": is_open, "left": left}, self._model)
 
     def _broadcast(self) -> None:
+        self._announced = self._state.round
         message = self._model_message()
         for client in self._clients.values():
             self._post(client, message)

@@ -190,11 +190,11 @@ class GroupAveraging:
             self._own, own = None, None
             self.local_drops += 1
         try:
+            if own is not None:
+                self._contribute(k, own)
             if self.is_leader:
                 body, agg = await self._lead(k, own)
             else:
-                if own is not None:
-                    self._contribute(k, own)
                 body = await self._decision(k)
                 agg = await self._follow(k, body, own)
         finally:

@@ -1,0 +1,128 @@
+"""Decentralised federated averaging over a real Group (TCP on 127.0.0.1): every rank
+ends with the same bits, a late rank blocks nobody, and its late frame of round k
+reaches neither round k + 1 nor a later all-reduce."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from group_helpers import groups
+
+from p2pdist import Group
+from p2pdist.federated import FederatedConfig, GroupAveraging, GroupRound, aggregate
+
+F32 = np.dtype(np.float32)
+
+
+def update_of(rank: int, rnd: int, n: int = 1000) -> np.ndarray:
+    return np.random.default_rng([rank, rnd]).standard_normal(n).astype(np.float32)
+
+
+async def test_every_rank_ends_with_bit_identical_models() -> None:
+    cfg = FederatedConfig(round_timeout=10.0)
+    async with groups(4) as gs:
+        model = np.zeros(1000, np.float32)
+        feds = [GroupAveraging(g, model + g.rank, cfg, leader=1) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        assert len({f.model.tobytes() for f in feds}) == 1  # the leader's model won
+        start = feds[0].model.copy()
+        for rnd in range(3):
+            outs = await asyncio.gather(
+                *(f.step(update_of(f.group.rank, rnd), 10 + f.group.rank) for f in feds)
+            )
+            assert all(o.applied and o.included and o.reason == "complete" for o in outs)
+            assert {o.participants for o in outs} == {(0, 1, 2, 3)}
+            assert len({o.aggregate.tobytes() for o in outs if o.aggregate is not None}) == 1
+        assert len({f.model.tobytes() for f in feds}) == 1
+        # guard: the updates differ, so agreement is not trivial, and the result is
+        # the sample-weighted mean
+        assert not np.array_equal(update_of(0, 0), update_of(1, 0))
+        want = start.astype(np.float64)
+        for rnd in range(3):
+            ups = [update_of(r, rnd).astype(np.float64) for r in range(4)]
+            want += sum((10 + r) * u for r, u in enumerate(ups)) / sum(10 + r for r in range(4))
+        np.testing.assert_allclose(feds[0].model, want, rtol=1e-5, atol=1e-5)
+        assert all(f.round == 3 for f in feds)
+
+
+async def _late_rank_scenario(max_staleness: int) -> tuple[list[GroupRound], list[Group], int]:
+    """Rank 2 sends its round-0 update after round 0 closed, then all run round 1."""
+    cfg = FederatedConfig(round_timeout=1.0, max_staleness=max_staleness)
+    round0_done = asyncio.Event()
+    results: list[GroupRound] = []
+    async with groups(3) as gs:
+        feds = [GroupAveraging(g, np.zeros(1000, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+
+        async def rank(f: GroupAveraging) -> GroupRound:
+            r = f.group.rank
+            if r == 2:
+                await round0_done.wait()  # round 0 has closed without us
+            first = await f.step(update_of(r, 0), 10)
+            if r == 0:
+                round0_done.set()
+            assert first.round == 0 and first.participants == (0, 1)
+            assert first.included == (r != 2)
+            fresh = update_of(r, 1) if r != 2 else None  # rank 2 resends what it carries
+            return await f.step(fresh, 10)
+
+        results = list(await asyncio.gather(*(rank(f) for f in feds)))
+        dropped = sum(gs[r].connection(2).stats.dropped_stale for r in (0, 1))
+        # a later collective on the same group sees none of it
+        sums = await asyncio.gather(*(g.all_reduce(np.full(5, g.rank + 1.0)) for g in gs))
+        for s in sums:
+            np.testing.assert_array_equal(s, np.full(5, 6.0))
+        assert len({f.model.tobytes() for f in feds}) == 1
+    return results, gs, dropped
+
+
+async def test_late_frame_of_round_k_is_dropped_and_never_reaches_round_k_plus_1() -> None:
+    results, _, dropped = await _late_rank_scenario(max_staleness=0)
+    assert dropped == 2  # rank 2's round-0 update reached ranks 0 and 1 after the round
+    for out in results:
+        assert out.round == 1 and out.participants == (0, 1) and out.applied
+        want = aggregate([update_of(0, 1), update_of(1, 1)], [10.0, 10.0], "mean", 0.2, F32)
+        assert out.aggregate is not None and out.aggregate.tobytes() == want.tobytes()
+
+
+async def test_late_update_within_max_staleness_rolls_into_the_next_round_discounted() -> None:
+    results, _, dropped = await _late_rank_scenario(max_staleness=1)
+    assert dropped == 2
+    w = 10 * 2**-0.5
+    want = aggregate(
+        [update_of(0, 1), update_of(1, 1), update_of(2, 0)], [10.0, 10.0, w], "mean", 0.2, F32
+    )
+    for out in results:
+        assert out.participants == (0, 1, 2) and out.stale == 1
+        assert out.aggregate is not None and out.aggregate.tobytes() == want.tobytes()
+    assert results[2].included and not results[2].carried
+
+
+async def test_nan_from_one_rank_is_rejected_and_that_rank_is_told() -> None:
+    cfg = FederatedConfig(round_timeout=0.5)
+    async with groups(3) as gs:
+        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        bad = np.full(10, np.nan, np.float32)
+        outs = await asyncio.gather(
+            *(f.step(bad if f.group.rank == 2 else np.ones(10, np.float32), 1) for f in feds)
+        )
+        for o in outs:
+            assert o.participants == (0, 1) and o.rejected == {"nonfinite": 1}
+        assert outs[2].own_reason == "nonfinite" and not outs[2].carried
+        assert len({f.model.tobytes() for f in feds}) == 1
+
+
+async def test_a_rank_that_leaves_between_rounds_blocks_nobody() -> None:
+    cfg = FederatedConfig(round_timeout=60.0)
+    async with groups(3) as gs:
+        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        await asyncio.gather(*(f.step(np.ones(10, np.float32), 1) for f in feds))
+        await feds[2].close()
+        await gs[2].close()  # leaves on purpose
+        outs = await asyncio.wait_for(
+            asyncio.gather(*(f.step(np.ones(10, np.float32), 1) for f in feds[:2])), 30
+        )
+        assert all(o.reason == "complete" and o.participants == (0, 1) for o in outs)

@@ -1,0 +1,241 @@
+"""Coordinator + clients over real sockets (TCP on 127.0.0.1, and QUIC through a real
+relay): rounds, late joiners, slow clients under both policies, a NaN update, a client
+process killed mid-round, a client that breaks the protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+from relay_helpers import RelayProcess
+
+from p2pdist import PeerAuthenticationError, TransportConfig
+from p2pdist.federated import (
+    CloseReason,
+    Coordinator,
+    FederatedClient,
+    FederatedConfig,
+    Phase,
+)
+from p2pdist.federated.messages import CLIENT_CHANNEL
+
+PLAIN = TransportConfig(tls=False)
+HERE = Path(__file__).resolve().parent
+
+
+@asynccontextmanager
+async def coordinator(
+    model: np.ndarray, *, tls: bool = False, **cfg: object
+) -> AsyncIterator[Coordinator]:
+    config = FederatedConfig(**cfg)  # type: ignore[arg-type]
+    async with Coordinator(model, config, transport=TransportConfig(tls=tls)) as c:
+        await c.start(listen="127.0.0.1:0")
+        yield c
+
+
+def client_of(c: Coordinator, *, tls: bool = False, name: str = "") -> FederatedClient:
+    assert c.address is not None
+    host, port = c.address
+    return FederatedClient(
+        c.endpoint_id, address=f"{host}:{port}", transport=TransportConfig(tls=tls), name=name
+    )
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+async def test_rounds_weighted_mean_and_late_joiner_gets_model_and_round_id() -> None:
+    model = np.zeros(8, np.float32)
+    async with coordinator(model, tls=True, round_timeout=30.0) as c:
+        a, b = client_of(c, tls=True), client_of(c, tls=True)
+        ta, tb = await a.connect(), await b.connect()
+        assert ta.round == tb.round == 0 and not ta.open
+        np.testing.assert_array_equal(ta.model, model)
+        for r in range(2):
+            run = asyncio.create_task(c.run_round())
+            await a.submit(np.full(8, 1.0, np.float32), 10, r)
+            await b.submit(np.full(8, 4.0, np.float32), 30, r)
+            out = await run
+            assert out.reason is CloseReason.COMPLETE and out.round == r
+            np.testing.assert_array_equal(out.aggregate, np.full(8, 3.25, np.float32))
+            ta = await a.next_round(timeout=10)  # type: ignore[assignment]
+            assert ta is not None and ta.round == r + 1
+        np.testing.assert_array_equal(c.model, np.full(8, 6.5, np.float32))
+        late = client_of(c, tls=True)
+        task = await late.connect()  # joins between rounds 1 and 2
+        assert task.round == 2 == c.round
+        np.testing.assert_array_equal(task.model, c.model)
+        run = asyncio.create_task(c.run_round())
+        await until(lambda: c.state.phase is Phase.OPEN)
+        late2 = client_of(c, tls=True)
+        task2 = await late2.connect()  # joins mid-round: current model and round id
+        assert task2.round == 2 and task2.open and task2.deadline > 0
+        for cl in (a, b, late):
+            await cl.submit(np.zeros(8, np.float32), 1, 2)
+        out = await run  # the mid-round joiner was not waited for
+        assert out.reason is CloseReason.COMPLETE and out.members == 3
+        assert (await a.wait_ack(3)).accepted
+        for cl in (a, b, late, late2):
+            await cl.close()
+
+
+async def test_quorum_policy_closes_without_the_slow_client_and_carries_its_update() -> None:
+    async with coordinator(
+        np.zeros(4, np.float32), policy="quorum", quorum=2, round_timeout=30.0, max_staleness=1
+    ) as c:
+        a, b, slow = client_of(c), client_of(c), client_of(c)
+        for cl in (a, b, slow):
+            await cl.connect()
+        run = asyncio.create_task(c.run_round())
+        await a.submit(np.full(4, 1.0, np.float32), 10, 0)
+        await b.submit(np.full(4, 1.0, np.float32), 10, 0)
+        out0 = await run
+        assert out0.reason is CloseReason.QUORUM and len(out0.participants) == 2
+        # the slow client's update for round 0 arrives after round 0 closed
+        await slow.submit(np.full(4, 8.0, np.float32), 20, 0, round_id=0)
+        ack = await slow.wait_ack(1)
+        assert ack.accepted and ack.round == 0 and ack.current_round == 1
+        run = asyncio.create_task(c.run_round())
+        await a.submit(np.full(4, 2.0, np.float32), 10, 1)
+        out1 = await run
+        assert out1.reason is CloseReason.QUORUM and out1.stale == 1
+        by = {p.client: p for p in out1.participants}
+        ps = by[str(slow.endpoint_id)]
+        assert ps.carried and ps.staleness == 1 and ps.weight == 20 * 2**-0.5
+        want = (10 * 2.0 + ps.weight * 8.0) / (10 + ps.weight)
+        np.testing.assert_allclose(out1.aggregate, np.full(4, want, np.float32), rtol=1e-6)
+        for cl in (a, b, slow):
+            await cl.close()
+
+
+async def test_deadline_policy_waits_for_the_deadline_then_drops_the_too_stale() -> None:
+    async with coordinator(
+        np.zeros(4, np.float32), policy="deadline", round_timeout=0.5, max_staleness=0
+    ) as c:
+        a, slow = client_of(c), client_of(c)
+        await a.connect()
+        await slow.connect()
+        run = asyncio.create_task(c.run_round())
+        await a.submit(np.full(4, 1.0, np.float32), 10, 0)
+        out = await run
+        assert out.reason is CloseReason.DEADLINE and out.members == 2
+        assert [p.client for p in out.participants] == [str(a.endpoint_id)]
+        await slow.submit(np.full(4, 9.0, np.float32), 10, 0, round_id=0)
+        ack = await slow.wait_ack(1)
+        assert not ack.accepted and ack.reason == "too_stale"
+        assert c.state.totals["too_stale"] == 1
+        for cl in (a, slow):
+            await cl.close()
+
+
+async def test_nan_update_is_rejected_and_the_round_goes_on() -> None:
+    async with coordinator(np.zeros(4, np.float32), round_timeout=30.0) as c:
+        good, bad = client_of(c), client_of(c)
+        await good.connect()
+        await bad.connect()
+        run = asyncio.create_task(c.run_round())
+        await bad.submit(np.array([1, np.nan, 0, 0], np.float32), 10, 0)
+        ack = await bad.wait_ack(1)
+        assert not ack.accepted and ack.reason == "nonfinite"
+        await bad.close()  # it leaves; the round does not wait for it
+        await good.submit(np.full(4, 0.5, np.float32), 10, 0)
+        out = await run
+        assert out.rejected == {"nonfinite": 1} and out.applied
+        np.testing.assert_array_equal(c.model, np.full(4, 0.5, np.float32))
+        await good.close()
+
+
+async def test_client_process_killed_mid_round_does_not_block_the_round() -> None:
+    async with coordinator(np.zeros(4, np.float32), round_timeout=60.0) as c:
+        assert c.address is not None
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(HERE / "federated_worker.py"),
+            str(c.endpoint_id),
+            f"{c.address[0]}:{c.address[1]}",
+            "hang",
+        )
+        try:
+            a = client_of(c)
+            await a.connect()
+            await c.wait_for_members(2, timeout=30)
+            run = asyncio.create_task(c.run_round())
+            await until(lambda: c.state.phase is Phase.OPEN)
+            await a.submit(np.ones(4, np.float32), 5, 0)
+            await a.wait_ack(1)
+            assert c.state.due(0.0) is None  # still waiting for the hanging client
+            proc.kill()  # SIGKILL mid-round: no goodbye
+            out = await asyncio.wait_for(run, 30)  # far below the 60 s deadline
+            assert out.reason is CloseReason.COMPLETE and out.members == 2
+            assert len(c.members) == 1 and len(out.participants) == 1
+            # the next round goes on with who is left
+            run = asyncio.create_task(c.run_round())
+            assert (await a.next_round(timeout=10)) is not None
+            await a.submit(np.ones(4, np.float32), 5, 1)
+            assert (await run).reason is CloseReason.COMPLETE
+            await a.close()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+
+
+async def test_client_breaking_the_protocol_is_dropped_and_counted() -> None:
+    async with coordinator(np.zeros(4, np.float32), round_timeout=30.0) as c:
+        good, rogue = client_of(c), client_of(c)
+        await good.connect()
+        await rogue.connect()
+        await c.wait_for_members(2, timeout=10)
+        conn = rogue._conn
+        assert conn is not None
+        conn.send_nowait(CLIENT_CHANNEL, b"\x00" * 8, meta=b"\xc1 not msgpack")
+        await until(lambda: c.protocol_errors == 1 and len(c.members) == 1)
+        run = asyncio.create_task(c.run_round())
+        await good.submit(np.ones(4, np.float32), 1, 0)
+        assert (await run).reason is CloseReason.COMPLETE
+        await good.close()
+        await rogue.close()
+
+
+async def test_clients_reach_the_coordinator_through_a_relay(tmp_path: Path) -> None:
+    with RelayProcess(tmp_path) as relay:
+        async with Coordinator(np.zeros(16, np.float32), FederatedConfig(round_timeout=30)) as c:
+            await c.start(relay=relay.url)
+            clients = [FederatedClient(c.endpoint_id, relay=relay.url) for _ in range(2)]
+            for cl in clients:
+                await cl.connect()
+            assert c.address is None
+            run = asyncio.create_task(c.run_round())
+            for i, cl in enumerate(clients):
+                await cl.submit(np.full(16, float(i), np.float32), 1, 0)
+            out = await run
+            assert out.reason is CloseReason.COMPLETE
+            np.testing.assert_array_equal(c.model, np.full(16, 0.5, np.float32))
+            # nobody gave an address: the clients dialed the coordinator's endpoint id
+            # through the relay (QUIC may then move to a direct path on its own)
+            for cl in clients:
+                await cl.close()
+
+
+async def test_wrong_coordinator_key_is_refused() -> None:
+    async with coordinator(np.zeros(2, np.float32)) as c:
+        assert c.address is not None
+        other = Coordinator(np.zeros(2, np.float32))
+        impostor = FederatedClient(
+            other.endpoint_id,
+            address=f"{c.address[0]}:{c.address[1]}",
+            transport=PLAIN,
+            connect_timeout=5,
+        )
+        with pytest.raises(PeerAuthenticationError, match="identity mismatch"):
+            await impostor.connect()
