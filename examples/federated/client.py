@@ -66,7 +66,7 @@ async def run(args: argparse.Namespace) -> int:
         relay=args.relay,
         relay_token=args.relay_token,
         key=key,
-        transport=TransportConfig(tls=not args.plaintext),
+        transport=TransportConfig(tls=not args.plaintext, idle_timeout=5.0),
         name=f"client {args.index}",
     )
     task: RoundTask | None = await client.connect()

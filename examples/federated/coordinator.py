@@ -72,7 +72,8 @@ async def serve(
     rounds; returns the summary (also written to ``--json``)."""
     _, test = load_digits()
     model = init_model(args.seed)
-    transport = TransportConfig(tls=not args.plaintext)
+    # A client that vanishes without a word over UDP (QUIC) is noticed after idle_timeout.
+    transport = TransportConfig(tls=not args.plaintext, idle_timeout=5.0)
     async with Coordinator(model, fed_config(args), key=key, transport=transport) as coord:
         await coord.start(
             listen=listen, relay=relay, relay_token=os.environ.get("P2PDIST_RELAY_TOKEN")

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import secrets
 import select
 import subprocess
 import sys
@@ -64,6 +65,7 @@ class Fleet:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.address: str | None = None
         self.relay: str | None = None
+        self.key_seed = secrets.token_hex(16)
 
     def role(self, i: int) -> str:
         """What client ``i`` does: malicious, slow, dropout, late or honest."""
@@ -80,6 +82,13 @@ class Fleet:
                 return name
             start += count
         return "honest"
+
+    def _key_seed(self, first_start: bool) -> str:
+        """A restarted client keeps its identity over TCP, and the coordinator replaces
+        its dead connection at once. Through a relay it comes back as a new identity: a
+        QUIC dial from the same key can stall while the other side still holds the dead
+        connection (until its idle_timeout), see docs/federated.md."""
+        return self.key_seed if first_start or not self.relay else self.key_seed + "-restarted"
 
     def start(self, i: int, *, crash: bool = True) -> None:
         """Start client ``i`` with the flags of its role."""
@@ -102,6 +111,8 @@ class Fleet:
             str(a.epochs),
             "--work",
             str(a.work),
+            "--key-seed",
+            self._key_seed(crash),
         ]
         cmd += ["--relay", self.relay] if self.relay else ["--address", str(self.address)]
         if a.plaintext:
