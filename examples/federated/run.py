@@ -85,9 +85,9 @@ class Fleet:
 
     def _key_seed(self, first_start: bool) -> str:
         """A restarted client keeps its identity over TCP, and the coordinator replaces
-        its dead connection at once. Through a relay it comes back as a new identity: a
-        QUIC dial from the same key can stall while the other side still holds the dead
-        connection (until its idle_timeout), see docs/federated.md."""
+        its dead connection at once. Through a relay it comes back as a new identity:
+        redialing with the same key right after a crash was seen to stall for seconds
+        (see docs/federated.md, section 6)."""
         return self.key_seed if first_start or not self.relay else self.key_seed + "-restarted"
 
     def start(self, i: int, *, crash: bool = True) -> None:

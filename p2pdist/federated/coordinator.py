@@ -304,7 +304,7 @@ class Coordinator:
             client.sender = asyncio.get_running_loop().create_task(self._sender(client))
             self._state.join(cid)
             self._post(client, self._model_message())  # a late joiner gets model + round id
-            log.info("%s joined (%s); %d members", label, client.name, len(self._clients))
+            log.info("%s joined (%r); %d members", label, client.name, len(self._clients))
             self._wake.set()
             while True:
                 message = decode(await conn.recv(CLIENT_CHANNEL), label)
