@@ -1,0 +1,1 @@
+"""Federated learning on the digits data: coordinator, clients, and a one-command run."""
