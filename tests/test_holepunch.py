@@ -420,3 +420,33 @@ async def test_doctor_names_an_unreachable_relay() -> None:
     report = await diagnose(url, timeout=1.0)
     assert not report.relay_connected and report.relay_error
     assert "cannot reach the relay" in render(report)
+
+
+async def test_a_peer_that_restarts_with_the_same_key_is_not_sent_to_its_old_address() -> None:
+    hub = FakeRelayHub()
+    cfg = transport_config()
+    punch = replace_punch(keepalive=1.0, path_timeout=5.0)  # a dead path would take 5 s
+    ta = QuicTransport(A, cfg, relay=hub.attach(A.endpoint_id), punch=punch)
+    tb = QuicTransport(B, cfg, relay=hub.attach(B.endpoint_id), punch=punch)
+    tb2 = None
+    try:
+        old_b = await bounded(tb.connect(A.endpoint_id, None), "connect")
+        old_a = await bounded(ta.accept(), "accept")
+        await wait_until(lambda: old_a.path_kind == old_b.path_kind == "direct", "direct")
+        # B crashes: its socket and relay session vanish without a goodbye ...
+        hub.detach(B.endpoint_id)
+        assert tb._punch_sock is not None
+        tb._punch_sock.close()
+        # ... and comes back at once, same key, new socket: A still has the old path
+        tb2 = QuicTransport(B, cfg, relay=hub.attach(B.endpoint_id), punch=punch)
+        new_b = await bounded(tb2.connect(A.endpoint_id, None), "reconnect", 3.0)
+        new_a = await bounded(ta.accept(), "accept again", 3.0)
+        await new_b.send(3, b"hello again")
+        got = await bounded(new_a.recv(3), "a message on the new connection", 2.0)
+        assert bytes(got.payload) == b"hello again"
+        await wait_until(lambda: new_a.path_kind == new_b.path_kind == "direct", "direct")
+        assert new_a.remote_address == new_b.route.direct[0].local_address  # type: ignore[union-attr]
+    finally:
+        for t in (ta, tb, tb2):
+            if t is not None:
+                await t.close()

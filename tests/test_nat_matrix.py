@@ -6,6 +6,7 @@ Runs as root (CI); skips with the reason elsewhere."""
 from __future__ import annotations
 
 import json
+import os
 import select
 import subprocess
 import sys
@@ -40,14 +41,26 @@ class Rank:
             text=True,
         )
         self.events: dict[str, dict[str, Any]] = {}
+        self._buf = b""
+
+    def _line(self, deadline: float) -> str:
+        """The next stdout line, or "" at EOF or the deadline (reads the pipe's fd
+        directly: a buffered reader would hide lines it already read from select)."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(fd, 65536) if ready else b""
+            if not chunk:
+                return ""
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line.decode()
 
     def expect(self, event: str, timeout: float = BOUND) -> dict[str, Any]:
-        assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while event not in self.events:
-            left = deadline - time.monotonic()
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
-            line = self.proc.stdout.readline() if ready else ""
+            line = self._line(deadline)
             if not line:
                 self.proc.kill()
                 pytest.fail(

@@ -174,6 +174,19 @@ class HolePuncher:
         self._peers[peer] = _Peer(peer, PeerPaths(self.config))
         self._spawn(self._start(peer))
 
+    def restart(self, peer: EndpointId) -> None:
+        """Another connection to ``peer`` came up (it may have restarted, with a new
+        socket): forget its paths, put its datagrams back on the relay, punch anew."""
+        p = self._peers.get(peer)
+        if p is None:
+            self.watch(peer)
+            return
+        if p.paths.current is not None:
+            act = PathChange(p.paths.current, None, "a new connection: validating paths anew")
+            self._change(p, act)
+        self.unwatch(peer)
+        self.watch(peer)
+
     def unwatch(self, peer: EndpointId) -> None:
         """No connection to ``peer`` through the relay is left: stop punching."""
         p = self._peers.pop(peer, None)

@@ -458,11 +458,12 @@ class QuicTransport(EndpointBase[QuicConnection]):
                 on_change=self._path_change,
                 label_for=self.label_for,
             )
-        puncher = self._puncher
-        state = puncher.state(route.peer)
-        if state is not None and state.current is not None and puncher.socket is not None:
-            self._move(conn, puncher.socket, state.current)
-        puncher.watch(route.peer)
+        # A second connection to a peer we already punch towards: the peer may have
+        # restarted behind a new port, so its old direct path proves nothing now.
+        if any(r.peer == route.peer and r is not route for r in self._relay_routes()):
+            self._puncher.restart(route.peer)
+        else:
+            self._puncher.watch(route.peer)
 
     async def _open_punch_socket(self) -> UdpSocket:
         if self._udp is not None and not self._udp.closed:
