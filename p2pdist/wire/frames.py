@@ -157,8 +157,7 @@ class FrameDecoder:
             self._filled += nbytes
             if self._filled < len(self._payload):
                 return []
-            frames = [self._finish_direct()]
-            return frames
+            return [self._finish_direct()]
         self._end += nbytes
         return self._parse()
 
@@ -181,7 +180,7 @@ class FrameDecoder:
     def _compact(self) -> None:
         n = self._end - self._start
         if self._start:
-            self._scratch[:n] = self._scratch[self._start : self._end]
+            self._view[:n] = self._view[self._start : self._end]  # one memmove, no temporary
         self._start, self._end = 0, n
 
     def _finish_direct(self) -> Frame:
@@ -189,9 +188,7 @@ class FrameDecoder:
         kind, flags, channel, seq, meta = self._pending
         frame = Frame(kind, channel, seq, meta, self._payload.data, flags)
         self._pending, self._payload, self._filled = None, None, 0
-        frames = self._parse()  # scratch is empty here; keeps the invariant simple
-        assert not frames
-        return frame
+        return frame  # the scratch buffer was emptied when the direct receive began
 
     def _parse(self) -> list[Frame]:
         frames: list[Frame] = []
@@ -223,7 +220,7 @@ class FrameDecoder:
             avail = self._end - body
             if avail < meta_len:
                 break
-            meta = bytes(self._scratch[body : body + meta_len])
+            meta = bytes(self._view[body : body + meta_len])
             pstart = body + meta_len
             have = self._end - pstart
             if payload_len > lim.direct_threshold and have < payload_len:
@@ -236,10 +233,11 @@ class FrameDecoder:
                 return
             if have < payload_len:
                 break
-            data = bytearray(self._scratch[pstart : pstart + payload_len])
-            payload_view = memoryview(data) if payload_len else _EMPTY
-            frames.append(Frame(kind, channel, seq, meta, payload_view, flags))
-            self._start = pstart + payload_len
+            end = pstart + payload_len
+            # A bytearray slice is one copy, into a buffer the frame owns.
+            owned = memoryview(self._scratch[pstart:end]) if payload_len else _EMPTY
+            frames.append(Frame(kind, channel, seq, meta, owned, flags))
+            self._start = end
         partial = self._end - self._start
         if 0 < partial < HEADER.size:
             # Refuse a bad version or kind as soon as its byte arrives: a stranger sending
