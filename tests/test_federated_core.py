@@ -18,6 +18,8 @@ from p2pdist.federated import (
     aggregate,
     trim_count,
 )
+from p2pdist.federated.messages import decode, encode
+from p2pdist.wire.frames import Frame, FrameKind
 
 F32 = np.dtype(np.float32)
 
@@ -300,3 +302,27 @@ def test_config_validation() -> None:
     ):
         with pytest.raises(UsageError):
             FederatedConfig(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(12, dtype=">f8").reshape(3, 4),  # big-endian
+        np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2],  # not contiguous
+        np.array(2.5, np.float32),  # 0-d stays 0-d
+        np.zeros((0, 3), np.int16),
+    ],
+)
+def test_message_arrays_round_trip_whatever_their_layout(array: np.ndarray) -> None:
+    meta, payload = encode("submit", {"r": 1}, array)
+    frame = Frame(FrameKind.DATA, 0, 0, meta, memoryview(bytes(payload)))
+    got = decode(frame, "client x")
+    assert got.kind == "submit" and got.fields == {"r": 1}
+    arr = got.need_array("client x")
+    assert arr.shape == array.shape and arr.dtype == array.dtype.newbyteorder("<")
+    np.testing.assert_array_equal(arr, array)
+
+
+def test_message_refuses_arrays_that_cannot_travel() -> None:
+    with pytest.raises(UsageError, match="cannot travel"):
+        encode("submit", {}, np.array(["text"], dtype=object))

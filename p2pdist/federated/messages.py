@@ -14,6 +14,7 @@ import msgpack
 import numpy as np
 
 from ..errors import RemoteProtocolError, UsageError
+from ..group.buffers import as_array
 from ..transport.mailbox import SPACE_SHIFT
 from ..wire.arrays import ArrayHeader, ArrayHeaderError
 from ..wire.frames import Frame
@@ -83,13 +84,8 @@ def encode(
     body: dict[str, Any] = {"t": kind, **(fields or {})}
     payload = memoryview(b"")
     if array is not None:
-        arr = np.ascontiguousarray(array)
-        if arr.dtype.byteorder == ">":
-            arr = arr.astype(arr.dtype.newbyteorder("<"))
-        try:
-            body["a"] = ArrayHeader.of(arr).to_wire()
-        except ArrayHeaderError as exc:
-            raise UsageError(str(exc)) from None
+        arr = as_array(array)  # C-contiguous, little-endian, a wire dtype (else UsageError)
+        body["a"] = ArrayHeader.of(arr).to_wire()
         payload = arr.reshape(-1).data.cast("B") if arr.size else memoryview(b"")
     return bytes(msgpack.packb(body, use_bin_type=True)), payload
 
