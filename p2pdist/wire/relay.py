@@ -67,16 +67,24 @@ class RelayFrameType(enum.IntEnum):
     RECONNECT = 0x30  # relay -> client: msgpack {"reason": str, "retry_after": float}
 
 
-def encode_frame(kind: RelayFrameType, body: bytes | bytearray | memoryview = b"") -> bytes:
+Buffer = bytes | bytearray | memoryview
+
+
+def _head(kind: RelayFrameType, length: int) -> bytes:
+    if length > MAX_BODY:
+        raise ValueError(f"relay frame body of {length} bytes exceeds {MAX_BODY}")
+    return _HEAD.pack(int(kind), length)
+
+
+def encode_frame(kind: RelayFrameType, body: Buffer = b"") -> bytes:
     """One frame; raises ValueError when ``body`` is over MAX_BODY."""
-    if len(body) > MAX_BODY:
-        raise ValueError(f"relay frame body of {len(body)} bytes exceeds {MAX_BODY}")
-    return _HEAD.pack(int(kind), len(body)) + bytes(body)
+    return _head(kind, len(body)) + body  # bytes + any buffer: one copy
 
 
-def encode_addressed(kind: RelayFrameType, peer: EndpointId | bytes, datagram: bytes) -> bytes:
-    """A SEND (to ``peer``) or RECV (from ``peer``) frame carrying ``datagram``."""
-    return encode_frame(kind, bytes(peer) + datagram)
+def encode_addressed(kind: RelayFrameType, peer: EndpointId | bytes, datagram: Buffer) -> bytes:
+    """A SEND (to ``peer``) or RECV (from ``peer``) frame carrying ``datagram`` (copied once)."""
+    pid = bytes(peer)
+    return b"".join((_head(kind, len(pid) + len(datagram)), pid, datagram))
 
 
 def decode_addressed(body: bytes) -> tuple[bytes, bytes]:
@@ -99,19 +107,20 @@ class RelayFrameDecoder:
         out: list[tuple[RelayFrameType, bytes]] = []
         start = 0
         buf = self._buf
-        while len(buf) - start >= _HEAD.size:
-            kind_raw, length = _HEAD.unpack_from(buf, start)
-            try:
-                kind = RelayFrameType(kind_raw)
-            except ValueError:
-                raise RelayProtocolError(f"unknown relay frame type {kind_raw:#x}") from None
-            if length > self._max:
-                raise RelayProtocolError(f"relay frame of {length} bytes exceeds {self._max}")
-            end = start + _HEAD.size + length
-            if end > len(buf):
-                break
-            out.append((kind, bytes(buf[start + _HEAD.size : end])))
-            start = end
+        with memoryview(buf) as view:  # released before ``del`` resizes the buffer
+            while len(buf) - start >= _HEAD.size:
+                kind_raw, length = _HEAD.unpack_from(buf, start)
+                try:
+                    kind = RelayFrameType(kind_raw)
+                except ValueError:
+                    raise RelayProtocolError(f"unknown relay frame type {kind_raw:#x}") from None
+                if length > self._max:
+                    raise RelayProtocolError(f"relay frame of {length} bytes exceeds {self._max}")
+                end = start + _HEAD.size + length
+                if end > len(buf):
+                    break
+                out.append((kind, bytes(view[start + _HEAD.size : end])))  # one copy
+                start = end
         del buf[:start]
         return out
 
