@@ -16,7 +16,7 @@ fresh nonces and the role, so a signature can be neither replayed nor reflected.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -28,6 +28,7 @@ __all__ = [
     "RecordReader",
     "auth_transcript",
     "encode_record",
+    "get_bytes",
 ]
 
 MAGIC = b"P2PD\x01"
@@ -52,42 +53,37 @@ class RecordReader:
     """Collects bytes and yields complete records; checks the magic when ``expect_magic``."""
 
     expect_magic: bool = False
-    _buf: bytearray | None = None
-
-    def __post_init__(self) -> None:
-        self._buf = bytearray()
+    _buf: bytearray = field(default_factory=bytearray, init=False, repr=False)
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Append received bytes."""
-        assert self._buf is not None
         self._buf += data
 
     def __len__(self) -> int:
-        assert self._buf is not None
         return len(self._buf)
 
     def next_record(self) -> dict[str, Any] | None:
         """The next complete record, or None when more bytes are needed."""
-        assert self._buf is not None
+        buf = self._buf
         if self.expect_magic:
-            if len(self._buf) < len(MAGIC):
-                if not MAGIC.startswith(bytes(self._buf)):
+            if len(buf) < len(MAGIC):
+                if not MAGIC.startswith(buf):
                     raise HandshakeError("not a p2pdist peer (bad magic)")
                 return None
-            if bytes(self._buf[: len(MAGIC)]) != MAGIC:
-                if self._buf[:4] == MAGIC[:4]:
-                    raise HandshakeError(f"unsupported handshake version {self._buf[4]}")
+            if not buf.startswith(MAGIC):
+                if buf.startswith(MAGIC[:4]):
+                    raise HandshakeError(f"unsupported handshake version {buf[4]}")
                 raise HandshakeError("not a p2pdist peer (bad magic)")
         off = len(MAGIC) if self.expect_magic else 0
-        if len(self._buf) < off + 4:
+        if len(buf) < off + 4:
             return None
-        (n,) = _LEN.unpack_from(self._buf, off)
+        (n,) = _LEN.unpack_from(buf, off)
         if n > MAX_RECORD:
             raise HandshakeError(f"handshake record of {n} bytes exceeds {MAX_RECORD}")
-        if len(self._buf) < off + 4 + n:
+        if len(buf) < off + 4 + n:
             return None
-        body = bytes(self._buf[off + 4 : off + 4 + n])
-        del self._buf[: off + 4 + n]
+        body = buf[off + 4 : off + 4 + n]
+        del buf[: off + 4 + n]
         self.expect_magic = False
         try:
             rec = msgpack.unpackb(body, raw=False, strict_map_key=True)
@@ -99,7 +95,6 @@ class RecordReader:
 
     def leftover(self) -> bytes:
         """Bytes received after the last record (the first frames, in plaintext mode)."""
-        assert self._buf is not None
         data = bytes(self._buf)
         self._buf.clear()
         return data
