@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import UsageError
 from .config import FederatedConfig
 
-__all__ = ["Reason", "aggregate", "check_update", "trim_count"]
+__all__ = ["Reason", "aggregate", "apply_update", "check_update", "trim_count"]
 
 
 class Reason(enum.StrEnum):
@@ -131,3 +131,9 @@ def aggregate(
         acc /= float(len(kept))
         return acc.reshape(shape).astype(dtype, copy=False)
     raise UsageError(f"unknown aggregation rule {rule!r}")
+
+
+def apply_update(model: np.ndarray, update: np.ndarray, server_lr: float) -> np.ndarray:
+    """``model + server_lr * update`` as a new array of the model's dtype. The model is
+    replaced, never changed in place: a message may still be sending its bytes."""
+    return (model + update * server_lr).astype(model.dtype, copy=False)

@@ -39,9 +39,10 @@ from ..identity import EndpointId, SecretKey
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport, parse_address
+from .aggregate import apply_update
 from .config import FederatedConfig
 from .messages import CLIENT_CHANNEL, Message, decode, encode
-from .net import open_transport
+from .net import open_transport, until_due
 from .rounds import FederatedRounds, Phase, RoundOutcome
 
 __all__ = ["Coordinator"]
@@ -228,17 +229,10 @@ class Coordinator:
             state.open(loop.time())
             if self._announced != state.round:
                 self._broadcast()
-        deadline = state.deadline
-        assert deadline is not None
-        while (why := state.due(loop.time())) is None:
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, deadline - loop.time())):
-                    await self._wake.wait()
+        why = await until_due(state, self._wake)
         outcome = state.close(loop.time(), why)
         if outcome.aggregate is not None:
-            step = outcome.aggregate * self.config.server_lr
-            self._model = (self._model + step).astype(self._model.dtype, copy=False)
+            self._model = apply_update(self._model, outcome.aggregate, self.config.server_lr)
         self._broadcast()  # the next round's model, at once: clients need not wait for it
         log.info(
             "round %d closed (%s): %d participants, %d stale, %d dropped, %d rejected",

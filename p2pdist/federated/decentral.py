@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 import numpy as np
 
 from ..errors import (
@@ -36,9 +35,10 @@ from ..errors import (
     UsageError,
 )
 from ..transport.base import Connection
-from .aggregate import Reason, aggregate
+from .aggregate import Reason, aggregate, apply_update
 from .config import FederatedConfig
 from .messages import Message, decode, encode, round_channel
+from .net import until_due
 from .rounds import FederatedRounds, Phase
 
 if TYPE_CHECKING:
@@ -220,8 +220,7 @@ class GroupAveraging:
         elif included:
             self._own = None
         if agg is not None:
-            step = agg * self.config.server_lr
-            self._model = (self._model + step).astype(self._model.dtype, copy=False)
+            self._model = apply_update(self._model, agg, self.config.server_lr)
         return GroupRound(
             k,
             applied,
@@ -237,6 +236,14 @@ class GroupAveraging:
         )
 
     # ---- every rank -----------------------------------------------------------------------
+
+    def _settings(self) -> list[Any]:
+        """The aggregation settings every rank must share (the leader sends its own)."""
+        return [self.config.rule, self.config.trim_fraction, self.config.server_lr]
+
+    def _check_group(self) -> None:
+        if self.group.broken is not None:
+            raise GroupBrokenError("the group is broken", self.group.broken)
 
     def _conns(self) -> dict[int, Connection]:
         out = {}
@@ -274,7 +281,7 @@ class GroupAveraging:
             ) from None
         message = decode(frame, label)
         body = _decision_body(message, label, k)
-        mine = [self.config.rule, self.config.trim_fraction, self.config.server_lr]
+        mine = self._settings()
         if body["cfg"] != mine:
             raise MismatchError(label, f"leader aggregates with {body['cfg']}, this rank {mine}")
         return body
@@ -369,15 +376,7 @@ class GroupAveraging:
             verdict = state.submit(me, k, own.base_round, own.num_samples, own.update, loop.time())
             if verdict.reason is not None:
                 refused.append((self.group.rank, verdict.reason.value))
-        deadline = state.deadline
-        assert deadline is not None
-        while (why := state.due(loop.time())) is None:
-            if self.group.broken is not None:
-                raise GroupBrokenError("the group is broken", self.group.broken)
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, deadline - loop.time())):
-                    await self._wake.wait()
+        why = await until_due(state, self._wake, self._check_group)
         outcome = state.close(loop.time(), why)
         self._stop_collectors()
         if not outcome.applied:
@@ -393,9 +392,9 @@ class GroupAveraging:
             "stale": outcome.stale,
             "dropped": dict(outcome.dropped),
             "rejected": dict(outcome.rejected),
-            "cfg": [self.config.rule, self.config.trim_fraction, self.config.server_lr],
+            "cfg": self._settings(),
         }
-        meta = bytes(msgpack.packb({"t": "decision", **body}, use_bin_type=True))
+        meta, _ = encode("decision", body)
         channel = round_channel(self.tag, k, _DECISION)
         for r, conn in self._conns().items():
             try:

@@ -1,8 +1,10 @@
-"""Opening transports and dialing for the coordinator and its clients (asyncio glue)."""
+"""asyncio glue shared by the coordinator, its clients and GroupAveraging: opening
+transports, dialing, and waiting for a round to be due."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -19,8 +21,9 @@ from ..transport.base import Address, Connection, TransportConfig
 from ..transport.quic import QuicTransport
 from ..transport.relay_path import RelayPath
 from ..transport.tcp import TcpTransport
+from .rounds import CloseReason, FederatedRounds
 
-__all__ = ["dial", "open_transport"]
+__all__ = ["dial", "open_transport", "until_due"]
 
 log = logging.getLogger(__name__)
 
@@ -79,3 +82,22 @@ async def dial(
         raise P2PTimeoutError(
             f"{label}: no connection within {timeout:g} s (last error: {last})"
         ) from None
+
+
+async def until_due(
+    state: FederatedRounds, wake: asyncio.Event, check: Callable[[], None] | None = None
+) -> CloseReason:
+    """Wait until ``state``'s open round is due, re-checking whenever ``wake`` is set (by
+    whoever fed the state machine) and at the round's deadline at the latest, on the
+    loop's clock. ``check`` runs before each wait and may raise to give up."""
+    loop = asyncio.get_running_loop()
+    deadline = state.deadline
+    assert deadline is not None
+    while (why := state.due(loop.time())) is None:
+        if check is not None:
+            check()
+        wake.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                await wake.wait()
+    return why
