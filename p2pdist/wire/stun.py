@@ -71,8 +71,8 @@ def binding_response(txid: bytes, ip: str, port: int) -> bytes:
         xaddr = int(addr) ^ MAGIC_COOKIE
         value = struct.pack(">BBHI", 0, 0x01, xport, xaddr)
     else:
-        mask = int.from_bytes(struct.pack(">I", MAGIC_COOKIE) + txid, "big")
-        value = struct.pack(">BBH", 0, 0x02, xport) + (int(addr) ^ mask).to_bytes(16, "big")
+        xaddr6 = (int(addr) ^ _v6_mask(txid)).to_bytes(16, "big")
+        value = struct.pack(">BBH", 0, 0x02, xport) + xaddr6
     attr = struct.pack(">HH", XOR_MAPPED_ADDRESS, len(value)) + value
     return _HEADER.pack(BINDING_SUCCESS, len(attr), MAGIC_COOKIE, txid) + attr
 
@@ -97,17 +97,20 @@ def parse_binding_response(data: bytes, txid: bytes) -> tuple[str, int]:
     raise StunError("STUN response without XOR-MAPPED-ADDRESS")
 
 
+def _v6_mask(txid: bytes) -> int:
+    """What an IPv6 address is XORed with: the magic cookie, then the transaction id."""
+    return int.from_bytes(struct.pack(">I", MAGIC_COOKIE) + txid, "big")
+
+
 def _xor_address(value: bytes, txid: bytes) -> tuple[str, int]:
     if len(value) < 4:
         raise StunError("short XOR-MAPPED-ADDRESS")
     family, xport = value[1], struct.unpack_from(">H", value, 2)[0]
     port = xport ^ (MAGIC_COOKIE >> 16)
     if family == 0x01 and len(value) == 8:
-        ip = ipaddress.IPv4Address(struct.unpack_from(">I", value, 4)[0] ^ MAGIC_COOKIE)
+        ip = str(ipaddress.IPv4Address(struct.unpack_from(">I", value, 4)[0] ^ MAGIC_COOKIE))
     elif family == 0x02 and len(value) == 20:
-        mask = int.from_bytes(struct.pack(">I", MAGIC_COOKIE) + txid, "big")
-        ip6 = int.from_bytes(value[4:20], "big") ^ mask
-        return str(ipaddress.IPv6Address(ip6)), port
+        ip = str(ipaddress.IPv6Address(int.from_bytes(value[4:20], "big") ^ _v6_mask(txid)))
     else:
         raise StunError("bad XOR-MAPPED-ADDRESS family or length")
-    return str(ip), port
+    return ip, port
