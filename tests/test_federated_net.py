@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from relay_helpers import RelayProcess
 
-from p2pdist import PeerAuthenticationError, TransportConfig
+from p2pdist import PeerAuthenticationError, PeerTimeoutError, TransportConfig
 from p2pdist.federated import (
     CloseReason,
     Coordinator,
@@ -239,3 +239,15 @@ async def test_wrong_coordinator_key_is_refused() -> None:
         )
         with pytest.raises(PeerAuthenticationError, match="identity mismatch"):
             await impostor.connect()
+
+
+async def test_client_timeouts_name_the_coordinator() -> None:
+    async with coordinator(np.zeros(2, np.float32)) as c:
+        cl = client_of(c)
+        await cl.connect()
+        short = c.endpoint_id.short()
+        with pytest.raises(PeerTimeoutError, match=f"coordinator {short}: no verdict within"):
+            await cl.wait_ack(1, timeout=0.05)
+        with pytest.raises(PeerTimeoutError, match=f"coordinator {short}: no new round within"):
+            await cl.next_round(timeout=0.05)
+        await cl.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
@@ -16,7 +17,7 @@ from ..errors import (
     ConnectionBrokenError,
     ConnectionClosedError,
     P2PError,
-    P2PTimeoutError,
+    PeerTimeoutError,
     RemoteProtocolError,
     UsageError,
 )
@@ -84,6 +85,7 @@ class FederatedClient:
         self.coordinator = (
             coordinator if isinstance(coordinator, EndpointId) else EndpointId.parse(coordinator)
         )
+        self._label = f"coordinator {self.coordinator.short()}"
         self.key = key or SecretKey.generate()
         self.name = name
         self._address = address
@@ -130,7 +132,7 @@ class FederatedClient:
         the current model and round id."""
         if self._transport is not None:
             raise UsageError("already connected")
-        label = f"coordinator {self.coordinator.short()}"
+        label = self._label
         self._transport = await open_transport(
             self.key,
             self._tconfig,
@@ -159,21 +161,14 @@ class FederatedClient:
     async def next_round(self, *, timeout: float | None = None) -> RoundTask | None:
         """The newest model newer than the last one returned (rounds a slow client missed
         are skipped), or None once the coordinator has said stop."""
-        try:
-            async with asyncio.timeout(timeout):
-                while True:
-                    latest = self._latest
-                    if latest is not None and latest.round > self._returned:
-                        self._returned = latest.round
-                        return latest
-                    if self.stopped is not None:
-                        return None
-                    if self._error is not None:
-                        raise self._error
-                    self._changed.clear()
-                    await self._changed.wait()
-        except TimeoutError:
-            raise P2PTimeoutError(f"no new round from the coordinator within {timeout} s") from None
+        await self._wait_until(
+            lambda: self._has_new_round() or self.stopped is not None, timeout, "no new round"
+        )
+        latest = self._latest
+        if latest is not None and latest.round > self._returned:
+            self._returned = latest.round
+            return latest
+        return None
 
     async def submit(
         self,
@@ -197,19 +192,11 @@ class FederatedClient:
             async with asyncio.timeout(timeout):
                 await conn.send(CLIENT_CHANNEL, payload, meta=meta)
         except TimeoutError:
-            raise P2PTimeoutError(f"update not sent within {timeout:g} s") from None
+            raise PeerTimeoutError(self._label, f"update not sent within {timeout:g} s") from None
 
     async def wait_ack(self, count: int, *, timeout: float = 30.0) -> Ack:
         """Wait until ``count`` verdicts have arrived; returns the ``count``-th."""
-        try:
-            async with asyncio.timeout(timeout):
-                while len(self.acks) < count:
-                    if self._error is not None:
-                        raise self._error
-                    self._changed.clear()
-                    await self._changed.wait()
-        except TimeoutError:
-            raise P2PTimeoutError(f"no verdict within {timeout:g} s") from None
+        await self._wait_until(lambda: len(self.acks) >= count, timeout, "no verdict")
         return self.acks[count - 1]
 
     async def close(self) -> None:
@@ -226,6 +213,24 @@ class FederatedClient:
         self._changed.set()
         if self._transport is not None:
             await asyncio.shield(self._transport.close())
+
+    def _has_new_round(self) -> bool:
+        return self._latest is not None and self._latest.round > self._returned
+
+    async def _wait_until(
+        self, ready: Callable[[], bool], timeout: float | None, what: str
+    ) -> None:
+        """Wait for ``ready()`` (re-checked whenever the reader got a message); raises the
+        reader's error, or PeerTimeoutError naming the coordinator after ``timeout`` s."""
+        try:
+            async with asyncio.timeout(timeout):
+                while not ready():
+                    if self._error is not None:
+                        raise self._error
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            raise PeerTimeoutError(self._label, f"{what} within {timeout:g} s") from None
 
     def _need_conn(self) -> Connection:
         if self._conn is None:

@@ -35,7 +35,7 @@ from ..errors import (
     RemoteProtocolError,
     UsageError,
 )
-from ..identity import EndpointId, SecretKey
+from ..identity import SHORT_LEN, EndpointId, SecretKey
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport, parse_address
@@ -88,7 +88,7 @@ class Coordinator:
             self._model.shape,
             self._model.dtype,
             self.config,
-            label=lambda cid: f"client {cid[:10]}",  # the short endpoint id
+            label=lambda cid: f"client {cid[:SHORT_LEN]}",  # as EndpointId.short()
         )
         self._tconfig = transport or TransportConfig()
         self._accept = accept

@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 from ..errors import (
     ConnectionBrokenError,
-    P2PTimeoutError,
     PeerAuthenticationError,
     PeerTimeoutError,
     RemoteProtocolError,
@@ -60,6 +59,8 @@ async def dial(
 ) -> Connection:
     """Connect to ``peer`` (at ``address``, or through the relay when None), retrying
     refusals and timeouts with backoff for at most ``timeout`` seconds."""
+    if address is None and not isinstance(transport, QuicTransport):
+        raise UsageError(f"{label}: TCP needs a host:port")
     delay = 0.02
     last: BaseException | None = None
     try:
@@ -68,8 +69,7 @@ async def dial(
                 try:
                     if isinstance(transport, QuicTransport):
                         return await transport.connect(peer, address, label=label)
-                    if address is None:
-                        raise UsageError("TCP needs the coordinator's host:port")
+                    assert address is not None
                     return await transport.connect(peer, address, label=label)
                 except PeerAuthenticationError:
                     raise
@@ -79,8 +79,8 @@ async def dial(
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 0.5)
     except TimeoutError:
-        raise P2PTimeoutError(
-            f"{label}: no connection within {timeout:g} s (last error: {last})"
+        raise PeerTimeoutError(
+            label, f"no connection within {timeout:g} s (last error: {last})"
         ) from None
 
 
