@@ -14,8 +14,14 @@ import numpy as np
 
 __all__ = ["ArrayHeader", "ArrayHeaderError", "check_dtype", "WIRE_DTYPES"]
 
+
+def _code(dtype: np.dtype[Any]) -> str:
+    """A dtype's type code without its byte order: ``f4``, ``b1``."""
+    return dtype.str.lstrip("<>|=")
+
+
 WIRE_DTYPES = frozenset(
-    np.dtype(t).str.lstrip("<>|=")
+    _code(np.dtype(t))
     for t in (
         "bool",
         "int8",
@@ -45,8 +51,7 @@ class ArrayHeaderError(ValueError):
 def check_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     """Return the little-endian wire form of ``dtype`` or raise for refused dtypes."""
     dt = np.dtype(dtype)
-    code = dt.str.lstrip("<>|=")
-    if code not in WIRE_DTYPES:
+    if _code(dt) not in WIRE_DTYPES:
         raise ArrayHeaderError(f"dtype {dt} cannot travel on the wire (numeric and bool only)")
     return dt.newbyteorder("<") if dt.byteorder == ">" else dt
 
@@ -74,7 +79,7 @@ class ArrayHeader:
 
     def to_wire(self) -> list[Any]:
         """A msgpack-ready value."""
-        return ["<" + self.dtype.str.lstrip("<>|="), list(self.shape)]
+        return ["<" + _code(self.dtype), list(self.shape)]
 
     @classmethod
     def from_wire(cls, obj: Any) -> ArrayHeader:
