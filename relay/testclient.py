@@ -21,6 +21,7 @@ from typing import Any
 from p2pdist.identity import EndpointId, SecretKey
 from p2pdist.tls import endpoint_id_of_cert
 from p2pdist.wire.relay import (
+    VERSION,
     RelayFrameDecoder,
     RelayFrameType,
     RelayUrl,
@@ -37,11 +38,13 @@ __all__ = ["RelayClosed", "RelayRefused", "RelayTestClient", "http_get"]
 
 
 class RelayRefused(Exception):
-    """The relay answered with ERROR; ``reason`` is its text."""
+    """The relay answered with ERROR; ``reason`` is its text, ``client`` names who was
+    refused (short endpoint id) when known."""
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
+    def __init__(self, reason: str, client: str | None = None) -> None:
+        super().__init__(reason if client is None else f"{client}: {reason}")
         self.reason = reason
+        self.client = client
 
 
 class RelayClosed(ConnectionError):
@@ -96,6 +99,15 @@ async def http_get(
     return status, body.decode("utf-8")
 
 
+def _deadline(timeout: float) -> float:
+    return asyncio.get_running_loop().time() + timeout
+
+
+def _left(deadline: float) -> float:
+    """Seconds to ``deadline`` (0 still returns frames already received)."""
+    return max(0.0, deadline - asyncio.get_running_loop().time())
+
+
 class RelayTestClient:
     """One connection to a relay, after the upgrade and the CHALLENGE."""
 
@@ -125,8 +137,8 @@ class RelayTestClient:
                 raise RelayRefused(head.decode("latin-1").split("\r\n", 1)[0])
             client = cls(reader, writer, der)
             kind, body = await client.next_frame(timeout)
-            if kind is not RelayFrameType.CHALLENGE or len(body) != 33 or body[0] != 1:
-                raise RelayRefused(f"expected CHALLENGE v1, got {kind.name}")
+            if kind is not RelayFrameType.CHALLENGE or len(body) != 33 or body[0] != VERSION:
+                raise RelayRefused(f"expected CHALLENGE v{VERSION}, got {kind.name}")
             client.challenge = body[1:]
         except BaseException:
             writer.close()
@@ -154,10 +166,11 @@ class RelayTestClient:
         """Send AUTH and return the AUTH_OK map; RelayRefused with the ERROR text."""
         self.write_frame(RelayFrameType.AUTH, self.auth_body(key, token, claim=claim))
         kind, body = await self.next_frame(timeout)
+        who = key.endpoint_id.short()
         if kind is RelayFrameType.ERROR:
-            raise RelayRefused(body.decode("utf-8", "replace"))
+            raise RelayRefused(body.decode("utf-8", "replace"), who)
         if kind is not RelayFrameType.AUTH_OK:
-            raise RelayRefused(f"expected AUTH_OK, got {kind.name}")
+            raise RelayRefused(f"expected AUTH_OK, got {kind.name}", who)
         self.endpoint = key.endpoint_id
         self.auth_ok = decode_map(body)
         return self.auth_ok
@@ -180,39 +193,53 @@ class RelayTestClient:
         """Wait for the stream's write buffer to go below its high-water mark."""
         await self.writer.drain()
 
+    @property
+    def label(self) -> str:
+        """The short endpoint id once authenticated, for error messages."""
+        return self.endpoint.short() if self.endpoint is not None else "unauthenticated client"
+
     async def next_frame(self, timeout: float = 10.0) -> tuple[RelayFrameType, bytes]:
         """The next frame of any type; RelayClosed at EOF, TimeoutError after ``timeout``."""
-        async with asyncio.timeout(timeout):
-            while not self._frames:
-                data = await self.reader.read(256 * 1024)
-                if not data:
-                    raise RelayClosed("relay closed the connection")
-                self._frames.extend(self._decoder.feed(data))
+        try:
+            async with asyncio.timeout(timeout):
+                while not self._frames:
+                    data = await self.reader.read(256 * 1024)
+                    if not data:
+                        raise RelayClosed(f"{self.label}: relay closed the connection")
+                    self._frames.extend(self._decoder.feed(data))
+        except TimeoutError:
+            raise TimeoutError(f"{self.label}: no frame from the relay in {timeout:g} s") from None
         return self._frames.popleft()
 
     async def recv(self, timeout: float = 10.0) -> tuple[bytes, bytes]:
-        """The next RECV (source id, datagram), skipping PONG and PEER_GONE; RelayRefused
-        on ERROR."""
+        """The next RECV (source id, datagram) within ``timeout`` seconds, skipping PONG
+        and PEER_GONE; RelayRefused on ERROR."""
+        deadline = _deadline(timeout)
         while True:
-            kind, body = await self.next_frame(timeout)
+            kind, body = await self.next_frame(_left(deadline))
             if kind is RelayFrameType.RECV:
                 return decode_addressed(body)
             if kind is RelayFrameType.ERROR:
-                raise RelayRefused(body.decode("utf-8", "replace"))
+                raise RelayRefused(body.decode("utf-8", "replace"), self.label)
 
     async def expect(self, kind: RelayFrameType, timeout: float = 10.0) -> bytes:
-        """Skip frames until one of ``kind`` arrives; return its body."""
+        """Skip frames until one of ``kind`` arrives within ``timeout`` s; return its body."""
+        deadline = _deadline(timeout)
         while True:
-            got, body = await self.next_frame(timeout)
+            got, body = await self.next_frame(_left(deadline))
             if got is kind:
                 return body
 
     async def wait_closed(self, timeout: float = 10.0) -> list[tuple[RelayFrameType, bytes]]:
-        """Read until the relay closes the connection; the frames seen on the way."""
+        """Read until the relay closes the connection; the frames seen on the way.
+        TimeoutError when it is still open after ``timeout`` seconds."""
+        deadline = _deadline(timeout)
         seen: list[tuple[RelayFrameType, bytes]] = []
         try:
             while True:
-                seen.append(await self.next_frame(timeout))
+                seen.append(await self.next_frame(_left(deadline)))
+        except TimeoutError:  # an OSError too, but the connection is still open
+            raise
         except OSError:  # RelayClosed, resets, TLS errors
             return seen
 

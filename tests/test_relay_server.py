@@ -84,6 +84,21 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 30.0
             await asyncio.sleep(0.05)
 
 
+def _admitted(url: str, key: SecretKey) -> Callable[[], Awaitable[bool]]:
+    """A check for :func:`eventually`: ``key`` can authenticate now (the client is closed
+    again)."""
+
+    async def check() -> bool:
+        try:
+            client = await joined(url, key)
+        except RelayRefused:
+            return False
+        await client.close()
+        return True
+
+    return check
+
+
 def metric(text: str, name: str) -> int:
     m = re.search(rf"^{re.escape(name)} (\d+)$", text, re.M)
     assert m, f"{name} not in metrics"
@@ -243,15 +258,7 @@ async def test_allowlist_is_enforced_and_reloaded_when_the_file_changes(tmp_path
         with pytest.raises(RelayRefused, match="endpoint not allowed"):
             await joined(srv.url, B)
         allow.write_text(f"{A.endpoint_id}\n{B.endpoint_id}  # bob\n")
-
-        async def b_allowed() -> bool:
-            try:
-                await joined(srv.url, B)
-            except RelayRefused:
-                return False
-            return True
-
-        await eventually(b_allowed)  # the file is checked at most once per second
+        await eventually(_admitted(srv.url, B))  # the file is checked at most once per second
         assert srv.core.metrics.auth_failures["not_allowed"] >= 1
 
 
@@ -267,15 +274,7 @@ async def test_sighup_reloads_the_allowlist(tmp_path: Path) -> None:
             fh.write(f"{C.endpoint_id}\n")
         os.utime(allow, ns=(st_before.st_atime_ns, st_before.st_mtime_ns))
         relay.proc.send_signal(signal.SIGHUP)
-
-        async def c_allowed() -> bool:
-            try:
-                await joined(relay.url, C)
-            except RelayRefused:
-                return False
-            return True
-
-        await eventually(c_allowed)
+        await eventually(_admitted(relay.url, C))
         assert relay.stop()[0] == 0
 
 
@@ -306,6 +305,16 @@ async def test_forwarding_carries_the_source_id_and_exact_bytes() -> None:
         assert await a.recv() == (bytes(B.endpoint_id), b"back")
         a.write_frame(T.PING, b"pingpong")
         assert await a.expect(T.PONG) == b"pingpong"
+
+
+async def test_wait_closed_times_out_naming_the_client_while_the_connection_is_open() -> None:
+    async with running() as srv:
+        a = await joined(srv.url, A)
+        with pytest.raises(TimeoutError, match=A.endpoint_id.short()):
+            await a.wait_closed(timeout=0.2)
+        a.write_frame(T.PING, b"stillup!")  # not closed: the session still answers
+        assert await a.expect(T.PONG) == b"stillup!"
+        await a.close()
 
 
 async def test_unknown_destination_gets_peer_gone_and_is_counted() -> None:
