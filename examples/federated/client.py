@@ -70,7 +70,6 @@ async def run(args: argparse.Namespace) -> int:
         name=f"client {args.index}",
     )
     task: RoundTask | None = await client.connect()
-    assert task is not None
     print(f"client {args.index}: joined at round {task.round} with {len(data.y)} samples")
     try:
         while task is not None:

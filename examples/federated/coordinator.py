@@ -70,7 +70,7 @@ async def serve(
 ) -> dict[str, object]:
     """Wait for ``wait_for`` (default ``args.clients``) clients, run ``args.rounds``
     rounds; returns the summary (also written to ``--json``)."""
-    _, test = load_digits()
+    train, test = load_digits()
     model = init_model(args.seed)
     # A client that vanishes without a word over UDP (QUIC) is noticed after idle_timeout.
     transport = TransportConfig(tls=not args.plaintext, idle_timeout=5.0)
@@ -91,7 +91,7 @@ async def serve(
             outcome = await coord.run_round()
             table.add(Row.of(outcome, *evaluate(coord.model, test)))
         totals = dict(coord.state.totals)
-    central = centralised_accuracy(args.rounds * args.epochs, seed=args.seed)
+    central = centralised_accuracy(train, test, args.rounds * args.epochs, seed=args.seed)
     final = table.rows[-1].accuracy
     print(
         f"\nfederated: {final:.2%} after {args.rounds} rounds "

@@ -119,8 +119,7 @@ def sgd(
     return p.astype(np.float32)
 
 
-def centralised_accuracy(epochs: int, seed: int = 0) -> float:
+def centralised_accuracy(train: Split, test: Split, epochs: int, seed: int = 0) -> float:
     """Test accuracy of the same model trained on all the training data at once."""
-    train, test = load_digits()
     params = sgd(init_model(seed), train, epochs=epochs, seed=seed)
     return evaluate(params, test)[1]

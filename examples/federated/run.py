@@ -6,7 +6,7 @@
 
 The coordinator runs in this process; each client is its own process
 (``python -m examples.federated.client``), with a non-IID shard of the digits data.
-By default, of 6 clients: one is malicious (its updates are scaled by 1e6), one is slow
+By default, of 8 clients: one is malicious (its updates are scaled by 1e6), one is slow
 (its updates arrive a round late), one crashes mid-round (it is restarted and rejoins,
 receiving the current model and round id), and one joins late. The table shows, per
 round: members, participants, stale updates, drops, rejections, the closing reason,
