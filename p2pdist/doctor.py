@@ -24,17 +24,16 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from .errors import P2PError, UsageError
 from .identity import EndpointId, SecretKey
-from .transport.base import TransportConfig
+from .transport.base import Connection, TransportConfig
 from .transport.holepunch import interface_addresses
+from .transport.observe import StunProbe, mapping_behaviour
 from .transport.paths import UdpAddress, UdpSocket, is_loopback, path_key
-from .transport.quic import QuicConnection, QuicTransport
+from .transport.quic import QuicTransport
 from .transport.relay_path import RelayPath
 from .wire.probe import DatagramKind, classify
-from .wire.stun import StunError, binding_request, new_transaction_id, parse_binding_response
 
 __all__ = ["DoctorReport", "PeerReport", "diagnose", "main", "serve"]
 
@@ -99,49 +98,22 @@ class DoctorReport:
         return "UDP works; the mapping type is unknown (the relay has one observation port)"
 
 
-async def _observe(host: str, ports: list[int], timeout: float) -> tuple[str, list[str | None]]:
-    """STUN Binding Requests from one new socket to each port; (local, [seen or None])."""
-    answers: dict[bytes, UdpAddress] = {}
-    done = asyncio.Event()
+async def _observe(targets: list[UdpAddress], timeout: float) -> tuple[str, list[str | None]]:
+    """Binding Requests from one new socket to every target: (local, [seen or None])."""
+    probe = StunProbe(targets)
 
     def on_datagram(sock: UdpSocket, data: bytes, addr: UdpAddress) -> None:
-        if classify(data) is not DatagramKind.STUN:
-            return
-        txid = bytes(data[8:20])
-        if txid in txids:
-            try:
-                answers[txid] = parse_binding_response(data, txid)
-            except StunError:
-                return
-            if len(answers) == len(txids):
-                done.set()
+        if classify(data) is DatagramKind.STUN:
+            probe.on_datagram(data)
 
-    bind = "127.0.0.1" if is_loopback(host) else "0.0.0.0"
+    bind = "127.0.0.1" if all(is_loopback(h) for h, _ in targets) else "0.0.0.0"
     sock = await UdpSocket.open(bind, 0, on_datagram)
-    txids = {new_transaction_id(): p for p in ports}
     try:
-        deadline = time.monotonic() + timeout
-        delay = 0.1
-        while not done.is_set() and time.monotonic() < deadline:
-            for txid, port in txids.items():
-                if txid not in answers:
-                    sock.send(binding_request(txid), (host, port))
-            try:
-                async with asyncio.timeout(min(delay, max(0.0, deadline - time.monotonic()))):
-                    await done.wait()
-            except TimeoutError:
-                delay *= 2
+        answers = await probe.run(sock.send, timeout)
         local = path_key(sock.local_address)
     finally:
         sock.close()
-    seen = [path_key(answers[t]) if t in answers else None for t in txids]
-    return local, seen
-
-
-async def _resolve(host: str) -> str:
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, None, family=2)  # AF_INET: observation is IPv4
-    return str(infos[0][4][0])
+    return local, [path_key(a) if a is not None else None for a in answers]
 
 
 async def diagnose(
@@ -167,28 +139,17 @@ async def diagnose(
         except P2PError as exc:
             report.relay_error = str(exc)
             return report
-        status = path.status
-        report.relay_sees = status.observed
-        ports = list(status.stun_ports) or [path.url.port]
-        report.observation_ports = ports
-        try:
-            host = await _resolve(path.url.host)
-        except OSError as exc:
-            report.relay_error = f"cannot resolve {path.url.host}: {exc}"
+        report.relay_sees = path.status.observed
+        targets = await path.observation_targets()
+        if not targets:
+            report.relay_error = f"cannot resolve {path.url.host}"
             return report
-        local, seen = await _observe(host, ports, min(timeout, 3.0))
+        report.observation_ports = [port for _, port in targets]
+        local, seen = await _observe(targets, min(timeout, 3.0))
         report.local = local
-        report.observed = [s or "no answer" for s in seen]
-        answered = [s for s in seen if s is not None]
-        report.udp = bool(answered)
-        if not answered:
-            report.mapping = "no UDP"
-        elif len(answered) < 2:
-            report.mapping = "unknown"
-        else:
-            report.mapping = (
-                "endpoint-independent" if len(set(answered)) == 1 else "endpoint-dependent"
-            )
+        report.observed = [a or "no answer" for a in seen]
+        report.udp = any(a is not None for a in seen)
+        report.mapping = mapping_behaviour(seen)
         if peer is not None:
             report.peer = await _check_peer(transport, peer, timeout)
         return report
@@ -253,8 +214,7 @@ async def serve(
         await transport.close()
 
 
-async def _answer(conn: Any) -> None:
-    assert isinstance(conn, QuicConnection)
+async def _answer(conn: Connection) -> None:
     try:
         while True:
             frame = await conn.recv(DATA_CHANNEL, timeout=120.0)

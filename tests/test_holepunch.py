@@ -136,7 +136,7 @@ def test_a_round_probes_every_candidate_with_backoff_until_a_pong() -> None:
     change = p.on_pong(x, ping_x.txid, t + 0.2)
     assert change and isinstance(change[0], PathChange) and change[0].new == x
     assert p.phase is Phase.DIRECT and p.current == x
-    assert p.accepts(x, t) and not p.accepts(("198.51.100.1", 1), t)
+    assert p.accepts(x) and not p.accepts(("198.51.100.1", 1))
 
 
 def test_a_round_that_gets_no_pong_ends_and_retries_with_backoff() -> None:
@@ -321,7 +321,7 @@ async def test_forged_or_foreign_probes_never_make_a_path() -> None:
             raw.sendto(encode_ping(B, C.endpoint_id, txid), sock_a.local_address)  # for C
             await wait_until(lambda: puncher.bad_probes >= 3, "three refused probes")
             state = puncher.state(B.endpoint_id)
-            assert state is not None and not state.accepts(raw.getsockname(), 0.0)
+            assert state is not None and not state.accepts(raw.getsockname())
         await wait_until(lambda: state.phase is Phase.BACKOFF, "the round to give up")
         assert ca.path_kind == "relay" and state.last_failure is not None
         assert ta.paths()[B.endpoint_id].punching == "backoff"

@@ -16,7 +16,6 @@ a relay. For every peer connected through the relay it runs a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import socket
@@ -37,15 +36,14 @@ from ..wire.probe import (
     encode_pong,
     peek_sender,
 )
-from ..wire.stun import StunError, binding_request, new_transaction_id, parse_binding_response
-from .paths import Relay, UdpAddress, UdpSocket, is_loopback
+from .observe import StunProbe
+from .paths import Relay, UdpAddress, UdpSocket, is_loopback, path_key
 from .punch import Action, PathChange, PeerPaths, PunchConfig, SendCandidates, SendPing, SendPong
 
-__all__ = ["HolePuncher", "Observation", "interface_addresses", "mapping_behaviour"]
+__all__ = ["HolePuncher", "Observation", "interface_addresses"]
 
 log = logging.getLogger(__name__)
 
-_STUN_RETRY = 0.1
 _EARLY_MAX = 64
 """Relayed probe messages kept for peers whose connection is not up yet (one each)."""
 _EARLY_TTL = 5.0
@@ -64,16 +62,6 @@ class Observation:
     def addresses(self) -> list[UdpAddress]:
         """Our distinct server-reflexive addresses."""
         return list(dict.fromkeys(m for _, m in self.mapped))
-
-
-def mapping_behaviour(obs: Observation | None, targets: int) -> str:
-    """``endpoint-independent``, ``endpoint-dependent``, ``no UDP`` (no answer) or
-    ``unknown`` (one observation port only), from one socket's observations."""
-    if obs is None or not obs.mapped:
-        return "no UDP" if targets else "unknown"
-    if len(obs.mapped) < 2:
-        return "unknown"
-    return "endpoint-independent" if len(obs.addresses) == 1 else "endpoint-dependent"
 
 
 def interface_addresses() -> list[str]:
@@ -99,8 +87,6 @@ class _Peer:
         self.peer = peer
         self.paths = paths
         self.timer: asyncio.TimerHandle | None = None
-        self.changes = 0
-        self.direct_since: float | None = None
 
 
 class HolePuncher:
@@ -133,13 +119,10 @@ class HolePuncher:
         self._loop = asyncio.get_running_loop()
         self._peers: dict[EndpointId, _Peer] = {}
         self._sock: UdpSocket | None = None
-        self._stun_pending: dict[bytes, UdpAddress] = {}
-        self._stun_answers: dict[bytes, UdpAddress] = {}
-        self._stun_all_in: asyncio.Event | None = None
+        self._probe: StunProbe | None = None
         self._observation: Observation | None = None
         self._observing: asyncio.Task[Observation | None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._targets: list[UdpAddress] = []
         self._early: dict[EndpointId, tuple[bytes, float]] = {}
         self._closed = False
         self.bad_probes = 0
@@ -161,11 +144,6 @@ class HolePuncher:
         """The punching state towards ``peer`` (None: not connected through the relay)."""
         p = self._peers.get(peer)
         return None if p is None else p.paths
-
-    def changes(self, peer: EndpointId) -> int:
-        """How many times ``peer``'s path changed."""
-        p = self._peers.get(peer)
-        return 0 if p is None else p.changes
 
     def watch(self, peer: EndpointId) -> None:
         """A connection to ``peer`` through the relay is up: punch towards it."""
@@ -196,7 +174,7 @@ class HolePuncher:
     def accepts(self, peer: EndpointId, sock: UdpSocket, addr: UdpAddress) -> bool:
         """Whether a QUIC datagram from ``addr`` on ``sock`` may be ``peer``'s."""
         p = self._peers.get(peer)
-        return p is not None and sock is self._sock and p.paths.accepts(addr, self._loop.time())
+        return p is not None and sock is self._sock and p.paths.accepts(addr)
 
     def on_relay_probe(self, src: EndpointId, data: bytes) -> None:
         """A probe message that came through the relay (from ``src``, authenticated)."""
@@ -245,25 +223,14 @@ class HolePuncher:
 
     def on_stun(self, sock: UdpSocket, data: bytes, addr: UdpAddress) -> None:
         """A STUN message on our socket: maybe the answer of a relay observation port."""
-        txid = bytes(data[8:20])
-        target = self._stun_pending.get(txid)
-        if target is None or sock is not self._sock:
-            return
-        try:
-            mapped = parse_binding_response(data, txid)
-        except StunError:
-            return
-        del self._stun_pending[txid]
-        self._stun_answers[txid] = mapped
-        log.debug("observed at %s by %s", mapped, target)
-        if self._stun_all_in is not None and not self._stun_pending:
-            self._stun_all_in.set()
+        if sock is self._sock and self._probe is not None:
+            self._probe.on_datagram(data)
 
-    async def observe(self, *, fresh: bool = False) -> Observation | None:
+    async def observe(self) -> Observation | None:
         """Ask the relay's observation ports where they see our socket (bounded by
         ``stun_timeout``); shared by concurrent callers, cached for a minute."""
         obs = self._observation
-        if obs is not None and not fresh and time.monotonic() - obs.at < 60.0:
+        if obs is not None and time.monotonic() - obs.at < 60.0:
             return obs
         if self._observing is None or self._observing.done():
             self._observing = self._loop.create_task(self._observe())
@@ -305,38 +272,19 @@ class HolePuncher:
 
     async def _observe(self) -> Observation | None:
         sock = await self._socket()
-        self._targets = await self._stun_targets()
-        if not self._targets:
+        targets = await self._stun_targets()
+        if not targets:
             return None
-        txids = {new_transaction_id(): t for t in self._targets}
-        self._stun_pending.update(txids)
-        self._stun_all_in = asyncio.Event()
-        deadline = self._loop.time() + self.config.stun_timeout
-        delay = _STUN_RETRY
+        self._probe = probe = StunProbe(targets)
         try:
-            while True:
-                for txid, target in txids.items():
-                    if txid not in self._stun_answers:
-                        sock.send(binding_request(txid), target)
-                left = deadline - self._loop.time()
-                if left <= 0:
-                    break
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(delay, left)):
-                        await self._stun_all_in.wait()
-                if all(t in self._stun_answers for t in txids):
-                    break
-                delay *= 2
+            answers = await probe.run(sock.send, self.config.stun_timeout)
         finally:
-            self._stun_all_in = None
-            for txid in txids:
-                self._stun_pending.pop(txid, None)
-        answers = self._stun_answers
-        mapped = tuple((t, answers.pop(x)) for x, t in txids.items() if x in answers)
+            self._probe = None
+        mapped = tuple((t, a) for t, a in zip(targets, answers, strict=True) if a is not None)
         obs = Observation(mapped, time.monotonic())
         self._observation = obs
         if not mapped:
-            log.info("no answer from the relay observation ports (UDP blocked?)")
+            log.info("no answer from the relay observation ports %s (UDP blocked?)", targets)
         return obs
 
     def _spawn(self, coro: Awaitable[None]) -> None:
@@ -386,18 +334,15 @@ class HolePuncher:
         self._arm(p)
 
     def _change(self, p: _Peer, act: PathChange) -> None:
-        p.changes += 1
         name = self._label_for(p.peer)
-        now = self._loop.time()
         if act.new is not None:
-            started = p.paths.round_started
-            took = f" {now - started:.3f} s after the round began" if started is not None else ""
-            log.info("%s: path relay -> direct %s:%d (%s)%s", name, *act.new, act.reason, took)
-            p.direct_since = now
+            t0 = p.paths.round_started
+            into = "" if t0 is None else f", {self._loop.time() - t0:.3f} s into the round"
+            new = path_key(act.new)
+            log.info("%s: path relay -> direct %s (%s%s)", name, new, act.reason, into)
         else:
-            old = f"{act.old[0]}:{act.old[1]}" if act.old else "?"
+            old = path_key(act.old) if act.old else "?"
             log.info("%s: path direct %s -> relay (%s)", name, old, act.reason)
-            p.direct_since = None
         self._on_change(p.peer, self._sock if act.new else None, act.new, act.reason)
 
     def _arm(self, p: _Peer) -> None:

@@ -291,11 +291,11 @@ class RelayRoute:
         self.direct_datagram = max_datagram
         self.changes = 0
         """How many times the path changed (direct <-> relay)."""
-        self.sent: dict[str, list[int]] = {}
-        """Per path (``"relay"`` or ``"ip:port"``): [datagrams, bytes] sent."""
-        self.received: dict[str, list[int]] = {}
+        self.sent: dict[UdpAddress | None, list[int]] = {None: [0, 0]}
+        """Per path (None: the relay; else the peer's ip:port): [datagrams, bytes] sent."""
+        self.received: dict[UdpAddress | None, list[int]] = {}
         """Per path: [datagrams, bytes] received."""
-        self._key = "relay"
+        self._sending = self.sent[None]  # the counter of the path in use (hot path)
 
     @property
     def kind(self) -> PathKind:
@@ -321,23 +321,30 @@ class RelayRoute:
         """Send to ``addr`` on ``sock`` from now on."""
         self.direct = (sock, addr)
         self.direct_datagram = min(max_datagram, self.relay_datagram)
-        self._key = path_key(addr)
+        self._sending = self.sent.setdefault(addr, [0, 0])
         self.changes += 1
 
     def use_relay(self) -> None:
         """Send through the relay from now on."""
         if self.direct is not None:
             self.direct = None
-            self._key = "relay"
+            self._sending = self.sent[None]
             self.changes += 1
 
     def count_received(self, nbytes: int, addr: UdpAddress | None) -> None:
         """Account a datagram that arrived by ``addr`` (None: the relay)."""
-        _bump(self.received, "relay" if addr is None else path_key(addr), nbytes)
+        entry = self.received.get(addr)
+        if entry is None:
+            self.received[addr] = [1, nbytes]
+        else:
+            entry[0] += 1
+            entry[1] += nbytes
 
     def send(self, datagram: bytes, addr: Any) -> None:
         """Send on the path in use; a datagram the relay refuses is dropped (QUIC resends)."""
-        _bump(self.sent, self._key, len(datagram))
+        counter = self._sending
+        counter[0] += 1
+        counter[1] += len(datagram)
         direct = self.direct
         if direct is not None and not direct[0].closed:
             direct[0].send(datagram, direct[1])
@@ -353,12 +360,3 @@ def path_key(addr: UdpAddress) -> str:
     """``ip:port`` (``[ip]:port`` for IPv6): how per-path counters name a direct path."""
     host, port = addr
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _bump(table: dict[str, list[int]], key: str, nbytes: int) -> None:
-    entry = table.get(key)
-    if entry is None:
-        table[key] = [1, nbytes]
-    else:
-        entry[0] += 1
-        entry[1] += nbytes

@@ -126,7 +126,6 @@ Action = SendPing | SendPong | SendCandidates | PathChange
 
 @dataclass(slots=True)
 class _Candidate:
-    source: str  # "peer" (it told us) or "reflexive" (its PING came from there)
     next_probe: float
     interval: float
 
@@ -184,7 +183,7 @@ class PeerPaths:
             self._candidates_sent = now
             out.append(SendCandidates(reply_wanted=False))
         for addr in addrs:
-            self._add_candidate(addr, "peer", now)
+            self._add_candidate(addr, now, pinged_us=False)
         if self.phase in (Phase.IDLE, Phase.BACKOFF):
             out += self._begin_round(now, ask=False)
         return out + self.poll(now)
@@ -194,7 +193,7 @@ class PeerPaths:
         self._heard[addr] = now
         out: list[Action] = [SendPong(addr, txid)]
         if addr not in self.paths:
-            self._add_candidate(addr, "reflexive", now)
+            self._add_candidate(addr, now, pinged_us=True)
         if self.phase in (Phase.IDLE, Phase.BACKOFF):
             out += self._begin_round(now, ask=False)
         return out + self.poll(now)
@@ -221,7 +220,7 @@ class PeerPaths:
             return [PathChange(None, addr, f"direct path validated (PING round trip {rtt:.4f} s)")]
         return []
 
-    def accepts(self, addr: Address, now: float) -> bool:
+    def accepts(self, addr: Address) -> bool:
         """Whether a QUIC datagram from ``addr`` may be delivered (the peer proved it sends
         from there, by a signed PING or PONG)."""
         return addr in self._heard
@@ -286,12 +285,13 @@ class PeerPaths:
         self._candidates_sent = now
         return [SendCandidates(reply_wanted=True)]
 
-    def _add_candidate(self, addr: Address, source: str, now: float) -> None:
+    def _add_candidate(self, addr: Address, now: float, *, pinged_us: bool) -> None:
+        """Probe ``addr``; ``pinged_us``: the peer's PING just came from there."""
         cand = self._candidates.get(addr)
         if cand is None:
-            self._candidates[addr] = _Candidate(source, now, self.config.probe_interval)
+            self._candidates[addr] = _Candidate(now, self.config.probe_interval)
         elif self.phase is not Phase.DIRECT and (
-            source == "reflexive" or cand.next_probe > now + self.config.probe_interval
+            pinged_us or cand.next_probe > now + self.config.probe_interval
         ):
             # The peer is punching right now (its PING just came through from there):
             # answer at once, while the hole is open, instead of at our next backoff step.

@@ -36,6 +36,7 @@ from .framed import EndpointBase, FramedConnection
 from .holepunch import HolePuncher
 from .pathinfo import PathInfo, PathStats
 from .paths import (
+    RELAY_ADDR,
     Relay,
     RelayRoute,
     Route,
@@ -48,6 +49,7 @@ from .paths import (
 from .punch import PunchConfig
 from .quic_conn import QuicConnection
 from .quic_core import CID_LENGTH, PinnedQuicConnection, QuicConfig, quic_configuration
+from .relay_path import RelayPath
 from .tcp import parse_address
 
 __all__ = ["QuicConnection", "QuicTransport"]
@@ -324,9 +326,9 @@ class QuicTransport(EndpointBase[QuicConnection]):
         if not fits(route):
             self.garbage += 1
             return
-        if isinstance(route, RelayRoute):
-            route.count_received(len(data), addr if isinstance(addr, tuple) and addr[1] else None)
-            addr = route.quic_addr
+        if isinstance(route, RelayRoute):  # aioquic sees one address, whichever the path
+            route.count_received(len(data), None if addr is RELAY_ADDR else cast(UdpAddress, addr))
+            addr = RELAY_ADDR
         conn.datagram_received(data, addr)
 
     def _on_udp_datagram(self, sock: UdpSocket, data: bytes, addr: UdpAddress) -> None:
@@ -366,15 +368,15 @@ class QuicTransport(EndpointBase[QuicConnection]):
         def new_route() -> Route:
             return self._relay_route(relay, src)
 
-        # The relay authenticated the source: a stranger may not start a handshake at all
-        # (else anyone on the relay could fill our pending-handshake slots).
-        accept_new = new_route if self.accepts(src) else None
         if classify(data) is DatagramKind.PROBE:
             if self._puncher is not None:
                 self._puncher.on_relay_probe(src, data)
             return
+        # The relay authenticated the source: a stranger may not start a handshake at all
+        # (else anyone on the relay could fill our pending-handshake slots).
+        accept_new = new_route if self.accepts(src) else None
         try:
-            self._dispatch(data, RelayRoute.quic_addr, fits, accept_new)
+            self._dispatch(data, RELAY_ADDR, fits, accept_new)
         except Exception:  # never let a datagram break the relay session's loop
             log.exception("error while handling a datagram relayed from %s", src.short())
 
@@ -402,31 +404,39 @@ class QuicTransport(EndpointBase[QuicConnection]):
         route = conn.route
         peer = conn.peer_id
         if isinstance(route, UdpRoute):
-            only = (PathStats("direct", path_key(route.remote), True),)
-            return PathInfo(peer, "direct", path_key(route.remote), conn.rtt, "quic", only)
+            remote, st = path_key(route.remote), conn.stats
+            only = PathStats(
+                "direct",
+                remote,
+                True,
+                st.frames_sent,
+                st.bytes_sent,
+                st.frames_received,
+                st.bytes_received,
+            )
+            return PathInfo(peer, "direct", remote, conn.rtt, "quic", (only,))
         assert isinstance(route, RelayRoute)
         state = self._puncher.state(peer) if self._puncher is not None else None
-        rtts = {path_key(a): p.rtt for a, p in state.paths.items()} if state else {}
-        active = "relay" if route.direct is None else path_key(route.direct[1])
-        keys = sorted({active, "relay", *route.sent, *route.received})
-        per_path: list[PathStats] = []
-        for key in keys:
-            sent = route.sent.get(key, [0, 0])
-            got = route.received.get(key, [0, 0])
+        active = route.direct[1] if route.direct is not None else None
+        per_path = []
+        for addr in sorted({None, active, *route.sent, *route.received}, key=str):
+            sent = route.sent.get(addr, [0, 0])
+            got = route.received.get(addr, [0, 0])
+            probed = state.paths.get(addr) if state is not None and addr else None
             per_path.append(
                 PathStats(
-                    "relay" if key == "relay" else "direct",
-                    key,
-                    key == active,
+                    "relay" if addr is None else "direct",
+                    "relay" if addr is None else path_key(addr),
+                    addr == active,
                     datagrams_sent=sent[0],
                     bytes_sent=sent[1],
                     datagrams_received=got[0],
                     bytes_received=got[1],
-                    rtt=rtts.get(key),
+                    rtt=probed.rtt if probed is not None else None,
                 )
             )
-        url = getattr(self._relay, "url", None)
-        remote = active if route.direct is not None else f"relay {url}" if url else "relay"
+        url = self._relay.url if isinstance(self._relay, RelayPath) else None
+        remote = path_key(active) if active else f"relay {url}" if url else "relay"
         return PathInfo(
             peer,
             route.kind,
@@ -477,20 +487,9 @@ class QuicTransport(EndpointBase[QuicConnection]):
         return self._punch_sock
 
     async def _stun_targets(self) -> list[UdpAddress]:
-        """The relay's observation ports (a RelayPath's host; none for other relays)."""
-        url = getattr(self._relay, "url", None)
-        status = getattr(self._relay, "status", None)
-        if url is None or status is None:
-            return []
-        ports = tuple(getattr(status, "stun_ports", ()) or ()) or (int(url.port),)
-        loop = asyncio.get_running_loop()
-        try:
-            infos = await loop.getaddrinfo(url.host, None, family=socket.AF_INET)
-        except OSError as exc:
-            log.info("cannot resolve relay host %s for address observation: %s", url.host, exc)
-            return []
-        ip = str(infos[0][4][0])
-        return [(ip, int(p)) for p in ports]
+        """The relay's observation ports (none for a relay that is not a RelayPath)."""
+        relay = self._relay
+        return await relay.observation_targets() if isinstance(relay, RelayPath) else []
 
     def _path_change(
         self, peer: EndpointId, sock: UdpSocket | None, addr: UdpAddress | None, reason: str

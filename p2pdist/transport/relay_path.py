@@ -13,6 +13,7 @@ import asyncio
 import enum
 import logging
 import random
+import socket
 import ssl
 import time
 from collections import deque
@@ -173,6 +174,20 @@ class RelayPath:
         if self._refused.is_set():
             raise PeerAuthenticationError(f"relay {self.url}", why)
         raise P2PTimeoutError(f"relay {self.url}: no session within {timeout:g} s ({why})")
+
+    async def observation_targets(self) -> list[tuple[str, int]]:
+        """The relay's UDP observation ports as (IPv4 address, port): the ports the relay
+        advertised (before it did: its TCP port's number, the relay's default); empty when
+        the relay's host does not resolve."""
+        ports = self._status.stun_ports or (self.url.port,)
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(self.url.host, None, family=socket.AF_INET)
+        except OSError as exc:
+            log.info("relay %s: cannot resolve for address observation: %s", self.url, exc)
+            return []
+        ip = str(infos[0][4][0])
+        return [(ip, port) for port in ports]
 
     def send(self, dst: EndpointId, datagram: bytes) -> None:
         """Send one datagram to ``dst`` through the relay (best effort)."""
