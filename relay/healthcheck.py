@@ -12,30 +12,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import ssl
 import sys
 from collections.abc import Sequence
+
+from p2pdist.wire.relay import RelayUrl
 
 from .testclient import http_get
 
 __all__ = ["main"]
 
 PORT_ENV = "P2PDIST_RELAY_HEALTH_PORT"
-
-
-async def _probe_local(host: str, port: int, timeout: float) -> tuple[int, bytes]:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE  # liveness only: nothing is trusted or sent
-    async with asyncio.timeout(timeout):
-        reader, writer = await asyncio.open_connection(host, port, ssl=ctx)
-        try:
-            writer.write(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-            raw = await reader.read()
-        finally:
-            writer.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), body
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,16 +32,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--url", help="verify the relay as clients do (pin or CA)")
     p.add_argument("--timeout", type=float, default=5.0)
     args = p.parse_args(argv)
+    # With --url the relay is verified as clients do; with --port nothing is.
+    url = args.url or RelayUrl(args.host, args.port, None)
     try:
-        if args.url:
-            status, text = asyncio.run(http_get(args.url, "/health", timeout=args.timeout))
-            body = text.encode()
-        else:
-            status, body = asyncio.run(_probe_local(args.host, args.port, args.timeout))
+        status, body = asyncio.run(
+            http_get(url, "/health", timeout=args.timeout, verify=bool(args.url))
+        )
     except (OSError, TimeoutError, ValueError, IndexError) as exc:
         print(f"unhealthy: {exc}", file=sys.stderr)
         return 1
-    if status != 200 or body != b"ok":
+    if status != 200 or body != "ok":
         print(f"unhealthy: HTTP {status}", file=sys.stderr)
         return 1
     return 0

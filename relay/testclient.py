@@ -64,10 +64,17 @@ def client_context(url: RelayUrl, cafile: str | None = None) -> ssl.SSLContext:
     return ctx
 
 
+def _unverified_context() -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE  # liveness only: nothing is trusted or sent
+    return ctx
+
+
 async def _tls_open(
-    url: RelayUrl, cafile: str | None, timeout: float
+    url: RelayUrl, cafile: str | None, timeout: float, *, verify: bool = True
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
-    ctx = client_context(url, cafile)
+    ctx = client_context(url, cafile) if verify else _unverified_context()
     reader, writer = await asyncio.wait_for(
         asyncio.open_connection(url.host, url.port, ssl=ctx, server_hostname=url.host),
         timeout,
@@ -77,23 +84,32 @@ async def _tls_open(
     if not der:
         writer.close()
         raise ssl.SSLError("relay presented no certificate")
-    if url.pin is not None and endpoint_id_of_cert(der) != url.pin:
+    if verify and url.pin is not None and endpoint_id_of_cert(der) != url.pin:
         writer.close()
         raise ssl.SSLError("relay key does not match the pin in its URL")
     return reader, writer, der
 
 
 async def http_get(
-    url: str, path: str, *, cafile: str | None = None, timeout: float = 10.0
+    url: str | RelayUrl,
+    path: str,
+    *,
+    cafile: str | None = None,
+    timeout: float = 10.0,
+    verify: bool = True,
 ) -> tuple[int, str]:
-    """``GET path`` on the relay port: (status, body)."""
-    u = RelayUrl.parse(url)
-    reader, writer, _ = await _tls_open(u, cafile, timeout)
-    try:
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: {u.host}\r\n\r\n".encode())
-        raw = await asyncio.wait_for(reader.read(), timeout)
-    finally:
-        writer.close()
+    """``GET path`` on the relay port: (status, body), all within ``timeout`` seconds.
+
+    ``verify=False`` checks neither the pin nor the certificate (a liveness probe of a
+    local process: nothing is trusted or sent)."""
+    u = url if isinstance(url, RelayUrl) else RelayUrl.parse(url)
+    async with asyncio.timeout(timeout):
+        reader, writer, _ = await _tls_open(u, cafile, timeout, verify=verify)
+        try:
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: {u.host}\r\n\r\n".encode())
+            raw = await reader.read()
+        finally:
+            writer.close()
     head, _, body = raw.partition(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
     return status, body.decode("utf-8")
