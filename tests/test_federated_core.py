@@ -285,6 +285,12 @@ def test_aggregate_bits_do_not_depend_on_the_machine_order_only_on_the_input_ord
     a = aggregate(xs, ws, "mean", 0.0, F32)
     b = aggregate([x.copy() for x in xs], list(ws), "mean", 0.0, F32)
     assert a.tobytes() == b.tobytes()
+    # the documented arithmetic, bit for bit: elementwise float64 in the order given,
+    # divided by the sum of the weights, rounded once
+    acc = np.zeros(999, np.float64)
+    for x, w in zip(xs, ws, strict=True):
+        acc += x.astype(np.float64) * w
+    assert a.tobytes() == (acc / sum(ws)).astype(np.float32).tobytes()
 
 
 def test_config_validation() -> None:

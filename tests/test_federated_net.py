@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 from relay_helpers import RelayProcess
+from transport_conformance import wait_until
 
 from p2pdist import PeerAuthenticationError, PeerTimeoutError, TransportConfig
 from p2pdist.federated import (
@@ -46,14 +47,6 @@ def client_of(c: Coordinator, *, tls: bool = False, name: str = "") -> Federated
     )
 
 
-async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not met in time")
-
-
 async def test_rounds_weighted_mean_and_late_joiner_gets_model_and_round_id() -> None:
     model = np.zeros(8, np.float32)
     async with coordinator(model, tls=True, round_timeout=30.0) as c:
@@ -76,7 +69,7 @@ async def test_rounds_weighted_mean_and_late_joiner_gets_model_and_round_id() ->
         assert task.round == 2 == c.round
         np.testing.assert_array_equal(task.model, c.model)
         run = asyncio.create_task(c.run_round())
-        await until(lambda: c.state.phase is Phase.OPEN)
+        await wait_until(lambda: c.state.phase is Phase.OPEN, "round open")
         late2 = client_of(c, tls=True)
         task2 = await late2.connect()  # joins mid-round: current model and round id
         assert task2.round == 2 and task2.open and task2.deadline > 0
@@ -170,7 +163,7 @@ async def test_client_process_killed_mid_round_does_not_block_the_round() -> Non
             await a.connect()
             await c.wait_for_members(2, timeout=30)
             run = asyncio.create_task(c.run_round())
-            await until(lambda: c.state.phase is Phase.OPEN)
+            await wait_until(lambda: c.state.phase is Phase.OPEN, "round open")
             await a.submit(np.ones(4, np.float32), 5, 0)
             await a.wait_ack(1)
             assert c.state.due(0.0) is None  # still waiting for the hanging client
@@ -199,7 +192,9 @@ async def test_client_breaking_the_protocol_is_dropped_and_counted() -> None:
         conn = rogue._conn
         assert conn is not None
         conn.send_nowait(CLIENT_CHANNEL, b"\x00" * 8, meta=b"\xc1 not msgpack")
-        await until(lambda: c.protocol_errors == 1 and len(c.members) == 1)
+        await wait_until(
+            lambda: c.protocol_errors == 1 and len(c.members) == 1, "rogue client dropped"
+        )
         run = asyncio.create_task(c.run_round())
         await good.submit(np.ones(4, np.float32), 1, 0)
         assert (await run).reason is CloseReason.COMPLETE
