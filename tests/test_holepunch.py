@@ -450,3 +450,14 @@ async def test_a_peer_that_restarts_with_the_same_key_is_not_sent_to_its_old_add
         for t in (ta, tb, tb2):
             if t is not None:
                 await t.close()
+
+
+def test_mapping_behaviour_reads_the_nat_type_off_the_answers() -> None:
+    from p2pdist.transport.observe import mapping_behaviour
+
+    a, b = ("203.0.113.10", 1000), ("203.0.113.10", 1001)
+    assert mapping_behaviour([a, a]) == "endpoint-independent"
+    assert mapping_behaviour([a, b]) == "endpoint-dependent"
+    assert mapping_behaviour([None, None]) == "no UDP"
+    assert mapping_behaviour([a, None]) == "unknown"  # one answer tells nothing
+    assert mapping_behaviour([]) == "unknown"  # a relay without observation ports
