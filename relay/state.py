@@ -76,10 +76,14 @@ def _closed(s: Session) -> bool:
     return s.phase is Phase.CLOSED
 
 
+def unmap_ipv4(ip: str) -> str:
+    """``::ffff:192.0.2.1`` (an IPv4 client of a dual-stack socket) -> ``192.0.2.1``."""
+    return ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
+
+
 def format_address(ip: str, port: int) -> str:
     """``ip:port``, ``[v6]:port``; IPv4-mapped IPv6 addresses are shown as IPv4."""
-    if ip.startswith("::ffff:") and "." in ip:
-        ip = ip[7:]
+    ip = unmap_ipv4(ip)
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
@@ -206,14 +210,7 @@ class RelayCore:
         """Hand the batched frames to their links."""
         dirty, self._dirty = self._dirty, []
         for s in dirty:
-            if not s.out:
-                continue
-            data = s.out[0] if len(s.out) == 1 else b"".join(s.out)
-            s.out.clear()
-            s.out_bytes = 0
-            if s.phase is not Phase.CLOSED:
-                self.metrics.bytes_out_total += len(data)
-                s.link.write(data)
+            self._write_batch(s)
 
     # ---- HTTP phase -------------------------------------------------------------------
 
@@ -348,6 +345,17 @@ class RelayCore:
         s.out.append(frame)
         s.out_bytes += len(frame)
 
+    def _write_batch(self, s: Session) -> None:
+        """Write what is batched for ``s`` in one piece (dropped if ``s`` is closed)."""
+        if not s.out:
+            return
+        data = s.out[0] if len(s.out) == 1 else b"".join(s.out)
+        s.out.clear()
+        s.out_bytes = 0
+        if s.phase is not Phase.CLOSED:
+            self.metrics.bytes_out_total += len(data)
+            s.link.write(data)
+
     def _control(self, s: Session, frame: bytes) -> None:
         """PONG / PEER_GONE: dropped, like datagrams, when the client is not reading."""
         if s.queued() + len(frame) > self.config.queue_bytes:
@@ -378,12 +386,7 @@ class RelayCore:
             frame = encode_frame(RelayFrameType.ERROR, error.encode("utf-8")[:1024])
         if frame is not None:
             s.out.append(frame)
-        data = b"".join(s.out)
-        s.out.clear()
-        s.out_bytes = 0
-        if data:
-            self.metrics.bytes_out_total += len(data)
-            s.link.write(data)
+        self._write_batch(s)
         level = logging.DEBUG if quiet else logging.INFO
         log.log(level, kv(event, conn=s.label, peer=s.observed, error=error, **(fields or {})))
         self._forget(s)

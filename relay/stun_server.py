@@ -11,14 +11,11 @@ from p2pdist.wire.stun import StunError, binding_response, parse_binding_request
 
 from .logfmt import kv
 from .metrics import Metrics
+from .state import unmap_ipv4
 
 __all__ = ["StunProtocol"]
 
 log = logging.getLogger(__name__)
-
-
-def _unmap(ip: str) -> str:
-    return ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
 
 
 class StunProtocol(asyncio.DatagramProtocol):
@@ -38,7 +35,7 @@ class StunProtocol(asyncio.DatagramProtocol):
             return
         if self._transport is None:
             return
-        ip, port = _unmap(str(addr[0])), int(addr[1])
+        ip, port = unmap_ipv4(str(addr[0])), int(addr[1])
         try:
             self._transport.sendto(binding_response(txid, ip, port), addr)
         except (OSError, ValueError) as exc:  # pragma: no cover - kernel-side trouble

@@ -28,7 +28,7 @@ from relay.config import ConfigError, RelayConfig, from_mapping
 from relay.limits import PeerGoneThrottle, TokenBucket
 from relay.metrics import AUTH_FAILURE_REASONS, DROP_REASONS, Metrics
 from relay.session import Phase, Session
-from relay.state import REPLACED, CoreConfig, RelayCore, format_address
+from relay.state import REPLACED, CoreConfig, RelayCore, format_address, unmap_ipv4
 from relay.tap import FileTap, read_tap
 
 FP = bytes(range(32))  # the fingerprint of "the relay's certificate" in these tests
@@ -451,6 +451,9 @@ def test_format_address() -> None:
     assert format_address("192.0.2.1", 5) == "192.0.2.1:5"
     assert format_address("2001:db8::1", 5) == "[2001:db8::1]:5"
     assert format_address("::ffff:192.0.2.1", 5) == "192.0.2.1:5"
+    assert unmap_ipv4("::ffff:192.0.2.1") == "192.0.2.1"  # what STUN answers, too
+    assert unmap_ipv4("::ffff:c000:201") == "::ffff:c000:201"  # no dotted quad: left alone
+    assert unmap_ipv4("2001:db8::1") == "2001:db8::1"
 
 
 def test_tap_file_round_trip(tmp_path: Path) -> None:
