@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["AUTH_FAILURE_REASONS", "DROP_REASONS", "Metrics"]
 
@@ -18,42 +20,41 @@ AUTH_FAILURE_REASONS = (
 )
 PREFIX = "p2pdist_relay_"
 
-# name (without prefix), type, help
-_SCALARS: tuple[tuple[str, str, str], ...] = (
-    ("connections_total", "counter", "TLS connections accepted"),
-    ("auth_ok_total", "counter", "clients authenticated"),
-    ("replaced_total", "counter", "connections replaced by a newer one with the same id"),
-    ("bytes_in_total", "counter", "bytes read from clients (after TLS)"),
-    ("bytes_out_total", "counter", "bytes written to clients (before TLS)"),
-    ("datagrams_in_total", "counter", "SEND frames received"),
-    ("datagrams_out_total", "counter", "RECV frames queued to destinations"),
-    ("peer_gone_total", "counter", "PEER_GONE frames sent"),
-    ("protocol_errors_total", "counter", "connections closed for breaking the protocol"),
-    ("keepalive_timeouts_total", "counter", "clients dropped after 3 x keepalive of silence"),
-    ("http_requests_total", "counter", "plain HTTP requests answered (health, metrics, errors)"),
-    ("stun_requests_total", "counter", "STUN binding requests answered"),
-)
+
+def _counter(help_text: str) -> Any:
+    """An integer counter exported under its field name (``PREFIX`` + name)."""
+    return field(default=0, metadata={"help": help_text})
+
+
+def _labelled(name: str, help_text: str) -> dict[str, str]:
+    """Metadata of a counter with a ``reason`` label, exported as ``name``."""
+    return {"help": help_text, "name": name}
 
 
 @dataclass(slots=True)
 class Metrics:
-    """Plain integer counters; the core increments them, :meth:`render` exports them."""
+    """Plain integer counters; the core increments them, :meth:`render` exports them
+    (each field's name and help text are the metric's)."""
 
-    connections_total: int = 0
-    auth_ok_total: int = 0
-    replaced_total: int = 0
-    bytes_in_total: int = 0
-    bytes_out_total: int = 0
-    datagrams_in_total: int = 0
-    datagrams_out_total: int = 0
-    peer_gone_total: int = 0
-    protocol_errors_total: int = 0
-    keepalive_timeouts_total: int = 0
-    http_requests_total: int = 0
-    stun_requests_total: int = 0
-    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    connections_total: int = _counter("TLS connections accepted")
+    auth_ok_total: int = _counter("clients authenticated")
+    replaced_total: int = _counter("connections replaced by a newer one with the same id")
+    bytes_in_total: int = _counter("bytes read from clients (after TLS)")
+    bytes_out_total: int = _counter("bytes written to clients (before TLS)")
+    datagrams_in_total: int = _counter("SEND frames received")
+    datagrams_out_total: int = _counter("RECV frames queued to destinations")
+    peer_gone_total: int = _counter("PEER_GONE frames sent")
+    protocol_errors_total: int = _counter("connections closed for breaking the protocol")
+    keepalive_timeouts_total: int = _counter("clients dropped after 3 x keepalive of silence")
+    http_requests_total: int = _counter("plain HTTP requests answered (health, metrics, errors)")
+    stun_requests_total: int = _counter("STUN binding requests answered")
+    dropped: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(DROP_REASONS, 0),
+        metadata=_labelled("dropped_total", "datagrams dropped, by reason"),
+    )
     auth_failures: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(AUTH_FAILURE_REASONS, 0)
+        default_factory=lambda: dict.fromkeys(AUTH_FAILURE_REASONS, 0),
+        metadata=_labelled("auth_failures_total", "refused authentications, by reason"),
     )
 
     def render(self, *, clients: int, connections: int) -> str:
@@ -66,16 +67,12 @@ class Metrics:
             f"# TYPE {PREFIX}connections gauge",
             f"{PREFIX}connections {connections}",
         ]
-        for name, kind, help_text in _SCALARS:
-            out += [
-                f"# HELP {PREFIX}{name} {help_text}",
-                f"# TYPE {PREFIX}{name} {kind}",
-                f"{PREFIX}{name} {getattr(self, name)}",
-            ]
-        for name, help_text, values in (
-            ("dropped_total", "datagrams dropped, by reason", self.dropped),
-            ("auth_failures_total", "refused authentications, by reason", self.auth_failures),
-        ):
-            out += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} counter"]
-            out += [f'{PREFIX}{name}{{reason="{r}"}} {n}' for r, n in values.items()]
+        for f in dataclasses.fields(self):
+            name = PREFIX + f.metadata.get("name", f.name)
+            out += [f"# HELP {name} {f.metadata['help']}", f"# TYPE {name} counter"]
+            value = getattr(self, f.name)
+            if isinstance(value, dict):
+                out += [f'{name}{{reason="{r}"}} {n}' for r, n in value.items()]
+            else:
+                out.append(f"{name} {value}")
         return "\n".join(out) + "\n"
