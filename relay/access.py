@@ -111,7 +111,10 @@ class AccessPolicy:
     @property
     def mode(self) -> str:
         """``open``, ``allowlist``, ``token`` or ``allowlist+token`` (for logs)."""
-        parts = [n for n, on in (("allowlist", self.allowlist), ("token", self._token)) if on]
+        # ``is not None``: an empty Allowlist is falsy (len 0) but still refuses everyone.
+        parts = [
+            n for n, v in (("allowlist", self.allowlist), ("token", self._token)) if v is not None
+        ]
         return "+".join(parts) or "open"
 
     def check(self, raw_id: bytes, token: bytes, now: float) -> Refusal | None:

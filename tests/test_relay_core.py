@@ -207,6 +207,16 @@ def test_allowlist_reloads_when_the_file_changes(tmp_path: Path) -> None:
     assert policy.check(bytes(C.endpoint_id), b"", 3.2) is None
 
 
+def test_access_mode_names_an_empty_allowlist(tmp_path: Path) -> None:
+    path = tmp_path / "allow"
+    path.write_text("# nobody yet\n")
+    assert AccessPolicy().mode == "open"
+    assert AccessPolicy(Allowlist(path)).mode == "allowlist"  # empty, yet refuses everyone
+    assert AccessPolicy(Allowlist(path), "t").mode == "allowlist+token"
+    assert AccessPolicy(None, "t").mode == "token"
+    assert AccessPolicy(Allowlist(path)).check(bytes(A.endpoint_id), b"", 0.0) is not None
+
+
 def test_parse_allowlist_names_the_bad_line() -> None:
     assert parse_allowlist(f"# c\n\n{A.endpoint_id} # x\n", "f") == {bytes(A.endpoint_id)}
     with pytest.raises(AllowlistError, match="f:2"):
