@@ -107,17 +107,25 @@ def feed_random(seed: int) -> Callable[[FrameDecoder, bytes], list[Frame]]:
     return feed
 
 
-def feed_buffered(dec: FrameDecoder, data: bytes, chunk: int = 1 << 30) -> list[Frame]:
-    """Drive the decoder the way asyncio.BufferedProtocol does (recv_into its buffers)."""
-    out: list[Frame] = []
-    pos = 0
+def feed_in_steps(dec: FrameDecoder, data: bytes, chunks: list[int], out: list[Frame]) -> None:
+    """Drive the decoder the way asyncio.BufferedProtocol does: write ``data`` into its own
+    buffers in steps of ``chunks`` (cycled; none: as much as each buffer takes), appending
+    decoded frames to ``out`` as they come (so they survive a FrameError)."""
+    pos, i = 0, 0
     while pos < len(data):
         buf = dec.get_buffer()
         assert buf.nbytes > 0, "get_buffer returned an empty buffer: the reader would spin"
-        n = min(buf.nbytes, len(data) - pos, chunk)
+        step = chunks[i % len(chunks)] if chunks else len(data)
+        n = min(buf.nbytes, step, len(data) - pos)
         buf[:n] = data[pos : pos + n]
-        pos += n
+        pos, i = pos + n, i + 1
         out += dec.buffer_updated(n)
+
+
+def feed_buffered(dec: FrameDecoder, data: bytes, chunk: int | None = None) -> list[Frame]:
+    """:func:`feed_in_steps` in steps of at most ``chunk`` bytes, returning the frames."""
+    out: list[Frame] = []
+    feed_in_steps(dec, data, [chunk] if chunk else [], out)
     return out
 
 
@@ -337,13 +345,7 @@ def test_trailing_garbage_keeps_earlier_frames(name: str, feeder: str) -> None:
             for i in range(len(data)):
                 returned.extend(dec.feed(data[i : i + 1]))
         else:
-            pos = 0
-            while pos < len(data):
-                buf = dec.get_buffer()
-                n = min(buf.nbytes, 7, len(data) - pos)
-                buf[:n] = data[pos : pos + n]
-                pos += n
-                returned.extend(dec.buffer_updated(n))
+            feed_in_steps(dec, data, [7], returned)
 
     with pytest.raises(FrameError, match=match) as info:
         run()
@@ -413,20 +415,6 @@ frame_tuples = st.one_of(
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def feed_in_steps(dec: FrameDecoder, data: bytes, chunks: list[int], out: list[Frame]) -> None:
-    """Write ``data`` into the decoder's own buffers in steps of ``chunks`` (cycled),
-    appending decoded frames to ``out``; every buffer offered must be non-empty."""
-    pos, i = 0, 0
-    while pos < len(data):
-        buf = dec.get_buffer()
-        assert buf.nbytes > 0
-        step = chunks[i % len(chunks)] if chunks else len(data)
-        n = min(buf.nbytes, step, len(data) - pos)
-        buf[:n] = data[pos : pos + n]
-        pos, i = pos + n, i + 1
-        out += dec.buffer_updated(n)
-
-
 @given(frames=st.lists(frame_tuples, max_size=12), chunks=st.lists(st.integers(1, 700)))
 def test_property_round_trip_under_any_chunking(
     frames: list[FrameTuple], chunks: list[int]
