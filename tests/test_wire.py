@@ -1,4 +1,5 @@
-"""Sans-I/O wire codecs: frame header and decoder, array headers, handshake records.
+"""Sans-I/O wire codecs: frame header and decoder, array headers, handshake records, and
+the relay frame and STUN parsers byte by byte (their other tests: test_relay_codec.py).
 
 Parsers are tested whole, byte by byte, at random split points and with trailing garbage,
 and fuzzed with hypothesis.
@@ -19,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from p2pdist.wire import stun
 from p2pdist.wire.arrays import WIRE_DTYPES, ArrayHeader, ArrayHeaderError, check_dtype
 from p2pdist.wire.frames import (
     HEADER,
@@ -38,6 +40,14 @@ from p2pdist.wire.handshake import (
     auth_transcript,
     encode_record,
     get_bytes,
+)
+from p2pdist.wire.relay import (
+    RelayFrameDecoder,
+    RelayFrameType,
+    RelayProtocolError,
+    decode_addressed,
+    encode_addressed,
+    encode_frame,
 )
 
 U64_MAX = (1 << 64) - 1
@@ -440,7 +450,8 @@ def decode_or_frame_error(data: bytes, chunks: list[int]) -> list[Frame]:
 @settings(max_examples=500, deadline=None)
 @given(data=st.binary(max_size=2000), chunks=st.lists(st.integers(1, 300), max_size=8))
 def test_property_random_bytes_only_frame_error(data: bytes, chunks: list[int]) -> None:
-    decode_or_frame_error(data, chunks)
+    for f in decode_or_frame_error(data, chunks):  # whatever was decoded respects the limits
+        assert len(f.meta) <= SMALL.max_meta and f.payload.nbytes <= SMALL.max_payload
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -573,6 +584,10 @@ def test_array_header_accepts_32_dims_and_describe() -> None:
 # ---- handshake records ----------------------------------------------------------------------
 
 
+def body_record(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
 HELLO = {"mode": "tls", "id": b"\x01" * 32, "want": b"\x02" * 32, "nonce": b"\x03" * 32}
 
 
@@ -587,6 +602,34 @@ def test_record_round_trip_byte_by_byte() -> None:
             got.append(rec)
     assert got == [HELLO, {"sig": b"s" * 64}]
     assert reader.leftover() == b""
+
+
+@pytest.mark.parametrize(
+    ("garbage", "match"),
+    [
+        (struct.pack(">I", MAX_RECORD + 1), "exceeds"),
+        (body_record(b"\xc1"), "undecodable"),
+        (body_record(msgpack.packb([1])), "must be a map"),
+    ],
+    ids=["oversized", "undecodable", "not-a-map"],
+)
+def test_record_trailing_garbage_byte_by_byte(garbage: bytes, match: str) -> None:
+    """Good records are delivered as their last byte arrives; the garbage after them is
+    refused as soon as it is decisive (a whole length, or a whole body)."""
+    records = [HELLO, {"sig": b"s" * 64}]
+    encoded = [encode_record(HELLO, first=True), encode_record(records[1])]
+    ends = list(itertools.accumulate(map(len, encoded)))
+    data = b"".join(encoded) + garbage
+    reader = RecordReader(expect_magic=True)
+    got: list[dict[str, Any]] = []
+    with pytest.raises(HandshakeError, match=match):
+        for i in range(len(data)):
+            reader.feed(data[i : i + 1])
+            while (rec := reader.next_record()) is not None:
+                got.append(rec)
+            assert len(got) == sum(end <= i + 1 for end in ends)  # no record early or late
+    assert got == records
+    assert i == len(data) - 1  # refused on the garbage's last byte, not earlier
 
 
 def test_record_leftover_keeps_following_bytes() -> None:
@@ -630,10 +673,6 @@ def test_oversized_record_refused_before_body() -> None:
         reader.next_record()
     with pytest.raises(ValueError, match="too large"):
         encode_record({"x": b"y" * MAX_RECORD})
-
-
-def body_record(body: bytes) -> bytes:
-    return struct.pack(">I", len(body)) + body
 
 
 @pytest.mark.parametrize(
@@ -692,3 +731,90 @@ def test_auth_transcript_binds_role_and_every_field() -> None:
         assert auth_transcript(b"C", *changed) != client
     # Swapping the ids (a reflected connection) changes the transcript too.
     assert auth_transcript(b"C", fields[1], fields[0], fields[2], fields[3]) != client
+
+
+# ---- relay frames and STUN: byte by byte, with trailing garbage -------------------------------
+
+
+RELAY_FRAMES = [
+    (RelayFrameType.CHALLENGE, b"\x01" + bytes(range(32))),
+    (RelayFrameType.PING, b"12345678"),
+    (RelayFrameType.RECONNECT, b""),
+    (RelayFrameType.RECV, b"\x07" * 32 + b"datagram"),
+]
+
+
+@pytest.mark.parametrize(
+    ("garbage", "match"),
+    [
+        (b"\xee\x00\x00\x00\x00", "unknown relay frame type 0xee"),
+        (b"\x00\x00\x00\x00\x00", "unknown relay frame type 0x0"),
+        (bytes([RelayFrameType.SEND]) + (1 << 20).to_bytes(4, "big"), "exceeds"),
+    ],
+    ids=["unknown-type", "type-0", "oversized"],
+)
+def test_relay_decoder_trailing_garbage_byte_by_byte(garbage: bytes, match: str) -> None:
+    """Every good frame comes out as its last byte arrives; the garbage header after them
+    is refused as soon as it is whole, before any of its body."""
+    ends = list(itertools.accumulate(len(encode_frame(k, b)) for k, b in RELAY_FRAMES))
+    data = b"".join(encode_frame(k, b) for k, b in RELAY_FRAMES) + garbage + b"\x00" * 64
+    dec = RelayFrameDecoder()
+    got: list[tuple[RelayFrameType, bytes]] = []
+    with pytest.raises(RelayProtocolError, match=match):
+        for i in range(len(data)):
+            got += dec.feed(data[i : i + 1])
+            assert len(got) == sum(end <= i + 1 for end in ends)  # no frame early or late
+    assert got == RELAY_FRAMES
+    assert i == len(data) - 64 - 1  # the garbage header's last byte
+
+
+@pytest.mark.parametrize("datagram", [b"", b"x", bytearray(b"abc"), memoryview(b"view")])
+def test_relay_addressed_frame_layout(datagram: bytes | bytearray | memoryview) -> None:
+    peer = bytes(range(32))
+    frame = encode_addressed(RelayFrameType.SEND, peer, datagram)
+    body = peer + bytes(datagram)
+    assert frame == bytes([RelayFrameType.SEND]) + len(body).to_bytes(4, "big") + body
+    assert frame == encode_frame(RelayFrameType.SEND, body)
+    ((kind, got),) = RelayFrameDecoder().feed(frame)
+    assert kind is RelayFrameType.SEND and decode_addressed(got) == (peer, bytes(datagram))
+    with pytest.raises(ValueError, match="exceeds"):
+        encode_addressed(RelayFrameType.SEND, peer, bytes(64 * 1024 - 31))
+
+
+# RFC 5769 section 2.2 and 2.3: sample Binding responses (SOFTWARE, XOR-MAPPED-ADDRESS,
+# MESSAGE-INTEGRITY, FINGERPRINT), transaction id b7e7a701bc34d686fa87dfae.
+RFC5769_TXID = bytes.fromhex("b7e7a701bc34d686fa87dfae")
+RFC5769_V4 = bytes.fromhex(
+    "0101003c2112a442b7e7a701bc34d686fa87dfae8022000b7465737420766563746f7220"
+    "002000080001a147e112a643000800142b91f599fd9e90c38c7489f92af9ba53f06be7d7"
+    "80280004c07d4c96"
+)
+RFC5769_V4_ADDR = ("192.0.2.1", 32853)
+RFC5769_V6_ADDR = ("2001:db8:1234:5678:11:2233:4455:6677", 32853)
+RFC5769_V6_XOR_ATTR = bytes.fromhex("002000140002a1470113a9faa5d3f179bc25f4b5bed2b9d9")
+
+
+def test_stun_matches_rfc5769_vectors() -> None:
+    """Parsing a standard server's answer (unknown attributes, padding) and the bytes we
+    write, against the RFC's test vectors rather than our own round trip."""
+    assert stun.parse_binding_response(RFC5769_V4, RFC5769_TXID) == RFC5769_V4_ADDR
+    v4 = stun.binding_response(RFC5769_TXID, *RFC5769_V4_ADDR)
+    assert v4[20:] == RFC5769_V4[36:48]  # our response is just the XOR-MAPPED-ADDRESS
+    v6 = stun.binding_response(RFC5769_TXID, *RFC5769_V6_ADDR)
+    assert v6[20:] == RFC5769_V6_XOR_ATTR
+    assert stun.parse_binding_response(v6, RFC5769_TXID) == RFC5769_V6_ADDR
+
+
+def test_stun_every_truncation_and_trailing_garbage_refused() -> None:
+    request = stun.binding_request(RFC5769_TXID)
+    for cut in range(len(RFC5769_V4)):
+        with pytest.raises(stun.StunError):
+            stun.parse_binding_response(RFC5769_V4[:cut], RFC5769_TXID)
+    for cut in range(len(request)):
+        with pytest.raises(stun.StunError):
+            stun.parse_binding_request(request[:cut])
+    for extra in (b"\x00", b"\x00" * 4, b"\x00\x20\x00\x00"):
+        with pytest.raises(stun.StunError, match="length"):
+            stun.parse_binding_response(RFC5769_V4 + extra, RFC5769_TXID)
+        with pytest.raises(stun.StunError, match="length"):
+            stun.parse_binding_request(request + extra)
