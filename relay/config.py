@@ -145,11 +145,6 @@ class RelayConfig:
     def __post_init__(self) -> None:
         _validate(self)
 
-    @property
-    def pinned(self) -> bool:
-        """True when the relay presents its own Ed25519 key (no real certificate)."""
-        return self.cert is None
-
     def effective_stun_port(self, bound_tcp_port: int) -> int:
         """The UDP port to bind for STUN (0: disabled) once the TCP port is known."""
         return bound_tcp_port if self.stun_port is None else self.stun_port

@@ -34,11 +34,6 @@ class TokenBucket:
             return True
         return False
 
-    @property
-    def tokens(self) -> float:
-        """Tokens left at the last :meth:`take`."""
-        return self._tokens
-
 
 class PeerGoneThrottle:
     """Allows one PEER_GONE per destination per ``interval`` seconds (for one sender).

@@ -155,7 +155,7 @@ class RelayServer:
             log.warning(kv("tap_enabled", path=c.tap, hint="debug only: records all traffic"))
         # Listen without accepting until the core exists: the core's AUTH_OK advertises
         # the observation ports, which are only known once they are bound.
-        self._server = await self._listen(start_serving=False)
+        self._server = await self._listen()
         self.port = int(self._server.sockets[0].getsockname()[1])
         try:
             await self._start_stun(metrics)
@@ -193,7 +193,8 @@ class RelayServer:
             )
         )
 
-    async def _listen(self, *, start_serving: bool) -> asyncio.Server:
+    async def _listen(self) -> asyncio.Server:
+        """Bind the TCP port without accepting yet (``start_serving`` follows)."""
         c = self.config
         assert self.tls is not None
         loop = asyncio.get_running_loop()
@@ -213,7 +214,7 @@ class RelayServer:
                     c.port,
                     backlog=4096,
                     reuse_address=True,
-                    start_serving=start_serving,
+                    start_serving=False,
                 )
             return await loop.create_server(  # pragma: no cover - no usable SSLProtocol
                 app_factory,
@@ -224,7 +225,7 @@ class RelayServer:
                 ssl_shutdown_timeout=c.drain_timeout,
                 backlog=4096,
                 reuse_address=True,
-                start_serving=start_serving,
+                start_serving=False,
             )
         except OSError as exc:
             raise ConfigError(f"cannot listen on {c.host}:{c.port}: {exc}") from None
@@ -318,8 +319,7 @@ class RelayServer:
                 self._own_tap.close()
             return
         log.info(kv("shutdown", connections=len(self.connections)))
-        if self._server is not None:
-            self._server.close()
+        self._server.close()
         if self._tick is not None:
             self._tick.cancel()
         for udp in (self._stun, self._stun_alt):
