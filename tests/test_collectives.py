@@ -226,3 +226,21 @@ async def test_size_one_group_is_identity_without_network() -> None:
         np.testing.assert_array_equal(await g.reduce_scatter(x), x)
         np.testing.assert_array_equal(await g.broadcast(x, 0), x)
         await g.barrier()
+
+
+async def test_a_refused_timeout_leaves_the_sequence_in_step() -> None:
+    """A call refused for its timeout takes no collective or p2p slot on that rank, so the
+    next calls still pair up with the other ranks' (instead of hanging until a timeout)."""
+    async with groups(2) as gs:
+        a, b = gs
+        with pytest.raises(UsageError, match="timeout"):
+            await a.all_reduce(np.ones(3), timeout=0)
+        with pytest.raises(UsageError, match="timeout"):
+            await a.send(np.ones(3), 1, timeout=-1)
+        with pytest.raises(UsageError, match="timeout"):
+            await b.recv(0, timeout=0)
+        outs = await run_all(gs, lambda g: g.all_reduce(np.ones(3), timeout=5))
+        np.testing.assert_array_equal(outs[0], [2, 2, 2])
+        x = np.arange(4.0)
+        got = await asyncio.gather(a.send(x, 1, timeout=5), b.recv(0, like=x, timeout=5))
+        np.testing.assert_array_equal(got[1], x)

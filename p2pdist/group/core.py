@@ -554,13 +554,15 @@ class GroupCore:
 
     async def _run(
         self,
-        link: CollectiveLink,
+        descriptor: bytes,
         timeout: float | None,
         body: Callable[[CollectiveLink], Awaitable[T]],
     ) -> T:
-        seconds = self.config.timeout if timeout is None else timeout
-        if seconds <= 0:
-            raise UsageError(f"timeout must be positive, got {seconds}")
+        """Run ``body`` as the next collective (described by ``descriptor``), bounded by
+        ``timeout``. The collective takes its channel only once every argument has been
+        accepted, so a call refused here leaves this rank in step with the others."""
+        seconds = self._seconds(timeout)
+        link = self._new_link(descriptor)
         try:
             async with asyncio.timeout(seconds):
                 return await body(link)
@@ -603,11 +605,12 @@ class GroupCore:
         """Send ``x`` to rank ``dst`` (matched in order by ``dst``'s :meth:`recv`)."""
         self._check_peer(dst, "dst")
         arr = as_array(x)
+        seconds = self._seconds(timeout)
         self._check_usable(collective=False)
         index = self._p2p_sent.get(dst, 0)
         self._p2p_sent[dst] = index + 1
         channel = (self._p2p_space << SPACE_SHIFT) | index
-        await p2p.send_array(self._conns[dst], channel, arr, self._seconds(timeout))
+        await p2p.send_array(self._conns[dst], channel, arr, seconds)
 
     async def recv(
         self,
@@ -627,6 +630,7 @@ class GroupCore:
         """
         self._check_peer(src, "src")
         want = expectation(like, shape, dtype, out)
+        seconds = self._seconds(timeout)
         self._check_usable(collective=False)
         index = self._p2p_received.get(src, 0)
         self._p2p_received[src] = index + 1
@@ -637,7 +641,7 @@ class GroupCore:
                 channel,
                 want,
                 out,
-                self._seconds(timeout),
+                seconds,
                 self.config.max_message_bytes,
             )
         except RemoteProtocolError as err:

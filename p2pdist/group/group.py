@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,9 +33,18 @@ class Group(GroupCore):
 
     # ---- collectives ------------------------------------------------------------------
 
+    def _direct(self, arr: np.ndarray) -> bool:
+        """Whether reducing ``arr`` takes a one-round direct algorithm instead of the ring
+        (small arrays, and arrays with fewer elements than ranks)."""
+        return arr.nbytes <= self.config.small_bytes or arr.size < self.size
+
+    def _chunk(self, dtype: np.dtype[Any]) -> int:
+        """The ring and pipeline chunk, in elements of ``dtype``."""
+        return max(1, self.config.chunk_bytes // dtype.itemsize)
+
     async def _compressed(
         self,
-        link: CollectiveLink,
+        descriptor: bytes,
         arr: np.ndarray,
         work: np.ndarray,
         rop: ReduceOp,
@@ -44,24 +53,20 @@ class Group(GroupCore):
         timeout: float | None,
     ) -> np.ndarray:
         """all_reduce with a narrow wire format; float32 accumulation everywhere."""
-        if self.size == 1:  # the identity, as every collective of a size-1 group
-            if work is not arr:
-                np.copyto(work, arr)
-            return work
-        cfg = self.config
 
         async def body(lk: CollectiveLink) -> np.ndarray:
-            if arr.nbytes <= cfg.small_bytes or arr.size < self.size:
+            if self._direct(arr):
                 await alg.compressed_direct_all_reduce(lk, flat, codec)
             else:
                 bounds = alg.split_bounds(flat.size, self.size)
-                chunk = max(1, cfg.chunk_bytes // 4)
-                await alg.compressed_ring_all_reduce(lk, flat, bounds, codec, chunk)
+                await alg.compressed_ring_all_reduce(
+                    lk, flat, bounds, codec, self._chunk(flat.dtype)
+                )
             rop.finish(flat, self.size)
             work.reshape(-1)[:] = flat
             return work
 
-        return await self._run(link, timeout, body)
+        return await self._run(descriptor, timeout, body)
 
     def _ordered(self, mode: str | None, rop: ReduceOp, arr: np.ndarray) -> bool:
         """Whether this reduction takes the deterministic (rank-ordered float64) path."""
@@ -102,48 +107,42 @@ class Group(GroupCore):
         codec = _codec_for(wire_dtype, block, error_feedback, rop, arr, ordered)
         work = result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
-        label = _op_label(op, ordered) + (f"@{wire_dtype}/{block}" if codec else "")
-        # Compression error feedback is applied before the call takes a channel, so a
-        # failure here cannot leave a channel that is never retired.
-        flat = _compressed_input(arr, codec, error_feedback, self.size)
-        link = self._new_link(describe_call("all_reduce", label, arr.dtype.str, arr.shape))
-        if codec is not None:
-            assert flat is not None
-            return await self._compressed(link, arr, work, rop, codec, flat, timeout)
-        if self.size == 1:
+        if self.size == 1:  # the identity, compressed or not: nothing travels
             if work is not arr:
                 np.copyto(work, arr)
-            rop.finish(work, self.size)
             return work
-        cfg = self.config
+        label = _op_label(op, ordered) + (f"@{wire_dtype}/{block}" if codec else "")
+        descriptor = describe_call("all_reduce", label, arr.dtype.str, arr.shape)
+        if codec is not None:
+            flat = _compressed_input(arr, codec, error_feedback)
+            return await self._compressed(descriptor, arr, work, rop, codec, flat, timeout)
+        chunk = self._chunk(arr.dtype)
 
         async def body(lk: CollectiveLink) -> np.ndarray:
             flat = work.reshape(-1)
             if ordered:
                 src = arr.reshape(-1) if work is not arr else flat.copy()
-                if arr.nbytes <= cfg.small_bytes or arr.size < self.size:
+                if self._direct(arr):
                     await alg.ordered_all_reduce(lk, src, rop, flat)
                     return work
                 bounds = alg.split_bounds(flat.size, self.size)
-                chunk = max(1, cfg.chunk_bytes // arr.dtype.itemsize)
                 a, b = bounds[self._rank]
                 await alg.ordered_reduce_scatter(lk, src, bounds, rop, chunk, flat[a:b])
                 await alg.ring_all_gather(lk, flat, bounds, chunk)
                 return work  # ordered_reduce_scatter already divided for mean
-            if arr.nbytes <= cfg.small_bytes or arr.size < self.size:
+            if self._direct(arr):
                 src = arr.reshape(-1) if work is not arr else flat.copy()
                 await alg.direct_all_reduce(lk, src, rop, flat)
             else:
                 if work is not arr:
                     np.copyto(work, arr)
                 bounds = alg.split_bounds(flat.size, self.size)
-                chunk = max(1, cfg.chunk_bytes // arr.dtype.itemsize)
                 await alg.ring_reduce_scatter(lk, flat, bounds, rop, chunk)
                 await alg.ring_all_gather(lk, flat, bounds, chunk)
             rop.finish(work, self.size)
             return work
 
-        return await self._run(link, timeout, body)
+        return await self._run(descriptor, timeout, body)
 
     async def reduce_scatter(
         self,
@@ -170,36 +169,33 @@ class Group(GroupCore):
         r0, r1 = rows[self._rank]
         result = result_buffer(None, (r1 - r0, *arr.shape[1:]), arr.dtype, out)
         self._check_usable()
-        link = self._new_link(
-            describe_call("reduce_scatter", _op_label(op, ordered), arr.dtype.str, arr.shape)
-        )
         if self.size == 1:
             np.copyto(result, arr[r0:r1])
-            rop.finish(result, self.size)
             return result
-        cfg = self.config
+        descriptor = describe_call(
+            "reduce_scatter", _op_label(op, ordered), arr.dtype.str, arr.shape
+        )
+        chunk = self._chunk(arr.dtype)
 
         async def body(lk: CollectiveLink) -> np.ndarray:
             if ordered:
-                chunk = max(1, cfg.chunk_bytes // arr.dtype.itemsize)
                 await alg.ordered_reduce_scatter(
                     lk, arr.reshape(-1), bounds, rop, chunk, result.reshape(-1)
                 )
                 return result
-            if arr.nbytes <= cfg.small_bytes:
+            if arr.nbytes <= self.config.small_bytes:
                 await alg.direct_reduce_scatter(
                     lk, arr.reshape(-1), bounds, rop, result.reshape(-1)
                 )
             else:
                 flat = arr.reshape(-1).copy()
-                chunk = max(1, cfg.chunk_bytes // arr.dtype.itemsize)
                 await alg.ring_reduce_scatter(lk, flat, bounds, rop, chunk)
                 a, b = bounds[self._rank]
                 np.copyto(result.reshape(-1), flat[a:b])
             rop.finish(result, self.size)
             return result
 
-        return await self._run(link, timeout, body)
+        return await self._run(descriptor, timeout, body)
 
     async def all_gather(
         self, x: np.ndarray, *, out: np.ndarray | None = None, timeout: float | None = None
@@ -211,24 +207,22 @@ class Group(GroupCore):
         arr = as_array(x)
         result = result_buffer(None, (self.size, *arr.shape), arr.dtype, out)
         self._check_usable()
-        link = self._new_link(describe_call("all_gather", "", arr.dtype.str, arr.shape))
         if self.size == 1:
             result[0] = arr
             return result
-        cfg = self.config
+        descriptor = describe_call("all_gather", "", arr.dtype.str, arr.shape)
 
         async def body(lk: CollectiveLink) -> np.ndarray:
-            if arr.nbytes <= cfg.small_bytes:
+            if arr.nbytes <= self.config.small_bytes:
                 await alg.direct_all_gather(lk, arr, result)
             else:
                 flat = result.reshape(-1)
                 bounds = [(p * arr.size, (p + 1) * arr.size) for p in range(self.size)]
                 result[self._rank] = arr
-                chunk = max(1, cfg.chunk_bytes // arr.dtype.itemsize)
-                await alg.ring_all_gather(lk, flat, bounds, chunk)
+                await alg.ring_all_gather(lk, flat, bounds, self._chunk(arr.dtype))
             return result
 
-        return await self._run(link, timeout, body)
+        return await self._run(descriptor, timeout, body)
 
     async def broadcast(
         self,
@@ -244,31 +238,28 @@ class Group(GroupCore):
         arr = as_array(x)
         work = result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
-        link = self._new_link(describe_call("broadcast", "", arr.dtype.str, arr.shape, src))
         if self._rank == src and work is not arr:
             np.copyto(work, arr)
         if self.size == 1:
             return work
-        cfg = self.config
+        descriptor = describe_call("broadcast", "", arr.dtype.str, arr.shape, src)
 
         async def body(lk: CollectiveLink) -> np.ndarray:
             await alg.agree(lk)  # a rank that names another root is caught here
             flat = work.reshape(-1)
-            if arr.nbytes <= cfg.small_bytes:
+            if arr.nbytes <= self.config.small_bytes:
                 await alg.direct_broadcast(lk, flat, src)
             else:
-                chunk = max(1, cfg.chunk_bytes // arr.dtype.itemsize)
-                await alg.chain_broadcast(lk, flat, src, chunk)
+                await alg.chain_broadcast(lk, flat, src, self._chunk(arr.dtype))
             return work
 
-        return await self._run(link, timeout, body)
+        return await self._run(descriptor, timeout, body)
 
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Return once every rank has entered the barrier."""
         self._check_usable()
-        link = self._new_link(describe_call("barrier", "", "", ()))
         if self.size > 1:
-            await self._run(link, timeout, alg.barrier)
+            await self._run(describe_call("barrier", "", "", ()), timeout, alg.barrier)
 
     async def reduce(
         self,
@@ -287,26 +278,23 @@ class Group(GroupCore):
         mine = self._rank == dst
         result = result_buffer(arr, arr.shape, arr.dtype, out) if mine else None
         self._check_usable()
-        link = self._new_link(describe_call("reduce", op, arr.dtype.str, arr.shape, dst))
         if self.size == 1:
             assert result is not None
             if result is not arr:
                 np.copyto(result, arr)
-            rop.finish(result, 1)
             return result
-        cfg = self.config
+        descriptor = describe_call("reduce", op, arr.dtype.str, arr.shape, dst)
 
         async def body(lk: CollectiveLink) -> np.ndarray | None:
             await alg.agree(lk)  # a rank that names another root is caught here
-            src = arr.reshape(-1) if result is not arr else arr.reshape(-1).copy()
-            if arr.nbytes <= cfg.small_bytes or arr.size < self.size:
+            if self._direct(arr):
+                src = arr.reshape(-1) if result is not arr else arr.reshape(-1).copy()
                 target = result.reshape(-1) if result is not None else None
                 await alg.direct_reduce(lk, src, rop, dst, target)
             else:
                 flat = arr.reshape(-1).copy()  # the ring works in place: spare the input
                 bounds = alg.split_bounds(flat.size, self.size)
-                chunk = max(1, cfg.chunk_bytes // arr.dtype.itemsize)
-                await alg.ring_reduce_scatter(lk, flat, bounds, rop, chunk)
+                await alg.ring_reduce_scatter(lk, flat, bounds, rop, self._chunk(arr.dtype))
                 await alg.gather_segments(lk, flat, bounds, dst)
                 if result is not None:
                     result.reshape(-1)[:] = flat
@@ -314,7 +302,7 @@ class Group(GroupCore):
                 rop.finish(result, self.size)
             return result
 
-        return await self._run(link, timeout, body)
+        return await self._run(descriptor, timeout, body)
 
     async def gather(
         self,
@@ -331,7 +319,6 @@ class Group(GroupCore):
         mine = self._rank == dst
         result = result_buffer(None, (self.size, *arr.shape), arr.dtype, out) if mine else None
         self._check_usable()
-        link = self._new_link(describe_call("gather", "", arr.dtype.str, arr.shape, dst))
         if self.size == 1:
             assert result is not None
             result[0] = arr
@@ -342,7 +329,8 @@ class Group(GroupCore):
             await alg.gather_to(lk, arr, dst, result)
             return result
 
-        return await self._run(link, timeout, body)
+        descriptor = describe_call("gather", "", arr.dtype.str, arr.shape, dst)
+        return await self._run(descriptor, timeout, body)
 
     async def scatter(
         self,
@@ -373,7 +361,6 @@ class Group(GroupCore):
             blocks, dtype, item = None, as_array(ref).dtype, tuple(np.shape(ref))
         result = result_buffer(None, item, dtype, out)
         self._check_usable()
-        link = self._new_link(describe_call("scatter", "", dtype.str, item, src))
         if self.size == 1:
             assert blocks is not None
             result[...] = blocks[0]
@@ -384,7 +371,8 @@ class Group(GroupCore):
             await alg.scatter_from(lk, blocks, src, result)
             return result
 
-        return await self._run(link, timeout, body)
+        descriptor = describe_call("scatter", "", dtype.str, item, src)
+        return await self._run(descriptor, timeout, body)
 
     async def all_to_all(
         self, x: np.ndarray, *, out: np.ndarray | None = None, timeout: float | None = None
@@ -396,7 +384,6 @@ class Group(GroupCore):
             raise UsageError(f"all_to_all needs {self.size} rows (one per rank), got {arr.shape}")
         result = result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
-        link = self._new_link(describe_call("all_to_all", "", arr.dtype.str, arr.shape))
         if self.size == 1:
             if result is not arr:
                 np.copyto(result, arr)
@@ -407,7 +394,8 @@ class Group(GroupCore):
             await alg.all_to_all(lk, src, result)
             return result
 
-        return await self._run(link, timeout, body)
+        descriptor = describe_call("all_to_all", "", arr.dtype.str, arr.shape)
+        return await self._run(descriptor, timeout, body)
 
     async def all_to_all_v(
         self, xs: Sequence[np.ndarray], *, timeout: float | None = None
@@ -428,14 +416,14 @@ class Group(GroupCore):
                     f"{first.dtype}{list(first.shape)}; dtype and row shape must agree"
                 )
         self._check_usable()
-        link = self._new_link(describe_call("all_to_all_v", "", first.dtype.str, (-1, *row_shape)))
         if self.size == 1:
             return [parts[0].copy()]
 
         async def body(lk: CollectiveLink) -> list[np.ndarray]:
             return await alg.all_to_all_v(lk, parts, row_shape, first.dtype)
 
-        return await self._run(link, timeout, body)
+        descriptor = describe_call("all_to_all_v", "", first.dtype.str, (-1, *row_shape))
+        return await self._run(descriptor, timeout, body)
 
     async def split(
         self, color: int | None, key: int = 0, *, timeout: float | None = None
@@ -507,11 +495,9 @@ def _codec_for(
 
 
 def _compressed_input(
-    arr: np.ndarray, codec: WireCodec | None, feedback: ErrorFeedback | None, size: int
-) -> np.ndarray | None:
-    """The float32 values a compressed all_reduce starts from (None when uncompressed)."""
-    if codec is None:
-        return None
-    if feedback is not None and size > 1:
+    arr: np.ndarray, codec: WireCodec, feedback: ErrorFeedback | None
+) -> np.ndarray:
+    """The float32 values a compressed all_reduce starts from (a copy: it works in place)."""
+    if feedback is not None:
         return feedback.apply(arr, codec)
     return arr.reshape(-1).astype(np.float32)
