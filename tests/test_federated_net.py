@@ -54,6 +54,7 @@ async def test_rounds_weighted_mean_and_late_joiner_gets_model_and_round_id() ->
         ta, tb = await a.connect(), await b.connect()
         assert ta.round == tb.round == 0 and not ta.open
         np.testing.assert_array_equal(ta.model, model)
+        assert ta.model.flags.writeable  # the client's to train in place
         for r in range(2):
             run = asyncio.create_task(c.run_round())
             await a.submit(np.full(8, 1.0, np.float32), 10, r)

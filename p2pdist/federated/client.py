@@ -263,7 +263,7 @@ class FederatedClient:
             is_open = bool(message.fields.get("open"))
             task = RoundTask(
                 message.get_int("r", label),
-                np.array(message.need_array(label)),
+                message.need_array(label),  # a view of the frame's own buffer: no copy
                 is_open,
                 now + max(0.0, message.get_float("left", label)),
             )
