@@ -143,7 +143,7 @@ async def check_per_channel_ordering(make_pair: PairFactory) -> None:
                 size = rng.choice([0, 1, 100, 5000, 70_000])
                 msg = (rng.randrange(2**64), f"{ch}:{i}".encode(), content(ch, i, size))
                 sent[ch].append(msg)
-                await sender.send(ch, msg[2], meta=msg[1], seq=msg[0])
+                await bounded(sender.send(ch, msg[2], meta=msg[1], seq=msg[0]), "a send")
             # Receive channels in a different order than they were sent.
             for ch in reversed(channels):
                 for seq, meta, payload in sent[ch]:
@@ -189,12 +189,12 @@ async def check_send_buffer_reusable(make_pair: PairFactory) -> None:
         buf = bytearray(b"A" * size)
         small = bytearray(b"a" * 1000)
         for _ in range(3):  # more than the socket buffers hold, so some data is queued
-            await p.client.send(3, buf)
-            await p.client.send(3, small)
+            await bounded(p.client.send(3, buf), "a 16 MiB send")
+            await bounded(p.client.send(3, small), "a send")
             buf[:] = b"B" * size
             small[:] = b"b" * 1000
-            await p.client.send(3, buf)
-            await p.client.send(3, small)
+            await bounded(p.client.send(3, buf), "a 16 MiB send")
+            await bounded(p.client.send(3, small), "a send")
             buf[:] = b"A" * size
             small[:] = b"a" * 1000
         for _ in range(3):
@@ -268,7 +268,7 @@ async def check_close_semantics(make_pair: PairFactory) -> None:
         with pytest.raises(ConnectionClosedError):
             p.client.send_nowait(1, b"after")
         with pytest.raises(ConnectionClosedError):
-            await p.client.recv(1)
+            await bounded(p.client.recv(1), "recv after close() failing")
         await bounded(p.client.close(), "a second close()")  # idempotent
 
         with pytest.raises(ConnectionBrokenError) as info:
@@ -276,11 +276,12 @@ async def check_close_semantics(make_pair: PairFactory) -> None:
         assert p.client_transport.endpoint_id.short() in str(info.value)
         for i in range(5):
             assert_frame(await recv(p.server, 1), 1, i, b"", b"before close %d" % i)
-        with pytest.raises(ConnectionBrokenError):
+        with pytest.raises(ConnectionBrokenError) as info:
             await bounded(p.server.recv(1), "recv after the queued messages")
+        assert p.client_transport.endpoint_id.short() in str(info.value)
         await wait_until(lambda: p.server.closed, "the peer marking the connection closed")
         with pytest.raises(ConnectionBrokenError):
-            await p.server.send(1, b"to a closed peer")
+            await bounded(p.server.send(1, b"to a closed peer"), "send to a closed peer failing")
         await wait_until(lambda: bool(server_reports), "the peer's close callback")
         assert client_reports == [None]
         assert len(server_reports) == 1
@@ -301,14 +302,15 @@ async def check_transport_close(make_pair: PairFactory) -> None:
         await bounded(p.server_transport.close(), "transport close()")
         assert p.server.closed
         with pytest.raises(ConnectionClosedError):
-            await p.server.recv(1)
+            await bounded(p.server.recv(1), "recv on a closed transport failing")
         with pytest.raises(ConnectionBrokenError) as info:
             await bounded(pending, "the client's recv failing")
         assert p.server_transport.endpoint_id.short() in str(info.value)
         with pytest.raises(ConnectionClosedError):
             await p.server_transport.accept(timeout=1)
         with pytest.raises(ConnectionClosedError):
-            await p.server_transport.connect(p.client_transport.endpoint_id, "127.0.0.1:9")
+            peer = p.client_transport.endpoint_id
+            await bounded(p.server_transport.connect(peer, "127.0.0.1:9"), "connect failing")
         await bounded(p.server_transport.close(), "a second transport close()")
 
 
@@ -342,8 +344,9 @@ async def check_peer_death(make_pair: PairFactory) -> None:
             await bounded(pending, "the survivor noticing the dead peer")
         assert p.client_transport.endpoint_id.short() in str(info.value)
         assert bytes((await recv(p.server, 1)).payload) == b"queued"
-        with pytest.raises(ConnectionBrokenError):
-            await p.server.recv(1)
+        with pytest.raises(ConnectionBrokenError) as info:
+            await bounded(p.server.recv(1), "recv after the last message failing")
+        assert p.client_transport.endpoint_id.short() in str(info.value)
         assert p.server.closed
 
 
@@ -406,7 +409,7 @@ async def check_interrupt(make_pair: PairFactory) -> None:
         with pytest.raises(RuntimeError, match="group broke"):
             await bounded(pending, "the interrupted recv")
         with pytest.raises(RuntimeError, match="group broke"):
-            await p.server.recv(2)
+            await bounded(p.server.recv(2), "a later recv failing")
         assert not p.server.closed
         await p.server.send(1, b"notice")
         assert bytes((await recv(p.client, 1)).payload) == b"notice"
@@ -417,12 +420,16 @@ async def check_stats_count_traffic(make_pair: PairFactory) -> None:
     async with make_pair() as p:
         before_sent = p.client.stats.bytes_sent
         before_frames = p.client.stats.frames_sent
+        before_received = p.server.stats.bytes_received
+        before_frames_received = p.server.stats.frames_received
         await p.client.send(1, b"x" * 1000, meta=b"m")
         await recv(p.server, 1)
         assert p.client.stats.frames_sent == before_frames + 1
         assert p.client.stats.bytes_sent >= before_sent + 1001
         assert p.server.stats.frames_received >= 1
         assert p.server.stats.bytes_received >= 1001
+        assert p.server.stats.frames_received >= before_frames_received + 1
+        assert p.server.stats.bytes_received >= before_received + 1001
 
 
 CHECKS: list[Callable[[PairFactory], Awaitable[None]]] = [
@@ -482,4 +489,4 @@ async def still_serving(server: Transport, client: Transport, address: Any) -> N
         assert accepted.peer_id == client.endpoint_id
         await conn.send(1, b"hi")
         assert bytes((await bounded(accepted.recv(1), "recv")).payload) == b"hi"
-        await accepted.close()
+        await bounded(accepted.close(), "close()")
