@@ -13,6 +13,8 @@ channel or sequence number carries a message is the Link's business.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from itertools import zip_longest
 from typing import Any, Protocol
 
 import numpy as np
@@ -104,6 +106,43 @@ def _view(payload: memoryview, dtype: np.dtype[Any]) -> np.ndarray:
     return np.frombuffer(payload, dtype=dtype) if payload.nbytes else np.empty(0, dtype)
 
 
+async def _send_to_others(link: Link, payload: memoryview) -> None:
+    """Send the same message to every other rank."""
+    for p in range(link.size):
+        if p != link.rank:
+            await link.send(p, payload)
+
+
+async def _rank_ordered(link: Link, mine: np.ndarray) -> list[np.ndarray]:
+    """One ``mine``-sized piece from every rank, in rank order (ours is ``mine`` itself)."""
+    return [
+        mine if p == link.rank else _view(await link.recv(p, mine.nbytes), mine.dtype)
+        for p in range(link.size)
+    ]
+
+
+def _fold(parts: list[np.ndarray], op: ReduceOp, out: np.ndarray) -> None:
+    """``out = parts[0] (op) parts[1] (op) ...``, left to right in ``out``'s dtype."""
+    np.copyto(out, parts[0])
+    for part in parts[1:]:
+        op.combine(out, part)
+
+
+def _ring_schedule(
+    link: Link, bounds: list[tuple[int, int]], chunk: int, lag: int
+) -> Iterator[tuple[tuple[int, int] | None, tuple[int, int] | None]]:
+    """The ring's (chunk to send right, chunk to receive from the left) pairs, in order.
+
+    Step k sends segment (rank-k-lag) and receives segment (rank-k-lag-1), chunk by chunk
+    and interleaved, so that the transfer of one chunk overlaps the handling of the last.
+    """
+    n, r = link.size, link.rank
+    for k in range(n - 1):
+        sends = _chunks(*bounds[(r - k - lag) % n], chunk)
+        recvs = _chunks(*bounds[(r - k - lag - 1) % n], chunk)
+        yield from zip_longest(sends, recvs)
+
+
 async def ring_reduce_scatter(
     link: Link, flat: np.ndarray, bounds: list[tuple[int, int]], op: ReduceOp, chunk: int
 ) -> None:
@@ -115,19 +154,15 @@ async def ring_reduce_scatter(
     n, r = link.size, link.rank
     right, left = (r + 1) % n, (r - 1) % n
     item = flat.dtype.itemsize
-    for k in range(n - 1):
-        s0, s1 = bounds[(r - k - 1) % n]
-        r0, r1 = bounds[(r - k - 2) % n]
-        send_chunks, recv_chunks = _chunks(s0, s1, chunk), _chunks(r0, r1, chunk)
-        for i in range(max(len(send_chunks), len(recv_chunks))):
-            if i < len(send_chunks):
-                a, b = send_chunks[i]
-                await link.send(right, _bytes(flat[a:b]))
-            if i < len(recv_chunks):
-                a, b = recv_chunks[i]
-                data = await link.recv(left, (b - a) * item)
-                if b > a:
-                    op.combine(flat[a:b], _view(data, flat.dtype))
+    for send, recv in _ring_schedule(link, bounds, chunk, lag=1):
+        if send is not None:
+            a, b = send
+            await link.send(right, _bytes(flat[a:b]))
+        if recv is not None:
+            a, b = recv
+            data = await link.recv(left, (b - a) * item)
+            if b > a:
+                op.combine(flat[a:b], _view(data, flat.dtype))
 
 
 async def ring_all_gather(
@@ -137,62 +172,40 @@ async def ring_all_gather(
     n, r = link.size, link.rank
     right, left = (r + 1) % n, (r - 1) % n
     item = flat.dtype.itemsize
-    for k in range(n - 1):
-        s0, s1 = bounds[(r - k) % n]
-        r0, r1 = bounds[(r - k - 1) % n]
-        send_chunks, recv_chunks = _chunks(s0, s1, chunk), _chunks(r0, r1, chunk)
-        for i in range(max(len(send_chunks), len(recv_chunks))):
-            if i < len(send_chunks):
-                a, b = send_chunks[i]
-                await link.send(right, _bytes(flat[a:b]))
-            if i < len(recv_chunks):
-                a, b = recv_chunks[i]
-                data = await link.recv(left, (b - a) * item)
-                if b > a:
-                    flat[a:b] = _view(data, flat.dtype)
+    for send, recv in _ring_schedule(link, bounds, chunk, lag=0):
+        if send is not None:
+            a, b = send
+            await link.send(right, _bytes(flat[a:b]))
+        if recv is not None:
+            a, b = recv
+            data = await link.recv(left, (b - a) * item)
+            if b > a:
+                flat[a:b] = _view(data, flat.dtype)
 
 
 async def direct_all_reduce(link: Link, flat: np.ndarray, op: ReduceOp, out: np.ndarray) -> None:
     """One round: send ``flat`` to everyone, reduce all inputs in rank order into ``out``."""
-    n, r = link.size, link.rank
-    payload = _bytes(flat)
-    for p in range(n):
-        if p != r:
-            await link.send(p, payload)
-    parts: list[np.ndarray] = []
-    for p in range(n):
-        parts.append(flat if p == r else _view(await link.recv(p, flat.nbytes), flat.dtype))
-    np.copyto(out, parts[0])
-    for part in parts[1:]:
-        op.combine(out, part)
+    await _send_to_others(link, _bytes(flat))
+    _fold(await _rank_ordered(link, flat), op, out)
 
 
 async def direct_reduce_scatter(
     link: Link, flat: np.ndarray, bounds: list[tuple[int, int]], op: ReduceOp, out: np.ndarray
 ) -> None:
     """One round: send segment p to rank p; reduce the pieces of ours in rank order."""
-    n, r = link.size, link.rank
-    for p in range(n):
+    r = link.rank
+    for p in range(link.size):
         if p != r:
             a, b = bounds[p]
             await link.send(p, _bytes(flat[a:b]))
     a, b = bounds[r]
-    mine = flat[a:b]
-    parts = [
-        mine if p == r else _view(await link.recv(p, mine.nbytes), flat.dtype) for p in range(n)
-    ]
-    np.copyto(out, parts[0])
-    for part in parts[1:]:
-        op.combine(out, part)
+    _fold(await _rank_ordered(link, flat[a:b]), op, out)
 
 
 async def direct_all_gather(link: Link, block: np.ndarray, out: np.ndarray) -> None:
     """One round: send our block to everyone; ``out[p]`` receives rank p's block."""
     n, r = link.size, link.rank
-    payload = _bytes(block)
-    for p in range(n):
-        if p != r:
-            await link.send(p, payload)
+    await _send_to_others(link, _bytes(block))
     out[r] = block
     for p in range(n):
         if p != r:
@@ -203,10 +216,7 @@ async def direct_all_gather(link: Link, block: np.ndarray, out: np.ndarray) -> N
 async def direct_broadcast(link: Link, flat: np.ndarray, src: int) -> None:
     """``src`` sends ``flat`` to every rank, which writes it into its own ``flat``."""
     if link.rank == src:
-        payload = _bytes(flat)
-        for p in range(link.size):
-            if p != src:
-                await link.send(p, payload)
+        await _send_to_others(link, _bytes(flat))
     else:
         data = await link.recv(src, flat.nbytes)
         if flat.size:
@@ -237,9 +247,7 @@ async def agree(link: Link) -> None:
 
 async def barrier(link: Link) -> None:
     """Everyone tells everyone it arrived; returns once all have."""
-    for p in range(link.size):
-        if p != link.rank:
-            await link.send(p, memoryview(b""))
+    await _send_to_others(link, memoryview(b""))
     for p in range(link.size):
         if p != link.rank:
             await link.recv(p, 0)
@@ -274,15 +282,8 @@ def ordered_reduce(parts: list[np.ndarray], op: ReduceOp, world: int, out: np.nd
 async def ordered_all_reduce(link: Link, flat: np.ndarray, op: ReduceOp, out: np.ndarray) -> None:
     """Deterministic one-round all-reduce for small arrays: everyone sends everything,
     everyone folds all inputs in rank order in float64 (same bits everywhere)."""
-    n, r = link.size, link.rank
-    payload = _bytes(flat)
-    for p in range(n):
-        if p != r:
-            await link.send(p, payload)
-    parts = [
-        flat if p == r else _view(await link.recv(p, flat.nbytes), flat.dtype) for p in range(n)
-    ]
-    ordered_reduce(parts, op, n, out)
+    await _send_to_others(link, _bytes(flat))
+    ordered_reduce(await _rank_ordered(link, flat), op, link.size, out)
 
 
 async def ordered_reduce_scatter(
@@ -332,34 +333,28 @@ async def compressed_ring_all_reduce(
     """
     n, r = link.size, link.rank
     right, left = (r + 1) % n, (r - 1) % n
-    for k in range(n - 1):
-        sends = _chunks(*bounds[(r - k - 1) % n], chunk)
-        recvs = _chunks(*bounds[(r - k - 2) % n], chunk)
-        for i in range(max(len(sends), len(recvs))):
-            if i < len(sends):
-                a, b = sends[i]
-                await link.send(right, _bytes(codec.encode(work[a:b])))
-            if i < len(recvs):
-                a, b = recvs[i]
-                data = await link.recv(left, codec.nbytes(b - a))
-                if b > a:
-                    work[a:b] += codec.decode(data, b - a)
+    for send, recv in _ring_schedule(link, bounds, chunk, lag=1):
+        if send is not None:
+            a, b = send
+            await link.send(right, _bytes(codec.encode(work[a:b])))
+        if recv is not None:
+            a, b = recv
+            data = await link.recv(left, codec.nbytes(b - a))
+            if b > a:
+                work[a:b] += codec.decode(data, b - a)
     held: dict[tuple[int, int], memoryview] = {}
     for a, b in _chunks(*bounds[r], chunk):
         enc = codec.encode(work[a:b])
         work[a:b] = codec.decode(enc, b - a)
         held[(a, b)] = _bytes(enc)
-    for k in range(n - 1):
-        sends = _chunks(*bounds[(r - k) % n], chunk)
-        recvs = _chunks(*bounds[(r - k - 1) % n], chunk)
-        for i in range(max(len(sends), len(recvs))):
-            if i < len(sends):
-                await link.send(right, held.pop(sends[i]))
-            if i < len(recvs):
-                a, b = recvs[i]
-                data = await link.recv(left, codec.nbytes(b - a))
-                work[a:b] = codec.decode(data, b - a)
-                held[(a, b)] = data
+    for send, recv in _ring_schedule(link, bounds, chunk, lag=0):
+        if send is not None:
+            await link.send(right, held.pop(send))
+        if recv is not None:
+            a, b = recv
+            data = await link.recv(left, codec.nbytes(b - a))
+            work[a:b] = codec.decode(data, b - a)
+            held[(a, b)] = data
 
 
 async def compressed_direct_all_reduce(link: Link, work: np.ndarray, codec: WireCodec) -> None:
@@ -368,9 +363,7 @@ async def compressed_direct_all_reduce(link: Link, work: np.ndarray, codec: Wire
     n, r = link.size, link.rank
     enc = codec.encode(work)
     payload = _bytes(enc)
-    for p in range(n):
-        if p != r:
-            await link.send(p, payload)
+    await _send_to_others(link, payload)
     size = work.size
     total: np.ndarray | None = None
     for p in range(n):
@@ -423,13 +416,7 @@ async def direct_reduce(
         await link.send(dst, _bytes(flat))
         return
     assert out is not None
-    parts = [
-        flat if p == r else _view(await link.recv(p, flat.nbytes), flat.dtype)
-        for p in range(link.size)
-    ]
-    np.copyto(out, parts[0])
-    for part in parts[1:]:
-        op.combine(out, part)
+    _fold(await _rank_ordered(link, flat), op, out)
 
 
 async def scatter_from(link: Link, blocks: np.ndarray | None, src: int, out: np.ndarray) -> None:
