@@ -100,19 +100,7 @@ def make_pair(tls: bool) -> PairFactory:
     return functools.partial(tcp_pair, tls)
 
 
-KNOWN_TCP_BUGS: dict[object, str] = {}
-
-
-@pytest.mark.parametrize(
-    "check",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=KNOWN_TCP_BUGS[c]))
-        if c in KNOWN_TCP_BUGS
-        else c
-        for c in CHECKS
-    ],
-    ids=[c.__name__.removeprefix("check_") for c in CHECKS],
-)
+@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__.removeprefix("check_") for c in CHECKS])
 async def test_conformance(
     check: Callable[[PairFactory], Awaitable[None]], make_pair: PairFactory
 ) -> None:
@@ -134,6 +122,11 @@ async def test_tls_is_tls13(make_pair: PairFactory) -> None:
 
 def config(tls: bool, **kw: Any) -> TransportConfig:
     return TransportConfig(tls=tls, **kw)
+
+
+async def open_raw(addr: tuple[str, int]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A plain TCP connection to ``addr`` for a hand-written peer."""
+    return await bounded(asyncio.open_connection(*addr), "a raw TCP connect")
 
 
 async def read_record(reader: asyncio.StreamReader, rr: RecordReader) -> dict[str, Any]:
@@ -226,6 +219,23 @@ async def fake_server(
         await bounded(asyncio.gather(*tasks), "the fake server's handlers ending")
 
 
+async def refused_by_fake_server(
+    handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    want: EndpointId,
+    *,
+    tls: bool,
+) -> PeerAuthenticationError:
+    """Dial ``want`` at a :func:`fake_server` running ``handler``: the dial must be refused
+    and leave no connection behind. Returns the error."""
+    async with fake_server(handler) as addr:
+        client = TcpTransport(key(0), config(tls))
+        async with closing(client):
+            with pytest.raises(PeerAuthenticationError) as info:
+                await bounded(client.connect(want, addr), "connect")
+            assert not client._connections
+    return info.value
+
+
 # ---- authentication ----------------------------------------------------------------------------
 
 
@@ -260,7 +270,7 @@ async def test_client_claiming_id_with_another_cert_is_refused(
     caplog.set_level(logging.WARNING, logger=TCP_LOG)
     async with listening(True) as (server, addr):
         rec, _ = hello(eid(2), server.endpoint_id, tls=True, cert=TlsIdentity(key(3)).cert_der)
-        reader, writer = await asyncio.open_connection(*addr)
+        reader, writer = await open_raw(addr)
         try:
             writer.write(encode_record(rec, first=True))
             reply = await read_record(reader, RecordReader())
@@ -281,7 +291,7 @@ async def test_client_claiming_id_without_its_key_fails_tls(
     caplog.set_level(logging.WARNING, logger=TCP_LOG)
     async with listening(True) as (server, addr):
         rec, _ = hello(key(2), server.endpoint_id, tls=True)  # A's real certificate
-        reader, writer = await asyncio.open_connection(*addr)
+        reader, writer = await open_raw(addr)
         try:
             writer.write(encode_record(rec, first=True))
             reply = await read_record(reader, RecordReader())
@@ -322,7 +332,7 @@ async def test_client_hello_with_unusable_certificate_is_refused(how: str) -> No
     (both used to escape the handshake task and leave the socket open)."""
     async with listening(True) as (server, addr):
         rec, _ = hello(eid(2), server.endpoint_id, tls=True, cert=mangled_cert(how))
-        reader, writer = await asyncio.open_connection(*addr)
+        reader, writer = await open_raw(addr)
         try:
             writer.write(encode_record(rec, first=True))
             reply = await read_record(reader, RecordReader())
@@ -343,7 +353,7 @@ async def plain_client(
     """Hand-written plaintext dialer: hello as ``claimed``, then the signature from
     ``sign(client_nonce, server_nonce)`` (plus ``after_auth`` bytes in the same write)."""
     rec, nonce = hello(claimed, server_id, tls=False)
-    reader, writer = await asyncio.open_connection(*addr)
+    reader, writer = await open_raw(addr)
     writer.write(encode_record(rec, first=True))
     rr = RecordReader()
     reply = await read_record(reader, rr)
@@ -430,17 +440,12 @@ async def test_plaintext_bad_server_refused(forgery: str) -> None:
         w.write(encode_record({"sig": sig}))
         await r.read()
 
-    async with fake_server(handler) as addr:
-        client = TcpTransport(key(0), config(False))
-        async with closing(client):
-            with pytest.raises(PeerAuthenticationError) as info:
-                await bounded(client.connect(a.endpoint_id, addr), "connect")
-            if forgery == "wrong-id":
-                assert str(a.endpoint_id) in str(info.value)
-                assert str(b.endpoint_id) in str(info.value)
-            else:
-                assert "could not prove it holds the key" in str(info.value)
-            assert not client._connections
+    err = await refused_by_fake_server(handler, a.endpoint_id, tls=False)
+    if forgery == "wrong-id":
+        assert str(a.endpoint_id) in str(err)
+        assert str(b.endpoint_id) in str(err)
+    else:
+        assert "could not prove it holds the key" in str(err)
 
 
 async def test_tls_server_presenting_another_cert_refused() -> None:
@@ -455,13 +460,8 @@ async def test_tls_server_presenting_another_cert_refused() -> None:
         await loop.start_tls(w.transport, w.transport.get_protocol(), ctx, server_side=True)
         await r.read()
 
-    async with fake_server(handler) as addr:
-        client = TcpTransport(key(0), config(True))
-        async with closing(client):
-            with pytest.raises(PeerAuthenticationError) as info:
-                await bounded(client.connect(a.endpoint_id, addr), "connect")
-            msg = str(info.value)
-            assert f"expected {a.endpoint_id}, presented {b.endpoint_id}" in msg
+    err = await refused_by_fake_server(handler, a.endpoint_id, tls=True)
+    assert f"expected {a.endpoint_id}, presented {b.endpoint_id}" in str(err)
 
 
 @pytest.mark.parametrize(("client_tls", "server_tls"), [(True, False), (False, True)])
@@ -503,7 +503,7 @@ async def test_non_p2pdist_client_refused_and_listener_keeps_accepting(
     server = TcpTransport(key(1), cfg)
     async with closing(server):
         addr = await server.listen()
-        reader, writer = await asyncio.open_connection(*addr)
+        reader, writer = await open_raw(addr)
         try:
             writer.write(STRANGERS[name])
             got = await read_until_closed(reader)
@@ -583,8 +583,9 @@ async def test_malformed_frames_close_only_that_connection(name: str, tls: bool)
                 await bounded(p.server.recv(1), "the protocol error")
             assert eid(0).short() in str(info.value)
             assert p.server.closed
-            with pytest.raises(ConnectionBrokenError):
+            with pytest.raises(ConnectionBrokenError) as broken:
                 await bounded(p.client.recv(1), "the offender learning it was dropped")
+            assert eid(1).short() in str(broken.value)
 
             for src, dst in ((bystander, bystander_srv), (bystander_srv, bystander)):
                 await src.send(3, b"unaffected")
@@ -599,8 +600,9 @@ async def test_frames_before_garbage_are_still_delivered() -> None:
         p.client._transport.write(good + b"\xff" * 64)  # type: ignore[attr-defined]
         f = await bounded(p.server.recv(1), "the good frame")
         assert bytes(f.payload) == b"hello"
-        with pytest.raises(RemoteProtocolError):
+        with pytest.raises(RemoteProtocolError) as info:
             await bounded(p.server.recv(1), "the protocol error")
+        assert eid(0).short() in str(info.value)
 
 
 # ---- peers that die -----------------------------------------------------------------------------
@@ -674,7 +676,7 @@ async def test_two_receivers_on_one_channel_is_usage_error() -> None:
         first = asyncio.create_task(p.server.recv(1))
         await asyncio.sleep(0)
         with pytest.raises(UsageError, match="two receivers"):
-            await p.server.recv(1)
+            await bounded(p.server.recv(1), "the second receiver failing")
         await p.client.send(1, b"x")
         assert bytes((await bounded(first, "recv")).payload) == b"x"
 
