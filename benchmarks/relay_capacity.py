@@ -29,6 +29,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from relay_helpers import read_relay_url  # noqa: E402
 
 from p2pdist.identity import SecretKey  # noqa: E402
 from relay.testclient import RelayTestClient, http_get  # noqa: E402
@@ -175,11 +178,16 @@ class Proc:
             args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
         )
 
+    def tell(self, cmd: str) -> None:
+        """Send a command; :meth:`ask` (without one) reads its reply later."""
+        assert self.p.stdin is not None
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+
     def ask(self, cmd: str | None = None) -> dict[str, Any]:
-        assert self.p.stdin is not None and self.p.stdout is not None
+        assert self.p.stdout is not None
         if cmd is not None:
-            self.p.stdin.write(cmd + "\n")
-            self.p.stdin.flush()
+            self.tell(cmd)
         line = self.p.stdout.readline()
         if not line:
             raise RuntimeError(f"worker exited ({self.p.wait()})")
@@ -203,11 +211,11 @@ def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
             "--stun-port", "0", "--max-clients", str(n + 16), "--log-level", "error",
             "--keepalive", "60",
         ],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        stdout=subprocess.PIPE, cwd=ROOT,
     )  # fmt: skip
     try:
         assert relay.stdout is not None
-        url = relay.stdout.readline().split("relay url: ", 1)[1].strip()
+        url = read_relay_url(relay.stdout)
         time.sleep(0.5)
         base = _proc_status(relay.pid)
         per = n // args.procs
@@ -219,15 +227,13 @@ def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
         connect_s = max(w.ask()["connected_in"] for w in workers)
         clients = _metric(_metrics(url), "p2pdist_relay_clients")
         for w in workers:
-            w.p.stdin.write(f"light {args.light_seconds}\n")  # type: ignore[union-attr]
-            w.p.stdin.flush()  # type: ignore[union-attr]
+            w.tell(f"light {args.light_seconds}")
         light = [w.ask() for w in workers]
         loaded = _proc_status(relay.pid)
         before = _metrics(url)
         cpu0 = _cpu_seconds(relay.pid)
         t0 = time.perf_counter()
-        workers[1 % args.procs].p.stdin.write(f"count {args.blast_seconds + 1}\n")  # type: ignore[union-attr]
-        workers[1 % args.procs].p.stdin.flush()  # type: ignore[union-attr]
+        workers[1 % args.procs].tell(f"count {args.blast_seconds + 1}")
         blast = workers[0].ask(f"blast {args.blast_pairs} {args.blast_seconds} {args.size}")
         elapsed = time.perf_counter() - t0
         cpu = _cpu_seconds(relay.pid) - cpu0

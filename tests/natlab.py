@@ -61,6 +61,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from relay_helpers import read_relay_url
+
 __all__ = [
     "KINDS",
     "PREFIX",
@@ -149,8 +151,8 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, owned by someone else
+        pass
     return True
 
 
@@ -194,6 +196,12 @@ def _ruleset(kind: str, wan: str, lan: str) -> str:
         f"-A INPUT -i {lan} -j ACCEPT\n"
         "COMMIT\n"
     )
+
+
+def _block_rule(ns: str, action: str, chain: str) -> list[str]:
+    """``iptables -I``/``-D`` of the UDP block rule (:meth:`NatLab.block_udp`) in ``ns``."""
+    rule = ["-p", "udp", "-m", "comment", "--comment", _BLOCK_COMMENT, "-j", "DROP"]
+    return ["ip", "netns", "exec", ns, "iptables", action, chain, *rule]
 
 
 class NatLab:
@@ -397,15 +405,12 @@ class NatLab:
         proc = self.spawn("internet", argv, stdout=subprocess.PIPE, stderr=log)
         self.relay_proc = proc
         assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        line = proc.stdout.readline().decode() if ready else ""
-        if not line.startswith("relay url: "):
-            raise NatLabError(
-                f"relay printed no url ({line!r}); log:\n{self.relay_log.read_text()}"
-            )
+        try:
+            self.relay_url = read_relay_url(proc.stdout, timeout)
+        except ValueError as exc:
+            raise NatLabError(f"{exc}; log:\n{self.relay_log.read_text()}") from None
         from p2pdist.wire.relay import RelayUrl
 
-        self.relay_url = line[len("relay url: ") :].strip()
         self.relay_port = RelayUrl.parse(self.relay_url).port
         # The log's "listening" line (written before the url) names the bound UDP ports.
         found = re.search(r" stun=(\S+) stun_alt=(\S+)", self.relay_log.read_text())
@@ -431,17 +436,15 @@ class NatLab:
         ns = self._filter_ns(side)
         chains = ["FORWARD"] if self.router_ns(side) else ["INPUT", "OUTPUT"]
         for chain in chains:
-            rule = [chain, "-p", "udp", "-m", "comment", "--comment", _BLOCK_COMMENT, "-j", "DROP"]
-            _run(["ip", "netns", "exec", ns, "iptables", "-I", *rule])
+            _run(_block_rule(ns, "-I", chain))
 
     def unblock_udp(self, side: str) -> None:
         """Undo :meth:`block_udp` (also lifts a ``"udp-blocked"`` router's block)."""
         ns = self._filter_ns(side)
         for chain in ("FORWARD", "INPUT", "OUTPUT"):
-            rule = [chain, "-p", "udp", "-m", "comment", "--comment", _BLOCK_COMMENT, "-j", "DROP"]
-            argv = ["ip", "netns", "exec", ns, "iptables", "-D", *rule]
+            argv = _block_rule(ns, "-D", chain)
             while subprocess.run(argv, capture_output=True, timeout=30).returncode == 0:
-                pass
+                pass  # one rule removed per run; stops when none is left
 
     def set_udp_timeout(self, side: str, seconds: int, stream_seconds: int | None = None) -> None:
         """Conntrack UDP timeouts at ``side``'s router: ``seconds`` for flows seen one

@@ -8,8 +8,20 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import IO
 
 ROOT = Path(__file__).resolve().parent.parent
+URL_LINE = "relay url: "
+
+
+def read_relay_url(stdout: IO[bytes], timeout: float = 30.0) -> str:
+    """The URL from a starting relay's one stdout line ``relay url: URL``, waiting at most
+    ``timeout`` seconds; ValueError saying what came instead."""
+    ready, _, _ = select.select([stdout], [], [], timeout)
+    line = stdout.readline().decode() if ready else ""
+    if not line.startswith(URL_LINE):
+        raise ValueError(f"relay printed no url line within {timeout:g} s (got {line!r})")
+    return line[len(URL_LINE) :].strip()
 
 
 class RelayProcess:
@@ -28,14 +40,13 @@ class RelayProcess:
         )
         self.url = self._read_url()
 
-    def _read_url(self, timeout: float = 30.0) -> str:
+    def _read_url(self) -> str:
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline().decode() if ready else ""
-        if not line.startswith("relay url: "):
+        try:
+            return read_relay_url(self.proc.stdout)
+        except ValueError as exc:
             self.proc.kill()
-            raise AssertionError(f"no url line ({line!r}); log:\n{self.log.read_text()}")
-        return line[len("relay url: ") :].strip()
+            raise AssertionError(f"{exc}; log:\n{self.log.read_text()}") from None
 
     def stop(self, sig: int = signal.SIGTERM) -> tuple[int, str]:
         """Signal, wait (bounded), and return (exit status, remaining stdout)."""

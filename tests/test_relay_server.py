@@ -47,7 +47,7 @@ from relay import RelayConfig, RelayServer
 from relay.config import ConfigError
 from relay.healthcheck import main as healthcheck
 from relay.tap import read_tap
-from relay.testclient import RelayRefused, RelayTestClient, http_get
+from relay.testclient import RelayRefused, RelayTestClient, client_context, http_get
 
 ROOT = Path(__file__).resolve().parent.parent
 T = RelayFrameType
@@ -475,8 +475,7 @@ async def _probe(url: str) -> None:
 async def _garbage(url: str, phase: str, data: bytes) -> None:
     u = RelayUrl.parse(url)
     if phase == "http":
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        ctx = client_context(u)  # pinned URL: the pin is not checked for garbage
         _, writer = await asyncio.wait_for(asyncio.open_connection(u.host, u.port, ssl=ctx), 10)
         writer.write(data)
         await writer.drain()
