@@ -274,10 +274,11 @@ class RelayCore:
                 m.peer_gone_total += 1
                 self._control(s, encode_frame(RelayFrameType.PEER_GONE, dest_id))
             return
-        frame = b"".join((_HEAD.pack(_RECV, len(body)), s.raw_id, memoryview(body)[ID_LEN:]))
-        if dest.queued() + len(frame) > self.config.queue_bytes:
+        # Checked before the RECV frame is built: a slow reader's drops copy nothing.
+        if dest.queued() + _HEAD.size + len(body) > self.config.queue_bytes:
             m.dropped["queue_full"] += 1
             return
+        frame = b"".join((_HEAD.pack(_RECV, len(body)), s.raw_id, memoryview(body)[ID_LEN:]))
         m.datagrams_out_total += 1
         self._queue(dest, frame)
 
