@@ -71,6 +71,14 @@ def _unverified_context() -> ssl.SSLContext:
     return ctx
 
 
+def _presented_id(der: bytes) -> EndpointId | None:
+    """The endpoint id of the relay's certificate; None when it is not an Ed25519 one."""
+    try:
+        return endpoint_id_of_cert(der)
+    except ValueError:
+        return None
+
+
 async def _tls_open(
     url: RelayUrl, cafile: str | None, timeout: float, *, verify: bool = True
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
@@ -84,7 +92,7 @@ async def _tls_open(
     if not der:
         writer.close()
         raise ssl.SSLError("relay presented no certificate")
-    if verify and url.pin is not None and endpoint_id_of_cert(der) != url.pin:
+    if verify and url.pin is not None and _presented_id(der) != url.pin:
         writer.close()
         raise ssl.SSLError("relay key does not match the pin in its URL")
     return reader, writer, der

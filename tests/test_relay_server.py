@@ -242,6 +242,8 @@ async def test_real_certificate_mode(tmp_path: Path) -> None:
         assert await b.recv() == (bytes(A.endpoint_id), b"over a CA-verified relay")
         with pytest.raises(ssl.SSLCertVerificationError):  # not trusted without the CA
             await RelayTestClient.open(srv.url)
+        with pytest.raises(ssl.SSLError, match="pin"):  # an ECDSA certificate is no pin
+            await RelayTestClient.open(str(RelayUrl("127.0.0.1", srv.port, A.endpoint_id)))
         srv.reload()  # same files: still works
         c = await joined(srv.url, C, cafile=str(cert))
         await c.close()
