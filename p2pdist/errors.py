@@ -53,10 +53,12 @@ class ConnectionClosedError(P2PError):
 
 
 class PeerError(P2PError):
-    """An error attributable to one remote peer, named in ``peer``."""
+    """An error attributable to one remote peer, named in ``peer``; ``detail`` is the
+    message without the peer's name."""
 
     def __init__(self, peer: str, message: str) -> None:
         self.peer = peer
+        self.detail = message
         super().__init__(f"{peer}: {message}")
 
 

@@ -157,3 +157,21 @@ async def test_a_late_dial_after_formation_is_refused() -> None:
             await late.close()
         out = await asyncio.gather(*(g.all_reduce(np.ones(2)) for g in gs))
         assert out[0].tolist() == [2.0, 2.0]
+
+
+async def test_a_lost_peer_error_adds_the_failures_reported_meanwhile() -> None:
+    from p2pdist import Group
+
+    g = Group.from_seed("test-seed-0123456789", rank=0, world=1)
+    err = ConnectionBrokenError("rank 1 (abcdefghij)", "connection reset: by peer")
+    assert err.detail == "connection reset: by peer"
+    g._failure_log += [str(err), "rank 2 (klmnopqrst) aborted the group: boom"]
+    out = await g._attribute(err)
+    assert out.peer == err.peer
+    assert str(out) == (
+        "rank 1 (abcdefghij): connection reset: by peer; "
+        "also: rank 2 (klmnopqrst) aborted the group: boom"
+    )
+    alone = ConnectionBrokenError("rank 3 (uvwxyz2345)", "gone")
+    g._failure_log[:] = [str(alone)]
+    assert await g._attribute(alone) is alone  # nothing else reported: unchanged

@@ -480,9 +480,7 @@ class GroupCore:
         others = [f for f in self._failure_log if f != str(err)]
         if not others:
             return err
-        return ConnectionBrokenError(
-            err.peer, f"{err.args[0].split(': ', 1)[-1]}; also: " + "; ".join(others)
-        )
+        return ConnectionBrokenError(err.peer, f"{err.detail}; also: " + "; ".join(others))
 
     def _root(self) -> GroupCore:
         group = self
