@@ -371,8 +371,9 @@ async def test_unexpected_stream_is_a_protocol_error() -> None:
         with pytest.raises(RemoteProtocolError, match="unexpected QUIC stream") as info:
             await bounded(p.server.recv(1), "the protocol error")
         assert eid(0).short() in str(info.value)
-        with pytest.raises(ConnectionBrokenError, match="unexpected QUIC stream"):
+        with pytest.raises(ConnectionBrokenError, match="unexpected QUIC stream") as broken:
             await bounded(client.recv(1), "the offender learning it was dropped")
+        assert eid(1).short() in str(broken.value)
 
 
 async def test_malformed_frame_closes_only_that_connection() -> None:
@@ -386,8 +387,13 @@ async def test_malformed_frame_closes_only_that_connection() -> None:
             bystander_srv = await bounded(server_t.accept(), "second accept")
             assert isinstance(p.client, QuicConnection)
             p.client._write(b"\x09" + b"\x00" * 31)  # frame version 9
-            with pytest.raises(RemoteProtocolError, match="version 9"):
+            with pytest.raises(RemoteProtocolError, match="version 9") as info:
                 await bounded(p.server.recv(1), "the protocol error")
+            assert eid(0).short() in str(info.value)
+            assert p.server.closed
+            with pytest.raises(ConnectionBrokenError, match="version 9") as broken:
+                await bounded(p.client.recv(1), "the offender learning it was dropped")
+            assert eid(1).short() in str(broken.value)
             for src, dst in ((bystander, bystander_srv), (bystander_srv, bystander)):
                 await src.send(3, b"unaffected")
                 assert bytes((await bounded(dst.recv(3), "recv")).payload) == b"unaffected"
