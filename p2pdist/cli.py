@@ -14,8 +14,6 @@ import stat
 import sys
 from collections.abc import Callable, Sequence
 
-from cryptography.hazmat.primitives import serialization
-
 from . import __version__
 from .errors import KeyFileError, P2PError, UsageError
 from .identity import SecretKey, derive_endpoint_ids
@@ -40,14 +38,6 @@ def _cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     return launch(cfg)
 
 
-def _pem(key: SecretKey) -> bytes:
-    return key.private_key().private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-
-
 def _write_pem_to_stdout(key: SecretKey) -> None:
     """Write the key's PEM to stdout, never to a terminal; tighten a file's mode to 0600."""
     fd = sys.stdout.fileno()
@@ -60,7 +50,7 @@ def _write_pem_to_stdout(key: SecretKey) -> None:
     if stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         os.fchmod(fd, 0o600)
     sys.stdout.flush()
-    sys.stdout.buffer.write(_pem(key))
+    sys.stdout.buffer.write(key.to_pem())
     sys.stdout.buffer.flush()
 
 
@@ -99,7 +89,7 @@ def _cmd_id(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def _passthrough(module: str) -> Callable[[argparse.Namespace, list[str]], int]:
+def _passthrough(module: str) -> _Handler:
     def run(args: argparse.Namespace, extra: list[str]) -> int:
         # Imported lazily: these pull in the whole group stack.
         entry: Callable[[list[str]], int] = importlib.import_module(module).main

@@ -174,14 +174,18 @@ class SecretKey:
     def __hash__(self) -> int:
         return hash(self._public)
 
-    def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
-        """Write the key as PKCS#8 PEM, created with mode 0600."""
-        p = Path(path)
-        pem = self._key.private_bytes(
+    def to_pem(self) -> bytes:
+        """The key as unencrypted PKCS#8 PEM, the format of :meth:`save` (handle with care)."""
+        return self._key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         )
+
+    def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+        """Write the key as PKCS#8 PEM, created with mode 0600."""
+        p = Path(path)
+        pem = self.to_pem()
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
         try:
             fd = os.open(p, flags, 0o600)

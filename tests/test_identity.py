@@ -444,3 +444,12 @@ def test_endpoint_id_of_cert_malformed_is_value_error(der: bytes) -> None:
     """The DER comes from the peer: every failure must be the documented ValueError."""
     with pytest.raises(ValueError):
         endpoint_id_of_cert(der)
+
+
+def test_to_pem_is_what_save_writes_and_load_reads(tmp_path: Path) -> None:
+    key = SecretKey.from_seed(SEED, 6)
+    pem = key.to_pem()
+    assert pem.startswith(b"-----BEGIN PRIVATE KEY-----")
+    key.save(tmp_path / "k.pem")
+    assert (tmp_path / "k.pem").read_bytes() == pem
+    assert SecretKey.load(tmp_path / "k.pem") == key
