@@ -8,9 +8,11 @@ from urllib.parse import urlsplit
 
 import pytest
 from relay_helpers import RelayProcess
+from transport_conformance import bounded, wait_until
 
 from p2pdist import EndpointId, PeerAuthenticationError, SecretKey
 from p2pdist.transport.relay_path import RelayConfig, RelayPath, RelayState
+from p2pdist.wire.relay import RelayUrl
 
 FAST = RelayConfig(connect_timeout=5.0, backoff_initial=0.05, backoff_max=0.5)
 
@@ -27,7 +29,7 @@ class Inbox:
         path.on_datagram = lambda src, data: self.items.put_nowait((src, data))
 
     async def get(self) -> tuple[EndpointId, bytes]:
-        return await asyncio.wait_for(self.items.get(), 10)
+        return await bounded(self.items.get(), "a datagram through the relay")
 
 
 async def send_until_received(a: RelayPath, b_id: EndpointId, inbox: Inbox, data: bytes) -> None:
@@ -58,9 +60,9 @@ async def test_datagrams_flow_with_authenticated_sources(tmp_path: Path) -> None
             gone: asyncio.Queue[EndpointId] = asyncio.Queue()
             a.on_peer_gone = gone.put_nowait
             a.send(key(7).endpoint_id, b"anyone?")
-            assert await asyncio.wait_for(gone.get(), 10) == key(7).endpoint_id
+            assert await bounded(gone.get(), "PEER_GONE") == key(7).endpoint_id
         finally:
-            await asyncio.gather(a.close(), b.close())
+            await bounded(asyncio.gather(a.close(), b.close()), "close()")
         assert a.status.state is RelayState.CLOSED
 
 
@@ -70,10 +72,12 @@ async def test_wrong_pin_is_refused_and_named(tmp_path: Path) -> None:
         wrong = f"https://{parts.netloc}/?pin={key(9).endpoint_id}"
         path = RelayPath(key(0), wrong, config=FAST)
         try:
-            with pytest.raises(PeerAuthenticationError, match="identity mismatch"):
+            with pytest.raises(PeerAuthenticationError, match="identity mismatch") as info:
                 await path.wait_connected(10)
+            assert str(key(9).endpoint_id) in str(info.value)  # the id we pinned
+            assert str(RelayUrl.parse(relay.url).pin) in str(info.value)  # the relay's own
         finally:
-            await path.close()
+            await bounded(path.close(), "close()")
 
 
 async def test_token_mode(tmp_path: Path) -> None:
@@ -85,7 +89,7 @@ async def test_token_mode(tmp_path: Path) -> None:
             with pytest.raises(PeerAuthenticationError, match="bad token"):
                 await bad.wait_connected(10)
         finally:
-            await asyncio.gather(bad.close(), good.close())
+            await bounded(asyncio.gather(bad.close(), good.close()), "close()")
 
 
 async def test_reconnects_after_a_relay_restart(tmp_path: Path) -> None:
@@ -100,11 +104,16 @@ async def test_reconnects_after_a_relay_restart(tmp_path: Path) -> None:
         status, _ = await asyncio.to_thread(first.stop)  # graceful: RECONNECT to clients
         assert status == 0
         assert a.status.state is not RelayState.CONNECTED or a.status.last_error
+
+        def dropped() -> bool:  # no relay until the second one starts: both sides notice
+            return RelayState.CONNECTED not in (a.status.state, b.status.state)
+
+        await wait_until(dropped, "both sides noticing the relay is gone")
         with RelayProcess(tmp_path, "--key", str(keyfile), "--port", port) as second:
             assert second.url == first.url  # same key, same port: same URL
             await asyncio.gather(a.wait_connected(15), b.wait_connected(15))
             await send_until_received(a, b.endpoint_id, inbox_b, b"after")
             assert a.status.connects >= 2 and b.status.connects >= 2
     finally:
-        await asyncio.gather(a.close(), b.close())
+        await bounded(asyncio.gather(a.close(), b.close()), "close()")
         first.__exit__()
