@@ -25,9 +25,9 @@ import asyncio
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -50,6 +50,7 @@ _REDUCE: dict[str, np.ufunc] = {
 
 Maker = Callable[[np.random.Generator], np.ndarray]
 """Makes one rank's input for a check from that rank's generator."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,13 @@ class CheckResult:
         status = "ok" if self.ok else "FAIL"
         took = "" if self.seconds is None else f"{self.seconds * 1e3:7.1f} ms"
         return f"[check] {self.name:<{_NAME}} {status:<4} {took:>10}  {self.detail}".rstrip()
+
+
+async def _timed(call: Awaitable[T]) -> tuple[T, float]:
+    """What ``call`` returns, and how many seconds it took."""
+    t0 = time.perf_counter()
+    result = await call
+    return result, time.perf_counter() - t0
 
 
 def _describe(a: np.ndarray) -> str:
@@ -162,9 +170,7 @@ class Checker:
             self.corrupt = False
             mine = mine + 1
         before = mine.copy()
-        t0 = time.perf_counter()
-        got = await self.g.all_reduce(mine, op=op)
-        seconds = time.perf_counter() - t0
+        got, seconds = await _timed(self.g.all_reduce(mine, op=op))
         want, bound = _reference(op, inputs)
         problem = _compare(got, want, mine.dtype, bound)
         if not problem and not np.array_equal(mine, before):
@@ -177,9 +183,7 @@ class Checker:
         """reduce_scatter(op) against ``array_split(reduced, size)[rank]``."""
         inputs = self.draw(make)
         mine = inputs[self.g.rank]
-        t0 = time.perf_counter()
-        got = await self.g.reduce_scatter(mine, op=op)
-        seconds = time.perf_counter() - t0
+        got, seconds = await _timed(self.g.reduce_scatter(mine, op=op))
         full, bound = _reference(op, inputs)
         want = np.array_split(full, self.g.size, axis=0)[self.g.rank]
         problem = _compare(got, want, mine.dtype, bound)
@@ -190,9 +194,7 @@ class Checker:
         """all_gather against ``np.stack`` of every rank's input (exact)."""
         inputs = self.draw(make)
         mine = inputs[self.g.rank]
-        t0 = time.perf_counter()
-        got = await self.g.all_gather(mine)
-        seconds = time.perf_counter() - t0
+        got, seconds = await _timed(self.g.all_gather(mine))
         problem = _compare(got, np.stack(inputs), mine.dtype, 0.0)
         self.record(f"all_gather {_describe(mine)}{note}", problem, seconds)
 
@@ -200,17 +202,14 @@ class Checker:
         """broadcast from ``src`` (exact)."""
         inputs = self.draw(make)
         mine = inputs[self.g.rank]
-        t0 = time.perf_counter()
-        got = await self.g.broadcast(mine, src=src)
-        seconds = time.perf_counter() - t0
+        got, seconds = await _timed(self.g.broadcast(mine, src=src))
         problem = _compare(got, inputs[src], mine.dtype, 0.0)
         self.record(f"broadcast src={src} {_describe(mine)}{note}", problem, seconds)
 
     async def barrier(self) -> None:
         """A barrier returns on every rank."""
-        t0 = time.perf_counter()
-        await self.g.barrier()
-        self.record("barrier", "", time.perf_counter() - t0)
+        _, seconds = await _timed(self.g.barrier())
+        self.record("barrier", "", seconds)
 
     async def ring_send_recv(self, make: Maker, how: str) -> None:
         """Each rank sends to ``rank + 1`` and receives from ``rank - 1`` (exact)."""
@@ -220,15 +219,13 @@ class Checker:
         dst, src = (g.rank + 1) % g.size, (g.rank - 1) % g.size
         expect = inputs[src]
         out = np.empty_like(expect)
-        t0 = time.perf_counter()
         if how == "like":
             receive = g.recv(src, like=expect)
         elif how == "out":
             receive = g.recv(src, out=out)
         else:
             receive = g.recv(src, shape=expect.shape, dtype=expect.dtype)
-        _, got = await asyncio.gather(g.send(mine, dst), receive)
-        seconds = time.perf_counter() - t0
+        (_, got), seconds = await _timed(asyncio.gather(g.send(mine, dst), receive))
         problem = _compare(got, expect, expect.dtype, 0.0)
         if how == "out" and got is not out:
             problem = problem or "recv(out=) did not return out"
