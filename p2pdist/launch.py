@@ -125,10 +125,10 @@ def pick_free_ports(host: str, count: int) -> list[int]:
 
     All sockets are held open until every port is chosen, so the ports differ.
     """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     socks: list[socket.socket] = []
     try:
         for _ in range(count):
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
             s = socket.socket(family, socket.SOCK_STREAM)
             socks.append(s)
             s.bind((host, 0))
