@@ -43,8 +43,8 @@ async def groups(
     )
     peers = loopback_peers(n)
     gs = [Group.from_seed(seed, rank=r, world=n, peers=peers, config=cfg) for r in range(n)]
-    await asyncio.gather(*(g.start() for g in gs))
-    try:
+    try:  # a rank that fails to form still closes the others
+        await asyncio.gather(*(g.start() for g in gs))
         yield gs
     finally:
         await asyncio.gather(*(g.close() for g in gs), return_exceptions=True)
