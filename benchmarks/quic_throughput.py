@@ -32,6 +32,7 @@ from aioquic.asyncio import QuicConnectionProtocol, connect, serve
 from aioquic.quic.events import QuicEvent, StreamDataReceived
 
 from p2pdist import SecretKey, TcpTransport, TransportConfig
+from p2pdist.launch import pick_free_ports
 from p2pdist.tls import make_certificate
 from p2pdist.transport.quic import QuicTransport
 from p2pdist.transport.quic_core import QuicConfig, quic_configuration
@@ -42,12 +43,6 @@ SERVER, CLIENT = SecretKey.from_seed(SEED, 0), SecretKey.from_seed(SEED, 1)
 
 def _free_udp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _free_tcp_port() -> int:
-    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
@@ -133,25 +128,24 @@ async def _p2pdist(
 ) -> None:
     nconn = int(opts.get("conns", 1))
     count = max(2, total // size)
+    per = [count // nconn + (i < count % nconn) for i in range(nconn)]  # messages per conn
+    me = SERVER if role == "recv" else CLIENT
     if kind == "tcp":
-        cfg = TransportConfig(tls=bool(opts["tls"]))
-        t: Any = TcpTransport(SERVER if role == "recv" else CLIENT, cfg)
+        t: Any = TcpTransport(me, TransportConfig(tls=bool(opts["tls"])))
     else:
         relay = None
         if opts.get("relay"):
             from p2pdist.transport.relay_path import RelayPath
 
-            relay = RelayPath(SERVER if role == "recv" else CLIENT, opts["relay"])
+            relay = RelayPath(me, opts["relay"])
             await relay.wait_connected(30)
-        qc = opts["quic"]
-        t = QuicTransport(SERVER if role == "recv" else CLIENT, relay=relay, quic=qc)
+        t = QuicTransport(me, relay=relay, quic=opts["quic"])
     address: Any = None if opts.get("relay") else ("127.0.0.1", port)
     if role == "recv":
         if address is not None:
             await t.listen("127.0.0.1", port)
         q.put("listening")
         conns = [await t.accept(timeout=60) for _ in range(nconn)]
-        per = [count // nconn + (i < count % nconn) for i in range(nconn)]
 
         async def drain(c: Any, n: int) -> None:
             for _ in range(n):
@@ -174,7 +168,6 @@ async def _p2pdist(
             for _ in range(n):
                 await c.send(1, payload)
 
-        per = [count // nconn + (i < count % nconn) for i in range(nconn)]
         await asyncio.gather(*(pump(c, n) for c, n in zip(conns, per, strict=True)))
         for c in conns:
             await c.recv(2, timeout=120)
@@ -195,7 +188,7 @@ def measure(kind: str, total: int, size: int, **opts: Any) -> float:
     """Payload bytes per second received by one process from another."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_tcp_port() if kind == "tcp" else _free_udp_port()
+    port = pick_free_ports("127.0.0.1", 1)[0] if kind == "tcp" else _free_udp_port()
     recv = ctx.Process(target=_worker, args=(kind, "recv", port, total, size, opts, q))
     recv.start()
     try:

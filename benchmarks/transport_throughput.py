@@ -24,14 +24,9 @@ from typing import Any
 import numpy as np
 
 from p2pdist import SecretKey, TcpTransport, TransportConfig
+from p2pdist.launch import pick_free_ports
 
 SEED = "transport-bench-seed-0123"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _p2pdist(role: str, port: int, count: int, size: int, tls: bool, q: Any) -> None:
@@ -131,18 +126,19 @@ def measure(kind: str, total: int, size: int) -> float:
     """Bytes per second received by one process from another."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port, count = _free_port(), max(2, total // size)
-    recv = ctx.Process(target=_worker, args=(kind, "recv", port, count, size, q))
-    recv.start()
-    assert q.get(timeout=60) == "listening"
-    send = ctx.Process(target=_worker, args=(kind, "send", port, count, size, q))
-    send.start()
-    rate = float(q.get(timeout=300))
-    for p in (send, recv):
-        p.join(timeout=60)
-        if p.is_alive():
-            p.kill()
-    return rate
+    (port,), count = pick_free_ports("127.0.0.1", 1), max(2, total // size)
+    procs = [ctx.Process(target=_worker, args=(kind, "recv", port, count, size, q))]
+    procs[0].start()
+    try:  # a worker that hangs or dies is killed, never waited for without a bound
+        assert q.get(timeout=60) == "listening"
+        procs.append(ctx.Process(target=_worker, args=(kind, "send", port, count, size, q)))
+        procs[1].start()
+        return float(q.get(timeout=300))
+    finally:
+        for p in reversed(procs):
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
 
 
 def main() -> None:
