@@ -146,14 +146,14 @@ class ErrorFeedback:
 
     def apply(self, x: np.ndarray, codec: WireCodec) -> np.ndarray:
         """``decode(encode(x + residual))``, remembering the new residual."""
-        target = x.astype(np.float32).reshape(-1)
+        target = x.astype(np.float32).reshape(-1)  # a fresh copy: updated in place below
         if self.residual is not None:
             if self.residual.shape != target.shape:
                 raise UsageError(
                     f"error feedback holds a residual of {self.residual.size} elements, "
                     f"this call has {target.size}; use one ErrorFeedback per tensor"
                 )
-            target = target + self.residual
+            target += self.residual
         sent = codec.decode(codec.encode(target), target.size)
-        self.residual = target - sent
+        self.residual = np.subtract(target, sent, out=target)
         return sent
