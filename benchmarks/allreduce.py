@@ -324,8 +324,12 @@ def run_series(
 # -------------------------------------------------------------------------- printing
 
 
+def _us(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e6:,.0f}"
+
+
 def _lat(p: Point | None) -> str:
-    return "-" if p is None else f"{p.seconds * 1e6:,.0f}"
+    return _us(p.seconds if p else None)
 
 
 def _bw(value: float | None) -> str:
@@ -348,9 +352,7 @@ def render_table(headers: list[str], rows: list[list[str]], markdown: bool) -> s
     return "\n".join(out)
 
 
-def world_table(
-    world: int, sizes: list[int], modes: list[Series], gloo: Series | None, markdown: bool
-) -> str:
+def world_table(sizes: list[int], modes: list[Series], gloo: Series | None, markdown: bool) -> str:
     """Table for one world size: latency/busbw per backend plus p2pdist/gloo ratios."""
     headers = ["size"]
     for s in modes:
@@ -384,11 +386,7 @@ def world_table(
     return render_table(headers, rows, markdown)
 
 
-def _us(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e6:,.0f}"
-
-
-def detail_table(world: int, sizes: list[int], series: list[Series], markdown: bool) -> str:
+def detail_table(sizes: list[int], series: list[Series], markdown: bool) -> str:
     """Per-backend table with latency, algbw and busbw for every size."""
     headers = ["backend", "size", "lat (us)", "algbw GB/s", "busbw GB/s"]
     rows = []
@@ -579,19 +577,12 @@ def main(argv: list[str] | None = None) -> int:
                     {"port": port},
                     env={"GLOO_SOCKET_IFNAME": "lo"},
                 )
-            title = f"world {world}"
-            if args.markdown:
-                tables.append(
-                    f"#### {title}\n\n" + world_table(world, sizes, mode_series, gloo_series, True)
-                )
-            else:
-                tables.append(
-                    f"== {title} ==\n" + world_table(world, sizes, mode_series, gloo_series, False)
-                )
+            title = f"#### world {world}\n\n" if args.markdown else f"== world {world} ==\n"
+            tables.append(title + world_table(sizes, mode_series, gloo_series, args.markdown))
+            all_series = [*mode_series, *([gloo_series] if gloo_series else [])]
             if args.detail:
-                all_series = [*mode_series, *([gloo_series] if gloo_series else [])]
-                tables.append(detail_table(world, sizes, all_series, args.markdown))
-            for s in [*mode_series, *([gloo_series] if gloo_series else [])]:
+                tables.append(detail_table(sizes, all_series, args.markdown))
+            for s in all_series:
                 if s.error:
                     notes.append(f"{s.name} world={world}: failed ({s.error.splitlines()[0]})")
 
