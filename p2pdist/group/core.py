@@ -29,7 +29,7 @@ from ..errors import (
 from ..identity import EndpointId, SecretKey
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.mailbox import SPACE_SHIFT
-from ..transport.pathinfo import PathInfo, PathStats
+from ..transport.pathinfo import PathInfo
 from ..transport.quic import QuicTransport
 from ..transport.relay_path import RelayPath, RelayStatus
 from ..transport.tcp import TcpTransport, parse_address
@@ -245,28 +245,10 @@ class GroupCore:
         ``relay``), the remote address, the smoothed RTT and the traffic per path. Over a
         relay, hole punching moves peers to direct paths when their NATs allow it
         (docs/nat-traversal.md); every change is also logged."""
-        t = self._transport
-        quic = t.paths() if isinstance(t, QuicTransport) else {}
-        out: dict[int, PathInfo] = {}
-        for r, conn in sorted(self._conns.items()):
-            info = quic.get(conn.peer_id)
-            if info is None:
-                remote = getattr(conn, "remote_address", None) or "?"
-                st = conn.stats
-                stats = PathStats(
-                    "direct",
-                    remote,
-                    True,
-                    st.frames_sent,
-                    st.bytes_sent,
-                    st.frames_received,
-                    st.bytes_received,
-                    st.rtt,
-                )
-                kind = "quic" if isinstance(t, QuicTransport) else "tcp"
-                info = PathInfo(conn.peer_id, "direct", remote, st.rtt, kind, (stats,))
-            out[r] = info
-        return out
+        if self._transport is None:
+            return {}
+        by_id = self._transport.paths()
+        return {r: by_id[c.peer_id] for r, c in sorted(self._conns.items()) if c.peer_id in by_id}
 
     def connection(self, rank: int) -> Connection:
         """The live connection to ``rank`` (for statistics and diagnostics)."""

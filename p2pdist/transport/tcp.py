@@ -39,6 +39,8 @@ from ..wire.handshake import (
 )
 from .base import Address, TransportConfig
 from .framed import EndpointBase, FramedConnection
+from .pathinfo import PathInfo, PathStats
+from .paths import path_key
 
 __all__ = ["TcpConnection", "TcpTransport", "parse_address"]
 
@@ -92,13 +94,10 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         self._lost = self._loop.create_future()
 
     @property
-    def remote_address(self) -> str | None:
-        """The peer's ``ip:port`` (None before the socket is connected)."""
+    def remote_address(self) -> tuple[str, int] | None:
+        """The peer's (ip, port) (None before the socket is connected)."""
         name = self._transport.get_extra_info("peername") if self._transport else None
-        if not name:
-            return None
-        host, port = str(name[0]), int(name[1])
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return (str(name[0]), int(name[1])) if name else None
 
     @property
     def encrypted(self) -> bool:
@@ -419,6 +418,29 @@ class TcpTransport(EndpointBase[TcpConnection]):
                 conn.abort(exc if isinstance(exc, P2PError) else ConnectionClosedError("cancelled"))
             raise
         return conn
+
+    def paths(self) -> dict[EndpointId, PathInfo]:
+        """How each connected peer is reached: one direct TCP path each, with its frame
+        counters and the last keepalive round trip (see :class:`~.pathinfo.PathInfo`)."""
+        out: dict[EndpointId, PathInfo] = {}
+        for conn in sorted(self._connections, key=lambda c: c.closed):  # open ones first
+            if conn._peer is None or conn._peer in out:
+                continue
+            addr = conn.remote_address
+            remote = path_key(addr) if addr is not None else "?"
+            st = conn.stats
+            only = PathStats(
+                "direct",
+                remote,
+                True,
+                st.frames_sent,
+                st.bytes_sent,
+                st.frames_received,
+                st.bytes_received,
+                st.rtt,
+            )
+            out[conn._peer] = PathInfo(conn._peer, "direct", remote, st.rtt, "tcp", (only,))
+        return out
 
     def _on_incoming(self, conn: TcpConnection) -> None:
         if self._closed:
