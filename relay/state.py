@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import logging
 import secrets
-import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from p2pdist.errors import UsageError
 from p2pdist.identity import ID_LEN, EndpointId
 from p2pdist.wire.relay import (
+    FRAME_HEADER,
     MAX_DATAGRAM,
     VERSION,
     RelayFrameType,
     RelayProtocolError,
     auth_message,
+    encode_addressed,
     encode_frame,
     encode_map,
     parse_http_head,
@@ -46,8 +47,6 @@ log = logging.getLogger(__name__)
 SIG_LEN = 64
 PING_LEN = 8
 REPLACED = "replaced by a newer connection from the same endpoint"
-_HEAD = struct.Struct(">BI")
-_RECV = int(RelayFrameType.RECV)
 
 BAD_SIGNATURE = Refusal("bad_signature", "bad signature")
 MALFORMED = Refusal("malformed", "malformed AUTH")
@@ -275,10 +274,10 @@ class RelayCore:
                 self._control(s, encode_frame(RelayFrameType.PEER_GONE, dest_id))
             return
         # Checked before the RECV frame is built: a slow reader's drops copy nothing.
-        if dest.queued() + _HEAD.size + len(body) > self.config.queue_bytes:
+        if dest.queued() + FRAME_HEADER + len(body) > self.config.queue_bytes:
             m.dropped["queue_full"] += 1
             return
-        frame = b"".join((_HEAD.pack(_RECV, len(body)), s.raw_id, memoryview(body)[ID_LEN:]))
+        frame = encode_addressed(RelayFrameType.RECV, s.raw_id, memoryview(body)[ID_LEN:])
         m.datagrams_out_total += 1
         self._queue(dest, frame)
 

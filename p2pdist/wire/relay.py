@@ -34,6 +34,7 @@ __all__ = [
     "encode_addressed",
     "encode_frame",
     "parse_http_head",
+    "FRAME_HEADER",
     "upgrade_request",
     "upgrade_response",
 ]
@@ -46,6 +47,8 @@ MAX_BODY = 64 * 1024
 MAX_DATAGRAM = MAX_BODY - ID_LEN
 MAX_HTTP_HEAD = 8 * 1024
 _HEAD = struct.Struct(">BI")
+FRAME_HEADER = _HEAD.size
+"""Bytes in front of every frame's body (kind u8, length u32)."""
 
 
 class RelayProtocolError(ValueError):
