@@ -97,6 +97,10 @@ def decode_addressed(body: bytes) -> tuple[bytes, bytes]:
     return body[:ID_LEN], body[ID_LEN:]
 
 
+_KINDS = {int(k): k for k in RelayFrameType}
+"""Frame type by its byte (a dict lookup per frame instead of an enum construction)."""
+
+
 class RelayFrameDecoder:
     """Incremental frame parser with a hard size limit."""
 
@@ -113,10 +117,9 @@ class RelayFrameDecoder:
         with memoryview(buf) as view:  # released before ``del`` resizes the buffer
             while len(buf) - start >= _HEAD.size:
                 kind_raw, length = _HEAD.unpack_from(buf, start)
-                try:
-                    kind = RelayFrameType(kind_raw)
-                except ValueError:
-                    raise RelayProtocolError(f"unknown relay frame type {kind_raw:#x}") from None
+                kind = _KINDS.get(kind_raw)
+                if kind is None:
+                    raise RelayProtocolError(f"unknown relay frame type {kind_raw:#x}")
                 if length > self._max:
                     raise RelayProtocolError(f"relay frame of {length} bytes exceeds {self._max}")
                 end = start + _HEAD.size + length
