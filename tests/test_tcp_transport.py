@@ -898,3 +898,31 @@ def test_retired_channels_compact_floor() -> None:
     r.retire(space | 10)  # below the floor: nothing to remember
     assert not r._above[3]
     assert space | 999 in r and space | 1000 not in r
+
+
+async def test_dial_with_retry_waits_for_a_late_listener_and_bounds_a_missing_one() -> None:
+    from p2pdist.transport.dial import dial_with_retry
+
+    with socket.socket() as s:  # a free port, not listening yet
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    a = TcpTransport(SecretKey.generate(), TransportConfig())
+    b_key = SecretKey.generate()
+    b = TcpTransport(b_key, TransportConfig())
+    try:
+        with pytest.raises(PeerTimeoutError, match=r"rank 1 \(x\): no connection within 0.3 s"):
+            await dial_with_retry(
+                a, b_key.endpoint_id, f"127.0.0.1:{port}", label="rank 1 (x)", timeout=0.3
+            )
+        dialing = asyncio.create_task(
+            dial_with_retry(a, b_key.endpoint_id, f"127.0.0.1:{port}", label="b", timeout=10.0)
+        )
+        await asyncio.sleep(0.2)  # b starts listening only now
+        await b.listen("127.0.0.1", port)
+        conn = await bounded(dialing, "the retried dial")
+        assert conn.peer_id == b_key.endpoint_id
+        with pytest.raises(UsageError, match="TCP needs a host:port"):
+            await dial_with_retry(a, b_key.endpoint_id, None, label="b", timeout=1.0)
+    finally:
+        await a.close()
+        await b.close()

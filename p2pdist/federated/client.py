@@ -23,10 +23,11 @@ from ..errors import (
 )
 from ..identity import EndpointId, SecretKey
 from ..transport.base import Address, Connection, TransportConfig
+from ..transport.dial import dial_with_retry
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
 from .messages import CLIENT_CHANNEL, Message, decode, encode
-from .net import dial, open_transport
+from .net import open_transport
 
 __all__ = ["Ack", "FederatedClient", "RoundTask"]
 
@@ -143,8 +144,12 @@ class FederatedClient:
             timeout=self._connect_timeout,
         )
         try:
-            conn = await dial(
-                self._transport, self.coordinator, self._address, label, self._connect_timeout
+            conn = await dial_with_retry(
+                self._transport,
+                self.coordinator,
+                self._address,
+                label=label,
+                timeout=self._connect_timeout,
             )
             self._conn = conn
             meta, payload = encode("hello", {"name": self.name})

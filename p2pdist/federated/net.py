@@ -1,5 +1,5 @@
 """asyncio glue shared by the coordinator, its clients and GroupAveraging: opening
-transports, dialing, and waiting for a round to be due."""
+transports and waiting for a round to be due (dialing: p2pdist.transport.dial)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,14 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from ..errors import (
-    ConnectionBrokenError,
-    PeerAuthenticationError,
-    PeerTimeoutError,
-    RemoteProtocolError,
-    UsageError,
-)
 from ..identity import EndpointId, SecretKey
-from ..transport.base import Address, Connection, TransportConfig
+from ..transport.base import TransportConfig
 from ..transport.quic import QuicTransport
 from ..transport.relay_path import RelayPath
 from ..transport.tcp import TcpTransport
 from .rounds import CloseReason, FederatedRounds
 
-__all__ = ["dial", "open_transport", "until_due"]
+__all__ = ["open_transport", "until_due"]
 
 log = logging.getLogger(__name__)
 
@@ -48,40 +41,6 @@ async def open_transport(
         await quic.close()
         raise
     return quic
-
-
-async def dial(
-    transport: TcpTransport | QuicTransport,
-    peer: EndpointId,
-    address: Address | None,
-    label: str,
-    timeout: float,
-) -> Connection:
-    """Connect to ``peer`` (at ``address``, or through the relay when None), retrying
-    refusals and timeouts with backoff for at most ``timeout`` seconds."""
-    if address is None and not isinstance(transport, QuicTransport):
-        raise UsageError(f"{label}: TCP needs a host:port")
-    delay = 0.02
-    last: BaseException | None = None
-    try:
-        async with asyncio.timeout(timeout):
-            while True:
-                try:
-                    if isinstance(transport, QuicTransport):
-                        return await transport.connect(peer, address, label=label)
-                    assert address is not None
-                    return await transport.connect(peer, address, label=label)
-                except PeerAuthenticationError:
-                    raise
-                except (ConnectionBrokenError, PeerTimeoutError, RemoteProtocolError) as exc:
-                    last = exc
-                    log.debug("dial %s: %s; retrying", label, exc)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 0.5)
-    except TimeoutError:
-        raise PeerTimeoutError(
-            label, f"no connection within {timeout:g} s (last error: {last})"
-        ) from None
 
 
 async def until_due(

@@ -21,13 +21,13 @@ from ..errors import (
     MismatchError,
     P2PError,
     P2PTimeoutError,
-    PeerAuthenticationError,
     PeerTimeoutError,
     RemoteProtocolError,
     UsageError,
 )
 from ..identity import EndpointId, SecretKey
 from ..transport.base import Address, Connection, TransportConfig
+from ..transport.dial import dial_with_retry
 from ..transport.mailbox import SPACE_SHIFT
 from ..transport.pathinfo import PathInfo
 from ..transport.quic import QuicTransport
@@ -362,25 +362,14 @@ class GroupCore:
         return tcp
 
     async def _dial(self, transport: TcpTransport | QuicTransport, r: int) -> None:
-        delay = 0.02
-        while True:
-            try:
-                if isinstance(transport, QuicTransport):
-                    self._conns[r] = await transport.connect(
-                        self._ids[r], None, label=self.peer_label(r)
-                    )
-                else:
-                    assert self._addresses is not None
-                    self._conns[r] = await transport.connect(
-                        self._ids[r], self._addresses[r], label=self.peer_label(r)
-                    )
-                return
-            except PeerAuthenticationError:
-                raise
-            except (ConnectionBrokenError, PeerTimeoutError, RemoteProtocolError) as exc:
-                log.debug("dial %s: %s; retrying", self.peer_label(r), exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
+        # Bounded by start()'s connect_timeout, which names every rank still missing.
+        address = None
+        if isinstance(transport, TcpTransport):
+            assert self._addresses is not None
+            address = self._addresses[r]
+        self._conns[r] = await dial_with_retry(
+            transport, self._ids[r], address, label=self.peer_label(r), timeout=None
+        )
 
     async def _accept_higher(self, transport: TcpTransport | QuicTransport) -> None:
         want = set(range(self._rank + 1, self.size))

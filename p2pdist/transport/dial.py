@@ -1,0 +1,68 @@
+"""Dialing a peer that may not be listening yet: retry with backoff, bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from ..errors import (
+    ConnectionBrokenError,
+    PeerAuthenticationError,
+    PeerTimeoutError,
+    RemoteProtocolError,
+    UsageError,
+)
+from ..identity import EndpointId
+from .base import Address, Connection
+from .quic import QuicTransport
+from .tcp import TcpTransport
+
+__all__ = ["dial_with_retry"]
+
+log = logging.getLogger(__name__)
+
+FIRST_RETRY = 0.02
+"""Seconds before the first retry; doubles up to :data:`MAX_RETRY`."""
+MAX_RETRY = 0.5
+
+
+async def dial_with_retry(
+    transport: TcpTransport | QuicTransport,
+    peer: EndpointId,
+    address: Address | None,
+    *,
+    label: str,
+    timeout: float | None,
+) -> Connection:
+    """Connect to ``peer`` at ``address`` (QUIC: through the relay when None), retrying
+    refusals, resets and handshake timeouts with exponential backoff (a peer that is
+    still starting up), never an authentication failure. ``timeout`` bounds the whole
+    attempt (:class:`PeerTimeoutError` naming ``label`` and the last error); None leaves
+    the bound to the caller."""
+    if address is None and not isinstance(transport, QuicTransport):
+        raise UsageError(f"{label}: TCP needs a host:port")
+    delay = FIRST_RETRY
+    last: BaseException | None = None
+    bound = asyncio.timeout(timeout) if timeout is not None else contextlib.nullcontext()
+    try:
+        async with bound:
+            while True:
+                try:
+                    if isinstance(transport, QuicTransport):
+                        return await transport.connect(peer, address, label=label)
+                    assert address is not None
+                    return await transport.connect(peer, address, label=label)
+                except PeerAuthenticationError:
+                    raise
+                except (ConnectionBrokenError, PeerTimeoutError, RemoteProtocolError) as exc:
+                    last = exc
+                    log.debug("dial %s: %s; retrying", label, exc)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, MAX_RETRY)
+    except TimeoutError:
+        if timeout is None:
+            raise
+        raise PeerTimeoutError(
+            label, f"no connection within {timeout:g} s (last error: {last})"
+        ) from None
