@@ -131,11 +131,6 @@ class HolePuncher:
     # ---- driven by the transport ------------------------------------------------------------
 
     @property
-    def socket(self) -> UdpSocket | None:
-        """The UDP socket we punch from, once opened."""
-        return self._sock
-
-    @property
     def observation(self) -> Observation | None:
         """The latest answers of the relay's observation ports."""
         return self._observation
@@ -156,10 +151,7 @@ class HolePuncher:
         """Another connection to ``peer`` came up (it may have restarted, with a new
         socket): forget its paths, put its datagrams back on the relay, punch anew."""
         p = self._peers.get(peer)
-        if p is None:
-            self.watch(peer)
-            return
-        if p.paths.current is not None:
+        if p is not None and p.paths.current is not None:
             act = PathChange(p.paths.current, None, "a new connection: validating paths anew")
             self._change(p, act)
         self.unwatch(peer)
