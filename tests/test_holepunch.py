@@ -461,3 +461,16 @@ def test_mapping_behaviour_reads_the_nat_type_off_the_answers() -> None:
     assert mapping_behaviour([None, None]) == "no UDP"
     assert mapping_behaviour([a, None]) == "unknown"  # one answer tells nothing
     assert mapping_behaviour([]) == "unknown"  # a relay without observation ports
+
+
+async def test_quic_dialed_at_an_address_reports_one_direct_path() -> None:
+    ta, tb = QuicTransport(A, transport_config()), QuicTransport(B, transport_config())
+    async with closing(ta, tb):
+        addr = await tb.listen("127.0.0.1", 0)
+        ca = await bounded(ta.connect(B.endpoint_id, addr), "connect")
+        await bounded(tb.accept(), "accept")
+        await ca.send(1, b"x" * 1000)
+        info = ta.paths()[B.endpoint_id]
+        assert (info.kind, info.transport, info.remote) == ("direct", "quic", f"127.0.0.1:{addr[1]}")
+        assert info.punching == "off" and len(info.paths) == 1
+        assert info.paths[0].active and info.paths[0].bytes_sent > 1000

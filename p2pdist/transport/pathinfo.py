@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..identity import EndpointId
+from .base import ConnectionStats
 from .paths import PathKind
 
-__all__ = ["PathInfo", "PathStats"]
+__all__ = ["PathInfo", "PathStats", "single_path"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,3 +50,21 @@ class PathInfo:
     """How many times the path changed."""
     last_failure: str | None = None
     """Why the last punching round or direct path failed, if one did."""
+
+
+def single_path(
+    peer: EndpointId, remote: str, stats: ConnectionStats, rtt: float | None, transport: str
+) -> PathInfo:
+    """A peer reached over one direct path (TCP, or QUIC dialed at an address), with the
+    connection's frame counters as the path's traffic."""
+    only = PathStats(
+        "direct",
+        remote,
+        True,
+        stats.frames_sent,
+        stats.bytes_sent,
+        stats.frames_received,
+        stats.bytes_received,
+        rtt,
+    )
+    return PathInfo(peer, "direct", remote, rtt, transport, (only,))

@@ -34,7 +34,7 @@ from ..wire.probe import DatagramKind, classify
 from .base import Address, TransportConfig
 from .framed import EndpointBase, FramedConnection
 from .holepunch import HolePuncher
-from .pathinfo import PathInfo, PathStats
+from .pathinfo import PathInfo, PathStats, single_path
 from .paths import (
     RELAY_ADDR,
     Relay,
@@ -404,17 +404,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
         route = conn.route
         peer = conn.peer_id
         if isinstance(route, UdpRoute):
-            remote, st = path_key(route.remote), conn.stats
-            only = PathStats(
-                "direct",
-                remote,
-                True,
-                st.frames_sent,
-                st.bytes_sent,
-                st.frames_received,
-                st.bytes_received,
-            )
-            return PathInfo(peer, "direct", remote, conn.rtt, "quic", (only,))
+            return single_path(peer, path_key(route.remote), conn.stats, conn.rtt, "quic")
         assert isinstance(route, RelayRoute)
         state = self._puncher.state(peer) if self._puncher is not None else None
         active = route.direct[1] if route.direct is not None else None

@@ -39,7 +39,7 @@ from ..wire.handshake import (
 )
 from .base import Address, TransportConfig
 from .framed import EndpointBase, FramedConnection
-from .pathinfo import PathInfo, PathStats
+from .pathinfo import PathInfo, single_path
 from .paths import path_key
 
 __all__ = ["TcpConnection", "TcpTransport", "parse_address"]
@@ -428,18 +428,7 @@ class TcpTransport(EndpointBase[TcpConnection]):
                 continue
             addr = conn.remote_address
             remote = path_key(addr) if addr is not None else "?"
-            st = conn.stats
-            only = PathStats(
-                "direct",
-                remote,
-                True,
-                st.frames_sent,
-                st.bytes_sent,
-                st.frames_received,
-                st.bytes_received,
-                st.rtt,
-            )
-            out[conn._peer] = PathInfo(conn._peer, "direct", remote, st.rtt, "tcp", (only,))
+            out[conn._peer] = single_path(conn._peer, remote, conn.stats, conn.stats.rtt, "tcp")
         return out
 
     def _on_incoming(self, conn: TcpConnection) -> None:
