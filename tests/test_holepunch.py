@@ -471,6 +471,7 @@ async def test_quic_dialed_at_an_address_reports_one_direct_path() -> None:
         await bounded(tb.accept(), "accept")
         await ca.send(1, b"x" * 1000)
         info = ta.paths()[B.endpoint_id]
-        assert (info.kind, info.transport, info.remote) == ("direct", "quic", f"127.0.0.1:{addr[1]}")
+        want = ("direct", "quic", f"127.0.0.1:{addr[1]}")
+        assert (info.kind, info.transport, info.remote) == want
         assert info.punching == "off" and len(info.paths) == 1
         assert info.paths[0].active and info.paths[0].bytes_sent > 1000
