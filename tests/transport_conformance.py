@@ -31,11 +31,13 @@ from p2pdist.errors import (
     ConnectionBrokenError,
     ConnectionClosedError,
     PeerTimeoutError,
+    RemoteProtocolError,
 )
 from p2pdist.transport.base import Connection, Transport
 from p2pdist.wire.frames import Frame, FrameKind
 
 __all__ = [
+    "check_offender_dropped",
     "BOUND",
     "CHECKS",
     "Pair",
@@ -490,3 +492,23 @@ async def still_serving(server: Transport, client: Transport, address: Any) -> N
         await conn.send(1, b"hi")
         assert bytes((await bounded(accepted.recv(1), "recv")).payload) == b"hi"
         await bounded(accepted.close(), "close()")
+
+
+async def check_offender_dropped(
+    p: Pair, bystanders: tuple[Connection, Connection], match: str | None = None
+) -> None:
+    """After ``p.client`` sent bytes that break the frame protocol: the server fails
+    with a RemoteProtocolError naming the client and closes that connection, the client
+    learns it was dropped (naming the server), and another connection to the same server
+    (``bystanders``: its two ends) still carries messages both ways."""
+    with pytest.raises(RemoteProtocolError, match=match) as info:
+        await bounded(p.server.recv(1), "the protocol error")
+    assert p.client_transport.endpoint_id.short() in str(info.value)
+    assert p.server.closed
+    with pytest.raises(ConnectionBrokenError, match=match) as broken:
+        await bounded(p.client.recv(1), "the offender learning it was dropped")
+    assert p.server_transport.endpoint_id.short() in str(broken.value)
+    a, b = bystanders
+    for src, dst in ((a, b), (b, a)):
+        await src.send(3, b"unaffected")
+        assert bytes((await bounded(dst.recv(3), "recv")).payload) == b"unaffected"
