@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from ..transport.base import TransportConfig
 from ..transport.punch import PunchConfig
 
-__all__ = ["MODES", "GroupConfig"]
+__all__ = ["MODES", "PEER_LOSS", "GroupConfig"]
 
 MODES = ("fast", "deterministic")
+PEER_LOSS = ("break", "leave")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,13 @@ class GroupConfig:
     punch: PunchConfig = field(default_factory=PunchConfig)
     """Hole punching for ranks that meet through a relay (``PunchConfig(enabled=False)``
     keeps them on the relay)."""
+    on_peer_loss: str = "break"
+    """What a connection lost without a goodbye (peer killed, network gone, keepalive
+    silence) does to the group. ``"break"``: the group is unusable from then on, every
+    waiter fails naming the lost rank. ``"leave"``: the lost rank counts as having left,
+    exactly like one that closed on purpose: point to point with the others, sub-groups
+    without it and :class:`~p2pdist.federated.GroupAveraging` go on; collectives that
+    need it refuse to start (naming it), and one already running fails naming it."""
 
     def __post_init__(self) -> None:
         if self.timeout <= 0 or self.connect_timeout <= 0:
@@ -41,3 +49,5 @@ class GroupConfig:
             raise ValueError("chunk_bytes must be at least 4096")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.on_peer_loss not in PEER_LOSS:
+            raise ValueError(f"on_peer_loss must be one of {PEER_LOSS}, got {self.on_peer_loss!r}")

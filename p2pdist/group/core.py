@@ -21,6 +21,7 @@ from ..errors import (
     MismatchError,
     P2PError,
     P2PTimeoutError,
+    PeerError,
     PeerTimeoutError,
     RemoteProtocolError,
     UsageError,
@@ -47,6 +48,7 @@ T = TypeVar("T")
 _COLLECTIVE_SPACE = 0
 _P2P_SPACE = 1
 _FIRST_SUBGROUP_SPACE = 2
+_FIRST_RESERVED_SPACE = 0xFE00  # split() stays below; reserve_channel_space() above
 _LAST_SPACE = 0xFFFE  # 0xFFFF is the control channel's
 _CONTROL_CHANNEL = 0xFFFF << SPACE_SHIFT
 _ATTRIBUTION_WINDOW = 0.25  # seconds a failing collective waits for other failure reports
@@ -117,6 +119,11 @@ class GroupCore:
         self._p2p_space = _P2P_SPACE
         self._parent: GroupCore | None = None
         self._next_space = _FIRST_SUBGROUP_SPACE  # used on the root group only
+        self._reserved: dict[int, str] = {}  # root only: reserved space -> owner
+        self._root_ranks = list(range(world))  # our ranks' ranks in the root group
+        # root only: running collectives (task -> group) and those a loss cancelled
+        self._inflight: dict[asyncio.Task[Any], GroupCore] = {}
+        self._cancelled_by_loss: dict[asyncio.Task[Any], int] = {}
 
     # ---- construction ---------------------------------------------------------------
 
@@ -234,6 +241,33 @@ class GroupCore:
     def peer_label(self, rank: int) -> str:
         """How errors name a rank: ``"rank 2 (abcdefghij)"``."""
         return _label(rank, self._ids[rank])
+
+    @property
+    def left(self) -> dict[int, BaseException]:
+        """Ranks that have left, each with the error that ended its connection: those that
+        closed on purpose, and (under ``on_peer_loss="leave"``) those that were lost."""
+        root = self._root()
+        return {r: root._left[rr] for r, rr in enumerate(self._root_ranks) if rr in root._left}
+
+    def reserve_channel_space(self, space: int, owner: str) -> int:
+        """Claim channel ``space`` (in ``0xFE00..0xFFFE``, which :meth:`split` never hands
+        out) on this group's connections for ``owner`` (a name for error messages), and
+        return it. Every rank must reserve the same space for the same traffic.
+
+        A space is reserved for the life of the group and shared by its sub-groups (they
+        share its connections): reserving one that is already taken raises
+        :class:`UsageError` naming its owner, because its channels are retired as they
+        are used and a second user would have its messages dropped."""
+        if not isinstance(space, int) or not _FIRST_RESERVED_SPACE <= space <= _LAST_SPACE:
+            raise UsageError(
+                f"space must be in [{_FIRST_RESERVED_SPACE:#x}, {_LAST_SPACE:#x}], got {space!r}"
+            )
+        root = self._root()
+        taken = root._reserved.get(space)
+        if taken is not None:
+            raise UsageError(f"channel space {space:#x} is already reserved by {taken}")
+        root._reserved[space] = owner
+        return space
 
     @property
     def relay_status(self) -> RelayStatus | None:
@@ -401,15 +435,55 @@ class GroupCore:
     def _on_connection_end(self, rank: int, error: BaseException | None) -> None:
         if error is None or self._closing:
             return
-        if isinstance(error, ConnectionBrokenError) and error.graceful:
-            # A peer that closes on purpose is no failure until someone still needs it:
-            # later collectives refuse to start, a receive from it raises, the rest runs on.
-            log.info("%s left the group", self.peer_label(rank))
+        graceful = isinstance(error, ConnectionBrokenError) and error.graceful
+        if graceful or self.config.on_peer_loss == "leave":
+            # A peer that closes on purpose (or, by choice, one that is lost) is no failure
+            # until someone still needs it: later collectives refuse to start, a receive
+            # from it raises, the rest runs on.
+            if graceful:
+                log.info("%s left the group", self.peer_label(rank))
+            else:
+                why = error.detail if isinstance(error, PeerError) else error
+                log.warning("%s was lost; it counts as left: %s", self.peer_label(rank), why)
             self._left.setdefault(rank, error)
+            if self.config.on_peer_loss == "leave":
+                self._cancel_inflight(rank)
             return
         log.warning("%s: connection ended: %s", self.peer_label(rank), error)
         self._failure_log.append(str(error))
         self._break(error, notify=True)
+
+    def _cancel_inflight(self, root_rank: int) -> None:
+        """Fail every running collective of a group that has ``root_rank`` as a member:
+        it can no longer finish, and its other ranks may wait on us, not on the lost one.
+        :meth:`_run` turns the cancellation into an error naming the lost rank."""
+        for task, group in list(self._inflight.items()):
+            if task is asyncio.current_task():
+                continue  # it is running: it meets the connection's error itself
+            if root_rank in group._root_ranks and task not in self._cancelled_by_loss:
+                self._cancelled_by_loss[task] = root_rank
+                task.cancel()
+
+    def _gone_with(self, err: P2PError) -> int | None:
+        """Under ``on_peer_loss="leave"``: the root rank whose leaving ended a connection
+        with ``err`` (so a collective failing with it leaves the group usable), else None."""
+        root = self._root()
+        if self.config.on_peer_loss != "leave" or isinstance(err, MismatchError):
+            return None
+        for r, cause in root._left.items():
+            if cause is err or (isinstance(err, PeerError) and err.peer == root.peer_label(r)):
+                return r
+        return None
+
+    def _loss_error(self, root_rank: int, link: CollectiveLink) -> ConnectionBrokenError:
+        """The error of a collective that needed ``root_rank``, which left or was lost."""
+        root = self._root()
+        cause = root._left.get(root_rank)
+        why = cause.detail if isinstance(cause, PeerError) else cause
+        return ConnectionBrokenError(
+            root.peer_label(root_rank),
+            f"left the group while {link.explain()} needed it ({why})",
+        )
 
     async def _listen_control(self, rank: int, conn: Connection) -> None:
         with contextlib.suppress(BaseException):
@@ -473,6 +547,7 @@ class GroupCore:
             _subgroup=True,
         )
         child._conns = {i: self._conns[r] for i, r in enumerate(members) if r != self._rank}
+        child._root_ranks = [self._root_ranks[r] for r in members]
         child._space, child._p2p_space = space, space + 1
         child._parent = self
         child._started = True
@@ -487,8 +562,9 @@ class GroupCore:
             if isinstance(self._broken, GroupBrokenError):
                 raise self._broken
             raise GroupBrokenError("the group is broken", self._broken)
-        if collective and self._left:
-            gone = ", ".join(self.peer_label(r) for r in sorted(self._left))
+        left = self.left
+        if collective and left:
+            gone = ", ".join(self.peer_label(r) for r in sorted(left))
             raise GroupBrokenError(f"collectives need every rank, but {gone} left the group")
 
     def _timeout_error(self, link: CollectiveLink, seconds: float) -> P2PError:
@@ -532,15 +608,31 @@ class GroupCore:
         accepted, so a call refused here leaves this rank in step with the others."""
         seconds = self._seconds(timeout)
         link = self._new_link(descriptor)
+        root = self._root()
+        task = asyncio.current_task()
+        assert task is not None
+        root._inflight[task] = self
+        lost: int | None = None
         try:
-            async with asyncio.timeout(seconds):
-                return await body(link)
-        except (MismatchError, RemoteProtocolError) as err:
-            self._break(err, notify=True)
+            try:
+                async with asyncio.timeout(seconds):
+                    return await body(link)
+            finally:
+                del root._inflight[task]
+                lost = root._cancelled_by_loss.pop(task, None)
+        except asyncio.CancelledError:
+            if lost is not None:  # a member was lost (on_peer_loss="leave"): not our doing
+                task.uncancel()
+                raise self._loss_error(lost, link) from None
+            me = self.peer_label(self._rank)
+            self._break(GroupBrokenError(f"{link.explain()} was cancelled on {me}"), notify=True)
             raise
-        except ConnectionBrokenError as err:
+        except (MismatchError, RemoteProtocolError, ConnectionBrokenError) as err:
+            gone = self._gone_with(err)
+            if gone is not None:
+                raise self._loss_error(gone, link) from None
             self._break(err, notify=True)
-            if err.graceful:
+            if not isinstance(err, ConnectionBrokenError) or err.graceful:
                 raise
             raise await self._attribute(err) from err
         except P2PError as err:
@@ -551,10 +643,6 @@ class GroupCore:
             timeout_err = self._timeout_error(link, seconds)
             self._break(timeout_err, notify=True)
             raise timeout_err from None
-        except asyncio.CancelledError:
-            me = self.peer_label(self._rank)
-            self._break(GroupBrokenError(f"{link.explain()} was cancelled on {me}"), notify=True)
-            raise
         finally:
             for conn in self._conns.values():
                 conn.retire(link.channel)
@@ -614,7 +702,8 @@ class GroupCore:
                 self.config.max_message_bytes,
             )
         except RemoteProtocolError as err:
-            self._break(err, notify=True)
+            if self._gone_with(err) is None:
+                self._break(err, notify=True)
             raise
 
     def _seconds(self, timeout: float | None) -> float:
