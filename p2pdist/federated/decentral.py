@@ -8,10 +8,16 @@ counts, weights) to all. Every rank then aggregates the updates named in the dec
 in the decision's order, with the same pure function: all ranks get the same bits, and
 none waited for a rank that missed the deadline. See docs/federated.md.
 
-Channels: round ``k`` uses two channels of its own in the federated space
-(:func:`~.messages.round_channel`), retired by every rank when it finishes the round, so
-a late update of round ``k`` is dropped on arrival and can never be read by round
-``k + 1`` or by any collective (those use other channel spaces).
+Channels: round ``k`` uses channels of its own in a channel space the instance reserves
+on the group (:func:`~.messages.round_channel`, :meth:`~p2pdist.Group.reserve_channel_space`),
+retired by every rank when it finishes the round, so a late update of round ``k`` is
+dropped on arrival and can never be read by round ``k + 1`` or by any collective (those
+use other channel spaces, and ``split`` never hands out a reserved one).
+
+Membership: a rank that leaves (closes its group) or, under
+``GroupConfig(on_peer_loss="leave")``, is lost (killed, cut off) is dropped from the
+rounds: the leader stops waiting for it, and the others still read the updates it sent
+before it went (frames already delivered stay readable).
 """
 
 from __future__ import annotations
@@ -35,9 +41,10 @@ from ..errors import (
     UsageError,
 )
 from ..transport.base import Connection
+from ..wire.frames import Frame
 from .aggregate import Reason, aggregate, apply_update
 from .config import FederatedConfig
-from .messages import Message, decode, encode, round_channel
+from .messages import Message, decode, encode, round_channel, round_space
 from .net import until_due
 from .rounds import FederatedRounds, Phase
 
@@ -49,6 +56,7 @@ __all__ = ["GroupAveraging", "GroupRound"]
 log = logging.getLogger(__name__)
 
 _UPDATE, _DECISION = 0, 1
+_KINDS = (0, 1, 2, 3)  # every kind of a round's channels (all retired together)
 
 
 def _cid(rank: int) -> str:
@@ -80,6 +88,9 @@ class GroupRound:
     own_reason: str
     """Why this rank's update was refused or dropped (a Reason value), or ``""``."""
     aggregate: np.ndarray | None = field(repr=False)
+    left: tuple[int, ...] = ()
+    """Ranks gone (left, or lost under ``on_peer_loss="leave"``) when the leader closed
+    the round, in rank order."""
 
 
 @dataclass(slots=True)
@@ -96,7 +107,15 @@ class GroupAveraging:
     ``config``, calls :meth:`start` (a broadcast of the leader's model, so all begin
     equal), then :meth:`step` once per round. ``tag`` (0..255) tells apart several
     instances on one group. ``decision_timeout`` (seconds, default the group's timeout)
-    bounds a rank's wait for the leader's decision.
+    bounds a rank's wait for the leader's decision, and for an update the decision
+    names. The instance reserves channel space ``ROUND_SPACE + tag`` on the group for
+    good (:meth:`~p2pdist.Group.reserve_channel_space`): a second instance with the same
+    tag on the group or its sub-groups is refused.
+
+    Under ``GroupConfig(on_peer_loss="leave")`` a rank that is lost counts as having
+    left: the rounds go on with the others. A :meth:`step` that fails (the leader is gone,
+    an update named in the decision never arrived) leaves this rank out of step: later
+    calls raise :class:`GroupBrokenError` with that first error.
     """
 
     def __init__(
@@ -111,7 +130,8 @@ class GroupAveraging:
     ) -> None:
         if not 0 <= leader < group.size:
             raise UsageError(f"leader must be a rank in [0, {group.size}), got {leader}")
-        round_channel(tag, 0, 0)  # checks the tag
+        space = round_space(tag)  # checks the tag
+        group.reserve_channel_space(space, f"GroupAveraging(tag={tag})")
         self.group = group
         self.config = config or FederatedConfig()
         self.leader = leader
@@ -126,6 +146,7 @@ class GroupAveraging:
         self._wake = asyncio.Event()
         self._left: set[int] = set()
         self._refused: list[tuple[int, str]] = []
+        self._failed: BaseException | None = None
         self.local_drops = 0
         """This rank's own updates it stopped carrying because they grew too stale."""
 
@@ -181,6 +202,8 @@ class GroupAveraging:
         the next round (within ``max_staleness``) instead of blocking anyone."""
         if not self._started:
             raise UsageError("call start() first")
+        if self._failed is not None:
+            raise GroupBrokenError("this rank's averaging is out of step", self._failed)
         k = self._round
         if update is not None:
             base = k if base_round is None else base_round
@@ -197,10 +220,11 @@ class GroupAveraging:
             else:
                 body = await self._decision(k)
                 agg = await self._follow(k, body, own)
+        except BaseException as exc:
+            self._failed = exc
+            raise
         finally:
-            for conn in self._conns().values():
-                conn.retire(round_channel(self.tag, k, _UPDATE))
-                conn.retire(round_channel(self.tag, k, _DECISION))
+            self._retire(k)
         self._round = k + 1
         applied = bool(body["ok"])
         ranks = tuple(int(p[0]) for p in body["p"])
@@ -233,6 +257,7 @@ class GroupAveraging:
             carried,
             own_reason,
             agg,
+            tuple(body["left"]),
         )
 
     # ---- every rank -----------------------------------------------------------------------
@@ -245,13 +270,29 @@ class GroupAveraging:
         if self.group.broken is not None:
             raise GroupBrokenError("the group is broken", self.group.broken)
 
+    def _gone(self) -> set[int]:
+        """Ranks that left or were lost, as far as this rank knows."""
+        return self._left | set(self.group.left)
+
     def _conns(self) -> dict[int, Connection]:
+        """Connections to the ranks still here."""
         out = {}
+        gone = self._gone()
         for r in range(self.group.size):
-            if r != self.group.rank and r not in self._left:
+            if r != self.group.rank and r not in gone:
                 with contextlib.suppress(UsageError):
                     out[r] = self.group.connection(r)
         return out
+
+    def _retire(self, k: int) -> None:
+        """Drop round ``k``'s frames, queued and to come, on every connection."""
+        for r in range(self.group.size):
+            if r == self.group.rank:
+                continue
+            with contextlib.suppress(UsageError):
+                conn = self.group.connection(r)
+                for kind in _KINDS:
+                    conn.retire(round_channel(self.tag, k, kind))
 
     def _contribute(self, k: int, own: _Own) -> None:
         """Send our update to every rank, the leader last (so whoever the leader counts
@@ -279,6 +320,11 @@ class GroupAveraging:
             raise PeerTimeoutError(
                 label, f"no decision for round {k} from the leader within {self._timeout:g} s"
             ) from None
+        except (ConnectionBrokenError, RemoteProtocolError) as exc:
+            self._check_group()  # a broken group names its own cause
+            raise ConnectionBrokenError(
+                label, f"the leader went before sending the decision of round {k}: {exc.detail}"
+            ) from None
         message = decode(frame, label)
         body = _decision_body(message, label, k)
         mine = self._settings()
@@ -301,7 +347,7 @@ class GroupAveraging:
                 updates.append(own.update)
             else:
                 label = self.group.peer_label(rank)
-                frame = await self.group.connection(rank).recv(channel, timeout=self._timeout)
+                frame = await self._named_update(k, rank, label, channel)
                 got = decode(frame, label)
                 if (got.get_int("r", label), got.get_int("b", label), got.fields.get("n")) != (
                     k,
@@ -315,10 +361,33 @@ class GroupAveraging:
             updates, weights, self.config.rule, self.config.trim_fraction, self._model.dtype
         )
 
+    async def _named_update(self, k: int, rank: int, label: str, channel: int) -> Frame:
+        """Rank ``rank``'s update for round ``k``, which the decision names. It was sent
+        to us before the leader, so it is normally here already, even when ``rank`` has
+        gone since (what was delivered stays readable)."""
+        try:
+            return await self.group.connection(rank).recv(channel, timeout=self._timeout)
+        except PeerTimeoutError:
+            raise PeerTimeoutError(
+                label,
+                f"round {k}'s decision names its update, which did not reach this rank "
+                f"within {self._timeout:g} s",
+            ) from None
+        except (ConnectionBrokenError, RemoteProtocolError) as exc:
+            self._check_group()  # a broken group names its own cause
+            raise ConnectionBrokenError(
+                label,
+                f"round {k}'s decision names its update, which never reached this rank "
+                f"before it went ({exc.detail})",
+            ) from None
+
     # ---- the leader ---------------------------------------------------------------------------
 
     def _open(self, k: int) -> None:
         assert self._state is not None
+        for r in self._gone():
+            self._left.add(r)
+            self._state.leave(_cid(r))
         self._state.open(asyncio.get_running_loop().time())
         self._stop_collectors()
         self._refused = []
@@ -357,14 +426,14 @@ class GroupAveraging:
                 except RemoteProtocolError as exc:
                     log.warning("round %d: ignored a malformed update: %s", k, exc)
                 self._wake.set()
-        except ConnectionBrokenError as exc:
-            if exc.graceful:
-                log.info("round %d: %s left", k, label)
+        except P2PError as exc:
+            # The connection ended. Unless that broke the group (step() then raises it),
+            # the rank has left, or was lost under on_peer_loss="leave": stop waiting.
+            if self.group.broken is None:
+                log.warning("round %d: %s is gone: %s", k, label, exc)
                 self._left.add(r)
                 self._state.leave(_cid(r))
             self._wake.set()
-        except P2PError:
-            self._wake.set()  # the group is broken; step() raises it
 
     async def _lead(self, k: int, own: _Own | None) -> tuple[dict[str, Any], np.ndarray | None]:
         state = self._state
@@ -377,6 +446,7 @@ class GroupAveraging:
             if verdict.reason is not None:
                 refused.append((self.group.rank, verdict.reason.value))
         why = await until_due(state, self._wake, self._check_group)
+        self._check_group()
         outcome = state.close(loop.time(), why)
         self._stop_collectors()
         if not outcome.applied:
@@ -393,6 +463,7 @@ class GroupAveraging:
             "dropped": dict(outcome.dropped),
             "rejected": dict(outcome.rejected),
             "cfg": self._settings(),
+            "left": sorted(self._gone()),
         }
         meta, _ = encode("decision", body)
         channel = round_channel(self.tag, k, _DECISION)
@@ -423,6 +494,7 @@ def _decision_body(message: Message, label: str, k: int) -> dict[str, Any]:
             "dropped": {str(a): int(b) for a, b in dict(f["dropped"]).items()},
             "rejected": {str(a): int(b) for a, b in dict(f["rejected"]).items()},
             "cfg": [str(f["cfg"][0]), float(f["cfg"][1]), float(f["cfg"][2])],
+            "left": [int(r) for r in f["left"]],
         }
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise RemoteProtocolError(label, f"malformed decision: {exc!r}") from None

@@ -22,30 +22,44 @@ from ..wire.frames import Frame
 __all__ = [
     "CLIENT_CHANNEL",
     "FED_SPACE",
+    "ROUND_SPACE",
     "Message",
     "decode",
     "encode",
     "round_channel",
+    "round_space",
 ]
 
 FED_SPACE = 0xFF00
-"""Channel space of federated averaging (the Group gives sub-groups spaces from 2 up)."""
+"""Channel space of the coordinator/client links (their own connections, no Group)."""
 CLIENT_CHANNEL = FED_SPACE << SPACE_SHIFT
 """The one channel (each way) between a coordinator and a client."""
-_TAG_SHIFT = 40
+ROUND_SPACE = 0xFE00
+"""Channel space of decentralised averaging with ``tag`` 0; tag ``t`` uses
+``ROUND_SPACE + t``. These lie in the range a Group reserves
+(:meth:`~p2pdist.Group.reserve_channel_space`), which ``split`` never hands out."""
 MAX_TAG = 0xFF
 """Largest ``tag`` of a decentralised averaging instance (256 may share one Group)."""
+_KINDS = 4
+_MAX_COUNTER = 1 << SPACE_SHIFT
+
+
+def round_space(tag: int) -> int:
+    """The channel space of decentralised averaging instance ``tag`` (0..255)."""
+    if not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
+        raise UsageError(f"tag must be in [0, {MAX_TAG}], got {tag!r}")
+    return ROUND_SPACE + tag
 
 
 def round_channel(tag: int, round_id: int, kind: int) -> int:
-    """The channel of a decentralised round's messages: ``kind`` 0 carries updates,
-    1 the leader's decision. Counters only grow, so a channel is never reused."""
-    if not 0 <= tag <= MAX_TAG:
-        raise UsageError(f"tag must be in [0, {MAX_TAG}], got {tag}")
-    counter = (round_id << 1) | kind
-    if counter >= 1 << _TAG_SHIFT:
+    """The channel of a decentralised round's messages of ``kind`` (0 updates, 1 the
+    leader's decision, 2 and 3 for recovery). Counters only grow, so a channel is never
+    reused."""
+    assert 0 <= kind < _KINDS
+    counter = round_id * _KINDS + kind
+    if counter >= _MAX_COUNTER:
         raise UsageError("round id too large for a channel")
-    return ((FED_SPACE + 1) << SPACE_SHIFT) | (tag << _TAG_SHIFT) | counter
+    return (round_space(tag) << SPACE_SHIFT) | counter
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,200 @@
+"""Decentralised averaging when ranks are lost (GroupConfig(on_peer_loss="leave")): the
+round closes with the survivors, who agree bit for bit; updates delivered before a rank
+died are still read; a missing update, a lost leader and the default mode fail naming
+the rank. In-process groups over real TCP sockets ("crash": sockets dropped without a
+goodbye), and real processes killed with SIGKILL (tests/elastic_worker.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from group_helpers import groups, loopback_peers
+from test_group_elastic import crash, until_left
+
+from p2pdist import ConnectionBrokenError, GroupBrokenError, UsageError
+from p2pdist.federated import FederatedConfig, GroupAveraging, aggregate
+from p2pdist.federated.messages import encode, round_channel
+
+F32 = np.dtype(np.float32)
+LEAVE = {"on_peer_loss": "leave"}
+WORKER = Path(__file__).with_name("elastic_worker.py")
+
+
+def update_of(rank: int, rnd: int, n: int = 1000) -> np.ndarray:
+    return np.random.default_rng([rank, rnd]).standard_normal(n).astype(np.float32)
+
+
+async def _first_round(feds: list[GroupAveraging]) -> None:
+    outs = await asyncio.gather(*(f.step(update_of(f.group.rank, 0), 10) for f in feds))
+    assert all(o.participants == tuple(range(len(feds))) for o in outs)
+
+
+async def test_an_update_sent_before_a_crash_is_still_read_by_every_survivor() -> None:
+    cfg = FederatedConfig(round_timeout=60.0)
+    async with groups(4, config=LEAVE) as gs:
+        feds = [GroupAveraging(g, np.zeros(1000, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        await _first_round(feds)
+        # rank 3 sends its round-1 update (to the leader last), then dies
+        victim = asyncio.create_task(feds[3].step(update_of(3, 1), 13))
+        await asyncio.sleep(0)
+        crash(gs[3])
+        victim.cancel()
+        await until_left(gs[:3], 3)  # every survivor reads rank 3's update after that
+        outs = await asyncio.gather(*(f.step(update_of(f.group.rank, 1), 10) for f in feds[:3]))
+        want = aggregate([update_of(r, 1) for r in range(4)], [10.0] * 3 + [13.0], "mean", 0.2, F32)
+        for o in outs:
+            assert o.reason == "complete" and o.participants == (0, 1, 2, 3)
+            assert o.left == (3,)
+            assert o.aggregate is not None and o.aggregate.tobytes() == want.tobytes()
+        # the next rounds go on without it
+        for rnd in (2, 3):
+            outs = await asyncio.gather(
+                *(f.step(update_of(f.group.rank, rnd), 10) for f in feds[:3])
+            )
+            assert all(o.participants == (0, 1, 2) and o.reason == "complete" for o in outs)
+        assert len({f.model.tobytes() for f in feds[:3]}) == 1
+        assert not np.array_equal(update_of(0, 2), update_of(1, 2))  # agreement is not trivial
+        for g in gs[:3]:
+            with pytest.raises(GroupBrokenError, match=r"rank 3 \(.*left the group"):
+                await g.all_reduce(np.ones(2))
+
+
+async def test_an_update_that_never_arrived_fails_naming_its_rank() -> None:
+    cfg = FederatedConfig(round_timeout=60.0)
+    async with groups(3, config=LEAVE) as gs:
+        feds = [GroupAveraging(g, np.zeros(100, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        # rank 2's round-0 update reaches the leader only, then rank 2 dies
+        meta, payload = encode("update", {"r": 0, "b": 0, "n": 5}, update_of(2, 0, 100))
+        gs[2].connection(0).send_nowait(round_channel(0, 0, 0), payload, meta=meta)
+        await asyncio.sleep(0.2)
+        crash(gs[2])
+        await until_left(gs[:2], 2)
+        lead, follow = await asyncio.gather(
+            *(f.step(update_of(f.group.rank, 0, 100), 10) for f in feds[:2]),
+            return_exceptions=True,
+        )
+        assert not isinstance(lead, BaseException) and lead.participants == (0, 1, 2)
+        assert isinstance(follow, ConnectionBrokenError), follow
+        assert follow.peer.startswith("rank 2 (") and "never reached" in str(follow)
+        with pytest.raises(GroupBrokenError, match=r"out of step.*rank 2"):
+            await feds[1].step(None)
+
+
+async def test_a_lost_leader_fails_every_follower_naming_it() -> None:
+    cfg = FederatedConfig(round_timeout=60.0)
+    async with groups(3, config=LEAVE) as gs:
+        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        crash(gs[0])
+        await until_left(gs[1:], 0)
+        outs = await asyncio.gather(
+            *(f.step(np.ones(10, np.float32), 1) for f in feds[1:]), return_exceptions=True
+        )
+        for o in outs:
+            assert isinstance(o, ConnectionBrokenError), o
+            assert o.peer.startswith("rank 0 (") and "leader" in str(o)
+
+
+async def test_by_default_a_crash_breaks_the_averaging_naming_the_lost_rank() -> None:
+    cfg = FederatedConfig(round_timeout=60.0)
+    async with groups(3) as gs:
+        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        crash(gs[2])
+        outs = await asyncio.gather(
+            *(f.step(np.ones(10, np.float32), 1) for f in feds[:2]), return_exceptions=True
+        )
+        for o in outs:
+            assert isinstance(o, GroupBrokenError | ConnectionBrokenError), o
+            assert "rank 2 (" in str(o)
+
+
+async def test_one_tag_per_group_and_its_sub_groups() -> None:
+    async with groups(2) as gs:
+        GroupAveraging(gs[0], np.zeros(3, np.float32), tag=5)
+        with pytest.raises(UsageError, match=r"reserved by GroupAveraging\(tag=5\)"):
+            GroupAveraging(gs[0], np.zeros(3, np.float32), tag=5)
+        sub = (await asyncio.gather(*(g.split(0) for g in gs)))[0]
+        assert sub is not None
+        with pytest.raises(UsageError, match="already reserved"):
+            GroupAveraging(sub, np.zeros(3, np.float32), tag=5)
+        GroupAveraging(sub, np.zeros(3, np.float32), tag=6)
+
+
+# ---- real processes, SIGKILL ------------------------------------------------------------
+
+
+def run_world(mode: str, world: int, victim: int) -> dict[int, list[dict[str, object]]]:
+    """Run ``world`` worker processes; ``victim`` SIGKILLs itself at the start of round 1.
+    Returns every survivor's JSON lines."""
+    peers = ",".join(loopback_peers(world))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), mode, str(r), str(world), peers, str(victim)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    lines: dict[int, list[dict[str, object]]] = {}
+    try:
+        for r, p in enumerate(procs):
+            out, err = p.communicate(timeout=120)
+            if r == victim:
+                assert p.returncode == -9, (p.returncode, err)
+                continue
+            assert p.returncode == 0, err
+            lines[r] = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+    return lines
+
+
+def test_a_rank_killed_mid_round_leaves_and_the_survivors_agree() -> None:
+    lines = run_world("leave", 4, victim=2)
+    assert sorted(lines) == [0, 1, 3]
+    rounds = {r: [x for x in ls if "round" in x] for r, ls in lines.items()}
+    for rnd in range(4):
+        seen = [rounds[r][rnd] for r in (0, 1, 3)]
+        assert len({json.dumps(x, sort_keys=True) for x in seen}) == 1, seen  # same bits too
+        x = seen[0]
+        assert x["round"] == rnd and x["applied"]
+        if rnd == 0:
+            assert x["participants"] == [0, 1, 2, 3] and x["left"] == []
+        else:  # closed as soon as the survivors were in, not at the 60 s deadline
+            assert x["participants"] == [0, 1, 3] and x["left"] == [2]
+            assert x["reason"] == "complete"
+    assert len({rounds[r][3]["model"] for r in rounds}) == 1
+    assert rounds[0][1]["model"] != rounds[0][2]["model"]  # the rounds changed the model
+    for ls in lines.values():
+        tail = ls[-1]
+        assert tail["all_reduce"].startswith("GroupBrokenError"), tail  # type: ignore[union-attr]
+        assert "rank 2 (" in tail["all_reduce"] and "left" in tail["all_reduce"]  # type: ignore[operator]
+
+
+def test_a_killed_rank_breaks_the_averaging_by_default_naming_it() -> None:
+    lines = run_world("break", 3, victim=2)
+    for ls in lines.values():
+        errors = [x["error"] for x in ls if "error" in x]
+        assert len(errors) == 1 and "rank 2 (" in errors[0], ls  # type: ignore[operator]
+        assert [x["round"] for x in ls if "round" in x] == [0]
+
+
+def test_a_killed_leader_fails_every_follower_naming_it() -> None:
+    lines = run_world("leave", 3, victim=0)
+    for ls in lines.values():
+        errors = [x["error"] for x in ls if "error" in x]
+        assert len(errors) == 1, ls
+        assert errors[0].startswith("ConnectionBrokenError: rank 0 (")  # type: ignore[union-attr]
+        assert "leader" in errors[0]  # type: ignore[operator]
