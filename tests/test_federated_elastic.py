@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from group_helpers import groups, loopback_peers
-from test_group_elastic import crash, until_left
+from test_group_elastic import crash, restart, until_left
 
 from p2pdist import ConnectionBrokenError, GroupBrokenError, UsageError
-from p2pdist.federated import FederatedConfig, GroupAveraging, aggregate
+from p2pdist.federated import FederatedConfig, GroupAveraging, GroupRound, aggregate
 from p2pdist.federated.messages import encode, round_channel
 
 F32 = np.dtype(np.float32)
@@ -127,6 +127,48 @@ async def test_one_tag_per_group_and_its_sub_groups() -> None:
         with pytest.raises(UsageError, match="already reserved"):
             GroupAveraging(sub, np.zeros(3, np.float32), tag=5)
         GroupAveraging(sub, np.zeros(3, np.float32), tag=6)
+
+
+async def test_a_restarted_rank_gets_the_model_and_round_and_agrees_again() -> None:
+    cfg = FederatedConfig(round_timeout=60.0)
+    async with groups(3, config=LEAVE) as gs:
+        feds = [GroupAveraging(g, np.zeros(100, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        await asyncio.gather(*(f.step(update_of(f.group.rank, 0, 100), 10) for f in feds))
+        crash(gs[2])
+        await until_left(gs[:2], 2)
+        last: list[int] = []  # the round every rank stops after, once rank 2 is back in
+
+        async def run(f: GroupAveraging) -> list[GroupRound]:
+            outs = []
+            while not last or f.round <= last[0]:
+                assert f.round < 500, "rank 2 was never taken back"
+                out = await f.step(update_of(f.group.rank, f.round, 100), 10)
+                outs.append(out)
+                if 2 in out.participants and not last:
+                    last.append(out.round + 1)
+                await asyncio.sleep(0.01)
+            return outs
+
+        survivors = [asyncio.create_task(run(f)) for f in feds[:2]]
+        back = await restart(gs[2])
+        async with back:
+            fed = GroupAveraging(back, np.full(100, 7.0, np.float32), cfg)
+            await fed.start()  # the leader's model and round, at its next round
+            welcomed = fed.round
+            assert welcomed >= 2
+            mine = await run(fed)
+            theirs = await asyncio.gather(*survivors)
+            models = {f.model.tobytes() for f in (feds[0], feds[1], fed)}
+            assert len(models) == 1  # the same bits again
+            assert {f.round for f in (feds[0], feds[1], fed)} == {last[0] + 1}
+            ends = [mine[-1], theirs[0][-1], theirs[1][-1]]
+            assert len({(o.round, o.participants, o.left, o.reason) for o in ends}) == 1
+            assert len({o.aggregate.tobytes() for o in ends if o.aggregate is not None}) == 1
+            assert mine[-1].participants == (0, 1, 2) and mine[-1].left == ()
+            gone = [o for o in theirs[0] if o.round < welcomed]
+            assert gone and all(o.left == (2,) and 2 not in o.participants for o in gone)
+            assert not np.array_equal(fed.model, np.full(100, 7.0, np.float32))
 
 
 # ---- real processes, SIGKILL ------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 from group_helpers import groups
 
 from p2pdist import ConnectionBrokenError, Group, GroupBrokenError, GroupConfig, UsageError
-from p2pdist.group.core import _FIRST_RESERVED_SPACE
+from p2pdist.group.membership import FIRST_RESERVED_SPACE
 
 LEAVE = {"on_peer_loss": "leave"}
 
@@ -97,11 +97,11 @@ async def test_by_default_a_lost_rank_breaks_the_group_naming_it() -> None:
 async def test_split_never_takes_a_reserved_space() -> None:
     async with groups(2) as gs:
         for g in gs:
-            g._next_space = _FIRST_RESERVED_SPACE - 4
+            g._next_space = FIRST_RESERVED_SPACE - 4
         subs = await asyncio.gather(*(g.split(0) for g in gs))
-        assert all(s is not None and s._space == _FIRST_RESERVED_SPACE - 4 for s in subs)
+        assert all(s is not None and s._space == FIRST_RESERVED_SPACE - 4 for s in subs)
         subs = await asyncio.gather(*(g.split(0) for g in gs))
-        assert all(s is not None and s._p2p_space == _FIRST_RESERVED_SPACE - 1 for s in subs)
+        assert all(s is not None and s._p2p_space == FIRST_RESERVED_SPACE - 1 for s in subs)
         results = await asyncio.gather(*(g.split(0) for g in gs), return_exceptions=True)
         for res in results:
             assert isinstance(res, UsageError) and "reserved" in str(res), res
@@ -120,3 +120,82 @@ async def test_reserve_channel_space_refuses_a_taken_or_foreign_space() -> None:
         for bad in (0, 2, 0xFDFF, 0xFFFF):
             with pytest.raises(UsageError, match="space must be in"):
                 g.reserve_channel_space(bad, "x")
+
+
+async def restart(old: Group, **kw: object) -> Group:
+    """Rank ``old.rank`` again, as a restarted process would be (same key and address)."""
+    await old.close()
+    assert old._addresses is not None
+    return Group.from_seed(
+        "test-seed-0123456789",
+        rank=old.rank,
+        world=old.size,
+        peers=old._addresses,
+        config=old.config,
+        rejoin=True,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def test_a_restarted_rank_rejoins_and_full_collectives_run_again() -> None:
+    async with groups(3, config=LEAVE) as gs:
+        for _ in range(3):
+            await asyncio.gather(*(g.all_reduce(np.ones(4)) for g in gs))
+        x = np.arange(3.0)
+        await gs[0].send(x, 2)
+        await gs[2].recv(0, like=x)
+        sub = (await asyncio.gather(*(g.split(0) for g in gs)))[0]
+        crash(gs[2])
+        await until_left(gs[:2], 2)
+        back = await restart(gs[2])
+        async with back:
+            assert back.rejoined and not back.left
+            for g in gs[:2]:
+                assert not g.left and g.broken is None
+            everyone = (*gs[:2], back)
+            out = await asyncio.gather(*(g.all_reduce(np.full(4, g.rank + 1.0)) for g in everyone))
+            assert all(o.tolist() == [6.0] * 4 for o in out)
+            await gs[0].send(x + 1, 2)  # point to point counts start again for the new process
+            np.testing.assert_array_equal(await back.recv(0, like=x), x + 1)
+            await back.send(x + 2, 1)
+            np.testing.assert_array_equal(await gs[1].recv(2, like=x), x + 2)
+            assert sub is not None and 2 in sub.left  # a sub-group made before keeps it out
+
+
+async def test_a_rank_rejoining_learns_who_else_is_gone() -> None:
+    async with groups(4, config=LEAVE) as gs:
+        crash(gs[3])
+        crash(gs[2])
+        await until_left(gs[:2], 3)
+        await until_left(gs[:2], 2)
+        await gs[3].close()
+        back = await restart(gs[2])
+        async with back:
+            assert back.left.keys() == {3} and "rejoined" in str(back.left[3])
+            assert all(g.left.keys() == {3} for g in gs[:2])
+            y = np.ones(2)
+            await back.send(y, 0)
+            np.testing.assert_array_equal(await gs[0].recv(2, like=y), y)
+
+
+async def test_rejoining_a_group_that_does_not_take_ranks_back_is_refused() -> None:
+    from p2pdist import PeerAuthenticationError
+
+    with pytest.raises(UsageError, match="on_peer_loss"):
+        Group.from_seed("s" * 20, rank=0, world=2, peers=["127.0.0.1:1"] * 2, rejoin=True)
+    async with groups(2, timeout=5.0) as gs:
+        crash(gs[1])
+        await gs[1].close()
+        assert gs[1]._addresses is not None
+        back = Group.from_seed(
+            "test-seed-0123456789",
+            rank=1,
+            world=2,
+            peers=gs[1]._addresses,
+            config=GroupConfig(
+                connect_timeout=5.0, on_peer_loss="leave", transport=gs[1].config.transport
+            ),
+            rejoin=True,
+        )
+        with pytest.raises(PeerAuthenticationError, match=r"rank 0 .*on_peer_loss"):
+            await back.start()

@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 
 _UPDATE, _DECISION = 0, 1
 _KINDS = (0, 1, 2, 3)  # every kind of a round's channels (all retired together)
+_READY, _WELCOME = 2, 3  # a rejoining rank's messages, on a round never reached:
+_JOIN_ROUND = (1 << 46) - 1  # its channels are never retired by the rounds
 
 
 def _cid(rank: int) -> str:
@@ -147,6 +149,8 @@ class GroupAveraging:
         self._left: set[int] = set()
         self._refused: list[tuple[int, str]] = []
         self._failed: BaseException | None = None
+        self._ready: set[int] = set()  # leader: ranks back in the group, asking to rejoin
+        self._ready_tasks: dict[int, asyncio.Task[None]] = {}
         self.local_drops = 0
         """This rank's own updates it stopped carrying because they grew too stale."""
 
@@ -167,10 +171,18 @@ class GroupAveraging:
 
     async def start(self, *, timeout: float | None = None) -> None:
         """Make every rank's model the leader's (a broadcast: every rank must call it)
-        and open round 0."""
+        and open round 0.
+
+        On a group that rejoined (``Group.from_seed(..., rejoin=True)``, this rank was
+        lost and restarted), start() instead asks the leader to take this rank back and
+        waits (at most ``timeout``, default ``decision_timeout``) for the current model
+        and round id, which the leader sends when it opens its next round."""
         if self._started:
             raise UsageError("already started")
         self._started = True
+        if self.group.rejoined:
+            await self._rejoin(timeout or self._timeout)
+            return
         self._model = np.array(
             await self.group.broadcast(self._model, src=self.leader, timeout=timeout), order="C"
         )
@@ -189,6 +201,8 @@ class GroupAveraging:
     async def close(self) -> None:
         """Stop this rank's background readers (the group stays open)."""
         self._stop_collectors()
+        for task in self._ready_tasks.values():
+            task.cancel()
 
     async def step(
         self, update: np.ndarray | None, num_samples: int = 0, *, base_round: int | None = None
@@ -245,6 +259,8 @@ class GroupAveraging:
             self._own = None
         if agg is not None:
             self._model = apply_update(self._model, agg, self.config.server_lr)
+        if self.is_leader:
+            self._open(k + 1)
         return GroupRound(
             k,
             applied,
@@ -384,16 +400,87 @@ class GroupAveraging:
     # ---- the leader ---------------------------------------------------------------------------
 
     def _open(self, k: int) -> None:
+        """Open round ``k`` (the model is round ``k``'s): drop the ranks gone, take back
+        those that rejoined and asked (they get the model and ``k``; the round does not
+        wait for them), and read everyone's updates as they come."""
         assert self._state is not None
-        for r in self._gone():
+        loop = asyncio.get_running_loop()
+        gone = set(self.group.left)
+        for r in gone:
             self._left.add(r)
             self._state.leave(_cid(r))
-        self._state.open(asyncio.get_running_loop().time())
+        self._state.open(loop.time())
+        for r in sorted(self._ready - gone):
+            self._welcome(r, k)
+        self._ready.clear()
         self._stop_collectors()
         self._refused = []
         for r, conn in self._conns().items():
-            task = asyncio.get_running_loop().create_task(self._collect(k, r, conn))
-            self._collectors.append(task)
+            self._collectors.append(loop.create_task(self._collect(k, r, conn)))
+        for r in sorted(self._left - gone):  # back in the group: listen for its request
+            task = self._ready_tasks.get(r)
+            if task is None or task.done():
+                conn = self.group.connection(r)
+                self._ready_tasks[r] = loop.create_task(self._await_ready(r, conn))
+
+    async def _await_ready(self, r: int, conn: Connection) -> None:
+        """Note rank ``r``'s request to rejoin the rounds (sent from its start())."""
+        with contextlib.suppress(P2PError):
+            await conn.recv(round_channel(self.tag, _JOIN_ROUND, _READY))
+            self._ready.add(r)
+
+    def _welcome(self, r: int, k: int) -> None:
+        """Send rank ``r`` the model of round ``k`` and take it back into the rounds."""
+        assert self._state is not None
+        meta, payload = encode("welcome", {"r": k}, self._model)
+        try:
+            self.group.connection(r).send_nowait(
+                round_channel(self.tag, _JOIN_ROUND, _WELCOME), payload, meta=meta
+            )
+        except P2PError as exc:
+            log.info("%s: welcome not sent: %s", self.group.peer_label(r), exc)
+            return
+        log.info("round %d: %s rejoined the rounds", k, self.group.peer_label(r))
+        self._left.discard(r)
+        self._state.join(_cid(r))
+
+    # ---- a rank that rejoins ------------------------------------------------------------------
+
+    async def _rejoin(self, seconds: float) -> None:
+        """Ask the leader to take this (restarted) rank back; adopt its model and round."""
+        label = self.group.peer_label(self.leader)
+        if self.is_leader:
+            raise UsageError("the leader cannot rejoin (there is no leader election)")
+        if self.leader in self.group.left:
+            raise ConnectionBrokenError(label, "the leader is gone: nobody can take this rank back")
+        conn = self.group.connection(self.leader)
+        meta, _ = encode("ready")
+        conn.send_nowait(round_channel(self.tag, _JOIN_ROUND, _READY), meta=meta)
+        try:
+            frame = await conn.recv(round_channel(self.tag, _JOIN_ROUND, _WELCOME), timeout=seconds)
+        except PeerTimeoutError:
+            raise PeerTimeoutError(
+                label, f"the leader did not take this rank back within {seconds:g} s"
+            ) from None
+        except (ConnectionBrokenError, RemoteProtocolError) as exc:
+            raise ConnectionBrokenError(
+                label, f"the leader went before taking this rank back: {exc.detail}"
+            ) from None
+        message = decode(frame, label)
+        if message.kind != "welcome":
+            raise RemoteProtocolError(label, f"expected a welcome, got {message.kind!r}")
+        k = message.get_int("r", label, low=1)
+        model = message.need_array(label)
+        if model.dtype != self._model.dtype or model.shape != self._model.shape:
+            raise MismatchError(
+                label,
+                f"its model is {model.dtype}{list(model.shape)}, this rank's "
+                f"{self._model.dtype}{list(self._model.shape)}",
+            )
+        self._model = np.array(model, copy=True, order="C")
+        for j in range(k):  # what the others sent for earlier rounds is of no use here
+            self._retire(j)
+        self._round = k
 
     def _stop_collectors(self) -> None:
         for task in self._collectors:
@@ -472,7 +559,6 @@ class GroupAveraging:
                 conn.send_nowait(channel, meta=meta)
             except P2PError as exc:
                 log.info("%s: decision not sent: %s", self.group.peer_label(r), exc)
-        self._open(k + 1)
         return body, outcome.aggregate
 
 

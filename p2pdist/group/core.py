@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
@@ -21,7 +20,6 @@ from ..errors import (
     MismatchError,
     P2PError,
     P2PTimeoutError,
-    PeerError,
     PeerTimeoutError,
     RemoteProtocolError,
     UsageError,
@@ -39,6 +37,7 @@ from . import p2p
 from .buffers import as_array, expectation
 from .config import GroupConfig
 from .link import CollectiveLink
+from .membership import LAST_SPACE, Membership
 
 __all__ = ["GroupCore"]
 
@@ -48,8 +47,6 @@ T = TypeVar("T")
 _COLLECTIVE_SPACE = 0
 _P2P_SPACE = 1
 _FIRST_SUBGROUP_SPACE = 2
-_FIRST_RESERVED_SPACE = 0xFE00  # split() stays below; reserve_channel_space() above
-_LAST_SPACE = 0xFFFE  # 0xFFFF is the control channel's
 _CONTROL_CHANNEL = 0xFFFF << SPACE_SHIFT
 _ATTRIBUTION_WINDOW = 0.25  # seconds a failing collective waits for other failure reports
 
@@ -58,7 +55,7 @@ def _label(rank: int, eid: EndpointId) -> str:
     return f"rank {rank} ({eid.short()})"
 
 
-class GroupCore:
+class GroupCore(Membership):
     """Membership, connections, failure handling and point-to-point of a group.
 
     Use :class:`~p2pdist.group.group.Group`, which adds the collectives.
@@ -75,6 +72,7 @@ class GroupCore:
         config: GroupConfig | None = None,
         relay: str | None = None,
         relay_token: str | None = None,
+        rejoin: bool = False,
         _subgroup: bool = False,
     ) -> None:
         world = len(peer_ids)
@@ -119,10 +117,14 @@ class GroupCore:
         self._p2p_space = _P2P_SPACE
         self._parent: GroupCore | None = None
         self._next_space = _FIRST_SUBGROUP_SPACE  # used on the root group only
-        self._reserved: dict[int, str] = {}  # root only: reserved space -> owner
+        self._reserved = {LAST_SPACE: "the group itself"}  # root only: space -> owner
         self._root_ranks = list(range(world))  # our ranks' ranks in the root group
+        self._descendants: list[Membership] = []  # root only: every sub-group made
+        self._rejoin = rejoin
+        if rejoin and self.config.on_peer_loss != "leave":
+            raise UsageError('rejoin=True needs GroupConfig(on_peer_loss="leave")')
         # root only: running collectives (task -> group) and those a loss cancelled
-        self._inflight: dict[asyncio.Task[Any], GroupCore] = {}
+        self._inflight: dict[asyncio.Task[Any], Membership] = {}
         self._cancelled_by_loss: dict[asyncio.Task[Any], int] = {}
 
     # ---- construction ---------------------------------------------------------------
@@ -141,6 +143,7 @@ class GroupCore:
         config: GroupConfig | None = None,
         relay: str | None = None,
         relay_token: str | None = None,
+        rejoin: bool = False,
     ) -> Self:
         """A group whose keys all derive from ``seed`` (a shared secret: whoever knows it
         can act as any rank).
@@ -151,7 +154,10 @@ class GroupCore:
         reach each other by endpoint id alone, over QUIC through the relay, with no
         addresses at all (``relay_token`` for a relay that wants one). ``tls=False`` is
         authenticated plaintext TCP, for trusted networks only; None keeps ``config``'s
-        setting (TLS by default)."""
+        setting (TLS by default). ``rejoin=True`` joins a running group again after this
+        rank was lost (restarted with the same seed and rank; the others must run with
+        ``GroupConfig(on_peer_loss="leave")``, and so must this rank): see
+        docs/architecture.md §5."""
         if not isinstance(world, int) or world < 1:
             raise UsageError(f"world must be an int >= 1, got {world!r}")
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
@@ -176,6 +182,7 @@ class GroupCore:
             config=cfg,
             relay=relay,
             relay_token=relay_token,
+            rejoin=rejoin,
         )
 
     @classmethod
@@ -243,33 +250,6 @@ class GroupCore:
         return _label(rank, self._ids[rank])
 
     @property
-    def left(self) -> dict[int, BaseException]:
-        """Ranks that have left, each with the error that ended its connection: those that
-        closed on purpose, and (under ``on_peer_loss="leave"``) those that were lost."""
-        root = self._root()
-        return {r: root._left[rr] for r, rr in enumerate(self._root_ranks) if rr in root._left}
-
-    def reserve_channel_space(self, space: int, owner: str) -> int:
-        """Claim channel ``space`` (in ``0xFE00..0xFFFE``, which :meth:`split` never hands
-        out) on this group's connections for ``owner`` (a name for error messages), and
-        return it. Every rank must reserve the same space for the same traffic.
-
-        A space is reserved for the life of the group and shared by its sub-groups (they
-        share its connections): reserving one that is already taken raises
-        :class:`UsageError` naming its owner, because its channels are retired as they
-        are used and a second user would have its messages dropped."""
-        if not isinstance(space, int) or not _FIRST_RESERVED_SPACE <= space <= _LAST_SPACE:
-            raise UsageError(
-                f"space must be in [{_FIRST_RESERVED_SPACE:#x}, {_LAST_SPACE:#x}], got {space!r}"
-            )
-        root = self._root()
-        taken = root._reserved.get(space)
-        if taken is not None:
-            raise UsageError(f"channel space {space:#x} is already reserved by {taken}")
-        root._reserved[space] = owner
-        return space
-
-    @property
     def relay_status(self) -> RelayStatus | None:
         """The relay session's state and counters, or None without a relay."""
         return self._relay_path.status if self._relay_path is not None else None
@@ -322,6 +302,27 @@ class GroupCore:
         except BaseException:
             await self.close()
             raise
+        if self._rejoin:
+            try:
+                await self._rejoin_all(transport, self._address_of, self.config.connect_timeout)
+            except BaseException:
+                await self.close()
+                raise
+        else:
+            await self._form(transport)
+            for r, conn in list(self._conns.items()):
+                self._adopt(r, conn)
+        self._formed = True
+        if self.config.on_peer_loss == "leave":
+            self._listeners.append(asyncio.create_task(self._accept_rejoins(transport)))
+        log.info("%s: group of %d formed", self.peer_label(self._rank), self.size)
+        return self
+
+    def _address_of(self, r: int) -> Address | None:
+        return self._addresses[r] if self._addresses is not None else None
+
+    async def _form(self, transport: TcpTransport | QuicTransport) -> None:
+        """Dial the lower ranks and accept the higher ones (bounded); closes on failure."""
         try:
             async with asyncio.timeout(self.config.connect_timeout), asyncio.TaskGroup() as tg:
                 tg.create_task(self._accept_higher(transport))
@@ -342,18 +343,6 @@ class GroupCore:
         except BaseException:
             await self.close()
             raise
-        for r, conn in self._conns.items():
-            conn.label = self.peer_label(r)
-            conn.add_close_callback(functools.partial(self._on_connection_end, r))
-            self._listeners.append(asyncio.create_task(self._listen_control(r, conn)))
-        self._formed = True
-        log.info("%s: group of %d formed", self.peer_label(self._rank), self.size)
-        return self
-
-    def _accepts(self, eid: EndpointId) -> bool:
-        """Group members, and only until the group has formed: a rank that restarts and
-        dials again is refused at once instead of joining a group that cannot take it."""
-        return eid in self._rank_of and not self._formed
 
     def _where(self, r: int) -> str:
         if self._relay_url is not None:
@@ -432,59 +421,6 @@ class GroupCore:
 
     # ---- failure handling -------------------------------------------------------------
 
-    def _on_connection_end(self, rank: int, error: BaseException | None) -> None:
-        if error is None or self._closing:
-            return
-        graceful = isinstance(error, ConnectionBrokenError) and error.graceful
-        if graceful or self.config.on_peer_loss == "leave":
-            # A peer that closes on purpose (or, by choice, one that is lost) is no failure
-            # until someone still needs it: later collectives refuse to start, a receive
-            # from it raises, the rest runs on.
-            if graceful:
-                log.info("%s left the group", self.peer_label(rank))
-            else:
-                why = error.detail if isinstance(error, PeerError) else error
-                log.warning("%s was lost; it counts as left: %s", self.peer_label(rank), why)
-            self._left.setdefault(rank, error)
-            if self.config.on_peer_loss == "leave":
-                self._cancel_inflight(rank)
-            return
-        log.warning("%s: connection ended: %s", self.peer_label(rank), error)
-        self._failure_log.append(str(error))
-        self._break(error, notify=True)
-
-    def _cancel_inflight(self, root_rank: int) -> None:
-        """Fail every running collective of a group that has ``root_rank`` as a member:
-        it can no longer finish, and its other ranks may wait on us, not on the lost one.
-        :meth:`_run` turns the cancellation into an error naming the lost rank."""
-        for task, group in list(self._inflight.items()):
-            if task is asyncio.current_task():
-                continue  # it is running: it meets the connection's error itself
-            if root_rank in group._root_ranks and task not in self._cancelled_by_loss:
-                self._cancelled_by_loss[task] = root_rank
-                task.cancel()
-
-    def _gone_with(self, err: P2PError) -> int | None:
-        """Under ``on_peer_loss="leave"``: the root rank whose leaving ended a connection
-        with ``err`` (so a collective failing with it leaves the group usable), else None."""
-        root = self._root()
-        if self.config.on_peer_loss != "leave" or isinstance(err, MismatchError):
-            return None
-        for r, cause in root._left.items():
-            if cause is err or (isinstance(err, PeerError) and err.peer == root.peer_label(r)):
-                return r
-        return None
-
-    def _loss_error(self, root_rank: int, link: CollectiveLink) -> ConnectionBrokenError:
-        """The error of a collective that needed ``root_rank``, which left or was lost."""
-        root = self._root()
-        cause = root._left.get(root_rank)
-        why = cause.detail if isinstance(cause, PeerError) else cause
-        return ConnectionBrokenError(
-            root.peer_label(root_rank),
-            f"left the group while {link.explain()} needed it ({why})",
-        )
-
     async def _listen_control(self, rank: int, conn: Connection) -> None:
         with contextlib.suppress(BaseException):
             while True:
@@ -548,6 +484,8 @@ class GroupCore:
         )
         child._conns = {i: self._conns[r] for i, r in enumerate(members) if r != self._rank}
         child._root_ranks = [self._root_ranks[r] for r in members]
+        child._left = dict(self._left)
+        self._root()._descendants.append(child)
         child._space, child._p2p_space = space, space + 1
         child._parent = self
         child._started = True

@@ -12,8 +12,9 @@ from . import algorithms as alg
 from .buffers import as_array, result_buffer
 from .compress import ErrorFeedback, WireCodec, make_codec
 from .config import MODES
-from .core import _FIRST_RESERVED_SPACE, GroupCore
+from .core import GroupCore
 from .link import CollectiveLink, describe_call
+from .membership import FIRST_RESERVED_SPACE
 from .ops import ReduceOp, reduce_op
 
 if TYPE_CHECKING:
@@ -453,10 +454,10 @@ class Group(GroupCore):
         )
         # Every member proposes its lowest unused space; the largest is unused by them all.
         space = int(max(table[r, 2] for r in members))
-        if space + 1 >= _FIRST_RESERVED_SPACE:
+        if space + 1 >= FIRST_RESERVED_SPACE:
             raise UsageError(
-                f"too many sub-groups: channel spaces up to {_FIRST_RESERVED_SPACE - 1:#x} are "
-                f"used up (those from {_FIRST_RESERVED_SPACE:#x} are reserved, see "
+                f"too many sub-groups: channel spaces up to {FIRST_RESERVED_SPACE - 1:#x} are "
+                f"used up (those from {FIRST_RESERVED_SPACE:#x} are reserved, see "
                 "reserve_channel_space)"
             )
         root._next_space = max(root._next_space, space + 2)
