@@ -43,6 +43,25 @@ async def test_error_within_documented_bound_and_identical(world: int, wire: str
             np.testing.assert_allclose(means[0], outs[0] / world, rtol=1e-6)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+async def test_ring_with_many_uneven_chunks(world: int) -> None:
+    # 1024 float32 per chunk; the first segments have one element more than the last and
+    # straddle a chunk boundary, so neighbours hold different numbers of chunks (4 vs 3).
+    n = world * 3 * 1024 + world - 1
+    rng = np.random.default_rng(world)
+    small = [rng.integers(-8, 9, n).astype(np.float32) for _ in range(world)]
+    async with groups(world, config={"chunk_bytes": 4096, "small_bytes": 4096}) as gs:
+        for wire in ("float16", "bfloat16"):  # small integer sums are exact on these wires
+            outs = await reduce_all(gs, small, wire_dtype=wire)
+            for out in outs:
+                np.testing.assert_array_equal(out, np.sum(small, axis=0))
+        xs = gaussian(world, n, seed=world)
+        for wire in ("float16", "bfloat16", "int8"):
+            outs = await reduce_all(gs, xs, wire_dtype=wire, block=100)
+            assert len({o.tobytes() for o in outs}) == 1, "ranks disagree"
+            assert rel_error(outs[0], xs) <= BOUNDS[wire], (wire, rel_error(outs[0], xs))
+
+
 async def test_int8_partial_sums_never_saturate() -> None:
     async with groups(4) as gs:
         xs = [np.full(200_000, 100.0, np.float32) for _ in range(4)]

@@ -13,7 +13,7 @@ channel or sequence number carries a message is the Link's business.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import zip_longest
 from typing import Any, Protocol
 
@@ -330,31 +330,88 @@ async def compressed_ring_all_reduce(
     then re-encodes (fresh int8 scales per hop, so partial sums never saturate). The owner
     then encodes its final segment once and those same bytes travel the all-gather ring;
     the owner keeps the decoded value too, so every rank ends with identical bits.
+
+    No full-size temporaries: chunks are encoded into one reused buffer (a send hands
+    its bytes to the transport before it returns), received chunks are accumulated or
+    decoded straight into ``work`` and forwarded as received. The last reduce-scatter
+    step and the first all-gather step run interleaved chunk by chunk, so a finished
+    chunk leaves while the next ones are still being reduced (see ``_last_hop``).
     """
     n, r = link.size, link.rank
     right, left = (r + 1) % n, (r - 1) % n
-    for send, recv in _ring_schedule(link, bounds, chunk, lag=1):
-        if send is not None:
-            a, b = send
-            await link.send(right, _bytes(codec.encode(work[a:b])))
-        if recv is not None:
-            a, b = recv
+    widest = min(chunk, max(b - a for a, b in bounds))
+    wire = np.empty(codec.nbytes(widest), np.uint8)
+
+    def encoded(a: int, b: int) -> memoryview:
+        buf = wire[: codec.nbytes(b - a)]
+        codec.encode_into(work[a:b], buf)
+        return _bytes(buf)
+
+    for k in range(n - 2):  # reduce-scatter steps but the last
+        sends = _chunks(*bounds[(r - k - 1) % n], chunk)
+        recvs = _chunks(*bounds[(r - k - 2) % n], chunk)
+        for send, recv in zip_longest(sends, recvs):
+            if send is not None:
+                await link.send(right, encoded(*send))
+            if recv is not None:
+                a, b = recv
+                data = await link.recv(left, codec.nbytes(b - a))
+                if b > a:
+                    codec.accumulate(data, work[a:b])
+    held = await _last_hop(link, work, bounds, codec, chunk, encoded)
+    for k in range(1, n - 1):  # the other all-gather steps: forward what arrived
+        forward, held = held, []
+        for fwd, recv in zip_longest(forward, _chunks(*bounds[(r - k - 1) % n], chunk)):
+            if fwd is not None:
+                await link.send(right, fwd)
+            if recv is not None:
+                a, b = recv
+                data = await link.recv(left, codec.nbytes(b - a))
+                codec.decode_into(data, work[a:b])
+                held.append(data)
+
+
+async def _last_hop(
+    link: Link,
+    work: np.ndarray,
+    bounds: list[tuple[int, int]],
+    codec: WireCodec,
+    chunk: int,
+    encoded: Callable[[int, int], memoryview],
+) -> list[memoryview]:
+    """The last reduce-scatter step fused with the first all-gather step.
+
+    Iteration i sends partial-sum chunk i of segment rank+1, then the final encoding of
+    our own chunk i-1 (finished one iteration earlier, so nothing waits on it), then
+    receives our own chunk i (the last contribution) and segment rank-1's final chunk
+    i-1. The left neighbour sends exactly that sequence, so messages pair up in order.
+    Returns the all-gather chunks received, for forwarding.
+    """
+    n, r = link.size, link.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    partial = _chunks(*bounds[(r + 1) % n], chunk)
+    own = _chunks(*bounds[r], chunk)
+    final = _chunks(*bounds[(r - 1) % n], chunk)
+    held: list[memoryview] = []
+    for i in range(max(len(partial), len(own) + 1, len(final) + 1)):
+        if i < len(partial):
+            await link.send(right, encoded(*partial[i]))
+        if 0 < i <= len(own):
+            a, b = own[i - 1]
+            payload = encoded(a, b)
+            codec.decode_into(payload, work[a:b])  # keep exactly what the others get
+            await link.send(right, payload)
+        if i < len(own):
+            a, b = own[i]
             data = await link.recv(left, codec.nbytes(b - a))
             if b > a:
-                work[a:b] += codec.decode(data, b - a)
-    held: dict[tuple[int, int], memoryview] = {}
-    for a, b in _chunks(*bounds[r], chunk):
-        enc = codec.encode(work[a:b])
-        work[a:b] = codec.decode(enc, b - a)
-        held[(a, b)] = _bytes(enc)
-    for send, recv in _ring_schedule(link, bounds, chunk, lag=0):
-        if send is not None:
-            await link.send(right, held.pop(send))
-        if recv is not None:
-            a, b = recv
+                codec.accumulate(data, work[a:b])
+        if 0 < i <= len(final):
+            a, b = final[i - 1]
             data = await link.recv(left, codec.nbytes(b - a))
-            work[a:b] = codec.decode(data, b - a)
-            held[(a, b)] = data
+            codec.decode_into(data, work[a:b])
+            held.append(data)
+    return held
 
 
 async def compressed_direct_all_reduce(link: Link, work: np.ndarray, codec: WireCodec) -> None:
@@ -364,16 +421,12 @@ async def compressed_direct_all_reduce(link: Link, work: np.ndarray, codec: Wire
     enc = codec.encode(work)
     payload = _bytes(enc)
     await _send_to_others(link, payload)
-    size = work.size
-    total: np.ndarray | None = None
     for p in range(n):
-        part = codec.decode(enc if p == r else await link.recv(p, len(payload)), size)
-        if total is None:
-            total = part
+        data = payload if p == r else await link.recv(p, len(payload))
+        if p == 0:
+            codec.decode_into(data, work)
         else:
-            total += part
-    assert total is not None
-    work[:] = total
+            codec.accumulate(data, work)
 
 
 async def gather_to(link: Link, block: np.ndarray, dst: int, out: np.ndarray | None) -> None:
