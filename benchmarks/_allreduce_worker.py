@@ -8,7 +8,8 @@ driver, runs one role, and writes a JSON result file named in the config. Roles:
 ``gloo``
     One rank of a torch.distributed Gloo all-reduce sweep.
 ``p2pdist``
-    One rank of a p2pdist ``Group.all_reduce`` sweep (TLS or plaintext).
+    One rank of a p2pdist ``Group.all_reduce`` sweep (TLS or plaintext), on asyncio's
+    event loop or uvloop.
 
 The all-reduce roles time every call with :func:`time.perf_counter` after a barrier and
 report the per-size median; the driver takes the maximum over ranks.
@@ -16,7 +17,6 @@ report the per-size median; the driver takes the maximum over ranks.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import statistics
@@ -167,7 +167,10 @@ def gloo(cfg: dict[str, Any]) -> dict[str, Any]:
 async def _p2pdist_async(cfg: dict[str, Any]) -> dict[str, Any]:
     """Run one rank of the p2pdist all-reduce sweep inside the event loop."""
     from p2pdist import Group
+    from p2pdist.eventloop import loop_name
 
+    if loop_name() != cfg.get("loop", "asyncio"):
+        raise AssertionError(f"running on {loop_name()}, asked for {cfg.get('loop')}")
     rank: int = cfg["rank"]
     world: int = cfg["world"]
     g = Group.from_seed(cfg["seed"], rank=rank, world=world, peers=cfg["peers"], tls=cfg["tls"])
@@ -199,8 +202,10 @@ async def _p2pdist_async(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def p2pdist(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run one rank of the p2pdist all-reduce sweep."""
-    return asyncio.run(_p2pdist_async(cfg))
+    """Run one rank of the p2pdist all-reduce sweep on ``cfg["loop"]`` (asyncio/uvloop)."""
+    from p2pdist import eventloop
+
+    return eventloop.run(_p2pdist_async(cfg), loop=cfg.get("loop", "asyncio"))
 
 
 ROLES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {

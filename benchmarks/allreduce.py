@@ -11,10 +11,15 @@ median time per all-reduce and the table shows the maximum of those medians over
 ``algbw = bytes / time`` and ``busbw = algbw * 2(n-1)/n`` (the nccl-tests convention), in
 GB/s (1e9 bytes per second). Sizes are bytes of float32 data.
 
+Every p2pdist mode runs on each event loop of ``--loop`` (default: asyncio and uvloop
+when uvloop is installed; uvloop columns carry a ``+uv`` suffix), one loop right after the
+other, so that they see the same machine load.
+
 Usage::
 
     python benchmarks/allreduce.py [--world 2 4] [--sizes 4K 64K 1M 16M 64M] [--iters N]
-                                   [--modes tls plaintext] [--no-gloo] [--markdown]
+                                   [--modes tls plaintext] [--loop asyncio uvloop]
+                                   [--no-gloo] [--markdown]
 
 Run it with an interpreter that has torch installed (``.bench-venv``) to get the Gloo
 columns; without torch they are skipped with a note.
@@ -51,6 +56,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     "-int8": {"wire_dtype": "int8"},
 }
 """Mode suffixes: how the all_reduce is called (deterministic, or a compressed wire)."""
+LOOPS: dict[str, str] = {"asyncio": "", "uvloop": "+uv"}
+"""Event loops and the suffix of their series names."""
 TCP_TOTAL = 1 << 30
 _UNITS = {
     "": 1,
@@ -441,6 +448,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="p2pdist modes (default: tls plaintext); suffix -det = deterministic, "
         "-f16/-bf16/-int8 = compressed wire",
     )
+    ap.add_argument(
+        "--loop",
+        "--loops",
+        dest="loops",
+        nargs="+",
+        choices=list(LOOPS),
+        default=None,
+        help="event loops for p2pdist, each mode run on each (default: asyncio, and uvloop "
+        "when installed)",
+    )
     ap.add_argument("--no-gloo", action="store_true", help="skip the torch Gloo reference")
     ap.add_argument("--no-p2pdist", action="store_true", help="skip p2pdist (baselines only)")
     ap.add_argument("--no-tcp", action="store_true", help="skip the raw TCP measurement")
@@ -512,6 +529,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     if hasattr(os, "getloadavg"):
         machine += ", load average {:.2f} {:.2f} {:.2f} at start".format(*os.getloadavg())
+    from p2pdist.eventloop import uvloop_available
+
+    loops: list[str] = args.loops or (["asyncio", "uvloop"] if uvloop_available() else ["asyncio"])
+    if "uvloop" in loops and not uvloop_available():
+        print("--loop uvloop: uvloop is not installed here", file=sys.stderr)
+        return 2
+    if args.loops is None and not uvloop_available():
+        notes.append('uvloop: skipped (not installed; pip install "p2pdist[fast]")')
+    names = [f"{lp} ({LOOPS[lp] or 'no suffix'})" for lp in loops]
+    machine += f"; event loops: {', '.join(names)}"
     out: list[str] = []
     t_start = time.monotonic()
 
@@ -540,11 +567,11 @@ def main(argv: list[str] | None = None) -> int:
             mode_series: list[Series] = []
             if run_p2p:
                 seed = secrets.token_hex(32)
-                for mode in args.modes:
+                for mode, loop in [(m, lp) for m in args.modes for lp in loops]:
                     peers = [f"127.0.0.1:{p}" for p in free_ports(world)]
                     mode_series.append(
                         run_series(
-                            mode,
+                            mode + LOOPS[loop],
                             "p2pdist",
                             world,
                             sizes,
@@ -556,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "seed": seed,
                                 "peers": peers,
                                 "tls": mode.startswith("tls"),
+                                "loop": loop,
                                 "reduce_kwargs": VARIANTS[
                                     mode[mode.find("-") :] if "-" in mode else ""
                                 ],

@@ -13,31 +13,46 @@ to the last message and reports MB/s (10^6 bytes per second of payload):
 then the variants tried to lift the QUIC ceiling (datagram size, receive window,
 congestion controller, several connections per peer).
 
-Run: ``python benchmarks/quic_throughput.py [--mib 128] [--msg-kib 1024] [--relay URL]``
+Every row runs on each event loop of ``--loop`` (default: asyncio and uvloop when uvloop
+is installed), the loops interleaved run by run so that they see the same machine load.
+The relay row uses a relay process this script starts on 127.0.0.1 on the same loop as
+the peers (``--relay URL`` uses a running relay instead; ``--no-relay`` skips the row).
+
+Run: ``python benchmarks/quic_throughput.py [--mib 128] [--msg-kib 1024] [--loop asyncio uvloop]``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
+import os
+import platform
 import socket
 import ssl
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from aioquic.asyncio import QuicConnectionProtocol, connect, serve
 from aioquic.quic.events import QuicEvent, StreamDataReceived
 
-from p2pdist import SecretKey, TcpTransport, TransportConfig
+from p2pdist import SecretKey, TcpTransport, TransportConfig, eventloop
 from p2pdist.launch import pick_free_ports
 from p2pdist.tls import make_certificate
 from p2pdist.transport.quic import QuicTransport
 from p2pdist.transport.quic_core import QuicConfig, quic_configuration
 
 SEED = "quic-bench-seed-0123456789"
+RELAY_CMD = [sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0"]
+RELAY_CMD += ["--stun-port", "0", "--log-level", "warning"]
 SERVER, CLIENT = SecretKey.from_seed(SEED, 0), SecretKey.from_seed(SEED, 1)
 
 
@@ -178,10 +193,37 @@ async def _p2pdist(
 def _worker(
     kind: str, role: str, port: int, total: int, size: int, opts: dict[str, Any], q: Any
 ) -> None:
+    loop = opts.get("loop", "asyncio")
     if kind == "bare":
-        asyncio.run(_bare(role, port, total, size, opts["quic"], q))
+        eventloop.run(_bare(role, port, total, size, opts["quic"], q), loop=loop)
     else:
-        asyncio.run(_p2pdist(role, kind, port, total, size, opts, q))
+        eventloop.run(_p2pdist(role, kind, port, total, size, opts, q), loop=loop)
+
+
+@contextlib.contextmanager
+def local_relay(loop: str, workdir: Path) -> Iterator[str]:
+    """A ``python -m relay`` process on 127.0.0.1 running on ``loop``; yields its URL."""
+    log = workdir / f"relay-{loop}.log"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(
+            [*RELAY_CMD, "--loop", loop],
+            stdout=subprocess.PIPE,
+            stderr=fh,
+            stdin=subprocess.DEVNULL,
+        )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        if not line.startswith("relay url: "):
+            raise RuntimeError(f"relay on {loop} did not start: {log.read_text()[-2000:]}")
+        yield line.removeprefix("relay url: ").strip()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
 
 
 def measure(kind: str, total: int, size: int, **opts: Any) -> float:
@@ -212,17 +254,30 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256, help="MiB per measurement")
     ap.add_argument("--msg-kib", type=int, default=1024, help="message size, KiB")
     ap.add_argument("--repeat", type=int, default=3, help="runs per row (the median is shown)")
-    ap.add_argument("--relay", help="relay URL for the relay row (needs a running relay)")
+    ap.add_argument("--relay", help="use this running relay for the relay row (any loop)")
+    ap.add_argument("--no-relay", action="store_true", help="skip the relay row")
     ap.add_argument("--quick", action="store_true", help="only the main rows")
+    default_loops = ["asyncio", "uvloop"] if eventloop.uvloop_available() else ["asyncio"]
+    ap.add_argument(
+        "--loop",
+        "--loops",
+        dest="loops",
+        nargs="+",
+        choices=["asyncio", "uvloop"],
+        default=default_loops,
+        help=f"event loops to measure, interleaved (default: {' '.join(default_loops)})",
+    )
     args = ap.parse_args()
+    for loop in args.loops:
+        eventloop.resolve_loop(loop)  # a clear error when uvloop is missing
     total, size = args.mib << 20, args.msg_kib << 10
     base = QuicConfig()
     rows: list[tuple[str, str, dict[str, Any]]] = [
         ("aioquic bare (same settings)", "bare", {"quic": base}),
         ("p2pdist QUIC direct", "quic", {"quic": base}),
     ]
-    if args.relay:
-        rows.append(("p2pdist QUIC relay", "quic", {"quic": base, "relay": args.relay}))
+    if not args.no_relay:
+        rows.append(("p2pdist QUIC relay", "quic", {"quic": base, "relay": args.relay or "local"}))
     rows += [
         ("p2pdist TCP plaintext", "tcp", {"tls": False}),
         ("p2pdist TCP TLS", "tcp", {"tls": True}),
@@ -239,27 +294,65 @@ def main() -> None:
         rows.append(("  QUIC direct, cubic", "quic", {"quic": q}))
         for n in (2, 4):
             rows.append((f"  QUIC direct, {n} connections", "quic", {"quic": base, "conns": n}))
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
+        f"command: python {' '.join(sys.argv)}\n"
+        f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"load average {load} at start\n"
         f"one-way throughput, MB/s, median of {args.repeat} (loopback, 2 processes, "
         f"{args.mib} MiB in {args.msg_kib} KiB messages; QUIC defaults: "
         f"{base.loopback_datagram} B datagrams, {base.stream_window >> 20} MiB stream window, "
-        f"{base.congestion_control}); ratio: against bare aioquic, same datagram size"
+        f"{base.congestion_control}); loops interleaved run by run; ratio: against bare "
+        "aioquic, same datagram size and loop; relay: a local relay process on the same "
+        "loop as the peers (a third process on the same cores)",
+        flush=True,
     )
-    bare: dict[int, float] = {}
-    for name, kind, opts in rows:
-        try:
-            runs = sorted(measure(kind, total, size, **opts) / 1e6 for _ in range(args.repeat))
-        except Exception as exc:  # one failing row must not hide the others
-            print(f"{name:<40} failed: {exc!r}", flush=True)
-            continue
-        rate = runs[len(runs) // 2]
-        dgram = opts["quic"].loopback_datagram if "quic" in opts else 0
-        if kind == "bare":
-            bare[dgram] = rate
-        ref = bare.get(dgram)
-        ratio = f"  {rate / ref:5.2f}x bare" if ref and kind == "quic" else ""
-        spread = f"  ({runs[0]:.0f}..{runs[-1]:.0f})"
-        print(f"{name:<40} {rate:9.1f}{ratio}{spread}", flush=True)
+    bare: dict[tuple[int, str], float] = {}
+    direct: dict[str, float] = {}
+    relayed: dict[str, float] = {}
+    tmp = tempfile.TemporaryDirectory(prefix="p2pdist-quic-bench-")
+    with tmp, contextlib.ExitStack() as stack:
+        relays: dict[str, str] = {}
+        if not args.no_relay:
+            for loop in args.loops:
+                relays[loop] = args.relay or stack.enter_context(local_relay(loop, Path(tmp.name)))
+        for name, kind, opts in rows:
+            runs: dict[str, list[float]] = {loop: [] for loop in args.loops}
+            try:
+                for _ in range(args.repeat):
+                    for loop in args.loops:
+                        o = {**opts, "loop": loop}
+                        if "relay" in o:
+                            o["relay"] = relays[loop]
+                        runs[loop].append(measure(kind, total, size, **o) / 1e6)
+            except Exception as exc:  # one failing row must not hide the others
+                print(f"{name:<40} failed: {exc!r}", flush=True)
+                continue
+            for loop in args.loops:
+                r = sorted(runs[loop])
+                rate = r[len(r) // 2]
+                dgram = opts["quic"].loopback_datagram if "quic" in opts else 0
+                if kind == "bare":
+                    bare[dgram, loop] = rate
+                elif kind == "quic" and "conns" not in opts and opts["quic"] == base:
+                    (relayed if "relay" in opts else direct)[loop] = rate
+                ref = bare.get((dgram, loop))
+                ratio = f"  {rate / ref:5.2f}x bare" if ref and kind == "quic" else ""
+                spread = f"  ({r[0]:.0f}..{r[-1]:.0f})"
+                label = f"{name} [{loop}]"
+                print(f"{label:<50} {rate:9.1f}{ratio}{spread}", flush=True)
+    for loop in args.loops:
+        if loop in direct and loop in relayed:
+            print(
+                f"relay / direct QUIC [{loop}]: {relayed[loop] / direct[loop]:.2f}x "
+                "(bar: at least 0.6x)",
+                flush=True,
+            )
+    if len(args.loops) == 2:
+        a, b = args.loops
+        for what, table in (("direct", direct), ("relay", relayed)):
+            if a in table and b in table:
+                print(f"QUIC {what}: {b} / {a} = {table[b] / table[a]:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

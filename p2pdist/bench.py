@@ -4,10 +4,10 @@ write a PNG of bandwidth against message size."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 
+from . import eventloop
 from .errors import P2PError, UsageError
 from .group import Group
 from .group.profile import LinkProfile, profile_links
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.worker:
         try:
-            return asyncio.run(_worker(args.png, args.repeats))
+            return eventloop.run(_worker(args.png, args.repeats))
         except P2PError as exc:
             print(f"[error] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             return 1

@@ -1,4 +1,7 @@
-"""The ``p2pdist`` command line: ``launch``, ``keygen``, ``id``, ``demo`` and ``bench``.
+"""The ``p2pdist`` command line: ``launch``, ``keygen``, ``id``, ``demo``, ``bench``, ``doctor``.
+
+``--loop asyncio|uvloop|auto`` (before the subcommand) picks the event loop of the
+commands that run one, and of the processes they start (through ``$P2PDIST_LOOP``).
 
 Every :class:`~p2pdist.errors.P2PError` that reaches the top is printed as
 ``p2pdist: error: <message>`` and the exit status is 2, without a traceback.
@@ -16,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 from . import __version__
 from .errors import KeyFileError, P2PError, UsageError
+from .eventloop import LOOP_CHOICES, LOOP_ENV, resolve_loop
 from .identity import SecretKey, derive_endpoint_ids
 from .launch import LaunchConfig, launch
 
@@ -157,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="p2pdist", description="Peer-to-peer collectives over authenticated transports."
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--loop",
+        choices=LOOP_CHOICES,
+        default=None,
+        help="event loop of demo, bench, doctor and the ranks they start: auto (uvloop when "
+        f"installed), asyncio or uvloop (default: ${LOOP_ENV}, else auto)",
+    )
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
     _add_launch(sub)
     _add_keygen(sub)
@@ -193,6 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler: _Handler = args.handler
     try:
+        if args.loop is not None:
+            resolve_loop(args.loop)  # fail now when uvloop is asked for but missing
+            os.environ[LOOP_ENV] = args.loop  # the subcommand and the processes it starts
         return handler(args, extra)
     except P2PError as exc:
         print(f"p2pdist: error: {exc}", file=sys.stderr)

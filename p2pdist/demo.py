@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from . import eventloop
 from .errors import P2PError, UsageError
 from .group import Group, GroupConfig
 from .launch import LaunchConfig, launch
@@ -451,7 +452,7 @@ def main(argv: list[str]) -> int:
         parser.error("--steps and --bench-mib must be >= 1, --seed >= 0")
     if args.worker:
         try:
-            return asyncio.run(_worker(args))
+            return eventloop.run(_worker(args))
         except P2PError as exc:
             print(f"[error] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             return 1
@@ -463,7 +464,8 @@ def main(argv: list[str]) -> int:
     except UsageError as exc:
         parser.error(str(exc))
     mode = "plaintext" if args.plaintext else "TLS"
-    print(f"p2pdist demo: {args.nprocs} ranks on 127.0.0.1 ({mode})", flush=True)
+    loop = eventloop.resolve_loop()  # the ranks inherit $P2PDIST_LOOP
+    print(f"p2pdist demo: {args.nprocs} ranks on 127.0.0.1 ({mode}, {loop} loop)", flush=True)
     t0 = time.perf_counter()
     status = launch(cfg)
     took = time.perf_counter() - t0

@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from . import eventloop
 from .errors import P2PError, UsageError
 from .identity import EndpointId, SecretKey
 from .transport.base import Connection, TransportConfig
@@ -279,10 +280,10 @@ def main(argv: list[str]) -> int:
     try:
         key = SecretKey.load(args.key) if args.key else None
         if args.serve:
-            asyncio.run(serve(args.relay, key=key, token=args.token))
+            eventloop.run(serve(args.relay, key=key, token=args.token))
             return 0
         peer = EndpointId.parse(args.peer) if args.peer else None
-        report = asyncio.run(
+        report = eventloop.run(
             diagnose(args.relay, key=key, peer=peer, token=args.token, timeout=args.timeout)
         )
     except UsageError as exc:

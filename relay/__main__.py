@@ -17,6 +17,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from p2pdist import eventloop
+from p2pdist.errors import UsageError
+
 from .cli import load_config
 from .config import ConfigError, RelayConfig
 from .logfmt import kv
@@ -60,6 +63,7 @@ def _write_atomically(path: Path, text: str) -> None:
 async def run(config: RelayConfig) -> int:
     """Serve until SIGTERM/SIGINT, then shut down gracefully; returns the exit status."""
     loop = asyncio.get_running_loop()
+    log.info(kv("event_loop", loop=eventloop.loop_name(loop)))
     server = RelayServer(config)
     stop = asyncio.Event()
     # Handlers go in before the url line: whoever reads it may signal at once.
@@ -93,7 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _raise_fd_limit(config.max_clients)
     try:
-        return asyncio.run(run(config))
+        return eventloop.run(run(config), loop=config.loop)
+    except UsageError as exc:  # --loop uvloop without uvloop installed
+        print(f"p2pdist-relay: error: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"p2pdist-relay: error: {exc}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ __all__ = ["ConfigError", "RelayConfig", "coerce", "from_mapping", "normalize_ke
 TOKEN_ENV = "P2PDIST_RELAY_TOKEN"
 MAX_TOKEN_BYTES = 1024
 LOG_LEVELS = ("debug", "info", "warning", "error")
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 
 
 class ConfigError(ValueError):
@@ -134,6 +135,14 @@ class RelayConfig:
     log_level: str = field(
         default="info", metadata=_doc("one of " + ", ".join(LOG_LEVELS), "LEVEL")
     )
+    loop: str | None = field(
+        default=None,
+        metadata=_doc(
+            "event loop: auto (uvloop when installed), asyncio or uvloop "
+            "(default: $P2PDIST_LOOP, else auto)",
+            "LOOP",
+        ),
+    )
     tap: Path | None = field(
         default=None,
         metadata=_doc(
@@ -236,6 +245,8 @@ def _validate(c: RelayConfig) -> None:
     _positive("retry-after", c.retry_after, allow_zero=True)
     if c.log_level not in LOG_LEVELS:
         raise ConfigError(f"log-level must be one of {', '.join(LOG_LEVELS)}, got {c.log_level!r}")
+    if c.loop is not None and c.loop not in EVENT_LOOPS:
+        raise ConfigError(f"loop must be one of {', '.join(EVENT_LOOPS)}, got {c.loop!r}")
 
 
 # ---- raw values -> RelayConfig --------------------------------------------------------

@@ -216,7 +216,7 @@ class RelayServer:
                     reuse_address=True,
                     start_serving=False,
                 )
-            return await loop.create_server(  # pragma: no cover - no usable SSLProtocol
+            return await loop.create_server(  # uvloop, or no usable SSLProtocol
                 app_factory,
                 host,
                 c.port,

@@ -9,7 +9,11 @@ the listener is created without ``ssl=`` and each raw connection gets this proto
 which wraps the relay's protocol exactly as ``loop.create_server(ssl=...)`` would.
 
 ``SSLProtocol`` is not public API. When it is missing or its constructor differs,
-:func:`tls_protocol_factory` returns None and the caller falls back to ``ssl=``.
+:func:`tls_protocol_factory` returns None and the caller falls back to ``ssl=``. It
+also returns None on a loop that is not asyncio's own (uvloop): uvloop's TLS protocol
+(Cython, much faster than asyncio's pure-Python one) allocates its 256 KiB read buffer
+with ``malloc`` and never zero-fills it, so pages that mostly idle connections never read
+into are never resident.
 """
 
 from __future__ import annotations
@@ -56,8 +60,9 @@ def tls_protocol_factory(
     shutdown_timeout: float,
 ) -> Callable[[], asyncio.BaseProtocol] | None:
     """A protocol factory for a plain ``create_server`` that terminates TLS with small
-    buffers, or None when this Python's asyncio does not allow it."""
-    if not _compatible():
+    buffers, or None when this Python's asyncio does not allow it or the running loop is
+    not asyncio's (call it inside the loop that will serve)."""
+    if not _compatible() or not isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop):
         return None
 
     # typeshed is stricter than asyncio here (waiter may be None, timeouts are floats).

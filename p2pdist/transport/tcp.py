@@ -17,7 +17,7 @@ import socket
 import ssl
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from ..errors import (
     ConnectionBrokenError,
@@ -151,7 +151,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
     # ---- asyncio protocol callbacks ------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # Not an isinstance check: uvloop's transports do not subclass asyncio's classes.
+        transport = cast(asyncio.Transport, transport)
         first = self._transport is None
         self._transport = transport
         transport.set_write_buffer_limits(high=self._cfg.write_buffer_high)
@@ -232,7 +233,6 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             raise ConnectionBrokenError(self.label, f"lost during TLS handshake: {exc}") from None
         if new is None:
             raise ConnectionBrokenError(self.label, "connection lost during TLS handshake")
-        assert isinstance(new, asyncio.Transport)
         self._transport = new
         sslobj = new.get_extra_info("ssl_object")
         der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
