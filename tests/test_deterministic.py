@@ -10,7 +10,9 @@ import pytest
 from group_helpers import groups
 
 from p2pdist import GroupConfig, MismatchError, TransportConfig, UsageError
+from p2pdist.group.algorithms import fold_scratch, ordered_reduce
 from p2pdist.group.link import CollectiveLink
+from p2pdist.group.ops import reduce_op
 
 
 def reference(xs: list[np.ndarray], op: str) -> np.ndarray:
@@ -131,3 +133,19 @@ async def test_integer_and_max_are_exact_in_either_mode() -> None:
             *(g.all_reduce(fl[g.rank], "max", mode="deterministic") for g in gs)
         )
         np.testing.assert_array_equal(mx[2], np.maximum.reduce(fl))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "complex64", "complex128"])
+@pytest.mark.parametrize("op", ["sum", "mean", "prod"])
+@pytest.mark.parametrize("parts", [1, 2, 3, 5])
+def test_ordered_reduce_blocks_equal_the_reference(dtype: str, op: str, parts: int) -> None:
+    # 70_000 elements: several float64 blocks plus a partial one, with the scratch made
+    # by ordered_reduce itself and with a smaller scratch passed in.
+    xs = inputs(parts, 70_000, dtype, seed=parts)
+    rop = reduce_op(op, np.dtype(dtype))
+    with np.errstate(all="ignore"):  # float16 products overflow to inf: same bits
+        want = reference(xs, op)
+        for scratch in (None, fold_scratch(np.dtype(dtype), 5000)):
+            out = np.empty_like(xs[0])
+            ordered_reduce(xs, rop, parts, out, scratch)
+            np.testing.assert_array_equal(out.view(np.uint8), want.view(np.uint8))

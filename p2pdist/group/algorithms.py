@@ -253,30 +253,53 @@ async def barrier(link: Link) -> None:
             await link.recv(p, 0)
 
 
-def ordered_reduce(parts: list[np.ndarray], op: ReduceOp, world: int, out: np.ndarray) -> None:
+_FOLD_BLOCK = 32 * 1024
+"""Elements per float64 block of :func:`ordered_reduce` (256 KiB: stays in L2)."""
+
+
+def fold_scratch(dtype: np.dtype[Any], n: int) -> np.ndarray:
+    """Scratch for :func:`ordered_reduce` of up to ``n`` elements of ``dtype``."""
+    wide = np.promote_types(dtype, np.float64)
+    return np.empty((2, min(_FOLD_BLOCK, max(n, 1))), wide)
+
+
+def ordered_reduce(
+    parts: list[np.ndarray],
+    op: ReduceOp,
+    world: int,
+    out: np.ndarray,
+    scratch: np.ndarray | None = None,
+) -> None:
     """``out = round(parts[0] (op) parts[1] (op) ...)``, folded left to right in float64
-    (complex128 for complex), in cache-sized blocks, rounded once into ``out``."""
-    wide = np.promote_types(out.dtype, np.float64)
+    (complex128 for complex), in cache-sized blocks, rounded once into ``out``.
+
+    Each block widens its inputs into ``scratch`` (from :func:`fold_scratch`; made here
+    when None) with plain casts and folds them with same-dtype ufuncs: the same float64
+    operations as ``op.ufunc(acc, part, dtype=float64)``, without the buffered mixed-dtype
+    loops (about 20% faster)."""
     if len(parts) == 2 and not op.divide and out.dtype.kind == "f" and out.dtype.itemsize <= 4:
-        # One float64 add or multiply of two float32 (or float16) values is exact, so
-        # rounding it to float32 is the correctly rounded float32 operation itself
-        # (53 >= 2 * 24 + 2 bits: double rounding is innocuous). Same bits, no casts.
+        # One float64 add or multiply of two float32 (or float16) values, rounded to
+        # float32, is the correctly rounded float32 operation itself (53 >= 2 * 24 + 2
+        # bits: double rounding is innocuous). Same bits, no casts.
         op.ufunc(parts[0], parts[1], out=out)
         return
-    block = 32 * 1024
-    acc = np.empty(min(block, out.size), wide)
+    if scratch is None:
+        scratch = fold_scratch(out.dtype, out.size)
+    wide = scratch.dtype
+    block = scratch.shape[1]
     for s0 in range(0, out.size, block):
         s1 = min(s0 + block, out.size)
-        a = acc[: s1 - s0]
-        if len(parts) == 1:
-            a[...] = parts[0][s0:s1]
-        else:
-            op.ufunc(parts[0][s0:s1], parts[1][s0:s1], out=a, dtype=wide)
-        for part in parts[2:]:
-            op.ufunc(a, part[s0:s1], out=a, dtype=wide)
+        acc, tmp = scratch[0, : s1 - s0], scratch[1, : s1 - s0]
+        np.copyto(acc, parts[0][s0:s1])  # widening: exact
+        for part in parts[1:]:
+            piece = part[s0:s1]
+            if piece.dtype != wide:
+                np.copyto(tmp, piece)
+                piece = tmp
+            op.ufunc(acc, piece, out=acc)
         if op.divide:
-            a /= world
-        out[s0:s1] = a  # the single rounding to the output dtype
+            acc /= world
+        np.copyto(out[s0:s1], acc, casting="same_kind")  # the single rounding
 
 
 async def ordered_all_reduce(link: Link, flat: np.ndarray, op: ReduceOp, out: np.ndarray) -> None:
@@ -304,21 +327,28 @@ async def ordered_reduce_scatter(
     n, r = link.size, link.rank
     item = flat.dtype.itemsize
     pieces = [_chunks(a, b, chunk) for a, b in bounds]
-    a = bounds[r][0]
-    # Interleave: send chunk i of every other rank's piece, then fold our chunk i, so the
-    # transfer of the next chunks overlaps this fold and no large backlog builds up.
-    for i in range(max(len(c) for c in pieces)):
+    a, b = bounds[r]
+    scratch = fold_scratch(flat.dtype, min(chunk, b - a))
+
+    async def send_chunk(i: int) -> None:
         for p in range(n):
             if p != r and i < len(pieces[p]):
                 c0, c1 = pieces[p][i]
                 await link.send(p, _bytes(flat[c0:c1]))
+
+    # Interleave, one chunk ahead: send chunk i+1 of every other rank's piece, then fold
+    # our chunk i, so the next chunks travel while this one is folded and no large
+    # backlog builds up.
+    await send_chunk(0)
+    for i in range(max(len(c) for c in pieces)):
+        await send_chunk(i + 1)
         if i < len(pieces[r]):
             c0, c1 = pieces[r][i]
             parts = [
                 flat[c0:c1] if p == r else _view(await link.recv(p, (c1 - c0) * item), flat.dtype)
                 for p in range(n)
             ]
-            ordered_reduce(parts, op, n, out[c0 - a : c1 - a])
+            ordered_reduce(parts, op, n, out[c0 - a : c1 - a], scratch)
 
 
 async def compressed_ring_all_reduce(
