@@ -25,8 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,8 +42,10 @@ from ..transport.base import Connection
 from ..wire.frames import Frame
 from .aggregate import Reason, aggregate, apply_update
 from .config import FederatedConfig
-from .messages import Message, decode, encode, round_channel, round_space
+from .decision import GroupRound, OwnUpdate, cid, decision_body
+from .messages import decode, encode, round_channel, round_space
 from .net import until_due
+from .recovery import Recovery
 from .rounds import FederatedRounds, Phase
 
 if TYPE_CHECKING:
@@ -57,52 +57,17 @@ log = logging.getLogger(__name__)
 
 _UPDATE, _DECISION = 0, 1
 _KINDS = (0, 1, 2, 3)  # every kind of a round's channels (all retired together)
-_READY, _WELCOME = 2, 3  # a rejoining rank's messages, on a round never reached:
-_JOIN_ROUND = (1 << 46) - 1  # its channels are never retired by the rounds
 
 
-def _cid(rank: int) -> str:
-    return f"{rank:06d}"  # sorts in rank order
+class _LeaderLost(Exception):
+    """The leader's connection ended before its decision arrived (``error`` says so)."""
+
+    def __init__(self, error: ConnectionBrokenError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
-@dataclass(frozen=True, slots=True)
-class GroupRound:
-    """One round as every rank sees it (identical on all ranks but ``included``,
-    ``carried`` and ``own_reason``)."""
-
-    round: int
-    applied: bool
-    """True when the quorum was met and the aggregate was applied to the model."""
-    reason: str
-    """Why the leader closed the round (a :class:`~.rounds.CloseReason` value)."""
-    participants: tuple[int, ...]
-    """Ranks whose updates make up the aggregate, in aggregation order."""
-    stale: int
-    dropped: Mapping[str, int]
-    """Drops the leader counted in this round, by reason."""
-    rejected: Mapping[str, int]
-    """Rejections the leader counted in this round, by reason."""
-    included: bool
-    """This rank's update is in the aggregate."""
-    carried: bool
-    """This rank's update missed the round (late, or no quorum) and, still within
-    ``max_staleness``, will be sent again with the next :meth:`GroupAveraging.step`."""
-    own_reason: str
-    """Why this rank's update was refused or dropped (a Reason value), or ``""``."""
-    aggregate: np.ndarray | None = field(repr=False)
-    left: tuple[int, ...] = ()
-    """Ranks gone (left, or lost under ``on_peer_loss="leave"``) when the leader closed
-    the round, in rank order."""
-
-
-@dataclass(slots=True)
-class _Own:
-    update: np.ndarray
-    num_samples: int
-    base_round: int
-
-
-class GroupAveraging:
+class GroupAveraging(Recovery):
     """Bounded-staleness federated averaging among the ranks of ``group``.
 
     Every rank builds one with the same ``model`` shape and dtype and the same
@@ -129,6 +94,7 @@ class GroupAveraging:
         leader: int = 0,
         tag: int = 0,
         decision_timeout: float | None = None,
+        failover: bool = True,
     ) -> None:
         if not 0 <= leader < group.size:
             raise UsageError(f"leader must be a rank in [0, {group.size}), got {leader}")
@@ -141,7 +107,7 @@ class GroupAveraging:
         self._model = np.array(model, copy=True, order="C")
         self._timeout = decision_timeout or group.config.timeout
         self._round = 0
-        self._own: _Own | None = None
+        self._own: OwnUpdate | None = None
         self._started = False
         self._state: FederatedRounds | None = None
         self._collectors: list[asyncio.Task[None]] = []
@@ -151,6 +117,9 @@ class GroupAveraging:
         self._failed: BaseException | None = None
         self._ready: set[int] = set()  # leader: ranks back in the group, asking to rejoin
         self._ready_tasks: dict[int, asyncio.Task[None]] = {}
+        self._last: dict[str, Any] | None = None  # the decision applied last
+        self.failover = failover
+        """Whether the ranks choose a new leader when theirs is lost (else they fail)."""
         self.local_drops = 0
         """This rank's own updates it stopped carrying because they grew too stale."""
 
@@ -194,7 +163,7 @@ class GroupAveraging:
                 label=lambda cid: self.group.peer_label(int(cid)),
             )
             for r in range(self.group.size):
-                state.join(_cid(r))
+                state.join(cid(r))
             self._state = state
             self._open(0)
 
@@ -221,7 +190,7 @@ class GroupAveraging:
         k = self._round
         if update is not None:
             base = k if base_round is None else base_round
-            self._own = _Own(np.ascontiguousarray(update), num_samples, base)
+            self._own = OwnUpdate(np.ascontiguousarray(update), num_samples, base)
         own = self._own
         if own is not None and k - own.base_round > self.config.max_staleness:
             self._own, own = None, None
@@ -232,14 +201,14 @@ class GroupAveraging:
             if self.is_leader:
                 body, agg = await self._lead(k, own)
             else:
-                body = await self._decision(k)
-                agg = await self._follow(k, body, own)
+                body, agg = await self._as_follower(k, own)
         except BaseException as exc:
             self._failed = exc
             raise
         finally:
             self._retire(k)
         self._round = k + 1
+        self._last = body
         applied = bool(body["ok"])
         ranks = tuple(int(p[0]) for p in body["p"])
         me = self.group.rank
@@ -310,7 +279,7 @@ class GroupAveraging:
                 for kind in _KINDS:
                     conn.retire(round_channel(self.tag, k, kind))
 
-    def _contribute(self, k: int, own: _Own) -> None:
+    def _contribute(self, k: int, own: OwnUpdate) -> None:
         """Send our update to every rank, the leader last (so whoever the leader counts
         has, in all likelihood, already reached the others). Never waits."""
         meta, payload = encode(
@@ -327,6 +296,23 @@ class GroupAveraging:
 
     # ---- followers --------------------------------------------------------------------------
 
+    async def _as_follower(
+        self, k: int, own: OwnUpdate | None
+    ) -> tuple[dict[str, Any], np.ndarray | None]:
+        """Round ``k``'s decision and aggregate; when the leader is lost, its successor's
+        (or, if this rank is the successor, take over)."""
+        while True:
+            try:
+                body = await self._decision(k)
+            except _LeaderLost as lost:
+                if not self.failover:
+                    raise lost.error from None
+                if self._successor() == self.group.rank:
+                    return await self._take_over(k, own)
+                self._report(k)
+                continue
+            return body, await self._follow(k, body, own)
+
     async def _decision(self, k: int) -> dict[str, Any]:
         label = self.group.peer_label(self.leader)
         conn = self.group.connection(self.leader)
@@ -338,17 +324,22 @@ class GroupAveraging:
             ) from None
         except (ConnectionBrokenError, RemoteProtocolError) as exc:
             self._check_group()  # a broken group names its own cause
-            raise ConnectionBrokenError(
-                label, f"the leader went before sending the decision of round {k}: {exc.detail}"
+            raise _LeaderLost(
+                ConnectionBrokenError(
+                    label,
+                    f"the leader went before sending the decision of round {k}: {exc.detail}",
+                )
             ) from None
         message = decode(frame, label)
-        body = _decision_body(message, label, k)
+        body = decision_body(message, label, k)
         mine = self._settings()
         if body["cfg"] != mine:
             raise MismatchError(label, f"leader aggregates with {body['cfg']}, this rank {mine}")
         return body
 
-    async def _follow(self, k: int, body: dict[str, Any], own: _Own | None) -> np.ndarray | None:
+    async def _follow(
+        self, k: int, body: dict[str, Any], own: OwnUpdate | None
+    ) -> np.ndarray | None:
         if not body["ok"]:
             return None
         channel = round_channel(self.tag, k, _UPDATE)
@@ -408,7 +399,7 @@ class GroupAveraging:
         gone = set(self.group.left)
         for r in gone:
             self._left.add(r)
-            self._state.leave(_cid(r))
+            self._state.leave(cid(r))
         self._state.open(loop.time())
         for r in sorted(self._ready - gone):
             self._welcome(r, k)
@@ -417,70 +408,7 @@ class GroupAveraging:
         self._refused = []
         for r, conn in self._conns().items():
             self._collectors.append(loop.create_task(self._collect(k, r, conn)))
-        for r in sorted(self._left - gone):  # back in the group: listen for its request
-            task = self._ready_tasks.get(r)
-            if task is None or task.done():
-                conn = self.group.connection(r)
-                self._ready_tasks[r] = loop.create_task(self._await_ready(r, conn))
-
-    async def _await_ready(self, r: int, conn: Connection) -> None:
-        """Note rank ``r``'s request to rejoin the rounds (sent from its start())."""
-        with contextlib.suppress(P2PError):
-            await conn.recv(round_channel(self.tag, _JOIN_ROUND, _READY))
-            self._ready.add(r)
-
-    def _welcome(self, r: int, k: int) -> None:
-        """Send rank ``r`` the model of round ``k`` and take it back into the rounds."""
-        assert self._state is not None
-        meta, payload = encode("welcome", {"r": k}, self._model)
-        try:
-            self.group.connection(r).send_nowait(
-                round_channel(self.tag, _JOIN_ROUND, _WELCOME), payload, meta=meta
-            )
-        except P2PError as exc:
-            log.info("%s: welcome not sent: %s", self.group.peer_label(r), exc)
-            return
-        log.info("round %d: %s rejoined the rounds", k, self.group.peer_label(r))
-        self._left.discard(r)
-        self._state.join(_cid(r))
-
-    # ---- a rank that rejoins ------------------------------------------------------------------
-
-    async def _rejoin(self, seconds: float) -> None:
-        """Ask the leader to take this (restarted) rank back; adopt its model and round."""
-        label = self.group.peer_label(self.leader)
-        if self.is_leader:
-            raise UsageError("the leader cannot rejoin (there is no leader election)")
-        if self.leader in self.group.left:
-            raise ConnectionBrokenError(label, "the leader is gone: nobody can take this rank back")
-        conn = self.group.connection(self.leader)
-        meta, _ = encode("ready")
-        conn.send_nowait(round_channel(self.tag, _JOIN_ROUND, _READY), meta=meta)
-        try:
-            frame = await conn.recv(round_channel(self.tag, _JOIN_ROUND, _WELCOME), timeout=seconds)
-        except PeerTimeoutError:
-            raise PeerTimeoutError(
-                label, f"the leader did not take this rank back within {seconds:g} s"
-            ) from None
-        except (ConnectionBrokenError, RemoteProtocolError) as exc:
-            raise ConnectionBrokenError(
-                label, f"the leader went before taking this rank back: {exc.detail}"
-            ) from None
-        message = decode(frame, label)
-        if message.kind != "welcome":
-            raise RemoteProtocolError(label, f"expected a welcome, got {message.kind!r}")
-        k = message.get_int("r", label, low=1)
-        model = message.need_array(label)
-        if model.dtype != self._model.dtype or model.shape != self._model.shape:
-            raise MismatchError(
-                label,
-                f"its model is {model.dtype}{list(model.shape)}, this rank's "
-                f"{self._model.dtype}{list(self._model.shape)}",
-            )
-        self._model = np.array(model, copy=True, order="C")
-        for j in range(k):  # what the others sent for earlier rounds is of no use here
-            self._retire(j)
-        self._round = k
+        self._listen_for_ready()
 
     def _stop_collectors(self) -> None:
         for task in self._collectors:
@@ -501,7 +429,7 @@ class GroupAveraging:
                     if message.kind != "update" or message.get_int("r", label) != k:
                         raise RemoteProtocolError(label, f"not an update for round {k}")
                     verdict = self._state.submit(
-                        _cid(r),
+                        cid(r),
                         k,
                         message.get_int("b", label),
                         message.fields.get("n"),
@@ -519,14 +447,16 @@ class GroupAveraging:
             if self.group.broken is None:
                 log.warning("round %d: %s is gone: %s", k, label, exc)
                 self._left.add(r)
-                self._state.leave(_cid(r))
+                self._state.leave(cid(r))
             self._wake.set()
 
-    async def _lead(self, k: int, own: _Own | None) -> tuple[dict[str, Any], np.ndarray | None]:
+    async def _lead(
+        self, k: int, own: OwnUpdate | None
+    ) -> tuple[dict[str, Any], np.ndarray | None]:
         state = self._state
         assert state is not None and state.phase is Phase.OPEN and state.round == k
         loop = asyncio.get_running_loop()
-        me = _cid(self.group.rank)
+        me = cid(self.group.rank)
         refused = self._refused
         if own is not None:
             verdict = state.submit(me, k, own.base_round, own.num_samples, own.update, loop.time())
@@ -552,36 +482,15 @@ class GroupAveraging:
             "cfg": self._settings(),
             "left": sorted(self._gone()),
         }
-        meta, _ = encode("decision", body)
-        channel = round_channel(self.tag, k, _DECISION)
-        for r, conn in self._conns().items():
-            try:
-                conn.send_nowait(channel, meta=meta)
-            except P2PError as exc:
-                log.info("%s: decision not sent: %s", self.group.peer_label(r), exc)
+        self._send_decision(k, body, list(self._conns()))
         return body, outcome.aggregate
 
-
-def _decision_body(message: Message, label: str, k: int) -> dict[str, Any]:
-    """Check the shape of a decision message; RemoteProtocolError if it is malformed."""
-    f = message.fields
-    if message.kind != "decision" or message.get_int("r", label) != k:
-        raise RemoteProtocolError(label, f"expected the decision of round {k}")
-    try:
-        p = [[int(r), int(b), int(n), float(w)] for r, b, n, w in f["p"]]
-        refused = [(int(r), str(Reason(why))) for r, why in f["refused"]]
-        body = {
-            "r": k,
-            "ok": bool(f["ok"]),
-            "why": str(f["why"]),
-            "p": p,
-            "refused": refused,
-            "stale": int(f["stale"]),
-            "dropped": {str(a): int(b) for a, b in dict(f["dropped"]).items()},
-            "rejected": {str(a): int(b) for a, b in dict(f["rejected"]).items()},
-            "cfg": [str(f["cfg"][0]), float(f["cfg"][1]), float(f["cfg"][2])],
-            "left": [int(r) for r in f["left"]],
-        }
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise RemoteProtocolError(label, f"malformed decision: {exc!r}") from None
-    return body
+    def _send_decision(self, k: int, body: dict[str, Any], ranks: list[int]) -> None:
+        """Send round ``k``'s decision to ``ranks`` (never waits)."""
+        meta, _ = encode("decision", body)
+        channel = round_channel(self.tag, k, _DECISION)
+        for r in ranks:
+            try:
+                self.group.connection(r).send_nowait(channel, meta=meta)
+            except P2PError as exc:
+                log.info("%s: decision not sent: %s", self.group.peer_label(r), exc)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -119,7 +120,7 @@ class GroupCore(Membership):
         self._next_space = _FIRST_SUBGROUP_SPACE  # used on the root group only
         self._reserved = {LAST_SPACE: "the group itself"}  # root only: space -> owner
         self._root_ranks = list(range(world))  # our ranks' ranks in the root group
-        self._descendants: list[Membership] = []  # root only: every sub-group made
+        self._descendants: weakref.WeakSet[Membership] = weakref.WeakSet()  # root: sub-groups
         self._rejoin = rejoin
         if rejoin and self.config.on_peer_loss != "leave":
             raise UsageError('rejoin=True needs GroupConfig(on_peer_loss="leave")')
@@ -485,7 +486,7 @@ class GroupCore(Membership):
         child._conns = {i: self._conns[r] for i, r in enumerate(members) if r != self._rank}
         child._root_ranks = [self._root_ranks[r] for r in members]
         child._left = dict(self._left)
-        self._root()._descendants.append(child)
+        self._root()._descendants.add(child)
         child._space, child._p2p_space = space, space + 1
         child._parent = self
         child._started = True

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -63,7 +64,7 @@ class Membership:
     _conns: dict[int, Connection]
     _left: dict[int, BaseException]  # by root rank
     _root_ranks: list[int]
-    _descendants: list[Membership]
+    _descendants: weakref.WeakSet[Membership]
     _reserved: dict[int, str]
     _inflight: dict[asyncio.Task[Any], Membership]
     _cancelled_by_loss: dict[asyncio.Task[Any], int]

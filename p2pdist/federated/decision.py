@@ -1,0 +1,109 @@
+"""Decisions of decentralised averaging: what every rank learns of a round
+(:class:`GroupRound`), the decision message's checks, and the reports ranks send a new
+leader (sans-I/O; see :mod:`.failover`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import RemoteProtocolError
+from .aggregate import Reason
+from .messages import Message
+
+__all__ = ["GroupRound", "OwnUpdate", "Report", "cid", "decision_body", "report_of"]
+
+
+def cid(rank: int) -> str:
+    """The client id of ``rank`` in the state machine (sorts in rank order)."""
+    return f"{rank:06d}"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRound:
+    """One round as every rank sees it (identical on all ranks but ``included``,
+    ``carried`` and ``own_reason``)."""
+
+    round: int
+    applied: bool
+    """True when the quorum was met and the aggregate was applied to the model."""
+    reason: str
+    """Why the leader closed the round (a :class:`~.rounds.CloseReason` value)."""
+    participants: tuple[int, ...]
+    """Ranks whose updates make up the aggregate, in aggregation order."""
+    stale: int
+    dropped: Mapping[str, int]
+    """Drops the leader counted in this round, by reason."""
+    rejected: Mapping[str, int]
+    """Rejections the leader counted in this round, by reason."""
+    included: bool
+    """This rank's update is in the aggregate."""
+    carried: bool
+    """This rank's update missed the round (late, or no quorum) and, still within
+    ``max_staleness``, will be sent again with the next :meth:`GroupAveraging.step`."""
+    own_reason: str
+    """Why this rank's update was refused or dropped (a Reason value), or ``""``."""
+    aggregate: np.ndarray | None = field(repr=False)
+    left: tuple[int, ...] = ()
+    """Ranks gone (left, or lost under ``on_peer_loss="leave"``) when the leader closed
+    the round, in rank order."""
+
+
+@dataclass(slots=True)
+class OwnUpdate:
+    """This rank's update, as it was sent (or will be sent again when carried)."""
+
+    update: np.ndarray
+    num_samples: int
+    base_round: int
+
+
+def decision_body(message: Message, label: str, k: int) -> dict[str, Any]:
+    """Check the shape of a decision message; RemoteProtocolError if it is malformed."""
+    f = message.fields
+    if message.kind != "decision" or message.get_int("r", label) != k:
+        raise RemoteProtocolError(label, f"expected the decision of round {k}")
+    try:
+        p = [[int(r), int(b), int(n), float(w)] for r, b, n, w in f["p"]]
+        refused = [(int(r), str(Reason(why))) for r, why in f["refused"]]
+        body = {
+            "r": k,
+            "ok": bool(f["ok"]),
+            "why": str(f["why"]),
+            "p": p,
+            "refused": refused,
+            "stale": int(f["stale"]),
+            "dropped": {str(a): int(b) for a, b in dict(f["dropped"]).items()},
+            "rejected": {str(a): int(b) for a, b in dict(f["rejected"]).items()},
+            "cfg": [str(f["cfg"][0]), float(f["cfg"][1]), float(f["cfg"][2])],
+            "left": [int(r) for r in f["left"]],
+        }
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise RemoteProtocolError(label, f"malformed decision: {exc!r}") from None
+    return body
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What a rank tells a new leader: the round it is in (it has no decision for it
+    yet) and the decision it applied last (the previous round's; None before any), or,
+    with ``round`` -1, that it is rejoining and not yet taking part."""
+
+    round: int
+    last: dict[str, Any] | None
+
+
+def report_of(message: Message, label: str) -> Report:
+    """Parse a report message; RemoteProtocolError (naming ``label``) if malformed."""
+    if message.kind != "report":
+        raise RemoteProtocolError(label, f"expected a report, got {message.kind!r}")
+    k = message.get_int("r", label, low=-1)
+    last = message.fields.get("last")
+    if last is None or k <= 0:
+        return Report(k, None)
+    if not isinstance(last, dict):
+        raise RemoteProtocolError(label, "report: malformed last decision")
+    return Report(k, decision_body(Message("decision", last), label, k - 1))

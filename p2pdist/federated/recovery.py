@@ -1,0 +1,292 @@
+"""Decentralised averaging when ranks come and go: a restarted rank rejoining the rounds,
+and a new leader taking over from a lost one (the plan is :mod:`.failover`'s). Mixed into
+:class:`~.decentral.GroupAveraging`, which sets every attribute declared here.
+
+Messages on channels of their own (round :data:`JOIN_ROUND` of the instance's space, a
+round never reached, so the rounds never retire them):
+
+* ``ready`` (a rejoining rank to every rank): take me back;
+* ``welcome {r, l, last}`` + model (the leader to it): the model of round ``r``, the
+  leader ``l`` and the decision applied last; or ``request`` (a new leader to every
+  rank): a rank still waiting to be taken back answers it with a report of round -1;
+* ``report {r, last}`` (a rank to the successor of a lost leader, once per connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import (
+    ConnectionBrokenError,
+    MismatchError,
+    P2PError,
+    PeerTimeoutError,
+    RemoteProtocolError,
+    UsageError,
+)
+from ..transport.base import Connection
+from .config import FederatedConfig
+from .decision import OwnUpdate, Report, cid, decision_body, report_of
+from .failover import Takeover, next_leader, plan_takeover
+from .messages import Message, decode, encode, round_channel
+from .rounds import FederatedRounds
+
+if TYPE_CHECKING:
+    from ..group.group import Group
+
+__all__ = ["JOIN_ROUND", "Recovery"]
+
+log = logging.getLogger(__name__)
+
+JOIN_ROUND = (1 << 46) - 1
+"""The round whose channels carry rejoining and failover messages (never reached)."""
+_READY, _WELCOME, _REPORT = 0, 1, 2
+
+Body = dict[str, Any]
+
+
+class Recovery:
+    """Rejoining and leader failover of :class:`~.decentral.GroupAveraging`."""
+
+    group: Group
+    config: FederatedConfig
+    leader: int
+    tag: int
+    _model: np.ndarray
+    _round: int
+    _timeout: float
+    _state: FederatedRounds | None
+    _left: set[int]
+    _ready: set[int]
+    _ready_tasks: dict[int, asyncio.Task[None]]
+    _last: Body | None
+
+    # ---- provided by GroupAveraging -------------------------------------------------------
+
+    def _gone(self) -> set[int]:
+        raise NotImplementedError
+
+    def _conns(self) -> dict[int, Connection]:
+        raise NotImplementedError
+
+    def _retire(self, k: int) -> None:
+        raise NotImplementedError
+
+    def _open(self, k: int) -> None:
+        raise NotImplementedError
+
+    async def _lead(self, k: int, own: OwnUpdate | None) -> tuple[Body, np.ndarray | None]:
+        raise NotImplementedError
+
+    async def _follow(self, k: int, body: Body, own: OwnUpdate | None) -> np.ndarray | None:
+        raise NotImplementedError
+
+    def _send_decision(self, k: int, body: Body, ranks: list[int]) -> None:
+        raise NotImplementedError
+
+    # ---- channels ------------------------------------------------------------------------
+
+    def _join_channel(self, kind: int) -> int:
+        return round_channel(self.tag, JOIN_ROUND, kind)
+
+    def _send(self, r: int, kind: int, meta: bytes, payload: Any = b"") -> bool:
+        try:
+            self.group.connection(r).send_nowait(self._join_channel(kind), payload, meta=meta)
+        except P2PError as exc:
+            log.info("%s: not sent: %s", self.group.peer_label(r), exc)
+            return False
+        return True
+
+    # ---- the leader: taking ranks back ------------------------------------------------------
+
+    def _listen_for_ready(self) -> None:
+        """Read requests to be taken back from every rank still here (leader only)."""
+        loop = asyncio.get_running_loop()
+        for r in self._conns_and_left():
+            task = self._ready_tasks.get(r)
+            if task is None or task.done():
+                conn = self.group.connection(r)
+                self._ready_tasks[r] = loop.create_task(self._await_ready(r, conn))
+
+    def _conns_and_left(self) -> list[int]:
+        """Ranks in the group now, this one aside (whether in the rounds or not)."""
+        gone = set(self.group.left)
+        return [r for r in range(self.group.size) if r != self.group.rank and r not in gone]
+
+    async def _await_ready(self, r: int, conn: Connection) -> None:
+        with contextlib.suppress(P2PError):
+            frame = await conn.recv(self._join_channel(_READY))
+            if decode(frame, conn.label).kind == "ready":
+                self._ready.add(r)
+
+    def _welcome(self, r: int, k: int) -> None:
+        """Send rank ``r`` the model of round ``k`` and take it back into the rounds."""
+        assert self._state is not None
+        fields = {"r": k, "l": self.group.rank, "last": self._last}
+        meta, payload = encode("welcome", fields, self._model)
+        if self._send(r, _WELCOME, meta, payload):
+            log.info("round %d: %s rejoined the rounds", k, self.group.peer_label(r))
+            self._left.discard(r)
+            self._state.join(cid(r))
+
+    # ---- a rank that rejoins ------------------------------------------------------------------
+
+    async def _rejoin(self, seconds: float) -> None:
+        """Ask every rank to take this (restarted) rank back; the leader answers with the
+        model, the round id and its own rank. Bounded by ``seconds``."""
+        ranks = self._conns_and_left()
+        if not ranks:
+            raise UsageError("no other rank is left to rejoin")
+        meta, _ = encode("ready")
+        for r in ranks:
+            self._send(r, _READY, meta)
+        waits = {asyncio.ensure_future(self._await_welcome(r)): r for r in ranks}
+        welcome: tuple[int, Message] | None = None
+        try:
+            async with asyncio.timeout(seconds):
+                while waits and welcome is None:
+                    done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        del waits[task]
+                        if task.exception() is None:
+                            welcome = task.result()
+        except TimeoutError:
+            raise PeerTimeoutError(
+                self.group.peer_label(self.leader),
+                f"no rank took this rank back within {seconds:g} s (is a leader running?)",
+            ) from None
+        finally:
+            for task in waits:
+                task.cancel()
+        if welcome is None:
+            raise ConnectionBrokenError(
+                self.group.peer_label(self.leader), "every rank went before taking this one back"
+            )
+        self._adopt_welcome(*welcome)
+
+    async def _await_welcome(self, r: int) -> tuple[int, Message]:
+        """Rank ``r``'s welcome; answers a new leader's request for reports meanwhile."""
+        conn = self.group.connection(r)
+        while True:
+            message = decode(await conn.recv(self._join_channel(_WELCOME)), conn.label)
+            if message.kind == "welcome":
+                return r, message
+            if message.kind == "request":
+                self._send(r, _REPORT, encode("report", {"r": -1})[0])
+
+    def _adopt_welcome(self, r: int, message: Message) -> None:
+        label = self.group.peer_label(r)
+        k = message.get_int("r", label)
+        leader = message.get_int("l", label)
+        model = message.need_array(label)
+        if model.dtype != self._model.dtype or model.shape != self._model.shape:
+            raise MismatchError(
+                label,
+                f"its model is {model.dtype}{list(model.shape)}, this rank's "
+                f"{self._model.dtype}{list(self._model.shape)}",
+            )
+        last = message.fields.get("last")
+        if k > 0:
+            if not isinstance(last, dict):
+                raise RemoteProtocolError(label, "welcome without the last decision")
+            self._last = decision_body(Message("decision", last), label, k - 1)
+        self._model = np.array(model, copy=True, order="C")
+        self.leader = leader
+        for j in range(k):  # what the others sent for earlier rounds is of no use here
+            self._retire(j)
+        self._round = k
+        log.info("taken back by %s at round %d", label, k)
+
+    # ---- leader failover --------------------------------------------------------------------
+
+    def _successor(self) -> int:
+        """Pick the successor of the lost leader (the same on every remaining rank)."""
+        lost = self.leader
+        self.leader = next_leader(self.group.size, self._gone() | {lost})
+        log.warning(
+            "leader %s lost; %s leads now",
+            self.group.peer_label(lost),
+            self.group.peer_label(self.leader),
+        )
+        return self.leader
+
+    def _report(self, k: int) -> None:
+        """Tell the new leader where this rank stands: round ``k``, decision applied last."""
+        self._send(self.leader, _REPORT, encode("report", {"r": k, "last": self._last})[0])
+
+    async def _take_over(self, k: int, own: OwnUpdate | None) -> tuple[Body, np.ndarray | None]:
+        """Lead from now on: gather every report, adopt the decision someone applied (or
+        decide round ``k`` anew), then run round ``k`` (unless adopted) as the leader."""
+        meta, _ = encode("request")
+        for r in self._conns_and_left():
+            self._send(r, _WELCOME, meta)  # only a rank waiting to be taken back reads it
+        reports = await self._reports()
+        plan = plan_takeover(self.group.rank, Report(k, self._last), reports)
+        self._become_leader(plan)
+        if plan.adopt is not None:
+            behind = [r for r in plan.behind if r != self.group.rank]
+            self._send_decision(plan.lead_from - 1, plan.adopt, behind)
+        if k < plan.lead_from:  # this rank is behind too: apply the adopted decision
+            assert plan.adopt is not None
+            return plan.adopt, await self._follow(k, plan.adopt, own)
+        self._open(k)
+        return await self._lead(k, own)
+
+    def _become_leader(self, plan: Takeover) -> None:
+        gone = set(self.group.left)
+        state = FederatedRounds(
+            self._model.shape,
+            self._model.dtype,
+            self.config,
+            first_round=plan.lead_from,
+            label=lambda c: self.group.peer_label(int(c)),
+        )
+        for r in range(self.group.size):
+            if r not in gone and r not in plan.rejoining:
+                state.join(cid(r))
+        self._state = state
+        self._left = gone | set(plan.rejoining)
+        self._ready |= set(plan.rejoining)
+        log.warning(
+            "%s took over as leader from round %d%s",
+            self.group.peer_label(self.group.rank),
+            plan.lead_from,
+            " (adopting the last decision)" if plan.adopt is not None else "",
+        )
+
+    async def _reports(self) -> dict[int, Report]:
+        """The report of every rank still here (a rank lost meanwhile is left out),
+        each bounded by the decision timeout."""
+        ranks = self._conns_and_left()
+        reports: dict[int, Report] = {}
+
+        async def one(r: int) -> None:
+            conn = self.group.connection(r)
+            try:
+                frame = await conn.recv(self._join_channel(_REPORT), timeout=self._timeout)
+            except PeerTimeoutError:
+                raise PeerTimeoutError(
+                    conn.label, f"sent the new leader no report within {self._timeout:g} s"
+                ) from None
+            except (ConnectionBrokenError, RemoteProtocolError):
+                return  # gone too
+            reports[r] = report_of(decode(frame, conn.label), conn.label)
+
+        await _all(one(r) for r in ranks)
+        return reports
+
+
+async def _all(calls: Any) -> None:
+    """Run ``calls`` together; the first failure cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        for task in asyncio.as_completed(tasks):
+            await task
+    finally:
+        for task in tasks:
+            task.cancel()
