@@ -45,21 +45,24 @@ async def test_error_within_documented_bound_and_identical(world: int, wire: str
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 async def test_ring_with_many_uneven_chunks(world: int) -> None:
-    # 1024 float32 per chunk; the first segments have one element more than the last and
-    # straddle a chunk boundary, so neighbours hold different numbers of chunks (4 vs 3).
-    n = world * 3 * 1024 + world - 1
+    # chunk_bytes 4096: the ring sends about 4096 wire bytes per message, i.e. 2048
+    # elements of a 16-bit wire and 4080 of int8 with 256-element blocks. The first
+    # segments have one element more than the last and straddle a chunk boundary, so
+    # neighbours hold different numbers of chunks.
     rng = np.random.default_rng(world)
-    small = [rng.integers(-8, 9, n).astype(np.float32) for _ in range(world)]
     async with groups(world, config={"chunk_bytes": 4096, "small_bytes": 4096}) as gs:
-        for wire in ("float16", "bfloat16"):  # small integer sums are exact on these wires
-            outs = await reduce_all(gs, small, wire_dtype=wire)
-            for out in outs:
-                np.testing.assert_array_equal(out, np.sum(small, axis=0))
-        xs = gaussian(world, n, seed=world)
-        for wire in ("float16", "bfloat16", "int8"):
-            outs = await reduce_all(gs, xs, wire_dtype=wire, block=100)
-            assert len({o.tobytes() for o in outs}) == 1, "ranks disagree"
-            assert rel_error(outs[0], xs) <= BOUNDS[wire], (wire, rel_error(outs[0], xs))
+        for seg in (2 * 2048, 4080):
+            n = world * seg + world - 1
+            small = [rng.integers(-8, 9, n).astype(np.float32) for _ in range(world)]
+            for wire in ("float16", "bfloat16"):  # small integer sums are exact on these
+                outs = await reduce_all(gs, small, wire_dtype=wire)
+                for out in outs:
+                    np.testing.assert_array_equal(out, np.sum(small, axis=0))
+            xs = gaussian(world, n, seed=world)
+            for wire in ("float16", "bfloat16", "int8"):
+                outs = await reduce_all(gs, xs, wire_dtype=wire)
+                assert len({o.tobytes() for o in outs}) == 1, "ranks disagree"
+                assert rel_error(outs[0], xs) <= BOUNDS[wire], (wire, rel_error(outs[0], xs))
 
 
 async def test_int8_partial_sums_never_saturate() -> None:
