@@ -17,7 +17,8 @@ use other channel spaces, and ``split`` never hands out a reserved one).
 Membership: a rank that leaves (closes its group) or, under
 ``GroupConfig(on_peer_loss="leave")``, is lost (killed, cut off) is dropped from the
 rounds: the leader stops waiting for it, and the others still read the updates it sent
-before it went (frames already delivered stay readable).
+before it went (frames already delivered stay readable). A lost leader is replaced, and
+a restarted rank is taken back (:mod:`.recovery`).
 """
 
 from __future__ import annotations
@@ -80,9 +81,11 @@ class GroupAveraging(Recovery):
     tag on the group or its sub-groups is refused.
 
     Under ``GroupConfig(on_peer_loss="leave")`` a rank that is lost counts as having
-    left: the rounds go on with the others. A :meth:`step` that fails (the leader is gone,
-    an update named in the decision never arrived) leaves this rank out of step: later
-    calls raise :class:`GroupBrokenError` with that first error.
+    left: the rounds go on with the others. When the lost rank is the leader, the lowest
+    remaining rank takes over (``failover=True``; with False every rank's :meth:`step`
+    fails naming the leader instead). A :meth:`step` that fails (an update named in the
+    decision never arrived, a timeout) leaves this rank out of step: later calls raise
+    :class:`GroupBrokenError` with that first error.
     """
 
     def __init__(
@@ -143,9 +146,9 @@ class GroupAveraging(Recovery):
         and open round 0.
 
         On a group that rejoined (``Group.from_seed(..., rejoin=True)``, this rank was
-        lost and restarted), start() instead asks the leader to take this rank back and
-        waits (at most ``timeout``, default ``decision_timeout``) for the current model
-        and round id, which the leader sends when it opens its next round."""
+        lost and restarted), start() instead asks every rank to take this rank back and
+        waits (at most ``timeout``, default ``decision_timeout``) for the current model,
+        round id and leader, which the leader sends when it opens its next round."""
         if self._started:
             raise UsageError("already started")
         self._started = True
