@@ -60,11 +60,24 @@ class HalfScratch:
         return self._a[:n], self._b[:n]
 
 
+BLOCK = 1 << 16
+"""Elements per cache-sized block (each ufunc pass then runs on 256 KiB, not memory)."""
+
+
 def encode_f16(x: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> None:
     """``out[...] = x.astype(float16)`` bit for bit; ``x`` float32, ``out`` 1-D uint16."""
+    for s in range(0, x.size, BLOCK):
+        _encode_block(x[s : s + BLOCK], out[s : s + BLOCK], scratch)
+
+
+def decode_f16(h: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> None:
+    """``out[...] = h.view(float16).astype(float32)`` bit for bit; ``h`` 1-D uint16."""
+    for s in range(0, h.size, BLOCK):
+        _decode_block(h[s : s + BLOCK], out[s : s + BLOCK], scratch)
+
+
+def _encode_block(x: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> None:
     n = x.size
-    if n == 0:
-        return
     u = x.view(_U32)
     a, t = scratch.get(n)
     np.bitwise_and(u, _ABS, out=a)
@@ -86,11 +99,8 @@ def encode_f16(x: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> None:
     np.copyto(out, t, casting="unsafe")  # the low 16 bits
 
 
-def decode_f16(h: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> None:
-    """``out[...] = h.view(float16).astype(float32)`` bit for bit; ``h`` 1-D uint16."""
+def _decode_block(h: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> None:
     n = h.size
-    if n == 0:
-        return
     bits = out.view(_U32)
     np.copyto(bits, h, casting="unsafe")
     np.bitwise_and(bits, _MAGNITUDE16, out=bits)
