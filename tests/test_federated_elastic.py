@@ -249,29 +249,34 @@ async def test_a_restarted_rank_gets_the_model_and_round_and_agrees_again() -> N
 
 
 def run_world(mode: str, world: int, victim: int) -> dict[int, list[dict[str, object]]]:
-    """Run ``world`` worker processes; ``victim`` SIGKILLs itself at the start of round 1.
-    Returns every survivor's JSON lines."""
+    """Run ``world`` worker processes; ``victim`` SIGKILLs itself at the start of round 1
+    (and, in mode "rejoin", is started again once dead). Returns the JSON lines of every
+    survivor (and of the restarted victim)."""
     peers = ",".join(loopback_peers(world))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), mode, str(r), str(world), peers, str(victim)],
+
+    def spawn(r: int, *extra: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, str(WORKER), mode, str(r), str(world), peers, str(victim), *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for r in range(world)
-    ]
+
+    procs = {r: spawn(r) for r in range(world)}
     lines: dict[int, list[dict[str, object]]] = {}
     try:
-        for r, p in enumerate(procs):
+        out, err = procs[victim].communicate(timeout=120)
+        assert procs[victim].returncode == -9, (procs[victim].returncode, err)
+        if mode == "rejoin":
+            procs[victim] = spawn(victim, "restarted")
+        else:
+            del procs[victim]
+        for r, p in procs.items():
             out, err = p.communicate(timeout=120)
-            if r == victim:
-                assert p.returncode == -9, (p.returncode, err)
-                continue
             assert p.returncode == 0, err
             lines[r] = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
     finally:
-        for p in procs:
+        for p in procs.values():
             p.kill()
             p.wait(timeout=10)
     return lines
@@ -318,3 +323,20 @@ def test_a_killed_leader_is_replaced_and_the_survivors_agree() -> None:
             assert seen[0]["participants"] == [1, 2, 3] and seen[0]["left"] == [0]
             assert seen[0]["reason"] == "complete"
     assert all(not any("error" in x for x in ls) for ls in lines.values()), lines
+
+
+def test_a_killed_rank_restarted_with_the_same_key_rejoins() -> None:
+    lines = run_world("rejoin", 4, victim=2)
+    assert sorted(lines) == [0, 1, 2, 3]
+    assert all(not any("error" in x for x in ls) for ls in lines.values()), lines
+    rounds = {r: {int(x["round"]): x for x in ls if "round" in x} for r, ls in lines.items()}  # type: ignore[call-overload]
+    back = rounds[2]  # the restarted process: from the round it was taken back in
+    assert min(back) > 1
+    for rnd, x in back.items():  # every round it saw, it saw as the others did
+        assert all(rounds[r][rnd] == x for r in (0, 1, 3)), (rnd, x)
+    last = max(back)
+    assert all(max(rounds[r]) == last for r in rounds)
+    assert rounds[0][last]["participants"] == [0, 1, 2, 3] and rounds[0][last]["left"] == []
+    assert rounds[0][1]["left"] == [2]
+    for ls in lines.values():  # everyone is back: a full-group all_reduce runs again
+        assert ls[-1] == {"all_reduce": "OK"}, ls[-1]

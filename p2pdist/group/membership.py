@@ -153,7 +153,9 @@ class Membership:
                 log.warning("%s was lost; it counts as left: %s", self.peer_label(rank), why)
             for group in [self, *self._descendants]:
                 group._left.setdefault(rank, error)
-            if self.config.on_peer_loss == "leave":
+            if not graceful:
+                # A rank that said goodbye finished what it was part of (what it sent is
+                # still readable); one that was lost most likely did not.
                 self._cancel_inflight(rank)
             return
         log.warning("%s: connection ended: %s", self.peer_label(rank), error)
