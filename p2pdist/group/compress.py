@@ -33,6 +33,7 @@ F16_ROUTES = ("bits", "numpy")
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F16 = np.dtype(np.float16)
+_ABS_BITS = np.int32(0x7FFFFFFF)
 
 
 class WireCodec(Protocol):
@@ -205,8 +206,11 @@ class _Int8Codec(_Codec):
             tmp = tmp_all[: s1 - s0].reshape(rows, width)
             sc = scales[s0 // block : s0 // block + rows]
             inv = inv_all[:rows]
-            np.abs(xs, out=tmp)
-            np.max(tmp, axis=1, out=sc)
+            # absmax per block on the bit patterns: |x| as int32 orders like the floats
+            # and numpy's integer max is about twice as fast as its float max.
+            bits = tmp.view(np.int32)
+            np.bitwise_and(xs.view(np.int32), _ABS_BITS, out=bits)
+            np.max(bits, axis=1, out=sc.view(np.int32))
             sc /= np.float32(127.0)
             inv.fill(0.0)
             np.divide(np.float32(1.0), sc, out=inv, where=sc > 0)
