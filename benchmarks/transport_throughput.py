@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from p2pdist import SecretKey, TcpTransport, TransportConfig
+from p2pdist import SecretKey, TcpTransport, TransportConfig, eventloop
 from p2pdist.launch import pick_free_ports
 
 SEED = "transport-bench-seed-0123"
@@ -114,12 +114,14 @@ def _socket(role: str, port: int, count: int, size: int, q: Any) -> None:
 
 
 def _worker(kind: str, role: str, port: int, count: int, size: int, q: Any) -> None:
+    kind, uv, _ = kind.partition("+uv")  # "+uv": the same on uvloop
+    loop = "uvloop" if uv else "asyncio"
     if kind == "socket":
         _socket(role, port, count, size, q)
     elif kind == "streams":
-        asyncio.run(_streams(role, port, count, size, q))
+        eventloop.run(_streams(role, port, count, size, q), loop=loop)
     else:
-        asyncio.run(_p2pdist(role, port, count, size, kind == "p2pdist-tls", q))
+        eventloop.run(_p2pdist(role, port, count, size, kind == "p2pdist-tls", q), loop=loop)
 
 
 def measure(kind: str, total: int, size: int) -> float:
@@ -146,8 +148,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=512, help="total MiB per measurement")
     ap.add_argument("--size-mib", type=float, nargs="+", default=[0.25, 8.0])
-    args = ap.parse_args()
     kinds = ["socket", "streams", "p2pdist-plain", "p2pdist-tls"]
+    if eventloop.uvloop_available():
+        kinds += ["p2pdist-plain+uv", "p2pdist-tls+uv"]
+    ap.add_argument(
+        "--kinds",
+        nargs="+",
+        default=kinds,
+        help=f"columns (a '+uv' suffix runs on uvloop; default: {' '.join(kinds)})",
+    )
+    args = ap.parse_args()
+    kinds = args.kinds
     print("one-way throughput, GB/s (loopback, 2 processes)")
     print(f"{'message':>10} " + " ".join(f"{k:>14}" for k in kinds))
     for mib in args.size_mib:

@@ -208,6 +208,25 @@ async def check_send_buffer_reusable(make_pair: PairFactory) -> None:
                 assert bytes(f.payload) == letter.lower() * 1000
 
 
+async def check_send_buffer_reusable_below_high_water(make_pair: PairFactory) -> None:
+    """The same for messages smaller than the write high-water mark, sent while the peer
+    is not reading: ``send`` returns without waiting with part of a message still queued
+    (an event loop that queues a reference to the caller's buffer, as uvloop does, must
+    not see it change)."""
+    async with make_pair() as p:
+        size, count = 1 << 20, 12
+        buf = bytearray(size)
+        for i in range(count):
+            buf[:] = bytes([65 + i]) * size
+            await bounded(p.client.send(4, buf), "a 1 MiB send")
+        buf[:] = b"z" * size
+        for i in range(count):
+            f = await recv(p.server, 4)
+            assert f.payload.nbytes == size
+            got = bytes(f.payload)
+            assert got == bytes([65 + i]) * size, f"message {i} changed after send returned"
+
+
 async def check_concurrent_channels_both_directions(make_pair: PairFactory) -> None:
     """Several tasks per side send on their own channels at the same time, in both
     directions, while receivers on the other side drain them concurrently."""
@@ -440,6 +459,7 @@ CHECKS: list[Callable[[PairFactory], Awaitable[None]]] = [
     check_empty_messages,
     check_large_message,
     check_send_buffer_reusable,
+    check_send_buffer_reusable_below_high_water,
     check_concurrent_channels_both_directions,
     check_recv_timeout,
     check_close_semantics,

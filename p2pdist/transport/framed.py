@@ -29,7 +29,14 @@ from ..errors import (
 )
 from ..identity import EndpointId, SecretKey
 from ..tls import TlsIdentity
-from ..wire.frames import Frame, FrameDecoder, FrameError, FrameKind, encode_header
+from ..wire.frames import (
+    Frame,
+    FrameDecoder,
+    FrameError,
+    FrameKind,
+    encode_data_header,
+    encode_header,
+)
 from .base import ConnectionStats, TransportConfig
 from .keepalive import Keepalive, KeepaliveAction
 from .mailbox import Mailbox
@@ -170,21 +177,23 @@ class FramedConnection:
         seq: int = 0,
     ) -> None:
         """Queue one message without waiting (for small control messages)."""
-        self._check_open()
+        if self._closed_locally or self._error is not None or self._handshaking:
+            self._check_open()
         try:
-            mv = memoryview(payload)
+            mv = payload if type(payload) is memoryview else memoryview(payload)
             if mv.ndim != 1 or mv.itemsize != 1:
                 mv = mv.cast("B")
         except TypeError as exc:
             raise UsageError(f"payload must be a C-contiguous bytes-like object: {exc}") from None
         n = mv.nbytes
         try:
-            header = encode_header(FrameKind.DATA, channel, seq, meta, n, limits=self._cfg.limits)
+            header = encode_data_header(channel, seq, meta, n, self._cfg.limits)
         except ValueError as exc:
             raise UsageError(f"{self.label}: {exc}") from None
         self._write_frame(header, mv)
-        self._stats.frames_sent += 1
-        self._stats.bytes_sent += n + len(header)
+        stats = self._stats
+        stats.frames_sent += 1
+        stats.bytes_sent += n + len(header)
         if self._keepalive is not None:
             self._keepalive.on_send(self._loop.time())
 

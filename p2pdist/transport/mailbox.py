@@ -104,6 +104,9 @@ class Mailbox:
 
     async def get(self, channel: int, timeout: float | None) -> Frame:
         """Wait (at most ``timeout`` seconds) for the next frame on ``channel``."""
+        frame = self._pop(channel)
+        if frame is not None:  # the common case of small collectives: already here
+            return frame
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
@@ -117,8 +120,10 @@ class Mailbox:
             fut: asyncio.Future[None] = loop.create_future()
             self._waiters[channel] = fut
             try:
-                remaining = None if deadline is None else max(0.0, deadline - loop.time())
-                async with asyncio.timeout(remaining):
+                if deadline is None:  # no timer to arm and cancel
+                    await fut
+                    continue
+                async with asyncio.timeout(max(0.0, deadline - loop.time())):
                     await fut
             except TimeoutError:
                 raise PeerTimeoutError(

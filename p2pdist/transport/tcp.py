@@ -47,7 +47,22 @@ __all__ = ["TcpConnection", "TcpTransport", "parse_address"]
 log = logging.getLogger(__name__)
 
 _SMALL_WRITE = 64 * 1024
-_WRITE_COPIES = sys.version_info < (3, 12)
+_ASYNCIO_PLAIN_COPIES = sys.version_info < (3, 12)
+
+
+def _write_keeps_reference(transport: asyncio.BaseTransport) -> bool:
+    """Whether ``transport.write(memoryview)`` may keep a reference to the part of the
+    buffer it could not send at once (so the caller must not change it afterwards).
+
+    TLS transports (asyncio's and uvloop's) encrypt what they are given at once, into
+    their own buffers. asyncio's plain socket transport copies the unsent rest before 3.12
+    and queues a reference from 3.12 on; uvloop's always queues a reference.
+    """
+    if transport.get_extra_info("ssl_object") is not None:
+        return False
+    return not (_ASYNCIO_PLAIN_COPIES and type(transport).__module__.startswith("asyncio"))
+
+
 _HANDSHAKE_BUFFER_PAUSE = 1 << 20
 
 
@@ -87,6 +102,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         self._server_side = server_side
         self._expected = expected
         self._transport: asyncio.Transport | None = None
+        self._write_copy = True
+        """Copy large payloads before writing (see :func:`_write_keeps_reference`)."""
         # Handshake phase state.
         self._hs_buf = bytearray(64 * 1024)
         self._hs_reader = RecordReader(expect_magic=server_side)
@@ -116,12 +133,12 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         t = self._transport
         assert t is not None
         if payload.nbytes <= _SMALL_WRITE:
-            t.write(header + payload.tobytes() if payload.nbytes else header)
+            t.write(b"".join((header, payload)) if payload.nbytes else header)  # one copy
         else:
             t.write(header)
-            # Python 3.12+ queues a reference to a buffer it could not send at once, so
-            # the caller could change bytes "already sent"; copy there. 3.11 copies itself.
-            t.write(payload if _WRITE_COPIES else payload.tobytes())
+            # Where the transport would queue a reference to what it could not send at
+            # once, the caller could change bytes "already sent": copy there.
+            t.write(payload.tobytes() if self._write_copy else payload)
 
     def _writable(self) -> bool:
         return self._transport is not None and not self._transport.is_closing()
@@ -155,6 +172,7 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         transport = cast(asyncio.Transport, transport)
         first = self._transport is None
         self._transport = transport
+        self._write_copy = _write_keeps_reference(transport)
         transport.set_write_buffer_limits(high=self._cfg.write_buffer_high)
         if first:
             sock = transport.get_extra_info("socket")
@@ -234,6 +252,7 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         if new is None:
             raise ConnectionBrokenError(self.label, "connection lost during TLS handshake")
         self._transport = new
+        self._write_copy = _write_keeps_reference(new)
         sslobj = new.get_extra_info("ssl_object")
         der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
         if not der:

@@ -28,6 +28,7 @@ __all__ = [
     "FrameError",
     "FrameKind",
     "FrameLimits",
+    "encode_data_header",
     "encode_header",
 ]
 
@@ -114,6 +115,22 @@ def encode_header(
     return HEADER.pack(VERSION, int(kind), flags, len(meta), channel, seq, payload_len) + meta
 
 
+def encode_data_header(
+    channel: int, seq: int, meta: bytes, payload_len: int, limits: FrameLimits
+) -> bytes:
+    """:func:`encode_header` for a DATA frame without flags: the per-message fast path
+    (same checks, same bytes, no enum conversion)."""
+    if len(meta) > limits.max_meta:
+        raise ValueError(f"frame meta {len(meta)} bytes exceeds limit {limits.max_meta}")
+    if payload_len > limits.max_payload:
+        raise ValueError(f"frame payload {payload_len} bytes exceeds limit {limits.max_payload}")
+    if not (0 <= channel <= U64_MAX and 0 <= seq <= U64_MAX):
+        raise ValueError("channel and seq must fit in 64 unsigned bits")
+    return _pack(VERSION, _DATA, 0, len(meta), channel, seq, payload_len) + meta
+
+
+_pack = HEADER.pack
+_DATA = int(FrameKind.DATA)
 _EMPTY = memoryview(bytearray())
 
 
@@ -249,11 +266,14 @@ class FrameDecoder:
             self._start = self._end = 0
 
 
+_KINDS: dict[int, FrameKind] = {int(k): k for k in FrameKind}
+
+
 def _check_start(version: int, kind_raw: int) -> FrameKind:
     """Validate a header's first two bytes."""
     if version != VERSION:
         raise FrameError(f"unsupported frame version {version} (expected {VERSION})")
-    try:
-        return FrameKind(kind_raw)
-    except ValueError:
-        raise FrameError(f"unknown frame kind {kind_raw}") from None
+    kind = _KINDS.get(kind_raw)  # a table lookup: FrameKind(x) costs a call per frame
+    if kind is None:
+        raise FrameError(f"unknown frame kind {kind_raw}")
+    return kind
