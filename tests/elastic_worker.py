@@ -59,7 +59,7 @@ async def main(
             rnd = fed.round
             if rank == victim and rnd == 1 and not restarted:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if rnd >= 300:
+            if rnd >= 1500:
                 say(error="the victim was never taken back")
                 break
             try:

@@ -25,7 +25,7 @@ def crash(g: Group) -> None:
 
 async def until_left(gs: list[Group], rank: int) -> None:
     """Wait (bounded) until every group in ``gs`` has seen ``rank`` go."""
-    for _ in range(500):
+    for _ in range(3000):
         if all(rank in g.left for g in gs):
             return
         await asyncio.sleep(0.01)
