@@ -403,7 +403,8 @@ async def compressed_ring_all_reduce(
                 a, b = recv
                 data = await link.recv(left, codec.nbytes(b - a))
                 codec.decode_into(data, work[a:b])
-                held.append(data)
+                if k < n - 2:  # forwarded in the next step; else let the buffer go
+                    held.append(data)
 
 
 async def _last_hop(
@@ -420,7 +421,7 @@ async def _last_hop(
     our own chunk i-1 (finished one iteration earlier, so nothing waits on it), then
     receives our own chunk i (the last contribution) and segment rank-1's final chunk
     i-1. The left neighbour sends exactly that sequence, so messages pair up in order.
-    Returns the all-gather chunks received, for forwarding.
+    Returns the all-gather chunks received, for forwarding (none with two ranks).
     """
     n, r = link.size, link.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -445,7 +446,8 @@ async def _last_hop(
             a, b = final[i - 1]
             data = await link.recv(left, codec.nbytes(b - a))
             codec.decode_into(data, work[a:b])
-            held.append(data)
+            if n > 2:  # forwarded by the next all-gather step
+                held.append(data)
     return held
 
 
