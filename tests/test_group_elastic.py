@@ -84,6 +84,23 @@ async def test_a_collective_in_flight_fails_naming_the_lost_rank_and_the_group_s
         np.testing.assert_array_equal(await gs[0].recv(1, like=y), y)
 
 
+async def test_a_rank_leaving_mid_collective_fails_it_on_every_rank_at_once() -> None:
+    async with groups(3, config=LEAVE, timeout=60.0) as gs:
+        # rank 2 closes on purpose without joining the all_reduce: rank 0 finds its part
+        # missing; rank 1, waiting on rank 0, learns it from rank 0 instead of timing out
+        calls = [asyncio.create_task(g.all_reduce(np.ones(1 << 18, np.float32))) for g in gs[:2]]
+        await asyncio.sleep(0.2)
+        await gs[2].close()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for res in results:
+            assert isinstance(res, ConnectionBrokenError), res
+            assert res.peer.startswith("rank 2 (") and "all_reduce" in str(res), res
+        assert all(g.broken is None for g in gs[:2])
+        z = np.ones(3)
+        await gs[0].send(z, 1)
+        np.testing.assert_array_equal(await gs[1].recv(0, like=z), z)
+
+
 async def test_by_default_a_lost_rank_breaks_the_group_naming_it() -> None:
     async with groups(3) as gs:
         crash(gs[2])

@@ -38,7 +38,7 @@ from . import p2p
 from .buffers import as_array, expectation
 from .config import GroupConfig
 from .link import CollectiveLink
-from .membership import LAST_SPACE, Membership
+from .membership import CONTROL_CHANNEL, LAST_SPACE, Membership
 
 __all__ = ["GroupCore"]
 
@@ -48,7 +48,7 @@ T = TypeVar("T")
 _COLLECTIVE_SPACE = 0
 _P2P_SPACE = 1
 _FIRST_SUBGROUP_SPACE = 2
-_CONTROL_CHANNEL = 0xFFFF << SPACE_SHIFT
+_CONTROL_CHANNEL = CONTROL_CHANNEL
 _ATTRIBUTION_WINDOW = 0.25  # seconds a failing collective waits for other failure reports
 
 
@@ -125,8 +125,9 @@ class GroupCore(Membership):
         if rejoin and self.config.on_peer_loss != "leave":
             raise UsageError('rejoin=True needs GroupConfig(on_peer_loss="leave")')
         # root only: running collectives (task -> group) and those a loss cancelled
-        self._inflight: dict[asyncio.Task[Any], Membership] = {}
+        self._inflight: dict[asyncio.Task[Any], tuple[Membership, int]] = {}
         self._cancelled_by_loss: dict[asyncio.Task[Any], int] = {}
+        self._failed_calls: dict[int, int] = {}
 
     # ---- construction ---------------------------------------------------------------
 
@@ -428,6 +429,9 @@ class GroupCore(Membership):
                 frame = await conn.recv(_CONTROL_CHANNEL)
                 try:
                     body = msgpack.unpackb(frame.meta, raw=False)
+                    if "call" in body:  # one collective failed for want of a left rank
+                        self._on_call_failed(int(body["call"]), int(body["lost"]))
+                        continue
                     reason = str(body.get("abort", "no reason given"))
                 except Exception:
                     reason = "undecodable abort notice"
@@ -548,9 +552,14 @@ class GroupCore(Membership):
         seconds = self._seconds(timeout)
         link = self._new_link(descriptor)
         root = self._root()
+        noticed = root._failed_calls.pop(link.channel, None)
+        if noticed is not None:  # another rank's part of this call already failed
+            for conn in self._conns.values():
+                conn.retire(link.channel)
+            raise self._loss_error(noticed, link)
         task = asyncio.current_task()
         assert task is not None
-        root._inflight[task] = self
+        root._inflight[task] = (self, link.channel)
         lost: int | None = None
         try:
             try:
@@ -569,6 +578,7 @@ class GroupCore(Membership):
         except (MismatchError, RemoteProtocolError, ConnectionBrokenError) as err:
             gone = self._gone_with(err)
             if gone is not None:
+                root._tell_call_failed(link.channel, gone)
                 raise self._loss_error(gone, link) from None
             self._break(err, notify=True)
             if not isinstance(err, ConnectionBrokenError) or err.graceful:

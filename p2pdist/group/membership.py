@@ -42,7 +42,7 @@ from ..transport.tcp import TcpTransport
 from .config import GroupConfig
 from .link import CollectiveLink
 
-__all__ = ["FIRST_RESERVED_SPACE", "LAST_SPACE", "Membership"]
+__all__ = ["CONTROL_CHANNEL", "FIRST_RESERVED_SPACE", "LAST_SPACE", "Membership"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ those from here to :data:`LAST_SPACE`."""
 LAST_SPACE = 0xFFFE  # 0xFFFF is the control channel's
 _HELLO_SPACE = LAST_SPACE  # the group's own: a survivor's hello to a rank that rejoins
 _HELLO_CHANNEL = _HELLO_SPACE << SPACE_SHIFT
+CONTROL_CHANNEL = 0xFFFF << SPACE_SHIFT
+"""Abort notices and failed-call notices (msgpack maps)."""
 
 
 class Membership:
@@ -66,8 +68,9 @@ class Membership:
     _root_ranks: list[int]
     _descendants: weakref.WeakSet[Membership]
     _reserved: dict[int, str]
-    _inflight: dict[asyncio.Task[Any], Membership]
+    _inflight: dict[asyncio.Task[Any], tuple[Membership, int]]  # task -> (group, channel)
     _cancelled_by_loss: dict[asyncio.Task[Any], int]
+    _failed_calls: dict[int, int]  # channel -> the root rank another rank's call lacked
     _p2p_sent: dict[int, int]
     _p2p_received: dict[int, int]
     _next_cid: int
@@ -166,12 +169,33 @@ class Membership:
         """Fail every running collective of a group that has ``root_rank`` as a member:
         it can no longer finish, and its other ranks may wait on us, not on the lost one.
         ``GroupCore._run`` turns the cancellation into an error naming the lost rank."""
-        for task, group in list(self._inflight.items()):
-            if task is asyncio.current_task():
-                continue  # it is running: it meets the connection's error itself
-            if root_rank in group._root_ranks and task not in self._cancelled_by_loss:
-                self._cancelled_by_loss[task] = root_rank
-                task.cancel()
+        for task, (group, _) in list(self._inflight.items()):
+            if root_rank in group._root_ranks:
+                self._cancel_for_loss(task, root_rank)
+
+    def _cancel_for_loss(self, task: asyncio.Task[Any], root_rank: int) -> None:
+        if task is asyncio.current_task() or task in self._cancelled_by_loss:
+            return  # a running task meets the connection's error itself
+        self._cancelled_by_loss[task] = root_rank
+        task.cancel()
+
+    def _tell_call_failed(self, channel: int, root_rank: int) -> None:
+        """Tell the others that our collective on ``channel`` failed because ``root_rank``
+        left before sending us its part: theirs cannot finish either (they may be waiting
+        on us), so they fail it at once instead of at their timeout."""
+        meta = bytes(msgpack.packb({"call": channel, "lost": root_rank}))
+        for r, conn in self._conns.items():
+            if r not in self._left:
+                with contextlib.suppress(P2PError):
+                    conn.send_nowait(CONTROL_CHANNEL, meta=meta)
+
+    def _on_call_failed(self, channel: int, root_rank: int) -> None:
+        """Another rank's collective on ``channel`` failed for want of ``root_rank``."""
+        for task, (_, running) in list(self._inflight.items()):
+            if running == channel:
+                self._cancel_for_loss(task, root_rank)
+                return
+        self._failed_calls[channel] = root_rank  # not started here yet: fail it at start
 
     def _gone_with(self, err: P2PError) -> int | None:
         """Under ``on_peer_loss="leave"``: the root rank whose leaving ended a connection
@@ -188,6 +212,8 @@ class Membership:
         """The error of a collective that needed ``root_rank``, which left or was lost."""
         cause = self._left.get(root_rank)
         why = cause.detail if isinstance(cause, PeerError) else cause
+        if cause is None:
+            why = "another rank's part of the call lacked it"
         return ConnectionBrokenError(
             self._root().peer_label(root_rank),
             f"left the group while {link.explain()} needed it ({why})",
