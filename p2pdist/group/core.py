@@ -559,6 +559,7 @@ class GroupCore(Membership):
             raise self._loss_error(noticed, link)
         task = asyncio.current_task()
         assert task is not None
+        outer = root._inflight.get(task)  # None unless a collective runs inside another
         root._inflight[task] = (self, link.channel)
         lost: int | None = None
         try:
@@ -566,7 +567,10 @@ class GroupCore(Membership):
                 async with asyncio.timeout(seconds):
                     return await body(link)
             finally:
-                del root._inflight[task]
+                if outer is None:
+                    del root._inflight[task]
+                else:
+                    root._inflight[task] = outer
                 lost = root._cancelled_by_loss.pop(task, None)
         except asyncio.CancelledError:
             if lost is not None:  # a member was lost (on_peer_loss="leave"): not our doing
