@@ -404,7 +404,7 @@ class GroupAveraging(Recovery):
             self._left.add(r)
             self._state.leave(cid(r))
         self._state.open(loop.time())
-        for r in sorted(self._ready - gone):
+        for r in sorted((self._ready - gone) & self._left):  # (a member's is stale)
             self._welcome(r, k)
         self._ready.clear()
         self._stop_collectors()

@@ -107,14 +107,14 @@ class Recovery:
     def _listen_for_ready(self) -> None:
         """Read requests to be taken back from every rank still here (leader only)."""
         loop = asyncio.get_running_loop()
-        for r in self._conns_and_left():
+        for r in self._present():
             task = self._ready_tasks.get(r)
             if task is None or task.done():
                 conn = self.group.connection(r)
                 self._ready_tasks[r] = loop.create_task(self._await_ready(r, conn))
 
-    def _conns_and_left(self) -> list[int]:
-        """Ranks in the group now, this one aside (whether in the rounds or not)."""
+    def _present(self) -> list[int]:
+        """Ranks in the group now, this one aside (taking part in the rounds or not)."""
         gone = set(self.group.left)
         return [r for r in range(self.group.size) if r != self.group.rank and r not in gone]
 
@@ -139,7 +139,7 @@ class Recovery:
     async def _rejoin(self, seconds: float) -> None:
         """Ask every rank to take this (restarted) rank back; the leader answers with the
         model, the round id and its own rank. Bounded by ``seconds``."""
-        ranks = self._conns_and_left()
+        ranks = self._present()
         if not ranks:
             raise UsageError("no other rank is left to rejoin")
         meta, _ = encode("ready")
@@ -223,7 +223,7 @@ class Recovery:
         """Lead from now on: gather every report, adopt the decision someone applied (or
         decide round ``k`` anew), then run round ``k`` (unless adopted) as the leader."""
         meta, _ = encode("request")
-        for r in self._conns_and_left():
+        for r in self._present():
             self._send(r, _WELCOME, meta)  # only a rank waiting to be taken back reads it
         reports = await self._reports()
         plan = plan_takeover(self.group.rank, Report(k, self._last), reports)
@@ -262,7 +262,7 @@ class Recovery:
     async def _reports(self) -> dict[int, Report]:
         """The report of every rank still here (a rank lost meanwhile is left out),
         each bounded by the decision timeout."""
-        ranks = self._conns_and_left()
+        ranks = self._present()
         reports: dict[int, Report] = {}
 
         async def one(r: int) -> None:
