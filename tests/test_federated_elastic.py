@@ -245,6 +245,40 @@ async def test_a_restarted_rank_gets_the_model_and_round_and_agrees_again() -> N
             assert not np.array_equal(fed.model, np.full(100, 7.0, np.float32))
 
 
+async def test_a_rank_waiting_to_be_taken_back_when_the_leader_dies_is_taken_by_the_next() -> None:
+    cfg = FederatedConfig(round_timeout=60.0)
+    async with groups(4, config=LEAVE) as gs:
+        feds = [GroupAveraging(g, np.zeros(100, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        await _first_round(feds)
+        crash(gs[3])
+        await until_left(gs[:3], 3)
+        back = await restart(gs[3])
+        async with back:
+            fed = GroupAveraging(back, np.zeros(100, np.float32), cfg)
+            waiting = asyncio.create_task(fed.start())  # asks every rank to take it back
+            await asyncio.sleep(0.2)
+            assert not waiting.done()  # nobody opened a round since
+            crash(gs[0])  # the leader dies before taking it back
+            await until_left(gs[1:3], 0)
+            outs = await asyncio.gather(
+                *(f.step(update_of(f.group.rank, 1, 100), 10) for f in feds[1:3])
+            )
+            for o in outs:  # the new leader asked rank 3, which said it is not in yet
+                assert o.participants == (1, 2) and o.left == (0, 3)
+            await waiting  # taken back by the new leader, when it opened round 2
+            assert fed.round == 2 and fed.leader == 1
+            assert fed.model.tobytes() == feds[1].model.tobytes()
+            everyone = (feds[1], feds[2], fed)
+            for rnd in (2, 3):  # round 2 does not wait for it, round 3 does
+                outs = await asyncio.gather(
+                    *(f.step(update_of(f.group.rank, rnd, 100), 10) for f in everyone)
+                )
+                assert len({(o.participants, o.left) for o in outs}) == 1
+            assert outs[0].participants == (1, 2, 3) and outs[0].left == (0,)
+            assert len({f.model.tobytes() for f in everyone}) == 1
+
+
 # ---- real processes, SIGKILL ------------------------------------------------------------
 
 

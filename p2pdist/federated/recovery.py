@@ -250,8 +250,10 @@ class Recovery:
             if r not in gone and r not in plan.rejoining:
                 state.join(cid(r))
         self._state = state
+        # Ranks waiting to be taken back are welcomed when a round opens after their
+        # ready is read (its listeners start now): not at once, since the others' updates
+        # for this round may have gone out before those ranks were back in the group.
         self._left = gone | set(plan.rejoining)
-        self._ready |= set(plan.rejoining)
         log.warning(
             "%s took over as leader from round %d%s",
             self.group.peer_label(self.group.rank),
