@@ -23,8 +23,10 @@ import numpy as np
 
 from ..errors import (
     ConnectionBrokenError,
+    GroupBrokenError,
     MismatchError,
     P2PError,
+    P2PTimeoutError,
     PeerTimeoutError,
     RemoteProtocolError,
     UsageError,
@@ -156,17 +158,16 @@ class Recovery:
                         if task.exception() is None:
                             welcome = task.result()
         except TimeoutError:
-            raise PeerTimeoutError(
-                self.group.peer_label(self.leader),
-                f"no rank took this rank back within {seconds:g} s (is a leader running?)",
+            me = self.group.peer_label(self.group.rank)
+            raise P2PTimeoutError(
+                f"{me}: no rank took it back within {seconds:g} s (is a leader running, "
+                f"and stepping? it answers when it opens a round)"
             ) from None
         finally:
             for task in waits:
                 task.cancel()
         if welcome is None:
-            raise ConnectionBrokenError(
-                self.group.peer_label(self.leader), "every rank went before taking this one back"
-            )
+            raise GroupBrokenError("every other rank went before taking this one back")
         self._adopt_welcome(*welcome)
 
     async def _await_welcome(self, r: int) -> tuple[int, Message]:
