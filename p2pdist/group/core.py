@@ -27,7 +27,6 @@ from ..errors import (
 )
 from ..identity import EndpointId, SecretKey
 from ..transport.base import Address, Connection, TransportConfig
-from ..transport.dial import dial_with_retry
 from ..transport.mailbox import SPACE_SHIFT
 from ..transport.pathinfo import PathInfo
 from ..transport.quic import QuicTransport
@@ -320,32 +319,6 @@ class GroupCore(Membership):
         log.info("%s: group of %d formed", self.peer_label(self._rank), self.size)
         return self
 
-    def _address_of(self, r: int) -> Address | None:
-        return self._addresses[r] if self._addresses is not None else None
-
-    async def _form(self, transport: TcpTransport | QuicTransport) -> None:
-        """Dial the lower ranks and accept the higher ones (bounded); closes on failure."""
-        try:
-            async with asyncio.timeout(self.config.connect_timeout), asyncio.TaskGroup() as tg:
-                tg.create_task(self._accept_higher(transport))
-                for r in range(self._rank):
-                    tg.create_task(self._dial(transport, r))
-        except TimeoutError:
-            missing = [r for r in range(self.size) if r != self._rank and r not in self._conns]
-            await self.close()
-            where = ", ".join(f"{self.peer_label(r)} {self._where(r)}" for r in missing)
-            raise P2PTimeoutError(
-                f"{self.peer_label(self._rank)}: forming the group took over "
-                f"{self.config.connect_timeout:g} s; no connection to {where}"
-            ) from None
-        except BaseExceptionGroup as group:
-            await self.close()
-            first = group.exceptions[0]
-            raise first from None
-        except BaseException:
-            await self.close()
-            raise
-
     def _where(self, r: int) -> str:
         if self._relay_url is not None:
             return f"through relay {self._relay_url}"
@@ -385,28 +358,6 @@ class GroupCore(Membership):
                 f"{self.peer_label(self._rank)} cannot listen on {host}:{port}: {exc}"
             ) from None
         return tcp
-
-    async def _dial(self, transport: TcpTransport | QuicTransport, r: int) -> None:
-        # Bounded by start()'s connect_timeout, which names every rank still missing.
-        address = None
-        if isinstance(transport, TcpTransport):
-            assert self._addresses is not None
-            address = self._addresses[r]
-        self._conns[r] = await dial_with_retry(
-            transport, self._ids[r], address, label=self.peer_label(r), timeout=None
-        )
-
-    async def _accept_higher(self, transport: TcpTransport | QuicTransport) -> None:
-        want = set(range(self._rank + 1, self.size))
-        while want:
-            conn = await transport.accept()
-            r = self._rank_of[conn.peer_id]
-            if r not in want:
-                log.warning("%s: unexpected extra connection; closing it", self.peer_label(r))
-                await conn.close()
-                continue
-            self._conns[r] = conn
-            want.discard(r)
 
     async def close(self) -> None:
         """Close every connection (bounded); the group cannot be used afterwards."""

@@ -79,6 +79,7 @@ class Membership:
     _formed: bool
     _rejoin: bool
     _failure_log: list[str]
+    _addresses: list[Address] | None
 
     # ---- provided by GroupCore ------------------------------------------------------------
 
@@ -93,6 +94,18 @@ class Membership:
         raise NotImplementedError
 
     async def _listen_control(self, rank: int, conn: Connection) -> None:
+        raise NotImplementedError
+
+    def _where(self, r: int) -> str:
+        raise NotImplementedError
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Close the group."""
         raise NotImplementedError
 
     # ---- public -----------------------------------------------------------------------------
@@ -218,6 +231,56 @@ class Membership:
             self._root().peer_label(root_rank),
             f"left the group while {link.explain()} needed it ({why})",
         )
+
+    # ---- forming --------------------------------------------------------------------------
+
+    def _address_of(self, r: int) -> Address | None:
+        return self._addresses[r] if self._addresses is not None else None
+
+    async def _form(self, transport: TcpTransport | QuicTransport) -> None:
+        """Dial the lower ranks and accept the higher ones (bounded); closes on failure."""
+        try:
+            async with asyncio.timeout(self.config.connect_timeout), asyncio.TaskGroup() as tg:
+                tg.create_task(self._accept_higher(transport))
+                for r in range(self._rank):
+                    tg.create_task(self._dial(transport, r))
+        except TimeoutError:
+            missing = [r for r in range(self.size) if r != self._rank and r not in self._conns]
+            await self.close()
+            where = ", ".join(f"{self.peer_label(r)} {self._where(r)}" for r in missing)
+            raise P2PTimeoutError(
+                f"{self.peer_label(self._rank)}: forming the group took over "
+                f"{self.config.connect_timeout:g} s; no connection to {where}"
+            ) from None
+        except BaseExceptionGroup as group:
+            await self.close()
+            first = group.exceptions[0]
+            raise first from None
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _dial(self, transport: TcpTransport | QuicTransport, r: int) -> None:
+        # Bounded by start()'s connect_timeout, which names every rank still missing.
+        address = None
+        if isinstance(transport, TcpTransport):
+            assert self._addresses is not None
+            address = self._addresses[r]
+        self._conns[r] = await dial_with_retry(
+            transport, self._ids[r], address, label=self.peer_label(r), timeout=None
+        )
+
+    async def _accept_higher(self, transport: TcpTransport | QuicTransport) -> None:
+        want = set(range(self._rank + 1, self.size))
+        while want:
+            conn = await transport.accept()
+            r = self._rank_of[conn.peer_id]
+            if r not in want:
+                log.warning("%s: unexpected extra connection; closing it", self.peer_label(r))
+                await conn.close()
+                continue
+            self._conns[r] = conn
+            want.discard(r)
 
     # ---- rejoining: the survivors -------------------------------------------------------
 
