@@ -1,5 +1,5 @@
-"""Who is in a group: ranks that leave or are lost, ranks that come back, and channel
-spaces reserved for traffic beside the collectives. Mixed into
+"""Who is in a group: forming the mesh, ranks that leave or are lost, ranks that come
+back, and channel spaces reserved for traffic beside the collectives. Mixed into
 :class:`~p2pdist.group.core.GroupCore` (which sets every attribute declared here).
 
 Under ``GroupConfig(on_peer_loss="leave")`` a connection that ends without a goodbye
