@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from relay_helpers import read_relay_url  # noqa: E402
 
+from p2pdist.eventloop import uvloop_available  # noqa: E402
 from p2pdist.identity import SecretKey  # noqa: E402
 from relay.testclient import RelayTestClient, http_get  # noqa: E402
 
@@ -204,12 +205,12 @@ def _metrics(url: str) -> str:
     return asyncio.run(http_get(url, "/metrics"))[1]
 
 
-def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_one(n: int, args: argparse.Namespace, loop: str = "asyncio") -> dict[str, Any]:
     relay = subprocess.Popen(
         [
             sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0",
             "--stun-port", "0", "--max-clients", str(n + 16), "--log-level", "error",
-            "--keepalive", "60",
+            "--keepalive", "60", "--loop", loop,
         ],
         stdout=subprocess.PIPE, cwd=ROOT,
     )  # fmt: skip
@@ -282,6 +283,16 @@ def main() -> None:
     p.add_argument("--blast-seconds", type=float, default=5)
     p.add_argument("--size", type=int, default=200, help="blast datagram bytes")
     p.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    loops = ["asyncio", "uvloop"] if uvloop_available() else ["asyncio"]
+    p.add_argument(
+        "--loop",
+        "--loops",
+        dest="loops",
+        nargs="+",
+        choices=["asyncio", "uvloop"],
+        default=loops,
+        help=f"the relay's event loop, each measured in turn (default: {' '.join(loops)})",
+    )
     args = p.parse_args()
     if args.worker:
         url, proc, peer, count = args.worker
@@ -290,15 +301,17 @@ def main() -> None:
     _raise_nofile()
     print(f"relay capacity on {os.cpu_count()} CPUs (relay and clients share them)")
     hdr = (
-        f"{'clients':>8} {'connect s':>9} {'RSS base':>9} {'RSS load':>9} {'KiB/client':>10} "
+        f"{'loop':>8} {'clients':>8} {'connect s':>9} {'RSS base':>9} {'RSS load':>9} "
+        f"{'KiB/client':>10} "
         f"{'light rx/tx':>11} {'fwd dgram/s':>11} {'relay CPU':>9} {'fwd/CPU-s':>9} {'size':>5} "
         f"{'pairs':>5} {'queue_full':>10}"
     )
     print(hdr)
-    for n in args.clients:
-        r = run_one(n, args)
+    for n, loop in [(n, lp) for n in args.clients for lp in args.loops]:
+        r = run_one(n, args, loop)
         print(
-            f"{r['clients']:>8} {r['connect_s']:>9.1f} {r['rss_base_kib'] / 1024:>7.1f}Mi "
+            f"{loop:>8} {r['clients']:>8} {r['connect_s']:>9.1f} "
+            f"{r['rss_base_kib'] / 1024:>7.1f}Mi "
             f"{r['rss_loaded_kib'] / 1024:>7.1f}Mi {r['rss_per_client_kib']:>10.1f} "
             f"{r['light_received']:>5}/{r['light_sent']:<5} {r['forwarded_per_s']:>11.0f} "
             f"{r['relay_cpu_share']:>9.0%} {r['forwarded_per_cpu_s']:>9.0f} {args.size:>5} "
