@@ -6,6 +6,7 @@ does (tests/test_federated_elastic.py kills real processes)."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -216,3 +217,29 @@ async def test_rejoining_a_group_that_does_not_take_ranks_back_is_refused() -> N
         )
         with pytest.raises(PeerAuthenticationError, match=r"rank 0 .*on_peer_loss"):
             await back.start()
+
+
+async def test_a_rank_rejoins_through_a_relay(tmp_path: Path) -> None:
+    from relay_helpers import RelayProcess
+
+    from p2pdist import PunchConfig
+
+    seed = "relay-elastic-seed-0123456789"
+    cfg = GroupConfig(
+        timeout=30.0, connect_timeout=30.0, punch=PunchConfig(enabled=False), on_peer_loss="leave"
+    )
+    with RelayProcess(tmp_path) as relay:
+        gs = [Group.from_seed(seed, rank=r, world=3, relay=relay.url, config=cfg) for r in range(3)]
+        await asyncio.gather(*(g.start() for g in gs))
+        back: Group | None = None
+        try:
+            crash(gs[2])  # its QUIC connections close at once (a SIGKILL: idle_timeout)
+            await until_left(gs[:2], 2)
+            await gs[2].close()
+            back = Group.from_seed(seed, rank=2, world=3, relay=relay.url, config=cfg, rejoin=True)
+            await back.start()
+            everyone = (gs[0], gs[1], back)
+            out = await asyncio.gather(*(g.all_reduce(np.full(3, g.rank + 1.0)) for g in everyone))
+            assert all(o.tolist() == [6.0] * 3 for o in out)
+        finally:
+            await asyncio.gather(*(g.close() for g in (*gs, *([back] if back else []))))
