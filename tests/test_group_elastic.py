@@ -243,3 +243,35 @@ async def test_a_rank_rejoins_through_a_relay(tmp_path: Path) -> None:
             assert all(o.tolist() == [6.0] * 3 for o in out)
         finally:
             await asyncio.gather(*(g.close() for g in (*gs, *([back] if back else []))))
+
+
+async def until_running(g: Group) -> None:
+    """Wait (bounded) until ``g`` has a collective in flight."""
+    for _ in range(3000):
+        if g._inflight:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the collective never started")
+
+
+async def test_ranks_stay_in_step_when_one_started_the_call_a_loss_failed_and_one_refused_it() -> (
+    None
+):
+    async with groups(3, config=LEAVE, timeout=15.0) as gs:
+        # rank 0 starts an all_reduce before rank 2 is lost (the loss fails it); rank 1
+        # calls it only after seeing the loss (refused at once). Both used the call up:
+        # once rank 2 is back, the three run the next collective together.
+        call = asyncio.create_task(gs[0].all_reduce(np.ones(4)))
+        await until_running(gs[0])
+        crash(gs[2])
+        await until_left(gs[:2], 2)
+        with pytest.raises(ConnectionBrokenError, match=r"rank 2 \("):
+            await call
+        with pytest.raises(GroupBrokenError, match=r"rank 2 \(.*left the group"):
+            await gs[1].all_reduce(np.ones(4))
+        assert gs[0]._next_cid == gs[1]._next_cid
+        back = await restart(gs[2])
+        async with back:
+            everyone = (*gs[:2], back)
+            out = await asyncio.gather(*(g.all_reduce(np.full(4, g.rank + 1.0)) for g in everyone))
+            assert all(o.tolist() == [6.0] * 4 for o in out)

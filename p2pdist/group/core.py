@@ -458,8 +458,22 @@ class GroupCore(Membership):
             raise GroupBrokenError("the group is broken", self._broken)
         left = self.left
         if collective and left:
+            if self.config.on_peer_loss == "leave":
+                self._skip_call(min(left))
             gone = ", ".join(self.peer_label(r) for r in sorted(left))
             raise GroupBrokenError(f"collectives need every rank, but {gone} left the group")
+
+    def _skip_call(self, rank: int) -> None:
+        """Refuse the next collective for want of ``rank`` (which left) but use up its id
+        all the same: a rank that started this call before it saw the loss used it (and
+        fails it), so the next collective of both runs on one channel. Those ranks are
+        told at once that the call cannot finish (a failed-call notice)."""
+        channel = self._new_link(b"").channel
+        for conn in self._conns.values():
+            conn.retire(channel)  # what they sent for it is dropped
+        root = self._root()
+        root._failed_calls.pop(channel, None)
+        root._tell_call_failed(channel, self._root_ranks[rank])
 
     def _timeout_error(self, link: CollectiveLink, seconds: float) -> P2PError:
         what = f"{link.explain()} timed out after {seconds:g} s"
