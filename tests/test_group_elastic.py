@@ -275,3 +275,13 @@ async def test_ranks_stay_in_step_when_one_started_the_call_a_loss_failed_and_on
             everyone = (*gs[:2], back)
             out = await asyncio.gather(*(g.all_reduce(np.full(4, g.rank + 1.0)) for g in everyone))
             assert all(o.tolist() == [6.0] * 4 for o in out)
+
+
+async def test_a_caller_cancelling_a_collective_a_loss_also_failed_still_gets_cancelled() -> None:
+    async with groups(3, config=LEAVE) as gs:
+        call = asyncio.create_task(gs[0].all_reduce(np.ones(4)))
+        await until_running(gs[0])
+        gs[0]._cancel_for_loss(call, 2)  # as rank 2's loss would
+        call.cancel()  # and the caller gives up at the same moment
+        with pytest.raises(asyncio.CancelledError):
+            await call

@@ -538,8 +538,9 @@ class GroupCore(Membership):
                     root._inflight[task] = outer
                 lost = root._cancelled_by_loss.pop(task, None)
         except asyncio.CancelledError:
-            if lost is not None:  # a member was lost (on_peer_loss="leave"): not our doing
-                task.uncancel()
+            # A member was lost (on_peer_loss="leave"): not our doing, unless the caller
+            # cancelled us too (then the cancellation goes on, as any other does).
+            if lost is not None and task.uncancel() == 0:
                 raise self._loss_error(lost, link) from None
             me = self.peer_label(self._rank)
             self._break(GroupBrokenError(f"{link.explain()} was cancelled on {me}"), notify=True)
