@@ -315,7 +315,7 @@ class GroupCore(Membership):
                 self._adopt(r, conn)
         self._formed = True
         if self.config.on_peer_loss == "leave":
-            self._listeners.append(asyncio.create_task(self._accept_rejoins(transport)))
+            self._spawn(self._accept_rejoins(transport))
         log.info("%s: group of %d formed", self.peer_label(self._rank), self.size)
         return self
 
@@ -371,21 +371,29 @@ class GroupCore(Membership):
         if self._transport is not None:
             # Shielded: a cancelled close() still finishes closing in the background.
             await asyncio.shield(self._transport.close())
+        # Cancelled above; they end at once (their connections are closed too).
+        await asyncio.gather(*self._listeners, return_exceptions=True)
 
     # ---- failure handling -------------------------------------------------------------
 
     async def _listen_control(self, rank: int, conn: Connection) -> None:
-        with contextlib.suppress(BaseException):
+        """Act on ``rank``'s abort and failed-call notices until the connection ends."""
+        with contextlib.suppress(P2PError, asyncio.CancelledError):
             while True:
                 frame = await conn.recv(_CONTROL_CHANNEL)
+                call: tuple[int, int] | None = None
                 try:
                     body = msgpack.unpackb(frame.meta, raw=False)
                     if "call" in body:  # one collective failed for want of a left rank
-                        self._on_call_failed(int(body["call"]), int(body["lost"]))
-                        continue
+                        call = int(body["call"]), int(body["lost"])
+                        if not 0 <= call[1] < self.size:
+                            raise ValueError(f"no rank {call[1]}")
                     reason = str(body.get("abort", "no reason given"))
-                except Exception:
+                except Exception:  # msgpack's own exceptions, a missing key, a bad type
                     reason = "undecodable abort notice"
+                if call is not None:
+                    self._on_call_failed(*call)
+                    continue
                 notice = f"{self.peer_label(rank)} aborted the group: {reason}"
                 self._failure_log.append(notice)
                 self._break(GroupBrokenError(notice))

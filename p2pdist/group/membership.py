@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgpack
@@ -232,6 +232,11 @@ class Membership:
             f"left the group while {link.explain()} needed it ({why})",
         )
 
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in the background until the group closes (close() awaits it)."""
+        self._listeners = [t for t in self._listeners if not t.done()]
+        self._listeners.append(asyncio.create_task(work))
+
     # ---- forming --------------------------------------------------------------------------
 
     def _address_of(self, r: int) -> Address | None:
@@ -295,7 +300,7 @@ class Membership:
         self._conns[rank] = conn
         conn.label = self.peer_label(rank)
         self._watch(rank, conn)
-        self._listeners.append(asyncio.create_task(self._listen_control(rank, conn)))
+        self._spawn(self._listen_control(rank, conn))
 
     async def _accept_rejoins(self, transport: TcpTransport | QuicTransport) -> None:
         """After formation (``on_peer_loss="leave"``): take back ranks that restarted."""
@@ -318,7 +323,7 @@ class Membership:
             err = ConnectionBrokenError(label, "connected again (restarted); old connection lost")
             self._on_connection_end(rank, err)
             old.interrupt(err)
-            self._listeners.append(asyncio.create_task(old.close()))
+            self._spawn(old.close())
         self._left.pop(rank, None)  # this group only: sub-groups made before keep it out
         self._p2p_sent.pop(rank, None)  # its new process counts its messages from 0
         self._p2p_received.pop(rank, None)
@@ -380,7 +385,8 @@ class Membership:
             ) from None
         finally:
             for task in dials.values():
-                task.cancel()
+                task.cancel()  # a dial cancelled with a connection in hand closes it
+            await asyncio.gather(*dials.values(), return_exceptions=True)
         if not cids:
             raise UsageError("rejoin=True needs at least one other rank still in the group")
         if len(set(cids)) > 1:
