@@ -45,7 +45,7 @@ from .aggregate import Reason, aggregate, apply_update
 from .config import FederatedConfig
 from .decision import GroupRound, OwnUpdate, cid, decision_body
 from .messages import decode, encode, round_channel, round_space
-from .net import until_due
+from .net import cancel_and_wait, until_due
 from .recovery import Recovery
 from .rounds import FederatedRounds, Phase
 
@@ -171,10 +171,12 @@ class GroupAveraging(Recovery):
             self._open(0)
 
     async def close(self) -> None:
-        """Stop this rank's background readers (the group stays open)."""
+        """Stop this rank's background readers and wait for them to end (the group stays
+        open)."""
+        tasks = [*self._collectors, *self._ready_tasks.values()]
         self._stop_collectors()
-        for task in self._ready_tasks.values():
-            task.cancel()
+        self._ready_tasks.clear()
+        await cancel_and_wait(tasks)
 
     async def step(
         self, update: np.ndarray | None, num_samples: int = 0, *, base_round: int | None = None
@@ -418,6 +420,19 @@ class GroupAveraging(Recovery):
             task.cancel()
         self._collectors = []
 
+    def _check_collectors(self) -> None:
+        """Raise what ended a reader of updates other than its connection (a bug: the
+        round would otherwise wait for that rank until its deadline)."""
+        for task in self._collectors:
+            if task.done() and not task.cancelled():
+                error = task.exception()
+                if error is not None:
+                    raise error
+
+    def _check_leading(self) -> None:
+        self._check_group()
+        self._check_collectors()
+
     async def _collect(self, k: int, r: int, conn: Connection) -> None:
         """Feed rank ``r``'s updates for round ``k`` to the state machine as they come."""
         assert self._state is not None
@@ -465,8 +480,8 @@ class GroupAveraging(Recovery):
             verdict = state.submit(me, k, own.base_round, own.num_samples, own.update, loop.time())
             if verdict.reason is not None:
                 refused.append((self.group.rank, verdict.reason.value))
-        why = await until_due(state, self._wake, self._check_group)
-        self._check_group()
+        why = await until_due(state, self._wake, self._check_leading)
+        self._check_leading()
         outcome = state.close(loop.time(), why)
         self._stop_collectors()
         if not outcome.applied:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ..identity import EndpointId, SecretKey
 from ..transport.base import TransportConfig
@@ -15,7 +16,7 @@ from ..transport.relay_path import RelayPath
 from ..transport.tcp import TcpTransport
 from .rounds import CloseReason, FederatedRounds
 
-__all__ = ["open_transport", "until_due"]
+__all__ = ["cancel_and_wait", "open_transport", "until_due"]
 
 log = logging.getLogger(__name__)
 
@@ -60,3 +61,14 @@ async def until_due(
             async with asyncio.timeout_at(deadline):
                 await wake.wait()
     return why
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]]) -> None:
+    """Cancel ``tasks`` and wait until every one has ended, so none outlives its owner;
+    what they raised is theirs and is dropped. The wait goes on if we are cancelled
+    (shielded), and our cancellation is raised after."""
+    pending = list(tasks)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.shield(asyncio.gather(*pending, return_exceptions=True))

@@ -36,6 +36,7 @@ from .config import FederatedConfig
 from .decision import OwnUpdate, Report, cid, decision_body, report_of
 from .failover import Takeover, next_leader, plan_takeover
 from .messages import Message, decode, encode, round_channel
+from .net import cancel_and_wait
 from .rounds import FederatedRounds
 
 if TYPE_CHECKING:
@@ -164,8 +165,7 @@ class Recovery:
                 f"and stepping? it answers when it opens a round)"
             ) from None
         finally:
-            for task in waits:
-                task.cancel()
+            await cancel_and_wait(waits)
         if welcome is None:
             raise GroupBrokenError("every other rank went before taking this one back")
         self._adopt_welcome(*welcome)
@@ -291,5 +291,4 @@ async def _all(calls: Any) -> None:
         for task in asyncio.as_completed(tasks):
             await task
     finally:
-        for task in tasks:
-            task.cancel()
+        await cancel_and_wait(tasks)
