@@ -1,0 +1,127 @@
+"""All-reduce modes A/B: plain, deterministic and compressed, interleaved in one run.
+
+On a small shared machine the load changes from second to second, so timing one mode after
+the other (as ``benchmarks/allreduce.py`` does) can make any mode look faster or slower
+than another. Here every rank runs all modes in turn, round after round, in the same
+processes and on the same connections (loopback TCP, plaintext or ``--tls``), and the
+table reports per mode the median over rounds (the max over ranks of each rank's median),
+bus bandwidth, the ratio to plain float32, and the CPU time each rank spent per call
+(process time: on a saturated machine the better guide to what a quiet one would show).
+
+    python benchmarks/reduce_modes.py --world 2 --mib 16 64
+    python benchmarks/reduce_modes.py --world 4 --mib 64 --modes plain det --rounds 5
+    python benchmarks/reduce_modes.py --tls --modes plain bf16 int8
+
+Inputs are Gaussian float32 (seeded per rank); ``busbw = bytes/time * 2(n-1)/n``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+MODES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "det": {"mode": "deterministic"},
+    "bf16": {"wire_dtype": "bfloat16"},
+    "int8": {"wire_dtype": "int8"},
+    "f16": {"wire_dtype": "float16"},
+}
+SEED = "reduce-modes-benchmark-seed"
+
+
+async def _rank(cfg: dict[str, Any]) -> dict[str, Any]:
+    from p2pdist import Group
+
+    rank, world = cfg["rank"], cfg["world"]
+    peers = [f"127.0.0.1:{p}" for p in cfg["ports"]]
+    x = np.random.default_rng(rank).standard_normal(cfg["nbytes"] // 4).astype(np.float32)
+    wall: dict[str, list[float]] = {m: [] for m in cfg["modes"]}
+    cpu: dict[str, list[float]] = {m: [] for m in cfg["modes"]}
+    group = Group.from_seed(SEED, rank=rank, world=world, peers=peers, tls=cfg["tls"])
+    async with group as g:
+        for rnd in range(cfg["rounds"] + 1):  # round 0 warms up
+            for mode in cfg["modes"]:
+                await g.barrier()
+                for _ in range(cfg["iters"]):
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    await g.all_reduce(x, **MODES[mode])
+                    if rnd:
+                        wall[mode].append(time.perf_counter() - t0)
+                        cpu[mode].append(time.process_time() - c0)
+        await g.barrier()
+    return {
+        "wall": {m: statistics.median(v) for m, v in wall.items()},
+        "cpu": {m: statistics.median(v) for m, v in cpu.items()},
+    }
+
+
+def _run_size(args: argparse.Namespace, world: int, mib: float) -> None:
+    from p2pdist.launch import pick_free_ports
+
+    nbytes = int(mib * 2**20)
+    ports = pick_free_ports("127.0.0.1", world)
+    procs = []
+    for r in range(world):
+        cfg = {
+            "rank": r,
+            "world": world,
+            "ports": ports,
+            "nbytes": nbytes,
+            "rounds": args.rounds,
+            "iters": args.iters or max(2, int(128 // mib)),
+            "modes": args.modes,
+            "tls": args.tls,
+        }
+        cmd = [sys.executable, __file__, "--worker", json.dumps(cfg)]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+    try:
+        outs = [json.loads(p.communicate(timeout=args.timeout)[0]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    load = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    link = "TLS" if args.tls else "plaintext"
+    print(f"world {world}, {mib:g} MiB float32, {link}, load average {load} after the run")
+    print(f"  {'mode':6s} {'time (ms)':>10s} {'busbw GB/s':>11s} {'vs plain':>9s}  cpu/rank (ms)")
+    base = max(o["wall"][args.modes[0]] for o in outs)
+    for m in args.modes:
+        t = max(o["wall"][m] for o in outs)
+        bus = nbytes / t * 2 * (world - 1) / world / 1e9
+        cpus = "/".join(f"{o['cpu'][m] * 1e3:.1f}" for o in outs)
+        print(f"  {m:6s} {t * 1e3:10.2f} {bus:11.3f} {t / base:8.2f}x  {cpus}")
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        print(json.dumps(asyncio.run(_rank(json.loads(sys.argv[2])))))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, nargs="+", default=[2], help="world sizes")
+    ap.add_argument("--mib", type=float, nargs="+", default=[16, 64], help="sizes in MiB")
+    ap.add_argument(
+        "--modes", nargs="+", default=list(MODES), choices=list(MODES), help="first = baseline"
+    )
+    ap.add_argument("--rounds", type=int, default=4, help="timed rounds over all modes")
+    ap.add_argument("--iters", type=int, default=0, help="calls per mode per round")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per world and size")
+    ap.add_argument("--tls", action="store_true", help="TLS connections (default plaintext)")
+    args = ap.parse_args()
+    print(f"command: python benchmarks/reduce_modes.py {' '.join(sys.argv[1:])}")
+    for world in args.world:
+        for mib in args.mib:
+            _run_size(args, world, mib)
+
+
+if __name__ == "__main__":
+    main()
