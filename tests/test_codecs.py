@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from p2pdist.group.compress import make_codec
+from p2pdist.group.compress import ErrorFeedback, make_codec
 from p2pdist.group.halfcast import HalfScratch, decode_f16, encode_f16
 
 
@@ -93,3 +93,22 @@ def test_int8_scales_per_block(block: int) -> None:
         bound = np.abs(part).max() / 127 / 2 * 1.001
         assert np.abs(dec[s : s + block] - part).max() <= bound
     assert not dec[:block].any()
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16", "int8"])
+def test_error_feedback_pieces_equal_one_whole_roundtrip(wire: str) -> None:
+    # More than one piece (2**18 elements) and a ragged tail: the piecewise roundtrip must
+    # give exactly decode(encode(x + residual)) and the residual of the whole array.
+    rng = np.random.default_rng(7)
+    n = (1 << 19) + 7
+    codec = make_codec(wire, 256)
+    ef = ErrorFeedback()
+    residual = np.zeros(n, np.float32)
+    for _ in range(3):
+        x = rng.standard_normal(n)  # float64 input: cast to float32 first
+        target = x.astype(np.float32) + residual
+        want = codec.decode(codec.encode(target), n)
+        residual = target - want
+        np.testing.assert_array_equal(ef.apply(x, codec), want)
+        assert ef.residual is not None
+        np.testing.assert_array_equal(ef.residual, residual)

@@ -265,19 +265,36 @@ class ErrorFeedback:
     Over many steps the compression error then averages out instead of accumulating.
     """
 
+    _PIECE = 1 << 18
+    """Elements encoded at a time (a multiple of the int8 block): no full-size wire copy."""
+
     def __init__(self) -> None:
         self.residual: np.ndarray | None = None
 
     def apply(self, x: np.ndarray, codec: WireCodec) -> np.ndarray:
-        """``decode(encode(x + residual))``, remembering the new residual."""
-        target = x.astype(np.float32).reshape(-1)  # a fresh copy: updated in place below
-        if self.residual is not None:
-            if self.residual.shape != target.shape:
-                raise UsageError(
-                    f"error feedback holds a residual of {self.residual.size} elements, "
-                    f"this call has {target.size}; use one ErrorFeedback per tensor"
-                )
-            target += self.residual
-        sent = codec.decode(codec.encode(target), target.size)
-        self.residual = np.subtract(target, sent, out=target)
+        """``decode(encode(x + residual))``, remembering the new residual.
+
+        Returns a new float32 array; the residual is updated in its own array, piece by
+        piece, through one piece-sized wire buffer.
+        """
+        sent = x.astype(np.float32).reshape(-1)  # a fresh copy: the caller works in place
+        if self.residual is None:
+            self.residual = np.zeros_like(sent)
+        elif self.residual.shape != sent.shape:
+            raise UsageError(
+                f"error feedback holds a residual of {self.residual.size} elements, "
+                f"this call has {sent.size}; use one ErrorFeedback per tensor"
+            )
+        residual = self.residual
+        sent += residual  # the value to send: x + what earlier calls lost
+        align = getattr(codec, "block", 1)  # int8 scales cover whole blocks
+        step = max(1, self._PIECE // align) * align
+        wire = np.empty(codec.nbytes(min(step, sent.size)), np.uint8)
+        for a in range(0, sent.size, step):
+            b = min(a + step, sent.size)
+            buf = wire[: codec.nbytes(b - a)]
+            codec.encode_into(sent[a:b], buf)
+            np.copyto(residual[a:b], sent[a:b])
+            codec.decode_into(buf, sent[a:b])
+            residual[a:b] -= sent[a:b]
         return sent
