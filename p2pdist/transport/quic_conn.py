@@ -4,9 +4,11 @@ Each connection is one aioquic connection (:class:`~.quic_core.PinnedQuicConnect
 carrying the p2pdist frames of :mod:`p2pdist.wire.frames` on one bidirectional stream
 (stream 0, opened by the dialer), so all of :class:`~.framed.FramedConnection` (per-channel
 order, keepalive, GOODBYE, backpressure) works as on TCP. This module is the thin glue:
-it feeds received datagrams and timer expiries to aioquic (time from ``loop.time()``),
-acts on its events and sends what it wants sent through the connection's
-:class:`~.paths.Route` (UDP or relay). Routing and the transport live in :mod:`.quic`.
+it feeds received datagrams and timer expiries to aioquic (time from ``time.monotonic``,
+which is asyncio's ``loop.time()``; uvloop's counts whole milliseconds, too coarse for
+aioquic's RTT, pacing and loss timers on a fast path), acts on its events and sends what
+it wants sent through the connection's :class:`~.paths.Route` (UDP or relay). Routing and
+the transport live in :mod:`.quic`.
 
 Authentication: both ends present their self-signed Ed25519 certificate
 (:func:`p2pdist.tls.make_certificate`) and prove the key (TLS CertificateVerify).
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from time import monotonic as _now
 from typing import TYPE_CHECKING, Any
 
 from aioquic.quic import events
@@ -171,7 +174,7 @@ class QuicConnection(FramedConnection):
 
     def start_client(self) -> None:
         """Send the first handshake flight (dialing side)."""
-        self._quic.connect(self._route.quic_addr, now=self._loop.time())
+        self._quic.connect(self._route.quic_addr, now=_now())
         self._transmit()
 
     async def wait_established(self) -> None:
@@ -180,7 +183,7 @@ class QuicConnection(FramedConnection):
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         """A datagram for this connection arrived (the transport routed it here)."""
-        self._quic.receive_datagram(data, addr, now=self._loop.time())
+        self._quic.receive_datagram(data, addr, now=_now())
         self._process_events()
         self._schedule_transmit()
 
@@ -366,7 +369,7 @@ class QuicConnection(FramedConnection):
         if self._terminated.done():
             return
         route = self._route
-        for data, addr in self._quic.datagrams_to_send(now=self._loop.time()):
+        for data, addr in self._quic.datagrams_to_send(now=_now()):
             route.send(data, addr)
         self._arm_timer()
         if self._write_paused and self._quic.unsent(STREAM_ID) <= self._cfg.write_buffer_high // 4:
@@ -374,18 +377,26 @@ class QuicConnection(FramedConnection):
 
     def _arm_timer(self) -> None:
         at = self._quic.get_timer()
-        if self._timer is not None and self._timer_at != at:
+        if self._timer is not None:
+            if at is not None and self._timer_at <= at:
+                # Armed for earlier: keep it. Under load the deadline (loss detection,
+                # ACK delay) moves later with nearly every transmit, and a cancel plus a
+                # new timer each time costs more than one early wake-up, which finds
+                # nothing due (handle_timer acts only on what is due) and re-arms.
+                return
             self._timer.cancel()
             self._timer = None
-        if self._timer is None and at is not None:
-            self._timer = self._loop.call_at(at, self._on_timer)
+        if at is not None:
+            # call_later, not call_at: aioquic's clock is time.monotonic (see above),
+            # the loop's may differ (uvloop's counts whole milliseconds).
+            self._timer = self._loop.call_later(max(0.0, at - _now()), self._on_timer)
             self._timer_at = at
 
     def _on_timer(self) -> None:
         self._timer = None
         if self._terminated.done():
             return
-        self._quic.handle_timer(now=self._loop.time())
+        self._quic.handle_timer(now=_now())
         self._process_events()
         self._transmit()
 

@@ -47,6 +47,7 @@ __all__ = ["TcpConnection", "TcpTransport", "parse_address"]
 log = logging.getLogger(__name__)
 
 _SMALL_WRITE = 64 * 1024
+_TLS_SLICE = 256 * 1024
 _ASYNCIO_PLAIN_COPIES = sys.version_info < (3, 12)
 
 
@@ -104,6 +105,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._write_copy = True
         """Copy large payloads before writing (see :func:`_write_keeps_reference`)."""
+        self._tls_slices = False
+        """Write large payloads in :data:`_TLS_SLICE` pieces (TLS transports)."""
         # Handshake phase state.
         self._hs_buf = bytearray(64 * 1024)
         self._hs_reader = RecordReader(expect_magic=server_side)
@@ -136,6 +139,13 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             t.write(b"".join((header, payload)) if payload.nbytes else header)  # one copy
         else:
             t.write(header)
+            if self._tls_slices:
+                # TLS: encrypt, drain the BIO and send slice by slice, so each slice is
+                # still in cache for the next step (one 8 MiB write makes three passes
+                # over memory), and most slices go to the kernel without being queued.
+                for i in range(0, payload.nbytes, _TLS_SLICE):
+                    t.write(payload[i : i + _TLS_SLICE])
+                return
             # Where the transport would queue a reference to what it could not send at
             # once, the caller could change bytes "already sent": copy there.
             t.write(payload.tobytes() if self._write_copy else payload)
@@ -253,6 +263,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             raise ConnectionBrokenError(self.label, "connection lost during TLS handshake")
         self._transport = new
         self._write_copy = _write_keeps_reference(new)
+        # asyncio's TLS only: uvloop's handles one large write as well (measured).
+        self._tls_slices = not self._write_copy and type(new).__module__.startswith("asyncio")
         sslobj = new.get_extra_info("ssl_object")
         der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
         if not der:
