@@ -378,7 +378,7 @@ class QuicConnection(FramedConnection):
     def _arm_timer(self) -> None:
         at = self._quic.get_timer()
         if self._timer is not None:
-            if at is not None and self._timer_at <= at:
+            if at is not None and self._timer_at is not None and self._timer_at <= at:
                 # Armed for earlier: keep it. Under load the deadline (loss detection,
                 # ACK delay) moves later with nearly every transmit, and a cancel plus a
                 # new timer each time costs more than one early wake-up, which finds
