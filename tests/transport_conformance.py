@@ -209,16 +209,19 @@ async def check_send_buffer_reusable(make_pair: PairFactory) -> None:
 
 
 async def check_send_buffer_reusable_below_high_water(make_pair: PairFactory) -> None:
-    """The same for messages smaller than the write high-water mark, sent while the peer
-    is not reading: ``send`` returns without waiting with part of a message still queued
-    (an event loop that queues a reference to the caller's buffer, as uvloop does, must
-    not see it change)."""
+    """The same for messages smaller than the write high-water mark, sent back to back
+    (``send`` and ``send_nowait``) faster than the peer takes them: part of a message is
+    still queued when the call returns (an event loop that queues a reference to the
+    caller's buffer, as uvloop does, must not see it change)."""
     async with make_pair() as p:
         size, count = 1 << 20, 12
         buf = bytearray(size)
         for i in range(count):
             buf[:] = bytes([65 + i]) * size
-            await bounded(p.client.send(4, buf), "a 1 MiB send")
+            if i % 3 == 2:  # send_nowait: no wait at all, so no reference may be kept
+                p.client.send_nowait(4, buf)
+            else:
+                await bounded(p.client.send(4, buf), "a 1 MiB send")
         buf[:] = b"z" * size
         for i in range(count):
             f = await recv(p.server, 4)

@@ -146,9 +146,16 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
                 for i in range(0, payload.nbytes, _TLS_SLICE):
                     t.write(payload[i : i + _TLS_SLICE])
                 return
-            # Where the transport would queue a reference to what it could not send at
-            # once, the caller could change bytes "already sent": copy there.
-            t.write(payload.tobytes() if self._write_copy else payload)
+            if not self._write_copy:
+                t.write(payload)
+            elif self._lending:
+                # The transport may queue a reference to what it could not send at once.
+                # Its write limits are (0, 0) (connection_made), so it pauses us whenever
+                # anything is queued and resumes us once everything left: send() waits
+                # until then, and the caller's buffer is never read after it returns.
+                t.write(payload)
+            else:  # send_nowait: nobody waits, so the transport gets its own copy
+                t.write(payload.tobytes())
 
     def _writable(self) -> bool:
         return self._transport is not None and not self._transport.is_closing()
@@ -182,8 +189,13 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         transport = cast(asyncio.Transport, transport)
         first = self._transport is None
         self._transport = transport
-        self._write_copy = _write_keeps_reference(transport)
-        transport.set_write_buffer_limits(high=self._cfg.write_buffer_high)
+        # With TLS, frames go to the TLS transport made later (start_tls), and what reaches
+        # this one is TLS's own bytes.
+        self._write_copy = _write_keeps_reference(transport) and not self._cfg.tls
+        # A transport that keeps references to unsent data pauses us until it sent all of
+        # it (see _write_frame); the others buffer up to write_buffer_high.
+        high = 0 if self._write_copy else self._cfg.write_buffer_high
+        transport.set_write_buffer_limits(high=high, low=0 if self._write_copy else None)
         if first:
             sock = transport.get_extra_info("socket")
             if sock is not None:
