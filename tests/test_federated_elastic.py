@@ -157,6 +157,27 @@ async def test_a_decision_one_rank_applied_is_adopted_by_the_new_leader() -> Non
         assert len({f.model.tobytes() for f in feds[1:]}) == 1
 
 
+async def test_a_reader_of_updates_that_fails_fails_the_leaders_step_at_once() -> None:
+    cfg = FederatedConfig(round_timeout=30.0)  # the bound on the wait without the check
+    async with groups(3, config=LEAVE) as gs:
+        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        state = feds[0]._state
+        assert state is not None
+
+        def broken_submit(*args: object) -> None:
+            raise RuntimeError("a bug in the state machine")
+
+        state.submit = broken_submit  # type: ignore[method-assign]
+        followers = [asyncio.create_task(f.step(np.ones(10, np.float32), 1)) for f in feds[1:]]
+        with pytest.raises(RuntimeError, match="a bug in the state machine"):
+            await feds[0].step(None)  # no update of its own: only the readers submit
+        for task in followers:
+            task.cancel()
+        await asyncio.gather(*followers, return_exceptions=True)
+        await asyncio.gather(*(f.close() for f in feds))
+
+
 def test_a_takeover_adopts_what_was_applied_and_refuses_what_cannot_be() -> None:
     from p2pdist.federated.decision import Report
     from p2pdist.federated.failover import FailoverError, next_leader, plan_takeover

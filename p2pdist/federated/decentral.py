@@ -466,7 +466,8 @@ class GroupAveraging(Recovery):
                 log.warning("round %d: %s is gone: %s", k, label, exc)
                 self._left.add(r)
                 self._state.leave(cid(r))
-            self._wake.set()
+        finally:
+            self._wake.set()  # whatever ended this reader, the leader looks again
 
     async def _lead(
         self, k: int, own: OwnUpdate | None
