@@ -300,6 +300,39 @@ async def test_a_rank_waiting_to_be_taken_back_when_the_leader_dies_is_taken_by_
             assert len({f.model.tobytes() for f in everyone}) == 1
 
 
+async def test_a_rank_waiting_to_be_taken_back_declines_to_succeed_a_lost_leader() -> None:
+    # rank 1, restarted and waiting to be taken back, is the lowest rank in the group when
+    # the leader dies: the others pick it, it declines (it has no model), they pick rank 2
+    cfg = FederatedConfig(round_timeout=60.0)
+    async with groups(4, config=LEAVE, timeout=30.0) as gs:
+        feds = [GroupAveraging(g, np.zeros(100, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        await _first_round(feds)
+        crash(gs[1])
+        await until_left([gs[0], *gs[2:]], 1)
+        back = await restart(gs[1])
+        async with back:
+            fed = GroupAveraging(back, np.zeros(100, np.float32), cfg)
+            waiting = asyncio.create_task(fed.start())
+            crash(gs[0])
+            await until_left(gs[2:], 0)
+            outs = await asyncio.gather(
+                *(f.step(update_of(f.group.rank, 1, 100), 10) for f in feds[2:])
+            )
+            for o in outs:
+                assert o.participants == (2, 3) and o.left == (0, 1)
+            assert feds[2].is_leader and feds[3].leader == 2
+            await waiting  # taken back by rank 2 when it opened round 2
+            assert fed.round == 2 and fed.leader == 2
+            assert fed.model.tobytes() == feds[2].model.tobytes()
+            everyone = (feds[2], feds[3], fed)
+            outs = await asyncio.gather(
+                *(f.step(update_of(f.group.rank, 2, 100), 10) for f in everyone)
+            )
+            assert len({(o.participants, o.left) for o in outs}) == 1
+            assert len({f.model.tobytes() for f in everyone}) == 1
+
+
 # ---- real processes, SIGKILL ------------------------------------------------------------
 
 

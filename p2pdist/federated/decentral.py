@@ -44,7 +44,7 @@ from ..wire.frames import Frame
 from .aggregate import Reason, aggregate, apply_update
 from .config import FederatedConfig
 from .decision import GroupRound, OwnUpdate, cid, decision_body
-from .messages import decode, encode, round_channel, round_space
+from .messages import DECISION, UPDATE, decode, encode, round_channel, round_space
 from .net import cancel_and_wait, until_due
 from .recovery import Recovery
 from .rounds import FederatedRounds, Phase
@@ -56,7 +56,6 @@ __all__ = ["GroupAveraging", "GroupRound"]
 
 log = logging.getLogger(__name__)
 
-_UPDATE, _DECISION = 0, 1
 _KINDS = (0, 1, 2, 3)  # every kind of a round's channels (all retired together)
 
 
@@ -290,7 +289,7 @@ class GroupAveraging(Recovery):
         meta, payload = encode(
             "update", {"r": k, "b": own.base_round, "n": own.num_samples}, own.update
         )
-        channel = round_channel(self.tag, k, _UPDATE)
+        channel = round_channel(self.tag, k, UPDATE)
         conns = self._conns()
         order = [r for r in conns if r != self.leader] + [r for r in conns if r == self.leader]
         for r in order:
@@ -322,7 +321,7 @@ class GroupAveraging(Recovery):
         label = self.group.peer_label(self.leader)
         conn = self.group.connection(self.leader)
         try:
-            frame = await conn.recv(round_channel(self.tag, k, _DECISION), timeout=self._timeout)
+            frame = await conn.recv(round_channel(self.tag, k, DECISION), timeout=self._timeout)
         except PeerTimeoutError:
             raise PeerTimeoutError(
                 label, f"no decision for round {k} from the leader within {self._timeout:g} s"
@@ -336,6 +335,10 @@ class GroupAveraging(Recovery):
                 )
             ) from None
         message = decode(frame, label)
+        if message.kind == "decline":  # it is rejoining (recovery.py): choose again
+            raise _LeaderLost(
+                ConnectionBrokenError(label, f"is rejoining and cannot lead round {k}")
+            )
         body = decision_body(message, label, k)
         mine = self._settings()
         if body["cfg"] != mine:
@@ -347,7 +350,7 @@ class GroupAveraging(Recovery):
     ) -> np.ndarray | None:
         if not body["ok"]:
             return None
-        channel = round_channel(self.tag, k, _UPDATE)
+        channel = round_channel(self.tag, k, UPDATE)
         updates, weights = [], []
         for rank, base, n, weight in body["p"]:
             if rank == self.group.rank:
@@ -437,7 +440,7 @@ class GroupAveraging(Recovery):
         """Feed rank ``r``'s updates for round ``k`` to the state machine as they come."""
         assert self._state is not None
         label = self.group.peer_label(r)
-        channel = round_channel(self.tag, k, _UPDATE)
+        channel = round_channel(self.tag, k, UPDATE)
         loop = asyncio.get_running_loop()
         try:
             while True:
@@ -507,7 +510,7 @@ class GroupAveraging(Recovery):
     def _send_decision(self, k: int, body: dict[str, Any], ranks: list[int]) -> None:
         """Send round ``k``'s decision to ``ranks`` (never waits)."""
         meta, _ = encode("decision", body)
-        channel = round_channel(self.tag, k, _DECISION)
+        channel = round_channel(self.tag, k, DECISION)
         for r in ranks:
             try:
                 self.group.connection(r).send_nowait(channel, meta=meta)

@@ -21,8 +21,10 @@ from ..wire.frames import Frame
 
 __all__ = [
     "CLIENT_CHANNEL",
+    "DECISION",
     "FED_SPACE",
     "ROUND_SPACE",
+    "UPDATE",
     "Message",
     "decode",
     "encode",
@@ -49,6 +51,11 @@ def round_space(tag: int) -> int:
     if not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
         raise UsageError(f"tag must be in [0, {MAX_TAG}], got {tag!r}")
     return ROUND_SPACE + tag
+
+
+UPDATE, DECISION = 0, 1
+"""Kinds of a round's channels: the ranks' updates, the leader's decision (or a rank's
+refusal to lead, see :mod:`.recovery`)."""
 
 
 def round_channel(tag: int, round_id: int, kind: int) -> int:

@@ -35,7 +35,7 @@ from ..transport.base import Connection
 from .config import FederatedConfig
 from .decision import OwnUpdate, Report, cid, decision_body, report_of
 from .failover import Takeover, next_leader, plan_takeover
-from .messages import Message, decode, encode, round_channel
+from .messages import DECISION, Message, decode, encode, round_channel
 from .net import cancel_and_wait
 from .rounds import FederatedRounds
 
@@ -149,6 +149,7 @@ class Recovery:
         for r in ranks:
             self._send(r, _READY, meta)
         waits = {asyncio.ensure_future(self._await_welcome(r)): r for r in ranks}
+        declines = [asyncio.ensure_future(self._decline_to_lead(r)) for r in ranks]
         welcome: tuple[int, Message] | None = None
         try:
             async with asyncio.timeout(seconds):
@@ -165,7 +166,7 @@ class Recovery:
                 f"and stepping? it answers when it opens a round)"
             ) from None
         finally:
-            await cancel_and_wait(waits)
+            await cancel_and_wait([*waits, *declines])
         if welcome is None:
             raise GroupBrokenError("every other rank went before taking this one back")
         self._adopt_welcome(*welcome)
@@ -179,6 +180,19 @@ class Recovery:
                 return r, message
             if message.kind == "request":
                 self._send(r, _REPORT, encode("report", {"r": -1})[0])
+
+    async def _decline_to_lead(self, r: int) -> None:
+        """Rank ``r`` chose this rank to succeed a lost leader (this one is the lowest in
+        the group), but it is not taking part yet and has no model: answer its report,
+        in place of the decision it waits for, that it must choose again without us."""
+        conn = self.group.connection(r)
+        with contextlib.suppress(P2PError):
+            while True:
+                frame = await conn.recv(self._join_channel(_REPORT))
+                report = report_of(decode(frame, conn.label), conn.label)
+                if report.round >= 0:
+                    meta, _ = encode("decline", {"r": report.round})
+                    conn.send_nowait(round_channel(self.tag, report.round, DECISION), meta=meta)
 
     def _adopt_welcome(self, r: int, message: Message) -> None:
         label = self.group.peer_label(r)
