@@ -9,7 +9,9 @@ round never reached, so the rounds never retire them):
 * ``welcome {r, l, last}`` + model (the leader to it): the model of round ``r``, the
   leader ``l`` and the decision applied last; or ``request`` (a new leader to every
   rank): a rank still waiting to be taken back answers it with a report of round -1;
-* ``report {r, last}`` (a rank to the successor of a lost leader, once per connection).
+* ``report {r, last}`` (a rank to the successor of a lost leader, once per connection);
+  a rank still waiting to be taken back that receives one (it was chosen as successor)
+  answers on the round's decision channel with ``decline {r}``: choose again.
 """
 
 from __future__ import annotations
