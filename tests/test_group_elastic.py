@@ -33,6 +33,15 @@ async def until_left(gs: list[Group], rank: int) -> None:
     raise AssertionError(f"rank {rank}'s loss was not seen: {[sorted(g.left) for g in gs]}")
 
 
+async def until_running(g: Group) -> None:
+    """Wait (bounded) until ``g`` has a collective in flight."""
+    for _ in range(3000):
+        if g._inflight:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the collective never started")
+
+
 def test_on_peer_loss_is_checked() -> None:
     assert GroupConfig().on_peer_loss == "break"
     with pytest.raises(ValueError, match="on_peer_loss"):
@@ -72,7 +81,8 @@ async def test_a_collective_in_flight_fails_naming_the_lost_rank_and_the_group_s
         # ranks 0 and 1 start an all_reduce that rank 2 never joins; then rank 2 dies.
         # Rank 0 waits on rank 1 as much as on rank 2: both must fail, naming rank 2.
         calls = [asyncio.create_task(g.all_reduce(np.ones(1 << 18, np.float32))) for g in gs[:2]]
-        await asyncio.sleep(0.2)
+        for g in gs[:2]:
+            await until_running(g)  # both started it (a rank that had not would refuse it)
         crash(gs[2])
         results = await asyncio.gather(*calls, return_exceptions=True)
         for res in results:
@@ -90,7 +100,8 @@ async def test_a_rank_leaving_mid_collective_fails_it_on_every_rank_at_once() ->
         # rank 2 closes on purpose without joining the all_reduce: rank 0 finds its part
         # missing; rank 1, waiting on rank 0, learns it from rank 0 instead of timing out
         calls = [asyncio.create_task(g.all_reduce(np.ones(1 << 18, np.float32))) for g in gs[:2]]
-        await asyncio.sleep(0.2)
+        for g in gs[:2]:
+            await until_running(g)  # both started it (a rank that had not would refuse it)
         await gs[2].close()
         results = await asyncio.gather(*calls, return_exceptions=True)
         for res in results:
@@ -243,15 +254,6 @@ async def test_a_rank_rejoins_through_a_relay(tmp_path: Path) -> None:
             assert all(o.tolist() == [6.0] * 3 for o in out)
         finally:
             await asyncio.gather(*(g.close() for g in (*gs, *([back] if back else []))))
-
-
-async def until_running(g: Group) -> None:
-    """Wait (bounded) until ``g`` has a collective in flight."""
-    for _ in range(3000):
-        if g._inflight:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the collective never started")
 
 
 async def test_ranks_stay_in_step_when_one_started_the_call_a_loss_failed_and_one_refused_it() -> (
