@@ -479,9 +479,8 @@ class GroupCore(Membership):
         channel = self._new_link(b"").channel
         for conn in self._conns.values():
             conn.retire(channel)  # what they sent for it is dropped
-        root = self._root()
-        root._failed_calls.pop(channel, None)
-        root._tell_call_failed(channel, self._root_ranks[rank])
+        self._root()._failed_calls.pop(channel, None)
+        self._tell_call_failed(channel, self._root_ranks[rank])
 
     def _timeout_error(self, link: CollectiveLink, seconds: float) -> P2PError:
         what = f"{link.explain()} timed out after {seconds:g} s"
@@ -556,7 +555,7 @@ class GroupCore(Membership):
         except (MismatchError, RemoteProtocolError, ConnectionBrokenError) as err:
             gone = self._gone_with(err)
             if gone is not None:
-                root._tell_call_failed(link.channel, gone)
+                self._tell_call_failed(link.channel, gone)
                 raise self._loss_error(gone, link) from None
             self._break(err, notify=True)
             if not isinstance(err, ConnectionBrokenError) or err.graceful:

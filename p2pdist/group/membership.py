@@ -197,8 +197,8 @@ class Membership:
         left before sending us its part: theirs cannot finish either (they may be waiting
         on us), so they fail it at once instead of at their timeout."""
         meta = bytes(msgpack.packb({"call": channel, "lost": root_rank}))
-        for r, conn in self._conns.items():
-            if r not in self._left:
+        for r, conn in self._conns.items():  # this group's members only: the call is theirs
+            if self._root_ranks[r] not in self._left:
                 with contextlib.suppress(P2PError):
                     conn.send_nowait(CONTROL_CHANNEL, meta=meta)
 
