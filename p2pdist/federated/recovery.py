@@ -153,24 +153,33 @@ class Recovery:
         waits = {asyncio.ensure_future(self._await_welcome(r)): r for r in ranks}
         declines = [asyncio.ensure_future(self._decline_to_lead(r)) for r in ranks]
         welcome: tuple[int, Message] | None = None
+        failed: list[str] = []  # ranks that went, or sent something malformed, meanwhile
         try:
             async with asyncio.timeout(seconds):
                 while waits and welcome is None:
                     done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                     for task in done:
                         del waits[task]
-                        if task.exception() is None:
+                        error = task.exception()
+                        if error is None:
                             welcome = task.result()
+                        elif isinstance(error, P2PError):
+                            failed.append(str(error))
+                        else:
+                            raise error
         except TimeoutError:
             me = self.group.peer_label(self.group.rank)
+            also = f"; meanwhile: {'; '.join(failed)}" if failed else ""
             raise P2PTimeoutError(
                 f"{me}: no rank took it back within {seconds:g} s (is a leader running, "
-                f"and stepping? it answers when it opens a round)"
+                f"and stepping? it answers when it opens a round){also}"
             ) from None
         finally:
             await cancel_and_wait([*waits, *declines])
         if welcome is None:
-            raise GroupBrokenError("every other rank went before taking this one back")
+            raise GroupBrokenError(
+                "every other rank went before taking this one back: " + "; ".join(failed)
+            )
         self._adopt_welcome(*welcome)
 
     async def _await_welcome(self, r: int) -> tuple[int, Message]:
