@@ -7,17 +7,20 @@ goodbye), and real processes killed with SIGKILL (tests/elastic_worker.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from group_helpers import groups, loopback_peers
 from test_group_elastic import crash, restart, until_left
 
-from p2pdist import ConnectionBrokenError, GroupBrokenError, UsageError
+from p2pdist import ConnectionBrokenError, Group, GroupBrokenError, UsageError
 from p2pdist.federated import FederatedConfig, GroupAveraging, GroupRound, aggregate
 from p2pdist.federated.messages import encode, round_channel
 
@@ -30,6 +33,34 @@ def update_of(rank: int, rnd: int, n: int = 1000) -> np.ndarray:
     return np.random.default_rng([rank, rnd]).standard_normal(n).astype(np.float32)
 
 
+CFG = FederatedConfig(round_timeout=60.0)
+
+
+@contextlib.asynccontextmanager
+async def averaging(
+    world: int,
+    size: int,
+    *,
+    config: dict[str, Any] = LEAVE,
+    timeout: float = 20.0,
+    cfg: FederatedConfig = CFG,
+    first_round: bool = False,
+    **kw: Any,
+) -> AsyncIterator[tuple[list[Group], list[GroupAveraging]]]:
+    """``world`` groups (``config``: GroupConfig fields), each with a started
+    GroupAveraging of a zero float32 model of ``size`` (``kw``: its other arguments),
+    after round 0 with every rank if ``first_round``; their readers stop at the end."""
+    async with groups(world, config=config, timeout=timeout) as gs:
+        feds = [GroupAveraging(g, np.zeros(size, np.float32), cfg, **kw) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        if first_round:
+            await _first_round(feds)
+        try:
+            yield gs, feds
+        finally:
+            await asyncio.gather(*(f.close() for f in feds))
+
+
 async def _first_round(feds: list[GroupAveraging]) -> None:
     outs = await asyncio.gather(
         *(f.step(update_of(f.group.rank, 0, f.model.size), 10) for f in feds)
@@ -38,11 +69,7 @@ async def _first_round(feds: list[GroupAveraging]) -> None:
 
 
 async def test_an_update_sent_before_a_crash_is_still_read_by_every_survivor() -> None:
-    cfg = FederatedConfig(round_timeout=60.0)
-    async with groups(4, config=LEAVE) as gs:
-        feds = [GroupAveraging(g, np.zeros(1000, np.float32), cfg) for g in gs]
-        await asyncio.gather(*(f.start() for f in feds))
-        await _first_round(feds)
+    async with averaging(4, 1000, first_round=True) as (gs, feds):
         # rank 3 sends its round-1 update (to the leader last), then dies
         victim = asyncio.create_task(feds[3].step(update_of(3, 1), 13))
         await asyncio.sleep(0)
@@ -69,10 +96,7 @@ async def test_an_update_sent_before_a_crash_is_still_read_by_every_survivor() -
 
 
 async def test_an_update_that_never_arrived_fails_naming_its_rank() -> None:
-    cfg = FederatedConfig(round_timeout=60.0)
-    async with groups(3, config=LEAVE) as gs:
-        feds = [GroupAveraging(g, np.zeros(100, np.float32), cfg) for g in gs]
-        await asyncio.gather(*(f.start() for f in feds))
+    async with averaging(3, 100) as (gs, feds):
         # rank 2's round-0 update reaches the leader only, then rank 2 dies
         meta, payload = encode("update", {"r": 0, "b": 0, "n": 5}, update_of(2, 0, 100))
         gs[2].connection(0).send_nowait(round_channel(0, 0, 0), payload, meta=meta)
@@ -91,10 +115,7 @@ async def test_an_update_that_never_arrived_fails_naming_its_rank() -> None:
 
 
 async def test_without_failover_a_lost_leader_fails_every_follower_naming_it() -> None:
-    cfg = FederatedConfig(round_timeout=60.0)
-    async with groups(3, config=LEAVE) as gs:
-        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg, failover=False) for g in gs]
-        await asyncio.gather(*(f.start() for f in feds))
+    async with averaging(3, 10, failover=False) as (gs, feds):
         crash(gs[0])
         await until_left(gs[1:], 0)
         outs = await asyncio.gather(
@@ -106,11 +127,7 @@ async def test_without_failover_a_lost_leader_fails_every_follower_naming_it() -
 
 
 async def test_a_lost_leader_is_replaced_by_the_lowest_rank_left() -> None:
-    cfg = FederatedConfig(round_timeout=60.0)
-    async with groups(4, config=LEAVE) as gs:
-        feds = [GroupAveraging(g, np.zeros(100, np.float32), cfg) for g in gs]
-        await asyncio.gather(*(f.start() for f in feds))
-        await _first_round(feds)
+    async with averaging(4, 100, first_round=True) as (gs, feds):
         crash(gs[0])  # the leader, between rounds
         for rnd in (1, 2, 3):
             outs = await asyncio.gather(
@@ -127,11 +144,7 @@ async def test_a_lost_leader_is_replaced_by_the_lowest_rank_left() -> None:
 
 
 async def test_a_decision_one_rank_applied_is_adopted_by_the_new_leader() -> None:
-    cfg = FederatedConfig(round_timeout=60.0)
-    async with groups(4, config=LEAVE) as gs:
-        feds = [GroupAveraging(g, np.zeros(100, np.float32), cfg) for g in gs]
-        await asyncio.gather(*(f.start() for f in feds))
-        await _first_round(feds)
+    async with averaging(4, 100, first_round=True) as (gs, feds):
         send = feds[0]._send_decision
         # the leader's decision of round 1 reaches rank 2 only, then the leader dies
         feds[0]._send_decision = lambda k, body, ranks: send(k, body, [2] if k == 1 else ranks)  # type: ignore[method-assign]
@@ -159,9 +172,7 @@ async def test_a_decision_one_rank_applied_is_adopted_by_the_new_leader() -> Non
 
 async def test_a_reader_of_updates_that_fails_fails_the_leaders_step_at_once() -> None:
     cfg = FederatedConfig(round_timeout=30.0)  # the bound on the wait without the check
-    async with groups(3, config=LEAVE) as gs:
-        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg) for g in gs]
-        await asyncio.gather(*(f.start() for f in feds))
+    async with averaging(3, 10, cfg=cfg) as (_, feds):
         state = feds[0]._state
         assert state is not None
 
@@ -175,7 +186,6 @@ async def test_a_reader_of_updates_that_fails_fails_the_leaders_step_at_once() -
         for task in followers:
             task.cancel()
         await asyncio.gather(*followers, return_exceptions=True)
-        await asyncio.gather(*(f.close() for f in feds))
 
 
 def test_a_takeover_adopts_what_was_applied_and_refuses_what_cannot_be() -> None:
@@ -199,10 +209,7 @@ def test_a_takeover_adopts_what_was_applied_and_refuses_what_cannot_be() -> None
 
 
 async def test_by_default_a_crash_breaks_the_averaging_naming_the_lost_rank() -> None:
-    cfg = FederatedConfig(round_timeout=60.0)
-    async with groups(3) as gs:
-        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg) for g in gs]
-        await asyncio.gather(*(f.start() for f in feds))
+    async with averaging(3, 10, config={}) as (gs, feds):
         crash(gs[2])
         outs = await asyncio.gather(
             *(f.step(np.ones(10, np.float32), 1) for f in feds[:2]), return_exceptions=True
@@ -225,10 +232,7 @@ async def test_one_tag_per_group_and_its_sub_groups() -> None:
 
 
 async def test_a_restarted_rank_gets_the_model_and_round_and_agrees_again() -> None:
-    cfg = FederatedConfig(round_timeout=60.0)
-    async with groups(3, config=LEAVE) as gs:
-        feds = [GroupAveraging(g, np.zeros(100, np.float32), cfg) for g in gs]
-        await asyncio.gather(*(f.start() for f in feds))
+    async with averaging(3, 100) as (gs, feds):
         await asyncio.gather(*(f.step(update_of(f.group.rank, 0, 100), 10) for f in feds))
         crash(gs[2])
         await until_left(gs[:2], 2)
@@ -248,7 +252,7 @@ async def test_a_restarted_rank_gets_the_model_and_round_and_agrees_again() -> N
         survivors = [asyncio.create_task(run(f)) for f in feds[:2]]
         back = await restart(gs[2])
         async with back:
-            fed = GroupAveraging(back, np.full(100, 7.0, np.float32), cfg)
+            fed = GroupAveraging(back, np.full(100, 7.0, np.float32), CFG)
             await fed.start()  # the leader's model and round, at its next round
             welcomed = fed.round
             assert welcomed >= 2
@@ -267,16 +271,12 @@ async def test_a_restarted_rank_gets_the_model_and_round_and_agrees_again() -> N
 
 
 async def test_a_rank_waiting_to_be_taken_back_when_the_leader_dies_is_taken_by_the_next() -> None:
-    cfg = FederatedConfig(round_timeout=60.0)
-    async with groups(4, config=LEAVE) as gs:
-        feds = [GroupAveraging(g, np.zeros(100, np.float32), cfg) for g in gs]
-        await asyncio.gather(*(f.start() for f in feds))
-        await _first_round(feds)
+    async with averaging(4, 100, first_round=True) as (gs, feds):
         crash(gs[3])
         await until_left(gs[:3], 3)
         back = await restart(gs[3])
         async with back:
-            fed = GroupAveraging(back, np.zeros(100, np.float32), cfg)
+            fed = GroupAveraging(back, np.zeros(100, np.float32), CFG)
             waiting = asyncio.create_task(fed.start())  # asks every rank to take it back
             await asyncio.sleep(0.2)
             assert not waiting.done()  # nobody opened a round since
@@ -303,16 +303,12 @@ async def test_a_rank_waiting_to_be_taken_back_when_the_leader_dies_is_taken_by_
 async def test_a_rank_waiting_to_be_taken_back_declines_to_succeed_a_lost_leader() -> None:
     # rank 1, restarted and waiting to be taken back, is the lowest rank in the group when
     # the leader dies: the others pick it, it declines (it has no model), they pick rank 2
-    cfg = FederatedConfig(round_timeout=60.0)
-    async with groups(4, config=LEAVE, timeout=30.0) as gs:
-        feds = [GroupAveraging(g, np.zeros(100, np.float32), cfg) for g in gs]
-        await asyncio.gather(*(f.start() for f in feds))
-        await _first_round(feds)
+    async with averaging(4, 100, timeout=30.0, first_round=True) as (gs, feds):
         crash(gs[1])
         await until_left([gs[0], *gs[2:]], 1)
         back = await restart(gs[1])
         async with back:
-            fed = GroupAveraging(back, np.zeros(100, np.float32), cfg)
+            fed = GroupAveraging(back, np.zeros(100, np.float32), CFG)
             waiting = asyncio.create_task(fed.start())
             crash(gs[0])
             await until_left(gs[2:], 0)
