@@ -74,6 +74,7 @@ class Membership:
     _p2p_sent: dict[int, int]
     _p2p_received: dict[int, int]
     _next_cid: int
+    _space: int  # the channel space of this group's collectives
     _listeners: list[asyncio.Task[None]]
     _closing: bool
     _formed: bool
@@ -208,7 +209,16 @@ class Membership:
             if running == channel:
                 self._cancel_for_loss(task, root_rank)
                 return
-        self._failed_calls[channel] = root_rank  # not started here yet: fail it at start
+        if not self._is_past(channel):
+            self._failed_calls[channel] = root_rank  # not started here yet: fail it at start
+
+    def _is_past(self, channel: int) -> bool:
+        """Whether this rank's group of ``channel`` has already run (or refused) that call."""
+        space, counter = channel >> SPACE_SHIFT, channel & ((1 << SPACE_SHIFT) - 1)
+        for group in [self, *self._descendants]:
+            if group._space == space:
+                return counter < group._next_cid
+        return False
 
     def _gone_with(self, err: P2PError) -> int | None:
         """Under ``on_peer_loss="leave"``: the root rank whose leaving ended a connection
