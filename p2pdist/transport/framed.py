@@ -85,10 +85,6 @@ class FramedConnection:
         self._ka_timer: asyncio.TimerHandle | None = None
         self._ping_sent_at: float | None = None
         self._write_paused = False
-        self._lending = False
-        """True while :meth:`send` hands a payload to ``_write_frame``: send() returns only
-        once ``_write_paused`` is False, so a byte pipe that queues a reference to the
-        payload may skip its copy if it keeps ``_write_paused`` set until it let go."""
         self._drain_waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._interrupted: BaseException | None = None
@@ -168,11 +164,7 @@ class FramedConnection:
         The whole frame is handed to the byte pipe before the first wait, so frames of
         concurrent senders never interleave.
         """
-        self._lending = True  # the byte pipe may keep a reference until we return
-        try:
-            self.send_nowait(channel, payload, meta=meta, seq=seq)
-        finally:
-            self._lending = False
+        self.send_nowait(channel, payload, meta=meta, seq=seq)
         if self._write_paused:
             await self._drain()
 

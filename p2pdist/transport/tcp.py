@@ -12,6 +12,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import os
 import secrets
 import socket
 import ssl
@@ -106,6 +107,7 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         self._write_copy = True
         """Copy large payloads before writing (see :func:`_write_keeps_reference`)."""
         self._tls_slices = False
+        self._direct: socket.socket | None = None
         """Write large payloads in :data:`_TLS_SLICE` pieces (TLS transports)."""
         # Handshake phase state.
         self._hs_buf = bytearray(64 * 1024)
@@ -148,14 +150,18 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
                 return
             if not self._write_copy:
                 t.write(payload)
-            elif self._lending:
-                # The transport may queue a reference to what it could not send at once.
-                # Its write limits are (0, 0) (connection_made), so it pauses us whenever
-                # anything is queued and resumes us once everything left: send() waits
-                # until then, and the caller's buffer is never read after it returns.
-                t.write(payload)
-            else:  # send_nowait: nobody waits, so the transport gets its own copy
-                t.write(payload.tobytes())
+                return
+            # The transport would queue a reference to what it cannot send at once, and
+            # the caller may change its buffer as soon as we return. Do what asyncio's
+            # own transport did before 3.12: send what the kernel takes now (only when
+            # nothing is queued, so the order holds) and give the transport a copy of the
+            # rest only.
+            sent = 0
+            if self._direct is not None and t.get_write_buffer_size() == 0:
+                with contextlib.suppress(OSError):  # a real error shows on the transport
+                    sent = self._direct.send(payload)
+            if sent < payload.nbytes:
+                t.write(payload[sent:].tobytes())
 
     def _writable(self) -> bool:
         return self._transport is not None and not self._transport.is_closing()
@@ -192,12 +198,15 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         # With TLS, frames go to the TLS transport made later (start_tls), and what reaches
         # this one is TLS's own bytes.
         self._write_copy = _write_keeps_reference(transport) and not self._cfg.tls
-        # A transport that keeps references to unsent data pauses us until it sent all of
-        # it (see _write_frame); the others buffer up to write_buffer_high.
-        high = 0 if self._write_copy else self._cfg.write_buffer_high
-        transport.set_write_buffer_limits(high=high, low=0 if self._write_copy else None)
+        transport.set_write_buffer_limits(high=self._cfg.write_buffer_high)
         if first:
             sock = transport.get_extra_info("socket")
+            if self._write_copy and sock is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    # Our own handle on the same (non-blocking) socket, for _write_frame;
+                    # closed in connection_lost, after the transport closed its own.
+                    self._direct = socket.socket(fileno=os.dup(sock.fileno()))
+                    self._direct.setblocking(False)
             if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -222,6 +231,9 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
         if not self._lost.done():
             self._lost.set_result(None)
         if self._ka_timer is not None:
