@@ -300,28 +300,35 @@ async def test_a_rank_waiting_to_be_taken_back_when_the_leader_dies_is_taken_by_
             assert len({f.model.tobytes() for f in everyone}) == 1
 
 
-async def test_a_rank_waiting_to_be_taken_back_declines_to_succeed_a_lost_leader() -> None:
-    # rank 1, restarted and waiting to be taken back, is the lowest rank in the group when
-    # the leader dies: the others pick it, it declines (it has no model), they pick rank 2
-    async with averaging(4, 100, timeout=30.0, first_round=True) as (gs, feds):
-        crash(gs[1])
-        await until_left([gs[0], *gs[2:]], 1)
-        back = await restart(gs[1])
-        async with back:
-            fed = GroupAveraging(back, np.zeros(100, np.float32), CFG)
-            waiting = asyncio.create_task(fed.start())
+@pytest.mark.parametrize("world, back_ranks", [(4, (1,)), (5, (1, 2))])
+async def test_ranks_waiting_to_be_taken_back_decline_to_succeed_a_lost_leader(
+    world: int, back_ranks: tuple[int, ...]
+) -> None:
+    # the restarted ranks, waiting to be taken back, are the lowest in the group when the
+    # leader dies: the others pick them in turn, each declines (it has no model), and the
+    # lowest survivor leads (none is asked twice: with two, they would take turns forever)
+    survivors = [r for r in range(1, world) if r not in back_ranks]
+    async with averaging(world, 100, timeout=30.0, first_round=True) as (gs, feds):
+        for r in back_ranks:
+            crash(gs[r])
+            await until_left([g for g in gs if g.rank not in back_ranks], r)
+        async with contextlib.AsyncExitStack() as stack:
+            backs = [await stack.enter_async_context(await restart(gs[r])) for r in back_ranks]
+            new = [GroupAveraging(b, np.zeros(100, np.float32), CFG) for b in backs]
+            waiting = [asyncio.create_task(f.start()) for f in new]
             crash(gs[0])
-            await until_left(gs[2:], 0)
-            outs = await asyncio.gather(
-                *(f.step(update_of(f.group.rank, 1, 100), 10) for f in feds[2:])
-            )
+            await until_left([gs[r] for r in survivors], 0)
+            async with asyncio.timeout(60):  # a bound: choosing in circles never ends
+                outs = await asyncio.gather(
+                    *(feds[r].step(update_of(r, 1, 100), 10) for r in survivors)
+                )
             for o in outs:
-                assert o.participants == (2, 3) and o.left == (0, 1)
-            assert feds[2].is_leader and feds[3].leader == 2
-            await waiting  # taken back by rank 2 when it opened round 2
-            assert fed.round == 2 and fed.leader == 2
-            assert fed.model.tobytes() == feds[2].model.tobytes()
-            everyone = (feds[2], feds[3], fed)
+                assert o.participants == tuple(survivors) and o.left == (0, *back_ranks)
+            assert all(feds[r].leader == survivors[0] for r in survivors)
+            await asyncio.gather(*waiting)  # taken back by the new leader at round 2
+            assert all(f.round == 2 and f.leader == survivors[0] for f in new)
+            assert {f.model.tobytes() for f in new} == {feds[survivors[0]].model.tobytes()}
+            everyone = [*(feds[r] for r in survivors), *new]
             outs = await asyncio.gather(
                 *(f.step(update_of(f.group.rank, 2, 100), 10) for f in everyone)
             )

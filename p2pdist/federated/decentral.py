@@ -305,13 +305,15 @@ class GroupAveraging(Recovery):
     ) -> tuple[dict[str, Any], np.ndarray | None]:
         """Round ``k``'s decision and aggregate; when the leader is lost, its successor's
         (or, if this rank is the successor, take over)."""
+        passed: set[int] = set()  # leaders lost, and ranks that declined, in this wait
         while True:
             try:
                 body = await self._decision(k)
             except _LeaderLost as lost:
                 if not self.failover:
                     raise lost.error from None
-                if self._successor() == self.group.rank:
+                passed.add(self.leader)
+                if self._successor(passed) == self.group.rank:
                     return await self._take_over(k, own)
                 self._report(k)
                 continue

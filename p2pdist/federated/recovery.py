@@ -230,10 +230,12 @@ class Recovery:
 
     # ---- leader failover --------------------------------------------------------------------
 
-    def _successor(self) -> int:
-        """Pick the successor of the lost leader (the same on every remaining rank)."""
+    def _successor(self, passed: set[int]) -> int:
+        """Pick the successor of the lost leader (the same on every remaining rank), passing
+        over ``passed``: the leaders lost and the ranks that declined since this rank last
+        had a decision (each declines only while rejoining, so none is asked twice)."""
         lost = self.leader
-        self.leader = next_leader(self.group.size, self._gone() | {lost})
+        self.leader = next_leader(self.group.size, self._gone() | passed)
         log.warning(
             "leader %s lost; %s leads now",
             self.group.peer_label(lost),
