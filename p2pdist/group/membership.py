@@ -359,6 +359,8 @@ class Membership:
             if r != self._rank
         }
         cids: list[int] = []
+        said: dict[int, int] = {}  # a rank gone -> the survivor that said so
+        given_up: list[asyncio.Task[tuple[Connection, list[int], int]]] = []
         try:
             async with asyncio.timeout(timeout):
                 while dials:
@@ -380,13 +382,17 @@ class Membership:
                         self._adopt(r, conn)
                         cids.append(cid)
                         for d in gone:
-                            if d in dials and d != self._rank:
-                                dials.pop(d).cancel()
-                                self._left[d] = ConnectionBrokenError(
-                                    self.peer_label(d),
-                                    f"had left before this rank rejoined ({self.peer_label(r)} "
-                                    "says)",
-                                )
+                            said.setdefault(d, r)
+                    # Ranks a survivor knows to be gone are not waited for, unless our dial
+                    # reached one already (a live connection beats a report: it may have
+                    # rejoined too, and that survivor not taken it back yet).
+                    for d in [d for d in said if d in dials]:
+                        given_up.append(dials.pop(d))
+                        given_up[-1].cancel()
+                        self._left[d] = ConnectionBrokenError(
+                            self.peer_label(d),
+                            f"had left before this rank rejoined ({self.peer_label(said[d])} says)",
+                        )
         except TimeoutError:
             missing = ", ".join(self.peer_label(r) for r in sorted(dials))
             raise P2PTimeoutError(
@@ -396,7 +402,7 @@ class Membership:
         finally:
             for task in dials.values():
                 task.cancel()  # a dial cancelled with a connection in hand closes it
-            await asyncio.gather(*dials.values(), return_exceptions=True)
+            await asyncio.gather(*dials.values(), *given_up, return_exceptions=True)
         if not cids:
             raise UsageError("rejoin=True needs at least one other rank still in the group")
         if len(set(cids)) > 1:
