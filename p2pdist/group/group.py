@@ -64,7 +64,8 @@ class Group(GroupCore):
                     lk, flat, bounds, codec, self._chunk(flat.dtype)
                 )
             rop.finish(flat, self.size)
-            work.reshape(-1)[:] = flat
+            if not np.shares_memory(work, flat):
+                work.reshape(-1)[:] = flat
             return work
 
         return await self._run(descriptor, timeout, body)
@@ -115,7 +116,13 @@ class Group(GroupCore):
         label = _op_label(op, ordered) + (f"@{wire_dtype}/{block}" if codec else "")
         descriptor = describe_call("all_reduce", label, arr.dtype.str, arr.shape)
         if codec is not None:
-            flat = _compressed_input(arr, codec, error_feedback)
+            if error_feedback is None and arr.dtype == np.float32:
+                # Reduce in the result buffer itself: one copy, as the plain path.
+                if work is not arr:
+                    np.copyto(work, arr)
+                flat = work.reshape(-1)
+            else:
+                flat = _compressed_input(arr, codec, error_feedback)
             return await self._compressed(descriptor, arr, work, rop, codec, flat, timeout)
         chunk = self._chunk(arr.dtype)
 
