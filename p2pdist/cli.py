@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LOOP_CHOICES,
         default=None,
         help="event loop of demo, bench, doctor and the ranks they start: auto (uvloop when "
-        f"installed), asyncio or uvloop (default: ${LOOP_ENV}, else auto)",
+        f"installed), asyncio or uvloop (default: ${LOOP_ENV}, else asyncio)",
     )
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
     _add_launch(sub)

@@ -139,7 +139,7 @@ class RelayConfig:
         default=None,
         metadata=_doc(
             "event loop: auto (uvloop when installed), asyncio or uvloop "
-            "(default: $P2PDIST_LOOP, else auto)",
+            "(default: $P2PDIST_LOOP, else asyncio)",
             "LOOP",
         ),
     )

@@ -112,11 +112,12 @@ def test_group_through_a_relay_on_uvloop(tmp_path: Path, relay_loop: str) -> Non
 def test_resolve_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(eventloop.LOOP_ENV, raising=False)
     auto = "uvloop" if eventloop.uvloop_available() else "asyncio"
-    assert eventloop.resolve_loop() == auto
+    assert eventloop.resolve_loop() == "asyncio"  # the measured-faster default
     assert eventloop.resolve_loop("auto") == auto
     assert eventloop.resolve_loop("asyncio") == "asyncio"
+    monkeypatch.setenv(eventloop.LOOP_ENV, "auto")
+    assert eventloop.resolve_loop() == auto
     monkeypatch.setenv(eventloop.LOOP_ENV, "asyncio")
-    assert eventloop.resolve_loop() == "asyncio"
     assert eventloop.resolve_loop("auto") == auto  # an explicit choice beats the environment
     with pytest.raises(UsageError, match="one of auto, asyncio, uvloop"):
         eventloop.resolve_loop("tokio")
