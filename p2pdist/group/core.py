@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
@@ -124,8 +125,12 @@ class GroupCore(Membership):
         if rejoin and self.config.on_peer_loss != "leave":
             raise UsageError('rejoin=True needs GroupConfig(on_peer_loss="leave")')
         # root only: running collectives (task -> group) and those a loss cancelled
-        self._inflight: dict[asyncio.Task[Any], tuple[Membership, int]] = {}
+        # (task -> group, channel, deadline), those a loss cancelled, those overdue
+        self._inflight: dict[asyncio.Task[Any], tuple[Membership, int, float]] = {}
         self._cancelled_by_loss: dict[asyncio.Task[Any], int] = {}
+        self._expired: set[asyncio.Task[Any]] = set()
+        self._watchdog: asyncio.TimerHandle | None = None  # root only: see _run
+        self._watchdog_at = math.inf
         self._failed_calls: dict[int, int] = {}
 
     # ---- construction ---------------------------------------------------------------
@@ -366,6 +371,9 @@ class GroupCore(Membership):
         self._closing = True
         for task in self._listeners:
             task.cancel()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog, self._watchdog_at = None, math.inf
         if self._broken is None:
             self._broken = GroupBrokenError("the group was closed")
         if self._transport is not None:
@@ -464,8 +472,10 @@ class GroupCore(Membership):
             if isinstance(self._broken, GroupBrokenError):
                 raise self._broken
             raise GroupBrokenError("the group is broken", self._broken)
+        if not collective or not self._left:
+            return
         left = self.left
-        if collective and left:
+        if left:
             if self.config.on_peer_loss == "leave":
                 self._skip_call(min(left))
             gone = ", ".join(self.peer_label(r) for r in sorted(left))
@@ -520,42 +530,64 @@ class GroupCore(Membership):
     ) -> T:
         """Run ``body`` as the next collective (described by ``descriptor``), bounded by
         ``timeout``. The collective takes its channel only once every argument has been
-        accepted, so a call refused here leaves this rank in step with the others."""
+        accepted, so a call refused here leaves this rank in step with the others.
+
+        The bound is kept by the root group's watchdog (one timer for every collective in
+        flight, see :meth:`_arm_watchdog`) instead of a timer armed and cancelled per call:
+        an overdue collective's task is cancelled and the cancellation turned into the
+        timeout error here, as ``asyncio.timeout`` would."""
         seconds = self._seconds(timeout)
         link = self._new_link(descriptor)
         root = self._root()
-        noticed = root._failed_calls.pop(link.channel, None)
-        if noticed is not None:  # another rank's part of this call already failed
-            for conn in self._conns.values():
-                conn.retire(link.channel)
-            raise self._loss_error(noticed, link)
+        channel = link.channel
+        if root._failed_calls:
+            noticed = root._failed_calls.pop(channel, None)
+            if noticed is not None:  # another rank's part of this call already failed
+                for conn in self._conns.values():
+                    conn.retire(channel)
+                raise self._loss_error(noticed, link)
         task = asyncio.current_task()
         assert task is not None
-        outer = root._inflight.get(task)  # None unless a collective runs inside another
-        root._inflight[task] = (self, link.channel)
+        inflight = root._inflight
+        outer = inflight.get(task)  # None unless a collective runs inside another
+        deadline = asyncio.get_running_loop().time() + seconds
+        if outer is not None and outer[2] < deadline:
+            seconds -= deadline - outer[2]  # the enclosing call's bound comes first
+            deadline = outer[2]
+        inflight[task] = (self, channel, deadline)
+        if deadline < root._watchdog_at:
+            root._arm_watchdog(deadline)
         lost: int | None = None
+        expired = False
         try:
             try:
-                async with asyncio.timeout(seconds):
-                    return await body(link)
+                return await body(link)
             finally:
                 if outer is None:
-                    del root._inflight[task]
+                    del inflight[task]
                 else:
-                    root._inflight[task] = outer
-                lost = root._cancelled_by_loss.pop(task, None)
+                    inflight[task] = outer
+                if root._cancelled_by_loss:
+                    lost = root._cancelled_by_loss.pop(task, None)
+                if root._expired:
+                    expired = task in root._expired
+                    root._expired.discard(task)
         except asyncio.CancelledError:
             # A member was lost (on_peer_loss="leave"): not our doing, unless the caller
             # cancelled us too (then the cancellation goes on, as any other does).
             if lost is not None and task.uncancel() == 0:
                 raise self._loss_error(lost, link) from None
+            if expired and task.uncancel() == 0:  # the watchdog's: this call is overdue
+                timeout_err = self._timeout_error(link, seconds)
+                self._break(timeout_err, notify=True)
+                raise timeout_err from None
             me = self.peer_label(self._rank)
             self._break(GroupBrokenError(f"{link.explain()} was cancelled on {me}"), notify=True)
             raise
         except (MismatchError, RemoteProtocolError, ConnectionBrokenError) as err:
             gone = self._gone_with(err)
             if gone is not None:
-                self._tell_call_failed(link.channel, gone)
+                self._tell_call_failed(channel, gone)
                 raise self._loss_error(gone, link) from None
             self._break(err, notify=True)
             if not isinstance(err, ConnectionBrokenError) or err.graceful:
@@ -571,7 +603,29 @@ class GroupCore(Membership):
             raise timeout_err from None
         finally:
             for conn in self._conns.values():
-                conn.retire(link.channel)
+                conn.retire(channel)
+
+    def _arm_watchdog(self, deadline: float) -> None:
+        """(Root group) fire :meth:`_on_watchdog` at ``deadline`` (earlier than now armed)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._watchdog = asyncio.get_running_loop().call_at(deadline, self._on_watchdog)
+        self._watchdog_at = deadline
+
+    def _on_watchdog(self) -> None:
+        """(Root group) cancel every collective past its deadline (``_run`` makes that a
+        timeout error) and wait for the next deadline of those still running."""
+        self._watchdog, self._watchdog_at = None, math.inf
+        now = asyncio.get_running_loop().time()
+        upcoming = math.inf
+        for task, (_, _, deadline) in list(self._inflight.items()):
+            if deadline > now:
+                upcoming = min(upcoming, deadline)
+            elif task not in self._cancelled_by_loss and task not in self._expired:
+                self._expired.add(task)
+                task.cancel()
+        if upcoming < math.inf:
+            self._arm_watchdog(upcoming)
 
     # ---- point to point -----------------------------------------------------------------
 

@@ -68,8 +68,9 @@ class Membership:
     _root_ranks: list[int]
     _descendants: weakref.WeakSet[Membership]
     _reserved: dict[int, str]
-    _inflight: dict[asyncio.Task[Any], tuple[Membership, int]]  # task -> (group, channel)
+    _inflight: dict[asyncio.Task[Any], tuple[Membership, int, float]]  # (group, channel, deadline)
     _cancelled_by_loss: dict[asyncio.Task[Any], int]
+    _expired: set[asyncio.Task[Any]]  # collectives the watchdog cancelled (overdue)
     _failed_calls: dict[int, int]  # channel -> the root rank another rank's call lacked
     _p2p_sent: dict[int, int]
     _p2p_received: dict[int, int]
@@ -183,13 +184,15 @@ class Membership:
         """Fail every running collective of a group that has ``root_rank`` as a member:
         it can no longer finish, and its other ranks may wait on us, not on the lost one.
         ``GroupCore._run`` turns the cancellation into an error naming the lost rank."""
-        for task, (group, _) in list(self._inflight.items()):
+        for task, (group, _, _) in list(self._inflight.items()):
             if root_rank in group._root_ranks:
                 self._cancel_for_loss(task, root_rank)
 
     def _cancel_for_loss(self, task: asyncio.Task[Any], root_rank: int) -> None:
         if task is asyncio.current_task() or task in self._cancelled_by_loss:
             return  # a running task meets the connection's error itself
+        if task in self._expired:
+            return  # already cancelled as overdue: it fails with its timeout
         self._cancelled_by_loss[task] = root_rank
         task.cancel()
 
@@ -205,7 +208,7 @@ class Membership:
 
     def _on_call_failed(self, channel: int, root_rank: int) -> None:
         """Another rank's collective on ``channel`` failed for want of ``root_rank``."""
-        for task, (_, running) in list(self._inflight.items()):
+        for task, (_, running, _) in list(self._inflight.items()):
             if running == channel:
                 self._cancel_for_loss(task, root_rank)
                 return

@@ -1,0 +1,63 @@
+"""Collective deadlines: one watchdog per group bounds every collective in flight."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from group_helpers import groups
+
+from p2pdist import GroupBrokenError, PeerTimeoutError
+
+
+async def test_short_timeout_after_long_bounded_calls_still_fires() -> None:
+    # The watchdog is armed for the first call's 20 s bound; a later call bounded by
+    # 0.5 s must not wait for that.
+    async with groups(3, timeout=20.0) as gs:
+        await asyncio.gather(*(g.all_reduce(np.ones(4)) for g in gs))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        results = await asyncio.gather(
+            *(g.all_reduce(np.ones(4), timeout=0.5) for g in gs[:2]), return_exceptions=True
+        )
+        assert loop.time() - start < 10.0  # far below the 20 s default: not a timing test
+        for res in results:
+            assert isinstance(res, PeerTimeoutError), res
+            assert "rank 2 (" in str(res)
+            assert "timed out after 0.5 s" in str(res)
+        with pytest.raises(GroupBrokenError):
+            await gs[0].all_reduce(np.ones(4))
+
+
+async def test_finished_calls_leave_nothing_to_expire() -> None:
+    # Calls that finish long before their bound are never cancelled later.
+    async with groups(2, timeout=0.3) as gs:
+        for _ in range(3):
+            await asyncio.gather(*(g.all_reduce(np.ones(4)) for g in gs))
+        await asyncio.sleep(0.5)  # past every bound given so far
+        outs = await asyncio.gather(*(g.all_reduce(np.ones(4)) for g in gs))
+        assert [o.tolist() for o in outs] == [[2, 2, 2, 2]] * 2
+        assert all(g.broken is None for g in gs)
+
+
+async def test_sub_group_call_times_out_naming_the_absent_rank() -> None:
+    async with groups(3, timeout=20.0) as gs:
+        subs = await asyncio.gather(*(g.split(0) for g in gs))
+        assert all(s is not None for s in subs)
+        calls = [s.all_reduce(np.ones(2), timeout=0.5) for s in subs[:2] if s is not None]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for res in results:
+            assert isinstance(res, PeerTimeoutError), res
+            assert "rank 2 (" in str(res)
+
+
+async def test_caller_cancellation_is_not_turned_into_a_timeout() -> None:
+    async with groups(2, timeout=20.0) as gs:
+        task = asyncio.create_task(gs[0].all_reduce(np.ones(4)))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert isinstance(gs[0].broken, GroupBrokenError)
+        assert "was cancelled" in str(gs[0].broken)
