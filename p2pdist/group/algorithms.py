@@ -123,8 +123,11 @@ async def _rank_ordered(link: Link, mine: np.ndarray) -> list[np.ndarray]:
 
 def _fold(parts: list[np.ndarray], op: ReduceOp, out: np.ndarray) -> None:
     """``out = parts[0] (op) parts[1] (op) ...``, left to right in ``out``'s dtype."""
-    np.copyto(out, parts[0])
-    for part in parts[1:]:
+    if len(parts) < 2:
+        np.copyto(out, parts[0])
+        return
+    op.ufunc(parts[0], parts[1], out=out)  # the first step lands in out: no copy
+    for part in parts[2:]:
         op.combine(out, part)
 
 
@@ -186,8 +189,21 @@ async def ring_all_gather(
 
 
 async def direct_all_reduce(link: Link, flat: np.ndarray, op: ReduceOp, out: np.ndarray) -> None:
-    """One round: send ``flat`` to everyone, reduce all inputs in rank order into ``out``."""
-    await _send_to_others(link, _bytes(flat))
+    """One round: send ``flat`` to everyone, reduce all inputs in rank order into ``out``
+    (which must not overlap ``flat``, or may be ``flat`` itself at world 2). The received
+    bytes are read where they landed."""
+    rank, size = link.rank, link.size
+    payload = _bytes(flat)
+    for p in range(size):
+        if p != rank:
+            await link.send(p, payload)
+    if size == 2:  # the latency case: one ufunc call, in rank order
+        other = _view(await link.recv(1 - rank, flat.nbytes), flat.dtype)
+        if rank == 0:
+            op.ufunc(flat, other, out=out)
+        else:
+            op.ufunc(other, flat, out=out)
+        return
     _fold(await _rank_ordered(link, flat), op, out)
 
 

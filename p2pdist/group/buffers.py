@@ -13,8 +13,14 @@ from ..wire.arrays import ArrayHeaderError, check_dtype
 __all__ = ["as_array", "expectation", "result_buffer"]
 
 
+_NATIVE = frozenset(np.dtype(t).newbyteorder("<") for t in (*np.typecodes["AllInteger"], *"?efdFD"))
+"""Little-endian dtypes that travel as they are (a subset of WIRE_DTYPES: the fast path)."""
+
+
 def as_array(x: Any) -> np.ndarray:
     """A C-contiguous ndarray view of ``x`` (copying only when needed), dtype checked."""
+    if type(x) is np.ndarray and x.dtype in _NATIVE and x.flags.c_contiguous:
+        return x  # the usual case, checked in one go
     if not isinstance(x, np.ndarray):
         if hasattr(x, "__cuda_array_interface__"):
             raise UsageError("CuPy arrays are not supported yet; pass a numpy array")

@@ -139,7 +139,8 @@ class Group(GroupCore):
                 await alg.ring_all_gather(lk, flat, bounds, chunk)
                 return work  # ordered_reduce_scatter already divided for mean
             if self._direct(arr):
-                src = arr.reshape(-1) if work is not arr else flat.copy()
+                # In place (work is arr) needs a copy of the input, except at world 2.
+                src = arr.reshape(-1) if work is not arr or self.size == 2 else flat.copy()
                 await alg.direct_all_reduce(lk, src, rop, flat)
             else:
                 if work is not arr:

@@ -60,6 +60,17 @@ def _explain(desc: bytes) -> str:
 class CollectiveLink:
     """Implements :class:`~p2pdist.group.algorithms.Link` for one collective call."""
 
+    __slots__ = (
+        "_conn",
+        "_rank",
+        "_received",
+        "_sent",
+        "_size",
+        "channel",
+        "descriptor",
+        "waiting_on",
+    )
+
     def __init__(
         self,
         rank: int,

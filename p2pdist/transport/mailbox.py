@@ -28,6 +28,9 @@ class RetiredChannels:
         floor = self._floor.get(space, 0)
         if counter < floor:
             return
+        if counter == floor and not self._above.get(space):  # in order: the usual case
+            self._floor[space] = floor + 1
+            return
         above = self._above.setdefault(space, set())
         above.add(counter)
         while floor in above:
@@ -136,5 +139,6 @@ class Mailbox:
     def retire(self, channel: int) -> None:
         """Drop queued frames of ``channel`` and every later one."""
         self._retired.retire(channel)
-        while self._pop(channel) is not None:
-            self.dropped += 1
+        if channel in self._queues:
+            while self._pop(channel) is not None:
+                self.dropped += 1
