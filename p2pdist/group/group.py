@@ -124,6 +124,15 @@ class Group(GroupCore):
             else:
                 flat = _compressed_input(arr, codec, error_feedback)
             return await self._compressed(descriptor, arr, work, rop, codec, flat, timeout)
+        if not ordered and self._direct(arr):  # small: the latency path, no extra layer
+            flat = work.reshape(-1)
+            # In place (work is arr) needs a copy of the input, except at world 2.
+            src = arr.reshape(-1) if work is not arr or self.size == 2 else flat.copy()
+            await self._run(
+                descriptor, timeout, lambda lk: alg.direct_all_reduce(lk, src, rop, flat)
+            )
+            rop.finish(work, self.size)
+            return work
         chunk = self._chunk(arr.dtype)
 
         async def body(lk: CollectiveLink) -> np.ndarray:
@@ -138,16 +147,11 @@ class Group(GroupCore):
                 await alg.ordered_reduce_scatter(lk, src, bounds, rop, chunk, flat[a:b])
                 await alg.ring_all_gather(lk, flat, bounds, chunk)
                 return work  # ordered_reduce_scatter already divided for mean
-            if self._direct(arr):
-                # In place (work is arr) needs a copy of the input, except at world 2.
-                src = arr.reshape(-1) if work is not arr or self.size == 2 else flat.copy()
-                await alg.direct_all_reduce(lk, src, rop, flat)
-            else:
-                if work is not arr:
-                    np.copyto(work, arr)
-                bounds = alg.split_bounds(flat.size, self.size)
-                await alg.ring_reduce_scatter(lk, flat, bounds, rop, chunk)
-                await alg.ring_all_gather(lk, flat, bounds, chunk)
+            if work is not arr:
+                np.copyto(work, arr)
+            bounds = alg.split_bounds(flat.size, self.size)
+            await alg.ring_reduce_scatter(lk, flat, bounds, rop, chunk)
+            await alg.ring_all_gather(lk, flat, bounds, chunk)
             rop.finish(work, self.size)
             return work
 

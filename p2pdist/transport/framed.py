@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
-from typing import Generic, TypeVar, cast
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, Generic, TypeVar, cast
 
 from ..errors import (
     ConnectionBrokenError,
@@ -197,11 +197,15 @@ class FramedConnection:
         if self._keepalive is not None:
             self._keepalive.on_send(self._loop.time())
 
-    async def recv(self, channel: int, *, timeout: float | None = None) -> Frame:
-        """The next message on ``channel``."""
+    def recv(self, channel: int, *, timeout: float | None = None) -> Coroutine[Any, Any, Frame]:
+        """The next message on ``channel`` (a coroutine, as from ``async def``: the
+        mailbox's own, so that waiting for a message costs one coroutine layer less)."""
         if self._closed_locally:
-            raise ConnectionClosedError(f"connection to {self.label} was closed locally")
-        return await self._mailbox.get(channel, timeout)
+            return self._closed_recv()
+        return self._mailbox.get(channel, timeout)
+
+    async def _closed_recv(self) -> Frame:
+        raise ConnectionClosedError(f"connection to {self.label} was closed locally")
 
     def retire(self, channel: int) -> None:
         """Drop queued and future frames of ``channel``."""

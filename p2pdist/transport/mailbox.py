@@ -107,15 +107,17 @@ class Mailbox:
 
     async def get(self, channel: int, timeout: float | None) -> Frame:
         """Wait (at most ``timeout`` seconds) for the next frame on ``channel``."""
-        frame = self._pop(channel)
-        if frame is not None:  # the common case of small collectives: already here
-            return frame
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
+        if channel in self._queues:  # the common case of small collectives: already here
             frame = self._pop(channel)
             if frame is not None:
                 return frame
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            if channel in self._queues:
+                frame = self._pop(channel)
+                if frame is not None:
+                    return frame
             if self._error is not None:
                 raise self._error.with_traceback(None)
             if channel in self._waiters:
