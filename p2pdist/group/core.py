@@ -687,7 +687,9 @@ class GroupCore(Membership):
             raise
 
     def _seconds(self, timeout: float | None) -> float:
-        seconds = self.config.timeout if timeout is None else timeout
+        if timeout is None:
+            return self.config.timeout  # positive: GroupConfig checks it
+        seconds = timeout
         if seconds <= 0:
             raise UsageError(f"timeout must be positive, got {seconds}")
         return seconds

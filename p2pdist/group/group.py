@@ -73,6 +73,8 @@ class Group(GroupCore):
     def _ordered(self, mode: str | None, rop: ReduceOp, arr: np.ndarray) -> bool:
         """Whether this reduction takes the deterministic (rank-ordered float64) path."""
         chosen = self.config.mode if mode is None else mode
+        if chosen == "fast":
+            return False
         if chosen not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {chosen!r}")
         # Integer arithmetic and max/min give the same bits in any order already.
@@ -106,14 +108,18 @@ class Group(GroupCore):
         arr = as_array(x)
         rop = reduce_op(op, arr.dtype)
         ordered = self._ordered(mode, rop, arr)
-        codec = _codec_for(wire_dtype, block, error_feedback, rop, arr, ordered)
+        codec = None
+        if wire_dtype is not None or error_feedback is not None:
+            codec = _codec_for(wire_dtype, block, error_feedback, rop, arr, ordered)
         work = result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
         if self.size == 1:  # the identity, compressed or not: nothing travels
             if work is not arr:
                 np.copyto(work, arr)
             return work
-        label = _op_label(op, ordered) + (f"@{wire_dtype}/{block}" if codec else "")
+        label = _op_label(op, ordered)
+        if codec is not None:
+            label = f"{label}@{wire_dtype}/{block}"
         descriptor = describe_call("all_reduce", label, arr.dtype.str, arr.shape)
         if codec is not None:
             if error_feedback is None and arr.dtype == np.float32:

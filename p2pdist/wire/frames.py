@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -72,9 +73,11 @@ class FrameLimits:
     """Payloads larger than this are received straight into their own buffer."""
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """One decoded frame. ``payload`` is writable and owned by the frame."""
+class Frame(NamedTuple):
+    """One decoded frame. ``payload`` is writable and owned by the frame.
+
+    A named tuple, not a frozen dataclass: one is made per received message, and a tuple
+    is built in one step where a frozen dataclass sets each field through a call."""
 
     kind: FrameKind
     channel: int
