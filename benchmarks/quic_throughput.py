@@ -47,6 +47,7 @@ from aioquic.quic.events import QuicEvent, StreamDataReceived
 from p2pdist import SecretKey, TcpTransport, TransportConfig, eventloop
 from p2pdist.launch import pick_free_ports
 from p2pdist.tls import make_certificate
+from p2pdist.transport.punch import PunchConfig
 from p2pdist.transport.quic import QuicTransport
 from p2pdist.transport.quic_core import QuicConfig, quic_configuration
 
@@ -154,7 +155,10 @@ async def _p2pdist(
 
             relay = RelayPath(me, opts["relay"])
             await relay.wait_connected(30)
-        t = QuicTransport(me, relay=relay, quic=opts["quic"])
+        # Through a relay, hole punching would move the peers to a direct path within
+        # milliseconds on loopback: keep them on the relay, the path this row measures.
+        punch = PunchConfig(enabled=relay is None)
+        t = QuicTransport(me, relay=relay, quic=opts["quic"], punch=punch)
     address: Any = None if opts.get("relay") else ("127.0.0.1", port)
     if role == "recv":
         if address is not None:
@@ -169,7 +173,13 @@ async def _p2pdist(
         await asyncio.gather(*(c.recv(9, timeout=60) for c in conns))  # all connected
         start = time.perf_counter()
         await asyncio.gather(*(drain(c, n) for c, n in zip(conns, per, strict=True)))
-        q.put(count * size / (time.perf_counter() - start))
+        rate = count * size / (time.perf_counter() - start)
+        if opts.get("relay"):
+            info = t.paths()[CLIENT.endpoint_id]
+            direct = sum(p.bytes_received for p in info.paths if p.kind == "direct")
+            if info.kind != "relay" or direct:
+                raise RuntimeError(f"the relay row left the relay: {info}")
+        q.put(rate)
         for c in conns:
             await c.send(2, b"done")
             await c.recv(3, timeout=60)
