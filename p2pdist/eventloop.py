@@ -65,7 +65,8 @@ def loop_factory(choice: str | None = None) -> Callable[[], asyncio.AbstractEven
     if resolve_loop(choice) == "uvloop":
         import uvloop
 
-        return uvloop.new_event_loop
+        factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+        return factory
     return asyncio.new_event_loop
 
 
