@@ -6,7 +6,10 @@ Compares, between two processes on loopback, for the same message sizes:
   straight into their own buffer), plaintext and TLS;
 * ``streams``: the naive asyncio way, ``StreamReader.readexactly`` per message (bytes are
   copied through the stream's internal buffer);
-* ``socket``: blocking ``sendall`` / ``recv_into`` into a preallocated buffer (the ceiling).
+* ``socket``: blocking ``sendall`` / ``recv_into`` into a preallocated buffer (the ceiling);
+* ``tls-socket``: the same over a blocking ``ssl.SSLSocket`` with p2pdist's TLS 1.3
+  identities (what a data path on worker threads could reach: ``SSLSocket`` releases the
+  GIL while it encrypts, decrypts and waits).
 
 Run: ``python benchmarks/transport_throughput.py [--mib 512] [--size-mib 8]``
 """
@@ -25,6 +28,7 @@ import numpy as np
 
 from p2pdist import SecretKey, TcpTransport, TransportConfig, eventloop
 from p2pdist.launch import pick_free_ports
+from p2pdist.tls import TlsIdentity
 
 SEED = "transport-bench-seed-0123"
 
@@ -88,11 +92,16 @@ async def _streams(role: str, port: int, count: int, size: int, q: Any) -> None:
         writer.close()
 
 
-def _socket(role: str, port: int, count: int, size: int, q: Any) -> None:
+def _socket(role: str, port: int, count: int, size: int, q: Any, tls: bool = False) -> None:
+    server = TlsIdentity(SecretKey.from_seed(SEED, 0))
+    client = TlsIdentity(SecretKey.from_seed(SEED, 1))
     if role == "recv":
         with socket.create_server(("127.0.0.1", port)) as srv:
             q.put("listening")
             conn, _ = srv.accept()
+            if tls:
+                ctx = server.server_context(client.cert_der)
+                conn = ctx.wrap_socket(conn, server_side=True)
             buf = np.empty(size, np.uint8)
             view = buf.data.cast("B")
             start = 0.0
@@ -106,7 +115,8 @@ def _socket(role: str, port: int, count: int, size: int, q: Any) -> None:
             conn.sendall(b"k")
             conn.close()
     else:
-        with socket.create_connection(("127.0.0.1", port)) as s:
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            s = client.client_context().wrap_socket(raw) if tls else raw
             payload = np.ones(size, np.uint8)
             for _ in range(count):
                 s.sendall(payload.data)
@@ -116,8 +126,8 @@ def _socket(role: str, port: int, count: int, size: int, q: Any) -> None:
 def _worker(kind: str, role: str, port: int, count: int, size: int, q: Any) -> None:
     kind, uv, _ = kind.partition("+uv")  # "+uv": the same on uvloop
     loop = "uvloop" if uv else "asyncio"
-    if kind == "socket":
-        _socket(role, port, count, size, q)
+    if kind in ("socket", "tls-socket"):
+        _socket(role, port, count, size, q, tls=kind == "tls-socket")
     elif kind == "streams":
         eventloop.run(_streams(role, port, count, size, q), loop=loop)
     else:
@@ -148,7 +158,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=512, help="total MiB per measurement")
     ap.add_argument("--size-mib", type=float, nargs="+", default=[0.25, 8.0])
-    kinds = ["socket", "streams", "p2pdist-plain", "p2pdist-tls"]
+    kinds = ["socket", "tls-socket", "streams", "p2pdist-plain", "p2pdist-tls"]
     if eventloop.uvloop_available():
         kinds += ["p2pdist-plain+uv", "p2pdist-tls+uv"]
     ap.add_argument(
