@@ -3,8 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The NAT lab tests (tests/natlab.py) need root, iproute2 and iptables; CI runs as root.
-# Without them (or without apt) those tests skip and say why.
+# The NAT lab and container tests (tests/natlab.py) need root, iproute2 and iptables. CI
+# runs as root and must run them, so as root a failed install stops here; as another user
+# those tests skip and say why.
 missing=""
 command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
 command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
@@ -15,9 +16,10 @@ if [ "$(id -u)" = 0 ] && [ -n "$missing" ]; then
         # shellcheck disable=SC2086 # one word per package
         apt-get install -y -qq $missing >/dev/null 2>&1 \
             || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $missing >/dev/null 2>&1; } \
-            || echo "warning: could not install$missing; the NAT lab tests will skip" >&2
+            || { echo "error: could not install$missing (needed by the NAT lab tests)" >&2; exit 1; }
     else
-        echo "warning:$missing missing and no apt-get; the NAT lab tests will skip" >&2
+        echo "error:$missing missing and no apt-get to install it (needed by the NAT lab tests)" >&2
+        exit 1
     fi
 fi
 
