@@ -146,6 +146,31 @@ def _ring_schedule(
         yield from zip_longest(sends, recvs)
 
 
+async def _ring_pass(
+    link: Link,
+    flat: np.ndarray,
+    bounds: list[tuple[int, int]],
+    chunk: int,
+    lag: int,
+    land: Callable[[np.ndarray, np.ndarray], object],
+) -> None:
+    """One trip round the ring (see :func:`_ring_schedule`): send each chunk to the right,
+    and ``land(flat[a:b], received)`` each chunk from the left."""
+    n, r = link.size, link.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    item = flat.dtype.itemsize
+    for send, recv in _ring_schedule(link, bounds, chunk, lag):
+        if send is not None:
+            a, b = send
+            await link.send(right, _bytes(flat[a:b]))
+        if recv is not None:
+            a, b = recv
+            data = await link.recv(left, (b - a) * item)
+            if b > a:
+                land(flat[a:b], _view(data, flat.dtype))
+            del data  # let the buffer go before the next receive: fewer fresh pages
+
+
 async def ring_reduce_scatter(
     link: Link, flat: np.ndarray, bounds: list[tuple[int, int]], op: ReduceOp, chunk: int
 ) -> None:
@@ -154,38 +179,14 @@ async def ring_reduce_scatter(
     Step k sends segment (rank-k-1) to the right and reduces segment (rank-k-2) from the
     left into ours; after size-1 steps this rank's own segment has every contribution.
     """
-    n, r = link.size, link.rank
-    right, left = (r + 1) % n, (r - 1) % n
-    item = flat.dtype.itemsize
-    for send, recv in _ring_schedule(link, bounds, chunk, lag=1):
-        if send is not None:
-            a, b = send
-            await link.send(right, _bytes(flat[a:b]))
-        if recv is not None:
-            a, b = recv
-            data = await link.recv(left, (b - a) * item)
-            if b > a:
-                op.combine(flat[a:b], _view(data, flat.dtype))
-            del data  # let the buffer go before the next receive: fewer fresh pages
+    await _ring_pass(link, flat, bounds, chunk, 1, op.combine)
 
 
 async def ring_all_gather(
     link: Link, flat: np.ndarray, bounds: list[tuple[int, int]], chunk: int
 ) -> None:
     """Given segment ``bounds[rank]`` of ``flat`` on each rank, fill in all the others."""
-    n, r = link.size, link.rank
-    right, left = (r + 1) % n, (r - 1) % n
-    item = flat.dtype.itemsize
-    for send, recv in _ring_schedule(link, bounds, chunk, lag=0):
-        if send is not None:
-            a, b = send
-            await link.send(right, _bytes(flat[a:b]))
-        if recv is not None:
-            a, b = recv
-            data = await link.recv(left, (b - a) * item)
-            if b > a:
-                flat[a:b] = _view(data, flat.dtype)
-            del data
+    await _ring_pass(link, flat, bounds, chunk, 0, np.copyto)
 
 
 async def direct_all_reduce(link: Link, flat: np.ndarray, op: ReduceOp, out: np.ndarray) -> None:
