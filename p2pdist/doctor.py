@@ -31,7 +31,7 @@ from .identity import EndpointId, SecretKey
 from .transport.base import Connection, TransportConfig
 from .transport.holepunch import interface_addresses
 from .transport.observe import StunProbe, mapping_behaviour
-from .transport.paths import UdpAddress, UdpSocket, is_loopback, path_key
+from .transport.paths import UdpAddress, UdpSocket, bind_host_for, is_loopback, path_key
 from .transport.quic import QuicTransport
 from .transport.relay_path import RelayPath
 from .wire.probe import DatagramKind, classify
@@ -107,8 +107,7 @@ async def _observe(targets: list[UdpAddress], timeout: float) -> tuple[str, list
         if classify(data) is DatagramKind.STUN:
             probe.on_datagram(data)
 
-    bind = "127.0.0.1" if all(is_loopback(h) for h, _ in targets) else "0.0.0.0"
-    sock = await UdpSocket.open(bind, 0, on_datagram)
+    sock = await UdpSocket.open(bind_host_for(targets), 0, on_datagram)
     try:
         answers = await probe.run(sock.send, timeout)
         local = path_key(sock.local_address)

@@ -33,6 +33,7 @@ __all__ = [
     "Route",
     "UdpRoute",
     "UdpSocket",
+    "bind_host_for",
     "is_loopback",
     "path_key",
 ]
@@ -117,6 +118,12 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def bind_host_for(targets: list[UdpAddress]) -> str:
+    """Where a socket that talks to ``targets`` binds: loopback only when every target
+    is on loopback (tests, one machine; also when there are none), else every interface."""
+    return "127.0.0.1" if all(is_loopback(h) for h, _ in targets) else "0.0.0.0"
 
 
 class UdpSocket:

@@ -43,6 +43,7 @@ from .paths import (
     UdpAddress,
     UdpRoute,
     UdpSocket,
+    bind_host_for,
     is_loopback,
     path_key,
 )
@@ -469,10 +470,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
         if self._udp is not None and not self._udp.closed:
             return self._udp
         if self._punch_sock is None or self._punch_sock.closed:
-            # A relay on loopback (tests, one machine): punch on loopback only.
-            targets = await self._stun_targets()
-            local = not targets or all(is_loopback(h) for h, _ in targets)
-            host = "127.0.0.1" if local else "0.0.0.0"
+            host = bind_host_for(await self._stun_targets())
             self._punch_sock = await UdpSocket.open(host, 0, self._on_udp_datagram)
         return self._punch_sock
 
