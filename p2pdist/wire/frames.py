@@ -92,6 +92,19 @@ class Frame(NamedTuple):
         return len(self.meta) + self.payload.nbytes
 
 
+def _check_fields(
+    channel: int, seq: int, meta: bytes, payload_len: int, limits: FrameLimits
+) -> None:
+    """The checks that every header gets: meta and payload within ``limits``, channel and
+    seq in 64 unsigned bits (``payload_len >= 0`` is the caller's)."""
+    if len(meta) > limits.max_meta:
+        raise ValueError(f"frame meta {len(meta)} bytes exceeds limit {limits.max_meta}")
+    if payload_len > limits.max_payload:
+        raise ValueError(f"frame payload {payload_len} bytes exceeds limit {limits.max_payload}")
+    if not (0 <= channel <= U64_MAX and 0 <= seq <= U64_MAX):
+        raise ValueError("channel and seq must fit in 64 unsigned bits")
+
+
 def encode_header(
     kind: FrameKind,
     channel: int = 0,
@@ -109,12 +122,7 @@ def encode_header(
         raise ValueError(f"{kind.name} frames carry no meta or payload")
     if payload_len < 0 or not 0 <= flags <= 0xFFFF:
         raise ValueError("payload_len must be >= 0 and flags must fit in 16 bits")
-    if len(meta) > lim.max_meta:
-        raise ValueError(f"frame meta {len(meta)} bytes exceeds limit {lim.max_meta}")
-    if payload_len > lim.max_payload:
-        raise ValueError(f"frame payload {payload_len} bytes exceeds limit {lim.max_payload}")
-    if not (0 <= channel <= U64_MAX and 0 <= seq <= U64_MAX):
-        raise ValueError("channel and seq must fit in 64 unsigned bits")
+    _check_fields(channel, seq, meta, payload_len, lim)
     return HEADER.pack(VERSION, int(kind), flags, len(meta), channel, seq, payload_len) + meta
 
 
@@ -123,12 +131,7 @@ def encode_data_header(
 ) -> bytes:
     """:func:`encode_header` for a DATA frame without flags: the per-message fast path
     (same checks, same bytes, no enum conversion)."""
-    if len(meta) > limits.max_meta:
-        raise ValueError(f"frame meta {len(meta)} bytes exceeds limit {limits.max_meta}")
-    if payload_len > limits.max_payload:
-        raise ValueError(f"frame payload {payload_len} bytes exceeds limit {limits.max_payload}")
-    if not (0 <= channel <= U64_MAX and 0 <= seq <= U64_MAX):
-        raise ValueError("channel and seq must fit in 64 unsigned bits")
+    _check_fields(channel, seq, meta, payload_len, limits)
     return _pack(VERSION, _DATA, 0, len(meta), channel, seq, payload_len) + meta
 
 
