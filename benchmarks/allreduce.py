@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _loops import add_loop_argument, chosen_loops
+
 from p2pdist.launch import pick_free_ports
 
 WORKER = Path(__file__).resolve().with_name("_allreduce_worker.py")
@@ -448,16 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="p2pdist modes (default: tls plaintext); suffix -det = deterministic, "
         "-f16/-bf16/-int8 = compressed wire",
     )
-    ap.add_argument(
-        "--loop",
-        "--loops",
-        dest="loops",
-        nargs="+",
-        choices=list(LOOPS),
-        default=None,
-        help="event loops for p2pdist, each mode run on each (default: asyncio, and uvloop "
-        "when installed)",
-    )
+    add_loop_argument(ap, "event loops for p2pdist, each mode run on each")
     ap.add_argument("--no-gloo", action="store_true", help="skip the torch Gloo reference")
     ap.add_argument("--no-p2pdist", action="store_true", help="skip p2pdist (baselines only)")
     ap.add_argument("--no-tcp", action="store_true", help="skip the raw TCP measurement")
@@ -529,13 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if hasattr(os, "getloadavg"):
         machine += ", load average {:.2f} {:.2f} {:.2f} at start".format(*os.getloadavg())
-    from p2pdist.eventloop import uvloop_available
-
-    loops: list[str] = args.loops or (["asyncio", "uvloop"] if uvloop_available() else ["asyncio"])
-    if "uvloop" in loops and not uvloop_available():
-        print("--loop uvloop: uvloop is not installed here", file=sys.stderr)
-        return 2
-    if args.loops is None and not uvloop_available():
+    loops = chosen_loops(args.loops)
+    if args.loops is None and "uvloop" not in loops:
         notes.append('uvloop: skipped (not installed; pip install "p2pdist[fast]")')
     names = [f"{lp} ({LOOPS[lp] or 'no suffix'})" for lp in loops]
     machine += f"; event loops: {', '.join(names)}"

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _loops import add_loop_argument, chosen_loops
 from aioquic.asyncio import QuicConnectionProtocol, connect, serve
 from aioquic.quic.events import QuicEvent, StreamDataReceived
 
@@ -267,19 +268,9 @@ def main() -> None:
     ap.add_argument("--relay", help="use this running relay for the relay row (any loop)")
     ap.add_argument("--no-relay", action="store_true", help="skip the relay row")
     ap.add_argument("--quick", action="store_true", help="only the main rows")
-    default_loops = ["asyncio", "uvloop"] if eventloop.uvloop_available() else ["asyncio"]
-    ap.add_argument(
-        "--loop",
-        "--loops",
-        dest="loops",
-        nargs="+",
-        choices=["asyncio", "uvloop"],
-        default=default_loops,
-        help=f"event loops to measure, interleaved (default: {' '.join(default_loops)})",
-    )
+    add_loop_argument(ap, "event loops to measure, interleaved")
     args = ap.parse_args()
-    for loop in args.loops:
-        eventloop.resolve_loop(loop)  # a clear error when uvloop is missing
+    args.loops = chosen_loops(args.loops)
     total, size = args.mib << 20, args.msg_kib << 10
     base = QuicConfig()
     rows: list[tuple[str, str, dict[str, Any]]] = [

@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from _loops import add_loop_argument, chosen_loops  # noqa: E402
 from relay_helpers import read_relay_url  # noqa: E402
 
-from p2pdist.eventloop import uvloop_available  # noqa: E402
 from p2pdist.identity import SecretKey  # noqa: E402
 from relay.testclient import RelayTestClient, http_get  # noqa: E402
 
@@ -283,17 +283,9 @@ def main() -> None:
     p.add_argument("--blast-seconds", type=float, default=5)
     p.add_argument("--size", type=int, default=200, help="blast datagram bytes")
     p.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
-    loops = ["asyncio", "uvloop"] if uvloop_available() else ["asyncio"]
-    p.add_argument(
-        "--loop",
-        "--loops",
-        dest="loops",
-        nargs="+",
-        choices=["asyncio", "uvloop"],
-        default=loops,
-        help=f"the relay's event loop, each measured in turn (default: {' '.join(loops)})",
-    )
+    add_loop_argument(p, "the relay's event loop, each measured in turn")
     args = p.parse_args()
+    args.loops = chosen_loops(args.loops)
     if args.worker:
         url, proc, peer, count = args.worker
         asyncio.run(_worker_main(url, int(proc), int(peer), int(count)))
