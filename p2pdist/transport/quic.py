@@ -173,9 +173,12 @@ class QuicTransport(EndpointBase[QuicConnection]):
         return self._udp_route(await self._socket_for(family, ip), (ip, int(sockaddr[1])))
 
     def _udp_route(self, sock: UdpSocket, addr: UdpAddress) -> UdpRoute:
+        return UdpRoute(sock, addr, self._direct_datagram(addr))
+
+    def _direct_datagram(self, addr: UdpAddress) -> int:
+        """The datagram size for a direct UDP path to ``addr``."""
         qc = self.quic_config
-        size = qc.loopback_datagram if is_loopback(addr[0]) else qc.direct_datagram
-        return UdpRoute(sock, addr, size)
+        return qc.loopback_datagram if is_loopback(addr[0]) else qc.direct_datagram
 
     def _relay_route(self, relay: Relay, peer: EndpointId) -> RelayRoute:
         # QUIC needs 1200-byte datagrams; a relay that takes fewer drops them (and says so).
@@ -494,7 +497,5 @@ class QuicTransport(EndpointBase[QuicConnection]):
     def _move(self, conn: QuicConnection, sock: UdpSocket, addr: UdpAddress) -> None:
         route = conn.route
         assert isinstance(route, RelayRoute)
-        qc = self.quic_config
-        size = qc.loopback_datagram if is_loopback(addr[0]) else qc.direct_datagram
-        route.use_direct(sock, addr, size)
+        route.use_direct(sock, addr, self._direct_datagram(addr))
         conn.path_changed()
