@@ -277,7 +277,7 @@ def run_one(n: int, args: argparse.Namespace, loop: str = "asyncio") -> dict[str
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--clients", type=int, nargs="+", default=[500, 1000])
-    p.add_argument("--procs", type=int, default=2, help="client processes")
+    p.add_argument("--procs", type=int, default=2, help="client processes (at least 2)")
     p.add_argument("--light-seconds", type=float, default=3)
     p.add_argument("--blast-pairs", type=int, default=4)
     p.add_argument("--blast-seconds", type=float, default=5)
@@ -286,6 +286,8 @@ def main() -> None:
     add_loop_argument(p, "the relay's event loop, each measured in turn")
     args = p.parse_args()
     args.loops = chosen_loops(args.loops)
+    if args.procs < 2:  # the blast and its count must come from different processes
+        p.error("--procs must be at least 2")
     if args.worker:
         url, proc, peer, count = args.worker
         asyncio.run(_worker_main(url, int(proc), int(peer), int(count)))
