@@ -247,3 +247,30 @@ async def test_client_timeouts_name_the_coordinator() -> None:
         with pytest.raises(PeerTimeoutError, match=f"coordinator {short}: no new round within"):
             await cl.next_round(timeout=0.05)
         await cl.close()
+
+
+async def test_close_waits_for_every_task_it_started() -> None:
+    """close() waits for its tasks itself, not by luck while the transport closes (taken
+    away here, and closed after)."""
+    async with coordinator(np.zeros(2, np.float32)) as c:
+        a, b = client_of(c), client_of(c)
+        await a.connect()
+        await b.connect()
+        await c.wait_for_members(2, timeout=10)
+        reader = b._reader
+        assert reader is not None and not reader.done()
+        transport, b._transport = b._transport, None
+        await b.close()
+        assert reader.done()
+        assert transport is not None
+        await transport.close()
+        await wait_until(lambda: len(c.members) == 1, "b left")
+        tasks = [*c._tasks, *(cl.sender for cl in c._clients.values() if cl.sender)]
+        assert len(tasks) >= 3  # the accept loop, a's serve loop and its sender
+        own, c._transport = c._transport, None
+        await c.close()
+        assert all(t.done() for t in tasks)
+        assert own is not None
+        await own.close()
+        assert await a.next_round(timeout=10) is None and a.stopped == "training is over"
+        await a.close()

@@ -27,7 +27,7 @@ from ..transport.dial import dial_with_retry
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
 from .messages import CLIENT_CHANNEL, Message, decode, encode
-from .net import open_transport
+from .net import cancel_and_wait, open_transport
 
 __all__ = ["Ack", "FederatedClient", "RoundTask"]
 
@@ -205,14 +205,14 @@ class FederatedClient:
         return self.acks[count - 1]
 
     async def close(self) -> None:
-        """Say bye (leaving on purpose) and close."""
+        """Say bye (leaving on purpose) and close; returns once the reader has ended."""
         conn, self._conn = self._conn, None
         if conn is not None and not conn.closed:
             meta, payload = encode("bye")
             with contextlib.suppress(P2PError):
                 conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
         if self._reader is not None:
-            self._reader.cancel()
+            await cancel_and_wait([self._reader])
         if self._error is None:
             self._error = ConnectionClosedError("the client was closed")
         self._changed.set()

@@ -42,7 +42,7 @@ from ..transport.tcp import TcpTransport, parse_address
 from .aggregate import apply_update
 from .config import FederatedConfig
 from .messages import CLIENT_CHANNEL, Message, decode, encode
-from .net import open_transport, until_due
+from .net import cancel_and_wait, open_transport, until_due
 from .rounds import FederatedRounds, Phase, RoundOutcome
 
 __all__ = ["Coordinator"]
@@ -183,7 +183,8 @@ class Coordinator:
         self._spawn(self._accept_loop(transport))
 
     async def close(self, why: str = "training is over") -> None:
-        """Tell every client to stop, close every connection, stop accepting."""
+        """Tell every client to stop, close every connection, stop accepting; returns once
+        every task the coordinator started has ended."""
         if self._closed:
             return
         self._closed = True
@@ -191,11 +192,8 @@ class Coordinator:
         for client in list(self._clients.values()):
             with contextlib.suppress(P2PError):
                 client.conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
-        for task in list(self._tasks):
-            task.cancel()
-        for client in list(self._clients.values()):
-            if client.sender is not None:
-                client.sender.cancel()
+        senders = [c.sender for c in self._clients.values() if c.sender is not None]
+        await cancel_and_wait([*self._tasks, *senders])  # none outlives the coordinator
         if self._transport is not None:
             await asyncio.shield(self._transport.close())
 
