@@ -306,6 +306,18 @@ async def test_relay_peer_not_connected_fails_fast() -> None:
         assert eid(1).short() in str(info.value)
 
 
+async def test_dial_socket_failure_names_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def refuse(*args: Any) -> Any:
+        raise OSError(97, "Address family not supported by protocol")
+
+    t = QuicTransport(key(0), config())
+    async with closing(t):
+        monkeypatch.setattr(quic_module.UdpSocket, "open", refuse)
+        with pytest.raises(ConnectionBrokenError, match="cannot open a UDP socket") as info:
+            await bounded(t.connect(eid(1), ("127.0.0.1", 9), label="rank 1"), "connect")
+        assert "rank 1" in str(info.value)
+
+
 async def test_misuse() -> None:
     with pytest.raises(UsageError, match="QUIC always encrypts"):
         QuicTransport(key(0), TransportConfig(tls=False))

@@ -170,7 +170,11 @@ class QuicTransport(EndpointBase[QuicConnection]):
             raise ConnectionBrokenError(name, f"cannot resolve {host}: {exc}") from None
         family, *_, sockaddr = infos[0]
         ip = str(sockaddr[0])
-        return self._udp_route(await self._socket_for(family, ip), (ip, int(sockaddr[1])))
+        try:
+            sock = await self._socket_for(family, ip)
+        except OSError as exc:  # e.g. no IPv6 on this host
+            raise ConnectionBrokenError(name, f"cannot open a UDP socket for {ip}: {exc}") from None
+        return self._udp_route(sock, (ip, int(sockaddr[1])))
 
     def _udp_route(self, sock: UdpSocket, addr: UdpAddress) -> UdpRoute:
         return UdpRoute(sock, addr, self._direct_datagram(addr))
