@@ -184,7 +184,9 @@ async def test_client_process_killed_mid_round_does_not_block_the_round() -> Non
             await proc.wait()
 
 
-async def test_client_breaking_the_protocol_is_dropped_and_counted() -> None:
+async def test_client_breaking_the_protocol_is_dropped_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     async with coordinator(np.zeros(4, np.float32), round_timeout=30.0) as c:
         good, rogue = client_of(c), client_of(c)
         await good.connect()
@@ -196,6 +198,8 @@ async def test_client_breaking_the_protocol_is_dropped_and_counted() -> None:
         await wait_until(
             lambda: c.protocol_errors == 1 and len(c.members) == 1, "rogue client dropped"
         )
+        named = f"client {rogue.endpoint_id.short()}: undecodable message"
+        assert any(named in r.getMessage() for r in caplog.records), caplog.text
         run = asyncio.create_task(c.run_round())
         await good.submit(np.ones(4, np.float32), 1, 0)
         assert (await run).reason is CloseReason.COMPLETE

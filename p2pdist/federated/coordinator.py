@@ -52,6 +52,11 @@ log = logging.getLogger(__name__)
 _HELLO_TIMEOUT = 10.0  # seconds a new connection has to say hello
 
 
+def _client_label(client: EndpointId | str) -> str:
+    """How logs and errors name a client (its endpoint id, or that id as text)."""
+    return f"client {str(client)[:SHORT_LEN]}"  # as EndpointId.short()
+
+
 @dataclass(eq=False)
 class _Client:
     id: str
@@ -88,7 +93,7 @@ class Coordinator:
             self._model.shape,
             self._model.dtype,
             self.config,
-            label=lambda cid: f"client {cid[:SHORT_LEN]}",  # as EndpointId.short()
+            label=_client_label,
         )
         self._tconfig = transport or TransportConfig()
         self._accept = accept
@@ -169,7 +174,7 @@ class Coordinator:
             relay=relay,
             relay_token=relay_token,
             accept_from=self._accept,
-            label_for=lambda eid: f"client {eid.short()}",
+            label_for=_client_label,
             timeout=timeout,
         )
         self._transport = transport
@@ -277,8 +282,7 @@ class Coordinator:
     async def _serve(self, conn: Connection) -> None:
         """One client's life: hello, then submissions until it leaves or breaks."""
         cid = str(conn.peer_id)
-        label = f"client {conn.peer_id.short()}"
-        conn.label = label
+        label = conn.label  # _client_label's: the transport's label_for gave it
         client: _Client | None = None
         try:
             async with asyncio.timeout(_HELLO_TIMEOUT):
