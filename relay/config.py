@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from p2pdist.eventloop import LOOP_CHOICES
 from p2pdist.wire.relay import MAX_BODY
 
 __all__ = ["ConfigError", "RelayConfig", "coerce", "from_mapping", "normalize_keys", "option_names"]
@@ -24,7 +25,8 @@ __all__ = ["ConfigError", "RelayConfig", "coerce", "from_mapping", "normalize_ke
 TOKEN_ENV = "P2PDIST_RELAY_TOKEN"
 MAX_TOKEN_BYTES = 1024
 LOG_LEVELS = ("debug", "info", "warning", "error")
-EVENT_LOOPS = ("auto", "asyncio", "uvloop")
+EVENT_LOOPS = LOOP_CHOICES
+"""The names ``--loop`` takes: p2pdist.eventloop's, so the relay and the library agree."""
 
 
 class ConfigError(ValueError):
