@@ -410,7 +410,10 @@ def test_a_killed_leader_is_replaced_and_the_survivors_agree() -> None:
     for rnd in range(4):
         seen = [rounds[r][rnd] for r in (1, 2, 3)]
         assert len({json.dumps(x, sort_keys=True) for x in seen}) == 1, seen
-        if rnd:
+        assert seen[0]["round"] == rnd and seen[0]["applied"]
+        if rnd == 0:  # the leader died at the start of round 1
+            assert seen[0]["participants"] == [0, 1, 2, 3] and seen[0]["left"] == []
+        else:
             assert seen[0]["participants"] == [1, 2, 3] and seen[0]["left"] == [0]
             assert seen[0]["reason"] == "complete"
     assert all(not any("error" in x for x in ls) for ls in lines.values()), lines
