@@ -15,7 +15,12 @@ import pytest
 from relay_helpers import RelayProcess
 from transport_conformance import wait_until
 
-from p2pdist import PeerAuthenticationError, PeerTimeoutError, TransportConfig
+from p2pdist import (
+    ConnectionClosedError,
+    PeerAuthenticationError,
+    PeerTimeoutError,
+    TransportConfig,
+)
 from p2pdist.federated import (
     CloseReason,
     Coordinator,
@@ -278,3 +283,19 @@ async def test_close_waits_for_every_task_it_started() -> None:
         await own.close()
         assert await a.next_round(timeout=10) is None and a.stopped == "training is over"
         await a.close()
+
+
+async def test_a_client_told_to_stop_before_any_model_closes_on_connect(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with coordinator(np.zeros(2, np.float32)) as c:
+        cl = client_of(c)
+
+        async def stopped(*, timeout: float | None = None) -> None:
+            cl.stopped = "training is over"
+
+        monkeypatch.setattr(cl, "next_round", stopped)
+        with pytest.raises(ConnectionClosedError, match="stopped: training is over"):
+            await cl.connect()
+        assert cl._conn is None and cl._reader is not None and cl._reader.done()
+        await wait_until(lambda: not c.members, "the client's connection closed")

@@ -156,11 +156,11 @@ class FederatedClient:
             await conn.send(CLIENT_CHANNEL, payload, meta=meta)
             self._reader = asyncio.get_running_loop().create_task(self._read(conn))
             task = await self.next_round(timeout=self._connect_timeout)
+            if task is None:  # told to stop before any model: do not keep the transport
+                raise ConnectionClosedError(f"{label} stopped: {self.stopped}")
         except BaseException:
             await self.close()
             raise
-        if task is None:
-            raise ConnectionClosedError(f"{label} stopped: {self.stopped}")
         return task
 
     async def next_round(self, *, timeout: float | None = None) -> RoundTask | None:
