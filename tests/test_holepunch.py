@@ -463,6 +463,25 @@ def test_mapping_behaviour_reads_the_nat_type_off_the_answers() -> None:
     assert mapping_behaviour([]) == "unknown"  # a relay without observation ports
 
 
+async def test_stun_probe_resends_only_while_an_answer_can_still_count() -> None:
+    from p2pdist.transport.observe import FIRST_RETRY, StunProbe
+
+    targets = [("192.0.2.1", 3478), ("192.0.2.1", 3479)]
+    probe = StunProbe(targets)
+    loop = asyncio.get_running_loop()
+    sent: list[tuple[float, tuple[str, int]]] = []
+    timeout = 2.5 * FIRST_RETRY  # room for the first request and one resend
+    deadline = loop.time() + timeout
+    answers = await bounded(
+        probe.run(lambda data, addr: sent.append((loop.time(), addr)), timeout), "probe"
+    )
+    assert answers == [None, None]
+    # (the probe takes its deadline a moment after ours: 1 ms of slack)
+    assert all(t < deadline + 1e-3 for t, _ in sent), "a request went out after the deadline"
+    assert 1 <= len(sent) // len(targets) <= 2 and len(sent) % len(targets) == 0
+    assert {addr for _, addr in sent} == set(targets)
+
+
 async def test_quic_dialed_at_an_address_reports_one_direct_path() -> None:
     ta, tb = QuicTransport(A, transport_config()), QuicTransport(B, transport_config())
     async with closing(ta, tb):

@@ -64,8 +64,8 @@ class StunProbe:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(delay, left)):
                     await self._all_in.wait()
-            if self._all_in.is_set():
-                break
+            if self._all_in.is_set() or loop.time() >= deadline:
+                break  # no resend whose answer nobody would wait for
             delay *= 2
         return self.answers
 
