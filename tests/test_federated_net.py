@@ -20,6 +20,7 @@ from p2pdist import (
     PeerAuthenticationError,
     PeerTimeoutError,
     TransportConfig,
+    UsageError,
 )
 from p2pdist.federated import (
     CloseReason,
@@ -299,3 +300,14 @@ async def test_a_client_told_to_stop_before_any_model_closes_on_connect(
             await cl.connect()
         assert cl._conn is None and cl._reader is not None and cl._reader.done()
         await wait_until(lambda: not c.members, "the client's connection closed")
+
+
+async def test_a_coordinator_that_cannot_listen_may_start_again() -> None:
+    async with coordinator(np.zeros(2, np.float32)) as c:
+        assert c.address is not None
+        taken = f"{c.address[0]}:{c.address[1]}"
+        async with Coordinator(np.zeros(2, np.float32), transport=PLAIN) as other:
+            with pytest.raises(UsageError, match=f"cannot listen on {taken}"):
+                await other.start(listen=taken)
+            await other.start(listen="127.0.0.1:0")
+            assert other.address is not None and other.address != c.address

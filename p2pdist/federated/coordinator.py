@@ -177,14 +177,14 @@ class Coordinator:
             label_for=_client_label,
             timeout=timeout,
         )
-        self._transport = transport
         if listen is not None:
             host, port = parse_address(listen)
             try:
                 self._address = await transport.listen(host, port)
-            except OSError as exc:
+            except OSError as exc:  # not started: start() may be called again
                 await transport.close()
                 raise UsageError(f"coordinator cannot listen on {host}:{port}: {exc}") from None
+        self._transport = transport
         self._spawn(self._accept_loop(transport))
 
     async def close(self, why: str = "training is over") -> None:
