@@ -107,8 +107,9 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         self._write_copy = True
         """Copy large payloads before writing (see :func:`_write_keeps_reference`)."""
         self._tls_slices = False
-        self._direct: socket.socket | None = None
         """Write large payloads in :data:`_TLS_SLICE` pieces (TLS transports)."""
+        self._direct: socket.socket | None = None
+        """A duplicate of the plain socket, to send what the kernel takes at once (no TLS)."""
         # Handshake phase state.
         self._hs_buf = bytearray(64 * 1024)
         self._hs_reader = RecordReader(expect_magic=server_side)
