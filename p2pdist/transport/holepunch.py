@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..identity import EndpointId, SecretKey
 from ..wire.probe import (
@@ -247,9 +248,9 @@ class HolePuncher:
         self._closed = True
         for peer in list(self._peers):
             self.unwatch(peer)
-        tasks = list(self._tasks)
+        tasks: list[asyncio.Task[Any]] = [*self._tasks]
         if self._observing is not None:
-            tasks.append(self._observing)  # type: ignore[arg-type]
+            tasks.append(self._observing)
         for t in tasks:
             t.cancel()
         if tasks:
