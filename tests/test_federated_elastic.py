@@ -204,7 +204,9 @@ def test_a_takeover_adopts_what_was_applied_and_refuses_what_cannot_be() -> None
     assert mine.adopt == {"r": 5} and mine.behind == (2,) and mine.lead_from == 6
     with pytest.raises(FailoverError, match="more than one round"):
         plan_takeover(1, Report(5, d), {2: Report(7, {"r": 6})})
-    with pytest.raises(FailoverError, match="different decisions"):
+    with pytest.raises(FailoverError, match="rank 2 in round 6 did not say how round 5"):
+        plan_takeover(1, Report(5, d), {2: Report(6, None), 3: Report(6, {"r": 5})})
+    with pytest.raises(FailoverError, match="different decisions for round 5: rank 2, rank 3"):
         plan_takeover(1, Report(5, d), {2: Report(6, {"r": 5}), 3: Report(6, {"r": 5, "x": 1})})
 
 

@@ -72,12 +72,19 @@ def plan_takeover(me: int, mine: Report, reports: Mapping[int, Report]) -> Takeo
         raise FailoverError(f"ranks are more than one round apart: {where}")
     if hi == lo:
         return Takeover(None, (), lo, rejoining)
-    held = [rep.last for rep in taking_part.values() if rep.round == hi]
-    if any(d is None for d in held):
-        raise FailoverError(f"a rank in round {hi} did not say how round {lo} was decided")
-    adopt = held[0]
+    held = {r: rep.last for r, rep in sorted(taking_part.items()) if rep.round == hi}
+    silent = [r for r, d in held.items() if d is None]
+    if silent:
+        raise FailoverError(
+            f"{_ranks(silent)} in round {hi} did not say how round {lo} was decided"
+        )
+    adopt = next(iter(held.values()))
     assert adopt is not None
-    if any(d != adopt for d in held):
-        raise FailoverError(f"ranks applied different decisions for round {lo}")
+    if any(d != adopt for d in held.values()):
+        raise FailoverError(f"ranks applied different decisions for round {lo}: {_ranks(held)}")
     behind = tuple(sorted(r for r, rep in taking_part.items() if rep.round == lo))
     return Takeover(adopt, behind, hi, rejoining)
+
+
+def _ranks(ranks: Collection[int]) -> str:
+    return ", ".join(f"rank {r}" for r in ranks)
