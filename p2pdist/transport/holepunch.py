@@ -21,7 +21,6 @@ import logging
 import socket
 import struct
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +47,8 @@ log = logging.getLogger(__name__)
 _EARLY_MAX = 64
 """Relayed probe messages kept for peers whose connection is not up yet (one each)."""
 _EARLY_TTL = 5.0
+_OBSERVATION_TTL = 60.0
+"""Seconds an observation of our socket is reused before the relay's ports are asked again."""
 _SIOCGIFADDR = 0x8915
 
 
@@ -58,6 +59,7 @@ class Observation:
     mapped: tuple[tuple[UdpAddress, UdpAddress], ...]
     """(relay observation address, our address as seen from it), one per answer."""
     at: float
+    """When the answers came (event-loop time, like every other timestamp here)."""
 
     @property
     def addresses(self) -> list[UdpAddress]:
@@ -223,7 +225,7 @@ class HolePuncher:
         """Ask the relay's observation ports where they see our socket (bounded by
         ``stun_timeout``); shared by concurrent callers, cached for a minute."""
         obs = self._observation
-        if obs is not None and time.monotonic() - obs.at < 60.0:
+        if obs is not None and self._loop.time() - obs.at < _OBSERVATION_TTL:
             return obs
         if self._observing is None or self._observing.done():
             self._observing = self._loop.create_task(self._observe())
@@ -274,7 +276,7 @@ class HolePuncher:
         finally:
             self._probe = None
         mapped = tuple((t, a) for t, a in zip(targets, answers, strict=True) if a is not None)
-        obs = Observation(mapped, time.monotonic())
+        obs = Observation(mapped, self._loop.time())
         self._observation = obs
         if not mapped:
             log.info("no answer from the relay observation ports %s (UDP blocked?)", targets)
