@@ -16,6 +16,7 @@ from relay_helpers import RelayProcess
 from transport_conformance import wait_until
 
 from p2pdist import (
+    ConnectionBrokenError,
     ConnectionClosedError,
     PeerAuthenticationError,
     PeerTimeoutError,
@@ -311,3 +312,23 @@ async def test_a_coordinator_that_cannot_listen_may_start_again() -> None:
                 await other.start(listen=taken)
             await other.start(listen="127.0.0.1:0")
             assert other.address is not None and other.address != c.address
+
+
+async def test_the_same_client_again_replaces_its_old_connection() -> None:
+    async with coordinator(np.zeros(2, np.float32), round_timeout=30.0) as c:
+        assert c.address is not None
+        old = client_of(c)
+        await old.connect()
+        new = FederatedClient(
+            c.endpoint_id, address=f"{c.address[0]}:{c.address[1]}", transport=PLAIN, key=old.key
+        )
+        await new.connect()
+        with pytest.raises(ConnectionBrokenError, match=f"coordinator {c.endpoint_id.short()}"):
+            await old.next_round(timeout=10)  # the coordinator closed the old connection
+        assert c.members == [str(old.endpoint_id)]
+        run = asyncio.create_task(c.run_round())
+        await new.submit(np.ones(2, np.float32), 1, 0)
+        out = await run
+        assert out.reason is CloseReason.COMPLETE and out.members == 1
+        await old.close()
+        await new.close()

@@ -328,10 +328,10 @@ class Coordinator:
                 await asyncio.shield(conn.close())
 
     def _forget(self, client: _Client) -> None:
+        """Drop ``client`` (already out of ``_clients``) from the rounds."""
         if client.sender is not None:
             client.sender.cancel()
-        if client.id not in self._clients:
-            self._state.leave(client.id)
+        self._state.leave(client.id)
         self._wake.set()
 
     def _on_submit(self, client: _Client, message: Message) -> None:
