@@ -127,7 +127,8 @@ class QuicConnection(FramedConnection):
 
     def _write_frame(self, header: bytes, payload: memoryview) -> None:
         if payload.nbytes <= 65536:
-            self._quic.write(STREAM_ID, header + payload.tobytes() if payload.nbytes else header)
+            # One copy (``header + payload.tobytes()`` made two), as TcpConnection does.
+            self._quic.write(STREAM_ID, b"".join((header, payload)) if payload.nbytes else header)
         else:
             self._quic.write(STREAM_ID, header)
             self._quic.write(STREAM_ID, payload)
