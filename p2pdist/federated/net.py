@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
 
 from ..identity import EndpointId, SecretKey
+from ..tasks import cancel_and_wait
 from ..transport.base import TransportConfig
 from ..transport.quic import QuicTransport
 from ..transport.relay_path import RelayPath
@@ -61,14 +61,3 @@ async def until_due(
             async with asyncio.timeout_at(deadline):
                 await wake.wait()
     return why
-
-
-async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]]) -> None:
-    """Cancel ``tasks`` and wait until every one has ended, so none outlives its owner;
-    what they raised is theirs and is dropped. The wait goes on if we are cancelled
-    (shielded), and our cancellation is raised after."""
-    pending = list(tasks)
-    for task in pending:
-        task.cancel()
-    if pending:
-        await asyncio.shield(asyncio.gather(*pending, return_exceptions=True))

@@ -27,6 +27,7 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId, SecretKey
+from ..tasks import cancel_and_wait
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.mailbox import SPACE_SHIFT
 from ..transport.pathinfo import PathInfo
@@ -369,8 +370,7 @@ class GroupCore(Membership):
         if self._closing:
             return
         self._closing = True
-        for task in self._listeners:
-            task.cancel()
+        await cancel_and_wait(self._listeners, timeout=5.0)
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog, self._watchdog_at = None, math.inf
@@ -379,8 +379,6 @@ class GroupCore(Membership):
         if self._transport is not None:
             # Shielded: a cancelled close() still finishes closing in the background.
             await asyncio.shield(self._transport.close())
-        # Cancelled above; they end at once (their connections are closed too).
-        await asyncio.gather(*self._listeners, return_exceptions=True)
 
     # ---- failure handling -------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId
+from ..tasks import cancel_and_wait
 from ..transport.base import Address, Connection
 from ..transport.dial import dial_with_retry
 from ..transport.mailbox import SPACE_SHIFT
@@ -403,9 +404,8 @@ class Membership:
                 f"no connection to {missing}"
             ) from None
         finally:
-            for task in dials.values():
-                task.cancel()  # a dial cancelled with a connection in hand closes it
-            await asyncio.gather(*dials.values(), *given_up, return_exceptions=True)
+            # A dial cancelled with a connection in hand closes it.
+            await cancel_and_wait([*dials.values(), *given_up], timeout=10.0)
         if not cids:
             raise UsageError("rejoin=True needs at least one other rank still in the group")
         if len(set(cids)) > 1:

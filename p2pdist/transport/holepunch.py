@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..identity import EndpointId, SecretKey
+from ..tasks import cancel_and_wait
 from ..wire.probe import (
     MAX_CANDIDATES,
     ProbeError,
@@ -253,10 +254,7 @@ class HolePuncher:
         tasks: list[asyncio.Task[Any]] = [*self._tasks]
         if self._observing is not None:
             tasks.append(self._observing)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=1.0)
+        await cancel_and_wait(tasks, timeout=1.0)
 
     # ---- internals ---------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import ConnectionBrokenError, P2PTimeoutError, PeerAuthenticationError, UsageError
 from ..identity import EndpointId, SecretKey
+from ..tasks import cancel_and_wait
 from ..tls import endpoint_id_of_cert
 from ..wire.relay import (
     MAX_DATAGRAM,
@@ -220,8 +221,7 @@ class RelayPath:
         """End the session and stop reconnecting."""
         self._closed = True
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait([self._task], timeout=5.0)  # our own cancellation still raises
+            await cancel_and_wait([self._task], timeout=5.0)
         self._set(state=RelayState.CLOSED)
 
     # ---- session loop -------------------------------------------------------------------

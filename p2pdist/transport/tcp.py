@@ -30,6 +30,7 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId, SecretKey
+from ..tasks import cancel_and_wait
 from ..tls import endpoint_id_of_cert
 from ..wire.handshake import (
     HandshakeError,
@@ -521,11 +522,7 @@ class TcpTransport(EndpointBase[TcpConnection]):
         """Close: stop listening and close every connection (bounded)."""
         if self._server is not None:
             self._server.close()
-        handshakes = list(self._handshakes)
-        for task in handshakes:
-            task.cancel()
-        if handshakes:
-            await asyncio.wait(handshakes, timeout=2.0)
+        await cancel_and_wait(self._handshakes, timeout=2.0)
         await self._close_all()
         if self._server is not None:
             with contextlib.suppress(TimeoutError):
