@@ -99,6 +99,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
         self.punch_config = punch or PunchConfig()
         self._puncher: HolePuncher | None = None
         self._punch_sock: UdpSocket | None = None
+        self._punch_lock = asyncio.Lock()
         if relay is not None:
             relay.on_datagram = self._on_relay_datagram
             relay.on_peer_gone = self._on_peer_gone
@@ -476,10 +477,14 @@ class QuicTransport(EndpointBase[QuicConnection]):
     async def _open_punch_socket(self) -> UdpSocket:
         if self._udp is not None and not self._udp.closed:
             return self._udp
-        if self._punch_sock is None or self._punch_sock.closed:
-            host = bind_host_for(await self._stun_targets())
-            self._punch_sock = await UdpSocket.open(host, 0, self._on_udp_datagram)
-        return self._punch_sock
+        # Held across the awaits: peers watched at the same moment (a rank dialing several
+        # at once) must share one socket. Two would leave the first one's probes teaching
+        # peers an address whose later traffic never comes.
+        async with self._punch_lock:
+            if self._punch_sock is None or self._punch_sock.closed:
+                host = bind_host_for(await self._stun_targets())
+                self._punch_sock = await UdpSocket.open(host, 0, self._on_udp_datagram)
+            return self._punch_sock
 
     async def _stun_targets(self) -> list[UdpAddress]:
         """The relay's observation ports (none for a relay that is not a RelayPath)."""
