@@ -55,8 +55,12 @@ async def test_datagrams_flow_with_authenticated_sources(tmp_path: Path) -> None
             assert a.status.observed is not None and a.status.observed.startswith("127.0.0.1:")
             payload = bytes(range(256)) * 4
             a.send(b.endpoint_id, payload)
-            assert await inbox_b.get() == (a.endpoint_id, payload)
-            assert a.status.datagrams_sent == 1 and b.status.datagrams_received == 1
+            first_src, got = await inbox_b.get()
+            assert (first_src, got) == (a.endpoint_id, payload)
+            a.send(b.endpoint_id, payload[:10])
+            second_src, _ = await inbox_b.get()
+            assert second_src is first_src  # parsed once, not one key object per datagram
+            assert a.status.datagrams_sent == 2 and b.status.datagrams_received == 2
             gone: asyncio.Queue[EndpointId] = asyncio.Queue()
             a.on_peer_gone = gone.put_nowait
             a.send(key(7).endpoint_id, b"anyone?")
@@ -117,3 +121,12 @@ async def test_reconnects_after_a_relay_restart(tmp_path: Path) -> None:
     finally:
         await bounded(asyncio.gather(a.close(), b.close()), "close()")
         first.__exit__()
+
+
+async def test_the_sender_id_cache_is_bounded() -> None:
+    path = RelayPath(key(0), "https://127.0.0.1:9", config=FAST)
+    ids = [key(i).endpoint_id for i in range(1, 1100)]
+    for eid in ids:
+        assert path._peer_id(bytes(eid)) == eid
+    assert 0 < len(path._ids) <= 1024
+    assert path._peer_id(bytes(ids[-1])) is path._peer_id(bytes(ids[-1]))

@@ -44,6 +44,9 @@ __all__ = ["RelayConfig", "RelayPath", "RelayState", "RelayStatus", "parse_stun_
 
 log = logging.getLogger(__name__)
 
+_ID_CACHE = 1024
+"""Most sender ids :class:`RelayPath` keeps parsed (a relay session talks to few peers)."""
+
 
 class RelayState(enum.Enum):
     """Where the session to the relay stands."""
@@ -135,6 +138,8 @@ class RelayPath:
         self._outbox: list[bytes] = []
         self._outbox_bytes = 0
         self._cert_hash = b""
+        self._ids: dict[bytes, EndpointId] = {}
+        """Sender ids of received datagrams, parsed once (not one key object per datagram)."""
 
     # ---- public -------------------------------------------------------------------
 
@@ -405,6 +410,15 @@ class RelayPath:
                 if after is not None:
                     return after
 
+    def _peer_id(self, raw: bytes) -> EndpointId:
+        """The EndpointId of ``raw`` (32 bytes), from a bounded cache."""
+        eid = self._ids.get(raw)
+        if eid is None:
+            if len(self._ids) >= _ID_CACHE:
+                self._ids.clear()
+            eid = self._ids[raw] = EndpointId(raw)
+        return eid
+
     def _handle(
         self, kind: RelayFrameType, body: bytes, writer: asyncio.StreamWriter
     ) -> float | None:
@@ -413,10 +427,10 @@ class RelayPath:
             src, datagram = decode_addressed(body)
             self._count(received=1)
             if self.on_datagram is not None:
-                self.on_datagram(EndpointId(src), datagram)
+                self.on_datagram(self._peer_id(src), datagram)
         elif kind is RelayFrameType.PEER_GONE:
             if len(body) == 32 and self.on_peer_gone is not None:
-                self.on_peer_gone(EndpointId(body))
+                self.on_peer_gone(self._peer_id(body))
         elif kind is RelayFrameType.PING:
             writer.write(encode_frame(RelayFrameType.PONG, body))
         elif kind is RelayFrameType.PONG:
