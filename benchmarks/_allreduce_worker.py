@@ -137,19 +137,23 @@ def gloo(cfg: dict[str, Any]) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     try:
         for nbytes, warmup, iters in zip(cfg["sizes"], cfg["warmup"], cfg["iters"], strict=True):
-            t = torch.full((nbytes // 4,), float(rank + 1), dtype=torch.float32)
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-            _check(t.numpy(), world, f"gloo {nbytes} B")
+            t = torch.empty((nbytes // 4,), dtype=torch.float32)
+            # Refill through numpy, on this thread: torch's own fill_ would wake its
+            # OpenMP pool, whose spinning threads take CPU from the next all-reduce.
+            x = t.numpy()
             for _ in range(warmup):
+                x.fill(rank + 1)
                 dist.all_reduce(t, op=dist.ReduceOp.SUM)
             dist.barrier()
             times: list[float] = []
             for _ in range(iters):
+                x.fill(rank + 1)  # outside the timer: every call sums the same data
                 t0 = time.perf_counter()
-                dist.all_reduce(t, op=dist.ReduceOp.SUM)
+                dist.all_reduce(t, op=dist.ReduceOp.SUM)  # in place, as torch always is
                 times.append(time.perf_counter() - t0)
+            _check(x, world, f"gloo {nbytes} B")
             results.append({"bytes": nbytes, "iters": iters, **_summary(times)})
-            del t
+            del t, x
         dist.barrier()
         barrier: list[float] = []
         for _ in range(BARRIER_ITERS):
@@ -178,20 +182,23 @@ async def _p2pdist_async(cfg: dict[str, Any]) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     async with g:
         for nbytes, warmup, iters in zip(cfg["sizes"], cfg["warmup"], cfg["iters"], strict=True):
-            x = np.full(nbytes // 4, float(rank + 1), dtype=np.float32)
-            out = await g.all_reduce(x, op="sum", **kw)
-            _check(np.asarray(out), world, f"p2pdist {nbytes} B")
-            del out
+            x = np.empty(nbytes // 4, dtype=np.float32)
+            # In place by default, as Gloo's all_reduce(t); "out_of_place" measures the
+            # call that returns a fresh array (its allocation and first touch included).
+            out: np.ndarray[Any, Any] | None = None if cfg.get("out_of_place") else x
             for _ in range(warmup):
-                await g.all_reduce(x, op="sum", **kw)
+                x.fill(rank + 1)
+                await g.all_reduce(x, op="sum", out=out, **kw)
             await g.barrier()
             times: list[float] = []
             for _ in range(iters):
+                x.fill(rank + 1)  # outside the timer: every call sums the same data
                 t0 = time.perf_counter()
-                await g.all_reduce(x, op="sum", **kw)
+                result = await g.all_reduce(x, op="sum", out=out, **kw)
                 times.append(time.perf_counter() - t0)
+            _check(np.asarray(result), world, f"p2pdist {nbytes} B")
             results.append({"bytes": nbytes, "iters": iters, **_summary(times)})
-            del x
+            del x, result
         await g.barrier()
         barrier: list[float] = []
         for _ in range(BARRIER_ITERS):

@@ -9,7 +9,10 @@ Everything runs on 127.0.0.1 in the same invocation so the numbers are comparabl
 Timing: per size, a few warm-up calls, a barrier, then timed calls; each rank reports the
 median time per all-reduce and the table shows the maximum of those medians over ranks.
 ``algbw = bytes / time`` and ``busbw = algbw * 2(n-1)/n`` (the nccl-tests convention), in
-GB/s (1e9 bytes per second). Sizes are bytes of float32 data.
+GB/s (1e9 bytes per second). Sizes are bytes of float32 data. Both sides reduce in
+place, as ``torch.distributed.all_reduce(t)`` always does: p2pdist is called as
+``all_reduce(x, out=x)`` (``--out-of-place`` measures the call that returns a fresh array
+instead); every rank refills its input before each call, outside the timer.
 
 Every p2pdist mode runs on each event loop of ``--loop`` (default: asyncio and uvloop
 when uvloop is installed; uvloop columns carry a ``+uv`` suffix), one loop right after the
@@ -451,6 +454,11 @@ def build_parser() -> argparse.ArgumentParser:
         "-f16/-bf16/-int8 = compressed wire",
     )
     add_loop_argument(ap, "event loops for p2pdist, each mode run on each")
+    ap.add_argument(
+        "--out-of-place",
+        action="store_true",
+        help="p2pdist calls return a fresh array (default: in place, out=x, as Gloo's)",
+    )
     ap.add_argument("--no-gloo", action="store_true", help="skip the torch Gloo reference")
     ap.add_argument("--no-p2pdist", action="store_true", help="skip p2pdist (baselines only)")
     ap.add_argument("--no-tcp", action="store_true", help="skip the raw TCP measurement")
@@ -572,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "peers": peers,
                                 "tls": mode.startswith("tls"),
                                 "loop": loop,
+                                "out_of_place": args.out_of_place,
                                 "reduce_kwargs": VARIANTS[
                                     mode[mode.find("-") :] if "-" in mode else ""
                                 ],
@@ -607,7 +616,13 @@ def main(argv: list[str] | None = None) -> int:
     out.append(tcp_line)
     out.append(
         "timing: per size, warm-up then barrier then timed calls; latency = max over "
-        "ranks of the per-rank median; busbw = bytes/time * 2(n-1)/n, GB/s = 1e9 B/s"
+        "ranks of the per-rank median; busbw = bytes/time * 2(n-1)/n, GB/s = 1e9 B/s; "
+        "input refilled before each call, outside the timer; "
+        + (
+            "p2pdist out of place (a fresh result array per call), Gloo in place"
+            if args.out_of_place
+            else "both in place (p2pdist all_reduce(x, out=x), Gloo all_reduce(t))"
+        )
     )
     out.append(
         "iterations (warm-up/timed): "
