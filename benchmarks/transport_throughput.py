@@ -11,7 +11,14 @@ Compares, between two processes on loopback, for the same message sizes:
   identities (what a data path on worker threads could reach: ``SSLSocket`` releases the
   GIL while it encrypts, decrypts and waits).
 
-Run: ``python benchmarks/transport_throughput.py [--mib 512] [--size-mib 8]``
+``--both-ways`` makes each process send and receive at once, as every rank of a world-2
+ring all-reduce does: a cell is the bytes of one direction over the time the slower
+process needed to send and receive all of them. The blocking
+kinds then run a sender thread and a receiver thread per process, on one connection per
+direction (an ``SSLSocket`` is not to be used by two threads at once); that is the most a
+worker-thread data path could get out of two processes on this machine.
+
+Run: ``python benchmarks/transport_throughput.py [--mib 512] [--size-mib 8] [--both-ways]``
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import asyncio
 import multiprocessing as mp
 import socket
 import struct
+import threading
 import time
 from typing import Any
 
@@ -31,6 +39,36 @@ from p2pdist.launch import pick_free_ports
 from p2pdist.tls import TlsIdentity
 
 SEED = "transport-bench-seed-0123"
+
+
+async def _p2pdist_both(role: str, port: int, count: int, size: int, tls: bool, q: Any) -> None:
+    """Both ways at once over one connection: send ``count`` messages while receiving as many."""
+    cfg = TransportConfig(tls=tls)
+    server_key, client_key = SecretKey.from_seed(SEED, 0), SecretKey.from_seed(SEED, 1)
+    if role == "recv":
+        t = TcpTransport(server_key, cfg)
+        await t.listen("127.0.0.1", port)
+        q.put("listening")
+        conn = await t.accept(timeout=30)
+    else:
+        t = TcpTransport(client_key, cfg)
+        conn = await t.connect(server_key.endpoint_id, ("127.0.0.1", port))
+    payload = np.ones(size, np.uint8)
+
+    async def send_all() -> None:
+        for _ in range(count):
+            await conn.send(1, payload)
+
+    async def recv_all() -> None:
+        for _ in range(count):
+            await conn.recv(1, timeout=60)
+
+    start = time.perf_counter()
+    await asyncio.gather(send_all(), recv_all())
+    q.put(count * size / (time.perf_counter() - start))
+    await conn.send(2, b"done")  # neither side closes while the other still receives
+    await conn.recv(2, timeout=60)
+    await t.close()
 
 
 async def _p2pdist(role: str, port: int, count: int, size: int, tls: bool, q: Any) -> None:
@@ -123,34 +161,101 @@ def _socket(role: str, port: int, count: int, size: int, q: Any, tls: bool = Fal
             s.recv(1)
 
 
-def _worker(kind: str, role: str, port: int, count: int, size: int, q: Any) -> None:
+def _socket_both(role: str, port: int, count: int, size: int, q: Any, tls: bool) -> None:
+    """Both ways at once: a sender and a receiver thread, one blocking connection each way
+    (``port`` carries "recv" -> "send" traffic, ``port + 1`` the other way)."""
+    me = TlsIdentity(SecretKey.from_seed(SEED, 0 if role == "recv" else 1))
+    peer = TlsIdentity(SecretKey.from_seed(SEED, 1 if role == "recv" else 0))
+    socks: list[socket.socket] = []
+    if role == "recv":
+        servers = [socket.create_server(("127.0.0.1", p)) for p in (port, port + 1)]
+        q.put("listening")
+        for srv in servers:
+            conn, _ = srv.accept()
+            srv.close()
+            ctx = me.server_context(peer.cert_der)
+            socks.append(ctx.wrap_socket(conn, server_side=True) if tls else conn)
+        out, inc = socks
+    else:
+        for p in (port, port + 1):
+            raw = socket.create_connection(("127.0.0.1", p))
+            socks.append(me.client_context().wrap_socket(raw) if tls else raw)
+        inc, out = socks
+    payload = np.ones(size, np.uint8)
+    buf = np.empty(size, np.uint8)
+    view = buf.data.cast("B")
+
+    def send_all() -> None:
+        for _ in range(count):
+            out.sendall(payload.data)
+
+    start = time.perf_counter()
+    sender = threading.Thread(target=send_all)
+    sender.start()
+    for _ in range(count):
+        got = 0
+        while got < size:
+            got += inc.recv_into(view[got:])
+    sender.join()
+    q.put(count * size / (time.perf_counter() - start))
+    time.sleep(0.5)  # let the other side finish receiving before the sockets close
+    for sk in socks:
+        sk.close()
+
+
+def _worker(
+    kind: str, role: str, port: int, count: int, size: int, q: Any, both: bool = False
+) -> None:
     kind, uv, _ = kind.partition("+uv")  # "+uv": the same on uvloop
     loop = "uvloop" if uv else "asyncio"
     if kind in ("socket", "tls-socket"):
-        _socket(role, port, count, size, q, tls=kind == "tls-socket")
+        run = _socket_both if both else _socket
+        run(role, port, count, size, q, tls=kind == "tls-socket")
     elif kind == "streams":
         eventloop.run(_streams(role, port, count, size, q), loop=loop)
     else:
-        eventloop.run(_p2pdist(role, port, count, size, kind == "p2pdist-tls", q), loop=loop)
+        run_p2p = _p2pdist_both if both else _p2pdist
+        eventloop.run(run_p2p(role, port, count, size, kind == "p2pdist-tls", q), loop=loop)
 
 
-def measure(kind: str, total: int, size: int) -> float:
-    """Bytes per second received by one process from another."""
+def measure(kind: str, total: int, size: int, both: bool = False) -> float:
+    """Bytes per second received by one process from another (``both``: each process
+    sends and receives ``total`` bytes at once; bytes of one direction over the time the
+    slower process took for both)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    (port,), count = pick_free_ports("127.0.0.1", 1), max(2, total // size)
-    procs = [ctx.Process(target=_worker, args=(kind, "recv", port, count, size, q))]
+    port, count = (
+        _port_pair() if both else pick_free_ports("127.0.0.1", 1)[0],
+        max(2, total // size),
+    )
+    args = (port, count, size, q, both)
+    procs = [ctx.Process(target=_worker, args=(kind, "recv", *args))]
     procs[0].start()
     try:  # a worker that hangs or dies is killed, never waited for without a bound
         assert q.get(timeout=60) == "listening"
-        procs.append(ctx.Process(target=_worker, args=(kind, "send", port, count, size, q)))
+        procs.append(ctx.Process(target=_worker, args=(kind, "send", *args)))
         procs[1].start()
-        return float(q.get(timeout=300))
+        rates = [float(q.get(timeout=300)) for _ in range(2 if both else 1)]
+        return min(rates)
     finally:
         for p in reversed(procs):
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
+
+
+def _port_pair() -> int:
+    """A free port whose successor is free too (the blocking kinds use both)."""
+    for _ in range(100):
+        (port,) = pick_free_ports("127.0.0.1", 1)
+        if port < 65535:
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
 
 
 def main() -> None:
@@ -167,13 +272,23 @@ def main() -> None:
         default=kinds,
         help=f"columns (a '+uv' suffix runs on uvloop; default: {' '.join(kinds)})",
     )
+    ap.add_argument(
+        "--both-ways",
+        action="store_true",
+        help="each process sends and receives at once (as a world-2 ring does)",
+    )
     args = ap.parse_args()
     kinds = args.kinds
-    print("one-way throughput, GB/s (loopback, 2 processes)")
+    if args.both_ways and "streams" in kinds:
+        kinds.remove("streams")  # one-way only
+    if args.both_ways:
+        print("throughput of each direction, both at once, GB/s (loopback, 2 processes)")
+    else:
+        print("one-way throughput, GB/s (loopback, 2 processes)")
     print(f"{'message':>10} " + " ".join(f"{k:>14}" for k in kinds))
     for mib in args.size_mib:
         size = int(mib * (1 << 20))
-        rates = [measure(k, args.mib << 20, size) / 1e9 for k in kinds]
+        rates = [measure(k, args.mib << 20, size, args.both_ways) / 1e9 for k in kinds]
         print(f"{mib:>7g}MiB " + " ".join(f"{r:>14.2f}" for r in rates))
 
 
