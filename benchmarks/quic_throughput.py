@@ -172,15 +172,16 @@ async def _p2pdist(
                 await c.recv(1, timeout=120)
 
         await asyncio.gather(*(c.recv(9, timeout=60) for c in conns))  # all connected
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(drain(c, n) for c, n in zip(conns, per, strict=True)))
         rate = count * size / (time.perf_counter() - start)
+        cpu = time.process_time() - cpu
         if opts.get("relay"):
             info = t.paths()[CLIENT.endpoint_id]
             direct = sum(p.bytes_received for p in info.paths if p.kind == "direct")
             if info.kind != "relay" or direct:
                 raise RuntimeError(f"the relay row left the relay: {info}")
-        q.put(rate)
+        q.put({"rate": rate, "recv_cpu": cpu / (count * size)})
         for c in conns:
             await c.send(2, b"done")
             await c.recv(3, timeout=60)
@@ -194,9 +195,12 @@ async def _p2pdist(
             for _ in range(n):
                 await c.send(1, payload)
 
+        cpu = time.process_time()
         await asyncio.gather(*(pump(c, n) for c, n in zip(conns, per, strict=True)))
-        for c in conns:
+        for c in conns:  # "done" comes once everything arrived (and was acknowledged)
             await c.recv(2, timeout=120)
+        q.put({"send_cpu": (time.process_time() - cpu) / (count * size)})
+        for c in conns:
             await c.send(3, b"bye")
     await t.close()
 
@@ -212,8 +216,9 @@ def _worker(
 
 
 @contextlib.contextmanager
-def local_relay(loop: str, workdir: Path) -> Iterator[str]:
-    """A ``python -m relay`` process on 127.0.0.1 running on ``loop``; yields its URL."""
+def local_relay(loop: str, workdir: Path) -> Iterator[tuple[str, int]]:
+    """A ``python -m relay`` process on 127.0.0.1 running on ``loop``; yields its URL and
+    process id."""
     log = workdir / f"relay-{loop}.log"
     with log.open("wb") as fh:
         proc = subprocess.Popen(
@@ -227,7 +232,7 @@ def local_relay(loop: str, workdir: Path) -> Iterator[str]:
         line = proc.stdout.readline().decode()
         if not line.startswith("relay url: "):
             raise RuntimeError(f"relay on {loop} did not start: {log.read_text()[-2000:]}")
-        yield line.removeprefix("relay url: ").strip()
+        yield line.removeprefix("relay url: ").strip(), proc.pid
     finally:
         proc.terminate()
         try:
@@ -237,8 +242,19 @@ def local_relay(loop: str, workdir: Path) -> Iterator[str]:
             proc.wait(timeout=15)
 
 
-def measure(kind: str, total: int, size: int, **opts: Any) -> float:
-    """Payload bytes per second received by one process from another."""
+_CPU_KEYS = (("sender", "send_cpu"), ("receiver", "recv_cpu"), ("relay", "relay_cpu"))
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(kind: str, total: int, size: int, relay_pid: int = 0, **opts: Any) -> dict[str, float]:
+    """Payload bytes per second received by one process from another ("rate"); for
+    p2pdist kinds also CPU seconds per payload byte of the receiver ("recv_cpu"), the
+    sender ("send_cpu") and, with ``relay_pid``, the relay process ("relay_cpu")."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = pick_free_ports("127.0.0.1", 1)[0] if kind == "tcp" else _free_udp_port()
@@ -247,8 +263,14 @@ def measure(kind: str, total: int, size: int, **opts: Any) -> float:
     try:
         assert q.get(timeout=60) == "listening"
         send = ctx.Process(target=_worker, args=(kind, "send", port, total, size, opts, q))
+        relay_cpu = _cpu_seconds(relay_pid) if relay_pid else 0.0
         send.start()
-        rate = float(q.get(timeout=600))
+        got = q.get(timeout=600)
+        result = dict(got) if isinstance(got, dict) else {"rate": float(got)}
+        if kind != "bare":
+            result.update(q.get(timeout=120))
+        if relay_pid:  # the whole run, connection set-up included: slightly high
+            result["relay_cpu"] = (_cpu_seconds(relay_pid) - relay_cpu) / total
         send.join(timeout=60)
         if send.is_alive():
             send.kill()
@@ -256,7 +278,7 @@ def measure(kind: str, total: int, size: int, **opts: Any) -> float:
         recv.join(timeout=5)
         if recv.is_alive():
             recv.kill()
-    return rate
+    return result
 
 
 def main() -> None:
@@ -311,27 +333,35 @@ def main() -> None:
     bare: dict[tuple[int, str], float] = {}
     direct: dict[str, float] = {}
     relayed: dict[str, float] = {}
+    cpu_rows: dict[tuple[str, str], dict[str, float]] = {}
     tmp = tempfile.TemporaryDirectory(prefix="p2pdist-quic-bench-")
     with tmp, contextlib.ExitStack() as stack:
-        relays: dict[str, str] = {}
+        relays: dict[str, tuple[str, int]] = {}
         if not args.no_relay:
             for loop in args.loops:
-                relays[loop] = args.relay or stack.enter_context(local_relay(loop, Path(tmp.name)))
+                relays[loop] = (
+                    (args.relay, 0)
+                    if args.relay
+                    else stack.enter_context(local_relay(loop, Path(tmp.name)))
+                )
         for name, kind, opts in rows:
-            runs: dict[str, list[float]] = {loop: [] for loop in args.loops}
+            runs: dict[str, list[dict[str, float]]] = {loop: [] for loop in args.loops}
             try:
                 for _ in range(args.repeat):
                     for loop in args.loops:
                         o = {**opts, "loop": loop}
                         if "relay" in o:
-                            o["relay"] = relays[loop]
-                        runs[loop].append(measure(kind, total, size, **o) / 1e6)
+                            o["relay"], o["relay_pid"] = relays[loop]
+                        runs[loop].append(measure(kind, total, size, **o))
             except Exception as exc:  # one failing row must not hide the others
                 print(f"{name:<40} failed: {exc!r}", flush=True)
                 continue
             for loop in args.loops:
-                r = sorted(runs[loop])
+                ordered = sorted(runs[loop], key=lambda m: m["rate"])
+                r = [m["rate"] / 1e6 for m in ordered]
                 rate = r[len(r) // 2]
+                if kind == "quic" and "conns" not in opts and opts["quic"] == base:
+                    cpu_rows[name, loop] = ordered[len(r) // 2]
                 dgram = opts["quic"].loopback_datagram if "quic" in opts else 0
                 if kind == "bare":
                     bare[dgram, loop] = rate
@@ -342,6 +372,14 @@ def main() -> None:
                 spread = f"  ({r[0]:.0f}..{r[-1]:.0f})"
                 label = f"{name} [{loop}]"
                 print(f"{label:<50} {rate:9.1f}{ratio}{spread}", flush=True)
+    if cpu_rows:
+        print(
+            "CPU per MB moved (ms of CPU time per 10^6 payload bytes, from the median run; "
+            "the relay's includes connection set-up):"
+        )
+        for (name, loop), m in cpu_rows.items():
+            parts = [f"{who} {m[k] * 1e9:5.2f}" for who, k in _CPU_KEYS if k in m]
+            print(f"  {name + f' [{loop}]':<48} " + "  ".join(parts), flush=True)
     for loop in args.loops:
         if loop in direct and loop in relayed:
             print(
