@@ -1,0 +1,85 @@
+"""The benchmarks in benchmarks/ run and print their tables (tiny sizes, loopback only).
+
+These are not measurements (sizes are far too small to mean anything); they keep the
+commands that docs/performance.md quotes working, so a change that breaks a benchmark
+fails CI instead of the next person who tries to reproduce a table. Gloo needs torch,
+which is not a test dependency: the all-reduce benchmark must then say it skipped it.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(script: str, *args: str, timeout: float = 240) -> str:
+    """Run ``benchmarks/<script> args``; its stdout (the test fails on a non-zero exit)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def rates(line: str) -> list[float]:
+    """The numbers of one table row after its label."""
+    return [float(x) for x in re.findall(r"\d+\.\d+", line)]
+
+
+@pytest.mark.timeout(300)
+def test_allreduce_table_in_place_and_out_of_place() -> None:
+    base = ["--world", "2", "--sizes", "4K", "64K", "--iters", "3", "--warmup", "1"]
+    base += ["--modes", "plaintext", "tls", "--loop", "asyncio", "--no-tcp"]
+    for extra in ([], ["--out-of-place"]):
+        out = bench("allreduce.py", *base, *extra)
+        assert "== world 2 ==" in out
+        rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+        for size in ("4K", "64K"):
+            assert len(rates(rows[size])) >= 2, out  # latency and bus bandwidth per mode
+        assert "barrier" in rows
+        where = "out of place" if extra else "both in place"
+        assert where in out
+        try:
+            import torch  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
+        except ImportError:
+            assert "gloo: skipped" in out
+
+
+@pytest.mark.timeout(300)
+def test_transport_throughput_one_way_and_both_ways() -> None:
+    kinds = ["--kinds", "socket", "tls-socket", "p2pdist-plain", "p2pdist-tls"]
+    for extra in ([], ["--both-ways"]):
+        out = bench("transport_throughput.py", "--mib", "8", "--size-mib", "1", *kinds, *extra)
+        row = next(line for line in out.splitlines() if "MiB" in line and "GB/s" not in line)
+        assert len(rates(row)) == 4 and min(rates(row)) > 0, out  # one rate per column
+        assert ("both at once" in out) == bool(extra)
+
+
+@pytest.mark.timeout(300)
+def test_quic_throughput_reports_cpu_per_megabyte_and_the_relay_ratio() -> None:
+    out = bench("quic_throughput.py", "--quick", "--repeat", "1", "--mib", "4", "--loop", "asyncio")
+    for row in ("aioquic bare", "p2pdist QUIC direct", "p2pdist QUIC relay", "p2pdist TCP TLS"):
+        assert any(line.startswith(row) and "failed" not in line for line in out.splitlines()), out
+    cpu = [line for line in out.splitlines() if "QUIC relay" in line and "sender" in line]
+    assert cpu and "relay" in cpu[0].split("]", 1)[1], out  # the relay process's share too
+    assert "relay / direct QUIC [asyncio]:" in out
+
+
+@pytest.mark.timeout(300)
+def test_reduce_modes_and_codecs_tables() -> None:
+    out = bench("reduce_modes.py", "--world", "2", "--mib", "1", "--rounds", "1", "--iters", "1")
+    for mode in ("plain", "det", "bf16", "int8", "f16"):
+        assert re.search(rf"^\s+{mode}\s+\d", out, re.M), out
+    out = bench("codecs.py", "--n", "65536", "--repeat", "1", "--iters", "1")
+    assert "bfloat16" in out and "int8" in out
