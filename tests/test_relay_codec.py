@@ -12,7 +12,9 @@ from p2pdist import SecretKey, UsageError
 from p2pdist.wire import stun
 from p2pdist.wire.relay import (
     MAX_BODY,
+    RelayFrame,
     RelayFrameDecoder,
+    RelayFrameReader,
     RelayFrameType,
     RelayProtocolError,
     RelayUrl,
@@ -74,6 +76,84 @@ def test_decoder_never_raises_anything_but_protocol_errors(data: bytes, step: in
                 assert isinstance(kind, RelayFrameType) and len(body) <= MAX_BODY
     except RelayProtocolError:
         pass
+
+
+def as_reader_frames(frames: list[tuple[RelayFrameType, bytes]]) -> list[RelayFrame]:
+    """What RelayFrameReader gives for the decoder's (kind, body) pairs."""
+    addressed = (RelayFrameType.SEND, RelayFrameType.RECV)
+    return [
+        RelayFrame(k, b[:32], b[32:]) if k in addressed else RelayFrame(k, b"", b)
+        for k, b in frames
+    ]
+
+
+def receive_in_place(
+    reader: RelayFrameReader, data: bytes, step: int, max_body: int = MAX_BODY
+) -> list[RelayFrame]:
+    """Deliver ``data`` as a BufferedProtocol transport would: into get_buffer(), at most
+    ``step`` bytes per read."""
+    got: list[RelayFrame] = []
+    pos = 0
+    while pos < len(data):
+        room = reader.get_buffer()
+        assert room.nbytes >= max_body + 5  # always room for a whole largest frame
+        n = min(step, room.nbytes, len(data) - pos)
+        room[:n] = data[pos : pos + n]
+        pos += n
+        got += reader.buffer_updated(n)
+    return got
+
+
+@pytest.mark.parametrize("step", [1, 7, 4096, 70_000, 1 << 20])
+def test_reader_receives_in_place_what_the_decoder_parses(step: int) -> None:
+    frames = [
+        (RelayFrameType.CHALLENGE, b"\x01" + bytes(32)),
+        (RelayFrameType.RECV, bytes(KEY.endpoint_id) + b"datagram"),
+        (RelayFrameType.PING, b"12345678"),
+        (RelayFrameType.RECONNECT, b""),
+        *[(RelayFrameType.RECV, bytes([i]) * 32 + bytes([i]) * (MAX_BODY - 32)) for i in range(5)],
+        (RelayFrameType.RECV, bytes(32)),  # an empty datagram
+    ]
+    data = b"".join(encode_frame(k, b) for k, b in frames)
+    reader = RelayFrameReader(capacity=1024)  # grows to two largest frames, no more
+    assert receive_in_place(reader, data, step) == as_reader_frames(frames)
+    assert reader.pending == 0
+    assert RelayFrameReader().feed(data) == as_reader_frames(frames)
+
+
+def test_reader_refuses_bad_frames_and_stays_refusing() -> None:
+    short = encode_frame(RelayFrameType.RECV, b"too short for an id")
+    with pytest.raises(RelayProtocolError, match="shorter than an endpoint id"):
+        RelayFrameReader().feed(short)
+    reader = RelayFrameReader(max_body=100)
+    with pytest.raises(RelayProtocolError, match="exceeds"):
+        reader.feed(encode_frame(RelayFrameType.PING, bytes(101)))
+    with pytest.raises(RelayProtocolError):  # the connection is bad: nothing more parses
+        reader.feed(encode_frame(RelayFrameType.PING, b"12345678"))
+
+
+@given(st.binary(max_size=400), st.integers(min_value=1, max_value=60))
+def test_reader_and_decoder_agree_on_any_bytes(data: bytes, step: int) -> None:
+    dec, reader = RelayFrameDecoder(max_body=300), RelayFrameReader(max_body=300, capacity=1)
+    want: list[tuple[RelayFrameType, bytes]] = []
+    got: list[RelayFrame] = []
+    dec_error = reader_error = None
+    try:
+        for i in range(0, len(data), step):
+            want += dec.feed(data[i : i + step])
+    except RelayProtocolError as exc:
+        dec_error = exc
+    try:
+        got = receive_in_place(reader, data, step, max_body=300)
+    except RelayProtocolError as exc:
+        reader_error = exc
+    addressed = (RelayFrameType.SEND, RelayFrameType.RECV)
+    if dec_error is None and any(k in addressed and len(b) < 32 for k, b in want):
+        assert reader_error is not None  # the reader also checks the id's length
+        return
+    assert (dec_error is None) == (reader_error is None)
+    if reader_error is None:
+        assert got == as_reader_frames(want)
 
 
 def test_auth_message_binds_everything() -> None:

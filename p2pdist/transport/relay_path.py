@@ -16,29 +16,27 @@ import random
 import socket
 import ssl
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..errors import ConnectionBrokenError, P2PTimeoutError, PeerAuthenticationError, UsageError
-from ..identity import EndpointId, SecretKey
+from ..identity import ID_LEN, EndpointId, SecretKey
 from ..tasks import cancel_and_wait
 from ..tls import endpoint_id_of_cert
 from ..wire.relay import (
     MAX_DATAGRAM,
-    RelayFrameDecoder,
+    RelayFrame,
     RelayFrameType,
     RelayProtocolError,
     RelayUrl,
     auth_message,
     cert_fingerprint,
-    decode_addressed,
     decode_map,
     encode_addressed,
     encode_frame,
-    parse_http_head,
     upgrade_request,
 )
+from .relay_session import RelaySessionProtocol
 
 __all__ = ["RelayConfig", "RelayPath", "RelayState", "RelayStatus", "parse_stun_ports"]
 
@@ -127,7 +125,7 @@ class RelayPath:
         self.on_peer_gone: Callable[[EndpointId], None] | None = None
         self.max_datagram = MAX_DATAGRAM
         self._status = RelayStatus(str(self.url), RelayState.CONNECTING)
-        self._writer: asyncio.StreamWriter | None = None
+        self._writer: asyncio.Transport | None = None
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
         self._refused = asyncio.Event()
@@ -203,7 +201,7 @@ class RelayPath:
         if (
             w is None
             or w.is_closing()
-            or w.transport.get_write_buffer_size() + self._outbox_bytes > self.config.send_buffer
+            or w.get_write_buffer_size() + self._outbox_bytes > self.config.send_buffer
         ):
             self._dropped += 1
             return
@@ -215,7 +213,7 @@ class RelayPath:
         self._outbox_bytes += len(frame)
         self._sent += 1
 
-    def _flush(self, writer: asyncio.StreamWriter) -> None:
+    def _flush(self, writer: asyncio.Transport) -> None:
         frames, self._outbox, self._outbox_bytes = self._outbox, [], 0
         if writer is self._writer and not writer.is_closing():
             writer.write(b"".join(frames))
@@ -270,7 +268,7 @@ class RelayPath:
             self._set(state=RelayState.BACKOFF)
             await asyncio.sleep(wait)
 
-    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _open(self) -> RelaySessionProtocol:
         url = self.url
         if url.pin is not None:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -281,8 +279,13 @@ class RelayPath:
         else:
             ctx = ssl.create_default_context()
             server_hostname = url.host
-        reader, writer = await asyncio.open_connection(
-            url.host, url.port, ssl=ctx, server_hostname=server_hostname, limit=1 << 17
+        label = f"relay {url}"
+        writer, proto = await asyncio.get_running_loop().create_connection(
+            lambda: RelaySessionProtocol(label, MAX_DATAGRAM + ID_LEN),
+            url.host,
+            url.port,
+            ssl=ctx,
+            server_hostname=server_hostname,
         )
         sslobj = writer.get_extra_info("ssl_object")
         der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
@@ -301,25 +304,21 @@ class RelayPath:
                     f"relay {url}", f"identity mismatch: expected {url.pin}, presented {presented}"
                 )
         self._cert_hash = cert_fingerprint(der)
-        return reader, writer
+        return proto
 
-    async def _handshake(
-        self, reader: asyncio.StreamReader, frames: _FrameReader, writer: asyncio.StreamWriter
-    ) -> float:
+    async def _handshake(self, proto: RelaySessionProtocol, writer: asyncio.Transport) -> float:
         """Upgrade and authenticate; returns the keepalive interval."""
         writer.write(upgrade_request(self.url.host))
-        head_bytes = await reader.readuntil(b"\r\n\r\n")
-        parsed = parse_http_head(head_bytes)
-        if parsed is None or parsed[0].start_line[1:2] != ["101"]:
-            line = " ".join(parsed[0].start_line) if parsed else "?"
-            raise RelayProtocolError(f"relay refused the upgrade: {line}")
-        kind, body = await frames.next()
+        answer = await proto.upgrade_answer()
+        if answer.start_line[1:2] != ["101"]:
+            raise RelayProtocolError(f"relay refused the upgrade: {' '.join(answer.start_line)}")
+        kind, _, body = await proto.next_frame()
         if kind is not RelayFrameType.CHALLENGE or len(body) != 33 or body[0] != 1:
             raise RelayProtocolError("relay did not send a version-1 challenge")
         me = bytes(self.endpoint_id)
         sig = self._key.sign(auth_message(self._cert_hash, body[1:], me))
         writer.write(encode_frame(RelayFrameType.AUTH, me + sig + self._token.encode()))
-        kind, body = await frames.next()
+        kind, _, body = await proto.next_frame()
         if kind is RelayFrameType.ERROR:
             raise PeerAuthenticationError(
                 f"relay {self.url}", f"refused us: {body.decode('utf-8', 'replace')}"
@@ -349,28 +348,32 @@ class RelayPath:
     async def _session(self) -> float | None:
         """One session; returns the relay's retry_after when it asked us to reconnect."""
         async with asyncio.timeout(self.config.connect_timeout):
-            reader, writer = await self._open()
-        frames = _FrameReader(reader, f"relay {self.url}")
+            proto = await self._open()
+        writer = proto.transport
+        assert writer is not None  # connection_made ran before create_connection returned
         try:
             async with asyncio.timeout(self.config.connect_timeout):
-                interval = await self._handshake(reader, frames, writer)
+                interval = await self._handshake(proto, writer)
             self._writer = writer
             self._connected.set()
             log.info("relay %s: connected as %s", self.url, self.endpoint_id.short())
+            proto.dispatch_to(lambda frame: self._handle(frame, writer))
             pinger = asyncio.get_running_loop().create_task(self._keepalive(writer, interval))
             try:
-                return await self._receive(frames, writer, interval)
+                return await self._watch(proto, 3 * interval)
             finally:
                 pinger.cancel()
         finally:
             writer.close()
+            if not proto.done.done():
+                proto.done.cancel()  # nobody will ask how it ended
 
-    async def _keepalive(self, writer: asyncio.StreamWriter, interval: float) -> None:
+    async def _keepalive(self, writer: asyncio.Transport, interval: float) -> None:
         while not writer.is_closing():
             await asyncio.sleep(interval)
             self._send_ping(writer)
 
-    def _send_ping(self, writer: asyncio.StreamWriter) -> bytes:
+    def _send_ping(self, writer: asyncio.Transport) -> bytes:
         now = time.monotonic()
         self._ping_sent = {k: t for k, t in self._ping_sent.items() if now - t < 60.0}
         nonce = random.randbytes(8)
@@ -394,21 +397,16 @@ class RelayPath:
         finally:
             self._ping_waiters.pop(nonce, None)
 
-    async def _receive(
-        self, frames: _FrameReader, writer: asyncio.StreamWriter, interval: float
-    ) -> float | None:
-        while True:
-            try:
-                async with asyncio.timeout(3 * interval):
-                    batch = await frames.batch()
-            except TimeoutError:
-                raise ConnectionBrokenError(
-                    f"relay {self.url}", f"silent for {3 * interval:g} s"
-                ) from None
-            for kind, body in batch:
-                after = self._handle(kind, body, writer)
-                if after is not None:
-                    return after
+    async def _watch(self, proto: RelaySessionProtocol, silence: float) -> float | None:
+        """Until the session ends (frames are handled as they arrive): its retry-after,
+        or its error; ConnectionBrokenError when the relay is silent for ``silence`` s."""
+        loop = asyncio.get_running_loop()
+        while not proto.done.done():
+            left = proto.last_rx + silence - loop.time()
+            if left <= 0:
+                raise ConnectionBrokenError(f"relay {self.url}", f"silent for {silence:g} s")
+            await asyncio.wait([proto.done], timeout=left)
+        return proto.done.result()
 
     def _peer_id(self, raw: bytes) -> EndpointId:
         """The EndpointId of ``raw`` (32 bytes), from a bounded cache."""
@@ -419,15 +417,13 @@ class RelayPath:
             eid = self._ids[raw] = EndpointId(raw)
         return eid
 
-    def _handle(
-        self, kind: RelayFrameType, body: bytes, writer: asyncio.StreamWriter
-    ) -> float | None:
+    def _handle(self, frame: RelayFrame, writer: asyncio.Transport) -> float | None:
         """Act on one frame from the relay; returns retry_after on RECONNECT."""
+        kind, body = frame.kind, frame.body
         if kind is RelayFrameType.RECV:
-            src, datagram = decode_addressed(body)
-            self._count(received=1)
+            self._received += 1
             if self.on_datagram is not None:
-                self.on_datagram(self._peer_id(src), datagram)
+                self.on_datagram(self._peer_id(frame.peer), body)
         elif kind is RelayFrameType.PEER_GONE:
             if len(body) == 32 and self.on_peer_gone is not None:
                 self.on_peer_gone(self._peer_id(body))
@@ -455,33 +451,3 @@ class RelayPath:
         else:
             raise RelayProtocolError(f"unexpected {kind.name} from the relay")
         return None
-
-
-class _FrameReader:
-    """Relay frames from a stream: reads whatever has arrived and parses every frame in
-    it (one wake-up for many datagrams), keeping what the caller has not taken yet."""
-
-    def __init__(self, reader: asyncio.StreamReader, label: str) -> None:
-        self._reader = reader
-        self._label = label
-        self._decoder = RelayFrameDecoder(max_body=MAX_DATAGRAM + 32)
-        self._ready: deque[tuple[RelayFrameType, bytes]] = deque()
-
-    async def _fill(self) -> None:
-        while not self._ready:
-            chunk = await self._reader.read(1 << 18)
-            if not chunk:
-                raise ConnectionBrokenError(self._label, "closed the connection")
-            self._ready.extend(self._decoder.feed(chunk))
-
-    async def next(self) -> tuple[RelayFrameType, bytes]:
-        """The next frame."""
-        await self._fill()
-        return self._ready.popleft()
-
-    async def batch(self) -> list[tuple[RelayFrameType, bytes]]:
-        """Every frame available now (at least one)."""
-        await self._fill()
-        out = list(self._ready)
-        self._ready.clear()
-        return out

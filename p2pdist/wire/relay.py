@@ -15,7 +15,7 @@ import enum
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
 import msgpack
@@ -25,7 +25,9 @@ from ..identity import ID_LEN, EndpointId
 
 __all__ = [
     "MAX_BODY",
+    "RelayFrame",
     "RelayFrameDecoder",
+    "RelayFrameReader",
     "RelayFrameType",
     "RelayProtocolError",
     "RelayUrl",
@@ -101,8 +103,21 @@ _KINDS = {int(k): k for k in RelayFrameType}
 """Frame type by its byte (a dict lookup per frame instead of an enum construction)."""
 
 
+def _frame_at(buf: bytearray, start: int, max_body: int) -> tuple[RelayFrameType, int]:
+    """The kind and body length of the frame whose header starts at ``buf[start]`` (a
+    whole header must be there); RelayProtocolError for a bad one."""
+    kind_raw, length = _HEAD.unpack_from(buf, start)
+    kind = _KINDS.get(kind_raw)
+    if kind is None:
+        raise RelayProtocolError(f"unknown relay frame type {kind_raw:#x}")
+    if length > max_body:
+        raise RelayProtocolError(f"relay frame of {length} bytes exceeds {max_body}")
+    return kind, length
+
+
 class RelayFrameDecoder:
-    """Incremental frame parser with a hard size limit."""
+    """Incremental frame parser with a hard size limit (its buffer grows only as far as
+    the bytes it is fed: the relay holds one per client)."""
 
     def __init__(self, max_body: int = MAX_BODY) -> None:
         self._buf = bytearray()
@@ -116,12 +131,7 @@ class RelayFrameDecoder:
         buf = self._buf
         with memoryview(buf) as view:  # released before ``del`` resizes the buffer
             while len(buf) - start >= _HEAD.size:
-                kind_raw, length = _HEAD.unpack_from(buf, start)
-                kind = _KINDS.get(kind_raw)
-                if kind is None:
-                    raise RelayProtocolError(f"unknown relay frame type {kind_raw:#x}")
-                if length > self._max:
-                    raise RelayProtocolError(f"relay frame of {length} bytes exceeds {self._max}")
+                kind, length = _frame_at(buf, start, self._max)
                 end = start + _HEAD.size + length
                 if end > len(buf):
                     break
@@ -134,6 +144,92 @@ class RelayFrameDecoder:
     def pending(self) -> int:
         """Bytes of an incomplete frame held."""
         return len(self._buf)
+
+
+class RelayFrame(NamedTuple):
+    """One frame as :class:`RelayFrameReader` delivers it."""
+
+    kind: RelayFrameType
+    peer: bytes
+    """SEND and RECV: the endpoint id in front of the datagram; other kinds: empty."""
+    body: bytes
+    """SEND and RECV: the datagram alone; other kinds: the whole body."""
+
+
+_ADDRESSED = frozenset({RelayFrameType.SEND, RelayFrameType.RECV})
+
+
+class RelayFrameReader:
+    """Frames received in place: for an ``asyncio.BufferedProtocol``, whose transport
+    writes (or TLS decrypts) straight into :meth:`get_buffer`. Every datagram is copied
+    once, out of the buffer into its own bytes; nothing else is copied.
+
+    One fixed buffer of ``capacity`` bytes (at least two largest frames), for the one
+    session a client holds; the relay, with a session per client, uses the growing
+    :class:`RelayFrameDecoder` instead.
+    """
+
+    def __init__(self, max_body: int = MAX_BODY, capacity: int = 256 * 1024) -> None:
+        self._max = max_body
+        self._buf = bytearray(max(capacity, 2 * (_HEAD.size + max_body)))
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+        self._failure: str | None = None
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete frame held."""
+        return self._end - self._start
+
+    def get_buffer(self) -> memoryview:
+        """Where the next received bytes go (room for at least one largest frame)."""
+        if len(self._buf) - self._end < _HEAD.size + self._max:
+            n = self._end - self._start
+            self._view[:n] = self._view[self._start : self._end]  # a partial frame, at most
+            self._start, self._end = 0, n
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> list[RelayFrame]:
+        """Account for ``nbytes`` written into the last buffer; return the complete frames.
+        After a RelayProtocolError the reader refuses everything (the connection is bad)."""
+        if self._failure is not None:
+            raise RelayProtocolError(self._failure)
+        self._end += nbytes
+        out: list[RelayFrame] = []
+        buf, view, start, end = self._buf, self._view, self._start, self._end
+        try:
+            while end - start >= _HEAD.size:
+                kind, length = _frame_at(buf, start, self._max)
+                body, stop = start + _HEAD.size, start + _HEAD.size + length
+                if stop > end:
+                    break
+                if kind in _ADDRESSED and length >= ID_LEN:
+                    split = body + ID_LEN
+                    out.append(RelayFrame(kind, bytes(view[body:split]), bytes(view[split:stop])))
+                elif kind in _ADDRESSED:
+                    raise RelayProtocolError("addressed frame shorter than an endpoint id")
+                else:
+                    out.append(RelayFrame(kind, b"", bytes(view[body:stop])))
+                start = stop
+        except RelayProtocolError as exc:
+            self._failure = str(exc)
+            raise
+        if start == end:
+            start = end = 0
+        self._start, self._end = start, end
+        return out
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[RelayFrame]:
+        """Push bytes that arrived some other way (for tests, and bytes read before)."""
+        out: list[RelayFrame] = []
+        src = memoryview(data).cast("B")
+        while src.nbytes:
+            room = self.get_buffer()
+            n = min(room.nbytes, src.nbytes)
+            room[:n] = src[:n]
+            src = src[n:]
+            out += self.buffer_updated(n)
+        return out
 
 
 def auth_message(cert_sha256: bytes, challenge: bytes, client_id: bytes) -> bytes:

@@ -1,0 +1,156 @@
+"""The client end of one relay session as an asyncio protocol: bytes in place, frames out.
+
+:class:`RelaySessionProtocol` is what :class:`~.relay_path.RelayPath` connects with. It
+is an ``asyncio.BufferedProtocol``, so asyncio's TLS layer decrypts straight into the
+:class:`~p2pdist.wire.relay.RelayFrameReader`'s buffer and each datagram is copied once
+(a stream reader copied every byte four more times on the way). It reads the relay's
+answer to the HTTP upgrade, then relay frames. During the handshake the session awaits
+them one at a time (:meth:`RelaySessionProtocol.next_frame`); after it, every frame goes
+to a handler straight from the receive callback, with no task switch in between.
+
+How the session ends is :attr:`RelaySessionProtocol.done`: a retry-after (the handler
+saw RECONNECT), or the error that ended it (connection lost, a malformed frame, a
+handler that raised).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from typing import cast
+
+from ..errors import ConnectionBrokenError
+from ..wire.relay import HttpHead, RelayFrame, RelayFrameReader, parse_http_head
+
+__all__ = ["FrameHandler", "RelaySessionProtocol"]
+
+FrameHandler = Callable[[RelayFrame], float | None]
+"""Acts on one frame; returns a retry-after (seconds) to end the session, else None."""
+
+_HEAD_READ = 4096
+
+
+class RelaySessionProtocol(asyncio.BufferedProtocol):
+    """One TLS connection to a relay, from the client's side (see the module docstring)."""
+
+    def __init__(self, label: str, max_body: int) -> None:
+        self._label = label
+        self._loop = asyncio.get_running_loop()
+        self._reader = RelayFrameReader(max_body)
+        self._scratch = bytearray(_HEAD_READ)
+        self._head = bytearray()
+        self._answer: HttpHead | None = None
+        self._queued: deque[RelayFrame] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._handler: FrameHandler | None = None
+        self.transport: asyncio.Transport | None = None
+        self.done: asyncio.Future[float | None] = self._loop.create_future()
+        """Set once: the relay's retry-after, or the error that ended the session."""
+        self.last_rx = self._loop.time()
+        """Loop time at which bytes last arrived (for the silence check)."""
+
+    # ---- for the session -----------------------------------------------------------
+
+    async def upgrade_answer(self) -> HttpHead:
+        """The relay's HTTP answer to our upgrade request."""
+        while self._answer is None:
+            await self._next_event()
+        return self._answer
+
+    async def next_frame(self) -> RelayFrame:
+        """The next frame (before :meth:`dispatch_to` only)."""
+        while not self._queued:
+            await self._next_event()
+        return self._queued.popleft()
+
+    def dispatch_to(self, handler: FrameHandler) -> None:
+        """From now on hand every frame to ``handler`` as it arrives (queued ones first)."""
+        self._handler = handler
+        queued, self._queued = list(self._queued), deque()
+        try:
+            self._deliver(queued)
+        except Exception as exc:
+            self._end(exc)
+
+    # ---- asyncio.BufferedProtocol --------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._answer is None:
+            return memoryview(self._scratch)
+        return self._reader.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.last_rx = self._loop.time()
+        try:
+            if self._answer is None:
+                frames = self._take_answer(nbytes)
+            else:
+                frames = self._reader.buffer_updated(nbytes)
+            self._deliver(frames)
+        except Exception as exc:  # a malformed frame, or a handler that ends the session
+            self._end(exc)
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        why = f"connection lost: {exc}" if exc else "closed the connection"
+        self._end(ConnectionBrokenError(self._label, why), close=False)
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _take_answer(self, nbytes: int) -> list[RelayFrame]:
+        self._head += memoryview(self._scratch)[:nbytes]
+        parsed = parse_http_head(self._head)
+        if parsed is None:
+            return []
+        self._answer, used = parsed
+        rest, self._head = bytes(self._head[used:]), bytearray()
+        self._wake()
+        return self._reader.feed(rest) if rest else []  # frames sent right behind it
+
+    def _deliver(self, frames: list[RelayFrame]) -> None:
+        handler = self._handler
+        if handler is None:
+            if frames:
+                self._queued.extend(frames)
+                self._wake()
+            return
+        for frame in frames:
+            if self.done.done():
+                return
+            after = handler(frame)
+            if after is not None:
+                self._end(None, after)
+
+    def _end(
+        self, error: BaseException | None, retry_after: float | None = None, *, close: bool = True
+    ) -> None:
+        """Record how the session ended (first call wins) and close the connection."""
+        if not self.done.done():
+            if error is None:
+                self.done.set_result(retry_after)
+            else:
+                self.done.set_exception(error)
+        self._wake()
+        if close and self.transport is not None and not self.transport.is_closing():
+            if error is None:
+                self.transport.close()
+            else:
+                self.transport.abort()
+
+    def _wake(self) -> None:
+        w, self._waiter = self._waiter, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _next_event(self) -> None:
+        if self.done.done():
+            self.done.result()  # raises the error that ended the session
+            raise ConnectionBrokenError(self._label, "the session ended")
+        self._waiter = self._loop.create_future()
+        await self._waiter
