@@ -197,11 +197,10 @@ async def _p2pdist(
 
         cpu = time.process_time()
         await asyncio.gather(*(pump(c, n) for c, n in zip(conns, per, strict=True)))
-        for c in conns:  # "done" comes once everything arrived (and was acknowledged)
+        for c in conns:  # "done" comes once everything arrived (in the receiver's order)
             await c.recv(2, timeout=120)
-        q.put({"send_cpu": (time.process_time() - cpu) / (count * size)})
-        for c in conns:
             await c.send(3, b"bye")
+        q.put({"send_cpu": (time.process_time() - cpu) / (count * size)})
     await t.close()
 
 
