@@ -85,3 +85,12 @@ def test_reduce_modes_and_codecs_tables() -> None:
         assert re.search(rf"^\s+{mode}\s+\d", out, re.M), out
     out = bench("codecs.py", "--n", "65536", "--repeat", "1", "--iters", "1")
     assert "bfloat16" in out and "int8" in out
+
+
+@pytest.mark.timeout(300)
+def test_relay_datagrams_table() -> None:
+    out = bench("relay_datagrams.py", "--count", "300", "--sizes", "1200", "--loop", "asyncio")
+    row = out.splitlines()[-1].split()
+    assert row[:2] == ["asyncio", "1200"], out
+    received, sent = map(int, row[2].split("/"))
+    assert sent == 300 and 0 < received <= sent, out
