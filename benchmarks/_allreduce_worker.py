@@ -146,13 +146,15 @@ def gloo(cfg: dict[str, Any]) -> dict[str, Any]:
                 dist.all_reduce(t, op=dist.ReduceOp.SUM)
             dist.barrier()
             times: list[float] = []
+            cpu = 0.0
             for _ in range(iters):
                 x.fill(rank + 1)  # outside the timer: every call sums the same data
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 dist.all_reduce(t, op=dist.ReduceOp.SUM)  # in place, as torch always is
                 times.append(time.perf_counter() - t0)
+                cpu += time.process_time() - c0
             _check(x, world, f"gloo {nbytes} B")
-            results.append({"bytes": nbytes, "iters": iters, **_summary(times)})
+            results.append({"bytes": nbytes, "iters": iters, "cpu": cpu / iters, **_summary(times)})
             del t, x
         dist.barrier()
         barrier: list[float] = []
@@ -191,13 +193,15 @@ async def _p2pdist_async(cfg: dict[str, Any]) -> dict[str, Any]:
                 await g.all_reduce(x, op="sum", out=out, **kw)
             await g.barrier()
             times: list[float] = []
+            cpu = 0.0
             for _ in range(iters):
                 x.fill(rank + 1)  # outside the timer: every call sums the same data
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 result = await g.all_reduce(x, op="sum", out=out, **kw)
                 times.append(time.perf_counter() - t0)
+                cpu += time.process_time() - c0
             _check(np.asarray(result), world, f"p2pdist {nbytes} B")
-            results.append({"bytes": nbytes, "iters": iters, **_summary(times)})
+            results.append({"bytes": nbytes, "iters": iters, "cpu": cpu / iters, **_summary(times)})
             del x, result
         await g.barrier()
         barrier: list[float] = []

@@ -256,6 +256,8 @@ class Point:
     nbytes: int
     seconds: float
     world: int
+    cpu: float | None = None
+    """Process CPU seconds per call, max over ranks (None: not reported)."""
 
     @property
     def algbw(self) -> float:
@@ -324,7 +326,9 @@ def run_series(
         return series
     for i, nbytes in enumerate(sizes):
         worst = max(float(r["results"][i]["median"]) for r in results)
-        series.points[nbytes] = Point(nbytes, worst, world)
+        cpus = [r["results"][i].get("cpu") for r in results]
+        cpu = max(float(c) for c in cpus) if None not in cpus else None
+        series.points[nbytes] = Point(nbytes, worst, world, cpu)
     if all("barrier" in r for r in results):
         series.barrier = max(float(r["barrier"]["median"]) for r in results)
     print(
@@ -399,8 +403,8 @@ def world_table(sizes: list[int], modes: list[Series], gloo: Series | None, mark
 
 
 def detail_table(sizes: list[int], series: list[Series], markdown: bool) -> str:
-    """Per-backend table with latency, algbw and busbw for every size."""
-    headers = ["backend", "size", "lat (us)", "algbw GB/s", "busbw GB/s"]
+    """Per-backend table with latency, algbw, busbw and CPU per call for every size."""
+    headers = ["backend", "size", "lat (us)", "algbw GB/s", "busbw GB/s", "cpu/rank (us)"]
     rows = []
     for s in series:
         for n in sizes:
@@ -412,6 +416,7 @@ def detail_table(sizes: list[int], series: list[Series], markdown: bool) -> str:
                     _lat(p),
                     _bw(p.algbw if p else None),
                     _bw(p.busbw if p else None),
+                    f"{p.cpu * 1e6:,.0f}" if p and p.cpu is not None else "-",
                 ]
             )
     return render_table(headers, rows, markdown)
@@ -464,7 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-tcp", action="store_true", help="skip the raw TCP measurement")
     ap.add_argument("--markdown", action="store_true", help="print markdown tables")
     ap.add_argument(
-        "--detail", action="store_true", help="also print per-backend tables with algbw"
+        "--detail",
+        action="store_true",
+        help="also print per-backend tables with algbw and process CPU per call (max over ranks)",
     )
     ap.add_argument(
         "--timeout",
