@@ -2,6 +2,19 @@
 
 Everything that decides anything lives in :class:`relay.state.RelayCore`; this module
 only moves bytes between sockets and the core and tells it the time.
+
+Received bytes are handled in place: every client connection is a
+``BufferedProtocol`` whose :meth:`~_ClientConnection.get_buffer` returns the same
+scratch buffer, owned by the server. The TLS layer decrypts into it and calls
+``buffer_updated`` right away, on the one event loop thread, and the core is done with
+those bytes when that call returns (it copies what it keeps), so one buffer serves every
+connection and an idle client holds no receive buffer of its own.
+
+One exception: closing a connection makes the TLS layer flush it, and that may read
+what it still holds straight into ``get_buffer``, synchronously. When the core closes
+another client while it parses bytes from the scratch (an endpoint that reconnects
+replaces its old session), that nested read gets a buffer of its own instead, so the
+bytes being parsed are never overwritten.
 """
 
 from __future__ import annotations
@@ -31,8 +44,13 @@ log = logging.getLogger(__name__)
 CLOSE_GRACE = 5.0
 """A closed connection whose peer does not read is aborted after this many seconds."""
 
+SCRATCH_SIZE = 256 * 1024
+"""The receive buffer all client connections share: plaintext handed over per read."""
+NESTED_READ = 16 * 1024
+"""Size of the private buffer a read nested in another connection's receive gets."""
 
-class _ClientConnection(asyncio.Protocol):
+
+class _ClientConnection(asyncio.BufferedProtocol):
     """One accepted TLS connection: feeds the core and implements its Link."""
 
     def __init__(self, server: RelayServer) -> None:
@@ -40,6 +58,7 @@ class _ClientConnection(asyncio.Protocol):
         self._core = server.core
         self._loop = asyncio.get_running_loop()
         self._tap = server.tap
+        self._buffer: bytearray | None = None
         self._transport: asyncio.Transport | None = None
         self._session: Session | None = None
         self._abort: asyncio.TimerHandle | None = None
@@ -52,16 +71,30 @@ class _ClientConnection(asyncio.Protocol):
         self._server.connections.add(self)
         self._session = self._core.open(self, (str(peer[0]), int(peer[1])), self._loop.time())
 
-    def data_received(self, data: bytes) -> None:
-        if self._session is None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        server = self._server
+        if server.receiving:  # nested in another connection's receive: see the module doc
+            self._buffer = bytearray(max(sizehint, NESTED_READ))
+        else:
+            self._buffer = server.scratch
+        return memoryview(self._buffer)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        buffer, self._buffer = self._buffer, None
+        if self._session is None or buffer is None:
             return
-        if self._tap is not None:
-            self._tap(self._session.conn_id, "in", data)
+        server = self._server
+        nested, server.receiving = server.receiving, True
         try:
-            self._core.receive(self._session, data, self._loop.time())
+            with memoryview(buffer) as whole, whole[:nbytes] as data:
+                if self._tap is not None:
+                    self._tap(self._session.conn_id, "in", bytes(data))
+                self._core.receive(self._session, data, self._loop.time())
         except Exception:  # pragma: no cover - a bug costs this connection, not the relay
             log.exception(kv("receive_failed", conn=self._session.label))
             self.abort()
+        finally:
+            server.receiving = nested
 
     def eof_received(self) -> bool | None:
         return None  # close our side too
@@ -76,12 +109,12 @@ class _ClientConnection(asyncio.Protocol):
 
     # ---- Link -------------------------------------------------------------------------
 
-    def write(self, data: bytes) -> None:
-        """Queue ``data`` on the TLS transport."""
+    def write(self, data: bytearray) -> None:
+        """Queue ``data`` on the TLS transport (which may keep it: it is ours no more)."""
         if self._transport is None or self._transport.is_closing():
             return
         if self._tap is not None and self._session is not None:
-            self._tap(self._session.conn_id, "out", data)
+            self._tap(self._session.conn_id, "out", bytes(data))
         self._transport.write(data)
 
     def buffered(self) -> int:
@@ -126,6 +159,10 @@ class RelayServer:
         self.url = ""
         self.tls: RelayTls | None = None
         self._core: RelayCore | None = None
+        self.scratch = bytearray(SCRATCH_SIZE)
+        """Where every client connection receives (see the module docstring)."""
+        self.receiving = False
+        """True while a connection's bytes are being handled (the scratch is in use)."""
 
     @property
     def core(self) -> RelayCore:

@@ -17,7 +17,7 @@ import enum
 from typing import Protocol
 
 from p2pdist.identity import EndpointId
-from p2pdist.wire.relay import RelayFrameDecoder
+from p2pdist.wire.relay import RelayFrameSplitter
 
 from .limits import PeerGoneThrottle, TokenBucket
 
@@ -27,8 +27,9 @@ __all__ = ["Link", "Phase", "Session"]
 class Link(Protocol):
     """What the core needs from a client connection."""
 
-    def write(self, data: bytes) -> None:
-        """Queue bytes for the client (never blocks)."""
+    def write(self, data: bytearray) -> None:
+        """Queue bytes for the client (never blocks); the core never touches ``data``
+        again, so the link may keep it instead of copying it."""
 
     def buffered(self) -> int:
         """Bytes written but not yet handed to the socket."""
@@ -53,7 +54,6 @@ class Session:
         "bucket",
         "challenge",
         "conn_id",
-        "decoder",
         "endpoint",
         "http_buf",
         "last_heard",
@@ -61,10 +61,10 @@ class Session:
         "observed",
         "opened_at",
         "out",
-        "out_bytes",
         "peer_gone",
         "phase",
         "raw_id",
+        "splitter",
     )
 
     def __init__(self, conn_id: int, link: Link, observed: str, now: float) -> None:
@@ -75,14 +75,14 @@ class Session:
         self.last_heard = now
         self.phase = Phase.HTTP
         self.http_buf = bytearray()
-        self.decoder = RelayFrameDecoder()
+        self.splitter = RelayFrameSplitter()
         self.challenge = b""
         self.endpoint: EndpointId | None = None
         self.raw_id = b""
         self.bucket: TokenBucket | None = None
         self.peer_gone = PeerGoneThrottle()
-        self.out: list[bytes] = []
-        self.out_bytes = 0
+        self.out = bytearray()
+        """Frames batched for this client during the current core call."""
 
     @property
     def label(self) -> str:
@@ -93,7 +93,7 @@ class Session:
 
     def queued(self) -> int:
         """Bytes towards this client not yet on the socket (link buffer + this batch)."""
-        return self.link.buffered() + self.out_bytes
+        return self.link.buffered() + len(self.out)
 
     def __repr__(self) -> str:
         return f"Session({self.label}, {self.phase.value})"

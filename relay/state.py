@@ -6,9 +6,15 @@ the current monotonic time: :meth:`~RelayCore.open`, :meth:`~RelayCore.receive`,
 answers through each session's :class:`~relay.session.Link`. It never sleeps, never
 awaits and never reads a clock, so tests move time by hand.
 
-Writes produced while handling one chunk of input are batched per destination and
-handed to the links once, at the end of the call (fewer TLS records and syscalls when a
-client sends many small datagrams at once).
+Input is parsed in place: :meth:`RelayCore.receive` may be given a view of a buffer
+that the glue reuses as soon as the call returns (one scratch buffer for all
+connections), so nothing here keeps a view of it: a frame's bytes that must outlive the
+call are copied (a forwarded datagram exactly once, into the destination's batch; an
+incomplete trailing frame into the session's :class:`~p2pdist.wire.relay.RelayFrameSplitter`).
+
+Writes produced while handling one chunk of input are batched per destination in one
+bytearray and handed to the links once, at the end of the call (fewer TLS records and
+syscalls when a client sends many small datagrams at once).
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from p2pdist.wire.relay import (
     VERSION,
     RelayFrameType,
     RelayProtocolError,
+    append_addressed,
     auth_message,
-    encode_addressed,
     encode_frame,
     encode_map,
     parse_http_head,
@@ -147,18 +153,19 @@ class RelayCore:
         log.debug(kv("connect", conn=s.label, peer=s.observed))
         return s
 
-    def receive(self, s: Session, data: bytes, now: float) -> None:
-        """Bytes arrived from ``s``'s client."""
+    def receive(self, s: Session, data: bytes | bytearray | memoryview, now: float) -> None:
+        """Bytes arrived from ``s``'s client. ``data`` is only read during the call (it
+        may be a view of a buffer that is reused right after)."""
         if s.phase is Phase.CLOSED:
             return
         s.last_heard = now
-        self.metrics.bytes_in_total += len(data)
+        self.metrics.bytes_in_total += memoryview(data).nbytes
         try:
             if s.phase is Phase.HTTP:
                 data = self._http(s, data, now)
                 if not data:
                     return
-            for kind, body in s.decoder.feed(data):
+            for kind, body in s.splitter.frames(data):
                 self._frame(s, kind, body, now)
                 if _closed(s):
                     break
@@ -213,7 +220,7 @@ class RelayCore:
 
     # ---- HTTP phase -------------------------------------------------------------------
 
-    def _http(self, s: Session, data: bytes, now: float) -> bytes:
+    def _http(self, s: Session, data: bytes | bytearray | memoryview, now: float) -> bytes:
         """Consume the request head; returns bytes that follow a completed upgrade."""
         s.http_buf += data
         try:
@@ -243,7 +250,8 @@ class RelayCore:
 
     # ---- frames -----------------------------------------------------------------------
 
-    def _frame(self, s: Session, kind: RelayFrameType, body: bytes, now: float) -> None:
+    def _frame(self, s: Session, kind: RelayFrameType, body: memoryview, now: float) -> None:
+        # ``body`` is a view of the caller's buffer: valid during this call only.
         if kind is RelayFrameType.SEND and s.phase is Phase.ACTIVE:
             self._forward(s, body, now)
         elif s.phase is Phase.AUTH:
@@ -257,7 +265,7 @@ class RelayCore:
         elif kind is not RelayFrameType.PONG:
             raise RelayProtocolError(f"unexpected {kind.name} frame from a client")
 
-    def _forward(self, s: Session, body: bytes, now: float) -> None:
+    def _forward(self, s: Session, body: memoryview, now: float) -> None:
         m = self.metrics
         m.datagrams_in_total += 1
         if len(body) < ID_LEN:
@@ -265,7 +273,7 @@ class RelayCore:
         if s.bucket is not None and not s.bucket.take(len(body), now):
             m.dropped["rate_limited"] += 1
             return
-        dest_id = body[:ID_LEN]
+        dest_id = bytes(body[:ID_LEN])
         dest = self._clients.get(dest_id)
         if dest is None:
             m.dropped["unknown_peer"] += 1
@@ -277,14 +285,16 @@ class RelayCore:
         if dest.queued() + FRAME_HEADER + len(body) > self.config.queue_bytes:
             m.dropped["queue_full"] += 1
             return
-        frame = encode_addressed(RelayFrameType.RECV, s.raw_id, memoryview(body)[ID_LEN:])
         m.datagrams_out_total += 1
-        self._queue(dest, frame)
+        if not dest.out:
+            self._dirty.append(dest)
+        append_addressed(dest.out, RelayFrameType.RECV, s.raw_id, body[ID_LEN:])  # the copy
 
-    def _auth(self, s: Session, body: bytes, now: float) -> None:
-        if len(body) < ID_LEN + SIG_LEN:
+    def _auth(self, s: Session, view: memoryview, now: float) -> None:
+        if len(view) < ID_LEN + SIG_LEN:
             self._refuse(s, MALFORMED)
             return
+        body = bytes(view)
         raw_id, sig, token = (
             body[:ID_LEN],
             body[ID_LEN : ID_LEN + SIG_LEN],
@@ -342,16 +352,13 @@ class RelayCore:
     def _queue(self, s: Session, frame: bytes) -> None:
         if not s.out:
             self._dirty.append(s)
-        s.out.append(frame)
-        s.out_bytes += len(frame)
+        s.out += frame
 
     def _write_batch(self, s: Session) -> None:
         """Write what is batched for ``s`` in one piece (dropped if ``s`` is closed)."""
         if not s.out:
             return
-        data = s.out[0] if len(s.out) == 1 else b"".join(s.out)
-        s.out.clear()
-        s.out_bytes = 0
+        data, s.out = s.out, bytearray()  # the link keeps ``data``: never reused here
         if s.phase is not Phase.CLOSED:
             self.metrics.bytes_out_total += len(data)
             s.link.write(data)
@@ -385,7 +392,7 @@ class RelayCore:
         if error is not None:
             frame = encode_frame(RelayFrameType.ERROR, error.encode("utf-8")[:1024])
         if frame is not None:
-            s.out.append(frame)
+            s.out += frame
         self._write_batch(s)
         level = logging.DEBUG if quiet else logging.INFO
         log.log(level, kv(event, conn=s.label, peer=s.observed, error=error, **(fields or {})))

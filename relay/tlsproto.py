@@ -1,12 +1,17 @@
-"""Server-side TLS for many mostly idle connections: asyncio's own TLS protocol with a
-smaller receive buffer.
+"""Server-side TLS for many mostly idle connections: asyncio's own TLS protocol with one
+receive buffer for all connections.
 
 ``asyncio.sslproto.SSLProtocol`` gives every connection a 256 KiB receive buffer
 (``max_size``), allocated and zero-filled up front: about 256 KiB of RSS per client, the
-bulk of a relay's memory. This subclass reads at most :data:`READ_BUFFER` bytes per
-``recv`` (two full TLS records) and is otherwise asyncio's code path unchanged:
-the listener is created without ``ssl=`` and each raw connection gets this protocol,
-which wraps the relay's protocol exactly as ``loop.create_server(ssl=...)`` would.
+bulk of a relay's memory. The socket transport fills that buffer and calls the
+protocol's ``buffer_updated``, which copies the ciphertext into the TLS object before
+it returns, so the buffer is free again as soon as each read is handled: this subclass
+gives every connection of one listener the same :data:`SHARED_READ` bytes (created
+with the factory) and is otherwise asyncio's code path unchanged: the listener is
+created without ``ssl=`` and each raw connection gets this protocol, which wraps the
+relay's protocol exactly as ``loop.create_server(ssl=...)`` would. Should asyncio's
+internals stop matching, a connection keeps a private buffer of :data:`READ_BUFFER`
+bytes (two full TLS records) instead.
 
 ``SSLProtocol`` is not public API. When it is missing or its constructor differs,
 :func:`tls_protocol_factory` returns None and the caller falls back to ``ssl=``. It
@@ -24,9 +29,10 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["READ_BUFFER", "tls_protocol_factory"]
+__all__ = ["READ_BUFFER", "SHARED_READ", "tls_protocol_factory"]
 
 READ_BUFFER = 32 * 1024
+SHARED_READ = 256 * 1024
 
 try:
     from asyncio.sslproto import SSLProtocol as _SSLProtocol
@@ -48,8 +54,20 @@ def _compatible() -> bool:
 
 if _SSLProtocol is not None:
 
-    class _SmallBufferSSLProtocol(_SSLProtocol):
-        max_size = READ_BUFFER
+    class _SharedBufferSSLProtocol(_SSLProtocol):
+        max_size = READ_BUFFER  # the private buffer the base class makes (then dropped)
+
+        def __init__(self, shared: memoryview, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._shared: memoryview | None = None
+            if isinstance(getattr(self, "_ssl_buffer_view", None), memoryview):
+                # buffer_updated reads the bytes from _ssl_buffer_view
+                self._ssl_buffer = self._ssl_buffer_view = self._shared = shared
+
+        def get_buffer(self, n: int) -> memoryview:
+            if self._shared is None:
+                return super().get_buffer(n)
+            return self._shared
 
 
 def tls_protocol_factory(
@@ -73,9 +91,11 @@ def tls_protocol_factory(
         "ssl_shutdown_timeout": shutdown_timeout,
     }
 
+    shared = memoryview(bytearray(SHARED_READ))
+
     def factory() -> asyncio.BaseProtocol:
-        return _SmallBufferSSLProtocol(
-            asyncio.get_running_loop(), app_factory(), context, **options
+        return _SharedBufferSSLProtocol(
+            shared, asyncio.get_running_loop(), app_factory(), context, **options
         )
 
     return factory

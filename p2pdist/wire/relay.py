@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 from urllib.parse import parse_qs, urlsplit
@@ -28,9 +29,11 @@ __all__ = [
     "RelayFrame",
     "RelayFrameDecoder",
     "RelayFrameReader",
+    "RelayFrameSplitter",
     "RelayFrameType",
     "RelayProtocolError",
     "RelayUrl",
+    "append_addressed",
     "auth_message",
     "decode_addressed",
     "encode_addressed",
@@ -92,6 +95,13 @@ def encode_addressed(kind: RelayFrameType, peer: EndpointId | bytes, datagram: B
     return b"".join((_head(kind, len(pid) + len(datagram)), pid, datagram))
 
 
+def append_addressed(out: bytearray, kind: RelayFrameType, peer: bytes, datagram: Buffer) -> None:
+    """Append a SEND or RECV frame to ``out`` (the datagram is copied once, into ``out``)."""
+    out += _head(kind, len(peer) + len(datagram))
+    out += peer
+    out += datagram
+
+
 def decode_addressed(body: bytes) -> tuple[bytes, bytes]:
     """(peer id bytes, datagram) of a SEND or RECV body."""
     if len(body) < ID_LEN:
@@ -144,6 +154,90 @@ class RelayFrameDecoder:
     def pending(self) -> int:
         """Bytes of an incomplete frame held."""
         return len(self._buf)
+
+
+def _header(buf: Buffer, start: int, max_body: int) -> tuple[RelayFrameType, int]:
+    """Like :func:`_frame_at`, for any buffer."""
+    kind_raw, length = _HEAD.unpack_from(buf, start)
+    kind = _KINDS.get(kind_raw)
+    if kind is None:
+        raise RelayProtocolError(f"unknown relay frame type {kind_raw:#x}")
+    if length > max_body:
+        raise RelayProtocolError(f"relay frame of {length} bytes exceeds {max_body}")
+    return kind, length
+
+
+class RelayFrameSplitter:
+    """Frames parsed in place from each buffer the caller received into, for a server
+    that reads every connection into one shared scratch buffer.
+
+    Complete frames are yielded as views of the caller's buffer, so nothing is copied;
+    only the bytes of an incomplete trailing frame are, into a buffer of this splitter's
+    own that holds at most one frame and is let go as soon as that frame completes (so
+    an idle connection holds no buffer). Same frames, same limit and same errors as
+    :class:`RelayFrameDecoder` fed the same bytes; after a RelayProtocolError the
+    splitter refuses everything.
+    """
+
+    __slots__ = ("_failure", "_max", "_partial")
+
+    def __init__(self, max_body: int = MAX_BODY) -> None:
+        self._max = max_body
+        self._partial = bytearray()
+        self._failure: str | None = None
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete frame held."""
+        return len(self._partial)
+
+    def frames(self, data: Buffer) -> Iterator[tuple[RelayFrameType, memoryview]]:
+        """Every frame that ``data`` completes, in order. A body is a view that is valid
+        only until the next frame is asked for, and only while ``data`` is unchanged:
+        copy what must outlive that. Stopping early drops the rest of ``data``."""
+        if self._failure is not None:
+            raise RelayProtocolError(self._failure)
+        with memoryview(data) as whole, whole.cast("B") as view:
+            try:
+                start = 0
+                if self._partial:
+                    start, frame = self._complete(view)
+                    if frame is not None:
+                        yield frame
+                end, limit = len(view), self._max
+                while end - start >= FRAME_HEADER:
+                    kind, length = _header(view, start, limit)
+                    stop = start + FRAME_HEADER + length
+                    if stop > end:
+                        break
+                    yield kind, view[start + FRAME_HEADER : stop]
+                    start = stop
+                if start < end:
+                    self._partial = bytearray(view[start:])  # the one copy: a frame's head
+            except RelayProtocolError as exc:
+                self._failure = str(exc)
+                raise
+
+    def _complete(self, view: memoryview) -> tuple[int, tuple[RelayFrameType, memoryview] | None]:
+        """Move the bytes that continue the held frame out of ``view``: (bytes used, the
+        frame if now complete)."""
+        partial = self._partial
+        used = 0
+        if len(partial) < FRAME_HEADER:
+            used = min(FRAME_HEADER - len(partial), len(view))
+            partial += view[:used]
+            if len(partial) < FRAME_HEADER:
+                return used, None
+        kind, length = _header(partial, 0, self._max)
+        take = min(FRAME_HEADER + length - len(partial), len(view) - used)
+        partial += view[used : used + take]
+        used += take
+        if len(partial) < FRAME_HEADER + length:
+            return used, None
+        # A new buffer rather than clearing this one: the caller may still hold the
+        # body's view, and a buffer with views cannot be resized.
+        self._partial = bytearray()
+        return used, (kind, memoryview(partial)[FRAME_HEADER:])
 
 
 class RelayFrame(NamedTuple):
