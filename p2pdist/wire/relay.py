@@ -156,14 +156,19 @@ class RelayFrameDecoder:
         return len(self._buf)
 
 
+def _header_error(kind_raw: int, length: int, max_body: int) -> RelayProtocolError:
+    """What is wrong with a frame header whose type is unknown or whose body is too long."""
+    if kind_raw not in _KINDS:
+        return RelayProtocolError(f"unknown relay frame type {kind_raw:#x}")
+    return RelayProtocolError(f"relay frame of {length} bytes exceeds {max_body}")
+
+
 def _header(buf: Buffer, start: int, max_body: int) -> tuple[RelayFrameType, int]:
     """Like :func:`_frame_at`, for any buffer."""
     kind_raw, length = _HEAD.unpack_from(buf, start)
     kind = _KINDS.get(kind_raw)
-    if kind is None:
-        raise RelayProtocolError(f"unknown relay frame type {kind_raw:#x}")
-    if length > max_body:
-        raise RelayProtocolError(f"relay frame of {length} bytes exceeds {max_body}")
+    if kind is None or length > max_body:
+        raise _header_error(kind_raw, length, max_body)
     return kind, length
 
 
@@ -204,9 +209,12 @@ class RelayFrameSplitter:
                     start, frame = self._complete(view)
                     if frame is not None:
                         yield frame
-                end, limit = len(view), self._max
+                end, limit, unpack, kinds = len(view), self._max, _HEAD.unpack_from, _KINDS
                 while end - start >= FRAME_HEADER:
-                    kind, length = _header(view, start, limit)
+                    kind_raw, length = unpack(view, start)  # _header, inlined: hot loop
+                    kind = kinds.get(kind_raw)
+                    if kind is None or length > limit:
+                        raise _header_error(kind_raw, length, limit)
                     stop = start + FRAME_HEADER + length
                     if stop > end:
                         break
