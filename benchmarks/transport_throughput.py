@@ -41,18 +41,22 @@ from p2pdist.tls import TlsIdentity
 SEED = "transport-bench-seed-0123"
 
 
-async def _p2pdist_both(role: str, port: int, count: int, size: int, tls: bool, q: Any) -> None:
-    """Both ways at once over one connection: send ``count`` messages while receiving as many."""
+async def _p2pdist_connection(role: str, port: int, tls: bool, q: Any) -> tuple[Any, Any]:
+    """(transport, connection): "recv" listens (and says so on ``q``), "send" dials."""
     cfg = TransportConfig(tls=tls)
     server_key, client_key = SecretKey.from_seed(SEED, 0), SecretKey.from_seed(SEED, 1)
     if role == "recv":
         t = TcpTransport(server_key, cfg)
         await t.listen("127.0.0.1", port)
         q.put("listening")
-        conn = await t.accept(timeout=30)
-    else:
-        t = TcpTransport(client_key, cfg)
-        conn = await t.connect(server_key.endpoint_id, ("127.0.0.1", port))
+        return t, await t.accept(timeout=30)
+    t = TcpTransport(client_key, cfg)
+    return t, await t.connect(server_key.endpoint_id, ("127.0.0.1", port))
+
+
+async def _p2pdist_both(role: str, port: int, count: int, size: int, tls: bool, q: Any) -> None:
+    """Both ways at once over one connection: send ``count`` messages while receiving as many."""
+    t, conn = await _p2pdist_connection(role, port, tls, q)
     payload = np.ones(size, np.uint8)
 
     async def send_all() -> None:
@@ -72,13 +76,8 @@ async def _p2pdist_both(role: str, port: int, count: int, size: int, tls: bool, 
 
 
 async def _p2pdist(role: str, port: int, count: int, size: int, tls: bool, q: Any) -> None:
-    cfg = TransportConfig(tls=tls)
-    server_key, client_key = SecretKey.from_seed(SEED, 0), SecretKey.from_seed(SEED, 1)
+    t, conn = await _p2pdist_connection(role, port, tls, q)
     if role == "recv":
-        t = TcpTransport(server_key, cfg)
-        await t.listen("127.0.0.1", port)
-        q.put("listening")
-        conn = await t.accept(timeout=30)
         await conn.recv(1, timeout=30)
         start = time.perf_counter()
         for _ in range(count - 1):
@@ -87,8 +86,6 @@ async def _p2pdist(role: str, port: int, count: int, size: int, tls: bool, q: An
         await conn.send(2, b"done")
         await conn.recv(3, timeout=30)
     else:
-        t = TcpTransport(client_key, cfg)
-        conn = await t.connect(server_key.endpoint_id, ("127.0.0.1", port))
         payload = np.ones(size, np.uint8)
         for _ in range(count):
             await conn.send(1, payload)
