@@ -1,4 +1,5 @@
-"""The benchmarks in benchmarks/ run and print their tables (tiny sizes, loopback only).
+"""The benchmarks in benchmarks/ run and print their tables (tiny sizes, loopback only;
+nat_lab.py, which needs root and minutes, is covered by the NAT-lab tests instead).
 
 These are not measurements (sizes are far too small to mean anything); they keep the
 commands that docs/performance.md quotes working, so a change that breaks a benchmark
@@ -97,3 +98,12 @@ def test_relay_datagrams_table() -> None:
     assert row[:2] == ["asyncio", "1200"], out
     received, sent = map(int, row[2].split("/"))
     assert sent == 300 and 0 < received <= sent, out
+
+
+@pytest.mark.timeout(300)
+def test_relay_capacity_table() -> None:
+    args = ["--clients", "20", "--light-seconds", "1", "--blast-pairs", "2", "--blast-seconds"]
+    out = bench("relay_capacity.py", *args, "1", "--loop", "asyncio")
+    row = next(line.split() for line in out.splitlines() if line.split()[:2] == ["asyncio", "20"])
+    assert row[6] == "20/20", out  # every light-traffic datagram arrived
+    assert float(row[7]) > 0, out  # forwarded datagrams per second
