@@ -113,15 +113,20 @@ _KINDS = {int(k): k for k in RelayFrameType}
 """Frame type by its byte (a dict lookup per frame instead of an enum construction)."""
 
 
-def _frame_at(buf: bytearray, start: int, max_body: int) -> tuple[RelayFrameType, int]:
+def _header_error(kind_raw: int, length: int, max_body: int) -> RelayProtocolError:
+    """What is wrong with a frame header whose type is unknown or whose body is too long."""
+    if kind_raw not in _KINDS:
+        return RelayProtocolError(f"unknown relay frame type {kind_raw:#x}")
+    return RelayProtocolError(f"relay frame of {length} bytes exceeds {max_body}")
+
+
+def _header(buf: Buffer, start: int, max_body: int) -> tuple[RelayFrameType, int]:
     """The kind and body length of the frame whose header starts at ``buf[start]`` (a
     whole header must be there); RelayProtocolError for a bad one."""
     kind_raw, length = _HEAD.unpack_from(buf, start)
     kind = _KINDS.get(kind_raw)
-    if kind is None:
-        raise RelayProtocolError(f"unknown relay frame type {kind_raw:#x}")
-    if length > max_body:
-        raise RelayProtocolError(f"relay frame of {length} bytes exceeds {max_body}")
+    if kind is None or length > max_body:
+        raise _header_error(kind_raw, length, max_body)
     return kind, length
 
 
@@ -141,7 +146,7 @@ class RelayFrameDecoder:
         buf = self._buf
         with memoryview(buf) as view:  # released before ``del`` resizes the buffer
             while len(buf) - start >= _HEAD.size:
-                kind, length = _frame_at(buf, start, self._max)
+                kind, length = _header(buf, start, self._max)
                 end = start + _HEAD.size + length
                 if end > len(buf):
                     break
@@ -154,22 +159,6 @@ class RelayFrameDecoder:
     def pending(self) -> int:
         """Bytes of an incomplete frame held."""
         return len(self._buf)
-
-
-def _header_error(kind_raw: int, length: int, max_body: int) -> RelayProtocolError:
-    """What is wrong with a frame header whose type is unknown or whose body is too long."""
-    if kind_raw not in _KINDS:
-        return RelayProtocolError(f"unknown relay frame type {kind_raw:#x}")
-    return RelayProtocolError(f"relay frame of {length} bytes exceeds {max_body}")
-
-
-def _header(buf: Buffer, start: int, max_body: int) -> tuple[RelayFrameType, int]:
-    """Like :func:`_frame_at`, for any buffer."""
-    kind_raw, length = _HEAD.unpack_from(buf, start)
-    kind = _KINDS.get(kind_raw)
-    if kind is None or length > max_body:
-        raise _header_error(kind_raw, length, max_body)
-    return kind, length
 
 
 class RelayFrameSplitter:
@@ -263,62 +252,44 @@ _ADDRESSED = frozenset({RelayFrameType.SEND, RelayFrameType.RECV})
 
 class RelayFrameReader:
     """Frames received in place: for an ``asyncio.BufferedProtocol``, whose transport
-    writes (or TLS decrypts) straight into :meth:`get_buffer`. Every datagram is copied
-    once, out of the buffer into its own bytes; nothing else is copied.
+    writes (or TLS decrypts) straight into :meth:`get_buffer`. A
+    :class:`RelayFrameSplitter` parses them there; every datagram is then copied once,
+    out of the buffer into its own bytes.
 
     One fixed buffer of ``capacity`` bytes (at least two largest frames), for the one
-    session a client holds; the relay, with a session per client, uses the growing
-    :class:`RelayFrameDecoder` instead.
+    session a client holds; the relay, with a session per client, shares one scratch
+    buffer between all of them and uses a splitter directly.
     """
 
     def __init__(self, max_body: int = MAX_BODY, capacity: int = 256 * 1024) -> None:
-        self._max = max_body
+        self._splitter = RelayFrameSplitter(max_body)
         self._buf = bytearray(max(capacity, 2 * (_HEAD.size + max_body)))
-        self._view = memoryview(self._buf)
-        self._start = self._end = 0
         self._failure: str | None = None
 
     @property
     def pending(self) -> int:
         """Bytes of an incomplete frame held."""
-        return self._end - self._start
+        return self._splitter.pending
 
     def get_buffer(self) -> memoryview:
         """Where the next received bytes go (room for at least one largest frame)."""
-        if len(self._buf) - self._end < _HEAD.size + self._max:
-            n = self._end - self._start
-            self._view[:n] = self._view[self._start : self._end]  # a partial frame, at most
-            self._start, self._end = 0, n
-        return self._view[self._end :]
+        return memoryview(self._buf)
 
     def buffer_updated(self, nbytes: int) -> list[RelayFrame]:
         """Account for ``nbytes`` written into the last buffer; return the complete frames.
         After a RelayProtocolError the reader refuses everything (the connection is bad)."""
         if self._failure is not None:
             raise RelayProtocolError(self._failure)
-        self._end += nbytes
         out: list[RelayFrame] = []
-        buf, view, start, end = self._buf, self._view, self._start, self._end
-        try:
-            while end - start >= _HEAD.size:
-                kind, length = _frame_at(buf, start, self._max)
-                body, stop = start + _HEAD.size, start + _HEAD.size + length
-                if stop > end:
-                    break
-                if kind in _ADDRESSED and length >= ID_LEN:
-                    split = body + ID_LEN
-                    out.append(RelayFrame(kind, bytes(view[body:split]), bytes(view[split:stop])))
-                elif kind in _ADDRESSED:
-                    raise RelayProtocolError("addressed frame shorter than an endpoint id")
+        with memoryview(self._buf) as whole, whole[:nbytes] as data:
+            for kind, body in self._splitter.frames(data):
+                if kind not in _ADDRESSED:
+                    out.append(RelayFrame(kind, b"", bytes(body)))
+                elif len(body) >= ID_LEN:
+                    out.append(RelayFrame(kind, bytes(body[:ID_LEN]), bytes(body[ID_LEN:])))
                 else:
-                    out.append(RelayFrame(kind, b"", bytes(view[body:stop])))
-                start = stop
-        except RelayProtocolError as exc:
-            self._failure = str(exc)
-            raise
-        if start == end:
-            start = end = 0
-        self._start, self._end = start, end
+                    self._failure = "addressed frame shorter than an endpoint id"
+                    raise RelayProtocolError(self._failure)
         return out
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[RelayFrame]:
