@@ -286,9 +286,7 @@ class RelayCore:
             m.dropped["queue_full"] += 1
             return
         m.datagrams_out_total += 1
-        if not dest.out:
-            self._dirty.append(dest)
-        append_addressed(dest.out, RelayFrameType.RECV, s.raw_id, body[ID_LEN:])  # the copy
+        append_addressed(self._batch(dest), RelayFrameType.RECV, s.raw_id, body[ID_LEN:])
 
     def _auth(self, s: Session, view: memoryview, now: float) -> None:
         if len(view) < ID_LEN + SIG_LEN:
@@ -349,10 +347,14 @@ class RelayCore:
 
     # ---- output and closing -----------------------------------------------------------
 
-    def _queue(self, s: Session, frame: bytes) -> None:
+    def _batch(self, s: Session) -> bytearray:
+        """``s``'s batch of this call, to append frames to (flushed at the end of it)."""
         if not s.out:
             self._dirty.append(s)
-        s.out += frame
+        return s.out
+
+    def _queue(self, s: Session, frame: bytes) -> None:
+        self._batch(s).extend(frame)
 
     def _write_batch(self, s: Session) -> None:
         """Write what is batched for ``s`` in one piece (dropped if ``s`` is closed)."""
