@@ -101,7 +101,7 @@ async def test_a_bad_frame_ends_the_session_and_aborts() -> None:
     proto.dispatch_to(lambda f: None)
     arrive(proto, b"\xee\x00\x00\x00\x00")
     with pytest.raises(RelayProtocolError, match="unknown relay frame type"):
-        await proto.done
+        await asyncio.wait_for(proto.done, 1)
     assert transport.ended == "abort"
 
 
@@ -130,7 +130,7 @@ async def test_a_handler_ends_the_session_with_a_retry_after_or_an_error() -> No
     proto.dispatch_to(handler)
     ping = encode_frame(RelayFrameType.PING, b"12345678")
     arrive(proto, ping + encode_frame(RelayFrameType.RECONNECT) + ping)
-    assert await proto.done == 2.5 and transport.ended == "close"
+    assert await asyncio.wait_for(proto.done, 1) == 2.5 and transport.ended == "close"
     assert [f.kind for f in seen] == [RelayFrameType.PING, RelayFrameType.RECONNECT]
 
     proto, transport = connected()
@@ -142,5 +142,5 @@ async def test_a_handler_ends_the_session_with_a_retry_after_or_an_error() -> No
     proto.dispatch_to(refuse)
     arrive(proto, ping)
     with pytest.raises(ConnectionBrokenError, match="told us to go"):
-        await proto.done
+        await asyncio.wait_for(proto.done, 1)
     assert transport.ended == "abort"
