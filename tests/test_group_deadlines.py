@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from group_helpers import groups
 
-from p2pdist import GroupBrokenError, PeerTimeoutError
+from p2pdist import Group, GroupBrokenError, PeerTimeoutError
 
 
 async def test_short_timeout_after_long_bounded_calls_still_fires() -> None:
@@ -32,13 +32,19 @@ async def test_short_timeout_after_long_bounded_calls_still_fires() -> None:
 
 async def test_finished_calls_leave_nothing_to_expire() -> None:
     # Calls that finish long before their bound are never cancelled later.
-    async with groups(2, timeout=0.3) as gs:
+    # One long-lived task per rank: a deadline left behind by a finished call would cancel
+    # that task's later call (fresh tasks per call would hide it).
+    async def rank_loop(g: Group) -> np.ndarray:
         for _ in range(3):
-            await asyncio.gather(*(g.all_reduce(np.ones(4)) for g in gs))
+            await g.all_reduce(np.ones(4))
         await asyncio.sleep(0.5)  # past every bound given so far
-        outs = await asyncio.gather(*(g.all_reduce(np.ones(4)) for g in gs))
+        return await g.all_reduce(np.ones(4))
+
+    async with groups(2, timeout=0.3) as gs:
+        outs = await asyncio.gather(*(rank_loop(g) for g in gs))
         assert [o.tolist() for o in outs] == [[2, 2, 2, 2]] * 2
         assert all(g.broken is None for g in gs)
+        assert all(not g._inflight and not g._expired for g in gs)
 
 
 async def test_sub_group_call_times_out_naming_the_absent_rank() -> None:

@@ -49,7 +49,6 @@ T = TypeVar("T")
 _COLLECTIVE_SPACE = 0
 _P2P_SPACE = 1
 _FIRST_SUBGROUP_SPACE = 2
-_CONTROL_CHANNEL = CONTROL_CHANNEL
 _ATTRIBUTION_WINDOW = 0.25  # seconds a failing collective waits for other failure reports
 
 
@@ -386,7 +385,7 @@ class GroupCore(Membership):
         """Act on ``rank``'s abort and failed-call notices until the connection ends."""
         with contextlib.suppress(P2PError, asyncio.CancelledError):
             while True:
-                frame = await conn.recv(_CONTROL_CHANNEL)
+                frame = await conn.recv(CONTROL_CHANNEL)
                 call: tuple[int, int] | None = None
                 try:
                     body = msgpack.unpackb(frame.meta, raw=False)
@@ -413,7 +412,7 @@ class GroupCore(Membership):
             meta = bytes(msgpack.packb({"abort": str(error)}, use_bin_type=True))
             for conn in self._conns.values():
                 with contextlib.suppress(P2PError):
-                    conn.send_nowait(_CONTROL_CHANNEL, meta=meta)
+                    conn.send_nowait(CONTROL_CHANNEL, meta=meta)
         for conn in self._conns.values():
             conn.interrupt(error)
         if self._parent is not None:
@@ -595,10 +594,6 @@ class GroupCore(Membership):
             # Tell the others why, unless this failure is itself someone's abort notice.
             self._break(err, notify=not isinstance(err, GroupBrokenError))
             raise
-        except TimeoutError:
-            timeout_err = self._timeout_error(link, seconds)
-            self._break(timeout_err, notify=True)
-            raise timeout_err from None
         finally:
             for conn in self._conns.values():
                 conn.retire(channel)

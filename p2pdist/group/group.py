@@ -64,7 +64,7 @@ class Group(GroupCore):
                     lk, flat, bounds, codec, self._chunk(flat.dtype)
                 )
             rop.finish(flat, self.size)
-            if not np.shares_memory(work, flat):
+            if not np.may_share_memory(work, flat):
                 work.reshape(-1)[:] = flat
             return work
 
