@@ -22,12 +22,13 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId, SecretKey
+from ..tasks import cancel_and_wait
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.dial import dial_with_retry
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
 from .messages import CLIENT_CHANNEL, Message, decode, encode
-from .net import cancel_and_wait, open_transport
+from .net import TASK_STOP_TIMEOUT, open_transport
 
 __all__ = ["Ack", "FederatedClient", "RoundTask"]
 
@@ -212,7 +213,7 @@ class FederatedClient:
             with contextlib.suppress(P2PError):
                 conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
         if self._reader is not None:
-            await cancel_and_wait([self._reader])
+            await cancel_and_wait([self._reader], timeout=TASK_STOP_TIMEOUT)
         if self._error is None:
             self._error = ConnectionClosedError("the client was closed")
         self._changed.set()

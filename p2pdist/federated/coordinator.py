@@ -36,13 +36,14 @@ from ..errors import (
     UsageError,
 )
 from ..identity import SHORT_LEN, EndpointId, SecretKey
+from ..tasks import cancel_and_wait
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport, parse_address
 from .aggregate import apply_update
 from .config import FederatedConfig
 from .messages import CLIENT_CHANNEL, Message, decode, encode
-from .net import cancel_and_wait, open_transport, until_due
+from .net import TASK_STOP_TIMEOUT, open_transport, until_due
 from .rounds import FederatedRounds, Phase, RoundOutcome
 
 __all__ = ["Coordinator"]
@@ -197,8 +198,7 @@ class Coordinator:
         for client in list(self._clients.values()):
             with contextlib.suppress(P2PError):
                 client.conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
-        senders = [c.sender for c in self._clients.values() if c.sender is not None]
-        await cancel_and_wait([*self._tasks, *senders])  # none outlives the coordinator
+        await cancel_and_wait(self._tasks, timeout=TASK_STOP_TIMEOUT)  # senders too
         if self._transport is not None:
             await asyncio.shield(self._transport.close())
 
@@ -263,10 +263,12 @@ class Coordinator:
 
     # ---- clients ------------------------------------------------------------------------
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``coro`` as a task that :meth:`close` ends (and waits for)."""
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _accept_loop(self, transport: TcpTransport | QuicTransport) -> None:
         while True:
@@ -297,7 +299,7 @@ class Coordinator:
             name = hello.fields.get("name")
             client = _Client(cid, label, conn, name if isinstance(name, str) else "")
             self._clients[cid] = client
-            client.sender = asyncio.get_running_loop().create_task(self._sender(client))
+            client.sender = self._spawn(self._sender(client))
             self._state.join(cid)
             self._post(client, self._model_message())  # a late joiner gets model + round id
             log.info("%s joined (%r); %d members", label, client.name, len(self._clients))

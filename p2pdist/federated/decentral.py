@@ -39,13 +39,14 @@ from ..errors import (
     RemoteProtocolError,
     UsageError,
 )
+from ..tasks import cancel_and_wait
 from ..transport.base import Connection
 from ..wire.frames import Frame
 from .aggregate import Reason, aggregate, apply_update
 from .config import FederatedConfig
 from .decision import GroupRound, OwnUpdate, cid, decision_body
 from .messages import DECISION, UPDATE, decode, encode, round_channel, round_space
-from .net import cancel_and_wait, until_due
+from .net import TASK_STOP_TIMEOUT, until_due
 from .recovery import Recovery
 from .rounds import FederatedRounds, Phase
 
@@ -175,7 +176,7 @@ class GroupAveraging(Recovery):
         tasks = [*self._collectors, *self._ready_tasks.values()]
         self._stop_collectors()
         self._ready_tasks.clear()
-        await cancel_and_wait(tasks)
+        await cancel_and_wait(tasks, timeout=TASK_STOP_TIMEOUT)
 
     async def step(
         self, update: np.ndarray | None, num_samples: int = 0, *, base_round: int | None = None

@@ -9,14 +9,16 @@ import logging
 from collections.abc import Callable
 
 from ..identity import EndpointId, SecretKey
-from ..tasks import cancel_and_wait
 from ..transport.base import TransportConfig
 from ..transport.quic import QuicTransport
 from ..transport.relay_path import RelayPath
 from ..transport.tcp import TcpTransport
 from .rounds import CloseReason, FederatedRounds
 
-__all__ = ["cancel_and_wait", "open_transport", "until_due"]
+__all__ = ["TASK_STOP_TIMEOUT", "open_transport", "until_due"]
+
+TASK_STOP_TIMEOUT = 5.0
+"""Seconds the federated owners wait for their background tasks to end once cancelled."""
 
 log = logging.getLogger(__name__)
 

@@ -33,12 +33,13 @@ from ..errors import (
     RemoteProtocolError,
     UsageError,
 )
+from ..tasks import cancel_and_wait
 from ..transport.base import Connection
 from .config import FederatedConfig
 from .decision import OwnUpdate, Report, cid, decision_body, report_of
 from .failover import Takeover, next_leader, plan_takeover
 from .messages import DECISION, Message, decode, encode, round_channel
-from .net import cancel_and_wait
+from .net import TASK_STOP_TIMEOUT
 from .rounds import FederatedRounds
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ class Recovery:
                 f"and stepping? it answers when it opens a round){also}"
             ) from None
         finally:
-            await cancel_and_wait([*waits, *declines])
+            await cancel_and_wait([*waits, *declines], timeout=TASK_STOP_TIMEOUT)
         if welcome is None:
             raise GroupBrokenError(
                 "every other rank went before taking this one back: " + "; ".join(failed)
@@ -197,10 +198,14 @@ class Recovery:
         the group), but it is not taking part yet and has no model: answer its report,
         in place of the decision it waits for, that it must choose again without us."""
         conn = self.group.connection(r)
-        with contextlib.suppress(P2PError):
+        with contextlib.suppress(P2PError):  # the connection ended: nothing to answer
             while True:
                 frame = await conn.recv(self._join_channel(_REPORT))
-                report = report_of(decode(frame, conn.label), conn.label)
+                try:
+                    report = report_of(decode(frame, conn.label), conn.label)
+                except RemoteProtocolError as exc:  # one bad report; answer the next ones
+                    log.warning("%s", exc)
+                    continue
                 if report.round >= 0:
                     meta, _ = encode("decline", {"r": report.round})
                     conn.send_nowait(round_channel(self.tag, report.round, DECISION), meta=meta)
@@ -318,4 +323,4 @@ async def _all(calls: Any) -> None:
         for task in asyncio.as_completed(tasks):
             await task
     finally:
-        await cancel_and_wait(tasks)
+        await cancel_and_wait(tasks, timeout=TASK_STOP_TIMEOUT)
