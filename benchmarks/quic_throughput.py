@@ -31,17 +31,16 @@ import os
 import platform
 import socket
 import ssl
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from _loops import add_loop_argument, chosen_loops
+from _procs import cpu_seconds, local_relay
 from aioquic.asyncio import QuicConnectionProtocol, connect, serve
 from aioquic.quic.events import QuicEvent, StreamDataReceived
 
@@ -53,8 +52,6 @@ from p2pdist.transport.quic import QuicTransport
 from p2pdist.transport.quic_core import QuicConfig, quic_configuration
 
 SEED = "quic-bench-seed-0123456789"
-RELAY_CMD = [sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0"]
-RELAY_CMD += ["--stun-port", "0", "--log-level", "warning"]
 SERVER, CLIENT = SecretKey.from_seed(SEED, 0), SecretKey.from_seed(SEED, 1)
 
 
@@ -214,40 +211,7 @@ def _worker(
         eventloop.run(_p2pdist(role, kind, port, total, size, opts, q), loop=loop)
 
 
-@contextlib.contextmanager
-def local_relay(loop: str, workdir: Path) -> Iterator[tuple[str, int]]:
-    """A ``python -m relay`` process on 127.0.0.1 running on ``loop``; yields its URL and
-    process id."""
-    log = workdir / f"relay-{loop}.log"
-    with log.open("wb") as fh:
-        proc = subprocess.Popen(
-            [*RELAY_CMD, "--loop", loop],
-            stdout=subprocess.PIPE,
-            stderr=fh,
-            stdin=subprocess.DEVNULL,
-        )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        if not line.startswith("relay url: "):
-            raise RuntimeError(f"relay on {loop} did not start: {log.read_text()[-2000:]}")
-        yield line.removeprefix("relay url: ").strip(), proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
-
-
 _CPU_KEYS = (("sender", "send_cpu"), ("receiver", "recv_cpu"), ("relay", "relay_cpu"))
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process ``pid`` has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(kind: str, total: int, size: int, relay_pid: int = 0, **opts: Any) -> dict[str, float]:
@@ -262,14 +226,14 @@ def measure(kind: str, total: int, size: int, relay_pid: int = 0, **opts: Any) -
     try:
         assert q.get(timeout=60) == "listening"
         send = ctx.Process(target=_worker, args=(kind, "send", port, total, size, opts, q))
-        relay_cpu = _cpu_seconds(relay_pid) if relay_pid else 0.0
+        relay_cpu = cpu_seconds(relay_pid) if relay_pid else 0.0
         send.start()
         got = q.get(timeout=600)
         result = dict(got) if isinstance(got, dict) else {"rate": float(got)}
         if kind != "bare":
             result.update(q.get(timeout=120))
         if relay_pid:  # the whole run, connection set-up included: slightly high
-            result["relay_cpu"] = (_cpu_seconds(relay_pid) - relay_cpu) / total
+            result["relay_cpu"] = (cpu_seconds(relay_pid) - relay_cpu) / total
         send.join(timeout=60)
         if send.is_alive():
             send.kill()

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from _loops import add_loop_argument, chosen_loops  # noqa: E402
+from _procs import cpu_seconds  # noqa: E402
 from relay_helpers import read_relay_url  # noqa: E402
 
 from p2pdist.identity import SecretKey  # noqa: E402
@@ -50,12 +51,6 @@ def _proc_status(pid: int) -> dict[str, int]:
     """VmRSS / VmHWM in KiB."""
     text = Path(f"/proc/{pid}/status").read_text()
     return {k: int(v) for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.M)}
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 LIGHT = b"l" * 100
@@ -239,12 +234,12 @@ def run_one(n: int, args: argparse.Namespace, loop: str = "asyncio") -> dict[str
         light = [w.ask() for w in workers]
         loaded = _proc_status(relay.pid)
         before = _metrics(url)
-        cpu0 = _cpu_seconds(relay.pid)
+        cpu0 = cpu_seconds(relay.pid)
         t0 = time.perf_counter()
         workers[1 % args.procs].tell(f"count {args.blast_seconds + 1}")
         blast = workers[0].ask(f"blast {args.blast_pairs} {args.blast_seconds} {args.size}")
         elapsed = time.perf_counter() - t0
-        cpu = _cpu_seconds(relay.pid) - cpu0
+        cpu = cpu_seconds(relay.pid) - cpu0
         after = _metrics(url)
         counted = workers[1 % args.procs].ask()
         out = _metric(after, "p2pdist_relay_datagrams_out_total") - _metric(

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from _loops import add_loop_argument, chosen_loops
-from quic_throughput import _cpu_seconds, local_relay
+from _procs import cpu_seconds, local_relay
 
 from p2pdist import SecretKey, eventloop
 
@@ -35,6 +35,9 @@ async def _run(role: str, url: str, count: int, size: int, q: Any) -> None:
     sender, receiver = SecretKey.from_seed(SEED, 0), SecretKey.from_seed(SEED, 1)
     path = RelayPath(sender if role == "send" else receiver, url)
     await path.wait_connected(30)
+    if role == "send":
+        q.put("connected")  # the relay's CPU is counted from here
+        await asyncio.sleep(0.2)
     try:
         if role == "recv":
             await _receive(path, q)
@@ -49,22 +52,26 @@ async def _receive(path: Any, q: Any) -> None:
     done: asyncio.Future[None] = loop.create_future()
     got = [0, 0]  # datagrams, bytes
     start = [0.0, 0.0]  # wall, CPU at the first datagram
+    last = [0.0, 0.0]  # wall, CPU at the last one (the end markers come 0.5 s later)
 
     def on_datagram(_src: Any, data: bytes) -> None:
         if data[:1] == END:
             if not done.done():
                 done.set_result(None)
             return
+        now = [time.perf_counter(), time.process_time()]
         if got[0] == 0:
-            start[:] = [time.perf_counter(), time.process_time()]
+            start[:] = now
+        last[:] = now
         got[0] += 1
         got[1] += len(data)
 
     path.on_datagram = on_datagram
     q.put("ready")
     await asyncio.wait_for(done, 300)
-    wall, cpu = time.perf_counter() - start[0], time.process_time() - start[1]
-    q.put({"received": got[0], "rate": got[1] / wall, "recv_cpu": cpu / max(1, got[1])})
+    wall, cpu = last[0] - start[0], last[1] - start[1]
+    rate = got[1] / wall if wall > 0 else 0.0
+    q.put({"received": got[0], "rate": rate, "recv_cpu": cpu / max(1, got[1])})
 
 
 async def _send(path: Any, to: SecretKey, count: int, size: int, q: Any) -> None:
@@ -99,14 +106,15 @@ def measure(url: str, relay_pid: int, count: int, size: int, loop: str) -> dict[
     procs = [recv]
     try:
         assert q.get(timeout=60) == "ready"
-        relay_cpu = _cpu_seconds(relay_pid)
         send = ctx.Process(target=_worker, args=("send", url, count, size, loop, q))
         send.start()
         procs.append(send)
+        assert q.get(timeout=60) == "connected"
+        relay_cpu = cpu_seconds(relay_pid)
         result: dict[str, float] = {}
         for _ in range(2):
             result.update(q.get(timeout=300))
-        result["relay_cpu"] = (_cpu_seconds(relay_pid) - relay_cpu) / (count * size)
+        result["relay_cpu"] = (cpu_seconds(relay_pid) - relay_cpu) / (count * size)
         return result
     finally:
         for p in procs:
