@@ -195,7 +195,8 @@ def _socket_both(role: str, port: int, count: int, size: int, q: Any, tls: bool)
             got += inc.recv_into(view[got:])
     sender.join()
     q.put(count * size / (time.perf_counter() - start))
-    time.sleep(0.5)  # let the other side finish receiving before the sockets close
+    out.sendall(b"k")  # we have all of theirs; close once they have all of ours
+    inc.recv(1)
     for sk in socks:
         sk.close()
 
