@@ -5,27 +5,35 @@ cd "$(dirname "$0")/.."
 
 # The NAT lab and container tests (tests/natlab.py) need root, iproute2 and iptables. CI
 # runs as root and must run them, so as root a failed install stops here; as another user
-# those tests skip and say why.
+# those tests skip and say why. As root, a missing venv module is installed the same way.
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+
 missing=""
 command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
 command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+# A distribution's Python may come without venv's pip bootstrap (Debian: python3.X-venv).
+"$PY" -c 'import ensurepip' >/dev/null 2>&1 \
+    || missing="$missing $("$PY" -c 'import sys; print("python%d.%d-venv" % sys.version_info[:2])')"
 if [ "$(id -u)" = 0 ] && [ -n "$missing" ]; then
     if command -v apt-get >/dev/null 2>&1; then
-        echo "== installing$missing (NAT lab)"
+        echo "== installing$missing"
         export DEBIAN_FRONTEND=noninteractive
+        log=$(mktemp)
         # shellcheck disable=SC2086 # one word per package
-        apt-get install -y -qq $missing >/dev/null 2>&1 \
-            || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $missing >/dev/null 2>&1; } \
-            || { echo "error: could not install$missing (needed by the NAT lab tests)" >&2; exit 1; }
+        apt-get install -y -qq $missing >"$log" 2>&1 \
+            || { apt-get update -qq >>"$log" 2>&1 && apt-get install -y -qq $missing >>"$log" 2>&1; } \
+            || { tail -n 20 "$log" >&2; echo "error: could not install$missing" >&2; exit 1; }
+        rm -f "$log"
     else
-        echo "error:$missing missing and no apt-get to install it (needed by the NAT lab tests)" >&2
+        echo "error:$missing missing and no apt-get to install it" >&2
         exit 1
     fi
 fi
 
-PY=${PYTHON:-python3.11}
-command -v "$PY" >/dev/null 2>&1 || PY=python3
-if [ ! -x .venv/bin/python ]; then
+# A venv whose pip is missing (an earlier attempt failed half way) is made again.
+if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+    rm -rf .venv
     "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
