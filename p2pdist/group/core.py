@@ -11,7 +11,7 @@ import os
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, NoReturn, Self, TypeVar
 
 import msgpack
 import numpy as np
@@ -469,25 +469,20 @@ class GroupCore(Membership):
             if isinstance(self._broken, GroupBrokenError):
                 raise self._broken
             raise GroupBrokenError("the group is broken", self._broken)
-        if not collective or not self._left:
-            return
-        left = self.left
-        if left:
-            if self.config.on_peer_loss == "leave":
-                self._skip_call(min(left))
-            gone = ", ".join(self.peer_label(r) for r in sorted(left))
-            raise GroupBrokenError(f"collectives need every rank, but {gone} left the group")
+        # Under "leave", _run refuses the collective once it has taken its id.
+        if collective and self._left and self.config.on_peer_loss != "leave" and self.left:
+            raise self._left_error()
 
-    def _skip_call(self, rank: int) -> None:
-        """Refuse the next collective for want of ``rank`` (which left) but use up its id
-        all the same: a rank that started this call before it saw the loss used it (and
-        fails it), so the next collective of both runs on one channel. Those ranks are
-        told at once that the call cannot finish (a failed-call notice)."""
-        channel = self._new_link(b"").channel
+    def _left_error(self) -> GroupBrokenError:
+        gone = ", ".join(self.peer_label(r) for r in sorted(self.left))
+        return GroupBrokenError(f"collectives need every rank, but {gone} left the group")
+
+    def _refuse(self, channel: int, error: P2PError) -> NoReturn:
+        """Refuse the collective on ``channel`` after it took its id: what the others
+        sent for it is dropped, and ``error`` raised."""
         for conn in self._conns.values():
-            conn.retire(channel)  # what they sent for it is dropped
-        self._root()._failed_calls.pop(channel, None)
-        self._tell_call_failed(channel, self._root_ranks[rank])
+            conn.retire(channel)
+        raise error
 
     def _timeout_error(self, link: CollectiveLink, seconds: float) -> P2PError:
         what = f"{link.explain()} timed out after {seconds:g} s"
@@ -537,12 +532,17 @@ class GroupCore(Membership):
         link = self._new_link(descriptor)
         root = self._root()
         channel = link.channel
+        if self._left and self.config.on_peer_loss == "leave" and self.left:
+            # Refused for want of a rank that left, but with its id used up: a rank that
+            # started this call before it saw the loss used it (and fails it), so the next
+            # collective of both runs on one channel. They are told at once (a notice).
+            root._failed_calls.pop(channel, None)
+            self._tell_call_failed(channel, self._root_ranks[min(self.left)])
+            self._refuse(channel, self._left_error())
         if root._failed_calls:
             noticed = root._failed_calls.pop(channel, None)
             if noticed is not None:  # another rank's part of this call already failed
-                for conn in self._conns.values():
-                    conn.retire(channel)
-                raise self._loss_error(noticed, link)
+                self._refuse(channel, self._loss_error(noticed, link))
         task = asyncio.current_task()
         assert task is not None
         inflight = root._inflight
