@@ -409,10 +409,7 @@ class GroupCore(Membership):
             return
         self._broken = error
         if notify:
-            meta = bytes(msgpack.packb({"abort": str(error)}, use_bin_type=True))
-            for conn in self._conns.values():
-                with contextlib.suppress(P2PError):
-                    conn.send_nowait(CONTROL_CHANNEL, meta=meta)
+            self._send_control({"abort": str(error)}, self._conns)
         for conn in self._conns.values():
             conn.interrupt(error)
         if self._parent is not None:

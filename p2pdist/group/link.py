@@ -9,6 +9,7 @@ op, dtype, shape, root); the receiver compares it with its own and raises
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import msgpack
@@ -20,24 +21,18 @@ from ..transport.base import Connection
 __all__ = ["CollectiveLink", "describe_call"]
 
 
-_DESCRIPTORS: dict[tuple[str, str, str, tuple[int, ...], int | None], bytes] = {}
-_MAX_DESCRIPTORS = 4096  # distinct calls remembered (a training loop repeats a few)
-
-
 def describe_call(
     name: str, op: str, dtype: str, shape: Sequence[int], root: int | None = None
 ) -> bytes:
     """The descriptor ranks compare to check that they called the same collective.
 
     Encoded once per distinct call and remembered (a loop repeats the same few calls)."""
-    key = (name, op, dtype, tuple(shape), root)
-    desc = _DESCRIPTORS.get(key)
-    if desc is None:
-        desc = bytes(msgpack.packb([name, op, dtype, list(shape), root], use_bin_type=True))
-        if len(_DESCRIPTORS) >= _MAX_DESCRIPTORS:
-            _DESCRIPTORS.clear()
-        _DESCRIPTORS[key] = desc
-    return desc
+    return _descriptor(name, op, dtype, tuple(shape), root)
+
+
+@functools.lru_cache(maxsize=4096)
+def _descriptor(name: str, op: str, dtype: str, shape: tuple[int, ...], root: int | None) -> bytes:
+    return bytes(msgpack.packb([name, op, dtype, list(shape), root], use_bin_type=True))
 
 
 def _explain(desc: bytes) -> str:

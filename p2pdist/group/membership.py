@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 import msgpack
@@ -201,11 +201,17 @@ class Membership:
         """Tell the others that our collective on ``channel`` failed because ``root_rank``
         left before sending us its part: theirs cannot finish either (they may be waiting
         on us), so they fail it at once instead of at their timeout."""
-        meta = bytes(msgpack.packb({"call": channel, "lost": root_rank}))
-        for r, conn in self._conns.items():  # this group's members only: the call is theirs
-            if self._root_ranks[r] not in self._left:
-                with contextlib.suppress(P2PError):
-                    conn.send_nowait(CONTROL_CHANNEL, meta=meta)
+        # This group's members only: the call is theirs.
+        members = [r for r in self._conns if self._root_ranks[r] not in self._left]
+        self._send_control({"call": channel, "lost": root_rank}, members)
+
+    def _send_control(self, body: dict[str, Any], ranks: Iterable[int]) -> None:
+        """One control message to each of ``ranks`` (best effort: a connection that is
+        already gone is skipped; its loss is reported on its own)."""
+        meta = bytes(msgpack.packb(body, use_bin_type=True))
+        for r in ranks:
+            with contextlib.suppress(P2PError):
+                self._conns[r].send_nowait(CONTROL_CHANNEL, meta=meta)
 
     def _on_call_failed(self, channel: int, root_rank: int) -> None:
         """Another rank's collective on ``channel`` failed for want of ``root_rank``."""
