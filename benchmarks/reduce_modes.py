@@ -18,7 +18,6 @@ Inputs are Gaussian float32 (seeded per rank); ``busbw = bytes/time * 2(n-1)/n``
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -28,6 +27,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from p2pdist import eventloop
 
 MODES: dict[str, dict[str, Any]] = {
     "plain": {},
@@ -104,7 +105,7 @@ def _run_size(args: argparse.Namespace, world: int, mib: float) -> None:
 
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        print(json.dumps(asyncio.run(_rank(json.loads(sys.argv[2])))))
+        print(json.dumps(eventloop.run(_rank(json.loads(sys.argv[2])))))  # P2PDIST_LOOP applies
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, nargs="+", default=[2], help="world sizes")

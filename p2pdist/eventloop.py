@@ -6,12 +6,13 @@ user picks the loop by how they start their program::
     import uvloop                 # pip install "p2pdist[fast]"
     uvloop.run(main())            # or asyncio.run(main()) for asyncio's own loop
 
-The programs p2pdist ships (``p2pdist demo``, ``bench``, ``doctor``, ``p2pdist-relay``,
-the benchmarks) start their loop through :func:`run`, which takes asyncio's loop unless
-told otherwise: ``--loop uvloop`` on those commands, or ``P2PDIST_LOOP=uvloop`` in the
-environment (inherited by the processes they start), takes uvloop and fails clearly
-without it; ``auto`` takes uvloop when it is installed. asyncio stays the default because
-it measured faster for TCP bulk transfers here (docs/performance.md, "Event loop").
+The programs p2pdist ships (``p2pdist demo``, ``bench``, ``doctor``, ``p2pdist-relay``)
+start their loop through :func:`run`, which takes asyncio's loop unless told otherwise
+(the benchmarks use it too, and measure both loops side by side when uvloop is there):
+``--loop uvloop`` on those commands, or ``P2PDIST_LOOP=uvloop`` in the environment
+(inherited by the processes they start), takes uvloop and fails clearly without it;
+``auto`` takes uvloop when it is installed. asyncio stays the default because it
+measured faster for TCP bulk transfers here (docs/performance.md, "Event loop").
 """
 
 from __future__ import annotations
