@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -31,6 +32,7 @@ __all__ = [
     "FrameLimits",
     "encode_data_header",
     "encode_header",
+    "fill_buffers",
 ]
 
 VERSION = 1
@@ -140,6 +142,21 @@ _DATA = int(FrameKind.DATA)
 _EMPTY = memoryview(bytearray())
 
 
+def fill_buffers(
+    get_buffer: Callable[[], memoryview], data: bytes | bytearray | memoryview
+) -> Iterator[int]:
+    """Copy ``data`` into the buffers ``get_buffer()`` hands out, as a BufferedProtocol's
+    transport would, yielding how many bytes went into each (for feeding a receive-in-
+    place decoder bytes that arrived some other way)."""
+    src = memoryview(data).cast("B")
+    while src.nbytes:
+        room = get_buffer()
+        n = min(room.nbytes, src.nbytes)
+        room[:n] = src[:n]
+        src = src[n:]
+        yield n
+
+
 class FrameDecoder:
     """Incremental frame parser; raises :class:`FrameError` on malformed input."""
 
@@ -187,12 +204,7 @@ class FrameDecoder:
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         """Push arbitrary bytes through the decoder (for tests and non-buffered glue)."""
         out: list[Frame] = []
-        mv = memoryview(data).cast("B")
-        while mv.nbytes:
-            buf = self.get_buffer()
-            n = min(buf.nbytes, mv.nbytes)
-            buf[:n] = mv[:n]
-            mv = mv[n:]
+        for n in fill_buffers(self.get_buffer, data):
             try:
                 out.extend(self.buffer_updated(n))
             except FrameError as exc:

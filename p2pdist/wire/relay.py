@@ -23,6 +23,7 @@ import msgpack
 
 from ..errors import UsageError
 from ..identity import ID_LEN, EndpointId
+from .frames import fill_buffers
 
 __all__ = [
     "MAX_BODY",
@@ -295,12 +296,7 @@ class RelayFrameReader:
     def feed(self, data: bytes | bytearray | memoryview) -> list[RelayFrame]:
         """Push bytes that arrived some other way (for tests, and bytes read before)."""
         out: list[RelayFrame] = []
-        src = memoryview(data).cast("B")
-        while src.nbytes:
-            room = self.get_buffer()
-            n = min(room.nbytes, src.nbytes)
-            room[:n] = src[:n]
-            src = src[n:]
+        for n in fill_buffers(self.get_buffer, data):
             out += self.buffer_updated(n)
         return out
 
