@@ -302,6 +302,100 @@ def test_large_payload_is_received_in_place() -> None:
     assert not dec.mid_frame
 
 
+# ---- landing places (FrameDecoder.expect) -------------------------------------------------
+
+
+def place_of(n: int) -> memoryview:
+    """A writable byte view of ``n`` bytes, filled with a marker."""
+    return memoryview(bytearray(b"\xee" * n))
+
+
+@pytest.mark.parametrize("size", [0, 10, SMALL.direct_threshold, SMALL.direct_threshold * 3 + 1])
+@pytest.mark.parametrize("feeder", list(FEEDERS), ids=list(FEEDERS))
+def test_named_place_receives_the_payload(size: int, feeder: str) -> None:
+    """A frame whose place was named lands there, small or large, however the bytes are
+    split; the frame's payload is the place itself. Other frames are untouched."""
+    rng = random.Random(size)
+    payload = rng.randbytes(size)
+    data = (
+        wire(channel=9, seq=0, payload=b"before", limits=SMALL)
+        + wire(channel=9, seq=1, meta=b"m", payload=payload, limits=SMALL)
+        + wire(channel=9, seq=2, payload=b"after", limits=SMALL)
+    )
+    dec = FrameDecoder(SMALL)
+    place = place_of(size)
+    dec.expect(9, 1, place)
+    frames = FEEDERS[feeder](dec, data)
+    assert [bytes(f.payload) for f in frames] == [b"before", payload, b"after"]
+    if size:
+        assert frames[1].payload is place
+    assert bytes(place) == payload
+    assert frames[1].meta == b"m"
+
+
+def test_place_of_another_size_or_frame_is_left_alone() -> None:
+    """A place is a hint: a frame of another length is decoded as usual (the receiver
+    reports the mismatch), and places for other channels or sequence numbers stay unused."""
+    big = bytes(range(256)) * 20
+    dec = FrameDecoder(SMALL)
+    wrong, other_seq, other_channel = place_of(len(big) + 1), place_of(len(big)), place_of(10)
+    dec.expect(1, 0, wrong)
+    dec.expect(1, 5, other_seq)
+    dec.expect(2, 0, other_channel)
+    (frame,) = feed_buffered(dec, wire(channel=1, seq=0, payload=big, limits=SMALL), 333)
+    assert bytes(frame.payload) == big and frame.payload is not wrong
+    for unused in (wrong, other_seq, other_channel):
+        assert set(bytes(unused)) == {0xEE}
+
+
+def test_frame_that_began_before_its_place_was_named_is_not_redirected() -> None:
+    """Naming a place for a frame whose header was already parsed changes nothing."""
+    payload = bytes(range(256)) * 40
+    data = wire(channel=4, payload=payload, limits=SMALL)
+    dec = FrameDecoder(SMALL)
+    head = HEADER.size + 100
+    assert dec.feed(data[:head]) == []
+    place = place_of(len(payload))
+    dec.expect(4, 0, place)
+    (frame,) = dec.feed(data[head:])
+    assert bytes(frame.payload) == payload and frame.payload is not place
+    assert set(bytes(place)) == {0xEE}
+
+
+def test_forget_stops_writes_into_the_place_mid_payload() -> None:
+    """After ``forget(channel)`` (the collective ended), the rest of a payload that was
+    being received into a caller's place goes elsewhere: the caller's memory keeps only
+    what had arrived before."""
+    payload = bytes(range(256)) * 40
+    data = wire(channel=6, payload=payload, limits=SMALL)
+    dec = FrameDecoder(SMALL)
+    place = place_of(len(payload))
+    dec.expect(6, 0, place)
+    head = HEADER.size + 1000
+    assert dec.feed(data[:head]) == []
+    dec.forget(6)
+    (frame,) = dec.feed(data[head:])
+    assert frame.payload is not place
+    assert bytes(place[:1000]) == payload[:1000]
+    assert set(bytes(place[1000:])) == {0xEE}
+    # and a place forgotten before its frame came is never used
+    dec.expect(6, 1, place_of(10))
+    dec.forget(6)
+    later = place_of(10)
+    dec.expect(7, 0, later)
+    dec.forget(6)  # forgetting one channel keeps the others
+    (frame,) = dec.feed(wire(channel=7, payload=b"0123456789", limits=SMALL))
+    assert frame.payload is later
+
+
+def test_place_must_be_a_writable_byte_view() -> None:
+    dec = FrameDecoder(SMALL)
+    with pytest.raises(ValueError, match="writable 1-D view of bytes"):
+        dec.expect(1, 0, memoryview(b"read-only"))
+    with pytest.raises(ValueError, match="writable 1-D view of bytes"):
+        dec.expect(1, 0, memoryview(np.zeros(4, np.float32)))
+
+
 def test_mid_frame_tracks_truncation() -> None:
     dec = FrameDecoder(SMALL)
     assert not dec.mid_frame
@@ -435,6 +529,32 @@ def test_property_round_trip_under_any_chunking(
     feed_in_steps(dec, data, chunks, out)
     assert [as_tuple(f) for f in out] == frames
     assert not dec.mid_frame
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    frames=st.lists(frame_tuples, max_size=10),
+    named=st.sets(st.integers(0, 9)),
+    chunks=st.lists(st.integers(1, 700)),
+)
+def test_property_places_never_change_what_is_decoded(
+    frames: list[FrameTuple], named: set[int], chunks: list[int]
+) -> None:
+    """Naming places for any subset of frames (with any channel and seq) decodes the same
+    frames under any chunking, and every named place of a matching frame holds its payload."""
+    dec = FrameDecoder(SMALL)
+    places: dict[int, memoryview] = {}
+    seen: set[tuple[int, int]] = set()
+    for i, (kind, channel, seq, _, payload, _) in enumerate(frames):
+        if i in named and kind is FrameKind.DATA and payload and (channel, seq) not in seen:
+            places[i] = place_of(len(payload))
+            dec.expect(channel, seq, places[i])
+        seen.add((channel, seq))
+    out: list[Frame] = []
+    feed_in_steps(dec, stream_of(frames, SMALL), chunks, out)
+    assert [as_tuple(f) for f in out] == frames
+    for i, place in places.items():
+        assert out[i].payload is place
 
 
 def decode_or_frame_error(data: bytes, chunks: list[int]) -> list[Frame]:

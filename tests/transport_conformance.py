@@ -422,6 +422,33 @@ async def check_retire(make_pair: PairFactory) -> None:
         assert bytes((await recv(p.client, ch)).payload) == b"reply"
 
 
+async def check_named_places(make_pair: PairFactory) -> None:
+    """Messages whose place was named with ``expect`` arrive in that place (small and
+    large; the frame's payload is the place itself); one of another size arrives as usual
+    and leaves its place alone; ``retire`` lets the places of a channel go."""
+    async with make_pair() as p:
+        small, large = content(3, 0, 1000), content(3, 1, 5 << 20)
+        places = [memoryview(bytearray(len(small))), memoryview(bytearray(len(large)))]
+        wrong = memoryview(bytearray(10))
+        for seq, place in enumerate([*places, wrong]):
+            p.server.expect(3, seq, place)
+        for seq, data in enumerate([small, large, b"eleven byte"]):
+            await p.client.send(3, data, seq=seq)
+        for seq, (data, place) in enumerate(zip([small, large], places, strict=True)):
+            frame = await recv(p.server, 3)
+            assert frame.seq == seq and frame.payload is place and bytes(place) == data
+        frame = await recv(p.server, 3)
+        assert bytes(frame.payload) == b"eleven byte" and bytes(wrong) == bytes(10)
+        gone = memoryview(bytearray(len(small)))
+        p.server.expect(4, 0, gone)
+        p.server.retire(4)
+        await p.client.send(4, small)
+        await p.client.send(5, b"marker")
+        assert bytes((await recv(p.server, 5)).payload) == b"marker"
+        await wait_until(lambda: p.server.stats.dropped_stale == 1, "the retired frame dropped")
+        assert bytes(gone) == bytes(len(small))
+
+
 async def check_interrupt(make_pair: PairFactory) -> None:
     """interrupt() fails pending and later receives with the given error, but the
     connection stays open for sending."""
@@ -472,6 +499,7 @@ CHECKS: list[Callable[[PairFactory], Awaitable[None]]] = [
     check_silent_peer_detected,
     check_idle_peer_kept_alive,
     check_retire,
+    check_named_places,
     check_interrupt,
     check_stats_count_traffic,
 ]

@@ -13,7 +13,7 @@ channel or sequence number carries a message is the Link's business.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from itertools import zip_longest
 from typing import Any, Protocol
 
@@ -70,6 +70,12 @@ class Link(Protocol):
         """The next message from ``peer``, which must be ``nbytes`` long."""
         ...
 
+    def expect(self, peer: int, places: Sequence[memoryview]) -> None:
+        """Receive the next ``len(places)`` messages from ``peer`` straight into
+        ``places``, in order, where they have not begun to arrive yet; :meth:`recv` then
+        returns the place itself (see :func:`_recv_into`)."""
+        ...
+
     def label(self, peer: int) -> str:
         """How errors name ``peer``."""
         ...
@@ -104,6 +110,29 @@ def _bytes(a: np.ndarray) -> memoryview:
 
 def _view(payload: memoryview, dtype: np.dtype[Any]) -> np.ndarray:
     return np.frombuffer(payload, dtype=dtype) if payload.nbytes else np.empty(0, dtype)
+
+
+async def _recv_into(link: Link, peer: int, place: memoryview) -> None:
+    """Receive the next message from ``peer`` into ``place``: nothing to do if it was
+    received there (named by ``link.expect``), one copy if it came before it was named."""
+    data = await link.recv(peer, place.nbytes)
+    if data is not place and place.nbytes:
+        place[:] = data
+
+
+def _expect_one_each(link: Link, out: np.ndarray) -> dict[int, memoryview]:
+    """Name ``out[p]`` as the place of the next message from every other rank p."""
+    # out[p : p + 1], not out[p]: for a 1-D ``out`` that would be a read-only scalar
+    places = {p: _bytes(out[p : p + 1]) for p in range(link.size) if p != link.rank}
+    for p, place in places.items():
+        link.expect(p, (place,))
+    return places
+
+
+async def _recv_one_each(link: Link, places: dict[int, memoryview]) -> None:
+    """Receive one message from every rank in ``places`` into its place, in rank order."""
+    for p, place in places.items():
+        await _recv_into(link, p, place)
 
 
 async def _send_to_others(link: Link, payload: memoryview) -> None:
@@ -152,18 +181,28 @@ async def _ring_pass(
     bounds: list[tuple[int, int]],
     chunk: int,
     lag: int,
-    land: Callable[[np.ndarray, np.ndarray], object],
+    land: Callable[[np.ndarray, np.ndarray], object] | None,
 ) -> None:
     """One trip round the ring (see :func:`_ring_schedule`): send each chunk to the right,
-    and ``land(flat[a:b], received)`` each chunk from the left."""
+    and ``land(flat[a:b], received)`` each chunk from the left; with ``land=None`` each
+    chunk from the left is received straight into ``flat[a:b]``."""
     n, r = link.size, link.rank
     right, left = (r + 1) % n, (r - 1) % n
     item = flat.dtype.itemsize
-    for send, recv in _ring_schedule(link, bounds, chunk, lag):
+    schedule = list(_ring_schedule(link, bounds, chunk, lag))
+    places: Iterator[memoryview] = iter(())
+    if land is None:  # every chunk's place is known now: name them all before they come
+        named = [_bytes(flat[c[0] : c[1]]) for _, c in schedule if c is not None]
+        link.expect(left, named)
+        places = iter(named)
+    for send, recv in schedule:
         if send is not None:
             a, b = send
             await link.send(right, _bytes(flat[a:b]))
         if recv is not None:
+            if land is None:
+                await _recv_into(link, left, next(places))
+                continue
             a, b = recv
             data = await link.recv(left, (b - a) * item)
             if b > a:
@@ -186,7 +225,7 @@ async def ring_all_gather(
     link: Link, flat: np.ndarray, bounds: list[tuple[int, int]], chunk: int
 ) -> None:
     """Given segment ``bounds[rank]`` of ``flat`` on each rank, fill in all the others."""
-    await _ring_pass(link, flat, bounds, chunk, 0, np.copyto)
+    await _ring_pass(link, flat, bounds, chunk, 0, None)
 
 
 async def direct_all_reduce(link: Link, flat: np.ndarray, op: ReduceOp, out: np.ndarray) -> None:
@@ -223,13 +262,10 @@ async def direct_reduce_scatter(
 
 async def direct_all_gather(link: Link, block: np.ndarray, out: np.ndarray) -> None:
     """One round: send our block to everyone; ``out[p]`` receives rank p's block."""
-    n, r = link.size, link.rank
+    places = _expect_one_each(link, out)
     await _send_to_others(link, _bytes(block))
-    out[r] = block
-    for p in range(n):
-        if p != r:
-            data = await link.recv(p, block.nbytes)
-            out[p] = _view(data, block.dtype).reshape(block.shape)
+    out[link.rank] = block
+    await _recv_one_each(link, places)
 
 
 async def direct_broadcast(link: Link, flat: np.ndarray, src: int) -> None:
@@ -237,9 +273,9 @@ async def direct_broadcast(link: Link, flat: np.ndarray, src: int) -> None:
     if link.rank == src:
         await _send_to_others(link, _bytes(flat))
     else:
-        data = await link.recv(src, flat.nbytes)
-        if flat.size:
-            flat[:] = _view(data, flat.dtype)
+        place = _bytes(flat)
+        link.expect(src, (place,))
+        await _recv_into(link, src, place)
 
 
 async def chain_broadcast(link: Link, flat: np.ndarray, src: int, chunk: int) -> None:
@@ -247,14 +283,14 @@ async def chain_broadcast(link: Link, flat: np.ndarray, src: int, chunk: int) ->
     n, r = link.size, link.rank
     pos = (r - src) % n
     prev, nxt = (r - 1) % n, (r + 1) % n
-    item = flat.dtype.itemsize
-    for a, b in _chunks(0, flat.size, chunk):
+    places = [_bytes(flat[a:b]) for a, b in _chunks(0, flat.size, chunk)]
+    if pos > 0:
+        link.expect(prev, places)
+    for place in places:
         if pos > 0:
-            data = await link.recv(prev, (b - a) * item)
-            if b > a:
-                flat[a:b] = _view(data, flat.dtype)
+            await _recv_into(link, prev, place)
         if pos < n - 1:
-            await link.send(nxt, _bytes(flat[a:b]))
+            await link.send(nxt, place)
 
 
 async def agree(link: Link) -> None:
@@ -496,11 +532,9 @@ async def gather_to(link: Link, block: np.ndarray, dst: int, out: np.ndarray | N
         await link.send(dst, _bytes(block))
         return
     assert out is not None
+    places = _expect_one_each(link, out)
     out[r] = block
-    for p in range(link.size):
-        if p != r:
-            data = await link.recv(p, block.nbytes)
-            out[p] = _view(data, block.dtype).reshape(block.shape)
+    await _recv_one_each(link, places)
 
 
 async def gather_segments(
@@ -512,12 +546,10 @@ async def gather_segments(
         a, b = bounds[r]
         await link.send(dst, _bytes(flat[a:b]))
         return
-    for p in range(link.size):
-        if p != r:
-            a, b = bounds[p]
-            data = await link.recv(p, (b - a) * flat.dtype.itemsize)
-            if b > a:
-                flat[a:b] = _view(data, flat.dtype)
+    places = {p: _bytes(flat[a:b]) for p, (a, b) in enumerate(bounds) if p != r}
+    for p, place in places.items():
+        link.expect(p, (place,))
+    await _recv_one_each(link, places)
 
 
 async def direct_reduce(
@@ -542,21 +574,20 @@ async def scatter_from(link: Link, blocks: np.ndarray | None, src: int, out: np.
                 await link.send(p, _bytes(np.ascontiguousarray(blocks[p])))
         out[...] = blocks[r]
         return
-    data = await link.recv(src, out.nbytes)
-    out[...] = _view(data, out.dtype).reshape(out.shape)
+    place = _bytes(out)
+    link.expect(src, (place,))
+    await _recv_into(link, src, place)
 
 
 async def all_to_all(link: Link, blocks: np.ndarray, out: np.ndarray) -> None:
     """Rank r sends ``blocks[p]`` to p and gets p's ``blocks[r]`` in ``out[p]``."""
     n, r = link.size, link.rank
+    places = _expect_one_each(link, out)
     for p in range(n):
         if p != r:
             await link.send(p, _bytes(np.ascontiguousarray(blocks[p])))
     out[r] = blocks[r]
-    for p in range(n):
-        if p != r:
-            data = await link.recv(p, out[p].nbytes)
-            out[p] = _view(data, out.dtype).reshape(out.shape[1:])
+    await _recv_one_each(link, places)
 
 
 async def all_to_all_v(

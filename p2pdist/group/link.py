@@ -127,6 +127,17 @@ class CollectiveLink:
             )
         return frame.payload
 
+    def expect(self, peer: int, places: Sequence[memoryview]) -> None:
+        """Receive the next ``len(places)`` messages from ``peer`` straight into
+        ``places``, in order (each one that has not begun to arrive yet and has the
+        place's size): :meth:`recv` returns the place itself for those. Empty places
+        are skipped; the places are let go when the call ends (``retire``)."""
+        conn = self._conn(peer)
+        seq = self._received.get(peer, 0)
+        for i, place in enumerate(places):
+            if place.nbytes:
+                conn.expect(self.channel, seq + i, place)
+
     def label(self, peer: int) -> str:
         """How errors name ``peer``."""
         return self._conn(peer).label

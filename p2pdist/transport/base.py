@@ -110,8 +110,16 @@ class Connection(Protocol):
         """The next message on ``channel`` (messages on one channel arrive in send order)."""
         ...
 
+    def expect(self, channel: int, seq: int, place: memoryview) -> None:
+        """Receive message ``seq`` of ``channel`` straight into ``place`` (a writable 1-D
+        byte view) when it arrives later and is exactly that long: its frame's payload is
+        then ``place`` itself. A hint, never an error: any other message is received as
+        usual. Places are dropped by :meth:`retire`."""
+        ...
+
     def retire(self, channel: int) -> None:
-        """Forget ``channel``: queued and later frames for it are dropped and counted."""
+        """Forget ``channel``: queued and later frames for it are dropped and counted, and
+        places named for it with :meth:`expect` are let go."""
         ...
 
     def add_close_callback(self, callback: Callable[[BaseException | None], None]) -> None:

@@ -207,9 +207,19 @@ class FramedConnection:
     async def _closed_recv(self) -> Frame:
         raise ConnectionClosedError(f"connection to {self.label} was closed locally")
 
+    def expect(self, channel: int, seq: int, place: memoryview) -> None:
+        """Receive message ``seq`` of ``channel`` straight into ``place`` if it has not
+        begun to arrive yet (see :meth:`FrameDecoder.expect`); :meth:`recv` then returns
+        a frame whose payload is ``place`` itself."""
+        try:
+            self._decoder.expect(channel, seq, place)
+        except ValueError as exc:
+            raise UsageError(f"{self.label}: {exc}") from None
+
     def retire(self, channel: int) -> None:
-        """Drop queued and future frames of ``channel``."""
+        """Drop queued and future frames of ``channel``, and the places named for it."""
         self._mailbox.retire(channel)
+        self._decoder.forget(channel)
 
     def interrupt(self, error: BaseException) -> None:
         """Fail current and future receives and send waits with ``error``.

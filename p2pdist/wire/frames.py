@@ -9,7 +9,9 @@ Every frame is a fixed 32-byte big-endian header, then ``meta_len`` bytes of met
 with :meth:`FrameDecoder.get_buffer`, write received bytes into it, and report the count with
 :meth:`FrameDecoder.buffer_updated`. Small frames are assembled in a scratch buffer; a large
 payload is received straight into its own freshly allocated array, so bulk data is copied
-once, from the kernel into its final buffer.
+once, from the kernel into its final buffer. A receiver that knows where a message belongs
+(a collective's output array) names that place beforehand with :meth:`FrameDecoder.expect`,
+and the payload is received there instead, with no copy after it.
 """
 
 from __future__ import annotations
@@ -170,8 +172,11 @@ class FrameDecoder:
         self._end = 0
         # State while a large payload is being received directly.
         self._pending: tuple[FrameKind, int, int, int, bytes] | None = None
-        self._payload: np.ndarray | None = None
+        self._payload: memoryview | None = None
         self._filled = 0
+        self._into_place = False
+        """Whether ``_payload`` is a place named by :meth:`expect` (a caller's memory)."""
+        self._places: dict[int, dict[int, memoryview]] = {}
         self._failure: str | None = None
 
     @property
@@ -179,10 +184,43 @@ class FrameDecoder:
         """True when part of a frame has arrived but not all of it."""
         return self._payload is not None or self._end > self._start
 
+    def expect(self, channel: int, seq: int, place: memoryview) -> None:
+        """Receive the payload of DATA frame ``(channel, seq)`` straight into ``place`` (a
+        writable 1-D byte view), if that frame's header is parsed after this call and its
+        payload is exactly ``place.nbytes`` long; the frame then carries ``place`` itself
+        as its payload. Otherwise the frame is decoded as usual (the receiver sees the
+        size mismatch, or copies a frame that came early)."""
+        if place.readonly or place.ndim != 1 or place.format != "B":
+            raise ValueError("a landing place must be a writable 1-D view of bytes")
+        self._places.setdefault(channel, {})[seq] = place
+
+    def forget(self, channel: int) -> None:
+        """Drop the places named for ``channel``. A payload being received into one of
+        them goes on into a private buffer, so nothing writes into a caller's memory
+        after the caller has moved on (the frame still arrives, with its first part
+        missing; it belongs to a retired channel and is dropped)."""
+        if self._places:
+            self._places.pop(channel, None)
+        pending = self._pending
+        if pending is not None and self._into_place and pending[2] == channel:
+            assert self._payload is not None
+            self._payload = np.empty(self._payload.nbytes, dtype=np.uint8).data
+            self._into_place = False
+
+    def _take_place(self, channel: int, seq: int, nbytes: int) -> memoryview | None:
+        """The place named for ``(channel, seq)``, if its size is ``nbytes`` (used up)."""
+        places = self._places.get(channel)
+        if places is None:
+            return None
+        place = places.pop(seq, None)
+        if not places:
+            del self._places[channel]
+        return place if place is not None and place.nbytes == nbytes else None
+
     def get_buffer(self) -> memoryview:
         """Where the next received bytes must be written (never empty)."""
         if self._payload is not None:
-            return self._payload.data[self._filled :]
+            return self._payload[self._filled :]
         if self._end == len(self._scratch) or (
             self._start > 0 and len(self._scratch) - self._end < HEADER.size
         ):
@@ -195,7 +233,7 @@ class FrameDecoder:
             raise FrameError(self._failure)
         if self._payload is not None:
             self._filled += nbytes
-            if self._filled < len(self._payload):
+            if self._filled < self._payload.nbytes:
                 return []
             return [self._finish_direct()]
         self._end += nbytes
@@ -221,8 +259,9 @@ class FrameDecoder:
     def _finish_direct(self) -> Frame:
         assert self._pending is not None and self._payload is not None
         kind, flags, channel, seq, meta = self._pending
-        frame = Frame(kind, channel, seq, meta, self._payload.data, flags)
+        frame = Frame(kind, channel, seq, meta, self._payload, flags)
         self._pending, self._payload, self._filled = None, None, 0
+        self._into_place = False
         return frame  # the scratch buffer was emptied when the direct receive began
 
     def _parse(self) -> list[Frame]:
@@ -259,18 +298,26 @@ class FrameDecoder:
             pstart = body + meta_len
             have = self._end - pstart
             if payload_len > lim.direct_threshold and have < payload_len:
-                # Large payload: copy what already arrived, receive the rest in place.
-                payload = np.empty(payload_len, dtype=np.uint8)
-                payload[:have] = np.frombuffer(self._scratch, np.uint8, have, pstart)
+                # Large payload: copy what already arrived, receive the rest in place, into
+                # the place the receiver named or else a buffer of the frame's own.
+                place = self._take_place(channel, seq, payload_len) if self._places else None
+                self._into_place = place is not None
+                if place is None:
+                    place = np.empty(payload_len, dtype=np.uint8).data
+                place[:have] = self._view[pstart : self._end]
                 self._start = self._end = 0
                 self._pending = (kind, flags, channel, seq, meta)
-                self._payload, self._filled = payload, have
+                self._payload, self._filled = place, have
                 return
             if have < payload_len:
                 break
             end = pstart + payload_len
-            # A bytearray slice is one copy, into a buffer the frame owns.
-            owned = memoryview(self._scratch[pstart:end]) if payload_len else _EMPTY
+            place = self._take_place(channel, seq, payload_len) if self._places else None
+            if place is not None and payload_len:
+                place[:] = self._view[pstart:end]
+                owned = place
+            else:  # a bytearray slice is one copy, into a buffer the frame owns
+                owned = memoryview(self._scratch[pstart:end]) if payload_len else _EMPTY
             frames.append(Frame(kind, channel, seq, meta, owned, flags))
             self._start = end
         partial = self._end - self._start
