@@ -11,6 +11,11 @@ bus bandwidth, the ratio to plain float32, and the CPU time each rank spent per 
     python benchmarks/reduce_modes.py --world 2 --mib 16 64
     python benchmarks/reduce_modes.py --world 4 --mib 64 --modes plain det --rounds 5
     python benchmarks/reduce_modes.py --tls --modes plain bf16 int8
+    sudo python benchmarks/reduce_modes.py --rate 1gbit 100mbit --mib 16
+
+``--rate`` runs the ranks on a shaped LAN instead of loopback: each rank in its own
+network namespace, its link limited to that rate each way (``tc`` token bucket; root,
+``ip`` and ``tc`` needed), which is where compressed wires are meant to pay off.
 
 Inputs are Gaussian float32 (seeded per rank); ``busbw = bytes/time * 2(n-1)/n``.
 """
@@ -18,12 +23,16 @@ Inputs are Gaussian float32 (seeded per rank); ``busbw = bytes/time * 2(n-1)/n``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,13 +47,26 @@ MODES: dict[str, dict[str, Any]] = {
     "f16": {"wire_dtype": "float16"},
 }
 SEED = "reduce-modes-benchmark-seed"
+SHAPED_PORT = 29400
+"""Every rank's port on a shaped LAN (each rank has an address of its own there)."""
+
+
+def parse_rate(text: str) -> int:
+    """``"1gbit"``, ``"100mbit"``, ``"2.5gbit"`` -> bits per second."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg])bit", text.strip().lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"rate must look like 100mbit or 1gbit, got {text!r}")
+    return int(float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)])
+
+
+def _rate_text(bits: int) -> str:
+    return f"{bits / 1e9:g} Gbit/s" if bits >= 10**9 else f"{bits / 1e6:g} Mbit/s"
 
 
 async def _rank(cfg: dict[str, Any]) -> dict[str, Any]:
     from p2pdist import Group
 
-    rank, world = cfg["rank"], cfg["world"]
-    peers = [f"127.0.0.1:{p}" for p in cfg["ports"]]
+    rank, world, peers = cfg["rank"], cfg["world"], cfg["peers"]
     x = np.random.default_rng(rank).standard_normal(cfg["nbytes"] // 4).astype(np.float32)
     wall: dict[str, list[float]] = {m: [] for m in cfg["modes"]}
     cpu: dict[str, list[float]] = {m: [] for m in cfg["modes"]}
@@ -66,24 +88,52 @@ async def _rank(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _run_size(args: argparse.Namespace, world: int, mib: float) -> None:
-    from p2pdist.launch import pick_free_ports
+@contextlib.contextmanager
+def _hosts(world: int, rate: int | None) -> Iterator[tuple[list[str], list[list[str]]]]:
+    """Every rank's ``host:port`` and command prefix: loopback, or a shaped LAN."""
+    if rate is None:
+        from p2pdist.launch import pick_free_ports
 
+        ports = pick_free_ports("127.0.0.1", world)
+        yield [f"127.0.0.1:{p}" for p in ports], [[] for _ in range(world)]
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from natlab import ShapedLan
+
+    with ShapedLan(world, rate) as lan:
+        yield (
+            [f"{lan.ip(r)}:{SHAPED_PORT}" for r in range(world)],
+            [lan.exec_prefix(r) for r in range(world)],
+        )
+
+
+def _run_size(args: argparse.Namespace, world: int, mib: float, rate: int | None) -> None:
+    with _hosts(world, rate) as (peers, prefixes):
+        _run_ranks(args, world, mib, rate, peers, prefixes)
+
+
+def _run_ranks(
+    args: argparse.Namespace,
+    world: int,
+    mib: float,
+    rate: int | None,
+    peers: list[str],
+    prefixes: list[list[str]],
+) -> None:
     nbytes = int(mib * 2**20)
-    ports = pick_free_ports("127.0.0.1", world)
     procs = []
     for r in range(world):
         cfg = {
             "rank": r,
             "world": world,
-            "ports": ports,
+            "peers": peers,
             "nbytes": nbytes,
             "rounds": args.rounds,
             "iters": args.iters or max(2, int(128 // mib)),
             "modes": args.modes,
             "tls": args.tls,
         }
-        cmd = [sys.executable, __file__, "--worker", json.dumps(cfg)]
+        cmd = [*prefixes[r], sys.executable, __file__, "--worker", json.dumps(cfg)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
     try:
         outs = [json.loads(p.communicate(timeout=args.timeout)[0]) for p in procs]
@@ -93,7 +143,8 @@ def _run_size(args: argparse.Namespace, world: int, mib: float) -> None:
                 p.kill()
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
     link = "TLS" if args.tls else "plaintext"
-    print(f"world {world}, {mib:g} MiB float32, {link}, load average {load} after the run")
+    where = "loopback" if rate is None else f"links shaped to {_rate_text(rate)} each way"
+    print(f"world {world}, {mib:g} MiB float32, {link}, {where}, load average {load} after the run")
     print(f"  {'mode':6s} {'time (ms)':>10s} {'busbw GB/s':>11s} {'vs plain':>9s}  cpu/rank (ms)")
     base = max(o["wall"][args.modes[0]] for o in outs)
     for m in args.modes:
@@ -117,11 +168,23 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=0, help="calls per mode per round")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per world and size")
     ap.add_argument("--tls", action="store_true", help="TLS connections (default plaintext)")
+    ap.add_argument(
+        "--rate",
+        type=parse_rate,
+        nargs="+",
+        default=[None],
+        metavar="RATE",
+        help="run on a LAN of namespaces with every link shaped to RATE each way "
+        "(e.g. 1gbit 100mbit; needs root, ip and tc); default loopback",
+    )
     args = ap.parse_args()
+    if args.rate != [None] and os.geteuid() != 0:
+        ap.error("--rate needs root (network namespaces and tc)")
     print(f"command: python benchmarks/reduce_modes.py {' '.join(sys.argv[1:])}")
-    for world in args.world:
-        for mib in args.mib:
-            _run_size(args, world, mib)
+    for rate in args.rate:
+        for world in args.world:
+            for mib in args.mib:
+                _run_size(args, world, mib, rate)
 
 
 if __name__ == "__main__":

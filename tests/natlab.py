@@ -68,6 +68,7 @@ __all__ = [
     "PREFIX",
     "NatLab",
     "NatLabError",
+    "ShapedLan",
     "UdpAgent",
     "lab_unavailable",
     "leftover_namespaces",
@@ -82,6 +83,7 @@ PUBLIC_IP = {"a": "203.0.113.10", "b": "203.0.113.20"}
 LAN_HOST_IP = "10.0.0.2"
 LAN_ROUTER_IP = "10.0.0.1"
 _BLOCK_COMMENT = "natlab-block-udp"
+SHAPED_NET = "10.77.0"
 _counter = itertools.count()
 
 
@@ -463,6 +465,88 @@ class NatLab:
 
 
 # ---- the UDP agent ----------------------------------------------------------------------
+
+
+class ShapedLan:
+    """``world`` hosts on one switch, each in its own namespace with address
+    ``10.77.0.<r+1>``, and every host's link shaped to ``rate_bits`` per second each way
+    (``tc`` token bucket on both ends of its cable), like a fleet of machines with
+    ``rate_bits`` network cards. For benchmarks of slow links (``reduce_modes.py
+    --rate``). A context manager, torn down as :class:`NatLab` is."""
+
+    def __init__(self, world: int, rate_bits: int) -> None:
+        if world < 1 or rate_bits < 1_000_000:
+            raise ValueError("need at least one host and at least 1 Mbit/s")
+        self.world, self.rate_bits = world, rate_bits
+        self.prefix = f"{PREFIX}{os.getpid()}-{next(_counter)}-"
+        self._namespaces: list[str] = []
+
+    def host_ns(self, r: int) -> str:
+        """The namespace of host ``r``."""
+        return f"{self.prefix}h{r}"
+
+    def ip(self, r: int) -> str:
+        """Host ``r``'s address."""
+        return f"{SHAPED_NET}.{r + 1}"
+
+    def exec_prefix(self, r: int) -> list[str]:
+        """``ip netns exec NS`` for host ``r``."""
+        return ["ip", "netns", "exec", self.host_ns(r)]
+
+    def __enter__(self) -> ShapedLan:
+        reason = lab_unavailable()
+        if reason is None and not shutil.which("tc"):
+            reason = "shaped links need tc (apt-get install iproute2)"
+        if reason is not None:
+            raise NatLabError(reason)
+        _remove_stale()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _ns(self, name: str) -> str:
+        _run(["ip", "netns", "add", name])
+        self._namespaces.append(name)
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        return name
+
+    def _shape(self, ns: str, dev: str) -> None:
+        # The bucket must hold a whole offloaded segment (64 KiB) and a few timer ticks'
+        # worth of bytes, or the link runs below its rate.
+        burst = max(256 * 1024, self.rate_bits // 8 // 100)
+        bucket = ["rate", f"{self.rate_bits}bit", "burst", str(burst), "latency", "50ms"]
+        _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", *bucket])
+
+    def _build(self) -> None:
+        switch = self._ns(self.prefix + "switch")
+        _run(["ip", "-n", switch, "link", "add", "br0", "type", "bridge"])
+        _run(["ip", "-n", switch, "link", "set", "br0", "up"])
+        for r in range(self.world):
+            host, port = self._ns(self.host_ns(r)), f"p{r}"
+            veth = ["type", "veth", "peer", "name", "eth0", "netns", host]
+            _run(["ip", "-n", switch, "link", "add", port, *veth])
+            _run(["ip", "-n", switch, "link", "set", port, "master", "br0", "up"])
+            _run(["ip", "-n", host, "addr", "add", f"{self.ip(r)}/24", "dev", "eth0"])
+            _run(["ip", "-n", host, "link", "set", "eth0", "up"])
+            self._shape(host, "eth0")  # what the host sends
+            self._shape(switch, port)  # what it receives
+
+    def close(self) -> None:
+        """Delete every namespace (killing what still runs in them); idempotent."""
+        for ns in reversed(self._namespaces):
+            _delete_namespace(ns)
+        self._namespaces.clear()
 
 
 class UdpAgent:
