@@ -11,7 +11,7 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 
 missing=""
 command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
-command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+{ command -v ip && command -v tc; } >/dev/null 2>&1 || missing="$missing iproute2"
 # A distribution's Python may come without venv's pip bootstrap (Debian: python3.X-venv).
 "$PY" -c 'import ensurepip' >/dev/null 2>&1 \
     || missing="$missing $("$PY" -c 'import sys; print("python%d.%d-venv" % sys.version_info[:2])')"
