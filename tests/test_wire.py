@@ -348,6 +348,21 @@ def test_place_of_another_size_or_frame_is_left_alone() -> None:
         assert set(bytes(unused)) == {0xEE}
 
 
+def test_empty_frames_leave_places_alone() -> None:
+    """A PING (channel 0, seq 0) or an empty DATA frame with a place's numbers must not
+    use that place up: the message it was named for still lands there."""
+    dec = FrameDecoder(SMALL)
+    small, large = place_of(5), place_of(1000)
+    dec.expect(0, 0, small)
+    dec.expect(0, 1, large)
+    data = wire(FrameKind.PING, limits=SMALL) + wire(channel=0, seq=1, limits=SMALL)
+    data += wire(channel=0, seq=0, payload=b"hello", limits=SMALL)
+    data += wire(channel=0, seq=1, payload=b"x" * 1000, limits=SMALL)
+    frames = feed_buffered(dec, data, 100)
+    assert [f.kind for f in frames] == [FrameKind.PING] + [FrameKind.DATA] * 3
+    assert frames[2].payload is small and frames[3].payload is large
+
+
 def test_frame_that_began_before_its_place_was_named_is_not_redirected() -> None:
     """Naming a place for a frame whose header was already parsed changes nothing."""
     payload = bytes(range(256)) * 40

@@ -312,8 +312,14 @@ class FrameDecoder:
             if have < payload_len:
                 break
             end = pstart + payload_len
-            place = self._take_place(channel, seq, payload_len) if self._places else None
-            if place is not None and payload_len:
+            # Only a payload takes a place: an empty frame (a PING is channel 0, seq 0)
+            # must not use up the place of the message that shares its numbers.
+            place = (
+                self._take_place(channel, seq, payload_len)
+                if payload_len and self._places
+                else None
+            )
+            if place is not None:
                 place[:] = self._view[pstart:end]
                 owned = place
             else:  # a bytearray slice is one copy, into a buffer the frame owns
