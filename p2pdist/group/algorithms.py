@@ -262,9 +262,10 @@ async def direct_reduce_scatter(
 
 async def direct_all_gather(link: Link, block: np.ndarray, out: np.ndarray) -> None:
     """One round: send our block to everyone; ``out[p]`` receives rank p's block."""
+    r = link.rank
+    out[r] = block  # first: ``block`` may be another row of ``out``, where a message lands
     places = _expect_one_each(link, out)
-    await _send_to_others(link, _bytes(block))
-    out[link.rank] = block
+    await _send_to_others(link, _bytes(out[r : r + 1]))
     await _recv_one_each(link, places)
 
 
@@ -532,8 +533,8 @@ async def gather_to(link: Link, block: np.ndarray, dst: int, out: np.ndarray | N
         await link.send(dst, _bytes(block))
         return
     assert out is not None
+    out[r] = block  # first: ``block`` may be another row of ``out``, where a message lands
     places = _expect_one_each(link, out)
-    out[r] = block
     await _recv_one_each(link, places)
 
 

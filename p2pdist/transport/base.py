@@ -50,6 +50,8 @@ class ConnectionStats:
     bytes_received: int = 0
     dropped_stale: int = 0
     """Frames that arrived for a retired channel and were discarded."""
+    landed_in_place: int = 0
+    """Frames received straight into a place the receiver named (``expect``)."""
     rtt: float | None = None
     """Last keepalive round-trip time, seconds."""
 

@@ -136,6 +136,7 @@ class FramedConnection:
     def stats(self) -> ConnectionStats:
         """Counters (``dropped_stale`` included)."""
         self._stats.dropped_stale = self._mailbox.dropped
+        self._stats.landed_in_place = self._decoder.landed
         return self._stats
 
     def idle_for(self) -> float:

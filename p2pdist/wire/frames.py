@@ -8,8 +8,9 @@ Every frame is a fixed 32-byte big-endian header, then ``meta_len`` bytes of met
 :class:`FrameDecoder` is driven the way ``asyncio.BufferedProtocol`` is: ask it for a buffer
 with :meth:`FrameDecoder.get_buffer`, write received bytes into it, and report the count with
 :meth:`FrameDecoder.buffer_updated`. Small frames are assembled in a scratch buffer; a large
-payload is received straight into its own freshly allocated array, so bulk data is copied
-once, from the kernel into its final buffer. A receiver that knows where a message belongs
+payload is received straight into a buffer of its own, so bulk data is copied once, from
+the kernel into its final buffer (taken from a :class:`BufferPool`, which hands out again
+the buffers receivers have let go). A receiver that knows where a message belongs
 (a collective's output array) names that place beforehand with :meth:`FrameDecoder.expect`,
 and the payload is received there instead, with no copy after it.
 """
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
+from .bufpool import BufferPool
 
 __all__ = [
     "HEADER",
@@ -162,7 +163,12 @@ def fill_buffers(
 class FrameDecoder:
     """Incremental frame parser; raises :class:`FrameError` on malformed input."""
 
-    def __init__(self, limits: FrameLimits | None = None, scratch_size: int = 256 * 1024) -> None:
+    def __init__(
+        self,
+        limits: FrameLimits | None = None,
+        scratch_size: int = 256 * 1024,
+        pool_bytes: int = 4 << 20,
+    ) -> None:
         self.limits = limits or FrameLimits()
         if scratch_size < HEADER.size + self.limits.max_meta + self.limits.direct_threshold:
             scratch_size = HEADER.size + self.limits.max_meta + self.limits.direct_threshold
@@ -176,35 +182,43 @@ class FrameDecoder:
         self._filled = 0
         self._into_place = False
         """Whether ``_payload`` is a place named by :meth:`expect` (a caller's memory)."""
+        self._discarding = 0
+        """Bytes still to throw away of a payload whose place was forgotten mid-way."""
+        self.landed = 0
+        """Frames received into a place named by :meth:`expect`."""
         self._places: dict[int, dict[int, memoryview]] = {}
+        self._pool = BufferPool(pool_bytes)
         self._failure: str | None = None
 
     @property
     def mid_frame(self) -> bool:
         """True when part of a frame has arrived but not all of it."""
-        return self._payload is not None or self._end > self._start
+        return self._payload is not None or self._end > self._start or self._discarding > 0
 
     def expect(self, channel: int, seq: int, place: memoryview) -> None:
         """Receive the payload of DATA frame ``(channel, seq)`` straight into ``place`` (a
-        writable 1-D byte view), if that frame's header is parsed after this call and its
-        payload is exactly ``place.nbytes`` long; the frame then carries ``place`` itself
-        as its payload. Otherwise the frame is decoded as usual (the receiver sees the
-        size mismatch, or copies a frame that came early)."""
+        writable 1-D byte view), if that frame has not been decoded, nor begun to be
+        received into a buffer of its own, before this call and its payload is exactly
+        ``place.nbytes`` long; the frame then carries ``place`` itself as its payload.
+        Otherwise the frame is decoded as usual (the receiver sees the size mismatch, or
+        copies a frame that came early). :attr:`landed` counts the frames that used a
+        place."""
         if place.readonly or place.ndim != 1 or place.format != "B":
             raise ValueError("a landing place must be a writable 1-D view of bytes")
         self._places.setdefault(channel, {})[seq] = place
 
     def forget(self, channel: int) -> None:
-        """Drop the places named for ``channel``. A payload being received into one of
-        them goes on into a private buffer, so nothing writes into a caller's memory
-        after the caller has moved on (the frame still arrives, with its first part
-        missing; it belongs to a retired channel and is dropped)."""
+        """Drop the places named for ``channel``. The rest of a payload being received
+        into one of them is read into the (then empty) scratch buffer and thrown away,
+        so nothing writes into a caller's memory after the caller has moved on; that
+        frame is not delivered (it belongs to a retired channel)."""
         if self._places:
             self._places.pop(channel, None)
         pending = self._pending
         if pending is not None and self._into_place and pending[2] == channel:
             assert self._payload is not None
-            self._payload = np.empty(self._payload.nbytes, dtype=np.uint8).data
+            self._discarding = self._payload.nbytes - self._filled
+            self._pending, self._payload, self._filled = None, None, 0
             self._into_place = False
 
     def _take_place(self, channel: int, seq: int, nbytes: int) -> memoryview | None:
@@ -221,6 +235,8 @@ class FrameDecoder:
         """Where the next received bytes must be written (never empty)."""
         if self._payload is not None:
             return self._payload[self._filled :]
+        if self._discarding:
+            return self._view[: min(self._discarding, len(self._scratch))]
         if self._end == len(self._scratch) or (
             self._start > 0 and len(self._scratch) - self._end < HEADER.size
         ):
@@ -236,6 +252,9 @@ class FrameDecoder:
             if self._filled < self._payload.nbytes:
                 return []
             return [self._finish_direct()]
+        if self._discarding:
+            self._discarding -= nbytes
+            return []
         self._end += nbytes
         return self._parse()
 
@@ -303,7 +322,9 @@ class FrameDecoder:
                 place = self._take_place(channel, seq, payload_len) if self._places else None
                 self._into_place = place is not None
                 if place is None:
-                    place = np.empty(payload_len, dtype=np.uint8).data
+                    place = self._pool.take(payload_len)
+                else:
+                    self.landed += 1
                 place[:have] = self._view[pstart : self._end]
                 self._start = self._end = 0
                 self._pending = (kind, flags, channel, seq, meta)
@@ -322,6 +343,7 @@ class FrameDecoder:
             if place is not None:
                 place[:] = self._view[pstart:end]
                 owned = place
+                self.landed += 1
             else:  # a bytearray slice is one copy, into a buffer the frame owns
                 owned = memoryview(self._scratch[pstart:end]) if payload_len else _EMPTY
             frames.append(Frame(kind, channel, seq, meta, owned, flags))

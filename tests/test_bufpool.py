@@ -1,0 +1,79 @@
+"""BufferPool: large receive buffers are handed out again only once nothing refers to them."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+
+from p2pdist.wire.bufpool import BufferPool
+from p2pdist.wire.frames import FrameDecoder, FrameKind, FrameLimits, encode_header
+
+LIMITS = FrameLimits(max_meta=512, max_payload=1 << 20, direct_threshold=256)
+
+
+def address(view: memoryview) -> int:
+    return int(np.frombuffer(view, np.uint8).__array_interface__["data"][0])
+
+
+def test_take_gives_exactly_the_size_asked_for_writable() -> None:
+    pool = BufferPool()
+    for n in (1, 1000, 4096, 70_000):
+        view = pool.take(n)
+        assert view.nbytes == n and not view.readonly and view.format == "B"
+        view[:] = b"\x01" * n
+
+
+def test_a_buffer_comes_back_only_when_nothing_refers_to_it() -> None:
+    pool = BufferPool()
+    first = pool.take(5000)
+    where = address(first)
+    kept = np.frombuffer(first, np.uint8)  # an array made from it keeps it busy
+    del first
+    second = pool.take(5000)
+    assert address(second) != where
+    second_at = address(second)
+    del kept
+    gc.collect()
+    third = pool.take(6000)  # same power-of-two class (8 KiB): the first buffer again
+    assert address(third) == where
+    part = third[10:20]  # a slice of a view keeps it busy as well
+    del third
+    assert address(pool.take(5000)) not in (where, second_at) or second_at != where
+    del part
+
+
+def test_pool_keeps_at_most_max_bytes() -> None:
+    pool = BufferPool(max_bytes=3 * 4096)
+    views = [pool.take(4096) for _ in range(5)]  # all busy at once
+    assert pool.held_bytes == 3 * 4096
+    assert len({address(v) for v in views}) == 5  # no two share memory
+    del views
+    again = [pool.take(4096) for _ in range(3)]
+    assert pool.held_bytes == 3 * 4096
+    assert len({address(v) for v in again}) == 3
+
+
+def frame_bytes(payload: bytes, seq: int) -> bytes:
+    header = encode_header(FrameKind.DATA, 1, seq, b"", len(payload), limits=LIMITS)
+    return header + payload
+
+
+def test_decoder_reuses_a_payload_buffer_once_the_receiver_let_it_go() -> None:
+    """A received large payload that the receiver still holds is never overwritten by
+    the next one; once dropped, its buffer receives a later payload (no fresh pages)."""
+    dec = FrameDecoder(LIMITS)
+    head = 32 + 10  # header and a little payload in the first read: the rest lands in place
+    a, b, c = (bytes([i]) * 50_000 for i in (1, 2, 3))
+    dec.feed(frame_bytes(a, 0)[:head])
+    (fa,) = dec.feed(frame_bytes(a, 0)[head:])
+    dec.feed(frame_bytes(b, 1)[:head])
+    (fb,) = dec.feed(frame_bytes(b, 1)[head:])
+    assert bytes(fa.payload) == a and bytes(fb.payload) == b
+    assert address(fa.payload) != address(fb.payload)
+    where = address(fa.payload)
+    del fa
+    dec.feed(frame_bytes(c, 2)[:head])
+    (fc,) = dec.feed(frame_bytes(c, 2)[head:])
+    assert bytes(fc.payload) == c and address(fc.payload) == where
+    assert bytes(fb.payload) == b
