@@ -18,9 +18,19 @@ import numpy as np
 
 __all__ = ["BufferPool"]
 
-_FREE_REFS = 3
-"""``sys.getrefcount`` of a pooled array nothing else refers to: the pool's list, the
-loop variable and the call's own argument."""
+
+def _free_refs() -> int:
+    """``sys.getrefcount`` of a kept array that nothing else refers to, measured with
+    the same loop as :meth:`BufferPool.take` uses (3 on CPython 3.11-3.13: the list, the
+    loop variable and the call's argument), so that an interpreter that counts loop
+    variables differently cannot make the pool hand out a buffer still in use."""
+    kept = [np.empty(1, dtype=np.uint8)]
+    for arr in kept:
+        return sys.getrefcount(arr)
+    raise AssertionError("unreachable")
+
+
+_FREE_REFS = _free_refs()
 
 
 class BufferPool:
