@@ -37,6 +37,7 @@ import os
 import platform
 import secrets
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -281,6 +282,29 @@ class Series:
     """Median barrier time, seconds (max over ranks)."""
 
 
+def median_of_rounds(rounds: list[Series]) -> Series:
+    """One series from the same backend's rounds: per size, the median over rounds of
+    the latency and of the CPU per call; failed if any round failed."""
+    merged = Series(rounds[0].name)
+    failed = [s.error for s in rounds if s.error]
+    if failed:
+        merged.error = failed[0]
+        return merged
+    for nbytes, first in rounds[0].points.items():
+        points = [s.points[nbytes] for s in rounds]
+        cpus = [p.cpu for p in points]
+        merged.points[nbytes] = Point(
+            nbytes,
+            statistics.median(p.seconds for p in points),
+            first.world,
+            statistics.median(c for c in cpus if c is not None) if None not in cpus else None,
+        )
+    barriers = [s.barrier for s in rounds]
+    if None not in barriers:
+        merged.barrier = statistics.median(b for b in barriers if b is not None)
+    return merged
+
+
 def measure_tcp(workdir: Path, timeout: float) -> float:
     """Raw loopback TCP bandwidth in GB/s (sender-side time incl. final ack)."""
     (port,) = free_ports(1)
@@ -425,6 +449,61 @@ def detail_table(sizes: list[int], series: list[Series], markdown: bool) -> str:
 # ------------------------------------------------------------------------------ main
 
 
+def run_round(
+    args: argparse.Namespace,
+    world: int,
+    sizes: list[int],
+    warmup: list[int],
+    iters: list[int],
+    workdir: Path,
+    run_p2p: bool,
+    run_gloo: bool,
+    loops: list[str],
+) -> tuple[list[Series], Series | None]:
+    """Every p2pdist mode on every loop, then Gloo, once each at ``world``."""
+    mode_series: list[Series] = []
+    if run_p2p:
+        seed = secrets.token_hex(32)
+        for mode, loop in [(m, lp) for m in args.modes for lp in loops]:
+            peers = [f"127.0.0.1:{p}" for p in free_ports(world)]
+            mode_series.append(
+                run_series(
+                    mode + LOOPS[loop],
+                    "p2pdist",
+                    world,
+                    sizes,
+                    warmup,
+                    iters,
+                    workdir,
+                    args.timeout,
+                    {
+                        "seed": seed,
+                        "peers": peers,
+                        "tls": mode.startswith("tls"),
+                        "loop": loop,
+                        "out_of_place": args.out_of_place,
+                        "reduce_kwargs": VARIANTS[mode[mode.find("-") :] if "-" in mode else ""],
+                    },
+                )
+            )
+    gloo_series: Series | None = None
+    if run_gloo:
+        (port,) = free_ports(1)
+        gloo_series = run_series(
+            "gloo",
+            "gloo",
+            world,
+            sizes,
+            warmup,
+            iters,
+            workdir,
+            args.timeout,
+            {"port": port},
+            env={"GLOO_SOCKET_IFNAME": "lo"},
+        )
+    return mode_series, gloo_series
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Command-line interface."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -464,6 +543,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="p2pdist calls return a fresh array (default: in place, out=x, as Gloo's)",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every backend this many times, alternating, and report the median over "
+        "rounds of each cell (for a machine whose speed drifts; default 1)",
+    )
     ap.add_argument("--no-gloo", action="store_true", help="skip the torch Gloo reference")
     ap.add_argument("--no-p2pdist", action="store_true", help="skip p2pdist (baselines only)")
     ap.add_argument("--no-tcp", action="store_true", help="skip the raw TCP measurement")
@@ -497,8 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = [default_iterations(n) for n in sizes]
     warmup = [args.warmup if args.warmup is not None else w for w, _ in plan]
     iters = [args.iters if args.iters is not None else i for _, i in plan]
-    if min(iters) < 1 or min(warmup) < 0:
-        print("--iters must be >= 1 and --warmup >= 0", file=sys.stderr)
+    if min(iters) < 1 or min(warmup) < 0 or args.rounds < 1:
+        print("--iters and --rounds must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
 
     tv = torch_version()
@@ -567,48 +653,16 @@ def main(argv: list[str] | None = None) -> int:
             if world < 2:
                 print(f"skipping world {world} (< 2)", file=sys.stderr)
                 continue
-            mode_series: list[Series] = []
-            if run_p2p:
-                seed = secrets.token_hex(32)
-                for mode, loop in [(m, lp) for m in args.modes for lp in loops]:
-                    peers = [f"127.0.0.1:{p}" for p in free_ports(world)]
-                    mode_series.append(
-                        run_series(
-                            mode + LOOPS[loop],
-                            "p2pdist",
-                            world,
-                            sizes,
-                            warmup,
-                            iters,
-                            workdir,
-                            args.timeout,
-                            {
-                                "seed": seed,
-                                "peers": peers,
-                                "tls": mode.startswith("tls"),
-                                "loop": loop,
-                                "out_of_place": args.out_of_place,
-                                "reduce_kwargs": VARIANTS[
-                                    mode[mode.find("-") :] if "-" in mode else ""
-                                ],
-                            },
-                        )
-                    )
-            gloo_series: Series | None = None
-            if run_gloo:
-                (port,) = free_ports(1)
-                gloo_series = run_series(
-                    "gloo",
-                    "gloo",
-                    world,
-                    sizes,
-                    warmup,
-                    iters,
-                    workdir,
-                    args.timeout,
-                    {"port": port},
-                    env={"GLOO_SOCKET_IFNAME": "lo"},
+            rounds: list[tuple[list[Series], Series | None]] = []
+            for _ in range(args.rounds):
+                rounds.append(
+                    run_round(args, world, sizes, warmup, iters, workdir, run_p2p, run_gloo, loops)
                 )
+            mode_series = [
+                median_of_rounds(list(r)) for r in zip(*(m for m, _ in rounds), strict=True)
+            ]
+            gloo_rounds = [g for _, g in rounds if g is not None]
+            gloo_series = median_of_rounds(gloo_rounds) if gloo_rounds else None
             title = f"#### world {world}\n\n" if args.markdown else f"== world {world} ==\n"
             tables.append(title + world_table(sizes, mode_series, gloo_series, args.markdown))
             all_series = [*mode_series, *([gloo_series] if gloo_series else [])]
@@ -629,6 +683,11 @@ def main(argv: list[str] | None = None) -> int:
             "p2pdist out of place (a fresh result array per call), Gloo in place"
             if args.out_of_place
             else "both in place (p2pdist all_reduce(x, out=x), Gloo all_reduce(t))"
+        )
+        + (
+            f"; {args.rounds} rounds, backends alternating, each cell the median over rounds"
+            if args.rounds > 1
+            else ""
         )
     )
     out.append(

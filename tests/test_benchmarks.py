@@ -43,7 +43,7 @@ def rates(line: str) -> list[float]:
 def test_allreduce_table_in_place_and_out_of_place() -> None:
     base = ["--world", "2", "--sizes", "4K", "64K", "--iters", "3", "--warmup", "1"]
     base += ["--modes", "plaintext", "tls", "--loop", "asyncio", "--no-tcp"]
-    for extra in ([], ["--out-of-place", "--detail"]):
+    for extra in ([], ["--out-of-place", "--detail", "--rounds", "2"]):
         out = bench("allreduce.py", *base, *extra)
         assert "== world 2 ==" in out
         rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
@@ -54,6 +54,7 @@ def test_allreduce_table_in_place_and_out_of_place() -> None:
         assert "failed" not in out, out  # the script exits 0 when a mode fails
         where = "out of place" if extra else "both in place"
         assert where in out
+        assert ("2 rounds, backends alternating" in out) == bool(extra), out
         if "--detail" in extra:  # process CPU per call, per backend and size
             cpu = [ln for ln in out.splitlines() if ln.split()[:2] == ["plaintext", "64K"]]
             assert "cpu/rank (us)" in out and cpu and cpu[0].split()[-1] != "-", out
