@@ -461,46 +461,32 @@ def run_round(
     loops: list[str],
 ) -> tuple[list[Series], Series | None]:
     """Every p2pdist mode on every loop, then Gloo, once each at ``world``."""
+
+    def sweep(
+        name: str, role: str, extra: dict[str, Any], env: dict[str, str] | None = None
+    ) -> Series:
+        return run_series(
+            name, role, world, sizes, warmup, iters, workdir, args.timeout, extra, env
+        )
+
     mode_series: list[Series] = []
     if run_p2p:
         seed = secrets.token_hex(32)
         for mode, loop in [(m, lp) for m in args.modes for lp in loops]:
-            peers = [f"127.0.0.1:{p}" for p in free_ports(world)]
-            mode_series.append(
-                run_series(
-                    mode + LOOPS[loop],
-                    "p2pdist",
-                    world,
-                    sizes,
-                    warmup,
-                    iters,
-                    workdir,
-                    args.timeout,
-                    {
-                        "seed": seed,
-                        "peers": peers,
-                        "tls": mode.startswith("tls"),
-                        "loop": loop,
-                        "out_of_place": args.out_of_place,
-                        "reduce_kwargs": VARIANTS[mode[mode.find("-") :] if "-" in mode else ""],
-                    },
-                )
-            )
+            variant = mode[mode.find("-") :] if "-" in mode else ""
+            extra = {
+                "seed": seed,
+                "peers": [f"127.0.0.1:{p}" for p in free_ports(world)],
+                "tls": mode.startswith("tls"),
+                "loop": loop,
+                "out_of_place": args.out_of_place,
+                "reduce_kwargs": VARIANTS[variant],
+            }
+            mode_series.append(sweep(mode + LOOPS[loop], "p2pdist", extra))
     gloo_series: Series | None = None
     if run_gloo:
         (port,) = free_ports(1)
-        gloo_series = run_series(
-            "gloo",
-            "gloo",
-            world,
-            sizes,
-            warmup,
-            iters,
-            workdir,
-            args.timeout,
-            {"port": port},
-            env={"GLOO_SOCKET_IFNAME": "lo"},
-        )
+        gloo_series = sweep("gloo", "gloo", {"port": port}, env={"GLOO_SOCKET_IFNAME": "lo"})
     return mode_series, gloo_series
 
 

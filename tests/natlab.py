@@ -59,7 +59,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Self
 
 from relay_helpers import read_relay_url
 
@@ -206,7 +206,55 @@ def _block_rule(ns: str, action: str, chain: str) -> list[str]:
     return ["ip", "netns", "exec", ns, "iptables", action, chain, *rule]
 
 
-class NatLab:
+class _NamespaceLab:
+    """What every lab of namespaces shares: building them in ``with`` (stale ones of
+    crashed runs removed first; everything torn down if the build fails) and the
+    namespaces it made. Subclasses build (``_build``) and tear down (``close``)."""
+
+    _namespaces: list[str]
+
+    def _unavailable(self) -> str | None:
+        """Why this lab cannot run here (None: it can)."""
+        return lab_unavailable()
+
+    def _prepare(self) -> None:
+        """Set-up before the build (nothing by default)."""
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        reason = self._unavailable()
+        if reason is not None:
+            raise NatLabError(reason)
+        _remove_stale()
+        self._prepare()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _ns(self, name: str) -> str:
+        _run(["ip", "netns", "add", name])
+        self._namespaces.append(name)
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        return name
+
+
+class NatLab(_NamespaceLab):
     """Two sides (``"a"``, ``"b"``) of the given kinds, an internet namespace with a
     bridge, and optionally a real relay in it. A context manager: ``__enter__`` builds
     it, ``__exit__`` kills every process it started and deletes every namespace.
@@ -283,33 +331,9 @@ class NatLab:
 
     # ---- build and teardown -------------------------------------------------------
 
-    def __enter__(self) -> NatLab:
-        reason = lab_unavailable()
-        if reason is not None:
-            raise NatLabError(reason)
-        _remove_stale()
+    def _prepare(self) -> None:
         if self._own_workdir:
             self.workdir = Path(tempfile.mkdtemp(prefix="natlab-"))
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def _ns(self, name: str) -> str:
-        _run(["ip", "netns", "add", name])
-        self._namespaces.append(name)
-        _run(["ip", "-n", name, "link", "set", "lo", "up"])
-        return name
 
     def _ip(self, ns: str, *args: str) -> None:
         _run(["ip", "-n", ns, *args])
@@ -467,7 +491,7 @@ class NatLab:
 # ---- the UDP agent ----------------------------------------------------------------------
 
 
-class ShapedLan:
+class ShapedLan(_NamespaceLab):
     """``world`` hosts on one switch, each in its own namespace with address
     ``10.77.0.<r+1>``, and every host's link shaped to ``rate_bits`` per second each way
     (``tc`` token bucket on both ends of its cable), like a fleet of machines with
@@ -493,33 +517,11 @@ class ShapedLan:
         """``ip netns exec NS`` for host ``r``."""
         return ["ip", "netns", "exec", self.host_ns(r)]
 
-    def __enter__(self) -> ShapedLan:
+    def _unavailable(self) -> str | None:
         reason = lab_unavailable()
         if reason is None and not shutil.which("tc"):
             reason = "shaped links need tc (apt-get install iproute2)"
-        if reason is not None:
-            raise NatLabError(reason)
-        _remove_stale()
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def _ns(self, name: str) -> str:
-        _run(["ip", "netns", "add", name])
-        self._namespaces.append(name)
-        _run(["ip", "-n", name, "link", "set", "lo", "up"])
-        return name
+        return reason
 
     def _shape(self, ns: str, dev: str) -> None:
         # The bucket must hold a whole offloaded segment (64 KiB) and a few timer ticks'
