@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from group_helpers import groups
 
-from p2pdist import Group, MismatchError, UsageError
+from p2pdist import Group, MismatchError, RemoteProtocolError, UsageError
 
 DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]
 
@@ -244,3 +244,38 @@ async def test_a_refused_timeout_leaves_the_sequence_in_step() -> None:
         x = np.arange(4.0)
         got = await asyncio.gather(a.send(x, 1, timeout=5), b.recv(0, like=x, timeout=5))
         np.testing.assert_array_equal(got[1], x)
+
+
+async def test_recv_without_out_returns_the_received_buffer_and_keeps_it() -> None:
+    """``recv`` without ``out=`` returns a view of the message's own receive buffer (no
+    copy); it stays the caller's: later messages of the same size never land in it."""
+    async with groups(2) as gs:
+        a, b = gs
+        first = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: a pooled receive buffer
+        await a.send(first, 1)
+        got = await b.recv(0, like=first)
+        assert not got.flags.owndata and got.flags.writeable
+        for k in range(4):
+            await a.send(first + k + 1, 1)
+            later = await b.recv(0, like=first)
+            np.testing.assert_array_equal(later, first + k + 1)
+            del later
+        np.testing.assert_array_equal(got, first)
+
+
+async def test_recv_of_a_single_frame_that_does_not_match_its_header() -> None:
+    """A one-frame array message whose payload is not the size its header says is a
+    protocol error naming the sender, not a wrong array."""
+    import msgpack
+
+    from p2pdist.transport.mailbox import SPACE_SHIFT
+    from p2pdist.wire.arrays import ArrayHeader
+
+    async with groups(2) as gs:
+        a, b = gs
+        header = ArrayHeader.of(np.zeros(10, np.float32))
+        meta = bytes(msgpack.packb([header.to_wire(), 1], use_bin_type=True))
+        channel = (b._p2p_space << SPACE_SHIFT) | 0  # type: ignore[attr-defined]
+        await a.connection(1).send(channel, b"\0" * 36, meta=meta)
+        with pytest.raises(RemoteProtocolError, match="rank 0"):
+            await b.recv(0)

@@ -70,6 +70,15 @@ async def recv_array(
                     conn.label,
                     f"sent {header.describe()} but recv expected {' and '.join(mismatch)}",
                 )
+            if out is None and count == 1:
+                # The frame's payload is this message's own buffer: a view of it is the
+                # result, no copy (ArrayHeader.view checks the byte count).
+                if first.seq != 0:
+                    raise RemoteProtocolError(conn.label, "malformed array message")
+                try:
+                    return header.view(first.payload)
+                except ArrayHeaderError as exc:
+                    raise RemoteProtocolError(conn.label, str(exc)) from None
             result = out if out is not None else np.empty(header.shape, header.dtype)
             flat = result.reshape(-1).view(np.uint8) if result.size else None
             filled, frame = 0, first
