@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 
 import numpy as np
 
@@ -78,3 +80,39 @@ def test_decoder_reuses_a_payload_buffer_once_the_receiver_let_it_go() -> None:
     (fc,) = dec.feed(frame_bytes(c, 2)[head:])
     assert bytes(fc.payload) == c and address(fc.payload) == where
     assert bytes(fb.payload) == b
+
+
+def test_buffers_the_pool_does_not_keep_are_exactly_the_size_asked_for() -> None:
+    """A buffer beyond ``max_bytes`` is not rounded up: a caller that keeps it (a received
+    array) holds no more memory than it asked for."""
+    pool = BufferPool(max_bytes=8192)
+    kept = pool.take(5000)
+    extra = pool.take(5000)
+    assert kept.obj.nbytes == 8192 and extra.obj.nbytes == 5000
+    assert pool.held_bytes == 8192
+
+
+def test_a_tracer_at_import_does_not_make_busy_buffers_look_free() -> None:
+    """Importing the pool under a tracer that reads ``f_locals`` (pdb, debugpy) and using
+    it after the tracer is gone must not hand out a buffer a caller still holds (CPython
+    3.11-3.12 copy locals into a dict that holds references while tracing)."""
+    script = """
+import sys
+def tracer(frame, event, arg):
+    frame.f_locals
+    return tracer
+sys.settrace(tracer)
+from p2pdist.wire.bufpool import BufferPool
+sys.settrace(None)
+import numpy as np
+pool = BufferPool()
+view = pool.take(100_000)
+view[:] = b"A" * 100_000
+held = np.frombuffer(view, np.uint8)
+del view
+pool.take(100_000)[:] = b"B" * 100_000
+print("intact" if bytes(held[:1]) == b"A" else "overwritten")
+"""
+    run = [sys.executable, "-c", script]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "intact", proc.stdout + proc.stderr

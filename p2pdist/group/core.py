@@ -653,7 +653,9 @@ class GroupCore(Membership):
 
         The expected dtype and shape come from ``out``, ``like`` or ``shape``/``dtype`` (any
         may be omitted to accept what arrives). A mismatch raises :class:`MismatchError`
-        naming the sender; the message is discarded and the link stays usable.
+        naming the sender; the message is discarded and the link stays usable. Without
+        ``out``, a message of up to 64 MiB comes back as a writable view of the buffer it
+        was received into (no copy; ``owndata`` is False), which stays the caller's.
         """
         self._check_peer(src, "src")
         want = expectation(like, shape, dtype, out)

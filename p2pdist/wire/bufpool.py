@@ -20,17 +20,18 @@ __all__ = ["BufferPool"]
 
 
 def _free_refs() -> int:
-    """``sys.getrefcount`` of a kept array that nothing else refers to, measured with
-    the same loop as :meth:`BufferPool.take` uses (3 on CPython 3.11-3.13: the list, the
-    loop variable and the call's argument), so that an interpreter that counts loop
-    variables differently cannot make the pool hand out a buffer still in use."""
+    """``sys.getrefcount`` of a kept array that nothing else refers to, measured the way
+    :meth:`BufferPool.take` measures it: indexing the list, never binding the array to a
+    local (a tracer reading ``f_locals`` on CPython 3.11-3.12 copies locals into a dict
+    that holds a reference; measured here under a tracer and checked later without one,
+    a busy buffer would look free). 2 on CPython 3.11-3.13: the list and the argument."""
     kept = [np.empty(1, dtype=np.uint8)]
-    for arr in kept:
-        return sys.getrefcount(arr)
-    raise AssertionError("unreachable")
+    return sys.getrefcount(kept[0])
 
 
-_FREE_REFS = _free_refs()
+# Never above 2: a higher reading (an unusual interpreter) could only make a busy buffer
+# look free, a lower one only makes the pool reuse less.
+_FREE_REFS = min(_free_refs(), 2)
 
 
 class BufferPool:
@@ -51,11 +52,11 @@ class BufferPool:
         else refers to; it returns to the pool by itself when its last view is gone."""
         size = 1 << (nbytes - 1).bit_length()
         kept = self._classes.setdefault(size, [])
-        for arr in kept:
-            if sys.getrefcount(arr) <= _FREE_REFS:
-                return arr.data[:nbytes]
-        arr = np.empty(size, dtype=np.uint8)
-        if self._held + size <= self.max_bytes:
-            kept.append(arr)
-            self._held += size
-        return arr.data[:nbytes]
+        for i in range(len(kept)):
+            if sys.getrefcount(kept[i]) <= _FREE_REFS:  # kept[i], never a local: see above
+                return kept[i].data[:nbytes]
+        if self._held + size > self.max_bytes:  # not kept: exactly the size asked for
+            return np.empty(nbytes, dtype=np.uint8).data
+        kept.append(np.empty(size, dtype=np.uint8))
+        self._held += size
+        return kept[-1].data[:nbytes]
