@@ -449,6 +449,32 @@ async def check_named_places(make_pair: PairFactory) -> None:
         assert bytes(gone) == bytes(len(small))
 
 
+async def check_retire_while_landing(make_pair: PairFactory) -> None:
+    """Retiring a channel while a large message is being received into its named place
+    stops the writes into that place at once (the rest is thrown away), and the
+    connection stays in step for the next message."""
+    async with make_pair() as p:
+        size = 32 << 20
+        data = b"\x07" * size
+        for attempt in range(5):
+            ch = 40 + attempt
+            place = memoryview(bytearray(size))
+            p.server.expect(ch, 0, place)
+            sending = asyncio.create_task(p.client.send(ch, data))
+            await wait_until(lambda: place[0] == 7, "the message to start landing")  # noqa: B023
+            if place[-1] == 7:
+                await bounded(sending, "the send")
+                continue  # it landed whole before we looked: try again
+            p.server.retire(ch)
+            before = bytes(place)
+            await bounded(sending, "the send")
+            await p.client.send(ch + 100, b"marker")
+            assert bytes((await recv(p.server, ch + 100)).payload) == b"marker"
+            assert bytes(place) == before, "bytes landed in a retired place"
+            return
+        pytest.skip("every 32 MiB message landed whole before the check could retire it")
+
+
 async def check_interrupt(make_pair: PairFactory) -> None:
     """interrupt() fails pending and later receives with the given error, but the
     connection stays open for sending."""
@@ -500,6 +526,7 @@ CHECKS: list[Callable[[PairFactory], Awaitable[None]]] = [
     check_idle_peer_kept_alive,
     check_retire,
     check_named_places,
+    check_retire_while_landing,
     check_interrupt,
     check_stats_count_traffic,
 ]
