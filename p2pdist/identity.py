@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import os
 import stat
 from pathlib import Path
@@ -101,6 +102,14 @@ class EndpointId:
     def public_key(self) -> Ed25519PublicKey:
         """The ``cryptography`` public key object."""
         return self._key
+
+
+@functools.lru_cache(maxsize=1024)
+def endpoint_id_of(raw: bytes) -> EndpointId:
+    """``EndpointId(raw)``, cached (the most recent 1024): for ids parsed from every
+    received datagram, where building an Ed25519 key object each time would cost more
+    than the datagram's own handling."""
+    return EndpointId(raw)
 
 
 class SecretKey:

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import NameOID
 
 from p2pdist.errors import KeyFileError, UsageError
-from p2pdist.identity import EndpointId, SecretKey, derive_endpoint_ids
+from p2pdist.identity import EndpointId, SecretKey, derive_endpoint_ids, endpoint_id_of
 from p2pdist.tls import TlsIdentity, endpoint_id_of_cert
 
 SEED = "test seed: correct horse battery staple"
@@ -453,3 +453,13 @@ def test_to_pem_is_what_save_writes_and_load_reads(tmp_path: Path) -> None:
     key.save(tmp_path / "k.pem")
     assert (tmp_path / "k.pem").read_bytes() == pem
     assert SecretKey.load(tmp_path / "k.pem") == key
+
+
+def test_the_parsed_id_cache_is_bounded() -> None:
+    """``endpoint_id_of`` (used for the sender of every relayed datagram) parses each id
+    once while it is among the most recent 1024, and never holds more."""
+    ids = [SecretKey.from_seed(SEED, i).endpoint_id for i in range(1, 1100)]
+    for eid in ids:
+        assert endpoint_id_of(bytes(eid)) == eid
+    assert 0 < endpoint_id_of.cache_info().currsize <= 1024
+    assert endpoint_id_of(bytes(ids[-1])) is endpoint_id_of(bytes(ids[-1]))

@@ -121,12 +121,3 @@ async def test_reconnects_after_a_relay_restart(tmp_path: Path) -> None:
     finally:
         await bounded(asyncio.gather(a.close(), b.close()), "close()")
         first.__exit__()
-
-
-async def test_the_sender_id_cache_is_bounded() -> None:
-    path = RelayPath(key(0), "https://127.0.0.1:9", config=FAST)
-    ids = [key(i).endpoint_id for i in range(1, 1100)]
-    for eid in ids:
-        assert path._peer_id(bytes(eid)) == eid
-    assert 0 < len(path._ids) <= 1024
-    assert path._peer_id(bytes(ids[-1])) is path._peer_id(bytes(ids[-1]))

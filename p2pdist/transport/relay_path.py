@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..errors import ConnectionBrokenError, P2PTimeoutError, PeerAuthenticationError, UsageError
-from ..identity import ID_LEN, EndpointId, SecretKey
+from ..identity import ID_LEN, EndpointId, SecretKey, endpoint_id_of
 from ..tasks import cancel_and_wait
 from ..tls import endpoint_id_of_cert
 from ..wire.relay import (
@@ -29,10 +29,10 @@ from ..wire.relay import (
     RelayFrameType,
     RelayProtocolError,
     RelayUrl,
+    append_addressed,
     auth_message,
     cert_fingerprint,
     decode_map,
-    encode_addressed,
     encode_frame,
     upgrade_request,
 )
@@ -41,9 +41,6 @@ from .relay_session import RelaySessionProtocol
 __all__ = ["RelayConfig", "RelayPath", "RelayState", "RelayStatus", "parse_stun_ports"]
 
 log = logging.getLogger(__name__)
-
-_ID_CACHE = 1024
-"""Most sender ids :class:`RelayPath` keeps parsed (a relay session talks to few peers)."""
 
 
 class RelayState(enum.Enum):
@@ -133,11 +130,10 @@ class RelayPath:
         self._ping_sent: dict[bytes, float] = {}
         self._ping_waiters: dict[bytes, asyncio.Future[float]] = {}
         self._sent = self._received = self._dropped = 0
-        self._outbox: list[bytes] = []
-        self._outbox_bytes = 0
+        self._outbox = bytearray()
+        """SEND frames queued in this event-loop pass (one TLS write each pass)."""
+        self._outbox_count = 0
         self._cert_hash = b""
-        self._ids: dict[bytes, EndpointId] = {}
-        """Sender ids of received datagrams, parsed once (not one key object per datagram)."""
 
     # ---- public -------------------------------------------------------------------
 
@@ -201,24 +197,24 @@ class RelayPath:
         if (
             w is None
             or w.is_closing()
-            or w.get_write_buffer_size() + self._outbox_bytes > self.config.send_buffer
+            or w.get_write_buffer_size() + len(self._outbox) > self.config.send_buffer
         ):
             self._dropped += 1
             return
         if not self._outbox:
             # Coalesce what is sent in one event-loop pass into one TLS write.
             asyncio.get_running_loop().call_soon(self._flush, w)
-        frame = encode_addressed(RelayFrameType.SEND, dst, datagram)
-        self._outbox.append(frame)
-        self._outbox_bytes += len(frame)
+        append_addressed(self._outbox, RelayFrameType.SEND, bytes(dst), datagram)  # one copy
+        self._outbox_count += 1
         self._sent += 1
 
     def _flush(self, writer: asyncio.Transport) -> None:
-        frames, self._outbox, self._outbox_bytes = self._outbox, [], 0
+        frames, count = self._outbox, self._outbox_count
+        self._outbox, self._outbox_count = bytearray(), 0
         if writer is self._writer and not writer.is_closing():
-            writer.write(b"".join(frames))
+            writer.write(frames)
         else:
-            self._dropped += len(frames)
+            self._dropped += count
 
     async def close(self) -> None:
         """End the session and stop reconnecting."""
@@ -231,12 +227,6 @@ class RelayPath:
 
     def _set(self, **changes: object) -> None:
         self._status = replace(self._status, **changes)  # type: ignore[arg-type]
-
-    def _count(self, *, sent: int = 0, received: int = 0, dropped: int = 0) -> None:
-        # Plain ints on the hot path; status builds the snapshot when asked.
-        self._sent += sent
-        self._received += received
-        self._dropped += dropped
 
     async def _run(self) -> None:
         delay = self.config.backoff_initial
@@ -290,16 +280,16 @@ class RelayPath:
         sslobj = writer.get_extra_info("ssl_object")
         der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
         if not der:
-            writer.close()
+            proto.close()
             raise PeerAuthenticationError(f"relay {url}", "presented no certificate")
         if url.pin is not None:
             try:
                 presented = endpoint_id_of_cert(der)
             except ValueError as exc:
-                writer.close()
+                proto.close()
                 raise PeerAuthenticationError(f"relay {url}", f"bad certificate: {exc}") from None
             if presented != url.pin:
-                writer.close()
+                proto.close()
                 raise PeerAuthenticationError(
                     f"relay {url}", f"identity mismatch: expected {url.pin}, presented {presented}"
                 )
@@ -364,9 +354,7 @@ class RelayPath:
             finally:
                 pinger.cancel()
         finally:
-            writer.close()
-            if not proto.done.done():
-                proto.done.cancel()  # nobody will ask how it ended
+            proto.close()
 
     async def _keepalive(self, writer: asyncio.Transport, interval: float) -> None:
         while not writer.is_closing():
@@ -408,25 +396,16 @@ class RelayPath:
             await asyncio.wait([proto.done], timeout=left)
         return proto.done.result()
 
-    def _peer_id(self, raw: bytes) -> EndpointId:
-        """The EndpointId of ``raw`` (32 bytes), from a bounded cache."""
-        eid = self._ids.get(raw)
-        if eid is None:
-            if len(self._ids) >= _ID_CACHE:
-                self._ids.clear()
-            eid = self._ids[raw] = EndpointId(raw)
-        return eid
-
     def _handle(self, frame: RelayFrame, writer: asyncio.Transport) -> float | None:
         """Act on one frame from the relay; returns retry_after on RECONNECT."""
         kind, body = frame.kind, frame.body
         if kind is RelayFrameType.RECV:
             self._received += 1
             if self.on_datagram is not None:
-                self.on_datagram(self._peer_id(frame.peer), body)
+                self.on_datagram(endpoint_id_of(frame.peer), body)
         elif kind is RelayFrameType.PEER_GONE:
             if len(body) == 32 and self.on_peer_gone is not None:
-                self.on_peer_gone(self._peer_id(body))
+                self.on_peer_gone(endpoint_id_of(body))
         elif kind is RelayFrameType.PING:
             writer.write(encode_frame(RelayFrameType.PONG, body))
         elif kind is RelayFrameType.PONG:

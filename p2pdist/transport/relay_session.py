@@ -64,6 +64,14 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
             await self._next_event()
         return self._queued.popleft()
 
+    def close(self) -> None:
+        """End the session from our side: close the connection, and since we ended it,
+        :attr:`done` is cancelled (not left holding an error nobody will read)."""
+        if not self.done.done():
+            self.done.cancel()
+        if self.transport is not None:
+            self.transport.close()
+
     def dispatch_to(self, handler: FrameHandler) -> None:
         """From now on hand every frame to ``handler`` as it arrives (queued ones first)."""
         self._handler = handler

@@ -26,7 +26,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..identity import ID_LEN, EndpointId, SecretKey
+from ..identity import ID_LEN, EndpointId, SecretKey, endpoint_id_of
 from .stun import MAGIC_COOKIE
 
 __all__ = [
@@ -160,7 +160,7 @@ def peek_sender(data: bytes) -> EndpointId | None:
     if len(data) < _HEAD + SIG_LEN or data[:5] != MAGIC:
         return None
     try:
-        return EndpointId(data[len(MAGIC) + 2 : _HEAD])
+        return endpoint_id_of(data[len(MAGIC) + 2 : _HEAD])
     except ValueError:
         return None
 
