@@ -4,21 +4,31 @@ federated coordinators and clients)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["cancel_and_wait"]
+__all__ = ["STOP_TIMEOUT", "cancel_and_wait"]
+
+log = logging.getLogger(__name__)
+
+
+STOP_TIMEOUT = 5.0
+"""Seconds :func:`cancel_and_wait` waits by default for cancelled tasks to end."""
 
 
 async def cancel_and_wait(
-    tasks: Iterable[asyncio.Future[Any]], *, timeout: float | None = None
+    tasks: Iterable[asyncio.Future[Any]], *, timeout: float = STOP_TIMEOUT
 ) -> None:
     """Cancel ``tasks`` and wait until every one has ended, so none outlives its owner;
     what they raised is theirs and is dropped. ``timeout`` (seconds) bounds the wait for
-    tasks that do not end when cancelled. The wait goes on if we are cancelled
-    (shielded), and our cancellation is raised after."""
+    tasks that do not end when cancelled; those are logged by name. The wait goes on if
+    we are cancelled (shielded), and our cancellation is raised after."""
     pending = list(tasks)
     for task in pending:
         task.cancel()
     if pending:
-        await asyncio.shield(asyncio.wait(pending, timeout=timeout))
+        _, stuck = await asyncio.shield(asyncio.wait(pending, timeout=timeout))
+        if stuck:
+            names = ", ".join(map(repr, stuck))  # a task's repr names it and its coroutine
+            log.warning("still running %g s after cancel: %s", timeout, names)

@@ -28,7 +28,7 @@ from ..transport.dial import dial_with_retry
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
 from .messages import CLIENT_CHANNEL, Message, decode, encode
-from .net import TASK_STOP_TIMEOUT, open_transport
+from .net import open_transport
 
 __all__ = ["Ack", "FederatedClient", "RoundTask"]
 
@@ -213,7 +213,7 @@ class FederatedClient:
             with contextlib.suppress(P2PError):
                 conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
         if self._reader is not None:
-            await cancel_and_wait([self._reader], timeout=TASK_STOP_TIMEOUT)
+            await cancel_and_wait([self._reader])
         if self._error is None:
             self._error = ConnectionClosedError("the client was closed")
         self._changed.set()

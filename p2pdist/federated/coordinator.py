@@ -43,7 +43,7 @@ from ..transport.tcp import TcpTransport, parse_address
 from .aggregate import apply_update
 from .config import FederatedConfig
 from .messages import CLIENT_CHANNEL, Message, decode, encode
-from .net import TASK_STOP_TIMEOUT, open_transport, until_due
+from .net import open_transport, until_due
 from .rounds import FederatedRounds, Phase, RoundOutcome
 
 __all__ = ["Coordinator"]
@@ -198,7 +198,7 @@ class Coordinator:
         for client in list(self._clients.values()):
             with contextlib.suppress(P2PError):
                 client.conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
-        await cancel_and_wait(self._tasks, timeout=TASK_STOP_TIMEOUT)  # senders too
+        await cancel_and_wait(self._tasks)  # senders too
         if self._transport is not None:
             await asyncio.shield(self._transport.close())
 

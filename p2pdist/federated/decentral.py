@@ -46,7 +46,7 @@ from .aggregate import Reason, aggregate, apply_update
 from .config import FederatedConfig
 from .decision import GroupRound, OwnUpdate, cid, decision_body
 from .messages import DECISION, UPDATE, decode, encode, round_channel, round_space
-from .net import TASK_STOP_TIMEOUT, until_due
+from .net import until_due
 from .recovery import Recovery
 from .rounds import FederatedRounds, Phase
 
@@ -176,7 +176,7 @@ class GroupAveraging(Recovery):
         tasks = [*self._collectors, *self._ready_tasks.values()]
         self._stop_collectors()
         self._ready_tasks.clear()
-        await cancel_and_wait(tasks, timeout=TASK_STOP_TIMEOUT)
+        await cancel_and_wait(tasks)
 
     async def step(
         self, update: np.ndarray | None, num_samples: int = 0, *, base_round: int | None = None

@@ -15,10 +15,7 @@ from ..transport.relay_path import RelayPath
 from ..transport.tcp import TcpTransport
 from .rounds import CloseReason, FederatedRounds
 
-__all__ = ["TASK_STOP_TIMEOUT", "open_transport", "until_due"]
-
-TASK_STOP_TIMEOUT = 5.0
-"""Seconds the federated owners wait for their background tasks to end once cancelled."""
+__all__ = ["open_transport", "until_due"]
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,6 @@ from .config import FederatedConfig
 from .decision import OwnUpdate, Report, cid, decision_body, report_of
 from .failover import Takeover, next_leader, plan_takeover
 from .messages import DECISION, Message, decode, encode, round_channel
-from .net import TASK_STOP_TIMEOUT
 from .rounds import FederatedRounds
 
 if TYPE_CHECKING:
@@ -176,7 +175,7 @@ class Recovery:
                 f"and stepping? it answers when it opens a round){also}"
             ) from None
         finally:
-            await cancel_and_wait([*waits, *declines], timeout=TASK_STOP_TIMEOUT)
+            await cancel_and_wait([*waits, *declines])
         if welcome is None:
             raise GroupBrokenError(
                 "every other rank went before taking this one back: " + "; ".join(failed)
@@ -323,4 +322,4 @@ async def _all(calls: Any) -> None:
         for task in asyncio.as_completed(tasks):
             await task
     finally:
-        await cancel_and_wait(tasks, timeout=TASK_STOP_TIMEOUT)
+        await cancel_and_wait(tasks)

@@ -369,7 +369,7 @@ class GroupCore(Membership):
         if self._closing:
             return
         self._closing = True
-        await cancel_and_wait(self._listeners, timeout=5.0)
+        await cancel_and_wait(self._listeners)
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog, self._watchdog_at = None, math.inf

@@ -220,7 +220,7 @@ class RelayPath:
         """End the session and stop reconnecting."""
         self._closed = True
         if self._task is not None:
-            await cancel_and_wait([self._task], timeout=5.0)
+            await cancel_and_wait([self._task])
         self._set(state=RelayState.CLOSED)
 
     # ---- session loop -------------------------------------------------------------------
