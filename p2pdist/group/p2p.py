@@ -70,16 +70,13 @@ async def recv_array(
                     conn.label,
                     f"sent {header.describe()} but recv expected {' and '.join(mismatch)}",
                 )
-            if out is None and count == 1:
-                # The frame's payload is this message's own buffer: a view of it is the
-                # result, no copy (ArrayHeader.view checks the byte count).
-                if first.seq != 0:
-                    raise RemoteProtocolError(conn.label, "malformed array message")
-                try:
-                    return header.view(first.payload)
-                except ArrayHeaderError as exc:
-                    raise RemoteProtocolError(conn.label, str(exc)) from None
-            result = out if out is not None else np.empty(header.shape, header.dtype)
+            # One frame and no ``out``: the frame's payload is this message's own buffer,
+            # and a view of it is the result (no copy); otherwise the result is filled.
+            as_view = out is None and count == 1
+            if out is not None:
+                result = out
+            else:  # the view case checks the frames without filling anything
+                result = np.empty(0 if as_view else header.shape, header.dtype)
             flat = result.reshape(-1).view(np.uint8) if result.size else None
             filled, frame = 0, first
             for seq in range(count):
@@ -93,7 +90,7 @@ async def recv_array(
                 filled += n
             if filled != header.nbytes:
                 raise RemoteProtocolError(conn.label, "array message shorter than its header")
-            return result
+            return header.view(first.payload) if as_view else result
     except TimeoutError:
         raise PeerTimeoutError(conn.label, f"recv got no array within {seconds:g} s") from None
     finally:
