@@ -120,13 +120,25 @@ async def _recv_into(link: Link, peer: int, place: memoryview) -> None:
         place[:] = data
 
 
-def _expect_one_each(link: Link, out: np.ndarray) -> dict[int, memoryview]:
-    """Name ``out[p]`` as the place of the next message from every other rank p."""
-    # out[p : p + 1], not out[p]: for a 1-D ``out`` that would be a read-only scalar
-    places = {p: _bytes(out[p : p + 1]) for p in range(link.size) if p != link.rank}
+async def _land(link: Link, peer: int, place: memoryview) -> None:
+    """Receive the next message from ``peer`` into ``place``, named before it comes."""
+    link.expect(peer, (place,))
+    await _recv_into(link, peer, place)
+
+
+def _expect_each(link: Link, places: dict[int, memoryview]) -> dict[int, memoryview]:
+    """Name ``places[p]`` as the place of the next message from each rank p."""
     for p, place in places.items():
         link.expect(p, (place,))
     return places
+
+
+def _expect_one_each(link: Link, out: np.ndarray) -> dict[int, memoryview]:
+    """Name ``out[p]`` as the place of the next message from every other rank p."""
+    # out[p : p + 1], not out[p]: for a 1-D ``out`` that would be a read-only scalar
+    return _expect_each(
+        link, {p: _bytes(out[p : p + 1]) for p in range(link.size) if p != link.rank}
+    )
 
 
 async def _recv_one_each(link: Link, places: dict[int, memoryview]) -> None:
@@ -274,9 +286,7 @@ async def direct_broadcast(link: Link, flat: np.ndarray, src: int) -> None:
     if link.rank == src:
         await _send_to_others(link, _bytes(flat))
     else:
-        place = _bytes(flat)
-        link.expect(src, (place,))
-        await _recv_into(link, src, place)
+        await _land(link, src, _bytes(flat))
 
 
 async def chain_broadcast(link: Link, flat: np.ndarray, src: int, chunk: int) -> None:
@@ -548,9 +558,7 @@ async def gather_segments(
         await link.send(dst, _bytes(flat[a:b]))
         return
     places = {p: _bytes(flat[a:b]) for p, (a, b) in enumerate(bounds) if p != r}
-    for p, place in places.items():
-        link.expect(p, (place,))
-    await _recv_one_each(link, places)
+    await _recv_one_each(link, _expect_each(link, places))
 
 
 async def direct_reduce(
@@ -575,9 +583,7 @@ async def scatter_from(link: Link, blocks: np.ndarray | None, src: int, out: np.
                 await link.send(p, _bytes(np.ascontiguousarray(blocks[p])))
         out[...] = blocks[r]
         return
-    place = _bytes(out)
-    link.expect(src, (place,))
-    await _recv_into(link, src, place)
+    await _land(link, src, _bytes(out))
 
 
 async def all_to_all(link: Link, blocks: np.ndarray, out: np.ndarray) -> None:
