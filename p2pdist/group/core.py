@@ -467,11 +467,12 @@ class GroupCore(Membership):
                 raise self._broken
             raise GroupBrokenError("the group is broken", self._broken)
         # Under "leave", _run refuses the collective once it has taken its id.
-        if collective and self._left and self.config.on_peer_loss != "leave" and self.left:
-            raise self._left_error()
+        leave = self.config.on_peer_loss == "leave"
+        if collective and self._left and not leave and (left := self.left):
+            raise self._left_error(left)
 
-    def _left_error(self) -> GroupBrokenError:
-        gone = ", ".join(self.peer_label(r) for r in sorted(self.left))
+    def _left_error(self, left: dict[int, BaseException]) -> GroupBrokenError:
+        gone = ", ".join(self.peer_label(r) for r in sorted(left))
         return GroupBrokenError(f"collectives need every rank, but {gone} left the group")
 
     def _refuse(self, channel: int, error: P2PError) -> NoReturn:
@@ -529,13 +530,13 @@ class GroupCore(Membership):
         link = self._new_link(descriptor)
         root = self._root()
         channel = link.channel
-        if self._left and self.config.on_peer_loss == "leave" and self.left:
+        if self._left and self.config.on_peer_loss == "leave" and (left := self.left):
             # Refused for want of a rank that left, but with its id used up: a rank that
             # started this call before it saw the loss used it (and fails it), so the next
             # collective of both runs on one channel. They are told at once (a notice).
             root._failed_calls.pop(channel, None)
-            self._tell_call_failed(channel, self._root_ranks[min(self.left)])
-            self._refuse(channel, self._left_error())
+            self._tell_call_failed(channel, self._root_ranks[min(left)])
+            self._refuse(channel, self._left_error(left))
         if root._failed_calls:
             noticed = root._failed_calls.pop(channel, None)
             if noticed is not None:  # another rank's part of this call already failed
