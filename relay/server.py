@@ -11,9 +11,9 @@ those bytes when that call returns (it copies what it keeps), so one buffer serv
 connection and an idle client holds no receive buffer of its own.
 
 One exception: closing a connection makes the TLS layer flush it, and that may read
-what it still holds straight into ``get_buffer``, synchronously. When the core closes
-another client while it parses bytes from the scratch (an endpoint that reconnects
-replaces its old session), that nested read gets a buffer of its own instead, so the
+what it still holds straight into ``get_buffer``, synchronously, even while the core
+parses another client's bytes from the scratch (an endpoint that reconnects replaces its
+old session). So a connection that is closing reads into a buffer of its own, and the
 bytes being parsed are never overwritten.
 """
 
@@ -72,19 +72,17 @@ class _ClientConnection(asyncio.BufferedProtocol):
         self._session = self._core.open(self, (str(peer[0]), int(peer[1])), self._loop.time())
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        server = self._server
-        if server.receiving:  # nested in another connection's receive: see the module doc
+        if self._transport is not None and self._transport.is_closing():
+            # May be nested in another connection's receive: see the module doc.
             self._buffer = bytearray(max(sizehint, NESTED_READ))
         else:
-            self._buffer = server.scratch
+            self._buffer = self._server.scratch
         return memoryview(self._buffer)
 
     def buffer_updated(self, nbytes: int) -> None:
         buffer, self._buffer = self._buffer, None
         if self._session is None or buffer is None:
             return
-        server = self._server
-        nested, server.receiving = server.receiving, True
         try:
             with memoryview(buffer) as whole, whole[:nbytes] as data:
                 if self._tap is not None:
@@ -93,8 +91,6 @@ class _ClientConnection(asyncio.BufferedProtocol):
         except Exception:  # pragma: no cover - a bug costs this connection, not the relay
             log.exception(kv("receive_failed", conn=self._session.label))
             self.abort()
-        finally:
-            server.receiving = nested
 
     def eof_received(self) -> bool | None:
         return None  # close our side too
@@ -161,8 +157,6 @@ class RelayServer:
         self._core: RelayCore | None = None
         self.scratch = bytearray(SCRATCH_SIZE)
         """Where every client connection receives (see the module docstring)."""
-        self.receiving = False
-        """True while a connection's bytes are being handled (the scratch is in use)."""
 
     @property
     def core(self) -> RelayCore:

@@ -59,15 +59,11 @@ if _SSLProtocol is not None:
 
         def __init__(self, shared: memoryview, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self._shared: memoryview | None = None
             if isinstance(getattr(self, "_ssl_buffer_view", None), memoryview):
-                # buffer_updated reads the bytes from _ssl_buffer_view
-                self._ssl_buffer = self._ssl_buffer_view = self._shared = shared
-
-        def get_buffer(self, n: int) -> memoryview:
-            if self._shared is None:
-                return super().get_buffer(n)
-            return self._shared
+                # The base class's get_buffer returns _ssl_buffer_view (never growing it:
+                # max_size is below the shared buffer's size), and buffer_updated reads
+                # the bytes from it.
+                self._ssl_buffer = self._ssl_buffer_view = shared
 
 
 def tls_protocol_factory(

@@ -302,7 +302,7 @@ async def test_connections_share_one_scratch_and_keep_nothing_of_it() -> None:
     ]
     assert b"".join(seen).count(big[:1000]) >= 2  # the tap got copies, in and out
     assert all(isinstance(x, bytes) for x in seen)
-    assert not server.receiving
+    assert ca.get_buffer(-1).obj is server.scratch  # nothing left behind turns reads private
 
 
 async def test_a_close_that_reads_during_another_receive_does_not_touch_the_scratch() -> None:
@@ -348,7 +348,7 @@ async def _round_trip_many_sizes() -> None:
         datagrams = [rng.randbytes(n) for n in sizes]
         for d in datagrams:
             a.send(B.endpoint_id, d)
-        await a.drain()
+        await asyncio.wait_for(a.drain(), 30)
         for d in datagrams:
             assert await b.recv() == (bytes(A.endpoint_id), d)
         await a.close()
