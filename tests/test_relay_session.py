@@ -66,8 +66,8 @@ async def test_frames_in_the_same_read_as_the_upgrade_answer() -> None:
     proto, _ = connected()
     src = bytes(range(32))
     arrive(proto, ANSWER + CHALLENGE + encode_addressed(RelayFrameType.RECV, src, b"hi"))
-    assert (await proto.upgrade_answer()).start_line[1] == "101"
-    assert await proto.next_frame() == RelayFrame(
+    assert (await asyncio.wait_for(proto.upgrade_answer(), 1)).start_line[1] == "101"
+    assert await asyncio.wait_for(proto.next_frame(), 1) == RelayFrame(
         RelayFrameType.CHALLENGE, b"", b"\x01" + bytes(32)
     )
     seen: list[RelayFrame] = []
@@ -97,7 +97,7 @@ async def test_an_answer_split_across_reads_and_a_waiting_handshake() -> None:
 async def test_a_bad_frame_ends_the_session_and_aborts() -> None:
     proto, transport = connected()
     arrive(proto, ANSWER)
-    await proto.upgrade_answer()
+    await asyncio.wait_for(proto.upgrade_answer(), 1)
     proto.dispatch_to(lambda f: None)
     arrive(proto, b"\xee\x00\x00\x00\x00")
     with pytest.raises(RelayProtocolError, match="unknown relay frame type"):
@@ -114,13 +114,13 @@ async def test_a_lost_connection_fails_the_waiting_handshake_with_the_relay_name
     with pytest.raises(ConnectionBrokenError, match=r"relay test.*reset by peer"):
         await asyncio.wait_for(waiting, 1)
     with pytest.raises(ConnectionBrokenError):  # and so does the next wait
-        await proto.next_frame()
+        await asyncio.wait_for(proto.next_frame(), 1)
 
 
 async def test_a_handler_ends_the_session_with_a_retry_after_or_an_error() -> None:
     proto, transport = connected()
     arrive(proto, ANSWER)
-    await proto.upgrade_answer()
+    await asyncio.wait_for(proto.upgrade_answer(), 1)
     seen: list[RelayFrame] = []
 
     def handler(frame: RelayFrame) -> float | None:
