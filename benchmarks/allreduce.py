@@ -1,4 +1,4 @@
-"""All-reduce benchmark: p2pdist (TLS and plaintext) against torch.distributed Gloo.
+"""All-reduce benchmark: p2pdist (TLS and plaintext) against torch.distributed Gloo and Open MPI.
 
 Everything runs on 127.0.0.1 in the same invocation so the numbers are comparable:
 
@@ -22,10 +22,12 @@ Usage::
 
     python benchmarks/allreduce.py [--world 2 4] [--sizes 4K 64K 1M 16M 64M] [--iters N]
                                    [--modes tls plaintext] [--loop asyncio uvloop]
-                                   [--no-gloo] [--markdown]
+                                   [--no-gloo] [--no-mpi] [--markdown]
 
 Run it with an interpreter that has torch installed (``.bench-venv``) to get the Gloo
-columns; without torch they are skipped with a note.
+columns; without torch they are skipped with a note. Where ``mpicc`` and ``mpirun`` are
+installed, Open MPI over TCP (``benchmarks/_mpi.py``) runs as a second reference, the
+``ompi`` columns (``--no-mpi`` skips it).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _mpi
 from _loops import add_loop_argument, chosen_loops
 
 from p2pdist.launch import pick_free_ports
@@ -305,6 +308,16 @@ def median_of_rounds(rounds: list[Series]) -> Series:
     return merged
 
 
+def mpi_series(world: int, data: dict[str, Any]) -> Series:
+    """The Open MPI sweep's result (already the maximum over ranks) as a series."""
+    series = Series("ompi")
+    for r in data["results"]:
+        n = int(r["bytes"])
+        series.points[n] = Point(n, float(r["median"]), world, float(r["cpu"]))
+    series.barrier = float(data["barrier"]["median"])
+    return series
+
+
 def measure_tcp(workdir: Path, timeout: float) -> float:
     """Raw loopback TCP bandwidth in GB/s (sender-side time incl. final ack)."""
     (port,) = free_ports(1)
@@ -392,32 +405,37 @@ def render_table(headers: list[str], rows: list[list[str]], markdown: bool) -> s
     return "\n".join(out)
 
 
-def world_table(sizes: list[int], modes: list[Series], gloo: Series | None, markdown: bool) -> str:
-    """Table for one world size: latency/busbw per backend plus p2pdist/gloo ratios."""
+def world_table(
+    sizes: list[int],
+    modes: list[Series],
+    gloo: Series | None,
+    markdown: bool,
+    others: list[Series] | None = None,
+) -> str:
+    """Table for one world size: latency/busbw per backend (p2pdist modes, then Gloo and
+    the ``others`` references) plus p2pdist/gloo ratios."""
+    shown = [*modes, *([gloo] if gloo is not None else []), *(others or [])]
     headers = ["size"]
-    for s in modes:
+    for s in shown:
         headers += [f"{s.name} lat (us)", f"{s.name} busbw"]
     if gloo is not None:
-        headers += ["gloo lat (us)", "gloo busbw"]
         headers += [f"{s.name}/gloo" for s in modes]
     rows = []
     for n in sizes:
         row = [format_size(n)]
-        for s in modes:
+        for s in shown:
             p = s.points.get(n)
             row += [_lat(p), _bw(p.busbw if p else None)]
         if gloo is not None:
             gp = gloo.points.get(n)
-            row += [_lat(gp), _bw(gp.busbw if gp else None)]
             for s in modes:
                 p = s.points.get(n)
                 row.append("-" if p is None or gp is None else f"{p.busbw / gp.busbw:.2f}")
         rows.append(row)
     row = ["barrier"]
-    for s in modes:
+    for s in shown:
         row += [_us(s.barrier), ""]
     if gloo is not None:
-        row += [_us(gloo.barrier), ""]
         row += [
             "-" if s.barrier is None or gloo.barrier is None else f"{gloo.barrier / s.barrier:.2f}"
             for s in modes
@@ -459,8 +477,10 @@ def run_round(
     run_p2p: bool,
     run_gloo: bool,
     loops: list[str],
-) -> tuple[list[Series], Series | None]:
-    """Every p2pdist mode on every loop, then Gloo, once each at ``world``."""
+    mpi_binary: Path | None = None,
+) -> tuple[list[Series], Series | None, Series | None]:
+    """Every p2pdist mode on every loop, then Gloo, then Open MPI (with ``mpi_binary``),
+    once each at ``world``."""
 
     def sweep(
         name: str, role: str, extra: dict[str, Any], env: dict[str, str] | None = None
@@ -487,7 +507,17 @@ def run_round(
     if run_gloo:
         (port,) = free_ports(1)
         gloo_series = sweep("gloo", "gloo", {"port": port}, env={"GLOO_SOCKET_IFNAME": "lo"})
-    return mode_series, gloo_series
+    mpi: Series | None = None
+    if mpi_binary is not None:
+        t0 = time.monotonic()
+        try:
+            data = _mpi.sweep(mpi_binary, world, sizes, warmup, iters, workdir, args.timeout)
+            mpi = mpi_series(world, data)
+            print(f"  ompi world={world}: done in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+        except (_mpi.MpiError, KeyError, ValueError) as exc:
+            mpi = Series("ompi", error=str(exc))
+            print(f"  ompi world={world}: FAILED\n{exc}", file=sys.stderr, flush=True)
+    return mode_series, gloo_series, mpi
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -537,6 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rounds of each cell (for a machine whose speed drifts; default 1)",
     )
     ap.add_argument("--no-gloo", action="store_true", help="skip the torch Gloo reference")
+    ap.add_argument("--no-mpi", action="store_true", help="skip the Open MPI (over TCP) reference")
     ap.add_argument("--no-p2pdist", action="store_true", help="skip p2pdist (baselines only)")
     ap.add_argument("--no-tcp", action="store_true", help="skip the raw TCP measurement")
     ap.add_argument("--markdown", action="store_true", help="print markdown tables")
@@ -589,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
             "gloo: skipped (torch is not importable in this interpreter; "
             "use .bench-venv/bin/python)"
         )
+    mpi_note = None if args.no_mpi else _mpi.missing()
+    if mpi_note is not None:
+        notes.append(f"ompi: skipped ({mpi_note})")
     run_p2p = not args.no_p2pdist
     if run_p2p:
         err = p2pdist_group_error()
@@ -634,24 +668,35 @@ def main(argv: list[str] | None = None) -> int:
             except LaunchError as exc:
                 tcp_line = f"loopback TCP: FAILED ({exc})"
 
+        mpi_binary: Path | None = None
+        if not args.no_mpi and mpi_note is None:
+            try:
+                mpi_binary = _mpi.build(workdir)
+                machine += f"; reference: {_mpi.version()} over TCP (ompi)"
+            except (_mpi.MpiError, OSError, subprocess.SubprocessError) as exc:
+                notes.append(f"ompi: skipped ({str(exc).splitlines()[0]})")
         tables: list[str] = []
         for world in args.world:
             if world < 2:
                 print(f"skipping world {world} (< 2)", file=sys.stderr)
                 continue
-            rounds: list[tuple[list[Series], Series | None]] = []
-            for _ in range(args.rounds):
-                rounds.append(
-                    run_round(args, world, sizes, warmup, iters, workdir, run_p2p, run_gloo, loops)
+            rounds = [
+                run_round(
+                    args, world, sizes, warmup, iters, workdir, run_p2p, run_gloo, loops, mpi_binary
                 )
-            mode_series = [
-                median_of_rounds(list(r)) for r in zip(*(m for m, _ in rounds), strict=True)
+                for _ in range(args.rounds)
             ]
-            gloo_rounds = [g for _, g in rounds if g is not None]
+            mode_series = [
+                median_of_rounds(list(r)) for r in zip(*(m for m, _, _ in rounds), strict=True)
+            ]
+            gloo_rounds = [g for _, g, _ in rounds if g is not None]
             gloo_series = median_of_rounds(gloo_rounds) if gloo_rounds else None
+            mpi_rounds = [m for _, _, m in rounds if m is not None]
+            others = [median_of_rounds(mpi_rounds)] if mpi_rounds else []
             title = f"#### world {world}\n\n" if args.markdown else f"== world {world} ==\n"
-            tables.append(title + world_table(sizes, mode_series, gloo_series, args.markdown))
-            all_series = [*mode_series, *([gloo_series] if gloo_series else [])]
+            table = world_table(sizes, mode_series, gloo_series, args.markdown, others)
+            tables.append(title + table)
+            all_series = [*mode_series, *([gloo_series] if gloo_series else []), *others]
             if args.detail:
                 tables.append(detail_table(sizes, all_series, args.markdown))
             for s in all_series:
@@ -673,6 +718,11 @@ def main(argv: list[str] | None = None) -> int:
         + (
             f"; {args.rounds} rounds, backends alternating, each cell the median over rounds"
             if args.rounds > 1
+            else ""
+        )
+        + (
+            "; Open MPI: MPI_Allreduce(MPI_IN_PLACE), TCP only (btl tcp,self on lo)"
+            if mpi_binary is not None
             else ""
         )
     )

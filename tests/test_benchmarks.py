@@ -5,6 +5,8 @@ These are not measurements (sizes are far too small to mean anything); they keep
 commands that docs/performance.md quotes working, so a change that breaks a benchmark
 fails CI instead of the next person who tries to reproduce a table. Gloo needs torch,
 which is not a test dependency: the all-reduce benchmark must then say it skipped it.
+Its Open MPI reference (a C program built with mpicc) runs wherever Open MPI is
+installed, as scripts/test.sh does when it runs as root.
 """
 
 from __future__ import annotations
@@ -62,6 +64,16 @@ def test_allreduce_table_in_place_and_out_of_place() -> None:
             import torch  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
         except ImportError:
             assert "gloo: skipped" in out
+        if shutil.which("mpicc") and shutil.which("mpirun"):  # CI installs Open MPI as root
+            assert "over TCP (ompi)" in out and "ompi busbw" in out, out
+            if "--detail" in extra:
+                detail = [ln.split() for ln in out.splitlines()]
+                for size in ("4K", "64K"):  # busbw and CPU per call
+                    row = next(r for r in detail if r[:2] == ["ompi", size])
+                    assert float(row[4]) > 0 and row[5] != "-", out
+        else:
+            print("Open MPI is not installed: only its skip note is checked")
+            assert "ompi: skipped (mpicc" in out, out
 
 
 @pytest.mark.timeout(300)

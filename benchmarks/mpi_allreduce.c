@@ -1,0 +1,99 @@
+/* One Open MPI all-reduce sweep, the reference row of benchmarks/allreduce.py.
+ *
+ * Timed exactly as the Python workers time p2pdist and Gloo: per size, warm-up calls,
+ * a barrier, then timed in-place float32 sums whose input every rank refills before
+ * each call, outside the timer; then the median of BARRIER_ITERS barriers. Every rank
+ * checks its result; rank 0 writes the maximum over ranks of each per-rank median (and
+ * of the process CPU time per call) as JSON to RESULT.
+ *
+ * Usage: mpirun -np N mpi_allreduce RESULT BYTES:WARMUP:ITERS [BYTES:WARMUP:ITERS ...]
+ */
+#include <mpi.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#define BARRIER_ITERS 200
+
+static double cpu_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int by_value(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* As Python's statistics.median: the mean of the two middle values for an even count. */
+static double median(double *t, int n) {
+    qsort(t, (size_t)n, sizeof(double), by_value);
+    return n % 2 ? t[n / 2] : (t[n / 2 - 1] + t[n / 2]) / 2.0;
+}
+
+static void fail(const char *what) {
+    fprintf(stderr, "mpi_allreduce: %s\n", what);
+    MPI_Abort(MPI_COMM_WORLD, 2);
+}
+
+int main(int argc, char **argv) {
+    int rank, world;
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    if (argc < 3) fail("usage: mpi_allreduce RESULT BYTES:WARMUP:ITERS ...");
+    FILE *out = NULL;
+    if (rank == 0 && (out = fopen(argv[1], "w")) == NULL) fail("cannot open the result file");
+    const float expected = (float)world * (float)(world + 1) / 2.0f;
+    if (out) fputs("{\"results\": [", out);
+    for (int a = 2; a < argc; a++) {
+        long bytes;
+        int warmup, iters;
+        if (sscanf(argv[a], "%ld:%d:%d", &bytes, &warmup, &iters) != 3 || bytes < 4 ||
+            bytes / 4 > INT_MAX || warmup < 0 || iters < 1)
+            fail("bad size spec (want BYTES:WARMUP:ITERS)");
+        long count = bytes / 4;
+        float *x = malloc((size_t)count * sizeof(float));
+        double *t = malloc((size_t)iters * sizeof(double));
+        if (x == NULL || t == NULL) fail("out of memory");
+        for (int i = 0; i < warmup; i++) {
+            for (long k = 0; k < count; k++) x[k] = (float)(rank + 1);
+            MPI_Allreduce(MPI_IN_PLACE, x, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        }
+        MPI_Barrier(MPI_COMM_WORLD);
+        double cpu = 0.0;
+        for (int i = 0; i < iters; i++) {
+            for (long k = 0; k < count; k++) x[k] = (float)(rank + 1);
+            double c0 = cpu_seconds(), t0 = MPI_Wtime();
+            MPI_Allreduce(MPI_IN_PLACE, x, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+            t[i] = MPI_Wtime() - t0;
+            cpu += cpu_seconds() - c0;
+        }
+        for (long k = 0; k < count; k++)
+            if (x[k] != expected) fail("wrong all-reduce result");
+        double mine[2] = {median(t, iters), cpu / iters}, worst[2];
+        MPI_Reduce(mine, worst, 2, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+        if (out)
+            fprintf(out, "%s{\"bytes\": %ld, \"iters\": %d, \"median\": %.9g, \"cpu\": %.9g}",
+                    a > 2 ? ", " : "", bytes, iters, worst[0], worst[1]);
+        free(x);
+        free(t);
+    }
+    double b[BARRIER_ITERS];
+    MPI_Barrier(MPI_COMM_WORLD);
+    for (int i = 0; i < BARRIER_ITERS; i++) {
+        double t0 = MPI_Wtime();
+        MPI_Barrier(MPI_COMM_WORLD);
+        b[i] = MPI_Wtime() - t0;
+    }
+    double mine = median(b, BARRIER_ITERS), worst;
+    MPI_Reduce(&mine, &worst, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+    if (out) {
+        fprintf(out, "], \"barrier\": {\"median\": %.9g}}\n", worst);
+        if (fclose(out) != 0) fail("cannot write the result file");
+    }
+    MPI_Finalize();
+    return 0;
+}
