@@ -57,6 +57,34 @@ def test_pool_keeps_at_most_max_bytes() -> None:
     assert len({address(v) for v in again}) == 3
 
 
+def test_a_new_size_takes_the_room_of_idle_buffers_of_another() -> None:
+    """Message sizes that change (plain and compressed rings taking turns) do not leave
+    the pool full of the first size: idle buffers of another size make room, busy ones
+    never do."""
+    pool = BufferPool(max_bytes=4 * 4096)
+    big = [pool.take(8192) for _ in range(2)]  # full: two 8 KiB buffers
+    busy = big[0]
+    del big  # the second one is idle now
+    small = pool.take(3000)  # it makes room for a kept 4 KiB buffer
+    assert small.obj.nbytes == 4096 and pool.held_bytes == 8192 + 4096
+    where = address(small)
+    del small
+    assert address(pool.take(3000)) == where  # kept, so handed out again
+    fill = [pool.take(3000) for _ in range(2)]  # 8 + 4 + 4 KiB: full again
+    assert pool.held_bytes == 4 * 4096
+    del fill  # two idle 4 KiB buffers
+    second = pool.take(6000)  # they make room for a second 8 KiB buffer; ``busy`` stays
+    assert second.obj.nbytes == 8192 and pool.held_bytes == 2 * 8192
+    assert address(second) != address(busy)
+    again = address(second)
+    del second
+    assert address(pool.take(6000)) == again  # kept
+    held = pool.take(6000)
+    lone = pool.take(3000)  # nothing idle to drop: a buffer of its own, not kept
+    assert lone.obj.nbytes == 3000 and pool.held_bytes == 2 * 8192
+    assert address(busy) != address(held)
+
+
 def frame_bytes(payload: bytes, seq: int) -> bytes:
     header = encode_header(FrameKind.DATA, 1, seq, b"", len(payload), limits=LIMITS)
     return header + payload

@@ -35,7 +35,8 @@ _FREE_REFS = min(_free_refs(), 2)
 
 
 class BufferPool:
-    """Buffers of power-of-two sizes, at most ``max_bytes`` of them kept in all."""
+    """Buffers of power-of-two sizes, at most ``max_bytes`` of them kept in all; idle
+    buffers of one size give way when another size needs the room."""
 
     def __init__(self, max_bytes: int = 4 << 20) -> None:
         self.max_bytes = max_bytes
@@ -55,8 +56,28 @@ class BufferPool:
         for i in range(len(kept)):
             if sys.getrefcount(kept[i]) <= _FREE_REFS:  # kept[i], never a local: see above
                 return kept[i].data[:nbytes]
-        if self._held + size > self.max_bytes:  # not kept: exactly the size asked for
-            return np.empty(nbytes, dtype=np.uint8).data
+        if self._held + size > self.max_bytes and not self._make_room(size):
+            return np.empty(nbytes, dtype=np.uint8).data  # not kept: exactly the size asked for
         kept.append(np.empty(size, dtype=np.uint8))
         self._held += size
         return kept[-1].data[:nbytes]
+
+    def _make_room(self, size: int) -> bool:
+        """Drop idle buffers of other sizes until ``size`` more bytes fit (a workload whose
+        message sizes change, such as plain and compressed rings taking turns, would
+        otherwise leave the pool full of the first size it saw); False if they cannot."""
+        idle = [
+            (other, i)
+            for other, kept in self._classes.items()
+            if other != size
+            for i in range(len(kept))
+            if sys.getrefcount(kept[i]) <= _FREE_REFS  # kept[i], never a local: see above
+        ]
+        if self._held - sum(other for other, _ in idle) + size > self.max_bytes:
+            return False
+        for other, i in sorted(idle, key=lambda e: -e[1]):  # the highest index first
+            if self._held + size <= self.max_bytes:
+                break
+            del self._classes[other][i]
+            self._held -= other
+        return True
