@@ -45,13 +45,13 @@ async def test_error_within_documented_bound_and_identical(world: int, wire: str
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 async def test_ring_with_many_uneven_chunks(world: int) -> None:
-    # chunk_bytes 4096: every ring message carries 1024 float32 elements of work (2048
-    # wire bytes on a 16-bit wire, four 256-element blocks of int8). The first segments
-    # have one element more than the last and straddle a chunk boundary, so neighbours
-    # hold different numbers of chunks.
+    # chunk_bytes 4096: the ring sends about 4096 wire bytes per message, i.e. 2048
+    # elements of a 16-bit wire and 4080 of int8 with 256-element blocks. The first
+    # segments have one element more than the last and straddle a chunk boundary, so
+    # neighbours hold different numbers of chunks.
     rng = np.random.default_rng(world)
     async with groups(world, config={"chunk_bytes": 4096, "small_bytes": 4096}) as gs:
-        for seg in (4 * 1024, 3 * 1024):
+        for seg in (2 * 2048, 4080):
             n = world * seg + world - 1
             small = [rng.integers(-8, 9, n).astype(np.float32) for _ in range(world)]
             for wire in ("float16", "bfloat16"):  # small integer sums are exact on these

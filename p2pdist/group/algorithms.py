@@ -427,16 +427,19 @@ async def compressed_ring_all_reduce(
     then encodes its final segment once and those same bytes travel the all-gather ring;
     the owner keeps the decoded value too, so every rank ends with identical bits.
 
-    ``chunk`` counts float32 elements; a wire message holds their encoding (half the
-    bytes for 16-bit wires, about a quarter for int8). No full-size temporaries: chunks
-    are encoded into one reused buffer (a send hands its bytes to the transport before it
-    returns), received chunks are accumulated or decoded straight into ``work`` and
-    forwarded as received. The last reduce-scatter step and the first all-gather step run
-    interleaved chunk by chunk, so a finished chunk leaves while the next ones are still
-    being reduced (see ``_last_hop``).
+    ``chunk`` counts float32 elements; the ring widens it so that a wire message has about
+    ``4 * chunk`` bytes. No full-size temporaries: chunks are encoded into one reused
+    buffer (a send hands its bytes to the transport before it returns), received chunks
+    are accumulated or decoded straight into ``work`` and forwarded as received. The
+    last reduce-scatter step and the first all-gather step run interleaved chunk by
+    chunk, so a finished chunk leaves while the next ones are still being reduced (see
+    ``_last_hop``).
     """
     n, r = link.size, link.rank
     right, left = (r + 1) % n, (r - 1) % n
+    # Chunks whose wire size is what a float32 chunk would be: as many messages as the
+    # plain ring would send for a quarter (int8) or half (16-bit) of the bytes.
+    chunk = max(chunk, 4 * chunk * chunk // max(1, codec.nbytes(chunk)))
     widest = min(chunk, max(b - a for a, b in bounds))
     wire = np.empty(codec.nbytes(widest), np.uint8)
 

@@ -23,10 +23,8 @@ class GroupConfig:
     """How long forming the group may take (peers may start at different times)."""
     small_bytes: int = 64 * 1024
     """Arrays up to this size use the one-round direct algorithms instead of the ring."""
-    chunk_bytes: int = 2 << 20
-    """Ring and pipeline chunk size, in bytes of the array (float32 for a compressed
-    all-reduce, whose wire messages are then half or about a quarter of it): transfer of
-    one chunk overlaps reduction of the last."""
+    chunk_bytes: int = 1 << 20
+    """Ring and pipeline chunk size: transfer of one chunk overlaps reduction of the last."""
     mode: str = "fast"
     """Default reduction mode: "fast" (ring/direct, identical on all ranks) or
     "deterministic" (float64 accumulation in rank order, identical across runs too)."""
