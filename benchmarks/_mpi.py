@@ -4,8 +4,9 @@
 folder and started with ``mpirun``, restricted to the TCP transport on loopback
 (``--mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo``: no shared memory, so
 it moves bytes the way p2pdist and Gloo do). Open MPI keeps its defaults otherwise,
-including polling while it waits (it yields instead when oversubscribed). Install it in
-the benchmark's machine only: ``apt-get install openmpi-bin libopenmpi-dev``.
+including polling while it waits (it yields instead when oversubscribed). It is never a
+p2pdist dependency: ``apt-get install openmpi-bin libopenmpi-dev`` where benchmarks run
+(scripts/test.sh does so as root, for the benchmark test).
 """
 
 from __future__ import annotations
