@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -58,18 +59,13 @@ def build(workdir: Path) -> Path:
 
 
 def sweep(
-    binary: Path,
-    world: int,
-    sizes: list[int],
-    warmup: list[int],
-    iters: list[int],
-    workdir: Path,
-    timeout: float,
+    binary: Path, world: int, plan: Iterable[tuple[int, int, int]], workdir: Path, timeout: float
 ) -> dict[str, Any]:
-    """One sweep in ``world`` processes: ``{"results": [{"bytes", "median", "cpu"}, ...],
-    "barrier": {"median"}}``, each the maximum over ranks, in seconds."""
+    """One sweep in ``world`` processes, per ``(bytes, warm-up calls, timed calls)`` of
+    ``plan``: ``{"results": [{"bytes", "median", "cpu"}, ...], "barrier": {"median"}}``,
+    each the maximum over ranks, in seconds."""
     result = workdir / f"mpi-world{world}-{time.monotonic_ns()}.json"
-    specs = [f"{n}:{w}:{i}" for n, w, i in zip(sizes, warmup, iters, strict=True)]
+    specs = [f"{n}:{w}:{i}" for n, w, i in plan]
     cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(world), *TCP_ONLY]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")

@@ -65,6 +65,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     "-int8": {"wire_dtype": "int8"},
 }
 """Mode suffixes: how the all_reduce is called (deterministic, or a compressed wire)."""
+REFERENCES = ("gloo", "ompi")
+"""Series names of the reference backends (every other series is a p2pdist mode)."""
 LOOPS: dict[str, str] = {"asyncio": "", "uvloop": "+uv"}
 """Event loops and the suffix of their series names."""
 TCP_TOTAL = 1 << 30
@@ -478,9 +480,9 @@ def run_round(
     run_gloo: bool,
     loops: list[str],
     mpi_binary: Path | None = None,
-) -> tuple[list[Series], Series | None, Series | None]:
+) -> list[Series]:
     """Every p2pdist mode on every loop, then Gloo, then Open MPI (with ``mpi_binary``),
-    once each at ``world``."""
+    once each at ``world``, in that order."""
 
     def sweep(
         name: str, role: str, extra: dict[str, Any], env: dict[str, str] | None = None
@@ -489,7 +491,7 @@ def run_round(
             name, role, world, sizes, warmup, iters, workdir, args.timeout, extra, env
         )
 
-    mode_series: list[Series] = []
+    out: list[Series] = []
     if run_p2p:
         seed = secrets.token_hex(32)
         for mode, loop in [(m, lp) for m in args.modes for lp in loops]:
@@ -502,22 +504,21 @@ def run_round(
                 "out_of_place": args.out_of_place,
                 "reduce_kwargs": VARIANTS[variant],
             }
-            mode_series.append(sweep(mode + LOOPS[loop], "p2pdist", extra))
-    gloo_series: Series | None = None
+            out.append(sweep(mode + LOOPS[loop], "p2pdist", extra))
     if run_gloo:
         (port,) = free_ports(1)
-        gloo_series = sweep("gloo", "gloo", {"port": port}, env={"GLOO_SOCKET_IFNAME": "lo"})
-    mpi: Series | None = None
+        out.append(sweep("gloo", "gloo", {"port": port}, env={"GLOO_SOCKET_IFNAME": "lo"}))
     if mpi_binary is not None:
         t0 = time.monotonic()
+        plan = zip(sizes, warmup, iters, strict=True)
         try:
-            data = _mpi.sweep(mpi_binary, world, sizes, warmup, iters, workdir, args.timeout)
-            mpi = mpi_series(world, data)
+            data = _mpi.sweep(mpi_binary, world, plan, workdir, args.timeout)
+            out.append(mpi_series(world, data))
             print(f"  ompi world={world}: done in {time.monotonic() - t0:.1f}s", file=sys.stderr)
         except (_mpi.MpiError, KeyError, ValueError) as exc:
-            mpi = Series("ompi", error=str(exc))
+            out.append(Series("ompi", error=str(exc)))
             print(f"  ompi world={world}: FAILED\n{exc}", file=sys.stderr, flush=True)
-    return mode_series, gloo_series, mpi
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -686,17 +687,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for _ in range(args.rounds)
             ]
-            mode_series = [
-                median_of_rounds(list(r)) for r in zip(*(m for m, _, _ in rounds), strict=True)
-            ]
-            gloo_rounds = [g for _, g, _ in rounds if g is not None]
-            gloo_series = median_of_rounds(gloo_rounds) if gloo_rounds else None
-            mpi_rounds = [m for _, _, m in rounds if m is not None]
-            others = [median_of_rounds(mpi_rounds)] if mpi_rounds else []
+            all_series = [median_of_rounds(list(r)) for r in zip(*rounds, strict=True)]
+            refs = {s.name: s for s in all_series if s.name in REFERENCES}
+            mode_series = [s for s in all_series if s.name not in REFERENCES]
+            gloo_series = refs.get("gloo")
+            others = [refs["ompi"]] if "ompi" in refs else []
             title = f"#### world {world}\n\n" if args.markdown else f"== world {world} ==\n"
             table = world_table(sizes, mode_series, gloo_series, args.markdown, others)
             tables.append(title + table)
-            all_series = [*mode_series, *([gloo_series] if gloo_series else []), *others]
             if args.detail:
                 tables.append(detail_table(sizes, all_series, args.markdown))
             for s in all_series:

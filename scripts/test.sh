@@ -9,6 +9,20 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 
+# apt_install LOG PACKAGE...: install with apt-get (updating the package lists once if the
+# first try fails), its output in LOG.
+apt_install() {
+    local log=$1
+    shift
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >"$log" 2>&1 \
+        || { apt-get update -qq >>"$log" 2>&1 \
+            && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >>"$log" 2>&1; }
+}
+root_with_apt=false
+[ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && root_with_apt=true
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+
 missing=""
 command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
 { command -v ip && command -v tc; } >/dev/null 2>&1 || missing="$missing iproute2"
@@ -16,31 +30,21 @@ command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
 "$PY" -c 'import ensurepip' >/dev/null 2>&1 \
     || missing="$missing $("$PY" -c 'import sys; print("python%d.%d-venv" % sys.version_info[:2])')"
 if [ "$(id -u)" = 0 ] && [ -n "$missing" ]; then
-    if command -v apt-get >/dev/null 2>&1; then
-        echo "== installing$missing"
-        export DEBIAN_FRONTEND=noninteractive
-        log=$(mktemp)
-        # shellcheck disable=SC2086 # one word per package
-        apt-get install -y -qq $missing >"$log" 2>&1 \
-            || { apt-get update -qq >>"$log" 2>&1 && apt-get install -y -qq $missing >>"$log" 2>&1; } \
-            || { tail -n 20 "$log" >&2; echo "error: could not install$missing" >&2; exit 1; }
-        rm -f "$log"
-    else
+    if ! $root_with_apt; then
         echo "error:$missing missing and no apt-get to install it" >&2
         exit 1
     fi
+    echo "== installing$missing"
+    # shellcheck disable=SC2086 # one word per package
+    apt_install "$log" $missing \
+        || { tail -n 20 "$log" >&2; echo "error: could not install$missing" >&2; exit 1; }
 fi
 
 # Open MPI is only the all-reduce benchmark's second reference (tests/test_benchmarks.py
 # builds and runs it when present), so failing to install it is a warning, not an error.
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-    && ! { command -v mpicc && command -v mpirun; } >/dev/null 2>&1; then
+if $root_with_apt && ! { command -v mpicc && command -v mpirun; } >/dev/null 2>&1; then
     echo "== installing openmpi-bin libopenmpi-dev (benchmark reference)"
-    export DEBIAN_FRONTEND=noninteractive
-    mpi="openmpi-bin libopenmpi-dev"
-    # shellcheck disable=SC2086 # one word per package
-    { apt-get install -y -qq $mpi || { apt-get update -qq && apt-get install -y -qq $mpi; }; } \
-        >/dev/null 2>&1 \
+    apt_install "$log" openmpi-bin libopenmpi-dev \
         || echo "warning: could not install Open MPI; the benchmark test checks its skip note only" >&2
 fi
 
