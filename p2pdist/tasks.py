@@ -28,7 +28,18 @@ async def cancel_and_wait(
     for task in pending:
         task.cancel()
     if pending:
-        _, stuck = await asyncio.shield(asyncio.wait(pending, timeout=timeout))
-        if stuck:
-            names = ", ".join(map(repr, stuck))  # a task's repr names it and its coroutine
-            log.warning("still running %g s after cancel: %s", timeout, names)
+        waiting = asyncio.ensure_future(asyncio.wait(pending, timeout=timeout))
+        try:
+            await asyncio.shield(waiting)
+        except asyncio.CancelledError:  # we were cancelled: finish the wait, then say so
+            await waiting
+            raise
+        finally:
+            if waiting.done() and not waiting.cancelled():
+                _warn_stuck(waiting.result()[1], timeout)
+
+
+def _warn_stuck(stuck: set[asyncio.Future[Any]], timeout: float) -> None:
+    if stuck:
+        names = ", ".join(map(repr, stuck))  # a task's repr names it and its coroutine
+        log.warning("still running %g s after cancel: %s", timeout, names)

@@ -47,7 +47,8 @@ CLOSE_GRACE = 5.0
 SCRATCH_SIZE = 256 * 1024
 """The receive buffer all client connections share: plaintext handed over per read."""
 NESTED_READ = 16 * 1024
-"""Size of the private buffer a read nested in another connection's receive gets."""
+"""Least size of the private receive buffer of a connection that is closing (its last
+reads may come while another connection's read is being handled)."""
 
 
 class _ClientConnection(asyncio.BufferedProtocol):

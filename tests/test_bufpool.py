@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 from p2pdist.wire.bufpool import BufferPool
-from p2pdist.wire.frames import FrameDecoder, FrameKind, FrameLimits, encode_header
+from p2pdist.wire.frames import HEADER, FrameDecoder, FrameKind, FrameLimits, encode_header
 
 LIMITS = FrameLimits(max_meta=512, max_payload=1 << 20, direct_threshold=256)
 
@@ -51,16 +51,34 @@ def test_pool_keeps_at_most_max_bytes() -> None:
     views = [pool.take(4096) for _ in range(5)]  # all busy at once
     assert pool.held_bytes == 3 * 4096
     assert len({address(v) for v in views}) == 5  # no two share memory
+    newest = {address(v) for v in views[2:]}  # the pool let the two oldest go
     del views
     again = [pool.take(4096) for _ in range(3)]
     assert pool.held_bytes == 3 * 4096
     assert len({address(v) for v in again}) == 3
+    assert {address(v) for v in again} == newest
+
+
+def test_a_receiver_that_keeps_its_buffers_does_not_stop_the_pool() -> None:
+    """Buffers a receiver holds on to (a ``recv`` result is a view of one) are let go by
+    the pool, oldest first, and stay intact; the pool goes on handing out buffers it
+    keeps, so the next messages still reuse memory."""
+    pool = BufferPool(max_bytes=2 * 4096)
+    held = [pool.take(4096) for _ in range(4)]  # the receiver keeps all of them
+    for i, v in enumerate(held):
+        v[:] = bytes([i]) * 4096
+    assert pool.held_bytes == 2 * 4096
+    later = pool.take(4096)
+    where = address(later)
+    del later
+    assert address(pool.take(4096)) == where  # kept and handed out again
+    assert [bytes(v[:1]) for v in held] == [b"\x00", b"\x01", b"\x02", b"\x03"]
 
 
 def test_a_new_size_takes_the_room_of_idle_buffers_of_another() -> None:
     """Message sizes that change (plain and compressed rings taking turns) do not leave
-    the pool full of the first size: idle buffers of another size make room, busy ones
-    never do."""
+    the pool full of the first size: idle buffers of another size make room before any
+    busy one is let go."""
     pool = BufferPool(max_bytes=4 * 4096)
     big = [pool.take(8192) for _ in range(2)]  # full: two 8 KiB buffers
     busy = big[0]
@@ -80,9 +98,13 @@ def test_a_new_size_takes_the_room_of_idle_buffers_of_another() -> None:
     del second
     assert address(pool.take(6000)) == again  # kept
     held = pool.take(6000)
-    lone = pool.take(3000)  # nothing idle to drop: a buffer of its own, not kept
-    assert lone.obj.nbytes == 3000 and pool.held_bytes == 2 * 8192
+    lone = pool.take(3000)  # nothing idle: the oldest busy buffer (``busy``) is let go
+    assert lone.obj.nbytes == 4096 and pool.held_bytes == 8192 + 4096
     assert address(busy) != address(held)
+    busy[:4] = b"kept"
+    del lone
+    assert address(pool.take(3000)) not in (address(busy), address(held))
+    assert bytes(busy[:4]) == b"kept"  # still the holder's, untouched
 
 
 def frame_bytes(payload: bytes, seq: int) -> bytes:
@@ -94,7 +116,7 @@ def test_decoder_reuses_a_payload_buffer_once_the_receiver_let_it_go() -> None:
     """A received large payload that the receiver still holds is never overwritten by
     the next one; once dropped, its buffer receives a later payload (no fresh pages)."""
     dec = FrameDecoder(LIMITS)
-    head = 32 + 10  # header and a little payload in the first read: the rest lands in place
+    head = HEADER.size + 10  # header and a little payload in the first read, the rest in place
     a, b, c = (bytes([i]) * 50_000 for i in (1, 2, 3))
     dec.feed(frame_bytes(a, 0)[:head])
     (fa,) = dec.feed(frame_bytes(a, 0)[head:])
@@ -115,9 +137,10 @@ def test_buffers_the_pool_does_not_keep_are_exactly_the_size_asked_for() -> None
     array) holds no more memory than it asked for."""
     pool = BufferPool(max_bytes=8192)
     kept = pool.take(5000)
-    extra = pool.take(5000)
-    assert kept.obj.nbytes == 8192 and extra.obj.nbytes == 5000
+    extra = pool.take(9000)  # over max_bytes once rounded up: never kept
+    assert kept.obj.nbytes == 8192 and extra.obj.nbytes == 9000
     assert pool.held_bytes == 8192
+    assert 16384 not in pool._classes  # no empty size class left behind
 
 
 def test_a_tracer_does_not_change_the_free_count() -> None:
@@ -140,5 +163,6 @@ print(plain, traced, bufpool._FREE_REFS)
 """
     run = [sys.executable, "-c", script]
     proc = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
     plain, traced, used = proc.stdout.split()
     assert plain == traced == used, proc.stdout + proc.stderr

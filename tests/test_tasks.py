@@ -35,3 +35,25 @@ async def test_a_task_that_ignores_cancel_is_waited_for_boundedly_and_named(
     assert "stubborn-sender" in caplog.text and "polite-reader" not in caplog.text
     release.set()
     await asyncio.wait_for(a, 1)
+
+
+async def test_a_cancelled_owner_still_waits_for_its_tasks_to_end() -> None:
+    """Cancelling the caller of cancel_and_wait does not cut the wait short: its tasks
+    have ended by the time its own cancellation is raised."""
+    cleaned = asyncio.Event()
+
+    async def slow_to_stop() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.2)  # cleanup that takes a while after the cancel
+            cleaned.set()
+
+    task = asyncio.create_task(slow_to_stop())
+    await asyncio.sleep(0)
+    owner = asyncio.create_task(cancel_and_wait([task], timeout=5))
+    await asyncio.sleep(0.05)  # the owner is waiting now
+    owner.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(owner, 5)
+    assert task.done() and cleaned.is_set()

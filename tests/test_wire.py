@@ -407,10 +407,12 @@ def test_forget_stops_writes_into_the_place_mid_payload() -> None:
 
 def test_place_must_be_a_writable_byte_view() -> None:
     dec = FrameDecoder(SMALL)
-    with pytest.raises(ValueError, match="writable 1-D view of bytes"):
+    with pytest.raises(ValueError, match="writable, contiguous 1-D view of bytes"):
         dec.expect(1, 0, memoryview(b"read-only"))
-    with pytest.raises(ValueError, match="writable 1-D view of bytes"):
+    with pytest.raises(ValueError, match="writable, contiguous 1-D view of bytes"):
         dec.expect(1, 0, memoryview(np.zeros(4, np.float32)))
+    with pytest.raises(ValueError, match="writable, contiguous 1-D view of bytes"):
+        dec.expect(1, 0, np.zeros(8, np.uint8)[::2].data)  # a socket cannot read into it
 
 
 def test_mid_frame_tracks_truncation() -> None:

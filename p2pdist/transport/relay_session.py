@@ -69,7 +69,7 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         :attr:`done` is cancelled (not left holding an error nobody will read)."""
         if not self.done.done():
             self.done.cancel()
-        if self.transport is not None:
+        if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
     def dispatch_to(self, handler: FrameHandler) -> None:

@@ -35,8 +35,11 @@ _FREE_REFS = min(_free_refs(), 2)
 
 
 class BufferPool:
-    """Buffers of power-of-two sizes, at most ``max_bytes`` of them kept in all; idle
-    buffers of one size give way when another size needs the room."""
+    """Buffers of power-of-two sizes, at most ``max_bytes`` of them kept in all. When a new
+    buffer needs room, idle buffers of other sizes go first, then the oldest busy ones:
+    a busy buffer the pool lets go stays its holder's (and is freed when the holder drops
+    it), so neither message sizes that change nor a receiver that keeps what it got can
+    leave the pool stuck."""
 
     def __init__(self, max_bytes: int = 4 << 20) -> None:
         self.max_bytes = max_bytes
@@ -52,32 +55,27 @@ class BufferPool:
         """A writable view of exactly ``nbytes`` (> 0) bytes, in a buffer that nothing
         else refers to; it returns to the pool by itself when its last view is gone."""
         size = 1 << (nbytes - 1).bit_length()
+        if size > self.max_bytes:  # never kept: exactly the size asked for
+            return np.empty(nbytes, dtype=np.uint8).data
         kept = self._classes.setdefault(size, [])
         for i in range(len(kept)):
             if sys.getrefcount(kept[i]) <= _FREE_REFS:  # kept[i], never a local: see above
                 return kept[i].data[:nbytes]
-        if self._held + size > self.max_bytes and not self._make_room(size):
-            return np.empty(nbytes, dtype=np.uint8).data  # not kept: exactly the size asked for
+        self._make_room(size)
         kept.append(np.empty(size, dtype=np.uint8))
         self._held += size
         return kept[-1].data[:nbytes]
 
-    def _make_room(self, size: int) -> bool:
-        """Drop idle buffers of other sizes until ``size`` more bytes fit (a workload whose
-        message sizes change, such as plain and compressed rings taking turns, would
-        otherwise leave the pool full of the first size it saw); False if they cannot."""
-        idle = [
-            (other, i)
-            for other, kept in self._classes.items()
-            if other != size
-            for i in range(len(kept))
-            if sys.getrefcount(kept[i]) <= _FREE_REFS  # kept[i], never a local: see above
-        ]
-        if self._held - sum(other for other, _ in idle) + size > self.max_bytes:
-            return False
-        for other, i in sorted(idle, key=lambda e: -e[1]):  # the highest index first
-            if self._held + size <= self.max_bytes:
-                break
-            del self._classes[other][i]
-            self._held -= other
-        return True
+    def _make_room(self, size: int) -> None:
+        """Let buffers go until ``size`` more bytes fit (``size <= max_bytes``): idle ones
+        first, then busy ones, oldest first."""
+        for busy_too in (False, True):
+            for other, kept in self._classes.items():
+                i = 0
+                while i < len(kept) and self._held + size > self.max_bytes:
+                    # kept[i], never a local: see _free_refs
+                    if busy_too or sys.getrefcount(kept[i]) <= _FREE_REFS:
+                        del kept[i]
+                        self._held -= other
+                    else:
+                        i += 1

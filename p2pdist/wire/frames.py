@@ -197,14 +197,14 @@ class FrameDecoder:
 
     def expect(self, channel: int, seq: int, place: memoryview) -> None:
         """Receive the payload of DATA frame ``(channel, seq)`` straight into ``place`` (a
-        writable 1-D byte view), if that frame has not been decoded, nor begun to be
+        writable, contiguous 1-D byte view), if that frame has not been decoded, nor begun to be
         received into a buffer of its own, before this call and its payload is exactly
         ``place.nbytes`` long; the frame then carries ``place`` itself as its payload.
         Otherwise the frame is decoded as usual (the receiver sees the size mismatch, or
         copies a frame that came early). :attr:`landed` counts the frames that used a
         place."""
-        if place.readonly or place.ndim != 1 or place.format != "B":
-            raise ValueError("a landing place must be a writable 1-D view of bytes")
+        if place.readonly or place.ndim != 1 or place.format != "B" or not place.contiguous:
+            raise ValueError("a landing place must be a writable, contiguous 1-D view of bytes")
         self._places.setdefault(channel, {})[seq] = place
 
     def forget(self, channel: int) -> None:
