@@ -73,6 +73,8 @@ __all__ = [
     "lab_unavailable",
     "leftover_namespaces",
     "require_root",
+    "require_shaping",
+    "shaping_unavailable",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,14 +131,31 @@ def lab_unavailable() -> str | None:
     return reason
 
 
-def require_root() -> None:
-    """Skip the calling test (printing the reason) when the lab cannot run here."""
+def shaping_unavailable() -> str | None:
+    """Why :class:`ShapedLan` cannot run here (the lab's reasons, or no ``tc``), or None."""
+    reason = lab_unavailable()
+    if reason is None and not shutil.which("tc"):
+        reason = "shaped links need tc (apt-get install iproute2)"
+    return reason
+
+
+def _skip_if(reason: str | None) -> None:
+    """Skip the calling test, printing the reason, when there is one."""
     import pytest
 
-    reason = lab_unavailable()
     if reason is not None:
         print(f"natlab: skipped: {reason}", file=sys.stderr)
         pytest.skip(reason)
+
+
+def require_root() -> None:
+    """Skip the calling test (printing the reason) when the lab cannot run here."""
+    _skip_if(lab_unavailable())
+
+
+def require_shaping() -> None:
+    """Skip the calling test (printing the reason) when shaped links cannot run here."""
+    _skip_if(shaping_unavailable())
 
 
 def _namespaces() -> list[str]:
@@ -518,10 +537,7 @@ class ShapedLan(_NamespaceLab):
         return ["ip", "netns", "exec", self.host_ns(r)]
 
     def _unavailable(self) -> str | None:
-        reason = lab_unavailable()
-        if reason is None and not shutil.which("tc"):
-            reason = "shaped links need tc (apt-get install iproute2)"
-        return reason
+        return shaping_unavailable()
 
     def _shape(self, ns: str, dev: str) -> None:
         # The bucket must hold a whole offloaded segment (64 KiB) and a few timer ticks'

@@ -87,13 +87,16 @@ async def bounded(aw: Awaitable[T], what: str, seconds: float = BOUND) -> T:
         pytest.fail(f"{what} did not happen within {seconds} s")
 
 
-async def wait_until(pred: Callable[[], bool], what: str, seconds: float = BOUND) -> None:
-    """Poll ``pred`` until it holds, failing the test when it does not within ``seconds``."""
+async def wait_until(
+    pred: Callable[[], bool], what: str, seconds: float = BOUND, every: float = 0.005
+) -> None:
+    """Poll ``pred`` every ``every`` seconds (0: after every event-loop pass) until it
+    holds, failing the test when it does not within ``seconds``."""
 
     async def poll() -> None:
         # Polling on purpose: the predicates read counters that signal no event.
         while not pred():  # noqa: ASYNC110
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(every)
 
     await bounded(poll(), what, seconds)
 
@@ -433,7 +436,7 @@ async def check_named_places(make_pair: PairFactory) -> None:
         for seq, place in enumerate([*places, wrong]):
             p.server.expect(3, seq, place)
         for seq, data in enumerate([small, large, b"eleven byte"]):
-            await p.client.send(3, data, seq=seq)
+            await bounded(p.client.send(3, data, seq=seq), f"send {seq}")
         for seq, (data, place) in enumerate(zip([small, large], places, strict=True)):
             frame = await recv(p.server, 3)
             assert frame.seq == seq and frame.payload is place and bytes(place) == data
@@ -442,8 +445,8 @@ async def check_named_places(make_pair: PairFactory) -> None:
         gone = memoryview(bytearray(len(small)))
         p.server.expect(4, 0, gone)
         p.server.retire(4)
-        await p.client.send(4, small)
-        await p.client.send(5, b"marker")
+        await bounded(p.client.send(4, small), "a send")
+        await bounded(p.client.send(5, b"marker"), "a send")
         assert bytes((await recv(p.server, 5)).payload) == b"marker"
         await wait_until(lambda: p.server.stats.dropped_stale == 1, "the retired frame dropped")
         assert bytes(gone) == bytes(len(small))
@@ -463,19 +466,18 @@ async def check_retire_while_landing(make_pair: PairFactory) -> None:
             sending = asyncio.create_task(p.client.send(ch, data))
             # Checked after every event-loop pass (not every 5 ms), so the check sees the
             # message part-way: one pass reads at most a few MiB of it.
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + BOUND
-            while place[0] != 7:
-                if loop.time() > deadline:
-                    pytest.fail(f"the message did not start landing within {BOUND} s")
-                await asyncio.sleep(0)
+            try:
+                await wait_until(lambda v=place: v[0] == 7, "the message landing", every=0)
+            except BaseException:
+                sending.cancel()
+                raise
             if place[-1] == 7:
                 await bounded(sending, "the send")
                 continue  # it landed whole before we looked: try again
             p.server.retire(ch)
             before = bytes(place)
             await bounded(sending, "the send")
-            await p.client.send(ch + 100, b"marker")
+            await bounded(p.client.send(ch + 100, b"marker"), "a send")
             assert bytes((await recv(p.server, ch + 100)).payload) == b"marker"
             assert bytes(place) == before, "bytes landed in a retired place"
             return
