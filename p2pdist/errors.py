@@ -63,7 +63,10 @@ class PeerError(P2PError):
 
 
 class RemoteProtocolError(PeerError):
-    """The peer violated the wire protocol; its connection is closed."""
+    """The peer sent something the protocol does not allow (a malformed or unexpected
+    frame or message). A transport that raises it has closed the connection; a protocol
+    on top (a federated coordinator reading reports, say) may instead drop the one
+    message and go on reading."""
 
 
 class PeerAuthenticationError(PeerError):

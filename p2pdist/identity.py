@@ -34,6 +34,36 @@ _SEED_SALT = b"p2pdist/v1/seed-salt"
 _SEED_INFO = b"p2pdist/v1/rank-endpoint-key/"
 MIN_SEED_BYTES = 8
 
+_P = 2**255 - 19
+_D = -121665 * pow(121666, _P - 2, _P) % _P  # edwards25519: -x^2 + y^2 = 1 + d x^2 y^2
+
+
+def _weak_key_reason(raw: bytes) -> str | None:
+    """Why the encoded point ``raw`` must not be an endpoint id, or None.
+
+    A point of small order (the 8 points P with [8]P = 0) has signatures that verify
+    without any secret: with R = 0 and S = 0, the check [S]B = R + [k]A holds whenever
+    [k]A = 0, always for the identity and for one message in eight otherwise. No key
+    made by :class:`SecretKey` is such a point, so refusing them costs honest peers
+    nothing and means an id is only ever learned from a proof its owner made.
+    A non-canonical encoding (y >= p) names a point that also has a canonical one.
+
+    The y coordinate of 2P depends on y alone (x^2 follows from y by the curve
+    equation), so three doublings of y = Y/Z tell whether [8]P is the identity (y = 1),
+    in projective form to need no inversion.
+    """
+    y = int.from_bytes(raw, "little") & ((1 << 255) - 1)
+    if y >= _P:
+        return "a non-canonical encoding"
+    big_y, z = y, 1
+    for _ in range(3):
+        yy, zz = big_y * big_y % _P, z * z % _P
+        num, den = yy - zz, _D * yy + zz  # x^2 = num / den
+        big_y, z = (yy * den + num * zz) % _P, (2 * zz * den + num * zz - yy * den) % _P
+        if z == 0:  # never for a point of the curve
+            return "not a point of the curve"
+    return "a point of small order" if big_y == z else None
+
 
 class EndpointId:
     """A peer's identity: its Ed25519 public key (32 bytes)."""
@@ -46,6 +76,8 @@ class EndpointId:
         if len(raw) != ID_LEN:
             raise UsageError(f"an endpoint id is {ID_LEN} bytes, got {len(raw)}")
         self._bytes = bytes(raw)
+        if (weak := _weak_key_reason(self._bytes)) is not None:
+            raise UsageError(f"not an Ed25519 public key: {weak}")
         try:
             self._key = Ed25519PublicKey.from_public_bytes(self._bytes)
         except ValueError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import logging
 import os
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import NameOID
 
@@ -107,6 +110,53 @@ def test_parse_refuses_non_str() -> None:
 def test_endpoint_id_from_bad_raw(raw: object) -> None:
     with pytest.raises(UsageError, match="32 bytes"):
         EndpointId(raw)  # type: ignore[arg-type]
+
+
+# Encodings of the small-order points of edwards25519: y = 1 (the identity), y = p - 1
+# (order 2), y = 0 (order 4, either sign of x), and the two y values of order 8; and
+# encodings with y >= p, which no canonical encoder writes.
+_P = 2**255 - 19
+SMALL_ORDER = [
+    (1).to_bytes(32, "little"),
+    (1 | 1 << 255).to_bytes(32, "little"),
+    (_P - 1).to_bytes(32, "little"),
+    bytes(32),
+    (1 << 255).to_bytes(32, "little"),
+    bytes.fromhex("26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05"),
+    bytes.fromhex("c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a"),
+]
+NON_CANONICAL = [_P.to_bytes(32, "little"), (_P + 1).to_bytes(32, "little"), b"\xff" * 32]
+
+
+@pytest.mark.parametrize("raw", SMALL_ORDER, ids=lambda r: r.hex()[:8])
+def test_small_order_keys_are_not_endpoint_ids(raw: bytes) -> None:
+    # What refusing them prevents: signatures nobody made that verify for such a key.
+    forged = (1).to_bytes(32, "little") + bytes(32)  # R = the identity, S = 0
+    key = Ed25519PublicKey.from_public_bytes(raw)
+    verified = 0
+    for i in range(64):
+        with contextlib.suppress(InvalidSignature):
+            key.verify(forged, b"message %d" % i)
+            verified += 1
+    assert verified > 0
+    with pytest.raises(UsageError, match="small order"):
+        EndpointId(raw)
+    with pytest.raises(UsageError, match="small order"):
+        EndpointId.parse(base64.b32encode(raw).decode().rstrip("=").lower())
+
+
+@pytest.mark.parametrize("raw", NON_CANONICAL, ids=lambda r: r.hex()[:8])
+def test_non_canonical_encodings_are_not_endpoint_ids(raw: bytes) -> None:
+    with pytest.raises(UsageError, match="non-canonical"):
+        EndpointId(raw)
+
+
+def test_generated_and_derived_keys_are_all_accepted() -> None:
+    keys = [SecretKey.generate() for _ in range(200)] + [
+        SecretKey.from_seed(SEED, r) for r in range(200)
+    ]
+    for key in keys:
+        assert EndpointId(bytes(key.endpoint_id)) == key.endpoint_id
 
 
 # ---- signatures -------------------------------------------------------------------------
