@@ -38,7 +38,12 @@ from p2pdist.identity import EndpointId, SecretKey
 from p2pdist.tls import TlsIdentity
 from p2pdist.transport import TcpTransport, TransportConfig
 from p2pdist.transport.keepalive import Keepalive, KeepaliveAction
-from p2pdist.transport.mailbox import Mailbox, RetiredChannels
+from p2pdist.transport.mailbox import (
+    CHANNEL_OVERHEAD,
+    FRAME_OVERHEAD,
+    Mailbox,
+    RetiredChannels,
+)
 from p2pdist.transport.tcp import TcpConnection, parse_address
 from p2pdist.wire.frames import HEADER, VERSION, Frame, FrameKind, encode_header
 from p2pdist.wire.handshake import MAGIC, RecordReader, auth_transcript, encode_record
@@ -844,24 +849,25 @@ async def test_mailbox_fail_wakes_waiters_after_queued_frames() -> None:
 
 
 async def test_mailbox_backpressure_pauses_and_resumes_once() -> None:
-    mb, flow = mailbox(max_buffered=100)
+    cost = 30 + FRAME_OVERHEAD  # one 30-byte frame, as the mailbox counts it
+    mb, flow = mailbox(max_buffered=2 * (CHANNEL_OVERHEAD + cost) + cost)
     for i in range(10):
         mb.deliver(data_frame(1, i, size=30))
     assert flow.events == ["pause"]
-    assert mb.buffered == 300
+    assert mb.buffered == CHANNEL_OVERHEAD + 10 * cost
     for _ in range(8):
         await mb.get(1, 1)
-    assert mb.buffered == 60
+    assert mb.buffered == CHANNEL_OVERHEAD + 2 * cost
     assert flow.events == ["pause"]  # still above half the limit
     await mb.get(1, 1)
-    assert mb.buffered == 30
+    assert mb.buffered == CHANNEL_OVERHEAD + cost
     assert flow.events == ["pause", "resume"]
     mb.deliver(data_frame(1, 10, size=30))
-    assert flow.events == ["pause", "resume"]  # 60 is under the limit again
+    assert flow.events == ["pause", "resume"]  # 2 frames are under the limit again
 
 
 async def test_mailbox_retire_drops_and_counts() -> None:
-    mb, flow = mailbox(max_buffered=50)
+    mb, flow = mailbox(max_buffered=2 * (CHANNEL_OVERHEAD + FRAME_OVERHEAD + 10))
     for i in range(4):
         mb.deliver(data_frame(5, i, size=20))
     mb.deliver(data_frame(6, 0))

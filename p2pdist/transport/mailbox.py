@@ -9,10 +9,17 @@ from collections.abc import Callable
 from ..errors import PeerTimeoutError, UsageError
 from ..wire.frames import Frame
 
-__all__ = ["Mailbox", "RetiredChannels"]
+__all__ = ["CHANNEL_OVERHEAD", "FRAME_OVERHEAD", "Mailbox", "RetiredChannels"]
 
 SPACE_SHIFT = 48
 """Channels are ``space << 48 | counter``; counters retire roughly in order per space."""
+FRAME_OVERHEAD = 256
+"""Bytes charged for each queued frame on top of its meta and payload (the frame tuple,
+its buffers' headers, the queue slot: about 130 bytes in CPython 3.11, rounded up), so
+that frames without meta or payload still count towards ``max_buffered``."""
+CHANNEL_OVERHEAD = 1024
+"""Bytes charged for each channel that has frames queued (its deque and dict entry:
+about 780 bytes in CPython 3.11, rounded up)."""
 
 
 class RetiredChannels:
@@ -65,7 +72,8 @@ class Mailbox:
 
     @property
     def buffered(self) -> int:
-        """Bytes held for receivers that have not asked yet."""
+        """Bytes held for receivers that have not asked yet: meta and payload, plus
+        :data:`FRAME_OVERHEAD` per frame and :data:`CHANNEL_OVERHEAD` per channel."""
         return self._buffered
 
     def deliver(self, frame: Frame) -> None:
@@ -74,8 +82,12 @@ class Mailbox:
         if ch in self._retired:
             self.dropped += 1
             return
-        self._queues.setdefault(ch, deque()).append(frame)
-        self._buffered += frame.nbytes
+        q = self._queues.get(ch)
+        if q is None:
+            q = self._queues[ch] = deque()
+            self._buffered += CHANNEL_OVERHEAD
+        q.append(frame)
+        self._buffered += frame.nbytes + FRAME_OVERHEAD
         if self._buffered > self._max and not self._paused:
             self._paused = True
             self._pause()
@@ -97,9 +109,10 @@ class Mailbox:
         if not q:
             return None
         frame = q.popleft()
+        self._buffered -= frame.nbytes + FRAME_OVERHEAD
         if not q:
             del self._queues[channel]
-        self._buffered -= frame.nbytes
+            self._buffered -= CHANNEL_OVERHEAD
         if self._paused and self._buffered <= self._max // 2:
             self._paused = False
             self._resume()
