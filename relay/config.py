@@ -96,6 +96,14 @@ class RelayConfig:
         metadata=_doc(f"shared token clients must present (or env {TOKEN_ENV})", "TOKEN"),
     )
     max_clients: int = field(default=4096, metadata=_doc("most authenticated clients at once", "N"))
+    max_unauthenticated: int | None = field(
+        default=None,
+        metadata=_doc(
+            "most connections still in the HTTP upgrade or AUTH at once; more are answered "
+            "503 and closed (default: max-clients)",
+            "N",
+        ),
+    )
     rate: int = field(
         default=0, metadata=_doc("per-client SEND budget in bytes/s (0: unlimited)", "BYTES_PER_S")
     )
@@ -231,6 +239,8 @@ def _validate(c: RelayConfig) -> None:
             raise ConfigError(f"token must be at most {MAX_TOKEN_BYTES} bytes")
     if c.max_clients < 1:
         raise ConfigError(f"max-clients must be >= 1, got {c.max_clients}")
+    if c.max_unauthenticated is not None and c.max_unauthenticated < 1:
+        raise ConfigError(f"max-unauthenticated must be >= 1, got {c.max_unauthenticated}")
     _positive("rate", c.rate, allow_zero=True)
     if c.rate and c.burst < MAX_BODY:
         raise ConfigError(

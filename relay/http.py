@@ -13,7 +13,7 @@ from p2pdist.wire.relay import UPGRADE_PATH, UPGRADE_TOKEN, VERSION, HttpHead, u
 
 __all__ = ["HttpDecision", "response", "route"]
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found"}
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 503: "Service Unavailable"}
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["PeerGoneThrottle", "TokenBucket"]
+__all__ = ["MAX_PEER_GONE_ENTRIES", "PeerGoneThrottle", "TokenBucket"]
+
+MAX_PEER_GONE_ENTRIES = 64
+"""Destinations one sender's PEER_GONE throttle remembers at most."""
 
 
 class TokenBucket:
@@ -34,18 +37,27 @@ class TokenBucket:
             return True
         return False
 
+    def full_at(self) -> float:
+        """When the bucket will be full again if nothing is taken (its last refill time
+        when it is full already, or unlimited)."""
+        if not self._rate:
+            return self._stamp
+        return self._stamp + (self._burst - self._tokens) / self._rate
+
 
 class PeerGoneThrottle:
     """Allows one PEER_GONE per destination per ``interval`` seconds (for one sender).
 
-    Remembers at most ``max_entries`` destinations; when full, entries older than the
-    interval are forgotten, and if none are, the oldest half goes (a sender cycling
-    through random ids then gets a few extra notices, never unbounded memory).
+    Remembers at most ``max_entries`` destinations (a few KiB at most); when full,
+    entries older than the interval are forgotten, and if none are, the oldest half goes
+    (a sender cycling through random ids then gets a few extra notices, never unbounded
+    memory). :meth:`prune`, called from the core's tick, forgets stale entries so an
+    idle sender holds nothing.
     """
 
     __slots__ = ("_interval", "_last", "_max")
 
-    def __init__(self, interval: float = 1.0, max_entries: int = 1024) -> None:
+    def __init__(self, interval: float = 1.0, max_entries: int = MAX_PEER_GONE_ENTRIES) -> None:
         self._interval = interval
         self._max = max_entries
         self._last: dict[bytes, float] = {}
@@ -59,6 +71,11 @@ class PeerGoneThrottle:
             self._prune(now)
         self._last[dest] = now
         return True
+
+    def prune(self, now: float) -> None:
+        """Forget destinations whose interval is over."""
+        if self._last:
+            self._prune(now)
 
     def _prune(self, now: float) -> None:
         fresh = {k: t for k, t in self._last.items() if now - t < self._interval}

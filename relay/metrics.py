@@ -44,6 +44,9 @@ class Metrics:
     datagrams_in_total: int = _counter("SEND frames received")
     datagrams_out_total: int = _counter("RECV frames queued to destinations")
     peer_gone_total: int = _counter("PEER_GONE frames sent")
+    connections_refused_total: int = _counter(
+        "connections closed at once because max-unauthenticated were waiting to authenticate"
+    )
     protocol_errors_total: int = _counter("connections closed for breaking the protocol")
     keepalive_timeouts_total: int = _counter("clients dropped after 3 x keepalive of silence")
     http_requests_total: int = _counter("plain HTTP requests answered (health, metrics, errors)")
@@ -57,7 +60,7 @@ class Metrics:
         metadata=_labelled("auth_failures_total", "refused authentications, by reason"),
     )
 
-    def render(self, *, clients: int, connections: int) -> str:
+    def render(self, *, clients: int, connections: int, unauthenticated: int = 0) -> str:
         """Prometheus text exposition format (version 0.0.4)."""
         out = [
             f"# HELP {PREFIX}clients authenticated clients connected now",
@@ -66,6 +69,9 @@ class Metrics:
             f"# HELP {PREFIX}connections open client connections (any phase)",
             f"# TYPE {PREFIX}connections gauge",
             f"{PREFIX}connections {connections}",
+            f"# HELP {PREFIX}unauthenticated connections still in the HTTP upgrade or AUTH",
+            f"# TYPE {PREFIX}unauthenticated gauge",
+            f"{PREFIX}unauthenticated {unauthenticated}",
         ]
         for f in dataclasses.fields(self):
             name = PREFIX + f.metadata.get("name", f.name)

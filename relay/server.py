@@ -15,6 +15,12 @@ what it still holds straight into ``get_buffer``, synchronously, even while the 
 parses another client's bytes from the scratch (an endpoint that reconnects replaces its
 old session). So a connection that is closing reads into a buffer of its own, and the
 bytes being parsed are never overwritten.
+
+On asyncio's own loop (:mod:`relay.tlsproto`) each connection also sees the TCP
+transport under TLS: the server aborts connections still in their TLS handshake when it
+shuts down (one that finished its handshake later would otherwise be served by a core
+that no longer ticks), and :meth:`_ClientConnection.buffered` counts that transport's
+write buffer too, so ``queue_bytes`` bounds everything queued towards a client.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ log = logging.getLogger(__name__)
 
 CLOSE_GRACE = 5.0
 """A closed connection whose peer does not read is aborted after this many seconds."""
+TLS_SHUTDOWN_SHARE = 0.8
+"""The TLS layer's shutdown timeout, as a share of ``drain_timeout``: shorter, so a
+client that does not read is aborted by TLS before the drain gives up on it."""
 
 SCRATCH_SIZE = 256 * 1024
 """The receive buffer all client connections share: plaintext handed over per read."""
@@ -61,14 +70,35 @@ class _ClientConnection(asyncio.BufferedProtocol):
         self._tap = server.tap
         self._buffer: bytearray | None = None
         self._transport: asyncio.Transport | None = None
+        self._raw: asyncio.Transport | None = None
         self._session: Session | None = None
         self._abort: asyncio.TimerHandle | None = None
+
+    # ---- relay.tlsproto.RawTransportWatcher -------------------------------------------
+
+    def raw_connection_made(self, transport: asyncio.Transport) -> None:
+        """TCP is up, the TLS handshake starts (not called on uvloop)."""
+        self._raw = transport
+        if self._server.closing:
+            transport.abort()
+        else:
+            self._server.handshaking.add(self)
+
+    def raw_connection_lost(self) -> None:
+        """TCP is gone, the handshake done or not."""
+        self._server.handshaking.discard(self)
+
+    def abort_handshake(self) -> None:
+        """Drop the TCP connection of a handshake that has not completed."""
+        if self._raw is not None and self._transport is None:
+            self._raw.abort()
 
     # ---- asyncio.Protocol -------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername") or ("?", 0)
+        self._server.handshaking.discard(self)
         self._server.connections.add(self)
         self._session = self._core.open(self, (str(peer[0]), int(peer[1])), self._loop.time())
 
@@ -115,8 +145,12 @@ class _ClientConnection(asyncio.BufferedProtocol):
         self._transport.write(data)
 
     def buffered(self) -> int:
-        """Plaintext and ciphertext not yet handed to the kernel."""
-        return 0 if self._transport is None else self._transport.get_write_buffer_size()
+        """Plaintext and ciphertext not yet handed to the kernel: the TLS layer's buffers
+        and (where known, see the module doc) the TCP transport's."""
+        if self._transport is None:
+            return 0
+        raw = 0 if self._raw is None else self._raw.get_write_buffer_size()
+        return self._transport.get_write_buffer_size() + raw
 
     def close(self) -> None:
         """Flush and close; abort if the peer does not take the bytes within CLOSE_GRACE."""
@@ -144,6 +178,9 @@ class RelayServer:
         self.tap: Tap | None = tap
         self._own_tap: FileTap | None = None
         self.connections: set[_ClientConnection] = set()
+        """Connections whose TLS handshake is done."""
+        self.handshaking: set[_ClientConnection] = set()
+        """Connections still in their TLS handshake (asyncio's loop only)."""
         self._all_gone: asyncio.Event | None = None
         self._server: asyncio.Server | None = None
         self._stun: asyncio.DatagramTransport | None = None
@@ -158,6 +195,11 @@ class RelayServer:
         self._core: RelayCore | None = None
         self.scratch = bytearray(SCRATCH_SIZE)
         """Where every client connection receives (see the module docstring)."""
+
+    @property
+    def closing(self) -> bool:
+        """True once :meth:`close` has begun."""
+        return self._closed
 
     @property
     def core(self) -> RelayCore:
@@ -196,6 +238,7 @@ class RelayServer:
             raise
         core_cfg = CoreConfig(
             max_clients=c.max_clients,
+            max_unauthenticated=c.max_unauthenticated,
             rate=c.rate,
             burst=c.burst,
             queue_bytes=c.queue_bytes,
@@ -236,7 +279,7 @@ class RelayServer:
             app_factory,
             self.tls.context,
             handshake_timeout=c.auth_timeout,
-            shutdown_timeout=c.drain_timeout,
+            shutdown_timeout=c.drain_timeout * TLS_SHUTDOWN_SHARE,
         )
         try:
             if small is not None:
@@ -254,7 +297,7 @@ class RelayServer:
                 c.port,
                 ssl=self.tls.context,
                 ssl_handshake_timeout=c.auth_timeout,
-                ssl_shutdown_timeout=c.drain_timeout,
+                ssl_shutdown_timeout=c.drain_timeout * TLS_SHUTDOWN_SHARE,
                 backlog=4096,
                 reuse_address=True,
                 start_serving=False,
@@ -342,7 +385,8 @@ class RelayServer:
             self._all_gone.set()
 
     async def close(self) -> None:
-        """Graceful shutdown: stop accepting, RECONNECT everyone, drain (bounded), close."""
+        """Graceful shutdown: stop accepting, drop handshakes in progress, RECONNECT
+        everyone, drain (bounded), close."""
         if self._closed:
             return
         self._closed = True
@@ -352,6 +396,8 @@ class RelayServer:
             return
         log.info(kv("shutdown", connections=len(self.connections)))
         self._server.close()
+        for conn in list(self.handshaking):
+            conn.abort_handshake()
         if self._tick is not None:
             self._tick.cancel()
         for udp in (self._stun, self._stun_alt):
@@ -364,7 +410,8 @@ class RelayServer:
             try:
                 await asyncio.wait_for(self._all_gone.wait(), self.config.drain_timeout)
             except TimeoutError:
-                log.warning(kv("drain_timeout", left=len(self.connections)))
+                if self.connections:  # not when the last one went just now
+                    log.warning(kv("drain_timeout", left=len(self.connections)))
         for conn in list(self.connections):
             conn.abort()
         for _ in range(3):  # let connection_lost callbacks run

@@ -51,6 +51,7 @@ class Session:
     """State of one client connection (owned by :class:`relay.state.RelayCore`)."""
 
     __slots__ = (
+        "auth_head",
         "bucket",
         "challenge",
         "conn_id",
@@ -77,6 +78,9 @@ class Session:
         self.http_buf = bytearray()
         self.splitter = RelayFrameSplitter()
         self.challenge = b""
+        self.auth_head = bytearray()
+        """The first bytes of the first frame after the upgrade (its header: checked
+        against the largest AUTH before its body is buffered)."""
         self.endpoint: EndpointId | None = None
         self.raw_id = b""
         self.bucket: TokenBucket | None = None

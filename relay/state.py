@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from p2pdist.wire.relay import (
 )
 
 from .access import AccessPolicy, Refusal
+from .config import MAX_TOKEN_BYTES
 from .http import response, route
 from .limits import TokenBucket
 from .logfmt import kv
@@ -52,6 +54,10 @@ log = logging.getLogger(__name__)
 
 SIG_LEN = 64
 PING_LEN = 8
+MAX_AUTH_BODY = ID_LEN + SIG_LEN + MAX_TOKEN_BYTES
+"""The largest valid AUTH body; a longer frame before authentication is refused from
+its header alone, so an unauthenticated connection never buffers more than this."""
+_FRAME_HEAD = struct.Struct(">BI")
 REPLACED = "replaced by a newer connection from the same endpoint"
 
 BAD_SIGNATURE = Refusal("bad_signature", "bad signature")
@@ -72,6 +78,9 @@ class CoreConfig:
     keepalive: float = 15.0
     auth_timeout: float = 10.0
     retry_after: float = 1.0
+    max_unauthenticated: int | None = None
+    """Most connections in the HTTP or AUTH phase at once (None: ``max_clients``); more
+    are answered 503 and closed at once (``connections_refused_total``)."""
     stun_ports: tuple[int, ...] = ()
     """Bound UDP observation ports (STUN, then the alternate), advertised in AUTH_OK."""
 
@@ -111,6 +120,10 @@ class RelayCore:
         self._random = random_bytes
         self._sessions: set[Session] = set()
         self._clients: dict[bytes, Session] = {}
+        self._unauthenticated: set[Session] = set()
+        self._buckets: dict[bytes, TokenBucket] = {}
+        """Token buckets of ids whose session is gone, kept until they are full again
+        (at most ``max_clients``), so reconnecting does not refill a bucket."""
         self._dirty: list[Session] = []
         self._next_id = 0
         self._closing = False
@@ -131,9 +144,24 @@ class RelayCore:
         """The active session of ``endpoint``, if connected."""
         return self._clients.get(bytes(endpoint))
 
+    @property
+    def unauthenticated(self) -> int:
+        """Open sessions still in the HTTP or AUTH phase."""
+        return len(self._unauthenticated)
+
+    @property
+    def max_unauthenticated(self) -> int:
+        """The cap on :attr:`unauthenticated` (``max_clients`` unless configured)."""
+        c = self.config
+        return c.max_clients if c.max_unauthenticated is None else c.max_unauthenticated
+
     def metrics_text(self) -> str:
         """The Prometheus page."""
-        return self.metrics.render(clients=self.clients, connections=self.connections)
+        return self.metrics.render(
+            clients=self.clients,
+            connections=self.connections,
+            unauthenticated=self.unauthenticated,
+        )
 
     def set_cert_fingerprints(self, fingerprints: Iterable[bytes]) -> None:
         """SHA-256 of the certificate(s) clients may have seen (two during a rotation)."""
@@ -145,12 +173,24 @@ class RelayCore:
     # ---- events from the glue ---------------------------------------------------------
 
     def open(self, link: Link, peer: tuple[str, int], now: float) -> Session:
-        """A TLS connection was accepted from ``peer``."""
+        """A TLS connection was accepted from ``peer``. Once the relay is shutting down,
+        or while ``max_unauthenticated`` connections are waiting to authenticate, the
+        session is answered 503 and closed at once (it is returned CLOSED)."""
         self._next_id += 1
         s = Session(self._next_id, link, format_address(*peer), now)
         self._sessions.add(s)
         self.metrics.connections_total += 1
         log.debug(kv("connect", conn=s.label, peer=s.observed))
+        if self._closing:
+            self.metrics.auth_failures[SHUTTING_DOWN.reason] += 1
+            self._queue(s, response(503, f"{SHUTTING_DOWN.message}\n"))
+            self._close(s, "closed_for_shutdown", quiet=True)
+        elif len(self._unauthenticated) >= self.max_unauthenticated:
+            self.metrics.connections_refused_total += 1
+            self._queue(s, response(503, "too many connections waiting to authenticate\n"))
+            self._close(s, "refused", quiet=True, fields={"waiting": len(self._unauthenticated)})
+        else:
+            self._unauthenticated.add(s)
         return s
 
     def receive(self, s: Session, data: bytes | bytearray | memoryview, now: float) -> None:
@@ -165,6 +205,8 @@ class RelayCore:
                 data = self._http(s, data, now)
                 if not data:
                     return
+            if s.phase is Phase.AUTH:
+                self._check_auth_head(s, data)
             for kind, body in s.splitter.frames(data):
                 self._frame(s, kind, body, now)
                 if _closed(s):
@@ -184,10 +226,12 @@ class RelayCore:
         self._sessions.discard(s)
 
     def tick(self, now: float) -> None:
-        """Enforce the auth timeout and keepalive silence; call about once a second."""
+        """Enforce the auth timeout and keepalive silence, and forget limiter state that
+        has run out; call about once a second."""
         silence = 3 * self.config.keepalive
         for s in list(self._sessions):
             if s.phase is Phase.ACTIVE:
+                s.peer_gone.prune(now)
                 if now - s.last_heard > silence:
                     self.metrics.keepalive_timeouts_total += 1
                     self._close(
@@ -198,6 +242,8 @@ class RelayCore:
                     self._refuse(s, AUTH_TIMEOUT)
                 else:
                     self._close(s, "http_timeout", quiet=True)
+        if self._buckets:
+            self._buckets = {k: b for k, b in self._buckets.items() if b.full_at() > now}
         self.flush()
 
     def shutdown(self, reason: str = "relay shutting down") -> None:
@@ -247,6 +293,20 @@ class RelayCore:
         self._queue(s, decision.response)
         self._queue(s, encode_frame(RelayFrameType.CHALLENGE, bytes([VERSION]) + s.challenge))
         return rest
+
+    def _check_auth_head(self, s: Session, data: bytes | bytearray | memoryview) -> None:
+        """Refuse the first frame after the upgrade from its header alone when it is
+        longer than any valid AUTH (before the splitter would buffer its body)."""
+        need = _FRAME_HEAD.size - len(s.auth_head)
+        if need <= 0:
+            return
+        s.auth_head += memoryview(data)[:need]
+        if len(s.auth_head) == _FRAME_HEAD.size:
+            _kind, length = _FRAME_HEAD.unpack(s.auth_head)
+            if length > MAX_AUTH_BODY:
+                raise RelayProtocolError(
+                    f"frame of {length} bytes before AUTH (an AUTH is at most {MAX_AUTH_BODY})"
+                )
 
     # ---- frames -----------------------------------------------------------------------
 
@@ -312,21 +372,23 @@ class RelayCore:
         if refusal is not None:
             self._refuse(s, refusal, claimed=eid.short())
             return
-        if self._closing:
-            self._refuse(s, SHUTTING_DOWN)
-            return
         old = self._clients.get(raw_id)
         if old is None and len(self._clients) >= self.config.max_clients:
             self._refuse(s, RELAY_FULL, claimed=eid.short())
             return
         if old is not None:
             self.metrics.replaced_total += 1
-            self._close(old, "replaced", error=REPLACED)
+            self._close(old, "replaced", error=REPLACED)  # leaves its bucket in _buckets
         s.phase = Phase.ACTIVE
+        self._unauthenticated.discard(s)
         s.endpoint = eid
         s.raw_id = raw_id
         if self.config.rate:
-            s.bucket = TokenBucket(self.config.rate, self.config.burst, now)
+            # The bucket of an earlier session of this id, if it is not full yet: a
+            # client that reconnects must not get a fresh burst each time.
+            s.bucket = self._buckets.pop(raw_id, None) or TokenBucket(
+                self.config.rate, self.config.burst, now
+            )
         self._clients[raw_id] = s
         self.metrics.auth_ok_total += 1
         self._queue(s, encode_frame(RelayFrameType.AUTH_OK, self._auth_ok_body(s)))
@@ -403,5 +465,15 @@ class RelayCore:
 
     def _forget(self, s: Session) -> None:
         s.phase = Phase.CLOSED
+        self._unauthenticated.discard(s)
         if s.raw_id and self._clients.get(s.raw_id) is s:
             del self._clients[s.raw_id]
+            if s.bucket is not None:
+                self._keep_bucket(s.raw_id, s.bucket)
+
+    def _keep_bucket(self, raw_id: bytes, bucket: TokenBucket) -> None:
+        """Remember a gone client's bucket until it is full (pruned by :meth:`tick`);
+        at most ``max_clients`` of them, the oldest going first."""
+        if raw_id not in self._buckets and len(self._buckets) >= self.config.max_clients:
+            del self._buckets[next(iter(self._buckets))]
+        self._buckets[raw_id] = bucket

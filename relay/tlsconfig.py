@@ -5,7 +5,10 @@
   ``?pin=<relay endpoint id>`` and clients check the key against it.
 * Certificate mode: a PEM chain and key (e.g. from Let's Encrypt); clients verify it
   through the system CAs. :meth:`RelayTls.reload` re-reads the files into the same SSL
-  context (new connections get the new certificate; SIGHUP after a renewal).
+  context (new connections get the new certificate; SIGHUP after a renewal). The files
+  are read once per load, and the bytes are checked in a scratch context before the
+  live one is touched: a half-replaced pair (new certificate, old key) leaves the old
+  certificate serving, and the fingerprint always belongs to the certificate loaded.
 
 Either way, the core needs the SHA-256 of the leaf certificate (DER) the clients see,
 because their AUTH proof is bound to it (``auth_message``).
@@ -13,9 +16,13 @@ because their AUTH proof is bound to it (``auth_message``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import os
 import ssl
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,11 +68,17 @@ def load_or_create_key(path: Path | None) -> SecretKey:
     return key
 
 
-def _leaf_der(cert_path: Path) -> bytes:
+def _read(path: Path, what: str) -> bytes:
     try:
-        certs = x509.load_pem_x509_certificates(cert_path.read_bytes())
+        return path.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read certificate {cert_path}: {exc}") from None
+        raise ConfigError(f"cannot read {what} {path}: {exc}") from None
+
+
+def _leaf_der(chain_pem: bytes, cert_path: Path) -> bytes:
+    """The leaf (first) certificate of a PEM chain, as DER; logs an expiry warning."""
+    try:
+        certs = x509.load_pem_x509_certificates(chain_pem)
     except ValueError as exc:
         raise ConfigError(f"{cert_path} holds no PEM certificate: {exc}") from None
     leaf = certs[0]
@@ -102,8 +115,9 @@ class RelayTls:
     def from_files(cls, cert_path: Path, key_path: Path) -> RelayTls:
         """A real certificate chain (PEM) and its private key (PEM)."""
         ctx = _server_context()
-        der = _leaf_der(cert_path)
-        _load_chain(ctx, cert_path, key_path)
+        chain_pem, key_pem = _read(cert_path, "certificate"), _read(key_path, "key")
+        der = _leaf_der(chain_pem, cert_path)
+        _load_chain(ctx, chain_pem, key_pem, cert_path, key_path)
         return cls(ctx, cert_fingerprint(der), cert_path=cert_path, key_path=key_path)
 
     @property
@@ -114,12 +128,18 @@ class RelayTls:
 
     def reload(self) -> bool:
         """Re-read certificate files (certificate mode); True when the certificate changed.
-        Errors are logged and the old certificate stays in use."""
+        Errors (unreadable files, a key that does not match the certificate) are logged
+        and the old certificate stays in use: the new pair is loaded into a scratch
+        context first, and into the live one only once it loaded there."""
         if self.cert_path is None or self.key_path is None:
             return False
         try:
-            der = _leaf_der(self.cert_path)
-            _load_chain(self.context, self.cert_path, self.key_path)
+            chain_pem = _read(self.cert_path, "certificate")
+            key_pem = _read(self.key_path, "key")
+            der = _leaf_der(chain_pem, self.cert_path)
+            _load_chain(_server_context(), chain_pem, key_pem, self.cert_path, self.key_path)
+            # The same bytes just loaded: this cannot fail half-way any more.
+            _load_chain(self.context, chain_pem, key_pem, self.cert_path, self.key_path)
         except ConfigError as exc:
             log.error(kv("certificate_reload_failed", error=exc))
             return False
@@ -132,9 +152,33 @@ class RelayTls:
         return True
 
 
-def _load_chain(ctx: ssl.SSLContext, cert_path: Path, key_path: Path) -> None:
+@contextlib.contextmanager
+def _pem_file(data: bytes) -> Iterator[str]:
+    """A path that reads as ``data``, for ``load_cert_chain`` (which takes only paths): an
+    anonymous in-memory file where the OS has them (the key never touches a disk), else
+    a private temporary file that is removed right after."""
+    if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+        fd = os.memfd_create("relay-pem", os.MFD_CLOEXEC)
+        try:
+            os.write(fd, data)
+            yield f"/proc/self/fd/{fd}"
+        finally:
+            os.close(fd)
+        return
+    with tempfile.TemporaryDirectory(prefix="relay-pem-") as tmp:  # pragma: no cover
+        path = Path(tmp) / "pem"
+        path.touch(mode=0o600)
+        path.write_bytes(data)
+        yield str(path)
+
+
+def _load_chain(
+    ctx: ssl.SSLContext, chain_pem: bytes, key_pem: bytes, cert_path: Path, key_path: Path
+) -> None:
+    """Load a chain and key given as PEM bytes (read from the paths named in errors)."""
     try:
-        ctx.load_cert_chain(cert_path, key_path)
+        with _pem_file(chain_pem) as chain, _pem_file(key_pem) as key:
+            ctx.load_cert_chain(chain, key)
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(
             f"cannot load certificate {cert_path} with key {key_path}: {exc}"

@@ -19,6 +19,11 @@ also returns None on a loop that is not asyncio's own (uvloop): uvloop's TLS pro
 (Cython, much faster than asyncio's pure-Python one) allocates its 256 KiB read buffer
 with ``malloc`` and never zero-fills it, so pages that mostly idle connections never read
 into are never resident.
+
+An app protocol that implements :class:`RawTransportWatcher` is also told about the TCP
+transport under the TLS layer: when it is made (before the handshake, so a server can
+abort connections still handshaking when it shuts down) and when it is lost (whether
+or not the handshake completed), and it may read that transport's write buffer size.
 """
 
 from __future__ import annotations
@@ -27,9 +32,9 @@ import asyncio
 import inspect
 import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["READ_BUFFER", "SHARED_READ", "tls_protocol_factory"]
+__all__ = ["READ_BUFFER", "SHARED_READ", "RawTransportWatcher", "tls_protocol_factory"]
 
 READ_BUFFER = 32 * 1024
 SHARED_READ = 256 * 1024
@@ -38,6 +43,19 @@ try:
     from asyncio.sslproto import SSLProtocol as _SSLProtocol
 except ImportError:  # pragma: no cover - other Python implementations
     _SSLProtocol = None  # type: ignore[assignment,misc]
+
+
+@runtime_checkable
+class RawTransportWatcher(Protocol):
+    """Optional hooks of an app protocol served through :func:`tls_protocol_factory`."""
+
+    def raw_connection_made(self, transport: asyncio.Transport) -> None:
+        """The TCP connection under TLS is up; the handshake has just started."""
+
+    def raw_connection_lost(self) -> None:
+        """The TCP connection is gone, handshake done or not (the app's own
+        connection_lost, if it was connected, is called soon after)."""
+
 
 _EXPECTED = ["loop", "app_protocol", "sslcontext", "waiter", "server_side"]
 
@@ -57,13 +75,26 @@ if _SSLProtocol is not None:
     class _SharedBufferSSLProtocol(_SSLProtocol):
         max_size = READ_BUFFER  # the private buffer the base class makes (then dropped)
 
-        def __init__(self, shared: memoryview, *args: Any, **kwargs: Any) -> None:
+        def __init__(
+            self, shared: memoryview, watcher: RawTransportWatcher | None, *args: Any, **kwargs: Any
+        ) -> None:
             super().__init__(*args, **kwargs)
+            self._watcher = watcher
             if isinstance(getattr(self, "_ssl_buffer_view", None), memoryview):
                 # The base class's get_buffer returns _ssl_buffer_view (never growing it:
                 # max_size is below the shared buffer's size), and buffer_updated reads
                 # the bytes from it.
                 self._ssl_buffer = self._ssl_buffer_view = shared
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            if self._watcher is not None:
+                self._watcher.raw_connection_made(transport)  # type: ignore[arg-type]
+
+        def connection_lost(self, exc: BaseException | None) -> None:
+            super().connection_lost(exc)
+            if self._watcher is not None:
+                self._watcher.raw_connection_lost()
 
 
 def tls_protocol_factory(
@@ -90,8 +121,10 @@ def tls_protocol_factory(
     shared = memoryview(bytearray(SHARED_READ))
 
     def factory() -> asyncio.BaseProtocol:
+        app = app_factory()
+        watcher = app if isinstance(app, RawTransportWatcher) else None
         return _SharedBufferSSLProtocol(
-            shared, asyncio.get_running_loop(), app_factory(), context, **options
+            shared, watcher, asyncio.get_running_loop(), app, context, **options
         )
 
     return factory

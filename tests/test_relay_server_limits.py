@@ -1,0 +1,118 @@
+"""The relay server's asyncio glue at its edges, in-process on 127.0.0.1: connections
+caught in their TLS handshake by a shutdown, the TCP buffer under TLS counted in
+``queue_bytes``, and connections waiting to authenticate capped.
+
+Every wait is bounded; nothing asserts on elapsed time."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+
+import pytest
+from test_relay_server import A, B, eventually, joined, running
+
+from p2pdist.wire.relay import FRAME_HEADER, upgrade_request
+from relay import tlsproto
+from relay.testclient import RelayTestClient, http_get
+
+needs_tlsproto = pytest.mark.skipif(
+    tlsproto._SSLProtocol is None or not tlsproto._compatible(),
+    reason="this Python's asyncio has no usable SSLProtocol (the relay falls back to ssl=)",
+)
+
+
+async def _upgrade(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    """TLS + the HTTP upgrade on an open TCP connection: the first answer bytes, or b""
+    when the relay drops the connection."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        await writer.start_tls(ctx, server_hostname="relay.test")
+        writer.write(upgrade_request("relay.test"))
+        await writer.drain()
+        return await reader.read(4096)
+    except (ConnectionError, ssl.SSLError, asyncio.IncompleteReadError):
+        return b""
+    finally:
+        writer.close()
+
+
+@needs_tlsproto
+async def test_a_handshake_in_progress_at_shutdown_is_dropped() -> None:
+    async with running(auth_timeout=20.0) as srv:
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)  # no TLS yet
+
+        async def handshaking() -> bool:
+            return bool(srv.handshaking)
+
+        await eventually(handshaking)
+        await srv.close()
+        # Before the fix the handshake completed after close() and got 101 + CHALLENGE,
+        # then sat in AUTH forever (the tick had stopped).
+        answer = await asyncio.wait_for(_upgrade(reader, writer), 10)
+        assert not answer.startswith(b"HTTP/1.1 101"), answer[:40]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not srv.handshaking and not srv.connections and srv.core.connections == 0
+
+
+@needs_tlsproto
+async def test_queue_bytes_counts_the_tcp_buffer_and_shutdown_does_not_warn(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    queue = 256 * 1024
+    async with running(queue_bytes=queue, drain_timeout=1.0) as srv:
+        a, b = await joined(srv.url, A), await joined(srv.url, B)
+        b.writer.transport.pause_reading()  # B stops reading: its queue fills up
+        [conn] = [
+            c for c in srv.connections if c._session and c._session.raw_id == bytes(B.endpoint_id)
+        ]
+        datagram = b"x" * 30000
+
+        def held() -> int:
+            """Everything the relay holds towards B: TLS buffers and the TCP transport's
+            (reached through asyncio internals, to measure independently of buffered())."""
+            tls = conn._transport
+            assert tls is not None
+            raw = tls._ssl_protocol._transport  # type: ignore[attr-defined]
+            return tls.get_write_buffer_size() + raw.get_write_buffer_size()
+
+        peak = 0
+
+        async def fill() -> None:
+            nonlocal peak
+            while srv.core.metrics.dropped["queue_full"] < 20:
+                for _ in range(8):
+                    a.send(B.endpoint_id, datagram)
+                await a.drain()
+                await asyncio.sleep(0.01)
+                peak = max(peak, held())
+
+        await asyncio.wait_for(fill(), 60)
+        # TLS adds a few bytes per 16 KiB record to what the core counted.
+        assert peak <= queue + queue // 100 + FRAME_HEADER, (peak, queue)
+        with caplog.at_level(logging.WARNING, logger="relay.server"):
+            await asyncio.wait_for(srv.close(), 10)
+        assert "drain_timeout" not in caplog.text
+        b.writer.transport.abort()
+        await a.close()
+
+
+async def test_connections_waiting_to_authenticate_are_capped() -> None:
+    async with running(max_clients=4, max_unauthenticated=2) as srv:
+        waiting = [await RelayTestClient.open(srv.url) for _ in range(2)]  # upgraded, no AUTH
+        status, text = await http_get(srv.url, "/health")  # a third one is turned away
+        assert status == 503 and "waiting to authenticate" in text
+        assert srv.core.metrics.connections_refused_total == 1
+        await waiting[0].close()
+
+        async def room() -> bool:
+            return srv.core.unauthenticated < 2
+
+        await eventually(room)
+        client = await joined(srv.url, A)  # and then there is room again
+        await client.close()
+        await waiting[1].close()

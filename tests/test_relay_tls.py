@@ -1,0 +1,122 @@
+"""The relay's certificate mode (:class:`relay.tlsconfig.RelayTls`): reloading the files
+(SIGHUP) keeps serving the old certificate when the new pair is broken, and switches
+the fingerprint when it is good. Handshakes run in memory, without sockets."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import ssl
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from relay.config import ConfigError
+from relay.tlsconfig import RelayTls
+
+
+def _pair(name: str) -> tuple[bytes, bytes]:
+    """A self-signed certificate (PEM) and its key (PEM)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"relay {name}")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=90))
+        .sign(key, hashes.SHA256())
+    )
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return pem, key_pem
+
+
+def _fingerprint(pem: bytes) -> bytes:
+    der = x509.load_pem_x509_certificate(pem).public_bytes(serialization.Encoding.DER)
+    return hashlib.sha256(der).digest()
+
+
+def served_certificate(server: ssl.SSLContext) -> bytes:
+    """The SHA-256 of the certificate a client sees in a handshake with ``server`` (an
+    in-memory handshake; ssl.SSLError when it fails)."""
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False
+    client.verify_mode = ssl.CERT_NONE
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    c = client.wrap_bio(c_in, c_out, server_hostname="relay.test")
+    s = server.wrap_bio(s_in, s_out, server_side=True)
+    done = {c: False, s: False}
+    for _ in range(10):
+        for side in (c, s):
+            if not done[side]:
+                try:
+                    side.do_handshake()
+                    done[side] = True
+                except ssl.SSLWantReadError:
+                    pass
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+        if all(done.values()):
+            break
+    assert all(done.values()), "handshake did not finish"
+    der = c.getpeercert(binary_form=True)
+    assert der is not None
+    return hashlib.sha256(der).digest()
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> tuple[Path, Path]:
+    return tmp_path / "live.crt", tmp_path / "live.key"
+
+
+def test_a_failed_reload_keeps_the_old_certificate_serving(files: tuple[Path, Path]) -> None:
+    (a_crt, a_key), (b_crt, _b_key) = _pair("a"), _pair("b")
+    crt, key = files
+    crt.write_bytes(a_crt)
+    key.write_bytes(a_key)
+    tls = RelayTls.from_files(crt, key)
+    assert tls.fingerprint == _fingerprint(a_crt) == served_certificate(tls.context)
+    crt.write_bytes(b_crt)  # a renewal half done: the new certificate, the old key
+    assert tls.reload() is False
+    assert tls.fingerprint == _fingerprint(a_crt) and tls.previous == ()
+    assert served_certificate(tls.context) == _fingerprint(a_crt)
+    key.unlink()  # an unreadable key is no different
+    assert tls.reload() is False
+    assert served_certificate(tls.context) == _fingerprint(a_crt)
+
+
+def test_a_good_reload_switches_the_certificate_and_the_fingerprint(
+    files: tuple[Path, Path],
+) -> None:
+    (a_crt, a_key), (b_crt, b_key) = _pair("a"), _pair("b")
+    crt, key = files
+    crt.write_bytes(a_crt)
+    key.write_bytes(a_key)
+    tls = RelayTls.from_files(crt, key)
+    assert tls.reload() is False  # unchanged files: nothing to do
+    crt.write_bytes(b_crt)
+    key.write_bytes(b_key)
+    assert tls.reload() is True
+    assert tls.fingerprint == _fingerprint(b_crt) == served_certificate(tls.context)
+    assert tls.fingerprints == (_fingerprint(b_crt), _fingerprint(a_crt))
+
+
+def test_a_mismatched_pair_is_refused_at_start(files: tuple[Path, Path]) -> None:
+    (a_crt, _a_key), (_b_crt, b_key) = _pair("a"), _pair("b")
+    crt, key = files
+    crt.write_bytes(a_crt)
+    key.write_bytes(b_key)
+    with pytest.raises(ConfigError, match="cannot load certificate"):
+        RelayTls.from_files(crt, key)
