@@ -163,10 +163,18 @@ async def _rank_ordered(link: Link, mine: np.ndarray) -> list[np.ndarray]:
 
 
 def _fold(parts: list[np.ndarray], op: ReduceOp, out: np.ndarray) -> None:
-    """``out = parts[0] (op) parts[1] (op) ...``, left to right in ``out``'s dtype."""
+    """``out = parts[0] (op) parts[1] (op) ...``, left to right in ``out``'s dtype.
+
+    ``out`` may be one of the parts (an in-place reduce_scatter's own piece): the first
+    step reads parts 0 and 1 before it writes, and a later part that ``out`` overlaps is
+    copied first, as the first step overwrites it."""
     if len(parts) < 2:
         np.copyto(out, parts[0])
         return
+    if len(parts) > 2:
+        parts = [
+            p.copy() if i > 1 and np.may_share_memory(p, out) else p for i, p in enumerate(parts)
+        ]
     op.ufunc(parts[0], parts[1], out=out)  # the first step lands in out: no copy
     for part in parts[2:]:
         op.combine(out, part)
@@ -523,7 +531,10 @@ async def _last_hop(
 
 async def compressed_direct_all_reduce(link: Link, work: np.ndarray, codec: WireCodec) -> None:
     """One round: everyone sends ``encode(work)`` to everyone; everyone decodes all inputs
-    (its own included) and sums them in rank order in float32, in place."""
+    (its own included) and sums them in rank order in float32, in place. A float16 sum
+    that float16 cannot hold (|sum| >= 65520) becomes inf, as the ring's final encoding
+    makes it, so both paths agree on the range. The sum is not rounded to the wire
+    dtype again: that would add an error that error feedback cannot take back."""
     n, r = link.size, link.rank
     enc = codec.encode(work)
     payload = _bytes(enc)
@@ -534,6 +545,14 @@ async def compressed_direct_all_reduce(link: Link, work: np.ndarray, codec: Wire
             codec.decode_into(data, work)
         else:
             codec.accumulate(data, work)
+    if codec.name == "float16":
+        over = np.abs(work) >= _F16_OVERFLOW
+        if over.any():
+            np.copyto(work, np.copysign(np.float32(np.inf), work), where=over)
+
+
+_F16_OVERFLOW = np.float32(65520.0)
+"""float32 values of at least this magnitude round to an infinity in float16."""
 
 
 async def gather_to(link: Link, block: np.ndarray, dst: int, out: np.ndarray | None) -> None:

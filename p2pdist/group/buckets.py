@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
+from .compress import ErrorFeedback
 from .group import Group
 
 __all__ = ["GradientBuckets"]
@@ -22,9 +23,22 @@ class GradientBuckets:
     reduced value (in place). Buckets are reduced on a sub-group of their own, so their
     collectives never interleave with the caller's, and a bucket starts reducing as soon
     as it is full.
+
+    With ``error_feedback=True`` (and a ``wire_dtype``) every bucket keeps an
+    :class:`ErrorFeedback` of its own: the k-th bucket of a step (counted from the last
+    :meth:`wait`) uses the k-th feedback, so the same arrays must be added in the same
+    order every step (a bucket whose size changes raises :class:`UsageError` at once).
     """
 
-    def __init__(self, group: Group, *, bucket_bytes: int, op: str, **reduce: Any) -> None:
+    def __init__(
+        self,
+        group: Group,
+        *,
+        bucket_bytes: int,
+        op: str,
+        error_feedback: bool = False,
+        **reduce: Any,
+    ) -> None:
         self._group = group
         self._bucket_bytes = bucket_bytes
         self._op = op
@@ -33,6 +47,9 @@ class GradientBuckets:
         self._pending_bytes = 0
         self._dtype: np.dtype[Any] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._feedback: list[ErrorFeedback] | None = [] if error_feedback else None
+        self._sizes: list[int] = []  # elements of each bucket with feedback, by position
+        self._index = 0  # position of the next bucket in this step
 
     @classmethod
     async def create(
@@ -40,13 +57,25 @@ class GradientBuckets:
     ) -> GradientBuckets:
         """Buckets over a dedicated sub-group of ``group`` (collective: call on all ranks).
 
-        ``reduce`` holds extra all_reduce keywords (``mode=``, ``wire_dtype=``, ...).
+        ``reduce`` holds extra all_reduce keywords (``mode=``, ``wire_dtype=``, ...);
+        ``error_feedback=True`` gives every bucket an :class:`ErrorFeedback` of its own
+        (an ErrorFeedback object is refused: one object cannot serve several buckets).
         """
         if bucket_bytes < 1:
             raise UsageError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        feedback = reduce.pop("error_feedback", False)
+        if feedback is None:
+            feedback = False
+        if not isinstance(feedback, bool):
+            raise UsageError(
+                "GradientBuckets keeps one ErrorFeedback per bucket: pass error_feedback=True, "
+                f"not {type(feedback).__name__}"
+            )
+        if feedback and reduce.get("wire_dtype") is None:
+            raise UsageError("error_feedback needs a wire_dtype")
         sub = await group.split(0)
         assert sub is not None
-        return cls(sub, bucket_bytes=bucket_bytes, op=op, **reduce)
+        return cls(sub, bucket_bytes=bucket_bytes, op=op, error_feedback=feedback, **reduce)
 
     def add(self, array: np.ndarray) -> None:
         """Queue ``array`` (writeable, C-contiguous) for reduction in place."""
@@ -66,27 +95,51 @@ class GradientBuckets:
         """Start reducing what was added so far (the bucket need not be full)."""
         if not self._pending:
             return
+        feedback = self._bucket_feedback(sum(a.size for a in self._pending))
         arrays, self._pending, self._pending_bytes = self._pending, [], 0
         previous = self._tasks[-1] if self._tasks else None
         self._tasks.append(
-            asyncio.get_running_loop().create_task(self._reduce_bucket(arrays, previous))
+            asyncio.get_running_loop().create_task(self._reduce_bucket(arrays, previous, feedback))
         )
 
+    def _bucket_feedback(self, size: int) -> ErrorFeedback | None:
+        """The next bucket's own ErrorFeedback (None without error feedback)."""
+        if self._feedback is None:
+            return None
+        k = self._index
+        self._index += 1
+        if k == len(self._feedback):
+            self._feedback.append(ErrorFeedback())
+            self._sizes.append(size)
+        elif self._sizes[k] != size:
+            raise UsageError(
+                f"bucket {k} holds {size} elements, {self._sizes[k]} in earlier steps: with "
+                "error_feedback, add the same arrays in the same order every step"
+            )
+        return self._feedback[k]
+
     async def _reduce_bucket(
-        self, arrays: list[np.ndarray], previous: asyncio.Task[None] | None
+        self,
+        arrays: list[np.ndarray],
+        previous: asyncio.Task[None] | None,
+        feedback: ErrorFeedback | None,
     ) -> None:
         if previous is not None:
             await asyncio.shield(previous)  # buckets reduce in order on every rank
         flat = np.concatenate([a.reshape(-1) for a in arrays])
-        await self._group.all_reduce(flat, self._op, out=flat, **self._reduce)
+        await self._group.all_reduce(
+            flat, self._op, out=flat, error_feedback=feedback, **self._reduce
+        )
         offset = 0
         for a in arrays:
             a.reshape(-1)[:] = flat[offset : offset + a.size]
             offset += a.size
 
     async def wait(self) -> None:
-        """Flush, then wait for every bucket; raises the first failure."""
+        """Flush, then wait for every bucket; raises the first failure. The next
+        :meth:`add` starts a new step (bucket positions count from 0 again)."""
         self.flush()
+        self._index = 0
         tasks, self._tasks = self._tasks, []
         if tasks:
             await asyncio.gather(*tasks)

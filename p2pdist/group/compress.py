@@ -17,6 +17,7 @@ numpy's cast, 2-3x faster) for float16.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol
 
 import ml_dtypes
@@ -159,12 +160,26 @@ class _Int8Codec(_Codec):
     Layout: ``ceil(n / block)`` float32 scales, then ``n`` int8 values. Whole blocks are
     handled as a (blocks, block) matrix, a cache-sized slab of rows at a time, with
     scratch kept between calls.
+
+    Two kinds of block take a slower exact route (:meth:`_encode_rare`), found from the
+    per-block absmax at almost no cost: blocks whose absmax is below ``2**-96`` (there
+    ``1 / scale`` would overflow float32, so they divide by the scale and clip), and
+    blocks holding an infinity or NaN. Such a block's scale covers its finite values
+    only; its non-finite elements are sent as -128 (a code absmax scaling never makes)
+    and decode to NaN, and its scale is sent negated (sign bit set) so that the decoder
+    only looks for -128 in the blocks that have it. The other values of the block are
+    kept.
     """
 
     __slots__ = ("_inv", "_tmp", "block")
     name = "int8"
     _SLAB = 1 << 18
     """Elements per slab (1 MiB of float32)."""
+    _TINY_BITS = np.int32(0x0F800000)
+    """Bit pattern of 2**-96: blocks with a smaller (nonzero) absmax take the rare route."""
+    _INF_BITS = np.int32(0x7F800000)
+    """Bit pattern of +inf: |x| at or above it is an infinity or a NaN."""
+    _NONFINITE = -128
 
     def __init__(self, block: int) -> None:
         self.block = block
@@ -205,18 +220,54 @@ class _Int8Codec(_Codec):
             xs = x[s0:s1].reshape(rows, width)
             tmp = tmp_all[: s1 - s0].reshape(rows, width)
             sc = scales[s0 // block : s0 // block + rows]
+            qs = q[s0:s1].reshape(rows, width)
             inv = inv_all[:rows]
             # absmax per block on the bit patterns: |x| as int32 orders like the floats
             # and numpy's integer max is about twice as fast as its float max.
             bits = tmp.view(np.int32)
             np.bitwise_and(xs.view(np.int32), _ABS_BITS, out=bits)
-            np.max(bits, axis=1, out=sc.view(np.int32))
+            top = sc.view(np.int32)
+            np.max(bits, axis=1, out=top)
+            rare = (top >= self._INF_BITS) | ((top > 0) & (top < self._TINY_BITS))
+            any_rare = bool(rare.any())
+            if any_rare:
+                top[rare] = 0  # scale 0 below; the rows are encoded again afterwards
             sc /= np.float32(127.0)
             inv.fill(0.0)
             np.divide(np.float32(1.0), sc, out=inv, where=sc > 0)
-            np.multiply(xs, inv[:, None], out=tmp)
-            np.rint(tmp, out=tmp)  # |values| <= 127: no saturation
-            np.copyto(q[s0:s1].reshape(rows, width), tmp, casting="unsafe")
+            # inf * 0 in a rare row: no warning (nor FloatingPointError under seterr)
+            with np.errstate(invalid="ignore") if any_rare else contextlib.nullcontext():
+                np.multiply(xs, inv[:, None], out=tmp)
+                np.rint(tmp, out=tmp)  # |values| <= 127: no saturation
+                np.copyto(qs, tmp, casting="unsafe")
+            if any_rare:
+                for row in np.flatnonzero(rare):
+                    sc[row] = self._encode_rare(xs[row], qs[row])
+
+    def _encode_rare(self, x: np.ndarray, q: np.ndarray) -> np.float32:
+        """Encode one block with a tiny or non-finite absmax exactly; returns its scale
+        (negated when the block holds non-finite values, see the class docstring)."""
+        with np.errstate(under="ignore"):  # tiny blocks underflow on purpose
+            return self._encode_rare_block(x, q)
+
+    def _encode_rare_block(self, x: np.ndarray, q: np.ndarray) -> np.float32:
+        finite = np.isfinite(x)
+        ok = bool(finite.all())
+        vals = x if ok else np.where(finite, x, np.float32(0.0))
+        amax = np.abs(vals).max() if vals.size else np.float32(0.0)
+        scale = np.float32(amax / np.float32(127.0))
+        if amax > 0 and (scale == 0 or amax / scale > 127):  # subnormal, rounded down
+            scale = np.nextafter(scale, np.float32(np.inf))
+        if scale > 0:
+            # Division, not a reciprocal: 1 / scale overflows for tiny scales, and a
+            # subnormal scale is inexact enough to need the clip.
+            np.copyto(q, np.clip(np.rint(vals / scale), -127, 127), casting="unsafe")
+        else:
+            q.fill(0)
+        if ok:
+            return scale
+        q[~finite] = self._NONFINITE
+        return -scale if scale > 0 else np.float32(-0.0)
 
     def _decode_slabs(self, data: Any, out: np.ndarray, add: bool) -> None:
         n, block = out.size, self.block
@@ -228,12 +279,15 @@ class _Int8Codec(_Codec):
             qs = q[s0:s1].reshape(rows, width)
             sc = scales[s0 // block : s0 // block + rows, None]
             dst = out[s0:s1].reshape(rows, width)
+            flagged = np.signbit(sc[:, 0])
+            tmp = tmp_all[: s1 - s0].reshape(rows, width) if add else dst
+            np.multiply(qs, sc, out=tmp)
+            if flagged.any():  # blocks with non-finite values (see the class docstring)
+                for row in np.flatnonzero(flagged):
+                    np.multiply(qs[row], -sc[row, 0], out=tmp[row])
+                    tmp[row][qs[row] == self._NONFINITE] = np.nan
             if add:
-                tmp = tmp_all[: s1 - s0].reshape(rows, width)
-                np.multiply(qs, sc, out=tmp)
                 np.add(dst, tmp, out=dst)
-            else:
-                np.multiply(qs, sc, out=dst)
 
     def decode_into(self, data: Any, out: np.ndarray) -> None:
         self._decode_slabs(data, out, add=False)
@@ -263,6 +317,12 @@ class ErrorFeedback:
 
     Use one per tensor: ``g.all_reduce(grad, wire_dtype="int8", error_feedback=ef)``.
     Over many steps the compression error then averages out instead of accumulating.
+
+    The residual is kept in the units that travel: the input's, or the input's divided by
+    the world for ``op="mean"`` (which scales before encoding); a call with another scale
+    converts it. Where the value to send or its decoded form is not finite (an inf or NaN
+    in the input, or a float16 overflow), the residual keeps its previous value: one bad
+    step costs that step's result, and later finite inputs give finite results again.
     """
 
     _PIECE = 1 << 18
@@ -270,14 +330,17 @@ class ErrorFeedback:
 
     def __init__(self) -> None:
         self.residual: np.ndarray | None = None
+        self._divisor = 1
 
-    def apply(self, x: np.ndarray, codec: WireCodec) -> np.ndarray:
-        """``decode(encode(x + residual))``, remembering the new residual.
+    def apply(self, x: np.ndarray, codec: WireCodec, divisor: int = 1) -> np.ndarray:
+        """``decode(encode(x / divisor + residual))``, remembering the new residual.
 
         Returns a new float32 array; the residual is updated in its own array, piece by
-        piece, through one piece-sized wire buffer.
+        piece, through one piece-sized wire buffer and one piece-sized scratch.
         """
         sent = x.astype(np.float32).reshape(-1)  # a fresh copy: the caller works in place
+        if divisor != 1:
+            np.divide(sent, np.float32(divisor), out=sent)
         if self.residual is None:
             self.residual = np.zeros_like(sent)
         elif self.residual.shape != sent.shape:
@@ -285,16 +348,23 @@ class ErrorFeedback:
                 f"error feedback holds a residual of {self.residual.size} elements, "
                 f"this call has {sent.size}; use one ErrorFeedback per tensor"
             )
+        elif divisor != self._divisor:
+            self.residual *= np.float32(self._divisor / divisor)
+        self._divisor = divisor
         residual = self.residual
         sent += residual  # the value to send: x + what earlier calls lost
         align = getattr(codec, "block", 1)  # int8 scales cover whole blocks
         step = max(1, self._PIECE // align) * align
         wire = np.empty(codec.nbytes(min(step, sent.size)), np.uint8)
+        lost = np.empty(min(step, sent.size), np.float32)
         for a in range(0, sent.size, step):
             b = min(a + step, sent.size)
-            buf = wire[: codec.nbytes(b - a)]
+            buf, diff = wire[: codec.nbytes(b - a)], lost[: b - a]
             codec.encode_into(sent[a:b], buf)
-            np.copyto(residual[a:b], sent[a:b])
+            np.copyto(diff, sent[a:b])
             codec.decode_into(buf, sent[a:b])
-            residual[a:b] -= sent[a:b]
+            with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: masked below
+                diff -= sent[a:b]
+            # A non-finite value sent or decoded leaves the residual as it was.
+            np.copyto(residual[a:b], diff, where=np.isfinite(diff))
         return sent

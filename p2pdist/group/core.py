@@ -471,8 +471,13 @@ class GroupCore(Membership):
         if collective and self._left and not leave and (left := self.left):
             raise self._left_error(left)
 
+    def _root_label(self, r: int) -> str:
+        """How errors name this group's rank ``r``: by its rank in the root group, as
+        connections and every other error do (a sub-group's own numbering is local)."""
+        return self._root().peer_label(self._root_ranks[r])
+
     def _left_error(self, left: dict[int, BaseException]) -> GroupBrokenError:
-        gone = ", ".join(self.peer_label(r) for r in sorted(left))
+        gone = ", ".join(self._root_label(r) for r in sorted(left))
         return GroupBrokenError(f"collectives need every rank, but {gone} left the group")
 
     def _refuse(self, channel: int, error: P2PError) -> NoReturn:
@@ -493,10 +498,10 @@ class GroupCore(Membership):
             idle, r = silent[0]
             extra = ""
             if link.waiting_on is not None and link.waiting_on != r:
-                extra = f" (this rank was waiting for {self.peer_label(link.waiting_on)})"
-            return PeerTimeoutError(self.peer_label(r), f"{what}: silent for {idle:.1f} s{extra}")
+                extra = f" (this rank was waiting for {self._root_label(link.waiting_on)})"
+            return PeerTimeoutError(self._root_label(r), f"{what}: silent for {idle:.1f} s{extra}")
         if link.waiting_on is not None:
-            return PeerTimeoutError(self.peer_label(link.waiting_on), f"{what} waiting for it")
+            return PeerTimeoutError(self._root_label(link.waiting_on), f"{what} waiting for it")
         return P2PTimeoutError(what)
 
     # ---- running a collective -----------------------------------------------------------
@@ -576,7 +581,7 @@ class GroupCore(Membership):
                 timeout_err = self._timeout_error(link, seconds)
                 self._break(timeout_err, notify=True)
                 raise timeout_err from None
-            me = self.peer_label(self._rank)
+            me = self._root_label(self._rank)
             self._break(GroupBrokenError(f"{link.explain()} was cancelled on {me}"), notify=True)
             raise
         except (MismatchError, RemoteProtocolError, ConnectionBrokenError) as err:
@@ -592,6 +597,14 @@ class GroupCore(Membership):
             # Tell the others why, unless this failure is itself someone's abort notice.
             self._break(err, notify=not isinstance(err, GroupBrokenError))
             raise
+        except Exception as err:
+            # Not ours (FloatingPointError under np.seterr, MemoryError, a codec's error):
+            # this rank's part of the call is lost, so the others must not wait for it.
+            me = self._root_label(self._rank)
+            kind = type(err).__name__
+            broken = GroupBrokenError(f"{link.explain()} failed on {me} with {kind}", err)
+            self._break(broken, notify=True)
+            raise broken from err
         finally:
             for conn in self._conns.values():
                 conn.retire(channel)

@@ -48,12 +48,12 @@ class Group(GroupCore):
         descriptor: bytes,
         arr: np.ndarray,
         work: np.ndarray,
-        rop: ReduceOp,
         codec: WireCodec,
         flat: np.ndarray,
         timeout: float | None,
     ) -> np.ndarray:
-        """all_reduce with a narrow wire format; float32 accumulation everywhere."""
+        """all_reduce with a narrow wire format; float32 accumulation everywhere. For mean,
+        ``flat`` is already divided by the world (see :func:`_compressed_input`)."""
 
         async def body(lk: CollectiveLink) -> np.ndarray:
             if self._direct(arr):
@@ -63,7 +63,6 @@ class Group(GroupCore):
                 await alg.compressed_ring_all_reduce(
                     lk, flat, bounds, codec, self._chunk(flat.dtype)
                 )
-            rop.finish(flat, self.size)
             if not np.may_share_memory(work, flat):
                 work.reshape(-1)[:] = flat
             return work
@@ -102,8 +101,10 @@ class Group(GroupCore):
 
         ``wire_dtype`` ("float16", "bfloat16" or "int8" with one scale per ``block``
         elements) compresses what travels for floating sum/mean; every hop accumulates in
-        float32. ``error_feedback`` (an :class:`ErrorFeedback`, one per tensor) carries
-        this call's compression error into the next call's input.
+        float32; mean divides by the world before encoding, so partial sums stay in the
+        inputs' range (for sum with float16, every partial sum must fit float16, else it
+        becomes inf: docs/collectives.md). ``error_feedback`` (an :class:`ErrorFeedback`,
+        one per tensor) carries this call's compression error into the next call's input.
         """
         arr = as_array(x)
         rop = reduce_op(op, arr.dtype)
@@ -122,14 +123,19 @@ class Group(GroupCore):
             label = f"{label}@{wire_dtype}/{block}"
         descriptor = describe_call("all_reduce", label, arr.dtype.str, arr.shape)
         if codec is not None:
+            # mean divides before encoding (as NCCL does): partial sums then stay in the
+            # inputs' range, which a float16 wire needs.
+            divisor = self.size if rop.divide else 1
             if error_feedback is None and arr.dtype == np.float32:
                 # Reduce in the result buffer itself: one copy, as the plain path.
-                if work is not arr:
+                if divisor != 1:
+                    np.divide(arr, np.float32(divisor), out=work)
+                elif work is not arr:
                     np.copyto(work, arr)
                 flat = work.reshape(-1)
             else:
-                flat = _compressed_input(arr, codec, error_feedback)
-            return await self._compressed(descriptor, arr, work, rop, codec, flat, timeout)
+                flat = _compressed_input(arr, codec, error_feedback, divisor)
+            return await self._compressed(descriptor, arr, work, codec, flat, timeout)
         if not ordered and self._direct(arr):  # small: the latency path, no extra layer
             flat = work.reshape(-1)
             # In place (work is arr) needs a copy of the input, except at world 2.
@@ -187,6 +193,7 @@ class Group(GroupCore):
         bounds = [(a * row_items, b * row_items) for a, b in rows]
         r0, r1 = rows[self._rank]
         result = result_buffer(None, (r1 - r0, *arr.shape[1:]), arr.dtype, out)
+        _check_own_piece(arr, r0, r1, result)
         self._check_usable()
         if self.size == 1:
             np.copyto(result, arr[r0:r1])
@@ -489,6 +496,17 @@ class Group(GroupCore):
         return await profile_links(self, repeats=repeats)
 
 
+def _check_own_piece(arr: np.ndarray, r0: int, r1: int, result: np.ndarray) -> None:
+    """reduce_scatter's ``out`` may be this rank's own piece of the input (in place, as
+    NCCL allows), ``arr[r0:r1]``, but may not overlap the input anywhere else."""
+    if not np.shares_memory(result, arr):
+        return
+    own = arr[r0:r1]
+    same = own.__array_interface__["data"][0] == result.__array_interface__["data"][0]
+    if not same:  # result_buffer checked the shape, dtype and C order already
+        raise UsageError(f"out overlaps the input other than as this rank's own piece x[{r0}:{r1}]")
+
+
 def _op_label(op: str, ordered: bool) -> str:
     """The op as the call descriptor names it (the mode is part of the call)."""
     return f"{op}:deterministic" if ordered else op
@@ -518,9 +536,13 @@ def _codec_for(
 
 
 def _compressed_input(
-    arr: np.ndarray, codec: WireCodec, feedback: ErrorFeedback | None
+    arr: np.ndarray, codec: WireCodec, feedback: ErrorFeedback | None, divisor: int
 ) -> np.ndarray:
-    """The float32 values a compressed all_reduce starts from (a copy: it works in place)."""
+    """The float32 values a compressed all_reduce starts from (a copy: it works in place),
+    divided by ``divisor`` (the world for mean, else 1)."""
     if feedback is not None:
-        return feedback.apply(arr, codec)
-    return arr.reshape(-1).astype(np.float32)
+        return feedback.apply(arr, codec, divisor)
+    flat = arr.reshape(-1).astype(np.float32)
+    if divisor != 1:
+        np.divide(flat, np.float32(divisor), out=flat)
+    return flat

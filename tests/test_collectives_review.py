@@ -1,0 +1,213 @@
+"""Regressions from the collectives review: in-place reduce_scatter, float16 range of mean,
+error feedback after a non-finite step, foreign exceptions, per-bucket error feedback,
+sub-group error names, int8 blocks with tiny or non-finite values."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from group_helpers import groups
+
+from p2pdist import ErrorFeedback, GradientBuckets, Group, GroupBrokenError, UsageError
+from p2pdist.errors import PeerTimeoutError
+from p2pdist.group.compress import make_codec
+
+SMALL = {"small_bytes": 1024, "chunk_bytes": 4096}  # arrays over 1 KiB take the ring
+
+
+async def own_piece_rs(
+    g: Group, x: np.ndarray, piece: int, op: str, mode: str | None
+) -> np.ndarray:
+    """reduce_scatter of ``x`` into this rank's own ``piece`` rows of it."""
+    own = x[piece * g.rank : piece * (g.rank + 1)]
+    got = await g.reduce_scatter(x, op, out=own, mode=mode)
+    assert got is own
+    return got
+
+
+@pytest.mark.parametrize("world", [3, 4])
+async def test_reduce_scatter_in_place_on_own_piece(world: int) -> None:
+    # out = this rank's own piece of x (NCCL's in-place call), on every path: direct
+    # (small), ring (large) and deterministic, with float and integer sums and a mean.
+    rows = 3
+    async with groups(world, config=SMALL) as gs:
+        for n_rows, mode, op, dtype in [
+            (rows * world, None, "sum", np.float32),  # 12-16 floats: the direct path
+            (rows * world, None, "sum", np.int64),
+            (rows * world, "deterministic", "mean", np.float64),
+            (1000 * world, None, "sum", np.float32),  # 12-16 KB: the ring
+            (1000 * world, None, "mean", np.float32),
+            (1000 * world, "deterministic", "sum", np.float32),
+        ]:
+            xs = [(np.arange(n_rows * 2) % 97 + 10 * (r + 1)).astype(dtype) for r in range(world)]
+            xs = [x.reshape(n_rows, 2) for x in xs]
+            ref = np.sum([x.astype(np.float64) for x in xs], axis=0)
+            if op == "mean":
+                ref /= world
+            ref_pieces = np.array_split(ref, world)
+            piece = n_rows // world
+
+            outs = await asyncio.gather(
+                *(own_piece_rs(g, x, piece, op, mode) for g, x in zip(gs, xs, strict=True))
+            )
+            for r, out in enumerate(outs):
+                np.testing.assert_allclose(out, ref_pieces[r], rtol=1e-6, err_msg=f"rank {r}")
+
+
+async def test_reduce_scatter_refuses_out_overlapping_another_piece() -> None:
+    async with groups(3) as gs:
+        x = np.ones((6, 2), np.float32)
+        with pytest.raises(UsageError, match="own piece"):
+            await gs[2].reduce_scatter(x, out=x[0:2])  # rank 2's piece is x[4:6]
+
+
+@pytest.mark.parametrize("n", [8, 1 << 16])  # the direct path and the ring
+async def test_float16_mean_keeps_the_input_range(n: int) -> None:
+    # The sum (80000) does not fit float16, the mean (40000) does: mean divides before
+    # encoding, so neither path overflows. A sum past 65504 is inf on both paths alike.
+    async with groups(2) as gs:
+        xs = [np.full(n, 40000.0, np.float32) for _ in gs]
+        means = await asyncio.gather(
+            *(g.all_reduce(x, "mean", wire_dtype="float16") for g, x in zip(gs, xs, strict=True))
+        )
+        for out in means:
+            np.testing.assert_array_equal(out, np.full(n, 40000.0, np.float32))
+        with np.errstate(over="ignore"):
+            sums = await asyncio.gather(
+                *(g.all_reduce(x, wire_dtype="float16") for g, x in zip(gs, xs, strict=True))
+            )
+        for out in sums:
+            assert np.isposinf(out).all()
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16", "int8"])
+async def test_error_feedback_recovers_after_a_non_finite_step(wire: str) -> None:
+    n = 4096
+    async with groups(2) as gs:
+        efs = [ErrorFeedback() for _ in gs]
+        for step in range(3):
+            xs = [np.full(n, 1.0, np.float32) for _ in gs]
+            if step == 0:
+                xs[0][0] = np.inf
+            with np.errstate(over="ignore", invalid="ignore"):
+                outs = await asyncio.gather(
+                    *(
+                        g.all_reduce(x, wire_dtype=wire, error_feedback=ef)
+                        for g, x, ef in zip(gs, xs, efs, strict=True)
+                    )
+                )
+            if step == 0:
+                assert not np.isfinite(outs[0][0])
+                assert np.isfinite(outs[0][256:]).all()  # other int8 blocks untouched
+            else:
+                for out in outs:
+                    assert np.isfinite(out).all(), (step, np.flatnonzero(~np.isfinite(out)))
+                    np.testing.assert_allclose(out, 2.0, rtol=1e-2)
+        for ef in efs:
+            assert ef.residual is not None and np.isfinite(ef.residual).all()
+
+
+async def test_foreign_exception_breaks_the_group_and_tells_the_others() -> None:
+    # FloatingPointError (np.seterr raise) on the rank that reduces the overflowing
+    # segment: that rank raises GroupBrokenError naming itself, the other is told at once
+    # instead of waiting for the timeout.
+    timeout = 20.0
+    async with groups(2, timeout=timeout) as gs:
+        xs = [np.ones(1 << 16, np.float16) for _ in gs]
+        for x in xs:
+            x[0] = 60000  # only segment 0 overflows
+        start = time.monotonic()
+        with np.errstate(all="raise"):
+            res = await asyncio.gather(
+                *(g.all_reduce(x) for g, x in zip(gs, xs, strict=True)), return_exceptions=True
+            )
+        assert time.monotonic() - start < timeout / 4
+        failing = gs[0].peer_label(0)
+        assert all(isinstance(e, GroupBrokenError) for e in res), res
+        assert isinstance(res[0].__cause__, FloatingPointError)
+        for e in res:
+            assert f"failed on {failing} with FloatingPointError" in str(e), e
+        assert all(isinstance(g.broken, GroupBrokenError) for g in gs)
+
+
+async def test_gradient_buckets_keep_one_error_feedback_per_bucket() -> None:
+    # Two equal buckets (shared feedback would mix their residuals) and a third of another
+    # size (shared feedback raised in the background): bucketed results must equal plain
+    # all-reduces of the same buckets with one ErrorFeedback each.
+    world, kw = 2, {"wire_dtype": "int8", "block": 64}
+    sizes = [1000, 1000, 300]
+    rng = np.random.default_rng(3)
+    async with groups(world) as gs:
+        buckets = await asyncio.gather(
+            *(
+                GradientBuckets.create(g, bucket_bytes=4000, op="sum", error_feedback=True, **kw)
+                for g in gs
+            )
+        )
+        own = [[ErrorFeedback() for _ in sizes] for _ in gs]
+        for _ in range(3):
+            grads = [[rng.standard_normal(s).astype(np.float32) for s in sizes] for _ in gs]
+            want = await asyncio.gather(
+                *(
+                    asyncio.gather(
+                        *(
+                            g.all_reduce(gr, error_feedback=ef, **kw)  # type: ignore[arg-type]
+                            for gr, ef in zip(grads[g.rank], own[g.rank], strict=True)
+                        )
+                    )
+                    for g in gs
+                )
+            )
+            for b, gr in zip(buckets, grads, strict=True):
+                for a in gr:
+                    b.add(a)
+            await asyncio.gather(*(b.wait() for b in buckets))
+            for r in range(world):
+                for got, exp in zip(grads[r], want[r], strict=True):
+                    np.testing.assert_array_equal(got, exp)
+        with pytest.raises(UsageError, match="one ErrorFeedback per bucket"):
+            await GradientBuckets.create(gs[0], wire_dtype="int8", error_feedback=ErrorFeedback())
+        with pytest.raises(UsageError, match="needs a wire_dtype"):
+            await GradientBuckets.create(gs[0], error_feedback=True)
+        with pytest.raises(UsageError, match="same arrays in the same order"):
+            buckets[0].add(np.ones(999, np.float32))
+            buckets[0].flush()
+
+
+async def test_subgroup_timeout_names_the_peer_by_its_root_rank() -> None:
+    async with groups(3) as gs:
+        subs = await asyncio.gather(*(g.split(0 if g.rank != 1 else 1) for g in gs))
+        sub = subs[0]
+        assert sub is not None and sub.size == 2  # root ranks 0 and 2
+        with pytest.raises(PeerTimeoutError) as info:
+            await sub.barrier(timeout=0.5)  # root rank 2 never joins
+        assert info.value.peer == gs[0].peer_label(2), info.value
+
+
+@pytest.mark.parametrize("value", [1e-36, 1e-38, 1e-39, 2.5e-43, 1e-44, 1e-45])
+def test_int8_blocks_of_tiny_values_survive(value: float) -> None:
+    codec = make_codec("int8", 256)
+    x = np.full(300, np.float32(value))
+    x[1], x[2] = -x[1], 0
+    with np.errstate(all="raise"):  # no overflow, underflow or invalid operation escapes
+        dec = codec.decode(codec.encode(x), x.size)
+    assert dec[0] > 0 and dec[1] < 0 and dec[2] == 0
+    np.testing.assert_allclose(dec, x, rtol=0.01, atol=np.float32(value) / 254 * 1.01)
+
+
+def test_int8_non_finite_values_spoil_only_themselves() -> None:
+    codec = make_codec("int8", 256)
+    x = np.linspace(-1, 1, 600).astype(np.float32)
+    x[[5, 6, 7, 300]] = [np.inf, -np.inf, np.nan, np.inf]
+    with np.errstate(all="raise"):
+        enc = codec.encode(x)
+        dec = codec.decode(enc, x.size)
+        acc = np.ones_like(x)
+        codec.accumulate(enc, acc)
+    bad = ~np.isfinite(x)
+    assert np.isnan(dec[bad]).all() and np.isnan(acc[bad]).all()
+    assert np.abs(dec[~bad] - x[~bad]).max() <= 1 / 254 * 1.001  # absmax of finite values
+    np.testing.assert_array_equal(acc[~bad], np.float32(1) + dec[~bad])
