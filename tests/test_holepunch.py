@@ -53,21 +53,37 @@ FAST_PUNCH = PunchConfig(
 # ---- the probe codec ------------------------------------------------------------------------
 
 
+SA, SB = b"session of A \x00\x01\x02", b"session of B \x00\x01\x02"
+ME, PEER = b"m" * 16, b"p" * 16  # the sessions of the PeerPaths under test and its peer
+FROM_PEER = {"to_session": ME, "from_session": PEER}
+
+
 def test_probes_round_trip_and_are_bound_to_sender_and_receiver() -> None:
     txid = bytes(range(12))
-    ping = decode_probe(encode_ping(A, B.endpoint_id, txid), B.endpoint_id)
+    ping = decode_probe(
+        encode_ping(A, B.endpoint_id, txid, to_session=SB, from_session=SA), B.endpoint_id
+    )
     assert (ping.kind, ping.sender, ping.txid) == (ProbeKind.PING, A.endpoint_id, txid)
-    pong = decode_probe(encode_pong(B, A.endpoint_id, txid, ("10.0.0.2", 4242)), A.endpoint_id)
-    assert (pong.kind, pong.address, pong.txid) == (ProbeKind.PONG, ("10.0.0.2", 4242), txid)
-    v6 = decode_probe(encode_pong(B, A.endpoint_id, txid, ("::1", 9)), A.endpoint_id)
+    assert (ping.to_session, ping.from_session) == (SB, SA)
+    there = ("10.0.0.2", 4242)
+    pong = decode_probe(
+        encode_pong(B, A.endpoint_id, txid, there, to_session=SA, from_session=SB),
+        A.endpoint_id,
+    )
+    assert (pong.kind, pong.address, pong.txid) == (ProbeKind.PONG, there, txid)
+    assert (pong.to_session, pong.from_session) == (SA, SB)
+    v6 = decode_probe(
+        encode_pong(B, A.endpoint_id, txid, ("::1", 9), to_session=SA, from_session=SB),
+        A.endpoint_id,
+    )
     assert v6.address == ("::1", 9)
     addrs = (("203.0.113.7", 1000), ("10.0.0.2", 2000), ("2001:db8::1", 3000))
     cands = decode_probe(
-        encode_candidates(A, B.endpoint_id, addrs, reply_wanted=True), B.endpoint_id
+        encode_candidates(A, B.endpoint_id, addrs, reply_wanted=True, session=SA), B.endpoint_id
     )
-    assert cands.candidates == addrs and cands.reply_wanted
+    assert cands.candidates == addrs and cands.reply_wanted and cands.from_session == SA
     # a probe for B is worthless to C, and no byte of it can be changed
-    data = encode_ping(A, B.endpoint_id, txid)
+    data = encode_ping(A, B.endpoint_id, txid, to_session=SB, from_session=SA)
     with pytest.raises(ProbeError, match="signature"):
         decode_probe(data, C.endpoint_id)
     for i in range(len(data)):
@@ -83,7 +99,8 @@ def test_probes_round_trip_and_are_bound_to_sender_and_receiver() -> None:
 
 
 def test_one_socket_tells_quic_stun_and_probes_apart() -> None:
-    assert classify(encode_ping(A, B.endpoint_id, bytes(12))) is DatagramKind.PROBE
+    ping = encode_ping(A, B.endpoint_id, bytes(12), to_session=SB, from_session=SA)
+    assert classify(ping) is DatagramKind.PROBE
     assert classify(binding_request(bytes(12))) is DatagramKind.STUN
     assert classify(binding_response(bytes(12), "10.0.0.1", 5)) is DatagramKind.STUN
     assert classify(b"\xc0" + bytes(1199)) is DatagramKind.QUIC  # long header, fixed bit
@@ -112,11 +129,11 @@ def pings(actions: list[Any]) -> list[SendPing]:
 
 def test_a_round_probes_every_candidate_with_backoff_until_a_pong() -> None:
     cfg = PunchConfig(probe_interval=0.1, probe_interval_max=0.4, punch_timeout=2.0)
-    p = PeerPaths(cfg, counter())
+    p = PeerPaths(cfg, counter(), session=ME)
     assert p.start(0.0) == [SendCandidates(reply_wanted=True)]
     assert p.phase is Phase.PUNCHING
     x, y = ("203.0.113.5", 1000), ("10.0.0.2", 1000)
-    first = p.on_candidates((x, y), reply_wanted=False, now=0.01)
+    first = p.on_candidates((x, y), reply_wanted=False, now=0.01, session=PEER)
     assert [a.addr for a in pings(first)] == [x, y]
     sent_at = [0.01]
     t = 0.01
@@ -129,11 +146,12 @@ def test_a_round_probes_every_candidate_with_backoff_until_a_pong() -> None:
     gaps = [round(b - a, 6) for a, b in itertools.pairwise(sent_at)]
     assert gaps == [0.1, 0.2, 0.4, 0.4]
     # a PONG for an unknown transaction, or from elsewhere than asked, validates nothing
-    assert p.on_pong(x, b"\xff" * 12, t) == []
+    assert p.on_pong(x, b"\xff" * 12, t, **FROM_PEER) == []
     last = pings(p.poll(p.next_deadline() or t))
-    assert p.on_pong(y, last[0].txid if last[0].addr == x else last[1].txid, t + 0.1) == []
+    wrong = last[0].txid if last[0].addr == x else last[1].txid
+    assert p.on_pong(y, wrong, t + 0.1, **FROM_PEER) == []
     ping_x = next(a for a in last if a.addr == x)
-    change = p.on_pong(x, ping_x.txid, t + 0.2)
+    change = p.on_pong(x, ping_x.txid, t + 0.2, **FROM_PEER)
     assert change and isinstance(change[0], PathChange) and change[0].new == x
     assert p.phase is Phase.DIRECT and p.current == x
     assert p.accepts(x) and not p.accepts(("198.51.100.1", 1))
@@ -141,9 +159,9 @@ def test_a_round_probes_every_candidate_with_backoff_until_a_pong() -> None:
 
 def test_a_round_that_gets_no_pong_ends_and_retries_with_backoff() -> None:
     cfg = PunchConfig(punch_timeout=1.0, retry_after=5.0, retry_max=12.0)
-    p = PeerPaths(cfg, counter())
+    p = PeerPaths(cfg, counter(), session=ME)
     p.start(0.0)
-    p.on_candidates((("203.0.113.5", 1000),), reply_wanted=False, now=0.0)
+    p.on_candidates((("203.0.113.5", 1000),), reply_wanted=False, now=0.0, session=PEER)
     t = 0.0
     while p.phase is Phase.PUNCHING:
         t = p.next_deadline() or t
@@ -166,13 +184,13 @@ def test_a_round_that_gets_no_pong_ends_and_retries_with_backoff() -> None:
 
 def test_direct_path_keepalive_and_fallback_when_pongs_stop() -> None:
     cfg = PunchConfig(keepalive=1.0, path_timeout=3.0, retry_after=10.0)
-    p = PeerPaths(cfg, counter())
+    p = PeerPaths(cfg, counter(), session=ME)
     x = ("203.0.113.5", 1000)
-    acts = p.on_ping(x, b"\x01" * 12, 0.0)  # the peer punches us first
-    assert acts[0] == SendPong(x, b"\x01" * 12)
+    acts = p.on_ping(x, b"\x01" * 12, 0.0, **FROM_PEER)  # the peer punches us first
+    assert acts[0] == SendPong(x, b"\x01" * 12, PEER)
     ping = pings(acts)[0]
     assert ping.addr == x  # its address became a (peer-reflexive) candidate
-    p.on_pong(x, ping.txid, 0.05)
+    p.on_pong(x, ping.txid, 0.05, **FROM_PEER)
     assert p.current == x
     t, keepalives = 0.05, []
     while True:
@@ -189,25 +207,30 @@ def test_direct_path_keepalive_and_fallback_when_pongs_stop() -> None:
 
 
 def test_keepalive_pongs_keep_the_path() -> None:
-    p = PeerPaths(PunchConfig(keepalive=1.0, path_timeout=3.0), counter())
+    p = PeerPaths(PunchConfig(keepalive=1.0, path_timeout=3.0), counter(), session=ME)
     x = ("203.0.113.5", 1000)
-    p.on_pong(x, pings(p.on_ping(x, b"\x01" * 12, 0.0))[0].txid, 0.0)
+    first = pings(p.on_ping(x, b"\x01" * 12, 0.0, **FROM_PEER))[0]
+    p.on_pong(x, first.txid, 0.0, **FROM_PEER)
     t = 0.0
     for _ in range(20):
         t = p.next_deadline() or t
         for a in p.poll(t):
             assert not isinstance(a, PathChange)
             if isinstance(a, SendPing):
-                p.on_pong(a.addr, a.txid, t + 0.01)
+                p.on_pong(a.addr, a.txid, t + 0.01, **FROM_PEER)
     assert p.phase is Phase.DIRECT and t > 9.0
 
 
 def test_candidates_are_answered_once_per_refresh_interval() -> None:
-    p = PeerPaths(PunchConfig(candidate_refresh=1.0), counter())
-    assert SendCandidates(False) in p.on_candidates((), reply_wanted=True, now=0.0)
-    assert SendCandidates(False) not in p.on_candidates((), reply_wanted=True, now=0.5)
-    assert SendCandidates(False) in p.on_candidates((), reply_wanted=True, now=1.5)
-    assert SendCandidates(False) not in p.on_candidates((), reply_wanted=False, now=9.0)
+    p = PeerPaths(PunchConfig(candidate_refresh=1.0), counter(), session=ME)
+    assert SendCandidates(False) in p.on_candidates((), reply_wanted=True, now=0.0, session=PEER)
+    assert SendCandidates(False) not in p.on_candidates(
+        (), reply_wanted=True, now=0.5, session=PEER
+    )
+    assert SendCandidates(False) in p.on_candidates((), reply_wanted=True, now=1.5, session=PEER)
+    assert SendCandidates(False) not in p.on_candidates(
+        (), reply_wanted=False, now=9.0, session=PEER
+    )
 
 
 def test_punch_config_is_checked() -> None:
@@ -314,11 +337,12 @@ async def test_forged_or_foreign_probes_never_make_a_path() -> None:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as raw:
             raw.bind(("127.0.0.1", 0))
             txid = bytes(12)
-            forged = bytearray(encode_ping(B, A.endpoint_id, txid))
+            ss = {"to_session": SA, "from_session": SB}
+            forged = bytearray(encode_ping(B, A.endpoint_id, txid, **ss))
             forged[-1] ^= 1  # claims to be B, bad signature
             raw.sendto(bytes(forged), sock_a.local_address)
-            raw.sendto(encode_ping(C, A.endpoint_id, txid), sock_a.local_address)  # a stranger
-            raw.sendto(encode_ping(B, C.endpoint_id, txid), sock_a.local_address)  # for C
+            raw.sendto(encode_ping(C, A.endpoint_id, txid, **ss), sock_a.local_address)  # stranger
+            raw.sendto(encode_ping(B, C.endpoint_id, txid, **ss), sock_a.local_address)  # for C
             await wait_until(lambda: puncher.bad_probes >= 3, "three refused probes")
             state = puncher.state(B.endpoint_id)
             assert state is not None and not state.accepts(raw.getsockname())

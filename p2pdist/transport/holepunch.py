@@ -6,9 +6,10 @@ a relay. For every peer connected through the relay it runs a
 
 * our candidates (the UDP socket's interface addresses, plus the address the relay's
   STUN ports observe) go to the peer through the relay, signed;
-* PINGs and PONGs go over the UDP socket, signed (:mod:`p2pdist.wire.probe`); a probe
-  that is not from the expected peer, or not for us, is dropped before it can touch
-  any state;
+* PINGs and PONGs go over the UDP socket, signed (:mod:`p2pdist.wire.probe`) and bound
+  to both sides' punching sessions; a probe that is not from the expected peer, or not
+  for us, is dropped before it can touch any state, and one from another session is
+  refused by :class:`~.punch.PeerPaths`;
 * a path change moves the peer's QUIC datagrams (``on_change``): the QUIC connection
   keeps running, only the route below it changes.
 """
@@ -194,7 +195,11 @@ class HolePuncher:
             self.bad_probes += 1
             return
         log.debug("%s: candidates %s", self._label_for(src), msg.candidates)
-        self._run(p, p.paths.on_candidates(msg.candidates, msg.reply_wanted, self._loop.time()))
+        now = self._loop.time()
+        acts = p.paths.on_candidates(
+            msg.candidates, msg.reply_wanted, now, session=msg.from_session
+        )
+        self._run(p, acts)
 
     def on_udp_probe(self, sock: UdpSocket, data: bytes, addr: UdpAddress) -> None:
         """A probe message (PING or PONG) that arrived on a UDP socket from ``addr``."""
@@ -210,12 +215,17 @@ class HolePuncher:
             log.debug("bad probe from %s: %s", addr, exc)
             return
         now = self._loop.time()
+        sessions = {"to_session": msg.to_session, "from_session": msg.from_session}
+        stale = p.paths.stale_probes
         if msg.kind is ProbeKind.PING:
-            self._run(p, p.paths.on_ping(addr, msg.txid, now))
+            self._run(p, p.paths.on_ping(addr, msg.txid, now, **sessions))
         elif msg.kind is ProbeKind.PONG:
-            self._run(p, p.paths.on_pong(addr, msg.txid, now))
+            self._run(p, p.paths.on_pong(addr, msg.txid, now, **sessions))
         else:
             self.bad_probes += 1
+        if p.paths.stale_probes != stale:
+            self.bad_probes += 1
+            log.debug("%s: probe from %s of another session", self._label_for(p.peer), addr)
 
     def on_stun(self, sock: UdpSocket, data: bytes, addr: UdpAddress) -> None:
         """A STUN message on our socket: maybe the answer of a relay observation port."""
@@ -307,19 +317,33 @@ class HolePuncher:
         addrs = await self.candidates()
         if self._peers.get(p.peer) is not p:
             return
-        data = encode_candidates(self._key, p.peer, addrs, reply_wanted=reply_wanted)
+        data = encode_candidates(
+            self._key, p.peer, addrs, reply_wanted=reply_wanted, session=p.paths.session
+        )
         log.debug("%s: sending candidates %s", self._label_for(p.peer), addrs)
         self._relay.send(p.peer, data)
 
     def _run(self, p: _Peer, actions: list[Action]) -> None:
         sock = self._sock
+        mine = p.paths.session
         for act in actions:
             if isinstance(act, SendPing):
                 if sock is not None:
-                    sock.send(encode_ping(self._key, p.peer, act.txid), act.addr)
+                    data = encode_ping(
+                        self._key, p.peer, act.txid, to_session=act.session, from_session=mine
+                    )
+                    sock.send(data, act.addr)
             elif isinstance(act, SendPong):
                 if sock is not None:
-                    sock.send(encode_pong(self._key, p.peer, act.txid, act.addr), act.addr)
+                    data = encode_pong(
+                        self._key,
+                        p.peer,
+                        act.txid,
+                        act.addr,
+                        to_session=act.session,
+                        from_session=mine,
+                    )
+                    sock.send(data, act.addr)
             elif isinstance(act, SendCandidates):
                 self._spawn(self._send_candidates(p, act.reply_wanted))
             elif isinstance(act, PathChange):

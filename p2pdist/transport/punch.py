@@ -20,6 +20,15 @@ every ``keepalive`` seconds holds the NAT mapping open and measures the RTT; whe
 came back for ``path_timeout`` seconds, datagrams return to the relay and a new round is
 tried after a backoff. Only PONGs count as proof that our datagrams reach the peer: a
 peer's PINGs only show that its datagrams reach us.
+
+Every punching state has a random :attr:`PeerPaths.session`, sent to the peer with our
+candidates through the (authenticated) relay. A PING or PONG counts only if it carries our
+session and the peer's current one, so probes captured in another session cannot be
+replayed to open or move a path; a PONG counts only for the transaction id and address of
+a PING of ours that is still pending. What a replay *within* the session can do is
+bounded: at most :data:`MAX_KNOWN` addresses are remembered, peer-reflexive addresses
+are learned at most :data:`MAX_CANDIDATES` per round, and a PING starts a round early at
+most once per ``retry_after``.
 """
 
 from __future__ import annotations
@@ -29,7 +38,10 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..wire.probe import MAX_CANDIDATES, SESSION_LEN, TXID_LEN
+
 __all__ = [
+    "MAX_KNOWN",
     "Action",
     "Address",
     "PathChange",
@@ -42,6 +54,9 @@ __all__ = [
 ]
 
 Address = tuple[str, int]
+
+MAX_KNOWN = 2 * MAX_CANDIDATES
+"""Most candidate addresses, and most addresses heard from, kept for one peer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,23 +106,28 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class SendPing:
-    """Send a PING with transaction id ``txid`` to ``addr`` over UDP."""
+    """Send a PING with transaction id ``txid`` to ``addr`` over UDP, carrying the peer's
+    ``session`` (and ours, :attr:`PeerPaths.session`)."""
 
     addr: Address
     txid: bytes
+    session: bytes
 
 
 @dataclass(frozen=True, slots=True)
 class SendPong:
-    """Answer the PING ``txid`` that came from ``addr``."""
+    """Answer the PING ``txid`` that came from ``addr``, carrying the peer's ``session``
+    (and ours, :attr:`PeerPaths.session`)."""
 
     addr: Address
     txid: bytes
+    session: bytes
 
 
 @dataclass(frozen=True, slots=True)
 class SendCandidates:
-    """Send our candidate addresses to the peer through the relay."""
+    """Send our candidate addresses and :attr:`PeerPaths.session` to the peer through
+    the relay."""
 
     reply_wanted: bool
 
@@ -128,6 +148,8 @@ Action = SendPing | SendPong | SendCandidates | PathChange
 class _Candidate:
     next_probe: float
     interval: float
+    announced: bool
+    """In the peer's latest CANDIDATES (else peer-reflexive: a PING came from there)."""
 
 
 @dataclass(slots=True)
@@ -141,22 +163,41 @@ class DirectPath:
 
 
 class PeerPaths:
-    """Hole punching and direct-path upkeep towards one peer (sans-I/O)."""
+    """Hole punching and direct-path upkeep towards one peer (sans-I/O).
 
-    def __init__(self, config: PunchConfig, new_txid: Callable[[], bytes] | None = None) -> None:
+    ``new_txid`` makes transaction ids and ``session`` is our punching session (both
+    random by default; tests pass their own)."""
+
+    def __init__(
+        self,
+        config: PunchConfig,
+        new_txid: Callable[[], bytes] | None = None,
+        *,
+        session: bytes | None = None,
+    ) -> None:
         self.config = config
-        self._new_txid = new_txid or (lambda: secrets.token_bytes(12))
+        self._new_txid = new_txid or (lambda: secrets.token_bytes(TXID_LEN))
+        self.session = session if session is not None else secrets.token_bytes(SESSION_LEN)
+        """Our punching session: sent with our candidates, required in every probe."""
+        if len(self.session) != SESSION_LEN:
+            raise ValueError(f"a session is {SESSION_LEN} bytes")
+        self.peer_session: bytes | None = None
+        """The peer's session, from its latest CANDIDATES (or first fresh PING)."""
         self.phase = Phase.IDLE
         self.current: Address | None = None
         """The direct address datagrams go to, or None (the relay)."""
         self.paths: dict[Address, DirectPath] = {}
         self.rounds = 0
         """Punching rounds started."""
+        self.stale_probes = 0
+        """PINGs and PONGs refused for carrying another session than ours and the peer's."""
         self.last_failure: str | None = None
         self.round_started: float | None = None
         self._candidates: dict[Address, _Candidate] = {}
         self._pending: dict[bytes, tuple[Address, float]] = {}
         self._heard: dict[Address, float] = {}
+        self._reflexive_this_round = 0
+        self._early_round_at: float | None = None
         self._round_end = 0.0
         self._retry_at = 0.0
         self._retry_delay = config.retry_after
@@ -172,9 +213,12 @@ class PeerPaths:
         return self._begin_round(now, ask=True)
 
     def on_candidates(
-        self, addrs: tuple[Address, ...], reply_wanted: bool, now: float
+        self, addrs: tuple[Address, ...], reply_wanted: bool, now: float, *, session: bytes
     ) -> list[Action]:
-        """The peer sent its candidate addresses (through the relay)."""
+        """The peer sent its candidate addresses and its ``session`` (through the relay).
+
+        The list replaces the one it sent before; peer-reflexive addresses stay."""
+        self.peer_session = session
         out: list[Action] = []
         if reply_wanted and (
             self._candidates_sent is None
@@ -182,24 +226,50 @@ class PeerPaths:
         ):
             self._candidates_sent = now
             out.append(SendCandidates(reply_wanted=False))
-        for addr in addrs:
-            self._add_candidate(addr, now, pinged_us=False)
+        wanted = dict.fromkeys(addrs[:MAX_CANDIDATES])
+        for addr in [a for a, c in self._candidates.items() if c.announced and a not in wanted]:
+            del self._candidates[addr]
+        for addr in wanted:
+            cand = self._candidates.get(addr)
+            if cand is None:
+                self._candidates[addr] = _Candidate(now, self.config.probe_interval, True)
+            else:
+                cand.announced = True
+                self._probe_soon(cand, now, pinged_us=False)
+        self._trim_candidates()
         if self.phase in (Phase.IDLE, Phase.BACKOFF):
             out += self._begin_round(now, ask=False)
         return out + self.poll(now)
 
-    def on_ping(self, addr: Address, txid: bytes, now: float) -> list[Action]:
-        """An authenticated PING from the peer arrived from ``addr``."""
-        self._heard[addr] = now
-        out: list[Action] = [SendPong(addr, txid)]
+    def on_ping(
+        self, addr: Address, txid: bytes, now: float, *, to_session: bytes, from_session: bytes
+    ) -> list[Action]:
+        """An authenticated PING from the peer arrived from ``addr``, carrying the sessions
+        it thinks are ours (``to_session``) and its own (``from_session``)."""
+        if not self._fresh(to_session, from_session):
+            return []
+        self.peer_session = from_session
+        self._hear(addr, now)
+        out: list[Action] = [SendPong(addr, txid, from_session)]
+        if self.phase in (Phase.IDLE, Phase.BACKOFF) and (
+            self._early_round_at is None or now - self._early_round_at >= self.config.retry_after
+        ):
+            # The peer is punching: join in now rather than at our next retry, but a PING
+            # (which anyone on its path could replay) may cut the backoff short only once
+            # per retry_after.
+            self._early_round_at = now
+            out += self._begin_round(now, ask=False)
         if addr not in self.paths:
-            self._add_candidate(addr, now, pinged_us=True)
-        if self.phase in (Phase.IDLE, Phase.BACKOFF):
-            out += self._begin_round(now, ask=False)
+            self._add_reflexive(addr, now)
         return out + self.poll(now)
 
-    def on_pong(self, addr: Address, txid: bytes, now: float) -> list[Action]:
-        """An authenticated PONG from the peer arrived from ``addr``."""
+    def on_pong(
+        self, addr: Address, txid: bytes, now: float, *, to_session: bytes, from_session: bytes
+    ) -> list[Action]:
+        """An authenticated PONG from the peer arrived from ``addr`` (sessions as for
+        :meth:`on_ping`)."""
+        if not self._fresh(to_session, from_session) or self.peer_session is None:
+            return []
         pending = self._pending.get(txid)
         if pending is None or pending[0] != addr:
             return []  # not ours, already answered, or from elsewhere than we asked
@@ -211,7 +281,7 @@ class PeerPaths:
         else:
             path.rtt = 0.875 * path.rtt + 0.125 * rtt
             path.last_pong = now
-        self._heard[addr] = now
+        self._hear(addr, now)
         if self.current is None:
             self.current = addr
             self.phase = Phase.DIRECT
@@ -222,7 +292,7 @@ class PeerPaths:
 
     def accepts(self, addr: Address) -> bool:
         """Whether a QUIC datagram from ``addr`` may be delivered (the peer proved it sends
-        from there, by a signed PING or PONG)."""
+        from there, by a signed PING or PONG of this session)."""
         return addr in self._heard
 
     def poll(self, now: float) -> list[Action]:
@@ -272,11 +342,19 @@ class PeerPaths:
 
     # ---- internals ----------------------------------------------------------------------
 
+    def _fresh(self, to_session: bytes, from_session: bytes) -> bool:
+        """Whether a probe belongs to this session (else it is counted and ignored)."""
+        if to_session == self.session and self.peer_session in (None, from_session):
+            return True
+        self.stale_probes += 1
+        return False
+
     def _begin_round(self, now: float, *, ask: bool) -> list[Action]:
         self.phase = Phase.PUNCHING
         self.rounds += 1
         self.round_started = now
         self._round_end = now + self.config.punch_timeout
+        self._reflexive_this_round = 0
         for cand in self._candidates.values():
             cand.next_probe = now
             cand.interval = self.config.probe_interval
@@ -285,22 +363,49 @@ class PeerPaths:
         self._candidates_sent = now
         return [SendCandidates(reply_wanted=True)]
 
-    def _add_candidate(self, addr: Address, now: float, *, pinged_us: bool) -> None:
-        """Probe ``addr``; ``pinged_us``: the peer's PING just came from there."""
+    def _add_reflexive(self, addr: Address, now: float) -> None:
+        """The peer's PING just came from ``addr``: probe it (a new address counts against
+        this round's :data:`MAX_CANDIDATES` peer-reflexive ones)."""
         cand = self._candidates.get(addr)
-        if cand is None:
-            self._candidates[addr] = _Candidate(now, self.config.probe_interval)
-        elif self.phase is not Phase.DIRECT and (
+        if cand is not None:
+            self._probe_soon(cand, now, pinged_us=True)
+        elif self._reflexive_this_round < MAX_CANDIDATES:
+            self._reflexive_this_round += 1
+            self._candidates[addr] = _Candidate(now, self.config.probe_interval, False)
+            self._trim_candidates()
+
+    def _probe_soon(self, cand: _Candidate, now: float, *, pinged_us: bool) -> None:
+        if self.phase is not Phase.DIRECT and (
             pinged_us or cand.next_probe > now + self.config.probe_interval
         ):
             # The peer is punching right now (its PING just came through from there):
             # answer at once, while the hole is open, instead of at our next backoff step.
             cand.next_probe = min(cand.next_probe, now)
 
+    def _trim_candidates(self) -> None:
+        """Keep at most :data:`MAX_KNOWN` candidates: the oldest peer-reflexive go first."""
+        excess = len(self._candidates) - MAX_KNOWN
+        if excess > 0:
+            old = [a for a, c in self._candidates.items() if not c.announced][:excess]
+            for addr in old:
+                del self._candidates[addr]
+
+    def _hear(self, addr: Address, now: float) -> None:
+        """Remember that the peer sends from ``addr`` (at most :data:`MAX_KNOWN` addresses,
+        the least recently heard that carries no validated path forgotten first)."""
+        self._heard.pop(addr, None)
+        self._heard[addr] = now
+        if len(self._heard) > MAX_KNOWN:
+            for old in self._heard:
+                if old not in self.paths and old != self.current:
+                    del self._heard[old]
+                    break
+
     def _ping(self, addr: Address, now: float) -> SendPing:
+        assert self.peer_session is not None  # candidates come with the peer's session
         txid = self._new_txid()
         self._pending[txid] = (addr, now)
-        return SendPing(addr, txid)
+        return SendPing(addr, txid, self.peer_session)
 
     def _fail(self, now: float, why: str) -> None:
         self.phase = Phase.BACKOFF

@@ -2,14 +2,19 @@
 
 Every message is signed by its sender's endpoint key, over a domain tag, the receiver's
 endpoint id and the message itself, so a message can never be taken for one from another
-peer, nor replayed to a different receiver; PONG and PING carry a fresh random
-transaction id, so an old PONG validates nothing. Layout (big endian)::
+peer, nor replayed to a different receiver. Each side of a punching session picks a fresh
+random 16-byte *session* and announces it in its CANDIDATES (which travel through the
+authenticated relay connection); every PING and PONG carries the receiver's session and
+the sender's, so a probe captured in another session is refused, and a PONG carries the
+transaction id of the PING it answers. Layout (big endian)::
 
-    magic "\\x1cP2PD" (5) | version u8 = 1 | kind u8 | sender id (32) | body | signature (64)
+    magic "\\x1cP2PD" (5) | version u8 = 2 | kind u8 | sender id (32) | body | signature (64)
 
-    PING        body: txid (12)
-    PONG        body: txid (12) | address (where the PING came from)
-    CANDIDATES  body: flags u8 (bit 0: reply wanted) | count u8 | count x address
+    PING        body: txid (12) | receiver's session (16) | sender's session (16)
+    PONG        body: txid (12) | receiver's session (16) | sender's session (16) | address
+                (address: where the PING came from)
+    CANDIDATES  body: flags u8 (bit 0: reply wanted) | sender's session (16) | count u8
+                | count x address
 
     address:    family u8 (4 or 6) | port u16 | ip (4 or 16)
 
@@ -32,6 +37,8 @@ from .stun import MAGIC_COOKIE
 __all__ = [
     "MAGIC",
     "MAX_CANDIDATES",
+    "SESSION_LEN",
+    "TXID_LEN",
     "DatagramKind",
     "ProbeError",
     "ProbeKind",
@@ -45,14 +52,17 @@ __all__ = [
 ]
 
 MAGIC = b"\x1cP2PD"
-VERSION = 1
+VERSION = 2
 TXID_LEN = 12
+SESSION_LEN = 16
+"""Bytes in a punching session id."""
 SIG_LEN = 64
 MAX_CANDIDATES = 16
 """Most addresses one CANDIDATES message may carry."""
 _DOMAIN = b"p2pdist/v1/probe\x00"
 _HEAD = len(MAGIC) + 2 + ID_LEN
 _COOKIE = struct.pack(">I", MAGIC_COOKIE)
+_TRANSACTION = TXID_LEN + 2 * SESSION_LEN
 
 Address = tuple[str, int]
 
@@ -86,6 +96,10 @@ class ProbeMessage:
     sender: EndpointId
     txid: bytes = b""
     """PING and PONG: the transaction id."""
+    to_session: bytes = b""
+    """PING and PONG: the receiver's punching session, as the sender knows it."""
+    from_session: bytes = b""
+    """All kinds: the sender's punching session."""
     address: Address | None = None
     """PONG: where the receiver of the PING saw it come from."""
     candidates: tuple[Address, ...] = ()
@@ -130,27 +144,52 @@ def _seal(key: SecretKey, receiver: EndpointId, kind: ProbeKind, body: bytes) ->
     return msg + key.sign(_DOMAIN + bytes(receiver) + msg)
 
 
-def encode_ping(key: SecretKey, receiver: EndpointId, txid: bytes) -> bytes:
-    """A PING from ``key`` to ``receiver``."""
+def _transaction(txid: bytes, to_session: bytes, from_session: bytes) -> bytes:
     if len(txid) != TXID_LEN:
         raise ProbeError(f"a transaction id is {TXID_LEN} bytes")
-    return _seal(key, receiver, ProbeKind.PING, txid)
+    if len(to_session) != SESSION_LEN or len(from_session) != SESSION_LEN:
+        raise ProbeError(f"a session is {SESSION_LEN} bytes")
+    return txid + to_session + from_session
 
 
-def encode_pong(key: SecretKey, receiver: EndpointId, txid: bytes, seen_from: Address) -> bytes:
-    """The answer to ``receiver``'s PING ``txid``, which came from ``seen_from``."""
-    if len(txid) != TXID_LEN:
-        raise ProbeError(f"a transaction id is {TXID_LEN} bytes")
-    return _seal(key, receiver, ProbeKind.PONG, txid + _encode_address(seen_from))
+def encode_ping(
+    key: SecretKey, receiver: EndpointId, txid: bytes, *, to_session: bytes, from_session: bytes
+) -> bytes:
+    """A PING from ``key`` to ``receiver``, within the punching session in which
+    ``receiver`` announced ``to_session`` and we announced ``from_session``."""
+    return _seal(key, receiver, ProbeKind.PING, _transaction(txid, to_session, from_session))
+
+
+def encode_pong(
+    key: SecretKey,
+    receiver: EndpointId,
+    txid: bytes,
+    seen_from: Address,
+    *,
+    to_session: bytes,
+    from_session: bytes,
+) -> bytes:
+    """The answer to ``receiver``'s PING ``txid``, which came from ``seen_from``
+    (``to_session``: the PING's sender session; ``from_session``: ours)."""
+    body = _transaction(txid, to_session, from_session) + _encode_address(seen_from)
+    return _seal(key, receiver, ProbeKind.PONG, body)
 
 
 def encode_candidates(
-    key: SecretKey, receiver: EndpointId, candidates: Sequence[Address], *, reply_wanted: bool
+    key: SecretKey,
+    receiver: EndpointId,
+    candidates: Sequence[Address],
+    *,
+    reply_wanted: bool,
+    session: bytes,
 ) -> bytes:
-    """Our candidate addresses for ``receiver`` (at most :data:`MAX_CANDIDATES`)."""
+    """Our candidate addresses for ``receiver`` (at most :data:`MAX_CANDIDATES`), and our
+    punching ``session``."""
     if len(candidates) > MAX_CANDIDATES:
         raise ProbeError(f"at most {MAX_CANDIDATES} candidates")
-    body = bytes((int(reply_wanted), len(candidates)))
+    if len(session) != SESSION_LEN:
+        raise ProbeError(f"a session is {SESSION_LEN} bytes")
+    body = bytes((int(reply_wanted),)) + session + bytes((len(candidates),))
     body += b"".join(_encode_address(c) for c in candidates)
     return _seal(key, receiver, ProbeKind.CANDIDATES, body)
 
@@ -182,21 +221,39 @@ def decode_probe(data: bytes, receiver: EndpointId) -> ProbeMessage:
     if not sender.verify(sig, _DOMAIN + bytes(receiver) + msg):
         raise ProbeError(f"bad signature (claimed sender {sender.short()})")
     body = msg[_HEAD:]
+    if kind is ProbeKind.CANDIDATES:
+        return _decode_candidates(sender, body)
+    if len(body) < _TRANSACTION:
+        raise ProbeError(f"truncated {kind.name}")
+    txid, to_session, from_session = (
+        body[:TXID_LEN],
+        body[TXID_LEN : TXID_LEN + SESSION_LEN],
+        body[TXID_LEN + SESSION_LEN : _TRANSACTION],
+    )
     if kind is ProbeKind.PING:
-        if len(body) != TXID_LEN:
-            raise ProbeError("PING body is a transaction id")
-        return ProbeMessage(kind, sender, txid=body)
-    if kind is ProbeKind.PONG:
-        addr, end = _decode_address(body, TXID_LEN)
-        if end != len(body):
-            raise ProbeError("trailing bytes in PONG")
-        return ProbeMessage(kind, sender, txid=body[:TXID_LEN], address=addr)
-    if len(body) < 2 or body[1] > MAX_CANDIDATES or body[0] & ~1:
+        if len(body) != _TRANSACTION:
+            raise ProbeError("trailing bytes in PING")
+        return ProbeMessage(kind, sender, txid, to_session, from_session)
+    addr, end = _decode_address(body, _TRANSACTION)
+    if end != len(body):
+        raise ProbeError("trailing bytes in PONG")
+    return ProbeMessage(kind, sender, txid, to_session, from_session, address=addr)
+
+
+def _decode_candidates(sender: EndpointId, body: bytes) -> ProbeMessage:
+    head = 2 + SESSION_LEN
+    if len(body) < head or body[head - 1] > MAX_CANDIDATES or body[0] & ~1:
         raise ProbeError("bad CANDIDATES header")
-    off, found = 2, []
-    for _ in range(body[1]):
+    off, found = head, []
+    for _ in range(body[head - 1]):
         addr, off = _decode_address(body, off)
         found.append(addr)
     if off != len(body):
         raise ProbeError("trailing bytes in CANDIDATES")
-    return ProbeMessage(kind, sender, candidates=tuple(found), reply_wanted=bool(body[0] & 1))
+    return ProbeMessage(
+        ProbeKind.CANDIDATES,
+        sender,
+        from_session=body[1 : 1 + SESSION_LEN],
+        candidates=tuple(found),
+        reply_wanted=bool(body[0] & 1),
+    )

@@ -1,0 +1,194 @@
+"""Hole-punching probes are bound to the punching session, and what a peer (or anyone
+replaying its probes) can make us remember or send is bounded: the review's replay and
+growth findings, through the real codec and the sans-I/O :class:`PeerPaths`."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from p2pdist.identity import SecretKey
+from p2pdist.transport.punch import (
+    MAX_KNOWN,
+    Action,
+    PathChange,
+    PeerPaths,
+    Phase,
+    PunchConfig,
+    SendCandidates,
+    SendPing,
+    SendPong,
+)
+from p2pdist.wire.probe import (
+    MAX_CANDIDATES,
+    ProbeKind,
+    decode_probe,
+    encode_candidates,
+    encode_ping,
+    encode_pong,
+)
+
+SEED = "punching session tests"
+KA, KB = SecretKey.from_seed(SEED, 0), SecretKey.from_seed(SEED, 1)
+X = ("203.0.113.66", 4444)  # the attacker's address
+A_ADDR, B_ADDR = ("198.51.100.1", 1000), ("198.51.100.2", 2000)
+
+
+class Side:
+    """One peer's punching state towards the other, fed through the real codec."""
+
+    def __init__(self, key: SecretKey, peer: SecretKey, session: bytes) -> None:
+        self.key, self.peer = key, peer
+        self.paths = PeerPaths(PunchConfig(), session=session)
+
+    def candidates(self, addrs: tuple[tuple[str, int], ...], *, reply: bool = False) -> bytes:
+        """Our CANDIDATES message for the peer (what goes through the relay)."""
+        pid = self.peer.endpoint_id
+        return encode_candidates(
+            self.key, pid, addrs, reply_wanted=reply, session=self.paths.session
+        )
+
+    def wire(self, act: SendPing | SendPong) -> bytes:
+        """The datagram the glue sends for ``act``."""
+        s = {"to_session": act.session, "from_session": self.paths.session}
+        if isinstance(act, SendPing):
+            return encode_ping(self.key, self.peer.endpoint_id, act.txid, **s)
+        return encode_pong(self.key, self.peer.endpoint_id, act.txid, act.addr, **s)
+
+    def receive(self, data: bytes, src: tuple[str, int] | None, now: float) -> list[Action]:
+        """A probe for us, from ``src`` over UDP (None: through the relay)."""
+        msg = decode_probe(data, self.key.endpoint_id)
+        assert msg.sender == self.peer.endpoint_id
+        if msg.kind is ProbeKind.CANDIDATES:
+            return self.paths.on_candidates(
+                msg.candidates, msg.reply_wanted, now, session=msg.from_session
+            )
+        assert src is not None
+        s = {"to_session": msg.to_session, "from_session": msg.from_session}
+        if msg.kind is ProbeKind.PING:
+            return self.paths.on_ping(src, msg.txid, now, **s)
+        return self.paths.on_pong(src, msg.txid, now, **s)
+
+
+def connected_pair(t: float) -> tuple[Side, Side]:
+    """A and B in a fresh session, candidates exchanged, both rounds failed (backoff)."""
+    a, b = Side(KA, KB, b"A" * 15 + b"2"), Side(KB, KA, b"B" * 15 + b"2")
+    a.paths.start(t)
+    b.paths.start(t)
+    a.receive(b.candidates((B_ADDR,)), None, t)
+    b.receive(a.candidates((A_ADDR,)), None, t)
+    for side in (a, b):
+        side.paths.poll(t + 100.0)  # the round ends without a PONG
+        assert side.paths.phase is Phase.BACKOFF
+    return a, b
+
+
+def only(acts: list[Action], kind: type[Any]) -> list[Any]:
+    return [x for x in acts if isinstance(x, kind)]
+
+
+def test_a_ping_replayed_from_an_earlier_session_opens_and_redirects_nothing() -> None:
+    # the attacker captured a PING from A to B in an earlier session
+    old = Side(KA, KB, b"o" * 16)
+    old_ping = encode_ping(
+        KA, KB.endpoint_id, bytes(12), to_session=b"b" * 16, from_session=old.paths.session
+    )
+    t = 1000.0
+    _a, b = connected_pair(t)
+    # replayed to B from X: refused before it touches any state
+    acts = b.receive(old_ping, X, t + 101)
+    assert acts == [] and b.paths.stale_probes == 1
+    assert not b.paths.accepts(X) and X not in b.paths._candidates
+    assert b.paths.phase is Phase.BACKOFF  # nor does it cut the backoff short
+    # so B never PINGs X, and the reviewer's chain (forward B's PING to A, A's PONG back
+    # to B) has nothing to start from; even a PONG A made in the old session is refused
+    old_pong = encode_pong(
+        KA, KB.endpoint_id, bytes(12), X, to_session=b"b" * 16, from_session=old.paths.session
+    )
+    assert b.receive(old_pong, X, t + 102) == [] and b.paths.current is None
+
+
+def test_a_pong_counts_only_for_a_pending_ping_of_this_session() -> None:
+    t = 0.0
+    a, b = connected_pair(t)
+    acts = a.paths.on_candidates((B_ADDR,), False, t + 200, session=b.paths.session)
+    ping = only(acts, SendPing)[0]
+    assert ping.addr == B_ADDR and ping.session == b.paths.session
+    # B answers with its session swapped for a stale one: signed, right txid, refused
+    s = {"to_session": a.paths.session, "from_session": b"z" * 16}
+    bad = encode_pong(KB, KA.endpoint_id, ping.txid, B_ADDR, **s)
+    assert a.receive(bad, B_ADDR, t + 200.01) == [] and a.paths.stale_probes == 1
+    s = {"to_session": b"z" * 16, "from_session": b.paths.session}
+    bad = encode_pong(KB, KA.endpoint_id, ping.txid, B_ADDR, **s)
+    assert a.receive(bad, B_ADDR, t + 200.01) == [] and a.paths.stale_probes == 2
+    # a PONG of this session for a txid we never sent validates nothing either
+    s = {"to_session": a.paths.session, "from_session": b.paths.session}
+    stray = encode_pong(KB, KA.endpoint_id, b"\x07" * 12, B_ADDR, **s)
+    assert a.receive(stray, B_ADDR, t + 200.01) == [] and a.paths.current is None
+    # B's real answer (through its own PeerPaths) does
+    pong = only(b.receive(a.wire(ping), A_ADDR, t + 200.01), SendPong)[0]
+    change = a.receive(b.wire(pong), B_ADDR, t + 200.02)
+    assert change == [change[0]] and isinstance(change[0], PathChange)
+    assert a.paths.current == B_ADDR
+
+
+def test_peers_in_the_same_session_still_punch_through_the_codec() -> None:
+    a, b = Side(KA, KB, b"a" * 16), Side(KB, KA, b"b" * 16)
+    assert a.paths.start(0.0) == [SendCandidates(reply_wanted=True)]
+    b.paths.start(0.0)
+    acts_b = b.receive(a.candidates((A_ADDR,), reply=True), None, 0.01)
+    acts_a = a.receive(b.candidates((B_ADDR,)), None, 0.02)
+    ping_b, ping_a = only(acts_b, SendPing)[0], only(acts_a, SendPing)[0]
+    pong_a = only(a.receive(b.wire(ping_b), B_ADDR, 0.03), SendPong)[0]
+    pong_b = only(b.receive(a.wire(ping_a), A_ADDR, 0.03), SendPong)[0]
+    assert only(b.receive(a.wire(pong_a), A_ADDR, 0.04), PathChange)[0].new == A_ADDR
+    assert only(a.receive(b.wire(pong_b), B_ADDR, 0.04), PathChange)[0].new == B_ADDR
+
+
+def test_candidates_from_the_peer_replace_the_previous_list() -> None:
+    p = PeerPaths(PunchConfig(), session=b"m" * 16)
+    p.start(0.0)
+    for i in range(1000):  # an authenticated peer sends 16 fresh addresses each time
+        addrs = tuple((f"198.51.{i % 250}.{j + 1}", 1000 + i) for j in range(MAX_CANDIDATES))
+        p.on_candidates(addrs, False, 0.0, session=b"p" * 16)
+    assert len(p._candidates) == MAX_CANDIDATES
+    assert all(port == 1999 for _, port in p._candidates)  # the latest list
+    assert len(only(p.poll(0.5), SendPing)) <= MAX_KNOWN
+
+
+def test_replayed_pings_from_many_sources_are_bounded_and_keep_the_backoff() -> None:
+    cfg = PunchConfig(retry_after=15.0)
+    me, peer = b"m" * 16, b"p" * 16
+    p = PeerPaths(cfg, session=me)
+    p.start(0.0)
+    p.on_candidates((B_ADDR,), False, 0.0, session=peer)
+    p.poll(100.0)  # the first round fails: backoff until 115
+    assert p.phase is Phase.BACKOFF and p.rounds == 1
+    sent = 0
+    sources = ((f"192.0.2.{i % 250 + 1}", 1024 + i // 250) for i in itertools.count())
+    for i in range(20_000):  # one PING of this session, replayed from a new source each time
+        t = 100.0 + i * 0.0001
+        acts = p.on_ping(next(sources), b"\x01" * 12, t, to_session=me, from_session=peer)
+        sent += len(only(acts, SendPing))
+        sent += len(only(p.poll(t), SendPing))
+    assert len(p._heard) <= MAX_KNOWN and len(p._candidates) <= MAX_KNOWN
+    assert p.rounds == 2  # one early round for all of them, not one per replay
+    # PINGs: only to the addresses this round may learn (16 new ones), with the usual
+    # backoff; without the bounds every replay added a candidate and a PING
+    assert len(p._candidates) == 1 + MAX_CANDIDATES and sent < 10 * MAX_KNOWN
+    p.poll(107.0)  # the early round ends (punch_timeout 6 s)
+    assert p.phase is Phase.BACKOFF
+    # within retry_after of the early round, replays do not start another one
+    acts = p.on_ping(("192.0.2.9", 9), b"\x02" * 12, 110.0, to_session=me, from_session=peer)
+    assert p.phase is Phase.BACKOFF and not only(acts, SendPing) and p.rounds == 2
+
+
+def test_the_validated_path_is_never_forgotten_for_newer_sources() -> None:
+    me, peer = b"m" * 16, b"p" * 16
+    p = PeerPaths(PunchConfig(), session=me)
+    ping = only(p.on_candidates((B_ADDR,), False, 0.0, session=peer), SendPing)[0]
+    p.on_pong(B_ADDR, ping.txid, 0.01, to_session=me, from_session=peer)
+    assert p.current == B_ADDR
+    for i in range(5 * MAX_KNOWN):
+        p.on_ping((f"192.0.2.{i + 1}", 7), b"\x01" * 12, 0.02, to_session=me, from_session=peer)
+    assert p.accepts(B_ADDR) and len(p._heard) <= MAX_KNOWN
