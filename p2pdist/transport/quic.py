@@ -94,7 +94,8 @@ class QuicTransport(EndpointBase[QuicConnection]):
         self._udp: UdpSocket | None = None
         self._dial_sockets: dict[int, UdpSocket] = {}
         self._routes: dict[bytes, QuicConnection] = {}
-        self._handshaking: set[QuicConnection] = set()
+        self._handshaking: dict[QuicConnection, asyncio.TimerHandle] = {}
+        """Incoming connections still in their handshake, with their deadline timers."""
         self._live: set[QuicConnection] = set()
         self.punch_config = punch or PunchConfig()
         self._puncher: HolePuncher | None = None
@@ -142,6 +143,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
     async def _shutdown(self) -> None:
         """Close: every connection (bounded), the UDP sockets and the relay session."""
         for conn in list(self._handshaking):
+            self._end_handshake(conn)
             conn.abort(ConnectionClosedError("transport is closed"))
         await self._close_all()
         for conn in set(self._routes.values()) | self._live:
@@ -246,14 +248,20 @@ class QuicTransport(EndpointBase[QuicConnection]):
         conn = self._new_connection(
             route, server_side=True, expected=peer, label=label, odcid=odcid
         )
-        self._handshaking.add(conn)
         loop = asyncio.get_running_loop()
-        loop.call_later(self.config.handshake_timeout, self._handshake_deadline, conn)
+        timer = loop.call_later(self.config.handshake_timeout, self._handshake_deadline, conn)
+        self._handshaking[conn] = timer
         return conn
 
+    def _end_handshake(self, conn: QuicConnection) -> None:
+        """``conn`` is no longer handshaking: drop it and its deadline timer (which would
+        otherwise keep it alive until the deadline)."""
+        timer = self._handshaking.pop(conn, None)
+        if timer is not None:
+            timer.cancel()
+
     def _handshake_deadline(self, conn: QuicConnection) -> None:
-        if conn in self._handshaking:
-            self._handshaking.discard(conn)
+        if self._handshaking.pop(conn, None) is not None:
             conn.handshake_expired()
 
     def _refusal(self, route: Route, presented: EndpointId) -> str | None:
@@ -268,7 +276,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
         return None
 
     def _on_established(self, conn: QuicConnection) -> None:
-        self._handshaking.discard(conn)
+        self._end_handshake(conn)
         if self._closed:
             conn.abort(ConnectionClosedError("transport is closed"))
             return
@@ -276,7 +284,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
 
     def _forget(self, conn: FramedConnection) -> None:
         super()._forget(conn)
-        self._handshaking.discard(cast(QuicConnection, conn))
+        self._end_handshake(cast(QuicConnection, conn))
 
     # ---- routing ---------------------------------------------------------------------------
 
