@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import random
+import random as _random
 import socket
 import ssl
 import time
@@ -38,7 +38,14 @@ from ..wire.relay import (
 )
 from .relay_session import RelaySessionProtocol
 
-__all__ = ["RelayConfig", "RelayPath", "RelayState", "RelayStatus", "parse_stun_ports"]
+__all__ = [
+    "ReconnectBackoff",
+    "RelayConfig",
+    "RelayPath",
+    "RelayState",
+    "RelayStatus",
+    "parse_stun_ports",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +66,9 @@ class RelayConfig:
     connect_timeout: float = 10.0
     """Bound on TCP + TLS + upgrade + authentication of one attempt."""
     backoff_initial: float = 0.1
+    """First reconnect delay; it doubles after every session that did not last."""
     backoff_max: float = 10.0
+    """Largest reconnect delay (a RECONNECT's retry_after may ask for up to 60 s)."""
     keepalive: float | None = None
     """PING interval; None takes the relay's advertised value."""
     send_buffer: int = 4 << 20
@@ -103,8 +112,43 @@ def parse_stun_ports(value: object) -> tuple[int, ...]:
     return tuple(ports)
 
 
+class ReconnectBackoff:
+    """How long to wait before dialing the relay again (sans-I/O; ``random`` returns a
+    float in [0, 1) and is injectable for tests).
+
+    After a failure the wait is uniform in [0, delay) ("full jitter"). After a RECONNECT
+    notice it is uniform in [base, 1.5 x base) with base = max(retry_after, delay), so
+    the clients of a relay that shuts down do not all return at the same instant, and a
+    relay that keeps answering RECONNECT (even with retry_after 0) is dialed ever more
+    slowly. ``delay`` starts at ``initial`` and doubles after every session, up to
+    ``maximum``; only a session that lasted ``10 x maximum`` after authenticating resets it.
+    """
+
+    LONG_SESSION = 10
+    """A session this many ``maximum`` long resets the delay."""
+
+    def __init__(self, initial: float, maximum: float, random: Callable[[], float]) -> None:
+        self.initial, self.maximum, self._random = initial, maximum, random
+        self.delay = initial
+        """The current delay (seconds), before jitter."""
+
+    def next_wait(self, *, lasted: float | None, retry_after: float | None) -> float:
+        """The wait after a session that was authenticated for ``lasted`` seconds (None:
+        it never was) and ended by a RECONNECT with ``retry_after`` (None: it failed)."""
+        if lasted is not None and lasted > self.LONG_SESSION * self.maximum:
+            self.delay = self.initial
+        delay = self.delay
+        self.delay = min(delay * 2, self.maximum)
+        if retry_after is None:
+            return self._random() * delay
+        base = max(retry_after, delay)
+        return base * (1.0 + 0.5 * self._random())
+
+
 class RelayPath:
-    """Datagrams to and from peers through one relay, addressed by endpoint id."""
+    """Datagrams to and from peers through one relay, addressed by endpoint id.
+
+    ``random`` (a float in [0, 1), default :func:`random.random`) jitters reconnects."""
 
     def __init__(
         self,
@@ -113,11 +157,16 @@ class RelayPath:
         *,
         token: str | None = None,
         config: RelayConfig | None = None,
+        random: Callable[[], float] | None = None,
     ) -> None:
         self._key = key
         self.url = url if isinstance(url, RelayUrl) else RelayUrl.parse(url)
         self._token = token or ""
         self.config = config or RelayConfig()
+        self._backoff = ReconnectBackoff(
+            self.config.backoff_initial, self.config.backoff_max, random or _random.random
+        )
+        self._authed_at: float | None = None
         self.on_datagram: Callable[[EndpointId, bytes], None] | None = None
         self.on_peer_gone: Callable[[EndpointId], None] | None = None
         self.max_datagram = MAX_DATAGRAM
@@ -229,10 +278,9 @@ class RelayPath:
         self._status = replace(self._status, **changes)  # type: ignore[arg-type]
 
     async def _run(self) -> None:
-        delay = self.config.backoff_initial
         while not self._closed:
             self._set(state=RelayState.CONNECTING)
-            started = time.monotonic()
+            self._authed_at = None
             retry_after: float | None = None
             try:
                 retry_after = await self._session()
@@ -251,11 +299,11 @@ class RelayPath:
                 self._writer = None
             if self._closed:
                 break
-            if time.monotonic() - started > 10 * self.config.backoff_max:
-                delay = self.config.backoff_initial  # a long good session resets the backoff
-            wait = retry_after if retry_after is not None else random.uniform(0, delay)
-            delay = min(delay * 2, self.config.backoff_max)
+            authed = self._authed_at
+            lasted = None if authed is None else time.monotonic() - authed
+            wait = self._backoff.next_wait(lasted=lasted, retry_after=retry_after)
             self._set(state=RelayState.BACKOFF)
+            log.debug("relay %s: reconnecting in %.2f s", self.url, wait)
             await asyncio.sleep(wait)
 
     async def _open(self) -> RelaySessionProtocol:
@@ -345,6 +393,7 @@ class RelayPath:
             async with asyncio.timeout(self.config.connect_timeout):
                 interval = await self._handshake(proto, writer)
             self._writer = writer
+            self._authed_at = time.monotonic()
             self._connected.set()
             log.info("relay %s: connected as %s", self.url, self.endpoint_id.short())
             proto.dispatch_to(lambda frame: self._handle(frame, writer))
@@ -364,7 +413,7 @@ class RelayPath:
     def _send_ping(self, writer: asyncio.Transport) -> bytes:
         now = time.monotonic()
         self._ping_sent = {k: t for k, t in self._ping_sent.items() if now - t < 60.0}
-        nonce = random.randbytes(8)
+        nonce = _random.randbytes(8)
         self._ping_sent[nonce] = now
         writer.write(encode_frame(RelayFrameType.PING, nonce))
         return nonce
