@@ -164,18 +164,21 @@ def test_replayed_pings_from_many_sources_are_bounded_and_keep_the_backoff() -> 
     p.on_candidates((B_ADDR,), False, 0.0, session=peer)
     p.poll(100.0)  # the first round fails: backoff until 115
     assert p.phase is Phase.BACKOFF and p.rounds == 1
-    sent = 0
+    sent = pongs = 0
     sources = ((f"192.0.2.{i % 250 + 1}", 1024 + i // 250) for i in itertools.count())
     for i in range(20_000):  # one PING of this session, replayed from a new source each time
         t = 100.0 + i * 0.0001
         acts = p.on_ping(next(sources), b"\x01" * 12, t, to_session=me, from_session=peer)
         sent += len(only(acts, SendPing))
+        pongs += len(only(acts, SendPong))
         sent += len(only(p.poll(t), SendPing))
     assert len(p._heard) <= MAX_KNOWN and len(p._candidates) <= MAX_KNOWN
     assert p.rounds == 2  # one early round for all of them, not one per replay
     # PINGs: only to the addresses this round may learn (16 new ones), with the usual
     # backoff; without the bounds every replay added a candidate and a PING
     assert len(p._candidates) == 1 + MAX_CANDIDATES and sent < 10 * MAX_KNOWN
+    # and only those addresses get a PONG: we are no reflector for the rest
+    assert pongs == MAX_CANDIDATES and p.excess_pings == 20_000 - MAX_CANDIDATES
     p.poll(107.0)  # the early round ends (punch_timeout 6 s)
     assert p.phase is Phase.BACKOFF
     # within retry_after of the early round, replays do not start another one
@@ -191,4 +194,21 @@ def test_the_validated_path_is_never_forgotten_for_newer_sources() -> None:
     assert p.current == B_ADDR
     for i in range(5 * MAX_KNOWN):
         p.on_ping((f"192.0.2.{i + 1}", 7), b"\x01" * 12, 0.02, to_session=me, from_session=peer)
-    assert p.accepts(B_ADDR) and len(p._heard) <= MAX_KNOWN
+    assert p.accepts(B_ADDR) and len(p._heard) <= 1 + MAX_CANDIDATES
+    assert p.phase is Phase.DIRECT and p.current == B_ADDR
+
+
+def test_addresses_heard_from_stay_bounded_over_many_rounds() -> None:
+    me, peer = b"m" * 16, b"p" * 16
+    p = PeerPaths(PunchConfig(retry_after=15.0, retry_max=15.0), session=me)
+    p.start(0.0)
+    p.on_candidates((B_ADDR,), False, 0.0, session=peer)
+    sources = ((f"192.0.2.{i % 250 + 1}", 1024 + i // 250) for i in itertools.count())
+    t = 0.0
+    for _ in range(10):  # ten rounds, each learning its 16 new addresses
+        for _ in range(100):
+            p.on_ping(next(sources), b"\x01" * 12, t, to_session=me, from_session=peer)
+        t = (p.next_deadline() or t) + 16.0
+        p.poll(t)
+        assert len(p._heard) <= MAX_KNOWN and len(p._candidates) <= MAX_KNOWN
+    assert p.rounds >= 10 and len(p._heard) == MAX_KNOWN

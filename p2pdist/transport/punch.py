@@ -27,8 +27,8 @@ session and the peer's current one, so probes captured in another session cannot
 replayed to open or move a path; a PONG counts only for the transaction id and address of
 a PING of ours that is still pending. What a replay *within* the session can do is
 bounded: at most :data:`MAX_KNOWN` addresses are remembered, peer-reflexive addresses
-are learned at most :data:`MAX_CANDIDATES` per round, and a PING starts a round early at
-most once per ``retry_after``.
+are learned (and answered) at most :data:`MAX_CANDIDATES` per round, and a PING starts a
+round early at most once per ``retry_after``.
 """
 
 from __future__ import annotations
@@ -191,6 +191,9 @@ class PeerPaths:
         """Punching rounds started."""
         self.stale_probes = 0
         """PINGs and PONGs refused for carrying another session than ours and the peer's."""
+        self.excess_pings = 0
+        """PINGs of this session left unanswered: from a new address when this round had
+        already learned :data:`MAX_CANDIDATES` peer-reflexive ones (replays, most likely)."""
         self.last_failure: str | None = None
         self.round_started: float | None = None
         self._candidates: dict[Address, _Candidate] = {}
@@ -249,8 +252,7 @@ class PeerPaths:
         if not self._fresh(to_session, from_session):
             return []
         self.peer_session = from_session
-        self._hear(addr, now)
-        out: list[Action] = [SendPong(addr, txid, from_session)]
+        out: list[Action] = []
         if self.phase in (Phase.IDLE, Phase.BACKOFF) and (
             self._early_round_at is None or now - self._early_round_at >= self.config.retry_after
         ):
@@ -259,9 +261,13 @@ class PeerPaths:
             # per retry_after.
             self._early_round_at = now
             out += self._begin_round(now, ask=False)
-        if addr not in self.paths:
-            self._add_reflexive(addr, now)
-        return out + self.poll(now)
+        if addr not in self.paths and not self._add_reflexive(addr, now) and not self.accepts(addr):
+            # A new address beyond this round's quota: answering it would make us a
+            # reflector for replayed PINGs, so it gets nothing until the next round.
+            self.excess_pings += 1
+            return out
+        self._hear(addr, now)
+        return [SendPong(addr, txid, from_session), *out, *self.poll(now)]
 
     def on_pong(
         self, addr: Address, txid: bytes, now: float, *, to_session: bytes, from_session: bytes
@@ -363,16 +369,20 @@ class PeerPaths:
         self._candidates_sent = now
         return [SendCandidates(reply_wanted=True)]
 
-    def _add_reflexive(self, addr: Address, now: float) -> None:
+    def _add_reflexive(self, addr: Address, now: float) -> bool:
         """The peer's PING just came from ``addr``: probe it (a new address counts against
-        this round's :data:`MAX_CANDIDATES` peer-reflexive ones)."""
+        this round's :data:`MAX_CANDIDATES` peer-reflexive ones). False: ``addr`` is not a
+        candidate, and this round may learn no more."""
         cand = self._candidates.get(addr)
         if cand is not None:
             self._probe_soon(cand, now, pinged_us=True)
-        elif self._reflexive_this_round < MAX_CANDIDATES:
-            self._reflexive_this_round += 1
-            self._candidates[addr] = _Candidate(now, self.config.probe_interval, False)
-            self._trim_candidates()
+            return True
+        if self._reflexive_this_round >= MAX_CANDIDATES:
+            return False
+        self._reflexive_this_round += 1
+        self._candidates[addr] = _Candidate(now, self.config.probe_interval, False)
+        self._trim_candidates()
+        return True
 
     def _probe_soon(self, cand: _Candidate, now: float, *, pinged_us: bool) -> None:
         if self.phase is not Phase.DIRECT and (
