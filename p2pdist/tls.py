@@ -15,6 +15,7 @@ import os
 import secrets
 import ssl
 import tempfile
+from collections import OrderedDict
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -90,6 +91,10 @@ def load_identity(ctx: ssl.SSLContext, key: SecretKey, cert: x509.Certificate) -
         ctx.load_cert_chain(path, password=password)
 
 
+SERVER_CONTEXTS = 256
+"""Server contexts a :class:`TlsIdentity` keeps, one per client certificate (most recent)."""
+
+
 class TlsIdentity:
     """An endpoint's certificate and the SSL contexts built from it."""
 
@@ -98,6 +103,7 @@ class TlsIdentity:
         self.certificate = make_certificate(key)
         self.cert_der = self.certificate.public_bytes(serialization.Encoding.DER)
         self._client_ctx: ssl.SSLContext | None = None
+        self._server_ctxs: OrderedDict[bytes, ssl.SSLContext] = OrderedDict()
 
     def _load_identity(self, ctx: ssl.SSLContext) -> None:
         load_identity(ctx, self._key, self.certificate)
@@ -119,7 +125,15 @@ class TlsIdentity:
         ``client_cert_der`` and prove it holds that certificate's key.
 
         Raises ValueError when OpenSSL cannot load the certificate (check it with
-        :func:`endpoint_id_of_cert` first, which refuses such certificates)."""
+        :func:`endpoint_id_of_cert` first, which refuses such certificates).
+
+        Contexts are kept per certificate (at most :data:`SERVER_CONTEXTS`): building one
+        loads our key (about 2 ms), which every incoming connection, and every stranger
+        presenting a member's public certificate, would otherwise cost."""
+        cached = self._server_ctxs.get(client_cert_der)
+        if cached is not None:
+            self._server_ctxs.move_to_end(client_cert_der)
+            return cached
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         ctx.verify_mode = ssl.CERT_REQUIRED
@@ -128,4 +142,7 @@ class TlsIdentity:
         except ssl.SSLError as exc:
             raise ValueError(f"certificate refused by OpenSSL: {exc}") from None
         self._load_identity(ctx)
+        self._server_ctxs[bytes(client_cert_der)] = ctx
+        if len(self._server_ctxs) > SERVER_CONTEXTS:
+            self._server_ctxs.popitem(last=False)
         return ctx

@@ -8,6 +8,7 @@ import datetime
 import logging
 import os
 import re
+import ssl
 import stat
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import NameOID
 
+from p2pdist import tls
 from p2pdist.errors import KeyFileError, UsageError
 from p2pdist.identity import EndpointId, SecretKey, derive_endpoint_ids, endpoint_id_of
 from p2pdist.tls import TlsIdentity, endpoint_id_of_cert
@@ -419,6 +421,53 @@ def test_secret_key_equality_by_identity() -> None:
 
 
 # ---- certificates ------------------------------------------------------------------------------
+
+
+def _handshake(client: ssl.SSLContext, server: ssl.SSLContext) -> bool:
+    """An in-memory TLS handshake; True when both sides complete it."""
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    c = client.wrap_bio(c_in, c_out, server_side=False)
+    s = server.wrap_bio(s_in, s_out, server_side=True)
+    done = {"c": False, "s": False}
+    for _ in range(10):
+        for name, obj in (("c", c), ("s", s)):
+            if not done[name]:
+                try:
+                    obj.do_handshake()
+                    done[name] = True
+                except ssl.SSLWantReadError:
+                    pass
+                except ssl.SSLError:
+                    return False
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+        if all(done.values()):
+            # TLS 1.3: the server's verdict on the client certificate reaches the client
+            # with the first read.
+            try:
+                c.read(1)
+            except ssl.SSLWantReadError:
+                return True
+            except ssl.SSLError:
+                return False
+    return False
+
+
+def test_server_contexts_are_kept_per_certificate_and_still_pin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tls, "SERVER_CONTEXTS", 2)
+    server = TlsIdentity(SecretKey.from_seed(SEED, 0))
+    a, b, c = (TlsIdentity(SecretKey.from_seed(SEED, r)) for r in (1, 2, 3))
+    ctx_a = server.server_context(a.cert_der)
+    assert server.server_context(a.cert_der) is ctx_a
+    assert _handshake(a.client_context(), ctx_a)
+    assert not _handshake(b.client_context(), ctx_a)  # a kept context pins as a new one does
+    ctx_b = server.server_context(b.cert_der)
+    assert server.server_context(a.cert_der) is ctx_a  # a is now the most recent
+    server.server_context(c.cert_der)  # over the bound: b, the least recent, goes
+    assert server.server_context(a.cert_der) is ctx_a
+    assert server.server_context(b.cert_der) is not ctx_b
 
 
 def test_certificate_carries_endpoint_id() -> None:
