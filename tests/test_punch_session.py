@@ -212,3 +212,110 @@ def test_addresses_heard_from_stay_bounded_over_many_rounds() -> None:
         p.poll(t)
         assert len(p._heard) <= MAX_KNOWN and len(p._candidates) <= MAX_KNOWN
     assert p.rounds >= 10 and len(p._heard) == MAX_KNOWN
+
+
+def direct(p: PeerPaths, me: bytes, peer: bytes, t: float) -> None:
+    """Bring ``p`` to a direct path to B_ADDR at ``t`` (candidates, PING, PONG)."""
+    ping = only(p.on_candidates((B_ADDR,), False, t, session=peer), SendPing)[0]
+    p.on_pong(B_ADDR, ping.txid, t + 0.01, to_session=me, from_session=peer)
+    assert p.current == B_ADDR and p.phase is Phase.DIRECT
+
+
+def keep_alive(p: PeerPaths, me: bytes, peer: bytes, t: float) -> None:
+    """Poll at ``t`` and answer every keepalive PING at once (the peer stays on B_ADDR)."""
+    for ping in only(p.poll(t), SendPing):
+        p.on_pong(ping.addr, ping.txid, t, to_session=me, from_session=peer)
+
+
+def test_what_the_peer_sends_from_is_forgotten_when_its_session_changes() -> None:
+    me, old, new = b"m" * 16, b"p" * 16, b"q" * 16
+    p = PeerPaths(PunchConfig(), session=me)
+    direct(p, me, old, 0.0)
+    # under the old session the peer was heard from X too (a PING, answered)
+    assert only(p.on_ping(X, b"\x01" * 12, 0.1, to_session=me, from_session=old), SendPong)
+    assert p.accepts(X) and X in p._candidates
+    # a keepalive PING of the old session is waiting for its PONG
+    assert only(p.poll(1.6), SendPing) and p._pending
+    # the peer starts a new session: X was learned under the old one
+    p.on_candidates((B_ADDR,), False, 1.7, session=new)
+    assert not p.accepts(X) and X not in p._candidates and X not in p.paths
+    assert p.peer_session == new and p.session_changes == 1
+    assert p._pending == {}  # PONGs to PINGs of the old session validate nothing
+    # the direct path in use stays (its keepalives now carry the new session)
+    assert p.accepts(B_ADDR) and list(p.paths) == [B_ADDR] and p.current == B_ADDR
+    ping = only(p.poll(3.2), SendPing)[0]
+    assert ping.addr == B_ADDR and ping.session == new
+    # a PING of the new session from X is a peer-reflexive address like any other
+    assert only(p.on_ping(X, b"\x02" * 12, 3.3, to_session=me, from_session=new), SendPong)
+    assert p.accepts(X)
+
+
+def test_direct_paths_and_heard_from_stay_bounded_under_new_candidate_lists() -> None:
+    me, peer = b"m" * 16, b"p" * 16
+    p = PeerPaths(PunchConfig(), session=me)
+    p.start(0.0)
+    pings: list[SendPing] = []
+    for i in range(100):  # an authenticated peer sends 16 fresh addresses each time
+        addrs = tuple((f"198.51.{i}.{j + 1}", 1000 + j) for j in range(MAX_CANDIDATES))
+        pings += only(p.on_candidates(addrs, False, 0.001 * i, session=peer), SendPing)
+    assert len(pings) == 100 * MAX_CANDIDATES
+    for ping in pings:  # and answers every PING, from where it was sent
+        p.on_pong(ping.addr, ping.txid, 0.2, to_session=me, from_session=peer)
+        assert len(p.paths) <= MAX_KNOWN and len(p._heard) <= MAX_KNOWN
+    assert p.current is not None and p.accepts(p.current) and p.current in p.paths
+    assert set(p.paths) <= set(p._heard)
+    for i in range(100):  # and the same across session changes
+        s = bytes([i]) * 16
+        acts = p.on_candidates(((f"203.0.113.{i}", 1),), False, 1.0 + i, session=s)
+        for ping in only(acts, SendPing) + only(p.poll(1.0 + i), SendPing):
+            p.on_pong(ping.addr, ping.txid, 1.0 + i, to_session=me, from_session=s)
+        assert len(p.paths) <= MAX_KNOWN and len(p._heard) <= MAX_KNOWN
+        assert len(p._pending) <= MAX_KNOWN
+
+
+def test_a_nat_rebound_ping_is_answered_within_one_window_while_direct() -> None:
+    cfg = PunchConfig(retry_after=15.0)
+    me, peer = b"m" * 16, b"p" * 16
+    p = PeerPaths(cfg, session=me)
+    direct(p, me, peer, 0.0)
+    # a symmetric NAT on the peer's side: its PINGs came from 16 per-destination ports
+    for i in range(MAX_CANDIDATES):
+        acts = p.on_ping(
+            ("192.0.2.7", 4000 + i), b"\x01" * 12, 1.0, to_session=me, from_session=peer
+        )
+        assert only(acts, SendPong)
+    t = 1.0
+    while t < 10.0:  # the direct path stays up (keepalives answered)
+        t += 0.5
+        keep_alive(p, me, peer, t)
+    assert p.phase is Phase.DIRECT
+    # within the window a PING from a new port is one too many (a replay, most likely)
+    rebound = ("192.0.2.7", 5555)
+    kw = {"to_session": me, "from_session": peer}
+    assert not only(p.on_ping(rebound, b"\x02" * 12, t, **kw), SendPong)
+    assert p.excess_pings == 1
+    while t < 16.0:
+        t += 0.5
+        keep_alive(p, me, peer, t)
+    # a window later the NAT-rebound port is answered at once, though no round started
+    assert p.phase is Phase.DIRECT and p.rounds == 1
+    assert only(p.on_ping(rebound, b"\x03" * 12, t, **kw), SendPong)
+    assert p.accepts(rebound)
+
+
+def test_replays_get_at_most_a_windows_allowance_of_pongs_per_window() -> None:
+    cfg = PunchConfig(retry_after=15.0, retry_max=15.0)
+    me, peer = b"m" * 16, b"p" * 16
+    p = PeerPaths(cfg, session=me)
+    p.start(0.0)
+    p.on_candidates((B_ADDR,), False, 0.0, session=peer)
+    sources = ((f"192.0.2.{i % 250 + 1}", 1024 + i // 250) for i in itertools.count())
+    pongs = 0
+    for i in range(10_000):  # 100 s of replays from a new source every 10 ms
+        t = i * 0.01
+        acts = p.on_ping(next(sources), b"\x01" * 12, t, to_session=me, from_session=peer)
+        pongs += len(only(acts, SendPong))
+        p.poll(t)
+        assert len(p._heard) <= MAX_KNOWN and len(p._candidates) <= MAX_KNOWN
+    windows = -(-100 // 15)  # 0-15, 15-30, ..., 90-100
+    assert pongs == windows * MAX_CANDIDATES

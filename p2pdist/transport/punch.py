@@ -25,10 +25,14 @@ Every punching state has a random :attr:`PeerPaths.session`, sent to the peer wi
 candidates through the (authenticated) relay. A PING or PONG counts only if it carries our
 session and the peer's current one, so probes captured in another session cannot be
 replayed to open or move a path; a PONG counts only for the transaction id and address of
-a PING of ours that is still pending. What a replay *within* the session can do is
-bounded: at most :data:`MAX_KNOWN` addresses are remembered, peer-reflexive addresses
-are learned (and answered) at most :data:`MAX_CANDIDATES` per round, and a PING starts a
-round early at most once per ``retry_after``.
+a PING of ours that is still pending. What the peer may send from is tied to its session
+too: when the peer's session changes, the addresses it was heard from, the PINGs still
+waiting for a PONG and every direct path but the one in use are forgotten. What a replay
+*within* the session can do is bounded: at most :data:`MAX_KNOWN` addresses heard from
+and :data:`MAX_KNOWN` direct paths are remembered, peer-reflexive addresses are learned
+(and answered) at most :data:`MAX_CANDIDATES` per ``retry_after`` seconds (a time window,
+not a round, so a NAT that rebinds the peer's port while a direct path is up is answered
+within one window), and a PING starts a round early at most once per ``retry_after``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from ..wire.probe import MAX_CANDIDATES, SESSION_LEN, TXID_LEN
 
 __all__ = [
     "MAX_KNOWN",
+    "MAX_PENDING",
     "Action",
     "Address",
     "PathChange",
@@ -56,7 +61,11 @@ __all__ = [
 Address = tuple[str, int]
 
 MAX_KNOWN = 2 * MAX_CANDIDATES
-"""Most candidate addresses, and most addresses heard from, kept for one peer."""
+"""Most candidate addresses, most addresses heard from, and most direct paths kept for
+one peer."""
+
+MAX_PENDING = 4 * MAX_KNOWN
+"""Most PINGs kept waiting for their PONG (the oldest are forgotten first)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,14 +201,19 @@ class PeerPaths:
         self.stale_probes = 0
         """PINGs and PONGs refused for carrying another session than ours and the peer's."""
         self.excess_pings = 0
-        """PINGs of this session left unanswered: from a new address when this round had
-        already learned :data:`MAX_CANDIDATES` peer-reflexive ones (replays, most likely)."""
+        """PINGs of this session left unanswered: from a new address when the last
+        ``retry_after`` seconds had already learned :data:`MAX_CANDIDATES` peer-reflexive
+        ones (replays, most likely)."""
+        self.session_changes = 0
+        """Times the peer's session changed (what it was heard from was forgotten)."""
         self.last_failure: str | None = None
         self.round_started: float | None = None
         self._candidates: dict[Address, _Candidate] = {}
         self._pending: dict[bytes, tuple[Address, float]] = {}
         self._heard: dict[Address, float] = {}
-        self._reflexive_this_round = 0
+        self._reflexive_learned = 0
+        self._reflexive_since: float | None = None
+        """Peer-reflexive addresses learned in the window that began at this time."""
         self._early_round_at: float | None = None
         self._round_end = 0.0
         self._retry_at = 0.0
@@ -220,8 +234,9 @@ class PeerPaths:
     ) -> list[Action]:
         """The peer sent its candidate addresses and its ``session`` (through the relay).
 
-        The list replaces the one it sent before; peer-reflexive addresses stay."""
-        self.peer_session = session
+        The list replaces the one it sent before; peer-reflexive addresses stay while the
+        peer's session does."""
+        self._set_peer_session(session)
         out: list[Action] = []
         if reply_wanted and (
             self._candidates_sent is None
@@ -251,7 +266,7 @@ class PeerPaths:
         it thinks are ours (``to_session``) and its own (``from_session``)."""
         if not self._fresh(to_session, from_session):
             return []
-        self.peer_session = from_session
+        self._set_peer_session(from_session)
         out: list[Action] = []
         if self.phase in (Phase.IDLE, Phase.BACKOFF) and (
             self._early_round_at is None or now - self._early_round_at >= self.config.retry_after
@@ -262,8 +277,8 @@ class PeerPaths:
             self._early_round_at = now
             out += self._begin_round(now, ask=False)
         if addr not in self.paths and not self._add_reflexive(addr, now) and not self.accepts(addr):
-            # A new address beyond this round's quota: answering it would make us a
-            # reflector for replayed PINGs, so it gets nothing until the next round.
+            # A new address beyond this window's quota: answering it would make us a
+            # reflector for replayed PINGs, so it gets nothing until the window ends.
             self.excess_pings += 1
             return out
         self._hear(addr, now)
@@ -284,6 +299,7 @@ class PeerPaths:
         path = self.paths.get(addr)
         if path is None:
             self.paths[addr] = DirectPath(addr, rtt, now)
+            self._trim_paths()
         else:
             path.rtt = 0.875 * path.rtt + 0.125 * rtt
             path.last_pong = now
@@ -360,7 +376,6 @@ class PeerPaths:
         self.rounds += 1
         self.round_started = now
         self._round_end = now + self.config.punch_timeout
-        self._reflexive_this_round = 0
         for cand in self._candidates.values():
             cand.next_probe = now
             cand.interval = self.config.probe_interval
@@ -369,17 +384,38 @@ class PeerPaths:
         self._candidates_sent = now
         return [SendCandidates(reply_wanted=True)]
 
+    def _set_peer_session(self, session: bytes) -> None:
+        """The peer's probes now carry ``session``. When it differs from the one before,
+        what we learned under the old one no longer says where the peer may send from:
+        the addresses heard from, pending PINGs, peer-reflexive candidates and the direct
+        paths are forgotten, except the direct path in use (its keepalives carry the new
+        session from now on and drop it if the peer no longer answers there)."""
+        old, self.peer_session = self.peer_session, session
+        if old is None or old == session:
+            return
+        self.session_changes += 1
+        keep = self.current
+        self._heard = {a: t for a, t in self._heard.items() if a == keep}
+        self.paths = {a: p for a, p in self.paths.items() if a == keep}
+        self._candidates = {a: c for a, c in self._candidates.items() if c.announced or a == keep}
+        self._pending.clear()
+        self._reflexive_learned = 0
+        self._reflexive_since = None
+
     def _add_reflexive(self, addr: Address, now: float) -> bool:
         """The peer's PING just came from ``addr``: probe it (a new address counts against
-        this round's :data:`MAX_CANDIDATES` peer-reflexive ones). False: ``addr`` is not a
-        candidate, and this round may learn no more."""
+        the :data:`MAX_CANDIDATES` peer-reflexive ones allowed per ``retry_after``
+        seconds). False: ``addr`` is not a candidate, and this window may learn no more."""
         cand = self._candidates.get(addr)
         if cand is not None:
             self._probe_soon(cand, now, pinged_us=True)
             return True
-        if self._reflexive_this_round >= MAX_CANDIDATES:
+        since = self._reflexive_since
+        if since is None or not since <= now < since + self.config.retry_after:
+            self._reflexive_since, self._reflexive_learned = now, 0
+        if self._reflexive_learned >= MAX_CANDIDATES:
             return False
-        self._reflexive_this_round += 1
+        self._reflexive_learned += 1
         self._candidates[addr] = _Candidate(now, self.config.probe_interval, False)
         self._trim_candidates()
         return True
@@ -401,20 +437,35 @@ class PeerPaths:
                 del self._candidates[addr]
 
     def _hear(self, addr: Address, now: float) -> None:
-        """Remember that the peer sends from ``addr`` (at most :data:`MAX_KNOWN` addresses,
-        the least recently heard that carries no validated path forgotten first)."""
+        """Remember that the peer sends from ``addr``: at most :data:`MAX_KNOWN` addresses,
+        the least recently heard that carries no validated path forgotten first, then the
+        least recently heard other than the path in use (its direct path goes with it, so
+        every direct path is also an address heard from)."""
         self._heard.pop(addr, None)
         self._heard[addr] = now
         if len(self._heard) > MAX_KNOWN:
-            for old in self._heard:
-                if old not in self.paths and old != self.current:
-                    del self._heard[old]
-                    break
+            spare = [a for a in self._heard if a != self.current]
+            old = next((a for a in spare if a not in self.paths), spare[0])
+            del self._heard[old]
+            self.paths.pop(old, None)
+
+    def _trim_paths(self) -> None:
+        """Keep at most :data:`MAX_KNOWN` direct paths: the longest silent, other than the
+        one in use, go first."""
+        while len(self.paths) > MAX_KNOWN:
+            old = min(
+                (p for a, p in self.paths.items() if a != self.current),
+                key=lambda p: p.last_pong,
+            )
+            del self.paths[old.addr]
+            self._heard.pop(old.addr, None)
 
     def _ping(self, addr: Address, now: float) -> SendPing:
         assert self.peer_session is not None  # candidates come with the peer's session
         txid = self._new_txid()
         self._pending[txid] = (addr, now)
+        while len(self._pending) > MAX_PENDING:
+            del self._pending[next(iter(self._pending))]
         return SendPing(addr, txid, self.peer_session)
 
     def _fail(self, now: float, why: str) -> None:
