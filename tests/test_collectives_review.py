@@ -113,8 +113,10 @@ async def test_error_feedback_recovers_after_a_non_finite_step(wire: str) -> Non
 async def test_foreign_exception_breaks_the_group_and_tells_the_others() -> None:
     # FloatingPointError (np.seterr raise) on the rank that reduces the overflowing
     # segment: that rank raises GroupBrokenError naming itself, the other is told at once
-    # instead of waiting for the timeout.
-    timeout = 20.0
+    # instead of waiting for the timeout. The error's content shows which: a rank left
+    # to the timeout raises PeerTimeoutError, not a GroupBrokenError naming the cause. The
+    # time bound is a third of a long timeout, so a loaded machine cannot miss it.
+    timeout = 60.0
     async with groups(2, timeout=timeout) as gs:
         xs = [np.ones(1 << 16, np.float16) for _ in gs]
         for x in xs:
@@ -124,8 +126,9 @@ async def test_foreign_exception_breaks_the_group_and_tells_the_others() -> None
             res = await asyncio.gather(
                 *(g.all_reduce(x) for g, x in zip(gs, xs, strict=True)), return_exceptions=True
             )
-        assert time.monotonic() - start < timeout / 4
+        assert time.monotonic() - start < timeout / 3
         failing = gs[0].peer_label(0)
+        assert not any(isinstance(e, PeerTimeoutError) for e in res), res
         assert all(isinstance(e, GroupBrokenError) for e in res), res
         assert isinstance(res[0].__cause__, FloatingPointError)
         for e in res:
@@ -211,3 +214,150 @@ def test_int8_non_finite_values_spoil_only_themselves() -> None:
     assert np.isnan(dec[bad]).all() and np.isnan(acc[bad]).all()
     assert np.abs(dec[~bad] - x[~bad]).max() <= 1 / 254 * 1.001  # absmax of finite values
     np.testing.assert_array_equal(acc[~bad], np.float32(1) + dec[~bad])
+
+
+# Second review: the fixes above made faster, the bucket position kept after a refusal.
+
+
+async def test_gradient_buckets_go_on_after_a_bucket_of_the_wrong_size() -> None:
+    # A refused bucket must neither take a position (the next bucket would use the next
+    # bucket's feedback and size) nor stay queued (it would join the next bucket): the
+    # step goes on with the right arrays as if the wrong one had never been added.
+    world, kw = 2, {"wire_dtype": "int8", "block": 64}
+    sizes = [1000, 1000, 300]
+    rng = np.random.default_rng(5)
+    async with groups(world) as gs:
+        buckets = await asyncio.gather(
+            *(
+                GradientBuckets.create(g, bucket_bytes=4000, op="sum", error_feedback=True, **kw)
+                for g in gs
+            )
+        )
+        own = [[ErrorFeedback() for _ in sizes] for _ in gs]
+        for step in range(3):
+            grads = [[rng.standard_normal(s).astype(np.float32) for s in sizes] for _ in gs]
+            want = await asyncio.gather(
+                *(
+                    asyncio.gather(
+                        *(
+                            g.all_reduce(gr, error_feedback=ef, **kw)  # type: ignore[arg-type]
+                            for gr, ef in zip(grads[g.rank], own[g.rank], strict=True)
+                        )
+                    )
+                    for g in gs
+                )
+            )
+            for b, gr in zip(buckets, grads, strict=True):
+                if step == 1:  # a wrong first bucket (999 elements), refused on every rank
+                    wrong = np.ones(999, np.float32)
+                    b.add(wrong)
+                    with pytest.raises(UsageError, match="bucket 0 holds 999 elements"):
+                        b.flush()
+                    np.testing.assert_array_equal(wrong, 1.0)  # dropped, left as it was
+                if step == 2:  # a wrong bucket after a good one: refused at add
+                    b.add(gr[0])
+                    with pytest.raises(UsageError, match="bucket 1 holds 1100 elements"):
+                        b.add(np.ones(1100, np.float32))
+                    gr_rest = gr[1:]
+                else:
+                    gr_rest = gr
+                for a in gr_rest:
+                    b.add(a)
+            await asyncio.gather(*(b.wait() for b in buckets))
+            for r in range(world):
+                for got, exp in zip(grads[r], want[r], strict=True):
+                    np.testing.assert_array_equal(got, exp, err_msg=f"step {step}")
+
+
+def _int8_block_reference(x: np.ndarray) -> tuple[np.float32, np.ndarray]:
+    """de14e38's per-block route for a tiny or non-finite block: (scale, int8 values)."""
+    with np.errstate(under="ignore"):
+        finite = np.isfinite(x)
+        vals = np.where(finite, x, np.float32(0.0))
+        amax = np.abs(vals).max()
+        scale = np.float32(amax / np.float32(127.0))
+        if amax > 0 and (scale == 0 or amax / scale > 127):
+            scale = np.nextafter(scale, np.float32(np.inf))
+        q = np.zeros(x.size, np.int8)
+        if scale > 0:
+            q[:] = np.clip(np.rint(vals / scale), -127, 127)
+        if finite.all():
+            return scale, q
+        q[~finite] = -128
+        return (-scale if scale > 0 else np.float32(-0.0)), q
+
+
+@pytest.mark.parametrize("block", [1, 7, 256])
+def test_int8_rare_blocks_batched_match_the_per_block_route(block: int) -> None:
+    # Tiny and non-finite blocks are encoded and decoded in one batch per slab: bit for
+    # bit what the per-block route gave, next to ordinary blocks, in a partial tail too.
+    rng = np.random.default_rng(block)
+    kinds = [1.0, 1e-30, 1e-39, 1e-44, 0.0]
+    blocks = []
+    for i in range(3000 // block + 40):
+        b = (rng.standard_normal(block) * kinds[i % len(kinds)]).astype(np.float32)
+        if i % 3 == 0:
+            b[rng.integers(0, block, 1 + block // 8)] = rng.choice([np.inf, -np.inf, np.nan])
+        blocks.append(b)
+    x = np.concatenate(blocks)[: len(blocks) * block - block // 2]  # a partial tail block
+    codec = make_codec("int8", block)
+    with np.errstate(all="raise"):
+        enc = codec.encode(x)
+        dec = codec.decode(enc, x.size)
+    nb = -(-x.size // block)
+    scales, q = enc[: 4 * nb].view(np.float32), enc[4 * nb :].view(np.int8)
+    ref_dec = np.empty_like(x)
+    for i in range(nb):
+        xb = x[i * block : (i + 1) * block]
+        amax = np.abs(xb).max()
+        if np.isfinite(amax) and not 0 < amax < 2.0**-96:
+            continue  # an ordinary block: the fast route (tested elsewhere)
+        scale, qb = _int8_block_reference(xb)
+        assert scales[i].tobytes() == scale.tobytes(), i
+        np.testing.assert_array_equal(q[i * block : (i + 1) * block], qb, err_msg=str(i))
+        ref = qb.astype(np.float32) * np.abs(scale)
+        ref[qb == -128] = np.nan
+        ref_dec[i * block : (i + 1) * block] = ref
+        np.testing.assert_array_equal(dec[i * block : (i + 1) * block], ref, err_msg=str(i))
+    acc = np.ones_like(x)
+    codec.accumulate(enc, acc)
+    np.testing.assert_array_equal(acc, np.float32(1) + dec)
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16", "int8"])
+def test_error_feedback_keeps_the_residual_only_where_a_value_is_not_finite(wire: str) -> None:
+    # The plain subtraction where everything is finite; in a piece holding inf or NaN the
+    # other elements' residuals are updated as usual and the bad ones keep their values.
+    codec = make_codec(wire, 64)
+    ef = ErrorFeedback()
+    rng = np.random.default_rng(1)
+    n = (1 << 18) + 1000  # two pieces, the second partial
+    x1 = rng.standard_normal(n).astype(np.float32)
+    out1 = ef.apply(x1, codec)
+    assert ef.residual is not None
+    np.testing.assert_array_equal(ef.residual, x1 - codec.decode(codec.encode(x1), n))
+    np.testing.assert_array_equal(out1, codec.decode(codec.encode(x1), n))
+    before = ef.residual.copy()
+    x2 = rng.standard_normal(n).astype(np.float32)
+    bad = [3, 700, (1 << 18) + 5]
+    x2[bad] = [np.inf, np.nan, -np.inf]
+    with np.errstate(invalid="ignore", over="ignore"):
+        sent = x2 + before
+        out2 = ef.apply(x2, codec)
+        want = sent - codec.decode(codec.encode(sent), n)
+    good = np.isfinite(want)
+    assert not good[bad].any()
+    np.testing.assert_array_equal(ef.residual[good], want[good])
+    np.testing.assert_array_equal(ef.residual[~good], before[~good])
+    assert not np.isfinite(out2[bad]).any()
+
+
+def test_codecs_keep_non_finite_values_non_finite() -> None:
+    # ErrorFeedback relies on it: a finite decoded piece means a finite residual.
+    x = np.array([np.inf, -np.inf, np.nan, 1.0, 3.0e38, -3.4e38], np.float32)
+    for wire in ["float16", "bfloat16", "int8"]:
+        for route in ["bits", "numpy"] if wire == "float16" else ["bits"]:
+            codec = make_codec(wire, 4, f16_route=route)
+            with np.errstate(over="ignore", invalid="ignore"):
+                dec = codec.decode(codec.encode(x), x.size)
+            assert not np.isfinite(dec[:3]).any(), (wire, route, dec)

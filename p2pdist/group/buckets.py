@@ -27,7 +27,9 @@ class GradientBuckets:
     With ``error_feedback=True`` (and a ``wire_dtype``) every bucket keeps an
     :class:`ErrorFeedback` of its own: the k-th bucket of a step (counted from the last
     :meth:`wait`) uses the k-th feedback, so the same arrays must be added in the same
-    order every step (a bucket whose size changes raises :class:`UsageError` at once).
+    order every step (a bucket whose size changes raises :class:`UsageError` at once:
+    that bucket's arrays are dropped, not reduced, and the next bucket takes its position,
+    so the step can go on with the right arrays).
     """
 
     def __init__(
@@ -95,8 +97,10 @@ class GradientBuckets:
         """Start reducing what was added so far (the bucket need not be full)."""
         if not self._pending:
             return
-        feedback = self._bucket_feedback(sum(a.size for a in self._pending))
         arrays, self._pending, self._pending_bytes = self._pending, [], 0
+        # A bucket of the wrong size raises here: its arrays are dropped (left as they
+        # were) and its position stays free, so the helper goes on as before the call.
+        feedback = self._bucket_feedback(sum(a.size for a in arrays))
         previous = self._tasks[-1] if self._tasks else None
         self._tasks.append(
             asyncio.get_running_loop().create_task(self._reduce_bucket(arrays, previous, feedback))
@@ -107,7 +111,6 @@ class GradientBuckets:
         if self._feedback is None:
             return None
         k = self._index
-        self._index += 1
         if k == len(self._feedback):
             self._feedback.append(ErrorFeedback())
             self._sizes.append(size)
@@ -116,6 +119,7 @@ class GradientBuckets:
                 f"bucket {k} holds {size} elements, {self._sizes[k]} in earlier steps: with "
                 "error_feedback, add the same arrays in the same order every step"
             )
+        self._index = k + 1  # only a bucket that goes out takes a position
         return self._feedback[k]
 
     async def _reduce_bucket(

@@ -161,14 +161,14 @@ class _Int8Codec(_Codec):
     handled as a (blocks, block) matrix, a cache-sized slab of rows at a time, with
     scratch kept between calls.
 
-    Two kinds of block take a slower exact route (:meth:`_encode_rare`), found from the
-    per-block absmax at almost no cost: blocks whose absmax is below ``2**-96`` (there
-    ``1 / scale`` would overflow float32, so they divide by the scale and clip), and
-    blocks holding an infinity or NaN. Such a block's scale covers its finite values
-    only; its non-finite elements are sent as -128 (a code absmax scaling never makes)
-    and decode to NaN, and its scale is sent negated (sign bit set) so that the decoder
-    only looks for -128 in the blocks that have it. The other values of the block are
-    kept.
+    Two kinds of block take a slower exact route (:meth:`_encode_rare`, all such blocks
+    of a slab in one vectorised batch), found from the per-block absmax at almost no
+    cost: blocks whose absmax is below ``2**-96`` (there ``1 / scale`` would overflow
+    float32, so they divide by the scale and clip), and blocks holding an infinity or
+    NaN. Such a block's scale covers its finite values only; its non-finite elements are
+    sent as -128 (a code absmax scaling never makes) and decode to NaN, and its scale is
+    sent negated (sign bit set) so that the decoder only looks for -128 in the blocks
+    that have it. The other values of the block are kept.
     """
 
     __slots__ = ("_inv", "_tmp", "block")
@@ -241,33 +241,32 @@ class _Int8Codec(_Codec):
                 np.rint(tmp, out=tmp)  # |values| <= 127: no saturation
                 np.copyto(qs, tmp, casting="unsafe")
             if any_rare:
-                for row in np.flatnonzero(rare):
-                    sc[row] = self._encode_rare(xs[row], qs[row])
+                rows_rare = np.flatnonzero(rare)
+                q_rare, sc[rows_rare] = self._encode_rare(xs[rows_rare])
+                qs[rows_rare] = q_rare
 
-    def _encode_rare(self, x: np.ndarray, q: np.ndarray) -> np.float32:
-        """Encode one block with a tiny or non-finite absmax exactly; returns its scale
-        (negated when the block holds non-finite values, see the class docstring)."""
+    def _encode_rare(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Encode blocks (the rows of ``x``) with a tiny or non-finite absmax exactly, all
+        at once; returns their int8 values and scales (a scale is negated where its block
+        holds non-finite values, see the class docstring)."""
         with np.errstate(under="ignore"):  # tiny blocks underflow on purpose
-            return self._encode_rare_block(x, q)
-
-    def _encode_rare_block(self, x: np.ndarray, q: np.ndarray) -> np.float32:
-        finite = np.isfinite(x)
-        ok = bool(finite.all())
-        vals = x if ok else np.where(finite, x, np.float32(0.0))
-        amax = np.abs(vals).max() if vals.size else np.float32(0.0)
-        scale = np.float32(amax / np.float32(127.0))
-        if amax > 0 and (scale == 0 or amax / scale > 127):  # subnormal, rounded down
-            scale = np.nextafter(scale, np.float32(np.inf))
-        if scale > 0:
+            finite = np.isfinite(x)
+            vals = np.where(finite, x, np.float32(0.0))
+            amax = np.abs(vals).max(axis=1)
+            scale = amax / np.float32(127.0)
+            # A subnormal scale rounded down would map the absmax past 127: round it up.
+            ratio = np.divide(amax, scale, out=np.zeros_like(amax), where=scale > 0)
+            low = (amax > 0) & ((scale == 0) | (ratio > 127))
+            scale[low] = np.nextafter(scale[low], np.float32(np.inf))
             # Division, not a reciprocal: 1 / scale overflows for tiny scales, and a
-            # subnormal scale is inexact enough to need the clip.
-            np.copyto(q, np.clip(np.rint(vals / scale), -127, 127), casting="unsafe")
-        else:
-            q.fill(0)
-        if ok:
-            return scale
-        q[~finite] = self._NONFINITE
-        return -scale if scale > 0 else np.float32(-0.0)
+            # subnormal scale is inexact enough to need the clip. A zero scale goes with
+            # an all-zero block: divide by 1 instead.
+            np.divide(vals, np.where(scale > 0, scale, np.float32(1.0))[:, None], out=vals)
+            np.rint(vals, out=vals)
+            np.clip(vals, -127, 127, out=vals)
+            q = vals.astype(np.int8)
+            q[~finite] = self._NONFINITE
+            return q, np.where(finite.all(axis=1), scale, -scale)
 
     def _decode_slabs(self, data: Any, out: np.ndarray, add: bool) -> None:
         n, block = out.size, self.block
@@ -283,9 +282,11 @@ class _Int8Codec(_Codec):
             tmp = tmp_all[: s1 - s0].reshape(rows, width) if add else dst
             np.multiply(qs, sc, out=tmp)
             if flagged.any():  # blocks with non-finite values (see the class docstring)
-                for row in np.flatnonzero(flagged):
-                    np.multiply(qs[row], -sc[row, 0], out=tmp[row])
-                    tmp[row][qs[row] == self._NONFINITE] = np.nan
+                rows_flagged = np.flatnonzero(flagged)
+                q_flagged = qs[rows_flagged]
+                vals = q_flagged * -sc[rows_flagged]
+                vals[q_flagged == self._NONFINITE] = np.nan
+                tmp[rows_flagged] = vals
             if add:
                 np.add(dst, tmp, out=dst)
 
@@ -336,7 +337,8 @@ class ErrorFeedback:
         """``decode(encode(x / divisor + residual))``, remembering the new residual.
 
         Returns a new float32 array; the residual is updated in its own array, piece by
-        piece, through one piece-sized wire buffer and one piece-sized scratch.
+        piece, through one piece-sized wire buffer, float32 scratch and bool scratch. A
+        piece that decodes to finite values (the usual case) takes a plain subtraction.
         """
         sent = x.astype(np.float32).reshape(-1)  # a fresh copy: the caller works in place
         if divisor != 1:
@@ -355,16 +357,27 @@ class ErrorFeedback:
         sent += residual  # the value to send: x + what earlier calls lost
         align = getattr(codec, "block", 1)  # int8 scales cover whole blocks
         step = max(1, self._PIECE // align) * align
-        wire = np.empty(codec.nbytes(min(step, sent.size)), np.uint8)
-        lost = np.empty(min(step, sent.size), np.float32)
+        piece = min(step, sent.size)
+        wire = np.empty(codec.nbytes(piece), np.uint8)
+        decoded = np.empty(piece, np.float32)
+        finite = np.empty(piece, np.bool_)
         for a in range(0, sent.size, step):
             b = min(a + step, sent.size)
-            buf, diff = wire[: codec.nbytes(b - a)], lost[: b - a]
+            buf, dec, ok = wire[: codec.nbytes(b - a)], decoded[: b - a], finite[: b - a]
             codec.encode_into(sent[a:b], buf)
-            np.copyto(diff, sent[a:b])
-            codec.decode_into(buf, sent[a:b])
-            with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: masked below
-                diff -= sent[a:b]
-            # A non-finite value sent or decoded leaves the residual as it was.
-            np.copyto(residual[a:b], diff, where=np.isfinite(diff))
+            codec.decode_into(buf, dec)
+            # Every codec decodes a non-finite value to a non-finite one, so a finite
+            # decoded piece means a finite residual: the plain subtraction (the usual case).
+            if np.isfinite(dec, out=ok).all():
+                np.subtract(sent[a:b], dec, out=residual[a:b])
+            else:
+                self._keep_finite(sent[a:b], dec, residual[a:b])
+            np.copyto(sent[a:b], dec)
         return sent
+
+    @staticmethod
+    def _keep_finite(sent: np.ndarray, dec: np.ndarray, residual: np.ndarray) -> None:
+        """``residual = sent - dec`` where that is finite; the previous residual elsewhere."""
+        with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: masked below
+            diff = sent - dec
+        np.copyto(residual, diff, where=np.isfinite(diff))
