@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -12,7 +13,7 @@ from transport_conformance import bounded, wait_until
 
 from p2pdist import EndpointId, PeerAuthenticationError, SecretKey
 from p2pdist.transport.relay_path import RelayConfig, RelayPath, RelayState
-from p2pdist.wire.relay import RelayUrl
+from p2pdist.wire.relay import RelayFrame, RelayFrameType, RelayUrl
 
 FAST = RelayConfig(connect_timeout=5.0, backoff_initial=0.05, backoff_max=0.5)
 
@@ -121,3 +122,23 @@ async def test_reconnects_after_a_relay_restart(tmp_path: Path) -> None:
     finally:
         await bounded(asyncio.gather(a.close(), b.close()), "close()")
         first.__exit__()
+
+
+def test_a_relay_naming_an_impossible_endpoint_id_loses_one_frame_not_the_session() -> None:
+    """A hostile relay sends RECV and PEER_GONE from a small-order key (no endpoint id):
+    the frame is dropped and counted; the session, and the next honest frame, go on."""
+    path = RelayPath(key(0), "https://127.0.0.1:9/?pin=" + str(key(1).endpoint_id))
+    got: list[tuple[EndpointId, bytes]] = []
+    gone: list[EndpointId] = []
+    path.on_datagram = lambda src, data: got.append((src, data))
+    path.on_peer_gone = gone.append
+    identity_point = (1).to_bytes(32, "little")  # y = 1: a small-order point
+    writer: Any = None  # RECV and PEER_GONE write nothing
+    assert path._handle(RelayFrame(RelayFrameType.RECV, identity_point, b"x"), writer) is None
+    assert path._handle(RelayFrame(RelayFrameType.PEER_GONE, b"", identity_point), writer) is None
+    assert got == [] and gone == [] and path.status.bad_peer_ids == 2
+    honest = bytes(key(2).endpoint_id)
+    path._handle(RelayFrame(RelayFrameType.RECV, honest, b"y"), writer)
+    path._handle(RelayFrame(RelayFrameType.PEER_GONE, b"", honest), writer)
+    assert got == [(key(2).endpoint_id, b"y")] and gone == [key(2).endpoint_id]
+    assert path.status.bad_peer_ids == 2

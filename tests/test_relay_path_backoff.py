@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from typing import Any
 
 import pytest
 
@@ -42,28 +43,48 @@ def test_clients_told_to_reconnect_do_not_return_together() -> None:
 
 
 class ReconnectAtOnce(RelayPath):
-    """A relay that answers every session with RECONNECT retry_after=0 at once."""
+    """A relay that answers every session with RECONNECT retry_after=0 at once; the
+    client is closed after ``stop_after`` sessions, and its waits are recorded."""
 
-    sessions = 0
+    def __init__(self, *args: Any, stop_after: int, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.sessions, self.stop_after = 0, stop_after
+        self.waits: list[float] = []
+        self.done = asyncio.Event()
+        backoff = self._backoff
+        real = backoff.next_wait
+
+        def record(*, lasted: float | None, retry_after: float | None) -> float:
+            wait = real(lasted=lasted, retry_after=retry_after)
+            self.waits.append(wait)
+            return wait
+
+        backoff.next_wait = record  # type: ignore[method-assign]
 
     async def _session(self) -> float | None:
         self.sessions += 1
+        if self.sessions >= self.stop_after:
+            self._closed = True  # what close() does first: no further reconnect
+            self.done.set()
         self._authed_at = time.monotonic()
         return 0.0
 
 
 async def test_a_relay_answering_reconnect_with_zero_is_not_hammered() -> None:
-    cfg = RelayConfig(backoff_initial=0.02, backoff_max=0.16)
+    cfg = RelayConfig(backoff_initial=0.01, backoff_max=0.04)
     path = ReconnectAtOnce(
         SecretKey.from_seed("relay backoff", 0),
         "https://127.0.0.1:9/?pin=" + str(SecretKey.from_seed("relay backoff", 1).endpoint_id),
         config=cfg,
         random=lambda: 0.0,
+        stop_after=6,
     )
     path.start()
     try:
-        await asyncio.sleep(0.5)
+        await asyncio.wait_for(path.done.wait(), 10.0)
     finally:
         await path.close()
-    # waits of 0.02, 0.04, 0.08, 0.16, 0.16 ...: a handful of sessions, not thousands
-    assert 2 <= path.sessions <= 8
+    # between the 6 sessions, waits of 0.01, 0.02, 0.04, 0.04, 0.04 (never 0, whatever
+    # retry_after says): the relay is dialed ever more slowly, not thousands of times
+    assert path.sessions == 6
+    assert path.waits == pytest.approx([0.01, 0.02, 0.04, 0.04, 0.04])

@@ -91,6 +91,9 @@ class RelayStatus:
     datagrams_received: int = 0
     dropped: int = 0
     """Datagrams dropped here (no session, or the send buffer full)."""
+    bad_peer_ids: int = 0
+    """RECV and PEER_GONE frames dropped because the endpoint id they named cannot be one
+    (e.g. a small-order key): only a misbehaving relay sends them."""
     limits: dict[str, float] = field(default_factory=dict)
     stun_ports: tuple[int, ...] = ()
     """The relay's UDP observation ports (STUN Binding), from AUTH_OK; two ports let a
@@ -178,7 +181,7 @@ class RelayPath:
         self._closed = False
         self._ping_sent: dict[bytes, float] = {}
         self._ping_waiters: dict[bytes, asyncio.Future[float]] = {}
-        self._sent = self._received = self._dropped = 0
+        self._sent = self._received = self._dropped = self._bad_peer_ids = 0
         self._outbox = bytearray()
         """SEND frames queued in this event-loop pass (one TLS write each pass)."""
         self._outbox_count = 0
@@ -199,6 +202,7 @@ class RelayPath:
             datagrams_sent=self._sent,
             datagrams_received=self._received,
             dropped=self._dropped,
+            bad_peer_ids=self._bad_peer_ids,
         )
 
     def start(self) -> None:
@@ -445,16 +449,35 @@ class RelayPath:
             await asyncio.wait([proto.done], timeout=left)
         return proto.done.result()
 
+    def _peer_id(self, raw: bytes) -> EndpointId | None:
+        """The endpoint id a frame from the relay names; None (the frame is dropped and
+        counted in :attr:`RelayStatus.bad_peer_ids`) when those bytes cannot be one. An
+        honest relay only forwards from authenticated clients, so this is a hostile or
+        broken relay, which must not end the session of everyone else's datagrams."""
+        try:
+            return endpoint_id_of(raw)
+        except UsageError as exc:
+            self._bad_peer_ids += 1
+            if self._bad_peer_ids == 1:
+                log.warning(
+                    "relay %s sent a frame from an impossible endpoint id: %s", self.url, exc
+                )
+            return None
+
     def _handle(self, frame: RelayFrame, writer: asyncio.Transport) -> float | None:
         """Act on one frame from the relay; returns retry_after on RECONNECT."""
         kind, body = frame.kind, frame.body
         if kind is RelayFrameType.RECV:
             self._received += 1
             if self.on_datagram is not None:
-                self.on_datagram(endpoint_id_of(frame.peer), body)
+                src = self._peer_id(frame.peer)
+                if src is not None:
+                    self.on_datagram(src, body)
         elif kind is RelayFrameType.PEER_GONE:
             if len(body) == 32 and self.on_peer_gone is not None:
-                self.on_peer_gone(endpoint_id_of(body))
+                gone = self._peer_id(body)
+                if gone is not None:
+                    self.on_peer_gone(gone)
         elif kind is RelayFrameType.PING:
             writer.write(encode_frame(RelayFrameType.PONG, body))
         elif kind is RelayFrameType.PONG:
