@@ -99,8 +99,16 @@ class RelayConfig:
     max_unauthenticated: int | None = field(
         default=None,
         metadata=_doc(
-            "most connections still in the HTTP upgrade or AUTH at once; more are answered "
-            "503 and closed (default: max-clients)",
+            "most connections still in the HTTP upgrade or AUTH at once; a new one over "
+            "it closes the oldest of them (default: max-clients)",
+            "N",
+        ),
+    )
+    max_unauthenticated_per_ip: int = field(
+        default=64,
+        metadata=_doc(
+            "most of those from one source address (IPv4 address, IPv6 /64); a new one "
+            "over it closes the oldest of that source",
             "N",
         ),
     )
@@ -241,6 +249,10 @@ def _validate(c: RelayConfig) -> None:
         raise ConfigError(f"max-clients must be >= 1, got {c.max_clients}")
     if c.max_unauthenticated is not None and c.max_unauthenticated < 1:
         raise ConfigError(f"max-unauthenticated must be >= 1, got {c.max_unauthenticated}")
+    if c.max_unauthenticated_per_ip < 1:
+        raise ConfigError(
+            f"max-unauthenticated-per-ip must be >= 1, got {c.max_unauthenticated_per_ip}"
+        )
     _positive("rate", c.rate, allow_zero=True)
     if c.rate and c.burst < MAX_BODY:
         raise ConfigError(

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AUTH_FAILURE_REASONS", "DROP_REASONS", "Metrics"]
+__all__ = ["AUTH_FAILURE_REASONS", "DROP_REASONS", "EVICT_REASONS", "Metrics"]
 
 DROP_REASONS = ("rate_limited", "queue_full", "unknown_peer")
 AUTH_FAILURE_REASONS = (
@@ -18,6 +18,8 @@ AUTH_FAILURE_REASONS = (
     "timeout",
     "shutting_down",
 )
+EVICT_REASONS = ("max_unauthenticated", "max_unauthenticated_per_ip")
+"""The cap that was reached when a connection waiting to authenticate was evicted."""
 PREFIX = "p2pdist_relay_"
 
 
@@ -44,9 +46,6 @@ class Metrics:
     datagrams_in_total: int = _counter("SEND frames received")
     datagrams_out_total: int = _counter("RECV frames queued to destinations")
     peer_gone_total: int = _counter("PEER_GONE frames sent")
-    connections_refused_total: int = _counter(
-        "connections closed at once because max-unauthenticated were waiting to authenticate"
-    )
     protocol_errors_total: int = _counter("connections closed for breaking the protocol")
     keepalive_timeouts_total: int = _counter("clients dropped after 3 x keepalive of silence")
     http_requests_total: int = _counter("plain HTTP requests answered (health, metrics, errors)")
@@ -58,6 +57,14 @@ class Metrics:
     auth_failures: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(AUTH_FAILURE_REASONS, 0),
         metadata=_labelled("auth_failures_total", "refused authentications, by reason"),
+    )
+    evicted: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(EVICT_REASONS, 0),
+        metadata=_labelled(
+            "evicted_total",
+            "connections waiting to authenticate closed to make room for a newer one, "
+            "by the cap that was reached",
+        ),
     )
 
     def render(self, *, clients: int, connections: int, unauthenticated: int = 0) -> str:

@@ -239,6 +239,7 @@ class RelayServer:
         core_cfg = CoreConfig(
             max_clients=c.max_clients,
             max_unauthenticated=c.max_unauthenticated,
+            max_unauthenticated_per_ip=c.max_unauthenticated_per_ip,
             rate=c.rate,
             burst=c.burst,
             queue_bytes=c.queue_bytes,

@@ -19,6 +19,7 @@ syscalls when a client sends many small datagrams at once).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import secrets
 import struct
@@ -65,6 +66,7 @@ MALFORMED = Refusal("malformed", "malformed AUTH")
 RELAY_FULL = Refusal("relay_full", "relay full")
 AUTH_TIMEOUT = Refusal("timeout", "authentication timed out")
 SHUTTING_DOWN = Refusal("shutting_down", "relay shutting down")
+EVICTED = "evicted: too many connections waiting to authenticate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +81,13 @@ class CoreConfig:
     auth_timeout: float = 10.0
     retry_after: float = 1.0
     max_unauthenticated: int | None = None
-    """Most connections in the HTTP or AUTH phase at once (None: ``max_clients``); more
-    are answered 503 and closed at once (``connections_refused_total``)."""
+    """Most connections in the HTTP or AUTH phase at once (None: ``max_clients``). A new
+    connection over the cap is let in and the oldest one still waiting is closed
+    (``evicted_total{reason="max_unauthenticated"}``)."""
+    max_unauthenticated_per_ip: int = 64
+    """Most of those from one source address (an IPv4 address, an IPv6 /64); over it
+    the oldest waiting one of that source is closed
+    (``evicted_total{reason="max_unauthenticated_per_ip"}``)."""
     stun_ports: tuple[int, ...] = ()
     """Bound UDP observation ports (STUN, then the alternate), advertised in AUTH_OK."""
 
@@ -93,6 +100,19 @@ def _closed(s: Session) -> bool:
 def unmap_ipv4(ip: str) -> str:
     """``::ffff:192.0.2.1`` (an IPv4 client of a dual-stack socket) -> ``192.0.2.1``."""
     return ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
+
+
+def source_of(ip: str) -> str:
+    """The source a waiting connection counts against: an IPv4 address, or the /64 of
+    an IPv6 one (one host usually gets a whole /64). Unparsable strings stand alone."""
+    ip = unmap_ipv4(ip)
+    try:
+        addr = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        return ip
+    if addr.version == 6:
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
 
 
 def format_address(ip: str, port: int) -> str:
@@ -120,7 +140,10 @@ class RelayCore:
         self._random = random_bytes
         self._sessions: set[Session] = set()
         self._clients: dict[bytes, Session] = {}
-        self._unauthenticated: set[Session] = set()
+        self._waiting: dict[Session, str] = {}
+        """Sessions in the HTTP or AUTH phase, oldest first, with their source."""
+        self._waiting_by_source: dict[str, dict[Session, None]] = {}
+        """The same, per source (oldest first); no empty entries."""
         self._buckets: dict[bytes, TokenBucket] = {}
         """Token buckets of ids whose session is gone, kept until they are full again
         (at most ``max_clients``), so reconnecting does not refill a bucket."""
@@ -147,7 +170,7 @@ class RelayCore:
     @property
     def unauthenticated(self) -> int:
         """Open sessions still in the HTTP or AUTH phase."""
-        return len(self._unauthenticated)
+        return len(self._waiting)
 
     @property
     def max_unauthenticated(self) -> int:
@@ -173,9 +196,14 @@ class RelayCore:
     # ---- events from the glue ---------------------------------------------------------
 
     def open(self, link: Link, peer: tuple[str, int], now: float) -> Session:
-        """A TLS connection was accepted from ``peer``. Once the relay is shutting down,
-        or while ``max_unauthenticated`` connections are waiting to authenticate, the
-        session is answered 503 and closed at once (it is returned CLOSED)."""
+        """A TLS connection was accepted from ``peer``. Once the relay is shutting down
+        the session is answered 503 and closed at once (it is returned CLOSED).
+
+        Otherwise it is always let in: when ``max_unauthenticated`` connections (or
+        ``max_unauthenticated_per_ip`` from the same source) are already waiting to
+        authenticate, the oldest of them is closed to make room. A real client needs
+        a round trip or two to authenticate, so a flood of idle connections churns
+        itself instead of locking clients (and /health, /metrics) out."""
         self._next_id += 1
         s = Session(self._next_id, link, format_address(*peer), now)
         self._sessions.add(s)
@@ -185,13 +213,29 @@ class RelayCore:
             self.metrics.auth_failures[SHUTTING_DOWN.reason] += 1
             self._queue(s, response(503, f"{SHUTTING_DOWN.message}\n"))
             self._close(s, "closed_for_shutdown", quiet=True)
-        elif len(self._unauthenticated) >= self.max_unauthenticated:
-            self.metrics.connections_refused_total += 1
-            self._queue(s, response(503, "too many connections waiting to authenticate\n"))
-            self._close(s, "refused", quiet=True, fields={"waiting": len(self._unauthenticated)})
         else:
-            self._unauthenticated.add(s)
+            self._admit(s, source_of(peer[0]), now)
         return s
+
+    def _admit(self, s: Session, source: str, now: float) -> None:
+        """Count ``s`` as waiting, evicting the oldest waiting connection(s) over a cap."""
+        mine = self._waiting_by_source.get(source)
+        while mine and len(mine) >= self.config.max_unauthenticated_per_ip:
+            self._evict(next(iter(mine)), "max_unauthenticated_per_ip", now)
+        while self._waiting and len(self._waiting) >= self.max_unauthenticated:
+            self._evict(next(iter(self._waiting)), "max_unauthenticated", now)
+        self._waiting[s] = source
+        self._waiting_by_source.setdefault(source, {})[s] = None
+
+    def _evict(self, s: Session, reason: str, now: float) -> None:
+        """Close a waiting connection to make room: 503 before the upgrade, ERROR after."""
+        self.metrics.evicted[reason] += 1
+        fields: dict[str, object] = {"reason": reason, "after": now - s.opened_at}
+        if s.phase is Phase.HTTP:
+            self._queue(s, response(503, f"{EVICTED}\n"))
+            self._close(s, "evicted", quiet=True, fields=fields)
+        else:
+            self._close(s, "evicted", error=EVICTED, quiet=True, fields=fields)
 
     def receive(self, s: Session, data: bytes | bytearray | memoryview, now: float) -> None:
         """Bytes arrived from ``s``'s client. ``data`` is only read during the call (it
@@ -380,7 +424,7 @@ class RelayCore:
             self.metrics.replaced_total += 1
             self._close(old, "replaced", error=REPLACED)  # leaves its bucket in _buckets
         s.phase = Phase.ACTIVE
-        self._unauthenticated.discard(s)
+        self._stop_waiting(s)
         s.endpoint = eid
         s.raw_id = raw_id
         if self.config.rate:
@@ -465,11 +509,21 @@ class RelayCore:
 
     def _forget(self, s: Session) -> None:
         s.phase = Phase.CLOSED
-        self._unauthenticated.discard(s)
+        self._stop_waiting(s)
         if s.raw_id and self._clients.get(s.raw_id) is s:
             del self._clients[s.raw_id]
             if s.bucket is not None:
                 self._keep_bucket(s.raw_id, s.bucket)
+
+    def _stop_waiting(self, s: Session) -> None:
+        """``s`` authenticated or closed: it no longer counts against the waiting caps."""
+        source = self._waiting.pop(s, None)
+        if source is None:
+            return
+        mine = self._waiting_by_source[source]
+        del mine[s]
+        if not mine:
+            del self._waiting_by_source[source]
 
     def _keep_bucket(self, raw_id: bytes, bucket: TokenBucket) -> None:
         """Remember a gone client's bucket until it is full (pruned by :meth:`tick`);

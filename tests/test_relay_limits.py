@@ -6,6 +6,7 @@ connections that arrive while the relay shuts down."""
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,8 @@ from p2pdist.wire.relay import (
 from relay.cli import load_config
 from relay.config import ConfigError, RelayConfig, from_mapping
 from relay.limits import MAX_PEER_GONE_ENTRIES, PeerGoneThrottle, TokenBucket
-from relay.session import Phase
-from relay.state import MAX_AUTH_BODY, RelayCore
+from relay.session import Phase, Session
+from relay.state import MAX_AUTH_BODY, CoreConfig, RelayCore, source_of
 
 T = RelayFrameType
 BIG = b"z" * (MAX_BODY - 32)  # a SEND body of MAX_BODY bytes: one whole bucket below
@@ -62,17 +63,49 @@ def test_the_largest_valid_auth_still_passes() -> None:
     assert s.phase is Phase.ACTIVE and link.frames()[-1][0] is T.AUTH_OK
 
 
-def test_connections_waiting_to_authenticate_are_capped() -> None:
-    c = core(max_clients=2)  # the cap defaults to max_clients
-    assert c.max_unauthenticated == 2
+def opened(c: RelayCore, ip: str, now: float = 0.0, port: int = 1) -> tuple[Session, FakeLink]:
+    """A connection from ``ip`` that finished TLS and has sent nothing yet."""
+    link = FakeLink()
+    return c.open(link, (ip, port), now), link
+
+
+def health(c: RelayCore, s: Session, link: FakeLink, path: str = "/health") -> bytes:
+    c.receive(s, f"GET {path} HTTP/1.1\r\nHost: relay.test\r\n\r\n".encode(), 0.0)
+    assert link.closed
+    return link.http()
+
+
+def test_a_new_connection_over_the_cap_evicts_the_oldest_waiting() -> None:
+    c = core(max_clients=3)  # the cap defaults to max_clients
+    assert c.max_unauthenticated == 3
+    first, first_link = upgrade(c, 0.0)  # in AUTH: gets an ERROR when evicted
+    second, second_link = opened(c, "192.0.2.8", 1.0)  # in the HTTP phase: gets a 503
+    third, _ = opened(c, "192.0.2.9", 2.0)
+    assert c.unauthenticated == 3
+    fourth, fourth_link = opened(c, "192.0.2.10", 3.0)
+    # Before the fix the newcomer was refused with 503 and the idle ones kept their place.
+    assert fourth.phase is Phase.HTTP and not fourth_link.closed
+    assert first.phase is Phase.CLOSED and first_link.closed
+    assert first_link.frames() == [
+        (T.ERROR, b"evicted: too many connections waiting to authenticate")
+    ]
+    assert second.phase is Phase.HTTP and third.phase is Phase.HTTP
+    assert c.unauthenticated == 3
+    opened(c, "192.0.2.11", 4.0)
+    assert second.phase is Phase.CLOSED and second_link.http().startswith(b"HTTP/1.1 503 ")
+    assert c.metrics.evicted == {"max_unauthenticated": 2, "max_unauthenticated_per_ip": 0}
+    text = c.metrics_text()
+    assert '\np2pdist_relay_evicted_total{reason="max_unauthenticated"} 2\n' in text
+    assert "\np2pdist_relay_unauthenticated 3\n" in text
+    c.lost(first, 5.0)
+    c.lost(second, 5.0)
+    assert c.unauthenticated == 3 and c.connections == 3
+
+
+def test_authenticated_and_timed_out_connections_leave_the_count() -> None:
+    c = core(max_clients=2)
     s1, _ = upgrade(c)
-    s2 = c.open(FakeLink(), ("192.0.2.8", 1), 0.0)  # still in the HTTP phase
-    refused = FakeLink()
-    s3 = c.open(refused, ("192.0.2.9", 1), 0.0)
-    assert s3.phase is Phase.CLOSED and refused.closed
-    assert refused.http().startswith(b"HTTP/1.1 503 ")
-    assert c.metrics.connections_refused_total == 1 and c.unauthenticated == 2
-    assert "\np2pdist_relay_unauthenticated 2\n" in c.metrics_text()
+    s2, _ = opened(c, "192.0.2.8")
     c.receive(s1, auth_frame(A), 0.0)  # one authenticates: room for one more
     assert s1.phase is Phase.ACTIVE and c.unauthenticated == 1
     c.tick(100.0)  # the other times out: room for two
@@ -81,13 +114,84 @@ def test_connections_waiting_to_authenticate_are_capped() -> None:
     assert s4.phase is Phase.AUTH
     c.lost(s4, 100.5)
     assert c.unauthenticated == 0
+    assert c.metrics.evicted["max_unauthenticated"] == 0
 
 
-def test_the_cap_on_waiting_connections_is_configurable() -> None:
-    c = core(max_clients=100, max_unauthenticated=1)
-    upgrade(c)
+def test_a_real_client_authenticates_through_a_flood_of_idle_connections() -> None:
+    c = core(max_clients=100, max_unauthenticated=50, max_unauthenticated_per_ip=1000)
+    flood = [opened(c, f"198.51.100.{i % 250}", i * 0.001, port=i) for i in range(500)]
+    assert c.unauthenticated == 50
+    # 48 more flood connections arrive while the client upgrades and authenticates.
+    s, link = join_through(c, flood_more=lambda: flood.extend(more_flood(c, 24)))
+    assert s.phase is Phase.ACTIVE and link.frames()[-1][0] is T.AUTH_OK
+    assert c.metrics.evicted["max_unauthenticated"] == (500 - 50) + 1 + 48
+    # Only the flood was churned; every flooder that is still open is still waiting.
+    assert sum(f.phase is not Phase.CLOSED for f, _ in flood) == 49
+
+
+def more_flood(c: RelayCore, n: int) -> list[tuple[Session, FakeLink]]:
+    return [opened(c, f"203.0.113.{i % 250}", 1.0, port=i) for i in range(n)]
+
+
+def join_through(c: RelayCore, flood_more: Callable[[], None]) -> tuple[Session, FakeLink]:
+    """A client that connects, then sees ``flood_more`` connections arrive before its
+    upgrade and again before its AUTH (fewer than the cap in all)."""
     link = FakeLink()
-    assert c.open(link, ("192.0.2.9", 1), 0.0).phase is Phase.CLOSED and link.closed
+    s = c.open(link, ("192.0.2.7", 4000), 1.0)
+    flood_more()
+    c.receive(s, upgrade_request("relay.test"), 1.0)
+    assert not link.closed and s.phase is Phase.AUTH
+    flood_more()
+    c.receive(s, auth_frame(A), 1.0)
+    return s, link
+
+
+def test_one_source_only_evicts_its_own_connections() -> None:
+    c = core(max_clients=100, max_unauthenticated=50, max_unauthenticated_per_ip=8)
+    other, other_link = opened(c, "192.0.2.8")
+    flood = [opened(c, "198.51.100.1", 0.0, port=i) for i in range(1000)]
+    assert other.phase is Phase.HTTP and not other_link.closed  # not churned by the flood
+    assert c.unauthenticated == 1 + 8
+    assert [f.phase is Phase.HTTP for f, _ in flood[-8:]] == [True] * 8
+    assert all(f.phase is Phase.CLOSED for f, _ in flood[:-8])
+    assert c.metrics.evicted == {"max_unauthenticated": 0, "max_unauthenticated_per_ip": 992}
+    c.receive(other, upgrade_request("relay.test"), 0.0)
+    c.receive(other, auth_frame(A), 0.0)
+    assert other.phase is Phase.ACTIVE
+
+
+def test_an_ipv6_source_is_its_64() -> None:
+    assert (
+        source_of("2001:db8:1:2:aaaa::1")
+        == source_of("2001:db8:1:2:bbbb::9")
+        == ("2001:db8:1:2::/64")
+    )
+    assert source_of("2001:db8:1:3::1") != source_of("2001:db8:1:2::1")
+    assert source_of("::ffff:192.0.2.1") == "192.0.2.1" == source_of("192.0.2.1")
+    assert source_of("fe80::1%eth0") == "fe80::/64"
+    assert source_of("?") == "?"
+    c = core(max_unauthenticated_per_ip=2)
+    conns = [opened(c, f"2001:db8:1:2::{i + 1:x}") for i in range(3)]
+    assert [s.phase for s, _ in conns] == [Phase.CLOSED, Phase.HTTP, Phase.HTTP]
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics"])
+def test_health_and_metrics_are_answered_when_the_cap_is_full(path: str) -> None:
+    c = core(max_clients=100, max_unauthenticated=4)
+    flood = [opened(c, f"198.51.100.{i}") for i in range(4)]
+    s, link = opened(c, "192.0.2.99")  # the monitor: let in, the oldest flooder goes
+    answer = health(c, s, link, path)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:60]
+    assert flood[0][0].phase is Phase.CLOSED
+    assert c.unauthenticated == 3  # served and closed at once
+    assert c.metrics.http_requests_total == 1
+
+
+def test_the_caps_on_waiting_connections_are_configurable() -> None:
+    c = core(max_clients=100, max_unauthenticated=1)
+    first, link = upgrade(c)
+    assert opened(c, "192.0.2.9")[0].phase is Phase.HTTP and link.closed
+    assert first.phase is Phase.CLOSED and c.unauthenticated == 1
 
 
 # ---- token buckets across reconnects ------------------------------------------------
@@ -185,9 +289,15 @@ def test_a_connection_opened_after_shutdown_is_closed_at_once() -> None:
 
 def test_max_unauthenticated_setting(tmp_path: Path) -> None:
     toml = tmp_path / "relay.toml"
-    toml.write_text("max-clients = 50\nmax-unauthenticated = 7\n")
-    assert load_config(["--config", str(toml)], environ={}).max_unauthenticated == 7
+    toml.write_text("max-clients = 50\nmax-unauthenticated = 7\nmax-unauthenticated-per-ip = 5\n")
+    cfg = load_config(["--config", str(toml)], environ={})
+    assert (cfg.max_unauthenticated, cfg.max_unauthenticated_per_ip) == (7, 5)
     assert load_config(["--max-unauthenticated", "3"], environ={}).max_unauthenticated == 3
+    per_ip = load_config(["--max-unauthenticated-per-ip", "9"], environ={})
+    assert per_ip.max_unauthenticated_per_ip == 9
     assert RelayConfig().max_unauthenticated is None  # the core then uses max_clients
+    assert RelayConfig().max_unauthenticated_per_ip == CoreConfig().max_unauthenticated_per_ip
     with pytest.raises(ConfigError, match="max-unauthenticated must be >= 1"):
         from_mapping({"max_unauthenticated": 0})
+    with pytest.raises(ConfigError, match="max-unauthenticated-per-ip must be >= 1"):
+        from_mapping({"max_unauthenticated_per_ip": 0})
