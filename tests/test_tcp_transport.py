@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import secrets
@@ -543,6 +544,98 @@ async def test_connect_to_closed_port_names_peer() -> None:
         with pytest.raises(ConnectionBrokenError) as info:
             await bounded(client.connect(eid(1), ("127.0.0.1", port)), "connect")
         assert eid(1).short() in str(info.value) and str(port) in str(info.value)
+
+
+async def test_unreachable_host_is_a_connect_error_not_a_handshake_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """connect() failing with ETIMEDOUT (a TimeoutError in Python 3.11) is "cannot connect
+    to host:port", not "handshake took over N s": only the handshake deadline is that."""
+
+    async def unreachable(*args: Any, **kw: Any) -> Any:
+        raise OSError(errno.ETIMEDOUT, "Connection timed out")
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "create_connection", unreachable)
+    client = TcpTransport(key(0), config(False, handshake_timeout=30.0))
+    async with closing(client):
+        with pytest.raises(ConnectionBrokenError) as info:
+            await bounded(client.connect(eid(1), ("192.0.2.1", 4000)), "connect")
+    text = str(info.value)
+    assert "cannot connect to 192.0.2.1:4000" in text and "timed out" in text
+    assert eid(1).short() in text and "handshake" not in text
+    assert not isinstance(info.value, TimeoutError) and not client._connections
+
+
+# ---- who an incoming connection is, before and after it proves it --------------------------------
+
+
+def rank_label(peer: EndpointId) -> str:
+    return f"rank {8 if peer == eid(9) else 2} ({peer.short()})"
+
+
+async def test_a_silent_incoming_connection_is_named_by_its_address(
+    caplog: pytest.LogCaptureFixture, tls: bool
+) -> None:
+    caplog.set_level(logging.WARNING, logger=TCP_LOG)
+    server = TcpTransport(key(1), config(tls, handshake_timeout=0.3), label_for=rank_label)
+    async with closing(server):
+        addr = await server.listen()
+        reader, writer = await open_raw(addr)
+        try:
+            here = "{}:{}".format(*writer.get_extra_info("sockname")[:2])
+            await read_until_closed(reader)
+        finally:
+            writer.close()
+        msg = await wait_for_log(caplog, "incoming handshake timed out")
+        assert msg.startswith(f"incoming {here}: ")
+
+
+async def test_an_unproven_hello_is_named_as_a_claim_from_its_address(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stranger says it is rank 2 but cannot prove it: the warning names where it came
+    from and words rank 2 as its claim, so it does not appear to come from rank 2."""
+    caplog.set_level(logging.WARNING, logger=TCP_LOG)
+    async with listening(True, label_for=rank_label) as (server, addr):
+        rec, _ = hello(eid(2), server.endpoint_id, tls=True, cert=TlsIdentity(key(3)).cert_der)
+        reader, writer = await open_raw(addr)
+        try:
+            here = "{}:{}".format(*writer.get_extra_info("sockname")[:2])
+            writer.write(encode_record(rec, first=True))
+            assert (await read_record(reader, RecordReader()))["ok"] is False
+            await read_until_closed(reader)
+        finally:
+            writer.close()
+        msg = await wait_for_log(caplog, "refused incoming connection")
+        claim = f"{here} claiming rank 2 ({eid(2).short()})"
+        assert f"refused incoming connection: {claim}: refused:" in msg
+        await assert_still_serving(server, addr, True)
+
+
+async def test_a_claimed_id_is_no_path_until_proven() -> None:
+    """A stranger's hello with rank 2's (public) certificate is accepted as a claim; until
+    the TLS handshake proves it, paths() lists no path to rank 2."""
+    async with listening(True, label_for=rank_label) as (server, addr):
+        rec, _ = hello(key(2), server.endpoint_id, tls=True)
+        reader, writer = await open_raw(addr)
+        try:
+            writer.write(encode_record(rec, first=True))
+            assert (await read_record(reader, RecordReader()))["ok"] is True
+            (conn,) = server._connections  # waiting for a TLS handshake that never comes
+            assert conn._peer == eid(2) and "claiming rank 2" in conn.label
+            assert server.paths() == {}
+        finally:
+            writer.close()
+
+
+async def test_an_authenticated_incoming_connection_is_named_as_its_peer(tls: bool) -> None:
+    async with listening(tls, label_for=rank_label) as (server, addr):
+        client = TcpTransport(key(9), config(tls))
+        async with closing(client):
+            await bounded(client.connect(server.endpoint_id, addr), "connect")
+            conn = await bounded(server.accept(), "accept")
+            assert conn.label == f"rank 8 ({eid(9).short()})"
+            assert eid(9) in server.paths()
 
 
 # ---- malformed frames after a good handshake -----------------------------------------------------

@@ -97,7 +97,7 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
     ) -> None:
         super().__init__(
             owner.config,
-            label=f"peer {expected.short()}" if expected else "incoming peer",
+            label=f"peer {expected.short()}" if expected else "incoming connection",
             peer=expected,
             on_finish=owner._forget,
         )
@@ -122,6 +122,11 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         """The peer's (ip, port) (None before the socket is connected)."""
         name = self._transport.get_extra_info("peername") if self._transport else None
         return (str(name[0]), int(name[1])) if name else None
+
+    def _remote_text(self) -> str:
+        """The peer's ``ip:port`` (``[ip]:port`` for IPv6), for labels."""
+        addr = self.remote_address
+        return path_key(addr) if addr is not None else "an unknown address"
 
     @property
     def encrypted(self) -> bool:
@@ -213,6 +218,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._server_side:
+                # Until the handshake proves who it is, a dialer is only where it dials from.
+                self.label = f"incoming {self._remote_text()}"
                 self._owner._on_incoming(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -363,7 +370,9 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         except (HandshakeError, UsageError) as exc:
             raise RemoteProtocolError(self.label, str(exc)) from None
         self._peer = client
-        self.label = owner.label_for(client)
+        # Only a claim until the TLS handshake or the signature proves it: an outsider
+        # must not make our warnings appear to come from a group member.
+        self.label = f"{self._remote_text()} claiming {owner.label_for(client)}"
         mode = rec.get("mode")
         my_mode = "tls" if self._cfg.tls else "plain"
         refusal = None
@@ -402,6 +411,7 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
                 )
             mine = owner.key.sign(auth_transcript(b"S", them, me, client_nonce, nonce))
             self._write(encode_record({"sig": mine}))
+        self.label = owner.label_for(client)  # proven: named as any other peer
         self._enter_frames()
 
     def _enter_frames(self) -> None:
@@ -450,8 +460,9 @@ class TcpTransport(EndpointBase[TcpConnection]):
         name = label or self.label_for(peer)
         loop = asyncio.get_running_loop()
         conn: TcpConnection | None = None
+        deadline = asyncio.timeout(self.config.handshake_timeout)
         try:
-            async with asyncio.timeout(self.config.handshake_timeout):
+            async with deadline:
                 _, proto = await loop.create_connection(
                     lambda: TcpConnection(self, server_side=False, expected=peer), host, port
                 )
@@ -459,13 +470,18 @@ class TcpTransport(EndpointBase[TcpConnection]):
                 conn.label = name
                 self._connections.add(conn)
                 await conn.client_handshake()
-        except TimeoutError:
-            if conn is not None:
-                conn.abort(PeerTimeoutError(name, "handshake timed out"))
-            raise PeerTimeoutError(
-                name, f"handshake with {host}:{port} took over {self.config.handshake_timeout} s"
-            ) from None
-        except OSError as exc:
+        except OSError as exc:  # TimeoutError is one, and so is an ETIMEDOUT from connect
+            if deadline.expired():
+                if conn is not None:
+                    conn.abort(PeerTimeoutError(name, "handshake timed out"))
+                raise PeerTimeoutError(
+                    name,
+                    f"handshake with {host}:{port} took over {self.config.handshake_timeout} s",
+                ) from None
+            if isinstance(exc, P2PError):  # a P2PTimeoutError, already naming the peer
+                if conn is not None:
+                    conn.abort(exc)
+                raise
             err = ConnectionBrokenError(name, f"cannot connect to {host}:{port}: {exc}")
             if conn is not None:
                 conn.abort(err)
@@ -481,8 +497,8 @@ class TcpTransport(EndpointBase[TcpConnection]):
         counters and the last keepalive round trip (see :class:`~.pathinfo.PathInfo`)."""
         out: dict[EndpointId, PathInfo] = {}
         for conn in sorted(self._connections, key=lambda c: c.closed):  # open ones first
-            if conn._peer is None or conn._peer in out:
-                continue
+            if conn._peer is None or conn._handshaking or conn._peer in out:
+                continue  # a handshaking peer's id is only claimed
             addr = conn.remote_address
             remote = path_key(addr) if addr is not None else "?"
             out[conn._peer] = single_path(conn._peer, remote, conn.stats, conn.stats.rtt, "tcp")
