@@ -208,6 +208,57 @@ def test_duplicates_future_rounds_and_superseding() -> None:
     assert out.dropped == {"future_round": 1, "too_stale": 1, "superseded": 1, "duplicate": 1}
 
 
+def test_an_update_resent_after_its_round_closed_counts_once() -> None:
+    st = rounds(max_staleness=2)
+    st.join("a")
+    st.join("b")
+    st.open(0.0)
+    assert st.submit("a", 0, 0, 10, vec(1.0), 0.1).accepted
+    assert [p.client for p in st.close(1.0).participants] == ["a"]
+    # "a" sends the same update again (its ack was lost, it reconnected): with the round
+    # it sent it for, or with the newest round it has heard of
+    for r in (0, 1):
+        v = st.submit("a", r, 0, 10, vec(1.0), 1.1)
+        assert not v.accepted and v.reason is Reason.DUPLICATE, v
+    st.open(2.0)
+    assert st.submit("b", 1, 1, 10, vec(-1.0), 2.1).accepted
+    assert st.submit("a", 1, 0, 10, vec(1.0), 2.2).reason is Reason.DUPLICATE
+    out = st.close(3.0)
+    assert [p.client for p in out.participants] == ["b"]
+    np.testing.assert_array_equal(out.aggregate, vec(-1.0))
+    assert out.dropped == {"duplicate": 3}
+    st.open(4.0)  # round 2: still within max_staleness of base 0, still refused
+    assert st.submit("a", 0, 0, 10, vec(1.0), 4.1).reason is Reason.DUPLICATE
+    assert st.submit("a", 2, 1, 10, vec(3.0), 4.2).accepted  # a newer base counts
+    out = st.close(5.0)
+    assert [(p.client, p.base_round) for p in out.participants] == [("a", 1)]
+    assert st.totals["duplicate"] == 4
+    # what is remembered is bounded: a base is forgotten once the staleness bound alone
+    # refuses it (round 4 - base 1 > 2), and a resend is then told too_stale
+    assert st._aggregated == {"a": 1, "b": 1}
+    st.open(6.0)
+    st.close(6.5)
+    assert st._aggregated == {}
+    assert st.submit("a", 2, 1, 10, vec(3.0), 9.0).reason is Reason.TOO_STALE
+
+
+def test_an_update_carried_without_an_aggregate_may_be_sent_again() -> None:
+    st = rounds(quorum=2, max_staleness=2)
+    st.join("a")
+    st.join("b")
+    st.open(0.0)
+    assert st.submit("a", 0, 0, 10, vec(1.0), 0.1).accepted
+    assert not st.close(1.0).applied  # quorum missed: nothing was aggregated
+    assert [c.client for c in st.take_pending()] == ["a"]
+    st.open(2.0)  # its owner sends it again (decentralised): it counts, once
+    assert st.submit("a", 1, 0, 10, vec(1.0), 2.1).accepted
+    assert st.submit("b", 1, 1, 10, vec(1.0), 2.2).accepted
+    out = st.close(3.0)
+    assert out.applied and [p.client for p in out.participants] == ["a", "b"]
+    st.open(4.0)
+    assert st.submit("a", 1, 0, 10, vec(1.0), 4.1).reason is Reason.DUPLICATE
+
+
 def test_leaving_mid_round_never_blocks_and_joiners_count_from_the_next_round() -> None:
     st = rounds(round_timeout=100.0)
     for c in "abc":

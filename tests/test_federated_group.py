@@ -7,10 +7,13 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 from group_helpers import groups
 
-from p2pdist import Group
+from p2pdist import Group, GroupBrokenError, MismatchError, UsageError
 from p2pdist.federated import FederatedConfig, GroupAveraging, GroupRound, aggregate
+from p2pdist.federated.messages import UPDATE, encode, round_channel
+from p2pdist.wire.frames import FrameLimits
 
 F32 = np.dtype(np.float32)
 
@@ -126,3 +129,84 @@ async def test_a_rank_that_leaves_between_rounds_blocks_nobody() -> None:
             asyncio.gather(*(f.step(np.ones(10, np.float32), 1) for f in feds[:2])), 30
         )
         assert all(o.reason == "complete" and o.participants == (0, 1) for o in outs)
+
+
+async def test_an_update_sent_again_after_it_was_aggregated_is_refused_and_not_carried() -> None:
+    cfg = FederatedConfig(round_timeout=0.5, max_staleness=2)
+    async with groups(3) as gs:
+        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        await asyncio.gather(*(f.step(update_of(f.group.rank, 0, 10), 10) for f in feds))
+
+        async def round1(f: GroupAveraging) -> GroupRound:
+            if f.group.rank == 2:  # its round-0 update again, aggregated in round 0
+                return await f.step(update_of(2, 0, 10), 10, base_round=0)
+            return await f.step(update_of(f.group.rank, 1, 10), 10)
+
+        outs = await asyncio.gather(*(round1(f) for f in feds))
+        for o in outs:
+            assert o.participants == (0, 1) and o.dropped == {"duplicate": 1}
+        assert outs[2].own_reason == "duplicate" and not outs[2].carried
+        out = await asyncio.gather(*(f.step(None) for f in feds[2:]), feds[0].step(None))
+        assert out[0].own_reason == "" and not out[0].included  # nothing was sent again
+        assert len({f.model.tobytes() for f in feds[:2]}) == 1
+
+
+async def test_a_flood_of_bad_updates_from_one_rank_keeps_the_decision_small() -> None:
+    # 9000 refusals of one rank, each listed, would make the decision too big to send
+    cfg = FederatedConfig(round_timeout=30.0)
+    async with groups(3) as gs:
+        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg, decision_timeout=10) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        meta, payload = encode("update", {"r": 0, "b": 0, "n": 1}, np.zeros(1, np.float32))
+        for _ in range(9000):  # the wrong shape, to the leader only
+            gs[2].connection(0).send_nowait(round_channel(0, 0, UPDATE), payload, meta=meta)
+        outs = await asyncio.gather(*(f.step(update_of(f.group.rank, 0, 10), 10) for f in feds))
+        for o in outs:
+            assert o.participants == (0, 1, 2) and o.rejected == {"shape": 9000}
+        assert outs[2].own_reason == "shape"
+        assert all(f._last is not None and f._last["refused"] == [(2, "shape")] for f in feds)
+        assert len({f.model.tobytes() for f in feds}) == 1
+
+
+async def test_a_decision_too_big_to_send_fails_the_leaders_step_loudly() -> None:
+    cfg = FederatedConfig(round_timeout=30.0)
+    async with groups(3, limits=FrameLimits(max_meta=150)) as gs:  # a decision is ~200
+        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        followers = [asyncio.create_task(f.step(np.ones(10, np.float32), 1)) for f in feds[1:]]
+        with pytest.raises(UsageError, match=r"rank 0 \(.*decision of round 0 is \d+ bytes"):
+            await feds[0].step(np.ones(10, np.float32), 1)
+        with pytest.raises(GroupBrokenError, match="out of step"):
+            await feds[0].step(None)
+        for task in followers:
+            task.cancel()
+        await asyncio.gather(*followers, return_exceptions=True)
+
+
+@pytest.mark.parametrize("other", ["values", "shape", "dtype"])
+async def test_a_rank_sending_different_updates_to_leader_and_follower_is_named(
+    other: str,
+) -> None:
+    cfg = FederatedConfig(round_timeout=30.0)
+    async with groups(3) as gs:
+        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        honest = update_of(2, 0, 10)
+        forged = {
+            "values": honest + 1,
+            "shape": np.zeros(5, np.float32),
+            "dtype": honest.view(np.int32),  # the same bytes, read as other numbers
+        }[other]
+        for r, u in ((1, forged), (0, honest)):  # rank 2 plays it by hand, the leader last
+            meta, payload = encode("update", {"r": 0, "b": 0, "n": 10}, u)
+            gs[2].connection(r).send_nowait(round_channel(0, 0, UPDATE), payload, meta=meta)
+        lead, follow = await asyncio.gather(
+            *(f.step(update_of(f.group.rank, 0, 10), 10) for f in feds[:2]),
+            return_exceptions=True,
+        )
+        assert isinstance(lead, GroupRound) and lead.participants == (0, 1, 2)
+        assert isinstance(follow, MismatchError), follow
+        assert follow.peer == gs[1].peer_label(2) and "round 0" in str(follow)
+        with pytest.raises(GroupBrokenError, match=r"out of step.*rank 2"):
+            await feds[1].step(None)

@@ -332,3 +332,33 @@ async def test_the_same_client_again_replaces_its_old_connection() -> None:
         assert out.reason is CloseReason.COMPLETE and out.members == 1
         await old.close()
         await new.close()
+
+
+async def test_a_client_resending_an_aggregated_update_is_told_duplicate() -> None:
+    async with coordinator(np.zeros(4, np.float32), round_timeout=30.0) as c:
+        a, b = client_of(c), client_of(c)
+        await a.connect()
+        await b.connect()
+        run = asyncio.create_task(c.run_round())
+        await a.submit(np.full(4, 1.0, np.float32), 10, 0)
+        await b.submit(np.full(4, 3.0, np.float32), 10, 0)
+        out0 = await run
+        assert out0.applied and len(out0.participants) == 2
+        assert await a.next_round(timeout=10) is not None  # round 1's model
+        # a sends its round-0 update again (a retry after a lost ack): with the round it
+        # sent it for, then with the newest round it has heard of (1)
+        await a.submit(np.full(4, 1.0, np.float32), 10, 0, round_id=0)
+        await a.submit(np.full(4, 1.0, np.float32), 10, 0)
+        for n in (2, 3):
+            ack = await a.wait_ack(n)
+            assert not ack.accepted and ack.reason == "duplicate", ack
+        await a.close()  # what it sent before leaving would still count if accepted
+        await wait_until(lambda: c.members == [str(b.endpoint_id)], "a left")
+        run = asyncio.create_task(c.run_round())
+        await b.submit(np.full(4, 5.0, np.float32), 10, 1)
+        out1 = await run
+        assert [p.client for p in out1.participants] == [str(b.endpoint_id)]
+        assert out1.dropped == {"duplicate": 2}
+        np.testing.assert_array_equal(out1.aggregate, np.full(4, 5.0, np.float32))
+        np.testing.assert_array_equal(c.model, np.full(4, 7.0, np.float32))
+        await b.close()

@@ -39,7 +39,8 @@ class Reason(enum.StrEnum):
     FUTURE = "future_round"
     """Submitted for a round that has not opened yet."""
     DUPLICATE = "duplicate"
-    """A second update from the same client for the same round and base."""
+    """A second update from the same client for the same round and base, or one from a
+    base round at or before that of the client's update already aggregated (a resend)."""
     SUPERSEDED = "superseded"
     """Replaced by a newer update (a later ``base_round``) from the same client."""
 

@@ -39,16 +39,17 @@ from ..errors import (
     RemoteProtocolError,
     UsageError,
 )
+from ..group.buffers import as_array
 from ..tasks import cancel_and_wait
 from ..transport.base import Connection
 from ..wire.frames import Frame
 from .aggregate import Reason, aggregate, apply_update
 from .config import FederatedConfig
-from .decision import GroupRound, OwnUpdate, cid, decision_body
-from .messages import DECISION, UPDATE, decode, encode, round_channel, round_space
+from .decision import GroupRound, OwnUpdate, cid, decision_body, digest
+from .messages import DECISION, UPDATE, Message, decode, encode, round_channel, round_space
 from .net import until_due
 from .recovery import Recovery
-from .rounds import FederatedRounds, Phase
+from .rounds import FederatedRounds, Phase, Verdict
 
 if TYPE_CHECKING:
     from ..group.group import Group
@@ -116,7 +117,8 @@ class GroupAveraging(Recovery):
         self._collectors: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()
         self._left: set[int] = set()
-        self._refused: list[tuple[int, str]] = []
+        self._refused: dict[int, str] = {}  # leader: each rank's first refusal this round
+        self._digests: dict[int, bytes] = {}  # leader: each rank's accepted update, hashed
         self._failed: BaseException | None = None
         self._ready: set[int] = set()  # leader: ranks back in the group, asking to rejoin
         self._ready_tasks: dict[int, asyncio.Task[None]] = {}
@@ -195,7 +197,7 @@ class GroupAveraging(Recovery):
         k = self._round
         if update is not None:
             base = k if base_round is None else base_round
-            self._own = OwnUpdate(np.ascontiguousarray(update), num_samples, base)
+            self._own = OwnUpdate(as_array(update), num_samples, base)
         own = self._own
         if own is not None and k - own.base_round > self.config.max_staleness:
             self._own, own = None, None
@@ -222,8 +224,8 @@ class GroupAveraging(Recovery):
         own_reason = refused.get(me, "")
         carried = False
         if own is not None and not included:
-            if own_reason and Reason(own_reason).is_rejection:
-                self._own = None  # a rejected update is not sent again
+            if own_reason and (Reason(own_reason).is_rejection or own_reason == Reason.DUPLICATE):
+                self._own = None  # refused for good: a rejected or resent update
             elif k + 1 - own.base_round <= self.config.max_staleness:
                 carried = True
             else:
@@ -355,9 +357,14 @@ class GroupAveraging(Recovery):
             return None
         channel = round_channel(self.tag, k, UPDATE)
         updates, weights = [], []
-        for rank, base, n, weight in body["p"]:
+        for rank, base, n, weight, hashed in body["p"]:
             if rank == self.group.rank:
-                if own is None or own.base_round != base or own.num_samples != n:
+                if (
+                    own is None
+                    or own.base_round != base
+                    or own.num_samples != n
+                    or digest(own.update) != hashed
+                ):
                     raise MismatchError(
                         self.group.peer_label(self.leader),
                         f"decision of round {k} names an update this rank did not send",
@@ -366,18 +373,35 @@ class GroupAveraging(Recovery):
             else:
                 label = self.group.peer_label(rank)
                 frame = await self._named_update(k, rank, label, channel)
-                got = decode(frame, label)
-                if (got.get_int("r", label), got.get_int("b", label), got.fields.get("n")) != (
-                    k,
-                    base,
-                    n,
-                ):
-                    raise MismatchError(label, f"its update differs from round {k}'s decision")
-                updates.append(got.need_array(label))
+                updates.append(self._check_named(k, decode(frame, label), label, base, n, hashed))
             weights.append(weight)
         return aggregate(
             updates, weights, self.config.rule, self.config.trim_fraction, self._model.dtype
         )
+
+    def _check_named(
+        self, k: int, got: Message, label: str, base: int, n: int, hashed: bytes
+    ) -> np.ndarray:
+        """The array of ``got``, the update the decision of round ``k`` names as
+        ``(base, n, hashed)``; MismatchError naming its sender when it is not that one
+        (it sent the leader something else)."""
+        if (got.get_int("r", label), got.get_int("b", label), got.fields.get("n")) != (k, base, n):
+            raise MismatchError(label, f"its update differs from round {k}'s decision")
+        update = got.need_array(label)
+        model = self._model
+        if update.dtype != model.dtype or update.shape != model.shape:
+            raise MismatchError(
+                label,
+                f"its update of round {k} is {update.dtype}{list(update.shape)}, the model "
+                f"{model.dtype}{list(model.shape)} (the leader accepted another one)",
+            )
+        if digest(update) != hashed:
+            raise MismatchError(
+                label,
+                f"its update of round {k} is not the one the leader aggregated "
+                "(it sent different bytes to different ranks)",
+            )
+        return update
 
     async def _named_update(self, k: int, rank: int, label: str, channel: int) -> Frame:
         """Rank ``rank``'s update for round ``k``, which the decision names. It was sent
@@ -416,7 +440,8 @@ class GroupAveraging(Recovery):
             self._welcome(r, k)
         self._ready.clear()
         self._stop_collectors()
-        self._refused = []
+        self._refused = {}
+        self._digests = {}
         for r, conn in self._conns().items():
             self._collectors.append(loop.create_task(self._collect(k, r, conn)))
         self._listen_for_ready()
@@ -452,16 +477,16 @@ class GroupAveraging(Recovery):
                     message = decode(frame, label)
                     if message.kind != "update" or message.get_int("r", label) != k:
                         raise RemoteProtocolError(label, f"not an update for round {k}")
+                    update = message.need_array(label)
                     verdict = self._state.submit(
                         cid(r),
                         k,
                         message.get_int("b", label),
                         message.fields.get("n"),
-                        message.need_array(label),
+                        update,
                         loop.time(),
                     )
-                    if verdict.reason is not None:
-                        self._refused.append((r, verdict.reason.value))
+                    self._note(r, verdict, update)
                 except RemoteProtocolError as exc:
                     log.warning("round %d: ignored a malformed update: %s", k, exc)
                 self._wake.set()
@@ -482,11 +507,9 @@ class GroupAveraging(Recovery):
         assert state is not None and state.phase is Phase.OPEN and state.round == k
         loop = asyncio.get_running_loop()
         me = cid(self.group.rank)
-        refused = self._refused
         if own is not None:
             verdict = state.submit(me, k, own.base_round, own.num_samples, own.update, loop.time())
-            if verdict.reason is not None:
-                refused.append((self.group.rank, verdict.reason.value))
+            self._note(self.group.rank, verdict, own.update)
         why = await until_due(state, self._wake, self._check_leading)
         self._check_leading()
         outcome = state.close(loop.time(), why)
@@ -498,9 +521,10 @@ class GroupAveraging(Recovery):
             "ok": outcome.applied,
             "why": outcome.reason.value,
             "p": [
-                [int(p.client), p.base_round, p.num_samples, p.weight] for p in outcome.participants
+                [int(p.client), p.base_round, p.num_samples, p.weight, self._digests[int(p.client)]]
+                for p in outcome.participants
             ],
-            "refused": refused,
+            "refused": sorted(self._refused.items()),
             "stale": outcome.stale,
             "dropped": dict(outcome.dropped),
             "rejected": dict(outcome.rejected),
@@ -510,9 +534,28 @@ class GroupAveraging(Recovery):
         self._send_decision(k, body, list(self._conns()))
         return body, outcome.aggregate
 
+    def _note(self, r: int, verdict: Verdict, update: np.ndarray) -> None:
+        """Remember what the state machine did with rank ``r``'s update: the digest of an
+        accepted one (for the decision), the first refusal of the round (the others are
+        only counted, by the state machine: a decision names at most one per rank)."""
+        if verdict.accepted:
+            self._digests[r] = digest(update)
+        elif verdict.reason is not None:
+            self._refused.setdefault(r, verdict.reason.value)
+
     def _send_decision(self, k: int, body: dict[str, Any], ranks: list[int]) -> None:
-        """Send round ``k``'s decision to ``ranks`` (never waits)."""
+        """Send round ``k``'s decision to ``ranks`` (never waits). A decision too big for
+        a frame fails the leader's step (UsageError) before anything is sent: the
+        followers would otherwise wait for it in vain."""
         meta, _ = encode("decision", body)
+        limit = self.group.config.transport.limits.max_meta
+        if len(meta) > limit:
+            raise UsageError(
+                f"{self.group.peer_label(self.group.rank)}: the decision of round {k} is "
+                f"{len(meta)} bytes, over the frame meta limit of {limit} "
+                f"({len(body['p'])} participants, {len(body['refused'])} refusals); "
+                "raise TransportConfig.limits.max_meta on every rank"
+            )
         channel = round_channel(self.tag, k, DECISION)
         for r in ranks:
             try:

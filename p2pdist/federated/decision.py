@@ -4,6 +4,7 @@ leader (sans-I/O; see :mod:`.failover`)."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,19 @@ from ..errors import RemoteProtocolError
 from .aggregate import Reason
 from .messages import Message
 
-__all__ = ["GroupRound", "OwnUpdate", "Report", "cid", "decision_body", "report_of"]
+__all__ = [
+    "DIGEST_SIZE",
+    "GroupRound",
+    "OwnUpdate",
+    "Report",
+    "cid",
+    "decision_body",
+    "digest",
+    "report_of",
+]
+
+DIGEST_SIZE = 16
+"""Bytes of an update's digest in a decision (BLAKE2b)."""
 
 
 def cid(rank: int) -> str:
@@ -61,13 +74,26 @@ class OwnUpdate:
     base_round: int
 
 
+def digest(update: np.ndarray) -> bytes:
+    """The BLAKE2b digest (:data:`DIGEST_SIZE` bytes) of ``update``'s bytes in C order:
+    the bytes every rank aggregates, named per participant in a decision."""
+    data = np.ascontiguousarray(update).reshape(-1).view(np.uint8).data
+    return hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
+
+
+def _digest_of(value: Any) -> bytes:
+    if not isinstance(value, bytes) or len(value) != DIGEST_SIZE:
+        raise ValueError(f"digest {value!r} is not {DIGEST_SIZE} bytes")
+    return value
+
+
 def decision_body(message: Message, label: str, k: int) -> dict[str, Any]:
     """Check the shape of a decision message; RemoteProtocolError if it is malformed."""
     f = message.fields
     if message.kind != "decision" or message.get_int("r", label) != k:
         raise RemoteProtocolError(label, f"expected the decision of round {k}")
     try:
-        p = [[int(r), int(b), int(n), float(w)] for r, b, n, w in f["p"]]
+        p = [[int(r), int(b), int(n), float(w), _digest_of(d)] for r, b, n, w, d in f["p"]]
         refused = [(int(r), str(Reason(why))) for r, why in f["refused"]]
         body = {
             "r": k,

@@ -167,6 +167,10 @@ class FederatedRounds:
         self.totals: Counter[str] = Counter()
         """Every drop and rejection since construction, by reason."""
         self._pending: dict[str, Contribution] = {}
+        self._aggregated: dict[str, int] = {}
+        """Per client, the newest ``base_round`` of its updates in an applied aggregate.
+        Kept only while a submission from that base or earlier could still pass the
+        staleness bound, so it holds at most one int per recent participant."""
         self._expected: set[str] = set()
         self._opened_at = 0.0
         self._deadline: float | None = None
@@ -228,7 +232,9 @@ class FederatedRounds:
     ) -> Verdict:
         """Offer ``client``'s update, sent for round ``round_id`` and computed from the
         model of ``base_round``. It counts in the current round (a straggler's, sent for an
-        earlier round, too) when it is valid and not too stale."""
+        earlier round, too) when it is valid and not too stale, and no update of the
+        client's from ``base_round`` or a later base is already in an applied aggregate
+        (a resent update counts once: ``duplicate``)."""
         target = self.round
         staleness = target - base_round
         if round_id > target:
@@ -240,6 +246,10 @@ class FederatedRounds:
         if staleness > self.config.max_staleness:
             why = f"staleness {staleness} > max_staleness {self.config.max_staleness}"
             return self._refuse(client, Reason.TOO_STALE, why, staleness)
+        done = self._aggregated.get(client)
+        if done is not None and base_round <= done:
+            why = f"already aggregated its update of base round {done}"
+            return self._refuse(client, Reason.DUPLICATE, why, staleness)
         problem = check_update(update, num_samples, self.shape, self.dtype, self.config)
         if problem is not None:
             return self._refuse(client, problem[0], problem[1], staleness)
@@ -306,6 +316,8 @@ class FederatedRounds:
                 cfg.trim_fraction,
                 self.dtype,
             )
+            for c in entries:
+                self._aggregated[c.client] = max(c.base_round, self._aggregated.get(c.client, -1))
             self._pending.clear()
         outcome = RoundOutcome(
             self.round,
@@ -321,6 +333,7 @@ class FederatedRounds:
             dict(self._rejected),
         )
         self.round += 1
+        self._forget_aggregated()
         self.phase = Phase.WAITING
         self._deadline = None
         self._expected = set()
@@ -335,6 +348,14 @@ class FederatedRounds:
         return pending
 
     # ---- helpers ----------------------------------------------------------------------
+
+    def _forget_aggregated(self) -> None:
+        """Forget the aggregated bases that the staleness bound alone now refuses (at or
+        below them, ``round - base_round > max_staleness``)."""
+        floor = self.round - self.config.max_staleness
+        stale = [c for c, base in self._aggregated.items() if base < floor]
+        for c in stale:
+            del self._aggregated[c]
 
     def _count(self, reason: Reason) -> None:
         (self._rejected if reason.is_rejection else self._dropped)[reason.value] += 1
