@@ -5,6 +5,7 @@ reaches neither round k + 1 nor a later all-reduce."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 import pytest
@@ -167,6 +168,24 @@ async def test_a_flood_of_bad_updates_from_one_rank_keeps_the_decision_small() -
         assert outs[2].own_reason == "shape"
         assert all(f._last is not None and f._last["refused"] == [(2, "shape")] for f in feds)
         assert len({f.model.tobytes() for f in feds}) == 1
+
+
+async def test_malformed_updates_in_a_loop_log_one_warning_per_rank_and_round(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = FederatedConfig(round_timeout=30.0)
+    async with groups(3) as gs:
+        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg, decision_timeout=10) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        meta, payload = encode("update", {"r": 7, "b": 0, "n": 1}, np.zeros(10, np.float32))
+        for _ in range(500):  # not an update for round 0: malformed, to the leader only
+            gs[2].connection(0).send_nowait(round_channel(0, 0, UPDATE), payload, meta=meta)
+        with caplog.at_level(logging.DEBUG, logger="p2pdist.federated.decentral"):
+            outs = await asyncio.gather(*(f.step(update_of(f.group.rank, 0, 10), 10) for f in feds))
+        assert all(o.participants == (0, 1, 2) for o in outs)
+        malformed = [r for r in caplog.records if "ignored a malformed update" in r.message]
+        assert len(malformed) == 500
+        assert [r.levelno for r in malformed].count(logging.WARNING) == 1
 
 
 async def test_a_decision_too_big_to_send_fails_the_leaders_step_loudly() -> None:

@@ -470,6 +470,7 @@ class GroupAveraging(Recovery):
         label = self.group.peer_label(r)
         channel = round_channel(self.tag, k, UPDATE)
         loop = asyncio.get_running_loop()
+        malformed = 0
         try:
             while True:
                 frame = await conn.recv(channel)
@@ -488,7 +489,11 @@ class GroupAveraging(Recovery):
                     )
                     self._note(r, verdict, update)
                 except RemoteProtocolError as exc:
-                    log.warning("round %d: ignored a malformed update: %s", k, exc)
+                    # One warning per rank and round (the rest at DEBUG): a rank sending
+                    # garbage in a loop must not flood the log.
+                    malformed += 1
+                    level = logging.WARNING if malformed == 1 else logging.DEBUG
+                    log.log(level, "round %d: ignored a malformed update: %s", k, exc)
                 self._wake.set()
         except P2PError as exc:
             # The connection ended. Unless that broke the group (step() then raises it),
