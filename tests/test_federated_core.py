@@ -383,3 +383,21 @@ def test_message_arrays_round_trip_whatever_their_layout(array: np.ndarray) -> N
 def test_message_refuses_arrays_that_cannot_travel() -> None:
     with pytest.raises(UsageError, match="cannot travel"):
         encode("submit", {}, np.array(["text"], dtype=object))
+
+
+def test_a_client_refused_again_and_again_is_logged_once_per_round(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    st = rounds()
+    st.join("a")
+    st.open(0.0)
+    with caplog.at_level(logging.DEBUG, logger="p2pdist.federated.rounds"):
+        for _ in range(100):
+            assert not st.submit("a", 0, 0, 1, vec(1.0, 5), 0.1).accepted  # wrong shape
+        st.close(1.0)
+        st.open(2.0)
+        assert not st.submit("a", 1, 1, 1, vec(1.0, 5), 2.1).accepted
+    refused = [r for r in caplog.records if "rejected update from a" in r.getMessage()]
+    assert len(refused) == 101
+    assert [r.levelno for r in refused].count(logging.WARNING) == 2  # round 0 and round 1
+    assert st.totals["shape"] == 101  # every one counted

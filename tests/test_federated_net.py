@@ -5,6 +5,8 @@ process killed mid-round, a client that breaks the protocol."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,8 +20,10 @@ from transport_conformance import wait_until
 from p2pdist import (
     ConnectionBrokenError,
     ConnectionClosedError,
+    P2PError,
     PeerAuthenticationError,
     PeerTimeoutError,
+    SecretKey,
     TransportConfig,
     UsageError,
 )
@@ -30,7 +34,9 @@ from p2pdist.federated import (
     FederatedConfig,
     Phase,
 )
-from p2pdist.federated.messages import CLIENT_CHANNEL
+from p2pdist.federated.messages import CLIENT_CHANNEL, encode
+from p2pdist.federated.net import open_transport
+from p2pdist.transport.dial import dial_with_retry
 
 PLAIN = TransportConfig(tls=False)
 HERE = Path(__file__).resolve().parent
@@ -362,3 +368,44 @@ async def test_a_client_resending_an_aggregated_update_is_told_duplicate() -> No
         np.testing.assert_array_equal(out1.aggregate, np.full(4, 5.0, np.float32))
         np.testing.assert_array_equal(c.model, np.full(4, 7.0, np.float32))
         await b.close()
+
+
+async def test_a_client_that_never_reads_its_acks_is_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The rogue submits (wrong shapes) without reading: its mailbox fills, its transport
+    # stops reading, and the coordinator's acks back up. The coordinator must stop
+    # reading it too and drop it after round_timeout, not queue acks without bound.
+    caplog.set_level(logging.INFO, logger="p2pdist.federated.coordinator")
+    config = FederatedConfig(round_timeout=1.0)
+    tight = TransportConfig(tls=False, write_buffer_high=16 * 1024)
+    async with Coordinator(np.zeros(4, np.float32), config, transport=tight) as c:
+        await c.start(listen="127.0.0.1:0")
+        assert c.address is not None
+        host, port = c.address
+        t = await open_transport(
+            SecretKey.generate(),
+            TransportConfig(tls=False, max_buffered=16 * 1024),
+            relay=None,
+            relay_token=None,
+            accept_from=lambda e: False,
+            label_for=None,
+            timeout=5,
+        )
+        try:
+            conn = await dial_with_retry(t, c.endpoint_id, f"{host}:{port}", label="r", timeout=5)
+            meta, payload = encode("hello", {"name": "rogue"})
+            await conn.send(CLIENT_CHANNEL, payload, meta=meta)
+            await c.wait_for_members(1, timeout=10)
+            meta, payload = encode("submit", {"r": 0, "b": 0, "n": 1}, np.zeros(1, np.float32))
+            sent = 0
+            with contextlib.suppress(P2PError):  # once dropped, sending fails
+                while c.members and sent < 2_000_000:
+                    conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
+                    sent += 1
+                    if sent % 1000 == 0:
+                        await asyncio.sleep(0)
+            await wait_until(lambda: not c.members, "rogue dropped", seconds=10)
+            assert any("took none of its acks" in r.getMessage() for r in caplog.records)
+        finally:
+            await t.close()

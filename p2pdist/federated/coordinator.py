@@ -28,6 +28,7 @@ from typing import Any, Self
 import numpy as np
 
 from ..errors import (
+    ConnectionBrokenError,
     ConnectionClosedError,
     P2PError,
     P2PTimeoutError,
@@ -307,7 +308,7 @@ class Coordinator:
             while True:
                 message = decode(await conn.recv(CLIENT_CHANNEL), label)
                 if message.kind == "submit":
-                    self._on_submit(client, message)
+                    await self._on_submit(client, message)
                 elif message.kind == "bye":
                     log.info("%s left", label)
                     return
@@ -336,7 +337,7 @@ class Coordinator:
         self._state.leave(client.id)
         self._wake.set()
 
-    def _on_submit(self, client: _Client, message: Message) -> None:
+    async def _on_submit(self, client: _Client, message: Message) -> None:
         label = client.label
         round_id = message.get_int("r", label)
         base = message.get_int("b", label)
@@ -352,9 +353,20 @@ class Coordinator:
             "round": self._state.round,
         }
         meta, payload = encode("ack", reply)
-        with contextlib.suppress(P2PError):
-            client.conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
         self._wake.set()
+        # Waits only while the connection's send buffer is backed up: a client that
+        # submits without ever reading its acks is then no longer read from either, and
+        # is dropped after round_timeout, instead of its acks piling up here.
+        limit = self.config.round_timeout
+        try:
+            async with asyncio.timeout(limit):
+                await client.conn.send(CLIENT_CHANNEL, payload, meta=meta)
+        except TimeoutError:
+            raise ConnectionBrokenError(
+                label, f"took none of its acks for {limit:g} s; dropping it"
+            ) from None
+        except P2PError:
+            pass  # the connection is gone: the receive loop finds out
 
     def _post(self, client: _Client, message: tuple[bytes, memoryview]) -> None:
         """Queue a model message; a client still busy receiving the last one gets only the

@@ -172,6 +172,9 @@ class FederatedRounds:
         Kept only while a submission from that base or earlier could still pass the
         staleness bound, so it holds at most one int per recent participant."""
         self._expected: set[str] = set()
+        self._logged: set[str] = set()
+        """Clients whose refusal this round was logged at WARNING/INFO (later ones: DEBUG,
+        so a client submitting garbage in a loop cannot flood the log)."""
         self._opened_at = 0.0
         self._deadline: float | None = None
         self._needed = 1
@@ -338,6 +341,7 @@ class FederatedRounds:
         self._deadline = None
         self._expected = set()
         self._dropped, self._rejected = Counter(), Counter()
+        self._logged.clear()
         return outcome
 
     def take_pending(self) -> list[Contribution]:
@@ -364,6 +368,9 @@ class FederatedRounds:
     def _refuse(self, client: str, reason: Reason, detail: str, staleness: int) -> Verdict:
         self._count(reason)
         level = logging.WARNING if reason.is_rejection else logging.INFO
+        if client in self._logged:
+            level = logging.DEBUG
+        self._logged.add(client)
         verb = "rejected" if reason.is_rejection else "dropped"
         log.log(
             level, "round %d: %s update from %s: %s", self.round, verb, self._label(client), detail
