@@ -58,6 +58,14 @@ class Metrics:
         default_factory=lambda: dict.fromkeys(AUTH_FAILURE_REASONS, 0),
         metadata=_labelled("auth_failures_total", "refused authentications, by reason"),
     )
+    refused: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(EVICT_REASONS, 0),
+        metadata=_labelled(
+            "refused_total",
+            "new connections answered 503 because the cap was full of connections that "
+            "had waited less than a second to authenticate, by the cap that was reached",
+        ),
+    )
     evicted: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(EVICT_REASONS, 0),
         metadata=_labelled(

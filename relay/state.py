@@ -67,6 +67,13 @@ RELAY_FULL = Refusal("relay_full", "relay full")
 AUTH_TIMEOUT = Refusal("timeout", "authentication timed out")
 SHUTTING_DOWN = Refusal("shutting_down", "relay shutting down")
 EVICTED = "evicted: too many connections waiting to authenticate"
+REFUSED = "too many connections waiting to authenticate; retry later"
+EVICT_AFTER = 1.0
+"""Seconds a connection must have waited to authenticate before a newer one may evict
+it. A real client needs a round trip or two, so an older one is most likely idle (a
+flood churns itself). When the cap is full of younger connections, newcomers are
+refused instead: evicting the oldest then would close every connection just before it
+authenticates, and a reconnect storm larger than the cap would never get through."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,14 +225,32 @@ class RelayCore:
         return s
 
     def _admit(self, s: Session, source: str, now: float) -> None:
-        """Count ``s`` as waiting, evicting the oldest waiting connection(s) over a cap."""
-        mine = self._waiting_by_source.get(source)
-        while mine and len(mine) >= self.config.max_unauthenticated_per_ip:
-            self._evict(next(iter(mine)), "max_unauthenticated_per_ip", now)
-        while self._waiting and len(self._waiting) >= self.max_unauthenticated:
-            self._evict(next(iter(self._waiting)), "max_unauthenticated", now)
+        """Count ``s`` as waiting. Over a cap, the oldest waiting connection makes room
+        if it has waited :data:`EVICT_AFTER`; otherwise ``s`` itself is refused (503)."""
+        caps = (
+            (
+                self._waiting_by_source.get(source),
+                self.config.max_unauthenticated_per_ip,
+                "max_unauthenticated_per_ip",
+            ),
+            (self._waiting, self.max_unauthenticated, "max_unauthenticated"),
+        )
+        for waiting, cap, reason in caps:
+            while waiting and len(waiting) >= cap:
+                oldest = next(iter(waiting))
+                if now - oldest.opened_at < EVICT_AFTER:
+                    self._refuse_storm(s, reason)
+                    return
+                self._evict(oldest, reason, now)
         self._waiting[s] = source
         self._waiting_by_source.setdefault(source, {})[s] = None
+
+    def _refuse_storm(self, s: Session, reason: str) -> None:
+        """Turn ``s`` away (503): the cap ``reason`` is full of connections younger than
+        :data:`EVICT_AFTER`, which are likely real clients about to authenticate."""
+        self.metrics.refused[reason] += 1
+        self._queue(s, response(503, f"{REFUSED}\n"))
+        self._close(s, "refused", quiet=True, fields={"reason": reason})
 
     def _evict(self, s: Session, reason: str, now: float) -> None:
         """Close a waiting connection to make room: 503 before the upgrade, ERROR after."""

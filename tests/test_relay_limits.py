@@ -5,6 +5,7 @@ connections that arrive while the relay shuts down."""
 
 from __future__ import annotations
 
+import heapq
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from test_relay_core import A, B, C, FakeLink, auth_frame, core, join, upgrade
 
+from p2pdist.identity import SecretKey
 from p2pdist.wire.relay import (
     MAX_BODY,
     RelayFrameType,
@@ -23,7 +25,7 @@ from relay.cli import load_config
 from relay.config import ConfigError, RelayConfig, from_mapping
 from relay.limits import MAX_PEER_GONE_ENTRIES, PeerGoneThrottle, TokenBucket
 from relay.session import Phase, Session
-from relay.state import MAX_AUTH_BODY, CoreConfig, RelayCore, source_of
+from relay.state import EVICT_AFTER, MAX_AUTH_BODY, CoreConfig, RelayCore, source_of
 
 T = RelayFrameType
 BIG = b"z" * (MAX_BODY - 32)  # a SEND body of MAX_BODY bytes: one whole bucket below
@@ -119,37 +121,44 @@ def test_authenticated_and_timed_out_connections_leave_the_count() -> None:
 
 def test_a_real_client_authenticates_through_a_flood_of_idle_connections() -> None:
     c = core(max_clients=100, max_unauthenticated=50, max_unauthenticated_per_ip=1000)
-    flood = [opened(c, f"198.51.100.{i % 250}", i * 0.001, port=i) for i in range(500)]
+    # one connection every 50 ms: the oldest of 50 waiting has waited 2.5 s
+    flood = [opened(c, f"198.51.100.{i % 250}", i * 0.05, port=i) for i in range(500)]
     assert c.unauthenticated == 50
     # 48 more flood connections arrive while the client upgrades and authenticates.
     s, link = join_through(c, flood_more=lambda: flood.extend(more_flood(c, 24)))
     assert s.phase is Phase.ACTIVE and link.frames()[-1][0] is T.AUTH_OK
-    assert c.metrics.evicted["max_unauthenticated"] == (500 - 50) + 1 + 48
+    # Each newcomer evicted a flooder that had waited at least EVICT_AFTER, or, once only
+    # younger ones were left, was itself turned away.
+    turned_away = (
+        c.metrics.evicted["max_unauthenticated"] + c.metrics.refused["max_unauthenticated"]
+    )
+    assert turned_away == (500 - 50) + 1 + 48
+    assert c.metrics.refused["max_unauthenticated"] > 0
     # Only the flood was churned; every flooder that is still open is still waiting.
     assert sum(f.phase is not Phase.CLOSED for f, _ in flood) == 49
 
 
 def more_flood(c: RelayCore, n: int) -> list[tuple[Session, FakeLink]]:
-    return [opened(c, f"203.0.113.{i % 250}", 1.0, port=i) for i in range(n)]
+    return [opened(c, f"203.0.113.{i % 250}", 25.0, port=i) for i in range(n)]
 
 
 def join_through(c: RelayCore, flood_more: Callable[[], None]) -> tuple[Session, FakeLink]:
     """A client that connects, then sees ``flood_more`` connections arrive before its
     upgrade and again before its AUTH (fewer than the cap in all)."""
     link = FakeLink()
-    s = c.open(link, ("192.0.2.7", 4000), 1.0)
+    s = c.open(link, ("192.0.2.7", 4000), 25.0)
     flood_more()
-    c.receive(s, upgrade_request("relay.test"), 1.0)
+    c.receive(s, upgrade_request("relay.test"), 25.0)
     assert not link.closed and s.phase is Phase.AUTH
     flood_more()
-    c.receive(s, auth_frame(A), 1.0)
+    c.receive(s, auth_frame(A), 25.0)
     return s, link
 
 
 def test_one_source_only_evicts_its_own_connections() -> None:
     c = core(max_clients=100, max_unauthenticated=50, max_unauthenticated_per_ip=8)
     other, other_link = opened(c, "192.0.2.8")
-    flood = [opened(c, "198.51.100.1", 0.0, port=i) for i in range(1000)]
+    flood = [opened(c, "198.51.100.1", i * 0.2, port=i) for i in range(1000)]
     assert other.phase is Phase.HTTP and not other_link.closed  # not churned by the flood
     assert c.unauthenticated == 1 + 8
     assert [f.phase is Phase.HTTP for f, _ in flood[-8:]] == [True] * 8
@@ -171,7 +180,7 @@ def test_an_ipv6_source_is_its_64() -> None:
     assert source_of("fe80::1%eth0") == "fe80::/64"
     assert source_of("?") == "?"
     c = core(max_unauthenticated_per_ip=2)
-    conns = [opened(c, f"2001:db8:1:2::{i + 1:x}") for i in range(3)]
+    conns = [opened(c, f"2001:db8:1:2::{i + 1:x}", float(i)) for i in range(3)]
     assert [s.phase for s, _ in conns] == [Phase.CLOSED, Phase.HTTP, Phase.HTTP]
 
 
@@ -179,7 +188,7 @@ def test_an_ipv6_source_is_its_64() -> None:
 def test_health_and_metrics_are_answered_when_the_cap_is_full(path: str) -> None:
     c = core(max_clients=100, max_unauthenticated=4)
     flood = [opened(c, f"198.51.100.{i}") for i in range(4)]
-    s, link = opened(c, "192.0.2.99")  # the monitor: let in, the oldest flooder goes
+    s, link = opened(c, "192.0.2.99", 5.0)  # the monitor: let in, the oldest flooder goes
     answer = health(c, s, link, path)
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:60]
     assert flood[0][0].phase is Phase.CLOSED
@@ -187,10 +196,61 @@ def test_health_and_metrics_are_answered_when_the_cap_is_full(path: str) -> None
     assert c.metrics.http_requests_total == 1
 
 
+def test_a_cap_full_of_young_connections_refuses_the_newcomer() -> None:
+    c = core(max_clients=100, max_unauthenticated=3)
+    young = [opened(c, f"198.51.100.{i}", i * 0.1) for i in range(3)]
+    s, link = opened(c, "192.0.2.99", 0.5)  # the oldest has waited 0.5 s: likely real
+    assert s.phase is Phase.CLOSED and link.http().startswith(b"HTTP/1.1 503 ")
+    assert all(y.phase is Phase.HTTP for y, _ in young)
+    assert c.metrics.refused == {"max_unauthenticated": 1, "max_unauthenticated_per_ip": 0}
+    assert '\np2pdist_relay_refused_total{reason="max_unauthenticated"} 1\n' in c.metrics_text()
+    late, _ = opened(c, "192.0.2.100", 1.0 + EVICT_AFTER)  # now the oldest has waited long
+    assert late.phase is Phase.HTTP and young[0][0].phase is Phase.CLOSED
+    assert c.metrics.evicted["max_unauthenticated"] == 1
+
+
+@pytest.mark.parametrize("per_ip", [True, False])
+def test_a_reconnect_storm_larger_than_the_cap_still_gets_everyone_in(per_ip: bool) -> None:
+    """200 clients behind one address reconnect at once (a relay restart); each needs
+    0.2 s from connecting to AUTH, and retries 50 ms after being turned away. Evicting
+    the oldest waiting connection always would close each one just before it
+    authenticates, and nobody would ever get in."""
+    cap = {"max_unauthenticated_per_ip": 16} if per_ip else {"max_unauthenticated": 16}
+    c = core(max_clients=1000, **cap)
+    keys = [SecretKey.from_seed("reconnect storm seed", i) for i in range(200)]
+    events: list[tuple[float, int, str, int]] = [(0.001 * i, i, "open", i) for i in range(200)]
+    sessions: dict[int, tuple[Session, FakeLink]] = {}
+    joined: dict[int, float] = {}
+    seq = 200
+    while events and len(joined) < len(keys):
+        now, _, what, i = heapq.heappop(events)
+        assert now < 120.0, f"{len(joined)} of {len(keys)} in after 120 s"
+        if what == "open":
+            sessions[i] = opened(c, "198.51.100.7", now, port=1000 + seq)
+            step = "upgrade"
+        else:
+            s = sessions[i][0]
+            if s.phase is not Phase.CLOSED:
+                data = upgrade_request("relay.test") if what == "upgrade" else auth_frame(keys[i])
+                c.receive(s, data, now)
+            step = "auth" if what == "upgrade" else "done"
+        s = sessions[i][0]
+        seq += 1
+        if s.phase is Phase.CLOSED:
+            heapq.heappush(events, (now + 0.05, seq, "open", i))
+        elif step == "done":
+            assert s.phase is Phase.ACTIVE
+            joined[i] = now
+        else:
+            heapq.heappush(events, (now + 0.1, seq, step, i))
+    assert len(joined) == len(keys)
+    assert c.metrics.refused["max_unauthenticated_per_ip" if per_ip else "max_unauthenticated"]
+
+
 def test_the_caps_on_waiting_connections_are_configurable() -> None:
     c = core(max_clients=100, max_unauthenticated=1)
     first, link = upgrade(c)
-    assert opened(c, "192.0.2.9")[0].phase is Phase.HTTP and link.closed
+    assert opened(c, "192.0.2.9", 2.0)[0].phase is Phase.HTTP and link.closed
     assert first.phase is Phase.CLOSED and c.unauthenticated == 1
 
 

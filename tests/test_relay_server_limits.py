@@ -17,6 +17,7 @@ from test_relay_server import A, B, eventually, joined, running
 from p2pdist.wire.relay import FRAME_HEADER, RelayFrameType, upgrade_request
 from relay import tlsproto
 from relay.server import TLS_SHUTDOWN_SHARE
+from relay.state import EVICT_AFTER
 from relay.testclient import RelayTestClient, http_get
 
 needs_tlsproto = pytest.mark.skipif(
@@ -124,6 +125,8 @@ async def test_queue_bytes_counts_the_tcp_buffer_and_shutdown_does_not_warn(
 async def test_a_full_cap_of_waiting_connections_does_not_lock_anyone_out() -> None:
     async with running(max_clients=4, max_unauthenticated=2) as srv:
         waiting = [await RelayTestClient.open(srv.url) for _ in range(2)]  # upgraded, no AUTH
+        # Idle for longer than a real client needs to authenticate: evictable.
+        await asyncio.sleep(EVICT_AFTER + 0.1)
         # Before the fix a third connection got 503, /health included.
         status, text = await http_get(srv.url, "/health")
         assert (status, text) == (200, "ok")
