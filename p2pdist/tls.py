@@ -137,6 +137,7 @@ class TlsIdentity:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.num_tickets = 0  # no resumption: every connection proves its key afresh
         try:
             ctx.load_verify_locations(cadata=client_cert_der)
         except ssl.SSLError as exc:

@@ -461,6 +461,7 @@ def test_server_contexts_are_kept_per_certificate_and_still_pin(
     a, b, c = (TlsIdentity(SecretKey.from_seed(SEED, r)) for r in (1, 2, 3))
     ctx_a = server.server_context(a.cert_der)
     assert server.server_context(a.cert_der) is ctx_a
+    assert ctx_a.num_tickets == 0  # a kept context hands out no session tickets
     assert _handshake(a.client_context(), ctx_a)
     assert not _handshake(b.client_context(), ctx_a)  # a kept context pins as a new one does
     ctx_b = server.server_context(b.cert_der)
