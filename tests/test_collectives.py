@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from group_helpers import groups
 
-from p2pdist import Group, MismatchError, RemoteProtocolError, UsageError
+from p2pdist import Group, GroupConfig, MismatchError, RemoteProtocolError, UsageError
 
 DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]
 
@@ -239,6 +239,11 @@ async def test_a_refused_timeout_leaves_the_sequence_in_step() -> None:
             await a.send(np.ones(3), 1, timeout=-1)
         with pytest.raises(UsageError, match="timeout"):
             await b.recv(0, timeout=0)
+        for unbounded in (float("nan"), float("inf")):  # a NaN deadline was never enforced
+            with pytest.raises(UsageError, match="finite"):
+                await a.all_reduce(np.ones(3), timeout=unbounded)
+        with pytest.raises(ValueError, match="finite"):
+            GroupConfig(timeout=float("nan"))
         outs = await run_all(gs, lambda g: g.all_reduce(np.ones(3), timeout=5))
         np.testing.assert_array_equal(outs[0], [2, 2, 2])
         x = np.arange(4.0)

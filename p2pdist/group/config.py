@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..transport.base import TransportConfig
@@ -43,8 +44,9 @@ class GroupConfig:
     need it refuse to start (naming it), and one already running fails naming it."""
 
     def __post_init__(self) -> None:
-        if self.timeout <= 0 or self.connect_timeout <= 0:
-            raise ValueError("timeouts must be positive")
+        for t in (self.timeout, self.connect_timeout):
+            if not (math.isfinite(t) and t > 0):  # NaN would pass `t <= 0` unbounded
+                raise ValueError(f"timeouts must be positive and finite, got {t!r}")
         if self.chunk_bytes < 4096:
             raise ValueError("chunk_bytes must be at least 4096")
         if self.mode not in MODES:

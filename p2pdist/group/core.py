@@ -696,9 +696,12 @@ class GroupCore(Membership):
         if timeout is None:
             return self.config.timeout  # positive: GroupConfig checks it
         seconds = timeout
-        if seconds <= 0:
-            raise UsageError(f"timeout must be positive, got {seconds}")
-        return seconds
+        # not `seconds <= 0`: NaN passes that, and a NaN deadline is never enforced
+        if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds > 0):
+            raise UsageError(
+                f"timeout must be a positive finite number of seconds, got {seconds!r}"
+            )
+        return float(seconds)
 
 
 def _fields(obj: Any) -> dict[str, Any]:
