@@ -74,6 +74,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=5, help="ping-pongs per size (default 5)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.worker:
         try:
             return eventloop.run(_worker(args.png, args.repeats))

@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from group_helpers import groups
 
-from p2pdist.group.profile import fit_alpha_beta
+from p2pdist import UsageError
+from p2pdist.group.profile import fit_alpha_beta, profile_links
 
 
 def test_fit_recovers_a_known_model() -> None:
@@ -20,6 +22,35 @@ def test_fit_recovers_a_known_model() -> None:
     a, b = fit_alpha_beta(sizes, (alpha + sizes / beta) * noise)
     assert abs(a - alpha) / alpha < 0.1
     assert abs(b - beta) / beta < 0.1
+
+
+def test_fit_takes_bandwidth_from_large_messages_and_latency_from_small_ones() -> None:
+    # As on loopback: mid-size messages move at cache speed (2.3 GB/s), the largest at
+    # 0.8 GB/s. One line weighted by relative error through every size let the many
+    # small points decide beta: 1.83 GB/s, 2.3x what the largest message measured.
+    sizes = np.array([1 << k for k in range(0, 25, 2)], float)
+    seconds = 40e-6 + sizes / 2.3e9
+    large = sizes >= 4 << 20
+    seconds[large] = 40e-6 + sizes[large] / 0.8e9
+    a, b = fit_alpha_beta(sizes, seconds)
+    measured = sizes[-1] / seconds[-1]
+    assert abs(b - measured) / measured < 0.1
+    assert a == pytest.approx(40e-6, rel=0.1)
+
+
+def test_fit_and_profile_refuse_what_cannot_be_fitted() -> None:
+    with pytest.raises(UsageError, match="two different sizes"):
+        fit_alpha_beta(np.array([1024.0, 1024.0]), np.array([1e-5, 1e-5]))
+    a, b = fit_alpha_beta(np.array([1.0, 2.0]), np.array([1e-5, 1e-5]))  # flat: no cost/byte
+    assert a == pytest.approx(1e-5) and b == float("inf")
+
+
+@pytest.mark.parametrize("kwargs", [{"repeats": 0}, {"repeats": -1}, {"sizes": (4096,)}])
+async def test_profile_links_refuses_bad_arguments(kwargs: dict[str, object]) -> None:
+    async with groups(2) as gs:
+        for g in gs:
+            with pytest.raises(UsageError):
+                await profile_links(g, **kwargs)  # type: ignore[arg-type]
 
 
 async def test_profile_links_covers_every_pair_and_agrees() -> None:

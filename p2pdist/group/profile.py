@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import UsageError
 from .group import Group
 
 __all__ = ["DEFAULT_SIZES", "LinkProfile", "fit_alpha_beta", "profile_links"]
@@ -35,11 +36,23 @@ class LinkProfile:
 
 
 def fit_alpha_beta(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
-    """Least-squares fit of ``t = alpha + m / beta``, weighted so that small messages
-    (which decide alpha) count as much as large ones (which decide beta)."""
-    weights = 1.0 / np.maximum(seconds, 1e-9)
-    slope, alpha = np.polyfit(sizes, seconds, 1, w=weights)
-    return max(float(alpha), 0.0), (1.0 / slope if slope > 0 else float("inf"))
+    """Fit ``t = alpha + m / beta`` (alpha >= 0): beta from the larger half of the sizes,
+    where bandwidth decides the time, then alpha from the smaller half given that beta,
+    where latency does. One least-squares line through all of them lets either end's
+    noise skew the other (a link's small messages are not on the large ones' line)."""
+    sizes, seconds = np.asarray(sizes, float), np.asarray(seconds, float)
+    if sizes.shape != seconds.shape or np.unique(sizes).size < 2:
+        raise UsageError("the alpha-beta fit needs times for at least two different sizes")
+    order = np.argsort(sizes, kind="stable")
+    m, t = sizes[order], seconds[order]
+    n = m.size
+    big = slice(n - max(2, n // 2), n)
+    slope = float(np.polyfit(m[big], t[big], 1)[0]) if np.unique(m[big]).size > 1 else 0.0
+    if slope * m[-1] <= 1e-9 * max(float(t[-1]), 1e-12):  # no measurable cost per byte
+        slope = 0.0
+    small = slice(0, max(1, n // 2))
+    alpha = float(np.median(t[small] - m[small] * slope))
+    return max(alpha, 0.0), (1.0 / slope if slope > 0 else float("inf"))
 
 
 async def profile_links(
@@ -49,6 +62,10 @@ async def profile_links(
 
     Every rank returns the same list (rank 0's measurements are shared with all).
     """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise UsageError(f"repeats must be a positive int, got {repeats!r}")
+    if len(set(sizes)) < 2 or any(not isinstance(m, int) or m < 1 for m in sizes):
+        raise UsageError(f"sizes must be at least two different positive ints, got {sizes!r}")
     n, me = group.size, group.rank
     results: list[LinkProfile] = []
     for a in range(n):
