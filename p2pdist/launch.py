@@ -11,7 +11,9 @@ Each child gets:
 Every line a child writes is echoed with a ``[rank R] `` prefix (stdout to stdout,
 stderr to stderr). If a rank fails, the others are stopped (SIGTERM, then SIGKILL
 after :attr:`LaunchConfig.grace_s`) and the launcher exits with the failing code.
-Each rank runs in its own session, so stopping a rank also stops its children.
+Each rank runs in its own session, so stopping a rank also stops its children. SIGINT,
+SIGTERM, SIGHUP (a closed terminal) and SIGQUIT to the launcher stop every rank the same
+way, and the launcher exits with 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -300,7 +302,9 @@ class _Launcher:
 async def _run(cfg: LaunchConfig, envs: Sequence[dict[str, str]]) -> int:
     launcher = _Launcher(cfg)
     loop = asyncio.get_running_loop()
-    handled = (signal.SIGINT, signal.SIGTERM)
+    # SIGHUP too: the ranks run in sessions of their own, so a closed terminal or a
+    # dropped ssh connection would otherwise kill the launcher alone and orphan them.
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
     for sig in handled:
         loop.add_signal_handler(sig, launcher.on_signal, sig)
     try:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -245,3 +247,51 @@ def test_exit_status_and_rank_env() -> None:
         "P2PDIST_PEERS": "h:1,h:2",
         "P2PDIST_TLS": "0",
     }
+
+
+CHILD_WAITS = textwrap.dedent(
+    """
+    import os, sys, time
+    path = os.path.join(sys.argv[1], os.environ["P2PDIST_RANK"] + ".pid")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_launch_stops_every_rank_when_it_is_told_to_stop(tmp_path: Path, sig: int) -> None:
+    """A closed terminal (SIGHUP) or a kill (SIGTERM) of the launcher stops the ranks,
+    which run in sessions of their own and would otherwise be orphaned."""
+    cmd = [sys.executable, "-m", "p2pdist.cli", "launch", "-n", "2", "--"]
+    proc = subprocess.Popen(
+        [*cmd, sys.executable, "-c", CHILD_WAITS, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pid_files = [tmp_path / f"{r}.pid" for r in range(2)]
+        deadline = time.monotonic() + TIMEOUT_S
+        while not all(f.exists() for f in pid_files):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.05)
+        pids = [int(f.read_text()) for f in pid_files]
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+        assert proc.returncode == 128 + sig, err
+        for pid in pids:  # reaped by the launcher: gone, not orphaned
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                assert time.monotonic() < deadline, f"rank process {pid} outlived the launcher"
+                time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
