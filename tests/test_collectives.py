@@ -284,3 +284,23 @@ async def test_recv_of_a_single_frame_that_does_not_match_its_header() -> None:
         await a.connection(1).send(channel, b"\0" * 36, meta=meta)
         with pytest.raises(RemoteProtocolError, match="rank 0"):
             await b.recv(0)
+
+
+async def test_recv_arguments_are_checked_before_anything_is_taken() -> None:
+    async with groups(2) as gs:
+        a, b = gs
+        bad: list[dict[str, object]] = [
+            {"out": [0.0, 0.0]},
+            {"shape": "3"},
+            {"shape": (2, -1)},
+            {"dtype": "junk"},
+        ]
+        for kwargs in bad:
+            with pytest.raises(UsageError):
+                await b.recv(0, **kwargs)  # type: ignore[arg-type]
+        x = np.arange(3.0)
+        # like= may be a list, and shape= an int, as in numpy: the next message pairs up
+        got = await asyncio.gather(a.send(x, 1), b.recv(0, like=[0.0, 0.0, 0.0]))
+        np.testing.assert_array_equal(got[1], x)
+        got = await asyncio.gather(a.send(x, 1), b.recv(0, shape=3, dtype=np.float64))
+        np.testing.assert_array_equal(got[1], x)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,10 +57,14 @@ def result_buffer(
 def expectation(
     like: np.ndarray | None, shape: Sequence[int] | None, dtype: Any, out: np.ndarray | None
 ) -> tuple[np.dtype[Any] | None, tuple[int, ...] | None]:
+    if out is not None and not isinstance(out, np.ndarray):
+        raise UsageError(f"out must be a numpy array, got {type(out).__name__}")
+    if like is not None and not isinstance(like, np.ndarray):
+        like = as_array(like)  # a list is fine: only its dtype and shape are used
     ref = out if out is not None else like
-    want_dtype = np.dtype(dtype) if dtype is not None else (ref.dtype if ref is not None else None)
+    want_dtype = (ref.dtype if ref is not None else None) if dtype is None else _dtype(dtype)
     if shape is not None:
-        want_shape: tuple[int, ...] | None = tuple(int(s) for s in shape)
+        want_shape: tuple[int, ...] | None = _shape(shape)
     else:
         want_shape = tuple(ref.shape) if ref is not None else None
     if out is not None:
@@ -70,3 +75,23 @@ def expectation(
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise UsageError("out must be a writeable C-contiguous array")
     return want_dtype, want_shape
+
+
+def _dtype(dtype: Any) -> np.dtype[Any]:
+    try:
+        result: np.dtype[Any] = np.dtype(dtype)
+    except TypeError as exc:
+        raise UsageError(f"dtype {dtype!r} is not a numpy dtype: {exc}") from None
+    return result
+
+
+def _shape(shape: Any) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints (an int is a 1-D shape, as in numpy)."""
+    dims = (shape,) if isinstance(shape, int | np.integer) else shape
+    try:
+        out = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise UsageError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    if any(d < 0 for d in out):
+        raise UsageError(f"shape must not be negative, got {shape!r}")
+    return out
