@@ -45,7 +45,7 @@ from ..transport.base import Connection
 from ..wire.frames import Frame
 from .aggregate import Reason, aggregate, apply_update
 from .config import FederatedConfig
-from .decision import GroupRound, OwnUpdate, cid, decision_body, digest
+from .decision import GroupRound, OwnUpdate, cid, decision_body, digest_async
 from .messages import DECISION, UPDATE, Message, decode, encode, round_channel, round_space
 from .net import until_due
 from .recovery import Recovery
@@ -197,7 +197,8 @@ class GroupAveraging(Recovery):
         k = self._round
         if update is not None:
             base = k if base_round is None else base_round
-            self._own = OwnUpdate(as_array(update), num_samples, base)
+            sent = as_array(update)
+            self._own = OwnUpdate(sent, num_samples, base, await digest_async(sent))
         own = self._own
         if own is not None and k - own.base_round > self.config.max_staleness:
             self._own, own = None, None
@@ -363,7 +364,7 @@ class GroupAveraging(Recovery):
                     own is None
                     or own.base_round != base
                     or own.num_samples != n
-                    or digest(own.update) != hashed
+                    or own.digest != hashed
                 ):
                     raise MismatchError(
                         self.group.peer_label(self.leader),
@@ -373,13 +374,14 @@ class GroupAveraging(Recovery):
             else:
                 label = self.group.peer_label(rank)
                 frame = await self._named_update(k, rank, label, channel)
-                updates.append(self._check_named(k, decode(frame, label), label, base, n, hashed))
+                got = decode(frame, label)
+                updates.append(await self._check_named(k, got, label, base, n, hashed))
             weights.append(weight)
         return aggregate(
             updates, weights, self.config.rule, self.config.trim_fraction, self._model.dtype
         )
 
-    def _check_named(
+    async def _check_named(
         self, k: int, got: Message, label: str, base: int, n: int, hashed: bytes
     ) -> np.ndarray:
         """The array of ``got``, the update the decision of round ``k`` names as
@@ -395,7 +397,7 @@ class GroupAveraging(Recovery):
                 f"its update of round {k} is {update.dtype}{list(update.shape)}, the model "
                 f"{model.dtype}{list(model.shape)} (the leader accepted another one)",
             )
-        if digest(update) != hashed:
+        if await digest_async(update) != hashed:
             raise MismatchError(
                 label,
                 f"its update of round {k} is not the one the leader aggregated "
@@ -479,6 +481,13 @@ class GroupAveraging(Recovery):
                     if message.kind != "update" or message.get_int("r", label) != k:
                         raise RemoteProtocolError(label, f"not an update for round {k}")
                     update = message.need_array(label)
+                    # Hashed before submit (off the loop when big), so nothing runs
+                    # between acceptance and noting its digest: the round cannot close
+                    # on an accepted update the decision could not name. Only a
+                    # model-shaped update can be accepted, so only those are hashed.
+                    model = self._model
+                    fits = update.shape == model.shape and update.dtype == model.dtype
+                    hashed = await digest_async(update) if fits else b""
                     verdict = self._state.submit(
                         cid(r),
                         k,
@@ -487,7 +496,7 @@ class GroupAveraging(Recovery):
                         update,
                         loop.time(),
                     )
-                    self._note(r, verdict, update)
+                    self._note(r, verdict, hashed)
                 except RemoteProtocolError as exc:
                     # One warning per rank and round (the rest at DEBUG): a rank sending
                     # garbage in a loop must not flood the log.
@@ -514,7 +523,7 @@ class GroupAveraging(Recovery):
         me = cid(self.group.rank)
         if own is not None:
             verdict = state.submit(me, k, own.base_round, own.num_samples, own.update, loop.time())
-            self._note(self.group.rank, verdict, own.update)
+            self._note(self.group.rank, verdict, own.digest)
         why = await until_due(state, self._wake, self._check_leading)
         self._check_leading()
         outcome = state.close(loop.time(), why)
@@ -539,12 +548,12 @@ class GroupAveraging(Recovery):
         self._send_decision(k, body, list(self._conns()))
         return body, outcome.aggregate
 
-    def _note(self, r: int, verdict: Verdict, update: np.ndarray) -> None:
+    def _note(self, r: int, verdict: Verdict, hashed: bytes) -> None:
         """Remember what the state machine did with rank ``r``'s update: the digest of an
         accepted one (for the decision), the first refusal of the round (the others are
         only counted, by the state machine: a decision names at most one per rank)."""
         if verdict.accepted:
-            self._digests[r] = digest(update)
+            self._digests[r] = hashed
         elif verdict.reason is not None:
             self._refused.setdefault(r, verdict.reason.value)
 

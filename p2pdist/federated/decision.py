@@ -4,6 +4,7 @@ leader (sans-I/O; see :mod:`.failover`)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ __all__ = [
     "cid",
     "decision_body",
     "digest",
+    "digest_async",
     "report_of",
 ]
 
@@ -72,6 +74,8 @@ class OwnUpdate:
     update: np.ndarray
     num_samples: int
     base_round: int
+    digest: bytes = b""
+    """:func:`digest` of ``update``, computed once (a carried update is named again)."""
 
 
 def digest(update: np.ndarray) -> bytes:
@@ -79,6 +83,18 @@ def digest(update: np.ndarray) -> bytes:
     the bytes every rank aggregates, named per participant in a decision."""
     data = np.ascontiguousarray(update).reshape(-1).view(np.uint8).data
     return hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
+
+
+HASH_OFF_LOOP = 1 << 20
+"""Updates at least this big are hashed on a worker thread (hashlib releases the GIL),
+about 1 ms per MB, so the event loop goes on serving keepalives and other ranks."""
+
+
+async def digest_async(update: np.ndarray) -> bytes:
+    """:func:`digest`, off the event loop for updates of :data:`HASH_OFF_LOOP` or more."""
+    if update.nbytes < HASH_OFF_LOOP:
+        return digest(update)
+    return await asyncio.to_thread(digest, update)
 
 
 def _digest_of(value: Any) -> bytes:
