@@ -6,7 +6,11 @@ and everything after ``#`` are ignored. The relay checks the file's modification
 size and inode at most once per ``check_interval`` seconds, on each authentication, and
 reloads it when they changed; :meth:`Allowlist.refresh` with ``force=True`` (SIGHUP)
 reloads unconditionally. A file that becomes unreadable or malformed keeps the last good
-list in force (and is logged), so a half-written edit never opens or closes the relay.
+list in force and is logged once (again only when the file changes, or on SIGHUP). A file
+that parses is taken as it is, even a truncated one (an empty file refuses everyone), so
+editors should write a temporary file and rename it over the allowlist; a reload that
+empties the list, or shrinks it by more than half, is logged as a warning. A UTF-8 byte
+order mark at the start is ignored.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ from .logfmt import kv
 __all__ = ["AccessPolicy", "Allowlist", "AllowlistError", "Refusal", "parse_allowlist"]
 
 log = logging.getLogger(__name__)
+
+
+_MISSING = (-1, -1, -1)
+"""The signature remembered for a file that cannot even be stat'ed."""
 
 
 class AllowlistError(ValueError):
@@ -65,34 +73,65 @@ class Allowlist:
         self._interval = check_interval
         self._ids: frozenset[bytes] = frozenset()
         self._signature: tuple[int, int, int] | None = None
+        self._failed: tuple[int, int, int] | None = None
         self._checked: float | None = None
-        self._load()  # at start-up a bad file is an error, not a warning
+        try:
+            signature = self._stat()
+        except OSError as exc:
+            raise AllowlistError(f"cannot read allowlist {self.path}: {exc}") from None
+        self._load(signature)  # at start-up a bad file is an error, not a warning
 
     def _stat(self) -> tuple[int, int, int]:
         st = os.stat(self.path)
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
-    def _load(self) -> None:
+    def _load(self, signature: tuple[int, int, int]) -> None:
+        """Read and parse the file whose stat was ``signature`` (taken before reading, so
+        a change during the read shows as a changed file at the next check)."""
         try:
-            signature = self._stat()
-            text = self.path.read_text(encoding="utf-8")
+            text = self.path.read_text(encoding="utf-8-sig")  # a BOM is not an id
         except (OSError, UnicodeDecodeError) as exc:
             raise AllowlistError(f"cannot read allowlist {self.path}: {exc}") from None
-        self._ids = parse_allowlist(text, str(self.path))
-        self._signature = signature
-        log.info(kv("allowlist_loaded", path=self.path, entries=len(self._ids)))
+        ids = parse_allowlist(text, str(self.path))
+        previous = None if self._signature is None else len(self._ids)
+        self._ids, self._signature, self._failed = ids, signature, None
+        log.info(kv("allowlist_loaded", path=self.path, entries=len(ids)))
+        if not ids:
+            log.warning(
+                kv(
+                    "allowlist_empty",
+                    path=self.path,
+                    previous=previous,
+                    hint="every client is refused; was the file cut short?",
+                )
+            )
+        elif previous is not None and len(ids) * 2 < previous:
+            log.warning(kv("allowlist_shrunk", path=self.path, entries=len(ids), previous=previous))
 
     def refresh(self, now: float, *, force: bool = False) -> None:
-        """Reload the file if it changed (checked at most every ``check_interval`` s)."""
+        """Reload the file if it changed (checked at most every ``check_interval`` s).
+
+        A file that fails to load is logged once: its signature is remembered, and it is
+        tried (and logged) again only when it changes, or on ``force``."""
         if not force and self._checked is not None and now - self._checked < self._interval:
             return
         self._checked = now
         try:
-            if not force and self._stat() == self._signature:
+            signature = self._stat()
+        except OSError as exc:
+            signature = _MISSING
+            error: Exception = AllowlistError(f"cannot read allowlist {self.path}: {exc}")
+        else:
+            if not force and signature in (self._signature, self._failed):
                 return
-            self._load()
-        except (OSError, AllowlistError) as exc:
-            log.error(kv("allowlist_reload_failed", error=exc, kept=len(self._ids)))
+            try:
+                self._load(signature)
+                return
+            except AllowlistError as exc:
+                error = exc
+        if force or signature != self._failed:
+            log.error(kv("allowlist_reload_failed", error=error, kept=len(self._ids)))
+        self._failed = signature
 
     def __contains__(self, raw_id: bytes) -> bool:
         return raw_id in self._ids

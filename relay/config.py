@@ -80,7 +80,8 @@ class RelayConfig:
         default=None, metadata=_doc("certificate chain (PEM) of a real certificate", "FILE")
     )
     cert_key: Path | None = field(
-        default=None, metadata=_doc("private key (PEM) of --cert", "FILE")
+        default=None,
+        metadata=_doc("private key (PEM) of --cert; must be private (mode 0600)", "FILE"),
     )
     allowlist: Path | None = field(
         default=None,
@@ -164,7 +165,8 @@ class RelayConfig:
     tap: Path | None = field(
         default=None,
         metadata=_doc(
-            "DEBUG: append every byte read/written on client connections (after TLS) to FILE",
+            "DEBUG: append every byte read/written on client connections (after TLS) to "
+            "FILE (mode 0600; AUTH tokens blanked)",
             "FILE",
         ),
     )

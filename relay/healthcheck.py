@@ -5,6 +5,10 @@ It checks that the local process accepts TLS and answers HTTP; it does not authe
 the relay (the certificate is not verified, and nothing secret is sent or trusted). With
 ``--url URL`` (e.g. the content of ``--url-file``) it verifies the relay as clients do:
 the pin, or the certificate through the system CAs.
+
+Without ``--url`` it probes ``127.0.0.1`` on port 8443; ``--host``/``--port``, or the
+environment variables ``P2PDIST_RELAY_HEALTH_HOST``/``P2PDIST_RELAY_HEALTH_PORT`` (for a
+Docker HEALTHCHECK), point it elsewhere, e.g. at a relay bound to one address only.
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ from .testclient import http_get
 __all__ = ["main"]
 
 PORT_ENV = "P2PDIST_RELAY_HEALTH_PORT"
+HOST_ENV = "P2PDIST_RELAY_HEALTH_HOST"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Probe once; 0 healthy, 1 not."""
     p = argparse.ArgumentParser(prog="python -m relay.healthcheck", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default=os.environ.get(HOST_ENV) or "127.0.0.1")
     p.add_argument("--port", type=int, default=int(os.environ.get(PORT_ENV, "8443")))
     p.add_argument("--url", help="verify the relay as clients do (pin or CA)")
     p.add_argument("--timeout", type=float, default=5.0)

@@ -37,7 +37,7 @@ from .config import ConfigError, RelayConfig
 from .logfmt import kv
 from .metrics import Metrics
 from .session import Session
-from .state import CoreConfig, RelayCore
+from .state import CoreConfig, RelayCore, format_address
 from .stun_server import StunProtocol
 from .tap import FileTap, Tap
 from .tlsconfig import RelayTls, load_or_create_key
@@ -257,7 +257,7 @@ class RelayServer:
             kv(
                 "listening",
                 url=self.url,
-                bind=f"{c.host}:{self.port}",
+                bind=format_address(c.host, self.port),
                 stun=self.stun_port or "off",
                 stun_alt=self.stun_alt_port or "off",
                 tls="pinned" if self.tls.pin else "certificate",

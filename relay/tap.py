@@ -11,22 +11,90 @@ two peers through the relay, then check it appears in no stream the tap recorded
   (so a marker split across reads is still found). Record format:
   ``conn_id u32 | direction u8 ('i' or 'o') | length u32 | data``, big-endian.
 
-Never enable it on a production relay: it writes everything clients send to disk.
+The file is created with mode 0600 (whatever the umask), and the token in AUTH frames is
+written as zero bytes of the same length (:class:`AuthRedactor`): the rest of each AUTH
+frame, and everything else, is recorded as read. Never enable it on a production relay:
+it writes everything clients send to disk.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["FileTap", "Tap", "read_tap"]
+from p2pdist.wire.relay import FRAME_HEADER, RelayFrameType
+
+from .logfmt import kv
+
+__all__ = ["AuthRedactor", "FileTap", "Tap", "read_tap"]
+
+log = logging.getLogger(__name__)
 
 Tap = Callable[[int, str, bytes], None]
 """``tap(conn_id, "in" | "out", data)``; called synchronously, must not raise."""
 
 _RECORD = struct.Struct(">IBI")
+_HEAD_END = b"\r\n\r\n"
+_AUTH_FIXED = 32 + 64
+"""An AUTH body is ``id 32 | signature 64 | token``: what follows these bytes is secret."""
+
+
+class AuthRedactor:
+    """Follows one client-to-relay byte stream (an HTTP head, then relay frames) across
+    reads of any size and zeroes the token bytes of every AUTH frame, keeping lengths.
+
+    Only framing is tracked (no bytes are kept), so a stream that is not what the relay
+    expects merely goes through unredacted where it cannot be read as frames.
+    """
+
+    def __init__(self) -> None:
+        self._head_tail = b""  # the last bytes of the HTTP head so far (up to 3)
+        self._in_head = True
+        self._header = bytearray()  # a frame header split across reads
+        self._left = 0  # bytes of the current frame body still to come
+        self._secret_from = 0  # body offset where the current AUTH token starts ...
+        self._secret = False  # ... if the current frame is an AUTH
+        self._body_at = 0  # bytes of the current body seen so far
+
+    def __call__(self, data: bytes) -> bytes:
+        """``data`` with any AUTH token bytes in it replaced by zero bytes."""
+        out = bytearray(data)
+        i = 0
+        if self._in_head:
+            joined = self._head_tail + data
+            end = joined.find(_HEAD_END)
+            if end < 0:
+                self._head_tail = joined[-3:]
+                return data
+            self._in_head = False
+            i = end + len(_HEAD_END) - len(self._head_tail)
+        while i < len(out):
+            if self._left == 0 and len(self._header) < FRAME_HEADER:
+                take = min(FRAME_HEADER - len(self._header), len(out) - i)
+                self._header += out[i : i + take]
+                i += take
+                if len(self._header) == FRAME_HEADER:
+                    self._left = int.from_bytes(self._header[1:], "big")
+                    self._secret = self._header[0] == RelayFrameType.AUTH
+                    self._body_at = 0
+                    if self._left == 0:
+                        self._header.clear()
+                continue
+            take = min(self._left, len(out) - i)
+            if self._secret:
+                start = max(self._body_at, _AUTH_FIXED) - self._body_at
+                if start < take:
+                    out[i + start : i + take] = bytes(take - start)
+            self._body_at += take
+            self._left -= take
+            i += take
+            if self._left == 0:
+                self._header.clear()
+        return bytes(out)
 
 
 class FileTap:
@@ -34,11 +102,22 @@ class FileTap:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fh: BinaryIO | None = path.open("ab")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask, and for a file left from before
+        except OSError as exc:  # pragma: no cover - a file someone else owns
+            log.warning(kv("tap_chmod_failed", path=path, error=exc))
+        self._fh: BinaryIO | None = os.fdopen(fd, "ab")
+        self._redactors: dict[int, AuthRedactor] = {}
 
     def __call__(self, conn_id: int, direction: str, data: bytes) -> None:
         if self._fh is None:
             return
+        if direction == "in":
+            redact = self._redactors.get(conn_id)
+            if redact is None:
+                redact = self._redactors[conn_id] = AuthRedactor()
+            data = redact(data)
         code = ord("i") if direction == "in" else ord("o")
         self._fh.write(_RECORD.pack(conn_id & 0xFFFFFFFF, code, len(data)))
         self._fh.write(data)

@@ -21,6 +21,7 @@ import datetime
 import logging
 import os
 import ssl
+import stat
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -75,6 +76,20 @@ def _read(path: Path, what: str) -> bytes:
         raise ConfigError(f"cannot read {what} {path}: {exc}") from None
 
 
+def _check_private(path: Path) -> None:
+    """ConfigError when the private key file ``path`` is accessible by group or others
+    (the same rule as ``--key``); a file that cannot be stat'ed is left to the read."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(
+            f"certificate key file {path} is accessible by group or others "
+            f"(mode {stat.S_IMODE(mode):04o}); run: chmod 600 {path}"
+        )
+
+
 def _leaf_der(chain_pem: bytes, cert_path: Path) -> bytes:
     """The leaf (first) certificate of a PEM chain, as DER; logs an expiry warning."""
     try:
@@ -113,8 +128,10 @@ class RelayTls:
 
     @classmethod
     def from_files(cls, cert_path: Path, key_path: Path) -> RelayTls:
-        """A real certificate chain (PEM) and its private key (PEM)."""
+        """A real certificate chain (PEM) and its private key (PEM); ConfigError when the
+        key file is accessible by group or others, as for ``--key``."""
         ctx = _server_context()
+        _check_private(key_path)
         chain_pem, key_pem = _read(cert_path, "certificate"), _read(key_path, "key")
         der = _leaf_der(chain_pem, cert_path)
         _load_chain(ctx, chain_pem, key_pem, cert_path, key_path)
@@ -128,13 +145,15 @@ class RelayTls:
 
     def reload(self) -> bool:
         """Re-read certificate files (certificate mode); True when the certificate changed.
-        Errors (unreadable files, a key that does not match the certificate) are logged
+        Errors (unreadable files, a key file readable by others, a key that does not
+        match the certificate) are logged
         and the old certificate stays in use: the new pair is loaded into a scratch
         context first, and into the live one only once it loaded there."""
         if self.cert_path is None or self.key_path is None:
             return False
         try:
             chain_pem = _read(self.cert_path, "certificate")
+            _check_private(self.key_path)
             key_pem = _read(self.key_path, "key")
             der = _leaf_der(chain_pem, self.cert_path)
             _load_chain(_server_context(), chain_pem, key_pem, self.cert_path, self.key_path)

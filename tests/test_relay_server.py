@@ -229,6 +229,7 @@ def _certificate(tmp: Path) -> tuple[Path, Path]:
             serialization.NoEncryption(),
         )
     )
+    key_path.chmod(0o600)  # a private key readable by others is refused
     return cert_path, key_path
 
 

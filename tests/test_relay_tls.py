@@ -78,7 +78,10 @@ def served_certificate(server: ssl.SSLContext) -> bytes:
 
 @pytest.fixture
 def files(tmp_path: Path) -> tuple[Path, Path]:
-    return tmp_path / "live.crt", tmp_path / "live.key"
+    key = tmp_path / "live.key"
+    key.touch(mode=0o600)
+    key.chmod(0o600)  # a private key file, as certbot writes it (the umask aside)
+    return tmp_path / "live.crt", key
 
 
 def test_a_failed_reload_keeps_the_old_certificate_serving(files: tuple[Path, Path]) -> None:

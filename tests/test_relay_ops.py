@@ -1,0 +1,368 @@
+"""What an operator following docs/relay.md runs into: the systemd unit as printed, the
+tap file's mode and contents, allowlist edits and their logs, certificate key file
+modes, the listening line and the health probe's target.
+
+Every wait is bounded; nothing asserts on elapsed time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import os
+import re
+import shutil
+import socket
+import stat
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from p2pdist.identity import SecretKey
+from p2pdist.wire.relay import RelayFrameType, RelayUrl, encode_frame
+from relay import RelayConfig, RelayServer
+from relay.access import Allowlist, AllowlistError
+from relay.config import ConfigError
+from relay.healthcheck import HOST_ENV
+from relay.healthcheck import main as healthcheck
+from relay.tap import AuthRedactor, FileTap, read_tap
+from relay.testclient import RelayRefused, RelayTestClient
+from relay.tlsconfig import RelayTls
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "relay.md"
+KEYS = [SecretKey.from_seed("relay ops tests seed", r) for r in range(6)]
+TOKEN = "tok-secret-0123456789"
+
+
+@contextlib.asynccontextmanager
+async def running(**overrides: Any) -> AsyncIterator[RelayServer]:
+    """An in-process relay on 127.0.0.1 with STUN off."""
+    values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "stun_port": 0}
+    values.update(overrides)
+    server = RelayServer(RelayConfig(**values))
+    await server.start()
+    try:
+        yield server
+    finally:
+        await asyncio.wait_for(server.close(), 30)
+
+
+# ---- the systemd unit in docs/relay.md --------------------------------------------------
+
+
+def systemd_unit() -> str:
+    """The ``p2pdist-relay.service`` block of docs/relay.md, as printed there."""
+    blocks = re.findall(r"```ini\n(.*?)```", DOCS.read_text(), re.S)
+    units = [b for b in blocks if "[Service]" in b]
+    assert len(units) == 1, "docs/relay.md should print exactly one systemd unit"
+    return str(units[0])
+
+
+def test_systemd_unit_directives_carry_no_trailing_comments() -> None:
+    # systemd takes '#' as a comment only at the start of a line: after a directive it is
+    # part of the value (LimitNOFILE= then fails to parse, Environment= sets junk).
+    directives = 0
+    for line in systemd_unit().splitlines():
+        text = line.strip()
+        if not text or text.startswith(("#", ";", "[")):
+            continue
+        name, sep, value = text.partition("=")
+        assert sep and re.fullmatch(r"[A-Za-z]+", name), f"not a directive: {line!r}"
+        assert "#" not in value, f"systemd would take the comment as the value: {line!r}"
+        directives += 1
+    assert directives >= 10
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+def test_systemd_unit_verifies(tmp_path: Path) -> None:
+    unit = tmp_path / "p2pdist-relay.service"
+    # The venv path of the docs does not exist here: point ExecStart at a real binary.
+    unit.write_text(re.sub(r"ExecStart=\S+", "ExecStart=/bin/true", systemd_unit()))
+    done = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
+    )
+    problems = [
+        line
+        for line in (done.stdout + done.stderr).splitlines()
+        if str(unit) in line or "p2pdist-relay.service" in line
+    ]
+    assert not problems, "\n".join(problems)
+
+
+# ---- the tap ------------------------------------------------------------------------------
+
+
+def test_tap_file_is_created_private_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        tap = FileTap(tmp_path / "tap.bin")
+    finally:
+        os.umask(old)
+    tap.close()
+    assert stat.S_IMODE((tmp_path / "tap.bin").stat().st_mode) == 0o600
+    left = tmp_path / "old.bin"  # a tap file left from before, world-readable
+    left.write_bytes(b"")
+    left.chmod(0o644)
+    FileTap(left).close()
+    assert stat.S_IMODE(left.stat().st_mode) == 0o600
+
+
+def _auth_stream(token: bytes, after: bytes = b"") -> tuple[bytes, int]:
+    """A client's bytes: the upgrade, an AUTH carrying ``token``, then ``after``; and the
+    offset of the token in them."""
+    head = b"GET /relay HTTP/1.1\r\nHost: x\r\n\r\n"
+    auth = encode_frame(RelayFrameType.AUTH, bytes(range(96)) + token)
+    return head + auth + after, len(head) + 5 + 96
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 7, 100, 4096])
+def test_auth_redactor_blanks_the_token_across_any_split(chunk: int) -> None:
+    ping = encode_frame(RelayFrameType.PING, b"12345678")
+    auth2 = encode_frame(RelayFrameType.AUTH, b"\xff" * 96 + b"second-token")
+    data, at = _auth_stream(TOKEN.encode(), ping + auth2)
+    redact = AuthRedactor()
+    out = b"".join(redact(data[i : i + chunk]) for i in range(0, len(data), chunk))
+    assert len(out) == len(data)
+    expected = bytearray(data)
+    expected[at : at + len(TOKEN)] = bytes(len(TOKEN))
+    second = len(expected) - len(b"second-token")
+    expected[second:] = bytes(len(b"second-token"))
+    assert out == bytes(expected)  # id, signature and other frames unchanged
+
+
+async def test_the_tap_file_never_holds_the_token(tmp_path: Path) -> None:
+    tap = tmp_path / "tap.bin"
+    a, b = KEYS[0], KEYS[1]
+    async with running(token=TOKEN, tap=tap) as srv:
+        ca = await RelayTestClient.open(srv.url)
+        await ca.authenticate(a, TOKEN)
+        cb = await RelayTestClient.open(srv.url)
+        await cb.authenticate(b, TOKEN)
+        ca.send(b.endpoint_id, b"MARKER-TAP")
+        assert (await asyncio.wait_for(cb.recv(), 30))[1] == b"MARKER-TAP"
+        bad = await RelayTestClient.open(srv.url)
+        with pytest.raises(RelayRefused):
+            await bad.authenticate(KEYS[2], TOKEN[:-1] + "X")
+        for c in (ca, cb, bad):
+            await c.close()
+    raw = tap.read_bytes()
+    assert stat.S_IMODE(tap.stat().st_mode) == 0o600
+    assert TOKEN[:-1].encode() not in raw
+    assert b"MARKER-TAP" in raw  # still a tap of everything else
+    ins = [v for (_, d), v in read_tap(tap).items() if d == "in"]
+    assert len(ins) == 3
+    for stream in ins:  # each AUTH frame is still there, its token zeroed
+        assert b"\0" * len(TOKEN) in stream
+    assert any(bytes(a.endpoint_id) in s for s in ins)  # the id is no secret
+
+
+# ---- the allowlist ------------------------------------------------------------------------
+
+
+def _ids(n: int, start: int = 0) -> list[str]:
+    return [str(k.endpoint_id) for k in KEYS[start : start + n]]
+
+
+def test_allowlist_with_a_utf8_bom_loads(tmp_path: Path) -> None:
+    path = tmp_path / "allow.txt"
+    path.write_bytes(("\n".join(_ids(2)) + "\n").encode("utf-8-sig"))
+    allow = Allowlist(path)
+    assert len(allow) == 2 and bytes(KEYS[0].endpoint_id) in allow
+
+
+def _touch(path: Path, text: str, step: int) -> None:
+    """Replace the file's text and move its mtime on (a reload sees it changed)."""
+    path.write_text(text)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + step * 1_000_000_000))
+
+
+def test_allowlist_shrinking_to_nothing_or_by_more_than_half_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "allow.txt"
+    path.write_text("\n".join(_ids(5)) + "\n")
+    allow = Allowlist(path)
+    caplog.set_level(logging.INFO, logger="relay.access")
+
+    _touch(path, "\n".join(_ids(3)) + "\n", 1)  # 5 -> 3: not more than half
+    allow.refresh(10.0)
+    assert len(allow) == 3
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+    _touch(path, _ids(1)[0] + "\n", 2)  # 3 -> 1: more than half gone
+    allow.refresh(20.0)
+    assert len(allow) == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"allowlist_shrunk path={path} entries=1 previous=3"]
+
+    caplog.clear()
+    _touch(path, "", 3)  # an empty (or cut at a line) file is valid: everyone refused
+    allow.refresh(30.0)
+    assert len(allow) == 0
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(f"allowlist_empty path={path} previous=1 ")
+
+
+def test_a_bad_allowlist_is_logged_once_until_the_file_changes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "allow.txt"
+    path.write_text("\n".join(_ids(2)) + "\n")
+    allow = Allowlist(path)
+    caplog.set_level(logging.INFO, logger="relay.access")
+
+    def errors() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+
+    _touch(path, _ids(1)[0] + "\nbad\n", 1)
+    for t in range(10, 20):  # one check a second, as authentications come in
+        allow.refresh(float(t))
+    assert len(errors()) == 1 and "got 3" in errors()[0] and len(allow) == 2
+    allow.refresh(20.0, force=True)  # SIGHUP always tries, and says so
+    assert len(errors()) == 2
+    _touch(path, _ids(1)[0] + "\nworse\n", 2)  # a changed file, still bad: logged again
+    allow.refresh(30.0)
+    allow.refresh(40.0)
+    assert len(errors()) == 3
+    path.unlink()  # a missing file too, once
+    allow.refresh(50.0)
+    allow.refresh(60.0)
+    assert len(errors()) == 4 and "cannot read allowlist" in errors()[-1]
+    _touch(path, _ids(1)[0] + "\n", 3)  # fixed: loads, and a later break is logged again
+    allow.refresh(70.0)
+    assert len(allow) == 1
+    _touch(path, "bad\n", 4)
+    allow.refresh(80.0)
+    assert len(errors()) == 5
+
+
+def test_a_malformed_allowlist_is_still_an_error_at_start(tmp_path: Path) -> None:
+    path = tmp_path / "allow.txt"
+    path.write_text("bad\n")
+    with pytest.raises(AllowlistError, match=r"allow\.txt:1"):
+        Allowlist(path)
+
+
+# ---- certificate key file mode -----------------------------------------------------------
+
+
+def _certificate(tmp: Path, key_mode: int) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "relay ops test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp / "fullchain.pem", tmp / "privkey.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    key_path.chmod(key_mode)
+    return cert_path, key_path
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_a_cert_key_readable_by_others_is_refused_like_key(tmp_path: Path, mode: int) -> None:
+    cert, key = _certificate(tmp_path, mode)
+    with pytest.raises(ConfigError) as info:
+        RelayTls.from_files(cert, key)
+    assert str(key) in str(info.value) and f"chmod 600 {key}" in str(info.value)
+    assert f"{mode:04o}" in str(info.value)
+
+
+def test_a_cert_key_turned_public_is_not_reloaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cert, key = _certificate(tmp_path, 0o600)
+    tls = RelayTls.from_files(cert, key)
+    _certificate(tmp_path, 0o644)  # a renewal copied with the wrong mode
+    caplog.set_level(logging.INFO, logger="relay.tlsconfig")
+    assert tls.reload() is False
+    assert "certificate_reload_failed" in caplog.text and "chmod 600" in caplog.text
+    key.chmod(0o600)
+    assert tls.reload() is True
+
+
+async def test_the_relay_refuses_to_start_with_a_public_cert_key(tmp_path: Path) -> None:
+    cert, key = _certificate(tmp_path, 0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        async with running(cert=cert, cert_key=key):
+            pass  # pragma: no cover
+
+
+# ---- the listening line and the health probe ---------------------------------------------
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback")
+async def test_listening_line_brackets_an_ipv6_bind_address(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="relay.server")
+    async with running(host="::1") as srv:
+        assert f" bind=[::1]:{srv.port} " in caplog.text
+
+
+async def test_listening_line_shows_an_ipv4_bind_address_plainly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="relay.server")
+    async with running() as srv:
+        assert f" bind=127.0.0.1:{srv.port} " in caplog.text
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+async def test_healthcheck_host_comes_from_the_environment() -> None:
+    async with running() as srv:
+        port = str(RelayUrl.parse(srv.url).port)
+        # The relay listens on 127.0.0.1 only: another loopback address finds nothing.
+        with _env(HOST_ENV, "127.0.0.2"):
+            assert await asyncio.to_thread(healthcheck, ["--port", port, "--timeout", "5"]) == 1
+        with _env(HOST_ENV, "127.0.0.1"):
+            assert await asyncio.to_thread(healthcheck, ["--port", port]) == 0
+        with _env(HOST_ENV, "127.0.0.2"):  # --host wins over the environment
+            assert (
+                await asyncio.to_thread(healthcheck, ["--host", "127.0.0.1", "--port", port]) == 0
+            )
