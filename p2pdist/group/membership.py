@@ -25,6 +25,7 @@ import msgpack
 from ..errors import (
     ConnectionBrokenError,
     ConnectionClosedError,
+    GroupBrokenError,
     MismatchError,
     P2PError,
     P2PTimeoutError,
@@ -53,6 +54,7 @@ those from here to :data:`LAST_SPACE`."""
 LAST_SPACE = 0xFFFE  # 0xFFFF is the control channel's
 _HELLO_SPACE = LAST_SPACE  # the group's own: a survivor's hello to a rank that rejoins
 _HELLO_CHANNEL = _HELLO_SPACE << SPACE_SHIFT
+_FORM_CHANNEL = _HELLO_CHANNEL + 1  # formation notes: ok, refused, ready, failed
 CONTROL_CHANNEL = 0xFFFF << SPACE_SHIFT
 """Abort notices and failed-call notices (msgpack maps)."""
 
@@ -263,49 +265,155 @@ class Membership:
         return self._addresses[r] if self._addresses is not None else None
 
     async def _form(self, transport: TcpTransport | QuicTransport) -> None:
-        """Dial the lower ranks and accept the higher ones (bounded); closes on failure."""
+        """Connect to every rank, bounded by ``connect_timeout``; closes on failure.
+
+        Each rank dials the lower ranks and accepts the higher ones; an accepting rank
+        answers ``ok`` (or ``refused``, with the reason, to a second live connection from
+        one rank: two processes claim it). A rank connected to every other one tells
+        each ``ready``, and formation ends when every rank has said ``ready`` on a
+        connection that is still open. A rank whose start fails tells the others
+        ``failed`` (why) before it closes, so they fail naming it instead of waiting;
+        a connection that ends without a word is a rank that restarted, and is waited
+        for again (the accepting side takes a new connection from a rank only once the
+        old one has ended)."""
+        form = _Formation(self._rank, self.size)
         try:
-            async with asyncio.timeout(self.config.connect_timeout), asyncio.TaskGroup() as tg:
-                tg.create_task(self._accept_higher(transport))
-                for r in range(self._rank):
-                    tg.create_task(self._dial(transport, r))
+            async with asyncio.timeout(self.config.connect_timeout):
+                async with asyncio.TaskGroup() as tg:
+                    accepting = tg.create_task(self._accept_forming(transport, form))
+                    peers = [
+                        tg.create_task(self._form_with(transport, r, form))
+                        for r in range(self.size)
+                        if r != self._rank
+                    ]
+                    await asyncio.wait(peers)
+                    accepting.cancel()
+                self._check_formed()
         except TimeoutError:
-            missing = [r for r in range(self.size) if r != self._rank and r not in self._conns]
-            await self.close()
-            where = ", ".join(f"{self.peer_label(r)} {self._where(r)}" for r in missing)
+            await self._fail_forming(form, "formation timed out")
+            not_in = [r for r in range(self.size) if r != self._rank and r not in form.joined]
+            quiet = [r for r in form.joined if r not in form.done]
+            why = []
+            if not_in:
+                names = ", ".join(f"{self.peer_label(r)} {self._where(r)}" for r in not_in)
+                why.append(f"no connection to {names}")
+            if quiet:
+                names = ", ".join(self.peer_label(r) for r in sorted(quiet))
+                why.append(f"{names} never said it was connected to every rank")
             raise P2PTimeoutError(
                 f"{self.peer_label(self._rank)}: forming the group took over "
-                f"{self.config.connect_timeout:g} s; no connection to {where}"
+                f"{self.config.connect_timeout:g} s; " + "; ".join(why)
             ) from None
         except BaseExceptionGroup as group:
-            await self.close()
-            first = group.exceptions[0]
+            first = _first_error(group)
+            await self._fail_forming(form, str(first))
             raise first from None
-        except BaseException:
-            await self.close()
+        except BaseException as exc:
+            await self._fail_forming(form, str(exc))
             raise
 
-    async def _dial(self, transport: TcpTransport | QuicTransport, r: int) -> None:
+    async def _fail_forming(self, form: _Formation, why: str) -> None:
+        """Tell every connected rank why our start failed, then close. (A group closed
+        while it starts says only goodbye: to the others that is a rank that restarts.)"""
+        conns = {id(c): c for c in [*self._conns.values(), *form.joined.values()]}
+        for conn in [] if self._closing else conns.values():
+            _form_note(conn, "failed", f"{self.peer_label(self._rank)}: {why}")
+        await self.close()
+
+    def _check_formed(self) -> None:
+        """Every connection must still be open once formation ends (a rank that closed
+        or was lost meanwhile would otherwise only show up as "left" later)."""
+        for r in sorted(self._conns):
+            if self._conns[r].closed or r in self._left:
+                raise GroupBrokenError(
+                    f"{self.peer_label(self._rank)}: the connection to {self.peer_label(r)} "
+                    "ended while the group formed"
+                )
+
+    async def _dial(self, transport: TcpTransport | QuicTransport, r: int) -> Connection:
         # Bounded by start()'s connect_timeout, which names every rank still missing.
         address = None
         if isinstance(transport, TcpTransport):
             assert self._addresses is not None
             address = self._addresses[r]
-        self._conns[r] = await dial_with_retry(
+        return await dial_with_retry(
             transport, self._ids[r], address, label=self.peer_label(r), timeout=None
         )
 
-    async def _accept_higher(self, transport: TcpTransport | QuicTransport) -> None:
-        want = set(range(self._rank + 1, self.size))
-        while want:
+    async def _form_with(
+        self, transport: TcpTransport | QuicTransport, r: int, form: _Formation
+    ) -> None:
+        """Connect with rank ``r`` until it says ``ready`` (again after a restart)."""
+        label = self.peer_label(r)
+        while True:
+            if r < self._rank:
+                try:
+                    conn = await self._dial(transport, r)
+                except PeerAuthenticationError as exc:
+                    me = self._rank
+                    raise PeerAuthenticationError(
+                        label,
+                        f"{exc.detail}: its group formed already, so another process has "
+                        f"rank {me} (two processes claim rank {me}?) or this one restarted "
+                        '(a rank can rejoin only a group that runs with on_peer_loss="leave")',
+                    ) from None
+                self._conns[r] = conn
+            else:
+                conn = await form.inbox[r].get()
+                _form_note(conn, "ok")
+                form.join(r, conn)
+            while True:
+                try:
+                    frame = await conn.recv(_FORM_CHANNEL)
+                except (ConnectionBrokenError, ConnectionClosedError) as exc:
+                    # Ended without a word: it restarted (or died); wait for it again.
+                    log.info("%s: connection ended while forming (%s); waiting for it", label, exc)
+                    form.leave(r, conn)
+                    await conn.close()
+                    break
+                try:
+                    note = msgpack.unpackb(frame.meta, raw=False)
+                    kind, why = str(note["form"]), str(note.get("why", ""))
+                except Exception as exc:  # msgpack's own exceptions, a missing key, a bad type
+                    raise RemoteProtocolError(label, f"malformed formation note: {exc!r}") from None
+                if kind == "ok" and r < self._rank:
+                    form.join(r, conn)
+                elif kind == "ready":
+                    conn.retire(_FORM_CHANNEL)
+                    form.done.add(r)
+                    return
+                elif kind == "refused":
+                    raise PeerAuthenticationError(label, f"refused this rank's connection: {why}")
+                elif kind == "failed":
+                    raise ConnectionBrokenError(label, f"could not join the group ({why})")
+                else:
+                    raise RemoteProtocolError(label, f"unexpected formation note {kind!r}")
+
+    async def _accept_forming(
+        self, transport: TcpTransport | QuicTransport, form: _Formation
+    ) -> None:
+        """Hand each higher rank's connection to its :meth:`_form_with`; refuse a second
+        live connection from one rank (two processes claim it) with the reason."""
+        while True:
             conn = await transport.accept()
-            r = self._rank_of[conn.peer_id]
-            if r not in want:
-                log.warning("%s: unexpected extra connection; closing it", self.peer_label(r))
-                await conn.close()
+            r = self._rank_of[conn.peer_id]  # transport.accept_from admits members only
+            label = self.peer_label(r)
+            old = self._conns.get(r)
+            why = None
+            if r == self._rank:
+                why = f"{label} is this process: two processes claim rank {r}?"
+            elif r < self._rank:
+                why = f"the group is forming, and {label} is dialed by higher ranks, not dialing"
+            elif old is not None and not old.closed:
+                where = _remote(old)
+                why = f"{label} is already connected from {where}: two processes claim rank {r}?"
+            if why is not None:
+                self._turn_away(conn, why)
                 continue
+            if old is not None:
+                log.info("%s connected again (restarted while the group formed)", label)
             self._conns[r] = conn
-            want.discard(r)
+            form.inbox[r].put_nowait(conn)
 
     # ---- rejoining: the survivors -------------------------------------------------------
 
@@ -314,6 +422,16 @@ class Membership:
         back (``on_peer_loss="leave"``): a rank that restarts and dials again is otherwise
         refused at once instead of joining a group that cannot take it."""
         return eid in self._rank_of and (not self._formed or self.config.on_peer_loss == "leave")
+
+    def _turn_away(self, conn: Connection, why: str) -> None:
+        """Tell a dialer (forming or rejoining) why it is refused, and close."""
+        log.warning(
+            "%s: refusing a connection from %s: %s", self.peer_label(self._rank), _remote(conn), why
+        )
+        _form_note(conn, "refused", why)
+        with contextlib.suppress(P2PError):
+            conn.send_nowait(_HELLO_CHANNEL, meta=bytes(msgpack.packb({"refused": why})))
+        self._spawn(conn.close())
 
     def _adopt(self, rank: int, conn: Connection) -> None:
         """Make ``conn`` (just formed) ``rank``'s connection: label, loss, abort notices."""
@@ -432,12 +550,66 @@ class Membership:
             conn.retire(_HELLO_CHANNEL)
             try:
                 hello = msgpack.unpackb(frame.meta, raw=False)
-                gone = [int(r) for r in hello["left"]]
-                cid = int(hello["cid"])
+                refused = hello.get("refused")
+                if refused is None:
+                    gone = [int(r) for r in hello["left"]]
+                    cid = int(hello["cid"])
             except Exception as exc:  # msgpack's own exceptions, a missing key, a bad type
                 raise RemoteProtocolError(label, f"malformed rejoin hello: {exc!r}") from None
+            if refused is not None:
+                raise PeerAuthenticationError(label, f"refused this rank: {refused}")
         except BaseException:
             with contextlib.suppress(ConnectionClosedError):
                 await conn.close()
             raise
         return conn, gone, cid
+
+
+def _form_note(conn: Connection, kind: str, why: str = "") -> None:
+    """Send one formation note (best effort: a connection already gone is skipped)."""
+    with contextlib.suppress(P2PError):
+        conn.send_nowait(_FORM_CHANNEL, meta=bytes(msgpack.packb({"form": kind, "why": why})))
+
+
+def _remote(conn: Connection) -> str:
+    """Where ``conn``'s peer is, as ``ip:port`` when the transport knows."""
+    addr = getattr(conn, "remote_address", None)
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "elsewhere"
+
+
+def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The error that failed a formation: the first that is not a cancellation."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first_error(exc)
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return group.exceptions[0]
+
+
+class _Formation:
+    """One formation's state: each rank's connection once it is accepted, and the ranks
+    that said ``ready``."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.size = size
+        self.inbox: dict[int, asyncio.Queue[Connection]] = {
+            r: asyncio.Queue() for r in range(rank + 1, size)
+        }
+        self.joined: dict[int, Connection] = {}
+        self.done: set[int] = set()
+        self._told: list[Connection] = []  # connections told "ready"
+
+    def join(self, r: int, conn: Connection) -> None:
+        """``conn`` is ``r``'s accepted connection: once every rank has one, say ready."""
+        self.joined[r] = conn
+        if len(self.joined) == self.size - 1:
+            for c in self.joined.values():
+                if not any(c is t for t in self._told):
+                    self._told.append(c)
+                    _form_note(c, "ready")
+
+    def leave(self, r: int, conn: Connection) -> None:
+        """``conn`` ended before ``r`` said ready."""
+        if self.joined.get(r) is conn:
+            del self.joined[r]

@@ -1,0 +1,118 @@
+"""Forming a group when two processes claim one rank, or a rank restarts while the group
+forms: the claimant that comes second is refused with a reason that names the
+situation, no start() reports success for a wrong group, none hangs, and a restart
+still ends in a correct group. Real TCP sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from group_helpers import free_ports, loopback_peers
+
+from p2pdist import Group, GroupConfig, P2PError, TransportConfig
+
+SEED = "formation-seed-0123456789"
+CONNECT = 4.0
+CFG = GroupConfig(timeout=5.0, connect_timeout=CONNECT, transport=TransportConfig(tls=False))
+
+
+def make(rank: int, peers: list[str], listen: str | None = None) -> Group:
+    return Group.from_seed(
+        SEED, rank=rank, world=len(peers), peers=peers, config=CFG, listen=listen
+    )
+
+
+async def until_connected(g: Group, rank: int) -> None:
+    """Wait (bounded) until ``g`` holds a connection from ``rank``."""
+    for _ in range(1000):
+        if rank in g._conns and not g._conns[rank].closed:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"rank {rank} never connected")
+
+
+async def check_sum(gs: list[Group]) -> None:
+    """An all-reduce over ``gs`` (a whole group) gives the right sum on every rank."""
+    outs = await asyncio.wait_for(
+        asyncio.gather(*(g.all_reduce(np.full(3, g.rank + 1.0)) for g in gs)), 10
+    )
+    total = sum(range(1, len(gs) + 1))
+    for out in outs:
+        np.testing.assert_array_equal(out, np.full(3, float(total)))
+
+
+async def test_a_second_process_claiming_a_rank_is_refused_and_says_why() -> None:
+    peers = loopback_peers(3)
+    g0, a = make(0, peers), make(2, peers)
+    b = make(2, peers, listen=f"127.0.0.1:{free_ports(1)[0]}")
+    g1 = make(1, peers)
+    try:
+        starts = [asyncio.create_task(g.start()) for g in (g0, a)]
+        await until_connected(g0, 2)
+        with pytest.raises(
+            P2PError, match=r"rank 2 \(.*\) is already connected from 127\.0\.0\.1:"
+        ):
+            await asyncio.wait_for(b.start(), CONNECT + 2)
+        starts.append(asyncio.create_task(g1.start()))
+        await asyncio.wait_for(asyncio.gather(*starts), CONNECT + 2)
+        await check_sum([g0, g1, a])
+    finally:
+        await asyncio.gather(*(g.close() for g in (g0, g1, a, b)))
+
+
+@pytest.mark.parametrize(
+    "delays",
+    [(0.0, 0.0, 0.0, 0.0), (1.27, 1.14, 0.63, 0.39), (0.2, 1.27, 1.15, 0.38), (0.9, 1.1, 1.2, 1.4)],
+)
+async def test_two_processes_claiming_a_rank_never_form_a_wrong_group(
+    delays: tuple[float, float, float, float],
+) -> None:
+    """Ranks 0, 1, 2 and a second rank 2 start in some order: every start() ends within
+    connect_timeout; a failure names rank 2, at least one says two processes claim it,
+    and ranks that succeed form a working group with exactly one of the claimants."""
+    peers = loopback_peers(3)
+    gs = [make(0, peers), make(1, peers), make(2, peers)]
+    gs.append(make(2, peers, listen=f"127.0.0.1:{free_ports(1)[0]}"))
+
+    async def start(g: Group, delay: float) -> Group:
+        await asyncio.sleep(delay)
+        return await g.start()
+
+    try:
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(start(g, d) for g, d in zip(gs, delays, strict=True)), return_exceptions=True
+            ),
+            max(delays) + CONNECT + 3,
+        )
+        errors = [str(r) for r in results if isinstance(r, BaseException)]
+        assert errors, "both claimants of rank 2 started"
+        assert all("rank 2" in e for e in errors), errors
+        assert any("two processes claim rank 2?" in e for e in errors), errors
+        ok = [g for g, r in zip(gs, results, strict=True) if not isinstance(r, BaseException)]
+        if gs[0] in ok or gs[1] in ok:
+            assert len(ok) == 3 and sorted(g.rank for g in ok) == [0, 1, 2], errors
+            await check_sum(ok)
+        else:
+            assert len(ok) <= 1  # a claimant alone, whose group can do nothing
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+
+
+async def test_a_rank_that_restarts_while_the_group_forms_still_gets_a_correct_group() -> None:
+    peers = loopback_peers(3)
+    g0, first = make(0, peers), make(2, peers)
+    starts = [asyncio.create_task(g0.start()), asyncio.create_task(first.start())]
+    fresh, g1 = make(2, peers), make(1, peers)
+    try:
+        await until_connected(g0, 2)  # rank 2 has reached rank 0, rank 1 is not up yet
+        await first.close()  # the first process of rank 2 goes...
+        with pytest.raises(P2PError):
+            await starts.pop()
+        starts += [asyncio.create_task(g.start()) for g in (fresh, g1)]  # ...and comes back
+        await asyncio.wait_for(asyncio.gather(*starts), CONNECT + 2)
+        await check_sum([g0, g1, fresh])
+    finally:
+        await asyncio.gather(*(g.close() for g in (g0, g1, first, fresh)))
