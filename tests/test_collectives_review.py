@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -136,34 +137,53 @@ async def test_foreign_exception_breaks_the_group_and_tells_the_others() -> None
         assert all(isinstance(g.broken, GroupBrokenError) for g in gs)
 
 
+BUCKET_KW: dict[str, Any] = {"wire_dtype": "int8", "block": 64}
+
+
+async def _buckets_with_feedback(
+    gs: list[Group], n: int
+) -> tuple[list[GradientBuckets], list[list[ErrorFeedback]]]:
+    """Int8 buckets with per-bucket feedback on every rank, and ``n`` ErrorFeedbacks per
+    rank for the reference reductions."""
+    buckets = await asyncio.gather(
+        *(
+            GradientBuckets.create(g, bucket_bytes=4000, op="sum", error_feedback=True, **BUCKET_KW)
+            for g in gs
+        )
+    )
+    return list(buckets), [[ErrorFeedback() for _ in range(n)] for _ in gs]
+
+
+async def _reduced_one_by_one(
+    gs: list[Group], grads: list[list[np.ndarray]], own: list[list[ErrorFeedback]]
+) -> list[list[np.ndarray]]:
+    """The reference: each array all-reduced on its own, with its own ErrorFeedback."""
+    return list(
+        await asyncio.gather(
+            *(
+                asyncio.gather(
+                    *(
+                        g.all_reduce(gr, error_feedback=ef, **BUCKET_KW)
+                        for gr, ef in zip(grads[g.rank], own[g.rank], strict=True)
+                    )
+                )
+                for g in gs
+            )
+        )
+    )
+
+
 async def test_gradient_buckets_keep_one_error_feedback_per_bucket() -> None:
     # Two equal buckets (shared feedback would mix their residuals) and a third of another
     # size (shared feedback raised in the background): bucketed results must equal plain
     # all-reduces of the same buckets with one ErrorFeedback each.
-    world, kw = 2, {"wire_dtype": "int8", "block": 64}
-    sizes = [1000, 1000, 300]
+    world, sizes = 2, [1000, 1000, 300]
     rng = np.random.default_rng(3)
     async with groups(world) as gs:
-        buckets = await asyncio.gather(
-            *(
-                GradientBuckets.create(g, bucket_bytes=4000, op="sum", error_feedback=True, **kw)
-                for g in gs
-            )
-        )
-        own = [[ErrorFeedback() for _ in sizes] for _ in gs]
+        buckets, own = await _buckets_with_feedback(gs, len(sizes))
         for _ in range(3):
             grads = [[rng.standard_normal(s).astype(np.float32) for s in sizes] for _ in gs]
-            want = await asyncio.gather(
-                *(
-                    asyncio.gather(
-                        *(
-                            g.all_reduce(gr, error_feedback=ef, **kw)  # type: ignore[arg-type]
-                            for gr, ef in zip(grads[g.rank], own[g.rank], strict=True)
-                        )
-                    )
-                    for g in gs
-                )
-            )
+            want = await _reduced_one_by_one(gs, grads, own)
             for b, gr in zip(buckets, grads, strict=True):
                 for a in gr:
                     b.add(a)
@@ -223,30 +243,13 @@ async def test_gradient_buckets_go_on_after_a_bucket_of_the_wrong_size() -> None
     # A refused bucket must neither take a position (the next bucket would use the next
     # bucket's feedback and size) nor stay queued (it would join the next bucket): the
     # step goes on with the right arrays as if the wrong one had never been added.
-    world, kw = 2, {"wire_dtype": "int8", "block": 64}
-    sizes = [1000, 1000, 300]
+    world, sizes = 2, [1000, 1000, 300]
     rng = np.random.default_rng(5)
     async with groups(world) as gs:
-        buckets = await asyncio.gather(
-            *(
-                GradientBuckets.create(g, bucket_bytes=4000, op="sum", error_feedback=True, **kw)
-                for g in gs
-            )
-        )
-        own = [[ErrorFeedback() for _ in sizes] for _ in gs]
+        buckets, own = await _buckets_with_feedback(gs, len(sizes))
         for step in range(3):
             grads = [[rng.standard_normal(s).astype(np.float32) for s in sizes] for _ in gs]
-            want = await asyncio.gather(
-                *(
-                    asyncio.gather(
-                        *(
-                            g.all_reduce(gr, error_feedback=ef, **kw)  # type: ignore[arg-type]
-                            for gr, ef in zip(grads[g.rank], own[g.rank], strict=True)
-                        )
-                    )
-                    for g in gs
-                )
-            )
+            want = await _reduced_one_by_one(gs, grads, own)
             for b, gr in zip(buckets, grads, strict=True):
                 if step == 1:  # a wrong first bucket (999 elements), refused on every rank
                     wrong = np.ones(999, np.float32)
