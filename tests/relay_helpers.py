@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import IO
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 ROOT = Path(__file__).resolve().parent.parent
 URL_LINE = "relay url: "
@@ -67,3 +74,37 @@ class RelayProcess:
         if self.proc.poll() is None:
             self.stop(signal.SIGKILL)
         self._log_fh.close()
+
+
+def ipv6_loopback() -> bool:
+    """Whether this machine can bind ``::1`` (some CI containers have no IPv6)."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def self_signed_pem(name: str) -> tuple[bytes, bytes]:
+    """A self-signed certificate (PEM) and its key (PEM)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"relay {name}")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=90))
+        .sign(key, hashes.SHA256())
+    )
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return pem, key_pem

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 import os
 import re
 import shutil
-import socket
 import stat
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -21,10 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from relay_helpers import ipv6_loopback, self_signed_pem
 
 from p2pdist.identity import SecretKey
 from p2pdist.wire.relay import RelayFrameType, RelayUrl, encode_frame
@@ -257,28 +252,10 @@ def test_a_malformed_allowlist_is_still_an_error_at_start(tmp_path: Path) -> Non
 
 
 def _certificate(tmp: Path, key_mode: int) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "relay ops test")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=30))
-        .sign(key, hashes.SHA256())
-    )
+    cert_pem, key_pem = self_signed_pem("ops test")
     cert_path, key_path = tmp / "fullchain.pem", tmp / "privkey.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
+    cert_path.write_bytes(cert_pem)
+    key_path.write_bytes(key_pem)
     key_path.chmod(key_mode)
     return cert_path, key_path
 
@@ -315,16 +292,7 @@ async def test_the_relay_refuses_to_start_with_a_public_cert_key(tmp_path: Path)
 # ---- the listening line and the health probe ---------------------------------------------
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback")
 async def test_listening_line_brackets_an_ipv6_bind_address(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

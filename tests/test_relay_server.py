@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from relay_helpers import RelayProcess
+from relay_helpers import RelayProcess, ipv6_loopback
 
 from p2pdist.identity import SecretKey
 from p2pdist.transport.relay_path import RelayConfig as RelayPathConfig
@@ -145,16 +145,7 @@ async def test_auth_ok_and_observed_address() -> None:
         await client.close()
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback")
 async def test_ipv6_listener_url_observed_address_and_stun() -> None:
     async with running(host="::1", stun_port=None) as srv:
         assert srv.url.startswith(f"https://[::1]:{srv.port}/?pin=")

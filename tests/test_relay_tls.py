@@ -4,43 +4,17 @@ the fingerprint when it is good. Handshakes run in memory, without sockets."""
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import ssl
 from pathlib import Path
 
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives import serialization
+from relay_helpers import self_signed_pem
 
 from relay.config import ConfigError
 from relay.tlsconfig import RelayTls
-
-
-def _pair(name: str) -> tuple[bytes, bytes]:
-    """A self-signed certificate (PEM) and its key (PEM)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"relay {name}")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=90))
-        .sign(key, hashes.SHA256())
-    )
-    pem = cert.public_bytes(serialization.Encoding.PEM)
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-    return pem, key_pem
 
 
 def _fingerprint(pem: bytes) -> bytes:
@@ -85,7 +59,7 @@ def files(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_a_failed_reload_keeps_the_old_certificate_serving(files: tuple[Path, Path]) -> None:
-    (a_crt, a_key), (b_crt, _b_key) = _pair("a"), _pair("b")
+    (a_crt, a_key), (b_crt, _b_key) = self_signed_pem("a"), self_signed_pem("b")
     crt, key = files
     crt.write_bytes(a_crt)
     key.write_bytes(a_key)
@@ -103,7 +77,7 @@ def test_a_failed_reload_keeps_the_old_certificate_serving(files: tuple[Path, Pa
 def test_a_good_reload_switches_the_certificate_and_the_fingerprint(
     files: tuple[Path, Path],
 ) -> None:
-    (a_crt, a_key), (b_crt, b_key) = _pair("a"), _pair("b")
+    (a_crt, a_key), (b_crt, b_key) = self_signed_pem("a"), self_signed_pem("b")
     crt, key = files
     crt.write_bytes(a_crt)
     key.write_bytes(a_key)
@@ -117,7 +91,7 @@ def test_a_good_reload_switches_the_certificate_and_the_fingerprint(
 
 
 def test_a_mismatched_pair_is_refused_at_start(files: tuple[Path, Path]) -> None:
-    (a_crt, _a_key), (_b_crt, b_key) = _pair("a"), _pair("b")
+    (a_crt, _a_key), (_b_crt, b_key) = self_signed_pem("a"), self_signed_pem("b")
     crt, key = files
     crt.write_bytes(a_crt)
     key.write_bytes(b_key)
