@@ -238,6 +238,22 @@ async def test_accept_from_refuses_unlisted_client(caplog: pytest.LogCaptureFixt
         await assert_still_serving(server, addr)
 
 
+async def test_an_accept_policy_that_raises_refuses_at_once() -> None:
+    """An exception in the application's accept_from refuses that dialer (it used to
+    escape into the datagram handler and leave the dialer waiting for its timeout)."""
+
+    def broken(peer: EndpointId) -> bool:
+        raise RuntimeError("policy db down")
+
+    async with listening(accept_from=broken) as (server, addr):
+        for attempt in range(2):  # and the listener goes on answering
+            dialer = QuicTransport(key(attempt), config(handshake_timeout=30.0))
+            async with closing(dialer):
+                with pytest.raises(PeerAuthenticationError, match="accept policy failed") as info:
+                    await asyncio.wait_for(dialer.connect(server.endpoint_id, addr), 10)
+                assert "policy db down" in str(info.value)
+
+
 def patched_client_tls(monkeypatch: pytest.MonkeyPatch, certificate: Any, private_key: Any) -> None:
     """Make every client connection present ``certificate`` and sign with ``private_key``."""
     real = quic_configuration
@@ -401,6 +417,30 @@ async def test_malformed_frame_closes_only_that_connection() -> None:
             assert isinstance(p.client, QuicConnection)
             p.client._write(b"\x09" + b"\x00" * 31)  # frame version 9
             await check_offender_dropped(p, (bystander, bystander_srv), "version 9")
+
+
+async def test_a_failure_while_handling_received_frames_closes_only_that_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An exception from handling decoded frames (e.g. a PONG write on a stream the peer
+    reset) closes the connection naming the peer; it used to escape the receive path."""
+    async with direct_pair() as p:
+        assert isinstance(p.server, QuicConnection)
+
+        def broken(frames: object) -> None:
+            raise RuntimeError("Cannot send data after the stream was reset")
+
+        monkeypatch.setattr(p.server, "_on_frames", broken)
+        loop = asyncio.get_running_loop()
+        escaped: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _loop, ctx: escaped.append(ctx))
+        try:
+            await p.client.send(5, b"hello")
+            with pytest.raises(RemoteProtocolError, match="could not process received data"):
+                await bounded(p.server.recv(5), "the failure")
+        finally:
+            loop.set_exception_handler(None)
+        assert not escaped
 
 
 # ---- dead peers, flow control -------------------------------------------------------------------

@@ -266,21 +266,22 @@ class FramedConnection:
         """
         if self._error is not None:
             return
+        bad: FrameError | None = None
         try:
-            frames = decode(arg)
-        except FrameError as exc:
-            if exc.frames:
-                self._on_frames(exc.frames)
-            self._protocol_error(str(exc))
-            return
+            try:
+                frames = decode(arg)
+            except FrameError as exc:
+                bad, frames = exc, exc.frames
+            if frames:
+                self._on_frames(frames)
+            elif self._keepalive is not None:
+                self._keepalive.on_receive(self._loop.time())
         except Exception as exc:  # nothing may escape the receive path
             log.exception("%s: error while receiving", self.label)
             self._protocol_error(f"could not process received data: {exc!r}")
             return
-        if frames:
-            self._on_frames(frames)
-        elif self._keepalive is not None:
-            self._keepalive.on_receive(self._loop.time())
+        if bad is not None:
+            self._protocol_error(str(bad))
 
     def _end_of_stream_error(self, why: str | None) -> PeerError:
         """The error for the peer's byte stream ending (``why``: None for a clean end)."""
