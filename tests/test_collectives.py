@@ -304,3 +304,14 @@ async def test_recv_arguments_are_checked_before_anything_is_taken() -> None:
         np.testing.assert_array_equal(got[1], x)
         got = await asyncio.gather(a.send(x, 1), b.recv(0, shape=3, dtype=np.float64))
         np.testing.assert_array_equal(got[1], x)
+
+
+def test_from_env_says_which_variable_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("P2PDIST_RANK", "P2PDIST_WORLD", "P2PDIST_SEED", "P2PDIST_PEERS"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UsageError, match=r"P2PDIST_RANK is not set.*p2pdist launch"):
+        Group.from_env()
+    monkeypatch.setenv("P2PDIST_RANK", "0")
+    monkeypatch.setenv("P2PDIST_WORLD", "two")
+    with pytest.raises(UsageError, match="must be integers"):
+        Group.from_env()

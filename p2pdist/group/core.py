@@ -200,11 +200,15 @@ class GroupCore(Membership):
         def need(name: str) -> str:
             value = os.environ.get(name)
             if not value:
-                raise UsageError(f"environment variable {name} is not set")
+                raise UsageError(
+                    f"environment variable {name} is not set: run this under "
+                    "`p2pdist launch -n N -- ...`, which sets it for every rank"
+                )
             return value
 
-        try:
-            rank, world = int(need("P2PDIST_RANK")), int(need("P2PDIST_WORLD"))
+        rank_text, world_text = need("P2PDIST_RANK"), need("P2PDIST_WORLD")
+        try:  # only the conversions: UsageError is a ValueError too
+            rank, world = int(rank_text), int(world_text)
         except ValueError:
             raise UsageError("P2PDIST_RANK and P2PDIST_WORLD must be integers") from None
         relay = os.environ.get("P2PDIST_RELAY") or None
