@@ -122,6 +122,8 @@ class GroupCore(Membership):
         self._root_ranks = list(range(world))  # our ranks' ranks in the root group
         self._descendants: weakref.WeakSet[Membership] = weakref.WeakSet()  # root: sub-groups
         self._rejoin = rejoin
+        self._rejoining = None  # root only, while start() rejoins
+        self._kept_dials: dict[int, Connection] = {}  # root only: see Membership._keeps_own_dial
         if rejoin and self.config.on_peer_loss != "leave":
             raise UsageError('rejoin=True needs GroupConfig(on_peer_loss="leave")')
         # root only: running collectives (task -> group) and those a loss cancelled
@@ -314,6 +316,7 @@ class GroupCore(Membership):
             raise
         if self._rejoin:
             try:
+                # Takes back other ranks from the start (they may rejoin at the same time).
                 await self._rejoin_all(transport, self._address_of, self.config.connect_timeout)
             except BaseException:
                 await self.close()
@@ -322,9 +325,9 @@ class GroupCore(Membership):
             await self._form(transport)
             for r, conn in list(self._conns.items()):
                 self._adopt(r, conn)
+            if self.config.on_peer_loss == "leave":
+                self._spawn(self._accept_rejoins(transport))
         self._formed = True
-        if self.config.on_peer_loss == "leave":
-            self._spawn(self._accept_rejoins(transport))
         log.info("%s: group of %d formed", self.peer_label(self._rank), self.size)
         return self
 
