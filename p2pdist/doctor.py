@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import eventloop
-from .errors import P2PError, UsageError
+from .errors import P2PError, PeerError, UsageError
 from .identity import EndpointId, SecretKey
 from .transport.base import Connection, TransportConfig
 from .transport.holepunch import interface_addresses
@@ -137,7 +137,9 @@ async def diagnose(
             report.relay_connected = True
             report.relay_rtt = await path.ping(timeout)
         except P2PError as exc:
-            report.relay_error = str(exc)
+            # The report's line names the relay already: keep only what went wrong.
+            text = exc.detail if isinstance(exc, PeerError) else str(exc)
+            report.relay_error = text.removeprefix(f"relay {path.url}: ")
             return report
         report.relay_sees = path.status.observed
         targets = await path.observation_targets()

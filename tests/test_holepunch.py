@@ -444,6 +444,7 @@ async def test_doctor_names_an_unreachable_relay() -> None:
     report = await diagnose(url, timeout=1.0)
     assert not report.relay_connected and report.relay_error
     assert "cannot reach the relay" in render(report)
+    assert render(report).count(url) == 1  # the relay is named once
 
 
 async def test_a_peer_that_restarts_with_the_same_key_is_not_sent_to_its_old_address() -> None:

@@ -81,6 +81,22 @@ async def test_wrong_pin_is_refused_and_named(tmp_path: Path) -> None:
                 await path.wait_connected(10)
             assert str(key(9).endpoint_id) in str(info.value)  # the id we pinned
             assert str(RelayUrl.parse(relay.url).pin) in str(info.value)  # the relay's own
+            assert str(info.value).count(wrong) == 1  # named once, not once per layer
+        finally:
+            await bounded(path.close(), "close()")
+
+
+async def test_a_pinned_relay_dialed_without_its_pin_fails_at_once_with_a_hint(
+    tmp_path: Path,
+) -> None:
+    with RelayProcess(tmp_path) as relay:
+        parts = urlsplit(relay.url)
+        path = RelayPath(key(0), f"https://{parts.netloc}/", config=FAST)
+        try:
+            # refused, not a timeout: a self-signed certificate will not become trusted
+            with pytest.raises(PeerAuthenticationError, match="not trusted") as info:
+                await path.wait_connected(60)
+            assert "?pin=" in str(info.value)
         finally:
             await bounded(path.close(), "close()")
 

@@ -291,7 +291,7 @@ class RelayPath:
             except PeerAuthenticationError as exc:
                 # The relay refused us (or is not the pinned relay): tell waiters now;
                 # keep retrying in the background (an allowlist may be reloaded).
-                self._set(last_error=str(exc))
+                self._set(last_error=exc.detail)  # the waiter's error names the relay
                 self._refused.set()
                 log.warning("relay %s: %s", self.url, exc)
             except Exception as exc:  # any failure ends this session, never the loop
@@ -322,13 +322,23 @@ class RelayPath:
             ctx = ssl.create_default_context()
             server_hostname = url.host
         label = f"relay {url}"
-        writer, proto = await asyncio.get_running_loop().create_connection(
-            lambda: RelaySessionProtocol(label, MAX_DATAGRAM + ID_LEN),
-            url.host,
-            url.port,
-            ssl=ctx,
-            server_hostname=server_hostname,
-        )
+        try:
+            writer, proto = await asyncio.get_running_loop().create_connection(
+                lambda: RelaySessionProtocol(label, MAX_DATAGRAM + ID_LEN),
+                url.host,
+                url.port,
+                ssl=ctx,
+                server_hostname=server_hostname,
+            )
+        except ssl.SSLCertVerificationError as exc:
+            # Not worth waiting out: retrying will not make the certificate trusted.
+            hint = (
+                "; if the relay uses its own pinned key, pass the whole URL from its "
+                "'relay url:' line, with ?pin=..."
+            )
+            raise PeerAuthenticationError(
+                label, f"certificate not trusted: {exc.verify_message}{hint}"
+            ) from None
         sslobj = writer.get_extra_info("ssl_object")
         der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
         if not der:
