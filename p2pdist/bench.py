@@ -4,6 +4,7 @@ write a PNG of bandwidth against message size."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -14,6 +15,9 @@ from .group.profile import LinkProfile, profile_links
 from .launch import LaunchConfig, launch
 
 __all__ = ["format_table", "main", "plot"]
+
+DEFAULT_PNG = "p2pdist-links.png"
+PLOT_HINT = "pip install matplotlib, or the project's plot extra: pip install -e '.[plot]'"
 
 
 def format_table(profiles: list[LinkProfile]) -> str:
@@ -35,7 +39,7 @@ def plot(profiles: list[LinkProfile], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError("writing the plot needs matplotlib: pip install matplotlib") from None
+        raise UsageError(f"writing the plot needs matplotlib: {PLOT_HINT}") from None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for p in profiles:
         (line,) = ax.plot(
@@ -70,12 +74,23 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="p2pdist bench", description=__doc__)
     p.add_argument("-n", "--nprocs", type=int, default=2, help="local ranks (default 2)")
     p.add_argument("--plaintext", action="store_true", help="authenticated plaintext, no TLS")
-    p.add_argument("--png", default="p2pdist-links.png", help="plot file ('' for none)")
+    p.add_argument(
+        "--png",
+        default=None,
+        help=f"plot file ('' for none; default {DEFAULT_PNG} when matplotlib is installed)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="ping-pongs per size (default 5)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    has_plot = importlib.util.find_spec("matplotlib") is not None
+    if args.png is None:  # the default plot only where it can be drawn
+        args.png = DEFAULT_PNG if has_plot else ""
+        if not has_plot and not args.worker:
+            print(f"p2pdist bench: no plot ({PLOT_HINT})", file=sys.stderr)
+    elif args.png and not has_plot:  # asked for: say so before measuring, not after
+        p.error(f"--png needs matplotlib ({PLOT_HINT})")
     if args.worker:
         try:
             return eventloop.run(_worker(args.png, args.repeats))

@@ -88,3 +88,26 @@ def test_bench_command_prints_the_model_and_writes_a_png(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr
     assert "alpha (us)" in proc.stdout and "0 - 1" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_asks_for_matplotlib_before_measuring(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    from p2pdist import bench
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name)
+    )
+    launched: list[object] = []
+    monkeypatch.setattr(bench, "launch", lambda cfg: launched.append(cfg) or 0)
+    with pytest.raises(SystemExit) as info:  # an explicit plot: refused before any rank runs
+        bench.main(["--png", "links.png"])
+    assert info.value.code == 2 and not launched
+    assert "plot extra" in capsys.readouterr().err
+    assert bench.main([]) == 0  # the default plot is skipped, with a note
+    assert "no plot" in capsys.readouterr().err
+    (cfg,) = launched
+    assert cfg.command[cfg.command.index("--png") + 1] == ""  # type: ignore[attr-defined]
