@@ -40,6 +40,7 @@ from .buffers import as_array, expectation
 from .config import GroupConfig
 from .link import CollectiveLink
 from .membership import CONTROL_CHANNEL, LAST_SPACE, Membership
+from .rejoin import Rejoining
 
 __all__ = ["GroupCore"]
 
@@ -56,7 +57,7 @@ def _label(rank: int, eid: EndpointId) -> str:
     return f"rank {rank} ({eid.short()})"
 
 
-class GroupCore(Membership):
+class GroupCore(Rejoining):
     """Membership, connections, failure handling and point-to-point of a group.
 
     Use :class:`~p2pdist.group.group.Group`, which adds the collectives.
@@ -123,7 +124,7 @@ class GroupCore(Membership):
         self._descendants: weakref.WeakSet[Membership] = weakref.WeakSet()  # root: sub-groups
         self._rejoin = rejoin
         self._rejoining = None  # root only, while start() rejoins
-        self._kept_dials: dict[int, Connection] = {}  # root only: see Membership._keeps_own_dial
+        self._kept_dials: dict[int, Connection] = {}  # root only: see Rejoining._keeps_own_dial
         if rejoin and self.config.on_peer_loss != "leave":
             raise UsageError('rejoin=True needs GroupConfig(on_peer_loss="leave")')
         # root only: running collectives (task -> group) and those a loss cancelled

@@ -1,17 +1,13 @@
-"""Who is in a group: forming the mesh, ranks that leave or are lost, ranks that come
-back, and channel spaces reserved for traffic beside the collectives. Mixed into
-:class:`~p2pdist.group.core.GroupCore` (which sets every attribute declared here).
+"""Forming a group, and who is in it once formed: the mesh of connections each rank
+builds at start (who dials whom, the ``ok`` / ``ready`` / ``failed`` notes on the
+formation channel, refusing a second process that claims a rank), ranks that leave or
+are lost, and channel spaces reserved for traffic beside the collectives. Mixed into
+:class:`~p2pdist.group.core.GroupCore` (which sets every attribute declared here);
+taking back ranks that restart is :mod:`p2pdist.group.rejoin`'s job.
 
 Under ``GroupConfig(on_peer_loss="leave")`` a connection that ends without a goodbye
 counts as the peer leaving; collectives that need it refuse to start, and running ones
-fail naming it (:meth:`Membership._cancel_inflight`). A rank that restarts with the same
-key may then **rejoin** (``rejoin=True``): it dials every rank, each survivor replaces
-the old connection with the new one and answers with a hello (the ranks it knows to be
-gone and its next collective id), and the rank is a member again on the root group
-(sub-groups made before keep it as left: the restarted process is not in them).
-Ranks that rejoin at the same time take each other back too, keeping the connection the
-higher rank dialed; a second process for a rank whose connection is still live is
-refused with the reason (docs/architecture.md section 5).
+fail naming it (:meth:`Membership._cancel_inflight`).
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 import msgpack
@@ -38,7 +34,6 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId
-from ..tasks import cancel_and_wait
 from ..transport.base import Address, Connection
 from ..transport.dial import dial_with_retry
 from ..transport.mailbox import SPACE_SHIFT
@@ -58,16 +53,12 @@ LAST_SPACE = 0xFFFE  # 0xFFFF is the control channel's
 _HELLO_SPACE = LAST_SPACE  # the group's own: a survivor's hello to a rank that rejoins
 _HELLO_CHANNEL = _HELLO_SPACE << SPACE_SHIFT
 _FORM_CHANNEL = _HELLO_CHANNEL + 1  # formation notes: ok, refused, ready, failed
-_REJOINING_HELLO = bytes(msgpack.packb({"rejoining": True, "left": [], "cid": 0}))
-"""The hello of a rank that rejoins itself: it knows nothing of who is gone."""
-_SILENT_KEEPALIVES = 3
-"""A connection silent for this many keepalive intervals is taken for dead."""
 CONTROL_CHANNEL = 0xFFFF << SPACE_SHIFT
 """Abort notices and failed-call notices (msgpack maps)."""
 
 
 class Membership:
-    """Leaving, loss, rejoining and channel-space reservations of a group."""
+    """Forming, leaving, loss and channel-space reservations of a group."""
 
     config: GroupConfig
     _rank: int
@@ -90,8 +81,6 @@ class Membership:
     _closing: bool
     _formed: bool
     _rejoin: bool
-    _rejoining: _Rejoin | None  # while this rank rejoins
-    _kept_dials: dict[int, Connection]  # a rank that rejoined with us -> our dial it kept
     _failure_log: list[str]
     _addresses: list[Address] | None
 
@@ -424,7 +413,7 @@ class Membership:
             self._conns[r] = conn
             form.inbox[r].put_nowait(conn)
 
-    # ---- rejoining: the survivors -------------------------------------------------------
+    # ---- connections: shared by forming and rejoining ------------------------------------
 
     def _accepts(self, eid: EndpointId) -> bool:
         """Group members, and only until the group has formed, unless lost ranks may come
@@ -448,248 +437,6 @@ class Membership:
         conn.label = self.peer_label(rank)
         self._watch(rank, conn)
         self._spawn(self._listen_control(rank, conn))
-
-    def _is_live(self, conn: Connection) -> bool:
-        """Open, and heard from within ``3 x keepalive_interval`` (a live peer pings)."""
-        silent = _SILENT_KEEPALIVES * self.config.transport.keepalive_interval
-        return not conn.closed and conn.idle_for() < silent
-
-    async def _accept_rejoins(self, transport: TcpTransport | QuicTransport) -> None:
-        """Take back ranks that restarted: after formation (``on_peer_loss="leave"``), and
-        on a rank that rejoins, from the start (another rank may rejoin at the same time)."""
-        while not self._closing:
-            try:
-                conn = await transport.accept()
-            except P2PError:
-                return  # the transport is closed
-            rank = self._rank_of.get(conn.peer_id)
-            if rank is None or self._closing:
-                await conn.close()
-                continue
-            if rank == self._rank:
-                self._turn_away(conn, f"this is {self.peer_label(rank)}: two processes claim it?")
-            elif self._keeps_own_dial(rank):
-                # Two ranks rejoining at once dial each other; both keep the higher one's dial.
-                with contextlib.suppress(P2PError):
-                    conn.send_nowait(_HELLO_CHANNEL, meta=_REJOINING_HELLO)
-                self._spawn(conn.close())
-            else:
-                self._spawn(self._take_back(rank, conn))
-
-    def _keeps_own_dial(self, rank: int) -> bool:
-        """Whether a connection ``rank`` dialed is the redundant one of two rejoining ranks:
-        ``rank`` is lower and rejoins while we do, or it rejoined while we did and we keep
-        the live connection we dialed to it."""
-        rejoin = self._rejoining
-        if rejoin is not None and rank < self._rank:
-            rejoin.alive.add(rank)  # it listens: our own dial to it will be answered
-            return True
-        kept = self._kept_dials.get(rank)
-        return kept is not None and self._conns.get(rank) is kept and self._is_live(kept)
-
-    async def _take_back(self, rank: int, conn: Connection) -> None:
-        """Make ``conn`` ``rank``'s connection and send it our hello; bounded. An old
-        connection that is still live (open and not silent) after ``4 x keepalive_interval``
-        means another process has the rank: the newcomer is refused with the reason."""
-        label = self.peer_label(rank)
-        loop = asyncio.get_running_loop()
-        interval = self.config.transport.keepalive_interval
-        deadline = loop.time() + (_SILENT_KEEPALIVES + 1) * interval
-        while (old := self._conns.get(rank)) is not None and self._is_live(old):
-            if loop.time() >= deadline:
-                self._turn_away(
-                    conn,
-                    f"{label} is still connected from {_remote(old)} and not silent: "
-                    f"two processes claim rank {rank}?",
-                )
-                return
-            await asyncio.sleep(interval / 8)
-        if self._closing:
-            await conn.close()
-            return
-        if old is not None and not old.closed:
-            # It restarted before we noticed it was gone: its old connection is dead.
-            err = ConnectionBrokenError(label, "connected again (restarted); old connection lost")
-            self._on_connection_end(rank, err)
-            old.interrupt(err)
-            self._spawn(old.close())
-        self._left.pop(rank, None)  # this group only: sub-groups made before keep it out
-        self._p2p_sent.pop(rank, None)  # its new process counts its messages from 0
-        self._p2p_received.pop(rank, None)
-        self._kept_dials.pop(rank, None)
-        self._adopt(rank, conn)
-        rejoin = self._rejoining
-        if rejoin is not None:  # we rejoin too: we have no word on who is gone yet
-            meta = _REJOINING_HELLO
-            rejoin.alive.add(rank)
-            if not rejoin.came[rank].done():
-                rejoin.came[rank].set_result(None)
-        else:
-            meta = bytes(msgpack.packb({"left": sorted(self._left), "cid": self._next_cid}))
-        with contextlib.suppress(P2PError):
-            conn.send_nowait(_HELLO_CHANNEL, meta=meta)
-        log.info("%s rejoined the group", label)
-
-    # ---- rejoining: the rank that comes back --------------------------------------------
-
-    async def _rejoin_all(
-        self,
-        transport: TcpTransport | QuicTransport,
-        address_of: Callable[[int], Address | None],
-        timeout: float,
-    ) -> None:
-        """Connect with every other rank, bounded by ``timeout``; a rank some survivor
-        reports as gone is marked left instead of waited for, unless it is alive (our dial
-        reached it, or it dialed us: it rejoins too), after a grace of one
-        ``keepalive_interval`` for a dial that may be finishing its handshake."""
-        others = [r for r in range(len(self._ids)) if r != self._rank]
-        rejoin = _Rejoin(others)
-        self._rejoining = rejoin
-        self._spawn(self._accept_rejoins(transport))
-        tasks = {
-            r: asyncio.create_task(self._reach(transport, r, address_of(r), rejoin)) for r in others
-        }
-        loop = asyncio.get_running_loop()
-        grace = self.config.transport.keepalive_interval
-        cids: list[int] = []
-        said: dict[int, int] = {}  # a rank gone -> the survivor that said so
-        doomed_at: dict[int, float] = {}  # a rank reported gone -> when we give up on it
-        given_up: list[asyncio.Task[tuple[list[int], int] | None]] = []
-        try:
-            async with asyncio.timeout(timeout):
-                while tasks:
-                    wake = min(doomed_at.values(), default=None)
-                    done, _ = await asyncio.wait(
-                        tasks.values(),
-                        timeout=None if wake is None else max(0.0, wake - loop.time()),
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                    for r, task in list(tasks.items()):
-                        if task not in done:
-                            continue
-                        del tasks[r]
-                        heard = task.result()
-                        if heard is not None:  # a survivor's hello (None: a fellow rejoiner)
-                            cids.append(heard[1])
-                            for d in heard[0]:
-                                said.setdefault(d, r)
-                    now = loop.time()
-                    for d in [d for d in said if d in tasks and d not in rejoin.alive]:
-                        if now < doomed_at.setdefault(d, now + grace):
-                            continue
-                        del doomed_at[d]
-                        given_up.append(tasks.pop(d))
-                        given_up[-1].cancel()
-                        self._left[d] = ConnectionBrokenError(
-                            self.peer_label(d),
-                            f"had left before this rank rejoined ({self.peer_label(said[d])} says)",
-                        )
-                    for d in [d for d in doomed_at if d not in tasks or d in rejoin.alive]:
-                        del doomed_at[d]
-        except TimeoutError:
-            missing = ", ".join(self.peer_label(r) for r in sorted(tasks))
-            raise P2PTimeoutError(
-                f"{self.peer_label(self._rank)}: rejoining took over {timeout:g} s; "
-                f"no connection to {missing}"
-            ) from None
-        finally:
-            self._rejoining = None
-            await cancel_and_wait([*tasks.values(), *given_up], timeout=10.0)
-        if not cids:
-            raise UsageError("rejoin=True needs at least one other rank still in the group")
-        if len(set(cids)) > 1:
-            log.warning("survivors disagree on the next collective id: %s", sorted(set(cids)))
-        self._next_cid = max(cids)
-        if self._left:
-            names = ", ".join(self.peer_label(r) for r in sorted(self._left))
-            log.info("%s rejoined; %s gone", self.peer_label(self._rank), names)
-
-    async def _reach(
-        self,
-        transport: TcpTransport | QuicTransport,
-        rank: int,
-        address: Address | None,
-        rejoin: _Rejoin,
-    ) -> tuple[list[int], int] | None:
-        """Connect with ``rank``: ``(ranks gone, next cid)`` from a survivor's hello, None
-        for a rank that rejoins too. Of two rejoining ranks' dials both keep the higher
-        rank's (as in formation): the lower one drops its own and waits for that one."""
-        dial = asyncio.create_task(self._dial_hello(transport, rank, address, rejoin))
-        came = rejoin.came[rank]
-        used = False
-        try:
-            either: list[asyncio.Future[Any]] = [dial, came]
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-            if came.done():
-                return None  # it dialed us (it is higher): _take_back adopted that one
-            conn, gone, cid = dial.result()
-            if cid is not None:
-                used = True
-                self._adopt(rank, conn)
-                return gone, cid
-            if rank < self._rank:  # it rejoins too, and kept our dial
-                used = True
-                self._adopt(rank, conn)
-                self._kept_dials[rank] = conn
-                return None
-            await came  # it keeps its own dial to us (bounded by _rejoin_all's timeout)
-            return None
-        finally:
-            await cancel_and_wait([dial])
-            if not used and dial.done() and not dial.cancelled() and dial.exception() is None:
-                with contextlib.suppress(P2PError):
-                    await dial.result()[0].close()
-
-    async def _dial_hello(
-        self,
-        transport: TcpTransport | QuicTransport,
-        rank: int,
-        address: Address | None,
-        rejoin: _Rejoin,
-    ) -> tuple[Connection, list[int], int | None]:
-        """Connect to ``rank`` and read its hello: ``(connection, ranks gone, next cid)``,
-        the cid None when ``rank`` rejoins too (its word on who is gone means nothing)."""
-        label = self.peer_label(rank)
-        try:
-            conn = await dial_with_retry(
-                transport, self._ids[rank], address, label=label, timeout=None
-            )
-        except PeerAuthenticationError as exc:
-            raise PeerAuthenticationError(
-                exc.peer,
-                f"{exc.detail} (a rank can rejoin only a group whose ranks "
-                'run with on_peer_loss="leave")',
-            ) from None
-        rejoin.alive.add(rank)  # it may have taken this connection: do not give up on it
-        try:
-            frame = await conn.recv(_HELLO_CHANNEL)
-            conn.retire(_HELLO_CHANNEL)
-            try:
-                hello = msgpack.unpackb(frame.meta, raw=False)
-                refused = hello.get("refused")
-                if refused is None:
-                    gone = [int(r) for r in hello["left"]]
-                    cid = None if hello.get("rejoining") else int(hello["cid"])
-            except Exception as exc:  # msgpack's own exceptions, a missing key, a bad type
-                raise RemoteProtocolError(label, f"malformed rejoin hello: {exc!r}") from None
-            if refused is not None:
-                raise PeerAuthenticationError(label, f"refused this rank: {refused}")
-        except BaseException:
-            with contextlib.suppress(ConnectionClosedError):
-                await conn.close()
-            raise
-        return conn, gone, cid
-
-
-class _Rejoin:
-    """A rejoin in progress: the ranks known to be alive (our dial reached them, or they
-    dialed us), and for each rank whether its own dial to us was taken (it rejoins too,
-    and is higher)."""
-
-    def __init__(self, ranks: Iterable[int]) -> None:
-        loop = asyncio.get_running_loop()
-        self.alive: set[int] = set()
-        self.came: dict[int, asyncio.Future[None]] = {r: loop.create_future() for r in ranks}
 
 
 def _form_note(conn: Connection, kind: str, why: str = "") -> None:
