@@ -11,6 +11,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,9 +35,11 @@ from p2pdist.federated import (
     FederatedConfig,
     Phase,
 )
-from p2pdist.federated.messages import CLIENT_CHANNEL, encode
+from p2pdist.federated.coordinator import _Client
+from p2pdist.federated.messages import CLIENT_CHANNEL, decode, encode
 from p2pdist.federated.net import open_transport
 from p2pdist.transport.dial import dial_with_retry
+from p2pdist.wire.frames import Frame, FrameKind
 
 PLAIN = TransportConfig(tls=False)
 HERE = Path(__file__).resolve().parent
@@ -409,3 +412,66 @@ async def test_a_client_that_never_reads_its_acks_is_dropped(
             assert any("took none of its acks" in r.getMessage() for r in caplog.records)
         finally:
             await t.close()
+
+
+class _SlowReader:
+    """A connection with framed's send semantics (the frame is queued whole, then the
+    sender waits while writing is paused) whose peer reads ``rate`` bytes a second."""
+
+    HIGH, LOW = 64, 16
+
+    def __init__(self, rate: float) -> None:
+        self.buffered, self.paused, self.rate = 0.0, False, rate
+        self._drained: asyncio.Future[None] | None = None
+
+    def send_nowait(self, channel: int, payload: Any, *, meta: bytes = b"") -> None:
+        self.buffered += len(payload) + len(meta)
+        self.paused = self.paused or self.buffered > self.HIGH
+
+    async def send(self, channel: int, payload: Any, *, meta: bytes = b"") -> None:
+        self.send_nowait(channel, payload, meta=meta)
+        while self.paused:
+            if self._drained is None or self._drained.done():
+                self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
+
+    async def read(self) -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            self.buffered = max(0.0, self.buffered - self.rate * 0.01)
+            if self.paused and self.buffered <= self.LOW:
+                self.paused = False
+                if self._drained is not None and not self._drained.done():
+                    self._drained.set_result(None)
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_slow_client_still_gets_its_ack_while_models_keep_draining() -> None:
+    """Rounds close faster than a model drains to this (healthy, reading) client: its
+    one ack of a round must not queue behind the models until round_timeout drops it."""
+    async with coordinator(np.zeros(4, np.float32), round_timeout=1.0) as c:
+        conn = _SlowReader(rate=1000)  # a 600-byte model takes 0.6 s
+        client = _Client("slow", "client slow", conn)  # type: ignore[arg-type]
+        tasks = [asyncio.create_task(conn.read()), asyncio.create_task(c._sender(client))]
+
+        async def rounds_close() -> None:
+            while True:
+                client.latest = (b"m", memoryview(bytes(600)))
+                client.ready.set()
+                await asyncio.sleep(0.5)
+
+        tasks.append(asyncio.create_task(rounds_close()))
+        try:
+            await asyncio.sleep(0.1)
+            c._state.join("slow")
+            c._state.open(asyncio.get_running_loop().time())
+            meta, payload = encode("submit", {"r": c._state.round, "b": 0, "n": 1}, np.ones(4))
+            frame = Frame(FrameKind.DATA, CLIENT_CHANNEL, 0, meta, memoryview(bytearray(payload)))
+            submit = decode(frame, "slow")
+            await asyncio.wait_for(c._on_submit(client, submit), 0.5)  # dropped after 1 s before
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

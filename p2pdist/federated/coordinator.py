@@ -52,6 +52,9 @@ __all__ = ["Coordinator"]
 log = logging.getLogger(__name__)
 
 _HELLO_TIMEOUT = 10.0  # seconds a new connection has to say hello
+ACKS_PER_ROUND = 8
+"""Acks per client and round sent without waiting (an honest client submits once or
+twice a round); past that, acks wait for the client to read (see ``_on_submit``)."""
 
 
 def _client_label(client: EndpointId | str) -> str:
@@ -68,6 +71,8 @@ class _Client:
     latest: tuple[bytes, memoryview] | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     sender: asyncio.Task[None] | None = None
+    ack_round: int = -1
+    acks_in_round: int = 0
 
 
 class Coordinator:
@@ -354,9 +359,19 @@ class Coordinator:
         }
         meta, payload = encode("ack", reply)
         self._wake.set()
-        # Waits only while the connection's send buffer is backed up: a client that
-        # submits without ever reading its acks is then no longer read from either, and
-        # is dropped after round_timeout, instead of its acks piling up here.
+        if client.ack_round != self._state.round:
+            client.ack_round, client.acks_in_round = self._state.round, 0
+        client.acks_in_round += 1
+        if client.acks_in_round <= ACKS_PER_ROUND:
+            # A client's first acks of a round never wait: behind a model that is still
+            # draining to a slow but healthy client, waiting could outlast round_timeout.
+            with contextlib.suppress(P2PError):
+                client.conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
+            return
+        # Past that, a client is submitting far more than it should. Its acks wait while
+        # its send buffer is backed up, so a client that never reads them is no longer
+        # read from either, and is dropped after round_timeout instead of its acks piling
+        # up here.
         limit = self.config.round_timeout
         try:
             async with asyncio.timeout(limit):
