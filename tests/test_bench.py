@@ -43,6 +43,11 @@ def test_fit_and_profile_refuse_what_cannot_be_fitted() -> None:
         fit_alpha_beta(np.array([1024.0, 1024.0]), np.array([1e-5, 1e-5]))
     a, b = fit_alpha_beta(np.array([1.0, 2.0]), np.array([1e-5, 1e-5]))  # flat: no cost/byte
     assert a == pytest.approx(1e-5) and b == float("inf")
+    # repeated sizes: one point per size (a half of repeats of one size fitted no slope)
+    for sizes in ([8, 1 << 20, 1 << 20], [8, 8, 1 << 20, 1 << 20]):
+        m = np.array(sizes, float)
+        a, b = fit_alpha_beta(m, 2e-5 + m / 1e9)
+        assert b == pytest.approx(1e9, rel=1e-6) and a == pytest.approx(2e-5, rel=1e-3)
 
 
 @pytest.mark.parametrize("kwargs", [{"repeats": 0}, {"repeats": -1}, {"sizes": (4096,)}])

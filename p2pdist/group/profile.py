@@ -43,11 +43,13 @@ def fit_alpha_beta(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float
     sizes, seconds = np.asarray(sizes, float), np.asarray(seconds, float)
     if sizes.shape != seconds.shape or np.unique(sizes).size < 2:
         raise UsageError("the alpha-beta fit needs times for at least two different sizes")
-    order = np.argsort(sizes, kind="stable")
-    m, t = sizes[order], seconds[order]
+    # one point per distinct size (the median of its times): the halves below are
+    # taken by position, and repeated sizes would otherwise fill one half alone
+    m = np.unique(sizes)
+    t = np.array([np.median(seconds[sizes == size]) for size in m])
     n = m.size
     big = slice(n - max(2, n // 2), n)
-    slope = float(np.polyfit(m[big], t[big], 1)[0]) if np.unique(m[big]).size > 1 else 0.0
+    slope = float(np.polyfit(m[big], t[big], 1)[0])
     if slope * m[-1] <= 1e-9 * max(float(t[-1]), 1e-12):  # no measurable cost per byte
         slope = 0.0
     small = slice(0, max(1, n // 2))
