@@ -13,7 +13,9 @@ stderr to stderr). If a rank fails, the others are stopped (SIGTERM, then SIGKIL
 after :attr:`LaunchConfig.grace_s`) and the launcher exits with the failing code.
 Each rank runs in its own session, so stopping a rank also stops its children. SIGINT,
 SIGTERM, SIGHUP (a closed terminal) and SIGQUIT to the launcher stop every rank the same
-way, and the launcher exits with 128 + the signal's number.
+way (SIGQUIT is passed on to the ranks first, with a grace period to dump), and the
+launcher exits with 128 + the signal's number. A terminal that hung up does not stop
+the teardown: output that cannot be written is dropped.
 """
 
 from __future__ import annotations
@@ -193,9 +195,12 @@ class LineSplitter:
 
 
 def _emit(out: BinaryIO, prefix: bytes, lines: list[bytes]) -> None:
-    for line in lines:
-        out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
-        out.flush()
+    try:
+        for line in lines:
+            out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            out.flush()
+    except OSError:  # the terminal hung up (EIO) or the reader went away: keep draining
+        pass
 
 
 async def _pump(stream: asyncio.StreamReader, out: BinaryIO, prefix: bytes) -> None:
@@ -209,7 +214,9 @@ async def _pump(stream: asyncio.StreamReader, out: BinaryIO, prefix: bytes) -> N
 
 
 def _say(message: str) -> None:
-    print(f"p2pdist launch: {message}", file=sys.stderr, flush=True)
+    # After a hangup the terminal answers EIO: stopping the ranks must still go on.
+    with contextlib.suppress(OSError):
+        print(f"p2pdist launch: {message}", file=sys.stderr, flush=True)
 
 
 class _Launcher:
@@ -243,7 +250,11 @@ class _Launcher:
             self.pumps.append(asyncio.create_task(_pump(proc.stderr, sys.stderr.buffer, prefix)))
 
     def on_signal(self, signum: int) -> None:
-        """Signal handler: ask :meth:`supervise` to stop everything."""
+        """Signal handler: ask :meth:`supervise` to stop everything. SIGQUIT is passed on
+        to the ranks first, so that they dump what a user sends it for (core files,
+        faulthandler tracebacks of hung ranks) before the usual teardown."""
+        if signum == signal.SIGQUIT:
+            self._signal_running(signal.SIGQUIT)
         if not self.stop_signal:
             self.stop_signal = signum
         self.stop.set()
@@ -286,6 +297,8 @@ class _Launcher:
 
     async def teardown(self) -> None:
         """Stop every rank still running (TERM, grace, KILL) and drain their output."""
+        if self.stop_signal == signal.SIGQUIT:  # let them finish their dumps first
+            await self._wait_all(self.cfg.grace_s)
         self._signal_running(signal.SIGTERM)
         if not await self._wait_all(self.cfg.grace_s):
             _say(f"ranks still running after {self.cfg.grace_s:g} s; sending SIGKILL")

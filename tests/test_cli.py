@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pty
 import re
 import signal
 import stat
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -295,3 +297,82 @@ def test_launch_stops_every_rank_when_it_is_told_to_stop(tmp_path: Path, sig: in
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def _start_waiting_ranks(tmp_path: Path, child: str, **popen: Any) -> tuple[Any, list[int]]:
+    """A launcher of 2 ranks running ``child`` (given tmp_path), once both are up."""
+    cmd = [sys.executable, "-m", "p2pdist.cli", "launch", "-n", "2", "--"]
+    proc = subprocess.Popen([*cmd, sys.executable, "-c", child, str(tmp_path)], **popen)
+    pid_files = [tmp_path / f"{r}.pid" for r in range(2)]
+    deadline = time.monotonic() + TIMEOUT_S
+    while not all(f.exists() for f in pid_files):
+        assert proc.poll() is None, "the launcher ended before its ranks started"
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.05)
+    return proc, [int(f.read_text()) for f in pid_files]
+
+
+def _gone(pids: list[int]) -> bool:
+    deadline = time.monotonic() + TIMEOUT_S
+    for pid in pids:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+    return True
+
+
+def test_launch_survives_a_terminal_that_hung_up(tmp_path: Path) -> None:
+    """After a hangup, writing to the terminal fails (EIO): the launcher must still stop
+    its ranks and exit 128 + SIGHUP, not die on its own message."""
+    master, slave = pty.openpty()
+    try:
+        proc, pids = _start_waiting_ranks(tmp_path, CHILD_WAITS, stdout=slave, stderr=slave)
+    finally:
+        os.close(slave)
+    try:
+        os.close(master)  # the terminal is gone
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=TIMEOUT_S) == 128 + signal.SIGHUP
+        assert _gone(pids), "a rank outlived the launcher"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+CHILD_DUMPS = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    here = sys.argv[1]
+    rank = os.environ["P2PDIST_RANK"]
+    def dump(signum, frame):
+        open(os.path.join(here, rank + ".quit"), "w").close()
+        sys.exit(0)
+    signal.signal(signal.SIGQUIT, dump)
+    path = os.path.join(here, rank + ".pid")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)
+    time.sleep(60)
+    """
+)
+
+
+def test_launch_passes_sigquit_on_to_its_ranks(tmp_path: Path) -> None:
+    proc, pids = _start_waiting_ranks(
+        tmp_path, CHILD_DUMPS, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        proc.send_signal(signal.SIGQUIT)
+        assert proc.wait(timeout=TIMEOUT_S) == 128 + signal.SIGQUIT
+        assert _gone(pids)
+        assert sorted(p.name for p in tmp_path.glob("*.quit")) == ["0.quit", "1.quit"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
