@@ -101,15 +101,16 @@ class RelayConfig:
         default=None,
         metadata=_doc(
             "most connections still in the HTTP upgrade or AUTH at once; a new one over "
-            "it closes the oldest of them (default: max-clients)",
+            "it closes the oldest of them if that one waited 1 s, else gets 503 "
+            "(default: max-clients)",
             "N",
         ),
     )
     max_unauthenticated_per_ip: int = field(
         default=64,
         metadata=_doc(
-            "most of those from one source address (IPv4 address, IPv6 /64); a new one "
-            "over it closes the oldest of that source",
+            "most of those from one source address (IPv4 address, IPv6 /64); the same "
+            "rule among that source's connections",
             "N",
         ),
     )

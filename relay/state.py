@@ -88,13 +88,14 @@ class CoreConfig:
     auth_timeout: float = 10.0
     retry_after: float = 1.0
     max_unauthenticated: int | None = None
-    """Most connections in the HTTP or AUTH phase at once (None: ``max_clients``). A new
-    connection over the cap is let in and the oldest one still waiting is closed
-    (``evicted_total{reason="max_unauthenticated"}``)."""
+    """Most connections in the HTTP or AUTH phase at once (None: ``max_clients``). Over
+    the cap the oldest one still waiting is closed if it has waited :data:`EVICT_AFTER`
+    (``evicted_total{reason="max_unauthenticated"}``), else the newcomer gets 503
+    (``refused_total``)."""
     max_unauthenticated_per_ip: int = 64
     """Most of those from one source address (an IPv4 address, an IPv6 /64); over it
-    the oldest waiting one of that source is closed
-    (``evicted_total{reason="max_unauthenticated_per_ip"}``)."""
+    the same rule among that source's connections
+    (``evicted_total`` / ``refused_total{reason="max_unauthenticated_per_ip"}``)."""
     stun_ports: tuple[int, ...] = ()
     """Bound UDP observation ports (STUN, then the alternate), advertised in AUTH_OK."""
 
@@ -206,11 +207,13 @@ class RelayCore:
         """A TLS connection was accepted from ``peer``. Once the relay is shutting down
         the session is answered 503 and closed at once (it is returned CLOSED).
 
-        Otherwise it is always let in: when ``max_unauthenticated`` connections (or
+        Otherwise, when ``max_unauthenticated`` connections (or
         ``max_unauthenticated_per_ip`` from the same source) are already waiting to
-        authenticate, the oldest of them is closed to make room. A real client needs
-        a round trip or two to authenticate, so a flood of idle connections churns
-        itself instead of locking clients (and /health, /metrics) out."""
+        authenticate, the oldest of them is closed to make room if it has waited
+        :data:`EVICT_AFTER`, else the new one is answered 503 (see :meth:`_admit`). A
+        real client needs a round trip or two, so a flood of idle connections churns
+        itself instead of locking clients (and /health, /metrics) out, and a reconnect
+        storm larger than the cap still gets through."""
         self._next_id += 1
         s = Session(self._next_id, link, format_address(*peer), now)
         self._sessions.add(s)

@@ -56,8 +56,7 @@ class AuthRedactor:
         self._in_head = True
         self._header = bytearray()  # a frame header split across reads
         self._left = 0  # bytes of the current frame body still to come
-        self._secret_from = 0  # body offset where the current AUTH token starts ...
-        self._secret = False  # ... if the current frame is an AUTH
+        self._secret = False  # the current frame is an AUTH (its token is secret)
         self._body_at = 0  # bytes of the current body seen so far
 
     def __call__(self, data: bytes) -> bytes:

@@ -49,6 +49,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_SELF_SIGNED = (18, 19)
+"""OpenSSL's X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT and SELF_SIGNED_CERT_IN_CHAIN: what a
+pinned relay's certificate gives when dialed without its pin."""
+
 
 class RelayState(enum.Enum):
     """Where the session to the relay stands."""
@@ -332,10 +336,12 @@ class RelayPath:
             )
         except ssl.SSLCertVerificationError as exc:
             # Not worth waiting out: retrying will not make the certificate trusted.
-            hint = (
-                "; if the relay uses its own pinned key, pass the whole URL from its "
-                "'relay url:' line, with ?pin=..."
-            )
+            hint = ""
+            if exc.verify_code in _SELF_SIGNED:  # not an expired or misnamed certificate
+                hint = (
+                    "; if the relay uses its own pinned key, pass the whole URL from its "
+                    "'relay url:' line, with ?pin=..."
+                )
             raise PeerAuthenticationError(
                 label, f"certificate not trusted: {exc.verify_message}{hint}"
             ) from None
