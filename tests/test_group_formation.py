@@ -12,6 +12,10 @@ import pytest
 from group_helpers import free_ports, loopback_peers
 
 from p2pdist import Group, GroupConfig, P2PError, TransportConfig
+from p2pdist.group import membership
+from p2pdist.transport.base import Connection
+from p2pdist.transport.quic import QuicTransport
+from p2pdist.transport.tcp import TcpTransport
 
 SEED = "formation-seed-0123456789"
 CONNECT = 4.0
@@ -116,3 +120,48 @@ async def test_a_rank_that_restarts_while_the_group_forms_still_gets_a_correct_g
         await check_sum([g0, g1, fresh])
     finally:
         await asyncio.gather(*(g.close() for g in (g0, g1, first, fresh)))
+
+
+async def test_a_rank_that_restarts_after_saying_ready_fails_formation_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 2 says ready to ranks 0 and 1 and restarts before they finish forming (rank
+    1's dial to rank 0 is held back): no start() succeeds with the old rank 2's place
+    taken by a connection nobody formed with; every one fails naming the restart."""
+    peers = loopback_peers(3)
+    g0, g1, old2, new2 = make(0, peers), make(1, peers), make(2, peers), make(2, peers)
+    gate = asyncio.Event()
+    readies: list[str] = []
+    real_note = membership._form_note
+
+    def note(conn: Connection, kind: str, why: str = "") -> None:
+        if kind == "ready":
+            readies.append(conn.label)
+        real_note(conn, kind, why)
+
+    monkeypatch.setattr(membership, "_form_note", note)
+    real_dial = g1._dial
+
+    async def held_dial(transport: TcpTransport | QuicTransport, r: int) -> Connection:
+        await gate.wait()
+        return await real_dial(transport, r)
+
+    monkeypatch.setattr(g1, "_dial", held_dial)
+    starts = [asyncio.create_task(g.start()) for g in (g0, g1, old2)]
+    try:
+        for _ in range(1000):  # bounded: until rank 2 has told ranks 0 and 1 ready
+            if len(readies) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(readies) == 2, readies
+        await old2.close()
+        starts.append(asyncio.create_task(new2.start()))
+        results = await asyncio.wait_for(
+            asyncio.gather(*starts, return_exceptions=True), CONNECT + 3
+        )
+        assert all(isinstance(r, BaseException) for r in results), results
+        for r in (results[0], results[1], results[3]):
+            assert "rank 2" in str(r) and "restarted after it said it was connected" in str(r), r
+    finally:
+        gate.set()
+        await asyncio.gather(*(g.close() for g in (g0, g1, old2, new2)))

@@ -286,7 +286,7 @@ class Membership:
                     ]
                     await asyncio.wait(peers)
                     accepting.cancel()
-                self._check_formed()
+                self._check_formed(form)
         except TimeoutError:
             await self._fail_forming(form, "formation timed out")
             not_in = [r for r in range(self.size) if r != self._rank and r not in form.joined]
@@ -318,11 +318,13 @@ class Membership:
             _form_note(conn, "failed", f"{self.peer_label(self._rank)}: {why}")
         await self.close()
 
-    def _check_formed(self) -> None:
-        """Every connection must still be open once formation ends (a rank that closed
-        or was lost meanwhile would otherwise only show up as "left" later)."""
+    def _check_formed(self, form: _Formation) -> None:
+        """Every connection must be the one that said ``ready``, and still open, once
+        formation ends (a rank that closed, was lost or restarted meanwhile would
+        otherwise only show up as "left" later)."""
         for r in sorted(self._conns):
-            if self._conns[r].closed or r in self._left:
+            conn = self._conns[r]
+            if conn is not form.ready.get(r) or conn.closed or r in self._left:
                 raise GroupBrokenError(
                     f"{self.peer_label(self._rank)}: the connection to {self.peer_label(r)} "
                     "ended while the group formed"
@@ -379,6 +381,7 @@ class Membership:
                 elif kind == "ready":
                     conn.retire(_FORM_CHANNEL)
                     form.done.add(r)
+                    form.ready[r] = conn
                     return
                 elif kind == "refused":
                     raise PeerAuthenticationError(label, f"refused this rank's connection: {why}")
@@ -405,6 +408,15 @@ class Membership:
             elif old is not None and not old.closed:
                 where = _remote(old)
                 why = f"{label} is already connected from {where}: two processes claim rank {r}?"
+            elif r in form.done:
+                # It said ready and then restarted: ranks may have formed with its old
+                # process already, so this formation cannot take the new one.
+                restarted = (
+                    f"{label} restarted after it said it was connected to every rank; "
+                    "start every rank again"
+                )
+                self._turn_away(conn, restarted)
+                raise GroupBrokenError(f"{self.peer_label(self._rank)}: {restarted}")
             if why is not None:
                 self._turn_away(conn, why)
                 continue
@@ -472,6 +484,7 @@ class _Formation:
         }
         self.joined: dict[int, Connection] = {}
         self.done: set[int] = set()
+        self.ready: dict[int, Connection] = {}  # the connection each rank said ready on
         self._told: list[Connection] = []  # connections told "ready"
 
     def join(self, r: int, conn: Connection) -> None:
