@@ -165,3 +165,24 @@ async def test_a_rank_that_restarts_after_saying_ready_fails_formation_naming_it
     finally:
         gate.set()
         await asyncio.gather(*(g.close() for g in (g0, g1, old2, new2)))
+
+
+async def test_a_cancelled_start_counts_as_a_restart_not_a_failure() -> None:
+    """A start() cancelled while the group forms (Ctrl-C, an outer timeout) tells the
+    others nothing: they wait for the rank to come back instead of failing with an
+    empty reason, and its new process forms a correct group with them."""
+    peers = loopback_peers(3)
+    g0, first = make(0, peers), make(2, peers)
+    starts = [asyncio.create_task(g0.start())]
+    cancelled = asyncio.create_task(first.start())
+    fresh, g1 = make(2, peers), make(1, peers)
+    try:
+        await until_connected(g0, 2)  # rank 2 has reached rank 0, rank 1 is not up yet
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        starts += [asyncio.create_task(g.start()) for g in (fresh, g1)]
+        await asyncio.wait_for(asyncio.gather(*starts), CONNECT + 2)
+        await check_sum([g0, g1, fresh])
+    finally:
+        await asyncio.gather(*(g.close() for g in (g0, g1, first, fresh)))

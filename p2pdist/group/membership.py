@@ -304,17 +304,19 @@ class Membership:
             ) from None
         except BaseExceptionGroup as group:
             first = _first_error(group)
-            await self._fail_forming(form, str(first))
+            await self._fail_forming(form, str(first) if isinstance(first, Exception) else None)
             raise first from None
         except BaseException as exc:
-            await self._fail_forming(form, str(exc))
+            # A cancelled start (Ctrl-C, an outer timeout) has nothing to tell: it is gone.
+            await self._fail_forming(form, str(exc) if isinstance(exc, Exception) else None)
             raise
 
-    async def _fail_forming(self, form: _Formation, why: str) -> None:
-        """Tell every connected rank why our start failed, then close. (A group closed
-        while it starts says only goodbye: to the others that is a rank that restarts.)"""
+    async def _fail_forming(self, form: _Formation, why: str | None) -> None:
+        """Tell every connected rank why our start failed, then close. (A start that was
+        cancelled, ``why`` None, or a group closed while it starts says only goodbye: to
+        the others that is a rank that restarts, waited for within connect_timeout.)"""
         conns = {id(c): c for c in [*self._conns.values(), *form.joined.values()]}
-        for conn in [] if self._closing else conns.values():
+        for conn in [] if self._closing or why is None else conns.values():
             _form_note(conn, "failed", f"{self.peer_label(self._rank)}: {why}")
         await self.close()
 
