@@ -231,6 +231,31 @@ async def test_rejoining_a_group_that_does_not_take_ranks_back_is_refused() -> N
             await back.start()
 
 
+async def test_a_rank_restarted_without_rejoin_is_refused_at_once_and_stays_left() -> None:
+    """A restarted rank that forgot ``rejoin=True`` dials to form a group: the survivors
+    refuse it with the fix (well within connect_timeout, 20 s) and keep it as left; the
+    same rank restarted with ``rejoin=True`` is then taken back."""
+    from p2pdist import PeerAuthenticationError
+
+    async with groups(3, config=LEAVE) as gs:
+        crash(gs[2])
+        await until_left(gs[:2], 2)
+        await gs[2].close()
+        assert gs[2]._addresses is not None
+        plain = Group.from_seed(
+            "test-seed-0123456789", rank=2, world=3, peers=gs[2]._addresses, config=gs[2].config
+        )
+        with pytest.raises(PeerAuthenticationError, match=r"rank [01] .*rejoin=True"):
+            await asyncio.wait_for(plain.start(), 10)
+        await asyncio.sleep(0.2)  # room for a wrong take-back to show
+        assert all(2 in g.left for g in gs[:2]), [sorted(g.left) for g in gs[:2]]
+        back = await restart(gs[2])
+        async with back:
+            assert all(not g.left for g in gs[:2])
+            out = await asyncio.gather(*(g.all_reduce(np.ones(2)) for g in (*gs[:2], back)))
+            assert all(o.tolist() == [3.0, 3.0] for o in out)
+
+
 async def test_a_rank_rejoins_through_a_relay(tmp_path: Path) -> None:
     from relay_helpers import RelayProcess
 

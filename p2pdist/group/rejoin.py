@@ -36,7 +36,7 @@ from ..transport.base import Address, Connection
 from ..transport.dial import dial_with_retry
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
-from .membership import _HELLO_CHANNEL, Membership, _remote
+from .membership import _FORM_CHANNEL, _HELLO_CHANNEL, Membership, _form_note, _remote
 
 __all__ = ["Rejoining"]
 
@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 _REJOINING_HELLO = bytes(msgpack.packb({"rejoining": True, "left": [], "cid": 0}))
 """The hello of a rank that rejoins itself: it knows nothing of who is gone."""
+_REJOIN_INTENT = bytes(msgpack.packb({"rejoin": True}))
+"""A rejoining rank's first word on each connection it dials (a plain restart says none)."""
 _SILENT_KEEPALIVES = 3
 """A connection silent for this many keepalive intervals is taken for dead."""
 
@@ -100,6 +102,8 @@ class Rejoining(Membership):
         connection that is still live (open and not silent) after ``4 x keepalive_interval``
         means another process has the rank: the newcomer is refused with the reason."""
         label = self.peer_label(rank)
+        if not await self._wants_rejoin(rank, conn):
+            return
         loop = asyncio.get_running_loop()
         interval = self.config.transport.keepalive_interval
         deadline = loop.time() + (_SILENT_KEEPALIVES + 1) * interval
@@ -137,6 +141,32 @@ class Rejoining(Membership):
         with contextlib.suppress(P2PError):
             conn.send_nowait(_HELLO_CHANNEL, meta=meta)
         log.info("%s rejoined the group", label)
+
+    async def _wants_rejoin(self, rank: int, conn: Connection) -> bool:
+        """Whether ``conn`` is a rejoin (its first word is ``rejoin``), bounded by
+        ``connect_timeout``. A rank that restarted without ``rejoin=True`` dials to form
+        a group and waits for a formation ``ok``: the ``refused`` note sent first (which a
+        rejoiner drops) makes its start() fail at once, and it stays left here."""
+        why = "the group has formed; restart this rank with rejoin=True"
+        _form_note(conn, "refused", why)
+        try:
+            async with asyncio.timeout(self.config.connect_timeout):
+                frame = await conn.recv(_HELLO_CHANNEL)
+            conn.retire(_HELLO_CHANNEL)
+            intent = msgpack.unpackb(frame.meta, raw=False)
+            if isinstance(intent, dict) and intent.get("rejoin") is True:
+                return True
+        except Exception:  # it ended or stayed silent, or its word is no msgpack map
+            pass
+        log.warning(
+            "%s: refusing a connection from %s (%s): %s",
+            self.peer_label(self._rank),
+            self.peer_label(rank),
+            _remote(conn),
+            why,
+        )
+        self._spawn(conn.close())
+        return False
 
     # ---- rejoining: the rank that comes back --------------------------------------------
 
@@ -269,6 +299,9 @@ class Rejoining(Membership):
                 'run with on_peer_loss="leave")',
             ) from None
         rejoin.alive.add(rank)  # it may have taken this connection: do not give up on it
+        conn.retire(_FORM_CHANNEL)  # a survivor's "refused" note is for a plain restart
+        with contextlib.suppress(P2PError):
+            conn.send_nowait(_HELLO_CHANNEL, meta=_REJOIN_INTENT)
         try:
             frame = await conn.recv(_HELLO_CHANNEL)
             conn.retire(_HELLO_CHANNEL)
