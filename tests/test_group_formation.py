@@ -6,12 +6,13 @@ still ends in a correct group. Real TCP sockets on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import numpy as np
 import pytest
 from group_helpers import free_ports, loopback_peers
 
-from p2pdist import Group, GroupConfig, P2PError, TransportConfig
+from p2pdist import Group, GroupConfig, P2PError, TransportConfig, UsageError
 from p2pdist.group import membership
 from p2pdist.transport.base import Connection
 from p2pdist.transport.quic import QuicTransport
@@ -186,3 +187,13 @@ async def test_a_cancelled_start_counts_as_a_restart_not_a_failure() -> None:
         await check_sum([g0, g1, fresh])
     finally:
         await asyncio.gather(*(g.close() for g in (g0, g1, first, fresh)))
+
+
+async def test_start_after_close_is_a_usage_error_and_listens_on_nothing() -> None:
+    peers = loopback_peers(2)
+    g = make(0, peers)
+    await g.close()
+    with pytest.raises(UsageError, match="closed"):
+        await asyncio.wait_for(g.start(), CONNECT)
+    with socket.socket() as s:  # the rank's port is still free
+        s.bind(("127.0.0.1", int(peers[0].rsplit(":", 1)[1])))

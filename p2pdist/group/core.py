@@ -305,6 +305,8 @@ class GroupCore(Rejoining):
         """Connect to every peer (bounded by ``config.connect_timeout``)."""
         if self._started:
             raise UsageError("group already started")
+        if self._closing:
+            raise UsageError("group is closed; make a new Group to start again")
         self._started = True
         if self.size == 1:
             return self
