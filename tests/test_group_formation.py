@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from group_helpers import free_ports, loopback_peers
 
-from p2pdist import Group, GroupConfig, P2PError, TransportConfig, UsageError
+from p2pdist import Group, GroupConfig, P2PError, P2PTimeoutError, TransportConfig, UsageError
 from p2pdist.group import membership
 from p2pdist.transport.base import Connection
 from p2pdist.transport.quic import QuicTransport
@@ -197,3 +197,19 @@ async def test_start_after_close_is_a_usage_error_and_listens_on_nothing() -> No
         await asyncio.wait_for(g.start(), CONNECT)
     with socket.socket() as s:  # the rank's port is still free
         s.bind(("127.0.0.1", int(peers[0].rsplit(":", 1)[1])))
+
+
+async def test_a_restarted_rank_0_times_out_with_a_hint_to_rejoin() -> None:
+    """Rank 0 only accepts: restarted into a formed group, nobody dials it, and its
+    timeout says what to do instead of only listing the ranks it misses."""
+    peers = loopback_peers(2)
+    g0, g1 = make(0, peers), make(1, peers)
+    quick = GroupConfig(connect_timeout=1.0, transport=TransportConfig(tls=False))
+    new0 = Group.from_seed(SEED, rank=0, world=2, peers=peers, config=quick)
+    try:
+        await asyncio.wait_for(asyncio.gather(g0.start(), g1.start()), CONNECT + 2)
+        await g0.close()
+        with pytest.raises(P2PTimeoutError, match=r"no connection to rank 1 .*rejoin=True"):
+            await asyncio.wait_for(new0.start(), CONNECT + 2)
+    finally:
+        await asyncio.gather(*(g.close() for g in (g0, g1, new0)))

@@ -295,6 +295,13 @@ class Membership:
             if not_in:
                 names = ", ".join(f"{self.peer_label(r)} {self._where(r)}" for r in not_in)
                 why.append(f"no connection to {names}")
+                higher = range(self._rank + 1, self.size)
+                if higher and all(r in not_in for r in higher):
+                    # No higher rank dialed us: they may be running without this rank.
+                    why.append(
+                        "if the others already formed a group without this rank, "
+                        "restart it with rejoin=True"
+                    )
             if quiet:
                 names = ", ".join(self.peer_label(r) for r in sorted(quiet))
                 why.append(f"{names} never said it was connected to every rank")
