@@ -75,9 +75,20 @@ async def test_two_ranks_rejoining_at_once_make_a_whole_group(first: int, second
         for g in everyone:
             assert sorted(g._conns) == [r for r in range(4) if r != g.rank]
             assert all(not c.closed for c in g._conns.values())
+        for a in everyone:
+            for b in everyone:
+                if a.rank < b.rank:  # a's socket is b's, seen from the other end
+                    assert ends(a, b.rank) == ends(b, a.rank)[::-1], (a.rank, b.rank)
         await whole(everyone)  # and again: both rejoiners run on the same channels
     finally:
         await asyncio.gather(*(g.close() for g in [*gs, *back]), return_exceptions=True)
+
+
+def ends(g: Group, rank: int) -> tuple[tuple[str, int], tuple[str, int]]:
+    """``(local, remote)`` socket addresses of ``g``'s connection to ``rank``."""
+    transport = g._conns[rank]._transport  # type: ignore[attr-defined]
+    local, remote = transport.get_extra_info("sockname"), transport.get_extra_info("peername")
+    return (local[0], local[1]), (remote[0], remote[1])
 
 
 async def test_a_second_process_for_a_rank_that_rejoined_is_refused_and_the_first_works() -> None:
