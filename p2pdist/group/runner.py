@@ -1,0 +1,230 @@
+"""Runner: how every collective runs (:meth:`Runner._run`): taking its channel, refusing
+it when a rank it needs has left, bounding it by one watchdog timer per root group, and
+turning what goes wrong into the error that names the cause. Mixed into
+:class:`~p2pdist.group.core.GroupCore` (which sets every attribute declared here), on top
+of :class:`~p2pdist.group.rejoin.Rejoining`."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable
+from typing import NoReturn, TypeVar
+
+from ..errors import (
+    ConnectionBrokenError,
+    GroupBrokenError,
+    MismatchError,
+    P2PError,
+    P2PTimeoutError,
+    PeerTimeoutError,
+    RemoteProtocolError,
+    UsageError,
+)
+from ..transport.mailbox import SPACE_SHIFT
+from .link import CollectiveLink
+from .rejoin import Rejoining
+
+__all__ = ["Runner"]
+
+T = TypeVar("T")
+
+_ATTRIBUTION_WINDOW = 0.25  # seconds a failing collective waits for other failure reports
+
+
+class Runner(Rejoining):
+    """Running collectives: channels, the watchdog, refusals and failure errors."""
+
+    _watchdog: asyncio.TimerHandle | None  # root only: see _run
+    _watchdog_at: float
+
+    # ---- provided by GroupCore ------------------------------------------------------------
+
+    def _root(self) -> Runner:
+        raise NotImplementedError
+
+    # ---- naming a failure -----------------------------------------------------------
+
+    async def _attribute(self, err: ConnectionBrokenError) -> ConnectionBrokenError:
+        """Wait briefly for other reports, so the error names the root cause too.
+
+        When rank A dies, rank B may notice first, fail and exit; if B's own exit reaches
+        us before A's, "B lost" alone would send the user after the wrong rank. Abort
+        notices and other losses that arrive within the window are added to the message.
+        """
+        await asyncio.sleep(_ATTRIBUTION_WINDOW)
+        others = [f for f in self._failure_log if f != str(err)]
+        if not others:
+            return err
+        return ConnectionBrokenError(err.peer, f"{err.detail}; also: " + "; ".join(others))
+
+    def _root_label(self, r: int) -> str:
+        """How errors name this group's rank ``r``: by its rank in the root group, as
+        connections and every other error do (a sub-group's own numbering is local)."""
+        return self._root().peer_label(self._root_ranks[r])
+
+    def _left_error(self, left: dict[int, BaseException]) -> GroupBrokenError:
+        gone = ", ".join(self._root_label(r) for r in sorted(left))
+        return GroupBrokenError(f"collectives need every rank, but {gone} left the group")
+
+    def _refuse(self, channel: int, error: P2PError) -> NoReturn:
+        """Refuse the collective on ``channel`` after it took its id: what the others
+        sent for it is dropped, and ``error`` raised."""
+        for conn in self._conns.values():
+            conn.retire(channel)
+        raise error
+
+    def _timeout_error(self, link: CollectiveLink, seconds: float) -> P2PError:
+        what = f"{link.explain()} timed out after {seconds:g} s"
+        silent = sorted(
+            ((c.idle_for(), r) for r, c in self._conns.items()),
+            reverse=True,
+        )
+        quiet_limit = 3 * self.config.transport.keepalive_interval
+        if silent and silent[0][0] > quiet_limit:
+            idle, r = silent[0]
+            extra = ""
+            if link.waiting_on is not None and link.waiting_on != r:
+                extra = f" (this rank was waiting for {self._root_label(link.waiting_on)})"
+            return PeerTimeoutError(self._root_label(r), f"{what}: silent for {idle:.1f} s{extra}")
+        if link.waiting_on is not None:
+            return PeerTimeoutError(self._root_label(link.waiting_on), f"{what} waiting for it")
+        return P2PTimeoutError(what)
+
+    # ---- running a collective -----------------------------------------------------------
+
+    def _new_link(self, descriptor: bytes) -> CollectiveLink:
+        cid = self._next_cid
+        self._next_cid += 1
+        return CollectiveLink(
+            self._rank,
+            self.size,
+            (self._space << SPACE_SHIFT) | cid,
+            descriptor,
+            self._conns.__getitem__,
+        )
+
+    async def _run(
+        self,
+        descriptor: bytes,
+        timeout: float | None,
+        body: Callable[[CollectiveLink], Awaitable[T]],
+    ) -> T:
+        """Run ``body`` as the next collective (described by ``descriptor``), bounded by
+        ``timeout``. The collective takes its channel only once every argument has been
+        accepted, so a call refused here leaves this rank in step with the others.
+
+        The bound is kept by the root group's watchdog (one timer for every collective in
+        flight, see :meth:`_arm_watchdog`) instead of a timer armed and cancelled per call:
+        an overdue collective's task is cancelled and the cancellation turned into the
+        timeout error here, as ``asyncio.timeout`` would."""
+        seconds = self._seconds(timeout)
+        link = self._new_link(descriptor)
+        root = self._root()
+        channel = link.channel
+        if self._left and self.config.on_peer_loss == "leave" and (left := self.left):
+            # Refused for want of a rank that left, but with its id used up: a rank that
+            # started this call before it saw the loss used it (and fails it), so the next
+            # collective of both runs on one channel. They are told at once (a notice).
+            root._failed_calls.pop(channel, None)
+            self._tell_call_failed(channel, self._root_ranks[min(left)])
+            self._refuse(channel, self._left_error(left))
+        if root._failed_calls:
+            noticed = root._failed_calls.pop(channel, None)
+            if noticed is not None:  # another rank's part of this call already failed
+                self._refuse(channel, self._loss_error(noticed, link))
+        task = asyncio.current_task()
+        assert task is not None
+        inflight = root._inflight
+        outer = inflight.get(task)  # None unless a collective runs inside another
+        deadline = asyncio.get_running_loop().time() + seconds
+        if outer is not None and outer[2] < deadline:
+            seconds -= deadline - outer[2]  # the enclosing call's bound comes first
+            deadline = outer[2]
+        inflight[task] = (self, channel, deadline)
+        if deadline < root._watchdog_at:
+            root._arm_watchdog(deadline)
+        lost: int | None = None
+        expired = False
+        try:
+            try:
+                return await body(link)
+            finally:
+                if outer is None:
+                    del inflight[task]
+                else:
+                    inflight[task] = outer
+                if root._cancelled_by_loss:
+                    lost = root._cancelled_by_loss.pop(task, None)
+                if root._expired:
+                    expired = task in root._expired
+                    root._expired.discard(task)
+        except asyncio.CancelledError:
+            # A member was lost (on_peer_loss="leave"): not our doing, unless the caller
+            # cancelled us too (then the cancellation goes on, as any other does).
+            if lost is not None and task.uncancel() == 0:
+                raise self._loss_error(lost, link) from None
+            if expired and task.uncancel() == 0:  # the watchdog's: this call is overdue
+                timeout_err = self._timeout_error(link, seconds)
+                self._break(timeout_err, notify=True)
+                raise timeout_err from None
+            me = self._root_label(self._rank)
+            self._break(GroupBrokenError(f"{link.explain()} was cancelled on {me}"), notify=True)
+            raise
+        except (MismatchError, RemoteProtocolError, ConnectionBrokenError) as err:
+            gone = self._gone_with(err)
+            if gone is not None:
+                self._tell_call_failed(channel, gone)
+                raise self._loss_error(gone, link) from None
+            self._break(err, notify=True)
+            if not isinstance(err, ConnectionBrokenError) or err.graceful:
+                raise
+            raise await self._attribute(err) from err
+        except P2PError as err:
+            # Tell the others why, unless this failure is itself someone's abort notice.
+            self._break(err, notify=not isinstance(err, GroupBrokenError))
+            raise
+        except Exception as err:
+            # Not ours (FloatingPointError under np.seterr, MemoryError, a codec's error):
+            # this rank's part of the call is lost, so the others must not wait for it.
+            me = self._root_label(self._rank)
+            kind = type(err).__name__
+            broken = GroupBrokenError(f"{link.explain()} failed on {me} with {kind}", err)
+            self._break(broken, notify=True)
+            raise broken from err
+        finally:
+            for conn in self._conns.values():
+                conn.retire(channel)
+
+    def _arm_watchdog(self, deadline: float) -> None:
+        """(Root group) fire :meth:`_on_watchdog` at ``deadline`` (earlier than now armed)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._watchdog = asyncio.get_running_loop().call_at(deadline, self._on_watchdog)
+        self._watchdog_at = deadline
+
+    def _on_watchdog(self) -> None:
+        """(Root group) cancel every collective past its deadline (``_run`` makes that a
+        timeout error) and wait for the next deadline of those still running."""
+        self._watchdog, self._watchdog_at = None, math.inf
+        now = asyncio.get_running_loop().time()
+        upcoming = math.inf
+        for task, (_, _, deadline) in list(self._inflight.items()):
+            if deadline > now:
+                upcoming = min(upcoming, deadline)
+            elif task not in self._cancelled_by_loss and task not in self._expired:
+                self._expired.add(task)
+                task.cancel()
+        if upcoming < math.inf:
+            self._arm_watchdog(upcoming)
+
+    def _seconds(self, timeout: float | None) -> float:
+        if timeout is None:
+            return self.config.timeout  # positive: GroupConfig checks it
+        seconds = timeout
+        # not `seconds <= 0`: NaN passes that, and a NaN deadline is never enforced
+        if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds > 0):
+            raise UsageError(
+                f"timeout must be a positive finite number of seconds, got {seconds!r}"
+            )
+        return float(seconds)
