@@ -74,7 +74,7 @@ class OwnUpdate:
     update: np.ndarray
     num_samples: int
     base_round: int
-    digest: bytes = b""
+    digest: bytes
     """:func:`digest` of ``update``, computed once (a carried update is named again)."""
 
 

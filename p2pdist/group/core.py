@@ -314,7 +314,7 @@ class GroupCore(Runner):
         if self._rejoin:
             try:
                 # Takes back other ranks from the start (they may rejoin at the same time).
-                await self._rejoin_all(transport, self._address_of, self.config.connect_timeout)
+                await self._rejoin_all(transport, self.config.connect_timeout)
             except BaseException:
                 await self.close()
                 raise

@@ -259,9 +259,6 @@ class Membership:
 
     # ---- forming --------------------------------------------------------------------------
 
-    def _address_of(self, r: int) -> Address | None:
-        return self._addresses[r] if self._addresses is not None else None
-
     async def _form(self, transport: TcpTransport | QuicTransport) -> None:
         """Connect to every rank, bounded by ``connect_timeout``; closes on failure.
 
@@ -290,7 +287,7 @@ class Membership:
         except TimeoutError:
             await self._fail_forming(form, "formation timed out")
             not_in = [r for r in range(self.size) if r != self._rank and r not in form.joined]
-            quiet = [r for r in form.joined if r not in form.done]
+            quiet = [r for r in form.joined if r not in form.ready]
             why = []
             if not_in:
                 names = ", ".join(f"{self.peer_label(r)} {self._where(r)}" for r in not_in)
@@ -389,7 +386,6 @@ class Membership:
                     form.join(r, conn)
                 elif kind == "ready":
                     conn.retire(_FORM_CHANNEL)
-                    form.done.add(r)
                     form.ready[r] = conn
                     return
                 elif kind == "refused":
@@ -417,7 +413,7 @@ class Membership:
             elif old is not None and not old.closed:
                 where = _remote(old)
                 why = f"{label} is already connected from {where}: two processes claim rank {r}?"
-            elif r in form.done:
+            elif r in form.ready:
                 # It said ready and then restarted: ranks may have formed with its old
                 # process already, so this formation cannot take the new one.
                 restarted = (
@@ -492,17 +488,16 @@ class _Formation:
             r: asyncio.Queue() for r in range(rank + 1, size)
         }
         self.joined: dict[int, Connection] = {}
-        self.done: set[int] = set()
         self.ready: dict[int, Connection] = {}  # the connection each rank said ready on
-        self._told: list[Connection] = []  # connections told "ready"
+        self._told: set[Connection] = set()  # told "ready" (connections hash by identity)
 
     def join(self, r: int, conn: Connection) -> None:
         """``conn`` is ``r``'s accepted connection: once every rank has one, say ready."""
         self.joined[r] = conn
         if len(self.joined) == self.size - 1:
             for c in self.joined.values():
-                if not any(c is t for t in self._told):
-                    self._told.append(c)
+                if c not in self._told:
+                    self._told.add(c)
                     _form_note(c, "ready")
 
     def leave(self, r: int, conn: Connection) -> None:

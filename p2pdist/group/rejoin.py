@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import msgpack
@@ -32,8 +32,7 @@ from ..errors import (
     UsageError,
 )
 from ..tasks import cancel_and_wait
-from ..transport.base import Address, Connection
-from ..transport.dial import dial_with_retry
+from ..transport.base import Connection
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
 from .membership import _FORM_CHANNEL, _HELLO_CHANNEL, Membership, _form_note, _remote
@@ -173,7 +172,6 @@ class Rejoining(Membership):
     async def _rejoin_all(
         self,
         transport: TcpTransport | QuicTransport,
-        address_of: Callable[[int], Address | None],
         timeout: float,
     ) -> None:
         """Connect with every other rank, bounded by ``timeout``; a rank some survivor
@@ -184,9 +182,7 @@ class Rejoining(Membership):
         rejoin = _Rejoin(others)
         self._rejoining = rejoin
         self._spawn(self._accept_rejoins(transport))
-        tasks = {
-            r: asyncio.create_task(self._reach(transport, r, address_of(r), rejoin)) for r in others
-        }
+        tasks = {r: asyncio.create_task(self._reach(transport, r, rejoin)) for r in others}
         loop = asyncio.get_running_loop()
         grace = self.config.transport.keepalive_interval
         cids: list[int] = []
@@ -246,13 +242,12 @@ class Rejoining(Membership):
         self,
         transport: TcpTransport | QuicTransport,
         rank: int,
-        address: Address | None,
         rejoin: _Rejoin,
     ) -> tuple[list[int], int] | None:
         """Connect with ``rank``: ``(ranks gone, next cid)`` from a survivor's hello, None
         for a rank that rejoins too. Of two rejoining ranks' dials both keep the higher
         rank's (as in formation): the lower one drops its own and waits for that one."""
-        dial = asyncio.create_task(self._dial_hello(transport, rank, address, rejoin))
+        dial = asyncio.create_task(self._dial_hello(transport, rank, rejoin))
         came = rejoin.came[rank]
         used = False
         try:
@@ -282,16 +277,13 @@ class Rejoining(Membership):
         self,
         transport: TcpTransport | QuicTransport,
         rank: int,
-        address: Address | None,
         rejoin: _Rejoin,
     ) -> tuple[Connection, list[int], int | None]:
         """Connect to ``rank`` and read its hello: ``(connection, ranks gone, next cid)``,
         the cid None when ``rank`` rejoins too (its word on who is gone means nothing)."""
         label = self.peer_label(rank)
         try:
-            conn = await dial_with_retry(
-                transport, self._ids[rank], address, label=label, timeout=None
-            )
+            conn = await self._dial(transport, rank)
         except PeerAuthenticationError as exc:
             raise PeerAuthenticationError(
                 exc.peer,
