@@ -1016,3 +1016,18 @@ async def test_dial_with_retry_waits_for_a_late_listener_and_bounds_a_missing_on
     finally:
         await a.close()
         await b.close()
+
+
+def test_a_label_for_that_raises_falls_back_to_the_short_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The application's label_for runs inside the receive path of both transports: if it
+    raises, the peer is named by its short id and the error is logged, not raised."""
+
+    def broken(peer: EndpointId) -> str:
+        raise RuntimeError("label service down")
+
+    t = TcpTransport(SecretKey.generate(), TransportConfig(), label_for=broken)
+    peer = SecretKey.generate().endpoint_id
+    assert t.label_for(peer) == f"peer {peer.short()}"
+    assert "label_for failed" in caplog.text

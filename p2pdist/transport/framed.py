@@ -472,8 +472,16 @@ class EndpointBase(Generic[C]):
         return self._tls
 
     def label_for(self, peer: EndpointId) -> str:
-        """How to name ``peer`` in errors."""
-        return self._label_for(peer) if self._label_for else f"peer {peer.short()}"
+        """How to name ``peer`` in errors. The application's ``label_for`` runs inside
+        the receive path, so if it raises, the short id is used (and the error logged)."""
+        fallback = f"peer {peer.short()}"
+        if self._label_for is None:
+            return fallback
+        try:
+            return self._label_for(peer)
+        except Exception:
+            log.exception("label_for failed for %s", peer.short())
+            return fallback
 
     def accepts(self, peer: EndpointId) -> bool:
         """Whether ``peer`` may connect to us."""

@@ -258,7 +258,7 @@ class QuicConnection(FramedConnection):
                 refusal = f"accept policy failed: {exc!r}"
         if refusal is not None:
             if self._server_side and presented is not None and self._peer is None:
-                self.label = self._label_for(presented)
+                self.label = self._owner.label_for(presented)
             prefix = "refused: " if self._server_side else ""
             err = PeerAuthenticationError(self.label, prefix + refusal)
             if self._server_side:
@@ -269,21 +269,12 @@ class QuicConnection(FramedConnection):
         self._authenticated = True
         if self._server_side:
             self._peer = presented
-            self.label = self._label_for(presented)
+            self.label = self._owner.label_for(presented)
         self._owner._punch_towards(self)
         if not self._server_side:
             self._stream_open = True
             self._start_frames()
             self._send_ping()  # opens the stream; the server's PONG confirms it accepted us
-
-    def _label_for(self, peer: EndpointId) -> str:
-        """The owner's label for ``peer`` (the application's ``label_for``, which must not
-        take the connection down if it fails: the short id then)."""
-        try:
-            return self._owner.label_for(peer)
-        except Exception:
-            log.exception("label_for failed for %s", peer.short())
-            return f"peer {peer.short()}"
 
     def _on_stream_data(self, ev: events.StreamDataReceived) -> None:
         if ev.stream_id != STREAM_ID:
