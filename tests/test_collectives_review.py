@@ -187,7 +187,7 @@ async def test_gradient_buckets_keep_one_error_feedback_per_bucket() -> None:
             for b, gr in zip(buckets, grads, strict=True):
                 for a in gr:
                     b.add(a)
-            await asyncio.gather(*(b.wait() for b in buckets))
+            await asyncio.wait_for(asyncio.gather(*(b.wait() for b in buckets)), 60)
             for r in range(world):
                 for got, exp in zip(grads[r], want[r], strict=True):
                     np.testing.assert_array_equal(got, exp)
@@ -266,7 +266,7 @@ async def test_gradient_buckets_go_on_after_a_bucket_of_the_wrong_size() -> None
                     gr_rest = gr
                 for a in gr_rest:
                     b.add(a)
-            await asyncio.gather(*(b.wait() for b in buckets))
+            await asyncio.wait_for(asyncio.gather(*(b.wait() for b in buckets)), 60)
             for r in range(world):
                 for got, exp in zip(grads[r], want[r], strict=True):
                     np.testing.assert_array_equal(got, exp, err_msg=f"step {step}")
