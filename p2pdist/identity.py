@@ -65,6 +65,17 @@ def _weak_key_reason(raw: bytes) -> str | None:
     return "a point of small order" if big_y == z else None
 
 
+def exposed_key_file(path: Path, mode: int) -> str | None:
+    """``"<path> is accessible by group or others (mode ...); run: chmod 600 <path>"``
+    when a private key file of that ``st_mode`` is not private to its owner, else None."""
+    if not mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return None
+    return (
+        f"{path} is accessible by group or others "
+        f"(mode {stat.S_IMODE(mode):04o}); run: chmod 600 {path}"
+    )
+
+
 class EndpointId:
     """A peer's identity: its Ed25519 public key (32 bytes)."""
 
@@ -246,11 +257,8 @@ class SecretKey:
             raise KeyFileError(f"key file {p} does not exist") from exc
         except OSError as exc:
             raise KeyFileError(f"cannot read key file {p}: {exc}") from exc
-        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise KeyFileError(
-                f"key file {p} is accessible by group or others "
-                f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {p}"
-            )
+        if (problem := exposed_key_file(p, st.st_mode)) is not None:
+            raise KeyFileError(f"key file {problem}")
         try:
             data = p.read_bytes()
         except OSError as exc:

@@ -21,7 +21,6 @@ import datetime
 import logging
 import os
 import ssl
-import stat
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from p2pdist.errors import KeyFileError
-from p2pdist.identity import EndpointId, SecretKey
+from p2pdist.identity import EndpointId, SecretKey, exposed_key_file
 from p2pdist.tls import load_identity, make_certificate
 from p2pdist.wire.relay import cert_fingerprint
 
@@ -83,11 +82,8 @@ def _check_private(path: Path) -> None:
         mode = path.stat().st_mode
     except OSError:
         return
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(
-            f"certificate key file {path} is accessible by group or others "
-            f"(mode {stat.S_IMODE(mode):04o}); run: chmod 600 {path}"
-        )
+    if (problem := exposed_key_file(path, mode)) is not None:
+        raise ConfigError(f"certificate key file {problem}")
 
 
 def _leaf_der(chain_pem: bytes, cert_path: Path) -> bytes:
