@@ -51,7 +51,6 @@ class Session:
     """State of one client connection (owned by :class:`relay.state.RelayCore`)."""
 
     __slots__ = (
-        "auth_head",
         "bucket",
         "challenge",
         "conn_id",
@@ -78,7 +77,6 @@ class Session:
         self.http_buf = bytearray()
         self.splitter = RelayFrameSplitter()
         self.challenge = b""
-        self.auth_head = bytearray()
         """The first bytes of the first frame after the upgrade (its header: checked
         against the largest AUTH before its body is buffered)."""
         self.endpoint: EndpointId | None = None

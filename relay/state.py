@@ -22,7 +22,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import secrets
-import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from p2pdist.errors import UsageError
 from p2pdist.identity import ID_LEN, EndpointId
 from p2pdist.wire.relay import (
     FRAME_HEADER,
+    MAX_BODY,
     MAX_DATAGRAM,
     VERSION,
     RelayFrameType,
@@ -58,7 +58,6 @@ PING_LEN = 8
 MAX_AUTH_BODY = ID_LEN + SIG_LEN + MAX_TOKEN_BYTES
 """The largest valid AUTH body; a longer frame before authentication is refused from
 its header alone, so an unauthenticated connection never buffers more than this."""
-_FRAME_HEAD = struct.Struct(">BI")
 REPLACED = "replaced by a newer connection from the same endpoint"
 
 BAD_SIGNATURE = Refusal("bad_signature", "bad signature")
@@ -216,6 +215,7 @@ class RelayCore:
         storm larger than the cap still gets through."""
         self._next_id += 1
         s = Session(self._next_id, link, format_address(*peer), now)
+        s.splitter.max_body = MAX_AUTH_BODY  # refused from the header, never buffered
         self._sessions.add(s)
         self.metrics.connections_total += 1
         log.debug(kv("connect", conn=s.label, peer=s.observed))
@@ -277,15 +277,14 @@ class RelayCore:
                 data = self._http(s, data, now)
                 if not data:
                     return
-            if s.phase is Phase.AUTH:
-                self._check_auth_head(s, data)
             for kind, body in s.splitter.frames(data):
                 self._frame(s, kind, body, now)
                 if _closed(s):
                     break
         except RelayProtocolError as exc:
             self.metrics.protocol_errors_total += 1
-            self._close(s, "protocol_error", error=str(exc))
+            before = "" if s.phase is Phase.ACTIVE else " before AUTH"
+            self._close(s, "protocol_error", error=f"{exc}{before}")
         finally:
             self.flush()
 
@@ -366,20 +365,6 @@ class RelayCore:
         self._queue(s, encode_frame(RelayFrameType.CHALLENGE, bytes([VERSION]) + s.challenge))
         return rest
 
-    def _check_auth_head(self, s: Session, data: bytes | bytearray | memoryview) -> None:
-        """Refuse the first frame after the upgrade from its header alone when it is
-        longer than any valid AUTH (before the splitter would buffer its body)."""
-        need = _FRAME_HEAD.size - len(s.auth_head)
-        if need <= 0:
-            return
-        s.auth_head += memoryview(data)[:need]
-        if len(s.auth_head) == _FRAME_HEAD.size:
-            _kind, length = _FRAME_HEAD.unpack(s.auth_head)
-            if length > MAX_AUTH_BODY:
-                raise RelayProtocolError(
-                    f"frame of {length} bytes before AUTH (an AUTH is at most {MAX_AUTH_BODY})"
-                )
-
     # ---- frames -----------------------------------------------------------------------
 
     def _frame(self, s: Session, kind: RelayFrameType, body: memoryview, now: float) -> None:
@@ -452,6 +437,7 @@ class RelayCore:
             self.metrics.replaced_total += 1
             self._close(old, "replaced", error=REPLACED)  # leaves its bucket in _buckets
         s.phase = Phase.ACTIVE
+        s.splitter.max_body = MAX_BODY  # until now at most MAX_AUTH_BODY (see open)
         self._stop_waiting(s)
         s.endpoint = eid
         s.raw_id = raw_id

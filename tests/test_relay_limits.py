@@ -58,6 +58,18 @@ def test_the_header_check_works_when_the_header_comes_in_pieces() -> None:
     assert link.closed and s.splitter.pending <= len(head)  # the header, never the body
 
 
+def test_a_large_frame_right_after_auth_in_the_same_read_is_accepted() -> None:
+    # The pre-auth limit is the splitter's own, raised on AUTH_OK: a SEND longer than any
+    # AUTH that arrives in the same read as the AUTH must pass.
+    c = core()
+    _, b_link = join(c, B)
+    s, link = upgrade(c)
+    big = b"x" * (MAX_AUTH_BODY * 4)
+    c.receive(s, auth_frame(A) + encode_addressed(T.SEND, bytes(B.endpoint_id), big), 1.0)
+    assert s.phase is Phase.ACTIVE and not link.closed
+    assert (T.RECV, bytes(A.endpoint_id) + big) in b_link.frames()
+
+
 def test_the_largest_valid_auth_still_passes() -> None:
     c = core()
     token = b"t" * (MAX_AUTH_BODY - 96)  # the longest token the config allows

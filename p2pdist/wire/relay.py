@@ -174,10 +174,12 @@ class RelayFrameSplitter:
     splitter refuses everything.
     """
 
-    __slots__ = ("_failure", "_max", "_partial")
+    __slots__ = ("_failure", "_partial", "max_body")
 
     def __init__(self, max_body: int = MAX_BODY) -> None:
-        self._max = max_body
+        self.max_body = max_body
+        """Longest body accepted; may change between frames (a server raises it once a
+        client has authenticated), and the next header is checked against the new value."""
         self._partial = bytearray()
         self._failure: str | None = None
 
@@ -199,12 +201,12 @@ class RelayFrameSplitter:
                     start, frame = self._complete(view)
                     if frame is not None:
                         yield frame
-                end, limit, unpack, kinds = len(view), self._max, _HEAD.unpack_from, _KINDS
+                end, unpack, kinds = len(view), _HEAD.unpack_from, _KINDS
                 while end - start >= FRAME_HEADER:
                     kind_raw, length = unpack(view, start)  # _header, inlined: hot loop
                     kind = kinds.get(kind_raw)
-                    if kind is None or length > limit:
-                        raise _header_error(kind_raw, length, limit)
+                    if kind is None or length > self.max_body:
+                        raise _header_error(kind_raw, length, self.max_body)
                     stop = start + FRAME_HEADER + length
                     if stop > end:
                         break
@@ -226,7 +228,7 @@ class RelayFrameSplitter:
             partial += view[:used]
             if len(partial) < FRAME_HEADER:
                 return used, None
-        kind, length = _header(partial, 0, self._max)
+        kind, length = _header(partial, 0, self.max_body)
         take = min(FRAME_HEADER + length - len(partial), len(view) - used)
         partial += view[used : used + take]
         used += take
