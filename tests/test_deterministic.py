@@ -10,9 +10,9 @@ import pytest
 from group_helpers import groups
 
 from p2pdist import GroupConfig, MismatchError, TransportConfig, UsageError
-from p2pdist.group.algorithms import fold_scratch, ordered_reduce
 from p2pdist.group.link import CollectiveLink
 from p2pdist.group.ops import reduce_op
+from p2pdist.group.ordered import fold_scratch, ordered_reduce
 
 
 def reference(xs: list[np.ndarray], op: str) -> np.ndarray:

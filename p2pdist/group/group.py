@@ -11,11 +11,14 @@ from ..errors import UsageError
 from . import algorithms as alg
 from .buffers import as_array, result_buffer
 from .compress import ErrorFeedback, WireCodec, make_codec
+from .compressed_algorithms import compressed_direct_all_reduce, compressed_ring_all_reduce
 from .config import MODES
 from .core import GroupCore
 from .link import CollectiveLink, describe_call
+from .linkops import split_bounds
 from .membership import FIRST_RESERVED_SPACE
 from .ops import ReduceOp, reduce_op
+from .ordered import ordered_all_reduce, ordered_reduce_scatter
 
 if TYPE_CHECKING:
     from .profile import LinkProfile
@@ -57,12 +60,10 @@ class Group(GroupCore):
 
         async def body(lk: CollectiveLink) -> np.ndarray:
             if self._direct(arr):
-                await alg.compressed_direct_all_reduce(lk, flat, codec)
+                await compressed_direct_all_reduce(lk, flat, codec)
             else:
-                bounds = alg.split_bounds(flat.size, self.size)
-                await alg.compressed_ring_all_reduce(
-                    lk, flat, bounds, codec, self._chunk(flat.dtype)
-                )
+                bounds = split_bounds(flat.size, self.size)
+                await compressed_ring_all_reduce(lk, flat, bounds, codec, self._chunk(flat.dtype))
             if not np.may_share_memory(work, flat):
                 work.reshape(-1)[:] = flat
             return work
@@ -152,16 +153,16 @@ class Group(GroupCore):
             if ordered:
                 src = arr.reshape(-1) if work is not arr else flat.copy()
                 if self._direct(arr):
-                    await alg.ordered_all_reduce(lk, src, rop, flat)
+                    await ordered_all_reduce(lk, src, rop, flat)
                     return work
-                bounds = alg.split_bounds(flat.size, self.size)
+                bounds = split_bounds(flat.size, self.size)
                 a, b = bounds[self._rank]
-                await alg.ordered_reduce_scatter(lk, src, bounds, rop, chunk, flat[a:b])
+                await ordered_reduce_scatter(lk, src, bounds, rop, chunk, flat[a:b])
                 await alg.ring_all_gather(lk, flat, bounds, chunk)
                 return work  # ordered_reduce_scatter already divided for mean
             if work is not arr:
                 np.copyto(work, arr)
-            bounds = alg.split_bounds(flat.size, self.size)
+            bounds = split_bounds(flat.size, self.size)
             await alg.ring_reduce_scatter(lk, flat, bounds, rop, chunk)
             await alg.ring_all_gather(lk, flat, bounds, chunk)
             rop.finish(work, self.size)
@@ -188,7 +189,7 @@ class Group(GroupCore):
             raise UsageError("reduce_scatter needs an array with at least one dimension")
         rop = reduce_op(op, arr.dtype)
         ordered = self._ordered(mode, rop, arr)
-        rows = alg.split_bounds(arr.shape[0], self.size)
+        rows = split_bounds(arr.shape[0], self.size)
         row_items = int(np.prod(arr.shape[1:], dtype=np.int64))
         bounds = [(a * row_items, b * row_items) for a, b in rows]
         r0, r1 = rows[self._rank]
@@ -205,7 +206,7 @@ class Group(GroupCore):
 
         async def body(lk: CollectiveLink) -> np.ndarray:
             if ordered:
-                await alg.ordered_reduce_scatter(
+                await ordered_reduce_scatter(
                     lk, arr.reshape(-1), bounds, rop, chunk, result.reshape(-1)
                 )
                 return result
@@ -319,7 +320,7 @@ class Group(GroupCore):
                 await alg.direct_reduce(lk, src, rop, dst, target)
             else:
                 flat = arr.reshape(-1).copy()  # the ring works in place: spare the input
-                bounds = alg.split_bounds(flat.size, self.size)
+                bounds = split_bounds(flat.size, self.size)
                 await alg.ring_reduce_scatter(lk, flat, bounds, rop, self._chunk(arr.dtype))
                 await alg.gather_segments(lk, flat, bounds, dst)
                 if result is not None:

@@ -53,7 +53,7 @@ def _explain(desc: bytes) -> str:
 
 
 class CollectiveLink:
-    """Implements :class:`~p2pdist.group.algorithms.Link` for one collective call."""
+    """Implements :class:`~p2pdist.group.linkops.Link` for one collective call."""
 
     __slots__ = (
         "_conn",

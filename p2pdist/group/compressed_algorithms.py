@@ -1,0 +1,145 @@
+"""All-reduce with a narrow wire format (float16, bfloat16, int8 with block scales):
+encoded on the wire, accumulated in float32 at every hop (:mod:`.compress` holds the
+codecs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import zip_longest
+
+import numpy as np
+
+from .compress import WireCodec
+from .linkops import Link, as_bytes, chunks, send_to_others
+
+__all__ = ["compressed_direct_all_reduce", "compressed_ring_all_reduce"]
+
+
+async def compressed_ring_all_reduce(
+    link: Link, work: np.ndarray, bounds: list[tuple[int, int]], codec: WireCodec, chunk: int
+) -> None:
+    """Sum float32 ``work`` over ranks with a narrow wire format, in place.
+
+    Reduce-scatter: every hop decodes the incoming partial sum and adds it in float32,
+    then re-encodes (fresh int8 scales per hop, so partial sums never saturate). The owner
+    then encodes its final segment once and those same bytes travel the all-gather ring;
+    the owner keeps the decoded value too, so every rank ends with identical bits.
+
+    ``chunk`` counts float32 elements; the ring widens it so that a wire message has about
+    ``4 * chunk`` bytes. No full-size temporaries: chunks are encoded into one reused
+    buffer (a send hands its bytes to the transport before it returns), received chunks
+    are accumulated or decoded straight into ``work`` and forwarded as received. The
+    last reduce-scatter step and the first all-gather step run interleaved chunk by
+    chunk, so a finished chunk leaves while the next ones are still being reduced (see
+    ``_last_hop``).
+    """
+    n, r = link.size, link.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    # Chunks whose wire size is what a float32 chunk would be: as many messages as the
+    # plain ring would send for a quarter (int8) or half (16-bit) of the bytes.
+    chunk = max(chunk, 4 * chunk * chunk // max(1, codec.nbytes(chunk)))
+    widest = min(chunk, max(b - a for a, b in bounds))
+    wire = np.empty(codec.nbytes(widest), np.uint8)
+
+    def encoded(a: int, b: int) -> memoryview:
+        buf = wire[: codec.nbytes(b - a)]
+        codec.encode_into(work[a:b], buf)
+        return as_bytes(buf)
+
+    for k in range(n - 2):  # reduce-scatter steps but the last
+        sends = chunks(*bounds[(r - k - 1) % n], chunk)
+        recvs = chunks(*bounds[(r - k - 2) % n], chunk)
+        for send, recv in zip_longest(sends, recvs):
+            if send is not None:
+                await link.send(right, encoded(*send))
+            if recv is not None:
+                a, b = recv
+                data = await link.recv(left, codec.nbytes(b - a))
+                if b > a:
+                    codec.accumulate(data, work[a:b])
+                del data
+    held = await _last_hop(link, work, bounds, codec, chunk, encoded)
+    for k in range(1, n - 1):  # the other all-gather steps: forward what arrived
+        forward, held = held, []
+        for fwd, recv in zip_longest(forward, chunks(*bounds[(r - k - 1) % n], chunk)):
+            if fwd is not None:
+                await link.send(right, fwd)
+            if recv is not None:
+                a, b = recv
+                data = await link.recv(left, codec.nbytes(b - a))
+                codec.decode_into(data, work[a:b])
+                if k < n - 2:  # forwarded in the next step; else let the buffer go
+                    held.append(data)
+                del data
+
+
+async def _last_hop(
+    link: Link,
+    work: np.ndarray,
+    bounds: list[tuple[int, int]],
+    codec: WireCodec,
+    chunk: int,
+    encoded: Callable[[int, int], memoryview],
+) -> list[memoryview]:
+    """The last reduce-scatter step fused with the first all-gather step.
+
+    Iteration i sends partial-sum chunk i of segment rank+1, then the final encoding of
+    our own chunk i-1 (finished one iteration earlier, so nothing waits on it), then
+    receives our own chunk i (the last contribution) and segment rank-1's final chunk
+    i-1. The left neighbour sends exactly that sequence, so messages pair up in order.
+    Returns the all-gather chunks received, for forwarding (none with two ranks).
+    """
+    n, r = link.size, link.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    partial = chunks(*bounds[(r + 1) % n], chunk)
+    own = chunks(*bounds[r], chunk)
+    final = chunks(*bounds[(r - 1) % n], chunk)
+    held: list[memoryview] = []
+    for i in range(max(len(partial), len(own) + 1, len(final) + 1)):
+        if i < len(partial):
+            await link.send(right, encoded(*partial[i]))
+        if 0 < i <= len(own):
+            a, b = own[i - 1]
+            payload = encoded(a, b)
+            codec.decode_into(payload, work[a:b])  # keep exactly what the others get
+            await link.send(right, payload)
+        if i < len(own):
+            a, b = own[i]
+            data = await link.recv(left, codec.nbytes(b - a))
+            if b > a:
+                codec.accumulate(data, work[a:b])
+            del data
+        if 0 < i <= len(final):
+            a, b = final[i - 1]
+            data = await link.recv(left, codec.nbytes(b - a))
+            codec.decode_into(data, work[a:b])
+            if n > 2:  # forwarded by the next all-gather step
+                held.append(data)
+            del data
+    return held
+
+
+async def compressed_direct_all_reduce(link: Link, work: np.ndarray, codec: WireCodec) -> None:
+    """One round: everyone sends ``encode(work)`` to everyone; everyone decodes all inputs
+    (its own included) and sums them in rank order in float32, in place. A float16 sum
+    that float16 cannot hold (|sum| >= 65520) becomes inf, as the ring's final encoding
+    makes it, so both paths agree on the range. The sum is not rounded to the wire
+    dtype again: that would add an error that error feedback cannot take back."""
+    n, r = link.size, link.rank
+    enc = codec.encode(work)
+    payload = as_bytes(enc)
+    await send_to_others(link, payload)
+    for p in range(n):
+        data = payload if p == r else await link.recv(p, len(payload))
+        if p == 0:
+            codec.decode_into(data, work)
+        else:
+            codec.accumulate(data, work)
+    if codec.name == "float16":
+        over = np.abs(work) >= _F16_OVERFLOW
+        if over.any():
+            np.copyto(work, np.copysign(np.float32(np.inf), work), where=over)
+
+
+_F16_OVERFLOW = np.float32(65520.0)
+"""float32 values of at least this magnitude round to an infinity in float16."""
