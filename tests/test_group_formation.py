@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from typing import Any
 
 import numpy as np
 import pytest
@@ -140,10 +141,10 @@ async def test_a_rank_that_restarts_after_saying_ready_fails_formation_naming_it
     readies: list[str] = []
     real_note = membership._form_note
 
-    def note(conn: Connection, kind: str, why: str = "") -> None:
+    def note(conn: Connection, kind: str, why: str = "", **kw: Any) -> None:
         if kind == "ready":
             readies.append(conn.label)
-        real_note(conn, kind, why)
+        real_note(conn, kind, why, **kw)
 
     monkeypatch.setattr(membership, "_form_note", note)
     real_dial = g1._dial
@@ -218,3 +219,39 @@ async def test_a_restarted_rank_0_times_out_with_a_hint_to_rejoin() -> None:
             await asyncio.wait_for(new0.start(), CONNECT + 2)
     finally:
         await asyncio.gather(*(g.close() for g in (g0, g1, new0)))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("chunk_bytes", 2 << 20), ("small_bytes", 4096), ("on_peer_loss", "leave")],
+)
+async def test_ranks_with_different_settings_fail_formation_naming_the_setting(
+    field: str, value: object
+) -> None:
+    """A setting the algorithms or loss handling depend on, different on one rank, fails
+    start() on every rank at once with the setting named, not a size mismatch later."""
+    peers = loopback_peers(3)
+    odd = GroupConfig(
+        timeout=5.0, connect_timeout=CONNECT, transport=TransportConfig(tls=False), **{field: value}
+    )
+    gs = [make(0, peers), make(1, peers)]
+    gs.append(Group.from_seed(SEED, rank=2, world=3, peers=peers, config=odd))
+    try:
+        results = await asyncio.wait_for(
+            asyncio.gather(*(g.start() for g in gs), return_exceptions=True), CONNECT + 2
+        )
+        for rank, res in enumerate(results):
+            assert isinstance(res, P2PError), (rank, res)
+            assert f"{field}=" in str(res), (rank, res)
+        assert "GroupConfig differs" in str(results[2])
+        assert "rank 0 (" in str(results[2]) or "rank 1 (" in str(results[2])
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+
+
+def test_terms_from_an_older_peer_are_accepted_and_garbage_refused() -> None:
+    ours = membership.group_terms(CFG)
+    membership.check_terms("rank 1 (abc)", None, ours)
+    membership.check_terms("rank 1 (abc)", dict(ours), ours)
+    with pytest.raises(P2PError, match="malformed formation terms"):
+        membership.check_terms("rank 1 (abc)", [1, 2], ours)

@@ -271,7 +271,7 @@ class Membership:
         a connection that ends without a word is a rank that restarted, and is waited
         for again (the accepting side takes a new connection from a rank only once the
         old one has ended)."""
-        form = _Formation(self._rank, self.size)
+        form = _Formation(self._rank, self.size, group_terms(self.config))
         try:
             async with asyncio.timeout(self.config.connect_timeout):
                 async with asyncio.TaskGroup() as tg:
@@ -385,6 +385,7 @@ class Membership:
                 if kind == "ok" and r < self._rank:
                     form.join(r, conn)
                 elif kind == "ready":
+                    check_terms(label, note.get("terms"), form.terms)
                     conn.retire(_FORM_CHANNEL)
                     form.ready[r] = conn
                     return
@@ -456,10 +457,46 @@ class Membership:
         self._spawn(self._listen_control(rank, conn))
 
 
-def _form_note(conn: Connection, kind: str, why: str = "") -> None:
+def _form_note(
+    conn: Connection, kind: str, why: str = "", terms: dict[str, Any] | None = None
+) -> None:
     """Send one formation note (best effort: a connection already gone is skipped)."""
+    note: dict[str, Any] = {"form": kind, "why": why}
+    if terms is not None:
+        note["terms"] = terms
     with contextlib.suppress(P2PError):
-        conn.send_nowait(_FORM_CHANNEL, meta=bytes(msgpack.packb({"form": kind, "why": why})))
+        conn.send_nowait(_FORM_CHANNEL, meta=bytes(msgpack.packb(note)))
+
+
+def group_terms(config: GroupConfig) -> dict[str, Any]:
+    """The settings every rank must share, sent with ``ready``: the algorithms' message
+    sizes follow ``small_bytes`` and ``chunk_bytes``, and ``on_peer_loss`` decides
+    whether a lost rank breaks the group or leaves it, which all ranks must see alike."""
+    return {
+        "small_bytes": config.small_bytes,
+        "chunk_bytes": config.chunk_bytes,
+        "on_peer_loss": config.on_peer_loss,
+    }
+
+
+def check_terms(label: str, theirs: object, ours: dict[str, Any]) -> None:
+    """Raise :class:`MismatchError` naming ``label`` if its ``ready`` note's settings
+    differ from ours (a note without them is from a peer that predates the check)."""
+    if theirs is None:
+        return
+    if not isinstance(theirs, dict):
+        raise RemoteProtocolError(label, f"malformed formation terms: {theirs!r:.80}")
+    differ = [
+        f"{name}={theirs.get(name)!r:.40} there, {value!r} here"
+        for name, value in ours.items()
+        if theirs.get(name) != value
+    ]
+    if differ:
+        raise MismatchError(
+            label,
+            "GroupConfig differs: " + "; ".join(differ) + " (small_bytes, chunk_bytes and "
+            "on_peer_loss must be equal on every rank)",
+        )
 
 
 def _remote(conn: Connection) -> str:
@@ -482,8 +519,9 @@ class _Formation:
     """One formation's state: each rank's connection once it is accepted, and the ranks
     that said ``ready``."""
 
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, rank: int, size: int, terms: dict[str, Any]) -> None:
         self.size = size
+        self.terms = terms
         self.inbox: dict[int, asyncio.Queue[Connection]] = {
             r: asyncio.Queue() for r in range(rank + 1, size)
         }
@@ -498,7 +536,7 @@ class _Formation:
             for c in self.joined.values():
                 if c not in self._told:
                     self._told.add(c)
-                    _form_note(c, "ready")
+                    _form_note(c, "ready", terms=self.terms)
 
     def leave(self, r: int, conn: Connection) -> None:
         """``conn`` ended before ``r`` said ready."""
