@@ -242,6 +242,56 @@ def test_an_update_resent_after_its_round_closed_counts_once() -> None:
     assert st.submit("a", 2, 1, 10, vec(3.0), 9.0).reason is Reason.TOO_STALE
 
 
+def test_a_new_leader_seeded_from_the_last_decision_refuses_an_update_resent_to_it() -> None:
+    from p2pdist.federated.decision import cid, counted_of, decision_body, remembered
+
+    cfg = FederatedConfig(max_staleness=2)
+    old = FederatedRounds((4,), np.float32, cfg)
+    for r in range(3):
+        old.join(cid(r))
+    old.open(0.0)
+    for r in range(3):
+        assert old.submit(cid(r), 0, 0, 10, vec(float(r)), 0.1).accepted
+    assert old.close(1.0).applied
+    # the decision of round 0, as the leader sends it and a follower reads it; then the
+    # leader is lost and a follower takes over from round 1 with what it counted
+    fields = {
+        "r": 0,
+        "ok": True,
+        "why": "complete",
+        "p": [[r, 0, 10, 10.0, bytes(16)] for r in range(3)],
+        "refused": [],
+        "stale": 0,
+        "dropped": {},
+        "rejected": {},
+        "cfg": ["mean", 0.2, 1.0],
+        "left": [],
+        "counted": counted_of(old.aggregated),
+    }
+    meta, _ = encode("decision", fields)
+    message = decode(Frame(FrameKind.DATA, 0, 0, meta, memoryview(b"")), "leader")
+    body = decision_body(message, "leader", 0, 3)
+    assert body["counted"] == [[0, 0], [1, 0], [2, 0]]
+    new = FederatedRounds((4,), np.float32, cfg, first_round=1, aggregated=remembered(body))
+    for r in range(3):
+        new.join(cid(r))
+    new.open(2.0)
+    # rank 2 sends its aggregated update of base 0 again, now to the new leader
+    v = new.submit(cid(2), 1, 0, 10, vec(2.0), 2.1)
+    assert not v.accepted and v.reason is Reason.DUPLICATE, v
+    assert new.submit(cid(1), 1, 1, 10, vec(1.0), 2.2).accepted  # a newer base counts
+    out = new.close(3.0)
+    assert [p.client for p in out.participants] == [cid(1)] and out.dropped == {"duplicate": 1}
+    assert counted_of(new.aggregated) == [[0, 0], [1, 1], [2, 0]]
+    # the same bound as the old leader's: base 0 is forgotten once round 3 opens
+    new.open(4.0)
+    assert new.close(5.0).round == 2 and counted_of(new.aggregated) == [[1, 1]]
+    assert new.submit(cid(2), 3, 0, 10, vec(2.0), 6.0).reason is Reason.TOO_STALE
+    # seeding applies that bound too, and before any decision there is nothing to seed
+    late = FederatedRounds((4,), np.float32, cfg, first_round=3, aggregated=remembered(body))
+    assert late.aggregated == {} and remembered(None) == {}
+
+
 def test_an_update_carried_without_an_aggregate_may_be_sent_again() -> None:
     st = rounds(quorum=2, max_staleness=2)
     st.join("a")

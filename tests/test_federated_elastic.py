@@ -210,6 +210,116 @@ def test_a_takeover_adopts_what_was_applied_and_refuses_what_cannot_be() -> None
         plan_takeover(1, Report(5, d), {2: Report(6, {"r": 5}), 3: Report(6, {"r": 5, "x": 1})})
 
 
+def _decision(counted: object, r: int = 3) -> dict[str, Any]:
+    """A decision of round ``r`` of a group of 4 with this ``counted`` field."""
+    return {
+        "r": r,
+        "ok": True,
+        "why": "complete",
+        "p": [[1, r, 10, 10.0, bytes(16)]],
+        "refused": [],
+        "stale": 0,
+        "dropped": {},
+        "rejected": {},
+        "cfg": ["mean", 0.2, 1.0],
+        "left": [0],
+        "counted": counted,
+    }
+
+
+@pytest.mark.parametrize(
+    ("counted", "why"),
+    [
+        (None, "'counted' is not a list"),
+        ({"1": 3}, "'counted' is not a list"),
+        ([[r, 3] for r in range(5)], "'counted' names 5 ranks, the group has 4"),
+        ([[1, 3, 0]], r"'counted' entry \[1, 3, 0\] is not \[rank, base_round\]"),
+        ([[1, True]], r"'counted' entry \[1, True\] is not"),
+        ([[1.0, 3]], r"'counted' entry \[1.0, 3\] is not"),
+        ([[1, "3"]], r"'counted' entry \[1, '3'\] is not"),
+        ([4], r"'counted' entry 4 is not"),
+        ([[4, 3]], r"'counted' names rank 4, not in \[0, 4\)"),
+        ([[-1, 3]], r"'counted' names rank -1"),
+        ([[2, 3], [1, 3]], "'counted' ranks are not increasing at rank 1"),
+        ([[1, 3], [1, 2]], "'counted' ranks are not increasing at rank 1"),
+        ([[1, 4]], r"'counted' base round 4 of rank 1 is not in \[0, 3\]"),
+        ([[1, -1]], r"'counted' base round -1 of rank 1"),
+    ],
+)
+def test_what_a_decision_counted_is_checked_naming_the_leader(counted: object, why: str) -> None:
+    from p2pdist import RemoteProtocolError
+    from p2pdist.federated.decision import decision_body, report_of
+    from p2pdist.federated.messages import Message
+
+    with pytest.raises(RemoteProtocolError, match=why) as caught:
+        decision_body(Message("decision", _decision(counted)), "rank 1 (abc)", 3, 4)
+    assert caught.value.peer == "rank 1 (abc)"
+    # the same checks on the last decision in a report to a new leader
+    with pytest.raises(RemoteProtocolError, match=why):
+        report_of(Message("report", {"r": 4, "last": _decision(counted)}), "rank 2 (d)", 4)
+    missing = _decision([])
+    del missing["counted"]
+    with pytest.raises(RemoteProtocolError, match=r"malformed decision: KeyError.*counted"):
+        decision_body(Message("decision", missing), "rank 1 (abc)", 3, 4)
+    ok = decision_body(Message("decision", _decision([[1, 3], [3, 0]])), "rank 1 (abc)", 3, 4)
+    assert ok["counted"] == [[1, 3], [3, 0]]
+
+
+async def test_an_update_resent_to_the_new_leader_after_a_failover_counts_once() -> None:
+    # the leader is lost between rounds; rank 3 sends its round-0 update, aggregated in
+    # round 0 by the old leader, again in round 1: the new leader refuses it too
+    cfg = FederatedConfig(round_timeout=2.0, max_staleness=2)
+    async with averaging(4, 100, cfg=cfg, first_round=True) as (gs, feds):
+        crash(gs[0])
+
+        async def round1(f: GroupAveraging) -> GroupRound:
+            if f.group.rank == 3:
+                return await f.step(update_of(3, 0, 100), 10, base_round=0)
+            return await f.step(update_of(f.group.rank, 1, 100), 10)
+
+        outs = await asyncio.wait_for(asyncio.gather(*(round1(f) for f in feds[1:])), 30)
+        want = aggregate([update_of(r, 1, 100) for r in (1, 2)], [10.0] * 2, "mean", 0.2, F32)
+        for o in outs:
+            assert o.participants == (1, 2) and o.dropped == {"duplicate": 1}, o
+            assert o.aggregate is not None and o.aggregate.tobytes() == want.tobytes()
+        assert outs[2].own_reason == "duplicate" and not outs[2].carried
+        assert feds[1].is_leader and feds[1]._state is not None
+        want_counted = {"000000": 0, "000001": 1, "000002": 1, "000003": 0}
+        assert feds[1]._state.aggregated == want_counted
+        assert len({f.model.tobytes() for f in feds[1:]}) == 1
+
+
+async def test_a_new_leader_that_adopts_a_decision_remembers_what_it_counted() -> None:
+    # the leader's decision of round 1 reaches rank 2 only, then the leader dies: the
+    # new leader (rank 1, which never applied it) adopts it, and with it what it counted
+    cfg = FederatedConfig(round_timeout=3.0, max_staleness=2)
+    async with averaging(4, 100, cfg=cfg, first_round=True) as (gs, feds):
+        send = feds[0]._send_decision
+        feds[0]._send_decision = lambda k, body, ranks: send(k, body, [2] if k == 1 else ranks)  # type: ignore[method-assign]
+
+        async def leader() -> GroupRound:
+            out = await feds[0].step(update_of(0, 1, 100), 10)
+            crash(gs[0])
+            return out
+
+        async def follower(f: GroupAveraging) -> list[GroupRound]:
+            first = await f.step(update_of(f.group.rank, 1, 100), 10)
+            if f.group.rank == 3:  # its round-1 update again, aggregated in round 1
+                return [first, await f.step(update_of(3, 1, 100), 10, base_round=1)]
+            return [first, await f.step(update_of(f.group.rank, 2, 100), 10)]
+
+        lead, *follows = await asyncio.wait_for(
+            asyncio.gather(leader(), *(follower(f) for f in feds[1:])), 30
+        )
+        assert lead.participants == (0, 1, 2, 3)
+        for first, second in follows:
+            assert first.participants == (0, 1, 2, 3)
+            assert second.participants == (1, 2) and second.dropped == {"duplicate": 1}
+        assert follows[2][1].own_reason == "duplicate" and not follows[2][1].carried
+        assert feds[1].is_leader
+        assert len({f.model.tobytes() for f in feds[1:]}) == 1
+
+
 async def test_by_default_a_crash_breaks_the_averaging_naming_the_lost_rank() -> None:
     async with averaging(3, 10, config={}) as (gs, feds):
         crash(gs[2])
@@ -259,6 +369,9 @@ async def test_a_restarted_rank_gets_the_model_and_round_and_agrees_again() -> N
             await fed.start()  # the leader's model and round, at its next round
             welcomed = fed.round
             assert welcomed >= 2
+            # the welcome's last decision carries what was aggregated (should it lead)
+            assert fed._last is not None
+            assert fed._last["counted"][:2] == [[0, welcomed - 1], [1, welcomed - 1]]
             mine = await run(fed)
             theirs = await asyncio.gather(*survivors)
             models = {f.model.tobytes() for f in (feds[0], feds[1], fed)}

@@ -45,7 +45,7 @@ from ..transport.base import Connection
 from ..wire.frames import Frame
 from .aggregate import Reason, aggregate, apply_update
 from .config import FederatedConfig
-from .decision import GroupRound, OwnUpdate, cid, decision_body, digest_async
+from .decision import GroupRound, OwnUpdate, cid, counted_of, decision_body, digest_async
 from .messages import DECISION, UPDATE, Message, decode, encode, round_channel, round_space
 from .net import until_due
 from .recovery import Recovery
@@ -345,7 +345,7 @@ class GroupAveraging(Recovery):
             raise _LeaderLost(
                 ConnectionBrokenError(label, f"is rejoining and cannot lead round {k}")
             )
-        body = decision_body(message, label, k)
+        body = decision_body(message, label, k, self.group.size)
         mine = self._settings()
         if body["cfg"] != mine:
             raise MismatchError(label, f"leader aggregates with {body['cfg']}, this rank {mine}")
@@ -544,6 +544,7 @@ class GroupAveraging(Recovery):
             "rejected": dict(outcome.rejected),
             "cfg": self._settings(),
             "left": sorted(self._gone()),
+            "counted": counted_of(state.aggregated),  # survives a failover: recovery.py
         }
         self._send_decision(k, body, list(self._conns()))
         return body, outcome.aggregate

@@ -22,9 +22,11 @@ __all__ = [
     "OwnUpdate",
     "Report",
     "cid",
+    "counted_of",
     "decision_body",
     "digest",
     "digest_async",
+    "remembered",
     "report_of",
 ]
 
@@ -103,8 +105,9 @@ def _digest_of(value: Any) -> bytes:
     return value
 
 
-def decision_body(message: Message, label: str, k: int) -> dict[str, Any]:
-    """Check the shape of a decision message; RemoteProtocolError if it is malformed."""
+def decision_body(message: Message, label: str, k: int, size: int) -> dict[str, Any]:
+    """Check the shape of a decision message of a group of ``size`` ranks;
+    RemoteProtocolError (naming ``label``) if it is malformed."""
     f = message.fields
     if message.kind != "decision" or message.get_int("r", label) != k:
         raise RemoteProtocolError(label, f"expected the decision of round {k}")
@@ -122,10 +125,52 @@ def decision_body(message: Message, label: str, k: int) -> dict[str, Any]:
             "rejected": {str(a): int(b) for a, b in dict(f["rejected"]).items()},
             "cfg": [str(f["cfg"][0]), float(f["cfg"][1]), float(f["cfg"][2])],
             "left": [int(r) for r in f["left"]],
+            "counted": _counted(f["counted"], k, size),
         }
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise RemoteProtocolError(label, f"malformed decision: {exc!r}") from None
     return body
+
+
+def _counted(value: Any, k: int, size: int) -> list[list[int]]:
+    """The ``counted`` field of the decision of round ``k``: ``[rank, base_round]`` pairs,
+    strictly increasing ranks in ``[0, size)`` (so at most ``size`` of them), bases in
+    ``[0, k]``; ValueError otherwise."""
+    if not isinstance(value, list):
+        raise ValueError(f"'counted' is not a list: {type(value).__name__}")
+    if len(value) > size:
+        raise ValueError(f"'counted' names {len(value)} ranks, the group has {size}")
+    out: list[list[int]] = []
+    for item in value:
+        if not isinstance(item, list) or len(item) != 2 or not all(map(_is_int, item)):
+            raise ValueError(f"'counted' entry {item!r} is not [rank, base_round]")
+        rank, base = item
+        if not 0 <= rank < size:
+            raise ValueError(f"'counted' names rank {rank}, not in [0, {size})")
+        if out and rank <= out[-1][0]:
+            raise ValueError(f"'counted' ranks are not increasing at rank {rank}")
+        if not 0 <= base <= k:
+            raise ValueError(f"'counted' base round {base} of rank {rank} is not in [0, {k}]")
+        out.append([rank, base])
+    return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def counted_of(aggregated: Mapping[str, int]) -> list[list[int]]:
+    """The ``counted`` field of a decision from the leader's state machine's
+    :attr:`~.rounds.FederatedRounds.aggregated` (client ids are :func:`cid` of ranks)."""
+    return sorted([int(c), base] for c, base in aggregated.items())
+
+
+def remembered(last: Mapping[str, Any] | None) -> dict[str, int]:
+    """What a new leader's state machine starts remembering: the ``counted`` of the last
+    decision applied in the group (nothing before the first)."""
+    if last is None:
+        return {}
+    return {cid(rank): base for rank, base in last["counted"]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +183,9 @@ class Report:
     last: dict[str, Any] | None
 
 
-def report_of(message: Message, label: str) -> Report:
-    """Parse a report message; RemoteProtocolError (naming ``label``) if malformed."""
+def report_of(message: Message, label: str, size: int) -> Report:
+    """Parse a report message of a group of ``size`` ranks; RemoteProtocolError (naming
+    ``label``) if malformed."""
     if message.kind != "report":
         raise RemoteProtocolError(label, f"expected a report, got {message.kind!r}")
     k = message.get_int("r", label, low=-1)
@@ -148,4 +194,4 @@ def report_of(message: Message, label: str) -> Report:
         return Report(k, None)
     if not isinstance(last, dict):
         raise RemoteProtocolError(label, "report: malformed last decision")
-    return Report(k, decision_body(Message("decision", last), label, k - 1))
+    return Report(k, decision_body(Message("decision", last), label, k - 1, size))

@@ -16,8 +16,10 @@ decision of ``m``). The successor waits for the report of every rank still here,
 * otherwise nobody applied a decision for ``m`` (ranks that did and died do not matter),
   and the new leader decides ``m`` itself, from the updates in its mailbox.
 
-It then leads from the first undecided round on. Reports go on a channel of their own,
-one per connection to each successor, so no report is read twice.
+It then leads from the first undecided round on, its state machine remembering what that
+newest decision ``counted`` (per rank, the newest base round aggregated), so an update
+resent across the failover is still refused as ``duplicate``. Reports go on a channel of
+their own, one per connection to each successor, so no report is read twice.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from ..errors import (
 from ..tasks import cancel_and_wait
 from ..transport.base import Connection
 from .config import FederatedConfig
-from .decision import OwnUpdate, Report, cid, decision_body, report_of
+from .decision import OwnUpdate, Report, cid, decision_body, remembered, report_of
 from .failover import Takeover, next_leader, plan_takeover
 from .messages import DECISION, Message, decode, encode, round_channel
 from .rounds import FederatedRounds
@@ -201,7 +201,7 @@ class Recovery:
             while True:
                 frame = await conn.recv(self._join_channel(_REPORT))
                 try:
-                    report = report_of(decode(frame, conn.label), conn.label)
+                    report = report_of(decode(frame, conn.label), conn.label, self.group.size)
                 except RemoteProtocolError as exc:  # one bad report; answer the next ones
                     log.warning("%s", exc)
                     continue
@@ -224,7 +224,7 @@ class Recovery:
         if k > 0:
             if not isinstance(last, dict):
                 raise RemoteProtocolError(label, "welcome without the last decision")
-            self._last = decision_body(Message("decision", last), label, k - 1)
+            self._last = decision_body(Message("decision", last), label, k - 1, self.group.size)
         self._model = np.array(model, copy=True, order="C")
         self.leader = leader
         for j in range(k):  # what the others sent for earlier rounds is of no use here
@@ -271,12 +271,17 @@ class Recovery:
 
     def _become_leader(self, plan: Takeover) -> None:
         gone = set(self.group.left)
+        # What the lost leader remembered as aggregated (an update resent to this rank
+        # must still count once) is the 'counted' of the newest decision applied in the
+        # group: the adopted one, or else this rank's own last (every rank applied it).
+        last = plan.adopt if plan.adopt is not None else self._last
         state = FederatedRounds(
             self._model.shape,
             self._model.dtype,
             self.config,
             first_round=plan.lead_from,
             label=lambda c: self.group.peer_label(int(c)),
+            aggregated=remembered(last),
         )
         for r in range(self.group.size):
             if r not in gone and r not in plan.rejoining:
@@ -309,7 +314,7 @@ class Recovery:
                 ) from None
             except (ConnectionBrokenError, RemoteProtocolError):
                 return  # gone too
-            reports[r] = report_of(decode(frame, conn.label), conn.label)
+            reports[r] = report_of(decode(frame, conn.label), conn.label, self.group.size)
 
         await _all(one(r) for r in ranks)
         return reports

@@ -142,7 +142,9 @@ class FederatedRounds:
     """Members, round ids and the updates collected for the current round.
 
     ``shape`` and ``dtype`` are the model's: every update must match them. ``label``
-    turns a client id into the name logs use (default: the id itself).
+    turns a client id into the name logs use (default: the id itself). ``aggregated``
+    seeds what :attr:`aggregated` remembers (a new leader takes it from the last
+    decision, so an update resent across a failover still counts once).
     """
 
     def __init__(
@@ -153,6 +155,7 @@ class FederatedRounds:
         *,
         first_round: int = 0,
         label: Callable[[str], str] | None = None,
+        aggregated: Mapping[str, int] | None = None,
     ) -> None:
         if first_round < 0:
             raise UsageError("round ids start at 0 or later")
@@ -167,10 +170,11 @@ class FederatedRounds:
         self.totals: Counter[str] = Counter()
         """Every drop and rejection since construction, by reason."""
         self._pending: dict[str, Contribution] = {}
-        self._aggregated: dict[str, int] = {}
+        self._aggregated: dict[str, int] = {str(c): int(b) for c, b in (aggregated or {}).items()}
         """Per client, the newest ``base_round`` of its updates in an applied aggregate.
         Kept only while a submission from that base or earlier could still pass the
         staleness bound, so it holds at most one int per recent participant."""
+        self._forget_aggregated()
         self._expected: set[str] = set()
         self._logged: set[str] = set()
         """Clients whose refusal this round was logged at WARNING/INFO (later ones: DEBUG,
@@ -206,6 +210,13 @@ class FederatedRounds:
     def needed(self) -> int:
         """The open round's quorum, as a count."""
         return self._needed
+
+    @property
+    def aggregated(self) -> dict[str, int]:
+        """Per client, the newest ``base_round`` of its updates in an applied aggregate,
+        sorted by client (a copy): a submission from that base or an earlier one is a
+        ``duplicate``. A base is forgotten once the staleness bound alone refuses it."""
+        return dict(sorted(self._aggregated.items()))
 
     @property
     def submitted(self) -> list[str]:
