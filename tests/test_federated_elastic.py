@@ -265,6 +265,37 @@ def test_what_a_decision_counted_is_checked_naming_the_leader(counted: object, w
     assert ok["counted"] == [[1, 3], [3, 0]]
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("p", [[1, 3, 10, 10.0, bytes(16)]] * 2, "participant ranks .* are not distinct"),
+        ("p", [[4, 3, 10, 10.0, bytes(16)]], r"participant ranks \[4\] are not distinct"),
+        ("p", [[-1, 3, 10, 10.0, bytes(16)]], "participant ranks"),
+        ("p", [[1, 4, 10, 10.0, bytes(16)]], "participant 1: base 4"),
+        ("p", [[1, 3, -1, 10.0, bytes(16)]], "participant 1: base 3, samples -1"),
+        ("p", [[1, 3, 10, float("nan"), bytes(16)]], "weight nan"),
+        ("p", [[1, 3, 10, -1.0, bytes(16)]], "weight -1.0"),
+        ("refused", [[2, "duplicate"], [2, "duplicate"]], "refused ranks"),
+        ("refused", [[9, "duplicate"]], "refused ranks"),
+        ("left", [0, 0], "left ranks"),
+        ("left", [4], "left ranks"),
+    ],
+)
+def test_a_decision_naming_ranks_outside_the_group_or_twice_is_refused(
+    field: str, value: object, why: str
+) -> None:
+    """Followers wait for each participant's update: a decision that names a rank twice
+    or one outside the group would leave them waiting until the round's timeout."""
+    from p2pdist import RemoteProtocolError
+    from p2pdist.federated.decision import decision_body
+    from p2pdist.federated.messages import Message
+
+    bad = {**_decision([]), field: value}
+    with pytest.raises(RemoteProtocolError, match="malformed decision: .*" + why) as caught:
+        decision_body(Message("decision", bad), "rank 1 (abc)", 3, 4)
+    assert caught.value.peer == "rank 1 (abc)"
+
+
 async def test_an_update_resent_to_the_new_leader_after_a_failover_counts_once() -> None:
     # the leader is lost between rounds; rank 3 sends its round-0 update, aggregated in
     # round 0 by the old leader, again in round 1: the new leader refuses it too

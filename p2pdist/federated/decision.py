@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,8 +113,16 @@ def decision_body(message: Message, label: str, k: int, size: int) -> dict[str, 
     if message.kind != "decision" or message.get_int("r", label) != k:
         raise RemoteProtocolError(label, f"expected the decision of round {k}")
     try:
-        p = [[int(r), int(b), int(n), float(w), _digest_of(d)] for r, b, n, w, d in f["p"]]
+        named = [(int(r), int(b), int(n), float(w), _digest_of(d)) for r, b, n, w, d in f["p"]]
         refused = [(int(r), str(Reason(why))) for r, why in f["refused"]]
+        left = [int(r) for r in f["left"]]
+        _check_ranks("participant", [r for r, *_ in named], size)
+        _check_ranks("refused", [r for r, _ in refused], size)
+        _check_ranks("left", left, size)
+        for r, b, n, w, _ in named:
+            if not (0 <= b <= k and n >= 0 and math.isfinite(w) and w >= 0):
+                raise ValueError(f"participant {r}: base {b}, samples {n}, weight {w}")
+        p = [list(entry) for entry in named]
         body = {
             "r": k,
             "ok": bool(f["ok"]),
@@ -124,12 +133,20 @@ def decision_body(message: Message, label: str, k: int, size: int) -> dict[str, 
             "dropped": {str(a): int(b) for a, b in dict(f["dropped"]).items()},
             "rejected": {str(a): int(b) for a, b in dict(f["rejected"]).items()},
             "cfg": [str(f["cfg"][0]), float(f["cfg"][1]), float(f["cfg"][2])],
-            "left": [int(r) for r in f["left"]],
+            "left": left,
             "counted": _counted(f["counted"], k, size),
         }
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise RemoteProtocolError(label, f"malformed decision: {exc!r}") from None
     return body
+
+
+def _check_ranks(what: str, ranks: list[int], size: int) -> None:
+    """ValueError unless ``ranks`` are distinct ranks of a group of ``size``: a decision
+    naming a rank twice, or one outside the group, would make followers wait for an
+    update that never comes."""
+    if len(set(ranks)) != len(ranks) or not all(0 <= r < size for r in ranks):
+        raise ValueError(f"{what} ranks {ranks[:8]!r} are not distinct ranks in [0, {size})")
 
 
 def _counted(value: Any, k: int, size: int) -> list[list[int]]:
