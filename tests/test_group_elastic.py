@@ -315,3 +315,63 @@ async def test_a_caller_cancelling_a_collective_a_loss_also_failed_still_gets_ca
         call.cancel()  # and the caller gives up at the same moment
         with pytest.raises(asyncio.CancelledError):
             await call
+
+
+@pytest.mark.parametrize("death", ["kill", "stop"])
+async def test_a_rank_that_dies_silently_rejoins_through_a_relay_at_once(
+    tmp_path: Path, death: str
+) -> None:
+    """Rank 2 (a process of its own) is SIGKILLed, or SIGSTOPped, and restarted with
+    rejoin=True at once. Stopped, its relay session stays open and nothing tells the
+    survivors: they still hold the old QUIC connection (idle_timeout 30 s). The relay
+    gives the id to the new process's session, the survivors take it back once the old
+    connection has been silent for 3 keepalive intervals, and the next collective runs
+    with all three."""
+    import signal
+    import sys
+
+    from rejoin_worker import SEED, config
+    from relay_helpers import RelayProcess
+
+    worker = str(Path(__file__).with_name("rejoin_worker.py"))
+
+    async def rank2(mode: str, url: str) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, worker, mode, url, stdout=asyncio.subprocess.PIPE
+        )
+
+    with RelayProcess(tmp_path) as relay:
+        gs = [
+            Group.from_seed(SEED, rank=r, world=3, relay=relay.url, config=config()) for r in (0, 1)
+        ]
+        old = await rank2("first", relay.url)
+        back: asyncio.subprocess.Process | None = None
+        try:
+            await asyncio.wait_for(asyncio.gather(*(g.start() for g in gs)), 30)
+            firsts = await asyncio.wait_for(
+                asyncio.gather(*(g.all_reduce(np.full(3, g.rank + 1.0)) for g in gs)), 30
+            )
+            assert all(o.tolist() == [6.0] * 3 for o in firsts)
+            assert old.stdout is not None
+            line = await asyncio.wait_for(old.stdout.readline(), 30)
+            assert line.strip() == b"READY", line
+            dead = [g._conns[2] for g in gs]
+            old.send_signal(signal.SIGKILL if death == "kill" else signal.SIGSTOP)
+            back = await rank2("back", relay.url)
+            for _ in range(3000):  # bounded: until both survivors hold the new connection
+                if all(g._conns.get(2) not in (None, d) for g, d in zip(gs, dead, strict=True)):
+                    break
+                await asyncio.sleep(0.01)
+            assert all(2 not in g.left for g in gs), [g.left for g in gs]
+            outs = await asyncio.wait_for(
+                asyncio.gather(*(g.all_reduce(np.full(3, g.rank + 1.0)) for g in gs)), 30
+            )
+            assert all(o.tolist() == [6.0] * 3 for o in outs), outs
+            out, _ = await asyncio.wait_for(back.communicate(), 30)
+            assert out.strip() == b"SUM 6 6 6", out
+        finally:
+            for proc in (old, back):
+                if proc is not None and proc.returncode is None:
+                    proc.kill()
+                    await asyncio.wait_for(proc.wait(), 10)
+            await asyncio.gather(*(g.close() for g in gs))
