@@ -256,6 +256,37 @@ async def test_a_rank_restarted_without_rejoin_is_refused_at_once_and_stays_left
             assert all(o.tolist() == [3.0, 3.0] for o in out)
 
 
+async def test_a_rank_rejoining_with_other_settings_is_refused_naming_them() -> None:
+    """A restarted rank whose chunk_bytes differs from the group's is refused with
+    MismatchError naming the setting, stays left, and is taken back once restarted with
+    the group's settings."""
+    from dataclasses import replace
+
+    from p2pdist import MismatchError
+
+    async with groups(3, config=LEAVE) as gs:
+        crash(gs[2])
+        await until_left(gs[:2], 2)
+        await gs[2].close()
+        assert gs[2]._addresses is not None
+        odd = Group.from_seed(
+            "test-seed-0123456789",
+            rank=2,
+            world=3,
+            peers=gs[2]._addresses,
+            config=replace(gs[2].config, chunk_bytes=2 << 20),
+            rejoin=True,
+        )
+        with pytest.raises(MismatchError, match=r"chunk_bytes is 2097152 on rank 2 \("):
+            await asyncio.wait_for(odd.start(), 10)
+        await odd.close()
+        assert all(2 in g.left for g in gs[:2])
+        back = await restart(gs[2])
+        async with back:
+            out = await asyncio.gather(*(g.all_reduce(np.ones(2)) for g in (*gs[:2], back)))
+            assert all(o.tolist() == [3.0, 3.0] for o in out)
+
+
 async def test_a_rank_rejoins_through_a_relay(tmp_path: Path) -> None:
     from relay_helpers import RelayProcess
 

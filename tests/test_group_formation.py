@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 from group_helpers import free_ports, loopback_peers
 
-from p2pdist import Group, GroupConfig, P2PError, P2PTimeoutError, TransportConfig, UsageError
+from p2pdist import (
+    Group,
+    GroupConfig,
+    MismatchError,
+    P2PError,
+    P2PTimeoutError,
+    TransportConfig,
+    UsageError,
+)
 from p2pdist.group import membership
 from p2pdist.transport.base import Connection
 from p2pdist.transport.quic import QuicTransport
@@ -222,36 +230,52 @@ async def test_a_restarted_rank_0_times_out_with_a_hint_to_rejoin() -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
-    [("chunk_bytes", 2 << 20), ("small_bytes", 4096), ("on_peer_loss", "leave")],
+    ("field", "value", "late"),
+    [
+        ("chunk_bytes", 2 << 20, None),
+        ("small_bytes", 4096, None),
+        ("on_peer_loss", "leave", None),
+        ("chunk_bytes", 2 << 20, 1),  # rank 1 starts late: it hears of the mismatch
+        ("chunk_bytes", 2 << 20, 0),  # only from the others, after saying ready
+    ],
 )
 async def test_ranks_with_different_settings_fail_formation_naming_the_setting(
-    field: str, value: object
+    field: str, value: object, late: int | None
 ) -> None:
-    """A setting the algorithms or loss handling depend on, different on one rank, fails
-    start() on every rank at once with the setting named, not a size mismatch later."""
+    """A setting the algorithms or loss handling depend on, different on rank 2, fails
+    start() on every rank at once with MismatchError naming the setting (not a size
+    mismatch later), also on a rank that started late and had already said ready."""
     peers = loopback_peers(3)
     odd = GroupConfig(
         timeout=5.0, connect_timeout=CONNECT, transport=TransportConfig(tls=False), **{field: value}
     )
     gs = [make(0, peers), make(1, peers)]
     gs.append(Group.from_seed(SEED, rank=2, world=3, peers=peers, config=odd))
+
+    async def start(g: Group) -> None:
+        if g.rank == late:
+            await asyncio.sleep(0.3)
+        await g.start()
+
     try:
+        t0 = asyncio.get_running_loop().time()
         results = await asyncio.wait_for(
-            asyncio.gather(*(g.start() for g in gs), return_exceptions=True), CONNECT + 2
+            asyncio.gather(*(start(g) for g in gs), return_exceptions=True), CONNECT + 2
         )
+        assert asyncio.get_running_loop().time() - t0 < CONNECT / 2  # failed fast, no wait
         for rank, res in enumerate(results):
-            assert isinstance(res, P2PError), (rank, res)
-            assert f"{field}=" in str(res), (rank, res)
+            assert isinstance(res, MismatchError), (rank, res)
+            assert f"{field} is " in str(res) and "rank 2 (" in str(res), (rank, res)
         assert "GroupConfig differs" in str(results[2])
-        assert "rank 0 (" in str(results[2]) or "rank 1 (" in str(results[2])
     finally:
         await asyncio.gather(*(g.close() for g in gs))
 
 
 def test_terms_from_an_older_peer_are_accepted_and_garbage_refused() -> None:
     ours = membership.group_terms(CFG)
-    membership.check_terms("rank 1 (abc)", None, ours)
-    membership.check_terms("rank 1 (abc)", dict(ours), ours)
+    membership.check_terms("rank 1 (abc)", "rank 0 (d)", None, ours)
+    membership.check_terms("rank 1 (abc)", "rank 0 (d)", dict(ours), ours)
     with pytest.raises(P2PError, match="malformed formation terms"):
-        membership.check_terms("rank 1 (abc)", [1, 2], ours)
+        membership.check_terms("rank 1 (abc)", "rank 0 (d)", [1, 2], ours)
+    with pytest.raises(MismatchError, match=r"chunk_bytes is 4096 on rank 1 \(abc\), 1048576 on"):
+        membership.check_terms("rank 1 (abc)", "rank 0 (d)", {**ours, "chunk_bytes": 4096}, ours)

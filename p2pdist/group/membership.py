@@ -308,20 +308,25 @@ class Membership:
             ) from None
         except BaseExceptionGroup as group:
             first = _first_error(group)
-            await self._fail_forming(form, str(first) if isinstance(first, Exception) else None)
+            reason = str(first) if isinstance(first, Exception) else None
+            await self._fail_forming(form, reason, first)
             raise first from None
         except BaseException as exc:
             # A cancelled start (Ctrl-C, an outer timeout) has nothing to tell: it is gone.
             await self._fail_forming(form, str(exc) if isinstance(exc, Exception) else None)
             raise
 
-    async def _fail_forming(self, form: _Formation, why: str | None) -> None:
+    async def _fail_forming(
+        self, form: _Formation, why: str | None, error: BaseException | None = None
+    ) -> None:
         """Tell every connected rank why our start failed, then close. (A start that was
         cancelled, ``why`` None, or a group closed while it starts says only goodbye: to
-        the others that is a rank that restarts, waited for within connect_timeout.)"""
+        the others that is a rank that restarts, waited for within connect_timeout.) A
+        settings mismatch is marked as one, so that every rank raises MismatchError."""
         conns = {id(c): c for c in [*self._conns.values(), *form.joined.values()]}
+        kind = "mismatch" if isinstance(error, MismatchError) else None
         for conn in [] if self._closing or why is None else conns.values():
-            _form_note(conn, "failed", f"{self.peer_label(self._rank)}: {why}")
+            _form_note(conn, "failed", f"{self.peer_label(self._rank)}: {why}", error=kind)
         await self.close()
 
     def _check_formed(self, form: _Formation) -> None:
@@ -385,16 +390,43 @@ class Membership:
                 if kind == "ok" and r < self._rank:
                     form.join(r, conn)
                 elif kind == "ready":
-                    check_terms(label, note.get("terms"), form.terms)
+                    here = self.peer_label(self._rank)
+                    check_terms(label, here, note.get("terms"), form.terms)
+                    form.said_ready(r, conn)
+                    await self._watch_until_formed(r, conn, form)
                     conn.retire(_FORM_CHANNEL)
-                    form.ready[r] = conn
                     return
-                elif kind == "refused":
-                    raise PeerAuthenticationError(label, f"refused this rank's connection: {why}")
-                elif kind == "failed":
-                    raise ConnectionBrokenError(label, f"could not join the group ({why})")
                 else:
-                    raise RemoteProtocolError(label, f"unexpected formation note {kind!r}")
+                    _raise_for_note(label, kind, why, note)
+
+    async def _watch_until_formed(self, r: int, conn: Connection, form: _Formation) -> None:
+        """After ``r`` said ready, keep reading its formation notes until every rank has
+        said ready: a rank whose start fails later (it found a mismatch with a third
+        rank, say) says ``failed``, which fails this formation at once instead of
+        leaving it waiting for ranks that gave up. (A connection that ends is left to
+        the end of formation, :meth:`_check_formed`, and a restarted process to
+        :meth:`_accept_forming`, which tells it why it is refused.)"""
+        label = self.peer_label(r)
+        note_task = asyncio.ensure_future(conn.recv(_FORM_CHANNEL))
+        formed = asyncio.ensure_future(form.all_ready.wait())
+        try:
+            await asyncio.wait((note_task, formed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (note_task, formed):
+                task.cancel()
+            await asyncio.gather(note_task, formed, return_exceptions=True)
+        if formed.done() and not formed.cancelled():
+            return
+        try:
+            frame = note_task.result()
+        except (ConnectionBrokenError, ConnectionClosedError, asyncio.CancelledError):
+            return
+        try:
+            note = msgpack.unpackb(frame.meta, raw=False)
+            kind, why = str(note["form"]), str(note.get("why", ""))
+        except Exception as exc:  # msgpack's own exceptions, a missing key, a bad type
+            raise RemoteProtocolError(label, f"malformed formation note: {exc!r}") from None
+        _raise_for_note(label, kind, why, note)
 
     async def _accept_forming(
         self, transport: TcpTransport | QuicTransport, form: _Formation
@@ -439,14 +471,18 @@ class Membership:
         refused at once instead of joining a group that cannot take it."""
         return eid in self._rank_of and (not self._formed or self.config.on_peer_loss == "leave")
 
-    def _turn_away(self, conn: Connection, why: str) -> None:
-        """Tell a dialer (forming or rejoining) why it is refused, and close."""
+    def _turn_away(self, conn: Connection, why: str, error: str | None = None) -> None:
+        """Tell a dialer (forming or rejoining) why it is refused, and close; ``error``
+        ("mismatch") makes a rejoiner raise MismatchError."""
         log.warning(
             "%s: refusing a connection from %s: %s", self.peer_label(self._rank), _remote(conn), why
         )
         _form_note(conn, "refused", why)
+        refusal: dict[str, Any] = {"refused": why}
+        if error is not None:
+            refusal["error"] = error
         with contextlib.suppress(P2PError):
-            conn.send_nowait(_HELLO_CHANNEL, meta=bytes(msgpack.packb({"refused": why})))
+            conn.send_nowait(_HELLO_CHANNEL, meta=bytes(msgpack.packb(refusal)))
         self._spawn(conn.close())
 
     def _adopt(self, rank: int, conn: Connection) -> None:
@@ -458,12 +494,18 @@ class Membership:
 
 
 def _form_note(
-    conn: Connection, kind: str, why: str = "", terms: dict[str, Any] | None = None
+    conn: Connection,
+    kind: str,
+    why: str = "",
+    terms: dict[str, Any] | None = None,
+    error: str | None = None,
 ) -> None:
     """Send one formation note (best effort: a connection already gone is skipped)."""
     note: dict[str, Any] = {"form": kind, "why": why}
     if terms is not None:
         note["terms"] = terms
+    if error is not None:
+        note["error"] = error
     with contextlib.suppress(P2PError):
         conn.send_nowait(_FORM_CHANNEL, meta=bytes(msgpack.packb(note)))
 
@@ -479,15 +521,16 @@ def group_terms(config: GroupConfig) -> dict[str, Any]:
     }
 
 
-def check_terms(label: str, theirs: object, ours: dict[str, Any]) -> None:
+def check_terms(label: str, me: str, theirs: object, ours: dict[str, Any]) -> None:
     """Raise :class:`MismatchError` naming ``label`` if its ``ready`` note's settings
-    differ from ours (a note without them is from a peer that predates the check)."""
+    differ from ours (``me`` names this rank; a note without them is from a peer that
+    predates the check)."""
     if theirs is None:
         return
     if not isinstance(theirs, dict):
         raise RemoteProtocolError(label, f"malformed formation terms: {theirs!r:.80}")
     differ = [
-        f"{name}={theirs.get(name)!r:.40} there, {value!r} here"
+        f"{name} is {theirs.get(name)!r:.40} on {label}, {value!r} on {me}"
         for name, value in ours.items()
         if theirs.get(name) != value
     ]
@@ -497,6 +540,17 @@ def check_terms(label: str, theirs: object, ours: dict[str, Any]) -> None:
             "GroupConfig differs: " + "; ".join(differ) + " (small_bytes, chunk_bytes and "
             "on_peer_loss must be equal on every rank)",
         )
+
+
+def _raise_for_note(label: str, kind: str, why: str, note: dict[str, Any]) -> None:
+    """Raise what a formation note other than ``ok``/``ready`` from ``label`` means."""
+    if kind == "refused":
+        raise PeerAuthenticationError(label, f"refused this rank's connection: {why}")
+    if kind == "failed":
+        if note.get("error") == "mismatch":
+            raise MismatchError(label, f"could not join the group ({why})")
+        raise ConnectionBrokenError(label, f"could not join the group ({why})")
+    raise RemoteProtocolError(label, f"unexpected formation note {kind!r}")
 
 
 def _remote(conn: Connection) -> str:
@@ -527,6 +581,7 @@ class _Formation:
         }
         self.joined: dict[int, Connection] = {}
         self.ready: dict[int, Connection] = {}  # the connection each rank said ready on
+        self.all_ready = asyncio.Event()
         self._told: set[Connection] = set()  # told "ready" (connections hash by identity)
 
     def join(self, r: int, conn: Connection) -> None:
@@ -537,6 +592,12 @@ class _Formation:
                 if c not in self._told:
                     self._told.add(c)
                     _form_note(c, "ready", terms=self.terms)
+
+    def said_ready(self, r: int, conn: Connection) -> None:
+        """``r`` said ready on ``conn``; once every rank has, formation is done."""
+        self.ready[r] = conn
+        if len(self.ready) == self.size - 1:
+            self.all_ready.set()
 
     def leave(self, r: int, conn: Connection) -> None:
         """``conn`` ended before ``r`` said ready."""

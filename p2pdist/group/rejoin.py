@@ -25,6 +25,7 @@ import msgpack
 from ..errors import (
     ConnectionBrokenError,
     ConnectionClosedError,
+    MismatchError,
     P2PError,
     P2PTimeoutError,
     PeerAuthenticationError,
@@ -35,7 +36,15 @@ from ..tasks import cancel_and_wait
 from ..transport.base import Connection
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
-from .membership import _FORM_CHANNEL, _HELLO_CHANNEL, Membership, _form_note, _remote
+from .membership import (
+    _FORM_CHANNEL,
+    _HELLO_CHANNEL,
+    Membership,
+    _form_note,
+    _remote,
+    check_terms,
+    group_terms,
+)
 
 __all__ = ["Rejoining"]
 
@@ -43,8 +52,6 @@ log = logging.getLogger(__name__)
 
 _REJOINING_HELLO = bytes(msgpack.packb({"rejoining": True, "left": [], "cid": 0}))
 """The hello of a rank that rejoins itself: it knows nothing of who is gone."""
-_REJOIN_INTENT = bytes(msgpack.packb({"rejoin": True}))
-"""A rejoining rank's first word on each connection it dials (a plain restart says none)."""
 _SILENT_KEEPALIVES = 3
 """A connection silent for this many keepalive intervals is taken for dead."""
 
@@ -154,7 +161,14 @@ class Rejoining(Membership):
             conn.retire(_HELLO_CHANNEL)
             intent = msgpack.unpackb(frame.meta, raw=False)
             if isinstance(intent, dict) and intent.get("rejoin") is True:
+                here = self.peer_label(self._rank)
+                check_terms(
+                    self.peer_label(rank), here, intent.get("terms"), group_terms(self.config)
+                )
                 return True
+        except MismatchError as exc:  # its settings differ from the group's
+            self._turn_away(conn, str(exc), error="mismatch")
+            return False
         except Exception:  # it ended or stayed silent, or its word is no msgpack map
             pass
         log.warning(
@@ -292,8 +306,11 @@ class Rejoining(Membership):
             ) from None
         rejoin.alive.add(rank)  # it may have taken this connection: do not give up on it
         conn.retire(_FORM_CHANNEL)  # a survivor's "refused" note is for a plain restart
+        # The first word of a rejoin (a plain restart says none), with the settings every
+        # rank must share, which the survivor checks.
+        intent = {"rejoin": True, "terms": group_terms(self.config)}
         with contextlib.suppress(P2PError):
-            conn.send_nowait(_HELLO_CHANNEL, meta=_REJOIN_INTENT)
+            conn.send_nowait(_HELLO_CHANNEL, meta=bytes(msgpack.packb(intent)))
         try:
             frame = await conn.recv(_HELLO_CHANNEL)
             conn.retire(_HELLO_CHANNEL)
@@ -306,6 +323,8 @@ class Rejoining(Membership):
             except Exception as exc:  # msgpack's own exceptions, a missing key, a bad type
                 raise RemoteProtocolError(label, f"malformed rejoin hello: {exc!r}") from None
             if refused is not None:
+                if hello.get("error") == "mismatch":
+                    raise MismatchError(label, f"refused this rank: {refused}")
                 raise PeerAuthenticationError(label, f"refused this rank: {refused}")
         except BaseException:
             with contextlib.suppress(ConnectionClosedError):
