@@ -200,14 +200,16 @@ class Recovery:
         with contextlib.suppress(P2PError):  # the connection ended: nothing to answer
             while True:
                 frame = await conn.recv(self._join_channel(_REPORT))
+                # Only the round matters here: a report whose last decision this rank
+                # cannot check is still answered, so its sender does not wait in vain.
                 try:
-                    report = report_of(decode(frame, conn.label), conn.label, self.group.size)
+                    k = decode(frame, conn.label).get_int("r", conn.label, low=-1)
                 except RemoteProtocolError as exc:  # one bad report; answer the next ones
                     log.warning("%s", exc)
                     continue
-                if report.round >= 0:
-                    meta, _ = encode("decline", {"r": report.round})
-                    conn.send_nowait(round_channel(self.tag, report.round, DECISION), meta=meta)
+                if k >= 0:
+                    meta, _ = encode("decline", {"r": k})
+                    conn.send_nowait(round_channel(self.tag, k, DECISION), meta=meta)
 
     def _adopt_welcome(self, r: int, message: Message) -> None:
         label = self.group.peer_label(r)
