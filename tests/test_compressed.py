@@ -90,11 +90,23 @@ async def test_wire_bytes_shrink_as_documented() -> None:
             assert abs(ratio - per_elem / 4) < 0.01, (wire, ratio)
 
 
-async def test_error_feedback_keeps_the_long_run_sum_unbiased() -> None:
-    async with groups(2) as gs:
-        xs = gaussian(2, 4096, seed=5)
-        truth = np.sum([x.astype(np.float64) for x in xs], axis=0)
-        efs = [ErrorFeedback(), ErrorFeedback()]
+@pytest.mark.parametrize(
+    ("world", "n", "op"),
+    [
+        (2, 4096, "sum"),  # the direct path
+        (2, 131_200, "sum"),  # the ring: segments start off the 512-element blocks
+        (3, 50_003, "mean"),  # the ring with a hop that re-encodes a partial sum
+        (4, 70_001, "sum"),
+    ],
+)
+async def test_error_feedback_keeps_the_long_run_sum_unbiased(world: int, n: int, op: str) -> None:
+    """Over 30 calls the summed results track the true sum: every encoding error (the
+    input's, a hop's re-encoded partial sum, the owner's final sum) goes into some rank's
+    residual, on the direct path and on the ring alike."""
+    async with groups(world, config={"small_bytes": 16 << 10}) as gs:
+        xs = gaussian(world, n, seed=5)
+        truth = np.sum([x.astype(np.float64) for x in xs], axis=0) / (world if op == "mean" else 1)
+        efs = [ErrorFeedback() for _ in gs]
         with_ef = np.zeros_like(truth)
         without = np.zeros_like(truth)
         steps = 30
@@ -102,12 +114,13 @@ async def test_error_feedback_keeps_the_long_run_sum_unbiased() -> None:
             a = await asyncio.gather(
                 *(
                     g.all_reduce(
-                        xs[g.rank], wire_dtype="int8", block=512, error_feedback=efs[g.rank]
+                        xs[g.rank], op, wire_dtype="int8", block=512, error_feedback=efs[g.rank]
                     )
                     for g in gs
                 )
             )
-            b = await reduce_all(gs, xs, wire_dtype="int8", block=512)
+            b = await reduce_all(gs, xs, op=op, wire_dtype="int8", block=512)
+            assert len({r.tobytes() for r in a}) == 1, "ranks disagree"
             with_ef += a[0]
             without += b[0]
         err_ef = np.abs(with_ef - steps * truth).max()
@@ -131,3 +144,81 @@ async def test_compression_usage_errors() -> None:
     async with Group.from_seed("test-seed-0123456789", rank=0, world=1) as solo:
         x = np.linspace(0, 1, 7, dtype=np.float32)
         assert np.array_equal(await solo.all_reduce(x, wire_dtype="int8"), x)
+
+
+async def test_a_block_larger_than_the_array_needs_no_block_sized_scratch() -> None:
+    """block >= n means one scale for the whole array: scratch is sized by the array."""
+    from p2pdist.group.compress import make_codec
+
+    codec = make_codec("int8", block=1 << 28)
+    x = np.linspace(-1, 1, 10, dtype=np.float32)
+    np.testing.assert_allclose(codec.decode(codec.encode(x), 10), x, atol=1 / 127)
+    assert codec._tmp.nbytes <= 4 * 10  # type: ignore[attr-defined]
+    async with groups(2) as gs:
+        outs = await reduce_all(gs, [x, x], wire_dtype="int8", block=1 << 40)
+        np.testing.assert_allclose(outs[0], 2 * x, atol=2 / 127)
+
+
+async def test_float16_overflow_and_mean_underflow_under_raising_errstate() -> None:
+    """A caller's np.errstate(all="raise") does not break the group: a float16 overflow
+    gives the documented inf and a mean of subnormal inputs a tiny or zero result."""
+    async with groups(2) as gs:
+        big = [np.full(8, 1e5, np.float32)] * 2
+        tiny = [np.full(8, 1e-44, np.float32)] * 2
+        with np.errstate(all="raise"):
+            outs = await reduce_all(gs, big, wire_dtype="float16")
+            assert np.isinf(outs[0]).all()
+            for wire in ("float16", "bfloat16", "int8"):
+                means = await reduce_all(gs, tiny, op="mean", wire_dtype=wire)
+                assert np.abs(means[0]).max() <= 2e-44
+                efs = [ErrorFeedback(), ErrorFeedback()]
+                await asyncio.gather(
+                    *(
+                        g.all_reduce(
+                            tiny[g.rank], "mean", wire_dtype=wire, error_feedback=efs[g.rank]
+                        )
+                        for g in gs
+                    )
+                )
+        assert all(g.broken is None for g in gs)
+
+
+def test_float16_decode_is_exact_when_the_cpu_flushes_subnormals(tmp_path: object) -> None:
+    """With FTZ/DAZ set (as -ffast-math libraries or torch.set_flush_denormal do), the
+    float16 wire still decodes subnormals exactly (numpy's cast takes over)."""
+    import ctypes
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from p2pdist.group.compress import make_codec
+    from p2pdist.group.halfcast import subnormals_flushed
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or sys.platform != "linux" or not hasattr(np, "float16"):
+        pytest.skip("needs a C compiler on Linux x86-64 to set MXCSR (FTZ/DAZ)")
+    src = Path(str(tmp_path)) / "daz.c"
+    src.write_text(
+        "#include <xmmintrin.h>\n"
+        "unsigned get(void){return _mm_getcsr();}\n"
+        "void set(unsigned v){_mm_setcsr(v);}\n"
+    )
+    lib = src.with_suffix(".so")
+    built = subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], capture_output=True)
+    if built.returncode != 0:
+        pytest.skip(f"cannot build the MXCSR helper: {built.stderr.decode()[:200]}")
+    csr = ctypes.CDLL(str(lib))
+    csr.get.restype = ctypes.c_uint
+    h = np.arange(1, 1024, dtype=np.uint16)  # every positive float16 subnormal
+    want = h.view(np.float16).astype(np.float32)
+    codec = make_codec("float16")
+    saved = csr.get()
+    try:
+        csr.set(ctypes.c_uint(saved | 0x8040))  # FTZ | DAZ
+        assert subnormals_flushed()
+        got = codec.decode(h.tobytes(), h.size)
+    finally:
+        csr.set(ctypes.c_uint(saved))
+    assert not subnormals_flushed()
+    np.testing.assert_array_equal(got, want)

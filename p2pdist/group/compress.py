@@ -69,6 +69,12 @@ class WireCodec(Protocol):
         """Decode ``n`` elements from ``data`` (bytes-like) into a new float32 array."""
         ...
 
+    @property
+    def align(self) -> int:
+        """Elements per independently encoded unit (int8: the block; 1 otherwise): a
+        piece that starts at a multiple of it encodes as that piece of the whole does."""
+        ...
+
 
 class _Codec:
     """``encode``/``decode`` on top of the in-place methods."""
@@ -93,6 +99,10 @@ class _Codec:
         out = np.empty(n, np.float32)
         self.decode_into(data, out)
         return out
+
+    @property
+    def align(self) -> int:
+        return 1
 
 
 class _Bf16Codec(_Codec):
@@ -135,7 +145,8 @@ class _F16Codec(_Codec):
         if self._route == "bits":
             encode_f16(x, out.view(np.uint16), self._scratch)
         else:
-            np.copyto(out.view(_F16), x, casting="unsafe")
+            with np.errstate(over="ignore", invalid="ignore"):  # inf is the documented result
+                np.copyto(out.view(_F16), x, casting="unsafe")
 
     def decode_into(self, data: Any, out: np.ndarray) -> None:
         if self._route == "bits":
@@ -189,6 +200,10 @@ class _Int8Codec(_Codec):
     def nbytes(self, n: int) -> int:
         return 4 * -(-n // self.block) + n
 
+    @property
+    def align(self) -> int:
+        return self.block
+
     def _slabs(self, n: int) -> list[tuple[int, int]]:
         """[start, end) element ranges: whole-block slabs, then the partial tail block."""
         block = self.block
@@ -200,10 +215,12 @@ class _Int8Codec(_Codec):
         return parts
 
     def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        rows_max = -(-min(n, self._SLAB + self.block) // self.block)
-        if self._tmp.size < rows_max * self.block:
-            self._tmp = np.empty(rows_max * self.block, np.float32)
-            self._inv = np.empty(rows_max, np.float32)
+        # One slab at most (see _slabs), and never more than n: a block far larger than
+        # the array (one scale for all of it) needs no block-sized scratch.
+        size = min(n, max(self.block, self._SLAB - self._SLAB % self.block))
+        if self._tmp.size < size:
+            self._tmp = np.empty(size, np.float32)
+            self._inv = np.empty(-(-size // self.block), np.float32)
         return self._tmp, self._inv
 
     def _split(self, raw: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -342,7 +359,8 @@ class ErrorFeedback:
         """
         sent = x.astype(np.float32).reshape(-1)  # a fresh copy: the caller works in place
         if divisor != 1:
-            np.divide(sent, np.float32(divisor), out=sent)
+            with np.errstate(under="ignore"):  # tiny inputs: subnormal or zero
+                np.divide(sent, np.float32(divisor), out=sent)
         if self.residual is None:
             self.residual = np.zeros_like(sent)
         elif self.residual.shape != sent.shape:
@@ -355,7 +373,7 @@ class ErrorFeedback:
         self._divisor = divisor
         residual = self.residual
         sent += residual  # the value to send: x + what earlier calls lost
-        align = getattr(codec, "block", 1)  # int8 scales cover whole blocks
+        align = codec.align  # int8 scales cover whole blocks
         step = max(1, self._PIECE // align) * align
         piece = min(step, sent.size)
         wire = np.empty(codec.nbytes(piece), np.uint8)

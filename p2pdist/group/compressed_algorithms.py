@@ -16,7 +16,12 @@ __all__ = ["compressed_direct_all_reduce", "compressed_ring_all_reduce"]
 
 
 async def compressed_ring_all_reduce(
-    link: Link, work: np.ndarray, bounds: list[tuple[int, int]], codec: WireCodec, chunk: int
+    link: Link,
+    work: np.ndarray,
+    bounds: list[tuple[int, int]],
+    codec: WireCodec,
+    chunk: int,
+    residual: np.ndarray | None = None,
 ) -> None:
     """Sum float32 ``work`` over ranks with a narrow wire format, in place.
 
@@ -32,18 +37,27 @@ async def compressed_ring_all_reduce(
     last reduce-scatter step and the first all-gather step run interleaved chunk by
     chunk, so a finished chunk leaves while the next ones are still being reduced (see
     ``_last_hop``).
+
+    With ``residual`` (error feedback, in ``work``'s units), every encoding this rank
+    makes of a partial or final sum adds what it lost to ``residual``: the next call's
+    input carries it, so the long-run sum loses nothing to the hops either. Chunks start
+    at multiples of ``codec.align`` (int8 blocks), as the bounds must.
     """
     n, r = link.size, link.rank
     right, left = (r + 1) % n, (r - 1) % n
     # Chunks whose wire size is what a float32 chunk would be: as many messages as the
     # plain ring would send for a quarter (int8) or half (16-bit) of the bytes.
     chunk = max(chunk, 4 * chunk * chunk // max(1, codec.nbytes(chunk)))
+    chunk = max(codec.align, chunk - chunk % codec.align)
     widest = min(chunk, max(b - a for a, b in bounds))
     wire = np.empty(codec.nbytes(widest), np.uint8)
+    lost = None if residual is None else np.empty(widest, np.float32)
 
     def encoded(a: int, b: int) -> memoryview:
         buf = wire[: codec.nbytes(b - a)]
         codec.encode_into(work[a:b], buf)
+        if residual is not None and lost is not None and b > a:
+            _feed_back(codec, buf, work[a:b], lost[: b - a], residual[a:b])
         return as_bytes(buf)
 
     for k in range(n - 2):  # reduce-scatter steps but the last
@@ -139,6 +153,20 @@ async def compressed_direct_all_reduce(link: Link, work: np.ndarray, codec: Wire
         over = np.abs(work) >= _F16_OVERFLOW
         if over.any():
             np.copyto(work, np.copysign(np.float32(np.inf), work), where=over)
+
+
+def _feed_back(
+    codec: WireCodec, buf: np.ndarray, sent: np.ndarray, scratch: np.ndarray, residual: np.ndarray
+) -> None:
+    """``residual += sent - decode(buf)`` where that is finite (a non-finite sum costs
+    that call's result, not every later one: see ErrorFeedback)."""
+    codec.decode_into(buf, scratch)
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.subtract(sent, scratch, out=scratch)
+    if np.isfinite(scratch).all():
+        residual += scratch
+    else:
+        np.add(residual, scratch, out=residual, where=np.isfinite(scratch))
 
 
 _F16_OVERFLOW = np.float32(65520.0)

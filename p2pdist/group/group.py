@@ -54,16 +54,23 @@ class Group(GroupCore):
         codec: WireCodec,
         flat: np.ndarray,
         timeout: float | None,
+        feedback: ErrorFeedback | None,
     ) -> np.ndarray:
         """all_reduce with a narrow wire format; float32 accumulation everywhere. For mean,
-        ``flat`` is already divided by the world (see :func:`_compressed_input`)."""
+        ``flat`` is already divided by the world (see :func:`_compressed_input`). With
+        ``feedback``, what the ring's own encodings lose joins its residual too."""
+        residual = None if feedback is None else feedback.residual
 
         async def body(lk: CollectiveLink) -> np.ndarray:
             if self._direct(arr):
                 await compressed_direct_all_reduce(lk, flat, codec)
             else:
-                bounds = split_bounds(flat.size, self.size)
-                await compressed_ring_all_reduce(lk, flat, bounds, codec, self._chunk(flat.dtype))
+                # Segments in whole int8 blocks: the first hop then re-encodes exactly
+                # what error feedback already encoded (no new error).
+                bounds = split_bounds(flat.size, self.size, codec.align)
+                await compressed_ring_all_reduce(
+                    lk, flat, bounds, codec, self._chunk(flat.dtype), residual
+                )
             if not np.may_share_memory(work, flat):
                 work.reshape(-1)[:] = flat
             return work
@@ -130,13 +137,16 @@ class Group(GroupCore):
             if error_feedback is None and arr.dtype == np.float32:
                 # Reduce in the result buffer itself: one copy, as the plain path.
                 if divisor != 1:
-                    np.divide(arr, np.float32(divisor), out=work)
+                    with np.errstate(under="ignore"):  # tiny inputs: subnormal or zero
+                        np.divide(arr, np.float32(divisor), out=work)
                 elif work is not arr:
                     np.copyto(work, arr)
                 flat = work.reshape(-1)
             else:
                 flat = _compressed_input(arr, codec, error_feedback, divisor)
-            return await self._compressed(descriptor, arr, work, codec, flat, timeout)
+            return await self._compressed(
+                descriptor, arr, work, codec, flat, timeout, error_feedback
+            )
         if not ordered and self._direct(arr):  # small: the latency path, no extra layer
             flat = work.reshape(-1)
             # In place (work is arr) needs a copy of the input, except at world 2.
@@ -545,5 +555,6 @@ def _compressed_input(
         return feedback.apply(arr, codec, divisor)
     flat = arr.reshape(-1).astype(np.float32)
     if divisor != 1:
-        np.divide(flat, np.float32(divisor), out=flat)
+        with np.errstate(under="ignore"):  # tiny inputs: subnormal or zero
+            np.divide(flat, np.float32(divisor), out=flat)
     return flat

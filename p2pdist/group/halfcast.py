@@ -72,8 +72,23 @@ def encode_f16(x: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> None:
 
 def decode_f16(h: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> None:
     """``out[...] = h.view(float16).astype(float32)`` bit for bit; ``h`` 1-D uint16."""
+    if subnormals_flushed():
+        # The rebias below multiplies float32 subnormals (float16 subnormals shifted
+        # into place), which a CPU that flushes them (FTZ/DAZ: -ffast-math libraries,
+        # torch.set_flush_denormal) would read as zero: numpy's cast is exact there.
+        np.copyto(out, h.view(np.float16))
+        return
     for s in range(0, h.size, BLOCK):
         _decode_block(h[s : s + BLOCK], out[s : s + BLOCK], scratch)
+
+
+_SMALLEST_SUBNORMAL = np.array([1e-45], np.float32)
+
+
+def subnormals_flushed() -> bool:
+    """Whether this thread's CPU now treats float32 subnormals as zero (DAZ/FTZ set),
+    which a program can switch at any time; a probe costs about a microsecond."""
+    return bool(np.multiply(_SMALLEST_SUBNORMAL, _DECODE_SCALE)[0] == 0)
 
 
 def _encode_block(x: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> None:
@@ -82,7 +97,8 @@ def _encode_block(x: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> None:
     a, t = scratch.get(n)
     np.bitwise_and(u, _ABS, out=a)
     if a.max() > _MAX_FINITE:  # overflow to inf, inf or NaN: numpy's cast (rare)
-        np.copyto(out.view(np.float16), x, casting="unsafe")
+        with np.errstate(over="ignore", invalid="ignore"):  # inf is the documented result
+            np.copyto(out.view(np.float16), x, casting="unsafe")
         return
     np.right_shift(a, _SHIFT, out=t)
     np.bitwise_and(t, _ONE, out=t)  # the lowest kept bit: ties go to even

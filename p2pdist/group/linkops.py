@@ -58,13 +58,15 @@ class Link(Protocol):
         ...
 
 
-def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each of ``parts`` pieces of ``n`` items (numpy.array_split rule)."""
-    base, extra = divmod(n, parts)
+def split_bounds(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of ``parts`` pieces of ``n`` items (numpy.array_split rule),
+    in whole units of ``align`` items (only the last piece with items may end short)."""
+    units = -(-n // align)
+    base, extra = divmod(units, parts)
     bounds, start = [], 0
     for i in range(parts):
         end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
+        bounds.append((min(start * align, n), min(end * align, n)))
         start = end
     return bounds
 
