@@ -9,8 +9,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
+from .buffers import wire_form
 from .compress import ErrorFeedback
-from .group import Group
+from .group import Group, _codec_for
+from .ops import reduce_op
 
 __all__ = ["GradientBuckets"]
 
@@ -30,6 +32,21 @@ class GradientBuckets:
     order every step (a bucket whose size changes raises :class:`UsageError` at once:
     that bucket's arrays are dropped, not reduced, and the next bucket takes its position,
     so the step can go on with the right arrays).
+
+    :meth:`add` refuses at once, with :class:`UsageError`, an array that the bucket's
+    all_reduce would refuse (a dtype that cannot travel, ``op="mean"`` on integers,
+    ``max``/``min`` on complex, a non-floating array with a ``wire_dtype``, ...), so
+    nothing is queued that can only fail later; the array is not queued and what was
+    added before it is kept.
+
+    A bucket that fails for another reason (a peer lost, a timeout, the group broken or
+    closed) fails every later bucket of the step as well: each bucket starts only after
+    the one before it succeeded, and re-raises its error instead. The buckets before the
+    failed one hold their reduced values; the failed bucket's arrays and every later
+    bucket's keep the values they had when added (a bucket writes back only after its
+    all_reduce succeeded). :meth:`wait` raises that error, with a note naming the first
+    bucket not reduced and how many arrays were left. Cancelling :meth:`wait` cancels the
+    buckets not finished yet, which likewise leave their arrays as they were.
     """
 
     def __init__(
@@ -49,9 +66,11 @@ class GradientBuckets:
         self._pending_bytes = 0
         self._dtype: np.dtype[Any] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._counts: list[int] = []  # arrays in each of self._tasks' buckets
         self._feedback: list[ErrorFeedback] | None = [] if error_feedback else None
         self._sizes: list[int] = []  # elements of each bucket with feedback, by position
         self._index = 0  # position of the next bucket in this step
+        self._accepted: set[np.dtype[Any]] = set()  # dtypes that passed _check
 
     @classmethod
     async def create(
@@ -80,18 +99,39 @@ class GradientBuckets:
         return cls(sub, bucket_bytes=bucket_bytes, op=op, error_feedback=feedback, **reduce)
 
     def add(self, array: np.ndarray) -> None:
-        """Queue ``array`` (writeable, C-contiguous) for reduction in place."""
+        """Queue ``array`` (writeable, C-contiguous) for reduction in place.
+
+        An array the bucket's all_reduce cannot reduce is a :class:`UsageError` here,
+        before anything is queued."""
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
             raise UsageError("add() needs a C-contiguous numpy array (it is reduced in place)")
         if not array.flags.writeable:
             raise UsageError("add() needs a writeable array (it is reduced in place)")
-        if self._dtype is not None and array.dtype != self._dtype:
+        dtype = self._check(array.dtype)
+        if self._dtype is not None and dtype != self._dtype:
             self.flush()  # a bucket holds one dtype
-        self._dtype = array.dtype
+        self._dtype = dtype
         self._pending.append(array)
         self._pending_bytes += array.nbytes
         if self._pending_bytes >= self._bucket_bytes:
             self.flush()
+
+    def _check(self, dtype: np.dtype[Any]) -> np.dtype[Any]:
+        """``dtype``'s wire form, once the bucket's all_reduce would take it: the checks
+        all_reduce makes before anything travels (as_array's dtype check, the op, and
+        the wire_dtype and mode rules), run once per dtype."""
+        wire = wire_form(dtype)  # what as_array checks; >f4 reduces as float32
+        if wire in self._accepted:
+            return wire
+        probe = np.empty(0, wire)
+        rop = reduce_op(self._op, wire)
+        ordered = self._group._ordered(self._reduce.get("mode"), rop, probe)
+        wire_dtype = self._reduce.get("wire_dtype")
+        if wire_dtype is not None:
+            block = self._reduce.get("block", 256)  # all_reduce's default
+            _codec_for(wire_dtype, block, None, rop, probe, ordered)
+        self._accepted.add(wire)
+        return wire
 
     def flush(self) -> None:
         """Start reducing what was added so far (the bucket need not be full)."""
@@ -105,6 +145,7 @@ class GradientBuckets:
         self._tasks.append(
             asyncio.get_running_loop().create_task(self._reduce_bucket(arrays, previous, feedback))
         )
+        self._counts.append(len(arrays))
 
     def _bucket_feedback(self, size: int) -> ErrorFeedback | None:
         """The next bucket's own ErrorFeedback (None without error feedback)."""
@@ -130,7 +171,8 @@ class GradientBuckets:
     ) -> None:
         if previous is not None:
             await asyncio.shield(previous)  # buckets reduce in order on every rank
-        flat = np.concatenate([a.reshape(-1) for a in arrays])
+        # In the wire dtype: a big-endian array joins its little-endian kin.
+        flat = np.concatenate([a.reshape(-1) for a in arrays], dtype=wire_form(arrays[0].dtype))
         await self._group.all_reduce(
             flat, self._op, out=flat, error_feedback=feedback, **self._reduce
         )
@@ -140,10 +182,35 @@ class GradientBuckets:
             offset += a.size
 
     async def wait(self) -> None:
-        """Flush, then wait for every bucket; raises the first failure. The next
-        :meth:`add` starts a new step (bucket positions count from 0 again)."""
+        """Flush, then wait for every bucket; raises the first failure, with a note naming
+        the first bucket not reduced (it and every later bucket were left as they were).
+        The next :meth:`add` starts a new step (bucket positions count from 0 again)."""
         self.flush()
         self._index = 0
-        tasks, self._tasks = self._tasks, []
-        if tasks:
-            await asyncio.gather(*tasks)
+        tasks, self._tasks, sizes = self._tasks, [], self._counts
+        self._counts = []
+        if not tasks:
+            return
+        # A failed bucket fails the later ones at once (they wait for it), so this
+        # returns as soon as the first failure is known, as before.
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for k, result in enumerate(results):
+            if isinstance(result, BaseException):
+                _note(result, k, len(tasks), sum(sizes[k:]))
+                raise result
+
+
+_NOTE = "GradientBuckets: "
+
+
+def _note(err: BaseException, k: int, buckets: int, arrays: int) -> None:
+    """Say which buckets a failure left unreduced (the group may raise one stored error
+    again and again: an earlier note of ours is replaced, not piled up)."""
+    notes = getattr(err, "__notes__", None)
+    if notes is not None:
+        notes[:] = [n for n in notes if not (isinstance(n, str) and n.startswith(_NOTE))]
+    err.add_note(
+        f"{_NOTE}bucket {k} of {buckets} in this step failed; it and the {buckets - k - 1} "
+        f"after it were not reduced ({arrays} arrays keep the values they were added with); "
+        f"the {k} before it were"
+    )

@@ -11,11 +11,20 @@ import numpy as np
 from ..errors import UsageError
 from ..wire.arrays import WIRE_DTYPES, ArrayHeaderError, check_dtype
 
-__all__ = ["as_array", "expectation", "result_buffer"]
+__all__ = ["as_array", "expectation", "result_buffer", "wire_form"]
 
 
 _NATIVE = frozenset(np.dtype("<" + code) for code in WIRE_DTYPES)
 """The wire dtypes in little-endian order: they travel as they are (the fast path)."""
+
+
+def wire_form(dtype: Any) -> np.dtype[Any]:
+    """``dtype`` in its little-endian wire form (``>f4`` gives ``float32``); a dtype that
+    cannot travel (object, str, structured, datetime, ...) is a :class:`UsageError`."""
+    try:
+        return check_dtype(dtype)
+    except ArrayHeaderError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def as_array(x: Any) -> np.ndarray:
@@ -26,10 +35,7 @@ def as_array(x: Any) -> np.ndarray:
         if hasattr(x, "__cuda_array_interface__"):
             raise UsageError("CuPy arrays are not supported yet; pass a numpy array")
         x = np.asarray(x)
-    try:
-        check_dtype(x.dtype)
-    except ArrayHeaderError as exc:
-        raise UsageError(str(exc)) from None
+    wire_form(x.dtype)
     if x.dtype.byteorder == ">":
         x = x.astype(x.dtype.newbyteorder("<"))
     return x if x.flags.c_contiguous else np.array(x, order="C")  # keeps 0-d arrays 0-d
@@ -38,11 +44,22 @@ def as_array(x: Any) -> np.ndarray:
 def result_buffer(
     source: np.ndarray | None, shape: tuple[int, ...], dtype: Any, out: np.ndarray | None
 ) -> np.ndarray:
-    """``out`` checked for shape and dtype, or a fresh buffer."""
+    """``out`` checked for shape and dtype, or a fresh buffer.
+
+    ``dtype`` is the result's (little-endian) wire dtype. A big-endian ``out`` is refused
+    with a :class:`UsageError` saying so: the collective works in ``out`` itself, in
+    little-endian order, so it cannot fill a big-endian buffer in place.
+    """
     if out is None:
         return np.empty(shape, dtype)
     if not isinstance(out, np.ndarray):
         raise UsageError(f"out must be a numpy array, got {type(out).__name__}")
+    if out.dtype.byteorder == ">" and out.dtype.newbyteorder("<") == dtype:
+        raise UsageError(
+            f"out is big-endian ({out.dtype.str}); collectives write their result in "
+            f"little-endian order: pass a {np.dtype(dtype).str} out (or none) and convert "
+            "the result afterwards"
+        )
     if out.shape != tuple(shape) or out.dtype != dtype:
         raise UsageError(
             f"out has {out.dtype}{list(out.shape)}, the result is {np.dtype(dtype)}{list(shape)}"
@@ -57,21 +74,35 @@ def result_buffer(
 def expectation(
     like: np.ndarray | None, shape: Sequence[int] | None, dtype: Any, out: np.ndarray | None
 ) -> tuple[np.dtype[Any] | None, tuple[int, ...] | None]:
+    """The dtype (in little-endian wire form) and shape a recv expects, checked before the
+    recv takes its message: a dtype that cannot travel is a :class:`UsageError` here.
+
+    Byte order is not part of what is expected: ``dtype=">f4"`` or a big-endian ``like``
+    match a float32 message (the result is little-endian float32), and a big-endian
+    ``out`` is filled with the right values (the received bytes are swapped in place).
+    """
     if out is not None and not isinstance(out, np.ndarray):
         raise UsageError(f"out must be a numpy array, got {type(out).__name__}")
     if like is not None and not isinstance(like, np.ndarray):
         like = as_array(like)  # a list is fine: only its dtype and shape are used
     ref = out if out is not None else like
     want_dtype = (ref.dtype if ref is not None else None) if dtype is None else _dtype(dtype)
+    if want_dtype is not None:
+        want_dtype = wire_form(want_dtype)
     if shape is not None:
         want_shape: tuple[int, ...] | None = _shape(shape)
     else:
         want_shape = tuple(ref.shape) if ref is not None else None
     if out is not None:
-        if (want_dtype is not None and out.dtype != want_dtype) or (
-            want_shape is not None and out.shape != want_shape
-        ):
-            raise UsageError("out disagrees with the dtype/shape asked for")
+        asked = []
+        if want_dtype is not None and wire_form(out.dtype) != want_dtype:
+            asked.append(f"dtype {want_dtype}")
+        if want_shape is not None and out.shape != want_shape:
+            asked.append(f"shape {list(want_shape)}")
+        if asked:
+            raise UsageError(
+                f"out has {out.dtype}{list(out.shape)} but {' and '.join(asked)} was asked for"
+            )
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise UsageError("out must be a writeable C-contiguous array")
     return want_dtype, want_shape

@@ -2,7 +2,9 @@
 
 Frame 0's meta is msgpack ``[array header, frame count]``; the payloads are consecutive
 pieces of the array's bytes, at most :data:`CHUNK` each. The receiver checks the sender's
-dtype and shape against what it expects before it allocates anything.
+dtype and shape against what it expects before it allocates anything; byte order is not
+part of the check (arrays travel little-endian, and a big-endian ``out`` is filled with the
+same values, its bytes swapped).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 
 from ..errors import MismatchError, PeerTimeoutError, RemoteProtocolError
 from ..transport.base import Connection
-from ..wire.arrays import ArrayHeader, ArrayHeaderError
+from ..wire.arrays import ArrayHeader, ArrayHeaderError, check_dtype
 
 __all__ = ["CHUNK", "recv_array", "send_array"]
 
@@ -46,7 +48,10 @@ async def recv_array(
     seconds: float,
     max_bytes: int,
 ) -> np.ndarray:
-    """Receive the array sent on ``channel``; the channel is retired afterwards."""
+    """Receive the array sent on ``channel``; the channel is retired afterwards.
+
+    ``want`` comes from :func:`~p2pdist.group.buffers.expectation` (dtype in wire form).
+    """
     want_dtype, want_shape = want
     try:
         async with asyncio.timeout(seconds):
@@ -61,7 +66,7 @@ async def recv_array(
                     f"max_message_bytes={max_bytes}",
                 )
             mismatch = []
-            if want_dtype is not None and header.dtype != want_dtype:
+            if want_dtype is not None and check_dtype(header.dtype) != want_dtype:
                 mismatch.append(f"dtype {want_dtype}")
             if want_shape is not None and header.shape != want_shape:
                 mismatch.append(f"shape {list(want_shape)}")
@@ -90,6 +95,8 @@ async def recv_array(
                 filled += n
             if filled != header.nbytes:
                 raise RemoteProtocolError(conn.label, "array message shorter than its header")
+            if out is not None and out.dtype.isnative != header.dtype.isnative:
+                out.byteswap(inplace=True)  # a big-endian out: the same values, its order
             return header.view(first.payload) if as_view else result
     except TimeoutError:
         raise PeerTimeoutError(conn.label, f"recv got no array within {seconds:g} s") from None

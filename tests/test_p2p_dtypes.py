@@ -1,0 +1,148 @@
+"""Byte order and refused dtypes in recv, collectives' ``out=`` and GradientBuckets.add."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+from group_helpers import groups
+
+from p2pdist import GradientBuckets, UsageError
+from p2pdist.group import p2p
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"dtype": ">f4"},
+        {"dtype": "=f4"},
+        {"like": np.empty(3, ">f4")},
+        {"like": np.empty(3, ">f4"), "dtype": "<f4"},
+    ],
+    ids=["dtype>f4", "dtype=f4", "like>f4", "like>f4+dtype<f4"],
+)
+async def test_recv_big_endian_expectation_matches_a_float32_message(kw: dict[str, Any]) -> None:
+    async with groups(2, timeout=5.0) as (a, b):
+        await a.send(np.arange(3, dtype=np.float32), 1)
+        got = await b.recv(0, **kw)
+        assert got.dtype == np.float32 and got.tolist() == [0.0, 1.0, 2.0]
+        await a.send(np.arange(4, 7, dtype=np.float32), 1)  # the link stays in step
+        assert (await b.recv(0)).tolist() == [4.0, 5.0, 6.0]
+
+
+@pytest.mark.parametrize("chunk", [p2p.CHUNK, 8])
+async def test_recv_into_big_endian_out_fills_the_right_values(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(p2p, "CHUNK", chunk)  # 8: the message travels in several frames
+    async with groups(2, timeout=5.0) as (a, b):
+        sent = np.linspace(-2.5, 7.25, 12, dtype=np.float64).reshape(3, 4)
+        await a.send(sent.astype(">f8"), 1)  # the sender converts big-endian arrays
+        out = np.zeros((3, 4), ">f8")
+        got = await b.recv(0, out=out)
+        assert got is out and out.dtype == np.dtype(">f8")
+        np.testing.assert_array_equal(out, sent)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"dtype": object},
+        {"dtype": "U4"},
+        {"dtype": "M8[s]"},
+        {"dtype": [("a", "<f4")]},
+        {"out": np.empty(3, object)},
+        {"out": np.empty(3, "U4")},
+        {"like": np.empty(3, object)},
+        {"out": np.empty(3, object), "dtype": np.float32},
+    ],
+    ids=[
+        "object",
+        "U4",
+        "datetime",
+        "structured",
+        "out-object",
+        "out-U4",
+        "like-object",
+        "out-object+f4",
+    ],
+)
+async def test_recv_with_a_dtype_that_cannot_travel_is_refused_without_taking_the_message(
+    kw: dict[str, Any],
+) -> None:
+    async with groups(2, timeout=5.0) as (a, b):
+        await a.send(np.arange(3, dtype=np.float32), 1)
+        with pytest.raises(UsageError, match="cannot travel"):
+            await b.recv(0, **kw)
+        got = await b.recv(0, dtype=np.float32)  # the message is still there
+        assert got.tolist() == [0.0, 1.0, 2.0]
+
+
+async def test_collective_into_big_endian_out_is_a_clear_usage_error() -> None:
+    async with groups(2, timeout=5.0) as gs:
+        xs = [(np.arange(4) + g.rank).astype(">f4") for g in gs]
+        for g, x in zip(gs, xs, strict=True):
+            with pytest.raises(UsageError, match="big-endian"):
+                await g.all_reduce(x, out=x)
+        # Nothing travelled: the group is in step, and a big-endian input works.
+        outs = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(gs, xs, strict=True)))
+        for o in outs:
+            assert o.dtype == np.float32 and o.tolist() == [1.0, 3.0, 5.0, 7.0]
+
+
+@pytest.mark.parametrize(
+    "op, reduce, bad",
+    [
+        ("mean", {}, np.int32),
+        ("max", {}, np.complex64),
+        ("sum", {"wire_dtype": "float16"}, np.int32),
+        ("sum", {}, np.dtype("U4")),
+    ],
+    ids=["mean-int32", "max-complex", "wire-int32", "str"],
+)
+async def test_bucket_add_refuses_what_the_all_reduce_would_refuse_and_reduces_the_rest(
+    op: str, reduce: dict[str, Any], bad: Any
+) -> None:
+    async with groups(2, timeout=5.0) as gs:
+        bs = await asyncio.gather(
+            *(GradientBuckets.create(g, bucket_bytes=16, op=op, **reduce) for g in gs)
+        )
+        arrays = []
+        for b, g in zip(bs, gs, strict=True):
+            v = g.rank + 1.0
+            good = [
+                np.full(3, v, np.float32),
+                np.full(2, v, np.float64),
+                np.full(5, v, ">f4"),  # reduced as float32, written back big-endian
+                np.full(6, v, np.float32),
+            ]
+            refused = np.zeros(4, bad)
+            b.add(good[0])
+            with pytest.raises(UsageError):
+                b.add(refused)  # at once, not from wait()
+            for x in good[1:]:
+                b.add(x)
+            arrays.append((good, refused))
+        await asyncio.gather(*(b.wait() for b in bs))
+        want = {"mean": 1.5, "max": 2.0, "sum": 3.0}[op]
+        for good, refused in arrays:
+            for x in good:
+                np.testing.assert_array_equal(x, np.full(x.shape, want, x.dtype))
+            assert np.array_equal(refused, np.zeros(4, bad))  # untouched
+
+
+async def test_a_failed_bucket_names_the_buckets_left_unreduced() -> None:
+    async with groups(2, timeout=3.0) as gs:
+        bs = await asyncio.gather(*(GradientBuckets.create(g, bucket_bytes=16) for g in gs))
+        await gs[1].close()  # rank 0's buckets now fail: its peer is gone
+        xs = [np.ones(4, np.float32) for _ in range(3)]  # one bucket each
+        for x in xs:
+            bs[0].add(x)
+        with pytest.raises(Exception) as info:
+            await bs[0].wait()
+        notes = getattr(info.value, "__notes__", [])
+        assert any("bucket 0 of 3" in n and "3 arrays" in n for n in notes), notes
+        for x in xs:
+            assert x.tolist() == [1.0] * 4
