@@ -501,6 +501,9 @@ class GroupCore(Runner):
         naming the sender; the message is discarded and the link stays usable. Without
         ``out``, a message of up to 64 MiB comes back as a writable view of the buffer it
         was received into (no copy; ``owndata`` is False), which stays the caller's.
+        Dtypes are compared without their byte order (arrays travel little-endian; a
+        big-endian ``out`` is filled with the right values), and a dtype that cannot
+        travel (object, str, ...) is a :class:`UsageError` before any message is taken.
         """
         self._check_peer(src, "src")
         want = expectation(like, shape, dtype, out)
