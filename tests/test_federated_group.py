@@ -229,3 +229,20 @@ async def test_a_rank_sending_different_updates_to_leader_and_follower_is_named(
         assert follow.peer == gs[1].peer_label(2) and "round 0" in str(follow)
         with pytest.raises(GroupBrokenError, match=r"out of step.*rank 2"):
             await feds[1].step(None)
+
+
+async def test_the_model_is_read_only_so_training_it_in_place_fails_at_once() -> None:
+    # `delta = train(fed.model) - fed.model` with an in-place train() gave zero deltas
+    # and ranks with different models, silently; now the write itself fails.
+    async with groups(2) as gs:
+        feds = [GroupAveraging(g, np.zeros(10, np.float32), FederatedConfig()) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        for f in feds:
+            with pytest.raises(ValueError, match="read-only"):
+                f.model[:] -= 1.0
+            assert not f.model.flags.writeable
+        outs = await asyncio.gather(*(f.step(np.ones(10, np.float32), 1) for f in feds))
+        assert all(o.applied for o in outs)
+        assert all(not f.model.flags.writeable for f in feds)  # still, after a round
+        for f in feds:
+            np.testing.assert_array_equal(f.model, np.ones(10, np.float32))

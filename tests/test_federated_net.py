@@ -70,7 +70,7 @@ async def test_rounds_weighted_mean_and_late_joiner_gets_model_and_round_id() ->
         ta, tb = await a.connect(), await b.connect()
         assert ta.round == tb.round == 0 and not ta.open
         np.testing.assert_array_equal(ta.model, model)
-        assert ta.model.flags.writeable  # the client's to train in place
+        assert not ta.model.flags.writeable  # read only: training in place fails loudly
         for r in range(2):
             run = asyncio.create_task(c.run_round())
             await a.submit(np.full(8, 1.0, np.float32), 10, r)
@@ -475,3 +475,18 @@ async def test_a_slow_client_still_gets_its_ack_while_models_keep_draining() -> 
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_task_model_trained_in_place_fails_at_once() -> None:
+    # A train() that updates its argument in place would give a zero delta, silently:
+    # the model is read only, so it fails at once instead.
+    async with coordinator(np.zeros(8, np.float32), round_timeout=30.0) as c:
+        a = client_of(c)
+        task = await a.connect()
+        with pytest.raises(ValueError, match="read-only"):
+            task.model -= 0.5 * np.ones(8, np.float32)
+        assert a.latest is not None and not a.latest.model.flags.writeable
+        np.testing.assert_array_equal(task.model, np.zeros(8, np.float32))
+        delta = (task.model.copy() - 0.5) - task.model  # a copy trains fine
+        np.testing.assert_array_equal(delta, np.full(8, -0.5, np.float32))
+        await a.close()

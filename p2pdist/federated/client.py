@@ -41,6 +41,8 @@ class RoundTask:
 
     round: int
     model: np.ndarray = field(repr=False)
+    """The model of round :attr:`round`, read only: train a copy
+    (``train(task.model.copy())``) and submit the difference."""
     open: bool
     """Whether the round was open when the model was sent (a joiner between rounds gets
     the model of the round about to open)."""
@@ -267,9 +269,11 @@ class FederatedClient:
     def _on_message(self, message: Message, label: str, now: float) -> None:
         if message.kind == "model":
             is_open = bool(message.fields.get("open"))
+            model = message.need_array(label)  # a view of the frame's own buffer: no copy
+            model.flags.writeable = False  # training in place would leave a zero delta
             task = RoundTask(
                 message.get_int("r", label),
-                message.need_array(label),  # a view of the frame's own buffer: no copy
+                model,
                 is_open,
                 now + max(0.0, message.get_float("left", label)),
             )

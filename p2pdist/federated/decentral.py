@@ -130,8 +130,13 @@ class GroupAveraging(Recovery):
 
     @property
     def model(self) -> np.ndarray:
-        """This rank's model (bit-identical on every rank after the same rounds)."""
-        return self._model
+        """This rank's model (bit-identical on every rank after the same rounds): a
+        read-only view, replaced (never changed) by each applied round. Train a copy
+        (``train(fed.model.copy())``): writing into it raises numpy's ValueError
+        ("assignment destination is read-only") instead of leaving a zero delta."""
+        view = self._model.view()
+        view.flags.writeable = False
+        return view
 
     @property
     def round(self) -> int:
