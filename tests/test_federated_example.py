@@ -105,3 +105,47 @@ async def test_median_and_trimmed_mean_keep_accuracy_against_a_1e6_client() -> N
     print(f"trimmed mean attacked {trimmed:.2%}, median attacked {median:.2%}")
     assert clean > 0.85 and ruined < 0.5
     assert trimmed >= clean - 0.03 and median >= clean - 0.05
+
+
+async def _example_client_against(
+    coord: Coordinator, *extra: str
+) -> tuple[asyncio.Task[int], FederatedClient]:
+    """The example client's run() in this process, against ``coord``; returns its task
+    and (once connected) its FederatedClient."""
+    from examples.federated import client as example
+
+    assert coord.address is not None
+    made: list[FederatedClient] = []
+    real = example.FederatedClient
+
+    def spy(*args: object, **kwargs: object) -> FederatedClient:
+        made.append(real(*args, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    argv = ["--coordinator", str(coord.endpoint_id), "--plaintext"]
+    argv += ["--address", f"{coord.address[0]}:{coord.address[1]}", *extra]
+    args = example.parse_args(argv)
+    example.FederatedClient = spy  # type: ignore[assignment,misc]
+    try:
+        task = asyncio.create_task(example.run(args))
+        await coord.wait_for_members(1, timeout=30)
+    finally:
+        example.FederatedClient = real  # type: ignore[misc]
+    return task, made[0]
+
+
+async def test_example_client_stopped_while_training_exits_0(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    plain = TransportConfig(tls=False)
+    async with Coordinator(init_model(), FederatedConfig(), transport=plain) as coord:
+        await coord.start(listen="127.0.0.1:0")
+        task, cl = await _example_client_against(
+            coord, "--index", "0", "--clients", "2", "--work", "1.0"
+        )
+        await asyncio.sleep(0.2)  # it trains (sleeps 1 s) from round 0's model
+        assert not cl.acks and not task.done()
+    # the coordinator has stopped while the client trained
+    assert await asyncio.wait_for(task, 30) == 0
+    assert cl.stopped == "training is over"
+    assert "client 0: done (training is over)" in capsys.readouterr().out

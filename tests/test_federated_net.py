@@ -490,3 +490,60 @@ async def test_a_task_model_trained_in_place_fails_at_once() -> None:
         delta = (task.model.copy() - 0.5) - task.model  # a copy trains fine
         np.testing.assert_array_equal(delta, np.full(8, -0.5, np.float32))
         await a.close()
+
+
+async def test_submit_after_the_coordinator_stopped_returns_false() -> None:
+    # A client still training when the coordinator stops: its submit() is not a
+    # ConnectionBrokenError but "not taken: training is over".
+    async with coordinator(np.zeros(2, np.float32), round_timeout=30.0) as c:
+        a = client_of(c)
+        task = await a.connect()
+        await c.close()  # while the client "trains"
+        await wait_until(lambda: a.stopped is not None, "the stop read")
+        assert await a.submit(np.ones(2, np.float32), 1, task.round) is False
+        assert a.stopped == "training is over"
+        assert await a.next_round(timeout=10) is None
+        with pytest.raises(ConnectionClosedError, match="stopped: training is over"):
+            await a.wait_ack(1, timeout=10)
+        await a.close()
+
+
+async def test_submit_racing_the_stop_returns_false(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The coordinator stops and closes while the update is being sent, before this
+    # client's reader has read the stop: the failed send waits for it.
+    async with coordinator(np.zeros(2, np.float32), round_timeout=30.0) as c:
+        a = client_of(c)
+        task = await a.connect()
+        conn = a._conn
+        assert conn is not None
+
+        closing: list[asyncio.Task[None]] = []
+
+        async def send(*args: Any, **kwargs: Any) -> None:
+            closing.append(asyncio.create_task(c.close()))  # the stop goes out after this
+            raise ConnectionBrokenError(conn.label, "closed its connection (left)")
+
+        monkeypatch.setattr(conn, "send", send)
+        assert await a.submit(np.ones(2, np.float32), 1, task.round) is False
+        assert a.stopped == "training is over"
+        await asyncio.wait_for(closing[0], 10)
+        await a.close()
+
+
+async def test_submit_on_a_broken_connection_without_a_stop_still_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with coordinator(np.zeros(2, np.float32), round_timeout=30.0) as c:
+        a = client_of(c)
+        task = await a.connect()
+        conn = a._conn
+        assert conn is not None
+
+        async def send(*args: Any, **kwargs: Any) -> None:
+            await c._clients[str(a.endpoint_id)].conn.close()  # no stop: a real break
+            raise ConnectionBrokenError(conn.label, "reset")
+
+        monkeypatch.setattr(conn, "send", send)
+        with pytest.raises(ConnectionBrokenError, match="reset"):
+            await a.submit(np.ones(2, np.float32), 1, task.round, timeout=10)
+        await a.close()

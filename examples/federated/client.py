@@ -83,7 +83,8 @@ async def run(args: argparse.Namespace) -> int:
                 update = (update * args.scale).astype(np.float32)
             elif args.attack == "nan":
                 update = np.full_like(update, np.nan)
-            await client.submit(update, len(data.y), task.round)
+            if not await client.submit(update, len(data.y), task.round):
+                break  # the coordinator said stop while this client trained
             if args.leave_round is not None and task.round >= args.leave_round:
                 print(f"client {args.index}: leaving after round {task.round}")
                 break
@@ -91,7 +92,10 @@ async def run(args: argparse.Namespace) -> int:
     finally:
         await client.close()
     rejected = sum(1 for a in client.acks if not a.accepted)
-    print(f"client {args.index}: done; {len(client.acks)} verdicts, {rejected} refused")
+    print(
+        f"client {args.index}: done ({client.stopped or 'left'}); "
+        f"{len(client.acks)} verdicts, {rejected} refused"
+    )
     return 0
 
 

@@ -34,6 +34,10 @@ __all__ = ["Ack", "FederatedClient", "RoundTask"]
 
 log = logging.getLogger(__name__)
 
+_STOP_GRACE = 5.0
+"""Seconds a send that failed on a closed connection waits for the reader to read a
+``stop`` the coordinator sent before closing it."""
+
 
 @dataclass(frozen=True, slots=True)
 class RoundTask:
@@ -186,10 +190,17 @@ class FederatedClient:
         *,
         round_id: int | None = None,
         timeout: float = 30.0,
-    ) -> None:
+    ) -> bool:
         """Send ``update`` (the model delta trained from round ``base_round``'s model, on
         ``num_samples`` samples) for round ``round_id`` (default: the newest round this
-        client has heard of). The verdict arrives later in :attr:`acks`."""
+        client has heard of). The verdict arrives later in :attr:`acks`.
+
+        Returns True once sent, or False, sending nothing, when the coordinator has said
+        stop (training is over: :attr:`stopped` says why), also when the stop arrives
+        while the update is being sent and the coordinator has closed the connection.
+        Other connection errors raise."""
+        if self.stopped is not None:
+            return False
         conn = self._need_conn()
         if round_id is None:
             round_id = self._latest.round if self._latest is not None else base_round
@@ -201,10 +212,30 @@ class FederatedClient:
                 await conn.send(CLIENT_CHANNEL, payload, meta=meta)
         except TimeoutError:
             raise PeerTimeoutError(self._label, f"update not sent within {timeout:g} s") from None
+        except (ConnectionBrokenError, ConnectionClosedError):
+            if await self._stopped_meanwhile():
+                return False
+            raise
+        return True
+
+    async def _stopped_meanwhile(self) -> bool:
+        """After a failed send: whether the coordinator said stop before it closed the
+        connection (the reader may not have read the stop yet; it ends soon either way:
+        the stop comes before the end of the stream)."""
+        reader = self._reader
+        if self.stopped is None and reader is not None and not reader.done():
+            await asyncio.wait({reader}, timeout=_STOP_GRACE)
+        return self.stopped is not None
 
     async def wait_ack(self, count: int, *, timeout: float = 30.0) -> Ack:
-        """Wait until ``count`` verdicts have arrived; returns the ``count``-th."""
-        await self._wait_until(lambda: len(self.acks) >= count, timeout, "no verdict")
+        """Wait until ``count`` verdicts have arrived; returns the ``count``-th. Once the
+        coordinator has said stop and no more can come, raises ConnectionClosedError with
+        its reason."""
+        await self._wait_until(
+            lambda: len(self.acks) >= count or self.stopped is not None, timeout, "no verdict"
+        )
+        if len(self.acks) < count:
+            raise ConnectionClosedError(f"{self._label} stopped: {self.stopped}")
         return self.acks[count - 1]
 
     async def close(self) -> None:
