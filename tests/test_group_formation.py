@@ -235,47 +235,94 @@ async def test_a_restarted_rank_0_times_out_with_a_hint_to_rejoin() -> None:
         ("chunk_bytes", 2 << 20, None),
         ("small_bytes", 4096, None),
         ("on_peer_loss", "leave", None),
-        ("chunk_bytes", 2 << 20, 1),  # rank 1 starts late: it hears of the mismatch
-        ("chunk_bytes", 2 << 20, 0),  # only from the others, after saying ready
+        ("chunk_bytes", 2 << 20, 1),  # rank 1 starts late
+        ("chunk_bytes", 2 << 20, 0),
     ],
 )
 async def test_ranks_with_different_settings_fail_formation_naming_the_setting(
     field: str, value: object, late: int | None
 ) -> None:
     """A setting the algorithms or loss handling depend on, different on rank 2, fails
-    start() on every rank at once with MismatchError naming the setting (not a size
-    mismatch later), also on a rank that started late and had already said ready."""
+    start() at once with MismatchError naming the setting (not a size mismatch later) on
+    every rank that has started; the first ok note carries the settings, so a mismatch
+    is found as soon as two ranks meet. A rank that starts after the others gave up finds
+    nobody and times out."""
     peers = loopback_peers(3)
     odd = GroupConfig(
         timeout=5.0, connect_timeout=CONNECT, transport=TransportConfig(tls=False), **{field: value}
     )
     gs = [make(0, peers), make(1, peers)]
     gs.append(Group.from_seed(SEED, rank=2, world=3, peers=peers, config=odd))
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    took: dict[int, float] = {}
 
     async def start(g: Group) -> None:
         if g.rank == late:
             await asyncio.sleep(0.3)
-        await g.start()
+        try:
+            await g.start()
+        finally:
+            took[g.rank] = loop.time() - t0
 
     try:
-        t0 = asyncio.get_running_loop().time()
         results = await asyncio.wait_for(
             asyncio.gather(*(start(g) for g in gs), return_exceptions=True), CONNECT + 2
         )
-        assert asyncio.get_running_loop().time() - t0 < CONNECT / 2  # failed fast, no wait
         for rank, res in enumerate(results):
+            if rank == late:
+                assert isinstance(res, P2PTimeoutError), (rank, res)
+                continue
+            assert took[rank] < CONNECT / 2, (rank, took)  # failed fast, no wait
             assert isinstance(res, MismatchError), (rank, res)
             assert f"{field} is " in str(res) and "rank 2 (" in str(res), (rank, res)
-        assert "GroupConfig differs" in str(results[2])
+        assert "settings differ" in str(results[2])
     finally:
         await asyncio.gather(*(g.close() for g in gs))
 
 
 def test_terms_from_an_older_peer_are_accepted_and_garbage_refused() -> None:
-    ours = membership.group_terms(CFG)
+    ours = membership.group_terms(CFG, 2)
     membership.check_terms("rank 1 (abc)", "rank 0 (d)", None, ours)
     membership.check_terms("rank 1 (abc)", "rank 0 (d)", dict(ours), ours)
     with pytest.raises(P2PError, match="malformed formation terms"):
         membership.check_terms("rank 1 (abc)", "rank 0 (d)", [1, 2], ours)
     with pytest.raises(MismatchError, match=r"chunk_bytes is 4096 on rank 1 \(abc\), 1048576 on"):
         membership.check_terms("rank 1 (abc)", "rank 0 (d)", {**ours, "chunk_bytes": 4096}, ours)
+
+
+async def test_ranks_that_disagree_about_the_world_fail_at_once_naming_it() -> None:
+    """Same seed, rank 1 told world 3: the ok note carries the world, so both ranks fail
+    at once with MismatchError instead of waiting connect_timeout for a rank 2."""
+    peers = loopback_peers(3)
+    g0 = Group.from_seed(SEED, rank=0, world=2, peers=peers[:2], config=CFG)
+    g1 = Group.from_seed(SEED, rank=1, world=3, peers=peers, config=CFG)
+    try:
+        t0 = asyncio.get_running_loop().time()
+        results = await asyncio.wait_for(
+            asyncio.gather(g0.start(), g1.start(), return_exceptions=True), CONNECT + 2
+        )
+        assert asyncio.get_running_loop().time() - t0 < CONNECT / 2
+        for res in results:
+            assert isinstance(res, MismatchError), res
+            assert "world is " in str(res), res
+    finally:
+        await asyncio.gather(g0.close(), g1.close())
+
+
+async def test_a_rank_with_another_seed_is_told_so_and_the_other_names_the_refusal() -> None:
+    """Rank 1 started with another seed dials rank 0 expecting another key: it fails at
+    once saying the seed or peers may differ, not that the group formed already; rank 0
+    times out naming the refused connection."""
+    peers = loopback_peers(2)
+    g0 = make(0, peers)
+    g1 = Group.from_seed("another-seed-0123456789", rank=1, world=2, peers=peers, config=CFG)
+    try:
+        start0 = asyncio.create_task(g0.start())
+        with pytest.raises(P2PError, match="same seed and the same peers list") as caught:
+            await asyncio.wait_for(g1.start(), CONNECT + 2)
+        assert "formed already" not in str(caught.value)
+        with pytest.raises(P2PTimeoutError, match=r"1 incoming connection\(s\) refused"):
+            await asyncio.wait_for(start0, CONNECT + 2)
+    finally:
+        await asyncio.gather(g0.close(), g1.close())

@@ -271,7 +271,8 @@ class Membership:
         a connection that ends without a word is a rank that restarted, and is waited
         for again (the accepting side takes a new connection from a rank only once the
         old one has ended)."""
-        form = _Formation(self._rank, self.size, group_terms(self.config))
+        form = _Formation(self._rank, self.size, group_terms(self.config, self.size))
+        refused_before = transport.refused_incoming
         try:
             async with asyncio.timeout(self.config.connect_timeout):
                 async with asyncio.TaskGroup() as tg:
@@ -302,6 +303,12 @@ class Membership:
             if quiet:
                 names = ", ".join(self.peer_label(r) for r in sorted(quiet))
                 why.append(f"{names} never said it was connected to every rank")
+            refused = transport.refused_incoming - refused_before
+            if refused:
+                why.append(
+                    f"{refused} incoming connection(s) refused meanwhile, the last "
+                    f"({transport.last_refusal}): a rank with another seed?"
+                )
             raise P2PTimeoutError(
                 f"{self.peer_label(self._rank)}: forming the group took over "
                 f"{self.config.connect_timeout:g} s; " + "; ".join(why)
@@ -362,6 +369,14 @@ class Membership:
                     conn = await self._dial(transport, r)
                 except PeerAuthenticationError as exc:
                     me = self._rank
+                    if "identity mismatch" in exc.detail:
+                        # The process there holds another key than this seed gives rank r.
+                        raise PeerAuthenticationError(
+                            label,
+                            f"{exc.detail}: the process {self._where(r)} is not the rank "
+                            f"{r} this rank expects: do all ranks use the same seed and the "
+                            "same peers list, in rank order?",
+                        ) from None
                     raise PeerAuthenticationError(
                         label,
                         f"{exc.detail}: its group formed already, so another process has "
@@ -371,7 +386,7 @@ class Membership:
                 self._conns[r] = conn
             else:
                 conn = await form.inbox[r].get()
-                _form_note(conn, "ok")
+                _form_note(conn, "ok", terms=form.terms)
                 form.join(r, conn)
             while True:
                 try:
@@ -388,6 +403,7 @@ class Membership:
                 except Exception as exc:  # msgpack's own exceptions, a missing key, a bad type
                     raise RemoteProtocolError(label, f"malformed formation note: {exc!r}") from None
                 if kind == "ok" and r < self._rank:
+                    check_terms(label, self.peer_label(self._rank), note.get("terms"), form.terms)
                     form.join(r, conn)
                 elif kind == "ready":
                     here = self.peer_label(self._rank)
@@ -510,11 +526,13 @@ def _form_note(
         conn.send_nowait(_FORM_CHANNEL, meta=bytes(msgpack.packb(note)))
 
 
-def group_terms(config: GroupConfig) -> dict[str, Any]:
-    """The settings every rank must share, sent with ``ready``: the algorithms' message
-    sizes follow ``small_bytes`` and ``chunk_bytes``, and ``on_peer_loss`` decides
-    whether a lost rank breaks the group or leaves it, which all ranks must see alike."""
+def group_terms(config: GroupConfig, world: int) -> dict[str, Any]:
+    """The settings every rank must share, sent with ``ok`` and ``ready``: the world
+    size, the algorithms' message sizes (``small_bytes``, ``chunk_bytes``), and
+    ``on_peer_loss``, which decides whether a lost rank breaks the group or leaves it,
+    as all ranks must see alike."""
     return {
+        "world": world,
         "small_bytes": config.small_bytes,
         "chunk_bytes": config.chunk_bytes,
         "on_peer_loss": config.on_peer_loss,
@@ -537,8 +555,8 @@ def check_terms(label: str, me: str, theirs: object, ours: dict[str, Any]) -> No
     if differ:
         raise MismatchError(
             label,
-            "GroupConfig differs: " + "; ".join(differ) + " (small_bytes, chunk_bytes and "
-            "on_peer_loss must be equal on every rank)",
+            "settings differ: " + "; ".join(differ) + " (world and GroupConfig's "
+            "small_bytes, chunk_bytes and on_peer_loss must be equal on every rank)",
         )
 
 

@@ -163,7 +163,10 @@ class Rejoining(Membership):
             if isinstance(intent, dict) and intent.get("rejoin") is True:
                 here = self.peer_label(self._rank)
                 check_terms(
-                    self.peer_label(rank), here, intent.get("terms"), group_terms(self.config)
+                    self.peer_label(rank),
+                    here,
+                    intent.get("terms"),
+                    group_terms(self.config, self.size),
                 )
                 return True
         except MismatchError as exc:  # its settings differ from the group's
@@ -308,7 +311,7 @@ class Rejoining(Membership):
         conn.retire(_FORM_CHANNEL)  # a survivor's "refused" note is for a plain restart
         # The first word of a rejoin (a plain restart says none), with the settings every
         # rank must share, which the survivor checks.
-        intent = {"rejoin": True, "terms": group_terms(self.config)}
+        intent = {"rejoin": True, "terms": group_terms(self.config, self.size)}
         with contextlib.suppress(P2PError):
             conn.send_nowait(_HELLO_CHANNEL, meta=bytes(msgpack.packb(intent)))
         try:

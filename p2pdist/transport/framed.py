@@ -458,6 +458,16 @@ class EndpointBase(Generic[C]):
         self._accepted: AcceptQueue[C] = AcceptQueue()
         self._connections: set[C] = set()
         self._closed = False
+        self.refused_incoming = 0
+        """Incoming connections refused in their handshake (not allowed here, another id
+        asked for, a failed proof)."""
+        self.last_refusal: str | None = None
+        """Why the last of them was refused, naming where it came from."""
+
+    def _note_refusal(self, why: str) -> None:
+        """Count an incoming connection refused in its handshake, and remember why."""
+        self.refused_incoming += 1
+        self.last_refusal = why
 
     @property
     def endpoint_id(self) -> EndpointId:

@@ -263,6 +263,7 @@ class QuicConnection(FramedConnection):
             err = PeerAuthenticationError(self.label, prefix + refusal)
             if self._server_side:
                 log.warning("refused incoming connection: %s", err)
+                self._owner._note_refusal(str(err))
             self._fail_handshake(err, AppError.REFUSED, refusal)
             return
         assert presented is not None

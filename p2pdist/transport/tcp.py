@@ -524,6 +524,7 @@ class TcpTransport(EndpointBase[TcpConnection]):
         except P2PError as exc:
             conn.abort(exc)
             log.warning("refused incoming connection: %s", exc)
+            self._note_refusal(str(exc))
             return
         except Exception as exc:  # never leave a half-open socket behind
             log.exception("%s: incoming handshake failed", conn.label)
