@@ -28,7 +28,7 @@ from examples.federated.model import (
     non_iid_shards,
     sgd,
 )
-from p2pdist import TransportConfig
+from p2pdist import P2PTimeoutError, TransportConfig
 from p2pdist.federated import Coordinator, FederatedClient, FederatedConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,3 +149,21 @@ async def test_example_client_stopped_while_training_exits_0(
     assert await asyncio.wait_for(task, 30) == 0
     assert cl.stopped == "training is over"
     assert "client 0: done (training is over)" in capsys.readouterr().out
+
+
+async def test_example_client_exits_1_with_the_reason_when_the_coordinator_fails(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    plain = TransportConfig(tls=False)
+    with pytest.raises(P2PTimeoutError):
+        async with Coordinator(init_model(), FederatedConfig(), transport=plain) as coord:
+            await coord.start(listen="127.0.0.1:0")
+            task, cl = await _example_client_against(
+                coord, "--index", "0", "--clients", "2", "--work", "0"
+            )
+            await coord.wait_for_members(2, timeout=0.2)  # gives up: 1 of 2
+    assert await asyncio.wait_for(task, 30) == 1
+    assert cl.stop_error
+    err = capsys.readouterr().err
+    assert "client 0: the coordinator failed: P2PTimeoutError" in err
+    assert "1 of 2 clients connected" in err

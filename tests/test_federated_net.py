@@ -22,6 +22,7 @@ from p2pdist import (
     ConnectionBrokenError,
     ConnectionClosedError,
     P2PError,
+    P2PTimeoutError,
     PeerAuthenticationError,
     PeerTimeoutError,
     SecretKey,
@@ -547,3 +548,48 @@ async def test_submit_on_a_broken_connection_without_a_stop_still_raises(
         with pytest.raises(ConnectionBrokenError, match="reset"):
             await a.submit(np.ones(2, np.float32), 1, task.round, timeout=10)
         await a.close()
+
+
+async def test_a_coordinator_that_fails_tells_its_clients_it_failed() -> None:
+    model = np.zeros(2, np.float32)
+    a: FederatedClient | None = None
+    with pytest.raises(P2PTimeoutError):
+        async with Coordinator(model, transport=PLAIN) as c:
+            await c.start(listen="127.0.0.1:0")
+            a = client_of(c)
+            await a.connect()
+            await c.wait_for_members(2, timeout=0.2)  # 1 of 2: gives up
+    assert a is not None
+    assert await a.next_round(timeout=10) is None
+    assert a.stop_error
+    assert a.stopped is not None and "the coordinator failed: P2PTimeoutError" in a.stopped
+    assert "1 of 2 clients connected" in a.stopped
+    await a.close()
+    # a normal end is not an error
+    async with coordinator(model) as c:
+        b = client_of(c)
+        await b.connect()
+    assert await b.next_round(timeout=10) is None
+    assert b.stopped == "training is over" and not b.stop_error
+    await b.close()
+
+
+async def test_a_cancelled_coordinator_tells_its_clients_it_was_interrupted() -> None:
+    got: list[FederatedClient] = []
+
+    async def serve() -> None:
+        async with coordinator(np.zeros(2, np.float32)) as c:
+            got.append(client_of(c))
+            await got[0].connect()
+            await asyncio.sleep(60)  # Ctrl-C arrives
+
+    task = asyncio.create_task(serve())
+    await wait_until(lambda: bool(got) and got[0].latest is not None, "client connected")
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+    assert await got[0].next_round(timeout=10) is None
+    assert (
+        got[0].stop_error and got[0].stopped == "the coordinator was interrupted (CancelledError)"
+    )
+    await got[0].close()

@@ -91,6 +91,9 @@ async def run(args: argparse.Namespace) -> int:
             task = await client.next_round(timeout=120.0)
     finally:
         await client.close()
+    if client.stop_error:
+        print(f"client {args.index}: {client.stopped}", file=sys.stderr)
+        return 1
     rejected = sum(1 for a in client.acks if not a.accepted)
     print(
         f"client {args.index}: done ({client.stopped or 'left'}); "

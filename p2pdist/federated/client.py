@@ -111,7 +111,12 @@ class FederatedClient:
         self.acks: list[Ack] = []
         """Verdicts received, oldest first."""
         self.stopped: str | None = None
-        """The coordinator's reason once it said stop."""
+        """The coordinator's reason once it said stop ("training is over" at a normal
+        end)."""
+        self.stop_error = False
+        """True when the coordinator stopped because it failed (an exception ended its
+        ``async with``, or it was interrupted); :attr:`stopped` then says what happened.
+        Training did not finish."""
 
     @property
     def endpoint_id(self) -> EndpointId:
@@ -196,7 +201,8 @@ class FederatedClient:
         client has heard of). The verdict arrives later in :attr:`acks`.
 
         Returns True once sent, or False, sending nothing, when the coordinator has said
-        stop (training is over: :attr:`stopped` says why), also when the stop arrives
+        stop (training is over, or it failed: see :attr:`stopped` and
+        :attr:`stop_error`), also when the stop arrives
         while the update is being sent and the coordinator has closed the connection.
         Other connection errors raise."""
         if self.stopped is not None:
@@ -322,6 +328,7 @@ class FederatedClient:
             )
         elif message.kind == "stop":
             why = message.fields.get("why")
+            self.stop_error = message.fields.get("error") is True
             self.stopped = why if isinstance(why, str) else "stopped"
         else:
             raise RemoteProtocolError(label, f"unexpected {message.kind!r} message")

@@ -9,7 +9,8 @@ channel each way (:data:`~.messages.CLIENT_CHANNEL`)::
                             bye {}                   leaving on purpose
     coordinator -> client   model {r, open, left} + model   on joining and at every round
                             ack {r, ok, why, round}  the verdict on one submission
-                            stop {why}               training is over
+                            stop {why, error}        training is over (error: the
+                                                     coordinator stopped on an error)
 
 Every message is matched to a round by its ids, never by when it arrives: the state
 machine decides (accept, roll a straggler into the current round, drop, reject).
@@ -159,7 +160,12 @@ class Coordinator:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.close()
+        if exc is None:
+            await self.close()
+        elif isinstance(exc, asyncio.CancelledError | KeyboardInterrupt):
+            await self.close(f"the coordinator was interrupted ({type(exc).__name__})", error=True)
+        else:
+            await self.close(f"the coordinator failed: {type(exc).__name__}: {exc}", error=True)
 
     async def start(
         self,
@@ -194,13 +200,16 @@ class Coordinator:
         self._transport = transport
         self._spawn(self._accept_loop(transport))
 
-    async def close(self, why: str = "training is over") -> None:
-        """Tell every client to stop, close every connection, stop accepting; returns once
-        every task the coordinator started has ended."""
+    async def close(self, why: str = "training is over", *, error: bool = False) -> None:
+        """Tell every client to stop (``why``; ``error``: the coordinator gives up on an
+        error, which clients see as :attr:`FederatedClient.stop_error`), close every
+        connection, stop accepting; returns once every task the coordinator started has
+        ended. Leaving ``async with`` on an exception closes with ``error=True`` and the
+        exception in ``why``."""
         if self._closed:
             return
         self._closed = True
-        meta, payload = encode("stop", {"why": why})
+        meta, payload = encode("stop", {"why": why, "error": error})
         for client in list(self._clients.values()):
             with contextlib.suppress(P2PError):
                 client.conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
