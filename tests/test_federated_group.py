@@ -246,3 +246,35 @@ async def test_the_model_is_read_only_so_training_it_in_place_fails_at_once() ->
         assert all(not f.model.flags.writeable for f in feds)  # still, after a round
         for f in feds:
             np.testing.assert_array_equal(f.model, np.ones(10, np.float32))
+
+
+async def test_a_carried_update_replaced_unaggregated_is_warned_about_once_per_10_rounds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A rank slower than round_timeout whose every fresh step(delta) replaces the update
+    # it carries never contributes; it is told so (rate-limited), on that rank.
+    cfg = FederatedConfig(round_timeout=0.5)
+    done = [asyncio.Event(), asyncio.Event()]
+    async with groups(3) as gs:
+        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+
+        async def rank(f: GroupAveraging) -> list[GroupRound]:
+            r, outs = f.group.rank, []
+            for k in range(3):
+                if r == 2 and k < 2:
+                    await done[k].wait()  # round k has closed without us
+                outs.append(await f.step(update_of(r, k, 10), 10))
+                if r == 0 and k < 2:
+                    done[k].set()
+            return outs
+
+        with caplog.at_level(logging.WARNING, logger="p2pdist.federated.decentral"):
+            outs = await asyncio.gather(*(rank(f) for f in feds))
+        assert [o.carried for o in outs[2]] == [True, True, False]
+        assert outs[2][2].included  # in time at last, with its third update
+        assert feds[2].carried_replaced == 2 and feds[0].carried_replaced == 0
+        warned = [r.getMessage() for r in caplog.records if "no round aggregated" in r.message]
+        assert len(warned) == 1, warned  # the second replacement, one round later: quiet
+        assert warned[0].startswith("rank 2: round 1: ")
+        assert "await fed.step(None)" in warned[0] and "round_timeout (0.5 s)" in warned[0]

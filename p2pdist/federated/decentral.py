@@ -58,6 +58,9 @@ __all__ = ["GroupAveraging", "GroupRound"]
 
 log = logging.getLogger(__name__)
 
+_WARN_EVERY = 10
+"""Rounds between two warnings that a carried update was replaced unaggregated."""
+
 _KINDS = (0, 1, 2, 3)  # every kind of a round's channels (all retired together)
 
 
@@ -127,6 +130,10 @@ class GroupAveraging(Recovery):
         """Whether the ranks choose a new leader when theirs is lost (else they fail)."""
         self.local_drops = 0
         """This rank's own updates it stopped carrying because they grew too stale."""
+        self.carried_replaced = 0
+        """This rank's carried updates replaced by a fresh one before any round took them
+        (each one a contribution lost: see :meth:`step`)."""
+        self._warned_replaced = -_WARN_EVERY  # the round of the last such warning
 
     @property
     def model(self) -> np.ndarray:
@@ -201,6 +208,8 @@ class GroupAveraging(Recovery):
             raise GroupBrokenError("this rank's averaging is out of step", self._failed)
         k = self._round
         if update is not None:
+            if self._own is not None:  # carried from an earlier round, never aggregated
+                self._replacing_carried(k, self._own)
             base = k if base_round is None else base_round
             sent = as_array(update)
             self._own = OwnUpdate(sent, num_samples, base, await digest_async(sent))
@@ -256,6 +265,26 @@ class GroupAveraging(Recovery):
             own_reason,
             agg,
             tuple(body["left"]),
+        )
+
+    def _replacing_carried(self, k: int, own: OwnUpdate) -> None:
+        """A fresh update replaces the one carried since round ``own.base_round``'s
+        round, unaggregated: a rank slower than round_timeout that always does this never
+        contributes. Say so, at most once per ``_WARN_EVERY`` rounds."""
+        self.carried_replaced += 1
+        if k - self._warned_replaced < _WARN_EVERY:
+            return
+        self._warned_replaced = k
+        log.warning(
+            "rank %d: round %d: a fresh update replaces this rank's update of round %d, "
+            "which no round aggregated (%d so far): this rank is slower than round_timeout "
+            "(%g s) and may never contribute; send the carried update first "
+            "('if result.carried: await fed.step(None)'), or raise round_timeout",
+            self.group.rank,
+            k,
+            own.base_round,
+            self.carried_replaced,
+            self.config.round_timeout,
         )
 
     # ---- every rank -----------------------------------------------------------------------
