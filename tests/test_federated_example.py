@@ -167,3 +167,35 @@ async def test_example_client_exits_1_with_the_reason_when_the_coordinator_fails
     err = capsys.readouterr().err
     assert "client 0: the coordinator failed: P2PTimeoutError" in err
     assert "1 of 2 clients connected" in err
+
+
+def test_example_client_keys_never_equal_the_coordinators_from_the_same_seed() -> None:
+    from examples.federated.client import client_key, parse_args
+
+    from p2pdist import SecretKey
+
+    seed = "0123456789abcdef0123456789abcdef"
+    coordinator_id = SecretKey.from_seed(seed, 0).endpoint_id  # as examples' coordinator
+    ids = {client_key(seed, i).endpoint_id for i in range(4)}
+    assert coordinator_id not in ids and len(ids) == 4
+    assert client_key(seed, 1).endpoint_id == client_key(seed, 1).endpoint_id  # stable
+    args = parse_args(
+        ["--coordinator", str(coordinator_id), "--address", "h:1"]
+        + ["--index", "0", "--clients", "2", "--key-seed", seed]
+    )
+    assert args.key_seed == seed
+
+
+async def test_example_client_with_the_coordinators_seed_and_index_0_joins() -> None:
+    from p2pdist import SecretKey
+
+    seed = "0123456789abcdef0123456789abcdef"
+    plain = TransportConfig(tls=False)
+    key = SecretKey.from_seed(seed, 0)  # as examples.federated.coordinator --key-seed
+    async with Coordinator(init_model(), FederatedConfig(), key=key, transport=plain) as coord:
+        await coord.start(listen="127.0.0.1:0")
+        task, cl = await _example_client_against(
+            coord, "--index", "0", "--clients", "2", "--work", "0", "--key-seed", seed
+        )
+        assert coord.members == [str(cl.endpoint_id)] != [str(coord.endpoint_id)]
+    assert await asyncio.wait_for(task, 30) == 0

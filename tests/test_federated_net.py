@@ -593,3 +593,22 @@ async def test_a_cancelled_coordinator_tells_its_clients_it_was_interrupted() ->
         got[0].stop_error and got[0].stopped == "the coordinator was interrupted (CancelledError)"
     )
     await got[0].close()
+
+
+async def test_a_client_with_the_coordinators_own_key_is_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with coordinator(np.zeros(2, np.float32)) as c:
+        assert c.address is not None
+        twin = FederatedClient(
+            c.endpoint_id, address=f"{c.address[0]}:{c.address[1]}", transport=PLAIN, key=c.key
+        )
+        with caplog.at_level(logging.WARNING, logger="p2pdist.federated.coordinator"):
+            with pytest.raises(ConnectionClosedError, match="refused: .*coordinator's own"):
+                await twin.connect()
+        assert twin.stop_error and c.members == []
+        assert any("coordinator's own" in r.getMessage() for r in caplog.records)
+        other = client_of(c)  # others still join
+        await other.connect()
+        assert c.members == [str(other.endpoint_id)]
+        await other.close()

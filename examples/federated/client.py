@@ -28,6 +28,17 @@ from p2pdist.federated import FederatedClient, RoundTask
 from .model import Split, load_digits, non_iid_shards, sgd
 
 
+CLIENT_KEY_DOMAIN = "p2pdist-example-client:"
+"""Prefixed to ``--key-seed``: a client's key never equals the coordinator's, which is
+``SecretKey.from_seed(seed, 0)``, even when both are given the same seed."""
+
+
+def client_key(seed: str, index: int) -> SecretKey:
+    """Client ``index``'s key from ``--key-seed``, in a domain apart from the
+    coordinator's."""
+    return SecretKey.from_seed(CLIENT_KEY_DOMAIN + seed, index)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -48,7 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--leave-round", type=int, default=None)
     p.add_argument("--attack", choices=["scale", "nan"], default=None)
     p.add_argument("--scale", type=float, default=1e6)
-    p.add_argument("--key-seed", default=None, help="derive this client's key from a seed")
+    p.add_argument(
+        "--key-seed",
+        default=None,
+        help="derive this client's key from this seed and --index (a fixed endpoint id "
+        "across restarts; the coordinator's --key-seed may be the same string: client "
+        "keys are derived in a domain of their own)",
+    )
     p.add_argument("--plaintext", action="store_true", help="TCP without TLS (trusted nets)")
     p.add_argument("--verbose", action="store_true")
     return p.parse_args(argv)
@@ -59,7 +76,7 @@ async def run(args: argparse.Namespace) -> int:
     train, _ = load_digits()
     shard = non_iid_shards(train.y, args.clients, alpha=args.alpha, seed=args.seed)[args.index]
     data = Split(train.x[shard], train.y[shard])
-    key = SecretKey.from_seed(args.key_seed, args.index) if args.key_seed else None
+    key = client_key(args.key_seed, args.index) if args.key_seed else None
     client = FederatedClient(
         args.coordinator,
         address=args.address,

@@ -53,6 +53,10 @@ __all__ = ["Coordinator"]
 log = logging.getLogger(__name__)
 
 _HELLO_TIMEOUT = 10.0  # seconds a new connection has to say hello
+_SAME_ID = (
+    "this client's endpoint id is the coordinator's own (its key is the coordinator's: "
+    "derive client keys from another seed than the coordinator's)"
+)
 ACKS_PER_ROUND = 8
 """Acks per client and round sent without waiting (an honest client submits once or
 twice a round); past that, acks wait for the client to read (see ``_on_submit``)."""
@@ -306,6 +310,9 @@ class Coordinator:
                 hello = decode(await conn.recv(CLIENT_CHANNEL), label)
             if hello.kind != "hello":
                 raise RemoteProtocolError(label, f"sent {hello.kind!r} before hello")
+            if conn.peer_id == self.endpoint_id:
+                await self._refuse(conn, _SAME_ID)
+                return
             old = self._clients.pop(cid, None)
             if old is not None:  # the same client again: the newer connection wins
                 log.info("%s reconnected; closing its old connection", label)
@@ -343,6 +350,15 @@ class Coordinator:
                 self._forget(client)
             with contextlib.suppress(Exception):
                 await asyncio.shield(conn.close())
+
+    async def _refuse(self, conn: Connection, why: str) -> None:
+        """Tell a client that may not join why (a stop with error=true), then let the
+        caller close its connection."""
+        log.warning("%s refused: %s", conn.label, why)
+        meta, payload = encode("stop", {"why": f"refused: {why}", "error": True})
+        with contextlib.suppress(P2PError, TimeoutError):
+            async with asyncio.timeout(_HELLO_TIMEOUT):
+                await conn.send(CLIENT_CHANNEL, payload, meta=meta)
 
     def _forget(self, client: _Client) -> None:
         """Drop ``client`` (already out of ``_clients``) from the rounds."""
