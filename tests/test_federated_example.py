@@ -171,7 +171,6 @@ async def test_example_client_exits_1_with_the_reason_when_the_coordinator_fails
 
 def test_example_client_keys_never_equal_the_coordinators_from_the_same_seed() -> None:
     from examples.federated.client import client_key, parse_args
-
     from p2pdist import SecretKey
 
     seed = "0123456789abcdef0123456789abcdef"
@@ -179,10 +178,8 @@ def test_example_client_keys_never_equal_the_coordinators_from_the_same_seed() -
     ids = {client_key(seed, i).endpoint_id for i in range(4)}
     assert coordinator_id not in ids and len(ids) == 4
     assert client_key(seed, 1).endpoint_id == client_key(seed, 1).endpoint_id  # stable
-    args = parse_args(
-        ["--coordinator", str(coordinator_id), "--address", "h:1"]
-        + ["--index", "0", "--clients", "2", "--key-seed", seed]
-    )
+    where = ["--coordinator", str(coordinator_id), "--address", "h:1"]
+    args = parse_args([*where, "--index", "0", "--clients", "2", "--key-seed", seed])
     assert args.key_seed == seed
 
 

@@ -27,7 +27,6 @@ from p2pdist.federated import FederatedClient, RoundTask
 
 from .model import Split, load_digits, non_iid_shards, sgd
 
-
 CLIENT_KEY_DOMAIN = "p2pdist-example-client:"
 """Prefixed to ``--key-seed``: a client's key never equals the coordinator's, which is
 ``SecretKey.from_seed(seed, 0)``, even when both are given the same seed."""
