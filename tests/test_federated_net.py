@@ -324,7 +324,9 @@ async def test_a_coordinator_that_cannot_listen_may_start_again() -> None:
             assert other.address is not None and other.address != c.address
 
 
-async def test_the_same_client_again_replaces_its_old_connection() -> None:
+async def test_the_same_client_again_replaces_its_old_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     async with coordinator(np.zeros(2, np.float32), round_timeout=30.0) as c:
         assert c.address is not None
         old = client_of(c)
@@ -332,9 +334,16 @@ async def test_the_same_client_again_replaces_its_old_connection() -> None:
         new = FederatedClient(
             c.endpoint_id, address=f"{c.address[0]}:{c.address[1]}", transport=PLAIN, key=old.key
         )
-        await new.connect()
-        with pytest.raises(ConnectionBrokenError, match=f"coordinator {c.endpoint_id.short()}"):
-            await old.next_round(timeout=10)  # the coordinator closed the old connection
+        with caplog.at_level(logging.WARNING, logger="p2pdist.federated.coordinator"):
+            await new.connect()
+        # the old connection is told why before it is closed
+        assert await old.next_round(timeout=10) is None
+        assert old.stop_error
+        assert old.stopped == (
+            "replaced by a newer connection with your key: two clients share a key?"
+        )
+        assert any("two clients share a key?" in r.getMessage() for r in caplog.records)
+        assert await old.submit(np.ones(2, np.float32), 1, 0) is False
         assert c.members == [str(old.endpoint_id)]
         run = asyncio.create_task(c.run_round())
         await new.submit(np.ones(2, np.float32), 1, 0)
@@ -603,9 +612,11 @@ async def test_a_client_with_the_coordinators_own_key_is_refused(
         twin = FederatedClient(
             c.endpoint_id, address=f"{c.address[0]}:{c.address[1]}", transport=PLAIN, key=c.key
         )
-        with caplog.at_level(logging.WARNING, logger="p2pdist.federated.coordinator"):
-            with pytest.raises(ConnectionClosedError, match="refused: .*coordinator's own"):
-                await twin.connect()
+        with (
+            caplog.at_level(logging.WARNING, logger="p2pdist.federated.coordinator"),
+            pytest.raises(ConnectionClosedError, match=r"refused: .*coordinator's own"),
+        ):
+            await twin.connect()
         assert twin.stop_error and c.members == []
         assert any("coordinator's own" in r.getMessage() for r in caplog.records)
         other = client_of(c)  # others still join

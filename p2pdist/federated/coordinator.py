@@ -53,6 +53,7 @@ __all__ = ["Coordinator"]
 log = logging.getLogger(__name__)
 
 _HELLO_TIMEOUT = 10.0  # seconds a new connection has to say hello
+_REPLACED = "replaced by a newer connection with your key: two clients share a key?"
 _SAME_ID = (
     "this client's endpoint id is the coordinator's own (its key is the coordinator's: "
     "derive client keys from another seed than the coordinator's)"
@@ -315,8 +316,11 @@ class Coordinator:
                 return
             old = self._clients.pop(cid, None)
             if old is not None:  # the same client again: the newer connection wins
-                log.info("%s reconnected; closing its old connection", label)
+                log.warning("%s connected again; closing its old connection (%s)", label, _REPLACED)
                 self._forget(old)
+                meta, payload = encode("stop", {"why": _REPLACED, "error": True})
+                with contextlib.suppress(P2PError):  # an old connection that is dead
+                    old.conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
                 self._spawn(old.conn.close())
             name = hello.fields.get("name")
             client = _Client(cid, label, conn, name if isinstance(name, str) else "")
