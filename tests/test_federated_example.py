@@ -196,3 +196,38 @@ async def test_example_client_with_the_coordinators_seed_and_index_0_joins() -> 
         )
         assert coord.members == [str(cl.endpoint_id)] != [str(coord.endpoint_id)]
     assert await asyncio.wait_for(task, 30) == 0
+
+
+@pytest.mark.parametrize(("index", "clients"), [(4, 2), (2, 2), (-1, 2), (0, 0)])
+def test_example_client_refuses_an_index_outside_its_clients(
+    index: int, clients: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from examples.federated.client import parse_args
+
+    argv = ["--coordinator", "x", "--address", "h:1", "--index", str(index)]
+    with pytest.raises(SystemExit) as exc:
+        parse_args([*argv, "--clients", str(clients)])
+    assert exc.value.code == 2
+    assert "must be" in capsys.readouterr().err
+
+
+def test_example_coordinator_quorum_flag_is_a_fraction_up_to_1_and_a_count_above(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import argparse
+
+    from examples.federated.coordinator import add_coordinator_args, fed_config
+
+    p = argparse.ArgumentParser()
+    add_coordinator_args(p)
+    assert p.parse_args([]).quorum == 0.5
+    one = fed_config(p.parse_args(["--quorum", "1"])).quorum
+    assert one == 1.0 and isinstance(one, float)  # every member, not one update
+    two = fed_config(p.parse_args(["--quorum", "2"])).quorum
+    assert two == 2 and isinstance(two, int)
+    for bad in ("2.5", "0", "-1", "x"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--quorum", bad])
+    assert "whole count above 1" in capsys.readouterr().err
+    helptext = p.format_help()
+    assert "FRACTION" in helptext and "COUNT" in helptext

@@ -67,7 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--plaintext", action="store_true", help="TCP without TLS (trusted nets)")
     p.add_argument("--verbose", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.clients < 1:
+        p.error(f"--clients must be at least 1, got {args.clients}")
+    if not 0 <= args.index < args.clients:
+        p.error(f"--index must be in [0, --clients) = [0, {args.clients}), got {args.index}")
+    return args
 
 
 async def run(args: argparse.Namespace) -> int:

@@ -26,6 +26,21 @@ from .model import centralised_accuracy, evaluate, init_model, load_digits
 from .report import Row, Table, plot
 
 
+def quorum_arg(text: str) -> int | float:
+    """``--quorum``: a fraction in (0, 1] of the members, or a whole count above 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if 0 < value <= 1:
+        return value
+    if value > 1 and value.is_integer():
+        return int(value)
+    raise argparse.ArgumentTypeError(
+        f"{text}: give a fraction in (0, 1] of the members, or a whole count above 1"
+    )
+
+
 def add_coordinator_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by this program and ``run``."""
     p.add_argument("--rounds", type=int, default=30)
@@ -35,7 +50,16 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-norm", type=float, default=10.0, help="0: no norm bound")
     p.add_argument("--round-timeout", type=float, default=0.25, help="seconds per round")
     p.add_argument("--policy", choices=["deadline", "quorum"], default="deadline")
-    p.add_argument("--quorum", type=float, default=0.5, help="fraction (<=1) or count (>1)")
+    p.add_argument(
+        "--quorum",
+        type=quorum_arg,
+        default=0.5,
+        help="valid updates a round needs to apply an aggregate (and, with --policy quorum, "
+        "to close early). A value up to 1 is a FRACTION of the members at the round's "
+        "opening, rounded up: 0.5 (default) is half, 1 is all of them (not one update, "
+        "as FederatedConfig(quorum=1) would be). A whole number above 1 is a COUNT of "
+        "updates: 2 is two.",
+    )
     p.add_argument("--max-staleness", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="initial model and baseline seed")
     p.add_argument("--epochs", type=int, default=1, help="client epochs per round")
@@ -47,11 +71,10 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
 
 def fed_config(args: argparse.Namespace) -> FederatedConfig:
     """The FederatedConfig the flags describe."""
-    quorum: int | float = int(args.quorum) if args.quorum > 1 else float(args.quorum)
     return FederatedConfig(
         round_timeout=args.round_timeout,
         policy=args.policy,
-        quorum=quorum,
+        quorum=args.quorum,  # a float up to 1 is a fraction, an int above 1 a count
         max_staleness=args.max_staleness,
         rule=args.rule,
         trim_fraction=args.trim,
