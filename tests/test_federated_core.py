@@ -412,6 +412,54 @@ def test_config_validation() -> None:
 
 
 @pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_staleness": 1.5},
+        {"max_staleness": 2.0},
+        {"max_staleness": True},
+        {"max_staleness": "2"},
+        {"server_lr": 0},
+        {"server_lr": -1},
+        {"server_lr": float("nan")},
+        {"server_lr": float("inf")},
+        {"server_lr": "1"},
+        {"round_timeout": float("nan")},
+        {"round_timeout": True},
+        {"round_timeout": "5"},
+        {"discount_param": float("nan")},
+        {"discount_param": float("inf")},
+        {"discount_param": "0.5"},
+        {"discount": "none", "discount_param": None},
+        {"trim_fraction": float("nan")},
+        {"trim_fraction": "0.2"},
+        {"max_norm": float("nan")},
+        {"max_norm": -1.0},
+        {"max_norm": "10"},
+        {"max_num_samples": 0},
+        {"max_num_samples": 10.5},
+        {"max_num_samples": True},
+        {"quorum": float("nan")},
+    ],
+)
+def test_config_refuses_wrong_types_and_values(bad: dict[str, object]) -> None:
+    # docs §8: bad values raise UsageError (never a TypeError, never accepted)
+    with pytest.raises(UsageError, match=next(iter(bad))):
+        FederatedConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_config_accepts_numpy_numbers_and_the_edges() -> None:
+    cfg = FederatedConfig(
+        round_timeout=np.float32(0.5),  # type: ignore[arg-type]
+        max_staleness=np.int64(0),  # type: ignore[arg-type]
+        server_lr=0.1,
+        trim_fraction=0.0,
+        max_num_samples=1,
+        max_norm=float("inf"),
+    )
+    assert cfg.max_staleness == 0 and cfg.server_lr == 0.1
+
+
+@pytest.mark.parametrize(
     "array",
     [
         np.arange(12, dtype=">f8").reshape(3, 4),  # big-endian

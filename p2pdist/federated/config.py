@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from ..errors import UsageError
@@ -38,8 +39,8 @@ class FederatedConfig:
     least 1). A round that closes short of it leaves the model unchanged, and its valid
     updates roll into the next round (where their staleness has grown by one)."""
     max_staleness: int = 2
-    """Largest accepted ``round - base_round``, in rounds. Older updates are dropped and
-    counted (reason ``too_stale``)."""
+    """Largest accepted ``round - base_round``, in rounds (an int >= 0). Older updates
+    are dropped and counted (reason ``too_stale``)."""
     discount: str = "polynomial"
     """Staleness discount ``d(s)``: ``"polynomial"`` is ``(1 + s) ** -discount_param``,
     ``"exponential"`` is ``discount_param ** s``, ``"none"`` is 1."""
@@ -59,38 +60,50 @@ class FederatedConfig:
     max_num_samples: int | None = None
     """Reject submissions claiming more samples than this (None: no bound)."""
     server_lr: float = 1.0
-    """Factor applied to the aggregate before it is added to the model."""
+    """Factor applied to the aggregate before it is added to the model (finite, > 0)."""
 
     def __post_init__(self) -> None:
-        if not self.round_timeout > 0 or not math.isfinite(self.round_timeout):
-            raise UsageError("round_timeout must be a positive number of seconds")
+        if not _positive(self.round_timeout) or not math.isfinite(self.round_timeout):
+            raise UsageError(
+                f"round_timeout must be a finite positive number of seconds, "
+                f"got {self.round_timeout!r}"
+            )
         if self.policy not in POLICIES:
             raise UsageError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         q = self.quorum
         if isinstance(q, bool) or not isinstance(q, int | float):
             raise UsageError(f"quorum must be an int count or a float fraction, got {q!r}")
         if isinstance(q, int) and q < 1:
-            raise UsageError("a quorum count must be at least 1")
+            raise UsageError(f"a quorum count must be at least 1, got {q!r}")
         if isinstance(q, float) and not 0.0 < q <= 1.0:
-            raise UsageError("a quorum fraction must be in (0, 1]")
-        if self.max_staleness < 0:
-            raise UsageError("max_staleness must be >= 0")
-        if self.discount not in DISCOUNTS:
-            raise UsageError(f"discount must be one of {DISCOUNTS}, got {self.discount!r}")
-        if self.discount == "polynomial" and not self.discount_param >= 0:
-            raise UsageError("a polynomial discount needs discount_param >= 0")
-        if self.discount == "exponential" and not 0.0 < self.discount_param <= 1.0:
-            raise UsageError("an exponential discount needs discount_param in (0, 1]")
+            raise UsageError(f"a quorum fraction must be in (0, 1], got {q!r}")
+        if not _integer(self.max_staleness) or self.max_staleness < 0:
+            raise UsageError(
+                f"max_staleness must be an int >= 0 (rounds), got {self.max_staleness!r}"
+            )
+        self._check_discount()
         if self.rule not in RULES:
             raise UsageError(f"rule must be one of {RULES}, got {self.rule!r}")
-        if not 0.0 <= self.trim_fraction < 0.5:
-            raise UsageError("trim_fraction must be in [0, 0.5)")
-        if self.max_norm is not None and not self.max_norm > 0:
-            raise UsageError("max_norm must be positive (or None)")
-        if self.max_num_samples is not None and self.max_num_samples < 1:
-            raise UsageError("max_num_samples must be >= 1 (or None)")
-        if not math.isfinite(self.server_lr):
-            raise UsageError("server_lr must be finite")
+        if not _real(self.trim_fraction) or not 0.0 <= self.trim_fraction < 0.5:
+            raise UsageError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction!r}")
+        if self.max_norm is not None and not _positive(self.max_norm):
+            raise UsageError(f"max_norm must be a positive number (or None), got {self.max_norm!r}")
+        n = self.max_num_samples
+        if n is not None and (not _integer(n) or n < 1):
+            raise UsageError(f"max_num_samples must be an int >= 1 (or None), got {n!r}")
+        if not _positive(self.server_lr) or not math.isfinite(self.server_lr):
+            raise UsageError(f"server_lr must be a finite positive number, got {self.server_lr!r}")
+
+    def _check_discount(self) -> None:
+        if self.discount not in DISCOUNTS:
+            raise UsageError(f"discount must be one of {DISCOUNTS}, got {self.discount!r}")
+        a = self.discount_param
+        if not _real(a) or not math.isfinite(a):
+            raise UsageError(f"discount_param must be a finite number, got {a!r}")
+        if self.discount == "polynomial" and not a >= 0:
+            raise UsageError(f"a polynomial discount needs discount_param >= 0, got {a!r}")
+        if self.discount == "exponential" and not 0.0 < a <= 1.0:
+            raise UsageError(f"an exponential discount needs discount_param in (0, 1], got {a!r}")
 
     def needed(self, members: int) -> int:
         """The quorum as a count, for a round that opened with ``members`` members."""
@@ -105,3 +118,18 @@ class FederatedConfig:
         if self.discount == "polynomial":
             return float((1.0 + staleness) ** -self.discount_param)
         return float(self.discount_param**staleness)
+
+
+def _real(value: object) -> bool:
+    """A real number (an int or a float, numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _integer(value: object) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _positive(value: object) -> bool:
+    """A real number above 0 (NaN is not)."""
+    return _real(value) and value > 0  # type: ignore[operator]
