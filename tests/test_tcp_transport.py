@@ -8,6 +8,7 @@ import contextlib
 import errno
 import functools
 import logging
+import os
 import secrets
 import socket
 import sys
@@ -117,7 +118,7 @@ async def test_conformance(
 async def test_tls_is_tls13(make_pair: PairFactory) -> None:
     async with make_pair() as p:
         assert isinstance(p.client, TcpConnection)
-        sslobj = p.client._transport.get_extra_info("ssl_object")  # type: ignore[union-attr]
+        sslobj = p.client.tls_object
         if p.client.encrypted:
             assert sslobj.version() == "TLSv1.3"
         else:
@@ -737,11 +738,13 @@ async def test_killed_process_is_detected(tls: bool) -> None:
             await proc.wait()
 
 
-async def test_backpressure_does_not_look_like_a_dead_peer() -> None:
+@pytest.mark.parametrize("tls", [False, True])
+async def test_backpressure_does_not_look_like_a_dead_peer(tls: bool) -> None:
     """While reading is paused because the application is not consuming, the peer's
-    pings go unread: that silence must not count against the peer."""
+    pings go unread: that silence must not count against the peer. With TLS, records
+    already received wait in the TLS buffer while paused and are taken on resume."""
     cfg = {"keepalive_interval": 0.05, "idle_timeout": 0.3, "max_buffered": 1 << 20}
-    async with tcp_pair(False, **cfg) as p:
+    async with tcp_pair(tls, **cfg) as p:
 
         async def sender() -> None:
             for i in range(16):
@@ -755,6 +758,19 @@ async def test_backpressure_does_not_look_like_a_dead_peer() -> None:
             await bounded(task, "the sender finishing")
         finally:
             task.cancel()
+
+
+async def test_a_corrupt_tls_record_closes_the_connection_naming_the_peer() -> None:
+    """Bytes that are not a valid TLS record for this session (an attacker on the path,
+    say) end the connection with RemoteProtocolError naming the peer; nothing escapes."""
+    async with tcp_pair(True) as p:
+        await p.client.send(1, b"before")
+        assert bytes((await bounded(p.server.recv(1), "recv")).payload) == b"before"
+        assert p.client._transport is not None
+        p.client._transport.write(b"\x17\x03\x03\x00\x20" + os.urandom(32))  # app data
+        with pytest.raises(RemoteProtocolError, match=r"TLS error") as caught:
+            await bounded(p.server.recv(1), "the server noticing")
+        assert "peer" in str(caught.value) or "rank" in str(caught.value)
 
 
 # ---- misuse -----------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def test_tcp_tls_on_uvloop_is_tls13_with_the_pinned_certificate() -> None:
     async def main() -> None:
         async with PAIRS["tcp-tls"]() as p:
             for conn in (p.client, p.server):
-                sslobj = conn._transport.get_extra_info("ssl_object")  # type: ignore[attr-defined]
+                sslobj = conn.tls_object  # type: ignore[attr-defined]
                 assert sslobj is not None and sslobj.version() == "TLSv1.3"
                 assert sslobj.getpeercert(binary_form=True)
             payload = np.arange(1 << 20, dtype=np.uint8)  # > one TLS record, > one read

@@ -43,6 +43,7 @@ from .base import Address, TransportConfig
 from .framed import EndpointBase, FramedConnection
 from .pathinfo import PathInfo, single_path
 from .paths import path_key
+from .tlspipe import TlsPipe
 
 __all__ = ["TcpConnection", "TcpTransport", "parse_address"]
 
@@ -50,6 +51,8 @@ log = logging.getLogger(__name__)
 
 _SMALL_WRITE = 64 * 1024
 _TLS_SLICE = 256 * 1024
+_TLS_READ = 256 * 1024
+"""Ciphertext read per socket read (TLS connections only)."""
 _ASYNCIO_PLAIN_COPIES = sys.version_info < (3, 12)
 
 
@@ -57,12 +60,10 @@ def _write_keeps_reference(transport: asyncio.BaseTransport) -> bool:
     """Whether ``transport.write(memoryview)`` may keep a reference to the part of the
     buffer it could not send at once (so the caller must not change it afterwards).
 
-    TLS transports (asyncio's and uvloop's) encrypt what they are given at once, into
-    their own buffers. asyncio's plain socket transport copies the unsent rest before 3.12
-    and queues a reference from 3.12 on; uvloop's always queues a reference.
+    asyncio's plain socket transport copies the unsent rest before 3.12 and queues a
+    reference from 3.12 on; uvloop's always queues a reference. (TLS connections hand
+    the transport fresh ciphertext, which nobody changes.)
     """
-    if transport.get_extra_info("ssl_object") is not None:
-        return False
     return not (_ASYNCIO_PLAIN_COPIES and type(transport).__module__.startswith("asyncio"))
 
 
@@ -107,8 +108,11 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._write_copy = True
         """Copy large payloads before writing (see :func:`_write_keeps_reference`)."""
-        self._tls_slices = False
-        """Write large payloads in :data:`_TLS_SLICE` pieces (TLS transports)."""
+        self._tls: TlsPipe | None = None
+        """TLS over the socket (TLS mode, from the TLS handshake on)."""
+        self._cipher = memoryview(b"")
+        """Where the socket's ciphertext lands once frames flow (TLS mode)."""
+        self._rx_paused = False
         self._direct: socket.socket | None = None
         """A duplicate of the plain socket, to send what the kernel takes at once (no TLS)."""
         # Handshake phase state.
@@ -131,30 +135,35 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
     @property
     def encrypted(self) -> bool:
         """True when TLS protects this connection."""
-        return (
-            self._transport is not None and self._transport.get_extra_info("ssl_object") is not None
-        )
+        return self._tls is not None and self._tls.handshake_done
+
+    @property
+    def tls_object(self) -> ssl.SSLObject | None:
+        """The connection's ``ssl.SSLObject`` (TLS version, peer certificate), or None."""
+        return self._tls.obj if self._tls is not None else None
 
     # ---- FramedConnection hooks ----------------------------------------------------------
 
     def _write(self, data: bytes) -> None:
         assert self._transport is not None
-        self._transport.write(data)
+        self._transport.write(self._tls.encrypt(data) if self._tls is not None else data)
 
     def _write_frame(self, header: bytes, payload: memoryview) -> None:
         t = self._transport
         assert t is not None
+        tls = self._tls
         if payload.nbytes <= _SMALL_WRITE:
-            t.write(b"".join((header, payload)) if payload.nbytes else header)  # one copy
+            data = b"".join((header, payload)) if payload.nbytes else header  # one copy
+            t.write(tls.encrypt(data) if tls is not None else data)  # one TLS record
+        elif tls is not None:
+            # Encrypt and send slice by slice, so each slice is still in cache when it is
+            # encrypted and its ciphertext when it is sent (one 8 MiB write would make
+            # three passes over memory), and most slices go to the kernel unqueued.
+            t.write(tls.encrypt(header))
+            for i in range(0, payload.nbytes, _TLS_SLICE):
+                t.write(tls.encrypt(payload[i : i + _TLS_SLICE]))
         else:
             t.write(header)
-            if self._tls_slices:
-                # TLS: encrypt, drain the BIO and send slice by slice, so each slice is
-                # still in cache for the next step (one 8 MiB write makes three passes
-                # over memory), and most slices go to the kernel without being queued.
-                for i in range(0, payload.nbytes, _TLS_SLICE):
-                    t.write(payload[i : i + _TLS_SLICE])
-                return
             if not self._write_copy:
                 t.write(payload)
                 return
@@ -174,16 +183,24 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         return self._transport is not None and not self._transport.is_closing()
 
     def _set_reading(self, on: bool) -> None:
+        self._rx_paused = not on
         if self._transport is not None and not self._transport.is_closing():
             if on:
                 self._transport.resume_reading()
             else:
                 self._transport.pause_reading()
+        if on and self._tls is not None and self._tls.readable:
+            # Records that came before the pause wait in the TLS buffer: take them now
+            # (not from inside the receive call that resumed us).
+            self._loop.call_soon(self._tls_receive)
 
     async def _shutdown(self) -> None:
         t = self._transport
         if t is None:
             return
+        if self._tls is not None and self._tls.handshake_done and not t.is_closing():
+            with contextlib.suppress(Exception):  # best effort: GOODBYE said it already
+                t.write(self._tls.close_notify())
         t.close()
         try:
             async with asyncio.timeout(2.0):
@@ -202,8 +219,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         transport = cast(asyncio.Transport, transport)
         first = self._transport is None
         self._transport = transport
-        # With TLS, frames go to the TLS transport made later (start_tls), and what reaches
-        # this one is TLS's own bytes.
+        # With TLS, what this transport gets is fresh ciphertext (TlsPipe.encrypt), which
+        # nobody changes afterwards: no copies needed.
         self._write_copy = _write_keeps_reference(transport) and not self._cfg.tls
         transport.set_write_buffer_limits(high=self._cfg.write_buffer_high)
         if first:
@@ -225,16 +242,51 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._handshaking:
             return memoryview(self._hs_buf)
+        if self._tls is not None:
+            return self._cipher
         return self._decoder.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._handshaking:
-            self._hs_reader.feed(memoryview(self._hs_buf)[:nbytes])
-            if len(self._hs_reader) > _HANDSHAKE_BUFFER_PAUSE and self._transport is not None:
+            received = memoryview(self._hs_buf)[:nbytes]
+            if self._tls is not None:
+                self._tls.feed(received)
+                buffered = self._tls.buffered
+            else:
+                self._hs_reader.feed(received)
+                buffered = len(self._hs_reader)
+            if buffered > _HANDSHAKE_BUFFER_PAUSE and self._transport is not None:
                 self._transport.pause_reading()
             self._wake_handshake()
             return
+        if self._tls is not None:
+            self._tls.feed(self._cipher[:nbytes])
+            self._tls_receive()
+            return
         self._decode(self._decoder.buffer_updated, nbytes)
+
+    def _flush_tls(self) -> None:
+        """Send what TLS has to say by itself (handshake messages, alerts)."""
+        assert self._tls is not None
+        out = self._tls.outgoing()
+        if out and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(out)
+
+    def _tls_receive(self) -> None:
+        """Decrypt the records received so far straight into the frame decoder's buffers
+        (a payload lands in its own buffer), until none is whole or reading is paused."""
+        tls = self._tls
+        assert tls is not None
+        while self._error is None and not self._rx_paused and tls.readable:
+            try:
+                n = tls.read_into(self._decoder.get_buffer())
+            except ssl.SSLError as exc:
+                self._protocol_error(f"TLS error: {exc}")
+                return
+            if not n:
+                break
+            self._decode(self._decoder.buffer_updated, n)
+        self._flush_tls()  # a key update's answer, say
 
     def eof_received(self) -> bool | None:
         return None
@@ -277,29 +329,33 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             await self._hs_wakeup
 
     async def _start_tls(self, ctx: ssl.SSLContext) -> None:
+        """The TLS handshake over this connection's socket (:class:`TlsPipe`), then the
+        check that the peer's certificate carries the id it must have."""
         assert self._transport is not None
         if len(self._hs_reader):
             raise RemoteProtocolError(self.label, "unexpected bytes before the TLS handshake")
-        try:
-            new = await self._loop.start_tls(
-                self._transport,
-                self,
-                ctx,
-                server_side=self._server_side,
-                ssl_handshake_timeout=self._cfg.handshake_timeout,
-            )
-        except ssl.SSLError as exc:
-            raise PeerAuthenticationError(self.label, f"TLS handshake failed: {exc}") from None
-        except OSError as exc:  # reset or closed mid-handshake: a network failure
-            raise ConnectionBrokenError(self.label, f"lost during TLS handshake: {exc}") from None
-        if new is None:
-            raise ConnectionBrokenError(self.label, "connection lost during TLS handshake")
-        self._transport = new
-        self._write_copy = _write_keeps_reference(new)
-        # asyncio's TLS only: uvloop's handles one large write as well (measured).
-        self._tls_slices = not self._write_copy and type(new).__module__.startswith("asyncio")
-        sslobj = new.get_extra_info("ssl_object")
-        der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
+        tls = self._tls = TlsPipe(ctx, server_side=self._server_side)
+        while True:
+            try:
+                done = tls.handshake()
+            except ssl.SSLError as exc:
+                self._flush_tls()  # the alert tells the peer why
+                raise PeerAuthenticationError(self.label, f"TLS handshake failed: {exc}") from None
+            self._flush_tls()
+            if done:
+                break
+            if self._error is not None:  # lost mid-handshake: a network failure
+                raise ConnectionBrokenError(
+                    self.label, f"lost during TLS handshake: {self._error}"
+                ) from None
+            if self._transport.is_closing():
+                raise ConnectionBrokenError(self.label, "connection lost during TLS handshake")
+            if tls.buffered <= _HANDSHAKE_BUFFER_PAUSE:
+                self._transport.resume_reading()
+            self._hs_wakeup = self._loop.create_future()
+            await self._hs_wakeup
+        self._cipher = memoryview(bytearray(_TLS_READ))
+        der = tls.obj.getpeercert(binary_form=True)
         if not der:
             raise PeerAuthenticationError(self.label, "peer presented no certificate")
         try:
@@ -420,7 +476,9 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         self._start_frames()
         if self._transport is not None:
             self._transport.resume_reading()
-        if leftover:
+        if self._tls is not None:
+            self._tls_receive()  # frames that came with the handshake's last flight
+        elif leftover:
             self._decode(self._decoder.feed, leftover)
 
 

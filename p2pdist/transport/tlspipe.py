@@ -1,0 +1,91 @@
+"""TLS over memory BIOs for a buffered asyncio protocol (sans-I/O).
+
+:class:`TlsPipe` wraps one ``ssl.SSLObject`` (the ``ssl`` module's own TLS, through
+``SSLContext.wrap_bio``): ciphertext from the socket goes in with :meth:`TlsPipe.feed`,
+plaintext comes out straight into the caller's buffer (:meth:`TlsPipe.read_into`, so a
+payload still lands in its own buffer), and :meth:`TlsPipe.encrypt` turns plaintext into
+the bytes for the socket. It does no I/O and keeps no timers: the connection moves the
+bytes and bounds the handshake.
+
+Why not ``loop.start_tls``: asyncio's TLS layer (``sslproto``) runs the same
+``SSLObject`` calls under a general state machine (flow control, write backlog, app
+buffer bookkeeping) that costs more Python per record than the TLS itself for small
+messages; the connection already has its own flow control and frame decoder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ssl
+from typing import cast
+
+__all__ = ["TlsPipe"]
+
+
+class TlsPipe:
+    """One TLS session over memory BIOs (see the module docstring)."""
+
+    __slots__ = ("_in", "_out", "closed_by_peer", "handshake_done", "obj")
+
+    def __init__(self, context: ssl.SSLContext, *, server_side: bool) -> None:
+        self._in = ssl.MemoryBIO()
+        self._out = ssl.MemoryBIO()
+        self.obj = context.wrap_bio(self._in, self._out, server_side=server_side)
+        """The ``ssl.SSLObject`` (version, peer certificate)."""
+        self.handshake_done = False
+        self.closed_by_peer = False
+        """The peer sent close_notify: no more data will come."""
+
+    @property
+    def buffered(self) -> int:
+        """Ciphertext received and not yet decrypted."""
+        return self._in.pending
+
+    @property
+    def readable(self) -> bool:
+        """Whether :meth:`read_into` may have something: ciphertext not yet decrypted,
+        or plaintext of a record decrypted only in part."""
+        return self._in.pending > 0 or self.obj.pending() > 0
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Ciphertext received from the socket."""
+        self._in.write(data)
+
+    def outgoing(self) -> bytes:
+        """Ciphertext to send (handshake messages, alerts, close_notify); b"" if none."""
+        return self._out.read() if self._out.pending else b""
+
+    def handshake(self) -> bool:
+        """Advance the handshake with what was fed: True once it is complete. Raises
+        ``ssl.SSLError`` when it fails (:meth:`outgoing` then holds the alert)."""
+        try:
+            self.obj.do_handshake()
+        except ssl.SSLWantReadError:
+            return False
+        self.handshake_done = True
+        return True
+
+    def read_into(self, buf: memoryview) -> int:
+        """Decrypt into ``buf`` (at most one TLS record's worth): the number of bytes
+        written, 0 when no whole record is buffered or the peer has closed TLS
+        (:attr:`closed_by_peer`). Raises ``ssl.SSLError`` for a corrupt stream."""
+        try:
+            # With a buffer, read() returns a count (typeshed says bytes).
+            return cast(int, self.obj.read(len(buf), buf))
+        except ssl.SSLWantReadError:
+            return 0
+        except ssl.SSLZeroReturnError:
+            self.closed_by_peer = True
+            return 0
+
+    def encrypt(self, data: bytes | bytearray | memoryview) -> bytes:
+        """The ciphertext of ``data`` (and of anything else pending) for the socket."""
+        self.obj.write(data)
+        return self._out.read()
+
+    def close_notify(self) -> bytes:
+        """Start closing TLS: the close_notify alert to send (b"" if it cannot go)."""
+        # SSLWantReadError: the peer's close_notify, which is not awaited
+        with contextlib.suppress(ssl.SSLError):
+            self.obj.unwrap()
+        return self.outgoing()
