@@ -673,12 +673,12 @@ async def test_malformed_frames_close_only_that_connection(name: str, tls: bool)
             bystander_srv = await bounded(p.server_transport.accept(), "second accept")
 
             raw = p.client._transport  # type: ignore[attr-defined]
-            raw.write(bad)
+            tls = p.client._tls  # type: ignore[attr-defined]
+            raw.write(tls.encrypt(bad) if tls is not None else bad)  # inside TLS, if any
             if then_eof:
-                if raw.can_write_eof():
-                    raw.write_eof()
-                else:
-                    raw.close()  # TLS: close_notify, then FIN
+                if tls is not None:
+                    raw.write(tls.close_notify())
+                raw.write_eof()
             await check_offender_dropped(p, (bystander, bystander_srv))
 
 
@@ -762,15 +762,34 @@ async def test_backpressure_does_not_look_like_a_dead_peer(tls: bool) -> None:
 
 async def test_a_corrupt_tls_record_closes_the_connection_naming_the_peer() -> None:
     """Bytes that are not a valid TLS record for this session (an attacker on the path,
-    say) end the connection with RemoteProtocolError naming the peer; nothing escapes."""
+    say) end the connection as broken, naming the peer; nothing escapes, and the peer
+    learns it from our alert."""
     async with tcp_pair(True) as p:
         await p.client.send(1, b"before")
         assert bytes((await bounded(p.server.recv(1), "recv")).payload) == b"before"
         assert p.client._transport is not None
         p.client._transport.write(b"\x17\x03\x03\x00\x20" + os.urandom(32))  # app data
-        with pytest.raises(RemoteProtocolError, match=r"TLS error") as caught:
+        with pytest.raises(ConnectionBrokenError, match=r"TLS error") as caught:
             await bounded(p.server.recv(1), "the server noticing")
-        assert "peer" in str(caught.value) or "rank" in str(caught.value)
+        assert eid(0).short() in str(caught.value)
+        with pytest.raises(ConnectionBrokenError, match=r"TLS error: .*ALERT"):
+            await bounded(p.client.recv(1), "the client reading the alert")
+
+
+async def test_a_peer_close_notify_ends_the_connection_at_once() -> None:
+    """TLS close_notify without GOODBYE (and with the socket left open): nothing more can
+    be read, so the connection ends at once, not graceful, instead of buffering what
+    follows undecrypted until the idle timeout."""
+    async with tcp_pair(True) as p:
+        await p.client.send(1, b"before")
+        assert bytes((await bounded(p.server.recv(1), "recv")).payload) == b"before"
+        assert p.client._transport is not None and p.client._tls is not None
+        p.client._transport.write(p.client._tls.close_notify())
+        p.client._transport.write(os.urandom(64 << 10))  # would pile up undecrypted
+        with pytest.raises(ConnectionBrokenError) as caught:
+            await bounded(p.server.recv(1), "the server ending the connection")
+        assert not caught.value.graceful
+        assert p.server._tls is not None and p.server._tls.buffered <= 256 << 10  # one read
 
 
 # ---- misuse -----------------------------------------------------------------------------------

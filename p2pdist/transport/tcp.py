@@ -53,6 +53,8 @@ _SMALL_WRITE = 64 * 1024
 _TLS_SLICE = 256 * 1024
 _TLS_READ = 256 * 1024
 """Ciphertext read per socket read (TLS connections only)."""
+_TLS_STUCK = 2 * (16 * 1024 + 256 + 5)
+"""More undecrypted ciphertext than two largest records while reading: a bug or an abuse."""
 _ASYNCIO_PLAIN_COPIES = sys.version_info < (3, 12)
 
 
@@ -146,7 +148,21 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
 
     def _write(self, data: bytes) -> None:
         assert self._transport is not None
-        self._transport.write(self._tls.encrypt(data) if self._tls is not None else data)
+        if self._tls is None:
+            self._transport.write(data)
+            return
+        with contextlib.suppress(P2PError):  # control frames: the failure ends the connection
+            self._transport.write(self._encrypt(self._tls, data))
+
+    def _encrypt(self, tls: TlsPipe, data: bytes | memoryview) -> bytes:
+        """``data``'s ciphertext; a TLS session that can no longer send (it was shut
+        down, or failed) ends the connection, and the error is raised."""
+        try:
+            return tls.encrypt(data)
+        except ssl.SSLError as exc:
+            err = ConnectionBrokenError(self.label, f"TLS cannot send: {exc}")
+            self.abort(err)
+            raise err from None
 
     def _write_frame(self, header: bytes, payload: memoryview) -> None:
         t = self._transport
@@ -154,14 +170,14 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         tls = self._tls
         if payload.nbytes <= _SMALL_WRITE:
             data = b"".join((header, payload)) if payload.nbytes else header  # one copy
-            t.write(tls.encrypt(data) if tls is not None else data)  # one TLS record
+            t.write(self._encrypt(tls, data) if tls is not None else data)  # one TLS record
         elif tls is not None:
             # Encrypt and send slice by slice, so each slice is still in cache when it is
             # encrypted and its ciphertext when it is sent (one 8 MiB write would make
             # three passes over memory), and most slices go to the kernel unqueued.
-            t.write(tls.encrypt(header))
+            t.write(self._encrypt(tls, header))
             for i in range(0, payload.nbytes, _TLS_SLICE):
-                t.write(tls.encrypt(payload[i : i + _TLS_SLICE]))
+                t.write(self._encrypt(tls, payload[i : i + _TLS_SLICE]))
         else:
             t.write(header)
             if not self._write_copy:
@@ -281,12 +297,24 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             try:
                 n = tls.read_into(self._decoder.get_buffer())
             except ssl.SSLError as exc:
-                self._protocol_error(f"TLS error: {exc}")
+                # A record that does not decrypt (corrupted or forged in transit: not
+                # necessarily the peer's doing), or the peer's fatal alert: the byte
+                # stream is broken, as when the socket fails.
+                self._flush_tls()  # our alert tells the peer why
+                err = ConnectionBrokenError(self.label, f"connection lost: TLS error: {exc}")
+                log.warning("%s", err)
+                self.abort(err)
                 return
             if not n:
                 break
             self._decode(self._decoder.buffer_updated, n)
         self._flush_tls()  # a key update's answer, say
+        if tls.closed_by_peer and self._transport is not None:
+            # close_notify: nothing more can be read, and whatever follows would only pile
+            # up undecrypted: end as on a TCP EOF (graceful only after GOODBYE).
+            self._transport.close()
+        elif not self._rx_paused and tls.buffered > _TLS_STUCK and self._error is None:
+            self._protocol_error("TLS data that cannot be decrypted is piling up")
 
     def eof_received(self) -> bool | None:
         return None

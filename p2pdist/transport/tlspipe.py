@@ -66,17 +66,20 @@ class TlsPipe:
         return True
 
     def read_into(self, buf: memoryview) -> int:
-        """Decrypt into ``buf`` (at most one TLS record's worth): the number of bytes
-        written, 0 when no whole record is buffered or the peer has closed TLS
+        """Decrypt into ``buf`` (non-empty; at most one TLS record's worth): the number of
+        bytes written, 0 when no whole record is buffered or the peer has closed TLS
         (:attr:`closed_by_peer`). Raises ``ssl.SSLError`` for a corrupt stream."""
         try:
             # With a buffer, read() returns a count (typeshed says bytes).
-            return cast(int, self.obj.read(len(buf), buf))
+            n = cast(int, self.obj.read(len(buf), buf))
         except ssl.SSLWantReadError:
             return 0
         except ssl.SSLZeroReturnError:
             self.closed_by_peer = True
             return 0
+        if not n:  # close_notify: ssl returns 0 (and raises only once ours went too)
+            self.closed_by_peer = True
+        return n
 
     def encrypt(self, data: bytes | bytearray | memoryview) -> bytes:
         """The ciphertext of ``data`` (and of anything else pending) for the socket."""
