@@ -397,11 +397,7 @@ class Membership:
                     form.leave(r, conn)
                     await conn.close()
                     break
-                try:
-                    note = msgpack.unpackb(frame.meta, raw=False)
-                    kind, why = str(note["form"]), str(note.get("why", ""))
-                except Exception as exc:  # msgpack's own exceptions, a missing key, a bad type
-                    raise RemoteProtocolError(label, f"malformed formation note: {exc!r}") from None
+                kind, why, note = _read_note(label, frame.meta)
                 if kind == "ok" and r < self._rank:
                     check_terms(label, self.peer_label(self._rank), note.get("terms"), form.terms)
                     form.join(r, conn)
@@ -437,11 +433,7 @@ class Membership:
             frame = note_task.result()
         except (ConnectionBrokenError, ConnectionClosedError, asyncio.CancelledError):
             return
-        try:
-            note = msgpack.unpackb(frame.meta, raw=False)
-            kind, why = str(note["form"]), str(note.get("why", ""))
-        except Exception as exc:  # msgpack's own exceptions, a missing key, a bad type
-            raise RemoteProtocolError(label, f"malformed formation note: {exc!r}") from None
+        kind, why, note = _read_note(label, frame.meta)
         _raise_for_note(label, kind, why, note)
 
     async def _accept_forming(
@@ -558,6 +550,15 @@ def check_terms(label: str, me: str, theirs: object, ours: dict[str, Any]) -> No
             "settings differ: " + "; ".join(differ) + " (world and GroupConfig's "
             "small_bytes, chunk_bytes and on_peer_loss must be equal on every rank)",
         )
+
+
+def _read_note(label: str, meta: bytes) -> tuple[str, str, dict[str, Any]]:
+    """A formation note from ``label``: (kind, why, the whole note)."""
+    try:
+        note = msgpack.unpackb(meta, raw=False)
+        return str(note["form"]), str(note.get("why", "")), note
+    except Exception as exc:  # msgpack's own exceptions, a missing key, a bad type
+        raise RemoteProtocolError(label, f"malformed formation note: {exc!r}") from None
 
 
 def _raise_for_note(label: str, kind: str, why: str, note: dict[str, Any]) -> None:
