@@ -294,8 +294,16 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         tls = self._tls
         assert tls is not None
         while self._error is None and not self._rx_paused and tls.readable:
+            # Fill the decoder's buffer with as many records as are here before telling
+            # it: one decoder pass per buffer, not per 16 KiB record.
+            buf = self._decoder.get_buffer()
+            n = 0
             try:
-                n = tls.read_into(self._decoder.get_buffer())
+                while n < len(buf) and tls.readable:
+                    got = tls.read_into(buf[n:])
+                    if not got:
+                        break
+                    n += got
             except ssl.SSLError as exc:
                 # A record that does not decrypt (corrupted or forged in transit: not
                 # necessarily the peer's doing), or the peer's fatal alert: the byte
