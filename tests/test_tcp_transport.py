@@ -776,6 +776,19 @@ async def test_a_corrupt_tls_record_closes_the_connection_naming_the_peer() -> N
             await bounded(p.client.recv(1), "the client reading the alert")
 
 
+async def test_frames_before_a_corrupt_tls_record_are_still_delivered() -> None:
+    """Records decrypted before a bad one in the same read were authentic: their frames
+    come first, then the connection ends."""
+    async with tcp_pair(True) as p:
+        assert p.client._transport is not None and p.client._tls is not None
+        good = p.client._tls.encrypt(encode_header(FrameKind.DATA, 1, 0, b"", 5) + b"hello")
+        p.client._transport.write(good + b"\x17\x03\x03\x00\x20" + os.urandom(32))
+        frame = await bounded(p.server.recv(1), "the good frame")
+        assert bytes(frame.payload) == b"hello"
+        with pytest.raises(ConnectionBrokenError, match=r"TLS error"):
+            await bounded(p.server.recv(1), "the server noticing")
+
+
 async def test_a_peer_close_notify_ends_the_connection_at_once() -> None:
     """TLS close_notify without GOODBYE (and with the socket left open): nothing more can
     be read, so the connection ends at once, not graceful, instead of buffering what

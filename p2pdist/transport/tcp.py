@@ -307,8 +307,11 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             except ssl.SSLError as exc:
                 # A record that does not decrypt (corrupted or forged in transit: not
                 # necessarily the peer's doing), or the peer's fatal alert: the byte
-                # stream is broken, as when the socket fails.
-                self._flush_tls()  # our alert tells the peer why
+                # stream is broken, as when the socket fails. The records before it were
+                # authentic: their frames (a GOODBYE, say) are delivered first.
+                if n and self._error is None:
+                    self._decode(self._decoder.buffer_updated, n)
+                self._flush_tls()  # our alert, best effort: tells the peer why
                 err = ConnectionBrokenError(self.label, f"connection lost: TLS error: {exc}")
                 log.warning("%s", err)
                 self.abort(err)
