@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -457,6 +458,31 @@ def test_config_accepts_numpy_numbers_and_the_edges() -> None:
         max_norm=float("inf"),
     )
     assert cfg.max_staleness == 0 and cfg.server_lr == 0.1
+    # numpy scalars are kept as Python numbers: the settings travel in msgpack messages
+    # (a coordinator's round deadline, a leader's decision) and are compared across ranks
+    assert type(cfg.round_timeout) is float and type(cfg.max_staleness) is int
+    numpy_cfg = FederatedConfig(
+        quorum=np.int64(3),  # type: ignore[arg-type]
+        trim_fraction=np.float32(0.25),  # type: ignore[arg-type]
+        server_lr=np.float64(0.5),  # type: ignore[arg-type]
+        discount_param=np.float32(0.5),  # type: ignore[arg-type]
+    )
+    assert type(numpy_cfg.quorum) is int and numpy_cfg.quorum == 3
+    fields = [numpy_cfg.trim_fraction, numpy_cfg.server_lr, numpy_cfg.discount_param]
+    assert all(type(v) is float for v in fields)
+    assert msgpack.unpackb(msgpack.packb(fields)) == [0.25, 0.5, 0.5]
+
+
+def test_a_coordinator_error_stop_is_bounded_and_survives_a_broken_str() -> None:
+    from p2pdist.federated.coordinator import _describe
+
+    class Odd(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    assert _describe(Odd()) == "Odd: (no description)"
+    long = _describe(ValueError("x" * 100_000))
+    assert long.startswith("ValueError: x") and len(long) == 1000
 
 
 @pytest.mark.parametrize(

@@ -340,7 +340,8 @@ async def test_the_same_client_again_replaces_its_old_connection(
         assert await old.next_round(timeout=10) is None
         assert old.stop_error
         assert old.stopped == (
-            "replaced by a newer connection with your key: two clients share a key?"
+            "replaced by a newer connection with your key (the client restarted, or two clients "
+            "share a key?)"
         )
         assert any("two clients share a key?" in r.getMessage() for r in caplog.records)
         assert await old.submit(np.ones(2, np.float32), 1, 0) is False

@@ -71,8 +71,12 @@ class FederatedConfig:
         if self.policy not in POLICIES:
             raise UsageError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         q = self.quorum
-        if isinstance(q, bool) or not isinstance(q, int | float):
+        if isinstance(q, bool) or not isinstance(q, numbers.Real):
             raise UsageError(f"quorum must be an int count or a float fraction, got {q!r}")
+        # numpy scalars become Python numbers: they travel in msgpack messages and are
+        # compared with a peer's settings.
+        q = int(q) if isinstance(q, numbers.Integral) else float(q)
+        object.__setattr__(self, "quorum", q)
         if isinstance(q, int) and q < 1:
             raise UsageError(f"a quorum count must be at least 1, got {q!r}")
         if isinstance(q, float) and not 0.0 < q <= 1.0:
@@ -93,6 +97,14 @@ class FederatedConfig:
             raise UsageError(f"max_num_samples must be an int >= 1 (or None), got {n!r}")
         if not _positive(self.server_lr) or not math.isfinite(self.server_lr):
             raise UsageError(f"server_lr must be a finite positive number, got {self.server_lr!r}")
+        for name in ("round_timeout", "discount_param", "trim_fraction", "server_lr", "max_norm"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, float(value))
+        for name in ("max_staleness", "max_num_samples"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, int(value))
 
     def _check_discount(self) -> None:
         if self.discount not in DISCOUNTS:

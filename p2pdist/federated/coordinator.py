@@ -53,7 +53,23 @@ __all__ = ["Coordinator"]
 log = logging.getLogger(__name__)
 
 _HELLO_TIMEOUT = 10.0  # seconds a new connection has to say hello
-_REPLACED = "replaced by a newer connection with your key: two clients share a key?"
+_REPLACED = (
+    "replaced by a newer connection with your key (the client restarted, or two clients "
+    "share a key?)"
+)
+_WHY_LIMIT = 1000
+"""Characters of an error's text a stop tells the clients (it must fit a frame's meta)."""
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: text`` of ``exc`` for the clients, bounded, whatever its ``__str__`` does."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "(no description)"
+    return f"{type(exc).__name__}: {text}"[:_WHY_LIMIT]
+
+
 _SAME_ID = (
     "this client's endpoint id is the coordinator's own (its key is the coordinator's: "
     "derive client keys from another seed than the coordinator's)"
@@ -170,7 +186,7 @@ class Coordinator:
         elif isinstance(exc, asyncio.CancelledError | KeyboardInterrupt):
             await self.close(f"the coordinator was interrupted ({type(exc).__name__})", error=True)
         else:
-            await self.close(f"the coordinator failed: {type(exc).__name__}: {exc}", error=True)
+            await self.close(f"the coordinator failed: {_describe(exc)}", error=True)
 
     async def start(
         self,
@@ -316,7 +332,16 @@ class Coordinator:
                 return
             old = self._clients.pop(cid, None)
             if old is not None:  # the same client again: the newer connection wins
-                log.warning("%s connected again; closing its old connection (%s)", label, _REPLACED)
+                # A client that restarted (its old connection dead or silent) is routine;
+                # a live old connection means two processes share a key.
+                interval = self._transport.config.keepalive_interval if self._transport else 1.0
+                quiet = old.conn.closed or old.conn.idle_for() > 2 * interval
+                log.log(
+                    logging.INFO if quiet else logging.WARNING,
+                    "%s connected again; closing its old connection (%s)",
+                    label,
+                    _REPLACED,
+                )
                 self._forget(old)
                 meta, payload = encode("stop", {"why": _REPLACED, "error": True})
                 with contextlib.suppress(P2PError):  # an old connection that is dead
