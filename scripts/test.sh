@@ -3,9 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The NAT lab and container tests (tests/natlab.py) need root, iproute2 and iptables. CI
-# runs as root and must run them, so as root a failed install stops here; as another user
-# those tests skip and say why. As root, a missing venv module is installed the same way.
+# The NAT lab and container tests (tests/natlab.py) need root, iproute2, iptables and
+# procps (sysctl). CI runs as root and must run them, so as root a failed install stops
+# here; as another user those tests skip and say why. As root, a missing venv module is installed the same way.
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 
@@ -25,6 +25,8 @@ trap 'rm -f "$log"' EXIT
 
 missing=""
 command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
+# The lab sets each router's sysctls with `ip netns exec ROUTER sysctl -qw ...`.
+command -v sysctl >/dev/null 2>&1 || missing="$missing procps"
 { command -v ip && command -v tc; } >/dev/null 2>&1 || missing="$missing iproute2"
 # A distribution's Python may come without venv's pip bootstrap (Debian: python3.X-venv).
 "$PY" -c 'import ensurepip' >/dev/null 2>&1 \

@@ -107,17 +107,21 @@ _unavailable: list[str | None] = []
 
 
 def lab_unavailable() -> str | None:
-    """Why the lab cannot run on this machine (not root, no ``ip`` or ``iptables``,
-    namespaces or nf_tables refused), or None when it can. Probed once per process."""
+    """Why the lab cannot run on this machine (not root, no ``ip``, ``iptables`` or
+    ``sysctl``, namespaces or nf_tables refused), or None when it can. Probed once per
+    process."""
     if _unavailable:
         return _unavailable[0]
     reason: str | None = None
     if os.geteuid() != 0:
         reason = "the NAT lab needs root (network namespaces, iptables)"
     else:
-        missing = [t for t in ("ip", "iptables", "iptables-restore") if not shutil.which(t)]
+        packages = {"ip": "iproute2", "iptables": "iptables", "iptables-restore": "iptables"}
+        packages["sysctl"] = "procps"  # per-router sysctls (forwarding, conntrack timeouts)
+        missing = [t for t in packages if not shutil.which(t)]
         if missing:
-            reason = f"the NAT lab needs {', '.join(missing)} (apt-get install iproute2 iptables)"
+            install = " ".join(dict.fromkeys(packages[t] for t in missing))
+            reason = f"the NAT lab needs {', '.join(missing)} (apt-get install {install})"
     if reason is None:
         probe = f"{PREFIX}{os.getpid()}-probe"
         try:
