@@ -4,8 +4,8 @@ codecs)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from itertools import zip_longest
+from typing import Protocol
 
 import numpy as np
 
@@ -53,11 +53,13 @@ async def compressed_ring_all_reduce(
     wire = np.empty(codec.nbytes(widest), np.uint8)
     lost = None if residual is None else np.empty(widest, np.float32)
 
-    def encoded(a: int, b: int) -> memoryview:
+    def encoded(a: int, b: int, *, keep: bool = False) -> memoryview:
         buf = wire[: codec.nbytes(b - a)]
         codec.encode_into(work[a:b], buf)
         if residual is not None and lost is not None and b > a:
-            _feed_back(codec, buf, work[a:b], lost[: b - a], residual[a:b])
+            _feed_back(codec, buf, work[a:b], lost[: b - a], residual[a:b], keep=keep)
+        elif keep:
+            codec.decode_into(buf, work[a:b])
         return as_bytes(buf)
 
     for k in range(n - 2):  # reduce-scatter steps but the last
@@ -87,13 +89,21 @@ async def compressed_ring_all_reduce(
                 del data
 
 
+class _Encoder(Protocol):
+    """``encoded`` of :func:`compressed_ring_all_reduce`: the wire bytes of ``work[a:b]``
+    (valid until the next call); with ``keep``, ``work[a:b]`` then holds their decoded
+    value."""
+
+    def __call__(self, a: int, b: int, *, keep: bool = ...) -> memoryview: ...
+
+
 async def _last_hop(
     link: Link,
     work: np.ndarray,
     bounds: list[tuple[int, int]],
     codec: WireCodec,
     chunk: int,
-    encoded: Callable[[int, int], memoryview],
+    encoded: _Encoder,
 ) -> list[memoryview]:
     """The last reduce-scatter step fused with the first all-gather step.
 
@@ -114,8 +124,7 @@ async def _last_hop(
             await link.send(right, encoded(*partial[i]))
         if 0 < i <= len(own):
             a, b = own[i - 1]
-            payload = encoded(a, b)
-            codec.decode_into(payload, work[a:b])  # keep exactly what the others get
+            payload = encoded(a, b, keep=True)  # keep exactly what the others get
             await link.send(right, payload)
         if i < len(own):
             a, b = own[i]
@@ -156,17 +165,31 @@ async def compressed_direct_all_reduce(link: Link, work: np.ndarray, codec: Wire
 
 
 def _feed_back(
-    codec: WireCodec, buf: np.ndarray, sent: np.ndarray, scratch: np.ndarray, residual: np.ndarray
+    codec: WireCodec,
+    buf: np.ndarray,
+    sent: np.ndarray,
+    scratch: np.ndarray,
+    residual: np.ndarray,
+    *,
+    keep: bool = False,
 ) -> None:
     """``residual += sent - decode(buf)`` where that is finite (a non-finite sum costs
-    that call's result, not every later one: see ErrorFeedback)."""
+    that call's result, not every later one: see ErrorFeedback).
+
+    With ``keep``, ``sent`` ends holding ``decode(buf)``: the payload is decoded once
+    (into ``scratch``), the difference is formed in ``sent`` itself, then the decoded
+    values are copied over it.
+    """
     codec.decode_into(buf, scratch)
+    diff = sent if keep else scratch
     with np.errstate(invalid="ignore", over="ignore"):
-        np.subtract(sent, scratch, out=scratch)
-    if np.isfinite(scratch).all():
-        residual += scratch
+        np.subtract(sent, scratch, out=diff)
+    if np.isfinite(diff).all():
+        residual += diff
     else:
-        np.add(residual, scratch, out=residual, where=np.isfinite(scratch))
+        np.add(residual, diff, out=residual, where=np.isfinite(diff))
+    if keep:
+        np.copyto(sent, scratch)
 
 
 _F16_OVERFLOW = np.float32(65520.0)
