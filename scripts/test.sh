@@ -23,6 +23,15 @@ root_with_apt=false
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 
+# No Python at all (a bare image): as root, install Debian's python3 with its venv module
+# (otherwise the venv below is made with what PYTHON names, or an existing one is used).
+if $root_with_apt && ! command -v "$PY" >/dev/null 2>&1; then
+    echo "== installing python3 python3-venv"
+    apt_install "$log" python3 python3-venv \
+        || { tail -n 20 "$log" >&2; echo "error: could not install python3" >&2; exit 1; }
+    PY=python3
+fi
+
 missing=""
 command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
 # The lab sets each router's sysctls with `ip netns exec ROUTER sysctl -qw ...`.
@@ -45,8 +54,9 @@ fi
 # Open MPI is only the all-reduce benchmark's second reference (tests/test_benchmarks.py
 # builds and runs it when present), so failing to install it is a warning, not an error.
 if $root_with_apt && ! { command -v mpicc && command -v mpirun; } >/dev/null 2>&1; then
-    echo "== installing openmpi-bin libopenmpi-dev (benchmark reference)"
-    apt_install "$log" openmpi-bin libopenmpi-dev \
+    # mpicc is only a wrapper: it needs a C compiler.
+    echo "== installing openmpi-bin libopenmpi-dev gcc (benchmark reference)"
+    apt_install "$log" openmpi-bin libopenmpi-dev gcc \
         || echo "warning: could not install Open MPI; the benchmark test checks its skip note only" >&2
 fi
 
