@@ -20,6 +20,8 @@ import pytest
 
 pytest.importorskip("sklearn")
 
+from transport_conformance import wait_until
+
 from examples.federated.model import (
     Split,
     evaluate,
@@ -143,7 +145,8 @@ async def test_example_client_stopped_while_training_exits_0(
         task, cl = await _example_client_against(
             coord, "--index", "0", "--clients", "2", "--work", "1.0"
         )
-        await asyncio.sleep(0.2)  # it trains (sleeps 1 s) from round 0's model
+        # round 0's model arrived: the example trains from it (sleeps 1 s)
+        await wait_until(lambda: cl.latest is not None, "round 0's model at the client")
         assert not cl.acks and not task.done()
     # the coordinator has stopped while the client trained
     assert await asyncio.wait_for(task, 30) == 0
