@@ -52,12 +52,14 @@ async def compressed_ring_all_reduce(
     widest = min(chunk, max(b - a for a, b in bounds))
     wire = np.empty(codec.nbytes(widest), np.uint8)
     lost = None if residual is None else np.empty(widest, np.float32)
+    finite = None if residual is None else np.empty(widest, np.bool_)
 
     def encoded(a: int, b: int, *, keep: bool = False) -> memoryview:
         buf = wire[: codec.nbytes(b - a)]
         codec.encode_into(work[a:b], buf)
-        if residual is not None and lost is not None and b > a:
-            _feed_back(codec, buf, work[a:b], lost[: b - a], residual[a:b], keep=keep)
+        if residual is not None and lost is not None and finite is not None and b > a:
+            m = b - a
+            _feed_back(codec, buf, work[a:b], lost[:m], finite[:m], residual[a:b], keep=keep)
         elif keep:
             codec.decode_into(buf, work[a:b])
         return as_bytes(buf)
@@ -169,12 +171,14 @@ def _feed_back(
     buf: np.ndarray,
     sent: np.ndarray,
     scratch: np.ndarray,
+    ok: np.ndarray,
     residual: np.ndarray,
     *,
     keep: bool = False,
 ) -> None:
     """``residual += sent - decode(buf)`` where that is finite (a non-finite sum costs
-    that call's result, not every later one: see ErrorFeedback).
+    that call's result, not every later one: see ErrorFeedback). ``scratch`` (float32)
+    and ``ok`` (bool) are reused work arrays of ``sent``'s size.
 
     With ``keep``, ``sent`` ends holding ``decode(buf)``: the payload is decoded once
     (into ``scratch``), the difference is formed in ``sent`` itself, then the decoded
@@ -184,10 +188,10 @@ def _feed_back(
     diff = sent if keep else scratch
     with np.errstate(invalid="ignore", over="ignore"):
         np.subtract(sent, scratch, out=diff)
-    if np.isfinite(diff).all():
+    if np.isfinite(diff, out=ok).all():
         residual += diff
     else:
-        np.add(residual, diff, out=residual, where=np.isfinite(diff))
+        np.add(residual, diff, out=residual, where=ok)
     if keep:
         np.copyto(sent, scratch)
 
