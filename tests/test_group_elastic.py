@@ -393,6 +393,11 @@ async def test_a_rank_that_dies_silently_rejoins_through_a_relay_at_once(
                 if all(g._conns.get(2) not in (None, d) for g, d in zip(gs, dead, strict=True)):
                     break
                 await asyncio.sleep(0.01)
+            else:
+                pytest.fail(
+                    f"the survivors did not take rank 2's new connection within 30 s: "
+                    f"{[g._conns.get(2) for g in gs]}"
+                )
             assert all(2 not in g.left for g in gs), [g.left for g in gs]
             outs = await asyncio.wait_for(
                 asyncio.gather(*(g.all_reduce(np.full(3, g.rank + 1.0)) for g in gs)), 30
