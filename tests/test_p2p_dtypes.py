@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from group_helpers import groups
 
-from p2pdist import GradientBuckets, UsageError
+from p2pdist import GradientBuckets, GroupBrokenError, UsageError
 from p2pdist.group import p2p
 
 
@@ -140,7 +140,7 @@ async def test_a_failed_bucket_names_the_buckets_left_unreduced() -> None:
         xs = [np.ones(4, np.float32) for _ in range(3)]  # one bucket each
         for x in xs:
             bs[0].add(x)
-        with pytest.raises(Exception) as info:
+        with pytest.raises(GroupBrokenError, match="rank 1") as info:  # it left
             await bs[0].wait()
         notes = getattr(info.value, "__notes__", [])
         assert any("bucket 0 of 3" in n and "3 arrays" in n for n in notes), notes
