@@ -309,7 +309,7 @@ def test_int8_rare_blocks_batched_match_the_per_block_route(block: int) -> None:
         dec = codec.decode(enc, x.size)
     nb = -(-x.size // block)
     scales, q = enc[: 4 * nb].view(np.float32), enc[4 * nb :].view(np.int8)
-    ref_dec = np.empty_like(x)
+    checked = 0
     for i in range(nb):
         xb = x[i * block : (i + 1) * block]
         amax = np.abs(xb).max()
@@ -320,8 +320,9 @@ def test_int8_rare_blocks_batched_match_the_per_block_route(block: int) -> None:
         np.testing.assert_array_equal(q[i * block : (i + 1) * block], qb, err_msg=str(i))
         ref = qb.astype(np.float32) * np.abs(scale)
         ref[qb == -128] = np.nan
-        ref_dec[i * block : (i + 1) * block] = ref
         np.testing.assert_array_equal(dec[i * block : (i + 1) * block], ref, err_msg=str(i))
+        checked += 1
+    assert checked > 0  # the data did hold rare (tiny or non-finite) blocks
     acc = np.ones_like(x)
     codec.accumulate(enc, acc)
     np.testing.assert_array_equal(acc, np.float32(1) + dec)
