@@ -40,8 +40,11 @@ async def compressed_ring_all_reduce(
 
     With ``residual`` (error feedback, in ``work``'s units), every encoding this rank
     makes of a partial or final sum adds what it lost to ``residual``: the next call's
-    input carries it, so the long-run sum loses nothing to the hops either. Chunks start
-    at multiples of ``codec.align`` (int8 blocks), as the bounds must.
+    input carries it, so the long-run sum loses nothing to the hops either. The first
+    hop's sends are left out: they carry this rank's own input, which
+    :meth:`ErrorFeedback.apply` has already encoded and decoded (block-aligned, as
+    here), so encoding it again loses nothing worth keeping. Chunks start at multiples
+    of ``codec.align`` (int8 blocks), as the bounds must.
     """
     n, r = link.size, link.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -54,10 +57,10 @@ async def compressed_ring_all_reduce(
     lost = None if residual is None else np.empty(widest, np.float32)
     finite = None if residual is None else np.empty(widest, np.bool_)
 
-    def encoded(a: int, b: int, *, keep: bool = False) -> memoryview:
+    def encoded(a: int, b: int, *, keep: bool = False, feed: bool = True) -> memoryview:
         buf = wire[: codec.nbytes(b - a)]
         codec.encode_into(work[a:b], buf)
-        if residual is not None and lost is not None and finite is not None and b > a:
+        if feed and residual is not None and lost is not None and finite is not None and b > a:
             m = b - a
             _feed_back(codec, buf, work[a:b], lost[:m], finite[:m], residual[a:b], keep=keep)
         elif keep:
@@ -68,8 +71,8 @@ async def compressed_ring_all_reduce(
         sends = chunks(*bounds[(r - k - 1) % n], chunk)
         recvs = chunks(*bounds[(r - k - 2) % n], chunk)
         for send, recv in zip_longest(sends, recvs):
-            if send is not None:
-                await link.send(right, encoded(*send))
+            if send is not None:  # k == 0: our input, which ErrorFeedback already encoded
+                await link.send(right, encoded(*send, feed=k > 0))
             if recv is not None:
                 a, b = recv
                 data = await link.recv(left, codec.nbytes(b - a))
@@ -94,9 +97,9 @@ async def compressed_ring_all_reduce(
 class _Encoder(Protocol):
     """``encoded`` of :func:`compressed_ring_all_reduce`: the wire bytes of ``work[a:b]``
     (valid until the next call); with ``keep``, ``work[a:b]`` then holds their decoded
-    value."""
+    value; without ``feed``, error feedback skips this encoding."""
 
-    def __call__(self, a: int, b: int, *, keep: bool = ...) -> memoryview: ...
+    def __call__(self, a: int, b: int, *, keep: bool = ..., feed: bool = ...) -> memoryview: ...
 
 
 async def _last_hop(
@@ -122,8 +125,8 @@ async def _last_hop(
     final = chunks(*bounds[(r - 1) % n], chunk)
     held: list[memoryview] = []
     for i in range(max(len(partial), len(own) + 1, len(final) + 1)):
-        if i < len(partial):
-            await link.send(right, encoded(*partial[i]))
+        if i < len(partial):  # with two ranks, the first hop: see the ring's k == 0
+            await link.send(right, encoded(*partial[i], feed=n > 2))
         if 0 < i <= len(own):
             a, b = own[i - 1]
             payload = encoded(a, b, keep=True)  # keep exactly what the others get
