@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import UsageError
-from .halfcast import HalfScratch, decode_f16, encode_f16
+from .halfcast import HalfScratch, decode_f16, encode_f16, subnormals_flushed
 
 __all__ = ["F16_ROUTES", "WIRE_DTYPES", "ErrorFeedback", "WireCodec", "make_codec"]
 
@@ -128,7 +128,7 @@ class _Bf16Codec(_Codec):
 class _F16Codec(_Codec):
     """IEEE float16: the bit route of :mod:`.halfcast`, or numpy's cast (same bits)."""
 
-    __slots__ = ("_acc", "_route", "_scratch")
+    __slots__ = ("_acc", "_flushed", "_route", "_scratch")
     name = "float16"
 
     def __init__(self, route: str = "bits") -> None:
@@ -137,6 +137,10 @@ class _F16Codec(_Codec):
         self._route = route
         self._scratch = HalfScratch()
         self._acc = np.empty(0, np.float32)
+        self._flushed: bool | None = None
+        """Whether the CPU flushes subnormals (FTZ/DAZ), probed at the first decode: the
+        bit route's decode would read float16 subnormals as zero there, numpy's is exact.
+        A codec lives for one all_reduce call (make_codec), so that is once per call."""
 
     def nbytes(self, n: int) -> int:
         return 2 * n
@@ -149,7 +153,9 @@ class _F16Codec(_Codec):
                 np.copyto(out.view(_F16), x, casting="unsafe")
 
     def decode_into(self, data: Any, out: np.ndarray) -> None:
-        if self._route == "bits":
+        if self._route == "bits" and self._flushed is None:
+            self._flushed = subnormals_flushed()
+        if self._route == "bits" and not self._flushed:
             decode_f16(np.frombuffer(data, np.uint16, out.size), out, self._scratch)
         else:
             np.copyto(out, np.frombuffer(data, _F16, out.size))

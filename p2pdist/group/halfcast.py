@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["HalfScratch", "decode_f16", "encode_f16"]
+__all__ = ["HalfScratch", "decode_f16", "encode_f16", "subnormals_flushed"]
 
 _U32 = np.uint32
 _ABS = _U32(0x7FFFFFFF)
@@ -71,13 +71,13 @@ def encode_f16(x: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> None:
 
 
 def decode_f16(h: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> None:
-    """``out[...] = h.view(float16).astype(float32)`` bit for bit; ``h`` 1-D uint16."""
-    if subnormals_flushed():
-        # The rebias below multiplies float32 subnormals (float16 subnormals shifted
-        # into place), which a CPU that flushes them (FTZ/DAZ: -ffast-math libraries,
-        # torch.set_flush_denormal) would read as zero: numpy's cast is exact there.
-        np.copyto(out, h.view(np.float16))
-        return
+    """``out[...] = h.view(float16).astype(float32)`` bit for bit; ``h`` 1-D uint16.
+
+    A pure bit routine: its rebias multiplies float32 subnormals (float16 subnormals
+    shifted into place), which a CPU that flushes them (FTZ/DAZ: -ffast-math libraries,
+    torch.set_flush_denormal) reads as zero. Callers check :func:`subnormals_flushed`
+    (the float16 codec does, once) and take numpy's exact cast when it is true.
+    """
     for s in range(0, h.size, BLOCK):
         _decode_block(h[s : s + BLOCK], out[s : s + BLOCK], scratch)
 
