@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pty
 import re
@@ -263,52 +264,21 @@ CHILD_WAITS = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
-def test_launch_stops_every_rank_when_it_is_told_to_stop(tmp_path: Path, sig: int) -> None:
-    """A closed terminal (SIGHUP) or a kill (SIGTERM) of the launcher stops the ranks,
-    which run in sessions of their own and would otherwise be orphaned."""
-    cmd = [sys.executable, "-m", "p2pdist.cli", "launch", "-n", "2", "--"]
-    proc = subprocess.Popen(
-        [*cmd, sys.executable, "-c", CHILD_WAITS, str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        pid_files = [tmp_path / f"{r}.pid" for r in range(2)]
-        deadline = time.monotonic() + TIMEOUT_S
-        while not all(f.exists() for f in pid_files):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the ranks did not start"
-            time.sleep(0.05)
-        pids = [int(f.read_text()) for f in pid_files]
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=TIMEOUT_S)
-        assert proc.returncode == 128 + sig, err
-        for pid in pids:  # reaped by the launcher: gone, not orphaned
-            while True:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                assert time.monotonic() < deadline, f"rank process {pid} outlived the launcher"
-                time.sleep(0.05)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-
-
 def _start_waiting_ranks(tmp_path: Path, child: str, **popen: Any) -> tuple[Any, list[int]]:
-    """A launcher of 2 ranks running ``child`` (given tmp_path), once both are up."""
+    """A launcher of 2 ranks running ``child`` (given tmp_path), once both are up. If they
+    do not come up, the launcher and whatever rank did start are stopped."""
     cmd = [sys.executable, "-m", "p2pdist.cli", "launch", "-n", "2", "--"]
     proc = subprocess.Popen([*cmd, sys.executable, "-c", child, str(tmp_path)], **popen)
     pid_files = [tmp_path / f"{r}.pid" for r in range(2)]
     deadline = time.monotonic() + TIMEOUT_S
-    while not all(f.exists() for f in pid_files):
-        assert proc.poll() is None, "the launcher ended before its ranks started"
-        assert time.monotonic() < deadline, "the ranks did not start"
-        time.sleep(0.05)
+    try:
+        while not all(f.exists() for f in pid_files):
+            assert proc.poll() is None, "the launcher ended before its ranks started"
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.05)
+    except BaseException:
+        _stop(proc, [int(f.read_text()) for f in pid_files if f.exists()])
+        raise
     return proc, [int(f.read_text()) for f in pid_files]
 
 
@@ -326,6 +296,34 @@ def _gone(pids: list[int]) -> bool:
     return True
 
 
+def _stop(proc: Any, pids: list[int]) -> None:
+    """Cleanup, whether the test passed or not: kill the ranks still there (they run in
+    sessions of their own, so the launcher's death does not end them; they may also
+    hold its pipes), then the launcher, and reap it."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate(timeout=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_launch_stops_every_rank_when_it_is_told_to_stop(tmp_path: Path, sig: int) -> None:
+    """A closed terminal (SIGHUP) or a kill (SIGTERM) of the launcher stops the ranks,
+    which run in sessions of their own and would otherwise be orphaned."""
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    proc, pids = _start_waiting_ranks(tmp_path, CHILD_WAITS, **pipes)
+    try:
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+        assert proc.returncode == 128 + sig, err
+        # reaped by the launcher: gone, not orphaned
+        assert _gone(pids), "a rank process outlived the launcher"
+    finally:
+        _stop(proc, pids)
+
+
 def test_launch_survives_a_terminal_that_hung_up(tmp_path: Path) -> None:
     """After a hangup, writing to the terminal fails (EIO): the launcher must still stop
     its ranks and exit 128 + SIGHUP, not die on its own message."""
@@ -340,9 +338,7 @@ def test_launch_survives_a_terminal_that_hung_up(tmp_path: Path) -> None:
         assert proc.wait(timeout=TIMEOUT_S) == 128 + signal.SIGHUP
         assert _gone(pids), "a rank outlived the launcher"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop(proc, pids)
 
 
 CHILD_DUMPS = textwrap.dedent(
@@ -373,6 +369,4 @@ def test_launch_passes_sigquit_on_to_its_ranks(tmp_path: Path) -> None:
         assert _gone(pids)
         assert sorted(p.name for p in tmp_path.glob("*.quit")) == ["0.quit", "1.quit"]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop(proc, pids)
