@@ -51,7 +51,7 @@ class PeerGoneThrottle:
     Remembers at most ``max_entries`` destinations (a few KiB at most); when full,
     entries older than the interval are forgotten, and if none are, the oldest half goes
     (a sender cycling through random ids then gets a few extra notices, never unbounded
-    memory). :meth:`prune`, called from the core's tick, forgets stale entries so an
+    memory). :meth:`prune`, called from the core's tick, forgets only stale entries so an
     idle sender holds nothing.
     """
 
@@ -68,21 +68,23 @@ class PeerGoneThrottle:
         if last is not None and now - last < self._interval:
             return False
         if last is None and len(self._last) >= self._max:
-            self._prune(now)
+            self._make_room(now)
         self._last[dest] = now
         return True
 
     def prune(self, now: float) -> None:
-        """Forget destinations whose interval is over."""
+        """Forget destinations whose interval is over (and only those: a throttle full
+        of fresh entries keeps them all, so no duplicate PEER_GONE goes out early)."""
         if self._last:
-            self._prune(now)
+            self._last = {k: t for k, t in self._last.items() if now - t < self._interval}
 
-    def _prune(self, now: float) -> None:
-        fresh = {k: t for k, t in self._last.items() if now - t < self._interval}
-        if len(fresh) >= self._max:
-            keep = sorted(fresh.items(), key=lambda kv: kv[1])[len(fresh) // 2 :]
-            fresh = dict(keep)
-        self._last = fresh
+    def _make_room(self, now: float) -> None:
+        """Before recording a new destination in a full throttle: forget stale entries,
+        and if none are, the oldest half."""
+        self.prune(now)
+        if len(self._last) >= self._max:
+            keep = sorted(self._last.items(), key=lambda kv: kv[1])[len(self._last) // 2 :]
+            self._last = dict(keep)
 
     def __len__(self) -> int:
         return len(self._last)

@@ -342,6 +342,30 @@ def test_peer_gone_throttle_prune() -> None:
     assert len(t) == 1 and not t.allow(b"b", 1.2) and t.allow(b"a", 1.2)
 
 
+def test_peer_gone_prune_keeps_a_full_throttle_of_fresh_entries() -> None:
+    # prune() (the core's tick) forgets only stale entries; halving a full throttle is
+    # allow()'s way to make room, not the tick's (it let duplicate PEER_GONEs out early).
+    t = PeerGoneThrottle(interval=1.0, max_entries=4)
+    dests = [bytes([i]) for i in range(4)]
+    assert all(t.allow(d, 0.0) for d in dests)
+    t.prune(0.5)
+    assert len(t) == 4 and not any(t.allow(d, 0.5) for d in dests)
+    assert t.allow(b"new", 0.6) and len(t) == 3  # full of fresh ones: the oldest half goes
+
+
+def test_a_sender_full_of_unknown_destinations_gets_no_duplicate_peer_gone() -> None:
+    c = core()
+    sa, _ = join(c, A)
+    dests = [i.to_bytes(32, "big") for i in range(MAX_PEER_GONE_ENTRIES)]
+    for d in dests:
+        c.receive(sa, encode_addressed(T.SEND, d, b"x"), 1.0)
+    sent = c.metrics.peer_gone_total
+    c.tick(1.5)
+    for d in dests:
+        c.receive(sa, encode_addressed(T.SEND, d, b"x"), 1.6)
+    assert c.metrics.peer_gone_total == sent
+
+
 # ---- shutdown -----------------------------------------------------------------------
 
 
