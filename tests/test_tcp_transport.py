@@ -26,6 +26,7 @@ from transport_conformance import (
     closing,
     still_serving,
     wait_for_log,
+    wait_until,
 )
 
 from p2pdist.errors import (
@@ -803,6 +804,22 @@ async def test_a_peer_close_notify_ends_the_connection_at_once() -> None:
             await bounded(p.server.recv(1), "the server ending the connection")
         assert not caught.value.graceful
         assert p.server._tls is not None and p.server._tls.buffered <= 256 << 10  # one read
+
+
+async def test_only_refusals_count_as_refused_incoming_connections(tls: bool) -> None:
+    """A dialer that connects and goes away at once (a port check) is not a refusal;
+    one that asks for another endpoint id is, with the reason kept."""
+    async with listening(tls) as (server, addr):
+        _, writer = await open_raw(addr)
+        writer.close()
+        await still_serving(server, TcpTransport(key(9), config(tls)), addr)
+        assert server.refused_incoming == 0, server.last_refusal
+        stranger = TcpTransport(key(3), config(tls))
+        async with closing(stranger):
+            with pytest.raises(PeerAuthenticationError):
+                await bounded(stranger.connect(eid(5), addr), "a dial for another id")
+        await wait_until(lambda: server.refused_incoming == 1, "the refusal counted")
+        assert server.last_refusal is not None and "identity mismatch" in server.last_refusal
 
 
 # ---- misuse -----------------------------------------------------------------------------------

@@ -154,11 +154,11 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         with contextlib.suppress(P2PError):  # control frames: the failure ends the connection
             self._transport.write(self._encrypt(self._tls, data))
 
-    def _encrypt(self, tls: TlsPipe, data: bytes | memoryview) -> bytes:
-        """``data``'s ciphertext; a TLS session that can no longer send (it was shut
-        down, or failed) ends the connection, and the error is raised."""
+    def _encrypt(self, tls: TlsPipe, *parts: bytes | memoryview) -> bytes:
+        """The ciphertext of ``parts``; a TLS session that can no longer send (it was
+        shut down, or failed) ends the connection, and the error is raised."""
         try:
-            return tls.encrypt(data)
+            return tls.encrypt(*parts)
         except ssl.SSLError as exc:
             err = ConnectionBrokenError(self.label, f"TLS cannot send: {exc}")
             self.abort(err)
@@ -175,8 +175,9 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             # Encrypt and send slice by slice, so each slice is still in cache when it is
             # encrypted and its ciphertext when it is sent (one 8 MiB write would make
             # three passes over memory), and most slices go to the kernel unqueued.
-            t.write(self._encrypt(tls, header))
-            for i in range(0, payload.nbytes, _TLS_SLICE):
+            # The header goes out with the first slice: one write, no lone tiny segment.
+            t.write(self._encrypt(tls, header, payload[:_TLS_SLICE]))
+            for i in range(_TLS_SLICE, payload.nbytes, _TLS_SLICE):
                 t.write(self._encrypt(tls, payload[i : i + _TLS_SLICE]))
         else:
             t.write(header)
@@ -233,27 +234,25 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # Not an isinstance check: uvloop's transports do not subclass asyncio's classes.
         transport = cast(asyncio.Transport, transport)
-        first = self._transport is None
         self._transport = transport
         # With TLS, what this transport gets is fresh ciphertext (TlsPipe.encrypt), which
         # nobody changes afterwards: no copies needed.
         self._write_copy = _write_keeps_reference(transport) and not self._cfg.tls
         transport.set_write_buffer_limits(high=self._cfg.write_buffer_high)
-        if first:
-            sock = transport.get_extra_info("socket")
-            if self._write_copy and sock is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    # Our own handle on the same (non-blocking) socket, for _write_frame;
-                    # closed in connection_lost, after the transport closed its own.
-                    self._direct = socket.socket(fileno=os.dup(sock.fileno()))
-                    self._direct.setblocking(False)
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._server_side:
-                # Until the handshake proves who it is, a dialer is only where it dials from.
-                self.label = f"incoming {self._remote_text()}"
-                self._owner._on_incoming(self)
+        sock = transport.get_extra_info("socket")
+        if self._write_copy and sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                # Our own handle on the same (non-blocking) socket, for _write_frame;
+                # closed in connection_lost, after the transport closed its own.
+                self._direct = socket.socket(fileno=os.dup(sock.fileno()))
+                self._direct.setblocking(False)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._server_side:
+            # Until the handshake proves who it is, a dialer is only where it dials from.
+            self.label = f"incoming {self._remote_text()}"
+            self._owner._on_incoming(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._handshaking:
@@ -362,10 +361,15 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
                 raise RemoteProtocolError(self.label, str(exc)) from None
             if rec is not None:
                 return rec
-            if self._error is not None:
-                raise self._error.with_traceback(None)
-            self._hs_wakeup = self._loop.create_future()
-            await self._hs_wakeup
+            await self._more_handshake_bytes()
+
+    async def _more_handshake_bytes(self) -> None:
+        """Wait until more bytes arrive during the handshake (bounded by the caller's
+        handshake timeout); raises the connection's error if it ended."""
+        if self._error is not None:
+            raise self._error.with_traceback(None)
+        self._hs_wakeup = self._loop.create_future()
+        await self._hs_wakeup
 
     async def _start_tls(self, ctx: ssl.SSLContext) -> None:
         """The TLS handshake over this connection's socket (:class:`TlsPipe`), then the
@@ -383,16 +387,11 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             self._flush_tls()
             if done:
                 break
-            if self._error is not None:  # lost mid-handshake: a network failure
-                raise ConnectionBrokenError(
-                    self.label, f"lost during TLS handshake: {self._error}"
-                ) from None
-            if self._transport.is_closing():
+            if self._error is None and self._transport.is_closing():
                 raise ConnectionBrokenError(self.label, "connection lost during TLS handshake")
             if tls.buffered <= _HANDSHAKE_BUFFER_PAUSE:
                 self._transport.resume_reading()
-            self._hs_wakeup = self._loop.create_future()
-            await self._hs_wakeup
+            await self._more_handshake_bytes()  # lost meanwhile: the connection's error
         self._cipher = memoryview(bytearray(_TLS_READ))
         der = tls.obj.getpeercert(binary_form=True)
         if not der:
@@ -621,7 +620,8 @@ class TcpTransport(EndpointBase[TcpConnection]):
         except P2PError as exc:
             conn.abort(exc)
             log.warning("refused incoming connection: %s", exc)
-            self._note_refusal(str(exc))
+            if isinstance(exc, PeerAuthenticationError):  # not a dialer that just went away
+                self._note_refusal(str(exc))
             return
         except Exception as exc:  # never leave a half-open socket behind
             log.exception("%s: incoming handshake failed", conn.label)

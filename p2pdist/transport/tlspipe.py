@@ -81,9 +81,11 @@ class TlsPipe:
             self.closed_by_peer = True
         return n
 
-    def encrypt(self, data: bytes | bytearray | memoryview) -> bytes:
-        """The ciphertext of ``data`` (and of anything else pending) for the socket."""
-        self.obj.write(data)
+    def encrypt(self, *parts: bytes | bytearray | memoryview) -> bytes:
+        """The ciphertext of ``parts`` (one TLS record or more each, and anything else
+        pending), for one socket write."""
+        for data in parts:
+            self.obj.write(data)
         return self._out.read()
 
     def close_notify(self) -> bytes:
