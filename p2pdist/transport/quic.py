@@ -142,8 +142,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
 
     async def _shutdown(self) -> None:
         """Close: every connection (bounded), the UDP sockets and the relay session."""
-        for conn in list(self._handshaking):
-            self._end_handshake(conn)
+        for conn in list(self._handshaking):  # abort -> _forget ends its handshake timer
             conn.abort(ConnectionClosedError("transport is closed"))
         await self._close_all()
         for conn in set(self._routes.values()) | self._live:
