@@ -77,8 +77,8 @@ class Session:
         self.http_buf = bytearray()
         self.splitter = RelayFrameSplitter()
         self.challenge = b""
-        """The first bytes of the first frame after the upgrade (its header: checked
-        against the largest AUTH before its body is buffered)."""
+        """The 32 random bytes sent in CHALLENGE (after the upgrade), which the
+        client's AUTH signs (empty until then)."""
         self.endpoint: EndpointId | None = None
         self.raw_id = b""
         self.bucket: TokenBucket | None = None
