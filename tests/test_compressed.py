@@ -205,7 +205,8 @@ def test_float16_decode_is_exact_when_the_cpu_flushes_subnormals(tmp_path: objec
         "void set(unsigned v){_mm_setcsr(v);}\n"
     )
     lib = src.with_suffix(".so")
-    built = subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], capture_output=True)
+    build = [cc, "-shared", "-fPIC", "-o", str(lib), str(src)]
+    built = subprocess.run(build, capture_output=True, timeout=60)
     if built.returncode != 0:
         pytest.skip(f"cannot build the MXCSR helper: {built.stderr.decode()[:200]}")
     csr = ctypes.CDLL(str(lib))
