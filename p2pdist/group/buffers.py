@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import UsageError
 from ..wire.arrays import WIRE_DTYPES, ArrayHeaderError, check_dtype
 
-__all__ = ["as_array", "expectation", "result_buffer", "wire_form"]
+__all__ = ["as_array", "expectation", "mismatch", "result_buffer", "wire_form"]
 
 
 _NATIVE = frozenset(np.dtype("<" + code) for code in WIRE_DTYPES)
@@ -94,18 +94,29 @@ def expectation(
     else:
         want_shape = tuple(ref.shape) if ref is not None else None
     if out is not None:
-        asked = []
-        if want_dtype is not None and wire_form(out.dtype) != want_dtype:
-            asked.append(f"dtype {want_dtype}")
-        if want_shape is not None and out.shape != want_shape:
-            asked.append(f"shape {list(want_shape)}")
+        asked = mismatch(wire_form(out.dtype), out.shape, want_dtype, want_shape)
         if asked:
-            raise UsageError(
-                f"out has {out.dtype}{list(out.shape)} but {' and '.join(asked)} was asked for"
-            )
+            raise UsageError(f"out has {out.dtype}{list(out.shape)} but {asked} was asked for")
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise UsageError("out must be a writeable C-contiguous array")
     return want_dtype, want_shape
+
+
+def mismatch(
+    dtype: np.dtype[Any],
+    shape: tuple[int, ...],
+    want_dtype: np.dtype[Any] | None,
+    want_shape: tuple[int, ...] | None,
+) -> str:
+    """What of ``want_dtype`` / ``want_shape`` (None: anything) ``dtype`` and ``shape``
+    do not match, as "dtype X and shape [..]"; empty when both match. ``dtype`` is
+    compared as given: pass it in wire form, as ``want_dtype`` is."""
+    asked = []
+    if want_dtype is not None and dtype != want_dtype:
+        asked.append(f"dtype {want_dtype}")
+    if want_shape is not None and tuple(shape) != want_shape:
+        asked.append(f"shape {list(want_shape)}")
+    return " and ".join(asked)
 
 
 def _dtype(dtype: Any) -> np.dtype[Any]:

@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import MismatchError, PeerTimeoutError, RemoteProtocolError
 from ..transport.base import Connection
 from ..wire.arrays import ArrayHeader, ArrayHeaderError, check_dtype
+from .buffers import mismatch
 
 __all__ = ["CHUNK", "recv_array", "send_array"]
 
@@ -65,15 +66,10 @@ async def recv_array(
                     f"sent {header.describe()} ({header.nbytes} bytes), over this group's "
                     f"max_message_bytes={max_bytes}",
                 )
-            mismatch = []
-            if want_dtype is not None and check_dtype(header.dtype) != want_dtype:
-                mismatch.append(f"dtype {want_dtype}")
-            if want_shape is not None and header.shape != want_shape:
-                mismatch.append(f"shape {list(want_shape)}")
-            if mismatch:
+            wrong = mismatch(check_dtype(header.dtype), header.shape, want_dtype, want_shape)
+            if wrong:
                 raise MismatchError(
-                    conn.label,
-                    f"sent {header.describe()} but recv expected {' and '.join(mismatch)}",
+                    conn.label, f"sent {header.describe()} but recv expected {wrong}"
                 )
             # One frame and no ``out``: the frame's payload is this message's own buffer,
             # and a view of it is the result (no copy); otherwise the result is filled.
