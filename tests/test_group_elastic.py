@@ -152,8 +152,9 @@ async def test_reserve_channel_space_refuses_a_taken_or_foreign_space() -> None:
                 g.reserve_channel_space(bad, "x")
 
 
-async def restart(old: Group, **kw: object) -> Group:
-    """Rank ``old.rank`` again, as a restarted process would be (same key and address)."""
+async def restart(old: Group, config: GroupConfig | None = None, **kw: object) -> Group:
+    """Rank ``old.rank`` again, as a restarted process would be (same key and address),
+    with ``old``'s config unless ``config`` is given."""
     await old.close()
     assert old._addresses is not None
     return Group.from_seed(
@@ -161,7 +162,7 @@ async def restart(old: Group, **kw: object) -> Group:
         rank=old.rank,
         world=old.size,
         peers=old._addresses,
-        config=old.config,
+        config=old.config if config is None else config,
         rejoin=True,
         **kw,  # type: ignore[arg-type]
     )
@@ -215,18 +216,10 @@ async def test_rejoining_a_group_that_does_not_take_ranks_back_is_refused() -> N
         Group.from_seed("s" * 20, rank=0, world=2, peers=["127.0.0.1:1"] * 2, rejoin=True)
     async with groups(2, timeout=5.0) as gs:
         crash(gs[1])
-        await gs[1].close()
-        assert gs[1]._addresses is not None
-        back = Group.from_seed(
-            "test-seed-0123456789",
-            rank=1,
-            world=2,
-            peers=gs[1]._addresses,
-            config=GroupConfig(
-                connect_timeout=5.0, on_peer_loss="leave", transport=gs[1].config.transport
-            ),
-            rejoin=True,
+        config = GroupConfig(
+            connect_timeout=5.0, on_peer_loss="leave", transport=gs[1].config.transport
         )
+        back = await restart(gs[1], config=config)
         with pytest.raises(PeerAuthenticationError, match=r"rank 0 .*on_peer_loss"):
             await back.start()
 
@@ -267,16 +260,7 @@ async def test_a_rank_rejoining_with_other_settings_is_refused_naming_them() -> 
     async with groups(3, config=LEAVE) as gs:
         crash(gs[2])
         await until_left(gs[:2], 2)
-        await gs[2].close()
-        assert gs[2]._addresses is not None
-        odd = Group.from_seed(
-            "test-seed-0123456789",
-            rank=2,
-            world=3,
-            peers=gs[2]._addresses,
-            config=replace(gs[2].config, chunk_bytes=2 << 20),
-            rejoin=True,
-        )
+        odd = await restart(gs[2], config=replace(gs[2].config, chunk_bytes=2 << 20))
         with pytest.raises(MismatchError, match=r"chunk_bytes is 2097152 on rank 2 \("):
             await asyncio.wait_for(odd.start(), 10)
         await odd.close()
