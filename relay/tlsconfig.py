@@ -127,9 +127,7 @@ class RelayTls:
         """A real certificate chain (PEM) and its private key (PEM); ConfigError when the
         key file is accessible by group or others, as for ``--key``."""
         ctx = _server_context()
-        _check_private(key_path)
-        chain_pem, key_pem = _read(cert_path, "certificate"), _read(key_path, "key")
-        der = _leaf_der(chain_pem, cert_path)
+        chain_pem, key_pem, der = _read_pair(cert_path, key_path)
         _load_chain(ctx, chain_pem, key_pem, cert_path, key_path)
         return cls(ctx, cert_fingerprint(der), cert_path=cert_path, key_path=key_path)
 
@@ -148,10 +146,7 @@ class RelayTls:
         if self.cert_path is None or self.key_path is None:
             return False
         try:
-            chain_pem = _read(self.cert_path, "certificate")
-            _check_private(self.key_path)
-            key_pem = _read(self.key_path, "key")
-            der = _leaf_der(chain_pem, self.cert_path)
+            chain_pem, key_pem, der = _read_pair(self.cert_path, self.key_path)
             _load_chain(_server_context(), chain_pem, key_pem, self.cert_path, self.key_path)
             # The same bytes just loaded: this cannot fail half-way any more.
             _load_chain(self.context, chain_pem, key_pem, self.cert_path, self.key_path)
@@ -165,6 +160,16 @@ class RelayTls:
         self.fingerprint = fp
         log.info(kv("certificate_reloaded", path=self.cert_path))
         return True
+
+
+def _read_pair(cert_path: Path, key_path: Path) -> tuple[bytes, bytes, bytes]:
+    """The certificate chain (PEM), its key (PEM) and the leaf certificate (DER), read
+    from files; ConfigError when the key file is accessible by group or others (checked
+    before the key is read) or a file cannot be read or parsed."""
+    _check_private(key_path)
+    chain_pem = _read(cert_path, "certificate")
+    key_pem = _read(key_path, "key")
+    return chain_pem, key_pem, _leaf_der(chain_pem, cert_path)
 
 
 @contextlib.contextmanager
