@@ -26,7 +26,14 @@ import numpy as np
 from ..errors import UsageError
 from .halfcast import HalfScratch, decode_f16, encode_f16, subnormals_flushed
 
-__all__ = ["F16_ROUTES", "WIRE_DTYPES", "ErrorFeedback", "WireCodec", "make_codec"]
+__all__ = [
+    "F16_ROUTES",
+    "WIRE_DTYPES",
+    "ErrorFeedback",
+    "WireCodec",
+    "divide_for_mean",
+    "make_codec",
+]
 
 WIRE_DTYPES = ("float16", "bfloat16", "int8")
 F16_ROUTES = ("bits", "numpy")
@@ -336,6 +343,13 @@ def make_codec(wire_dtype: str, block: int = 256, *, f16_route: str = "bits") ->
     raise UsageError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype!r}")
 
 
+def divide_for_mean(x: np.ndarray, divisor: int, out: np.ndarray) -> None:
+    """``out[...] = x / divisor`` in float32 (a compressed mean divides by the world
+    before encoding); an underflow of tiny inputs to subnormals or zero is expected."""
+    with np.errstate(under="ignore"):
+        np.divide(x, np.float32(divisor), out=out)
+
+
 class ErrorFeedback:
     """Keeps what compression lost from one call's input and adds it to the next call's.
 
@@ -365,8 +379,7 @@ class ErrorFeedback:
         """
         sent = x.astype(np.float32).reshape(-1)  # a fresh copy: the caller works in place
         if divisor != 1:
-            with np.errstate(under="ignore"):  # tiny inputs: subnormal or zero
-                np.divide(sent, np.float32(divisor), out=sent)
+            divide_for_mean(sent, divisor, sent)
         if self.residual is None:
             self.residual = np.zeros_like(sent)
         elif self.residual.shape != sent.shape:

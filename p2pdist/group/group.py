@@ -10,7 +10,7 @@ import numpy as np
 from ..errors import UsageError
 from . import algorithms as alg
 from .buffers import as_array, result_buffer
-from .compress import ErrorFeedback, WireCodec, make_codec
+from .compress import ErrorFeedback, WireCodec, divide_for_mean, make_codec
 from .compressed_algorithms import compressed_direct_all_reduce, compressed_ring_all_reduce
 from .config import MODES
 from .core import GroupCore
@@ -137,8 +137,7 @@ class Group(GroupCore):
             if error_feedback is None and arr.dtype == np.float32:
                 # Reduce in the result buffer itself: one copy, as the plain path.
                 if divisor != 1:
-                    with np.errstate(under="ignore"):  # tiny inputs: subnormal or zero
-                        np.divide(arr, np.float32(divisor), out=work)
+                    divide_for_mean(arr, divisor, work)
                 elif work is not arr:
                     np.copyto(work, arr)
                 flat = work.reshape(-1)
@@ -555,6 +554,5 @@ def _compressed_input(
         return feedback.apply(arr, codec, divisor)
     flat = arr.reshape(-1).astype(np.float32)
     if divisor != 1:
-        with np.errstate(under="ignore"):  # tiny inputs: subnormal or zero
-            np.divide(flat, np.float32(divisor), out=flat)
+        divide_for_mean(flat, divisor, flat)
     return flat
