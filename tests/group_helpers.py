@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from p2pdist import Group, GroupConfig, TransportConfig
+from p2pdist import ConnectionBrokenError, Group, GroupConfig, TransportConfig
 from p2pdist.launch import pick_free_ports
 
 
@@ -48,3 +48,18 @@ async def groups(
         yield gs
     finally:
         await asyncio.gather(*(g.close() for g in gs), return_exceptions=True)
+
+
+def crash(g: Group) -> None:
+    """Drop every connection of ``g`` at once, without a goodbye (like SIGKILL)."""
+    for conn in list(g._conns.values()):
+        conn.abort(ConnectionBrokenError(g.peer_label(g.rank), "simulated crash"))  # type: ignore[attr-defined]
+
+
+async def until_left(gs: list[Group], rank: int, seconds: float = 30.0) -> None:
+    """Wait (bounded by ``seconds``) until every group in ``gs`` has seen ``rank`` go."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not all(rank in g.left for g in gs):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"rank {rank}'s loss was not seen: {[sorted(g.left) for g in gs]}")
+        await asyncio.sleep(0.01)

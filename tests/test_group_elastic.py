@@ -10,27 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from group_helpers import groups
+from group_helpers import crash, groups, until_left
 
 from p2pdist import ConnectionBrokenError, Group, GroupBrokenError, GroupConfig, UsageError
 from p2pdist.group.membership import FIRST_RESERVED_SPACE
 
 LEAVE = {"on_peer_loss": "leave"}
-
-
-def crash(g: Group) -> None:
-    """Drop every connection of ``g`` at once, without a goodbye (like SIGKILL)."""
-    for conn in list(g._conns.values()):
-        conn.abort(ConnectionBrokenError(g.peer_label(g.rank), "simulated crash"))  # type: ignore[attr-defined]
-
-
-async def until_left(gs: list[Group], rank: int) -> None:
-    """Wait (bounded) until every group in ``gs`` has seen ``rank`` go."""
-    for _ in range(3000):
-        if all(rank in g.left for g in gs):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"rank {rank}'s loss was not seen: {[sorted(g.left) for g in gs]}")
 
 
 async def until_running(g: Group) -> None:

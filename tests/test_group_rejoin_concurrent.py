@@ -10,7 +10,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from group_helpers import free_ports, loopback_peers
+from group_helpers import free_ports, loopback_peers, until_left
 
 from p2pdist import Group, GroupConfig, PeerAuthenticationError, TransportConfig
 
@@ -29,15 +29,6 @@ def make(rank: int, peers: list[str], *, rejoin: bool = False, listen: str | Non
     return Group.from_seed(
         SEED, rank=rank, world=len(peers), peers=peers, config=CFG, rejoin=rejoin, listen=listen
     )
-
-
-async def until_left(gs: list[Group], rank: int) -> None:
-    """Wait (bounded) until every group in ``gs`` has seen ``rank`` go."""
-    for _ in range(1000):
-        if all(rank in g.left for g in gs):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"rank {rank}'s loss was not seen: {[sorted(g.left) for g in gs]}")
 
 
 async def whole(gs: list[Group]) -> None:
