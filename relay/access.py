@@ -75,14 +75,17 @@ class Allowlist:
         self._signature: tuple[int, int, int] | None = None
         self._failed: tuple[int, int, int] | None = None
         self._checked: float | None = None
-        try:
-            signature = self._stat()
-        except OSError as exc:
-            raise AllowlistError(f"cannot read allowlist {self.path}: {exc}") from None
-        self._load(signature)  # at start-up a bad file is an error, not a warning
+        self._load(self._stat())  # at start-up a bad file is an error, not a warning
+
+    def _unreadable(self, exc: Exception) -> AllowlistError:
+        return AllowlistError(f"cannot read allowlist {self.path}: {exc}")
 
     def _stat(self) -> tuple[int, int, int]:
-        st = os.stat(self.path)
+        """The file's (mtime, size, inode); AllowlistError when it cannot be stat'ed."""
+        try:
+            st = os.stat(self.path)
+        except OSError as exc:
+            raise self._unreadable(exc) from None
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
     def _load(self, signature: tuple[int, int, int]) -> None:
@@ -91,7 +94,7 @@ class Allowlist:
         try:
             text = self.path.read_text(encoding="utf-8-sig")  # a BOM is not an id
         except (OSError, UnicodeDecodeError) as exc:
-            raise AllowlistError(f"cannot read allowlist {self.path}: {exc}") from None
+            raise self._unreadable(exc) from None
         ids = parse_allowlist(text, str(self.path))
         previous = None if self._signature is None else len(self._ids)
         self._ids, self._signature, self._failed = ids, signature, None
@@ -116,22 +119,16 @@ class Allowlist:
         if not force and self._checked is not None and now - self._checked < self._interval:
             return
         self._checked = now
+        signature = _MISSING  # what a file that cannot be stat'ed is remembered as
         try:
             signature = self._stat()
-        except OSError as exc:
-            signature = _MISSING
-            error: Exception = AllowlistError(f"cannot read allowlist {self.path}: {exc}")
-        else:
             if not force and signature in (self._signature, self._failed):
                 return
-            try:
-                self._load(signature)
-                return
-            except AllowlistError as exc:
-                error = exc
-        if force or signature != self._failed:
-            log.error(kv("allowlist_reload_failed", error=error, kept=len(self._ids)))
-        self._failed = signature
+            self._load(signature)
+        except AllowlistError as exc:
+            if force or signature != self._failed:
+                log.error(kv("allowlist_reload_failed", error=exc, kept=len(self._ids)))
+            self._failed = signature
 
     def __contains__(self, raw_id: bytes) -> bool:
         return raw_id in self._ids
