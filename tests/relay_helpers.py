@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import select
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +110,33 @@ def self_signed_pem(name: str) -> tuple[bytes, bytes]:
         serialization.NoEncryption(),
     )
     return pem, key_pem
+
+
+def memory_handshake(
+    client: ssl.SSLContext, server: ssl.SSLContext, hostname: str | None = None
+) -> ssl.SSLObject:
+    """A TLS handshake between two contexts in memory, without sockets: the client's
+    SSLObject once both sides completed it and (TLS 1.3) the client has read the server's
+    verdict on its certificate. ssl.SSLError when either side refuses; AssertionError
+    when it does not finish."""
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    c = client.wrap_bio(c_in, c_out, server_side=False, server_hostname=hostname)
+    s = server.wrap_bio(s_in, s_out, server_side=True)
+    done = {"c": False, "s": False}
+    for _ in range(10):
+        for name, side in (("c", c), ("s", s)):
+            if not done[name]:
+                try:
+                    side.do_handshake()
+                    done[name] = True
+                except ssl.SSLWantReadError:
+                    pass
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+        if all(done.values()):
+            # TLS 1.3: the server's verdict on a client certificate reaches the client
+            # with its first read.
+            with contextlib.suppress(ssl.SSLWantReadError):
+                c.read(1)
+            return c
+    raise AssertionError("the in-memory TLS handshake did not finish")

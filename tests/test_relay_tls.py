@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from relay_helpers import self_signed_pem
+from relay_helpers import memory_handshake, self_signed_pem
 
 from relay.config import ConfigError
 from relay.tlsconfig import RelayTls
@@ -28,23 +28,7 @@ def served_certificate(server: ssl.SSLContext) -> bytes:
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     client.check_hostname = False
     client.verify_mode = ssl.CERT_NONE
-    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
-    c = client.wrap_bio(c_in, c_out, server_hostname="relay.test")
-    s = server.wrap_bio(s_in, s_out, server_side=True)
-    done = {c: False, s: False}
-    for _ in range(10):
-        for side in (c, s):
-            if not done[side]:
-                try:
-                    side.do_handshake()
-                    done[side] = True
-                except ssl.SSLWantReadError:
-                    pass
-        s_in.write(c_out.read())
-        c_in.write(s_out.read())
-        if all(done.values()):
-            break
-    assert all(done.values()), "handshake did not finish"
+    c = memory_handshake(client, server, hostname="relay.test")
     der = c.getpeercert(binary_form=True)
     assert der is not None
     return hashlib.sha256(der).digest()
