@@ -479,13 +479,22 @@ class Membership:
         refused at once instead of joining a group that cannot take it."""
         return eid in self._rank_of and (not self._formed or self.config.on_peer_loss == "leave")
 
-    def _turn_away(self, conn: Connection, why: str, error: str | None = None) -> None:
+    def _turn_away(
+        self,
+        conn: Connection,
+        why: str,
+        error: str | None = None,
+        *,
+        rank: int | None = None,
+        noted: bool = False,
+    ) -> None:
         """Tell a dialer (forming or rejoining) why it is refused, and close; ``error``
-        ("mismatch") makes a rejoiner raise MismatchError."""
-        log.warning(
-            "%s: refusing a connection from %s: %s", self.peer_label(self._rank), _remote(conn), why
-        )
-        _form_note(conn, "refused", why)
+        ("mismatch") makes a rejoiner raise MismatchError. ``rank``: the dialer's, when
+        known (the log names it); ``noted``: its formation ``refused`` note went already."""
+        who = _remote(conn) if rank is None else f"{self.peer_label(rank)} ({_remote(conn)})"
+        log.warning("%s: refusing a connection from %s: %s", self.peer_label(self._rank), who, why)
+        if not noted:
+            _form_note(conn, "refused", why)
         refusal: dict[str, Any] = {"refused": why}
         if error is not None:
             refusal["error"] = error

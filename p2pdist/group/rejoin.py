@@ -170,18 +170,11 @@ class Rejoining(Membership):
                 )
                 return True
         except MismatchError as exc:  # its settings differ from the group's
-            self._turn_away(conn, str(exc), error="mismatch")
+            self._turn_away(conn, str(exc), error="mismatch", rank=rank, noted=True)
             return False
         except Exception:  # it ended or stayed silent, or its word is no msgpack map
             pass
-        log.warning(
-            "%s: refusing a connection from %s (%s): %s",
-            self.peer_label(self._rank),
-            self.peer_label(rank),
-            _remote(conn),
-            why,
-        )
-        self._spawn(conn.close())
+        self._turn_away(conn, why, rank=rank, noted=True)
         return False
 
     # ---- rejoining: the rank that comes back --------------------------------------------
