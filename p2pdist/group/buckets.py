@@ -4,6 +4,7 @@ the caller goes on (the way data-parallel training overlaps communication with c
 from __future__ import annotations
 
 import asyncio
+import inspect
 from typing import Any
 
 import numpy as np
@@ -11,10 +12,12 @@ import numpy as np
 from ..errors import UsageError
 from .buffers import wire_form
 from .compress import ErrorFeedback
-from .group import Group, _codec_for
-from .ops import reduce_op
+from .group import Group
 
 __all__ = ["GradientBuckets"]
+
+_BLOCK: int = inspect.signature(Group.all_reduce).parameters["block"].default
+"""all_reduce's int8 block, for a bucket not given one (its default lives there only)."""
 
 
 class GradientBuckets:
@@ -123,13 +126,15 @@ class GradientBuckets:
         wire = wire_form(dtype)  # what as_array checks; >f4 reduces as float32
         if wire in self._accepted:
             return wire
-        probe = np.empty(0, wire)
-        rop = reduce_op(self._op, wire)
-        ordered = self._group._ordered(self._reduce.get("mode"), rop, probe)
-        wire_dtype = self._reduce.get("wire_dtype")
-        if wire_dtype is not None:
-            block = self._reduce.get("block", 256)  # all_reduce's default
-            _codec_for(wire_dtype, block, None, rop, probe, ordered)
+        reduce = self._reduce
+        self._group._all_reduce_codec(
+            np.empty(0, wire),
+            self._op,
+            reduce.get("mode"),
+            reduce.get("wire_dtype"),
+            reduce.get("block", _BLOCK),
+            None,  # each bucket's own ErrorFeedback, made with the wire_dtype
+        )
         self._accepted.add(wire)
         return wire
 

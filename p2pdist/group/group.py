@@ -87,6 +87,26 @@ class Group(GroupCore):
         # Integer arithmetic and max/min give the same bits in any order already.
         return chosen == "deterministic" and rop.order_sensitive and arr.dtype.kind in "fc"
 
+    def _all_reduce_codec(
+        self,
+        arr: np.ndarray,
+        op: str,
+        mode: str | None,
+        wire_dtype: str | None,
+        block: int,
+        error_feedback: ErrorFeedback | None,
+    ) -> tuple[ReduceOp, bool, WireCodec | None]:
+        """The checks all_reduce makes on its arguments before anything travels (the op
+        for ``arr``'s dtype, the mode, the wire_dtype rules): the reduce op, whether it
+        takes the deterministic path, and the wire codec or None. GradientBuckets runs
+        them too, on an empty array of each dtype it is given."""
+        rop = reduce_op(op, arr.dtype)
+        ordered = self._ordered(mode, rop, arr)
+        codec = None
+        if wire_dtype is not None or error_feedback is not None:
+            codec = _codec_for(wire_dtype, block, error_feedback, rop, arr, ordered)
+        return rop, ordered, codec
+
     async def all_reduce(
         self,
         x: np.ndarray,
@@ -115,11 +135,9 @@ class Group(GroupCore):
         one per tensor) carries this call's compression error into the next call's input.
         """
         arr = as_array(x)
-        rop = reduce_op(op, arr.dtype)
-        ordered = self._ordered(mode, rop, arr)
-        codec = None
-        if wire_dtype is not None or error_feedback is not None:
-            codec = _codec_for(wire_dtype, block, error_feedback, rop, arr, ordered)
+        rop, ordered, codec = self._all_reduce_codec(
+            arr, op, mode, wire_dtype, block, error_feedback
+        )
         work = result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
         if self.size == 1:  # the identity, compressed or not: nothing travels
