@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import pytest
+
 from p2pdist.identity import SecretKey
 from p2pdist.transport.punch import (
     MAX_KNOWN,
@@ -21,6 +23,7 @@ from p2pdist.transport.punch import (
 )
 from p2pdist.wire.probe import (
     MAX_CANDIDATES,
+    ProbeError,
     ProbeKind,
     decode_probe,
     encode_candidates,
@@ -319,3 +322,21 @@ def test_replays_get_at_most_a_windows_allowance_of_pongs_per_window() -> None:
         assert len(p._heard) <= MAX_KNOWN and len(p._candidates) <= MAX_KNOWN
     windows = -(-100 // 15)  # 0-15, 15-30, ..., 90-100
     assert pongs == windows * MAX_CANDIDATES
+
+
+def test_one_session_length_check_for_the_codec_and_the_session() -> None:
+    good, bad = b"s" * 16, b"s" * 15
+    with pytest.raises(ProbeError, match="a session is 16 bytes"):
+        PeerPaths(PunchConfig(), session=bad)
+    assert PeerPaths(PunchConfig(), session=good).session == good
+    for to_session, from_session in ((bad, good), (good, bad)):
+        with pytest.raises(ProbeError, match="a session is 16 bytes"):
+            encode_ping(
+                KA, KB.endpoint_id, b"t" * 12, to_session=to_session, from_session=from_session
+            )
+        with pytest.raises(ProbeError, match="a session is 16 bytes"):
+            encode_pong(
+                KA, KB.endpoint_id, b"t" * 12, X, to_session=to_session, from_session=from_session
+            )
+    with pytest.raises(ProbeError, match="a session is 16 bytes"):
+        encode_candidates(KA, KB.endpoint_id, [], reply_wanted=False, session=bad)

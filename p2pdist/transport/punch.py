@@ -42,7 +42,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..wire.probe import MAX_CANDIDATES, SESSION_LEN, TXID_LEN
+from ..wire.probe import MAX_CANDIDATES, SESSION_LEN, TXID_LEN, check_session
 
 __all__ = [
     "MAX_KNOWN",
@@ -186,10 +186,10 @@ class PeerPaths:
     ) -> None:
         self.config = config
         self._new_txid = new_txid or (lambda: secrets.token_bytes(TXID_LEN))
-        self.session = session if session is not None else secrets.token_bytes(SESSION_LEN)
+        self.session = check_session(
+            session if session is not None else secrets.token_bytes(SESSION_LEN)
+        )
         """Our punching session: sent with our candidates, required in every probe."""
-        if len(self.session) != SESSION_LEN:
-            raise ValueError(f"a session is {SESSION_LEN} bytes")
         self.peer_session: bytes | None = None
         """The peer's session, from its latest CANDIDATES (or first fresh PING)."""
         self.phase = Phase.IDLE
@@ -289,7 +289,7 @@ class PeerPaths:
     ) -> list[Action]:
         """An authenticated PONG from the peer arrived from ``addr`` (sessions as for
         :meth:`on_ping`)."""
-        if not self._fresh(to_session, from_session) or self.peer_session is None:
+        if not self._fresh(to_session, from_session):
             return []
         pending = self._pending.get(txid)
         if pending is None or pending[0] != addr:

@@ -43,6 +43,7 @@ __all__ = [
     "ProbeError",
     "ProbeKind",
     "ProbeMessage",
+    "check_session",
     "classify",
     "decode_probe",
     "encode_candidates",
@@ -144,12 +145,18 @@ def _seal(key: SecretKey, receiver: EndpointId, kind: ProbeKind, body: bytes) ->
     return msg + key.sign(_DOMAIN + bytes(receiver) + msg)
 
 
+def check_session(session: bytes) -> bytes:
+    """``session`` when it is :data:`SESSION_LEN` bytes long, else ProbeError (a
+    ValueError)."""
+    if len(session) != SESSION_LEN:
+        raise ProbeError(f"a session is {SESSION_LEN} bytes")
+    return session
+
+
 def _transaction(txid: bytes, to_session: bytes, from_session: bytes) -> bytes:
     if len(txid) != TXID_LEN:
         raise ProbeError(f"a transaction id is {TXID_LEN} bytes")
-    if len(to_session) != SESSION_LEN or len(from_session) != SESSION_LEN:
-        raise ProbeError(f"a session is {SESSION_LEN} bytes")
-    return txid + to_session + from_session
+    return txid + check_session(to_session) + check_session(from_session)
 
 
 def encode_ping(
@@ -187,9 +194,7 @@ def encode_candidates(
     punching ``session``."""
     if len(candidates) > MAX_CANDIDATES:
         raise ProbeError(f"at most {MAX_CANDIDATES} candidates")
-    if len(session) != SESSION_LEN:
-        raise ProbeError(f"a session is {SESSION_LEN} bytes")
-    body = bytes((int(reply_wanted),)) + session + bytes((len(candidates),))
+    body = bytes((int(reply_wanted),)) + check_session(session) + bytes((len(candidates),))
     body += b"".join(_encode_address(c) for c in candidates)
     return _seal(key, receiver, ProbeKind.CANDIDATES, body)
 
