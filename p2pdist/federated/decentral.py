@@ -391,6 +391,7 @@ class GroupAveraging(Leading):
             return None
         channel = round_channel(self.tag, k, UPDATE)
         updates, weights = [], []
+        named: list[tuple[str, np.ndarray, bytes]] = []  # (sender, update, its digest)
         for rank, base, n, weight, hashed in body["p"]:
             if rank == self.group.rank:
                 if (
@@ -407,19 +408,28 @@ class GroupAveraging(Leading):
             else:
                 label = self.group.peer_label(rank)
                 frame = await self._named_update(k, rank, label, channel)
-                got = decode(frame, label)
-                updates.append(await self._check_named(k, got, label, base, n, hashed))
+                update = self._check_named(k, decode(frame, label), label, base, n)
+                named.append((label, update, hashed))
+                updates.append(update)
             weights.append(weight)
+        # Every named update received and checked, hash them all at once (hashlib lets
+        # the GIL go, so large updates hash on several threads).
+        digests = await asyncio.gather(*(digest_async(update) for _, update, _ in named))
+        for (label, _, hashed), got in zip(named, digests, strict=True):
+            if got != hashed:
+                raise MismatchError(
+                    label,
+                    f"its update of round {k} is not the one the leader aggregated "
+                    "(it sent different bytes to different ranks)",
+                )
         return aggregate(
             updates, weights, self.config.rule, self.config.trim_fraction, self._model.dtype
         )
 
-    async def _check_named(
-        self, k: int, got: Message, label: str, base: int, n: int, hashed: bytes
-    ) -> np.ndarray:
+    def _check_named(self, k: int, got: Message, label: str, base: int, n: int) -> np.ndarray:
         """The array of ``got``, the update the decision of round ``k`` names as
-        ``(base, n, hashed)``; MismatchError naming its sender when it is not that one
-        (it sent the leader something else)."""
+        ``(base, n)``; MismatchError naming its sender when it is not that one (it sent
+        the leader something else). Its digest is checked by the caller, with the others'."""
         if (got.get_int("r", label), got.get_int("b", label), got.fields.get("n")) != (k, base, n):
             raise MismatchError(label, f"its update differs from round {k}'s decision")
         update = got.need_array(label)
@@ -429,12 +439,6 @@ class GroupAveraging(Leading):
                 label,
                 f"its update of round {k} is {update.dtype}{list(update.shape)}, the model "
                 f"{model.dtype}{list(model.shape)} (the leader accepted another one)",
-            )
-        if await digest_async(update) != hashed:
-            raise MismatchError(
-                label,
-                f"its update of round {k} is not the one the leader aggregated "
-                "(it sent different bytes to different ranks)",
             )
         return update
 
