@@ -132,6 +132,8 @@ class _ClientConnection(asyncio.BufferedProtocol):
             self._abort = None
         if self._session is not None:
             self._core.lost(self._session, self._loop.time())
+            if self._server._own_tap is not None:
+                self._server._own_tap.forget(self._session.conn_id)
         self._server.connection_gone(self)
 
     # ---- Link -------------------------------------------------------------------------

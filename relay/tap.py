@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from p2pdist.wire.relay import FRAME_HEADER, RelayFrameType
+from p2pdist.wire.relay import _HEAD, FRAME_HEADER, RelayFrameType
 
 from .logfmt import kv
 
@@ -48,7 +48,10 @@ class AuthRedactor:
     reads of any size and zeroes the token bytes of every AUTH frame, keeping lengths.
 
     Only framing is tracked (no bytes are kept), so a stream that is not what the relay
-    expects merely goes through unredacted where it cannot be read as frames.
+    expects merely goes through unredacted where it cannot be read as frames. A read
+    with no token bytes in it is returned as it is (no copy). Every AUTH is followed, not
+    only the first: the relay refuses a second one, but only after it was read (and
+    tapped).
     """
 
     def __init__(self) -> None:
@@ -60,8 +63,8 @@ class AuthRedactor:
         self._body_at = 0  # bytes of the current body seen so far
 
     def __call__(self, data: bytes) -> bytes:
-        """``data`` with any AUTH token bytes in it replaced by zero bytes."""
-        out = bytearray(data)
+        """``data`` with any AUTH token bytes in it replaced by zero bytes (``data``
+        itself when it holds none)."""
         i = 0
         if self._in_head:
             joined = self._head_tail + data
@@ -71,29 +74,35 @@ class AuthRedactor:
                 return data
             self._in_head = False
             i = end + len(_HEAD_END) - len(self._head_tail)
-        while i < len(out):
-            if self._left == 0 and len(self._header) < FRAME_HEADER:
-                take = min(FRAME_HEADER - len(self._header), len(out) - i)
-                self._header += out[i : i + take]
-                i += take
-                if len(self._header) == FRAME_HEADER:
-                    self._left = int.from_bytes(self._header[1:], "big")
-                    self._secret = self._header[0] == RelayFrameType.AUTH
-                    self._body_at = 0
-                    if self._left == 0:
-                        self._header.clear()
+        out: bytearray | None = None  # a copy, made at the first token byte
+        n = len(data)
+        while i < n:
+            if self._left == 0:  # a frame header next
+                if self._header or n - i < FRAME_HEADER:  # split across reads
+                    take = min(FRAME_HEADER - len(self._header), n - i)
+                    self._header += data[i : i + take]
+                    i += take
+                    if len(self._header) < FRAME_HEADER:
+                        break
+                    kind, self._left = _HEAD.unpack_from(self._header)
+                    self._header.clear()
+                else:
+                    kind, self._left = _HEAD.unpack_from(data, i)
+                    i += FRAME_HEADER
+                self._secret = kind == RelayFrameType.AUTH
+                self._body_at = 0
                 continue
-            take = min(self._left, len(out) - i)
+            take = min(self._left, n - i)
             if self._secret:
                 start = max(self._body_at, _AUTH_FIXED) - self._body_at
                 if start < take:
+                    if out is None:
+                        out = bytearray(data)
                     out[i + start : i + take] = bytes(take - start)
             self._body_at += take
             self._left -= take
             i += take
-            if self._left == 0:
-                self._header.clear()
-        return bytes(out)
+        return data if out is None else bytes(out)
 
 
 class FileTap:
@@ -121,6 +130,10 @@ class FileTap:
         self._fh.write(_RECORD.pack(conn_id & 0xFFFFFFFF, code, len(data)))
         self._fh.write(data)
         self._fh.flush()
+
+    def forget(self, conn_id: int) -> None:
+        """Connection ``conn_id`` closed: drop its redactor (one per open connection)."""
+        self._redactors.pop(conn_id, None)
 
     def close(self) -> None:
         """Stop recording and close the file."""

@@ -134,6 +134,30 @@ def test_auth_redactor_blanks_the_token_across_any_split(chunk: int) -> None:
     assert out == bytes(expected)  # id, signature and other frames unchanged
 
 
+def test_a_read_without_token_bytes_is_not_copied_and_a_closed_connection_is_forgotten(
+    tmp_path: Path,
+) -> None:
+    ping = encode_frame(RelayFrameType.PING, b"12345678")
+    data, at = _auth_stream(TOKEN.encode())
+    redact = AuthRedactor()
+    head_and_id = data[: at - 10]
+    assert redact(head_and_id) is head_and_id  # no token byte in it: the same object
+    rest = redact(data[at - 10 :])
+    assert rest[10:] == bytes(len(TOKEN)) and rest[:10] == data[at - 10 : at]
+    send = encode_frame(RelayFrameType.SEND, b"y" * 5000)
+    for chunk in (ping, send[:3], send[3:100], send[100:], ping + send):
+        assert redact(chunk) is chunk
+    tap = FileTap(tmp_path / "tap.bin")
+    tap(7, "in", data[: at + 2])  # the connection goes away in the middle of the token
+    tap.forget(7)
+    assert 7 not in tap._redactors
+    tap(7, "in", data)  # a fresh redactor: a stream from its start
+    tap.close()
+    assert read_tap(tmp_path / "tap.bin")[(7, "in")][len(data[: at + 2]) :] == (
+        data[:at] + bytes(len(TOKEN))
+    )
+
+
 async def test_the_tap_file_never_holds_the_token(tmp_path: Path) -> None:
     tap = tmp_path / "tap.bin"
     a, b = KEYS[0], KEYS[1]
