@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from p2pdist import Group, UsageError
-from p2pdist.group.buckets import _BLOCK
 from p2pdist.group.buffers import expectation, mismatch
 from p2pdist.group.compress import divide_for_mean, make_codec
 from p2pdist.group.compressed_algorithms import _feed_back
@@ -65,7 +64,10 @@ def test_divide_for_mean_is_a_float32_divide_without_underflow_warnings() -> Non
 
 
 def test_bucket_block_default_is_all_reduce_s() -> None:
-    assert inspect.signature(Group.all_reduce).parameters["block"].default == _BLOCK
+    from p2pdist.group.compress import INT8_BLOCK, make_codec
+
+    assert inspect.signature(Group.all_reduce).parameters["block"].default == INT8_BLOCK
+    assert inspect.signature(make_codec).parameters["block"].default == INT8_BLOCK
 
 
 class _Conn:

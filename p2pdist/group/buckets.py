@@ -4,20 +4,16 @@ the caller goes on (the way data-parallel training overlaps communication with c
 from __future__ import annotations
 
 import asyncio
-import inspect
 from typing import Any
 
 import numpy as np
 
 from ..errors import UsageError
 from .buffers import wire_form
-from .compress import ErrorFeedback
+from .compress import INT8_BLOCK, ErrorFeedback
 from .group import Group
 
 __all__ = ["GradientBuckets"]
-
-_BLOCK: int = inspect.signature(Group.all_reduce).parameters["block"].default
-"""all_reduce's int8 block, for a bucket not given one (its default lives there only)."""
 
 
 class GradientBuckets:
@@ -132,7 +128,7 @@ class GradientBuckets:
             self._op,
             reduce.get("mode"),
             reduce.get("wire_dtype"),
-            reduce.get("block", _BLOCK),
+            reduce.get("block", INT8_BLOCK),
             None,  # each bucket's own ErrorFeedback, made with the wire_dtype
         )
         self._accepted.add(wire)

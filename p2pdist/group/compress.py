@@ -28,6 +28,7 @@ from .halfcast import HalfScratch, decode_f16, encode_f16, subnormals_flushed
 
 __all__ = [
     "F16_ROUTES",
+    "INT8_BLOCK",
     "WIRE_DTYPES",
     "ErrorFeedback",
     "WireCodec",
@@ -327,7 +328,11 @@ class _Int8Codec(_Codec):
         self._decode_slabs(data, acc, add=True)
 
 
-def make_codec(wire_dtype: str, block: int = 256, *, f16_route: str = "bits") -> WireCodec:
+INT8_BLOCK = 256
+"""Elements per int8 scale when a call names no ``block``."""
+
+
+def make_codec(wire_dtype: str, block: int = INT8_BLOCK, *, f16_route: str = "bits") -> WireCodec:
     """The codec for ``wire_dtype`` (float16, bfloat16 or int8 with ``block``-sized scales).
 
     ``f16_route`` picks the float16 conversion ("bits" or "numpy"; identical results).

@@ -10,7 +10,7 @@ import numpy as np
 from ..errors import UsageError
 from . import algorithms as alg
 from .buffers import as_array, result_buffer
-from .compress import ErrorFeedback, WireCodec, divide_for_mean, make_codec
+from .compress import INT8_BLOCK, ErrorFeedback, WireCodec, divide_for_mean, make_codec
 from .compressed_algorithms import compressed_direct_all_reduce, compressed_ring_all_reduce
 from .config import MODES
 from .core import GroupCore
@@ -115,7 +115,7 @@ class Group(GroupCore):
         out: np.ndarray | None = None,
         mode: str | None = None,
         wire_dtype: str | None = None,
-        block: int = 256,
+        block: int = INT8_BLOCK,
         error_feedback: ErrorFeedback | None = None,
         timeout: float | None = None,
     ) -> np.ndarray:
