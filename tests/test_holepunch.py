@@ -343,9 +343,12 @@ async def test_forged_or_foreign_probes_never_make_a_path() -> None:
             raw.sendto(bytes(forged), sock_a.local_address)
             raw.sendto(encode_ping(C, A.endpoint_id, txid, **ss), sock_a.local_address)  # stranger
             raw.sendto(encode_ping(B, C.endpoint_id, txid, **ss), sock_a.local_address)  # for C
-            await wait_until(lambda: puncher.bad_probes >= 3, "three refused probes")
+            old_session = {"to_session": bytes(16), "from_session": SB}  # signed, but stale
+            raw.sendto(encode_ping(B, A.endpoint_id, txid, **old_session), sock_a.local_address)
+            await wait_until(lambda: puncher.bad_probes >= 4, "four refused probes")
             state = puncher.state(B.endpoint_id)
             assert state is not None and not state.accepts(raw.getsockname())
+            assert state.stale_probes == 1  # counted once, before it reached the session
         await wait_until(lambda: state.phase is Phase.BACKOFF, "the round to give up")
         assert ca.path_kind == "relay" and state.last_failure is not None
         assert ta.paths()[B.endpoint_id].punching == "backoff"

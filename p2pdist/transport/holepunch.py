@@ -214,18 +214,18 @@ class HolePuncher:
             self.bad_probes += 1
             log.debug("bad probe from %s: %s", addr, exc)
             return
+        if not p.paths.fresh(msg.to_session, msg.from_session):
+            self.bad_probes += 1
+            log.debug("%s: probe from %s of another session", self._label_for(p.peer), addr)
+            return
         now = self._loop.time()
         sessions = {"to_session": msg.to_session, "from_session": msg.from_session}
-        stale = p.paths.stale_probes
         if msg.kind is ProbeKind.PING:
             self._run(p, p.paths.on_ping(addr, msg.txid, now, **sessions))
         elif msg.kind is ProbeKind.PONG:
             self._run(p, p.paths.on_pong(addr, msg.txid, now, **sessions))
         else:
             self.bad_probes += 1
-        if p.paths.stale_probes != stale:
-            self.bad_probes += 1
-            log.debug("%s: probe from %s of another session", self._label_for(p.peer), addr)
 
     def on_stun(self, sock: UdpSocket, data: bytes, addr: UdpAddress) -> None:
         """A STUN message on our socket: maybe the answer of a relay observation port."""

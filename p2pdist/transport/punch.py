@@ -264,7 +264,7 @@ class PeerPaths:
     ) -> list[Action]:
         """An authenticated PING from the peer arrived from ``addr``, carrying the sessions
         it thinks are ours (``to_session``) and its own (``from_session``)."""
-        if not self._fresh(to_session, from_session):
+        if not self.fresh(to_session, from_session):
             return []
         self._set_peer_session(from_session)
         out: list[Action] = []
@@ -289,7 +289,7 @@ class PeerPaths:
     ) -> list[Action]:
         """An authenticated PONG from the peer arrived from ``addr`` (sessions as for
         :meth:`on_ping`)."""
-        if not self._fresh(to_session, from_session):
+        if not self.fresh(to_session, from_session):
             return []
         pending = self._pending.get(txid)
         if pending is None or pending[0] != addr:
@@ -364,8 +364,9 @@ class PeerPaths:
 
     # ---- internals ----------------------------------------------------------------------
 
-    def _fresh(self, to_session: bytes, from_session: bytes) -> bool:
-        """Whether a probe belongs to this session (else it is counted and ignored)."""
+    def fresh(self, to_session: bytes, from_session: bytes) -> bool:
+        """Whether a probe carrying these sessions belongs to this punching session (else
+        it is counted in :attr:`stale_probes` and must be ignored)."""
         if to_session == self.session and self.peer_session in (None, from_session):
             return True
         self.stale_probes += 1
