@@ -389,6 +389,30 @@ async def test_garbage_datagrams_do_not_hurt(caplog: pytest.LogCaptureFixture) -
         await assert_still_serving(server_t, addr)
 
 
+async def test_relayed_garbage_and_a_strangers_packets_are_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Through the relay, garbage (an empty datagram too) and a short-header packet that
+    names the live connection's id but comes from another endpoint id are counted as
+    garbage: the connection never sees them, nothing is logged as an error."""
+    caplog.set_level(logging.ERROR)
+    async with relay_pair() as p:
+        server_t = p.server_transport
+        assert isinstance(server_t, QuicTransport) and server_t._relay is not None
+        quic = p.server._quic  # type: ignore[attr-defined]
+        stranger = bytes([0x40]) + quic.host_cid + b"\x00" * 100
+        deliver = server_t._on_relay_datagram
+        for d in [*garbage_datagrams(), stranger]:
+            deliver(eid(7), d)
+        assert server_t.garbage == len(garbage_datagrams()) + 1
+        for src, dst in ((p.client, p.server), (p.server, p.client)):
+            await src.send(3, b"unaffected")
+            assert bytes((await bounded(dst.recv(3), "recv")).payload) == b"unaffected"
+        assert len(server_t._connections) == 1
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors, errors
+
+
 async def test_unexpected_stream_is_a_protocol_error() -> None:
     """A peer that opens a second QUIC stream breaks the protocol: that connection ends
     with RemoteProtocolError naming it, the peer learns why."""

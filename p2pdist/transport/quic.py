@@ -314,6 +314,16 @@ class QuicTransport(EndpointBase[QuicConnection]):
         new_route: Callable[[], Route] | None,
     ) -> None:
         """Hand one datagram to its connection, start a new one, or drop it."""
+        if data and not data[0] & 0x80:
+            # A short header (every packet after the handshake): the destination id is
+            # ours, so its length is ours too. Only a connection may take it (aioquic
+            # then checks the rest); parsing the header here cost more than this routing.
+            conn = self._routes.get(data[1 : 1 + CID_LENGTH])
+            if conn is None:
+                self.garbage += 1
+                return
+            self._deliver(conn, data, addr, fits)
+            return
         try:
             header = pull_quic_header(Buffer(data=data), host_cid_length=CID_LENGTH)
         except Exception:  # garbage: not even a QUIC header
@@ -338,6 +348,12 @@ class QuicTransport(EndpointBase[QuicConnection]):
                 self.garbage += 1
                 conn.discard()
             return
+        self._deliver(conn, data, addr, fits)
+
+    def _deliver(
+        self, conn: QuicConnection, data: bytes, addr: object, fits: Callable[[Route], bool]
+    ) -> None:
+        """Hand a datagram to the connection it names, if it came by a path that fits."""
         route = conn.route
         if not fits(route):
             self.garbage += 1
