@@ -92,6 +92,8 @@ async def test_more_collectives_check_their_arguments() -> None:
             await g.all_to_all(np.ones((3, 2)))
         with pytest.raises(UsageError, match="row shape"):
             await g.all_to_all_v([np.ones((1, 2)), np.ones((1, 3))])
+        with pytest.raises(UsageError, match=r"xs\[1\]"):  # a 0-d array after the first
+            await g.all_to_all_v([np.ones((1, 2)), np.float64(1.0)])
         with pytest.raises(UsageError, match="source"):
             await g.scatter(None, src=0)
         with pytest.raises(UsageError, match="like="):
@@ -176,6 +178,49 @@ async def test_concurrent_splits_get_distinct_spaces() -> None:
             b2.all_reduce(np.full(3, 2.0)),
         )
         assert [o[0] for o in outs] == [2.0, 4.0, 2.0, 4.0]
+
+
+async def test_concurrent_splits_after_a_nested_split_never_share_a_space() -> None:
+    """Ranks 0 and 1 split their sub-group once more, so their books are ahead of ranks
+    2 and 3's; then two splits of the root run at once, A (everyone) and B (ranks 2, 3):
+    the two sub-groups share the 2-3 connection and must not share a channel space
+    (they used to: B's all_reduce then took A's messages, or timed out)."""
+    async with groups(4, timeout=10) as gs:
+        halves = await asyncio.gather(*(g.split(0 if g.rank < 2 else 1) for g in gs))
+        await asyncio.gather(*(h.split(0) for h in halves[:2] if h))
+
+        async def two_splits(g: Group) -> tuple[Group | None, Group | None]:
+            a = asyncio.create_task(g.split(0))
+            b = asyncio.create_task(g.split(0 if g.rank >= 2 else None))
+            return await a, await b
+
+        pairs = await asyncio.gather(*(two_splits(g) for g in gs))
+        for r in (2, 3):
+            a, b = pairs[r]
+            assert a is not None and b is not None and a._space != b._space
+
+        async def work(r: int) -> list[np.ndarray]:
+            a, b = pairs[r]
+            assert a is not None
+            calls = [a.all_reduce(np.full(4, 1.0))]
+            if b is not None:
+                calls.append(b.all_reduce(np.full(4, 100.0)))
+            return list(await asyncio.gather(*calls))
+
+        out = await asyncio.gather(*(work(r) for r in range(4)))
+        for r in range(4):
+            assert [float(x[0]) for x in out[r]] == ([4.0] if r < 2 else [4.0, 200.0])
+
+
+async def test_a_split_against_an_all_gather_is_a_mismatch() -> None:
+    async with groups(2) as gs:
+        results = await asyncio.gather(
+            gs[0].split(0, timeout=5),
+            gs[1].all_gather(np.zeros(3, np.int64), timeout=5),
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, MismatchError) for r in results), results
+        assert "split(int64[3])" in str(results[1]), results
 
 
 async def test_disagreeing_roots_are_a_mismatch_not_a_silent_answer() -> None:
@@ -293,3 +338,19 @@ async def test_all_gather_of_a_row_of_its_own_output() -> None:
             for p in range(3):
                 assert np.all(buf[p] == p + 1), f"row {p}: {buf[p][:3]}"
         assert places_left(gs) == 0
+
+
+def test_space_book_claims_refuse_what_another_split_holds_or_a_subgroup_uses() -> None:
+    from p2pdist.group.spaces import SpaceBook
+
+    book = SpaceBook(2)
+    a, b = object(), object()
+    assert book.propose(a) == 2 and book.propose(b) == 4
+    assert not book.claim(4, a)  # b's proposal
+    assert book.claim(2, a) and book.claim(6, a)  # its own proposal, and a free space
+    assert not book.claim(6, b)  # a holds it until its split ends
+    book.commit(6, a)  # a ends on 6 and lets 2 go
+    assert not book.claim(6, b)  # a sub-group uses it now
+    assert book.claim(2, b)
+    book.release(b)
+    assert book.propose(b, at_least=7) == 8 and book.next == 10

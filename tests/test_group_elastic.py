@@ -112,7 +112,7 @@ async def test_by_default_a_lost_rank_breaks_the_group_naming_it() -> None:
 async def test_split_never_takes_a_reserved_space() -> None:
     async with groups(2) as gs:
         for g in gs:
-            g._next_space = FIRST_RESERVED_SPACE - 4
+            g._spaces.next = FIRST_RESERVED_SPACE - 4
         subs = await asyncio.gather(*(g.split(0) for g in gs))
         assert all(s is not None and s._space == FIRST_RESERVED_SPACE - 4 for s in subs)
         subs = await asyncio.gather(*(g.split(0) for g in gs))

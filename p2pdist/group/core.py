@@ -37,6 +37,7 @@ from .buffers import as_array, expectation
 from .config import GroupConfig
 from .membership import CONTROL_CHANNEL, LAST_SPACE, Membership
 from .runner import Runner
+from .spaces import SpaceBook
 
 __all__ = ["GroupCore"]
 
@@ -112,7 +113,7 @@ class GroupCore(Runner):
         self._space = _COLLECTIVE_SPACE
         self._p2p_space = _P2P_SPACE
         self._parent: GroupCore | None = None
-        self._next_space = _FIRST_SUBGROUP_SPACE  # used on the root group only
+        self._spaces = SpaceBook(_FIRST_SUBGROUP_SPACE)  # used on the root group only
         self._reserved = {LAST_SPACE: "the group itself"}  # root only: space -> owner
         self._root_ranks = list(range(world))  # our ranks' ranks in the root group
         self._descendants: weakref.WeakSet[Membership] = weakref.WeakSet()  # root: sub-groups

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random as _random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,10 @@ if TYPE_CHECKING:
     from .profile import LinkProfile
 
 __all__ = ["Group"]
+
+_SPLIT_ATTEMPTS = 16
+"""Rounds a split may take to agree on a channel space (more than one only while other
+splits run at once on the same ranks)."""
 
 
 class Group(GroupCore):
@@ -464,7 +469,7 @@ class Group(GroupCore):
             raise UsageError("all_to_all_v arrays need at least one dimension (rows)")
         row_shape = first.shape[1:]
         for i, part in enumerate(parts):
-            if part.dtype != first.dtype or part.shape[1:] != row_shape:
+            if part.ndim == 0 or part.dtype != first.dtype or part.shape[1:] != row_shape:
                 raise UsageError(
                     f"all_to_all_v: xs[{i}] is {part.dtype}{list(part.shape)}, xs[0] is "
                     f"{first.dtype}{list(first.shape)}; dtype and row shape must agree"
@@ -493,28 +498,61 @@ class Group(GroupCore):
             raise UsageError(f"color must be a non-negative int or None, got {color!r}")
         if not isinstance(key, int):
             raise UsageError(f"key must be an int, got {key!r}")
-        root = self._root()
-        # Reserve our proposal before awaiting, so a concurrent split proposes another.
-        proposal = root._next_space
-        root._next_space = proposal + 2
-        mine = np.array([-1 if color is None else color, key, proposal], np.int64)
-        table = await self.all_gather(mine, timeout=timeout)
-        if color is None:
-            return None
-        members = sorted(
-            (r for r in range(self.size) if table[r, 0] == color),
-            key=lambda r: (int(table[r, 1]), r),
-        )
-        # Every member proposes its lowest unused space; the largest is unused by them all.
-        space = int(max(table[r, 2] for r in members))
-        if space + 1 >= FIRST_RESERVED_SPACE:
+        book = self._root()._spaces
+        token = object()  # this split, in the book
+        proposal = book.propose(token)
+        try:
+            for attempt in range(_SPLIT_ATTEMPTS):
+                mine = np.array([-1 if color is None else color, key, proposal], np.int64)
+                table = await self._split_round(mine, timeout)
+                # Each colour takes the largest proposal among its members (see spaces.py).
+                chosen: dict[int, int] = {}
+                for c, _, p in table.tolist():
+                    if c >= 0:
+                        chosen[c] = max(chosen.get(c, p), p)
+                top = max(chosen.values(), default=proposal)
+                if top + 1 >= FIRST_RESERVED_SPACE:
+                    raise UsageError(
+                        f"too many sub-groups: channel spaces up to {FIRST_RESERVED_SPACE - 1:#x} "
+                        f"are used up (those from {FIRST_RESERVED_SPACE:#x} are reserved, see "
+                        "reserve_channel_space)"
+                    )
+                held = color is None or book.claim(chosen[color], token)
+                confirm = await self._split_round(np.array([held], np.int64), timeout)
+                if confirm.all():
+                    if color is None:
+                        return None
+                    book.commit(chosen[color], token)
+                    members = sorted(
+                        (r for r in range(self.size) if table[r, 0] == color),
+                        key=lambda r: (int(table[r, 1]), r),
+                    )
+                    return self._child(members, chosen[color])
+                # A concurrent split here holds a space one of these wanted: again, higher
+                # (a random step, so two such splits do not keep meeting on one space).
+                book.release(token)
+                proposal = book.propose(token, top + 2 + 2 * _random.randrange(attempt + 1))
             raise UsageError(
-                f"too many sub-groups: channel spaces up to {FIRST_RESERVED_SPACE - 1:#x} are "
-                f"used up (those from {FIRST_RESERVED_SPACE:#x} are reserved, see "
-                "reserve_channel_space)"
+                f"split found no free channel space in {_SPLIT_ATTEMPTS} rounds "
+                "(too many splits running at once?)"
             )
-        root._next_space = max(root._next_space, space + 2)
-        return self._child(members, space)
+        finally:
+            book.release(token)
+
+    async def _split_round(self, row: np.ndarray, timeout: float | None) -> np.ndarray:
+        """Every rank's ``row`` (int64) for one round of :meth:`split`, checked as a
+        ``split`` call (not an all_gather a rank might be running instead)."""
+        result = np.empty((self.size, *row.shape), np.int64)
+        self._check_usable()
+        if self.size == 1:
+            result[0] = row
+            return result
+
+        async def body(lk: CollectiveLink) -> np.ndarray:
+            await alg.direct_all_gather(lk, row, result)
+            return result
+
+        return await self._run(describe_call("split", "", "<i8", row.shape), timeout, body)
 
     async def profile_links(self, repeats: int = 5) -> list[LinkProfile]:
         """Time every pair of ranks and fit ``t = alpha + bytes / beta`` per link
