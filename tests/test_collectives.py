@@ -10,6 +10,8 @@ import pytest
 from group_helpers import groups
 
 from p2pdist import Group, GroupConfig, MismatchError, RemoteProtocolError, UsageError
+from p2pdist.transport.base import TransportConfig
+from p2pdist.wire.frames import FrameLimits
 
 DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]
 
@@ -244,6 +246,8 @@ async def test_a_refused_timeout_leaves_the_sequence_in_step() -> None:
                 await a.all_reduce(np.ones(3), timeout=unbounded)
         with pytest.raises(ValueError, match="finite"):
             GroupConfig(timeout=float("nan"))
+        with pytest.raises(ValueError, match="max_payload must be at least 67108864"):
+            GroupConfig(transport=TransportConfig(limits=FrameLimits(max_payload=1 << 20)))
         outs = await run_all(gs, lambda g: g.all_reduce(np.ones(3), timeout=5))
         np.testing.assert_array_equal(outs[0], [2, 2, 2])
         x = np.arange(4.0)

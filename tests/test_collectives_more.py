@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
@@ -354,3 +355,48 @@ def test_space_book_claims_refuse_what_another_split_holds_or_a_subgroup_uses() 
     assert book.claim(2, b)
     book.release(b)
     assert book.propose(b, at_least=7) == 8 and book.next == 10
+
+
+async def test_blocks_longer_than_a_frame_travel_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block longer than the largest frame a group sends (PIECE_BYTES, 64 MiB; here
+    cut to 4 KiB, with the transport refusing frames over 8 KiB) goes in pieces: every
+    collective that sends a whole block or segment works (they broke the group when a
+    block passed the transport's 1 GiB frame limit), and a wrong size is still a
+    MismatchError."""
+    from p2pdist.group import config as config_module
+    from p2pdist.group import link, p2p
+    from p2pdist.wire.frames import FrameLimits
+
+    for module, name in ((link, "PIECE_BYTES"), (config_module, "PIECE_BYTES"), (p2p, "CHUNK")):
+        monkeypatch.setattr(module, name, 4096)
+    small = {"chunk_bytes": 4096, "small_bytes": 4096}
+    async with groups(3, config=small, limits=FrameLimits(max_payload=8192)) as gs:
+        xs = [np.arange(3000, dtype=np.float64) + 1000 * r for r in range(3)]  # 24000 B
+        table = np.stack(xs)
+
+        async def each(call: Any) -> list[Any]:
+            return list(await asyncio.gather(*(call(g) for g in gs)))
+
+        got = await each(lambda g: g.gather(xs[g.rank], 1))
+        np.testing.assert_array_equal(got[1], table)
+        got = await each(lambda g: g.scatter(table if g.rank == 2 else None, 2, like=xs[0]))
+        for r in range(3):
+            np.testing.assert_array_equal(got[r], xs[r])
+        got = await each(lambda g: g.reduce(xs[g.rank], 0))
+        np.testing.assert_array_equal(got[0], table.sum(axis=0))
+        got = await each(lambda g: g.all_to_all(np.stack([xs[g.rank] + p for p in range(3)])))
+        for r in range(3):
+            np.testing.assert_array_equal(got[r], np.stack([xs[p] + r for p in range(3)]))
+        got = await each(lambda g: g.all_to_all_v([table[: (g.rank + p) % 3] for p in range(3)]))
+        for r in range(3):
+            for p in range(3):
+                np.testing.assert_array_equal(got[r][p], table[: (p + r) % 3])
+        got = await each(lambda g: g.all_reduce(xs[g.rank]))
+        np.testing.assert_array_equal(got[2], table.sum(axis=0))
+        sent = await asyncio.gather(gs[0].send(table, 1), gs[1].recv(0))
+        np.testing.assert_array_equal(sent[1], table)
+        results = await asyncio.gather(
+            *(g.gather(xs[g.rank][: 2000 if g.rank else 3000], 1, timeout=5) for g in gs),
+            return_exceptions=True,
+        )
+        assert any(isinstance(r, MismatchError) for r in results), results

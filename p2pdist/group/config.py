@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..transport.base import TransportConfig
 from ..transport.punch import PunchConfig
+from .link import PIECE_BYTES
 
 __all__ = ["MODES", "PEER_LOSS", "GroupConfig"]
 
@@ -49,6 +50,11 @@ class GroupConfig:
                 raise ValueError(f"timeouts must be positive and finite, got {t!r}")
         if self.chunk_bytes < 4096:
             raise ValueError("chunk_bytes must be at least 4096")
+        if self.transport.limits.max_payload < PIECE_BYTES:
+            raise ValueError(
+                f"transport.limits.max_payload must be at least {PIECE_BYTES} bytes: a group "
+                "sends longer messages in pieces of that size"
+            )
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.on_peer_loss not in PEER_LOSS:

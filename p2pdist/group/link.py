@@ -5,6 +5,11 @@ sequence number, so a late or duplicate message can never be consumed by another
 collective. The first message to each peer carries a descriptor of the call (collective,
 op, dtype, shape, root); the receiver compares it with its own and raises
 :class:`~p2pdist.errors.MismatchError` naming the peer when ranks called different things.
+
+A message larger than :data:`PIECE_BYTES` (a gather's or an all-to-all's block can be
+any size; a frame can carry at most the transport's ``max_payload``) travels as an 8-byte
+length, then pieces of at most :data:`PIECE_BYTES`, each a frame with its own sequence
+number; the receiver checks the length against the size it expects.
 """
 
 from __future__ import annotations
@@ -18,7 +23,11 @@ import numpy as np
 from ..errors import MismatchError, RemoteProtocolError
 from ..transport.base import Connection
 
-__all__ = ["CollectiveLink", "describe_call"]
+__all__ = ["PIECE_BYTES", "CollectiveLink", "describe_call"]
+
+PIECE_BYTES = 64 << 20
+"""Largest frame payload a group sends (point to point and collectives alike); longer
+messages go in pieces. A group's transport must accept frames this large."""
 
 
 def describe_call(
@@ -57,6 +66,7 @@ class CollectiveLink:
 
     __slots__ = (
         "_conn",
+        "_long_places",
         "_rank",
         "_received",
         "_sent",
@@ -80,6 +90,8 @@ class CollectiveLink:
         self._conn = connection
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
+        self._long_places: dict[tuple[int, int], tuple[memoryview, list[memoryview]]] = {}
+        """(peer, seq of its length) -> the place of a long message and its pieces."""
         self.waiting_on: int | None = None
         """The rank this collective is blocked on right now (for timeout messages)."""
 
@@ -94,7 +106,16 @@ class CollectiveLink:
         return self._size
 
     async def send(self, peer: int, payload: memoryview) -> None:
-        """Send the next message of this collective to ``peer``."""
+        """Send the next message of this collective to ``peer`` (bytes, in pieces if long)."""
+        n = payload.nbytes
+        if n <= PIECE_BYTES:
+            await self._send_frame(peer, payload)
+            return
+        await self._send_frame(peer, memoryview(n.to_bytes(8, "little")))
+        for i in range(0, n, PIECE_BYTES):
+            await self._send_frame(peer, payload[i : i + PIECE_BYTES])
+
+    async def _send_frame(self, peer: int, payload: memoryview) -> None:
         seq = self._sent.get(peer, 0)
         self._sent[peer] = seq + 1
         meta = self.descriptor if seq == 0 else b""
@@ -104,6 +125,26 @@ class CollectiveLink:
 
     async def recv(self, peer: int, nbytes: int) -> memoryview:
         """The next message of this collective from ``peer``; checks order, call and size."""
+        if nbytes <= PIECE_BYTES:
+            return await self._recv_frame(peer, nbytes)
+        first = self._received.get(peer, 0)
+        announced = int.from_bytes(await self._recv_frame(peer, 8), "little")
+        if announced != nbytes:
+            raise MismatchError(
+                self.label(peer),
+                f"sent {announced} bytes where {nbytes} were expected in {self.explain()}",
+            )
+        place, pieces = self._long_places.pop((peer, first), (None, []))
+        if place is None:
+            place = memoryview(bytearray(nbytes))
+            pieces = _pieces(place)
+        for piece in pieces:
+            data = await self._recv_frame(peer, piece.nbytes)
+            if data is not piece:  # it came before its place was named
+                piece[:] = data
+        return place
+
+    async def _recv_frame(self, peer: int, nbytes: int) -> memoryview:
         conn = self._conn(peer)
         seq = self._received.get(peer, 0)
         self._received[peer] = seq + 1
@@ -134,9 +175,17 @@ class CollectiveLink:
         are skipped; the places are let go when the call ends (``retire``)."""
         conn = self._conn(peer)
         seq = self._received.get(peer, 0)
-        for i, place in enumerate(places):
+        for place in places:
+            if place.nbytes > PIECE_BYTES:  # its length first, then its pieces
+                pieces = _pieces(place)
+                self._long_places[peer, seq] = (place, pieces)
+                for i, piece in enumerate(pieces, 1):
+                    conn.expect(self.channel, seq + i, piece)
+                seq += 1 + len(pieces)
+                continue
             if place.nbytes:
-                conn.expect(self.channel, seq + i, place)
+                conn.expect(self.channel, seq, place)
+            seq += 1
 
     def label(self, peer: int) -> str:
         """How errors name ``peer``."""
@@ -145,3 +194,8 @@ class CollectiveLink:
     def explain(self) -> str:
         """This call in words, e.g. ``all_reduce(float32[1024], op='sum')``."""
         return _explain(self.descriptor)
+
+
+def _pieces(place: memoryview) -> list[memoryview]:
+    """``place`` (bytes) cut into the pieces a long message travels in."""
+    return [place[i : i + PIECE_BYTES] for i in range(0, place.nbytes, PIECE_BYTES)]

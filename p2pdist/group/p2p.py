@@ -19,10 +19,11 @@ from ..errors import MismatchError, PeerTimeoutError, RemoteProtocolError
 from ..transport.base import Connection
 from ..wire.arrays import ArrayHeader, ArrayHeaderError, check_dtype
 from .buffers import mismatch
+from .link import PIECE_BYTES
 
 __all__ = ["CHUNK", "recv_array", "send_array"]
 
-CHUNK = 64 << 20
+CHUNK = PIECE_BYTES
 
 
 async def send_array(conn: Connection, channel: int, arr: np.ndarray, seconds: float) -> None:
