@@ -70,6 +70,19 @@ async def test_profile_links_covers_every_pair_and_agrees() -> None:
             assert p.alpha >= 0 and p.beta > 0
 
 
+async def test_profile_links_leaves_the_callers_messages_alone() -> None:
+    """A message rank 0 sent before profiling, not yet received by rank 1, is still the
+    one rank 1's next recv returns (the profiler used to take it as its own ping, and
+    fail with a MismatchError on one rank and a timeout on the other)."""
+    async with groups(2, timeout=10) as gs:
+        mine = np.arange(3, dtype=np.float32)
+        await gs[0].send(mine, 1)
+        await asyncio.gather(*(g.profile_links(repeats=1) for g in gs))
+        np.testing.assert_array_equal(await gs[1].recv(0, timeout=5), mine)
+        got = await asyncio.gather(gs[1].send(mine * 2, 0), gs[0].recv(1, timeout=5))
+        np.testing.assert_array_equal(got[1], mine * 2)
+
+
 def test_bench_command_prints_the_model_and_writes_a_png(tmp_path: Path) -> None:
     png = tmp_path / "links.png"
     proc = subprocess.run(

@@ -68,6 +68,17 @@ async def profile_links(
         raise UsageError(f"repeats must be a positive int, got {repeats!r}")
     if len(set(sizes)) < 2 or any(not isinstance(m, int) or m < 1 for m in sizes):
         raise UsageError(f"sizes must be at least two different positive ints, got {sizes!r}")
+    # On a sub-group of everyone: its messages have channels of their own, so point to
+    # point messages of the caller's still in flight are neither taken nor disturbed.
+    own = await group.split(0)
+    assert own is not None
+    try:
+        return await _profile(own, sizes, repeats)
+    finally:
+        await own.close()
+
+
+async def _profile(group: Group, sizes: tuple[int, ...], repeats: int) -> list[LinkProfile]:
     n, me = group.size, group.rank
     results: list[LinkProfile] = []
     for a in range(n):
