@@ -400,3 +400,30 @@ async def test_blocks_longer_than_a_frame_travel_in_pieces(monkeypatch: pytest.M
             return_exceptions=True,
         )
         assert any(isinstance(r, MismatchError) for r in results), results
+
+
+async def test_closing_a_subgroup_fails_its_running_calls_and_spares_the_parent() -> None:
+    """A sub-group closed while one of its collectives runs here: that call fails at once
+    with GroupBrokenError (it used to run on, or wait out its timeout and blame a healthy
+    peer), the other member's part fails soon after, naming this rank, and the parent
+    group goes on. ``async with`` works on a sub-group (it used to say 'already
+    started')."""
+    from p2pdist import GroupBrokenError
+
+    async with groups(2, timeout=30) as gs:
+        subs = await asyncio.gather(*(g.split(0) for g in gs))
+        a, b = subs
+        assert a is not None and b is not None
+        pending = asyncio.create_task(a.all_reduce(np.ones(4)))
+        await asyncio.sleep(0.05)
+        async with a:  # entering a started sub-group is fine; leaving it closes it
+            pass
+        with pytest.raises(GroupBrokenError, match="the group was closed"):
+            await asyncio.wait_for(pending, 5)
+        with pytest.raises(Exception, match=r"rank 0 \(") as info:
+            await asyncio.wait_for(b.all_reduce(np.ones(4)), 5)
+        assert "left the group" in str(info.value)
+        with pytest.raises(GroupBrokenError, match="closed"):
+            await a.all_reduce(np.ones(4))
+        got = await asyncio.gather(*(g.all_reduce(np.ones(2), timeout=5) for g in gs))
+        np.testing.assert_array_equal(got[0], [2.0, 2.0])

@@ -127,6 +127,7 @@ class GroupCore(Runner):
         self._inflight: dict[asyncio.Task[Any], tuple[Membership, int, float]] = {}
         self._cancelled_by_loss: dict[asyncio.Task[Any], int] = {}
         self._expired: set[asyncio.Task[Any]] = set()
+        self._closed_calls: set[asyncio.Task[Any]] = set()  # root: cancelled by a sub-group's close
         self._watchdog: asyncio.TimerHandle | None = None  # root only: see _run
         self._watchdog_at = math.inf
         self._failed_calls: dict[int, int] = {}
@@ -286,6 +287,8 @@ class GroupCore(Runner):
     # ---- lifecycle ------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
+        if self._parent is not None and not self._closing:
+            return self  # a sub-group: split() started it
         return await self.start()
 
     async def __aexit__(
@@ -370,10 +373,19 @@ class GroupCore(Runner):
         return tcp
 
     async def close(self) -> None:
-        """Close every connection (bounded); the group cannot be used afterwards."""
+        """Close every connection (bounded); the group cannot be used afterwards.
+
+        Closing a sub-group leaves the connections to its parent: its own collectives
+        still running here fail at once with GroupBrokenError, and its other members'
+        parts of them fail too (told as if this rank had left)."""
         if self._closing:
             return
         self._closing = True
+        if self._parent is not None:
+            if self._broken is None:
+                self._broken = GroupBrokenError("the group was closed")
+            self._root()._cancel_closed(self)
+            return
         await cancel_and_wait(self._listeners)
         if self._watchdog is not None:
             self._watchdog.cancel()

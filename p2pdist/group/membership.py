@@ -72,6 +72,8 @@ class Membership:
     _inflight: dict[asyncio.Task[Any], tuple[Membership, int, float]]  # (group, channel, deadline)
     _cancelled_by_loss: dict[asyncio.Task[Any], int]
     _expired: set[asyncio.Task[Any]]  # collectives the watchdog cancelled (overdue)
+    _closed_calls: set[asyncio.Task[Any]]  # collectives a sub-group's close cancelled
+    _parent: Membership | None  # the group this one was split from
     _failed_calls: dict[int, int]  # channel -> the root rank another rank's call lacked
     _p2p_sent: dict[int, int]
     _p2p_received: dict[int, int]
@@ -188,6 +190,20 @@ class Membership:
         for task, (group, _, _) in list(self._inflight.items()):
             if root_rank in group._root_ranks:
                 self._cancel_for_loss(task, root_rank)
+
+    def _cancel_closed(self, group: Membership) -> None:
+        """(Root group) fail the running collectives of ``group`` (a sub-group being
+        closed) and of its sub-groups; ``_run`` turns each into GroupBrokenError."""
+        for task, (running, channel, _) in list(self._inflight.items()):
+            g: Membership | None = running
+            while g is not None and g is not group:
+                g = g._parent
+            if g is None or task is asyncio.current_task() or task in self._expired:
+                continue
+            if task not in self._cancelled_by_loss and task not in self._closed_calls:
+                running._tell_call_failed(channel, running._root_ranks[running._rank])
+                self._closed_calls.add(task)
+                task.cancel()
 
     def _cancel_for_loss(self, task: asyncio.Task[Any], root_rank: int) -> None:
         if task is asyncio.current_task() or task in self._cancelled_by_loss:

@@ -145,7 +145,7 @@ class Runner(Rejoining):
         if deadline < root._watchdog_at:
             root._arm_watchdog(deadline)
         lost: int | None = None
-        expired = False
+        expired = closed = False
         try:
             try:
                 return await body(link)
@@ -159,11 +159,16 @@ class Runner(Rejoining):
                 if root._expired:
                     expired = task in root._expired
                     root._expired.discard(task)
+                if root._closed_calls:
+                    closed = task in root._closed_calls
+                    root._closed_calls.discard(task)
         except asyncio.CancelledError:
             # A member was lost (on_peer_loss="leave"): not our doing, unless the caller
             # cancelled us too (then the cancellation goes on, as any other does).
             if lost is not None and task.uncancel() == 0:
                 raise self._loss_error(lost, link) from None
+            if closed and task.uncancel() == 0:  # its sub-group was closed here
+                raise GroupBrokenError(f"{link.explain()} failed: the group was closed") from None
             if expired and task.uncancel() == 0:  # the watchdog's: this call is overdue
                 timeout_err = self._timeout_error(link, seconds)
                 self._break(timeout_err, notify=True)
