@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 
 import numpy as np
@@ -79,7 +80,13 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-allreduce", action="store_true", help="train each rank alone")
     p.add_argument("--save", default=None, metavar="PATH", help="np.save weights per rank")
-    return asyncio.run(train(p.parse_args()))
+    args = p.parse_args()
+    for flag in ("steps", "features", "samples"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        p.error(f"--lr must be a positive number, got {args.lr}")
+    return asyncio.run(train(args))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from .group import Group
 from .group.profile import LinkProfile, profile_links
 from .launch import LaunchConfig, launch
 
-__all__ = ["format_table", "main", "plot"]
+__all__ = ["format_table", "main", "plot", "unwritable"]
 
 DEFAULT_PNG = "p2pdist-links.png"
 PLOT_HINT = "pip install matplotlib, or the project's plot extra: pip install -e '.[plot]'"
@@ -58,6 +59,18 @@ def plot(profiles: list[LinkProfile], path: Path) -> None:
     plt.close(fig)
 
 
+def unwritable(path: Path) -> str | None:
+    """Why a file cannot be written at ``path`` (checked before a long run), or None."""
+    where = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        return "is a directory"
+    if not where.is_dir():
+        return f"no directory {where}"
+    if not os.access(where, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return "not writable"
+    return None
+
+
 async def _worker(png: str, repeats: int) -> int:
     async with Group.from_env() as g:
         profiles = await profile_links(g, repeats=repeats)
@@ -84,6 +97,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.nprocs < 2 and not args.worker:
+        p.error(f"-n must be at least 2 (links join two ranks), got {args.nprocs}")
     has_plot = importlib.util.find_spec("matplotlib") is not None
     if args.png is None:  # the default plot only where it can be drawn
         args.png = DEFAULT_PNG if has_plot else ""
@@ -91,6 +106,10 @@ def main(argv: list[str]) -> int:
             print(f"p2pdist bench: no plot ({PLOT_HINT})", file=sys.stderr)
     elif args.png and not has_plot:  # asked for: say so before measuring, not after
         p.error(f"--png needs matplotlib ({PLOT_HINT})")
+    if args.png and not args.worker:
+        problem = unwritable(Path(args.png))
+        if problem:
+            p.error(f"--png {args.png}: {problem}")
     if args.worker:
         try:
             return eventloop.run(_worker(args.png, args.repeats))

@@ -66,6 +66,8 @@ def _cmd_keygen(args: argparse.Namespace, extra: list[str]) -> int:
         return 0
     key = SecretKey.generate()
     if args.out is not None:
+        if not args.out:
+            raise UsageError("--out needs a file name")
         if not args.force and os.path.lexists(args.out):
             raise KeyFileError(f"{args.out} exists; pass --force to replace it")
         key.save(args.out, overwrite=args.force)

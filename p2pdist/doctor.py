@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -196,13 +197,15 @@ async def serve(
     key: SecretKey | None = None,
     token: str | None = None,
     ready: asyncio.Event | None = None,
+    timeout: float = 10.0,
 ) -> None:
-    """Answer doctors that dial us through ``relay`` (forever; cancel to stop)."""
+    """Answer doctors that dial us through ``relay`` (forever; cancel to stop); the first
+    session to the relay must come up within ``timeout`` seconds."""
     key = key or SecretKey.generate()
     path = RelayPath(key, relay, token=token)
     transport = QuicTransport(key, relay=path)
     try:
-        await path.wait_connected(10.0)
+        await path.wait_connected(timeout)
         print(f"doctor serving as {key.endpoint_id}", flush=True)
         if ready is not None:
             ready.set()
@@ -275,13 +278,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--serve", action="store_true", help="answer other doctors (until ^C)")
     ap.add_argument("--key", help="key file to use (default: a fresh key)")
     ap.add_argument("--token", help="relay access token")
-    ap.add_argument("--timeout", type=float, default=10.0, help="bound per check, seconds")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        help="bound per check, seconds (--serve: on reaching the relay)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        ap.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if args.serve and args.peer:
+        ap.error("--serve answers other doctors; --peer dials one: pass one of them")
     try:
         key = SecretKey.load(args.key) if args.key else None
         if args.serve:
-            eventloop.run(serve(args.relay, key=key, token=args.token))
+            eventloop.run(serve(args.relay, key=key, token=args.token, timeout=args.timeout))
             return 0
         peer = EndpointId.parse(args.peer) if args.peer else None
         report = eventloop.run(

@@ -243,6 +243,8 @@ class SecretKey:
             fd = os.open(p, flags, 0o600)
         except FileExistsError as exc:
             raise KeyFileError(f"{p} exists; pass overwrite=True to replace it") from exc
+        except OSError as exc:  # no such directory, a directory, no permission, ...
+            raise KeyFileError(f"cannot write key file {p}: {exc.strerror or exc}") from exc
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o600)
             f.write(pem)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from .errors import UsageError
+from .identity import MIN_SEED_BYTES
 
 __all__ = [
     "ENV_PEERS",
@@ -81,8 +82,11 @@ class LaunchConfig:
             raise UsageError("launch needs a command after '--', e.g. -- python train.py")
         if self.nprocs < 1:
             raise UsageError(f"the number of ranks (-n) must be >= 1, got {self.nprocs}")
-        if self.seed is not None and not self.seed:
-            raise UsageError("--seed must not be empty")
+        if self.seed is not None and len(self.seed.encode("utf-8")) < MIN_SEED_BYTES:
+            # What every rank's Group.from_seed would refuse, said once, before starting.
+            raise UsageError(
+                f"--seed must be at least {MIN_SEED_BYTES} bytes; use a long random secret"
+            )
         for name in ("grace_s", "kill_wait_s", "drain_s"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0 seconds")

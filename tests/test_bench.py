@@ -77,7 +77,7 @@ async def test_profile_links_leaves_the_callers_messages_alone() -> None:
     async with groups(2, timeout=10) as gs:
         mine = np.arange(3, dtype=np.float32)
         await gs[0].send(mine, 1)
-        await asyncio.gather(*(g.profile_links(repeats=1) for g in gs))
+        await asyncio.gather(*(g.profile_links(repeats=1, timeout=5) for g in gs))
         np.testing.assert_array_equal(await gs[1].recv(0, timeout=5), mine)
         got = await asyncio.gather(gs[1].send(mine * 2, 0), gs[0].recv(1, timeout=5))
         np.testing.assert_array_equal(got[1], mine * 2)

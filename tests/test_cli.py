@@ -127,9 +127,12 @@ def test_launch_failing_rank_stops_the_others() -> None:
         (["launch", "-n", "2"], "needs a command"),
         (["launch", "-n", "2", "--"], "needs a command"),
         (["launch", "-n", "0", "--", "true"], "must be >= 1"),
+        (["launch", "-n", "2", "--seed", "short", "--", "true"], "at least 8 bytes"),
+        (["keygen", "--out", ""], "--out needs a file name"),
+        (["keygen", "--out", "/nonexistent-p2pdist-dir/k.pem"], "cannot write key file"),
     ],
 )
-def test_launch_usage_errors(args: list[str], message: str) -> None:
+def test_usage_errors(args: list[str], message: str) -> None:
     proc = run_cli(*args)
     assert proc.returncode == 2
     assert proc.stderr.startswith("p2pdist: error: ")
@@ -158,6 +161,9 @@ def test_keygen_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
     forced = run_cli("keygen", "--out", str(key), "--force")
     assert forced.returncode == 0
     assert run_cli("id", str(key)).stdout.strip() == forced.stdout.strip()
+    into_dir = run_cli("keygen", "--out", str(tmp_path), "--force")  # a directory
+    assert into_dir.returncode == 2 and "cannot write key file" in into_dir.stderr
+    assert "Traceback" not in into_dir.stderr
 
 
 def test_keygen_to_stdout_then_id(tmp_path: Path) -> None:
@@ -370,3 +376,21 @@ def test_launch_passes_sigquit_on_to_its_ranks(tmp_path: Path) -> None:
         assert sorted(p.name for p in tmp_path.glob("*.quit")) == ["0.quit", "1.quit"]
     finally:
         _stop(proc, pids)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["doctor", "--relay", "https://127.0.0.1:1/", "--timeout", "0"], "--timeout must be"),
+        (["doctor", "--relay", "https://127.0.0.1:1/", "--serve", "--peer", "x"], "one of them"),
+        (["bench", "-n", "1"], "-n must be at least 2"),
+        (["bench", "--png", "/nonexistent-p2pdist-dir/x.png"], "no directory"),
+    ],
+)
+def test_subcommands_refuse_bad_options_before_running(args: list[str], message: str) -> None:
+    """One line and exit 2, before anything is measured or dialed (these used to give a
+    traceback, or fail only after the whole run)."""
+    proc = run_cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -234,3 +234,21 @@ def test_example_coordinator_quorum_flag_is_a_fraction_up_to_1_and_a_count_above
     assert "whole count above 1" in capsys.readouterr().err
     helptext = p.format_help()
     assert "FRACTION" in helptext and "COUNT" in helptext
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--rounds", "0"], "--rounds must be at least 1"),
+        (["--relay", "notaurl"], "relay URL must start with https://"),
+        (["--png", "/nonexistent-p2pdist-dir/x.png"], "no directory"),
+        (["--round-timeout", "-1"], "round_timeout"),
+    ],
+)
+def test_example_run_refuses_bad_options_before_starting(args: list[str], message: str) -> None:
+    """One line and exit 2 before any client starts (these used to be a traceback, some
+    only after the whole run)."""
+    cmd = [sys.executable, "-m", "examples.federated.run", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr

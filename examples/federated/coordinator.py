@@ -19,8 +19,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from p2pdist import SecretKey, TransportConfig
+from p2pdist import SecretKey, TransportConfig, UsageError
+from p2pdist.bench import unwritable
 from p2pdist.federated import Coordinator, FederatedConfig
+from p2pdist.wire.relay import RelayUrl
 
 from .model import centralised_accuracy, evaluate, init_model, load_digits
 from .report import Row, Table, plot
@@ -67,6 +69,28 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write a summary here")
     p.add_argument("--plaintext", action="store_true", help="TCP without TLS (trusted nets)")
     p.add_argument("--verbose", action="store_true")
+
+
+def check_coordinator_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (``p.error``: one line, exit 2) what would fail only later in the run: counts
+    below 1, a relay URL that does not parse, settings FederatedConfig refuses, a plot
+    file that cannot be written."""
+    for flag in ("rounds", "clients", "epochs"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.relay not in (None, "local"):
+        try:
+            RelayUrl.parse(args.relay)
+        except UsageError as exc:
+            p.error(f"--relay: {exc}")
+    try:
+        fed_config(args)
+    except (UsageError, ValueError) as exc:
+        p.error(str(exc))
+    for flag in ("png", "json"):
+        path = getattr(args, flag)
+        if path is not None and (problem := unwritable(path)):
+            p.error(f"--{flag} {path}: {problem}")
 
 
 def fed_config(args: argparse.Namespace) -> FederatedConfig:
@@ -144,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--key-seed", default=None, help="derive the coordinator key from a seed")
     add_coordinator_args(p)
     args = p.parse_args(argv)
+    check_coordinator_args(p, args)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if not args.verbose:  # the table counts rejections; the log lines would clutter it
         logging.getLogger("p2pdist.federated").setLevel(logging.ERROR)

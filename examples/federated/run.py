@@ -29,7 +29,7 @@ from pathlib import Path
 from p2pdist import SecretKey
 from p2pdist.federated import Coordinator
 
-from .coordinator import add_coordinator_args, serve
+from .coordinator import add_coordinator_args, check_coordinator_args, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet non-IID concentration")
     p.add_argument("--logs", type=Path, default=None, help="client logs (default: a temp dir)")
     args = p.parse_args(argv)
+    check_coordinator_args(p, args)
     roles = args.malicious + args.slow + args.dropouts + args.late
     if roles > args.clients:
         p.error(f"{roles} special clients but only --clients {args.clients}")

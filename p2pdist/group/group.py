@@ -554,12 +554,15 @@ class Group(GroupCore):
 
         return await self._run(describe_call("split", "", "<i8", row.shape), timeout, body)
 
-    async def profile_links(self, repeats: int = 5) -> list[LinkProfile]:
+    async def profile_links(
+        self, repeats: int = 5, *, timeout: float | None = None
+    ) -> list[LinkProfile]:
         """Time every pair of ranks and fit ``t = alpha + bytes / beta`` per link
-        (collective; every rank gets the same list). See also ``p2pdist bench``."""
+        (collective; every rank gets the same list; ``timeout`` bounds each message and
+        exchange of it). See also ``p2pdist bench``."""
         from .profile import profile_links
 
-        return await profile_links(self, repeats=repeats)
+        return await profile_links(self, repeats=repeats, timeout=timeout)
 
 
 def _check_own_piece(arr: np.ndarray, r0: int, r1: int, result: np.ndarray) -> None:

@@ -58,7 +58,11 @@ def fit_alpha_beta(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float
 
 
 async def profile_links(
-    group: Group, sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5
+    group: Group,
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    repeats: int = 5,
+    *,
+    timeout: float | None = None,
 ) -> list[LinkProfile]:
     """Ping-pong every pair of ranks in turn (collective: call on all ranks).
 
@@ -70,15 +74,17 @@ async def profile_links(
         raise UsageError(f"sizes must be at least two different positive ints, got {sizes!r}")
     # On a sub-group of everyone: its messages have channels of their own, so point to
     # point messages of the caller's still in flight are neither taken nor disturbed.
-    own = await group.split(0)
+    own = await group.split(0, timeout=timeout)
     assert own is not None
     try:
-        return await _profile(own, sizes, repeats)
+        return await _profile(own, sizes, repeats, timeout)
     finally:
         await own.close()
 
 
-async def _profile(group: Group, sizes: tuple[int, ...], repeats: int) -> list[LinkProfile]:
+async def _profile(
+    group: Group, sizes: tuple[int, ...], repeats: int, timeout: float | None
+) -> list[LinkProfile]:
     n, me = group.size, group.rank
     results: list[LinkProfile] = []
     for a in range(n):
@@ -92,15 +98,15 @@ async def _profile(group: Group, sizes: tuple[int, ...], repeats: int) -> list[L
                     for _ in range(repeats + 1):
                         t0 = time.perf_counter()
                         if me == a:
-                            await group.send(buf, other)
-                            await group.recv(other, out=buf)
+                            await group.send(buf, other, timeout=timeout)
+                            await group.recv(other, out=buf, timeout=timeout)
                         else:
-                            await group.recv(other, out=buf)
-                            await group.send(buf, other)
+                            await group.recv(other, out=buf, timeout=timeout)
+                            await group.send(buf, other, timeout=timeout)
                         samples.append((time.perf_counter() - t0) / 2)
                     times[i] = float(np.median(samples[1:]))  # the first one warms up
-            times = await group.broadcast(times, src=a)
+            times = await group.broadcast(times, src=a, timeout=timeout)
             alpha, beta = fit_alpha_beta(np.array(sizes, float), times)
             results.append(LinkProfile(a, b, tuple(sizes), tuple(times.tolist()), alpha, beta))
-            await group.barrier()
+            await group.barrier(timeout=timeout)
     return results
