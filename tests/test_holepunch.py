@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,9 +21,12 @@ from hypothesis import strategies as st
 from relay_helpers import RelayProcess
 from transport_conformance import bounded, closing, wait_until
 
+import p2pdist.transport.holepunch as holepunch_module
+import p2pdist.transport.quic as quic_module
 from p2pdist import Group, GroupConfig, PunchConfig
 from p2pdist.identity import SecretKey
 from p2pdist.transport import TransportConfig
+from p2pdist.transport.paths import RelayRoute, UdpSocket, bind_host_for
 from p2pdist.transport.punch import (
     PathChange,
     PeerPaths,
@@ -32,6 +36,7 @@ from p2pdist.transport.punch import (
     SendPong,
 )
 from p2pdist.transport.quic import QuicConnection, QuicTransport
+from p2pdist.transport.relay_path import RelayPath
 from p2pdist.wire.probe import (
     DatagramKind,
     ProbeError,
@@ -522,3 +527,161 @@ async def test_quic_dialed_at_an_address_reports_one_direct_path() -> None:
         assert (info.kind, info.transport, info.remote) == want
         assert info.punching == "off" and len(info.paths) == 1
         assert info.paths[0].active and info.paths[0].bytes_sent > 1000
+
+
+# ---- where the punching socket binds (resolution is patched: no network is touched) ----------
+
+
+def fake_resolution(monkeypatch: pytest.MonkeyPatch, answers: dict[str, str | None]) -> list[str]:
+    """Resolve each host in ``answers`` to its IPv4 address (None: it has none, as an
+    AAAA-only name); other hosts as usual. Every UdpSocket.open in the transport binds
+    127.0.0.1 whatever it asked for; returns the hosts it asked for."""
+    loop = asyncio.get_running_loop()
+    real_resolve = loop.getaddrinfo
+
+    async def resolve(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        if host in answers:
+            ip = answers[host]
+            if ip is None:
+                raise socket.gaierror(socket.EAI_NONAME, "no IPv4 address")
+            return [(socket.AF_INET, socket.SOCK_DGRAM, 17, "", (ip, port or 0))]
+        return await real_resolve(host, port, *args, **kw)
+
+    monkeypatch.setattr(loop, "getaddrinfo", resolve)
+    asked: list[str] = []
+    real_open = quic_module.UdpSocket.open
+
+    async def open_loopback(host: str, port: int, on_datagram: Any) -> Any:
+        asked.append(host)
+        return await real_open("127.0.0.1", port, on_datagram)
+
+    monkeypatch.setattr(quic_module.UdpSocket, "open", open_loopback)
+    return asked
+
+
+def relay_at(host: str) -> RelayPath:
+    """A RelayPath to ``host`` that is never started."""
+    return RelayPath(A, f"https://{host}:443/?pin={C.endpoint_id}")
+
+
+async def test_punch_socket_for_a_relay_without_ipv4_binds_every_interface(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay's name has no IPv4 address, so its observation ports are unknown: the
+    punching socket still binds every interface (it used to bind 127.0.0.1, and announce
+    loopback candidates no remote peer could ever reach)."""
+    asked = fake_resolution(monkeypatch, {"relay6.example": None})
+    t = QuicTransport(A, transport_config(), relay=relay_at("relay6.example"))
+    async with closing(t):
+        assert await relay_at("relay6.example").observation_targets() == []
+        await t._open_punch_socket()
+        assert asked == ["0.0.0.0"]
+    assert bind_host_for([]) == "0.0.0.0"
+    assert bind_host_for([("127.0.0.1", 3478)]) == "127.0.0.1"
+    assert bind_host_for([("127.0.0.1", 3478), ("192.0.2.1", 3478)]) == "0.0.0.0"
+
+
+async def test_a_relay_on_loopback_still_punches_on_loopback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked = fake_resolution(monkeypatch, {"localhost": "127.0.0.1"})
+    t = QuicTransport(A, transport_config(), relay=relay_at("localhost"))
+    async with closing(t):
+        await t._open_punch_socket()
+        assert asked == ["127.0.0.1"]
+
+
+async def test_a_loopback_listener_does_not_punch_towards_a_remote_relay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Listening on 127.0.0.1 with a relay elsewhere: its socket cannot punch, so punching
+    is off (said why), instead of announcing 127.0.0.1 candidates that never work."""
+    fake_resolution(monkeypatch, {"relay.example": "192.0.2.7"})
+    t = QuicTransport(A, transport_config(), relay=relay_at("relay.example"))
+    async with closing(t):
+        await t.listen("127.0.0.1", 0)
+        with pytest.raises(holepunch_module.PunchingUnavailable, match=r"bound to 127\.0\.0\.1"):
+            await t._open_punch_socket()
+
+
+async def test_punching_turns_off_once_when_no_socket_can_punch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """open_socket says no socket can punch: every peer stays on the relay, nothing is sent
+    for punching, and the reason is logged once (not once per peer or per round)."""
+    caplog.set_level(logging.WARNING, logger="p2pdist.transport.holepunch")
+    hub = FakeRelayHub()
+    relay = hub.attach(A.endpoint_id)
+    opened = 0
+
+    async def no_socket() -> Any:
+        nonlocal opened
+        opened += 1
+        raise holepunch_module.PunchingUnavailable("the listening socket is bound to 127.0.0.1")
+
+    async def no_targets() -> list[tuple[str, int]]:
+        return []
+
+    puncher = holepunch_module.HolePuncher(
+        A,
+        relay,
+        FAST_PUNCH,
+        open_socket=no_socket,
+        stun_targets=no_targets,
+        on_change=lambda *a: pytest.fail("no path may change"),
+        label_for=lambda p: p.short(),
+    )
+    try:
+        puncher.watch(B.endpoint_id)
+        puncher.watch(C.endpoint_id)
+        await wait_until(lambda: puncher.off is not None, "punching to turn off")
+        await asyncio.sleep(0.2)  # a few probe intervals: nothing more may happen
+        puncher.watch(B.endpoint_id)
+        assert puncher.state(B.endpoint_id) is None and puncher.state(C.endpoint_id) is None
+        assert relay.sent == 0 and opened <= 2
+        off = [r for r in caplog.records if "hole punching is off" in r.getMessage()]
+        assert len(off) == 1 and "127.0.0.1" in off[0].getMessage()
+    finally:
+        await puncher.close()
+
+
+# ---- a direct path whose socket closed ---------------------------------------------------------
+
+
+class CountingRelay:
+    max_datagram = 16384
+
+    def __init__(self) -> None:
+        self.got = 0
+
+    def send(self, dst: Any, datagram: bytes) -> None:
+        self.got += 1
+
+
+async def test_a_route_whose_direct_socket_closed_says_relay() -> None:
+    """Datagrams fall back to the relay, and kind, remote, size and the per-path counters
+    say so (they used to say direct, counting relayed datagrams under the ip:port)."""
+    relay = CountingRelay()
+    route = RelayRoute(relay, B.endpoint_id, 16384)  # type: ignore[arg-type]
+    sock = await UdpSocket.open("127.0.0.1", 0, lambda *a: None)
+    direct = ("127.0.0.1", 9)
+    route.use_direct(sock, direct, 1452)
+    assert (route.kind, route.remote, route.max_datagram) == ("direct", direct, 1452)
+    sock.close()
+    assert (route.kind, route.remote, route.max_datagram) == ("relay", B.endpoint_id, 16384)
+    assert route.direct_addr is None
+    for _ in range(3):
+        route.send(b"x" * 100, None)
+    assert relay.got == 3 and route.sent[None] == [3, 300] and route.sent[direct] == [0, 0]
+    assert route.direct is None and route.changes == 2
+
+
+async def test_paths_say_relay_once_the_direct_socket_closed() -> None:
+    async with relayed_pair() as (ta, _tb, ca, cb):
+        await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct paths")
+        assert ta._punch_sock is not None
+        ta._punch_sock.close()
+        info = ta.paths()[B.endpoint_id]
+        assert info.kind == "relay" and info.remote.startswith("relay")
+        assert ca.path_kind == "relay" and ca.remote_address == B.endpoint_id
+        assert [s.kind for s in info.paths if s.active] == ["relay"]

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import ConnectionClosedError
 from ..identity import EndpointId, SecretKey
 from ..tasks import cancel_and_wait
 from ..wire.probe import (
@@ -42,7 +43,7 @@ from .observe import StunProbe
 from .paths import Relay, UdpAddress, UdpSocket, is_loopback, path_key
 from .punch import Action, PathChange, PeerPaths, PunchConfig, SendCandidates, SendPing, SendPong
 
-__all__ = ["HolePuncher", "Observation", "interface_addresses"]
+__all__ = ["HolePuncher", "Observation", "PunchingUnavailable", "interface_addresses"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,11 @@ _EARLY_TTL = 5.0
 _OBSERVATION_TTL = 60.0
 """Seconds an observation of our socket is reused before the relay's ports are asked again."""
 _SIOCGIFADDR = 0x8915
+
+
+class PunchingUnavailable(Exception):
+    """Raised by a :class:`HolePuncher`'s ``open_socket`` when no socket of ours can punch
+    (the message says why): hole punching is then off for good, and said so once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +103,8 @@ class _Peer:
 class HolePuncher:
     """Hole punching for every peer connected through the relay (see module docstring).
 
-    ``open_socket`` returns the UDP socket to punch from (opened once, on first use);
+    ``open_socket`` returns the UDP socket to punch from (opened once, on first use), or
+    raises :class:`PunchingUnavailable`, which turns punching off (:attr:`off`);
     ``stun_targets`` the relay's observation ports; ``on_change(peer, sock, addr,
     reason)`` moves a peer's datagrams to ``addr`` on ``sock`` (None: the relay).
     """
@@ -132,6 +139,8 @@ class HolePuncher:
         self._closed = False
         self.bad_probes = 0
         """Probes dropped: bad signature, not for us, or from a peer we do not expect."""
+        self.off: str | None = None
+        """Why hole punching is off for good (no socket can punch), else None."""
 
     # ---- driven by the transport ------------------------------------------------------------
 
@@ -147,7 +156,7 @@ class HolePuncher:
 
     def watch(self, peer: EndpointId) -> None:
         """A connection to ``peer`` through the relay is up: punch towards it."""
-        if self._closed or not self.config.enabled or peer in self._peers:
+        if self._closed or self.off is not None or not self.config.enabled or peer in self._peers:
             return
         self._peers[peer] = _Peer(peer, PeerPaths(self.config))
         self._spawn(self._start(peer))
@@ -296,12 +305,25 @@ class HolePuncher:
                 await coro
             except asyncio.CancelledError:
                 raise
+            except PunchingUnavailable as exc:
+                self._switch_off(str(exc))
+            except ConnectionClosedError:  # the transport closed under it: nothing to do
+                pass
             except Exception:  # a punching hiccup must never surface in user code
                 log.exception("hole punching task failed")
 
         task = self._loop.create_task(guarded())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _switch_off(self, why: str) -> None:
+        """No socket can punch: stop for every peer (they stay on the relay), say so once."""
+        if self.off is not None:
+            return
+        self.off = why
+        log.warning("hole punching is off, peers stay on the relay: %s", why)
+        for peer in list(self._peers):
+            self.unwatch(peer)
 
     async def _start(self, peer: EndpointId) -> None:
         await self._socket()

@@ -121,9 +121,10 @@ def is_loopback(host: str) -> bool:
 
 
 def bind_host_for(targets: list[UdpAddress]) -> str:
-    """Where a socket that talks to ``targets`` binds: loopback only when every target
-    is on loopback (tests, one machine; also when there are none), else every interface."""
-    return "127.0.0.1" if all(is_loopback(h) for h, _ in targets) else "0.0.0.0"
+    """Where a socket that talks to ``targets`` binds: loopback only when there are
+    targets and every one is on loopback (tests, one machine), else every interface (a
+    socket bound to loopback can never reach anything elsewhere)."""
+    return "127.0.0.1" if targets and all(is_loopback(h) for h, _ in targets) else "0.0.0.0"
 
 
 class UdpSocket:
@@ -305,19 +306,27 @@ class RelayRoute:
         self._sending = self.sent[None]  # the counter of the path in use (hot path)
 
     @property
+    def direct_addr(self) -> UdpAddress | None:
+        """The peer's ip:port while datagrams go direct, else None (a direct path whose
+        socket closed carries nothing: datagrams go through the relay)."""
+        direct = self.direct
+        return None if direct is None or direct[0].closed else direct[1]
+
+    @property
     def kind(self) -> PathKind:
-        """``"direct"`` once upgraded, else ``"relay"``."""
-        return "relay" if self.direct is None else "direct"
+        """``"direct"`` once upgraded (and its socket open), else ``"relay"``."""
+        return "relay" if self.direct_addr is None else "direct"
 
     @property
     def remote(self) -> UdpAddress | EndpointId:
         """The peer's ip:port while direct, else its endpoint id."""
-        return self.peer if self.direct is None else self.direct[1]
+        addr = self.direct_addr
+        return self.peer if addr is None else addr
 
     @property
     def max_datagram(self) -> int:
         """The size for the path in use."""
-        return self.relay_datagram if self.direct is None else self.direct_datagram
+        return self.relay_datagram if self.direct_addr is None else self.direct_datagram
 
     @property
     def up(self) -> bool:
@@ -348,12 +357,17 @@ class RelayRoute:
             entry[1] += nbytes
 
     def send(self, datagram: bytes, addr: Any) -> None:
-        """Send on the path in use; a datagram the relay refuses is dropped (QUIC resends)."""
+        """Send on the path in use; a datagram the relay refuses is dropped (QUIC resends).
+        A direct path whose socket closed is left for the relay (counted as a change)."""
+        direct = self.direct
+        if direct is not None and direct[0].closed:
+            log.debug("direct path to %s: socket closed, back to the relay", self.peer.short())
+            self.use_relay()
+            direct = None
         counter = self._sending
         counter[0] += 1
         counter[1] += len(datagram)
-        direct = self.direct
-        if direct is not None and not direct[0].closed:
+        if direct is not None:
             direct[0].send(datagram, direct[1])
             return
         try:

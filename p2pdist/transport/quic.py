@@ -33,7 +33,7 @@ from ..identity import EndpointId, SecretKey
 from ..wire.probe import DatagramKind, classify
 from .base import Address, TransportConfig
 from .framed import EndpointBase, FramedConnection
-from .holepunch import HolePuncher
+from .holepunch import HolePuncher, PunchingUnavailable
 from .pathinfo import PathInfo, PathStats, single_path
 from .paths import (
     RELAY_ADDR,
@@ -58,6 +58,8 @@ __all__ = ["QuicConnection", "QuicTransport"]
 log = logging.getLogger(__name__)
 
 _VERSIONS = frozenset({QuicProtocolVersion.VERSION_1, QuicProtocolVersion.VERSION_2})
+_DROP_LOG_INTERVAL = 10.0
+"""Seconds between two warnings about incoming handshakes dropped for want of a slot."""
 
 
 class QuicTransport(EndpointBase[QuicConnection]):
@@ -69,8 +71,10 @@ class QuicTransport(EndpointBase[QuicConnection]):
     :meth:`close`. ``quic`` holds the QUIC-specific settings. Connections made through
     the relay try for a direct UDP path by hole punching (``punch``, see
     docs/nat-traversal.md), from the listening socket if there is one, else from a UDP
-    socket of their own on ``0.0.0.0`` (``127.0.0.1`` when the relay is on loopback or
-    unknown); :meth:`paths` shows where each peer's datagrams go.
+    socket of their own on ``0.0.0.0`` (``127.0.0.1`` when the relay is on loopback, or is
+    an in-memory relay with no address); a listening socket bound to loopback does not
+    punch towards a relay elsewhere (punching stays off, with a warning). :meth:`paths`
+    shows where each peer's datagrams go.
     """
 
     def __init__(
@@ -90,6 +94,10 @@ class QuicTransport(EndpointBase[QuicConnection]):
         self.quic_config = quic or QuicConfig()
         self.garbage = 0
         """Datagrams dropped because they belong to no connection of ours."""
+        self.refused_handshakes = 0
+        """New incoming handshakes dropped because ``QuicConfig.max_pending_handshakes``
+        were already in progress."""
+        self._refused_logged_at: float | None = None
         self._relay = relay
         self._udp: UdpSocket | None = None
         self._dial_sockets: dict[int, UdpSocket] = {}
@@ -111,10 +119,16 @@ class QuicTransport(EndpointBase[QuicConnection]):
         if self._udp is not None:
             raise UsageError("already listening")
         try:
-            self._udp = await UdpSocket.open(host, port, self._on_udp_datagram)
+            udp = await UdpSocket.open(host, port, self._on_udp_datagram)
         except OSError as exc:
             raise UsageError(f"cannot listen on {host}:{port}: {exc}") from None
-        return self._udp.local_address
+        # close() (or another listen()) may have run while the socket was opening.
+        if self._closed or self._udp is not None:
+            udp.close()
+            self._check_not_closed()
+            raise UsageError("already listening")
+        self._udp = udp
+        return udp.local_address
 
     async def connect(
         self, peer: EndpointId, address: Address | None = None, *, label: str | None = None
@@ -124,6 +138,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
         self._check_not_closed()
         name = label or self.label_for(peer)
         route = await self._route_to(peer, address, name)
+        self._check_not_closed()  # close() may have run while resolving or opening a socket
         conn = self._new_connection(route, server_side=False, expected=peer, label=name)
         where = f"{route.remote[0]}:{route.remote[1]}" if isinstance(route, UdpRoute) else "relay"
         try:
@@ -170,6 +185,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
         except OSError as exc:
             raise ConnectionBrokenError(name, f"cannot resolve {host}: {exc}") from None
+        self._check_not_closed()
         family, *_, sockaddr = infos[0]
         ip = str(sockaddr[0])
         try:
@@ -195,7 +211,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
         """The listening socket when it can reach ``ip``, else a dial-only socket (a
         socket bound to a loopback address cannot send elsewhere, and vice versa)."""
         udp = self._udp
-        if udp is not None and udp.family == family:
+        if udp is not None and not udp.closed and udp.family == family:
             host = udp.local_address[0]
             if ipaddress.ip_address(host).is_unspecified or is_loopback(host) == is_loopback(ip):
                 return udp
@@ -203,6 +219,13 @@ class QuicTransport(EndpointBase[QuicConnection]):
         if sock is None or sock.closed:
             any_host = "::" if family == socket.AF_INET6 else "0.0.0.0"
             sock = await UdpSocket.open(any_host, 0, self._on_udp_datagram)
+            # While it opened, close() may have run, or a concurrent dial opened one.
+            other = self._dial_sockets.get(family)
+            if self._closed or (other is not None and not other.closed):
+                sock.close()
+                self._check_not_closed()
+                assert other is not None
+                return other
             self._dial_sockets[family] = sock
         return sock
 
@@ -241,6 +264,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
 
     def _incoming(self, route: Route, odcid: bytes) -> QuicConnection | None:
         if len(self._handshaking) >= self.quic_config.max_pending_handshakes:
+            self._note_handshake_dropped()
             return None
         peer = route.remote if isinstance(route.remote, EndpointId) else None
         label = self.label_for(peer) if peer is not None else "incoming peer"
@@ -251,6 +275,20 @@ class QuicTransport(EndpointBase[QuicConnection]):
         timer = loop.call_later(self.config.handshake_timeout, self._handshake_deadline, conn)
         self._handshaking[conn] = timer
         return conn
+
+    def _note_handshake_dropped(self) -> None:
+        """Count an Initial dropped for want of a handshake slot; warn once per interval."""
+        self.refused_handshakes += 1
+        now = asyncio.get_running_loop().time()
+        last = self._refused_logged_at
+        if last is None or now - last >= _DROP_LOG_INTERVAL:
+            self._refused_logged_at = now
+            log.warning(
+                "%d incoming handshakes already in progress (max_pending_handshakes): "
+                "dropping new ones (%d so far)",
+                len(self._handshaking),
+                self.refused_handshakes,
+            )
 
     def _end_handshake(self, conn: QuicConnection) -> None:
         """``conn`` is no longer handshaking: drop it and its deadline timer (which would
@@ -311,9 +349,12 @@ class QuicTransport(EndpointBase[QuicConnection]):
         data: bytes,
         addr: object,
         fits: Callable[[Route], bool],
-        new_route: Callable[[], Route] | None,
+        new_route: Callable[[], Route | None] | None,
     ) -> None:
-        """Hand one datagram to its connection, start a new one, or drop it."""
+        """Hand one datagram to its connection, start a new one, or drop it.
+
+        ``new_route`` makes the route of a connection that this datagram may start (None:
+        none may start here; it returns None: this source may not start one)."""
         if data and not data[0] & 0x80:
             # A short header (every packet after the handshake): the destination id is
             # ours, so its length is ours too. Only a connection may take it (aioquic
@@ -340,7 +381,11 @@ class QuicTransport(EndpointBase[QuicConnection]):
             ):
                 self.garbage += 1
                 return
-            conn = self._incoming(new_route(), header.destination_cid)
+            route = new_route()
+            if route is None:
+                self.garbage += 1
+                return
+            conn = self._incoming(route, header.destination_cid)
             if conn is None:
                 return
             conn.datagram_received(data, addr)
@@ -385,32 +430,43 @@ class QuicTransport(EndpointBase[QuicConnection]):
                 and puncher.accepts(route.peer, sock, addr)
             )
 
-        def new_route() -> Route:
+        def new_route() -> Route | None:
             return self._udp_route(sock, addr)
 
         self._dispatch(data, addr, fits, new_route if sock is self._udp else None)
 
     def _on_relay_datagram(self, src: EndpointId, data: bytes) -> None:
         relay = self._relay
-        assert relay is not None
+        if relay is None:
+            return
 
         def fits(route: Route) -> bool:
             return isinstance(route, RelayRoute) and route.peer == src
 
-        def new_route() -> Route:
-            return self._relay_route(relay, src)
+        def new_route() -> Route | None:
+            # The relay authenticated the source: a stranger may not start a handshake
+            # at all (else anyone on the relay could fill our pending-handshake slots).
+            return self._relay_route(relay, src) if self._may_start(src) else None
 
-        if classify(data) is DatagramKind.PROBE:
-            if self._puncher is not None:
-                self._puncher.on_relay_probe(src, data)
-            return
-        # The relay authenticated the source: a stranger may not start a handshake at all
-        # (else anyone on the relay could fill our pending-handshake slots).
-        accept_new = new_route if self.accepts(src) else None
+        # Nothing raised here may reach the relay session: it carries every relayed peer.
         try:
-            self._dispatch(data, RELAY_ADDR, fits, accept_new)
-        except Exception:  # never let a datagram break the relay session's loop
+            if classify(data) is DatagramKind.PROBE:
+                if self._puncher is not None:
+                    self._puncher.on_relay_probe(src, data)
+                return
+            self._dispatch(data, RELAY_ADDR, fits, new_route)
+        except Exception:
             log.exception("error while handling a datagram relayed from %s", src.short())
+
+    def _may_start(self, src: EndpointId) -> bool:
+        """Whether ``src`` (authenticated by the relay) may start a handshake. When the
+        application's ``accept_from`` raises, the handshake runs: its own check of the
+        policy then refuses the dialer with the reason, as on the UDP path (and logs it)."""
+        try:
+            return self.accepts(src)
+        except Exception as exc:
+            log.debug("accept policy failed for %s before its handshake: %r", src.short(), exc)
+            return True
 
     def _on_peer_gone(self, peer: EndpointId) -> None:
         """The relay could not deliver to ``peer``: fail our dials to it through the relay
@@ -439,7 +495,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
             return single_path(peer, path_key(route.remote), conn.stats, conn.rtt, "quic")
         assert isinstance(route, RelayRoute)
         state = self._puncher.state(peer) if self._puncher is not None else None
-        active = route.direct[1] if route.direct is not None else None
+        active = route.direct_addr  # None: the relay (also when the direct socket closed)
         per_path = []
         for addr in sorted({None, active, *route.sent, *route.received}, key=str):
             sent = route.sent.get(addr, [0, 0])
@@ -468,7 +524,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
             tuple(per_path),
             punching=state.phase.value if state is not None else "off",
             changes=route.changes,
-            last_failure=state.last_failure if state is not None else None,
+            last_failure=state.last_failure if state is not None else self._punch_off(),
         )
 
     def _relay_routes(self) -> list[RelayRoute]:
@@ -497,17 +553,49 @@ class QuicTransport(EndpointBase[QuicConnection]):
         else:
             self._puncher.watch(route.peer)
 
+    def _punch_off(self) -> str | None:
+        """Why hole punching is off for good, if it is."""
+        return self._puncher.off if self._puncher is not None else None
+
     async def _open_punch_socket(self) -> UdpSocket:
-        if self._udp is not None and not self._udp.closed:
-            return self._udp
+        """The socket to punch from: the listening one if it can reach the relay's side,
+        else one of our own. PunchingUnavailable when no socket of ours can punch."""
+        self._check_not_closed()
+        udp = self._udp
+        if udp is not None and not udp.closed:
+            host = udp.local_address[0]
+            if is_loopback(host) and not await self._relay_is_local():
+                raise PunchingUnavailable(
+                    f"the listening socket is bound to {host}, which cannot reach a relay "
+                    "or peers on other hosts (listen on 0.0.0.0 to punch)"
+                )
+            return udp
         # Held across the awaits: peers watched at the same moment (a rank dialing several
         # at once) must share one socket. Two would leave the first one's probes teaching
         # peers an address whose later traffic never comes.
         async with self._punch_lock:
             if self._punch_sock is None or self._punch_sock.closed:
-                host = bind_host_for(await self._stun_targets())
-                self._punch_sock = await UdpSocket.open(host, 0, self._on_udp_datagram)
+                host = "127.0.0.1" if await self._relay_is_local() else "0.0.0.0"
+                sock = await UdpSocket.open(host, 0, self._on_udp_datagram)
+                if self._closed:  # close() ran while it opened
+                    sock.close()
+                    self._check_not_closed()
+                self._punch_sock = sock
             return self._punch_sock
+
+    async def _relay_is_local(self) -> bool:
+        """Whether the relay (so every peer met through it) is on this host: its
+        observation ports are all on loopback, or, when its address is unknown (it does
+        not resolve to IPv4), its URL names loopback. A relay that is not a RelayPath
+        has no address (an in-memory relay, in tests) and counts as local."""
+        relay = self._relay
+        if not isinstance(relay, RelayPath):
+            return True
+        targets = await relay.observation_targets()
+        if targets:
+            return bind_host_for(targets) == "127.0.0.1"
+        host = relay.url.host
+        return is_loopback(host) or host.lower() == "localhost"
 
     async def _stun_targets(self) -> list[UdpAddress]:
         """The relay's observation ports (none for a relay that is not a RelayPath)."""

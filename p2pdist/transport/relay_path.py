@@ -98,6 +98,10 @@ class RelayStatus:
     bad_peer_ids: int = 0
     """RECV and PEER_GONE frames dropped because the endpoint id they named cannot be one
     (e.g. a small-order key): only a misbehaving relay sends them."""
+    handler_errors: int = 0
+    """Relayed datagrams (and PEER_GONE notices) whose handler (``on_datagram``,
+    ``on_peer_gone``) raised: dropped (logged the 1st, 10th, 100th... time), and the
+    session goes on."""
     limits: dict[str, float] = field(default_factory=dict)
     stun_ports: tuple[int, ...] = ()
     """The relay's UDP observation ports (STUN Binding), from AUTH_OK; two ports let a
@@ -186,6 +190,7 @@ class RelayPath:
         self._ping_sent: dict[bytes, float] = {}
         self._ping_waiters: dict[bytes, asyncio.Future[float]] = {}
         self._sent = self._received = self._dropped = self._bad_peer_ids = 0
+        self._handler_errors = 0
         self._outbox = bytearray()
         """SEND frames queued in this event-loop pass (one TLS write each pass)."""
         self._outbox_count = 0
@@ -207,6 +212,7 @@ class RelayPath:
             datagrams_received=self._received,
             dropped=self._dropped,
             bad_peer_ids=self._bad_peer_ids,
+            handler_errors=self._handler_errors,
         )
 
     def start(self) -> None:
@@ -217,7 +223,8 @@ class RelayPath:
     async def wait_connected(self, timeout: float) -> None:
         """Wait until a session is up; the error names the last failure."""
         self.start()
-        self._refused.clear()
+        # A refusal in the latest attempt is reported at once (it stays set until an
+        # attempt ends otherwise); else wait for the next attempt's outcome.
         connected = asyncio.ensure_future(self._connected.wait())
         refused = asyncio.ensure_future(self._refused.wait())
         try:
@@ -297,8 +304,9 @@ class RelayPath:
                 # keep retrying in the background (an allowlist may be reloaded).
                 self._set(last_error=exc.detail)  # the waiter's error names the relay
                 self._refused.set()
-                log.warning("relay %s: %s", self.url, exc)
+                log.warning("%s", exc)  # str(exc) starts with "relay <url>: "
             except Exception as exc:  # any failure ends this session, never the loop
+                self._refused.clear()  # the latest attempt was not refused
                 msg = str(exc) or type(exc).__name__
                 self._set(last_error=msg)
                 log.info("relay %s: session ended: %s", self.url, msg)
@@ -414,6 +422,7 @@ class RelayPath:
                 interval = await self._handshake(proto, writer)
             self._writer = writer
             self._authed_at = time.monotonic()
+            self._refused.clear()
             self._connected.set()
             log.info("relay %s: connected as %s", self.url, self.endpoint_id.short())
             proto.dispatch_to(lambda frame: self._handle(frame, writer))
@@ -480,20 +489,42 @@ class RelayPath:
                 )
             return None
 
+    def _handler_failed(self, what: str, peer: EndpointId) -> None:
+        """Count a handler of ours that raised; log it with its traceback the 1st, 10th,
+        100th... time (a handler that fails on every datagram must not flood the log)."""
+        self._handler_errors += 1
+        n = self._handler_errors
+        if n == 10 ** (len(str(n)) - 1):
+            log.exception(
+                "relay %s: error while handling %s %s (%d so far; the session goes on)",
+                self.url,
+                what,
+                peer.short(),
+                n,
+            )
+
     def _handle(self, frame: RelayFrame, writer: asyncio.Transport) -> float | None:
         """Act on one frame from the relay; returns retry_after on RECONNECT."""
         kind, body = frame.kind, frame.body
         if kind is RelayFrameType.RECV:
             self._received += 1
-            if self.on_datagram is not None:
+            on_datagram = self.on_datagram
+            if on_datagram is not None:
                 src = self._peer_id(frame.peer)
                 if src is not None:
-                    self.on_datagram(src, body)
+                    try:
+                        on_datagram(src, body)
+                    except Exception:  # one datagram must never end everyone's session
+                        self._handler_failed("a datagram relayed from", src)
         elif kind is RelayFrameType.PEER_GONE:
-            if len(body) == 32 and self.on_peer_gone is not None:
+            on_peer_gone = self.on_peer_gone
+            if len(body) == 32 and on_peer_gone is not None:
                 gone = self._peer_id(body)
                 if gone is not None:
-                    self.on_peer_gone(gone)
+                    try:
+                        on_peer_gone(gone)
+                    except Exception:
+                        self._handler_failed("the relay's notice that it cannot reach", gone)
         elif kind is RelayFrameType.PING:
             writer.write(encode_frame(RelayFrameType.PONG, body))
         elif kind is RelayFrameType.PONG:
