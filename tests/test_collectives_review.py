@@ -365,3 +365,50 @@ def test_codecs_keep_non_finite_values_non_finite() -> None:
             with np.errstate(over="ignore", invalid="ignore"):
                 dec = codec.decode(codec.encode(x), x.size)
             assert not np.isfinite(dec[:3]).any(), (wire, route, dec)
+
+
+async def test_gradient_buckets_refused_at_wait_or_at_a_dtype_change_keep_their_step() -> None:
+    """Two refusals of a mis-sized bucket that used to derail the helper: one raised by
+    wait()'s own flush (the last bucket) left the bucket position where it was, so the
+    next steps were refused or used another bucket's ErrorFeedback; one raised by an
+    add() whose dtype change flushed the bucket before lost that add()'s array."""
+    world = 2
+    async with groups(world) as gs:
+        buckets = await asyncio.gather(
+            *(
+                GradientBuckets.create(g, op="sum", wire_dtype="bfloat16", error_feedback=True)
+                for g in gs
+            )
+        )
+
+        async def step(sizes: tuple[int, int]) -> list[list[np.ndarray]]:
+            arrays = [[np.ones(sizes[0], np.float32), np.ones(sizes[1], np.float64)] for _ in gs]
+            for b, (a32, a64) in zip(buckets, arrays, strict=True):
+                b.add(a32)
+                b.add(a64)
+            await asyncio.gather(*(b.wait() for b in buckets))
+            return arrays
+
+        await step((10, 4))
+        with pytest.raises(UsageError, match="bucket 1 holds 5 elements"):
+            await step((10, 5))  # refused by wait()'s flush
+        for _ in range(2):  # the next steps go on, each bucket with its own feedback
+            for arrays in await step((10, 4)):
+                np.testing.assert_array_equal(arrays[0], 2.0)
+                np.testing.assert_array_equal(arrays[1], 2.0)
+            assert [len(b._feedback or []) for b in buckets] == [2, 2]
+        # A mis-sized first bucket refused by the dtype change of the next add(): the
+        # error says that add()'s array was not queued either, and adding the right
+        # arrays, then it, again completes the step.
+        later = [[np.ones(10, np.float32), np.ones(4, np.float64)] for _ in gs]
+        for b, (a32, a64) in zip(buckets, later, strict=True):
+            b.add(np.ones(12, np.float32))
+            with pytest.raises(UsageError, match="bucket 0 holds 12 elements") as info:
+                b.add(a64)
+            assert "was not queued either" in "".join(getattr(info.value, "__notes__", []))
+            b.add(a32)
+            b.add(a64)
+        await asyncio.gather(*(b.wait() for b in buckets))
+        for arrays in later:
+            np.testing.assert_array_equal(arrays[0], 2.0)
+            np.testing.assert_array_equal(arrays[1], 2.0)

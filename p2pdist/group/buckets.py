@@ -108,7 +108,16 @@ class GradientBuckets:
             raise UsageError("add() needs a writeable array (it is reduced in place)")
         dtype = self._check(array.dtype)
         if self._dtype is not None and dtype != self._dtype:
-            self.flush()  # a bucket holds one dtype
+            try:
+                self.flush()  # a bucket holds one dtype
+            except UsageError as exc:
+                # The refused bucket is the one before; it took no position, so this
+                # array, which would start the next, waits for the right ones to come.
+                exc.add_note(
+                    f"{_NOTE}the array of this add() was not queued either: add the right "
+                    "arrays, then it again"
+                )
+                raise
         self._dtype = dtype
         self._pending.append(array)
         self._pending_bytes += array.nbytes
@@ -185,20 +194,27 @@ class GradientBuckets:
     async def wait(self) -> None:
         """Flush, then wait for every bucket; raises the first failure, with a note naming
         the first bucket not reduced (it and every later bucket were left as they were).
-        The next :meth:`add` starts a new step (bucket positions count from 0 again)."""
-        self.flush()
+        The next :meth:`add` starts a new step (bucket positions count from 0 again),
+        also when the last bucket was refused here (a UsageError for its size, raised once
+        the step's other buckets are done)."""
+        refused: UsageError | None = None
+        try:
+            self.flush()
+        except UsageError as exc:
+            refused = exc
         self._index = 0
         tasks, self._tasks, sizes = self._tasks, [], self._counts
         self._counts = []
-        if not tasks:
-            return
-        # A failed bucket fails the later ones at once (they wait for it), so this
-        # returns as soon as the first failure is known, as before.
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        for k, result in enumerate(results):
-            if isinstance(result, BaseException):
-                _note(result, k, len(tasks), sum(sizes[k:]))
-                raise result
+        if tasks:
+            # A failed bucket fails the later ones at once (they wait for it), so this
+            # returns as soon as the first failure is known, as before.
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            for k, result in enumerate(results):
+                if isinstance(result, BaseException):
+                    _note(result, k, len(tasks), sum(sizes[k:]))
+                    raise result
+        if refused is not None:
+            raise refused
 
 
 _NOTE = "GradientBuckets: "
