@@ -149,3 +149,24 @@ def test_ordered_reduce_blocks_equal_the_reference(dtype: str, op: str, parts: i
             out = np.empty_like(xs[0])
             ordered_reduce(xs, rop, parts, out, scratch)
             np.testing.assert_array_equal(out.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("n", [5, 40_000])  # the one-round and the ring sizes
+async def test_reduce_takes_the_deterministic_mode_too(n: int) -> None:
+    """``reduce`` honours ``mode`` (and the group's default): dst gets the bits the
+    deterministic all_reduce gives, the float64 rank-order reference rounded once (it
+    used to fold in float32 in arrival order: 0.0 for 1 + 1e8 - 1e8 on one path, 1.0 on
+    the other); in place on dst too."""
+    world = 3
+    xs = [np.full(n, v, np.float32) for v in (1.0, 1e8, -1e8)]
+    want = reference(xs, "sum")
+    assert want[0] == 1.0
+    async with groups(world, config={"mode": "deterministic"}) as gs:
+        got = await asyncio.gather(*(g.reduce(xs[g.rank].copy(), 1) for g in gs))
+        assert got[0] is None and got[2] is None
+        np.testing.assert_array_equal(got[1], want)
+        mine = [x.copy() for x in xs]
+        await asyncio.gather(*(g.reduce(mine[g.rank], 0, "mean", out=mine[g.rank]) for g in gs))
+        np.testing.assert_array_equal(mine[0], reference(xs, "mean"))
+        fast = await asyncio.gather(*(g.reduce(xs[g.rank], 2, mode="fast") for g in gs))
+        assert fast[2] is not None  # the fast mode is still there, per call

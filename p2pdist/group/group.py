@@ -327,13 +327,16 @@ class Group(GroupCore):
         op: str = "sum",
         *,
         out: np.ndarray | None = None,
+        mode: str | None = None,
         timeout: float | None = None,
     ) -> np.ndarray | None:
         """Reduce ``x`` over all ranks onto rank ``dst``; returns the result there and None
-        on the other ranks."""
+        on the other ranks. ``mode`` as for :meth:`all_reduce`: "deterministic" gives
+        exactly what ``all_reduce`` gives in that mode."""
         self._check_rank(dst, "dst")
         arr = as_array(x)
         rop = reduce_op(op, arr.dtype)
+        ordered = self._ordered(mode, rop, arr)
         mine = self._rank == dst
         result = result_buffer(arr, arr.shape, arr.dtype, out) if mine else None
         self._check_usable()
@@ -342,10 +345,19 @@ class Group(GroupCore):
             if result is not arr:
                 np.copyto(result, arr)
             return result
-        descriptor = describe_call("reduce", op, arr.dtype.str, arr.shape, dst)
+        descriptor = describe_call("reduce", _op_label(op, ordered), arr.dtype.str, arr.shape, dst)
 
         async def body(lk: CollectiveLink) -> np.ndarray | None:
             await alg.agree(lk)  # a rank that names another root is caught here
+            if ordered:  # every rank folds its segment in rank order, then dst gathers
+                src = arr.reshape(-1) if result is not arr else arr.reshape(-1).copy()
+                flat = result.reshape(-1) if result is not None else np.empty_like(src)
+                bounds = split_bounds(flat.size, self.size)
+                a, b = bounds[self._rank]
+                chunk = self._chunk(arr.dtype)
+                await ordered_reduce_scatter(lk, src, bounds, rop, chunk, flat[a:b])
+                await alg.gather_segments(lk, flat, bounds, dst)
+                return result  # ordered_reduce_scatter already divided for mean
             if self._direct(arr):
                 src = arr.reshape(-1) if result is not arr else arr.reshape(-1).copy()
                 target = result.reshape(-1) if result is not None else None
