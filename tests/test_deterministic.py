@@ -16,16 +16,30 @@ from p2pdist.group.ordered import fold_scratch, ordered_reduce
 
 
 def reference(xs: list[np.ndarray], op: str) -> np.ndarray:
-    """Reduce in rank order in float64 (complex128), round once to the input dtype."""
+    """Reduce in rank order in float64 (complex128), round once to the input dtype.
+
+    Complex products are ``(ac - bd) + (ad + bc)i`` and a complex mean divides each part,
+    every real operation rounded once (numpy's own complex multiply gives other last bits
+    for other array lengths, and its complex division can turn inf into NaN)."""
     wide = np.promote_types(xs[0].dtype, np.float64)
     acc = xs[0].astype(wide)
     for x in xs[1:]:
-        if op == "prod":
+        if op == "prod" and wide.kind == "c":
+            y = x.astype(wide)
+            product = np.empty_like(acc)
+            product.real = acc.real * y.real - acc.imag * y.imag
+            product.imag = acc.real * y.imag + acc.imag * y.real
+            acc = product
+        elif op == "prod":
             acc *= x
         else:
             acc += x
     if op == "mean":
-        acc /= len(xs)
+        if wide.kind == "c":
+            acc.real /= len(xs)
+            acc.imag /= len(xs)
+        else:
+            acc /= len(xs)
     return acc.astype(xs[0].dtype)
 
 
@@ -170,3 +184,31 @@ async def test_reduce_takes_the_deterministic_mode_too(n: int) -> None:
         np.testing.assert_array_equal(mine[0], reference(xs, "mean"))
         fast = await asyncio.gather(*(g.reduce(xs[g.rank], 2, mode="fast") for g in gs))
         assert fast[2] is not None  # the fast mode is still there, per call
+
+
+async def test_complex_products_and_means_do_not_depend_on_length_or_spread_inf() -> None:
+    """Deterministic complex prod gives the same bits with 4 KiB chunks as with 1 MiB
+    ones and as the one-round path (numpy's complex multiply gave other last bits for a
+    one-element tail chunk), and a complex mean divides each part: (1+inf j, 1) -> 1+inf j
+    in both modes (it was nan+inf j)."""
+    xs = inputs(2, 514, "complex128", seed=3)
+    want = reference(xs, "prod")
+    results = []
+    for chunk in (4096, 1 << 20):
+        async with groups(2, config={"chunk_bytes": chunk, "small_bytes": 4096}) as gs:
+            got = await asyncio.gather(
+                *(g.all_reduce(xs[g.rank], "prod", mode="deterministic") for g in gs)
+            )
+            results.append(got[0])
+            small = await asyncio.gather(
+                *(g.all_reduce(xs[g.rank][:100], "prod", mode="deterministic") for g in gs)
+            )
+            np.testing.assert_array_equal(small[1].view(np.uint8), want[:100].view(np.uint8))
+            ys = [np.array([complex(1, np.inf)]), np.array([1 + 0j])]
+            for mode in ("fast", "deterministic"):
+                mean = await asyncio.gather(
+                    *(g.all_reduce(ys[g.rank], "mean", mode=mode) for g in gs)
+                )
+                assert mean[0][0] == complex(1, np.inf), (mode, mean[0])
+    for got in results:
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))

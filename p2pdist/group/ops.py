@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import UsageError
 
-__all__ = ["ReduceOp", "reduce_op"]
+__all__ = ["ReduceOp", "divide_in_place", "multiply_complex_into", "reduce_op"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +32,30 @@ class ReduceOp:
     def finish(self, result: np.ndarray, world: int) -> None:
         """Final in-place step (mean divides by ``world``)."""
         if self.divide and world > 1:
-            np.divide(result, result.dtype.type(world), out=result)
+            divide_in_place(result, world)
+
+
+def divide_in_place(result: np.ndarray, world: int) -> None:
+    """``result /= world``; a complex array part by part (numpy divides a complex by
+    ``complex(world)``, which turns an infinite part into NaN in the other)."""
+    if result.dtype.kind == "c":
+        for part in (result.real, result.imag):
+            np.divide(part, part.dtype.type(world), out=part)
+    else:
+        np.divide(result, result.dtype.type(world), out=result)
+
+
+def multiply_complex_into(acc: np.ndarray, x: np.ndarray) -> None:
+    """``acc *= x`` for complex arrays as ``(ac - bd) + (ad + bc)i``, every real operation
+    rounded: the same bits for an element whatever the array's length (numpy's complex
+    multiply takes other routes, with other last bits, for other lengths)."""
+    a, b, c, d = acc.real, acc.imag, x.real, x.imag
+    re = a * c
+    re -= b * d
+    im = a * d
+    im += b * c
+    a[...] = re
+    b[...] = im
 
 
 _OPS = {

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .linkops import Link, as_bytes, chunks, rank_ordered, send_to_others, view_as
-from .ops import ReduceOp
+from .ops import ReduceOp, divide_in_place, multiply_complex_into
 
 __all__ = ["fold_scratch", "ordered_all_reduce", "ordered_reduce", "ordered_reduce_scatter"]
 
@@ -48,6 +48,7 @@ def ordered_reduce(
         scratch = fold_scratch(out.dtype, out.size)
     wide = scratch.dtype
     block = scratch.shape[1]
+    complex_product = wide.kind == "c" and op.ufunc is np.multiply
     for s0 in range(0, out.size, block):
         s1 = min(s0 + block, out.size)
         acc, tmp = scratch[0, : s1 - s0], scratch[1, : s1 - s0]
@@ -57,9 +58,12 @@ def ordered_reduce(
             if piece.dtype != wide:
                 np.copyto(tmp, piece)
                 piece = tmp
-            op.ufunc(acc, piece, out=acc)
+            if complex_product:
+                multiply_complex_into(acc, piece)
+            else:
+                op.ufunc(acc, piece, out=acc)
         if op.divide:
-            acc /= world
+            divide_in_place(acc, world)
         np.copyto(out[s0:s1], acc, casting="same_kind")  # the single rounding
 
 
