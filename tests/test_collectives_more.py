@@ -427,3 +427,25 @@ async def test_closing_a_subgroup_fails_its_running_calls_and_spares_the_parent(
             await a.all_reduce(np.ones(4))
         got = await asyncio.gather(*(g.all_reduce(np.ones(2), timeout=5) for g in gs))
         np.testing.assert_array_equal(got[0], [2.0, 2.0])
+
+
+async def test_out_may_hold_the_input_only_as_the_own_row_and_is_checked_everywhere() -> None:
+    """all_gather and gather take their input in place as this rank's own row of out
+    (as NCCL's in-place all-gather) and refuse any other overlap; reduce checks out= on
+    every rank, not only on dst (a wrong one was ignored elsewhere)."""
+    async with groups(2) as gs:
+        outs = [np.zeros((2, 3)) for _ in gs]
+        for r in range(2):
+            outs[r][r] = r + 1.0
+        got = await asyncio.gather(
+            *(g.all_gather(outs[g.rank][g.rank], out=outs[g.rank]) for g in gs)
+        )
+        for r in range(2):
+            assert got[r] is outs[r]
+            np.testing.assert_array_equal(outs[r], [[1.0] * 3, [2.0] * 3])
+        with pytest.raises(UsageError, match=r"own row out\[0\]"):
+            await gs[0].all_gather(outs[0][1], out=outs[0])
+        with pytest.raises(UsageError, match=r"own row out\[1\]"):
+            await gs[1].gather(outs[1][0], 1, out=outs[1])
+        with pytest.raises(UsageError, match="out has int8"):
+            await gs[1].reduce(np.ones(3), 0, out=np.zeros(7, np.int8))

@@ -412,3 +412,17 @@ async def test_gradient_buckets_refused_at_wait_or_at_a_dtype_change_keep_their_
         for arrays in later:
             np.testing.assert_array_equal(arrays[0], 2.0)
             np.testing.assert_array_equal(arrays[1], 2.0)
+
+
+async def test_int8_keeps_values_near_float32s_limit_finite_under_errstate_raise() -> None:
+    """A block whose absmax is near float32's largest value decodes finite (127 x scale
+    rounded past it: inf), and a caller's np.errstate(all="raise") does not break the
+    group over it (it did, with FloatingPointError: overflow)."""
+    big = np.float32(np.finfo(np.float32).max)
+    xs = [np.array([big, 1, -1.7e38, 0], np.float32), np.zeros(4, np.float32)]
+    async with groups(2) as gs:
+        with np.errstate(all="raise"):
+            got = await asyncio.gather(*(g.all_reduce(xs[g.rank], wire_dtype="int8") for g in gs))
+        for g in got:
+            assert np.isfinite(g).all(), g
+            np.testing.assert_allclose(g, xs[0], atol=float(big) / 127)

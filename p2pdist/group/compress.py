@@ -204,6 +204,10 @@ class _Int8Codec(_Codec):
     """Bit pattern of 2**-96: blocks with a smaller (nonzero) absmax take the rare route."""
     _INF_BITS = np.int32(0x7F800000)
     """Bit pattern of +inf: |x| at or above it is an infinity or a NaN."""
+    _HUGE_BITS = np.int32(0x7F000000)
+    """Bit pattern of 2**127: blocks with an absmax from it on take the rare route, whose
+    scale is capped (:data:`_MAX_SCALE`) so that 127 x scale stays finite."""
+    _MAX_SCALE = np.nextafter(np.float32(np.finfo(np.float32).max / 127), np.float32(0))
     _NONFINITE = -128
 
     def __init__(self, block: int) -> None:
@@ -259,7 +263,7 @@ class _Int8Codec(_Codec):
             np.bitwise_and(xs.view(np.int32), _ABS_BITS, out=bits)
             top = sc.view(np.int32)
             np.max(bits, axis=1, out=top)
-            rare = (top >= self._INF_BITS) | ((top > 0) & (top < self._TINY_BITS))
+            rare = (top >= self._HUGE_BITS) | ((top > 0) & (top < self._TINY_BITS))
             any_rare = bool(rare.any())
             if any_rare:
                 top[rare] = 0  # scale 0 below; the rows are encoded again afterwards
@@ -289,6 +293,9 @@ class _Int8Codec(_Codec):
             ratio = np.divide(amax, scale, out=np.zeros_like(amax), where=scale > 0)
             low = (amax > 0) & ((scale == 0) | (ratio > 127))
             scale[low] = np.nextafter(scale[low], np.float32(np.inf))
+            # Near float32's limit, 127 x (absmax / 127) rounds past it: cap the scale
+            # (the clip below keeps the codes within 127).
+            np.minimum(scale, self._MAX_SCALE, out=scale)
             # Division, not a reciprocal: 1 / scale overflows for tiny scales, and a
             # subnormal scale is inexact enough to need the clip. A zero scale goes with
             # an all-zero block: divide by 1 instead.
@@ -311,7 +318,7 @@ class _Int8Codec(_Codec):
             dst = out[s0:s1].reshape(rows, width)
             flagged = np.signbit(sc[:, 0])
             tmp = tmp_all[: s1 - s0].reshape(rows, width) if add else dst
-            np.multiply(qs, sc, out=tmp)
+            np.multiply(qs, sc, out=tmp)  # finite: 127 x scale stays within float32
             if flagged.any():  # blocks with non-finite values (see the class docstring)
                 rows_flagged = np.flatnonzero(flagged)
                 q_flagged = qs[rows_flagged]
@@ -319,7 +326,10 @@ class _Int8Codec(_Codec):
                 vals[q_flagged == self._NONFINITE] = np.nan
                 tmp[rows_flagged] = vals
             if add:
-                np.add(dst, tmp, out=dst)
+                # A sum past float32's range is inf, as in float32 itself: not an error
+                # under a caller's np.errstate(over="raise").
+                with np.errstate(over="ignore"):
+                    np.add(dst, tmp, out=dst)
 
     def decode_into(self, data: Any, out: np.ndarray) -> None:
         self._decode_slabs(data, out, add=False)

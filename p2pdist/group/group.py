@@ -265,6 +265,7 @@ class Group(GroupCore):
         """
         arr = as_array(x)
         result = result_buffer(None, (self.size, *arr.shape), arr.dtype, out)
+        _check_own_row(arr, self._rank, result)
         self._check_usable()
         if self.size == 1:
             result[0] = arr
@@ -338,7 +339,8 @@ class Group(GroupCore):
         rop = reduce_op(op, arr.dtype)
         ordered = self._ordered(mode, rop, arr)
         mine = self._rank == dst
-        result = result_buffer(arr, arr.shape, arr.dtype, out) if mine else None
+        checked = result_buffer(arr, arr.shape, arr.dtype, out)  # on every rank: same call
+        result = checked if mine else None
         self._check_usable()
         if self.size == 1:
             assert result is not None
@@ -389,6 +391,8 @@ class Group(GroupCore):
         arr = as_array(x)
         mine = self._rank == dst
         result = result_buffer(None, (self.size, *arr.shape), arr.dtype, out) if mine else None
+        if result is not None:
+            _check_own_row(arr, self._rank, result)
         self._check_usable()
         if self.size == 1:
             assert result is not None
@@ -586,6 +590,18 @@ def _check_own_piece(arr: np.ndarray, r0: int, r1: int, result: np.ndarray) -> N
     same = own.__array_interface__["data"][0] == result.__array_interface__["data"][0]
     if not same:  # result_buffer checked the shape, dtype and C order already
         raise UsageError(f"out overlaps the input other than as this rank's own piece x[{r0}:{r1}]")
+
+
+def _check_own_row(arr: np.ndarray, rank: int, result: np.ndarray) -> None:
+    """all_gather's and gather's ``out`` may hold the input as this rank's own row
+    ``out[rank]`` (in place, as NCCL allows), but may not overlap it anywhere else."""
+    if not np.shares_memory(result, arr):
+        return
+    own = result[rank]
+    if own.__array_interface__["data"][0] != arr.__array_interface__["data"][0] or (
+        not arr.flags.c_contiguous
+    ):
+        raise UsageError(f"out overlaps the input other than as this rank's own row out[{rank}]")
 
 
 def _op_label(op: str, ordered: bool) -> str:
