@@ -429,10 +429,10 @@ async def test_closing_a_subgroup_fails_its_running_calls_and_spares_the_parent(
         np.testing.assert_array_equal(got[0], [2.0, 2.0])
 
 
-async def test_out_may_hold_the_input_only_as_the_own_row_and_is_checked_everywhere() -> None:
-    """all_gather and gather take their input in place as this rank's own row of out
-    (as NCCL's in-place all-gather) and refuse any other overlap; reduce checks out= on
-    every rank, not only on dst (a wrong one was ignored elsewhere)."""
+async def test_out_may_hold_the_input_only_as_a_whole_row_and_is_checked_everywhere() -> None:
+    """all_gather and gather take their input in place as a row of out (as NCCL's
+    in-place all-gather) and refuse any other overlap; reduce checks out= on every rank,
+    not only on dst (a wrong one was ignored elsewhere)."""
     async with groups(2) as gs:
         outs = [np.zeros((2, 3)) for _ in gs]
         for r in range(2):
@@ -443,9 +443,10 @@ async def test_out_may_hold_the_input_only_as_the_own_row_and_is_checked_everywh
         for r in range(2):
             assert got[r] is outs[r]
             np.testing.assert_array_equal(outs[r], [[1.0] * 3, [2.0] * 3])
-        with pytest.raises(UsageError, match=r"own row out\[0\]"):
-            await gs[0].all_gather(outs[0][1], out=outs[0])
-        with pytest.raises(UsageError, match=r"own row out\[1\]"):
-            await gs[1].gather(outs[1][0], 1, out=outs[1])
+        straddling = outs[0].reshape(-1)[1:4]  # the end of row 0 and the start of row 1
+        with pytest.raises(UsageError, match="one whole row"):
+            await gs[0].all_gather(straddling, out=outs[0])
+        with pytest.raises(UsageError, match="one whole row"):
+            await gs[1].gather(outs[1].reshape(-1)[2:5], 1, out=outs[1])
         with pytest.raises(UsageError, match="out has int8"):
             await gs[1].reduce(np.ones(3), 0, out=np.zeros(7, np.int8))

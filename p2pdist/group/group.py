@@ -265,7 +265,7 @@ class Group(GroupCore):
         """
         arr = as_array(x)
         result = result_buffer(None, (self.size, *arr.shape), arr.dtype, out)
-        _check_own_row(arr, self._rank, result)
+        _check_row_of_out(arr, result)
         self._check_usable()
         if self.size == 1:
             result[0] = arr
@@ -392,7 +392,7 @@ class Group(GroupCore):
         mine = self._rank == dst
         result = result_buffer(None, (self.size, *arr.shape), arr.dtype, out) if mine else None
         if result is not None:
-            _check_own_row(arr, self._rank, result)
+            _check_row_of_out(arr, result)
         self._check_usable()
         if self.size == 1:
             assert result is not None
@@ -592,16 +592,18 @@ def _check_own_piece(arr: np.ndarray, r0: int, r1: int, result: np.ndarray) -> N
         raise UsageError(f"out overlaps the input other than as this rank's own piece x[{r0}:{r1}]")
 
 
-def _check_own_row(arr: np.ndarray, rank: int, result: np.ndarray) -> None:
-    """all_gather's and gather's ``out`` may hold the input as this rank's own row
-    ``out[rank]`` (in place, as NCCL allows), but may not overlap it anywhere else."""
+def _check_row_of_out(arr: np.ndarray, result: np.ndarray) -> None:
+    """all_gather's and gather's ``out`` may hold the input as one of its rows (in place,
+    as NCCL's all-gather: the input goes out before anything lands), but may not overlap
+    it in any other way."""
     if not np.shares_memory(result, arr):
         return
-    own = result[rank]
-    if own.__array_interface__["data"][0] != arr.__array_interface__["data"][0] or (
-        not arr.flags.c_contiguous
+    offset = arr.__array_interface__["data"][0] - result.__array_interface__["data"][0]
+    row = arr.nbytes
+    if not (
+        arr.flags.c_contiguous and row and offset % row == 0 and 0 <= offset // row < len(result)
     ):
-        raise UsageError(f"out overlaps the input other than as this rank's own row out[{rank}]")
+        raise UsageError("out overlaps the input other than as one whole row of out")
 
 
 def _op_label(op: str, ordered: bool) -> str:
