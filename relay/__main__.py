@@ -30,25 +30,26 @@ __all__ = ["main", "run"]
 log = logging.getLogger("relay")
 
 
-def _raise_fd_limit(max_clients: int) -> None:
-    """Each client is one file descriptor: lift the soft limit as far as allowed."""
+def _raise_fd_limit() -> None:
+    """Each client is one file descriptor: lift the soft limit to the hard one, and log
+    both (the server sizes its socket budget from the soft limit and warns when that
+    cannot hold max-clients)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else max(soft, max_clients + 1024)
-    if soft != resource.RLIM_INFINITY and soft < want:
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
             soft = want
         except (ValueError, OSError) as exc:  # pragma: no cover - container policy
-            log.warning(kv("rlimit_nofile", error=exc))
-    if soft != resource.RLIM_INFINITY and soft < max_clients + 64:
-        log.warning(
-            kv(
-                "rlimit_nofile_low",
-                limit=soft,
-                max_clients=max_clients,
-                hint="raise 'ulimit -n' (or LimitNOFILE=) to hold max-clients",
-            )
+            log.warning(kv("rlimit_nofile_raise_failed", error=exc))
+    unlimited = resource.RLIM_INFINITY
+    log.info(
+        kv(
+            "rlimit_nofile",
+            soft="unlimited" if soft == unlimited else soft,
+            hard="unlimited" if hard == unlimited else hard,
         )
+    )
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -95,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
-    _raise_fd_limit(config.max_clients)
+    _raise_fd_limit()
     try:
         return eventloop.run(run(config), loop=config.loop)
     except UsageError as exc:  # --loop uvloop without uvloop installed

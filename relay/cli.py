@@ -2,6 +2,7 @@
 
 The token may also come from the environment (``P2PDIST_RELAY_TOKEN``), which sits
 between the file and the flags, so that it need not appear in ``ps`` output or on disk.
+Set but empty, it is the same error as ``--token ""`` (never a silent "no token").
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def load_config(
         path = Path(config_path).expanduser()
         file_values = read_config_file(path)
         base = path.resolve().parent
-    if env.get(TOKEN_ENV):
+    if TOKEN_ENV in env:  # set but empty is an error, as --token "" is
         merged["token"] = env[TOKEN_ENV]
     merged.update(args)
     # The file's paths are relative to the file, the flags' to the working directory;

@@ -97,12 +97,21 @@ class RelayConfig:
         metadata=_doc(f"shared token clients must present (or env {TOKEN_ENV})", "TOKEN"),
     )
     max_clients: int = field(default=4096, metadata=_doc("most authenticated clients at once", "N"))
+    max_clients_per_ip: int = field(
+        default=0,
+        metadata=_doc(
+            "most authenticated clients from one source address (IPv4 address, IPv6 /64); "
+            "0: no cap (a fleet behind one NAT shares one address: set it above the "
+            "largest such fleet)",
+            "N",
+        ),
+    )
     max_unauthenticated: int | None = field(
         default=None,
         metadata=_doc(
-            "most connections still in the HTTP upgrade or AUTH at once; a new one over "
-            "it closes the oldest of them if that one waited 1 s, else gets 503 "
-            "(default: max-clients)",
+            "most connections still in the TLS handshake, the HTTP upgrade or AUTH at "
+            "once; a new one over it closes the oldest of them if that one waited 1 s, "
+            "else gets 503 (closed at once in its TLS handshake) (default: max-clients)",
             "N",
         ),
     )
@@ -141,7 +150,11 @@ class RelayConfig:
         ),
     )
     drain_timeout: float = field(
-        default=3.0, metadata=_doc("graceful shutdown: how long to let queues drain", "SECONDS")
+        default=3.0,
+        metadata=_doc(
+            "graceful shutdown: how long to let queues drain before connections are aborted",
+            "SECONDS",
+        ),
     )
     retry_after: float = field(
         default=1.0, metadata=_doc("retry_after advertised in RECONNECT on shutdown", "SECONDS")
@@ -250,6 +263,10 @@ def _validate(c: RelayConfig) -> None:
             raise ConfigError(f"token must be at most {MAX_TOKEN_BYTES} bytes")
     if c.max_clients < 1:
         raise ConfigError(f"max-clients must be >= 1, got {c.max_clients}")
+    if c.max_clients_per_ip < 0:
+        raise ConfigError(
+            f"max-clients-per-ip must be >= 0 (0: no cap), got {c.max_clients_per_ip}"
+        )
     if c.max_unauthenticated is not None and c.max_unauthenticated < 1:
         raise ConfigError(f"max-unauthenticated must be >= 1, got {c.max_unauthenticated}")
     if c.max_unauthenticated_per_ip < 1:

@@ -15,6 +15,7 @@ AUTH_FAILURE_REASONS = (
     "bad_token",
     "not_allowed",
     "relay_full",
+    "max_clients_per_ip",
     "malformed",
     "timeout",
     "shutting_down",
@@ -47,14 +48,19 @@ class Metrics:
     """Plain integer counters; the core increments them, :meth:`render` exports them
     (each field's name and help text are the metric's)."""
 
-    connections_total: int = _counter("TLS connections accepted")
+    connections_total: int = _counter(
+        "connections accepted (TCP on asyncio's loop, once TLS is up on uvloop)"
+    )
+    fd_limit_refused_total: int = _counter(
+        "TCP connections closed at once because the relay was near its file descriptor limit"
+    )
     auth_ok_total: int = _counter("clients authenticated")
     replaced_total: int = _counter("connections replaced by a newer one with the same id")
     bytes_in_total: int = _counter("bytes read from clients (after TLS)")
     bytes_out_total: int = _counter("bytes written to clients (before TLS)")
     datagrams_in_total: int = _counter("SEND frames received")
     datagrams_out_total: int = _counter("RECV frames queued to destinations")
-    peer_gone_total: int = _counter("PEER_GONE frames sent")
+    peer_gone_total: int = _counter("PEER_GONE frames queued to clients")
     protocol_errors_total: int = _counter("connections closed for breaking the protocol")
     keepalive_timeouts_total: int = _counter("clients dropped after 3 x keepalive of silence")
     http_requests_total: int = _counter("plain HTTP requests answered (health, metrics, errors)")

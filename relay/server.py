@@ -17,18 +17,34 @@ old session). So a connection that is closing reads into a buffer of its own, an
 bytes being parsed are never overwritten.
 
 On asyncio's own loop (:mod:`relay.tlsproto`) each connection also sees the TCP
-transport under TLS: the server aborts connections still in their TLS handshake when it
-shuts down (one that finished its handshake later would otherwise be served by a core
-that no longer ticks), and :meth:`_ClientConnection.buffered` counts that transport's
-write buffer too, so ``queue_bytes`` bounds everything queued towards a client.
+transport under TLS: a session is opened in the core as soon as TCP is up (phase TLS),
+so connections still in their TLS handshake count against the caps on connections
+waiting to authenticate (total and per source) and are evicted or refused by the same
+rule; the server aborts connections still in their TLS handshake when it shuts down
+(one that finished its handshake later would otherwise be served by a core that no
+longer ticks); and :meth:`_ClientConnection.buffered` counts that transport's write
+buffer too, so ``queue_bytes`` bounds everything queued towards a client.
+
+File descriptors: the listen backlog is small (:data:`BACKLOG`), the server counts the
+client sockets it holds and closes a new one at once when that count reaches its
+budget (the ``RLIMIT_NOFILE`` soft limit less the descriptors already open, the
+backlog and a reserve), so it never runs out of descriptors itself; and
+:class:`AcceptErrorLimiter` collapses asyncio's ``socket.accept() out of system
+resource`` errors (logged once per backlog slot per retry) into one line per
+:data:`ACCEPT_ERROR_INTERVAL` should they happen anyway (another process, ENFILE).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import os
+import resource
+import time
+from collections.abc import Callable
 from types import TracebackType
-from typing import cast
+from typing import Any, cast
 
 from p2pdist.wire.relay import RelayUrl
 
@@ -36,19 +52,29 @@ from .access import AccessPolicy, Allowlist, AllowlistError
 from .config import ConfigError, RelayConfig
 from .logfmt import kv
 from .metrics import Metrics
-from .session import Session
+from .session import Phase, Session
 from .state import CoreConfig, RelayCore, format_address
 from .stun_server import StunProtocol
 from .tap import FileTap, Tap
 from .tlsconfig import RelayTls, load_or_create_key
 from .tlsproto import tls_protocol_factory
 
-__all__ = ["RelayServer"]
+__all__ = ["AcceptErrorLimiter", "RelayServer", "fd_budget"]
 
 log = logging.getLogger(__name__)
 
 CLOSE_GRACE = 5.0
-"""A closed connection whose peer does not read is aborted after this many seconds."""
+"""A closed connection whose peer does not read is aborted after this many seconds
+(during a graceful shutdown: after ``drain_timeout``)."""
+BACKLOG = 511
+"""The listen backlog (at most; less under a low file descriptor limit, see
+:func:`fd_budget`). asyncio accepts up to this many connections per wake-up."""
+FD_RESERVE = 32
+"""Descriptors kept free for everything but client sockets (files, STUN, the loop)."""
+ACCEPT_ERROR = "socket.accept() out of system resource"
+ACCEPT_ERROR_INTERVAL = 5.0
+"""At most one log line per this many seconds for :data:`ACCEPT_ERROR`."""
+FD_WARN_INTERVAL = 5.0
 TLS_SHUTDOWN_SHARE = 0.8
 """The TLS layer's shutdown timeout, as a share of ``drain_timeout``: shorter, so a
 client that does not read is aborted by TLS before the drain gives up on it."""
@@ -58,6 +84,76 @@ SCRATCH_SIZE = 256 * 1024
 NESTED_READ = 16 * 1024
 """Least size of the private receive buffer of a connection that is closing (its last
 reads may come while another connection's read is being handled)."""
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # pragma: no cover - no /proc
+        return 0
+
+
+def fd_budget(soft_limit: int, in_use: int) -> tuple[int, int | None]:
+    """The listen backlog and the most client sockets to hold (None: no limit) under a
+    ``RLIMIT_NOFILE`` soft limit with ``in_use`` descriptors already open: the
+    descriptors asyncio may accept in one go (the backlog) and a reserve stay free."""
+    if soft_limit == resource.RLIM_INFINITY or soft_limit < 0:
+        return BACKLOG, None
+    backlog = min(BACKLOG, max(8, soft_limit // 8))
+    return backlog, max(1, soft_limit - in_use - backlog - FD_RESERVE)
+
+
+class _Every:
+    """True at most once per ``interval`` seconds of ``clock``; counts the rest."""
+
+    def __init__(self, interval: float, clock: Callable[[], float]) -> None:
+        self._interval = interval
+        self._clock = clock
+        self._last = -math.inf
+        self.skipped = 0
+
+    def __call__(self) -> bool:
+        now = self._clock()
+        if now - self._last < self._interval:
+            self.skipped += 1
+            return False
+        self._last = now
+        return True
+
+
+class AcceptErrorLimiter:
+    """A loop exception handler that logs :data:`ACCEPT_ERROR` at most once per
+    ``interval`` seconds (with how many it left out) and passes every other context on
+    to ``previous`` (None: the loop's default handler)."""
+
+    def __init__(
+        self,
+        previous: Callable[[asyncio.AbstractEventLoop, dict[str, Any]], object] | None,
+        interval: float = ACCEPT_ERROR_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.previous = previous
+        self._every = _Every(interval, clock)
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != ACCEPT_ERROR:
+            if self.previous is not None:
+                self.previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        skipped = self._every.skipped
+        if self._every():
+            self._every.skipped = 0
+            log.error(
+                kv(
+                    "accept_failed",
+                    error=context.get("exception"),
+                    repeats_left_out=skipped,
+                    hint="out of file descriptors or memory; raise 'ulimit -n' "
+                    "(LimitNOFILE=) or lower max-clients",
+                )
+            )
 
 
 class _ClientConnection(asyncio.BufferedProtocol):
@@ -73,20 +169,40 @@ class _ClientConnection(asyncio.BufferedProtocol):
         self._raw: asyncio.Transport | None = None
         self._session: Session | None = None
         self._abort: asyncio.TimerHandle | None = None
+        self._counted = False
+        """Whether this connection holds one of the server's socket slots."""
+
+    def _peer(self, transport: asyncio.BaseTransport) -> tuple[str, int]:
+        peer = transport.get_extra_info("peername") or ("?", 0)
+        return str(peer[0]), int(peer[1])
+
+    def _release(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._server.release_socket()
 
     # ---- relay.tlsproto.RawTransportWatcher -------------------------------------------
 
     def raw_connection_made(self, transport: asyncio.Transport) -> None:
-        """TCP is up, the TLS handshake starts (not called on uvloop)."""
+        """TCP is up, the TLS handshake starts (not called on uvloop): the session is
+        opened now, so the handshake counts against the caps on waiting connections."""
         self._raw = transport
-        if self._server.closing:
+        if self._server.closing or not self._server.take_socket():
             transport.abort()
-        else:
-            self._server.handshaking.add(self)
+            return
+        self._counted = True
+        self._server.handshaking.add(self)
+        self._session = self._core.open(
+            self, self._peer(transport), self._loop.time(), handshaking=True
+        )  # refused: closed (aborted) already
 
     def raw_connection_lost(self) -> None:
         """TCP is gone, the handshake done or not."""
         self._server.handshaking.discard(self)
+        self._release()
+        if self._transport is None and self._session is not None:
+            # The handshake never completed: no connection_lost will follow.
+            self._core.lost(self._session, self._loop.time())
 
     def abort_handshake(self) -> None:
         """Drop the TCP connection of a handshake that has not completed."""
@@ -97,10 +213,20 @@ class _ClientConnection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
-        peer = transport.get_extra_info("peername") or ("?", 0)
         self._server.handshaking.discard(self)
         self._server.connections.add(self)
-        self._session = self._core.open(self, (str(peer[0]), int(peer[1])), self._loop.time())
+        now = self._loop.time()
+        if self._session is not None:  # opened when TCP came up
+            self._core.handshake_done(self._session, now)
+            if self._session.phase is Phase.CLOSED:  # pragma: no cover - aborted before
+                self.abort()
+            return
+        if self._raw is None:  # uvloop or ssl=: TCP was not seen, count it now
+            if self._server.closing or not self._server.take_socket():
+                self.abort()
+                return
+            self._counted = True
+        self._session = self._core.open(self, self._peer(transport), now)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._transport is not None and self._transport.is_closing():
@@ -124,9 +250,15 @@ class _ClientConnection(asyncio.BufferedProtocol):
             self.abort()
 
     def eof_received(self) -> bool | None:
-        return None  # close our side too
+        """The client half-closed (close_notify or FIN): it is gone for routing now, and
+        our side closes too, aborted after the close grace if bytes stay stuck."""
+        if self._session is not None:
+            self._core.eof(self._session, self._loop.time())
+        self._arm_abort()
+        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._release()
         if self._abort is not None:
             self._abort.cancel()
             self._abort = None
@@ -155,16 +287,26 @@ class _ClientConnection(asyncio.BufferedProtocol):
         return self._transport.get_write_buffer_size() + raw
 
     def close(self) -> None:
-        """Flush and close; abort if the peer does not take the bytes within CLOSE_GRACE."""
-        if self._transport is None or self._transport.is_closing():
+        """Flush and close; abort if the peer does not take the bytes within the close
+        grace (:data:`CLOSE_GRACE`, ``drain_timeout`` once the server is shutting down).
+        Still in the TLS handshake: abort now (there is nothing to flush)."""
+        if self._transport is None:
+            self.abort_handshake()
             return
-        self._transport.close()
-        self._abort = self._loop.call_later(CLOSE_GRACE, self.abort)
+        if not self._transport.is_closing():
+            self._transport.close()
+        self._arm_abort()
+
+    def _arm_abort(self) -> None:
+        if self._abort is None and self._transport is not None:
+            self._abort = self._loop.call_later(self._server.close_grace, self.abort)
 
     def abort(self) -> None:
         """Drop the connection now."""
         if self._transport is not None:
             self._transport.abort()
+        if self._raw is not None:
+            self._raw.abort()  # a no-op unless TLS had let go of it
 
 
 class RelayServer:
@@ -197,11 +339,45 @@ class RelayServer:
         self._core: RelayCore | None = None
         self.scratch = bytearray(SCRATCH_SIZE)
         """Where every client connection receives (see the module docstring)."""
+        self.sockets_open = 0
+        """Client sockets held now (from TCP accept on asyncio's loop)."""
+        self.socket_budget: int | None = None
+        """The most client sockets held at once (None: no limit); see :func:`fd_budget`."""
+        self._backlog = BACKLOG
+        self._fd_warn = _Every(FD_WARN_INTERVAL, time.monotonic)
+        self._accept_errors: AcceptErrorLimiter | None = None
 
     @property
     def closing(self) -> bool:
         """True once :meth:`close` has begun."""
         return self._closed
+
+    @property
+    def close_grace(self) -> float:
+        """Seconds a closed connection may take to flush before it is aborted."""
+        return self.config.drain_timeout if self._closed else CLOSE_GRACE
+
+    def take_socket(self) -> bool:
+        """Count a new client socket; False (and counted as refused) at the budget."""
+        if self.socket_budget is not None and self.sockets_open >= self.socket_budget:
+            self.core.metrics.fd_limit_refused_total += 1
+            if self._fd_warn():
+                log.warning(
+                    kv(
+                        "fd_limit_reached",
+                        sockets=self.sockets_open,
+                        refused_since_last=self._fd_warn.skipped + 1,
+                        hint="new connections are closed at once; raise 'ulimit -n'",
+                    )
+                )
+                self._fd_warn.skipped = 0
+            return False
+        self.sockets_open += 1
+        return True
+
+    def release_socket(self) -> None:
+        """A counted client socket is gone."""
+        self.sockets_open -= 1
 
     @property
     def core(self) -> RelayCore:
@@ -226,12 +402,21 @@ class RelayServer:
         access = AccessPolicy(allowlist, c.token)
         metrics = Metrics()
         if self.tap is None and c.tap is not None:
-            self._own_tap = FileTap(c.tap)
+            try:
+                self._own_tap = FileTap(c.tap)
+            except OSError as exc:
+                raise ConfigError(f"cannot open tap file {c.tap}: {exc}") from None
             self.tap = self._own_tap
             log.warning(kv("tap_enabled", path=c.tap, hint="debug only: records all traffic"))
+        self._plan_descriptors()
         # Listen without accepting until the core exists: the core's AUTH_OK advertises
         # the observation ports, which are only known once they are bound.
-        self._server = await self._listen()
+        try:
+            self._server = await self._listen()
+        except ConfigError:
+            if self._own_tap is not None:
+                self._own_tap.close()
+            raise
         self.port = int(self._server.sockets[0].getsockname()[1])
         try:
             await self._start_stun(metrics)
@@ -240,6 +425,7 @@ class RelayServer:
             raise
         core_cfg = CoreConfig(
             max_clients=c.max_clients,
+            max_clients_per_ip=c.max_clients_per_ip,
             max_unauthenticated=c.max_unauthenticated,
             max_unauthenticated_per_ip=c.max_unauthenticated_per_ip,
             rate=c.rate,
@@ -254,6 +440,9 @@ class RelayServer:
         await self._server.start_serving()
         self.url = str(RelayUrl(c.url_host(), self.port, self.tls.pin))
         self._all_gone = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self._accept_errors = AcceptErrorLimiter(loop.get_exception_handler())
+        loop.set_exception_handler(self._accept_errors)
         self._schedule_tick()
         log.info(
             kv(
@@ -265,11 +454,34 @@ class RelayServer:
                 tls="pinned" if self.tls.pin else "certificate",
                 access=access.mode,
                 max_clients=c.max_clients,
+                max_clients_per_ip=c.max_clients_per_ip or "unlimited",
+                socket_budget=self.socket_budget or "unlimited",
                 rate=c.rate or "unlimited",
                 queue_bytes=c.queue_bytes,
                 keepalive=c.keepalive,
             )
         )
+
+    def _plan_descriptors(self) -> None:
+        """Backlog and socket budget from the file descriptor limit; warns when the
+        budget cannot hold max-clients plus the connections waiting to authenticate."""
+        c = self.config
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self._backlog, self.socket_budget = fd_budget(soft, _open_fds())
+        waiting = c.max_clients if c.max_unauthenticated is None else c.max_unauthenticated
+        if self.socket_budget is not None and self.socket_budget < c.max_clients + waiting:
+            log.warning(
+                kv(
+                    "rlimit_nofile_low",
+                    soft=soft,
+                    hard=hard,
+                    socket_budget=self.socket_budget,
+                    max_clients=c.max_clients,
+                    max_unauthenticated=waiting,
+                    hint="beyond the budget new connections are closed at once; raise "
+                    "'ulimit -n' (LimitNOFILE=) or lower max-clients",
+                )
+            )
 
     async def _listen(self) -> asyncio.Server:
         """Bind the TCP port without accepting yet (``start_serving`` follows)."""
@@ -290,7 +502,7 @@ class RelayServer:
                     small,
                     host,
                     c.port,
-                    backlog=4096,
+                    backlog=self._backlog,
                     reuse_address=True,
                     start_serving=False,
                 )
@@ -301,7 +513,7 @@ class RelayServer:
                 ssl=self.tls.context,
                 ssl_handshake_timeout=c.auth_timeout,
                 ssl_shutdown_timeout=c.drain_timeout * TLS_SHUTDOWN_SHARE,
-                backlog=4096,
+                backlog=self._backlog,
                 reuse_address=True,
                 start_serving=False,
             )
@@ -377,9 +589,20 @@ class RelayServer:
     def reload(self) -> None:
         """SIGHUP: re-read the allowlist and (certificate mode) the certificate files."""
         log.info(kv("reload"))
-        self.core.access.reload(asyncio.get_running_loop().time())
+        now = asyncio.get_running_loop().time()
+        self.core.access.reload(now)
         if self.tls is not None and self.tls.reload():
-            self.core.set_cert_fingerprints(self.tls.fingerprints)
+            # The old certificate's fingerprint only for connections that handshook
+            # with it: a handshake (up to auth_timeout), then AUTH (auth_timeout again).
+            self.core.set_cert_fingerprints(
+                (self.tls.fingerprint,), self.tls.previous, now + self.previous_cert_grace
+            )
+
+    @property
+    def previous_cert_grace(self) -> float:
+        """Seconds after a certificate reload during which AUTH bound to the previous
+        certificate is still accepted."""
+        return 2 * self.config.auth_timeout
 
     def connection_gone(self, conn: _ClientConnection) -> None:
         """Called by a connection once it is lost."""
@@ -421,6 +644,9 @@ class RelayServer:
             await asyncio.sleep(0)
         if self._own_tap is not None:
             self._own_tap.close()
+        loop = asyncio.get_running_loop()
+        if self._accept_errors is not None and loop.get_exception_handler() is self._accept_errors:
+            loop.set_exception_handler(self._accept_errors.previous)
         log.info(kv("stopped"))
 
     async def __aenter__(self) -> RelayServer:

@@ -2,9 +2,12 @@
 
 A :class:`Session` moves through :class:`Phase` in one direction only::
 
-    HTTP --101--> AUTH --AUTH_OK--> ACTIVE
-      \\             \\                 \\
-       `-------------`-----------------`--> CLOSED
+    TLS --handshake--> HTTP --101--> AUTH --AUTH_OK--> ACTIVE
+      \\                  \\             \\                 \\
+       `------------------`-------------`-----------------`--> CLOSED
+
+(TLS only where the glue sees the TCP connection before its TLS handshake is done, on
+asyncio's own loop; elsewhere a session starts in HTTP.)
 
 The asyncio glue gives each session a :class:`Link` (write, buffered, close); the core
 (:mod:`relay.state`) does everything else, so tests can drive sessions with fake links
@@ -41,6 +44,7 @@ class Link(Protocol):
 class Phase(enum.Enum):
     """Where a connection is in its life."""
 
+    TLS = "tls"  # TCP accepted, TLS handshake in progress (nothing to read or write)
     HTTP = "http"  # reading the request head
     AUTH = "auth"  # CHALLENGE sent, waiting for AUTH
     ACTIVE = "active"  # authenticated: forwarding
@@ -64,6 +68,8 @@ class Session:
         "peer_gone",
         "phase",
         "raw_id",
+        "ready_at",
+        "source",
         "splitter",
     )
 
@@ -72,6 +78,11 @@ class Session:
         self.link = link
         self.observed = observed
         self.opened_at = now
+        """When the connection was accepted (TCP, or TLS where TCP is not seen)."""
+        self.ready_at = now
+        """When its TLS handshake completed (the auth timeout runs from here)."""
+        self.source = ""
+        """The source address it counts against (see :func:`relay.state.source_of`)."""
         self.last_heard = now
         self.phase = Phase.HTTP
         self.http_buf = bytearray()

@@ -63,6 +63,7 @@ REPLACED = "replaced by a newer connection from the same endpoint"
 BAD_SIGNATURE = Refusal("bad_signature", "bad signature")
 MALFORMED = Refusal("malformed", "malformed AUTH")
 RELAY_FULL = Refusal("relay_full", "relay full")
+PER_IP_FULL = Refusal("max_clients_per_ip", "too many clients from this address")
 AUTH_TIMEOUT = Refusal("timeout", "authentication timed out")
 SHUTTING_DOWN = Refusal("shutting_down", "relay shutting down")
 EVICTED = "evicted: too many connections waiting to authenticate"
@@ -87,7 +88,7 @@ class CoreConfig:
     auth_timeout: float = 10.0
     retry_after: float = 1.0
     max_unauthenticated: int | None = None
-    """Most connections in the HTTP or AUTH phase at once (None: ``max_clients``). Over
+    """Most connections in the TLS, HTTP or AUTH phase at once (None: ``max_clients``). Over
     the cap the oldest one still waiting is closed if it has waited :data:`EVICT_AFTER`
     (``evicted_total{reason="max_unauthenticated"}``), else the newcomer gets 503
     (``refused_total``)."""
@@ -95,6 +96,9 @@ class CoreConfig:
     """Most of those from one source address (an IPv4 address, an IPv6 /64); over it
     the same rule among that source's connections
     (``evicted_total`` / ``refused_total{reason="max_unauthenticated_per_ip"}``)."""
+    max_clients_per_ip: int = 0
+    """Most authenticated clients from one source address (as above); 0: no cap. Over
+    it AUTH is refused (``auth_failures_total{reason="max_clients_per_ip"}``)."""
     stun_ports: tuple[int, ...] = ()
     """Bound UDP observation ports (STUN, then the alternate), advertised in AUTH_OK."""
 
@@ -143,14 +147,18 @@ class RelayCore:
         self.metrics = metrics if metrics is not None else Metrics()
         self.access = access if access is not None else AccessPolicy()
         self._fingerprints: tuple[bytes, ...] = ()
+        self._previous: tuple[bytes, ...] = ()
+        self._previous_until = 0.0
         self.set_cert_fingerprints(cert_fingerprints)
         self._random = random_bytes
         self._sessions: set[Session] = set()
         self._clients: dict[bytes, Session] = {}
         self._waiting: dict[Session, str] = {}
-        """Sessions in the HTTP or AUTH phase, oldest first, with their source."""
+        """Sessions in the TLS, HTTP or AUTH phase, oldest first, with their source."""
         self._waiting_by_source: dict[str, dict[Session, None]] = {}
         """The same, per source (oldest first); no empty entries."""
+        self._clients_by_source: dict[str, int] = {}
+        """Authenticated clients per source; no zero entries."""
         self._buckets: dict[bytes, TokenBucket] = {}
         """Token buckets of ids whose session is gone, kept until they are full again
         (at most ``max_clients``), so reconnecting does not refill a bucket."""
@@ -176,7 +184,7 @@ class RelayCore:
 
     @property
     def unauthenticated(self) -> int:
-        """Open sessions still in the HTTP or AUTH phase."""
+        """Open sessions still in the TLS handshake, the HTTP or the AUTH phase."""
         return len(self._waiting)
 
     @property
@@ -193,18 +201,40 @@ class RelayCore:
             unauthenticated=self.unauthenticated,
         )
 
-    def set_cert_fingerprints(self, fingerprints: Iterable[bytes]) -> None:
-        """SHA-256 of the certificate(s) clients may have seen (two during a rotation)."""
-        fps = tuple(fingerprints)
-        if not fps or any(len(f) != 32 for f in fps):
+    def set_cert_fingerprints(
+        self,
+        fingerprints: Iterable[bytes],
+        previous: Iterable[bytes] = (),
+        previous_until: float = 0.0,
+    ) -> None:
+        """SHA-256 of the certificate(s) clients see now and, after a certificate
+        reload, of the one(s) served before it: those are accepted in AUTH only until
+        ``previous_until`` (monotonic time; enough for a connection that handshook with
+        the old certificate to authenticate), never after."""
+        fps, old = tuple(fingerprints), tuple(previous)
+        if not fps or any(len(f) != 32 for f in fps + old):
             raise ValueError("need at least one 32-byte certificate fingerprint")
         self._fingerprints = fps
+        self._previous = old
+        self._previous_until = previous_until
+
+    def cert_fingerprints(self, now: float) -> tuple[bytes, ...]:
+        """The fingerprints an AUTH may be bound to at ``now``."""
+        if self._previous and now < self._previous_until:
+            return self._fingerprints + self._previous
+        return self._fingerprints
 
     # ---- events from the glue ---------------------------------------------------------
 
-    def open(self, link: Link, peer: tuple[str, int], now: float) -> Session:
-        """A TLS connection was accepted from ``peer``. Once the relay is shutting down
-        the session is answered 503 and closed at once (it is returned CLOSED).
+    def open(
+        self, link: Link, peer: tuple[str, int], now: float, *, handshaking: bool = False
+    ) -> Session:
+        """A connection was accepted from ``peer``: a TLS connection, or with
+        ``handshaking`` a TCP connection whose TLS handshake has only begun (then call
+        :meth:`handshake_done` once it completes; until then it counts against the caps
+        below like any connection waiting to authenticate, and is closed without an
+        answer when refused or evicted). Once the relay is shutting down the session is
+        answered 503 and closed at once (it is returned CLOSED).
 
         Otherwise, when ``max_unauthenticated`` connections (or
         ``max_unauthenticated_per_ip`` from the same source) are already waiting to
@@ -215,17 +245,29 @@ class RelayCore:
         storm larger than the cap still gets through."""
         self._next_id += 1
         s = Session(self._next_id, link, format_address(*peer), now)
+        s.source = source_of(peer[0])
+        if handshaking:
+            s.phase = Phase.TLS
         s.splitter.max_body = MAX_AUTH_BODY  # refused from the header, never buffered
         self._sessions.add(s)
         self.metrics.connections_total += 1
         log.debug(kv("connect", conn=s.label, peer=s.observed))
         if self._closing:
             self.metrics.auth_failures[SHUTTING_DOWN.reason] += 1
-            self._queue(s, response(503, f"{SHUTTING_DOWN.message}\n"))
+            if s.phase is not Phase.TLS:
+                self._queue(s, response(503, f"{SHUTTING_DOWN.message}\n"))
             self._close(s, "closed_for_shutdown", quiet=True)
         else:
-            self._admit(s, source_of(peer[0]), now)
+            self._admit(s, s.source, now)
         return s
+
+    def handshake_done(self, s: Session, now: float) -> None:
+        """The TLS handshake of a session opened with ``handshaking`` completed: the
+        HTTP phase begins, and ``auth_timeout`` starts again from ``now``."""
+        if s.phase is Phase.TLS:
+            s.phase = Phase.HTTP
+            s.ready_at = now
+            s.last_heard = now
 
     def _admit(self, s: Session, source: str, now: float) -> None:
         """Count ``s`` as waiting. Over a cap, the oldest waiting connection makes room
@@ -249,17 +291,22 @@ class RelayCore:
         self._waiting_by_source.setdefault(source, {})[s] = None
 
     def _refuse_storm(self, s: Session, reason: str) -> None:
-        """Turn ``s`` away (503): the cap ``reason`` is full of connections younger than
-        :data:`EVICT_AFTER`, which are likely real clients about to authenticate."""
+        """Turn ``s`` away (503; still in its TLS handshake: closed at once): the cap
+        ``reason`` is full of connections younger than :data:`EVICT_AFTER`, which are
+        likely real clients about to authenticate."""
         self.metrics.refused[reason] += 1
-        self._queue(s, response(503, f"{REFUSED}\n"))
+        if s.phase is not Phase.TLS:
+            self._queue(s, response(503, f"{REFUSED}\n"))
         self._close(s, "refused", quiet=True, fields={"reason": reason})
 
     def _evict(self, s: Session, reason: str, now: float) -> None:
-        """Close a waiting connection to make room: 503 before the upgrade, ERROR after."""
+        """Close a waiting connection to make room: at once in its TLS handshake, 503
+        before the upgrade, ERROR after."""
         self.metrics.evicted[reason] += 1
         fields: dict[str, object] = {"reason": reason, "after": now - s.opened_at}
-        if s.phase is Phase.HTTP:
+        if s.phase is Phase.TLS:
+            self._close(s, "evicted", quiet=True, fields=fields)
+        elif s.phase is Phase.HTTP:
             self._queue(s, response(503, f"{EVICTED}\n"))
             self._close(s, "evicted", quiet=True, fields=fields)
         else:
@@ -270,6 +317,7 @@ class RelayCore:
         may be a view of a buffer that is reused right after)."""
         if s.phase is Phase.CLOSED:
             return
+        self.handshake_done(s, now)  # a glue that did not say so: bytes mean it did
         s.last_heard = now
         self.metrics.bytes_in_total += memoryview(data).nbytes
         try:
@@ -296,6 +344,18 @@ class RelayCore:
             self._forget(s)
         self._sessions.discard(s)
 
+    def eof(self, s: Session, now: float) -> None:
+        """The client of ``s`` half-closed its connection (TLS close_notify or TCP FIN):
+        it is gone for routing at once (peers get PEER_GONE), and its link is closed
+        like any connection the relay closes (flushed, then aborted after a grace),
+        even if bytes are still queued towards it."""
+        if s.phase is Phase.CLOSED:
+            return
+        level = logging.INFO if s.phase is Phase.ACTIVE else logging.DEBUG
+        log.log(level, kv("disconnect", conn=s.label, after=now - s.opened_at, eof=True))
+        self._forget(s)
+        s.link.close()
+
     def tick(self, now: float) -> None:
         """Enforce the auth timeout and keepalive silence, and forget limiter state that
         has run out; call about once a second."""
@@ -308,13 +368,18 @@ class RelayCore:
                     self._close(
                         s, "keepalive_timeout", error=f"no traffic for {now - s.last_heard:.1f} s"
                     )
-            elif s.phase is not Phase.CLOSED and now - s.opened_at > self.config.auth_timeout:
+            elif s.phase is Phase.TLS:
+                if now - s.opened_at > self.config.auth_timeout:
+                    self._close(s, "tls_timeout", quiet=True)
+            elif s.phase is not Phase.CLOSED and now - s.ready_at > self.config.auth_timeout:
                 if s.phase is Phase.AUTH:
                     self._refuse(s, AUTH_TIMEOUT)
                 else:
                     self._close(s, "http_timeout", quiet=True)
         if self._buckets:
             self._buckets = {k: b for k, b in self._buckets.items() if b.full_at() > now}
+        if self._previous and now >= self._previous_until:
+            self._previous = ()
         self.flush()
 
     def shutdown(self, reason: str = "relay shutting down") -> None:
@@ -393,10 +458,12 @@ class RelayCore:
         dest_id = bytes(body[:ID_LEN])
         dest = self._clients.get(dest_id)
         if dest is None:
-            m.dropped["unknown_peer"] += 1
-            if s.peer_gone.allow(dest_id, now):
+            m.dropped["unknown_peer"] += 1  # the one reason this datagram is counted under
+            gone = encode_frame(RelayFrameType.PEER_GONE, dest_id)
+            # Room first: the throttle records only a PEER_GONE that is queued.
+            if self._has_room(s, gone) and s.peer_gone.allow(dest_id, now):
                 m.peer_gone_total += 1
-                self._control(s, encode_frame(RelayFrameType.PEER_GONE, dest_id))
+                self._queue(s, gone)
             return
         # Checked before the RECV frame is built: a slow reader's drops copy nothing.
         if dest.queued() + FRAME_HEADER + len(body) > self.config.queue_bytes:
@@ -421,7 +488,8 @@ class RelayCore:
             self._refuse(s, BAD_SIGNATURE)
             return
         if not any(
-            eid.verify(sig, auth_message(fp, s.challenge, raw_id)) for fp in self._fingerprints
+            eid.verify(sig, auth_message(fp, s.challenge, raw_id))
+            for fp in self.cert_fingerprints(now)
         ):
             self._refuse(s, BAD_SIGNATURE, claimed=eid.short())
             return
@@ -433,6 +501,14 @@ class RelayCore:
         if old is None and len(self._clients) >= self.config.max_clients:
             self._refuse(s, RELAY_FULL, claimed=eid.short())
             return
+        per_ip = self.config.max_clients_per_ip
+        if per_ip:
+            mine = self._clients_by_source.get(s.source, 0)
+            if old is not None and old.source == s.source:
+                mine -= 1  # replaced below: the source keeps its count
+            if mine >= per_ip:
+                self._refuse(s, PER_IP_FULL, claimed=eid.short(), source=s.source)
+                return
         if old is not None:
             self.metrics.replaced_total += 1
             self._close(old, "replaced", error=REPLACED)  # leaves its bucket in _buckets
@@ -448,6 +524,7 @@ class RelayCore:
                 self.config.rate, self.config.burst, now
             )
         self._clients[raw_id] = s
+        self._clients_by_source[s.source] = self._clients_by_source.get(s.source, 0) + 1
         self.metrics.auth_ok_total += 1
         self._queue(s, encode_frame(RelayFrameType.AUTH_OK, self._auth_ok_body(s)))
         log.info(kv("auth_ok", conn=s.label, peer=s.observed, clients=len(self._clients)))
@@ -485,9 +562,13 @@ class RelayCore:
             self.metrics.bytes_out_total += len(data)
             s.link.write(data)
 
+    def _has_room(self, s: Session, frame: bytes) -> bool:
+        """Whether ``frame`` fits in ``s``'s queue (``queue_bytes``)."""
+        return s.queued() + len(frame) <= self.config.queue_bytes
+
     def _control(self, s: Session, frame: bytes) -> None:
-        """PONG / PEER_GONE: dropped, like datagrams, when the client is not reading."""
-        if s.queued() + len(frame) > self.config.queue_bytes:
+        """PONG: dropped, like datagrams, when the client is not reading."""
+        if not self._has_room(s, frame):
             self.metrics.dropped["queue_full"] += 1
             return
         self._queue(s, frame)
@@ -526,6 +607,9 @@ class RelayCore:
         self._stop_waiting(s)
         if s.raw_id and self._clients.get(s.raw_id) is s:
             del self._clients[s.raw_id]
+            left = self._clients_by_source.pop(s.source, 1) - 1
+            if left:
+                self._clients_by_source[s.source] = left
             if s.bucket is not None:
                 self._keep_bucket(s.raw_id, s.bucket)
 

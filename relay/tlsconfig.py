@@ -4,11 +4,15 @@
   (:func:`p2pdist.tls.make_certificate`, the same kind peers present); the URL carries
   ``?pin=<relay endpoint id>`` and clients check the key against it.
 * Certificate mode: a PEM chain and key (e.g. from Let's Encrypt); clients verify it
-  through the system CAs. :meth:`RelayTls.reload` re-reads the files into the same SSL
-  context (new connections get the new certificate; SIGHUP after a renewal). The files
-  are read once per load, and the bytes are checked in a scratch context before the
-  live one is touched: a half-replaced pair (new certificate, old key) leaves the old
-  certificate serving, and the fingerprint always belongs to the certificate loaded.
+  through the system CAs. :meth:`RelayTls.reload` (SIGHUP after a renewal) loads the
+  files into a fresh SSL context, and the listener's context hands every new
+  connection over to it from its ``sni_callback`` (called for every ClientHello, with
+  or without SNI). A fresh context, not the live one reloaded: OpenSSL keeps one
+  certificate per key type in a context, so loading an RSA certificate into a context
+  that holds an ECDSA one would keep serving the ECDSA one to most clients while the
+  fingerprint named the RSA one. The files are read once per load: a half-replaced
+  pair (new certificate, old key) fails to load and leaves the old certificate
+  serving, and the fingerprint always belongs to the certificate served.
 
 Either way, the core needs the SHA-256 of the leaf certificate (DER) the clients see,
 because their AUTH proof is bound to it (``auth_message``).
@@ -112,6 +116,8 @@ class RelayTls:
     cert_path: Path | None = None
     key_path: Path | None = None
     previous: tuple[bytes, ...] = field(default_factory=tuple)
+    _serving: ssl.SSLContext | None = field(default=None, repr=False)
+    """The context new handshakes are switched to (None: ``context`` itself)."""
 
     @classmethod
     def pinned(cls, key: SecretKey) -> RelayTls:
@@ -133,33 +139,40 @@ class RelayTls:
 
     @property
     def fingerprints(self) -> tuple[bytes, ...]:
-        """Fingerprints an AUTH may be bound to: the current certificate's, then the one
-        before the last reload (a client may have connected just before it)."""
+        """The current certificate's fingerprint, then the one before the last reload
+        (the core accepts that one only for a grace after the reload: see
+        :meth:`relay.state.RelayCore.set_cert_fingerprints`)."""
         return (self.fingerprint, *self.previous)
 
     def reload(self) -> bool:
         """Re-read certificate files (certificate mode); True when the certificate changed.
         Errors (unreadable files, a key file readable by others, a key that does not
-        match the certificate) are logged
-        and the old certificate stays in use: the new pair is loaded into a scratch
-        context first, and into the live one only once it loaded there."""
+        match the certificate) are logged and the old certificate stays in use. The new
+        pair is loaded into a fresh context, which then serves every new handshake
+        (whatever its key type: see the module doc)."""
         if self.cert_path is None or self.key_path is None:
             return False
         try:
             chain_pem, key_pem, der = _read_pair(self.cert_path, self.key_path)
-            _load_chain(_server_context(), chain_pem, key_pem, self.cert_path, self.key_path)
-            # The same bytes just loaded: this cannot fail half-way any more.
-            _load_chain(self.context, chain_pem, key_pem, self.cert_path, self.key_path)
+            fresh = _server_context()
+            _load_chain(fresh, chain_pem, key_pem, self.cert_path, self.key_path)
         except ConfigError as exc:
             log.error(kv("certificate_reload_failed", error=exc))
             return False
         fp = cert_fingerprint(der)
         if fp == self.fingerprint:
             return False
+        self._serving = fresh
+        self.context.sni_callback = self._hand_over
         self.previous = (self.fingerprint,)
         self.fingerprint = fp
         log.info(kv("certificate_reloaded", path=self.cert_path))
         return True
+
+    def _hand_over(self, conn: ssl.SSLObject | ssl.SSLSocket, name: str | None, _: object) -> None:
+        """``sni_callback`` of the listener's context: serve the certificate loaded last."""
+        if self._serving is not None:
+            conn.context = self._serving
 
 
 def _read_pair(cert_path: Path, key_path: Path) -> tuple[bytes, bytes, bytes]:
