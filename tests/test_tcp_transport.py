@@ -1049,9 +1049,9 @@ def test_retired_channels_compact_floor() -> None:
     assert 2 not in r and (4 << 48) | 0 not in r  # other spaces are separate
     for c in range(3, 1000):
         r.retire(space | c)
-    assert r._floor[3] == 1000 and not r._above[3]  # compact after in-order retires
-    r.retire(space | 10)  # below the floor: nothing to remember
-    assert not r._above[3]
+    assert r.runs == 1  # compact after in-order retires
+    r.retire(space | 10)  # retired already: nothing to remember
+    assert r.runs == 1
     assert space | 999 in r and space | 1000 not in r
 
 

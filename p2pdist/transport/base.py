@@ -32,12 +32,18 @@ class TransportConfig:
     """Received-but-unconsumed bytes per connection before we stop reading (backpressure)."""
     write_buffer_high: int = 8 * 1024 * 1024
     """Outgoing bytes queued in user space before ``send`` waits for the socket."""
+    max_pending_handshakes: int = 256
+    """Incoming TCP connections still handshaking (not yet authenticated) beyond which
+    a new one is closed at once and counted in ``TcpTransport.refused_handshakes``.
+    QuicTransport has its own limit, ``QuicConfig.max_pending_handshakes``."""
 
     def __post_init__(self) -> None:
         if self.keepalive_interval <= 0 or self.idle_timeout <= self.keepalive_interval:
             raise ValueError("need 0 < keepalive_interval < idle_timeout")
         if self.handshake_timeout <= 0:
             raise ValueError("handshake_timeout must be positive")
+        if self.max_pending_handshakes < 1:
+            raise ValueError("max_pending_handshakes must be at least 1")
 
 
 @dataclass(slots=True)

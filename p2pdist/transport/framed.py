@@ -241,7 +241,13 @@ class FramedConnection:
             with contextlib.suppress(Exception):
                 self._write(GOODBYE)
         self._finish(ConnectionClosedError(f"connection to {self.label} was closed locally"))
-        await self._shutdown()
+        try:
+            await self._shutdown()
+        except BaseException:
+            # Cancelled (or failed) while letting queued bytes go: the connection is
+            # already forgotten by its transport, so nobody else would ever drop it.
+            self._drop()
+            raise
 
     def abort(self, error: BaseException) -> None:
         """Drop the connection at once, failing everyone waiting with ``error``."""
@@ -285,7 +291,9 @@ class FramedConnection:
 
     def _end_of_stream_error(self, why: str | None) -> PeerError:
         """The error for the peer's byte stream ending (``why``: None for a clean end)."""
-        if self._goodbye_received and why is None:
+        if self._goodbye_received:
+            # The peer said goodbye: it left on purpose, even if its socket then ended
+            # with a reset (it closed with our last bytes still unread in its kernel).
             return ConnectionBrokenError(self.label, "closed its connection (left)", graceful=True)
         if self._decoder.mid_frame and why is None:
             return RemoteProtocolError(self.label, "connection ended in the middle of a frame")
@@ -347,10 +355,13 @@ class FramedConnection:
         while self._write_paused:
             self._check_open()
             if self._interrupted is not None:
-                raise self._interrupted
-            if self._drain_waiter is None or self._drain_waiter.done():
-                self._drain_waiter = self._loop.create_future()
-            await self._drain_waiter
+                raise self._interrupted.with_traceback(None)
+            w = self._drain_waiter
+            if w is None or w.done():
+                w = self._drain_waiter = self._loop.create_future()
+            # Shielded: the waiter is shared by every paused sender, and cancelling one
+            # of them must not cancel the others' wait.
+            await asyncio.shield(w)
         self._check_open()
 
     def _pause_reading(self) -> None:

@@ -27,6 +27,9 @@ class Keepalive:
     last_poll: float
     rx_paused: bool = False
     """True while we deliberately stopped reading from the peer (backpressure)."""
+    last_ping_due: float = float("-inf")
+    """When :meth:`poll` last asked for a PING. The glue may be unable to send it (the
+    byte pipe is closing): the next one is then due an interval later, not at once."""
 
     @classmethod
     def start(cls, interval: float, idle_timeout: float, now: float) -> Keepalive:
@@ -64,10 +67,14 @@ class Keepalive:
             self.last_rx = max(self.last_rx, now - self.interval)
         if now - self.last_rx >= self.idle_timeout:
             return KeepaliveAction.DEAD
-        if now - self.last_tx >= self.interval:
+        if now - max(self.last_tx, self.last_ping_due) >= self.interval:
+            self.last_ping_due = now
             return KeepaliveAction.PING
         return KeepaliveAction.NONE
 
     def next_deadline(self) -> float:
-        """When :meth:`poll` should be called next."""
-        return min(self.last_tx + self.interval, self.last_rx + self.idle_timeout)
+        """When :meth:`poll` should be called next: after a poll that did not return
+        DEAD, always later than that poll (a PING that could not be sent is retried an
+        interval later), so a timer armed at it never fires in a loop."""
+        ping_at = max(self.last_tx, self.last_ping_due) + self.interval
+        return min(ping_at, self.last_rx + self.idle_timeout)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 from collections import deque
 from collections.abc import Callable
 
@@ -23,31 +24,60 @@ about 780 bytes in CPython 3.11, rounded up)."""
 
 
 class RetiredChannels:
-    """Remembers retired channels compactly: a floor per space plus the few above it."""
+    """Remembers retired channels compactly: per space, the runs of consecutive retired
+    counters, wherever they start.
+
+    Memory is one run per gap between retired counters, so it stays small when channels
+    retire roughly in order, from counter 0 or from any other (a rank that rejoins a
+    group resumes at the survivors' collective id, not at 0).
+    """
 
     def __init__(self) -> None:
-        self._floor: dict[int, int] = {}
-        self._above: dict[int, set[int]] = {}
+        self._runs: dict[int, tuple[list[int], list[int]]] = {}
+        """space -> (starts, ends): sorted, disjoint, non-touching runs ``[start, end)``."""
+
+    @property
+    def runs(self) -> int:
+        """How many runs are remembered, over all spaces (what the memory grows with)."""
+        return sum(len(starts) for starts, _ in self._runs.values())
 
     def retire(self, channel: int) -> None:
         """Mark ``channel`` retired."""
         space, counter = channel >> SPACE_SHIFT, channel & ((1 << SPACE_SHIFT) - 1)
-        floor = self._floor.get(space, 0)
-        if counter < floor:
+        runs = self._runs.get(space)
+        if runs is None:
+            self._runs[space] = ([counter], [counter + 1])
             return
-        if counter == floor and not self._above.get(space):  # in order: the usual case
-            self._floor[space] = floor + 1
+        starts, ends = runs
+        if ends[-1] == counter:  # in order: the usual case
+            ends[-1] = counter + 1
             return
-        above = self._above.setdefault(space, set())
-        above.add(counter)
-        while floor in above:
-            above.discard(floor)
-            floor += 1
-        self._floor[space] = floor
+        i = bisect.bisect_right(starts, counter)  # runs before i start at or below it
+        if i and ends[i - 1] > counter:
+            return  # retired already
+        join_left = i > 0 and ends[i - 1] == counter
+        join_right = i < len(starts) and starts[i] == counter + 1
+        if join_left and join_right:
+            ends[i - 1] = ends[i]
+            del starts[i], ends[i]
+        elif join_left:
+            ends[i - 1] = counter + 1
+        elif join_right:
+            starts[i] = counter
+        else:
+            starts.insert(i, counter)
+            ends.insert(i, counter + 1)
 
     def __contains__(self, channel: int) -> bool:
-        space, counter = channel >> SPACE_SHIFT, channel & ((1 << SPACE_SHIFT) - 1)
-        return counter < self._floor.get(space, 0) or counter in self._above.get(space, ())
+        runs = self._runs.get(channel >> SPACE_SHIFT)
+        if runs is None:
+            return False
+        counter = channel & ((1 << SPACE_SHIFT) - 1)
+        starts, ends = runs
+        if counter >= ends[-1]:  # newer than every retired one: the usual case
+            return False
+        i = bisect.bisect_right(starts, counter)
+        return i > 0 and counter < ends[i - 1]
 
 
 class Mailbox:

@@ -70,6 +70,11 @@ def _write_keeps_reference(transport: asyncio.BaseTransport) -> bool:
 
 
 _HANDSHAKE_BUFFER_PAUSE = 1 << 20
+_HANDSHAKE_READ = 16 * 1024
+"""Bytes read per socket read during the handshake (its records are a few KiB)."""
+_REFUSAL_LOG_INTERVAL = 10.0
+"""Seconds between two warnings about incoming connections refused for want of a
+handshake slot."""
 
 
 def parse_address(address: Address) -> tuple[str, int]:
@@ -118,7 +123,9 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         self._direct: socket.socket | None = None
         """A duplicate of the plain socket, to send what the kernel takes at once (no TLS)."""
         # Handshake phase state.
-        self._hs_buf = bytearray(64 * 1024)
+        self._hs_buf = bytearray()
+        """Where handshake bytes land; allocated when the first bytes come, not when the
+        socket is accepted (a silent socket costs no buffer)."""
         self._hs_reader = RecordReader(expect_magic=server_side)
         self._hs_wakeup: asyncio.Future[None] | None = None
         self._lost = self._loop.create_future()
@@ -223,7 +230,12 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             async with asyncio.timeout(2.0):
                 await asyncio.shield(self._lost)
         except TimeoutError:
-            t.abort()
+            pass
+        finally:
+            # Timed out, or cancelled: drop what is still queued (the peer is not
+            # reading it), or the socket stays open for as long as the peer wants.
+            if not self._lost.done():
+                t.abort()
 
     def _drop(self) -> None:
         if self._transport is not None:
@@ -256,6 +268,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._handshaking:
+            if not self._hs_buf:
+                self._hs_buf = bytearray(_HANDSHAKE_READ)
             return memoryview(self._hs_buf)
         if self._tls is not None:
             return self._cipher
@@ -534,6 +548,10 @@ class TcpTransport(EndpointBase[TcpConnection]):
         super().__init__(key, config, accept_from, label_for)
         self._server: asyncio.Server | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
+        self.refused_handshakes = 0
+        """Incoming connections closed at once because ``config.max_pending_handshakes``
+        handshakes were already in progress."""
+        self._refused_logged_at: float | None = None
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Start accepting connections; returns the bound (host, port)."""
@@ -564,8 +582,10 @@ class TcpTransport(EndpointBase[TcpConnection]):
                 )
                 conn = proto
                 conn.label = name
+                self._check_not_closed()  # closed meanwhile: close() could not see conn
                 self._connections.add(conn)
                 await conn.client_handshake()
+                self._check_not_closed()  # never hand out a live conn of a closed transport
         except OSError as exc:  # TimeoutError is one, and so is an ETIMEDOUT from connect
             if deadline.expired():
                 if conn is not None:
@@ -604,10 +624,30 @@ class TcpTransport(EndpointBase[TcpConnection]):
         if self._closed:
             conn.abort(ConnectionClosedError("transport is closed"))
             return
+        if len(self._handshakes) >= self.config.max_pending_handshakes:
+            self._note_handshake_refused(conn)
+            return
         self._connections.add(conn)
         task = asyncio.get_running_loop().create_task(self._serve_handshake(conn))
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
+
+    def _note_handshake_refused(self, conn: TcpConnection) -> None:
+        """Close ``conn`` at once (every handshake slot is taken), count it, and warn at
+        most once per :data:`_REFUSAL_LOG_INTERVAL`."""
+        conn.abort(ConnectionClosedError("too many incoming handshakes in progress"))
+        self.refused_handshakes += 1
+        now = asyncio.get_running_loop().time()
+        last = self._refused_logged_at
+        if last is None or now - last >= _REFUSAL_LOG_INTERVAL:
+            self._refused_logged_at = now
+            log.warning(
+                "%d incoming handshakes already in progress (max_pending_handshakes): "
+                "closing new connections at once (%d so far; the last from %s)",
+                len(self._handshakes),
+                self.refused_handshakes,
+                conn._remote_text(),
+            )
 
     async def _serve_handshake(self, conn: TcpConnection) -> None:
         try:

@@ -172,7 +172,10 @@ class FrameDecoder:
         self.limits = limits or FrameLimits()
         if scratch_size < HEADER.size + self.limits.max_meta + self.limits.direct_threshold:
             scratch_size = HEADER.size + self.limits.max_meta + self.limits.direct_threshold
-        self._scratch = bytearray(scratch_size)
+        self._scratch_size = scratch_size
+        self._scratch = bytearray()
+        """Allocated on the first :meth:`get_buffer` (by :meth:`_compact`), not here: a
+        connection still handshaking (unauthenticated) holds no scratch buffer."""
         self._view = memoryview(self._scratch)
         self._start = 0
         self._end = 0
@@ -270,6 +273,10 @@ class FrameDecoder:
         return out
 
     def _compact(self) -> None:
+        if not self._scratch:  # the first bytes: allocate the scratch buffer now
+            self._scratch = bytearray(self._scratch_size)
+            self._view = memoryview(self._scratch)
+            return
         n = self._end - self._start
         if self._start:
             self._view[:n] = self._view[self._start : self._end]  # one memmove, no temporary

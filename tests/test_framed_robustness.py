@@ -1,0 +1,281 @@
+"""The shared connection data path under stress: cancelled senders and closes, a peer
+that leaves with our bytes unread, a byte pipe that stops taking bytes, close racing
+connect, retired channels that do not start at 0, unauthenticated sockets, and the
+interrupt error. Real sockets on 127.0.0.1 only."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import socket
+import tracemalloc
+
+import pytest
+from test_tcp_transport import config, key, tcp_pair
+from transport_conformance import (
+    PairFactory,
+    bounded,
+    check_cancelled_sender_leaves_others_waiting,
+    closing,
+    wait_until,
+)
+
+from p2pdist.errors import ConnectionBrokenError, ConnectionClosedError, P2PError
+from p2pdist.transport import TcpTransport, TransportConfig
+from p2pdist.transport.framed import FramedConnection
+from p2pdist.transport.keepalive import Keepalive, KeepaliveAction
+from p2pdist.transport.mailbox import SPACE_SHIFT, RetiredChannels
+from p2pdist.transport.tcp import TcpConnection
+
+
+@pytest.fixture(params=[True, False], ids=["tls", "plain"])
+def tls(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
+@pytest.fixture
+def make_pair(tls: bool) -> PairFactory:
+    return functools.partial(tcp_pair, tls)
+
+
+async def passes(n: int = 5) -> None:
+    """Let the event loop run ``n`` passes."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+# ---- 1. one cancelled sender must not cancel the others ---------------------------------
+
+
+async def test_cancelled_sender_leaves_others_waiting(make_pair: PairFactory) -> None:
+    await check_cancelled_sender_leaves_others_waiting(make_pair)
+
+
+# ---- 2. a cancelled close() still closes the socket -------------------------------------
+
+
+async def test_a_cancelled_close_still_drops_the_socket(tls: bool) -> None:
+    async with tcp_pair(tls) as p:
+        client, server = p.client, p.server
+        assert isinstance(client, TcpConnection) and isinstance(server, TcpConnection)
+        assert server._transport is not None
+        server._transport.pause_reading()  # alive, but reads nothing: the flush cannot end
+        client.send_nowait(1, bytes(32 << 20))
+        closer = asyncio.create_task(client.close())
+        await passes()
+        assert not closer.done()  # waiting for the queued bytes to leave
+        closer.cancel()  # the caller bounds its own close
+        with pytest.raises(asyncio.CancelledError):
+            await closer
+        # Dropped at once: not left open for as long as the peer does not read.
+        await wait_until(lambda: client._lost.done(), "the socket dropped", seconds=1.0)
+        assert client not in p.client_transport._connections  # type: ignore[attr-defined]
+
+
+# ---- 3. GOODBYE then a reset is a graceful leave ----------------------------------------
+
+
+async def test_goodbye_then_reset_is_a_graceful_leave(tls: bool) -> None:
+    async with tcp_pair(tls) as p:
+        client, server = p.client, p.server
+        assert isinstance(client, TcpConnection) and isinstance(server, TcpConnection)
+        reports: list[BaseException | None] = []
+        client.add_close_callback(reports.append)
+        assert server._transport is not None
+        server._transport.pause_reading()  # our last message stays unread over there
+        client.send_nowait(1, b"x" * 1000)
+        await passes()
+        await bounded(server.close(), "the peer's close()")  # GOODBYE, then RST
+        await wait_until(lambda: bool(reports), "the close callback")
+        err = reports[0]
+        assert isinstance(err, ConnectionBrokenError), err
+        assert err.graceful, err
+        assert "left" in str(err)
+
+
+# ---- 4. the keepalive timer never re-arms in the past -----------------------------------
+
+
+def test_keepalive_ping_that_could_not_be_sent_is_retried_an_interval_later() -> None:
+    ka = Keepalive.start(1.0, 5.0, 0.0)
+    assert ka.poll(1.0) is KeepaliveAction.PING
+    # The glue could not send it (the pipe is closing): the next poll is not due now.
+    assert ka.next_deadline() == pytest.approx(2.0)
+    assert ka.poll(1.5) is KeepaliveAction.NONE
+    assert ka.poll(2.0) is KeepaliveAction.PING
+    ka.on_send(2.0)  # sent this time
+    assert ka.next_deadline() == pytest.approx(3.0)
+    # Silence still ends it at the idle timeout.
+    assert ka.poll(4.9) is KeepaliveAction.PING
+    assert ka.poll(5.0) is KeepaliveAction.DEAD
+
+
+async def test_keepalive_timer_does_not_spin_while_the_pipe_is_not_writable(
+    tls: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = 0
+    original = FramedConnection._on_keepalive_timer
+
+    def counting(self: FramedConnection) -> None:
+        nonlocal calls
+        calls += 1
+        original(self)
+
+    monkeypatch.setattr(FramedConnection, "_on_keepalive_timer", counting)
+    async with tcp_pair(tls, keepalive_interval=0.05, idle_timeout=0.3) as p:
+        client = p.client
+        assert isinstance(client, TcpConnection)
+        client._writable = lambda: False  # type: ignore[method-assign]  # closing, say
+        pending = asyncio.create_task(client.recv(5))
+        calls = 0
+        # We cannot ping, and the peer's own timer is stopped: nothing arrives, and the
+        # receiver fails at the idle timeout.
+        p.server._ka_timer.cancel()  # type: ignore[attr-defined]
+        with pytest.raises(ConnectionBrokenError, match="keepalive timeout"):
+            await bounded(pending, "the receive failing at the idle timeout", 5.0)
+        # About idle_timeout / interval polls (a few more on a slow machine), not a loop.
+        assert calls < 40, f"{calls} keepalive timer calls"
+
+
+# ---- 5. connect() racing close() ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("passes_before_close", [0, 1, 2, 3, 5, 8, 13])
+async def test_connect_racing_close_never_returns_a_live_connection(
+    tls: bool, passes_before_close: int
+) -> None:
+    cfg = config(tls)
+    a, b = TcpTransport(key(0), cfg), TcpTransport(key(1), cfg)
+    async with closing(a, b):
+        addr = await b.listen("127.0.0.1", 0)
+        dial = asyncio.create_task(a.connect(b.endpoint_id, addr))
+        await passes(passes_before_close)
+        await bounded(a.close(), "close()")
+        try:
+            conn = await bounded(dial, "connect() ending")
+        except P2PError as exc:
+            assert isinstance(exc, ConnectionClosedError | ConnectionBrokenError), exc
+        else:
+            pytest.fail(f"connect() returned {conn!r} from a closed transport")
+        assert not a._connections
+
+
+# ---- 6. retired channels that start at any counter stay compact -------------------------
+
+
+def test_retired_channels_compact_from_any_first_counter() -> None:
+    space = 2 << SPACE_SHIFT
+    for start in (0, 1000, 7 << 40):
+        r = RetiredChannels()
+        tracemalloc.start()
+        try:
+            for c in range(start, start + 20_000):
+                r.retire(space | c)
+            grown, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert grown < 16 * 1024, f"{grown} bytes for 20000 in-order retires from {start}"
+        assert space | start in r and space | (start + 19_999) in r
+        assert space | (start + 20_000) not in r
+        if start:
+            assert space | (start - 1) not in r and space | 0 not in r  # never retired
+
+
+def test_retired_channels_out_of_order_and_below_the_first() -> None:
+    r = RetiredChannels()
+    space = 5 << SPACE_SHIFT
+    for c in [100, 102, 101, 98, 104, 99, 97]:
+        r.retire(space | c)
+    for c in range(97, 103):
+        assert space | c in r
+    assert space | 103 not in r and space | 96 not in r and space | 105 not in r
+    assert space | 104 in r
+    assert r.runs == 2
+    r.retire(space | 103)  # fills the gap: one run again
+    r.retire(space | 100)  # retired already: nothing changes
+    assert r.runs == 1
+    assert 100 not in r  # other spaces are separate
+    r.retire(3)
+    assert 3 in r and 2 not in r and r.runs == 2
+
+
+# ---- 7. unauthenticated sockets: no big buffers, bounded in number ----------------------
+
+
+async def test_an_unauthenticated_socket_holds_no_big_buffer() -> None:
+    server_t = TcpTransport(key(1), TransportConfig(tls=False))
+    async with closing(server_t):
+        addr = await server_t.listen("127.0.0.1", 0)
+        s = socket.create_connection(addr)
+        try:
+            await wait_until(lambda: bool(server_t._connections), "the incoming connection")
+            (conn,) = server_t._connections
+            assert len(conn._hs_buf) == 0 and len(conn._decoder._scratch) == 0
+            s.sendall(b"P")  # the first byte: a small handshake buffer only
+            await wait_until(lambda: bool(conn._hs_buf), "the handshake buffer")
+            assert len(conn._hs_buf) <= 16 * 1024
+            assert len(conn._decoder._scratch) == 0
+        finally:
+            s.close()
+
+
+async def test_incoming_handshakes_are_capped(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = TransportConfig(tls=False, max_pending_handshakes=2)
+    server_t = TcpTransport(key(1), cfg)
+    client_t = TcpTransport(key(0), cfg)
+    async with closing(server_t, client_t):
+        addr = await server_t.listen("127.0.0.1", 0)
+        silent = [socket.create_connection(addr) for _ in range(2)]
+        try:
+            await wait_until(lambda: len(server_t._handshakes) == 2, "two handshakes")
+            extra = socket.create_connection(addr)
+            extra.setblocking(False)
+            loop = asyncio.get_running_loop()
+            # Closed at once: EOF (or a reset) instead of a handshake slot.
+            with contextlib.closing(extra), contextlib.suppress(ConnectionResetError):
+                assert await bounded(loop.sock_recv(extra, 1), "the refusal") == b""
+            await wait_until(lambda: server_t.refused_handshakes == 1, "the refusal counted")
+            assert len(server_t._handshakes) == 2
+            assert any("max_pending_handshakes" in r.getMessage() for r in caplog.records)
+        finally:
+            for s in silent:
+                s.close()
+        # The slots free up as the silent sockets go: a real peer gets in.
+        await wait_until(lambda: not server_t._handshakes, "the slots freed")
+        conn = await bounded(client_t.connect(server_t.endpoint_id, addr), "connect")
+        assert not conn.closed
+
+
+def test_max_pending_handshakes_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_pending_handshakes"):
+        TransportConfig(max_pending_handshakes=0)
+
+
+# ---- 8. the interrupt error does not pile up tracebacks ---------------------------------
+
+
+def depth(exc: BaseException) -> int:
+    n, tb = 0, exc.__traceback__
+    while tb is not None:
+        n, tb = n + 1, tb.tb_next
+    return n
+
+
+async def test_interrupted_send_error_does_not_grow_its_traceback(tls: bool) -> None:
+    async with tcp_pair(tls, write_buffer_high=1 << 16) as p:
+        client, server = p.client, p.server
+        assert isinstance(client, TcpConnection) and isinstance(server, TcpConnection)
+        assert server._transport is not None
+        server._transport.pause_reading()
+        client.send_nowait(1, bytes(32 << 20))  # backed up: later sends must wait
+        err = ConnectionBrokenError("rank 1", "group broken")
+        client.interrupt(err)
+        depths = []
+        for _ in range(50):
+            with pytest.raises(ConnectionBrokenError) as info:
+                await client.send(2, b"")
+            assert info.value is err
+            depths.append(depth(err))
+        assert depths[-1] == depths[0], depths[:3] + depths[-3:]
+        p.kill_client()  # nothing to flush at teardown
