@@ -209,6 +209,52 @@ async def test_rejoining_a_group_that_does_not_take_ranks_back_is_refused() -> N
             await back.start()
 
 
+async def test_a_broken_group_refuses_a_rejoin_at_once_saying_why() -> None:
+    """Survivors whose group is broken turn a rejoiner away with the reason (it used to
+    be taken back, and its first collective waited out its timeout blaming rank 0)."""
+    from p2pdist import PeerAuthenticationError
+
+    async with groups(3, config=LEAVE, timeout=10.0) as gs:
+        crash(gs[2])
+        await until_left(gs[:2], 2)
+        gs[0]._break(GroupBrokenError("a test broke it"), notify=True)
+        await wait_broken(gs[1])
+        back = await restart(gs[2])
+        with pytest.raises(PeerAuthenticationError, match=r"the group is broken .*a test broke it"):
+            await asyncio.wait_for(back.start(), 5)
+        await back.close()
+
+
+async def test_a_rejoin_with_another_seed_is_told_to_check_the_seed() -> None:
+    from p2pdist import PeerAuthenticationError
+
+    async with groups(3, config=LEAVE, timeout=10.0) as gs:
+        crash(gs[2])
+        await until_left(gs[:2], 2)
+        await gs[2].close()
+        assert gs[2]._addresses is not None
+        other = Group.from_seed(
+            "another-seed-0123456789",
+            rank=2,
+            world=3,
+            peers=gs[2]._addresses,
+            config=gs[2].config,
+            rejoin=True,
+        )
+        with pytest.raises(PeerAuthenticationError, match="same seed") as info:
+            await asyncio.wait_for(other.start(), 5)
+        assert "on_peer_loss" not in str(info.value)  # the hint for another refusal
+        await other.close()
+
+
+async def wait_broken(g: Group) -> None:
+    for _ in range(200):
+        if g.broken is not None:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the abort notice never arrived")
+
+
 async def test_a_rank_restarted_without_rejoin_is_refused_at_once_and_stays_left() -> None:
     """A restarted rank that forgot ``rejoin=True`` dials to form a group: the survivors
     refuse it with the fix (well within connect_timeout, 20 s) and keep it as left; the
@@ -305,6 +351,31 @@ async def test_ranks_stay_in_step_when_one_started_the_call_a_loss_failed_and_on
             everyone = (*gs[:2], back)
             out = await asyncio.gather(*(g.all_reduce(np.full(4, g.rank + 1.0)) for g in everyone))
             assert all(o.tolist() == [6.0] * 4 for o in out)
+
+
+async def test_ranks_stay_in_step_when_the_lost_rank_is_back_before_one_calls() -> None:
+    """Rank 0's all_reduce fails for rank 2's loss; rank 2 restarts and rejoins before
+    rank 1 gets to the same call. Rank 1 must still fail that call (rank 0 told it), not
+    run it with the rejoiner (which, like rank 0, is at the next one): before, the three
+    ran different calls until the timeout broke the group on every rank."""
+    async with groups(3, config=LEAVE, timeout=15.0) as gs:
+        call = asyncio.create_task(gs[0].all_reduce(np.ones(4)))
+        await until_running(gs[0])
+        crash(gs[2])
+        await until_left(gs[:2], 2)
+        with pytest.raises(ConnectionBrokenError, match=r"rank 2 \("):
+            await call
+        back = await restart(gs[2])
+        async with back:
+            assert not gs[1].left  # it is back before rank 1 calls
+            with pytest.raises(ConnectionBrokenError, match=r"rank 2 \(.*left the group"):
+                await asyncio.wait_for(gs[1].all_reduce(np.ones(4)), 5)
+            everyone = (*gs[:2], back)
+            out = await asyncio.wait_for(
+                asyncio.gather(*(g.all_reduce(np.full(4, g.rank + 1.0)) for g in everyone)), 10
+            )
+            assert all(o.tolist() == [6.0] * 4 for o in out)
+            assert all(g.broken is None for g in everyone)
 
 
 async def test_a_caller_cancelling_a_collective_a_loss_also_failed_still_gets_cancelled() -> None:

@@ -34,6 +34,7 @@ from ..errors import (
 )
 from ..tasks import cancel_and_wait
 from ..transport.base import Connection
+from ..transport.mailbox import SPACE_SHIFT
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
 from .membership import (
@@ -62,6 +63,7 @@ class Rejoining(Membership):
 
     _rejoining: _Rejoin | None  # while this rank rejoins
     _kept_dials: dict[int, Connection]  # a rank that rejoined with us -> our dial it kept
+    _broken: BaseException | None  # set by GroupCore: the group can no longer be used
 
     # ---- rejoining: the survivors -------------------------------------------------------
 
@@ -110,6 +112,10 @@ class Rejoining(Membership):
         label = self.peer_label(rank)
         if not await self._wants_rejoin(rank, conn):
             return
+        if self._broken is not None:  # nothing it could run here would ever finish
+            why = f"the group is broken ({self._broken}); restart every rank"
+            self._turn_away(conn, why, rank=rank, noted=True)
+            return
         loop = asyncio.get_running_loop()
         interval = self.config.transport.keepalive_interval
         deadline = loop.time() + (_SILENT_KEEPALIVES + 1) * interval
@@ -143,10 +149,17 @@ class Rejoining(Membership):
             if not rejoin.came[rank].done():
                 rejoin.came[rank].set_result(None)
         else:
-            meta = bytes(msgpack.packb({"left": sorted(self._left), "cid": self._next_cid}))
+            meta = bytes(msgpack.packb({"left": sorted(self._left), "cid": self._resume_cid()}))
         with contextlib.suppress(P2PError):
             conn.send_nowait(_HELLO_CHANNEL, meta=meta)
         log.info("%s rejoined the group", label)
+
+    def _resume_cid(self) -> int:
+        """The id of this group's next collective that can still run: calls another rank
+        has told us failed (for want of a rank) are used up, though not started here."""
+        mask = (1 << SPACE_SHIFT) - 1
+        failed = [c & mask for c in self._failed_calls if c >> SPACE_SHIFT == self._space]
+        return max([self._next_cid, *(c + 1 for c in failed)])
 
     async def _wants_rejoin(self, rank: int, conn: Connection) -> bool:
         """Whether ``conn`` is a rejoin (its first word is ``rejoin``), bounded by
@@ -295,11 +308,11 @@ class Rejoining(Membership):
         try:
             conn = await self._dial(transport, rank)
         except PeerAuthenticationError as exc:
-            raise PeerAuthenticationError(
-                exc.peer,
-                f"{exc.detail} (a rank can rejoin only a group whose ranks "
-                'run with on_peer_loss="leave")',
-            ) from None
+            if "identity mismatch" in exc.detail:  # another key than this seed gives it
+                hint = "do all ranks use the same seed and the same peers list, in rank order?"
+            else:
+                hint = 'a rank can rejoin only a group whose ranks run with on_peer_loss="leave"'
+            raise PeerAuthenticationError(exc.peer, f"{exc.detail} ({hint})") from None
         rejoin.alive.add(rank)  # it may have taken this connection: do not give up on it
         conn.retire(_FORM_CHANNEL)  # a survivor's "refused" note is for a plain restart
         # The first word of a rejoin (a plain restart says none), with the settings every

@@ -166,6 +166,10 @@ class Runner(Rejoining):
             # A member was lost (on_peer_loss="leave"): not our doing, unless the caller
             # cancelled us too (then the cancellation goes on, as any other does).
             if lost is not None and task.uncancel() == 0:
+                # Tell the others too: one that has not started this call yet must fail
+                # it as well, even if the lost rank rejoins before it starts (it would
+                # then run the call while we run the next one: out of step).
+                self._tell_call_failed(channel, lost)
                 raise self._loss_error(lost, link) from None
             if closed and task.uncancel() == 0:  # its sub-group was closed here
                 raise GroupBrokenError(f"{link.explain()} failed: the group was closed") from None
