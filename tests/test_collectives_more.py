@@ -450,3 +450,26 @@ async def test_out_may_hold_the_input_only_as_a_whole_row_and_is_checked_everywh
             await gs[1].gather(outs[1].reshape(-1)[2:5], 1, out=outs[1])
         with pytest.raises(UsageError, match="out has int8"):
             await gs[1].reduce(np.ones(3), 0, out=np.zeros(7, np.int8))
+
+
+async def test_a_subgroup_closed_on_one_rank_has_it_leave_for_the_others() -> None:
+    """Rank 2 closes its sub-group while idle: for ranks 0 and 1 it has left that
+    sub-group, so their later calls on it fail at once naming it (they used to wait out
+    the timeout, and the timeout then broke the root group on every rank); a call they
+    have running on it fails too; the parent is untouched."""
+    from p2pdist import GroupBrokenError
+
+    async with groups(3, timeout=30) as gs:
+        subs = await asyncio.gather(*(g.split(0) for g in gs))
+        assert all(s is not None for s in subs)
+        running = asyncio.create_task(subs[0].all_reduce(np.ones(3)))  # type: ignore[union-attr]
+        await asyncio.sleep(0.05)
+        await subs[2].close()  # type: ignore[union-attr]
+        with pytest.raises(Exception, match=r"rank 2 \(.*closed the sub-group") as info:
+            await asyncio.wait_for(running, 5)
+        assert not isinstance(info.value, asyncio.TimeoutError)
+        with pytest.raises(GroupBrokenError, match=r"rank 2 \(.*left"):
+            await asyncio.wait_for(subs[1].all_reduce(np.ones(3)), 5)  # type: ignore[union-attr]
+        got = await asyncio.gather(*(g.all_reduce(np.ones(2), timeout=5) for g in gs))
+        np.testing.assert_array_equal(got[0], [3.0, 3.0])
+        assert all(g.broken is None for g in gs)

@@ -376,14 +376,16 @@ class GroupCore(Runner):
         """Close every connection (bounded); the group cannot be used afterwards.
 
         Closing a sub-group leaves the connections to its parent: its own collectives
-        still running here fail at once with GroupBrokenError, and its other members'
-        parts of them fail too (told as if this rank had left)."""
+        still running here fail at once with GroupBrokenError, and its other members are
+        told: for them this rank has left that sub-group (their calls on it that need
+        this rank fail at once, naming it, and the parent goes on)."""
         if self._closing:
             return
         self._closing = True
         if self._parent is not None:
             if self._broken is None:
                 self._broken = GroupBrokenError("the group was closed")
+            self._send_control({"closed": self._space}, self._conns)  # it left, for them
             self._root()._cancel_closed(self)
             return
         await cancel_and_wait(self._listeners)
@@ -404,17 +406,23 @@ class GroupCore(Runner):
             while True:
                 frame = await conn.recv(CONTROL_CHANNEL)
                 call: tuple[int, int] | None = None
+                closed: int | None = None
                 try:
                     body = msgpack.unpackb(frame.meta, raw=False)
                     if "call" in body:  # one collective failed for want of a left rank
                         call = int(body["call"]), int(body["lost"])
                         if not 0 <= call[1] < self.size:
                             raise ValueError(f"no rank {call[1]}")
+                    if "closed" in body:  # it closed a sub-group we share
+                        closed = int(body["closed"])
                     reason = str(body.get("abort", "no reason given"))
                 except Exception:  # msgpack's own exceptions, a missing key, a bad type
                     reason = "undecodable abort notice"
                 if call is not None:
                     self._on_call_failed(*call)
+                    continue
+                if closed is not None:
+                    self._on_subgroup_closed(closed, rank)
                     continue
                 notice = f"{self.peer_label(rank)} aborted the group: {reason}"
                 self._failure_log.append(notice)

@@ -191,6 +191,24 @@ class Membership:
             if root_rank in group._root_ranks:
                 self._cancel_for_loss(task, root_rank)
 
+    def _on_subgroup_closed(self, space: int, root_rank: int) -> None:
+        """(Root group) ``root_rank`` closed its sub-group on channel space ``space``: in
+        ours (and in the sub-groups split from it) that rank has left; calls of theirs
+        running here that need it fail at once, naming it."""
+        closed = [g for g in self._descendants if g._space == space]
+        why = ConnectionBrokenError(self.peer_label(root_rank), "closed the sub-group")
+        affected = []
+        for g in self._descendants:
+            a: Membership | None = g
+            while a is not None and a not in closed:
+                a = a._parent
+            if a is not None and root_rank in g._root_ranks and not g._closing:
+                g._left.setdefault(root_rank, why)
+                affected.append(g)
+        for task, (running, _, _) in list(self._inflight.items()):
+            if running in affected:
+                self._cancel_for_loss(task, root_rank)
+
     def _cancel_closed(self, group: Membership) -> None:
         """(Root group) fail the running collectives of ``group`` (a sub-group being
         closed) and of its sub-groups; ``_run`` turns each into GroupBrokenError."""
