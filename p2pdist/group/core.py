@@ -127,6 +127,7 @@ class GroupCore(Runner):
         self._inflight: dict[asyncio.Task[Any], tuple[Membership, int, float]] = {}
         self._cancelled_by_loss: dict[asyncio.Task[Any], int] = {}
         self._expired: set[asyncio.Task[Any]] = set()
+        self._last_loss: dict[int, BaseException] = {}  # root: see Membership
         self._closed_calls: set[asyncio.Task[Any]] = set()  # root: cancelled by a sub-group's close
         self._watchdog: asyncio.TimerHandle | None = None  # root only: see _run
         self._watchdog_at = math.inf

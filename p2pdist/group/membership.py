@@ -73,6 +73,7 @@ class Membership:
     _cancelled_by_loss: dict[asyncio.Task[Any], int]
     _expired: set[asyncio.Task[Any]]  # collectives the watchdog cancelled (overdue)
     _closed_calls: set[asyncio.Task[Any]]  # collectives a sub-group's close cancelled
+    _last_loss: dict[int, BaseException]  # root: why each root rank was last lost or left
     _parent: Membership | None  # the group this one was split from
     _failed_calls: dict[int, int]  # channel -> the root rank another rank's call lacked
     _p2p_sent: dict[int, int]
@@ -174,6 +175,7 @@ class Membership:
                 log.warning("%s was lost; it counts as left: %s", self.peer_label(rank), why)
             for group in [self, *self._descendants]:
                 group._left.setdefault(rank, error)
+            self._last_loss[rank] = error  # the cause, should it rejoin before calls fail
             if not graceful:
                 # A rank that said goodbye finished what it was part of (what it sent is
                 # still readable); one that was lost most likely did not.
@@ -277,7 +279,7 @@ class Membership:
 
     def _loss_error(self, root_rank: int, link: CollectiveLink) -> ConnectionBrokenError:
         """The error of a collective that needed ``root_rank``, which left or was lost."""
-        cause = self._left.get(root_rank)
+        cause = self._left.get(root_rank) or self._root()._last_loss.get(root_rank)
         why = cause.detail if isinstance(cause, PeerError) else cause
         if cause is None:
             why = "another rank's part of the call lacked it"
