@@ -247,6 +247,32 @@ async def test_a_rejoin_with_another_seed_is_told_to_check_the_seed() -> None:
         await other.close()
 
 
+async def test_rejoin_true_against_a_group_still_forming_says_so_at_once() -> None:
+    """A rank started with rejoin=True while the others are still forming hears their
+    formation 'ok' and fails at once saying why (it waited out connect_timeout, blaming
+    ranks it was connected to)."""
+    from group_helpers import loopback_peers
+
+    peers = loopback_peers(3)
+    cfg = GroupConfig(connect_timeout=20.0, on_peer_loss="leave")
+    forming = [
+        Group.from_seed("test-seed-0123456789", rank=r, world=3, peers=peers, config=cfg)
+        for r in (0, 1)
+    ]
+    late = Group.from_seed(
+        "test-seed-0123456789", rank=2, world=3, peers=peers, config=cfg, rejoin=True
+    )
+    starts = [asyncio.ensure_future(g.start()) for g in forming]
+    try:
+        with pytest.raises(UsageError, match=r"still forming the group"):
+            await asyncio.wait_for(late.start(), 5)
+    finally:
+        for t in starts:
+            t.cancel()
+        await asyncio.gather(*starts, return_exceptions=True)
+        await asyncio.gather(*(g.close() for g in (*forming, late)))
+
+
 async def wait_broken(g: Group) -> None:
     for _ in range(200):
         if g.broken is not None:

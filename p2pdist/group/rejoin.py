@@ -37,11 +37,13 @@ from ..transport.base import Connection
 from ..transport.mailbox import SPACE_SHIFT
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
+from ..wire.frames import Frame
 from .membership import (
     _FORM_CHANNEL,
     _HELLO_CHANNEL,
     Membership,
     _form_note,
+    _read_note,
     _remote,
     check_terms,
     group_terms,
@@ -314,14 +316,13 @@ class Rejoining(Membership):
                 hint = 'a rank can rejoin only a group whose ranks run with on_peer_loss="leave"'
             raise PeerAuthenticationError(exc.peer, f"{exc.detail} ({hint})") from None
         rejoin.alive.add(rank)  # it may have taken this connection: do not give up on it
-        conn.retire(_FORM_CHANNEL)  # a survivor's "refused" note is for a plain restart
         # The first word of a rejoin (a plain restart says none), with the settings every
         # rank must share, which the survivor checks.
         intent = {"rejoin": True, "terms": group_terms(self.config, self.size)}
         with contextlib.suppress(P2PError):
             conn.send_nowait(_HELLO_CHANNEL, meta=bytes(msgpack.packb(intent)))
         try:
-            frame = await conn.recv(_HELLO_CHANNEL)
+            frame = await self._hello_or_forming(conn, label)
             conn.retire(_HELLO_CHANNEL)
             try:
                 hello = msgpack.unpackb(frame.meta, raw=False)
@@ -340,6 +341,38 @@ class Rejoining(Membership):
                 await conn.close()
             raise
         return conn, gone, cid
+
+
+    async def _hello_or_forming(self, conn: Connection, label: str) -> Frame:
+        """The peer's rejoin hello. A survivor first sends a formation ``refused`` note,
+        meant for a rank restarted without rejoin=True: skipped. An ``ok`` note means the
+        peer is still forming the group, where a rejoin is never answered: said at once
+        (UsageError) instead of waiting out connect_timeout on both sides."""
+        hello = asyncio.ensure_future(conn.recv(_HELLO_CHANNEL))
+        try:
+            while True:
+                note = asyncio.ensure_future(conn.recv(_FORM_CHANNEL))
+                try:
+                    await asyncio.wait((hello, note), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    note.cancel()
+                    await asyncio.gather(note, return_exceptions=True)
+                if hello.done():
+                    return hello.result()
+                if note.cancelled() or note.exception() is not None:
+                    return await hello  # the connection's end shows there too
+                kind, _, _ = _read_note(label, note.result().meta)
+                if kind == "ok":
+                    raise UsageError(
+                        f"{label} is still forming the group: rejoin=True is for a rank "
+                        "that restarts into a group that has formed; start every rank "
+                        "without it (or this one once the others have formed)"
+                    )
+        finally:
+            conn.retire(_FORM_CHANNEL)
+            if not hello.done():
+                hello.cancel()
+                await asyncio.gather(hello, return_exceptions=True)
 
 
 class _Rejoin:
