@@ -45,6 +45,10 @@ __all__ = ["AcceptQueue", "EndpointBase", "FramedConnection"]
 
 log = logging.getLogger(__name__)
 
+_SLOTS_FULL_LOG_INTERVAL = 10.0
+"""Seconds between two warnings about incoming connections turned away for want of a
+handshake slot."""
+
 PING = encode_header(FrameKind.PING)
 PONG = encode_header(FrameKind.PONG)
 GOODBYE = encode_header(FrameKind.GOODBYE)
@@ -474,11 +478,33 @@ class EndpointBase(Generic[C]):
         asked for, a failed proof)."""
         self.last_refusal: str | None = None
         """Why the last of them was refused, naming where it came from."""
+        self.refused_handshakes = 0
+        """Incoming connections turned away at once because ``max_pending_handshakes``
+        handshakes were already in progress (TCP: ``TransportConfig``; QUIC:
+        ``QuicConfig``)."""
+        self._slots_full_logged_at: float | None = None
 
     def _note_refusal(self, why: str) -> None:
         """Count an incoming connection refused in its handshake, and remember why."""
         self.refused_incoming += 1
         self.last_refusal = why
+
+    def _note_handshake_slots_full(self, in_progress: int, what: str) -> None:
+        """Count an incoming connection turned away because ``in_progress`` handshakes
+        fill every slot (``max_pending_handshakes``); ``what`` says what became of it.
+        Warns at most once per :data:`_SLOTS_FULL_LOG_INTERVAL` seconds."""
+        self.refused_handshakes += 1
+        now = asyncio.get_running_loop().time()
+        last = self._slots_full_logged_at
+        if last is None or now - last >= _SLOTS_FULL_LOG_INTERVAL:
+            self._slots_full_logged_at = now
+            log.warning(
+                "%d incoming handshakes already in progress (max_pending_handshakes): "
+                "%s (%d so far)",
+                in_progress,
+                what,
+                self.refused_handshakes,
+            )
 
     @property
     def endpoint_id(self) -> EndpointId:

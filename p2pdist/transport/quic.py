@@ -58,8 +58,6 @@ __all__ = ["QuicConnection", "QuicTransport"]
 log = logging.getLogger(__name__)
 
 _VERSIONS = frozenset({QuicProtocolVersion.VERSION_1, QuicProtocolVersion.VERSION_2})
-_DROP_LOG_INTERVAL = 10.0
-"""Seconds between two warnings about incoming handshakes dropped for want of a slot."""
 
 
 class QuicTransport(EndpointBase[QuicConnection]):
@@ -94,10 +92,6 @@ class QuicTransport(EndpointBase[QuicConnection]):
         self.quic_config = quic or QuicConfig()
         self.garbage = 0
         """Datagrams dropped because they belong to no connection of ours."""
-        self.refused_handshakes = 0
-        """New incoming handshakes dropped because ``QuicConfig.max_pending_handshakes``
-        were already in progress."""
-        self._refused_logged_at: float | None = None
         self._relay = relay
         self._udp: UdpSocket | None = None
         self._dial_sockets: dict[int, UdpSocket] = {}
@@ -264,7 +258,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
 
     def _incoming(self, route: Route, odcid: bytes) -> QuicConnection | None:
         if len(self._handshaking) >= self.quic_config.max_pending_handshakes:
-            self._note_handshake_dropped()
+            self._note_handshake_slots_full(len(self._handshaking), "dropping new Initials")
             return None
         peer = route.remote if isinstance(route.remote, EndpointId) else None
         label = self.label_for(peer) if peer is not None else "incoming peer"
@@ -275,20 +269,6 @@ class QuicTransport(EndpointBase[QuicConnection]):
         timer = loop.call_later(self.config.handshake_timeout, self._handshake_deadline, conn)
         self._handshaking[conn] = timer
         return conn
-
-    def _note_handshake_dropped(self) -> None:
-        """Count an Initial dropped for want of a handshake slot; warn once per interval."""
-        self.refused_handshakes += 1
-        now = asyncio.get_running_loop().time()
-        last = self._refused_logged_at
-        if last is None or now - last >= _DROP_LOG_INTERVAL:
-            self._refused_logged_at = now
-            log.warning(
-                "%d incoming handshakes already in progress (max_pending_handshakes): "
-                "dropping new ones (%d so far)",
-                len(self._handshaking),
-                self.refused_handshakes,
-            )
 
     def _end_handshake(self, conn: QuicConnection) -> None:
         """``conn`` is no longer handshaking: drop it and its deadline timer (which would

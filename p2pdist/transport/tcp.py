@@ -72,9 +72,6 @@ def _write_keeps_reference(transport: asyncio.BaseTransport) -> bool:
 _HANDSHAKE_BUFFER_PAUSE = 1 << 20
 _HANDSHAKE_READ = 16 * 1024
 """Bytes read per socket read during the handshake (its records are a few KiB)."""
-_REFUSAL_LOG_INTERVAL = 10.0
-"""Seconds between two warnings about incoming connections refused for want of a
-handshake slot."""
 
 
 def parse_address(address: Address) -> tuple[str, int]:
@@ -548,10 +545,6 @@ class TcpTransport(EndpointBase[TcpConnection]):
         super().__init__(key, config, accept_from, label_for)
         self._server: asyncio.Server | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
-        self.refused_handshakes = 0
-        """Incoming connections closed at once because ``config.max_pending_handshakes``
-        handshakes were already in progress."""
-        self._refused_logged_at: float | None = None
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Start accepting connections; returns the bound (host, port)."""
@@ -625,29 +618,16 @@ class TcpTransport(EndpointBase[TcpConnection]):
             conn.abort(ConnectionClosedError("transport is closed"))
             return
         if len(self._handshakes) >= self.config.max_pending_handshakes:
-            self._note_handshake_refused(conn)
+            conn.abort(ConnectionClosedError("too many incoming handshakes in progress"))
+            self._note_handshake_slots_full(
+                len(self._handshakes),
+                f"closing new connections at once, the last from {conn._remote_text()}",
+            )
             return
         self._connections.add(conn)
         task = asyncio.get_running_loop().create_task(self._serve_handshake(conn))
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
-
-    def _note_handshake_refused(self, conn: TcpConnection) -> None:
-        """Close ``conn`` at once (every handshake slot is taken), count it, and warn at
-        most once per :data:`_REFUSAL_LOG_INTERVAL`."""
-        conn.abort(ConnectionClosedError("too many incoming handshakes in progress"))
-        self.refused_handshakes += 1
-        now = asyncio.get_running_loop().time()
-        last = self._refused_logged_at
-        if last is None or now - last >= _REFUSAL_LOG_INTERVAL:
-            self._refused_logged_at = now
-            log.warning(
-                "%d incoming handshakes already in progress (max_pending_handshakes): "
-                "closing new connections at once (%d so far; the last from %s)",
-                len(self._handshakes),
-                self.refused_handshakes,
-                conn._remote_text(),
-            )
 
     async def _serve_handshake(self, conn: TcpConnection) -> None:
         try:
