@@ -16,7 +16,7 @@ from typing import IO
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,9 +88,12 @@ def ipv6_loopback() -> bool:
     return True
 
 
-def self_signed_pem(name: str) -> tuple[bytes, bytes]:
-    """A self-signed certificate (PEM) and its key (PEM)."""
-    key = ec.generate_private_key(ec.SECP256R1())
+def self_signed_pem(
+    name: str, key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey | None = None
+) -> tuple[bytes, bytes]:
+    """A self-signed certificate (PEM) and its key (PEM); ``key`` defaults to a fresh
+    ECDSA P-256 key."""
+    key = key or ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"relay {name}")])
     now = datetime.datetime.now(datetime.UTC)
     cert = (

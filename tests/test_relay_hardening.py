@@ -9,7 +9,6 @@ Every wait is bounded; nothing asserts on elapsed time."""
 from __future__ import annotations
 
 import asyncio
-import datetime
 import hashlib
 import logging
 import resource
@@ -22,11 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.x509.oid import NameOID
-from relay_helpers import ROOT, memory_handshake, read_relay_url
+from cryptography.hazmat.primitives.asymmetric import rsa
+from relay_helpers import ROOT, memory_handshake, read_relay_url, self_signed_pem
 from test_relay_core import FP, A, B, C, FakeLink, auth_frame, core, join, only, upgrade
 from test_relay_server import KEYS, eventually, joined, running
 from test_relay_server_limits import needs_tlsproto
@@ -184,26 +180,6 @@ async def test_a_flood_of_idle_connections_under_a_low_fd_limit(tmp_path: Path) 
 # ---- 3 and 9. certificate reloads ----------------------------------------------------
 
 
-def _pem(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey, name: str) -> tuple[bytes, bytes]:
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=90))
-        .sign(key, hashes.SHA256())
-    )
-    return cert.public_bytes(serialization.Encoding.PEM), key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-
-
 def _served(server: ssl.SSLContext, hostname: str | None) -> bytes:
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     client.check_hostname = False
@@ -223,8 +199,8 @@ def _write(crt: Path, key: Path, pair: tuple[bytes, bytes]) -> None:
 def test_a_reload_to_another_key_type_serves_the_new_certificate(
     tmp_path: Path, order: str
 ) -> None:
-    ecdsa = _pem(ec.generate_private_key(ec.SECP256R1()), "ecdsa")
-    rsa_ = _pem(rsa.generate_private_key(65537, 2048), "rsa")
+    ecdsa = self_signed_pem("ecdsa")
+    rsa_ = self_signed_pem("rsa", rsa.generate_private_key(65537, 2048))
     first, second = (ecdsa, rsa_) if order == "ecdsa_to_rsa" else (rsa_, ecdsa)
     crt, key = tmp_path / "c.pem", tmp_path / "k.pem"
     _write(crt, key, first)
@@ -235,7 +211,7 @@ def test_a_reload_to_another_key_type_serves_the_new_certificate(
     for hostname in (None, "relay.test"):  # with and without SNI
         # Before the fix OpenSSL kept serving the old certificate (one per key type).
         assert _served(tls.context, hostname) == tls.fingerprint != old
-    again = _pem(rsa.generate_private_key(65537, 2048), "again")  # and back again
+    again = self_signed_pem("again", rsa.generate_private_key(65537, 2048))  # and back again
     _write(crt, key, again)
     assert tls.reload() is True
     assert _served(tls.context, None) == tls.fingerprint
@@ -263,11 +239,11 @@ async def test_reload_bounds_the_previous_certificate_by_the_auth_timeout(
     tmp_path: Path,
 ) -> None:
     crt, key = tmp_path / "c.pem", tmp_path / "k.pem"
-    _write(crt, key, _pem(ec.generate_private_key(ec.SECP256R1()), "a"))
+    _write(crt, key, self_signed_pem("a"))
     async with running(cert=crt, cert_key=key, auth_timeout=4.0) as srv:
         assert srv.tls is not None
         old = srv.tls.fingerprint
-        _write(crt, key, _pem(ec.generate_private_key(ec.SECP256R1()), "b"))
+        _write(crt, key, self_signed_pem("b"))
         now = asyncio.get_running_loop().time()
         srv.reload()
         new = srv.tls.fingerprint
