@@ -63,3 +63,46 @@ async def until_left(gs: list[Group], rank: int, seconds: float = 30.0) -> None:
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"rank {rank}'s loss was not seen: {[sorted(g.left) for g in gs]}")
         await asyncio.sleep(0.01)
+
+
+@contextlib.contextmanager
+def slow_link(g: Group, peer: int, seconds: float, *, space: int | None = None) -> Any:
+    """Delay what ``g`` sends to rank ``peer`` by ``seconds``, in order (a far link); with
+    ``space``, only collective messages on that channel space (control notices too go
+    straight). Undone on exit."""
+    from p2pdist.transport.mailbox import SPACE_SHIFT
+
+    conn: Any = g._conns[peer]
+    send, send_nowait = conn.send, conn.send_nowait
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[float, bool, tuple[Any, ...], dict[str, Any]]] = asyncio.Queue()
+
+    async def pump() -> None:
+        while True:
+            at, waits, args, kw = await queue.get()
+            await asyncio.sleep(max(0.0, at - loop.time()))
+            if waits:
+                await send(*args, **kw)
+            else:
+                send_nowait(*args, **kw)
+
+    def delayed(channel: int) -> bool:
+        return space is None or channel >> SPACE_SHIFT == space
+
+    async def slow_send(channel: int, payload: Any = b"", **kw: Any) -> None:
+        if not delayed(channel):
+            return await send(channel, payload, **kw)
+        queue.put_nowait((loop.time() + seconds, True, (channel, bytes(payload)), kw))
+
+    def slow_send_nowait(channel: int, payload: Any = b"", **kw: Any) -> None:
+        if not delayed(channel):
+            return send_nowait(channel, payload, **kw)
+        queue.put_nowait((loop.time() + seconds, False, (channel, bytes(payload)), kw))
+
+    task = asyncio.ensure_future(pump())
+    conn.send, conn.send_nowait = slow_send, slow_send_nowait
+    try:
+        yield
+    finally:
+        conn.send, conn.send_nowait = send, send_nowait
+        task.cancel()

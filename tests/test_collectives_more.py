@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from group_helpers import groups
+from group_helpers import groups, slow_link
 
-from p2pdist import Group, MismatchError, UsageError
+from p2pdist import ConnectionBrokenError, Group, MismatchError, UsageError
 
 
 def data(rank: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
@@ -457,7 +457,6 @@ async def test_a_subgroup_closed_on_one_rank_has_it_leave_for_the_others() -> No
     sub-group, so their later calls on it fail at once naming it (they used to wait out
     the timeout, and the timeout then broke the root group on every rank); a call they
     have running on it fails too; the parent is untouched."""
-    from p2pdist import GroupBrokenError
 
     async with groups(3, timeout=30) as gs:
         subs = await asyncio.gather(*(g.split(0) for g in gs))
@@ -468,8 +467,64 @@ async def test_a_subgroup_closed_on_one_rank_has_it_leave_for_the_others() -> No
         with pytest.raises(Exception, match=r"rank 2 \(.*closed the sub-group") as info:
             await asyncio.wait_for(running, 5)
         assert not isinstance(info.value, asyncio.TimeoutError)
-        with pytest.raises(GroupBrokenError, match=r"rank 2 \(.*left"):
+        with pytest.raises(ConnectionBrokenError, match=r"rank 2 \(.*closed the sub-group"):
             await asyncio.wait_for(subs[1].all_reduce(np.ones(3)), 5)  # type: ignore[union-attr]
         got = await asyncio.gather(*(g.all_reduce(np.ones(2), timeout=5) for g in gs))
         np.testing.assert_array_equal(got[0], [3.0, 3.0])
+        assert all(g.broken is None for g in gs)
+
+
+async def test_closing_a_subgroup_right_after_its_last_call_lets_slower_ranks_finish() -> None:
+    """Each rank closes the sub-group as soon as its all_reduce returns; rank 2's
+    messages to rank 1 come 50 ms late, so rank 1 is still in the call when rank 0's
+    close notice arrives. The call rank 0 took part in still finishes on rank 1 (it
+    failed there, naming rank 0 as gone); a later call is refused naming the closer;
+    the root group is untouched. profile_links (which splits and closes) too."""
+    async with groups(3, timeout=10) as gs:
+        subs = await asyncio.gather(*(g.split(0) for g in gs))
+
+        async def call_then_close(s: Group | None) -> np.ndarray:
+            assert s is not None
+            try:
+                return await s.all_reduce(np.ones(4))
+            finally:
+                await s.close()
+
+        with slow_link(gs[2], 1, 0.05):
+            got = await asyncio.gather(*(call_then_close(s) for s in subs))
+            assert all(g.tolist() == [3.0] * 4 for g in got)
+            profiles = await asyncio.gather(*(g.profile_links(repeats=1) for g in gs))
+            assert all(len(p) == 3 for p in profiles)
+        assert all(g.broken is None for g in gs)
+
+
+async def test_a_close_notice_that_comes_before_the_split_returns_is_kept() -> None:
+    """Rank 1 closes its new sub-group at once; rank 2's last split message to rank 0 is
+    late, so rank 1's close notice reaches rank 0 before rank 0's split returns: it must
+    still count (it was dropped, and rank 0's next call waited out the timeout, which
+    then broke the root group on every rank)."""
+    async with groups(3, timeout=10) as gs:
+
+        async def split(r: int) -> Group | None:
+            sub = await gs[r].split(0)
+            if r == 1 and sub is not None:
+                await sub.close()
+            return sub
+
+        with slow_link(gs[2], 0, 0.3, space=0):
+            subs = await asyncio.gather(*(split(r) for r in range(3)))
+        sub0 = subs[0]
+        assert sub0 is not None
+        with pytest.raises(ConnectionBrokenError, match=r"rank 1 \(.*closed the sub-group"):
+            await asyncio.wait_for(sub0.all_reduce(np.ones(3)), 5)
+        assert all(g.broken is None for g in gs)
+
+
+async def test_an_all_none_split_on_a_rank_out_of_spaces_fails_on_every_rank() -> None:
+    async with groups(3, timeout=5) as gs:
+        gs[0]._spaces.next = 0xFE00 - 2  # rank 0 has used (almost) every channel space
+        results = await asyncio.gather(*(g.split(None) for g in gs), return_exceptions=True)
+        assert results == [None, None, None]
+        results = await asyncio.gather(*(g.split(None) for g in gs), return_exceptions=True)
+        assert all(isinstance(r, UsageError) for r in results), results
         assert all(g.broken is None for g in gs)

@@ -128,6 +128,8 @@ class GroupCore(Runner):
         self._cancelled_by_loss: dict[asyncio.Task[Any], int] = {}
         self._expired: set[asyncio.Task[Any]] = set()
         self._last_loss: dict[int, BaseException] = {}  # root: see Membership
+        self._closed_by: dict[int, int] = {}  # see Membership
+        self._closed_early: dict[int, list[tuple[int, int]]] = {}  # root: see Membership
         self._closed_calls: set[asyncio.Task[Any]] = set()  # root: cancelled by a sub-group's close
         self._watchdog: asyncio.TimerHandle | None = None  # root only: see _run
         self._watchdog_at = math.inf
@@ -378,16 +380,18 @@ class GroupCore(Runner):
 
         Closing a sub-group leaves the connections to its parent: its own collectives
         still running here fail at once with GroupBrokenError, and its other members are
-        told: for them this rank has left that sub-group (their calls on it that need
-        this rank fail at once, naming it, and the parent goes on)."""
+        told which calls this rank took part in: theirs that it did not (running or
+        later) fail at once naming it, the others finish, and the parent goes on."""
         if self._closing:
             return
         self._closing = True
         if self._parent is not None:
             if self._broken is None:
                 self._broken = GroupBrokenError("the group was closed")
-            self._send_control({"closed": self._space}, self._conns)  # it left, for them
-            self._root()._cancel_closed(self)
+            root = self._root()
+            for g in [self, *root._split_from(self)]:  # its sub-groups end here too
+                g._send_control({"closed": g._space, "next": g._next_cid}, g._conns)
+            root._cancel_closed(self)
             return
         await cancel_and_wait(self._listeners)
         if self._watchdog is not None:
@@ -407,7 +411,7 @@ class GroupCore(Runner):
             while True:
                 frame = await conn.recv(CONTROL_CHANNEL)
                 call: tuple[int, int] | None = None
-                closed: int | None = None
+                closed: tuple[int, int] | None = None
                 try:
                     body = msgpack.unpackb(frame.meta, raw=False)
                     if "call" in body:  # one collective failed for want of a left rank
@@ -415,7 +419,7 @@ class GroupCore(Runner):
                         if not 0 <= call[1] < self.size:
                             raise ValueError(f"no rank {call[1]}")
                     if "closed" in body:  # it closed a sub-group we share
-                        closed = int(body["closed"])
+                        closed = int(body["closed"]), int(body["next"])
                     reason = str(body.get("abort", "no reason given"))
                 except Exception:  # msgpack's own exceptions, a missing key, a bad type
                     reason = "undecodable abort notice"
@@ -423,7 +427,7 @@ class GroupCore(Runner):
                     self._on_call_failed(*call)
                     continue
                 if closed is not None:
-                    self._on_subgroup_closed(closed, rank)
+                    self._on_subgroup_closed(*closed, rank)
                     continue
                 notice = f"{self.peer_label(rank)} aborted the group: {reason}"
                 self._failure_log.append(notice)
@@ -468,6 +472,9 @@ class GroupCore(Runner):
         child._space, child._p2p_space = space, space + 1
         child._parent = self
         child._started = True
+        root = self._root()
+        for r, next_cid in root._closed_early.pop(space, []):  # closed before we had it
+            root._apply_closed(child, r, next_cid)
         return child
 
     def _check_usable(self, *, collective: bool = True) -> None:

@@ -526,7 +526,7 @@ class Group(GroupCore):
                 for c, _, p in table.tolist():
                     if c >= 0:
                         chosen[c] = max(chosen.get(c, p), p)
-                top = max(chosen.values(), default=proposal)
+                top = int(table[:, 2].max())  # the same on every rank, whatever its colour
                 if top + 1 >= FIRST_RESERVED_SPACE:
                     raise UsageError(
                         f"too many sub-groups: channel spaces up to {FIRST_RESERVED_SPACE - 1:#x} "

@@ -46,6 +46,10 @@ __all__ = ["CONTROL_CHANNEL", "FIRST_RESERVED_SPACE", "LAST_SPACE", "Membership"
 
 log = logging.getLogger(__name__)
 
+_CLOSED_EARLY_MAX = 1024
+"""Sub-group close notices kept for sub-groups whose split has not returned here yet
+(each split returns soon: the bound only stops a peer from growing the dict)."""
+
 FIRST_RESERVED_SPACE = 0xFE00
 """``split`` hands out channel spaces below this; :meth:`Membership.reserve_channel_space`
 those from here to :data:`LAST_SPACE`."""
@@ -74,6 +78,8 @@ class Membership:
     _expired: set[asyncio.Task[Any]]  # collectives the watchdog cancelled (overdue)
     _closed_calls: set[asyncio.Task[Any]]  # collectives a sub-group's close cancelled
     _last_loss: dict[int, BaseException]  # root: why each root rank was last lost or left
+    _closed_by: dict[int, int]  # root rank that closed this sub-group -> its next cid then
+    _closed_early: dict[int, list[tuple[int, int]]]  # root: notices before their split
     _parent: Membership | None  # the group this one was split from
     _failed_calls: dict[int, int]  # channel -> the root rank another rank's call lacked
     _p2p_sent: dict[int, int]
@@ -193,22 +199,37 @@ class Membership:
             if root_rank in group._root_ranks:
                 self._cancel_for_loss(task, root_rank)
 
-    def _on_subgroup_closed(self, space: int, root_rank: int) -> None:
-        """(Root group) ``root_rank`` closed its sub-group on channel space ``space``: in
-        ours (and in the sub-groups split from it) that rank has left; calls of theirs
-        running here that need it fail at once, naming it."""
-        closed = [g for g in self._descendants if g._space == space]
-        why = ConnectionBrokenError(self.peer_label(root_rank), "closed the sub-group")
-        affected = []
+    def _split_from(self, group: Membership) -> list[Membership]:
+        """(Root group) the sub-groups split from ``group``, at any depth."""
+        out = []
         for g in self._descendants:
-            a: Membership | None = g
-            while a is not None and a not in closed:
+            a = g._parent
+            while a is not None and a is not group:
                 a = a._parent
-            if a is not None and root_rank in g._root_ranks and not g._closing:
-                g._left.setdefault(root_rank, why)
-                affected.append(g)
-        for task, (running, _, _) in list(self._inflight.items()):
-            if running in affected:
+            if a is group:
+                out.append(g)
+        return out
+
+    def _on_subgroup_closed(self, space: int, next_cid: int, root_rank: int) -> None:
+        """(Root group) ``root_rank`` closed its sub-group on channel space ``space``
+        after taking part in its calls up to ``next_cid`` (not included). A notice for a
+        sub-group whose split has not returned here yet is kept until it does."""
+        for g in self._descendants:
+            if g._space == space and root_rank in g._root_ranks:
+                self._apply_closed(g, root_rank, next_cid)
+                return
+        early = self._closed_early
+        if space in early or len(early) < _CLOSED_EARLY_MAX:
+            early.setdefault(space, []).append((root_rank, next_cid))
+
+    def _apply_closed(self, group: Membership, root_rank: int, next_cid: int) -> None:
+        """(Root group) ``root_rank`` is gone from ``group`` from call ``next_cid`` on:
+        those calls are refused (``_run``), and those running here fail at once naming
+        it; the earlier ones have its part and finish."""
+        group._closed_by[root_rank] = next_cid
+        mask = (1 << SPACE_SHIFT) - 1
+        for task, (running, channel, _) in list(self._inflight.items()):
+            if running is group and channel & mask >= next_cid:
                 self._cancel_for_loss(task, root_rank)
 
     def _cancel_closed(self, group: Membership) -> None:
@@ -281,7 +302,9 @@ class Membership:
         """The error of a collective that needed ``root_rank``, which left or was lost."""
         cause = self._left.get(root_rank) or self._root()._last_loss.get(root_rank)
         why = cause.detail if isinstance(cause, PeerError) else cause
-        if cause is None:
+        if root_rank in self._closed_by:
+            why = "it closed the sub-group"
+        elif cause is None:
             why = "another rank's part of the call lacked it"
         return ConnectionBrokenError(
             self._root().peer_label(root_rank),

@@ -342,7 +342,6 @@ class Rejoining(Membership):
             raise
         return conn, gone, cid
 
-
     async def _hello_or_forming(self, conn: Connection, label: str) -> Frame:
         """The peer's rejoin hello. A survivor first sends a formation ``refused`` note,
         meant for a rank restarted without rejoin=True: skipped. An ``ok`` note means the

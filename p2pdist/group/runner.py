@@ -129,6 +129,12 @@ class Runner(Rejoining):
             root._failed_calls.pop(channel, None)
             self._tell_call_failed(channel, self._root_ranks[min(left)])
             self._refuse(channel, self._left_error(left))
+        if self._closed_by:  # members that closed this sub-group after earlier calls
+            cid = channel & ((1 << SPACE_SHIFT) - 1)
+            closers = [r for r, first in self._closed_by.items() if cid >= first]
+            if closers:
+                self._tell_call_failed(channel, min(closers))
+                self._refuse(channel, self._loss_error(min(closers), link))
         if root._failed_calls:
             noticed = root._failed_calls.pop(channel, None)
             if noticed is not None:  # another rank's part of this call already failed
