@@ -23,6 +23,7 @@ from transport_conformance import (
 
 from p2pdist.errors import ConnectionBrokenError, ConnectionClosedError, P2PError
 from p2pdist.transport import TcpTransport, TransportConfig
+from p2pdist.transport import tcp as tcp_module
 from p2pdist.transport.framed import FramedConnection
 from p2pdist.transport.keepalive import Keepalive, KeepaliveAction
 from p2pdist.transport.mailbox import SPACE_SHIFT, RetiredChannels
@@ -220,15 +221,22 @@ async def test_an_unauthenticated_socket_holds_no_big_buffer() -> None:
             s.close()
 
 
-async def test_incoming_handshakes_are_capped(caplog: pytest.LogCaptureFixture) -> None:
-    cfg = TransportConfig(tls=False, max_pending_handshakes=2)
+async def test_incoming_handshakes_are_capped_per_source_and_the_oldest_makes_way(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One source may hold a quarter of max_pending_handshakes; past that a new socket
+    is closed at once (counted, logged), unless the source's oldest handshake has waited
+    long enough (_EVICT_AFTER, here 0.2 s): then that one makes way, so silent sockets
+    cannot lock real peers out."""
+    monkeypatch.setattr(tcp_module, "_EVICT_AFTER", 0.2)
+    cfg = TransportConfig(tls=False, max_pending_handshakes=8)  # 2 per source
     server_t = TcpTransport(key(1), cfg)
     client_t = TcpTransport(key(0), cfg)
     async with closing(server_t, client_t):
         addr = await server_t.listen("127.0.0.1", 0)
         silent = [socket.create_connection(addr) for _ in range(2)]
         try:
-            await wait_until(lambda: len(server_t._handshakes) == 2, "two handshakes")
+            await wait_until(lambda: len(server_t._pending) == 2, "two handshakes")
             extra = socket.create_connection(addr)
             extra.setblocking(False)
             loop = asyncio.get_running_loop()
@@ -236,15 +244,16 @@ async def test_incoming_handshakes_are_capped(caplog: pytest.LogCaptureFixture) 
             with contextlib.closing(extra), contextlib.suppress(ConnectionResetError):
                 assert await bounded(loop.sock_recv(extra, 1), "the refusal") == b""
             await wait_until(lambda: server_t.refused_handshakes == 1, "the refusal counted")
-            assert len(server_t._handshakes) == 2
+            assert len(server_t._pending) == 2
             assert any("max_pending_handshakes" in r.getMessage() for r in caplog.records)
+            await asyncio.sleep(0.25)  # the silent ones are old now: a real peer gets in
+            conn = await bounded(client_t.connect(server_t.endpoint_id, addr), "connect")
+            assert not conn.closed
+            assert len(server_t._pending) == 1  # the oldest silent socket made way
         finally:
             for s in silent:
                 s.close()
-        # The slots free up as the silent sockets go: a real peer gets in.
-        await wait_until(lambda: not server_t._handshakes, "the slots freed")
-        conn = await bounded(client_t.connect(server_t.endpoint_id, addr), "connect")
-        assert not conn.closed
+        await wait_until(lambda: not server_t._pending, "the slots freed")
 
 
 def test_max_pending_handshakes_must_be_positive() -> None:

@@ -72,6 +72,9 @@ def _write_keeps_reference(transport: asyncio.BaseTransport) -> bool:
 _HANDSHAKE_BUFFER_PAUSE = 1 << 20
 _HANDSHAKE_READ = 16 * 1024
 """Bytes read per socket read during the handshake (its records are a few KiB)."""
+_EVICT_AFTER = 1.0
+"""Seconds an incoming handshake must have waited before a newer one may evict it when
+the handshake slots are full (a real handshake takes milliseconds)."""
 
 
 def parse_address(address: Address) -> tuple[str, int]:
@@ -545,6 +548,8 @@ class TcpTransport(EndpointBase[TcpConnection]):
         super().__init__(key, config, accept_from, label_for)
         self._server: asyncio.Server | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
+        self._pending: dict[TcpConnection, tuple[float, str]] = {}
+        """Incoming connections still handshaking: (loop time accepted, source ip)."""
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Start accepting connections; returns the bound (host, port)."""
@@ -617,17 +622,42 @@ class TcpTransport(EndpointBase[TcpConnection]):
         if self._closed:
             conn.abort(ConnectionClosedError("transport is closed"))
             return
-        if len(self._handshakes) >= self.config.max_pending_handshakes:
+        now = asyncio.get_running_loop().time()
+        address = conn.remote_address
+        source = address[0] if address is not None else "?"
+        if not self._make_room(source, now):
             conn.abort(ConnectionClosedError("too many incoming handshakes in progress"))
             self._note_handshake_slots_full(
-                len(self._handshakes),
+                len(self._pending),
                 f"closing new connections at once, the last from {conn._remote_text()}",
             )
             return
+        self._pending[conn] = (now, source)
         self._connections.add(conn)
         task = asyncio.get_running_loop().create_task(self._serve_handshake(conn))
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
+
+    def _make_room(self, source: str, now: float) -> bool:
+        """Whether a new handshake from ``source`` may start. A source may hold a quarter
+        of ``max_pending_handshakes`` (so one address cannot hold them all); past either
+        cap, the oldest handshake (of that source, or of all) makes way if it has waited
+        :data:`_EVICT_AFTER` seconds (a real one takes milliseconds), else the new one
+        is turned away."""
+        cap = self.config.max_pending_handshakes
+        mine = [c for c, (_, src) in self._pending.items() if src == source]
+        if len(mine) >= max(1, cap // 4):
+            candidates = mine
+        elif len(self._pending) >= cap:
+            candidates = list(self._pending)
+        else:
+            return True
+        oldest = min(candidates, key=lambda c: self._pending[c][0])
+        if now - self._pending[oldest][0] < _EVICT_AFTER:
+            return False
+        del self._pending[oldest]
+        oldest.abort(PeerTimeoutError(oldest.label, "handshake evicted for a newer connection"))
+        return True
 
     async def _serve_handshake(self, conn: TcpConnection) -> None:
         try:
@@ -647,6 +677,8 @@ class TcpTransport(EndpointBase[TcpConnection]):
             log.exception("%s: incoming handshake failed", conn.label)
             conn.abort(RemoteProtocolError(conn.label, f"handshake failed: {exc!r}"))
             return
+        finally:
+            self._pending.pop(conn, None)
         if self._closed:
             conn.abort(ConnectionClosedError("transport is closed"))
             return
