@@ -155,6 +155,27 @@ def test_round_short_of_quorum_applies_nothing_and_carries_its_updates() -> None
     assert not out.applied
 
 
+@pytest.mark.parametrize("policy", ["deadline", "quorum"])
+def test_a_carried_update_too_stale_for_the_next_round_does_not_close_it(policy: str) -> None:
+    """A round that missed its quorum carries "a"'s update; with max_staleness=0 the next
+    round may not count it. It must not make that round look complete (or quorate) as
+    soon as "b" submits: it used to close at once, applying nothing, and "a"'s fresh
+    update went to the round after."""
+    st = rounds(quorum=2, max_staleness=0, policy=policy, round_timeout=10.0)
+    st.join("a")
+    st.join("b")
+    st.open(0.0)
+    st.submit("a", 0, 0, 4, vec(2.0), 1.0)
+    assert not st.close(10.0).applied
+    st.open(10.0)
+    st.submit("b", 1, 1, 4, vec(4.0), 11.0)
+    assert st.due(11.0) is None  # still waiting for "a"
+    st.submit("a", 1, 1, 4, vec(2.0), 12.0)
+    out = st.close(12.0)
+    assert out.applied and [p.client for p in out.participants] == ["a", "b"]
+    assert out.dropped == {"too_stale": 1}
+
+
 def test_fraction_quorum_rounds_up_and_needs_one() -> None:
     assert FederatedConfig(quorum=0.5).needed(5) == 3
     assert FederatedConfig(quorum=0.5).needed(4) == 2

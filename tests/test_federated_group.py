@@ -278,3 +278,27 @@ async def test_a_carried_update_replaced_unaggregated_is_warned_about_once_per_1
         assert len(warned) == 1, warned  # the second replacement, one round later: quiet
         assert warned[0].startswith("rank 2: round 1: ")
         assert "await fed.step(None)" in warned[0] and "round_timeout (0.5 s)" in warned[0]
+
+
+async def test_a_follower_waits_for_a_decision_the_leader_makes_at_the_deadline() -> None:
+    """Rank 2 never steps, so the leader decides at the round's deadline (1.5 s), later
+    than the group's 1 s timeout: the follower waits for the round, then for
+    decision_timeout (it used to fail after decision_timeout alone, its update counted,
+    and stayed out of step for good)."""
+    async with groups(3, timeout=1.0) as gs:
+        cfg = FederatedConfig(round_timeout=1.5)
+        feds = [GroupAveraging(g, np.zeros(4, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        got = await asyncio.gather(*(f.step(np.ones(4, np.float32), 1) for f in feds[:2]))
+        assert [o.reason for o in got] == ["deadline", "deadline"]
+        assert all(o.participants == (0, 1) for o in got)
+        np.testing.assert_array_equal(feds[0].model, feds[1].model)
+
+
+def test_a_complex_model_is_refused_with_the_reason() -> None:
+    """The norm bound, the mean and the robust rules work on real values (a complex
+    model lost its imaginary parts there, or crashed the mean)."""
+    from p2pdist.federated import Coordinator
+
+    with pytest.raises(UsageError, match=r"real numeric array.*real and imaginary parts"):
+        Coordinator(np.zeros(3, np.complex64))

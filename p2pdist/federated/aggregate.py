@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import UsageError
 from .config import FederatedConfig
 
-__all__ = ["Reason", "aggregate", "apply_update", "check_update", "trim_count"]
+__all__ = ["Reason", "aggregate", "apply_update", "check_model", "check_update", "trim_count"]
 
 
 class Reason(enum.StrEnum):
@@ -79,6 +79,23 @@ def check_update(
         if norm > config.max_norm:
             return Reason.NORM, f"L2 norm {norm:.4g} exceeds max_norm {config.max_norm:g}"
     return None
+
+
+def check_model(model: np.ndarray) -> np.ndarray:
+    """``model`` as a C-ordered copy, after checking it is a real numeric array: the norm
+    bound, the mean and the robust rules work on real values (a complex model would lose
+    its imaginary parts there; train on real and imaginary parts as two arrays)."""
+    arr = np.array(model, copy=True, order="C")
+    if arr.dtype.kind not in "fiu":
+        raise UsageError(
+            f"a federated model must be a real numeric array, got {arr.dtype}"
+            + (
+                " (pass the real and imaginary parts as real arrays)"
+                if arr.dtype.kind == "c"
+                else ""
+            )
+        )
+    return arr
 
 
 def trim_count(n: int, fraction: float) -> int:

@@ -42,7 +42,7 @@ from ..tasks import cancel_and_wait
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport, parse_address
-from .aggregate import apply_update
+from .aggregate import apply_update, check_model
 from .config import FederatedConfig
 from .messages import CLIENT_CHANNEL, Message, decode, encode
 from .net import open_transport, until_due
@@ -100,7 +100,7 @@ class _Client:
 class Coordinator:
     """Runs rounds of federated averaging for clients that dial in.
 
-    ``model`` is the initial model (any numeric array; updates must match its shape and
+    ``model`` is the initial model (a real numeric array; updates must match its shape and
     dtype). ``key`` is the coordinator's identity (clients pin its endpoint id); a fresh
     one by default. ``accept`` decides which client endpoint ids may connect (all by
     default). Use as ``async with Coordinator(...) as c: await c.start(listen=...)``.
@@ -117,7 +117,7 @@ class Coordinator:
     ) -> None:
         self.key = key or SecretKey.generate()
         self.config = config or FederatedConfig()
-        self._model = np.array(model, copy=True, order="C")
+        self._model = check_model(model)
         self._state = FederatedRounds(
             self._model.shape,
             self._model.dtype,

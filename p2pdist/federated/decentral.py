@@ -43,7 +43,7 @@ from ..group.buffers import as_array
 from ..tasks import cancel_and_wait
 from ..transport.base import Connection
 from ..wire.frames import Frame
-from .aggregate import Reason, aggregate, apply_update
+from .aggregate import Reason, aggregate, apply_update, check_model
 from .config import FederatedConfig
 from .decision import GroupRound, OwnUpdate, cid, decision_body, digest_async
 from .leading import Leading
@@ -78,10 +78,11 @@ class GroupAveraging(Leading):
     ``config``, calls :meth:`start` (a broadcast of the leader's model, so all begin
     equal), then :meth:`step` once per round. ``tag`` (0..255) tells apart several
     instances on one group. ``decision_timeout`` (seconds, default the group's timeout)
-    bounds a rank's wait for the leader's decision, and for an update the decision
-    names. The instance reserves channel space ``ROUND_SPACE + tag`` on the group for
-    good (:meth:`~p2pdist.Group.reserve_channel_space`): a second instance with the same
-    tag on the group or its sub-groups is refused.
+    bounds a rank's wait for the leader's decision beyond the round's own
+    ``round_timeout``, and its wait for an update the decision names. The instance
+    reserves channel space ``ROUND_SPACE + tag`` on the group for good
+    (:meth:`~p2pdist.Group.reserve_channel_space`): a second instance with the same tag
+    on the group or its sub-groups is refused.
 
     Under ``GroupConfig(on_peer_loss="leave")`` a rank that is lost counts as having
     left: the rounds go on with the others. When the lost rank is the leader, the lowest
@@ -110,7 +111,7 @@ class GroupAveraging(Leading):
         self.config = config or FederatedConfig()
         self.leader = leader
         self.tag = tag
-        self._model = np.array(model, copy=True, order="C")
+        self._model = check_model(model)
         self._timeout = decision_timeout or group.config.timeout
         self._round = 0
         self._own: OwnUpdate | None = None
@@ -359,11 +360,15 @@ class GroupAveraging(Leading):
     async def _decision(self, k: int) -> dict[str, Any]:
         label = self.group.peer_label(self.leader)
         conn = self.group.connection(self.leader)
+        # The leader may rightly wait out the round's deadline before it decides: the
+        # wait covers the round, then decision_timeout (a wait shorter than the round
+        # failed followers whose updates counted, out of step for good).
+        wait = self.config.round_timeout + self._timeout
         try:
-            frame = await conn.recv(round_channel(self.tag, k, DECISION), timeout=self._timeout)
+            frame = await conn.recv(round_channel(self.tag, k, DECISION), timeout=wait)
         except PeerTimeoutError:
             raise PeerTimeoutError(
-                label, f"no decision for round {k} from the leader within {self._timeout:g} s"
+                label, f"no decision for round {k} from the leader within {wait:g} s"
             ) from None
         except (ConnectionBrokenError, RemoteProtocolError) as exc:
             self._check_group()  # a broken group names its own cause

@@ -233,6 +233,9 @@ class FederatedRounds:
         self._expected = set(self.members)
         self._members_at_open = len(self._expected)
         self._needed = self.config.needed(self._members_at_open)
+        # Carried updates that this round may no longer count go now, not at its close:
+        # else they made the round look complete (or quorate) and close applying nothing.
+        self._drop_too_stale()
         return self._deadline
 
     def submit(
@@ -304,10 +307,7 @@ class FederatedRounds:
             raise UsageError("no round is open")
         why = reason or self.due(now) or CloseReason.DEADLINE
         cfg = self.config
-        for client, c in sorted(self._pending.items()):
-            if self.round - c.base_round > cfg.max_staleness:  # carried too long
-                del self._pending[client]
-                self._count(Reason.TOO_STALE)
+        self._drop_too_stale()
         entries = [self._pending[c] for c in sorted(self._pending)]
         participants = tuple(
             Participant(
@@ -363,6 +363,13 @@ class FederatedRounds:
         return pending
 
     # ---- helpers ----------------------------------------------------------------------
+
+    def _drop_too_stale(self) -> None:
+        """Drop (and count) the carried updates the open round may no longer count."""
+        for client, c in sorted(self._pending.items()):
+            if self.round - c.base_round > self.config.max_staleness:  # carried too long
+                del self._pending[client]
+                self._count(Reason.TOO_STALE)
 
     def _forget_aggregated(self) -> None:
         """Forget the aggregated bases that the staleness bound alone now refuses (at or
