@@ -99,7 +99,8 @@ class Metrics:
             f"# HELP {PREFIX}connections open client connections (any phase)",
             f"# TYPE {PREFIX}connections gauge",
             f"{PREFIX}connections {connections}",
-            f"# HELP {PREFIX}unauthenticated connections still in the HTTP upgrade or AUTH",
+            f"# HELP {PREFIX}unauthenticated connections still in the TLS handshake, the "
+            "HTTP upgrade or AUTH",
             f"# TYPE {PREFIX}unauthenticated gauge",
             f"{PREFIX}unauthenticated {unauthenticated}",
         ]
