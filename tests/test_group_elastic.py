@@ -354,6 +354,16 @@ async def test_a_rank_rejoins_through_a_relay(tmp_path: Path) -> None:
             await asyncio.gather(*(g.close() for g in (*gs, *([back] if back else []))))
 
 
+async def a_call_failed_by_the_loss_of_rank_2(gs: list[Group]) -> None:
+    """Rank 0 starts an all_reduce, then rank 2 is lost: the loss fails rank 0's call."""
+    call = asyncio.create_task(gs[0].all_reduce(np.ones(4)))
+    await until_running(gs[0])
+    crash(gs[2])
+    await until_left(gs[:2], 2)
+    with pytest.raises(ConnectionBrokenError, match=r"rank 2 \("):
+        await call
+
+
 async def test_ranks_stay_in_step_when_one_started_the_call_a_loss_failed_and_one_refused_it() -> (
     None
 ):
@@ -361,12 +371,7 @@ async def test_ranks_stay_in_step_when_one_started_the_call_a_loss_failed_and_on
         # rank 0 starts an all_reduce before rank 2 is lost (the loss fails it); rank 1
         # calls it only after seeing the loss (refused at once). Both used the call up:
         # once rank 2 is back, the three run the next collective together.
-        call = asyncio.create_task(gs[0].all_reduce(np.ones(4)))
-        await until_running(gs[0])
-        crash(gs[2])
-        await until_left(gs[:2], 2)
-        with pytest.raises(ConnectionBrokenError, match=r"rank 2 \("):
-            await call
+        await a_call_failed_by_the_loss_of_rank_2(gs)
         with pytest.raises(GroupBrokenError, match=r"rank 2 \(.*left the group"):
             await gs[1].all_reduce(np.ones(4))
         assert gs[0]._next_cid == gs[1]._next_cid
@@ -385,12 +390,7 @@ async def test_ranks_stay_in_step_when_the_lost_rank_is_back_before_one_calls() 
     run it with the rejoiner (which, like rank 0, is at the next one): before, the three
     ran different calls until the timeout broke the group on every rank."""
     async with groups(3, config=LEAVE, timeout=15.0) as gs:
-        call = asyncio.create_task(gs[0].all_reduce(np.ones(4)))
-        await until_running(gs[0])
-        crash(gs[2])
-        await until_left(gs[:2], 2)
-        with pytest.raises(ConnectionBrokenError, match=r"rank 2 \("):
-            await call
+        await a_call_failed_by_the_loss_of_rank_2(gs)
         back = await restart(gs[2])
         async with back:
             assert not gs[1].left  # it is back before rank 1 calls
