@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -271,6 +272,38 @@ async def test_rejoin_true_against_a_group_still_forming_says_so_at_once() -> No
             t.cancel()
         await asyncio.gather(*starts, return_exceptions=True)
         await asyncio.gather(*(g.close() for g in (*forming, late)))
+
+
+async def test_a_rank_that_leaves_while_another_rejoins_is_not_waited_for() -> None:
+    """Rank 2 rejoins; rank 0 takes it back (its hello says nobody is gone), then rank 1
+    closes while rank 2's dial to it is still on its way (slowed here). Rank 0 tells the
+    rejoiner, which stops waiting for rank 1 (it used to redial it until connect_timeout
+    and fail the whole rejoin)."""
+    from dataclasses import replace
+
+    async with groups(3, config=LEAVE, timeout=10.0) as gs:
+        crash(gs[2])
+        await until_left(gs[:2], 2)
+        back = await restart(gs[2], config=replace(gs[2].config, connect_timeout=20.0))
+        dial = back._dial
+
+        async def slow_dial(transport: Any, r: int) -> Any:
+            if r == 1:
+                await asyncio.sleep(1.0)  # a slower path to rank 1
+            return await dial(transport, r)
+
+        back._dial = slow_dial  # type: ignore[method-assign]
+        start = asyncio.create_task(back.start())
+        for _ in range(500):  # until rank 0 has taken it back
+            if 2 not in gs[0].left:
+                break
+            await asyncio.sleep(0.01)
+        await gs[1].close()
+        await asyncio.wait_for(start, 8)
+        assert sorted(back.left) == [1]
+        got = await asyncio.gather(gs[0].send(np.arange(3.0), 2), back.recv(0, timeout=5))
+        assert got[1].tolist() == [0.0, 1.0, 2.0]
+        await back.close()
 
 
 async def wait_broken(g: Group) -> None:

@@ -129,6 +129,7 @@ class GroupCore(Runner):
         self._expired: set[asyncio.Task[Any]] = set()
         self._last_loss: dict[int, BaseException] = {}  # root: see Membership
         self._closed_by: dict[int, int] = {}  # see Membership
+        self._rejoiners: dict[int, float] = {}  # root: see Rejoining
         self._closed_early: dict[int, list[tuple[int, int]]] = {}  # root: see Membership
         self._closed_calls: set[asyncio.Task[Any]] = set()  # root: cancelled by a sub-group's close
         self._watchdog: asyncio.TimerHandle | None = None  # root only: see _run
@@ -412,6 +413,7 @@ class GroupCore(Runner):
                 frame = await conn.recv(CONTROL_CHANNEL)
                 call: tuple[int, int] | None = None
                 closed: tuple[int, int] | None = None
+                gone: int | None = None
                 try:
                     body = msgpack.unpackb(frame.meta, raw=False)
                     if "call" in body:  # one collective failed for want of a left rank
@@ -420,6 +422,10 @@ class GroupCore(Runner):
                             raise ValueError(f"no rank {call[1]}")
                     if "closed" in body:  # it closed a sub-group we share
                         closed = int(body["closed"]), int(body["next"])
+                    if "gone" in body:  # a rank left while we were rejoining
+                        gone = int(body["gone"])
+                        if not 0 <= gone < self.size:
+                            raise ValueError(f"no rank {gone}")
                     reason = str(body.get("abort", "no reason given"))
                 except Exception:  # msgpack's own exceptions, a missing key, a bad type
                     reason = "undecodable abort notice"
@@ -428,6 +434,9 @@ class GroupCore(Runner):
                     continue
                 if closed is not None:
                     self._on_subgroup_closed(*closed, rank)
+                    continue
+                if gone is not None:
+                    self._on_gone_notice(gone, rank)
                     continue
                 notice = f"{self.peer_label(rank)} aborted the group: {reason}"
                 self._failure_log.append(notice)

@@ -182,6 +182,7 @@ class Membership:
             for group in [self, *self._descendants]:
                 group._left.setdefault(rank, error)
             self._last_loss[rank] = error  # the cause, should it rejoin before calls fail
+            self._tell_rejoiners(rank)
             if not graceful:
                 # A rank that said goodbye finished what it was part of (what it sent is
                 # still readable); one that was lost most likely did not.
@@ -198,6 +199,9 @@ class Membership:
         for task, (group, _, _) in list(self._inflight.items()):
             if root_rank in group._root_ranks:
                 self._cancel_for_loss(task, root_rank)
+
+    def _tell_rejoiners(self, gone: int) -> None:
+        """Overridden by Rejoining (the base class takes nobody back)."""
 
     def _split_from(self, group: Membership) -> list[Membership]:
         """(Root group) the sub-groups split from ``group``, at any depth."""

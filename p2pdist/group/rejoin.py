@@ -66,6 +66,7 @@ class Rejoining(Membership):
     _rejoining: _Rejoin | None  # while this rank rejoins
     _kept_dials: dict[int, Connection]  # a rank that rejoined with us -> our dial it kept
     _broken: BaseException | None  # set by GroupCore: the group can no longer be used
+    _rejoiners: dict[int, float]  # ranks taken back lately -> until when they may rejoin
 
     # ---- rejoining: the survivors -------------------------------------------------------
 
@@ -152,9 +153,27 @@ class Rejoining(Membership):
                 rejoin.came[rank].set_result(None)
         else:
             meta = bytes(msgpack.packb({"left": sorted(self._left), "cid": self._resume_cid()}))
+            # Who leaves while it is still rejoining is told too (see _tell_rejoiners).
+            self._rejoiners[rank] = asyncio.get_running_loop().time() + self.config.connect_timeout
         with contextlib.suppress(P2PError):
             conn.send_nowait(_HELLO_CHANNEL, meta=meta)
         log.info("%s rejoined the group", label)
+
+    def _tell_rejoiners(self, gone: int) -> None:
+        """``gone`` left or was lost: tell the ranks taken back lately, which may still be
+        reaching everyone (they learned who is gone from our hello, before this), so they
+        stop waiting for it (``{"gone": rank}`` on the control channel)."""
+        now = asyncio.get_running_loop().time()
+        self._rejoiners = {r: t for r, t in self._rejoiners.items() if t > now and r != gone}
+        if self._rejoiners:
+            self._send_control({"gone": gone}, [r for r in self._rejoiners if r in self._conns])
+
+    def _on_gone_notice(self, gone: int, sender: int) -> None:
+        """A survivor says ``gone`` left: while we rejoin, stop waiting for it."""
+        rejoin = self._rejoining
+        if rejoin is not None and gone != self._rank:
+            rejoin.said_gone.setdefault(gone, sender)
+            rejoin.news.set()
 
     def _resume_cid(self) -> int:
         """The id of this group's next collective that can still run: calls another rank
@@ -211,18 +230,23 @@ class Rejoining(Membership):
         loop = asyncio.get_running_loop()
         grace = self.config.transport.keepalive_interval
         cids: list[int] = []
-        said: dict[int, int] = {}  # a rank gone -> the survivor that said so
+        said = rejoin.said_gone
         doomed_at: dict[int, float] = {}  # a rank reported gone -> when we give up on it
         given_up: list[asyncio.Task[tuple[list[int], int] | None]] = []
         try:
             async with asyncio.timeout(timeout):
                 while tasks:
                     wake = min(doomed_at.values(), default=None)
-                    done, _ = await asyncio.wait(
-                        tasks.values(),
-                        timeout=None if wake is None else max(0.0, wake - loop.time()),
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
+                    news = asyncio.ensure_future(rejoin.news.wait())  # a gone notice
+                    try:
+                        done, _ = await asyncio.wait(
+                            [*tasks.values(), news],
+                            timeout=None if wake is None else max(0.0, wake - loop.time()),
+                            return_when=asyncio.FIRST_COMPLETED,
+                        )
+                    finally:
+                        news.cancel()
+                    rejoin.news.clear()
                     for r, task in list(tasks.items()):
                         if task not in done:
                             continue
@@ -383,3 +407,7 @@ class _Rejoin:
         loop = asyncio.get_running_loop()
         self.alive: set[int] = set()
         self.came: dict[int, asyncio.Future[None]] = {r: loop.create_future() for r in ranks}
+        self.said_gone: dict[int, int] = {}
+        """A rank gone -> the survivor that said so (in its hello, or in a notice after)."""
+        self.news = asyncio.Event()
+        """Set when a survivor's notice adds to :attr:`said_gone`."""
