@@ -198,9 +198,33 @@ def test_relay_urls() -> None:
         "https://x/?pin=abc",
         "https://x/?token=1",
         f"https://x/?pin={eid}&pin={eid}",
+        # Empty values, userinfo, a path, port 0, a zone id: refused, not silently dropped
+        # (an empty pin used to mean no pin: the system CAs instead of the key asked for).
+        "https://x/?pin=",
+        "https://x/?pin",
+        "https://x/?foo=",
+        f"https://x/?pin=&pin={eid}",
+        f"https://x/?pin={eid}&foo=",
+        "https://x:0/",
+        "https://user:secret@x/",
+        "https://x/path",
+        "https://x/#frag",
+        "https://[fe80::1%25eth0]/",
     ]:
         with pytest.raises(UsageError):
             RelayUrl.parse(bad)
+
+
+def test_frames_before_bad_bytes_in_one_read_come_with_the_error() -> None:
+    """A relay's ERROR right before bytes that break the protocol, in the same read: the
+    reader hands the ERROR over with its RelayProtocolError (it was lost, and with it
+    the reason the relay gave)."""
+    reader = RelayFrameReader(1 << 16)
+    with pytest.raises(RelayProtocolError, match="0x99") as info:
+        reader.feed(encode_frame(RelayFrameType.ERROR, b"bad token") + b"\x99\0\0\0\0")
+    assert [(f.kind, f.body) for f in info.value.frames] == [(RelayFrameType.ERROR, b"bad token")]
+    with pytest.raises(RelayProtocolError):  # and it stays failed
+        reader.feed(encode_frame(RelayFrameType.PING, b"12345678"))
 
 
 def test_stun_binding_round_trip_and_rejections() -> None:

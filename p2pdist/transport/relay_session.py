@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import cast
 
 from ..errors import ConnectionBrokenError
-from ..wire.relay import HttpHead, RelayFrame, RelayFrameReader, parse_http_head
+from ..wire.relay import HttpHead, RelayFrame, RelayFrameReader, RelayProtocolError, parse_http_head
 
 __all__ = ["FrameHandler", "RelaySessionProtocol"]
 
@@ -99,7 +99,13 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
             else:
                 frames = self._reader.buffer_updated(nbytes)
             self._deliver(frames)
-        except Exception as exc:  # a malformed frame, or a handler that ends the session
+        except RelayProtocolError as exc:  # bad bytes: what came before them counts first
+            try:
+                self._deliver(exc.frames)  # a relay's ERROR or RECONNECT says why it ends
+            except Exception as first:
+                self._end(first)
+            self._end(exc)
+        except Exception as exc:  # a handler that ends the session
             self._end(exc)
 
     def eof_received(self) -> bool | None:

@@ -58,7 +58,15 @@ FRAME_HEADER = _HEAD.size
 
 
 class RelayProtocolError(ValueError):
-    """Bytes that break the relay protocol (the glue closes that connection)."""
+    """Bytes that break the relay protocol (the glue closes that connection).
+
+    ``frames``: the good frames read before the bad bytes in the same read (the reader
+    hands them over with the error, so a relay's ERROR or RECONNECT just before garbage
+    is still seen)."""
+
+    def __init__(self, message: str, frames: list[RelayFrame] | None = None) -> None:
+        super().__init__(message)
+        self.frames: list[RelayFrame] = frames if frames is not None else []
 
 
 class RelayFrameType(enum.IntEnum):
@@ -284,15 +292,18 @@ class RelayFrameReader:
         if self._failure is not None:
             raise RelayProtocolError(self._failure)
         out: list[RelayFrame] = []
-        with memoryview(self._buf) as whole, whole[:nbytes] as data:
-            for kind, body in self._splitter.frames(data):
-                if kind not in _ADDRESSED:
-                    out.append(RelayFrame(kind, b"", bytes(body)))
-                elif len(body) >= ID_LEN:
-                    out.append(RelayFrame(kind, bytes(body[:ID_LEN]), bytes(body[ID_LEN:])))
-                else:
-                    self._failure = "addressed frame shorter than an endpoint id"
-                    raise RelayProtocolError(self._failure)
+        try:
+            with memoryview(self._buf) as whole, whole[:nbytes] as data:
+                for kind, body in self._splitter.frames(data):
+                    if kind not in _ADDRESSED:
+                        out.append(RelayFrame(kind, b"", bytes(body)))
+                    elif len(body) >= ID_LEN:
+                        out.append(RelayFrame(kind, bytes(body[:ID_LEN]), bytes(body[ID_LEN:])))
+                    else:
+                        raise RelayProtocolError("addressed frame shorter than an endpoint id")
+        except RelayProtocolError as exc:
+            self._failure = str(exc)
+            raise RelayProtocolError(self._failure, out) from None  # with the good frames
         return out
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[RelayFrame]:
@@ -415,19 +426,33 @@ class RelayUrl:
             raise UsageError(f"relay URL must start with https://, got {url!r}")
         if not parts.hostname:
             raise UsageError(f"relay URL {url!r} has no host")
+        if parts.username is not None or parts.password is not None:
+            # A token there would silently go nowhere: the relay takes it in AUTH.
+            raise UsageError(f"relay URL {url!r}: no user or password (pass a token apart)")
+        if parts.path not in ("", "/") or parts.fragment:
+            raise UsageError(f"relay URL {url!r}: no path or fragment (only /?pin=...)")
+        if "%" in parts.hostname:
+            raise UsageError(f"relay URL {url!r}: an IPv6 zone id is not supported")
         try:
-            port = parts.port or 443
+            port = parts.port
         except ValueError:
             raise UsageError(f"relay URL {url!r} has a bad port") from None
-        query = parse_qs(parts.query)
+        if port == 0:
+            raise UsageError(f"relay URL {url!r} has a bad port")
+        # keep_blank_values: "?pin=" (an empty pin) must be refused, not read as no pin.
+        query = parse_qs(parts.query, keep_blank_values=True)
         unknown = set(query) - {"pin"}
         if unknown:
             raise UsageError(f"relay URL {url!r}: unknown parameter(s) {sorted(unknown)}")
+        if "pin" not in query and "pin" in parts.query.split("&"):
+            raise UsageError(f"relay URL {url!r}: pin needs a value (?pin=<endpoint id>)")
         pins = query.get("pin", [])
         if len(pins) > 1:
             raise UsageError(f"relay URL {url!r} has more than one pin")
+        if pins and not pins[0]:
+            raise UsageError(f"relay URL {url!r}: pin needs a value (?pin=<endpoint id>)")
         pin = EndpointId.parse(pins[0]) if pins else None
-        return cls(parts.hostname, port, pin)
+        return cls(parts.hostname, port or 443, pin)
 
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
