@@ -29,6 +29,8 @@ from p2pdist.wire.probe import (
     encode_candidates,
     encode_ping,
     encode_pong,
+    new_session,
+    session_time,
 )
 
 SEED = "punching session tests"
@@ -267,8 +269,8 @@ def test_direct_paths_and_heard_from_stay_bounded_under_new_candidate_lists() ->
         assert len(p.paths) <= MAX_KNOWN and len(p._heard) <= MAX_KNOWN
     assert p.current is not None and p.accepts(p.current) and p.current in p.paths
     assert set(p.paths) <= set(p._heard)
-    for i in range(100):  # and the same across session changes
-        s = bytes([i]) * 16
+    for i in range(100):  # and the same across session changes (each one newer)
+        s = (session_time(peer) + 1 + i).to_bytes(8, "big") + bytes(8)
         acts = p.on_candidates(((f"203.0.113.{i}", 1),), False, 1.0 + i, session=s)
         for ping in only(acts, SendPing) + only(p.poll(1.0 + i), SendPing):
             p.on_pong(ping.addr, ping.txid, 1.0 + i, to_session=me, from_session=s)
@@ -340,3 +342,55 @@ def test_one_session_length_check_for_the_codec_and_the_session() -> None:
             )
     with pytest.raises(ProbeError, match="a session is 16 bytes"):
         encode_candidates(KA, KB.endpoint_id, [], reply_wanted=False, session=bad)
+
+
+def test_a_replayed_candidates_list_of_an_older_session_is_refused() -> None:
+    """The relay can deliver an old, validly signed CANDIDATES again: a session older than
+    the peer's current one (sessions carry their creation time) is refused and counted,
+    so a direct path of the current session stays (it used to be reset to the old
+    session: both sides then refused each other's probes and fell back to the relay)."""
+    me = new_session(1_000)
+    old, cur = new_session(2_000), new_session(3_000)
+    p = PeerPaths(PunchConfig(), session=me)
+    p.start(0.0)
+    ping = only(p.on_candidates((B_ADDR,), False, 0.0, session=cur), SendPing)[0]
+    p.on_pong(B_ADDR, ping.txid, 0.01, to_session=me, from_session=cur)
+    assert p.phase is Phase.DIRECT and p.current == B_ADDR
+    assert p.on_candidates((B_ADDR,), False, 1.0, session=old) == []
+    assert p.stale_candidates == 1 and p.peer_session == cur and p.session_changes == 0
+    assert p.phase is Phase.DIRECT and p.current == B_ADDR
+    newer = new_session(4_000)  # a later session of the peer is still taken
+    p.on_candidates((B_ADDR,), False, 2.0, session=newer)
+    assert p.peer_session == newer and p.session_changes == 1
+
+
+def test_a_path_that_keeps_dying_soon_after_validating_backs_off() -> None:
+    """A path that validates, then goes silent, again and again (a middlebox passing the
+    small probes but not bulk UDP): the waits between rounds double up to retry_max
+    (the validation used to reset them, so it flapped every retry_after forever); one
+    that lasted retry_max starts them afresh."""
+    cfg = PunchConfig(retry_after=15.0, retry_max=60.0)
+    me, peer = new_session(1), new_session(2)
+    p = PeerPaths(cfg, session=me)
+    p.start(0.0)
+    t = 0.0
+    acts = p.on_candidates((B_ADDR,), False, t, session=peer)
+    fell_back: list[float] = []
+    validated: list[float] = []
+    for _ in range(5):
+        pings = only(acts, SendPing) or only(p.poll(t), SendPing)
+        p.on_pong(pings[0].addr, pings[0].txid, t + 0.01, to_session=me, from_session=peer)
+        assert p.phase is Phase.DIRECT
+        validated.append(t)
+        while p.phase is Phase.DIRECT:
+            deadline = p.next_deadline()
+            assert deadline is not None
+            t = deadline
+            p.poll(t)
+        fell_back.append(t)
+        deadline = p.next_deadline()
+        assert deadline is not None
+        t = deadline
+        acts = p.poll(t) + p.on_candidates((B_ADDR,), False, t, session=peer)
+    waits = [round(v - f, 1) for f, v in zip(fell_back, validated[1:], strict=False)]
+    assert waits == [15.0, 30.0, 60.0, 60.0], waits

@@ -42,7 +42,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..wire.probe import MAX_CANDIDATES, SESSION_LEN, TXID_LEN, check_session
+from ..wire.probe import MAX_CANDIDATES, TXID_LEN, check_session, new_session, session_time
 
 __all__ = [
     "MAX_KNOWN",
@@ -186,9 +186,7 @@ class PeerPaths:
     ) -> None:
         self.config = config
         self._new_txid = new_txid or (lambda: secrets.token_bytes(TXID_LEN))
-        self.session = check_session(
-            session if session is not None else secrets.token_bytes(SESSION_LEN)
-        )
+        self.session = check_session(session if session is not None else new_session())
         """Our punching session: sent with our candidates, required in every probe."""
         self.peer_session: bytes | None = None
         """The peer's session, from its latest CANDIDATES (or first fresh PING)."""
@@ -206,6 +204,9 @@ class PeerPaths:
         ones (replays, most likely)."""
         self.session_changes = 0
         """Times the peer's session changed (what it was heard from was forgotten)."""
+        self.stale_candidates = 0
+        """CANDIDATES refused for carrying a session older than the peer's current one (a
+        replay: the relay may deliver an old, validly signed one again)."""
         self.last_failure: str | None = None
         self.round_started: float | None = None
         self._candidates: dict[Address, _Candidate] = {}
@@ -218,6 +219,7 @@ class PeerPaths:
         self._round_end = 0.0
         self._retry_at = 0.0
         self._retry_delay = config.retry_after
+        self._direct_since: float | None = None
         self._candidates_sent: float | None = None
         self._next_keepalive = 0.0
 
@@ -235,7 +237,12 @@ class PeerPaths:
         """The peer sent its candidate addresses and its ``session`` (through the relay).
 
         The list replaces the one it sent before; peer-reflexive addresses stay while the
-        peer's session does."""
+        peer's session does. A list from a session older than the peer's current one is a
+        replay (sessions carry their creation time): refused and counted."""
+        known = self.peer_session
+        if known is not None and session != known and session_time(session) < session_time(known):
+            self.stale_candidates += 1
+            return []
         self._set_peer_session(session)
         out: list[Action] = []
         if reply_wanted and (
@@ -307,7 +314,7 @@ class PeerPaths:
         if self.current is None:
             self.current = addr
             self.phase = Phase.DIRECT
-            self._retry_delay = self.config.retry_after
+            self._direct_since = now  # the retry delay restarts only once it has lasted
             self._next_keepalive = now + self.config.keepalive
             return [PathChange(None, addr, f"direct path validated (PING round trip {rtt:.4f} s)")]
         return []
@@ -470,6 +477,11 @@ class PeerPaths:
         return SendPing(addr, txid, self.peer_session)
 
     def _fail(self, now: float, why: str) -> None:
+        # A direct path that lasted retry_max starts the waits afresh; one that keeps
+        # validating and dying soon after doubles them, as a failed round does.
+        if self._direct_since is not None and now - self._direct_since >= self.config.retry_max:
+            self._retry_delay = self.config.retry_after
+        self._direct_since = None
         self.phase = Phase.BACKOFF
         self.last_failure = why
         self._retry_at = now + self._retry_delay

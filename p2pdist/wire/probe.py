@@ -2,11 +2,12 @@
 
 Every message is signed by its sender's endpoint key, over a domain tag, the receiver's
 endpoint id and the message itself, so a message can never be taken for one from another
-peer, nor replayed to a different receiver. Each side of a punching session picks a fresh
-random 16-byte *session* and announces it in its CANDIDATES (which travel through the
-authenticated relay connection); every PING and PONG carries the receiver's session and
-the sender's, so a probe captured in another session is refused, and a PONG carries the
-transaction id of the PING it answers. Layout (big endian)::
+peer, nor replayed to a different receiver. Each side of a punching session makes a fresh
+16-byte *session* (its creation time, then random bytes: :func:`new_session`) and
+announces it in its CANDIDATES (which travel through the authenticated relay
+connection); every PING and PONG carries the receiver's session and the sender's, so a
+probe captured in another session is refused, and a PONG carries the transaction id of
+the PING it answers. Layout (big endian)::
 
     magic "\\x1cP2PD" (5) | version u8 = 2 | kind u8 | sender id (32) | body | signature (64)
 
@@ -27,7 +28,9 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+import secrets
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,6 +47,8 @@ __all__ = [
     "ProbeKind",
     "ProbeMessage",
     "check_session",
+    "new_session",
+    "session_time",
     "classify",
     "decode_probe",
     "encode_candidates",
@@ -56,7 +61,8 @@ MAGIC = b"\x1cP2PD"
 VERSION = 2
 TXID_LEN = 12
 SESSION_LEN = 16
-"""Bytes in a punching session id."""
+"""Bytes in a punching session id: 8 bytes of its creation time (microseconds since the
+epoch, big-endian: a later session of a peer compares higher), then 8 random bytes."""
 SIG_LEN = 64
 MAX_CANDIDATES = 16
 """Most addresses one CANDIDATES message may carry."""
@@ -143,6 +149,18 @@ def _decode_address(data: bytes, off: int) -> tuple[Address, int]:
 def _seal(key: SecretKey, receiver: EndpointId, kind: ProbeKind, body: bytes) -> bytes:
     msg = MAGIC + bytes((VERSION, kind)) + bytes(key.endpoint_id) + body
     return msg + key.sign(_DOMAIN + bytes(receiver) + msg)
+
+
+def new_session(now_us: int | None = None) -> bytes:
+    """A fresh punching session id: creation time (``now_us``, default the wall clock in
+    microseconds), then random bytes; see :data:`SESSION_LEN`."""
+    stamp = time.time_ns() // 1000 if now_us is None else now_us
+    return (stamp & ((1 << 64) - 1)).to_bytes(8, "big") + secrets.token_bytes(SESSION_LEN - 8)
+
+
+def session_time(session: bytes) -> int:
+    """The creation time a session id carries (what orders a peer's sessions)."""
+    return int.from_bytes(session[:8], "big")
 
 
 def check_session(session: bytes) -> bytes:
