@@ -221,15 +221,15 @@ async def test_an_unauthenticated_socket_holds_no_big_buffer() -> None:
             s.close()
 
 
-async def test_incoming_handshakes_are_capped_per_source_and_the_oldest_makes_way(
+async def test_incoming_handshakes_are_capped_and_the_oldest_makes_way(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One source may hold a quarter of max_pending_handshakes; past that a new socket
-    is closed at once (counted, logged), unless the source's oldest handshake has waited
-    long enough (_EVICT_AFTER, here 0.2 s): then that one makes way, so silent sockets
-    cannot lock real peers out."""
+    """Past max_pending_handshakes a new socket is closed at once (counted, logged),
+    unless the oldest handshake (of the address holding the most) has waited long
+    enough (_EVICT_AFTER, here 0.2 s): then that one makes way (counted too), so silent
+    sockets cannot lock real peers out."""
     monkeypatch.setattr(tcp_module, "_EVICT_AFTER", 0.2)
-    cfg = TransportConfig(tls=False, max_pending_handshakes=8)  # 2 per source
+    cfg = TransportConfig(tls=False, max_pending_handshakes=2)
     server_t = TcpTransport(key(1), cfg)
     client_t = TcpTransport(key(0), cfg)
     async with closing(server_t, client_t):
@@ -250,6 +250,7 @@ async def test_incoming_handshakes_are_capped_per_source_and_the_oldest_makes_wa
             conn = await bounded(client_t.connect(server_t.endpoint_id, addr), "connect")
             assert not conn.closed
             assert len(server_t._pending) == 1  # the oldest silent socket made way
+            assert server_t.refused_handshakes == 2  # the eviction counts too
         finally:
             for s in silent:
                 s.close()
@@ -288,3 +289,19 @@ async def test_interrupted_send_error_does_not_grow_its_traceback(tls: bool) -> 
             depths.append(depth(err))
         assert depths[-1] == depths[0], depths[:3] + depths[-3:]
         p.kill_client()  # nothing to flush at teardown
+
+
+async def test_many_real_peers_from_one_address_all_get_in() -> None:
+    """100 dials at once from one address (ranks on one host, clients behind one NAT):
+    all handshakes complete (a per-address cap had turned 36 of them away)."""
+    cfg = TransportConfig(tls=True)
+    server_t = TcpTransport(key(1), cfg)
+    client_t = TcpTransport(key(0), cfg)
+    async with closing(server_t, client_t):
+        addr = await server_t.listen("127.0.0.1", 0)
+        conns = await bounded(
+            asyncio.gather(*(client_t.connect(server_t.endpoint_id, addr) for _ in range(100))),
+            "100 dials",
+        )
+        assert all(not c.closed for c in conns)
+        assert server_t.refused_handshakes == 0

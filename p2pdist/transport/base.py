@@ -33,9 +33,9 @@ class TransportConfig:
     write_buffer_high: int = 8 * 1024 * 1024
     """Outgoing bytes queued in user space before ``send`` waits for the socket."""
     max_pending_handshakes: int = 256
-    """Incoming TCP connections still handshaking (not yet authenticated), a quarter of
-    them per source address; past a cap the oldest makes way if it has waited a second,
-    else the new one is closed at once and counted in ``TcpTransport.refused_handshakes``.
+    """Incoming TCP connections still handshaking (not yet authenticated); past it the
+    oldest (of the address holding the most) makes way if it has waited a second, else
+    the new one is closed at once; both counted in ``TcpTransport.refused_handshakes``.
     QuicTransport has its own limit, ``QuicConfig.max_pending_handshakes``."""
 
     def __post_init__(self) -> None:

@@ -625,7 +625,7 @@ class TcpTransport(EndpointBase[TcpConnection]):
         now = asyncio.get_running_loop().time()
         address = conn.remote_address
         source = address[0] if address is not None else "?"
-        if not self._make_room(source, now):
+        if not self._make_room(now):
             conn.abort(ConnectionClosedError("too many incoming handshakes in progress"))
             self._note_handshake_slots_full(
                 len(self._pending),
@@ -638,25 +638,28 @@ class TcpTransport(EndpointBase[TcpConnection]):
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
 
-    def _make_room(self, source: str, now: float) -> bool:
-        """Whether a new handshake from ``source`` may start. A source may hold a quarter
-        of ``max_pending_handshakes`` (so one address cannot hold them all); past either
-        cap, the oldest handshake (of that source, or of all) makes way if it has waited
-        :data:`_EVICT_AFTER` seconds (a real one takes milliseconds), else the new one
-        is turned away."""
-        cap = self.config.max_pending_handshakes
-        mine = [c for c, (_, src) in self._pending.items() if src == source]
-        if len(mine) >= max(1, cap // 4):
-            candidates = mine
-        elif len(self._pending) >= cap:
-            candidates = list(self._pending)
-        else:
+    def _make_room(self, now: float) -> bool:
+        """Whether a new handshake may start while ``max_pending_handshakes`` are in
+        progress: the oldest handshake of the source holding the most makes way if it
+        has waited :data:`_EVICT_AFTER` seconds (a real one takes milliseconds, so it is
+        silent sockets that go; counted in ``refused_handshakes``), else the new one is
+        turned away. (No cap per source below that: many real peers may share an
+        address, on one host or behind one NAT, and dial at once.)"""
+        if len(self._pending) < self.config.max_pending_handshakes:
             return True
-        oldest = min(candidates, key=lambda c: self._pending[c][0])
+        held: dict[str, int] = {}
+        for _, src in self._pending.values():
+            held[src] = held.get(src, 0) + 1
+        heaviest = max(held, key=held.__getitem__)
+        oldest = min(
+            (c for c, (_, src) in self._pending.items() if src == heaviest),
+            key=lambda c: self._pending[c][0],
+        )
         if now - self._pending[oldest][0] < _EVICT_AFTER:
             return False
         del self._pending[oldest]
         oldest.abort(PeerTimeoutError(oldest.label, "handshake evicted for a newer connection"))
+        self._note_handshake_slots_full(len(self._pending), "evicting the oldest silent ones")
         return True
 
     async def _serve_handshake(self, conn: TcpConnection) -> None:

@@ -9,7 +9,7 @@ connection); every PING and PONG carries the receiver's session and the sender's
 probe captured in another session is refused, and a PONG carries the transaction id of
 the PING it answers. Layout (big endian)::
 
-    magic "\\x1cP2PD" (5) | version u8 = 2 | kind u8 | sender id (32) | body | signature (64)
+    magic "\\x1cP2PD" (5) | version u8 = 3 | kind u8 | sender id (32) | body | signature (64)
 
     PING        body: txid (12) | receiver's session (16) | sender's session (16)
     PONG        body: txid (12) | receiver's session (16) | sender's session (16) | address
@@ -58,7 +58,9 @@ __all__ = [
 ]
 
 MAGIC = b"\x1cP2PD"
-VERSION = 2
+VERSION = 3
+"""3: sessions start with their creation time (version 2's were random: a receiver could
+not tell an older one from a newer one)."""
 TXID_LEN = 12
 SESSION_LEN = 16
 """Bytes in a punching session id: 8 bytes of its creation time (microseconds since the
