@@ -149,6 +149,16 @@ class Gate:
     def open(self) -> None:
         self._open.set()
 
+    async def close_during(self, t: QuicTransport, call: Awaitable[Any], what: str) -> None:
+        """Run ``call`` until it enters the gate, close ``t`` there, let the call go on:
+        it must raise ConnectionClosedError, what a closed transport raises."""
+        task = asyncio.ensure_future(call)
+        await bounded(self.entered.wait(), f"{what} entering the gate")
+        await bounded(t.close(), "close()")
+        self.open()
+        with pytest.raises(ConnectionClosedError):
+            await bounded(task, what)
+
 
 async def test_connect_racing_close_opens_no_socket_and_returns_no_connection(
     monkeypatch: pytest.MonkeyPatch,
@@ -162,12 +172,7 @@ async def test_connect_racing_close_opens_no_socket_and_returns_no_connection(
         client = QuicTransport(key(0), config())  # not listening: dials from a dial socket
         gate = Gate(UdpSocket.open)
         monkeypatch.setattr(quic_module.UdpSocket, "open", gate)
-        task = asyncio.create_task(client.connect(eid(1), addr))
-        await bounded(gate.entered.wait(), "connect() opening its socket")
-        await bounded(client.close(), "close()")
-        gate.open()
-        with pytest.raises(ConnectionClosedError):
-            await bounded(task, "connect()")
+        await gate.close_during(client, client.connect(eid(1), addr), "connect()")
         assert [s.closed for s in gate.results] == [True]
         assert not client._connections and not client._live
         with pytest.raises(P2PTimeoutError):  # nothing reached the server
@@ -187,12 +192,7 @@ async def test_a_listening_dialer_racing_close_raises_closed(
         loop = asyncio.get_running_loop()
         gate = Gate(loop.getaddrinfo)
         monkeypatch.setattr(loop, "getaddrinfo", gate)
-        task = asyncio.create_task(client.connect(eid(1), addr))
-        await bounded(gate.entered.wait(), "connect() resolving")
-        await bounded(client.close(), "close()")
-        gate.open()
-        with pytest.raises(ConnectionClosedError):
-            await bounded(task, "connect()")
+        await gate.close_during(client, client.connect(eid(1), addr), "connect()")
         assert not client._connections and not client._live and not client._dial_sockets
 
 
@@ -200,12 +200,7 @@ async def test_listen_racing_close_closes_its_socket(monkeypatch: pytest.MonkeyP
     t = QuicTransport(key(0), config())
     gate = Gate(UdpSocket.open)
     monkeypatch.setattr(quic_module.UdpSocket, "open", gate)
-    task = asyncio.create_task(t.listen("127.0.0.1", 0))
-    await bounded(gate.entered.wait(), "listen() opening its socket")
-    await bounded(t.close(), "close()")
-    gate.open()
-    with pytest.raises(ConnectionClosedError):
-        await bounded(task, "listen()")
+    await gate.close_during(t, t.listen("127.0.0.1", 0), "listen()")
     assert [s.closed for s in gate.results] == [True]
 
 
