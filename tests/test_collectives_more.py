@@ -420,7 +420,7 @@ async def test_closing_a_subgroup_fails_its_running_calls_and_spares_the_parent(
             pass
         with pytest.raises(GroupBrokenError, match="the group was closed"):
             await asyncio.wait_for(pending, 5)
-        with pytest.raises(Exception, match=r"rank 0 \(") as info:
+        with pytest.raises(ConnectionBrokenError, match=r"rank 0 \(") as info:
             await asyncio.wait_for(b.all_reduce(np.ones(4)), 5)
         assert "left the group" in str(info.value)
         with pytest.raises(GroupBrokenError, match="closed"):
@@ -464,9 +464,8 @@ async def test_a_subgroup_closed_on_one_rank_has_it_leave_for_the_others() -> No
         running = asyncio.create_task(subs[0].all_reduce(np.ones(3)))  # type: ignore[union-attr]
         await asyncio.sleep(0.05)
         await subs[2].close()  # type: ignore[union-attr]
-        with pytest.raises(Exception, match=r"rank 2 \(.*closed the sub-group") as info:
+        with pytest.raises(ConnectionBrokenError, match=r"rank 2 \(.*closed the sub-group"):
             await asyncio.wait_for(running, 5)
-        assert not isinstance(info.value, asyncio.TimeoutError)
         with pytest.raises(ConnectionBrokenError, match=r"rank 2 \(.*closed the sub-group"):
             await asyncio.wait_for(subs[1].all_reduce(np.ones(3)), 5)  # type: ignore[union-attr]
         got = await asyncio.gather(*(g.all_reduce(np.ones(2), timeout=5) for g in gs))

@@ -68,9 +68,9 @@ async def test_a_cancelled_close_still_drops_the_socket(tls: bool) -> None:
         assert not closer.done()  # waiting for the queued bytes to leave
         closer.cancel()  # the caller bounds its own close
         with pytest.raises(asyncio.CancelledError):
-            await closer
-        # Dropped at once: not left open for as long as the peer does not read.
-        await wait_until(lambda: client._lost.done(), "the socket dropped", seconds=1.0)
+            await bounded(closer, "the cancelled close")
+        # Dropped: not left open for as long as the peer does not read.
+        await wait_until(lambda: client._lost.done(), "the socket dropped")
         assert client not in p.client_transport._connections  # type: ignore[attr-defined]
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from group_helpers import crash, groups, until_left
+from transport_conformance import wait_until
 
 from p2pdist import ConnectionBrokenError, Group, GroupBrokenError, GroupConfig, UsageError
 from p2pdist.group.membership import FIRST_RESERVED_SPACE
@@ -294,10 +295,7 @@ async def test_a_rank_that_leaves_while_another_rejoins_is_not_waited_for() -> N
 
         back._dial = slow_dial  # type: ignore[method-assign]
         start = asyncio.create_task(back.start())
-        for _ in range(500):  # until rank 0 has taken it back
-            if 2 not in gs[0].left:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: 2 not in gs[0].left, "rank 0 taking rank 2 back")
         await gs[1].close()
         await asyncio.wait_for(start, 8)
         assert sorted(back.left) == [1]
@@ -307,11 +305,7 @@ async def test_a_rank_that_leaves_while_another_rejoins_is_not_waited_for() -> N
 
 
 async def wait_broken(g: Group) -> None:
-    for _ in range(200):
-        if g.broken is not None:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the abort notice never arrived")
+    await wait_until(lambda: g.broken is not None, "the abort notice")
 
 
 async def test_a_rank_restarted_without_rejoin_is_refused_at_once_and_stays_left() -> None:

@@ -253,17 +253,11 @@ async def test_ranks_with_different_settings_fail_formation_naming_the_setting(
     )
     gs = [make(0, peers), make(1, peers)]
     gs.append(Group.from_seed(SEED, rank=2, world=3, peers=peers, config=odd))
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    took: dict[int, float] = {}
 
     async def start(g: Group) -> None:
         if g.rank == late:
             await asyncio.sleep(0.3)
-        try:
-            await g.start()
-        finally:
-            took[g.rank] = loop.time() - t0
+        await g.start()
 
     try:
         results = await asyncio.wait_for(
@@ -273,7 +267,7 @@ async def test_ranks_with_different_settings_fail_formation_naming_the_setting(
             if rank == late:
                 assert isinstance(res, P2PTimeoutError), (rank, res)
                 continue
-            assert took[rank] < CONNECT / 2, (rank, took)  # failed fast, no wait
+            # MismatchError, not the P2PTimeoutError of waiting out connect_timeout
             assert isinstance(res, MismatchError), (rank, res)
             assert f"{field} is " in str(res) and "rank 2 (" in str(res), (rank, res)
         assert "settings differ" in str(results[2])
@@ -298,12 +292,10 @@ async def test_ranks_that_disagree_about_the_world_fail_at_once_naming_it() -> N
     g0 = Group.from_seed(SEED, rank=0, world=2, peers=peers[:2], config=CFG)
     g1 = Group.from_seed(SEED, rank=1, world=3, peers=peers, config=CFG)
     try:
-        t0 = asyncio.get_running_loop().time()
         results = await asyncio.wait_for(
             asyncio.gather(g0.start(), g1.start(), return_exceptions=True), CONNECT + 2
         )
-        assert asyncio.get_running_loop().time() - t0 < CONNECT / 2
-        for res in results:
+        for res in results:  # MismatchError, not a wait for a rank 2 that never comes
             assert isinstance(res, MismatchError), res
             assert "world is " in str(res), res
     finally:
