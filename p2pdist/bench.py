@@ -61,7 +61,7 @@ def plot(profiles: list[LinkProfile], path: Path) -> None:
 
 def unwritable(path: Path) -> str | None:
     """Why a file cannot be written at ``path`` (checked before a long run), or None."""
-    where = path.parent if str(path.parent) else Path(".")
+    where = path.parent
     if path.is_dir():
         return "is a directory"
     if not where.is_dir():

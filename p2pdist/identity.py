@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .errors import KeyFileError, UsageError
 
-__all__ = ["EndpointId", "SecretKey", "derive_endpoint_ids"]
+__all__ = ["EndpointId", "SecretKey", "check_seed", "derive_endpoint_ids"]
 
 ID_LEN = 32
 TEXT_LEN = 52
@@ -147,6 +147,20 @@ class EndpointId:
         return self._key
 
 
+def check_seed(seed: str | bytes) -> bytes:
+    """A group seed's bytes (UTF-8 for a str); UsageError when it is no str or bytes or
+    shorter than :data:`MIN_SEED_BYTES`."""
+    if isinstance(seed, str):
+        seed_bytes = seed.encode("utf-8")
+    elif isinstance(seed, bytes | bytearray | memoryview):
+        seed_bytes = bytes(seed)
+    else:  # bytes(10) would silently be ten zero bytes
+        raise UsageError(f"seed must be str or bytes, got {type(seed).__name__}")
+    if len(seed_bytes) < MIN_SEED_BYTES:
+        raise UsageError(f"seed must be at least {MIN_SEED_BYTES} bytes; use a long random secret")
+    return seed_bytes
+
+
 @functools.lru_cache(maxsize=1024)
 def endpoint_id_of(raw: bytes) -> EndpointId:
     """``EndpointId(raw)``, cached (the most recent 1024): for ids parsed from every
@@ -182,16 +196,7 @@ class SecretKey:
 
         The seed is a shared secret: whoever holds it can derive every rank's key.
         """
-        if isinstance(seed, str):
-            seed_bytes = seed.encode("utf-8")
-        elif isinstance(seed, bytes | bytearray | memoryview):
-            seed_bytes = bytes(seed)
-        else:  # bytes(10) would silently be ten zero bytes
-            raise UsageError(f"seed must be str or bytes, got {type(seed).__name__}")
-        if len(seed_bytes) < MIN_SEED_BYTES:
-            raise UsageError(
-                f"seed must be at least {MIN_SEED_BYTES} bytes; use a long random secret"
-            )
+        seed_bytes = check_seed(seed)
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < 1 << 64:
             raise UsageError(f"rank must be a non-negative int below 2**64, got {rank!r}")
         hkdf = HKDF(

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from .errors import UsageError
-from .identity import MIN_SEED_BYTES
+from .identity import check_seed
 
 __all__ = [
     "ENV_PEERS",
@@ -82,11 +82,12 @@ class LaunchConfig:
             raise UsageError("launch needs a command after '--', e.g. -- python train.py")
         if self.nprocs < 1:
             raise UsageError(f"the number of ranks (-n) must be >= 1, got {self.nprocs}")
-        if self.seed is not None and len(self.seed.encode("utf-8")) < MIN_SEED_BYTES:
+        if self.seed is not None:
             # What every rank's Group.from_seed would refuse, said once, before starting.
-            raise UsageError(
-                f"--seed must be at least {MIN_SEED_BYTES} bytes; use a long random secret"
-            )
+            try:
+                check_seed(self.seed)
+            except UsageError as exc:
+                raise UsageError(f"--{exc}") from None
         for name in ("grace_s", "kill_wait_s", "drain_s"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0 seconds")

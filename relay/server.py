@@ -422,6 +422,8 @@ class RelayServer:
             await self._start_stun(metrics)
         except ConfigError:
             self._server.close()
+            if self._own_tap is not None:
+                self._own_tap.close()
             raise
         core_cfg = CoreConfig(
             max_clients=c.max_clients,

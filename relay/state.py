@@ -459,11 +459,12 @@ class RelayCore:
         dest = self._clients.get(dest_id)
         if dest is None:
             m.dropped["unknown_peer"] += 1  # the one reason this datagram is counted under
-            gone = encode_frame(RelayFrameType.PEER_GONE, dest_id)
-            # Room first: the throttle records only a PEER_GONE that is queued.
-            if self._has_room(s, gone) and s.peer_gone.allow(dest_id, now):
+            # Room first: the throttle records only a PEER_GONE that is queued (and the
+            # frame is built only then: a sender may go on sending to the gone peer).
+            room = s.queued() + FRAME_HEADER + ID_LEN <= self.config.queue_bytes
+            if room and s.peer_gone.allow(dest_id, now):
                 m.peer_gone_total += 1
-                self._queue(s, gone)
+                self._queue(s, encode_frame(RelayFrameType.PEER_GONE, dest_id))
             return
         # Checked before the RECV frame is built: a slow reader's drops copy nothing.
         if dest.queued() + FRAME_HEADER + len(body) > self.config.queue_bytes:

@@ -307,7 +307,6 @@ class FederatedRounds:
             raise UsageError("no round is open")
         why = reason or self.due(now) or CloseReason.DEADLINE
         cfg = self.config
-        self._drop_too_stale()
         entries = [self._pending[c] for c in sorted(self._pending)]
         participants = tuple(
             Participant(

@@ -339,7 +339,8 @@ class Group(GroupCore):
         rop = reduce_op(op, arr.dtype)
         ordered = self._ordered(mode, rop, arr)
         mine = self._rank == dst
-        checked = result_buffer(arr, arr.shape, arr.dtype, out)  # on every rank: same call
+        # out= is checked on every rank that passes one; only dst needs a buffer
+        checked = result_buffer(arr, arr.shape, arr.dtype, out) if mine or out is not None else None
         result = checked if mine else None
         self._check_usable()
         if self.size == 1:

@@ -239,11 +239,9 @@ class Membership:
     def _cancel_closed(self, group: Membership) -> None:
         """(Root group) fail the running collectives of ``group`` (a sub-group being
         closed) and of its sub-groups; ``_run`` turns each into GroupBrokenError."""
+        closing = {group, *self._split_from(group)}
         for task, (running, channel, _) in list(self._inflight.items()):
-            g: Membership | None = running
-            while g is not None and g is not group:
-                g = g._parent
-            if g is None or task is asyncio.current_task() or task in self._expired:
+            if running not in closing or task is asyncio.current_task() or task in self._expired:
                 continue
             if task not in self._cancelled_by_loss and task not in self._closed_calls:
                 running._tell_call_failed(channel, running._root_ranks[running._rank])

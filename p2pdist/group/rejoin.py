@@ -128,6 +128,8 @@ class Rejoining(Membership):
                     conn,
                     f"{label} is still connected from {_remote(old)} and not silent: "
                     f"two processes claim rank {rank}?",
+                    rank=rank,
+                    noted=True,  # _wants_rejoin sent the formation note already
                 )
                 return
             await asyncio.sleep(interval / 8)

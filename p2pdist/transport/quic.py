@@ -43,7 +43,6 @@ from .paths import (
     UdpAddress,
     UdpRoute,
     UdpSocket,
-    bind_host_for,
     is_loopback,
     path_key,
 )
@@ -428,15 +427,13 @@ class QuicTransport(EndpointBase[QuicConnection]):
             # at all (else anyone on the relay could fill our pending-handshake slots).
             return self._relay_route(relay, src) if self._may_start(src) else None
 
-        # Nothing raised here may reach the relay session: it carries every relayed peer.
-        try:
-            if classify(data) is DatagramKind.PROBE:
-                if self._puncher is not None:
-                    self._puncher.on_relay_probe(src, data)
-                return
-            self._dispatch(data, RELAY_ADDR, fits, new_route)
-        except Exception:
-            log.exception("error while handling a datagram relayed from %s", src.short())
+        # What raises here is counted and logged (sparingly) by the relay session, which
+        # goes on: RelayPath._handle guards every handler it calls.
+        if classify(data) is DatagramKind.PROBE:
+            if self._puncher is not None:
+                self._puncher.on_relay_probe(src, data)
+            return
+        self._dispatch(data, RELAY_ADDR, fits, new_route)
 
     def _may_start(self, src: EndpointId) -> bool:
         """Whether ``src`` (authenticated by the relay) may start a handshake. When the
@@ -571,9 +568,9 @@ class QuicTransport(EndpointBase[QuicConnection]):
         relay = self._relay
         if not isinstance(relay, RelayPath):
             return True
-        targets = await relay.observation_targets()
+        targets = await self._stun_targets()
         if targets:
-            return bind_host_for(targets) == "127.0.0.1"
+            return all(is_loopback(h) for h, _ in targets)
         host = relay.url.host
         return is_loopback(host) or host.lower() == "localhost"
 

@@ -626,7 +626,7 @@ class TcpTransport(EndpointBase[TcpConnection]):
         address = conn.remote_address
         source = address[0] if address is not None else "?"
         if not self._make_room(now):
-            conn.abort(ConnectionClosedError("too many incoming handshakes in progress"))
+            conn.abort(ConnectionClosedError(f"{conn.label}: too many incoming handshakes"))
             self._note_handshake_slots_full(
                 len(self._pending),
                 f"closing new connections at once, the last from {conn._remote_text()}",

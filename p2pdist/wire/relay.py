@@ -444,8 +444,6 @@ class RelayUrl:
         unknown = set(query) - {"pin"}
         if unknown:
             raise UsageError(f"relay URL {url!r}: unknown parameter(s) {sorted(unknown)}")
-        if "pin" not in query and "pin" in parts.query.split("&"):
-            raise UsageError(f"relay URL {url!r}: pin needs a value (?pin=<endpoint id>)")
         pins = query.get("pin", [])
         if len(pins) > 1:
             raise UsageError(f"relay URL {url!r} has more than one pin")
