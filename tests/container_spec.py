@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["Dockerfile", "compose_services", "substitute"]
+__all__ = ["Dockerfile", "compose_networks", "compose_services", "substitute"]
 
 
 @dataclass
@@ -91,6 +91,12 @@ def compose_services(path: Path) -> dict[str, dict[str, Any]]:
     services = data["services"]
     assert isinstance(services, dict)
     return services
+
+
+def compose_networks(path: Path) -> dict[str, dict[str, Any]]:
+    """The top-level networks of a compose file (``{}`` for one declared bare)."""
+    data = yaml.safe_load(path.read_text())
+    return {name: spec or {} for name, spec in (data.get("networks") or {}).items()}
 
 
 _VAR = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from container_spec import Dockerfile, compose_services, substitute
+from container_spec import Dockerfile, compose_networks, compose_services, substitute
 from natlab import NatLab, require_root
 from relay_helpers import read_relay_url
 
@@ -101,6 +101,14 @@ def test_compose_demo_in_namespaces(tmp_path: Path) -> None:
     relay = services["relay"]
     ranks = {name: s for name, s in services.items() if name != "relay"}
     assert len(ranks) == 2
+    # Each rank alone on an internal network the relay joins: no route between the
+    # ranks on any engine (podman routes between plain bridges), so the demo is relayed.
+    networks = compose_networks(DOCKER / "compose.yaml")
+    rank_networks = [n for rank in ranks.values() for n in rank["networks"]]
+    assert len(set(rank_networks)) == len(rank_networks) == 2
+    for name in rank_networks:
+        assert networks[name].get("internal") is True, name
+        assert name in relay["networks"]
 
     with NatLab("symmetric", "symmetric", workdir=tmp_path) as lab:
         folders = [_hosts_file(lab.host_ns(side), lab.relay_ip) for side in ("a", "b")]
