@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 from . import eventloop
 from .errors import P2PError, UsageError
 from .group import Group
-from .group.profile import LinkProfile, profile_links
+from .group.profile import DEFAULT_SIZES, LinkProfile, profile_links
 from .launch import LaunchConfig, launch
 
 __all__ = ["format_table", "main", "plot", "unwritable"]
@@ -23,13 +24,23 @@ PLOT_HINT = "pip install matplotlib, or the project's plot extra: pip install -e
 
 def format_table(profiles: list[LinkProfile]) -> str:
     """The fitted model and measured bandwidth per link, as text."""
-    lines = [f"{'link':>8} {'alpha (us)':>11} {'beta (GB/s)':>12} {'16 MiB one-way (GB/s)':>22}"]
+    largest = max(profiles[0].sizes) if profiles else DEFAULT_SIZES[-1]
+    head = f"{_size_text(largest)} one-way (GB/s)"
+    lines = [f"{'link':>8} {'alpha (us)':>11} {'beta (GB/s)':>12} {head:>22}"]
     for p in profiles:
-        top = p.bandwidth()[-1] / 1e9
+        top = p.bandwidth()[p.sizes.index(largest)] / 1e9
         lines.append(
             f"{p.a:>3} - {p.b:<2} {p.alpha * 1e6:>11.1f} {p.beta / 1e9:>12.2f} {top:>22.2f}"
         )
     return "\n".join(lines)
+
+
+def _size_text(nbytes: int) -> str:
+    """``16 MiB``, ``4 KiB`` or ``100 B``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
 
 
 def plot(profiles: list[LinkProfile], path: Path) -> None:
@@ -46,7 +57,7 @@ def plot(profiles: list[LinkProfile], path: Path) -> None:
         (line,) = ax.plot(
             p.sizes, [b / 1e9 for b in p.bandwidth()], marker="o", label=f"{p.a}-{p.b}"
         )
-        model = [m / (p.alpha + m / p.beta) / 1e9 for m in p.sizes]
+        model = [m / t / 1e9 if (t := p.alpha + m / p.beta) > 0 else math.inf for m in p.sizes]
         ax.plot(p.sizes, model, linestyle="--", alpha=0.6, color=line.get_color())
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (bytes)")

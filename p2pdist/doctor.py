@@ -282,7 +282,10 @@ def main(argv: list[str]) -> int:
         "--timeout",
         type=float,
         default=10.0,
-        help="bound per check, seconds (--serve: on reaching the relay)",
+        help=(
+            "bound per check, seconds (the 8 MiB transfer to --peer waits at least 30 s, "
+            "for slow links; --serve: on reaching the relay)"
+        ),
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)

@@ -11,7 +11,9 @@ Each child gets:
 Every line a child writes is echoed with a ``[rank R] `` prefix (stdout to stdout,
 stderr to stderr). If a rank fails, the others are stopped (SIGTERM, then SIGKILL
 after :attr:`LaunchConfig.grace_s`) and the launcher exits with the failing code.
-Each rank runs in its own session, so stopping a rank also stops its children. SIGINT,
+Each rank runs in its own session, and when the launcher ends (every rank done, one
+failed, or a signal) it stops what is left of every rank's process group, so no
+background child of a rank outlives the launch. SIGINT,
 SIGTERM, SIGHUP (a closed terminal) and SIGQUIT to the launcher stop every rank the same
 way (SIGQUIT is passed on to the ranks first, with a grace period to dump), and the
 launcher exits with 128 + the signal's number. A terminal that hung up does not stop
@@ -290,12 +292,34 @@ class _Launcher:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, sig)
 
-    async def _wait_all(self, timeout: float) -> bool:
-        running = [p.wait() for p in self.procs if p.returncode is None]
-        if not running:
+    def _signal_groups(self, sig: int) -> None:
+        """Signal every rank's process group, also of ranks that have exited: their
+        background children are still in it. (A group's id is not reused while any
+        process is in it, so this never reaches a stranger.)"""
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+
+    def _groups_alive(self) -> bool:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                continue
             return True
+        return False
+
+    async def _wait_all(self, timeout: float) -> bool:
+        """Wait until every rank and everything left in its process group has exited."""
+        running = [p.wait() for p in self.procs if p.returncode is None]
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
-            await asyncio.wait_for(asyncio.gather(*running), timeout)
+            if running:
+                await asyncio.wait_for(asyncio.gather(*running), timeout)
+            while self._groups_alive():  # the ranks' own children: nothing to wait on
+                if asyncio.get_running_loop().time() >= deadline:
+                    return False
+                await asyncio.sleep(0.02)
         except TimeoutError:
             return False
         return True
@@ -304,12 +328,13 @@ class _Launcher:
         """Stop every rank still running (TERM, grace, KILL) and drain their output."""
         if self.stop_signal == signal.SIGQUIT:  # let them finish their dumps first
             await self._wait_all(self.cfg.grace_s)
-        self._signal_running(signal.SIGTERM)
-        if not await self._wait_all(self.cfg.grace_s):
-            _say(f"ranks still running after {self.cfg.grace_s:g} s; sending SIGKILL")
-            self._signal_running(signal.SIGKILL)
-            if not await self._wait_all(self.cfg.kill_wait_s):
-                _say("some ranks did not exit even after SIGKILL")
+        if self._groups_alive():
+            self._signal_groups(signal.SIGTERM)
+            if not await self._wait_all(self.cfg.grace_s):
+                _say(f"ranks still running after {self.cfg.grace_s:g} s; sending SIGKILL")
+                self._signal_groups(signal.SIGKILL)
+                if not await self._wait_all(self.cfg.kill_wait_s):
+                    _say("some ranks did not exit even after SIGKILL")
         if self.pumps:
             _, pending = await asyncio.wait(self.pumps, timeout=self.cfg.drain_s)
             for task in pending:

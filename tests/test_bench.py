@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 from group_helpers import groups
 
 from p2pdist import UsageError
-from p2pdist.group.profile import fit_alpha_beta, profile_links
+from p2pdist.bench import format_table, plot
+from p2pdist.group.profile import LinkProfile, fit_alpha_beta, profile_links
 
 
 def test_fit_recovers_a_known_model() -> None:
@@ -68,6 +70,22 @@ async def test_profile_links_covers_every_pair_and_agrees() -> None:
         for p in results[0]:
             assert all(t > 0 for t in p.seconds)
             assert p.alpha >= 0 and p.beta > 0
+
+
+async def test_profile_links_bystanders_wait_out_a_pair_slower_than_one_timeout() -> None:
+    """``timeout`` bounds each message: the rank outside a pair waits for the pair's
+    whole measurement, which takes far longer than one message (it used to time out
+    after one message's bound, blame the pair and break the group)."""
+    async with groups(3, timeout=30) as gs:
+        sizes, repeats, bound = (1, 2), 400, 0.05
+        start = time.perf_counter()
+        results = await asyncio.gather(
+            *(profile_links(g, sizes, repeats, timeout=bound) for g in gs)
+        )
+        assert time.perf_counter() - start > 3 * bound  # each pair took longer than `bound`
+        assert [(p.a, p.b) for p in results[2]] == [(0, 1), (0, 2), (1, 2)]
+        total = await asyncio.gather(*(g.all_reduce(np.ones(2)) for g in gs))
+        np.testing.assert_array_equal(total[0], [3.0, 3.0])
 
 
 async def test_profile_links_leaves_the_callers_messages_alone() -> None:
@@ -129,3 +147,18 @@ def test_bench_asks_for_matplotlib_before_measuring(
     assert "no plot" in capsys.readouterr().err
     (cfg,) = launched
     assert cfg.command[cfg.command.index("--png") + 1] == ""  # type: ignore[attr-defined]
+
+
+def test_table_and_plot_take_the_largest_size_and_survive_zero_times(tmp_path: Path) -> None:
+    """The table's last column is the largest size measured, whatever order the sizes
+    came in (it showed the last one given); a link timed at 0 s (fit: alpha 0, beta
+    inf) plots instead of dividing by zero."""
+    sizes, seconds = (1 << 20, 1), (1e-3, 1e-5)
+    alpha, beta = fit_alpha_beta(np.array(sizes, float), np.array(seconds))
+    table = format_table([LinkProfile(0, 1, sizes, seconds, alpha, beta)])
+    assert "1 MiB one-way" in table
+    assert table.splitlines()[1].split()[-1] == f"{(1 << 20) / 1e-3 / 1e9:.2f}"
+    zero = fit_alpha_beta(np.array(sizes, float), np.zeros(2))
+    assert zero == (0.0, float("inf"))
+    plot([LinkProfile(0, 1, sizes, (0.0, 0.0), *zero)], tmp_path / "links.png")
+    assert (tmp_path / "links.png").stat().st_size > 0

@@ -314,6 +314,45 @@ def _stop(proc: Any, pids: list[int]) -> None:
         proc.communicate(timeout=TIMEOUT_S)
 
 
+CHILD_LEAVES_A_CHILD = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    rank = os.environ["P2PDIST_RANK"]
+    bg = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    with open(os.path.join(sys.argv[1], f"bg{rank}.tmp"), "w") as f:
+        f.write(str(bg.pid))
+    os.rename(os.path.join(sys.argv[1], f"bg{rank}.tmp"), os.path.join(sys.argv[1], f"bg{rank}"))
+    if rank == "0":  # fail only once every rank has its child
+        while not os.path.exists(os.path.join(sys.argv[1], "bg1")):
+            time.sleep(0.01)
+        sys.exit(int(sys.argv[2]))
+    """
+)
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_launch_leaves_no_child_of_a_rank_behind(tmp_path: Path, code: int) -> None:
+    """A rank's background child dies with the launch, whether the ranks all succeed or
+    one fails (the launcher used to signal only ranks still running, so the children
+    of ranks that had exited, the failing one's included, lived on)."""
+    proc = run_cli(
+        "launch", "-n", "2", "--", sys.executable, "-c", CHILD_LEAVES_A_CHILD,
+        str(tmp_path), str(code),
+    )  # fmt: skip
+    pids = [int(f.read_text()) for f in sorted(tmp_path.glob("bg?"))]
+    try:
+        assert proc.returncode == code, proc.stderr
+        assert len(pids) == 2, proc.stderr
+        assert _gone(pids), "a rank's background child outlived the launcher"
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
 def test_launch_stops_every_rank_when_it_is_told_to_stop(tmp_path: Path, sig: int) -> None:
     """A closed terminal (SIGHUP) or a kill (SIGTERM) of the launcher stops the ranks,

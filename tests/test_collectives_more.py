@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from group_helpers import groups, slow_link
 
-from p2pdist import ConnectionBrokenError, Group, MismatchError, UsageError
+from p2pdist import ConnectionBrokenError, Group, GroupBrokenError, MismatchError, UsageError
 
 
 def data(rank: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
@@ -164,6 +164,51 @@ async def test_gradient_buckets_reduce_everything_in_place_in_the_background() -
         for r in range(3):
             for i, grad in enumerate(grads[r]):
                 np.testing.assert_array_equal(grad, np.full(shapes[i], 1.0 + i))  # mean of r+i
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"wire_dtyp": "float16"}, "'wire_dtyp'"),
+        ({"out": None}, "no out="),
+        ({"bucket_bytes": True}, "positive int"),
+        ({"bucket_bytes": 1.5}, "positive int"),
+    ],
+)
+async def test_gradient_buckets_refuse_unknown_keywords_at_create(
+    kwargs: dict[str, Any], message: str
+) -> None:
+    """A misspelt all_reduce keyword used to pass create() and add(), then fail every
+    bucket at wait() with a TypeError."""
+    from p2pdist import GradientBuckets
+
+    async with groups(2) as gs:
+        with pytest.raises(UsageError, match=message):
+            await GradientBuckets.create(gs[0], **kwargs)
+
+
+async def test_gradient_buckets_close_ends_their_sub_group_and_the_group_goes_on() -> None:
+    from p2pdist import GradientBuckets
+
+    async with groups(2) as gs:
+        buckets = await asyncio.gather(*(GradientBuckets.create(g) for g in gs))
+        subs = [b._group for b in buckets]
+
+        async def step(b: GradientBuckets, r: int) -> np.ndarray:
+            async with b:
+                x = np.full(4, float(r), np.float32)
+                b.add(x)
+                await b.wait()
+                b.add(np.zeros(8, np.float32))  # not waited for: close stops it
+            return x
+
+        xs = await asyncio.gather(*(step(b, r) for r, b in enumerate(buckets)))
+        np.testing.assert_array_equal(xs[0], np.full(4, 0.5, np.float32))
+        for sub in subs:
+            with pytest.raises(GroupBrokenError):
+                await sub.all_reduce(np.ones(2))
+        total = await asyncio.gather(*(g.all_reduce(np.ones(2)) for g in gs))
+        np.testing.assert_array_equal(total[1], [2.0, 2.0])
 
 
 async def test_concurrent_splits_get_distinct_spaces() -> None:

@@ -23,7 +23,9 @@ class GradientBuckets:
     arrays in the same order, then ``await wait()``: every added array then holds its
     reduced value (in place). Buckets are reduced on a sub-group of their own, so their
     collectives never interleave with the caller's, and a bucket starts reducing as soon
-    as it is full.
+    as it is full. Create the helper once and use it for every step: each ``create``
+    takes one of the group's sub-group channel spaces for the group's lifetime (a group
+    has 32512). :meth:`close` (or ``async with``) ends the sub-group.
 
     With ``error_feedback=True`` (and a ``wire_dtype``) every bucket keeps an
     :class:`ErrorFeedback` of its own: the k-th bucket of a step (counted from the last
@@ -81,8 +83,15 @@ class GradientBuckets:
         ``error_feedback=True`` gives every bucket an :class:`ErrorFeedback` of its own
         (an ErrorFeedback object is refused: one object cannot serve several buckets).
         """
-        if bucket_bytes < 1:
-            raise UsageError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise UsageError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        unknown = sorted(set(reduce) - _REDUCE_KEYWORDS)
+        if unknown:
+            raise UsageError(
+                f"GradientBuckets.create() got {', '.join(map(repr, unknown))}: the all_reduce "
+                f"keywords it passes on are {', '.join(sorted(_REDUCE_KEYWORDS))} (buckets are "
+                "reduced in place, so there is no out=)"
+            )
         feedback = reduce.pop("error_feedback", False)
         if feedback is None:
             feedback = False
@@ -191,6 +200,23 @@ class GradientBuckets:
             a.reshape(-1)[:] = flat[offset : offset + a.size]
             offset += a.size
 
+    async def close(self) -> None:
+        """End the helper and its sub-group (collective, like ``Group.close`` of a
+        sub-group). Arrays added since the last :meth:`wait` are not reduced: a bucket
+        still running stops and its arrays keep the values they were added with."""
+        self._pending, self._pending_bytes = [], 0
+        tasks, self._tasks, self._counts = self._tasks, [], []
+        await self._group.close()  # fails the sub-group's calls still running
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def __aenter__(self) -> GradientBuckets:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
     async def wait(self) -> None:
         """Flush, then wait for every bucket; raises the first failure, with a note naming
         the first bucket not reduced (it and every later bucket were left as they were).
@@ -218,6 +244,7 @@ class GradientBuckets:
 
 
 _NOTE = "GradientBuckets: "
+_REDUCE_KEYWORDS = frozenset({"mode", "wire_dtype", "block", "timeout"})
 
 
 def _note(err: BaseException, k: int, buckets: int, arrays: int) -> None:

@@ -32,7 +32,9 @@ class LinkProfile:
 
     def bandwidth(self) -> list[float]:
         """Measured bytes per second per size."""
-        return [m / t if t > 0 else 0.0 for m, t in zip(self.sizes, self.seconds, strict=True)]
+        return [
+            m / t if t > 0 else float("inf") for m, t in zip(self.sizes, self.seconds, strict=True)
+        ]
 
 
 def fit_alpha_beta(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
@@ -67,6 +69,8 @@ async def profile_links(
     """Ping-pong every pair of ranks in turn (collective: call on all ranks).
 
     Every rank returns the same list (rank 0's measurements are shared with all).
+    ``timeout`` (default: the group's) bounds each message; ranks not in the pair being
+    measured wait up to that times the pair's message count.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise UsageError(f"repeats must be a positive int, got {repeats!r}")
@@ -86,6 +90,11 @@ async def _profile(
     group: Group, sizes: tuple[int, ...], repeats: int, timeout: float | None
 ) -> list[LinkProfile]:
     n, me = group.size, group.rank
+    # The other ranks wait in the broadcast while a pair measures: up to 2 (repeats + 1)
+    # messages per size, each bounded by `timeout`. Bounding their wait by one message's
+    # timeout made them give up on a healthy pair (and the group with it).
+    per_message = group.config.timeout if timeout is None else timeout
+    pair_bound = per_message * (2 * (repeats + 1) * len(sizes) + 1)
     results: list[LinkProfile] = []
     for a in range(n):
         for b in range(a + 1, n):
@@ -105,7 +114,7 @@ async def _profile(
                             await group.send(buf, other, timeout=timeout)
                         samples.append((time.perf_counter() - t0) / 2)
                     times[i] = float(np.median(samples[1:]))  # the first one warms up
-            times = await group.broadcast(times, src=a, timeout=timeout)
+            times = await group.broadcast(times, src=a, timeout=pair_bound)
             alpha, beta = fit_alpha_beta(np.array(sizes, float), times)
             results.append(LinkProfile(a, b, tuple(sizes), tuple(times.tolist()), alpha, beta))
             await group.barrier(timeout=timeout)
