@@ -6,7 +6,10 @@ Each child gets:
 * ``P2PDIST_SEED`` - the group seed (random unless given), shared by all ranks;
 * ``P2PDIST_RANK`` / ``P2PDIST_WORLD`` - its rank and the number of ranks;
 * ``P2PDIST_PEERS`` - ``host:port`` of every rank, comma-separated, in rank order;
-* ``P2PDIST_TLS`` - ``"1"``, or ``"0"`` with ``--plaintext``.
+* ``P2PDIST_TLS`` - ``"1"``, or ``"0"`` with ``--plaintext``;
+
+and loses ``P2PDIST_RELAY`` / ``P2PDIST_RELAY_TOKEN`` from the launcher's environment
+(the ranks are wired by ``P2PDIST_PEERS``).
 
 Every line a child writes is echoed with a ``[rank R] `` prefix (stdout to stdout,
 stderr to stderr). If a rank fails, the others are stopped (SIGTERM, then SIGKILL
@@ -151,6 +154,9 @@ def pick_free_ports(host: str, count: int) -> list[int]:
             s.close()
 
 
+_RELAY_ENV = ("P2PDIST_RELAY", "P2PDIST_RELAY_TOKEN")
+
+
 def _format_peer(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -158,8 +164,10 @@ def _format_peer(host: str, port: int) -> str:
 def rank_env(
     base: Mapping[str, str], *, rank: int, world: int, seed: str, peers: Sequence[str], tls: bool
 ) -> dict[str, str]:
-    """The environment for rank ``rank``: ``base`` plus the ``P2PDIST_*`` variables."""
-    env = dict(base)
+    """The environment for rank ``rank``: ``base`` plus the ``P2PDIST_*`` variables,
+    without a relay URL and token that ``base`` may hold (the launched ranks reach each
+    other at ``peers``; ``Group.from_env`` refuses both set)."""
+    env = {k: v for k, v in base.items() if k not in _RELAY_ENV}
     env[ENV_SEED] = seed
     env[ENV_RANK] = str(rank)
     env[ENV_WORLD] = str(world)

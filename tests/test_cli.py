@@ -247,8 +247,9 @@ def test_line_splitter_partial_and_long_lines() -> None:
 def test_exit_status_and_rank_env() -> None:
     assert exit_status(3) == 3
     assert exit_status(-9) == 137
-    env = rank_env({"X": "1"}, rank=1, world=2, seed="s", peers=["h:1", "h:2"], tls=False)
-    assert env == {
+    base = {"X": "1", "P2PDIST_RELAY": "https://r:1/?pin=x", "P2PDIST_RELAY_TOKEN": "t"}
+    env = rank_env(base, rank=1, world=2, seed="s", peers=["h:1", "h:2"], tls=False)
+    assert env == {  # an exported relay URL would make Group.from_env refuse the peers
         "X": "1",
         "P2PDIST_SEED": "s",
         "P2PDIST_RANK": "1",

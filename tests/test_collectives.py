@@ -310,6 +310,19 @@ async def test_recv_arguments_are_checked_before_anything_is_taken() -> None:
         np.testing.assert_array_equal(got[1], x)
 
 
+def test_from_env_refuses_peers_and_a_relay_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It used to take the relay and drop the peers without a word."""
+    monkeypatch.setenv("P2PDIST_SEED", "a-seed-of-enough-bytes")
+    monkeypatch.setenv("P2PDIST_RANK", "0")
+    monkeypatch.setenv("P2PDIST_WORLD", "2")
+    monkeypatch.setenv("P2PDIST_PEERS", "127.0.0.1:1,127.0.0.1:2")
+    monkeypatch.setenv("P2PDIST_RELAY", "https://127.0.0.1:9/?pin=" + "a" * 52)
+    with pytest.raises(UsageError, match="both P2PDIST_PEERS and P2PDIST_RELAY"):
+        Group.from_env()
+    monkeypatch.delenv("P2PDIST_RELAY")
+    assert Group.from_env().size == 2  # made, not started: nothing connects yet
+
+
 def test_from_env_says_which_variable_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("P2PDIST_RANK", "P2PDIST_WORLD", "P2PDIST_SEED", "P2PDIST_PEERS"):
         monkeypatch.delenv(name, raising=False)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from relay_helpers import RelayProcess
 
-from p2pdist import Group, GroupConfig, P2PError, PunchConfig
+from p2pdist import Group, GroupConfig, P2PError, P2PTimeoutError, PunchConfig
 
 SEED = "relay-group-seed-0123456789"
 MARKER = b"PLAINTEXT-MARKER-7d1f0c"
@@ -134,3 +134,25 @@ async def test_a_relay_refusal_is_named_when_the_group_forms(tmp_path: Path) -> 
         )
         with pytest.raises(PeerAuthenticationError, match="bad token"):
             await g.start()
+
+
+async def test_a_rank_with_another_seed_through_the_relay_is_named_with_a_hint(
+    tmp_path: Path,
+) -> None:
+    """Through a relay a rank with another seed refuses nothing (it has other ids, so
+    the ranks never meet): the formation error asks about the seed instead of only
+    saying the rank never connected."""
+    with RelayProcess(tmp_path) as relay:
+        short = GroupConfig(connect_timeout=2.0, punch=PunchConfig(enabled=False))
+        gs = [
+            Group.from_seed(seed, rank=r, world=2, relay=relay.url, config=short)
+            for r, seed in enumerate((SEED, SEED + "-other"))
+        ]
+        try:
+            errors = await asyncio.gather(*(g.start() for g in gs), return_exceptions=True)
+        finally:
+            await asyncio.gather(*(g.close() for g in gs))
+        for r, err in enumerate(errors):
+            assert isinstance(err, P2PTimeoutError), err
+            assert f"no connection to rank {1 - r}" in str(err)
+            assert "same seed and relay?" in str(err)

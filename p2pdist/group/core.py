@@ -198,7 +198,8 @@ class GroupCore(Runner):
     def from_env(cls, *, config: GroupConfig | None = None) -> Self:
         """A seed group described by P2PDIST_SEED, P2PDIST_RANK, P2PDIST_WORLD and either
         P2PDIST_PEERS (comma-separated host:port) or P2PDIST_RELAY (a relay URL, with
-        P2PDIST_RELAY_TOKEN if the relay wants one); P2PDIST_TLS=0 selects plaintext."""
+        P2PDIST_RELAY_TOKEN if the relay wants one), not both; P2PDIST_TLS=0 selects
+        plaintext."""
 
         def need(name: str) -> str:
             value = os.environ.get(name)
@@ -216,9 +217,14 @@ class GroupCore(Runner):
             raise UsageError("P2PDIST_RANK and P2PDIST_WORLD must be integers") from None
         relay = os.environ.get("P2PDIST_RELAY") or None
         peers_text = os.environ.get("P2PDIST_PEERS", "")
-        peers = [p for p in peers_text.split(",") if p] if world > 1 and not relay else None
+        peers = [p for p in peers_text.split(",") if p] if world > 1 else None
         if world > 1 and not peers and not relay:
             raise UsageError("set P2PDIST_PEERS (host:port list) or P2PDIST_RELAY (a relay URL)")
+        if peers and relay:  # one of them would be ignored: say so instead of guessing
+            raise UsageError(
+                "both P2PDIST_PEERS and P2PDIST_RELAY are set: unset one (P2PDIST_PEERS: "
+                "ranks reach each other at those addresses; P2PDIST_RELAY: through the relay)"
+            )
         tls = os.environ.get("P2PDIST_TLS", "1") not in ("0", "false", "no")
         return cls.from_seed(
             need("P2PDIST_SEED"),

@@ -39,6 +39,7 @@ from ..transport.dial import dial_with_retry
 from ..transport.mailbox import SPACE_SHIFT
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
+from ..wire.relay import RelayUrl
 from .config import GroupConfig
 from .link import CollectiveLink
 
@@ -92,6 +93,7 @@ class Membership:
     _rejoin: bool
     _failure_log: list[str]
     _addresses: list[Address] | None
+    _relay_url: RelayUrl | None
 
     # ---- provided by GroupCore ------------------------------------------------------------
 
@@ -354,6 +356,10 @@ class Membership:
             if not_in:
                 names = ", ".join(f"{self.peer_label(r)} {self._where(r)}" for r in not_in)
                 why.append(f"no connection to {names}")
+                if self._relay_url is not None:
+                    # Through a relay a rank with another seed has other ids: nobody
+                    # refuses anything, the ranks just never meet.
+                    why.append("is every rank running, with the same seed and relay?")
                 higher = range(self._rank + 1, self.size)
                 if higher and all(r in not_in for r in higher):
                     # No higher rank dialed us: they may be running without this rank.
