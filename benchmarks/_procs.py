@@ -1,13 +1,17 @@
-"""Helpers the relay benchmarks share: a local relay process and a process's CPU time."""
+"""Helpers the benchmarks share: a local relay process, a process's CPU time, and child
+processes that are waited for in short slices and never left running."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -51,3 +55,43 @@ def local_relay(loop: str, workdir: Path) -> Iterator[tuple[str, int]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=15)
+
+
+@contextlib.contextmanager
+def children(grace: float) -> Iterator[list[Any]]:
+    """A list for the caller to put the ``multiprocessing`` processes it starts in; on exit
+    each is joined (up to ``grace`` seconds, none when the block raised) and killed if it
+    is still alive."""
+    procs: list[Any] = []
+    ok = False
+    try:
+        yield procs
+        ok = True
+    finally:
+        for p in procs:
+            p.join(timeout=grace if ok else 0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def wait_for(q: Any, procs: list[Any], timeout: float, what: str) -> Any:
+    """The next item on the queue ``q``, waited for in short slices: RuntimeError as soon
+    as one of ``procs`` has died (non-zero exit status) or all have exited without it,
+    TimeoutError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return q.get(timeout=0.2)
+        except queue.Empty:
+            pass
+        dead = [p for p in procs if p.exitcode not in (None, 0)]
+        if dead:
+            raise RuntimeError(f"{what}: {dead[0].name} exited with status {dead[0].exitcode}")
+        if all(p.exitcode is not None for p in procs):
+            try:  # what a process put before it exited is in the pipe by now
+                return q.get(timeout=1)
+            except queue.Empty:
+                raise RuntimeError(f"{what}: every process exited without it") from None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: nothing within {timeout:g} s")

@@ -12,7 +12,10 @@ median time per all-reduce and the table shows the maximum of those medians over
 GB/s (1e9 bytes per second). Sizes are bytes of float32 data. Both sides reduce in
 place, as ``torch.distributed.all_reduce(t)`` always does: p2pdist is called as
 ``all_reduce(x, out=x)`` (``--out-of-place`` measures the call that returns a fresh array
-instead); every rank refills its input before each call, outside the timer.
+instead); every rank refills its input before each call, outside the timer, with a
+position-dependent pattern whose sums are exact small integers, and checks the whole
+result of every timed call against the exact sum, outside the timer too (within a
+tolerance for a wire that cannot carry it exactly: int8).
 
 Every p2pdist mode runs on each event loop of ``--loop`` (default: asyncio and uvloop
 when uvloop is installed; uvloop columns carry a ``+uv`` suffix), one loop right after the
@@ -21,8 +24,11 @@ other, so that they see the same machine load.
 Usage::
 
     python benchmarks/allreduce.py [--world 2 4] [--sizes 4K 64K 1M 16M 64M] [--iters N]
-                                   [--modes tls plaintext] [--loop asyncio uvloop]
+                                   [--warmup N] [--rounds N] [--modes tls plaintext]
+                                   [--loop asyncio uvloop] [--out-of-place] [--detail]
                                    [--no-gloo] [--no-mpi] [--markdown]
+
+(``-h`` lists the rest: ``--no-p2pdist``, ``--no-tcp``, ``--timeout``, ``--logdir``.)
 
 Run it with an interpreter that has torch installed (``.bench-venv``) to get the Gloo
 columns; without torch they are skipped with a note. Where ``mpicc`` and ``mpirun`` are
@@ -94,7 +100,7 @@ def parse_size(text: str) -> int:
     i = len(s)
     while i > 0 and not s[i - 1].isdigit():
         i -= 1
-    if i == 0 or s[i:] not in _UNITS:
+    if not s[:i].isdigit() or s[i:] not in _UNITS:
         raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 4K, 16M)")
     n = int(s[:i]) * _UNITS[s[i:]]
     if n <= 0 or n % 4:
@@ -707,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     out.append(
         "timing: per size, warm-up then barrier then timed calls; latency = max over "
         "ranks of the per-rank median; busbw = bytes/time * 2(n-1)/n, GB/s = 1e9 B/s; "
-        "input refilled before each call, outside the timer; "
+        "input refilled before each call and every result checked, outside the timer; "
         + (
             "p2pdist out of place (a fresh result array per call), Gloo in place"
             if args.out_of_place

@@ -2,9 +2,11 @@
  *
  * Timed exactly as the Python workers time p2pdist and Gloo: per size, warm-up calls,
  * a barrier, then timed in-place float32 sums whose input every rank refills before
- * each call, outside the timer; then the median of BARRIER_ITERS barriers. Every rank
- * checks its result; rank 0 writes the maximum over ranks of each per-rank median (and
- * of the process CPU time per call) as JSON to RESULT.
+ * each call, outside the timer, with the workers' pattern (base + rank + 1, base[k] =
+ * k % PERIOD: every sum is a small integer, exact in float32); then the median of
+ * BARRIER_ITERS barriers. Every rank checks the whole result of every timed call against
+ * the exact sum, outside the timer; rank 0 writes the maximum over ranks of each per-rank
+ * median (and of the process CPU time per call) as JSON to RESULT.
  *
  * Usage: mpirun -np N mpi_allreduce RESULT BYTES:WARMUP:ITERS [BYTES:WARMUP:ITERS ...]
  */
@@ -15,6 +17,7 @@
 #include <time.h>
 
 #define BARRIER_ITERS 200
+#define PERIOD 16
 
 static double cpu_seconds(void) {
     struct timespec ts;
@@ -46,7 +49,7 @@ int main(int argc, char **argv) {
     if (argc < 3) fail("usage: mpi_allreduce RESULT BYTES:WARMUP:ITERS ...");
     FILE *out = NULL;
     if (rank == 0 && (out = fopen(argv[1], "w")) == NULL) fail("cannot open the result file");
-    const float expected = (float)world * (float)(world + 1) / 2.0f;
+    const float offset = (float)(rank + 1), total = (float)(world * (world + 1) / 2);
     if (out) fputs("{\"results\": [", out);
     for (int a = 2; a < argc; a++) {
         long bytes;
@@ -56,29 +59,32 @@ int main(int argc, char **argv) {
             fail("bad size spec (want BYTES:WARMUP:ITERS)");
         long count = bytes / 4;
         float *x = malloc((size_t)count * sizeof(float));
+        float *base = malloc((size_t)count * sizeof(float));
         double *t = malloc((size_t)iters * sizeof(double));
-        if (x == NULL || t == NULL) fail("out of memory");
+        if (x == NULL || base == NULL || t == NULL) fail("out of memory");
+        for (long k = 0; k < count; k++) base[k] = (float)(k % PERIOD);
         for (int i = 0; i < warmup; i++) {
-            for (long k = 0; k < count; k++) x[k] = (float)(rank + 1);
+            for (long k = 0; k < count; k++) x[k] = base[k] + offset;
             MPI_Allreduce(MPI_IN_PLACE, x, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
         }
         MPI_Barrier(MPI_COMM_WORLD);
         double cpu = 0.0;
         for (int i = 0; i < iters; i++) {
-            for (long k = 0; k < count; k++) x[k] = (float)(rank + 1);
+            for (long k = 0; k < count; k++) x[k] = base[k] + offset;
             double c0 = cpu_seconds(), t0 = MPI_Wtime();
             MPI_Allreduce(MPI_IN_PLACE, x, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
             t[i] = MPI_Wtime() - t0;
             cpu += cpu_seconds() - c0;
+            for (long k = 0; k < count; k++)
+                if (x[k] != (float)world * base[k] + total) fail("wrong all-reduce result");
         }
-        for (long k = 0; k < count; k++)
-            if (x[k] != expected) fail("wrong all-reduce result");
         double mine[2] = {median(t, iters), cpu / iters}, worst[2];
         MPI_Reduce(mine, worst, 2, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
         if (out)
             fprintf(out, "%s{\"bytes\": %ld, \"iters\": %d, \"median\": %.9g, \"cpu\": %.9g}",
                     a > 2 ? ", " : "", bytes, iters, worst[0], worst[1]);
         free(x);
+        free(base);
         free(t);
     }
     double b[BARRIER_ITERS];

@@ -1,7 +1,9 @@
 """One-way throughput of QUIC between two processes on loopback, against its references.
 
-Each row is one sender process and one receiver process; the receiver times from the first
-to the last message and reports MB/s (10^6 bytes per second of payload):
+Each row is one sender process and one receiver process; the receiver reports MB/s (10^6
+bytes per second of payload). A bare row times from the first stream data to the last and
+counts the bytes after the first event's; a p2pdist row times from the sender's "go"
+message (every connection up) to the last message and counts every message's bytes.
 
 * ``aioquic bare``: a minimal aioquic client and server (``aioquic.asyncio.connect`` /
   ``serve``) pushing one stream over UDP, with the same TLS and window settings: the
@@ -17,6 +19,7 @@ Every row runs on each event loop of ``--loop`` (default: asyncio and uvloop whe
 is installed), the loops interleaved run by run so that they see the same machine load.
 The relay row uses a relay process this script starts on 127.0.0.1 on the same loop as
 the peers (``--relay URL`` uses a running relay instead; ``--no-relay`` skips the row).
+``--mib`` must be a multiple of ``--msg-kib`` (the senders send whole messages).
 
 Run: ``python benchmarks/quic_throughput.py [--mib 128] [--msg-kib 1024] [--loop asyncio uvloop]``
 """
@@ -31,6 +34,7 @@ import os
 import platform
 import socket
 import ssl
+import statistics
 import sys
 import tempfile
 import time
@@ -40,7 +44,7 @@ from typing import Any
 
 import numpy as np
 from _loops import add_loop_argument, chosen_loops
-from _procs import cpu_seconds, local_relay
+from _procs import children, cpu_seconds, local_relay, wait_for
 from aioquic.asyncio import QuicConnectionProtocol, connect, serve
 from aioquic.quic.events import QuicEvent, StreamDataReceived
 
@@ -221,27 +225,29 @@ def measure(kind: str, total: int, size: int, relay_pid: int = 0, **opts: Any) -
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = pick_free_ports("127.0.0.1", 1)[0] if kind == "tcp" else _free_udp_port()
-    recv = ctx.Process(target=_worker, args=(kind, "recv", port, total, size, opts, q))
-    recv.start()
-    try:
-        assert q.get(timeout=60) == "listening"
-        send = ctx.Process(target=_worker, args=(kind, "send", port, total, size, opts, q))
+    args = (port, total, size, opts, q)
+    with children(grace=60) as procs:  # both are killed when the row fails
+        procs.append(ctx.Process(target=_worker, args=(kind, "recv", *args), name="receiver"))
+        procs[0].start()
+        if (got := wait_for(q, procs, 60, "receiver start")) != "listening":
+            raise RuntimeError(f"receiver: {got!r} instead of 'listening'")
+        procs.append(ctx.Process(target=_worker, args=(kind, "send", *args), name="sender"))
         relay_cpu = cpu_seconds(relay_pid) if relay_pid else 0.0
-        send.start()
-        got = q.get(timeout=600)
+        procs[1].start()
+        got = wait_for(q, procs, 600, "rate")
         result = dict(got) if isinstance(got, dict) else {"rate": float(got)}
         if kind != "bare":
-            result.update(q.get(timeout=120))
+            result.update(wait_for(q, procs, 120, "sender CPU"))
         if relay_pid:  # the whole run, connection set-up included: slightly high
             result["relay_cpu"] = (cpu_seconds(relay_pid) - relay_cpu) / total
-        send.join(timeout=60)
-        if send.is_alive():
-            send.kill()
-    finally:
-        recv.join(timeout=5)
-        if recv.is_alive():
-            recv.kill()
-    return result
+        return result
+
+
+def median_run(runs: list[dict[str, float]]) -> tuple[float, dict[str, float]]:
+    """The median of the runs' rates (the mean of the middle two for an even count) and
+    the run whose rate is nearest to it (the one whose CPU figures are shown)."""
+    rate = statistics.median(m["rate"] for m in runs)
+    return rate, min(runs, key=lambda m: abs(m["rate"] - rate))
 
 
 def main() -> None:
@@ -257,6 +263,8 @@ def main() -> None:
     args = ap.parse_args()
     args.loops = chosen_loops(args.loops)
     total, size = args.mib << 20, args.msg_kib << 10
+    if size <= 0 or total <= 0 or total % size:
+        ap.error("--mib must be a positive multiple of --msg-kib (whole messages are sent)")
     base = QuicConfig()
     rows: list[tuple[str, str, dict[str, Any]]] = [
         ("aioquic bare (same settings)", "bare", {"quic": base}),
@@ -281,6 +289,15 @@ def main() -> None:
         for n in (2, 4):
             rows.append((f"  QUIC direct, {n} connections", "quic", {"quic": base, "conns": n}))
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    if args.no_relay:
+        relay_note = ""
+    elif args.relay:
+        relay_note = f"; relay: the running relay at {args.relay}"
+    else:
+        relay_note = (
+            "; relay: a local relay process on the same loop as the peers "
+            "(a third process on the same cores)"
+        )
     print(
         f"command: python {' '.join(sys.argv)}\n"
         f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
@@ -289,8 +306,7 @@ def main() -> None:
         f"{args.mib} MiB in {args.msg_kib} KiB messages; QUIC defaults: "
         f"{base.loopback_datagram} B datagrams, {base.stream_window >> 20} MiB stream window, "
         f"{base.congestion_control}); loops interleaved run by run; ratio: against bare "
-        "aioquic, same datagram size and loop; relay: a local relay process on the same "
-        "loop as the peers (a third process on the same cores)",
+        f"aioquic, same datagram size and loop{relay_note}",
         flush=True,
     )
     bare: dict[tuple[int, str], float] = {}
@@ -320,11 +336,11 @@ def main() -> None:
                 print(f"{name:<40} failed: {exc!r}", flush=True)
                 continue
             for loop in args.loops:
-                ordered = sorted(runs[loop], key=lambda m: m["rate"])
-                r = [m["rate"] / 1e6 for m in ordered]
-                rate = r[len(r) // 2]
+                r = sorted(m["rate"] / 1e6 for m in runs[loop])
+                rate, middle = median_run(runs[loop])
+                rate /= 1e6
                 if kind == "quic" and "conns" not in opts and opts["quic"] == base:
-                    cpu_rows[name, loop] = ordered[len(r) // 2]
+                    cpu_rows[name, loop] = middle
                 dgram = opts["quic"].loopback_datagram if "quic" in opts else 0
                 if kind == "bare":
                     bare[dgram, loop] = rate
@@ -337,7 +353,8 @@ def main() -> None:
                 print(f"{label:<50} {rate:9.1f}{ratio}{spread}", flush=True)
     if cpu_rows:
         print(
-            "CPU per MB moved (ms of CPU time per 10^6 payload bytes, from the median run; "
+            "CPU per MB moved (ms of CPU time per 10^6 payload bytes, from the run nearest "
+            "the median; "
             "the relay's includes connection set-up):"
         )
         for (name, loop), m in cpu_rows.items():

@@ -4,9 +4,11 @@ On a small shared machine the load changes from second to second, so timing one 
 the other (as ``benchmarks/allreduce.py`` does) can make any mode look faster or slower
 than another. Here every rank runs all modes in turn, round after round, in the same
 processes and on the same connections (loopback TCP, plaintext or ``--tls``), and the
-table reports per mode the median over rounds (the max over ranks of each rank's median),
-bus bandwidth, the ratio to plain float32, and the CPU time each rank spent per call
+table reports per mode the time of one call (each rank's median over all its timed calls,
+of every round; the slowest rank's median is shown), bus bandwidth, the ratio to the first
+mode of ``--modes`` (plain float32 by default), and each rank's median CPU time per call
 (process time: on a saturated machine the better guide to what a quiet one would show).
+The event loop is asyncio unless ``P2PDIST_LOOP`` says otherwise; the table names it.
 
     python benchmarks/reduce_modes.py --world 2 --mib 16 64
     python benchmarks/reduce_modes.py --world 4 --mib 64 --modes plain det --rounds 5
@@ -17,7 +19,15 @@ bus bandwidth, the ratio to plain float32, and the CPU time each rank spent per 
 network namespace, its link limited to that rate each way (``tc`` token bucket; root,
 ``ip`` and ``tc`` needed), which is where compressed wires are meant to pay off.
 
-Inputs are Gaussian float32 (seeded per rank); ``busbw = bytes/time * 2(n-1)/n``.
+Inputs are Gaussian float32 (seeded per rank); ``busbw = bytes/time * 2(n-1)/n``. After
+the last round every rank checks each mode's last result (kept until then: a check between
+modes would leave the links idle, and a shaped link's token bucket refilled, before the
+next mode's calls) against the float64 sum of all ranks' inputs (it regenerates the
+others'), and the run fails when one is wrong: ``det``
+must equal that sum rounded once to float32; ``plain`` must be within float32 rounding of
+it (an n-term float32 sum in any order); a compressed mode must be within a loose relative
+bound (``LOOSE``, several times the documented errors) and further from it than float32
+rounding (else its wire dtype was not used).
 """
 
 from __future__ import annotations
@@ -46,6 +56,9 @@ MODES: dict[str, dict[str, Any]] = {
     "int8": {"wire_dtype": "int8"},
     "f16": {"wire_dtype": "float16"},
 }
+LOOSE = {"bf16": 5e-2, "int8": 1e-1, "f16": 1e-2}
+"""Compressed modes: the largest error allowed, relative to the largest |sum| (the tested
+bounds of docs/collectives.md, worlds 2-4: bfloat16 2e-2, int8 3e-2, float16 2e-3)."""
 SEED = "reduce-modes-benchmark-seed"
 SHAPED_PORT = 29400
 """Every rank's port on a shaped LAN (each rank has an address of its own there)."""
@@ -63,11 +76,46 @@ def _rate_text(bits: int) -> str:
     return f"{bits / 1e9:g} Gbit/s" if bits >= 10**9 else f"{bits / 1e6:g} Mbit/s"
 
 
+def _input(rank: int, n: int) -> np.ndarray[Any, Any]:
+    """Rank ``rank``'s input: ``n`` seeded Gaussian float32 values."""
+    return np.random.default_rng(rank).standard_normal(n).astype(np.float32)
+
+
+def reference(world: int, n: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The float64 sum of every rank's input in rank order, and the bound of float32
+    rounding in an n-term sum in any order (``(n-1) * 2^-24 * sum |x|``, 1% margin)."""
+    total = np.zeros(n, np.float64)
+    magnitude = np.zeros(n, np.float64)
+    for r in range(world):
+        x = _input(r, n)
+        total += x
+        magnitude += np.abs(x)
+    return total, (magnitude * ((world - 1) * 2.0**-24 * 1.01)).astype(np.float32)
+
+
+def check(mode: str, got: np.ndarray[Any, Any], ref: Any, fold: Any) -> str | None:
+    """Why ``got``, a result of ``mode``, is wrong (None when it is right); ``ref`` and
+    ``fold`` come from :func:`reference`."""
+    if mode == "det":
+        ok = np.array_equal(got, ref.astype(np.float32))
+        return None if ok else "not the float64 rank-order sum rounded once"
+    err = np.abs(got - ref)
+    within_fold = bool(np.all(err <= fold))
+    if mode == "plain":
+        return None if within_fold else f"off by up to {err.max():.3g}, beyond float32 rounding"
+    rel = float(err.max() / np.abs(ref).max())
+    if rel > LOOSE[mode]:
+        return f"relative error {rel:.2e} above {LOOSE[mode]:g}"
+    return "as exact as float32: the wire dtype was not used" if within_fold else None
+
+
 async def _rank(cfg: dict[str, Any]) -> dict[str, Any]:
     from p2pdist import Group
 
     rank, world, peers = cfg["rank"], cfg["world"], cfg["peers"]
-    x = np.random.default_rng(rank).standard_normal(cfg["nbytes"] // 4).astype(np.float32)
+    n = cfg["nbytes"] // 4
+    x = _input(rank, n)
+    last: dict[str, np.ndarray[Any, Any]] = {}  # each mode's last result of the last round
     wall: dict[str, list[float]] = {m: [] for m in cfg["modes"]}
     cpu: dict[str, list[float]] = {m: [] for m in cfg["modes"]}
     group = Group.from_seed(SEED, rank=rank, world=world, peers=peers, tls=cfg["tls"])
@@ -77,14 +125,21 @@ async def _rank(cfg: dict[str, Any]) -> dict[str, Any]:
                 await g.barrier()
                 for _ in range(cfg["iters"]):
                     t0, c0 = time.perf_counter(), time.process_time()
-                    await g.all_reduce(x, **MODES[mode])
+                    result = await g.all_reduce(x, **MODES[mode])
                     if rnd:
                         wall[mode].append(time.perf_counter() - t0)
                         cpu[mode].append(time.process_time() - c0)
+                if rnd == cfg["rounds"]:  # kept for the check after the last round
+                    last[mode] = result
         await g.barrier()
+    ref, fold = reference(world, n)
+    for mode, got in last.items():
+        if why := check(mode, got, ref, fold):
+            raise AssertionError(f"rank {rank}, {mode}: wrong result: {why}")
     return {
         "wall": {m: statistics.median(v) for m, v in wall.items()},
         "cpu": {m: statistics.median(v) for m, v in cpu.items()},
+        "loop": eventloop.loop_name(),
     }
 
 
@@ -136,7 +191,12 @@ def _run_ranks(
         cmd = [*prefixes[r], sys.executable, __file__, "--worker", json.dumps(cfg)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
     try:
-        outs = [json.loads(p.communicate(timeout=args.timeout)[0]) for p in procs]
+        outs = []
+        for r, p in enumerate(procs):
+            text = p.communicate(timeout=args.timeout)[0]
+            if p.returncode:  # its traceback went to stderr
+                raise SystemExit(f"reduce_modes: rank {r} failed (exit status {p.returncode})")
+            outs.append(json.loads(text))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -144,8 +204,12 @@ def _run_ranks(
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
     link = "TLS" if args.tls else "plaintext"
     where = "loopback" if rate is None else f"links shaped to {_rate_text(rate)} each way"
-    print(f"world {world}, {mib:g} MiB float32, {link}, {where}, load average {load} after the run")
-    print(f"  {'mode':6s} {'time (ms)':>10s} {'busbw GB/s':>11s} {'vs plain':>9s}  cpu/rank (ms)")
+    print(
+        f"world {world}, {mib:g} MiB float32, {link}, {where}, {outs[0]['loop']} event loop, "
+        f"load average {load} after the run"
+    )
+    first = f"vs {args.modes[0]}"
+    print(f"  {'mode':6s} {'time (ms)':>10s} {'busbw GB/s':>11s} {first:>9s}  cpu/rank (ms)")
     base = max(o["wall"][args.modes[0]] for o in outs)
     for m in args.modes:
         t = max(o["wall"][m] for o in outs)

@@ -216,17 +216,18 @@ def run_one(n: int, args: argparse.Namespace, loop: str = "asyncio") -> dict[str
         ],
         stdout=subprocess.PIPE, cwd=ROOT,
     )  # fmt: skip
+    workers: list[Proc] = []
     try:
         assert relay.stdout is not None
         url = read_relay_url(relay.stdout)
         time.sleep(0.5)
         base = _proc_status(relay.pid)
         per = n // args.procs
-        workers = [
-            Proc([sys.executable, __file__, "--worker", url, str(w), str((w + 1) % args.procs),
-                  str(per)])
-            for w in range(args.procs)
-        ]  # fmt: skip
+        for k in range(args.procs):
+            workers.append(
+                Proc([sys.executable, __file__, "--worker", url, str(k), str((k + 1) % args.procs),
+                      str(per)])
+            )  # fmt: skip
         connect_s = max(w.ask()["connected_in"] for w in workers)
         clients = _metric(_metrics(url), "p2pdist_relay_clients")
         for w in workers:
@@ -271,9 +272,21 @@ def run_one(n: int, args: argparse.Namespace, loop: str = "asyncio") -> dict[str
             "drops": drops,
             "hwm_kib": peak["VmHWM"],
         }
-    finally:
-        relay.terminate()
-        relay.wait(30)
+    finally:  # on success the workers have quit already; on an error none is left behind
+        for w in workers:
+            _stop(w.p, 5)
+        _stop(relay, 30)
+
+
+def _stop(p: subprocess.Popen[Any], wait: float) -> None:
+    """Terminate ``p``; kill it when it has not exited within ``wait`` seconds."""
+    if p.poll() is None:
+        p.terminate()
+    try:
+        p.wait(wait)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(10)
 
 
 def main() -> None:

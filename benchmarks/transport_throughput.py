@@ -33,12 +33,16 @@ import time
 from typing import Any
 
 import numpy as np
+from _procs import children, wait_for
 
 from p2pdist import SecretKey, TcpTransport, TransportConfig, eventloop
 from p2pdist.launch import pick_free_ports
 from p2pdist.tls import TlsIdentity
 
 SEED = "transport-bench-seed-0123"
+LOOP_KINDS = ("streams", "p2pdist-plain", "p2pdist-tls")
+"""Columns that run on an event loop (a ``+uv`` suffix runs them on uvloop)."""
+KINDS = ("socket", "tls-socket", *LOOP_KINDS, *(f"{k}+uv" for k in LOOP_KINDS))
 
 
 async def _p2pdist_connection(role: str, port: int, tls: bool, q: Any) -> tuple[Any, Any]:
@@ -141,9 +145,7 @@ def _socket(role: str, port: int, count: int, size: int, q: Any, tls: bool = Fal
             view = buf.data.cast("B")
             start = 0.0
             for i in range(count):
-                got = 0
-                while got < size:
-                    got += conn.recv_into(view[got:])
+                _recv_exactly(conn, view)
                 if i == 0:
                     start = time.perf_counter()
             q.put((count - 1) * size / (time.perf_counter() - start))
@@ -156,6 +158,16 @@ def _socket(role: str, port: int, count: int, size: int, q: Any, tls: bool = Fal
             for _ in range(count):
                 s.sendall(payload.data)
             s.recv(1)
+
+
+def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``conn``; ConnectionError when the peer closes first."""
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(f"peer closed after {got} of {len(view)} bytes")
+        got += n
 
 
 def _socket_both(role: str, port: int, count: int, size: int, q: Any, tls: bool) -> None:
@@ -190,9 +202,7 @@ def _socket_both(role: str, port: int, count: int, size: int, q: Any, tls: bool)
     sender = threading.Thread(target=send_all)
     sender.start()
     for _ in range(count):
-        got = 0
-        while got < size:
-            got += inc.recv_into(view[got:])
+        _recv_exactly(inc, view)
     sender.join()
     q.put(count * size / (time.perf_counter() - start))
     out.sendall(b"k")  # we have all of theirs; close once they have all of ours
@@ -211,9 +221,11 @@ def _worker(
         run(role, port, count, size, q, tls=kind == "tls-socket")
     elif kind == "streams":
         eventloop.run(_streams(role, port, count, size, q), loop=loop)
-    else:
+    elif kind in ("p2pdist-plain", "p2pdist-tls"):
         run_p2p = _p2pdist_both if both else _p2pdist
         eventloop.run(run_p2p(role, port, count, size, kind == "p2pdist-tls", q), loop=loop)
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
 
 
 def measure(kind: str, total: int, size: int, both: bool = False) -> float:
@@ -227,19 +239,16 @@ def measure(kind: str, total: int, size: int, both: bool = False) -> float:
         max(2, total // size),
     )
     args = (port, count, size, q, both)
-    procs = [ctx.Process(target=_worker, args=(kind, "recv", *args))]
-    procs[0].start()
-    try:  # a worker that hangs or dies is killed, never waited for without a bound
-        assert q.get(timeout=60) == "listening"
-        procs.append(ctx.Process(target=_worker, args=(kind, "send", *args)))
+    # a worker that hangs or dies is killed, never waited for without a bound
+    with children(grace=60) as procs:
+        procs.append(ctx.Process(target=_worker, args=(kind, "recv", *args), name="receiver"))
+        procs[0].start()
+        if (got := wait_for(q, procs, 60, f"{kind} receiver start")) != "listening":
+            raise RuntimeError(f"{kind} receiver: {got!r} instead of 'listening'")
+        procs.append(ctx.Process(target=_worker, args=(kind, "send", *args), name="sender"))
         procs[1].start()
-        rates = [float(q.get(timeout=300)) for _ in range(2 if both else 1)]
+        rates = [float(wait_for(q, procs, 300, f"{kind} rate")) for _ in range(2 if both else 1)]
         return min(rates)
-    finally:
-        for p in reversed(procs):
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
 
 
 def _port_pair() -> int:
@@ -268,7 +277,10 @@ def main() -> None:
         "--kinds",
         nargs="+",
         default=kinds,
-        help=f"columns (a '+uv' suffix runs on uvloop; default: {' '.join(kinds)})",
+        choices=KINDS,
+        metavar="KIND",
+        help=f"columns, of: {' '.join(KINDS)} (a '+uv' suffix runs on uvloop; default: "
+        f"{' '.join(kinds)})",
     )
     ap.add_argument(
         "--both-ways",
@@ -277,8 +289,10 @@ def main() -> None:
     )
     args = ap.parse_args()
     kinds = args.kinds
-    if args.both_ways and "streams" in kinds:
-        kinds.remove("streams")  # one-way only
+    if any(k.endswith("+uv") for k in kinds) and not eventloop.uvloop_available():
+        ap.error('--kinds ...+uv: uvloop is not installed here (pip install "p2pdist[fast]")')
+    if args.both_ways:  # streams: one-way only
+        kinds = [k for k in kinds if not k.startswith("streams")]
     if args.both_ways:
         print("throughput of each direction, both at once, GB/s (loopback, 2 processes)")
     else:
