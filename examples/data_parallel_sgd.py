@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import sys
 
 import numpy as np
@@ -45,7 +46,8 @@ def gradient(w: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, f
 
 
 async def train(args: argparse.Namespace) -> int:
-    """Train; return 0 when the ranks end with identical weights (or --no-allreduce)."""
+    """Train; return 0 when the ranks end with identical, finite weights (or
+    --no-allreduce), 1 otherwise (NaN weights are identical on every rank too)."""
     async with Group.from_env() as g:
         x, y, w_star = make_shard(args.seed, g.rank, args.samples, args.features)
         w = np.zeros(args.features, np.float32)
@@ -64,10 +66,13 @@ async def train(args: argparse.Namespace) -> int:
         everyone = await g.all_gather(w)  # shape (size, features)
         spread = float(np.max(np.abs(everyone - everyone[0])))
         identical = all(row.tobytes() == w.tobytes() for row in everyone)
+        finite = bool(np.isfinite(everyone).all())
         if g.rank == 0:
             print(f"distance to w*: {np.linalg.norm(w - w_star):.4f}")
             print(f"max weight difference between ranks: {spread:g} (identical: {identical})")
-        return 0 if identical or args.no_allreduce else 1
+            if not finite:
+                print("training diverged (weights not finite): try a smaller --lr")
+        return 0 if finite and (identical or args.no_allreduce) else 1
 
 
 def main() -> int:
@@ -86,6 +91,8 @@ def main() -> int:
             p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         p.error(f"--lr must be a positive number, got {args.lr}")
+    if args.save is not None and not os.path.isdir(os.path.dirname(args.save) or "."):
+        p.error(f"--save {args.save}: no such directory")  # fail now, not after training
     return asyncio.run(train(args))
 
 

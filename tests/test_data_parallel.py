@@ -78,3 +78,22 @@ def test_single_rank_matches_local_training(tmp_path: Path) -> None:
     (reduced,) = train(tmp_path / "a", "--steps", "10", world=1)
     (alone,) = train(tmp_path / "b", "--steps", "10", "--no-allreduce", world=1)
     assert raw(reduced) == raw(alone)
+
+
+def test_diverged_training_fails_although_the_ranks_agree(tmp_path: Path) -> None:
+    """NaN weights are bitwise identical on every rank, so agreement alone used to report
+    success; a --save folder that does not exist is refused before training."""
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "p2pdist.cli", "launch", "-n", "2", "--",
+            sys.executable, str(SCRIPT), "--steps", "30", "--lr", "50",
+        ],
+        capture_output=True, text=True, timeout=TIMEOUT_S, check=False, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "training diverged" in proc.stdout
+    bad = subprocess.run(
+        [sys.executable, str(SCRIPT), "--save", str(tmp_path / "missing" / "w")],
+        capture_output=True, text=True, timeout=TIMEOUT_S, check=False, cwd=ROOT,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "no such directory" in bad.stderr

@@ -10,9 +10,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -243,6 +247,10 @@ def test_example_coordinator_quorum_flag_is_a_fraction_up_to_1_and_a_count_above
         (["--relay", "notaurl"], "relay URL must start with https://"),
         (["--png", "/nonexistent-p2pdist-dir/x.png"], "no directory"),
         (["--round-timeout", "-1"], "round_timeout"),
+        # every client late: nothing would ever start the rounds (a 120 s wait, then fail)
+        (["--clients", "2", "--late", "2", *["--malicious", "0", "--slow", "0"]], "--late"),
+        (["--alpha", "0"], "--alpha must be positive"),  # shards that are never drawn
+        (["--clients", "500", "--late", "0"], "samples for at most"),
     ],
 )
 def test_example_run_refuses_bad_options_before_starting(args: list[str], message: str) -> None:
@@ -252,3 +260,69 @@ def test_example_run_refuses_bad_options_before_starting(args: list[str], messag
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_example_shards_refuse_what_cannot_be_drawn_instead_of_looping() -> None:
+    """alpha 0 (numpy draws all zeros) or more clients than 10-sample shards looped
+    forever."""
+    train, _ = load_digits()
+    with pytest.raises(ValueError, match="alpha must be positive"):
+        non_iid_shards(train.y, 8, alpha=0.0)
+    with pytest.raises(ValueError, match="at most"):
+        non_iid_shards(train.y, len(train.y) // 10 + 1, alpha=0.5)
+    with pytest.raises(ValueError, match="in 1000 draws"):
+        non_iid_shards(train.y, len(train.y) // 10, alpha=1e-3)
+
+
+def test_example_run_stops_when_a_client_fails(tmp_path: Path) -> None:
+    """A client that exits with an error (not the planned crash) stops the run at once,
+    with the end of its log (it used to be noticed only by the coordinator's 120 s wait
+    for members)."""
+    from examples.federated.run import ClientFailed, Fleet, parse_args
+
+    args = parse_args(["--clients", "2", "--late", "0", "--dropouts", "0"])
+    fleet = Fleet(args, "coordinator-id", tmp_path)
+    (tmp_path / "client1.log").write_text("starting\nValueError: something broke\n")
+    fleet.procs[0] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    fleet.procs[1] = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+
+    class Idle:
+        round = 0
+
+    try:
+        with pytest.raises(ClientFailed, match="client 1 exited with status 3") as exc:
+            asyncio.run(asyncio.wait_for(fleet.supervise(Idle()), 30))  # type: ignore[arg-type]
+        assert "something broke" in str(exc.value)
+    finally:
+        fleet.procs[0].kill()
+        fleet.stop()
+
+
+def test_example_run_stops_its_clients_and_relay_on_sigterm(tmp_path: Path) -> None:
+    """kill (SIGTERM) ends the run like Ctrl-C: clients and the local relay stop with it
+    (the relay used to live on, as SIGTERM skipped the cleanup)."""
+    cmd = [sys.executable, "-m", "examples.federated.run", "--relay", "local"]
+    cmd += ["--rounds", "500", "--logs", str(tmp_path), "--png", str(tmp_path / "a.png")]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # bounded by the run's own waits; the finally kills it
+            if line.startswith(b"started "):
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, err.decode()
+        deadline = time.monotonic() + 15  # what it started is gone (clients idle out in 5 s)
+        while True:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, "a client or the relay outlived the run"
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import logging
 import random
 import socket
@@ -49,6 +50,7 @@ from p2pdist.transport import TransportConfig
 from p2pdist.transport.punch import PunchConfig
 from p2pdist.transport.quic import QuicConnection, QuicTransport
 from p2pdist.transport.quic_core import (
+    AIOQUIC_LOG,
     ALPN,
     PinnedQuicConnection,
     QuicConfig,
@@ -572,6 +574,19 @@ def test_aioquic_internals_exist() -> None:
     assert stream.receiver.starting_offset() == 0
     assert stream.sender.highest_offset == 0 and stream.sender.is_finished is False
     assert QuicConnectionState.DRAINING and QuicConnectionState.FIRSTFLIGHT
+
+
+def test_aioquic_connection_log_is_ours_and_never_warns(caplog: pytest.LogCaptureFixture) -> None:
+    """aioquic warns of every peer protocol error (a stranger's late Initial included),
+    which Python prints on stderr when nothing configured logging; the connection logs
+    under p2pdist's name at INFO instead (quic_core.py docstring, item 5)."""
+    assert "self._logger.warning(exc)" in inspect.getsource(AioQuicConnection.receive_datagram)
+    _, server = sans_io_pair()
+    with caplog.at_level(logging.DEBUG, logger=AIOQUIC_LOG.name):
+        server._logger.warning("Error: 10, reason: Packet contains no CRYPTO frame")
+        server._logger.error("Could not find a common protocol version")
+    assert [(r.name, r.levelno) for r in caplog.records] == [(AIOQUIC_LOG.name, logging.INFO)] * 2
+    assert caplog.records[0].getMessage().startswith("[")  # the connection id, as aioquic's
 
 
 def test_server_requests_and_verifies_client_certificate() -> None:

@@ -22,8 +22,9 @@ import sys
 
 import numpy as np
 
-from p2pdist import SecretKey, TransportConfig
+from p2pdist import SecretKey, TransportConfig, UsageError
 from p2pdist.federated import FederatedClient, RoundTask
+from p2pdist.identity import check_seed
 
 from .model import Split, load_digits, non_iid_shards, sgd
 
@@ -72,15 +73,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--clients must be at least 1, got {args.clients}")
     if not 0 <= args.index < args.clients:
         p.error(f"--index must be in [0, --clients) = [0, {args.clients}), got {args.index}")
+    if not args.alpha > 0:
+        p.error(f"--alpha must be positive, got {args.alpha}")
+    if args.key_seed is not None:
+        try:  # the domain prefix would make any seed long enough: check the user's part
+            check_seed(args.key_seed)
+        except UsageError as exc:
+            p.error(f"--key-seed: {exc}")
     return args
 
 
 async def run(args: argparse.Namespace) -> int:
     """Connect, train and submit until the coordinator says stop."""
     train, _ = load_digits()
-    shard = non_iid_shards(train.y, args.clients, alpha=args.alpha, seed=args.seed)[args.index]
+    try:
+        shards = non_iid_shards(train.y, args.clients, alpha=args.alpha, seed=args.seed)
+    except ValueError as exc:
+        print(f"client {args.index}: {exc}", file=sys.stderr)
+        return 2
+    shard = shards[args.index]
     data = Split(train.x[shard], train.y[shard])
-    key = client_key(args.key_seed, args.index) if args.key_seed else None
+    key = client_key(args.key_seed, args.index) if args.key_seed is not None else None
     client = FederatedClient(
         args.coordinator,
         address=args.address,

@@ -22,6 +22,7 @@ from pathlib import Path
 from p2pdist import SecretKey, TransportConfig, UsageError
 from p2pdist.bench import unwritable
 from p2pdist.federated import Coordinator, FederatedConfig
+from p2pdist.identity import check_seed
 from p2pdist.wire.relay import RelayUrl
 
 from .model import centralised_accuracy, evaluate, init_model, load_digits
@@ -130,7 +131,7 @@ async def serve(
             print(f"coordinator address: {coord.address[0]}:{coord.address[1]}", flush=True)
         if on_ready is not None:
             on_ready(coord)
-        await coord.wait_for_members(wait_for or args.clients, timeout=120.0)
+        await coord.wait_for_members(args.clients if wait_for is None else wait_for, timeout=120.0)
         loss, acc = evaluate(coord.model, test)
         print(f"{len(coord.members)} clients; initial loss {loss:.4f}, accuracy {acc:.2%}\n")
         table = Table(args.rounds)
@@ -169,10 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     add_coordinator_args(p)
     args = p.parse_args(argv)
     check_coordinator_args(p, args)
+    if args.key_seed is not None:
+        try:
+            check_seed(args.key_seed)
+        except UsageError as exc:
+            p.error(f"--key-seed: {exc}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if not args.verbose:  # the table counts rejections; the log lines would clutter it
         logging.getLogger("p2pdist.federated").setLevel(logging.ERROR)
-    key = SecretKey.from_seed(args.key_seed, 0) if args.key_seed else SecretKey.generate()
+    seeded = args.key_seed is not None
+    key = SecretKey.from_seed(args.key_seed, 0) if seeded else SecretKey.generate()
     asyncio.run(serve(args, listen=args.listen, relay=args.relay, key=key))
     return 0
 

@@ -47,14 +47,28 @@ def load_digits() -> tuple[Split, Split]:
     return Split(x[tr], y[tr]), Split(x[te], y[te])
 
 
+MIN_SHARD = 10
+"""Fewest samples a client's shard may hold."""
+SHARD_DRAWS = 1000
+"""Dirichlet draws :func:`non_iid_shards` tries before it gives up."""
+
+
 def non_iid_shards(
     y: np.ndarray, clients: int, alpha: float = 0.3, seed: int = 0
 ) -> list[np.ndarray]:
     """Indices of each client's samples: for every class, a Dirichlet(``alpha``) share
     per client (small alpha: each client sees mostly a few digits). Every client gets
-    at least 10 samples."""
+    at least 10 samples (:class:`ValueError` when that cannot be drawn: ``alpha`` not
+    positive, more than one client per 10 samples, or no luck in 1000 draws)."""
+    if not alpha > 0:  # also NaN
+        raise ValueError(f"alpha must be positive, got {alpha}")
+    if clients < 1 or clients * MIN_SHARD > len(y):
+        raise ValueError(
+            f"{len(y)} samples cannot give {clients} clients {MIN_SHARD} each "
+            f"(at most {len(y) // MIN_SHARD} clients)"
+        )
     rng = np.random.default_rng([seed, clients])
-    while True:
+    for _ in range(SHARD_DRAWS):
         parts: list[list[np.ndarray]] = [[] for _ in range(clients)]
         for c in range(CLASSES):
             idx = rng.permutation(np.flatnonzero(y == c))
@@ -63,8 +77,12 @@ def non_iid_shards(
             for i, piece in enumerate(np.split(idx, cuts)):
                 parts[i].append(piece)
         shards = [np.sort(np.concatenate(p)) for p in parts]
-        if min(len(s) for s in shards) >= 10:
+        if min(len(s) for s in shards) >= MIN_SHARD:
             return shards
+    raise ValueError(
+        f"no split of {len(y)} samples over {clients} clients with alpha {alpha} gave every "
+        f"client {MIN_SHARD} samples in {SHARD_DRAWS} draws: use a larger alpha or fewer clients"
+    )
 
 
 def init_model(seed: int = 0) -> np.ndarray:

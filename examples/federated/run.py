@@ -21,15 +21,19 @@ import contextlib
 import logging
 import secrets
 import select
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from p2pdist import SecretKey
 from p2pdist.federated import Coordinator
 
 from .coordinator import add_coordinator_args, check_coordinator_args, serve
+from .model import MIN_SHARD, load_digits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,6 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     roles = args.malicious + args.slow + args.dropouts + args.late
     if roles > args.clients:
         p.error(f"{roles} special clients but only --clients {args.clients}")
+    if args.late >= args.clients:
+        p.error("--late must leave at least one client that starts at once")
+    if not args.alpha > 0:
+        p.error(f"--alpha must be positive, got {args.alpha}")
+    most = len(load_digits()[0].y) // MIN_SHARD
+    if args.clients > most:
+        p.error(f"--clients {args.clients}: the data has {MIN_SHARD} samples for at most {most}")
     return args
 
 
@@ -130,7 +141,8 @@ class Fleet:
         log.close()
 
     async def supervise(self, coord: Coordinator) -> None:
-        """Start late joiners a few rounds in, restart crashed clients once."""
+        """Start late joiners a few rounds in, restart crashed clients once; raise
+        :class:`ClientFailed` when a client exits with an error."""
         late = [i for i in range(self.args.clients) if self.role(i) == "late"]
         late_round = max(1, self.args.rounds // 5)
         restarted: set[int] = set()
@@ -142,22 +154,41 @@ class Fleet:
                     self.start(i)
                 late = []
             for i, proc in list(self.procs.items()):
-                if proc.poll() == 17 and i not in restarted:
+                code = proc.poll()
+                if code == CRASHED and self.role(i) == "dropout" and i not in restarted:
                     restarted.add(i)
                     print(
                         f"   ! client {i} crashed mid-round {coord.round}; restarting it",
                         flush=True,
                     )
                     self.start(i, crash=False)
+                elif code not in (None, 0, CRASHED):
+                    log = self.logs / f"client{i}.log"
+                    tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+                    raise ClientFailed(
+                        f"client {i} exited with status {code}; the end of {log}:\n"
+                        + "\n".join(f"    {line}" for line in tail)
+                    )
 
     def stop(self) -> None:
-        """Stop every process (clients get stop from the coordinator first)."""
+        """Stop every process (clients get stop from the coordinator first): all of them
+        get up to 5 s together, then the rest are killed."""
+        deadline = time.monotonic() + 5
         for proc in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+CRASHED = 17
+"""The exit status of a client that crashes on purpose (``--crash-round``)."""
+
+
+class ClientFailed(RuntimeError):
+    """A client process exited with an error: the run cannot go on as planned."""
 
 
 def start_local_relay(logs: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -206,8 +237,9 @@ async def main_async(args: argparse.Namespace, logs: Path) -> None:
         )
         supervisor = asyncio.get_running_loop().create_task(fleet.supervise(coord))
 
-    try:
-        await serve(
+    loop = asyncio.get_running_loop()
+    running = loop.create_task(
+        serve(
             args,
             wait_for=args.clients - args.late,
             listen=None if fleet.relay else "127.0.0.1:0",
@@ -215,13 +247,41 @@ async def main_async(args: argparse.Namespace, logs: Path) -> None:
             key=key,
             on_ready=on_ready,
         )
+    )
+    # SIGTERM (kill, a CI job's timeout) ends the run like Ctrl-C: clients and relay stop.
+    terminated: list[int] = []
+
+    def on_sigterm() -> None:
+        terminated.append(signal.SIGTERM)
+        running.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        while not running.done():
+            await asyncio.wait({running}, timeout=0.1)
+            if supervisor is not None and supervisor.done():
+                running.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await running
+                supervisor.result()  # raises ClientFailed
+        running.result()
+    except asyncio.CancelledError:
+        if terminated:
+            raise SystemExit(128 + signal.SIGTERM) from None
+        raise
     finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        running.cancel()
         if supervisor is not None:
             supervisor.cancel()
         fleet.stop()
         if relay_proc is not None:
             relay_proc.terminate()
-            relay_proc.wait(timeout=10)
+            try:
+                relay_proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                relay_proc.kill()
+                relay_proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,12 +290,22 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if not args.verbose:  # the table counts rejections; the log lines would clutter it
         logging.getLogger("p2pdist.federated").setLevel(logging.ERROR)
-    if args.logs is not None:
-        args.logs.mkdir(parents=True, exist_ok=True)
-        asyncio.run(main_async(args, args.logs))
-    else:
-        with tempfile.TemporaryDirectory(prefix="fedlogs-") as tmp:
-            asyncio.run(main_async(args, Path(tmp)))
+    logs = args.logs if args.logs is not None else Path(tempfile.mkdtemp(prefix="fedlogs-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        asyncio.run(main_async(args, logs))
+    except ClientFailed as exc:
+        print(f"run stopped: {exc}", file=sys.stderr)
+        print(f"client logs kept in {logs}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print(f"run stopped; client logs kept in {logs}", file=sys.stderr)
+        return 130
+    except BaseException:
+        print(f"client logs kept in {logs}", file=sys.stderr)
+        raise
+    if args.logs is None:  # a temporary folder: only a failed run's logs are worth keeping
+        shutil.rmtree(logs, ignore_errors=True)
     return 0
 
 

@@ -23,19 +23,26 @@ changes, each relying on an aioquic internal (hence the ``aioquic>=1.2,<2`` pin;
 4. **Path changes.** :meth:`path_changed` sets the datagram size (``_max_datagram_size``,
    also the pacer's) and resets the probe-timeout count (``_loss._pto_count``) when hole
    punching moves the connection between the relay and a direct path.
+5. **Logging.** aioquic logs through ``self._logger`` and warns of every protocol error
+   a peer makes, a stranger's late or forged Initial included; with no logging set up,
+   Python prints such warnings on stderr. The connection logs under
+   ``p2pdist.transport.quic_core.aioquic`` instead, warnings and errors at INFO: the
+   transport reports what ends a connection itself, naming the peer.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import ssl
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import (
     MAX_STREAM_DATA_FRAME_CAPACITY,
     QuicConnection,
+    QuicConnectionAdapter,
     QuicConnectionState,
 )
 from aioquic.quic.events import ConnectionTerminated
@@ -139,6 +146,17 @@ def quic_configuration(
     )
 
 
+AIOQUIC_LOG = logging.getLogger(__name__ + ".aioquic")
+
+
+class _AioquicLog(QuicConnectionAdapter):
+    """aioquic's per-connection log (``[connection id] message``) with warnings and errors
+    lowered to INFO (module docstring, item 5)."""
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        super().log(min(level, logging.INFO), msg, *args, **kwargs)
+
+
 class PinnedQuicConnection(QuicConnection):
     """aioquic's QuicConnection that asks for client certificates and has a sliding,
     pausable receive window (see the module docstring for the internals it uses)."""
@@ -154,6 +172,7 @@ class PinnedQuicConnection(QuicConnection):
             configuration=configuration,
             original_destination_connection_id=original_destination_connection_id,
         )
+        self._logger = _AioquicLog(AIOQUIC_LOG, self._logger.extra)
         self.stream_window = stream_window
         self.receive_paused = False
         """While True, the peer gets no more credit (backpressure from the mailbox)."""
