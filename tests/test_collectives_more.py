@@ -185,6 +185,10 @@ async def test_gradient_buckets_refuse_unknown_keywords_at_create(
     async with groups(2) as gs:
         with pytest.raises(UsageError, match=message):
             await GradientBuckets.create(gs[0], **kwargs)
+        made = await asyncio.gather(  # the keywords it takes are still taken
+            *(GradientBuckets.create(g, wire_dtype="int8", error_feedback=True) for g in gs)
+        )
+        await asyncio.gather(*(b.close() for b in made))
 
 
 async def test_gradient_buckets_close_ends_their_sub_group_and_the_group_goes_on() -> None:
@@ -194,16 +198,28 @@ async def test_gradient_buckets_close_ends_their_sub_group_and_the_group_goes_on
         buckets = await asyncio.gather(*(GradientBuckets.create(g) for g in gs))
         subs = [b._group for b in buckets]
 
-        async def step(b: GradientBuckets, r: int) -> np.ndarray:
+        async def step(b: GradientBuckets, r: int) -> tuple[np.ndarray, np.ndarray]:
             async with b:
                 x = np.full(4, float(r), np.float32)
                 b.add(x)
                 await b.wait()
-                b.add(np.zeros(8, np.float32))  # not waited for: close stops it
-            return x
+                late = np.full(8, 7.0, np.float32)
+                if r == 0:  # a bucket rank 1 never joins: running when close() stops it
+                    b.add(late)
+                    b.flush()
+                    await asyncio.sleep(0.1)
+                    assert not b._tasks[0].done()
+                else:  # closes after rank 0 (whose running bucket would fail at once)
+                    await asyncio.sleep(0.5)
+            with pytest.raises(UsageError, match="closed"):
+                b.add(np.zeros(2, np.float32))
+            with pytest.raises(UsageError, match="closed"):
+                await b.wait()
+            return x, late
 
-        xs = await asyncio.gather(*(step(b, r) for r, b in enumerate(buckets)))
-        np.testing.assert_array_equal(xs[0], np.full(4, 0.5, np.float32))
+        got = await asyncio.gather(*(step(b, r) for r, b in enumerate(buckets)))
+        np.testing.assert_array_equal(got[0][0], np.full(4, 0.5, np.float32))
+        np.testing.assert_array_equal(got[0][1], np.full(8, 7.0, np.float32))  # as added
         for sub in subs:
             with pytest.raises(GroupBrokenError):
                 await sub.all_reduce(np.ones(2))

@@ -25,7 +25,7 @@ class GradientBuckets:
     collectives never interleave with the caller's, and a bucket starts reducing as soon
     as it is full. Create the helper once and use it for every step: each ``create``
     takes one of the group's sub-group channel spaces for the group's lifetime (a group
-    has 32512). :meth:`close` (or ``async with``) ends the sub-group.
+    has 32511). :meth:`close` (or ``async with``) ends the sub-group.
 
     With ``error_feedback=True`` (and a ``wire_dtype``) every bucket keeps an
     :class:`ErrorFeedback` of its own: the k-th bucket of a step (counted from the last
@@ -72,6 +72,7 @@ class GradientBuckets:
         self._sizes: list[int] = []  # elements of each bucket with feedback, by position
         self._index = 0  # position of the next bucket in this step
         self._accepted: set[np.dtype[Any]] = set()  # dtypes that passed _check
+        self._closed = False
 
     @classmethod
     async def create(
@@ -85,7 +86,7 @@ class GradientBuckets:
         """
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise UsageError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-        unknown = sorted(set(reduce) - _REDUCE_KEYWORDS)
+        unknown = sorted(set(reduce) - _REDUCE_KEYWORDS - {"error_feedback"})
         if unknown:
             raise UsageError(
                 f"GradientBuckets.create() got {', '.join(map(repr, unknown))}: the all_reduce "
@@ -111,6 +112,7 @@ class GradientBuckets:
 
         An array the bucket's all_reduce cannot reduce is a :class:`UsageError` here,
         before anything is queued."""
+        self._check_open()
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
             raise UsageError("add() needs a C-contiguous numpy array (it is reduced in place)")
         if not array.flags.writeable:
@@ -200,10 +202,15 @@ class GradientBuckets:
             a.reshape(-1)[:] = flat[offset : offset + a.size]
             offset += a.size
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UsageError("these GradientBuckets were closed: create new ones")
+
     async def close(self) -> None:
         """End the helper and its sub-group (collective, like ``Group.close`` of a
         sub-group). Arrays added since the last :meth:`wait` are not reduced: a bucket
         still running stops and its arrays keep the values they were added with."""
+        self._closed = True
         self._pending, self._pending_bytes = [], 0
         tasks, self._tasks, self._counts = self._tasks, [], []
         await self._group.close()  # fails the sub-group's calls still running
@@ -223,6 +230,7 @@ class GradientBuckets:
         The next :meth:`add` starts a new step (bucket positions count from 0 again),
         also when the last bucket was refused here (a UsageError for its size, raised once
         the step's other buckets are done)."""
+        self._check_open()
         refused: UsageError | None = None
         try:
             self.flush()
