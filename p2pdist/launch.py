@@ -8,15 +8,16 @@ Each child gets:
 * ``P2PDIST_PEERS`` - ``host:port`` of every rank, comma-separated, in rank order;
 * ``P2PDIST_TLS`` - ``"1"``, or ``"0"`` with ``--plaintext``;
 
-and loses ``P2PDIST_RELAY`` / ``P2PDIST_RELAY_TOKEN`` from the launcher's environment
-(the ranks are wired by ``P2PDIST_PEERS``).
+and loses ``P2PDIST_RELAY`` from the launcher's environment (the ranks are wired by
+``P2PDIST_PEERS``; the launcher says so when it drops one).
 
 Every line a child writes is echoed with a ``[rank R] `` prefix (stdout to stdout,
 stderr to stderr). If a rank fails, the others are stopped (SIGTERM, then SIGKILL
 after :attr:`LaunchConfig.grace_s`) and the launcher exits with the failing code.
 Each rank runs in its own session, and when the launcher ends (every rank done, one
 failed, or a signal) it stops what is left of every rank's process group, so no
-background child of a rank outlives the launch. SIGINT,
+background child of a rank outlives the launch (unless it left the group: ``setsid``,
+daemons). SIGINT,
 SIGTERM, SIGHUP (a closed terminal) and SIGQUIT to the launcher stop every rank the same
 way (SIGQUIT is passed on to the ranks first, with a grace period to dump), and the
 launcher exits with 128 + the signal's number. A terminal that hung up does not stop
@@ -42,6 +43,7 @@ from .identity import check_seed
 __all__ = [
     "ENV_PEERS",
     "ENV_RANK",
+    "ENV_RELAY",
     "ENV_SEED",
     "ENV_TLS",
     "ENV_WORLD",
@@ -59,6 +61,7 @@ ENV_RANK = "P2PDIST_RANK"
 ENV_WORLD = "P2PDIST_WORLD"
 ENV_PEERS = "P2PDIST_PEERS"
 ENV_TLS = "P2PDIST_TLS"
+ENV_RELAY = "P2PDIST_RELAY"
 
 _READ_CHUNK = 65536
 
@@ -154,7 +157,33 @@ def pick_free_ports(host: str, count: int) -> list[int]:
             s.close()
 
 
-_RELAY_ENV = ("P2PDIST_RELAY", "P2PDIST_RELAY_TOKEN")
+_GROUP_POLL_S = 0.5
+"""How often the launcher looks for ranks' process groups that have emptied."""
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a process that is not a zombie. (A launcher
+    that is PID 1 or a subreaper inherits a rank's dead background children, and asyncio
+    reaps only the ranks: their zombies would keep the group "alive" forever.)"""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        entries = list(os.scandir("/proc"))
+    except OSError:  # no /proc (macOS): zombies count as alive
+        return True
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"{entry.path}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)"
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != b"Z":  # state, ppid, pgrp, ...
+            return True
+    return False
 
 
 def _format_peer(host: str, port: int) -> str:
@@ -165,9 +194,9 @@ def rank_env(
     base: Mapping[str, str], *, rank: int, world: int, seed: str, peers: Sequence[str], tls: bool
 ) -> dict[str, str]:
     """The environment for rank ``rank``: ``base`` plus the ``P2PDIST_*`` variables,
-    without a relay URL and token that ``base`` may hold (the launched ranks reach each
-    other at ``peers``; ``Group.from_env`` refuses both set)."""
-    env = {k: v for k, v in base.items() if k not in _RELAY_ENV}
+    without a relay URL that ``base`` may hold (the launched ranks reach each other at
+    ``peers``, and ``Group.from_env`` refuses both)."""
+    env = {k: v for k, v in base.items() if k != ENV_RELAY}
     env[ENV_SEED] = seed
     env[ENV_RANK] = str(rank)
     env[ENV_WORLD] = str(world)
@@ -243,6 +272,8 @@ class _Launcher:
         self.pumps: list[asyncio.Task[None]] = []
         self.stop = asyncio.Event()
         self.stop_signal = 0
+        self.groups: set[int] = set()
+        """Process groups of ranks not yet seen empty: the ones teardown may signal."""
 
     async def start(self, envs: Sequence[dict[str, str]]) -> None:
         """Spawn one child per environment, each with its output pumps."""
@@ -259,6 +290,7 @@ class _Launcher:
             except OSError as exc:
                 raise UsageError(f"cannot start {self.cfg.command[0]!r}: {exc}") from exc
             self.procs.append(proc)
+            self.groups.add(proc.pid)  # start_new_session: its pid is its group's id
             prefix = f"[rank {rank}] ".encode()
             assert proc.stdout is not None and proc.stderr is not None
             self.pumps.append(asyncio.create_task(_pump(proc.stdout, sys.stdout.buffer, prefix)))
@@ -280,7 +312,10 @@ class _Launcher:
         stopper = asyncio.create_task(self.stop.wait())
         try:
             while waits:
-                done, _ = await asyncio.wait({*waits, stopper}, return_when="FIRST_COMPLETED")
+                done, _ = await asyncio.wait(
+                    {*waits, stopper}, timeout=_GROUP_POLL_S, return_when="FIRST_COMPLETED"
+                )
+                self._prune_groups()  # forget emptied groups before their ids are reused
                 if stopper in done:
                     _say(f"got {_signal_name(self.stop_signal)}; stopping all ranks")
                     return 128 + self.stop_signal
@@ -300,22 +335,22 @@ class _Launcher:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, sig)
 
+    def _prune_groups(self) -> None:
+        self.groups = {pgid for pgid in self.groups if _group_alive(pgid)}
+
     def _signal_groups(self, sig: int) -> None:
-        """Signal every rank's process group, also of ranks that have exited: their
-        background children are still in it. (A group's id is not reused while any
-        process is in it, so this never reaches a stranger.)"""
-        for proc in self.procs:
+        """Signal the process group of every rank, also of ranks that have exited: their
+        background children are still in it. Only groups not yet seen empty: a group's
+        id is not reused while a process is in it, but it may be once it is empty (the
+        launcher looks every :data:`_GROUP_POLL_S` seconds)."""
+        self._prune_groups()
+        for pgid in self.groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, sig)
+                os.killpg(pgid, sig)
 
     def _groups_alive(self) -> bool:
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, 0)
-            except (ProcessLookupError, PermissionError):
-                continue
-            return True
-        return False
+        self._prune_groups()
+        return bool(self.groups)
 
     async def _wait_all(self, timeout: float) -> bool:
         """Wait until every rank and everything left in its process group has exited."""
@@ -372,6 +407,8 @@ def launch(cfg: LaunchConfig) -> int:
     seed = cfg.seed if cfg.seed is not None else secrets.token_hex(32)
     ports = pick_free_ports(cfg.host, cfg.nprocs)
     peers = [_format_peer(cfg.host, port) for port in ports]
+    if os.environ.get(ENV_RELAY):
+        _say(f"not passing {ENV_RELAY} on: the ranks reach each other at {ENV_PEERS}")
     envs = [
         rank_env(os.environ, rank=r, world=cfg.nprocs, seed=seed, peers=peers, tls=cfg.tls)
         for r in range(cfg.nprocs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from group_helpers import groups
+from group_helpers import groups, slow_link
 
 from p2pdist import UsageError
 from p2pdist.bench import format_table, plot
@@ -77,11 +78,18 @@ async def test_profile_links_bystanders_wait_out_a_pair_slower_than_one_timeout(
     whole measurement, which takes far longer than one message (it used to time out
     after one message's bound, blame the pair and break the group)."""
     async with groups(3, timeout=30) as gs:
-        sizes, repeats, bound = (1, 2), 400, 0.05
+        # Every message far below the bound (a 2 ms link delay against 0.25 s), every
+        # pair's measurement far above it: 2 x 2 x 41 messages, over 0.3 s.
+        sizes, repeats, bound = (1, 2), 40, 0.25
         start = time.perf_counter()
-        results = await asyncio.gather(
-            *(profile_links(g, sizes, repeats, timeout=bound) for g in gs)
-        )
+        with contextlib.ExitStack() as slow:
+            for g in gs:
+                for peer in range(3):
+                    if peer != g.rank:
+                        slow.enter_context(slow_link(g, peer, 0.002))
+            results = await asyncio.gather(
+                *(profile_links(g, sizes, repeats, timeout=bound) for g in gs)
+            )
         assert time.perf_counter() - start > 3 * bound  # each pair took longer than `bound`
         assert [(p.a, p.b) for p in results[2]] == [(0, 1), (0, 2), (1, 2)]
         total = await asyncio.gather(*(g.all_reduce(np.ones(2)) for g in gs))

@@ -251,6 +251,7 @@ def test_exit_status_and_rank_env() -> None:
     env = rank_env(base, rank=1, world=2, seed="s", peers=["h:1", "h:2"], tls=False)
     assert env == {  # an exported relay URL would make Group.from_env refuse the peers
         "X": "1",
+        "P2PDIST_RELAY_TOKEN": "t",  # conflicts with nothing: programs may use it
         "P2PDIST_SEED": "s",
         "P2PDIST_RANK": "1",
         "P2PDIST_WORLD": "2",
@@ -289,8 +290,8 @@ def _start_waiting_ranks(tmp_path: Path, child: str, **popen: Any) -> tuple[Any,
     return proc, [int(f.read_text()) for f in pid_files]
 
 
-def _gone(pids: list[int]) -> bool:
-    deadline = time.monotonic() + TIMEOUT_S
+def _gone(pids: list[int], within: float = TIMEOUT_S) -> bool:
+    deadline = time.monotonic() + within
     for pid in pids:
         while True:
             try:
@@ -320,7 +321,7 @@ CHILD_LEAVES_A_CHILD = textwrap.dedent(
     import os, subprocess, sys, time
     rank = os.environ["P2PDIST_RANK"]
     bg = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)"],
+        [sys.executable, "-c", "import time; time.sleep(600)"],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     with open(os.path.join(sys.argv[1], f"bg{rank}.tmp"), "w") as f:
@@ -347,11 +348,37 @@ def test_launch_leaves_no_child_of_a_rank_behind(tmp_path: Path, code: int) -> N
     try:
         assert proc.returncode == code, proc.stderr
         assert len(pids) == 2, proc.stderr
-        assert _gone(pids), "a rank's background child outlived the launcher"
+        assert _gone(pids, within=10), "a rank's background child outlived the launcher"
     finally:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+SUBREAPER_LAUNCH = textwrap.dedent(
+    """
+    import ctypes, sys
+    assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # CHILD_SUBREAPER
+    from p2pdist.launch import LaunchConfig, launch
+    rank = (
+        "import subprocess, sys; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(0.2)'])"
+    )
+    sys.exit(launch(LaunchConfig(command=(sys.executable, "-c", rank), nprocs=2, tls=False)))
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_CHILD_SUBREAPER is Linux's")
+def test_launch_as_a_subreaper_is_not_held_up_by_zombies() -> None:
+    """A launcher that is PID 1 (a container) or a subreaper inherits the ranks' dead
+    background children, which asyncio never reaps: their zombies kept the groups
+    "alive", and teardown waited for SIGTERM and SIGKILL in vain."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SUBREAPER_LAUNCH], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "SIGKILL" not in proc.stderr and "still running" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])

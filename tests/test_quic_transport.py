@@ -587,6 +587,7 @@ def test_aioquic_connection_log_is_ours_and_never_warns(caplog: pytest.LogCaptur
         server._logger.error("Could not find a common protocol version")
     assert [(r.name, r.levelno) for r in caplog.records] == [(AIOQUIC_LOG.name, logging.INFO)] * 2
     assert caplog.records[0].getMessage().startswith("[")  # the connection id, as aioquic's
+    assert server._loss._logger is server._logger
 
 
 def test_server_requests_and_verifies_client_certificate() -> None:

@@ -162,7 +162,8 @@ class Fleet:
                         flush=True,
                     )
                     self.start(i, crash=False)
-                elif code not in (None, 0, CRASHED):
+                elif code not in (None, 0, CRASHED) and coord.round < self.args.rounds:
+                    # (after the last round a client's error cannot change the result)
                     log = self.logs / f"client{i}.log"
                     tail = log.read_text(errors="replace").strip().splitlines()[-5:]
                     raise ClientFailed(
@@ -211,16 +212,28 @@ def start_local_relay(logs: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 async def main_async(args: argparse.Namespace, logs: Path) -> None:
-    """Coordinator here, clients as processes; returns when all rounds are done."""
+    """Coordinator here, clients as processes; returns when all rounds are done.
+
+    SIGTERM (kill, a CI job's timeout) ends the run like Ctrl-C: the coordinator tells
+    the clients to stop, then clients and the local relay are stopped; a second signal
+    during that cleanup is ignored."""
+    loop = asyncio.get_running_loop()
+    me = asyncio.current_task()
+    assert me is not None
+    terminated: list[bool] = []
+    cleaning: list[bool] = []
+
+    def on_sigterm() -> None:
+        if not terminated and not cleaning and not me.cancelling():
+            terminated.append(True)
+            me.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)  # before anything is started
     key = SecretKey.generate()
     fleet = Fleet(args, str(key.endpoint_id), logs)
-    relay_proc = None
-    if args.relay == "local":
-        relay_proc, fleet.relay = start_local_relay(logs)
-        print(f"local relay: {fleet.relay}")
-    elif args.relay:
-        fleet.relay = args.relay
+    relay_proc: subprocess.Popen[bytes] | None = None
     supervisor: asyncio.Task[None] | None = None
+    running: asyncio.Task[dict[str, object]] | None = None
 
     def on_ready(coord: Coordinator) -> None:
         nonlocal supervisor
@@ -235,34 +248,27 @@ async def main_async(args: argparse.Namespace, logs: Path) -> None:
             f"logs in {logs}",
             flush=True,
         )
-        supervisor = asyncio.get_running_loop().create_task(fleet.supervise(coord))
+        supervisor = loop.create_task(fleet.supervise(coord))
 
-    loop = asyncio.get_running_loop()
-    running = loop.create_task(
-        serve(
-            args,
-            wait_for=args.clients - args.late,
-            listen=None if fleet.relay else "127.0.0.1:0",
-            relay=fleet.relay,
-            key=key,
-            on_ready=on_ready,
-        )
-    )
-    # SIGTERM (kill, a CI job's timeout) ends the run like Ctrl-C: clients and relay stop.
-    terminated: list[int] = []
-
-    def on_sigterm() -> None:
-        terminated.append(signal.SIGTERM)
-        running.cancel()
-
-    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     try:
+        if args.relay == "local":
+            relay_proc, fleet.relay = start_local_relay(logs)
+            print(f"local relay: {fleet.relay}")
+        elif args.relay:
+            fleet.relay = args.relay
+        running = loop.create_task(
+            serve(
+                args,
+                wait_for=args.clients - args.late,
+                listen=None if fleet.relay else "127.0.0.1:0",
+                relay=fleet.relay,
+                key=key,
+                on_ready=on_ready,
+            )
+        )
         while not running.done():
             await asyncio.wait({running}, timeout=0.1)
-            if supervisor is not None and supervisor.done():
-                running.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await running
+            if supervisor is not None and supervisor.done() and not supervisor.cancelled():
                 supervisor.result()  # raises ClientFailed
         running.result()
     except asyncio.CancelledError:
@@ -270,8 +276,12 @@ async def main_async(args: argparse.Namespace, logs: Path) -> None:
             raise SystemExit(128 + signal.SIGTERM) from None
         raise
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
-        running.cancel()
+        cleaning.append(True)
+        if running is not None and not running.done():
+            running.cancel()  # the coordinator closes: it tells the clients to stop
+            await asyncio.wait({running}, timeout=10)
+        if running is not None and running.done() and not running.cancelled():
+            running.exception()  # retrieved: the error that matters is already raised
         if supervisor is not None:
             supervisor.cancel()
         fleet.stop()
@@ -282,6 +292,7 @@ async def main_async(args: argparse.Namespace, logs: Path) -> None:
             except subprocess.TimeoutExpired:
                 relay_proc.kill()
                 relay_proc.wait()
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:

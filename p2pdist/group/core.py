@@ -217,7 +217,7 @@ class GroupCore(Runner):
             raise UsageError("P2PDIST_RANK and P2PDIST_WORLD must be integers") from None
         relay = os.environ.get("P2PDIST_RELAY") or None
         peers_text = os.environ.get("P2PDIST_PEERS", "")
-        peers = [p for p in peers_text.split(",") if p] if world > 1 else None
+        peers = [p for p in peers_text.split(",") if p] if world > 1 else []
         if world > 1 and not peers and not relay:
             raise UsageError("set P2PDIST_PEERS (host:port list) or P2PDIST_RELAY (a relay URL)")
         if peers and relay:  # one of them would be ignored: say so instead of guessing
@@ -230,7 +230,7 @@ class GroupCore(Runner):
             need("P2PDIST_SEED"),
             rank=rank,
             world=world,
-            peers=peers,
+            peers=peers or None,
             tls=tls,
             config=config,
             relay=relay,

@@ -23,7 +23,8 @@ changes, each relying on an aioquic internal (hence the ``aioquic>=1.2,<2`` pin;
 4. **Path changes.** :meth:`path_changed` sets the datagram size (``_max_datagram_size``,
    also the pacer's) and resets the probe-timeout count (``_loss._pto_count``) when hole
    punching moves the connection between the relay and a direct path.
-5. **Logging.** aioquic logs through ``self._logger`` and warns of every protocol error
+5. **Logging.** aioquic logs through ``self._logger`` (and ``_loss._logger``, handed
+   the same adapter) and warns of every protocol error
    a peer makes, a stranger's late or forged Initial included; with no logging set up,
    Python prints such warnings on stderr. The connection logs under
    ``p2pdist.transport.quic_core.aioquic`` instead, warnings and errors at INFO: the
@@ -173,6 +174,7 @@ class PinnedQuicConnection(QuicConnection):
             original_destination_connection_id=original_destination_connection_id,
         )
         self._logger = _AioquicLog(AIOQUIC_LOG, self._logger.extra)
+        self._loss._logger = self._logger  # loss recovery was handed the old one
         self.stream_window = stream_window
         self.receive_paused = False
         """While True, the peer gets no more credit (backpressure from the mailbox)."""
