@@ -9,6 +9,7 @@ configuration error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
@@ -58,7 +59,9 @@ def _write_atomically(path: Path, text: str) -> None:
         tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as exc:
-        raise ConfigError(f"cannot write url-file {path}: {exc}") from None
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write url-file {path}: {exc.strerror or exc}") from None
 
 
 async def run(config: RelayConfig) -> int:

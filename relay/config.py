@@ -252,6 +252,14 @@ def _validate(c: RelayConfig) -> None:
         not c.public_host or any(ch in c.public_host for ch in "/?# ")
     ):
         raise ConfigError(f"public-host must be a bare host name or address, got {c.public_host!r}")
+    if c.public_host is not None and ":" in c.public_host:
+        try:
+            ipaddress.IPv6Address(c.public_host)
+        except ValueError:
+            raise ConfigError(
+                f"public-host {c.public_host!r} must not include a port: the URL carries "
+                "the relay's own port (behind a port forward, listen on the port clients dial)"
+            ) from None
     if c.cert is not None and c.key is not None:
         raise ConfigError("key (pinned mode) and cert (real certificate) exclude each other")
     if (c.cert is None) != (c.cert_key is None):

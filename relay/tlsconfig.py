@@ -209,6 +209,9 @@ def _load_chain(
     ctx: ssl.SSLContext, chain_pem: bytes, key_pem: bytes, cert_path: Path, key_path: Path
 ) -> None:
     """Load a chain and key given as PEM bytes (read from the paths named in errors)."""
+    mismatch = _key_mismatch(chain_pem, key_pem)
+    if mismatch is not None:
+        raise ConfigError(f"cannot load certificate {cert_path} with key {key_path}: {mismatch}")
     try:
         with _pem_file(chain_pem) as chain, _pem_file(key_pem) as key:
             ctx.load_cert_chain(chain, key)
@@ -216,3 +219,26 @@ def _load_chain(
         raise ConfigError(
             f"cannot load certificate {cert_path} with key {key_path}: {exc}"
         ) from None
+
+
+def _key_mismatch(chain_pem: bytes, key_pem: bytes) -> str | None:
+    """Why the key does not go with the chain's first certificate, or None (also when
+    either does not parse: OpenSSL then says what is wrong). OpenSSL's own words for a
+    key of another type, or a chain with the CA first, are "no certificate assigned"."""
+    public = serialization.PublicFormat.SubjectPublicKeyInfo
+    der = serialization.Encoding.DER
+    try:
+        certs = x509.load_pem_x509_certificates(chain_pem)
+        mine = (
+            serialization.load_pem_private_key(key_pem, password=None)
+            .public_key()
+            .public_bytes(der, public)
+        )
+        keys = [c.public_key().public_bytes(der, public) for c in certs]
+    except Exception:  # unreadable or unusual: only a diagnosis, OpenSSL says the rest
+        return None
+    if keys[0] == mine:
+        return None
+    if mine in keys[1:]:
+        return "the certificate for this key is not first in the chain (put the leaf first)"
+    return "the key does not belong to the chain's first certificate (a renewal half done?)"

@@ -210,6 +210,10 @@ def test_relay_urls() -> None:
         "https://x/path",
         "https://x/#frag",
         "https://[fe80::1%25eth0]/",
+        # A name in brackets (what a relay printed for --public-host name:port): urlsplit
+        # raises ValueError, which reached the user as a traceback.
+        "https://[localhost:9443]:8443/",
+        "https://[nothost]/",
     ]:
         with pytest.raises(UsageError):
             RelayUrl.parse(bad)

@@ -498,6 +498,7 @@ def test_tap_file_round_trip(tmp_path: Path) -> None:
         ({"max_clients": "many"}, "integer"),
         ({"max_clients": True}, "integer"),
         ({"public_host": "a/b"}, "public-host"),
+        ({"public_host": "relay.example.com:9443"}, "must not include a port"),
         ({"stun_alt_port": 70000}, "stun-alt-port must be a port"),
         ({"stun_port": 0, "stun_alt_port": 3479}, "stun-alt-port needs"),
         ({"stun_port": 3478, "stun_alt_port": 3478}, "must differ"),

@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 from relay_helpers import memory_handshake, self_signed_pem
 
 from relay.config import ConfigError
 from relay.tlsconfig import RelayTls
+
+RSA_KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
 
 
 def _fingerprint(pem: bytes) -> bytes:
@@ -79,5 +82,20 @@ def test_a_mismatched_pair_is_refused_at_start(files: tuple[Path, Path]) -> None
     crt, key = files
     crt.write_bytes(a_crt)
     key.write_bytes(b_key)
-    with pytest.raises(ConfigError, match="cannot load certificate"):
+    with pytest.raises(ConfigError, match=r"cannot load certificate.*does not belong"):
+        RelayTls.from_files(crt, key)
+
+
+def test_a_key_of_another_type_or_a_ca_first_chain_is_named(files: tuple[Path, Path]) -> None:
+    """OpenSSL says only "no certificate assigned" for both (a renewal that switched to
+    RSA with the old ECDSA key left behind; a chain with the CA first)."""
+    (ec_crt, _), (rsa_crt, rsa_key) = self_signed_pem("a"), self_signed_pem("b", RSA_KEY)
+    crt, key = files
+    crt.write_bytes(rsa_crt)
+    key.write_bytes(self_signed_pem("c")[1])
+    with pytest.raises(ConfigError, match="does not belong to the chain's first certificate"):
+        RelayTls.from_files(crt, key)
+    crt.write_bytes(ec_crt + rsa_crt)  # this key's certificate second
+    key.write_bytes(rsa_key)
+    with pytest.raises(ConfigError, match="not first in the chain"):
         RelayTls.from_files(crt, key)

@@ -421,7 +421,10 @@ class RelayUrl:
         """Parse and validate; UsageError says what is wrong."""
         if not isinstance(url, str):
             raise UsageError(f"relay URL must be a string, got {type(url).__name__}")
-        parts = urlsplit(url.strip())
+        try:
+            parts = urlsplit(url.strip())
+        except ValueError as exc:  # e.g. "[name]" in brackets: not an IPv6 address
+            raise UsageError(f"relay URL {url!r}: {exc}") from None
         if parts.scheme != "https":
             raise UsageError(f"relay URL must start with https://, got {url!r}")
         if not parts.hostname:
