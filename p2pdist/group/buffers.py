@@ -11,11 +11,22 @@ import numpy as np
 from ..errors import UsageError
 from ..wire.arrays import WIRE_DTYPES, ArrayHeaderError, check_dtype
 
-__all__ = ["as_array", "expectation", "mismatch", "result_buffer", "wire_form"]
+__all__ = ["as_array", "as_int", "expectation", "mismatch", "result_buffer", "wire_form"]
 
 
 _NATIVE = frozenset(np.dtype("<" + code) for code in WIRE_DTYPES)
 """The wire dtypes in little-endian order: they travel as they are (the fast path)."""
+
+
+def as_int(x: object) -> int | None:
+    """``x`` as a plain int when it is an integer (numpy's too: ranks often come from
+    numpy), None otherwise; a bool is not taken for a number."""
+    if isinstance(x, bool | np.bool_):
+        return None
+    try:
+        return operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def wire_form(dtype: Any) -> np.dtype[Any]:

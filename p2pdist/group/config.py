@@ -46,7 +46,7 @@ class GroupConfig:
 
     def __post_init__(self) -> None:
         for t in (self.timeout, self.connect_timeout):
-            if not (math.isfinite(t) and t > 0):  # NaN would pass `t <= 0` unbounded
+            if isinstance(t, bool) or not (math.isfinite(t) and t > 0):  # NaN passes `t <= 0`
                 raise ValueError(f"timeouts must be positive and finite, got {t!r}")
         if self.chunk_bytes < 4096:
             raise ValueError("chunk_bytes must be at least 4096")

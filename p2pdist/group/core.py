@@ -33,7 +33,7 @@ from ..transport.relay_path import RelayPath, RelayStatus
 from ..transport.tcp import TcpTransport, parse_address
 from ..wire.relay import RelayUrl
 from . import p2p
-from .buffers import as_array, expectation
+from .buffers import as_array, as_int, expectation
 from .config import GroupConfig
 from .membership import CONTROL_CHANNEL, LAST_SPACE, Membership
 from .runner import Runner
@@ -508,18 +508,22 @@ class GroupCore(Runner):
 
     # ---- point to point -----------------------------------------------------------------
 
-    def _check_rank(self, r: int, what: str) -> None:
-        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.size:
+    def _check_rank(self, r: int, what: str) -> int:
+        """``r`` as a plain int (numpy integers too, not bools), once it is a rank."""
+        rank = as_int(r)
+        if rank is None or not 0 <= rank < self.size:
             raise UsageError(f"{what} must be a rank in [0, {self.size}), got {r!r}")
+        return rank
 
-    def _check_peer(self, r: int, what: str) -> None:
-        self._check_rank(r, what)
-        if r == self._rank:
-            raise UsageError(f"{what} must be another rank, not this one ({r})")
+    def _check_peer(self, r: int, what: str) -> int:
+        rank = self._check_rank(r, what)
+        if rank == self._rank:
+            raise UsageError(f"{what} must be another rank, not this one ({rank})")
+        return rank
 
     async def send(self, x: np.ndarray, dst: int, *, timeout: float | None = None) -> None:
         """Send ``x`` to rank ``dst`` (matched in order by ``dst``'s :meth:`recv`)."""
-        self._check_peer(dst, "dst")
+        dst = self._check_peer(dst, "dst")
         arr = as_array(x)
         seconds = self._seconds(timeout)
         self._check_usable(collective=False)
@@ -549,7 +553,7 @@ class GroupCore(Runner):
         big-endian ``out`` is filled with the right values), and a dtype that cannot
         travel (object, str, ...) is a :class:`UsageError` before any message is taken.
         """
-        self._check_peer(src, "src")
+        src = self._check_peer(src, "src")
         want = expectation(like, shape, dtype, out)
         seconds = self._seconds(timeout)
         self._check_usable(collective=False)

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import UsageError
 from . import algorithms as alg
-from .buffers import as_array, result_buffer
+from .buffers import as_array, as_int, result_buffer
 from .compress import INT8_BLOCK, ErrorFeedback, WireCodec, divide_for_mean, make_codec
 from .compressed_algorithms import compressed_direct_all_reduce, compressed_ring_all_reduce
 from .config import MODES
@@ -150,8 +150,8 @@ class Group(GroupCore):
                 np.copyto(work, arr)
             return work
         label = _op_label(op, ordered)
-        if codec is not None:
-            label = f"{label}@{wire_dtype}/{block}"
+        if codec is not None:  # only int8 has blocks: others must not differ in it
+            label = f"{label}@{wire_dtype}" + (f"/{block}" if wire_dtype == "int8" else "")
         descriptor = describe_call("all_reduce", label, arr.dtype.str, arr.shape)
         if codec is not None:
             # mean divides before encoding (as NCCL does): partial sums then stay in the
@@ -294,7 +294,7 @@ class Group(GroupCore):
     ) -> np.ndarray:
         """Rank ``src``'s ``x`` on every rank. Other ranks' ``x`` gives the expected dtype and
         shape (checked against ``src``'s)."""
-        self._check_rank(src, "src")
+        src = self._check_rank(src, "src")
         arr = as_array(x)
         work = result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
@@ -334,7 +334,7 @@ class Group(GroupCore):
         """Reduce ``x`` over all ranks onto rank ``dst``; returns the result there and None
         on the other ranks. ``mode`` as for :meth:`all_reduce`: "deterministic" gives
         exactly what ``all_reduce`` gives in that mode."""
-        self._check_rank(dst, "dst")
+        dst = self._check_rank(dst, "dst")
         arr = as_array(x)
         rop = reduce_op(op, arr.dtype)
         ordered = self._ordered(mode, rop, arr)
@@ -388,7 +388,7 @@ class Group(GroupCore):
     ) -> np.ndarray | None:
         """Every rank's ``x`` stacked on rank ``dst`` (shape ``(size, *x.shape)``); None on
         the other ranks. All ranks pass the same dtype and shape (checked)."""
-        self._check_rank(dst, "dst")
+        dst = self._check_rank(dst, "dst")
         arr = as_array(x)
         mine = self._rank == dst
         result = result_buffer(None, (self.size, *arr.shape), arr.dtype, out) if mine else None
@@ -420,18 +420,18 @@ class Group(GroupCore):
         """Rank ``src`` passes ``xs`` of shape ``(size, *item)``; every rank gets
         ``xs[rank]``. Other ranks pass ``xs=None`` and say what they expect with ``like``
         or ``out`` (an ``item``-shaped array), or pass an ``xs`` of the right shape."""
-        self._check_rank(src, "src")
+        src = self._check_rank(src, "src")
         if self._rank == src:
             if xs is None:
                 raise UsageError(f"rank {src} is the scatter source and must pass xs")
-            blocks = as_array(xs)
-            if blocks.ndim == 0 or blocks.shape[0] != self.size:
-                raise UsageError(
-                    f"scatter needs xs with {self.size} rows (one per rank), got {blocks.shape}"
-                )
+            blocks = _scatter_rows(xs, self.size)
             dtype, item = blocks.dtype, blocks.shape[1:]
         else:
-            ref = xs[0] if xs is not None else (out if out is not None else like)
+            if xs is not None:
+                rows = _scatter_rows(xs, self.size)
+                ref: Any = rows[0]
+            else:
+                ref = out if out is not None else like
             if ref is None:
                 raise UsageError("scatter on a non-source rank needs like=, out= or xs")
             blocks, dtype, item = None, as_array(ref).dtype, tuple(np.shape(ref))
@@ -511,10 +511,15 @@ class Group(GroupCore):
         spaces of its own, so its collectives can run beside the parent's; a failure in
         either breaks the connections both use.
         """
-        if color is not None and (not isinstance(color, int) or color < 0):
-            raise UsageError(f"color must be a non-negative int or None, got {color!r}")
-        if not isinstance(key, int):
+        if color is not None:
+            checked = as_int(color)
+            if checked is None or checked < 0:
+                raise UsageError(f"color must be a non-negative int or None, got {color!r}")
+            color = checked
+        checked_key = as_int(key)
+        if checked_key is None:
             raise UsageError(f"key must be an int, got {key!r}")
+        key = checked_key
         book = self._root()._spaces
         token = object()  # this split, in the book
         proposal = book.propose(token)
@@ -646,3 +651,16 @@ def _compressed_input(
     if divisor != 1:
         divide_for_mean(flat, divisor, flat)
     return flat
+
+
+def _scatter_rows(xs: Any, size: int) -> np.ndarray:
+    """``xs`` as the ``(size, *item)`` array scatter sends from; UsageError otherwise."""
+    try:
+        blocks = as_array(xs)
+    except ValueError as exc:  # ragged lists; UsageError (a ValueError) passes as it is
+        if isinstance(exc, UsageError):
+            raise
+        raise UsageError(f"scatter xs must be one array of rows: {exc}") from None
+    if blocks.ndim == 0 or blocks.shape[0] != size:
+        raise UsageError(f"scatter needs xs with {size} rows (one per rank), got {blocks.shape}")
+    return blocks

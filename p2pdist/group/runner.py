@@ -238,7 +238,8 @@ class Runner(Rejoining):
             return self.config.timeout  # positive: GroupConfig checks it
         seconds = timeout
         # not `seconds <= 0`: NaN passes that, and a NaN deadline is never enforced
-        if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds > 0):
+        number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
+        if not (number and math.isfinite(seconds) and seconds > 0):
             raise UsageError(
                 f"timeout must be a positive finite number of seconds, got {seconds!r}"
             )

@@ -1,0 +1,72 @@
+"""Arguments users get wrong: numpy integers as ranks, bools as numbers, scatter inputs
+that are not rows, and int8's block size on the other wires (from a misuse review)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from group_helpers import groups
+
+from p2pdist import GroupConfig, UsageError
+
+
+async def test_numpy_integers_are_ranks_colors_and_keys() -> None:
+    """Ranks often come from numpy (np.argmax, np.arange): np.int64(1) was refused as
+    "not a rank in [0, 2)", and the peer waited out its timeout."""
+    async with groups(2, timeout=10) as gs:
+        x = np.arange(3.0)
+        got = await asyncio.gather(gs[0].send(x, np.int64(1)), gs[1].recv(np.int32(0), like=x))
+        np.testing.assert_array_equal(got[1], x)
+        out = await asyncio.gather(*(g.broadcast(x + g.rank, src=np.int64(1)) for g in gs))
+        np.testing.assert_array_equal(out[0], x + 1)
+        subs = await asyncio.gather(*(g.split(np.int64(0), key=np.int32(-g.rank)) for g in gs))
+        assert [s.rank for s in subs if s is not None] == [1, 0]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda g: g.send(np.ones(2), True),
+        lambda g: g.broadcast(np.ones(2), src=np.bool_(False)),
+        lambda g: g.split(True),
+        lambda g: g.all_reduce(np.ones(2), timeout=True),
+    ],
+)
+async def test_bools_are_not_numbers(call: object) -> None:
+    async with groups(2, timeout=10) as gs:
+        with pytest.raises(UsageError):
+            await call(gs[0])  # type: ignore[operator]
+    with pytest.raises(ValueError, match="timeouts"):
+        GroupConfig(timeout=True)
+
+
+@pytest.mark.parametrize(
+    ("rank", "xs", "message"),
+    [
+        (1, [], "2 rows"),  # a non-source rank's xs is checked too (it raised IndexError)
+        (1, np.ones((5, 2)), "2 rows"),  # it was accepted silently
+        (0, [[1.0], [1.0, 2.0]], "one array of rows"),  # ragged: numpy's ValueError
+    ],
+)
+async def test_scatter_inputs_that_are_not_rows_are_usage_errors(
+    rank: int, xs: object, message: str
+) -> None:
+    async with groups(2, timeout=10) as gs:
+        with pytest.raises(UsageError, match=message):
+            await gs[rank].scatter(xs, src=0)  # type: ignore[arg-type]
+
+
+async def test_block_sizes_matter_to_int8_only() -> None:
+    """block= is int8's: a float16 call whose ranks passed different blocks (unused)
+    was a MismatchError that broke the group."""
+    async with groups(2, timeout=10) as gs:
+        xs = [np.full(8, float(r + 1), np.float32) for r in range(2)]
+        got = await asyncio.gather(
+            *(
+                g.all_reduce(x, wire_dtype="float16", block=64 * (g.rank + 1))
+                for g, x in zip(gs, xs, strict=True)
+            )
+        )
+        np.testing.assert_array_equal(got[0], np.full(8, 3.0, np.float32))
