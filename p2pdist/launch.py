@@ -161,29 +161,46 @@ _GROUP_POLL_S = 0.5
 """How often the launcher looks for ranks' process groups that have emptied."""
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether process group ``pgid`` has a process that is not a zombie. (A launcher
-    that is PID 1 or a subreaper inherits a rank's dead background children, and asyncio
-    reaps only the ranks: their zombies would keep the group "alive" forever.)"""
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    try:
-        entries = list(os.scandir("/proc"))
-    except OSError:  # no /proc (macOS): zombies count as alive
-        return True
-    for entry in entries:
-        if not entry.name.isdigit():
-            continue
+def _live_groups(pgids: set[int]) -> set[int]:
+    """The process groups among ``pgids`` that have a process that is not a zombie. (A
+    launcher that is PID 1 or a subreaper inherits a rank's dead background children,
+    and asyncio reaps only the ranks: their zombies would keep a group "alive" forever.)
+    A group whose leader runs is alive at the cost of one small read; /proc is scanned
+    once, for all the others."""
+    alive: set[int] = set()
+    unsure: set[int] = set()
+    for pgid in pgids:
         try:
-            with open(f"{entry.path}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)"
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if int(fields[2]) == pgid and fields[0] != b"Z":  # state, ppid, pgrp, ...
-            return True
-    return False
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            continue
+        leader = _state_and_group(f"/proc/{pgid}/stat")
+        if leader is not None and leader[0] != b"Z" and leader[1] == pgid:
+            alive.add(pgid)
+        else:
+            unsure.add(pgid)
+    if not unsure:
+        return alive
+    try:
+        entries = [e.path for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:  # no /proc (macOS): zombies count as alive
+        return alive | unsure
+    for path in entries:
+        member = _state_and_group(f"{path}/stat")
+        if member is not None and member[1] in unsure and member[0] != b"Z":
+            alive.add(member[1])
+    return alive
+
+
+def _state_and_group(stat_path: str) -> tuple[bytes, int] | None:
+    """A process's state letter and process group from its /proc stat file (None if it
+    is gone or there is no /proc)."""
+    try:
+        with open(stat_path, "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)"
+        return fields[0], int(fields[2])  # state, ppid, pgrp, ...
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _format_peer(host: str, port: int) -> str:
@@ -336,7 +353,7 @@ class _Launcher:
                     os.killpg(proc.pid, sig)
 
     def _prune_groups(self) -> None:
-        self.groups = {pgid for pgid in self.groups if _group_alive(pgid)}
+        self.groups = _live_groups(self.groups) if self.groups else self.groups
 
     def _signal_groups(self, sig: int) -> None:
         """Signal the process group of every rank, also of ranks that have exited: their

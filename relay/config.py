@@ -253,13 +253,18 @@ def _validate(c: RelayConfig) -> None:
     ):
         raise ConfigError(f"public-host must be a bare host name or address, got {c.public_host!r}")
     if c.public_host is not None and ":" in c.public_host:
+        inner = c.public_host.removeprefix("[").removesuffix("]")
         try:
-            ipaddress.IPv6Address(c.public_host)
+            ipaddress.IPv6Address(inner)
         except ValueError:
             raise ConfigError(
                 f"public-host {c.public_host!r} must not include a port: the URL carries "
                 "the relay's own port (behind a port forward, listen on the port clients dial)"
             ) from None
+        if inner != c.public_host:
+            raise ConfigError(f"public-host: give an IPv6 address without brackets ({inner})")
+        if "%" in inner:
+            raise ConfigError(f"public-host {inner!r}: clients take no IPv6 zone id")
     if c.cert is not None and c.key is not None:
         raise ConfigError("key (pinned mode) and cert (real certificate) exclude each other")
     if (c.cert is None) != (c.cert_key is None):

@@ -223,8 +223,9 @@ def _load_chain(
 
 def _key_mismatch(chain_pem: bytes, key_pem: bytes) -> str | None:
     """Why the key does not go with the chain's first certificate, or None (also when
-    either does not parse: OpenSSL then says what is wrong). OpenSSL's own words for a
-    key of another type, or a chain with the CA first, are "no certificate assigned"."""
+    either does not parse: OpenSSL then says what is wrong). OpenSSL's own words are "no
+    certificate assigned" for a key of another type and "key values mismatch" for a
+    chain with the CA first: neither says which file to fix."""
     public = serialization.PublicFormat.SubjectPublicKeyInfo
     der = serialization.Encoding.DER
     try:

@@ -311,10 +311,10 @@ def test_example_run_stops_its_clients_and_relay_on_sigterm(tmp_path: Path) -> N
         for line in proc.stdout:  # bounded by the run's own waits; the finally kills it
             if line.startswith(b"started "):
                 break
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # before the clients joined: they are stopped
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 128 + signal.SIGTERM, err.decode()
-        deadline = time.monotonic() + 15  # what it started is gone (clients idle out in 5 s)
+        deadline = time.monotonic() + 15  # what it started is gone
         while True:
             try:
                 os.killpg(proc.pid, 0)
@@ -322,6 +322,31 @@ def test_example_run_stops_its_clients_and_relay_on_sigterm(tmp_path: Path) -> N
                 break
             assert time.monotonic() < deadline, "a client or the relay outlived the run"
             time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def test_example_run_tells_joined_clients_to_stop_on_sigterm(tmp_path: Path) -> None:
+    """Once the clients have joined, SIGTERM makes the coordinator tell them to stop:
+    they leave on their own (their logs say why), nobody waits for the 5 s grace."""
+    cmd = [sys.executable, "-m", "examples.federated.run", "--clients", "3", "--late", "0"]
+    cmd += ["--dropouts", "0", "--rounds", "500", "--logs", str(tmp_path)]
+    cmd += ["--png", str(tmp_path / "a.png")]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(b"3 clients; initial loss"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, err.decode()
+        logs = [(tmp_path / f"client{i}.log").read_text() for i in range(3)]
+        assert all("the coordinator was interrupted" in log for log in logs), logs
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from group_helpers import groups
 
-from p2pdist import GroupConfig, UsageError
+from p2pdist import Group, GroupConfig, UsageError
 
 
 async def test_numpy_integers_are_ranks_colors_and_keys() -> None:
@@ -23,6 +23,11 @@ async def test_numpy_integers_are_ranks_colors_and_keys() -> None:
         np.testing.assert_array_equal(out[0], x + 1)
         subs = await asyncio.gather(*(g.split(np.int64(0), key=np.int32(-g.rank)) for g in gs))
         assert [s.rank for s in subs if s is not None] == [1, 0]
+        await asyncio.gather(*(g.all_reduce(np.ones(2), timeout=np.float32(5)) for g in gs))
+        with pytest.raises(UsageError, match="64-bit"):  # it raised numpy's OverflowError
+            await gs[0].split(0, key=np.uint64(1 << 63))
+    assert Group.from_seed("a-seed-of-enough-bytes", rank=np.int64(1), world=np.int64(2),
+                           peers=["127.0.0.1:1", "127.0.0.1:2"]).rank == 1  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -38,8 +43,9 @@ async def test_bools_are_not_numbers(call: object) -> None:
     async with groups(2, timeout=10) as gs:
         with pytest.raises(UsageError):
             await call(gs[0])  # type: ignore[operator]
-    with pytest.raises(ValueError, match="timeouts"):
-        GroupConfig(timeout=True)
+    for flag in (True, np.True_):
+        with pytest.raises(ValueError, match="timeouts"):
+            GroupConfig(timeout=flag)
 
 
 @pytest.mark.parametrize(

@@ -87,8 +87,8 @@ def test_a_mismatched_pair_is_refused_at_start(files: tuple[Path, Path]) -> None
 
 
 def test_a_key_of_another_type_or_a_ca_first_chain_is_named(files: tuple[Path, Path]) -> None:
-    """OpenSSL says only "no certificate assigned" for both (a renewal that switched to
-    RSA with the old ECDSA key left behind; a chain with the CA first)."""
+    """OpenSSL says "no certificate assigned" for a renewal that switched to RSA with the
+    old ECDSA key left behind, and "key values mismatch" for a chain with the CA first."""
     (ec_crt, _), (rsa_crt, rsa_key) = self_signed_pem("a"), self_signed_pem("b", RSA_KEY)
     crt, key = files
     crt.write_bytes(rsa_crt)

@@ -173,15 +173,17 @@ class Fleet:
 
     def stop(self) -> None:
         """Stop every process (clients get stop from the coordinator first): all of them
-        get up to 5 s together, then the rest are killed."""
-        deadline = time.monotonic() + 5
-        for proc in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        get up to 5 s together to leave, then SIGTERM and 2 s more, then SIGKILL."""
+        for signum, grace in ((None, 5.0), (signal.SIGTERM, 2.0), (signal.SIGKILL, 10.0)):
+            running = [p for p in self.procs.values() if p.poll() is None]
+            if not running:
+                return
+            for proc in running if signum is not None else ():
+                proc.send_signal(signum)
+            deadline = time.monotonic() + grace
+            for proc in running:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
 
 
 CRASHED = 17

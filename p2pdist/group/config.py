@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..transport.base import TransportConfig
 from ..transport.punch import PunchConfig
 from .link import PIECE_BYTES
@@ -46,7 +48,7 @@ class GroupConfig:
 
     def __post_init__(self) -> None:
         for t in (self.timeout, self.connect_timeout):
-            if isinstance(t, bool) or not (math.isfinite(t) and t > 0):  # NaN passes `t <= 0`
+            if isinstance(t, bool | np.bool_) or not (math.isfinite(t) and t > 0):  # NaN too
                 raise ValueError(f"timeouts must be positive and finite, got {t!r}")
         if self.chunk_bytes < 4096:
             raise ValueError("chunk_bytes must be at least 4096")

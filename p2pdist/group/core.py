@@ -167,10 +167,12 @@ class GroupCore(Runner):
         rank was lost (restarted with the same seed and rank; the others must run with
         ``GroupConfig(on_peer_loss="leave")``, and so must this rank): see
         docs/architecture.md §5."""
-        if not isinstance(world, int) or world < 1:
+        world_int, rank_int = as_int(world), as_int(rank)
+        if world_int is None or world_int < 1:
             raise UsageError(f"world must be an int >= 1, got {world!r}")
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
+        if rank_int is None or not 0 <= rank_int < world_int:
             raise UsageError(f"rank must be in [0, {world}), got {rank!r}")
+        rank, world = rank_int, world_int
         cfg = config or GroupConfig()
         changes: dict[str, Any] = {}
         if timeout is not None:

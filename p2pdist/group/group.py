@@ -513,12 +513,12 @@ class Group(GroupCore):
         """
         if color is not None:
             checked = as_int(color)
-            if checked is None or checked < 0:
+            if checked is None or not 0 <= checked < 1 << 63:  # they travel as int64
                 raise UsageError(f"color must be a non-negative int or None, got {color!r}")
             color = checked
         checked_key = as_int(key)
-        if checked_key is None:
-            raise UsageError(f"key must be an int, got {key!r}")
+        if checked_key is None or not -(1 << 63) <= checked_key < 1 << 63:
+            raise UsageError(f"key must be an int (64-bit), got {key!r}")
         key = checked_key
         book = self._root()._spaces
         token = object()  # this split, in the book

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import numbers
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, TypeVar
+
+import numpy as np
 
 from ..errors import (
     ConnectionBrokenError,
@@ -238,7 +241,7 @@ class Runner(Rejoining):
             return self.config.timeout  # positive: GroupConfig checks it
         seconds = timeout
         # not `seconds <= 0`: NaN passes that, and a NaN deadline is never enforced
-        number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
+        number = isinstance(seconds, numbers.Real) and not isinstance(seconds, bool | np.bool_)
         if not (number and math.isfinite(seconds) and seconds > 0):
             raise UsageError(
                 f"timeout must be a positive finite number of seconds, got {seconds!r}"
