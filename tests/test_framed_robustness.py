@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import socket
 import tracemalloc
 
@@ -28,16 +27,6 @@ from p2pdist.transport.framed import FramedConnection
 from p2pdist.transport.keepalive import Keepalive, KeepaliveAction
 from p2pdist.transport.mailbox import SPACE_SHIFT, RetiredChannels
 from p2pdist.transport.tcp import TcpConnection
-
-
-@pytest.fixture(params=[True, False], ids=["tls", "plain"])
-def tls(request: pytest.FixtureRequest) -> bool:
-    return bool(request.param)
-
-
-@pytest.fixture
-def make_pair(tls: bool) -> PairFactory:
-    return functools.partial(tcp_pair, tls)
 
 
 async def passes(n: int = 5) -> None:

@@ -99,16 +99,6 @@ async def tcp_pair(tls: bool, **config: Any) -> AsyncIterator[Pair]:
         )
 
 
-@pytest.fixture(params=[True, False], ids=["tls", "plain"])
-def tls(request: pytest.FixtureRequest) -> bool:
-    return bool(request.param)
-
-
-@pytest.fixture
-def make_pair(tls: bool) -> PairFactory:
-    return functools.partial(tcp_pair, tls)
-
-
 @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__.removeprefix("check_") for c in CHECKS])
 async def test_conformance(
     check: Callable[[PairFactory], Awaitable[None]], make_pair: PairFactory
