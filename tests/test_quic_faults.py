@@ -263,7 +263,7 @@ def client_initial(rank: int) -> bytes:
 async def test_handshakes_over_the_limit_are_counted_and_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="p2pdist.transport.quic")
+    caplog.set_level(logging.WARNING, logger="p2pdist.transport.framed")  # EndpointBase
     server = QuicTransport(
         key(1), config(handshake_timeout=30.0), quic=QuicConfig(max_pending_handshakes=1)
     )

@@ -202,8 +202,6 @@ class _Int8Codec(_Codec):
     """Elements per slab (1 MiB of float32)."""
     _TINY_BITS = np.int32(0x0F800000)
     """Bit pattern of 2**-96: blocks with a smaller (nonzero) absmax take the rare route."""
-    _INF_BITS = np.int32(0x7F800000)
-    """Bit pattern of +inf: |x| at or above it is an infinity or a NaN."""
     _HUGE_BITS = np.int32(0x7F000000)
     """Bit pattern of 2**127: blocks with an absmax from it on take the rare route, whose
     scale is capped (:data:`_MAX_SCALE`) so that 127 x scale stays finite."""

@@ -126,6 +126,7 @@ class GroupCore(Runner):
         # (task -> group, channel, deadline), those a loss cancelled, those overdue
         self._inflight: dict[asyncio.Task[Any], tuple[Membership, int, float]] = {}
         self._cancelled_by_loss: dict[asyncio.Task[Any], int] = {}
+        self._cancelled_by_notice: set[asyncio.Task[Any]] = set()
         self._expired: set[asyncio.Task[Any]] = set()
         self._last_loss: dict[int, BaseException] = {}  # root: see Membership
         self._closed_by: dict[int, int] = {}  # see Membership

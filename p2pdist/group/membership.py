@@ -76,6 +76,7 @@ class Membership:
     _reserved: dict[int, str]
     _inflight: dict[asyncio.Task[Any], tuple[Membership, int, float]]  # (group, channel, deadline)
     _cancelled_by_loss: dict[asyncio.Task[Any], int]
+    _cancelled_by_notice: set[asyncio.Task[Any]]  # of those, cancelled on another's word
     _expired: set[asyncio.Task[Any]]  # collectives the watchdog cancelled (overdue)
     _closed_calls: set[asyncio.Task[Any]]  # collectives a sub-group's close cancelled
     _last_loss: dict[int, BaseException]  # root: why each root rank was last lost or left
@@ -236,7 +237,7 @@ class Membership:
         mask = (1 << SPACE_SHIFT) - 1
         for task, (running, channel, _) in list(self._inflight.items()):
             if running is group and channel & mask >= next_cid:
-                self._cancel_for_loss(task, root_rank)
+                self._cancel_for_loss(task, root_rank, told=True)
 
     def _cancel_closed(self, group: Membership) -> None:
         """(Root group) fail the running collectives of ``group`` (a sub-group being
@@ -250,12 +251,18 @@ class Membership:
                 self._closed_calls.add(task)
                 task.cancel()
 
-    def _cancel_for_loss(self, task: asyncio.Task[Any], root_rank: int) -> None:
+    def _cancel_for_loss(
+        self, task: asyncio.Task[Any], root_rank: int, *, told: bool = False
+    ) -> None:
+        """Cancel ``task`` for the loss of ``root_rank``. ``told``: every member was sent
+        the notice that made us cancel it, so ``_run`` need not tell them again."""
         if task is asyncio.current_task() or task in self._cancelled_by_loss:
             return  # a running task meets the connection's error itself
         if task in self._expired:
             return  # already cancelled as overdue: it fails with its timeout
         self._cancelled_by_loss[task] = root_rank
+        if told:
+            self._cancelled_by_notice.add(task)
         task.cancel()
 
     def _tell_call_failed(self, channel: int, root_rank: int) -> None:
@@ -278,7 +285,7 @@ class Membership:
         """Another rank's collective on ``channel`` failed for want of ``root_rank``."""
         for task, (_, running, _) in list(self._inflight.items()):
             if running == channel:
-                self._cancel_for_loss(task, root_rank)
+                self._cancel_for_loss(task, root_rank, told=True)
                 return
         if not self._is_past(channel):
             self._failed_calls[channel] = root_rank  # not started here yet: fail it at start

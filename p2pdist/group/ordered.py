@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .linkops import Link, as_bytes, chunks, rank_ordered, send_to_others, view_as
-from .ops import ReduceOp, divide_in_place, multiply_complex_into
+from .ops import ReduceOp, multiply_complex_into
 
 __all__ = ["fold_scratch", "ordered_all_reduce", "ordered_reduce", "ordered_reduce_scatter"]
 
@@ -62,8 +62,7 @@ def ordered_reduce(
                 multiply_complex_into(acc, piece)
             else:
                 op.ufunc(acc, piece, out=acc)
-        if op.divide:
-            divide_in_place(acc, world)
+        op.finish(acc, world)
         np.copyto(out[s0:s1], acc, casting="same_kind")  # the single rounding
 
 

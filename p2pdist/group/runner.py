@@ -12,8 +12,6 @@ import numbers
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, TypeVar
 
-import numpy as np
-
 from ..errors import (
     ConnectionBrokenError,
     GroupBrokenError,
@@ -165,6 +163,8 @@ class Runner(Rejoining):
                     inflight[task] = outer
                 if root._cancelled_by_loss:
                     lost = root._cancelled_by_loss.pop(task, None)
+                    told = task in root._cancelled_by_notice
+                    root._cancelled_by_notice.discard(task)
                 if root._expired:
                     expired = task in root._expired
                     root._expired.discard(task)
@@ -175,10 +175,12 @@ class Runner(Rejoining):
             # A member was lost (on_peer_loss="leave"): not our doing, unless the caller
             # cancelled us too (then the cancellation goes on, as any other does).
             if lost is not None and task.uncancel() == 0:
-                # Tell the others too: one that has not started this call yet must fail
-                # it as well, even if the lost rank rejoins before it starts (it would
-                # then run the call while we run the next one: out of step).
-                self._tell_call_failed(channel, lost)
+                # Tell the others too (unless a notice to all of them made us cancel):
+                # one that has not started this call yet must fail it as well, even if
+                # the lost rank rejoins before it starts (it would then run the call
+                # while we run the next one: out of step).
+                if not told:
+                    self._tell_call_failed(channel, lost)
                 raise self._loss_error(lost, link) from None
             if closed and task.uncancel() == 0:  # its sub-group was closed here
                 raise GroupBrokenError(f"{link.explain()} failed: the group was closed") from None
@@ -241,7 +243,7 @@ class Runner(Rejoining):
             return self.config.timeout  # positive: GroupConfig checks it
         seconds = timeout
         # not `seconds <= 0`: NaN passes that, and a NaN deadline is never enforced
-        number = isinstance(seconds, numbers.Real) and not isinstance(seconds, bool | np.bool_)
+        number = isinstance(seconds, numbers.Real) and not isinstance(seconds, bool)
         if not (number and math.isfinite(seconds) and seconds > 0):
             raise UsageError(
                 f"timeout must be a positive finite number of seconds, got {seconds!r}"

@@ -33,6 +33,7 @@ __all__ = [
     "Route",
     "UdpRoute",
     "UdpSocket",
+    "all_loopback",
     "bind_host_for",
     "is_loopback",
     "path_key",
@@ -124,7 +125,12 @@ def bind_host_for(targets: list[UdpAddress]) -> str:
     """Where a socket that talks to ``targets`` binds: loopback only when there are
     targets and every one is on loopback (tests, one machine), else every interface (a
     socket bound to loopback can never reach anything elsewhere)."""
-    return "127.0.0.1" if targets and all(is_loopback(h) for h, _ in targets) else "0.0.0.0"
+    return "127.0.0.1" if targets and all_loopback(targets) else "0.0.0.0"
+
+
+def all_loopback(targets: list[UdpAddress]) -> bool:
+    """Whether every one of ``targets`` is on loopback (True for none)."""
+    return all(is_loopback(h) for h, _ in targets)
 
 
 class UdpSocket:

@@ -43,6 +43,7 @@ from .paths import (
     UdpAddress,
     UdpRoute,
     UdpSocket,
+    all_loopback,
     is_loopback,
     path_key,
 )
@@ -112,13 +113,11 @@ class QuicTransport(EndpointBase[QuicConnection]):
         if self._udp is not None:
             raise UsageError("already listening")
         try:
-            udp = await UdpSocket.open(host, port, self._on_udp_datagram)
+            udp = await self._open_udp(host, port)
         except OSError as exc:
             raise UsageError(f"cannot listen on {host}:{port}: {exc}") from None
-        # close() (or another listen()) may have run while the socket was opening.
-        if self._closed or self._udp is not None:
+        if self._udp is not None:  # another listen() ran while the socket was opening
             udp.close()
-            self._check_not_closed()
             raise UsageError("already listening")
         self._udp = udp
         return udp.local_address
@@ -211,13 +210,10 @@ class QuicTransport(EndpointBase[QuicConnection]):
         sock = self._dial_sockets.get(family)
         if sock is None or sock.closed:
             any_host = "::" if family == socket.AF_INET6 else "0.0.0.0"
-            sock = await UdpSocket.open(any_host, 0, self._on_udp_datagram)
-            # While it opened, close() may have run, or a concurrent dial opened one.
+            sock = await self._open_udp(any_host, 0)
             other = self._dial_sockets.get(family)
-            if self._closed or (other is not None and not other.closed):
+            if other is not None and not other.closed:  # a concurrent dial opened one
                 sock.close()
-                self._check_not_closed()
-                assert other is not None
                 return other
             self._dial_sockets[family] = sock
         return sock
@@ -553,12 +549,17 @@ class QuicTransport(EndpointBase[QuicConnection]):
         async with self._punch_lock:
             if self._punch_sock is None or self._punch_sock.closed:
                 host = "127.0.0.1" if await self._relay_is_local() else "0.0.0.0"
-                sock = await UdpSocket.open(host, 0, self._on_udp_datagram)
-                if self._closed:  # close() ran while it opened
-                    sock.close()
-                    self._check_not_closed()
-                self._punch_sock = sock
+                self._punch_sock = await self._open_udp(host, 0)
             return self._punch_sock
+
+    async def _open_udp(self, host: str, port: int) -> UdpSocket:
+        """A UDP socket of this transport; ConnectionClosedError (and the socket closed)
+        when close() ran while it was opening."""
+        sock = await UdpSocket.open(host, port, self._on_udp_datagram)
+        if self._closed:
+            sock.close()
+            self._check_not_closed()
+        return sock
 
     async def _relay_is_local(self) -> bool:
         """Whether the relay (so every peer met through it) is on this host: its
@@ -570,7 +571,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
             return True
         targets = await self._stun_targets()
         if targets:
-            return all(is_loopback(h) for h, _ in targets)
+            return all_loopback(targets)
         host = relay.url.host
         return is_loopback(host) or host.lower() == "localhost"
 

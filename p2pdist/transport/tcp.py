@@ -230,12 +230,9 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             async with asyncio.timeout(2.0):
                 await asyncio.shield(self._lost)
         except TimeoutError:
-            pass
-        finally:
-            # Timed out, or cancelled: drop what is still queued (the peer is not
-            # reading it), or the socket stays open for as long as the peer wants.
-            if not self._lost.done():
-                t.abort()
+            # Drop what is still queued (the peer is not reading it), or the socket stays
+            # open for as long as the peer wants. (Cancelled: FramedConnection.close drops.)
+            t.abort()
 
     def _drop(self) -> None:
         if self._transport is not None:
