@@ -317,7 +317,8 @@ class RelayCore:
         may be a view of a buffer that is reused right after)."""
         if s.phase is Phase.CLOSED:
             return
-        self.handshake_done(s, now)  # a glue that did not say so: bytes mean it did
+        if s.phase is Phase.TLS:  # a glue that did not say so: bytes mean it is done
+            self.handshake_done(s, now)
         s.last_heard = now
         self.metrics.bytes_in_total += memoryview(data).nbytes
         try:
@@ -349,12 +350,8 @@ class RelayCore:
         it is gone for routing at once (peers get PEER_GONE), and its link is closed
         like any connection the relay closes (flushed, then aborted after a grace),
         even if bytes are still queued towards it."""
-        if s.phase is Phase.CLOSED:
-            return
-        level = logging.INFO if s.phase is Phase.ACTIVE else logging.DEBUG
-        log.log(level, kv("disconnect", conn=s.label, after=now - s.opened_at, eof=True))
-        self._forget(s)
-        s.link.close()
+        fields: dict[str, object] = {"after": now - s.opened_at, "eof": True}
+        self._close(s, "disconnect", quiet=s.phase is not Phase.ACTIVE, fields=fields)
 
     def tick(self, now: float) -> None:
         """Enforce the auth timeout and keepalive silence, and forget limiter state that
