@@ -113,7 +113,9 @@ def measure(url: str, relay_pid: int, count: int, size: int, loop: str) -> dict[
     q = ctx.Queue()
     with children(grace=30) as procs:
         for role, says in (("recv", "ready"), ("send", "connected")):
-            procs.append(ctx.Process(target=_worker, args=(role, url, count, size, loop, q)))
+            procs.append(
+                ctx.Process(target=_worker, args=(role, url, count, size, loop, q), name=role)
+            )
             procs[-1].start()
             if (got := wait_for(q, procs, 60, f"{role} start")) != says:
                 raise RuntimeError(f"{role}: {got!r} instead of {says!r}")

@@ -95,7 +95,7 @@ class LaunchConfig:
             try:
                 check_seed(self.seed)
             except UsageError as exc:
-                raise UsageError(f"--{exc}") from None
+                raise UsageError(f"--seed: {exc}") from None
         for name in ("grace_s", "kill_wait_s", "drain_s"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0 seconds")
@@ -359,8 +359,8 @@ class _Launcher:
         """Signal the process group of every rank, also of ranks that have exited: their
         background children are still in it. Only groups not yet seen empty: a group's
         id is not reused while a process is in it, but it may be once it is empty (the
-        launcher looks every :data:`_GROUP_POLL_S` seconds)."""
-        self._prune_groups()
+        launcher looks every :data:`_GROUP_POLL_S` seconds; teardown signals right after
+        a look, in :meth:`_groups_alive` or :meth:`_wait_all`)."""
         for pgid in self.groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, sig)
@@ -379,7 +379,7 @@ class _Launcher:
             while self._groups_alive():  # the ranks' own children: nothing to wait on
                 if asyncio.get_running_loop().time() >= deadline:
                     return False
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.05)
         except TimeoutError:
             return False
         return True

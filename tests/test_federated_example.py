@@ -13,11 +13,14 @@ import asyncio
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from subprocess import Popen
 
 import numpy as np
 import pytest
@@ -298,22 +301,43 @@ def test_example_run_stops_when_a_client_fails(tmp_path: Path) -> None:
         fleet.stop()
 
 
+@contextlib.contextmanager
+def _run_until(cmd: list[str], marker: bytes, tmp_path: Path) -> Iterator[Popen[bytes]]:
+    """Start ``cmd`` in a session of its own and read its output up to a line starting
+    with ``marker`` (60 s at most; the run's stderr goes to ``run.err``); on exit, kill
+    whatever of the session is left."""
+    with (tmp_path / "run.err").open("wb") as err:
+        proc = Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        fd, seen, deadline = proc.stdout.fileno(), b"", time.monotonic() + 60
+        while not any(line.startswith(marker) for line in seen.split(b"\n")):
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {marker!r} line within 60 s: {seen[-500:]!r}"
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 65536)
+                assert chunk, f"the run ended before {marker!r}: {seen[-500:]!r}"
+                seen += chunk
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+
+
+def _stopped_by_sigterm(proc: Popen[bytes], tmp_path: Path) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, (tmp_path / "run.err").read_text()
+
+
 def test_example_run_stops_its_clients_and_relay_on_sigterm(tmp_path: Path) -> None:
     """kill (SIGTERM) ends the run like Ctrl-C: clients and the local relay stop with it
     (the relay used to live on, as SIGTERM skipped the cleanup)."""
     cmd = [sys.executable, "-m", "examples.federated.run", "--relay", "local"]
     cmd += ["--rounds", "500", "--logs", str(tmp_path), "--png", str(tmp_path / "a.png")]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:  # bounded by the run's own waits; the finally kills it
-            if line.startswith(b"started "):
-                break
-        proc.send_signal(signal.SIGTERM)  # before the clients joined: they are stopped
-        _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 128 + signal.SIGTERM, err.decode()
+    with _run_until(cmd, b"started ", tmp_path) as proc:
+        _stopped_by_sigterm(proc, tmp_path)  # before the clients joined: they are stopped
         deadline = time.monotonic() + 15  # what it started is gone
         while True:
             try:
@@ -322,10 +346,6 @@ def test_example_run_stops_its_clients_and_relay_on_sigterm(tmp_path: Path) -> N
                 break
             assert time.monotonic() < deadline, "a client or the relay outlived the run"
             time.sleep(0.1)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
 
 
 def test_example_run_tells_joined_clients_to_stop_on_sigterm(tmp_path: Path) -> None:
@@ -334,20 +354,7 @@ def test_example_run_tells_joined_clients_to_stop_on_sigterm(tmp_path: Path) -> 
     cmd = [sys.executable, "-m", "examples.federated.run", "--clients", "3", "--late", "0"]
     cmd += ["--dropouts", "0", "--rounds", "500", "--logs", str(tmp_path)]
     cmd += ["--png", str(tmp_path / "a.png")]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith(b"3 clients; initial loss"):
-                break
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 128 + signal.SIGTERM, err.decode()
+    with _run_until(cmd, b"3 clients; initial loss", tmp_path) as proc:
+        _stopped_by_sigterm(proc, tmp_path)
         logs = [(tmp_path / f"client{i}.log").read_text() for i in range(3)]
         assert all("the coordinator was interrupted" in log for log in logs), logs
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
