@@ -36,7 +36,7 @@ from ..errors import (
 from ..identity import EndpointId
 from ..transport.base import Address, Connection
 from ..transport.dial import dial_with_retry
-from ..transport.mailbox import SPACE_SHIFT
+from ..transport.mailbox import SPACE_SHIFT, split_channel
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
 from ..wire.relay import RelayUrl
@@ -234,9 +234,8 @@ class Membership:
         those calls are refused (``_run``), and those running here fail at once naming
         it; the earlier ones have its part and finish."""
         group._closed_by[root_rank] = next_cid
-        mask = (1 << SPACE_SHIFT) - 1
         for task, (running, channel, _) in list(self._inflight.items()):
-            if running is group and channel & mask >= next_cid:
+            if running is group and split_channel(channel)[1] >= next_cid:
                 self._cancel_for_loss(task, root_rank, told=True)
 
     def _cancel_closed(self, group: Membership) -> None:
@@ -292,7 +291,7 @@ class Membership:
 
     def _is_past(self, channel: int) -> bool:
         """Whether this rank's group of ``channel`` has already run (or refused) that call."""
-        space, counter = channel >> SPACE_SHIFT, channel & ((1 << SPACE_SHIFT) - 1)
+        space, counter = split_channel(channel)
         for group in [self, *self._descendants]:
             if group._space == space:
                 return counter < group._next_cid

@@ -34,7 +34,7 @@ from ..errors import (
 )
 from ..tasks import cancel_and_wait
 from ..transport.base import Connection
-from ..transport.mailbox import SPACE_SHIFT
+from ..transport.mailbox import split_channel
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
 from ..wire.frames import Frame
@@ -180,8 +180,8 @@ class Rejoining(Membership):
     def _resume_cid(self) -> int:
         """The id of this group's next collective that can still run: calls another rank
         has told us failed (for want of a rank) are used up, though not started here."""
-        mask = (1 << SPACE_SHIFT) - 1
-        failed = [c & mask for c in self._failed_calls if c >> SPACE_SHIFT == self._space]
+        spaced = [split_channel(c) for c in self._failed_calls]
+        failed = [cid for space, cid in spaced if space == self._space]
         return max([self._next_cid, *(c + 1 for c in failed)])
 
     async def _wants_rejoin(self, rank: int, conn: Connection) -> bool:

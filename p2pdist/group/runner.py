@@ -22,7 +22,7 @@ from ..errors import (
     RemoteProtocolError,
     UsageError,
 )
-from ..transport.mailbox import SPACE_SHIFT
+from ..transport.mailbox import SPACE_SHIFT, split_channel
 from .link import CollectiveLink
 from .rejoin import Rejoining
 
@@ -131,7 +131,7 @@ class Runner(Rejoining):
             self._tell_call_failed(channel, self._root_ranks[min(left)])
             self._refuse(channel, self._left_error(left))
         if self._closed_by:  # members that closed this sub-group after earlier calls
-            cid = channel & ((1 << SPACE_SHIFT) - 1)
+            cid = split_channel(channel)[1]
             closers = [r for r, first in self._closed_by.items() if cid >= first]
             if closers:
                 self._tell_call_failed(channel, min(closers))

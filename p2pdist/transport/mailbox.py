@@ -10,7 +10,7 @@ from collections.abc import Callable
 from ..errors import PeerTimeoutError, UsageError
 from ..wire.frames import Frame
 
-__all__ = ["CHANNEL_OVERHEAD", "FRAME_OVERHEAD", "Mailbox", "RetiredChannels"]
+__all__ = ["CHANNEL_OVERHEAD", "FRAME_OVERHEAD", "Mailbox", "RetiredChannels", "split_channel"]
 
 SPACE_SHIFT = 48
 """Channels are ``space << 48 | counter``; counters retire roughly in order per space."""
@@ -21,6 +21,11 @@ that frames without meta or payload still count towards ``max_buffered``."""
 CHANNEL_OVERHEAD = 1024
 """Bytes charged for each channel that has frames queued (its deque and dict entry:
 about 780 bytes in CPython 3.11, rounded up)."""
+
+
+def split_channel(channel: int) -> tuple[int, int]:
+    """``(space, counter)`` of a channel id: ``space << SPACE_SHIFT | counter``."""
+    return channel >> SPACE_SHIFT, channel & ((1 << SPACE_SHIFT) - 1)
 
 
 class RetiredChannels:
@@ -43,7 +48,7 @@ class RetiredChannels:
 
     def retire(self, channel: int) -> None:
         """Mark ``channel`` retired."""
-        space, counter = channel >> SPACE_SHIFT, channel & ((1 << SPACE_SHIFT) - 1)
+        space, counter = split_channel(channel)
         runs = self._runs.get(space)
         if runs is None:
             self._runs[space] = ([counter], [counter + 1])
@@ -69,10 +74,10 @@ class RetiredChannels:
             ends.insert(i, counter + 1)
 
     def __contains__(self, channel: int) -> bool:
-        runs = self._runs.get(channel >> SPACE_SHIFT)
+        space, counter = split_channel(channel)
+        runs = self._runs.get(space)
         if runs is None:
             return False
-        counter = channel & ((1 << SPACE_SHIFT) - 1)
         starts, ends = runs
         if counter >= ends[-1]:  # newer than every retired one: the usual case
             return False
