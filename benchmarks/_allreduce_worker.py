@@ -208,15 +208,24 @@ def gloo(cfg: dict[str, Any]) -> dict[str, Any]:
 
 async def _p2pdist_async(cfg: dict[str, Any]) -> dict[str, Any]:
     """Run one rank of the p2pdist all-reduce sweep inside the event loop."""
-    from p2pdist import Group
+    from p2pdist import Group, GroupConfig
     from p2pdist.eventloop import loop_name
+    from p2pdist.transport import TransportConfig
 
     if loop_name() != cfg.get("loop", "asyncio"):
         raise AssertionError(f"running on {loop_name()}, asked for {cfg.get('loop')}")
     rank: int = cfg["rank"]
     offset = np.float32(rank + 1)  # rank r's input: base + r + 1
     world: int = cfg["world"]
-    g = Group.from_seed(cfg["seed"], rank=rank, world=world, peers=cfg["peers"], tls=cfg["tls"])
+    transport = TransportConfig(sealed_records=cfg.get("sealed_records", True))
+    g = Group.from_seed(
+        cfg["seed"],
+        rank=rank,
+        world=world,
+        peers=cfg["peers"],
+        tls=cfg["tls"],
+        config=GroupConfig(transport=transport),
+    )
     kw: dict[str, Any] = cfg.get("reduce_kwargs", {})
     tol = tolerance(world, kw)
     results: list[dict[str, Any]] = []

@@ -63,6 +63,9 @@ WORKER = Path(__file__).resolve().with_name("_allreduce_worker.py")
 DEFAULT_SIZES = ["4K", "64K", "1M", "16M", "64M"]
 DEFAULT_WORLDS = [2, 4]
 DEFAULT_MODES = ["tls", "plaintext"]
+BASE_MODES = [*DEFAULT_MODES, "tlsrec"]
+"""``tlsrec``: TLS records all along (``sealed_records=False``), where ``tls`` moves to
+AES-GCM records after the TLS handshake."""
 VARIANTS: dict[str, dict[str, str]] = {
     "": {},
     "-det": {"mode": "deterministic"},
@@ -506,6 +509,7 @@ def run_round(
                 "seed": seed,
                 "peers": [f"127.0.0.1:{p}" for p in free_ports(world)],
                 "tls": mode.startswith("tls"),
+                "sealed_records": not mode.startswith("tlsrec"),
                 "loop": loop,
                 "out_of_place": args.out_of_place,
                 "reduce_kwargs": VARIANTS[variant],
@@ -555,9 +559,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--modes",
         nargs="+",
-        choices=[f"{m}{v}" for m in DEFAULT_MODES for v in VARIANTS],
+        choices=[f"{m}{v}" for m in BASE_MODES for v in VARIANTS],
         default=DEFAULT_MODES,
-        help="p2pdist modes (default: tls plaintext); suffix -det = deterministic, "
+        help="p2pdist modes (default: tls plaintext; tlsrec = TLS records all along instead "
+        "of AES-GCM records after the TLS handshake); suffix -det = deterministic, "
         "-f16/-bf16/-int8 = compressed wire",
     )
     add_loop_argument(ap, "event loops for p2pdist, each mode run on each")

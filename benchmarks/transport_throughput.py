@@ -3,7 +3,9 @@
 Compares, between two processes on loopback, for the same message sizes:
 
 * ``p2pdist``: :class:`p2pdist.TcpTransport` (BufferedProtocol: payloads are received
-  straight into their own buffer), plaintext and TLS;
+  straight into their own buffer), plaintext, TLS (``p2pdist-tls``: frames in AES-GCM
+  records after the TLS handshake, the default) and TLS records all along
+  (``p2pdist-tlsrec``, ``sealed_records=False``);
 * ``streams``: the naive asyncio way, ``StreamReader.readexactly`` per message (bytes are
   copied through the stream's internal buffer);
 * ``socket``: blocking ``sendall`` / ``recv_into`` into a preallocated buffer (the ceiling);
@@ -40,14 +42,15 @@ from p2pdist.launch import pick_free_ports
 from p2pdist.tls import TlsIdentity
 
 SEED = "transport-bench-seed-0123"
-LOOP_KINDS = ("streams", "p2pdist-plain", "p2pdist-tls")
+LOOP_KINDS = ("streams", "p2pdist-plain", "p2pdist-tls", "p2pdist-tlsrec")
 """Columns that run on an event loop (a ``+uv`` suffix runs them on uvloop)."""
 KINDS = ("socket", "tls-socket", *LOOP_KINDS, *(f"{k}+uv" for k in LOOP_KINDS))
 
 
-async def _p2pdist_connection(role: str, port: int, tls: bool, q: Any) -> tuple[Any, Any]:
-    """(transport, connection): "recv" listens (and says so on ``q``), "send" dials."""
-    cfg = TransportConfig(tls=tls)
+async def _p2pdist_connection(role: str, port: int, mode: str, q: Any) -> tuple[Any, Any]:
+    """(transport, connection): "recv" listens (and says so on ``q``), "send" dials.
+    ``mode``: "plain", "tls" (AES-GCM records after TLS) or "tlsrec" (TLS records)."""
+    cfg = TransportConfig(tls=mode != "plain", sealed_records=mode != "tlsrec")
     server_key, client_key = SecretKey.from_seed(SEED, 0), SecretKey.from_seed(SEED, 1)
     if role == "recv":
         t = TcpTransport(server_key, cfg)
@@ -58,9 +61,9 @@ async def _p2pdist_connection(role: str, port: int, tls: bool, q: Any) -> tuple[
     return t, await t.connect(server_key.endpoint_id, ("127.0.0.1", port))
 
 
-async def _p2pdist_both(role: str, port: int, count: int, size: int, tls: bool, q: Any) -> None:
+async def _p2pdist_both(role: str, port: int, count: int, size: int, mode: str, q: Any) -> None:
     """Both ways at once over one connection: send ``count`` messages while receiving as many."""
-    t, conn = await _p2pdist_connection(role, port, tls, q)
+    t, conn = await _p2pdist_connection(role, port, mode, q)
     payload = np.ones(size, np.uint8)
 
     async def send_all() -> None:
@@ -79,8 +82,8 @@ async def _p2pdist_both(role: str, port: int, count: int, size: int, tls: bool, 
     await t.close()
 
 
-async def _p2pdist(role: str, port: int, count: int, size: int, tls: bool, q: Any) -> None:
-    t, conn = await _p2pdist_connection(role, port, tls, q)
+async def _p2pdist(role: str, port: int, count: int, size: int, mode: str, q: Any) -> None:
+    t, conn = await _p2pdist_connection(role, port, mode, q)
     if role == "recv":
         await conn.recv(1, timeout=30)
         start = time.perf_counter()
@@ -221,9 +224,10 @@ def _worker(
         run(role, port, count, size, q, tls=kind == "tls-socket")
     elif kind == "streams":
         eventloop.run(_streams(role, port, count, size, q), loop=loop)
-    elif kind in ("p2pdist-plain", "p2pdist-tls"):
+    elif kind in ("p2pdist-plain", "p2pdist-tls", "p2pdist-tlsrec"):
         run_p2p = _p2pdist_both if both else _p2pdist
-        eventloop.run(run_p2p(role, port, count, size, kind == "p2pdist-tls", q), loop=loop)
+        mode = kind.removeprefix("p2pdist-")
+        eventloop.run(run_p2p(role, port, count, size, mode, q), loop=loop)
     else:
         raise ValueError(f"unknown kind {kind!r}")
 

@@ -16,8 +16,12 @@ def tls(request: pytest.FixtureRequest) -> bool:
     return bool(request.param)
 
 
-@pytest.fixture
-def make_pair(tls: bool) -> PairFactory:
+@pytest.fixture(
+    params=[(True, True), (True, False), (False, True)], ids=["tls", "tls-records", "plain"]
+)
+def make_pair(request: pytest.FixtureRequest) -> PairFactory:
     """A factory of connected TCP connection pairs (a module may define its own, as the
-    QUIC tests do)."""
-    return functools.partial(tcp_pair, tls)
+    QUIC tests do): TLS with AES-GCM records after it (the default), TLS records all
+    along (``sealed_records=False``), and authenticated plaintext."""
+    tls, sealed = request.param
+    return functools.partial(tcp_pair, tls, sealed_records=sealed)

@@ -754,8 +754,9 @@ async def test_backpressure_does_not_look_like_a_dead_peer(tls: bool) -> None:
 async def test_a_corrupt_tls_record_closes_the_connection_naming_the_peer() -> None:
     """Bytes that are not a valid TLS record for this session (an attacker on the path,
     say) end the connection as broken, naming the peer; nothing escapes, and the peer
-    learns it from our alert."""
-    async with tcp_pair(True) as p:
+    learns it from our alert. (TLS records all along; tests/test_aead_records.py has
+    the same for the AES-GCM records that follow TLS by default.)"""
+    async with tcp_pair(True, sealed_records=False) as p:
         await p.client.send(1, b"before")
         assert bytes((await bounded(p.server.recv(1), "recv")).payload) == b"before"
         assert p.client._transport is not None
@@ -770,7 +771,7 @@ async def test_a_corrupt_tls_record_closes_the_connection_naming_the_peer() -> N
 async def test_frames_before_a_corrupt_tls_record_are_still_delivered() -> None:
     """Records decrypted before a bad one in the same read were authentic: their frames
     come first, then the connection ends."""
-    async with tcp_pair(True) as p:
+    async with tcp_pair(True, sealed_records=False) as p:
         assert p.client._transport is not None and p.client._tls is not None
         good = p.client._tls.encrypt(encode_header(FrameKind.DATA, 1, 0, b"", 5) + b"hello")
         p.client._transport.write(good + b"\x17\x03\x03\x00\x20" + os.urandom(32))
@@ -784,7 +785,7 @@ async def test_a_peer_close_notify_ends_the_connection_at_once() -> None:
     """TLS close_notify without GOODBYE (and with the socket left open): nothing more can
     be read, so the connection ends at once, not graceful, instead of buffering what
     follows undecrypted until the idle timeout."""
-    async with tcp_pair(True) as p:
+    async with tcp_pair(True, sealed_records=False) as p:
         await p.client.send(1, b"before")
         assert bytes((await bounded(p.server.recv(1), "recv")).payload) == b"before"
         assert p.client._transport is not None and p.client._tls is not None

@@ -39,6 +39,7 @@ from ..wire.handshake import (
     encode_record,
     get_bytes,
 )
+from .aeadpipe import CIPHER, AeadPipe, RecordError, new_secret
 from .base import Address, TransportConfig
 from .framed import EndpointBase, FramedConnection
 from .pathinfo import PathInfo, single_path
@@ -51,10 +52,9 @@ log = logging.getLogger(__name__)
 
 _SMALL_WRITE = 64 * 1024
 _TLS_SLICE = 256 * 1024
-_TLS_READ = 256 * 1024
-"""Ciphertext read per socket read (TLS connections only)."""
-_TLS_STUCK = 2 * (16 * 1024 + 256 + 5)
-"""More undecrypted ciphertext than two largest records while reading: a bug or an abuse."""
+"""Plaintext encrypted and written at a time of a large payload (TLS mode)."""
+_KEY_READ = 1024
+"""Plaintext read at a time while the record keys come in through TLS (one small record)."""
 _ASYNCIO_PLAIN_COPIES = sys.version_info < (3, 12)
 
 
@@ -114,14 +114,15 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         self._expected = expected
         self._transport: asyncio.Transport | None = None
         self._write_copy = True
-        """Copy large payloads before writing (see :func:`_write_keeps_reference`)."""
-        self._tls: TlsPipe | None = None
-        """TLS over the socket (TLS mode, from the TLS handshake on)."""
-        self._cipher = memoryview(b"")
-        """Where the socket's ciphertext lands once frames flow (TLS mode)."""
+        """Whether borrowed bytes must be copied before the transport queues them (see
+        :func:`_write_keeps_reference` and :meth:`_write_borrowed`)."""
+        self._tls: TlsPipe | AeadPipe | None = None
+        """What protects the socket's bytes in TLS mode: TLS from its handshake on, then
+        (when both ends offer it) AES-GCM records under keys agreed inside TLS."""
+        self._ssl: ssl.SSLObject | None = None
         self._rx_paused = False
         self._direct: socket.socket | None = None
-        """A duplicate of the plain socket, to send what the kernel takes at once (no TLS)."""
+        """A duplicate of the socket, to send borrowed bytes the kernel takes at once."""
         # Handshake phase state.
         self._hs_buf = bytearray()
         """Where handshake bytes land; allocated when the first bytes come, not when the
@@ -149,7 +150,15 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
     @property
     def tls_object(self) -> ssl.SSLObject | None:
         """The connection's ``ssl.SSLObject`` (TLS version, peer certificate), or None."""
-        return self._tls.obj if self._tls is not None else None
+        return self._ssl
+
+    @property
+    def record_protection(self) -> str:
+        """What protects the frames: ``"aes-256-gcm"`` (records under keys agreed in
+        TLS), ``"tls"`` (TLS records) or ``"none"`` (plaintext mode, or not yet)."""
+        if isinstance(self._tls, AeadPipe):
+            return CIPHER
+        return "tls" if self.encrypted else "none"
 
     # ---- FramedConnection hooks ----------------------------------------------------------
 
@@ -159,17 +168,41 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             self._transport.write(data)
             return
         with contextlib.suppress(P2PError):  # control frames: the failure ends the connection
-            self._transport.write(self._encrypt(self._tls, data))
+            self._write_sealed(self._tls, data)
 
-    def _encrypt(self, tls: TlsPipe, *parts: bytes | memoryview) -> bytes:
-        """The ciphertext of ``parts``; a TLS session that can no longer send (it was
-        shut down, or failed) ends the connection, and the error is raised."""
+    def _write_sealed(self, tls: TlsPipe | AeadPipe, *parts: bytes | memoryview) -> None:
+        """Encrypt ``parts`` and write them; a TLS session that can no longer send (it
+        was shut down, or failed) ends the connection, and the error is raised."""
         try:
-            return tls.encrypt(*parts)
+            data = tls.encrypt(*parts)
         except ssl.SSLError as exc:
             err = ConnectionBrokenError(self.label, f"TLS cannot send: {exc}")
             self.abort(err)
             raise err from None
+        if isinstance(data, memoryview):  # AeadPipe's buffer, reused by its next call
+            self._write_borrowed(data)
+        else:
+            assert self._transport is not None
+            self._transport.write(data)
+
+    def _write_borrowed(self, data: memoryview) -> None:
+        """Write bytes that will change once we return (the caller's array, a reused
+        buffer): the transport must not keep a reference to them."""
+        t = self._transport
+        assert t is not None
+        if not self._write_copy:
+            t.write(data)  # the transport copies what the kernel does not take at once
+            return
+        # The transport would queue a reference to what it cannot send at once. Do what
+        # asyncio's own transport did before 3.12: send what the kernel takes now (only
+        # when nothing is queued, so the order holds) and give the transport a copy of the
+        # rest only.
+        sent = 0
+        if self._direct is not None and t.get_write_buffer_size() == 0:
+            with contextlib.suppress(OSError):  # a real error shows on the transport
+                sent = self._direct.send(data)
+        if sent < data.nbytes:
+            t.write(data[sent:].tobytes())
 
     def _write_frame(self, header: bytes, payload: memoryview) -> None:
         t = self._transport
@@ -177,31 +210,21 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         tls = self._tls
         if payload.nbytes <= _SMALL_WRITE:
             data = b"".join((header, payload)) if payload.nbytes else header  # one copy
-            t.write(self._encrypt(tls, data) if tls is not None else data)  # one TLS record
+            if tls is not None:
+                self._write_sealed(tls, data)  # one record
+            else:
+                t.write(data)
         elif tls is not None:
             # Encrypt and send slice by slice, so each slice is still in cache when it is
             # encrypted and its ciphertext when it is sent (one 8 MiB write would make
             # three passes over memory), and most slices go to the kernel unqueued.
             # The header goes out with the first slice: one write, no lone tiny segment.
-            t.write(self._encrypt(tls, header, payload[:_TLS_SLICE]))
+            self._write_sealed(tls, header, payload[:_TLS_SLICE])
             for i in range(_TLS_SLICE, payload.nbytes, _TLS_SLICE):
-                t.write(self._encrypt(tls, payload[i : i + _TLS_SLICE]))
+                self._write_sealed(tls, payload[i : i + _TLS_SLICE])
         else:
             t.write(header)
-            if not self._write_copy:
-                t.write(payload)
-                return
-            # The transport would queue a reference to what it cannot send at once, and
-            # the caller may change its buffer as soon as we return. Do what asyncio's
-            # own transport did before 3.12: send what the kernel takes now (only when
-            # nothing is queued, so the order holds) and give the transport a copy of the
-            # rest only.
-            sent = 0
-            if self._direct is not None and t.get_write_buffer_size() == 0:
-                with contextlib.suppress(OSError):  # a real error shows on the transport
-                    sent = self._direct.send(payload)
-            if sent < payload.nbytes:
-                t.write(payload[sent:].tobytes())
+            self._write_borrowed(payload)
 
     def _writable(self) -> bool:
         return self._transport is not None and not self._transport.is_closing()
@@ -244,9 +267,7 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         # Not an isinstance check: uvloop's transports do not subclass asyncio's classes.
         transport = cast(asyncio.Transport, transport)
         self._transport = transport
-        # With TLS, what this transport gets is fresh ciphertext (TlsPipe.encrypt), which
-        # nobody changes afterwards: no copies needed.
-        self._write_copy = _write_keeps_reference(transport) and not self._cfg.tls
+        self._write_copy = _write_keeps_reference(transport)
         transport.set_write_buffer_limits(high=self._cfg.write_buffer_high)
         sock = transport.get_extra_info("socket")
         if self._write_copy and sock is not None:
@@ -269,7 +290,7 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
                 self._hs_buf = bytearray(_HANDSHAKE_READ)
             return memoryview(self._hs_buf)
         if self._tls is not None:
-            return self._cipher
+            return self._tls.get_buffer()
         return self._decoder.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -286,7 +307,7 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             self._wake_handshake()
             return
         if self._tls is not None:
-            self._tls.feed(self._cipher[:nbytes])
+            self._tls.buffer_updated(nbytes)
             self._tls_receive()
             return
         self._decode(self._decoder.buffer_updated, nbytes)
@@ -314,7 +335,7 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
                     if not got:
                         break
                     n += got
-            except ssl.SSLError as exc:
+            except (ssl.SSLError, RecordError) as exc:
                 # A record that does not decrypt (corrupted or forged in transit: not
                 # necessarily the peer's doing), or the peer's fatal alert: the byte
                 # stream is broken, as when the socket fails. The records before it were
@@ -322,7 +343,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
                 if n and self._error is None:
                     self._decode(self._decoder.buffer_updated, n)
                 self._flush_tls()  # our alert, best effort: tells the peer why
-                err = ConnectionBrokenError(self.label, f"connection lost: TLS error: {exc}")
+                what = "TLS error" if isinstance(exc, ssl.SSLError) else "bad record"
+                err = ConnectionBrokenError(self.label, f"connection lost: {what}: {exc}")
                 log.warning("%s", err)
                 self.abort(err)
                 return
@@ -334,7 +356,7 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             # close_notify: nothing more can be read, and whatever follows would only pile
             # up undecrypted: end as on a TCP EOF (graceful only after GOODBYE).
             self._transport.close()
-        elif not self._rx_paused and tls.buffered > _TLS_STUCK and self._error is None:
+        elif not self._rx_paused and tls.stuck and self._error is None:
             self._protocol_error("TLS data that cannot be decrypted is piling up")
 
     def eof_received(self) -> bool | None:
@@ -403,7 +425,7 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             if tls.buffered <= _HANDSHAKE_BUFFER_PAUSE:
                 self._transport.resume_reading()
             await self._more_handshake_bytes()  # lost meanwhile: the connection's error
-        self._cipher = memoryview(bytearray(_TLS_READ))
+        self._ssl = tls.obj
         der = tls.obj.getpeercert(binary_form=True)
         if not der:
             raise PeerAuthenticationError(self.label, "peer presented no certificate")
@@ -431,6 +453,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         }
         if self._cfg.tls:
             hello["cert"] = owner.tls_identity.cert_der
+            if self._cfg.sealed_records:
+                hello["records"] = [CIPHER]
         self._write(encode_record(hello, first=True))
         rec = await self._next_record()
         if rec.get("ok") is not True:
@@ -446,7 +470,10 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
                 self.label, f"identity mismatch: expected {expected}, presented {presented}"
             )
         if self._cfg.tls:
+            sealed = rec.get("records") == CIPHER and self._cfg.sealed_records
             await self._start_tls(owner.tls_identity.client_context())
+            if sealed:
+                await self._seal_records()
         else:
             me, them = bytes(owner.endpoint_id), bytes(expected)
             sig = owner.key.sign(auth_transcript(b"C", me, them, nonce, server_nonce))
@@ -499,10 +526,22 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             self._write(encode_record({"ok": False, "error": refusal}))
             raise PeerAuthenticationError(self.label, f"refused: {refusal}")
         nonce = secrets.token_bytes(32)
-        self._write(encode_record({"ok": True, "id": bytes(owner.endpoint_id), "nonce": nonce}))
+        reply: dict[str, Any] = {"ok": True, "id": bytes(owner.endpoint_id), "nonce": nonce}
+        offered = rec.get("records")
+        sealed = (
+            my_mode == "tls"
+            and self._cfg.sealed_records
+            and isinstance(offered, list)
+            and CIPHER in offered
+        )
+        if sealed:
+            reply["records"] = CIPHER
+        self._write(encode_record(reply))
         if my_mode == "tls":
             assert isinstance(cert, bytes)
             await self._start_tls(owner.tls_identity.server_context(cert))
+            if sealed:
+                await self._seal_records()
         else:
             me, them = bytes(owner.endpoint_id), bytes(client)
             rec = await self._next_record()
@@ -518,6 +557,43 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             self._write(encode_record({"sig": mine}))
         self.label = owner.label_for(client)  # proven: named as any other peer
         self._enter_frames()
+
+    async def _seal_records(self) -> None:
+        """Send our record secret inside TLS, read the peer's, and protect everything
+        after them with :class:`AeadPipe` records (each side switches right after its own
+        key message, so what follows the peer's in TLS's buffer is already records)."""
+        tls = self._tls
+        assert isinstance(tls, TlsPipe)
+        mine = new_secret()
+        self._write(encode_record({"key": mine}))  # one TLS record, the last one we send
+        reader = RecordReader()
+        buf = memoryview(bytearray(_KEY_READ))
+        while (rec := self._next_key_record(reader)) is None:
+            try:
+                got = tls.read_into(buf)
+            except ssl.SSLError as exc:
+                raise ConnectionBrokenError(self.label, f"TLS error: {exc}") from None
+            if got:
+                reader.feed(buf[:got])
+            elif tls.closed_by_peer:
+                raise ConnectionBrokenError(self.label, "peer closed TLS before its record key")
+            else:
+                await self._more_handshake_bytes()
+        try:
+            theirs = get_bytes(rec, "key", 32)
+        except HandshakeError as exc:
+            raise RemoteProtocolError(self.label, str(exc)) from None
+        if len(reader) or tls.obj.pending():
+            raise RemoteProtocolError(self.label, "TLS data after the record key")
+        pipe = AeadPipe(mine, theirs)
+        pipe.feed(tls.take_buffered())
+        self._tls = pipe
+
+    def _next_key_record(self, reader: RecordReader) -> dict[str, Any] | None:
+        try:
+            return reader.next_record()
+        except HandshakeError as exc:
+            raise RemoteProtocolError(self.label, str(exc)) from None
 
     def _enter_frames(self) -> None:
         leftover = self._hs_reader.leftover()

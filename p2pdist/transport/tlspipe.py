@@ -21,15 +21,22 @@ from typing import cast
 
 __all__ = ["TlsPipe"]
 
+_READ = 256 * 1024
+"""Bytes read from the socket at a time once frames flow."""
+_STUCK = 2 * (16 * 1024 + 256 + 5)
+"""Two records of the largest kind TLS 1.3 sends."""
+
 
 class TlsPipe:
     """One TLS session over memory BIOs (see the module docstring)."""
 
-    __slots__ = ("_in", "_out", "closed_by_peer", "handshake_done", "obj")
+    __slots__ = ("_cipher", "_in", "_out", "closed_by_peer", "handshake_done", "obj")
 
     def __init__(self, context: ssl.SSLContext, *, server_side: bool) -> None:
         self._in = ssl.MemoryBIO()
         self._out = ssl.MemoryBIO()
+        self._cipher = memoryview(b"")
+        """Where the socket's ciphertext lands (allocated on the first get_buffer)."""
         self.obj = context.wrap_bio(self._in, self._out, server_side=server_side)
         """The ``ssl.SSLObject`` (version, peer certificate)."""
         self.handshake_done = False
@@ -47,9 +54,30 @@ class TlsPipe:
         or plaintext of a record decrypted only in part."""
         return self._in.pending > 0 or self.obj.pending() > 0
 
+    @property
+    def stuck(self) -> bool:
+        """Whether more ciphertext waits than a whole record could hold: what is there
+        cannot be decrypted (reading is not paused when this is asked)."""
+        return self._in.pending > _STUCK
+
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Ciphertext received from the socket."""
         self._in.write(data)
+
+    def get_buffer(self) -> memoryview:
+        """Where the next ciphertext from the socket may land (then :meth:`buffer_updated`)."""
+        if not self._cipher:
+            self._cipher = memoryview(bytearray(_READ))
+        return self._cipher
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """``nbytes`` of ciphertext were written into :meth:`get_buffer`'s buffer."""
+        self._in.write(self._cipher[:nbytes])
+
+    def take_buffered(self) -> bytes:
+        """Remove and return the ciphertext not yet decrypted (what follows the last
+        record read, for :class:`~p2pdist.transport.aeadpipe.AeadPipe`)."""
+        return self._in.read()
 
     def outgoing(self) -> bytes:
         """Ciphertext to send (handshake messages, alerts, close_notify); b"" if none."""
