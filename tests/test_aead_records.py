@@ -12,20 +12,28 @@ import struct
 from collections.abc import AsyncIterator
 
 import pytest
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 from test_tcp_transport import eid, key, tcp_pair
 from transport_conformance import bounded, closing
 
-from p2pdist.errors import ConnectionBrokenError
+from p2pdist.errors import ConnectionBrokenError, PeerTimeoutError, RemoteProtocolError
+from p2pdist.identity import SecretKey
+from p2pdist.tls import TlsIdentity
 from p2pdist.transport import TcpTransport, TransportConfig, aeadpipe
+from p2pdist.transport import tcp as tcp_module
 from p2pdist.transport.aeadpipe import MAX_RECORD, TAG, AeadPipe, RecordError
+from p2pdist.transport.tlspipe import TlsPipe
 from p2pdist.wire.frames import FrameKind, encode_header
+from p2pdist.wire.handshake import RecordReader, encode_record
 
 A, B = os.urandom(32), os.urandom(32)
 
 
 def pair() -> tuple[AeadPipe, AeadPipe]:
     """Two ends of one connection: each sends under its own secret."""
-    return AeadPipe(A, B), AeadPipe(B, A)
+    return AeadPipe(A, B, dialer=True), AeadPipe(B, A, dialer=False)
 
 
 def read_all(pipe: AeadPipe, size: int = 1 << 16) -> bytes:
@@ -104,22 +112,98 @@ def test_a_record_length_out_of_bounds_is_refused_before_waiting_for_it(length: 
         rx.read_into(memoryview(bytearray(64)))
 
 
-def test_keys_move_on_every_rekey_records_on_both_ends(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past REKEY_RECORDS records both ends move to the next key together; a record made
-    under the old key after that point does not decrypt."""
+def expected_records(secret: bytes, role: bytes, plaintexts: list[bytes], rekey: int) -> bytes:
+    """The documented schedule (docs/protocol.md), written out on its own: key_0 from
+    HKDF, the next key every ``rekey`` records, nonce = 4 zero bytes || counter."""
+    info = b"p2pdist tcp records v1 aes-256-gcm " + role
+    key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
+    out, seq = bytearray(), 0
+    for p in plaintexts:
+        if seq == rekey:
+            update = b"p2pdist tcp records v1 key update"
+            key = HKDFExpand(algorithm=hashes.SHA256(), length=32, info=update).derive(key)
+            seq = 0
+        header = struct.pack(">I", len(p) + TAG)
+        out += header + AESGCM(key).encrypt(b"\0" * 4 + struct.pack(">Q", seq), p, header)
+        seq += 1
+    return bytes(out)
+
+
+def test_records_follow_the_documented_key_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every record, across several key updates, is exactly what the documented schedule
+    makes (so each (key, nonce) pair is used once), and the receiver takes them."""
     monkeypatch.setattr(aeadpipe, "REKEY_RECORDS", 3)
     tx, rx = pair()
-    keys = []
-    for i in range(10):
-        rx.feed(tx.encrypt(b"%d" % i))
-        assert read_all(rx) == b"%d" % i
-        keys.append(tx._tx.key)
-    assert len(set(keys)) == 4 and rx._rx.key == tx._tx.key  # keys 0..3 for 10 records
-    stale, _ = pair()  # record 10 under key 0 instead of key 3 (whose record 1 it is)
-    stale._tx.seq = 1
-    rx.feed(stale.encrypt(b"late"))
+    texts = [b"record %d" % i for i in range(10)]
+    wire = b"".join(bytes(tx.encrypt(t)) for t in texts)
+    assert wire == expected_records(A, b"dialer", texts, 3)
+    rx.feed(wire)
+    assert read_all(rx) == b"".join(texts)
+
+
+def test_a_record_replayed_at_a_key_update_does_not_decrypt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Record 0 sent again as record REKEY_RECORDS (the first under the next key)."""
+    monkeypatch.setattr(aeadpipe, "REKEY_RECORDS", 4)
+    tx, rx = pair()
+    records = [bytes(tx.encrypt(b"rec%d" % i)) for i in range(4)]
+    rx.feed(b"".join(records))
+    assert read_all(rx) == b"rec0rec1rec2rec3"
+    rx.feed(records[0])
     with pytest.raises(RecordError):
         rx.read_into(memoryview(bytearray(16)))
+
+
+def test_a_record_that_does_not_decrypt_leaves_no_plaintext_in_the_landing_place() -> None:
+    """AES-GCM is a stream cipher: flipped ciphertext bits flip the same plaintext bits,
+    and decrypt_into writes before it checks. The place must not keep them."""
+    tx, rx = pair()
+    wire = bytearray(tx.encrypt(b"A" * 64))
+    wire[10] ^= 0xFF
+    rx.feed(wire)
+    place = memoryview(bytearray(b"\x11" * 64))
+    with pytest.raises(RecordError):
+        rx.read_into(place)
+    assert bytes(place) == bytes(64)
+
+
+def test_equal_secrets_are_refused() -> None:
+    with pytest.raises(RecordError, match="our own"):
+        AeadPipe(A, A, dialer=True)
+
+
+def tls_pipes() -> tuple[TlsPipe, TlsPipe]:
+    """A dialer's and an acceptor's TLS sessions, handshaken in memory."""
+    me = TlsIdentity(SecretKey.from_seed("aead-cutover", 0))
+    them = TlsIdentity(SecretKey.from_seed("aead-cutover", 1))
+    client = TlsPipe(me.client_context(), server_side=False)
+    server = TlsPipe(them.server_context(me.cert_der), server_side=True)
+    for _ in range(10):
+        done = [client.handshake(), server.handshake()]
+        server.feed(client.outgoing())
+        client.feed(server.outgoing())
+        if all(done):
+            return client, server
+    raise AssertionError("no TLS handshake in memory")
+
+
+def test_records_right_behind_the_key_in_one_read_go_to_the_records() -> None:
+    """The cut-over without a socket: the peer's key record and its first AES-GCM records
+    arrive in one read. TLS hands out the key record and no byte more (no read-ahead),
+    and the bytes after it are the records, whole."""
+    client, server = tls_pipes()
+    secret = os.urandom(32)
+    records = AeadPipe(secret, os.urandom(32), dialer=False)
+    first = bytes(records.encrypt(b"first frame")) + bytes(records.encrypt(b"second"))
+    client.feed(server.encrypt(encode_record({"key": secret})) + first)
+    reader, buf = RecordReader(), memoryview(bytearray(1024))
+    while (rec := reader.next_record()) is None:
+        got = client.read_into(buf)
+        assert got
+        reader.feed(buf[:got])
+    assert rec == {"key": secret} and not len(reader) and not client.obj.pending()
+    assert client.take_buffered() == first
 
 
 def test_whole_records_waiting_while_reading_is_paused_get_room() -> None:
@@ -209,6 +293,8 @@ async def test_no_plaintext_crosses_the_wire() -> None:
                 assert bytes((await bounded(client.recv(2), "back")).payload) == marker
                 assert len(seen) > len(big)
                 assert (marker in seen) is expect_seen
+                want = "aes-256-gcm" if tls else "none"
+                assert client.record_protection == server.record_protection == want  # type: ignore[attr-defined]
 
 
 async def test_a_record_that_does_not_decrypt_ends_the_connection_naming_the_peer() -> None:
@@ -217,7 +303,7 @@ async def test_a_record_that_does_not_decrypt_ends_the_connection_naming_the_pee
     async with tcp_pair(True) as p:
         assert isinstance(p.client._tls, AeadPipe) and p.client._transport is not None
         good = p.client._tls.encrypt(encode_header(FrameKind.DATA, 1, 0, b"", 5) + b"hello")
-        forged = bytes(AeadPipe(os.urandom(32), os.urandom(32)).encrypt(b"forged"))
+        forged = bytes(AeadPipe(os.urandom(32), os.urandom(32), dialer=True).encrypt(b"forged"))
         p.client._transport.write(bytes(good) + forged)
         assert bytes((await bounded(p.server.recv(1), "the good frame")).payload) == b"hello"
         with pytest.raises(ConnectionBrokenError, match=r"bad record: .*does not decrypt") as err:
@@ -225,3 +311,37 @@ async def test_a_record_that_does_not_decrypt_ends_the_connection_naming_the_pee
         assert eid(0).short() in str(err.value)
         with pytest.raises(ConnectionBrokenError):
             await bounded(p.client.recv(1), "the client learning the connection ended")
+
+
+async def test_a_peer_that_never_sends_its_record_key_times_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The acceptor finishes TLS and then says nothing: the dialer's connect fails within
+    its handshake timeout, naming the peer."""
+    real = tcp_module.TcpConnection._seal_records
+
+    async def stall_on_accept(self: tcp_module.TcpConnection) -> None:
+        if self._server_side:
+            await asyncio.Event().wait()
+        await real(self)
+
+    monkeypatch.setattr(tcp_module.TcpConnection, "_seal_records", stall_on_accept)
+    cfg = TransportConfig(handshake_timeout=1.0)
+    client_t, server_t = TcpTransport(key(0), cfg), TcpTransport(key(1), cfg)
+    async with closing(client_t, server_t):
+        addr = await server_t.listen("127.0.0.1", 0)
+        with pytest.raises(PeerTimeoutError) as err:
+            await bounded(client_t.connect(eid(1), addr), "connect", 5.0)
+        assert eid(1).short() in str(err.value)
+
+
+async def test_a_peer_that_sends_our_own_secret_back_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    secret = os.urandom(32)
+    monkeypatch.setattr(tcp_module, "new_secret", lambda: secret)
+    client_t, server_t = TcpTransport(key(0)), TcpTransport(key(1))
+    async with closing(client_t, server_t):
+        addr = await server_t.listen("127.0.0.1", 0)
+        with pytest.raises((RemoteProtocolError, ConnectionBrokenError)):
+            await bounded(client_t.connect(eid(1), addr), "connect", 5.0)

@@ -15,11 +15,13 @@ Wire format (each direction on its own)::
     nonce   = 4 zero bytes || record number within the key (u64, big-endian)
 
 The sender picks a fresh random 32-byte secret per connection and sends it to the peer
-inside TLS (:func:`key_message`); ``key_0 = HKDF-SHA256(secret, info=INFO)`` and every
-:data:`REKEY_RECORDS` records both ends move to ``key_{i+1} = HKDF-Expand(key_i,
-UPDATE_INFO)``, with the record number back at 0. A record that does not decrypt
-(altered, reordered, replayed, cut), or one longer than :data:`MAX_RECORD` plus the tag,
-breaks the stream (:class:`RecordError`).
+inside TLS; ``key_0 = HKDF-SHA256(secret, info=INFO + " dialer" | " acceptor")`` (the
+sending side's role: a record reflected back never decrypts, even under equal secrets,
+which are refused anyway) and every :data:`REKEY_RECORDS` records both ends move to
+``key_{i+1} = HKDF-Expand(key_i, UPDATE_INFO)``, with the record number back at 0. A
+record that does not decrypt (altered, reordered, replayed, cut), or one longer than
+:data:`MAX_RECORD` plus the tag, breaks the stream (:class:`RecordError`), and the
+bytes it was decrypted into are zeroed (AES-GCM writes before it checks the tag).
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ INFO = b"p2pdist tcp records v1 aes-256-gcm"
 UPDATE_INFO = b"p2pdist tcp records v1 key update"
 _LEN = struct.Struct(">I")
 _NONCE = struct.Struct(">4xQ")
-_BUFFER = 2 * (MAX_RECORD + TAG + _LEN.size)
+_BUFFER = 2 * (256 * 1024 + TAG + _LEN.size)
+"""The receive buffer to start with: two records as large as p2pdist sends (it doubles
+while a larger record arrives, up to twice :data:`MAX_RECORD`'s)."""
 
 
 class RecordError(Exception):
@@ -65,8 +69,9 @@ def new_secret() -> bytes:
     return os.urandom(32)
 
 
-def _first_key(secret: bytes) -> bytes:
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=INFO).derive(secret)
+def _first_key(secret: bytes, label: bytes) -> bytes:
+    info = INFO + b" " + label
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 
 def _next_key(key: bytes) -> bytes:
@@ -74,24 +79,25 @@ def _next_key(key: bytes) -> bytes:
 
 
 class _Direction:
-    """One direction's key schedule: the AEAD in use and the next record number."""
+    """One direction's key schedule: the key in use and the next record number."""
 
     __slots__ = ("aead", "key", "seq")
 
-    def __init__(self, secret: bytes) -> None:
-        self.key = _first_key(secret)
+    def __init__(self, secret: bytes, label: bytes) -> None:
+        self.key = _first_key(secret, label)
         self.aead = AESGCM(self.key)
         self.seq = 0
 
-    def nonce(self) -> bytes:
-        """The nonce for the next record (moving to the next key when one is used up)."""
+    def next(self) -> tuple[AESGCM, bytes]:
+        """The key and nonce of the next record (moving to the next key when one is used
+        up). Both at once: a caller must not look up the AEAD before the nonce."""
         if self.seq == REKEY_RECORDS:
             self.key = _next_key(self.key)
             self.aead = AESGCM(self.key)
             self.seq = 0
         nonce = _NONCE.pack(self.seq)
         self.seq += 1
-        return nonce
+        return self.aead, nonce
 
 
 class AeadPipe:
@@ -106,9 +112,12 @@ class AeadPipe:
     closed_by_peer = False
     """Never: the frames' own GOODBYE ends a connection gracefully."""
 
-    def __init__(self, send_secret: bytes, receive_secret: bytes) -> None:
-        self._tx = _Direction(send_secret)
-        self._rx = _Direction(receive_secret)
+    def __init__(self, send_secret: bytes, receive_secret: bytes, *, dialer: bool) -> None:
+        if send_secret == receive_secret:
+            raise RecordError("the peer's record secret is our own")
+        mine, theirs = (b"dialer", b"acceptor") if dialer else (b"acceptor", b"dialer")
+        self._tx = _Direction(send_secret, mine)
+        self._rx = _Direction(receive_secret, theirs)
         self._buf = bytearray(_BUFFER)
         self._view = memoryview(self._buf)
         self._start = 0
@@ -184,6 +193,8 @@ class AeadPipe:
             n = min(buf.nbytes, self._plain.nbytes - self._plain_at)
             buf[:n] = self._plain[self._plain_at : self._plain_at + n]
             self._plain_at += n
+            if self._plain_at == self._plain.nbytes:
+                self._plain, self._plain_at = memoryview(b""), 0
             return n
         start = self._start
         at = start + _LEN.size
@@ -193,17 +204,20 @@ class AeadPipe:
         if self._end < at + length:
             return 0
         view = self._view
-        header, cipher, size, rx = view[start:at], view[at : at + length], length - TAG, self._rx
+        header, cipher, size = view[start:at], view[at : at + length], length - TAG
+        aead, nonce = self._rx.next()
         try:
             if size <= buf.nbytes:
-                rx.aead.decrypt_into(rx.nonce(), cipher, header, buf[:size])
+                aead.decrypt_into(nonce, cipher, header, buf[:size])
                 n = size
             else:  # the record does not fit: keep its plaintext for the next calls
-                self._plain = memoryview(rx.aead.decrypt(rx.nonce(), cipher, header))
+                self._plain = memoryview(aead.decrypt(nonce, cipher, header))
                 n = buf.nbytes
                 buf[:] = self._plain[:n]
                 self._plain_at = n
         except InvalidTag:
+            if size <= buf.nbytes:  # decrypt_into wrote before it checked: unwrite it
+                buf[:size] = bytes(size)
             raise RecordError("a record does not decrypt (altered, replayed or cut)") from None
         self._start = at + length
         if self._start == self._end:
@@ -225,7 +239,6 @@ class AeadPipe:
         out = self._out
         view = memoryview(out)
         at = 0
-        tx = self._tx
         for p in parts:
             data = memoryview(p).cast("B")
             for i in range(0, data.nbytes, MAX_RECORD):
@@ -233,9 +246,8 @@ class AeadPipe:
                 length = piece.nbytes + TAG
                 _LEN.pack_into(out, at, length)
                 end = at + _LEN.size + length
-                tx.aead.encrypt_into(
-                    tx.nonce(), piece, view[at : at + _LEN.size], view[at + 4 : end]
-                )
+                aead, nonce = self._tx.next()
+                aead.encrypt_into(nonce, piece, view[at : at + _LEN.size], view[at + 4 : end])
                 at = end
         return view[:at]
 

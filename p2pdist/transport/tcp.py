@@ -578,6 +578,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             elif tls.closed_by_peer:
                 raise ConnectionBrokenError(self.label, "peer closed TLS before its record key")
             else:
+                if self._transport is not None and tls.buffered <= _HANDSHAKE_BUFFER_PAUSE:
+                    self._transport.resume_reading()
                 await self._more_handshake_bytes()
         try:
             theirs = get_bytes(rec, "key", 32)
@@ -585,7 +587,10 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             raise RemoteProtocolError(self.label, str(exc)) from None
         if len(reader) or tls.obj.pending():
             raise RemoteProtocolError(self.label, "TLS data after the record key")
-        pipe = AeadPipe(mine, theirs)
+        try:
+            pipe = AeadPipe(mine, theirs, dialer=not self._server_side)
+        except RecordError as exc:
+            raise RemoteProtocolError(self.label, str(exc)) from None
         pipe.feed(tls.take_buffered())
         self._tls = pipe
 
