@@ -5,7 +5,7 @@ and agrees the keys; the frames that follow travel in these records instead of T
 records. Why: Python's ``ssl`` runs on the system's OpenSSL, whose AES-GCM here is about
 a third as fast as the one ``cryptography`` bundles (4.2 against 13.5 GB/s on 1 MiB,
 docs/performance.md), and a TLS record carries at most 16 KiB, so bulk frames cost one
-Python call per 16 KiB instead of one per 256 KiB. QUIC does the same: TLS for the
+Python call per 16 KiB instead of one per 1 MiB. QUIC does the same: TLS for the
 handshake, its own packet protection for the data.
 
 Wire format (each direction on its own)::
@@ -46,7 +46,7 @@ __all__ = [
 CIPHER = "aes-256-gcm"
 """The record protection's name in the handshake."""
 MAX_RECORD = 1 << 20
-"""Largest plaintext one record may carry (the sender uses 256 KiB slices)."""
+"""Largest plaintext one record may carry (a large payload is sent in records this big)."""
 REKEY_RECORDS = 1 << 18
 """Records per key: at most 2^18 x 1 MiB = 256 GiB under one key (TLS 1.3 allows AES-GCM
 about 2^24.5 records of 16 KiB, some 380 GiB)."""
@@ -55,9 +55,9 @@ INFO = b"p2pdist tcp records v1 aes-256-gcm"
 UPDATE_INFO = b"p2pdist tcp records v1 key update"
 _LEN = struct.Struct(">I")
 _NONCE = struct.Struct(">4xQ")
-_BUFFER = 2 * (256 * 1024 + TAG + _LEN.size)
-"""The receive buffer to start with: two records as large as p2pdist sends (it doubles
-while a larger record arrives, up to twice :data:`MAX_RECORD`'s)."""
+_BUFFER = 2 * (MAX_RECORD + TAG + _LEN.size)
+"""The receive buffer: two whole records of the largest size (it doubles only while
+whole records wait because reading was paused)."""
 
 
 class RecordError(Exception):
