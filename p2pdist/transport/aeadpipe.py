@@ -49,7 +49,7 @@ MAX_RECORD = 1 << 20
 """Largest plaintext one record may carry (a large payload is sent in records this big)."""
 REKEY_RECORDS = 1 << 18
 """Records per key: at most 2^18 x 1 MiB = 256 GiB under one key (TLS 1.3 allows AES-GCM
-about 2^24.5 records of 16 KiB, some 380 GiB)."""
+about 2^24.5 records of 16 KiB, some 360 GiB)."""
 TAG = 16
 INFO = b"p2pdist tcp records v1 aes-256-gcm"
 UPDATE_INFO = b"p2pdist tcp records v1 key update"
