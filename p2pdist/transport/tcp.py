@@ -54,7 +54,7 @@ _SMALL_WRITE = 64 * 1024
 _TLS_SLICE = 256 * 1024
 """Plaintext encrypted and written at a time of a large payload, in TLS records (AES-GCM
 records take :data:`~p2pdist.transport.aeadpipe.MAX_RECORD` at a time: one record each,
-and at world 4 on two cores 15-20% faster than 256 KiB, docs/performance.md)."""
+a quarter of the Python calls of 256 KiB; docs/performance.md)."""
 _KEY_READ = 1024
 """Plaintext read at a time while the record keys come in through TLS (one small record)."""
 _ASYNCIO_PLAIN_COPIES = sys.version_info < (3, 12)
