@@ -55,9 +55,10 @@ INFO = b"p2pdist tcp records v1 aes-256-gcm"
 UPDATE_INFO = b"p2pdist tcp records v1 key update"
 _LEN = struct.Struct(">I")
 _NONCE = struct.Struct(">4xQ")
-_BUFFER = 2 * (MAX_RECORD + TAG + _LEN.size)
-"""The receive buffer: two whole records of the largest size (it doubles only while
-whole records wait because reading was paused)."""
+_BUFFER = 2 * (64 * 1024 + TAG + _LEN.size)
+"""The receive buffer to start with: two records of a small frame. It doubles when a
+larger record does not fit (up to about twice :data:`MAX_RECORD` for bulk traffic), so
+a connection that carries only small messages keeps 128 KiB."""
 
 
 class RecordError(Exception):
@@ -137,7 +138,7 @@ class AeadPipe:
             if self._start:
                 self._view[:n] = self._view[self._start : self._end]
                 self._start, self._end = 0, n
-            else:  # whole records wait (reading was paused): make room
+            else:  # a record larger than the buffer, or whole records wait: make room
                 bigger = bytearray(2 * len(self._buf))
                 bigger[:n] = self._view[:n]
                 self._buf, self._view = bigger, memoryview(bigger)
