@@ -248,7 +248,8 @@ class AeadPipe:
                 _LEN.pack_into(out, at, length)
                 end = at + _LEN.size + length
                 aead, nonce = self._tx.next()
-                aead.encrypt_into(nonce, piece, view[at : at + _LEN.size], view[at + 4 : end])
+                header = view[at : at + _LEN.size]
+                aead.encrypt_into(nonce, piece, header, view[at + _LEN.size : end])
                 at = end
         return view[:at]
 
