@@ -390,14 +390,17 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             w.set_result(None)
 
     async def _next_record(self) -> dict[str, Any]:
-        while True:
-            try:
-                rec = self._hs_reader.next_record()
-            except HandshakeError as exc:
-                raise RemoteProtocolError(self.label, str(exc)) from None
-            if rec is not None:
-                return rec
+        while (rec := self._parse_record(self._hs_reader)) is None:
             await self._more_handshake_bytes()
+        return rec
+
+    def _parse_record(self, reader: RecordReader) -> dict[str, Any] | None:
+        """The reader's next whole handshake record (None: more bytes needed); malformed
+        bytes are the peer's protocol error."""
+        try:
+            return reader.next_record()
+        except HandshakeError as exc:
+            raise RemoteProtocolError(self.label, str(exc)) from None
 
     async def _more_handshake_bytes(self) -> None:
         """Wait until more bytes arrive during the handshake (bounded by the caller's
@@ -571,10 +574,11 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         self._write(encode_record({"key": mine}))  # one TLS record, the last one we send
         reader = RecordReader()
         buf = memoryview(bytearray(_KEY_READ))
-        while (rec := self._next_key_record(reader)) is None:
+        while (rec := self._parse_record(reader)) is None:
             try:
                 got = tls.read_into(buf)
             except ssl.SSLError as exc:
+                self._flush_tls()  # our alert, best effort: tells the peer why
                 raise ConnectionBrokenError(self.label, f"TLS error: {exc}") from None
             if got:
                 reader.feed(buf[:got])
@@ -596,12 +600,6 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             raise RemoteProtocolError(self.label, str(exc)) from None
         pipe.feed(tls.take_buffered())
         self._tls = pipe
-
-    def _next_key_record(self, reader: RecordReader) -> dict[str, Any] | None:
-        try:
-            return reader.next_record()
-        except HandshakeError as exc:
-            raise RemoteProtocolError(self.label, str(exc)) from None
 
     def _enter_frames(self) -> None:
         leftover = self._hs_reader.leftover()
