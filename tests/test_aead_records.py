@@ -206,6 +206,19 @@ def test_records_right_behind_the_key_in_one_read_go_to_the_records() -> None:
     assert client.take_buffered() == first
 
 
+def test_next_size_is_the_plaintext_of_the_next_whole_record() -> None:
+    tx, rx = pair()
+    wire = bytes(tx.encrypt(b"ab", os.urandom(5000)))
+    rx.feed(wire[:10])
+    assert rx.next_size == 0  # the first record is not here whole yet
+    rx.feed(wire[10:30])
+    assert rx.next_size == 2
+    assert rx.read_into(memoryview(bytearray(2))) == 2
+    assert rx.next_size == 0  # the second record is not here whole yet
+    rx.feed(wire[30:])
+    assert rx.next_size == 5000
+
+
 def test_whole_records_waiting_while_reading_is_paused_get_room() -> None:
     """More whole records than the buffer holds (a paused reader): the buffer grows,
     nothing is lost."""
@@ -311,6 +324,38 @@ async def test_a_record_that_does_not_decrypt_ends_the_connection_naming_the_pee
         assert eid(0).short() in str(err.value)
         with pytest.raises(ConnectionBrokenError):
             await bounded(p.client.recv(1), "the client learning the connection ended")
+
+
+class CountingAead:
+    """An AEAD that counts the records decrypted into a temporary (``decrypt``) rather
+    than into the caller's buffer (``decrypt_into``)."""
+
+    def __init__(self, inner: AESGCM) -> None:
+        self.inner, self.temporaries = inner, 0
+
+    def decrypt_into(self, *args: object) -> None:
+        self.inner.decrypt_into(*args)  # type: ignore[arg-type]
+
+    def decrypt(self, *args: object) -> bytes:
+        self.temporaries += 1
+        return self.inner.decrypt(*args)  # type: ignore[arg-type]
+
+
+async def test_a_bulk_record_behind_its_header_decrypts_straight_into_the_payload() -> None:
+    """A large frame's header record and its 1 MiB payload record both whole in the
+    buffer at once: the header goes to the decoder first, so the payload record is
+    decrypted into the payload's own place, not into a temporary that is then copied."""
+    async with tcp_pair(True) as p:
+        sender, receiver = p.client._tls, p.server._tls
+        assert isinstance(sender, AeadPipe) and isinstance(receiver, AeadPipe)
+        counting = CountingAead(receiver._rx.aead)
+        receiver._rx.aead = counting  # type: ignore[assignment]
+        payload = os.urandom(MAX_RECORD)
+        header = encode_header(FrameKind.DATA, 1, 0, b"", len(payload))
+        receiver.feed(sender.encrypt(header, payload))  # two records, both whole
+        p.server._tls_receive()
+        assert bytes((await bounded(p.server.recv(1), "the frame")).payload) == payload
+        assert counting.temporaries == 0
 
 
 async def test_a_peer_that_never_sends_its_record_key_times_out(

@@ -181,6 +181,19 @@ class AeadPipe:
         # A bad length counts as readable: read_into then raises.
         return have >= _LEN.size + length or not TAG < length <= MAX_RECORD + TAG
 
+    @property
+    def next_size(self) -> int:
+        """Plaintext bytes of the record :meth:`read_into` would decrypt next, when it is
+        here whole (0 otherwise): a buffer smaller than that costs a temporary and a copy."""
+        if self._plain_at < self._plain.nbytes:
+            return 0
+        have = self._end - self._start
+        if have < _LEN.size:
+            return 0
+        (length,) = _LEN.unpack_from(self._buf, self._start)
+        whole = TAG < length <= MAX_RECORD + TAG and have >= _LEN.size + length
+        return int(length) - TAG if whole else 0
+
     def _record_length(self) -> int:
         (length,) = _LEN.unpack_from(self._buf, self._start)
         if not TAG < length <= MAX_RECORD + TAG:

@@ -334,6 +334,11 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             n = 0
             try:
                 while n < len(buf) and tls.readable:
+                    if n and tls.next_size > len(buf) - n:
+                        # A record larger than the room left (a bulk payload after its
+                        # header's record): the decoder, told what came so far, then
+                        # offers the payload's own place, and it decrypts straight there.
+                        break
                     got = tls.read_into(buf[n:])
                     if not got:
                         break
