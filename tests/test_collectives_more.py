@@ -274,6 +274,41 @@ async def test_concurrent_splits_after_a_nested_split_never_share_a_space() -> N
             assert [float(x[0]) for x in out[r]] == ([4.0] if r < 2 else [4.0, 200.0])
 
 
+def delay_channel(g: Group, peer: int, channel: int, seconds: float) -> None:
+    """Hold back ``g``'s messages to ``peer`` on ``channel`` (a collective's id) for
+    ``seconds`` each: an uneven link, in one process."""
+    conn = g._conns[peer]
+    send = conn.send
+    loop = asyncio.get_running_loop()
+
+    async def held_send(ch: int, *args: Any, **kw: Any) -> None:
+        if ch != channel:
+            return await send(ch, *args, **kw)
+        loop.call_later(seconds, lambda: loop.create_task(send(ch, *args, **kw)))
+
+    conn.send = held_send  # type: ignore[method-assign]
+
+
+async def test_a_split_takes_one_place_in_the_call_order_whatever_the_delays() -> None:
+    """Each rank starts split(0) as a task, then awaits two all_reduces: the same order
+    on every rank. The split's later round used to take its call id only when its first
+    round ended, so with uneven delays the ranks numbered the calls differently and the
+    group broke with a MismatchError (split against all_reduce)."""
+    async with groups(2, timeout=10) as gs:
+        delay_channel(gs[1], 0, 1, 0.5)  # rank 1's split message (call 1) to rank 0
+        delay_channel(gs[0], 1, 0, 0.3)  # rank 0's all_reduce message (call 0) to rank 1
+
+        async def user(g: Group) -> tuple[np.ndarray, np.ndarray, Group | None]:
+            split = asyncio.create_task(g.split(0))
+            a = await g.all_reduce(np.ones(3))
+            b = await g.all_reduce(np.full(3, 2.0))
+            return a, b, await split
+
+        for a, b, sub in await asyncio.wait_for(asyncio.gather(*(user(g) for g in gs)), 20):
+            assert a.tolist() == [2.0] * 3 and b.tolist() == [4.0] * 3
+            assert sub is not None and sub.size == 2
+
+
 async def test_a_split_against_an_all_gather_is_a_mismatch() -> None:
     async with groups(2) as gs:
         results = await asyncio.gather(
@@ -492,8 +527,8 @@ async def test_closing_a_subgroup_fails_its_running_calls_and_spares_the_parent(
 
 async def test_out_may_hold_the_input_only_as_a_whole_row_and_is_checked_everywhere() -> None:
     """all_gather and gather take their input in place as a row of out (as NCCL's
-    in-place all-gather) and refuse any other overlap; reduce checks out= on every rank,
-    not only on dst (a wrong one was ignored elsewhere)."""
+    in-place all-gather) and refuse any other overlap; reduce and gather check out= on
+    every rank, not only on dst (a wrong one was ignored elsewhere)."""
     async with groups(2) as gs:
         outs = [np.zeros((2, 3)) for _ in gs]
         for r in range(2):
@@ -511,6 +546,8 @@ async def test_out_may_hold_the_input_only_as_a_whole_row_and_is_checked_everywh
             await gs[1].gather(outs[1].reshape(-1)[2:5], 1, out=outs[1])
         with pytest.raises(UsageError, match="out has int8"):
             await gs[1].reduce(np.ones(3), 0, out=np.zeros(7, np.int8))
+        with pytest.raises(UsageError, match="out has int8"):  # gather too, off dst
+            await gs[1].gather(np.ones(3), 0, out=np.zeros((7, 4), np.int8))
 
 
 async def test_a_subgroup_closed_on_one_rank_has_it_leave_for_the_others() -> None:

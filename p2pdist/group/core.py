@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import math
 import os
@@ -102,6 +103,9 @@ class GroupCore(Runner):
         self._next_cid = 0
         self._p2p_sent: dict[int, int] = {}
         self._p2p_received: dict[int, int] = {}
+        self._p2p_given_back: dict[int, list[int]] = {}
+        """Per source: indices of recvs that ended before any of their message came (a
+        timeout, a cancellation), smallest first: the next recv from it takes them."""
         self._broken: BaseException | None = None
         self._left: dict[int, BaseException] = {}
         self._failure_log: list[str] = []
@@ -560,9 +564,17 @@ class GroupCore(Runner):
         want = expectation(like, shape, dtype, out)
         seconds = self._seconds(timeout)
         self._check_usable(collective=False)
-        index = self._p2p_received.get(src, 0)
-        self._p2p_received[src] = index + 1
+        given_back = self._p2p_given_back.get(src)
+        if given_back:
+            index = heapq.heappop(given_back)
+        else:
+            index = self._p2p_received.get(src, 0)
+            self._p2p_received[src] = index + 1
         channel = (self._p2p_space << SPACE_SHIFT) | index
+
+        def give_back() -> None:  # nothing of its message came: the next recv waits for it
+            heapq.heappush(self._p2p_given_back.setdefault(src, []), index)
+
         try:
             return await p2p.recv_array(
                 self._conns[src],
@@ -571,6 +583,7 @@ class GroupCore(Runner):
                 out,
                 seconds,
                 self.config.max_message_bytes,
+                give_back,
             )
         except RemoteProtocolError as err:
             if self._gone_with(err) is None:

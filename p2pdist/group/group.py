@@ -20,6 +20,7 @@ from .linkops import split_bounds
 from .membership import FIRST_RESERVED_SPACE
 from .ops import ReduceOp, reduce_op
 from .ordered import ordered_all_reduce, ordered_reduce_scatter
+from .spaces import SpaceBook
 
 if TYPE_CHECKING:
     from .profile import LinkProfile
@@ -391,9 +392,12 @@ class Group(GroupCore):
         dst = self._check_rank(dst, "dst")
         arr = as_array(x)
         mine = self._rank == dst
-        result = result_buffer(None, (self.size, *arr.shape), arr.dtype, out) if mine else None
-        if result is not None:
-            _check_row_of_out(arr, result)
+        # out= is checked on every rank that passes one (as reduce does); only dst needs it
+        checked = None
+        if mine or out is not None:
+            checked = result_buffer(None, (self.size, *arr.shape), arr.dtype, out)
+            _check_row_of_out(arr, checked)
+        result = checked if mine else None
         self._check_usable()
         if self.size == 1:
             assert result is not None
@@ -522,59 +526,82 @@ class Group(GroupCore):
         key = checked_key
         book = self._root()._spaces
         token = object()  # this split, in the book
-        proposal = book.propose(token)
+        self._check_usable()
         try:
-            for attempt in range(_SPLIT_ATTEMPTS):
-                mine = np.array([-1 if color is None else color, key, proposal], np.int64)
-                table = await self._split_round(mine, timeout)
-                # Each colour takes the largest proposal among its members (see spaces.py).
-                chosen: dict[int, int] = {}
-                for c, _, p in table.tolist():
-                    if c >= 0:
-                        chosen[c] = max(chosen.get(c, p), p)
-                top = int(table[:, 2].max())  # the same on every rank, whatever its colour
-                if top + 1 >= FIRST_RESERVED_SPACE:
-                    raise UsageError(
-                        f"too many sub-groups: channel spaces up to {FIRST_RESERVED_SPACE - 1:#x} "
-                        f"are used up (those from {FIRST_RESERVED_SPACE:#x} are reserved, see "
-                        "reserve_channel_space)"
-                    )
-                held = color is None or book.claim(chosen[color], token)
-                confirm = await self._split_round(np.array([held], np.int64), timeout)
-                if confirm.all():
-                    if color is None:
-                        return None
-                    book.commit(chosen[color], token)
-                    members = sorted(
-                        (r for r in range(self.size) if table[r, 0] == color),
-                        key=lambda r: (int(table[r, 1]), r),
-                    )
-                    return self._child(members, chosen[color])
-                # A concurrent split here holds a space one of these wanted: again, higher
-                # (a random step, so two such splits do not keep meeting on one space).
-                book.release(token)
-                proposal = book.propose(token, top + 2 + 2 * _random.randrange(attempt + 1))
-            raise UsageError(
-                f"split found no free channel space in {_SPLIT_ATTEMPTS} rounds "
-                "(too many splits running at once?)"
-            )
+            if self.size == 1:
+                outcome = await self._split_rounds(None, color, key, book, token)
+            else:
+                # One collective however many rounds it takes (one channel, its messages
+                # in order): a split then holds one place in the call order, as any other
+                # call, whatever runs beside it (its rounds as calls of their own could
+                # pair with another split's, or with a collective started in between).
+                descriptor = describe_call("split", "", "<i8", (3,))
+                outcome = await self._run(
+                    descriptor, timeout, lambda lk: self._split_rounds(lk, color, key, book, token)
+                )
         finally:
             book.release(token)
+        if isinstance(outcome, UsageError):  # every rank came to it: the group is fine
+            raise outcome
+        return outcome
 
-    async def _split_round(self, row: np.ndarray, timeout: float | None) -> np.ndarray:
-        """Every rank's ``row`` (int64) for one round of :meth:`split`, checked as a
-        ``split`` call (not an all_gather a rank might be running instead)."""
+    async def _split_rounds(
+        self,
+        lk: CollectiveLink | None,
+        color: int | None,
+        key: int,
+        book: SpaceBook,
+        token: object,
+    ) -> Group | UsageError | None:
+        """The rounds of :meth:`split` over ``lk`` (None at world 1): propose a channel
+        space, every rank's proposal in, each colour claims the largest of its members';
+        confirm; again, higher, while a concurrent split holds one of them. A failure that
+        every rank reaches alike is returned, not raised (raised inside the collective,
+        it would break the group)."""
+        proposal = book.propose(token)
+        for attempt in range(_SPLIT_ATTEMPTS):
+            mine = np.array([-1 if color is None else color, key, proposal], np.int64)
+            table = await self._split_exchange(lk, mine)
+            # Each colour takes the largest proposal among its members (see spaces.py).
+            chosen: dict[int, int] = {}
+            for c, _, p in table.tolist():
+                if c >= 0:
+                    chosen[c] = max(chosen.get(c, p), p)
+            top = int(table[:, 2].max())  # the same on every rank, whatever its colour
+            if top + 1 >= FIRST_RESERVED_SPACE:
+                return UsageError(
+                    f"too many sub-groups: channel spaces up to {FIRST_RESERVED_SPACE - 1:#x} "
+                    f"are used up (those from {FIRST_RESERVED_SPACE:#x} are reserved, see "
+                    "reserve_channel_space)"
+                )
+            held = color is None or book.claim(chosen[color], token)
+            confirm = await self._split_exchange(lk, np.array([held], np.int64))
+            if confirm.all():
+                if color is None:
+                    return None
+                book.commit(chosen[color], token)
+                members = sorted(
+                    (r for r in range(self.size) if table[r, 0] == color),
+                    key=lambda r: (int(table[r, 1]), r),
+                )
+                return self._child(members, chosen[color])
+            # A concurrent split here holds a space one of these wanted: again, higher
+            # (a random step, so two such splits do not keep meeting on one space).
+            book.release(token)
+            proposal = book.propose(token, top + 2 + 2 * _random.randrange(attempt + 1))
+        return UsageError(
+            f"split found no free channel space in {_SPLIT_ATTEMPTS} rounds "
+            "(too many splits running at once?)"
+        )
+
+    async def _split_exchange(self, lk: CollectiveLink | None, row: np.ndarray) -> np.ndarray:
+        """Every rank's ``row`` (int64) for one round of :meth:`split`, in rank order."""
         result = np.empty((self.size, *row.shape), np.int64)
-        self._check_usable()
-        if self.size == 1:
+        if lk is None:
             result[0] = row
-            return result
-
-        async def body(lk: CollectiveLink) -> np.ndarray:
+        else:
             await alg.direct_all_gather(lk, row, result)
-            return result
-
-        return await self._run(describe_call("split", "", "<i8", row.shape), timeout, body)
+        return result
 
     async def profile_links(
         self, repeats: int = 5, *, timeout: float | None = None

@@ -86,6 +86,7 @@ class Membership:
     _failed_calls: dict[int, int]  # channel -> the root rank another rank's call lacked
     _p2p_sent: dict[int, int]
     _p2p_received: dict[int, int]
+    _p2p_given_back: dict[int, list[int]]
     _next_cid: int
     _space: int  # the channel space of this group's collectives
     _listeners: list[asyncio.Task[None]]

@@ -10,6 +10,7 @@ same values, its bytes swapped).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -18,6 +19,7 @@ import numpy as np
 from ..errors import MismatchError, PeerTimeoutError, RemoteProtocolError
 from ..transport.base import Connection
 from ..wire.arrays import ArrayHeader, ArrayHeaderError, check_dtype
+from ..wire.frames import Frame
 from .buffers import mismatch
 from .link import PIECE_BYTES
 
@@ -49,12 +51,19 @@ async def recv_array(
     out: np.ndarray | None,
     seconds: float,
     max_bytes: int,
+    give_back: Callable[[], None],
 ) -> np.ndarray:
-    """Receive the array sent on ``channel``; the channel is retired afterwards.
+    """Receive the array sent on ``channel``; the channel is retired afterwards, unless
+    the call ends (a timeout, a cancellation) before any of the message came: then it
+    stays open, so the message is kept when it comes, and ``give_back()`` is called (the
+    caller's next recv from this peer takes the channel again). A message cut short by a
+    timeout is dropped, and the error says so.
 
     ``want`` comes from :func:`~p2pdist.group.buffers.expectation` (dtype in wire form).
     """
     want_dtype, want_shape = want
+    first: Frame | None = None
+    pieces = (0, 0)  # pieces taken, pieces in the message
     try:
         async with asyncio.timeout(seconds):
             first = await conn.recv(channel)
@@ -82,6 +91,7 @@ async def recv_array(
             flat = result.reshape(-1).view(np.uint8) if result.size else None
             filled, frame = 0, first
             for seq in range(count):
+                pieces = (seq, count)
                 if seq:
                     frame = await conn.recv(channel)
                 n = frame.payload.nbytes
@@ -96,9 +106,15 @@ async def recv_array(
                 out.byteswap(inplace=True)  # a big-endian out: the same values, its order
             return header.view(first.payload) if as_view else result
     except TimeoutError:
-        raise PeerTimeoutError(conn.label, f"recv got no array within {seconds:g} s") from None
+        what = "no array"
+        if first is not None:
+            what = f"{pieces[0]} of the {pieces[1]} pieces of an array (it is dropped)"
+        raise PeerTimeoutError(conn.label, f"recv got {what} within {seconds:g} s") from None
     finally:
-        conn.retire(channel)
+        if first is None:
+            give_back()
+        else:
+            conn.retire(channel)
 
 
 def _parse_meta(conn: Connection, meta: bytes) -> tuple[ArrayHeader, int]:

@@ -145,6 +145,7 @@ class Rejoining(Membership):
         self._left.pop(rank, None)  # this group only: sub-groups made before keep it out
         self._p2p_sent.pop(rank, None)  # its new process counts its messages from 0
         self._p2p_received.pop(rank, None)
+        self._p2p_given_back.pop(rank, None)
         self._kept_dials.pop(rank, None)
         self._adopt(rank, conn)
         rejoin = self._rejoining

@@ -1,0 +1,74 @@
+"""Point-to-point messages stay matched in order per pair when a recv gives up: a recv that
+ends (timeout, cancellation) before any of its message came gives its place back, so the
+message is not lost; a message cut short by a timeout is dropped and the error says so."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import numpy as np
+import pytest
+from group_helpers import groups
+
+from p2pdist import PeerTimeoutError
+from p2pdist.group import p2p
+from p2pdist.transport.mailbox import SPACE_SHIFT
+from p2pdist.wire.arrays import ArrayHeader
+
+
+async def test_a_recv_that_timed_out_before_its_message_came_loses_nothing() -> None:
+    async with groups(2, timeout=5.0) as (a, b):
+        with pytest.raises(PeerTimeoutError, match="recv got no array"):
+            await b.recv(0, timeout=0.1)
+        await a.send(np.array([1.0]), 1)
+        await a.send(np.array([2.0]), 1)
+        assert (await b.recv(0)).tolist() == [1.0]  # the late message is the next one's
+        assert (await b.recv(0)).tolist() == [2.0]
+        await b.send(np.array([3.0]), 0)  # and both ways still pair up
+        assert (await a.recv(1)).tolist() == [3.0]
+
+
+async def test_a_cancelled_recv_gives_its_place_back() -> None:
+    async with groups(2, timeout=5.0) as (a, b):
+        waiting = asyncio.create_task(b.recv(0))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        with pytest.raises(TimeoutError):  # as the user's own wait_for would end it
+            await asyncio.wait_for(b.recv(0), 0.05)
+        await a.send(np.array([1.0]), 1)
+        await a.send(np.array([2.0]), 1)
+        assert (await b.recv(0)).tolist() == [1.0]
+        assert (await b.recv(0)).tolist() == [2.0]
+
+
+async def test_given_back_places_are_taken_smallest_first() -> None:
+    """Two recvs wait; the first gives up, the second gets the first message; the next
+    recv then takes the first one's place and gets the second message."""
+    async with groups(2, timeout=5.0) as (a, b):
+        first = asyncio.create_task(b.recv(0, timeout=0.1))
+        second = asyncio.create_task(b.recv(0))
+        with pytest.raises(PeerTimeoutError):
+            await first
+        await a.send(np.array([1.0]), 1)
+        await a.send(np.array([2.0]), 1)
+        assert (await asyncio.wait_for(second, 5)).tolist() == [2.0]
+        assert (await b.recv(0)).tolist() == [1.0]
+
+
+async def test_a_message_cut_short_by_a_timeout_is_dropped_and_the_error_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(p2p, "CHUNK", 8)  # an array of 3 float64 travels in 3 frames
+    async with groups(2, timeout=5.0) as (a, b):
+        arr = np.array([1.0, 2.0, 3.0])
+        meta = msgpack.packb([ArrayHeader.of(arr).to_wire(), 3], use_bin_type=True)
+        channel = (a._p2p_space << SPACE_SHIFT) | 0
+        a._p2p_sent[1] = 1  # the sender's first message: only its first piece goes out
+        await a._conns[1].send(channel, arr[:1].tobytes(), meta=meta, seq=0)
+        with pytest.raises(PeerTimeoutError, match=r"1 of the 3 pieces .*dropped"):
+            await b.recv(0, timeout=0.2)
+        await a.send(np.array([4.0]), 1)
+        assert (await b.recv(0)).tolist() == [4.0]  # the next message, in step
