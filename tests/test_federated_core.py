@@ -19,6 +19,7 @@ from p2pdist.federated import (
     aggregate,
     trim_count,
 )
+from p2pdist.federated.aggregate import apply_update, check_model
 from p2pdist.federated.messages import decode, encode
 from p2pdist.wire.frames import Frame, FrameKind
 
@@ -546,3 +547,59 @@ def test_a_client_refused_again_and_again_is_logged_once_per_round(
     assert len(refused) == 101
     assert [r.levelno for r in refused].count(logging.WARNING) == 2  # round 0 and round 1
     assert st.totals["shape"] == 101  # every one counted
+
+
+def test_a_numpy_integer_sample_count_counts_as_an_int() -> None:
+    """``mask.sum()`` is a numpy integer: accepted as the count it is; the refusal of a
+    count out of bounds names the real bound."""
+    st = rounds(max_num_samples=100)
+    st.join("a")
+    st.open(0.0)
+    assert st.submit("a", 0, 0, np.int64(5), vec(1.0), 0.5).accepted
+    st.join("b")
+    verdict = st.submit("b", 0, 0, np.int64(500), vec(1.0), 0.6)
+    assert verdict.reason is Reason.SAMPLES and "[1, 100]" in verdict.detail
+
+
+def test_a_round_whose_members_all_left_after_submitting_closes_complete() -> None:
+    st = rounds(round_timeout=10.0)
+    for c in "ab":
+        st.join(c)
+    st.open(0.0)
+    st.submit("a", 0, 0, 1, vec(1.0), 0.1)
+    st.submit("b", 0, 0, 1, vec(3.0), 0.2)
+    st.leave("a")
+    st.leave("b")
+    assert st.due(0.3) is CloseReason.COMPLETE  # nothing more can come: no deadline wait
+    np.testing.assert_array_equal(st.close(0.3).aggregate, vec(2.0))
+    st.open(0.3)
+    assert st.due(5.0) is None  # no members and nothing in: waits for a joiner
+
+
+def test_integer_models_are_rounded_to_nearest_not_truncated() -> None:
+    i64 = np.dtype(np.int64)
+    got = aggregate([np.array([1, -1, 3, 7]), np.array([2, -2, 0, 8])], [1, 1], "mean", 0.0, i64)
+    assert got.tolist() == [2, -2, 2, 8]  # 1.5, -1.5, 1.5, 7.5 to nearest, ties to even
+    got = aggregate([np.array([0]), np.array([1])], [1.0, 3.0], "mean", 0.0, i64)
+    assert got.tolist() == [1]  # 0.75 (truncation gave 0: the majority never moved it)
+    u8 = np.dtype(np.uint8)
+    assert aggregate([np.array([250], u8)], [1.0], "median", 0.0, u8).tolist() == [250]
+    assert apply_update(np.array([250], u8), np.array([9], u8), 1.0).tolist() == [255]
+
+
+def test_a_scalar_model_stays_an_array_after_an_update() -> None:
+    out = apply_update(np.array(1.5, np.float32), np.array(2.0, np.float32), 0.5)
+    assert isinstance(out, np.ndarray) and out.shape == () and out.dtype == np.float32
+    assert float(out) == 2.5
+
+
+def test_a_big_endian_model_is_kept_little_endian_and_one_that_cannot_travel_is_refused() -> None:
+    model = check_model(np.arange(3, dtype=">f4"))
+    assert model.dtype == np.dtype("<f4") and model.tolist() == [0.0, 1.0, 2.0]
+    st = FederatedRounds(model.shape, model.dtype, FederatedConfig())
+    st.join("a")
+    st.open(0.0)
+    assert st.submit("a", 0, 0, 1, np.ones(3, np.float32), 0.1).accepted
+    if np.dtype(np.longdouble).itemsize > 8:  # float128 where the platform has it
+        with pytest.raises(UsageError, match="cannot travel"):
+            check_model(np.zeros(3, np.longdouble))

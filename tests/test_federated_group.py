@@ -302,3 +302,23 @@ def test_a_complex_model_is_refused_with_the_reason() -> None:
 
     with pytest.raises(UsageError, match=r"real numeric array.*real and imaginary parts"):
         Coordinator(np.zeros(3, np.complex64))
+
+
+async def test_a_bad_step_argument_is_a_usage_error_that_leaves_the_rank_in_step() -> None:
+    """A numpy count is taken as the int it is; a missing or bad count is refused before
+    anything is sent (a numpy count used to break the rank for good, and the default
+    count of 0 had every update rejected)."""
+    async with groups(2) as gs:
+        feds = [GroupAveraging(g, np.zeros(4, np.float32), FederatedConfig()) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        for bad in ((), (0,), (2.5,)):
+            with pytest.raises(UsageError, match="num_samples"):
+                await feds[0].step(np.ones(4, np.float32), *bad)
+        with pytest.raises(UsageError, match="base_round"):
+            await feds[0].step(np.ones(4, np.float32), 1, base_round=-1)
+        outs = await asyncio.gather(
+            *(f.step(np.full(4, f.group.rank + 1.0, np.float32), np.int64(1)) for f in feds)
+        )
+        assert all(o.applied and o.participants == (0, 1) for o in outs)
+        assert feds[0].model.tolist() == feds[1].model.tolist() == [1.5] * 4
+        await asyncio.gather(*(f.close() for f in feds))

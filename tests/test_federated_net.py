@@ -166,6 +166,27 @@ async def test_nan_update_is_rejected_and_the_round_goes_on() -> None:
         await good.close()
 
 
+async def test_submit_takes_numpy_integers_and_refuses_bad_counts_before_sending() -> None:
+    """A count from numpy (``mask.sum()``) is sent as the int it is; a negative base
+    round or a count below 1 is the caller's error, raised here (the coordinator used to
+    drop the connection on the first and reject the update on the second)."""
+    async with coordinator(np.zeros(4, np.float32), round_timeout=30.0) as c:
+        a = client_of(c)
+        await a.connect()
+        run = asyncio.create_task(c.run_round())
+        for bad in ({"num_samples": 0}, {"base_round": -1}, {"num_samples": 2.5}):
+            args: dict[str, Any] = {"num_samples": 3, "base_round": 0, **bad}
+            with pytest.raises(UsageError, match=next(iter(bad))):
+                await a.submit(np.ones(4, np.float32), **args)
+        with pytest.raises(UsageError, match="round_id"):
+            await a.submit(np.ones(4, np.float32), 3, 0, round_id=-1)
+        assert await a.submit(np.ones(4, np.float32), np.int64(3), np.int64(0))
+        assert (await a.wait_ack(1)).accepted
+        out = await run
+        assert out.applied and c.protocol_errors == 0
+        await a.close()
+
+
 async def test_client_process_killed_mid_round_does_not_block_the_round() -> None:
     async with coordinator(np.zeros(4, np.float32), round_timeout=60.0) as c:
         assert c.address is not None

@@ -15,9 +15,18 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
+from ..group.buffers import as_int, wire_form
 from .config import FederatedConfig
 
-__all__ = ["Reason", "aggregate", "apply_update", "check_model", "check_update", "trim_count"]
+__all__ = [
+    "Reason",
+    "aggregate",
+    "apply_update",
+    "check_count",
+    "check_model",
+    "check_update",
+    "trim_count",
+]
 
 
 class Reason(enum.StrEnum):
@@ -61,13 +70,10 @@ def check_update(
     config: FederatedConfig,
 ) -> tuple[Reason, str] | None:
     """None when ``update`` may be aggregated, else ``(reason, explanation)``."""
-    if (
-        isinstance(num_samples, bool)
-        or not isinstance(num_samples, int)
-        or num_samples < 1
-        or (config.max_num_samples is not None and num_samples > config.max_num_samples)
-    ):
-        return Reason.SAMPLES, f"num_samples {num_samples!r} is not an int in [1, max]"
+    count, top = as_int(num_samples), config.max_num_samples
+    if count is None or count < 1 or (top is not None and count > top):
+        bounds = f"[1, {top}]" if top is not None else ">= 1"
+        return Reason.SAMPLES, f"num_samples {num_samples!r} is not an int {bounds}"
     if update.dtype != dtype:
         return Reason.DTYPE, f"dtype {update.dtype} where the model has {dtype}"
     if update.shape != shape:
@@ -95,7 +101,20 @@ def check_model(model: np.ndarray) -> np.ndarray:
                 else ""
             )
         )
-    return arr
+    # As it travels: a dtype that cannot (float128) is refused now, not at each client's
+    # join, and a big-endian model is kept little-endian, the dtype the updates come in.
+    wire = wire_form(arr.dtype)
+    return arr if arr.dtype == wire else arr.astype(wire)
+
+
+def check_count(value: Any, what: str, low: int) -> int:
+    """``value`` as a plain int (numpy integers too) of at least ``low``; else a
+    :class:`UsageError` naming ``what`` (a bad argument is refused before anything is
+    recorded or sent)."""
+    n = as_int(value)
+    if n is None or n < low:
+        raise UsageError(f"{what} must be an int >= {low}, got {value!r}")
+    return n
 
 
 def trim_count(n: int, fraction: float) -> int:
@@ -132,14 +151,14 @@ def aggregate(
         if not total > 0:
             raise UsageError("weights must sum to a positive number")
         acc /= total
-        return acc.astype(dtype, copy=False)
+        return _rounded(acc, dtype)
     stacked = np.stack([np.asarray(x, np.float64).reshape(-1) for x in updates])
     stacked.sort(axis=0)
     n = len(updates)
     if rule == "median":
         mid = n // 2
         out: np.ndarray = stacked[mid].copy() if n % 2 else (stacked[mid - 1] + stacked[mid]) * 0.5
-        return out.reshape(shape).astype(dtype, copy=False)
+        return _rounded(out.reshape(shape), dtype)
     if rule == "trimmed_mean":
         k = trim_count(n, trim_fraction)
         kept = stacked[k : n - k]
@@ -147,11 +166,28 @@ def aggregate(
         for row in kept[1:]:
             acc += row
         acc /= float(len(kept))
-        return acc.reshape(shape).astype(dtype, copy=False)
+        return _rounded(acc.reshape(shape), dtype)
     raise UsageError(f"unknown aggregation rule {rule!r}")
 
 
+def _rounded(values: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
+    """``values`` (float64) rounded once to ``dtype``: to nearest (ties to even) and
+    saturating at its range for an integer dtype (a cast alone truncates toward zero,
+    so a minority's small updates would never move an integer model)."""
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        top = float(info.max)  # 2^63 for int64: one past its range, so one float lower
+        if top > info.max:
+            top = float(np.nextafter(top, 0.0))
+        values = np.clip(np.rint(values), float(info.min), top)
+    return np.asarray(values).astype(dtype, copy=False)
+
+
 def apply_update(model: np.ndarray, update: np.ndarray, server_lr: float) -> np.ndarray:
-    """``model + server_lr * update`` as a new array of the model's dtype. The model is
-    replaced, never changed in place: a message may still be sending its bytes."""
-    return (model + update * server_lr).astype(model.dtype, copy=False)
+    """``model + server_lr * update`` as a new array of the model's dtype (computed in
+    float64 and rounded once, see :func:`_rounded`; a 0-d model stays a 0-d array). The
+    model is replaced, never changed in place: a message may still be sending its bytes."""
+    if model.dtype.kind in "iu":
+        total = np.add(model, np.multiply(update, server_lr, dtype=np.float64), dtype=np.float64)
+        return _rounded(total, model.dtype)
+    return np.asarray(model + update * server_lr).astype(model.dtype, copy=False)

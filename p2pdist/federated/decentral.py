@@ -43,7 +43,7 @@ from ..group.buffers import as_array
 from ..tasks import cancel_and_wait
 from ..transport.base import Connection
 from ..wire.frames import Frame
-from .aggregate import Reason, aggregate, apply_update, check_model
+from .aggregate import Reason, aggregate, apply_update, check_count, check_model
 from .config import FederatedConfig
 from .decision import GroupRound, OwnUpdate, cid, decision_body, digest_async
 from .leading import Leading
@@ -193,12 +193,19 @@ class GroupAveraging(Leading):
         await cancel_and_wait(tasks)
 
     async def step(
-        self, update: np.ndarray | None, num_samples: int = 0, *, base_round: int | None = None
+        self,
+        update: np.ndarray | None,
+        num_samples: int | None = None,
+        *,
+        base_round: int | None = None,
     ) -> GroupRound:
         """Take part in round :attr:`round`: contribute ``update`` (the model delta trained
         from round ``base_round``'s model, default :attr:`round`, on ``num_samples``
         samples), or, with None, the update carried from an earlier round (if any), then
         wait for the round's decision, aggregate, and apply it to :attr:`model`.
+
+        ``num_samples`` (at least 1; the weight of ``update`` in the mean) is required
+        with an update; a bad argument is a :class:`UsageError` before anything is sent.
 
         A rank that calls late still gets the round's result: its update is carried to
         the next round (within ``max_staleness``) instead of blocking anyone."""
@@ -208,11 +215,14 @@ class GroupAveraging(Leading):
             raise GroupBrokenError("this rank's averaging is out of step", self._failed)
         k = self._round
         if update is not None:
+            if num_samples is None:
+                raise UsageError("step(update) needs num_samples (at least 1)")
+            samples = check_count(num_samples, "num_samples", 1)
+            base = k if base_round is None else check_count(base_round, "base_round", 0)
+            sent = as_array(update)
             if self._own is not None:  # carried from an earlier round, never aggregated
                 self._replacing_carried(k, self._own)
-            base = k if base_round is None else base_round
-            sent = as_array(update)
-            self._own = OwnUpdate(sent, num_samples, base, await digest_async(sent))
+            self._own = OwnUpdate(sent, samples, base, await digest_async(sent))
         own = self._own
         if own is not None and k - own.base_round > self.config.max_staleness:
             self._own, own = None, None

@@ -293,7 +293,9 @@ class FederatedRounds:
             return None
         if self.config.policy == "quorum" and len(self._pending) >= self._needed:
             return CloseReason.QUORUM
-        if self._expected and self._expected.issubset(self._pending):
+        # Complete once every member it opened with has submitted or left (with at least
+        # one update in: with none, a member that joins later may still bring one).
+        if self._members_at_open and self._pending and self._expected.issubset(self._pending):
             return CloseReason.COMPLETE
         assert self._deadline is not None
         if now >= self._deadline:
