@@ -85,6 +85,26 @@ async def test_absent_rank_is_named_within_the_timeout() -> None:
             await gs[0].all_reduce(np.ones(4))
 
 
+async def test_a_ring_timeout_says_when_the_awaited_rank_did_start_the_call() -> None:
+    """Rank 2 never calls a ring all-reduce: rank 0 waits for rank 2 and names it; rank 1
+    waits for rank 0, which did start the call, and the error says so (it used to read
+    as if rank 0 were the one missing)."""
+    for first in (0, 1):  # the rank whose timeout runs out first (the other is told)
+        async with groups(3) as gs:
+            x = np.ones(1 << 20, np.float32)  # 4 MiB: the ring path
+            calls = [
+                g.all_reduce(x.copy(), timeout=0.5 if g.rank == first else 5.0) for g in gs[:2]
+            ]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            err = results[first]
+            assert isinstance(err, PeerTimeoutError), results
+            if first == 0:
+                assert "rank 2 (" in str(err) and "did start" not in str(err)
+            else:
+                assert "rank 0 (" in str(err) and "it did start this call" in str(err)
+            assert isinstance(results[1 - first], GroupBrokenError), results
+
+
 async def test_late_frame_of_an_old_collective_is_dropped() -> None:
     async with groups(2) as gs:
         a, b = gs

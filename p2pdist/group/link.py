@@ -187,6 +187,11 @@ class CollectiveLink:
                 conn.expect(self.channel, seq, place)
             seq += 1
 
+    def heard_from(self, peer: int) -> bool:
+        """Whether a message of this call came from ``peer`` (so it did start the call)."""
+        waiting = 1 if self.waiting_on == peer else 0
+        return self._received.get(peer, 0) - waiting > 0
+
     def label(self, peer: int) -> str:
         """How errors name ``peer``."""
         return self._conn(peer).label

@@ -89,7 +89,12 @@ class Runner(Rejoining):
                 extra = f" (this rank was waiting for {self._root_label(link.waiting_on)})"
             return PeerTimeoutError(self._root_label(r), f"{what}: silent for {idle:.1f} s{extra}")
         if link.waiting_on is not None:
-            return PeerTimeoutError(self._root_label(link.waiting_on), f"{what} waiting for it")
+            q = link.waiting_on
+            if link.heard_from(q):  # in a ring, a rank further round may be the one late
+                what += " waiting for it (it did start this call: one further along may not have)"
+            else:
+                what += " waiting for it"
+            return PeerTimeoutError(self._root_label(q), what)
         return P2PTimeoutError(what)
 
     # ---- running a collective -----------------------------------------------------------
