@@ -10,6 +10,7 @@ import itertools
 import logging
 import socket
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +246,32 @@ def test_punch_config_is_checked() -> None:
         PunchConfig(probe_interval=0)
 
 
+def test_an_idle_timeout_shorter_than_the_fallback_to_the_relay_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A direct path that dies goes back to the relay after path_timeout without a pong:
+    an idle_timeout that does not outlast that may end the connection with the path."""
+    caplog.set_level(logging.WARNING, logger="p2pdist.transport.quic")
+    relay = FakeRelayHub().attach(A.endpoint_id)
+    short = TransportConfig(keepalive_interval=0.2, idle_timeout=1.5)
+    punch = PunchConfig(keepalive=0.5, path_timeout=2.0)
+
+    def warned() -> list[str]:
+        found = [
+            r.getMessage() for r in caplog.records if "falls back to the relay" in r.getMessage()
+        ]
+        caplog.clear()
+        return found
+
+    QuicTransport(A, short, relay=relay, punch=punch)
+    (message,) = warned()
+    assert "idle_timeout (1.5 s)" in message and "(2.5 s)" in message
+    QuicTransport(A, short, relay=relay, punch=replace(punch, enabled=False))  # no punching
+    QuicTransport(A, short, punch=punch)  # no relay to fall back to
+    QuicTransport(A, TransportConfig(idle_timeout=3.0), relay=relay, punch=punch)
+    assert warned() == []
+
+
 # ---- the transport ----------------------------------------------------------------------------
 
 
@@ -457,7 +484,7 @@ async def test_doctor_names_an_unreachable_relay() -> None:
 
 async def test_a_peer_that_restarts_with_the_same_key_is_not_sent_to_its_old_address() -> None:
     hub = FakeRelayHub()
-    cfg = transport_config()
+    cfg = replace(transport_config(), idle_timeout=10.0)  # outlasts the path_timeout
     punch = replace_punch(keepalive=1.0, path_timeout=5.0)  # a dead path would take 5 s
     ta = QuicTransport(A, cfg, relay=hub.attach(A.endpoint_id), punch=punch)
     tb = QuicTransport(B, cfg, relay=hub.attach(B.endpoint_id), punch=punch)
@@ -641,6 +668,46 @@ async def test_punching_turns_off_once_when_no_socket_can_punch(
         assert relay.sent == 0 and opened <= 2
         off = [r for r in caplog.records if "hole punching is off" in r.getMessage()]
         assert len(off) == 1 and "127.0.0.1" in off[0].getMessage()
+    finally:
+        await puncher.close()
+
+
+async def test_observed_addresses_come_first_among_the_candidates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host with more interface addresses than MAX_CANDIDATES (Docker or Kubernetes
+    bridges): the observed address, the only one that works across a NAT, is still sent
+    (it came last and was cut off)."""
+    many = [f"172.{17 + i}.0.1" for i in range(holepunch_module.MAX_CANDIDATES + 1)]
+    monkeypatch.setattr(holepunch_module, "interface_addresses", lambda: many)
+
+    class Unbound:  # a socket bound to every interface, as far as candidates() can tell
+        local_address = ("0.0.0.0", 40001)
+        closed = False
+
+    async def open_socket() -> Any:
+        return Unbound()
+
+    async def targets() -> list[tuple[str, int]]:
+        return [("198.51.100.1", 3478)]
+
+    puncher = holepunch_module.HolePuncher(
+        A,
+        FakeRelayHub().attach(A.endpoint_id),
+        FAST_PUNCH,
+        open_socket=open_socket,
+        stun_targets=targets,
+        on_change=lambda *a: None,
+        label_for=lambda p: p.short(),
+    )
+    try:
+        seen = (("198.51.100.1", 3478), ("203.0.113.7", 40000))
+        now = asyncio.get_running_loop().time()
+        puncher._observation = holepunch_module.Observation((seen,), now)
+        found = await puncher.candidates()
+        assert len(found) == holepunch_module.MAX_CANDIDATES
+        assert found[0] == ("203.0.113.7", 40000)
+        assert found[1] == ("172.17.0.1", 40001)
     finally:
         await puncher.close()
 

@@ -279,3 +279,24 @@ async def test_handshakes_over_the_limit_are_counted_and_logged_once(
         assert len(server._handshaking) == 1 and server.garbage == 0
         warnings = [r for r in caplog.records if "max_pending_handshakes" in r.getMessage()]
         assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+
+
+async def test_an_incoming_handshake_that_times_out_names_where_it_came_from(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As TCP does: a stranger that never finishes its handshake is named by its
+    ip:port (it was "incoming peer", with nothing to go on)."""
+    caplog.set_level(logging.WARNING, logger="p2pdist.transport.quic_conn")
+    server = QuicTransport(key(1), config(handshake_timeout=0.3))
+    async with closing(server):
+        addr = await server.listen("127.0.0.1", 0)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as raw:
+            raw.bind(("127.0.0.1", 0))
+            raw.sendto(client_initial(5), addr)
+            where = f"127.0.0.1:{raw.getsockname()[1]}"
+            await wait_until(
+                lambda: any("handshake timed out" in r.getMessage() for r in caplog.records),
+                "the handshake to time out",
+            )
+        (record,) = [r for r in caplog.records if "handshake timed out" in r.getMessage()]
+        assert f"incoming {where}" in record.getMessage()

@@ -252,7 +252,9 @@ class HolePuncher:
         return await asyncio.shield(self._observing)
 
     async def candidates(self) -> list[UdpAddress]:
-        """Our candidate addresses: the socket's local addresses and the observed ones."""
+        """Our candidate addresses: the observed ones first (across a NAT they are the
+        only ones that work, so a host with many interfaces must not crowd them out of
+        the :data:`MAX_CANDIDATES`), then the socket's local addresses."""
         sock = await self._socket()
         obs = await self.observe()
         host, port = sock.local_address
@@ -260,9 +262,8 @@ class HolePuncher:
             hosts = [h for h in interface_addresses() if not is_loopback(h)]
         else:
             hosts = [host]
-        found: list[UdpAddress] = [(h, port) for h in hosts]
-        if obs is not None:
-            found += obs.addresses
+        found: list[UdpAddress] = list(obs.addresses) if obs is not None else []
+        found += [(h, port) for h in hosts]
         return list(dict.fromkeys(found))[:MAX_CANDIDATES]
 
     async def close(self) -> None:

@@ -100,6 +100,16 @@ class QuicTransport(EndpointBase[QuicConnection]):
         """Incoming connections still in their handshake, with their deadline timers."""
         self._live: set[QuicConnection] = set()
         self.punch_config = punch or PunchConfig()
+        pc = self.punch_config
+        fallback = pc.path_timeout + pc.keepalive
+        if relay is not None and pc.enabled and self.config.idle_timeout <= fallback:
+            log.warning(
+                "idle_timeout (%g s) is not longer than the hole punching path_timeout plus "
+                "keepalive (%g s): a direct path that dies may end the connection before "
+                "it falls back to the relay (raise idle_timeout or lower path_timeout)",
+                self.config.idle_timeout,
+                fallback,
+            )
         self._puncher: HolePuncher | None = None
         self._punch_sock: UdpSocket | None = None
         self._punch_lock = asyncio.Lock()
@@ -256,7 +266,10 @@ class QuicTransport(EndpointBase[QuicConnection]):
             self._note_handshake_slots_full(len(self._handshaking), "dropping new Initials")
             return None
         peer = route.remote if isinstance(route.remote, EndpointId) else None
-        label = self.label_for(peer) if peer is not None else "incoming peer"
+        if peer is not None:
+            label = self.label_for(peer)
+        else:  # not yet authenticated: only where it came from (as TCP names it)
+            label = f"incoming {path_key(cast(UdpAddress, route.remote))}"
         conn = self._new_connection(
             route, server_side=True, expected=peer, label=label, odcid=odcid
         )
