@@ -81,9 +81,17 @@ async def run(config: RelayConfig) -> int:
         print(f"relay url: {server.url}", flush=True)
         await stop.wait()
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
-        await server.close()
+        # The handlers stay through the drain (bounded by drain_timeout): a reload or a
+        # second stop signal then must not take the default action and kill the process
+        # mid-drain. Stop signals are already answered (stop is set); a reload waits.
+        loop.add_signal_handler(
+            signal.SIGHUP, lambda: log.info(kv("reload_skipped", why="stopping"))
+        )
+        try:
+            await server.close()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
     return 0
 
 

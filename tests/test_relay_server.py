@@ -18,6 +18,7 @@ import ssl
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,11 @@ from p2pdist.wire.relay import (
     MAX_DATAGRAM,
     RelayFrameType,
     RelayUrl,
+    auth_message,
+    cert_fingerprint,
     decode_map,
     encode_frame,
+    upgrade_request,
 )
 from p2pdist.wire.stun import binding_request, new_transaction_id, parse_binding_response
 from relay import RelayConfig, RelayServer, tlsproto
@@ -689,6 +693,44 @@ async def test_graceful_shutdown_sends_reconnect_and_exits_0(tmp_path: Path, sig
         assert code == 0 and rest == ""  # the url line was the only stdout line
         log = relay.log.read_text()
         assert "shutdown" in log and "Traceback" not in log
+
+
+def silent_client(url: str, key: SecretKey) -> ssl.SSLSocket:
+    """An authenticated client that then never reads (a blocking socket nobody drains):
+    the relay's graceful shutdown waits for it up to the drain timeout."""
+    u = RelayUrl.parse(url)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # the test's own relay
+    sock = ctx.wrap_socket(socket.create_connection((u.host, u.port), timeout=10))
+    der = sock.getpeercert(True)
+    assert der is not None
+    sock.sendall(upgrade_request(u.host))
+    got = b""
+    while b"\r\n\r\n" not in got or len(got.split(b"\r\n\r\n", 1)[1]) < 38:
+        got += sock.recv(4096)
+    challenge = got.split(b"\r\n\r\n", 1)[1][6:38]
+    me = bytes(key.endpoint_id)
+    proof = key.sign(auth_message(cert_fingerprint(der), challenge, me))
+    sock.sendall(encode_frame(RelayFrameType.AUTH, me + proof))
+    return sock
+
+
+@pytest.mark.parametrize("second", [signal.SIGHUP, signal.SIGTERM], ids=["HUP", "TERM"])
+def test_a_signal_during_the_drain_does_not_kill_the_relay(tmp_path: Path, second: int) -> None:
+    """A reload (SIGHUP) or a second stop signal while the relay drains used to take the
+    default action (the handlers were gone): killed mid-drain, a non-zero exit."""
+    with RelayProcess(tmp_path, "--stun-port", "0", "--drain-timeout", "2") as relay:
+        sock = silent_client(relay.url, A)
+        try:
+            time.sleep(0.3)  # authenticated
+            relay.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            relay.proc.send_signal(second)
+            code, _ = relay.stop()
+        finally:
+            sock.close()
+        assert code == 0
+        assert relay.log.read_text().rstrip().endswith("stopped")
 
 
 async def test_tap_sees_every_byte_the_relay_handles(tmp_path: Path) -> None:
