@@ -113,6 +113,24 @@ async def test_token_mode(tmp_path: Path) -> None:
             await bounded(asyncio.gather(bad.close(), good.close()), "close()")
 
 
+async def test_a_full_relay_is_waited_out_not_taken_for_a_refusal(tmp_path: Path) -> None:
+    """"relay full" (like "evicted", "too many clients from this address", "authentication
+    timed out") is a busy relay's answer: wait_connected keeps trying within its timeout
+    and gets in once there is room (it used to fail at once, and Group.start with it)."""
+    with RelayProcess(tmp_path, "--max-clients", "1") as relay:
+        first = RelayPath(key(0), relay.url, config=FAST)
+        second = RelayPath(key(1), relay.url, config=FAST)
+        try:
+            await first.wait_connected(10)
+            waiting = asyncio.create_task(second.wait_connected(20))
+            await wait_until(lambda: "relay full" in (second.status.last_error or ""), "full")
+            assert not waiting.done()
+            await first.close()
+            await bounded(waiting, "second gets in once there is room")
+        finally:
+            await bounded(asyncio.gather(first.close(), second.close()), "close()")
+
+
 async def test_reconnects_after_a_relay_restart(tmp_path: Path) -> None:
     keyfile = tmp_path / "relay.key"
     first = RelayProcess(tmp_path, "--key", str(keyfile))

@@ -54,6 +54,13 @@ _SELF_SIGNED = (18, 19)
 pinned relay's certificate gives when dialed without its pin."""
 
 
+_REFUSALS = frozenset({"bad signature", "bad token", "endpoint not allowed", "malformed AUTH"})
+"""ERROR answers to AUTH that say this client is not let in (its key, token or place on
+the allowlist): reported to waiters at once. Every other answer (relay full, too many
+clients from this address, evicted, authentication timed out, shutting down) is a busy
+relay's: the attempt is retried, as one that failed for any other reason."""
+
+
 class RelayState(enum.Enum):
     """Where the session to the relay stands."""
 
@@ -386,9 +393,12 @@ class RelayPath:
         writer.write(encode_frame(RelayFrameType.AUTH, me + sig + self._token.encode()))
         kind, _, body = await proto.next_frame()
         if kind is RelayFrameType.ERROR:
-            raise PeerAuthenticationError(
-                f"relay {self.url}", f"refused us: {body.decode('utf-8', 'replace')}"
-            )
+            why = body.decode("utf-8", "replace")
+            if why in _REFUSALS:
+                raise PeerAuthenticationError(f"relay {self.url}", f"refused us: {why}")
+            # A busy relay's answer (full, evicted, timed out, shutting down): this
+            # attempt failed, the next one may not; waiters keep waiting.
+            raise RelayProtocolError(f"relay turned us away for now: {why}")
         if kind is not RelayFrameType.AUTH_OK:
             raise RelayProtocolError(f"expected AUTH_OK, got {kind.name}")
         info = decode_map(body)
