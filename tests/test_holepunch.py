@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -24,6 +25,7 @@ from transport_conformance import bounded, closing, wait_until
 
 import p2pdist.transport.holepunch as holepunch_module
 import p2pdist.transport.quic as quic_module
+import p2pdist.wire.probe as probe_module
 from p2pdist import Group, GroupConfig, PunchConfig
 from p2pdist.identity import SecretKey
 from p2pdist.transport import TransportConfig
@@ -37,6 +39,7 @@ from p2pdist.transport.punch import (
     SendPong,
 )
 from p2pdist.transport.quic import QuicConnection, QuicTransport
+from p2pdist.transport.quic_core import QuicConfig
 from p2pdist.transport.relay_path import RelayPath
 from p2pdist.wire.probe import (
     DatagramKind,
@@ -102,6 +105,27 @@ def test_probes_round_trip_and_are_bound_to_sender_and_receiver() -> None:
             decode_probe(data[:cut], B.endpoint_id)
     with pytest.raises(ProbeError):
         decode_probe(data + b"\x00", B.endpoint_id)
+
+
+def test_pings_and_pongs_carry_signed_zero_padding_to_the_size_asked() -> None:
+    txid = bytes(range(12))
+    ping = encode_ping(A, B.endpoint_id, txid, to_session=SB, from_session=SA, pad_to=1452)
+    assert len(ping) == 1452
+    assert decode_probe(ping, B.endpoint_id).txid == txid
+    there = ("10.0.0.2", 4242)
+    pong = encode_pong(B, A.endpoint_id, txid, there, to_session=SA, from_session=SB, pad_to=900)
+    assert len(pong) == 900 and decode_probe(pong, A.endpoint_id).address == there
+    small = encode_ping(A, B.endpoint_id, txid, to_session=SB, from_session=SA, pad_to=10)
+    assert small == encode_ping(A, B.endpoint_id, txid, to_session=SB, from_session=SA)
+    # padding is zeros, under the signature: a non-zero byte there is refused even when
+    # signed, and an unsigned change breaks the signature
+    body = bytes(txid) + SB + SA + b"\x00" * 10 + b"\x01"
+    with pytest.raises(ProbeError, match="trailing bytes in PING"):
+        decode_probe(probe_module._seal(A, B.endpoint_id, ProbeKind.PING, body), B.endpoint_id)
+    bad = bytearray(ping)
+    bad[200] = 1
+    with pytest.raises(ProbeError, match="signature"):
+        decode_probe(bytes(bad), B.endpoint_id)
 
 
 def test_one_socket_tells_quic_stun_and_probes_apart() -> None:
@@ -281,11 +305,12 @@ def transport_config() -> TransportConfig:
 
 @contextlib.asynccontextmanager
 async def relayed_pair(
-    punch: PunchConfig = FAST_PUNCH,
+    punch: PunchConfig = FAST_PUNCH, quic: QuicConfig | None = None
 ) -> AsyncIterator[tuple[QuicTransport, QuicTransport, QuicConnection, QuicConnection]]:
     hub = FakeRelayHub()
-    ta = QuicTransport(A, transport_config(), relay=hub.attach(A.endpoint_id), punch=punch)
-    tb = QuicTransport(B, transport_config(), relay=hub.attach(B.endpoint_id), punch=punch)
+    cfg = transport_config()
+    ta = QuicTransport(A, cfg, relay=hub.attach(A.endpoint_id), punch=punch, quic=quic)
+    tb = QuicTransport(B, cfg, relay=hub.attach(B.endpoint_id), punch=punch, quic=quic)
     async with closing(ta, tb):
         ca = await bounded(ta.connect(B.endpoint_id, None), "connect")
         cb = await bounded(tb.accept(), "accept")
@@ -311,6 +336,36 @@ class UdpBlock:
 
     def __exit__(self, *exc: object) -> None:
         self.sock.send = self.real  # type: ignore[method-assign]
+
+
+async def test_a_path_that_drops_full_size_datagrams_never_becomes_the_direct_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A path whose MTU is below QUIC's datagram size (a VPN: here every UDP datagram over
+    1400 bytes is dropped, with QUIC sending 1452-byte ones): small PINGs used to validate
+    it, and then every full-size packet was lost and the connection died of silence.
+    PINGs are padded to the datagram size, so it never validates and the data flows
+    through the relay."""
+    real_send = UdpSocket.send
+    dropped = 0
+
+    def small_only(self: UdpSocket, data: bytes, addr: tuple[str, int]) -> None:
+        nonlocal dropped
+        if len(data) > 1400:
+            dropped += 1
+            return
+        real_send(self, data, addr)
+
+    monkeypatch.setattr(UdpSocket, "send", small_only)
+    async with relayed_pair(quic=QuicConfig(loopback_datagram=1452)) as (ta, _tb, ca, cb):
+        payload = os.urandom(1 << 20)
+        await ca.send(5, payload)
+        got = await bounded(cb.recv(5), "1 MiB through the relay")
+        assert bytes(got.payload) == payload
+        await asyncio.sleep(3 * FAST_PUNCH.probe_interval_max)  # rounds of padded PINGs
+        assert dropped > 0  # they were sent, and lost
+        assert ca.path_kind == cb.path_kind == "relay"
+        assert ta.paths()[B.endpoint_id].kind == "relay"
 
 
 async def test_relayed_connection_moves_to_direct_and_reports_its_paths() -> None:

@@ -119,6 +119,7 @@ class HolePuncher:
         stun_targets: Callable[[], Awaitable[list[UdpAddress]]],
         on_change: Callable[[EndpointId, UdpSocket | None, UdpAddress | None, str], None],
         label_for: Callable[[EndpointId], str],
+        datagram_size: Callable[[UdpAddress], int] = lambda addr: 0,
     ) -> None:
         self._key = key
         self._me = key.endpoint_id
@@ -128,6 +129,9 @@ class HolePuncher:
         self._stun_targets = stun_targets
         self._on_change = on_change
         self._label_for = label_for
+        self._datagram_size = datagram_size
+        """The largest datagram QUIC would send to an address: what a PING there is padded
+        to, so that a path validates only if datagrams that large get through."""
         self._loop = asyncio.get_running_loop()
         self._peers: dict[EndpointId, _Peer] = {}
         self._sock: UdpSocket | None = None
@@ -230,7 +234,9 @@ class HolePuncher:
         now = self._loop.time()
         sessions = {"to_session": msg.to_session, "from_session": msg.from_session}
         if msg.kind is ProbeKind.PING:
-            self._run(p, p.paths.on_ping(addr, msg.txid, now, **sessions))
+            # The PONG is as large as the PING (a path must carry big datagrams both
+            # ways), never larger: an answer is no amplifier.
+            self._run(p, p.paths.on_ping(addr, msg.txid, now, **sessions), pong_size=len(data))
         elif msg.kind is ProbeKind.PONG:
             self._run(p, p.paths.on_pong(addr, msg.txid, now, **sessions))
         else:
@@ -346,14 +352,19 @@ class HolePuncher:
         log.debug("%s: sending candidates %s", self._label_for(p.peer), addrs)
         self._relay.send(p.peer, data)
 
-    def _run(self, p: _Peer, actions: list[Action]) -> None:
+    def _run(self, p: _Peer, actions: list[Action], pong_size: int = 0) -> None:
         sock = self._sock
         mine = p.paths.session
         for act in actions:
             if isinstance(act, SendPing):
                 if sock is not None:
                     data = encode_ping(
-                        self._key, p.peer, act.txid, to_session=act.session, from_session=mine
+                        self._key,
+                        p.peer,
+                        act.txid,
+                        to_session=act.session,
+                        from_session=mine,
+                        pad_to=self._datagram_size(act.addr),
                     )
                     sock.send(data, act.addr)
             elif isinstance(act, SendPong):
@@ -365,6 +376,7 @@ class HolePuncher:
                         act.addr,
                         to_session=act.session,
                         from_session=mine,
+                        pad_to=min(pong_size, self._datagram_size(act.addr)),
                     )
                     sock.send(data, act.addr)
             elif isinstance(act, SendCandidates):

@@ -531,6 +531,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
                 stun_targets=self._stun_targets,
                 on_change=self._path_change,
                 label_for=self.label_for,
+                datagram_size=self._direct_datagram,
             )
         # A second connection to a peer we already punch towards: the peer may have
         # restarted behind a new port, so its old direct path proves nothing now.

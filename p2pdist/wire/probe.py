@@ -11,13 +11,17 @@ the PING it answers. Layout (big endian)::
 
     magic "\\x1cP2PD" (5) | version u8 = 3 | kind u8 | sender id (32) | body | signature (64)
 
-    PING        body: txid (12) | receiver's session (16) | sender's session (16)
+    PING        body: txid (12) | receiver's session (16) | sender's session (16) | padding
     PONG        body: txid (12) | receiver's session (16) | sender's session (16) | address
-                (address: where the PING came from)
+                | padding (address: where the PING came from)
     CANDIDATES  body: flags u8 (bit 0: reply wanted) | sender's session (16) | count u8
                 | count x address
 
     address:    family u8 (4 or 6) | port u16 | ip (4 or 16)
+    padding:    zero bytes (any number, signed with the rest): a PING is padded to the
+                largest datagram QUIC will send on the path it tests, so a path that
+                drops large datagrams (a VPN's smaller MTU) never validates; a PONG to
+                the size of the PING it answers (never more: no amplification)
 
 The first byte (0x1c) has QUIC's fixed bit (0x40) clear and the fifth byte is not STUN's
 magic cookie, so one UDP socket can carry QUIC, STUN and these probes: see
@@ -58,9 +62,9 @@ __all__ = [
 ]
 
 MAGIC = b"\x1cP2PD"
-VERSION = 3
-"""3: sessions start with their creation time (version 2's were random: a receiver could
-not tell an older one from a newer one)."""
+VERSION = 4
+"""4: PING and PONG may end in zero padding. 3: sessions start with their creation time
+(version 2's were random: a receiver could not tell an older one from a newer one)."""
 TXID_LEN = 12
 SESSION_LEN = 16
 """Bytes in a punching session id: 8 bytes of its creation time (microseconds since the
@@ -179,12 +183,26 @@ def _transaction(txid: bytes, to_session: bytes, from_session: bytes) -> bytes:
     return txid + check_session(to_session) + check_session(from_session)
 
 
+def _padded(body: bytes, size: int) -> bytes:
+    """``body`` with zero padding so that its sealed message is ``size`` bytes (no
+    padding when it is that long already)."""
+    return body + bytes(max(0, size - (_HEAD + len(body) + SIG_LEN)))
+
+
 def encode_ping(
-    key: SecretKey, receiver: EndpointId, txid: bytes, *, to_session: bytes, from_session: bytes
+    key: SecretKey,
+    receiver: EndpointId,
+    txid: bytes,
+    *,
+    to_session: bytes,
+    from_session: bytes,
+    pad_to: int = 0,
 ) -> bytes:
     """A PING from ``key`` to ``receiver``, within the punching session in which
-    ``receiver`` announced ``to_session`` and we announced ``from_session``."""
-    return _seal(key, receiver, ProbeKind.PING, _transaction(txid, to_session, from_session))
+    ``receiver`` announced ``to_session`` and we announced ``from_session``; padded to
+    ``pad_to`` bytes in all."""
+    body = _padded(_transaction(txid, to_session, from_session), pad_to)
+    return _seal(key, receiver, ProbeKind.PING, body)
 
 
 def encode_pong(
@@ -195,11 +213,13 @@ def encode_pong(
     *,
     to_session: bytes,
     from_session: bytes,
+    pad_to: int = 0,
 ) -> bytes:
     """The answer to ``receiver``'s PING ``txid``, which came from ``seen_from``
-    (``to_session``: the PING's sender session; ``from_session``: ours)."""
+    (``to_session``: the PING's sender session; ``from_session``: ours); padded to
+    ``pad_to`` bytes in all."""
     body = _transaction(txid, to_session, from_session) + _encode_address(seen_from)
-    return _seal(key, receiver, ProbeKind.PONG, body)
+    return _seal(key, receiver, ProbeKind.PONG, _padded(body, pad_to))
 
 
 def encode_candidates(
@@ -256,13 +276,18 @@ def decode_probe(data: bytes, receiver: EndpointId) -> ProbeMessage:
         body[TXID_LEN + SESSION_LEN : _TRANSACTION],
     )
     if kind is ProbeKind.PING:
-        if len(body) != _TRANSACTION:
+        if not _zeros(body, _TRANSACTION):
             raise ProbeError("trailing bytes in PING")
         return ProbeMessage(kind, sender, txid, to_session, from_session)
     addr, end = _decode_address(body, _TRANSACTION)
-    if end != len(body):
+    if not _zeros(body, end):
         raise ProbeError("trailing bytes in PONG")
     return ProbeMessage(kind, sender, txid, to_session, from_session, address=addr)
+
+
+def _zeros(body: bytes, start: int) -> bool:
+    """Whether ``body`` from ``start`` on is padding (zero bytes only, or nothing)."""
+    return body.count(0, start) == len(body) - start
 
 
 def _decode_candidates(sender: EndpointId, body: bytes) -> ProbeMessage:
