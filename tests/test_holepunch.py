@@ -368,6 +368,21 @@ async def test_a_path_that_drops_full_size_datagrams_never_becomes_the_direct_pa
         assert ta.paths()[B.endpoint_id].kind == "relay"
 
 
+async def test_a_path_change_starts_congestion_control_afresh_for_the_new_path() -> None:
+    """RFC 9000 section 9.4: the relay path's window counted in 16 KiB datagrams; on a
+    1452-byte direct path it must count in 1452-byte ones (it grew 11 times too fast)."""
+    async with relayed_pair(quic=QuicConfig(loopback_datagram=1452)) as (_ta, _tb, ca, cb):
+        await ca.send(1, os.urandom(1 << 20))  # some traffic through the relay first
+        await bounded(cb.recv(1), "through the relay")
+        await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct paths")
+        for conn in (ca, cb):
+            loss = conn._quic._loss
+            assert loss._cc._max_datagram_size == loss._pacer._max_datagram_size == 1452
+        payload = os.urandom(1 << 20)
+        await ca.send(2, payload)
+        assert bytes((await bounded(cb.recv(2), "direct")).payload) == payload
+
+
 async def test_relayed_connection_moves_to_direct_and_reports_its_paths() -> None:
     async with relayed_pair() as (ta, _tb, ca, cb):
         await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct paths")

@@ -360,7 +360,7 @@ class QuicConnection(FramedConnection):
 
     def path_changed(self) -> None:
         """The route now sends another way (hole punching): adapt and send promptly."""
-        self._quic.path_changed(self._route.max_datagram)
+        self._quic.path_changed(self._route.max_datagram, _now())
         if not self._terminated.done():
             self._arm_timer()
             self._schedule_transmit()

@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import ssl
 from dataclasses import dataclass
 from typing import Any, cast
 
 from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.congestion.base import create_congestion_control
 from aioquic.quic.connection import (
     MAX_STREAM_DATA_FRAME_CAPACITY,
     QuicConnection,
@@ -49,7 +51,7 @@ from aioquic.quic.connection import (
 from aioquic.quic.events import ConnectionTerminated
 from aioquic.quic.packet import QuicFrameType
 from aioquic.quic.packet_builder import QuicPacketBuilder
-from aioquic.quic.recovery import QuicPacketSpace
+from aioquic.quic.recovery import QuicPacketPacer, QuicPacketSpace
 from aioquic.quic.stream import QuicStream
 from aioquic.tls import CipherSuite
 from cryptography import x509
@@ -244,13 +246,31 @@ class PinnedQuicConnection(QuicConnection):
             return None
         return ev, self._state is QuicConnectionState.DRAINING
 
-    def path_changed(self, max_datagram: int) -> None:
+    def path_changed(self, max_datagram: int, now: float) -> None:
         """Datagrams take another path from now on (the route below changed): build them
-        at most ``max_datagram`` bytes long and restart the probe-timeout backoff, so
-        what was lost on the old path is resent promptly on the new one."""
+        at most ``max_datagram`` bytes long, restart the probe-timeout backoff (what was
+        lost on the old path is resent promptly on the new one), and start congestion
+        control and the RTT estimate afresh for the new path (RFC 9000 section 9.4): the
+        old path's window counted in its own datagram size (16 KiB through a relay
+        against 1452 bytes direct) and its RTT belongs to another route."""
         self._max_datagram_size = max_datagram
-        self._loss._pacer._max_datagram_size = max_datagram
-        self._loss._pto_count = 0
+        loss = self._loss
+        loss._pacer = QuicPacketPacer(max_datagram_size=max_datagram)
+        loss._pto_count = 0
+        old = loss._cc
+        cc = create_congestion_control(
+            self._configuration.congestion_control_algorithm, max_datagram_size=max_datagram
+        )
+        cc.bytes_in_flight = old.bytes_in_flight  # still to be acknowledged or lost
+        # Losses of packets sent on the old path are not this path's congestion.
+        cc._congestion_recovery_start_time = now  # type: ignore[attr-defined]  # reno, cubic
+        loss._cc = cc
+        loss._rtt_initialized = False
+        loss._rtt_first_sample_time = 0.0
+        loss._rtt_latest = 0.0
+        loss._rtt_min = math.inf
+        loss._rtt_smoothed = 0.0
+        loss._rtt_variance = 0.0
 
     @property
     def smoothed_rtt(self) -> float | None:
