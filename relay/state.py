@@ -446,9 +446,9 @@ class RelayCore:
 
     def _forward(self, s: Session, body: memoryview, now: float) -> None:
         m = self.metrics
-        m.datagrams_in_total += 1
-        if len(body) < ID_LEN:
+        if len(body) < ID_LEN:  # a protocol error, not a datagram
             raise RelayProtocolError("SEND shorter than an endpoint id")
+        m.datagrams_in_total += 1
         if s.bucket is not None and not s.bucket.take(len(body), now):
             m.dropped["rate_limited"] += 1
             return
@@ -565,11 +565,10 @@ class RelayCore:
         return s.queued() + len(frame) <= self.config.queue_bytes
 
     def _control(self, s: Session, frame: bytes) -> None:
-        """PONG: dropped, like datagrams, when the client is not reading."""
-        if not self._has_room(s, frame):
-            self.metrics.dropped["queue_full"] += 1
-            return
-        self._queue(s, frame)
+        """PONG: dropped, like datagrams, when the client is not reading (not counted as
+        a dropped datagram: the counter is the datagrams')."""
+        if self._has_room(s, frame):
+            self._queue(s, frame)
 
     def _refuse(self, s: Session, refusal: Refusal, **fields: object) -> None:
         self.metrics.auth_failures[refusal.reason] += 1

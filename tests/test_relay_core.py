@@ -286,6 +286,19 @@ def test_queue_full_drops_for_a_slow_reader_only() -> None:
     assert len(lb.frames()) == 1 and c.metrics.dropped["queue_full"] == 3
 
 
+def test_counters_count_datagrams_only() -> None:
+    """A PONG dropped for a full queue is not a dropped datagram, and a SEND too short to
+    name a peer is a protocol error, not a datagram received."""
+    c = core(queue_bytes=MAX_BODY + 5)
+    sa, la = join(c, A)
+    la.frames()
+    la.backlog = MAX_BODY  # A is not reading: its PONG has no room
+    c.receive(sa, encode_frame(T.PING, b"12345678"), 1.0)
+    assert la.frames() == [] and sum(c.metrics.dropped.values()) == 0
+    c.receive(sa, encode_frame(T.SEND, b"short"), 1.0)
+    assert c.metrics.datagrams_in_total == 0 and la.closed
+
+
 def test_ping_pong_and_protocol_errors_after_auth() -> None:
     c = core()
     sa, la = join(c, A)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import ssl
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -11,7 +13,7 @@ import pytest
 from relay_helpers import RelayProcess
 from transport_conformance import bounded, wait_until
 
-from p2pdist import EndpointId, PeerAuthenticationError, SecretKey
+from p2pdist import EndpointId, P2PTimeoutError, PeerAuthenticationError, SecretKey
 from p2pdist.transport.relay_path import RelayConfig, RelayPath, RelayState
 from p2pdist.wire.relay import RelayFrame, RelayFrameType, RelayUrl
 
@@ -114,7 +116,7 @@ async def test_token_mode(tmp_path: Path) -> None:
 
 
 async def test_a_full_relay_is_waited_out_not_taken_for_a_refusal(tmp_path: Path) -> None:
-    """"relay full" (like "evicted", "too many clients from this address", "authentication
+    """ "relay full" (like "evicted", "too many clients from this address", "authentication
     timed out") is a busy relay's answer: wait_connected keeps trying within its timeout
     and gets in once there is room (it used to fail at once, and Group.start with it)."""
     with RelayProcess(tmp_path, "--max-clients", "1") as relay:
@@ -129,6 +131,55 @@ async def test_a_full_relay_is_waited_out_not_taken_for_a_refusal(tmp_path: Path
             await bounded(waiting, "second gets in once there is room")
         finally:
             await bounded(asyncio.gather(first.close(), second.close()), "close()")
+
+
+async def test_a_refused_upgrade_leaves_no_unread_error_behind(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 503 to the upgrade (a uvloop relay turning a newcomer away while an idle
+    connection holds its only waiting slot): its text body is not taken for frames, and
+    no "Future exception was never retrieved" is logged for the ended attempts."""
+    args = ("--loop", "uvloop", "--max-unauthenticated", "1")
+    with RelayProcess(tmp_path, *args) as relay:
+        url = RelayUrl.parse(relay.url)
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # the test's own relay
+        _, idle = await asyncio.open_connection(url.host, url.port, ssl=ctx)
+        path = RelayPath(key(0), relay.url, config=FAST)
+        try:
+            with pytest.raises(P2PTimeoutError, match="503"):
+                await path.wait_connected(1.0)
+        finally:
+            await bounded(path.close(), "close()")
+            idle.close()
+        gc.collect()
+        await asyncio.sleep(0.05)  # where asyncio would log an unread error
+        assert "never retrieved" not in caplog.text
+        assert "unknown relay frame type" not in caplog.text
+
+
+async def test_an_attempt_that_stalls_names_the_step_within_one_connect_timeout() -> None:
+    """A server that takes the TCP connection and never answers TLS: each attempt ends
+    within connect_timeout (it was applied per step, up to twice that), and the error
+    names the relay and the step (it was a bare "TimeoutError")."""
+    conns: list[asyncio.StreamWriter] = []
+
+    async def mute(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conns.append(w)
+
+    server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cfg = RelayConfig(connect_timeout=0.3, backoff_initial=5.0, backoff_max=5.0)
+    path = RelayPath(key(0), f"https://127.0.0.1:{port}/?pin={key(9).endpoint_id}", config=cfg)
+    try:
+        with pytest.raises(P2PTimeoutError, match=r"TCP and TLS not done within connect_timeout"):
+            await path.wait_connected(2.0)
+        assert "127.0.0.1" in (path.status.last_error or "")
+    finally:
+        await bounded(path.close(), "close()")
+        for w in conns:
+            w.close()
+        server.close()
 
 
 async def test_reconnects_after_a_relay_restart(tmp_path: Path) -> None:

@@ -88,7 +88,9 @@ class RelayConfig:
 
 @dataclass(frozen=True, slots=True)
 class RelayStatus:
-    """A snapshot of the relay session, for callers and ``p2pdist doctor``."""
+    """A snapshot of the relay session, for callers and ``p2pdist doctor``. ``observed``,
+    ``rtt``, ``limits`` and ``stun_ports`` are those of the latest session and stay when it
+    ends (look at ``state``: they are current only while it is CONNECTED)."""
 
     url: str
     state: RelayState
@@ -284,8 +286,9 @@ class RelayPath:
         self._outbox, self._outbox_count = bytearray(), 0
         if writer is self._writer and not writer.is_closing():
             writer.write(frames)
-        else:
+        else:  # the session ended in between: these were never sent after all
             self._dropped += count
+            self._sent -= count
 
     async def close(self) -> None:
         """End the session and stop reconnecting."""
@@ -423,13 +426,22 @@ class RelayPath:
 
     async def _session(self) -> float | None:
         """One session; returns the relay's retry_after when it asked us to reconnect."""
-        async with asyncio.timeout(self.config.connect_timeout):
-            proto = await self._open()
+        # One bound for TCP, TLS, the upgrade and authentication together.
+        deadline = asyncio.get_running_loop().time() + self.config.connect_timeout
+        step = "TCP and TLS"
+        try:
+            async with asyncio.timeout_at(deadline):
+                proto = await self._open()
+        except TimeoutError:
+            raise self._too_slow(step) from None
         writer = proto.transport
         assert writer is not None  # connection_made ran before create_connection returned
         try:
-            async with asyncio.timeout(self.config.connect_timeout):
-                interval = await self._handshake(proto, writer)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    interval = await self._handshake(proto, writer)
+            except TimeoutError:
+                raise self._too_slow("the upgrade and authentication") from None
             self._writer = writer
             self._authed_at = time.monotonic()
             self._refused.clear()
@@ -443,6 +455,12 @@ class RelayPath:
                 pinger.cancel()
         finally:
             proto.close()
+
+    def _too_slow(self, step: str) -> P2PTimeoutError:
+        return P2PTimeoutError(
+            f"relay {self.url}: {step} not done within connect_timeout "
+            f"({self.config.connect_timeout:g} s)"
+        )
 
     async def _keepalive(self, writer: asyncio.Transport, interval: float) -> None:
         while not writer.is_closing():

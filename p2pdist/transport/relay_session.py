@@ -41,6 +41,8 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         self._scratch = bytearray(_HEAD_READ)
         self._head = bytearray()
         self._answer: HttpHead | None = None
+        self._upgraded = False
+        """Whether the answer was 101 (frames follow), not a refusal (its text follows)."""
         self._queued: deque[RelayFrame] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._handler: FrameHandler | None = None
@@ -69,6 +71,8 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         :attr:`done` is cancelled (not left holding an error nobody will read)."""
         if not self.done.done():
             self.done.cancel()
+        elif not self.done.cancelled():
+            self.done.exception()  # read: the session had its own error to report
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
@@ -87,7 +91,7 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._answer is None:
+        if self._answer is None or not self._upgraded:
             return memoryview(self._scratch)
         return self._reader.get_buffer()
 
@@ -96,6 +100,8 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         try:
             if self._answer is None:
                 frames = self._take_answer(nbytes)
+            elif not self._upgraded:
+                return  # the rest of a refusal's body: nothing for us
             else:
                 frames = self._reader.buffer_updated(nbytes)
             self._deliver(frames)
@@ -125,6 +131,9 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         self._answer, used = parsed
         rest, self._head = bytes(self._head[used:]), bytearray()
         self._wake()
+        self._upgraded = self._answer.start_line[1:2] == ["101"]
+        if not self._upgraded:
+            return []  # a refusal's body (a 503's text) is no frames: the session reads the head
         return self._reader.feed(rest) if rest else []  # frames sent right behind it
 
     def _deliver(self, frames: list[RelayFrame]) -> None:
