@@ -5,10 +5,22 @@ from __future__ import annotations
 __all__ = ["kv"]
 
 
+def _escape(ch: str) -> str:
+    """One character of a quoted value: control characters (a client-sent request path
+    may hold a CR that would forge a log line) as escapes, quote and backslash escaped."""
+    if ch in '"\\':
+        return "\\" + ch
+    if ch == "\n":
+        return "\\n"
+    if ord(ch) < 0x20 or ord(ch) == 0x7F:
+        return f"\\x{ord(ch):02x}"
+    return ch
+
+
 def _value(v: object) -> str:
     text = f"{v:.3f}" if isinstance(v, float) else str(v)
-    if not text or any(ch in text for ch in ' "=\n\t'):
-        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if not text or any(ch in ' "=' or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in text):
+        return '"' + "".join(map(_escape, text)) + '"'
     return text
 
 

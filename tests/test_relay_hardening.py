@@ -30,6 +30,7 @@ from test_relay_server_limits import needs_tlsproto
 from p2pdist.wire.relay import RelayFrameType, encode_addressed, upgrade_request
 from relay.cli import load_config
 from relay.config import TOKEN_ENV, ConfigError
+from relay.logfmt import kv
 from relay.server import (
     ACCEPT_ERROR,
     CLOSE_GRACE,
@@ -442,3 +443,11 @@ def test_an_unwritable_url_file_names_itself_not_a_temporary_file(tmp_path: Path
     assert proc.returncode == 2, proc.stderr
     assert f"cannot write url-file {url_file}: No such file or directory" in proc.stderr
     assert ".tmp" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_log_values_cannot_forge_a_line() -> None:
+    """Client-controlled text (a request path) in a log value: a CR or LF cannot start a
+    line of its own, and quotes cannot end the value early."""
+    line = kv("http", path='/x\r\nauth_ok id=forged "q"', n=3, tab="a\tb")
+    assert "\r" not in line and "\n" not in line and "\t" not in line
+    assert line == r'http path="/x\x0d\nauth_ok id=forged \"q\"" n=3 tab="a\x09b"'

@@ -14,7 +14,7 @@ from relay_helpers import RelayProcess
 from transport_conformance import bounded, wait_until
 
 from p2pdist import EndpointId, P2PTimeoutError, PeerAuthenticationError, SecretKey
-from p2pdist.transport.relay_path import RelayConfig, RelayPath, RelayState
+from p2pdist.transport.relay_path import RelayConfig, RelayPath, RelayState, relay_keepalive
 from p2pdist.wire.relay import RelayFrame, RelayFrameType, RelayUrl
 
 FAST = RelayConfig(connect_timeout=5.0, backoff_initial=0.05, backoff_max=0.5)
@@ -227,3 +227,23 @@ def test_a_relay_naming_an_impossible_endpoint_id_loses_one_frame_not_the_sessio
     path._handle(RelayFrame(RelayFrameType.PEER_GONE, b"", honest), writer)
     assert got == [(key(2).endpoint_id, b"y")] and gone == [key(2).endpoint_id]
     assert path.status.bad_peer_ids == 2
+
+
+@pytest.mark.parametrize(
+    ("offered", "used"),
+    [
+        (2, 2.0),
+        (0.5, 0.5),
+        (300, 300.0),
+        (None, 5.0),
+        (0, 5.0),
+        (-1, 5.0),
+        (301, 5.0),
+        (float("inf"), 5.0),
+        (float("nan"), 5.0),
+        ("3", 5.0),
+        (True, 1.0),
+    ],
+)
+def test_a_relay_cannot_switch_off_our_keepalive(offered: object, used: float) -> None:
+    assert relay_keepalive(offered) == used

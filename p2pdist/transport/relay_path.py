@@ -54,6 +54,18 @@ _SELF_SIGNED = (18, 19)
 pinned relay's certificate gives when dialed without its pin."""
 
 
+_MAX_RELAY_KEEPALIVE = 300.0
+"""Longest keepalive interval taken from a relay's AUTH_OK (seconds)."""
+
+
+def relay_keepalive(offered: object) -> float:
+    """The keepalive interval to use for a relay's AUTH_OK ``keepalive``: 5 s when it is
+    missing or outside (0, :data:`_MAX_RELAY_KEEPALIVE`] (inf, NaN or a day would switch
+    off our pings and the silence check with them)."""
+    value = float(offered) if isinstance(offered, int | float) else 0.0
+    return value if 0 < value <= _MAX_RELAY_KEEPALIVE else 5.0  # NaN fails both tests
+
+
 _REFUSALS = frozenset({"bad signature", "bad token", "endpoint not allowed", "malformed AUTH"})
 """ERROR answers to AUTH that say this client is not let in (its key, token or place on
 the allowlist): reported to waiters at once. Every other answer (relay full, too many
@@ -409,9 +421,7 @@ class RelayPath:
         if isinstance(max_dgram, int) and 1200 <= max_dgram <= MAX_DATAGRAM:
             self.max_datagram = max_dgram
         keepalive = info.get("keepalive")
-        interval = self.config.keepalive or (
-            float(keepalive) if isinstance(keepalive, int | float) and keepalive > 0 else 5.0
-        )
+        interval = self.config.keepalive or relay_keepalive(keepalive)
         limits = {k: float(v) for k, v in info.items() if isinstance(v, int | float)}
         observed = info.get("observed")
         self._set(
