@@ -332,11 +332,17 @@ def test_an_update_carried_without_an_aggregate_may_be_sent_again() -> None:
     assert st.submit("a", 1, 0, 10, vec(1.0), 4.1).reason is Reason.DUPLICATE
 
 
-def test_leaving_mid_round_never_blocks_and_joiners_count_from_the_next_round() -> None:
-    st = rounds(round_timeout=100.0)
-    for c in "abc":
+def opened(clients: str, **kw: object) -> FederatedRounds:
+    """Round 0 open at time 0 with one member per letter of ``clients``."""
+    st = rounds(**kw)
+    for c in clients:
         st.join(c)
     st.open(0.0)
+    return st
+
+
+def test_leaving_mid_round_never_blocks_and_joiners_count_from_the_next_round() -> None:
+    st = opened("abc", round_timeout=100.0)
     st.submit("a", 0, 0, 1, vec(1.0), 1.0)
     st.submit("b", 0, 0, 1, vec(1.0), 2.0)
     assert st.due(3.0) is None
@@ -562,10 +568,7 @@ def test_a_numpy_integer_sample_count_counts_as_an_int() -> None:
 
 
 def test_a_round_whose_members_all_left_after_submitting_closes_complete() -> None:
-    st = rounds(round_timeout=10.0)
-    for c in "ab":
-        st.join(c)
-    st.open(0.0)
+    st = opened("ab", round_timeout=10.0)
     st.submit("a", 0, 0, 1, vec(1.0), 0.1)
     st.submit("b", 0, 0, 1, vec(3.0), 0.2)
     st.leave("a")
