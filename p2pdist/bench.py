@@ -66,7 +66,7 @@ def plot(profiles: list[LinkProfile], path: Path) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(title="link")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")  # whatever the name ends in, as given
     plt.close(fig)
 
 

@@ -10,6 +10,7 @@ Every :class:`~p2pdist.errors.P2PError` that reaches the top is printed as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import secrets
@@ -215,6 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `p2pdist demo | head`: the reader went away, as for SIGPIPE
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

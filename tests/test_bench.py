@@ -170,3 +170,15 @@ def test_table_and_plot_take_the_largest_size_and_survive_zero_times(tmp_path: P
     assert zero == (0.0, float("inf"))
     plot([LinkProfile(0, 1, sizes, (0.0, 0.0), *zero)], tmp_path / "links.png")
     assert (tmp_path / "links.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("name", ["links.txt", "links"])
+def test_the_plot_is_a_png_at_exactly_the_path_given(tmp_path: Path, name: str) -> None:
+    """matplotlib picks the format from the name: "links.txt" raised (after the whole
+    measurement) and "links" was written as "links.png" while the path given was
+    reported. The plot is a PNG at the path given, whatever the name ends in."""
+    sizes, seconds = (1 << 10, 1 << 20), (1e-5, 1e-3)
+    fit = fit_alpha_beta(np.array(sizes, float), np.array(seconds))
+    plot([LinkProfile(0, 1, sizes, seconds, *fit)], tmp_path / name)
+    assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]

@@ -461,3 +461,28 @@ def test_subcommands_refuse_bad_options_before_running(args: list[str], message:
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_reader_that_goes_away_ends_the_command_as_sigpipe_would() -> None:
+    """`p2pdist ... | head -1`: a BrokenPipeError traceback and status 1 before; now
+    the status a SIGPIPE'd command has (141) and nothing on stderr."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "p2pdist.cli",
+            "id",
+            "--seed",
+            "a-long-enough-seed",
+            "--world",
+            "200000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(b"0 ")
+    proc.stdout.close()  # the reader goes away
+    err = proc.stderr.read()
+    assert proc.wait(timeout=TIMEOUT_S) == 141
+    assert b"Traceback" not in err

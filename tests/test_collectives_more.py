@@ -173,6 +173,9 @@ async def test_gradient_buckets_reduce_everything_in_place_in_the_background() -
         ({"out": None}, "no out="),
         ({"bucket_bytes": True}, "positive int"),
         ({"bucket_bytes": 1.5}, "positive int"),
+        ({"timeout": -1}, "timeout must be a positive"),
+        ({"timeout": True}, "timeout must be a positive"),
+        ({"timeout": float("nan")}, "timeout must be a positive"),
     ],
 )
 async def test_gradient_buckets_refuse_unknown_keywords_at_create(

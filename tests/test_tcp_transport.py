@@ -1087,3 +1087,55 @@ def test_a_label_for_that_raises_falls_back_to_the_short_id(
     peer = SecretKey.generate().endpoint_id
     assert t.label_for(peer) == f"peer {peer.short()}"
     assert "label_for failed" in caplog.text
+
+
+async def test_a_peer_that_pings_and_never_reads_cannot_grow_our_write_buffer() -> None:
+    """Every PING used to be answered, even while our writes backed up: a member that
+    pings and never reads grew our write buffer without bound (past write_buffer_high)."""
+    from p2pdist.transport.framed import PING
+
+    high = 256 * 1024
+    cfg = TransportConfig(tls=False, write_buffer_high=high)
+    a, b = TcpTransport(key(0), cfg), TcpTransport(key(1), cfg)
+    async with closing(a, b):
+        addr = await b.listen("127.0.0.1", 0)
+        ca = await bounded(a.connect(eid(1), addr), "connect")
+        cb = await bounded(b.accept(), "accept")
+        ca._transport.pause_reading()  # type: ignore[attr-defined]  # it never reads
+        for _ in range(6):
+            for _ in range(50_000):
+                ca._write(PING)  # type: ignore[attr-defined]
+            await asyncio.sleep(0.2)
+        assert cb._transport.get_write_buffer_size() <= 2 * high  # type: ignore[attr-defined]
+        assert not cb.closed
+
+
+@pytest.mark.parametrize(("chunks", "arrives"), [(6, True), (16, False)])
+async def test_a_receiver_waiting_behind_frames_nobody_reads(chunks: int, arrives: bool) -> None:
+    """max_buffered (1 MiB) of frames for channel 1 that nobody reads, then a frame for
+    channel 2, which a receiver waits for: reading paused at the limit and the wait
+    stalled until its timeout, whatever came next. Now a waiter lets reading go on up
+    to twice the limit (1.5 MiB here: it arrives), and past that its timeout says why."""
+    cfg = TransportConfig(tls=False, max_buffered=1 << 20)
+    a, b = TcpTransport(key(0), cfg), TcpTransport(key(1), cfg)
+    async with closing(a, b):
+        addr = await b.listen("127.0.0.1", 0)
+        ca = await bounded(a.connect(eid(1), addr), "connect")
+        cb = await bounded(b.accept(), "accept")
+
+        async def sender() -> None:
+            for i in range(chunks):
+                await ca.send(1, bytes(256 << 10), seq=i)
+            await ca.send(2, b"hello")
+
+        sending = asyncio.create_task(sender())
+        if arrives:
+            assert bytes((await cb.recv(2, timeout=5.0)).payload) == b"hello"
+        else:
+            with pytest.raises(PeerTimeoutError, match="reading is paused"):
+                await cb.recv(2, timeout=1.0)
+        for i in range(chunks):  # reading the others lets the rest in
+            assert (await cb.recv(1, timeout=5.0)).seq == i
+        if not arrives:
+            assert bytes((await cb.recv(2, timeout=5.0)).payload) == b"hello"
+        await bounded(sending, "the sender")

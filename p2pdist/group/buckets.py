@@ -103,6 +103,8 @@ class GradientBuckets:
             )
         if feedback and reduce.get("wire_dtype") is None:
             raise UsageError("error_feedback needs a wire_dtype")
+        if reduce.get("timeout") is not None:
+            group._seconds(reduce["timeout"])  # refused now, not at every bucket's wait()
         sub = await group.split(0)
         assert sub is not None
         return cls(sub, bucket_bytes=bucket_bytes, op=op, error_feedback=feedback, **reduce)

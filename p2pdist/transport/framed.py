@@ -388,7 +388,10 @@ class FramedConnection:
             if f.kind is FrameKind.DATA:
                 self._mailbox.deliver(f)
             elif f.kind is FrameKind.PING:
-                if self._writable():
+                # Not while our writes back up: the peer is not reading them (a PONG
+                # would reach it no sooner), and a peer that pings without reading
+                # must not grow our write buffer without bound.
+                if self._writable() and not self._write_paused:
                     self._write(PONG)
             elif f.kind is FrameKind.PONG:
                 if self._ping_sent_at is not None:

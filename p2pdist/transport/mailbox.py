@@ -123,12 +123,18 @@ class Mailbox:
             self._buffered += CHANNEL_OVERHEAD
         q.append(frame)
         self._buffered += frame.nbytes + FRAME_OVERHEAD
-        if self._buffered > self._max and not self._paused:
+        if self._buffered > self._limit() and not self._paused:
             self._paused = True
             self._pause()
         w = self._waiters.pop(ch, None)
         if w is not None and not w.done():
             w.set_result(None)
+
+    def _limit(self) -> int:
+        """Bytes queued at which reading pauses: ``max_buffered``, or twice that while a
+        receiver waits for a channel with nothing queued (its frame may be behind the
+        others in the stream: pausing then would stall it for good)."""
+        return 2 * self._max if self._waiters else self._max
 
     def fail(self, error: BaseException) -> None:
         """No more frames will come: wake every waiter with ``error`` (queued ones stay)."""
@@ -172,6 +178,9 @@ class Mailbox:
                 raise UsageError(f"{self._label()}: two receivers on channel {channel:#x}")
             fut: asyncio.Future[None] = loop.create_future()
             self._waiters[channel] = fut
+            if self._paused and self._buffered <= self._limit():
+                self._paused = False  # read on (up to the limit): our frame may be next
+                self._resume()
             try:
                 if deadline is None:  # no timer to arm and cancel
                     await fut
@@ -179,9 +188,13 @@ class Mailbox:
                 async with asyncio.timeout(max(0.0, deadline - loop.time())):
                     await fut
             except TimeoutError:
-                raise PeerTimeoutError(
-                    self._label(), f"no message on channel {channel:#x} within {timeout:g} s"
-                ) from None
+                why = f"no message on channel {channel:#x} within {timeout:g} s"
+                if self._paused:  # ours may have come, behind frames nobody reads
+                    why += (
+                        f" (reading is paused: {self._buffered} bytes of frames for other "
+                        "channels wait unread, over twice max_buffered)"
+                    )
+                raise PeerTimeoutError(self._label(), why) from None
             finally:
                 if self._waiters.get(channel) is fut:
                     del self._waiters[channel]
