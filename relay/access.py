@@ -23,6 +23,7 @@ from pathlib import Path
 
 from p2pdist.errors import UsageError
 from p2pdist.identity import EndpointId
+from p2pdist.wire.relay import BAD_TOKEN_TEXT, NOT_ALLOWED_TEXT
 
 from .logfmt import kv
 
@@ -47,8 +48,8 @@ class Refusal:
     message: str
 
 
-BAD_TOKEN = Refusal("bad_token", "bad token")
-NOT_ALLOWED = Refusal("not_allowed", "endpoint not allowed")
+BAD_TOKEN = Refusal("bad_token", BAD_TOKEN_TEXT)
+NOT_ALLOWED = Refusal("not_allowed", NOT_ALLOWED_TEXT)
 
 
 def parse_allowlist(text: str, source: str) -> frozenset[bytes]:

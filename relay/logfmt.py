@@ -6,20 +6,21 @@ __all__ = ["kv"]
 
 
 def _escape(ch: str) -> str:
-    """One character of a quoted value: control characters (a client-sent request path
-    may hold a CR that would forge a log line) as escapes, quote and backslash escaped."""
+    """One character of a quoted value: what is not printable (a CR or a line separator
+    in a client-sent request path could forge a log line) as an escape, quote and
+    backslash escaped."""
     if ch in '"\\':
         return "\\" + ch
     if ch == "\n":
         return "\\n"
-    if ord(ch) < 0x20 or ord(ch) == 0x7F:
-        return f"\\x{ord(ch):02x}"
+    if not ch.isprintable():
+        return f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}"
     return ch
 
 
 def _value(v: object) -> str:
     text = f"{v:.3f}" if isinstance(v, float) else str(v)
-    if not text or any(ch in ' "=' or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in text):
+    if not text or not text.isprintable() or any(ch in ' "=' for ch in text):
         return '"' + "".join(map(_escape, text)) + '"'
     return text
 

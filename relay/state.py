@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from p2pdist.errors import UsageError
 from p2pdist.identity import ID_LEN, EndpointId
 from p2pdist.wire.relay import (
+    BAD_SIGNATURE_TEXT,
     FRAME_HEADER,
+    MALFORMED_AUTH_TEXT,
     MAX_BODY,
     MAX_DATAGRAM,
     VERSION,
@@ -60,8 +62,8 @@ MAX_AUTH_BODY = ID_LEN + SIG_LEN + MAX_TOKEN_BYTES
 its header alone, so an unauthenticated connection never buffers more than this."""
 REPLACED = "replaced by a newer connection from the same endpoint"
 
-BAD_SIGNATURE = Refusal("bad_signature", "bad signature")
-MALFORMED = Refusal("malformed", "malformed AUTH")
+BAD_SIGNATURE = Refusal("bad_signature", BAD_SIGNATURE_TEXT)
+MALFORMED = Refusal("malformed", MALFORMED_AUTH_TEXT)
 RELAY_FULL = Refusal("relay_full", "relay full")
 PER_IP_FULL = Refusal("max_clients_per_ip", "too many clients from this address")
 AUTH_TIMEOUT = Refusal("timeout", "authentication timed out")

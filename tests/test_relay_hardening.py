@@ -451,3 +451,4 @@ def test_log_values_cannot_forge_a_line() -> None:
     line = kv("http", path='/x\r\nauth_ok id=forged "q"', n=3, tab="a\tb")
     assert "\r" not in line and "\n" not in line and "\t" not in line
     assert line == r'http path="/x\x0d\nauth_ok id=forged \"q\"" n=3 tab="a\x09b"'
+    assert kv("http", path="/a\u2028b") == r'http path="/a\u2028b"'  # a line separator too

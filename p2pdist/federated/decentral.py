@@ -215,9 +215,7 @@ class GroupAveraging(Leading):
             raise GroupBrokenError("this rank's averaging is out of step", self._failed)
         k = self._round
         if update is not None:
-            if num_samples is None:
-                raise UsageError("step(update) needs num_samples (at least 1)")
-            samples = check_count(num_samples, "num_samples", 1)
+            samples = check_count(num_samples, "num_samples", 1)  # None too: required
             base = k if base_round is None else check_count(base_round, "base_round", 0)
             sent = as_array(update)
             if self._own is not None:  # carried from an earlier round, never aggregated

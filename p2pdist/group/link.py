@@ -69,6 +69,7 @@ class CollectiveLink:
         "_long_places",
         "_rank",
         "_received",
+        "_receiving",
         "_sent",
         "_size",
         "channel",
@@ -94,6 +95,8 @@ class CollectiveLink:
         """(peer, seq of its length) -> the place of a long message and its pieces."""
         self.waiting_on: int | None = None
         """The rank this collective is blocked on right now (for timeout messages)."""
+        self._receiving: int | None = None
+        """The rank a receive of this collective waits for right now (not a send)."""
 
     @property
     def rank(self) -> int:
@@ -148,9 +151,9 @@ class CollectiveLink:
         conn = self._conn(peer)
         seq = self._received.get(peer, 0)
         self._received[peer] = seq + 1
-        self.waiting_on = peer
+        self.waiting_on = self._receiving = peer
         frame = await conn.recv(self.channel)
-        self.waiting_on = None
+        self.waiting_on = self._receiving = None
         if frame.seq != seq:
             raise RemoteProtocolError(
                 conn.label, f"message {frame.seq} arrived where {seq} was due (channel reuse?)"
@@ -188,8 +191,9 @@ class CollectiveLink:
             seq += 1
 
     def heard_from(self, peer: int) -> bool:
-        """Whether a message of this call came from ``peer`` (so it did start the call)."""
-        waiting = 1 if self.waiting_on == peer else 0
+        """Whether a message of this call came from ``peer`` (so it did start the call):
+        the receives counted from it, less the one still waiting, if any."""
+        waiting = 1 if self._receiving == peer else 0
         return self._received.get(peer, 0) - waiting > 0
 
     def label(self, peer: int) -> str:

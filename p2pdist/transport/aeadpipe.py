@@ -61,6 +61,11 @@ larger record does not fit (up to about twice :data:`MAX_RECORD` for bulk traffi
 a connection that carries only small messages keeps 128 KiB."""
 
 
+def _valid(length: int) -> bool:
+    """Whether a record's length field is one a sender may write."""
+    return TAG < length <= MAX_RECORD + TAG
+
+
 class RecordError(Exception):
     """The record stream is broken (a record that does not decrypt, or a bad length)."""
 
@@ -174,12 +179,9 @@ class AeadPipe:
         one that did not fit the last buffer."""
         if self._plain_at < self._plain.nbytes:
             return True
-        have = self._end - self._start
-        if have < _LEN.size:
-            return False
-        (length,) = _LEN.unpack_from(self._buf, self._start)
+        length = self._length_here()
         # A bad length counts as readable: read_into then raises.
-        return have >= _LEN.size + length or not TAG < length <= MAX_RECORD + TAG
+        return length is not None and (self._whole(length) or not _valid(length))
 
     @property
     def next_size(self) -> int:
@@ -187,16 +189,23 @@ class AeadPipe:
         here whole (0 otherwise): a buffer smaller than that costs a temporary and a copy."""
         if self._plain_at < self._plain.nbytes:
             return 0
-        have = self._end - self._start
-        if have < _LEN.size:
+        length = self._length_here()
+        if length is None or not _valid(length) or not self._whole(length):
             return 0
-        (length,) = _LEN.unpack_from(self._buf, self._start)
-        whole = TAG < length <= MAX_RECORD + TAG and have >= _LEN.size + length
-        return int(length) - TAG if whole else 0
+        return length - TAG
+
+    def _length_here(self) -> int | None:
+        """The length field of the record at the front, once its 4 bytes are here."""
+        if self._end - self._start < _LEN.size:
+            return None
+        return int(_LEN.unpack_from(self._buf, self._start)[0])
+
+    def _whole(self, length: int) -> bool:
+        return self._end - self._start >= _LEN.size + length
 
     def _record_length(self) -> int:
         (length,) = _LEN.unpack_from(self._buf, self._start)
-        if not TAG < length <= MAX_RECORD + TAG:
+        if not _valid(length):
             raise RecordError(f"a record of {length} bytes (at most {MAX_RECORD + TAG})")
         return int(length)
 

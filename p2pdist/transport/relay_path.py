@@ -24,6 +24,7 @@ from ..identity import ID_LEN, EndpointId, SecretKey, endpoint_id_of
 from ..tasks import cancel_and_wait
 from ..tls import endpoint_id_of_cert
 from ..wire.relay import (
+    CREDENTIAL_REFUSALS,
     MAX_DATAGRAM,
     RelayFrame,
     RelayFrameType,
@@ -64,13 +65,6 @@ def relay_keepalive(offered: object) -> float:
     off our pings and the silence check with them)."""
     value = float(offered) if isinstance(offered, int | float) else 0.0
     return value if 0 < value <= _MAX_RELAY_KEEPALIVE else 5.0  # NaN fails both tests
-
-
-_REFUSALS = frozenset({"bad signature", "bad token", "endpoint not allowed", "malformed AUTH"})
-"""ERROR answers to AUTH that say this client is not let in (its key, token or place on
-the allowlist): reported to waiters at once. Every other answer (relay full, too many
-clients from this address, evicted, authentication timed out, shutting down) is a busy
-relay's: the attempt is retried, as one that failed for any other reason."""
 
 
 class RelayState(enum.Enum):
@@ -398,7 +392,7 @@ class RelayPath:
         """Upgrade and authenticate; returns the keepalive interval."""
         writer.write(upgrade_request(self.url.host))
         answer = await proto.upgrade_answer()
-        if answer.start_line[1:2] != ["101"]:
+        if not proto.upgraded:
             raise RelayProtocolError(f"relay refused the upgrade: {' '.join(answer.start_line)}")
         kind, _, body = await proto.next_frame()
         if kind is not RelayFrameType.CHALLENGE or len(body) != 33 or body[0] != 1:
@@ -409,7 +403,7 @@ class RelayPath:
         kind, _, body = await proto.next_frame()
         if kind is RelayFrameType.ERROR:
             why = body.decode("utf-8", "replace")
-            if why in _REFUSALS:
+            if why in CREDENTIAL_REFUSALS:  # not let in: reported to waiters at once
                 raise PeerAuthenticationError(f"relay {self.url}", f"refused us: {why}")
             # A busy relay's answer (full, evicted, timed out, shutting down): this
             # attempt failed, the next one may not; waiters keep waiting.
@@ -438,12 +432,11 @@ class RelayPath:
         """One session; returns the relay's retry_after when it asked us to reconnect."""
         # One bound for TCP, TLS, the upgrade and authentication together.
         deadline = asyncio.get_running_loop().time() + self.config.connect_timeout
-        step = "TCP and TLS"
         try:
             async with asyncio.timeout_at(deadline):
                 proto = await self._open()
         except TimeoutError:
-            raise self._too_slow(step) from None
+            raise self._too_slow("TCP and TLS") from None
         writer = proto.transport
         assert writer is not None  # connection_made ran before create_connection returned
         try:

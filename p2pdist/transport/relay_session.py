@@ -66,6 +66,11 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
             await self._next_event()
         return self._queued.popleft()
 
+    @property
+    def upgraded(self) -> bool:
+        """Whether the relay answered the upgrade with 101 (frames follow)."""
+        return self._upgraded
+
     def close(self) -> None:
         """End the session from our side: close the connection, and since we ended it,
         :attr:`done` is cancelled (not left holding an error nobody will read)."""

@@ -26,7 +26,12 @@ from ..identity import ID_LEN, EndpointId
 from .frames import fill_buffers
 
 __all__ = [
+    "BAD_SIGNATURE_TEXT",
+    "BAD_TOKEN_TEXT",
+    "CREDENTIAL_REFUSALS",
+    "MALFORMED_AUTH_TEXT",
     "MAX_BODY",
+    "NOT_ALLOWED_TEXT",
     "RelayFrame",
     "RelayFrameDecoder",
     "RelayFrameReader",
@@ -52,6 +57,17 @@ MAX_BODY = 64 * 1024
 """Largest frame body; a datagram may use MAX_BODY - 32 bytes."""
 MAX_DATAGRAM = MAX_BODY - ID_LEN
 MAX_HTTP_HEAD = 8 * 1024
+
+# ERROR texts answering AUTH (docs/protocol.md, the table of reasons). The first four
+# say the client is not let in; the others are a busy relay's, worth retrying.
+BAD_SIGNATURE_TEXT = "bad signature"
+MALFORMED_AUTH_TEXT = "malformed AUTH"
+BAD_TOKEN_TEXT = "bad token"
+NOT_ALLOWED_TEXT = "endpoint not allowed"
+CREDENTIAL_REFUSALS = frozenset(
+    {BAD_SIGNATURE_TEXT, MALFORMED_AUTH_TEXT, BAD_TOKEN_TEXT, NOT_ALLOWED_TEXT}
+)
+"""ERROR answers to AUTH about the client's key, token or place on the allowlist."""
 _HEAD = struct.Struct(">BI")
 FRAME_HEADER = _HEAD.size
 """Bytes in front of every frame's body (kind u8, length u32)."""
