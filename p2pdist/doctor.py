@@ -83,6 +83,8 @@ class DoctorReport:
     """Our UDP address as each observation port saw it (in port order)."""
     udp: bool = False
     """Whether any observation port answered (UDP gets out and back)."""
+    observation_off: bool = False
+    """The relay runs no observation port (``--stun-port 0``): UDP was not checked."""
     mapping: str = "unknown"
     """``endpoint-independent``, ``endpoint-dependent``, ``no UDP`` or ``unknown``."""
     peer: PeerReport | None = None
@@ -91,6 +93,11 @@ class DoctorReport:
         """One line: what to expect for direct paths from this host."""
         if not self.relay_connected:
             return "cannot reach the relay: nothing works until it can"
+        if self.observation_off:
+            return (
+                "the relay observes no UDP addresses (--stun-port 0): direct paths only "
+                "between peers that reach each other's own addresses, the rest stay relayed"
+            )
         if not self.udp:
             return "UDP is blocked: every peer is reached through the relay (TCP + TLS)"
         if self.mapping == "endpoint-dependent":
@@ -144,15 +151,18 @@ async def diagnose(
             return report
         report.relay_sees = path.status.observed
         targets = await path.observation_targets()
-        if not targets:
+        if path.observation_off:
+            report.observation_off = True
+        elif not targets:
             report.relay_error = f"cannot resolve {path.url.host}"
             return report
-        report.observation_ports = [port for _, port in targets]
-        local, seen = await _observe(targets, min(timeout, 3.0))
-        report.local = local
-        report.observed = [a or "no answer" for a in seen]
-        report.udp = any(a is not None for a in seen)
-        report.mapping = mapping_behaviour(seen)
+        if targets:
+            report.observation_ports = [port for _, port in targets]
+            local, seen = await _observe(targets, min(timeout, 3.0))
+            report.local = local
+            report.observed = [a or "no answer" for a in seen]
+            report.udp = any(a is not None for a in seen)
+            report.mapping = mapping_behaviour(seen)
         if peer is not None:
             report.peer = await _check_peer(transport, peer, timeout)
         return report
@@ -244,7 +254,10 @@ def render(r: DoctorReport) -> str:
         lines.append(f"               connected, RTT {_ms(r.relay_rtt)}, sees us at {r.relay_sees}")
         seen_by = zip(r.observation_ports, r.observed, strict=False)
         pairs = ", ".join(f"{seen} (port {port})" for port, seen in seen_by)
-        lines.append(f"  UDP          {'reachable' if r.udp else 'BLOCKED'}: {pairs}")
+        if r.observation_off:
+            lines.append("  UDP          not checked: the relay has address observation off")
+        else:
+            lines.append(f"  UDP          {'reachable' if r.udp else 'BLOCKED'}: {pairs}")
         lines.append(f"  local        {r.local} (interfaces: {', '.join(r.interfaces) or '-'})")
         lines.append(f"  NAT mapping  {r.mapping}")
     p = r.peer

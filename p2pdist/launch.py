@@ -20,20 +20,23 @@ background child of a rank outlives the launch (unless it left the group: ``sets
 daemons). SIGINT,
 SIGTERM, SIGHUP (a closed terminal) and SIGQUIT to the launcher stop every rank the same
 way (SIGQUIT is passed on to the ranks first, with a grace period to dump), and the
-launcher exits with 128 + the signal's number. A terminal that hung up does not stop
-the teardown: output that cannot be written is dropped.
+launcher exits with 128 + the signal's number. So does a reader of the launcher's output
+that goes away (``p2pdist launch ... | head``): the ranks are stopped and the launcher
+exits 141, as a command killed by SIGPIPE. A terminal that hung up does not stop the
+teardown: output that cannot be written is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import secrets
 import signal
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -255,23 +258,31 @@ class LineSplitter:
         return [tail] if tail else []
 
 
-def _emit(out: BinaryIO, prefix: bytes, lines: list[bytes]) -> None:
+def _emit(out: BinaryIO, prefix: bytes, lines: list[bytes], broken: Callable[[], None]) -> None:
     try:
         for line in lines:
             out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
             out.flush()
-    except OSError:  # the terminal hung up (EIO) or the reader went away: keep draining
+    except BrokenPipeError:  # `launch ... | head`: whoever read our output is gone
+        with contextlib.suppress(OSError, ValueError):  # the rest goes nowhere, quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        broken()
+    except OSError:  # the terminal hung up (EIO; SIGHUP stops the ranks): keep draining
         pass
 
 
-async def _pump(stream: asyncio.StreamReader, out: BinaryIO, prefix: bytes) -> None:
-    """Copy ``stream`` to ``out`` line by line, each line prefixed."""
+async def _pump(
+    stream: asyncio.StreamReader, out: BinaryIO, prefix: bytes, broken: Callable[[], None]
+) -> None:
+    """Copy ``stream`` to ``out`` line by line, each line prefixed; ``broken`` is called
+    when ``out``'s reader has gone away (and the copying goes on, into nothing, so that
+    no rank blocks on a full pipe while it is being stopped)."""
     splitter = LineSplitter()
     try:
         while chunk := await stream.read(_READ_CHUNK):
-            _emit(out, prefix, splitter.feed(chunk))
+            _emit(out, prefix, splitter.feed(chunk), broken)
     finally:
-        _emit(out, prefix, splitter.flush())
+        _emit(out, prefix, splitter.flush(), broken)
 
 
 def _say(message: str) -> None:
@@ -310,8 +321,9 @@ class _Launcher:
             self.groups.add(proc.pid)  # start_new_session: its pid is its group's id
             prefix = f"[rank {rank}] ".encode()
             assert proc.stdout is not None and proc.stderr is not None
-            self.pumps.append(asyncio.create_task(_pump(proc.stdout, sys.stdout.buffer, prefix)))
-            self.pumps.append(asyncio.create_task(_pump(proc.stderr, sys.stderr.buffer, prefix)))
+            broken = functools.partial(self.on_signal, signal.SIGPIPE)
+            for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+                self.pumps.append(asyncio.create_task(_pump(stream, out, prefix, broken)))
 
     def on_signal(self, signum: int) -> None:
         """Signal handler: ask :meth:`supervise` to stop everything. SIGQUIT is passed on

@@ -92,7 +92,18 @@ async def run(config: RelayConfig) -> int:
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+            if config.url_file is not None and server.url:
+                _remove_if_ours(config.url_file, server.url + "\n")
     return 0
+
+
+def _remove_if_ours(path: Path, text: str) -> None:
+    """Remove the url-file we wrote, unless it now holds something else (another relay's
+    URL): a stopped relay's URL (with an ephemeral key, a pin no relay holds any more)
+    must not stay there for scripts to dial."""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        if path.read_text() == text:
+            path.unlink()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -155,13 +155,15 @@ class AccessPolicy:
         return "+".join(parts) or "open"
 
     def check(self, raw_id: bytes, token: bytes, now: float) -> Refusal | None:
-        """None when the (already authenticated) endpoint may use the relay."""
-        if self._token is not None and not hmac.compare_digest(token, self._token):
-            return BAD_TOKEN
+        """None when the (already authenticated) endpoint may use the relay. The list
+        comes first: an unlisted endpoint (ids cost nothing) must not learn from the
+        refusal whether a token it tries is right."""
         if self.allowlist is not None:
             self.allowlist.refresh(now)
             if raw_id not in self.allowlist:
                 return NOT_ALLOWED
+        if self._token is not None and not hmac.compare_digest(token, self._token):
+            return BAD_TOKEN
         return None
 
     def reload(self, now: float) -> None:

@@ -47,7 +47,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # TOML is UTF-8 only
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     return normalize_keys(data, f"config file {path}")
 

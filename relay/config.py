@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from p2pdist.eventloop import LOOP_CHOICES
-from p2pdist.wire.relay import MAX_BODY
+from p2pdist.wire.relay import MAX_BODY, MAX_KEEPALIVE
 
 __all__ = ["ConfigError", "RelayConfig", "coerce", "from_mapping", "normalize_keys", "option_names"]
 
 TOKEN_ENV = "P2PDIST_RELAY_TOKEN"
 MAX_TOKEN_BYTES = 1024
+MIN_INTERVAL = 0.1
+"""Shortest keepalive and auth-timeout (seconds) the relay starts with."""
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EVENT_LOOPS = LOOP_CHOICES
 """The names ``--loop`` takes: p2pdist.eventloop's, so the relay and the library agree."""
@@ -249,7 +251,9 @@ def _validate(c: RelayConfig) -> None:
                 "use public-host for the name in the URL"
             ) from None
     if c.public_host is not None and (
-        not c.public_host or any(ch in c.public_host for ch in "/?# ")
+        not c.public_host
+        or any(ch in c.public_host for ch in "/?# @\\")
+        or not c.public_host.isprintable()
     ):
         raise ConfigError(f"public-host must be a bare host name or address, got {c.public_host!r}")
     if c.public_host is not None and ":" in c.public_host:
@@ -272,7 +276,11 @@ def _validate(c: RelayConfig) -> None:
     if c.token is not None:
         if not c.token:
             raise ConfigError("token must not be empty (leave it unset for no token)")
-        if len(c.token.encode("utf-8")) > MAX_TOKEN_BYTES:
+        try:
+            encoded = c.token.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable bytes from the environment or a flag
+            raise ConfigError("token must be UTF-8 text") from None
+        if len(encoded) > MAX_TOKEN_BYTES:
             raise ConfigError(f"token must be at most {MAX_TOKEN_BYTES} bytes")
     if c.max_clients < 1:
         raise ConfigError(f"max-clients must be >= 1, got {c.max_clients}")
@@ -299,6 +307,17 @@ def _validate(c: RelayConfig) -> None:
         )
     for name in ("keepalive", "auth_timeout", "drain_timeout"):
         _positive(name.replace("_", "-"), float(getattr(c, name)))
+    # The relay's timer runs at half the shortest of these: a microsecond busies a core
+    # and no TLS handshake fits in it.
+    for name, value in (("keepalive", c.keepalive), ("auth-timeout", c.auth_timeout)):
+        if value < MIN_INTERVAL:
+            raise ConfigError(f"{name} must be at least {MIN_INTERVAL:g} s, got {value!r}")
+    if c.keepalive > MAX_KEEPALIVE:
+        raise ConfigError(
+            f"keepalive must be at most {MAX_KEEPALIVE:g} s, got {c.keepalive!r} (clients "
+            "would not take it and ping every 5 s, while the relay waited 3 times as long "
+            "to drop a silent one)"
+        )
     _positive("retry-after", c.retry_after, allow_zero=True)
     if c.log_level not in LOG_LEVELS:
         raise ConfigError(f"log-level must be one of {', '.join(LOG_LEVELS)}, got {c.log_level!r}")

@@ -33,10 +33,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Probe once; 0 healthy, 1 not."""
     p = argparse.ArgumentParser(prog="python -m relay.healthcheck", description=__doc__)
     p.add_argument("--host", default=os.environ.get(HOST_ENV) or "127.0.0.1")
-    p.add_argument("--port", type=int, default=int(os.environ.get(PORT_ENV, "8443")))
+    # A string default: argparse converts it like a flag's value, so a bad variable is
+    # a usage error, not a traceback (an empty one means the default port).
+    p.add_argument("--port", type=int, default=os.environ.get(PORT_ENV) or "8443")
     p.add_argument("--url", help="verify the relay as clients do (pin or CA)")
     p.add_argument("--timeout", type=float, default=5.0)
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exc:  # argparse's 2 is the "starting" status to Docker
+        return 1 if exc.code else 0
+    if args.timeout <= 0 or args.timeout != args.timeout:
+        print(f"unhealthy: --timeout must be positive, got {args.timeout}", file=sys.stderr)
+        return 1
     # With --url the relay is verified as clients do; with --port nothing is.
     url = args.url or RelayUrl(args.host, args.port, None)
     try:
@@ -44,7 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             http_get(url, "/health", timeout=args.timeout, verify=bool(args.url))
         )
     except (OSError, TimeoutError, ValueError, IndexError) as exc:
-        print(f"unhealthy: {exc}", file=sys.stderr)
+        why = str(exc) or type(exc).__name__  # a timeout has no text of its own
+        if isinstance(exc, TimeoutError):
+            why = f"no answer within {args.timeout:g} s"
+        print(f"unhealthy: {why}", file=sys.stderr)
         return 1
     if status != 200 or body != "ok":
         print(f"unhealthy: HTTP {status}", file=sys.stderr)

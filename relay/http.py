@@ -26,15 +26,22 @@ class HttpDecision:
     response: bytes
 
 
-def response(status: int, body: str, content_type: str = "text/plain; charset=utf-8") -> bytes:
-    """A complete ``Connection: close`` response."""
+def response(
+    status: int,
+    body: str,
+    content_type: str = "text/plain; charset=utf-8",
+    *,
+    head_only: bool = False,
+) -> bytes:
+    """A complete ``Connection: close`` response (for HEAD, ``head_only``: the same head,
+    without the body)."""
     data = body.encode("utf-8")
     head = (
         f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
         f"Content-Type: {content_type}\r\nContent-Length: {len(data)}\r\n"
         "Cache-Control: no-store\r\nConnection: close\r\n\r\n"
     )
-    return head.encode("ascii") + data
+    return head.encode("ascii") + (b"" if head_only else data)
 
 
 def _tokens(value: str) -> set[str]:
@@ -61,12 +68,14 @@ def route(head: HttpHead, metrics_text: Callable[[], str]) -> HttpDecision:
         return HttpDecision(False, 400, response(400, "malformed request line\n"))
     method, target = line[0], line[1]
     path = target.split("?", 1)[0]
-    if method != "GET":
-        return HttpDecision(False, 400, response(400, "only GET is supported\n"))
-    if path == UPGRADE_PATH:
+    if method not in ("GET", "HEAD"):  # HEAD: what some load balancers probe with
+        return HttpDecision(False, 400, response(400, "only GET and HEAD are supported\n"))
+    bare = method == "HEAD"
+    if path == UPGRADE_PATH and not bare:
         return _upgrade(head)
     if path == "/health":
-        return HttpDecision(False, 200, response(200, "ok"))
+        return HttpDecision(False, 200, response(200, "ok", head_only=bare))
     if path == "/metrics":
-        return HttpDecision(False, 200, response(200, metrics_text(), METRICS_TYPE))
-    return HttpDecision(False, 404, response(404, "not found\n"))
+        text = metrics_text()
+        return HttpDecision(False, 200, response(200, text, METRICS_TYPE, head_only=bare))
+    return HttpDecision(False, 404, response(404, "not found\n", head_only=bare))

@@ -96,9 +96,11 @@ class Metrics:
             f"# HELP {PREFIX}clients authenticated clients connected now",
             f"# TYPE {PREFIX}clients gauge",
             f"{PREFIX}clients {clients}",
-            f"# HELP {PREFIX}connections open client connections (any phase)",
-            f"# TYPE {PREFIX}connections gauge",
-            f"{PREFIX}connections {connections}",
+            # Not "connections": OpenMetrics readers take connections_total (the
+            # counter) for that family too and refuse the pair.
+            f"# HELP {PREFIX}open_connections open client connections (any phase)",
+            f"# TYPE {PREFIX}open_connections gauge",
+            f"{PREFIX}open_connections {connections}",
             f"# HELP {PREFIX}unauthenticated connections still in the TLS handshake, the "
             "HTTP upgrade or AUTH",
             f"# TYPE {PREFIX}unauthenticated gauge",

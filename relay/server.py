@@ -37,12 +37,14 @@ resource`` errors (logged once per backlog slot per retry) into one line per
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import math
 import os
 import resource
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, cast
 
@@ -417,7 +419,7 @@ class RelayServer:
             if self._own_tap is not None:
                 self._own_tap.close()
             raise
-        self.port = int(self._server.sockets[0].getsockname()[1])
+        self.port = _url_port(self._server.sockets, c.url_host())
         try:
             await self._start_stun(metrics)
         except ConfigError:
@@ -441,6 +443,15 @@ class RelayServer:
         self._core = RelayCore(core_cfg, self.tls.fingerprints, access, metrics)
         await self._server.start_serving()
         self.url = str(RelayUrl(c.url_host(), self.port, self.tls.pin))
+        if not self.tls.covers(c.url_host()):
+            log.warning(
+                kv(
+                    "url_host_not_in_certificate",
+                    host=c.url_host(),
+                    names=",".join(self.tls.names) or "none",
+                    hint="clients will refuse the certificate; set public-host to one of names",
+                )
+            )
         self._all_gone = asyncio.Event()
         loop = asyncio.get_running_loop()
         self._accept_errors = AcceptErrorLimiter(loop.get_exception_handler())
@@ -666,3 +677,17 @@ class RelayServer:
     def __repr__(self) -> str:
         clients = self._core.clients if self._core is not None else 0
         return f"RelayServer({self.url or 'not started'}, clients={clients})"
+
+
+def _url_port(sockets: Sequence[Any], url_host: str) -> int:
+    """The port to print in the URL: that of the listening socket of the URL host's
+    address family (``--host ""`` listens on IPv4 and IPv6, and with ``--port 0`` each
+    family gets a port of its own)."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(url_host).version == 6 else socket.AF_INET
+    except ValueError:  # a host name: clients mostly reach IPv4
+        family = socket.AF_INET
+    for sock in sockets:
+        if sock.family == family:
+            return int(sock.getsockname()[1])
+    return int(sockets[0].getsockname()[1])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import logging
 import os
 import ssl
@@ -106,6 +107,24 @@ def _leaf_der(chain_pem: bytes, cert_path: Path) -> bytes:
     return leaf.public_bytes(serialization.Encoding.DER)
 
 
+def certificate_names(der: bytes) -> tuple[str, ...]:
+    """The DNS names and IP addresses in a certificate's subjectAltName."""
+    cert = x509.load_der_x509_certificate(der)
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return ()
+    ips = [str(ip) for ip in san.get_values_for_type(x509.IPAddress)]
+    return (*san.get_values_for_type(x509.DNSName), *ips)
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
 @dataclass
 class RelayTls:
     """The server SSL context and what clients will sign against."""
@@ -116,6 +135,8 @@ class RelayTls:
     cert_path: Path | None = None
     key_path: Path | None = None
     previous: tuple[bytes, ...] = field(default_factory=tuple)
+    names: tuple[str, ...] = ()
+    """A real certificate's names (subjectAltName DNS names and IP addresses)."""
     _serving: ssl.SSLContext | None = field(default=None, repr=False)
     """The context new handshakes are switched to (None: ``context`` itself)."""
 
@@ -135,7 +156,27 @@ class RelayTls:
         ctx = _server_context()
         chain_pem, key_pem, der = _read_pair(cert_path, key_path)
         _load_chain(ctx, chain_pem, key_pem, cert_path, key_path)
-        return cls(ctx, cert_fingerprint(der), cert_path=cert_path, key_path=key_path)
+        names = certificate_names(der)
+        return cls(ctx, cert_fingerprint(der), cert_path=cert_path, key_path=key_path, names=names)
+
+    def covers(self, host: str) -> bool:
+        """Whether clients that check host names accept this certificate for ``host``
+        (always, with a pin: pinned clients check the key, not a name)."""
+        if self.pin is not None:
+            return True
+        try:
+            return ipaddress.ip_address(host) in {_ip(n) for n in self.names}
+        except ValueError:
+            pass
+        want = host.rstrip(".").lower().split(".")
+        for name in self.names:
+            have = name.rstrip(".").lower().split(".")
+            if len(have) == len(want) and all(
+                h == w or (i == 0 and h == "*")
+                for i, (h, w) in enumerate(zip(have, want, strict=True))
+            ):
+                return True
+        return False
 
     @property
     def fingerprints(self) -> tuple[bytes, ...]:

@@ -89,14 +89,16 @@ def ipv6_loopback() -> bool:
 
 
 def self_signed_pem(
-    name: str, key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey | None = None
+    name: str,
+    key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey | None = None,
+    sans: list[x509.GeneralName] | None = None,
 ) -> tuple[bytes, bytes]:
     """A self-signed certificate (PEM) and its key (PEM); ``key`` defaults to a fresh
-    ECDSA P-256 key."""
+    ECDSA P-256 key; ``sans``: its subjectAltName entries, if any."""
     key = key or ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"relay {name}")])
     now = datetime.datetime.now(datetime.UTC)
-    cert = (
+    builder = (
         x509.CertificateBuilder()
         .subject_name(subject)
         .issuer_name(subject)
@@ -104,8 +106,10 @@ def self_signed_pem(
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(days=1))
         .not_valid_after(now + datetime.timedelta(days=90))
-        .sign(key, hashes.SHA256())
     )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(key, hashes.SHA256())
     pem = cert.public_bytes(serialization.Encoding.PEM)
     key_pem = key.private_bytes(
         serialization.Encoding.PEM,

@@ -414,6 +414,38 @@ def test_launch_survives_a_terminal_that_hung_up(tmp_path: Path) -> None:
         _stop(proc, pids)
 
 
+CHILD_CHATTERS = textwrap.dedent(
+    """
+    import os, sys, time
+    path = os.path.join(sys.argv[1], os.environ["P2PDIST_RANK"] + ".pid")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)
+    for i in range(600):
+        print("step", i, flush=True)
+        time.sleep(0.1)
+    """
+)
+
+
+def test_launch_stops_its_ranks_when_its_reader_goes_away(tmp_path: Path) -> None:
+    """`p2pdist launch ... | head -1`: the ranks ran on for as long as they liked, their
+    output going nowhere; now they are stopped and the launcher exits 141 (SIGPIPE's)."""
+    proc, pids = _start_waiting_ranks(
+        tmp_path, CHILD_CHATTERS, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert b"step" in proc.stdout.readline()
+        proc.stdout.close()  # the reader goes away
+        err = proc.stderr.read()
+        assert proc.wait(timeout=TIMEOUT_S) == 141, err
+        assert _gone(pids), "a rank outlived the launcher"
+        assert b"Traceback" not in err and b"Exception ignored" not in err, err
+    finally:
+        _stop(proc, pids)
+
+
 CHILD_DUMPS = textwrap.dedent(
     """
     import os, signal, sys, time

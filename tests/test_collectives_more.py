@@ -528,6 +528,21 @@ async def test_closing_a_subgroup_fails_its_running_calls_and_spares_the_parent(
         np.testing.assert_array_equal(got[0], [2.0, 2.0])
 
 
+async def test_a_collective_running_when_its_group_closes_says_so() -> None:
+    """The root group closed while one of its collectives runs here: the call said
+    "connection to rank 2 (...) was closed locally", naming a healthy peer; now it says
+    the group was closed (as a sub-group's call does)."""
+    from p2pdist import GroupBrokenError
+
+    async with groups(3, timeout=30) as gs:
+        pending = asyncio.create_task(gs[0].all_reduce(np.ones(1 << 16)))
+        await asyncio.sleep(0.05)  # rank 0 waits for ranks 1 and 2, which have not called
+        await gs[0].close()
+        with pytest.raises(GroupBrokenError, match="the group was closed") as info:
+            await asyncio.wait_for(pending, 5)
+        assert "rank 2" not in str(info.value) and "rank 1" not in str(info.value)
+
+
 async def test_out_may_hold_the_input_only_as_a_whole_row_and_is_checked_everywhere() -> None:
     """all_gather and gather take their input in place as a row of out (as NCCL's
     in-place all-gather) and refuse any other overlap; reduce and gather check out= on

@@ -183,6 +183,36 @@ async def test_float16_overflow_and_mean_underflow_under_raising_errstate() -> N
         assert all(g.broken is None for g in gs)
 
 
+async def test_float64_and_float16_edges_under_raising_errstate() -> None:
+    """float64 input beyond float32's range (1e-50, 1e39) raised FloatingPointError on
+    its rank alone, before the collective, and the other rank waited out its timeout;
+    a float16 sum past 65504 broke the group. Now: what the casts give (0, inf)."""
+    x64 = np.ones(16)
+    x64[3], x64[5] = 1e-50, 1e39
+    x16 = np.full(7, 40000, np.float16)
+    async with groups(2) as gs:
+        with np.errstate(all="raise"):
+            for wire in ("float16", "bfloat16", "int8"):
+                outs = await reduce_all(gs, [x64, x64], wire_dtype=wire, timeout=10)
+                assert outs[0].dtype == np.float64 and outs[0][0] == 2
+                assert outs[0][3] == 0
+                efs = [ErrorFeedback(), ErrorFeedback()]
+                await asyncio.gather(
+                    *(g.all_reduce(x64, wire_dtype=wire, error_feedback=efs[g.rank]) for g in gs)
+                )
+            outs = await reduce_all(gs, [x16, x16], wire_dtype="bfloat16", timeout=10)
+            assert outs[0].dtype == np.float16 and np.isinf(outs[0]).all()
+        assert all(g.broken is None for g in gs)
+
+
+def test_int8_block_may_be_a_numpy_integer() -> None:
+    from p2pdist.group.compress import make_codec
+
+    assert make_codec("int8", np.int64(256)).nbytes(512) == make_codec("int8", 256).nbytes(512)
+    with pytest.raises(UsageError):
+        make_codec("int8", np.float64(256))
+
+
 def test_float16_decode_is_exact_when_the_cpu_flushes_subnormals(tmp_path: object) -> None:
     """With FTZ/DAZ set (as -ffast-math libraries or torch.set_flush_denormal do), the
     float16 wire still decodes subnormals exactly (numpy's cast takes over)."""

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from group_helpers import groups, loopback_peers
+from group_helpers import groups, loopback_peers, until_left
 
-from p2pdist import ConnectionBrokenError, GroupBrokenError, PeerTimeoutError
+from p2pdist import ConnectionBrokenError, GroupBrokenError, P2PError, PeerTimeoutError
 from p2pdist.group.core import _COLLECTIVE_SPACE
 from p2pdist.transport.mailbox import SPACE_SHIFT
 
@@ -195,3 +195,24 @@ async def test_a_lost_peer_error_adds_the_failures_reported_meanwhile() -> None:
     alone = ConnectionBrokenError("rank 3 (uvwxyz2345)", "gone")
     g._failure_log[:] = [str(alone)]
     assert await g._attribute(alone) is alone  # nothing else reported: unchanged
+
+
+async def test_a_rank_that_refuses_a_call_for_a_left_peer_tells_the_others() -> None:
+    """on_peer_loss="break", world 3: ranks 0 and 1 begin a call, rank 0 closes, and rank
+    2 refuses the call (rank 0 left) without a word: rank 1, which had rank 0's part,
+    waited out its timeout for rank 2 and then blamed rank 0 as "silent". Now rank 2's
+    refusal is a notice and rank 1 fails at once, naming rank 0 as gone."""
+    async with groups(3, timeout=20) as gs:
+        x = np.ones(1000, np.float32)
+        t0 = asyncio.create_task(gs[0].all_reduce(x))
+        t1 = asyncio.create_task(gs[1].all_reduce(x))
+        await asyncio.sleep(0.2)
+        await gs[0].close()
+        await until_left(gs[1:], 0)
+        with pytest.raises(GroupBrokenError, match="left the group"):
+            await gs[2].all_reduce(x)
+        with pytest.raises(P2PError) as info:
+            await asyncio.wait_for(t1, 5)  # not the 20 s timeout
+        assert "rank 0 (" in str(info.value) and "silent" not in str(info.value)
+        with pytest.raises(GroupBrokenError):
+            await t0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import tracemalloc
 
@@ -16,6 +17,7 @@ from transport_conformance import (
     PairFactory,
     bounded,
     check_cancelled_sender_leaves_others_waiting,
+    check_close_waits_for_a_slow_reader,
     closing,
     wait_until,
 )
@@ -61,6 +63,10 @@ async def test_a_cancelled_close_still_drops_the_socket(tls: bool) -> None:
         # Dropped: not left open for as long as the peer does not read.
         await wait_until(lambda: client._lost.done(), "the socket dropped")
         assert client not in p.client_transport._connections  # type: ignore[attr-defined]
+
+
+async def test_close_waits_for_a_slow_reader(tls: bool) -> None:
+    await check_close_waits_for_a_slow_reader(functools.partial(tcp_pair, tls))
 
 
 # ---- 3. GOODBYE then a reset is a graceful leave ----------------------------------------

@@ -213,6 +213,52 @@ async def test_start_after_close_is_a_usage_error_and_listens_on_nothing() -> No
         s.bind(("127.0.0.1", int(peers[0].rsplit(":", 1)[1])))
 
 
+async def test_a_cancelled_close_still_closes_and_a_second_close_waits_for_it() -> None:
+    """close() cancelled while it stopped the listeners (an outer timeout, a second
+    Ctrl-C) left the port bound and the group usable for good: a second close()
+    returned at once. Now the group is broken at once and the closing finishes."""
+    peers = loopback_peers(2)
+    gs = [make(r, peers) for r in range(2)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(g.start() for g in gs)), CONNECT + 2)
+        closing = asyncio.ensure_future(gs[0].close())
+        await asyncio.sleep(0)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        with pytest.raises(P2PError, match="closed"):
+            await gs[0].all_reduce(np.ones(2), timeout=2)
+        await asyncio.wait_for(gs[0].close(), CONNECT)  # waits for the same closing
+        with pytest.raises(ConnectionRefusedError):  # the rank listens no more
+            socket.create_connection(("127.0.0.1", int(peers[0].rsplit(":", 1)[1])), 2).close()
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+
+
+async def test_calls_before_start_returned_are_refused_and_take_nothing() -> None:
+    """A collective or send made while start() still ran got through (start() had set
+    "started" first): a KeyError broke the group for good, and a send's index was used
+    up, so every later message between the pair went to the wrong recv."""
+    peers = loopback_peers(2)
+    gs = [make(r, peers) for r in range(2)]
+    try:
+        first = asyncio.ensure_future(gs[0].start())
+        await asyncio.sleep(0.05)  # rank 0 is forming; rank 1 has not started
+        assert not first.done()
+        with pytest.raises(UsageError, match="still starting"):
+            await gs[0].all_reduce(np.ones(2))
+        with pytest.raises(UsageError, match="still starting"):
+            await gs[0].send(np.ones(2), 1)
+        await asyncio.wait_for(asyncio.gather(first, gs[1].start()), CONNECT + 2)
+        assert gs[0].broken is None
+        x = np.arange(3.0)
+        got = await asyncio.wait_for(asyncio.gather(gs[0].send(x, 1), gs[1].recv(0)), 5)
+        np.testing.assert_array_equal(got[1], x)
+        await check_sum(gs)
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+
+
 async def test_a_restarted_rank_0_times_out_with_a_hint_to_rejoin() -> None:
     """Rank 0 only accepts: restarted into a formed group, nobody dials it, and its
     timeout says what to do instead of only listing the ranks it misses."""

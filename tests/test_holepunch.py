@@ -539,6 +539,19 @@ async def test_doctor_on_loopback_sees_udp_and_a_direct_path_to_a_peer(tmp_path:
     assert "NAT mapping  endpoint-independent" in text and "direct path after" in text
 
 
+async def test_doctor_on_a_relay_without_observation_does_not_blame_udp(tmp_path: Path) -> None:
+    """A relay run with --stun-port 0 advertises no observation port: the client probed
+    the relay's TCP port number over UDP instead, and the doctor reported UDP blocked."""
+    from p2pdist.doctor import diagnose, render
+
+    with RelayProcess(tmp_path, "--stun-port", "0") as relay:
+        report = await diagnose(relay.url, key=A, timeout=5.0)
+    assert report.relay_connected and report.observation_off and not report.observed
+    text = render(report)
+    assert "BLOCKED" not in text and "address observation off" in text
+    assert "UDP is blocked" not in report.verdict()
+
+
 async def test_doctor_names_an_unreachable_relay() -> None:
     from p2pdist.doctor import diagnose, render
 

@@ -4,12 +4,13 @@ that are not rows, and int8's block size on the other wires (from a misuse revie
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
 from group_helpers import groups
 
-from p2pdist import Group, GroupConfig, UsageError
+from p2pdist import Group, GroupConfig, TransportConfig, UsageError
 
 
 async def test_numpy_integers_are_ranks_colors_and_keys() -> None:
@@ -44,7 +45,7 @@ async def test_bools_are_not_numbers(call: object) -> None:
         with pytest.raises(UsageError):
             await call(gs[0])  # type: ignore[operator]
     for flag in (True, np.True_):
-        with pytest.raises(ValueError, match="timeouts"):
+        with pytest.raises(ValueError, match="timeout"):
             GroupConfig(timeout=flag)
 
 
@@ -76,3 +77,27 @@ async def test_block_sizes_matter_to_int8_only() -> None:
             )
         )
         np.testing.assert_array_equal(got[0], np.full(8, 3.0, np.float32))
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda: GroupConfig(chunk_bytes=4096.5), "chunk_bytes"),  # broke the first ring call
+        (lambda: GroupConfig(max_message_bytes=-5), "max_message_bytes"),
+        (lambda: GroupConfig(small_bytes=-1), "small_bytes"),
+        (lambda: GroupConfig(timeout="5"), "timeout"),  # a bare TypeError
+        (lambda: GroupConfig(timeout=0), "timeout"),
+        (lambda: TransportConfig(keepalive_interval=float("nan")), "keepalive_interval"),
+        (lambda: TransportConfig(max_buffered=0), "max_buffered"),
+        (lambda: TransportConfig(write_buffer_high=-1), "write_buffer_high"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_naming_them(make: Any, name: str) -> None:
+    with pytest.raises(UsageError, match=name):
+        make()
+
+
+def test_numpy_numbers_make_good_settings() -> None:
+    cfg = GroupConfig(timeout=np.float32(5), chunk_bytes=np.int64(1 << 16))
+    assert cfg.chunk_bytes == 1 << 16
+    assert TransportConfig(max_buffered=np.int64(1 << 20)).max_buffered == 1 << 20

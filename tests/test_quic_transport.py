@@ -29,6 +29,7 @@ from transport_conformance import (
     Pair,
     PairFactory,
     bounded,
+    check_close_waits_for_a_slow_reader,
     check_offender_dropped,
     closing,
     still_serving,
@@ -183,6 +184,10 @@ async def test_conformance(
     check: Callable[[PairFactory], Awaitable[None]], make_pair: PairFactory
 ) -> None:
     await check(make_pair)
+
+
+async def test_close_waits_for_a_slow_reader() -> None:
+    await check_close_waits_for_a_slow_reader(direct_pair)
 
 
 # ---- authentication -------------------------------------------------------------------------

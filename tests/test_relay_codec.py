@@ -180,6 +180,14 @@ def test_http_upgrade_heads() -> None:
         parse_http_head(b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 2000)
     with pytest.raises(RelayProtocolError):
         parse_http_head(b"GET / HTTP/1.1\r\nno colon here\r\n\r\n")
+    # What a proxy in front of the relay may read otherwise (RFC 9112 section 5): refused.
+    for bad in [
+        b"Connection : Upgrade",  # whitespace before the colon
+        b"Upgrade: p2pdist-relay\r\n Upgrade: nope",  # an obsolete line continuation
+        b"Upgrade: p2pdist-relay\r\nUpgrade: websocket",  # the upgrade named twice
+    ]:
+        with pytest.raises(RelayProtocolError):
+            parse_http_head(b"GET /relay HTTP/1.1\r\nHost: x\r\n" + bad + b"\r\n\r\n")
 
 
 def test_relay_urls() -> None:

@@ -217,6 +217,18 @@ def test_access_mode_names_an_empty_allowlist(tmp_path: Path) -> None:
     assert AccessPolicy(Allowlist(path)).check(bytes(A.endpoint_id), b"", 0.0) is not None
 
 
+def test_an_unlisted_endpoint_cannot_test_tokens(tmp_path: Path) -> None:
+    """allowlist+token: the token was checked first, so an unlisted endpoint learnt from
+    "bad token" against "not allowed" whether a token it guessed was right."""
+    path = tmp_path / "allow"
+    path.write_text(f"{A.endpoint_id}\n")
+    policy = AccessPolicy(Allowlist(path), "right")
+    unlisted = bytes(B.endpoint_id)
+    assert policy.check(unlisted, b"wrong", 0.0) == policy.check(unlisted, b"right", 0.0)
+    assert policy.check(bytes(A.endpoint_id), b"wrong", 0.0) is not None
+    assert policy.check(bytes(A.endpoint_id), b"right", 0.0) is None
+
+
 def test_parse_allowlist_names_the_bad_line() -> None:
     assert parse_allowlist(f"# c\n\n{A.endpoint_id} # x\n", "f") == {bytes(A.endpoint_id)}
     with pytest.raises(AllowlistError, match="f:2"):
@@ -420,6 +432,17 @@ def test_http_answers(request_bytes: bytes, status: bytes) -> None:
     assert out.split(b" ")[1] == status and link.closed
 
 
+def test_head_requests_get_the_head_alone() -> None:
+    """Load balancers probe with HEAD: it was a 400."""
+    for path in (b"/health", b"/metrics"):
+        get, _ = http(core(), b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        head, link = http(core(), b"HEAD " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert head.split(b" ")[1] == b"200" and link.closed
+        assert head.endswith(b"\r\n\r\n") and get.startswith(head.split(b"Content-Length")[0])
+    out, _ = http(core(), upgrade_request("x").replace(b"GET ", b"HEAD ", 1))
+    assert out.split(b" ")[1] == b"404"  # no upgrade on HEAD
+
+
 def test_http_head_may_arrive_in_pieces() -> None:
     c = core()
     link = FakeLink()
@@ -437,7 +460,7 @@ def test_metrics_page_lists_every_metric() -> None:
     assert "Content-Type: text/plain; version=0.0.4" in text
     assert "\np2pdist_relay_clients 1\n" in text
     for name in (
-        "connections", "connections_total", "auth_ok_total", "replaced_total",
+        "open_connections", "connections_total", "auth_ok_total", "replaced_total",
         "bytes_in_total", "bytes_out_total", "datagrams_in_total", "datagrams_out_total",
         "peer_gone_total", "protocol_errors_total", "keepalive_timeouts_total",
         "http_requests_total", "stun_requests_total",
@@ -448,6 +471,10 @@ def test_metrics_page_lists_every_metric() -> None:
     for reason in AUTH_FAILURE_REASONS:
         assert f'p2pdist_relay_auth_failures_total{{reason="{reason}"}} 0' in text
     assert Metrics().render(clients=0, connections=0).endswith("\n")
+    # No two families an OpenMetrics reader folds into one (a gauge "x" and "x_total").
+    families = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    bare = [f.removesuffix("_total") for f in families]
+    assert len(set(bare)) == len(bare), families
 
 
 # ---- small pieces -------------------------------------------------------------------
@@ -505,6 +532,11 @@ def test_tap_file_round_trip(tmp_path: Path) -> None:
         ({"queue_bytes": 1000}, "queue-bytes"),
         ({"keepalive": 0}, "keepalive"),
         ({"keepalive": "nan"}, "keepalive"),
+        ({"keepalive": 1e-6}, "keepalive must be at least"),  # busied a core, served nobody
+        ({"auth_timeout": 1e-6}, "auth-timeout must be at least"),
+        ({"keepalive": 1e9}, "keepalive must be at most"),  # dead clients held slots for good
+        ({"public_host": "a@b"}, "public-host"),  # a URL with a user part: clients refuse it
+        ({"public_host": "a\\b"}, "public-host"),
         ({"max_clients": 0}, "max-clients"),
         ({"token": ""}, "token"),
         ({"log_level": "loud"}, "log-level"),

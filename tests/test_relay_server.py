@@ -767,12 +767,23 @@ def test_cli_key_file_is_created_private_and_keeps_the_pin(tmp_path: Path) -> No
         port = str(RelayUrl.parse(url1).port)
         assert healthcheck(["--url", url1]) == 0 and healthcheck(["--port", port]) == 0
         assert first.stop()[0] == 0
+    assert not url_file.exists()  # a stopped relay's URL is not left for scripts to dial
     assert healthcheck(["--port", port, "--timeout", "5"]) == 1
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
     assert RelayUrl.parse(url1).pin == SecretKey.load(key).endpoint_id
     with RelayProcess(tmp_path, "--key", str(key), "--stun-port", "0") as second:
         assert RelayUrl.parse(second.url).pin == RelayUrl.parse(url1).pin
         assert second.stop()[0] == 0
+
+
+def test_a_dual_stack_relay_prints_a_url_it_answers_on(tmp_path: Path) -> None:
+    """``--host ""`` listens on IPv4 and IPv6; with ``--port 0`` each family got its own
+    port, and the URL (127.0.0.1) took the IPv6 socket's: nobody answered there."""
+    with RelayProcess(tmp_path, "--host", "", "--port", "0", "--stun-port", "0") as relay:
+        url = RelayUrl.parse(relay.url)
+        assert url.host == "127.0.0.1"
+        assert healthcheck(["--url", relay.url]) == 0
+        assert relay.stop()[0] == 0
 
 
 @pytest.mark.parametrize(

@@ -99,3 +99,25 @@ def test_a_key_of_another_type_or_a_ca_first_chain_is_named(files: tuple[Path, P
     key.write_bytes(rsa_key)
     with pytest.raises(ConfigError, match="not first in the chain"):
         RelayTls.from_files(crt, key)
+
+
+def test_the_url_host_is_checked_against_the_certificate(files: tuple[Path, Path]) -> None:
+    """A relay printed a URL whose host its certificate does not name (a 0.0.0.0 bind
+    gives 127.0.0.1; a public-host typo) without a word; clients then refused it."""
+    import ipaddress
+
+    crt, key = files
+    sans: list[x509.GeneralName] = [
+        x509.DNSName("relay.example.com"),
+        x509.DNSName("*.relay.test"),
+        x509.IPAddress(ipaddress.ip_address("10.0.0.5")),
+    ]
+    pem, key_pem = self_signed_pem("names", sans=sans)
+    crt.write_bytes(pem)
+    key.write_bytes(key_pem)
+    tls = RelayTls.from_files(crt, key)
+    assert tls.names == ("relay.example.com", "*.relay.test", "10.0.0.5")
+    for host in ("relay.example.com", "RELAY.example.com.", "eu.relay.test", "10.0.0.5"):
+        assert tls.covers(host), host
+    for host in ("127.0.0.1", "other.example", "a.b.relay.test", "relay.test", "10.0.0.6"):
+        assert not tls.covers(host), host

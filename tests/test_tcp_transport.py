@@ -282,6 +282,28 @@ async def test_client_claiming_id_with_another_cert_is_refused(
         await assert_still_serving(server, addr, True)
 
 
+async def test_a_huge_mode_is_refused_with_a_short_answer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stranger's ClientHello with an 8 KB ``mode``: quoting it made the refusal too
+    large to encode, so the stranger got no answer and our log an ERROR traceback."""
+    caplog.set_level(logging.WARNING, logger=TCP_LOG)
+    async with listening(False) as (server, addr):
+        rec, _ = hello(eid(2), server.endpoint_id, tls=False)
+        rec["mode"] = [0] * 8000
+        reader, writer = await open_raw(addr)
+        try:
+            writer.write(encode_record(rec, first=True))
+            reply = await read_record(reader, RecordReader())
+            assert reply["ok"] is False and "asked for ?" in reply["error"], reply
+            await read_until_closed(reader)
+        finally:
+            writer.close()
+        await wait_for_log(caplog, "refused", eid(2).short())
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+        await assert_still_serving(server, addr, False)
+
+
 async def test_client_claiming_id_without_its_key_fails_tls(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -519,6 +519,24 @@ async def check_stats_count_traffic(make_pair: PairFactory) -> None:
         assert p.server.stats.bytes_received >= before_received + 1001
 
 
+async def check_close_waits_for_a_slow_reader(make_pair: PairFactory) -> None:
+    """``close()`` lets queued messages go for as long as the peer keeps reading them,
+    however slowly (it gave up after 2 s before, and the peer lost the rest): every
+    message arrives, then the peer sees us leave."""
+    count, size = 48, 1 << 20
+    async with make_pair(max_buffered=2 << 20, idle_timeout=30.0) as p:
+        for i in range(count):
+            p.client.send_nowait(1, content(1, i, size), seq=i)
+        closer = asyncio.create_task(p.client.close())
+        for i in range(count):  # about 5 s: reading paces what the client can flush
+            assert_frame(await recv(p.server, 1), 1, i, b"", content(1, i, size))
+            await asyncio.sleep(0.1)
+        await bounded(closer, "close() once everything was read")
+        with pytest.raises(ConnectionBrokenError) as info:
+            await bounded(p.server.recv(1), "recv after the last message")
+        assert "left" in str(info.value), info.value
+
+
 async def check_cancelled_sender_leaves_others_waiting(make_pair: PairFactory) -> None:
     """Cancelling one sender that waits for a backed-up connection cancels only that
     sender: another one waiting on the same connection keeps waiting, and fails only

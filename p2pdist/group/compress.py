@@ -24,6 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import UsageError
+from .buffers import as_int
 from .halfcast import HalfScratch, decode_f16, encode_f16, subnormals_flushed
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "WireCodec",
     "divide_for_mean",
     "make_codec",
+    "to_float32",
 ]
 
 WIRE_DTYPES = ("float16", "bfloat16", "int8")
@@ -340,6 +342,15 @@ INT8_BLOCK = 256
 """Elements per int8 scale when a call names no ``block``."""
 
 
+def to_float32(x: np.ndarray) -> np.ndarray:
+    """``x`` flattened into a fresh float32 array, the values a compressed reduction
+    starts from: float64 values beyond float32's range become inf or 0 as the cast
+    makes them, whatever the caller's ``np.errstate`` (raising there would fail this
+    rank alone, before the collective, and leave the others waiting)."""
+    with np.errstate(over="ignore", under="ignore"):
+        return x.reshape(-1).astype(np.float32)
+
+
 def make_codec(wire_dtype: str, block: int = INT8_BLOCK, *, f16_route: str = "bits") -> WireCodec:
     """The codec for ``wire_dtype`` (float16, bfloat16 or int8 with ``block``-sized scales).
 
@@ -350,9 +361,10 @@ def make_codec(wire_dtype: str, block: int = INT8_BLOCK, *, f16_route: str = "bi
     if wire_dtype == "bfloat16":
         return _Bf16Codec()
     if wire_dtype == "int8":
-        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        size = as_int(block)
+        if size is None or size < 1:
             raise UsageError(f"int8 block size must be a positive int, got {block!r}")
-        return _Int8Codec(block)
+        return _Int8Codec(size)
     raise UsageError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype!r}")
 
 
@@ -390,7 +402,7 @@ class ErrorFeedback:
         piece, through one piece-sized wire buffer, float32 scratch and bool scratch. A
         piece that decodes to finite values (the usual case) takes a plain subtraction.
         """
-        sent = x.astype(np.float32).reshape(-1)  # a fresh copy: the caller works in place
+        sent = to_float32(x)  # a fresh copy: the caller works in place
         if divisor != 1:
             divide_for_mean(sent, divisor, sent)
         if self.residual is None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from ..errors import UsageError
+from ..settings import check_int, check_seconds
 from ..transport.base import TransportConfig
 from ..transport.punch import PunchConfig
 from .link import PIECE_BYTES
@@ -47,17 +46,17 @@ class GroupConfig:
     need it refuse to start (naming it), and one already running fails naming it."""
 
     def __post_init__(self) -> None:
-        for t in (self.timeout, self.connect_timeout):
-            if isinstance(t, bool | np.bool_) or not (math.isfinite(t) and t > 0):  # NaN too
-                raise ValueError(f"timeouts must be positive and finite, got {t!r}")
-        if self.chunk_bytes < 4096:
-            raise ValueError("chunk_bytes must be at least 4096")
+        check_seconds("timeout", self.timeout)
+        check_seconds("connect_timeout", self.connect_timeout)
+        check_int("small_bytes", self.small_bytes)
+        check_int("chunk_bytes", self.chunk_bytes, 4096)
+        check_int("max_message_bytes", self.max_message_bytes)
         if self.transport.limits.max_payload < PIECE_BYTES:
-            raise ValueError(
+            raise UsageError(
                 f"transport.limits.max_payload must be at least {PIECE_BYTES} bytes: a group "
                 "sends longer messages in pieces of that size"
             )
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+            raise UsageError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.on_peer_loss not in PEER_LOSS:
-            raise ValueError(f"on_peer_loss must be one of {PEER_LOSS}, got {self.on_peer_loss!r}")
+            raise UsageError(f"on_peer_loss must be one of {PEER_LOSS}, got {self.on_peer_loss!r}")

@@ -112,6 +112,8 @@ class GroupCore(Runner):
         self._started = False
         self._formed = False
         self._closing = False
+        self._closer: asyncio.Future[None] | None = None
+        """The root group's closing, once close() began (see :meth:`close`)."""
         self._listeners: list[asyncio.Task[None]] = []
         # Channel spaces of this group; sub-groups from split() get their own pair.
         self._space = _COLLECTIVE_SPACE
@@ -324,6 +326,7 @@ class GroupCore(Runner):
             raise UsageError("group is closed; make a new Group to start again")
         self._started = True
         if self.size == 1:
+            self._formed = True
             return self
         try:
             # Bounded inside (a relay session waits at most connect_timeout and says why
@@ -397,6 +400,8 @@ class GroupCore(Runner):
         told which calls this rank took part in: theirs that it did not (running or
         later) fail at once naming it, the others finish, and the parent goes on."""
         if self._closing:
+            if self._closer is not None:
+                await asyncio.shield(self._closer)
             return
         self._closing = True
         if self._parent is not None:
@@ -407,15 +412,21 @@ class GroupCore(Runner):
                 g._send_control({"closed": g._space, "next": g._next_cid}, g._conns)
             root._cancel_closed(self)
             return
+        if self._broken is None:
+            self._broken = GroupBrokenError("the group was closed")
+        # One task does the closing, shielded: a close() that is cancelled (an outer
+        # timeout, a failing sibling, a second Ctrl-C) still finishes it in the
+        # background, and another close() waits for the same task.
+        self._closer = asyncio.ensure_future(self._close_root())
+        await asyncio.shield(self._closer)
+
+    async def _close_root(self) -> None:
         await cancel_and_wait(self._listeners)
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog, self._watchdog_at = None, math.inf
-        if self._broken is None:
-            self._broken = GroupBrokenError("the group was closed")
         if self._transport is not None:
-            # Shielded: a cancelled close() still finishes closing in the background.
-            await asyncio.shield(self._transport.close())
+            await self._transport.close()
 
     # ---- failure handling -------------------------------------------------------------
 
@@ -504,6 +515,9 @@ class GroupCore(Runner):
             self._parent._check_usable(collective=False)
         if not self._started:
             raise UsageError("the group is not started; use `async with Group...` or start()")
+        if not self._formed and self._parent is None and self._broken is None:
+            # Nothing taken yet (no call id, no send index): the call can simply come again.
+            raise UsageError("the group is still starting; call once start() has returned")
         if self._broken is not None:
             if isinstance(self._broken, GroupBrokenError):
                 raise self._broken
@@ -511,6 +525,11 @@ class GroupCore(Runner):
         # Under "leave", _run refuses the collective once it has taken its id.
         leave = self.config.on_peer_loss == "leave"
         if collective and self._left and not leave and (left := self.left):
+            # The others may be in this call already (they began it before they saw the
+            # loss, and wait for our part): it fails here, so tell them (not advancing
+            # our call id: every later call is refused too, and names the same one).
+            channel = (self._space << SPACE_SHIFT) | self._next_cid
+            self._tell_call_failed(channel, self._root_ranks[min(left)])
             raise self._left_error(left)
 
     # ---- point to point -----------------------------------------------------------------

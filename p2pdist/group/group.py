@@ -11,7 +11,14 @@ import numpy as np
 from ..errors import UsageError
 from . import algorithms as alg
 from .buffers import as_array, as_int, result_buffer
-from .compress import INT8_BLOCK, ErrorFeedback, WireCodec, divide_for_mean, make_codec
+from .compress import (
+    INT8_BLOCK,
+    ErrorFeedback,
+    WireCodec,
+    divide_for_mean,
+    make_codec,
+    to_float32,
+)
 from .compressed_algorithms import compressed_direct_all_reduce, compressed_ring_all_reduce
 from .config import MODES
 from .core import GroupCore
@@ -78,7 +85,8 @@ class Group(GroupCore):
                     lk, flat, bounds, codec, self._chunk(flat.dtype), residual
                 )
             if not np.may_share_memory(work, flat):
-                work.reshape(-1)[:] = flat
+                with np.errstate(over="ignore"):  # a float16 result past 65504 is inf
+                    work.reshape(-1)[:] = flat
             return work
 
         return await self._run(descriptor, timeout, body)
@@ -674,7 +682,7 @@ def _compressed_input(
     divided by ``divisor`` (the world for mean, else 1)."""
     if feedback is not None:
         return feedback.apply(arr, codec, divisor)
-    flat = arr.reshape(-1).astype(np.float32)
+    flat = to_float32(arr)
     if divisor != 1:
         divide_for_mean(flat, divisor, flat)
     return flat

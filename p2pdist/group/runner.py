@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import math
-import numbers
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, TypeVar
 
 from ..errors import (
     ConnectionBrokenError,
+    ConnectionClosedError,
     GroupBrokenError,
     MismatchError,
     P2PError,
     P2PTimeoutError,
     PeerTimeoutError,
     RemoteProtocolError,
-    UsageError,
 )
+from ..settings import check_seconds
 from ..transport.mailbox import SPACE_SHIFT, split_channel
 from .link import CollectiveLink
 from .rejoin import Rejoining
@@ -77,8 +77,8 @@ class Runner(Rejoining):
 
     def _timeout_error(self, link: CollectiveLink, seconds: float) -> P2PError:
         what = f"{link.explain()} timed out after {seconds:g} s"
-        silent = sorted(
-            ((c.idle_for(), r) for r, c in self._conns.items()),
+        silent = sorted(  # not a peer that has left (its connection is closed)
+            ((c.idle_for(), r) for r, c in self._conns.items() if not c.closed),
             reverse=True,
         )
         quiet_limit = 3 * self.config.transport.keepalive_interval
@@ -206,6 +206,10 @@ class Runner(Rejoining):
                 raise
             raise await self._attribute(err) from err
         except P2PError as err:
+            if isinstance(err, ConnectionClosedError) and root._closing:
+                # This rank closed the group under the call (its connection to whichever
+                # peer the call waited on says "closed locally": not that peer's doing).
+                raise GroupBrokenError(f"{link.explain()} failed: the group was closed") from None
             # Tell the others why, unless this failure is itself someone's abort notice.
             self._break(err, notify=not isinstance(err, GroupBrokenError))
             raise
@@ -246,11 +250,4 @@ class Runner(Rejoining):
     def _seconds(self, timeout: float | None) -> float:
         if timeout is None:
             return self.config.timeout  # positive: GroupConfig checks it
-        seconds = timeout
-        # not `seconds <= 0`: NaN passes that, and a NaN deadline is never enforced
-        number = isinstance(seconds, numbers.Real) and not isinstance(seconds, bool)
-        if not (number and math.isfinite(seconds) and seconds > 0):
-            raise UsageError(
-                f"timeout must be a positive finite number of seconds, got {seconds!r}"
-            )
-        return float(seconds)
+        return check_seconds("timeout", timeout)

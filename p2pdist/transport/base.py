@@ -6,7 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from ..errors import UsageError
 from ..identity import EndpointId
+from ..settings import check_int, check_seconds
 from ..wire.frames import Frame, FrameLimits
 
 __all__ = ["Address", "Connection", "ConnectionStats", "Transport", "TransportConfig"]
@@ -44,12 +46,13 @@ class TransportConfig:
     QuicTransport has its own limit, ``QuicConfig.max_pending_handshakes``."""
 
     def __post_init__(self) -> None:
-        if self.keepalive_interval <= 0 or self.idle_timeout <= self.keepalive_interval:
-            raise ValueError("need 0 < keepalive_interval < idle_timeout")
-        if self.handshake_timeout <= 0:
-            raise ValueError("handshake_timeout must be positive")
-        if self.max_pending_handshakes < 1:
-            raise ValueError("max_pending_handshakes must be at least 1")
+        interval = check_seconds("keepalive_interval", self.keepalive_interval)
+        if check_seconds("idle_timeout", self.idle_timeout) <= interval:
+            raise UsageError("need 0 < keepalive_interval < idle_timeout")
+        check_seconds("handshake_timeout", self.handshake_timeout)
+        check_int("max_buffered", self.max_buffered, 1)
+        check_int("write_buffer_high", self.write_buffer_high, 1)
+        check_int("max_pending_handshakes", self.max_pending_handshakes, 1)
 
 
 @dataclass(slots=True)

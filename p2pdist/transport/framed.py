@@ -53,6 +53,10 @@ PING = encode_header(FrameKind.PING)
 PONG = encode_header(FrameKind.PONG)
 GOODBYE = encode_header(FrameKind.GOODBYE)
 
+FLUSH_STALL = 2.0
+"""Seconds :meth:`FramedConnection.close` waits for queued bytes to leave without any
+of them leaving before it gives up on them (the peer stopped reading)."""
+
 _T = TypeVar("_T")
 C = TypeVar("C", bound="FramedConnection")
 
@@ -115,8 +119,35 @@ class FramedConnection:
         raise NotImplementedError
 
     async def _shutdown(self) -> None:
-        """After GOODBYE: let queued bytes go (bounded), then close the byte pipe."""
+        """After GOODBYE: let queued bytes go (bounded, see :meth:`_await_flush`), then
+        close the byte pipe."""
         raise NotImplementedError
+
+    async def _await_flush(self, flushed: asyncio.Future[None], unsent: Callable[[], int]) -> bool:
+        """Wait for ``flushed`` while the peer keeps taking our bytes: give up once
+        ``unsent()`` (bytes of ours the peer has not taken yet) stays above zero without
+        shrinking for :data:`FLUSH_STALL` seconds, or after ``idle_timeout`` in all. True
+        when flushed; else what the peer will not get is logged and False returned."""
+        deadline = self._loop.time() + max(FLUSH_STALL, self._cfg.idle_timeout)
+        left = unsent()
+        while not flushed.done():
+            wait = min(FLUSH_STALL, deadline - self._loop.time())
+            if wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await asyncio.shield(flushed)
+                if flushed.done():
+                    break
+            before, left = left, unsent()
+            if self._loop.time() < deadline and (left < before or not left):
+                continue  # the peer is reading, or has it all and has yet to answer
+            if left:
+                why = "read too slowly" if left < before else f"read nothing for {FLUSH_STALL:g} s"
+                log.warning(
+                    "%s: closed with %d bytes undelivered (the peer %s)", self.label, left, why
+                )
+            return False
+        return True
 
     def _drop(self) -> None:
         """Close the byte pipe at once, without flushing."""

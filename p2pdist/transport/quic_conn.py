@@ -55,7 +55,6 @@ log = logging.getLogger(__name__)
 STREAM_ID = 0
 """Our frames travel on the first client-initiated bidirectional stream."""
 _MAX_REASON = 200
-_CLOSE_FLUSH = 2.0
 
 
 class QuicConnection(FramedConnection):
@@ -152,11 +151,7 @@ class QuicConnection(FramedConnection):
             if self._route.up:
                 self._flushed = self._loop.create_future()
                 self._check_flushed()
-                try:
-                    async with asyncio.timeout(_CLOSE_FLUSH):
-                        await asyncio.shield(self._flushed)
-                except TimeoutError:
-                    pass
+                await self._await_flush(self._flushed, lambda: self._quic.unacked(STREAM_ID))
         self._close_quic(AppError.NO_ERROR, "")
 
     def _drop(self) -> None:

@@ -232,6 +232,17 @@ class PinnedQuicConnection(QuicConnection):
             return 0
         return self._written.get(stream_id, 0) - stream.sender.highest_offset
 
+    def unacked(self, stream_id: int) -> int:
+        """Bytes written to the stream that the peer has not acknowledged yet (those not
+        yet sent, without aioquic's ``_buffer_start``, which is not public API)."""
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return 0
+        acked = getattr(stream.sender, "_buffer_start", None)
+        if not isinstance(acked, int):
+            return self.unsent(stream_id)
+        return self._written.get(stream_id, 0) - acked
+
     def send_acked(self, stream_id: int) -> bool:
         """Whether the peer acknowledged everything we sent on the stream, FIN included."""
         stream = self._streams.get(stream_id)

@@ -26,6 +26,7 @@ from ..tls import endpoint_id_of_cert
 from ..wire.relay import (
     CREDENTIAL_REFUSALS,
     MAX_DATAGRAM,
+    MAX_KEEPALIVE,
     RelayFrame,
     RelayFrameType,
     RelayProtocolError,
@@ -55,16 +56,12 @@ _SELF_SIGNED = (18, 19)
 pinned relay's certificate gives when dialed without its pin."""
 
 
-_MAX_RELAY_KEEPALIVE = 300.0
-"""Longest keepalive interval taken from a relay's AUTH_OK (seconds)."""
-
-
 def relay_keepalive(offered: object) -> float:
     """The keepalive interval to use for a relay's AUTH_OK ``keepalive``: 5 s when it is
-    missing or outside (0, :data:`_MAX_RELAY_KEEPALIVE`] (inf, NaN or a day would switch
+    missing or outside (0, :data:`MAX_KEEPALIVE`] (inf, NaN or a day would switch
     off our pings and the silence check with them)."""
     value = float(offered) if isinstance(offered, int | float) else 0.0
-    return value if 0 < value <= _MAX_RELAY_KEEPALIVE else 5.0  # NaN fails both tests
+    return value if 0 < value <= MAX_KEEPALIVE else 5.0  # NaN fails both tests
 
 
 class RelayState(enum.Enum):
@@ -197,6 +194,8 @@ class RelayPath:
         self.on_peer_gone: Callable[[EndpointId], None] | None = None
         self.max_datagram = MAX_DATAGRAM
         self._status = RelayStatus(str(self.url), RelayState.CONNECTING)
+        self._ports_advertised = False
+        """Whether an AUTH_OK listed the observation ports (an empty list: none run)."""
         self._writer: asyncio.Transport | None = None
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
@@ -254,10 +253,18 @@ class RelayPath:
             raise PeerAuthenticationError(f"relay {self.url}", why)
         raise P2PTimeoutError(f"relay {self.url}: no session within {timeout:g} s ({why})")
 
+    @property
+    def observation_off(self) -> bool:
+        """Whether the relay said it runs no UDP observation port (``--stun-port 0``)."""
+        return self._ports_advertised and not self._status.stun_ports
+
     async def observation_targets(self) -> list[tuple[str, int]]:
         """The relay's UDP observation ports as (IPv4 address, port): the ports the relay
-        advertised (before it did: its TCP port's number, the relay's default); empty when
-        the relay's host does not resolve."""
+        advertised (before it did, or if it names none at all: its TCP port's number, the
+        relay's default); empty when it runs none (:attr:`observation_off`) or when the
+        relay's host does not resolve."""
+        if self.observation_off:
+            return []
         ports = self._status.stun_ports or (self.url.port,)
         loop = asyncio.get_running_loop()
         try:
@@ -418,6 +425,10 @@ class RelayPath:
         interval = self.config.keepalive or relay_keepalive(keepalive)
         limits = {k: float(v) for k, v in info.items() if isinstance(v, int | float)}
         observed = info.get("observed")
+        advertised = info.get("stun_ports")
+        self._ports_advertised = isinstance(advertised, list | tuple) and (
+            not advertised or bool(parse_stun_ports(advertised))
+        )
         self._set(
             state=RelayState.CONNECTED,
             observed=observed if isinstance(observed, str) else None,

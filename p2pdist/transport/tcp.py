@@ -16,6 +16,7 @@ import os
 import secrets
 import socket
 import ssl
+import struct
 import sys
 from collections.abc import Callable
 from typing import Any, cast
@@ -58,6 +59,25 @@ a quarter of the Python calls of 256 KiB; docs/performance.md)."""
 _KEY_READ = 1024
 """Plaintext read at a time while the record keys come in through TLS (one small record)."""
 _ASYNCIO_PLAIN_COPIES = sys.version_info < (3, 12)
+_DISCARD = memoryview(bytearray(64 * 1024))
+"""Where a closing connection reads what still comes (only to see the peer's end)."""
+
+try:
+    import fcntl
+    import termios
+except ImportError:  # pragma: no cover - not on this platform
+    fcntl = termios = None  # type: ignore[assignment]
+
+
+def kernel_unsent(sock: Any) -> int:
+    """Bytes in ``sock``'s kernel send queue the peer has not acknowledged (Linux; 0
+    where the platform cannot tell)."""
+    if fcntl is None or sock is None:
+        return 0
+    try:  # TIOCOUTQ on a socket is SIOCOUTQ: sent or not, what the peer has not acked
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0])
+    except (OSError, ValueError):
+        return 0
 
 
 def _write_keeps_reference(transport: asyncio.BaseTransport) -> bool:
@@ -123,6 +143,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         (when both ends offer it) AES-GCM records under keys agreed inside TLS."""
         self._ssl: ssl.SSLObject | None = None
         self._rx_paused = False
+        self._closing = False
+        """Closed locally: what still comes is read and dropped until the peer ends too."""
         self._direct: socket.socket | None = None
         """A duplicate of the socket, to send borrowed bytes the kernel takes at once."""
         # Handshake phase state.
@@ -251,11 +273,19 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         if self._tls is not None and self._tls.handshake_done and not t.is_closing():
             with contextlib.suppress(Exception):  # best effort: GOODBYE said it already
                 t.write(self._tls.close_notify())
-        t.close()
-        try:
-            async with asyncio.timeout(2.0):
-                await asyncio.shield(self._lost)
-        except TimeoutError:
+        # Half-close and read on (dropping it) until the peer closes too: a socket closed
+        # with bytes unread (the peer's keepalive PINGs, say) answers them with a reset,
+        # and a reset makes the peer's kernel drop what it has not yet read of ours.
+        self._closing = True
+        if not t.is_closing() and t.can_write_eof():
+            t.write_eof()  # after the queued bytes
+            t.resume_reading()
+        else:
+            t.close()
+        sock = t.get_extra_info("socket")
+        if not await self._await_flush(
+            self._lost, lambda: t.get_write_buffer_size() + kernel_unsent(sock)
+        ):
             # Drop what is still queued (the peer is not reading it), or the socket stays
             # open for as long as the peer wants. (Cancelled: FramedConnection.close drops.)
             t.abort()
@@ -288,6 +318,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             self._owner._on_incoming(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._closing:
+            return _DISCARD
         if self._handshaking:
             if not self._hs_buf:
                 self._hs_buf = bytearray(_HANDSHAKE_READ)
@@ -297,6 +329,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         return self._decoder.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._closing:
+            return
         if self._handshaking:
             received = memoryview(self._hs_buf)[:nbytes]
             if self._tls is not None:
@@ -520,7 +554,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         my_mode = "tls" if self._cfg.tls else "plain"
         refusal = None
         if mode != my_mode:
-            refusal = f"this endpoint runs {my_mode!r}, the dialer asked for {mode!r}"
+            asked = repr(mode) if isinstance(mode, str | None) and len(mode or "") <= 16 else "?"
+            refusal = f"this endpoint runs {my_mode!r}, the dialer asked for {asked}"
         elif want != bytes(owner.endpoint_id):
             wanted = base64.b32encode(want).decode().rstrip("=").lower()
             refusal = f"identity mismatch: expected {wanted}, presented {owner.endpoint_id}"

@@ -9,7 +9,7 @@ connection); every PING and PONG carries the receiver's session and the sender's
 probe captured in another session is refused, and a PONG carries the transaction id of
 the PING it answers. Layout (big endian)::
 
-    magic "\\x1cP2PD" (5) | version u8 = 3 | kind u8 | sender id (32) | body | signature (64)
+    magic "\\x1cP2PD" (5) | version u8 = 4 | kind u8 | sender id (32) | body | signature (64)
 
     PING        body: txid (12) | receiver's session (16) | sender's session (16) | padding
     PONG        body: txid (12) | receiver's session (16) | sender's session (16) | address

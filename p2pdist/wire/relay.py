@@ -31,6 +31,7 @@ __all__ = [
     "CREDENTIAL_REFUSALS",
     "MALFORMED_AUTH_TEXT",
     "MAX_BODY",
+    "MAX_KEEPALIVE",
     "NOT_ALLOWED_TEXT",
     "RelayFrame",
     "RelayFrameDecoder",
@@ -57,6 +58,9 @@ MAX_BODY = 64 * 1024
 """Largest frame body; a datagram may use MAX_BODY - 32 bytes."""
 MAX_DATAGRAM = MAX_BODY - ID_LEN
 MAX_HTTP_HEAD = 8 * 1024
+MAX_KEEPALIVE = 300.0
+"""Longest keepalive interval (seconds) a relay may advertise in AUTH_OK: clients take
+a longer one for a bad value (and ping every 5 s), so the relay refuses to start with it."""
 
 # ERROR texts answering AUTH (docs/protocol.md, the table of reasons). The first four
 # say the client is not let in; the others are a busy relay's, worth retrying.
@@ -391,6 +395,10 @@ class HttpHead:
         return self.headers.get(name.lower(), "")
 
 
+_SINGLE_HEADERS = frozenset({"host", "upgrade", "connection", "authorization", "content-length"})
+"""Header fields a request may carry once (a repeat is refused, not resolved)."""
+
+
 def parse_http_head(buf: bytes | bytearray) -> tuple[HttpHead, int] | None:
     """Parse an HTTP/1.1 head from the start of ``buf``; returns (head, bytes used), or
     None when more bytes are needed. RelayProtocolError for malformed or oversized heads."""
@@ -410,9 +418,15 @@ def parse_http_head(buf: bytes | bytearray) -> tuple[HttpHead, int] | None:
     headers: dict[str, str] = {}
     for line in lines[1:]:
         name, sep, value = line.partition(":")
-        if not sep or not name.strip():
+        # RFC 9112 section 5: no whitespace in or around a field name (a line that starts
+        # with it is an obsolete continuation), and the upgrade's own fields only once:
+        # a proxy in front of us must not read another request than we do.
+        if not sep or not name or name != name.strip() or " " in name or "\t" in name:
             raise RelayProtocolError(f"malformed HTTP header {line[:80]!r}")
-        headers[name.strip().lower()] = value.strip()
+        key = name.lower()
+        if key in headers and key in _SINGLE_HEADERS:
+            raise RelayProtocolError(f"repeated HTTP header {name[:80]!r}")
+        headers[key] = value.strip()
     return HttpHead(start, headers), end + 4
 
 

@@ -1,0 +1,40 @@
+"""Checks for the numbers users put in settings and calls: seconds and integer sizes.
+
+One rule everywhere: a bool is not a number, numpy's numbers are, and a bad value is a
+:class:`~p2pdist.errors.UsageError` (a ValueError) naming the setting and the value.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+
+import numpy as np
+
+from .errors import UsageError
+
+__all__ = ["check_int", "check_seconds"]
+
+
+def check_seconds(name: str, value: object) -> float:
+    """``value`` as float seconds when it is a positive finite number (not NaN or inf: a
+    NaN deadline is never enforced)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_):
+        seconds = float(value)
+        if math.isfinite(seconds) and seconds > 0:
+            return seconds
+    raise UsageError(f"{name} must be a positive finite number of seconds, got {value!r}")
+
+
+def check_int(name: str, value: object, minimum: int = 0) -> int:
+    """``value`` as an int when it is an integer of at least ``minimum``."""
+    size: int | None = None
+    if not isinstance(value, bool | np.bool_):
+        try:
+            size = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            size = None
+    if size is None or size < minimum:
+        raise UsageError(f"{name} must be an integer of at least {minimum}, got {value!r}")
+    return size
