@@ -13,11 +13,15 @@ driver, runs one role, and writes a JSON result file named in the config. Roles:
 
 The all-reduce roles time every call with :func:`time.perf_counter` after a barrier and
 report the per-size median; the driver takes the maximum over ranks. Before every call,
-outside the timer, rank r refills its input with ``base + r + 1`` (``base``: 0..15
+outside the timer, rank r refills its input with ``base + r + 1`` (``base``: 0..12
 repeating, so that every sum is a small integer, exact in float32, float16 and bfloat16
-while it stays within their integer range); after every timed call, outside the timer, it
-checks the whole result against the exact sum (within :data:`LOOSE` where the wire cannot
-carry it exactly: int8, or sums beyond a 16-bit wire's exact integers).
+while it stays within their integer range; an odd period, so that a chunk summed into or
+returned at the wrong place, whose offsets are multiples of 2^k elements, changes the
+result); after every timed call, outside the timer, it checks the whole result against
+the exact sum (within :data:`LOOSE` where the wire cannot carry it exactly: int8, or sums
+beyond a 16-bit wire's exact integers). An untimed barrier then lines the ranks up before
+the next timed call: a rank that finished its check early would otherwise start its
+timer while the others still refill and check, and time their work as its wait.
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ TCP_CHUNK = 4 << 20
 BARRIER_ITERS = 200
 
 
-PERIOD = 16
-"""The input pattern's period: ``base[k] = k % PERIOD``."""
+PERIOD = 13
+"""The input pattern's period: ``base[k] = k % PERIOD`` (odd: see the module docstring)."""
 EXACT_UP_TO = {"float16": 2048, "bfloat16": 256}
 """Wire dtypes and the largest integer up to which they hold every integer exactly."""
 LOOSE = 5e-2
@@ -185,6 +189,7 @@ def gloo(cfg: dict[str, Any]) -> dict[str, Any]:
             cpu = 0.0
             for _ in range(iters):
                 np.add(base, offset, out=x)  # outside the timer: every call sums the same
+                dist.barrier()  # every rank's refill and last check done (untimed)
                 c0, t0 = time.process_time(), time.perf_counter()
                 dist.all_reduce(t, op=dist.ReduceOp.SUM)  # in place, as torch always is
                 times.append(time.perf_counter() - t0)
@@ -245,6 +250,7 @@ async def _p2pdist_async(cfg: dict[str, Any]) -> dict[str, Any]:
             cpu = 0.0
             for _ in range(iters):
                 np.add(base, offset, out=x)  # outside the timer: every call sums the same
+                await g.barrier()  # every rank's refill and last check done (untimed)
                 c0, t0 = time.process_time(), time.perf_counter()
                 result = await g.all_reduce(x, op="sum", out=out, **kw)
                 times.append(time.perf_counter() - t0)

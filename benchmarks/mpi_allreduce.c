@@ -2,7 +2,7 @@
  *
  * Timed exactly as the Python workers time p2pdist and Gloo: per size, warm-up calls,
  * a barrier, then timed in-place float32 sums whose input every rank refills before
- * each call, outside the timer, with the workers' pattern (base + rank + 1, base[k] =
+ * each call, outside the timer, then an untimed barrier, with the workers' pattern (base + rank + 1, base[k] =
  * k % PERIOD: every sum is a small integer, exact in float32); then the median of
  * BARRIER_ITERS barriers. Every rank checks the whole result of every timed call against
  * the exact sum, outside the timer; rank 0 writes the maximum over ranks of each per-rank
@@ -17,7 +17,7 @@
 #include <time.h>
 
 #define BARRIER_ITERS 200
-#define PERIOD 16
+#define PERIOD 13 /* odd: a chunk at the wrong offset (a multiple of 2^k) changes the sum */
 
 static double cpu_seconds(void) {
     struct timespec ts;
@@ -71,6 +71,7 @@ int main(int argc, char **argv) {
         double cpu = 0.0;
         for (int i = 0; i < iters; i++) {
             for (long k = 0; k < count; k++) x[k] = base[k] + offset;
+            MPI_Barrier(MPI_COMM_WORLD); /* every rank's refill and last check done, untimed */
             double c0 = cpu_seconds(), t0 = MPI_Wtime();
             MPI_Allreduce(MPI_IN_PLACE, x, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
             t[i] = MPI_Wtime() - t0;

@@ -9,14 +9,18 @@ message (every connection up) to the last message and counts every message's byt
   ``serve``) pushing one stream over UDP, with the same TLS and window settings: the
   ceiling of aioquic's packet machinery in this Python;
 * ``p2pdist QUIC direct``: :class:`p2pdist.transport.quic.QuicTransport` over UDP;
-* ``p2pdist QUIC relay``: the same through a relay (only with ``--relay URL``);
+* ``p2pdist QUIC relay``: the same through a relay (a local one this script starts, or
+  the running one ``--relay URL`` names; ``--no-relay`` skips it);
 * ``p2pdist TCP plain/TLS``: :class:`p2pdist.TcpTransport`, for reference;
 
 then the variants tried to lift the QUIC ceiling (datagram size, receive window,
 congestion controller, several connections per peer).
 
 Every row runs on each event loop of ``--loop`` (default: asyncio and uvloop when uvloop
-is installed), the loops interleaved run by run so that they see the same machine load.
+is installed), the loops interleaved run by run so that they see the same machine load;
+the bare, direct and relay rows run back to back within each repeat (the ratios between
+them compare runs of the same minute, and the relay/direct line also gives the median of
+the per-repeat ratios), the other rows one after the other.
 The relay row uses a relay process this script starts on 127.0.0.1 on the same loop as
 the peers (``--relay URL`` uses a running relay instead; ``--no-relay`` skips the row).
 ``--mib`` must be a multiple of ``--msg-kib`` (the senders send whole messages).
@@ -272,6 +276,7 @@ def main() -> None:
     ]
     if not args.no_relay:
         rows.append(("p2pdist QUIC relay", "quic", {"quic": base, "relay": args.relay or "local"}))
+    main_rows = len(rows)  # run back to back in each repeat (see below)
     rows += [
         ("p2pdist TCP plaintext", "tcp", {"tls": False}),
         ("p2pdist TCP TLS", "tcp", {"tls": True}),
@@ -305,11 +310,13 @@ def main() -> None:
         f"one-way throughput, MB/s, median of {args.repeat} (loopback, 2 processes, "
         f"{args.mib} MiB in {args.msg_kib} KiB messages; QUIC defaults: "
         f"{base.loopback_datagram} B datagrams, {base.stream_window >> 20} MiB stream window, "
-        f"{base.congestion_control}); loops interleaved run by run; ratio: against bare "
+        f"{base.congestion_control}); loops interleaved run by run, bare/direct/relay "
+        f"back to back in each repeat; ratio: against bare "
         f"aioquic, same datagram size and loop{relay_note}",
         flush=True,
     )
     bare: dict[tuple[int, str], float] = {}
+    per_run: dict[tuple[str, str], list[float]] = {}
     direct: dict[str, float] = {}
     relayed: dict[str, float] = {}
     cpu_rows: dict[tuple[str, str], dict[str, float]] = {}
@@ -323,21 +330,38 @@ def main() -> None:
                     if args.relay
                     else stack.enter_context(local_relay(loop, Path(tmp.name)))
                 )
-        for name, kind, opts in rows:
-            runs: dict[str, list[dict[str, float]]] = {loop: [] for loop in args.loops}
+        runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+        failed: dict[str, Exception] = {}
+
+        def run_once(name: str, kind: str, opts: dict[str, Any], loop: str) -> None:
+            if name in failed:
+                return
+            o = {**opts, "loop": loop}
+            if "relay" in o:
+                o["relay"], o["relay_pid"] = relays[loop]
             try:
-                for _ in range(args.repeat):
-                    for loop in args.loops:
-                        o = {**opts, "loop": loop}
-                        if "relay" in o:
-                            o["relay"], o["relay_pid"] = relays[loop]
-                        runs[loop].append(measure(kind, total, size, **o))
+                runs.setdefault((name, loop), []).append(measure(kind, total, size, **o))
             except Exception as exc:  # one failing row must not hide the others
-                print(f"{name:<40} failed: {exc!r}", flush=True)
+                failed[name] = exc
+
+        # The rows the ratios compare (bare, direct, relay) run back to back within each
+        # repeat, so that each ratio compares runs of the same minute; the others row by row.
+        together = rows[:main_rows]
+        for _ in range(args.repeat):
+            for loop in args.loops:
+                for name, kind, opts in together:
+                    run_once(name, kind, opts, loop)
+        for name, kind, opts in rows[main_rows:]:
+            for _ in range(args.repeat):
+                for loop in args.loops:
+                    run_once(name, kind, opts, loop)
+        for name, kind, opts in rows:
+            if name in failed:
+                print(f"{name:<40} failed: {failed[name]!r}", flush=True)
                 continue
             for loop in args.loops:
-                r = sorted(m["rate"] / 1e6 for m in runs[loop])
-                rate, middle = median_run(runs[loop])
+                r = sorted(m["rate"] / 1e6 for m in runs[name, loop])
+                rate, middle = median_run(runs[name, loop])
                 rate /= 1e6
                 if kind == "quic" and "conns" not in opts and opts["quic"] == base:
                     cpu_rows[name, loop] = middle
@@ -346,6 +370,9 @@ def main() -> None:
                     bare[dgram, loop] = rate
                 elif kind == "quic" and "conns" not in opts and opts["quic"] == base:
                     (relayed if "relay" in opts else direct)[loop] = rate
+                    per_run[("relay" if "relay" in opts else "direct"), loop] = [
+                        m["rate"] for m in runs[name, loop]
+                    ]
                 ref = bare.get((dgram, loop))
                 ratio = f"  {rate / ref:5.2f}x bare" if ref and kind == "quic" else ""
                 spread = f"  ({r[0]:.0f}..{r[-1]:.0f})"
@@ -362,9 +389,11 @@ def main() -> None:
             print(f"  {name + f' [{loop}]':<48} " + "  ".join(parts), flush=True)
     for loop in args.loops:
         if loop in direct and loop in relayed:
+            pairs = zip(per_run["relay", loop], per_run["direct", loop], strict=False)
+            each = statistics.median(a / b for a, b in pairs)
             print(
-                f"relay / direct QUIC [{loop}]: {relayed[loop] / direct[loop]:.2f}x "
-                "(bar: at least 0.6x)",
+                f"relay / direct QUIC [{loop}]: {relayed[loop] / direct[loop]:.2f}x; "
+                f"median of the per-repeat ratios {each:.2f}x (bar: at least 0.6x)",
                 flush=True,
             )
     if len(args.loops) == 2:

@@ -5,7 +5,8 @@ the other (as ``benchmarks/allreduce.py`` does) can make any mode look faster or
 than another. Here every rank runs all modes in turn, round after round, in the same
 processes and on the same connections (loopback TCP, plaintext or ``--tls``), and the
 table reports per mode the time of one call (each rank's median over all its timed calls,
-of every round; the slowest rank's median is shown), bus bandwidth, the ratio to the first
+of every round, after one untimed call per mode and round, into a result buffer of the
+mode's own; the slowest rank's median is shown), bus bandwidth, the ratio to the first
 mode of ``--modes`` (plain float32 by default), and each rank's median CPU time per call
 (process time: on a saturated machine the better guide to what a quiet one would show).
 The event loop is asyncio unless ``P2PDIST_LOOP`` says otherwise; the table names it.
@@ -118,19 +119,25 @@ async def _rank(cfg: dict[str, Any]) -> dict[str, Any]:
     last: dict[str, np.ndarray[Any, Any]] = {}  # each mode's last result of the last round
     wall: dict[str, list[float]] = {m: [] for m in cfg["modes"]}
     cpu: dict[str, list[float]] = {m: [] for m in cfg["modes"]}
+    # Each mode's result goes to a buffer of its own, made once: a fresh result per call
+    # (its allocation and page faults, about 10-25% of a plain 64 MiB call) would add the
+    # same cost to every mode and pull their ratios towards 1.
+    outs = {m: np.empty_like(x) for m in cfg["modes"]}
     group = Group.from_seed(SEED, rank=rank, world=world, peers=peers, tls=cfg["tls"])
     async with group as g:
         for rnd in range(cfg["rounds"] + 1):  # round 0 warms up
             for mode in cfg["modes"]:
+                out, kw = outs[mode], MODES[mode]
                 await g.barrier()
+                await g.all_reduce(x, out=out, **kw)  # untimed: the first after a switch
                 for _ in range(cfg["iters"]):
                     t0, c0 = time.perf_counter(), time.process_time()
-                    result = await g.all_reduce(x, **MODES[mode])
+                    await g.all_reduce(x, out=out, **kw)
                     if rnd:
                         wall[mode].append(time.perf_counter() - t0)
                         cpu[mode].append(time.process_time() - c0)
                 if rnd == cfg["rounds"]:  # kept for the check after the last round
-                    last[mode] = result
+                    last[mode] = out
         await g.barrier()
     ref, fold = reference(world, n)
     for mode, got in last.items():

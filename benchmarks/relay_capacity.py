@@ -240,8 +240,8 @@ def run_one(n: int, args: argparse.Namespace, loop: str = "asyncio") -> dict[str
         workers[1 % args.procs].tell(f"count {args.blast_seconds + 1}")
         blast = workers[0].ask(f"blast {args.blast_pairs} {args.blast_seconds} {args.size}")
         elapsed = time.perf_counter() - t0
+        after = _metrics(url)  # then the CPU: it includes the work on what "after" counts
         cpu = cpu_seconds(relay.pid) - cpu0
-        after = _metrics(url)
         counted = workers[1 % args.procs].ask()
         out = _metric(after, "p2pdist_relay_datagrams_out_total") - _metric(
             before, "p2pdist_relay_datagrams_out_total"

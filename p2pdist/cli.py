@@ -158,6 +158,10 @@ def _add_passthrough(
     p.set_defaults(handler=_passthrough(module), passthrough=True)
 
 
+_LOOP_COMMANDS = frozenset({"demo", "bench", "doctor"})
+"""The subcommands that run an event loop (and start ranks that do)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level argument parser with its subcommands."""
     parser = argparse.ArgumentParser(
@@ -210,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.loop is not None:
             resolve_loop(args.loop)  # fail now when uvloop is asked for but missing
             os.environ[LOOP_ENV] = args.loop  # the subcommand and the processes it starts
+        elif args.subcommand in _LOOP_COMMANDS:
+            resolve_loop()  # a bad $P2PDIST_LOOP: one line now, not one per rank later
         return handler(args, extra)
     except P2PError as exc:
         print(f"p2pdist: error: {exc}", file=sys.stderr)

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import sys
 import time
@@ -312,6 +313,9 @@ def main(argv: list[str]) -> int:
             eventloop.run(serve(args.relay, key=key, token=args.token, timeout=args.timeout))
             return 0
         peer = EndpointId.parse(args.peer) if args.peer else None
+        # What goes wrong is the report's to say (a relay's refusal was printed twice:
+        # as the library's warning, then in the report).
+        logging.getLogger("p2pdist").setLevel(logging.ERROR)
         report = eventloop.run(
             diagnose(args.relay, key=key, peer=peer, token=args.token, timeout=args.timeout)
         )

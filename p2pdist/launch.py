@@ -265,7 +265,11 @@ def _emit(out: BinaryIO, prefix: bytes, lines: list[bytes], broken: Callable[[],
             out.flush()
     except BrokenPipeError:  # `launch ... | head`: whoever read our output is gone
         with contextlib.suppress(OSError, ValueError):  # the rest goes nowhere, quietly
-            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, out.fileno())
+            finally:
+                os.close(null)
         broken()
     except OSError:  # the terminal hung up (EIO; SIGHUP stops the ranks): keep draining
         pass

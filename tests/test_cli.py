@@ -495,6 +495,25 @@ def test_subcommands_refuse_bad_options_before_running(args: list[str], message:
     assert "Traceback" not in proc.stderr
 
 
+def test_a_bad_loop_in_the_environment_is_one_line_before_any_rank_starts() -> None:
+    """P2PDIST_LOOP=bogus: `bench` started its ranks, each failed with its own error and
+    the launcher's status hid it; now one line and exit 2, before anything runs (and
+    commands without an event loop do not care)."""
+    env = {**os.environ, "P2PDIST_LOOP": "bogus"}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "p2pdist.cli", *args]
+        return subprocess.run(
+            cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT_S, check=False
+        )
+
+    proc = run("bench", "-n", "2")
+    assert proc.returncode == 2 and "[rank" not in proc.stderr, proc.stderr
+    assert "event loop must be one of" in proc.stderr
+    proc = run("id", "--seed", "a-long-enough-seed", "--world", "1")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_a_reader_that_goes_away_ends_the_command_as_sigpipe_would() -> None:
     """`p2pdist ... | head -1`: a BrokenPipeError traceback and status 1 before; now
     the status a SIGPIPE'd command has (141) and nothing on stderr."""

@@ -166,6 +166,77 @@ async def test_gradient_buckets_reduce_everything_in_place_in_the_background() -
                 np.testing.assert_array_equal(grad, np.full(shapes[i], 1.0 + i))  # mean of r+i
 
 
+async def test_gradient_buckets_keep_their_order_when_a_step_starts_during_a_wait() -> None:
+    """A bucket added while the last step's wait() still ran did not wait for that step's
+    buckets: call ids then followed timing, ranks paired different buckets and summed
+    the wrong arrays without an error. A second wait() returned before anything was
+    reduced."""
+    from p2pdist.group.buckets import GradientBuckets
+
+    async with groups(2, timeout=10) as gs:
+        bs = await asyncio.gather(
+            *(GradientBuckets.create(g, bucket_bytes=8, op="sum") for g in gs)
+        )
+        old = [[np.full(1, 1.0), np.full(1, 10.0)] for _ in range(2)]
+        new = [np.full(1, 1000.0) for _ in range(2)]
+        twice = [np.full(4, 1.0 + r) for r in range(2)]
+
+        async def rank(r: int) -> None:
+            b = bs[r]
+            for a in old[r]:
+                b.add(a)  # two buckets of one float64 each
+            waiting = asyncio.create_task(b.wait())
+            await asyncio.sleep(0 if r == 0 else 0.2)
+            b.add(new[r])  # the next step begins before the last one's wait() returned
+            await waiting
+            await b.wait()
+            b.add(twice[r])
+            first = asyncio.create_task(b.wait())
+            await asyncio.sleep(0)
+            await b.wait()  # a second wait() returns once the buckets are reduced
+            np.testing.assert_array_equal(twice[r], np.full(4, 3.0))
+            await first
+
+        await asyncio.wait_for(asyncio.gather(rank(0), rank(1)), 20)
+        assert [[a[0] for a in o] for o in old] == [[2.0, 20.0]] * 2
+        assert [x[0] for x in new] == [2000.0] * 2
+
+
+async def test_gradient_buckets_keep_what_was_added_when_a_flush_has_no_loop() -> None:
+    """add() from another thread (an autograd hook's) filled a bucket: flush raised for
+    want of an event loop, after it had dropped every pending array."""
+    from p2pdist.group.buckets import GradientBuckets
+
+    async with groups(2, timeout=10) as gs:
+        bs = await asyncio.gather(
+            *(GradientBuckets.create(g, bucket_bytes=64, op="sum") for g in gs)
+        )
+        xs = [[np.full(3, 1.0 + r), np.full(5, 1.0 + r)] for r in range(2)]
+        for r in range(2):
+            bs[r].add(xs[r][0])
+            with pytest.raises(RuntimeError, match="event loop"):
+                await asyncio.to_thread(bs[r].add, xs[r][1])  # fills the bucket: flush
+        await asyncio.wait_for(asyncio.gather(*(b.wait() for b in bs)), 10)
+        for r in range(2):
+            np.testing.assert_array_equal(xs[r][0], np.full(3, 3.0))
+            np.testing.assert_array_equal(xs[r][1], np.full(5, 3.0))
+
+
+async def test_masked_arrays_and_matrices_do_not_break_the_group() -> None:
+    """A masked array broke the group on every rank (or its mask was summed over
+    silently); np.matrix broke reduce_scatter. Now: a UsageError before anything is
+    sent, and a matrix reduces as the plain array it holds."""
+    async with groups(2, timeout=10) as gs:
+        masked = np.ma.array([1.0, 2.0, 3.0], mask=[0, 1, 0])
+        with pytest.raises(UsageError, match="masked"):
+            await gs[0].all_reduce(masked)
+        with pytest.warns(PendingDeprecationWarning):  # numpy's advice against np.matrix
+            m = np.matrix([[1.0, 2.0], [3.0, 4.0]])
+        parts = await asyncio.gather(*(g.reduce_scatter(m) for g in gs))
+        np.testing.assert_array_equal(np.concatenate(parts), [[2.0, 4.0], [6.0, 8.0]])
+        assert all(g.broken is None for g in gs)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

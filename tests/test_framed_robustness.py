@@ -69,6 +69,36 @@ async def test_close_waits_for_a_slow_reader(tls: bool) -> None:
     await check_close_waits_for_a_slow_reader(functools.partial(tcp_pair, tls))
 
 
+async def test_close_does_not_wait_for_strangers_or_a_peer_that_streams_on(tls: bool) -> None:
+    """Closing waits for the peer's end only while it matters: a stranger's idle socket
+    (a port scan, a health probe) held TcpTransport.close() for idle_timeout (30 s), and
+    so did a peer that kept sending after our GOODBYE (its sends were queued for good:
+    now they fail, the peer having left)."""
+    cfg = config(tls, idle_timeout=60.0)
+    server = TcpTransport(key(1), cfg)
+    async with closing(server):
+        addr = await server.listen("127.0.0.1", 0)
+        stranger = socket.create_connection(addr)
+        try:
+            await passes(20)
+            await bounded(server.close(), "close() with a stranger's idle socket", 5.0)
+        finally:
+            stranger.close()
+    async with tcp_pair(tls, idle_timeout=60.0) as p:
+        chunk = bytes(1 << 20)
+
+        async def stream() -> None:
+            while True:
+                await p.server.send(1, chunk)
+
+        streamer = asyncio.create_task(stream())
+        await passes(20)
+        await bounded(p.client.close(), "close() while the peer streams", 5.0)
+        with pytest.raises(ConnectionBrokenError) as info:
+            await bounded(streamer, "the streaming peer's send failing")
+        assert info.value.graceful, info.value
+
+
 # ---- 3. GOODBYE then a reset is a graceful leave ----------------------------------------
 
 

@@ -552,6 +552,22 @@ async def test_doctor_on_a_relay_without_observation_does_not_blame_udp(tmp_path
     assert "UDP is blocked" not in report.verdict()
 
 
+def test_doctor_says_a_refusal_once(tmp_path: Path) -> None:
+    """`p2pdist doctor` against a relay that refuses us: the reason came twice, as the
+    library's warning on stderr and in the report; now in the report alone."""
+    import subprocess
+    import sys
+
+    with RelayProcess(tmp_path, "--stun-port", "0", "--token", "right") as relay:
+        proc = subprocess.run(
+            [sys.executable, "-m", "p2pdist.cli", "doctor", "--relay", relay.url,
+             "--token", "wrong", "--timeout", "5"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    assert proc.returncode == 1
+    assert (proc.stdout + proc.stderr).count("bad token") == 1, proc.stdout + proc.stderr
+
+
 async def test_doctor_names_an_unreachable_relay() -> None:
     from p2pdist.doctor import diagnose, render
 

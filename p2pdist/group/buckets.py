@@ -68,6 +68,9 @@ class GradientBuckets:
         self._dtype: np.dtype[Any] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._counts: list[int] = []  # arrays in each of self._tasks' buckets
+        self._last: asyncio.Task[None] | None = None
+        """The last bucket started, of this step or of one whose wait() still runs: the
+        next bucket goes after it, so buckets reduce in the same order on every rank."""
         self._feedback: list[ErrorFeedback] | None = [] if error_feedback else None
         self._sizes: list[int] = []  # elements of each bucket with feedback, by position
         self._index = 0  # position of the next bucket in this step
@@ -160,15 +163,17 @@ class GradientBuckets:
         """Start reducing what was added so far (the bucket need not be full)."""
         if not self._pending:
             return
+        loop = asyncio.get_running_loop()  # none (a hook's thread): the arrays stay pending
         arrays, self._pending, self._pending_bytes = self._pending, [], 0
         # A bucket of the wrong size raises here: its arrays are dropped (left as they
         # were) and its position stays free, so the helper goes on as before the call.
         feedback = self._bucket_feedback(sum(a.size for a in arrays))
         previous = self._tasks[-1] if self._tasks else None
-        self._tasks.append(
-            asyncio.get_running_loop().create_task(self._reduce_bucket(arrays, previous, feedback))
-        )
+        before = None if previous is not None else self._last  # an earlier step's, running
+        task = loop.create_task(self._reduce_bucket(arrays, previous, before, feedback))
+        self._tasks.append(task)
         self._counts.append(len(arrays))
+        self._last = task
 
     def _bucket_feedback(self, size: int) -> ErrorFeedback | None:
         """The next bucket's own ErrorFeedback (None without error feedback)."""
@@ -190,8 +195,13 @@ class GradientBuckets:
         self,
         arrays: list[np.ndarray],
         previous: asyncio.Task[None] | None,
+        before: asyncio.Task[None] | None,
         feedback: ErrorFeedback | None,
     ) -> None:
+        if before is not None and not before.done():
+            # The last bucket of the step before (its wait() still runs, and says how it
+            # ended): after it, whatever happened to it.
+            await asyncio.wait([before])
         if previous is not None:
             await asyncio.shield(previous)  # buckets reduce in order on every rank
         # In the wire dtype: a big-endian array joins its little-endian kin.
@@ -241,6 +251,13 @@ class GradientBuckets:
         self._index = 0
         tasks, self._tasks, sizes = self._tasks, [], self._counts
         self._counts = []
+        last = self._last
+        if not tasks and last is not None and not last.done():
+            # Another wait() runs for the buckets started before ours: wait for them too
+            # (returning now would hand back arrays not reduced yet).
+            await asyncio.wait([last])
+            if not last.cancelled() and (err := last.exception()) is not None:
+                raise err
         if tasks:
             # A failed bucket fails the later ones at once (they wait for it), so this
             # returns as soon as the first failure is known, as before.

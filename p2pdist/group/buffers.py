@@ -42,10 +42,15 @@ def as_array(x: Any) -> np.ndarray:
     """A C-contiguous ndarray view of ``x`` (copying only when needed), dtype checked."""
     if type(x) is np.ndarray and x.dtype in _NATIVE and x.flags.c_contiguous:
         return x  # the usual case, checked in one go
-    if not isinstance(x, np.ndarray):
+    if isinstance(x, np.ma.MaskedArray):  # its mask would be dropped on the wire
+        raise UsageError(
+            "masked arrays are not supported: pass x.filled(value) (or x.data to reduce "
+            "the masked values too)"
+        )
+    if type(x) is not np.ndarray:
         if hasattr(x, "__cuda_array_interface__"):
             raise UsageError("CuPy arrays are not supported yet; pass a numpy array")
-        x = np.asarray(x)
+        x = np.asarray(x)  # a subclass (np.matrix, say) too: its own rules would not hold
     wire_form(x.dtype)
     if x.dtype.byteorder == ">":
         x = x.astype(x.dtype.newbyteorder("<"))
@@ -63,7 +68,7 @@ def result_buffer(
     """
     if out is None:
         return np.empty(shape, dtype)
-    if not isinstance(out, np.ndarray):
+    if not isinstance(out, np.ndarray) or isinstance(out, np.matrix | np.ma.MaskedArray):
         raise UsageError(f"out must be a numpy array, got {type(out).__name__}")
     if out.dtype.byteorder == ">" and out.dtype.newbyteorder("<") == dtype:
         raise UsageError(

@@ -46,11 +46,11 @@ class GroupConfig:
     need it refuse to start (naming it), and one already running fails naming it."""
 
     def __post_init__(self) -> None:
-        check_seconds("timeout", self.timeout)
-        check_seconds("connect_timeout", self.connect_timeout)
-        check_int("small_bytes", self.small_bytes)
-        check_int("chunk_bytes", self.chunk_bytes, 4096)
-        check_int("max_message_bytes", self.max_message_bytes)
+        # Kept as plain numbers (numpy's are taken): formation compares them through msgpack.
+        for name in ("timeout", "connect_timeout"):
+            object.__setattr__(self, name, check_seconds(name, getattr(self, name)))
+        for name, least in (("small_bytes", 0), ("chunk_bytes", 4096), ("max_message_bytes", 0)):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), least))
         if self.transport.limits.max_payload < PIECE_BYTES:
             raise UsageError(
                 f"transport.limits.max_payload must be at least {PIECE_BYTES} bytes: a group "

@@ -112,6 +112,8 @@ class GroupCore(Runner):
         self._started = False
         self._formed = False
         self._closing = False
+        self._refusal_told: int | None = None
+        """The call (channel) a refusal for a left rank was last told to the others."""
         self._closer: asyncio.Future[None] | None = None
         """The root group's closing, once close() began (see :meth:`close`)."""
         self._listeners: list[asyncio.Task[None]] = []
@@ -400,8 +402,14 @@ class GroupCore(Runner):
         told which calls this rank took part in: theirs that it did not (running or
         later) fail at once naming it, the others finish, and the parent goes on."""
         if self._closing:
-            if self._closer is not None:
-                await asyncio.shield(self._closer)
+            closer = self._closer
+            # Not one whose loop has gone (asyncio.run ended): awaiting it would fail.
+            if (
+                closer is not None
+                and not closer.done()
+                and closer.get_loop() is asyncio.get_running_loop()
+            ):
+                await asyncio.shield(closer)
             return
         self._closing = True
         if self._parent is not None:
@@ -529,7 +537,9 @@ class GroupCore(Runner):
             # loss, and wait for our part): it fails here, so tell them (not advancing
             # our call id: every later call is refused too, and names the same one).
             channel = (self._space << SPACE_SHIFT) | self._next_cid
-            self._tell_call_failed(channel, self._root_ranks[min(left)])
+            if channel != self._refusal_told:  # once: a retry loop must not flood them
+                self._refusal_told = channel
+                self._tell_call_failed(channel, self._root_ranks[min(left)])
             raise self._left_error(left)
 
     # ---- point to point -----------------------------------------------------------------

@@ -46,13 +46,13 @@ class TransportConfig:
     QuicTransport has its own limit, ``QuicConfig.max_pending_handshakes``."""
 
     def __post_init__(self) -> None:
-        interval = check_seconds("keepalive_interval", self.keepalive_interval)
-        if check_seconds("idle_timeout", self.idle_timeout) <= interval:
+        # Kept as plain numbers (numpy's are taken): they go into msgpack and formatting.
+        for name in ("keepalive_interval", "idle_timeout", "handshake_timeout"):
+            object.__setattr__(self, name, check_seconds(name, getattr(self, name)))
+        if self.idle_timeout <= self.keepalive_interval:
             raise UsageError("need 0 < keepalive_interval < idle_timeout")
-        check_seconds("handshake_timeout", self.handshake_timeout)
-        check_int("max_buffered", self.max_buffered, 1)
-        check_int("write_buffer_high", self.write_buffer_high, 1)
-        check_int("max_pending_handshakes", self.max_pending_handshakes, 1)
+        for name in ("max_buffered", "write_buffer_high", "max_pending_handshakes"):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
 
 
 @dataclass(slots=True)

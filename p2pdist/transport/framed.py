@@ -56,6 +56,11 @@ GOODBYE = encode_header(FrameKind.GOODBYE)
 FLUSH_STALL = 2.0
 """Seconds :meth:`FramedConnection.close` waits for queued bytes to leave without any
 of them leaving before it gives up on them (the peer stopped reading)."""
+_FLUSH_POLL = 0.05
+"""Seconds between two looks at what the peer has taken while a close waits."""
+CLOSE_GRACE = 1.0
+"""Seconds :meth:`FramedConnection.close` waits, once the peer has all our bytes, for
+it to end its side too (a p2pdist peer does so as soon as its event loop runs)."""
 
 _T = TypeVar("_T")
 C = TypeVar("C", bound="FramedConnection")
@@ -123,35 +128,51 @@ class FramedConnection:
         close the byte pipe."""
         raise NotImplementedError
 
-    async def _await_flush(self, flushed: asyncio.Future[None], unsent: Callable[[], int]) -> bool:
-        """Wait for ``flushed`` while the peer keeps taking our bytes: give up once
+    async def _await_flush(
+        self, flushed: asyncio.Future[None], unsent: Callable[[], int]
+    ) -> int | None:
+        """Wait for ``flushed`` while the peer keeps taking our bytes. Give up once
         ``unsent()`` (bytes of ours the peer has not taken yet) stays above zero without
-        shrinking for :data:`FLUSH_STALL` seconds, or after ``idle_timeout`` in all. True
-        when flushed; else what the peer will not get is logged and False returned."""
-        deadline = self._loop.time() + max(FLUSH_STALL, self._cfg.idle_timeout)
-        left = unsent()
+        shrinking for :data:`FLUSH_STALL` seconds, once it has been zero for
+        :data:`CLOSE_GRACE` seconds (the peer has everything but does not answer: its
+        loop is busy, or it is no p2pdist peer), or after ``idle_timeout`` in all.
+        None when flushed; else the bytes left (what the peer will not get, logged)."""
+        loop = self._loop
+        now = loop.time()
+        deadline = now + max(FLUSH_STALL, self._cfg.idle_timeout)
+        left, moved = unsent(), now  # moved: when the peer last took some of our bytes
         while not flushed.done():
-            wait = min(FLUSH_STALL, deadline - self._loop.time())
+            limit = CLOSE_GRACE if not left else FLUSH_STALL
+            wait = min(_FLUSH_POLL, moved + limit - now, deadline - now)
             if wait > 0:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(wait):
                         await asyncio.shield(flushed)
                 if flushed.done():
                     break
+            now = loop.time()
             before, left = left, unsent()
-            if self._loop.time() < deadline and (left < before or not left):
-                continue  # the peer is reading, or has it all and has yet to answer
+            if left < before:
+                moved = now
+            limit = CLOSE_GRACE if not left else FLUSH_STALL
+            if now < min(moved + limit, deadline):
+                continue  # the peer is taking our bytes, or has them and may answer yet
             if left:
-                why = "read too slowly" if left < before else f"read nothing for {FLUSH_STALL:g} s"
+                why = (
+                    "read too slowly" if now >= deadline else f"read nothing for {FLUSH_STALL:g} s"
+                )
                 log.warning(
                     "%s: closed with %d bytes undelivered (the peer %s)", self.label, left, why
                 )
-            return False
-        return True
+            return left
+        return None
 
     def _drop(self) -> None:
         """Close the byte pipe at once, without flushing."""
         raise NotImplementedError
+
+    def _on_goodbye(self) -> None:
+        """The peer said GOODBYE: it sends nothing more (frames before it stay readable)."""
 
     # ---- public Connection API -------------------------------------------------------
 
@@ -430,6 +451,8 @@ class FramedConnection:
                     self._ping_sent_at = None
             elif f.kind is FrameKind.GOODBYE:
                 self._goodbye_received = True
+                self._on_goodbye()
+                return  # nothing follows a GOODBYE
 
     def _arm_keepalive(self) -> None:
         if self._keepalive is None or self._error is not None:

@@ -273,26 +273,40 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         if self._tls is not None and self._tls.handshake_done and not t.is_closing():
             with contextlib.suppress(Exception):  # best effort: GOODBYE said it already
                 t.write(self._tls.close_notify())
-        # Half-close and read on (dropping it) until the peer closes too: a socket closed
-        # with bytes unread (the peer's keepalive PINGs, say) answers them with a reset,
-        # and a reset makes the peer's kernel drop what it has not yet read of ours.
         self._closing = True
+        if self._handshaking:
+            t.close()  # not a peer yet (a stranger, a port scan): nothing of ours to deliver
+            return
         if not t.is_closing() and t.can_write_eof():
+            # Half-close and read on (dropping it) until the peer closes too: a socket
+            # closed with bytes unread (the peer's keepalive PINGs, say) answers them with
+            # a reset, and a reset makes the peer's kernel drop what it has not yet read
+            # of ours.
             t.write_eof()  # after the queued bytes
             t.resume_reading()
         else:
-            t.close()
+            t.close()  # after the queued bytes
         sock = t.get_extra_info("socket")
-        if not await self._await_flush(
+        left = await self._await_flush(
             self._lost, lambda: t.get_write_buffer_size() + kernel_unsent(sock)
-        ):
+        )
+        if left:
             # Drop what is still queued (the peer is not reading it), or the socket stays
             # open for as long as the peer wants. (Cancelled: FramedConnection.close drops.)
             t.abort()
+        elif left is not None:
+            t.close()  # the peer has it all, but has not ended its side: close ours
 
     def _drop(self) -> None:
         if self._transport is not None:
             self._transport.abort()
+
+    def _on_goodbye(self) -> None:
+        # The peer reads nothing more either (it drops what comes while it closes): our
+        # sends fail from now on, and our side ends too, which ends the peer's close.
+        self._finish(self._end_of_stream_error(None))
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()
 
     # ---- asyncio protocol callbacks ------------------------------------------------------
 
@@ -402,6 +416,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             self._protocol_error("TLS data that cannot be decrypted is piling up")
 
     def eof_received(self) -> bool | None:
+        # Ended now (not once our queued bytes have left: a send would queue on for good).
+        self._finish(self._end_of_stream_error(None))
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
