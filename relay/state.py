@@ -334,7 +334,7 @@ class RelayCore:
                     break
         except RelayProtocolError as exc:
             self.metrics.protocol_errors_total += 1
-            before = "" if s.phase is Phase.ACTIVE else " before AUTH"
+            before = "" if s.phase is Phase.ACTIVE or "before AUTH" in str(exc) else " before AUTH"
             self._close(s, "protocol_error", error=f"{exc}{before}")
         finally:
             self.flush()

@@ -222,6 +222,18 @@ async def test_gradient_buckets_keep_what_was_added_when_a_flush_has_no_loop() -
             np.testing.assert_array_equal(xs[r][1], np.full(5, 3.0))
 
 
+async def test_gradient_buckets_refuse_masked_arrays_at_add() -> None:
+    from p2pdist.group.buckets import GradientBuckets
+
+    async with groups(2, timeout=10) as gs:
+        bs = await asyncio.gather(
+            *(GradientBuckets.create(g, bucket_bytes=1 << 20, op="sum") for g in gs)
+        )
+        with pytest.raises(UsageError, match="plain numpy array"):
+            bs[0].add(np.ma.zeros(3))
+        await asyncio.gather(*(b.wait() for b in bs))
+
+
 async def test_masked_arrays_and_matrices_do_not_break_the_group() -> None:
     """A masked array broke the group on every rank (or its mask was summed over
     silently); np.matrix broke reduce_scatter. Now: a UsageError before anything is
@@ -230,6 +242,11 @@ async def test_masked_arrays_and_matrices_do_not_break_the_group() -> None:
         masked = np.ma.array([1.0, 2.0, 3.0], mask=[0, 1, 0])
         with pytest.raises(UsageError, match="masked"):
             await gs[0].all_reduce(masked)
+        with pytest.raises(UsageError, match="out must be a numpy array"):
+            await gs[1].recv(0, out=np.ma.zeros(3))
+        xs = np.arange(4.0).reshape(2, 2)
+        with pytest.raises(UsageError, match="overlaps"):  # it overwrote a row it sends
+            await gs[0].scatter(xs, 0, out=xs[1])
         with pytest.warns(PendingDeprecationWarning):  # numpy's advice against np.matrix
             m = np.matrix([[1.0, 2.0], [3.0, 4.0]])
         parts = await asyncio.gather(*(g.reduce_scatter(m) for g in gs))

@@ -205,6 +205,21 @@ async def test_float64_and_float16_edges_under_raising_errstate() -> None:
         assert all(g.broken is None for g in gs)
 
 
+async def test_bfloat16_overflow_and_int8_underflow_under_raising_errstate() -> None:
+    """Under np.errstate(all="raise") a bfloat16 sum past float32's range and an int8
+    block whose small elements scale below float32's smallest raised FloatingPointError
+    inside the collective and broke the group; now inf and the documented rounding."""
+    big = np.full(4, 3e38, np.float32)
+    mixed = np.array([1e3, 1e-45] * 128, np.float32)
+    async with groups(2) as gs:
+        with np.errstate(all="raise"):
+            outs = await reduce_all(gs, [big, big], wire_dtype="bfloat16", timeout=10)
+            assert np.isinf(outs[0]).all()
+            outs = await reduce_all(gs, [mixed, mixed], wire_dtype="int8", timeout=10)
+            np.testing.assert_allclose(outs[0][::2], 2e3, rtol=1e-2)
+        assert all(g.broken is None for g in gs)
+
+
 def test_int8_block_may_be_a_numpy_integer() -> None:
     from p2pdist.group.compress import make_codec
 

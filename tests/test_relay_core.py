@@ -164,6 +164,7 @@ def test_any_frame_but_auth_first_closes(kind: RelayFrameType) -> None:
     c.receive(s, encode_frame(kind, b"\0" * 40), 0.0)
     [(err, text)] = link.frames()
     assert err is T.ERROR and b"before AUTH" in text and link.closed
+    assert text.count(b"before AUTH") == 1, text  # it said "... before AUTH before AUTH"
     assert c.metrics.protocol_errors_total == 1
 
 

@@ -120,6 +120,8 @@ class GradientBuckets:
         self._check_open()
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
             raise UsageError("add() needs a C-contiguous numpy array (it is reduced in place)")
+        if isinstance(array, np.matrix | np.ma.MaskedArray):
+            raise UsageError(f"add() needs a plain numpy array, not a {type(array).__name__}")
         if not array.flags.writeable:
             raise UsageError("add() needs a writeable array (it is reduced in place)")
         dtype = self._check(array.dtype)

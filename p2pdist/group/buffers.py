@@ -97,7 +97,9 @@ def expectation(
     match a float32 message (the result is little-endian float32), and a big-endian
     ``out`` is filled with the right values (the received bytes are swapped in place).
     """
-    if out is not None and not isinstance(out, np.ndarray):
+    if out is not None and (
+        not isinstance(out, np.ndarray) or isinstance(out, np.matrix | np.ma.MaskedArray)
+    ):
         raise UsageError(f"out must be a numpy array, got {type(out).__name__}")
     if like is not None and not isinstance(like, np.ndarray):
         like = as_array(like)  # a list is fine: only its dtype and shape are used

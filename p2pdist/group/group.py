@@ -447,7 +447,8 @@ class Group(GroupCore):
             if ref is None:
                 raise UsageError("scatter on a non-source rank needs like=, out= or xs")
             blocks, dtype, item = None, as_array(ref).dtype, tuple(np.shape(ref))
-        result = result_buffer(None, item, dtype, out)
+        # On the source, out may not share memory with the rows it sends from.
+        result = result_buffer(blocks, item, dtype, out)
         self._check_usable()
         if self.size == 1:
             assert blocks is not None
