@@ -10,7 +10,6 @@ Every :class:`~p2pdist.errors.P2PError` that reaches the top is printed as
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import os
 import secrets
@@ -22,7 +21,7 @@ from . import __version__
 from .errors import KeyFileError, P2PError, UsageError
 from .eventloop import LOOP_CHOICES, LOOP_ENV, resolve_loop
 from .identity import SecretKey, derive_endpoint_ids
-from .launch import LaunchConfig, launch
+from .launch import LaunchConfig, discard_output, launch
 
 __all__ = ["build_parser", "main"]
 
@@ -223,8 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `p2pdist demo | head`: the reader went away, as for SIGPIPE
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        discard_output(sys.stdout)
         return 141
 
 

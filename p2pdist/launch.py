@@ -38,7 +38,7 @@ import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, TextIO
 
 from .errors import UsageError
 from .identity import check_seed
@@ -258,18 +258,24 @@ class LineSplitter:
         return [tail] if tail else []
 
 
+def discard_output(out: BinaryIO | TextIO) -> None:
+    """Send what is still written to ``out`` to /dev/null, quietly: its reader went away
+    (a BrokenPipeError, and at exit Python's own flush would print another)."""
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, out.fileno())
+        finally:
+            os.close(null)
+
+
 def _emit(out: BinaryIO, prefix: bytes, lines: list[bytes], broken: Callable[[], None]) -> None:
     try:
         for line in lines:
             out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
             out.flush()
     except BrokenPipeError:  # `launch ... | head`: whoever read our output is gone
-        with contextlib.suppress(OSError, ValueError):  # the rest goes nowhere, quietly
-            null = os.open(os.devnull, os.O_WRONLY)
-            try:
-                os.dup2(null, out.fileno())
-            finally:
-                os.close(null)
+        discard_output(out)
         broken()
     except OSError:  # the terminal hung up (EIO; SIGHUP stops the ranks): keep draining
         pass

@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import UsageError
 
-__all__ = ["check_int", "check_seconds"]
+__all__ = ["as_int", "check_int", "check_seconds"]
 
 
 def check_seconds(name: str, value: object) -> float:
@@ -27,14 +27,21 @@ def check_seconds(name: str, value: object) -> float:
     raise UsageError(f"{name} must be a positive finite number of seconds, got {value!r}")
 
 
+def as_int(x: object) -> int | None:
+    """``x`` as a plain int when it is an integer (numpy's too: ranks often come from
+    numpy), None otherwise; a bool is not taken for a number."""
+    if isinstance(x, bool | np.bool_):
+        return None
+    try:
+        return operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def check_int(name: str, value: object, minimum: int = 0) -> int:
-    """``value`` as an int when it is an integer of at least ``minimum``."""
-    size: int | None = None
-    if not isinstance(value, bool | np.bool_):
-        try:
-            size = operator.index(value)  # type: ignore[arg-type]
-        except TypeError:
-            size = None
+    """``value`` as an int when it is an integer of at least ``minimum`` (a bad argument
+    is refused before anything is recorded or sent)."""
+    size = as_int(value)
     if size is None or size < minimum:
         raise UsageError(f"{name} must be an integer of at least {minimum}, got {value!r}")
     return size

@@ -334,7 +334,7 @@ class RelayCore:
                     break
         except RelayProtocolError as exc:
             self.metrics.protocol_errors_total += 1
-            before = "" if s.phase is Phase.ACTIVE or "before AUTH" in str(exc) else " before AUTH"
+            before = "" if s.phase is Phase.ACTIVE else " before AUTH"
             self._close(s, "protocol_error", error=f"{exc}{before}")
         finally:
             self.flush()
@@ -437,7 +437,7 @@ class RelayCore:
             self._forward(s, body, now)
         elif s.phase is Phase.AUTH:
             if kind is not RelayFrameType.AUTH:
-                raise RelayProtocolError(f"{kind.name} frame before AUTH")
+                raise RelayProtocolError(f"{kind.name} frame")  # " before AUTH" is added
             self._auth(s, body, now)
         elif kind is RelayFrameType.PING:
             if len(body) != PING_LEN:

@@ -15,14 +15,14 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
-from ..group.buffers import as_int, wire_form
+from ..group.buffers import wire_form
+from ..settings import as_int
 from .config import FederatedConfig
 
 __all__ = [
     "Reason",
     "aggregate",
     "apply_update",
-    "check_count",
     "check_model",
     "check_update",
     "trim_count",
@@ -105,16 +105,6 @@ def check_model(model: np.ndarray) -> np.ndarray:
     # join, and a big-endian model is kept little-endian, the dtype the updates come in.
     wire = wire_form(arr.dtype)
     return arr if arr.dtype == wire else arr.astype(wire)
-
-
-def check_count(value: Any, what: str, low: int) -> int:
-    """``value`` as a plain int (numpy integers too) of at least ``low``; else a
-    :class:`UsageError` naming ``what`` (a bad argument is refused before anything is
-    recorded or sent)."""
-    n = as_int(value)
-    if n is None or n < low:
-        raise UsageError(f"{what} must be an int >= {low}, got {value!r}")
-    return n
 
 
 def trim_count(n: int, fraction: float) -> int:

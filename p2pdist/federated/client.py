@@ -22,12 +22,12 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId, SecretKey
+from ..settings import check_int
 from ..tasks import cancel_and_wait
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.dial import dial_with_retry
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
-from .aggregate import check_count
 from .messages import CLIENT_CHANNEL, Message, decode, encode
 from .net import open_transport
 
@@ -206,10 +206,10 @@ class FederatedClient:
         :attr:`stop_error`), also when the stop arrives
         while the update is being sent and the coordinator has closed the connection.
         Other connection errors raise."""
-        num_samples = check_count(num_samples, "num_samples", 1)
-        base_round = check_count(base_round, "base_round", 0)
+        num_samples = check_int("num_samples", num_samples, 1)
+        base_round = check_int("base_round", base_round, 0)
         if round_id is not None:
-            round_id = check_count(round_id, "round_id", 0)
+            round_id = check_int("round_id", round_id, 0)
         if self.stopped is not None:
             return False
         conn = self._need_conn()

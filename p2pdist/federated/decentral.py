@@ -40,10 +40,11 @@ from ..errors import (
     UsageError,
 )
 from ..group.buffers import as_array
+from ..settings import check_int
 from ..tasks import cancel_and_wait
 from ..transport.base import Connection
 from ..wire.frames import Frame
-from .aggregate import Reason, aggregate, apply_update, check_count, check_model
+from .aggregate import Reason, aggregate, apply_update, check_model
 from .config import FederatedConfig
 from .decision import GroupRound, OwnUpdate, cid, decision_body, digest_async
 from .leading import Leading
@@ -215,8 +216,8 @@ class GroupAveraging(Leading):
             raise GroupBrokenError("this rank's averaging is out of step", self._failed)
         k = self._round
         if update is not None:
-            samples = check_count(num_samples, "num_samples", 1)  # None too: required
-            base = k if base_round is None else check_count(base_round, "base_round", 0)
+            samples = check_int("num_samples", num_samples, 1)  # None too: required
+            base = k if base_round is None else check_int("base_round", base_round, 0)
             sent = as_array(update)
             if self._own is not None:  # carried from an earlier round, never aggregated
                 self._replacing_carried(k, self._own)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
-from .buffers import wire_form
+from .buffers import is_plain_array, wire_form
 from .compress import INT8_BLOCK, ErrorFeedback
 from .group import Group
 
@@ -118,10 +118,10 @@ class GradientBuckets:
         An array the bucket's all_reduce cannot reduce is a :class:`UsageError` here,
         before anything is queued."""
         self._check_open()
-        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
-            raise UsageError("add() needs a C-contiguous numpy array (it is reduced in place)")
-        if isinstance(array, np.matrix | np.ma.MaskedArray):
+        if not is_plain_array(array):
             raise UsageError(f"add() needs a plain numpy array, not a {type(array).__name__}")
+        if not array.flags.c_contiguous:
+            raise UsageError("add() needs a C-contiguous numpy array (it is reduced in place)")
         if not array.flags.writeable:
             raise UsageError("add() needs a writeable array (it is reduced in place)")
         dtype = self._check(array.dtype)

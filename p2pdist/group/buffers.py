@@ -11,22 +11,18 @@ import numpy as np
 from ..errors import UsageError
 from ..wire.arrays import WIRE_DTYPES, ArrayHeaderError, check_dtype
 
-__all__ = ["as_array", "as_int", "expectation", "mismatch", "result_buffer", "wire_form"]
+__all__ = ["as_array", "expectation", "is_plain_array", "mismatch", "result_buffer", "wire_form"]
 
 
 _NATIVE = frozenset(np.dtype("<" + code) for code in WIRE_DTYPES)
 """The wire dtypes in little-endian order: they travel as they are (the fast path)."""
 
 
-def as_int(x: object) -> int | None:
-    """``x`` as a plain int when it is an integer (numpy's too: ranks often come from
-    numpy), None otherwise; a bool is not taken for a number."""
-    if isinstance(x, bool | np.bool_):
-        return None
-    try:
-        return operator.index(x)  # type: ignore[arg-type]
-    except TypeError:
-        return None
+def is_plain_array(x: object) -> bool:
+    """Whether ``x`` is an ndarray that a collective may fill or reduce in place: not a
+    masked array (its mask cannot travel) nor an ``np.matrix`` (it stays 2-D when
+    flattened); other subclasses (``np.memmap``) behave as plain arrays do."""
+    return isinstance(x, np.ndarray) and not isinstance(x, np.matrix | np.ma.MaskedArray)
 
 
 def wire_form(dtype: Any) -> np.dtype[Any]:
@@ -68,7 +64,7 @@ def result_buffer(
     """
     if out is None:
         return np.empty(shape, dtype)
-    if not isinstance(out, np.ndarray) or isinstance(out, np.matrix | np.ma.MaskedArray):
+    if not is_plain_array(out):
         raise UsageError(f"out must be a numpy array, got {type(out).__name__}")
     if out.dtype.byteorder == ">" and out.dtype.newbyteorder("<") == dtype:
         raise UsageError(
@@ -97,9 +93,7 @@ def expectation(
     match a float32 message (the result is little-endian float32), and a big-endian
     ``out`` is filled with the right values (the received bytes are swapped in place).
     """
-    if out is not None and (
-        not isinstance(out, np.ndarray) or isinstance(out, np.matrix | np.ma.MaskedArray)
-    ):
+    if out is not None and not is_plain_array(out):
         raise UsageError(f"out must be a numpy array, got {type(out).__name__}")
     if like is not None and not isinstance(like, np.ndarray):
         like = as_array(like)  # a list is fine: only its dtype and shape are used

@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import UsageError
-from .buffers import as_int
+from ..settings import check_int
 from .halfcast import HalfScratch, decode_f16, encode_f16, subnormals_flushed
 
 __all__ = [
@@ -363,10 +363,7 @@ def make_codec(wire_dtype: str, block: int = INT8_BLOCK, *, f16_route: str = "bi
     if wire_dtype == "bfloat16":
         return _Bf16Codec()
     if wire_dtype == "int8":
-        size = as_int(block)
-        if size is None or size < 1:
-            raise UsageError(f"int8 block size must be a positive int, got {block!r}")
-        return _Int8Codec(size)
+        return _Int8Codec(check_int("int8 block size", block, 1))
     raise UsageError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype!r}")
 
 

@@ -25,6 +25,7 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId, SecretKey
+from ..settings import as_int
 from ..tasks import cancel_and_wait
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.mailbox import SPACE_SHIFT
@@ -34,7 +35,7 @@ from ..transport.relay_path import RelayPath, RelayStatus
 from ..transport.tcp import TcpTransport, parse_address
 from ..wire.relay import RelayUrl
 from . import p2p
-from .buffers import as_array, as_int, expectation
+from .buffers import as_array, expectation
 from .config import GroupConfig
 from .membership import CONTROL_CHANNEL, LAST_SPACE, Membership
 from .runner import Runner

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import UsageError
+from ..settings import as_int
 from . import algorithms as alg
-from .buffers import as_array, as_int, result_buffer
+from .buffers import as_array, result_buffer
 from .compress import (
     INT8_BLOCK,
     ErrorFeedback,

@@ -142,29 +142,25 @@ class FramedConnection:
         deadline = now + max(FLUSH_STALL, self._cfg.idle_timeout)
         left, moved = unsent(), now  # moved: when the peer last took some of our bytes
         while not flushed.done():
-            limit = CLOSE_GRACE if not left else FLUSH_STALL
-            wait = min(_FLUSH_POLL, moved + limit - now, deadline - now)
-            if wait > 0:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(wait):
-                        await asyncio.shield(flushed)
-                if flushed.done():
-                    break
+            limit = min(moved + (FLUSH_STALL if left else CLOSE_GRACE), deadline)
+            if now >= limit:
+                if left:
+                    why = (
+                        "read too slowly"
+                        if now >= deadline
+                        else f"read nothing for {FLUSH_STALL:g} s"
+                    )
+                    log.warning(
+                        "%s: closed with %d bytes undelivered (the peer %s)", self.label, left, why
+                    )
+                return left
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(_FLUSH_POLL, limit - now)):
+                    await asyncio.shield(flushed)
             now = loop.time()
             before, left = left, unsent()
             if left < before:
-                moved = now
-            limit = CLOSE_GRACE if not left else FLUSH_STALL
-            if now < min(moved + limit, deadline):
-                continue  # the peer is taking our bytes, or has them and may answer yet
-            if left:
-                why = (
-                    "read too slowly" if now >= deadline else f"read nothing for {FLUSH_STALL:g} s"
-                )
-                log.warning(
-                    "%s: closed with %d bytes undelivered (the peer %s)", self.label, left, why
-                )
-            return left
+                moved = now  # the peer is taking our bytes (or has just taken the last)
         return None
 
     def _drop(self) -> None:

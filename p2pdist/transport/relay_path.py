@@ -194,8 +194,8 @@ class RelayPath:
         self.on_peer_gone: Callable[[EndpointId], None] | None = None
         self.max_datagram = MAX_DATAGRAM
         self._status = RelayStatus(str(self.url), RelayState.CONNECTING)
-        self._ports_advertised = False
-        """Whether an AUTH_OK listed the observation ports (an empty list: none run)."""
+        self._observation_off = False
+        """Whether the last AUTH_OK listed no observation port at all (an empty list)."""
         self._writer: asyncio.Transport | None = None
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
@@ -256,7 +256,7 @@ class RelayPath:
     @property
     def observation_off(self) -> bool:
         """Whether the relay said it runs no UDP observation port (``--stun-port 0``)."""
-        return self._ports_advertised and not self._status.stun_ports
+        return self._observation_off
 
     async def observation_targets(self) -> list[tuple[str, int]]:
         """The relay's UDP observation ports as (IPv4 address, port): the ports the relay
@@ -425,10 +425,7 @@ class RelayPath:
         interval = self.config.keepalive or relay_keepalive(keepalive)
         limits = {k: float(v) for k, v in info.items() if isinstance(v, int | float)}
         observed = info.get("observed")
-        advertised = info.get("stun_ports")
-        self._ports_advertised = isinstance(advertised, list | tuple) and (
-            not advertised or bool(parse_stun_ports(advertised))
-        )
+        self._observation_off = info.get("stun_ports") == []
         self._set(
             state=RelayState.CONNECTED,
             observed=observed if isinstance(observed, str) else None,
