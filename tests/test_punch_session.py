@@ -161,6 +161,40 @@ def test_candidates_from_the_peer_replace_the_previous_list() -> None:
     assert len(only(p.poll(0.5), SendPing)) <= MAX_KNOWN
 
 
+def test_a_peer_naming_fresh_addresses_again_and_again_cannot_make_us_flood_them() -> None:
+    """An authenticated peer may name any address (a third party's) in CANDIDATES: at
+    most MAX_KNOWN new ones get PINGs per retry_after, whatever it sends and however a
+    round starts; the latest list's addresses are probed in the next window."""
+    cfg = PunchConfig(retry_after=15.0)
+    p = PeerPaths(cfg, session=b"m" * 16)
+    p.start(0.0)
+    targets: set[tuple[str, int]] = set()
+    sent = 0
+
+    def pings(acts: list[Any]) -> None:
+        nonlocal sent
+        for ping in only(acts, SendPing):
+            sent += 1
+            targets.add(ping.addr)
+
+    for i in range(1000):  # 16 fresh addresses, 200 lists a second
+        t = i * 0.005
+        addrs = tuple((f"198.51.{i % 250}.{j + 1}", 1000 + i) for j in range(MAX_CANDIDATES))
+        pings(p.on_candidates(addrs, False, t, session=b"p" * 16))
+        pings(p.on_candidates(addrs, False, t, session=b"p" * 16))  # sent twice: no PING sooner
+        pings(p.poll(t))
+    assert len(targets) == MAX_KNOWN  # without the bound: 16,000 addresses
+    assert p.deferred_candidates == 1000 * MAX_CANDIDATES - MAX_KNOWN
+    pings(p.poll(6.0))  # the round ends without a path: backoff
+    assert p.phase is Phase.BACKOFF
+    latest = tuple(p._candidates)
+    pings(p.on_candidates(latest, False, 14.0, session=b"p" * 16))  # a new round begins
+    assert p.phase is Phase.PUNCHING and not set(latest) & targets
+    pings(p.poll(15.0))  # the next window: the latest list gets its PINGs
+    assert set(latest) <= targets and len(targets) == MAX_KNOWN + MAX_CANDIDATES
+    assert sent < 10 * (MAX_KNOWN + MAX_CANDIDATES)
+
+
 def test_replayed_pings_from_many_sources_are_bounded_and_keep_the_backoff() -> None:
     cfg = PunchConfig(retry_after=15.0)
     me, peer = b"m" * 16, b"p" * 16
@@ -257,7 +291,8 @@ def test_what_the_peer_sends_from_is_forgotten_when_its_session_changes() -> Non
 
 def test_direct_paths_and_heard_from_stay_bounded_under_new_candidate_lists() -> None:
     me, peer = b"m" * 16, b"p" * 16
-    p = PeerPaths(PunchConfig(), session=me)
+    # a window so short that every list's addresses are probed at once
+    p = PeerPaths(PunchConfig(retry_after=0.0005), session=me)
     p.start(0.0)
     pings: list[SendPing] = []
     for i in range(100):  # an authenticated peer sends 16 fresh addresses each time
