@@ -141,9 +141,45 @@ async def test_compression_usage_errors() -> None:
             await g.all_reduce(np.ones(4), mode="deterministic", wire_dtype="float16")
         with pytest.raises(UsageError, match="needs a wire_dtype"):
             await g.all_reduce(np.ones(4), error_feedback=ErrorFeedback())
+        with pytest.raises(UsageError, match="error_feedback must be an ErrorFeedback"):
+            await g.all_reduce(np.ones(4), wire_dtype="int8", error_feedback=True)  # type: ignore[arg-type]
     async with Group.from_seed("test-seed-0123456789", rank=0, world=1) as solo:
         x = np.linspace(0, 1, 7, dtype=np.float32)
         assert np.array_equal(await solo.all_reduce(x, wire_dtype="int8"), x)
+
+
+async def test_a_call_refused_for_its_timeout_leaves_input_and_residual_alone() -> None:
+    """In place, a float32 mean divides the input before it is encoded, and error feedback
+    updates its residual: a refused call must do neither, so that the same call retried
+    with good arguments still gives the right result."""
+    async with groups(2) as gs:
+        xs = [np.full(8, 4.0, np.float32) for _ in gs]
+        efs = [ErrorFeedback() for _ in gs]
+        ys = [np.linspace(0, 1, 64, dtype=np.float32) + r for r in range(2)]
+        for g in gs:
+            with pytest.raises(UsageError, match="timeout"):
+                await g.all_reduce(
+                    xs[g.rank], op="mean", wire_dtype="bfloat16", out=xs[g.rank], timeout=0
+                )
+        assert all(np.array_equal(x, np.full(8, 4.0, np.float32)) for x in xs)
+        means = await asyncio.gather(
+            *(
+                g.all_reduce(xs[g.rank], op="mean", wire_dtype="bfloat16", out=xs[g.rank])
+                for g in gs
+            )
+        )
+        assert all(np.array_equal(m, np.full(8, 4.0, np.float32)) for m in means)
+        await asyncio.gather(
+            *(g.all_reduce(ys[g.rank], wire_dtype="int8", error_feedback=efs[g.rank]) for g in gs)
+        )
+        kept = [ef.residual.copy() for ef in efs]  # type: ignore[union-attr]
+        assert any(np.any(k != 0) for k in kept)
+        for g in gs:
+            with pytest.raises(UsageError, match="timeout"):
+                await g.all_reduce(
+                    ys[g.rank], wire_dtype="int8", error_feedback=efs[g.rank], timeout=-1
+                )
+        assert all(np.array_equal(ef.residual, k) for ef, k in zip(efs, kept, strict=True))
 
 
 async def test_a_block_larger_than_the_array_needs_no_block_sized_scratch() -> None:

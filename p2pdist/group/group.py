@@ -164,6 +164,9 @@ class Group(GroupCore):
             label = f"{label}@{wire_dtype}" + (f"/{block}" if wire_dtype == "int8" else "")
         descriptor = describe_call("all_reduce", label, arr.dtype.str, arr.shape)
         if codec is not None:
+            # What follows may change the input (in place) and the residual: a call refused
+            # for its timeout must not have done either.
+            self._seconds(timeout)
             # mean divides before encoding (as NCCL does): partial sums then stay in the
             # inputs' range, which a float16 wire needs.
             divisor = self.size if rop.divide else 1
@@ -663,6 +666,11 @@ def _codec_for(
     ordered: bool,
 ) -> WireCodec | None:
     """The wire codec of a compressed all_reduce, or None; checks the combination."""
+    if feedback is not None and not isinstance(feedback, ErrorFeedback):
+        raise UsageError(
+            "error_feedback must be an ErrorFeedback (one per tensor, kept across calls), "
+            f"not {type(feedback).__name__}"
+        )
     if wire_dtype is None:
         if feedback is not None:
             raise UsageError("error_feedback needs a wire_dtype")
