@@ -54,7 +54,7 @@ class PeerReport:
     error: str | None = None
     direct: bool = False
     direct_after: float | None = None
-    """Seconds from the relayed connection to a direct path."""
+    """Seconds from the dial (through the relay) to a validated direct path."""
     remote: str | None = None
     rtt: float | None = None
     """QUIC's smoothed RTT on the final path, seconds."""
@@ -173,19 +173,21 @@ async def diagnose(
 
 async def _check_peer(transport: QuicTransport, peer: EndpointId, timeout: float) -> PeerReport:
     out = PeerReport(str(peer))
+    # Punching starts as soon as the relayed handshake has authenticated the peer, often
+    # before connect() returns: time the direct path from the dial.
+    start = time.monotonic()
     try:
         conn = await transport.connect(peer, None, label=f"peer {peer.short()}")
     except P2PError as exc:
         out.error = str(exc)
         return out
     out.connected = True
-    start = time.monotonic()
     while time.monotonic() - start < timeout:
         if conn.path_kind == "direct":
             out.direct = True
             out.direct_after = time.monotonic() - start
             break
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.002)
     try:
         payload = bytes(TRANSFER_BYTES)
         t0 = time.perf_counter()

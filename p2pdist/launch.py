@@ -50,6 +50,7 @@ __all__ = [
     "ENV_SEED",
     "ENV_TLS",
     "ENV_WORLD",
+    "MAX_LOCAL_RANKS",
     "LaunchConfig",
     "LineSplitter",
     "RankExit",
@@ -91,8 +92,11 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if not self.command:
             raise UsageError("launch needs a command after '--', e.g. -- python train.py")
-        if self.nprocs < 1:
-            raise UsageError(f"the number of ranks (-n) must be >= 1, got {self.nprocs}")
+        if not 1 <= self.nprocs <= MAX_LOCAL_RANKS:
+            raise UsageError(
+                f"the number of ranks (-n) must be 1 to {MAX_LOCAL_RANKS} on one machine "
+                f"(each rank is a process with a TCP port), got {self.nprocs}"
+            )
         if self.seed is not None:
             # What every rank's Group.from_seed would refuse, said once, before starting.
             try:
@@ -138,6 +142,12 @@ def exit_status(returncode: int) -> int:
     if returncode < 0:
         return 128 + (-returncode)
     return returncode if returncode > 0 else 1
+
+
+MAX_LOCAL_RANKS = 1024
+"""Most ranks ``launch`` starts on one machine: each is a process with its own port, and
+binding many thousands of ports at once slows to a crawl once the kernel's local port
+range runs short."""
 
 
 def pick_free_ports(host: str, count: int) -> list[int]:

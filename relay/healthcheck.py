@@ -52,7 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             http_get(url, "/health", timeout=args.timeout, verify=bool(args.url))
         )
     except (OSError, TimeoutError, ValueError, IndexError) as exc:
-        why = str(exc) or type(exc).__name__  # a timeout has no text of its own
+        # str() of an ssl.SSLError made with a message alone is its args tuple
+        text = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
+        why = text or type(exc).__name__  # a timeout has no text of its own
         if isinstance(exc, TimeoutError):
             why = f"no answer within {args.timeout:g} s"
         print(f"unhealthy: {why}", file=sys.stderr)

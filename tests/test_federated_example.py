@@ -29,6 +29,7 @@ pytest.importorskip("sklearn")
 
 from transport_conformance import wait_until
 
+from examples.federated import IDLE_TIMEOUT
 from examples.federated.model import (
     Split,
     evaluate,
@@ -37,7 +38,7 @@ from examples.federated.model import (
     non_iid_shards,
     sgd,
 )
-from p2pdist import P2PTimeoutError, TransportConfig
+from p2pdist import P2PTimeoutError, PunchConfig, SecretKey, TransportConfig
 from p2pdist.federated import Coordinator, FederatedClient, FederatedConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -263,6 +264,37 @@ def test_example_run_refuses_bad_options_before_starting(args: list[str], messag
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+_ID = SecretKey.from_seed("federated-example-seed", 0).endpoint_id
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "message"),
+    [
+        ("coordinator", ["--listen", "127.0.0.1:99999"], "--listen: address"),
+        ("coordinator", ["--listen", "nonsense"], "--listen: address"),
+        ("client", ["--coordinator", "badid", "--address", "127.0.0.1:9"], "--coordinator:"),
+        ("client", ["--coordinator", str(_ID), "--address", "127.0.0.1:99999"], "--address:"),
+        ("client", ["--coordinator", str(_ID), "--relay", "notaurl"], "--relay:"),
+    ],
+)
+def test_example_processes_refuse_bad_addresses_in_one_line(
+    module: str, args: list[str], message: str
+) -> None:
+    """These were tracebacks from inside the coordinator or the client."""
+    extra = ["--clients", "2"] + (["--index", "0"] if module == "client" else ["--rounds", "1"])
+    cmd = [sys.executable, "-m", f"examples.federated.{module}", *args, *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_example_idle_timeout_outlasts_the_fallback_to_the_relay() -> None:
+    """At 5 s every process of a run through a relay warned that a dying direct path
+    could end its connection before it fell back to the relay."""
+    punch = PunchConfig()
+    assert punch.path_timeout + punch.keepalive < IDLE_TIMEOUT
 
 
 def test_example_shards_refuse_what_cannot_be_drawn_instead_of_looping() -> None:

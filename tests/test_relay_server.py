@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import io
 import ipaddress
 import os
 import re
@@ -766,6 +767,11 @@ def test_cli_key_file_is_created_private_and_keeps_the_pin(tmp_path: Path) -> No
         assert url_file.read_text() == url1 + "\n"
         port = str(RelayUrl.parse(url1).port)
         assert healthcheck(["--url", url1]) == 0 and healthcheck(["--port", port]) == 0
+        wrong = str(RelayUrl("127.0.0.1", int(port), B.endpoint_id))
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            assert healthcheck(["--url", wrong]) == 1
+        # the message itself, not the repr of ssl.SSLError's args tuple
+        assert err.getvalue() == "unhealthy: relay key does not match the pin in its URL\n"
         assert first.stop()[0] == 0
     assert not url_file.exists()  # a stopped relay's URL is not left for scripts to dial
     assert healthcheck(["--port", port, "--timeout", "5"]) == 1

@@ -22,10 +22,13 @@ import sys
 
 import numpy as np
 
-from p2pdist import SecretKey, TransportConfig, UsageError
+from p2pdist import EndpointId, SecretKey, TransportConfig, UsageError
 from p2pdist.federated import FederatedClient, RoundTask
 from p2pdist.identity import check_seed
+from p2pdist.transport.tcp import parse_address
+from p2pdist.wire.relay import RelayUrl
 
+from . import IDLE_TIMEOUT
 from .model import Split, load_digits, non_iid_shards, sgd
 
 CLIENT_KEY_DOMAIN = "p2pdist-example-client:"
@@ -80,6 +83,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             check_seed(args.key_seed)
         except UsageError as exc:
             p.error(f"--key-seed: {exc}")
+    checks = (
+        ("--coordinator", EndpointId.parse, args.coordinator),
+        ("--address", parse_address, args.address),
+        ("--relay", RelayUrl.parse, args.relay),
+    )
+    for flag, parse, value in checks:
+        if value is not None:
+            try:  # one line now, not a traceback from inside the client
+                parse(value)
+            except UsageError as exc:
+                p.error(f"{flag}: {exc}")
     return args
 
 
@@ -100,7 +114,7 @@ async def run(args: argparse.Namespace) -> int:
         relay=args.relay,
         relay_token=args.relay_token,
         key=key,
-        transport=TransportConfig(tls=not args.plaintext, idle_timeout=5.0),
+        transport=TransportConfig(tls=not args.plaintext, idle_timeout=IDLE_TIMEOUT),
         name=f"client {args.index}",
     )
     task: RoundTask | None = await client.connect()

@@ -23,8 +23,10 @@ from p2pdist import SecretKey, TransportConfig, UsageError
 from p2pdist.bench import unwritable
 from p2pdist.federated import Coordinator, FederatedConfig
 from p2pdist.identity import check_seed
+from p2pdist.transport.tcp import parse_address
 from p2pdist.wire.relay import RelayUrl
 
+from . import IDLE_TIMEOUT
 from .model import centralised_accuracy, evaluate, init_model, load_digits
 from .report import Row, Table, plot
 
@@ -84,6 +86,11 @@ def check_coordinator_args(p: argparse.ArgumentParser, args: argparse.Namespace)
             RelayUrl.parse(args.relay)
         except UsageError as exc:
             p.error(f"--relay: {exc}")
+    if getattr(args, "listen", None) is not None:
+        try:
+            parse_address(args.listen)
+        except UsageError as exc:
+            p.error(f"--listen: {exc}")
     try:
         fed_config(args)
     except (UsageError, ValueError) as exc:
@@ -121,7 +128,7 @@ async def serve(
     train, test = load_digits()
     model = init_model(args.seed)
     # A client that vanishes without a word over UDP (QUIC) is noticed after idle_timeout.
-    transport = TransportConfig(tls=not args.plaintext, idle_timeout=5.0)
+    transport = TransportConfig(tls=not args.plaintext, idle_timeout=IDLE_TIMEOUT)
     async with Coordinator(model, fed_config(args), key=key, transport=transport) as coord:
         await coord.start(
             listen=listen, relay=relay, relay_token=os.environ.get("P2PDIST_RELAY_TOKEN")

@@ -173,7 +173,9 @@ class GroupCore(Runner):
         reach each other by endpoint id alone, over QUIC through the relay, with no
         addresses at all (``relay_token`` for a relay that wants one). ``tls=False`` is
         authenticated plaintext TCP, for trusted networks only; None keeps ``config``'s
-        setting (TLS by default). ``rejoin=True`` joins a running group again after this
+        setting (TLS by default). ``timeout`` sets ``config.timeout``, the default bound on
+        every collective; forming the group (the relay session included) is bounded by
+        ``config.connect_timeout`` instead. ``rejoin=True`` joins a running group again after this
         rank was lost (restarted with the same seed and rank; the others must run with
         ``GroupConfig(on_peer_loss="leave")``, and so must this rank): see
         docs/architecture.md §5."""
