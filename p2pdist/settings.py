@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import UsageError
 
-__all__ = ["as_int", "check_int", "check_seconds"]
+__all__ = ["INT_MAX", "as_int", "check_int", "check_seconds"]
 
 
 def check_seconds(name: str, value: object) -> float:
@@ -38,10 +38,17 @@ def as_int(x: object) -> int | None:
         return None
 
 
+INT_MAX = 2**63 - 1
+"""The largest integer :func:`check_int` takes: what travels as a signed 64-bit integer
+(msgpack cannot encode a larger one, and a count or round past it is no real one)."""
+
+
 def check_int(name: str, value: object, minimum: int = 0) -> int:
-    """``value`` as an int when it is an integer of at least ``minimum`` (a bad argument
-    is refused before anything is recorded or sent)."""
+    """``value`` as an int when it is an integer of at least ``minimum`` and at most
+    :data:`INT_MAX` (a bad argument is refused before anything is recorded or sent)."""
     size = as_int(value)
     if size is None or size < minimum:
         raise UsageError(f"{name} must be an integer of at least {minimum}, got {value!r}")
+    if size > INT_MAX:
+        raise UsageError(f"{name} must be at most 2**63 - 1, got {value!r}")
     return size

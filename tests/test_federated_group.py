@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import numpy as np
 import pytest
@@ -316,9 +317,50 @@ async def test_a_bad_step_argument_is_a_usage_error_that_leaves_the_rank_in_step
                 await feds[0].step(np.ones(4, np.float32), *bad)
         with pytest.raises(UsageError, match="base_round"):
             await feds[0].step(np.ones(4, np.float32), 1, base_round=-1)
+        for big in ({"num_samples": 2**70}, {"base_round": 2**70}):  # msgpack cannot send it
+            args: dict[str, Any] = {"num_samples": 1, **big}
+            with pytest.raises(UsageError, match=next(iter(big))):  # it broke the rank
+                await feds[0].step(np.ones(4, np.float32), **args)
         outs = await asyncio.gather(
             *(f.step(np.full(4, f.group.rank + 1.0, np.float32), np.int64(1)) for f in feds)
         )
         assert all(o.applied and o.participants == (0, 1) for o in outs)
         assert feds[0].model.tolist() == feds[1].model.tolist() == [1.5] * 4
+        await asyncio.gather(*(f.close() for f in feds))
+
+
+async def test_a_refused_instance_holds_no_tag_and_bad_arguments_are_usage_errors() -> None:
+    """A GroupAveraging refused for its model (or config, leader, decision timeout) kept
+    its tag reserved for the group's life; a dict config or a string leader failed later
+    with AttributeError/TypeError."""
+    async with groups(2) as gs:
+        g = gs[0]
+        bad: list[tuple[dict[str, Any], str]] = [
+            ({"model": np.zeros(3, np.complex64)}, "real numeric array"),
+            ({"config": {"rule": "mean"}}, "config must be a FederatedConfig"),
+            ({"leader": "0"}, "leader must be a rank"),
+            ({"decision_timeout": -1.0}, "decision_timeout"),
+        ]
+        for kwargs, message in bad:
+            args: dict[str, Any] = {"model": np.zeros(3, np.float32), **kwargs}
+            with pytest.raises(UsageError, match=message):
+                GroupAveraging(g, **args)
+        fed = GroupAveraging(g, np.zeros(3, np.float32), leader=np.int64(0))
+        assert fed.leader == 0 and type(fed.leader) is int
+
+
+async def test_a_second_step_while_one_runs_is_refused() -> None:
+    """Two step() calls at once on the leader both returned round 0 and the next round
+    failed on an AssertionError inside the leader."""
+    async with groups(2) as gs:
+        feds = [GroupAveraging(g, np.zeros(4, np.float32), FederatedConfig()) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        first = asyncio.create_task(feds[0].step(np.ones(4, np.float32), 1))
+        await asyncio.sleep(0)
+        with pytest.raises(UsageError, match="already running"):
+            await feds[0].step(np.ones(4, np.float32), 1)
+        other = await feds[1].step(np.ones(4, np.float32), 1)
+        assert (await first).round == other.round == 0
+        outs = await asyncio.gather(*(f.step(np.ones(4, np.float32), 1) for f in feds))
+        assert all(o.round == 1 and o.applied for o in outs)
         await asyncio.gather(*(f.close() for f in feds))

@@ -180,6 +180,16 @@ async def test_submit_takes_numpy_integers_and_refuses_bad_counts_before_sending
                 await a.submit(np.ones(4, np.float32), **args)
         with pytest.raises(UsageError, match="round_id"):
             await a.submit(np.ones(4, np.float32), 3, 0, round_id=-1)
+        for big in ({"num_samples": 2**70}, {"base_round": 2**64}):  # OverflowError before
+            args = {"num_samples": 3, "base_round": 0, **big}
+            with pytest.raises(UsageError, match=next(iter(big))):
+                await a.submit(np.ones(4, np.float32), **args)
+        with pytest.raises(UsageError, match="round_id"):
+            await a.submit(np.ones(4, np.float32), 3, 0, round_id=2**64)
+        with pytest.raises(UsageError, match="timeout"):
+            await a.submit(np.ones(4, np.float32), 3, 0, timeout="1")  # type: ignore[arg-type]
+        with pytest.raises(UsageError, match="count"):
+            await a.wait_ack("1")  # type: ignore[arg-type]
         assert await a.submit(np.ones(4, np.float32), np.int64(3), np.int64(0))
         assert (await a.wait_ack(1)).accepted
         out = await run
@@ -645,3 +655,25 @@ async def test_a_client_with_the_coordinators_own_key_is_refused(
         await other.connect()
         assert c.members == [str(other.endpoint_id)]
         await other.close()
+
+
+async def test_coordinator_usage_errors_and_a_second_run_round_at_once() -> None:
+    """A dict config, an int listen address and string counts failed with
+    AttributeError/TypeError; a second run_round() while one ran never returned and
+    spun a core on the old round's deadline."""
+    with pytest.raises(UsageError, match="config must be a FederatedConfig"):
+        Coordinator(np.zeros(4, np.float32), {"rule": "mean"})  # type: ignore[arg-type]
+    async with Coordinator(np.zeros(4, np.float32), transport=PLAIN) as bare:
+        with pytest.raises(UsageError, match="address must be"):
+            await bare.start(listen=45001)  # type: ignore[arg-type]
+    async with coordinator(np.zeros(4, np.float32), round_timeout=1.0) as c:
+        with pytest.raises(UsageError, match="count"):
+            await c.wait_for_members("2", 1)  # type: ignore[arg-type]
+        with pytest.raises(UsageError, match="timeout"):
+            await c.wait_for_members(1, float("nan"))
+        first = asyncio.create_task(c.run_round())
+        await asyncio.sleep(0)
+        with pytest.raises(UsageError, match="already running"):
+            await asyncio.wait_for(c.run_round(), 10)
+        assert (await asyncio.wait_for(first, 10)).round == 0
+        assert (await asyncio.wait_for(c.run_round(), 10)).round == 1

@@ -16,6 +16,7 @@ import textwrap
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import numpy as np
 import pytest
 from transport_conformance import (
     CHECKS,
@@ -867,14 +868,22 @@ async def test_listen_twice_and_oversized_send() -> None:
         ("[::1]:443", ("::1", 443)),
         ("host.example:0", ("host.example", 0)),
         (("10.0.0.1", 9), ("10.0.0.1", 9)),
+        (("10.0.0.1", np.uint16(9)), ("10.0.0.1", 9)),
     ],
 )
 def test_parse_address(text: Any, expected: tuple[str, int]) -> None:
     assert parse_address(text) == expected
+    assert type(parse_address(text)[1]) is int
 
 
-@pytest.mark.parametrize("text", ["", "host", "host:", ":80", "host:http", "h:70000", "[::1]"])
-def test_parse_address_refuses(text: str) -> None:
+# not a str or a pair: these were AttributeError, TypeError or ValueError
+_NOT_ADDRESSES = [45001, None, ("h",), ("h", "x"), ("h", 1.5), (1, 80), ("h", True)]
+
+
+@pytest.mark.parametrize(
+    "text", ["", "host", "host:", ":80", "host:http", "h:70000", "[::1]", *_NOT_ADDRESSES]
+)
+def test_parse_address_refuses(text: Any) -> None:
     with pytest.raises(UsageError):
         parse_address(text)
 

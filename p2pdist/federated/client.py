@@ -22,7 +22,7 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId, SecretKey
-from ..settings import check_int
+from ..settings import check_int, check_seconds
 from ..tasks import cancel_and_wait
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.dial import dial_with_retry
@@ -210,6 +210,7 @@ class FederatedClient:
         base_round = check_int("base_round", base_round, 0)
         if round_id is not None:
             round_id = check_int("round_id", round_id, 0)
+        timeout = check_seconds("timeout", timeout)
         if self.stopped is not None:
             return False
         conn = self._need_conn()
@@ -242,6 +243,7 @@ class FederatedClient:
         """Wait until ``count`` verdicts have arrived; returns the ``count``-th. Once the
         coordinator has said stop and no more can come, raises ConnectionClosedError with
         its reason."""
+        count = check_int("count", count, 1)
         await self._wait_until(
             lambda: len(self.acks) >= count or self.stopped is not None, timeout, "no verdict"
         )
@@ -272,6 +274,8 @@ class FederatedClient:
     ) -> None:
         """Wait for ``ready()`` (re-checked whenever the reader got a message); raises the
         reader's error, or PeerTimeoutError naming the coordinator after ``timeout`` s."""
+        if timeout is not None:
+            timeout = check_seconds("timeout", timeout)
         try:
             async with asyncio.timeout(timeout):
                 while not ready():

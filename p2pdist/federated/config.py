@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 
-__all__ = ["DISCOUNTS", "POLICIES", "RULES", "FederatedConfig"]
+__all__ = ["DISCOUNTS", "POLICIES", "RULES", "FederatedConfig", "config_or_default"]
 
 RULES = ("mean", "median", "trimmed_mean")
 """Aggregation rules: sample-weighted mean, coordinate-wise median, trimmed mean."""
@@ -130,6 +130,16 @@ class FederatedConfig:
         if self.discount == "polynomial":
             return float((1.0 + staleness) ** -self.discount_param)
         return float(self.discount_param**staleness)
+
+
+def config_or_default(config: object) -> FederatedConfig:
+    """``config``, or the defaults for None; anything else is a :class:`UsageError` (a
+    dict of settings would fail much later, with an AttributeError)."""
+    if config is None:
+        return FederatedConfig()
+    if not isinstance(config, FederatedConfig):
+        raise UsageError(f"config must be a FederatedConfig, got {type(config).__name__}")
+    return config
 
 
 def _real(value: object) -> bool:

@@ -38,12 +38,13 @@ from ..errors import (
     UsageError,
 )
 from ..identity import SHORT_LEN, EndpointId, SecretKey
+from ..settings import check_int, check_seconds
 from ..tasks import cancel_and_wait
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport, parse_address
 from .aggregate import apply_update, check_model
-from .config import FederatedConfig
+from .config import FederatedConfig, config_or_default
 from .messages import CLIENT_CHANNEL, Message, decode, encode
 from .net import open_transport, until_due
 from .rounds import FederatedRounds, Phase, RoundOutcome
@@ -116,7 +117,7 @@ class Coordinator:
         accept: Callable[[EndpointId], bool] | None = None,
     ) -> None:
         self.key = key or SecretKey.generate()
-        self.config = config or FederatedConfig()
+        self.config = config_or_default(config)
         self._model = check_model(model)
         self._state = FederatedRounds(
             self._model.shape,
@@ -133,6 +134,7 @@ class Coordinator:
         self._wake = asyncio.Event()
         self._closed = False
         self._announced = -1
+        self._running_round = False
         self.protocol_errors = 0
         """Connections closed because the client broke the message protocol."""
 
@@ -243,6 +245,8 @@ class Coordinator:
     async def wait_for_members(self, count: int, timeout: float) -> None:
         """Wait until at least ``count`` clients are connected (P2PTimeoutError after
         ``timeout`` seconds)."""
+        count = check_int("count", count, 0)
+        timeout = check_seconds("timeout", timeout)
         try:
             async with asyncio.timeout(timeout):
                 while len(self._state.members) < count:
@@ -262,13 +266,19 @@ class Coordinator:
         call leaves the round open; the next call resumes it."""
         if self._transport is None or self._closed:
             raise UsageError("start the coordinator first (and do not use it after close)")
+        if self._running_round:
+            raise UsageError("run_round() is already running: await it before the next")
         loop = asyncio.get_running_loop()
         state = self._state
         if state.phase is Phase.WAITING:
             state.open(loop.time())
             if self._announced != state.round:
                 self._broadcast()
-        why = await until_due(state, self._wake)
+        self._running_round = True
+        try:
+            why = await until_due(state, self._wake)
+        finally:
+            self._running_round = False
         outcome = state.close(loop.time(), why)
         if outcome.aggregate is not None:
             self._model = apply_update(self._model, outcome.aggregate, self.config.server_lr)

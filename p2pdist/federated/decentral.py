@@ -40,12 +40,12 @@ from ..errors import (
     UsageError,
 )
 from ..group.buffers import as_array
-from ..settings import check_int
+from ..settings import as_int, check_int, check_seconds
 from ..tasks import cancel_and_wait
 from ..transport.base import Connection
 from ..wire.frames import Frame
 from .aggregate import Reason, aggregate, apply_update, check_model
-from .config import FederatedConfig
+from .config import FederatedConfig, config_or_default
 from .decision import GroupRound, OwnUpdate, cid, decision_body, digest_async
 from .leading import Leading
 from .messages import DECISION, UPDATE, Message, decode, encode, round_channel, round_space
@@ -104,19 +104,26 @@ class GroupAveraging(Leading):
         decision_timeout: float | None = None,
         failover: bool = True,
     ) -> None:
-        if not 0 <= leader < group.size:
-            raise UsageError(f"leader must be a rank in [0, {group.size}), got {leader}")
+        leader_rank = as_int(leader)
+        if leader_rank is None or not 0 <= leader_rank < group.size:
+            raise UsageError(f"leader must be a rank in [0, {group.size}), got {leader!r}")
         space = round_space(tag)  # checks the tag
+        # Every other check first: a refused instance must not hold the tag for good.
+        self.config = config_or_default(config)
+        self._model = check_model(model)
+        self._timeout = (
+            group.config.timeout
+            if decision_timeout is None
+            else check_seconds("decision_timeout", decision_timeout)
+        )
         group.reserve_channel_space(space, f"GroupAveraging(tag={tag})")
         self.group = group
-        self.config = config or FederatedConfig()
-        self.leader = leader
+        self.leader = leader_rank
         self.tag = tag
-        self._model = check_model(model)
-        self._timeout = decision_timeout or group.config.timeout
         self._round = 0
         self._own: OwnUpdate | None = None
         self._started = False
+        self._stepping = False
         self._state: FederatedRounds | None = None
         self._collectors: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()
@@ -214,6 +221,17 @@ class GroupAveraging(Leading):
             raise UsageError("call start() first")
         if self._failed is not None:
             raise GroupBrokenError("this rank's averaging is out of step", self._failed)
+        if self._stepping:
+            raise UsageError("step() is already running on this rank: await it before the next")
+        self._stepping = True
+        try:
+            return await self._step(update, num_samples, base_round)
+        finally:
+            self._stepping = False
+
+    async def _step(
+        self, update: np.ndarray | None, num_samples: int | None, base_round: int | None
+    ) -> GroupRound:
         k = self._round
         if update is not None:
             samples = check_int("num_samples", num_samples, 1)  # None too: required

@@ -31,6 +31,7 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId, SecretKey
+from ..settings import as_int
 from ..tasks import cancel_and_wait
 from ..tls import endpoint_id_of_cert
 from ..wire.handshake import (
@@ -100,10 +101,12 @@ the handshake slots are full (a real handshake takes milliseconds)."""
 
 
 def parse_address(address: Address) -> tuple[str, int]:
-    """``"host:port"``, ``"[v6]:port"`` or ``(host, port)`` -> (host, port)."""
-    if isinstance(address, tuple):
-        host, port = address
-    else:
+    """``"host:port"``, ``"[v6]:port"`` or ``(host, port)`` -> (host, port); anything
+    else is a UsageError."""
+    port: int | None
+    if isinstance(address, tuple) and len(address) == 2:
+        host, port = address[0], as_int(address[1])
+    elif isinstance(address, str):
         text = address.strip()
         if text.startswith("["):
             host, sep, rest = text[1:].partition("]:")
@@ -113,10 +116,12 @@ def parse_address(address: Address) -> tuple[str, int]:
         try:
             port = int(port_text)
         except ValueError:
-            raise UsageError(f"address {address!r} is not host:port") from None
-    if not host or not 0 <= int(port) <= 65535:
+            port = None
+    else:
+        raise UsageError(f"address must be 'host:port' or (host, port), got {address!r}")
+    if not isinstance(host, str) or not host or port is None or not 0 <= port <= 65535:
         raise UsageError(f"address {address!r} is not host:port")
-    return host, int(port)
+    return host, port
 
 
 class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
