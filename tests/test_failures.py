@@ -221,3 +221,24 @@ async def test_a_rank_that_refuses_a_call_for_a_left_peer_tells_the_others() -> 
         assert "rank 0 (" in str(info.value) and "silent" not in str(info.value)
         with pytest.raises(GroupBrokenError):
             await t0
+
+
+async def test_a_goodbye_right_after_an_abort_notice_still_names_the_cause() -> None:
+    """A rank that failed for another's sake sends its abort notice, then the
+    application closes it: both arrive together, the goodbye woke the waiting collective
+    first, and its error named only the closer ("closed its connection (left)"), not
+    the rank the notice named."""
+    async with groups(2) as gs:
+        t1 = asyncio.create_task(gs[1].all_reduce(np.ones(1000, np.float32)))
+        await asyncio.sleep(0.2)  # rank 1 waits for rank 0's part
+        cause = "rank 2 (zzzzzzzzzz): closed its connection (left)"
+        conn = gs[1].connection(0)
+        conn._set_reading(False)  # type: ignore[attr-defined]  # both in one read, later
+        gs[0]._send_control({"abort": cause}, gs[0]._conns)
+        closing = asyncio.create_task(gs[0].close())
+        await asyncio.sleep(0.2)
+        conn._set_reading(True)  # type: ignore[attr-defined]
+        with pytest.raises(P2PError) as info:
+            await asyncio.wait_for(t1, 10)
+        assert cause in str(info.value)
+        await asyncio.wait_for(closing, 10)

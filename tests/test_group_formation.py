@@ -275,6 +275,29 @@ async def test_a_restarted_rank_0_times_out_with_a_hint_to_rejoin() -> None:
         await asyncio.gather(*(g.close() for g in (g0, g1, new0)))
 
 
+async def test_every_rank_that_times_out_forming_names_the_missing_one() -> None:
+    """Rank 2 never starts. The first rank to time out told the others only "formation
+    timed out": one that timed out a moment later raised that note, naming a live rank
+    and not the missing one."""
+    peers = loopback_peers(3)
+    quick = GroupConfig(connect_timeout=1.5, transport=TransportConfig(tls=False))
+    gs = [Group.from_seed(SEED, rank=r, world=3, peers=peers, config=quick) for r in (0, 1)]
+
+    async def later(g: Group) -> None:  # rank 0 times out first; rank 1 hears of it
+        await asyncio.sleep(0.7)
+        await g.start()
+
+    try:
+        errors = await asyncio.wait_for(
+            asyncio.gather(gs[0].start(), later(gs[1]), return_exceptions=True), CONNECT + 5
+        )
+        for err in errors:
+            assert isinstance(err, P2PError), err
+            assert "no connection to rank 2" in str(err), err
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+
+
 @pytest.mark.parametrize(
     ("field", "value", "late"),
     [

@@ -356,7 +356,6 @@ class Membership:
                     accepting.cancel()
                 self._check_formed(form)
         except TimeoutError:
-            await self._fail_forming(form, "formation timed out")
             not_in = [r for r in range(self.size) if r != self._rank and r not in form.joined]
             quiet = [r for r in form.joined if r not in form.ready]
             why = []
@@ -383,9 +382,12 @@ class Membership:
                     f"{refused} incoming connection(s) refused meanwhile, the last "
                     f"({transport.last_refusal}): a rank with another seed?"
                 )
+            took = f"forming the group took over {self.config.connect_timeout:g} s"
+            # The others learn why too: one that times out a moment later would otherwise
+            # raise our note alone, naming us and not the rank that is missing.
+            await self._fail_forming(form, "; ".join([took, *why]))
             raise P2PTimeoutError(
-                f"{self.peer_label(self._rank)}: forming the group took over "
-                f"{self.config.connect_timeout:g} s; " + "; ".join(why)
+                f"{self.peer_label(self._rank)}: {took}; " + "; ".join(why)
             ) from None
         except BaseExceptionGroup as group:
             first = _first_error(group)

@@ -57,7 +57,8 @@ class Runner(Rejoining):
         others = [f for f in self._failure_log if f != str(err)]
         if not others:
             return err
-        return ConnectionBrokenError(err.peer, f"{err.detail}; also: " + "; ".join(others))
+        detail = f"{err.detail}; also: " + "; ".join(others)
+        return ConnectionBrokenError(err.peer, detail, graceful=err.graceful)
 
     def _root_label(self, r: int) -> str:
         """How errors name this group's rank ``r``: by its rank in the root group, as
@@ -202,8 +203,11 @@ class Runner(Rejoining):
                 self._tell_call_failed(channel, gone)
                 raise self._loss_error(gone, link) from None
             self._break(err, notify=True)
-            if not isinstance(err, ConnectionBrokenError) or err.graceful:
+            if not isinstance(err, ConnectionBrokenError):
                 raise
+            # A goodbye too: a rank that failed for another's sake says so (an abort
+            # notice) before it closes, but that notice may be handled after the end of
+            # its connection woke us, or come later on another QUIC stream.
             raise await self._attribute(err) from err
         except P2PError as err:
             if isinstance(err, ConnectionClosedError) and root._closing:
