@@ -20,7 +20,7 @@ AUTH_FAILURE_REASONS = (
     "timeout",
     "shutting_down",
 )
-EVICT_REASONS = ("max_unauthenticated", "max_unauthenticated_per_ip")
+EVICT_REASONS = ("max_unauthenticated", "max_unauthenticated_per_ip", "socket_budget")
 """The cap that was reached when a connection waiting to authenticate was evicted."""
 PREFIX = "p2pdist_relay_"
 

@@ -360,8 +360,13 @@ class RelayServer:
         return self.config.drain_timeout if self._closed else CLOSE_GRACE
 
     def take_socket(self) -> bool:
-        """Count a new client socket; False (and counted as refused) at the budget."""
+        """Count a new client socket. At the budget the oldest connection waiting to
+        authenticate makes room if it has waited a second (its socket goes as its close
+        completes); else False, counted as refused."""
         if self.socket_budget is not None and self.sockets_open >= self.socket_budget:
+            if self.core.evict_for_socket(asyncio.get_running_loop().time()):
+                self.sockets_open += 1
+                return True
             self.core.metrics.fd_limit_refused_total += 1
             if self._fd_warn():
                 log.warning(
@@ -491,8 +496,8 @@ class RelayServer:
                     socket_budget=self.socket_budget,
                     max_clients=c.max_clients,
                     max_unauthenticated=waiting,
-                    hint="beyond the budget new connections are closed at once; raise "
-                    "'ulimit -n' (LimitNOFILE=) or lower max-clients",
+                    hint="beyond the budget idle connections are evicted or new ones "
+                    "closed; raise 'ulimit -n' (LimitNOFILE=) or lower max-clients",
                 )
             )
 

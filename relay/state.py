@@ -292,6 +292,17 @@ class RelayCore:
         self._waiting[s] = source
         self._waiting_by_source.setdefault(source, {})[s] = None
 
+    def evict_for_socket(self, now: float) -> bool:
+        """The socket budget is spent and a new connection came: close the oldest
+        connection still waiting to authenticate if it has waited :data:`EVICT_AFTER`
+        (True), as the caps on waiting connections do, so that idle sockets cannot lock
+        real clients out when the budget is smaller than those caps."""
+        oldest = next(iter(self._waiting), None)
+        if oldest is None or now - oldest.opened_at < EVICT_AFTER:
+            return False
+        self._evict(oldest, "socket_budget", now)
+        return True
+
     def _refuse_storm(self, s: Session, reason: str) -> None:
         """Turn ``s`` away (503; still in its TLS handshake: closed at once): the cap
         ``reason`` is full of connections younger than :data:`EVICT_AFTER`, which are

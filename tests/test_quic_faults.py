@@ -5,6 +5,7 @@ refusal seen by a late waiter, and incoming handshakes over the pending limit.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -298,5 +299,14 @@ async def test_an_incoming_handshake_that_times_out_names_where_it_came_from(
                 lambda: any("handshake timed out" in r.getMessage() for r in caplog.records),
                 "the handshake to time out",
             )
+            await asyncio.sleep(0.3)  # anything sent at the expiry has arrived by now
+            raw.setblocking(False)
+            sent_back = 0
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    sent_back += len(raw.recv(65536))
         (record,) = [r for r in caplog.records if "handshake timed out" in r.getMessage()]
         assert f"incoming {where}" in record.getMessage()
+        # A source that never answered (maybe spoofed) gets at most 3x what it sent: the
+        # expiry used to send a CONNECTION_CLOSE past that budget (3,770 B for 1,200).
+        assert sent_back <= 3 * len(client_initial(5)), sent_back

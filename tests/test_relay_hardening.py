@@ -24,7 +24,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from relay_helpers import ROOT, memory_handshake, read_relay_url, self_signed_pem
 from test_relay_core import FP, A, B, C, FakeLink, auth_frame, core, join, only, upgrade
-from test_relay_server import KEYS, eventually, joined, running
+from test_relay_server import KEYS, eventually, joined, metric, running
 from test_relay_server_limits import needs_tlsproto
 
 from p2pdist.wire.relay import RelayFrameType, encode_addressed, upgrade_request
@@ -176,6 +176,47 @@ async def test_a_flood_of_idle_connections_under_a_low_fd_limit(tmp_path: Path) 
     assert len(text) < 20_000, text[-2000:]
     assert "rlimit_nofile soft=128 hard=128" in text
     assert proc.returncode == 0
+
+
+async def test_idle_sockets_from_many_sources_cannot_spend_the_socket_budget(
+    tmp_path: Path,
+) -> None:
+    """A socket budget below the caps on waiting connections (a 200-descriptor limit
+    leaves about 130; max-unauthenticated is 4096): idle sockets from ten addresses,
+    each under the per-source cap, filled it, and every new client and /health was
+    closed at once until auth-timeout. Now the oldest idle one makes room."""
+    proc, log = _relay_with_nofile(tmp_path, 200, "--stun-port", "0", "--auth-timeout", "30")
+    socks: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None
+        url = read_relay_url(proc.stdout)
+        port = int(url.split(":")[2].split("/")[0])
+        for _ in range(30):  # 300 sockets, 30 from each of 127.0.0.2 .. 127.0.0.11
+            for source in range(2, 12):
+                s = socket.socket()
+                s.bind((f"127.0.0.{source}", 0))
+                s.settimeout(10)
+                s.connect(("127.0.0.1", port))
+                socks.append(s)
+            await asyncio.sleep(0.02)  # paced only for speed (a full listen queue)
+        await asyncio.sleep(EVICT_AFTER + 0.5)
+        assert await asyncio.wait_for(http_get(url, "/health"), 10) == (200, "ok")
+        client = await asyncio.wait_for(joined(url, A), 10)
+        await client.close()
+        _, text = await asyncio.wait_for(http_get(url, "/metrics"), 10)
+        assert metric(text, 'p2pdist_relay_evicted_total{reason="socket_budget"}') >= 1
+        assert proc.poll() is None
+    finally:
+        for s in socks:
+            s.close()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+    assert "Traceback" not in log.read_text()
 
 
 # ---- 3 and 9. certificate reloads ----------------------------------------------------

@@ -188,7 +188,13 @@ class QuicConnection(FramedConnection):
         if not self._established.done() and self._error is None:
             err = PeerTimeoutError(self.label, "handshake timed out")
             log.warning("%s: incoming handshake timed out", self.label)
-            self._fail_handshake(err, AppError.ABORTED)
+            if self._quic.address_validated:
+                self._fail_handshake(err, AppError.ABORTED)
+            else:
+                # A peer that never answered may be a spoofed source: what we sent it
+                # used up the 3x anti-amplification budget, so no closing datagram.
+                self._finish(err)
+                self.stop()
 
     def discard(self) -> None:
         """Forget a connection that never was one (its first datagram was garbage)."""

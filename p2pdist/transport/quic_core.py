@@ -290,6 +290,14 @@ class PinnedQuicConnection(QuicConnection):
         return loss._rtt_smoothed if loss._rtt_initialized else None
 
     @property
+    def address_validated(self) -> bool:
+        """Whether the peer proved that it receives at its address (RFC 9000 section 8.1).
+        Until then we may send it at most three times what it sent; aioquic keeps to that
+        for its packets, but not for a CONNECTION_CLOSE."""
+        paths = self._network_paths
+        return bool(paths) and paths[0].is_validated
+
+    @property
     def decrypted_any(self) -> bool:
         """Whether a packet from the peer was decrypted yet (else it may be garbage)."""
         return self._state is not QuicConnectionState.FIRSTFLIGHT
