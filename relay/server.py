@@ -364,7 +364,9 @@ class RelayServer:
         authenticate makes room if it has waited a second (its socket goes as its close
         completes); else False, counted as refused."""
         if self.socket_budget is not None and self.sockets_open >= self.socket_budget:
-            if self.core.evict_for_socket(asyncio.get_running_loop().time()):
+            evicted = self.core.evict_for_socket(asyncio.get_running_loop().time())
+            if isinstance(evicted, _ClientConnection):
+                evicted.abort()  # its socket closes on the loop's next pass
                 self.sockets_open += 1
                 return True
             self.core.metrics.fd_limit_refused_total += 1

@@ -292,16 +292,20 @@ class RelayCore:
         self._waiting[s] = source
         self._waiting_by_source.setdefault(source, {})[s] = None
 
-    def evict_for_socket(self, now: float) -> bool:
-        """The socket budget is spent and a new connection came: close the oldest
-        connection still waiting to authenticate if it has waited :data:`EVICT_AFTER`
-        (True), as the caps on waiting connections do, so that idle sockets cannot lock
-        real clients out when the budget is smaller than those caps."""
+    def evict_for_socket(self, now: float) -> Link | None:
+        """The socket budget is spent and a new connection came: forget the oldest
+        connection still waiting to authenticate if it has waited :data:`EVICT_AFTER`, as
+        the caps on waiting connections do, so that idle sockets cannot lock real clients
+        out when the budget is smaller than those caps. Returns its link, for the caller
+        to drop at once (no answer, no flush: its socket must go now, not after a close
+        grace, or a flood could push the relay past its descriptors); None: no room."""
         oldest = next(iter(self._waiting), None)
         if oldest is None or now - oldest.opened_at < EVICT_AFTER:
-            return False
-        self._evict(oldest, "socket_budget", now)
-        return True
+            return None
+        self.metrics.evicted["socket_budget"] += 1
+        fields = {"reason": "socket_budget", "after": now - oldest.opened_at}
+        self._close(oldest, "evicted", quiet=True, fields=fields)
+        return oldest.link
 
     def _refuse_storm(self, s: Session, reason: str) -> None:
         """Turn ``s`` away (503; still in its TLS handshake: closed at once): the cap

@@ -671,6 +671,7 @@ async def test_coordinator_usage_errors_and_a_second_run_round_at_once() -> None
             await c.wait_for_members("2", 1)  # type: ignore[arg-type]
         with pytest.raises(UsageError, match="timeout"):
             await c.wait_for_members(1, float("nan"))
+        await asyncio.wait_for(c.wait_for_members(0, None), 10)  # None: no bound
         first = asyncio.create_task(c.run_round())
         await asyncio.sleep(0)
         with pytest.raises(UsageError, match="already running"):

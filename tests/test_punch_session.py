@@ -151,48 +151,48 @@ def test_peers_in_the_same_session_still_punch_through_the_codec() -> None:
 
 
 def test_candidates_from_the_peer_replace_the_previous_list() -> None:
-    p = PeerPaths(PunchConfig(), session=b"m" * 16)
+    # a window so short that every list's addresses are taken (the bound on new ones
+    # per window is the test below)
+    p = PeerPaths(PunchConfig(retry_after=0.0005), session=b"m" * 16)
     p.start(0.0)
     for i in range(1000):  # an authenticated peer sends 16 fresh addresses each time
         addrs = tuple((f"198.51.{i % 250}.{j + 1}", 1000 + i) for j in range(MAX_CANDIDATES))
-        p.on_candidates(addrs, False, 0.0, session=b"p" * 16)
+        p.on_candidates(addrs, False, 0.001 * i, session=b"p" * 16)
     assert len(p._candidates) == MAX_CANDIDATES
     assert all(port == 1999 for _, port in p._candidates)  # the latest list
-    assert len(only(p.poll(0.5), SendPing)) <= MAX_KNOWN
+    assert len(only(p.poll(1.5), SendPing)) <= MAX_KNOWN
 
 
 def test_a_peer_naming_fresh_addresses_again_and_again_cannot_make_us_flood_them() -> None:
     """An authenticated peer may name any address (a third party's) in CANDIDATES: at
-    most MAX_KNOWN new ones get PINGs per retry_after, whatever it sends and however a
-    round starts; the latest list's addresses are probed in the next window."""
+    most MAX_KNOWN new ones are taken (and get PINGs) in each retry_after window,
+    whatever it sends and however a round starts; a list sent again in a later window is
+    taken then."""
     cfg = PunchConfig(retry_after=15.0)
     p = PeerPaths(cfg, session=b"m" * 16)
     p.start(0.0)
-    targets: set[tuple[str, int]] = set()
-    sent = 0
+    first_ping: dict[tuple[str, int], float] = {}
 
-    def pings(acts: list[Any]) -> None:
-        nonlocal sent
+    def pings(acts: list[Any], t: float) -> None:
         for ping in only(acts, SendPing):
-            sent += 1
-            targets.add(ping.addr)
+            first_ping.setdefault(ping.addr, t)
 
-    for i in range(1000):  # 16 fresh addresses, 200 lists a second
-        t = i * 0.005
-        addrs = tuple((f"198.51.{i % 250}.{j + 1}", 1000 + i) for j in range(MAX_CANDIDATES))
-        pings(p.on_candidates(addrs, False, t, session=b"p" * 16))
-        pings(p.on_candidates(addrs, False, t, session=b"p" * 16))  # sent twice: no PING sooner
-        pings(p.poll(t))
-    assert len(targets) == MAX_KNOWN  # without the bound: 16,000 addresses
-    assert p.deferred_candidates == 1000 * MAX_CANDIDATES - MAX_KNOWN
-    pings(p.poll(6.0))  # the round ends without a path: backoff
-    assert p.phase is Phase.BACKOFF
-    latest = tuple(p._candidates)
-    pings(p.on_candidates(latest, False, 14.0, session=b"p" * 16))  # a new round begins
-    assert p.phase is Phase.PUNCHING and not set(latest) & targets
-    pings(p.poll(15.0))  # the next window: the latest list gets its PINGs
-    assert set(latest) <= targets and len(targets) == MAX_KNOWN + MAX_CANDIDATES
-    assert sent < 10 * (MAX_KNOWN + MAX_CANDIDATES)
+    def fresh(i: int) -> tuple[tuple[str, int], ...]:
+        return tuple((f"198.51.{i % 250}.{j + 1}", 1000 + i) for j in range(MAX_CANDIDATES))
+
+    t = 0.0
+    for i in range(3000):  # 16 fresh addresses, 100 lists a second, over three windows
+        t = i * 0.01
+        pings(p.on_candidates(fresh(i), False, t, session=b"p" * 16), t)
+        pings(p.poll(t), t)
+    assert p.ignored_candidates == 3000 * MAX_CANDIDATES - 2 * MAX_KNOWN  # 2 windows: 0-30 s
+    for w in range(3):  # without the bound: 16,000 new addresses in the first window
+        assert sum(w * 15 <= when < (w + 1) * 15 for when in first_ping.values()) <= MAX_KNOWN
+    pings(p.poll(40.0), 40.0)  # whatever round ran has ended
+    again = fresh(2999)  # the latest list, sent again in a new window: taken now
+    pings(p.on_candidates(again, False, 46.0, session=b"p" * 16), 46.0)
+    pings(p.poll(46.0), 46.0)
+    assert all(first_ping.get(a) == 46.0 for a in again)
 
 
 def test_replayed_pings_from_many_sources_are_bounded_and_keep_the_backoff() -> None:

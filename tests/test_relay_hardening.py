@@ -219,6 +219,39 @@ async def test_idle_sockets_from_many_sources_cannot_spend_the_socket_budget(
     assert "Traceback" not in log.read_text()
 
 
+@needs_tlsproto
+async def test_evictions_at_the_socket_budget_do_not_push_the_relay_past_it() -> None:
+    """Idle clients that complete TLS and then say nothing, in waves a second apart:
+    each eviction closed gracefully (a 503, then up to the 5 s close grace), so every
+    wave added its own sockets and the relay held three times its budget."""
+    async with running(auth_timeout=30.0) as server:
+        server.socket_budget = 10
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+
+        def idle_tls(source: str) -> ssl.SSLSocket:
+            raw = socket.socket()
+            raw.bind((source, 0))
+            raw.settimeout(10)
+            raw.connect(("127.0.0.1", server.port))
+            return ctx.wrap_socket(raw)  # the handshake completes; nothing more is read
+
+        held: list[ssl.SSLSocket] = []
+        try:
+            for _ in range(4):
+                for i in range(10):
+                    held.append(await asyncio.to_thread(idle_tls, f"127.0.0.{2 + i}"))
+                await asyncio.sleep(0.2)  # evicted sockets are gone within a loop pass
+                assert server.sockets_open <= server.socket_budget
+                await asyncio.sleep(EVICT_AFTER)
+            assert server.core.metrics.evicted["socket_budget"] >= 20
+            assert server.core.metrics.fd_limit_refused_total == 0
+        finally:
+            for s in held:
+                s.close()
+
+
 # ---- 3 and 9. certificate reloads ----------------------------------------------------
 
 

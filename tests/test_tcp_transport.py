@@ -869,6 +869,7 @@ async def test_listen_twice_and_oversized_send() -> None:
         ("host.example:0", ("host.example", 0)),
         (("10.0.0.1", 9), ("10.0.0.1", 9)),
         (("10.0.0.1", np.uint16(9)), ("10.0.0.1", 9)),
+        (("10.0.0.1", "9"), ("10.0.0.1", 9)),  # a port from a split string
     ],
 )
 def test_parse_address(text: Any, expected: tuple[str, int]) -> None:

@@ -242,11 +242,12 @@ class Coordinator:
 
     # ---- rounds -------------------------------------------------------------------------
 
-    async def wait_for_members(self, count: int, timeout: float) -> None:
+    async def wait_for_members(self, count: int, timeout: float | None) -> None:
         """Wait until at least ``count`` clients are connected (P2PTimeoutError after
-        ``timeout`` seconds)."""
+        ``timeout`` seconds; None waits for good)."""
         count = check_int("count", count, 0)
-        timeout = check_seconds("timeout", timeout)
+        if timeout is not None:
+            timeout = check_seconds("timeout", timeout)
         try:
             async with asyncio.timeout(timeout):
                 while len(self._state.members) < count:

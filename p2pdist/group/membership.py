@@ -46,6 +46,8 @@ from .link import CollectiveLink
 __all__ = ["CONTROL_CHANNEL", "FIRST_RESERVED_SPACE", "LAST_SPACE", "Membership"]
 
 log = logging.getLogger(__name__)
+_NOTE_CHARS = 2000
+"""Longest reason a formation ``failed`` note carries (it names ranks and addresses)."""
 
 _CLOSED_EARLY_MAX = 1024
 """Sub-group close notices kept for sub-groups whose split has not returned here yet
@@ -385,7 +387,10 @@ class Membership:
             took = f"forming the group took over {self.config.connect_timeout:g} s"
             # The others learn why too: one that times out a moment later would otherwise
             # raise our note alone, naming us and not the rank that is missing.
-            await self._fail_forming(form, "; ".join([took, *why]))
+            note = "; ".join([took, *why])
+            if len(note) > _NOTE_CHARS:  # a frame's meta is bounded: a huge world's list
+                note = note[: _NOTE_CHARS - 1] + "…"
+            await self._fail_forming(form, note)
             raise P2PTimeoutError(
                 f"{self.peer_label(self._rank)}: {took}; " + "; ".join(why)
             ) from None

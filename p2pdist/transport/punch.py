@@ -34,10 +34,10 @@ and :data:`MAX_KNOWN` direct paths are remembered, peer-reflexive addresses are 
 not a round, so a NAT that rebinds the peer's port while a direct path is up is answered
 within one window), and a PING starts a round early at most once per ``retry_after``.
 What the peer's own CANDIDATES can do is bounded too, since the peer may name any address
-(a third party's): at most :data:`MAX_KNOWN` addresses new to us are probed per
-``retry_after`` seconds; further ones wait for the next window (and are never probed if a
-later list drops them), so a peer that sends list after list of fresh addresses cannot
-turn our PINGs into a flood at others.
+(a third party's): at most :data:`MAX_KNOWN` addresses new to us are taken (and probed) per
+``retry_after`` window; further ones are left out until the peer sends its list again, so
+a peer that sends list after list of fresh addresses cannot turn our PINGs into a flood
+at others.
 """
 
 from __future__ import annotations
@@ -164,8 +164,6 @@ class _Candidate:
     interval: float
     announced: bool
     """In the peer's latest CANDIDATES (else peer-reflexive: a PING came from there)."""
-    earliest: float = 0.0
-    """No PING to it before this time (an announced address over the window's allowance)."""
 
 
 @dataclass(slots=True)
@@ -214,9 +212,9 @@ class PeerPaths:
         self.stale_candidates = 0
         """CANDIDATES refused for carrying a session older than the peer's current one (a
         replay: the relay may deliver an old, validly signed one again)."""
-        self.deferred_candidates = 0
-        """Announced addresses whose first PING waited for the next window: more than
-        :data:`MAX_KNOWN` new ones in ``retry_after`` seconds."""
+        self.ignored_candidates = 0
+        """Addresses in the peer's CANDIDATES left out (not probed, not remembered): the
+        window already had :data:`MAX_KNOWN` new ones (see :meth:`_room_for_announced`)."""
         self.last_failure: str | None = None
         self.round_started: float | None = None
         self._candidates: dict[Address, _Candidate] = {}
@@ -225,10 +223,11 @@ class PeerPaths:
         self._reflexive_learned = 0
         self._reflexive_since: float | None = None
         """Peer-reflexive addresses learned in the window that began at this time."""
+        self._announced_origin: float | None = None
+        self._announced_window = 0
         self._announced_new = 0
-        self._announced_since: float | None = None
-        """Addresses new to us in the peer's CANDIDATES, counted in the window that began
-        at this time."""
+        """Addresses new to us in the peer's CANDIDATES, counted in retry_after windows
+        from the first list (``_announced_window`` is the one counted)."""
         self._early_round_at: float | None = None
         self._round_end = 0.0
         self._retry_at = 0.0
@@ -271,10 +270,8 @@ class PeerPaths:
         for addr in wanted:
             cand = self._candidates.get(addr)
             if cand is None:
-                first = self._first_probe_of_announced(now)
-                self._candidates[addr] = _Candidate(
-                    first, self.config.probe_interval, True, earliest=first
-                )
+                if self._room_for_announced(now):
+                    self._candidates[addr] = _Candidate(now, self.config.probe_interval, True)
             else:
                 cand.announced = True
                 self._probe_soon(cand, now, pinged_us=False)
@@ -402,7 +399,7 @@ class PeerPaths:
         self.round_started = now
         self._round_end = now + self.config.punch_timeout
         for cand in self._candidates.values():
-            cand.next_probe = max(now, cand.earliest)
+            cand.next_probe = now
             cand.interval = self.config.probe_interval
         if not ask:
             return []
@@ -445,19 +442,22 @@ class PeerPaths:
         self._trim_candidates()
         return True
 
-    def _first_probe_of_announced(self, now: float) -> float:
-        """When to first PING an address new to us in the peer's CANDIDATES: now, or at
-        the start of the next window once this one has :data:`MAX_KNOWN` of them."""
-        since = self._announced_since
+    def _room_for_announced(self, now: float) -> bool:
+        """Whether an address new to us in the peer's CANDIDATES may be taken (and probed)
+        now: at most :data:`MAX_KNOWN` per ``retry_after`` window, counted in fixed
+        windows from the peer's first list. Further ones are left out and counted; the
+        peer sends its list again when it starts its next round."""
         window = self.config.retry_after
-        if since is None or not since <= now < since + window:
-            self._announced_since, self._announced_new = now, 0
-            since = now
+        if self._announced_origin is None:
+            self._announced_origin = now
+        current = int((now - self._announced_origin) // window)
+        if current != self._announced_window:
+            self._announced_window, self._announced_new = current, 0
+        if self._announced_new >= MAX_KNOWN:
+            self.ignored_candidates += 1
+            return False
         self._announced_new += 1
-        if self._announced_new <= MAX_KNOWN:
-            return now
-        self.deferred_candidates += 1
-        return since + window
+        return True
 
     def _probe_soon(self, cand: _Candidate, now: float, *, pinged_us: bool) -> None:
         if self.phase is not Phase.DIRECT and (
@@ -465,7 +465,7 @@ class PeerPaths:
         ):
             # The peer is punching right now (its PING just came through from there):
             # answer at once, while the hole is open, instead of at our next backoff step.
-            cand.next_probe = max(min(cand.next_probe, now), cand.earliest)
+            cand.next_probe = min(cand.next_probe, now)
 
     def _trim_candidates(self) -> None:
         """Keep at most :data:`MAX_KNOWN` candidates: the oldest peer-reflexive go first."""

@@ -42,7 +42,7 @@ from ..errors import (
 from ..identity import EndpointId
 from ..tls import endpoint_id_of_cert
 from .framed import FramedConnection
-from .paths import PathKind, Route, UdpAddress
+from .paths import PathKind, Route, UdpAddress, UdpRoute
 from .quic_core import AppError, PinnedQuicConnection
 
 if TYPE_CHECKING:
@@ -188,11 +188,12 @@ class QuicConnection(FramedConnection):
         if not self._established.done() and self._error is None:
             err = PeerTimeoutError(self.label, "handshake timed out")
             log.warning("%s: incoming handshake timed out", self.label)
-            if self._quic.address_validated:
+            if self._quic.address_validated or not isinstance(self._route, UdpRoute):
                 self._fail_handshake(err, AppError.ABORTED)
             else:
-                # A peer that never answered may be a spoofed source: what we sent it
-                # used up the 3x anti-amplification budget, so no closing datagram.
+                # A peer that never answered over UDP may be a spoofed source: what we
+                # sent it used up the 3x anti-amplification budget, so no closing
+                # datagram. (Through the relay its endpoint id was authenticated.)
                 self._finish(err)
                 self.stop()
 

@@ -105,7 +105,8 @@ def parse_address(address: Address) -> tuple[str, int]:
     else is a UsageError."""
     port: int | None
     if isinstance(address, tuple) and len(address) == 2:
-        host, port = address[0], as_int(address[1])
+        host, raw = address
+        port = int(raw) if isinstance(raw, str) and raw.isdecimal() else as_int(raw)
     elif isinstance(address, str):
         text = address.strip()
         if text.startswith("["):
