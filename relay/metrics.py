@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AUTH_FAILURE_REASONS", "DROP_REASONS", "EVICT_REASONS", "Metrics"]
+__all__ = ["AUTH_FAILURE_REASONS", "DROP_REASONS", "EVICT_REASONS", "REFUSE_REASONS", "Metrics"]
 
 DROP_REASONS = ("rate_limited", "queue_full", "unknown_peer")
 AUTH_FAILURE_REASONS = (
@@ -20,7 +20,9 @@ AUTH_FAILURE_REASONS = (
     "timeout",
     "shutting_down",
 )
-EVICT_REASONS = ("max_unauthenticated", "max_unauthenticated_per_ip", "socket_budget")
+REFUSE_REASONS = ("max_unauthenticated", "max_unauthenticated_per_ip")
+"""The cap that was full of young connections when a newcomer was turned away (503)."""
+EVICT_REASONS = (*REFUSE_REASONS, "socket_budget")
 """The cap that was reached when a connection waiting to authenticate was evicted."""
 PREFIX = "p2pdist_relay_"
 
@@ -74,7 +76,7 @@ class Metrics:
         metadata=_labelled("auth_failures_total", "refused authentications, by reason"),
     )
     refused: dict[str, int] = field(
-        default_factory=_per_reason(EVICT_REASONS),
+        default_factory=_per_reason(REFUSE_REASONS),
         metadata=_labelled(
             "refused_total",
             "new connections answered 503 because the cap was full of connections that "

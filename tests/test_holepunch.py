@@ -10,6 +10,7 @@ import itertools
 import logging
 import os
 import socket
+import types
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -810,6 +811,49 @@ async def test_observed_addresses_come_first_among_the_candidates(
         assert len(found) == holepunch_module.MAX_CANDIDATES
         assert found[0] == ("203.0.113.7", 40000)
         assert found[1] == ("172.17.0.1", 40001)
+    finally:
+        await puncher.close()
+
+
+async def test_a_direct_path_that_dies_makes_the_next_round_observe_again() -> None:
+    """A NAT that rebinds our port (a conntrack flush, a router reboot) kills the direct
+    path; the retry rounds offered the cached observation, our old port, for up to a
+    minute, and failed (the NAT lab took two minutes to get back to direct)."""
+
+    async def no_socket() -> Any:
+        raise AssertionError("not needed")
+
+    async def targets() -> list[tuple[str, int]]:
+        return [("198.51.100.1", 3478)]
+
+    puncher = holepunch_module.HolePuncher(
+        A,
+        FakeRelayHub().attach(A.endpoint_id),
+        FAST_PUNCH,
+        open_socket=no_socket,
+        stun_targets=targets,
+        on_change=lambda *a: None,
+        label_for=lambda p: p.short(),
+    )
+    asked: list[float] = []
+
+    async def observe_now() -> holepunch_module.Observation:
+        now = asyncio.get_running_loop().time()
+        asked.append(now)
+        seen = (("198.51.100.1", 3478), ("203.0.113.7", 40000 + len(asked)))
+        puncher._observation = holepunch_module.Observation((seen,), now)  # as _observe does
+        return puncher._observation
+
+    puncher._observe = observe_now  # type: ignore[method-assign]
+    try:
+        first = await puncher.observe()
+        assert await puncher.observe() is first and len(asked) == 1  # cached
+        old = ("203.0.113.7", 40001)
+        peer = types.SimpleNamespace(peer=B.endpoint_id)
+        puncher._change(peer, PathChange(old, None, "direct path silent for 5.0 s"))  # type: ignore[arg-type]
+        again = await puncher.observe()
+        assert again is not None and len(asked) == 2
+        assert again.addresses == [("203.0.113.7", 40002)]
     finally:
         await puncher.close()
 

@@ -107,7 +107,11 @@ def test_a_new_connection_over_the_cap_evicts_the_oldest_waiting() -> None:
     assert c.unauthenticated == 3
     opened(c, "192.0.2.11", 4.0)
     assert second.phase is Phase.CLOSED and second_link.http().startswith(b"HTTP/1.1 503 ")
-    assert c.metrics.evicted == {"max_unauthenticated": 2, "max_unauthenticated_per_ip": 0}
+    assert c.metrics.evicted == {
+        "max_unauthenticated": 2,
+        "max_unauthenticated_per_ip": 0,
+        "socket_budget": 0,
+    }
     text = c.metrics_text()
     assert '\np2pdist_relay_evicted_total{reason="max_unauthenticated"} 2\n' in text
     assert "\np2pdist_relay_unauthenticated 3\n" in text
@@ -175,7 +179,11 @@ def test_one_source_only_evicts_its_own_connections() -> None:
     assert c.unauthenticated == 1 + 8
     assert [f.phase is Phase.HTTP for f, _ in flood[-8:]] == [True] * 8
     assert all(f.phase is Phase.CLOSED for f, _ in flood[:-8])
-    assert c.metrics.evicted == {"max_unauthenticated": 0, "max_unauthenticated_per_ip": 992}
+    assert c.metrics.evicted == {
+        "max_unauthenticated": 0,
+        "max_unauthenticated_per_ip": 992,
+        "socket_budget": 0,
+    }
     c.receive(other, upgrade_request("relay.test"), 0.0)
     c.receive(other, auth_frame(A), 0.0)
     assert other.phase is Phase.ACTIVE

@@ -51,7 +51,8 @@ _EARLY_MAX = 64
 """Relayed probe messages kept for peers whose connection is not up yet (one each)."""
 _EARLY_TTL = 5.0
 _OBSERVATION_TTL = 60.0
-"""Seconds an observation of our socket is reused before the relay's ports are asked again."""
+"""Seconds an observation of our socket is reused before the relay's ports are asked again
+(at once after a direct path died: our NAT may have given us another port)."""
 _SIOCGIFADDR = 0x8915
 
 
@@ -395,6 +396,9 @@ class HolePuncher:
         else:
             old = path_key(act.old) if act.old else "?"
             log.info("%s: path direct %s -> relay (%s)", name, old, act.reason)
+            # The likeliest cause is a NAT that rebound our port: the next round must
+            # offer where the relay sees us now, not the address cached before.
+            self._observation = None
         self._on_change(p.peer, self._sock if act.new else None, act.new, act.reason)
 
     def _arm(self, p: _Peer) -> None:
