@@ -775,16 +775,11 @@ async def test_punching_turns_off_once_when_no_socket_can_punch(
         await puncher.close()
 
 
-async def test_observed_addresses_come_first_among_the_candidates(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A host with more interface addresses than MAX_CANDIDATES (Docker or Kubernetes
-    bridges): the observed address, the only one that works across a NAT, is still sent
-    (it came last and was cut off)."""
-    many = [f"172.{17 + i}.0.1" for i in range(holepunch_module.MAX_CANDIDATES + 1)]
-    monkeypatch.setattr(holepunch_module, "interface_addresses", lambda: many)
+def _unbound_puncher() -> holepunch_module.HolePuncher:
+    """A puncher whose socket is bound to every interface (as far as candidates() can
+    tell) and whose relay has one observation port, 198.51.100.1:3478."""
 
-    class Unbound:  # a socket bound to every interface, as far as candidates() can tell
+    class Unbound:
         local_address = ("0.0.0.0", 40001)
         closed = False
 
@@ -794,7 +789,7 @@ async def test_observed_addresses_come_first_among_the_candidates(
     async def targets() -> list[tuple[str, int]]:
         return [("198.51.100.1", 3478)]
 
-    puncher = holepunch_module.HolePuncher(
+    return holepunch_module.HolePuncher(
         A,
         FakeRelayHub().attach(A.endpoint_id),
         FAST_PUNCH,
@@ -803,6 +798,18 @@ async def test_observed_addresses_come_first_among_the_candidates(
         on_change=lambda *a: None,
         label_for=lambda p: p.short(),
     )
+
+
+async def test_observed_addresses_come_first_among_the_candidates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host with more interface addresses than MAX_CANDIDATES (Docker or Kubernetes
+    bridges): the observed address, the only one that works across a NAT, is still sent
+    (it came last and was cut off)."""
+    many = [f"172.{17 + i}.0.1" for i in range(holepunch_module.MAX_CANDIDATES + 1)]
+    monkeypatch.setattr(holepunch_module, "interface_addresses", lambda: many)
+
+    puncher = _unbound_puncher()
     try:
         seen = (("198.51.100.1", 3478), ("203.0.113.7", 40000))
         now = asyncio.get_running_loop().time()
@@ -820,21 +827,7 @@ async def test_a_direct_path_that_dies_makes_the_next_round_observe_again() -> N
     path; the retry rounds offered the cached observation, our old port, for up to a
     minute, and failed (the NAT lab took two minutes to get back to direct)."""
 
-    async def no_socket() -> Any:
-        raise AssertionError("not needed")
-
-    async def targets() -> list[tuple[str, int]]:
-        return [("198.51.100.1", 3478)]
-
-    puncher = holepunch_module.HolePuncher(
-        A,
-        FakeRelayHub().attach(A.endpoint_id),
-        FAST_PUNCH,
-        open_socket=no_socket,
-        stun_targets=targets,
-        on_change=lambda *a: None,
-        label_for=lambda p: p.short(),
-    )
+    puncher = _unbound_puncher()
     asked: list[float] = []
 
     async def observe_now() -> holepunch_module.Observation:
