@@ -426,3 +426,25 @@ async def test_int8_keeps_values_near_float32s_limit_finite_under_errstate_raise
         for g in got:
             assert np.isfinite(g).all(), g
             np.testing.assert_allclose(g, xs[0], atol=float(big) / 127)
+
+
+async def test_a_cancelled_bucket_wait_leaves_the_buckets_reducing() -> None:
+    """A timeout around wait() on a rank whose peer is late cancelled the bucket
+    reductions that add() had started, and cancelling a collective breaks the group: the
+    late rank's wait() and every later collective failed on both ranks."""
+    async with groups(2) as gs:
+        bks = await asyncio.gather(
+            *(GradientBuckets.create(g, bucket_bytes=1 << 20, op="sum") for g in gs)
+        )
+        a0 = [np.ones(1 << 18, np.float32) for _ in range(3)]
+        for a in a0:
+            bks[0].add(a)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(bks[0].wait(), 0.3)  # rank 1 has not added yet
+        a1 = [np.full(1 << 18, 2.0, np.float32) for _ in range(3)]
+        for a in a1:
+            bks[1].add(a)
+        await asyncio.wait_for(asyncio.gather(bks[0].wait(), bks[1].wait()), 20)
+        assert all(np.all(a == 3.0) for a in a0 + a1)
+        out = await asyncio.gather(*(g.all_reduce(np.ones(2)) for g in gs))
+        assert out[0].tolist() == [2.0, 2.0]

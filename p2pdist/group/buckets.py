@@ -243,7 +243,8 @@ class GradientBuckets:
         the first bucket not reduced (it and every later bucket were left as they were).
         The next :meth:`add` starts a new step (bucket positions count from 0 again),
         also when the last bucket was refused here (a UsageError for its size, raised once
-        the step's other buckets are done)."""
+        the step's other buckets are done). A cancelled wait() leaves the buckets
+        reducing (cancelling them would break the group); the next wait() waits for them."""
         self._check_open()
         refused: UsageError | None = None
         try:
@@ -262,8 +263,10 @@ class GradientBuckets:
                 raise err
         if tasks:
             # A failed bucket fails the later ones at once (they wait for it), so this
-            # returns as soon as the first failure is known, as before.
-            results = await asyncio.gather(*tasks, return_exceptions=True)
+            # returns as soon as the first failure is known, as before. Shielded: a
+            # cancelled wait() (a timeout around it) must not cancel the reductions, which
+            # would break the group on every rank; the next wait() waits for them.
+            results = await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
             for k, result in enumerate(results):
                 if isinstance(result, BaseException):
                     _note(result, k, len(tasks), sum(sizes[k:]))
