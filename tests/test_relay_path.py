@@ -12,7 +12,13 @@ import pytest
 from relay_helpers import RelayProcess
 from transport_conformance import bounded, wait_until
 
-from p2pdist import EndpointId, P2PTimeoutError, PeerAuthenticationError, SecretKey
+from p2pdist import (
+    ConnectionClosedError,
+    EndpointId,
+    P2PTimeoutError,
+    PeerAuthenticationError,
+    SecretKey,
+)
 from p2pdist.transport.relay_path import RelayConfig, RelayPath, RelayState, relay_keepalive
 from p2pdist.transport.relay_session import RelaySessionProtocol
 from p2pdist.wire.relay import MAX_BODY, RelayFrame, RelayFrameType, RelayUrl
@@ -202,6 +208,25 @@ async def test_an_attempt_that_stalls_names_the_step_within_one_connect_timeout(
         await bounded(path.close(), "close()")
         for w in conns:
             w.close()
+        server.close()
+
+
+async def test_wait_connected_after_or_during_close_fails_at_once() -> None:
+    """A closed path never connects again: wait_connected waited out its whole timeout
+    and then blamed the relay ("no answer")."""
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # never answers
+    port = server.sockets[0].getsockname()[1]
+    url = f"https://127.0.0.1:{port}/?pin={key(9).endpoint_id}"
+    try:
+        path = RelayPath(key(0), url, config=RelayConfig(connect_timeout=30.0))
+        waiting = asyncio.create_task(path.wait_connected(60))
+        await asyncio.sleep(0.2)
+        await bounded(path.close(), "close()")
+        with pytest.raises(ConnectionClosedError, match="closed"):
+            await asyncio.wait_for(waiting, 5)  # not the 60 s timeout
+        with pytest.raises(ConnectionClosedError, match="closed"):
+            await asyncio.wait_for(path.wait_connected(60), 5)
+    finally:
         server.close()
 
 

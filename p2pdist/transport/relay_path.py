@@ -19,7 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ..errors import ConnectionBrokenError, P2PTimeoutError, PeerAuthenticationError, UsageError
+from ..errors import (
+    ConnectionBrokenError,
+    ConnectionClosedError,
+    P2PTimeoutError,
+    PeerAuthenticationError,
+    UsageError,
+)
 from ..identity import ID_LEN, EndpointId, SecretKey, endpoint_id_of
 from ..tasks import cancel_and_wait
 from ..tls import endpoint_id_of_cert
@@ -201,6 +207,7 @@ class RelayPath:
         self._connected = asyncio.Event()
         self._refused = asyncio.Event()
         self._closed = False
+        self._closed_event = asyncio.Event()
         self._ping_sent: dict[bytes, float] = {}
         self._ping_waiters: dict[bytes, asyncio.Future[float]] = {}
         self._sent = self._received = self._dropped = self._bad_peer_ids = 0
@@ -235,19 +242,26 @@ class RelayPath:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def wait_connected(self, timeout: float) -> None:
-        """Wait until a session is up; the error names the last failure."""
+        """Wait until a session is up; the error names the last failure
+        (ConnectionClosedError at once once :meth:`close` was called, or when it is)."""
+        if self._closed:
+            raise ConnectionClosedError(f"relay {self.url}: closed")
         self.start()
         # A refusal in the latest attempt is reported at once (it stays set until an
         # attempt ends otherwise); else wait for the next attempt's outcome.
-        connected = asyncio.ensure_future(self._connected.wait())
-        refused = asyncio.ensure_future(self._refused.wait())
+        waits = [
+            asyncio.ensure_future(e.wait())
+            for e in (self._connected, self._refused, self._closed_event)
+        ]
         try:
-            await asyncio.wait([connected, refused], timeout=timeout, return_when="FIRST_COMPLETED")
+            await asyncio.wait(waits, timeout=timeout, return_when="FIRST_COMPLETED")
         finally:
-            connected.cancel()
-            refused.cancel()
+            for w in waits:
+                w.cancel()
         if self._connected.is_set():
             return
+        if self._closed:
+            raise ConnectionClosedError(f"relay {self.url}: closed")
         why = self._status.last_error or "no answer"
         if self._refused.is_set():
             raise PeerAuthenticationError(f"relay {self.url}", why)
@@ -306,6 +320,7 @@ class RelayPath:
     async def close(self) -> None:
         """End the session and stop reconnecting."""
         self._closed = True
+        self._closed_event.set()
         if self._task is not None:
             await cancel_and_wait([self._task])
         self._set(state=RelayState.CLOSED)
