@@ -361,8 +361,8 @@ class RelayServer:
 
     def take_socket(self) -> bool:
         """Count a new client socket. At the budget the oldest connection waiting to
-        authenticate makes room if it has waited a second (its socket goes as its close
-        completes); else False, counted as refused."""
+        authenticate makes room if it has waited a second (it is dropped at once: its
+        socket closes on the loop's next pass); else False, counted as refused."""
         if self.socket_budget is not None and self.sockets_open >= self.socket_budget:
             evicted = self.core.evict_for_socket(asyncio.get_running_loop().time())
             if isinstance(evicted, _ClientConnection):

@@ -297,14 +297,13 @@ class RelayCore:
         connection still waiting to authenticate if it has waited :data:`EVICT_AFTER`, as
         the caps on waiting connections do, so that idle sockets cannot lock real clients
         out when the budget is smaller than those caps. Returns its link, for the caller
-        to drop at once (no answer, no flush: its socket must go now, not after a close
-        grace, or a flood could push the relay past its descriptors); None: no room."""
+        to drop at once (what :meth:`_evict` queued for it is not flushed: its socket must
+        go now, not after a close grace, or a flood could push the relay past its
+        descriptors); None: no room."""
         oldest = next(iter(self._waiting), None)
         if oldest is None or now - oldest.opened_at < EVICT_AFTER:
             return None
-        self.metrics.evicted["socket_budget"] += 1
-        fields = {"reason": "socket_budget", "after": now - oldest.opened_at}
-        self._close(oldest, "evicted", quiet=True, fields=fields)
+        self._evict(oldest, "socket_budget", now)
         return oldest.link
 
     def _refuse_storm(self, s: Session, reason: str) -> None:

@@ -170,9 +170,11 @@ class GradientBuckets:
         # A bucket of the wrong size raises here: its arrays are dropped (left as they
         # were) and its position stays free, so the helper goes on as before the call.
         feedback = self._bucket_feedback(sum(a.size for a in arrays))
-        previous = self._tasks[-1] if self._tasks else None
-        before = None if previous is not None else self._last  # an earlier step's, running
-        task = loop.create_task(self._reduce_bucket(arrays, previous, before, feedback))
+        # After the last bucket started (this step's, or an earlier step's still running):
+        # its failure fails this one only within a step.
+        task = loop.create_task(
+            self._reduce_bucket(arrays, self._last, bool(self._tasks), feedback)
+        )
         self._tasks.append(task)
         self._counts.append(len(arrays))
         self._last = task
@@ -196,16 +198,17 @@ class GradientBuckets:
     async def _reduce_bucket(
         self,
         arrays: list[np.ndarray],
-        previous: asyncio.Task[None] | None,
-        before: asyncio.Task[None] | None,
+        after: asyncio.Task[None] | None,
+        same_step: bool,
         feedback: ErrorFeedback | None,
     ) -> None:
-        if before is not None and not before.done():
-            # The last bucket of the step before (its wait() still runs, and says how it
-            # ended): after it, whatever happened to it.
-            await asyncio.wait([before])
-        if previous is not None:
-            await asyncio.shield(previous)  # buckets reduce in order on every rank
+        if after is not None:  # buckets reduce in order on every rank
+            if same_step:
+                await asyncio.shield(after)  # its failure is ours too
+            elif not after.done():
+                # The last bucket of the step before (its wait() still runs, and says how
+                # it ended): after it, whatever happened to it.
+                await asyncio.wait([after])
         # In the wire dtype: a big-endian array joins its little-endian kin.
         flat = np.concatenate([a.reshape(-1) for a in arrays], dtype=wire_form(arrays[0].dtype))
         await self._group.all_reduce(

@@ -159,6 +159,26 @@ Action = SendPing | SendPong | SendCandidates | PathChange
 
 
 @dataclass(slots=True)
+class _Allowance:
+    """At most ``limit`` takes per window of ``window`` seconds; a window begins with the
+    first take after the previous one ended."""
+
+    limit: int
+    window: float
+    since: float | None = None
+    taken: int = 0
+
+    def take(self, now: float) -> bool:
+        """Count one at ``now``; False (nothing counted) when this window is used up."""
+        if self.since is None or not self.since <= now < self.since + self.window:
+            self.since, self.taken = now, 0
+        if self.taken >= self.limit:
+            return False
+        self.taken += 1
+        return True
+
+
+@dataclass(slots=True)
 class _Candidate:
     next_probe: float
     interval: float
@@ -214,20 +234,16 @@ class PeerPaths:
         replay: the relay may deliver an old, validly signed one again)."""
         self.ignored_candidates = 0
         """Addresses in the peer's CANDIDATES left out (not probed, not remembered): the
-        window already had :data:`MAX_KNOWN` new ones (see :meth:`_room_for_announced`)."""
+        ``retry_after`` window already had :data:`MAX_KNOWN` new ones."""
         self.last_failure: str | None = None
         self.round_started: float | None = None
         self._candidates: dict[Address, _Candidate] = {}
         self._pending: dict[bytes, tuple[Address, float]] = {}
         self._heard: dict[Address, float] = {}
-        self._reflexive_learned = 0
-        self._reflexive_since: float | None = None
-        """Peer-reflexive addresses learned in the window that began at this time."""
-        self._announced_origin: float | None = None
-        self._announced_window = 0
-        self._announced_new = 0
-        """Addresses new to us in the peer's CANDIDATES, counted in retry_after windows
-        from the first list (``_announced_window`` is the one counted)."""
+        self._reflexive = _Allowance(MAX_CANDIDATES, config.retry_after)
+        """Peer-reflexive addresses learned (a PING from a new address)."""
+        self._announced = _Allowance(MAX_KNOWN, config.retry_after)
+        """Addresses new to us taken from the peer's CANDIDATES."""
         self._early_round_at: float | None = None
         self._round_end = 0.0
         self._retry_at = 0.0
@@ -270,8 +286,10 @@ class PeerPaths:
         for addr in wanted:
             cand = self._candidates.get(addr)
             if cand is None:
-                if self._room_for_announced(now):
+                if self._announced.take(now):
                     self._candidates[addr] = _Candidate(now, self.config.probe_interval, True)
+                else:  # the peer sends its list again when it starts its next round
+                    self.ignored_candidates += 1
             else:
                 cand.announced = True
                 self._probe_soon(cand, now, pinged_us=False)
@@ -421,8 +439,7 @@ class PeerPaths:
         self.paths = {a: p for a, p in self.paths.items() if a == keep}
         self._candidates = {a: c for a, c in self._candidates.items() if c.announced or a == keep}
         self._pending.clear()
-        self._reflexive_learned = 0
-        self._reflexive_since = None
+        self._reflexive = _Allowance(MAX_CANDIDATES, self.config.retry_after)
 
     def _add_reflexive(self, addr: Address, now: float) -> bool:
         """The peer's PING just came from ``addr``: probe it (a new address counts against
@@ -432,31 +449,10 @@ class PeerPaths:
         if cand is not None:
             self._probe_soon(cand, now, pinged_us=True)
             return True
-        since = self._reflexive_since
-        if since is None or not since <= now < since + self.config.retry_after:
-            self._reflexive_since, self._reflexive_learned = now, 0
-        if self._reflexive_learned >= MAX_CANDIDATES:
+        if not self._reflexive.take(now):
             return False
-        self._reflexive_learned += 1
         self._candidates[addr] = _Candidate(now, self.config.probe_interval, False)
         self._trim_candidates()
-        return True
-
-    def _room_for_announced(self, now: float) -> bool:
-        """Whether an address new to us in the peer's CANDIDATES may be taken (and probed)
-        now: at most :data:`MAX_KNOWN` per ``retry_after`` window, counted in fixed
-        windows from the peer's first list. Further ones are left out and counted; the
-        peer sends its list again when it starts its next round."""
-        window = self.config.retry_after
-        if self._announced_origin is None:
-            self._announced_origin = now
-        current = int((now - self._announced_origin) // window)
-        if current != self._announced_window:
-            self._announced_window, self._announced_new = current, 0
-        if self._announced_new >= MAX_KNOWN:
-            self.ignored_candidates += 1
-            return False
-        self._announced_new += 1
         return True
 
     def _probe_soon(self, cand: _Candidate, now: float, *, pinged_us: bool) -> None:

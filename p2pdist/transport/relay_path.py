@@ -206,8 +206,8 @@ class RelayPath:
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
         self._refused = asyncio.Event()
-        self._closed = False
-        self._closed_event = asyncio.Event()
+        self._closed = asyncio.Event()
+        """Set by :meth:`close`: no session any more, and waiters stop waiting."""
         self._ping_sent: dict[bytes, float] = {}
         self._ping_waiters: dict[bytes, asyncio.Future[float]] = {}
         self._sent = self._received = self._dropped = self._bad_peer_ids = 0
@@ -244,14 +244,13 @@ class RelayPath:
     async def wait_connected(self, timeout: float) -> None:
         """Wait until a session is up; the error names the last failure
         (ConnectionClosedError at once once :meth:`close` was called, or when it is)."""
-        if self._closed:
+        if self._closed.is_set():
             raise ConnectionClosedError(f"relay {self.url}: closed")
         self.start()
         # A refusal in the latest attempt is reported at once (it stays set until an
         # attempt ends otherwise); else wait for the next attempt's outcome.
         waits = [
-            asyncio.ensure_future(e.wait())
-            for e in (self._connected, self._refused, self._closed_event)
+            asyncio.ensure_future(e.wait()) for e in (self._connected, self._refused, self._closed)
         ]
         try:
             await asyncio.wait(waits, timeout=timeout, return_when="FIRST_COMPLETED")
@@ -260,7 +259,7 @@ class RelayPath:
                 w.cancel()
         if self._connected.is_set():
             return
-        if self._closed:
+        if self._closed.is_set():
             raise ConnectionClosedError(f"relay {self.url}: closed")
         why = self._status.last_error or "no answer"
         if self._refused.is_set():
@@ -319,8 +318,7 @@ class RelayPath:
 
     async def close(self) -> None:
         """End the session and stop reconnecting."""
-        self._closed = True
-        self._closed_event.set()
+        self._closed.set()
         if self._task is not None:
             await cancel_and_wait([self._task])
         self._set(state=RelayState.CLOSED)
@@ -331,7 +329,7 @@ class RelayPath:
         self._status = replace(self._status, **changes)  # type: ignore[arg-type]
 
     async def _run(self) -> None:
-        while not self._closed:
+        while not self._closed.is_set():
             self._set(state=RelayState.CONNECTING)
             self._authed_at = None
             retry_after: float | None = None
@@ -351,7 +349,7 @@ class RelayPath:
             finally:
                 self._connected.clear()
                 self._writer = None
-            if self._closed:
+            if self._closed.is_set():
                 break
             authed = self._authed_at
             lasted = None if authed is None else time.monotonic() - authed
