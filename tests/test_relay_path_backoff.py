@@ -64,7 +64,7 @@ class ReconnectAtOnce(RelayPath):
     async def _session(self) -> float | None:
         self.sessions += 1
         if self.sessions >= self.stop_after:
-            self._closed = True  # what close() does first: no further reconnect
+            self._closed.set()  # what close() does first: no further reconnect
             self.done.set()
         self._authed_at = time.monotonic()
         return 0.0
