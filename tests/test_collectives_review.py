@@ -111,6 +111,42 @@ async def test_error_feedback_recovers_after_a_non_finite_step(wire: str) -> Non
             assert ef.residual is not None and np.isfinite(ef.residual).all()
 
 
+@pytest.mark.parametrize(
+    ("world", "size", "wire", "big"),
+    [
+        (4, 100_000, "bfloat16", 1.5e38),  # the ring; four finite inputs sum past float32
+        (2, 64, "bfloat16", 3.0e38),  # the one-round path
+        (4, 100_000, "float16", 20007.0),  # four sum past float16's 65504
+    ],
+)
+async def test_error_feedback_forgets_a_step_whose_sum_overflowed(
+    world: int, size: int, wire: str, big: float
+) -> None:
+    """Every input finite, only the sum overflows: the residual that element's encoding
+    left (about 1e35 for bfloat16 at 1.5e38) must not be carried into the next steps."""
+    rng = np.random.default_rng(5)
+    async with groups(world) as gs:
+        efs = [ErrorFeedback() for _ in gs]
+        for step in range(3):
+            xs = [rng.standard_normal(size).astype(np.float32) for _ in gs]
+            if step == 1:
+                for x in xs:
+                    x[5] = big
+            want = np.sum([x.astype(np.float64) for x in xs], axis=0)
+            with np.errstate(over="ignore", invalid="ignore"):
+                outs = await asyncio.gather(
+                    *(
+                        g.all_reduce(x, wire_dtype=wire, error_feedback=ef)
+                        for g, x, ef in zip(gs, xs, efs, strict=True)
+                    )
+                )
+            if step == 1:
+                assert all(np.isinf(out[5]) for out in outs)
+            else:
+                for out in outs:
+                    assert abs(out[5] - want[5]) < 0.1, (step, out[5], want[5])
+
+
 async def test_foreign_exception_breaks_the_group_and_tells_the_others() -> None:
     # FloatingPointError (np.seterr raise) on the rank that reduces the overflowing
     # segment: that rank raises GroupBrokenError naming itself, the other is told at once

@@ -606,3 +606,61 @@ def test_a_big_endian_model_is_kept_little_endian_and_one_that_cannot_travel_is_
     if np.dtype(np.longdouble).itemsize > 8:  # float128 where the platform has it
         with pytest.raises(UsageError, match="cannot travel"):
             check_model(np.zeros(3, np.longdouble))
+
+
+@pytest.mark.parametrize(("kind", "param"), [("exponential", 1e-200), ("polynomial", 700.0)])
+def test_a_round_of_updates_all_too_stale_to_weigh_anything_still_averages(
+    kind: str, param: float
+) -> None:
+    """d(2) underflows to 0 under these discounts: the floor keeps the weights positive,
+    so the round is averaged by sample counts (the discount cancels out) instead of
+    failing every close for good."""
+    assert FederatedConfig(discount=kind, discount_param=param).staleness_factor(2) > 0
+    st = rounds(max_staleness=2, discount=kind, discount_param=param)
+    st.join("a")
+    st.join("b")
+    for t in range(2):  # rounds 0 and 1: nobody
+        st.open(float(t))
+        st.close(t + 0.5)
+    st.open(2.0)
+    assert st.submit("a", 2, 0, 1, vec(1.0), 2.1).accepted
+    assert st.submit("b", 2, 0, 3, vec(3.0), 2.2).accepted
+    out = st.close(3.0)
+    assert out.applied and out.aggregate is not None
+    np.testing.assert_array_equal(out.aggregate, vec(2.5))
+    st.open(3.0)  # and the rounds go on
+    assert st.round == 3
+
+
+def test_huge_weights_do_not_overflow_the_mean_and_keep_its_bits() -> None:
+    x = np.array([1e10, 1.0, 2.0])
+    f64 = np.dtype(np.float64)
+    np.testing.assert_array_equal(aggregate([x], [1e300], "mean", 0.0, f64), x)
+    ys = [np.array([0.1, 3.0]), np.array([0.7, -1.0])]
+    plain = (0.1 * 3 + 0.7 * 5) / 8, (3.0 * 3 - 1.0 * 5) / 8
+    np.testing.assert_array_equal(aggregate(ys, [3.0, 5.0], "mean", 0.0, f64), plain)
+    big = [3 * 2.0**1000, 5 * 2.0**1000]  # 3 and 5 times one power of two: the same bits
+    np.testing.assert_array_equal(aggregate(ys, big, "mean", 0.0, f64), plain)
+    with pytest.raises(UsageError, match="not all 0"):
+        aggregate(ys, [0.0, 0.0], "mean", 0.0, f64)
+
+
+def test_a_sample_count_past_what_a_submission_can_carry_is_rejected() -> None:
+    st = rounds()
+    st.join("a")
+    st.open(0.0)
+    v = st.submit("a", 0, 0, 2**63, vec(1.0), 0.1)
+    assert not v.accepted and v.reason is Reason.SAMPLES
+    assert st.submit("a", 0, 0, 2**63 - 1, vec(1.0), 0.2).accepted
+    out = st.close(1.0)
+    np.testing.assert_array_equal(out.aggregate, vec(1.0))
+
+
+def test_the_new_model_is_computed_in_float64_and_rounded_once() -> None:
+    f16 = apply_update(np.array([-60000.0], np.float16), np.array([60000.0], np.float16), 2.0)
+    assert f16.dtype == np.float16 and f16.tolist() == [60000.0]  # float16 arithmetic: inf
+    rng = np.random.default_rng(3)
+    model, update = rng.standard_normal((2, 10_000)).astype(np.float32)
+    got = apply_update(model, update, 0.3)
+    want = (model.astype(np.float64) + update.astype(np.float64) * 0.3).astype(np.float32)
+    np.testing.assert_array_equal(got, want)

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import UsageError
 from ..group.buffers import wire_form
-from ..settings import as_int
+from ..settings import INT_MAX, as_int
 from .config import FederatedConfig
 
 __all__ = [
@@ -42,7 +42,7 @@ class Reason(enum.StrEnum):
     NORM = "norm"
     """The update's L2 norm exceeds ``max_norm``."""
     SAMPLES = "samples"
-    """``num_samples`` is not an int in [1, max_num_samples]."""
+    """``num_samples`` is not an int in [1, max_num_samples] (at most 2**63 - 1)."""
     TOO_STALE = "too_stale"
     """``round - base_round`` exceeds ``max_staleness`` (or ``base_round`` is ahead)."""
     FUTURE = "future_round"
@@ -70,9 +70,9 @@ def check_update(
     config: FederatedConfig,
 ) -> tuple[Reason, str] | None:
     """None when ``update`` may be aggregated, else ``(reason, explanation)``."""
-    count, top = as_int(num_samples), config.max_num_samples
-    if count is None or count < 1 or (top is not None and count > top):
-        bounds = f"[1, {top}]" if top is not None else ">= 1"
+    count, top = as_int(num_samples), min(config.max_num_samples or INT_MAX, INT_MAX)
+    if count is None or count < 1 or count > top:
+        bounds = f"[1, {top}]"
         return Reason.SAMPLES, f"num_samples {num_samples!r} is not an int {bounds}"
     if update.dtype != dtype:
         return Reason.DTYPE, f"dtype {update.dtype} where the model has {dtype}"
@@ -122,7 +122,10 @@ def aggregate(
 ) -> np.ndarray:
     """Combine ``updates`` (same shape) by ``rule``; the result has ``dtype``.
 
-    ``"mean"``: ``sum(w_i * x_i) / sum(w_i)``, summed in the order given.
+    ``"mean"``: ``sum(w_i * x_i) / sum(w_i)``, summed in the order given, with every
+    weight first scaled by the same power of two, one that brings the largest to [0.5, 1):
+    the bits are the formula's (scaling by a power of two is exact), but huge weights
+    cannot overflow it.
     ``"median"``: coordinate-wise median (weights ignored).
     ``"trimmed_mean"``: per coordinate, sort, cut :func:`trim_count` values from each end,
     average the rest (weights ignored).
@@ -133,13 +136,16 @@ def aggregate(
         raise UsageError("one weight per update")
     shape = updates[0].shape
     if rule == "mean":
+        ws = [float(w) for w in weights]
+        if not all(w >= 0 and math.isfinite(w) for w in ws) or not max(ws) > 0:
+            raise UsageError(f"weights must be finite, >= 0 and not all 0, got {ws[:8]}")
+        shift = -math.frexp(max(ws))[1]
         acc = np.zeros(shape, np.float64)
         total = 0.0
-        for x, w in zip(updates, weights, strict=True):
-            acc += np.multiply(x, float(w), dtype=np.float64)
-            total += float(w)
-        if not total > 0:
-            raise UsageError("weights must sum to a positive number")
+        for x, w in zip(updates, ws, strict=True):
+            w = math.ldexp(w, shift)
+            acc += np.multiply(x, w, dtype=np.float64)
+            total += w
         acc /= total
         return _rounded(acc, dtype)
     stacked = np.stack([np.asarray(x, np.float64).reshape(-1) for x in updates])
@@ -177,7 +183,5 @@ def apply_update(model: np.ndarray, update: np.ndarray, server_lr: float) -> np.
     """``model + server_lr * update`` as a new array of the model's dtype (computed in
     float64 and rounded once, see :func:`_rounded`; a 0-d model stays a 0-d array). The
     model is replaced, never changed in place: a message may still be sending its bytes."""
-    if model.dtype.kind in "iu":
-        total = np.add(model, np.multiply(update, server_lr, dtype=np.float64), dtype=np.float64)
-        return _rounded(total, model.dtype)
-    return np.asarray(model + update * server_lr).astype(model.dtype, copy=False)
+    total = np.add(model, np.multiply(update, server_lr, dtype=np.float64), dtype=np.float64)
+    return _rounded(total, model.dtype)

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from dataclasses import dataclass
 
 from ..errors import UsageError
 
-__all__ = ["DISCOUNTS", "POLICIES", "RULES", "FederatedConfig", "config_or_default"]
+__all__ = [
+    "DISCOUNTS",
+    "MIN_DISCOUNT",
+    "POLICIES",
+    "RULES",
+    "FederatedConfig",
+    "config_or_default",
+]
 
 RULES = ("mean", "median", "trimmed_mean")
 """Aggregation rules: sample-weighted mean, coordinate-wise median, trimmed mean."""
@@ -16,6 +24,9 @@ POLICIES = ("deadline", "quorum")
 """When a round closes: at its deadline, or as soon as the quorum is met."""
 DISCOUNTS = ("polynomial", "exponential", "none")
 """Staleness discounts: ``(1 + s) ** -a``, ``a ** s``, or 1."""
+MIN_DISCOUNT = sys.float_info.min
+"""The smallest staleness discount (the smallest normal float, 2.2e-308): a discount
+that would underflow to 0 stops here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,12 +135,16 @@ class FederatedConfig:
         return max(1, math.ceil(self.quorum * members - 1e-9))
 
     def staleness_factor(self, staleness: int) -> float:
-        """``d(staleness)``, the discount multiplied into a stale update's weight."""
+        """``d(staleness)``, the discount multiplied into a stale update's weight; never
+        below :data:`MIN_DISCOUNT`, so that no update weighs nothing (a round of updates
+        all that stale still averages them by their sample counts)."""
         if self.discount == "none" or staleness <= 0:
             return 1.0
         if self.discount == "polynomial":
-            return float((1.0 + staleness) ** -self.discount_param)
-        return float(self.discount_param**staleness)
+            d = (1.0 + staleness) ** -self.discount_param
+        else:
+            d = self.discount_param**staleness
+        return max(float(d), MIN_DISCOUNT)
 
 
 def config_or_default(config: object) -> FederatedConfig:

@@ -383,8 +383,10 @@ class ErrorFeedback:
     The residual is kept in the units that travel: the input's, or the input's divided by
     the world for ``op="mean"`` (which scales before encoding); a call with another scale
     converts it. Where the value to send or its decoded form is not finite (an inf or NaN
-    in the input, or a float16 overflow), the residual keeps its previous value: one bad
-    step costs that step's result, and later finite inputs give finite results again.
+    in the input, or a float16 overflow), and where the call's result is not finite (a
+    sum past the wire's or float32's range), the residual keeps the value it had before
+    the call: one bad step costs that step's result, and later finite inputs give finite
+    results again.
     """
 
     _PIECE = 1 << 18
@@ -393,6 +395,8 @@ class ErrorFeedback:
     def __init__(self) -> None:
         self.residual: np.ndarray | None = None
         self._divisor = 1
+        self._before: np.ndarray | None = None
+        """The residual as the running call found it, until :meth:`settle`."""
 
     def apply(self, x: np.ndarray, codec: WireCodec, divisor: int = 1) -> np.ndarray:
         """``decode(encode(x / divisor + residual))``, remembering the new residual.
@@ -415,6 +419,7 @@ class ErrorFeedback:
             self.residual *= np.float32(self._divisor / divisor)
         self._divisor = divisor
         residual = self.residual
+        self._before = residual.copy()
         sent += residual  # the value to send: x + what earlier calls lost
         align = codec.align  # int8 scales cover whole blocks
         step = max(1, self._PIECE // align) * align
@@ -435,6 +440,19 @@ class ErrorFeedback:
                 self._keep_finite(sent[a:b], dec, residual[a:b])
             np.copyto(sent[a:b], dec)
         return sent
+
+    def settle(self, result: np.ndarray) -> None:
+        """End the call :meth:`apply` began, given its reduced float32 ``result``: where
+        that is not finite, the residual goes back to what it was before the call. (Each
+        rank's residual holds what its own encodings lost; where the sum overflowed, the
+        step is lost anyway, and carrying that loss forward would add a large finite
+        error to the next steps' results.)"""
+        before, self._before = self._before, None
+        if before is None or self.residual is None or before.shape != self.residual.shape:
+            return
+        ok = np.isfinite(result.reshape(-1))
+        if not ok.all():
+            np.copyto(self.residual, before, where=~ok)
 
     @staticmethod
     def _keep_finite(sent: np.ndarray, dec: np.ndarray, residual: np.ndarray) -> None:

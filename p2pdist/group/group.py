@@ -85,6 +85,8 @@ class Group(GroupCore):
                 await compressed_ring_all_reduce(
                     lk, flat, bounds, codec, self._chunk(flat.dtype), residual
                 )
+            if feedback is not None:
+                feedback.settle(flat)
             if not np.may_share_memory(work, flat):
                 with np.errstate(over="ignore"):  # a float16 result past 65504 is inf
                     work.reshape(-1)[:] = flat
