@@ -64,8 +64,12 @@ def _write_atomically(path: Path, text: str) -> None:
         raise ConfigError(f"cannot write url-file {path}: {exc.strerror or exc}") from None
 
 
-async def run(config: RelayConfig) -> int:
-    """Serve until SIGTERM/SIGINT, then shut down gracefully; returns the exit status."""
+async def run(config: RelayConfig, *, exiting: bool = False) -> int:
+    """Serve until SIGTERM/SIGINT, then shut down gracefully; returns the exit status.
+
+    ``exiting``: the process ends when this returns (``p2pdist-relay``), so SIGTERM,
+    SIGINT and SIGHUP stay ignored from the end of the drain on; otherwise their default
+    actions come back then."""
     loop = asyncio.get_running_loop()
     log.info(kv("event_loop", loop=eventloop.loop_name(loop)))
     server = RelayServer(config)
@@ -92,6 +96,10 @@ async def run(config: RelayConfig) -> int:
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+                if exiting:
+                    # The loop's teardown and the interpreter's exit take another 0.1-0.2 s:
+                    # a reload hook's SIGHUP then must not turn a clean stop into exit 129.
+                    signal.signal(sig, signal.SIG_IGN)
             if config.url_file is not None and server.url:
                 _remove_if_ours(config.url_file, server.url + "\n")
     return 0
@@ -120,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _raise_fd_limit()
     try:
-        return eventloop.run(run(config), loop=config.loop)
+        return eventloop.run(run(config, exiting=True), loop=config.loop)
     except UsageError as exc:  # --loop uvloop without uvloop installed
         print(f"p2pdist-relay: error: {exc}", file=sys.stderr)
         return 2

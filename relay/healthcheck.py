@@ -45,6 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.timeout <= 0 or args.timeout != args.timeout:
         print(f"unhealthy: --timeout must be positive, got {args.timeout}", file=sys.stderr)
         return 1
+    if args.url is not None and not args.url.strip():
+        # "$(cat /data/relay.url)" of a missing or empty file: checking no key at all
+        # would report a relay healthy that clients cannot verify.
+        print("unhealthy: --url is empty (is the relay's url-file written?)", file=sys.stderr)
+        return 1
     # With --url the relay is verified as clients do; with --port nothing is.
     url = args.url or RelayUrl(args.host, args.port, None)
     try:

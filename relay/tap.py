@@ -142,9 +142,10 @@ class FileTap:
             self._fh = None
 
 
-def read_tap(path: Path) -> dict[tuple[int, str], bytes]:
-    """``{(conn_id, "in" | "out"): all bytes in order}`` from a file written by FileTap."""
-    data = path.read_bytes()
+def read_tap(path: str | os.PathLike[str]) -> dict[tuple[int, str], bytes]:
+    """``{(conn_id, "in" | "out"): all bytes in order}`` from a file written by FileTap
+    (``--tap FILE``)."""
+    data = Path(path).read_bytes()
     streams: dict[tuple[int, str], bytearray] = {}
     off = 0
     while off + _RECORD.size <= len(data):

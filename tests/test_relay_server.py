@@ -734,6 +734,25 @@ def test_a_signal_during_the_drain_does_not_kill_the_relay(tmp_path: Path, secon
         assert relay.log.read_text().rstrip().endswith("stopped")
 
 
+@pytest.mark.parametrize(
+    "second", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT], ids=["HUP", "TERM", "INT"]
+)
+def test_a_signal_after_the_drain_does_not_kill_the_relay(tmp_path: Path, second: int) -> None:
+    """Between the end of the drain ("stopped") and the process's exit the loop shuts
+    down; a signal there (a reload hook's SIGHUP right after a stop) took the default
+    action: exit 129, 143 or 130 after a clean stop."""
+    with RelayProcess(tmp_path, "--stun-port", "0") as relay:
+        relay.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while not relay.log.read_text().rstrip().endswith("stopped"):
+            assert time.monotonic() < deadline and relay.proc.poll() is None
+            time.sleep(0.001)
+        if relay.proc.poll() is None:
+            relay.proc.send_signal(second)
+        code, _ = relay.stop()
+        assert code == 0
+
+
 async def test_tap_sees_every_byte_the_relay_handles(tmp_path: Path) -> None:
     seen: dict[tuple[int, str], bytearray] = {}
 
@@ -755,7 +774,7 @@ async def test_tap_sees_every_byte_the_relay_handles(tmp_path: Path) -> None:
         a.send(B.endpoint_id, b"MARKER-5678")
         await b.recv()
         assert (await asyncio.to_thread(relay.stop))[0] == 0
-    streams = read_tap(tap_file)
+    streams = read_tap(str(tap_file))  # the name given to --tap, as docs/relay.md shows
     assert sum(b"MARKER-5678" in v for v in streams.values()) == 2  # in from A, out to B
 
 
@@ -772,6 +791,10 @@ def test_cli_key_file_is_created_private_and_keeps_the_pin(tmp_path: Path) -> No
             assert healthcheck(["--url", wrong]) == 1
         # the message itself, not the repr of ssl.SSLError's args tuple
         assert err.getvalue() == "unhealthy: relay key does not match the pin in its URL\n"
+        for empty in ("", " \n"):  # "$(cat relay.url)" of a missing file checked nothing
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                assert healthcheck(["--url", empty, "--port", port]) == 1
+            assert "--url is empty" in err.getvalue()
         assert first.stop()[0] == 0
     assert not url_file.exists()  # a stopped relay's URL is not left for scripts to dial
     assert healthcheck(["--port", port, "--timeout", "5"]) == 1
