@@ -387,3 +387,60 @@ async def test_a_rank_with_another_seed_is_told_so_and_the_other_names_the_refus
             await asyncio.wait_for(start0, CONNECT + 2)
     finally:
         await asyncio.gather(g0.close(), g1.close())
+
+
+@pytest.mark.parametrize("on_peer_loss", ["break", "leave"])
+async def test_a_group_formed_again_while_a_rank_still_runs_the_last_one_forms(
+    on_peer_loss: str,
+) -> None:
+    """Ranks that form the group again in a loop (same seed, same addresses): rank 1 is
+    done with the first group and dials for the second while rank 0 still runs the
+    first for a moment. Rank 0's formed group refused it (at the handshake, or with a
+    ``refused`` note under "leave"): rank 1 failed at once with "two processes claim
+    rank 1?", and rank 0 then waited out connect_timeout for it."""
+    peers = loopback_peers(2)
+    cfg = GroupConfig(
+        timeout=5.0,
+        connect_timeout=CONNECT,
+        transport=TransportConfig(tls=False),
+        on_peer_loss=on_peer_loss,
+    )
+
+    def group(rank: int) -> Group:
+        return Group.from_seed(SEED, rank=rank, world=2, peers=peers, config=cfg)
+
+    first = [group(0), group(1)]
+    second: list[Group] = []
+    try:
+        await asyncio.wait_for(asyncio.gather(*(g.start() for g in first)), CONNECT + 2)
+        await check_sum(first)
+        await first[1].close()
+        second.append(group(1))
+        starting = asyncio.create_task(second[0].start())
+        await asyncio.sleep(0.5)  # rank 1 dials rank 0's first group meanwhile
+        assert not starting.done(), starting
+        await first[0].close()
+        second.insert(0, group(0))
+        await asyncio.wait_for(asyncio.gather(second[0].start(), starting), CONNECT + 2)
+        await check_sum(second)
+    finally:
+        await asyncio.gather(*(g.close() for g in [*first, *second]))
+
+
+async def test_a_rank_refused_by_a_formed_group_until_the_end_says_why() -> None:
+    """A rank whose group formed refuses a newcomer for its rank until connect_timeout:
+    the newcomer's timeout names the refusal and its likely causes."""
+    peers = loopback_peers(2)
+    gs = [make(0, peers), make(1, peers)]
+    (port,) = free_ports(1)
+    late = make(1, peers, listen=f"127.0.0.1:{port}")
+    try:
+        await asyncio.wait_for(asyncio.gather(*(g.start() for g in gs)), CONNECT + 2)
+        with pytest.raises(P2PTimeoutError) as caught:
+            await asyncio.wait_for(late.start(), CONNECT + 2)
+        text = str(caught.value)
+        assert "refused this rank's connections until the end" in text, text
+        assert "not allowed to connect here" in text and "two processes claim rank 1?" in text
+        await check_sum(gs)  # the group that formed is untouched
+    finally:
+        await asyncio.gather(*(g.close() for g in [*gs, late]))

@@ -528,7 +528,9 @@ class Group(GroupCore):
 
         Collective over this group. A sub-group shares this group's connections on channel
         spaces of its own, so its collectives can run beside the parent's; a failure in
-        either breaks the connections both use.
+        either breaks the connections both use. A space is never used again, even after
+        its sub-group closed: a group makes at most 32,511 sub-groups in its life, so
+        split once and keep the sub-groups (docs/collectives.md).
         """
         if color is not None:
             checked = as_int(color)

@@ -34,7 +34,7 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId
-from ..transport.base import Address, Connection
+from ..transport.base import NOT_ADMITTED, Address, Connection
 from ..transport.dial import dial_with_retry
 from ..transport.mailbox import SPACE_SHIFT, split_channel
 from ..transport.quic import QuicTransport
@@ -47,6 +47,10 @@ __all__ = ["CONTROL_CHANNEL", "FIRST_RESERVED_SPACE", "LAST_SPACE", "Membership"
 
 log = logging.getLogger(__name__)
 _NOTE_CHARS = 2000
+_REFUSED_FIRST_RETRY = 0.05
+"""Seconds before dialing again a rank whose group formed already; doubles up to
+:data:`_REFUSED_MAX_RETRY`."""
+_REFUSED_MAX_RETRY = 1.0
 """Longest reason a formation ``failed`` note carries (it names ranks and addresses)."""
 
 _CLOSED_EARLY_MAX = 1024
@@ -378,6 +382,9 @@ class Membership:
             if quiet:
                 names = ", ".join(self.peer_label(r) for r in sorted(quiet))
                 why.append(f"{names} never said it was connected to every rank")
+            for r, refusal in sorted(form.refusals.items()):
+                if r in not_in:
+                    why.append(_formed_refusal(self.peer_label(r), refusal, self._rank))
             refused = transport.refused_incoming - refused_before
             if refused:
                 why.append(
@@ -449,7 +456,9 @@ class Membership:
                 try:
                     conn = await self._dial(transport, r)
                 except PeerAuthenticationError as exc:
-                    me = self._rank
+                    if NOT_ADMITTED in exc.detail:
+                        await form.refused_by(r, label, exc.detail)
+                        continue
                     if "identity mismatch" in exc.detail:
                         # The process there holds another key than this seed gives rank r.
                         raise PeerAuthenticationError(
@@ -458,12 +467,7 @@ class Membership:
                             f"{r} this rank expects: do all ranks use the same seed and the "
                             "same peers list, in rank order?",
                         ) from None
-                    raise PeerAuthenticationError(
-                        label,
-                        f"{exc.detail}: its group formed already, so another process has "
-                        f"rank {me} (two processes claim rank {me}?) or this one restarted "
-                        '(a rank can rejoin only a group that runs with on_peer_loss="leave")',
-                    ) from None
+                    raise
                 self._conns[r] = conn
             else:
                 conn = await form.inbox[r].get()
@@ -479,6 +483,10 @@ class Membership:
                     await conn.close()
                     break
                 kind, why, note = _read_note(label, frame.meta)
+                if kind == "refused" and note.get("error") == "formed" and r < self._rank:
+                    await conn.close()
+                    await form.refused_by(r, label, why)
+                    break
                 if kind == "ok" and r < self._rank:
                     check_terms(label, self.peer_label(self._rank), note.get("terms"), form.terms)
                     form.join(r, conn)
@@ -662,6 +670,17 @@ def _raise_for_note(label: str, kind: str, why: str, note: dict[str, Any]) -> No
     raise RemoteProtocolError(label, f"unexpected formation note {kind!r}")
 
 
+def _formed_refusal(label: str, refusal: str, me: int) -> str:
+    """Why ``label`` kept refusing this rank (``me``) while it formed."""
+    return (
+        f"{label} refused this rank's connections until the end ({refusal}): its group "
+        "formed already and stayed open, so another process has rank "
+        f"{me} (two processes claim rank {me}?), or this rank restarted (a rank can rejoin "
+        'only a group that runs with on_peer_loss="leave", with rejoin=True), or that '
+        "process kept an earlier group open for longer than connect_timeout"
+    )
+
+
 def _remote(conn: Connection) -> str:
     """Where ``conn``'s peer is, as ``ip:port`` when the transport knows."""
     addr = getattr(conn, "remote_address", None)
@@ -692,6 +711,22 @@ class _Formation:
         self.ready: dict[int, Connection] = {}  # the connection each rank said ready on
         self.all_ready = asyncio.Event()
         self._told: set[Connection] = set()  # told "ready" (connections hash by identity)
+        self.refusals: dict[int, str] = {}
+        """The last refusal from each lower rank whose group had formed already."""
+        self._refused_count: dict[int, int] = {}
+
+    async def refused_by(self, r: int, label: str, why: str) -> None:
+        """Lower rank ``r`` refused us because its group has formed: most likely the
+        process there has not closed its previous group yet (a program that forms the
+        group again in a loop, where that rank lags a moment). Wait a little, growing, so
+        that the caller dials again; formation's connect_timeout bounds it all, and its
+        error then says why (:func:`_formed_refusal`)."""
+        tries = self._refused_count.get(r, 0)
+        self._refused_count[r] = tries + 1
+        if not tries:
+            log.info("%s refused us (its group formed already): dialing again", label)
+        self.refusals[r] = why
+        await asyncio.sleep(min(_REFUSED_FIRST_RETRY * 2**tries, _REFUSED_MAX_RETRY))
 
     def join(self, r: int, conn: Connection) -> None:
         """``conn`` is ``r``'s accepted connection: once every rank has one, say ready."""

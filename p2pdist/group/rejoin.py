@@ -191,7 +191,13 @@ class Rejoining(Membership):
         a group and waits for a formation ``ok``: the ``refused`` note sent first (which a
         rejoiner drops) makes its start() fail at once, and it stays left here."""
         why = "the group has formed; restart this rank with rejoin=True"
-        _form_note(conn, "refused", why)
+        # A rank that left on purpose and dials to form a group is most likely forming
+        # the group again in a loop, while this process has yet to close this one:
+        # "formed" makes it dial again within its connect_timeout. One that was lost (a
+        # crash, restarted without rejoin=True) learns the fix at once.
+        gone = self._left.get(rank)
+        again = isinstance(gone, ConnectionBrokenError) and gone.graceful
+        _form_note(conn, "refused", why, error="formed" if again else None)
         try:
             async with asyncio.timeout(self.config.connect_timeout):
                 frame = await conn.recv(_HELLO_CHANNEL)

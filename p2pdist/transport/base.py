@@ -11,7 +11,18 @@ from ..identity import EndpointId
 from ..settings import check_int, check_seconds
 from ..wire.frames import Frame, FrameLimits
 
-__all__ = ["Address", "Connection", "ConnectionStats", "Transport", "TransportConfig"]
+__all__ = [
+    "NOT_ADMITTED",
+    "Address",
+    "Connection",
+    "ConnectionStats",
+    "Transport",
+    "TransportConfig",
+]
+
+NOT_ADMITTED = "is not allowed to connect here"
+"""The end of the reason a transport gives a peer its ``accept_from`` refuses (after
+"endpoint ID"); the dialer's error carries it."""
 
 Address = str | tuple[str, int]
 """A network address: ``"host:port"``, ``"[v6]:port"`` or ``(host, port)``."""

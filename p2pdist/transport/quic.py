@@ -31,7 +31,7 @@ from ..errors import (
 )
 from ..identity import EndpointId, SecretKey
 from ..wire.probe import DatagramKind, classify
-from .base import Address, TransportConfig
+from .base import NOT_ADMITTED, Address, TransportConfig
 from .framed import EndpointBase, FramedConnection
 from .holepunch import HolePuncher, PunchingUnavailable
 from .pathinfo import PathInfo, PathStats, single_path
@@ -297,7 +297,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
                 f"the certificate presents {presented}"
             )
         if not self.accepts(presented):
-            return f"endpoint {presented} is not allowed to connect here"
+            return f"endpoint {presented} {NOT_ADMITTED}"
         return None
 
     def _on_established(self, conn: QuicConnection) -> None:

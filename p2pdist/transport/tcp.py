@@ -42,7 +42,7 @@ from ..wire.handshake import (
     get_bytes,
 )
 from .aeadpipe import CIPHER, MAX_RECORD, AeadPipe, RecordError, new_secret
-from .base import Address, TransportConfig
+from .base import NOT_ADMITTED, Address, TransportConfig
 from .framed import EndpointBase, FramedConnection
 from .pathinfo import PathInfo, single_path
 from .paths import path_key
@@ -582,7 +582,7 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             wanted = base64.b32encode(want).decode().rstrip("=").lower()
             refusal = f"identity mismatch: expected {wanted}, presented {owner.endpoint_id}"
         elif not owner.accepts(client):
-            refusal = f"endpoint {client} is not allowed to connect here"
+            refusal = f"endpoint {client} {NOT_ADMITTED}"
         cert = rec.get("cert")
         if refusal is None and my_mode == "tls":
             try:
@@ -813,7 +813,10 @@ class TcpTransport(EndpointBase[TcpConnection]):
             return
         except P2PError as exc:
             conn.abort(exc)
-            log.warning("refused incoming connection: %s", exc)
+            # The accept policy's refusals are routine (a group member re-forming while
+            # this process still runs its earlier group dials until it closes).
+            level = logging.INFO if NOT_ADMITTED in str(exc) else logging.WARNING
+            log.log(level, "refused incoming connection: %s", exc)
             if isinstance(exc, PeerAuthenticationError):  # not a dialer that just went away
                 self._note_refusal(str(exc))
             return
