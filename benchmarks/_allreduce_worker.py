@@ -229,7 +229,7 @@ async def _p2pdist_async(cfg: dict[str, Any]) -> dict[str, Any]:
         world=world,
         peers=cfg["peers"],
         tls=cfg["tls"],
-        config=GroupConfig(transport=transport),
+        config=GroupConfig(transport=transport, algorithm=cfg.get("algorithm", "auto")),
     )
     kw: dict[str, Any] = cfg.get("reduce_kwargs", {})
     tol = tolerance(world, kw)

@@ -72,8 +72,13 @@ VARIANTS: dict[str, dict[str, str]] = {
     "-f16": {"wire_dtype": "float16"},
     "-bf16": {"wire_dtype": "bfloat16"},
     "-int8": {"wire_dtype": "int8"},
+    "-ring": {},
+    "-pw": {},
 }
-"""Mode suffixes: how the all_reduce is called (deterministic, or a compressed wire)."""
+"""Mode suffixes: how the all_reduce is called (deterministic, or a compressed wire), or
+which algorithm large arrays take (``-ring``, ``-pw``: GroupConfig.algorithm "ring" or
+"pairwise"; without either, "auto")."""
+ALGORITHM_OF_VARIANT = {"-ring": "ring", "-pw": "pairwise"}
 REFERENCES = ("gloo", "ompi")
 """Series names of the reference backends (every other series is a p2pdist mode)."""
 LOOPS: dict[str, str] = {"asyncio": "", "uvloop": "+uv"}
@@ -513,6 +518,7 @@ def run_round(
                 "loop": loop,
                 "out_of_place": args.out_of_place,
                 "reduce_kwargs": VARIANTS[variant],
+                "algorithm": ALGORITHM_OF_VARIANT.get(variant, "auto"),
             }
             out.append(sweep(mode + LOOPS[loop], "p2pdist", extra))
     if run_gloo:
@@ -563,7 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MODES,
         help="p2pdist modes (default: tls plaintext; tlsrec = TLS records all along instead "
         "of AES-GCM records after the TLS handshake); suffix -det = deterministic, "
-        "-f16/-bf16/-int8 = compressed wire",
+        "-f16/-bf16/-int8 = compressed wire, -ring/-pw = GroupConfig.algorithm ring/pairwise "
+        "(default auto)",
     )
     add_loop_argument(ap, "event loops for p2pdist, each mode run on each")
     ap.add_argument(

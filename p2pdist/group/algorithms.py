@@ -6,6 +6,9 @@ channel or sequence number carries a message is the Link's business.
 
 * ring reduce-scatter / all-gather (bandwidth-optimal, chunked so that the transfer of one
   chunk overlaps the reduction of the previous one);
+* pairwise reduce-scatter / all-gather (the same bytes per rank as the ring, but every
+  rank exchanges its segments with every other rank at once: no chain of n-1 steps in
+  which one slow rank holds up the next; chunked too);
 * direct one-round exchanges for small arrays (latency-optimal: every rank reduces the
   same inputs in rank order, so all ranks get bitwise-identical results);
 * a pipelined chain for broadcast;
@@ -52,6 +55,8 @@ __all__ = [
     "direct_reduce_scatter",
     "gather_segments",
     "gather_to",
+    "pairwise_all_gather",
+    "pairwise_reduce_scatter",
     "ring_all_gather",
     "ring_reduce_scatter",
     "scatter_from",
@@ -148,6 +153,62 @@ async def ring_all_gather(
 ) -> None:
     """Given segment ``bounds[rank]`` of ``flat`` on each rank, fill in all the others."""
     await _ring_pass(link, flat, bounds, chunk, 0, None)
+
+
+def _others_from_next(link: Link) -> list[int]:
+    """The other ranks, starting with the next one: each rank starts its round of sends
+    with a different peer, so that no rank has every other one sending to it first."""
+    n, r = link.size, link.rank
+    return [(r + k) % n for k in range(1, n)]
+
+
+async def pairwise_reduce_scatter(
+    link: Link, flat: np.ndarray, bounds: list[tuple[int, int]], op: ReduceOp, chunk: int
+) -> None:
+    """Reduce ``flat`` across ranks so that segment ``bounds[rank]`` holds the result: every
+    rank sends each other rank p its copy of segment p, chunk by chunk, and reduces the
+    copies of its own segment as they come. Step i sends chunk i of every other rank's
+    segment, then reduces chunk i of ours from each rank (in a fixed order, so the bits
+    do not depend on arrival timing)."""
+    r = link.rank
+    others = _others_from_next(link)
+    item = flat.dtype.itemsize
+    mine = chunks(*bounds[r], chunk)
+    theirs = {p: chunks(*bounds[p], chunk) for p in others}
+    for i in range(max(len(mine), *(len(c) for c in theirs.values()))):
+        for p in others:
+            if i < len(theirs[p]):
+                a, b = theirs[p][i]
+                await link.send(p, as_bytes(flat[a:b]))
+        if i < len(mine):
+            a, b = mine[i]
+            for q in reversed(others):  # the rank that sent to us first comes first
+                data = await link.recv(q, (b - a) * item)
+                if b > a:
+                    op.combine(flat[a:b], view_as(data, flat.dtype))
+                del data  # let the buffer go before the next receive
+
+
+async def pairwise_all_gather(
+    link: Link, flat: np.ndarray, bounds: list[tuple[int, int]], chunk: int
+) -> None:
+    """Given segment ``bounds[rank]`` of ``flat`` on each rank, fill in all the others:
+    every rank sends its segment to every other rank, chunk by chunk, and each chunk
+    from the others lands in its place (named before it comes)."""
+    r = link.rank
+    others = _others_from_next(link)
+    mine = chunks(*bounds[r], chunk)
+    places = {q: [as_bytes(flat[a:b]) for a, b in chunks(*bounds[q], chunk)] for q in others}
+    for q in others:
+        link.expect(q, places[q])
+    for i in range(max(len(mine), *(len(p) for p in places.values()))):
+        if i < len(mine):
+            a, b = mine[i]
+            for p in others:
+                await link.send(p, as_bytes(flat[a:b]))
+        for q in reversed(others):
+            if i < len(places[q]):
+                await recv_into(link, q, places[q][i])
 
 
 async def direct_all_reduce(link: Link, flat: np.ndarray, op: ReduceOp, out: np.ndarray) -> None:

@@ -10,10 +10,14 @@ from ..transport.base import TransportConfig
 from ..transport.punch import PunchConfig
 from .link import PIECE_BYTES
 
-__all__ = ["MODES", "PEER_LOSS", "GroupConfig"]
+__all__ = ["ALGORITHMS", "MODES", "PAIRWISE_MAX_WORLD", "PEER_LOSS", "GroupConfig"]
 
 MODES = ("fast", "deterministic")
 PEER_LOSS = ("break", "leave")
+ALGORITHMS = ("auto", "ring", "pairwise")
+PAIRWISE_MAX_WORLD = 4
+"""``algorithm="auto"`` takes the pairwise exchange up to this many ranks (where it was
+measured faster, docs/performance.md) and the ring above."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +32,13 @@ class GroupConfig:
     """Arrays up to this size use the one-round direct algorithms instead of the ring."""
     chunk_bytes: int = 1 << 20
     """Ring and pipeline chunk size: transfer of one chunk overlaps reduction of the last."""
+    algorithm: str = "auto"
+    """How arrays above ``small_bytes`` are reduced and gathered (all_reduce,
+    reduce_scatter, all_gather, reduce): ``"ring"`` (each rank sends to the next, n-1
+    steps), ``"pairwise"`` (each rank exchanges its segments with every other rank at
+    once: the same bytes per rank, n-1 flows at a time), or ``"auto"``: pairwise from 3
+    up to :data:`PAIRWISE_MAX_WORLD` ranks, the ring otherwise (at 2 ranks the two are
+    the same exchange). Compressed all-reduces always take the ring."""
     mode: str = "fast"
     """Default reduction mode: "fast" (ring/direct, identical on all ranks) or
     "deterministic" (float64 accumulation in rank order, identical across runs too)."""
@@ -58,5 +69,7 @@ class GroupConfig:
             )
         if self.mode not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise UsageError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         if self.on_peer_loss not in PEER_LOSS:
             raise UsageError(f"on_peer_loss must be one of {PEER_LOSS}, got {self.on_peer_loss!r}")

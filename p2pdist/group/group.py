@@ -21,7 +21,7 @@ from .compress import (
     to_float32,
 )
 from .compressed_algorithms import compressed_direct_all_reduce, compressed_ring_all_reduce
-from .config import MODES
+from .config import MODES, PAIRWISE_MAX_WORLD
 from .core import GroupCore
 from .link import CollectiveLink, describe_call
 from .linkops import split_bounds
@@ -59,6 +59,36 @@ class Group(GroupCore):
     def _chunk(self, dtype: np.dtype[Any]) -> int:
         """The ring and pipeline chunk, in elements of ``dtype``."""
         return max(1, self.config.chunk_bytes // dtype.itemsize)
+
+    def _pairwise(self) -> bool:
+        """Whether arrays above small_bytes take the pairwise exchange (else the ring)."""
+        chosen = self.config.algorithm
+        if chosen == "auto":  # at 2 ranks the two are the same exchange
+            return 2 < self.size <= PAIRWISE_MAX_WORLD
+        return chosen == "pairwise"
+
+    async def _reduce_scatter_pass(
+        self,
+        lk: CollectiveLink,
+        flat: np.ndarray,
+        bounds: list[tuple[int, int]],
+        rop: ReduceOp,
+        chunk: int,
+    ) -> None:
+        """Segment ``bounds[rank]`` of ``flat`` reduced over all ranks, in place."""
+        if self._pairwise():
+            await alg.pairwise_reduce_scatter(lk, flat, bounds, rop, chunk)
+        else:
+            await alg.ring_reduce_scatter(lk, flat, bounds, rop, chunk)
+
+    async def _all_gather_pass(
+        self, lk: CollectiveLink, flat: np.ndarray, bounds: list[tuple[int, int]], chunk: int
+    ) -> None:
+        """Every rank's segment ``bounds[r]`` of ``flat`` filled in everywhere, in place."""
+        if self._pairwise():
+            await alg.pairwise_all_gather(lk, flat, bounds, chunk)
+        else:
+            await alg.ring_all_gather(lk, flat, bounds, chunk)
 
     async def _compressed(
         self,
@@ -205,13 +235,13 @@ class Group(GroupCore):
                 bounds = split_bounds(flat.size, self.size)
                 a, b = bounds[self._rank]
                 await ordered_reduce_scatter(lk, src, bounds, rop, chunk, flat[a:b])
-                await alg.ring_all_gather(lk, flat, bounds, chunk)
+                await self._all_gather_pass(lk, flat, bounds, chunk)
                 return work  # ordered_reduce_scatter already divided for mean
             if work is not arr:
                 np.copyto(work, arr)
             bounds = split_bounds(flat.size, self.size)
-            await alg.ring_reduce_scatter(lk, flat, bounds, rop, chunk)
-            await alg.ring_all_gather(lk, flat, bounds, chunk)
+            await self._reduce_scatter_pass(lk, flat, bounds, rop, chunk)
+            await self._all_gather_pass(lk, flat, bounds, chunk)
             rop.finish(work, self.size)
             return work
 
@@ -263,7 +293,7 @@ class Group(GroupCore):
                 )
             else:
                 flat = arr.reshape(-1).copy()
-                await alg.ring_reduce_scatter(lk, flat, bounds, rop, chunk)
+                await self._reduce_scatter_pass(lk, flat, bounds, rop, chunk)
                 a, b = bounds[self._rank]
                 np.copyto(result.reshape(-1), flat[a:b])
             rop.finish(result, self.size)
@@ -294,7 +324,7 @@ class Group(GroupCore):
                 flat = result.reshape(-1)
                 bounds = [(p * arr.size, (p + 1) * arr.size) for p in range(self.size)]
                 result[self._rank] = arr
-                await alg.ring_all_gather(lk, flat, bounds, self._chunk(arr.dtype))
+                await self._all_gather_pass(lk, flat, bounds, self._chunk(arr.dtype))
             return result
 
         return await self._run(descriptor, timeout, body)
@@ -383,7 +413,7 @@ class Group(GroupCore):
             else:
                 flat = arr.reshape(-1).copy()  # the ring works in place: spare the input
                 bounds = split_bounds(flat.size, self.size)
-                await alg.ring_reduce_scatter(lk, flat, bounds, rop, self._chunk(arr.dtype))
+                await self._reduce_scatter_pass(lk, flat, bounds, rop, self._chunk(arr.dtype))
                 await alg.gather_segments(lk, flat, bounds, dst)
                 if result is not None:
                     result.reshape(-1)[:] = flat

@@ -618,13 +618,15 @@ def _form_note(
 
 def group_terms(config: GroupConfig, world: int) -> dict[str, Any]:
     """The settings every rank must share, sent with ``ok`` and ``ready``: the world
-    size, the algorithms' message sizes (``small_bytes``, ``chunk_bytes``), and
-    ``on_peer_loss``, which decides whether a lost rank breaks the group or leaves it,
-    as all ranks must see alike."""
+    size, the algorithms and their message sizes (``small_bytes``, ``chunk_bytes``,
+    ``algorithm``: as set, not as ``"auto"`` resolves, since sub-groups resolve it for
+    their own size), and ``on_peer_loss``, which decides whether a lost rank breaks the
+    group or leaves it, as all ranks must see alike."""
     return {
         "world": world,
         "small_bytes": config.small_bytes,
         "chunk_bytes": config.chunk_bytes,
+        "algorithm": config.algorithm,
         "on_peer_loss": config.on_peer_loss,
     }
 
@@ -646,7 +648,8 @@ def check_terms(label: str, me: str, theirs: object, ours: dict[str, Any]) -> No
         raise MismatchError(
             label,
             "settings differ: " + "; ".join(differ) + " (world and GroupConfig's "
-            "small_bytes, chunk_bytes and on_peer_loss must be equal on every rank)",
+            "small_bytes, chunk_bytes, algorithm and on_peer_loss must be equal on every "
+            "rank)",
         )
 
 

@@ -1,0 +1,107 @@
+"""The ring and the pairwise exchange for arrays above ``small_bytes``: both give numpy's
+result, identical on every rank, for every collective that uses them, including
+segments that are empty or end inside a chunk. Real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from group_helpers import groups, loopback_peers
+
+from p2pdist import Group, GroupConfig, UsageError
+from p2pdist.group import algorithms
+from p2pdist.group.config import PAIRWISE_MAX_WORLD
+
+ALGORITHMS = ["ring", "pairwise"]
+SEED = "algorithms-seed-0123456789"
+
+
+def inputs(world: int, n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(world * 1000 + n)
+    return [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("n", [1, 3, 5, 1000, 4099])  # with chunks of 1024 elements
+async def test_all_reduce_reduce_scatter_all_gather_and_reduce(
+    algorithm: str, world: int, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran: list[str] = []
+    for name in ("ring_reduce_scatter", "pairwise_reduce_scatter"):
+        real = getattr(algorithms, name)
+
+        def counted(*args: object, _real: object = real, _name: str = name) -> object:
+            ran.append(_name)
+            return _real(*args)  # type: ignore[operator]
+
+        monkeypatch.setattr(algorithms, name, counted)
+    # small_bytes=0: every array takes the algorithm, even one with fewer items than
+    # ranks (empty segments); chunk_bytes=4096: several chunks, the last one short.
+    config = {"small_bytes": 0, "chunk_bytes": 4096, "algorithm": algorithm}
+    xs = inputs(world, n)
+    want = np.sum(np.array(xs, np.float64), axis=0)
+    async with groups(world, config=config) as gs:
+        sums = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(gs, xs, strict=True)))
+        for out in sums:
+            np.testing.assert_array_equal(out, sums[0])
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+        means = await asyncio.gather(
+            *(g.all_reduce(x, "mean", out=x.copy()) for g, x in zip(gs, xs, strict=True))
+        )
+        np.testing.assert_allclose(means[0], want / world, rtol=1e-5, atol=1e-5)
+        pieces = await asyncio.gather(*(g.reduce_scatter(x) for g, x in zip(gs, xs, strict=True)))
+        for piece, part in zip(pieces, np.array_split(want, world), strict=True):
+            np.testing.assert_allclose(piece, part, rtol=1e-5, atol=1e-5)
+        rows = await asyncio.gather(*(g.all_gather(x) for g, x in zip(gs, xs, strict=True)))
+        for row in rows:
+            np.testing.assert_array_equal(row, np.array(xs))
+        roots = await asyncio.gather(*(g.reduce(x, 1) for g, x in zip(gs, xs, strict=True)))
+        assert roots[0] is None and roots[1] is not None
+        np.testing.assert_allclose(roots[1], want, rtol=1e-5, atol=1e-5)
+    assert ran and set(ran) == {f"{algorithm}_reduce_scatter"}, ran
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+async def test_the_algorithms_run_side_by_side_with_other_collectives(algorithm: str) -> None:
+    """Several large all-reduces in flight at once, on a sub-group and the parent."""
+    config = {"chunk_bytes": 64 * 1024, "algorithm": algorithm}
+    async with groups(4, config=config) as gs:
+        subs = await asyncio.gather(*(g.split(g.rank % 2) for g in gs))
+        xs = inputs(4, 100_000)
+        calls = [
+            asyncio.gather(*(g.all_reduce(x) for g, x in zip(gs, xs, strict=True))),
+            asyncio.gather(*(s.all_reduce(x) for s, x in zip(subs, xs, strict=True))),
+            asyncio.gather(*(g.all_reduce(2 * x) for g, x in zip(gs, xs, strict=True))),
+        ]
+        whole, halves, doubled = await asyncio.gather(*calls)
+        want = np.sum(np.array(xs, np.float64), axis=0)
+        for r in range(4):
+            np.testing.assert_allclose(whole[r], want, rtol=1e-5, atol=1e-4)
+            np.testing.assert_allclose(doubled[r], 2 * want, rtol=1e-5, atol=1e-4)
+            same_colour = [xs[p] for p in range(4) if p % 2 == r % 2]
+            np.testing.assert_allclose(halves[r], np.sum(same_colour, axis=0), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("world", "algorithm", "pairwise"),
+    [
+        (2, "auto", False),  # at 2 ranks the two are the same exchange: the ring's code
+        (3, "auto", True),
+        (4, "auto", True),
+        (5, "auto", False),
+        (5, "pairwise", True),
+        (3, "ring", False),
+    ],
+)
+def test_auto_takes_pairwise_up_to_its_world_and_the_ring_above(
+    world: int, algorithm: str, pairwise: bool
+) -> None:
+    assert PAIRWISE_MAX_WORLD == 4  # where it was measured (docs/performance.md)
+    config = GroupConfig(algorithm=algorithm)
+    g = Group.from_seed(SEED, rank=0, world=world, peers=loopback_peers(world), config=config)
+    assert g._pairwise() is pairwise
+    with pytest.raises(UsageError, match="algorithm must be one of"):
+        GroupConfig(algorithm="tree")
