@@ -68,7 +68,8 @@ async def run(config: RelayConfig, *, exiting: bool = False) -> int:
     """Serve until SIGTERM/SIGINT, then shut down gracefully; returns the exit status.
 
     ``exiting``: the process ends when this returns (``p2pdist-relay``), so SIGTERM,
-    SIGINT and SIGHUP stay ignored from the end of the drain on; otherwise their default
+    SIGINT and SIGHUP stay ignored from the end of the drain on (a teardown that hangs
+    then needs SIGKILL, as systemd sends after TimeoutStopSec); otherwise their default
     actions come back then."""
     loop = asyncio.get_running_loop()
     log.info(kv("event_loop", loop=eventloop.loop_name(loop)))
@@ -94,12 +95,21 @@ async def run(config: RelayConfig, *, exiting: bool = False) -> int:
         try:
             await server.close()
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
+            stops = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+            if exiting:
+                # The loop's teardown and the interpreter's exit take another 0.1-0.2 s: a
+                # reload hook's SIGHUP then must not turn a clean stop into exit 129. Held
+                # back while the loop's handlers give way to SIG_IGN (removing one puts the
+                # default action back for a moment); one that came meanwhile is dropped.
+                signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+            try:
+                for sig in stops:
+                    loop.remove_signal_handler(sig)
+                    if exiting:
+                        signal.signal(sig, signal.SIG_IGN)
+            finally:
                 if exiting:
-                    # The loop's teardown and the interpreter's exit take another 0.1-0.2 s:
-                    # a reload hook's SIGHUP then must not turn a clean stop into exit 129.
-                    signal.signal(sig, signal.SIG_IGN)
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
             if config.url_file is not None and server.url:
                 _remove_if_ours(config.url_file, server.url + "\n")
     return 0

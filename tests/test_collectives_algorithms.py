@@ -30,7 +30,12 @@ async def test_all_reduce_reduce_scatter_all_gather_and_reduce(
     algorithm: str, world: int, n: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ran: list[str] = []
-    for name in ("ring_reduce_scatter", "pairwise_reduce_scatter"):
+    for name in (
+        "ring_reduce_scatter",
+        "pairwise_reduce_scatter",
+        "ring_all_gather",
+        "pairwise_all_gather",
+    ):
         real = getattr(algorithms, name)
 
         def counted(*args: object, _real: object = real, _name: str = name) -> object:
@@ -61,7 +66,7 @@ async def test_all_reduce_reduce_scatter_all_gather_and_reduce(
         roots = await asyncio.gather(*(g.reduce(x, 1) for g, x in zip(gs, xs, strict=True)))
         assert roots[0] is None and roots[1] is not None
         np.testing.assert_allclose(roots[1], want, rtol=1e-5, atol=1e-5)
-    assert ran and set(ran) == {f"{algorithm}_reduce_scatter"}, ran
+    assert set(ran) == {f"{algorithm}_reduce_scatter", f"{algorithm}_all_gather"}, ran
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

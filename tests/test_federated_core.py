@@ -20,6 +20,7 @@ from p2pdist.federated import (
     trim_count,
 )
 from p2pdist.federated.aggregate import apply_update, check_model
+from p2pdist.federated.config import MIN_DISCOUNT
 from p2pdist.federated.messages import decode, encode
 from p2pdist.wire.frames import Frame, FrameKind
 
@@ -632,7 +633,7 @@ def test_a_round_of_updates_all_too_stale_to_weigh_anything_still_averages(
     assert st.round == 3
 
 
-def test_huge_weights_do_not_overflow_the_mean_and_keep_its_bits() -> None:
+def test_huge_weights_do_not_overflow_the_mean() -> None:
     x = np.array([1e10, 1.0, 2.0])
     f64 = np.dtype(np.float64)
     np.testing.assert_array_equal(aggregate([x], [1e300], "mean", 0.0, f64), x)
@@ -643,6 +644,11 @@ def test_huge_weights_do_not_overflow_the_mean_and_keep_its_bits() -> None:
     np.testing.assert_array_equal(aggregate(ys, big, "mean", 0.0, f64), plain)
     with pytest.raises(UsageError, match="not all 0"):
         aggregate(ys, [0.0, 0.0], "mean", 0.0, f64)
+    # A fresh weight beside one at the discount's floor: the formula's bits, as they are.
+    zs = [np.array([0.0, 1.0]), np.array([1.2345678901234567e300, 1.0])]
+    ws = [1000.0, 3.3 * MIN_DISCOUNT]
+    formula = (zs[0] * ws[0] + zs[1] * ws[1]) / (ws[0] + ws[1])
+    np.testing.assert_array_equal(aggregate(zs, ws, "mean", 0.0, f64), formula)
 
 
 def test_a_sample_count_past_what_a_submission_can_carry_is_rejected() -> None:

@@ -122,10 +122,10 @@ def aggregate(
 ) -> np.ndarray:
     """Combine ``updates`` (same shape) by ``rule``; the result has ``dtype``.
 
-    ``"mean"``: ``sum(w_i * x_i) / sum(w_i)``, summed in the order given, with every
-    weight first scaled by the same power of two, one that brings the largest to [0.5, 1):
-    the bits are the formula's (scaling by a power of two is exact), but huge weights
-    cannot overflow it.
+    ``"mean"``: ``sum(w_i * x_i) / sum(w_i)``, summed in the order given. Weights above
+    :data:`_UNSCALED_WEIGHT` (never those of :class:`FederatedRounds`, whose sample counts
+    stop at 2**63 - 1 and discounts at 1) are first all scaled by one power of two, which
+    brings the largest to [0.5, 1), so that the sums cannot overflow.
     ``"median"``: coordinate-wise median (weights ignored).
     ``"trimmed_mean"``: per coordinate, sort, cut :func:`trim_count` values from each end,
     average the rest (weights ignored).
@@ -139,7 +139,8 @@ def aggregate(
         ws = [float(w) for w in weights]
         if not all(w >= 0 and math.isfinite(w) for w in ws) or not max(ws) > 0:
             raise UsageError(f"weights must be finite, >= 0 and not all 0, got {ws[:8]}")
-        shift = -math.frexp(max(ws))[1]
+        top = max(ws)
+        shift = -math.frexp(top)[1] if top > _UNSCALED_WEIGHT else 0
         acc = np.zeros(shape, np.float64)
         total = 0.0
         for x, w in zip(updates, ws, strict=True):
@@ -164,6 +165,10 @@ def aggregate(
         acc /= float(len(kept))
         return _rounded(acc.reshape(shape), dtype)
     raise UsageError(f"unknown aggregation rule {rule!r}")
+
+
+_UNSCALED_WEIGHT = 2.0**64
+"""Weights up to this go into the weighted mean as they are (the formula's bits)."""
 
 
 def _rounded(values: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:

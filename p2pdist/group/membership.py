@@ -34,7 +34,7 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId
-from ..transport.base import NOT_ADMITTED, Address, Connection
+from ..transport.base import Address, Connection
 from ..transport.dial import dial_with_retry
 from ..transport.mailbox import SPACE_SHIFT, split_channel
 from ..transport.quic import QuicTransport
@@ -46,11 +46,13 @@ from .link import CollectiveLink
 __all__ = ["CONTROL_CHANNEL", "FIRST_RESERVED_SPACE", "LAST_SPACE", "Membership"]
 
 log = logging.getLogger(__name__)
-_NOTE_CHARS = 2000
 _REFUSED_FIRST_RETRY = 0.05
 """Seconds before dialing again a rank whose group formed already; doubles up to
 :data:`_REFUSED_MAX_RETRY`."""
 _REFUSED_MAX_RETRY = 1.0
+_FORMED_ALREADY = "its group has formed already"
+"""Why a formed group refuses a member's new connection (the dialer dials again)."""
+_NOTE_CHARS = 2000
 """Longest reason a formation ``failed`` note carries (it names ranks and addresses)."""
 
 _CLOSED_EARLY_MAX = 1024
@@ -456,7 +458,7 @@ class Membership:
                 try:
                     conn = await self._dial(transport, r)
                 except PeerAuthenticationError as exc:
-                    if NOT_ADMITTED in exc.detail:
+                    if _FORMED_ALREADY in exc.detail:
                         await form.refused_by(r, label, exc.detail)
                         continue
                     if "identity mismatch" in exc.detail:
@@ -562,11 +564,14 @@ class Membership:
 
     # ---- connections: shared by forming and rejoining ------------------------------------
 
-    def _accepts(self, eid: EndpointId) -> bool:
+    def _accepts(self, eid: EndpointId) -> bool | str:
         """Group members, and only until the group has formed, unless lost ranks may come
-        back (``on_peer_loss="leave"``): a rank that restarts and dials again is otherwise
-        refused at once instead of joining a group that cannot take it."""
-        return eid in self._rank_of and (not self._formed or self.config.on_peer_loss == "leave")
+        back (``on_peer_loss="leave"``): a member that dials afterwards is refused with
+        :data:`_FORMED_ALREADY`, which makes a forming dialer dial again (see
+        :meth:`_Formation.refused_by`); anyone else is refused outright."""
+        if eid not in self._rank_of:
+            return False
+        return not self._formed or self.config.on_peer_loss == "leave" or _FORMED_ALREADY
 
     def _turn_away(
         self,
@@ -576,12 +581,17 @@ class Membership:
         *,
         rank: int | None = None,
         noted: bool = False,
+        routine: bool = False,
     ) -> None:
         """Tell a dialer (forming or rejoining) why it is refused, and close; ``error``
         ("mismatch") makes a rejoiner raise MismatchError. ``rank``: the dialer's, when
-        known (the log names it); ``noted``: its formation ``refused`` note went already."""
+        known (the log names it); ``noted``: its formation ``refused`` note went already;
+        ``routine``: expected, and asked again and again (logged at INFO, not WARNING)."""
         who = _remote(conn) if rank is None else f"{self.peer_label(rank)} ({_remote(conn)})"
-        log.warning("%s: refusing a connection from %s: %s", self.peer_label(self._rank), who, why)
+        level = logging.INFO if routine else logging.WARNING
+        log.log(
+            level, "%s: refusing a connection from %s: %s", self.peer_label(self._rank), who, why
+        )
         if not noted:
             _form_note(conn, "refused", why)
         refusal: dict[str, Any] = {"refused": why}
@@ -676,11 +686,11 @@ def _raise_for_note(label: str, kind: str, why: str, note: dict[str, Any]) -> No
 def _formed_refusal(label: str, refusal: str, me: int) -> str:
     """Why ``label`` kept refusing this rank (``me``) while it formed."""
     return (
-        f"{label} refused this rank's connections until the end ({refusal}): its group "
-        "formed already and stayed open, so another process has rank "
-        f"{me} (two processes claim rank {me}?), or this rank restarted (a rank can rejoin "
-        'only a group that runs with on_peer_loss="leave", with rejoin=True), or that '
-        "process kept an earlier group open for longer than connect_timeout"
+        f"{label} refused this rank's connections until the end ({refusal}), so another "
+        f"process has rank {me} (two processes claim rank {me}?), or this rank restarted "
+        '(a rank can rejoin only a group that runs with on_peer_loss="leave", with '
+        "rejoin=True), or that process kept an earlier group open for longer than "
+        "connect_timeout"
     )
 
 
@@ -734,6 +744,7 @@ class _Formation:
     def join(self, r: int, conn: Connection) -> None:
         """``conn`` is ``r``'s accepted connection: once every rank has one, say ready."""
         self.joined[r] = conn
+        self.refusals.pop(r, None)
         if len(self.joined) == self.size - 1:
             for c in self.joined.values():
                 if c not in self._told:

@@ -40,6 +40,7 @@ from ..transport.tcp import TcpTransport
 from ..wire.frames import Frame
 from .membership import (
     _FORM_CHANNEL,
+    _FORMED_ALREADY,
     _HELLO_CHANNEL,
     Membership,
     _form_note,
@@ -190,13 +191,19 @@ class Rejoining(Membership):
         ``connect_timeout``. A rank that restarted without ``rejoin=True`` dials to form
         a group and waits for a formation ``ok``: the ``refused`` note sent first (which a
         rejoiner drops) makes its start() fail at once, and it stays left here."""
-        why = "the group has formed; restart this rank with rejoin=True"
         # A rank that left on purpose and dials to form a group is most likely forming
         # the group again in a loop, while this process has yet to close this one:
         # "formed" makes it dial again within its connect_timeout. One that was lost (a
         # crash, restarted without rejoin=True) learns the fix at once.
         gone = self._left.get(rank)
         again = isinstance(gone, ConnectionBrokenError) and gone.graceful
+        if again:
+            why = (
+                f"{_FORMED_ALREADY} and {self.peer_label(rank)} left it: a new group can "
+                "form once this process closes it (or rejoin it with rejoin=True)"
+            )
+        else:
+            why = "the group has formed; restart this rank with rejoin=True"
         _form_note(conn, "refused", why, error="formed" if again else None)
         try:
             async with asyncio.timeout(self.config.connect_timeout):
@@ -217,7 +224,7 @@ class Rejoining(Membership):
             return False
         except Exception:  # it ended or stayed silent, or its word is no msgpack map
             pass
-        self._turn_away(conn, why, rank=rank, noted=True)
+        self._turn_away(conn, why, rank=rank, noted=True, routine=again)
         return False
 
     # ---- rejoining: the rank that comes back --------------------------------------------

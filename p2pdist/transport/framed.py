@@ -37,7 +37,7 @@ from ..wire.frames import (
     encode_data_header,
     encode_header,
 )
-from .base import ConnectionStats, TransportConfig
+from .base import NOT_ADMITTED, ConnectionStats, TransportConfig
 from .keepalive import Keepalive, KeepaliveAction
 from .mailbox import Mailbox
 
@@ -515,7 +515,7 @@ class EndpointBase(Generic[C]):
         self,
         key: SecretKey,
         config: TransportConfig | None,
-        accept_from: Callable[[EndpointId], bool] | None,
+        accept_from: Callable[[EndpointId], bool | str] | None,
         label_for: Callable[[EndpointId], str] | None,
     ) -> None:
         self.key = key
@@ -585,7 +585,17 @@ class EndpointBase(Generic[C]):
 
     def accepts(self, peer: EndpointId) -> bool:
         """Whether ``peer`` may connect to us."""
-        return self._accept_from is None or self._accept_from(peer)
+        return self.refusal_for(peer) is None
+
+    def refusal_for(self, peer: EndpointId) -> str | None:
+        """None when ``accept_from`` admits ``peer``, else the reason the dialer is given:
+        ``endpoint ID is not allowed to connect here``, followed by the reason
+        ``accept_from`` returned when it returned a string instead of False."""
+        verdict = True if self._accept_from is None else self._accept_from(peer)
+        if verdict is True or (verdict and not isinstance(verdict, str)):
+            return None
+        refusal = f"endpoint {peer} {NOT_ADMITTED}"
+        return f"{refusal}: {verdict}" if isinstance(verdict, str) and verdict else refusal
 
     async def accept(self, *, timeout: float | None = None) -> C:
         """The next authenticated incoming connection."""

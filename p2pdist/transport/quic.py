@@ -31,7 +31,7 @@ from ..errors import (
 )
 from ..identity import EndpointId, SecretKey
 from ..wire.probe import DatagramKind, classify
-from .base import NOT_ADMITTED, Address, TransportConfig
+from .base import Address, TransportConfig
 from .framed import EndpointBase, FramedConnection
 from .holepunch import HolePuncher, PunchingUnavailable
 from .pathinfo import PathInfo, PathStats, single_path
@@ -80,7 +80,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
         key: SecretKey,
         config: TransportConfig | None = None,
         *,
-        accept_from: Callable[[EndpointId], bool] | None = None,
+        accept_from: Callable[[EndpointId], bool | str] | None = None,
         label_for: Callable[[EndpointId], str] | None = None,
         relay: Relay | None = None,
         quic: QuicConfig | None = None,
@@ -296,9 +296,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
                 f"identity mismatch: the relay authenticated {route.peer}, "
                 f"the certificate presents {presented}"
             )
-        if not self.accepts(presented):
-            return f"endpoint {presented} {NOT_ADMITTED}"
-        return None
+        return self.refusal_for(presented)
 
     def _on_established(self, conn: QuicConnection) -> None:
         self._end_handshake(conn)

@@ -581,8 +581,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         elif want != bytes(owner.endpoint_id):
             wanted = base64.b32encode(want).decode().rstrip("=").lower()
             refusal = f"identity mismatch: expected {wanted}, presented {owner.endpoint_id}"
-        elif not owner.accepts(client):
-            refusal = f"endpoint {client} {NOT_ADMITTED}"
+        else:
+            refusal = owner.refusal_for(client)
         cert = rec.get("cert")
         if refusal is None and my_mode == "tls":
             try:
@@ -683,7 +683,7 @@ class TcpTransport(EndpointBase[TcpConnection]):
         key: SecretKey,
         config: TransportConfig | None = None,
         *,
-        accept_from: Callable[[EndpointId], bool] | None = None,
+        accept_from: Callable[[EndpointId], bool | str] | None = None,
         label_for: Callable[[EndpointId], str] | None = None,
     ) -> None:
         super().__init__(key, config, accept_from, label_for)
