@@ -90,7 +90,7 @@ async def test_a_ring_timeout_says_when_the_awaited_rank_did_start_the_call() ->
     waits for rank 0, which did start the call, and the error says so (it used to read
     as if rank 0 were the one missing)."""
     for first in (0, 1):  # the rank whose timeout runs out first (the other is told)
-        async with groups(3) as gs:
+        async with groups(3, config={"algorithm": "ring"}) as gs:
             x = np.ones(1 << 20, np.float32)  # 4 MiB: the ring path
             calls = [
                 g.all_reduce(x.copy(), timeout=0.5 if g.rank == first else 5.0) for g in gs[:2]
@@ -102,6 +102,22 @@ async def test_a_ring_timeout_says_when_the_awaited_rank_did_start_the_call() ->
                 assert "rank 2 (" in str(err) and "did start" not in str(err)
             else:
                 assert "rank 0 (" in str(err) and "it did start this call" in str(err)
+            assert isinstance(results[1 - first], GroupBrokenError), results
+
+
+async def test_a_pairwise_timeout_names_the_rank_that_never_called() -> None:
+    """The same with the pairwise exchange (world 3's default): every rank waits for rank
+    2 itself, so whichever rank times out first names rank 2."""
+    for first in (0, 1):
+        async with groups(3, config={"algorithm": "pairwise"}) as gs:
+            x = np.ones(1 << 20, np.float32)
+            calls = [
+                g.all_reduce(x.copy(), timeout=0.5 if g.rank == first else 5.0) for g in gs[:2]
+            ]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            err = results[first]
+            assert isinstance(err, PeerTimeoutError), results
+            assert "rank 2 (" in str(err) and "did start" not in str(err), err
             assert isinstance(results[1 - first], GroupBrokenError), results
 
 

@@ -19,6 +19,7 @@ from p2pdist import (
     MismatchError,
     P2PError,
     P2PTimeoutError,
+    PeerAuthenticationError,
     TransportConfig,
     UsageError,
 )
@@ -370,6 +371,26 @@ async def test_ranks_that_disagree_about_the_world_fail_at_once_naming_it() -> N
             assert "world is " in str(res), res
     finally:
         await asyncio.gather(g0.close(), g1.close())
+
+
+async def test_a_rank_outside_the_others_world_is_refused_at_once_with_a_hint() -> None:
+    """Rank 2 of a world of 3 dials rank 0 of a world of 2, which has no rank 2: refused
+    at once (not dialed again until connect_timeout, as a formed group's refusal is),
+    and the error says what may differ."""
+    peers = loopback_peers(3)
+    g0 = Group.from_seed(SEED, rank=0, world=2, peers=peers[:2], config=CFG)
+    g2 = Group.from_seed(SEED, rank=2, world=3, peers=peers, config=CFG)
+    start0 = asyncio.create_task(g0.start())
+    try:
+        with pytest.raises(PeerAuthenticationError) as caught:
+            await asyncio.wait_for(g2.start(), CONNECT - 1)
+        text = str(caught.value)
+        assert "not allowed to connect here" in text, text
+        assert "same seed, world size and peers list?" in text, text
+    finally:
+        start0.cancel()
+        await asyncio.gather(start0, return_exceptions=True)
+        await asyncio.gather(g0.close(), g2.close())
 
 
 async def test_a_rank_with_another_seed_is_told_so_and_the_other_names_the_refusal() -> None:

@@ -34,7 +34,7 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId
-from ..transport.base import Address, Connection
+from ..transport.base import NOT_ADMITTED, Address, Connection
 from ..transport.dial import dial_with_retry
 from ..transport.mailbox import SPACE_SHIFT, split_channel
 from ..transport.quic import QuicTransport
@@ -468,6 +468,14 @@ class Membership:
                             f"{exc.detail}: the process {self._where(r)} is not the rank "
                             f"{r} this rank expects: do all ranks use the same seed and the "
                             "same peers list, in rank order?",
+                        ) from None
+                    if NOT_ADMITTED in exc.detail:
+                        # A refusal of non-members: it has other ids for its ranks.
+                        raise PeerAuthenticationError(
+                            label,
+                            f"{exc.detail}: the process {self._where(r)} does not count this "
+                            "endpoint as a member of its group: do all ranks use the same "
+                            "seed, world size and peers list?",
                         ) from None
                     raise
                 self._conns[r] = conn
