@@ -19,6 +19,7 @@ import msgpack
 import numpy as np
 
 from ..errors import (
+    ConnectionBrokenError,
     GroupBrokenError,
     P2PError,
     RemoteProtocolError,
@@ -110,6 +111,8 @@ class GroupCore(Runner):
         self._broken: BaseException | None = None
         self._left: dict[int, BaseException] = {}
         self._failure_log: list[str] = []
+        self._losses: list[ConnectionBrokenError] = []
+        """Connections lost without a goodbye (each also in ``_failure_log``)."""
         self._started = False
         self._formed = False
         self._closing = False

@@ -102,6 +102,7 @@ class Membership:
     _formed: bool
     _rejoin: bool
     _failure_log: list[str]
+    _losses: list[ConnectionBrokenError]
     _addresses: list[Address] | None
     _relay_url: RelayUrl | None
 
@@ -202,6 +203,8 @@ class Membership:
             return
         log.warning("%s: connection ended: %s", self.peer_label(rank), error)
         self._failure_log.append(str(error))
+        if isinstance(error, ConnectionBrokenError):
+            self._losses.append(error)
         self._break(error, notify=True)
 
     def _cancel_inflight(self, root_rank: int) -> None:

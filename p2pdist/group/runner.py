@@ -51,14 +51,23 @@ class Runner(Rejoining):
 
         When rank A dies, rank B may notice first, fail and exit; if B's own exit reaches
         us before A's, "B lost" alone would send the user after the wrong rank. Abort
-        notices and other losses that arrive within the window are added to the message.
+        notices and other losses that arrive within the window are added to the message,
+        and when ``err`` is a goodbye (B closed on purpose, having failed) while a
+        connection was lost without one (A), the error leads with A: its ``peer`` is A.
         """
         await asyncio.sleep(_ATTRIBUTION_WINDOW)
-        others = [f for f in self._failure_log if f != str(err)]
+        root = self._root()  # a sub-group's connections are its root's: so are its reports
+        lead = err
+        if err.graceful:
+            lost = [e for e in root._losses if e.peer != err.peer]
+            lead = lost[0] if lost else err
+        others = [f for f in root._failure_log if f != str(lead)]
+        if lead is not err:
+            others.insert(0, str(err))
         if not others:
             return err
-        detail = f"{err.detail}; also: " + "; ".join(others)
-        return ConnectionBrokenError(err.peer, detail, graceful=err.graceful)
+        detail = f"{lead.detail}; also: " + "; ".join(others)
+        return ConnectionBrokenError(lead.peer, detail, graceful=lead.graceful)
 
     def _root_label(self, r: int) -> str:
         """How errors name this group's rank ``r``: by its rank in the root group, as
