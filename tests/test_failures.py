@@ -201,7 +201,7 @@ async def test_a_lost_peer_error_adds_the_failures_reported_meanwhile() -> None:
     g = Group.from_seed("test-seed-0123456789", rank=0, world=1)
     err = ConnectionBrokenError("rank 1 (abcdefghij)", "connection reset: by peer")
     assert err.detail == "connection reset: by peer"
-    g._failure_log += [str(err), "rank 2 (klmnopqrst) aborted the group: boom"]
+    g._failure_log += [err, GroupBrokenError("rank 2 (klmnopqrst) aborted the group: boom")]
     out = await g._attribute(err)
     assert out.peer == err.peer
     assert str(out) == (
@@ -209,7 +209,7 @@ async def test_a_lost_peer_error_adds_the_failures_reported_meanwhile() -> None:
         "also: rank 2 (klmnopqrst) aborted the group: boom"
     )
     alone = ConnectionBrokenError("rank 3 (uvwxyz2345)", "gone")
-    g._failure_log[:] = [str(alone)]
+    g._failure_log[:] = [alone]
     assert await g._attribute(alone) is alone  # nothing else reported: unchanged
 
 
@@ -269,9 +269,8 @@ async def test_a_goodbye_yields_the_lead_to_a_rank_lost_without_one() -> None:
         g = gs[1]
         sub = await asyncio.gather(*(h.split(0) for h in gs))
         lost = ConnectionBrokenError(g.peer_label(2), "connection lost: connection reset")
-        g._losses.append(lost)
-        g._failure_log.append(str(lost))
-        g._failure_log.append(f"{g.peer_label(0)} aborted the group: {lost}")
+        g._failure_log.append(lost)
+        g._failure_log.append(GroupBrokenError(f"{g.peer_label(0)} aborted the group: {lost}"))
         goodbye = ConnectionBrokenError(
             g.peer_label(0), "closed its connection (left)", graceful=True
         )
@@ -284,5 +283,4 @@ async def test_a_goodbye_yields_the_lead_to_a_rank_lost_without_one() -> None:
         # A loss that leads already keeps its place.
         err = await g._attribute(lost)
         assert err.peer == g.peer_label(2) and "aborted the group" in str(err), err
-        g._losses.clear()
         g._failure_log.clear()

@@ -19,7 +19,6 @@ import msgpack
 import numpy as np
 
 from ..errors import (
-    ConnectionBrokenError,
     GroupBrokenError,
     P2PError,
     RemoteProtocolError,
@@ -110,9 +109,9 @@ class GroupCore(Runner):
         timeout, a cancellation), smallest first: the next recv from it takes them."""
         self._broken: BaseException | None = None
         self._left: dict[int, BaseException] = {}
-        self._failure_log: list[str] = []
-        self._losses: list[ConnectionBrokenError] = []
-        """Connections lost without a goodbye (each also in ``_failure_log``)."""
+        self._failure_log: list[BaseException] = []
+        """What broke the group, in order: connections lost without a goodbye
+        (ConnectionBrokenError) and abort notices (GroupBrokenError)."""
         self._started = False
         self._formed = False
         self._closing = False
@@ -476,9 +475,9 @@ class GroupCore(Runner):
                 if gone is not None:
                     self._on_gone_notice(gone, rank)
                     continue
-                notice = f"{self.peer_label(rank)} aborted the group: {reason}"
+                notice = GroupBrokenError(f"{self.peer_label(rank)} aborted the group: {reason}")
                 self._failure_log.append(notice)
-                self._break(GroupBrokenError(notice))
+                self._break(notice)
 
     def _break(self, error: BaseException, *, notify: bool = False) -> None:
         """Mark the group unusable and wake every waiter with ``error``."""

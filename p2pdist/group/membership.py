@@ -101,8 +101,7 @@ class Membership:
     _closing: bool
     _formed: bool
     _rejoin: bool
-    _failure_log: list[str]
-    _losses: list[ConnectionBrokenError]
+    _failure_log: list[BaseException]
     _addresses: list[Address] | None
     _relay_url: RelayUrl | None
 
@@ -202,9 +201,7 @@ class Membership:
                 self._cancel_inflight(rank)
             return
         log.warning("%s: connection ended: %s", self.peer_label(rank), error)
-        self._failure_log.append(str(error))
-        if isinstance(error, ConnectionBrokenError):
-            self._losses.append(error)
+        self._failure_log.append(error)
         self._break(error, notify=True)
 
     def _cancel_inflight(self, root_rank: int) -> None:

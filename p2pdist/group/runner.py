@@ -59,9 +59,13 @@ class Runner(Rejoining):
         root = self._root()  # a sub-group's connections are its root's: so are its reports
         lead = err
         if err.graceful:
-            lost = [e for e in root._losses if e.peer != err.peer]
+            lost = [
+                e
+                for e in root._failure_log
+                if isinstance(e, ConnectionBrokenError) and e.peer != err.peer
+            ]
             lead = lost[0] if lost else err
-        others = [f for f in root._failure_log if f != str(lead)]
+        others = [str(f) for f in root._failure_log if str(f) != str(lead)]
         if lead is not err:
             others.insert(0, str(err))
         if not others:
