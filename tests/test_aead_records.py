@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import ssl
 import struct
 from collections.abc import AsyncIterator
 
@@ -228,6 +229,76 @@ def test_whole_records_waiting_while_reading_is_paused_get_room() -> None:
         rx.feed(tx.encrypt(p))
     assert rx.buffered == 5 * (MAX_RECORD + TAG + 4)
     assert read_all(rx, 1 << 20) == b"".join(parts)
+
+
+def test_fill_takes_every_whole_record_that_fits_in_one_call() -> None:
+    """fill decrypts record after record into one buffer; a record larger than the room
+    left waits (next_size names it) unless nothing came before it, and a partial record
+    waits for the rest."""
+    tx, rx = pair()
+    small = [os.urandom(n) for n in (0, 1, 30, 17)]
+    big = os.urandom(200)
+    wire = b"".join(bytes(tx.encrypt(p)) for p in small) + bytes(tx.encrypt(big))
+    wire += bytes(tx.encrypt(b"tail"))
+    rx.feed(wire[:-3])
+    buf = memoryview(bytearray(100))
+    assert rx.fill(buf) == 48 and bytes(buf[:48]) == b"".join(small)
+    assert rx.next_size == 200
+    assert rx.fill(buf) == 100 and bytes(buf) == big[:100]  # nothing before it: in pieces
+    assert rx.fill(buf) == 100 and bytes(buf) == big[100:]
+    assert rx.fill(buf) == 0  # "tail" is not here whole yet
+    rx.feed(wire[-3:])
+    assert rx.fill(buf) == 4 and bytes(buf[:4]) == b"tail"
+    assert rx.buffered == 0 and not rx.readable
+
+
+@pytest.mark.parametrize("damage", ["flip", "length"])
+def test_fill_hands_out_the_records_before_a_bad_one_then_raises(damage: str) -> None:
+    tx, rx = pair()
+    good = bytes(tx.encrypt(b"good")) + bytes(tx.encrypt(b"also good"))
+    bad = bytearray(tx.encrypt(b"B" * 20))
+    if damage == "flip":
+        bad[8] ^= 0xFF
+    else:
+        bad[:4] = struct.pack(">I", MAX_RECORD + TAG + 1)
+    rx.feed(good + bytes(bad))
+    place = memoryview(bytearray(b"\x11" * 64))
+    assert rx.fill(place) == 13 and bytes(place[:13]) == b"goodalso good"
+    # The bad record's landing place is zeroed (decrypt_into wrote before it checked).
+    landed = bytes(20) if damage == "flip" else b"\x11" * 20
+    assert bytes(place[13:33]) == landed and bytes(place[33:]) == b"\x11" * 31
+    assert rx.readable  # the bad record is still there: the reader learns at once
+    with pytest.raises(RecordError):
+        rx.fill(place)
+
+
+def test_seal_makes_the_record_encrypt_makes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """seal is encrypt of one part: the same bytes, record for record, across key
+    updates; more than one record's worth is refused."""
+    monkeypatch.setattr(aeadpipe, "REKEY_RECORDS", 3)
+    sealer, encrypter = AeadPipe(A, B, dialer=True), AeadPipe(A, B, dialer=True)
+    texts = [os.urandom(n) for n in (5, 70_000, 1, 2, 3, 4, MAX_RECORD)]
+    sealed = [bytes(sealer.seal(t)) for t in texts]
+    assert sealed == [bytes(encrypter.encrypt(t)) for t in texts]
+    assert b"".join(sealed) == expected_records(A, b"dialer", texts, 3)
+    for size in (0, MAX_RECORD + 1):  # no record, or more than one
+        with pytest.raises(ValueError, match="1 to"):
+            sealer.seal(bytes(size))
+
+
+def test_tls_fill_hands_out_the_records_before_a_corrupt_one_then_raises() -> None:
+    client, server = tls_pipes()
+    good = server.encrypt(b"one") + server.encrypt(b"and")
+    bad = bytearray(server.encrypt(b"two"))
+    bad[-5] ^= 0xFF
+    client.feed(good + bytes(bad))
+    buf = memoryview(bytearray(64))
+    assert client.fill(buf) == 6 and bytes(buf[:6]) == b"oneand"
+    assert client.readable  # the error waits for the next call
+    with pytest.raises(ssl.SSLError):
+        client.fill(buf)
+    with pytest.raises(ssl.SSLError):
+        client.fill(buf)  # and stays
 
 
 # ---- over TCP ---------------------------------------------------------------------------------

@@ -240,7 +240,9 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         tls = self._tls
         if payload.nbytes <= _SMALL_WRITE:
             data = b"".join((header, payload)) if payload.nbytes else header  # one copy
-            if tls is not None:
+            if isinstance(tls, AeadPipe):
+                self._write_borrowed(tls.seal(data))  # one record
+            elif tls is not None:
                 self._write_sealed(tls, data)  # one record
             else:
                 t.write(data)
@@ -381,29 +383,19 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         (a payload lands in its own buffer), until none is whole or reading is paused."""
         tls = self._tls
         assert tls is not None
-        while self._error is None and not self._rx_paused and tls.readable:
+        while self._error is None and not self._rx_paused:
             # Fill the decoder's buffer with as many records as are here before telling
-            # it: one decoder pass per buffer, not per 16 KiB record.
-            buf = self._decoder.get_buffer()
-            n = 0
+            # it: one decoder pass per buffer, not per 16 KiB record. A record larger
+            # than the room left (a bulk payload after its header's record) waits: the
+            # decoder, told what came so far, then offers the payload's own place, and
+            # it decrypts straight there.
             try:
-                while n < len(buf) and tls.readable:
-                    if n and tls.next_size > len(buf) - n:
-                        # A record larger than the room left (a bulk payload after its
-                        # header's record): the decoder, told what came so far, then
-                        # offers the payload's own place, and it decrypts straight there.
-                        break
-                    got = tls.read_into(buf[n:])
-                    if not got:
-                        break
-                    n += got
+                n = tls.fill(self._decoder.get_buffer())
             except (ssl.SSLError, RecordError) as exc:
                 # A record that does not decrypt (corrupted or forged in transit: not
                 # necessarily the peer's doing), or the peer's fatal alert: the byte
                 # stream is broken, as when the socket fails. The records before it were
-                # authentic: their frames (a GOODBYE, say) are delivered first.
-                if n and self._error is None:
-                    self._decode(self._decoder.buffer_updated, n)
+                # authentic: fill handed their frames (a GOODBYE, say) out first.
                 self._flush_tls()  # our alert, best effort: tells the peer why
                 what = "TLS error" if isinstance(exc, ssl.SSLError) else "bad record"
                 err = ConnectionBrokenError(self.label, f"connection lost: {what}: {exc}")

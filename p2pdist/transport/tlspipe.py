@@ -30,7 +30,7 @@ _STUCK = 2 * (16 * 1024 + 256 + 5)
 class TlsPipe:
     """One TLS session over memory BIOs (see the module docstring)."""
 
-    __slots__ = ("_cipher", "_in", "_out", "closed_by_peer", "handshake_done", "obj")
+    __slots__ = ("_cipher", "_failed", "_in", "_out", "closed_by_peer", "handshake_done", "obj")
 
     def __init__(self, context: ssl.SSLContext, *, server_side: bool) -> None:
         self._in = ssl.MemoryBIO()
@@ -42,6 +42,8 @@ class TlsPipe:
         self.handshake_done = False
         self.closed_by_peer = False
         """The peer sent close_notify: no more data will come."""
+        self._failed: ssl.SSLError | None = None
+        """An error :meth:`fill` holds back until the records before it are handed out."""
 
     @property
     def buffered(self) -> int:
@@ -51,8 +53,9 @@ class TlsPipe:
     @property
     def readable(self) -> bool:
         """Whether :meth:`read_into` may have something: ciphertext not yet decrypted,
-        or plaintext of a record decrypted only in part."""
-        return self._in.pending > 0 or self.obj.pending() > 0
+        or plaintext of a record decrypted only in part (or an error :meth:`fill` held
+        back)."""
+        return self._in.pending > 0 or self.obj.pending() > 0 or self._failed is not None
 
     @property
     def next_size(self) -> int:
@@ -112,6 +115,27 @@ class TlsPipe:
             return 0
         if not n:  # close_notify: ssl returns 0 (and raises only once ours went too)
             self.closed_by_peer = True
+        return n
+
+    def fill(self, buf: memoryview) -> int:
+        """Decrypt into ``buf`` (non-empty) until it is full or no whole record is left:
+        the bytes written. Raises ``ssl.SSLError`` for a corrupt stream, but only once
+        what was decrypted before it was handed out (on the next call when this one
+        wrote some)."""
+        if self._failed is not None:
+            raise self._failed
+        n = 0
+        while n < buf.nbytes and (self._in.pending or self.obj.pending()):
+            try:
+                got = self.read_into(buf[n:])
+            except ssl.SSLError as exc:
+                if not n:
+                    raise
+                self._failed = exc
+                break
+            if not got:
+                break
+            n += got
         return n
 
     def encrypt(self, *parts: bytes | bytearray | memoryview) -> bytes:
