@@ -272,6 +272,53 @@ def test_fill_hands_out_the_records_before_a_bad_one_then_raises(damage: str) ->
         rx.fill(place)
 
 
+@pytest.mark.parametrize("damage", ["drop", "swap"])
+def test_fill_after_a_cut_or_reordered_record_never_goes_on(damage: str) -> None:
+    """A genuine record in the wrong place (one before it cut, or two swapped) fails,
+    and so does everything after it: the stream never resumes at a later record."""
+    tx, rx = pair()
+    records = [bytes(tx.encrypt(b"r%d" % i)) for i in range(4)]
+    if damage == "drop":
+        wire = records[0] + records[2] + records[3]
+    else:
+        wire = records[0] + records[2] + records[1] + records[3]
+    rx.feed(wire)
+    buf = memoryview(bytearray(64))
+    assert rx.fill(buf) == 2 and bytes(buf[:2]) == b"r0"
+    for _ in range(3):
+        with pytest.raises(RecordError):
+            rx.fill(buf)
+        with pytest.raises(RecordError):
+            rx.read_into(buf)
+
+
+def test_a_lean_pipe_keeps_no_buffer_once_drained() -> None:
+    """For servers with many idle connections: nothing held between records, a partial
+    record kept until the rest comes."""
+    tx = AeadPipe(A, B, dialer=True)
+    rx = AeadPipe(B, A, dialer=False, lean=True)
+    assert len(rx._buf) == 0
+    wire = bytes(tx.encrypt(b"one")) + bytes(tx.encrypt(b"two"))
+    buf = memoryview(bytearray(64))
+    rx.feed(wire[:30])
+    assert rx.fill(buf) == 3 and bytes(buf[:3]) == b"one" and rx.buffered == 30 - 23
+    rx.feed(wire[30:])
+    assert rx.fill(buf) == 3 and bytes(buf[:3]) == b"two"
+    assert rx.buffered == 0 and len(rx._buf) == 0
+
+
+def test_records_under_another_protocol_name_do_not_decrypt_as_tcp_records() -> None:
+    info = b"p2pdist relay records v1 aes-256-gcm"
+    tx = AeadPipe(A, B, dialer=True, info=info)
+    assert bytes(tx.encrypt(b"x")) != bytes(AeadPipe(A, B, dialer=True).encrypt(b"x"))
+    rx = AeadPipe(B, A, dialer=False)
+    rx.feed(tx.encrypt(b"hello"))
+    with pytest.raises(RecordError):
+        rx.fill(memoryview(bytearray(64)))
+    with pytest.raises(ValueError):
+        AeadPipe(A, B, dialer=True, info=b"no cipher named")
+
+
 def test_seal_makes_the_record_encrypt_makes(monkeypatch: pytest.MonkeyPatch) -> None:
     """seal is encrypt of one part: the same bytes, record for record, across key
     updates; more than one record's worth is refused."""
@@ -395,6 +442,20 @@ async def test_a_record_that_does_not_decrypt_ends_the_connection_naming_the_pee
         assert eid(0).short() in str(err.value)
         with pytest.raises(ConnectionBrokenError):
             await bounded(p.client.recv(1), "the client learning the connection ended")
+
+
+async def test_a_record_cut_out_in_transit_ends_the_connection() -> None:
+    """Three frames sent, the middle record removed on the way: the first is delivered,
+    then the connection ends; the third is never delivered after the gap."""
+    async with tcp_pair(True) as p:
+        tx = p.client._tls
+        assert isinstance(tx, AeadPipe) and p.client._transport is not None
+        frames = [encode_header(FrameKind.DATA, 1, 0, b"", 2) + m for m in (b"m0", b"m1", b"m2")]
+        records = [bytes(tx.encrypt(f)) for f in frames]
+        p.client._transport.write(records[0] + records[2])
+        assert bytes((await bounded(p.server.recv(1), "the first frame")).payload) == b"m0"
+        with pytest.raises(ConnectionBrokenError, match="bad record"):
+            await bounded(p.server.recv(1), "the server noticing the gap")
 
 
 class CountingAead:

@@ -75,30 +75,31 @@ def new_secret() -> bytes:
     return os.urandom(32)
 
 
-def _first_key(secret: bytes, label: bytes) -> bytes:
-    info = INFO + b" " + label
+def _first_key(secret: bytes, info: bytes, label: bytes) -> bytes:
+    info = info + b" " + label
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 
-def _next_key(key: bytes) -> bytes:
-    return HKDFExpand(algorithm=hashes.SHA256(), length=32, info=UPDATE_INFO).derive(key)
+def _next_key(key: bytes, update_info: bytes) -> bytes:
+    return HKDFExpand(algorithm=hashes.SHA256(), length=32, info=update_info).derive(key)
 
 
 class _Direction:
     """One direction's key schedule: the key in use and the next record number."""
 
-    __slots__ = ("aead", "key", "seq")
+    __slots__ = ("aead", "key", "seq", "update_info")
 
-    def __init__(self, secret: bytes, label: bytes) -> None:
-        self.key = _first_key(secret, label)
+    def __init__(self, secret: bytes, info: bytes, label: bytes) -> None:
+        self.key = _first_key(secret, info, label)
         self.aead = AESGCM(self.key)
         self.seq = 0
+        self.update_info = info.removesuffix(b" aes-256-gcm") + b" key update"
 
     def next(self) -> tuple[AESGCM, bytes]:
         """The key and nonce of the next record (moving to the next key when one is used
         up). Both at once: a caller must not look up the AEAD before the nonce."""
         if self.seq == REKEY_RECORDS:
-            self.key = _next_key(self.key)
+            self.key = _next_key(self.key, self.update_info)
             self.aead = AESGCM(self.key)
             self.seq = 0
         nonce = _NONCE.pack(self.seq)
@@ -112,20 +113,50 @@ class AeadPipe:
     :meth:`get_buffer`, plaintext comes out by :meth:`read_into`, :meth:`encrypt` makes
     the bytes for the socket."""
 
-    __slots__ = ("_buf", "_end", "_out", "_plain", "_plain_at", "_rx", "_start", "_tx", "_view")
+    __slots__ = (
+        "_buf",
+        "_end",
+        "_failed",
+        "_lean",
+        "_out",
+        "_plain",
+        "_plain_at",
+        "_rx",
+        "_start",
+        "_tx",
+        "_view",
+    )
 
     handshake_done = True
     closed_by_peer = False
     """Never: the frames' own GOODBYE ends a connection gracefully."""
 
-    def __init__(self, send_secret: bytes, receive_secret: bytes, *, dialer: bool) -> None:
+    def __init__(
+        self,
+        send_secret: bytes,
+        receive_secret: bytes,
+        *,
+        dialer: bool,
+        info: bytes = INFO,
+        lean: bool = False,
+    ) -> None:
+        """``info`` names the protocol in the key derivation (it ends in " aes-256-gcm";
+        the key updates use it with " key update" in place of that). ``lean``: keep no
+        receive buffer while none is needed (ciphertext comes by :meth:`feed`, and the
+        buffer is released whenever it is drained), for a server with many mostly idle
+        connections."""
         if send_secret == receive_secret:
             raise RecordError("the peer's record secret is our own")
+        if not info.endswith(b" aes-256-gcm"):
+            raise ValueError("info must end in ' aes-256-gcm'")
         mine, theirs = (b"dialer", b"acceptor") if dialer else (b"acceptor", b"dialer")
-        self._tx = _Direction(send_secret, mine)
-        self._rx = _Direction(receive_secret, theirs)
-        self._buf = bytearray(_BUFFER)
+        self._tx = _Direction(send_secret, info, mine)
+        self._rx = _Direction(receive_secret, info, theirs)
+        self._lean = lean
+        self._buf = bytearray(0 if lean else _BUFFER)
         self._view = memoryview(self._buf)
+        self._failed: RecordError | None = None
+        """Set once the stream is broken: every later read raises it."""
         self._start = 0
         self._end = 0
         self._plain = memoryview(b"")
@@ -144,7 +175,7 @@ class AeadPipe:
                 self._view[:n] = self._view[self._start : self._end]
                 self._start, self._end = 0, n
             else:  # a record larger than the buffer, or whole records wait: make room
-                bigger = bytearray(2 * len(self._buf))
+                bigger = bytearray(max(2 * len(self._buf), _BUFFER))
                 bigger[:n] = self._view[:n]
                 self._buf, self._view = bigger, memoryview(bigger)
         return self._view[self._end :]
@@ -154,8 +185,14 @@ class AeadPipe:
         self._end += nbytes
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        """Ciphertext received some other way (what followed the keys in TLS's buffer)."""
+        """Ciphertext received some other way (what followed the keys in TLS's buffer,
+        or everything, for a ``lean`` pipe)."""
         data = memoryview(data).cast("B")
+        if self._lean and self._start == self._end and data.nbytes:
+            self._buf = bytearray(data)  # exactly what came: released once drained
+            self._view = memoryview(self._buf)
+            self._start, self._end = 0, data.nbytes
+            return
         while data.nbytes:
             buf = self.get_buffer()
             n = min(buf.nbytes, data.nbytes)
@@ -177,7 +214,7 @@ class AeadPipe:
     def readable(self) -> bool:
         """Whether :meth:`read_into` has something now: a whole record, or plaintext of
         one that did not fit the last buffer."""
-        if self._plain_at < self._plain.nbytes:
+        if self._plain_at < self._plain.nbytes or self._failed is not None:
             return True
         length = self._length_here()
         # A bad length counts as readable: read_into then raises.
@@ -219,6 +256,8 @@ class AeadPipe:
             if self._plain_at == self._plain.nbytes:
                 self._plain, self._plain_at = memoryview(b""), 0
             return n
+        if self._failed is not None:
+            raise self._failed
         start = self._start
         at = start + _LEN.size
         if self._end < at:
@@ -241,11 +280,23 @@ class AeadPipe:
         except InvalidTag:
             if size <= buf.nbytes:  # decrypt_into wrote before it checked: unwrite it
                 buf[:size] = bytes(size)
-            raise RecordError("a record does not decrypt (altered, replayed or cut)") from None
+            raise self._broken() from None
         self._start = at + length
         if self._start == self._end:
-            self._start = self._end = 0
+            self._drained()
         return n
+
+    def _broken(self) -> RecordError:
+        self._failed = RecordError("a record does not decrypt (altered, replayed or cut)")
+        return self._failed
+
+    def _drained(self) -> None:
+        """Every byte received was decrypted: start over at the front (a lean pipe lets
+        its buffer go)."""
+        self._start = self._end = 0
+        if self._lean and self._buf:
+            self._buf = bytearray()
+            self._view = memoryview(self._buf)
 
     def fill(self, buf: memoryview) -> int:
         """Decrypt into ``buf`` (non-empty) as many whole records as fit, in order: the
@@ -257,7 +308,7 @@ class AeadPipe:
 
         The per-record loop of :meth:`read_into` in one call: for small frames the
         Python around AES-GCM costs more than AES-GCM itself."""
-        if self._plain_at < self._plain.nbytes:
+        if self._plain_at < self._plain.nbytes or self._failed is not None:
             return self.read_into(buf)
         data, view, rx = self._buf, self._view, self._rx
         start, end, room, n = self._start, self._end, buf.nbytes, 0
@@ -275,19 +326,16 @@ class AeadPipe:
                 aead.decrypt_into(nonce, view[at : at + length], view[start:at], buf[n : n + size])
             except InvalidTag:
                 buf[n : n + size] = bytes(size)  # decrypt_into wrote before it checked
+                err = self._broken()  # every later call raises it
                 if not n:
-                    raise RecordError(
-                        "a record does not decrypt (altered, replayed or cut)"
-                    ) from None
-                # Hand out what came before it; the record number moved on, so this
-                # record (and the stream after it) fails again on the next call.
-                break
+                    raise err from None
+                break  # hand out what came before it first
             n += size
             start = at + length
-        if start == end:
-            start = end = 0
         self._start, self._end = start, end
-        if not n and start != end and self.readable:
+        if start == end:
+            self._drained()
+        elif not n and self.readable:
             return self.read_into(buf)  # whole but larger than buf, or a bad length
         return n
 
@@ -319,7 +367,7 @@ class AeadPipe:
                 at = end
         return view[:at]
 
-    def seal(self, data: bytes | bytearray | memoryview) -> memoryview:
+    def seal(self, data: bytes | bytearray) -> memoryview:
         """The one record of ``data`` (1 to :data:`MAX_RECORD` bytes): what
         :meth:`encrypt` makes of a single part, with less Python around it (a small
         frame's record). The buffer is reused by the next call, as :meth:`encrypt`'s."""
