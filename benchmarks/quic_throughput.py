@@ -10,7 +10,9 @@ message (every connection up) to the last message and counts every message's byt
   ceiling of aioquic's packet machinery in this Python;
 * ``p2pdist QUIC direct``: :class:`p2pdist.transport.quic.QuicTransport` over UDP;
 * ``p2pdist QUIC relay``: the same through a relay (a local one this script starts, or
-  the running one ``--relay URL`` names; ``--no-relay`` skips it);
+  the running one ``--relay URL`` names; ``--no-relay`` skips it), the relay sessions in
+  AES-GCM records after the upgrade (the default; ``--relay-tls`` adds the same row with
+  TLS throughout, ``RelayConfig(records=False)``);
 * ``p2pdist TCP plain/TLS``: :class:`p2pdist.TcpTransport`, for reference;
 
 then the variants tried to lift the QUIC ceiling (datagram size, receive window,
@@ -163,9 +165,11 @@ async def _p2pdist(
     else:
         relay = None
         if opts.get("relay"):
-            from p2pdist.transport.relay_path import RelayPath
+            from p2pdist.transport.relay_path import RelayConfig, RelayPath
 
-            relay = RelayPath(me, opts["relay"])
+            relay = RelayPath(
+                me, opts["relay"], config=RelayConfig(records=opts.get("records", True))
+            )
             await relay.wait_connected(30)
         # Through a relay, hole punching would move the peers to a direct path within
         # milliseconds on loopback: keep them on the relay, the path this row measures.
@@ -268,6 +272,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per row (the median is shown)")
     ap.add_argument("--relay", help="use this running relay for the relay row (any loop)")
     ap.add_argument("--no-relay", action="store_true", help="skip the relay row")
+    ap.add_argument(
+        "--relay-tls",
+        action="store_true",
+        help="also run the relay row with TLS throughout (no AES-GCM records after the "
+        "upgrade), back to back with the others",
+    )
     ap.add_argument("--quick", action="store_true", help="only the main rows")
     add_loop_argument(ap, "event loops to measure, interleaved")
     args = ap.parse_args()
@@ -282,6 +292,9 @@ def main() -> None:
     ]
     if not args.no_relay:
         rows.append(("p2pdist QUIC relay", "quic", {"quic": base, "relay": args.relay or "local"}))
+        if args.relay_tls:
+            tls_only = {"quic": base, "relay": args.relay or "local", "records": False}
+            rows.append(("p2pdist QUIC relay, TLS only", "quic", tls_only))
     main_rows = len(rows)  # run back to back in each repeat (see below)
     rows += [
         ("p2pdist TCP plaintext", "tcp", {"tls": False}),
@@ -325,6 +338,7 @@ def main() -> None:
     per_run: dict[tuple[str, str], list[float]] = {}
     direct: dict[str, float] = {}
     relayed: dict[str, float] = {}
+    relayed_tls: dict[str, float] = {}
     cpu_rows: dict[tuple[str, str], dict[str, float]] = {}
     tmp = tempfile.TemporaryDirectory(prefix="p2pdist-quic-bench-")
     with tmp, contextlib.ExitStack() as stack:
@@ -375,10 +389,11 @@ def main() -> None:
                 if kind == "bare":
                     bare[dgram, loop] = rate
                 elif kind == "quic" and "conns" not in opts and opts["quic"] == base:
-                    (relayed if "relay" in opts else direct)[loop] = rate
-                    per_run[("relay" if "relay" in opts else "direct"), loop] = [
-                        m["rate"] for m in runs[name, loop]
-                    ]
+                    which, table = ("relay", relayed) if "relay" in opts else ("direct", direct)
+                    if opts.get("records") is False:
+                        which, table = "relay, TLS only", relayed_tls
+                    table[loop] = rate
+                    per_run[which, loop] = [m["rate"] for m in runs[name, loop]]
                 ref = bare.get((dgram, loop))
                 ratio = f"  {rate / ref:5.2f}x bare" if ref and kind == "quic" else ""
                 spread = f"  ({r[0]:.0f}..{r[-1]:.0f})"
@@ -400,6 +415,15 @@ def main() -> None:
             print(
                 f"relay / direct QUIC [{loop}]: {relayed[loop] / direct[loop]:.2f}x; "
                 f"median of the per-repeat ratios {each:.2f}x (bar: at least 0.6x)",
+                flush=True,
+            )
+        if loop in direct and loop in relayed_tls:
+            pairs = zip(per_run["relay, TLS only", loop], per_run["direct", loop], strict=False)
+            each = statistics.median(a / b for a, b in pairs)
+            print(
+                f"relay (TLS only) / direct QUIC [{loop}]: "
+                f"{relayed_tls[loop] / direct[loop]:.2f}x; median of the per-repeat ratios "
+                f"{each:.2f}x",
                 flush=True,
             )
     if len(args.loops) == 2:

@@ -76,6 +76,8 @@ class DoctorReport:
     """Seconds, PING/PONG over the relay session (TCP + TLS)."""
     relay_sees: str | None = None
     """Our TCP address as the relay sees it."""
+    relay_records: str | None = None
+    """The record protection after the upgrade ("aes-256-gcm"), None when TLS carries it."""
     local: str | None = None
     """The local UDP socket the observations were made from."""
     interfaces: list[str] = field(default_factory=list)
@@ -151,6 +153,7 @@ async def diagnose(
             report.relay_error = text.removeprefix(f"relay {path.url}: ")
             return report
         report.relay_sees = path.status.observed
+        report.relay_records = path.status.records
         targets = await path.observation_targets()
         if path.observation_off:
             report.observation_off = True
@@ -257,7 +260,10 @@ def render(r: DoctorReport) -> str:
         lines.append(f"  relay        {r.relay}: NOT CONNECTED ({r.relay_error})")
     else:
         lines.append(f"  relay        {r.relay}")
-        lines.append(f"               connected, RTT {_ms(r.relay_rtt)}, sees us at {r.relay_sees}")
+        link = "TLS, then " + r.relay_records + " records" if r.relay_records else "TLS"
+        lines.append(
+            f"               connected ({link}), RTT {_ms(r.relay_rtt)}, sees us at {r.relay_sees}"
+        )
         seen_by = zip(r.observation_ports, r.observed, strict=False)
         pairs = ", ".join(f"{seen} (port {port})" for port, seen in seen_by)
         if r.observation_off:

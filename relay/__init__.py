@@ -13,7 +13,7 @@ Layout (each module has one job):
   :mod:`relay.http` - the pieces the core is built from (no asyncio, time passed in).
 * :mod:`relay.server` - thin asyncio glue: TLS listener, STUN port, timers, shutdown.
 * :mod:`relay.tlsconfig` - the relay's certificate (pinned Ed25519 key, or a real one).
-* :mod:`relay.tlsproto` - asyncio's TLS protocol with a 32 KiB (not 256 KiB) read buffer.
+* TLS and AES-GCM records per connection: :mod:`p2pdist.transport.securestream`.
 * :mod:`relay.stun_server` - the UDP port answering STUN Binding Requests.
 * :mod:`relay.healthcheck` - ``python -m relay.healthcheck``, the liveness probe.
 * :mod:`relay.tap` - debug tap of every byte the relay reads and writes on client links.

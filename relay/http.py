@@ -9,7 +9,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from p2pdist.wire.relay import UPGRADE_PATH, UPGRADE_TOKEN, VERSION, HttpHead, upgrade_response
+from p2pdist.wire.relay import (
+    UPGRADE_PATH,
+    UPGRADE_TOKEN,
+    VERSION,
+    HttpHead,
+    RelayProtocolError,
+    records_key,
+    upgrade_response,
+)
 
 __all__ = ["HttpDecision", "response", "route"]
 
@@ -19,11 +27,14 @@ METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 @dataclass(frozen=True, slots=True)
 class HttpDecision:
-    """What to do with a request: ``upgrade`` to relay frames, or answer and close."""
+    """What to do with a request: ``upgrade`` to relay frames, or answer and close.
+    ``records``: the client's record secret when its upgrade offers AES-GCM records
+    (the 101 that takes them is the core's to write: it carries the relay's secret)."""
 
     upgrade: bool
     status: int
     response: bytes
+    records: bytes | None = None
 
 
 def response(
@@ -58,7 +69,11 @@ def _upgrade(head: HttpHead) -> HttpDecision:
         return HttpDecision(
             False, 400, response(400, f"unsupported relay protocol version {version[:16]!r}\n")
         )
-    return HttpDecision(True, 101, upgrade_response())
+    try:
+        offer = records_key(head)
+    except RelayProtocolError as exc:
+        return HttpDecision(False, 400, response(400, f"{exc}\n"))
+    return HttpDecision(True, 101, upgrade_response(), offer)
 
 
 def route(head: HttpHead, metrics_text: Callable[[], str]) -> HttpDecision:

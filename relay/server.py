@@ -3,27 +3,25 @@
 Everything that decides anything lives in :class:`relay.state.RelayCore`; this module
 only moves bytes between sockets and the core and tells it the time.
 
-Received bytes are handled in place: every client connection is a
-``BufferedProtocol`` whose :meth:`~_ClientConnection.get_buffer` returns the same
-scratch buffer, owned by the server. The TLS layer decrypts into it and calls
-``buffer_updated`` right away, on the one event loop thread, and the core is done with
-those bytes when that call returns (it copies what it keeps), so one buffer serves every
-connection and an idle client holds no receive buffer of its own.
+Every connection is a :class:`~p2pdist.transport.securestream.SecureStream` (TLS, then
+AES-GCM records once the client's upgrade offers them) with a :class:`_ClientConnection`
+on top. Received bytes are handled in place: ciphertext lands in one buffer the server
+owns (each stream copies it at once into its TLS memory BIO or record buffer, which is
+released when drained), and every :class:`_ClientConnection` hands out one plaintext
+scratch buffer too: the stream decrypts into it and calls ``buffer_updated`` right
+away, on the one event loop thread, and the core is done with those bytes when that
+call returns (it copies what it keeps). So an idle client holds no receive buffer of
+its own. (A connection that is closing reads into a buffer of its own, so that a read
+nested in another connection's could never overwrite the bytes being parsed.)
 
-One exception: closing a connection makes the TLS layer flush it, and that may read
-what it still holds straight into ``get_buffer``, synchronously, even while the core
-parses another client's bytes from the scratch (an endpoint that reconnects replaces its
-old session). So a connection that is closing reads into a buffer of its own, and the
-bytes being parsed are never overwritten.
-
-On asyncio's own loop (:mod:`relay.tlsproto`) each connection also sees the TCP
-transport under TLS: a session is opened in the core as soon as TCP is up (phase TLS),
-so connections still in their TLS handshake count against the caps on connections
-waiting to authenticate (total and per source) and are evicted or refused by the same
-rule; the server aborts connections still in their TLS handshake when it shuts down
-(one that finished its handshake later would otherwise be served by a core that no
-longer ticks); and :meth:`_ClientConnection.buffered` counts that transport's write
-buffer too, so ``queue_bytes`` bounds everything queued towards a client.
+Each connection is seen from TCP up: a session is opened in the core as soon as TCP is
+up (phase TLS), so connections still in their TLS handshake count against the caps on
+connections waiting to authenticate (total and per source) and are evicted or refused
+by the same rule; the server aborts connections still in their TLS handshake when it
+shuts down (one that finished its handshake later would otherwise be served by a core
+that no longer ticks); and :meth:`_ClientConnection.buffered` is the TCP transport's
+write buffer, where everything queued towards a client waits, so ``queue_bytes`` bounds
+it all.
 
 File descriptors: the listen backlog is small (:data:`BACKLOG`), the server counts the
 client sockets it holds and closes a new one at once when that count reaches its
@@ -48,7 +46,9 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, cast
 
-from p2pdist.wire.relay import RelayUrl
+from p2pdist.transport.aeadpipe import RecordError
+from p2pdist.transport.securestream import SecureStream
+from p2pdist.wire.relay import RECORDS_INFO, RelayUrl
 
 from .access import AccessPolicy, Allowlist, AllowlistError
 from .config import ConfigError, RelayConfig
@@ -59,7 +59,6 @@ from .state import CoreConfig, RelayCore, format_address
 from .stun_server import StunProtocol
 from .tap import FileTap, Tap
 from .tlsconfig import RelayTls, load_or_create_key
-from .tlsproto import tls_protocol_factory
 
 __all__ = ["AcceptErrorLimiter", "RelayServer", "fd_budget"]
 
@@ -67,7 +66,11 @@ log = logging.getLogger(__name__)
 
 CLOSE_GRACE = 5.0
 """A closed connection whose peer does not read is aborted after this many seconds
-(during a graceful shutdown: after ``drain_timeout``)."""
+(during a graceful shutdown: after :data:`SHUTDOWN_GRACE_SHARE` of ``drain_timeout``)."""
+SHUTDOWN_GRACE_SHARE = 0.8
+"""During a graceful shutdown, the close grace as a share of ``drain_timeout``: shorter,
+so a client that does not read is aborted before the drain gives up on it (which would
+log a warning)."""
 BACKLOG = 511
 """The listen backlog (at most; less under a low file descriptor limit, see
 :func:`fd_budget`). asyncio accepts up to this many connections per wake-up."""
@@ -77,12 +80,12 @@ ACCEPT_ERROR = "socket.accept() out of system resource"
 ACCEPT_ERROR_INTERVAL = 5.0
 """At most one log line per this many seconds for :data:`ACCEPT_ERROR`."""
 FD_WARN_INTERVAL = 5.0
-TLS_SHUTDOWN_SHARE = 0.8
-"""The TLS layer's shutdown timeout, as a share of ``drain_timeout``: shorter, so a
-client that does not read is aborted by TLS before the drain gives up on it."""
 
 SCRATCH_SIZE = 256 * 1024
 """The receive buffer all client connections share: plaintext handed over per read."""
+CIPHER_SCRATCH_SIZE = 256 * 1024
+"""Where every connection's ciphertext lands from the socket (each copies what it keeps
+at once: TLS into its memory BIO, records into its record buffer)."""
 NESTED_READ = 16 * 1024
 """Least size of the private receive buffer of a connection that is closing (its last
 reads may come while another connection's read is being handled)."""
@@ -159,9 +162,12 @@ class AcceptErrorLimiter:
 
 
 class _ClientConnection(asyncio.BufferedProtocol):
-    """One accepted TLS connection: feeds the core and implements its Link."""
+    """One accepted connection, on top of its :class:`SecureStream`: feeds the core and
+    implements its Link."""
 
     def __init__(self, server: RelayServer) -> None:
+        self.stream: SecureStream | None = None
+        """Set by the factory right after it makes both."""
         self._server = server
         self._core = server.core
         self._loop = asyncio.get_running_loop()
@@ -183,11 +189,11 @@ class _ClientConnection(asyncio.BufferedProtocol):
             self._counted = False
             self._server.release_socket()
 
-    # ---- relay.tlsproto.RawTransportWatcher -------------------------------------------
+    # ---- SecureStream's hooks for the TCP connection underneath ------------------------
 
     def raw_connection_made(self, transport: asyncio.Transport) -> None:
-        """TCP is up, the TLS handshake starts (not called on uvloop): the session is
-        opened now, so the handshake counts against the caps on waiting connections."""
+        """TCP is up, the TLS handshake starts: the session is opened now, so the
+        handshake counts against the caps on waiting connections."""
         self._raw = transport
         if self._server.closing or not self._server.take_socket():
             transport.abort()
@@ -281,12 +287,24 @@ class _ClientConnection(asyncio.BufferedProtocol):
         self._transport.write(data)
 
     def buffered(self) -> int:
-        """Plaintext and ciphertext not yet handed to the kernel: the TLS layer's buffers
-        and (where known, see the module doc) the TCP transport's."""
-        if self._transport is None:
-            return 0
-        raw = 0 if self._raw is None else self._raw.get_write_buffer_size()
-        return self._transport.get_write_buffer_size() + raw
+        """Bytes not yet handed to the kernel (encrypted as they are written, so all of
+        them wait in the TCP transport)."""
+        return 0 if self._raw is None else self._raw.get_write_buffer_size()
+
+    def secure(self, records: tuple[bytes, bytes] | None) -> None:
+        """TLS or records for the rest of the connection (see :class:`relay.session.Link`)."""
+        stream = self.stream
+        assert stream is not None
+        if records is None:
+            stream.keep_tls()
+            return
+        mine, theirs = records
+        try:
+            stream.start_records(mine, theirs, dialer=False, info=RECORDS_INFO)
+        except RecordError as exc:
+            label = self._session.label if self._session is not None else "?"
+            log.info(kv("records_refused", conn=label, why=str(exc)))
+            self.abort()
 
     def close(self) -> None:
         """Flush and close; abort if the peer does not take the bytes within the close
@@ -357,7 +375,7 @@ class RelayServer:
     @property
     def close_grace(self) -> float:
         """Seconds a closed connection may take to flush before it is aborted."""
-        return self.config.drain_timeout if self._closed else CLOSE_GRACE
+        return self.config.drain_timeout * SHUTDOWN_GRACE_SHARE if self._closed else CLOSE_GRACE
 
     def take_socket(self) -> bool:
         """Count a new client socket. At the budget the oldest connection waiting to
@@ -509,30 +527,25 @@ class RelayServer:
         assert self.tls is not None
         loop = asyncio.get_running_loop()
         host = c.host or None
-        app_factory = lambda: _ClientConnection(self)  # noqa: E731
-        small = tls_protocol_factory(
-            app_factory,
-            self.tls.context,
-            handshake_timeout=c.auth_timeout,
-            shutdown_timeout=c.drain_timeout * TLS_SHUTDOWN_SHARE,
-        )
+        shared = memoryview(bytearray(CIPHER_SCRATCH_SIZE))
+
+        def factory() -> SecureStream:
+            assert self.tls is not None
+            conn = _ClientConnection(self)
+            conn.stream = SecureStream(
+                conn,
+                self.tls.context,  # the current one: a reload replaces it
+                server_side=True,
+                handshake_timeout=c.auth_timeout,
+                scratch=shared,
+            )
+            return conn.stream
+
         try:
-            if small is not None:
-                return await loop.create_server(
-                    small,
-                    host,
-                    c.port,
-                    backlog=self._backlog,
-                    reuse_address=True,
-                    start_serving=False,
-                )
-            return await loop.create_server(  # uvloop, or no usable SSLProtocol
-                app_factory,
+            return await loop.create_server(
+                factory,
                 host,
                 c.port,
-                ssl=self.tls.context,
-                ssl_handshake_timeout=c.auth_timeout,
-                ssl_shutdown_timeout=c.drain_timeout * TLS_SHUTDOWN_SHARE,
                 backlog=self._backlog,
                 reuse_address=True,
                 start_serving=False,

@@ -40,6 +40,11 @@ class Link(Protocol):
     def close(self) -> None:
         """Flush what is queued (bounded by the glue), then close."""
 
+    def secure(self, records: tuple[bytes, bytes] | None) -> None:
+        """Called once, right after the 101 was written: None keeps TLS for the data;
+        (relay's secret, client's secret) moves both directions to AES-GCM records from
+        the next byte on (docs/protocol.md 8.2). A glue that cannot drops the link."""
+
 
 class Phase(enum.Enum):
     """Where a connection is in its life."""

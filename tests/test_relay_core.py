@@ -55,6 +55,9 @@ class FakeLink:
     def close(self) -> None:
         self.closed = True
 
+    def secure(self, records: tuple[bytes, bytes] | None) -> None:
+        self.records = records
+
     def http(self) -> bytes:
         return bytes(self.data)
 

@@ -27,7 +27,6 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from relay_helpers import ROOT, memory_handshake, read_relay_url, self_signed_pem
 from test_relay_core import FP, A, B, C, FakeLink, auth_frame, core, join, only, upgrade
 from test_relay_server import KEYS, eventually, joined, metric, running
-from test_relay_server_limits import needs_tlsproto
 
 from p2pdist.wire.relay import RelayFrameType, encode_addressed, upgrade_request
 from relay.cli import load_config
@@ -37,6 +36,7 @@ from relay.server import (
     ACCEPT_ERROR,
     CLOSE_GRACE,
     FD_RESERVE,
+    SHUTDOWN_GRACE_SHARE,
     AcceptErrorLimiter,
     RelayServer,
     fd_budget,
@@ -61,7 +61,6 @@ async def _raw_connections(port: int, n: int) -> list[asyncio.StreamWriter]:
     return writers
 
 
-@needs_tlsproto
 @pytest.mark.parametrize(
     ("caps", "reason"),
     [
@@ -216,7 +215,6 @@ async def test_idle_sockets_from_many_sources_cannot_spend_the_socket_budget(
         assert metric(text, 'p2pdist_relay_evicted_total{reason="socket_budget"}') >= 1
 
 
-@needs_tlsproto
 async def test_evictions_at_the_socket_budget_do_not_push_the_relay_past_it() -> None:
     """Idle clients that complete TLS and then say nothing, in waves a second apart:
     each eviction closed gracefully (a 503, then up to the 5 s close grace), so every
@@ -472,10 +470,20 @@ def test_an_unwritable_tap_file_is_a_configuration_error(tmp_path: Path) -> None
 
 async def test_shutdown_closes_wait_for_the_drain_timeout_not_the_close_grace() -> None:
     drain = CLOSE_GRACE * 6
-    async with running(drain_timeout=drain) as srv:
-        b = await joined(srv.url, B)
-        b.writer.transport.pause_reading()  # never answers the relay's close_notify
-        [conn] = list(srv.connections)
+    async with running(drain_timeout=drain, queue_bytes=4 << 20) as srv:
+        a, b = await joined(srv.url, A), await joined(srv.url, B)
+        b.writer.transport.pause_reading()  # never reads again: the relay's bytes pile up
+        [conn] = [
+            c for c in srv.connections if c._session and c._session.raw_id == bytes(B.endpoint_id)
+        ]
+
+        async def backed_up() -> bool:
+            for _ in range(8):
+                a.send(B.endpoint_id, b"x" * 30000)
+            await a.drain()
+            return conn.buffered() > 0  # the kernel's buffers are full: closing must wait
+
+        await eventually(backed_up, timeout=20)
         loop = asyncio.get_running_loop()
         closing = asyncio.create_task(srv.close())
 
@@ -495,7 +503,7 @@ def test_close_grace_follows_the_drain_timeout_only_while_shutting_down() -> Non
     srv = RelayServer(load_config(["--drain-timeout", "20"]))
     assert srv.close_grace == CLOSE_GRACE
     srv._closed = True
-    assert srv.close_grace == 20.0
+    assert srv.close_grace == 20.0 * SHUTDOWN_GRACE_SHARE
 
 
 def test_an_unwritable_url_file_names_itself_not_a_temporary_file(tmp_path: Path) -> None:

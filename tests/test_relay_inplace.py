@@ -177,6 +177,9 @@ class FakeLink:
     def close(self) -> None:
         self.closed = True
 
+    def secure(self, records: tuple[bytes, bytes] | None) -> None:
+        self.records = records
+
     def frames(self) -> list[tuple[T, bytes]]:
         end = self.data.find(b"\r\n\r\n")
         return RelayFrameDecoder().feed(bytes(self.data[end + 4 :]))
@@ -277,8 +280,16 @@ def _server(tap: Any = None) -> RelayServer:
     return server
 
 
+class FakeStream:
+    """The SecureStream under a connection, as far as these tests go: TLS throughout."""
+
+    def keep_tls(self) -> None:
+        pass
+
+
 def _connect(server: RelayServer, port: int) -> tuple[_ClientConnection, FakeTransport]:
     conn, transport = _ClientConnection(server), FakeTransport(port)
+    conn.stream = FakeStream()  # type: ignore[assignment]
     conn.connection_made(transport)
     return conn, transport
 

@@ -99,8 +99,7 @@ async def _relay_group(url: str, world: int) -> None:
 @needs_uvloop
 @pytest.mark.parametrize("relay_loop", ["uvloop", "asyncio"])
 def test_group_through_a_relay_on_uvloop(tmp_path: Path, relay_loop: str) -> None:
-    """Clients on uvloop, through a relay process on uvloop (its TLS is uvloop's) or on
-    asyncio's loop (its TLS is relay/tlsproto.py's small-buffer SSLProtocol)."""
+    """Clients on uvloop, through a relay process on uvloop or on asyncio's loop."""
     with RelayProcess(tmp_path, "--loop", relay_loop) as relay:
         on_uvloop(_relay_group(relay.url, 3))
     assert f"event_loop loop={relay_loop}" in relay.log.read_text()

@@ -44,7 +44,9 @@ from ..wire.relay import (
     encode_frame,
     upgrade_request,
 )
+from .aeadpipe import new_secret
 from .relay_session import RelaySessionProtocol
+from .securestream import SecureStream
 
 __all__ = [
     "ReconnectBackoff",
@@ -93,6 +95,9 @@ class RelayConfig:
     """PING interval; None takes the relay's advertised value."""
     send_buffer: int = 4 << 20
     """Bytes queued towards the relay beyond which new datagrams are dropped."""
+    records: bool = True
+    """Offer AES-GCM records after the upgrade (docs/protocol.md 8.2; a relay that does
+    not take them keeps TLS). False keeps TLS throughout (for comparisons)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +126,9 @@ class RelayStatus:
     ``on_peer_gone``) raised: dropped (logged the 1st, 10th, 100th... time), and the
     session goes on."""
     limits: dict[str, float] = field(default_factory=dict)
+    records: str | None = None
+    """The record protection after the upgrade ("aes-256-gcm"), or None when TLS
+    carries the frames (the relay did not take the offer, or none was made)."""
     stun_ports: tuple[int, ...] = ()
     """The relay's UDP observation ports (STUN Binding), from AUTH_OK; two ports let a
     client tell endpoint-independent from endpoint-dependent NAT mapping. Empty when the
@@ -370,15 +378,30 @@ class RelayPath:
             ctx = ssl.create_default_context()
             server_hostname = url.host
         label = f"relay {url}"
-        try:
-            writer, proto = await asyncio.get_running_loop().create_connection(
-                lambda: RelaySessionProtocol(label, MAX_DATAGRAM + ID_LEN),
-                url.host,
-                url.port,
-                ssl=ctx,
+        secret = new_secret() if self.config.records else None
+        proto = RelaySessionProtocol(label, MAX_DATAGRAM + ID_LEN, records_secret=secret)
+
+        def stream_factory() -> SecureStream:
+            proto.stream = SecureStream(
+                proto,
+                ctx,
+                server_side=False,
                 server_hostname=server_hostname,
+                handshake_timeout=self.config.connect_timeout,
             )
-        except ssl.SSLCertVerificationError as exc:
+            return proto.stream
+
+        stream: SecureStream | None = None
+        try:
+            _, stream = await asyncio.get_running_loop().create_connection(
+                stream_factory, url.host, url.port
+            )
+            await stream.handshake
+        except BaseException as exc:
+            if stream is not None:
+                stream.abort()
+            if not isinstance(exc, ssl.SSLCertVerificationError):
+                raise
             # Not worth waiting out: retrying will not make the certificate trusted.
             hint = ""
             if exc.verify_code in _SELF_SIGNED:  # not an expired or misnamed certificate
@@ -389,6 +412,8 @@ class RelayPath:
             raise PeerAuthenticationError(
                 label, f"certificate not trusted: {exc.verify_message}{hint}"
             ) from None
+        writer = proto.transport
+        assert writer is not None  # connection_made ran when the handshake completed
         sslobj = writer.get_extra_info("ssl_object")
         der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
         if not der:
@@ -410,7 +435,7 @@ class RelayPath:
 
     async def _handshake(self, proto: RelaySessionProtocol, writer: asyncio.Transport) -> float:
         """Upgrade and authenticate; returns the keepalive interval."""
-        writer.write(upgrade_request(self.url.host))
+        writer.write(upgrade_request(self.url.host, proto.records_secret))
         answer = await proto.upgrade_answer()
         if not proto.upgraded:
             raise RelayProtocolError(f"relay refused the upgrade: {' '.join(answer.start_line)}")
@@ -446,6 +471,7 @@ class RelayPath:
             connects=self._status.connects + 1,
             last_error=None,
             limits=limits,
+            records=writer.get_extra_info("records"),
         )
         return interval
 

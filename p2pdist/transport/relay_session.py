@@ -1,12 +1,14 @@
 """The client end of one relay session as an asyncio protocol: bytes in place, frames out.
 
-:class:`RelaySessionProtocol` is what :class:`~.relay_path.RelayPath` connects with. It
-is an ``asyncio.BufferedProtocol``, so asyncio's TLS layer decrypts straight into the
-:class:`~p2pdist.wire.relay.RelayFrameReader`'s buffer and each datagram is copied once
-(a stream reader copied every byte four more times on the way). It reads the relay's
-answer to the HTTP upgrade, then relay frames. During the handshake the session awaits
-them one at a time (:meth:`RelaySessionProtocol.next_frame`); after it, every frame goes
-to a handler straight from the receive callback, with no task switch in between.
+:class:`RelaySessionProtocol` is what :class:`~.relay_path.RelayPath` connects with, on
+top of a :class:`~.securestream.SecureStream`. It is an ``asyncio.BufferedProtocol``, so
+the stream decrypts straight into the :class:`~p2pdist.wire.relay.RelayFrameReader`'s
+buffer and each datagram is copied once (a stream reader copied every byte four more
+times on the way). It reads the relay's answer to the HTTP upgrade (and, when the answer
+takes the records our request offered, moves the stream to them), then relay frames.
+During the handshake the session awaits them one at a time
+(:meth:`RelaySessionProtocol.next_frame`); after it, every frame goes to a handler
+straight from the receive callback, with no task switch in between.
 
 How the session ends is :attr:`RelaySessionProtocol.done`: a retry-after (the handler
 saw RECONNECT), or the error that ended it (connection lost, a malformed frame, a
@@ -21,7 +23,17 @@ from collections.abc import Callable
 from typing import cast
 
 from ..errors import ConnectionBrokenError
-from ..wire.relay import HttpHead, RelayFrame, RelayFrameReader, RelayProtocolError, parse_http_head
+from ..wire.relay import (
+    RECORDS_INFO,
+    HttpHead,
+    RelayFrame,
+    RelayFrameReader,
+    RelayProtocolError,
+    parse_http_head,
+    records_key,
+)
+from .aeadpipe import RecordError
+from .securestream import SecureStream
 
 __all__ = ["FrameHandler", "RelaySessionProtocol"]
 
@@ -34,7 +46,12 @@ _HEAD_READ = 4096
 class RelaySessionProtocol(asyncio.BufferedProtocol):
     """One TLS connection to a relay, from the client's side (see the module docstring)."""
 
-    def __init__(self, label: str, max_body: int) -> None:
+    def __init__(self, label: str, max_body: int, *, records_secret: bytes | None = None) -> None:
+        self.records_secret = records_secret
+        """Our record secret, offered in the upgrade request (None: no offer)."""
+        self.stream: SecureStream | None = None
+        """The stream underneath (set by whoever makes it), moved to records when the
+        relay takes the offer."""
         self._label = label
         self._loop = asyncio.get_running_loop()
         self._reader = RelayFrameReader(max_body)
@@ -138,8 +155,25 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         self._wake()
         self._upgraded = self._answer.start_line[1:2] == ["101"]
         if not self._upgraded:
+            self._keep_tls()
             return []  # a refusal's body (a 503's text) is no frames: the session reads the head
-        return self._reader.feed(rest) if rest else []  # frames sent right behind it
+        theirs = records_key(self._answer)
+        if theirs is None:
+            self._keep_tls()
+            return self._reader.feed(rest) if rest else []  # frames sent right behind it
+        if self.records_secret is None or self.stream is None:
+            raise RelayProtocolError("the relay answered with records we did not offer")
+        if rest:
+            raise RelayProtocolError("TLS data after the relay took our records offer")
+        try:
+            self.stream.start_records(self.records_secret, theirs, dialer=True, info=RECORDS_INFO)
+        except RecordError as exc:
+            raise RelayProtocolError(f"cannot start records: {exc}") from None
+        return []
+
+    def _keep_tls(self) -> None:
+        if self.stream is not None:
+            self.stream.keep_tls()
 
     def _deliver(self, frames: list[RelayFrame]) -> None:
         handler = self._handler

@@ -32,12 +32,16 @@ class TlsPipe:
 
     __slots__ = ("_cipher", "_failed", "_in", "_out", "closed_by_peer", "handshake_done", "obj")
 
-    def __init__(self, context: ssl.SSLContext, *, server_side: bool) -> None:
+    def __init__(
+        self, context: ssl.SSLContext, *, server_side: bool, server_hostname: str | None = None
+    ) -> None:
         self._in = ssl.MemoryBIO()
         self._out = ssl.MemoryBIO()
         self._cipher = memoryview(b"")
         """Where the socket's ciphertext lands (allocated on the first get_buffer)."""
-        self.obj = context.wrap_bio(self._in, self._out, server_side=server_side)
+        self.obj = context.wrap_bio(
+            self._in, self._out, server_side=server_side, server_hostname=server_hostname
+        )
         """The ``ssl.SSLObject`` (version, peer certificate)."""
         self.handshake_done = False
         self.closed_by_peer = False

@@ -33,6 +33,8 @@ __all__ = [
     "MAX_BODY",
     "MAX_KEEPALIVE",
     "NOT_ALLOWED_TEXT",
+    "RECORDS_HEADER",
+    "RECORDS_INFO",
     "RelayFrame",
     "RelayFrameDecoder",
     "RelayFrameReader",
@@ -46,6 +48,7 @@ __all__ = [
     "encode_addressed",
     "encode_frame",
     "parse_http_head",
+    "records_key",
     "FRAME_HEADER",
     "upgrade_request",
     "upgrade_response",
@@ -367,20 +370,58 @@ def decode_map(body: bytes) -> dict[str, Any]:
 # ---- HTTP upgrade --------------------------------------------------------------------
 
 
-def upgrade_request(host: str) -> bytes:
-    """The client's HTTP/1.1 upgrade request."""
+RECORDS_HEADER = "P2pdist-Relay-Records"
+"""The upgrade's header that offers (request) and takes (101) AES-GCM records after it:
+``aes-256-gcm; key=<64 hex digits>``, the sender's record secret (docs/protocol.md 8.2)."""
+RECORDS_INFO = b"p2pdist relay records v1 aes-256-gcm"
+"""The protocol name in the records' key derivation (the client is the dialer)."""
+_RECORDS_CIPHER = "aes-256-gcm"
+
+
+def _records_header(key: bytes | None) -> str:
+    if key is None:
+        return ""
+    if len(key) != 32:
+        raise ValueError("a record secret is 32 bytes")
+    return f"{RECORDS_HEADER}: {_RECORDS_CIPHER}; key={key.hex()}\r\n"
+
+
+def upgrade_request(host: str, records_key: bytes | None = None) -> bytes:
+    """The client's HTTP/1.1 upgrade request (offering records under its ``records_key``
+    when given)."""
     return (
         f"GET {UPGRADE_PATH} HTTP/1.1\r\nHost: {host}\r\nConnection: Upgrade\r\n"
-        f"Upgrade: {UPGRADE_TOKEN}\r\nP2pdist-Relay-Version: {VERSION}\r\n\r\n"
+        f"Upgrade: {UPGRADE_TOKEN}\r\nP2pdist-Relay-Version: {VERSION}\r\n"
+        f"{_records_header(records_key)}\r\n"
     ).encode("ascii")
 
 
-def upgrade_response() -> bytes:
-    """The relay's 101 answer."""
+def upgrade_response(records_key: bytes | None = None) -> bytes:
+    """The relay's 101 answer (taking the offered records, under its ``records_key``,
+    when given)."""
     return (
         f"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
-        f"Upgrade: {UPGRADE_TOKEN}\r\n\r\n"
+        f"Upgrade: {UPGRADE_TOKEN}\r\n{_records_header(records_key)}\r\n"
     ).encode("ascii")
+
+
+def records_key(head: HttpHead) -> bytes | None:
+    """The record secret a request offers or a 101 takes: None without the header or
+    for a cipher other than aes-256-gcm (an offer we cannot take is declined, not an
+    error). RelayProtocolError for an aes-256-gcm offer without a 32-byte hex key."""
+    value = head.header(RECORDS_HEADER)
+    if not value:
+        return None
+    cipher, _, params = value.partition(";")
+    if cipher.strip().lower() != _RECORDS_CIPHER:
+        return None
+    name, _, key = params.strip().partition("=")
+    try:
+        if name.strip().lower() != "key" or len(key.strip()) != 64:
+            raise ValueError
+        return bytes.fromhex(key.strip())
+    except ValueError:
+        raise RelayProtocolError(f"malformed {RECORDS_HEADER} header {value[:100]!r}") from None
 
 
 @dataclass(frozen=True, slots=True)

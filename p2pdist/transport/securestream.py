@@ -1,0 +1,402 @@
+"""TLS, then optionally AES-GCM records, under a buffered asyncio protocol.
+
+The relay's connections, on both ends, run through :class:`SecureStream`: it is the
+protocol the TCP transport talks to, and the app protocol on top (an
+``asyncio.BufferedProtocol``) sees plaintext through a :class:`SecureTransport`, as it
+would under ``create_connection(ssl=...)``. TLS runs on :class:`~.tlspipe.TlsPipe`; once
+both ends have agreed, in TLS, on a secret each, the app calls
+:meth:`SecureStream.start_records` and every byte after that moves in
+:class:`~.aeadpipe.AeadPipe` records instead (the relay protocol's upgrade says when:
+docs/protocol.md 8.2). Why: the records' AES-GCM (``cryptography``) runs at several
+times the speed of the system OpenSSL under Python's ``ssl``, and a record carries a
+whole batch of frames where a TLS record carries 16 KiB.
+
+Until the app has decided (:meth:`SecureStream.start_records` or
+:meth:`SecureStream.keep_tls`), TLS is read one record at a time, so that the bytes
+after the record that carried the agreement are handed to the records unread.
+
+Memory: a server passes one ciphertext landing buffer for all its connections
+(``scratch``); each connection then copies what it keeps (TLS into its memory BIO,
+records into a record buffer that is released whenever it is drained), so an idle
+connection holds no receive buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from typing import Any, cast
+
+from .aeadpipe import CIPHER, AeadPipe, RecordError
+from .tcp import _write_keeps_reference
+from .tlspipe import TlsPipe
+
+__all__ = ["SecureStream", "SecureTransport"]
+
+_OWN_READ = 256 * 1024
+"""Ciphertext read at a time by a connection without a shared landing buffer."""
+RECORD_SIZE = 64 * 1024
+"""Largest plaintext per record: a batch of frames goes in records of this size, which
+the receiver decrypts straight into its frame buffer (the relay's is 256 KiB: a record
+larger than the room left costs a temporary and a copy)."""
+
+
+class SecureTransport(asyncio.Transport):
+    """What the app protocol of a :class:`SecureStream` writes to (plaintext in)."""
+
+    def __init__(self, stream: SecureStream) -> None:
+        super().__init__()
+        self._stream = stream
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Encrypt ``data`` and queue it on the TCP transport (never blocks)."""
+        self._stream.write(data)
+
+    def is_closing(self) -> bool:
+        """Whether the connection is closing or closed."""
+        return self._stream.is_closing()
+
+    def close(self) -> None:
+        """Flush what is queued, then close (TLS sends close_notify first)."""
+        self._stream.close()
+
+    def abort(self) -> None:
+        """Drop the connection now."""
+        self._stream.abort()
+
+    def get_write_buffer_size(self) -> int:
+        """Ciphertext queued on the TCP transport, not yet handed to the kernel."""
+        return self._stream.write_buffer_size()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        """``ssl_object`` (the TLS session), ``records`` (the record cipher, or None
+        while TLS carries the data), else the TCP transport's."""
+        return self._stream.extra_info(name, default)
+
+    def pause_reading(self) -> None:
+        """Stop handing plaintext to the app (and reading the socket)."""
+        self._stream.set_reading(False)
+
+    def resume_reading(self) -> None:
+        """Start handing plaintext to the app again."""
+        self._stream.set_reading(True)
+
+    def is_reading(self) -> bool:
+        """Whether plaintext is handed to the app as it comes."""
+        return not self._stream.paused
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        """The TCP transport's write buffer limits."""
+        self._stream.raw_transport().set_write_buffer_limits(high, low)
+
+
+class SecureStream(asyncio.BufferedProtocol):
+    """TLS and then, once agreed, AES-GCM records between the TCP transport and ``app``
+    (see the module docstring). ``handshake`` resolves when TLS is up (or fails with
+    the TLS error, or ``ConnectionError`` when the connection went first)."""
+
+    def __init__(
+        self,
+        app: asyncio.BufferedProtocol,
+        context: ssl.SSLContext,
+        *,
+        server_side: bool,
+        handshake_timeout: float,
+        server_hostname: str | None = None,
+        scratch: memoryview | None = None,
+    ) -> None:
+        self._app = app
+        self._context = context
+        self._server_side = server_side
+        self._server_hostname = server_hostname
+        self._handshake_timeout = handshake_timeout
+        self._shared = scratch is not None
+        self._scratch = scratch if scratch is not None else memoryview(bytearray(_OWN_READ))
+        self._loop = asyncio.get_running_loop()
+        self._raw: asyncio.Transport | None = None
+        self._tls: TlsPipe | None = None
+        self._records: AeadPipe | None = None
+        self._decided = False
+        """Whether the app chose records or TLS (until then TLS is read record by record)."""
+        self._timer: asyncio.TimerHandle | None = None
+        self._transport = SecureTransport(self)
+        self._up = False
+        """Whether the app was told connection_made (and so must hear connection_lost)."""
+        self._closing = False
+        self._eof_told = False
+        """Whether the app heard eof_received (TLS close_notify or TCP FIN: once)."""
+        self._draining = False
+        self._copy_writes = False
+        self.paused = False
+        """Whether the app paused reading."""
+        self.handshake: asyncio.Future[None] = self._loop.create_future()
+
+    # ---- for the app and its transport --------------------------------------------------
+
+    @property
+    def records(self) -> str | None:
+        """The record cipher in use, or None while TLS carries the data."""
+        return CIPHER if self._records is not None else None
+
+    def start_records(
+        self, send_secret: bytes, receive_secret: bytes, *, dialer: bool, info: bytes
+    ) -> None:
+        """From the next byte on, in both directions, records keyed by these secrets
+        (exchanged in TLS by the app) carry the data. Call it right after the last TLS
+        data of both directions: the app has sent its last TLS bytes and has just been
+        handed the peer's (TLS data the peer sent after them is an error).
+        Raises :class:`~.aeadpipe.RecordError` (equal secrets, TLS data after the
+        agreement)."""
+        tls = self._tls
+        if tls is None or not tls.handshake_done or self._records is not None or self._decided:
+            raise RecordError("records can only start once, after the TLS handshake")
+        if tls.obj.pending():
+            raise RecordError("TLS data after the record keys")
+        self._records = AeadPipe(
+            send_secret, receive_secret, dialer=dialer, info=info, lean=self._shared
+        )
+        self._records.feed(tls.take_buffered())
+        self._decided = True
+        if not self._draining:  # records that came with the agreement's TLS record
+            self._loop.call_soon(self._drain)
+
+    def keep_tls(self) -> None:
+        """TLS carries the data for good (the peer does not do records)."""
+        self._decided = True
+        if not self._draining:
+            self._loop.call_soon(self._drain)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Encrypt ``data`` for the peer and queue it."""
+        raw = self._raw
+        if raw is None or self._closing or raw.is_closing() or not data:
+            return
+        if self._records is not None:
+            view = memoryview(data).cast("B")
+            if view.nbytes > RECORD_SIZE:  # records the receiver's buffer takes whole
+                out = self._records.encrypt(
+                    *(view[i : i + RECORD_SIZE] for i in range(0, view.nbytes, RECORD_SIZE))
+                )
+            else:
+                out = self._records.encrypt(view)
+            raw.write(out.tobytes() if self._copy_writes else out)
+            return
+        assert self._tls is not None
+        try:
+            raw.write(self._tls.encrypt(data))
+        except ssl.SSLError as exc:
+            self._fail(exc)
+
+    def is_closing(self) -> bool:
+        """Whether the connection is closing or closed."""
+        return self._closing or self._raw is None or self._raw.is_closing()
+
+    def close(self) -> None:
+        """Flush and close (TLS: close_notify first)."""
+        if self._closing:
+            return
+        self._closing = True
+        raw = self._raw
+        if raw is None or raw.is_closing():
+            return
+        if self._records is None and self._tls is not None and self._tls.handshake_done:
+            notify = self._tls.close_notify()
+            if notify:
+                raw.write(notify)
+        raw.close()
+
+    def abort(self) -> None:
+        """Drop the connection now."""
+        self._closing = True
+        if self._raw is not None:
+            self._raw.abort()
+
+    def write_buffer_size(self) -> int:
+        """Ciphertext not yet handed to the kernel."""
+        return 0 if self._raw is None else self._raw.get_write_buffer_size()
+
+    def extra_info(self, name: str, default: Any = None) -> Any:
+        """See :meth:`SecureTransport.get_extra_info`."""
+        if name == "ssl_object":
+            return None if self._tls is None else self._tls.obj
+        if name == "records":
+            return self.records
+        return default if self._raw is None else self._raw.get_extra_info(name, default)
+
+    def raw_transport(self) -> asyncio.Transport:
+        """The TCP transport underneath."""
+        assert self._raw is not None
+        return self._raw
+
+    def set_reading(self, on: bool) -> None:
+        """Pause or resume handing plaintext to the app (and reading the socket)."""
+        self.paused = not on
+        raw = self._raw
+        if raw is not None and not raw.is_closing():
+            if on:
+                raw.resume_reading()
+            else:
+                raw.pause_reading()
+        if on and not self._draining:
+            self._loop.call_soon(self._drain)  # what came before the pause
+
+    # ---- asyncio.BufferedProtocol (the TCP side) ----------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Not an isinstance check: uvloop's transports do not subclass asyncio's classes.
+        raw = self._raw = cast(asyncio.Transport, transport)
+        self._copy_writes = _write_keeps_reference(raw)
+        watch = getattr(self._app, "raw_connection_made", None)
+        if watch is not None:
+            watch(raw)
+            if raw.is_closing():  # the app refused it
+                return
+        self._tls = TlsPipe(
+            self._context, server_side=self._server_side, server_hostname=self._server_hostname
+        )
+        self._timer = self._loop.call_later(self._handshake_timeout, self._timed_out)
+        self._advance_handshake()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._records is not None and not self._shared:
+            return self._records.get_buffer()
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._closing and not self._up:
+            return
+        records = self._records
+        if records is not None:
+            if self._shared:
+                records.feed(self._scratch[:nbytes])
+            else:
+                records.buffer_updated(nbytes)
+            self._drain()
+            return
+        tls = self._tls
+        if tls is None:
+            return
+        tls.feed(self._scratch[:nbytes])
+        if not tls.handshake_done:
+            self._advance_handshake()
+        else:
+            self._drain()
+
+    def eof_received(self) -> bool | None:
+        if not self._up:
+            return None
+        self._drain()
+        return self._tell_eof()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._closing = True
+        if not self.handshake.done():
+            self.handshake.set_exception(
+                ConnectionError(f"connection lost during the TLS handshake: {exc or 'closed'}")
+            )
+            self.handshake.exception()  # read: the app may not be waiting on it
+        if self._up:
+            self._up = False
+            self._app.connection_lost(exc)
+        watch = getattr(self._app, "raw_connection_lost", None)
+        if watch is not None:
+            watch()
+
+    def pause_writing(self) -> None:
+        if self._up:
+            self._app.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._up:
+            self._app.resume_writing()
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _flush_tls(self) -> None:
+        tls, raw = self._tls, self._raw
+        if tls is None or raw is None or raw.is_closing():
+            return
+        out = tls.outgoing()
+        if out:
+            raw.write(out)
+
+    def _advance_handshake(self) -> None:
+        tls = self._tls
+        assert tls is not None
+        try:
+            done = tls.handshake()
+        except ssl.SSLError as exc:
+            self._flush_tls()  # our alert: tells the peer why
+            self._fail(exc)
+            return
+        self._flush_tls()
+        if not done:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._up = True
+        self._app.connection_made(self._transport)
+        if not self.handshake.done():
+            self.handshake.set_result(None)
+        self._drain()  # app data that came with the handshake's last flight
+
+    def _tell_eof(self) -> bool | None:
+        """The app's answer to the end of the peer's data (asked once)."""
+        if self._eof_told:
+            return None
+        self._eof_told = True
+        return self._app.eof_received()
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        if not self.handshake.done():
+            self.handshake.set_exception(
+                TimeoutError(f"TLS handshake not done within {self._handshake_timeout:g} s")
+            )
+            self.handshake.exception()
+        self.abort()
+
+    def _fail(self, exc: Exception) -> None:
+        """The stream is broken (TLS error, a record that does not decrypt): drop it."""
+        if not self.handshake.done():
+            self.handshake.set_exception(exc)
+            self.handshake.exception()
+        self.abort()
+
+    def _drain(self) -> None:
+        """Hand the app every plaintext byte that is here, unless it paused reading."""
+        if not self._up or self._draining:
+            return
+        self._draining = True
+        try:
+            while not self.paused and not (self._raw is None or self._raw.is_closing()):
+                records = self._records
+                buf = memoryview(self._app.get_buffer(-1))
+                try:
+                    if records is not None:
+                        n = records.fill(buf)
+                    else:
+                        assert self._tls is not None
+                        # One TLS record at a time until the app has decided: the
+                        # bytes after the agreement must stay unread.
+                        n = self._tls.fill(buf) if self._decided else self._tls.read_into(buf)
+                        self._flush_tls()  # answers to what TLS read (key updates)
+                except (ssl.SSLError, RecordError) as exc:
+                    if records is None:
+                        self._flush_tls()  # our alert: tells the peer why
+                    self._fail(exc)
+                    return
+                if n:
+                    self._app.buffer_updated(n)
+                    continue
+                # TLS close_notify: nothing more will come; end as on a TCP EOF.
+                notified = records is None and self._tls is not None and self._tls.closed_by_peer
+                if notified and not self._tell_eof() and self._raw is not None:
+                    self._raw.close()
+                break
+        finally:
+            self._draining = False

@@ -1,0 +1,272 @@
+"""AES-GCM records on relay sessions (docs/protocol.md 8.2): the client's upgrade offers
+them, the relay's 101 takes them, and from then on both directions move in records
+instead of TLS. Either side can keep TLS; a malformed offer is refused; a record that
+does not decrypt costs that client its connection and nothing else; on the wire, after
+the upgrade, only records pass."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import ssl
+import struct
+from collections.abc import AsyncIterator
+
+import pytest
+from test_relay_core import FakeLink, core
+from test_relay_server import eventually, running
+
+from p2pdist.identity import SecretKey
+from p2pdist.transport.aeadpipe import AeadPipe, RecordError
+from p2pdist.transport.relay_path import RelayConfig, RelayPath
+from p2pdist.transport.securestream import SecureStream
+from p2pdist.wire.relay import (
+    RECORDS_HEADER,
+    RelayProtocolError,
+    RelayUrl,
+    parse_http_head,
+    records_key,
+    upgrade_request,
+)
+from relay import http as relay_http
+
+KEYS = [SecretKey.from_seed("relay records tests seed", r) for r in range(3)]
+KEY = bytes(range(32))
+
+
+# ---- the offer, on its own ----------------------------------------------------------------
+
+
+def head(text: str) -> object:
+    parsed = parse_http_head(text.encode("latin-1") + b"\r\n\r\n")
+    assert parsed is not None
+    return parsed[0]
+
+
+def test_records_key_reads_an_offer_and_declines_what_it_does_not_know() -> None:
+    h = head(f"GET /relay HTTP/1.1\r\n{RECORDS_HEADER}: aes-256-gcm; key={KEY.hex()}")
+    assert records_key(h) == KEY  # type: ignore[arg-type]
+    upper = head(f"GET /relay HTTP/1.1\r\n{RECORDS_HEADER}: AES-256-GCM ;key = {KEY.hex()}")
+    assert records_key(upper) == KEY  # type: ignore[arg-type]
+    assert records_key(head("GET /relay HTTP/1.1")) is None  # type: ignore[arg-type]
+    other = head(f"GET /relay HTTP/1.1\r\n{RECORDS_HEADER}: chacha20; key={KEY.hex()}")
+    assert records_key(other) is None  # type: ignore[arg-type]
+    for bad in ("aes-256-gcm", "aes-256-gcm; key=abc", f"aes-256-gcm; nonce={KEY.hex()}"):
+        with pytest.raises(RelayProtocolError, match="malformed"):
+            records_key(head(f"GET /relay HTTP/1.1\r\n{RECORDS_HEADER}: {bad}"))  # type: ignore[arg-type]
+    with pytest.raises(RelayProtocolError, match="malformed"):
+        records_key(head(f"GET / HTTP/1.1\r\n{RECORDS_HEADER}: aes-256-gcm; key={'zz' * 32}"))  # type: ignore[arg-type]
+
+
+def test_the_core_takes_an_offer_and_writes_the_101_before_the_switch() -> None:
+    c = core()
+    link = FakeLink()
+    s = c.open(link, ("192.0.2.7", 4000), 0.0)
+    c.receive(s, upgrade_request("relay.test", KEY), 0.0)
+    # The core's random bytes are all 7s: the challenge, then the relay's record secret.
+    mine = b"\x07" * 32
+    assert link.records == (mine, KEY)
+    text = bytes(link.data)
+    assert text.startswith(b"HTTP/1.1 101 ")
+    assert f"{RECORDS_HEADER}: aes-256-gcm; key={mine.hex()}".encode() in text
+
+
+def test_the_core_keeps_tls_without_an_offer() -> None:
+    c = core()
+    link = FakeLink()
+    s = c.open(link, ("192.0.2.7", 4000), 0.0)
+    c.receive(s, upgrade_request("relay.test"), 0.0)
+    assert link.records is None and RECORDS_HEADER.encode() not in bytes(link.data)
+
+
+@pytest.mark.parametrize("extra", ["malformed", "trailing"])
+def test_a_bad_offer_gets_400(extra: str) -> None:
+    c = core()
+    link = FakeLink()
+    s = c.open(link, ("192.0.2.7", 4000), 0.0)
+    if extra == "malformed":
+        request = upgrade_request("relay.test").replace(
+            b"\r\n\r\n", f"\r\n{RECORDS_HEADER}: aes-256-gcm; key=12\r\n\r\n".encode()
+        )
+    else:  # TLS data right behind an offer: records were to start there
+        request = upgrade_request("relay.test", KEY) + b"\x10\x00\x00\x00\x01x"
+    c.receive(s, request, 0.0)
+    assert bytes(link.data).startswith(b"HTTP/1.1 400 ") and link.closed
+    assert not hasattr(link, "records")
+
+
+# ---- over real connections ------------------------------------------------------------------
+
+
+async def _pair(
+    url: str, records: bool = True
+) -> tuple[RelayPath, RelayPath, asyncio.Queue[bytes]]:
+    a = RelayPath(KEYS[0], url, config=RelayConfig(records=records))
+    b = RelayPath(KEYS[1], url, config=RelayConfig(records=records))
+    got: asyncio.Queue[bytes] = asyncio.Queue()
+    b.on_datagram = lambda src, data: got.put_nowait(data)
+    a.start()
+    b.start()
+    await a.wait_connected(10)
+    await b.wait_connected(10)
+    return a, b, got
+
+
+async def test_a_relay_path_and_the_relay_agree_on_records() -> None:
+    async with running() as srv:
+        a, b, got = await _pair(srv.url)
+        try:
+            assert a.status.records == b.status.records == "aes-256-gcm"
+            streams = [c.stream for c in srv.connections]
+            assert [s.records for s in streams if s is not None] == ["aes-256-gcm"] * 2
+            for size in (1, 1200, 16000, 65000):
+                datagram = os.urandom(size)
+                a.send(b.endpoint_id, datagram)
+                assert await asyncio.wait_for(got.get(), 10) == datagram
+            assert await a.ping() > 0
+        finally:
+            await a.close()
+            await b.close()
+
+
+@pytest.mark.parametrize("side", ["client", "relay"])
+async def test_either_side_can_keep_tls(side: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if side == "relay":  # a relay from before records: it does not know the header
+        monkeypatch.setattr(relay_http, "records_key", lambda head: None)
+    async with running() as srv:
+        a, b, got = await _pair(srv.url, records=side != "client")
+        try:
+            assert a.status.records is None and b.status.records is None
+            assert [c.stream.records for c in srv.connections if c.stream] == [None, None]
+            a.send(b.endpoint_id, b"over TLS")
+            assert await asyncio.wait_for(got.get(), 10) == b"over TLS"
+        finally:
+            await a.close()
+            await b.close()
+
+
+async def test_a_record_that_does_not_decrypt_costs_only_that_client_its_connection() -> None:
+    async with running() as srv:
+        a, b, got = await _pair(srv.url)
+        try:
+            writer = a._writer
+            assert writer is not None
+            stream = writer._stream  # type: ignore[attr-defined]
+            assert isinstance(stream, SecureStream) and stream.records == "aes-256-gcm"
+            forged = AeadPipe(os.urandom(32), os.urandom(32), dialer=True).encrypt(b"x" * 40)
+            stream.raw_transport().write(bytes(forged))
+
+            async def reconnected() -> bool:
+                return a.status.connects == 2 and a.status.state.value == "connected"
+
+            await eventually(reconnected, timeout=20)
+            assert b.status.connects == 1  # the other client never noticed
+            a.send(b.endpoint_id, b"after")
+            assert await asyncio.wait_for(got.get(), 10) == b"after"
+        finally:
+            await a.close()
+            await b.close()
+
+
+@contextlib.asynccontextmanager
+async def one_way_tap(target: tuple[str, int]) -> AsyncIterator[tuple[int, bytearray]]:
+    """A loopback TCP proxy to ``target``; yields its port and the client-to-target bytes
+    of its first connection."""
+    upstream = bytearray()
+    tasks: list[asyncio.Task[None]] = []
+
+    async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter, log: bytearray | None) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await r.read(1 << 16):
+                if log is not None:
+                    log.extend(data)
+                w.write(data)
+                await w.drain()
+        w.close()
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        tr, tw = await asyncio.open_connection(*target)
+        log = upstream if not tasks else None
+        tasks.append(asyncio.current_task())  # type: ignore[arg-type]
+        await asyncio.gather(pump(r, tw, log), pump(tr, w, None))
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], upstream
+    finally:
+        server.close()
+
+
+def split_tls(data: bytes) -> tuple[list[int], bytes]:
+    """The content types of the whole TLS records at the front of ``data``, and the rest
+    (from the first bytes that are not a TLS record header: type, version 3.x, length)."""
+    types, at = [], 0
+    while at + 5 <= len(data) and data[at] in (20, 21, 22, 23) and data[at + 1] == 3:
+        (length,) = struct.unpack_from(">H", data, at + 3)
+        types.append(data[at])
+        at += 5 + length
+    return types, data[at:]
+
+
+async def test_after_the_upgrade_only_records_cross_the_wire() -> None:
+    marker = b"plaintext marker that must not be seen " * 10
+    async with running() as srv:
+        url = RelayUrl.parse(srv.url)
+        async with one_way_tap((url.host, url.port)) as (port, upstream):
+            proxied = str(RelayUrl(url.host, port, url.pin))
+            a = RelayPath(KEYS[0], proxied)
+            b = RelayPath(KEYS[1], srv.url)
+            got: asyncio.Queue[bytes] = asyncio.Queue()
+            b.on_datagram = lambda src, data: got.put_nowait(data)
+            a.start()
+            b.start()
+            try:
+                await a.wait_connected(10)
+                await b.wait_connected(10)
+                for _ in range(3):
+                    a.send(b.endpoint_id, marker)
+                    assert await asyncio.wait_for(got.get(), 10) == marker
+            finally:
+                await a.close()
+                await b.close()
+        data = bytes(upstream)
+    assert marker[:24] not in data
+    types, rest = split_tls(data)
+    # ClientHello, then TLS 1.3's encrypted records (its Finished, the upgrade request):
+    # no TLS record after those, only AES-GCM records (4-byte length + ciphertext).
+    assert types[0] == 22 and types.count(23) <= 3, types
+    records, at = 0, 0
+    while at + 4 <= len(rest):
+        (length,) = struct.unpack_from(">I", rest, at)
+        assert 16 < length <= (1 << 20) + 16, (records, length)
+        at += 4 + length
+        records += 1
+    assert records >= 4 and at == len(rest)  # AUTH, PINGs, the datagrams: all records
+
+
+async def test_a_tls_handshake_that_never_comes_times_out() -> None:
+    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.read()  # never answers the ClientHello
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        app = asyncio.BufferedProtocol()
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        loop = asyncio.get_running_loop()
+        _, stream = await loop.create_connection(
+            lambda: SecureStream(app, ctx, server_side=False, handshake_timeout=0.3),
+            "127.0.0.1",
+            port,
+        )
+        with pytest.raises(TimeoutError, match=r"TLS handshake not done within 0\.3 s"):
+            await asyncio.wait_for(stream.handshake, 10)
+        await asyncio.sleep(0)
+        assert stream.is_closing()
+        with pytest.raises(RecordError, match="after the TLS handshake"):
+            stream.start_records(os.urandom(32), os.urandom(32), dialer=True, info=b"x aes-256-gcm")
+    finally:
+        server.close()
