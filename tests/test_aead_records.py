@@ -380,21 +380,25 @@ async def test_either_end_can_keep_tls_records(declines: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def tapped_proxy(target: tuple[str, int]) -> AsyncIterator[tuple[tuple[str, int], bytearray]]:
-    """A loopback TCP proxy to ``target`` that records every byte it forwards."""
+async def tapped_proxy(
+    target: tuple[str, int], *, upstream_only: bool = False
+) -> AsyncIterator[tuple[tuple[str, int], bytearray]]:
+    """A loopback TCP proxy to ``target`` that records every byte it forwards (with
+    ``upstream_only``, only those towards ``target``)."""
     seen = bytearray()
 
-    async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter, record: bool) -> None:
         with contextlib.suppress(ConnectionError):
             while data := await r.read(1 << 16):
-                seen.extend(data)
+                if record:
+                    seen.extend(data)
                 w.write(data)
                 await w.drain()
         w.close()
 
     async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         tr, tw = await asyncio.open_connection(*target)
-        await asyncio.gather(pump(r, tw), pump(tr, w))
+        await asyncio.gather(pump(r, tw, True), pump(tr, w, not upstream_only))
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     try:

@@ -7,13 +7,12 @@ the upgrade, only records pass."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import ssl
 import struct
-from collections.abc import AsyncIterator
 
 import pytest
+from test_aead_records import tapped_proxy
 from test_relay_core import FakeLink, core
 from test_relay_server import eventually, running
 
@@ -169,35 +168,6 @@ async def test_a_record_that_does_not_decrypt_costs_only_that_client_its_connect
             await b.close()
 
 
-@contextlib.asynccontextmanager
-async def one_way_tap(target: tuple[str, int]) -> AsyncIterator[tuple[int, bytearray]]:
-    """A loopback TCP proxy to ``target``; yields its port and the client-to-target bytes
-    of its first connection."""
-    upstream = bytearray()
-    tasks: list[asyncio.Task[None]] = []
-
-    async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter, log: bytearray | None) -> None:
-        with contextlib.suppress(ConnectionError):
-            while data := await r.read(1 << 16):
-                if log is not None:
-                    log.extend(data)
-                w.write(data)
-                await w.drain()
-        w.close()
-
-    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        tr, tw = await asyncio.open_connection(*target)
-        log = upstream if not tasks else None
-        tasks.append(asyncio.current_task())  # type: ignore[arg-type]
-        await asyncio.gather(pump(r, tw, log), pump(tr, w, None))
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1], upstream
-    finally:
-        server.close()
-
-
 def split_tls(data: bytes) -> tuple[list[int], bytes]:
     """The content types of the whole TLS records at the front of ``data``, and the rest
     (from the first bytes that are not a TLS record header: type, version 3.x, length)."""
@@ -213,8 +183,8 @@ async def test_after_the_upgrade_only_records_cross_the_wire() -> None:
     marker = b"plaintext marker that must not be seen " * 10
     async with running() as srv:
         url = RelayUrl.parse(srv.url)
-        async with one_way_tap((url.host, url.port)) as (port, upstream):
-            proxied = str(RelayUrl(url.host, port, url.pin))
+        async with tapped_proxy((url.host, url.port), upstream_only=True) as (addr, upstream):
+            proxied = str(RelayUrl(url.host, addr[1], url.pin))
             a = RelayPath(KEYS[0], proxied)
             b = RelayPath(KEYS[1], srv.url)
             got: asyncio.Queue[bytes] = asyncio.Queue()
