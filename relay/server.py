@@ -48,7 +48,7 @@ from typing import Any, cast
 
 from p2pdist.transport.aeadpipe import RecordError
 from p2pdist.transport.securestream import SecureStream
-from p2pdist.wire.relay import RECORDS_INFO, RelayUrl
+from p2pdist.wire.relay import RECORDS_INFO, RECORDS_MAX, RelayUrl
 
 from .access import AccessPolicy, Allowlist, AllowlistError
 from .config import ConfigError, RelayConfig
@@ -300,7 +300,9 @@ class _ClientConnection(asyncio.BufferedProtocol):
             return
         mine, theirs = records
         try:
-            stream.start_records(mine, theirs, dialer=False, info=RECORDS_INFO)
+            stream.start_records(
+                mine, theirs, dialer=False, info=RECORDS_INFO, max_record=RECORDS_MAX
+            )
         except RecordError as exc:
             label = self._session.label if self._session is not None else "?"
             log.info(kv("records_refused", conn=label, why=str(exc)))

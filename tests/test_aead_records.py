@@ -307,6 +307,34 @@ def test_a_lean_pipe_keeps_no_buffer_once_drained() -> None:
     assert rx.buffered == 0 and len(rx._buf) == 0
 
 
+def test_max_record_bounds_what_is_sent_and_taken() -> None:
+    tx = AeadPipe(A, B, dialer=True, max_record=100)
+    rx = AeadPipe(B, A, dialer=False, max_record=100)
+    wire = bytes(tx.encrypt(b"y" * 250))
+    assert len(wire) == 250 + 3 * (TAG + 4)  # 100 + 100 + 50
+    rx.feed(wire)
+    assert read_all(rx) == b"y" * 250
+    rx.feed(struct.pack(">I", 101 + TAG))  # refused before the rest comes
+    assert rx.readable
+    with pytest.raises(RecordError, match="at most 116"):
+        rx.fill(memoryview(bytearray(64)))
+    with pytest.raises(ValueError, match="1 to 100"):
+        tx.seal(b"z" * 101)
+    with pytest.raises(ValueError, match="max_record"):
+        AeadPipe(A, B, dialer=True, max_record=MAX_RECORD + 1)
+
+
+def test_a_lean_pipe_keeps_no_large_send_buffer() -> None:
+    tx = AeadPipe(A, B, dialer=True, lean=True)
+    rx = AeadPipe(B, A, dialer=False)
+    big = os.urandom(300_000)
+    rx.feed(tx.encrypt(big))
+    assert len(tx._out) == 0  # made for that call only
+    rx.feed(tx.encrypt(b"small"))
+    assert 0 < len(tx._out) < 1024  # small ones reuse one buffer
+    assert read_all(rx, 1 << 20) == big + b"small"
+
+
 def test_records_under_another_protocol_name_do_not_decrypt_as_tcp_records() -> None:
     info = b"p2pdist relay records v1 aes-256-gcm"
     tx = AeadPipe(A, B, dialer=True, info=info)

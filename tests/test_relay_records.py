@@ -17,11 +17,13 @@ from test_relay_core import FakeLink, core
 from test_relay_server import eventually, running
 
 from p2pdist.identity import SecretKey
+from p2pdist.tls import TlsIdentity
 from p2pdist.transport.aeadpipe import AeadPipe, RecordError
 from p2pdist.transport.relay_path import RelayConfig, RelayPath
 from p2pdist.transport.securestream import SecureStream
 from p2pdist.wire.relay import (
     RECORDS_HEADER,
+    RECORDS_MAX,
     RelayProtocolError,
     RelayUrl,
     parse_http_head,
@@ -51,7 +53,13 @@ def test_records_key_reads_an_offer_and_declines_what_it_does_not_know() -> None
     assert records_key(head("GET /relay HTTP/1.1")) is None  # type: ignore[arg-type]
     other = head(f"GET /relay HTTP/1.1\r\n{RECORDS_HEADER}: chacha20; key={KEY.hex()}")
     assert records_key(other) is None  # type: ignore[arg-type]
-    for bad in ("aes-256-gcm", "aes-256-gcm; key=abc", f"aes-256-gcm; nonce={KEY.hex()}"):
+    spaced = "01" + " " * 60 + "02"  # 64 characters, but 2 bytes as hex with spaces skipped
+    for bad in (
+        "aes-256-gcm",
+        "aes-256-gcm; key=abc",
+        f"aes-256-gcm; nonce={KEY.hex()}",
+        f"aes-256-gcm; key={spaced}",
+    ):
         with pytest.raises(RelayProtocolError, match="malformed"):
             records_key(head(f"GET /relay HTTP/1.1\r\n{RECORDS_HEADER}: {bad}"))  # type: ignore[arg-type]
     with pytest.raises(RelayProtocolError, match="malformed"):
@@ -145,7 +153,8 @@ async def test_either_side_can_keep_tls(side: str, monkeypatch: pytest.MonkeyPat
             await b.close()
 
 
-async def test_a_record_that_does_not_decrypt_costs_only_that_client_its_connection() -> None:
+@pytest.mark.parametrize("bad", ["forged", "too long"])
+async def test_a_bad_record_costs_only_that_client_its_connection(bad: str) -> None:
     async with running() as srv:
         a, b, got = await _pair(srv.url)
         try:
@@ -153,8 +162,11 @@ async def test_a_record_that_does_not_decrypt_costs_only_that_client_its_connect
             assert writer is not None
             stream = writer._stream  # type: ignore[attr-defined]
             assert isinstance(stream, SecureStream) and stream.records == "aes-256-gcm"
-            forged = AeadPipe(os.urandom(32), os.urandom(32), dialer=True).encrypt(b"x" * 40)
-            stream.raw_transport().write(bytes(forged))
+            if bad == "forged":
+                forged = AeadPipe(os.urandom(32), os.urandom(32), dialer=True).encrypt(b"x" * 40)
+                stream.raw_transport().write(bytes(forged))
+            else:  # announces more than RECORDS_MAX: dropped before the relay holds it
+                stream.raw_transport().write(struct.pack(">I", RECORDS_MAX + 17) + b"x" * 100)
 
             async def reconnected() -> bool:
                 return a.status.connects == 2 and a.status.state.value == "connected"
@@ -237,6 +249,92 @@ async def test_a_tls_handshake_that_never_comes_times_out() -> None:
         await asyncio.sleep(0)
         assert stream.is_closing()
         with pytest.raises(RecordError, match="after the TLS handshake"):
-            stream.start_records(os.urandom(32), os.urandom(32), dialer=True, info=b"x aes-256-gcm")
+            stream.start_records(
+                os.urandom(32), os.urandom(32), dialer=True, info=b"x aes-256-gcm", max_record=99
+            )
     finally:
         server.close()
+
+
+class Collector(asyncio.BufferedProtocol):
+    """An app protocol that keeps what it is handed and notes the end."""
+
+    def __init__(self, pause_at_first: bool = False) -> None:
+        self.pause_at_first = pause_at_first
+        self.data = bytearray()
+        self.buf = bytearray(1000)
+        self.eof = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self.buf)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data += self.buf[:nbytes]
+        if self.pause_at_first and self.transport is not None:
+            self.pause_at_first = False
+            self.transport.pause_reading()  # the rest of what came waits in the stream
+
+    def eof_received(self) -> None:
+        if not self.eof.done():
+            self.eof.set_result(bytes(self.data))
+
+
+@pytest.mark.parametrize("records", [False, True])
+async def test_a_paused_app_gets_the_rest_and_then_the_end_once_it_resumes(
+    records: bool,
+) -> None:
+    """The peer sends and closes; the app pauses reading after the first piece: nothing
+    more is handed over, nor the end, until it resumes; then every byte, then the end."""
+    me = TlsIdentity(SecretKey.from_seed("securestream eof seed", 0))
+    them = TlsIdentity(SecretKey.from_seed("securestream eof seed", 1))
+    loop = asyncio.get_running_loop()
+    server_app = Collector(pause_at_first=True)
+    streams: list[SecureStream] = []
+
+    def accept() -> SecureStream:
+        streams.append(
+            SecureStream(
+                server_app, them.server_context(me.cert_der), server_side=True, handshake_timeout=10
+            )
+        )
+        return streams[0]
+
+    server = await loop.create_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client_app = Collector()
+    try:
+        _, client = await loop.create_connection(
+            lambda: SecureStream(
+                client_app, me.client_context(), server_side=False, handshake_timeout=10
+            ),
+            "127.0.0.1",
+            port,
+        )
+        await asyncio.wait_for(client.handshake, 10)
+        await eventually(lambda: _true(server_app.transport is not None), timeout=10)
+        a, b = os.urandom(32), os.urandom(32)
+        if records:
+            client.start_records(a, b, dialer=True, info=b"t aes-256-gcm", max_record=1000)
+            streams[0].start_records(b, a, dialer=False, info=b"t aes-256-gcm", max_record=1000)
+        else:
+            client.keep_tls()
+            streams[0].keep_tls()
+        assert server_app.transport is not None
+        payload = os.urandom(50_000)
+        client.write(payload)
+        client.raw_transport().write_eof()  # a FIN right behind the data
+        await eventually(lambda: _true(len(server_app.data) > 0), timeout=10)
+        await asyncio.sleep(0.3)
+        assert not server_app.eof.done() and len(server_app.data) < len(payload)
+        server_app.transport.resume_reading()
+        assert await asyncio.wait_for(server_app.eof, 10) == payload
+    finally:
+        server.close()
+
+
+async def _true(value: bool) -> bool:
+    return value

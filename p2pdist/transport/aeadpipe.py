@@ -61,9 +61,8 @@ larger record does not fit (up to about twice :data:`MAX_RECORD` for bulk traffi
 a connection that carries only small messages keeps 128 KiB."""
 
 
-def _valid(length: int) -> bool:
-    """Whether a record's length field is one a sender may write."""
-    return TAG < length <= MAX_RECORD + TAG
+_LEAN_OUT = 16 * 1024
+"""A lean pipe keeps its send buffer only up to this size (a larger one is made per call)."""
 
 
 class RecordError(Exception):
@@ -118,6 +117,7 @@ class AeadPipe:
         "_end",
         "_failed",
         "_lean",
+        "_max",
         "_out",
         "_plain",
         "_plain_at",
@@ -139,12 +139,17 @@ class AeadPipe:
         dialer: bool,
         info: bytes = INFO,
         lean: bool = False,
+        max_record: int = MAX_RECORD,
     ) -> None:
         """``info`` names the protocol in the key derivation (it ends in " aes-256-gcm";
         the key updates use it with " key update" in place of that). ``lean``: keep no
-        receive buffer while none is needed (ciphertext comes by :meth:`feed`, and the
-        buffer is released whenever it is drained), for a server with many mostly idle
-        connections."""
+        buffers while none is needed (ciphertext comes by :meth:`feed`, and the receive
+        buffer is released whenever it is drained; a send buffer over 16 KiB is made per
+        call), for a server with many mostly idle connections. ``max_record``: the
+        largest plaintext of a record, sent or taken (a longer one received breaks the
+        stream as soon as its length is here), at most :data:`MAX_RECORD`."""
+        if not 0 < max_record <= MAX_RECORD:
+            raise ValueError(f"max_record must be 1..{MAX_RECORD}")
         if send_secret == receive_secret:
             raise RecordError("the peer's record secret is our own")
         if not info.endswith(b" aes-256-gcm"):
@@ -153,6 +158,7 @@ class AeadPipe:
         self._tx = _Direction(send_secret, info, mine)
         self._rx = _Direction(receive_secret, info, theirs)
         self._lean = lean
+        self._max = max_record
         self._buf = bytearray(0 if lean else _BUFFER)
         self._view = memoryview(self._buf)
         self._failed: RecordError | None = None
@@ -218,7 +224,7 @@ class AeadPipe:
             return True
         length = self._length_here()
         # A bad length counts as readable: read_into then raises.
-        return length is not None and (self._whole(length) or not _valid(length))
+        return length is not None and (self._whole(length) or not self._valid(length))
 
     @property
     def next_size(self) -> int:
@@ -227,9 +233,13 @@ class AeadPipe:
         if self._plain_at < self._plain.nbytes:
             return 0
         length = self._length_here()
-        if length is None or not _valid(length) or not self._whole(length):
+        if length is None or not self._valid(length) or not self._whole(length):
             return 0
         return length - TAG
+
+    def _valid(self, length: int) -> bool:
+        """Whether a record's length field is one the sender may write."""
+        return TAG < length <= self._max + TAG
 
     def _length_here(self) -> int | None:
         """The length field of the record at the front, once its 4 bytes are here."""
@@ -242,8 +252,8 @@ class AeadPipe:
 
     def _record_length(self) -> int:
         (length,) = _LEN.unpack_from(self._buf, self._start)
-        if not _valid(length):
-            raise RecordError(f"a record of {length} bytes (at most {MAX_RECORD + TAG})")
+        if not self._valid(length):
+            raise RecordError(f"a record of {length} bytes (at most {self._max + TAG})")
         return int(length)
 
     def read_into(self, buf: memoryview) -> int:
@@ -312,11 +322,11 @@ class AeadPipe:
             return self.read_into(buf)
         data, view, rx = self._buf, self._view, self._rx
         start, end, room, n = self._start, self._end, buf.nbytes, 0
-        unpack = _LEN.unpack_from
+        unpack, longest = _LEN.unpack_from, self._max + TAG
         while end - start >= _LEN.size:
             (length,) = unpack(data, start)
             at = start + _LEN.size
-            if not TAG < length <= MAX_RECORD + TAG or end - at < length:
+            if not TAG < length <= longest or end - at < length:
                 break  # a bad length raises below (when nothing came before it)
             size = length - TAG
             if size > room - n:
@@ -343,21 +353,23 @@ class AeadPipe:
 
     def encrypt(self, *parts: bytes | bytearray | memoryview) -> memoryview:
         """The records of ``parts`` (a record per non-empty part; one over
-        :data:`MAX_RECORD` bytes is cut into several), as one buffer for one socket
-        write. The buffer is reused by the next call: send or copy it before then."""
-        size = 0
+        ``max_record`` bytes is cut into several), as one buffer for one socket write.
+        The buffer is reused by the next call: send or copy it before then."""
+        size, most = 0, self._max
         for p in parts:
             n = memoryview(p).nbytes
-            size += n + (n + MAX_RECORD - 1) // MAX_RECORD * (_LEN.size + TAG)
-        if len(self._out) < size:
-            self._out = bytearray(size)
+            size += n + (n + most - 1) // most * (_LEN.size + TAG)
         out = self._out
+        if len(out) < size:
+            out = bytearray(size)
+            if not self._lean or size <= _LEAN_OUT:
+                self._out = out
         view = memoryview(out)
         at = 0
         for p in parts:
             data = memoryview(p).cast("B")
-            for i in range(0, data.nbytes, MAX_RECORD):
-                piece = data[i : i + MAX_RECORD]
+            for i in range(0, data.nbytes, most):
+                piece = data[i : i + most]
                 length = piece.nbytes + TAG
                 _LEN.pack_into(out, at, length)
                 end = at + _LEN.size + length
@@ -368,16 +380,18 @@ class AeadPipe:
         return view[:at]
 
     def seal(self, data: bytes | bytearray) -> memoryview:
-        """The one record of ``data`` (1 to :data:`MAX_RECORD` bytes): what
+        """The one record of ``data`` (1 to ``max_record`` bytes): what
         :meth:`encrypt` makes of a single part, with less Python around it (a small
         frame's record). The buffer is reused by the next call, as :meth:`encrypt`'s."""
         length = len(data) + TAG
-        if not _valid(length):
-            raise ValueError(f"{length - TAG} bytes for one record (1 to {MAX_RECORD})")
+        if not self._valid(length):
+            raise ValueError(f"{length - TAG} bytes for one record (1 to {self._max})")
         end = _LEN.size + length
         out = self._out
         if len(out) < end:
-            out = self._out = bytearray(end)
+            out = bytearray(end)
+            if not self._lean or end <= _LEAN_OUT:
+                self._out = out
         view = memoryview(out)
         _LEN.pack_into(out, 0, length)
         aead, nonce = self._tx.next()

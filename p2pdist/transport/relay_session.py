@@ -25,6 +25,7 @@ from typing import cast
 from ..errors import ConnectionBrokenError
 from ..wire.relay import (
     RECORDS_INFO,
+    RECORDS_MAX,
     HttpHead,
     RelayFrame,
     RelayFrameReader,
@@ -166,7 +167,13 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         if rest:
             raise RelayProtocolError("TLS data after the relay took our records offer")
         try:
-            self.stream.start_records(self.records_secret, theirs, dialer=True, info=RECORDS_INFO)
+            self.stream.start_records(
+                self.records_secret,
+                theirs,
+                dialer=True,
+                info=RECORDS_INFO,
+                max_record=RECORDS_MAX,
+            )
         except RecordError as exc:
             raise RelayProtocolError(f"cannot start records: {exc}") from None
         return []

@@ -35,10 +35,6 @@ __all__ = ["SecureStream", "SecureTransport"]
 
 _OWN_READ = 256 * 1024
 """Ciphertext read at a time by a connection without a shared landing buffer."""
-RECORD_SIZE = 64 * 1024
-"""Largest plaintext per record: a batch of frames goes in records of this size, which
-the receiver decrypts straight into its frame buffer (the relay's is 256 KiB: a record
-larger than the room left costs a temporary and a copy)."""
 
 
 class SecureTransport(asyncio.Transport):
@@ -139,21 +135,33 @@ class SecureStream(asyncio.BufferedProtocol):
         return CIPHER if self._records is not None else None
 
     def start_records(
-        self, send_secret: bytes, receive_secret: bytes, *, dialer: bool, info: bytes
+        self,
+        send_secret: bytes,
+        receive_secret: bytes,
+        *,
+        dialer: bool,
+        info: bytes,
+        max_record: int,
     ) -> None:
         """From the next byte on, in both directions, records keyed by these secrets
         (exchanged in TLS by the app) carry the data. Call it right after the last TLS
         data of both directions: the app has sent its last TLS bytes and has just been
         handed the peer's (TLS data the peer sent after them is an error).
-        Raises :class:`~.aeadpipe.RecordError` (equal secrets, TLS data after the
-        agreement)."""
+        ``max_record``: the largest plaintext per record, both ways (a longer one
+        received ends the connection). Raises :class:`~.aeadpipe.RecordError` (equal
+        secrets, TLS data after the agreement)."""
         tls = self._tls
         if tls is None or not tls.handshake_done or self._records is not None or self._decided:
             raise RecordError("records can only start once, after the TLS handshake")
         if tls.obj.pending():
             raise RecordError("TLS data after the record keys")
         self._records = AeadPipe(
-            send_secret, receive_secret, dialer=dialer, info=info, lean=self._shared
+            send_secret,
+            receive_secret,
+            dialer=dialer,
+            info=info,
+            lean=self._shared,
+            max_record=max_record,
         )
         self._records.feed(tls.take_buffered())
         self._decided = True
@@ -172,13 +180,7 @@ class SecureStream(asyncio.BufferedProtocol):
         if raw is None or self._closing or raw.is_closing() or not data:
             return
         if self._records is not None:
-            view = memoryview(data).cast("B")
-            if view.nbytes > RECORD_SIZE:  # records the receiver's buffer takes whole
-                out = self._records.encrypt(
-                    *(view[i : i + RECORD_SIZE] for i in range(0, view.nbytes, RECORD_SIZE))
-                )
-            else:
-                out = self._records.encrypt(view)
+            out = self._records.encrypt(data)
             raw.write(out.tobytes() if self._copy_writes else out)
             return
         assert self._tls is not None
@@ -285,6 +287,8 @@ class SecureStream(asyncio.BufferedProtocol):
     def eof_received(self) -> bool | None:
         if not self._up:
             return None
+        # The TCP transport reads nothing while the app has paused reading (set_reading
+        # pauses it too), so no plaintext can wait behind this end.
         self._drain()
         return self._tell_eof()
 

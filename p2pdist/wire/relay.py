@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ __all__ = [
     "NOT_ALLOWED_TEXT",
     "RECORDS_HEADER",
     "RECORDS_INFO",
+    "RECORDS_MAX",
     "RelayFrame",
     "RelayFrameDecoder",
     "RelayFrameReader",
@@ -375,7 +377,12 @@ RECORDS_HEADER = "P2pdist-Relay-Records"
 ``aes-256-gcm; key=<64 hex digits>``, the sender's record secret (docs/protocol.md 8.2)."""
 RECORDS_INFO = b"p2pdist relay records v1 aes-256-gcm"
 """The protocol name in the records' key derivation (the client is the dialer)."""
+RECORDS_MAX = 64 * 1024
+"""Largest plaintext of one relay record, either way (a longer one ends the connection):
+small enough that a receiver decrypts whole records straight into its frame buffer, and
+that a client cannot make the relay hold more than this for one of its records."""
 _RECORDS_CIPHER = "aes-256-gcm"
+_HEX_KEY = re.compile("[0-9a-fA-F]{64}")
 
 
 def _records_header(key: bytes | None) -> str:
@@ -416,12 +423,10 @@ def records_key(head: HttpHead) -> bytes | None:
     if cipher.strip().lower() != _RECORDS_CIPHER:
         return None
     name, _, key = params.strip().partition("=")
-    try:
-        if name.strip().lower() != "key" or len(key.strip()) != 64:
-            raise ValueError
-        return bytes.fromhex(key.strip())
-    except ValueError:
-        raise RelayProtocolError(f"malformed {RECORDS_HEADER} header {value[:100]!r}") from None
+    key = key.strip()
+    if name.strip().lower() != "key" or not _HEX_KEY.fullmatch(key):
+        raise RelayProtocolError(f"malformed {RECORDS_HEADER} header {value[:100]!r}")
+    return bytes.fromhex(key)
 
 
 @dataclass(frozen=True, slots=True)
