@@ -438,24 +438,22 @@ class RelayCore:
             path = head.start_line[1][:64] if len(head.start_line) > 1 else ""
             self._close(s, "http", quiet=True, fields={"status": decision.status, "path": path})
             return b""
-        s.phase = Phase.AUTH
-        s.challenge = self._random(32)
         offer = decision.records
-        if offer is None:
-            self._queue(s, decision.response)
-            s.link.secure(None)
-        elif rest:  # records start right after the request: TLS data there is an error
+        if offer is not None and rest:  # records start right after the request head
             self.metrics.http_requests_total += 1
             self._queue(s, response(400, "data after an upgrade request that offers records\n"))
             self._close(s, "bad_http", quiet=True, fields={"why": "data after records offer"})
             return b""
+        s.phase = Phase.AUTH
+        s.challenge = self._random(32)
+        if offer is None:
+            self._queue(s, decision.response)
+            s.link.secure(None)
         else:
             mine = self._random(32)
             self._queue(s, upgrade_response(mine))
             self._write_batch(s)  # the 101 is the last the client gets in TLS
             s.link.secure((mine, offer))
-            if s.phase is Phase.CLOSED:  # pragma: no cover - the glue dropped it
-                return b""
         self._queue(s, encode_frame(RelayFrameType.CHALLENGE, bytes([VERSION]) + s.challenge))
         return rest
 

@@ -88,11 +88,11 @@ class _Direction:
 
     __slots__ = ("aead", "key", "seq", "update_info")
 
-    def __init__(self, secret: bytes, info: bytes, label: bytes) -> None:
+    def __init__(self, secret: bytes, info: bytes, label: bytes, update_info: bytes) -> None:
         self.key = _first_key(secret, info, label)
         self.aead = AESGCM(self.key)
         self.seq = 0
-        self.update_info = info.removesuffix(b" aes-256-gcm") + b" key update"
+        self.update_info = update_info
 
     def next(self) -> tuple[AESGCM, bytes]:
         """The key and nonce of the next record (moving to the next key when one is used
@@ -155,8 +155,9 @@ class AeadPipe:
         if not info.endswith(b" aes-256-gcm"):
             raise ValueError("info must end in ' aes-256-gcm'")
         mine, theirs = (b"dialer", b"acceptor") if dialer else (b"acceptor", b"dialer")
-        self._tx = _Direction(send_secret, info, mine)
-        self._rx = _Direction(receive_secret, info, theirs)
+        update = info.removesuffix(b" aes-256-gcm") + b" key update"
+        self._tx = _Direction(send_secret, info, mine, update)
+        self._rx = _Direction(receive_secret, info, theirs, update)
         self._lean = lean
         self._max = max_record
         self._buf = bytearray(0 if lean else _BUFFER)
@@ -359,11 +360,7 @@ class AeadPipe:
         for p in parts:
             n = memoryview(p).nbytes
             size += n + (n + most - 1) // most * (_LEN.size + TAG)
-        out = self._out
-        if len(out) < size:
-            out = bytearray(size)
-            if not self._lean or size <= _LEAN_OUT:
-                self._out = out
+        out = self._send_buffer(size)
         view = memoryview(out)
         at = 0
         for p in parts:
@@ -387,16 +384,22 @@ class AeadPipe:
         if not self._valid(length):
             raise ValueError(f"{length - TAG} bytes for one record (1 to {self._max})")
         end = _LEN.size + length
-        out = self._out
-        if len(out) < end:
-            out = bytearray(end)
-            if not self._lean or end <= _LEAN_OUT:
-                self._out = out
+        out = self._send_buffer(end)
         view = memoryview(out)
         _LEN.pack_into(out, 0, length)
         aead, nonce = self._tx.next()
         aead.encrypt_into(nonce, data, view[: _LEN.size], view[_LEN.size : end])
         return view[:end]
+
+    def _send_buffer(self, size: int) -> bytearray:
+        """At least ``size`` bytes to write records into: the kept one, grown if needed
+        (a lean pipe keeps none over 16 KiB, it makes one for the call)."""
+        out = self._out
+        if len(out) < size:
+            out = bytearray(size)
+            if not self._lean or size <= _LEAN_OUT:
+                self._out = out
+        return out
 
     def outgoing(self) -> bytes:
         """Nothing: these records have no messages of their own."""

@@ -297,11 +297,9 @@ class SecureStream(asyncio.BufferedProtocol):
             self._timer.cancel()
             self._timer = None
         self._closing = True
-        if not self.handshake.done():
-            self.handshake.set_exception(
-                ConnectionError(f"connection lost during the TLS handshake: {exc or 'closed'}")
-            )
-            self.handshake.exception()  # read: the app may not be waiting on it
+        self._handshake_failed(
+            ConnectionError(f"connection lost during the TLS handshake: {exc or 'closed'}")
+        )
         if self._up:
             self._up = False
             self._app.connection_lost(exc)
@@ -357,19 +355,22 @@ class SecureStream(asyncio.BufferedProtocol):
 
     def _timed_out(self) -> None:
         self._timer = None
-        if not self.handshake.done():
-            self.handshake.set_exception(
-                TimeoutError(f"TLS handshake not done within {self._handshake_timeout:g} s")
-            )
-            self.handshake.exception()
+        self._handshake_failed(
+            TimeoutError(f"TLS handshake not done within {self._handshake_timeout:g} s")
+        )
         self.abort()
 
     def _fail(self, exc: Exception) -> None:
         """The stream is broken (TLS error, a record that does not decrypt): drop it."""
+        self._handshake_failed(exc)
+        self.abort()
+
+    def _handshake_failed(self, exc: BaseException) -> None:
+        """``handshake`` fails with ``exc`` unless it resolved already (marked as read:
+        the app may not be waiting on it)."""
         if not self.handshake.done():
             self.handshake.set_exception(exc)
             self.handshake.exception()
-        self.abort()
 
     def _drain(self) -> None:
         """Hand the app every plaintext byte that is here, unless it paused reading."""

@@ -62,11 +62,6 @@ class TlsPipe:
         return self._in.pending > 0 or self.obj.pending() > 0 or self._failed is not None
 
     @property
-    def next_size(self) -> int:
-        """0: TLS records are read in any pieces, so any buffer takes the next one."""
-        return 0
-
-    @property
     def stuck(self) -> bool:
         """Whether more ciphertext waits than a whole record could hold: what is there
         cannot be decrypted (reading is not paused when this is asked)."""

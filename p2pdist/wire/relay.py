@@ -385,30 +385,30 @@ _RECORDS_CIPHER = "aes-256-gcm"
 _HEX_KEY = re.compile("[0-9a-fA-F]{64}")
 
 
-def _records_header(key: bytes | None) -> str:
-    if key is None:
+def _records_header(secret: bytes | None) -> str:
+    if secret is None:
         return ""
-    if len(key) != 32:
+    if len(secret) != 32:
         raise ValueError("a record secret is 32 bytes")
-    return f"{RECORDS_HEADER}: {_RECORDS_CIPHER}; key={key.hex()}\r\n"
+    return f"{RECORDS_HEADER}: {_RECORDS_CIPHER}; key={secret.hex()}\r\n"
 
 
-def upgrade_request(host: str, records_key: bytes | None = None) -> bytes:
-    """The client's HTTP/1.1 upgrade request (offering records under its ``records_key``
-    when given)."""
+def upgrade_request(host: str, records_secret: bytes | None = None) -> bytes:
+    """The client's HTTP/1.1 upgrade request (offering records under its
+    ``records_secret`` when given)."""
     return (
         f"GET {UPGRADE_PATH} HTTP/1.1\r\nHost: {host}\r\nConnection: Upgrade\r\n"
         f"Upgrade: {UPGRADE_TOKEN}\r\nP2pdist-Relay-Version: {VERSION}\r\n"
-        f"{_records_header(records_key)}\r\n"
+        f"{_records_header(records_secret)}\r\n"
     ).encode("ascii")
 
 
-def upgrade_response(records_key: bytes | None = None) -> bytes:
-    """The relay's 101 answer (taking the offered records, under its ``records_key``,
-    when given)."""
+def upgrade_response(records_secret: bytes | None = None) -> bytes:
+    """The relay's 101 answer (taking the offered records, under its
+    ``records_secret``, when given)."""
     return (
         f"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
-        f"Upgrade: {UPGRADE_TOKEN}\r\n{_records_header(records_key)}\r\n"
+        f"Upgrade: {UPGRADE_TOKEN}\r\n{_records_header(records_secret)}\r\n"
     ).encode("ascii")
 
 
