@@ -24,7 +24,7 @@ from p2pdist.identity import SecretKey
 from p2pdist.tls import TlsIdentity
 from p2pdist.transport import TcpTransport, TransportConfig, aeadpipe
 from p2pdist.transport import tcp as tcp_module
-from p2pdist.transport.aeadpipe import MAX_RECORD, TAG, AeadPipe, RecordError
+from p2pdist.transport.aeadpipe import MAX_RECORD, RECEIVE_BUFFER, TAG, AeadPipe, RecordError
 from p2pdist.transport.tlspipe import TlsPipe
 from p2pdist.wire.frames import FrameKind, encode_header
 from p2pdist.wire.handshake import RecordReader, encode_record
@@ -322,6 +322,19 @@ def test_max_record_bounds_what_is_sent_and_taken() -> None:
         tx.seal(b"z" * 101)
     with pytest.raises(ValueError, match="max_record"):
         AeadPipe(A, B, dialer=True, max_record=MAX_RECORD + 1)
+
+
+def test_a_larger_receive_buffer_takes_many_records_in_one_read() -> None:
+    tx = AeadPipe(A, B, dialer=True)
+    rx = AeadPipe(B, A, dialer=False, receive_buffer=1 << 20)
+    wire = b"".join(bytes(tx.encrypt(bytes([i]) * 16000)) for i in range(60))
+    landing = rx.get_buffer()
+    assert landing.nbytes >= len(wire)  # 60 records of 16 KB: one socket read
+    landing[: len(wire)] = wire
+    rx.buffer_updated(len(wire))
+    assert read_all(rx) == b"".join(bytes([i]) * 16000 for i in range(60))
+    with pytest.raises(ValueError, match="receive_buffer"):
+        AeadPipe(A, B, dialer=True, receive_buffer=RECEIVE_BUFFER - 1)
 
 
 def test_a_lean_pipe_keeps_no_large_send_buffer() -> None:

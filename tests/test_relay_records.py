@@ -125,6 +125,10 @@ async def test_a_relay_path_and_the_relay_agree_on_records() -> None:
         a, b, got = await _pair(srv.url)
         try:
             assert a.status.records == b.status.records == "aes-256-gcm"
+            writer = a._writer
+            assert writer is not None
+            # One read takes up to 1 MiB, so a busy receiver handles ~64 datagrams a pass.
+            assert writer._stream.get_buffer(-1).nbytes >= 1 << 20  # type: ignore[attr-defined]
             streams = [c.stream for c in srv.connections]
             assert [s.records for s in streams if s is not None] == ["aes-256-gcm"] * 2
             for size in (1, 1200, 16000, 65000):

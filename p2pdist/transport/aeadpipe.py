@@ -37,6 +37,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 __all__ = [
     "CIPHER",
     "MAX_RECORD",
+    "RECEIVE_BUFFER",
     "REKEY_RECORDS",
     "AeadPipe",
     "RecordError",
@@ -55,7 +56,7 @@ INFO = b"p2pdist tcp records v1 aes-256-gcm"
 UPDATE_INFO = b"p2pdist tcp records v1 key update"
 _LEN = struct.Struct(">I")
 _NONCE = struct.Struct(">4xQ")
-_BUFFER = 2 * (64 * 1024 + TAG + _LEN.size)
+RECEIVE_BUFFER = 2 * (64 * 1024 + TAG + _LEN.size)
 """The receive buffer to start with: two records of a small frame. It doubles when a
 larger record does not fit (up to about twice :data:`MAX_RECORD` for bulk traffic), so
 a connection that carries only small messages keeps 128 KiB."""
@@ -140,6 +141,7 @@ class AeadPipe:
         info: bytes = INFO,
         lean: bool = False,
         max_record: int = MAX_RECORD,
+        receive_buffer: int = RECEIVE_BUFFER,
     ) -> None:
         """``info`` names the protocol in the key derivation (it ends in " aes-256-gcm";
         the key updates use it with " key update" in place of that). ``lean``: keep no
@@ -147,9 +149,14 @@ class AeadPipe:
         buffer is released whenever it is drained; a send buffer over 16 KiB is made per
         call), for a server with many mostly idle connections. ``max_record``: the
         largest plaintext of a record, sent or taken (a longer one received breaks the
-        stream as soon as its length is here), at most :data:`MAX_RECORD`."""
+        stream as soon as its length is here), at most :data:`MAX_RECORD`.
+        ``receive_buffer``: the ciphertext buffer :meth:`get_buffer` hands out (not
+        lean), and so the most one socket read takes; a larger one drains a busy
+        socket in fewer reads."""
         if not 0 < max_record <= MAX_RECORD:
             raise ValueError(f"max_record must be 1..{MAX_RECORD}")
+        if receive_buffer < RECEIVE_BUFFER:
+            raise ValueError(f"receive_buffer must be at least {RECEIVE_BUFFER}")
         if send_secret == receive_secret:
             raise RecordError("the peer's record secret is our own")
         if not info.endswith(b" aes-256-gcm"):
@@ -160,7 +167,7 @@ class AeadPipe:
         self._rx = _Direction(receive_secret, info, theirs, update)
         self._lean = lean
         self._max = max_record
-        self._buf = bytearray(0 if lean else _BUFFER)
+        self._buf = bytearray(0 if lean else receive_buffer)
         self._view = memoryview(self._buf)
         self._failed: RecordError | None = None
         """Set once the stream is broken: every later read raises it."""
@@ -182,7 +189,7 @@ class AeadPipe:
                 self._view[:n] = self._view[self._start : self._end]
                 self._start, self._end = 0, n
             else:  # a record larger than the buffer, or whole records wait: make room
-                bigger = bytearray(max(2 * len(self._buf), _BUFFER))
+                bigger = bytearray(max(2 * len(self._buf), RECEIVE_BUFFER))
                 bigger[:n] = self._view[:n]
                 self._buf, self._view = bigger, memoryview(bigger)
         return self._view[self._end :]

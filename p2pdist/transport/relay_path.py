@@ -63,6 +63,12 @@ _SELF_SIGNED = (18, 19)
 """OpenSSL's X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT and SELF_SIGNED_CERT_IN_CHAIN: what a
 pinned relay's certificate gives when dialed without its pin."""
 
+_SESSION_READ = 1 << 20
+"""Ciphertext one read of the relay session may take. A receiver that drains about 64
+QUIC datagrams per wake-up (as from a UDP socket) acknowledges and transmits once for
+all of them; 128 KiB reads (8 datagrams) tripled the ACKs and transmit passes of a
+bulk transfer through the relay (docs/performance.md)."""
+
 
 def relay_keepalive(offered: object) -> float:
     """The keepalive interval to use for a relay's AUTH_OK ``keepalive``: 5 s when it is
@@ -388,6 +394,7 @@ class RelayPath:
                 server_side=False,
                 server_hostname=server_hostname,
                 handshake_timeout=self.config.connect_timeout,
+                read_size=_SESSION_READ,
             )
             return proto.stream
 

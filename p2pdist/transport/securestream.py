@@ -27,7 +27,7 @@ import asyncio
 import ssl
 from typing import Any, cast
 
-from .aeadpipe import CIPHER, AeadPipe, RecordError
+from .aeadpipe import CIPHER, RECEIVE_BUFFER, AeadPipe, RecordError
 from .tcp import _write_keeps_reference
 from .tlspipe import TlsPipe
 
@@ -89,7 +89,10 @@ class SecureTransport(asyncio.Transport):
 class SecureStream(asyncio.BufferedProtocol):
     """TLS and then, once agreed, AES-GCM records between the TCP transport and ``app``
     (see the module docstring). ``handshake`` resolves when TLS is up (or fails with
-    the TLS error, or ``ConnectionError`` when the connection went first)."""
+    the TLS error, or ``ConnectionError`` when the connection went first).
+    ``read_size``: the most ciphertext one socket read takes, for a connection with its
+    own buffer (no ``scratch``); a busy receiver drains its socket in fewer, larger
+    reads with a larger one."""
 
     def __init__(
         self,
@@ -100,6 +103,7 @@ class SecureStream(asyncio.BufferedProtocol):
         handshake_timeout: float,
         server_hostname: str | None = None,
         scratch: memoryview | None = None,
+        read_size: int = _OWN_READ,
     ) -> None:
         self._app = app
         self._context = context
@@ -107,7 +111,7 @@ class SecureStream(asyncio.BufferedProtocol):
         self._server_hostname = server_hostname
         self._handshake_timeout = handshake_timeout
         self._shared = scratch is not None
-        self._scratch = scratch if scratch is not None else memoryview(bytearray(_OWN_READ))
+        self._scratch = scratch if scratch is not None else memoryview(bytearray(read_size))
         self._loop = asyncio.get_running_loop()
         self._raw: asyncio.Transport | None = None
         self._tls: TlsPipe | None = None
@@ -162,6 +166,7 @@ class SecureStream(asyncio.BufferedProtocol):
             info=info,
             lean=self._shared,
             max_record=max_record,
+            receive_buffer=max(len(self._scratch), RECEIVE_BUFFER),
         )
         self._records.feed(tls.take_buffered())
         self._decided = True
