@@ -3,6 +3,9 @@ methods agree with encode/decode; int8 scales and tails."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -112,3 +115,16 @@ def test_error_feedback_pieces_equal_one_whole_roundtrip(wire: str) -> None:
         np.testing.assert_array_equal(ef.apply(x, codec), want)
         assert ef.residual is not None
         np.testing.assert_array_equal(ef.residual, residual)
+
+
+def test_importing_p2pdist_leaves_ml_dtypes_for_the_first_bfloat16_codec() -> None:
+    """ml_dtypes' import takes most of a second: ranks, the relay and the CLI that never
+    compress to bfloat16 do not pay it."""
+    code = (
+        "import sys, p2pdist, relay.server\n"
+        "assert 'ml_dtypes' not in sys.modules, 'imported early'\n"
+        "from p2pdist.group.compress import make_codec\n"
+        "make_codec('bfloat16')\n"
+        "assert 'ml_dtypes' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -17,9 +17,9 @@ numpy's cast, 2-3x faster) for float16.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any, Protocol
 
-import ml_dtypes
 import numpy as np
 
 from ..errors import UsageError
@@ -41,7 +41,6 @@ WIRE_DTYPES = ("float16", "bfloat16", "int8")
 F16_ROUTES = ("bits", "numpy")
 """float16 conversion routes: the vectorised bit route (default) or numpy's own cast."""
 
-_BF16 = np.dtype(ml_dtypes.bfloat16)
 _F16 = np.dtype(np.float16)
 _ABS_BITS = np.int32(0x7FFFFFFF)
 
@@ -114,25 +113,38 @@ class _Codec:
         return 1
 
 
+@cache
+def _bf16() -> np.dtype[Any]:
+    """ml_dtypes' bfloat16, imported on first use: the import takes most of a second,
+    which every process that imports p2pdist (ranks, the relay, the CLI) would pay."""
+    import ml_dtypes
+
+    bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return bf16
+
+
 class _Bf16Codec(_Codec):
     """bfloat16 through ml_dtypes' casts (round to nearest even)."""
 
-    __slots__ = ()
+    __slots__ = ("_dtype",)
     name = "bfloat16"
+
+    def __init__(self) -> None:
+        self._dtype = _bf16()
 
     def nbytes(self, n: int) -> int:
         return 2 * n
 
     def encode_into(self, x: np.ndarray, out: np.ndarray) -> None:
-        np.copyto(out.view(_BF16), x, casting="unsafe")  # bfloat16 exports no buffer format
+        np.copyto(out.view(self._dtype), x, casting="unsafe")  # bfloat16 exports no buffer format
 
     def decode_into(self, data: Any, out: np.ndarray) -> None:
-        np.copyto(out, np.frombuffer(data, _BF16, out.size))
+        np.copyto(out, np.frombuffer(data, self._dtype, out.size))
 
     def accumulate(self, data: Any, acc: np.ndarray) -> None:
         # A mixed-dtype ufunc casts in small buffered blocks: no full-size temporary.
         with np.errstate(over="ignore"):  # a sum past float32's range is inf, documented
-            np.add(acc, np.frombuffer(data, _BF16, acc.size), out=acc)
+            np.add(acc, np.frombuffer(data, self._dtype, acc.size), out=acc)
 
 
 class _F16Codec(_Codec):
