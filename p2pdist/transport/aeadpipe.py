@@ -202,10 +202,14 @@ class AeadPipe:
         """Ciphertext received some other way (what followed the keys in TLS's buffer,
         or everything, for a ``lean`` pipe)."""
         data = memoryview(data).cast("B")
-        if self._lean and self._start == self._end and data.nbytes:
-            self._buf = bytearray(data)  # exactly what came: released once drained
-            self._view = memoryview(self._buf)
-            self._start, self._end = 0, data.nbytes
+        if self._lean and data.nbytes:
+            # Exactly what waits and what came, in one copy (released once drained): a
+            # read that ends inside a record, the common case, must not grow a buffer
+            # step by step.
+            joined = bytearray(self._view[self._start : self._end])
+            joined += data
+            self._buf, self._view = joined, memoryview(joined)
+            self._start, self._end = 0, len(joined)
             return
         while data.nbytes:
             buf = self.get_buffer()
@@ -359,15 +363,17 @@ class AeadPipe:
 
     # ---- sending ---------------------------------------------------------------------
 
-    def encrypt(self, *parts: bytes | bytearray | memoryview) -> memoryview:
+    def encrypt(self, *parts: bytes | bytearray | memoryview, fresh: bool = False) -> memoryview:
         """The records of ``parts`` (a record per non-empty part; one over
         ``max_record`` bytes is cut into several), as one buffer for one socket write.
-        The buffer is reused by the next call: send or copy it before then."""
+        The buffer is reused by the next call: send or copy it before then. ``fresh``:
+        a new buffer nobody else writes (for a transport that queues a reference to
+        what it could not send at once), in place of a copy of the reused one."""
         size, most = 0, self._max
         for p in parts:
             n = memoryview(p).nbytes
             size += n + (n + most - 1) // most * (_LEN.size + TAG)
-        out = self._send_buffer(size)
+        out = bytearray(size) if fresh else self._send_buffer(size)
         view = memoryview(out)
         at = 0
         for p in parts:

@@ -185,8 +185,7 @@ class SecureStream(asyncio.BufferedProtocol):
         if raw is None or self._closing or raw.is_closing() or not data:
             return
         if self._records is not None:
-            out = self._records.encrypt(data)
-            raw.write(out.tobytes() if self._copy_writes else out)
+            raw.write(self._records.encrypt(data, fresh=self._copy_writes))
             return
         assert self._tls is not None
         try:
