@@ -131,6 +131,9 @@ async def test_a_relay_path_and_the_relay_agree_on_records() -> None:
             assert writer._stream.get_buffer(-1).nbytes >= 1 << 20  # type: ignore[attr-defined]
             streams = [c.stream for c in srv.connections]
             assert [s.records for s in streams if s is not None] == ["aes-256-gcm"] * 2
+            # The TLS sessions are let go on both ends once records carry the data.
+            assert [s.extra_info("ssl_object") for s in streams if s is not None] == [None] * 2
+            assert writer.get_extra_info("ssl_object") is None
             for size in (1, 1200, 16000, 65000):
                 datagram = os.urandom(size)
                 a.send(b.endpoint_id, datagram)
@@ -150,6 +153,7 @@ async def test_either_side_can_keep_tls(side: str, monkeypatch: pytest.MonkeyPat
         try:
             assert a.status.records is None and b.status.records is None
             assert [c.stream.records for c in srv.connections if c.stream] == [None, None]
+            assert all(c.stream.extra_info("ssl_object") for c in srv.connections if c.stream)
             a.send(b.endpoint_id, b"over TLS")
             assert await asyncio.wait_for(got.get(), 10) == b"over TLS"
         finally:

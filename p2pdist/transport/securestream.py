@@ -65,8 +65,9 @@ class SecureTransport(asyncio.Transport):
         return self._stream.write_buffer_size()
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        """``ssl_object`` (the TLS session), ``records`` (the record cipher, or None
-        while TLS carries the data), else the TCP transport's."""
+        """``ssl_object`` (the TLS session; None once records carry the data, when it
+        is let go), ``records`` (the record cipher, or None while TLS carries the data),
+        else the TCP transport's."""
         return self._stream.extra_info(name, default)
 
     def pause_reading(self) -> None:
@@ -169,6 +170,7 @@ class SecureStream(asyncio.BufferedProtocol):
             receive_buffer=max(len(self._scratch), RECEIVE_BUFFER),
         )
         self._records.feed(tls.take_buffered())
+        self._tls = None  # a relay's largest cost per idle client (about 15 KiB)
         self._decided = True
         if not self._draining:  # records that came with the agreement's TLS record
             self._loop.call_soon(self._drain)
