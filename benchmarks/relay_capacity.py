@@ -9,6 +9,9 @@ blast small datagrams one way as fast as they can, and the relay's own counters
 
 Run: ``python benchmarks/relay_capacity.py --clients 500 1000``
 (``--blast-pairs``, ``--blast-seconds``, ``--size``, ``--procs``; ``-h`` for all).
+``--client relaypath`` connects p2pdist's own client (``RelayPath``: TLS, then the
+AES-GCM records every p2pdist client asks for) instead of the step-by-step test client
+(TLS throughout).
 Relay and clients share the machine, so on a 2-core box the clients' own TLS work
 competes with the relay: the rate is a floor for a relay on its own host.
 """
@@ -35,7 +38,8 @@ from _loops import add_loop_argument, chosen_loops  # noqa: E402
 from _procs import cpu_seconds  # noqa: E402
 from relay_helpers import read_relay_url  # noqa: E402
 
-from p2pdist.identity import SecretKey  # noqa: E402
+from p2pdist.identity import EndpointId, SecretKey  # noqa: E402
+from p2pdist.transport.relay_path import RelayPath  # noqa: E402
 from relay.testclient import RelayTestClient, http_get  # noqa: E402
 
 SEED = "relay capacity benchmark seed"
@@ -64,14 +68,35 @@ def _key(proc: int, index: int) -> SecretKey:
 # ---- worker process ------------------------------------------------------------------
 
 
+class _PathClient:
+    """A ``RelayPath`` (p2pdist's own client) with the test client's few calls used here."""
+
+    def __init__(self, path: RelayPath) -> None:
+        self.path = path
+
+    def send(self, dest: EndpointId, datagram: bytes) -> None:
+        self.path.send(dest, datagram)
+
+    async def drain(self) -> None:
+        await asyncio.sleep(0)  # RelayPath writes once per pass (and drops over its buffer)
+
+    @property
+    def sent(self) -> int:
+        return self.path.status.datagrams_sent
+
+    async def close(self) -> None:
+        await self.path.close()
+
+
 class Worker:
     """``count`` clients; client k talks to client k of process ``peer_proc``."""
 
-    def __init__(self, url: str, proc: int, peer_proc: int, count: int) -> None:
+    def __init__(self, url: str, proc: int, peer_proc: int, count: int, kind: str) -> None:
         self.url = url
+        self.kind = kind
         self.keys = [_key(proc, k) for k in range(count)]
         self.peers = [_key(peer_proc, k).endpoint_id for k in range(count)]
-        self.clients: list[RelayTestClient] = []
+        self.clients: list[Any] = []
         self.received = 0
         self.received_bytes = 0
         self.light_received = 0
@@ -88,19 +113,33 @@ class Worker:
                 await c.authenticate(key, timeout=60)
                 return c
 
+        async def path(key: SecretKey) -> _PathClient:
+            async with sem:
+                p = RelayPath(key, self.url)
+                p.on_datagram = lambda _src, data: self._count(data)
+                p.start()
+                await p.wait_connected(60)
+                return _PathClient(p)
+
         start = time.perf_counter()
-        self.clients = list(await asyncio.gather(*(one(k) for k in self.keys)))
-        self.readers = [asyncio.create_task(self._read(c)) for c in self.clients]
+        if self.kind == "relaypath":
+            self.clients = list(await asyncio.gather(*(path(k) for k in self.keys)))
+        else:
+            self.clients = list(await asyncio.gather(*(one(k) for k in self.keys)))
+            self.readers = [asyncio.create_task(self._read(c)) for c in self.clients]
         return time.perf_counter() - start
+
+    def _count(self, data: bytes) -> None:
+        self.received += 1
+        self.received_bytes += len(data)
+        if data[:1] == LIGHT[:1]:
+            self.light_received += 1
 
     async def _read(self, c: RelayTestClient) -> None:
         try:
             while True:
                 _, data = await c.recv(timeout=3600)
-                self.received += 1
-                self.received_bytes += len(data)
-                if data[:1] == LIGHT[:1]:
-                    self.light_received += 1
+                self._count(data)
         except (OSError, TimeoutError, asyncio.CancelledError):
             return
 
@@ -120,14 +159,17 @@ class Worker:
         sent = 0
         deadline = time.perf_counter() + seconds
 
-        async def pump(c: RelayTestClient, peer: Any) -> None:
+        async def pump(c: Any, peer: Any) -> None:
             nonlocal sent
-            frame_batch = 64
+            frame_batch, calls = 64, 0
+            first = c.sent if isinstance(c, _PathClient) else None
             while time.perf_counter() < deadline:
                 for _ in range(frame_batch):
                     c.send(peer, payload)
-                sent += frame_batch
+                calls += frame_batch
                 await c.drain()
+            # A RelayPath drops what its send buffer cannot take: count what it took.
+            sent += calls if first is None else c.sent - first
 
         start = time.perf_counter()
         await asyncio.gather(
@@ -146,9 +188,9 @@ class Worker:
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
 
 
-async def _worker_main(url: str, proc: int, peer_proc: int, count: int) -> None:
+async def _worker_main(url: str, proc: int, peer_proc: int, count: int, kind: str) -> None:
     _raise_nofile()
-    w = Worker(url, proc, peer_proc, count)
+    w = Worker(url, proc, peer_proc, count, kind)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -226,7 +268,7 @@ def run_one(n: int, args: argparse.Namespace, loop: str = "asyncio") -> dict[str
         for k in range(args.procs):
             workers.append(
                 Proc([sys.executable, __file__, "--worker", url, str(k), str((k + 1) % args.procs),
-                      str(per)])
+                      str(per), args.client])
             )  # fmt: skip
         connect_s = max(w.ask()["connected_in"] for w in workers)
         clients = _metric(_metrics(url), "p2pdist_relay_clients")
@@ -297,18 +339,28 @@ def main() -> None:
     p.add_argument("--blast-pairs", type=int, default=4)
     p.add_argument("--blast-seconds", type=float, default=5)
     p.add_argument("--size", type=int, default=200, help="blast datagram bytes")
-    p.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--client",
+        choices=("test", "relaypath"),
+        default="test",
+        help="the clients: relay/testclient.py (TLS throughout) or p2pdist's RelayPath "
+        "(TLS, then AES-GCM records)",
+    )
+    p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     add_loop_argument(p, "the relay's event loop, each measured in turn")
     args = p.parse_args()
     args.loops = chosen_loops(args.loops)
     if args.procs < 2:  # the blast and its count must come from different processes
         p.error("--procs must be at least 2")
     if args.worker:
-        url, proc, peer, count = args.worker
-        asyncio.run(_worker_main(url, int(proc), int(peer), int(count)))
+        url, proc, peer, count, kind = args.worker
+        asyncio.run(_worker_main(url, int(proc), int(peer), int(count), kind))
         return
     _raise_nofile()
-    print(f"relay capacity on {os.cpu_count()} CPUs (relay and clients share them)")
+    print(
+        f"relay capacity on {os.cpu_count()} CPUs (relay and clients share them); clients: "
+        + ("RelayPath, AES-GCM records" if args.client == "relaypath" else "test client, TLS")
+    )
     hdr = (
         f"{'loop':>8} {'clients':>8} {'connect s':>9} {'RSS base':>9} {'RSS load':>9} "
         f"{'KiB/client':>10} "

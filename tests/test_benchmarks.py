@@ -136,9 +136,10 @@ def test_relay_datagrams_table() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_relay_capacity_table() -> None:
+@pytest.mark.parametrize("client", ["test", "relaypath"])
+def test_relay_capacity_table(client: str) -> None:
     args = ["--clients", "20", "--light-seconds", "1", "--blast-pairs", "2", "--blast-seconds"]
-    out = bench("relay_capacity.py", *args, "1", "--loop", "asyncio")
+    out = bench("relay_capacity.py", *args, "1", "--loop", "asyncio", "--client", client)
     row = next(line.split() for line in out.splitlines() if line.split()[:2] == ["asyncio", "20"])
     assert row[6] == "20/20", out  # every light-traffic datagram arrived
     assert float(row[7]) > 0, out  # forwarded datagrams per second
