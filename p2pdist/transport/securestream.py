@@ -18,7 +18,9 @@ after the record that carried the agreement are handed to the records unread.
 Memory: a server passes one ciphertext landing buffer for all its connections
 (``scratch``); each connection then copies what it keeps (TLS into its memory BIO,
 records into a record buffer that is released whenever it is drained), so an idle
-connection holds no receive buffer.
+connection holds no receive buffer; once records carry the data the TLS session is let
+go too. A client's connection has a buffer of its own (``read_size``, for the relay
+client 1 MiB, so that a busy receiver drains its socket in few reads).
 """
 
 from __future__ import annotations
