@@ -350,15 +350,41 @@ def test_max_record_bounds_what_is_sent_and_taken() -> None:
         AeadPipe(A, B, dialer=True, max_record=MAX_RECORD + 1)
 
 
-def test_a_larger_receive_buffer_takes_many_records_in_one_read() -> None:
+def land(pipe: AeadPipe, data: bytes) -> int:
+    """One socket read: as much of ``data`` as the pipe offers room for."""
+    room = pipe.get_buffer()
+    n = min(room.nbytes, len(data))
+    room[:n] = data[:n]
+    pipe.buffer_updated(n)
+    return n
+
+
+def test_the_receive_buffer_grows_while_reads_fill_it() -> None:
+    """A busy socket: every read takes all the room offered, so the buffer doubles up to
+    ``receive_buffer`` (reads of up to 1 MiB); one that does not fill it stays."""
     tx = AeadPipe(A, B, dialer=True)
     rx = AeadPipe(B, A, dialer=False, receive_buffer=1 << 20)
-    wire = b"".join(bytes(tx.encrypt(bytes([i]) * 16000)) for i in range(60))
-    landing = rx.get_buffer()
-    assert landing.nbytes >= len(wire)  # 60 records of 16 KB: one socket read
-    landing[: len(wire)] = wire
-    rx.buffer_updated(len(wire))
-    assert read_all(rx) == b"".join(bytes([i]) * 16000 for i in range(60))
+    sent = [os.urandom(16000) for _ in range(200)]
+    wire = b"".join(bytes(tx.encrypt(p)) for p in sent)
+    assert rx.get_buffer().nbytes == RECEIVE_BUFFER  # an idle connection keeps 128 KiB
+    reads, got, at = [], bytearray(), 0
+    buf = memoryview(bytearray(1 << 16))
+    while at < len(wire):
+        n = land(rx, wire[at:])
+        reads.append(n)
+        at += n
+        while k := rx.fill(buf):
+            got += buf[:k]
+    assert bytes(got) == b"".join(sent)
+    # 128 KiB, then about 256 KiB, 512 KiB and 1 MiB (less a partial record kept), and
+    # no further: the buffer doubled up to receive_buffer.
+    assert reads[0] == RECEIVE_BUFFER and len(rx._buf) == 1 << 20
+    for before, after, limit in zip(reads[:3], reads[1:4], (2, 4, 8), strict=True):
+        assert after > before and limit * RECEIVE_BUFFER - 20_000 < after <= limit * RECEIVE_BUFFER
+    assert max(reads) <= 1 << 20 and reads[4] > 1_000_000
+    quiet = AeadPipe(B, A, dialer=False, receive_buffer=1 << 20)
+    land(quiet, b"\0\0\0\x20" + bytes(10))  # a read that leaves room: no growth
+    assert quiet.get_buffer().nbytes == RECEIVE_BUFFER - 14
     with pytest.raises(ValueError, match="receive_buffer"):
         AeadPipe(A, B, dialer=True, receive_buffer=RECEIVE_BUFFER - 1)
 

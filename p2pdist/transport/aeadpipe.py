@@ -57,9 +57,10 @@ UPDATE_INFO = b"p2pdist tcp records v1 key update"
 _LEN = struct.Struct(">I")
 _NONCE = struct.Struct(">4xQ")
 RECEIVE_BUFFER = 2 * (64 * 1024 + TAG + _LEN.size)
-"""The receive buffer to start with: two records of a small frame. It doubles when a
-larger record does not fit (up to about twice :data:`MAX_RECORD` for bulk traffic), so
-a connection that carries only small messages keeps 128 KiB."""
+"""The receive buffer to start with (and the least ``receive_buffer``): two records of a
+small frame. It doubles when a larger record does not fit (up to about twice
+:data:`MAX_RECORD` for bulk traffic), so a connection that carries only small messages
+keeps 128 KiB."""
 
 
 _LEAN_OUT = 16 * 1024
@@ -115,10 +116,13 @@ class AeadPipe:
 
     __slots__ = (
         "_buf",
+        "_cap",
         "_end",
         "_failed",
+        "_grow",
         "_lean",
         "_max",
+        "_offered",
         "_out",
         "_plain",
         "_plain_at",
@@ -150,9 +154,11 @@ class AeadPipe:
         call), for a server with many mostly idle connections. ``max_record``: the
         largest plaintext of a record, sent or taken (a longer one received breaks the
         stream as soon as its length is here), at most :data:`MAX_RECORD`.
-        ``receive_buffer``: the ciphertext buffer :meth:`get_buffer` hands out (not
-        lean), and so the most one socket read takes; a larger one drains a busy
-        socket in fewer reads."""
+        ``receive_buffer``: how far the receive buffer grows (from
+        :data:`RECEIVE_BUFFER`, by doubling) while socket reads fill all the room
+        :meth:`get_buffer` offers, so that a busy socket is drained in few large reads;
+        until it grows past :data:`RECEIVE_BUFFER`, room is made only when the buffer is
+        full, as without it (not for a ``lean`` pipe, which is fed)."""
         if not 0 < max_record <= MAX_RECORD:
             raise ValueError(f"max_record must be 1..{MAX_RECORD}")
         if receive_buffer < RECEIVE_BUFFER:
@@ -167,7 +173,11 @@ class AeadPipe:
         self._rx = _Direction(receive_secret, info, theirs, update)
         self._lean = lean
         self._max = max_record
-        self._buf = bytearray(0 if lean else receive_buffer)
+        self._buf = bytearray(0 if lean else RECEIVE_BUFFER)
+        self._cap = receive_buffer
+        self._grow = False
+        """Whether the last read filled all the room offered: grow before the next."""
+        self._offered = 0
         self._view = memoryview(self._buf)
         self._failed: RecordError | None = None
         """Set once the stream is broken: every later read raises it."""
@@ -183,29 +193,48 @@ class AeadPipe:
 
     def get_buffer(self) -> memoryview:
         """Where the next ciphertext from the socket must land (never empty)."""
-        if self._end == len(self._buf):
-            n = self._end - self._start  # a record's beginning: move it to the front
-            if self._start:
-                self._view[:n] = self._view[self._start : self._end]
-                self._start, self._end = 0, n
+        size = len(self._buf)
+        if self._grow:  # the socket had more than the last read took
+            self._grow = False
+            self._move(max(size, min(2 * size, self._cap)))
+        elif self._end == size:
+            if self._start:  # a record's beginning: move it to the front
+                self._move(size)
             else:  # a record larger than the buffer, or whole records wait: make room
-                bigger = bytearray(max(2 * len(self._buf), RECEIVE_BUFFER))
-                bigger[:n] = self._view[:n]
-                self._buf, self._view = bigger, memoryview(bigger)
-        return self._view[self._end :]
+                self._move(max(2 * size, RECEIVE_BUFFER))
+        elif size > RECEIVE_BUFFER and self._start and 2 * self._end > size:
+            self._move(size)  # a grown buffer: keep reads large (less than half is left)
+        view = self._view[self._end :]
+        self._offered = view.nbytes
+        return view
+
+    def _move(self, size: int) -> None:
+        """What waits, to the front of a buffer of ``size`` bytes (this one, or a new
+        one when ``size`` differs)."""
+        n = self._end - self._start
+        if size == len(self._buf):
+            self._view[:n] = self._view[self._start : self._end]
+        else:
+            bigger = bytearray(size)
+            bigger[:n] = self._view[self._start : self._end]
+            self._buf, self._view = bigger, memoryview(bigger)
+        self._start, self._end = 0, n
 
     def buffer_updated(self, nbytes: int) -> None:
         """``nbytes`` of ciphertext were written into the last :meth:`get_buffer`."""
         self._end += nbytes
+        if nbytes == self._offered and len(self._buf) < self._cap:
+            self._grow = True
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Ciphertext received some other way (what followed the keys in TLS's buffer,
         or everything, for a ``lean`` pipe)."""
         data = memoryview(data).cast("B")
         if self._lean and data.nbytes:
-            # Exactly what waits and what came, in one copy (released once drained): a
-            # read that ends inside a record, the common case, must not grow a buffer
-            # step by step.
+            # A buffer of exactly what waits and what came (let go once drained); a read
+            # that ends inside a record, the common case, must not grow one step by
+            # step. What waits is copied again on every feed: meant for records small
+            # next to the reads (a relay's 64 KiB ones, 256 KiB reads).
             joined = bytearray(self._view[self._start : self._end])
             joined += data
             self._buf, self._view = joined, memoryview(joined)
@@ -366,9 +395,10 @@ class AeadPipe:
     def encrypt(self, *parts: bytes | bytearray | memoryview, fresh: bool = False) -> memoryview:
         """The records of ``parts`` (a record per non-empty part; one over
         ``max_record`` bytes is cut into several), as one buffer for one socket write.
-        The buffer is reused by the next call: send or copy it before then. ``fresh``:
-        a new buffer nobody else writes (for a transport that queues a reference to
-        what it could not send at once), in place of a copy of the reused one."""
+        Unless ``fresh``, the buffer is reused by the next call: send or copy it before
+        then. ``fresh``: a new buffer nobody else writes (for a transport that queues a
+        reference to what it could not send at once), in place of a copy of the reused
+        one."""
         size, most = 0, self._max
         for p in parts:
             n = memoryview(p).nbytes

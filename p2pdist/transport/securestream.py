@@ -19,8 +19,9 @@ Memory: a server passes one ciphertext landing buffer for all its connections
 (``scratch``); each connection then copies what it keeps (TLS into its memory BIO,
 records into a record buffer that is released whenever it is drained), so an idle
 connection holds no receive buffer; once records carry the data the TLS session is let
-go too. A client's connection has a buffer of its own (``read_size``, for the relay
-client 1 MiB, so that a busy receiver drains its socket in few reads).
+go too. A client's connection reads into buffers of its own: 256 KiB for TLS, then the
+record buffer, which may grow to ``read_size`` (1 MiB for the relay client) while
+reads fill it, so that a busy receiver drains its socket in few reads.
 """
 
 from __future__ import annotations
@@ -93,9 +94,10 @@ class SecureStream(asyncio.BufferedProtocol):
     """TLS and then, once agreed, AES-GCM records between the TCP transport and ``app``
     (see the module docstring). ``handshake`` resolves when TLS is up (or fails with
     the TLS error, or ``ConnectionError`` when the connection went first).
-    ``read_size``: the most ciphertext one socket read takes, for a connection with its
-    own buffer (no ``scratch``); a busy receiver drains its socket in fewer, larger
-    reads with a larger one."""
+    ``read_size``: how far the record buffer of a connection with its own buffers (no
+    ``scratch``) may grow while socket reads fill it, at least
+    :data:`~.aeadpipe.RECEIVE_BUFFER`: a busy receiver then drains its socket in
+    fewer, larger reads (TLS is read :data:`_OWN_READ` bytes at a time)."""
 
     def __init__(
         self,
@@ -106,15 +108,18 @@ class SecureStream(asyncio.BufferedProtocol):
         handshake_timeout: float,
         server_hostname: str | None = None,
         scratch: memoryview | None = None,
-        read_size: int = _OWN_READ,
+        read_size: int = RECEIVE_BUFFER,
     ) -> None:
+        if read_size < RECEIVE_BUFFER:
+            raise ValueError(f"read_size must be at least {RECEIVE_BUFFER}")
         self._app = app
         self._context = context
         self._server_side = server_side
         self._server_hostname = server_hostname
         self._handshake_timeout = handshake_timeout
         self._shared = scratch is not None
-        self._scratch = scratch if scratch is not None else memoryview(bytearray(read_size))
+        self._scratch = scratch if scratch is not None else memoryview(bytearray(_OWN_READ))
+        self._read_size = read_size
         self._loop = asyncio.get_running_loop()
         self._raw: asyncio.Transport | None = None
         self._tls: TlsPipe | None = None
@@ -169,10 +174,12 @@ class SecureStream(asyncio.BufferedProtocol):
             info=info,
             lean=self._shared,
             max_record=max_record,
-            receive_buffer=max(len(self._scratch), RECEIVE_BUFFER),
+            receive_buffer=self._read_size,
         )
         self._records.feed(tls.take_buffered())
         self._tls = None  # a relay's largest cost per idle client (about 15 KiB)
+        if not self._shared:
+            self._scratch = memoryview(b"")  # reads land in the record buffer from now on
         self._decided = True
         if not self._draining:  # records that came with the agreement's TLS record
             self._loop.call_soon(self._drain)
