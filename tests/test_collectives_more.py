@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from collective_tour import every_collective_at_once
 from group_helpers import groups, slow_link
 
 from p2pdist import ConnectionBrokenError, Group, GroupBrokenError, MismatchError, UsageError
@@ -731,3 +732,10 @@ async def test_an_all_none_split_on_a_rank_out_of_spaces_fails_on_every_rank() -
         results = await asyncio.gather(*(g.split(None) for g in gs), return_exceptions=True)
         assert all(isinstance(r, UsageError) for r in results), results
         assert all(g.broken is None for g in gs)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+async def test_every_collective_started_at_once(world: int) -> None:
+    async with groups(world) as gs:
+        await every_collective_at_once(gs)
+        await every_collective_at_once(gs)  # the group goes on after the batch

@@ -5,10 +5,13 @@ covers the upgrade to a direct path)."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from collective_tour import every_collective_at_once
 from relay_helpers import RelayProcess
 
 from p2pdist import Group, GroupConfig, P2PError, P2PTimeoutError, PunchConfig
@@ -95,6 +98,51 @@ async def test_relay_restart_mid_run_then_the_next_collective_succeeds(tmp_path:
                     assert status is not None and status.connects >= 2
             else:
                 pytest.fail(f"in-flight collective failed instead of riding it out: {results}")
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+        first.__exit__()
+
+
+async def test_the_whole_surface_at_once_through_the_relay(tmp_path: Path) -> None:
+    with RelayProcess(tmp_path) as relay:
+        gs = await form(relay.url, 3)
+        try:
+            await every_collective_at_once(gs)
+            for g in gs:
+                for r in range(3):
+                    if r != g.rank:
+                        assert g.connection(r).path_kind == "relay"  # type: ignore[attr-defined]
+        finally:
+            await asyncio.gather(*(g.close() for g in gs))
+
+
+async def test_a_relay_killed_mid_run_never_hangs_a_collective(tmp_path: Path) -> None:
+    """SIGKILL: no reconnect notice, the clients only see the connection drop. A call in
+    flight completes or fails with a P2PError within its timeout; once the relay is back
+    on the same port and key, the next collective succeeds."""
+    keyfile = tmp_path / "relay.key"
+    first = RelayProcess(tmp_path, "--key", str(keyfile))
+    port = first.url.split(":")[2].split("/")[0]
+    gs = await form(first.url, 3, timeout=20.0)
+    try:
+        await asyncio.gather(*(g.all_reduce(np.ones(1000)) for g in gs))
+        inflight = [asyncio.create_task(g.all_reduce(np.ones(2_000_000), timeout=15)) for g in gs]
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(first.stop, signal.SIGKILL)
+        started = time.monotonic()
+        with RelayProcess(tmp_path, "--key", str(keyfile), "--port", port):
+            results = await asyncio.gather(*inflight, return_exceptions=True)
+            assert time.monotonic() - started < 25, "the in-flight call outlived its timeout"
+            for res in results:
+                assert isinstance(res, np.ndarray | P2PError), res
+                if isinstance(res, np.ndarray):
+                    np.testing.assert_array_equal(res, np.full(2_000_000, 3.0))
+            if all(isinstance(res, np.ndarray) for res in results):
+                nxt = await asyncio.gather(*(g.all_reduce(np.full(7, 2.0)) for g in gs))
+                np.testing.assert_array_equal(nxt[1], np.full(7, 6.0))
+            else:  # a failed call names what broke, and the group says it is unusable
+                text = " ".join(str(r) for r in results if isinstance(r, P2PError))
+                assert "rank" in text, text
     finally:
         await asyncio.gather(*(g.close() for g in gs))
         first.__exit__()

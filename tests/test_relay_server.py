@@ -532,6 +532,55 @@ def test_random_bytes_after_auth_never_hurt_the_relay(
     assert shared_relay.proc.poll() is None
 
 
+_UNKNOWN_TYPES = sorted(set(range(256)) - {int(t) for t in T})
+_good_frames = st.lists(
+    st.one_of(
+        st.binary(min_size=8, max_size=8).map(lambda b: encode_frame(T.PING, b)),
+        st.binary(max_size=200).map(
+            lambda b: encode_frame(T.SEND, bytes(KEYS[4].endpoint_id) + b)  # nobody: PEER_GONE
+        ),
+    ),
+    max_size=5,
+).map(b"".join)
+_bad_frame = st.one_of(
+    st.builds(  # a type the protocol does not have, with a body of any length
+        lambda kind, body: bytes([kind]) + len(body).to_bytes(4, "big") + body,
+        st.sampled_from(_UNKNOWN_TYPES),
+        st.binary(max_size=300),
+    ),
+    st.integers(MAX_BODY + 1, 2**32 - 1).map(  # a head announcing an oversized body
+        lambda n: bytes([T.SEND]) + n.to_bytes(4, "big")
+    ),
+    st.binary(max_size=31).map(lambda b: encode_frame(T.SEND, b)),  # no room for an id
+    st.binary(max_size=64).map(lambda b: encode_frame(T.AUTH_OK, b)),  # a relay's frame
+)
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(good=_good_frames, bad=_bad_frame, tail=st.binary(max_size=64))
+def test_a_bad_frame_after_good_ones_closes_that_client(
+    shared_relay: RelayProcess, good: bytes, bad: bytes, tail: bytes
+) -> None:
+    """Well-formed frames are served, then the first malformed one (whatever follows it)
+    gets an ERROR and the connection closed by the relay, not by the client."""
+
+    async def scenario() -> None:
+        client = await RelayTestClient.open(shared_relay.url)
+        await client.authenticate(KEYS[5])
+        client.send_raw(good + bad + tail)
+        await client.drain()
+        seen = await client.wait_closed()
+        assert seen and seen[-1][0] is T.ERROR, seen
+        answers = [kind for kind, _ in seen[:-1]]
+        assert set(answers) <= {T.PONG, T.PEER_GONE}, answers
+        await _probe(shared_relay.url)
+
+    asyncio.run(scenario())
+    assert shared_relay.proc.poll() is None
+
+
 # ---- liveness, STUN, shutdown, tap, CLI -------------------------------------------------
 
 
