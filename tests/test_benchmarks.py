@@ -54,6 +54,8 @@ def test_allreduce_table_in_place_and_out_of_place() -> None:
             assert len(rates(rows[size])) >= 2, out
         assert "barrier" in rows
         assert "failed" not in out, out  # the script exits 0 when a mode fails
+        aes = re.search(r"AES-256-GCM \(one core[^)]*\): (\d+\.\d+) GB/s", out)
+        assert aes and float(aes.group(1)) > 0, out  # tls mode runs: its cipher's speed
         where = "out of place" if extra else "both in place"
         assert where in out
         assert ("2 rounds, backends alternating" in out) == bool(extra), out
