@@ -78,6 +78,8 @@ class DoctorReport:
     """Our TCP address as the relay sees it."""
     relay_records: str | None = None
     """The record protection after the upgrade ("aes-256-gcm"), None when TLS carries it."""
+    relay_proxy: str | None = None
+    """The HTTP proxy the relay session is tunnelled through (P2PDIST_RELAY_PROXY), if any."""
     local: str | None = None
     """The local UDP socket the observations were made from."""
     interfaces: list[str] = field(default_factory=list)
@@ -154,6 +156,7 @@ async def diagnose(
             return report
         report.relay_sees = path.status.observed
         report.relay_records = path.status.records
+        report.relay_proxy = path.status.proxy
         targets = await path.observation_targets()
         if path.observation_off:
             report.observation_off = True
@@ -261,6 +264,8 @@ def render(r: DoctorReport) -> str:
     else:
         lines.append(f"  relay        {r.relay}")
         link = "TLS, then " + r.relay_records + " records" if r.relay_records else "TLS"
+        if r.relay_proxy:
+            link += f", through proxy {r.relay_proxy}"
         lines.append(
             f"               connected ({link}), RTT {_ms(r.relay_rtt)}, sees us at {r.relay_sees}"
         )

@@ -31,8 +31,9 @@ from ..transport.base import Address, Connection, TransportConfig
 from ..transport.mailbox import SPACE_SHIFT
 from ..transport.pathinfo import PathInfo
 from ..transport.quic import QuicTransport
-from ..transport.relay_path import RelayPath, RelayStatus
+from ..transport.relay_path import RelayConfig, RelayPath, RelayStatus
 from ..transport.tcp import TcpTransport, parse_address
+from ..wire.httpproxy import ProxyUrl
 from ..wire.relay import RelayUrl
 from . import p2p
 from .buffers import as_array, expectation
@@ -71,6 +72,7 @@ class GroupCore(Runner):
         config: GroupConfig | None = None,
         relay: str | None = None,
         relay_token: str | None = None,
+        relay_proxy: str | None = None,
         rejoin: bool = False,
         _subgroup: bool = False,
     ) -> None:
@@ -89,6 +91,12 @@ class GroupCore(Runner):
             )
         self._relay_url = RelayUrl.parse(relay) if relay is not None else None
         self._relay_token = relay_token
+        if relay_proxy is not None and relay is None:
+            raise UsageError("relay_proxy= is the way to a relay: pass relay= too")
+        if relay_proxy:
+            ProxyUrl.parse(relay_proxy)  # a bad URL is a UsageError now, not at start()
+        # "" keeps the connection direct even when P2PDIST_RELAY_PROXY is set
+        self._relay_config = RelayConfig(proxy=relay_proxy)
         self._relay_path: RelayPath | None = None
         if self._relay_url is not None and not (config or GroupConfig()).transport.tls:
             raise UsageError("relay= runs QUIC, which always encrypts: do not pass tls=False")
@@ -164,6 +172,7 @@ class GroupCore(Runner):
         config: GroupConfig | None = None,
         relay: str | None = None,
         relay_token: str | None = None,
+        relay_proxy: str | None = None,
         rejoin: bool = False,
     ) -> Self:
         """A group whose keys all derive from ``seed`` (a shared secret: whoever knows it
@@ -173,7 +182,9 @@ class GroupCore(Runner):
         listens on its own entry, or on ``listen``), or ``relay`` is a relay URL
         (``https://host:port/?pin=<id>``, as ``p2pdist-relay`` prints it): then the ranks
         reach each other by endpoint id alone, over QUIC through the relay, with no
-        addresses at all (``relay_token`` for a relay that wants one). ``tls=False`` is
+        addresses at all (``relay_token`` for a relay that wants one; ``relay_proxy``,
+        ``http://[user:password@]host:port``, when the relay is reachable only through an
+        HTTP proxy: None takes P2PDIST_RELAY_PROXY when set). ``tls=False`` is
         authenticated plaintext TCP, for trusted networks only; None keeps ``config``'s
         setting (TLS by default). ``timeout`` sets ``config.timeout``, the default bound on
         every collective; forming the group (the relay session included) is bounded by
@@ -207,6 +218,7 @@ class GroupCore(Runner):
             config=cfg,
             relay=relay,
             relay_token=relay_token,
+            relay_proxy=relay_proxy,
             rejoin=rejoin,
         )
 
@@ -372,7 +384,9 @@ class GroupCore(Runner):
         """TCP listening on our address, or QUIC over a session to the relay."""
         members = self._accepts
         if self._relay_url is not None:
-            path = RelayPath(self._key, self._relay_url, token=self._relay_token)
+            path = RelayPath(
+                self._key, self._relay_url, token=self._relay_token, config=self._relay_config
+            )
             self._relay_path = path
             quic = QuicTransport(
                 self._key,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import random as _random
 import socket
 import ssl
@@ -29,6 +30,7 @@ from ..errors import (
 from ..identity import ID_LEN, EndpointId, SecretKey, endpoint_id_of
 from ..tasks import cancel_and_wait
 from ..tls import endpoint_id_of_cert
+from ..wire.httpproxy import ProxyRefused, ProxyUrl
 from ..wire.relay import (
     CREDENTIAL_REFUSALS,
     MAX_DATAGRAM,
@@ -45,10 +47,12 @@ from ..wire.relay import (
     upgrade_request,
 )
 from .aeadpipe import new_secret
+from .proxytunnel import open_tunnel
 from .relay_session import RelaySessionProtocol
 from .securestream import SecureStream
 
 __all__ = [
+    "PROXY_ENV",
     "ReconnectBackoff",
     "RelayConfig",
     "RelayPath",
@@ -58,6 +62,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+PROXY_ENV = "P2PDIST_RELAY_PROXY"
+"""Environment variable naming the HTTP proxy relay connections go through (see
+:attr:`RelayConfig.proxy`). The usual HTTPS_PROXY is not read: a proxy set for web
+traffic must not silently carry a fleet's relay sessions too."""
 
 _SELF_SIGNED = (18, 19)
 """OpenSSL's X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT and SELF_SIGNED_CERT_IN_CHAIN: what a
@@ -104,6 +113,10 @@ class RelayConfig:
     records: bool = True
     """Offer AES-GCM records after the upgrade (docs/protocol.md 8.2; a relay that does
     not take them keeps TLS). False keeps TLS throughout (for comparisons)."""
+    proxy: str | None = None
+    """``http://[user:password@]host:port`` of an HTTP proxy to reach the relay through
+    (a CONNECT tunnel; TLS to the relay runs inside it). None takes the environment
+    variable P2PDIST_RELAY_PROXY when set; "" means no proxy whatever the environment."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +152,9 @@ class RelayStatus:
     """The relay's UDP observation ports (STUN Binding), from AUTH_OK; two ports let a
     client tell endpoint-independent from endpoint-dependent NAT mapping. Empty when the
     relay advertises none (or sent something malformed)."""
+    proxy: str | None = None
+    """The HTTP proxy the session is tunnelled through (``http://host:port``, without
+    credentials), or None for a direct connection."""
 
 
 def parse_stun_ports(value: object) -> tuple[int, ...]:
@@ -206,6 +222,11 @@ class RelayPath:
         self.url = url if isinstance(url, RelayUrl) else RelayUrl.parse(url)
         self._token = token or ""
         self.config = config or RelayConfig()
+        proxy = self.config.proxy
+        if proxy is None:
+            proxy = os.environ.get(PROXY_ENV, "")
+        self.proxy = ProxyUrl.parse(proxy) if proxy else None
+        """The proxy the relay connection is tunnelled through, or None."""
         self._backoff = ReconnectBackoff(
             self.config.backoff_initial, self.config.backoff_max, random or _random.random
         )
@@ -213,7 +234,11 @@ class RelayPath:
         self.on_datagram: Callable[[EndpointId, bytes], None] | None = None
         self.on_peer_gone: Callable[[EndpointId], None] | None = None
         self.max_datagram = MAX_DATAGRAM
-        self._status = RelayStatus(str(self.url), RelayState.CONNECTING)
+        self._status = RelayStatus(
+            str(self.url),
+            RelayState.CONNECTING,
+            proxy=str(self.proxy) if self.proxy is not None else None,
+        )
         self._observation_off = False
         """Whether the last AUTH_OK listed no observation port at all (an empty list)."""
         self._writer: asyncio.Transport | None = None
@@ -399,10 +424,13 @@ class RelayPath:
             return proto.stream
 
         stream: SecureStream | None = None
+        loop = asyncio.get_running_loop()
         try:
-            _, stream = await asyncio.get_running_loop().create_connection(
-                stream_factory, url.host, url.port
-            )
+            if self.proxy is None:
+                _, stream = await loop.create_connection(stream_factory, url.host, url.port)
+            else:
+                tunnel = await self._tunnel(self.proxy)
+                _, stream = await loop.create_connection(stream_factory, sock=tunnel)
             await stream.handshake
         except BaseException as exc:
             if stream is not None:
@@ -439,6 +467,19 @@ class RelayPath:
                 )
         self._cert_hash = cert_fingerprint(der)
         return proto
+
+    async def _tunnel(self, proxy: ProxyUrl) -> socket.socket:
+        """A CONNECT tunnel to the relay through ``proxy``; a refusal for credentials or
+        policy (407, 403) is reported to waiters at once, others are retried."""
+        try:
+            return await open_tunnel(proxy, self.url.host, self.url.port)
+        except ProxyRefused as exc:
+            what = f"proxy {proxy} refused the tunnel: {exc}"
+            if exc.status in (403, 407):
+                raise PeerAuthenticationError(f"relay {self.url}", what) from None
+            raise RelayProtocolError(what) from None
+        except OSError as exc:
+            raise ConnectionError(f"proxy {proxy}: {exc or type(exc).__name__}") from None
 
     async def _handshake(self, proto: RelaySessionProtocol, writer: asyncio.Transport) -> float:
         """Upgrade and authenticate; returns the keepalive interval."""

@@ -1,0 +1,60 @@
+"""A TCP tunnel through an HTTP forward proxy (CONNECT), as a connected socket.
+
+The relay client hands the socket to ``create_connection(sock=...)`` and runs TLS to the
+relay inside it, exactly as over a direct connection. Works on any event loop that has
+the ``sock_*`` methods (asyncio's and uvloop's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from ..wire.httpproxy import ProxyUrl, connect_answer, connect_request
+from ..wire.relay import MAX_HTTP_HEAD, RelayProtocolError
+
+__all__ = ["open_tunnel"]
+
+
+async def _connect(host: str, port: int) -> socket.socket:
+    """A non-blocking TCP socket connected to ``host:port`` (every resolved address in
+    turn; the last failure is raised)."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    last: OSError = OSError(f"{host}:{port} resolves to no address")
+    for family, kind, proto, _, addr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, addr)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+        except BaseException:
+            sock.close()
+            raise
+    raise last
+
+
+async def open_tunnel(proxy: ProxyUrl, host: str, port: int) -> socket.socket:
+    """A socket whose bytes reach ``host:port`` through ``proxy``. The caller bounds the
+    wait. ``ProxyRefused`` when the proxy says no (its status kept), ``OSError`` when it
+    cannot be reached or closes, ``RelayProtocolError`` for an answer that is not HTTP or
+    has bytes after its head (the relay speaks only after our TLS ClientHello)."""
+    loop = asyncio.get_running_loop()
+    sock = await _connect(proxy.host, proxy.port)
+    try:
+        await loop.sock_sendall(sock, connect_request(proxy, host, port))
+        answer = bytearray()
+        while (used := connect_answer(answer)) is None:
+            more = await loop.sock_recv(sock, MAX_HTTP_HEAD + 4 - len(answer))
+            if not more:
+                raise ConnectionResetError(f"proxy {proxy} closed before answering CONNECT")
+            answer += more
+        if used != len(answer):
+            raise RelayProtocolError(f"proxy {proxy} sent data after its CONNECT answer")
+        return sock
+    except BaseException:
+        sock.close()
+        raise

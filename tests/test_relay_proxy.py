@@ -1,0 +1,323 @@
+"""Reaching the relay through an HTTP forward proxy (CONNECT): a real proxy on loopback in
+front of a real relay process, the relay client and a whole group through it."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from relay_helpers import RelayProcess
+from transport_conformance import bounded, wait_until
+
+from p2pdist import (
+    Group,
+    GroupConfig,
+    PeerAuthenticationError,
+    PunchConfig,
+    SecretKey,
+    UsageError,
+    eventloop,
+)
+from p2pdist.transport.proxytunnel import open_tunnel
+from p2pdist.transport.relay_path import PROXY_ENV, RelayConfig, RelayPath, RelayState
+from p2pdist.wire.httpproxy import ProxyRefused, ProxyUrl, connect_answer, connect_request
+from p2pdist.wire.relay import RelayProtocolError, RelayUrl
+
+FAST = RelayConfig(connect_timeout=5.0, backoff_initial=0.05, backoff_max=0.5)
+MARKER = b"PROXY-PLAINTEXT-MARKER-51c2"
+
+
+class ConnectProxy:
+    """A forward proxy on 127.0.0.1 that serves CONNECT only: it checks Basic credentials
+    when given some, answers ``status`` instead of tunnelling when set, and keeps what it
+    saw (the targets asked for, every byte it carried)."""
+
+    def __init__(
+        self, *, credentials: tuple[str, str] | None = None, status: str | None = None
+    ) -> None:
+        self.credentials = credentials
+        self.status = status
+        self.targets: list[str] = []
+        self.carried = bytearray()
+        self.after_answer = b""  # bytes to send right after a 200 (a broken proxy)
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        port = self._server.sockets[0].getsockname()[1]
+        if self.credentials is None:
+            return f"http://127.0.0.1:{port}"
+        user, password = self.credentials
+        return f"http://{user}:{password}@127.0.0.1:{port}"
+
+    async def __aenter__(self) -> ConnectProxy:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            method, target, _ = head[0].split(" ")
+            headers = dict(line.split(": ", 1) for line in head[1:] if line)
+            self.targets.append(target)
+            if method != "CONNECT":
+                writer.write(b"HTTP/1.1 405 Method Not Allowed\r\n\r\n")
+                return
+            if self.credentials is not None:
+                want = base64.b64encode(":".join(self.credentials).encode()).decode()
+                if headers.get("Proxy-Authorization") != f"Basic {want}":
+                    writer.write(b"HTTP/1.1 407 Proxy Authentication Required\r\n\r\n")
+                    return
+            if self.status is not None:
+                writer.write(f"HTTP/1.1 {self.status}\r\n\r\n".encode())
+                return
+            host, port = target.rsplit(":", 1)
+            up_reader, up_writer = await asyncio.open_connection(host.strip("[]"), int(port))
+            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n" + self.after_answer)
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        except (OSError, asyncio.IncompleteReadError, ValueError):
+            pass
+        finally:
+            writer.close()
+            self._tasks.discard(task)
+
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        try:
+            while data := await src.read(1 << 16):
+                self.carried += data
+                dst.write(data)
+                await dst.drain()
+        finally:
+            dst.close()
+
+
+@contextlib.asynccontextmanager
+async def proxy(**kw: object) -> AsyncIterator[ConnectProxy]:
+    async with ConnectProxy(**kw) as p:  # type: ignore[arg-type]
+        yield p
+
+
+def key(i: int) -> SecretKey:
+    return SecretKey.from_seed("relay-proxy-tests-0123", i)
+
+
+# ---- the codec ------------------------------------------------------------------------
+
+
+def test_proxy_urls_parse_and_never_show_their_password() -> None:
+    p = ProxyUrl.parse("http://alice:s%3Acret@proxy.example:3128")
+    assert (p.host, p.port, p.user, p.password) == ("proxy.example", 3128, "alice", "s:cret")
+    assert str(p) == "http://proxy.example:3128"
+    assert str(ProxyUrl.parse("http://[::1]:8080/")) == "http://[::1]:8080"
+    for bad, why in [
+        ("https://proxy:3128", "http://"),
+        ("socks5://proxy:1080", "http://"),
+        ("http://proxy", "needs a port"),
+        ("http://:3128", "no host"),
+        ("http://proxy:3128/path", "no path"),
+        ("http://proxy:99999", "out of range"),
+    ]:
+        with pytest.raises(UsageError, match=why):
+            ProxyUrl.parse(bad)
+    with pytest.raises(UsageError) as info:
+        ProxyUrl.parse("https://alice:hunter2@proxy:3128")
+    assert "hunter2" not in str(info.value)
+
+
+def test_connect_request_and_answer() -> None:
+    plain = ProxyUrl.parse("http://proxy:3128")
+    assert connect_request(plain, "relay.example", 443) == (
+        b"CONNECT relay.example:443 HTTP/1.1\r\nHost: relay.example:443\r\n\r\n"
+    )
+    authed = ProxyUrl.parse("http://u:p@proxy:3128")
+    assert b"CONNECT [2001:db8::1]:8443 HTTP/1.1\r\n" in connect_request(
+        authed, "2001:db8::1", 8443
+    )
+    assert b"Proxy-Authorization: Basic dTpw\r\n" in connect_request(authed, "h", 1)
+    ok = b"HTTP/1.1 200 Connection established\r\nVia: x\r\n\r\n"
+    assert connect_answer(ok[:20]) is None  # more bytes needed
+    assert connect_answer(ok) == len(ok)
+    with pytest.raises(ProxyRefused) as refused:
+        connect_answer(b"HTTP/1.1 407 Proxy Authentication Required\r\n\r\n")
+    assert refused.value.status == 407 and "Authentication" in str(refused.value)
+    with pytest.raises(RelayProtocolError):
+        connect_answer(b"SSH-2.0-OpenSSH_9.6 hello\r\n\r\n")
+
+
+# ---- the tunnel, the relay client and a group through a real proxy ---------------------
+
+
+async def test_a_proxy_answering_with_more_than_its_head_is_refused() -> None:
+    async with proxy() as p:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        p.after_answer = b"\x16\x03\x01"  # bytes before we sent any: not the relay's
+        try:
+            with pytest.raises(RelayProtocolError, match="after its CONNECT answer"):
+                await bounded(open_tunnel(ProxyUrl.parse(p.url), "127.0.0.1", port), "tunnel")
+            p.after_answer = b""
+            sock = await bounded(open_tunnel(ProxyUrl.parse(p.url), "127.0.0.1", port), "tunnel")
+            sock.close()
+            assert p.targets == [f"127.0.0.1:{port}"] * 2
+        finally:
+            server.close()
+
+
+async def test_relay_clients_reach_each_other_through_the_proxy(tmp_path: Path) -> None:
+    with RelayProcess(tmp_path) as relay:
+        url = RelayUrl.parse(relay.url)
+        async with proxy(credentials=("fleet", "pa ss:word")) as p:
+            config = RelayConfig(
+                connect_timeout=5.0, backoff_initial=0.05, backoff_max=0.5, proxy=p.url
+            )
+            a, b = RelayPath(key(0), relay.url, config=config), RelayPath(key(1), relay.url)
+            got: asyncio.Queue[bytes] = asyncio.Queue()
+            b.on_datagram = lambda src, data: got.put_nowait(data)
+            try:
+                await asyncio.gather(a.wait_connected(10), b.wait_connected(10))
+                assert a.status.proxy == str(ProxyUrl.parse(p.url)) and b.status.proxy is None
+                assert "pa ss" not in repr(a.status)
+                for _ in range(50):  # best effort: resend until one arrives
+                    a.send(b.endpoint_id, MARKER)
+                    with contextlib.suppress(TimeoutError):
+                        assert await asyncio.wait_for(got.get(), 0.2) == MARKER
+                        break
+                else:
+                    raise AssertionError("nothing came through the proxy")
+            finally:
+                await bounded(asyncio.gather(a.close(), b.close()), "close()")
+        assert p.targets == [f"{url.host}:{url.port}"]  # a only; b went direct
+        assert len(p.carried) > 1000 and MARKER not in p.carried  # TLS and records only
+
+
+async def _group_through_proxy(relay_url: str) -> ConnectProxy:
+    cfg = GroupConfig(timeout=30.0, connect_timeout=30.0, punch=PunchConfig(enabled=False))
+    async with proxy() as p:
+        gs = [
+            Group.from_seed(
+                "proxy-group-seed-0123456789",
+                rank=r,
+                world=2,
+                relay=relay_url,
+                relay_proxy=p.url,
+                config=cfg,
+            )
+            for r in range(2)
+        ]
+        try:
+            await asyncio.gather(*(g.start() for g in gs))
+            outs = await asyncio.gather(*(g.all_reduce(np.full(100_000, g.rank + 1.0)) for g in gs))
+            np.testing.assert_array_equal(outs[1], np.full(100_000, 3.0))
+            for g in gs:
+                assert g.relay_status is not None and g.relay_status.proxy is not None
+        finally:
+            await asyncio.gather(*(g.close() for g in gs))
+    return p
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_group_through_a_proxy_and_the_relay(tmp_path: Path, loop: str) -> None:
+    if loop == "uvloop" and not eventloop.uvloop_available():
+        pytest.skip('uvloop is not installed (pip install "p2pdist[fast]")')
+    with RelayProcess(tmp_path) as relay:
+        p = eventloop.run(_group_through_proxy(relay.url), loop=loop)
+    assert len(p.targets) == 2 and len(p.carried) > 800_000
+
+
+async def test_proxy_refusals_wrong_credentials_at_once_a_bad_gateway_retried(
+    tmp_path: Path,
+) -> None:
+    with RelayProcess(tmp_path) as relay:
+        async with proxy(credentials=("fleet", "right")) as p:
+            wrong = p.url.replace(":right@", ":wrong@")
+            path = RelayPath(
+                key(2), relay.url, config=RelayConfig(connect_timeout=5.0, proxy=wrong)
+            )
+            try:
+                with pytest.raises(PeerAuthenticationError, match="407 Proxy Authentication"):
+                    await path.wait_connected(10)
+                assert "wrong" not in str(path.status)
+            finally:
+                await path.close()
+            g = Group.from_seed("s" * 20, rank=0, world=2, relay=relay.url, relay_proxy=wrong)
+            with pytest.raises(PeerAuthenticationError, match=r"proxy http://127\.0\.0\.1:"):
+                await g.start()
+            await g.close()
+        async with proxy(status="502 Bad Gateway") as p:
+            path = RelayPath(
+                key(3),
+                relay.url,
+                config=RelayConfig(
+                    connect_timeout=5.0, backoff_initial=0.05, backoff_max=0.2, proxy=p.url
+                ),
+            )
+            path.start()
+            try:
+                await wait_until(lambda: len(p.targets) >= 3, "three attempts through the proxy")
+                assert path.status.state is not RelayState.CONNECTED
+                assert "502 Bad Gateway" in (path.status.last_error or "")
+            finally:
+                await path.close()
+
+
+async def test_the_proxy_comes_from_the_environment_unless_told_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with RelayProcess(tmp_path) as relay:
+        async with proxy() as p:
+            monkeypatch.setenv(PROXY_ENV, p.url)
+            via_env = RelayPath(key(4), relay.url, config=FAST)
+            direct = RelayPath(key(5), relay.url, config=RelayConfig(proxy=""))
+            try:
+                await asyncio.gather(via_env.wait_connected(10), direct.wait_connected(10))
+                assert via_env.status.proxy is not None and direct.status.proxy is None
+                assert len(p.targets) == 1
+            finally:
+                await asyncio.gather(via_env.close(), direct.close())
+            monkeypatch.setenv(PROXY_ENV, "socks5://nope:1")
+            with pytest.raises(UsageError, match="http://"):
+                RelayPath(key(6), relay.url)
+    with pytest.raises(UsageError, match="pass relay= too"):
+        Group.from_seed(
+            "s" * 20,
+            rank=0,
+            world=2,
+            peers=["127.0.0.1:1"] * 2,
+            relay_proxy="http://127.0.0.1:3128",
+        )
+    with pytest.raises(UsageError, match="needs a port"):
+        Group.from_seed("s" * 20, rank=0, world=2, relay="https://h:1/", relay_proxy="http://x")
+
+
+async def test_doctor_says_it_went_through_the_proxy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from p2pdist.doctor import diagnose, render
+
+    with RelayProcess(tmp_path) as relay:
+        async with proxy(credentials=("fleet", "secret-word")) as p:
+            monkeypatch.setenv(PROXY_ENV, p.url)
+            shown = str(ProxyUrl.parse(p.url))
+            report = await diagnose(relay.url, key=key(7), timeout=5.0)
+    text = render(report)
+    assert report.relay_connected, text
+    assert f"through proxy {shown}" in text
+    assert "secret-word" not in text
