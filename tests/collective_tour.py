@@ -54,6 +54,7 @@ def _calls(g: Group, data: dict[str, list[Any]]) -> list[Awaitable[Any]]:
         g.all_to_all_v(data["v"][r]),
         g.barrier(),
         g.all_reduce(small, "sum", mode="deterministic"),
+        g.reduce_scatter(big, "mean", wire_dtype="bfloat16"),
     ]
 
 
@@ -87,6 +88,9 @@ def _check(rank: int, world: int, got: list[Any], data: dict[str, list[Any]]) ->
         np.testing.assert_array_equal(got[13][p], data["v"][p][rank])
     assert got[14] is None
     np.testing.assert_array_equal(got[15], np.sum(small, axis=0))
+    piece = np.array_split(exact, world)[rank]
+    err = float(np.abs(got[16] * world - piece).max()) / scale
+    assert got[16].dtype == np.float32 and err <= WIRE_BOUNDS["bfloat16"], err
 
 
 async def every_collective_at_once(gs: list[Group]) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from group_helpers import groups
 
-from p2pdist import ErrorFeedback, Group, UsageError
+from p2pdist import ErrorFeedback, Group, MismatchError, UsageError
 
 # Documented bounds (docs/collectives.md): max |result - float64 sum| / max |float64 sum|
 # on Gaussian inputs, for worlds up to 4.
@@ -304,3 +304,64 @@ def test_float16_decode_is_exact_when_the_cpu_flushes_subnormals(tmp_path: objec
         csr.set(ctypes.c_uint(saved))
     assert not subnormals_flushed()
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("wire", ["float16", "bfloat16", "int8"])
+async def test_reduce_scatter_compressed_within_the_bound(world: int, wire: str) -> None:
+    # chunk_bytes 4096: many chunks per piece, pieces whose starts are off the int8 blocks
+    async with groups(world, config={"chunk_bytes": 4096}) as gs:
+        for shape in [(world - 1,), (1001,), (40_001,), (3001, 3)]:
+            xs = gaussian(world, int(np.prod(shape)), seed=shape[0])
+            xs = [x.reshape(shape) for x in xs]
+            ref = np.sum([x.astype(np.float64) for x in xs], axis=0)
+            scale = max(float(np.abs(ref).max()), 1e-30)
+            for op in ("sum", "mean"):
+                outs = await asyncio.gather(
+                    *(g.reduce_scatter(xs[g.rank], op, wire_dtype=wire, block=128) for g in gs)
+                )
+                want = np.array_split(ref / (world if op == "mean" else 1), world)
+                for r, piece in enumerate(outs):
+                    assert piece.dtype == np.float32 and piece.shape == want[r].shape
+                    err = float(np.abs(piece - want[r]).max(initial=0)) * (
+                        world if op == "mean" else 1
+                    )
+                    assert err / scale <= BOUNDS[wire], (wire, shape, op, r, err / scale)
+
+
+async def test_reduce_scatter_compressed_sends_fewer_bytes_and_keeps_its_dtype() -> None:
+    async with groups(2) as gs:
+        xs = gaussian(2, 1 << 20)
+
+        async def sent_for(**kw: object) -> int:
+            before = gs[0].connection(1).stats.bytes_sent
+            await asyncio.gather(*(g.reduce_scatter(xs[g.rank], **kw) for g in gs))  # type: ignore[arg-type]
+            return gs[0].connection(1).stats.bytes_sent - before
+
+        plain = await sent_for()
+        assert abs(await sent_for(wire_dtype="bfloat16") / plain - 0.5) < 0.01
+        assert abs(await sent_for(wire_dtype="int8") / plain - (1 + 4 / 256) / 4) < 0.01
+        halves = [x.astype(np.float16) for x in xs]
+        outs = await asyncio.gather(
+            *(g.reduce_scatter(halves[g.rank], wire_dtype="float16") for g in gs)
+        )
+        ref = np.sum([h.astype(np.float64) for h in halves], axis=0)
+        assert outs[1].dtype == np.float16
+        np.testing.assert_allclose(outs[1], np.array_split(ref, 2)[1], atol=2e-2, rtol=2e-3)
+
+
+async def test_reduce_scatter_compression_must_agree_and_is_checked() -> None:
+    async with groups(2, timeout=5.0) as gs:
+        x = np.ones(10_000, np.float32)
+        results = await asyncio.gather(
+            gs[0].reduce_scatter(x, wire_dtype="int8"),
+            gs[1].reduce_scatter(x),
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, Exception) for r in results), results
+        assert any(isinstance(r, MismatchError) and "int8" in str(r) for r in results), results
+    async with groups(2) as gs:
+        with pytest.raises(UsageError, match="floating sum/mean"):
+            await gs[0].reduce_scatter(np.ones(4, np.float32), op="max", wire_dtype="bfloat16")
+        with pytest.raises(UsageError, match="deterministic"):
+            await gs[0].reduce_scatter(np.ones(4), mode="deterministic", wire_dtype="int8")

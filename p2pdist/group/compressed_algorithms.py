@@ -12,7 +12,19 @@ import numpy as np
 from .compress import WireCodec
 from .linkops import Link, as_bytes, chunks, send_to_others
 
-__all__ = ["compressed_direct_all_reduce", "compressed_ring_all_reduce"]
+__all__ = [
+    "compressed_direct_all_reduce",
+    "compressed_ring_all_reduce",
+    "compressed_ring_reduce_scatter",
+]
+
+
+def _wire_chunk(codec: WireCodec, chunk: int) -> int:
+    """Elements per ring message, so that a wire message has about as many bytes as a
+    float32 chunk of ``chunk`` elements (a quarter or half of the bytes would double or
+    quadruple the messages); a multiple of ``codec.align`` (int8 blocks)."""
+    chunk = max(chunk, 4 * chunk * chunk // max(1, codec.nbytes(chunk)))
+    return max(codec.align, chunk - chunk % codec.align)
 
 
 async def compressed_ring_all_reduce(
@@ -48,10 +60,7 @@ async def compressed_ring_all_reduce(
     """
     n, r = link.size, link.rank
     right, left = (r + 1) % n, (r - 1) % n
-    # Chunks whose wire size is what a float32 chunk would be: as many messages as the
-    # plain ring would send for a quarter (int8) or half (16-bit) of the bytes.
-    chunk = max(chunk, 4 * chunk * chunk // max(1, codec.nbytes(chunk)))
-    chunk = max(codec.align, chunk - chunk % codec.align)
+    chunk = _wire_chunk(codec, chunk)
     widest = min(chunk, max(b - a for a, b in bounds))
     wire = np.empty(codec.nbytes(widest), np.uint8)
     lost = None if residual is None else np.empty(widest, np.float32)
@@ -91,6 +100,37 @@ async def compressed_ring_all_reduce(
                 codec.decode_into(data, work[a:b])
                 if k < n - 2:  # forwarded in the next step; else let the buffer go
                     held.append(data)
+                del data
+
+
+async def compressed_ring_reduce_scatter(
+    link: Link, work: np.ndarray, bounds: list[tuple[int, int]], codec: WireCodec, chunk: int
+) -> None:
+    """Sum float32 ``work`` over ranks so that segment ``bounds[rank]`` holds the result,
+    with a narrow wire format: step k sends segment (rank-k-1), encoded, to the right and
+    accumulates segment (rank-k-2) from the left in float32. Every hop re-encodes the
+    partial sum (fresh int8 scales, so it never saturates); our own segment is never
+    encoded after its last contribution, so it keeps float32 precision. Segments may
+    start anywhere: a chunk's int8 blocks start at the chunk."""
+    n, r = link.size, link.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    chunk = _wire_chunk(codec, chunk)
+    wire = np.empty(codec.nbytes(min(chunk, max(b - a for a, b in bounds))), np.uint8)
+    for k in range(n - 1):
+        sends = chunks(*bounds[(r - k - 1) % n], chunk)
+        recvs = chunks(*bounds[(r - k - 2) % n], chunk)
+        for send, recv in zip_longest(sends, recvs):
+            if send is not None:
+                a, b = send
+                buf = wire[: codec.nbytes(b - a)]
+                if b > a:
+                    codec.encode_into(work[a:b], buf)
+                await link.send(right, as_bytes(buf))  # handed over before it returns
+            if recv is not None:
+                a, b = recv
+                data = await link.recv(left, codec.nbytes(b - a))
+                if b > a:
+                    codec.accumulate(data, work[a:b])
                 del data
 
 

@@ -20,7 +20,11 @@ from .compress import (
     make_codec,
     to_float32,
 )
-from .compressed_algorithms import compressed_direct_all_reduce, compressed_ring_all_reduce
+from .compressed_algorithms import (
+    compressed_direct_all_reduce,
+    compressed_ring_all_reduce,
+    compressed_ring_reduce_scatter,
+)
 from .config import MODES, PAIRWISE_MAX_WORLD
 from .core import GroupCore
 from .link import CollectiveLink, describe_call
@@ -254,18 +258,22 @@ class Group(GroupCore):
         *,
         out: np.ndarray | None = None,
         mode: str | None = None,
+        wire_dtype: str | None = None,
+        block: int = INT8_BLOCK,
         timeout: float | None = None,
     ) -> np.ndarray:
         """Reduce ``x`` over all ranks and return this rank's piece of the result.
 
         The pieces split axis 0 the way ``numpy.array_split(result, size)`` does, so rank r
         gets ``array_split(reduced, size)[r]`` (pieces may be empty when the axis is short).
+        ``mode`` as for :meth:`all_reduce`. ``wire_dtype`` and ``block`` compress floating
+        sum/mean as :meth:`all_reduce` does (the ring, accumulating in float32 at every
+        hop; a rank's own piece is never encoded after its last contribution).
         """
         arr = as_array(x)
         if arr.ndim == 0:
             raise UsageError("reduce_scatter needs an array with at least one dimension")
-        rop = reduce_op(op, arr.dtype)
-        ordered = self._ordered(mode, rop, arr)
+        rop, ordered, codec = self._all_reduce_codec(arr, op, mode, wire_dtype, block, None)
         rows = split_bounds(arr.shape[0], self.size)
         row_items = int(np.prod(arr.shape[1:], dtype=np.int64))
         bounds = [(a * row_items, b * row_items) for a, b in rows]
@@ -276,10 +284,27 @@ class Group(GroupCore):
         if self.size == 1:
             np.copyto(result, arr[r0:r1])
             return result
-        descriptor = describe_call(
-            "reduce_scatter", _op_label(op, ordered), arr.dtype.str, arr.shape
-        )
+        label = _op_label(op, ordered)
+        if codec is not None:
+            label = f"{label}@{wire_dtype}" + (f"/{block}" if wire_dtype == "int8" else "")
+        descriptor = describe_call("reduce_scatter", label, arr.dtype.str, arr.shape)
         chunk = self._chunk(arr.dtype)
+        if codec is not None:
+            wire_codec = codec
+            self._seconds(timeout)  # a call refused for its timeout makes no copy
+            # mean divides before encoding, as all_reduce does: partial sums stay in range
+            work = _compressed_input(arr, codec, None, self.size if rop.divide else 1)
+
+            async def compressed(lk: CollectiveLink) -> np.ndarray:
+                await compressed_ring_reduce_scatter(
+                    lk, work, bounds, wire_codec, self._chunk(work.dtype)
+                )
+                a, b = bounds[self._rank]
+                with np.errstate(over="ignore"):  # a float16 result past 65504 is inf
+                    result.reshape(-1)[:] = work[a:b]
+                return result
+
+            return await self._run(descriptor, timeout, compressed)
 
         async def body(lk: CollectiveLink) -> np.ndarray:
             if ordered:
