@@ -133,6 +133,19 @@ async def test_group_default_mode_and_disagreement() -> None:
         assert "deterministic" in text
         with pytest.raises(UsageError, match="mode"):
             await gs[0].all_reduce(x, mode="exact")
+    # where both modes would run the same path, a disagreement is still caught
+    for call in (
+        lambda g, m: g.all_reduce(np.arange(5), mode=m, timeout=5),
+        lambda g, m: g.all_reduce(np.ones(5), "max", mode=m, timeout=5),
+        lambda g, m: g.reduce_scatter(np.arange(6), mode=m, timeout=5),
+        lambda g, m: g.reduce(np.arange(5), 0, mode=m, timeout=5),
+    ):
+        async with groups(2) as gs:
+            results = await asyncio.gather(
+                call(gs[0], "deterministic"), call(gs[1], None), return_exceptions=True
+            )
+            text = " ".join(map(str, results))
+            assert any(isinstance(r, MismatchError) for r in results), text
     with pytest.raises(ValueError, match="mode"):
         GroupConfig(mode="exact", transport=TransportConfig())
 

@@ -128,15 +128,17 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
-    def _ordered(self, mode: str | None, rop: ReduceOp, arr: np.ndarray) -> bool:
-        """Whether this reduction takes the deterministic (rank-ordered float64) path."""
+    def _deterministic(self, mode: str | None) -> bool:
+        """Whether the call asks for deterministic mode (``mode``, else the group's)."""
         chosen = self.config.mode if mode is None else mode
-        if chosen == "fast":
-            return False
         if chosen not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {chosen!r}")
+        return chosen == "deterministic"
+
+    def _ordered(self, mode: str | None, rop: ReduceOp, arr: np.ndarray) -> bool:
+        """Whether this reduction takes the deterministic (rank-ordered float64) path."""
         # Integer arithmetic and max/min give the same bits in any order already.
-        return chosen == "deterministic" and rop.order_sensitive and arr.dtype.kind in "fc"
+        return self._deterministic(mode) and rop.order_sensitive and arr.dtype.kind in "fc"
 
     def _all_reduce_codec(
         self,
@@ -195,7 +197,7 @@ class Group(GroupCore):
             if work is not arr:
                 np.copyto(work, arr)
             return work
-        label = _op_label(op, ordered)
+        label = _op_label(op, self._deterministic(mode))
         if codec is not None:  # only int8 has blocks: others must not differ in it
             label = f"{label}@{wire_dtype}" + (f"/{block}" if wire_dtype == "int8" else "")
         descriptor = describe_call("all_reduce", label, arr.dtype.str, arr.shape)
@@ -284,7 +286,7 @@ class Group(GroupCore):
         if self.size == 1:
             np.copyto(result, arr[r0:r1])
             return result
-        label = _op_label(op, ordered)
+        label = _op_label(op, self._deterministic(mode))
         if codec is not None:
             label = f"{label}@{wire_dtype}" + (f"/{block}" if wire_dtype == "int8" else "")
         descriptor = describe_call("reduce_scatter", label, arr.dtype.str, arr.shape)
@@ -418,7 +420,9 @@ class Group(GroupCore):
             if result is not arr:
                 np.copyto(result, arr)
             return result
-        descriptor = describe_call("reduce", _op_label(op, ordered), arr.dtype.str, arr.shape, dst)
+        descriptor = describe_call(
+            "reduce", _op_label(op, self._deterministic(mode)), arr.dtype.str, arr.shape, dst
+        )
 
         async def body(lk: CollectiveLink) -> np.ndarray | None:
             await alg.agree(lk)  # a rank that names another root is caught here
@@ -711,9 +715,11 @@ def _check_row_of_out(arr: np.ndarray, result: np.ndarray) -> None:
         raise UsageError("out overlaps the input other than as one whole row of out")
 
 
-def _op_label(op: str, ordered: bool) -> str:
-    """The op as the call descriptor names it (the mode is part of the call)."""
-    return f"{op}:deterministic" if ordered else op
+def _op_label(op: str, deterministic: bool) -> str:
+    """The op as the call descriptor names it: the mode asked for is part of the call, so
+    ranks that disagree on it fail with a MismatchError, even where both modes would run
+    the same path (integers, max/min)."""
+    return f"{op}:deterministic" if deterministic else op
 
 
 def _codec_for(
