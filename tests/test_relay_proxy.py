@@ -78,6 +78,7 @@ class ConnectProxy:
             method, target, _ = head[0].split(" ")
             headers = dict(line.split(": ", 1) for line in head[1:] if line)
             self.targets.append(target)
+            assert headers.get("Host") == target, headers  # RFC 9112 3.2.3: the same authority
             if method != "CONNECT":
                 writer.write(b"HTTP/1.1 405 Method Not Allowed\r\n\r\n")
                 return
@@ -133,13 +134,23 @@ def test_proxy_urls_parse_and_never_show_their_password() -> None:
         ("http://proxy", "needs a port"),
         ("http://:3128", "no host"),
         ("http://proxy:3128/path", "no path"),
-        ("http://proxy:99999", "out of range"),
+        ("http://proxy:99999", "bad host or port"),
     ]:
         with pytest.raises(UsageError, match=why):
             ProxyUrl.parse(bad)
-    with pytest.raises(UsageError) as info:
-        ProxyUrl.parse("https://alice:hunter2@proxy:3128")
-    assert "hunter2" not in str(info.value)
+    for leaky in [
+        "https://alice:hunter2@proxy:3128",
+        "http://alice:hunter2@proxy:31x8",  # a typo in the port
+        "http://alice:hunter2@[::1:3128",  # a bad IPv6 address
+        "http://alice:hun/ter2@proxy:3128",  # a raw '/' in the password
+        "http://alice:hunter2@@proxy:3128/x",  # a raw '@' in it
+        "http://alice:hunter2@proxy",
+    ]:
+        with pytest.raises(UsageError) as info:
+            ProxyUrl.parse(leaky)
+        assert "hunter2" not in str(info.value) and "hun" not in str(info.value), info.value
+    assert "hunter2" not in repr(ProxyUrl.parse("http://alice:hunter2@proxy:3128"))
+    assert "hunter2" not in repr(RelayConfig(proxy="http://alice:hunter2@proxy:3128"))
 
 
 def test_connect_request_and_answer() -> None:
@@ -158,8 +169,21 @@ def test_connect_request_and_answer() -> None:
     with pytest.raises(ProxyRefused) as refused:
         connect_answer(b"HTTP/1.1 407 Proxy Authentication Required\r\n\r\n")
     assert refused.value.status == 407 and "Authentication" in str(refused.value)
-    with pytest.raises(RelayProtocolError):
-        connect_answer(b"SSH-2.0-OpenSSH_9.6 hello\r\n\r\n")
+    for bad in [
+        b"SSH-2.0-OpenSSH_9.6 hello\r\n\r\n",
+        "HTTP/1.1 \u00b200 x\r\n\r\n".encode("latin-1", "replace"),
+        b"HTTP/1.1 2000 OK\r\n\r\n",
+    ]:
+        with pytest.raises(RelayProtocolError):
+            connect_answer(bad)
+    # interim answers are skipped, a reason is optional, a proxy's odd headers are its own
+    interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.0 200\r\nX Odd: y\r\n\r\n"
+    assert connect_answer(interim) == len(interim)
+    assert connect_answer(interim[:30]) is None
+    with pytest.raises(RelayProtocolError, match="too large"):
+        connect_answer(b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 2000)
+    idn = connect_request(plain, "b\u00fccher.example", 443)
+    assert idn.startswith(b"CONNECT xn--bcher-kva.example:443 HTTP/1.1\r\n")
 
 
 # ---- the tunnel, the relay client and a group through a real proxy ---------------------
@@ -292,9 +316,32 @@ async def test_the_proxy_comes_from_the_environment_unless_told_otherwise(
                 assert len(p.targets) == 1
             finally:
                 await asyncio.gather(via_env.close(), direct.close())
+            # Group.from_env reaches the relay through the proxy the environment names
+            for name, value in [
+                ("P2PDIST_SEED", "env-proxy-seed-0123456789"),
+                ("P2PDIST_WORLD", "2"),
+                ("P2PDIST_RELAY", relay.url),
+            ]:
+                monkeypatch.setenv(name, value)
+            monkeypatch.delenv("P2PDIST_PEERS", raising=False)
+            gs = []
+            for rank in (0, 1):
+                monkeypatch.setenv("P2PDIST_RANK", str(rank))
+                gs.append(Group.from_env())
+            try:
+                await asyncio.gather(*(g.start() for g in gs))
+                outs = await asyncio.gather(*(g.all_reduce(np.ones(3)) for g in gs))
+                np.testing.assert_array_equal(outs[0], np.full(3, 2.0))
+                assert len(p.targets) == 3  # via_env, then both ranks
+            finally:
+                await asyncio.gather(*(g.close() for g in gs))
             monkeypatch.setenv(PROXY_ENV, "socks5://nope:1")
             with pytest.raises(UsageError, match="http://"):
                 RelayPath(key(6), relay.url)
+            with pytest.raises(UsageError, match="http://"):  # when the group is made
+                Group.from_env()
+            Group.from_seed("s" * 20, rank=0, world=2, relay=relay.url, relay_proxy="")  # direct
+    Group.from_seed("s" * 20, rank=0, world=2, peers=["127.0.0.1:1"] * 2, relay_proxy="")
     with pytest.raises(UsageError, match="pass relay= too"):
         Group.from_seed(
             "s" * 20,

@@ -23,16 +23,19 @@ async def _connect(host: str, port: int) -> socket.socket:
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     last: OSError = OSError(f"{host}:{port} resolves to no address")
     for family, kind, proto, _, addr in infos:
-        sock = socket.socket(family, kind, proto)
-        try:
+        sock: socket.socket | None = None
+        try:  # creating the socket may fail too (an address family the host lacks)
+            sock = socket.socket(family, kind, proto)
             sock.setblocking(False)
             await loop.sock_connect(sock, addr)
             return sock
         except OSError as exc:
-            sock.close()
+            if sock is not None:
+                sock.close()
             last = exc
         except BaseException:
-            sock.close()
+            if sock is not None:
+                sock.close()
             raise
     raise last
 

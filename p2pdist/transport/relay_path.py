@@ -113,7 +113,7 @@ class RelayConfig:
     records: bool = True
     """Offer AES-GCM records after the upgrade (docs/protocol.md 8.2; a relay that does
     not take them keeps TLS). False keeps TLS throughout (for comparisons)."""
-    proxy: str | None = None
+    proxy: str | None = field(default=None, repr=False)  # it may hold a password
     """``http://[user:password@]host:port`` of an HTTP proxy to reach the relay through
     (a CONNECT tunnel; TLS to the relay runs inside it). None takes the environment
     variable P2PDIST_RELAY_PROXY when set; "" means no proxy whatever the environment."""
@@ -531,7 +531,8 @@ class RelayPath:
             async with asyncio.timeout_at(deadline):
                 proto = await self._open()
         except TimeoutError:
-            raise self._too_slow("TCP and TLS") from None
+            via = f" (through proxy {self.proxy})" if self.proxy is not None else ""
+            raise self._too_slow(f"TCP and TLS{via}") from None
         writer = proto.transport
         assert writer is not None  # connection_made ran before create_connection returned
         try:

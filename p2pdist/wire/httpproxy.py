@@ -9,11 +9,12 @@ and the AUTH proof, which is bound to the relay's certificate, are end to end.
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 from ..errors import UsageError
-from .relay import RelayProtocolError, parse_http_head
+from .relay import MAX_HTTP_HEAD, RelayProtocolError
 
 __all__ = ["ProxyRefused", "ProxyUrl", "connect_answer", "connect_request"]
 
@@ -34,28 +35,32 @@ class ProxyUrl:
     host: str
     port: int
     user: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
 
     @classmethod
     def parse(cls, url: str) -> ProxyUrl:
-        """Parse and validate; UsageError says what is wrong."""
+        """Parse and validate; UsageError says what is wrong, never quoting credentials."""
         if not isinstance(url, str):
             raise UsageError(f"proxy URL must be a string, got {type(url).__name__}")
+        shown = _redacted(url)
         try:
             parts = urlsplit(url.strip())
             port = parts.port
-        except ValueError as exc:
-            raise UsageError(f"proxy URL {url!r}: {exc}") from None
+        except ValueError:  # urllib's message may quote part of the netloc
+            raise UsageError(f"proxy URL {shown!r}: bad host or port") from None
         if parts.scheme != "http":
             # TLS to the proxy itself (https://) is not supported: the tunnel's content is
             # TLS to the relay anyway.
-            raise UsageError(f"proxy URL must start with http://, got {_redacted(url)!r}")
+            raise UsageError(f"proxy URL must start with http://, got {shown!r}")
         if not parts.hostname:
-            raise UsageError(f"proxy URL {_redacted(url)!r} has no host")
+            raise UsageError(f"proxy URL {shown!r} has no host")
         if port is None or port == 0:
-            raise UsageError(f"proxy URL {_redacted(url)!r} needs a port (http://host:3128)")
+            raise UsageError(f"proxy URL {shown!r} needs a port (http://host:3128)")
         if parts.path not in ("", "/") or parts.query or parts.fragment:
-            raise UsageError(f"proxy URL {_redacted(url)!r}: no path, query or fragment")
+            raise UsageError(
+                f"proxy URL {shown!r}: no path, query or fragment (percent-encode '/', '?' "
+                "and '#' in a password)"
+            )
         user = unquote(parts.username) if parts.username is not None else None
         password = unquote(parts.password) if parts.password is not None else None
         return cls(parts.hostname, port, user, password)
@@ -67,15 +72,28 @@ class ProxyUrl:
 
 
 def _redacted(url: str) -> str:
-    """``url`` with any user:password part replaced by ``***``."""
+    """``url`` with everything up to the last ``@`` after the scheme (where user and
+    password are, whatever characters they hold) replaced by ``***``."""
     scheme, sep, rest = url.partition("://")
-    at = rest.find("@", 0, rest.find("/") if "/" in rest else len(rest))
-    return f"{scheme}{sep}***@{rest[at + 1 :]}" if sep and at >= 0 else url
+    if "@" not in rest:
+        return url
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
+
+
+def _ascii_host(host: str) -> str:
+    """``host`` as a request target must carry it: IDNA for a non-ASCII name."""
+    if host.isascii():
+        return host
+    try:
+        return host.encode("idna").decode("ascii")
+    except UnicodeError:
+        raise UsageError(f"relay host {host!r} has no IDNA (ASCII) form") from None
 
 
 def connect_request(proxy: ProxyUrl, host: str, port: int) -> bytes:
     """The CONNECT request for a tunnel to ``host:port``, with Basic credentials when the
     proxy URL carries them."""
+    host = _ascii_host(host)
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     lines = [f"CONNECT {target} HTTP/1.1", f"Host: {target}"]
     if proxy.user is not None:
@@ -84,19 +102,28 @@ def connect_request(proxy: ProxyUrl, host: str, port: int) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
+_STATUS_LINE = re.compile(r"HTTP/1\.[0-9] ([0-9]{3})(?: (.*))?")
+
+
 def connect_answer(buf: bytes | bytearray) -> int | None:
-    """Check the proxy's answer at the start of ``buf``: None while its head is still
-    incomplete, else the bytes the head used. ProxyRefused for a non-2xx status,
-    RelayProtocolError for something that is not an HTTP answer."""
-    parsed = parse_http_head(buf)
-    if parsed is None:
-        return None
-    head, used = parsed
-    version, status_text = head.start_line[0], head.start_line[1]
-    if not version.startswith("HTTP/1.") or not status_text.isdigit():
-        raise RelayProtocolError(f"proxy answered {' '.join(head.start_line)[:80]!r}")
-    status = int(status_text)
-    if not 200 <= status < 300:
-        reason = head.start_line[2] if len(head.start_line) > 2 else ""
-        raise ProxyRefused(status, reason)
-    return used
+    """Check the proxy's answer at the start of ``buf``: None while it is incomplete, else
+    the bytes it used (interim 1xx heads skipped, RFC 9110 15.2). ProxyRefused for a
+    final status other than 2xx, RelayProtocolError for something that is not an HTTP
+    answer. Only the status line is read: a proxy's headers are its own business."""
+    pos = 0
+    while True:
+        end = buf.find(b"\r\n\r\n", pos, pos + MAX_HTTP_HEAD + 4)
+        if end < 0:
+            if len(buf) - pos > MAX_HTTP_HEAD:
+                raise RelayProtocolError("proxy answer head too large")
+            return None
+        line = bytes(buf[pos : buf.find(b"\r\n", pos)]).decode("latin-1")
+        match = _STATUS_LINE.fullmatch(line)
+        if match is None:
+            raise RelayProtocolError(f"proxy answered {line[:80]!r}")
+        status, pos = int(match.group(1)), end + 4
+        if 100 <= status < 200:
+            continue
+        if 200 <= status < 300:
+            return pos
+        raise ProxyRefused(status, match.group(2) or "")
