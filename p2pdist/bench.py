@@ -1,5 +1,6 @@
-"""``p2pdist bench``: profile every link of N local ranks, print the alpha-beta model and
-write a PNG of bandwidth against message size."""
+"""``p2pdist bench``: profile every link of N local ranks, or with ``--from-env`` of a
+group spread over several hosts, print the alpha-beta model and write a PNG of bandwidth
+against message size."""
 
 from __future__ import annotations
 
@@ -104,24 +105,33 @@ def main(argv: list[str]) -> int:
         help=f"plot file ('' for none; default {DEFAULT_PNG} when matplotlib is installed)",
     )
     p.add_argument("--repeats", type=int, default=5, help="ping-pongs per size (default 5)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--from-env",
+        action="store_true",
+        help="be one rank of a group described by P2PDIST_SEED, P2PDIST_RANK, P2PDIST_WORLD "
+        "and P2PDIST_PEERS or P2PDIST_RELAY (run it on every host of a fleet); rank 0 "
+        "prints the model and writes the plot",
+    )
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # what -n starts
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
-    if args.nprocs < 2 and not args.worker:
+    one_rank = args.worker or args.from_env
+    if args.nprocs < 2 and not one_rank:
         p.error(f"-n must be at least 2 (links join two ranks), got {args.nprocs}")
+    writes = not args.worker and (not args.from_env or os.environ.get("P2PDIST_RANK") == "0")
     has_plot = importlib.util.find_spec("matplotlib") is not None
     if args.png is None:  # the default plot only where it can be drawn
         args.png = DEFAULT_PNG if has_plot else ""
-        if not has_plot and not args.worker:
+        if not has_plot and writes:
             print(f"p2pdist bench: no plot ({PLOT_HINT})", file=sys.stderr)
     elif args.png and not has_plot:  # asked for: say so before measuring, not after
         p.error(f"--png needs matplotlib ({PLOT_HINT})")
-    if args.png and not args.worker:
+    if args.png and writes:
         problem = unwritable(Path(args.png))
         if problem:
             p.error(f"--png {args.png}: {problem}")
-    if args.worker:
+    if one_rank:
         try:
             return eventloop.run(_worker(args.png, args.repeats))
         except P2PError as exc:

@@ -182,3 +182,37 @@ def test_the_plot_is_a_png_at_exactly_the_path_given(tmp_path: Path, name: str) 
     plot([LinkProfile(0, 1, sizes, seconds, *fit)], tmp_path / name)
     assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_bench_from_env_profiles_a_group_whose_ranks_were_started_apart(tmp_path: Path) -> None:
+    """As on a fleet: each rank started on its own with P2PDIST_* set, rank 0 reports."""
+    import os
+
+    from group_helpers import loopback_peers
+
+    png = tmp_path / "fleet.png"
+    base = {
+        **os.environ,
+        "P2PDIST_SEED": "bench-from-env-seed-0123456789",
+        "P2PDIST_WORLD": "2",
+        "P2PDIST_PEERS": ",".join(loopback_peers(2)),
+        "P2PDIST_TLS": "0",
+    }
+    base.pop("P2PDIST_RELAY", None)
+    cmd = [sys.executable, "-m", "p2pdist.cli", "bench", "--from-env", "--repeats", "1"]
+    procs = [
+        subprocess.Popen(
+            [*cmd, "--png", str(png)],
+            env={**base, "P2PDIST_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+    assert "alpha (us)" in outs[0][0] and "0 - 1" in outs[0][0]
+    assert outs[1][0] == ""  # only rank 0 reports
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -684,7 +684,9 @@ class Group(GroupCore):
     ) -> list[LinkProfile]:
         """Time every pair of ranks and fit ``t = alpha + bytes / beta`` per link
         (collective; every rank gets the same list; ``timeout`` bounds each message and
-        exchange of it). See also ``p2pdist bench``."""
+        exchange of it). ``p2pdist.bench.format_table(profiles)`` renders them as text and
+        ``p2pdist.bench.plot(profiles, path)`` as a PNG; ``p2pdist bench`` does both, for
+        local ranks or (``--from-env``) a group spread over hosts."""
         from .profile import profile_links
 
         return await profile_links(self, repeats=repeats, timeout=timeout)
