@@ -94,6 +94,14 @@ async def _worker(png: str, repeats: int) -> int:
     return 0
 
 
+def _env_rank() -> int | None:
+    """P2PDIST_RANK as Group.from_env reads it (None when unset or not an integer)."""
+    try:
+        return int(os.environ.get("P2PDIST_RANK", ""))
+    except ValueError:
+        return None
+
+
 def main(argv: list[str]) -> int:
     """Run the profiler on N local ranks (or, with ``--worker``, one rank of it)."""
     p = argparse.ArgumentParser(prog="p2pdist bench", description=__doc__)
@@ -117,15 +125,17 @@ def main(argv: list[str]) -> int:
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
     one_rank = args.worker or args.from_env
+    if args.from_env and (args.plaintext or "-n" in argv or "--nprocs" in argv):
+        p.error("--from-env takes the group from P2PDIST_* (P2PDIST_TLS=0 for plaintext)")
     if args.nprocs < 2 and not one_rank:
         p.error(f"-n must be at least 2 (links join two ranks), got {args.nprocs}")
-    writes = not args.worker and (not args.from_env or os.environ.get("P2PDIST_RANK") == "0")
+    writes = not args.worker and (not args.from_env or _env_rank() == 0)  # rank 0 reports
     has_plot = importlib.util.find_spec("matplotlib") is not None
     if args.png is None:  # the default plot only where it can be drawn
         args.png = DEFAULT_PNG if has_plot else ""
         if not has_plot and writes:
             print(f"p2pdist bench: no plot ({PLOT_HINT})", file=sys.stderr)
-    elif args.png and not has_plot:  # asked for: say so before measuring, not after
+    elif args.png and not has_plot and writes:  # asked for: say so before measuring
         p.error(f"--png needs matplotlib ({PLOT_HINT})")
     if args.png and writes:
         problem = unwritable(Path(args.png))

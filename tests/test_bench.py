@@ -216,3 +216,12 @@ def test_bench_from_env_profiles_a_group_whose_ranks_were_started_apart(tmp_path
     assert "alpha (us)" in outs[0][0] and "0 - 1" in outs[0][0]
     assert outs[1][0] == ""  # only rank 0 reports
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_from_env_refuses_what_the_environment_decides() -> None:
+    from p2pdist.bench import main
+
+    for extra in (["--plaintext"], ["-n", "3"]):
+        with pytest.raises(SystemExit) as info:
+            main(["--from-env", *extra])
+        assert info.value.code == 2
