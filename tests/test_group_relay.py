@@ -25,6 +25,14 @@ def config(**kw: float) -> GroupConfig:
     )
 
 
+def assert_all_relayed(gs: list[Group]) -> None:
+    """Every rank reaches every other through the relay, never directly."""
+    for g in gs:
+        for r in range(g.size):
+            if r != g.rank:
+                assert g.connection(r).path_kind == "relay"  # type: ignore[attr-defined]
+
+
 async def form(url: str, world: int, **kw: float) -> list[Group]:
     gs = [
         Group.from_seed(SEED, rank=r, world=world, relay=url, config=config(**kw))
@@ -41,9 +49,7 @@ async def test_group_of_three_through_the_relay_runs_every_collective(tmp_path: 
         try:
             for g in gs:  # reached by endpoint id alone, and never directly
                 assert g.relay_status is not None and g.relay_status.state.value == "connected"
-                for r in range(3):
-                    if r != g.rank:
-                        assert g.connection(r).path_kind == "relay"  # type: ignore[attr-defined]
+            assert_all_relayed(gs)
             xs = [np.random.default_rng(r).standard_normal(50_000) for r in range(3)]
             outs = await asyncio.gather(*(g.all_reduce(xs[g.rank]) for g in gs))
             np.testing.assert_allclose(outs[0], np.sum(xs, axis=0), rtol=1e-12)
@@ -62,10 +68,7 @@ async def test_group_of_three_through_the_relay_runs_every_collective(tmp_path: 
             marker = np.frombuffer(MARKER * 50, np.uint8)
             got = await asyncio.gather(gs[0].send(marker, 1), gs[1].recv(0, like=marker))
             assert bytes(got[1]) == MARKER * 50
-            for g in gs:
-                for r in range(3):
-                    if r != g.rank:
-                        assert g.connection(r).path_kind == "relay"  # type: ignore[attr-defined]
+            assert_all_relayed(gs)
         finally:
             await asyncio.gather(*(g.close() for g in gs))
     handled = tap.read_bytes()
@@ -107,10 +110,7 @@ async def test_the_whole_surface_at_once_through_the_relay(tmp_path: Path) -> No
         gs = await form(relay.url, 3)
         try:
             await every_collective_at_once(gs)
-            for g in gs:
-                for r in range(3):
-                    if r != g.rank:
-                        assert g.connection(r).path_kind == "relay"  # type: ignore[attr-defined]
+            assert_all_relayed(gs)
         finally:
             await asyncio.gather(*(g.close() for g in gs))
 

@@ -4,6 +4,7 @@ codecs)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import zip_longest
 from typing import Protocol
 
@@ -76,18 +77,11 @@ async def compressed_ring_all_reduce(
             codec.decode_into(buf, work[a:b])
         return as_bytes(buf)
 
-    for k in range(n - 2):  # reduce-scatter steps but the last
-        sends = chunks(*bounds[(r - k - 1) % n], chunk)
-        recvs = chunks(*bounds[(r - k - 2) % n], chunk)
-        for send, recv in zip_longest(sends, recvs):
-            if send is not None:  # k == 0: our input, which ErrorFeedback already encoded
-                await link.send(right, encoded(*send, feed=k > 0))
-            if recv is not None:
-                a, b = recv
-                data = await link.recv(left, codec.nbytes(b - a))
-                if b > a:
-                    codec.accumulate(data, work[a:b])
-                del data
+    # reduce-scatter steps but the last; k == 0 sends our input, which ErrorFeedback
+    # already encoded
+    await _reduce_scatter_steps(
+        link, work, bounds, codec, chunk, n - 2, lambda k, a, b: encoded(a, b, feed=k > 0)
+    )
     held = await _last_hop(link, work, bounds, codec, chunk, encoded)
     for k in range(1, n - 1):  # the other all-gather steps: forward what arrived
         forward, held = held, []
@@ -112,20 +106,39 @@ async def compressed_ring_reduce_scatter(
     partial sum (fresh int8 scales, so it never saturates); our own segment is never
     encoded after its last contribution, so it keeps float32 precision. Segments may
     start anywhere: a chunk's int8 blocks start at the chunk."""
-    n, r = link.size, link.rank
-    right, left = (r + 1) % n, (r - 1) % n
     chunk = _wire_chunk(codec, chunk)
     wire = np.empty(codec.nbytes(min(chunk, max(b - a for a, b in bounds))), np.uint8)
-    for k in range(n - 1):
+
+    def encoded(_k: int, a: int, b: int) -> memoryview:
+        buf = wire[: codec.nbytes(b - a)]
+        if b > a:
+            codec.encode_into(work[a:b], buf)
+        return as_bytes(buf)
+
+    await _reduce_scatter_steps(link, work, bounds, codec, chunk, link.size - 1, encoded)
+
+
+async def _reduce_scatter_steps(
+    link: Link,
+    work: np.ndarray,
+    bounds: list[tuple[int, int]],
+    codec: WireCodec,
+    chunk: int,
+    steps: int,
+    encoded: Callable[[int, int, int], memoryview],
+) -> None:
+    """The first ``steps`` reduce-scatter steps of the ring: step k sends segment
+    (rank-k-1) chunk by chunk as ``encoded(k, a, b)`` gives it (valid until the next
+    call; a send hands its bytes over before it returns) and accumulates segment
+    (rank-k-2) from the left in float32, interleaved."""
+    n, r = link.size, link.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    for k in range(steps):
         sends = chunks(*bounds[(r - k - 1) % n], chunk)
         recvs = chunks(*bounds[(r - k - 2) % n], chunk)
         for send, recv in zip_longest(sends, recvs):
             if send is not None:
-                a, b = send
-                buf = wire[: codec.nbytes(b - a)]
-                if b > a:
-                    codec.encode_into(work[a:b], buf)
-                await link.send(right, as_bytes(buf))  # handed over before it returns
+                await link.send(right, encoded(k, *send))
             if recv is not None:
                 a, b = recv
                 data = await link.recv(left, codec.nbytes(b - a))
