@@ -55,6 +55,7 @@ def _calls(g: Group, data: dict[str, list[Any]]) -> list[Awaitable[Any]]:
         g.barrier(),
         g.all_reduce(small, "sum", mode="deterministic"),
         g.reduce_scatter(big, "mean", wire_dtype="bfloat16"),
+        g.reduce(big, dst=n - 1, wire_dtype="int8"),
     ]
 
 
@@ -91,6 +92,11 @@ def _check(rank: int, world: int, got: list[Any], data: dict[str, list[Any]]) ->
     piece = np.array_split(exact, world)[rank]
     err = float(np.abs(got[16] * world - piece).max()) / scale
     assert got[16].dtype == np.float32 and err <= WIRE_BOUNDS["bfloat16"], err
+    if rank == world - 1:
+        err = float(np.abs(got[17] - exact).max()) / scale
+        assert err <= WIRE_BOUNDS["int8"], err
+    else:
+        assert got[17] is None
 
 
 async def every_collective_at_once(gs: list[Group]) -> None:

@@ -365,3 +365,47 @@ async def test_reduce_scatter_compression_must_agree_and_is_checked() -> None:
             await gs[0].reduce_scatter(np.ones(4, np.float32), op="max", wire_dtype="bfloat16")
         with pytest.raises(UsageError, match="deterministic"):
             await gs[0].reduce_scatter(np.ones(4), mode="deterministic", wire_dtype="int8")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("wire", ["float16", "bfloat16", "int8"])
+async def test_reduce_compressed_within_the_bound_on_every_root(world: int, wire: str) -> None:
+    async with groups(world, config={"chunk_bytes": 4096}) as gs:
+        for shape in [(world - 1,), (40_001,), (3001, 3)]:
+            xs = [x.reshape(shape) for x in gaussian(world, int(np.prod(shape)), seed=7)]
+            ref = np.sum([x.astype(np.float64) for x in xs], axis=0)
+            scale = max(float(np.abs(ref).max()), 1e-30)
+            for dst in range(world):
+                op = "mean" if dst % 2 else "sum"
+                outs = await asyncio.gather(
+                    *(g.reduce(xs[g.rank], dst, op, wire_dtype=wire, block=128) for g in gs)
+                )
+                assert all(o is None for r, o in enumerate(outs) if r != dst)
+                got = outs[dst]
+                assert got is not None and got.dtype == np.float32 and got.shape == shape
+                want = ref / (world if op == "mean" else 1)
+                err = float(np.abs(got - want).max(initial=0)) * (world if op == "mean" else 1)
+                assert err / scale <= BOUNDS[wire], (wire, shape, dst, op, err / scale)
+
+
+async def test_reduce_compressed_sends_fewer_bytes_and_is_checked() -> None:
+    async with groups(2) as gs:
+        xs = gaussian(2, 1 << 20)
+
+        async def sent_by_rank_1(**kw: object) -> int:
+            before = gs[1].connection(0).stats.bytes_sent
+            await asyncio.gather(*(g.reduce(xs[g.rank], 0, **kw) for g in gs))  # type: ignore[arg-type]
+            return gs[1].connection(0).stats.bytes_sent - before
+
+        plain = await sent_by_rank_1()
+        assert abs(await sent_by_rank_1(wire_dtype="bfloat16") / plain - 0.5) < 0.01
+        assert abs(await sent_by_rank_1(wire_dtype="int8") / plain - (1 + 4 / 256) / 4) < 0.01
+    async with groups(2, timeout=5.0) as gs:
+        x = np.ones(10_000, np.float32)
+        results = await asyncio.gather(
+            gs[0].reduce(x, 0, wire_dtype="bfloat16"), gs[1].reduce(x, 0), return_exceptions=True
+        )
+        assert any(isinstance(r, MismatchError) and "bfloat16" in str(r) for r in results)
+    async with groups(2) as gs:
+        with pytest.raises(UsageError, match="floating sum/mean"):
+            await gs[0].reduce(np.ones(4, np.int64), 0, wire_dtype="int8")

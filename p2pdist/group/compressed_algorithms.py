@@ -15,6 +15,7 @@ from .linkops import Link, as_bytes, chunks, send_to_others
 
 __all__ = [
     "compressed_direct_all_reduce",
+    "compressed_gather_segments",
     "compressed_ring_all_reduce",
     "compressed_ring_reduce_scatter",
 ]
@@ -116,6 +117,25 @@ async def compressed_ring_reduce_scatter(
         return as_bytes(buf)
 
     await _reduce_scatter_steps(link, work, bounds, codec, chunk, link.size - 1, encoded)
+
+
+async def compressed_gather_segments(
+    link: Link, work: np.ndarray, bounds: list[tuple[int, int]], codec: WireCodec, dst: int
+) -> None:
+    """After a reduce-scatter, bring every rank's segment of float32 ``work`` to ``dst``,
+    encoded once (one message per rank); ``dst`` decodes each into its place and keeps its
+    own segment as it is."""
+    r = link.rank
+    if r != dst:
+        a, b = bounds[r]
+        await link.send(dst, as_bytes(codec.encode(work[a:b])) if b > a else memoryview(b""))
+        return
+    for p, (a, b) in enumerate(bounds):
+        if p != r:
+            data = await link.recv(p, codec.nbytes(b - a))
+            if b > a:
+                codec.decode_into(data, work[a:b])
+            del data
 
 
 async def _reduce_scatter_steps(

@@ -22,6 +22,7 @@ from .compress import (
 )
 from .compressed_algorithms import (
     compressed_direct_all_reduce,
+    compressed_gather_segments,
     compressed_ring_all_reduce,
     compressed_ring_reduce_scatter,
 )
@@ -401,15 +402,18 @@ class Group(GroupCore):
         *,
         out: np.ndarray | None = None,
         mode: str | None = None,
+        wire_dtype: str | None = None,
+        block: int = INT8_BLOCK,
         timeout: float | None = None,
     ) -> np.ndarray | None:
         """Reduce ``x`` over all ranks onto rank ``dst``; returns the result there and None
         on the other ranks. ``mode`` as for :meth:`all_reduce`: "deterministic" gives
-        exactly what ``all_reduce`` gives in that mode."""
+        exactly what ``all_reduce`` gives in that mode. ``wire_dtype`` and ``block``
+        compress floating sum/mean as :meth:`reduce_scatter` does, then every rank sends
+        its reduced piece to ``dst`` encoded once."""
         dst = self._check_rank(dst, "dst")
         arr = as_array(x)
-        rop = reduce_op(op, arr.dtype)
-        ordered = self._ordered(mode, rop, arr)
+        rop, ordered, codec = self._all_reduce_codec(arr, op, mode, wire_dtype, block, None)
         mine = self._rank == dst
         # out= is checked on every rank that passes one; only dst needs a buffer
         checked = result_buffer(arr, arr.shape, arr.dtype, out) if mine or out is not None else None
@@ -420,9 +424,27 @@ class Group(GroupCore):
             if result is not arr:
                 np.copyto(result, arr)
             return result
-        descriptor = describe_call(
-            "reduce", _op_label(op, self._deterministic(mode)), arr.dtype.str, arr.shape, dst
-        )
+        label = _op_label(op, self._deterministic(mode))
+        if codec is not None:
+            label = f"{label}@{wire_dtype}" + (f"/{block}" if wire_dtype == "int8" else "")
+        descriptor = describe_call("reduce", label, arr.dtype.str, arr.shape, dst)
+        if codec is not None:
+            wire_codec = codec
+            self._seconds(timeout)  # a call refused for its timeout makes no copy
+            work = _compressed_input(arr, codec, None, self.size if rop.divide else 1)
+            bounds = split_bounds(work.size, self.size)
+
+            async def compressed(lk: CollectiveLink) -> np.ndarray | None:
+                await alg.agree(lk)  # a rank that names another root is caught here
+                chunk = self._chunk(work.dtype)
+                await compressed_ring_reduce_scatter(lk, work, bounds, wire_codec, chunk)
+                await compressed_gather_segments(lk, work, bounds, wire_codec, dst)
+                if result is not None:
+                    with np.errstate(over="ignore"):  # a float16 result past 65504 is inf
+                        result.reshape(-1)[:] = work
+                return result
+
+            return await self._run(descriptor, timeout, compressed)
 
         async def body(lk: CollectiveLink) -> np.ndarray | None:
             await alg.agree(lk)  # a rank that names another root is caught here
