@@ -409,3 +409,49 @@ async def test_reduce_compressed_sends_fewer_bytes_and_is_checked() -> None:
     async with groups(2) as gs:
         with pytest.raises(UsageError, match="floating sum/mean"):
             await gs[0].reduce(np.ones(4, np.int64), 0, wire_dtype="int8")
+
+
+async def test_reduce_compressed_edges_and_out() -> None:
+    """0-d, empty and one-element inputs (ranks, dst among them, with empty pieces),
+    float16 and float64 results, int8 blocks off the pieces' edges, out=x on dst."""
+    for world in (2, 3):
+        async with groups(world) as gs:
+            cases = [
+                [np.array(r + 1.0, np.float32) for r in range(world)],
+                [np.zeros(0, np.float32) for _ in range(world)],
+                [np.zeros((2, 0), np.float32) for _ in range(world)],
+                [np.array([r + 1.0], np.float32) for r in range(world)],
+                [np.full(7, r + 1.0, np.float16) for r in range(world)],
+                [np.full(7, r + 1.0, np.float64) for r in range(world)],
+            ]
+            for xs in cases:
+                want = np.sum([x.astype(np.float64) for x in xs], axis=0)
+                for dst in range(world):
+                    for op in ("sum", "mean"):
+                        outs = await asyncio.gather(
+                            *(g.reduce(xs[g.rank], dst, op, wire_dtype="int8", block=4) for g in gs)
+                        )
+                        got = outs[dst]
+                        assert got is not None and got.shape == xs[0].shape
+                        assert got.dtype == xs[0].dtype
+                        np.testing.assert_allclose(got, want / (world if op == "mean" else 1), 1e-2)
+                        assert all(o is None for r, o in enumerate(outs) if r != dst)
+            xs = [np.arange(10, dtype=np.float32) + r for r in range(world)]
+            before = [x.copy() for x in xs]
+            outs = await asyncio.gather(
+                *(
+                    g.reduce(
+                        xs[g.rank],
+                        1,
+                        "mean",
+                        out=xs[g.rank] if g.rank == 1 else None,
+                        wire_dtype="bfloat16",
+                    )
+                    for g in gs
+                )
+            )
+            assert outs[1] is xs[1]
+            np.testing.assert_allclose(xs[1], np.mean(before, axis=0), rtol=1e-2)
+            for r in range(world):
+                if r != 1:
+                    np.testing.assert_array_equal(xs[r], before[r])  # the others' inputs kept

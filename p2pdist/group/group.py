@@ -431,7 +431,16 @@ class Group(GroupCore):
         if codec is not None:
             wire_codec = codec
             self._seconds(timeout)  # a call refused for its timeout makes no copy
-            work = _compressed_input(arr, codec, None, self.size if rop.divide else 1)
+            divisor = self.size if rop.divide else 1
+            if result is not None and arr.dtype == np.float32:
+                # dst reduces in its result buffer itself: one copy, as all_reduce does
+                if divisor != 1:
+                    divide_for_mean(arr, divisor, result)
+                elif result is not arr:
+                    np.copyto(result, arr)
+                work = result.reshape(-1)
+            else:
+                work = _compressed_input(arr, codec, None, divisor)
             bounds = split_bounds(work.size, self.size)
 
             async def compressed(lk: CollectiveLink) -> np.ndarray | None:
@@ -439,7 +448,7 @@ class Group(GroupCore):
                 chunk = self._chunk(work.dtype)
                 await compressed_ring_reduce_scatter(lk, work, bounds, wire_codec, chunk)
                 await compressed_gather_segments(lk, work, bounds, wire_codec, dst)
-                if result is not None:
+                if result is not None and not np.may_share_memory(result, work):
                     with np.errstate(over="ignore"):  # a float16 result past 65504 is inf
                         result.reshape(-1)[:] = work
                 return result
