@@ -180,6 +180,11 @@ def test_connect_request_and_answer() -> None:
     interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.0 200\r\nX Odd: y\r\n\r\n"
     assert connect_answer(interim) == len(interim)
     assert connect_answer(interim[:30]) is None
+    bare = b"HTTP/1.1 100 Continue\n\nHTTP/1.1 200 OK\nVia: x\r\n\n"  # bare LFs, mixed
+    assert connect_answer(bare) == len(bare)
+    assert connect_answer(bare[:-1]) is None
+    with pytest.raises(RelayProtocolError):
+        connect_answer(b"\r\nHTTP/1.1 200 OK\r\n\r\n")  # no status line first
     with pytest.raises(RelayProtocolError, match="too large"):
         connect_answer(b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 2000)
     idn = connect_request(plain, "b\u00fccher.example", 443)

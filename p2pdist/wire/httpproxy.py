@@ -105,6 +105,18 @@ def connect_request(proxy: ProxyUrl, host: str, port: int) -> bytes:
 _STATUS_LINE = re.compile(r"HTTP/1\.[0-9] ([0-9]{3})(?: (.*))?")
 
 
+def _head_end(buf: bytes | bytearray, pos: int) -> int:
+    """Where the head starting at ``pos`` ends (just past its empty line), or -1 while
+    that line has not come. Lines end in CRLF or, as RFC 9112 2.2 lets a recipient
+    accept, in a bare LF."""
+    start, limit = pos, pos + MAX_HTTP_HEAD + 4
+    while (nl := buf.find(b"\n", start, limit)) >= 0:
+        if nl == start or (nl == start + 1 and buf[start] == 0x0D):  # an empty line
+            return nl + 1
+        start = nl + 1
+    return -1
+
+
 def connect_answer(buf: bytes | bytearray) -> int | None:
     """Check the proxy's answer at the start of ``buf``: None while it is incomplete, else
     the bytes it used (interim 1xx heads skipped, RFC 9110 15.2). ProxyRefused for a
@@ -112,16 +124,16 @@ def connect_answer(buf: bytes | bytearray) -> int | None:
     answer. Only the status line is read: a proxy's headers are its own business."""
     pos = 0
     while True:
-        end = buf.find(b"\r\n\r\n", pos, pos + MAX_HTTP_HEAD + 4)
+        end = _head_end(buf, pos)
         if end < 0:
             if len(buf) - pos > MAX_HTTP_HEAD:
                 raise RelayProtocolError("proxy answer head too large")
             return None
-        line = bytes(buf[pos : buf.find(b"\r\n", pos)]).decode("latin-1")
+        line = bytes(buf[pos : buf.find(b"\n", pos)]).rstrip(b"\r").decode("latin-1")
         match = _STATUS_LINE.fullmatch(line)
         if match is None:
             raise RelayProtocolError(f"proxy answered {line[:80]!r}")
-        status, pos = int(match.group(1)), end + 4
+        status, pos = int(match.group(1)), end
         if 100 <= status < 200:
             continue
         if 200 <= status < 300:
