@@ -105,7 +105,7 @@ def _env_rank() -> int | None:
 def main(argv: list[str]) -> int:
     """Run the profiler on N local ranks (or, with ``--worker``, one rank of it)."""
     p = argparse.ArgumentParser(prog="p2pdist bench", description=__doc__)
-    p.add_argument("-n", "--nprocs", type=int, default=2, help="local ranks (default 2)")
+    p.add_argument("-n", "--nprocs", type=int, default=None, help="local ranks (default 2)")
     p.add_argument("--plaintext", action="store_true", help="authenticated plaintext, no TLS")
     p.add_argument(
         "--png",
@@ -125,8 +125,10 @@ def main(argv: list[str]) -> int:
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
     one_rank = args.worker or args.from_env
-    if args.from_env and (args.plaintext or "-n" in argv or "--nprocs" in argv):
+    if args.from_env and (args.plaintext or args.nprocs is not None):
         p.error("--from-env takes the group from P2PDIST_* (P2PDIST_TLS=0 for plaintext)")
+    if args.nprocs is None:
+        args.nprocs = 2
     if args.nprocs < 2 and not one_rank:
         p.error(f"-n must be at least 2 (links join two ranks), got {args.nprocs}")
     writes = not args.worker and (not args.from_env or _env_rank() == 0)  # rank 0 reports

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -106,3 +108,35 @@ def slow_link(g: Group, peer: int, seconds: float, *, space: int | None = None) 
     finally:
         conn.send, conn.send_nowait = send, send_nowait
         task.cancel()
+
+
+def run_ranks(
+    command: list[str], env: dict[str, str], world: int, timeout: float
+) -> list[tuple[str, str]]:
+    """Start ``command`` once per rank, with ``env`` plus P2PDIST_RANK, as separately
+    started processes would be on a fleet; wait for all (bounded: past ``timeout``
+    seconds every one is killed and the test fails); assert each exited 0; return each
+    rank's (stdout, stderr)."""
+    procs = [
+        subprocess.Popen(
+            command,
+            env={**env, "P2PDIST_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    deadline = time.monotonic() + timeout
+    outs: list[tuple[str, str]] = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(0.1, deadline - time.monotonic())))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for rank, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}: {err}"
+    return outs

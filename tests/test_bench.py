@@ -188,7 +188,7 @@ def test_bench_from_env_profiles_a_group_whose_ranks_were_started_apart(tmp_path
     """As on a fleet: each rank started on its own with P2PDIST_* set, rank 0 reports."""
     import os
 
-    from group_helpers import loopback_peers
+    from group_helpers import loopback_peers, run_ranks
 
     png = tmp_path / "fleet.png"
     base = {
@@ -200,19 +200,7 @@ def test_bench_from_env_profiles_a_group_whose_ranks_were_started_apart(tmp_path
     }
     base.pop("P2PDIST_RELAY", None)
     cmd = [sys.executable, "-m", "p2pdist.cli", "bench", "--from-env", "--repeats", "1"]
-    procs = [
-        subprocess.Popen(
-            [*cmd, "--png", str(png)],
-            env={**base, "P2PDIST_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err
+    outs = run_ranks([*cmd, "--png", str(png)], base, 2, timeout=120)
     assert "alpha (us)" in outs[0][0] and "0 - 1" in outs[0][0]
     assert outs[1][0] == ""  # only rank 0 reports
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -153,26 +153,16 @@ async def test_a_relay_killed_mid_run_never_hangs_a_collective(tmp_path: Path) -
 
 def test_from_env_with_a_relay_runs_the_hello_example(tmp_path: Path) -> None:
     import os
-    import subprocess
     import sys
+
+    from group_helpers import run_ranks
 
     example = Path(__file__).resolve().parent.parent / "examples" / "allreduce_hello.py"
     with RelayProcess(tmp_path) as relay:
         env = {**os.environ, "P2PDIST_SEED": SEED, "P2PDIST_WORLD": "2", "P2PDIST_RELAY": relay.url}
         env.pop("P2PDIST_PEERS", None)
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(example)],
-                env={**env, "P2PDIST_RANK": str(r)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for r in range(2)
-        ]
-        outs = [p.communicate(timeout=60) for p in procs]
-    for p, (out, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err
+        outs = run_ranks([sys.executable, str(example)], env, 2, timeout=60)
+    for out, _ in outs:
         assert "all_reduce sum = [3. 3. 3. 3.]" in out
 
 

@@ -31,9 +31,8 @@ from ..transport.base import Address, Connection, TransportConfig
 from ..transport.mailbox import SPACE_SHIFT
 from ..transport.pathinfo import PathInfo
 from ..transport.quic import QuicTransport
-from ..transport.relay_path import PROXY_ENV, RelayConfig, RelayPath, RelayStatus
+from ..transport.relay_path import RelayConfig, RelayPath, RelayStatus
 from ..transport.tcp import TcpTransport, parse_address
-from ..wire.httpproxy import ProxyUrl
 from ..wire.relay import RelayUrl
 from . import p2p
 from .buffers import as_array, expectation
@@ -93,12 +92,10 @@ class GroupCore(Runner):
         self._relay_token = relay_token
         if relay_proxy and relay is None:
             raise UsageError("relay_proxy= is the way to a relay: pass relay= too")
-        if relay is not None:  # a bad URL, given or from the environment, fails now
-            chosen = os.environ.get(PROXY_ENV, "") if relay_proxy is None else relay_proxy
-            if chosen:
-                ProxyUrl.parse(chosen)
         # "" keeps the connection direct even when P2PDIST_RELAY_PROXY is set
         self._relay_config = RelayConfig(proxy=relay_proxy)
+        if relay is not None:  # a bad URL, given or from the environment, fails now
+            self._relay_config.chosen_proxy()
         self._relay_path: RelayPath | None = None
         if self._relay_url is not None and not (config or GroupConfig()).transport.tls:
             raise UsageError("relay= runs QUIC, which always encrypts: do not pass tls=False")

@@ -198,9 +198,7 @@ class Group(GroupCore):
             if work is not arr:
                 np.copyto(work, arr)
             return work
-        label = _op_label(op, self._deterministic(mode))
-        if codec is not None:  # only int8 has blocks: others must not differ in it
-            label = f"{label}@{wire_dtype}" + (f"/{block}" if wire_dtype == "int8" else "")
+        label = _op_label(op, self._deterministic(mode), codec, block)
         descriptor = describe_call("all_reduce", label, arr.dtype.str, arr.shape)
         if codec is not None:
             # What follows may change the input (in place) and the residual: a call refused
@@ -211,11 +209,7 @@ class Group(GroupCore):
             divisor = self.size if rop.divide else 1
             if error_feedback is None and arr.dtype == np.float32:
                 # Reduce in the result buffer itself: one copy, as the plain path.
-                if divisor != 1:
-                    divide_for_mean(arr, divisor, work)
-                elif work is not arr:
-                    np.copyto(work, arr)
-                flat = work.reshape(-1)
+                flat = _load_into(arr, divisor, work)
             else:
                 flat = _compressed_input(arr, codec, error_feedback, divisor)
             return await self._compressed(
@@ -287,9 +281,7 @@ class Group(GroupCore):
         if self.size == 1:
             np.copyto(result, arr[r0:r1])
             return result
-        label = _op_label(op, self._deterministic(mode))
-        if codec is not None:
-            label = f"{label}@{wire_dtype}" + (f"/{block}" if wire_dtype == "int8" else "")
+        label = _op_label(op, self._deterministic(mode), codec, block)
         descriptor = describe_call("reduce_scatter", label, arr.dtype.str, arr.shape)
         chunk = self._chunk(arr.dtype)
         if codec is not None:
@@ -424,9 +416,7 @@ class Group(GroupCore):
             if result is not arr:
                 np.copyto(result, arr)
             return result
-        label = _op_label(op, self._deterministic(mode))
-        if codec is not None:
-            label = f"{label}@{wire_dtype}" + (f"/{block}" if wire_dtype == "int8" else "")
+        label = _op_label(op, self._deterministic(mode), codec, block)
         descriptor = describe_call("reduce", label, arr.dtype.str, arr.shape, dst)
         if codec is not None:
             wire_codec = codec
@@ -434,11 +424,7 @@ class Group(GroupCore):
             divisor = self.size if rop.divide else 1
             if result is not None and arr.dtype == np.float32:
                 # dst reduces in its result buffer itself: one copy, as all_reduce does
-                if divisor != 1:
-                    divide_for_mean(arr, divisor, result)
-                elif result is not arr:
-                    np.copyto(result, arr)
-                work = result.reshape(-1)
+                work = _load_into(arr, divisor, result)
             else:
                 work = _compressed_input(arr, codec, None, divisor)
             bounds = split_bounds(work.size, self.size)
@@ -748,11 +734,26 @@ def _check_row_of_out(arr: np.ndarray, result: np.ndarray) -> None:
         raise UsageError("out overlaps the input other than as one whole row of out")
 
 
-def _op_label(op: str, deterministic: bool) -> str:
+def _op_label(
+    op: str, deterministic: bool, codec: WireCodec | None = None, block: int = INT8_BLOCK
+) -> str:
     """The op as the call descriptor names it: the mode asked for is part of the call, so
     ranks that disagree on it fail with a MismatchError, even where both modes would run
-    the same path (integers, max/min)."""
+    the same path (integers, max/min); so is the wire format, with the block for int8
+    only (the one wire with blocks: others must not differ in an unused one)."""
+    if codec is not None:  # never with deterministic: _codec_for refuses the pair
+        return f"{op}@{codec.name}" + (f"/{block}" if codec.name == "int8" else "")
     return f"{op}:deterministic" if deterministic else op
+
+
+def _load_into(arr: np.ndarray, divisor: int, buf: np.ndarray) -> np.ndarray:
+    """Float32 ``arr`` divided by ``divisor`` (the world for mean, else 1) written into
+    ``buf`` (nothing to copy when ``buf`` is ``arr``); returns ``buf`` flat."""
+    if divisor != 1:
+        divide_for_mean(arr, divisor, buf)
+    elif buf is not arr:
+        np.copyto(buf, arr)
+    return buf.reshape(-1)
 
 
 def _codec_for(

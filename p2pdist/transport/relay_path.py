@@ -118,6 +118,12 @@ class RelayConfig:
     (a CONNECT tunnel; TLS to the relay runs inside it). None takes the environment
     variable P2PDIST_RELAY_PROXY when set; "" means no proxy whatever the environment."""
 
+    def chosen_proxy(self) -> ProxyUrl | None:
+        """The proxy this configuration picks (``proxy``, else P2PDIST_RELAY_PROXY),
+        parsed; None for a direct connection. UsageError for a bad URL."""
+        chosen = os.environ.get(PROXY_ENV, "") if self.proxy is None else self.proxy
+        return ProxyUrl.parse(chosen) if chosen else None
+
 
 @dataclass(frozen=True, slots=True)
 class RelayStatus:
@@ -222,10 +228,7 @@ class RelayPath:
         self.url = url if isinstance(url, RelayUrl) else RelayUrl.parse(url)
         self._token = token or ""
         self.config = config or RelayConfig()
-        proxy = self.config.proxy
-        if proxy is None:
-            proxy = os.environ.get(PROXY_ENV, "")
-        self.proxy = ProxyUrl.parse(proxy) if proxy else None
+        self.proxy = self.config.chosen_proxy()
         """The proxy the relay connection is tunnelled through, or None."""
         self._backoff = ReconnectBackoff(
             self.config.backoff_initial, self.config.backoff_max, random or _random.random
