@@ -157,6 +157,26 @@ def tcp_send(cfg: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- Gloo
 
 
+def _refill_torch(base: Any, offset: Any, x: Any, t: Any, dev: Any) -> None:
+    """Rank input ``base + offset`` into ``x`` (``t``'s memory), then onto the GPU tensor
+    ``dev`` when it is not ``t`` itself."""
+    np.add(base, offset, out=x)
+    if dev is not t:
+        import torch  # type: ignore[import-not-found,unused-ignore]
+
+        dev.copy_(t)
+        torch.cuda.synchronize()
+
+
+def _refill_cupy(base: Any, offset: Any, x: Any, arr: Any, cp: Any) -> None:
+    """Rank input ``base + offset`` into ``x``, then into the CuPy array ``arr`` (when
+    ``cp``, the CuPy module, is given)."""
+    np.add(base, offset, out=x)
+    if cp is not None:
+        arr.set(x)
+        cp.cuda.get_current_stream().synchronize()
+
+
 def gloo(cfg: dict[str, Any]) -> dict[str, Any]:
     """Run one rank of the Gloo all-reduce sweep."""
     import torch  # type: ignore[import-not-found,unused-ignore]
@@ -172,6 +192,7 @@ def gloo(cfg: dict[str, Any]) -> dict[str, Any]:
         world_size=world,
         timeout=timedelta(seconds=cfg["timeout"]),
     )
+    on_gpu = cfg.get("arrays") == "cuda"
     results: list[dict[str, Any]] = []
     try:
         for nbytes, warmup, iters in zip(cfg["sizes"], cfg["warmup"], cfg["iters"], strict=True):
@@ -181,20 +202,23 @@ def gloo(cfg: dict[str, Any]) -> dict[str, Any]:
             x = t.numpy()
             base = base_pattern(x.size)
             expected = expected_sum(base, world)
+            dev = t.cuda() if on_gpu else t
             for _ in range(warmup):
-                np.add(base, offset, out=x)
-                dist.all_reduce(t, op=dist.ReduceOp.SUM)
+                _refill_torch(base, offset, x, t, dev)
+                dist.all_reduce(dev, op=dist.ReduceOp.SUM)
             dist.barrier()
             times: list[float] = []
             cpu = 0.0
             for _ in range(iters):
-                np.add(base, offset, out=x)  # outside the timer: every call sums the same
+                _refill_torch(base, offset, x, t, dev)  # outside the timer: the same sums
                 dist.barrier()  # every rank's refill and last check done (untimed)
                 c0, t0 = time.process_time(), time.perf_counter()
-                dist.all_reduce(t, op=dist.ReduceOp.SUM)  # in place, as torch always is
+                dist.all_reduce(dev, op=dist.ReduceOp.SUM)  # in place, as torch always is
+                if on_gpu:
+                    torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
                 cpu += time.process_time() - c0
-                check(x, expected, 0.0, f"gloo {nbytes} B")
+                check(dev.cpu().numpy() if on_gpu else x, expected, 0.0, f"gloo {nbytes} B")
             results.append({"bytes": nbytes, "iters": iters, "cpu": cpu / iters, **_summary(times)})
             del t, x, base, expected
         dist.barrier()
@@ -233,6 +257,9 @@ async def _p2pdist_async(cfg: dict[str, Any]) -> dict[str, Any]:
     )
     kw: dict[str, Any] = cfg.get("reduce_kwargs", {})
     tol = tolerance(world, kw)
+    cp: Any = None
+    if cfg.get("arrays") == "cuda":
+        import cupy as cp  # type: ignore[import-not-found,unused-ignore,no-redef]
     results: list[dict[str, Any]] = []
     async with g:
         for nbytes, warmup, iters in zip(cfg["sizes"], cfg["warmup"], cfg["iters"], strict=True):
@@ -241,23 +268,27 @@ async def _p2pdist_async(cfg: dict[str, Any]) -> dict[str, Any]:
             expected = expected_sum(base, world)
             # In place by default, as Gloo's all_reduce(t); "out_of_place" measures the
             # call that returns a fresh array (its allocation and first touch included).
-            out: np.ndarray[Any, Any] | None = None if cfg.get("out_of_place") else x
+            arr: Any = cp.asarray(x) if cp is not None else x
+            out: Any = None if cfg.get("out_of_place") else arr
             for _ in range(warmup):
-                np.add(base, offset, out=x)
-                await g.all_reduce(x, op="sum", out=out, **kw)
+                _refill_cupy(base, offset, x, arr, cp)
+                await g.all_reduce(arr, op="sum", out=out, **kw)
             await g.barrier()
             times: list[float] = []
             cpu = 0.0
             for _ in range(iters):
-                np.add(base, offset, out=x)  # outside the timer: every call sums the same
+                _refill_cupy(base, offset, x, arr, cp)  # outside the timer: the same sums
                 await g.barrier()  # every rank's refill and last check done (untimed)
                 c0, t0 = time.process_time(), time.perf_counter()
-                result = await g.all_reduce(x, op="sum", out=out, **kw)
+                result = await g.all_reduce(arr, op="sum", out=out, **kw)
+                if cp is not None:
+                    cp.cuda.get_current_stream().synchronize()
                 times.append(time.perf_counter() - t0)
                 cpu += time.process_time() - c0
-                check(np.asarray(result), expected, tol, f"p2pdist {nbytes} B")
+                got = result.get() if cp is not None else np.asarray(result)
+                check(got, expected, tol, f"p2pdist {nbytes} B")
             results.append({"bytes": nbytes, "iters": iters, "cpu": cpu / iters, **_summary(times)})
-            del x, result, base, expected
+            del x, arr, out, result, base, expected
         await g.barrier()
         barrier: list[float] = []
         for _ in range(BARRIER_ITERS):

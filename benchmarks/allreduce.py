@@ -26,6 +26,7 @@ Usage::
     python benchmarks/allreduce.py [--world 2 4] [--sizes 4K 64K 1M 16M 64M] [--iters N]
                                    [--warmup N] [--rounds N] [--modes tls plaintext]
                                    [--loop asyncio uvloop] [--out-of-place] [--detail]
+                                   [--arrays host|cuda]
                                    [--no-gloo] [--no-mpi] [--markdown]
 
 (``-h`` lists the rest: ``--no-p2pdist``, ``--no-tcp``, ``--timeout``, ``--logdir``.)
@@ -534,12 +535,14 @@ def run_round(
                 "out_of_place": args.out_of_place,
                 "reduce_kwargs": VARIANTS[variant],
                 "algorithm": ALGORITHM_OF_VARIANT.get(variant, "auto"),
+                "arrays": args.arrays,
             }
             out.append(sweep(mode + LOOPS[loop], "p2pdist", extra))
     if run_gloo:
         (port,) = free_ports(1)
-        out.append(sweep("gloo", "gloo", {"port": port}, env={"GLOO_SOCKET_IFNAME": "lo"}))
-    if mpi_binary is not None:
+        gloo_cfg = {"port": port, "arrays": args.arrays}
+        out.append(sweep("gloo", "gloo", gloo_cfg, env={"GLOO_SOCKET_IFNAME": "lo"}))
+    if mpi_binary is not None and args.arrays == "host":
         t0 = time.monotonic()
         plan = zip(sizes, warmup, iters, strict=True)
         try:
@@ -599,6 +602,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="run every backend this many times, alternating, and report the median over "
         "rounds of each cell (for a machine whose speed drifts; default 1)",
+    )
+    ap.add_argument(
+        "--arrays",
+        choices=["host", "cuda"],
+        default="host",
+        help="where the arrays live: host (numpy; torch CPU tensors for Gloo) or cuda "
+        "(CuPy arrays for p2pdist, torch CUDA tensors for Gloo; each call's time then "
+        "includes the copies between GPU and host, and Open MPI is skipped)",
     )
     ap.add_argument("--no-gloo", action="store_true", help="skip the torch Gloo reference")
     ap.add_argument("--no-mpi", action="store_true", help="skip the Open MPI (over TCP) reference")
@@ -750,6 +761,12 @@ def main(argv: list[str] | None = None) -> int:
             "p2pdist out of place (a fresh result array per call), Gloo in place"
             if args.out_of_place
             else "both in place (p2pdist all_reduce(x, out=x), Gloo all_reduce(t))"
+        )
+        + (
+            "; arrays on the GPU (p2pdist: CuPy, Gloo: torch CUDA tensors), each timed "
+            "call ending when the device has the result"
+            if args.arrays == "cuda"
+            else ""
         )
         + (
             f"; {args.rounds} rounds, backends alternating, each cell the median over rounds"

@@ -11,6 +11,7 @@ import numpy as np
 from ..errors import UsageError
 from .buffers import is_plain_array, wire_form
 from .compress import INT8_BLOCK, ErrorFeedback
+from .devices import is_device_array, pack, ready_marker, unpack
 from .group import Group
 
 __all__ = ["GradientBuckets"]
@@ -64,6 +65,7 @@ class GradientBuckets:
         self._op = op
         self._reduce = reduce
         self._pending: list[np.ndarray] = []
+        self._ready: list[Any] = []  # for the CuPy arrays pending: their ready_marker
         self._pending_bytes = 0
         self._dtype: np.dtype[Any] | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -113,16 +115,19 @@ class GradientBuckets:
         return cls(sub, bucket_bytes=bucket_bytes, op=op, error_feedback=feedback, **reduce)
 
     def add(self, array: np.ndarray) -> None:
-        """Queue ``array`` (writeable, C-contiguous) for reduction in place.
+        """Queue ``array`` (numpy or CuPy; writeable, C-contiguous) for reduction in place.
 
         An array the bucket's all_reduce cannot reduce is a :class:`UsageError` here,
         before anything is queued."""
         self._check_open()
-        if not is_plain_array(array):
-            raise UsageError(f"add() needs a plain numpy array, not a {type(array).__name__}")
+        on_device = is_device_array(array)
+        if not (on_device or is_plain_array(array)):
+            raise UsageError(
+                f"add() needs a plain numpy or CuPy array, not a {type(array).__name__}"
+            )
         if not array.flags.c_contiguous:
-            raise UsageError("add() needs a C-contiguous numpy array (it is reduced in place)")
-        if not array.flags.writeable:
+            raise UsageError("add() needs a C-contiguous array (it is reduced in place)")
+        if not on_device and not array.flags.writeable:
             raise UsageError("add() needs a writeable array (it is reduced in place)")
         dtype = self._check(array.dtype)
         if self._dtype is not None and dtype != self._dtype:
@@ -137,6 +142,8 @@ class GradientBuckets:
                 )
                 raise
         self._dtype = dtype
+        if on_device:  # the bucket copies it later, from another task and stream
+            self._ready.append(ready_marker(array))
         self._pending.append(array)
         self._pending_bytes += array.nbytes
         if self._pending_bytes >= self._bucket_bytes:
@@ -166,14 +173,15 @@ class GradientBuckets:
         if not self._pending:
             return
         loop = asyncio.get_running_loop()  # none (a hook's thread): the arrays stay pending
-        arrays, self._pending, self._pending_bytes = self._pending, [], 0
+        arrays, ready = self._pending, self._ready
+        self._pending, self._ready, self._pending_bytes = [], [], 0
         # A bucket of the wrong size raises here: its arrays are dropped (left as they
         # were) and its position stays free, so the helper goes on as before the call.
         feedback = self._bucket_feedback(sum(a.size for a in arrays))
         # After the last bucket started (this step's, or an earlier step's still running):
         # its failure fails this one only within a step.
         task = loop.create_task(
-            self._reduce_bucket(arrays, self._last, bool(self._tasks), feedback)
+            self._reduce_bucket(arrays, ready, self._last, bool(self._tasks), feedback)
         )
         self._tasks.append(task)
         self._counts.append(len(arrays))
@@ -198,6 +206,7 @@ class GradientBuckets:
     async def _reduce_bucket(
         self,
         arrays: list[np.ndarray],
+        ready: list[Any],
         after: asyncio.Task[None] | None,
         same_step: bool,
         feedback: ErrorFeedback | None,
@@ -210,14 +219,11 @@ class GradientBuckets:
                 # it ended): after it, whatever happened to it.
                 await asyncio.wait([after])
         # In the wire dtype: a big-endian array joins its little-endian kin.
-        flat = np.concatenate([a.reshape(-1) for a in arrays], dtype=wire_form(arrays[0].dtype))
+        flat = pack(arrays, wire_form(arrays[0].dtype), ready)
         await self._group.all_reduce(
             flat, self._op, out=flat, error_feedback=feedback, **self._reduce
         )
-        offset = 0
-        for a in arrays:
-            a.reshape(-1)[:] = flat[offset : offset + a.size]
-            offset += a.size
+        unpack(flat, arrays)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -228,7 +234,7 @@ class GradientBuckets:
         sub-group). Arrays added since the last :meth:`wait` are not reduced: a bucket
         still running stops and its arrays keep the values they were added with."""
         self._closed = True
-        self._pending, self._pending_bytes = [], 0
+        self._pending, self._ready, self._pending_bytes = [], [], 0
         tasks, self._tasks, self._counts = self._tasks, [], []
         await self._group.close()  # fails the sub-group's calls still running
         for task in tasks:

@@ -44,8 +44,12 @@ def as_array(x: Any) -> np.ndarray:
             "the masked values too)"
         )
     if type(x) is not np.ndarray:
-        if hasattr(x, "__cuda_array_interface__"):
-            raise UsageError("CuPy arrays are not supported yet; pass a numpy array")
+        if hasattr(x, "__cuda_array_interface__"):  # the Group's methods stage CuPy arrays
+            kind = f"{type(x).__module__}.{type(x).__qualname__}"
+            raise UsageError(
+                f"this call takes numpy arrays, not {kind} (the Group's collectives, "
+                "send/recv and GradientBuckets take CuPy arrays)"
+            )
         x = np.asarray(x)  # a subclass (np.matrix, say) too: its own rules would not hold
     wire_form(x.dtype)
     if x.dtype.byteorder == ">":

@@ -37,6 +37,7 @@ from ..wire.relay import RelayUrl
 from . import p2p
 from .buffers import as_array, expectation
 from .config import GroupConfig
+from .devices import on_host
 from .membership import CONTROL_CHANNEL, LAST_SPACE, Membership
 from .runner import Runner
 from .spaces import SpaceBook
@@ -575,6 +576,7 @@ class GroupCore(Runner):
             raise UsageError(f"{what} must be another rank, not this one ({rank})")
         return rank
 
+    @on_host
     async def send(self, x: np.ndarray, dst: int, *, timeout: float | None = None) -> None:
         """Send ``x`` to rank ``dst`` (matched in order by ``dst``'s :meth:`recv`)."""
         dst = self._check_peer(dst, "dst")
@@ -586,6 +588,7 @@ class GroupCore(Runner):
         channel = (self._p2p_space << SPACE_SHIFT) | index
         await p2p.send_array(self._conns[dst], channel, arr, seconds)
 
+    @on_host
     async def recv(
         self,
         src: int,

@@ -28,6 +28,7 @@ from .compressed_algorithms import (
 )
 from .config import MODES, PAIRWISE_MAX_WORLD
 from .core import GroupCore
+from .devices import on_host
 from .link import CollectiveLink, describe_call
 from .linkops import split_bounds
 from .membership import FIRST_RESERVED_SPACE
@@ -161,6 +162,7 @@ class Group(GroupCore):
             codec = _codec_for(wire_dtype, block, error_feedback, rop, arr, ordered)
         return rop, ordered, codec
 
+    @on_host
     async def all_reduce(
         self,
         x: np.ndarray,
@@ -248,6 +250,7 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
+    @on_host
     async def reduce_scatter(
         self,
         x: np.ndarray,
@@ -321,6 +324,7 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
+    @on_host
     async def all_gather(
         self, x: np.ndarray, *, out: np.ndarray | None = None, timeout: float | None = None
     ) -> np.ndarray:
@@ -349,6 +353,7 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
+    @on_host
     async def broadcast(
         self,
         x: np.ndarray,
@@ -386,6 +391,7 @@ class Group(GroupCore):
         if self.size > 1:
             await self._run(describe_call("barrier", "", "", ()), timeout, alg.barrier)
 
+    @on_host
     async def reduce(
         self,
         x: np.ndarray,
@@ -469,6 +475,7 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
+    @on_host
     async def gather(
         self,
         x: np.ndarray,
@@ -502,6 +509,7 @@ class Group(GroupCore):
         descriptor = describe_call("gather", "", arr.dtype.str, arr.shape, dst)
         return await self._run(descriptor, timeout, body)
 
+    @on_host
     async def scatter(
         self,
         xs: np.ndarray | None,
@@ -545,6 +553,7 @@ class Group(GroupCore):
         descriptor = describe_call("scatter", "", dtype.str, item, src)
         return await self._run(descriptor, timeout, body)
 
+    @on_host
     async def all_to_all(
         self, x: np.ndarray, *, out: np.ndarray | None = None, timeout: float | None = None
     ) -> np.ndarray:
@@ -568,6 +577,7 @@ class Group(GroupCore):
         descriptor = describe_call("all_to_all", "", arr.dtype.str, arr.shape)
         return await self._run(descriptor, timeout, body)
 
+    @on_host
     async def all_to_all_v(
         self, xs: Sequence[np.ndarray], *, timeout: float | None = None
     ) -> list[np.ndarray]:

@@ -1,0 +1,235 @@
+"""CuPy (GPU) arrays in collectives: staged through host memory, results on the device.
+
+A collective given a CuPy array copies it to page-locked host memory (``ndarray.get`` on
+the array's device and its current stream, which waits for the work queued there, so
+the values are the ones the caller's kernels wrote), runs the numpy collective on the
+copy, and hands the result back on the device of the first CuPy array it was given (or
+fills the CuPy ``out=``), on the stream that was current when the call began, waiting
+until the copy is done: the result is on the device when the call returns, and the host
+buffer can go back to the pool. The network is at most a few GB/s, well below a GPU's
+copy engines, so the staging copies cost little next to the transfer;
+docs/collectives.md gives the measured figures.
+
+CuPy is imported only once a CUDA array has been seen: numpy users never pay for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import numpy as np
+
+from ..errors import UsageError
+
+__all__ = ["is_device_array", "on_host", "pack", "ready_marker", "unpack"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_S = TypeVar("_S")
+
+_PINNED_MIN = 4096
+"""Staging buffers are whole powers of two from this size up: CuPy's pinned pool keeps
+freed blocks by size for ever, so a bounded set of sizes bounds what it keeps."""
+
+
+def is_device_array(x: object) -> bool:
+    """Whether ``x`` is a CuPy array (any object of a ``cupy`` type with the CUDA array
+    interface)."""
+    kind = type(x)
+    module = kind.__module__
+    return hasattr(kind, "__cuda_array_interface__") and (
+        module == "cupy" or module.startswith("cupy.")
+    )
+
+
+def type_name(x: object) -> str:
+    """``x``'s type as ``module.name`` (``cupy.ndarray``, ``torch.Tensor``)."""
+    kind = type(x)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _cuda(x: object) -> bool:
+    """Whether ``x`` offers the CUDA array interface (CuPy's or another library's)."""
+    return hasattr(type(x), "__cuda_array_interface__")
+
+
+def _refuse_foreign(x: object) -> None:
+    """A CUDA array that is not CuPy's (a torch tensor, a Numba array) is refused with a
+    way out, rather than read element by element through numpy."""
+    if _cuda(x) and not is_device_array(x):
+        raise UsageError(
+            f"{type_name(x)} is a CUDA array but not a CuPy one: pass "
+            "cupy.asarray(x) (no copy) or a numpy array"
+        )
+
+
+def _cupy() -> Any:
+    return importlib.import_module("cupy")
+
+
+def _pinned(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """An uninitialised host array in page-locked memory from CuPy's pinned pool (freed
+    blocks go back to the pool and are reused): copies to and from the GPU run at the
+    copy engines' speed there, where pageable memory takes several times longer."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    nbytes = count * dtype.itemsize
+    block = max(_PINNED_MIN, 1 << (nbytes - 1).bit_length()) if nbytes else _PINNED_MIN
+    memory = _cupy().cuda.alloc_pinned_memory(block)
+    return np.frombuffer(memory, dtype, count).reshape(shape)
+
+
+class _Staging:
+    """One call's host copies, and the device (and stream) its results go back to."""
+
+    def __init__(self) -> None:
+        self.device: Any = None
+        self.out: Any = None
+        self.numpy_out: Any = None
+        self._streams: dict[int, Any] = {}  # device id: its stream when the call began
+        self._copies: dict[int, np.ndarray] = {}  # id of a staged CuPy array: its copy
+
+    def _see(self, x: Any) -> None:
+        device = x.device
+        if self.device is None:
+            self.device = device
+        if device.id not in self._streams:
+            with device:
+                self._streams[device.id] = _cupy().cuda.get_current_stream()
+
+    def host(self, x: Any) -> Any:
+        """``x`` on the host when it is a CuPy array (a list or tuple: each item); other
+        values as they are."""
+        if is_device_array(x):
+            self._see(x)
+            copy = _pinned(x.shape, x.dtype)
+            with x.device:  # its stream: waits for the caller's kernels that write x
+                x.get(out=copy, stream=self._streams[x.device.id], blocking=True)
+            self._copies[id(x)] = copy
+            return copy
+        if isinstance(x, list | tuple) and any(_cuda(item) for item in x):
+            return [self.host(item) for item in x]
+        _refuse_foreign(x)
+        return x
+
+    def keyword(self, name: str, value: Any) -> Any:
+        """A keyword argument on the host: ``out=`` and ``like=`` give only their shape
+        and dtype (nothing is copied), the others as :meth:`host`."""
+        if name == "out":
+            return self.host_out(value)
+        if name == "like" and is_device_array(value):
+            self._see(value)
+            return np.empty(value.shape, value.dtype)
+        return self.host(value)
+
+    def host_out(self, out: Any) -> Any:
+        """A host buffer for a CuPy ``out=`` (which is filled after the call): the input's
+        own host copy when ``out`` is the input, so the call runs in place there too."""
+        if not is_device_array(out):
+            _refuse_foreign(out)
+            self.numpy_out = out
+            return out
+        if not out.flags.c_contiguous:
+            raise UsageError("out must be a writeable C-contiguous array")
+        self.out = out
+        self._see(out)
+        staged = self._copies.get(id(out))
+        return staged if staged is not None else _pinned(out.shape, out.dtype)
+
+    def back(self, result: Any) -> Any:
+        """``result`` on the device (the CuPy ``out=`` filled, when one was given), the
+        copy finished; a numpy ``out=`` is returned as it is."""
+        if result is None or (self.numpy_out is not None and result is self.numpy_out):
+            return result
+        if isinstance(result, list):
+            return [self.back(item) for item in result]
+        target = self.out
+        device = target.device if target is not None else self.device
+        stream = self._streams[device.id]
+        with device:
+            if target is None:
+                if not result.flags.c_contiguous:
+                    result = np.ascontiguousarray(result)
+                target = _cupy().empty(result.shape, result.dtype)
+            target.set(result, stream=stream)  # queued on the stream: wait for it, since
+            stream.synchronize()  # the host buffer is reused once this call returns
+        return target
+
+
+def _staged(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether any argument is a CUDA array (checked cheaply: no CuPy import)."""
+    for value in (*args, *kwargs.values()):
+        if _cuda(value) or (isinstance(value, list | tuple) and any(map(_cuda, value))):
+            return True
+    return False
+
+
+def on_host(
+    method: Callable[Concatenate[_S, _P], Awaitable[_R]],
+) -> Callable[Concatenate[_S, _P], Awaitable[_R]]:
+    """Let a collective take CuPy arrays: they are copied to the host, the numpy
+    collective runs, and its array results come back on the input's device (a CuPy
+    ``out=`` is filled and returned). Calls with no CUDA array pass straight through."""
+
+    @functools.wraps(method)
+    async def wrapper(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if not _staged(args, kwargs):
+            return await method(self, *args, **kwargs)
+        staging = _Staging()
+        host_args = [staging.host(a) for a in args]
+        host_kwargs = {k: staging.keyword(k, v) for k, v in kwargs.items()}
+        result = await method(self, *host_args, **host_kwargs)
+        if staging.device is None:  # only a foreign CUDA array could get here: refused
+            return result
+        return staging.back(result)  # type: ignore[no-any-return]
+
+    return wrapper
+
+
+def ready_marker(x: Any) -> Any:
+    """An event on ``x``'s device, recorded on its current stream: once it has passed,
+    ``x`` holds what the kernels queued before this call wrote (for a copy made later,
+    from another task, on whatever stream is current then)."""
+    with x.device:
+        return _cupy().cuda.get_current_stream().record()
+
+
+def pack(arrays: Sequence[Any], dtype: np.dtype[Any], ready: Sequence[Any] = ()) -> np.ndarray:
+    """``arrays`` flattened into one new host array of ``dtype``, once every event of
+    ``ready`` (:func:`ready_marker`) has passed; CuPy arrays on one device are joined
+    there first, so they cross to the host in one copy."""
+    for event in ready:
+        event.synchronize()
+    if not any(is_device_array(a) for a in arrays):
+        return np.concatenate([a.reshape(-1) for a in arrays], dtype=dtype)
+    devices = {a.device.id for a in arrays if is_device_array(a)}
+    if len(devices) == 1 and all(is_device_array(a) for a in arrays):
+        cp = _cupy()
+        with arrays[0].device:
+            joined = cp.concatenate([a.reshape(-1) for a in arrays]).astype(dtype, copy=False)
+            return np.asarray(joined.get())  # on the current stream, after the join
+    parts = [a.get().reshape(-1) if is_device_array(a) else a.reshape(-1) for a in arrays]
+    return np.concatenate(parts, dtype=dtype)
+
+
+def unpack(flat: np.ndarray, arrays: Sequence[Any]) -> None:
+    """Write consecutive pieces of ``flat`` back into ``arrays`` (in place), as
+    :func:`pack` laid them out; the device copies are finished when it returns."""
+    offset = 0
+    on_device: dict[int, Any] = {}
+    for a in arrays:
+        start, offset = offset, offset + a.size
+        if not is_device_array(a):
+            a.reshape(-1)[:] = flat[start:offset]
+            continue
+        device = a.device
+        with device:
+            if device.id not in on_device:  # one copy to each device, then slices there
+                on_device[device.id] = _cupy().asarray(flat)
+            a.reshape(-1)[:] = on_device[device.id][start:offset]
+    for id_ in on_device:
+        with _cupy().cuda.Device(id_):
+            _cupy().cuda.get_current_stream().synchronize()

@@ -1,0 +1,182 @@
+"""A stand-in for CuPy over numpy, for the test runs where no GPU is.
+
+It has the parts of CuPy's API that p2pdist uses (the CUDA array interface, ``get`` and
+``set``, device contexts, streams and events, pinned memory, ``asarray``, ``empty``,
+``concatenate``) and refuses what CuPy refuses: an implicit conversion to numpy, a numpy
+value assigned into it, ``set`` of another shape or dtype or into a non-contiguous
+array. As on a GPU, ``set`` only queues its copy on a stream: it lands when the stream
+is synchronised. It counts the copies between host and device.
+tests/test_device_arrays.py runs the same tests on real CuPy where a GPU is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+copies = {"to_host": 0, "to_device": 0}
+
+
+class Event:
+    """A point in a stream: passed once the copies queued before it are done."""
+
+    def __init__(self, stream: Stream) -> None:
+        self._stream, self._upto = stream, len(stream.pending)
+
+    def synchronize(self) -> None:
+        self._stream.run(self._upto)
+
+
+class Stream:
+    """A queue of host-to-device copies that run only when it is synchronised (or a
+    blocking copy on it waits): a copy whose host buffer changes before then lands the
+    changed values, as on a GPU."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._done = 0
+
+    def run(self, upto: int | None = None) -> None:
+        upto = len(self.pending) if upto is None else upto
+        while self._done < upto:
+            target, source = self.pending[self._done]
+            target[...] = source
+            self._done += 1
+
+    def synchronize(self) -> None:
+        self.run()
+
+    def record(self) -> Event:
+        return Event(self)
+
+
+class Device:
+    """A device id and a context that makes it the current device."""
+
+    def __init__(self, id: int = 0) -> None:
+        self.id = id
+
+    def __enter__(self) -> Device:
+        _current.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _current.pop()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Device) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return self.id
+
+
+_current = [Device(0)]
+_streams: dict[int, Stream] = {}
+
+
+def _get_current_stream() -> Stream:
+    return _streams.setdefault(_current[-1].id, Stream())
+
+
+def _alloc_pinned_memory(nbytes: int) -> bytearray:
+    return bytearray(nbytes)
+
+
+class _Cuda:
+    Device = Device
+    Stream = Stream
+    alloc_pinned_memory = staticmethod(_alloc_pinned_memory)
+    get_current_stream = staticmethod(_get_current_stream)
+
+
+cuda = _Cuda()
+
+
+class ndarray:
+    """A 'device' array: numpy memory that numpy may not read implicitly."""
+
+    def __init__(self, data: np.ndarray, device: Device) -> None:
+        self._data = data
+        self.device = device
+
+    __module__ = "cupy"
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (0, False), "version": 3}
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise TypeError("Implicit conversion to a NumPy array is not allowed.")
+
+    shape = property(lambda self: self._data.shape)
+    dtype = property(lambda self: self._data.dtype)
+    size = property(lambda self: self._data.size)
+    ndim = property(lambda self: self._data.ndim)
+    nbytes = property(lambda self: self._data.nbytes)
+    flags = property(lambda self: self._data.flags)
+
+    def get(
+        self, stream: Stream | None = None, out: np.ndarray | None = None, blocking: bool = True
+    ) -> np.ndarray:
+        (stream or _get_current_stream()).synchronize()  # as CuPy: after the queued work
+        copies["to_host"] += 1
+        if out is None:
+            return self._data.copy()
+        if out.shape != self.shape or out.dtype != self.dtype:
+            raise ValueError(f"cannot get {self.dtype}{self.shape} into {out.dtype}{out.shape}")
+        out[...] = self._data
+        return out
+
+    def set(self, arr: np.ndarray, stream: Stream | None = None) -> None:
+        """Queue the copy on ``stream`` (as CuPy does): it lands when the stream is
+        synchronised, with the host buffer's values of that moment."""
+        if not isinstance(arr, np.ndarray):
+            raise TypeError("set() takes a numpy array")
+        if arr.shape != self.shape or arr.dtype != self.dtype:
+            raise ValueError(f"cannot set {arr.dtype}{arr.shape} into {self.dtype}{self.shape}")
+        if not self._data.flags.c_contiguous:
+            raise RuntimeError("Cannot set to non-contiguous array")
+        copies["to_device"] += 1
+        (stream or _get_current_stream()).pending.append((self._data, arr))
+
+    def reshape(self, *shape: Any) -> ndarray:
+        return ndarray(self._data.reshape(*shape), self.device)
+
+    def astype(self, dtype: Any, copy: bool = True) -> ndarray:
+        return ndarray(self._data.astype(dtype, copy=copy), self.device)
+
+    def __getitem__(self, key: Any) -> ndarray:
+        return ndarray(self._data[key], self.device)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if isinstance(value, np.ndarray):
+            raise TypeError("Implicit conversion to a CuPy array is not allowed here.")
+        self._data[key] = value._data if isinstance(value, ndarray) else value
+
+    @property
+    def T(self) -> ndarray:
+        return ndarray(self._data.T, self.device)
+
+
+def asarray(x: Any, dtype: Any = None) -> ndarray:
+    """``x`` on the current device (copied there from the host)."""
+    if isinstance(x, ndarray):
+        return x if dtype is None else x.astype(dtype)
+    copies["to_device"] += 1
+    return ndarray(np.array(x, dtype=dtype), _current[-1])
+
+
+def empty(shape: Any, dtype: Any = np.float64) -> ndarray:
+    """An uninitialised array on the current device."""
+    return ndarray(np.empty(shape, dtype), _current[-1])
+
+
+def concatenate(arrays: list[ndarray]) -> ndarray:
+    """The arrays joined, on the first one's device."""
+    return ndarray(np.concatenate([a._data for a in arrays]), arrays[0].device)
+
+
+def to_numpy(x: ndarray) -> np.ndarray:
+    """The device memory as it is now, without waiting for queued copies."""
+    return x._data.copy()

@@ -1,0 +1,292 @@
+"""Collectives on CuPy arrays: real groups over loopback, results on the device.
+
+Every test runs twice: on tests/fakecupy.py (numpy memory behind CuPy's interface, so the
+staging logic runs everywhere, CI included) and on real CuPy where a GPU is (skipped, with
+the reason, elsewhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import fakecupy
+import numpy as np
+import pytest
+from group_helpers import groups
+
+from p2pdist import GradientBuckets, UsageError
+
+
+def _real_cupy() -> ModuleType | None:
+    try:
+        import cupy  # type: ignore[import-not-found, unused-ignore]
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+        return cupy  # type: ignore[no-any-return, unused-ignore]
+    except Exception:
+        return None
+
+
+@pytest.fixture(params=["fake", "cupy"])
+def xp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The array module: the stand-in (as ``cupy`` in sys.modules), or real CuPy."""
+    if request.param == "fake":
+        monkeypatch.setitem(sys.modules, "cupy", fakecupy)
+        yield fakecupy
+        return
+    cupy = _real_cupy()
+    if cupy is None:
+        pytest.skip("CuPy with a CUDA device is not available here")
+    yield cupy
+
+
+def host(a: Any) -> np.ndarray:
+    """A device array's values on the host."""
+    assert type(a).__module__ == "cupy" or type(a).__module__.startswith("cupy."), type(a)
+    return np.asarray(a.get())
+
+
+def inputs(n: int, shape: tuple[int, ...], dtype: Any = np.float32) -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    return [rng.standard_normal(shape).astype(dtype) for _ in range(n)]
+
+
+async def test_all_reduce_returns_device_arrays(xp: Any) -> None:
+    xs = inputs(3, (5, 40_000))  # above small_bytes: the ring
+    small = inputs(3, (17,))  # the direct path
+    async with groups(3) as gs:
+        dev = [xp.asarray(x) for x in xs]
+        out = await asyncio.gather(*(g.all_reduce(d) for g, d in zip(gs, dev, strict=True)))
+        for r in out:
+            np.testing.assert_allclose(host(r), sum(xs), rtol=1e-5, atol=1e-5)
+        # out= the input itself: filled in place, and returned
+        sdev = [xp.asarray(x) for x in small]
+        got = await asyncio.gather(
+            *(g.all_reduce(d, "max", out=d) for g, d in zip(gs, sdev, strict=True))
+        )
+        for d, r in zip(sdev, got, strict=True):
+            assert r is d
+            np.testing.assert_array_equal(host(d), np.maximum.reduce(small))
+        mean = await asyncio.gather(
+            *(g.all_reduce(d, "mean", mode="deterministic") for g, d in zip(gs, dev, strict=True))
+        )
+        ref = (xs[0].astype(np.float64) + xs[1] + xs[2]) / 3
+        for r in mean:
+            np.testing.assert_array_equal(host(r), ref.astype(np.float32))
+
+
+async def test_compressed_all_reduce_on_device(xp: Any) -> None:
+    xs = inputs(2, (300_000,))
+    async with groups(2) as gs:
+        dev = [xp.asarray(x) for x in xs]
+        out = await asyncio.gather(
+            *(g.all_reduce(d, wire_dtype="bfloat16") for g, d in zip(gs, dev, strict=True))
+        )
+    ref = xs[0] + xs[1]
+    for r in out:
+        err = np.linalg.norm(host(r) - ref) / np.linalg.norm(ref)
+        assert err < 1e-2, err
+
+
+async def test_rooted_and_gathering_collectives(xp: Any) -> None:
+    xs = inputs(3, (4, 6))
+    async with groups(3) as gs:
+        dev = [xp.asarray(x) for x in xs]
+        gathered = await asyncio.gather(*(g.all_gather(d) for g, d in zip(gs, dev, strict=True)))
+        for r in gathered:
+            np.testing.assert_array_equal(host(r), np.stack(xs))
+        bcast = await asyncio.gather(*(g.broadcast(d, src=1) for g, d in zip(gs, dev, strict=True)))
+        for r in bcast:
+            np.testing.assert_array_equal(host(r), xs[1])
+        reduced = await asyncio.gather(*(g.reduce(d, dst=2) for g, d in zip(gs, dev, strict=True)))
+        assert reduced[0] is None and reduced[1] is None
+        np.testing.assert_allclose(host(reduced[2]), sum(xs), rtol=1e-6)
+        at_root = await asyncio.gather(*(g.gather(d, dst=0) for g, d in zip(gs, dev, strict=True)))
+        np.testing.assert_array_equal(host(at_root[0]), np.stack(xs))
+        assert at_root[1] is None
+        rs = await asyncio.gather(*(g.reduce_scatter(xp.asarray(np.stack(xs))) for g in gs))
+        for rank, r in enumerate(rs):  # every rank passed the same stack: 3 times it
+            np.testing.assert_allclose(host(r), 3 * np.stack(xs)[rank : rank + 1], rtol=1e-5)
+
+
+async def test_scatter_and_all_to_all(xp: Any) -> None:
+    rows = np.arange(3 * 5, dtype=np.int64).reshape(3, 5)
+    async with groups(3) as gs:
+        like = xp.asarray(np.zeros(5, np.int64))
+        got = await asyncio.gather(
+            gs[0].scatter(xp.asarray(rows), src=0),
+            *(g.scatter(None, src=0, like=like) for g in gs[1:]),
+        )
+        for rank, r in enumerate(got):
+            np.testing.assert_array_equal(host(r), rows[rank])
+        mats = [xp.asarray(rows + 100 * r) for r in range(3)]
+        a2a = await asyncio.gather(*(g.all_to_all(m) for g, m in zip(gs, mats, strict=True)))
+        for rank, r in enumerate(a2a):
+            np.testing.assert_array_equal(
+                host(r), np.stack([rows[rank] + 100 * p for p in range(3)])
+            )
+        # all_to_all_v: rank r sends p rows of r to rank p (zero rows to rank 0)
+        sends = [[xp.asarray(np.full((p, 2), r, np.float32)) for p in range(3)] for r in range(3)]
+        a2av = await asyncio.gather(*(g.all_to_all_v(s) for g, s in zip(gs, sends, strict=True)))
+        for rank, parts in enumerate(a2av):
+            assert len(parts) == 3
+            for p, part in enumerate(parts):
+                np.testing.assert_array_equal(host(part), np.full((rank, 2), p, np.float32))
+
+
+async def test_send_recv_with_device_buffers(xp: Any) -> None:
+    x = np.linspace(0, 1, 1000, dtype=np.float32).reshape(10, 100)
+    async with groups(2) as gs:
+        dev = xp.asarray(x)
+        _, got = await asyncio.gather(gs[0].send(dev, 1), gs[1].recv(0, like=dev))
+        np.testing.assert_array_equal(host(got), x)
+        out = xp.asarray(np.zeros_like(x))
+        _, filled = await asyncio.gather(gs[0].send(dev, 1), gs[1].recv(0, out=out))
+        assert filled is out
+        np.testing.assert_array_equal(host(out), x)
+
+
+async def test_gradient_buckets_reduce_device_arrays_in_place(xp: Any) -> None:
+    shapes = [(3, 4), (1000,), (7,), (20, 20)]
+    async with groups(2) as gs:
+        grads = [[xp.asarray(np.full(s, r + 1, np.float32)) for s in shapes] for r in range(2)]
+        host_grad = [[np.full(shapes[0], 10, np.float32)] for _ in range(2)]
+
+        async def step(g: Any, arrays: list[Any], extra: list[np.ndarray]) -> None:
+            async with await GradientBuckets.create(g, bucket_bytes=2048, op="sum") as b:
+                for a in arrays:
+                    b.add(a)
+                for a in extra:  # numpy and CuPy arrays in one bucket
+                    b.add(a)
+                await b.wait()
+
+        await asyncio.gather(*(step(g, a, h) for g, a, h in zip(gs, grads, host_grad, strict=True)))
+    for arrays in grads:
+        for a, s in zip(arrays, shapes, strict=True):
+            np.testing.assert_array_equal(host(a), np.full(s, 3, np.float32))
+    for (h,) in host_grad:
+        np.testing.assert_array_equal(h, np.full(shapes[0], 20, np.float32))
+
+
+async def test_bad_device_arguments_are_refused(xp: Any) -> None:
+    async with groups(2) as gs:
+        strided = xp.asarray(np.zeros((4, 4), np.float32)).T
+        with pytest.raises(UsageError, match="C-contiguous"):
+            await gs[0].all_reduce(xp.asarray(np.zeros((4, 4), np.float32)), out=strided)
+
+        class Tensor:  # a CUDA array of another library
+            @property
+            def __cuda_array_interface__(self) -> dict[str, Any]:
+                return {}
+
+        with pytest.raises(UsageError, match="not a CuPy one"):
+            await gs[0].all_reduce(Tensor())  # type: ignore[arg-type]
+        # the refused calls sent nothing: the group still works
+        ones = [xp.asarray(np.ones(3, np.float32)) for _ in gs]
+        out = await asyncio.gather(*(g.all_reduce(o) for g, o in zip(gs, ones, strict=True)))
+        for r in out:
+            np.testing.assert_array_equal(host(r), np.full(3, 2, np.float32))
+
+
+async def test_in_place_call_copies_once_each_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """all_reduce(x, out=x) on the device: one copy to the host, the reduction in place
+    there, one copy back (counted by the stand-in)."""
+    monkeypatch.setitem(sys.modules, "cupy", fakecupy)
+    xs = inputs(2, (100_000,))
+    async with groups(2) as gs:
+        dev = [fakecupy.asarray(x) for x in xs]
+        monkeypatch.setattr(fakecupy, "copies", {"to_host": 0, "to_device": 0})
+        await asyncio.gather(*(g.all_reduce(d, out=d) for g, d in zip(gs, dev, strict=True)))
+        assert fakecupy.copies == {"to_host": 2, "to_device": 2}  # two ranks, one each way
+        for d in dev:  # already on the device (the queued copy waited for), not pending
+            np.testing.assert_allclose(fakecupy.to_numpy(d), xs[0] + xs[1], rtol=1e-6)
+        fresh = await asyncio.gather(*(g.broadcast(d) for g, d in zip(gs, dev, strict=True)))
+        assert fakecupy.copies == {"to_host": 4, "to_device": 4}
+    for r in (*dev, *fresh):
+        np.testing.assert_allclose(host(r), xs[0] + xs[1], rtol=1e-6)
+
+
+async def test_back_to_back_calls_keep_their_results(xp: Any) -> None:
+    """Each call's result has landed before the next call reuses the staging memory
+    (pinned blocks of one size come back from the pool at once)."""
+    n = 1 << 20
+    async with groups(2) as gs:
+        bufs = [xp.asarray(np.zeros(n, np.float32)) for _ in range(6)]
+        for i, buf in enumerate(bufs):
+            src = xp.asarray(np.full(n, float(i), np.float32))
+            await asyncio.gather(gs[0].send(src, 1), gs[1].recv(0, out=buf))
+        for i, buf in enumerate(bufs):
+            np.testing.assert_array_equal(host(buf), np.full(n, float(i), np.float32))
+
+
+async def test_numpy_out_device_results_and_plain_recv(xp: Any) -> None:
+    """A numpy out= with a CuPy input is filled and returned as it is; a recv with
+    neither like= nor out= gives numpy (nothing says where the result should live)."""
+    xs = inputs(2, (50,))
+    async with groups(2) as gs:
+        dev = [xp.asarray(x) for x in xs]
+        outs = [np.empty(50, np.float32) for _ in gs]
+        got = await asyncio.gather(
+            *(g.all_reduce(d, out=o) for g, d, o in zip(gs, dev, outs, strict=True))
+        )
+        for o, r in zip(outs, got, strict=True):
+            assert r is o
+            np.testing.assert_allclose(o, xs[0] + xs[1], rtol=1e-6)
+        _, plain = await asyncio.gather(gs[0].send(dev[0], 1), gs[1].recv(0))
+        assert isinstance(plain, np.ndarray)
+        np.testing.assert_array_equal(plain, xs[0])
+
+
+async def test_results_go_to_the_inputs_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An input on device 1 (device 0 current) gets its result on device 1, and a CuPy
+    out= on another device is filled there (the stand-in has any number of devices)."""
+    monkeypatch.setitem(sys.modules, "cupy", fakecupy)
+    xs = inputs(2, (64,))
+    async with groups(2) as gs:
+        with fakecupy.cuda.Device(1):
+            dev = [fakecupy.asarray(x) for x in xs]
+        got = await asyncio.gather(*(g.all_reduce(d) for g, d in zip(gs, dev, strict=True)))
+        assert all(r.device.id == 1 for r in got)
+        with fakecupy.cuda.Device(2):
+            outs = [fakecupy.empty(64, np.float32) for _ in gs]
+        filled = await asyncio.gather(
+            *(g.all_reduce(d, out=o) for g, d, o in zip(gs, dev, outs, strict=True))
+        )
+    for r in (*got, *filled):
+        np.testing.assert_allclose(fakecupy.to_numpy(r), xs[0] + xs[1], rtol=1e-6)
+    assert [r.device.id for r in filled] == [2, 2]
+
+
+async def test_buckets_read_arrays_as_queued_when_added(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gradient whose last write is still queued on the caller's stream when it is
+    added is read after that write (the bucket waits for the point of add(), not for
+    whatever stream is current when it runs)."""
+    monkeypatch.setitem(sys.modules, "cupy", fakecupy)
+    async with groups(2) as gs:
+        grads = [fakecupy.empty(1000, np.float32) for _ in gs]
+
+        async def step(g: Any, grad: Any, value: float) -> None:
+            async with await GradientBuckets.create(g, bucket_bytes=1 << 20, op="sum") as b:
+                grad.set(np.full(1000, value, np.float32))  # queued, not landed yet
+                b.add(grad)
+                await b.wait()
+
+        await asyncio.gather(
+            *(step(g, a, r + 1.0) for r, (g, a) in enumerate(zip(gs, grads, strict=True)))
+        )
+    for grad in grads:
+        np.testing.assert_array_equal(fakecupy.to_numpy(grad), np.full(1000, 3, np.float32))
+
+
+def test_numpy_calls_do_not_stage() -> None:
+    """A numpy call is passed straight through: no CuPy import, no copies."""
+    from p2pdist.group.devices import _staged
+
+    assert not _staged((np.zeros(3), "sum"), {"out": None, "timeout": 1.0})
+    assert not _staged(([np.zeros(3)],), {})
+    assert _staged(([np.zeros(3), fakecupy.asarray(np.zeros(3))],), {})
