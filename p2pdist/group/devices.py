@@ -159,10 +159,23 @@ class _Staging:
         return target
 
 
+_PLAIN = frozenset({np.ndarray, str, int, float, bool, type(None)})
+"""Argument types that are never CUDA arrays nor hold any: told apart by one set lookup,
+since this check runs on every call (a failed ``hasattr`` costs far more)."""
+
+
+def _holds_cuda(value: object) -> bool:
+    return _cuda(value) or (isinstance(value, list | tuple) and any(map(_cuda, value)))
+
+
 def _staged(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    """Whether any argument is a CUDA array (checked cheaply: no CuPy import)."""
-    for value in (*args, *kwargs.values()):
-        if _cuda(value) or (isinstance(value, list | tuple) and any(map(_cuda, value))):
+    """Whether any argument is a CUDA array or a list or tuple holding one (no CuPy
+    import)."""
+    for value in args:
+        if type(value) not in _PLAIN and _holds_cuda(value):
+            return True
+    for value in kwargs.values():  # noqa: SIM110 (a loop: any() of a generator is slower)
+        if type(value) not in _PLAIN and _holds_cuda(value):
             return True
     return False
 
