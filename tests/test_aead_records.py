@@ -322,6 +322,27 @@ def test_a_lean_pipe_fed_reads_that_end_inside_records_holds_just_what_waits() -
     assert bytes(got) == b"".join(sent) and len(rx._buf) == 0
 
 
+@pytest.mark.parametrize("reader", ["fill", "read_into"])
+def test_a_lean_pipe_keeps_only_the_unfinished_record_after_a_read(reader: str) -> None:
+    """A read of many whole records that ends a few bytes into the next one keeps those
+    few bytes, not the read's buffer (a relay client could otherwise pin a whole read's
+    memory between bursts of PONGs, each burst ending inside a record)."""
+    tx = AeadPipe(A, B, dialer=True)
+    rx = AeadPipe(B, A, dialer=False, lean=True)
+    wire = b"".join(bytes(tx.encrypt(b"x" * 1000)) for _ in range(250))
+    last = bytes(tx.encrypt(b"y" * 1000))
+    rx.feed(wire + last[:10])
+    buf = memoryview(bytearray(1000 if reader == "read_into" else 1 << 18))
+    total = 0
+    while n := getattr(rx, reader)(buf):
+        total += n
+    assert total == 250 * 1000
+    assert rx.buffered == 10 and len(rx._buf) == 10
+    rx.feed(last[10:])
+    assert rx.read_into(buf) == 1000 and bytes(buf[:1000]) == b"y" * 1000
+    assert len(rx._buf) == 0
+
+
 def test_fresh_output_survives_the_next_call() -> None:
     """For uvloop, whose transport queues a reference to what it could not send."""
     tx, rx = pair()

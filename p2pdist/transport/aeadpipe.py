@@ -335,11 +335,27 @@ class AeadPipe:
         self._start = at + length
         if self._start == self._end:
             self._drained()
+        elif self._lean:
+            self._trim()
         return n
 
     def _broken(self) -> RecordError:
         self._failed = RecordError("a record does not decrypt (altered, replayed or cut)")
         return self._failed
+
+    def _trim(self) -> None:
+        """(Lean) Once the front record is not here whole, keep only its bytes, not the
+        read they came with: a peer that ends every burst a few bytes into a record must
+        not keep a whole read's buffer alive between its bursts."""
+        start = self._start
+        if not start:
+            return
+        length = self._length_here()
+        if length is not None and (self._whole(length) or not self._valid(length)):
+            return  # more to take now (or a bad length to raise): the caller goes on
+        rest = bytearray(self._view[start : self._end])
+        self._buf, self._view = rest, memoryview(rest)
+        self._start, self._end = 0, len(rest)
 
     def _drained(self) -> None:
         """Every byte received was decrypted: start over at the front (a lean pipe lets
@@ -386,7 +402,9 @@ class AeadPipe:
         self._start, self._end = start, end
         if start == end:
             self._drained()
-        elif not n and self.readable:
+        elif self._lean:
+            self._trim()
+        if start != end and not n and self.readable:
             return self.read_into(buf)  # whole but larger than buf, or a bad length
         return n
 
