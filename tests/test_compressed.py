@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
@@ -126,6 +127,79 @@ async def test_error_feedback_keeps_the_long_run_sum_unbiased(world: int, n: int
         err_ef = np.abs(with_ef - steps * truth).max()
         err_plain = np.abs(without - steps * truth).max()
         assert err_ef < 0.2 * err_plain, (err_ef, err_plain)
+
+
+@pytest.mark.parametrize(
+    ("world", "n", "op", "wire"),
+    [
+        (2, 131_200, "sum", "int8"),  # pieces start off the 512-element blocks
+        (3, 50_003, "mean", "int8"),  # a hop that re-encodes a partial sum
+        (4, 70_001, "sum", "bfloat16"),
+    ],
+)
+async def test_reduce_scatter_error_feedback_keeps_the_long_run_sum_unbiased(
+    world: int, n: int, op: str, wire: str
+) -> None:
+    """reduce_scatter with error feedback (gradients sharded across ranks, as ZeRO does):
+    over 30 calls the pieces, joined, track the true sum; every encoding a rank makes
+    (its input's pieces, the partial sums it forwards) goes into its residual, and its
+    own piece, never encoded, leaves none."""
+    async with groups(world) as gs:
+        xs = gaussian(world, n, seed=11)
+        truth = np.sum([x.astype(np.float64) for x in xs], axis=0) / (world if op == "mean" else 1)
+        efs = [ErrorFeedback() for _ in gs]
+        with_ef = np.zeros_like(truth)
+        without = np.zeros_like(truth)
+        steps = 30
+        kw: dict[str, Any] = {"wire_dtype": wire, "block": 512}
+        for _ in range(steps):
+            a = await asyncio.gather(
+                *(g.reduce_scatter(xs[g.rank], op, error_feedback=efs[g.rank], **kw) for g in gs)
+            )
+            b = await asyncio.gather(*(g.reduce_scatter(xs[g.rank], op, **kw) for g in gs))
+            with_ef += np.concatenate(a)
+            without += np.concatenate(b)
+        err_ef = np.abs(with_ef - steps * truth).max()
+        err_plain = np.abs(without - steps * truth).max()
+        assert err_ef < 0.2 * err_plain, (err_ef, err_plain)
+        pieces = np.array_split(np.arange(n), world)
+        for g, ef in zip(gs, efs, strict=True):
+            assert ef.residual is not None and np.isfinite(ef.residual).all()
+            own = pieces[g.rank]
+            assert not ef.residual[own].any(), "the own piece is never encoded"
+            assert ef.residual[np.setdiff1d(np.arange(n), own)].any()
+
+
+async def test_reduce_scatter_error_feedback_recovers_after_a_non_finite_step() -> None:
+    n = 4096
+    async with groups(2, config={"small_bytes": 1024}) as gs:
+        efs = [ErrorFeedback() for _ in gs]
+        for step in range(3):
+            xs = [np.full(n, 1.0, np.float32) for _ in gs]
+            if step == 0:
+                xs[0][-1] = np.inf  # in rank 1's piece: rank 0 encodes it
+            with np.errstate(over="ignore", invalid="ignore"):
+                outs = await asyncio.gather(
+                    *(
+                        g.reduce_scatter(x, wire_dtype="int8", error_feedback=ef)
+                        for g, x, ef in zip(gs, xs, efs, strict=True)
+                    )
+                )
+            if step == 0:
+                assert not np.isfinite(outs[1][-1])
+                assert np.isfinite(outs[0]).all()
+            else:
+                for out in outs:
+                    assert np.isfinite(out).all(), (step, np.flatnonzero(~np.isfinite(out)))
+                    np.testing.assert_allclose(out, 2.0, rtol=1e-2)
+        for ef in efs:
+            assert ef.residual is not None and np.isfinite(ef.residual).all()
+        with pytest.raises(UsageError, match="use one ErrorFeedback per tensor"):
+            await gs[0].reduce_scatter(
+                np.ones(8, np.float32), wire_dtype="int8", error_feedback=efs[0]
+            )
+        with pytest.raises(UsageError, match="needs a wire_dtype"):
+            await gs[0].reduce_scatter(np.ones(8, np.float32), error_feedback=ErrorFeedback())
 
 
 async def test_compression_usage_errors() -> None:

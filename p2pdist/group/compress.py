@@ -389,8 +389,9 @@ def divide_for_mean(x: np.ndarray, divisor: int, out: np.ndarray) -> None:
 class ErrorFeedback:
     """Keeps what compression lost from one call's input and adds it to the next call's.
 
-    Use one per tensor: ``g.all_reduce(grad, wire_dtype="int8", error_feedback=ef)``.
-    Over many steps the compression error then averages out instead of accumulating.
+    Use one per tensor: ``g.all_reduce(grad, wire_dtype="int8", error_feedback=ef)``
+    (or ``reduce_scatter``, for gradients sharded across ranks). Over many steps the
+    compression error then averages out instead of accumulating.
 
     The residual is kept in the units that travel: the input's, or the input's divided by
     the world for ``op="mean"`` (which scales before encoding); a call with another scale
@@ -410,13 +411,26 @@ class ErrorFeedback:
         self._before: np.ndarray | None = None
         """The residual as the running call found it, until :meth:`settle`."""
 
-    def apply(self, x: np.ndarray, codec: WireCodec, divisor: int = 1) -> np.ndarray:
-        """``decode(encode(x / divisor + residual))``, remembering the new residual.
+    def begin(self, x: np.ndarray, divisor: int = 1) -> np.ndarray:
+        """``x / divisor + residual`` as a new flat float32 array, with the residual back
+        at zero: the call's own encodings then add what they lose to it (reduce_scatter,
+        whose ring encodes every piece of the input but this rank's own, which it never
+        encodes).
 
-        Returns a new float32 array; the residual is updated in its own array, piece by
-        piece, through one piece-sized wire buffer, float32 scratch and bool scratch. A
-        piece that decodes to finite values (the usual case) takes a plain subtraction.
-        """
+        No :meth:`settle` follows: an encoding whose loss is not finite adds nothing, and
+        the sums of the other ranks' pieces, which this rank never learns, cannot say
+        where to roll back. (So where another rank's sum overflowed, the finite loss of
+        this rank's encoding of that element is carried on, unlike all_reduce's.)"""
+        sent, residual = self._start(x, divisor)
+        self._before = None
+        sent += residual
+        residual[:] = 0
+        return sent
+
+    def _start(self, x: np.ndarray, divisor: int) -> tuple[np.ndarray, np.ndarray]:
+        """``x / divisor`` as a new flat float32 array, and the residual in those units
+        (made, checked against ``x``'s size, or rescaled); the residual as it is now is
+        kept for :meth:`settle`."""
         sent = to_float32(x)  # a fresh copy: the caller works in place
         if divisor != 1:
             divide_for_mean(sent, divisor, sent)
@@ -430,8 +444,17 @@ class ErrorFeedback:
         elif divisor != self._divisor:
             self.residual *= np.float32(self._divisor / divisor)
         self._divisor = divisor
-        residual = self.residual
-        self._before = residual.copy()
+        self._before = self.residual.copy()
+        return sent, self.residual
+
+    def apply(self, x: np.ndarray, codec: WireCodec, divisor: int = 1) -> np.ndarray:
+        """``decode(encode(x / divisor + residual))``, remembering the new residual.
+
+        Returns a new float32 array; the residual is updated in its own array, piece by
+        piece, through one piece-sized wire buffer, float32 scratch and bool scratch. A
+        piece that decodes to finite values (the usual case) takes a plain subtraction.
+        """
+        sent, residual = self._start(x, divisor)
         sent += residual  # the value to send: x + what earlier calls lost
         align = codec.align  # int8 scales cover whole blocks
         step = max(1, self._PIECE // align) * align

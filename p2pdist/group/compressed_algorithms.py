@@ -62,21 +62,8 @@ async def compressed_ring_all_reduce(
     """
     n, r = link.size, link.rank
     right, left = (r + 1) % n, (r - 1) % n
-    chunk = _wire_chunk(codec, chunk)
-    widest = min(chunk, max(b - a for a, b in bounds))
-    wire = np.empty(codec.nbytes(widest), np.uint8)
-    lost = None if residual is None else np.empty(widest, np.float32)
-    finite = None if residual is None else np.empty(widest, np.bool_)
-
-    def encoded(a: int, b: int, *, keep: bool = False, feed: bool = True) -> memoryview:
-        buf = wire[: codec.nbytes(b - a)]
-        codec.encode_into(work[a:b], buf)
-        if feed and residual is not None and lost is not None and finite is not None and b > a:
-            m = b - a
-            _feed_back(codec, buf, work[a:b], lost[:m], finite[:m], residual[a:b], keep=keep)
-        elif keep:
-            codec.decode_into(buf, work[a:b])
-        return as_bytes(buf)
+    encodings = _Encodings(codec, work, bounds, chunk, residual)
+    chunk, encoded = encodings.chunk, encodings.encoded
 
     # reduce-scatter steps but the last; k == 0 sends our input, which ErrorFeedback
     # already encoded
@@ -99,24 +86,70 @@ async def compressed_ring_all_reduce(
 
 
 async def compressed_ring_reduce_scatter(
-    link: Link, work: np.ndarray, bounds: list[tuple[int, int]], codec: WireCodec, chunk: int
+    link: Link,
+    work: np.ndarray,
+    bounds: list[tuple[int, int]],
+    codec: WireCodec,
+    chunk: int,
+    residual: np.ndarray | None = None,
 ) -> None:
     """Sum float32 ``work`` over ranks so that segment ``bounds[rank]`` holds the result,
     with a narrow wire format: step k sends segment (rank-k-1), encoded, to the right and
     accumulates segment (rank-k-2) from the left in float32. Every hop re-encodes the
     partial sum (fresh int8 scales, so it never saturates); our own segment is never
     encoded after its last contribution, so it keeps float32 precision. Segments may
-    start anywhere: a chunk's int8 blocks start at the chunk."""
-    chunk = _wire_chunk(codec, chunk)
-    wire = np.empty(codec.nbytes(min(chunk, max(b - a for a, b in bounds))), np.uint8)
+    start anywhere: a chunk's int8 blocks start at the chunk.
 
-    def encoded(_k: int, a: int, b: int) -> memoryview:
-        buf = wire[: codec.nbytes(b - a)]
-        if b > a:
-            codec.encode_into(work[a:b], buf)
+    With ``residual`` (error feedback, in ``work``'s units), every encoding this rank
+    makes adds what it lost to ``residual`` at that place, the first hop's (our input)
+    included: :meth:`ErrorFeedback.begin` leaves the input unencoded."""
+    encodings = _Encodings(codec, work, bounds, chunk, residual)
+    await _reduce_scatter_steps(
+        link,
+        work,
+        bounds,
+        codec,
+        encodings.chunk,
+        link.size - 1,
+        lambda _k, a, b: encodings.encoded(a, b),
+    )
+
+
+class _Encodings:
+    """A ring's encodings of ``work[a:b]`` into one reused wire buffer and, with a
+    ``residual`` (error feedback), what each of them loses added to it."""
+
+    def __init__(
+        self,
+        codec: WireCodec,
+        work: np.ndarray,
+        bounds: list[tuple[int, int]],
+        chunk: int,
+        residual: np.ndarray | None,
+    ) -> None:
+        self.chunk = _wire_chunk(codec, chunk)
+        widest = min(self.chunk, max(b - a for a, b in bounds))
+        self._codec, self._work, self._residual = codec, work, residual
+        self._wire = np.empty(codec.nbytes(widest), np.uint8)
+        self._lost = np.empty(widest if residual is not None else 0, np.float32)
+        self._finite = np.empty(widest if residual is not None else 0, np.bool_)
+
+    def encoded(self, a: int, b: int, *, keep: bool = False, feed: bool = True) -> memoryview:
+        """The wire bytes of ``work[a:b]`` (valid until the next call); with ``keep``,
+        ``work[a:b]`` then holds their decoded value; without ``feed``, the residual
+        leaves this encoding out."""
+        codec, work, residual = self._codec, self._work, self._residual
+        buf = self._wire[: codec.nbytes(b - a)]
+        if b <= a:
+            return as_bytes(buf)
+        codec.encode_into(work[a:b], buf)
+        if feed and residual is not None:
+            m = b - a
+            lost, ok = self._lost[:m], self._finite[:m]
+            _feed_back(codec, buf, work[a:b], lost, ok, residual[a:b], keep=keep)
+        elif keep:
+            codec.decode_into(buf, work[a:b])
         return as_bytes(buf)
-
-    await _reduce_scatter_steps(link, work, bounds, codec, chunk, link.size - 1, encoded)
 
 
 async def compressed_gather_segments(

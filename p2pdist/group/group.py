@@ -260,6 +260,7 @@ class Group(GroupCore):
         mode: str | None = None,
         wire_dtype: str | None = None,
         block: int = INT8_BLOCK,
+        error_feedback: ErrorFeedback | None = None,
         timeout: float | None = None,
     ) -> np.ndarray:
         """Reduce ``x`` over all ranks and return this rank's piece of the result.
@@ -269,11 +270,15 @@ class Group(GroupCore):
         ``mode`` as for :meth:`all_reduce`. ``wire_dtype`` and ``block`` compress floating
         sum/mean as :meth:`all_reduce` does (the ring, accumulating in float32 at every
         hop; a rank's own piece is never encoded after its last contribution).
+        ``error_feedback`` (one :class:`ErrorFeedback` per tensor, as for all_reduce)
+        carries what this rank's encodings lost into the next call's input.
         """
         arr = as_array(x)
         if arr.ndim == 0:
             raise UsageError("reduce_scatter needs an array with at least one dimension")
-        rop, ordered, codec = self._all_reduce_codec(arr, op, mode, wire_dtype, block, None)
+        rop, ordered, codec = self._all_reduce_codec(
+            arr, op, mode, wire_dtype, block, error_feedback
+        )
         rows = split_bounds(arr.shape[0], self.size)
         row_items = int(np.prod(arr.shape[1:], dtype=np.int64))
         bounds = [(a * row_items, b * row_items) for a, b in rows]
@@ -291,11 +296,17 @@ class Group(GroupCore):
             wire_codec = codec
             self._seconds(timeout)  # a call refused for its timeout makes no copy
             # mean divides before encoding, as all_reduce does: partial sums stay in range
-            work = _compressed_input(arr, codec, None, self.size if rop.divide else 1)
+            divisor = self.size if rop.divide else 1
+            feedback = error_feedback
+            if feedback is None:
+                work = _compressed_input(arr, codec, None, divisor)
+            else:
+                work = feedback.begin(arr, divisor)
 
             async def compressed(lk: CollectiveLink) -> np.ndarray:
+                residual = None if feedback is None else feedback.residual
                 await compressed_ring_reduce_scatter(
-                    lk, work, bounds, wire_codec, self._chunk(work.dtype)
+                    lk, work, bounds, wire_codec, self._chunk(work.dtype), residual
                 )
                 a, b = bounds[self._rank]
                 with np.errstate(over="ignore"):  # a float16 result past 65504 is inf
