@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from group_helpers import groups
+from group_helpers import crash, groups, until_left
 
 from p2pdist import ErrorFeedback, GradientBuckets, Group, GroupBrokenError, UsageError
 from p2pdist.errors import PeerTimeoutError
@@ -484,3 +485,56 @@ async def test_a_cancelled_bucket_wait_leaves_the_buckets_reducing() -> None:
         assert all(np.all(a == 3.0) for a in a0 + a1)
         out = await asyncio.gather(*(g.all_reduce(np.ones(2)) for g in gs))
         assert out[0].tolist() == [2.0, 2.0]
+
+
+async def test_memmap_in_place_and_refused_calls_change_nothing(tmp_path: Path) -> None:
+    """A memmap is its own out= (it reduces as the plain array it holds), and a call
+    refused for its timeout leaves a broadcast's out= alone."""
+    async with groups(3, config={"small_bytes": 256}) as gs:
+        maps = []
+        for g in gs:
+            m = np.memmap(tmp_path / f"m{g.rank}", np.float32, "w+", shape=(1000,))
+            m[:] = g.rank + 1
+            maps.append(m)
+        got = await asyncio.gather(*(g.all_reduce(m, out=m) for g, m in zip(gs, maps, strict=True)))
+        for m, r in zip(maps, got, strict=True):
+            assert r is m and np.all(m == 6)
+        got = await asyncio.gather(
+            *(g.broadcast(m, 2, out=m) for g, m in zip(gs, maps, strict=True))
+        )
+        assert all(r is m for m, r in zip(maps, got, strict=True))
+        small = [m[:8] for m in maps]  # the direct path, on a memmap slice
+        got = await asyncio.gather(*(g.reduce(s, 1, out=s) for g, s in zip(gs, small, strict=True)))
+        assert got[1] is small[1] and np.all(small[1] == 18)
+        out = np.zeros(4)
+        with pytest.raises(UsageError, match="timeout"):
+            await gs[0].broadcast(np.arange(4.0), 0, out=out, timeout=-1)
+        assert not out.any()
+
+
+async def test_error_feedback_survives_a_call_refused_before_it_ran() -> None:
+    """A compressed call that the group refuses before it runs (a rank has left) leaves
+    the residual as it was: the next call that runs still carries it."""
+    async with groups(3, config={"on_peer_loss": "leave", "small_bytes": 256}) as gs:
+        xs = [np.random.default_rng(r).standard_normal(5000).astype(np.float32) for r in range(3)]
+        efs = [ErrorFeedback() for _ in gs]
+        rs_efs = [ErrorFeedback() for _ in gs]
+        kw: dict[str, Any] = {"wire_dtype": "int8"}
+        await asyncio.gather(
+            *(g.all_reduce(xs[g.rank], error_feedback=efs[g.rank], **kw) for g in gs)
+        )
+        await asyncio.gather(
+            *(g.reduce_scatter(xs[g.rank], error_feedback=rs_efs[g.rank], **kw) for g in gs)
+        )
+        kept = [ef.residual.copy() for ef in efs if ef.residual is not None]
+        rs_kept = [ef.residual.copy() for ef in rs_efs if ef.residual is not None]
+        assert len(kept) == len(rs_kept) == 3 and all(k.any() for k in kept + rs_kept)
+        crash(gs[2])
+        await until_left(gs[:2], 2)
+        for g in gs[:2]:
+            with pytest.raises(GroupBrokenError, match="left the group"):
+                await g.all_reduce(xs[g.rank], error_feedback=efs[g.rank], **kw)
+            with pytest.raises(GroupBrokenError, match="left the group"):
+                await g.reduce_scatter(xs[g.rank], error_feedback=rs_efs[g.rank], **kw)
+            np.testing.assert_array_equal(efs[g.rank].residual, kept[g.rank])
+            np.testing.assert_array_equal(rs_efs[g.rank].residual, rs_kept[g.rank])

@@ -36,8 +36,14 @@ def wire_form(dtype: Any) -> np.dtype[Any]:
 
 def as_array(x: Any) -> np.ndarray:
     """A C-contiguous ndarray view of ``x`` (copying only when needed), dtype checked."""
-    if type(x) is np.ndarray and x.dtype in _NATIVE and x.flags.c_contiguous:
-        return x  # the usual case, checked in one go
+    if (
+        (type(x) is np.ndarray or type(x) is np.memmap)
+        and x.dtype in _NATIVE
+        and x.flags.c_contiguous
+    ):
+        # The usual case, checked in one go. A memmap stays itself (its rules are the
+        # plain array's), so that out=m is the input itself, as the caller wrote it.
+        return x
     if isinstance(x, np.ma.MaskedArray):  # its mask would be dropped on the wire
         raise UsageError(
             "masked arrays are not supported: pass x.filled(value) (or x.data to reduce "
@@ -45,9 +51,9 @@ def as_array(x: Any) -> np.ndarray:
         )
     if type(x) is not np.ndarray:
         if hasattr(x, "__cuda_array_interface__"):  # the Group's methods stage CuPy arrays
-            kind = f"{type(x).__module__}.{type(x).__qualname__}"
+            name = f"{type(x).__module__}.{type(x).__qualname__}"
             raise UsageError(
-                f"this call takes numpy arrays, not {kind} (the Group's collectives, "
+                f"this call takes numpy arrays, not {name} (the Group's collectives, "
                 "send/recv and GradientBuckets take CuPy arrays)"
             )
         x = np.asarray(x)  # a subclass (np.matrix, say) too: its own rules would not hold

@@ -417,15 +417,27 @@ class ErrorFeedback:
         whose ring encodes every piece of the input but this rank's own, which it never
         encodes).
 
-        No :meth:`settle` follows: an encoding whose loss is not finite adds nothing, and
-        the sums of the other ranks' pieces, which this rank never learns, cannot say
-        where to roll back. (So where another rank's sum overflowed, the finite loss of
-        this rank's encoding of that element is carried on, unlike all_reduce's.)"""
+        No :meth:`settle` follows (:meth:`running` once the call runs): an encoding whose
+        loss is not finite adds nothing, and the sums of the other ranks' pieces, which
+        this rank never learns, cannot say where to roll back. (So where another rank's
+        sum overflowed, the finite loss of this rank's encoding of that element is
+        carried on, unlike all_reduce's.)"""
         sent, residual = self._start(x, divisor)
-        self._before = None
         sent += residual
         residual[:] = 0
         return sent
+
+    def running(self) -> None:
+        """The call :meth:`begin` prepared runs: what :meth:`restore` would put back is
+        let go (a reduce_scatter has nothing to settle)."""
+        self._before = None
+
+    def restore(self) -> None:
+        """The call :meth:`apply` or :meth:`begin` prepared was refused before it ran
+        (a rank had left, say): the residual goes back to what it was, for the next."""
+        before, self._before = self._before, None
+        if before is not None:
+            self.residual = before
 
     def _start(self, x: np.ndarray, divisor: int) -> tuple[np.ndarray, np.ndarray]:
         """``x / divisor`` as a new flat float32 array, and the residual in those units

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from .profile import LinkProfile
 
 __all__ = ["Group"]
+
+T = TypeVar("T")
 
 _SPLIT_ATTEMPTS = 16
 """Rounds a split may take to agree on a channel space (more than one only while other
@@ -110,8 +112,11 @@ class Group(GroupCore):
         ``flat`` is already divided by the world (see :func:`_compressed_input`). With
         ``feedback``, what the ring's own encodings lose joins its residual too."""
         residual = None if feedback is None else feedback.residual
+        started = False
 
         async def body(lk: CollectiveLink) -> np.ndarray:
+            nonlocal started
+            started = True
             if self._direct(arr):
                 await compressed_direct_all_reduce(lk, flat, codec)
             else:
@@ -128,7 +133,7 @@ class Group(GroupCore):
                     work.reshape(-1)[:] = flat
             return work
 
-        return await self._run(descriptor, timeout, body)
+        return await _restoring(feedback, lambda: started, self._run(descriptor, timeout, body))
 
     def _deterministic(self, mode: str | None) -> bool:
         """Whether the call asks for deterministic mode (``mode``, else the group's)."""
@@ -303,8 +308,15 @@ class Group(GroupCore):
             else:
                 work = feedback.begin(arr, divisor)
 
+            started = False
+
             async def compressed(lk: CollectiveLink) -> np.ndarray:
-                residual = None if feedback is None else feedback.residual
+                nonlocal started
+                started = True
+                residual = None
+                if feedback is not None:
+                    feedback.running()
+                    residual = feedback.residual
                 await compressed_ring_reduce_scatter(
                     lk, work, bounds, wire_codec, self._chunk(work.dtype), residual
                 )
@@ -313,7 +325,8 @@ class Group(GroupCore):
                     result.reshape(-1)[:] = work[a:b]
                 return result
 
-            return await self._run(descriptor, timeout, compressed)
+            run = self._run(descriptor, timeout, compressed)
+            return await _restoring(feedback, lambda: started, run)
 
         async def body(lk: CollectiveLink) -> np.ndarray:
             if ordered:
@@ -379,6 +392,7 @@ class Group(GroupCore):
         arr = as_array(x)
         work = result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
+        self._seconds(timeout)  # a call refused for its timeout leaves out= alone
         if self._rank == src and work is not arr:
             np.copyto(work, arr)
         if self.size == 1:
@@ -803,6 +817,20 @@ def _codec_for(
     if ordered:
         raise UsageError("mode='deterministic' cannot be combined with a wire_dtype")
     return codec
+
+
+async def _restoring(
+    feedback: ErrorFeedback | None, started: Callable[[], bool], call: Awaitable[T]
+) -> T:
+    """Await ``call``; if it fails before its body ``started()``, ``feedback`` (which the
+    call prepared) goes back to what it was: a call refused without running changes
+    nothing, as a call refused for its arguments does not."""
+    try:
+        return await call
+    except BaseException:
+        if feedback is not None and not started():
+            feedback.restore()
+        raise
 
 
 def _compressed_input(
