@@ -21,7 +21,8 @@ from aioquic import tls as aioquic_tls
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection as AioQuicConnection
 from aioquic.quic.connection import QuicConnectionState
-from aioquic.quic.events import HandshakeCompleted, StreamDataReceived
+from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, StreamDataReceived
+from aioquic.quic.packet import QuicErrorCode
 from aioquic.quic.stream import QuicStream
 from fake_relay import FakeRelayHub
 from transport_conformance import (
@@ -53,6 +54,7 @@ from p2pdist.transport.quic import QuicConnection, QuicTransport
 from p2pdist.transport.quic_core import (
     AIOQUIC_LOG,
     ALPN,
+    UNPROVEN_WINDOW,
     PinnedQuicConnection,
     QuicConfig,
     quic_configuration,
@@ -421,17 +423,19 @@ async def test_relayed_garbage_and_a_strangers_packets_are_dropped(
 
 
 async def test_unexpected_stream_is_a_protocol_error() -> None:
-    """A peer that opens a second QUIC stream breaks the protocol: that connection ends
-    with RemoteProtocolError naming it, the peer learns why."""
+    """A peer that opens a second QUIC stream breaks the protocol (it may open none but
+    stream 0): that connection ends with RemoteProtocolError naming it, the peer learns
+    why."""
     async with direct_pair() as p:
         client = p.client
         assert isinstance(client, QuicConnection)
+        client._quic._remote_max_streams_bidi = 2  # ignore the one stream we were given
         client._quic.write(4, b"x")
         client._schedule_transmit()
-        with pytest.raises(RemoteProtocolError, match="unexpected QUIC stream") as info:
+        with pytest.raises(RemoteProtocolError, match="Too many streams open") as info:
             await bounded(p.server.recv(1), "the protocol error")
         assert eid(0).short() in str(info.value)
-        with pytest.raises(ConnectionBrokenError, match="unexpected QUIC stream") as broken:
+        with pytest.raises(ConnectionBrokenError, match="Too many streams open") as broken:
             await bounded(client.recv(1), "the offender learning it was dropped")
         assert eid(1).short() in str(broken.value)
 
@@ -541,8 +545,11 @@ def pump(a: AioQuicConnection, b: AioQuicConnection, now: float) -> None:
     raise AssertionError("the connections never went quiet")
 
 
-def sans_io_pair(server_cls: type[AioQuicConnection] = PinnedQuicConnection) -> tuple[Any, Any]:
-    """A handshaken client (PinnedQuicConnection) and server (``server_cls``), in memory."""
+def sans_io_pair(
+    server_cls: type[AioQuicConnection] = PinnedQuicConnection, *, admit: bool = True
+) -> tuple[Any, Any]:
+    """A handshaken client (PinnedQuicConnection) and server (``server_cls``), in memory;
+    with ``admit``, both admitted, as the glue admits a peer whose certificate checks out."""
     qc = QuicConfig(stream_window=128 << 10, connection_window=1 << 20)
 
     def cfg(rank: int, client: bool) -> QuicConfiguration:
@@ -564,6 +571,9 @@ def sans_io_pair(server_cls: type[AioQuicConnection] = PinnedQuicConnection) -> 
     else:
         server = server_cls(configuration=cfg(1, False), original_destination_connection_id=odcid)
     pump(client, server, 0.0)
+    for conn in (client, server) if admit else ():
+        if isinstance(conn, PinnedQuicConnection):
+            conn.admit()
     return client, server
 
 
@@ -581,10 +591,47 @@ def test_aioquic_internals_exist() -> None:
     assert QuicConnectionState.DRAINING and QuicConnectionState.FIRSTFLIGHT
 
 
+def test_a_peer_can_open_no_stream_but_stream_0() -> None:
+    """Stream 0 is the only one: a frame on any other stream ends the connection at once
+    (aioquic would store data past a gap on each of 256 streams, padding the gap with real
+    memory: a few bytes at offset window-1 would pin the whole window each)."""
+    client, server = sans_io_pair()
+    assert server._local_max_streams_bidi.value == 1 and server._local_max_streams_uni.value == 0
+    assert client._local_max_streams_bidi.value == 0 and client._local_max_streams_uni.value == 0
+    client._remote_max_streams_bidi = 1000  # a peer that ignores what we advertised
+    stream = client._get_or_create_stream_for_send(4)
+    stream.sender._buffer_start = stream.sender._buffer_stop = (128 << 10) - 1
+    client.send_stream_data(4, b"x")
+    pump(client, server, 1.0)
+    ending = server._close_event  # what the connection is closing with (aioquic's)
+    assert isinstance(ending, ConnectionTerminated), ending
+    assert ending.error_code == QuicErrorCode.STREAM_LIMIT_ERROR, ending
+    assert 4 not in server._streams or not server._streams[4].receiver._buffer
+
+
+def test_a_peer_not_yet_admitted_may_send_only_a_small_window() -> None:
+    """Until the glue admits the peer (its certificate checked), stream 0 takes data no
+    further than UNPROVEN_WINDOW ahead: a stranger that writes past a gap with its
+    Finished pins that much, not a whole window (aioquic pads the gap with memory).
+    Admitted peers get the whole window as it slides (test_receive_window_slides...)."""
+    client, server = sans_io_pair(admit=False)
+    stream = client._get_or_create_stream_for_send(0)
+    stream.max_stream_data_remote = 1 << 20  # a peer that ignores the credit it was given
+    stream.sender._buffer_start = stream.sender._buffer_stop = UNPROVEN_WINDOW + 1000
+    client.send_stream_data(0, b"x")
+    pump(client, server, 1.0)
+    ending = server._close_event
+    assert isinstance(ending, ConnectionTerminated), ending
+    assert ending.error_code == QuicErrorCode.FLOW_CONTROL_ERROR, ending
+    assert server.stream_window == UNPROVEN_WINDOW
+    server.admit()
+    assert server.stream_window == 128 << 10
+
+
 def test_aioquic_connection_log_is_ours_and_never_warns(caplog: pytest.LogCaptureFixture) -> None:
     """aioquic warns of every peer protocol error (a stranger's late Initial included),
     which Python prints on stderr when nothing configured logging; the connection logs
-    under p2pdist's name at INFO instead (quic_core.py docstring, item 5)."""
+    under p2pdist's name at INFO instead (quic_core.py docstring, item 6)."""
     assert "self._logger.warning(exc)" in inspect.getsource(AioQuicConnection.receive_datagram)
     _, server = sans_io_pair()
     with caplog.at_level(logging.DEBUG, logger=AIOQUIC_LOG.name):

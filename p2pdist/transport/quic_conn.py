@@ -273,6 +273,7 @@ class QuicConnection(FramedConnection):
             return
         assert presented is not None
         self._authenticated = True
+        self._quic.admit()
         if self._server_side:
             self._peer = presented
             self.label = self._owner.label_for(presented)

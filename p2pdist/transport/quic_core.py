@@ -1,6 +1,6 @@
 """aioquic, set up for p2pdist: mutual TLS pinned to endpoint ids and a real receive window.
 
-:class:`PinnedQuicConnection` is aioquic's sans-I/O ``QuicConnection`` with three
+:class:`PinnedQuicConnection` is aioquic's sans-I/O ``QuicConnection`` with these
 changes, each relying on an aioquic internal (hence the ``aioquic>=1.2,<2`` pin;
 ``tests/test_quic_transport.py`` has a test per internal that fails when aioquic changes it):
 
@@ -23,7 +23,14 @@ changes, each relying on an aioquic internal (hence the ``aioquic>=1.2,<2`` pin;
 4. **Path changes.** :meth:`path_changed` sets the datagram size (``_max_datagram_size``,
    also the pacer's) and resets the probe-timeout count (``_loss._pto_count``) when hole
    punching moves the connection between the relay and a direct path.
-5. **Logging.** aioquic logs through ``self._logger`` (and ``_loss._logger``, handed
+5. **One stream, a small window until admitted.** The peer may open no stream but 0
+   (``_local_max_streams_bidi`` and ``_local_max_streams_uni``, aioquic's ``Limit``
+   objects, set before the transport parameters go out): a frame on another stream ends
+   the connection with STREAM_LIMIT_ERROR before aioquic stores anything for it (it
+   stores data past a gap by padding the gap with real memory). Stream 0's initial
+   window (``_local_max_stream_data_bidi_local`` / ``_remote``) is
+   :data:`UNPROVEN_WINDOW` until :meth:`admit`, then the sliding window grows it.
+6. **Logging.** aioquic logs through ``self._logger`` (and ``_loss._logger``, handed
    the same adapter) and warns of every protocol error
    a peer makes, a stranger's late or forged Initial included; with no logging set up,
    Python prints such warnings on stderr. The connection logs under
@@ -151,10 +158,13 @@ def quic_configuration(
 
 AIOQUIC_LOG = logging.getLogger(__name__ + ".aioquic")
 
+UNPROVEN_WINDOW = 64 * 1024
+"""Receive window of a connection whose peer is not admitted yet (see ``admit``)."""
+
 
 class _AioquicLog(QuicConnectionAdapter):
     """aioquic's per-connection log (``[connection id] message``) with warnings and errors
-    lowered to INFO (module docstring, item 5)."""
+    lowered to INFO (module docstring, item 6)."""
 
     def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
         super().log(min(level, logging.INFO), msg, *args, **kwargs)
@@ -177,10 +187,32 @@ class PinnedQuicConnection(QuicConnection):
         )
         self._logger = _AioquicLog(AIOQUIC_LOG, self._logger.extra)
         self._loss._logger = self._logger  # loss recovery was handed the old one
-        self.stream_window = stream_window
+        # One stream, 0, opened by the dialer: the peer may open no other. aioquic would
+        # otherwise let it open 128 of each kind, each with a full window, and it stores
+        # data that arrives past a gap by padding the gap with real memory: a few bytes
+        # at offset window-1 on each of 256 streams would pin 4 GiB here.
+        for limit, allowed in (
+            (self._local_max_streams_uni, 0),
+            (self._local_max_streams_bidi, 0 if configuration.is_client else 1),
+        ):
+            limit.value = limit.sent = allowed
+        # Until the peer is admitted (its certificate checked: admit()), it may send only
+        # UNPROVEN_WINDOW bytes: a stranger that sends data past a gap with its Finished
+        # pins that much, not a whole window, per handshake.
+        self._full_window = stream_window
+        self.stream_window = min(stream_window, UNPROVEN_WINDOW)
+        self._local_max_stream_data_bidi_local = self.stream_window
+        self._local_max_stream_data_bidi_remote = self.stream_window
         self.receive_paused = False
         """While True, the peer gets no more credit (backpressure from the mailbox)."""
         self._written: dict[int, int] = {}
+
+    def admit(self) -> None:
+        """The peer proved the identity we accept: it gets the whole receive window,
+        granted (MAX_STREAM_DATA) with the next packet, as the window slides. (Stream 0
+        starts with the credit the transport parameters gave, whenever it opens: a
+        stream must not believe it granted more than the peer was told.)"""
+        self.stream_window = self._full_window
 
     # ---- aioquic overrides --------------------------------------------------------------
 
