@@ -599,8 +599,9 @@ class QuicTransport(EndpointBase[QuicConnection]):
             route = conn.route
             if isinstance(route, RelayRoute) and route.peer == peer:
                 if sock is None or addr is None:
-                    route.use_relay()
-                    conn.path_changed()
+                    if route.direct is not None:  # a connection already on the relay
+                        route.use_relay()  # keeps its congestion state and RTT
+                        conn.path_changed()
                 else:
                     self._move(conn, sock, addr)
 
