@@ -8,10 +8,11 @@ Run two ranks on this machine (the launcher sets P2PDIST_SEED/RANK/WORLD/PEERS/T
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import numpy as np
 
-from p2pdist import Group
+from p2pdist import Group, P2PError
 
 
 async def main() -> None:
@@ -25,4 +26,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except P2PError as exc:  # not started by the launcher, a relay that refused us, ...
+        sys.exit(f"allreduce_hello: {exc}")

@@ -24,7 +24,7 @@ import sys
 
 import numpy as np
 
-from p2pdist import Group
+from p2pdist import Group, P2PError
 
 
 def make_shard(
@@ -93,7 +93,10 @@ def main() -> int:
         p.error(f"--lr must be a positive number, got {args.lr}")
     if args.save is not None and not os.path.isdir(os.path.dirname(args.save) or "."):
         p.error(f"--save {args.save}: no such directory")  # fail now, not after training
-    return asyncio.run(train(args))
+    try:
+        return asyncio.run(train(args))
+    except P2PError as exc:  # not started by the launcher, a relay that refused us, ...
+        sys.exit(f"data_parallel_sgd: {exc}")
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--plaintext", action="store_true", help="set P2PDIST_TLS=0 (no TLS)")
     p.add_argument("--seed", default=None, help="group seed (default: a fresh random one)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command, after '--'")
-    p.set_defaults(handler=_cmd_launch)
+    p.set_defaults(handler=_cmd_launch, subparser=p)
 
 
 def _add_keygen(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -130,7 +130,7 @@ def _add_keygen(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--out", default=None, metavar="FILE", help="write the key to FILE (0600)")
     p.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     p.add_argument("--seed", action="store_true", help="print a random group seed instead")
-    p.set_defaults(handler=_cmd_keygen)
+    p.set_defaults(handler=_cmd_keygen, subparser=p)
 
 
 def _add_id(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -143,7 +143,7 @@ def _add_id(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("file", nargs="?", default=None, metavar="FILE", help="a key file")
     p.add_argument("--seed", default=None, help="group seed")
     p.add_argument("--world", type=int, default=None, metavar="N", help="number of ranks")
-    p.set_defaults(handler=_cmd_id)
+    p.set_defaults(handler=_cmd_id, subparser=p)
 
 
 def _add_passthrough(
@@ -207,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if extra and not getattr(args, "passthrough", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        # Said by the subcommand's own parser (its usage line), not the top-level one's.
+        getattr(args, "subparser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     handler: _Handler = args.handler
     try:
         if args.loop is not None:

@@ -3,7 +3,8 @@
 ``p2pdist doctor --relay URL`` connects to the relay and reports: whether the session
 comes up and its round-trip time; whether UDP gets out (the relay's observation ports
 answer a STUN Binding Request); the address(es) they see; and, from one local socket
-to two observation ports, the NAT's mapping behaviour: *endpoint-independent* (the same
+to two observation ports, the NAT's mapping behaviour: *none (public address)* (both
+saw the socket's own address), *endpoint-independent* (the same
 public port towards every destination, so hole punching works with most peers) or
 *endpoint-dependent* ("symmetric": a new port per destination, so only peers without
 NAT are reached directly and the rest stays on the relay).
@@ -23,6 +24,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -109,6 +111,8 @@ class DoctorReport:
             return "symmetric NAT: direct paths only to peers without NAT, the rest stay relayed"
         if self.mapping == "endpoint-independent":
             return "hole punching should work with most peers (relay as the fallback)"
+        if self.mapping == "none (public address)":
+            return "no NAT: peers that can send to this address reach it directly"
         return "UDP works; the mapping type is unknown (the relay has one observation port)"
 
 
@@ -169,7 +173,7 @@ async def diagnose(
             report.local = local
             report.observed = [a or "no answer" for a in seen]
             report.udp = any(a is not None for a in seen)
-            report.mapping = mapping_behaviour(seen)
+            report.mapping = mapping_behaviour(seen, local)
         if peer is not None:
             report.peer = await _check_peer(transport, peer, timeout)
         return report
@@ -307,7 +311,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--peer", help="endpoint id of a peer running `p2pdist doctor --serve`")
     ap.add_argument("--serve", action="store_true", help="answer other doctors (until ^C)")
     ap.add_argument("--key", help="key file to use (default: a fresh key)")
-    ap.add_argument("--token", help="relay access token")
+    ap.add_argument(
+        "--token",
+        default=os.environ.get("P2PDIST_RELAY_TOKEN") or None,
+        help="relay access token (default: $P2PDIST_RELAY_TOKEN, as the relay reads it)",
+    )
     ap.add_argument(
         "--timeout",
         type=float,

@@ -533,7 +533,7 @@ async def test_doctor_on_loopback_sees_udp_and_a_direct_path_to_a_peer(tmp_path:
     assert report.relay_connected and report.relay_rtt is not None
     assert report.relay_records == "aes-256-gcm"
     assert "connected (TLS, then aes-256-gcm records)" in render(report)
-    assert report.udp and report.mapping == "endpoint-independent"  # loopback: no NAT
+    assert report.udp and report.mapping == "none (public address)"  # loopback: no NAT
     assert len(report.observed) == 2 and report.observed[0] == report.local
     peer = report.peer
     assert peer is not None and peer.connected and peer.direct and peer.error is None
@@ -542,7 +542,7 @@ async def test_doctor_on_loopback_sees_udp_and_a_direct_path_to_a_peer(tmp_path:
     # when the path was often direct already (it read a few microseconds)
     assert peer.direct_after > 0.001
     text = render(report)
-    assert "NAT mapping  endpoint-independent" in text and "direct path after" in text
+    assert "NAT mapping  none (public address)" in text and "direct path after" in text
 
 
 async def test_doctor_on_a_relay_without_observation_does_not_blame_udp(tmp_path: Path) -> None:
@@ -626,6 +626,8 @@ def test_mapping_behaviour_reads_the_nat_type_off_the_answers() -> None:
     assert mapping_behaviour([None, None]) == "no UDP"
     assert mapping_behaviour([a, None]) == "unknown"  # one answer tells nothing
     assert mapping_behaviour([]) == "unknown"  # a relay without observation ports
+    assert mapping_behaviour([a, a], local=a) == "none (public address)"
+    assert mapping_behaviour([a, a], local=b) == "endpoint-independent"
 
 
 async def test_stun_probe_resends_only_while_an_answer_can_still_count() -> None:

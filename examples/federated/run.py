@@ -40,7 +40,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m examples.federated.run", description=__doc__.split("\n\n")[0]
+    )
     add_coordinator_args(p)
     p.add_argument("--relay", default=None, help="'local' (start one) or a relay URL")
     p.add_argument("--malicious", type=int, default=1, help="clients scaling updates by 1e6")

@@ -70,8 +70,9 @@ class StunProbe:
         return self.answers
 
 
-def mapping_behaviour(answers: Sequence[Hashable | None]) -> str:
-    """``endpoint-independent`` (one mapped address for every target),
+def mapping_behaviour(answers: Sequence[Hashable | None], local: Hashable | None = None) -> str:
+    """``none (public address)`` (every target saw ``local``, the socket's own address:
+    no NAT), ``endpoint-independent`` (one mapped address for every target),
     ``endpoint-dependent`` ("symmetric": one per target), ``no UDP`` (no answer at all)
     or ``unknown`` (fewer than two answers, e.g. a relay with one observation port)."""
     seen = [a for a in answers if a is not None]
@@ -79,4 +80,6 @@ def mapping_behaviour(answers: Sequence[Hashable | None]) -> str:
         return "no UDP" if answers else "unknown"
     if len(seen) < 2:
         return "unknown"
-    return "endpoint-independent" if len(set(seen)) == 1 else "endpoint-dependent"
+    if len(set(seen)) > 1:
+        return "endpoint-dependent"
+    return "none (public address)" if seen[0] == local else "endpoint-independent"

@@ -528,7 +528,10 @@ class RelayUrl:
             raise UsageError(f"relay URL {url!r} has more than one pin")
         if pins and not pins[0]:
             raise UsageError(f"relay URL {url!r}: pin needs a value (?pin=<endpoint id>)")
-        pin = EndpointId.parse(pins[0]) if pins else None
+        try:
+            pin = EndpointId.parse(pins[0]) if pins else None
+        except ValueError as exc:  # UsageError is one: a bad pin, named as the pin
+            raise UsageError(f"relay URL pin: {exc}") from None
         return cls(parts.hostname, port or 443, pin)
 
     def __str__(self) -> str:
