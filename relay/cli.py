@@ -72,5 +72,17 @@ def load_config(
     merged.update(args)
     # The file's paths are relative to the file, the flags' to the working directory;
     # validation happens once, on the merged result.
-    values = {**coerce(file_values, base=base), **coerce(merged)}
-    return RelayConfig(**values)
+    given = {name for name, value in merged.items() if value is not None}
+    from_file = {name for name in file_values if name not in given}
+    try:
+        typed = coerce(file_values, base=base)
+    except ConfigError as exc:  # a value of the wrong kind in the file
+        raise ConfigError(f"config file {config_path}: {exc}") from None
+    try:
+        return RelayConfig(**{**typed, **coerce(merged)})
+    except ConfigError as exc:
+        # A value the file gave (and no flag or variable replaced) is the file's to fix.
+        setting = str(exc).split(" ", 1)[0].replace("-", "_")
+        if setting in from_file:
+            raise ConfigError(f"config file {config_path}: {exc}") from None
+        raise

@@ -538,3 +538,14 @@ async def test_error_feedback_survives_a_call_refused_before_it_ran() -> None:
                 await g.reduce_scatter(xs[g.rank], error_feedback=rs_efs[g.rank], **kw)
             np.testing.assert_array_equal(efs[g.rank].residual, kept[g.rank])
             np.testing.assert_array_equal(rs_efs[g.rank].residual, rs_kept[g.rank])
+
+
+async def test_send_and_recv_cut_short_by_closing_the_group_say_so() -> None:
+    """A send or recv in flight when its own group is closed fails as a collective does
+    then (GroupBrokenError, "the group was closed"), not as a bare closed connection."""
+    async with groups(2) as gs:
+        waiting = asyncio.create_task(gs[0].recv(1))
+        await asyncio.sleep(0.05)
+        await gs[0].close()
+        with pytest.raises(GroupBrokenError, match=r"recv from rank 1 .*the group was closed"):
+            await asyncio.wait_for(waiting, 10)

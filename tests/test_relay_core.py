@@ -5,6 +5,7 @@ PEER_GONE throttle, allowlist, metrics, configuration and the tap file format.""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -590,6 +591,22 @@ def test_config_file_errors(tmp_path: Path, text: str, message: str) -> None:
         load_config(["--config", str(cfg)], environ={})
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(["--config", str(tmp_path / "missing.toml")], environ={})
+
+
+def test_a_bad_value_is_blamed_on_where_it_came_from(tmp_path: Path) -> None:
+    """A value the file gave is named as the file's; the same value from a flag is not,
+    and a flag that replaces the file's out-of-range value leaves nothing to blame."""
+    kind = tmp_path / "kind.toml"
+    kind.write_text('port = "abc"\n')
+    with pytest.raises(ConfigError, match=rf"^config file {re.escape(str(kind))}: port must"):
+        load_config(["--config", str(kind), "--port", "0"], environ={})
+    limit = tmp_path / "limit.toml"
+    limit.write_text("max-clients = -5\n")
+    with pytest.raises(ConfigError, match=r"^config file .*: max-clients must be >= 1"):
+        load_config(["--config", str(limit)], environ={})
+    with pytest.raises(ConfigError, match=r"^max-clients must be >= 1"):
+        load_config(["--max-clients", "-5"], environ={})
+    assert load_config(["--config", str(limit), "--max-clients", "5"], environ={}).max_clients == 5
 
 
 def test_stun_alt_port_defaults_and_config_file(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import msgpack
 import numpy as np
 
 from ..errors import (
+    ConnectionClosedError,
     GroupBrokenError,
     P2PError,
     RemoteProtocolError,
@@ -586,7 +587,12 @@ class GroupCore(Runner):
         index = self._p2p_sent.get(dst, 0)
         self._p2p_sent[dst] = index + 1
         channel = (self._p2p_space << SPACE_SHIFT) | index
-        await p2p.send_array(self._conns[dst], channel, arr, seconds)
+        try:
+            await p2p.send_array(self._conns[dst], channel, arr, seconds)
+        except ConnectionClosedError:
+            if self._root()._closing:
+                raise self._closed_under("send to", dst) from None
+            raise
 
     @on_host
     async def recv(
@@ -639,6 +645,15 @@ class GroupCore(Runner):
             if self._gone_with(err) is None:
                 self._break(err, notify=True)
             raise
+        except ConnectionClosedError:
+            if self._root()._closing:
+                raise self._closed_under("recv from", src) from None
+            raise
+
+    def _closed_under(self, what: str, peer: int) -> GroupBrokenError:
+        """What a send or recv cut short by this rank's close of the group raises: the
+        error a collective raises then."""
+        return GroupBrokenError(f"{what} {self._root_label(peer)} failed: the group was closed")
 
 
 def _fields(obj: Any) -> dict[str, Any]:
