@@ -53,8 +53,15 @@ async def groups(
 
 
 def crash(g: Group) -> None:
-    """Drop every connection of ``g`` at once, without a goodbye (like SIGKILL)."""
-    for conn in list(g._conns.values()):
+    """Drop every connection of ``g`` at once, without a goodbye (like SIGKILL): every
+    socket is closed first, so the abort notices ``g`` would send as the first loss
+    breaks it reach nobody, as a killed process sends none."""
+    conns = list(g._conns.values())
+    for conn in conns:
+        transport = getattr(conn, "_transport", None)
+        if transport is not None:
+            transport.abort()  # the socket goes at once: nothing more leaves
+    for conn in conns:
         conn.abort(ConnectionBrokenError(g.peer_label(g.rank), "simulated crash"))  # type: ignore[attr-defined]
 
 
