@@ -178,6 +178,28 @@ def test_a_carried_update_too_stale_for_the_next_round_does_not_close_it(policy:
     assert out.dropped == {"too_stale": 1}
 
 
+def test_a_round_whose_members_cannot_meet_the_quorum_waits_for_its_deadline() -> None:
+    """Every member submitted, but they are fewer than the quorum: the round waits for its
+    deadline (a joiner may bring the rest) instead of closing as complete, and the next
+    round does not close as it opens on the carried updates alone."""
+    st = rounds(quorum=3, round_timeout=10.0)
+    st.join("a")
+    st.join("b")
+    st.open(0.0)
+    st.submit("a", 0, 0, 1, vec(1.0), 0.1)
+    st.submit("b", 0, 0, 1, vec(1.0), 0.2)
+    assert st.due(0.3) is None
+    assert st.due(10.0) is CloseReason.DEADLINE
+    assert not st.close(10.0).applied
+    st.open(10.0)  # both updates carried in: still not complete
+    assert st.due(10.0) is None
+    st.join("c")
+    st.submit("c", 1, 1, 1, vec(4.0), 11.0)
+    assert st.due(11.0) is not None
+    out = st.close(11.0)
+    assert out.applied and len(out.participants) == 3
+
+
 def test_fraction_quorum_rounds_up_and_needs_one() -> None:
     assert FederatedConfig(quorum=0.5).needed(5) == 3
     assert FederatedConfig(quorum=0.5).needed(4) == 2
@@ -649,6 +671,13 @@ def test_huge_weights_do_not_overflow_the_mean() -> None:
     ws = [1000.0, 3.3 * MIN_DISCOUNT]
     formula = (zs[0] * ws[0] + zs[1] * ws[1]) / (ws[0] + ws[1])
     np.testing.assert_array_equal(aggregate(zs, ws, "mean", 0.0, f64), formula)
+    # Every weight at the floor (every update stale under a steep discount): still the
+    # sample-weighted mean, at full precision for small updates too (x * w used to land
+    # in float64's subnormals, or at 0).
+    for v in (1e-3, 1e-10, 1e-17):
+        us = [np.array([v]), np.array([2 * v])]
+        floor = [MIN_DISCOUNT, 3 * MIN_DISCOUNT]
+        np.testing.assert_allclose(aggregate(us, floor, "mean", 0.0, f64), [1.75 * v], rtol=1e-15)
 
 
 def test_a_sample_count_past_what_a_submission_can_carry_is_rejected() -> None:

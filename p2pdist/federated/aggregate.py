@@ -124,8 +124,9 @@ def aggregate(
 
     ``"mean"``: ``sum(w_i * x_i) / sum(w_i)``, summed in the order given. Weights above
     :data:`_UNSCALED_WEIGHT` (never those of :class:`FederatedRounds`, whose sample counts
-    stop at 2**63 - 1 and discounts at 1) are first all scaled by one power of two, which
-    brings the largest to [0.5, 1), so that the sums cannot overflow.
+    stop at 2**63 - 1 and discounts at 1), or all below 1 (stale updates discounted to the
+    floor), are first all scaled by one power of two, which brings the largest to
+    [0.5, 1): the sums cannot overflow, and tiny weights keep full precision.
     ``"median"``: coordinate-wise median (weights ignored).
     ``"trimmed_mean"``: per coordinate, sort, cut :func:`trim_count` values from each end,
     average the rest (weights ignored).
@@ -140,7 +141,10 @@ def aggregate(
         if not all(w >= 0 and math.isfinite(w) for w in ws) or not max(ws) > 0:
             raise UsageError(f"weights must be finite, >= 0 and not all 0, got {ws[:8]}")
         top = max(ws)
-        shift = -math.frexp(top)[1] if top > _UNSCALED_WEIGHT else 0
+        # Scaled by a power of two (exact: every rank gets the same bits) when the weights
+        # are huge, so the sums cannot overflow, or below 1, so that weights as small as
+        # the discount floor do not take x * w into float64's subnormals.
+        shift = -math.frexp(top)[1] if top > _UNSCALED_WEIGHT or top < 1.0 else 0
         acc = np.zeros(shape, np.float64)
         total = 0.0
         for x, w in zip(updates, ws, strict=True):

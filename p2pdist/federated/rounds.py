@@ -293,9 +293,15 @@ class FederatedRounds:
             return None
         if self.config.policy == "quorum" and len(self._pending) >= self._needed:
             return CloseReason.QUORUM
-        # Complete once every member it opened with has submitted or left (with at least
-        # one update in: with none, a member that joins later may still bring one).
-        if self._members_at_open and self._pending and self._expected.issubset(self._pending):
+        # Complete once every member it opened with has submitted or left, and the
+        # updates in meet the quorum: with fewer (none, or too few after losses), closing
+        # would apply nothing and carry them into a round that is complete as it opens;
+        # a member that joins before the deadline may still bring what is missing.
+        if (
+            self._members_at_open
+            and len(self._pending) >= self._needed
+            and self._expected.issubset(self._pending)
+        ):
             return CloseReason.COMPLETE
         assert self._deadline is not None
         if now >= self._deadline:
