@@ -417,46 +417,36 @@ class ErrorFeedback:
         whose ring encodes every piece of the input but this rank's own, which it never
         encodes).
 
-        No :meth:`settle` follows (:meth:`running` once the call runs): an encoding whose
-        loss is not finite adds nothing, and the sums of the other ranks' pieces, which
-        this rank never learns, cannot say where to roll back. (So where another rank's
-        sum overflowed, the finite loss of this rank's encoding of that element is
-        carried on, unlike all_reduce's.)"""
+        No :meth:`settle` follows: an encoding whose loss is not finite adds nothing, and
+        the sums of the other ranks' pieces, which this rank never learns, cannot say
+        where to roll back. (So where another rank's sum overflowed, the finite loss of
+        this rank's encoding of that element is carried on, unlike all_reduce's.)"""
         sent, residual = self._start(x, divisor)
         sent += residual
         residual[:] = 0
         return sent
 
-    def running(self) -> None:
-        """The call :meth:`begin` prepared runs: what :meth:`restore` would put back is
-        let go (a reduce_scatter has nothing to settle)."""
-        self._before = None
-
-    def restore(self) -> None:
-        """The call :meth:`apply` or :meth:`begin` prepared was refused before it ran
-        (a rank had left, say): the residual goes back to what it was, for the next."""
-        before, self._before = self._before, None
-        if before is not None:
-            self.residual = before
+    def check(self, size: int) -> None:
+        """A :class:`UsageError` unless a call of ``size`` elements may use this feedback
+        (one ErrorFeedback per tensor): checked before the call takes its channel."""
+        if self.residual is not None and self.residual.size != size:
+            raise UsageError(
+                f"error feedback holds a residual of {self.residual.size} elements, "
+                f"this call has {size}; use one ErrorFeedback per tensor"
+            )
 
     def _start(self, x: np.ndarray, divisor: int) -> tuple[np.ndarray, np.ndarray]:
         """``x / divisor`` as a new flat float32 array, and the residual in those units
-        (made, checked against ``x``'s size, or rescaled); the residual as it is now is
-        kept for :meth:`settle`."""
+        (made, checked against ``x``'s size, or rescaled)."""
         sent = to_float32(x)  # a fresh copy: the caller works in place
         if divisor != 1:
             divide_for_mean(sent, divisor, sent)
+        self.check(sent.size)
         if self.residual is None:
             self.residual = np.zeros_like(sent)
-        elif self.residual.shape != sent.shape:
-            raise UsageError(
-                f"error feedback holds a residual of {self.residual.size} elements, "
-                f"this call has {sent.size}; use one ErrorFeedback per tensor"
-            )
         elif divisor != self._divisor:
             self.residual *= np.float32(self._divisor / divisor)
         self._divisor = divisor
-        self._before = self.residual.copy()
         return sent, self.residual
 
     def apply(self, x: np.ndarray, codec: WireCodec, divisor: int = 1) -> np.ndarray:
@@ -467,6 +457,7 @@ class ErrorFeedback:
         piece that decodes to finite values (the usual case) takes a plain subtraction.
         """
         sent, residual = self._start(x, divisor)
+        self._before = residual.copy()  # for settle
         sent += residual  # the value to send: x + what earlier calls lost
         align = codec.align  # int8 scales cover whole blocks
         step = max(1, self._PIECE // align) * align

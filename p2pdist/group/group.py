@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,8 +40,6 @@ if TYPE_CHECKING:
     from .profile import LinkProfile
 
 __all__ = ["Group"]
-
-T = TypeVar("T")
 
 _SPLIT_ATTEMPTS = 16
 """Rounds a split may take to agree on a channel space (more than one only while other
@@ -104,19 +102,20 @@ class Group(GroupCore):
         arr: np.ndarray,
         work: np.ndarray,
         codec: WireCodec,
-        flat: np.ndarray,
+        prepare: Callable[[], np.ndarray],
         timeout: float | None,
         feedback: ErrorFeedback | None,
     ) -> np.ndarray:
-        """all_reduce with a narrow wire format; float32 accumulation everywhere. For mean,
-        ``flat`` is already divided by the world (see :func:`_compressed_input`). With
-        ``feedback``, what the ring's own encodings lose joins its residual too."""
-        residual = None if feedback is None else feedback.residual
-        started = False
+        """all_reduce with a narrow wire format; float32 accumulation everywhere.
+        ``prepare()`` gives the flat float32 values to reduce (for mean already divided by
+        the world: :func:`_compressed_input`); it runs only once the call has its channel,
+        so a call refused before it runs changes neither the input (in place) nor
+        ``feedback``'s residual. With ``feedback``, what the ring's own encodings lose
+        joins its residual too."""
 
         async def body(lk: CollectiveLink) -> np.ndarray:
-            nonlocal started
-            started = True
+            flat = prepare()
+            residual = None if feedback is None else feedback.residual
             if self._direct(arr):
                 await compressed_direct_all_reduce(lk, flat, codec)
             else:
@@ -133,7 +132,7 @@ class Group(GroupCore):
                     work.reshape(-1)[:] = flat
             return work
 
-        return await _restoring(feedback, lambda: started, self._run(descriptor, timeout, body))
+        return await self._run(descriptor, timeout, body)
 
     def _deterministic(self, mode: str | None) -> bool:
         """Whether the call asks for deterministic mode (``mode``, else the group's)."""
@@ -208,19 +207,21 @@ class Group(GroupCore):
         label = _op_label(op, self._deterministic(mode), codec, block)
         descriptor = describe_call("all_reduce", label, arr.dtype.str, arr.shape)
         if codec is not None:
-            # What follows may change the input (in place) and the residual: a call refused
-            # for its timeout must not have done either.
-            self._seconds(timeout)
+            if error_feedback is not None:
+                error_feedback.check(arr.size)
             # mean divides before encoding (as NCCL does): partial sums then stay in the
             # inputs' range, which a float16 wire needs.
             divisor = self.size if rop.divide else 1
-            if error_feedback is None and arr.dtype == np.float32:
-                # Reduce in the result buffer itself: one copy, as the plain path.
-                flat = _load_into(arr, divisor, work)
-            else:
-                flat = _compressed_input(arr, codec, error_feedback, divisor)
+            wire_codec = codec
+
+            def prepare() -> np.ndarray:
+                if error_feedback is None and arr.dtype == np.float32:
+                    # Reduce in the result buffer itself: one copy, as the plain path.
+                    return _load_into(arr, divisor, work)
+                return _compressed_input(arr, wire_codec, error_feedback, divisor)
+
             return await self._compressed(
-                descriptor, arr, work, codec, flat, timeout, error_feedback
+                descriptor, arr, work, codec, prepare, timeout, error_feedback
             )
         if not ordered and self._direct(arr):  # small: the latency path, no extra layer
             flat = work.reshape(-1)
@@ -299,23 +300,19 @@ class Group(GroupCore):
         chunk = self._chunk(arr.dtype)
         if codec is not None:
             wire_codec = codec
-            self._seconds(timeout)  # a call refused for its timeout makes no copy
+            feedback = error_feedback
+            if feedback is not None:
+                feedback.check(arr.size)
             # mean divides before encoding, as all_reduce does: partial sums stay in range
             divisor = self.size if rop.divide else 1
-            feedback = error_feedback
-            if feedback is None:
-                work = _compressed_input(arr, codec, None, divisor)
-            else:
-                work = feedback.begin(arr, divisor)
-
-            started = False
 
             async def compressed(lk: CollectiveLink) -> np.ndarray:
-                nonlocal started
-                started = True
-                residual = None
-                if feedback is not None:
-                    feedback.running()
+                # Once the call has its channel: one refused changes no residual.
+                if feedback is None:
+                    work = _compressed_input(arr, wire_codec, None, divisor)
+                    residual = None
+                else:
+                    work = feedback.begin(arr, divisor)
                     residual = feedback.residual
                 await compressed_ring_reduce_scatter(
                     lk, work, bounds, wire_codec, self._chunk(work.dtype), residual
@@ -325,8 +322,7 @@ class Group(GroupCore):
                     result.reshape(-1)[:] = work[a:b]
                 return result
 
-            run = self._run(descriptor, timeout, compressed)
-            return await _restoring(feedback, lambda: started, run)
+            return await self._run(descriptor, timeout, compressed)
 
         async def body(lk: CollectiveLink) -> np.ndarray:
             if ordered:
@@ -451,17 +447,17 @@ class Group(GroupCore):
         descriptor = describe_call("reduce", label, arr.dtype.str, arr.shape, dst)
         if codec is not None:
             wire_codec = codec
-            self._seconds(timeout)  # a call refused for its timeout makes no copy
             divisor = self.size if rop.divide else 1
-            if result is not None and arr.dtype == np.float32:
-                # dst reduces in its result buffer itself: one copy, as all_reduce does
-                work = _load_into(arr, divisor, result)
-            else:
-                work = _compressed_input(arr, codec, None, divisor)
-            bounds = split_bounds(work.size, self.size)
+            bounds = split_bounds(arr.size, self.size)
 
             async def compressed(lk: CollectiveLink) -> np.ndarray | None:
                 await alg.agree(lk)  # a rank that names another root is caught here
+                # Once the call runs: one refused leaves out= (maybe the input) alone.
+                if result is not None and arr.dtype == np.float32:
+                    # dst reduces in its result buffer itself: one copy, as all_reduce does
+                    work = _load_into(arr, divisor, result)
+                else:
+                    work = _compressed_input(arr, wire_codec, None, divisor)
                 chunk = self._chunk(work.dtype)
                 await compressed_ring_reduce_scatter(lk, work, bounds, wire_codec, chunk)
                 await compressed_gather_segments(lk, work, bounds, wire_codec, dst)
@@ -817,20 +813,6 @@ def _codec_for(
     if ordered:
         raise UsageError("mode='deterministic' cannot be combined with a wire_dtype")
     return codec
-
-
-async def _restoring(
-    feedback: ErrorFeedback | None, started: Callable[[], bool], call: Awaitable[T]
-) -> T:
-    """Await ``call``; if it fails before its body ``started()``, ``feedback`` (which the
-    call prepared) goes back to what it was: a call refused without running changes
-    nothing, as a call refused for its arguments does not."""
-    try:
-        return await call
-    except BaseException:
-        if feedback is not None and not started():
-            feedback.restore()
-        raise
 
 
 def _compressed_input(
