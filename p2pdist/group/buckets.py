@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import UsageError
 from .buffers import is_plain_array, wire_form
 from .compress import INT8_BLOCK, ErrorFeedback
-from .devices import is_device_array, pack, ready_marker, unpack
+from .devices import is_device_array, pack, ready_marker, unpack, wait_ready
 from .group import Group
 
 __all__ = ["GradientBuckets"]
@@ -219,7 +219,8 @@ class GradientBuckets:
                 # it ended): after it, whatever happened to it.
                 await asyncio.wait([after])
         # In the wire dtype: a big-endian array joins its little-endian kin.
-        flat = pack(arrays, wire_form(arrays[0].dtype), ready)
+        await wait_ready(ready, self._group.config.timeout)
+        flat = pack(arrays, wire_form(arrays[0].dtype))
         await self._group.all_reduce(
             flat, self._op, out=flat, error_feedback=feedback, **self._reduce
         )

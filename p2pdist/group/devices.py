@@ -15,6 +15,7 @@ CuPy is imported only once a CUDA array has been seen: numpy users never pay for
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 from collections.abc import Awaitable, Callable, Sequence
@@ -22,14 +23,16 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
-from ..errors import UsageError
+from ..errors import P2PTimeoutError, UsageError
 
-__all__ = ["is_device_array", "on_host", "pack", "ready_marker", "unpack"]
+__all__ = ["is_device_array", "on_host", "pack", "ready_marker", "unpack", "wait_ready"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _S = TypeVar("_S")
 
+_EVENT_POLL = 0.0005
+"""Seconds between looks at a CUDA event :func:`wait_ready` waits for."""
 _PINNED_MIN = 4096
 """Staging buffers are whole powers of two from this size up: CuPy's pinned pool keeps
 freed blocks by size for ever, so a bounded set of sizes bounds what it keeps."""
@@ -210,12 +213,25 @@ def ready_marker(x: Any) -> Any:
         return _cupy().cuda.get_current_stream().record()
 
 
-def pack(arrays: Sequence[Any], dtype: np.dtype[Any], ready: Sequence[Any] = ()) -> np.ndarray:
-    """``arrays`` flattened into one new host array of ``dtype``, once every event of
-    ``ready`` (:func:`ready_marker`) has passed; CuPy arrays on one device are joined
-    there first, so they cross to the host in one copy."""
-    for event in ready:
-        event.synchronize()
+async def wait_ready(events: Sequence[Any], seconds: float) -> None:
+    """Wait (polled, so the event loop goes on meanwhile: other buckets are in flight)
+    until every event of :func:`ready_marker` has passed; P2PTimeoutError after
+    ``seconds``."""
+    try:
+        async with asyncio.timeout(seconds):
+            for event in events:
+                # Polled: a CUDA event can call no one back on the loop.
+                while not event.done:  # noqa: ASYNC110
+                    await asyncio.sleep(_EVENT_POLL)
+    except TimeoutError:
+        raise P2PTimeoutError(
+            f"the GPU work queued before add() did not finish within {seconds:g} s"
+        ) from None
+
+
+def pack(arrays: Sequence[Any], dtype: np.dtype[Any]) -> np.ndarray:
+    """``arrays`` flattened into one new host array of ``dtype``; CuPy arrays on one
+    device are joined there first, so they cross to the host in one copy."""
     if not any(is_device_array(a) for a in arrays):
         return np.concatenate([a.reshape(-1) for a in arrays], dtype=dtype)
     devices = {a.device.id for a in arrays if is_device_array(a)}
@@ -233,16 +249,18 @@ def unpack(flat: np.ndarray, arrays: Sequence[Any]) -> None:
     :func:`pack` laid them out; the device copies are finished when it returns."""
     offset = 0
     on_device: dict[int, Any] = {}
+    cp: Any = None
     for a in arrays:
         start, offset = offset, offset + a.size
         if not is_device_array(a):
             a.reshape(-1)[:] = flat[start:offset]
             continue
+        cp = cp or _cupy()
         device = a.device
         with device:
             if device.id not in on_device:  # one copy to each device, then slices there
-                on_device[device.id] = _cupy().asarray(flat)
+                on_device[device.id] = cp.asarray(flat)
             a.reshape(-1)[:] = on_device[device.id][start:offset]
     for id_ in on_device:
-        with _cupy().cuda.Device(id_):
-            _cupy().cuda.get_current_stream().synchronize()
+        with cp.cuda.Device(id_):
+            cp.cuda.get_current_stream().synchronize()
