@@ -15,7 +15,7 @@ from . import eventloop
 from .errors import P2PError, UsageError
 from .group import Group
 from .group.profile import DEFAULT_SIZES, LinkProfile, profile_links
-from .launch import LaunchConfig, launch
+from .launch import ENV_RANK, LaunchConfig, launch
 
 __all__ = ["format_table", "main", "plot", "unwritable"]
 
@@ -97,7 +97,7 @@ async def _worker(png: str, repeats: int) -> int:
 def _env_rank() -> int | None:
     """P2PDIST_RANK as Group.from_env reads it (None when unset or not an integer)."""
     try:
-        return int(os.environ.get("P2PDIST_RANK", ""))
+        return int(os.environ.get(ENV_RANK, ""))
     except ValueError:
         return None
 
