@@ -12,7 +12,8 @@ message (every connection up) to the last message and counts every message's byt
 * ``p2pdist QUIC relay``: the same through a relay (a local one this script starts, or
   the running one ``--relay URL`` names; ``--no-relay`` skips it), the relay sessions in
   AES-GCM records after the upgrade (the default; ``--relay-tls`` adds the same row with
-  TLS throughout, ``RelayConfig(records=False)``);
+  TLS throughout, ``RelayConfig(records=False)``, which also carries the relay frames in
+  WebSocket frames, the framing a relay behind a TLS-terminating proxy uses);
 * ``p2pdist TCP plain/TLS``: :class:`p2pdist.TcpTransport`, for reference;
 
 then the variants tried to lift the QUIC ceiling (datagram size, receive window,
@@ -276,7 +277,8 @@ def main() -> None:
         "--relay-tls",
         action="store_true",
         help="also run the relay row with TLS throughout (no AES-GCM records after the "
-        "upgrade), back to back with the others",
+        "upgrade, so the relay frames travel in WebSocket frames, as behind a reverse "
+        "proxy), back to back with the others",
     )
     ap.add_argument("--quick", action="store_true", help="only the main rows")
     add_loop_argument(ap, "event loops to measure, interleaved")
@@ -294,7 +296,7 @@ def main() -> None:
         rows.append(("p2pdist QUIC relay", "quic", {"quic": base, "relay": args.relay or "local"}))
         if args.relay_tls:
             tls_only = {"quic": base, "relay": args.relay or "local", "records": False}
-            rows.append(("p2pdist QUIC relay, TLS only", "quic", tls_only))
+            rows.append(("p2pdist QUIC relay, TLS+WebSocket", "quic", tls_only))
     main_rows = len(rows)  # run back to back in each repeat (see below)
     rows += [
         ("p2pdist TCP plaintext", "tcp", {"tls": False}),
@@ -391,7 +393,7 @@ def main() -> None:
                 elif kind == "quic" and "conns" not in opts and opts["quic"] == base:
                     which, table = ("relay", relayed) if "relay" in opts else ("direct", direct)
                     if opts.get("records") is False:
-                        which, table = "relay, TLS only", relayed_tls
+                        which, table = "relay, TLS+WebSocket", relayed_tls
                     table[loop] = rate
                     per_run[which, loop] = [m["rate"] for m in runs[name, loop]]
                 ref = bare.get((dgram, loop))
@@ -418,10 +420,12 @@ def main() -> None:
                 flush=True,
             )
         if loop in direct and loop in relayed_tls:
-            pairs = zip(per_run["relay, TLS only", loop], per_run["direct", loop], strict=False)
+            pairs = zip(
+                per_run["relay, TLS+WebSocket", loop], per_run["direct", loop], strict=False
+            )
             each = statistics.median(a / b for a, b in pairs)
             print(
-                f"relay (TLS only) / direct QUIC [{loop}]: "
+                f"relay (TLS+WebSocket) / direct QUIC [{loop}]: "
                 f"{relayed_tls[loop] / direct[loop]:.2f}x; median of the per-repeat ratios "
                 f"{each:.2f}x",
                 flush=True,

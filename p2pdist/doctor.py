@@ -80,6 +80,9 @@ class DoctorReport:
     """Our TCP address as the relay sees it."""
     relay_records: str | None = None
     """The record protection after the upgrade ("aes-256-gcm"), None when TLS carries it."""
+    relay_framing: str | None = None
+    """``"websocket"`` when the session's frames travel in WebSocket frames (a relay
+    behind a TLS-terminating reverse proxy), ``"raw"`` otherwise."""
     relay_proxy: str | None = None
     """The HTTP proxy the relay session is tunnelled through (P2PDIST_RELAY_PROXY), if any."""
     local: str | None = None
@@ -160,6 +163,7 @@ async def diagnose(
             return report
         report.relay_sees = path.status.observed
         report.relay_records = path.status.records
+        report.relay_framing = path.status.framing
         report.relay_proxy = path.status.proxy
         targets = await path.observation_targets()
         if path.observation_off:
@@ -268,6 +272,8 @@ def render(r: DoctorReport) -> str:
     else:
         lines.append(f"  relay        {r.relay}")
         link = "TLS, then " + r.relay_records + " records" if r.relay_records else "TLS"
+        if r.relay_framing == "websocket":
+            link += ", WebSocket frames"
         if r.relay_proxy:
             link += f", through proxy {r.relay_proxy}"
         lines.append(

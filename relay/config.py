@@ -70,6 +70,23 @@ class RelayConfig:
             "PORT",
         ),
     )
+    http_port: int | None = field(
+        default=None,
+        metadata=_doc(
+            "also serve the relay over plain HTTP (no TLS) on this port, for a "
+            "TLS-terminating reverse proxy in front of it (nginx, Caddy, a load balancer); "
+            "clients reach it through the proxy with WebSocket framing; needs cert and "
+            "cert-key, the certificate the proxy serves (default: off; 0: any free port)",
+            "PORT",
+        ),
+    )
+    http_host: str = field(
+        default="127.0.0.1",
+        metadata=_doc(
+            "address the plain HTTP port binds: the proxy's side only, never a public one",
+            "ADDR",
+        ),
+    )
     key: Path | None = field(
         default=None,
         metadata=_doc(
@@ -269,6 +286,20 @@ def _validate(c: RelayConfig) -> None:
             raise ConfigError(f"public-host: give an IPv6 address without brackets ({inner})")
         if "%" in inner:
             raise ConfigError(f"public-host {inner!r}: clients take no IPv6 zone id")
+    _port("http-port", c.http_port)
+    if c.http_port is not None:
+        if c.cert is None:
+            raise ConfigError(
+                "http-port needs cert and cert-key: clients sign the certificate they see, "
+                "which behind a TLS-terminating proxy is the proxy's (give the relay the "
+                "same files)"
+            )
+        if c.http_port and c.http_port == c.port:
+            raise ConfigError(f"http-port must differ from port, got {c.port} for both")
+    try:
+        ipaddress.ip_address(c.http_host)
+    except ValueError:
+        raise ConfigError(f"http-host must be an IP address, got {c.http_host!r}") from None
     if c.cert is not None and c.key is not None:
         raise ConfigError("key (pinned mode) and cert (real certificate) exclude each other")
     if (c.cert is None) != (c.cert_key is None):

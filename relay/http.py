@@ -1,7 +1,8 @@
 """The HTTP/1.1 side of the relay port (sans-I/O): the upgrade, /health and /metrics.
 
 :func:`route` looks at one parsed request head and decides: switch to relay frames
-(``101``), or answer and close (``200`` / ``400`` / ``404``). Nothing here reads sockets.
+(``101``, to a WebSocket handshake or to ``Upgrade: p2pdist-relay``), or answer and
+close (``200`` / ``400`` / ``404``). Nothing here reads sockets.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from p2pdist.wire.relay import (
     UPGRADE_PATH,
     UPGRADE_TOKEN,
     VERSION,
+    WEBSOCKET_VERSION,
     HttpHead,
     RelayProtocolError,
     records_key,
     upgrade_response,
 )
+from p2pdist.wire.websocket import valid_key
 
 __all__ = ["HttpDecision", "response", "route"]
 
@@ -35,6 +38,8 @@ class HttpDecision:
     status: int
     response: bytes
     records: bytes | None = None
+    websocket_key: str | None = None
+    """The client's ``Sec-WebSocket-Key`` when the upgrade is a WebSocket handshake."""
 
 
 def response(
@@ -59,11 +64,34 @@ def _tokens(value: str) -> set[str]:
     return {t.strip().lower() for t in value.split(",") if t.strip()}
 
 
+def _websocket_key(head: HttpHead) -> str | HttpDecision:
+    """The key of a valid WebSocket handshake for the relay's subprotocol, or the 400."""
+    key = head.header("sec-websocket-key")
+    if not valid_key(key):
+        return HttpDecision(False, 400, response(400, "bad or missing Sec-WebSocket-Key\n"))
+    if head.header("sec-websocket-version") != str(WEBSOCKET_VERSION):
+        return HttpDecision(False, 400, response(400, "expected Sec-WebSocket-Version: 13\n"))
+    if UPGRADE_TOKEN not in _tokens(head.header("sec-websocket-protocol")):
+        return HttpDecision(
+            False, 400, response(400, f"expected Sec-WebSocket-Protocol: {UPGRADE_TOKEN}\n")
+        )
+    return key
+
+
 def _upgrade(head: HttpHead) -> HttpDecision:
-    if UPGRADE_TOKEN not in _tokens(head.header("upgrade")) or "upgrade" not in _tokens(
+    upgrades = _tokens(head.header("upgrade"))
+    if not upgrades & {UPGRADE_TOKEN, "websocket"} or "upgrade" not in _tokens(
         head.header("connection")
     ):
-        return HttpDecision(False, 400, response(400, f"expected Upgrade: {UPGRADE_TOKEN}\n"))
+        return HttpDecision(
+            False, 400, response(400, f"expected Upgrade: {UPGRADE_TOKEN} or websocket\n")
+        )
+    key: str | None = None
+    if UPGRADE_TOKEN not in upgrades:
+        checked = _websocket_key(head)
+        if isinstance(checked, HttpDecision):
+            return checked
+        key = checked
     version = head.header("p2pdist-relay-version")
     if version and version != str(VERSION):
         return HttpDecision(
@@ -73,7 +101,7 @@ def _upgrade(head: HttpHead) -> HttpDecision:
         offer = records_key(head)
     except RelayProtocolError as exc:
         return HttpDecision(False, 400, response(400, f"{exc}\n"))
-    return HttpDecision(True, 101, upgrade_response(), offer)
+    return HttpDecision(True, 101, upgrade_response(websocket_key=key), offer, key)
 
 
 def route(head: HttpHead, metrics_text: Callable[[], str]) -> HttpDecision:

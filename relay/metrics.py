@@ -65,6 +65,9 @@ class Metrics:
     peer_gone_total: int = _counter("PEER_GONE frames queued to clients")
     protocol_errors_total: int = _counter("connections closed for breaking the protocol")
     keepalive_timeouts_total: int = _counter("clients dropped after 3 x keepalive of silence")
+    websocket_upgrades_total: int = _counter(
+        "upgrades that chose WebSocket framing (through a proxy, or without records)"
+    )
     http_requests_total: int = _counter("plain HTTP requests answered (health, metrics, errors)")
     stun_requests_total: int = _counter("STUN binding requests answered")
     dropped: dict[str, int] = field(

@@ -165,9 +165,10 @@ class _ClientConnection(asyncio.BufferedProtocol):
     """One accepted connection, on top of its :class:`SecureStream`: feeds the core and
     implements its Link."""
 
-    def __init__(self, server: RelayServer) -> None:
+    def __init__(self, server: RelayServer, *, proxied: bool = False) -> None:
         self.stream: SecureStream | None = None
-        """Set by the factory right after it makes both."""
+        """Set by the factory right after it makes both (None on the plain HTTP port)."""
+        self._proxied = proxied
         self._server = server
         self._core = server.core
         self._loop = asyncio.get_running_loop()
@@ -234,7 +235,7 @@ class _ClientConnection(asyncio.BufferedProtocol):
                 self.abort()
                 return
             self._counted = True
-        self._session = self._core.open(self, self._peer(transport), now)
+        self._session = self._core.open(self, self._peer(transport), now, proxied=self._proxied)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._transport is not None and self._transport.is_closing():
@@ -289,12 +290,14 @@ class _ClientConnection(asyncio.BufferedProtocol):
     def buffered(self) -> int:
         """Bytes not yet handed to the kernel (encrypted as they are written, so all of
         them wait in the TCP transport)."""
-        return 0 if self._raw is None else self._raw.get_write_buffer_size()
+        transport = self._raw if self._raw is not None else self._transport
+        return 0 if transport is None else transport.get_write_buffer_size()
 
     def secure(self, records: tuple[bytes, bytes] | None) -> None:
         """TLS or records for the rest of the connection (see :class:`relay.session.Link`)."""
         stream = self.stream
-        assert stream is not None
+        if stream is None:  # the plain HTTP port: the core never takes records there
+            return
         if records is None:
             stream.keep_tls()
             return
@@ -349,11 +352,14 @@ class RelayServer:
         """Connections still in their TLS handshake (asyncio's loop only)."""
         self._all_gone: asyncio.Event | None = None
         self._server: asyncio.Server | None = None
+        self._http_server: asyncio.Server | None = None
         self._stun: asyncio.DatagramTransport | None = None
         self._stun_alt: asyncio.DatagramTransport | None = None
         self._tick: asyncio.TimerHandle | None = None
         self._closed = False
         self.port = 0
+        self.http_port = 0
+        """The bound plain HTTP port, for a reverse proxy (0: none)."""
         self.stun_port = 0
         self.stun_alt_port = 0
         self.url = ""
@@ -449,8 +455,12 @@ class RelayServer:
         self.port = _url_port(self._server.sockets, c.url_host())
         try:
             await self._start_stun(metrics)
+            await self._listen_http()
         except ConfigError:
             self._server.close()
+            for udp in (self._stun, self._stun_alt):
+                if udp is not None:
+                    udp.close()
             if self._own_tap is not None:
                 self._own_tap.close()
             raise
@@ -469,6 +479,8 @@ class RelayServer:
         )
         self._core = RelayCore(core_cfg, self.tls.fingerprints, access, metrics)
         await self._server.start_serving()
+        if self._http_server is not None:
+            await self._http_server.start_serving()
         self.url = str(RelayUrl(c.url_host(), self.port, self.tls.pin))
         if not self.tls.covers(c.url_host()):
             log.warning(
@@ -491,6 +503,7 @@ class RelayServer:
                 bind=format_address(c.host, self.port),
                 stun=self.stun_port or "off",
                 stun_alt=self.stun_alt_port or "off",
+                http=format_address(c.http_host, self.http_port) if self.http_port else "off",
                 tls="pinned" if self.tls.pin else "certificate",
                 access=access.mode,
                 max_clients=c.max_clients,
@@ -554,6 +567,28 @@ class RelayServer:
             )
         except OSError as exc:
             raise ConfigError(f"cannot listen on {c.host}:{c.port}: {exc}") from None
+
+    async def _listen_http(self) -> None:
+        """Bind the plain HTTP port for a reverse proxy, if configured (not accepting
+        yet): connections there are proxied sessions, without TLS or records."""
+        c = self.config
+        if c.http_port is None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            self._http_server = await loop.create_server(
+                lambda: _ClientConnection(self, proxied=True),
+                c.http_host,
+                c.http_port,
+                backlog=self._backlog,
+                reuse_address=True,
+                start_serving=False,
+            )
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {format_address(c.http_host, c.http_port)} (http-port): {exc}"
+            ) from None
+        self.http_port = int(self._http_server.sockets[0].getsockname()[1])
 
     @property
     def stun_ports(self) -> tuple[int, ...]:
@@ -657,6 +692,8 @@ class RelayServer:
             return
         log.info(kv("shutdown", connections=len(self.connections)))
         self._server.close()
+        if self._http_server is not None:
+            self._http_server.close()
         for conn in list(self.handshaking):
             conn.abort_handshake()
         if self._tick is not None:

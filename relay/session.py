@@ -21,6 +21,7 @@ from typing import Protocol
 
 from p2pdist.identity import EndpointId
 from p2pdist.wire.relay import RelayFrameSplitter
+from p2pdist.wire.websocket import WebSocketReader
 
 from .limits import PeerGoneThrottle, TokenBucket
 
@@ -72,10 +73,12 @@ class Session:
         "out",
         "peer_gone",
         "phase",
+        "proxied",
         "raw_id",
         "ready_at",
         "source",
         "splitter",
+        "websocket",
     )
 
     def __init__(self, conn_id: int, link: Link, observed: str, now: float) -> None:
@@ -101,6 +104,10 @@ class Session:
         self.peer_gone = PeerGoneThrottle()
         self.out = bytearray()
         """Frames batched for this client during the current core call."""
+        self.proxied = False
+        """Whether it came through the plain HTTP port, from a TLS-terminating proxy."""
+        self.websocket: WebSocketReader | None = None
+        """Set once the upgrade chose WebSocket framing: the frames' reader."""
 
     @property
     def label(self) -> str:

@@ -43,6 +43,9 @@ from p2pdist.wire.relay import (
     parse_http_head,
     upgrade_response,
 )
+from p2pdist.wire.websocket import Opcode, WebSocketError, WebSocketReader, close_frame
+from p2pdist.wire.websocket import frame as ws_frame
+from p2pdist.wire.websocket import header as ws_header
 
 from .access import AccessPolicy, Refusal
 from .config import MAX_TOKEN_BYTES
@@ -156,8 +159,9 @@ class RelayCore:
         self._random = random_bytes
         self._sessions: set[Session] = set()
         self._clients: dict[bytes, Session] = {}
-        self._waiting: dict[Session, str] = {}
-        """Sessions in the TLS, HTTP or AUTH phase, oldest first, with their source."""
+        self._waiting: dict[Session, str | None] = {}
+        """Sessions in the TLS, HTTP or AUTH phase, oldest first, with the source they
+        count against (None: proxied, no per-source cap)."""
         self._waiting_by_source: dict[str, dict[Session, None]] = {}
         """The same, per source (oldest first); no empty entries."""
         self._clients_by_source: dict[str, int] = {}
@@ -230,7 +234,13 @@ class RelayCore:
     # ---- events from the glue ---------------------------------------------------------
 
     def open(
-        self, link: Link, peer: tuple[str, int], now: float, *, handshaking: bool = False
+        self,
+        link: Link,
+        peer: tuple[str, int],
+        now: float,
+        *,
+        handshaking: bool = False,
+        proxied: bool = False,
     ) -> Session:
         """A connection was accepted from ``peer``: a TLS connection, or with
         ``handshaking`` a TCP connection whose TLS handshake has only begun (then call
@@ -245,10 +255,17 @@ class RelayCore:
         :data:`EVICT_AFTER`, else the new one is answered 503 (see :meth:`_admit`). A
         real client needs a round trip or two, so a flood of idle connections churns
         itself instead of locking clients (and /health, /metrics) out, and a reconnect
-        storm larger than the cap still gets through."""
+        storm larger than the cap still gets through.
+
+        ``proxied``: a connection to the plain HTTP port, from the TLS-terminating
+        reverse proxy in front of the relay. Every such connection comes from the proxy,
+        so the per-source cap on waiting connections does not apply to it (the proxy's
+        own limits do); its source and observed address are taken from the proxy's
+        ``X-Forwarded-For`` once the request head is read."""
         self._next_id += 1
         s = Session(self._next_id, link, format_address(*peer), now)
         s.source = source_of(peer[0])
+        s.proxied = proxied
         if handshaking:
             s.phase = Phase.TLS
         s.splitter.max_body = MAX_AUTH_BODY  # refused from the header, never buffered
@@ -261,7 +278,7 @@ class RelayCore:
                 self._queue(s, response(503, f"{SHUTTING_DOWN.message}\n"))
             self._close(s, "closed_for_shutdown", quiet=True)
         else:
-            self._admit(s, s.source, now)
+            self._admit(s, None if proxied else s.source, now)
         return s
 
     def handshake_done(self, s: Session, now: float) -> None:
@@ -272,12 +289,13 @@ class RelayCore:
             s.ready_at = now
             s.last_heard = now
 
-    def _admit(self, s: Session, source: str, now: float) -> None:
-        """Count ``s`` as waiting. Over a cap, the oldest waiting connection makes room
-        if it has waited :data:`EVICT_AFTER`; otherwise ``s`` itself is refused (503)."""
+    def _admit(self, s: Session, source: str | None, now: float) -> None:
+        """Count ``s`` as waiting (against its ``source``'s cap too, unless None). Over
+        a cap, the oldest waiting connection makes room if it has waited
+        :data:`EVICT_AFTER`; otherwise ``s`` itself is refused (503)."""
         caps = (
             (
-                self._waiting_by_source.get(source),
+                None if source is None else self._waiting_by_source.get(source),
                 self.config.max_unauthenticated_per_ip,
                 "max_unauthenticated_per_ip",
             ),
@@ -291,7 +309,8 @@ class RelayCore:
                     return
                 self._evict(oldest, reason, now)
         self._waiting[s] = source
-        self._waiting_by_source.setdefault(source, {})[s] = None
+        if source is not None:
+            self._waiting_by_source.setdefault(source, {})[s] = None
 
     def evict_for_socket(self, now: float) -> Link | None:
         """The socket budget is spent and a new connection came: forget the oldest
@@ -343,11 +362,11 @@ class RelayCore:
                 data = self._http(s, data, now)
                 if not data:
                     return
-            for kind, body in s.splitter.frames(data):
-                self._frame(s, kind, body, now)
-                if _closed(s):
-                    break
-        except RelayProtocolError as exc:
+            if s.websocket is None:
+                self._frames(s, data, now)
+            else:
+                self._websocket(s, s.websocket, data, now)
+        except (RelayProtocolError, WebSocketError) as exc:
             self.metrics.protocol_errors_total += 1
             before = "" if s.phase is Phase.ACTIVE else " before AUTH"
             self._close(s, "protocol_error", error=f"{exc}{before}")
@@ -438,26 +457,68 @@ class RelayCore:
             path = head.start_line[1][:64] if len(head.start_line) > 1 else ""
             self._close(s, "http", quiet=True, fields={"status": decision.status, "path": path})
             return b""
-        offer = decision.records
+        offer = None if s.proxied else decision.records  # through a proxy: WebSocket frames
         if offer is not None and rest:  # records start right after the request head
             self.metrics.http_requests_total += 1
             self._queue(s, response(400, "data after an upgrade request that offers records\n"))
             self._close(s, "bad_http", quiet=True, fields={"why": "data after records offer"})
             return b""
+        if s.proxied:
+            self._forwarded(s, head.header("x-forwarded-for"))
         s.phase = Phase.AUTH
         s.challenge = self._random(32)
+        key = decision.websocket_key
         if offer is None:
-            self._queue(s, decision.response)
+            self._queue(s, upgrade_response(websocket_key=key))
+            self._write_batch(s)  # the 101 is the last the client gets outside its frames
             s.link.secure(None)
+            if key is not None:
+                self.metrics.websocket_upgrades_total += 1
+                s.websocket = WebSocketReader(masked=True)
         else:
             mine = self._random(32)
-            self._queue(s, upgrade_response(mine))
+            self._queue(s, upgrade_response(mine, websocket_key=key))
             self._write_batch(s)  # the 101 is the last the client gets in TLS
             s.link.secure((mine, offer))
         self._queue(s, encode_frame(RelayFrameType.CHALLENGE, bytes([VERSION]) + s.challenge))
         return rest
 
+    def _forwarded(self, s: Session, header: str) -> None:
+        """A proxied client's address: the last ``X-Forwarded-For`` entry, the one the
+        proxy in front of us added (earlier ones are the client's word). Without a
+        valid one the session keeps the proxy's address."""
+        last = header.rsplit(",", 1)[-1].strip()
+        try:
+            ip = ipaddress.ip_address(last.strip("[]"))
+        except ValueError:
+            return
+        s.observed = unmap_ipv4(str(ip))
+        s.source = source_of(str(ip))
+
     # ---- frames -----------------------------------------------------------------------
+
+    def _frames(self, s: Session, data: bytes | bytearray | memoryview, now: float) -> None:
+        for kind, body in s.splitter.frames(data):
+            self._frame(s, kind, body, now)
+            if _closed(s):
+                break
+
+    def _websocket(
+        self, s: Session, reader: WebSocketReader, data: bytes | bytearray | memoryview, now: float
+    ) -> None:
+        """Relay frames carried in WebSocket frames: data to :meth:`_frames`; a PING is
+        answered with a PONG, a CLOSE ends the session."""
+        for event in reader.feed(data):
+            if event.opcode is Opcode.BINARY:
+                self._frames(s, event.payload, now)
+            elif event.opcode is Opcode.PING:
+                self._write_batch(s)  # what came first goes first
+                if s.phase is not Phase.CLOSED and self._has_room(s, event.payload):
+                    s.link.write(bytearray(ws_frame(event.payload, Opcode.PONG, masked=False)))
+            elif event.opcode is Opcode.CLOSE:
+                self._close(s, "disconnect", quiet=s.phase is not Phase.ACTIVE)
+            if _closed(s):
+                break
 
     def _frame(self, s: Session, kind: RelayFrameType, body: memoryview, now: float) -> None:
         # ``body`` is a view of the caller's buffer: valid during this call only.
@@ -588,9 +649,11 @@ class RelayCore:
         data, s.out = s.out, bytearray()  # the link keeps ``data``: never reused here
         if s.phase is not Phase.CLOSED:
             self.metrics.bytes_out_total += len(data)
+            if s.websocket is not None:
+                data[:0] = ws_header(len(data))  # one memmove, no copy of the batch
             s.link.write(data)
 
-    def _has_room(self, s: Session, frame: bytes) -> bool:
+    def _has_room(self, s: Session, frame: bytes | bytearray) -> bool:
         """Whether ``frame`` fits in ``s``'s queue (``queue_bytes``)."""
         return s.queued() + len(frame) <= self.config.queue_bytes
 
@@ -624,6 +687,8 @@ class RelayCore:
         if frame is not None:
             s.out += frame
         self._write_batch(s)
+        if s.websocket is not None:
+            s.link.write(bytearray(close_frame(1000 if error is None else 1008, masked=False)))
         level = logging.DEBUG if quiet else logging.INFO
         log.log(level, kv(event, conn=s.label, peer=s.observed, error=error, **(fields or {})))
         self._forget(s)
@@ -642,7 +707,9 @@ class RelayCore:
 
     def _stop_waiting(self, s: Session) -> None:
         """``s`` authenticated or closed: it no longer counts against the waiting caps."""
-        source = self._waiting.pop(s, None)
+        if s not in self._waiting:
+            return
+        source = self._waiting.pop(s)
         if source is None:
             return
         mine = self._waiting_by_source[source]

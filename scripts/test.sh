@@ -37,6 +37,9 @@ command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
 # The lab sets each router's sysctls with `ip netns exec ROUTER sysctl -qw ...`.
 command -v sysctl >/dev/null 2>&1 || missing="$missing procps"
 { command -v ip && command -v tc; } >/dev/null 2>&1 || missing="$missing iproute2"
+# tests/test_relay_websocket.py puts a real nginx (TLS-terminating reverse proxy) in front
+# of a relay process.
+command -v nginx >/dev/null 2>&1 || missing="$missing nginx-light"
 # A distribution's Python may come without venv's pip bootstrap (Debian: python3.X-venv).
 "$PY" -c 'import ensurepip' >/dev/null 2>&1 \
     || missing="$missing $("$PY" -c 'import sys; print("python%d.%d-venv" % sys.version_info[:2])')"

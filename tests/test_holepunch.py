@@ -531,7 +531,7 @@ async def test_doctor_on_loopback_sees_udp_and_a_direct_path_to_a_peer(tmp_path:
             server.cancel()
             await asyncio.gather(server, return_exceptions=True)
     assert report.relay_connected and report.relay_rtt is not None
-    assert report.relay_records == "aes-256-gcm"
+    assert report.relay_records == "aes-256-gcm" and report.relay_framing == "raw"
     assert "connected (TLS, then aes-256-gcm records)" in render(report)
     assert report.udp and report.mapping == "none (public address)"  # loopback: no NAT
     assert len(report.observed) == 2 and report.observed[0] == report.local

@@ -161,6 +161,10 @@ class RelayStatus:
     proxy: str | None = None
     """The HTTP proxy the session is tunnelled through (``http://host:port``, without
     credentials), or None for a direct connection."""
+    framing: str | None = None
+    """How relay frames travel after the upgrade: ``"raw"`` (the relay's own TLS port),
+    or ``"websocket"`` (WebSocket binary frames: a relay behind a TLS-terminating reverse
+    proxy, or one that did not take records)."""
 
 
 def parse_stun_ports(value: object) -> tuple[int, ...]:
@@ -486,10 +490,11 @@ class RelayPath:
 
     async def _handshake(self, proto: RelaySessionProtocol, writer: asyncio.Transport) -> float:
         """Upgrade and authenticate; returns the keepalive interval."""
-        writer.write(upgrade_request(self.url.host, proto.records_secret))
+        writer.write(upgrade_request(self.url.host, proto.records_secret, proto.websocket_key))
         answer = await proto.upgrade_answer()
         if not proto.upgraded:
             raise RelayProtocolError(f"relay refused the upgrade: {' '.join(answer.start_line)}")
+        writer = proto.writer
         kind, _, body = await proto.next_frame()
         if kind is not RelayFrameType.CHALLENGE or len(body) != 33 or body[0] != 1:
             raise RelayProtocolError("relay did not send a version-1 challenge")
@@ -523,6 +528,7 @@ class RelayPath:
             last_error=None,
             limits=limits,
             records=writer.get_extra_info("records"),
+            framing=proto.framing,
         )
         return interval
 
@@ -544,6 +550,7 @@ class RelayPath:
                     interval = await self._handshake(proto, writer)
             except TimeoutError:
                 raise self._too_slow("the upgrade and authentication") from None
+            writer = proto.writer
             self._writer = writer
             self._authed_at = time.monotonic()
             self._refused.clear()

@@ -26,6 +26,7 @@ from ..errors import ConnectionBrokenError
 from ..wire.relay import (
     RECORDS_INFO,
     RECORDS_MAX,
+    UPGRADE_TOKEN,
     HttpHead,
     RelayFrame,
     RelayFrameReader,
@@ -33,15 +34,63 @@ from ..wire.relay import (
     parse_http_head,
     records_key,
 )
+from ..wire.websocket import (
+    Opcode,
+    WebSocketError,
+    WebSocketReader,
+    accept_for,
+    client_key,
+    close_frame,
+)
+from ..wire.websocket import (
+    frame as ws_frame,
+)
 from .aeadpipe import RecordError
 from .securestream import SecureStream
 
-__all__ = ["FrameHandler", "RelaySessionProtocol"]
+__all__ = ["FrameHandler", "RelaySessionProtocol", "WebSocketTransport"]
 
 FrameHandler = Callable[[RelayFrame], float | None]
 """Acts on one frame; returns a retry-after (seconds) to end the session, else None."""
 
 _HEAD_READ = 4096
+_WEBSOCKET_READ = 256 * 1024
+
+
+class WebSocketTransport(asyncio.Transport):
+    """Writes to the relay as masked WebSocket binary frames (one per write) on the
+    transport underneath; everything else is that transport's."""
+
+    def __init__(self, inner: asyncio.Transport) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Send ``data`` (any run of the relay stream) as one frame."""
+        if len(data):
+            self.inner.write(ws_frame(data, masked=True))
+
+    def write_control(self, opcode: Opcode, payload: bytes | bytearray) -> None:
+        """Send one control frame (a PONG, a CLOSE)."""
+        self.inner.write(ws_frame(payload, opcode, masked=True))
+
+    def is_closing(self) -> bool:
+        return self.inner.is_closing()
+
+    def get_write_buffer_size(self) -> int:
+        return self.inner.get_write_buffer_size()
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return self.inner.get_extra_info(name, default)
+
+    def close(self) -> None:
+        """Say CLOSE (1000), then close the connection underneath."""
+        if not self.inner.is_closing():
+            self.inner.write(close_frame(masked=True))
+            self.inner.close()
+
+    def abort(self) -> None:
+        self.inner.abort()
 
 
 class RelaySessionProtocol(asyncio.BufferedProtocol):
@@ -50,6 +99,11 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
     def __init__(self, label: str, max_body: int, *, records_secret: bytes | None = None) -> None:
         self.records_secret = records_secret
         """Our record secret, offered in the upgrade request (None: no offer)."""
+        self.websocket_key = client_key()
+        """The ``Sec-WebSocket-Key`` of our upgrade request."""
+        self._websocket: WebSocketReader | None = None
+        """Set when the relay's 101 chose WebSocket framing (not records)."""
+        self._ws_writer: WebSocketTransport | None = None
         self.stream: SecureStream | None = None
         """The stream underneath (set by whoever makes it), moved to records when the
         relay takes the offer."""
@@ -85,6 +139,20 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         return self._queued.popleft()
 
     @property
+    def writer(self) -> asyncio.Transport:
+        """Where relay frames are written after the upgrade: the connection, or, with
+        WebSocket framing, a :class:`WebSocketTransport` on it."""
+        if self._ws_writer is not None:
+            return self._ws_writer
+        assert self.transport is not None  # connection_made ran before the upgrade
+        return self.transport
+
+    @property
+    def framing(self) -> str:
+        """``"websocket"`` or ``"raw"`` (after the upgrade)."""
+        return "websocket" if self._websocket is not None else "raw"
+
+    @property
     def upgraded(self) -> bool:
         """Whether the relay answered the upgrade with 101 (frames follow)."""
         return self._upgraded
@@ -114,7 +182,7 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._answer is None or not self._upgraded:
+        if self._answer is None or not self._upgraded or self._websocket is not None:
             return memoryview(self._scratch)
         return self._reader.get_buffer()
 
@@ -125,6 +193,8 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
                 frames = self._take_answer(nbytes)
             elif not self._upgraded:
                 return  # the rest of a refusal's body: nothing for us
+            elif self._websocket is not None:
+                frames = self._unwrap(memoryview(self._scratch)[:nbytes])
             else:
                 frames = self._reader.buffer_updated(nbytes)
             self._deliver(frames)
@@ -158,9 +228,22 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         if not self._upgraded:
             self._keep_tls()
             return []  # a refusal's body (a 503's text) is no frames: the session reads the head
+        websocket = self._answer.header("upgrade").strip().lower() == "websocket"
+        if websocket and self._answer.header("sec-websocket-accept") != accept_for(
+            self.websocket_key
+        ):
+            raise RelayProtocolError("the relay's Sec-WebSocket-Accept does not answer our key")
         theirs = records_key(self._answer)
         if theirs is None:
             self._keep_tls()
+            if websocket:  # without records a WebSocket upgrade means WebSocket frames
+                if UPGRADE_TOKEN not in self._answer.header("sec-websocket-protocol"):
+                    raise RelayProtocolError("the WebSocket answer names no p2pdist-relay protocol")
+                self._websocket = WebSocketReader(masked=False)
+                assert self.transport is not None
+                self._ws_writer = WebSocketTransport(self.transport)
+                self._scratch = bytearray(_WEBSOCKET_READ)
+                return self._unwrap(rest)
             return self._reader.feed(rest) if rest else []  # frames sent right behind it
         if self.records_secret is None or self.stream is None:
             raise RelayProtocolError("the relay answered with records we did not offer")
@@ -177,6 +260,29 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         except RecordError as exc:
             raise RelayProtocolError(f"cannot start records: {exc}") from None
         return []
+
+    def _unwrap(self, data: bytes | memoryview) -> list[RelayFrame]:
+        """Relay frames from received WebSocket frames; a PING gets its PONG, a CLOSE
+        ends the session."""
+        assert self._websocket is not None and self._ws_writer is not None
+        try:
+            events = self._websocket.feed(data)
+        except WebSocketError as exc:
+            raise RelayProtocolError(f"bad WebSocket framing: {exc}") from None
+        frames: list[RelayFrame] = []
+        for event in events:
+            if event.opcode is Opcode.BINARY:
+                try:
+                    frames += self._reader.feed(event.payload)
+                except RelayProtocolError as exc:
+                    exc.frames[:0] = frames
+                    raise
+            elif event.opcode is Opcode.PING:
+                self._ws_writer.write_control(Opcode.PONG, event.payload)
+            elif event.opcode is Opcode.CLOSE:
+                # What came before it counts first (an ERROR or RECONNECT says why).
+                raise RelayProtocolError("the relay closed the WebSocket", frames)
+        return frames
 
     def _keep_tls(self) -> None:
         if self.stream is not None:

@@ -25,6 +25,7 @@ import msgpack
 from ..errors import UsageError
 from ..identity import ID_LEN, EndpointId
 from .frames import fill_buffers
+from .websocket import accept_for
 
 __all__ = [
     "BAD_SIGNATURE_TEXT",
@@ -54,6 +55,7 @@ __all__ = [
     "FRAME_HEADER",
     "upgrade_request",
     "upgrade_response",
+    "WEBSOCKET_VERSION",
 ]
 
 VERSION = 1
@@ -381,6 +383,8 @@ RECORDS_MAX = 64 * 1024
 """Largest plaintext of one relay record, either way (a longer one ends the connection):
 small enough that a receiver decrypts whole records straight into its frame buffer, and
 that a client cannot make the relay hold more than this for one of its records."""
+WEBSOCKET_VERSION = 13
+"""The ``Sec-WebSocket-Version`` of RFC 6455."""
 _RECORDS_CIPHER = "aes-256-gcm"
 _HEX_KEY = re.compile("[0-9a-fA-F]{64}")
 
@@ -393,22 +397,39 @@ def _records_header(secret: bytes | None) -> str:
     return f"{RECORDS_HEADER}: {_RECORDS_CIPHER}; key={secret.hex()}\r\n"
 
 
-def upgrade_request(host: str, records_secret: bytes | None = None) -> bytes:
+def _upgrade_headers(websocket: str | None, accept: bool) -> str:
+    if websocket is None:
+        return f"Upgrade: {UPGRADE_TOKEN}\r\n"
+    key = (
+        f"Sec-WebSocket-Accept: {accept_for(websocket)}"
+        if accept
+        else (f"Sec-WebSocket-Key: {websocket}\r\nSec-WebSocket-Version: {WEBSOCKET_VERSION}")
+    )
+    return f"Upgrade: websocket\r\n{key}\r\nSec-WebSocket-Protocol: {UPGRADE_TOKEN}\r\n"
+
+
+def upgrade_request(
+    host: str, records_secret: bytes | None = None, websocket_key: str | None = None
+) -> bytes:
     """The client's HTTP/1.1 upgrade request (offering records under its
-    ``records_secret`` when given)."""
+    ``records_secret`` when given): a WebSocket opening handshake with
+    ``websocket_key`` (``Sec-WebSocket-Key``), else ``Upgrade: p2pdist-relay``."""
     return (
         f"GET {UPGRADE_PATH} HTTP/1.1\r\nHost: {host}\r\nConnection: Upgrade\r\n"
-        f"Upgrade: {UPGRADE_TOKEN}\r\nP2pdist-Relay-Version: {VERSION}\r\n"
+        f"{_upgrade_headers(websocket_key, False)}P2pdist-Relay-Version: {VERSION}\r\n"
         f"{_records_header(records_secret)}\r\n"
     ).encode("ascii")
 
 
-def upgrade_response(records_secret: bytes | None = None) -> bytes:
+def upgrade_response(
+    records_secret: bytes | None = None, websocket_key: str | None = None
+) -> bytes:
     """The relay's 101 answer (taking the offered records, under its
-    ``records_secret``, when given)."""
+    ``records_secret``, when given), to a WebSocket handshake with the client's
+    ``websocket_key`` when given."""
     return (
         f"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
-        f"Upgrade: {UPGRADE_TOKEN}\r\n{_records_header(records_secret)}\r\n"
+        f"{_upgrade_headers(websocket_key, True)}{_records_header(records_secret)}\r\n"
     ).encode("ascii")
 
 
@@ -441,7 +462,9 @@ class HttpHead:
         return self.headers.get(name.lower(), "")
 
 
-_SINGLE_HEADERS = frozenset({"host", "upgrade", "connection", "authorization", "content-length"})
+_SINGLE_HEADERS = frozenset(
+    {"host", "upgrade", "connection", "authorization", "content-length", "sec-websocket-key"}
+)
 """Header fields a request may carry once (a repeat is refused, not resolved)."""
 
 

@@ -1,0 +1,590 @@
+"""WebSocket framing of relay sessions: the RFC 6455 codec, the relay core's WebSocket
+upgrade and proxied sessions (fake links, hand-moved clock), the real client choosing
+its framing, and a group through a real nginx that terminates TLS in front of a real
+relay process and lets only WebSocket upgrades through."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import ssl
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from relay_helpers import RelayProcess
+from test_relay_core import FakeLink, auth_frame, core
+from test_relay_server import _certificate
+from transport_conformance import bounded
+
+from p2pdist import Group, GroupConfig, PunchConfig, SecretKey
+from p2pdist.doctor import diagnose, render
+from p2pdist.transport.relay_path import RelayConfig, RelayPath
+from p2pdist.wire.relay import (
+    RelayFrameDecoder,
+    RelayFrameType,
+    decode_map,
+    encode_frame,
+    parse_http_head,
+    upgrade_request,
+)
+from p2pdist.wire.websocket import (
+    Opcode,
+    WebSocketError,
+    WebSocketReader,
+    accept_for,
+    client_key,
+    close_frame,
+    frame,
+    mask,
+    valid_key,
+)
+from relay.config import RelayConfig as ServerConfig
+from relay.server import RelayServer
+from relay.session import Phase
+
+T = RelayFrameType
+KEYS = [SecretKey.from_seed("relay websocket tests", r) for r in range(3)]
+
+
+# ---- the codec --------------------------------------------------------------------------
+
+
+def test_the_accept_value_of_rfc_6455_and_key_checks() -> None:
+    assert accept_for("dGhlIHNhbXBsZSBub25jZQ==") == "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="  # 1.3
+    assert valid_key(client_key()) and client_key() != client_key()
+    assert not valid_key("") and not valid_key("not base64!") and not valid_key("AAAA")
+
+
+def test_mask_is_its_own_inverse_at_any_offset() -> None:
+    data, key = os.urandom(1001), b"\x01\x02\x03\x04"
+    whole = mask(data, key)
+    assert whole != data and mask(whole, key) == data
+    pieces = mask(data[:7], key) + mask(data[7:500], key, 7) + mask(data[500:], key, 500)
+    assert pieces == whole
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.binary(max_size=300), max_size=8),
+    st.lists(st.integers(1, 400), min_size=1, max_size=40),
+    st.booleans(),
+)
+def test_any_chunking_reads_back_the_stream_and_the_control_frames(
+    messages: list[bytes], cuts: list[int], masked: bool
+) -> None:
+    wire = b"".join(frame(m, masked=masked) for m in messages)
+    wire += frame(b"ping!", Opcode.PING, masked=masked) + frame(b"tail", masked=masked)
+    wire += close_frame(1000, "bye", masked=masked) + b"ignored after CLOSE"
+    reader, events, pos, i = WebSocketReader(masked=masked), [], 0, 0
+    while pos < len(wire):
+        n = cuts[i % len(cuts)]
+        events += reader.feed(wire[pos : pos + n])
+        pos, i = pos + n, i + 1
+    data = [e.payload for e in events if e.opcode is Opcode.BINARY]
+    controls = [(e.opcode, e.payload) for e in events if e.opcode is not Opcode.BINARY]
+    assert controls == [(Opcode.PING, b"ping!"), (Opcode.CLOSE, b"\x03\xe8bye")]
+    before_ping = b"".join(data)[: sum(map(len, messages))]
+    assert before_ping == b"".join(messages) and b"".join(data).endswith(b"tail")
+    assert reader.closed
+
+
+def test_a_huge_frame_streams_without_being_held() -> None:
+    key = b"\x09\x08\x07\x06"
+    head = struct.pack("!BBQ", 0x82, 0x80 | 127, 1 << 40) + key  # announces a terabyte
+    reader = WebSocketReader(masked=True)
+    [event] = reader.feed(head + mask(b"abcdef", key))
+    assert event.payload == b"abcdef"
+    [event] = reader.feed(mask(b"ghij", key, 6))
+    assert event.payload == b"ghij"
+
+
+@pytest.mark.parametrize(
+    ("masked", "wire", "why"),
+    [
+        (True, frame(b"x", masked=False), "unmasked client frame"),
+        (False, frame(b"x", masked=True), "masked server frame"),
+        (False, frame(b"x", Opcode.TEXT, masked=False), "text frame"),
+        (False, bytes([0xC2, 0]), "reserved bits"),
+        (False, bytes([0x83, 0]), "unknown opcode"),
+        (False, bytes([0x09, 0]), "fragmented or oversized control"),
+        (False, bytes([0x89, 126, 0, 126]) + bytes(126), "fragmented or oversized control"),
+        (False, bytes([0x80, 1, 0]), "continuation frame without"),
+        (False, bytes([0x02, 1, 0, 0x82, 0]), "new message before"),
+        (False, struct.pack("!BBQ", 0x82, 127, 1 << 63), "top bit"),
+    ],
+)
+def test_framing_faults_are_errors(masked: bool, wire: bytes, why: str) -> None:
+    with pytest.raises(WebSocketError, match=why):
+        WebSocketReader(masked=masked).feed(wire)
+
+
+def test_a_fragmented_message_is_one_stream() -> None:
+    wire = bytes([0x02, 2]) + b"ab" + bytes([0x89, 1]) + b"p" + bytes([0x80, 2]) + b"cd"
+    events = WebSocketReader(masked=False).feed(wire)
+    assert [(e.opcode, e.payload) for e in events] == [
+        (Opcode.BINARY, b"ab"),
+        (Opcode.PING, b"p"),
+        (Opcode.BINARY, b"cd"),
+    ]
+
+
+# ---- the relay core ---------------------------------------------------------------------
+
+
+class WsLink(FakeLink):
+    """A fake link that reads the relay's WebSocket frames back into relay frames."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reader = WebSocketReader(masked=False)
+        self.relay_frames = RelayFrameDecoder()
+        self.controls: list[tuple[Opcode, bytes]] = []
+
+    def head(self) -> tuple[str, dict[str, str]]:
+        parsed = parse_http_head(self.data)
+        assert parsed is not None, bytes(self.data[:80])
+        head, used = parsed
+        del self.data[:used]
+        return " ".join(head.start_line), head.headers
+
+    def ws_frames(self) -> list[tuple[RelayFrameType, bytes]]:
+        out: list[tuple[RelayFrameType, bytes]] = []
+        for event in self.reader.feed(bytes(self.data)):
+            if event.opcode is Opcode.BINARY:
+                out += self.relay_frames.feed(event.payload)
+            else:
+                self.controls.append((event.opcode, event.payload))
+        self.data.clear()
+        return out
+
+
+def ws_upgrade(
+    c: object, *, proxied: bool = False, records: bytes | None = None, forwarded: str = ""
+) -> tuple[object, WsLink, str]:
+    from relay.state import RelayCore
+
+    assert isinstance(c, RelayCore)
+    link, key = WsLink(), client_key()
+    s = c.open(link, ("127.0.0.1", 5000), 0.0, proxied=proxied)
+    request = upgrade_request("relay.test", records, key)
+    if forwarded:
+        request = request[:-2] + f"X-Forwarded-For: {forwarded}\r\n\r\n".encode()
+    c.receive(s, request, 0.0)
+    return s, link, key
+
+
+def test_a_websocket_upgrade_without_records_speaks_websocket_frames() -> None:
+    c = core()
+    s, link, key = ws_upgrade(c)
+    status, headers = link.head()
+    assert status == "HTTP/1.1 101 Switching Protocols"
+    assert headers["upgrade"] == "websocket"
+    assert headers["sec-websocket-accept"] == accept_for(key)
+    assert headers["sec-websocket-protocol"] == "p2pdist-relay"
+    assert link.ws_frames() == [(T.CHALLENGE, b"\x01" + b"\x07" * 32)]
+    # AUTH cut across three masked frames, each a run of the stream.
+    auth = auth_frame(KEYS[0])
+    wire = b"".join(frame(auth[i : i + 40], masked=True) for i in range(0, len(auth), 40))
+    for i in range(0, len(wire), 17):
+        c.receive(s, wire[i : i + 17], 0.0)
+    [(kind, body)] = link.ws_frames()
+    assert kind is T.AUTH_OK and decode_map(body)["observed"] == "127.0.0.1:5000"
+    c.receive(s, frame(b"are you there", Opcode.PING, masked=True), 0.0)
+    link.ws_frames()
+    assert link.controls == [(Opcode.PONG, b"are you there")]
+    assert c.metrics.websocket_upgrades_total == 1
+
+
+def test_on_the_tls_port_records_win_and_frames_stay_raw() -> None:
+    c = core()
+    _, link, key = ws_upgrade(c, records=b"\x05" * 32)
+    _, headers = link.head()
+    assert headers["sec-websocket-accept"] == accept_for(key) and "p2pdist-relay-records" in headers
+    assert link.records is not None  # the glue moves the stream to records
+    assert link.relay_frames.feed(bytes(link.data))[0][0] is T.CHALLENGE  # no WS header
+    assert c.metrics.websocket_upgrades_total == 0
+
+
+def test_an_unmasked_client_frame_closes_with_an_error_and_a_close_frame() -> None:
+    c = core()
+    s, link, _ = ws_upgrade(c)
+    link.head()
+    link.ws_frames()
+    c.receive(s, frame(auth_frame(KEYS[0]), masked=False), 0.0)
+    [(kind, body)] = link.ws_frames()
+    assert kind is T.ERROR and b"unmasked client frame before AUTH" in body
+    assert link.controls[0][0] is Opcode.CLOSE and link.closed
+    assert c.metrics.protocol_errors_total == 1
+
+
+def test_a_client_close_frame_ends_the_session_and_is_answered() -> None:
+    c = core()
+    s, link, _ = ws_upgrade(c)
+    link.head()
+    link.ws_frames()
+    c.receive(s, auth_frame_ws(KEYS[0]), 0.0)
+    link.ws_frames()
+    assert c.clients == 1
+    c.receive(s, close_frame(1000, masked=True), 0.0)
+    link.ws_frames()
+    assert c.clients == 0 and link.closed and link.controls[-1] == (Opcode.CLOSE, b"\x03\xe8")
+
+
+def auth_frame_ws(key: SecretKey) -> bytes:
+    return frame(auth_frame(key), masked=True)
+
+
+def test_proxied_sessions_decline_records_and_take_the_forwarded_address() -> None:
+    c = core(max_clients_per_ip=1, max_unauthenticated_per_ip=1)
+    s, link, _ = ws_upgrade(
+        c, proxied=True, records=b"\x05" * 32, forwarded="10.9.9.9, 198.51.100.4"
+    )
+    _, headers = link.head()
+    assert "p2pdist-relay-records" not in headers  # through a proxy: WebSocket frames
+    link.ws_frames()
+    c.receive(s, auth_frame_ws(KEYS[0]), 0.0)
+    [(kind, body)] = link.ws_frames()
+    assert kind is T.AUTH_OK and decode_map(body)["observed"] == "198.51.100.4"
+    # Every proxied connection comes from the proxy: no per-source cap while waiting...
+    waiting = [ws_upgrade(c, proxied=True)[0] for _ in range(3)]
+    assert all(w.phase is Phase.AUTH for w in waiting)  # type: ignore[attr-defined]
+    # ...but the forwarded address counts for max-clients-per-ip.
+    s2, link2, _ = ws_upgrade(c, proxied=True, forwarded="198.51.100.4")
+    link2.head()
+    link2.ws_frames()
+    c.receive(s2, auth_frame_ws(KEYS[1]), 0.0)
+    [(kind, body)] = link2.ws_frames()
+    assert kind is T.ERROR and body == b"too many clients from this address"
+
+
+def test_bad_websocket_handshakes_get_400() -> None:
+    c = core()
+    for headers, why in [
+        ("Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n", b"Sec-WebSocket-Key"),
+        (
+            f"Upgrade: websocket\r\nSec-WebSocket-Key: {client_key()}\r\n"
+            "Sec-WebSocket-Version: 8\r\nSec-WebSocket-Protocol: p2pdist-relay\r\n",
+            b"Sec-WebSocket-Version: 13",
+        ),
+        (
+            f"Upgrade: websocket\r\nSec-WebSocket-Key: {client_key()}\r\n"
+            "Sec-WebSocket-Version: 13\r\n",
+            b"Sec-WebSocket-Protocol: p2pdist-relay",
+        ),
+    ]:
+        link = FakeLink()
+        s = c.open(link, ("127.0.0.1", 1), 0.0)
+        request = f"GET /relay HTTP/1.1\r\nHost: r\r\nConnection: Upgrade\r\n{headers}\r\n"
+        c.receive(s, request.encode(), 0.0)
+        assert link.http().startswith(b"HTTP/1.1 400 ") and why in link.http(), link.http()
+
+
+def test_http_port_settings_are_checked() -> None:
+    from relay.config import ConfigError
+
+    with pytest.raises(ConfigError, match="http-port needs cert"):
+        ServerConfig(http_port=8080)
+    pem = Path("/nonexistent/cert.pem")
+    with pytest.raises(ConfigError, match="http-port must differ from port"):
+        ServerConfig(http_port=8443, cert=pem, cert_key=pem)
+    with pytest.raises(ConfigError, match="http-host must be an IP address"):
+        ServerConfig(http_port=8080, http_host="proxy.local", cert=pem, cert_key=pem)
+    assert ServerConfig(http_port=0, cert=pem, cert_key=pem).http_host == "127.0.0.1"
+
+
+# ---- the real client ----------------------------------------------------------------------
+
+
+async def test_the_client_takes_records_on_the_tls_port_and_websocket_without_them(
+    tmp_path: Path,
+) -> None:
+    config = ServerConfig(host="127.0.0.1", port=0, stun_port=0)
+    async with RelayServer(config) as srv:
+        fast = RelayPath(KEYS[0], srv.url)
+        plain = RelayPath(KEYS[1], srv.url, config=RelayConfig(records=False))
+        got: asyncio.Queue[bytes] = asyncio.Queue()
+        plain.on_datagram = lambda src, data: got.put_nowait(data)
+        try:
+            await asyncio.gather(fast.wait_connected(10), plain.wait_connected(10))
+            assert fast.status.framing == "raw" and fast.status.records == "aes-256-gcm"
+            assert plain.status.framing == "websocket" and plain.status.records is None
+            for _ in range(50):
+                fast.send(plain.endpoint_id, b"x" * 60_000)
+                try:
+                    assert await asyncio.wait_for(got.get(), 0.2) == b"x" * 60_000
+                    break
+                except TimeoutError:
+                    continue
+            else:
+                raise AssertionError("nothing arrived over WebSocket framing")
+            assert await plain.ping() > 0
+        finally:
+            await bounded(asyncio.gather(fast.close(), plain.close()), "close()")
+        assert srv.core.metrics.websocket_upgrades_total == 1
+
+
+# ---- through a real reverse proxy (nginx) ---------------------------------------------------
+
+NGINX = shutil.which("nginx") or next(
+    (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
+)
+
+NGINX_CONF = """
+daemon off;
+worker_processes 1;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log info;
+events {{ worker_connections 256; }}
+http {{
+    access_log {tmp}/nginx-access.log;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    server {{
+        listen 127.0.0.1:{port} ssl;
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
+        ssl_protocols TLSv1.3;
+        location /relay {{
+            # As a CDN or cloud load balancer: WebSocket upgrades only.
+            if ($http_upgrade != "websocket") {{ return 403; }}
+            proxy_pass http://127.0.0.1:{http_port};
+            proxy_http_version 1.1;
+            proxy_set_header Upgrade $http_upgrade;
+            proxy_set_header Connection "upgrade";
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_read_timeout 1h;
+            proxy_buffering off;
+        }}
+        location / {{ proxy_pass http://127.0.0.1:{http_port}; }}
+    }}
+}}
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_listening(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"nginx exited: {log.read_text(errors='replace')[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError("nginx did not listen within 20 s")
+
+
+async def _group_through(url: str) -> list[str]:
+    cfg = GroupConfig(timeout=30.0, connect_timeout=30.0, punch=PunchConfig(enabled=False))
+    gs = [
+        Group.from_seed("websocket-proxy-seed-0123", rank=r, world=3, relay=url, config=cfg)
+        for r in range(3)
+    ]
+    try:
+        await asyncio.gather(*(g.start() for g in gs))
+        outs = await asyncio.gather(*(g.all_reduce(np.full(300_000, g.rank + 1.0)) for g in gs))
+        for out in outs:
+            np.testing.assert_array_equal(out, np.full(300_000, 6.0))
+        await asyncio.gather(*(g.barrier() for g in gs))
+        return [
+            f"{g.relay_status.framing} {g.relay_status.observed}"
+            for g in gs
+            if g.relay_status is not None
+        ]
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+
+
+def _get(ctx: ssl.SSLContext, port: int, path: str, request: bytes | None = None) -> bytes:
+    """A GET through TLS to 127.0.0.1:``port``: the whole response (for ``request``
+    instead, which may keep the connection open: the response's head)."""
+    with (
+        socket.create_connection(("127.0.0.1", port), 10) as raw,
+        ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        tls.sendall(
+            request or f"GET {path} HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n".encode()
+        )
+        page = b""
+        while (chunk := tls.recv(65536)) and not (request and b"\r\n\r\n" in page + chunk):
+            page += chunk
+    return page + chunk
+
+
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed (CI installs nginx-light)")
+def test_a_group_through_nginx_terminating_tls_in_front_of_the_relay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert NGINX is not None
+    cert, key = _certificate(tmp_path)  # for 127.0.0.1, its own CA
+    port, http_port = _free_port(), _free_port()
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(
+        NGINX_CONF.format(tmp=tmp_path, port=port, cert=cert, key=key, http_port=http_port)
+    )
+    with RelayProcess(
+        tmp_path, "--cert", str(cert), "--cert-key", str(key), "--http-port", str(http_port)
+    ):
+        nginx = subprocess.Popen(
+            [NGINX, "-c", str(conf), "-p", str(tmp_path), "-e", str(tmp_path / "nginx-error.log")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait_listening(port, nginx, tmp_path / "nginx-error.log")
+            monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # trust the proxy's certificate
+            framings = asyncio.run(_group_through(f"https://127.0.0.1:{port}/"))
+            # The relay saw each client's address in X-Forwarded-For (no port: nginx's
+            # peer port would follow a colon).
+            assert framings == ["websocket 127.0.0.1"] * 3
+            report = asyncio.run(diagnose(f"https://127.0.0.1:{port}/", key=KEYS[0], timeout=5.0))
+            assert report.relay_connected and report.relay_framing == "websocket"
+            assert "connected (TLS, WebSocket frames)" in render(report), render(report)
+            ctx = ssl.create_default_context(cafile=str(cert))
+            # The proxy lets only WebSocket upgrades through, as CDNs and load balancers do.
+            refused = _get(ctx, port, "/relay", upgrade_request("127.0.0.1"))
+            assert refused.startswith(b"HTTP/1.1 403 "), refused[:100]
+            page = _get(ctx, port, "/metrics")
+            assert b"p2pdist_relay_websocket_upgrades_total 4" in page  # 3 ranks, the doctor
+            assert b"p2pdist_relay_datagrams_out_total 0" not in page
+        finally:
+            nginx.send_signal(signal.SIGQUIT)
+            try:
+                nginx.wait(10)
+            except subprocess.TimeoutExpired:
+                nginx.kill()
+
+
+async def test_the_http_port_also_serves_raw_upgrades_bound_to_the_certificate(
+    tmp_path: Path,
+) -> None:
+    cert, key = _certificate(tmp_path)
+    config = ServerConfig(
+        host="127.0.0.1", port=0, stun_port=0, cert=cert, cert_key=key, http_port=0
+    )
+    async with RelayServer(config) as srv:
+        assert srv.http_port
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.http_port)
+        try:
+            writer.write(upgrade_request("r"))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 101 ") and b"Upgrade: p2pdist-relay" in head
+            decoder = RelayFrameDecoder()
+            frames: list[tuple[RelayFrameType, bytes]] = []
+            while not frames:
+                frames = decoder.feed(await asyncio.wait_for(reader.read(4096), 10))
+            assert frames[0][0] is T.CHALLENGE
+            challenge = frames[0][1][1:]
+            from p2pdist.wire.relay import auth_message
+            from relay.tlsconfig import RelayTls
+
+            fp = RelayTls.from_files(cert, key).fingerprint
+            me = bytes(KEYS[2].endpoint_id)
+            writer.write(encode_frame(T.AUTH, me + KEYS[2].sign(auth_message(fp, challenge, me))))
+            frames = []
+            while not frames:
+                frames = decoder.feed(await asyncio.wait_for(reader.read(4096), 10))
+            assert frames[0][0] is T.AUTH_OK
+        finally:
+            writer.close()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.binary(max_size=400), st.integers(1, 64))
+def test_garbage_after_a_websocket_upgrade_closes_only_that_client(junk: bytes, cut: int) -> None:
+    c = core()
+    s, _, _ = ws_upgrade(c)
+    other, other_link, _ = ws_upgrade(c)
+    for i in range(0, len(junk), cut):
+        c.receive(s, junk[i : i + cut], 0.0)  # never raises: the session ends or goes on
+    c.receive(other, auth_frame_ws(KEYS[1]), 0.0)
+    other_link.head()
+    assert [k for k, _ in other_link.ws_frames()] == [T.CHALLENGE, T.AUTH_OK]
+    assert s.phase in (Phase.AUTH, Phase.CLOSED)  # type: ignore[attr-defined]
+
+
+class _Sink(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.data = bytearray()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.data += data
+
+    def is_closing(self) -> bool:
+        return False
+
+    def abort(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+async def test_the_client_answers_pings_and_ends_on_close() -> None:
+    from p2pdist.transport.relay_session import RelaySessionProtocol
+
+    proto = RelaySessionProtocol("relay test", 70_000)
+    sink = _Sink()
+    proto.connection_made(sink)
+
+    def receive(data: bytes) -> None:
+        buf = proto.get_buffer(len(data))
+        buf[: len(data)] = data
+        proto.buffer_updated(len(data))
+
+    answer = (
+        "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        f"Sec-WebSocket-Accept: {accept_for(proto.websocket_key)}\r\n"
+        "Sec-WebSocket-Protocol: p2pdist-relay\r\n\r\n"
+    ).encode()
+    challenge = encode_frame(T.CHALLENGE, b"\x01" + bytes(32))
+    receive(answer + frame(challenge[:10], masked=False))  # a relay frame cut in two
+    receive(frame(challenge[10:], masked=False) + frame(b"hb", Opcode.PING, masked=False))
+    assert proto.framing == "websocket"
+    kind, _, body = await asyncio.wait_for(proto.next_frame(), 5)
+    assert (kind, bytes(body)) == (T.CHALLENGE, b"\x01" + bytes(32))
+    [pong] = WebSocketReader(masked=True).feed(bytes(sink.data))
+    assert (pong.opcode, pong.payload) == (Opcode.PONG, b"hb")  # masked, as a client must
+    proto.writer.write(b"relay bytes")
+    [data] = WebSocketReader(masked=True).feed(bytes(sink.data[len(frame(b"hb", masked=True)) :]))
+    assert data.payload == b"relay bytes"
+    reconnect = encode_frame(T.RECONNECT, b"\x80")
+    proto.dispatch_to(lambda f: 0.25 if f[0] is T.RECONNECT else None)
+    receive(frame(reconnect, masked=False) + close_frame(masked=False))
+    assert proto.done.result() == 0.25  # the RECONNECT before the CLOSE says how it ended
+
+
+async def test_a_wrong_accept_value_is_a_protocol_error() -> None:
+    from p2pdist.transport.relay_session import RelaySessionProtocol
+
+    proto = RelaySessionProtocol("relay test", 70_000)
+    proto.connection_made(_Sink())
+    answer = (
+        "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        f"Sec-WebSocket-Accept: {accept_for(client_key())}\r\n"
+        "Sec-WebSocket-Protocol: p2pdist-relay\r\n\r\n"
+    ).encode()
+    buf = proto.get_buffer(len(answer))
+    buf[: len(answer)] = answer
+    proto.buffer_updated(len(answer))
+    with pytest.raises(Exception, match="Sec-WebSocket-Accept does not answer our key"):
+        await asyncio.wait_for(proto.done, 5)
