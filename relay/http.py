@@ -24,7 +24,13 @@ from p2pdist.wire.websocket import valid_key
 
 __all__ = ["HttpDecision", "response", "route"]
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 503: "Service Unavailable"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    426: "Upgrade Required",
+    503: "Service Unavailable",
+}
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -48,14 +54,15 @@ def response(
     content_type: str = "text/plain; charset=utf-8",
     *,
     head_only: bool = False,
+    headers: str = "",
 ) -> bytes:
     """A complete ``Connection: close`` response (for HEAD, ``head_only``: the same head,
-    without the body)."""
+    without the body); ``headers``: more header lines, each ending in CRLF."""
     data = body.encode("utf-8")
     head = (
         f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
         f"Content-Type: {content_type}\r\nContent-Length: {len(data)}\r\n"
-        "Cache-Control: no-store\r\nConnection: close\r\n\r\n"
+        f"Cache-Control: no-store\r\n{headers}Connection: close\r\n\r\n"
     )
     return head.encode("ascii") + (b"" if head_only else data)
 
@@ -70,7 +77,16 @@ def _websocket_key(head: HttpHead) -> str | HttpDecision:
     if not valid_key(key):
         return HttpDecision(False, 400, response(400, "bad or missing Sec-WebSocket-Key\n"))
     if head.header("sec-websocket-version") != str(WEBSOCKET_VERSION):
-        return HttpDecision(False, 400, response(400, "expected Sec-WebSocket-Version: 13\n"))
+        # RFC 6455 4.2.2: 426 naming the version this side speaks.
+        return HttpDecision(
+            False,
+            426,
+            response(
+                426,
+                f"expected Sec-WebSocket-Version: {WEBSOCKET_VERSION}\n",
+                headers=f"Sec-WebSocket-Version: {WEBSOCKET_VERSION}\r\n",
+            ),
+        )
     if UPGRADE_TOKEN not in _tokens(head.header("sec-websocket-protocol")):
         return HttpDecision(
             False, 400, response(400, f"expected Sec-WebSocket-Protocol: {UPGRADE_TOKEN}\n")

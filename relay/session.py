@@ -79,6 +79,7 @@ class Session:
         "source",
         "splitter",
         "websocket",
+        "ws_before_auth",
     )
 
     def __init__(self, conn_id: int, link: Link, observed: str, now: float) -> None:
@@ -108,6 +109,8 @@ class Session:
         """Whether it came through the plain HTTP port, from a TLS-terminating proxy."""
         self.websocket: WebSocketReader | None = None
         """Set once the upgrade chose WebSocket framing: the frames' reader."""
+        self.ws_before_auth = 0
+        """WebSocket bytes received before authentication (bounded by the core)."""
 
     @property
     def label(self) -> str:

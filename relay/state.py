@@ -43,7 +43,7 @@ from p2pdist.wire.relay import (
     parse_http_head,
     upgrade_response,
 )
-from p2pdist.wire.websocket import Opcode, WebSocketError, WebSocketReader, close_frame
+from p2pdist.wire.websocket import Opcode, WebSocketError, WebSocketReader
 from p2pdist.wire.websocket import frame as ws_frame
 from p2pdist.wire.websocket import header as ws_header
 
@@ -65,6 +65,10 @@ MAX_AUTH_BODY = ID_LEN + SIG_LEN + MAX_TOKEN_BYTES
 """The largest valid AUTH body; a longer frame before authentication is refused from
 its header alone, so an unauthenticated connection never buffers more than this."""
 REPLACED = "replaced by a newer connection from the same endpoint"
+WS_BEFORE_AUTH = MAX_AUTH_BODY + 1024
+"""The most WebSocket bytes a client may send before it is authenticated: one AUTH
+frame and framing around it (a session that may still send nothing else must not
+make the relay work for free)."""
 
 BAD_SIGNATURE = Refusal("bad_signature", BAD_SIGNATURE_TEXT)
 MALFORMED = Refusal("malformed", MALFORMED_AUTH_TEXT)
@@ -132,6 +136,38 @@ def source_of(ip: str) -> str:
     return str(addr)
 
 
+def forwarded_ip(header: str) -> str | None:
+    """The address in the last entry of an ``X-Forwarded-For`` value (``ip``,
+    ``ip:port``, ``[v6]`` or ``[v6]:port``), IPv4-mapped shown as IPv4; None without a
+    valid one."""
+    last = header.rsplit(",", 1)[-1].strip()
+    if last.startswith("["):
+        last = last[1:].split("]", 1)[0]
+    elif last.count(":") == 1:
+        last = last.split(":", 1)[0]
+    try:
+        addr = ipaddress.ip_address(last)
+    except ValueError:
+        return None
+    mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
+    return str(mapped or addr)
+
+
+def _ws_close_code(event: str) -> bytes:
+    """The WebSocket close code (RFC 6455 7.4.1) the relay sends when it ends a session
+    for ``event``: 1002 for a protocol error, 1001 when it is going away (shutdown,
+    replaced, timed out), 1008 for a refusal, else 1000."""
+    if event == "protocol_error":
+        code = 1002
+    elif event in ("reconnect_sent", "closed_for_shutdown", "keepalive_timeout", "replaced"):
+        code = 1001
+    elif event in ("auth_failed", "evicted", "refused"):
+        code = 1008
+    else:
+        code = 1000
+    return code.to_bytes(2, "big")
+
+
 def format_address(ip: str, port: int) -> str:
     """``ip:port``, ``[v6]:port``; IPv4-mapped IPv6 addresses are shown as IPv4."""
     ip = unmap_ipv4(ip)
@@ -170,6 +206,7 @@ class RelayCore:
         """Token buckets of ids whose session is gone, kept until they are full again
         (at most ``max_clients``), so reconnecting does not refill a bucket."""
         self._dirty: list[Session] = []
+        self._warned_forwarded = False
         self._next_id = 0
         self._closing = False
 
@@ -464,7 +501,9 @@ class RelayCore:
             self._close(s, "bad_http", quiet=True, fields={"why": "data after records offer"})
             return b""
         if s.proxied:
-            self._forwarded(s, head.header("x-forwarded-for"))
+            self._forwarded(s, head.header("x-forwarded-for"), now)
+            if _closed(s):  # over the cap on waiting connections from that address
+                return b""
         s.phase = Phase.AUTH
         s.challenge = self._random(32)
         key = decision.websocket_key
@@ -483,17 +522,32 @@ class RelayCore:
         self._queue(s, encode_frame(RelayFrameType.CHALLENGE, bytes([VERSION]) + s.challenge))
         return rest
 
-    def _forwarded(self, s: Session, header: str) -> None:
+    def _forwarded(self, s: Session, header: str, now: float) -> None:
         """A proxied client's address: the last ``X-Forwarded-For`` entry, the one the
-        proxy in front of us added (earlier ones are the client's word). Without a
-        valid one the session keeps the proxy's address."""
-        last = header.rsplit(",", 1)[-1].strip()
-        try:
-            ip = ipaddress.ip_address(last.strip("[]"))
-        except ValueError:
+        proxy in front of us added (earlier ones are the client's word), as an ip, or
+        ``ip:port`` / ``[v6]:port`` as some proxies write it. With one, the session
+        counts against that address's cap on waiting connections from now on (it may be
+        refused, or evict an older one, as at accept). Without a valid one it keeps the
+        proxy's address and no per-source cap (warned about once: the proxy should
+        send the header)."""
+        ip = forwarded_ip(header)
+        if ip is None:
+            if not self._warned_forwarded:
+                self._warned_forwarded = True
+                log.warning(
+                    kv(
+                        "no_forwarded_address",
+                        conn=s.label,
+                        header=header[:80] or "missing",
+                        hint="set X-Forwarded-For at the reverse proxy; per-address caps "
+                        "cannot tell its clients apart",
+                    )
+                )
             return
-        s.observed = unmap_ipv4(str(ip))
-        s.source = source_of(str(ip))
+        s.observed = ip
+        s.source = source_of(ip)
+        self._stop_waiting(s)
+        self._admit(s, s.source, now)
 
     # ---- frames -----------------------------------------------------------------------
 
@@ -506,19 +560,29 @@ class RelayCore:
     def _websocket(
         self, s: Session, reader: WebSocketReader, data: bytes | bytearray | memoryview, now: float
     ) -> None:
-        """Relay frames carried in WebSocket frames: data to :meth:`_frames`; a PING is
-        answered with a PONG, a CLOSE ends the session."""
+        """Relay frames carried in WebSocket frames: data to :meth:`_frames`; PINGs get
+        one PONG per read (the last one's bytes, as RFC 6455 5.5.3 allows), a CLOSE ends
+        the session. Before AUTH_OK a client may send at most :data:`WS_BEFORE_AUTH`
+        bytes, as a bare session may send one AUTH frame and nothing else."""
+        if s.phase is not Phase.ACTIVE:
+            s.ws_before_auth += memoryview(data).nbytes
+            if s.ws_before_auth > WS_BEFORE_AUTH:
+                raise RelayProtocolError(f"more than {WS_BEFORE_AUTH} WebSocket bytes")
+        pong: bytes | bytearray | None = None
         for event in reader.feed(data):
             if event.opcode is Opcode.BINARY:
                 self._frames(s, event.payload, now)
             elif event.opcode is Opcode.PING:
-                self._write_batch(s)  # what came first goes first
-                if s.phase is not Phase.CLOSED and self._has_room(s, event.payload):
-                    s.link.write(bytearray(ws_frame(event.payload, Opcode.PONG, masked=False)))
+                pong = event.payload
             elif event.opcode is Opcode.CLOSE:
-                self._close(s, "disconnect", quiet=s.phase is not Phase.ACTIVE)
+                code = bytes(event.payload[:2]) if len(event.payload) >= 2 else b"\x03\xe8"
+                self._close(s, "disconnect", quiet=s.phase is not Phase.ACTIVE, close_code=code)
             if _closed(s):
-                break
+                return
+        if pong is not None:
+            self._write_batch(s)  # what came first goes first
+            if self._has_room(s, pong):
+                s.link.write(bytearray(ws_frame(pong, Opcode.PONG, masked=False)))
 
     def _frame(self, s: Session, kind: RelayFrameType, body: memoryview, now: float) -> None:
         # ``body`` is a view of the caller's buffer: valid during this call only.
@@ -678,8 +742,11 @@ class RelayCore:
         frame: bytes | None = None,
         quiet: bool = False,
         fields: dict[str, object] | None = None,
+        close_code: bytes = b"",
     ) -> None:
-        """Write what is batched for ``s`` plus a final ERROR/RECONNECT, then close it."""
+        """Write what is batched for ``s`` plus a final ERROR/RECONNECT (and, on a
+        WebSocket session, a CLOSE: ``close_code``, two bytes, else one for ``event``),
+        then close it."""
         if s.phase is Phase.CLOSED:
             return
         if error is not None:
@@ -688,7 +755,9 @@ class RelayCore:
             s.out += frame
         self._write_batch(s)
         if s.websocket is not None:
-            s.link.write(bytearray(close_frame(1000 if error is None else 1008, masked=False)))
+            s.link.write(
+                bytearray(ws_frame(close_code or _ws_close_code(event), Opcode.CLOSE, masked=False))
+            )
         level = logging.DEBUG if quiet else logging.INFO
         log.log(level, kv(event, conn=s.label, peer=s.observed, error=error, **(fields or {})))
         self._forget(s)

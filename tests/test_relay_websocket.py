@@ -50,6 +50,7 @@ from p2pdist.wire.websocket import (
 from relay.config import RelayConfig as ServerConfig
 from relay.server import RelayServer
 from relay.session import Phase
+from relay.state import WS_BEFORE_AUTH, forwarded_ip
 
 T = RelayFrameType
 KEYS = [SecretKey.from_seed("relay websocket tests", r) for r in range(3)]
@@ -222,7 +223,7 @@ def test_an_unmasked_client_frame_closes_with_an_error_and_a_close_frame() -> No
     c.receive(s, frame(auth_frame(KEYS[0]), masked=False), 0.0)
     [(kind, body)] = link.ws_frames()
     assert kind is T.ERROR and b"unmasked client frame before AUTH" in body
-    assert link.controls[0][0] is Opcode.CLOSE and link.closed
+    assert link.controls == [(Opcode.CLOSE, b"\x03\xea")] and link.closed  # 1002
     assert c.metrics.protocol_errors_total == 1
 
 
@@ -245,25 +246,63 @@ def auth_frame_ws(key: SecretKey) -> bytes:
 
 def test_proxied_sessions_decline_records_and_take_the_forwarded_address() -> None:
     c = core(max_clients_per_ip=1, max_unauthenticated_per_ip=1)
-    s, link, _ = ws_upgrade(
-        c, proxied=True, records=b"\x05" * 32, forwarded="10.9.9.9, 198.51.100.4"
-    )
+    forwarded = "10.9.9.9, 198.51.100.4"  # the first is the client's word, the last the proxy's
+    s, link, _ = ws_upgrade(c, proxied=True, records=b"\x05" * 32, forwarded=forwarded)
     _, headers = link.head()
     assert "p2pdist-relay-records" not in headers  # through a proxy: WebSocket frames
     link.ws_frames()
+    # Every proxied connection comes from the proxy: no per-source cap at accept, nor
+    # for sessions whose proxy sent no address...
+    waiting = [ws_upgrade(c, proxied=True)[0] for _ in range(3)]
+    assert all(w.phase is Phase.AUTH for w in waiting)  # type: ignore[attr-defined]
+    # ...but once the forwarded address is read, it counts as the source's.
+    _, link3, _ = ws_upgrade(c, proxied=True, forwarded="198.51.100.4:5555")
+    assert link3.http().startswith(b"HTTP/1.1 503 ") and link3.closed
+    assert c.metrics.refused["max_unauthenticated_per_ip"] == 1
     c.receive(s, auth_frame_ws(KEYS[0]), 0.0)
     [(kind, body)] = link.ws_frames()
     assert kind is T.AUTH_OK and decode_map(body)["observed"] == "198.51.100.4"
-    # Every proxied connection comes from the proxy: no per-source cap while waiting...
-    waiting = [ws_upgrade(c, proxied=True)[0] for _ in range(3)]
-    assert all(w.phase is Phase.AUTH for w in waiting)  # type: ignore[attr-defined]
-    # ...but the forwarded address counts for max-clients-per-ip.
-    s2, link2, _ = ws_upgrade(c, proxied=True, forwarded="198.51.100.4")
+    s2, link2, _ = ws_upgrade(c, proxied=True, forwarded="[::ffff:198.51.100.4]:7")
     link2.head()
     link2.ws_frames()
-    c.receive(s2, auth_frame_ws(KEYS[1]), 0.0)
+    c.receive(s2, auth_frame_ws(KEYS[1]), 0.0)  # max-clients-per-ip counts the address
     [(kind, body)] = link2.ws_frames()
     assert kind is T.ERROR and body == b"too many clients from this address"
+
+
+@pytest.mark.parametrize(
+    ("header", "ip"),
+    [
+        ("198.51.100.4", "198.51.100.4"),
+        ("10.0.0.1, 198.51.100.4:4711", "198.51.100.4"),
+        ("2001:db8::1", "2001:db8::1"),
+        ("[2001:db8::1]:4711", "2001:db8::1"),
+        ("::ffff:192.0.2.1", "192.0.2.1"),
+        ("", None),
+        ("unknown", None),
+        ("198.51.100.4, _hidden", None),
+    ],
+)
+def test_forwarded_addresses(header: str, ip: str | None) -> None:
+    assert forwarded_ip(header) == ip
+
+
+def test_before_auth_a_client_may_send_little_and_gets_one_pong_per_read() -> None:
+    c = core()
+    s, link, _ = ws_upgrade(c)
+    link.head()
+    link.ws_frames()
+    pings = frame(b"", Opcode.PING, masked=True) * 100  # 600 bytes in one read
+    c.receive(s, pings, 0.0)
+    link.ws_frames()
+    assert link.controls == [(Opcode.PONG, b"")]
+    empty = frame(b"", masked=True)
+    for _ in range(WS_BEFORE_AUTH // len(empty) + 1):
+        c.receive(s, empty, 0.0)
+        if link.closed:
+            break
+    [(kind, body)] = link.ws_frames()
+    assert kind is T.ERROR and body.startswith(b"more than") and link.closed
 
 
 def test_bad_websocket_handshakes_get_400() -> None:
@@ -285,7 +324,8 @@ def test_bad_websocket_handshakes_get_400() -> None:
         s = c.open(link, ("127.0.0.1", 1), 0.0)
         request = f"GET /relay HTTP/1.1\r\nHost: r\r\nConnection: Upgrade\r\n{headers}\r\n"
         c.receive(s, request.encode(), 0.0)
-        assert link.http().startswith(b"HTTP/1.1 400 ") and why in link.http(), link.http()
+        status = b"HTTP/1.1 426 " if b"Version" in why else b"HTTP/1.1 400 "
+        assert link.http().startswith(status) and why in link.http(), link.http()
 
 
 def test_http_port_settings_are_checked() -> None:
@@ -529,14 +569,16 @@ class _Sink(asyncio.Transport):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.data += data
 
+    aborted = closed = False
+
     def is_closing(self) -> bool:
-        return False
+        return self.closed or self.aborted
 
     def abort(self) -> None:
-        pass
+        self.aborted = True
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
 async def test_the_client_answers_pings_and_ends_on_close() -> None:
@@ -551,6 +593,7 @@ async def test_the_client_answers_pings_and_ends_on_close() -> None:
         buf[: len(data)] = data
         proto.buffer_updated(len(data))
 
+    assert proto.websocket_key is not None
     answer = (
         "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
         f"Sec-WebSocket-Accept: {accept_for(proto.websocket_key)}\r\n"
@@ -569,8 +612,31 @@ async def test_the_client_answers_pings_and_ends_on_close() -> None:
     assert data.payload == b"relay bytes"
     reconnect = encode_frame(T.RECONNECT, b"\x80")
     proto.dispatch_to(lambda f: 0.25 if f[0] is T.RECONNECT else None)
-    receive(frame(reconnect, masked=False) + close_frame(masked=False))
+    sent = len(sink.data)
+    receive(frame(reconnect, masked=False) + close_frame(1001, masked=False))
     assert proto.done.result() == 0.25  # the RECONNECT before the CLOSE says how it ended
+    [echo] = WebSocketReader(masked=True).feed(bytes(sink.data[sent:]))
+    assert (echo.opcode, echo.payload) == (Opcode.CLOSE, b"\x03\xe9") and not sink.aborted
+
+
+async def test_the_client_says_close_when_it_ends_the_session() -> None:
+    from p2pdist.transport.relay_session import RelaySessionProtocol
+
+    proto = RelaySessionProtocol("relay test", 70_000)
+    sink = _Sink()
+    proto.connection_made(sink)
+    assert proto.websocket_key is not None
+    answer = (
+        "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        f"Sec-WebSocket-Accept: {accept_for(proto.websocket_key)}\r\n"
+        "Sec-WebSocket-Protocol: p2pdist-relay\r\n\r\n"
+    ).encode()
+    buf = proto.get_buffer(len(answer))
+    buf[: len(answer)] = answer
+    proto.buffer_updated(len(answer))
+    proto.close()
+    [event] = WebSocketReader(masked=True).feed(bytes(sink.data))
+    assert (event.opcode, event.payload) == (Opcode.CLOSE, b"\x03\xe8") and sink.closed
 
 
 async def test_a_wrong_accept_value_is_a_protocol_error() -> None:
@@ -588,3 +654,27 @@ async def test_a_wrong_accept_value_is_a_protocol_error() -> None:
     proto.buffer_updated(len(answer))
     with pytest.raises(Exception, match="Sec-WebSocket-Accept does not answer our key"):
         await asyncio.wait_for(proto.done, 5)
+
+
+async def test_a_relay_from_before_websocket_framing_gets_the_bare_upgrade(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import relay.http as relay_http
+
+    def old_relay(head: object) -> relay_http.HttpDecision:  # what d2d06f0 answered
+        return relay_http.HttpDecision(
+            False, 400, relay_http.response(400, "expected Upgrade: p2pdist-relay\n")
+        )
+
+    monkeypatch.setattr(relay_http, "_websocket_key", old_relay)
+    config = ServerConfig(host="127.0.0.1", port=0, stun_port=0)
+    async with RelayServer(config) as srv:
+        path = RelayPath(
+            KEYS[0], srv.url, config=RelayConfig(backoff_initial=0.05, backoff_max=0.2)
+        )
+        try:
+            await path.wait_connected(10)
+            assert path.status.framing == "raw" and path.status.records == "aes-256-gcm"
+            assert path.status.connects == 1 and srv.core.metrics.http_requests_total == 1
+        finally:
+            await bounded(path.close(), "close()")

@@ -262,6 +262,9 @@ class RelayPath:
         """SEND frames queued in this event-loop pass (one TLS write each pass)."""
         self._outbox_count = 0
         self._cert_hash = b""
+        self._bare_upgrade = False
+        """Whether sessions ask for the bare ``Upgrade: p2pdist-relay`` (after a relay
+        refused the WebSocket handshake; flipped back when it refuses the bare one)."""
 
     # ---- public -------------------------------------------------------------------
 
@@ -490,10 +493,20 @@ class RelayPath:
 
     async def _handshake(self, proto: RelaySessionProtocol, writer: asyncio.Transport) -> float:
         """Upgrade and authenticate; returns the keepalive interval."""
-        writer.write(upgrade_request(self.url.host, proto.records_secret, proto.websocket_key))
+        if self._bare_upgrade:
+            proto.websocket_key = None
+        writer.write(upgrade_request(self.url.authority, proto.records_secret, proto.websocket_key))
         answer = await proto.upgrade_answer()
         if not proto.upgraded:
-            raise RelayProtocolError(f"relay refused the upgrade: {' '.join(answer.start_line)}")
+            status = " ".join(answer.start_line)
+            if answer.start_line[1:2] and answer.start_line[1].startswith("4"):
+                # A relay from before WebSocket framing answers the WebSocket handshake
+                # 400 (and a proxy that passes only WebSockets the bare one 403 or 400):
+                # the next attempt asks the other way.
+                self._bare_upgrade = not self._bare_upgrade
+                form = "the bare upgrade" if self._bare_upgrade else "a WebSocket upgrade"
+                status += f"; trying {form} next"
+            raise RelayProtocolError(f"relay refused the upgrade: {status}")
         writer = proto.writer
         kind, _, body = await proto.next_frame()
         if kind is not RelayFrameType.CHALLENGE or len(body) != 33 or body[0] != 1:

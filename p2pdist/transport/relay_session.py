@@ -99,11 +99,16 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
     def __init__(self, label: str, max_body: int, *, records_secret: bytes | None = None) -> None:
         self.records_secret = records_secret
         """Our record secret, offered in the upgrade request (None: no offer)."""
-        self.websocket_key = client_key()
-        """The ``Sec-WebSocket-Key`` of our upgrade request."""
+        self.websocket_key: str | None = client_key()
+        """The ``Sec-WebSocket-Key`` of our upgrade request (None: the session asks for
+        the bare ``Upgrade: p2pdist-relay``, which relays from before WebSocket framing
+        take)."""
         self._websocket: WebSocketReader | None = None
         """Set when the relay's 101 chose WebSocket framing (not records)."""
         self._ws_writer: WebSocketTransport | None = None
+        self._ws_closed = False
+        """Whether the relay sent CLOSE (and we echoed it): the connection then closes
+        cleanly, flushing the echo."""
         self.stream: SecureStream | None = None
         """The stream underneath (set by whoever makes it), moved to records when the
         relay takes the offer."""
@@ -164,7 +169,9 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
             self.done.cancel()
         elif not self.done.cancelled():
             self.done.exception()  # read: the session had its own error to report
-        if self.transport is not None and not self.transport.is_closing():
+        if self._ws_writer is not None:
+            self._ws_writer.close()  # CLOSE 1000 first, as RFC 6455 5.5.1 asks
+        elif self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
     def dispatch_to(self, handler: FrameHandler) -> None:
@@ -229,8 +236,9 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
             self._keep_tls()
             return []  # a refusal's body (a 503's text) is no frames: the session reads the head
         websocket = self._answer.header("upgrade").strip().lower() == "websocket"
-        if websocket and self._answer.header("sec-websocket-accept") != accept_for(
-            self.websocket_key
+        if websocket and (
+            self.websocket_key is None
+            or self._answer.header("sec-websocket-accept") != accept_for(self.websocket_key)
         ):
             raise RelayProtocolError("the relay's Sec-WebSocket-Accept does not answer our key")
         theirs = records_key(self._answer)
@@ -280,7 +288,10 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
             elif event.opcode is Opcode.PING:
                 self._ws_writer.write_control(Opcode.PONG, event.payload)
             elif event.opcode is Opcode.CLOSE:
-                # What came before it counts first (an ERROR or RECONNECT says why).
+                # Echo it (then the connection closes, not aborts: see _end); what came
+                # before it counts first (an ERROR or RECONNECT says why).
+                self._ws_writer.write_control(Opcode.CLOSE, event.payload[:2])
+                self._ws_closed = True
                 raise RelayProtocolError("the relay closed the WebSocket", frames)
         return frames
 
@@ -313,7 +324,7 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
                 self.done.set_exception(error)
         self._wake()
         if close and self.transport is not None and not self.transport.is_closing():
-            if error is None:
+            if error is None or self._ws_closed:
                 self.transport.close()
             else:
                 self.transport.abort()

@@ -413,7 +413,8 @@ def upgrade_request(
 ) -> bytes:
     """The client's HTTP/1.1 upgrade request (offering records under its
     ``records_secret`` when given): a WebSocket opening handshake with
-    ``websocket_key`` (``Sec-WebSocket-Key``), else ``Upgrade: p2pdist-relay``."""
+    ``websocket_key`` (``Sec-WebSocket-Key``), else ``Upgrade: p2pdist-relay``.
+    ``host``: the ``Host`` field (:attr:`RelayUrl.authority`)."""
     return (
         f"GET {UPGRADE_PATH} HTTP/1.1\r\nHost: {host}\r\nConnection: Upgrade\r\n"
         f"{_upgrade_headers(websocket_key, False)}P2pdist-Relay-Version: {VERSION}\r\n"
@@ -556,6 +557,13 @@ class RelayUrl:
         except ValueError as exc:  # UsageError is one: a bad pin, named as the pin
             raise UsageError(f"relay URL pin: {exc}") from None
         return cls(parts.hostname, port or 443, pin)
+
+    @property
+    def authority(self) -> str:
+        """``host[:port]`` as an HTTP ``Host`` field names the relay (RFC 9110 7.2): an
+        IPv6 host bracketed, the port left out when it is HTTPS's 443."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return host if self.port == 443 else f"{host}:{self.port}"
 
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
