@@ -28,6 +28,7 @@ from transport_conformance import bounded
 from p2pdist import Group, GroupConfig, PunchConfig, SecretKey
 from p2pdist.doctor import diagnose, render
 from p2pdist.transport.relay_path import RelayConfig, RelayPath
+from p2pdist.transport.relay_session import RelaySessionProtocol
 from p2pdist.wire.relay import (
     RelayFrameDecoder,
     RelayFrameType,
@@ -581,9 +582,25 @@ class _Sink(asyncio.Transport):
         self.closed = True
 
 
-async def test_the_client_answers_pings_and_ends_on_close() -> None:
-    from p2pdist.transport.relay_session import RelaySessionProtocol
+def _session_after_101(key: str | None = None) -> tuple[RelaySessionProtocol, _Sink]:
+    """A client session on a sink, fed the relay's WebSocket 101 (accepting ``key``,
+    default the session's own)."""
+    proto = RelaySessionProtocol("relay test", 70_000)
+    sink = _Sink()
+    proto.connection_made(sink)
+    assert proto.websocket_key is not None
+    answer = (
+        "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        f"Sec-WebSocket-Accept: {accept_for(key or proto.websocket_key)}\r\n"
+        "Sec-WebSocket-Protocol: p2pdist-relay\r\n\r\n"
+    ).encode()
+    buf = proto.get_buffer(len(answer))
+    buf[: len(answer)] = answer
+    proto.buffer_updated(len(answer))
+    return proto, sink
 
+
+async def test_the_client_answers_pings_and_ends_on_close() -> None:
     proto = RelaySessionProtocol("relay test", 70_000)
     sink = _Sink()
     proto.connection_made(sink)
@@ -620,38 +637,14 @@ async def test_the_client_answers_pings_and_ends_on_close() -> None:
 
 
 async def test_the_client_says_close_when_it_ends_the_session() -> None:
-    from p2pdist.transport.relay_session import RelaySessionProtocol
-
-    proto = RelaySessionProtocol("relay test", 70_000)
-    sink = _Sink()
-    proto.connection_made(sink)
-    assert proto.websocket_key is not None
-    answer = (
-        "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
-        f"Sec-WebSocket-Accept: {accept_for(proto.websocket_key)}\r\n"
-        "Sec-WebSocket-Protocol: p2pdist-relay\r\n\r\n"
-    ).encode()
-    buf = proto.get_buffer(len(answer))
-    buf[: len(answer)] = answer
-    proto.buffer_updated(len(answer))
+    proto, sink = _session_after_101()
     proto.close()
     [event] = WebSocketReader(masked=True).feed(bytes(sink.data))
     assert (event.opcode, event.payload) == (Opcode.CLOSE, b"\x03\xe8") and sink.closed
 
 
 async def test_a_wrong_accept_value_is_a_protocol_error() -> None:
-    from p2pdist.transport.relay_session import RelaySessionProtocol
-
-    proto = RelaySessionProtocol("relay test", 70_000)
-    proto.connection_made(_Sink())
-    answer = (
-        "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
-        f"Sec-WebSocket-Accept: {accept_for(client_key())}\r\n"
-        "Sec-WebSocket-Protocol: p2pdist-relay\r\n\r\n"
-    ).encode()
-    buf = proto.get_buffer(len(answer))
-    buf[: len(answer)] = answer
-    proto.buffer_updated(len(answer))
+    proto, _ = _session_after_101(client_key())
     with pytest.raises(Exception, match="Sec-WebSocket-Accept does not answer our key"):
         await asyncio.wait_for(proto.done, 5)
 
