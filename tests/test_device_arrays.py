@@ -290,3 +290,58 @@ def test_numpy_calls_do_not_stage() -> None:
     assert not _staged((np.zeros(3), "sum"), {"out": None, "timeout": 1.0})
     assert not _staged(([np.zeros(3)],), {})
     assert _staged(([np.zeros(3), fakecupy.asarray(np.zeros(3))],), {})
+
+
+async def test_a_federated_client_submits_a_device_update(xp: Any) -> None:
+    from p2pdist import TransportConfig
+    from p2pdist.federated import Coordinator, FederatedClient, FederatedConfig
+
+    plain = TransportConfig(tls=False)
+    config = FederatedConfig(round_timeout=30.0)
+    async with Coordinator(np.zeros(6, np.float32), config, transport=plain) as c:
+        await c.start(listen="127.0.0.1:0")
+        assert c.address is not None
+        where = f"{c.address[0]}:{c.address[1]}"
+        client = FederatedClient(c.endpoint_id, address=where, transport=plain)
+        await client.connect()
+        run = asyncio.create_task(c.run_round())
+        update = xp.asarray(np.arange(6, dtype=np.float32))
+        assert await client.submit(update, 5, 0)
+        assert (await client.wait_ack(1, timeout=10)).accepted
+        out = await run
+        np.testing.assert_array_equal(out.aggregate, np.arange(6, dtype=np.float32))
+        await client.close()
+
+
+def test_host_copy_refuses_another_librarys_cuda_array() -> None:
+    from p2pdist.group.devices import host_copy
+
+    class Foreign:
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            return {"shape": (1,), "typestr": "<f4"}
+
+    with pytest.raises(UsageError, match=r"cupy\.asarray"):
+        host_copy(Foreign())
+    x = np.ones(3)
+    assert host_copy(x) is x
+
+
+async def test_group_averaging_takes_device_updates(xp: Any) -> None:
+    from group_helpers import groups
+
+    from p2pdist.federated import FederatedConfig, GroupAveraging
+
+    async with groups(2) as gs:
+        feds = [
+            GroupAveraging(g, np.zeros(4, np.float32), FederatedConfig(round_timeout=10.0))
+            for g in gs
+        ]
+        await asyncio.gather(*(f.start() for f in feds))
+        updates = [np.full(4, 1.0, np.float32), np.full(4, 4.0, np.float32)]
+        outs = await asyncio.gather(
+            *(f.step(xp.asarray(updates[f.group.rank]), 1 + 2 * f.group.rank) for f in feds)
+        )
+        assert all(o.applied for o in outs)
+        for f in feds:  # weights 1 and 3: (1 + 12) / 4
+            np.testing.assert_array_equal(f.model, np.full(4, 3.25, np.float32))

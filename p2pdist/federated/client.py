@@ -21,6 +21,7 @@ from ..errors import (
     RemoteProtocolError,
     UsageError,
 )
+from ..group.devices import host_copy
 from ..identity import EndpointId, SecretKey
 from ..settings import check_int, check_seconds
 from ..tasks import cancel_and_wait
@@ -199,7 +200,8 @@ class FederatedClient:
     ) -> bool:
         """Send ``update`` (the model delta trained from round ``base_round``'s model, on
         ``num_samples`` samples) for round ``round_id`` (default: the newest round this
-        client has heard of). The verdict arrives later in :attr:`acks`.
+        client has heard of). The verdict arrives later in :attr:`acks`. A CuPy
+        ``update`` is copied to the host first (after the work queued on its stream).
 
         Returns True once sent, or False, sending nothing, when the coordinator has said
         stop (training is over, or it failed: see :attr:`stopped` and
@@ -217,7 +219,9 @@ class FederatedClient:
         if round_id is None:
             round_id = self._latest.round if self._latest is not None else base_round
         meta, payload = encode(
-            "submit", {"r": round_id, "b": base_round, "n": num_samples}, np.asarray(update)
+            "submit",
+            {"r": round_id, "b": base_round, "n": num_samples},
+            np.asarray(host_copy(update)),
         )
         try:
             async with asyncio.timeout(timeout):

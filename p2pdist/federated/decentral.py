@@ -40,6 +40,7 @@ from ..errors import (
     UsageError,
 )
 from ..group.buffers import as_array
+from ..group.devices import host_copy
 from ..settings import as_int, check_int, check_seconds
 from ..tasks import cancel_and_wait
 from ..transport.base import Connection
@@ -214,6 +215,7 @@ class GroupAveraging(Leading):
 
         ``num_samples`` (at least 1; the weight of ``update`` in the mean) is required
         with an update; a bad argument is a :class:`UsageError` before anything is sent.
+        A CuPy ``update`` is copied to the host first (the model stays numpy).
 
         A rank that calls late still gets the round's result: its update is carried to
         the next round (within ``max_staleness``) instead of blocking anyone."""
@@ -236,7 +238,7 @@ class GroupAveraging(Leading):
         if update is not None:
             samples = check_int("num_samples", num_samples, 1)  # None too: required
             base = k if base_round is None else check_int("base_round", base_round, 0)
-            sent = as_array(update)
+            sent = as_array(host_copy(update))  # a CuPy update: its values, on the host
             if self._own is not None:  # carried from an earlier round, never aggregated
                 self._replacing_carried(k, self._own)
             self._own = OwnUpdate(sent, samples, base, await digest_async(sent))

@@ -25,7 +25,15 @@ import numpy as np
 
 from ..errors import P2PTimeoutError, UsageError
 
-__all__ = ["is_device_array", "on_host", "pack", "ready_marker", "unpack", "wait_ready"]
+__all__ = [
+    "host_copy",
+    "is_device_array",
+    "on_host",
+    "pack",
+    "ready_marker",
+    "unpack",
+    "wait_ready",
+]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -67,6 +75,18 @@ def _refuse_foreign(x: object) -> None:
             f"{type_name(x)} is a CUDA array but not a CuPy one: pass "
             "cupy.asarray(x) (no copy) or a numpy array"
         )
+
+
+def host_copy(x: Any) -> Any:
+    """``x`` as it is, or for a CuPy array a numpy copy of its values, made on the
+    array's device once the work queued on that device's current stream is done (for
+    calls that keep or send an array whole, such as federated updates). Another
+    library's CUDA array is a UsageError."""
+    if is_device_array(x):
+        with x.device:
+            return x.get()
+    _refuse_foreign(x)
+    return x
 
 
 def _cupy() -> Any:
