@@ -24,6 +24,7 @@ import logging
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from p2pdist.errors import UsageError
 from p2pdist.identity import ID_LEN, EndpointId
@@ -43,7 +44,7 @@ from p2pdist.wire.relay import (
     parse_http_head,
     upgrade_response,
 )
-from p2pdist.wire.websocket import Opcode, WebSocketError, WebSocketReader
+from p2pdist.wire.websocket import Opcode, WebSocketError, WebSocketReader, echo_code
 from p2pdist.wire.websocket import frame as ws_frame
 from p2pdist.wire.websocket import header as ws_header
 
@@ -142,9 +143,16 @@ def forwarded_ip(header: str) -> str | None:
     valid one."""
     last = header.rsplit(",", 1)[-1].strip()
     if last.startswith("["):
-        last = last[1:].split("]", 1)[0]
+        inside, bracket, port = last[1:].partition("]")
+        if not bracket or (port and not (port[0] == ":" and port[1:].isdigit())):
+            return None
+        last = inside
     elif last.count(":") == 1:
-        last = last.split(":", 1)[0]
+        last, _, port = last.partition(":")
+        if not port.isdigit():
+            return None
+    if "%" in last:  # a zone id names an interface of the proxy's host, not a client
+        return None
     try:
         addr = ipaddress.ip_address(last)
     except ValueError:
@@ -330,24 +338,52 @@ class RelayCore:
         """Count ``s`` as waiting (against its ``source``'s cap too, unless None). Over
         a cap, the oldest waiting connection makes room if it has waited
         :data:`EVICT_AFTER`; otherwise ``s`` itself is refused (503)."""
-        caps = (
-            (
-                None if source is None else self._waiting_by_source.get(source),
-                self.config.max_unauthenticated_per_ip,
-                "max_unauthenticated_per_ip",
-            ),
-            (self._waiting, self.max_unauthenticated, "max_unauthenticated"),
-        )
-        for waiting, cap, reason in caps:
-            while waiting and len(waiting) >= cap:
-                oldest = next(iter(waiting))
-                if now - oldest.opened_at < EVICT_AFTER:
-                    self._refuse_storm(s, reason)
-                    return
-                self._evict(oldest, reason, now)
+        if source is not None and not self._room(
+            s,
+            self._waiting_by_source.get(source),
+            self.config.max_unauthenticated_per_ip,
+            "max_unauthenticated_per_ip",
+            now,
+        ):
+            return
+        if not self._room(s, self._waiting, self.max_unauthenticated, "max_unauthenticated", now):
+            return
         self._waiting[s] = source
         if source is not None:
             self._waiting_by_source.setdefault(source, {})[s] = None
+
+    def _room(
+        self,
+        s: Session,
+        waiting: dict[Session, Any] | None,
+        cap: int,
+        reason: str,
+        now: float,
+    ) -> bool:
+        """Make room for ``s`` among ``waiting`` (oldest first) under ``cap``: evict the
+        oldest while it has waited :data:`EVICT_AFTER`; else refuse ``s`` (False)."""
+        while waiting and len(waiting) >= cap:
+            oldest = next(iter(waiting))
+            if now - oldest.opened_at < EVICT_AFTER:
+                self._refuse_storm(s, reason)
+                return False
+            self._evict(oldest, reason, now)
+        return True
+
+    def _admit_source(self, s: Session, source: str, now: float) -> None:
+        """A waiting proxied session's address is known: count it against ``source``'s
+        cap from now on (by the rule of :meth:`_admit`), keeping its place, by age, among
+        the waiting connections."""
+        mine = self._waiting_by_source.get(source)
+        if not self._room(
+            s, mine, self.config.max_unauthenticated_per_ip, "max_unauthenticated_per_ip", now
+        ):
+            return
+        self._waiting[s] = source  # an existing key: its place is kept
+        mine = self._waiting_by_source.setdefault(source, {})
+        mine[s] = None
+        if any(other.opened_at > s.opened_at for other in mine):  # oldest first, as all
+            self._waiting_by_source[source] = dict.fromkeys(sorted(mine, key=lambda w: w.opened_at))
 
     def evict_for_socket(self, now: float) -> Link | None:
         """The socket budget is spent and a new connection came: forget the oldest
@@ -546,8 +582,7 @@ class RelayCore:
             return
         s.observed = ip
         s.source = source_of(ip)
-        self._stop_waiting(s)
-        self._admit(s, s.source, now)
+        self._admit_source(s, s.source, now)
 
     # ---- frames -----------------------------------------------------------------------
 
@@ -575,7 +610,7 @@ class RelayCore:
             elif event.opcode is Opcode.PING:
                 pong = event.payload
             elif event.opcode is Opcode.CLOSE:
-                code = bytes(event.payload[:2]) if len(event.payload) >= 2 else b"\x03\xe8"
+                code = echo_code(event.payload)
                 self._close(s, "disconnect", quiet=s.phase is not Phase.ACTIVE, close_code=code)
             if _closed(s):
                 return
@@ -729,8 +764,13 @@ class RelayCore:
 
     def _refuse(self, s: Session, refusal: Refusal, **fields: object) -> None:
         self.metrics.auth_failures[refusal.reason] += 1
+        busy = refusal in (RELAY_FULL, PER_IP_FULL, AUTH_TIMEOUT, SHUTTING_DOWN)
         self._close(
-            s, "auth_failed", error=refusal.message, fields={"reason": refusal.reason, **fields}
+            s,
+            "auth_failed",
+            error=refusal.message,
+            fields={"reason": refusal.reason, **fields},
+            close_code=b"\x03\xf5" if busy else b"",  # 1013 try again later
         )
 
     def _close(

@@ -114,7 +114,7 @@ async def http_get(
     async with asyncio.timeout(timeout):
         reader, writer, _ = await _tls_open(u, cafile, timeout, verify=verify)
         try:
-            writer.write(f"GET {path} HTTP/1.1\r\nHost: {u.host}\r\n\r\n".encode())
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: {u.authority}\r\n\r\n".encode())
             raw = await reader.read()
         finally:
             writer.close()
@@ -155,7 +155,7 @@ class RelayTestClient:
         u = RelayUrl.parse(url)
         reader, writer, der = await _tls_open(u, cafile, timeout)
         try:
-            writer.write(upgrade_request(u.host))
+            writer.write(upgrade_request(u.authority))
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
             if not head.startswith(b"HTTP/1.1 101 "):
                 raise RelayRefused(head.decode("latin-1").split("\r\n", 1)[0])

@@ -15,6 +15,7 @@ import struct
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -44,6 +45,7 @@ from p2pdist.wire.websocket import (
     accept_for,
     client_key,
     close_frame,
+    echo_code,
     frame,
     mask,
     valid_key,
@@ -671,3 +673,79 @@ async def test_a_relay_from_before_websocket_framing_gets_the_bare_upgrade(
             assert path.status.connects == 1 and srv.core.metrics.http_requests_total == 1
         finally:
             await bounded(path.close(), "close()")
+
+
+async def test_only_an_old_relays_answer_switches_to_the_bare_upgrade_and_only_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import relay.state as relay_state
+
+    seen: list[str] = []
+    answers = iter(
+        [
+            (429, "slow down\n"),  # not an old relay's answer: the next is WebSocket again
+            (400, "expected Upgrade: p2pdist-relay\n"),  # an old relay's: bare next
+            (502, "bad gateway\n"),  # the bare probe failed: WebSocket again
+        ]
+    )
+    real = relay_state.route
+
+    def route(head: Any, metrics: Any) -> Any:
+        seen.append(head.header("upgrade"))
+        answer = next(answers, None)
+        if answer is None:
+            return real(head, metrics)
+        from relay.http import HttpDecision, response
+
+        return HttpDecision(False, answer[0], response(answer[0], answer[1]))
+
+    monkeypatch.setattr(relay_state, "route", route)
+    config = ServerConfig(host="127.0.0.1", port=0, stun_port=0)
+    async with RelayServer(config) as srv:
+        path = RelayPath(
+            KEYS[0], srv.url, config=RelayConfig(backoff_initial=0.05, backoff_max=0.1)
+        )
+        try:
+            await path.wait_connected(10)
+        finally:
+            await bounded(path.close(), "close()")
+    assert seen == ["websocket", "websocket", "p2pdist-relay", "websocket"]
+
+
+def test_a_proxied_session_keeps_its_age_when_its_address_is_read() -> None:
+    c = core(max_unauthenticated=2)
+    a_link, b_link = WsLink(), FakeLink()
+    a = c.open(a_link, ("127.0.0.1", 1), 0.0, proxied=True)  # the proxy's connection
+    c.open(b_link, ("192.0.2.1", 2), 4.5)
+    request = upgrade_request("relay.test", None, client_key())[:-2]
+    c.receive(a, request + b"X-Forwarded-For: 198.51.100.9\r\n\r\n", 5.0)
+    assert a.phase is Phase.AUTH
+    c.open(FakeLink(), ("192.0.2.2", 3), 5.0)  # over the cap: a, waiting 5 s, makes room
+    assert a_link.closed and not b_link.closed
+    assert c.metrics.evicted["max_unauthenticated"] == 1
+
+
+@pytest.mark.parametrize(
+    ("payload", "echo"),
+    [
+        (b"", b"\x03\xe8"),
+        (b"\x03", b"\x03\xea"),
+        (b"\x03\xe9going away", b"\x03\xe9"),
+        (b"\x03\xed", b"\x03\xea"),  # 1005 must not be sent
+        (b"\x0f\xa0", b"\x0f\xa0"),  # 4000: an application's code
+    ],
+)
+def test_close_codes_echoed(payload: bytes, echo: bytes) -> None:
+    assert echo_code(payload) == echo
+
+
+async def test_the_client_says_close_after_a_reconnect() -> None:
+    proto, sink = _session_after_101()
+    proto.dispatch_to(lambda f: 0.5 if f[0] is T.RECONNECT else None)
+    data = frame(encode_frame(T.RECONNECT, b"\x80"), masked=False)
+    buf = proto.get_buffer(len(data))
+    buf[: len(data)] = data
+    proto.buffer_updated(len(data))
+    assert proto.done.result() == 0.5
+    [event] = WebSocketReader(masked=True).feed(bytes(sink.data))
+    assert (event.opcode, event.payload) == (Opcode.CLOSE, b"\x03\xe8") and sink.closed

@@ -263,8 +263,9 @@ class RelayPath:
         self._outbox_count = 0
         self._cert_hash = b""
         self._bare_upgrade = False
-        """Whether sessions ask for the bare ``Upgrade: p2pdist-relay`` (after a relay
-        refused the WebSocket handshake; flipped back when it refuses the bare one)."""
+        """Whether the next session asks for the bare ``Upgrade: p2pdist-relay``: after
+        a 400 or 426 to the WebSocket handshake (an older relay), once; kept while the
+        bare form gets its 101, dropped as soon as an attempt with it fails before."""
 
     # ---- public -------------------------------------------------------------------
 
@@ -493,20 +494,22 @@ class RelayPath:
 
     async def _handshake(self, proto: RelaySessionProtocol, writer: asyncio.Transport) -> float:
         """Upgrade and authenticate; returns the keepalive interval."""
-        if self._bare_upgrade:
+        bare = self._bare_upgrade
+        if bare:
             proto.websocket_key = None
+            # A one-off probe for a relay from before WebSocket framing: unless it gets
+            # a 101, the next attempt is a WebSocket handshake again.
+            self._bare_upgrade = False
         writer.write(upgrade_request(self.url.authority, proto.records_secret, proto.websocket_key))
         answer = await proto.upgrade_answer()
         if not proto.upgraded:
             status = " ".join(answer.start_line)
-            if answer.start_line[1:2] and answer.start_line[1].startswith("4"):
-                # A relay from before WebSocket framing answers the WebSocket handshake
-                # 400 (and a proxy that passes only WebSockets the bare one 403 or 400):
-                # the next attempt asks the other way.
-                self._bare_upgrade = not self._bare_upgrade
-                form = "the bare upgrade" if self._bare_upgrade else "a WebSocket upgrade"
-                status += f"; trying {form} next"
+            if not bare and answer.start_line[1:2] in (["400"], ["426"]):
+                # What a relay from before WebSocket framing answers the handshake.
+                self._bare_upgrade = True
+                status += "; trying the bare upgrade next, as an older relay may want"
             raise RelayProtocolError(f"relay refused the upgrade: {status}")
+        self._bare_upgrade = bare  # the form that worked, kept for the next sessions
         writer = proto.writer
         kind, _, body = await proto.next_frame()
         if kind is not RelayFrameType.CHALLENGE or len(body) != 33 or body[0] != 1:

@@ -41,6 +41,7 @@ from ..wire.websocket import (
     accept_for,
     client_key,
     close_frame,
+    echo_code,
 )
 from ..wire.websocket import (
     frame as ws_frame,
@@ -55,6 +56,8 @@ FrameHandler = Callable[[RelayFrame], float | None]
 
 _HEAD_READ = 4096
 _WEBSOCKET_READ = 256 * 1024
+_CLOSE_GRACE = 2.0
+"""Seconds a session we close gently may take to flush before it is aborted."""
 
 
 class WebSocketTransport(asyncio.Transport):
@@ -290,7 +293,7 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
             elif event.opcode is Opcode.CLOSE:
                 # Echo it (then the connection closes, not aborts: see _end); what came
                 # before it counts first (an ERROR or RECONNECT says why).
-                self._ws_writer.write_control(Opcode.CLOSE, event.payload[:2])
+                self._ws_writer.write_control(Opcode.CLOSE, echo_code(event.payload))
                 self._ws_closed = True
                 raise RelayProtocolError("the relay closed the WebSocket", frames)
         return frames
@@ -323,11 +326,17 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
             else:
                 self.done.set_exception(error)
         self._wake()
-        if close and self.transport is not None and not self.transport.is_closing():
-            if error is None or self._ws_closed:
-                self.transport.close()
+        transport = self.transport
+        if close and transport is not None and not transport.is_closing():
+            if error is not None and not self._ws_closed:
+                transport.abort()
+                return
+            if self._ws_writer is not None and not self._ws_closed:
+                self._ws_writer.close()  # we end it: CLOSE 1000 first
             else:
-                self.transport.abort()
+                transport.close()
+            # A peer that stops reading must not hold the connection open for ever.
+            self._loop.call_later(_CLOSE_GRACE, transport.abort)
 
     def _wake(self) -> None:
         w, self._waiter = self._waiter, None

@@ -36,6 +36,7 @@ __all__ = [
     "accept_for",
     "client_key",
     "close_frame",
+    "echo_code",
     "frame",
     "header",
     "mask",
@@ -133,6 +134,19 @@ def frame(
     out = bytearray(_header(opcode, len(payload), key))
     out += mask(payload, key)
     return bytes(out)
+
+
+def echo_code(payload: bytes | bytearray) -> bytes:
+    """The status code to answer a CLOSE with (RFC 6455 5.5.1, 7.4): its own code when
+    it is one an endpoint may send, 1000 for a CLOSE without one, 1002 otherwise (a
+    one-byte body, or a code reserved for local use such as 1005/1006/1015)."""
+    if not payload:
+        return b"\x03\xe8"
+    if len(payload) >= 2:
+        code = int.from_bytes(payload[:2], "big")
+        if 1000 <= code <= 1003 or 1007 <= code <= 1011 or 3000 <= code <= 4999:
+            return bytes(payload[:2])
+    return b"\x03\xea"
 
 
 def close_frame(code: int = 1000, reason: str = "", *, masked: bool) -> bytes:
