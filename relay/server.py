@@ -81,6 +81,9 @@ ACCEPT_ERROR_INTERVAL = 5.0
 """At most one log line per this many seconds for :data:`ACCEPT_ERROR`."""
 FD_WARN_INTERVAL = 5.0
 
+CERT_CHECK_INTERVAL = 5.0
+"""Seconds between looks (a stat each) at the certificate files in certificate mode: a
+renewed certificate is taken up within this, without a SIGHUP."""
 SCRATCH_SIZE = 256 * 1024
 """The receive buffer all client connections share: plaintext handed over per read."""
 CIPHER_SCRATCH_SIZE = 256 * 1024
@@ -356,6 +359,9 @@ class RelayServer:
         self._stun: asyncio.DatagramTransport | None = None
         self._stun_alt: asyncio.DatagramTransport | None = None
         self._tick: asyncio.TimerHandle | None = None
+        self.cert_check_interval = CERT_CHECK_INTERVAL
+        """Seconds between looks at the certificate files (certificate mode)."""
+        self._cert_check_at = 0.0
         self._closed = False
         self.port = 0
         self.http_port = 0
@@ -649,8 +655,14 @@ class RelayServer:
         self._tick = asyncio.get_running_loop().call_later(interval, self._on_tick)
 
     def _on_tick(self) -> None:
+        now = asyncio.get_running_loop().time()
         try:
-            self.core.tick(asyncio.get_running_loop().time())
+            self.core.tick(now)
+            if self.tls is not None and now >= self._cert_check_at:
+                self._cert_check_at = now + self.cert_check_interval
+                if self.tls.files_changed():  # a renewal (certbot, Caddy, a cron job)
+                    log.info(kv("certificate_files_changed", path=self.tls.cert_path))
+                    self._reload_certificate(now)
         except Exception:  # pragma: no cover - a bug must not stop the timeouts
             log.exception(kv("tick_failed"))
         if not self._closed:
@@ -661,6 +673,11 @@ class RelayServer:
         log.info(kv("reload"))
         now = asyncio.get_running_loop().time()
         self.core.access.reload(now)
+        self._reload_certificate(now)
+
+    def _reload_certificate(self, now: float) -> None:
+        """Re-read the certificate files (certificate mode); when the certificate changed,
+        AUTH binds to the new one (and, for a grace, to the old one)."""
         if self.tls is not None and self.tls.reload():
             # The old certificate's fingerprint only for connections that handshook
             # with it: a handshake (up to auth_timeout), then AUTH (auth_timeout again).

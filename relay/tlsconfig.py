@@ -139,6 +139,8 @@ class RelayTls:
     """A real certificate's names (subjectAltName DNS names and IP addresses)."""
     _serving: ssl.SSLContext | None = field(default=None, repr=False)
     """The context new handshakes are switched to (None: ``context`` itself)."""
+    _files_seen: tuple[object, ...] = field(default=(), repr=False)
+    """The certificate and key files' stat signatures when they were last read."""
 
     @classmethod
     def pinned(cls, key: SecretKey) -> RelayTls:
@@ -154,10 +156,26 @@ class RelayTls:
         """A real certificate chain (PEM) and its private key (PEM); ConfigError when the
         key file is accessible by group or others, as for ``--key``."""
         ctx = _server_context()
+        seen = _signature(cert_path, key_path)  # before reading: a change meanwhile shows
         chain_pem, key_pem, der = _read_pair(cert_path, key_path)
         _load_chain(ctx, chain_pem, key_pem, cert_path, key_path)
         names = certificate_names(der)
-        return cls(ctx, cert_fingerprint(der), cert_path=cert_path, key_path=key_path, names=names)
+        return cls(
+            ctx,
+            cert_fingerprint(der),
+            cert_path=cert_path,
+            key_path=key_path,
+            names=names,
+            _files_seen=seen,
+        )
+
+    def files_changed(self) -> bool:
+        """Certificate mode: whether the certificate or key file changed (modification
+        time, size or inode, so a renewal that swaps a symlink counts) since they were
+        last read. Only stats the files."""
+        if self.cert_path is None or self.key_path is None:
+            return False
+        return _signature(self.cert_path, self.key_path) != self._files_seen
 
     def covers(self, host: str) -> bool:
         """Whether clients that check host names accept this certificate for ``host``
@@ -193,6 +211,7 @@ class RelayTls:
         (whatever its key type: see the module doc)."""
         if self.cert_path is None or self.key_path is None:
             return False
+        self._files_seen = _signature(self.cert_path, self.key_path)
         try:
             chain_pem, key_pem, der = _read_pair(self.cert_path, self.key_path)
             fresh = _server_context()
@@ -214,6 +233,20 @@ class RelayTls:
         """``sni_callback`` of the listener's context: serve the certificate loaded last."""
         if self._serving is not None:
             conn.context = self._serving
+
+
+def _signature(*paths: Path) -> tuple[object, ...]:
+    """(mtime, size, inode) of each file, following symlinks; None for one that cannot
+    be stat'ed."""
+    out: list[object] = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            out.append(None)
+            continue
+        out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+    return tuple(out)
 
 
 def _read_pair(cert_path: Path, key_path: Path) -> tuple[bytes, bytes, bytes]:

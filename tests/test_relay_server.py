@@ -246,6 +246,36 @@ async def test_real_certificate_mode(tmp_path: Path) -> None:
         await c.close()
 
 
+async def test_a_renewed_certificate_is_taken_up_without_a_signal(tmp_path: Path) -> None:
+    cert, key = _certificate(tmp_path)
+    async with running(cert=cert, cert_key=key) as srv:
+        srv.cert_check_interval = 0.05
+        assert srv.tls is not None
+        old = srv.tls.fingerprint
+        a = await joined(srv.url, A, cafile=str(cert))
+        renewed = tmp_path / "renewed"
+        renewed.mkdir()
+        new_cert, new_key = _certificate(renewed)
+        (tmp_path / "old-ca.pem").write_bytes(cert.read_bytes())
+        new_key.replace(key)  # as certbot does: new files in place, no SIGHUP
+        new_cert.replace(cert)
+        await eventually(_async_true(lambda: srv.tls is not None and srv.tls.fingerprint != old))
+        b = await joined(srv.url, B, cafile=str(cert))  # the new certificate, trusted anew
+        with pytest.raises(ssl.SSLCertVerificationError):  # the old CA no longer matches
+            await RelayTestClient.open(srv.url, cafile=str(tmp_path / "old-ca.pem"))
+        a.send(B.endpoint_id, b"across the renewal")
+        assert await b.recv() == (bytes(A.endpoint_id), b"across the renewal")
+        await a.close()
+        await b.close()
+
+
+def _async_true(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    async def run() -> bool:
+        return check()
+
+    return run
+
+
 # ---- access control -----------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from relay_helpers import memory_handshake, self_signed_pem
 
+from p2pdist.identity import SecretKey
 from relay.config import ConfigError
 from relay.tlsconfig import RelayTls
 
@@ -75,6 +76,21 @@ def test_a_good_reload_switches_the_certificate_and_the_fingerprint(
     assert tls.reload() is True
     assert tls.fingerprint == _fingerprint(b_crt) == served_certificate(tls.context)
     assert tls.fingerprints == (_fingerprint(b_crt), _fingerprint(a_crt))
+
+
+def test_changed_files_are_noticed_by_stat_until_read_again(files: tuple[Path, Path]) -> None:
+    (a_crt, a_key), (b_crt, b_key) = self_signed_pem("a"), self_signed_pem("b")
+    crt, key = files
+    crt.write_bytes(a_crt)
+    key.write_bytes(a_key)
+    tls = RelayTls.from_files(crt, key)
+    assert not tls.files_changed()
+    crt.write_bytes(b_crt)  # half a renewal: noticed, refused, not retried until...
+    assert tls.files_changed() and tls.reload() is False and not tls.files_changed()
+    key.write_bytes(b_key)  # ...the key follows
+    assert tls.files_changed() and tls.reload() is True and not tls.files_changed()
+    assert tls.fingerprint == _fingerprint(b_crt)
+    assert not RelayTls.pinned(SecretKey.generate()).files_changed()
 
 
 def test_a_mismatched_pair_is_refused_at_start(files: tuple[Path, Path]) -> None:
