@@ -53,6 +53,15 @@ class RelayConfig:
             "NAME",
         ),
     )
+    public_port: int | None = field(
+        default=None,
+        metadata=_doc(
+            "port put in the printed URL (default: the TLS port): the port clients dial "
+            "when it is not the relay's own, behind a port forward or a reverse proxy "
+            "(http-port; e.g. 443)",
+            "PORT",
+        ),
+    )
     stun_port: int | None = field(
         default=None,
         metadata=_doc(
@@ -280,12 +289,14 @@ def _validate(c: RelayConfig) -> None:
         except ValueError:
             raise ConfigError(
                 f"public-host {c.public_host!r} must not include a port: the URL carries "
-                "the relay's own port (behind a port forward, listen on the port clients dial)"
+                "the relay's own port, or public-port"
             ) from None
         if inner != c.public_host:
             raise ConfigError(f"public-host: give an IPv6 address without brackets ({inner})")
         if "%" in inner:
             raise ConfigError(f"public-host {inner!r}: clients take no IPv6 zone id")
+    if c.public_port is not None and not 1 <= c.public_port <= 65535:
+        raise ConfigError(f"public-port must be a port number 1..65535, got {c.public_port}")
     _port("http-port", c.http_port)
     if c.http_port is not None:
         if c.cert is None:

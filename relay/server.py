@@ -487,7 +487,7 @@ class RelayServer:
         await self._server.start_serving()
         if self._http_server is not None:
             await self._http_server.start_serving()
-        self.url = str(RelayUrl(c.url_host(), self.port, self.tls.pin))
+        self.url = str(RelayUrl(c.url_host(), c.public_port or self.port, self.tls.pin))
         if not self.tls.covers(c.url_host()):
             log.warning(
                 kv(

@@ -342,6 +342,8 @@ def test_http_port_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="http-host must be an IP address"):
         ServerConfig(http_port=8080, http_host="proxy.local", cert=pem, cert_key=pem)
     assert ServerConfig(http_port=0, cert=pem, cert_key=pem).http_host == "127.0.0.1"
+    with pytest.raises(ConfigError, match=r"public-port must be a port number 1\.\.65535"):
+        ServerConfig(public_port=0)
 
 
 # ---- the real client ----------------------------------------------------------------------
@@ -484,8 +486,11 @@ def test_a_group_through_nginx_terminating_tls_in_front_of_the_relay(
         NGINX_CONF.format(tmp=tmp_path, port=port, cert=cert, key=key, http_port=http_port)
     )
     with RelayProcess(
-        tmp_path, "--cert", str(cert), "--cert-key", str(key), "--http-port", str(http_port)
-    ):
+        tmp_path,
+        *("--cert", str(cert), "--cert-key", str(key)),
+        *("--http-port", str(http_port), "--public-port", str(port)),
+    ) as relay:
+        assert relay.url == f"https://127.0.0.1:{port}/"  # the proxy's: what clients dial
         nginx = subprocess.Popen(
             [NGINX, "-c", str(conf), "-p", str(tmp_path), "-e", str(tmp_path / "nginx-error.log")],
             stdout=subprocess.DEVNULL,
@@ -494,7 +499,7 @@ def test_a_group_through_nginx_terminating_tls_in_front_of_the_relay(
         try:
             _wait_listening(port, nginx, tmp_path / "nginx-error.log")
             monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # trust the proxy's certificate
-            framings = asyncio.run(_group_through(f"https://127.0.0.1:{port}/"))
+            framings = asyncio.run(_group_through(relay.url))
             # The relay saw each client's address in X-Forwarded-For (no port: nginx's
             # peer port would follow a colon).
             assert framings == ["websocket 127.0.0.1"] * 3
