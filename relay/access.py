@@ -32,7 +32,7 @@ __all__ = ["AccessPolicy", "Allowlist", "AllowlistError", "Refusal", "parse_allo
 log = logging.getLogger(__name__)
 
 
-_MISSING = (-1, -1, -1)
+_MISSING: tuple[int, ...] = (-1,)
 """The signature remembered for a file that cannot even be stat'ed."""
 
 
@@ -73,23 +73,24 @@ class Allowlist:
         self.path = path
         self._interval = check_interval
         self._ids: frozenset[bytes] = frozenset()
-        self._signature: tuple[int, int, int] | None = None
-        self._failed: tuple[int, int, int] | None = None
+        self._signature: tuple[int, ...] | None = None
+        self._failed: tuple[int, ...] | None = None
         self._checked: float | None = None
         self._load(self._stat())  # at start-up a bad file is an error, not a warning
 
     def _unreadable(self, exc: Exception) -> AllowlistError:
         return AllowlistError(f"cannot read allowlist {self.path}: {exc}")
 
-    def _stat(self) -> tuple[int, int, int]:
-        """The file's (mtime, size, inode); AllowlistError when it cannot be stat'ed."""
+    def _stat(self) -> tuple[int, ...]:
+        """The file's (mtime, ctime, size, inode, device): a chmod that makes it readable
+        counts as a change; AllowlistError when it cannot be stat'ed."""
         try:
             st = os.stat(self.path)
         except OSError as exc:
             raise self._unreadable(exc) from None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
+        return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_dev)
 
-    def _load(self, signature: tuple[int, int, int]) -> None:
+    def _load(self, signature: tuple[int, ...]) -> None:
         """Read and parse the file whose stat was ``signature`` (taken before reading, so
         a change during the read shows as a changed file at the next check)."""
         try:

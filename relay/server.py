@@ -81,6 +81,9 @@ ACCEPT_ERROR_INTERVAL = 5.0
 """At most one log line per this many seconds for :data:`ACCEPT_ERROR`."""
 FD_WARN_INTERVAL = 5.0
 
+PROXY_CERT_GRACE = 3600.0
+"""With an http-port, seconds after a reload during which AUTH bound to the previous
+certificate is still accepted: the reverse proxy may serve it until its own reload."""
 CERT_CHECK_INTERVAL = 5.0
 """Seconds between looks (a stat each) at the certificate files in certificate mode: a
 renewed certificate is taken up within this, without a SIGHUP."""
@@ -484,6 +487,8 @@ class RelayServer:
             stun_ports=self.stun_ports,
         )
         self._core = RelayCore(core_cfg, self.tls.fingerprints, access, metrics)
+        if self.tls.cert_path is not None:
+            self._core.refresh_certificate = self.check_certificate_files
         await self._server.start_serving()
         if self._http_server is not None:
             await self._http_server.start_serving()
@@ -658,13 +663,14 @@ class RelayServer:
         now = asyncio.get_running_loop().time()
         try:
             self.core.tick(now)
-            if self.tls is not None and now >= self._cert_check_at:
-                self._cert_check_at = now + self.cert_check_interval
-                if self.tls.files_changed():  # a renewal (certbot, Caddy, a cron job)
-                    log.info(kv("certificate_files_changed", path=self.tls.cert_path))
-                    self._reload_certificate(now)
         except Exception:  # pragma: no cover - a bug must not stop the timeouts
             log.exception(kv("tick_failed"))
+        try:
+            if now >= self._cert_check_at:
+                self._cert_check_at = now + self.cert_check_interval
+                self.check_certificate_files(now)
+        except Exception:  # pragma: no cover - nor the certificate checks
+            log.exception(kv("certificate_check_failed"))
         if not self._closed:
             self._schedule_tick()
 
@@ -675,20 +681,36 @@ class RelayServer:
         self.core.access.reload(now)
         self._reload_certificate(now)
 
-    def _reload_certificate(self, now: float) -> None:
+    def check_certificate_files(self, now: float) -> bool:
+        """Certificate mode: reload the files if they changed (a renewal by certbot,
+        Caddy, a cron job); True when the certificate did. The core also asks right
+        before it refuses a proof as a bad signature (at most once a second), so a
+        client of a proxy that renewed first is not refused for the poll's delay."""
+        if self.tls is None or not self.tls.files_changed():
+            return False
+        log.info(kv("certificate_files_changed", path=self.tls.cert_path))
+        return self._reload_certificate(now)
+
+    def _reload_certificate(self, now: float) -> bool:
         """Re-read the certificate files (certificate mode); when the certificate changed,
-        AUTH binds to the new one (and, for a grace, to the old one)."""
-        if self.tls is not None and self.tls.reload():
-            # The old certificate's fingerprint only for connections that handshook
-            # with it: a handshake (up to auth_timeout), then AUTH (auth_timeout again).
-            self.core.set_cert_fingerprints(
-                (self.tls.fingerprint,), self.tls.previous, now + self.previous_cert_grace
-            )
+        AUTH binds to the new one (and, for a grace, to the old one); True then."""
+        if self.tls is None or not self.tls.reload():
+            return False
+        # The old certificate's fingerprint only for connections that handshook with it:
+        # a handshake (up to auth_timeout), then AUTH (auth_timeout again); behind a
+        # reverse proxy, also for as long as the proxy may go on serving it.
+        self.core.set_cert_fingerprints(
+            (self.tls.fingerprint,), self.tls.previous, now + self.previous_cert_grace
+        )
+        return True
 
     @property
     def previous_cert_grace(self) -> float:
         """Seconds after a certificate reload during which AUTH bound to the previous
-        certificate is still accepted."""
+        certificate is still accepted: 2 x auth-timeout, or with an http-port
+        :data:`PROXY_CERT_GRACE` (the proxy in front reloads on its own schedule)."""
+        if self.config.http_port is not None:
+            return max(PROXY_CERT_GRACE, 2 * self.config.auth_timeout)
         return 2 * self.config.auth_timeout
 
     def connection_gone(self, conn: _ClientConnection) -> None:

@@ -66,6 +66,8 @@ MAX_AUTH_BODY = ID_LEN + SIG_LEN + MAX_TOKEN_BYTES
 """The largest valid AUTH body; a longer frame before authentication is refused from
 its header alone, so an unauthenticated connection never buffers more than this."""
 REPLACED = "replaced by a newer connection from the same endpoint"
+REFRESH_EVERY = 1.0
+"""Seconds between looks at the certificate files that a bad signature may cause."""
 WS_BEFORE_AUTH = MAX_AUTH_BODY + 1024
 """The most WebSocket bytes a client may send before it is authenticated: one AUTH
 frame and framing around it (a session that may still send nothing else must not
@@ -215,6 +217,10 @@ class RelayCore:
         (at most ``max_clients``), so reconnecting does not refill a bucket."""
         self._dirty: list[Session] = []
         self._warned_forwarded = False
+        self.refresh_certificate: Callable[[float], bool] | None = None
+        """Set by the glue in certificate mode: reloads changed certificate files (and
+        calls :meth:`set_cert_fingerprints`), True when the certificate changed."""
+        self._refreshed_at = -REFRESH_EVERY
         self._next_id = 0
         self._closing = False
 
@@ -675,10 +681,7 @@ class RelayCore:
         except UsageError:
             self._refuse(s, BAD_SIGNATURE)
             return
-        if not any(
-            eid.verify(sig, auth_message(fp, s.challenge, raw_id))
-            for fp in self.cert_fingerprints(now)
-        ):
+        if not self._proof_holds(eid, sig, s.challenge, raw_id, now):
             self._refuse(s, BAD_SIGNATURE, claimed=eid.short())
             return
         refusal = self.access.check(raw_id, token, now)
@@ -716,6 +719,26 @@ class RelayCore:
         self.metrics.auth_ok_total += 1
         self._queue(s, encode_frame(RelayFrameType.AUTH_OK, self._auth_ok_body(s)))
         log.info(kv("auth_ok", conn=s.label, peer=s.observed, clients=len(self._clients)))
+
+    def _proof_holds(
+        self, eid: EndpointId, sig: bytes, challenge: bytes, raw_id: bytes, now: float
+    ) -> bool:
+        """Whether ``sig`` proves ``eid`` bound to a certificate AUTH may name; before a
+        no, the glue may look at the certificate files once a second (a renewal that
+        the proxy in front took up before the relay's own poll)."""
+        for attempt in range(2):
+            if any(
+                eid.verify(sig, auth_message(fp, challenge, raw_id))
+                for fp in self.cert_fingerprints(now)
+            ):
+                return True
+            hook = self.refresh_certificate
+            if attempt or hook is None or now - self._refreshed_at < REFRESH_EVERY:
+                return False
+            self._refreshed_at = now
+            if not hook(now):
+                return False
+        return False
 
     def _auth_ok_body(self, s: Session) -> bytes:
         c = self.config

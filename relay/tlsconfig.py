@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import ipaddress
 import logging
 import os
@@ -141,6 +142,8 @@ class RelayTls:
     """The context new handshakes are switched to (None: ``context`` itself)."""
     _files_seen: tuple[object, ...] = field(default=(), repr=False)
     """The certificate and key files' stat signatures when they were last read."""
+    _loaded: bytes = field(default=b"", repr=False)
+    """SHA-256 of the chain and key bytes in use (certificate mode)."""
 
     @classmethod
     def pinned(cls, key: SecretKey) -> RelayTls:
@@ -158,6 +161,7 @@ class RelayTls:
         ctx = _server_context()
         seen = _signature(cert_path, key_path)  # before reading: a change meanwhile shows
         chain_pem, key_pem, der = _read_pair(cert_path, key_path)
+        loaded = hashlib.sha256(chain_pem + b"\0" + key_pem).digest()
         _load_chain(ctx, chain_pem, key_pem, cert_path, key_path)
         names = certificate_names(der)
         return cls(
@@ -167,6 +171,7 @@ class RelayTls:
             key_path=key_path,
             names=names,
             _files_seen=seen,
+            _loaded=loaded,
         )
 
     def files_changed(self) -> bool:
@@ -220,10 +225,15 @@ class RelayTls:
             log.error(kv("certificate_reload_failed", error=exc))
             return False
         fp = cert_fingerprint(der)
-        if fp == self.fingerprint:
+        loaded = hashlib.sha256(chain_pem + b"\0" + key_pem).digest()
+        if loaded == self._loaded:
             return False
-        self._serving = fresh
+        self._loaded = loaded
+        self._serving = fresh  # a new chain or key for the same leaf is served too
         self.context.sni_callback = self._hand_over
+        if fp == self.fingerprint:
+            log.info(kv("certificate_chain_reloaded", path=self.cert_path))
+            return False
         self.previous = (self.fingerprint,)
         self.fingerprint = fp
         log.info(kv("certificate_reloaded", path=self.cert_path))
@@ -236,8 +246,9 @@ class RelayTls:
 
 
 def _signature(*paths: Path) -> tuple[object, ...]:
-    """(mtime, size, inode) of each file, following symlinks; None for one that cannot
-    be stat'ed."""
+    """(mtime, ctime, size, inode, device) of each file, following symlinks (ctime: a
+    chmod or chown that fixes a refused key counts too); None for one that cannot be
+    stat'ed."""
     out: list[object] = []
     for path in paths:
         try:
@@ -245,7 +256,7 @@ def _signature(*paths: Path) -> tuple[object, ...]:
         except OSError:
             out.append(None)
             continue
-        out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        out.append((st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_dev))
     return tuple(out)
 
 

@@ -634,3 +634,27 @@ def test_url_host() -> None:
 def test_endpoint_ids_in_fixture_are_distinct() -> None:
     assert len({A.endpoint_id, B.endpoint_id, C.endpoint_id}) == 3
     assert isinstance(A.endpoint_id, EndpointId)
+
+
+def test_a_bad_signature_first_looks_at_the_certificate_files_once_a_second() -> None:
+    renewed = bytes(range(1, 33))
+    c = core()
+    looks: list[float] = []
+
+    def refresh(now: float) -> bool:
+        looks.append(now)
+        if len(looks) == 1:
+            c.set_cert_fingerprints([renewed], [FP], now + 20)
+            return True
+        return False
+
+    c.refresh_certificate = refresh
+    s, link = upgrade(c, 5.0)
+    c.receive(s, auth_frame(A, fp=renewed), 5.0)  # the proxy renewed before the relay
+    assert only(link)[0] is T.AUTH_OK and looks == [5.0]
+    s, link = upgrade(c, 5.5)
+    c.receive(s, auth_frame(B, fp=bytes(32)), 5.5)  # within the second: no second look
+    assert only(link) == (T.ERROR, b"bad signature") and looks == [5.0]
+    s, link = upgrade(c, 6.5)
+    c.receive(s, auth_frame(C, fp=bytes(32)), 6.5)
+    assert only(link) == (T.ERROR, b"bad signature") and looks == [5.0, 6.5]

@@ -62,14 +62,22 @@ def test_a_failed_reload_keeps_the_old_certificate_serving(files: tuple[Path, Pa
     assert served_certificate(tls.context) == _fingerprint(a_crt)
 
 
+def _serving_a(
+    files: tuple[Path, Path],
+) -> tuple[RelayTls, tuple[bytes, bytes], tuple[bytes, bytes]]:
+    """Certificate "a" loaded from ``files``, and the PEM pairs of "a" and "b"."""
+    a, b = self_signed_pem("a"), self_signed_pem("b")
+    crt, key = files
+    crt.write_bytes(a[0])
+    key.write_bytes(a[1])
+    return RelayTls.from_files(crt, key), a, b
+
+
 def test_a_good_reload_switches_the_certificate_and_the_fingerprint(
     files: tuple[Path, Path],
 ) -> None:
-    (a_crt, a_key), (b_crt, b_key) = self_signed_pem("a"), self_signed_pem("b")
+    tls, (a_crt, _a_key), (b_crt, b_key) = _serving_a(files)
     crt, key = files
-    crt.write_bytes(a_crt)
-    key.write_bytes(a_key)
-    tls = RelayTls.from_files(crt, key)
     assert tls.reload() is False  # unchanged files: nothing to do
     crt.write_bytes(b_crt)
     key.write_bytes(b_key)
@@ -79,11 +87,8 @@ def test_a_good_reload_switches_the_certificate_and_the_fingerprint(
 
 
 def test_changed_files_are_noticed_by_stat_until_read_again(files: tuple[Path, Path]) -> None:
-    (a_crt, a_key), (b_crt, b_key) = self_signed_pem("a"), self_signed_pem("b")
+    tls, (_a_crt, _a_key), (b_crt, b_key) = _serving_a(files)
     crt, key = files
-    crt.write_bytes(a_crt)
-    key.write_bytes(a_key)
-    tls = RelayTls.from_files(crt, key)
     assert not tls.files_changed()
     crt.write_bytes(b_crt)  # half a renewal: noticed, refused, not retried until...
     assert tls.files_changed() and tls.reload() is False and not tls.files_changed()
@@ -91,6 +96,24 @@ def test_changed_files_are_noticed_by_stat_until_read_again(files: tuple[Path, P
     assert tls.files_changed() and tls.reload() is True and not tls.files_changed()
     assert tls.fingerprint == _fingerprint(b_crt)
     assert not RelayTls.pinned(SecretKey.generate()).files_changed()
+
+
+def test_a_chmod_that_fixes_the_key_and_a_new_chain_for_the_same_leaf_are_taken_up(
+    files: tuple[Path, Path],
+) -> None:
+    tls, (a_crt, _a_key), (b_crt, b_key) = _serving_a(files)
+    crt, key = files
+    key.write_bytes(b_key)
+    key.chmod(0o644)  # a renewal that opened the key up: refused...
+    crt.write_bytes(b_crt)
+    assert tls.files_changed() and tls.reload() is False and not tls.files_changed()
+    key.chmod(0o600)  # ...and the fix alone (no new bytes) is noticed
+    assert tls.files_changed() and tls.reload() is True
+    serving = tls._serving
+    crt.write_bytes(b_crt + a_crt)  # the same leaf with another chain behind it
+    assert tls.files_changed() and tls.reload() is False  # the fingerprint stays...
+    assert tls._serving is not serving and tls.fingerprint == _fingerprint(b_crt)  # ...served
+    assert served_certificate(tls.context) == _fingerprint(b_crt)
 
 
 def test_a_mismatched_pair_is_refused_at_start(files: tuple[Path, Path]) -> None:

@@ -530,6 +530,7 @@ async def test_the_http_port_also_serves_raw_upgrades_bound_to_the_certificate(
     )
     async with RelayServer(config) as srv:
         assert srv.http_port
+        assert srv.previous_cert_grace == 3600.0  # the proxy reloads when it does
         reader, writer = await asyncio.open_connection("127.0.0.1", srv.http_port)
         try:
             writer.write(upgrade_request("r"))
