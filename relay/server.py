@@ -551,7 +551,6 @@ class RelayServer:
         """Bind the TCP port without accepting yet (``start_serving`` follows)."""
         c = self.config
         assert self.tls is not None
-        loop = asyncio.get_running_loop()
         host = c.host or None
         shared = memoryview(bytearray(CIPHER_SCRATCH_SIZE))
 
@@ -567,17 +566,19 @@ class RelayServer:
             )
             return conn.stream
 
+        return await self._bind(factory, host, c.port, f"{c.host}:{c.port}")
+
+    async def _bind(
+        self, factory: Callable[[], asyncio.BaseProtocol], host: str | None, port: int, what: str
+    ) -> asyncio.Server:
+        """A listening TCP server for ``factory``, not accepting yet; ConfigError naming
+        ``what`` when the port cannot be bound."""
         try:
-            return await loop.create_server(
-                factory,
-                host,
-                c.port,
-                backlog=self._backlog,
-                reuse_address=True,
-                start_serving=False,
+            return await asyncio.get_running_loop().create_server(
+                factory, host, port, backlog=self._backlog, reuse_address=True, start_serving=False
             )
         except OSError as exc:
-            raise ConfigError(f"cannot listen on {c.host}:{c.port}: {exc}") from None
+            raise ConfigError(f"cannot listen on {what}: {exc}") from None
 
     async def _listen_http(self) -> None:
         """Bind the plain HTTP port for a reverse proxy, if configured (not accepting
@@ -585,20 +586,12 @@ class RelayServer:
         c = self.config
         if c.http_port is None:
             return
-        loop = asyncio.get_running_loop()
-        try:
-            self._http_server = await loop.create_server(
-                lambda: _ClientConnection(self, proxied=True),
-                c.http_host,
-                c.http_port,
-                backlog=self._backlog,
-                reuse_address=True,
-                start_serving=False,
-            )
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot listen on {format_address(c.http_host, c.http_port)} (http-port): {exc}"
-            ) from None
+        self._http_server = await self._bind(
+            lambda: _ClientConnection(self, proxied=True),
+            c.http_host,
+            c.http_port,
+            f"{format_address(c.http_host, c.http_port)} (http-port)",
+        )
         self.http_port = int(self._http_server.sockets[0].getsockname()[1])
 
     @property

@@ -344,19 +344,13 @@ class RelayCore:
         """Count ``s`` as waiting (against its ``source``'s cap too, unless None). Over
         a cap, the oldest waiting connection makes room if it has waited
         :data:`EVICT_AFTER`; otherwise ``s`` itself is refused (503)."""
-        if source is not None and not self._room(
-            s,
-            self._waiting_by_source.get(source),
-            self.config.max_unauthenticated_per_ip,
-            "max_unauthenticated_per_ip",
-            now,
-        ):
+        if source is not None and not self._source_room(s, source, now):
             return
         if not self._room(s, self._waiting, self.max_unauthenticated, "max_unauthenticated", now):
             return
-        self._waiting[s] = source
+        self._waiting[s] = None
         if source is not None:
-            self._waiting_by_source.setdefault(source, {})[s] = None
+            self._count_source(s, source)
 
     def _room(
         self,
@@ -376,19 +370,23 @@ class RelayCore:
             self._evict(oldest, reason, now)
         return True
 
-    def _admit_source(self, s: Session, source: str, now: float) -> None:
-        """A waiting proxied session's address is known: count it against ``source``'s
-        cap from now on (by the rule of :meth:`_admit`), keeping its place, by age, among
-        the waiting connections."""
-        mine = self._waiting_by_source.get(source)
-        if not self._room(
-            s, mine, self.config.max_unauthenticated_per_ip, "max_unauthenticated_per_ip", now
-        ):
-            return
+    def _source_room(self, s: Session, source: str, now: float) -> bool:
+        """:meth:`_room` under ``max_unauthenticated_per_ip`` among ``source``'s."""
+        return self._room(
+            s,
+            self._waiting_by_source.get(source),
+            self.config.max_unauthenticated_per_ip,
+            "max_unauthenticated_per_ip",
+            now,
+        )
+
+    def _count_source(self, s: Session, source: str) -> None:
+        """``s`` (already waiting) counts against ``source``'s cap, in its place by age
+        among that source's (a proxied session learns its source after others came)."""
         self._waiting[s] = source  # an existing key: its place is kept
         mine = self._waiting_by_source.setdefault(source, {})
         mine[s] = None
-        if any(other.opened_at > s.opened_at for other in mine):  # oldest first, as all
+        if any(other.opened_at > s.opened_at for other in mine):
             self._waiting_by_source[source] = dict.fromkeys(sorted(mine, key=lambda w: w.opened_at))
 
     def evict_for_socket(self, now: float) -> Link | None:
@@ -550,7 +548,7 @@ class RelayCore:
         s.challenge = self._random(32)
         key = decision.websocket_key
         if offer is None:
-            self._queue(s, upgrade_response(websocket_key=key))
+            self._queue(s, decision.response)
             self._write_batch(s)  # the 101 is the last the client gets outside its frames
             s.link.secure(None)
             if key is not None:
@@ -588,7 +586,8 @@ class RelayCore:
             return
         s.observed = ip
         s.source = source_of(ip)
-        self._admit_source(s, s.source, now)
+        if self._source_room(s, s.source, now):
+            self._count_source(s, s.source)
 
     # ---- frames -----------------------------------------------------------------------
 
@@ -623,7 +622,7 @@ class RelayCore:
         if pong is not None:
             self._write_batch(s)  # what came first goes first
             if self._has_room(s, pong):
-                s.link.write(bytearray(ws_frame(pong, Opcode.PONG, masked=False)))
+                s.link.write(ws_frame(pong, Opcode.PONG, masked=False))
 
     def _frame(self, s: Session, kind: RelayFrameType, body: memoryview, now: float) -> None:
         # ``body`` is a view of the caller's buffer: valid during this call only.
@@ -726,19 +725,20 @@ class RelayCore:
         """Whether ``sig`` proves ``eid`` bound to a certificate AUTH may name; before a
         no, the glue may look at the certificate files once a second (a renewal that
         the proxy in front took up before the relay's own poll)."""
-        for attempt in range(2):
-            if any(
+
+        def holds() -> bool:
+            return any(
                 eid.verify(sig, auth_message(fp, challenge, raw_id))
                 for fp in self.cert_fingerprints(now)
-            ):
-                return True
-            hook = self.refresh_certificate
-            if attempt or hook is None or now - self._refreshed_at < REFRESH_EVERY:
-                return False
-            self._refreshed_at = now
-            if not hook(now):
-                return False
-        return False
+            )
+
+        if holds():
+            return True
+        hook = self.refresh_certificate
+        if hook is None or now - self._refreshed_at < REFRESH_EVERY:
+            return False
+        self._refreshed_at = now
+        return hook(now) and holds()
 
     def _auth_ok_body(self, s: Session) -> bytes:
         c = self.config
@@ -818,9 +818,7 @@ class RelayCore:
             s.out += frame
         self._write_batch(s)
         if s.websocket is not None:
-            s.link.write(
-                bytearray(ws_frame(close_code or _ws_close_code(event), Opcode.CLOSE, masked=False))
-            )
+            s.link.write(ws_frame(close_code or _ws_close_code(event), Opcode.CLOSE, masked=False))
         level = logging.DEBUG if quiet else logging.INFO
         log.log(level, kv(event, conn=s.label, peer=s.observed, error=error, **(fields or {})))
         self._forget(s)

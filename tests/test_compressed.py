@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -91,6 +92,25 @@ async def test_wire_bytes_shrink_as_documented() -> None:
             assert abs(ratio - per_elem / 4) < 0.01, (wire, ratio)
 
 
+async def long_run_errors(
+    step: Callable[[], Awaitable[tuple[np.ndarray, np.ndarray]]],
+    truth: np.ndarray,
+    steps: int = 30,
+) -> tuple[float, float]:
+    """Run ``step`` (one call with error feedback, one without: their results)
+    ``steps`` times; the largest error of each summed series against ``steps * truth``."""
+    with_ef = np.zeros_like(truth)
+    without = np.zeros_like(truth)
+    for _ in range(steps):
+        a, b = await step()
+        with_ef += a
+        without += b
+    return (
+        float(np.abs(with_ef - steps * truth).max()),
+        float(np.abs(without - steps * truth).max()),
+    )
+
+
 @pytest.mark.parametrize(
     ("world", "n", "op"),
     [
@@ -108,10 +128,8 @@ async def test_error_feedback_keeps_the_long_run_sum_unbiased(world: int, n: int
         xs = gaussian(world, n, seed=5)
         truth = np.sum([x.astype(np.float64) for x in xs], axis=0) / (world if op == "mean" else 1)
         efs = [ErrorFeedback() for _ in gs]
-        with_ef = np.zeros_like(truth)
-        without = np.zeros_like(truth)
-        steps = 30
-        for _ in range(steps):
+
+        async def step() -> tuple[np.ndarray, np.ndarray]:
             a = await asyncio.gather(
                 *(
                     g.all_reduce(
@@ -122,10 +140,9 @@ async def test_error_feedback_keeps_the_long_run_sum_unbiased(world: int, n: int
             )
             b = await reduce_all(gs, xs, op=op, wire_dtype="int8", block=512)
             assert len({r.tobytes() for r in a}) == 1, "ranks disagree"
-            with_ef += a[0]
-            without += b[0]
-        err_ef = np.abs(with_ef - steps * truth).max()
-        err_plain = np.abs(without - steps * truth).max()
+            return a[0], b[0]
+
+        err_ef, err_plain = await long_run_errors(step, truth)
         assert err_ef < 0.2 * err_plain, (err_ef, err_plain)
 
 
@@ -148,19 +165,16 @@ async def test_reduce_scatter_error_feedback_keeps_the_long_run_sum_unbiased(
         xs = gaussian(world, n, seed=11)
         truth = np.sum([x.astype(np.float64) for x in xs], axis=0) / (world if op == "mean" else 1)
         efs = [ErrorFeedback() for _ in gs]
-        with_ef = np.zeros_like(truth)
-        without = np.zeros_like(truth)
-        steps = 30
         kw: dict[str, Any] = {"wire_dtype": wire, "block": 512}
-        for _ in range(steps):
+
+        async def step() -> tuple[np.ndarray, np.ndarray]:
             a = await asyncio.gather(
                 *(g.reduce_scatter(xs[g.rank], op, error_feedback=efs[g.rank], **kw) for g in gs)
             )
             b = await asyncio.gather(*(g.reduce_scatter(xs[g.rank], op, **kw) for g in gs))
-            with_ef += np.concatenate(a)
-            without += np.concatenate(b)
-        err_ef = np.abs(with_ef - steps * truth).max()
-        err_plain = np.abs(without - steps * truth).max()
+            return np.concatenate(a), np.concatenate(b)
+
+        err_ef, err_plain = await long_run_errors(step, truth)
         assert err_ef < 0.2 * err_plain, (err_ef, err_plain)
         pieces = np.array_split(np.arange(n), world)
         for g, ef in zip(gs, efs, strict=True):

@@ -186,6 +186,14 @@ def ws_upgrade(
     return s, link, key
 
 
+def ws_session(c: object, **kw: Any) -> tuple[Any, WsLink]:
+    """A WebSocket session in the AUTH phase, its 101 and CHALLENGE read."""
+    s, link, _ = ws_upgrade(c, **kw)
+    link.head()
+    assert [kind for kind, _ in link.ws_frames()] == [T.CHALLENGE]
+    return s, link
+
+
 def test_a_websocket_upgrade_without_records_speaks_websocket_frames() -> None:
     c = core()
     s, link, key = ws_upgrade(c)
@@ -220,9 +228,7 @@ def test_on_the_tls_port_records_win_and_frames_stay_raw() -> None:
 
 def test_an_unmasked_client_frame_closes_with_an_error_and_a_close_frame() -> None:
     c = core()
-    s, link, _ = ws_upgrade(c)
-    link.head()
-    link.ws_frames()
+    s, link = ws_session(c)
     c.receive(s, frame(auth_frame(KEYS[0]), masked=False), 0.0)
     [(kind, body)] = link.ws_frames()
     assert kind is T.ERROR and b"unmasked client frame before AUTH" in body
@@ -232,9 +238,7 @@ def test_an_unmasked_client_frame_closes_with_an_error_and_a_close_frame() -> No
 
 def test_a_client_close_frame_ends_the_session_and_is_answered() -> None:
     c = core()
-    s, link, _ = ws_upgrade(c)
-    link.head()
-    link.ws_frames()
+    s, link = ws_session(c)
     c.receive(s, auth_frame_ws(KEYS[0]), 0.0)
     link.ws_frames()
     assert c.clients == 1
@@ -265,9 +269,7 @@ def test_proxied_sessions_decline_records_and_take_the_forwarded_address() -> No
     c.receive(s, auth_frame_ws(KEYS[0]), 0.0)
     [(kind, body)] = link.ws_frames()
     assert kind is T.AUTH_OK and decode_map(body)["observed"] == "198.51.100.4"
-    s2, link2, _ = ws_upgrade(c, proxied=True, forwarded="[::ffff:198.51.100.4]:7")
-    link2.head()
-    link2.ws_frames()
+    s2, link2 = ws_session(c, proxied=True, forwarded="[::ffff:198.51.100.4]:7")
     c.receive(s2, auth_frame_ws(KEYS[1]), 0.0)  # max-clients-per-ip counts the address
     [(kind, body)] = link2.ws_frames()
     assert kind is T.ERROR and body == b"too many clients from this address"
@@ -292,9 +294,7 @@ def test_forwarded_addresses(header: str, ip: str | None) -> None:
 
 def test_before_auth_a_client_may_send_little_and_gets_one_pong_per_read() -> None:
     c = core()
-    s, link, _ = ws_upgrade(c)
-    link.head()
-    link.ws_frames()
+    s, link = ws_session(c)
     pings = frame(b"", Opcode.PING, masked=True) * 100  # 600 bytes in one read
     c.receive(s, pings, 0.0)
     link.ws_frames()
@@ -657,6 +657,20 @@ async def test_a_wrong_accept_value_is_a_protocol_error() -> None:
         await asyncio.wait_for(proto.done, 5)
 
 
+async def _connect_once() -> tuple[Any, Any]:
+    """Start an in-process relay, connect a RelayPath to it (fast retries, within 10 s):
+    its status once connected, and the relay's metrics."""
+    async with RelayServer(ServerConfig(host="127.0.0.1", port=0, stun_port=0)) as srv:
+        path = RelayPath(
+            KEYS[0], srv.url, config=RelayConfig(backoff_initial=0.05, backoff_max=0.1)
+        )
+        try:
+            await path.wait_connected(10)
+            return path.status, srv.core.metrics
+        finally:
+            await bounded(path.close(), "close()")
+
+
 async def test_a_relay_from_before_websocket_framing_gets_the_bare_upgrade(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -668,17 +682,9 @@ async def test_a_relay_from_before_websocket_framing_gets_the_bare_upgrade(
         )
 
     monkeypatch.setattr(relay_http, "_websocket_key", old_relay)
-    config = ServerConfig(host="127.0.0.1", port=0, stun_port=0)
-    async with RelayServer(config) as srv:
-        path = RelayPath(
-            KEYS[0], srv.url, config=RelayConfig(backoff_initial=0.05, backoff_max=0.2)
-        )
-        try:
-            await path.wait_connected(10)
-            assert path.status.framing == "raw" and path.status.records == "aes-256-gcm"
-            assert path.status.connects == 1 and srv.core.metrics.http_requests_total == 1
-        finally:
-            await bounded(path.close(), "close()")
+    status, metrics = await _connect_once()
+    assert status.framing == "raw" and status.records == "aes-256-gcm"
+    assert status.connects == 1 and metrics.http_requests_total == 1
 
 
 async def test_only_an_old_relays_answer_switches_to_the_bare_upgrade_and_only_once(
@@ -706,15 +712,7 @@ async def test_only_an_old_relays_answer_switches_to_the_bare_upgrade_and_only_o
         return HttpDecision(False, answer[0], response(answer[0], answer[1]))
 
     monkeypatch.setattr(relay_state, "route", route)
-    config = ServerConfig(host="127.0.0.1", port=0, stun_port=0)
-    async with RelayServer(config) as srv:
-        path = RelayPath(
-            KEYS[0], srv.url, config=RelayConfig(backoff_initial=0.05, backoff_max=0.1)
-        )
-        try:
-            await path.wait_connected(10)
-        finally:
-            await bounded(path.close(), "close()")
+    await _connect_once()
     assert seen == ["websocket", "websocket", "p2pdist-relay", "websocket"]
 
 

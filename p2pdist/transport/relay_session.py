@@ -172,10 +172,7 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
             self.done.cancel()
         elif not self.done.cancelled():
             self.done.exception()  # read: the session had its own error to report
-        if self._ws_writer is not None:
-            self._ws_writer.close()  # CLOSE 1000 first, as RFC 6455 5.5.1 asks
-        elif self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+        self._close_gently()
 
     def dispatch_to(self, handler: FrameHandler) -> None:
         """From now on hand every frame to ``handler`` as it arrives (queued ones first)."""
@@ -326,17 +323,26 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
             else:
                 self.done.set_exception(error)
         self._wake()
+        if not close or self.transport is None:
+            return
+        if error is not None and not self._ws_closed:
+            self.transport.abort()
+        else:
+            self._close_gently()
+
+    def _close_gently(self) -> None:
+        """Close the connection after what is queued (a WebSocket session says CLOSE
+        1000 first, as RFC 6455 5.5.1 asks, unless it echoed the relay's); abort it if
+        it is still open :data:`_CLOSE_GRACE` s later (a peer that stops reading must not
+        hold it open for ever)."""
         transport = self.transport
-        if close and transport is not None and not transport.is_closing():
-            if error is not None and not self._ws_closed:
-                transport.abort()
-                return
-            if self._ws_writer is not None and not self._ws_closed:
-                self._ws_writer.close()  # we end it: CLOSE 1000 first
-            else:
-                transport.close()
-            # A peer that stops reading must not hold the connection open for ever.
-            self._loop.call_later(_CLOSE_GRACE, transport.abort)
+        if transport is None or transport.is_closing():
+            return
+        if self._ws_writer is not None and not self._ws_closed:
+            self._ws_writer.close()
+        else:
+            transport.close()
+        self._loop.call_later(_CLOSE_GRACE, transport.abort)
 
     def _wake(self) -> None:
         w, self._waiter = self._waiter, None

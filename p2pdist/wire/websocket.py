@@ -86,11 +86,17 @@ def accept_for(key: str) -> str:
 
 def mask(data: bytes | bytearray | memoryview, key: bytes, offset: int = 0) -> bytearray:
     """``data`` XOR the 4-byte ``key`` (the same call unmasks), starting ``offset``
-    bytes into the frame's payload (for payloads that arrive in pieces). One copy: the
-    whole words go through numpy, the last 0-3 bytes one by one."""
+    bytes into the frame's payload (for payloads that arrive in pieces)."""
     view = memoryview(data).cast("B")
+    out = bytearray(len(view))
+    _xor_into(view, key, offset, memoryview(out))
+    return out
+
+
+def _xor_into(view: memoryview, key: bytes, offset: int, out: memoryview) -> None:
+    """``out[:] = view XOR key`` (rotated by ``offset``): the whole words through numpy,
+    the last 0-3 bytes one by one."""
     n = len(view)
-    out = bytearray(n)
     shift = offset & 3
     rotated = key[shift:] + key[:shift]
     words = n >> 2
@@ -102,16 +108,12 @@ def mask(data: bytes | bytearray | memoryview, key: bytes, offset: int = 0) -> b
         )
     for i in range(words << 2, n):
         out[i] = view[i] ^ rotated[i & 3]
-    return out
 
 
 def header(length: int, opcode: Opcode = Opcode.BINARY, key: bytes | None = None) -> bytes:
-    """The header of one whole frame of ``length`` payload bytes (``key``: masked)."""
-    return _header(opcode, length, key)
-
-
-def _header(opcode: Opcode, length: int, key: bytes | None) -> bytes:
-    first = 0x80 | opcode  # FIN: every frame we send is a whole message
+    """The header of one whole frame (FIN set) of ``length`` payload bytes, masked with
+    ``key`` when given."""
+    first = 0x80 | opcode
     bit = 0x80 if key is not None else 0
     if length < 126:
         head = struct.pack("!BB", first, bit | length)
@@ -124,16 +126,21 @@ def _header(opcode: Opcode, length: int, key: bytes | None) -> bytes:
 
 def frame(
     payload: bytes | bytearray | memoryview, opcode: Opcode = Opcode.BINARY, *, masked: bool
-) -> bytes:
-    """One whole frame; ``masked`` (a client's frames) picks a fresh key for it."""
-    if opcode >= Opcode.CLOSE and len(payload) > CONTROL_MAX:
+) -> bytearray:
+    """One whole frame, built with one copy of ``payload``; ``masked`` (a client's
+    frames) picks a fresh key for it."""
+    view = memoryview(payload).cast("B")
+    if opcode >= Opcode.CLOSE and len(view) > CONTROL_MAX:
         raise ValueError(f"a control frame carries at most {CONTROL_MAX} bytes")
-    if not masked:
-        return _header(opcode, len(payload), None) + bytes(payload)
-    key = secrets.token_bytes(4)
-    out = bytearray(_header(opcode, len(payload), key))
-    out += mask(payload, key)
-    return bytes(out)
+    key = secrets.token_bytes(4) if masked else None
+    out = bytearray(header(len(view), opcode, key))
+    if key is None:
+        out += view
+        return out
+    start = len(out)
+    out.extend(bytes(len(view)))  # room for the masked payload, written in place
+    _xor_into(view, key, 0, memoryview(out)[start:])
+    return out
 
 
 def echo_code(payload: bytes | bytearray) -> bytes:
@@ -149,7 +156,7 @@ def echo_code(payload: bytes | bytearray) -> bytes:
     return b"\x03\xea"
 
 
-def close_frame(code: int = 1000, reason: str = "", *, masked: bool) -> bytes:
+def close_frame(code: int = 1000, reason: str = "", *, masked: bool) -> bytearray:
     """A CLOSE frame with a status ``code`` and a short UTF-8 ``reason``."""
     body = struct.pack("!H", code) + reason.encode("utf-8")[: CONTROL_MAX - 2]
     return frame(body, Opcode.CLOSE, masked=masked)
