@@ -68,6 +68,10 @@ its header alone, so an unauthenticated connection never buffers more than this.
 REPLACED = "replaced by a newer connection from the same endpoint"
 REFRESH_EVERY = 1.0
 """Seconds between looks at the certificate files that a bad signature may cause."""
+MAX_PREVIOUS_CERTS = 4
+"""Certificates served before reloads that AUTH may still name during their grace; the
+ones that expire soonest give way first (each one costs a signature check on a bad
+proof)."""
 WS_BEFORE_AUTH = MAX_AUTH_BODY + 1024
 """The most WebSocket bytes a client may send before it is authenticated: one AUTH
 frame and framing around it (a session that may still send nothing else must not
@@ -199,8 +203,8 @@ class RelayCore:
         self.metrics = metrics if metrics is not None else Metrics()
         self.access = access if access is not None else AccessPolicy()
         self._fingerprints: tuple[bytes, ...] = ()
-        self._previous: tuple[bytes, ...] = ()
-        self._previous_until = 0.0
+        self._previous: dict[bytes, float] = {}
+        """Fingerprints served before a reload -> until when AUTH may still name them."""
         self.set_cert_fingerprints(cert_fingerprints)
         self._random = random_bytes
         self._sessions: set[Session] = set()
@@ -268,19 +272,25 @@ class RelayCore:
         """SHA-256 of the certificate(s) clients see now and, after a certificate
         reload, of the one(s) served before it: those are accepted in AUTH only until
         ``previous_until`` (monotonic time; enough for a connection that handshook with
-        the old certificate to authenticate), never after."""
+        the old certificate to authenticate), never after. Certificates retired by
+        earlier reloads keep their own deadlines (two quick reloads do not cut the
+        first one's grace short), up to :data:`MAX_PREVIOUS_CERTS` of them."""
         fps, old = tuple(fingerprints), tuple(previous)
         if not fps or any(len(f) != 32 for f in fps + old):
             raise ValueError("need at least one 32-byte certificate fingerprint")
+        kept = {fp: until for fp, until in self._previous.items() if fp not in fps}
+        for fp in old:
+            if fp not in fps:
+                kept[fp] = max(kept.get(fp, previous_until), previous_until)
+        newest = sorted(kept, key=kept.__getitem__)[-MAX_PREVIOUS_CERTS:]
         self._fingerprints = fps
-        self._previous = old
-        self._previous_until = previous_until
+        self._previous = {fp: kept[fp] for fp in newest}
 
     def cert_fingerprints(self, now: float) -> tuple[bytes, ...]:
-        """The fingerprints an AUTH may be bound to at ``now``."""
-        if self._previous and now < self._previous_until:
-            return self._fingerprints + self._previous
-        return self._fingerprints
+        """The fingerprints an AUTH may be bound to at ``now``: the current ones first."""
+        if not self._previous:
+            return self._fingerprints
+        return self._fingerprints + tuple(fp for fp, until in self._previous.items() if now < until)
 
     # ---- events from the glue ---------------------------------------------------------
 
@@ -488,8 +498,8 @@ class RelayCore:
                     self._close(s, "http_timeout", quiet=True)
         if self._buckets:
             self._buckets = {k: b for k, b in self._buckets.items() if b.full_at() > now}
-        if self._previous and now >= self._previous_until:
-            self._previous = ()
+        if self._previous:
+            self._previous = {fp: t for fp, t in self._previous.items() if now < t}
         self.flush()
 
     def shutdown(self, reason: str = "relay shutting down") -> None:

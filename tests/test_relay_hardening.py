@@ -42,7 +42,7 @@ from relay.server import (
     fd_budget,
 )
 from relay.session import Phase
-from relay.state import EVICT_AFTER
+from relay.state import EVICT_AFTER, MAX_PREVIOUS_CERTS
 from relay.testclient import RelayRefused, http_get
 from relay.tlsconfig import RelayTls
 
@@ -305,6 +305,35 @@ def test_the_previous_certificate_is_accepted_only_for_a_grace() -> None:
     assert c.cert_fingerprints(0.0) == (new_fp,)  # forgotten once expired
 
 
+def test_two_quick_reloads_keep_the_first_certificates_grace() -> None:
+    second, third = bytes(range(1, 33)), bytes(range(2, 34))
+    c = core()
+    c.set_cert_fingerprints([second], [FP], previous_until=10.0)
+    c.set_cert_fingerprints([third], [second], previous_until=12.0)  # before FP's ran out
+    assert c.cert_fingerprints(9.0) == (third, FP, second)
+    s, link = upgrade(c, now=9.0)
+    c.receive(s, auth_frame(A, fp=FP), 9.0)  # handshook two certificates ago
+    assert only(link)[0] is T.AUTH_OK
+    c.tick(10.5)
+    assert c.cert_fingerprints(10.5) == (third, second)  # each on its own deadline
+    c.set_cert_fingerprints([second], [third], previous_until=20.0)  # rolled back
+    assert c.cert_fingerprints(11.0) == (second, third)
+    c.tick(20.0)
+    assert c.cert_fingerprints(0.0) == (second,)
+
+
+def test_the_previous_certificates_are_bounded() -> None:
+    c = core()
+    fps = [bytes([i]) * 32 for i in range(1, 10)]
+    current = FP
+    for i, fp in enumerate(fps):  # nine reloads within one grace
+        c.set_cert_fingerprints([fp], [current], previous_until=100.0 + i)
+        current = fp
+    kept = c.cert_fingerprints(0.0)
+    assert kept[0] == fps[-1] and len(kept) == 1 + MAX_PREVIOUS_CERTS
+    assert set(kept[1:]) == set(fps[-1 - MAX_PREVIOUS_CERTS : -1])  # the longest graces
+
+
 async def test_reload_bounds_the_previous_certificate_by_the_auth_timeout(
     tmp_path: Path,
 ) -> None:
@@ -318,7 +347,11 @@ async def test_reload_bounds_the_previous_certificate_by_the_auth_timeout(
         srv.reload()
         new = srv.tls.fingerprint
         assert srv.core.cert_fingerprints(now) == (new, old)
-        assert srv.core.cert_fingerprints(now + 2 * 4.0 + 0.5) == (new,)
+        _write(crt, key, self_signed_pem("c"))  # a second renewal within the grace
+        srv.reload()
+        newest = srv.tls.fingerprint
+        assert srv.core.cert_fingerprints(now) == (newest, old, new)
+        assert srv.core.cert_fingerprints(now + 2 * 4.0 + 0.5) == (newest,)
 
 
 # ---- 4. per-source cap on authenticated clients -------------------------------------
