@@ -26,6 +26,7 @@ TOKEN_ENV = "P2PDIST_RELAY_TOKEN"
 MAX_TOKEN_BYTES = 1024
 MIN_INTERVAL = 0.1
 """Shortest keepalive and auth-timeout (seconds) the relay starts with."""
+MAX_PROXY_HOPS = 16
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EVENT_LOOPS = LOOP_CHOICES
 """The names ``--loop`` takes: p2pdist.eventloop's, so the relay and the library agree."""
@@ -94,6 +95,16 @@ class RelayConfig:
         metadata=_doc(
             "address the plain HTTP port binds: the proxy's side only, never a public one",
             "ADDR",
+        ),
+    )
+    proxy_hops: int = field(
+        default=1,
+        metadata=_doc(
+            "reverse proxies of yours in a row in front of the http-port, each appending "
+            "to X-Forwarded-For: a client's address is the entry this many from the end "
+            "(default 1: the proxy next to the relay; 2 for a load balancer in front of "
+            "nginx). Never more than you run: the earlier entries are the client's word",
+            "N",
         ),
     )
     key: Path | None = field(
@@ -307,6 +318,10 @@ def _validate(c: RelayConfig) -> None:
             )
         if c.http_port and c.http_port == c.port:
             raise ConfigError(f"http-port must differ from port, got {c.port} for both")
+    if not 1 <= c.proxy_hops <= MAX_PROXY_HOPS:
+        raise ConfigError(f"proxy-hops must be 1..{MAX_PROXY_HOPS}, got {c.proxy_hops}")
+    if c.proxy_hops != 1 and c.http_port is None:
+        raise ConfigError("proxy-hops is for the http-port: set http-port too")
     try:
         ipaddress.ip_address(c.http_host)
     except ValueError:

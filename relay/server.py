@@ -485,6 +485,7 @@ class RelayServer:
             auth_timeout=c.auth_timeout,
             retry_after=c.retry_after,
             stun_ports=self.stun_ports,
+            proxy_hops=c.proxy_hops,
         )
         self._core = RelayCore(core_cfg, self.tls.fingerprints, access, metrics)
         if self.tls.cert_path is not None:

@@ -118,6 +118,9 @@ class CoreConfig:
     it AUTH is refused (``auth_failures_total{reason="max_clients_per_ip"}``)."""
     stun_ports: tuple[int, ...] = ()
     """Bound UDP observation ports (STUN, then the alternate), advertised in AUTH_OK."""
+    proxy_hops: int = 1
+    """Proxied sessions: the ``X-Forwarded-For`` entry this many from the end is the
+    client's address (one per reverse proxy of ours in a row)."""
 
 
 def _closed(s: Session) -> bool:
@@ -143,11 +146,16 @@ def source_of(ip: str) -> str:
     return str(addr)
 
 
-def forwarded_ip(header: str) -> str | None:
-    """The address in the last entry of an ``X-Forwarded-For`` value (``ip``,
-    ``ip:port``, ``[v6]`` or ``[v6]:port``), IPv4-mapped shown as IPv4; None without a
-    valid one."""
-    last = header.rsplit(",", 1)[-1].strip()
+def forwarded_ip(header: str, hops: int = 1) -> str | None:
+    """The address in the ``hops``-th entry from the end of an ``X-Forwarded-For``
+    value (the last by default: the one the proxy next to us added; each further proxy
+    of ours in a row adds one), as ``ip``, ``ip:port``, ``[v6]`` or ``[v6]:port``,
+    IPv4-mapped shown as IPv4; None without a valid one there (also when the header
+    has fewer entries: a proxy of ours did not append)."""
+    entries = header.split(",")  # bounded: the whole request head is
+    if len(entries) < hops:
+        return None
+    last = entries[-hops].strip()
     if last.startswith("["):
         inside, bracket, port = last[1:].partition("]")
         if not bracket or (port and not (port[0] == ":" and port[1:].isdigit())):
@@ -574,13 +582,14 @@ class RelayCore:
 
     def _forwarded(self, s: Session, header: str, now: float) -> None:
         """A proxied client's address: the last ``X-Forwarded-For`` entry, the one the
-        proxy in front of us added (earlier ones are the client's word), as an ip, or
+        proxy in front of us added (earlier ones are the client's word; with
+        ``proxy_hops`` proxies of ours in a row, the one that many from the end), as an ip, or
         ``ip:port`` / ``[v6]:port`` as some proxies write it. With one, the session
         counts against that address's cap on waiting connections from now on (it may be
         refused, or evict an older one, as at accept). Without a valid one it keeps the
         proxy's address and no per-source cap (warned about once: the proxy should
         send the header)."""
-        ip = forwarded_ip(header)
+        ip = forwarded_ip(header, self.config.proxy_hops)
         if ip is None:
             if not self._warned_forwarded:
                 self._warned_forwarded = True
@@ -589,8 +598,10 @@ class RelayCore:
                         "no_forwarded_address",
                         conn=s.label,
                         header=header[:80] or "missing",
-                        hint="set X-Forwarded-For at the reverse proxy; per-address caps "
-                        "cannot tell its clients apart",
+                        proxy_hops=self.config.proxy_hops,
+                        hint="every reverse proxy in front (proxy-hops of them) must append "
+                        "to X-Forwarded-For; else per-address caps cannot tell its clients "
+                        "apart",
                     )
                 )
             return

@@ -33,6 +33,7 @@ from p2pdist.transport.relay_session import RelaySessionProtocol
 from p2pdist.wire.relay import (
     RelayFrameDecoder,
     RelayFrameType,
+    RelayProtocolError,
     decode_map,
     encode_frame,
     parse_http_head,
@@ -292,6 +293,42 @@ def test_forwarded_addresses(header: str, ip: str | None) -> None:
     assert forwarded_ip(header) == ip
 
 
+@pytest.mark.parametrize(
+    ("header", "hops", "ip"),
+    [
+        ("203.0.113.7, 10.0.0.2", 2, "203.0.113.7"),  # load balancer, then nginx
+        ("6.6.6.6, 203.0.113.7, 10.0.0.2", 2, "203.0.113.7"),  # the first: the client's word
+        ("[2001:db8::7]:9, 10.0.0.3, 10.0.0.2", 3, "2001:db8::7"),
+        ("10.0.0.2", 2, None),  # fewer entries than proxies: one of them did not append
+        ("", 2, None),
+    ],
+)
+def test_forwarded_addresses_behind_several_proxies(header: str, hops: int, ip: str | None) -> None:
+    assert forwarded_ip(header, hops) == ip
+
+
+def test_a_header_on_several_lines_is_one_list() -> None:
+    head, _ = parse_http_head(
+        b"GET / HTTP/1.1\r\nX-Forwarded-For: 6.6.6.6\r\nHost: r\r\n"
+        b"x-forwarded-for: 203.0.113.7, 10.0.0.2\r\n\r\n"
+    )
+    assert head.header("x-forwarded-for") == "6.6.6.6, 203.0.113.7, 10.0.0.2"
+    with pytest.raises(RelayProtocolError, match="repeated HTTP header"):
+        parse_http_head(b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")
+
+
+def test_proxy_hops_picks_the_client_behind_a_chain_of_proxies() -> None:
+    c = core(max_unauthenticated_per_ip=1, proxy_hops=2)
+    s, link = ws_session(c, proxied=True, forwarded="6.6.6.6, 203.0.113.7, 10.0.0.2")
+    c.receive(s, auth_frame_ws(KEYS[0]), 0.0)
+    [(kind, body)] = link.ws_frames()
+    assert kind is T.AUTH_OK and decode_map(body)["observed"] == "203.0.113.7"
+    # Two clients behind the same balancer are two sources, not the balancer's one.
+    ws_session(c, proxied=True, forwarded="198.51.100.8, 10.0.0.2")
+    _, again, _ = ws_upgrade(c, proxied=True, forwarded="198.51.100.8, 10.0.0.2")
+    assert again.http().startswith(b"HTTP/1.1 503 ")  # that client's cap, not everyone's
+
+
 def test_before_auth_a_client_may_send_little_and_gets_one_pong_per_read() -> None:
     c = core()
     s, link = ws_session(c)
@@ -344,6 +381,11 @@ def test_http_port_settings_are_checked() -> None:
     assert ServerConfig(http_port=0, cert=pem, cert_key=pem).http_host == "127.0.0.1"
     with pytest.raises(ConfigError, match=r"public-port must be a port number 1\.\.65535"):
         ServerConfig(public_port=0)
+    with pytest.raises(ConfigError, match=r"proxy-hops must be 1\.\.16, got 0"):
+        ServerConfig(http_port=0, cert=pem, cert_key=pem, proxy_hops=0)
+    with pytest.raises(ConfigError, match="proxy-hops is for the http-port"):
+        ServerConfig(proxy_hops=2)
+    assert ServerConfig(http_port=0, cert=pem, cert_key=pem, proxy_hops=2).proxy_hops == 2
 
 
 # ---- the real client ----------------------------------------------------------------------
@@ -404,18 +446,54 @@ http {{
         location /relay {{
             # As a CDN or cloud load balancer: WebSocket upgrades only.
             if ($http_upgrade != "websocket") {{ return 403; }}
-            proxy_pass http://127.0.0.1:{http_port};
-            proxy_http_version 1.1;
+            proxy_pass http://127.0.0.1:{next_port};
+            proxy_bind 127.0.0.2;  # so that the relay can tell the proxy from its clients
+            {WEBSOCKET_PASS}
+        }}
+        location / {{ proxy_pass http://127.0.0.1:{http_port}; }}
+    }}
+    {inner}
+}}
+"""
+WEBSOCKET_PASS = """proxy_http_version 1.1;
             proxy_set_header Upgrade $http_upgrade;
             proxy_set_header Connection "upgrade";
             proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
             proxy_read_timeout 1h;
-            proxy_buffering off;
+            proxy_buffering off;"""
+NGINX_INNER = """server {{
+        # A second proxy of ours, plain HTTP, behind the first: it sees the first one's
+        # address (127.0.0.2) and appends it to X-Forwarded-For.
+        listen 127.0.0.1:{inner_port};
+        location / {{
+            proxy_pass http://127.0.0.1:{http_port};
+            proxy_bind 127.0.0.3;
+            {WEBSOCKET_PASS}
         }}
-        location / {{ proxy_pass http://127.0.0.1:{http_port}; }}
-    }}
-}}
-"""
+    }}"""
+
+
+def _nginx_conf(tmp: Path, cert: Path, key: Path, port: int, http_port: int, hops: int) -> str:
+    """One TLS-terminating proxy in front of the relay's http-port, or with ``hops`` 2
+    a second one between them."""
+    inner_port = _free_port() if hops == 2 else None
+    inner = (
+        NGINX_INNER.format(
+            inner_port=inner_port, http_port=http_port, WEBSOCKET_PASS=WEBSOCKET_PASS
+        )
+        if inner_port
+        else ""
+    )
+    return NGINX_CONF.format(
+        tmp=tmp,
+        port=port,
+        cert=cert,
+        key=key,
+        http_port=http_port,
+        next_port=inner_port or http_port,
+        WEBSOCKET_PASS=WEBSOCKET_PASS,
+        inner=inner,
+    )
 
 
 def _free_port() -> int:
@@ -475,20 +553,20 @@ def _get(ctx: ssl.SSLContext, port: int, path: str, request: bytes | None = None
 
 
 @pytest.mark.skipif(NGINX is None, reason="nginx is not installed (CI installs nginx-light)")
+@pytest.mark.parametrize("hops", [1, 2])
 def test_a_group_through_nginx_terminating_tls_in_front_of_the_relay(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hops: int
 ) -> None:
     assert NGINX is not None
     cert, key = _certificate(tmp_path)  # for 127.0.0.1, its own CA
     port, http_port = _free_port(), _free_port()
     conf = tmp_path / "nginx.conf"
-    conf.write_text(
-        NGINX_CONF.format(tmp=tmp_path, port=port, cert=cert, key=key, http_port=http_port)
-    )
+    conf.write_text(_nginx_conf(tmp_path, cert, key, port, http_port, hops))
     with RelayProcess(
         tmp_path,
         *("--cert", str(cert), "--cert-key", str(key)),
         *("--http-port", str(http_port), "--public-port", str(port)),
+        *("--proxy-hops", str(hops)),
     ) as relay:
         assert relay.url == f"https://127.0.0.1:{port}/"  # the proxy's: what clients dial
         nginx = subprocess.Popen(
@@ -501,8 +579,12 @@ def test_a_group_through_nginx_terminating_tls_in_front_of_the_relay(
             monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # trust the proxy's certificate
             framings = asyncio.run(_group_through(relay.url))
             # The relay saw each client's address in X-Forwarded-For (no port: nginx's
-            # peer port would follow a colon).
+            # peer port would follow a colon), not the proxy's (127.0.0.2, or 127.0.0.3
+            # for the second one); behind two proxies the entry before the second one's
+            # (127.0.0.2).
             assert framings == ["websocket 127.0.0.1"] * 3
+            if hops == 2:
+                return
             report = asyncio.run(diagnose(f"https://127.0.0.1:{port}/", key=KEYS[0], timeout=5.0))
             assert report.relay_connected and report.relay_framing == "websocket"
             assert "connected (TLS, WebSocket frames)" in render(report), render(report)

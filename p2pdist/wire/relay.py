@@ -453,7 +453,8 @@ def records_key(head: HttpHead) -> bytes | None:
 
 @dataclass(frozen=True, slots=True)
 class HttpHead:
-    """A parsed request or status line plus headers (names lower-cased)."""
+    """A parsed request or status line plus headers (names lower-cased; a field on
+    several lines is one value, joined by ", ")."""
 
     start_line: list[str]
     headers: dict[str, str]
@@ -494,9 +495,14 @@ def parse_http_head(buf: bytes | bytearray) -> tuple[HttpHead, int] | None:
         if not sep or not name or name != name.strip() or " " in name or "\t" in name:
             raise RelayProtocolError(f"malformed HTTP header {line[:80]!r}")
         key = name.lower()
-        if key in headers and key in _SINGLE_HEADERS:
-            raise RelayProtocolError(f"repeated HTTP header {name[:80]!r}")
-        headers[key] = value.strip()
+        if key in headers:
+            if key in _SINGLE_HEADERS:
+                raise RelayProtocolError(f"repeated HTTP header {name[:80]!r}")
+            # RFC 9110 5.3: repeated lines are one comma-separated list, in order (a
+            # proxy may add its own X-Forwarded-For line after the client's).
+            headers[key] = f"{headers[key]}, {value.strip()}"
+        else:
+            headers[key] = value.strip()
     return HttpHead(start, headers), end + 4
 
 
