@@ -415,6 +415,33 @@ async def test_a_client_resending_an_aggregated_update_is_told_duplicate() -> No
         await b.close()
 
 
+async def test_a_client_keeps_the_newest_verdicts_and_counts_them_all() -> None:
+    async with coordinator(np.zeros(4, np.float32), round_timeout=30.0) as c:
+        assert c.address is not None
+        host, port = c.address
+        a = FederatedClient(
+            c.endpoint_id,
+            address=f"{host}:{port}",
+            transport=TransportConfig(tls=False),
+            keep_acks=2,
+        )
+        await a.connect()
+        run = asyncio.create_task(c.run_round())
+        await a.submit(np.full(4, 1.0, np.float32), 10, 0)
+        assert (await run).applied
+        for _ in range(2):  # sent again: told duplicate
+            await a.submit(np.full(4, 1.0, np.float32), 10, 0, round_id=0)
+        assert not (await a.wait_ack(3)).accepted
+        assert (a.acks_received, a.acks_refused, len(a.acks)) == (3, 2, 2)
+        assert [ack.reason for ack in a.acks] == ["duplicate", "duplicate"]
+        assert (await a.wait_ack(2)).reason == "duplicate"
+        with pytest.raises(UsageError, match="verdict 1 is no longer kept: 3 arrived"):
+            await a.wait_ack(1)
+        await a.close()
+    with pytest.raises(UsageError, match="keep_acks"):
+        FederatedClient(c.endpoint_id, address="127.0.0.1:1", keep_acks=0)
+
+
 async def test_a_client_that_never_reads_its_acks_is_dropped(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -142,10 +142,9 @@ async def run(args: argparse.Namespace) -> int:
     if client.stop_error:
         print(f"client {args.index}: {client.stopped}", file=sys.stderr)
         return 1
-    rejected = sum(1 for a in client.acks if not a.accepted)
     print(
         f"client {args.index}: done ({client.stopped or 'left'}); "
-        f"{len(client.acks)} verdicts, {rejected} refused"
+        f"{client.acks_received} verdicts, {client.acks_refused} refused"
     )
     return 0
 

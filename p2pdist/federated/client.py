@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -36,6 +37,8 @@ __all__ = ["Ack", "FederatedClient", "RoundTask"]
 
 log = logging.getLogger(__name__)
 
+KEEP_ACKS = 1024
+"""Verdicts a client keeps by default (the newest; they are counted all the same)."""
 _STOP_GRACE = 5.0
 """Seconds a send that failed on a closed connection waits for the reader to read a
 ``stop`` the coordinator sent before closing it."""
@@ -75,7 +78,9 @@ class FederatedClient:
     ``coordinator`` is its endpoint id (pinned: a different key is refused). Give
     ``address`` (``host:port``, TCP) or ``relay`` (a relay URL: QUIC through the relay, by
     endpoint id alone). ``key`` is this client's identity (fresh by default); ``name`` is
-    a free-form label for the coordinator's logs.
+    a free-form label for the coordinator's logs. ``keep_acks`` bounds how many verdicts
+    :attr:`acks` keeps (the newest); :attr:`acks_received` and :attr:`acks_refused` count
+    them all.
     """
 
     def __init__(
@@ -89,6 +94,7 @@ class FederatedClient:
         transport: TransportConfig | None = None,
         connect_timeout: float = 30.0,
         name: str = "",
+        keep_acks: int = KEEP_ACKS,
     ) -> None:
         if (address is None) == (relay is None):
             raise UsageError("give exactly one of address= (host:port) or relay= (a relay URL)")
@@ -110,8 +116,13 @@ class FederatedClient:
         self._returned = -1
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
-        self.acks: list[Ack] = []
-        """Verdicts received, oldest first."""
+        self.acks: deque[Ack] = deque(maxlen=check_int("keep_acks", keep_acks, 1))
+        """The newest verdicts received (at most ``keep_acks``), oldest first: a client
+        that submits for days holds a bounded history."""
+        self.acks_received = 0
+        """Verdicts received in all."""
+        self.acks_refused = 0
+        """Of those, how many did not count (``accepted`` False)."""
         self.stopped: str | None = None
         """The coordinator's reason once it said stop ("training is over" at a normal
         end)."""
@@ -244,16 +255,25 @@ class FederatedClient:
         return self.stopped is not None
 
     async def wait_ack(self, count: int, *, timeout: float = 30.0) -> Ack:
-        """Wait until ``count`` verdicts have arrived; returns the ``count``-th. Once the
-        coordinator has said stop and no more can come, raises ConnectionClosedError with
-        its reason."""
+        """Wait until ``count`` verdicts have arrived; returns the ``count``-th (counting
+        from 1 over all verdicts). Once the coordinator has said stop and no more can
+        come, raises ConnectionClosedError with its reason; UsageError when that verdict
+        is older than the ``keep_acks`` newest, which are all that is kept."""
         count = check_int("count", count, 1)
         await self._wait_until(
-            lambda: len(self.acks) >= count or self.stopped is not None, timeout, "no verdict"
+            lambda: self.acks_received >= count or self.stopped is not None,
+            timeout,
+            "no verdict",
         )
-        if len(self.acks) < count:
+        if self.acks_received < count:
             raise ConnectionClosedError(f"{self._label} stopped: {self.stopped}")
-        return self.acks[count - 1]
+        index = count - 1 - (self.acks_received - len(self.acks))
+        if index < 0:
+            raise UsageError(
+                f"verdict {count} is no longer kept: {self.acks_received} arrived and only "
+                f"the newest {self.acks.maxlen} are (keep_acks)"
+            )
+        return self.acks[index]
 
     async def close(self) -> None:
         """Say bye (leaving on purpose) and close; returns once the reader has ended."""
@@ -331,14 +351,15 @@ class FederatedClient:
                 self._latest = task
         elif message.kind == "ack":
             why = message.fields.get("why")
-            self.acks.append(
-                Ack(
-                    message.get_int("r", label),
-                    bool(message.fields.get("ok")),
-                    why if isinstance(why, str) else "",
-                    message.get_int("round", label),
-                )
+            ack = Ack(
+                message.get_int("r", label),
+                bool(message.fields.get("ok")),
+                why if isinstance(why, str) else "",
+                message.get_int("round", label),
             )
+            self.acks.append(ack)
+            self.acks_received += 1
+            self.acks_refused += not ack.accepted
         elif message.kind == "stop":
             why = message.fields.get("why")
             self.stop_error = message.fields.get("error") is True
