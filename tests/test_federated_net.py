@@ -442,6 +442,21 @@ async def test_a_client_keeps_the_newest_verdicts_and_counts_them_all() -> None:
         FederatedClient(c.endpoint_id, address="127.0.0.1:1", keep_acks=0)
 
 
+async def test_closing_the_coordinator_ends_its_waits() -> None:
+    async with coordinator(np.zeros(4, np.float32), round_timeout=60.0) as c:
+        members = asyncio.create_task(c.wait_for_members(2, timeout=None))
+        a = client_of(c)
+        await a.connect()
+        rounds = asyncio.create_task(c.run_round())  # one client of two: waits the 60 s
+        await asyncio.sleep(0.2)
+        assert not members.done() and not rounds.done()
+        await c.close()
+        for waiting in (members, rounds):
+            with pytest.raises(ConnectionClosedError, match="coordinator: closed"):
+                await asyncio.wait_for(waiting, 5)
+        await a.close()
+
+
 async def test_a_client_that_never_reads_its_acks_is_dropped(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

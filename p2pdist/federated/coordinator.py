@@ -232,6 +232,7 @@ class Coordinator:
         if self._closed:
             return
         self._closed = True
+        self._wake.set()  # wait_for_members and run_round give up (see _check_open)
         meta, payload = encode("stop", {"why": why, "error": error})
         for client in list(self._clients.values()):
             with contextlib.suppress(P2PError):
@@ -242,15 +243,22 @@ class Coordinator:
 
     # ---- rounds -------------------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        """ConnectionClosedError once :meth:`close` ran: no client can come or send."""
+        if self._closed:
+            raise ConnectionClosedError("coordinator: closed while waiting")
+
     async def wait_for_members(self, count: int, timeout: float | None) -> None:
         """Wait until at least ``count`` clients are connected (P2PTimeoutError after
-        ``timeout`` seconds; None waits for good)."""
+        ``timeout`` seconds; None waits for good; ConnectionClosedError once the
+        coordinator is closed meanwhile)."""
         count = check_int("count", count, 0)
         if timeout is not None:
             timeout = check_seconds("timeout", timeout)
         try:
             async with asyncio.timeout(timeout):
                 while len(self._state.members) < count:
+                    self._check_open()
                     self._wake.clear()
                     await self._wake.wait()
         except TimeoutError:
@@ -264,7 +272,8 @@ class Coordinator:
         last round closed), collect updates until the round is due (quorum, everyone, or
         the deadline), apply the aggregate, send the new model with the next round's id,
         and return what happened. Never waits past the deadline for anyone. A cancelled
-        call leaves the round open; the next call resumes it."""
+        call leaves the round open; the next call resumes it. A :meth:`close` meanwhile
+        ends it with ConnectionClosedError."""
         if self._transport is None or self._closed:
             raise UsageError("start the coordinator first (and do not use it after close)")
         if self._running_round:
@@ -277,7 +286,7 @@ class Coordinator:
                 self._broadcast()
         self._running_round = True
         try:
-            why = await until_due(state, self._wake)
+            why = await until_due(state, self._wake, self._check_open)
         finally:
             self._running_round = False
         outcome = state.close(loop.time(), why)
