@@ -228,6 +228,25 @@ async def test_size_one_group_is_identity_without_network() -> None:
         np.testing.assert_array_equal(await g.reduce_scatter(x), x)
         np.testing.assert_array_equal(await g.broadcast(x, 0), x)
         await g.barrier()
+        # A bad timeout is refused as at any other world, though nothing would wait.
+        one = np.ones(3)
+        calls = {
+            "all_reduce": lambda t: g.all_reduce(one, timeout=t),
+            "reduce_scatter": lambda t: g.reduce_scatter(one, timeout=t),
+            "all_gather": lambda t: g.all_gather(one, timeout=t),
+            "broadcast": lambda t: g.broadcast(one, 0, timeout=t),
+            "barrier": lambda t: g.barrier(timeout=t),
+            "reduce": lambda t: g.reduce(one, 0, timeout=t),
+            "gather": lambda t: g.gather(one, 0, timeout=t),
+            "scatter": lambda t: g.scatter([one], 0, timeout=t),
+            "all_to_all": lambda t: g.all_to_all(one[None], timeout=t),
+            "all_to_all_v": lambda t: g.all_to_all_v([one], timeout=t),
+            "split": lambda t: g.split(0, timeout=t),
+        }
+        for call in calls.values():
+            with pytest.raises(UsageError, match="timeout must be a positive"):
+                await call(-1)
+            await call(5.0)  # and the same call with a good one works
 
 
 async def test_a_refused_timeout_leaves_the_sequence_in_step() -> None:

@@ -47,8 +47,9 @@ class GradientBuckets:
     failed one hold their reduced values; the failed bucket's arrays and every later
     bucket's keep the values they had when added (a bucket writes back only after its
     all_reduce succeeded). :meth:`wait` raises that error, with a note naming the first
-    bucket not reduced and how many arrays were left. Cancelling :meth:`wait` cancels the
-    buckets not finished yet, which likewise leave their arrays as they were.
+    bucket not reduced and how many arrays were left. Cancelling :meth:`wait` leaves the
+    buckets reducing (cancelling them would break the group); the next :meth:`wait`
+    waits for them.
     """
 
     def __init__(

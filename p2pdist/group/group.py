@@ -134,6 +134,14 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
+    def _alone(self, timeout: float | None) -> bool:
+        """Whether this group has one rank, so that a collective needs no peer; its
+        ``timeout`` is checked all the same (a call must be refused alike at any world)."""
+        if self.size != 1:
+            return False
+        self._seconds(timeout)
+        return True
+
     def _deterministic(self, mode: str | None) -> bool:
         """Whether the call asks for deterministic mode (``mode``, else the group's)."""
         chosen = self.config.mode if mode is None else mode
@@ -200,7 +208,7 @@ class Group(GroupCore):
         )
         work = result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
-        if self.size == 1:  # the identity, compressed or not: nothing travels
+        if self._alone(timeout):  # the identity, compressed or not: nothing travels
             if work is not arr:
                 np.copyto(work, arr)
             return work
@@ -292,7 +300,7 @@ class Group(GroupCore):
         result = result_buffer(None, (r1 - r0, *arr.shape[1:]), arr.dtype, out)
         _check_own_piece(arr, r0, r1, result)
         self._check_usable()
-        if self.size == 1:
+        if self._alone(timeout):
             np.copyto(result, arr[r0:r1])
             return result
         label = _op_label(op, self._deterministic(mode), codec, block)
@@ -356,7 +364,7 @@ class Group(GroupCore):
         result = result_buffer(None, (self.size, *arr.shape), arr.dtype, out)
         _check_row_of_out(arr, result)
         self._check_usable()
-        if self.size == 1:
+        if self._alone(timeout):
             result[0] = arr
             return result
         descriptor = describe_call("all_gather", "", arr.dtype.str, arr.shape)
@@ -409,7 +417,7 @@ class Group(GroupCore):
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Return once every rank has entered the barrier."""
         self._check_usable()
-        if self.size > 1:
+        if not self._alone(timeout):
             await self._run(describe_call("barrier", "", "", ()), timeout, alg.barrier)
 
     @on_host
@@ -438,7 +446,7 @@ class Group(GroupCore):
         checked = result_buffer(arr, arr.shape, arr.dtype, out) if mine or out is not None else None
         result = checked if mine else None
         self._check_usable()
-        if self.size == 1:
+        if self._alone(timeout):
             assert result is not None
             if result is not arr:
                 np.copyto(result, arr)
@@ -517,7 +525,7 @@ class Group(GroupCore):
             _check_row_of_out(arr, checked)
         result = checked if mine else None
         self._check_usable()
-        if self.size == 1:
+        if self._alone(timeout):
             assert result is not None
             result[0] = arr
             return result
@@ -561,7 +569,7 @@ class Group(GroupCore):
         # On the source, out may not share memory with the rows it sends from.
         result = result_buffer(blocks, item, dtype, out)
         self._check_usable()
-        if self.size == 1:
+        if self._alone(timeout):
             assert blocks is not None
             result[...] = blocks[0]
             return result
@@ -585,7 +593,7 @@ class Group(GroupCore):
             raise UsageError(f"all_to_all needs {self.size} rows (one per rank), got {arr.shape}")
         result = result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
-        if self.size == 1:
+        if self._alone(timeout):
             if result is not arr:
                 np.copyto(result, arr)
             return result
@@ -618,7 +626,7 @@ class Group(GroupCore):
                     f"{first.dtype}{list(first.shape)}; dtype and row shape must agree"
                 )
         self._check_usable()
-        if self.size == 1:
+        if self._alone(timeout):
             return [parts[0].copy()]
 
         async def body(lk: CollectiveLink) -> list[np.ndarray]:
@@ -652,7 +660,7 @@ class Group(GroupCore):
         token = object()  # this split, in the book
         self._check_usable()
         try:
-            if self.size == 1:
+            if self._alone(timeout):
                 outcome = await self._split_rounds(None, color, key, book, token)
             else:
                 # One collective however many rounds it takes (one channel, its messages
