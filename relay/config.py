@@ -102,8 +102,9 @@ class RelayConfig:
         metadata=_doc(
             "reverse proxies of yours in a row in front of the http-port, each appending "
             "to X-Forwarded-For: a client's address is the entry this many from the end "
-            "(default 1: the proxy next to the relay; 2 for a load balancer in front of "
-            "nginx). Never more than you run: the earlier entries are the client's word",
+            "(default 1: the proxy next to the relay; 2 for a TLS-terminating proxy, "
+            "serving the relay's certificate files, in front of another). Never more than "
+            "you run: the earlier entries are the client's word",
             "N",
         ),
     )

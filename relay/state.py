@@ -34,6 +34,7 @@ from p2pdist.wire.relay import (
     MALFORMED_AUTH_TEXT,
     MAX_BODY,
     MAX_DATAGRAM,
+    PING_LEN,
     VERSION,
     RelayFrameType,
     RelayProtocolError,
@@ -61,7 +62,6 @@ __all__ = ["CoreConfig", "RelayCore"]
 log = logging.getLogger(__name__)
 
 SIG_LEN = 64
-PING_LEN = 8
 MAX_AUTH_BODY = ID_LEN + SIG_LEN + MAX_TOKEN_BYTES
 """The largest valid AUTH body; a longer frame before authentication is refused from
 its header alone, so an unauthenticated connection never buffers more than this."""
@@ -120,7 +120,11 @@ class CoreConfig:
     """Bound UDP observation ports (STUN, then the alternate), advertised in AUTH_OK."""
     proxy_hops: int = 1
     """Proxied sessions: the ``X-Forwarded-For`` entry this many from the end is the
-    client's address (one per reverse proxy of ours in a row)."""
+    client's address (one per reverse proxy of ours in a row; at least 1)."""
+
+    def __post_init__(self) -> None:
+        if self.proxy_hops < 1:
+            raise ValueError(f"proxy_hops must be at least 1, got {self.proxy_hops}")
 
 
 def _closed(s: Session) -> bool:
@@ -152,6 +156,8 @@ def forwarded_ip(header: str, hops: int = 1) -> str | None:
     of ours in a row adds one), as ``ip``, ``ip:port``, ``[v6]`` or ``[v6]:port``,
     IPv4-mapped shown as IPv4; None without a valid one there (also when the header
     has fewer entries: a proxy of ours did not append)."""
+    if hops < 1:  # entries[-0] would be the first: the client's own word
+        raise ValueError(f"hops must be at least 1, got {hops}")
     entries = header.split(",")  # bounded: the whole request head is
     if len(entries) < hops:
         return None

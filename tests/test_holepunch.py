@@ -30,7 +30,7 @@ import p2pdist.wire.probe as probe_module
 from p2pdist import Group, GroupConfig, PunchConfig
 from p2pdist.identity import SecretKey
 from p2pdist.transport import TransportConfig
-from p2pdist.transport.paths import RelayRoute, UdpSocket, bind_host_for
+from p2pdist.transport.paths import MAX_PATH_COUNTERS, RelayRoute, UdpSocket, bind_host_for
 from p2pdist.transport.punch import (
     PathChange,
     PeerPaths,
@@ -884,6 +884,28 @@ async def test_a_route_whose_direct_socket_closed_says_relay() -> None:
         route.send(b"x" * 100, None)
     assert relay.got == 3 and route.sent[None] == [3, 300] and route.sent[direct] == [0, 0]
     assert route.direct is None and route.changes == 2
+
+
+async def test_per_path_counters_stay_bounded_on_a_long_relayed_connection() -> None:
+    """A peer met at ever new addresses (a NAT that keeps rebinding) does not grow the
+    route's counters: past MAX_PATH_COUNTERS the oldest are summed into ``earlier``."""
+    route = RelayRoute(CountingRelay(), B.endpoint_id, 16384)  # type: ignore[arg-type]
+    sock = await UdpSocket.open("127.0.0.1", 0, lambda *a: None)
+    try:
+        for port in range(1000, 1000 + 3 * MAX_PATH_COUNTERS):
+            route.use_direct(sock, ("127.0.0.1", port), 1452)
+            route.send(b"x" * 10, None)
+            route.count_received(20, ("127.0.0.1", port))
+        last = ("127.0.0.1", 999 + 3 * MAX_PATH_COUNTERS)
+        assert len(route.sent) == MAX_PATH_COUNTERS + 1 and None in route.sent
+        assert len(route.received) == MAX_PATH_COUNTERS  # none came by the relay
+        assert route.sent[last] == [1, 10] and route.direct_addr == last  # the one in use
+        forgotten = 2 * MAX_PATH_COUNTERS
+        assert route.earlier == [forgotten, 10 * forgotten, forgotten, 20 * forgotten]
+        total = sum(n for n, _ in route.sent.values()) + route.earlier[0]
+        assert total == 3 * MAX_PATH_COUNTERS  # nothing lost from the totals
+    finally:
+        sock.close()
 
 
 async def test_paths_say_relay_once_the_direct_socket_closed() -> None:

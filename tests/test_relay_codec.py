@@ -199,6 +199,9 @@ def test_relay_urls() -> None:
     assert (plain.port, plain.pin) == (443, None)
     v6 = RelayUrl.parse(f"https://[::1]:9/?pin={eid}")
     assert v6.host == "::1" and RelayUrl.parse(str(v6)) == v6
+    idn = RelayUrl.parse("https://b\u00fccher.example:8443/")  # TLS, DNS and Host: IDNA
+    assert idn.host == "xn--bcher-kva.example" and idn.authority == "xn--bcher-kva.example:8443"
+    assert b"Host: xn--bcher-kva.example:8443\r\n" in upgrade_request(idn.authority)
     for bad in [
         "http://x",
         "https://",
@@ -222,6 +225,8 @@ def test_relay_urls() -> None:
         # raises ValueError, which reached the user as a traceback.
         "https://[localhost:9443]:8443/",
         "https://[nothost]/",
+        "https://a b/",  # no host name has a space (the upgrade's Host line would break)
+        "https://a\u2028b/",
     ]:
         with pytest.raises(UsageError):
             RelayUrl.parse(bad)

@@ -54,6 +54,23 @@ async def send_until_received(a: RelayPath, b_id: EndpointId, inbox: Inbox, data
     raise AssertionError("no datagram made it through the relay")
 
 
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"backoff_initial": 0.0}, "backoff_initial must be a positive"),  # a tight loop
+        ({"connect_timeout": float("nan")}, "connect_timeout must be a positive"),
+        ({"backoff_max": float("inf")}, "backoff_max must be a positive"),
+        ({"backoff_initial": 5.0, "backoff_max": 1.0}, "at least backoff_initial"),
+        ({"keepalive": -3.0}, "keepalive must be None or in"),
+        ({"keepalive": 301.0}, "keepalive must be None or in"),
+        ({"send_buffer": 1000}, "send_buffer must be at least"),
+    ],
+)
+def test_relay_client_settings_are_checked(bad: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        RelayConfig(**bad)
+
+
 async def test_datagrams_flow_with_authenticated_sources(tmp_path: Path) -> None:
     with RelayProcess(tmp_path, "--key", str(tmp_path / "relay.key")) as relay:
         a, b = RelayPath(key(0), relay.url, config=FAST), RelayPath(key(1), relay.url, config=FAST)

@@ -210,6 +210,32 @@ async def test_a_proxy_answering_with_more_than_its_head_is_refused() -> None:
             server.close()
 
 
+async def test_many_interim_answers_are_read_through_and_bounded() -> None:
+    """A proxy may send 1xx heads before its 200 (RFC 9110 15.2): more than one head's
+    worth of them is read through, and an endless stream of them is refused."""
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    count = 400  # 10 KB of interim heads: more than one head may be long
+    held: list[asyncio.StreamWriter] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(interim * count + b"HTTP/1.1 200 OK\r\n\r\n")
+        held.append(writer)  # stays open, as a tunnel does
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    url = ProxyUrl.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        sock = await bounded(open_tunnel(url, "relay.test", 443), "tunnel")
+        sock.close()
+        count = 2000  # 50 KB and counting
+        with pytest.raises(RelayProtocolError, match="answered CONNECT with over 32768 bytes"):
+            await bounded(open_tunnel(url, "relay.test", 443), "tunnel")
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+
+
 async def test_relay_clients_reach_each_other_through_the_proxy(tmp_path: Path) -> None:
     with RelayProcess(tmp_path) as relay:
         url = RelayUrl.parse(relay.url)

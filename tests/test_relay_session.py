@@ -12,8 +12,9 @@ import asyncio
 
 import pytest
 
-from p2pdist import ConnectionBrokenError
-from p2pdist.transport.relay_session import RelaySessionProtocol
+from p2pdist import ConnectionBrokenError, SecretKey
+from p2pdist.transport.relay_path import RelayPath
+from p2pdist.transport.relay_session import PONG_BACKLOG, RelaySessionProtocol
 from p2pdist.wire.relay import (
     MAX_BODY,
     RelayFrame,
@@ -26,11 +27,19 @@ from p2pdist.wire.relay import (
 
 
 class FakeTransport(asyncio.Transport):
-    """Records how the protocol ended the connection."""
+    """Records how the protocol ended the connection, and what it wrote."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ended: str | None = None
+        self.written = bytearray()
+        self.backlog = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    def get_write_buffer_size(self) -> int:
+        return self.backlog
 
     def is_closing(self) -> bool:
         return self.ended is not None
@@ -144,3 +153,18 @@ async def test_a_handler_ends_the_session_with_a_retry_after_or_an_error() -> No
     with pytest.raises(ConnectionBrokenError, match="told us to go"):
         await asyncio.wait_for(proto.done, 1)
     assert transport.ended == "abort"
+
+
+def test_relay_pings_are_answered_unless_malformed_or_the_relay_does_not_read() -> None:
+    path = RelayPath(SecretKey.from_seed("relay session tests", 0), "https://127.0.0.1:9/")
+    writer = FakeTransport()
+    ping = RelayFrame(RelayFrameType.PING, b"", b"12345678")
+    path._handle(ping, writer)
+    assert writer.written == encode_frame(RelayFrameType.PONG, b"12345678")
+    writer.written.clear()
+    writer.backlog = PONG_BACKLOG + 1  # the relay is not reading: no PONG piles up
+    for _ in range(100):
+        path._handle(ping, writer)
+    assert not writer.written
+    with pytest.raises(RelayProtocolError, match="PING of 65000 bytes"):
+        path._handle(RelayFrame(RelayFrameType.PING, b"", bytes(65_000)), writer)

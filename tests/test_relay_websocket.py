@@ -29,8 +29,9 @@ from transport_conformance import bounded
 from p2pdist import Group, GroupConfig, PunchConfig, SecretKey
 from p2pdist.doctor import diagnose, render
 from p2pdist.transport.relay_path import RelayConfig, RelayPath
-from p2pdist.transport.relay_session import RelaySessionProtocol
+from p2pdist.transport.relay_session import PONG_BACKLOG, RelaySessionProtocol
 from p2pdist.wire.relay import (
+    RECORDS_HEADER,
     RelayFrameDecoder,
     RelayFrameType,
     RelayProtocolError,
@@ -313,8 +314,14 @@ def test_a_header_on_several_lines_is_one_list() -> None:
         b"x-forwarded-for: 203.0.113.7, 10.0.0.2\r\n\r\n"
     )
     assert head.header("x-forwarded-for") == "6.6.6.6, 203.0.113.7, 10.0.0.2"
-    with pytest.raises(RelayProtocolError, match="repeated HTTP header"):
-        parse_http_head(b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")
+    # A single value the protocol reads is refused when repeated, never joined.
+    for name in ("Host", "Sec-WebSocket-Version", "P2pdist-Relay-Version", RECORDS_HEADER):
+        with pytest.raises(RelayProtocolError, match="repeated HTTP header"):
+            parse_http_head(f"GET / HTTP/1.1\r\n{name}: 1\r\n{name}: 1\r\n\r\n".encode())
+    with pytest.raises(ValueError, match="hops must be at least 1"):
+        forwarded_ip("6.6.6.6, 203.0.113.7", 0)  # entries[-0] would be the client's own
+    with pytest.raises(ValueError, match="proxy_hops must be at least 1"):
+        core(proxy_hops=0)
 
 
 def test_proxy_hops_picks_the_client_behind_a_chain_of_proxies() -> None:
@@ -661,6 +668,10 @@ class _Sink(asyncio.Transport):
         self.data += data
 
     aborted = closed = False
+    backlog = 0
+
+    def get_write_buffer_size(self) -> int:
+        return self.backlog
 
     def is_closing(self) -> bool:
         return self.closed or self.aborted
@@ -724,6 +735,23 @@ async def test_the_client_answers_pings_and_ends_on_close() -> None:
     assert proto.done.result() == 0.25  # the RECONNECT before the CLOSE says how it ended
     [echo] = WebSocketReader(masked=True).feed(bytes(sink.data[sent:]))
     assert (echo.opcode, echo.payload) == (Opcode.CLOSE, b"\x03\xe9") and not sink.aborted
+
+
+async def test_the_client_leaves_pings_unanswered_while_the_relay_does_not_read() -> None:
+    proto, sink = _session_after_101()
+    sink.backlog = PONG_BACKLOG + 1  # our writes pile up: the relay is not reading
+    for _ in range(100):
+        buf = proto.get_buffer(-1)
+        ping = frame(bytes(125), Opcode.PING, masked=False)
+        buf[: len(ping)] = ping
+        proto.buffer_updated(len(ping))
+    assert not sink.data  # no PONG piles up behind them
+    sink.backlog = 0
+    buf = proto.get_buffer(-1)
+    buf[: len(ping)] = ping
+    proto.buffer_updated(len(ping))
+    [pong] = WebSocketReader(masked=True).feed(bytes(sink.data))
+    assert (pong.opcode, pong.payload) == (Opcode.PONG, bytes(125))
 
 
 async def test_the_client_says_close_when_it_ends_the_session() -> None:

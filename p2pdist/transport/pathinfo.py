@@ -17,7 +17,8 @@ class PathStats:
 
     kind: PathKind
     remote: str
-    """``ip:port`` for a direct path, ``relay`` for the relay."""
+    """``ip:port`` for a direct path, ``relay`` for the relay; ``earlier paths`` sums
+    the direct paths past the last :data:`~.paths.MAX_PATH_COUNTERS`."""
     active: bool
     """Whether datagrams go this way now."""
     datagrams_sent: int = 0

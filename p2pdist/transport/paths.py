@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 RELAY_ADDR = ("relay", 0)
 """The address aioquic sees for every datagram that travels through the relay."""
+MAX_PATH_COUNTERS = 16
+"""Direct paths a relayed connection keeps traffic counters for, each way; an older
+one's counts are summed into :attr:`RelayRoute.earlier` when another comes."""
 
 SOCKET_BUFFER = 4 << 20
 """Requested kernel send and receive buffer of a UDP socket (the kernel may cap it)."""
@@ -306,9 +309,13 @@ class RelayRoute:
         self.changes = 0
         """How many times the path changed (direct <-> relay)."""
         self.sent: dict[UdpAddress | None, list[int]] = {None: [0, 0]}
-        """Per path (None: the relay; else the peer's ip:port): [datagrams, bytes] sent."""
+        """Per path (None: the relay; else the peer's ip:port): [datagrams, bytes] sent;
+        at most :data:`MAX_PATH_COUNTERS` direct ones (older ones go to :attr:`earlier`)."""
         self.received: dict[UdpAddress | None, list[int]] = {}
-        """Per path: [datagrams, bytes] received."""
+        """Per path: [datagrams, bytes] received (bounded likewise)."""
+        self.earlier = [0, 0, 0, 0]
+        """Datagrams and bytes sent, then received, on direct paths whose own counters
+        were dropped (a peer behind a NAT that keeps rebinding meets many addresses)."""
         self._sending = self.sent[None]  # the counter of the path in use (hot path)
 
     @property
@@ -343,7 +350,10 @@ class RelayRoute:
         """Send to ``addr`` on ``sock`` from now on."""
         self.direct = (sock, addr)
         self.direct_datagram = min(max_datagram, self.relay_datagram)
-        self._sending = self.sent.setdefault(addr, [0, 0])
+        if addr not in self.sent:
+            self.sent[addr] = [0, 0]
+            self._forget_oldest(self.sent, 0)
+        self._sending = self.sent[addr]
         self.changes += 1
 
     def use_relay(self) -> None:
@@ -358,9 +368,22 @@ class RelayRoute:
         entry = self.received.get(addr)
         if entry is None:
             self.received[addr] = [1, nbytes]
+            if addr is not None:
+                self._forget_oldest(self.received, 2)
         else:
             entry[0] += 1
             entry[1] += nbytes
+
+    def _forget_oldest(self, counters: dict[UdpAddress | None, list[int]], at: int) -> None:
+        """Past :data:`MAX_PATH_COUNTERS` direct paths in ``counters``, add the oldest
+        one's (never the relay's, nor the path in use) to :attr:`earlier` at ``at``."""
+        if len(counters) - (None in counters) <= MAX_PATH_COUNTERS:
+            return
+        active = self.direct_addr
+        oldest = next(a for a in counters if a is not None and a != active)
+        datagrams, nbytes = counters.pop(oldest)
+        self.earlier[at] += datagrams
+        self.earlier[at + 1] += nbytes
 
     def send(self, datagram: bytes, addr: Any) -> None:
         """Send on the path in use; a datagram the relay refuses is dropped (QUIC resends).

@@ -40,6 +40,11 @@ async def _connect(host: str, port: int) -> socket.socket:
     raise last
 
 
+MAX_ANSWER = 4 * MAX_HTTP_HEAD
+"""Most bytes a proxy's answer to CONNECT may take, interim 1xx heads included (each head
+is bounded by MAX_HTTP_HEAD on its own)."""
+
+
 async def open_tunnel(proxy: ProxyUrl, host: str, port: int) -> socket.socket:
     """A socket whose bytes reach ``host:port`` through ``proxy``. The caller bounds the
     wait. ``ProxyRefused`` when the proxy says no (its status kept), ``OSError`` when it
@@ -51,7 +56,11 @@ async def open_tunnel(proxy: ProxyUrl, host: str, port: int) -> socket.socket:
         await loop.sock_sendall(sock, connect_request(proxy, host, port))
         answer = bytearray()
         while (used := connect_answer(answer)) is None:
-            more = await loop.sock_recv(sock, MAX_HTTP_HEAD + 4 - len(answer))
+            if len(answer) > MAX_ANSWER:  # interim 1xx heads without end
+                raise RelayProtocolError(
+                    f"proxy {proxy} answered CONNECT with over {MAX_ANSWER} bytes"
+                )
+            more = await loop.sock_recv(sock, MAX_HTTP_HEAD)
             if not more:
                 raise ConnectionResetError(f"proxy {proxy} closed before answering CONNECT")
             answer += more

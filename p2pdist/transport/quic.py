@@ -497,6 +497,8 @@ class QuicTransport(EndpointBase[QuicConnection]):
                     rtt=probed.rtt if probed is not None else None,
                 )
             )
+        if any(route.earlier):
+            per_path.append(PathStats("direct", "earlier paths", False, *route.earlier))
         url = self._relay.url if isinstance(self._relay, RelayPath) else None
         remote = path_key(active) if active else f"relay {url}" if url else "relay"
         return PathInfo(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import os
 import random as _random
 import socket
@@ -35,6 +36,7 @@ from ..wire.relay import (
     CREDENTIAL_REFUSALS,
     MAX_DATAGRAM,
     MAX_KEEPALIVE,
+    PING_LEN,
     RelayFrame,
     RelayFrameType,
     RelayProtocolError,
@@ -48,7 +50,7 @@ from ..wire.relay import (
 )
 from .aeadpipe import new_secret
 from .proxytunnel import open_tunnel
-from .relay_session import RelaySessionProtocol
+from .relay_session import RelaySessionProtocol, may_answer_ping
 from .securestream import SecureStream
 
 __all__ = [
@@ -117,6 +119,18 @@ class RelayConfig:
     """``http://[user:password@]host:port`` of an HTTP proxy to reach the relay through
     (a CONNECT tunnel; TLS to the relay runs inside it). None takes the environment
     variable P2PDIST_RELAY_PROXY when set; "" means no proxy whatever the environment."""
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout", "backoff_initial", "backoff_max"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 < value < math.inf):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.backoff_max < self.backoff_initial:
+            raise ValueError("backoff_max must be at least backoff_initial")
+        if self.keepalive is not None and not 0 < self.keepalive <= MAX_KEEPALIVE:
+            raise ValueError(f"keepalive must be None or in (0, {MAX_KEEPALIVE:g}] s")
+        if self.send_buffer < MAX_DATAGRAM + 1024:  # one largest datagram must fit
+            raise ValueError(f"send_buffer must be at least {MAX_DATAGRAM + 1024} bytes")
 
     def chosen_proxy(self) -> ProxyUrl | None:
         """The proxy this configuration picks (``proxy``, else P2PDIST_RELAY_PROXY),
@@ -679,7 +693,10 @@ class RelayPath:
                     except Exception:
                         self._handler_failed("the relay's notice that it cannot reach", gone)
         elif kind is RelayFrameType.PING:
-            writer.write(encode_frame(RelayFrameType.PONG, body))
+            if len(body) != PING_LEN:
+                raise RelayProtocolError(f"PING of {len(body)} bytes (expected {PING_LEN})")
+            if may_answer_ping(writer):
+                writer.write(encode_frame(RelayFrameType.PONG, body))
         elif kind is RelayFrameType.PONG:
             sent = self._ping_sent.pop(body, None)
             if sent is not None:

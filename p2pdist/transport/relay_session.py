@@ -60,6 +60,17 @@ _CLOSE_GRACE = 2.0
 """Seconds a session we close gently may take to flush before it is aborted."""
 
 
+PONG_BACKLOG = 1 << 20
+"""Bytes waiting to go to the relay beyond which its PINGs (WebSocket or relay frames)
+go unanswered: a relay that does not read would only pile our PONGs up."""
+
+
+def may_answer_ping(writer: asyncio.BaseTransport) -> bool:
+    """Whether a PING may get its PONG now (see :data:`PONG_BACKLOG`)."""
+    assert isinstance(writer, asyncio.WriteTransport)
+    return writer.get_write_buffer_size() <= PONG_BACKLOG
+
+
 class WebSocketTransport(asyncio.Transport):
     """Writes to the relay as masked WebSocket binary frames (one per write) on the
     transport underneath; everything else is that transport's."""
@@ -286,7 +297,8 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
                     exc.frames[:0] = frames
                     raise
             elif event.opcode is Opcode.PING:
-                self._ws_writer.write_control(Opcode.PONG, event.payload)
+                if may_answer_ping(self._ws_writer):
+                    self._ws_writer.write_control(Opcode.PONG, event.payload)
             elif event.opcode is Opcode.CLOSE:
                 # Echo it (then the connection closes, not aborts: see _end); what came
                 # before it counts first (an ERROR or RECONNECT says why).

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 from ..errors import UsageError
-from .relay import MAX_HTTP_HEAD, RelayProtocolError
+from .relay import MAX_HTTP_HEAD, RelayProtocolError, ascii_host
 
 __all__ = ["ProxyRefused", "ProxyUrl", "connect_answer", "connect_request"]
 
@@ -80,20 +80,10 @@ def _redacted(url: str) -> str:
     return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
 
 
-def _ascii_host(host: str) -> str:
-    """``host`` as a request target must carry it: IDNA for a non-ASCII name."""
-    if host.isascii():
-        return host
-    try:
-        return host.encode("idna").decode("ascii")
-    except UnicodeError:
-        raise UsageError(f"relay host {host!r} has no IDNA (ASCII) form") from None
-
-
 def connect_request(proxy: ProxyUrl, host: str, port: int) -> bytes:
     """The CONNECT request for a tunnel to ``host:port``, with Basic credentials when the
     proxy URL carries them."""
-    host = _ascii_host(host)
+    host = ascii_host(host)
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     lines = [f"CONNECT {target} HTTP/1.1", f"Host: {target}"]
     if proxy.user is not None:

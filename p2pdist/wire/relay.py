@@ -46,6 +46,7 @@ __all__ = [
     "RelayProtocolError",
     "RelayUrl",
     "append_addressed",
+    "ascii_host",
     "auth_message",
     "decode_addressed",
     "encode_addressed",
@@ -64,6 +65,8 @@ UPGRADE_PATH = "/relay"
 MAX_BODY = 64 * 1024
 """Largest frame body; a datagram may use MAX_BODY - 32 bytes."""
 MAX_DATAGRAM = MAX_BODY - ID_LEN
+PING_LEN = 8
+"""Bytes in a PING's body (the PONG echoes them); other lengths are protocol errors."""
 MAX_HTTP_HEAD = 8 * 1024
 MAX_KEEPALIVE = 300.0
 """Longest keepalive interval (seconds) a relay may advertise in AUTH_OK: clients take
@@ -453,7 +456,7 @@ def records_key(head: HttpHead) -> bytes | None:
 
 @dataclass(frozen=True, slots=True)
 class HttpHead:
-    """A parsed request or status line plus headers (names lower-cased; a field on
+    """A parsed request or status line plus headers (names lower-cased; a list field on
     several lines is one value, joined by ", ")."""
 
     start_line: list[str]
@@ -465,9 +468,25 @@ class HttpHead:
 
 
 _SINGLE_HEADERS = frozenset(
-    {"host", "upgrade", "connection", "authorization", "content-length", "sec-websocket-key"}
+    {
+        "host",
+        "upgrade",
+        "connection",
+        "authorization",
+        "content-length",
+        "sec-websocket-key",
+        "sec-websocket-version",
+        "sec-websocket-accept",
+        "p2pdist-relay-version",
+        RECORDS_HEADER.lower(),
+    }
 )
-"""Header fields a request may carry once (a repeat is refused, not resolved)."""
+"""Header fields a request or answer may carry once (a repeat is refused, not
+resolved): the upgrade's own fields and every single value the relay protocol reads."""
+_LIST_HEADERS = frozenset({"x-forwarded-for", "sec-websocket-protocol", "sec-websocket-extensions"})
+"""Comma-separated list fields: repeated lines are one list, in order (RFC 9110 5.3; a
+proxy may add its own X-Forwarded-For line after the client's). Other repeats: the last
+line counts."""
 
 
 def parse_http_head(buf: bytes | bytearray) -> tuple[HttpHead, int] | None:
@@ -495,11 +514,9 @@ def parse_http_head(buf: bytes | bytearray) -> tuple[HttpHead, int] | None:
         if not sep or not name or name != name.strip() or " " in name or "\t" in name:
             raise RelayProtocolError(f"malformed HTTP header {line[:80]!r}")
         key = name.lower()
-        if key in headers:
-            if key in _SINGLE_HEADERS:
-                raise RelayProtocolError(f"repeated HTTP header {name[:80]!r}")
-            # RFC 9110 5.3: repeated lines are one comma-separated list, in order (a
-            # proxy may add its own X-Forwarded-For line after the client's).
+        if key in headers and key in _SINGLE_HEADERS:
+            raise RelayProtocolError(f"repeated HTTP header {name[:80]!r}")
+        if key in headers and key in _LIST_HEADERS:
             headers[key] = f"{headers[key]}, {value.strip()}"
         else:
             headers[key] = value.strip()
@@ -507,6 +524,22 @@ def parse_http_head(buf: bytes | bytearray) -> tuple[HttpHead, int] | None:
 
 
 # ---- URLs ------------------------------------------------------------------------------
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def ascii_host(host: str) -> str:
+    """``host`` as TLS (SNI), DNS and HTTP ``Host`` fields carry it: IDNA for a
+    non-ASCII name. UsageError for a name without that form, or with characters no host
+    name has (an IP address passes as it is)."""
+    if not host.isascii():
+        try:
+            host = host.encode("idna").decode("ascii")
+        except UnicodeError:
+            raise UsageError(f"relay host {host!r} has no IDNA (ASCII) form") from None
+    if ":" not in host and not _HOST_NAME.fullmatch(host):
+        raise UsageError(f"relay host {host!r} is not a host name or IP address")
+    return host
 
 
 @dataclass(frozen=True, slots=True)
@@ -562,7 +595,7 @@ class RelayUrl:
             pin = EndpointId.parse(pins[0]) if pins else None
         except ValueError as exc:  # UsageError is one: a bad pin, named as the pin
             raise UsageError(f"relay URL pin: {exc}") from None
-        return cls(parts.hostname, port or 443, pin)
+        return cls(ascii_host(parts.hostname), port or 443, pin)
 
     @property
     def authority(self) -> str:
