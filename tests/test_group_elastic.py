@@ -16,6 +16,7 @@ from transport_conformance import wait_until
 
 from p2pdist import ConnectionBrokenError, Group, GroupBrokenError, GroupConfig, UsageError
 from p2pdist.group.membership import FIRST_RESERVED_SPACE
+from p2pdist.group.rejoin import _cut_off
 
 LEAVE = {"on_peer_loss": "leave"}
 
@@ -153,6 +154,37 @@ async def restart(old: Group, config: GroupConfig | None = None, **kw: object) -
         rejoin=True,
         **kw,  # type: ignore[arg-type]
     )
+
+
+def test_which_survivors_a_rejoiner_disbelieves() -> None:
+    assert _cut_off({0: ([3], 9), 2: ([3], 9)}) == []  # they agree
+    # One rank cut off from the rest: it says they left, they say it left.
+    assert _cut_off({0: ([1, 3], 9), 1: ([0, 2, 3], 7), 2: ([1, 3], 9)}) == [1]
+    # Lost while we rejoined: its hello came first, the others' word later.
+    assert _cut_off({0: ([1, 4], 9), 1: ([4], 9), 2: ([1, 4], 9)}) == [1]
+    # One against one: the lower collective id goes, then the higher rank.
+    assert _cut_off({0: ([1], 5), 1: ([0], 9)}) == [0]
+    assert _cut_off({0: ([1], 9), 1: ([0], 9)}) == [1]
+
+
+async def test_a_rejoiner_sides_with_the_survivors_on_a_rank_they_dropped() -> None:
+    """Rank 1 is cut off (its process lives on and still answers dials) and the others
+    drop it; then rank 3 restarts. Rank 1 answers rank 3's dial as a survivor, but the
+    survivors say it left: rank 3 must count it as left too, or the two sides disagree
+    on the members (a collective or a choice of leader would then split them)."""
+    async with groups(4, config=LEAVE) as gs:
+        crash(gs[1])
+        await until_left([gs[0], gs[2], gs[3]], 1)
+        crash(gs[3])
+        await until_left([gs[0], gs[2]], 3)
+        back = await restart(gs[3])
+        async with back:
+            assert sorted(back.left) == [1], back.left
+            await wait_until(lambda: 3 not in gs[0].left and 3 not in gs[2].left, "3 is back")
+            assert sorted(gs[0].left) == sorted(gs[2].left) == [1]
+            x = np.arange(4.0)
+            got = await asyncio.gather(back.send(x, 0), gs[0].recv(3, like=x))
+            np.testing.assert_array_equal(got[1], x)
 
 
 async def test_a_restarted_rank_rejoins_and_full_collectives_run_again() -> None:

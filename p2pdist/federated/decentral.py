@@ -375,7 +375,7 @@ class GroupAveraging(Leading):
         passed: set[int] = set()  # leaders lost, and ranks that declined, in this wait
         while True:
             try:
-                body = await self._decision(k)
+                body = await self._decision(k, successor=bool(passed))
             except _LeaderLost as lost:
                 if not self.failover:
                     raise lost.error from None
@@ -386,7 +386,9 @@ class GroupAveraging(Leading):
                 continue
             return body, await self._follow(k, body, own)
 
-    async def _decision(self, k: int) -> dict[str, Any]:
+    async def _decision(self, k: int, *, successor: bool = False) -> dict[str, Any]:
+        """Round ``k``'s decision from the leader (``successor``: one chosen in place of
+        a lost leader during this wait)."""
         label = self.group.peer_label(self.leader)
         conn = self.group.connection(self.leader)
         # The leader may rightly wait out the round's deadline before it decides: the
@@ -396,9 +398,14 @@ class GroupAveraging(Leading):
         try:
             frame = await conn.recv(round_channel(self.tag, k, DECISION), timeout=wait)
         except PeerTimeoutError:
-            raise PeerTimeoutError(
-                label, f"no decision for round {k} from the leader within {wait:g} s"
-            ) from None
+            why = f"no decision for round {k} from the leader within {wait:g} s"
+            if successor:
+                why = (
+                    f"chosen to lead after a lost leader, sent no decision for round {k} "
+                    f"within {wait:g} s (a rank back in the group declines only once its "
+                    "GroupAveraging has started: start() it at once after a rejoin)"
+                )
+            raise PeerTimeoutError(label, why) from None
         except (ConnectionBrokenError, RemoteProtocolError) as exc:
             self._check_group()  # a broken group names its own cause
             raise _LeaderLost(

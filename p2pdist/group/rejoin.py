@@ -245,7 +245,7 @@ class Rejoining(Membership):
         tasks = {r: asyncio.create_task(self._reach(transport, r, rejoin)) for r in others}
         loop = asyncio.get_running_loop()
         grace = self.config.transport.keepalive_interval
-        cids: list[int] = []
+        claims: dict[int, tuple[list[int], int]] = {}  # survivor -> (its gone, its cid)
         said = rejoin.said_gone
         doomed_at: dict[int, float] = {}  # a rank reported gone -> when we give up on it
         given_up: list[asyncio.Task[tuple[list[int], int] | None]] = []
@@ -269,7 +269,7 @@ class Rejoining(Membership):
                         del tasks[r]
                         heard = task.result()
                         if heard is not None:  # a survivor's hello (None: a fellow rejoiner)
-                            cids.append(heard[1])
+                            claims[r] = heard
                             for d in heard[0]:
                                 said.setdefault(d, r)
                     now = loop.time()
@@ -294,6 +294,9 @@ class Rejoining(Membership):
         finally:
             self._rejoining = None
             await cancel_and_wait([*tasks.values(), *given_up], timeout=10.0)
+        for r in _cut_off(claims):
+            self._drop_cut_off(r, claims)
+        cids = [cid for _, cid in claims.values()]
         if not cids:
             raise UsageError("rejoin=True needs at least one other rank still in the group")
         if len(set(cids)) > 1:
@@ -302,6 +305,20 @@ class Rejoining(Membership):
         if self._left:
             names = ", ".join(self.peer_label(r) for r in sorted(self._left))
             log.info("%s rejoined; %s gone", self.peer_label(self._rank), names)
+
+    def _drop_cut_off(self, r: int, claims: dict[int, tuple[list[int], int]]) -> None:
+        """Rank ``r`` answered as a survivor, but the survivors that agree with each other
+        say it left (it lives on, cut off from them): count it as left, as they do, and
+        close our connection to it (not a loss: it is no member of ours)."""
+        sayers = sorted(s for s, (gone, _) in claims.items() if r in gone)
+        del claims[r]
+        conn = self._conns.pop(r, None)
+        if conn is not None:
+            self._spawn(_close_quietly(conn))
+        why = f"had left before this rank rejoined ({self.peer_label(sayers[0])} says"
+        self._left[r] = ConnectionBrokenError(
+            self.peer_label(r), f"{why}, though it still answered: cut off from the others?)"
+        )
 
     async def _reach(
         self,
@@ -412,6 +429,28 @@ class Rejoining(Membership):
             if not hello.done():
                 hello.cancel()
                 await asyncio.gather(hello, return_exceptions=True)
+
+
+def _cut_off(claims: dict[int, tuple[list[int], int]]) -> list[int]:
+    """Survivors to disbelieve: of ranks that answered a rejoin as survivors, those the
+    others say left (and that say the others left). While two of them disagree, the one
+    in the most disagreements goes (then the one with the lower collective id, then the
+    higher rank): one rank cut off from all others is the one dropped, whatever it says."""
+    gone = {r: set(g) for r, (g, _) in claims.items()}
+    alive = set(claims)
+    out: list[int] = []
+    while True:
+        clash = {r: sum(1 for o in alive if o in gone[r] or r in gone[o]) for r in alive}
+        worst = max(alive, key=lambda r: (clash[r], -claims[r][1], r), default=None)
+        if worst is None or clash[worst] == 0:
+            return out
+        alive.discard(worst)
+        out.append(worst)
+
+
+async def _close_quietly(conn: Connection) -> None:
+    with contextlib.suppress(P2PError):
+        await conn.close()
 
 
 class _Rejoin:
