@@ -1171,3 +1171,41 @@ async def test_a_receiver_waiting_behind_frames_nobody_reads(chunks: int, arrive
         if not arrives:
             assert bytes((await cb.recv(2, timeout=5.0)).payload) == b"hello"
         await bounded(sending, "the sender")
+
+
+async def test_a_record_arriving_slowly_counts_as_life() -> None:
+    """Over TLS (AES-GCM records), a large record that trickles in for longer than
+    ``idle_timeout`` keeps the connection alive: every byte counts as life, not only
+    whole records (a bulk message on a slow link was declared silent and aborted).
+    White-box: the sender is frozen and one 900 KB record is fed to the receiver."""
+    from p2pdist.wire.frames import encode_data_header
+
+    cfg = TransportConfig(keepalive_interval=0.25, idle_timeout=1.0)
+    ta, tb = TcpTransport(SecretKey.generate(), cfg), TcpTransport(SecretKey.generate(), cfg)
+    try:
+        host, port = await tb.listen("127.0.0.1", 0)
+        ca: Any = await ta.connect(tb.endpoint_id, (host, port))
+        cb: Any = await tb.accept(timeout=5)
+        assert cb.record_protection == "aes-256-gcm"
+        ca._ka_timer.cancel()  # only the bytes fed below reach cb
+        ca._keepalive = None
+        ca._transport.pause_reading()
+        payload = bytes(900_000)
+        header = encode_data_header(9, 0, b"", len(payload), cfg.limits)
+        wire = bytes(ca._tls.encrypt(header + payload))  # one record
+        step = len(wire) // 25  # 25 pieces, one every 0.1 s: 2.5 s in all
+        for i in range(0, len(wire), step):
+            assert not cb.closed, f"aborted after {i} of {len(wire)} bytes: {cb._error}"
+            chunk = wire[i : i + step]
+            while chunk:
+                buf = cb.get_buffer(-1)
+                n = min(len(buf), len(chunk))
+                buf[:n] = chunk[:n]
+                cb.buffer_updated(n)
+                chunk = chunk[n:]
+            await asyncio.sleep(0.1)
+        frame = await cb.recv(9, timeout=5)
+        assert frame.payload.nbytes == len(payload)
+    finally:
+        await ta.close()
+        await tb.close()

@@ -32,6 +32,7 @@ from p2pdist.errors import (
     ConnectionClosedError,
     PeerTimeoutError,
     RemoteProtocolError,
+    UsageError,
 )
 from p2pdist.transport.base import Connection, Transport
 from p2pdist.wire.frames import Frame, FrameKind
@@ -185,6 +186,23 @@ async def check_large_message(make_pair: PairFactory) -> None:
         await p.server.send(1, floats)
         got = await recv(p.client, 1)
         assert np.array_equal(np.frombuffer(got.payload, np.float64), floats)
+
+
+async def check_non_contiguous_payload_refused_whole(make_pair: PairFactory) -> None:
+    """A strided payload is refused before anything of its frame is written (or
+    encrypted): the connection goes on, in step. A large one used to leave its header on
+    the wire (or a sealed record's nonce used up) and break the stream."""
+    async with make_pair() as p:
+        data = np.arange(200_000, dtype=np.uint8)
+        for payload in (data[::2], memoryview(data)[::2]):
+            with pytest.raises(UsageError, match="C-contiguous"):
+                p.client.send_nowait(5, payload)
+            with pytest.raises(UsageError, match="C-contiguous"):
+                await bounded(p.client.send(5, payload), "a refused send")
+        await bounded(p.client.send(6, b"after"), "a send")
+        await bounded(p.client.send(5, np.ascontiguousarray(data[::2])), "a send")
+        assert bytes((await recv(p.server, 6)).payload) == b"after"
+        assert bytes((await recv(p.server, 5)).payload) == bytes(data[::2])
 
 
 async def check_send_buffer_reusable(make_pair: PairFactory) -> None:
@@ -568,6 +586,7 @@ CHECKS: list[Callable[[PairFactory], Awaitable[None]]] = [
     check_per_channel_ordering,
     check_empty_messages,
     check_large_message,
+    check_non_contiguous_payload_refused_whole,
     check_send_buffer_reusable,
     check_send_buffer_reusable_below_high_water,
     check_concurrent_channels_both_directions,

@@ -234,6 +234,8 @@ class FramedConnection:
             self._check_open()
         try:
             mv = payload if type(payload) is memoryview else memoryview(payload)
+            if not mv.c_contiguous:  # checked before anything is written (or encrypted)
+                raise TypeError("the buffer is not C-contiguous")
             if mv.ndim != 1 or mv.itemsize != 1:
                 mv = mv.cast("B")
         except TypeError as exc:

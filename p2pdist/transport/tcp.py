@@ -367,6 +367,8 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
             return
         if self._tls is not None:
             self._tls.buffer_updated(nbytes)
+            if self._keepalive is not None:  # any byte is life, a record's first ones too
+                self._keepalive.on_receive(self._loop.time())
             self._tls_receive()
             return
         self._decode(self._decoder.buffer_updated, nbytes)
