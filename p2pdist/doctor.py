@@ -24,7 +24,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from . import eventloop
 from .errors import P2PError, PeerError, UsageError
 from .identity import EndpointId, SecretKey
+from .settings import env_token
 from .transport.base import Connection, TransportConfig
 from .transport.holepunch import interface_addresses
 from .transport.observe import StunProbe, mapping_behaviour
@@ -100,7 +100,15 @@ class DoctorReport:
     peer: PeerReport | None = None
 
     def verdict(self) -> str:
-        """One line: what to expect for direct paths from this host."""
+        """One line: what to expect for direct paths from this host (and, when the
+        check of a peer failed, that it did)."""
+        host = self._host_verdict()
+        p = self.peer
+        if p is not None and (not p.connected or p.error):
+            return f"{host}; but the check of peer {p.peer[:10]} failed (above)"
+        return host
+
+    def _host_verdict(self) -> str:
         if not self.relay_connected:
             return "cannot reach the relay: nothing works until it can"
         if self.observation_off:
@@ -285,7 +293,8 @@ def render(r: DoctorReport) -> str:
             lines.append("  UDP          not checked: the relay has address observation off")
         else:
             lines.append(f"  UDP          {'reachable' if r.udp else 'BLOCKED'}: {pairs}")
-        lines.append(f"  local        {r.local} (interfaces: {', '.join(r.interfaces) or '-'})")
+        local = r.local or "not checked"
+        lines.append(f"  local        {local} (interfaces: {', '.join(r.interfaces) or '-'})")
         lines.append(f"  NAT mapping  {r.mapping}")
     p = r.peer
     if p is not None:
@@ -319,7 +328,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--key", help="key file to use (default: a fresh key)")
     ap.add_argument(
         "--token",
-        default=os.environ.get("P2PDIST_RELAY_TOKEN") or None,
         help="relay access token (default: $P2PDIST_RELAY_TOKEN, as the relay reads it)",
     )
     ap.add_argument(
@@ -338,6 +346,8 @@ def main(argv: list[str]) -> int:
     if args.serve and args.peer:
         ap.error("--serve answers other doctors; --peer dials one: pass one of them")
     try:
+        if args.token is None:
+            args.token = env_token()
         key = SecretKey.load(args.key) if args.key else None
         if args.serve:
             eventloop.run(serve(args.relay, key=key, token=args.token, timeout=args.timeout))

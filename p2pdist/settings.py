@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import os
 
 import numpy as np
 
 from .errors import UsageError
 
-__all__ = ["INT_MAX", "as_int", "check_int", "check_seconds"]
+__all__ = ["INT_MAX", "as_int", "check_int", "check_seconds", "env_flag", "env_token"]
 
 
 def check_seconds(name: str, value: object) -> float:
@@ -52,3 +53,28 @@ def check_int(name: str, value: object, minimum: int = 0) -> int:
     if size > INT_MAX:
         raise UsageError(f"{name} must be at most 2**63 - 1, got {value!r}")
     return size
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The environment variable ``name`` as a yes/no (1/0, true/false, yes/no, on/off,
+    any case; unset or empty: ``default``); UsageError naming it for anything else."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise UsageError(f"{name} must be 1 or 0 (true/false, yes/no, on/off), got {value!r}")
+
+
+def env_token(name: str = "P2PDIST_RELAY_TOKEN") -> str | None:
+    """A relay token from the environment: None when unset; UsageError when set but
+    empty (as the relay refuses to start with it: unset it for no token)."""
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    if not value:
+        raise UsageError(f"{name} is set but empty: unset it for no token")
+    return value

@@ -198,6 +198,49 @@ def test_id_refuses_readable_key_file(tmp_path: Path) -> None:
     assert proc.stdout == ""
 
 
+def test_a_key_path_that_is_no_file_gets_no_chmod_advice(tmp_path: Path) -> None:
+    tmp_path.chmod(0o755)  # as /var/lib/p2pdist-relay might be
+    for path, what in [(tmp_path, "is a directory, not a file"), ("/dev/null", "not a regular")]:
+        proc = run_cli("id", str(path))
+        assert proc.returncode == 2 and what in proc.stderr, proc.stderr
+        assert "chmod" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_environment_is_read_strictly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from p2pdist import Group, UsageError
+
+    base = {"P2PDIST_SEED": "s" * 20, "P2PDIST_RANK": "0", "P2PDIST_WORLD": "1"}
+    for name, value in base.items():
+        monkeypatch.setenv(name, value)
+    for value, tls in [("OFF", False), ("False", False), ("no", False), ("Yes", True), ("", True)]:
+        monkeypatch.setenv("P2PDIST_TLS", value)
+        assert Group.from_env().config.transport.tls is tls, value
+    monkeypatch.setenv("P2PDIST_TLS", "plain")
+    with pytest.raises(UsageError, match="P2PDIST_TLS must be 1 or 0"):
+        Group.from_env()
+    monkeypatch.setenv("P2PDIST_TLS", "1")
+    monkeypatch.setenv("P2PDIST_RELAY_TOKEN", "")
+    with pytest.raises(UsageError, match="P2PDIST_RELAY_TOKEN is set but empty"):
+        Group.from_env()
+    proc = subprocess.run(
+        [sys.executable, "-m", "p2pdist.cli", "doctor", "--relay", "https://127.0.0.1:9/"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env={**os.environ, "P2PDIST_RELAY_TOKEN": ""},
+    )
+    assert proc.returncode == 2 and "P2PDIST_RELAY_TOKEN is set but empty" in proc.stderr
+
+
+def test_from_seed_names_wrong_types() -> None:
+    from p2pdist import Group, UsageError
+
+    with pytest.raises(UsageError, match="rank must be an int, got str '0'"):
+        Group.from_seed("s" * 20, rank="0", world=2, peers=["a:1", "b:2"])  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="peers must be a list of host:port strings"):
+        Group.from_seed("s" * 20, rank=0, world=2, peers="127.0.0.1:1,127.0.0.1:2")
+
+
 def test_id_missing_file() -> None:
     proc = run_cli("id", "/nonexistent/k.pem")
     assert proc.returncode == 2
@@ -538,3 +581,31 @@ def test_a_reader_that_goes_away_ends_the_command_as_sigpipe_would() -> None:
     err = proc.stderr.read()
     assert proc.wait(timeout=TIMEOUT_S) == 141
     assert b"Traceback" not in err
+
+
+def test_doctor_verdict_names_a_failed_peer_check_and_no_none() -> None:
+    from p2pdist.doctor import DoctorReport, PeerReport, render
+
+    report = DoctorReport(
+        "https://relay.test/",
+        "a" * 52,
+        relay_connected=True,
+        relay_sees="192.0.2.1:5000",
+        observation_off=True,
+    )
+    assert "local        not checked" in render(report)
+    assert "None" not in render(report)
+    report.peer = PeerReport("b" * 52, error="is not connected to the relay")
+    assert report.verdict().endswith("but the check of peer bbbbbbbbbb failed (above)")
+    report.peer = PeerReport("b" * 52, connected=True, direct=True, transfer_mb_s=9.0)
+    assert "failed" not in report.verdict()
+
+
+def test_a_bad_proxy_in_the_environment_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from p2pdist import UsageError
+    from p2pdist.transport.relay_path import RelayConfig
+
+    monkeypatch.setenv("P2PDIST_RELAY_PROXY", "proxy:3128")
+    with pytest.raises(UsageError, match="P2PDIST_RELAY_PROXY in the environment: proxy URL"):
+        RelayConfig().chosen_proxy()
+    assert RelayConfig(proxy="").chosen_proxy() is None  # "" overrides the environment

@@ -68,7 +68,11 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-staleness", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="initial model and baseline seed")
     p.add_argument("--epochs", type=int, default=1, help="client epochs per round")
-    p.add_argument("--png", type=Path, default=Path("federated_accuracy.png"))
+    p.add_argument(
+        "--png",
+        default="federated_accuracy.png",
+        help="accuracy plot file ('' for none, as p2pdist bench takes it)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write a summary here")
     p.add_argument("--plaintext", action="store_true", help="TCP without TLS (trusted nets)")
     p.add_argument("--verbose", action="store_true")
@@ -97,7 +101,7 @@ def check_coordinator_args(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error(str(exc))
     for flag in ("png", "json"):
         path = getattr(args, flag)
-        if path is not None and (problem := unwritable(path)):
+        if path and (problem := unwritable(Path(path))):  # --png '': no plot
             p.error(f"--{flag} {path}: {problem}")
 
 
@@ -154,8 +158,10 @@ async def serve(
         f"epochs: {central:.2%}; gap {100 * (central - final):+.2f} points"
     )
     print(f"dropped and rejected over the run: {totals or 'none'}")
-    plot(table.rows, central, args.png, f"digits, {args.clients} non-IID clients, rule {args.rule}")
-    print(f"accuracy plot: {args.png}")
+    if args.png:
+        title = f"digits, {args.clients} non-IID clients, rule {args.rule}"
+        plot(table.rows, central, Path(args.png), title)
+        print(f"accuracy plot: {args.png}")
     summary: dict[str, object] = {
         "federated_accuracy": final,
         "centralised_accuracy": central,

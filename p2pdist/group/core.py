@@ -26,7 +26,7 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId, SecretKey
-from ..settings import as_int
+from ..settings import as_int, env_flag, env_token
 from ..tasks import cancel_and_wait
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.mailbox import SPACE_SHIFT
@@ -196,8 +196,15 @@ class GroupCore(Runner):
         world_int, rank_int = as_int(world), as_int(rank)
         if world_int is None or world_int < 1:
             raise UsageError(f"world must be an int >= 1, got {world!r}")
-        if rank_int is None or not 0 <= rank_int < world_int:
+        if rank_int is None:  # "0" from sys.argv, say: not a rank out of range
+            raise UsageError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
+        if not 0 <= rank_int < world_int:
             raise UsageError(f"rank must be in [0, {world}), got {rank!r}")
+        if isinstance(peers, str | bytes):  # one string would be taken letter by letter
+            raise UsageError(
+                f"peers must be a list of host:port strings, one per rank, got a string "
+                f"{peers!r} (split it: peers.split(','))"
+            )
         rank, world = rank_int, world_int
         cfg = config or GroupConfig()
         changes: dict[str, Any] = {}
@@ -227,8 +234,8 @@ class GroupCore(Runner):
     def from_env(cls, *, config: GroupConfig | None = None) -> Self:
         """A seed group described by P2PDIST_SEED, P2PDIST_RANK, P2PDIST_WORLD and either
         P2PDIST_PEERS (comma-separated host:port) or P2PDIST_RELAY (a relay URL, with
-        P2PDIST_RELAY_TOKEN if the relay wants one), not both; P2PDIST_TLS=0 selects
-        plaintext."""
+        P2PDIST_RELAY_TOKEN if the relay wants one), not both; P2PDIST_TLS=0 (or false,
+        no, off) selects plaintext."""
 
         def need(name: str) -> str:
             value = os.environ.get(name)
@@ -254,7 +261,7 @@ class GroupCore(Runner):
                 "both P2PDIST_PEERS and P2PDIST_RELAY are set: unset one (P2PDIST_PEERS: "
                 "ranks reach each other at those addresses; P2PDIST_RELAY: through the relay)"
             )
-        tls = os.environ.get("P2PDIST_TLS", "1") not in ("0", "false", "no")
+        tls = env_flag("P2PDIST_TLS", True)
         return cls.from_seed(
             need("P2PDIST_SEED"),
             rank=rank,
@@ -263,7 +270,7 @@ class GroupCore(Runner):
             tls=tls,
             config=config,
             relay=relay,
-            relay_token=os.environ.get("P2PDIST_RELAY_TOKEN") or None,
+            relay_token=env_token(),
         )
 
     # ---- properties -----------------------------------------------------------------

@@ -135,8 +135,13 @@ class RelayConfig:
     def chosen_proxy(self) -> ProxyUrl | None:
         """The proxy this configuration picks (``proxy``, else P2PDIST_RELAY_PROXY),
         parsed; None for a direct connection. UsageError for a bad URL."""
-        chosen = os.environ.get(PROXY_ENV, "") if self.proxy is None else self.proxy
-        return ProxyUrl.parse(chosen) if chosen else None
+        if self.proxy is not None:
+            return ProxyUrl.parse(self.proxy) if self.proxy else None
+        chosen = os.environ.get(PROXY_ENV, "")
+        try:
+            return ProxyUrl.parse(chosen) if chosen else None
+        except UsageError as exc:  # say where it came from: no flag of the user's
+            raise UsageError(f"{PROXY_ENV} in the environment: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
