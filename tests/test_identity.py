@@ -359,8 +359,11 @@ def test_load_missing_or_unreadable(tmp_path: Path) -> None:
         SecretKey.load(tmp_path / "nope.pem")
     d = tmp_path / "dir"
     d.mkdir(mode=0o700)
-    with pytest.raises(KeyFileError, match="cannot read"):
+    with pytest.raises(KeyFileError, match="is a directory, not a file"):
         SecretKey.load(d)
+    (d / "file").write_bytes(b"")
+    with pytest.raises(KeyFileError, match="cannot read"):
+        SecretKey.load(d / "file" / "deeper")  # a path through a file: not a directory
 
 
 # ---- secrets never shown ---------------------------------------------------------------------
