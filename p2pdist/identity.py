@@ -68,12 +68,12 @@ def _weak_key_reason(raw: bytes) -> str | None:
 def exposed_key_file(path: Path, mode: int) -> str | None:
     """``"<path> is accessible by group or others (mode ...); run: chmod 600 <path>"``
     when a private key file of that ``st_mode`` is not private to its owner (or
-    ``"<path> is a directory, not a file"`` when it is no regular file: chmod advice
-    would be wrong there), else None."""
-    if not stat.S_ISREG(mode):
-        return (
-            f"{path} is {'a directory, not a file' if stat.S_ISDIR(mode) else 'not a regular file'}"
-        )
+    ``"<path> is a directory, not a file"``: chmod advice would be wrong there; a pipe,
+    ``--key <(vault read ...)``, is read as a file), else None."""
+    if stat.S_ISDIR(mode):
+        return f"{path} is a directory, not a file"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return f"{path} is a device, not a file"
     if not mode & (stat.S_IRWXG | stat.S_IRWXO):
         return None
     return (

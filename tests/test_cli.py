@@ -200,7 +200,7 @@ def test_id_refuses_readable_key_file(tmp_path: Path) -> None:
 
 def test_a_key_path_that_is_no_file_gets_no_chmod_advice(tmp_path: Path) -> None:
     tmp_path.chmod(0o755)  # as /var/lib/p2pdist-relay might be
-    for path, what in [(tmp_path, "is a directory, not a file"), ("/dev/null", "not a regular")]:
+    for path, what in [(tmp_path, "is a directory, not a file"), ("/dev/null", "is a device")]:
         proc = run_cli("id", str(path))
         assert proc.returncode == 2 and what in proc.stderr, proc.stderr
         assert "chmod" not in proc.stderr and "Traceback" not in proc.stderr
@@ -219,7 +219,9 @@ def test_the_environment_is_read_strictly(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(UsageError, match="P2PDIST_TLS must be 1 or 0"):
         Group.from_env()
     monkeypatch.setenv("P2PDIST_TLS", "1")
-    monkeypatch.setenv("P2PDIST_RELAY_TOKEN", "")
+    monkeypatch.setenv("P2PDIST_RELAY_TOKEN", "")  # unused without a relay: fine
+    Group.from_env()
+    monkeypatch.setenv("P2PDIST_RELAY", "https://127.0.0.1:9/")
     with pytest.raises(UsageError, match="P2PDIST_RELAY_TOKEN is set but empty"):
         Group.from_env()
     proc = subprocess.run(

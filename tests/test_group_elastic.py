@@ -157,14 +157,21 @@ async def restart(old: Group, config: GroupConfig | None = None, **kw: object) -
 
 
 def test_which_survivors_a_rejoiner_disbelieves() -> None:
-    assert _cut_off({0: ([3], 9), 2: ([3], 9)}) == []  # they agree
+    assert _cut_off({0: {3}, 2: {3}}) == []  # they agree
     # One rank cut off from the rest: it says they left, they say it left.
-    assert _cut_off({0: ([1, 3], 9), 1: ([0, 2, 3], 7), 2: ([1, 3], 9)}) == [1]
-    # Lost while we rejoined: its hello came first, the others' word later.
-    assert _cut_off({0: ([1, 4], 9), 1: ([4], 9), 2: ([1, 4], 9)}) == [1]
-    # One against one: the lower collective id goes, then the higher rank.
-    assert _cut_off({0: ([1], 5), 1: ([0], 9)}) == [0]
-    assert _cut_off({0: ([1], 9), 1: ([0], 9)}) == [1]
+    assert _cut_off({0: {1, 3}, 1: {0, 2, 3}, 2: {1, 3}}) == [1]
+    # Lost while we rejoined: one survivor's later word against another's earlier hello,
+    # a rank just taken back that one survivor's earlier hello still calls gone, one
+    # survivor's word against another's, or one survivor saying others left: nobody.
+    assert _cut_off({0: set(), 1: set(), 2: {1}}) == []
+    assert _cut_off({1: {2}, 2: set(), 3: set()}) == []
+    assert _cut_off({0: {1}, 1: {0}}) == []
+    assert _cut_off({1: {2, 3}, 2: set(), 3: set()}) == []
+    # Two cut off, each from everyone: both go, the one more say left first.
+    assert _cut_off({0: {4, 5}, 1: {4, 5}, 2: {4, 5}, 3: {5}, 4: {0, 1, 2}, 5: {0, 1, 2, 3}}) == [
+        5,
+        4,
+    ]
 
 
 async def test_a_rejoiner_sides_with_the_survivors_on_a_rank_they_dropped() -> None:
@@ -185,6 +192,29 @@ async def test_a_rejoiner_sides_with_the_survivors_on_a_rank_they_dropped() -> N
             x = np.arange(4.0)
             got = await asyncio.gather(back.send(x, 0), gs[0].recv(3, like=x))
             np.testing.assert_array_equal(got[1], x)
+
+
+async def test_a_rank_lost_while_another_rejoins_is_not_mistaken_for_a_cut_off_one() -> None:
+    """Rank 1 answers the rejoiner, then dies; rank 2 answers after seeing it go. One
+    survivor's later word against another's earlier hello drops nobody wrongly: the
+    rejoiner ends with rank 1 left (its connection ends too), never crashes."""
+    async with groups(4, config=LEAVE) as gs:
+        crash(gs[3])
+        await until_left([gs[0], gs[1], gs[2]], 3)
+        take_back = gs[2]._take_back
+
+        async def late(rank: int, conn: Any) -> None:  # rank 2 answers last
+            await wait_until(lambda: 3 not in gs[1].left, "rank 1 took 3 back")
+            await asyncio.sleep(0.2)  # rank 1's hello is on its way
+            crash(gs[1])
+            await until_left([gs[2]], 1)
+            await take_back(rank, conn)
+
+        gs[2]._take_back = late  # type: ignore[method-assign]
+        back = await restart(gs[3])
+        async with back:
+            await wait_until(lambda: 1 in back.left, "rank 1's loss seen by the rejoiner")
+            assert 2 not in back.left and 0 not in back.left
 
 
 async def test_a_restarted_rank_rejoins_and_full_collectives_run_again() -> None:

@@ -25,6 +25,7 @@ import numpy as np
 from p2pdist import EndpointId, SecretKey, TransportConfig, UsageError
 from p2pdist.federated import FederatedClient, RoundTask
 from p2pdist.identity import check_seed
+from p2pdist.settings import env_token
 from p2pdist.transport.tcp import parse_address
 from p2pdist.wire.relay import RelayUrl
 
@@ -49,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--address", help="the coordinator's host:port (TCP)")
     where.add_argument("--relay", help="a relay URL (QUIC through the relay)")
-    p.add_argument("--relay-token", default=os.environ.get("P2PDIST_RELAY_TOKEN"))
+    p.add_argument("--relay-token", help="relay access token (default: $P2PDIST_RELAY_TOKEN)")
     p.add_argument("--index", type=int, required=True, help="this client's shard, 0-based")
     p.add_argument("--clients", type=int, required=True, help="how many shards")
     p.add_argument("--seed", type=int, default=0, help="data split and training seed")
@@ -94,6 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 parse(value)
             except UsageError as exc:
                 p.error(f"{flag}: {exc}")
+    if args.relay is not None and args.relay_token is None:
+        try:  # the environment's, checked as the relay checks it (set but empty: refused)
+            args.relay_token = env_token()
+        except UsageError as exc:
+            p.error(str(exc))
     return args
 
 

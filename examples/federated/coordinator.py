@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ from p2pdist import SecretKey, TransportConfig, UsageError
 from p2pdist.bench import unwritable
 from p2pdist.federated import Coordinator, FederatedConfig
 from p2pdist.identity import check_seed
+from p2pdist.settings import env_token
 from p2pdist.transport.tcp import parse_address
 from p2pdist.wire.relay import RelayUrl
 
@@ -90,6 +90,10 @@ def check_coordinator_args(p: argparse.ArgumentParser, args: argparse.Namespace)
             RelayUrl.parse(args.relay)
         except UsageError as exc:
             p.error(f"--relay: {exc}")
+        try:  # P2PDIST_RELAY_TOKEN set but empty: refused, as the relay refuses it
+            env_token()
+        except UsageError as exc:
+            p.error(str(exc))
     if getattr(args, "listen", None) is not None:
         try:
             parse_address(args.listen)
@@ -134,9 +138,7 @@ async def serve(
     # A client that vanishes without a word over UDP (QUIC) is noticed after idle_timeout.
     transport = TransportConfig(tls=not args.plaintext, idle_timeout=IDLE_TIMEOUT)
     async with Coordinator(model, fed_config(args), key=key, transport=transport) as coord:
-        await coord.start(
-            listen=listen, relay=relay, relay_token=os.environ.get("P2PDIST_RELAY_TOKEN")
-        )
+        await coord.start(listen=listen, relay=relay, relay_token=env_token() if relay else None)
         print(f"coordinator id: {coord.endpoint_id}", flush=True)
         if coord.address is not None:
             print(f"coordinator address: {coord.address[0]}:{coord.address[1]}", flush=True)

@@ -270,7 +270,7 @@ class GroupCore(Runner):
             tls=tls,
             config=config,
             relay=relay,
-            relay_token=env_token(),
+            relay_token=env_token() if relay else None,  # unused without a relay
         )
 
     # ---- properties -----------------------------------------------------------------

@@ -294,9 +294,18 @@ class Rejoining(Membership):
         finally:
             self._rejoining = None
             await cancel_and_wait([*tasks.values(), *given_up], timeout=10.0)
-        for r in _cut_off(claims):
-            self._drop_cut_off(r, claims)
-        cids = [cid for _, cid in claims.values()]
+        # Who each survivor still here says is gone: its hello, and its notices since.
+        gone: dict[int, set[int]] = {
+            r: set(g)
+            for r, (g, _) in claims.items()
+            if r not in self._left and r in self._conns and not self._conns[r].closed
+        }
+        for d, sayer in said.items():
+            if sayer in gone:
+                gone[sayer].add(d)
+        for r in _cut_off(gone):
+            self._drop_cut_off(r, gone)
+        cids = [cid for r, (_, cid) in claims.items() if r in gone]
         if not cids:
             raise UsageError("rejoin=True needs at least one other rank still in the group")
         if len(set(cids)) > 1:
@@ -306,18 +315,20 @@ class Rejoining(Membership):
             names = ", ".join(self.peer_label(r) for r in sorted(self._left))
             log.info("%s rejoined; %s gone", self.peer_label(self._rank), names)
 
-    def _drop_cut_off(self, r: int, claims: dict[int, tuple[list[int], int]]) -> None:
-        """Rank ``r`` answered as a survivor, but the survivors that agree with each other
-        say it left (it lives on, cut off from them): count it as left, as they do, and
-        close our connection to it (not a loss: it is no member of ours)."""
-        sayers = sorted(s for s, (gone, _) in claims.items() if r in gone)
-        del claims[r]
+    def _drop_cut_off(self, r: int, gone: dict[int, set[int]]) -> None:
+        """Rank ``r`` answered as a survivor, but most other survivors say it left (it
+        lives on, cut off from them): count it as left, as they do, and close our
+        connection to it (not a loss: it is no member of ours)."""
+        sayers = sorted(s for s, said in gone.items() if r in said and s != r)
+        del gone[r]
         conn = self._conns.pop(r, None)
         if conn is not None:
             self._spawn(_close_quietly(conn))
-        why = f"had left before this rank rejoined ({self.peer_label(sayers[0])} says"
+        who = self.peer_label(sayers[0]) if sayers else "the others"
         self._left[r] = ConnectionBrokenError(
-            self.peer_label(r), f"{why}, though it still answered: cut off from the others?)"
+            self.peer_label(r),
+            f"had left before this rank rejoined ({who} says, though it still answered: "
+            "cut off from the others?)",
         )
 
     async def _reach(
@@ -431,21 +442,25 @@ class Rejoining(Membership):
                 await asyncio.gather(hello, return_exceptions=True)
 
 
-def _cut_off(claims: dict[int, tuple[list[int], int]]) -> list[int]:
-    """Survivors to disbelieve: of ranks that answered a rejoin as survivors, those the
-    others say left (and that say the others left). While two of them disagree, the one
-    in the most disagreements goes (then the one with the lower collective id, then the
-    higher rank): one rank cut off from all others is the one dropped, whatever it says."""
-    gone = {r: set(g) for r, (g, _) in claims.items()}
-    alive = set(claims)
+def _cut_off(gone: dict[int, set[int]]) -> list[int]:
+    """Survivors to disbelieve, given who each survivor that answered a rejoin says is
+    gone: a rank that answered, but that more of the other survivors say left than do
+    not (it lives on, cut off from them), the one with the widest margin first, each
+    time counting only the survivors still believed. A tie, or one survivor's word
+    against another's, drops nobody: hellos are snapshots taken at different moments."""
+    believed = set(gone)
     out: list[int] = []
     while True:
-        clash = {r: sum(1 for o in alive if o in gone[r] or r in gone[o]) for r in alive}
-        worst = max(alive, key=lambda r: (clash[r], -claims[r][1], r), default=None)
-        if worst is None or clash[worst] == 0:
+        margin = {}
+        for r in believed:
+            others = believed - {r}
+            says = sum(1 for o in others if r in gone[o])
+            margin[r] = says - (len(others) - says)
+        best = sorted(margin.items(), key=lambda item: -item[1])[:2]
+        if not best or best[0][1] <= 0 or (len(best) == 2 and best[1][1] == best[0][1]):
             return out
-        alive.discard(worst)
-        out.append(worst)
+        believed.discard(best[0][0])
+        out.append(best[0][0])
 
 
 async def _close_quietly(conn: Connection) -> None:
