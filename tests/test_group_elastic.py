@@ -157,21 +157,26 @@ async def restart(old: Group, config: GroupConfig | None = None, **kw: object) -
 
 
 def test_which_survivors_a_rejoiner_disbelieves() -> None:
-    assert _cut_off({0: {3}, 2: {3}}) == []  # they agree
+    def cut(voters: dict[int, set[int]], lost: set[int] | None = None) -> list[int]:
+        return _cut_off(voters, set(voters) - (lost or set()))
+
+    assert cut({0: {3}, 2: {3}}) == []  # they agree
     # One rank cut off from the rest: it says they left, they say it left.
-    assert _cut_off({0: {1, 3}, 1: {0, 2, 3}, 2: {1, 3}}) == [1]
+    assert cut({0: {1, 3}, 1: {0, 2, 3}, 2: {1, 3}}) == [1]
+    # Two cut off at once go together, whether they still reach each other or not.
+    assert cut({0: {3, 4}, 1: {3, 4}, 2: {3, 4}, 3: {0, 1, 2}, 4: {0, 1, 2}}) == [3, 4]
+    assert cut({0: {3, 4}, 1: {3, 4}, 2: {3, 4}, 3: {0, 1, 2, 4}, 4: {0, 1, 2, 3}}) == [3, 4]
+    # Two cut off, one by more: it goes first, then the other.
+    assert cut({0: {4, 5}, 1: {4, 5}, 2: {4, 5}, 3: {5}, 4: {0, 1, 2}, 5: {0, 1, 2, 3}}) == [5, 4]
+    # A survivor lost since its hello keeps its say (it was true then), not its place.
+    assert cut({0: {1}, 1: {0, 2}, 2: {1}}, lost={2}) == [1]
     # Lost while we rejoined: one survivor's later word against another's earlier hello,
     # a rank just taken back that one survivor's earlier hello still calls gone, one
     # survivor's word against another's, or one survivor saying others left: nobody.
-    assert _cut_off({0: set(), 1: set(), 2: {1}}) == []
-    assert _cut_off({1: {2}, 2: set(), 3: set()}) == []
-    assert _cut_off({0: {1}, 1: {0}}) == []
-    assert _cut_off({1: {2, 3}, 2: set(), 3: set()}) == []
-    # Two cut off, each from everyone: both go, the one more say left first.
-    assert _cut_off({0: {4, 5}, 1: {4, 5}, 2: {4, 5}, 3: {5}, 4: {0, 1, 2}, 5: {0, 1, 2, 3}}) == [
-        5,
-        4,
-    ]
+    assert cut({0: set(), 1: set(), 2: {1}}, lost={1}) == []
+    assert cut({1: {2}, 2: set(), 3: set()}) == []
+    assert cut({0: {1}, 1: {0}}) == []
+    assert cut({1: {2, 3}, 2: set(), 3: set()}) == []
 
 
 async def test_a_rejoiner_sides_with_the_survivors_on_a_rank_they_dropped() -> None:
@@ -192,6 +197,19 @@ async def test_a_rejoiner_sides_with_the_survivors_on_a_rank_they_dropped() -> N
             x = np.arange(4.0)
             got = await asyncio.gather(back.send(x, 0), gs[0].recv(3, like=x))
             np.testing.assert_array_equal(got[1], x)
+
+
+async def test_two_ranks_cut_off_at_once_are_both_left_to_a_rejoiner() -> None:
+    async with groups(5, config=LEAVE) as gs:
+        crash(gs[3])  # both cut off from everyone, their processes live on
+        crash(gs[4])
+        await until_left(gs[:3], 3)
+        await until_left(gs[:3], 4)
+        crash(gs[2])
+        await until_left(gs[:2], 2)
+        back = await restart(gs[2])
+        async with back:
+            assert sorted(back.left) == sorted(gs[0].left) == sorted(gs[1].left) == [3, 4]
 
 
 async def test_a_rank_lost_while_another_rejoins_is_not_mistaken_for_a_cut_off_one() -> None:

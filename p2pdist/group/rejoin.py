@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable
+from fractions import Fraction
 from typing import Any
 
 import msgpack
@@ -177,6 +178,7 @@ class Rejoining(Membership):
         rejoin = self._rejoining
         if rejoin is not None and gone != self._rank:
             rejoin.said_gone.setdefault(gone, sender)
+            rejoin.said_by.setdefault(sender, set()).add(gone)
             rejoin.news.set()
 
     def _resume_cid(self) -> int:
@@ -246,6 +248,7 @@ class Rejoining(Membership):
         loop = asyncio.get_running_loop()
         grace = self.config.transport.keepalive_interval
         claims: dict[int, tuple[list[int], int]] = {}  # survivor -> (its gone, its cid)
+        via: dict[int, Connection | None] = {}  # survivor -> the connection of its hello
         said = rejoin.said_gone
         doomed_at: dict[int, float] = {}  # a rank reported gone -> when we give up on it
         given_up: list[asyncio.Task[tuple[list[int], int] | None]] = []
@@ -270,6 +273,7 @@ class Rejoining(Membership):
                         heard = task.result()
                         if heard is not None:  # a survivor's hello (None: a fellow rejoiner)
                             claims[r] = heard
+                            via[r] = self._conns.get(r)
                             for d in heard[0]:
                                 said.setdefault(d, r)
                     now = loop.time()
@@ -294,18 +298,25 @@ class Rejoining(Membership):
         finally:
             self._rejoining = None
             await cancel_and_wait([*tasks.values(), *given_up], timeout=10.0)
-        # Who each survivor still here says is gone: its hello, and its notices since.
-        gone: dict[int, set[int]] = {
-            r: set(g)
+        # Who each survivor said is gone (its hello, and every notice since). A survivor
+        # lost since still has its say (it was true when said); one that restarted
+        # meanwhile (taken back on a new connection) is a fellow rejoiner: no say.
+        voters = {
+            r: {*g, *rejoin.said_by.get(r, ())}
             for r, (g, _) in claims.items()
-            if r not in self._left and r in self._conns and not self._conns[r].closed
+            if self._conns.get(r) in (None, via[r])
         }
-        for d, sayer in said.items():
-            if sayer in gone:
-                gone[sayer].add(d)
-        for r in _cut_off(gone):
-            self._drop_cut_off(r, gone)
-        cids = [cid for r, (_, cid) in claims.items() if r in gone]
+        here = {
+            r
+            for r in voters
+            if r not in self._left and (c := self._conns.get(r)) is not None and not c.closed
+        }
+        dropped = _cut_off(voters, here)
+        for r in dropped:
+            self._drop_cut_off(r, voters)
+            here.discard(r)
+        self._warn_disagreement(voters, here)
+        cids = [claims[r][1] for r in voters if r not in dropped]
         if not cids:
             raise UsageError("rejoin=True needs at least one other rank still in the group")
         if len(set(cids)) > 1:
@@ -314,6 +325,19 @@ class Rejoining(Membership):
         if self._left:
             names = ", ".join(self.peer_label(r) for r in sorted(self._left))
             log.info("%s rejoined; %s gone", self.peer_label(self._rank), names)
+
+    def _warn_disagreement(self, voters: dict[int, set[int]], here: set[int]) -> None:
+        """Survivors still here that say one of them left, and were not outvoted (one
+        against one, say): both are kept, and said so, since a collective with both may
+        then time out."""
+        pairs = [f"{a} says {b}" for a in sorted(here) for b in sorted(voters[a] & here)]
+        if pairs:
+            log.warning(
+                "%s rejoined, but the survivors disagree on who left (%s): both kept; a "
+                "collective with them may time out",
+                self.peer_label(self._rank),
+                "; ".join(pairs),
+            )
 
     def _drop_cut_off(self, r: int, gone: dict[int, set[int]]) -> None:
         """Rank ``r`` answered as a survivor, but most other survivors say it left (it
@@ -442,25 +466,33 @@ class Rejoining(Membership):
                 await asyncio.gather(hello, return_exceptions=True)
 
 
-def _cut_off(gone: dict[int, set[int]]) -> list[int]:
-    """Survivors to disbelieve, given who each survivor that answered a rejoin says is
-    gone: a rank that answered, but that more of the other survivors say left than do
-    not (it lives on, cut off from them), the one with the widest margin first, each
-    time counting only the survivors still believed. A tie, or one survivor's word
-    against another's, drops nobody: hellos are snapshots taken at different moments."""
-    believed = set(gone)
+def _cut_off(voters: dict[int, set[int]], here: set[int]) -> list[int]:
+    """Survivors to disbelieve: of the ranks in ``here`` (answered a rejoin as
+    survivors and still connected), those that a strict majority of the other survivors
+    (``voters``: each one's word on who is gone, lost ones included) say left. The ranks
+    with the largest share of such votes go together, each time counting only the
+    survivors still believed, as long as each is said gone by a strict majority of the
+    believed ranks outside that set: two ranks cut off at once both go, while one
+    survivor's word against another's (or a tie) drops nobody, since hellos are
+    snapshots taken at different moments."""
+    believed = set(voters)
     out: list[int] = []
     while True:
-        margin = {}
-        for r in believed:
-            others = believed - {r}
-            says = sum(1 for o in others if r in gone[o])
-            margin[r] = says - (len(others) - says)
-        best = sorted(margin.items(), key=lambda item: -item[1])[:2]
-        if not best or best[0][1] <= 0 or (len(best) == 2 and best[1][1] == best[0][1]):
+        share: dict[int, Fraction] = {}
+        for x in here & believed:
+            others = believed - {x}
+            says = sum(1 for o in others if x in voters[o])
+            if 2 * says > len(others):
+                share[x] = Fraction(says, len(others))
+        if not share:
             return out
-        believed.discard(best[0][0])
-        out.append(best[0][0])
+        top = max(share.values())
+        tied = {x for x, f in share.items() if f == top}
+        outside = believed - tied
+        if not all(2 * sum(1 for o in outside if x in voters[o]) > len(outside) for x in tied):
+            return out
+        believed -= tied
+        out += sorted(tied)
 
 
 async def _close_quietly(conn: Connection) -> None:
@@ -477,6 +509,8 @@ class _Rejoin:
         loop = asyncio.get_running_loop()
         self.alive: set[int] = set()
         self.came: dict[int, asyncio.Future[None]] = {r: loop.create_future() for r in ranks}
+        self.said_by: dict[int, set[int]] = {}
+        """A survivor -> every rank its notices said left (for the vote on who is cut off)."""
         self.said_gone: dict[int, int] = {}
         """A rank gone -> the survivor that said so (in its hello, or in a notice after)."""
         self.news = asyncio.Event()
