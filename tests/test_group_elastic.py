@@ -14,7 +14,14 @@ import pytest
 from group_helpers import crash, groups, until_left
 from transport_conformance import wait_until
 
-from p2pdist import ConnectionBrokenError, Group, GroupBrokenError, GroupConfig, UsageError
+from p2pdist import (
+    ConnectionBrokenError,
+    Group,
+    GroupBrokenError,
+    GroupConfig,
+    P2PError,
+    UsageError,
+)
 from p2pdist.group.membership import FIRST_RESERVED_SPACE
 from p2pdist.group.rejoin import _cut_off
 
@@ -170,6 +177,8 @@ def test_which_survivors_a_rejoiner_disbelieves() -> None:
     assert cut({0: {4, 5}, 1: {4, 5}, 2: {4, 5}, 3: {5}, 4: {0, 1, 2}, 5: {0, 1, 2, 3}}) == [5, 4]
     # A survivor lost since its hello keeps its say (it was true then), not its place.
     assert cut({0: {1}, 1: {0, 2}, 2: {1}}, lost={2}) == [1]
+    # The lost back the living up, never outvote them: 0, alive, says nothing of 1.
+    assert cut({0: {2, 3}, 1: {2, 3}, 2: {1}, 3: {1}}, lost={2, 3}) == []
     # Lost while we rejoined: one survivor's later word against another's earlier hello,
     # a rank just taken back that one survivor's earlier hello still calls gone, one
     # survivor's word against another's, or one survivor saying others left: nobody.
@@ -197,6 +206,8 @@ async def test_a_rejoiner_sides_with_the_survivors_on_a_rank_they_dropped() -> N
             x = np.arange(4.0)
             got = await asyncio.gather(back.send(x, 0), gs[0].recv(3, like=x))
             np.testing.assert_array_equal(got[1], x)
+            with pytest.raises(P2PError, match="rank 1"):  # as to any rank gone
+                await back.send(x, 1)
 
 
 async def test_two_ranks_cut_off_at_once_are_both_left_to_a_rejoiner() -> None:

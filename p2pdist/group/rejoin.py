@@ -345,15 +345,15 @@ class Rejoining(Membership):
         connection to it (not a loss: it is no member of ours)."""
         sayers = sorted(s for s, said in gone.items() if r in said and s != r)
         del gone[r]
-        conn = self._conns.pop(r, None)
-        if conn is not None:
-            self._spawn(_close_quietly(conn))
         who = self.peer_label(sayers[0]) if sayers else "the others"
         self._left[r] = ConnectionBrokenError(
             self.peer_label(r),
             f"had left before this rank rejoined ({who} says, though it still answered: "
             "cut off from the others?)",
         )
+        conn = self._conns.get(r)  # kept, closed: a send to it fails as to any rank gone
+        if conn is not None:  # closed locally: no loss handling, no notices
+            self._spawn(_close_quietly(conn))
 
     async def _reach(
         self,
@@ -469,7 +469,9 @@ class Rejoining(Membership):
 def _cut_off(voters: dict[int, set[int]], here: set[int]) -> list[int]:
     """Survivors to disbelieve: of the ranks in ``here`` (answered a rejoin as
     survivors and still connected), those that a strict majority of the other survivors
-    (``voters``: each one's word on who is gone, lost ones included) say left. The ranks
+    (``voters``: each one's word on who is gone, lost ones included) say left, at least
+    half of the living among them included (the lost back the living up, never outvote
+    them). The ranks
     with the largest share of such votes go together, each time counting only the
     survivors still believed, as long as each is said gone by a strict majority of the
     believed ranks outside that set: two ranks cut off at once both go, while one
@@ -482,7 +484,9 @@ def _cut_off(voters: dict[int, set[int]], here: set[int]) -> list[int]:
         for x in here & believed:
             others = believed - {x}
             says = sum(1 for o in others if x in voters[o])
-            if 2 * says > len(others):
+            live = here & others  # the lost may back the living up, never outvote them
+            live_says = sum(1 for o in live if x in voters[o])
+            if 2 * says > len(others) and live_says and 2 * live_says >= len(live):
                 share[x] = Fraction(says, len(others))
         if not share:
             return out
