@@ -6,6 +6,7 @@ does (tests/test_federated_elastic.py kills real processes)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,54 @@ async def test_two_ranks_cut_off_at_once_are_both_left_to_a_rejoiner() -> None:
         back = await restart(gs[2])
         async with back:
             assert sorted(back.left) == sorted(gs[0].left) == sorted(gs[1].left) == [3, 4]
+
+
+async def test_a_lower_rank_restarting_while_another_rejoins_is_dialed_again() -> None:
+    """Rank 3 rejoins; rank 1 answers it, then crashes and restarts (rejoin=True) while
+    3 is still rejoining (rank 2's answer held back). Rank 1 is lower, so it keeps 3's
+    dial and waits for it; 3's reach for it had ended, so 3 dials it again (it used to
+    leave the new rank 1 waiting until its start() timed out)."""
+    async with groups(4, config=LEAVE) as gs:
+        crash(gs[3])
+        await until_left(gs[:3], 3)
+        release = asyncio.Event()
+        take_back = gs[2]._take_back
+
+        async def late(rank: int, conn: Any) -> None:
+            if rank == 3:
+                await release.wait()
+            await take_back(rank, conn)
+
+        gs[2]._take_back = late  # type: ignore[method-assign]
+        await gs[3].close()
+        back = Group.from_seed(
+            "test-seed-0123456789",
+            rank=3,
+            world=4,
+            peers=gs[3]._addresses,
+            config=gs[3].config,
+            rejoin=True,
+        )
+        starting = asyncio.create_task(back.start())
+        try:
+            await wait_until(lambda: 0 in back._conns and 1 in back._conns, "0 and 1 answer")
+            old = back._conns[1]
+            crash(gs[1])
+            await until_left([gs[0], gs[2]], 1)
+            await wait_until(lambda: old.closed, "the old rank 1 gone for the rejoiner")
+            new1 = await restart(gs[1], dataclasses.replace(gs[1].config, connect_timeout=10.0))
+            new1_starting = asyncio.create_task(new1.start())
+            await asyncio.sleep(1.0)  # the new rank 1 dials 0, 2 and 3 while 3 rejoins
+            release.set()
+            await asyncio.wait_for(starting, 20)
+            await asyncio.wait_for(new1_starting, 20)
+            assert sorted(back.left) == sorted(new1.left) == []
+            x = np.arange(3.0)
+            got = await asyncio.gather(back.send(x, 1), new1.recv(3, like=x))
+            np.testing.assert_array_equal(got[1], x)
+            await new1.close()
+        finally:
+            await back.close()
 
 
 async def test_a_rank_lost_while_another_rejoins_is_not_mistaken_for_a_cut_off_one() -> None:

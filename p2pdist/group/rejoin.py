@@ -96,6 +96,12 @@ class Rejoining(Membership):
                 with contextlib.suppress(P2PError):
                     conn.send_nowait(_HELLO_CHANNEL, meta=_REJOINING_HELLO)
                 self._spawn(conn.close())
+                rejoin = self._rejoining
+                if rejoin is not None and rank not in rejoin.reaching:
+                    # Our reach for it ended (its old process answered, or we gave up):
+                    # it restarted meanwhile and waits for our dial, so dial it again.
+                    rejoin.came[rank] = asyncio.get_running_loop().create_future()
+                    self._spawn(self._reach_again(transport, rank, rejoin))
             else:
                 self._spawn(self._take_back(rank, conn))
 
@@ -367,6 +373,7 @@ class Rejoining(Membership):
         dial = asyncio.create_task(self._dial_hello(transport, rank, rejoin))
         came = rejoin.came[rank]
         used = False
+        rejoin.reaching.add(rank)
         try:
             either: list[asyncio.Future[Any]] = [dial, came]
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -385,10 +392,27 @@ class Rejoining(Membership):
             await came  # it keeps its own dial to us (bounded by _rejoin_all's timeout)
             return None
         finally:
+            rejoin.reaching.discard(rank)
             await cancel_and_wait([dial])
             if not used and dial.done() and not dial.cancelled() and dial.exception() is None:
                 with contextlib.suppress(P2PError):
                     await dial.result()[0].close()
+
+    async def _reach_again(
+        self, transport: TcpTransport | QuicTransport, rank: int, rejoin: _Rejoin
+    ) -> None:
+        """Reach ``rank``, lower, that restarted while we rejoin, after our first reach
+        for it ended (bounded by ``connect_timeout``): it rejoins too and keeps our dial,
+        and is a member again, as the survivors take it back."""
+        try:
+            async with asyncio.timeout(self.config.connect_timeout):
+                await self._reach(transport, rank, rejoin)
+        except (P2PError, TimeoutError) as exc:
+            log.info(
+                "%s restarted while this rank rejoined; not reached: %s", self.peer_label(rank), exc
+            )
+            return
+        self._left.pop(rank, None)
 
     async def _dial_hello(
         self,
@@ -513,6 +537,8 @@ class _Rejoin:
         loop = asyncio.get_running_loop()
         self.alive: set[int] = set()
         self.came: dict[int, asyncio.Future[None]] = {r: loop.create_future() for r in ranks}
+        self.reaching: set[int] = set()
+        """Ranks our dial is reaching now (a lower one that dials us meanwhile keeps it)."""
         self.said_by: dict[int, set[int]] = {}
         """A survivor -> every rank its notices said left (for the vote on who is cut off)."""
         self.said_gone: dict[int, int] = {}
