@@ -254,10 +254,10 @@ class Rejoining(Membership):
         loop = asyncio.get_running_loop()
         grace = self.config.transport.keepalive_interval
         claims: dict[int, tuple[list[int], int]] = {}  # survivor -> (its gone, its cid)
-        via: dict[int, Connection | None] = {}  # survivor -> the connection of its hello
+        via: dict[int, Connection] = {}  # survivor -> the connection of its hello
         said = rejoin.said_gone
         doomed_at: dict[int, float] = {}  # a rank reported gone -> when we give up on it
-        given_up: list[asyncio.Task[tuple[list[int], int] | None]] = []
+        given_up: list[asyncio.Task[tuple[list[int], int, Connection] | None]] = []
         try:
             async with asyncio.timeout(timeout):
                 while tasks:
@@ -278,8 +278,8 @@ class Rejoining(Membership):
                         del tasks[r]
                         heard = task.result()
                         if heard is not None:  # a survivor's hello (None: a fellow rejoiner)
-                            claims[r] = heard
-                            via[r] = self._conns.get(r)
+                            claims[r] = heard[0], heard[1]
+                            via[r] = heard[2]  # the connection it came on
                             for d in heard[0]:
                                 said.setdefault(d, r)
                     now = loop.time()
@@ -366,10 +366,11 @@ class Rejoining(Membership):
         transport: TcpTransport | QuicTransport,
         rank: int,
         rejoin: _Rejoin,
-    ) -> tuple[list[int], int] | None:
-        """Connect with ``rank``: ``(ranks gone, next cid)`` from a survivor's hello, None
-        for a rank that rejoins too. Of two rejoining ranks' dials both keep the higher
-        rank's (as in formation): the lower one drops its own and waits for that one."""
+    ) -> tuple[list[int], int, Connection] | None:
+        """Connect with ``rank``: ``(ranks gone, next cid, connection)`` from a survivor's
+        hello, None for a rank that rejoins too. Of two rejoining ranks' dials both keep
+        the higher rank's (as in formation): the lower one drops its own and waits for
+        that one."""
         dial = asyncio.create_task(self._dial_hello(transport, rank, rejoin))
         came = rejoin.came[rank]
         used = False
@@ -383,7 +384,7 @@ class Rejoining(Membership):
             if cid is not None:
                 used = True
                 self._adopt(rank, conn)
-                return gone, cid
+                return gone, cid, conn
             if rank < self._rank:  # it rejoins too, and kept our dial
                 used = True
                 self._adopt(rank, conn)
