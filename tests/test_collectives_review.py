@@ -487,6 +487,42 @@ async def test_a_cancelled_bucket_wait_leaves_the_buckets_reducing() -> None:
         assert out[0].tolist() == [2.0, 2.0]
 
 
+async def test_a_bucket_failure_after_a_cancelled_wait_is_raised_by_the_next_wait() -> None:
+    """The buckets a cancelled wait() left reducing fail (the peer never adds): the next
+    wait() raises that failure instead of returning as if the step had been reduced."""
+    async with groups(2, timeout=10) as gs:
+        bks = await asyncio.gather(
+            *(GradientBuckets.create(g, bucket_bytes=1 << 20, timeout=1.0) for g in gs)
+        )
+        a = np.full(1000, 3.0, np.float32)
+        bks[0].add(a)  # rank 1 never adds: rank 0's bucket times out after 1 s
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(bks[0].wait(), 0.2)
+        with pytest.raises(PeerTimeoutError, match="rank 1") as caught:
+            await asyncio.wait_for(bks[0].wait(), 10)
+        assert "bucket 0 of 1 in this step failed" in str(caught.value.__notes__)
+        assert np.all(a == 3.0)  # left as it was added
+
+
+async def test_an_array_added_twice_in_a_step_is_refused() -> None:
+    """In another bucket it would be reduced twice (6 instead of 3 here, depending on
+    bucket_bytes); the next step may add it again."""
+    async with groups(2) as gs:
+        bks = await asyncio.gather(*(GradientBuckets.create(g, bucket_bytes=1024) for g in gs))
+        arrays = [np.full(4, g.rank + 1.0, np.float32) for g in gs]
+        for bk, a in zip(bks, arrays, strict=True):
+            bk.add(a)
+            bk.add(np.zeros(300, np.float32))  # fills the bucket: a is in flight
+            with pytest.raises(UsageError, match="added already in this step"):
+                bk.add(a)
+        await asyncio.gather(*(bk.wait() for bk in bks))
+        assert all(a.tolist() == [3.0] * 4 for a in arrays)
+        for bk, a in zip(bks, arrays, strict=True):
+            bk.add(a)  # a new step
+        await asyncio.gather(*(bk.wait() for bk in bks))
+        assert all(a.tolist() == [6.0] * 4 for a in arrays)
+
+
 async def test_memmap_in_place_and_refused_calls_change_nothing(tmp_path: Path) -> None:
     """A memmap is its own out= (it reduces as the plain array it holds), and a call
     refused for its timeout leaves a broadcast's out= alone."""

@@ -74,6 +74,10 @@ class GradientBuckets:
         self._last: asyncio.Task[None] | None = None
         """The last bucket started, of this step or of one whose wait() still runs: the
         next bucket goes after it, so buckets reduce in the same order on every rank."""
+        self._carried: list[tuple[list[asyncio.Task[None]], list[int]]] = []
+        """Steps whose wait() was cancelled: the next wait() reports how they ended."""
+        self._added: dict[int, Any] = {}
+        """This step's arrays by id (held, so that an id is not reused within the step)."""
         self._feedback: list[ErrorFeedback] | None = [] if error_feedback else None
         self._sizes: list[int] = []  # elements of each bucket with feedback, by position
         self._index = 0  # position of the next bucket in this step
@@ -119,7 +123,9 @@ class GradientBuckets:
         """Queue ``array`` (numpy or CuPy; writeable, C-contiguous) for reduction in place.
 
         An array the bucket's all_reduce cannot reduce is a :class:`UsageError` here,
-        before anything is queued."""
+        before anything is queued, and so is one added already in this step. What is
+        reduced is the array's value when its bucket runs (after the buckets before it):
+        do not write to it, nor add a view overlapping it, until :meth:`wait` returns."""
         self._check_open()
         on_device = is_device_array(array)
         if not (on_device or is_plain_array(array)):
@@ -130,6 +136,8 @@ class GradientBuckets:
             raise UsageError("add() needs a C-contiguous array (it is reduced in place)")
         if not on_device and not array.flags.writeable:
             raise UsageError("add() needs a writeable array (it is reduced in place)")
+        if id(array) in self._added:  # in another bucket it would be reduced twice
+            raise UsageError("add() got an array added already in this step: add each once")
         dtype = self._check(array.dtype)
         if self._dtype is not None and dtype != self._dtype:
             try:
@@ -146,6 +154,7 @@ class GradientBuckets:
         if on_device:  # the bucket copies it later, from another task and stream
             self._ready.append(ready_marker(array))
         self._pending.append(array)
+        self._added[id(array)] = array
         self._pending_bytes += array.nbytes
         if self._pending_bytes >= self._bucket_bytes:
             self.flush()
@@ -178,12 +187,18 @@ class GradientBuckets:
         self._pending, self._ready, self._pending_bytes = [], [], 0
         # A bucket of the wrong size raises here: its arrays are dropped (left as they
         # were) and its position stays free, so the helper goes on as before the call.
-        feedback = self._bucket_feedback(sum(a.size for a in arrays))
+        try:
+            feedback = self._bucket_feedback(sum(a.size for a in arrays))
+        except UsageError:
+            for a in arrays:  # not queued after all: they may be added again
+                self._added.pop(id(a), None)
+            raise
         # After the last bucket started (this step's, or an earlier step's still running):
         # its failure fails this one only within a step.
         task = loop.create_task(
             self._reduce_bucket(arrays, ready, self._last, bool(self._tasks), feedback)
         )
+        task.add_done_callback(_retrieve)  # a step nobody waits for logs no "never retrieved"
         self._tasks.append(task)
         self._counts.append(len(arrays))
         self._last = task
@@ -238,6 +253,9 @@ class GradientBuckets:
         self._closed = True
         self._pending, self._ready, self._pending_bytes = [], [], 0
         tasks, self._tasks, self._counts = self._tasks, [], []
+        for carried, _ in self._carried:
+            tasks += carried
+        self._carried = []
         await self._group.close()  # fails the sub-group's calls still running
         for task in tasks:
             task.cancel()
@@ -255,14 +273,19 @@ class GradientBuckets:
         The next :meth:`add` starts a new step (bucket positions count from 0 again),
         also when the last bucket was refused here (a UsageError for its size, raised once
         the step's other buckets are done). A cancelled wait() leaves the buckets
-        reducing (cancelling them would break the group); the next wait() waits for them."""
+        reducing (cancelling them would break the group); the next wait() waits for them
+        first, and raises their failure if they failed."""
         self._check_open()
+        while self._carried:
+            await self._settle(*self._carried[0])
+            del self._carried[0]
         refused: UsageError | None = None
         try:
             self.flush()
         except UsageError as exc:
             refused = exc
         self._index = 0
+        self._added = {}
         tasks, self._tasks, sizes = self._tasks, [], self._counts
         self._counts = []
         last = self._last
@@ -273,17 +296,31 @@ class GradientBuckets:
             if not last.cancelled() and (err := last.exception()) is not None:
                 raise err
         if tasks:
-            # A failed bucket fails the later ones at once (they wait for it), so this
-            # returns as soon as the first failure is known, as before. Shielded: a
-            # cancelled wait() (a timeout around it) must not cancel the reductions, which
-            # would break the group on every rank; the next wait() waits for them.
-            results = await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
-            for k, result in enumerate(results):
-                if isinstance(result, BaseException):
-                    _note(result, k, len(tasks), sum(sizes[k:]))
-                    raise result
+            try:
+                await self._settle(tasks, sizes)
+            except asyncio.CancelledError:
+                self._carried.append((tasks, sizes))  # the next wait() says how they ended
+                raise
         if refused is not None:
             raise refused
+
+    async def _settle(self, tasks: list[asyncio.Task[None]], sizes: list[int]) -> None:
+        """Wait for one step's buckets; raise the first failure, noted. A failed bucket
+        fails the later ones at once (they wait for it), so this returns as soon as the
+        first failure is known. Shielded: a cancelled wait() (a timeout around it) must
+        not cancel the reductions, which would break the group on every rank."""
+        results = await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
+        for k, result in enumerate(results):
+            if isinstance(result, BaseException):
+                _note(result, k, len(tasks), sum(sizes[k:]))
+                raise result
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Mark a bucket's failure as seen (wait() raises it; without a wait() it stays
+    silent, as the group's own error says what happened)."""
+    if not task.cancelled():
+        task.exception()
 
 
 _NOTE = "GradientBuckets: "
