@@ -241,15 +241,7 @@ async def test_a_lower_rank_restarting_while_another_rejoins_is_dialed_again() -
             await take_back(rank, conn)
 
         gs[2]._take_back = late  # type: ignore[method-assign]
-        await gs[3].close()
-        back = Group.from_seed(
-            "test-seed-0123456789",
-            rank=3,
-            world=4,
-            peers=gs[3]._addresses,
-            config=gs[3].config,
-            rejoin=True,
-        )
+        back = await restart(gs[3])
         starting = asyncio.create_task(back.start())
         try:
             await wait_until(lambda: 0 in back._conns and 1 in back._conns, "0 and 1 answer")

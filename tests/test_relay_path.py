@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from relay_helpers import RelayProcess
-from transport_conformance import bounded, wait_until
+from transport_conformance import bounded, feed, wait_until
 
 from p2pdist import (
     ConnectionClosedError,
@@ -171,16 +171,6 @@ class FakeTransport:
     abort = close
 
 
-def received(proto: RelaySessionProtocol, data: bytes) -> None:
-    """Hand ``data`` to ``proto`` as a socket read would (in pieces of its buffers)."""
-    while data:
-        buf = proto.get_buffer(-1)
-        n = min(len(buf), len(data))
-        buf[:n] = data[:n]
-        proto.buffer_updated(n)
-        data = data[n:]
-
-
 async def test_a_refused_upgrade_leaves_no_unread_error_behind(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -192,10 +182,10 @@ async def test_a_refused_upgrade_leaves_no_unread_error_behind(
     proto.connection_made(FakeTransport())  # type: ignore[arg-type]
     body = b"too many connections waiting to authenticate; retry later"
     head = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: %d\r\n\r\n" % len(body)
-    received(proto, head + body[:10])
+    feed(proto, head + body[:10])
     answer = await bounded(proto.upgrade_answer(), "the answer")
     assert answer.start_line[1] == "503"
-    received(proto, body[10:])  # the rest of the text, in a later read
+    feed(proto, body[10:])  # the rest of the text, in a later read
     assert not proto.done.done()
     proto.close()
     del proto

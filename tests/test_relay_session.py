@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from transport_conformance import feed
 
 from p2pdist import ConnectionBrokenError, SecretKey
 from p2pdist.transport.relay_path import RelayPath
@@ -51,16 +52,6 @@ class FakeTransport(asyncio.Transport):
         self.ended = self.ended or "abort"
 
 
-def arrive(proto: RelaySessionProtocol, data: bytes) -> None:
-    """Deliver ``data`` in as few reads as the protocol's buffers allow."""
-    while data:
-        room = proto.get_buffer(-1)
-        n = min(room.nbytes, len(data))
-        room[:n] = data[:n]
-        proto.buffer_updated(n)
-        data = data[n:]
-
-
 def connected() -> tuple[RelaySessionProtocol, FakeTransport]:
     proto, transport = RelaySessionProtocol("relay test", MAX_BODY), FakeTransport()
     proto.connection_made(transport)
@@ -74,7 +65,7 @@ CHALLENGE = encode_frame(RelayFrameType.CHALLENGE, b"\x01" + bytes(32))
 async def test_frames_in_the_same_read_as_the_upgrade_answer() -> None:
     proto, _ = connected()
     src = bytes(range(32))
-    arrive(proto, ANSWER + CHALLENGE + encode_addressed(RelayFrameType.RECV, src, b"hi"))
+    feed(proto, ANSWER + CHALLENGE + encode_addressed(RelayFrameType.RECV, src, b"hi"))
     assert (await asyncio.wait_for(proto.upgrade_answer(), 1)).start_line[1] == "101"
     assert await asyncio.wait_for(proto.next_frame(), 1) == RelayFrame(
         RelayFrameType.CHALLENGE, b"", b"\x01" + bytes(32)
@@ -82,7 +73,7 @@ async def test_frames_in_the_same_read_as_the_upgrade_answer() -> None:
     seen: list[RelayFrame] = []
     proto.dispatch_to(lambda f: seen.append(f))  # queued frames first
     assert seen == [RelayFrame(RelayFrameType.RECV, src, b"hi")]
-    arrive(proto, encode_frame(RelayFrameType.PING, b"12345678"))
+    feed(proto, encode_frame(RelayFrameType.PING, b"12345678"))
     assert seen[-1] == RelayFrame(RelayFrameType.PING, b"", b"12345678")
     assert not proto.done.done()
 
@@ -92,23 +83,23 @@ async def test_an_answer_split_across_reads_and_a_waiting_handshake() -> None:
     waiting = asyncio.ensure_future(proto.upgrade_answer())
     await asyncio.sleep(0)
     for i in range(len(ANSWER)):
-        arrive(proto, ANSWER[i : i + 1])
+        feed(proto, ANSWER[i : i + 1])
     assert (await asyncio.wait_for(waiting, 1)).start_line[1] == "101"
     frame = asyncio.ensure_future(proto.next_frame())
     await asyncio.sleep(0)
-    arrive(proto, CHALLENGE[:3])
+    feed(proto, CHALLENGE[:3])
     await asyncio.sleep(0)
     assert not frame.done()
-    arrive(proto, CHALLENGE[3:])
+    feed(proto, CHALLENGE[3:])
     assert (await asyncio.wait_for(frame, 1)).kind is RelayFrameType.CHALLENGE
 
 
 async def test_a_bad_frame_ends_the_session_and_aborts() -> None:
     proto, transport = connected()
-    arrive(proto, ANSWER)
+    feed(proto, ANSWER)
     await asyncio.wait_for(proto.upgrade_answer(), 1)
     proto.dispatch_to(lambda f: None)
-    arrive(proto, b"\xee\x00\x00\x00\x00")
+    feed(proto, b"\xee\x00\x00\x00\x00")
     with pytest.raises(RelayProtocolError, match="unknown relay frame type"):
         await asyncio.wait_for(proto.done, 1)
     assert transport.ended == "abort"
@@ -116,7 +107,7 @@ async def test_a_bad_frame_ends_the_session_and_aborts() -> None:
 
 async def test_a_lost_connection_fails_the_waiting_handshake_with_the_relay_named() -> None:
     proto, _ = connected()
-    arrive(proto, ANSWER)
+    feed(proto, ANSWER)
     waiting = asyncio.ensure_future(proto.next_frame())
     await asyncio.sleep(0)
     proto.connection_lost(ConnectionResetError("reset by peer"))
@@ -128,7 +119,7 @@ async def test_a_lost_connection_fails_the_waiting_handshake_with_the_relay_name
 
 async def test_a_handler_ends_the_session_with_a_retry_after_or_an_error() -> None:
     proto, transport = connected()
-    arrive(proto, ANSWER)
+    feed(proto, ANSWER)
     await asyncio.wait_for(proto.upgrade_answer(), 1)
     seen: list[RelayFrame] = []
 
@@ -138,18 +129,18 @@ async def test_a_handler_ends_the_session_with_a_retry_after_or_an_error() -> No
 
     proto.dispatch_to(handler)
     ping = encode_frame(RelayFrameType.PING, b"12345678")
-    arrive(proto, ping + encode_frame(RelayFrameType.RECONNECT) + ping)
+    feed(proto, ping + encode_frame(RelayFrameType.RECONNECT) + ping)
     assert await asyncio.wait_for(proto.done, 1) == 2.5 and transport.ended == "close"
     assert [f.kind for f in seen] == [RelayFrameType.PING, RelayFrameType.RECONNECT]
 
     proto, transport = connected()
-    arrive(proto, ANSWER)
+    feed(proto, ANSWER)
 
     def refuse(frame: RelayFrame) -> float | None:
         raise ConnectionBrokenError("relay test", "told us to go")
 
     proto.dispatch_to(refuse)
-    arrive(proto, ping)
+    feed(proto, ping)
     with pytest.raises(ConnectionBrokenError, match="told us to go"):
         await asyncio.wait_for(proto.done, 1)
     assert transport.ended == "abort"

@@ -25,6 +25,7 @@ from transport_conformance import (
     bounded,
     check_offender_dropped,
     closing,
+    feed,
     still_serving,
     wait_for_log,
     wait_until,
@@ -1196,13 +1197,7 @@ async def test_a_record_arriving_slowly_counts_as_life() -> None:
         step = len(wire) // 25  # 25 pieces, one every 0.1 s: 2.5 s in all
         for i in range(0, len(wire), step):
             assert not cb.closed, f"aborted after {i} of {len(wire)} bytes: {cb._error}"
-            chunk = wire[i : i + step]
-            while chunk:
-                buf = cb.get_buffer(-1)
-                n = min(len(buf), len(chunk))
-                buf[:n] = chunk[:n]
-                cb.buffer_updated(n)
-                chunk = chunk[n:]
+            feed(cb, wire[i : i + step])
             await asyncio.sleep(0.1)
         frame = await cb.recv(9, timeout=5)
         assert frame.payload.nbytes == len(payload)

@@ -188,6 +188,16 @@ async def check_large_message(make_pair: PairFactory) -> None:
         assert np.array_equal(np.frombuffer(got.payload, np.float64), floats)
 
 
+def feed(proto: asyncio.BufferedProtocol, data: bytes) -> None:
+    """Hand ``data`` to ``proto`` as socket reads would: in pieces of its own buffers."""
+    while data:
+        room = proto.get_buffer(-1)
+        n = min(len(room), len(data))
+        room[:n] = data[:n]
+        proto.buffer_updated(n)
+        data = data[n:]
+
+
 async def check_non_contiguous_payload_refused_whole(make_pair: PairFactory) -> None:
     """A strided payload is refused before anything of its frame is written (or
     encrypted): the connection goes on, in step. A large one used to leave its header on
