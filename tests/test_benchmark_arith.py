@@ -144,3 +144,22 @@ def test_wait_for_reports_a_dead_child_at_once() -> None:
         wait_for(q, [p], 60, "rate")
     assert time.monotonic() - t0 < 10
     p.join()
+
+
+def test_the_relay_cpu_is_divided_by_what_the_senders_send() -> None:
+    """A run of one message's size still sends two (the relay carries twice ``total``)."""
+    assert quic_throughput.messages(1 << 20, 1 << 20) == 2
+    assert quic_throughput.messages(64 << 20, 1 << 20) == 64
+
+
+def test_cpu_seconds_are_finer_than_clock_ticks() -> None:
+    import os
+
+    from _procs import cpu_seconds
+
+    start = cpu_seconds(os.getpid())
+    deadline = time.process_time() + 0.003
+    while time.process_time() < deadline:  # 3 ms of work: under one 10 ms tick
+        pass
+    used = cpu_seconds(os.getpid()) - start
+    assert 0.002 < used < 0.5, used
