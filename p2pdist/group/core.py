@@ -37,7 +37,6 @@ from ..transport.tcp import TcpTransport, parse_address
 from ..wire.relay import RelayUrl
 from . import p2p
 from .buffers import as_array, expectation
-from .calls import CallRecord
 from .config import GroupConfig
 from .devices import on_host
 from .membership import CONTROL_CHANNEL, LAST_SPACE, Membership
@@ -112,7 +111,6 @@ class GroupCore(Runner):
         self._transport: TcpTransport | QuicTransport | None = None
         self._conns: dict[int, Connection] = {}
         self._next_cid = 0
-        self._calls_made: list[CallRecord] = []  # collectives called, not started yet
         self._p2p_sent: dict[int, int] = {}
         self._p2p_received: dict[int, int] = {}
         self._p2p_given_back: dict[int, list[int]] = {}

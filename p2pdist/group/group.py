@@ -12,7 +12,6 @@ from ..errors import UsageError
 from ..settings import as_int
 from . import algorithms as alg
 from .buffers import as_array, result_buffer
-from .calls import collective
 from .compress import (
     INT8_BLOCK,
     ErrorFeedback,
@@ -175,7 +174,6 @@ class Group(GroupCore):
             codec = _codec_for(wire_dtype, block, error_feedback, rop, arr, ordered)
         return rop, ordered, codec
 
-    @collective
     @on_host
     async def all_reduce(
         self,
@@ -266,7 +264,6 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
-    @collective
     @on_host
     async def reduce_scatter(
         self,
@@ -355,7 +352,6 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
-    @collective
     @on_host
     async def all_gather(
         self, x: np.ndarray, *, out: np.ndarray | None = None, timeout: float | None = None
@@ -385,7 +381,6 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
-    @collective
     @on_host
     async def broadcast(
         self,
@@ -419,14 +414,12 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
-    @collective
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Return once every rank has entered the barrier."""
         self._check_usable()
         if not self._alone(timeout):
             await self._run(describe_call("barrier", "", "", ()), timeout, alg.barrier)
 
-    @collective
     @on_host
     async def reduce(
         self,
@@ -511,7 +504,6 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
-    @collective
     @on_host
     async def gather(
         self,
@@ -546,7 +538,6 @@ class Group(GroupCore):
         descriptor = describe_call("gather", "", arr.dtype.str, arr.shape, dst)
         return await self._run(descriptor, timeout, body)
 
-    @collective
     @on_host
     async def scatter(
         self,
@@ -591,7 +582,6 @@ class Group(GroupCore):
         descriptor = describe_call("scatter", "", dtype.str, item, src)
         return await self._run(descriptor, timeout, body)
 
-    @collective
     @on_host
     async def all_to_all(
         self, x: np.ndarray, *, out: np.ndarray | None = None, timeout: float | None = None
@@ -616,7 +606,6 @@ class Group(GroupCore):
         descriptor = describe_call("all_to_all", "", arr.dtype.str, arr.shape)
         return await self._run(descriptor, timeout, body)
 
-    @collective
     @on_host
     async def all_to_all_v(
         self, xs: Sequence[np.ndarray], *, timeout: float | None = None
@@ -646,7 +635,6 @@ class Group(GroupCore):
         descriptor = describe_call("all_to_all_v", "", first.dtype.str, (-1, *row_shape))
         return await self._run(descriptor, timeout, body)
 
-    @collective
     async def split(
         self, color: int | None, key: int = 0, *, timeout: float | None = None
     ) -> Group | None:

@@ -23,7 +23,6 @@ from ..errors import (
 )
 from ..settings import check_seconds
 from ..transport.mailbox import SPACE_SHIFT, split_channel
-from .calls import CallRecord, skipped_call
 from .link import CollectiveLink
 from .rejoin import Rejoining
 
@@ -39,7 +38,6 @@ class Runner(Rejoining):
 
     _watchdog: asyncio.TimerHandle | None  # root only: see _run
     _watchdog_at: float
-    _calls_made: list[CallRecord]  # see calls.py
 
     # ---- provided by GroupCore ------------------------------------------------------------
 
@@ -141,15 +139,6 @@ class Runner(Rejoining):
         an overdue collective's task is cancelled and the cancellation turned into the
         timeout error here, as ``asyncio.timeout`` would."""
         seconds = self._seconds(timeout)
-        if self._calls_made and (skipped := skipped_call(self._calls_made)) is not None:
-            me = self._root_label(self._rank)
-            err = GroupBrokenError(
-                f"{skipped.name} was cancelled on {me} before it started (or never awaited): "
-                "this rank made no such call while the others did, so the ranks are out of "
-                "step"
-            )
-            self._break(err, notify=True)
-            raise err
         link = self._new_link(descriptor)
         root = self._root()
         channel = link.channel
