@@ -504,11 +504,42 @@ async def test_a_bucket_failure_after_a_cancelled_wait_is_raised_by_the_next_wai
         assert np.all(a == 3.0)  # left as it was added
 
 
+async def test_a_carried_failure_is_raised_once_and_the_next_step_goes_on() -> None:
+    """The failure of a step whose wait() was cancelled is raised by the next wait(),
+    once: the step after it is waited for by the wait() after that (it was stuck
+    re-raising the old failure, and its arrays could not be added again)."""
+    async with Group.from_seed("s" * 20, rank=0, world=1) as g:
+        bk = GradientBuckets(g, bucket_bytes=1 << 20, op="mean")
+        calls = 0
+
+        async def all_reduce_failing_once(*args: object, **kwargs: object) -> None:
+            nonlocal calls
+            calls += 1
+            await asyncio.sleep(0.2)
+            if calls == 1:
+                raise RuntimeError("bucket failed (step 1)")
+
+        g.all_reduce = all_reduce_failing_once  # type: ignore[method-assign]
+        bk.add(np.ones(4, np.float32))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(bk.wait(), 0.05)
+        second = np.ones(4, np.float32)
+        bk.add(second)  # the next step
+        with pytest.raises(RuntimeError, match="step 1"):
+            await bk.wait()
+        await bk.wait()  # the second step's bucket, reduced
+        bk.add(second)  # a new step: no "added already"
+        await bk.wait()
+        assert calls == 3
+
+
 async def test_an_array_added_twice_in_a_step_is_refused() -> None:
     """In another bucket it would be reduced twice (6 instead of 3 here, depending on
     bucket_bytes); the next step may add it again."""
     async with groups(2) as gs:
-        bks = await asyncio.gather(*(GradientBuckets.create(g, bucket_bytes=1024) for g in gs))
+        bks = await asyncio.gather(
+            *(GradientBuckets.create(g, bucket_bytes=1024, op="sum") for g in gs)
+        )
         arrays = [np.full(4, g.rank + 1.0, np.float32) for g in gs]
         for bk, a in zip(bks, arrays, strict=True):
             bk.add(a)

@@ -276,9 +276,6 @@ class GradientBuckets:
         reducing (cancelling them would break the group); the next wait() waits for them
         first, and raises their failure if they failed."""
         self._check_open()
-        while self._carried:
-            await self._settle(*self._carried[0])
-            del self._carried[0]
         refused: UsageError | None = None
         try:
             self.flush()
@@ -288,6 +285,17 @@ class GradientBuckets:
         self._added = {}
         tasks, self._tasks, sizes = self._tasks, [], self._counts
         self._counts = []
+        while self._carried:  # steps of cancelled wait() calls first, each reported once
+            earlier = self._carried.pop(0)
+            try:
+                await self._settle(*earlier)
+            except BaseException as exc:
+                # This step's buckets are for the next wait() to report (and the earlier
+                # step's again if this wait() was cancelled before it knew).
+                later = [(tasks, sizes)] if tasks else []
+                again = [earlier] if isinstance(exc, asyncio.CancelledError) else []
+                self._carried[:0] = again + later
+                raise
         last = self._last
         if not tasks and last is not None and not last.done():
             # Another wait() runs for the buckets started before ours: wait for them too

@@ -97,10 +97,18 @@ class Rejoining(Membership):
                     conn.send_nowait(_HELLO_CHANNEL, meta=_REJOINING_HELLO)
                 self._spawn(conn.close())
                 rejoin = self._rejoining
-                if rejoin is not None and rank not in rejoin.reaching:
-                    # Our reach for it ended (its old process answered, or we gave up):
-                    # it restarted meanwhile and waits for our dial, so dial it again.
+                kept = self._kept_dials.get(rank)
+                kept_live = kept is not None and kept is self._conns.get(rank)
+                if (
+                    rejoin is not None
+                    and rank not in rejoin.reaching
+                    and not (kept_live and kept is not None and self._is_live(kept))
+                ):
+                    # Our reach for it ended (its old process answered, or we gave up),
+                    # and no live dial of ours to it is kept (a fellow rejoiner's late
+                    # dial): it restarted meanwhile and waits for our dial. Dial again.
                     rejoin.came[rank] = asyncio.get_running_loop().create_future()
+                    rejoin.reaching.add(rank)  # at once: a second dial must not start two
                     self._spawn(self._reach_again(transport, rank, rejoin))
             else:
                 self._spawn(self._take_back(rank, conn))
@@ -250,6 +258,7 @@ class Rejoining(Membership):
         rejoin = _Rejoin(others)
         self._rejoining = rejoin
         self._spawn(self._accept_rejoins(transport))
+        rejoin.reaching.update(others)  # before any accept: see _accept_rejoins
         tasks = {r: asyncio.create_task(self._reach(transport, r, rejoin)) for r in others}
         loop = asyncio.get_running_loop()
         grace = self.config.transport.keepalive_interval
