@@ -41,6 +41,19 @@ def test_fit_takes_bandwidth_from_large_messages_and_latency_from_small_ones() -
     assert a == pytest.approx(40e-6, rel=0.1)
 
 
+@pytest.mark.parametrize(("index", "factor"), [(-1, 2.0), (-1, 0.5), (-2, 3.0)])
+def test_one_slow_or_fast_large_message_does_not_set_the_bandwidth(
+    index: int, factor: float
+) -> None:
+    """A least-squares line through the larger sizes was the largest one's alone: one
+    run of it twice as slow halved beta (0.79 GB/s for 1.6)."""
+    sizes = np.array([1 << k for k in range(0, 25, 2)], float)
+    seconds = 200e-6 + sizes / 1.6e9
+    seconds[index] *= factor
+    a, b = fit_alpha_beta(sizes, seconds)
+    assert b == pytest.approx(1.6e9, rel=0.05) and a == pytest.approx(200e-6, rel=0.05)
+
+
 def test_fit_and_profile_refuse_what_cannot_be_fitted() -> None:
     with pytest.raises(UsageError, match="two different sizes"):
         fit_alpha_beta(np.array([1024.0, 1024.0]), np.array([1e-5, 1e-5]))

@@ -41,7 +41,10 @@ def fit_alpha_beta(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float
     """Fit ``t = alpha + m / beta`` (alpha >= 0): beta from the larger half of the sizes,
     where bandwidth decides the time, then alpha from the smaller half given that beta,
     where latency does. One least-squares line through all of them lets either end's
-    noise skew the other (a link's small messages are not on the large ones' line)."""
+    noise skew the other (a link's small messages are not on the large ones' line).
+    The slope is the median of the slopes between every two of the larger sizes
+    (Theil-Sen): a least-squares line there is the largest size's alone, so one slow or
+    fast run of it (a repeats=1 profile) set the bandwidth."""
     sizes, seconds = np.asarray(sizes, float), np.asarray(seconds, float)
     if sizes.shape != seconds.shape or np.unique(sizes).size < 2:
         raise UsageError("the alpha-beta fit needs times for at least two different sizes")
@@ -50,8 +53,8 @@ def fit_alpha_beta(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float
     m = np.unique(sizes)
     t = np.array([np.median(seconds[sizes == size]) for size in m])
     n = m.size
-    big = slice(n - max(2, n // 2), n)
-    slope = float(np.polyfit(m[big], t[big], 1)[0])
+    big = range(n - max(2, n // 2), n)
+    slope = float(np.median([(t[j] - t[i]) / (m[j] - m[i]) for i in big for j in big if j > i]))
     if slope * m[-1] <= 1e-9 * max(float(t[-1]), 1e-12):  # no measurable cost per byte
         slope = 0.0
     small = slice(0, max(1, n // 2))
