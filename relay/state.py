@@ -589,8 +589,8 @@ class RelayCore:
     def _forwarded(self, s: Session, header: str, now: float) -> None:
         """A proxied client's address: the last ``X-Forwarded-For`` entry, the one the
         proxy in front of us added (earlier ones are the client's word; with
-        ``proxy_hops`` proxies of ours in a row, the one that many from the end), as an ip, or
-        ``ip:port`` / ``[v6]:port`` as some proxies write it. With one, the session
+        ``proxy_hops`` proxies of ours in a row, the one that many from the end), as an
+        ip, or ``ip:port`` / ``[v6]:port`` as some proxies write it. With one, the session
         counts against that address's cap on waiting connections from now on (it may be
         refused, or evict an older one, as at accept). Without a valid one it keeps the
         proxy's address and no per-source cap (warned about once: the proxy should

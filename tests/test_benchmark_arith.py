@@ -162,4 +162,4 @@ def test_cpu_seconds_are_finer_than_clock_ticks() -> None:
     while time.process_time() < deadline:  # 3 ms of work: under one 10 ms tick
         pass
     used = cpu_seconds(os.getpid()) - start
-    assert 0.002 < used < 0.5, used
+    assert 0.0025 < used < 0.009, used  # clock ticks would say 0 or 0.01

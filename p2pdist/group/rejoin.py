@@ -96,22 +96,24 @@ class Rejoining(Membership):
                 with contextlib.suppress(P2PError):
                     conn.send_nowait(_HELLO_CHANNEL, meta=_REJOINING_HELLO)
                 self._spawn(conn.close())
-                rejoin = self._rejoining
-                kept = self._kept_dials.get(rank)
-                kept_live = kept is not None and kept is self._conns.get(rank)
-                if (
-                    rejoin is not None
-                    and rank not in rejoin.reaching
-                    and not (kept_live and kept is not None and self._is_live(kept))
-                ):
-                    # Our reach for it ended (its old process answered, or we gave up),
-                    # and no live dial of ours to it is kept (a fellow rejoiner's late
-                    # dial): it restarted meanwhile and waits for our dial. Dial again.
-                    rejoin.came[rank] = asyncio.get_running_loop().create_future()
-                    rejoin.reaching.add(rank)  # at once: a second dial must not start two
-                    self._spawn(self._reach_again(transport, rank, rejoin))
+                self._dial_again_if_restarted(transport, rank)
             else:
                 self._spawn(self._take_back(rank, conn))
+
+    def _dial_again_if_restarted(self, transport: TcpTransport | QuicTransport, rank: int) -> None:
+        """``rank``, lower, dialed us while we rejoin. If our reach for it has ended (its
+        old process answered, or we gave up) and no live dial of ours to it is kept (a
+        fellow rejoiner's late dial), it restarted meanwhile and waits for our dial:
+        dial it again."""
+        rejoin = self._rejoining
+        if rejoin is None or rank in rejoin.reaching:
+            return
+        kept = self._kept_dials.get(rank)
+        if kept is not None and kept is self._conns.get(rank) and self._is_live(kept):
+            return
+        rejoin.came[rank] = asyncio.get_running_loop().create_future()
+        rejoin.reaching.add(rank)  # at once: a second dial must not start two reaches
+        self._spawn(self._reach_again(transport, rank, rejoin))
 
     def _keeps_own_dial(self, rank: int) -> bool:
         """Whether a connection ``rank`` dialed is the redundant one of two rejoining ranks:
@@ -368,7 +370,7 @@ class Rejoining(Membership):
         )
         conn = self._conns.get(r)  # kept, closed: a send to it fails as to any rank gone
         if conn is not None:  # closed locally: no loss handling, no notices
-            self._spawn(_close_quietly(conn))
+            self._spawn(conn.close())
 
     async def _reach(
         self,
@@ -383,7 +385,6 @@ class Rejoining(Membership):
         dial = asyncio.create_task(self._dial_hello(transport, rank, rejoin))
         came = rejoin.came[rank]
         used = False
-        rejoin.reaching.add(rank)
         try:
             either: list[asyncio.Future[Any]] = [dial, came]
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -505,12 +506,11 @@ def _cut_off(voters: dict[int, set[int]], here: set[int]) -> list[int]:
     survivors and still connected), those that a strict majority of the other survivors
     (``voters``: each one's word on who is gone, lost ones included) say left, at least
     half of the living among them included (the lost back the living up, never outvote
-    them). The ranks
-    with the largest share of such votes go together, each time counting only the
-    survivors still believed, as long as each is said gone by a strict majority of the
-    believed ranks outside that set: two ranks cut off at once both go, while one
-    survivor's word against another's (or a tie) drops nobody, since hellos are
-    snapshots taken at different moments."""
+    them). The ranks with the largest share of such votes go together, each time
+    counting only the survivors still believed, as long as each is said gone by a strict
+    majority of the believed ranks outside that set: two ranks cut off at once both go,
+    while one survivor's word against another's (or a tie) drops nobody, since hellos
+    are snapshots taken at different moments."""
     believed = set(voters)
     out: list[int] = []
     while True:
@@ -533,11 +533,6 @@ def _cut_off(voters: dict[int, set[int]], here: set[int]) -> list[int]:
         out += sorted(tied)
 
 
-async def _close_quietly(conn: Connection) -> None:
-    with contextlib.suppress(P2PError):
-        await conn.close()
-
-
 class _Rejoin:
     """A rejoin in progress: the ranks known to be alive (our dial reached them, or they
     dialed us), and for each rank whether its own dial to us was taken (it rejoins too,
@@ -548,7 +543,8 @@ class _Rejoin:
         self.alive: set[int] = set()
         self.came: dict[int, asyncio.Future[None]] = {r: loop.create_future() for r in ranks}
         self.reaching: set[int] = set()
-        """Ranks our dial is reaching now (a lower one that dials us meanwhile keeps it)."""
+        """Ranks our dial is reaching or about to (marked before its task runs): a lower
+        one that dials us meanwhile keeps our dial."""
         self.said_by: dict[int, set[int]] = {}
         """A survivor -> every rank its notices said left (for the vote on who is cut off)."""
         self.said_gone: dict[int, int] = {}

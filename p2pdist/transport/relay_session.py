@@ -65,9 +65,8 @@ PONG_BACKLOG = 1 << 20
 go unanswered: a relay that does not read would only pile our PONGs up."""
 
 
-def may_answer_ping(writer: asyncio.BaseTransport) -> bool:
+def may_answer_ping(writer: asyncio.WriteTransport) -> bool:
     """Whether a PING may get its PONG now (see :data:`PONG_BACKLOG`)."""
-    assert isinstance(writer, asyncio.WriteTransport)
     return writer.get_write_buffer_size() <= PONG_BACKLOG
 
 
