@@ -39,7 +39,7 @@ from . import p2p
 from .buffers import as_array, expectation
 from .config import GroupConfig
 from .devices import on_host
-from .membership import CONTROL_CHANNEL, LAST_SPACE, Membership
+from .membership import CONTROL_CHANNEL, LAST_SPACE, CallFailure, Membership
 from .runner import Runner
 from .spaces import SpaceBook
 
@@ -111,6 +111,8 @@ class GroupCore(Runner):
         self._transport: TcpTransport | QuicTransport | None = None
         self._conns: dict[int, Connection] = {}
         self._next_cid = 0
+        self._pending: set[int] = set()
+        self._taking: int | None = None
         self._p2p_sent: dict[int, int] = {}
         self._p2p_received: dict[int, int] = {}
         self._p2p_given_back: dict[int, list[int]] = {}
@@ -145,7 +147,7 @@ class GroupCore(Runner):
         # root only: running collectives (task -> group) and those a loss cancelled
         # (task -> group, channel, deadline), those a loss cancelled, those overdue
         self._inflight: dict[asyncio.Task[Any], tuple[Membership, int, float]] = {}
-        self._cancelled_by_loss: dict[asyncio.Task[Any], int] = {}
+        self._cancelled_by_loss: dict[asyncio.Task[Any], CallFailure] = {}
         self._cancelled_by_notice: set[asyncio.Task[Any]] = set()
         self._expired: set[asyncio.Task[Any]] = set()
         self._last_loss: dict[int, BaseException] = {}  # root: see Membership
@@ -155,7 +157,7 @@ class GroupCore(Runner):
         self._closed_calls: set[asyncio.Task[Any]] = set()  # root: cancelled by a sub-group's close
         self._watchdog: asyncio.TimerHandle | None = None  # root only: see _run
         self._watchdog_at = math.inf
-        self._failed_calls: dict[int, int] = {}
+        self._failed_calls: dict[int, CallFailure] = {}
 
     # ---- construction ---------------------------------------------------------------
 
@@ -444,7 +446,9 @@ class GroupCore(Runner):
                 self._broken = GroupBrokenError("the group was closed")
             root = self._root()
             for g in [self, *root._split_from(self)]:  # its sub-groups end here too
-                g._send_control({"closed": g._space, "next": g._next_cid}, g._conns)
+                # Its first call not run here: one called but not started will never run.
+                first = min(g._pending, default=g._next_cid)
+                g._send_control({"closed": g._space, "next": first}, g._conns)
             root._cancel_closed(self)
             return
         if self._broken is None:
@@ -470,13 +474,15 @@ class GroupCore(Runner):
         with contextlib.suppress(P2PError, asyncio.CancelledError):
             while True:
                 frame = await conn.recv(CONTROL_CHANNEL)
-                call: tuple[int, int] | None = None
+                call: tuple[int, int, str | None] | None = None
                 closed: tuple[int, int] | None = None
                 gone: int | None = None
                 try:
                     body = msgpack.unpackb(frame.meta, raw=False)
                     if "call" in body:  # one collective failed for want of a left rank
-                        call = int(body["call"]), int(body["lost"])
+                        why = body.get("why")  # or: that rank did not run it
+                        why = None if why is None else str(why)
+                        call = int(body["call"]), int(body["lost"]), why
                         if not 0 <= call[1] < self.size:
                             raise ValueError(f"no rank {call[1]}")
                     if "closed" in body:  # it closed a sub-group we share
@@ -563,7 +569,8 @@ class GroupCore(Runner):
             # The others may be in this call already (they began it before they saw the
             # loss, and wait for our part): it fails here, so tell them (not advancing
             # our call id: every later call is refused too, and names the same one).
-            channel = (self._space << SPACE_SHIFT) | self._next_cid
+            cid = self._next_cid if self._taking is None else self._taking  # see calls.py
+            channel = (self._space << SPACE_SHIFT) | cid
             if channel != self._refusal_told:  # once: a retry loop must not flood them
                 self._refusal_told = channel
                 self._tell_call_failed(channel, self._root_ranks[min(left)])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
@@ -204,23 +204,34 @@ def _staged(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
 
 
 def on_host(
-    method: Callable[Concatenate[_S, _P], Awaitable[_R]],
-) -> Callable[Concatenate[_S, _P], Awaitable[_R]]:
+    method: Callable[Concatenate[_S, _P], Coroutine[Any, Any, _R]],
+) -> Callable[Concatenate[_S, _P], Coroutine[Any, Any, _R]]:
     """Let a collective take CuPy arrays: they are copied to the host, the numpy
     collective runs, and its array results come back on the input's device (a CuPy
-    ``out=`` is filled and returned). Calls with no CUDA array pass straight through."""
+    ``out=`` is filled and returned). A call with no CUDA array is the method's own
+    coroutine, with no layer added."""
 
     @functools.wraps(method)
-    async def wrapper(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def wrapper(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> Coroutine[Any, Any, _R]:
         if not _staged(args, kwargs):
-            return await method(self, *args, **kwargs)
-        staging = _Staging()
-        host_args = [staging.host(a) for a in args]
-        host_kwargs = {k: staging.keyword(k, v) for k, v in kwargs.items()}
-        result = await method(self, *host_args, **host_kwargs)
-        return staging.back(result)  # type: ignore[no-any-return]
+            return method(self, *args, **kwargs)
+        return _through_host(method, self, args, kwargs)
 
     return wrapper
+
+
+async def _through_host(
+    method: Callable[..., Coroutine[Any, Any, _R]],
+    group: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> _R:
+    """Run ``method`` on host copies of the CUDA arrays among its arguments."""
+    staging = _Staging()
+    host_args = [staging.host(a) for a in args]
+    host_kwargs = {k: staging.keyword(k, v) for k, v in kwargs.items()}
+    result = await method(group, *host_args, **host_kwargs)
+    return staging.back(result)  # type: ignore[no-any-return]
 
 
 def ready_marker(x: Any) -> Any:

@@ -12,6 +12,7 @@ from ..errors import UsageError
 from ..settings import as_int
 from . import algorithms as alg
 from .buffers import as_array, result_buffer
+from .calls import collective
 from .compress import (
     INT8_BLOCK,
     ErrorFeedback,
@@ -174,6 +175,7 @@ class Group(GroupCore):
             codec = _codec_for(wire_dtype, block, error_feedback, rop, arr, ordered)
         return rop, ordered, codec
 
+    @collective
     @on_host
     async def all_reduce(
         self,
@@ -264,6 +266,7 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
+    @collective
     @on_host
     async def reduce_scatter(
         self,
@@ -352,6 +355,7 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
+    @collective
     @on_host
     async def all_gather(
         self, x: np.ndarray, *, out: np.ndarray | None = None, timeout: float | None = None
@@ -381,6 +385,7 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
+    @collective
     @on_host
     async def broadcast(
         self,
@@ -414,12 +419,14 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
+    @collective
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Return once every rank has entered the barrier."""
         self._check_usable()
         if not self._alone(timeout):
             await self._run(describe_call("barrier", "", "", ()), timeout, alg.barrier)
 
+    @collective
     @on_host
     async def reduce(
         self,
@@ -504,6 +511,7 @@ class Group(GroupCore):
 
         return await self._run(descriptor, timeout, body)
 
+    @collective
     @on_host
     async def gather(
         self,
@@ -538,6 +546,7 @@ class Group(GroupCore):
         descriptor = describe_call("gather", "", arr.dtype.str, arr.shape, dst)
         return await self._run(descriptor, timeout, body)
 
+    @collective
     @on_host
     async def scatter(
         self,
@@ -582,6 +591,7 @@ class Group(GroupCore):
         descriptor = describe_call("scatter", "", dtype.str, item, src)
         return await self._run(descriptor, timeout, body)
 
+    @collective
     @on_host
     async def all_to_all(
         self, x: np.ndarray, *, out: np.ndarray | None = None, timeout: float | None = None
@@ -606,6 +616,7 @@ class Group(GroupCore):
         descriptor = describe_call("all_to_all", "", arr.dtype.str, arr.shape)
         return await self._run(descriptor, timeout, body)
 
+    @collective
     @on_host
     async def all_to_all_v(
         self, xs: Sequence[np.ndarray], *, timeout: float | None = None
@@ -635,6 +646,7 @@ class Group(GroupCore):
         descriptor = describe_call("all_to_all_v", "", first.dtype.str, (-1, *row_shape))
         return await self._run(descriptor, timeout, body)
 
+    @collective
     async def split(
         self, color: int | None, key: int = 0, *, timeout: float | None = None
     ) -> Group | None:

@@ -68,6 +68,15 @@ _HELLO_CHANNEL = _HELLO_SPACE << SPACE_SHIFT
 _FORM_CHANNEL = _HELLO_CHANNEL + 1  # formation notes: ok, refused, ready, failed
 CONTROL_CHANNEL = 0xFFFF << SPACE_SHIFT
 """Abort notices and failed-call notices (msgpack maps)."""
+_FAILED_CALLS_MAX = 4096
+"""Failed-call notices kept for calls not started here yet (each is dropped once that
+call starts or is skipped here: the bound only stops a peer from growing the dict)."""
+_WHY_CHARS = 300
+"""Longest reason a skipped-call notice carries."""
+
+CallFailure = tuple[int, str | None]
+"""Why a rank's collective failed: the root rank it concerns, and, when that rank is
+still here but did not run the call (see calls.py), why not; None: the rank left."""
 
 
 class Membership:
@@ -83,7 +92,7 @@ class Membership:
     _descendants: weakref.WeakSet[Membership]
     _reserved: dict[int, str]
     _inflight: dict[asyncio.Task[Any], tuple[Membership, int, float]]  # (group, channel, deadline)
-    _cancelled_by_loss: dict[asyncio.Task[Any], int]
+    _cancelled_by_loss: dict[asyncio.Task[Any], CallFailure]
     _cancelled_by_notice: set[asyncio.Task[Any]]  # of those, cancelled on another's word
     _expired: set[asyncio.Task[Any]]  # collectives the watchdog cancelled (overdue)
     _closed_calls: set[asyncio.Task[Any]]  # collectives a sub-group's close cancelled
@@ -91,11 +100,12 @@ class Membership:
     _closed_by: dict[int, int]  # root rank that closed this sub-group -> its next cid then
     _closed_early: dict[int, list[tuple[int, int]]]  # root: notices before their split
     _parent: Membership | None  # the group this one was split from
-    _failed_calls: dict[int, int]  # channel -> the root rank another rank's call lacked
+    _failed_calls: dict[int, CallFailure]  # channel -> why another rank's call failed
     _p2p_sent: dict[int, int]
     _p2p_received: dict[int, int]
     _p2p_given_back: dict[int, list[int]]
     _next_cid: int
+    _pending: set[int]  # see calls.Reserving
     _space: int  # the channel space of this group's collectives
     _listeners: list[asyncio.Task[None]]
     _closing: bool
@@ -260,26 +270,36 @@ class Membership:
                 task.cancel()
 
     def _cancel_for_loss(
-        self, task: asyncio.Task[Any], root_rank: int, *, told: bool = False
+        self,
+        task: asyncio.Task[Any],
+        root_rank: int,
+        *,
+        told: bool = False,
+        why: str | None = None,
     ) -> None:
-        """Cancel ``task`` for the loss of ``root_rank``. ``told``: every member was sent
-        the notice that made us cancel it, so ``_run`` need not tell them again."""
+        """Cancel ``task`` for the loss of ``root_rank`` (or, with ``why``, because that
+        rank did not run the call). ``told``: every member was sent the notice that made
+        us cancel it, so ``_run`` need not tell them again."""
         if task is asyncio.current_task() or task in self._cancelled_by_loss:
             return  # a running task meets the connection's error itself
         if task in self._expired:
             return  # already cancelled as overdue: it fails with its timeout
-        self._cancelled_by_loss[task] = root_rank
+        self._cancelled_by_loss[task] = (root_rank, why)
         if told:
             self._cancelled_by_notice.add(task)
         task.cancel()
 
-    def _tell_call_failed(self, channel: int, root_rank: int) -> None:
+    def _tell_call_failed(self, channel: int, root_rank: int, why: str | None = None) -> None:
         """Tell the others that our collective on ``channel`` failed because ``root_rank``
-        left before sending us its part: theirs cannot finish either (they may be waiting
-        on us), so they fail it at once instead of at their timeout."""
+        left before sending us its part (or, with ``why``, that this rank, ``root_rank``,
+        did not run it): theirs cannot finish either (they may be waiting on us), so they
+        fail it at once instead of at their timeout."""
         # This group's members only: the call is theirs.
         members = [r for r in self._conns if self._root_ranks[r] not in self._left]
-        self._send_control({"call": channel, "lost": root_rank}, members)
+        body: dict[str, Any] = {"call": channel, "lost": root_rank}
+        if why is not None:
+            body["why"] = why[:_WHY_CHARS]
+        self._send_control(body, members)
 
     def _send_control(self, body: dict[str, Any], ranks: Iterable[int]) -> None:
         """One control message to each of ``ranks`` (best effort: a connection that is
@@ -289,21 +309,25 @@ class Membership:
             with contextlib.suppress(P2PError):
                 self._conns[r].send_nowait(CONTROL_CHANNEL, meta=meta)
 
-    def _on_call_failed(self, channel: int, root_rank: int) -> None:
-        """Another rank's collective on ``channel`` failed for want of ``root_rank``."""
+    def _on_call_failed(self, channel: int, root_rank: int, why: str | None = None) -> None:
+        """Another rank's collective on ``channel`` failed for want of ``root_rank`` (or,
+        with ``why``, rank ``root_rank`` did not run it)."""
         for task, (_, running, _) in list(self._inflight.items()):
             if running == channel:
-                self._cancel_for_loss(task, root_rank, told=True)
+                self._cancel_for_loss(task, root_rank, told=True, why=why)
                 return
-        if not self._is_past(channel):
-            self._failed_calls[channel] = root_rank  # not started here yet: fail it at start
+        if channel in self._failed_calls or self._is_past(channel):
+            return
+        if len(self._failed_calls) < _FAILED_CALLS_MAX:
+            self._failed_calls[channel] = (root_rank, why)  # not started here: fail it then
 
     def _is_past(self, channel: int) -> bool:
-        """Whether this rank's group of ``channel`` has already run (or refused) that call."""
+        """Whether this rank's group of ``channel`` has already run, refused or skipped
+        that call (one called but not started yet is not past)."""
         space, counter = split_channel(channel)
         for group in [self, *self._descendants]:
             if group._space == space:
-                return counter < group._next_cid
+                return counter < group._next_cid and counter not in group._pending
         return False
 
     def _gone_with(self, err: P2PError) -> int | None:
@@ -316,6 +340,14 @@ class Membership:
             if cause is err or (isinstance(err, PeerError) and err.peer == root.peer_label(r)):
                 return r
         return None
+
+    def _failure_error(self, failure: CallFailure, link: CollectiveLink) -> PeerError:
+        """The error of a collective that failed for ``failure`` (a notice, or ours)."""
+        root_rank, why = failure
+        if why is None:
+            return self._loss_error(root_rank, link)
+        peer = self._root().peer_label(root_rank)
+        return MismatchError(peer, f"did not run {link.explain()}: {why}")
 
     def _loss_error(self, root_rank: int, link: CollectiveLink) -> ConnectionBrokenError:
         """The error of a collective that needed ``root_rank``, which left or was lost."""

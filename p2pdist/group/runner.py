@@ -7,6 +7,8 @@ of :class:`~p2pdist.group.rejoin.Rejoining`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import math
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, TypeVar
@@ -23,17 +25,21 @@ from ..errors import (
 )
 from ..settings import check_seconds
 from ..transport.mailbox import SPACE_SHIFT, split_channel
+from .calls import Reserving
 from .link import CollectiveLink
+from .membership import CallFailure
 from .rejoin import Rejoining
 
 __all__ = ["Runner"]
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
 _ATTRIBUTION_WINDOW = 0.25  # seconds a failing collective waits for other failure reports
 
 
-class Runner(Rejoining):
+class Runner(Rejoining, Reserving):
     """Running collectives: channels, the watchdog, refusals and failure errors."""
 
     _watchdog: asyncio.TimerHandle | None  # root only: see _run
@@ -43,6 +49,58 @@ class Runner(Rejoining):
 
     def _root(self) -> Runner:
         raise NotImplementedError
+
+    def _check_usable(self, *, collective: bool = True) -> None:
+        raise NotImplementedError
+
+    # ---- call ids reserved when a collective is called (calls.py) ----------------------
+
+    def _reserve(self) -> int | None:
+        """A call id for a collective called now; None at world 1 (it takes none) and
+        when the group cannot run it now (it raises that at its start, taking none)."""
+        if self.size == 1:
+            return None
+        try:
+            self._check_usable()
+        except P2PError:
+            return None
+        cid = self._next_cid
+        self._next_cid += 1
+        self._pending.add(cid)
+        return cid
+
+    def _skip(self, cid: int, why: str) -> None:
+        """Call ``cid`` ended without running here: retire its channel (what the others
+        send for it is dropped) and tell them, so theirs fails at once naming this rank
+        (ranks that all skip it stay in step: their notices find it past)."""
+        if cid not in self._pending:
+            return
+        self._pending.discard(cid)
+        channel = (self._space << SPACE_SHIFT) | cid
+        root = self._root()
+        told = root._failed_calls.pop(channel, None) is not None  # theirs failed already
+        for conn in self._conns.values():
+            conn.retire(channel)
+        if told or root._closing:
+            return
+        try:
+            self._check_usable(collective=False)
+        except P2PError:
+            return  # broken or closed: its calls are refused anyway
+        log.info("collective call %d (channel space %#x) did not run: %s", cid, self._space, why)
+        self._tell_call_failed(channel, self._root_ranks[self._rank], why)
+
+    def _release(self, cid: int) -> bool:
+        if cid != self._next_cid - 1:
+            return False
+        self._pending.discard(cid)
+        self._next_cid = cid
+        return True
+
+    def _skip_soon(self, cid: int, why: str) -> None:
+        # No loop (interpreter exit, another thread): the others time out instead.
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().call_soon(self._skip, cid, why)
 
     # ---- naming a failure -----------------------------------------------------------
 
@@ -114,8 +172,13 @@ class Runner(Rejoining):
     # ---- running a collective -----------------------------------------------------------
 
     def _new_link(self, descriptor: bytes) -> CollectiveLink:
-        cid = self._next_cid
-        self._next_cid += 1
+        cid = self._taking
+        if cid is None:
+            cid = self._next_cid
+            self._next_cid += 1
+        else:  # the id the call reserved when it was called (calls.py)
+            self._taking = None
+            self._pending.discard(cid)
         return CollectiveLink(
             self._rank,
             self.size,
@@ -158,7 +221,7 @@ class Runner(Rejoining):
         if root._failed_calls:
             noticed = root._failed_calls.pop(channel, None)
             if noticed is not None:  # another rank's part of this call already failed
-                self._refuse(channel, self._loss_error(noticed, link))
+                self._refuse(channel, self._failure_error(noticed, link))
         task = asyncio.current_task()
         assert task is not None
         inflight = root._inflight
@@ -170,7 +233,7 @@ class Runner(Rejoining):
         inflight[task] = (self, channel, deadline)
         if deadline < root._watchdog_at:
             root._arm_watchdog(deadline)
-        lost: int | None = None
+        lost: CallFailure | None = None
         expired = closed = False
         try:
             try:
@@ -199,8 +262,8 @@ class Runner(Rejoining):
                 # the lost rank rejoins before it starts (it would then run the call
                 # while we run the next one: out of step).
                 if not told:
-                    self._tell_call_failed(channel, lost)
-                raise self._loss_error(lost, link) from None
+                    self._tell_call_failed(channel, *lost)
+                raise self._failure_error(lost, link) from None
             if closed and task.uncancel() == 0:  # its sub-group was closed here
                 raise GroupBrokenError(f"{link.explain()} failed: the group was closed") from None
             if expired and task.uncancel() == 0:  # the watchdog's: this call is overdue

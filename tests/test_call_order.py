@@ -1,0 +1,195 @@
+"""A collective takes its place in the call order when it is called (group/calls.py).
+
+A call dropped before it ran on one rank (cancelled before its first step, never
+awaited, refused while a later call was already made) leaves a gap there: the others'
+matching call fails at once with MismatchError naming that rank, and every later call
+still pairs with its own. Before, the dropped call took no id, and the next call paired
+with the others' dropped one: wrong data, no error."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import warnings
+
+import numpy as np
+import pytest
+from group_helpers import groups
+
+from p2pdist import ConnectionBrokenError, Group, GroupBrokenError, MismatchError, UsageError
+from p2pdist.group.calls import CollectiveCall
+
+# Generous: a call that is not told of the gap would fail with a timeout instead.
+LONG = 30.0
+
+
+async def in_step(gs: list[Group], step: int) -> None:
+    """One more all_reduce on every rank; it must sum the arrays of this very step."""
+    outs = await asyncio.gather(
+        *(g.all_reduce(np.full(3, 10.0 * step + g.rank), timeout=LONG) for g in gs)
+    )
+    expected = sum(10.0 * step + r for r in range(len(gs)))
+    for out in outs:
+        np.testing.assert_array_equal(out, np.full(3, expected))
+
+
+def cancelled_before_start(g: Group) -> asyncio.Task[np.ndarray]:
+    task = asyncio.ensure_future(g.all_reduce(np.ones(3), timeout=LONG))
+    task.cancel()  # before its first step
+    return task
+
+
+@pytest.mark.parametrize("world", [2, 3])
+async def test_a_call_cancelled_before_it_ran_fails_the_others_and_keeps_the_order(
+    world: int,
+) -> None:
+    async with groups(world) as gs:
+        await in_step(gs, 1)
+        skipped = cancelled_before_start(gs[0])
+        with pytest.raises(asyncio.CancelledError):
+            await skipped
+        results = await asyncio.gather(
+            *(g.all_reduce(np.ones(3), timeout=LONG) for g in gs[1:]), return_exceptions=True
+        )
+        for err in results:
+            assert isinstance(err, MismatchError), err
+            assert err.peer == gs[0].peer_label(0)
+            assert "did not run all_reduce" in str(err)
+            assert "cancelled before it started" in str(err)
+        await in_step(gs, 2)  # the group goes on, in step
+        await in_step(gs, 3)
+        assert all(g.broken is None for g in gs)
+
+
+async def test_the_others_told_before_they_start_fail_at_their_start() -> None:
+    async with groups(2) as gs:
+        a, b = gs
+        skipped = cancelled_before_start(a)
+        with pytest.raises(asyncio.CancelledError):
+            await skipped
+        await asyncio.sleep(0.2)  # the notice is in before b calls
+        with pytest.raises(MismatchError, match="cancelled before it started"):
+            await b.all_reduce(np.ones(3), timeout=LONG)
+        await in_step(gs, 1)
+        assert not a._failed_calls and not b._failed_calls
+
+
+async def test_a_call_every_rank_drops_alike_keeps_them_in_step() -> None:
+    # As a TaskGroup does on every rank when its body fails alike after create_task.
+    async with groups(3) as gs:
+        for _ in range(3):
+            tasks = [cancelled_before_start(g) for g in gs]
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await in_step(gs, 1)
+        await asyncio.sleep(0.2)  # every rank's notices are in: all found the call past
+        await in_step(gs, 2)
+        assert all(not g._failed_calls and not g._pending for g in gs)
+
+
+async def test_a_task_group_that_fails_on_one_rank() -> None:
+    async with groups(2) as gs:
+        a, b = gs
+
+        async def rank_a() -> None:
+            with pytest.raises(ExceptionGroup):
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(a.all_reduce(np.ones(3), timeout=LONG))
+                    raise RuntimeError("only on rank 0")
+
+        results = await asyncio.gather(
+            rank_a(), b.all_reduce(np.ones(3), timeout=LONG), return_exceptions=True
+        )
+        assert results[0] is None
+        assert isinstance(results[1], MismatchError), results[1]
+        await in_step(gs, 1)
+
+
+async def test_a_call_never_awaited_fails_the_others() -> None:
+    async with groups(2) as gs:
+        a, b = gs
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "never awaited", as expected
+            dropped = a.all_reduce(np.ones(3))
+            assert isinstance(dropped, CollectiveCall)
+            del dropped
+            gc.collect()
+        with pytest.raises(MismatchError, match="never awaited"):
+            await b.all_reduce(np.ones(3), timeout=LONG)
+        await in_step(gs, 1)
+
+
+async def test_calls_pair_in_the_order_they_were_made_not_started() -> None:
+    async with groups(2) as gs:
+        a, b = gs
+        first_a, second_a = a.all_reduce(np.full(2, 1.0)), a.all_reduce(np.full(2, 100.0))
+        first_b, second_b = b.all_reduce(np.full(2, 2.0)), b.all_reduce(np.full(2, 200.0))
+        # Rank 0 starts its second call first: it still meets rank 1's second.
+        got = await asyncio.gather(second_a, first_a, first_b, second_b)
+        for out, want in zip(got, [300.0, 3.0, 3.0, 300.0], strict=True):
+            np.testing.assert_array_equal(out, [want, want])
+
+
+async def test_a_refused_call_gives_its_id_back_unless_a_later_call_was_made() -> None:
+    async with groups(2) as gs:
+        a, b = gs
+        # Refused alone: as if never called; the corrected call takes its place.
+        with pytest.raises(UsageError, match="timeout"):
+            await a.all_reduce(np.ones(3), timeout=0)
+        await in_step(gs, 1)
+        # Refused with a later call already made: the gap is told, the later call pairs.
+        bad = a.all_reduce(np.ones(3), timeout=0)
+        later = a.all_reduce(np.full(3, 5.0), timeout=LONG)
+        results = await asyncio.gather(
+            bad,
+            later,
+            b.all_reduce(np.ones(3), timeout=LONG),
+            b.all_reduce(np.full(3, 7.0), timeout=LONG),
+            return_exceptions=True,
+        )
+        assert isinstance(results[0], UsageError)
+        assert isinstance(results[2], MismatchError)
+        assert "failed before it started: UsageError" in str(results[2])
+        np.testing.assert_array_equal(results[1], np.full(3, 12.0))
+        np.testing.assert_array_equal(results[3], np.full(3, 12.0))
+        await in_step(gs, 2)
+
+
+async def test_a_sub_group_call_cancelled_before_it_ran() -> None:
+    async with groups(3) as gs:
+        subs = await asyncio.gather(*(g.split(0 if g.rank < 2 else None) for g in gs))
+        s0, s1 = subs[0], subs[1]
+        assert s0 is not None and s1 is not None
+        skipped = cancelled_before_start(s1)
+        with pytest.raises(asyncio.CancelledError):
+            await skipped
+        with pytest.raises(MismatchError, match="cancelled before it started") as err:
+            await s0.all_reduce(np.ones(3), timeout=LONG)
+        assert err.value.peer == gs[0].peer_label(1)  # named by its rank in the root group
+        await in_step([s0, s1], 1)
+        await in_step(gs, 2)
+
+
+async def test_world_one_and_unusable_groups_take_no_id() -> None:
+    async with groups(1) as gs:
+        call = gs[0].all_reduce(np.ones(2))
+        assert not isinstance(call, CollectiveCall)
+        await call
+    g = Group.from_seed("never-started", rank=0, world=2, peers=["127.0.0.1:1", "127.0.0.1:2"])
+    call = g.all_reduce(np.ones(2))
+    assert not isinstance(call, CollectiveCall)
+    with pytest.raises(UsageError, match="not started"):
+        await call
+
+
+async def test_closing_a_sub_group_with_a_call_made_but_not_started() -> None:
+    async with groups(2) as gs:
+        subs = await asyncio.gather(*(g.split(0) for g in gs))
+        s0, s1 = subs[0], subs[1]
+        assert s0 is not None and s1 is not None
+        made = s0.all_reduce(np.ones(3), timeout=LONG)  # called, never started
+        await s0.close()
+        with pytest.raises(ConnectionBrokenError, match="closed the sub-group"):
+            await s1.all_reduce(np.ones(3), timeout=LONG)
+        with pytest.raises(GroupBrokenError, match="closed"):
+            await made
+        await in_step(gs, 1)  # the parent goes on
