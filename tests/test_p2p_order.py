@@ -5,6 +5,7 @@ message is not lost; a message cut short by a timeout is dropped and the error s
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from group_helpers import groups
 
 from p2pdist import PeerTimeoutError
+from p2pdist.errors import PeerError
 from p2pdist.group import p2p
 from p2pdist.transport.mailbox import SPACE_SHIFT
 from p2pdist.wire.arrays import ArrayHeader
@@ -72,3 +74,44 @@ async def test_a_message_cut_short_by_a_timeout_is_dropped_and_the_error_says_so
             await b.recv(0, timeout=0.2)
         await a.send(np.array([4.0]), 1)
         assert (await b.recv(0)).tolist() == [4.0]  # the next message, in step
+
+
+@pytest.mark.parametrize("how", ["cancelled", "timed out"])
+async def test_a_send_stopped_part_way_fails_the_recv_at_once(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A send that ends after some of its pieces tells the receiver (one more frame), so
+    its recv fails at once naming the sender instead of waiting out its timeout."""
+    monkeypatch.setattr(p2p, "CHUNK", 8)  # an array of 3 float64 travels in 3 frames
+    async with groups(2, timeout=60.0) as (a, b):
+        conn: Any = a._conns[1]
+        real_send = conn.send
+        stuck = asyncio.Event()
+
+        async def send_then_stall(channel: int, payload: Any = b"", **kw: Any) -> None:
+            await real_send(channel, payload, **kw)
+            if kw.get("seq") == 1:  # the second piece went out; the drain never ends
+                stuck.set()
+                await asyncio.Event().wait()
+
+        conn.send = send_then_stall
+        sending = asyncio.ensure_future(
+            a.send(np.array([1.0, 2.0, 3.0]), 1, timeout=0.5 if how == "timed out" else 60)
+        )
+        await stuck.wait()
+        if how == "cancelled":
+            sending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await sending
+        else:
+            with pytest.raises(PeerTimeoutError, match="did not drain"):
+                await sending
+        conn.send = real_send
+        with pytest.raises(
+            PeerError, match=r"stopped sending float64\[3\] after 2 of its 3"
+        ) as err:
+            await b.recv(0, timeout=60)
+        assert err.value.peer == b.peer_label(0)
+        await a.send(np.array([4.0]), 1)
+        assert (await b.recv(0, timeout=5)).tolist() == [4.0]  # the next message, in step
+        assert a.broken is None and b.broken is None

@@ -1,7 +1,10 @@
 """Point-to-point array messages: one array as a few frames on its own channel.
 
 Frame 0's meta is msgpack ``[array header, frame count]``; the payloads are consecutive
-pieces of the array's bytes, at most :data:`CHUNK` each. The receiver checks the sender's
+pieces of the array's bytes, at most :data:`CHUNK` each. A send that ends (a cancellation,
+its timeout) after some but not all of its pieces went out sends one more frame, with an
+empty payload and meta :data:`ABANDONED`, so the receiver fails at once instead of
+waiting out its timeout for the rest. The receiver checks the sender's
 dtype and shape against what it expects before it allocates anything; byte order is not
 part of the check (arrays travel little-endian, and a big-endian ``out`` is filled with the
 same values, its bytes swapped).
@@ -10,22 +13,26 @@ same values, its bytes swapped).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from ..errors import MismatchError, PeerTimeoutError, RemoteProtocolError
+from ..errors import MismatchError, P2PError, PeerError, PeerTimeoutError, RemoteProtocolError
 from ..transport.base import Connection
 from ..wire.arrays import ArrayHeader, ArrayHeaderError, check_dtype
 from ..wire.frames import Frame
 from .buffers import mismatch
 from .link import PIECE_BYTES
 
-__all__ = ["CHUNK", "recv_array", "send_array"]
+__all__ = ["ABANDONED", "CHUNK", "recv_array", "send_array"]
 
 CHUNK = PIECE_BYTES
+ABANDONED = b"abandoned"
+"""Meta of the frame that ends a message whose sender stopped part-way (frames after the
+first have an empty meta otherwise)."""
 
 
 async def send_array(conn: Connection, channel: int, arr: np.ndarray, seconds: float) -> None:
@@ -34,14 +41,22 @@ async def send_array(conn: Connection, channel: int, arr: np.ndarray, seconds: f
     data = arr.reshape(-1).data.cast("B") if arr.size else memoryview(b"")
     pieces = [data[i : i + CHUNK] for i in range(0, data.nbytes, CHUNK)] or [data]
     meta = bytes(msgpack.packb([header.to_wire(), len(pieces)], use_bin_type=True))
+    seq = -1
     try:
         async with asyncio.timeout(seconds):
             for seq, piece in enumerate(pieces):
+                # send() hands the whole frame over before it waits: once it is called,
+                # the piece has gone out, whatever ends the wait.
                 await conn.send(channel, piece, meta=meta if seq == 0 else b"", seq=seq)
-    except TimeoutError:
-        raise PeerTimeoutError(
-            conn.label, f"send of {header.describe()} did not drain within {seconds:g} s"
-        ) from None
+    except (TimeoutError, asyncio.CancelledError) as exc:
+        if 0 <= seq < len(pieces) - 1:
+            with contextlib.suppress(P2PError):
+                conn.send_nowait(channel, meta=ABANDONED, seq=seq + 1)
+        if isinstance(exc, TimeoutError):
+            raise PeerTimeoutError(
+                conn.label, f"send of {header.describe()} did not drain within {seconds:g} s"
+            ) from None
+        raise
 
 
 async def recv_array(
@@ -94,6 +109,13 @@ async def recv_array(
                 pieces = (seq, count)
                 if seq:
                     frame = await conn.recv(channel)
+                    if frame.meta == ABANDONED and frame.seq == seq:
+                        raise PeerError(
+                            conn.label,
+                            f"stopped sending {header.describe()} after {seq} of its "
+                            f"{count} pieces (its send was cancelled or timed out); "
+                            "the message is dropped",
+                        )
                 n = frame.payload.nbytes
                 if frame.seq != seq or filled + n > header.nbytes:
                     raise RemoteProtocolError(conn.label, "malformed array message")
