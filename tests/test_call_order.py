@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
+import sys
 import warnings
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -186,10 +189,74 @@ async def test_closing_a_sub_group_with_a_call_made_but_not_started() -> None:
         subs = await asyncio.gather(*(g.split(0) for g in gs))
         s0, s1 = subs[0], subs[1]
         assert s0 is not None and s1 is not None
+        await in_step([s0, s1], 1)
         made = s0.all_reduce(np.ones(3), timeout=LONG)  # called, never started
         await s0.close()
-        with pytest.raises(ConnectionBrokenError, match="closed the sub-group"):
+        with pytest.raises(MismatchError, match="sub-group was closed before it started"):
             await s1.all_reduce(np.ones(3), timeout=LONG)
+        with pytest.raises(ConnectionBrokenError, match="closed the sub-group"):
+            await s1.all_reduce(np.ones(3), timeout=LONG)  # the next: s0 is gone
         with pytest.raises(GroupBrokenError, match="closed"):
             await made
-        await in_step(gs, 1)  # the parent goes on
+        await in_step(gs, 2)  # the parent goes on
+
+
+async def test_a_refused_call_closed_later_leaves_the_call_that_took_its_id_alone() -> None:
+    async with groups(2) as gs:
+        a, b = gs
+        bad = a.all_reduce(np.ones(3), timeout=0)
+        with pytest.raises(UsageError):
+            await bad  # its id is given back ...
+        retry = a.all_reduce(np.full(3, 2.0), timeout=LONG)  # ... and taken again here
+        bad.close()  # nothing: it holds no id any more
+        outs = await asyncio.gather(retry, b.all_reduce(np.full(3, 3.0), timeout=LONG))
+        for out in outs:
+            np.testing.assert_array_equal(out, np.full(3, 5.0))
+
+
+async def test_a_call_collected_unawaited_in_another_thread_still_tells_the_others() -> None:
+    async with groups(2) as gs:
+        a, b = gs
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            cycle: list[object] = [a.all_reduce(np.ones(3))]
+            cycle.append(cycle)  # only the cyclic collector frees it ...
+            del cycle
+            await asyncio.to_thread(gc.collect)  # ... here in a thread with no loop
+        with pytest.raises(MismatchError, match="never awaited"):
+            await b.all_reduce(np.ones(3), timeout=LONG)
+        assert not a._pending
+        await in_step(gs, 1)
+
+
+async def test_a_call_made_in_another_thread_takes_its_id_on_the_loop() -> None:
+    async with groups(2) as gs:
+        a, b = gs
+        loop = asyncio.get_running_loop()
+
+        def from_thread() -> np.ndarray:
+            call = a.all_reduce(np.full(3, 1.0), timeout=LONG)
+            assert not isinstance(call, CollectiveCall)  # nothing reserved off the loop
+            return asyncio.run_coroutine_threadsafe(call, loop).result(LONG)
+
+        outs = await asyncio.gather(
+            asyncio.to_thread(from_thread), b.all_reduce(np.full(3, 2.0), timeout=LONG)
+        )
+        for out in outs:
+            np.testing.assert_array_equal(out, np.full(3, 3.0))
+
+
+async def test_collectives_still_look_like_coroutine_functions() -> None:
+    for name in ("all_reduce", "barrier", "split", "send", "recv"):
+        assert asyncio.iscoroutinefunction(getattr(Group, name)), name
+        if sys.version_info >= (3, 12):
+            assert inspect.iscoroutinefunction(getattr(Group, name)), name
+    spec = mock.create_autospec(Group, instance=True)
+    assert isinstance(spec.all_reduce, mock.AsyncMock)
+    assert isinstance(spec.send, mock.AsyncMock)
+    async with groups(2) as gs:
+        tasks = [asyncio.ensure_future(g.all_reduce(np.ones(3))) for g in gs]
+        assert "all_reduce" in repr(tasks[0])
+        await asyncio.sleep(0)
+        assert tasks[0].get_stack()  # the method coroutine's frame
+        await asyncio.gather(*tasks)

@@ -21,41 +21,42 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..errors import UsageError
 
-__all__ = ["CollectiveCall", "Reserving", "collective"]
+__all__ = ["CollectiveCall", "Reserving", "as_coroutine_function", "collective"]
 
 _T = TypeVar("_T")
 _P = ParamSpec("_P")
 _G = TypeVar("_G", bound="Reserving")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class Reserving:
     """The call-id bookkeeping :class:`CollectiveCall` needs of a group (GroupCore)."""
 
     _next_cid: int
-    _pending: set[int]  # call ids reserved by calls that have not started yet
+    _pending: dict[int, int]  # call id -> id() of its holder: reserved, not started yet
     _taking: int | None  # the id the call now starting reserved, until _run takes it
+    _home_loop: asyncio.AbstractEventLoop | None  # the loop the group was started on
 
-    def _reserve(self) -> int | None:
-        """A call id for a collective called now, or None when it cannot run now (it
-        will raise at its start) or needs no peer: it then takes none."""
+    def _reserve(self, holder: int) -> int | None:
+        """A call id for a collective called now, held by ``holder``; None at world 1,
+        off the group's event loop, or when the group cannot run it now (it raises that
+        at its start): the call then takes its id when it starts, as an unwrapped one."""
         raise NotImplementedError
 
-    def _skip(self, cid: int, why: str) -> None:
-        """Call ``cid`` ended without running on this rank, for reason ``why``."""
+    def _skip(self, cid: int, holder: int, why: str) -> None:
+        """Call ``cid`` (if ``holder`` still holds it) ended without running on this
+        rank, for reason ``why``."""
         raise NotImplementedError
 
-    def _release(self, cid: int) -> bool:
-        """Give call id ``cid`` back if no call has taken a later one (then True)."""
-        raise NotImplementedError
-
-    def _skip_soon(self, cid: int, why: str) -> None:
-        """:meth:`_skip` from a finalizer: on the event loop, not in the middle of
-        whatever code dropped the last reference."""
+    def _release(self, cid: int, holder: int) -> bool:
+        """Give call id ``cid`` back if ``holder`` holds it and no call has taken a later
+        one (then True)."""
         raise NotImplementedError
 
 
@@ -63,9 +64,10 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
     """The coroutine of one collective call, holding its reserved call id.
 
     It drives the method's own coroutine and behaves as one (``await`` it, or pass it
-    to ``asyncio.create_task`` or ``gather``). It sees the call start (its first step),
-    and sees a call that ends without having run: thrown into or closed before its first
-    step, garbage-collected unawaited, or failed before it took its id."""
+    to ``asyncio.create_task`` or ``gather``; its name, frame and ``cr_*`` attributes are
+    the method coroutine's). It sees the call start (its first step), and sees a call
+    that ends without having run: thrown into or closed before its first step,
+    garbage-collected unawaited, or failed before it took its id."""
 
     __slots__ = ("_cid", "_coro", "_group", "_started")
 
@@ -108,8 +110,7 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
         """Close the call; before its first step, it never runs."""
         self._started = True
         self._coro.close()
-        if self._cid in self._group._pending:
-            self._group._skip(self._cid, "it was closed before it started")
+        self._group._skip(self._cid, id(self), "it was closed before it started")
 
     def __await__(self) -> Generator[Any, None, _T]:
         return self  # our send/throw drive the await
@@ -121,18 +122,54 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
         return self
 
     def __del__(self) -> None:
-        if not self._started:  # never awaited (Python warns of the method's coroutine)
-            self._started = True
-            self._group._skip_soon(self._cid, "it was never awaited")
+        if self._started:
+            return
+        # Never awaited (Python warns of the method's coroutine). A finalizer runs in
+        # whichever thread collected it: the skip goes to the group's loop.
+        self._started = True
+        group, cid = self._group, self._cid
+        loop = group._home_loop
+        try:
+            if loop is None:
+                raise RuntimeError("no loop")
+            loop.call_soon_threadsafe(group._skip, cid, id(self), "it was never awaited")
+        except RuntimeError:  # its loop is closed: the group is gone, nobody to tell
+            if group._pending.get(cid) == id(self):
+                del group._pending[cid]
 
     def __repr__(self) -> str:
         return f"<CollectiveCall #{self._cid} {self._coro!r}>"
 
+    @property
+    def __name__(self) -> str:  # what asyncio names a task's coroutine by
+        return self._coro.__name__  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def cr_frame(self) -> Any:
+        """The method coroutine's frame (for task stacks and reprs)."""
+        return getattr(self._coro, "cr_frame", None)
+
+    @property
+    def cr_await(self) -> Any:
+        """What the method coroutine awaits now."""
+        return getattr(self._coro, "cr_await", None)
+
+    @property
+    def cr_running(self) -> bool:
+        """Whether the method coroutine is running now."""
+        return bool(getattr(self._coro, "cr_running", False))
+
+    @property
+    def cr_code(self) -> Any:
+        """The method coroutine's code object."""
+        return getattr(self._coro, "cr_code", None)
+
     def _settle(self, exc: BaseException) -> None:
         """The call ended with ``exc``: if it never took its id, it never ran."""
-        if self._cid not in self._group._pending:
+        group = self._group
+        if group._pending.get(self._cid) != id(self):
             return
-        if isinstance(exc, UsageError) and self._group._release(self._cid):
+        if isinstance(exc, UsageError) and group._release(self._cid, id(self)):
             return  # refused for its arguments: as if never called (a retry takes its place)
         if isinstance(exc, asyncio.CancelledError):
             why = "it was cancelled before it started"
@@ -140,7 +177,19 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
             why = "it returned without running"
         else:
             why = f"it failed before it started: {type(exc).__name__}: {str(exc)[:200]}"
-        self._group._skip(self._cid, why)
+        group._skip(self._cid, id(self), why)
+
+
+def as_coroutine_function(fn: _F) -> _F:
+    """Mark ``fn``, a plain function that returns a coroutine, as a coroutine function
+    for ``inspect`` (3.12+), ``asyncio.iscoroutinefunction`` and ``unittest.mock``."""
+    mark = getattr(inspect, "markcoroutinefunction", None)  # Python 3.12+
+    if mark is not None:
+        return mark(fn)  # type: ignore[no-any-return]
+    marker = getattr(asyncio.coroutines, "_is_coroutine", None)  # what 3.11 looks for
+    if marker is not None:
+        fn._is_coroutine = marker  # type: ignore[attr-defined]
+    return fn
 
 
 def collective(
@@ -153,9 +202,13 @@ def collective(
     @functools.wraps(method)
     def call(self: _G, /, *args: _P.args, **kwargs: _P.kwargs) -> Coroutine[Any, Any, _T]:
         coro = method(self, *args, **kwargs)
-        cid = self._reserve()
+        wrapped = CollectiveCall(self, -1, coro)
+        # id(): the group must not keep the call alive (its finalizer is a skip).
+        cid = self._reserve(id(wrapped))
         if cid is None:
+            wrapped._started = True  # no id held: nothing to skip when it goes
             return coro
-        return CollectiveCall(self, cid, coro)
+        wrapped._cid = cid
+        return wrapped
 
-    return call
+    return as_coroutine_function(call)

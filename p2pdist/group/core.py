@@ -111,8 +111,9 @@ class GroupCore(Runner):
         self._transport: TcpTransport | QuicTransport | None = None
         self._conns: dict[int, Connection] = {}
         self._next_cid = 0
-        self._pending: set[int] = set()
+        self._pending: dict[int, int] = {}
         self._taking: int | None = None
+        self._home_loop: asyncio.AbstractEventLoop | None = None
         self._p2p_sent: dict[int, int] = {}
         self._p2p_received: dict[int, int] = {}
         self._p2p_given_back: dict[int, list[int]] = {}
@@ -354,6 +355,7 @@ class GroupCore(Runner):
         if self._closing:
             raise UsageError("group is closed; make a new Group to start again")
         self._started = True
+        self._home_loop = asyncio.get_running_loop()
         if self.size == 1:
             self._formed = True
             return self
@@ -442,13 +444,15 @@ class GroupCore(Runner):
             return
         self._closing = True
         if self._parent is not None:
+            root = self._root()
+            closing = [self, *root._split_from(self)]  # its sub-groups end here too
+            for g in closing:  # calls made but not started will never run: tell first
+                for cid, holder in list(g._pending.items()):
+                    g._skip(cid, holder, "its sub-group was closed before it started")
             if self._broken is None:
                 self._broken = GroupBrokenError("the group was closed")
-            root = self._root()
-            for g in [self, *root._split_from(self)]:  # its sub-groups end here too
-                # Its first call not run here: one called but not started will never run.
-                first = min(g._pending, default=g._next_cid)
-                g._send_control({"closed": g._space, "next": first}, g._conns)
+            for g in closing:
+                g._send_control({"closed": g._space, "next": g._next_cid}, g._conns)
             root._cancel_closed(self)
             return
         if self._broken is None:
@@ -542,6 +546,7 @@ class GroupCore(Runner):
         child._conns = {i: self._conns[r] for i, r in enumerate(members) if r != self._rank}
         child._root_ranks = [self._root_ranks[r] for r in members]
         child._left = dict(self._left)
+        child._home_loop = self._home_loop
         self._root()._descendants.add(child)
         child._space, child._p2p_space = space, space + 1
         child._parent = self

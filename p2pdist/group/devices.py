@@ -24,6 +24,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import numpy as np
 
 from ..errors import P2PTimeoutError, UsageError
+from .calls import as_coroutine_function
 
 __all__ = [
     "host_copy",
@@ -217,7 +218,7 @@ def on_host(
             return method(self, *args, **kwargs)
         return _through_host(method, self, args, kwargs)
 
-    return wrapper
+    return as_coroutine_function(wrapper)
 
 
 async def _through_host(

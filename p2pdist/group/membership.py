@@ -105,7 +105,7 @@ class Membership:
     _p2p_received: dict[int, int]
     _p2p_given_back: dict[int, list[int]]
     _next_cid: int
-    _pending: set[int]  # see calls.Reserving
+    _pending: dict[int, int]  # see calls.Reserving
     _space: int  # the channel space of this group's collectives
     _listeners: list[asyncio.Task[None]]
     _closing: bool
@@ -131,6 +131,9 @@ class Membership:
         raise NotImplementedError
 
     def _where(self, r: int) -> str:
+        raise NotImplementedError
+
+    def _skip(self, cid: int, holder: int, why: str) -> None:
         raise NotImplementedError
 
     @property

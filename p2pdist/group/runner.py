@@ -7,7 +7,6 @@ of :class:`~p2pdist.group.rejoin.Rejoining`."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -55,27 +54,27 @@ class Runner(Rejoining, Reserving):
 
     # ---- call ids reserved when a collective is called (calls.py) ----------------------
 
-    def _reserve(self) -> int | None:
-        """A call id for a collective called now; None at world 1 (it takes none) and
-        when the group cannot run it now (it raises that at its start, taking none)."""
+    def _reserve(self, holder: int) -> int | None:
         if self.size == 1:
             return None
         try:
+            if asyncio.get_running_loop() is not self._home_loop:
+                return None  # made in another thread: it runs (and takes its id) on ours
             self._check_usable()
-        except P2PError:
+        except (RuntimeError, P2PError):  # RuntimeError: no loop running in this thread
             return None
         cid = self._next_cid
         self._next_cid += 1
-        self._pending.add(cid)
+        self._pending[cid] = holder
         return cid
 
-    def _skip(self, cid: int, why: str) -> None:
+    def _skip(self, cid: int, holder: int, why: str) -> None:
         """Call ``cid`` ended without running here: retire its channel (what the others
         send for it is dropped) and tell them, so theirs fails at once naming this rank
         (ranks that all skip it stay in step: their notices find it past)."""
-        if cid not in self._pending:
-            return
-        self._pending.discard(cid)
+        if self._pending.get(cid) != holder:
+            return  # taken by its call, or skipped or given back already
+        del self._pending[cid]
         channel = (self._space << SPACE_SHIFT) | cid
         root = self._root()
         told = root._failed_calls.pop(channel, None) is not None  # theirs failed already
@@ -90,17 +89,12 @@ class Runner(Rejoining, Reserving):
         log.info("collective call %d (channel space %#x) did not run: %s", cid, self._space, why)
         self._tell_call_failed(channel, self._root_ranks[self._rank], why)
 
-    def _release(self, cid: int) -> bool:
-        if cid != self._next_cid - 1:
+    def _release(self, cid: int, holder: int) -> bool:
+        if cid != self._next_cid - 1 or self._pending.get(cid) != holder:
             return False
-        self._pending.discard(cid)
+        del self._pending[cid]
         self._next_cid = cid
         return True
-
-    def _skip_soon(self, cid: int, why: str) -> None:
-        # No loop (interpreter exit, another thread): the others time out instead.
-        with contextlib.suppress(RuntimeError):
-            asyncio.get_running_loop().call_soon(self._skip, cid, why)
 
     # ---- naming a failure -----------------------------------------------------------
 
@@ -178,7 +172,7 @@ class Runner(Rejoining, Reserving):
             self._next_cid += 1
         else:  # the id the call reserved when it was called (calls.py)
             self._taking = None
-            self._pending.discard(cid)
+            del self._pending[cid]
         return CollectiveLink(
             self._rank,
             self.size,
