@@ -17,7 +17,8 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from group_helpers import groups
+from group_helpers import crash, groups, until_left
+from test_group_elastic import restart
 
 from p2pdist import ConnectionBrokenError, Group, GroupBrokenError, MismatchError, UsageError
 from p2pdist.group.calls import CollectiveCall
@@ -260,3 +261,43 @@ async def test_collectives_still_look_like_coroutine_functions() -> None:
         await asyncio.sleep(0)
         assert tasks[0].get_stack()  # the method coroutine's frame
         await asyncio.gather(*tasks)
+
+
+async def test_a_call_made_while_a_rank_was_gone_fails_if_it_starts_after_it_rejoined() -> None:
+    # The rejoined process starts at the survivor's next call id, which counts the call
+    # made meanwhile: that call can never have its part, so it fails at its start naming
+    # it, and the next calls pair (they used to time out on ids the rejoiner never ran).
+    async with groups(2, config={"on_peer_loss": "leave"}) as gs:
+        crash(gs[1])
+        await until_left(gs[:1], 1)
+        held = gs[0].all_reduce(np.ones(3), timeout=LONG)  # made, not started
+        back = await restart(gs[1])
+        try:
+            await back.start()
+            with pytest.raises(ConnectionBrokenError, match="left the group while all_reduce"):
+                await held
+            await in_step([gs[0], back], 1)
+        finally:
+            await back.close()
+
+
+async def test_a_collective_that_awaits_before_it_runs_keeps_its_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from p2pdist.group import algorithms as alg
+    from p2pdist.group.calls import collective
+    from p2pdist.group.link import describe_call
+
+    async def late_barrier(self: Group) -> None:
+        await asyncio.sleep(0.05)  # before it takes its id: the id is offered again
+        await self._run(describe_call("barrier", "", "", ()), LONG, alg.barrier)
+
+    monkeypatch.setattr(Group, "late_barrier", collective(late_barrier), raising=False)
+    async with groups(2) as gs:
+        calls = []
+        for g in gs:  # on each rank: the late barrier is made first, then an all_reduce
+            calls += [g.late_barrier(), g.all_reduce(np.full(3, 1.0 + g.rank), timeout=LONG)]
+        got = await asyncio.gather(*calls)
+        np.testing.assert_array_equal(got[1], np.full(3, 3.0))
+        np.testing.assert_array_equal(got[3], np.full(3, 3.0))
+        assert all(not g._pending for g in gs)

@@ -78,16 +78,18 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
         self._started = False
 
     def send(self, value: Any) -> Any:
-        """Advance the call (the first step hands it its call id)."""
-        if self._started:
+        """Advance the call; until it has taken its reserved id, each step offers it."""
+        self._started = True
+        group = self._group
+        if group._pending.get(self._cid) != id(self):  # taken (or given up): a plain step
             try:
                 return self._coro.send(value)
             except BaseException as exc:
                 self._settle(exc)
                 raise
-        self._started = True
-        group = self._group
-        outer = group._taking  # a call made inside another's first step
+        # Offered at every step until taken, not only the first: a collective that
+        # awaited something before its _run would otherwise take a fresh id.
+        outer = group._taking  # a call made inside another's step
         group._taking = self._cid
         try:
             return self._coro.send(value)
