@@ -15,6 +15,7 @@ from group_helpers import free_ports, loopback_peers
 
 from p2pdist import (
     Group,
+    GroupBrokenError,
     GroupConfig,
     MismatchError,
     P2PError,
@@ -466,3 +467,35 @@ async def test_a_rank_refused_by_a_formed_group_until_the_end_says_why() -> None
         await check_sum(gs)  # the group that formed is untouched
     finally:
         await asyncio.gather(*(g.close() for g in [*gs, late]))
+
+
+async def test_a_rank_that_leaves_right_after_forming_does_not_fail_the_others_start() -> None:
+    """Rank 1 says ready, forms, and leaves at once (its ``async with`` body failed)
+    before rank 0 has finished forming: rank 0's start still succeeds, and rank 1 counts
+    as left (its start failed with "the connection ... ended while the group formed")."""
+    peers = loopback_peers(2)
+    cfg = GroupConfig(timeout=10, connect_timeout=10)
+    a, b = (
+        Group.from_seed("leave-early", rank=r, world=2, peers=peers, config=cfg) for r in (0, 1)
+    )
+    b_left = asyncio.Event()
+    form_with = a._form_with
+
+    async def form_with_then_wait(*args: Any) -> Any:
+        result = await form_with(*args)
+        await asyncio.wait_for(b_left.wait(), 10)  # rank 1 leaves before we check
+        return result
+
+    a._form_with = form_with_then_wait  # type: ignore[method-assign]
+
+    async def rank_b() -> None:
+        await b.start()
+        await b.close()
+        b_left.set()
+
+    try:
+        await asyncio.gather(a.start(), rank_b())
+        with pytest.raises(GroupBrokenError, match=r"rank 1 .* left the group"):
+            await a.all_reduce(np.ones(2))
+    finally:
+        await asyncio.gather(a.close(), b.close())

@@ -463,11 +463,15 @@ class Membership:
 
     def _check_formed(self, form: _Formation) -> None:
         """Every connection must be the one that said ``ready``, and still open, once
-        formation ends (a rank that closed, was lost or restarted meanwhile would
-        otherwise only show up as "left" later)."""
+        formation ends (a rank that was lost or restarted meanwhile would otherwise only
+        show up as "left" later). One that said ``ready`` and then goodbye formed the
+        group on its side and left it at once (its ``async with`` body failed first): it
+        is a member that left, as it would be a moment later."""
         for r in sorted(self._conns):
             conn = self._conns[r]
-            if conn is not form.ready.get(r) or conn.closed or r in self._left:
+            ended = conn.end_error
+            left = isinstance(ended, ConnectionBrokenError) and ended.graceful
+            if conn is not form.ready.get(r) or (conn.closed and not left) or r in self._left:
                 raise GroupBrokenError(
                     f"{self.peer_label(self._rank)}: the connection to {self.peer_label(r)} "
                     "ended while the group formed"

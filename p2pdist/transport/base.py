@@ -154,6 +154,12 @@ class Connection(Protocol):
         """Call ``callback(error)`` once when the connection ends (None: closed by us)."""
         ...
 
+    @property
+    def end_error(self) -> BaseException | None:
+        """Why the peer's side ended the connection (a goodbye is a ConnectionBrokenError
+        with ``graceful``); None while it is open or when we closed it."""
+        ...
+
     async def close(self) -> None:
         """Say goodbye and close; pending receivers get ConnectionClosedError."""
         ...

@@ -197,6 +197,11 @@ class FramedConnection:
             return 0.0
         return self._loop.time() - self._keepalive.last_rx
 
+    @property
+    def end_error(self) -> BaseException | None:
+        """Why the peer's side ended the connection; None while open or closed by us."""
+        return None if self._closed_locally else self._error
+
     def add_close_callback(self, callback: Callable[[BaseException | None], None]) -> None:
         """Call ``callback(error)`` once when the connection ends (None: closed by us)."""
         if self.closed:
