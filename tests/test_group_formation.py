@@ -499,3 +499,18 @@ async def test_a_rank_that_leaves_right_after_forming_does_not_fail_the_others_s
             await a.all_reduce(np.ones(2))
     finally:
         await asyncio.gather(a.close(), b.close())
+
+
+async def test_ranks_with_tls_on_and_off_are_told_so_not_to_check_the_seed() -> None:
+    peers = loopback_peers(2)
+    quick = GroupConfig(connect_timeout=2.0)
+    a = Group.from_seed("mode-seed", rank=0, world=2, peers=peers, config=quick)
+    b = Group.from_seed("mode-seed", rank=1, world=2, peers=peers, config=quick, tls=False)
+    results = await asyncio.gather(a.start(), b.start(), return_exceptions=True)
+    await asyncio.gather(a.close(), b.close())
+    err_a, err_b = results
+    assert isinstance(err_b, PeerAuthenticationError), err_b
+    assert "tls= (or P2PDIST_TLS) must be the same on every rank" in str(err_b)
+    assert isinstance(err_a, P2PError), err_a
+    assert "must be the same on every rank" in str(err_a), err_a
+    assert "another seed" not in str(err_a)

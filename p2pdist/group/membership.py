@@ -38,7 +38,7 @@ from ..transport.base import NOT_ADMITTED, Address, Connection
 from ..transport.dial import dial_with_retry
 from ..transport.mailbox import SPACE_SHIFT, split_channel
 from ..transport.quic import QuicTransport
-from ..transport.tcp import TcpTransport
+from ..transport.tcp import TLS_MISMATCH_HINT, TcpTransport
 from ..wire.relay import RelayUrl
 from .config import GroupConfig
 from .link import CollectiveLink
@@ -424,9 +424,10 @@ class Membership:
                     why.append(_formed_refusal(self.peer_label(r), refusal, self._rank))
             refused = transport.refused_incoming - refused_before
             if refused:
+                last = transport.last_refusal or ""
+                hint = "" if TLS_MISMATCH_HINT in last else ": a rank with another seed?"
                 why.append(
-                    f"{refused} incoming connection(s) refused meanwhile, the last "
-                    f"({transport.last_refusal}): a rank with another seed?"
+                    f"{refused} incoming connection(s) refused meanwhile, the last ({last}){hint}"
                 )
             took = f"forming the group took over {self.config.connect_timeout:g} s"
             # The others learn why too: one that times out a moment later would otherwise

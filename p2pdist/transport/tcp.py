@@ -48,7 +48,10 @@ from .pathinfo import PathInfo, single_path
 from .paths import path_key
 from .tlspipe import TlsPipe
 
-__all__ = ["TcpConnection", "TcpTransport", "parse_address"]
+__all__ = ["TLS_MISMATCH_HINT", "TcpConnection", "TcpTransport", "parse_address"]
+
+TLS_MISMATCH_HINT = "tls= (or P2PDIST_TLS) must be the same on every rank"
+"""Ends the refusal of a dialer that asked for the other mode (TLS or plaintext)."""
 
 log = logging.getLogger(__name__)
 
@@ -571,7 +574,9 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
         refusal = None
         if mode != my_mode:
             asked = repr(mode) if isinstance(mode, str | None) and len(mode or "") <= 16 else "?"
-            refusal = f"this endpoint runs {my_mode!r}, the dialer asked for {asked}"
+            refusal = (
+                f"this endpoint runs {my_mode!r}, the dialer asked for {asked}: {TLS_MISMATCH_HINT}"
+            )
         elif want != bytes(owner.endpoint_id):
             wanted = base64.b32encode(want).decode().rstrip("=").lower()
             refusal = f"identity mismatch: expected {wanted}, presented {owner.endpoint_id}"
