@@ -173,8 +173,11 @@ async def test_a_relay_refusal_is_named_when_the_group_forms(tmp_path: Path) -> 
         g = Group.from_seed(
             SEED, rank=0, world=2, relay=relay.url, relay_token="wrong", config=config()
         )
-        with pytest.raises(PeerAuthenticationError, match="bad token"):
+        with pytest.raises(PeerAuthenticationError, match=r"bad token \(the token sent is not"):
             await g.start()
+        missing = Group.from_seed(SEED, rank=0, world=2, relay=relay.url, config=config())
+        with pytest.raises(PeerAuthenticationError, match="needs a token and none was sent"):
+            await missing.start()
 
 
 async def test_a_rank_with_another_seed_through_the_relay_is_named_with_a_hint(

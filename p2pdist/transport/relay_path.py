@@ -33,6 +33,7 @@ from ..tasks import cancel_and_wait
 from ..tls import endpoint_id_of_cert
 from ..wire.httpproxy import ProxyRefused, ProxyUrl
 from ..wire.relay import (
+    BAD_TOKEN_TEXT,
     CREDENTIAL_REFUSALS,
     MAX_DATAGRAM,
     MAX_KEEPALIVE,
@@ -540,6 +541,13 @@ class RelayPath:
         if kind is RelayFrameType.ERROR:
             why = body.decode("utf-8", "replace")
             if why in CREDENTIAL_REFUSALS:  # not let in: reported to waiters at once
+                if why == BAD_TOKEN_TEXT:
+                    why += (
+                        " (the token sent is not the relay's)"
+                        if self._token
+                        else " (this relay needs a token and none was sent: pass "
+                        "relay_token= or set P2PDIST_RELAY_TOKEN)"
+                    )
                 raise PeerAuthenticationError(f"relay {self.url}", f"refused us: {why}")
             # A busy relay's answer (full, evicted, timed out, shutting down): this
             # attempt failed, the next one may not; waiters keep waiting.
