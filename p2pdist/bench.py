@@ -104,7 +104,7 @@ def _env_rank() -> int | None:
 
 def main(argv: list[str]) -> int:
     """Run the profiler on N local ranks (or, with ``--worker``, one rank of it)."""
-    p = argparse.ArgumentParser(prog="p2pdist bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="p2pdist bench", description=__doc__.replace("``", ""))
     p.add_argument("-n", "--nprocs", type=int, default=None, help="local ranks (default 2)")
     p.add_argument("--plaintext", action="store_true", help="authenticated plaintext, no TLS")
     p.add_argument(

@@ -321,7 +321,9 @@ def render(r: DoctorReport) -> str:
 def main(argv: list[str]) -> int:
     """``p2pdist doctor``: exit 0 when the relay is reachable (and the peer, if asked),
     1 otherwise."""
-    ap = argparse.ArgumentParser(prog="p2pdist doctor", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="p2pdist doctor", description=__doc__.split("\n\n")[0].replace("``", "")
+    )
     ap.add_argument("--relay", required=True, help="relay URL, as p2pdist-relay prints it")
     ap.add_argument("--peer", help="endpoint id of a peer running `p2pdist doctor --serve`")
     ap.add_argument("--serve", action="store_true", help="answer other doctors (until ^C)")

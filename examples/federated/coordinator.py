@@ -48,13 +48,23 @@ def quorum_arg(text: str) -> int | float:
 
 def add_coordinator_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by this program and ``run``."""
-    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=30, help="rounds to run")
     p.add_argument("--clients", type=int, default=8, help="how many clients")
-    p.add_argument("--rule", choices=["mean", "median", "trimmed_mean"], default="mean")
+    p.add_argument(
+        "--rule",
+        choices=["mean", "median", "trimmed_mean"],
+        default="mean",
+        help="how the updates of a round are combined (median and trimmed_mean resist outliers)",
+    )
     p.add_argument("--trim", type=float, default=0.2, help="trimmed_mean: cut per end")
     p.add_argument("--max-norm", type=float, default=10.0, help="0: no norm bound")
     p.add_argument("--round-timeout", type=float, default=0.25, help="seconds per round")
-    p.add_argument("--policy", choices=["deadline", "quorum"], default="deadline")
+    p.add_argument(
+        "--policy",
+        choices=["deadline", "quorum"],
+        default="deadline",
+        help="close a round at its timeout, or once a quorum of updates is in",
+    )
     p.add_argument(
         "--quorum",
         type=quorum_arg,
@@ -65,7 +75,9 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
         "as FederatedConfig(quorum=1) would be). A whole number above 1 is a COUNT of "
         "updates: 2 is two.",
     )
-    p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument(
+        "--max-staleness", type=int, default=2, help="rounds an update may lag and still count"
+    )
     p.add_argument("--seed", type=int, default=0, help="initial model and baseline seed")
     p.add_argument("--epochs", type=int, default=1, help="client epochs per round")
     p.add_argument(
@@ -75,7 +87,7 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", type=Path, default=None, help="write a summary here")
     p.add_argument("--plaintext", action="store_true", help="TCP without TLS (trusted nets)")
-    p.add_argument("--verbose", action="store_true")
+    p.add_argument("--verbose", action="store_true", help="log each round (INFO)")
 
 
 def check_coordinator_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

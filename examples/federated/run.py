@@ -41,12 +41,19 @@ ROOT = Path(__file__).resolve().parents[2]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(
-        prog="python -m examples.federated.run", description=__doc__.split("\n\n")[0]
+        prog="python -m examples.federated.run",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_coordinator_args(p)
     p.add_argument("--relay", default=None, help="'local' (start one) or a relay URL")
     p.add_argument("--malicious", type=int, default=1, help="clients scaling updates by 1e6")
-    p.add_argument("--attack", choices=["scale", "nan"], default="scale")
+    p.add_argument(
+        "--attack",
+        choices=["scale", "nan"],
+        default="scale",
+        help="what the malicious clients send: updates x1e6, or NaNs",
+    )
     p.add_argument("--slow", type=int, default=1, help="slow clients")
     p.add_argument("--slow-factor", type=float, default=8.0, help="their compute x this")
     p.add_argument("--dropouts", type=int, default=1, help="clients that crash mid-round")
