@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
+import socket
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -302,3 +304,24 @@ def test_a_relay_naming_an_impossible_endpoint_id_loses_one_frame_not_the_sessio
 )
 def test_a_relay_cannot_switch_off_our_keepalive(offered: object, used: float) -> None:
     assert relay_keepalive(offered) == used
+
+
+async def test_a_relay_that_cannot_be_reached_is_said_once_while_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nothing listens at the URL: one warning says so (a start() would otherwise wait
+    connect_timeout in silence), not one per retry."""
+    with socket.socket() as s:  # a port that refuses: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        cfg = RelayConfig(connect_timeout=1.0, backoff_initial=0.05, backoff_max=0.05)
+        path = RelayPath(key(0), f"https://127.0.0.1:{port}/?pin={key(9).endpoint_id}", config=cfg)
+        try:
+            logs = caplog.at_level(logging.INFO, logger="p2pdist.transport.relay_path")
+            with logs, pytest.raises(P2PTimeoutError):
+                await path.wait_connected(1.0)
+        finally:
+            await bounded(path.close(), "close()")
+    said = [r for r in caplog.records if "cannot connect yet" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert sum("session ended" in r.getMessage() for r in caplog.records) >= 3  # retried

@@ -272,6 +272,7 @@ class RelayPath:
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
         self._refused = asyncio.Event()
+        self._said_unreachable = False  # warned that the relay cannot be reached yet
         self._closed = asyncio.Event()
         """Set by :meth:`close`: no session any more, and waiters stop waiting."""
         self._ping_sent: dict[bytes, float] = {}
@@ -415,7 +416,13 @@ class RelayPath:
                 self._refused.clear()  # the latest attempt was not refused
                 msg = str(exc) or type(exc).__name__
                 self._set(last_error=msg)
-                log.info("relay %s: session ended: %s", self.url, msg)
+                if self._authed_at is None and not self._said_unreachable:
+                    # Said once, not at every retry: a caller waits (start() up to
+                    # connect_timeout) with nothing else to tell it why.
+                    self._said_unreachable = True
+                    log.warning("relay %s: cannot connect yet (%s); retrying", self.url, msg)
+                else:
+                    log.info("relay %s: session ended: %s", self.url, msg)
             finally:
                 self._connected.clear()
                 self._writer = None
@@ -598,6 +605,7 @@ class RelayPath:
             self._authed_at = time.monotonic()
             self._refused.clear()
             self._connected.set()
+            self._said_unreachable = False
             log.info("relay %s: connected as %s", self.url, self.endpoint_id.short())
             proto.dispatch_to(lambda frame: self._handle(frame, writer))
             pinger = asyncio.get_running_loop().create_task(self._keepalive(writer, interval))
