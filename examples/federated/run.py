@@ -60,7 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--late", type=int, default=1, help="clients that join a few rounds late")
     p.add_argument("--work", type=float, default=0.05, help="simulated compute s/round")
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet non-IID concentration")
-    p.add_argument("--logs", type=Path, default=None, help="client logs (default: a temp dir)")
+    p.add_argument(
+        "--logs", type=Path, default=None, help="client logs (None: a temporary directory)"
+    )
     args = p.parse_args(argv)
     check_coordinator_args(p, args)
     roles = args.malicious + args.slow + args.dropouts + args.late

@@ -52,6 +52,9 @@ _REFUSED_FIRST_RETRY = 0.05
 _REFUSED_MAX_RETRY = 1.0
 _FORMED_ALREADY = "its group has formed already"
 """Why a formed group refuses a member's new connection (the dialer dials again)."""
+_QUEUED_NOTE_WAIT = 1.0
+"""Bound on reading a closed connection's queued formation note (it is there at once, or
+the read fails at once with the connection's end: the bound is only a guard)."""
 _NOTE_CHARS = 2000
 """Longest reason a formation ``failed`` note carries (it names ranks and addresses)."""
 
@@ -189,6 +192,9 @@ class Membership:
             if self._conns.get(rank) is conn:
                 self._on_connection_end(rank, error)
 
+        if conn.closed:  # ended already (said goodbye as the group formed): now, not soon
+            ended(conn.end_error)  # a call made at once must find the rank gone
+            return
         conn.add_close_callback(ended)
 
     def _on_connection_end(self, rank: int, error: BaseException | None) -> None:
@@ -401,6 +407,9 @@ class Membership:
         except TimeoutError:
             not_in = [r for r in range(self.size) if r != self._rank and r not in form.joined]
             quiet = [r for r in form.joined if r not in form.ready]
+            refused = transport.refused_incoming - refused_before
+            last = transport.last_refusal or ""
+            tls_differs = bool(refused) and TLS_MISMATCH_HINT in last
             why = []
             if not_in:
                 names = ", ".join(f"{self.peer_label(r)} {self._where(r)}" for r in not_in)
@@ -410,7 +419,7 @@ class Membership:
                     # refuses anything, the ranks just never meet.
                     why.append("is every rank running, with the same seed and relay?")
                 higher = range(self._rank + 1, self.size)
-                if higher and all(r in not_in for r in higher):
+                if higher and all(r in not_in for r in higher) and not tls_differs:
                     # No higher rank dialed us: they may be running without this rank.
                     why.append(
                         "if the others already formed a group without this rank, "
@@ -422,10 +431,8 @@ class Membership:
             for r, refusal in sorted(form.refusals.items()):
                 if r in not_in:
                     why.append(_formed_refusal(self.peer_label(r), refusal, self._rank))
-            refused = transport.refused_incoming - refused_before
             if refused:
-                last = transport.last_refusal or ""
-                hint = "" if TLS_MISMATCH_HINT in last else ": a rank with another seed?"
+                hint = "" if tls_differs else ": a rank with another seed?"
                 why.append(
                     f"{refused} incoming connection(s) refused meanwhile, the last ({last}){hint}"
                 )
@@ -454,7 +461,8 @@ class Membership:
     ) -> None:
         """Tell every connected rank why our start failed, then close. (A start that was
         cancelled, ``why`` None, or a group closed while it starts says only goodbye: to
-        the others that is a rank that restarts, waited for within connect_timeout.) A
+        the others that is a rank that restarts, waited for within connect_timeout, or,
+        once it has said ready, a rank that left.) A
         settings mismatch is marked as one, so that every rank raises MismatchError."""
         conns = {id(c): c for c in [*self._conns.values(), *form.joined.values()]}
         kind = "mismatch" if isinstance(error, MismatchError) else None
@@ -470,8 +478,7 @@ class Membership:
         is a member that left, as it would be a moment later."""
         for r in sorted(self._conns):
             conn = self._conns[r]
-            ended = conn.end_error
-            left = isinstance(ended, ConnectionBrokenError) and ended.graceful
+            left = _said_goodbye(conn)
             if conn is not form.ready.get(r) or (conn.closed and not left) or r in self._left:
                 raise GroupBrokenError(
                     f"{self.peer_label(self._rank)}: the connection to {self.peer_label(r)} "
@@ -566,11 +573,19 @@ class Membership:
             for task in (note_task, formed):
                 task.cancel()
             await asyncio.gather(note_task, formed, return_exceptions=True)
-        if formed.done() and not formed.cancelled():
-            return
         try:
-            frame = note_task.result()
-        except (ConnectionBrokenError, ConnectionClosedError, asyncio.CancelledError):
+            if note_task.done() and not note_task.cancelled():
+                frame = note_task.result()
+            elif conn.closed:  # a note sent before its goodbye is still queued: read it
+                frame = await conn.recv(_FORM_CHANNEL, timeout=_QUEUED_NOTE_WAIT)
+            else:
+                return  # every rank said ready, and r has said nothing since
+        except (
+            ConnectionBrokenError,
+            ConnectionClosedError,
+            P2PTimeoutError,
+            asyncio.CancelledError,
+        ):
             return
         kind, why, note = _read_note(label, frame.meta)
         _raise_for_note(label, kind, why, note)
@@ -593,6 +608,10 @@ class Membership:
             elif old is not None and not old.closed:
                 where = _remote(old)
                 why = f"{label} is already connected from {where}: two processes claim rank {r}?"
+            elif r in form.ready and _said_goodbye(form.ready[r]):
+                # It formed and left (see _check_formed): a new process of it is one
+                # that comes after formation, told to dial again later.
+                why = _FORMED_ALREADY
             elif r in form.ready:
                 # It said ready and then restarted: ranks may have formed with its old
                 # process already, so this formation cannot take the new one.
@@ -740,6 +759,12 @@ def _formed_refusal(label: str, refusal: str, me: int) -> str:
         "rejoin=True), or that process kept an earlier group open for longer than "
         "connect_timeout"
     )
+
+
+def _said_goodbye(conn: Connection) -> bool:
+    """Whether the peer ended ``conn`` on purpose (a goodbye), not by a loss."""
+    ended = conn.end_error
+    return isinstance(ended, ConnectionBrokenError) and ended.graceful
 
 
 def _remote(conn: Connection) -> str:

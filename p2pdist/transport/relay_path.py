@@ -553,7 +553,8 @@ class RelayPath:
                         " (the token sent is not the relay's)"
                         if self._token
                         else " (this relay needs a token and none was sent: pass "
-                        "relay_token= or set P2PDIST_RELAY_TOKEN)"
+                        "relay_token=, or p2pdist doctor --token, or set "
+                        "P2PDIST_RELAY_TOKEN)"
                     )
                 raise PeerAuthenticationError(f"relay {self.url}", f"refused us: {why}")
             # A busy relay's answer (full, evicted, timed out, shutting down): this
