@@ -126,6 +126,7 @@ class GroupCore(Runner):
         (ConnectionBrokenError) and abort notices (GroupBrokenError)."""
         self._started = False
         self._formed = False
+        self._forming = None
         self._closing = False
         self._refusal_told: int | None = None
         """The call (channel) a refusal for a left rank was last told to the others."""
@@ -457,6 +458,7 @@ class GroupCore(Runner):
             return
         if self._broken is None:
             self._broken = GroupBrokenError("the group was closed")
+        self._tell_start_stopped()  # closed while start() formed the group
         # One task does the closing, shielded: a close() that is cancelled (an outer
         # timeout, a failing sibling, a second Ctrl-C) still finishes it in the
         # background, and another close() waits for the same task.

@@ -113,6 +113,7 @@ class Membership:
     _listeners: list[asyncio.Task[None]]
     _closing: bool
     _formed: bool
+    _forming: _Formation | None  # root, while start() forms the group
     _rejoin: bool
     _failure_log: list[BaseException]
     _addresses: list[Address] | None
@@ -391,6 +392,7 @@ class Membership:
         for again (the accepting side takes a new connection from a rank only once the
         old one has ended)."""
         form = _Formation(self._rank, self.size, group_terms(self.config, self.size))
+        self._forming = form
         refused_before = transport.refused_incoming
         try:
             async with asyncio.timeout(self.config.connect_timeout):
@@ -404,6 +406,7 @@ class Membership:
                     await asyncio.wait(peers)
                     accepting.cancel()
                 self._check_formed(form)
+            self._forming = None  # formed: a close from now on is a rank that leaves
         except TimeoutError:
             not_in = [r for r in range(self.size) if r != self._rank and r not in form.joined]
             quiet = [r for r in form.joined if r not in form.ready]
@@ -466,9 +469,25 @@ class Membership:
         settings mismatch is marked as one, so that every rank raises MismatchError."""
         conns = {id(c): c for c in [*self._conns.values(), *form.joined.values()]}
         kind = "mismatch" if isinstance(error, MismatchError) else None
-        for conn in [] if self._closing or why is None else conns.values():
-            _form_note(conn, "failed", f"{self.peer_label(self._rank)}: {why}", error=kind)
+        if self._closing or why is None:
+            self._tell_start_stopped()
+        else:
+            for conn in conns.values():
+                _form_note(conn, "failed", f"{self.peer_label(self._rank)}: {why}", error=kind)
+        self._forming = None
         await self.close()
+
+    def _tell_start_stopped(self) -> None:
+        """(Root, on close or cancellation while start() forms the group) tell the ranks
+        we said ``ready`` to that our start stopped: a goodbye alone after ``ready`` means
+        a rank that formed and left at once (see :meth:`_check_formed`), and this one did
+        not form. Those we did not say ``ready`` to see a rank that restarts, and wait."""
+        form, self._forming = self._forming, None
+        if form is None:
+            return
+        why = f"{self.peer_label(self._rank)}: its start was stopped (closed or cancelled)"
+        for conn in form.told:
+            _form_note(conn, "failed", why)
 
     def _check_formed(self, form: _Formation) -> None:
         """Every connection must be the one that said ``ready``, and still open, once
@@ -610,8 +629,10 @@ class Membership:
                 why = f"{label} is already connected from {where}: two processes claim rank {r}?"
             elif r in form.ready and _said_goodbye(form.ready[r]):
                 # It formed and left (see _check_formed): a new process of it is one
-                # that comes after formation, told to dial again later.
-                why = _FORMED_ALREADY
+                # that comes after formation, told to dial again later ("formed").
+                _form_note(conn, "refused", _FORMED_ALREADY, error="formed")
+                self._turn_away(conn, _FORMED_ALREADY, rank=r, noted=True, routine=True)
+                continue
             elif r in form.ready:
                 # It said ready and then restarted: ranks may have formed with its old
                 # process already, so this formation cannot take the new one.
@@ -796,7 +817,7 @@ class _Formation:
         self.joined: dict[int, Connection] = {}
         self.ready: dict[int, Connection] = {}  # the connection each rank said ready on
         self.all_ready = asyncio.Event()
-        self._told: set[Connection] = set()  # told "ready" (connections hash by identity)
+        self.told: set[Connection] = set()  # told "ready" (connections hash by identity)
         self.refusals: dict[int, str] = {}
         """The last refusal from each lower rank whose group had formed already."""
         self._refused_count: dict[int, int] = {}
@@ -820,8 +841,8 @@ class _Formation:
         self.refusals.pop(r, None)
         if len(self.joined) == self.size - 1:
             for c in self.joined.values():
-                if c not in self._told:
-                    self._told.add(c)
+                if c not in self.told:
+                    self.told.add(c)
                     _form_note(c, "ready", terms=self.terms)
 
     def said_ready(self, r: int, conn: Connection) -> None:
