@@ -40,6 +40,30 @@ def make(rank: int, peers: list[str], listen: str | None = None) -> Group:
     )
 
 
+def hold(g: Group, method: str, until: asyncio.Event, *, after: bool = False) -> None:
+    """Make ``g``'s coroutine method ``method`` wait (bounded) for ``until`` before it
+    runs, or with ``after`` before it returns."""
+    real = getattr(g, method)
+
+    async def held(*args: Any) -> Any:
+        if not after:
+            await asyncio.wait_for(until.wait(), 10)
+        result = await real(*args)
+        if after:
+            await asyncio.wait_for(until.wait(), 10)
+        return result
+
+    setattr(g, method, held)
+
+
+def pair(seed: str, **config: Any) -> tuple[Group, Group]:
+    """Ranks 0 and 1 of a world-2 group on loopback (TLS), not started."""
+    peers = loopback_peers(2)
+    cfg = GroupConfig(timeout=10, connect_timeout=10, **config)
+    a, b = (Group.from_seed(seed, rank=r, world=2, peers=peers, config=cfg) for r in (0, 1))
+    return a, b
+
+
 async def until_connected(g: Group, rank: int) -> None:
     """Wait (bounded) until ``g`` holds a connection from ``rank``."""
     for _ in range(1000):
@@ -190,17 +214,9 @@ async def test_a_start_cancelled_after_ready_fails_the_others() -> None:
     """Rank 1 says ready, then its start() is cancelled (an outer timeout, Ctrl-C)
     before it has formed: rank 0 fails naming it, instead of forming with rank 1
     counted as left (a goodbye after ready alone means a rank that formed and left)."""
-    peers = loopback_peers(2)
-    cfg = GroupConfig(timeout=10, connect_timeout=10)
-    a, b = (Group.from_seed("cancelled", rank=r, world=2, peers=peers, config=cfg) for r in (0, 1))
+    a, b = pair("cancelled")
     told = asyncio.Event()
-    watch = a._watch_until_formed
-
-    async def watch_after_b_stops(*args: Any) -> None:
-        await asyncio.wait_for(told.wait(), 10)
-        await watch(*args)
-
-    a._watch_until_formed = watch_after_b_stops  # type: ignore[method-assign]
+    hold(a, "_watch_until_formed", told)
     real_join = membership._Formation.join
 
     def join_then_stop(form: Any, r: int, conn: Connection) -> None:
@@ -516,20 +532,9 @@ async def test_a_rank_that_leaves_right_after_forming_does_not_fail_the_others_s
     fail with "the connection ... ended while the group formed"), rank 1 counts as left at once,
     and a collective called straight after start() is refused without breaking the
     group (the others would have been told to break under "leave")."""
-    peers = loopback_peers(2)
-    cfg = GroupConfig(timeout=10, connect_timeout=10, on_peer_loss=on_peer_loss)
-    a, b = (
-        Group.from_seed("leave-early", rank=r, world=2, peers=peers, config=cfg) for r in (0, 1)
-    )
+    a, b = pair("leave-early", on_peer_loss=on_peer_loss)
     b_left = asyncio.Event()
-    form_with = a._form_with
-
-    async def form_with_then_wait(*args: Any) -> Any:
-        result = await form_with(*args)
-        await asyncio.wait_for(b_left.wait(), 10)  # rank 1 leaves before we check
-        return result
-
-    a._form_with = form_with_then_wait  # type: ignore[method-assign]
+    hold(a, "_form_with", b_left, after=True)  # rank 1 leaves before we check
 
     async def rank_a() -> None:
         await a.start()
@@ -554,20 +559,11 @@ async def test_a_rank_that_left_at_once_and_dials_again_is_told_to_wait() -> Non
     rank 0's start succeeds (it failed with "restarted after it said it was connected to
     every rank"), and the new process is told the group has formed (it dials again
     until its own connect_timeout, as after formation)."""
-    peers = loopback_peers(2)
-    cfg = GroupConfig(timeout=10, connect_timeout=10)
-    a, b = (Group.from_seed("dial-again", rank=r, world=2, peers=peers, config=cfg) for r in (0, 1))
+    a, b = pair("dial-again")
     quick = GroupConfig(timeout=10, connect_timeout=1.5)
-    b2 = Group.from_seed("dial-again", rank=1, world=2, peers=peers, config=quick)
+    b2 = Group.from_seed("dial-again", rank=1, world=2, peers=a._addresses, config=quick)
     release = asyncio.Event()
-    form_with = a._form_with
-
-    async def form_with_then_wait(*args: Any) -> Any:
-        result = await form_with(*args)
-        await asyncio.wait_for(release.wait(), 10)
-        return result
-
-    a._form_with = form_with_then_wait  # type: ignore[method-assign]
+    hold(a, "_form_with", release, after=True)
 
     async def rank_b() -> None:
         await b.start()
@@ -589,19 +585,9 @@ async def test_a_failed_note_queued_with_the_last_ready_fails_the_start() -> Non
     """Rank 1 says ready, then "failed" (why) and goodbye, all in before rank 0 looks:
     rank 0's start fails with rank 1's reason (it was read as a rank that formed and
     left, and the reason was lost)."""
-    peers = loopback_peers(2)
-    cfg = GroupConfig(timeout=10, connect_timeout=10)
-    a, b = (
-        Group.from_seed("failed-note", rank=r, world=2, peers=peers, config=cfg) for r in (0, 1)
-    )
+    a, b = pair("failed-note")
     b_gone = asyncio.Event()
-    watch = a._watch_until_formed
-
-    async def watch_later(*args: Any) -> None:
-        await asyncio.wait_for(b_gone.wait(), 10)
-        await watch(*args)
-
-    a._watch_until_formed = watch_later  # type: ignore[method-assign]
+    hold(a, "_watch_until_formed", b_gone)
 
     async def rank_b() -> None:
         await b.start()
