@@ -230,6 +230,11 @@ async def test_a_start_cancelled_after_ready_fails_the_others() -> None:
         starting_b = asyncio.ensure_future(b.start())
         with pytest.raises(asyncio.CancelledError):
             await starting_b
+        for _ in range(1000):  # bounded: until rank 1's note and goodbye are in
+            if a._conns[1].closed:
+                break
+            await asyncio.sleep(0.01)
+        assert a._conns[1].closed
         told.set()
         with pytest.raises(P2PError, match=r"rank 1 .*its start was stopped"):
             await starting_a

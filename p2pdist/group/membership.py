@@ -455,7 +455,8 @@ class Membership:
             await self._fail_forming(form, reason, first)
             raise first from None
         except BaseException as exc:
-            # A cancelled start (Ctrl-C, an outer timeout) has nothing to tell: it is gone.
+            # A cancelled start (Ctrl-C, an outer timeout) has no reason to give: it tells
+            # only the ranks it said ready to that it stopped (_tell_start_stopped).
             await self._fail_forming(form, str(exc) if isinstance(exc, Exception) else None)
             raise
 
@@ -463,10 +464,10 @@ class Membership:
         self, form: _Formation, why: str | None, error: BaseException | None = None
     ) -> None:
         """Tell every connected rank why our start failed, then close. (A start that was
-        cancelled, ``why`` None, or a group closed while it starts says only goodbye: to
-        the others that is a rank that restarts, waited for within connect_timeout, or,
-        once it has said ready, a rank that left.) A
-        settings mismatch is marked as one, so that every rank raises MismatchError."""
+        cancelled, ``why`` None, or a group closed while it starts tells the ranks it said
+        ready to that its start stopped, and says only goodbye to the others: to them it
+        is a rank that restarts, waited for within connect_timeout.) A settings mismatch
+        is marked as one, so that every rank raises MismatchError."""
         conns = {id(c): c for c in [*self._conns.values(), *form.joined.values()]}
         kind = "mismatch" if isinstance(error, MismatchError) else None
         if self._closing or why is None:
