@@ -577,7 +577,7 @@ class GroupCore(Runner):
             # loss, and wait for our part): it fails here, so tell them (not advancing
             # our call id: every later call is refused too, and names the same one).
             cid = self._next_cid if self._taking is None else self._taking  # see calls.py
-            channel = (self._space << SPACE_SHIFT) | cid
+            channel = self._call_channel(cid)
             if channel != self._refusal_told:  # once: a retry loop must not flood them
                 self._refusal_told = channel
                 self._tell_call_failed(channel, self._root_ranks[min(left)])

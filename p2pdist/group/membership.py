@@ -331,6 +331,15 @@ class Membership:
         if len(self._failed_calls) < _FAILED_CALLS_MAX:
             self._failed_calls[channel] = (root_rank, why)  # not started here: fail it then
 
+    def _call_channel(self, cid: int) -> int:
+        """The channel of this group's collective call ``cid``."""
+        return (self._space << SPACE_SHIFT) | cid
+
+    def _retire_everywhere(self, channel: int) -> None:
+        """Retire ``channel`` on every connection: what the others send on it is dropped."""
+        for conn in self._conns.values():
+            conn.retire(channel)
+
     def _is_past(self, channel: int) -> bool:
         """Whether this rank's group of ``channel`` has already run, refused or skipped
         that call (one called but not started yet is not past)."""

@@ -35,7 +35,7 @@ from ..errors import (
 )
 from ..tasks import cancel_and_wait
 from ..transport.base import Connection
-from ..transport.mailbox import SPACE_SHIFT, split_channel
+from ..transport.mailbox import split_channel
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
 from ..wire.frames import Frame
@@ -165,7 +165,7 @@ class Rejoining(Membership):
         # process starts at our next call id (which counts them). They fail when they
         # start, naming it, instead of waiting for it on ids it never runs.
         for cid in self._pending:
-            self._failed_calls.setdefault((self._space << SPACE_SHIFT) | cid, (rank, None))
+            self._failed_calls.setdefault(self._call_channel(cid), (rank, None))
         self._p2p_sent.pop(rank, None)  # its new process counts its messages from 0
         self._p2p_received.pop(rank, None)
         self._p2p_given_back.pop(rank, None)

@@ -23,7 +23,7 @@ from ..errors import (
     RemoteProtocolError,
 )
 from ..settings import check_seconds
-from ..transport.mailbox import SPACE_SHIFT, split_channel
+from ..transport.mailbox import split_channel
 from .calls import Reserving
 from .link import CollectiveLink
 from .membership import CallFailure
@@ -75,11 +75,10 @@ class Runner(Rejoining, Reserving):
         if self._pending.get(cid) != holder:
             return  # taken by its call, or skipped or given back already
         del self._pending[cid]
-        channel = (self._space << SPACE_SHIFT) | cid
+        channel = self._call_channel(cid)
         root = self._root()
         told = root._failed_calls.pop(channel, None) is not None  # theirs failed already
-        for conn in self._conns.values():
-            conn.retire(channel)
+        self._retire_everywhere(channel)
         if told or root._closing:
             return
         try:
@@ -137,8 +136,7 @@ class Runner(Rejoining, Reserving):
     def _refuse(self, channel: int, error: P2PError) -> NoReturn:
         """Refuse the collective on ``channel`` after it took its id: what the others
         sent for it is dropped, and ``error`` raised."""
-        for conn in self._conns.values():
-            conn.retire(channel)
+        self._retire_everywhere(channel)
         raise error
 
     def _timeout_error(self, link: CollectiveLink, seconds: float) -> P2PError:
@@ -176,7 +174,7 @@ class Runner(Rejoining, Reserving):
         return CollectiveLink(
             self._rank,
             self.size,
-            (self._space << SPACE_SHIFT) | cid,
+            self._call_channel(cid),
             descriptor,
             self._conns.__getitem__,
         )
@@ -296,8 +294,7 @@ class Runner(Rejoining, Reserving):
             self._break(broken, notify=True)
             raise broken from err
         finally:
-            for conn in self._conns.values():
-                conn.retire(channel)
+            self._retire_everywhere(channel)
 
     def _arm_watchdog(self, deadline: float) -> None:
         """(Root group) fire :meth:`_on_watchdog` at ``deadline`` (earlier than now armed)."""
