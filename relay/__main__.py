@@ -25,6 +25,7 @@ from .cli import load_config
 from .config import ConfigError, RelayConfig
 from .logfmt import kv
 from .server import RelayServer
+from .stopsignals import LoopSignals, ProcessSignals
 
 __all__ = ["main", "run"]
 
@@ -67,18 +68,28 @@ def _write_atomically(path: Path, text: str) -> None:
 async def run(config: RelayConfig, *, exiting: bool = False) -> int:
     """Serve until SIGTERM/SIGINT, then shut down gracefully; returns the exit status.
 
-    ``exiting``: the process ends when this returns (``p2pdist-relay``), so SIGTERM,
-    SIGINT and SIGHUP stay ignored from the end of the drain on (a teardown that hangs
-    then needs SIGKILL, as systemd sends after TimeoutStopSec); otherwise their default
-    actions come back then."""
+    SIGHUP reloads the allowlist and the certificate. During the drain (bounded by
+    ``drain_timeout``) a reload is skipped and another stop signal changes nothing: the
+    default action must not kill the process mid-drain. ``exiting``: the process ends
+    when this returns (``p2pdist-relay``), so these signals stay without effect from
+    the end of the drain until the process is gone (a teardown that hangs then needs
+    SIGKILL, as systemd sends after TimeoutStopSec); run it on the main thread.
+    Otherwise their default actions come back then."""
     loop = asyncio.get_running_loop()
     log.info(kv("event_loop", loop=eventloop.loop_name(loop)))
     server = RelayServer(config)
     stop = asyncio.Event()
-    # Handlers go in before the url line: whoever reads it may signal at once.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: server.reload() if server.url else None)
+
+    def on_signal(sig: signal.Signals) -> None:
+        if sig != signal.SIGHUP:
+            stop.set()
+        elif stop.is_set():
+            log.info(kv("reload_skipped", why="stopping"))
+        elif server.url:
+            server.reload()
+
+    # In before the url line: whoever reads it may signal at once.
+    signals = ProcessSignals(loop, on_signal) if exiting else LoopSignals(loop, on_signal)
     try:
         await server.start()
         if config.url_file is not None:
@@ -86,30 +97,11 @@ async def run(config: RelayConfig, *, exiting: bool = False) -> int:
         print(f"relay url: {server.url}", flush=True)
         await stop.wait()
     finally:
-        # The handlers stay through the drain (bounded by drain_timeout): a reload or a
-        # second stop signal then must not take the default action and kill the process
-        # mid-drain. Stop signals are already answered (stop is set); a reload waits.
-        loop.add_signal_handler(
-            signal.SIGHUP, lambda: log.info(kv("reload_skipped", why="stopping"))
-        )
+        stop.set()  # a start that failed is stopping too: no reload meanwhile
         try:
             await server.close()
         finally:
-            stops = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
-            if exiting:
-                # The loop's teardown and the interpreter's exit take another 0.1-0.2 s: a
-                # reload hook's SIGHUP then must not turn a clean stop into exit 129. Held
-                # back while the loop's handlers give way to SIG_IGN (removing one puts the
-                # default action back for a moment); one that came meanwhile is dropped.
-                signal.pthread_sigmask(signal.SIG_BLOCK, stops)
-            try:
-                for sig in stops:
-                    loop.remove_signal_handler(sig)
-                    if exiting:
-                        signal.signal(sig, signal.SIG_IGN)
-            finally:
-                if exiting:
-                    signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+            signals.close()
             if config.url_file is not None and server.url:
                 _remove_if_ours(config.url_file, server.url + "\n")
     return 0

@@ -826,12 +826,10 @@ def test_a_signal_after_the_drain_does_not_kill_the_relay(tmp_path: Path, second
         while not relay.log.read_text().rstrip().endswith("stopped"):
             assert time.monotonic() < deadline and relay.proc.poll() is None
             time.sleep(0.001)
-        # The teardown after "stopped" takes 0.1-0.2 s: the signal lands inside it, once
-        # the handlers have given way to SIG_IGN (20 ms on). Sent at once, it could land in
-        # the microseconds between a handler's removal and SIG_IGN, when a thread that does
-        # not block it (an executor's) takes it with the default action: the likely cause
-        # of 1 run in about 25 failing here (not proven; 30 of 30 passed with the wait).
-        time.sleep(0.02)
+        # Sent at once: the teardown after "stopped" takes 0.1-0.2 s. With the loop's
+        # handlers given way to SIG_IGN one at a time, a signal here took the default
+        # action in about 1 run in 40 (the moment between a handler's removal and
+        # SIG_IGN); the relay's own handlers now switch to SIG_IGN in one step.
         assert relay.proc.poll() is None, "exited before the second signal: proves nothing"
         relay.proc.send_signal(second)
         # Waited for, not stopped: stop() would send a third signal to a process still
