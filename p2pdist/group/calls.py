@@ -81,12 +81,8 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
         """Advance the call; until it has taken its reserved id, each step offers it."""
         self._started = True
         group = self._group
-        if group._pending.get(self._cid) != id(self):  # taken (or given up): a plain step
-            try:
-                return self._coro.send(value)
-            except BaseException as exc:
-                self._settle(exc)
-                raise
+        if group._pending.get(self._cid) != id(self):
+            return self._coro.send(value)  # taken (or given up): nothing left to settle
         # Offered at every step until taken, not only the first: a collective that
         # awaited something before its _run would otherwise take a fresh id.
         outer = group._taking  # a call made inside another's step
