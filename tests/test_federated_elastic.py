@@ -198,8 +198,10 @@ def test_a_takeover_adopts_what_was_applied_and_refuses_what_cannot_be() -> None
         next_leader(2, {0, 1})
     fresh = plan_takeover(1, Report(5, d), {2: Report(5, d), 3: Report(-1, None)})
     assert fresh.adopt is None and fresh.lead_from == 5 and fresh.rejoining == (3,)
+    assert fresh.members == (1, 2)  # a rank that sent no report (gone, or not running) neither
     ahead = plan_takeover(1, Report(5, d), {2: Report(6, {"r": 5}), 3: Report(5, d)})
     assert ahead.adopt == {"r": 5} and ahead.behind == (1, 3) and ahead.lead_from == 6
+    assert ahead.members == (1, 2, 3)
     mine = plan_takeover(1, Report(6, {"r": 5}), {2: Report(5, d)})
     assert mine.adopt == {"r": 5} and mine.behind == (2,) and mine.lead_from == 6
     with pytest.raises(FailoverError, match="more than one round"):
@@ -481,6 +483,114 @@ async def test_ranks_waiting_to_be_taken_back_decline_to_succeed_a_lost_leader(
             )
             assert len({(o.participants, o.left) for o in outs}) == 1
             assert len({f.model.tobytes() for f in everyone}) == 1
+
+
+@pytest.mark.parametrize("back", [1, 3])
+async def test_a_rank_back_in_the_group_before_its_averaging_starts_is_passed_over(
+    back: int,
+) -> None:
+    # rank `back` restarted and is back in the group, but its application has not built
+    # its GroupAveraging yet (nothing there reads the failover messages) when the leader
+    # dies: the survivors neither choose it to lead (back=1, the lowest) nor wait for its
+    # report (back=3), and take it back once it starts
+    cfg = FederatedConfig(round_timeout=3.0)
+    survivors = [r for r in (1, 2, 3) if r != back]
+    async with averaging(4, 100, cfg=cfg, first_round=True, decision_timeout=3.0) as (gs, feds):
+        crash(gs[back])
+        await until_left([g for g in gs if g.rank != back], back)
+        async with await restart(gs[back]) as restarted:
+            crash(gs[0])
+            await until_left([gs[r] for r in survivors], 0)
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            async with asyncio.timeout(30):
+                outs = await asyncio.gather(
+                    *(feds[r].step(update_of(r, 1, 100), 10) for r in survivors)
+                )
+            assert loop.time() - began < cfg.round_timeout  # nobody waited for it
+            for o in outs:
+                assert o.participants == tuple(survivors) and o.reason == "complete"
+                assert o.left == tuple(sorted((0, back)))
+            assert all(feds[r].leader == survivors[0] for r in survivors)
+            # its averaging starts now: the new leader takes it back at a round it opens
+            fed = GroupAveraging(restarted, np.zeros(100, np.float32), cfg, decision_timeout=3.0)
+            waiting = asyncio.create_task(fed.start())
+            await asyncio.sleep(0.2)  # its request reaches the leader during round 2
+            await asyncio.gather(*(feds[r].step(update_of(r, 2, 100), 10) for r in survivors))
+            await waiting
+            assert fed.round == 3 and fed.leader == survivors[0]
+            everyone = [*(feds[r] for r in survivors), fed]
+            outs = await asyncio.gather(
+                *(f.step(update_of(f.group.rank, 3, 100), 10) for f in everyone)
+            )
+            assert all(o.participants == (1, 2, 3) and o.left == (0,) for o in outs)
+            # taken back, it counts again when the next leader is lost: the others (which
+            # heard its request to be taken back) may choose it, and wait for its report
+            crash(gs[survivors[0]])
+            rest = [f for f in everyone if f.group.rank != survivors[0]]
+            await until_left([f.group for f in rest], survivors[0])
+            async with asyncio.timeout(30):
+                outs = await asyncio.gather(
+                    *(f.step(update_of(f.group.rank, 4, 100), 10) for f in rest)
+                )
+            ranks = tuple(sorted(f.group.rank for f in rest))
+            assert all(o.participants == ranks and o.reason == "complete" for o in outs)
+            assert all(f.leader == ranks[0] for f in rest)
+            assert len({f.model.tobytes() for f in rest}) == 1
+
+
+async def test_ranks_taken_back_together_agree_on_the_next_leader() -> None:
+    # rank 1 restarts and asks to be taken back while rank 2 is still down, so rank 2
+    # never hears that request; both are taken back at the same round, whose leader then
+    # dies: rank 2 learns from its welcome that rank 1 is in the rounds, and every rank
+    # chooses rank 1
+    async with averaging(4, 100, first_round=True) as (gs, feds):
+        crash(gs[1])
+        crash(gs[2])
+        await until_left([gs[0], gs[3]], 1)
+        await until_left([gs[0], gs[3]], 2)
+        async with contextlib.AsyncExitStack() as stack:
+            back, waiting = [], []
+            for r in (1, 2):  # one after the other: rank 2 comes back after rank 1 asked
+                group = await stack.enter_async_context(await restart(gs[r]))
+                back.append(GroupAveraging(group, np.zeros(100, np.float32), CFG))
+                waiting.append(asyncio.create_task(back[-1].start()))
+                await asyncio.sleep(0.2)  # its request to be taken back goes out
+            assert not any(t.done() for t in waiting)
+            for rnd in (1, 2):  # the leader reads both requests in round 2
+                await asyncio.gather(*(feds[r].step(update_of(r, rnd, 100), 10) for r in (0, 3)))
+            await asyncio.gather(*waiting)
+            assert all(f.round == 3 for f in back)
+            crash(gs[0])  # the leader, in the round both were taken back in
+            everyone = [back[0], back[1], feds[3]]
+            await until_left([f.group for f in everyone], 0)
+            async with asyncio.timeout(30):
+                outs = await asyncio.gather(
+                    *(f.step(update_of(f.group.rank, 3, 100), 10) for f in everyone)
+                )
+            assert all(f.leader == 1 for f in everyone)
+            assert len({(o.participants, o.left) for o in outs}) == 1
+            assert outs[0].participants == (1, 2, 3)
+            assert len({f.model.tobytes() for f in everyone}) == 1
+
+
+async def test_a_welcome_says_who_is_in_the_rounds_or_the_last_decision_does() -> None:
+    from p2pdist import RemoteProtocolError
+    from p2pdist.federated.messages import Message
+
+    async with groups(2) as gs:
+        fed = GroupAveraging(gs[1], np.zeros(3, np.float32))
+        members = fed._welcome_members
+        assert members(Message("welcome", {"in": [0, 1]}), "rank 0 (x)", 0) == [0, 1]
+        for bad in (5, [2], [-1], [True], ["0"]):
+            with pytest.raises(RemoteProtocolError, match="welcome: bad 'in'") as caught:
+                members(Message("welcome", {"in": bad}), "rank 0 (x)", 0)
+            assert caught.value.peer == "rank 0 (x)"
+        # from a leader that sends no 'in': every rank before any decision, else the
+        # ranks the last decision does not list as gone, and the leader
+        assert members(Message("welcome", {}), "rank 0 (x)", 0) == [0, 1]
+        fed._last = {"left": [1]}
+        assert members(Message("welcome", {}), "rank 0 (x)", 0) == [0]
 
 
 # ---- real processes, SIGKILL ------------------------------------------------------------

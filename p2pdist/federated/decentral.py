@@ -88,10 +88,10 @@ class GroupAveraging(Leading):
 
     Under ``GroupConfig(on_peer_loss="leave")`` a rank that is lost counts as having
     left: the rounds go on with the others. When the lost rank is the leader, the lowest
-    remaining rank takes over (``failover=True``; with False every rank's :meth:`step`
-    fails naming the leader instead). A :meth:`step` that fails (an update named in the
-    decision never arrived, a timeout) leaves this rank out of step: later calls raise
-    :class:`GroupBrokenError` with that first error.
+    remaining rank whose averaging runs takes over (``failover=True``; with False every
+    rank's :meth:`step` fails naming the leader instead). A :meth:`step` that fails (an
+    update named in the decision never arrived, a timeout) leaves this rank out of step:
+    later calls raise :class:`GroupBrokenError` with that first error.
     """
 
     def __init__(
@@ -135,6 +135,8 @@ class GroupAveraging(Leading):
         self._ready: set[int] = set()  # leader: ranks back in the group, asking to rejoin
         self._ready_tasks: dict[int, asyncio.Task[None]] = {}
         self._last: dict[str, Any] | None = None  # the decision applied last
+        self._running: dict[int, Connection] = {}  # see recovery.py: whose averaging runs
+        self._asked: dict[int, Connection] = {}  # ready heard, not yet taken back
         self.failover = failover
         """Whether the ranks choose a new leader when theirs is lost (else they fail)."""
         self.local_drops = 0
@@ -181,6 +183,7 @@ class GroupAveraging(Leading):
         self._model = np.array(
             await self.group.broadcast(self._model, src=self.leader, timeout=timeout), order="C"
         )
+        self._know_running(self._present())  # every rank starts it (a broadcast)
         if self.is_leader:
             state = FederatedRounds(
                 self._model.shape,
@@ -380,6 +383,7 @@ class GroupAveraging(Leading):
                 if not self.failover:
                     raise lost.error from None
                 passed.add(self.leader)
+                await self._hear_asks()  # who restarted and runs its averaging again
                 if self._successor(passed) == self.group.rank:
                     return await self._take_over(k, own)
                 self._report(k)
@@ -402,8 +406,7 @@ class GroupAveraging(Leading):
             if successor:
                 why = (
                     f"chosen to lead after a lost leader, sent no decision for round {k} "
-                    f"within {wait:g} s (a rank back in the group declines only once its "
-                    "GroupAveraging has started: start() it at once after a rejoin)"
+                    f"within {wait:g} s"
                 )
             raise PeerTimeoutError(label, why) from None
         except (ConnectionBrokenError, RemoteProtocolError) as exc:

@@ -2,13 +2,15 @@
 
 When the leader of :class:`~.decentral.GroupAveraging` is lost (its connection ended,
 ``GroupConfig(on_peer_loss="leave")``), every survivor picks the same successor, the
-lowest-numbered rank still in the group (:func:`next_leader`), and sends it a
-:class:`~.decision.Report`: the round it is in and the decision it applied last. A
-survivor notices the loss only when it waits for a decision that is not in its mailbox,
-and everything the dead leader sent arrived before the connection's end, so every report
-names the leader's last round ``m`` or the one after, ``m + 1`` (having applied the
-decision of ``m``). The successor waits for the report of every rank still here, then
-(:func:`plan_takeover`):
+lowest-numbered rank still in the group whose GroupAveraging it knows to run
+(:func:`next_leader`; a rank back in the group after a restart counts once its request
+to be taken back has come), and sends it a :class:`~.decision.Report`: the round it is
+in and the decision it applied last. A survivor notices the loss only when it waits for
+a decision that is not in its mailbox, and everything the dead leader sent arrived
+before the connection's end, so every report names the leader's last round ``m`` or the
+one after, ``m + 1`` (having applied the decision of ``m``). The successor waits for the
+report of every rank still here whose GroupAveraging it knows to run (the others are not
+in the rounds: they are taken back once they ask), then (:func:`plan_takeover`):
 
 * if any rank applied the decision of ``m``, that decision is **adopted**: the new leader
   sends it to the ranks still at ``m`` (and applies it itself if it is one of them);
@@ -38,10 +40,11 @@ class FailoverError(P2PError):
     """The reports a new leader got cannot come from one leader's rounds."""
 
 
-def next_leader(size: int, gone: Collection[int]) -> int:
-    """The successor of a lost leader: the lowest rank that is not ``gone``."""
+def next_leader(size: int, passed: Collection[int]) -> int:
+    """The successor of a lost leader: the lowest rank not ``passed`` over (gone, lost
+    as leader, declined, or not known to run its averaging)."""
     for r in range(size):
-        if r not in gone:
+        if r not in passed:
             return r
     raise FailoverError("no rank is left to lead")
 
@@ -59,6 +62,9 @@ class Takeover:
     """The first round the new leader decides itself."""
     rejoining: tuple[int, ...]
     """Ranks that rejoined and wait to be taken back (not members yet)."""
+    members: tuple[int, ...]
+    """Ranks taking part in the rounds from now on (the new leader and every rank whose
+    report names a round); every other rank is not, until it is taken back."""
 
 
 def plan_takeover(me: int, mine: Report, reports: Mapping[int, Report]) -> Takeover:
@@ -72,8 +78,9 @@ def plan_takeover(me: int, mine: Report, reports: Mapping[int, Report]) -> Takeo
     if hi - lo > 1:
         where = ", ".join(f"rank {r} at {rep.round}" for r, rep in sorted(taking_part.items()))
         raise FailoverError(f"ranks are more than one round apart: {where}")
+    members = tuple(sorted(taking_part))
     if hi == lo:
-        return Takeover(None, (), lo, rejoining)
+        return Takeover(None, (), lo, rejoining, members)
     held = {r: rep.last for r, rep in sorted(taking_part.items()) if rep.round == hi}
     silent = [r for r, d in held.items() if d is None]
     if silent:
@@ -85,7 +92,7 @@ def plan_takeover(me: int, mine: Report, reports: Mapping[int, Report]) -> Takeo
     if any(d != adopt for d in held.values()):
         raise FailoverError(f"ranks applied different decisions for round {lo}: {_ranks(held)}")
     behind = tuple(sorted(r for r, rep in taking_part.items() if rep.round == lo))
-    return Takeover(adopt, behind, hi, rejoining)
+    return Takeover(adopt, behind, hi, rejoining, members)
 
 
 def _ranks(ranks: Collection[int]) -> str:

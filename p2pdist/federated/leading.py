@@ -54,8 +54,11 @@ class Leading(Recovery):
             self._left.add(r)
             self._state.leave(cid(r))
         self._state.open(loop.time())
-        for r in sorted((self._ready - gone) & self._left):  # (a member's is stale)
-            self._welcome(r, k)
+        back = sorted((self._ready - gone) & self._left)  # (a member's ready is stale)
+        away = self._gone() - set(back)
+        members = [r for r in range(self.group.size) if r not in away]
+        for r in back:
+            self._welcome(r, k, members)
         self._ready.clear()
         self._stop_collectors()
         self._refused = {}
