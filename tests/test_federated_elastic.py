@@ -23,6 +23,7 @@ from test_group_elastic import crash, restart, until_left
 from p2pdist import ConnectionBrokenError, Group, GroupBrokenError, UsageError
 from p2pdist.federated import FederatedConfig, GroupAveraging, GroupRound, aggregate
 from p2pdist.federated.messages import encode, round_channel
+from p2pdist.transport.base import Connection
 
 F32 = np.dtype(np.float32)
 LEAVE = {"on_peer_loss": "leave"}
@@ -265,6 +266,9 @@ def test_what_a_decision_counted_is_checked_naming_the_leader(counted: object, w
         decision_body(Message("decision", missing), "rank 1 (abc)", 3, 4)
     ok = decision_body(Message("decision", _decision([[1, 3], [3, 0]])), "rank 1 (abc)", 3, 4)
     assert ok["counted"] == [[1, 3], [3, 0]]
+    assert ok["joining"] == []  # optional: an earlier version's leader sends none
+    named = decision_body(Message("decision", {**_decision([]), "joining": [2]}), "l", 3, 4)
+    assert named["joining"] == [2]
 
 
 @pytest.mark.parametrize(
@@ -281,6 +285,9 @@ def test_what_a_decision_counted_is_checked_naming_the_leader(counted: object, w
         ("refused", [[9, "duplicate"]], "refused ranks"),
         ("left", [0, 0], "left ranks"),
         ("left", [4], "left ranks"),
+        ("joining", [2, 2], "joining ranks"),
+        ("joining", [-1], "joining ranks"),
+        ("joining", 3, "TypeError"),
     ],
 )
 def test_a_decision_naming_ranks_outside_the_group_or_twice_is_refused(
@@ -571,6 +578,57 @@ async def test_ranks_taken_back_together_agree_on_the_next_leader() -> None:
             assert all(f.leader == 1 for f in everyone)
             assert len({(o.participants, o.left) for o in outs}) == 1
             assert outs[0].participants == (1, 2, 3)
+            assert len({f.model.tobytes() for f in everyone}) == 1
+
+
+async def test_a_rank_taken_back_after_one_that_never_heard_it_is_known_from_the_decision() -> None:
+    # rank 1 asks to be taken back while rank 2 is down (so rank 2 never gets that
+    # request), rank 2 asks next, and the leader reads rank 2's request first (rank 1's
+    # is held back here, as a slower link would): rank 2 is taken back a round before
+    # rank 1, so its welcome does not list rank 1. The decision that precedes rank 1's
+    # welcome names it: when the leader then dies, rank 2 chooses rank 1 too
+    async with averaging(4, 100, first_round=True) as (gs, feds):
+        leader = feds[0]
+        crash(gs[1])
+        crash(gs[2])
+        await until_left([gs[0], gs[3]], 1)
+        await until_left([gs[0], gs[3]], 2)
+        read_ready = leader._await_ready
+        held = asyncio.Event()
+
+        async def hold_rank_1(r: int, conn: Connection) -> None:
+            if r == 1:
+                await held.wait()
+            await read_ready(r, conn)
+
+        leader._await_ready = hold_rank_1  # type: ignore[method-assign]
+        async with contextlib.AsyncExitStack() as stack:
+            back: dict[int, GroupAveraging] = {}
+            waiting: dict[int, asyncio.Task[None]] = {}
+            for r in (1, 2):
+                group = await stack.enter_async_context(await restart(gs[r]))
+                back[r] = GroupAveraging(group, np.zeros(100, np.float32), CFG)
+                waiting[r] = asyncio.create_task(back[r].start())
+                await asyncio.sleep(0.2)  # its request to be taken back goes out
+            for rnd in (1, 2):  # rank 2's request is read in round 2, welcomed at 3
+                await asyncio.gather(*(feds[r].step(update_of(r, rnd, 100), 10) for r in (0, 3)))
+            await waiting[2]
+            assert back[2].round == 3 and not waiting[1].done()
+            held.set()
+            await asyncio.sleep(0.2)  # rank 1's request is read in round 3
+            everyone = [leader, back[2], feds[3]]
+            await asyncio.gather(*(f.step(update_of(f.group.rank, 3, 100), 10) for f in everyone))
+            await waiting[1]  # welcomed at round 4
+            assert back[1].round == 4 and back[2]._runs(1)
+            crash(gs[0])
+            everyone = [back[1], back[2], feds[3]]
+            await until_left([f.group for f in everyone], 0)
+            async with asyncio.timeout(30):
+                outs = await asyncio.gather(
+                    *(f.step(update_of(f.group.rank, 4, 100), 10) for f in everyone)
+                )
+            assert all(f.leader == 1 for f in everyone)
+            assert all(o.participants == (1, 2, 3) for o in outs)
             assert len({f.model.tobytes() for f in everyone}) == 1
 
 

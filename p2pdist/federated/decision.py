@@ -116,9 +116,11 @@ def decision_body(message: Message, label: str, k: int, size: int) -> dict[str, 
         named = [(int(r), int(b), int(n), float(w), _digest_of(d)) for r, b, n, w, d in f["p"]]
         refused = [(int(r), str(Reason(why))) for r, why in f["refused"]]
         left = [int(r) for r in f["left"]]
+        joining = [int(r) for r in f.get("joining", ())]  # absent from older leaders
         _check_ranks("participant", [r for r, *_ in named], size)
         _check_ranks("refused", [r for r, _ in refused], size)
         _check_ranks("left", left, size)
+        _check_ranks("joining", joining, size)
         for r, b, n, w, _ in named:
             if not (0 <= b <= k and n >= 0 and math.isfinite(w) and w >= 0):
                 raise ValueError(f"participant {r}: base {b}, samples {n}, weight {w}")
@@ -134,6 +136,7 @@ def decision_body(message: Message, label: str, k: int, size: int) -> dict[str, 
             "rejected": {str(a): int(b) for a, b in dict(f["rejected"]).items()},
             "cfg": [str(f["cfg"][0]), float(f["cfg"][1]), float(f["cfg"][2])],
             "left": left,
+            "joining": joining,
             "counted": _counted(f["counted"], k, size),
         }
     except (KeyError, TypeError, ValueError, IndexError) as exc:

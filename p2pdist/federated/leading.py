@@ -54,7 +54,7 @@ class Leading(Recovery):
             self._left.add(r)
             self._state.leave(cid(r))
         self._state.open(loop.time())
-        back = sorted((self._ready - gone) & self._left)  # (a member's ready is stale)
+        back = self._coming_back()
         away = self._gone() - set(back)
         members = [r for r in range(self.group.size) if r not in away]
         for r in back:
@@ -66,6 +66,13 @@ class Leading(Recovery):
         for r, conn in self._conns().items():
             self._collectors.append(loop.create_task(self._collect(k, r, conn)))
         self._listen_for_ready()
+
+    def _coming_back(self) -> list[int]:
+        """The ranks the next round this leader opens takes back: not in the rounds nor
+        gone, and their request read (a member's is stale). A decision names them, and
+        the next round opens right after it is sent (nothing awaited in between), so
+        every rank that applies the decision knows they are back in the rounds."""
+        return sorted((self._ready - set(self.group.left)) & self._left)
 
     def _stop_collectors(self) -> None:
         for task in self._collectors:
@@ -163,6 +170,7 @@ class Leading(Recovery):
             "rejected": dict(outcome.rejected),
             "cfg": self._settings(),
             "left": sorted(self._gone()),
+            "joining": self._coming_back(),  # their averaging runs: recovery.py
             "counted": counted_of(state.aggregated),  # survives a failover: recovery.py
         }
         self._send_decision(k, body, list(self._conns()))

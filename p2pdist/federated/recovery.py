@@ -19,8 +19,9 @@ Whose GroupAveraging runs: a rank that restarted comes back in the group on a ne
 connection, and its application may build and start its GroupAveraging much later;
 until then nothing there reads these messages. So each rank remembers, per rank, the
 connection behind which it knows that rank's averaging to run (``_running``): every
-rank's at :meth:`start`, the ranks in the rounds at a welcome, and a rank whose
-``ready`` it read. Only those are chosen to succeed a lost leader, and only those are
+rank's at :meth:`start`, the ranks in the rounds at a welcome, the ranks a decision
+names in ``joining`` (taken back at the next round), and a rank whose ``ready`` it
+read. Only those are chosen to succeed a lost leader, and only those are
 waited for by a successor (:mod:`.failover`).
 """
 
@@ -188,9 +189,9 @@ class Recovery:
 
     async def _hear_asks(self) -> None:
         """Read the requests to be taken back already here from ranks not known to run
-        (a restarted rank sends one to every rank as its GroupAveraging starts, so those
-        here are the same on every rank, but for one still on its way): each makes its
-        sender known to run. Waits for none."""
+        (a restarted rank sends one to every rank in the group as its GroupAveraging
+        starts; a rank taken back since is known from the decision that named it in
+        ``joining``): each makes its sender known to run. Waits for none."""
         for r in self._present():
             if self._runs(r):
                 continue
