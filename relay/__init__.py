@@ -9,8 +9,9 @@ Layout (each module has one job):
 
 * :mod:`relay.config`, :mod:`relay.cli` - the frozen configuration, TOML file and flags.
 * :mod:`relay.state` - the sans-I/O core: sessions, authentication, routing, limits.
-* :mod:`relay.session`, :mod:`relay.limits`, :mod:`relay.access`, :mod:`relay.metrics`,
-  :mod:`relay.http` - the pieces the core is built from (no asyncio, time passed in).
+* :mod:`relay.inbound`, :mod:`relay.addresses`, :mod:`relay.session`, :mod:`relay.limits`,
+  :mod:`relay.access`, :mod:`relay.metrics`, :mod:`relay.http` - the pieces the core is
+  built from (no asyncio, time passed in).
 * :mod:`relay.server` - thin asyncio glue: TLS listener, STUN port, timers, shutdown.
 * :mod:`relay.tlsconfig` - the relay's certificate (pinned Ed25519 key, or a real one).
 * TLS and AES-GCM records per connection: :mod:`p2pdist.transport.securestream`.

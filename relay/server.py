@@ -51,11 +51,12 @@ from p2pdist.transport.securestream import SecureStream
 from p2pdist.wire.relay import RECORDS_INFO, RECORDS_MAX, RelayUrl
 
 from .access import AccessPolicy, Allowlist, AllowlistError
+from .addresses import format_address
 from .config import ConfigError, RelayConfig
 from .logfmt import kv
 from .metrics import Metrics
 from .session import Phase, Session
-from .state import CoreConfig, RelayCore, format_address
+from .state import CoreConfig, RelayCore
 from .stun_server import StunProtocol
 from .tap import FileTap, Tap
 from .tlsconfig import RelayTls, load_or_create_key

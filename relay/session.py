@@ -91,7 +91,7 @@ class Session:
         self.ready_at = now
         """When its TLS handshake completed (the auth timeout runs from here)."""
         self.source = ""
-        """The source address it counts against (see :func:`relay.state.source_of`)."""
+        """The source address it counts against (see :func:`relay.addresses.source_of`)."""
         self.last_heard = now
         self.phase = Phase.HTTP
         self.http_buf = bytearray()

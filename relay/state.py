@@ -4,7 +4,9 @@
 the current monotonic time: :meth:`~RelayCore.open`, :meth:`~RelayCore.receive`,
 :meth:`~RelayCore.lost`, :meth:`~RelayCore.tick` and :meth:`~RelayCore.shutdown`. It
 answers through each session's :class:`~relay.session.Link`. It never sleeps, never
-awaits and never reads a clock, so tests move time by hand.
+awaits and never reads a clock, so tests move time by hand. What it does with the
+bytes a client sends (the HTTP phase, relay frames, AUTH) lives in the mixin
+:class:`relay.inbound.Inbound`; client addresses are read by :mod:`relay.addresses`.
 
 Input is parsed in place: :meth:`RelayCore.receive` may be given a view of a buffer
 that the glue reuses as soon as the call returns (one scratch buffer for all
@@ -19,39 +21,22 @@ syscalls when a client sends many small datagrams at once).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from p2pdist.errors import UsageError
-from p2pdist.identity import ID_LEN, EndpointId
-from p2pdist.wire.relay import (
-    BAD_SIGNATURE_TEXT,
-    FRAME_HEADER,
-    MALFORMED_AUTH_TEXT,
-    MAX_BODY,
-    MAX_DATAGRAM,
-    PING_LEN,
-    VERSION,
-    RelayFrameType,
-    RelayProtocolError,
-    append_addressed,
-    auth_message,
-    encode_frame,
-    encode_map,
-    parse_http_head,
-    upgrade_response,
-)
-from p2pdist.wire.websocket import Opcode, WebSocketError, WebSocketReader, echo_code
+from p2pdist.identity import EndpointId
+from p2pdist.wire.relay import RelayFrameType, RelayProtocolError, encode_frame, encode_map
+from p2pdist.wire.websocket import Opcode, WebSocketError
 from p2pdist.wire.websocket import frame as ws_frame
 from p2pdist.wire.websocket import header as ws_header
 
 from .access import AccessPolicy, Refusal
-from .config import MAX_TOKEN_BYTES
-from .http import response, route
+from .addresses import format_address, source_of
+from .http import response
+from .inbound import MAX_AUTH_BODY, PER_IP_FULL, REFRESH_EVERY, RELAY_FULL, Inbound
 from .limits import TokenBucket
 from .logfmt import kv
 from .metrics import Metrics
@@ -61,26 +46,11 @@ __all__ = ["CoreConfig", "RelayCore"]
 
 log = logging.getLogger(__name__)
 
-SIG_LEN = 64
-MAX_AUTH_BODY = ID_LEN + SIG_LEN + MAX_TOKEN_BYTES
-"""The largest valid AUTH body; a longer frame before authentication is refused from
-its header alone, so an unauthenticated connection never buffers more than this."""
-REPLACED = "replaced by a newer connection from the same endpoint"
-REFRESH_EVERY = 1.0
-"""Seconds between looks at the certificate files that a bad signature may cause."""
 MAX_PREVIOUS_CERTS = 4
 """Certificates served before reloads that AUTH may still name during their grace; the
 ones that expire soonest give way first (each one costs a signature check on a bad
 proof)."""
-WS_BEFORE_AUTH = MAX_AUTH_BODY + 1024
-"""The most WebSocket bytes a client may send before it is authenticated: one AUTH
-frame and framing around it (a session that may still send nothing else must not
-make the relay work for free)."""
 
-BAD_SIGNATURE = Refusal("bad_signature", BAD_SIGNATURE_TEXT)
-MALFORMED = Refusal("malformed", MALFORMED_AUTH_TEXT)
-RELAY_FULL = Refusal("relay_full", "relay full")
-PER_IP_FULL = Refusal("max_clients_per_ip", "too many clients from this address")
 AUTH_TIMEOUT = Refusal("timeout", "authentication timed out")
 SHUTTING_DOWN = Refusal("shutting_down", "relay shutting down")
 EVICTED = "evicted: too many connections waiting to authenticate"
@@ -127,60 +97,6 @@ class CoreConfig:
             raise ValueError(f"proxy_hops must be at least 1, got {self.proxy_hops}")
 
 
-def _closed(s: Session) -> bool:
-    # A function, so type checkers do not narrow ``s.phase`` across calls that change it.
-    return s.phase is Phase.CLOSED
-
-
-def unmap_ipv4(ip: str) -> str:
-    """``::ffff:192.0.2.1`` (an IPv4 client of a dual-stack socket) -> ``192.0.2.1``."""
-    return ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
-
-
-def source_of(ip: str) -> str:
-    """The source a waiting connection counts against: an IPv4 address, or the /64 of
-    an IPv6 one (one host usually gets a whole /64). Unparsable strings stand alone."""
-    ip = unmap_ipv4(ip)
-    try:
-        addr = ipaddress.ip_address(ip.split("%", 1)[0])
-    except ValueError:
-        return ip
-    if addr.version == 6:
-        return str(ipaddress.IPv6Network((addr, 64), strict=False))
-    return str(addr)
-
-
-def forwarded_ip(header: str, hops: int = 1) -> str | None:
-    """The address in the ``hops``-th entry from the end of an ``X-Forwarded-For``
-    value (the last by default: the one the proxy next to us added; each further proxy
-    of ours in a row adds one), as ``ip``, ``ip:port``, ``[v6]`` or ``[v6]:port``,
-    IPv4-mapped shown as IPv4; None without a valid one there (also when the header
-    has fewer entries: a proxy of ours did not append)."""
-    if hops < 1:  # entries[-0] would be the first: the client's own word
-        raise ValueError(f"hops must be at least 1, got {hops}")
-    entries = header.split(",")  # bounded: the whole request head is
-    if len(entries) < hops:
-        return None
-    last = entries[-hops].strip()
-    if last.startswith("["):
-        inside, bracket, port = last[1:].partition("]")
-        if not bracket or (port and not (port[0] == ":" and port[1:].isdigit())):
-            return None
-        last = inside
-    elif last.count(":") == 1:
-        last, _, port = last.partition(":")
-        if not port.isdigit():
-            return None
-    if "%" in last:  # a zone id names an interface of the proxy's host, not a client
-        return None
-    try:
-        addr = ipaddress.ip_address(last)
-    except ValueError:
-        return None
-    mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
-    return str(mapped or addr)
-
-
 def _ws_close_code(event: str) -> bytes:
     """The WebSocket close code (RFC 6455 7.4.1) the relay sends when it ends a session
     for ``event``: 1002 for a protocol error, 1001 when it is going away (shutdown,
@@ -196,14 +112,9 @@ def _ws_close_code(event: str) -> bytes:
     return code.to_bytes(2, "big")
 
 
-def format_address(ip: str, port: int) -> str:
-    """``ip:port``, ``[v6]:port``; IPv4-mapped IPv6 addresses are shown as IPv4."""
-    ip = unmap_ipv4(ip)
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-
-
-class RelayCore:
-    """Sessions, the registry of authenticated clients, and what to do with each frame."""
+class RelayCore(Inbound):
+    """Sessions, the registry of authenticated clients, and what to do with each frame
+    (reading the HTTP phase, frames and AUTH: :class:`~relay.inbound.Inbound`)."""
 
     def __init__(
         self,
@@ -533,252 +444,6 @@ class RelayCore:
         dirty, self._dirty = self._dirty, []
         for s in dirty:
             self._write_batch(s)
-
-    # ---- HTTP phase -------------------------------------------------------------------
-
-    def _http(self, s: Session, data: bytes | bytearray | memoryview, now: float) -> bytes:
-        """Consume the request head; returns bytes that follow a completed upgrade."""
-        s.http_buf += data
-        try:
-            parsed = parse_http_head(s.http_buf)
-        except RelayProtocolError as exc:
-            self.metrics.http_requests_total += 1
-            self._queue(s, response(400, f"{exc}\n"))
-            self._close(s, "bad_http", quiet=True, fields={"why": str(exc)[:80]})
-            return b""
-        if parsed is None:
-            return b""
-        head, used = parsed
-        rest = bytes(s.http_buf[used:])
-        s.http_buf = bytearray()
-        decision = route(head, self.metrics_text)
-        if not decision.upgrade:
-            self.metrics.http_requests_total += 1
-            self._queue(s, decision.response)
-            path = head.start_line[1][:64] if len(head.start_line) > 1 else ""
-            self._close(s, "http", quiet=True, fields={"status": decision.status, "path": path})
-            return b""
-        offer = None if s.proxied else decision.records  # through a proxy: WebSocket frames
-        if offer is not None and rest:  # records start right after the request head
-            self.metrics.http_requests_total += 1
-            self._queue(s, response(400, "data after an upgrade request that offers records\n"))
-            self._close(s, "bad_http", quiet=True, fields={"why": "data after records offer"})
-            return b""
-        if s.proxied:
-            self._forwarded(s, head.header("x-forwarded-for"), now)
-            if _closed(s):  # over the cap on waiting connections from that address
-                return b""
-        s.phase = Phase.AUTH
-        s.challenge = self._random(32)
-        key = decision.websocket_key
-        if offer is None:
-            self._queue(s, decision.response)
-            self._write_batch(s)  # the 101 is the last the client gets outside its frames
-            s.link.secure(None)
-            if key is not None:
-                self.metrics.websocket_upgrades_total += 1
-                s.websocket = WebSocketReader(masked=True)
-        else:
-            mine = self._random(32)
-            self._queue(s, upgrade_response(mine, websocket_key=key))
-            self._write_batch(s)  # the 101 is the last the client gets in TLS
-            s.link.secure((mine, offer))
-        self._queue(s, encode_frame(RelayFrameType.CHALLENGE, bytes([VERSION]) + s.challenge))
-        return rest
-
-    def _forwarded(self, s: Session, header: str, now: float) -> None:
-        """A proxied client's address: the last ``X-Forwarded-For`` entry, the one the
-        proxy in front of us added (earlier ones are the client's word; with
-        ``proxy_hops`` proxies of ours in a row, the one that many from the end), as an
-        ip, or ``ip:port`` / ``[v6]:port`` as some proxies write it. With one, the session
-        counts against that address's cap on waiting connections from now on (it may be
-        refused, or evict an older one, as at accept). Without a valid one it keeps the
-        proxy's address and no per-source cap (warned about once: the proxy should
-        send the header)."""
-        ip = forwarded_ip(header, self.config.proxy_hops)
-        if ip is None:
-            if not self._warned_forwarded:
-                self._warned_forwarded = True
-                log.warning(
-                    kv(
-                        "no_forwarded_address",
-                        conn=s.label,
-                        header=header[:80] or "missing",
-                        proxy_hops=self.config.proxy_hops,
-                        hint="every reverse proxy in front (proxy-hops of them) must append "
-                        "to X-Forwarded-For; else per-address caps cannot tell its clients "
-                        "apart",
-                    )
-                )
-            return
-        s.observed = ip
-        s.source = source_of(ip)
-        if self._source_room(s, s.source, now):
-            self._count_source(s, s.source)
-
-    # ---- frames -----------------------------------------------------------------------
-
-    def _frames(self, s: Session, data: bytes | bytearray | memoryview, now: float) -> None:
-        for kind, body in s.splitter.frames(data):
-            self._frame(s, kind, body, now)
-            if _closed(s):
-                break
-
-    def _websocket(
-        self, s: Session, reader: WebSocketReader, data: bytes | bytearray | memoryview, now: float
-    ) -> None:
-        """Relay frames carried in WebSocket frames: data to :meth:`_frames`; PINGs get
-        one PONG per read (the last one's bytes, as RFC 6455 5.5.3 allows), a CLOSE ends
-        the session. Before AUTH_OK a client may send at most :data:`WS_BEFORE_AUTH`
-        bytes, as a bare session may send one AUTH frame and nothing else."""
-        if s.phase is not Phase.ACTIVE:
-            s.ws_before_auth += memoryview(data).nbytes
-            if s.ws_before_auth > WS_BEFORE_AUTH:
-                raise RelayProtocolError(f"more than {WS_BEFORE_AUTH} WebSocket bytes")
-        pong: bytes | bytearray | None = None
-        for event in reader.feed(data):
-            if event.opcode is Opcode.BINARY:
-                self._frames(s, event.payload, now)
-            elif event.opcode is Opcode.PING:
-                pong = event.payload
-            elif event.opcode is Opcode.CLOSE:
-                code = echo_code(event.payload)
-                self._close(s, "disconnect", quiet=s.phase is not Phase.ACTIVE, close_code=code)
-            if _closed(s):
-                return
-        if pong is not None:
-            self._write_batch(s)  # what came first goes first
-            if self._has_room(s, pong):
-                s.link.write(ws_frame(pong, Opcode.PONG, masked=False))
-
-    def _frame(self, s: Session, kind: RelayFrameType, body: memoryview, now: float) -> None:
-        # ``body`` is a view of the caller's buffer: valid during this call only.
-        if kind is RelayFrameType.SEND and s.phase is Phase.ACTIVE:
-            self._forward(s, body, now)
-        elif s.phase is Phase.AUTH:
-            if kind is not RelayFrameType.AUTH:
-                raise RelayProtocolError(f"{kind.name} frame")  # " before AUTH" is added
-            self._auth(s, body, now)
-        elif kind is RelayFrameType.PING:
-            if len(body) != PING_LEN:
-                raise RelayProtocolError(f"PING of {len(body)} bytes (expected {PING_LEN})")
-            self._control(s, encode_frame(RelayFrameType.PONG, body))
-        elif kind is not RelayFrameType.PONG:
-            raise RelayProtocolError(f"unexpected {kind.name} frame from a client")
-
-    def _forward(self, s: Session, body: memoryview, now: float) -> None:
-        m = self.metrics
-        if len(body) < ID_LEN:  # a protocol error, not a datagram
-            raise RelayProtocolError("SEND shorter than an endpoint id")
-        m.datagrams_in_total += 1
-        if s.bucket is not None and not s.bucket.take(len(body), now):
-            m.dropped["rate_limited"] += 1
-            return
-        dest_id = bytes(body[:ID_LEN])
-        dest = self._clients.get(dest_id)
-        if dest is None:
-            m.dropped["unknown_peer"] += 1  # the one reason this datagram is counted under
-            # Room first: the throttle records only a PEER_GONE that is queued (and the
-            # frame is built only then: a sender may go on sending to the gone peer).
-            room = s.queued() + FRAME_HEADER + ID_LEN <= self.config.queue_bytes
-            if room and s.peer_gone.allow(dest_id, now):
-                m.peer_gone_total += 1
-                self._queue(s, encode_frame(RelayFrameType.PEER_GONE, dest_id))
-            return
-        # Checked before the RECV frame is built: a slow reader's drops copy nothing.
-        if dest.queued() + FRAME_HEADER + len(body) > self.config.queue_bytes:
-            m.dropped["queue_full"] += 1
-            return
-        m.datagrams_out_total += 1
-        append_addressed(self._batch(dest), RelayFrameType.RECV, s.raw_id, body[ID_LEN:])
-
-    def _auth(self, s: Session, view: memoryview, now: float) -> None:
-        if len(view) < ID_LEN + SIG_LEN:
-            self._refuse(s, MALFORMED)
-            return
-        body = bytes(view)
-        raw_id, sig, token = (
-            body[:ID_LEN],
-            body[ID_LEN : ID_LEN + SIG_LEN],
-            body[ID_LEN + SIG_LEN :],
-        )
-        try:
-            eid = EndpointId(raw_id)
-        except UsageError:
-            self._refuse(s, BAD_SIGNATURE)
-            return
-        if not self._proof_holds(eid, sig, s.challenge, raw_id, now):
-            self._refuse(s, BAD_SIGNATURE, claimed=eid.short())
-            return
-        refusal = self.access.check(raw_id, token, now)
-        if refusal is not None:
-            self._refuse(s, refusal, claimed=eid.short())
-            return
-        old = self._clients.get(raw_id)
-        if old is None and len(self._clients) >= self.config.max_clients:
-            self._refuse(s, RELAY_FULL, claimed=eid.short())
-            return
-        per_ip = self.config.max_clients_per_ip
-        if per_ip:
-            mine = self._clients_by_source.get(s.source, 0)
-            if old is not None and old.source == s.source:
-                mine -= 1  # replaced below: the source keeps its count
-            if mine >= per_ip:
-                self._refuse(s, PER_IP_FULL, claimed=eid.short(), source=s.source)
-                return
-        if old is not None:
-            self.metrics.replaced_total += 1
-            self._close(old, "replaced", error=REPLACED)  # leaves its bucket in _buckets
-        s.phase = Phase.ACTIVE
-        s.splitter.max_body = MAX_BODY  # until now at most MAX_AUTH_BODY (see open)
-        self._stop_waiting(s)
-        s.endpoint = eid
-        s.raw_id = raw_id
-        if self.config.rate:
-            # The bucket of an earlier session of this id, if it is not full yet: a
-            # client that reconnects must not get a fresh burst each time.
-            s.bucket = self._buckets.pop(raw_id, None) or TokenBucket(
-                self.config.rate, self.config.burst, now
-            )
-        self._clients[raw_id] = s
-        self._clients_by_source[s.source] = self._clients_by_source.get(s.source, 0) + 1
-        self.metrics.auth_ok_total += 1
-        self._queue(s, encode_frame(RelayFrameType.AUTH_OK, self._auth_ok_body(s)))
-        log.info(kv("auth_ok", conn=s.label, peer=s.observed, clients=len(self._clients)))
-
-    def _proof_holds(
-        self, eid: EndpointId, sig: bytes, challenge: bytes, raw_id: bytes, now: float
-    ) -> bool:
-        """Whether ``sig`` proves ``eid`` bound to a certificate AUTH may name; before a
-        no, the glue may look at the certificate files once a second (a renewal that
-        the proxy in front took up before the relay's own poll)."""
-
-        def holds() -> bool:
-            return any(
-                eid.verify(sig, auth_message(fp, challenge, raw_id))
-                for fp in self.cert_fingerprints(now)
-            )
-
-        if holds():
-            return True
-        hook = self.refresh_certificate
-        if hook is None or now - self._refreshed_at < REFRESH_EVERY:
-            return False
-        self._refreshed_at = now
-        return hook(now) and holds()
-
-    def _auth_ok_body(self, s: Session) -> bytes:
-        c = self.config
-        return encode_map(
-            {
-                "observed": s.observed,
-                "max_datagram": MAX_DATAGRAM,
-                "keepalive": float(c.keepalive),
-                "rate": int(c.rate),
-                "burst": int(c.burst),
-                "stun_ports": list(c.stun_ports),
-            }
-        )
 
     # ---- output and closing -----------------------------------------------------------
 

@@ -9,9 +9,9 @@ from typing import Any, cast
 
 from p2pdist.wire.stun import StunError, binding_response, parse_binding_request
 
+from .addresses import unmap_ipv4
 from .logfmt import kv
 from .metrics import Metrics
-from .state import unmap_ipv4
 
 __all__ = ["StunProtocol"]
 

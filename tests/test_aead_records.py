@@ -22,7 +22,7 @@ from transport_conformance import bounded, closing
 from p2pdist.errors import ConnectionBrokenError, PeerTimeoutError, RemoteProtocolError
 from p2pdist.identity import SecretKey
 from p2pdist.tls import TlsIdentity
-from p2pdist.transport import TcpTransport, TransportConfig, aeadpipe
+from p2pdist.transport import TcpTransport, TransportConfig, aeadpipe, tcp_handshake
 from p2pdist.transport import tcp as tcp_module
 from p2pdist.transport.aeadpipe import MAX_RECORD, RECEIVE_BUFFER, TAG, AeadPipe, RecordError
 from p2pdist.transport.tlspipe import TlsPipe
@@ -634,7 +634,7 @@ async def test_a_peer_that_sends_our_own_secret_back_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     secret = os.urandom(32)
-    monkeypatch.setattr(tcp_module, "new_secret", lambda: secret)
+    monkeypatch.setattr(tcp_handshake, "new_secret", lambda: secret)
     client_t, server_t = TcpTransport(key(0)), TcpTransport(key(1))
     async with closing(client_t, server_t):
         addr = await server_t.listen("127.0.0.1", 0)

@@ -24,7 +24,7 @@ from p2pdist import (
     TransportConfig,
     UsageError,
 )
-from p2pdist.group import membership
+from p2pdist.group import forming, membership
 from p2pdist.transport.base import Connection
 from p2pdist.transport.quic import QuicTransport
 from p2pdist.transport.tcp import TcpTransport
@@ -182,7 +182,7 @@ async def test_a_rank_that_restarts_after_saying_ready_fails_formation_naming_it
             readies.append(conn.label)
         real_note(conn, kind, why, **kw)
 
-    monkeypatch.setattr(membership, "_form_note", note)
+    monkeypatch.setattr(forming, "_form_note", note)
     real_dial = g1._dial
 
     async def held_dial(transport: TcpTransport | QuicTransport, r: int) -> Connection:
@@ -217,7 +217,7 @@ async def test_a_start_cancelled_after_ready_fails_the_others() -> None:
     a, b = pair("cancelled")
     told = asyncio.Event()
     hold(a, "_watch_until_formed", told)
-    real_join = membership._Formation.join
+    real_join = forming._Formation.join
 
     def join_then_stop(form: Any, r: int, conn: Connection) -> None:
         real_join(form, r, conn)
@@ -225,7 +225,7 @@ async def test_a_start_cancelled_after_ready_fails_the_others() -> None:
             starting_b.cancel()
 
     try:
-        membership._Formation.join = join_then_stop  # type: ignore[method-assign]
+        forming._Formation.join = join_then_stop  # type: ignore[method-assign]
         starting_a = asyncio.ensure_future(a.start())
         starting_b = asyncio.ensure_future(b.start())
         with pytest.raises(asyncio.CancelledError):
@@ -239,7 +239,7 @@ async def test_a_start_cancelled_after_ready_fails_the_others() -> None:
         with pytest.raises(P2PError, match=r"rank 1 .*its start was stopped"):
             await starting_a
     finally:
-        membership._Formation.join = real_join  # type: ignore[method-assign]
+        forming._Formation.join = real_join  # type: ignore[method-assign]
         await asyncio.gather(a.close(), b.close())
 
 
@@ -407,13 +407,13 @@ async def test_ranks_with_different_settings_fail_formation_naming_the_setting(
 
 
 def test_terms_from_an_older_peer_are_accepted_and_garbage_refused() -> None:
-    ours = membership.group_terms(CFG, 2)
-    membership.check_terms("rank 1 (abc)", "rank 0 (d)", None, ours)
-    membership.check_terms("rank 1 (abc)", "rank 0 (d)", dict(ours), ours)
+    ours = forming.group_terms(CFG, 2)
+    forming.check_terms("rank 1 (abc)", "rank 0 (d)", None, ours)
+    forming.check_terms("rank 1 (abc)", "rank 0 (d)", dict(ours), ours)
     with pytest.raises(P2PError, match="malformed formation terms"):
-        membership.check_terms("rank 1 (abc)", "rank 0 (d)", [1, 2], ours)
+        forming.check_terms("rank 1 (abc)", "rank 0 (d)", [1, 2], ours)
     with pytest.raises(MismatchError, match=r"chunk_bytes is 4096 on rank 1 \(abc\), 1048576 on"):
-        membership.check_terms("rank 1 (abc)", "rank 0 (d)", {**ours, "chunk_bytes": 4096}, ours)
+        forming.check_terms("rank 1 (abc)", "rank 0 (d)", {**ours, "chunk_bytes": 4096}, ours)
 
 
 async def test_ranks_that_disagree_about_the_world_fail_at_once_naming_it() -> None:

@@ -24,12 +24,14 @@ from p2pdist.wire.relay import (
     upgrade_request,
 )
 from relay.access import AccessPolicy, Allowlist, AllowlistError, parse_allowlist
+from relay.addresses import format_address, unmap_ipv4
 from relay.cli import load_config
 from relay.config import ConfigError, RelayConfig, from_mapping
+from relay.inbound import REPLACED
 from relay.limits import PeerGoneThrottle, TokenBucket
 from relay.metrics import AUTH_FAILURE_REASONS, DROP_REASONS, Metrics
 from relay.session import Phase, Session
-from relay.state import REPLACED, CoreConfig, RelayCore, format_address, unmap_ipv4
+from relay.state import CoreConfig, RelayCore
 from relay.tap import FileTap, read_tap
 
 FP = bytes(range(32))  # the fingerprint of "the relay's certificate" in these tests

@@ -21,11 +21,13 @@ from p2pdist.wire.relay import (
     encode_frame,
     upgrade_request,
 )
+from relay.addresses import source_of
 from relay.cli import load_config
 from relay.config import ConfigError, RelayConfig, from_mapping
+from relay.inbound import MAX_AUTH_BODY
 from relay.limits import MAX_PEER_GONE_ENTRIES, PeerGoneThrottle, TokenBucket
 from relay.session import Phase, Session
-from relay.state import EVICT_AFTER, MAX_AUTH_BODY, CoreConfig, RelayCore, source_of
+from relay.state import EVICT_AFTER, CoreConfig, RelayCore
 
 T = RelayFrameType
 BIG = b"z" * (MAX_BODY - 32)  # a SEND body of MAX_BODY bytes: one whole bucket below

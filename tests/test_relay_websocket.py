@@ -52,10 +52,11 @@ from p2pdist.wire.websocket import (
     mask,
     valid_key,
 )
+from relay.addresses import forwarded_ip
 from relay.config import RelayConfig as ServerConfig
+from relay.inbound import WS_BEFORE_AUTH
 from relay.server import RelayServer
 from relay.session import Phase
-from relay.state import WS_BEFORE_AUTH, forwarded_ip
 
 T = RelayFrameType
 KEYS = [SecretKey.from_seed("relay websocket tests", r) for r in range(3)]
@@ -800,7 +801,7 @@ async def test_a_relay_from_before_websocket_framing_gets_the_bare_upgrade(
 async def test_only_an_old_relays_answer_switches_to_the_bare_upgrade_and_only_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import relay.state as relay_state
+    import relay.inbound as relay_inbound
 
     seen: list[str] = []
     answers = iter(
@@ -810,7 +811,7 @@ async def test_only_an_old_relays_answer_switches_to_the_bare_upgrade_and_only_o
             (502, "bad gateway\n"),  # the bare probe failed: WebSocket again
         ]
     )
-    real = relay_state.route
+    real = relay_inbound.route
 
     def route(head: Any, metrics: Any) -> Any:
         seen.append(head.header("upgrade"))
@@ -821,7 +822,7 @@ async def test_only_an_old_relays_answer_switches_to_the_bare_upgrade_and_only_o
 
         return HttpDecision(False, answer[0], response(answer[0], answer[1]))
 
-    monkeypatch.setattr(relay_state, "route", route)
+    monkeypatch.setattr(relay_inbound, "route", route)
     await _connect_once()
     assert seen == ["websocket", "websocket", "p2pdist-relay", "websocket"]
 

@@ -1,7 +1,7 @@
 """Taking ranks back after a crash: a rank that restarts with the same key rejoins
 (``rejoin=True``) a group that runs with ``GroupConfig(on_peer_loss="leave")``. Mixed
 into :class:`~p2pdist.group.core.GroupCore` on top of
-:class:`~p2pdist.group.membership.Membership`.
+:class:`~p2pdist.group.forming.Forming`.
 
 The rank that comes back dials every rank (:meth:`Rejoining._rejoin_all`); each survivor
 replaces the old connection with the new one (:meth:`Rejoining._take_back`) and answers
@@ -39,17 +39,8 @@ from ..transport.mailbox import split_channel
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
 from ..wire.frames import Frame
-from .membership import (
-    _FORM_CHANNEL,
-    _FORMED_ALREADY,
-    _HELLO_CHANNEL,
-    Membership,
-    _form_note,
-    _read_note,
-    _remote,
-    check_terms,
-    group_terms,
-)
+from .forming import Forming, _read_note, check_terms, group_terms
+from .membership import _FORM_CHANNEL, _FORMED_ALREADY, _HELLO_CHANNEL, _form_note, _remote
 
 __all__ = ["Rejoining"]
 
@@ -61,7 +52,7 @@ _SILENT_KEEPALIVES = 3
 """A connection silent for this many keepalive intervals is taken for dead."""
 
 
-class Rejoining(Membership):
+class Rejoining(Forming):
     """Taking back ranks that restarted (on the survivors) and rejoining (on the rank
     that comes back)."""
 

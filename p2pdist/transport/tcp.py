@@ -1,19 +1,19 @@
 """TCP transport: TLS 1.3 pinned to endpoint ids (default) or authenticated plaintext.
 
 Thin asyncio glue around the sans-I/O pieces: :mod:`p2pdist.wire.handshake` for the
-preamble, and :class:`.framed.FramedConnection` (shared with QUIC) for frames, keepalive,
-per-channel delivery and close. Received payloads land directly in their own buffers
-(``asyncio.BufferedProtocol``), so bulk data is copied once by the kernel.
+preamble (run by :class:`.tcp_handshake.TcpHandshake`, the handshake half of
+:class:`TcpConnection`), and :class:`.framed.FramedConnection` (shared with QUIC) for
+frames, keepalive, per-channel delivery and close. Received payloads land directly in
+their own buffers (``asyncio.BufferedProtocol``), so bulk data is copied once by the
+kernel.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import os
-import secrets
 import socket
 import ssl
 import struct
@@ -33,25 +33,16 @@ from ..errors import (
 from ..identity import EndpointId, SecretKey
 from ..settings import as_int
 from ..tasks import cancel_and_wait
-from ..tls import endpoint_id_of_cert
-from ..wire.handshake import (
-    HandshakeError,
-    RecordReader,
-    auth_transcript,
-    encode_record,
-    get_bytes,
-)
-from .aeadpipe import CIPHER, MAX_RECORD, AeadPipe, RecordError, new_secret
+from ..wire.handshake import RecordReader
+from .aeadpipe import CIPHER, MAX_RECORD, AeadPipe, RecordError
 from .base import NOT_ADMITTED, Address, TransportConfig
-from .framed import EndpointBase, FramedConnection
+from .framed import EndpointBase
 from .pathinfo import PathInfo, single_path
 from .paths import path_key
+from .tcp_handshake import _HANDSHAKE_BUFFER_PAUSE, TLS_MISMATCH_HINT, TcpHandshake
 from .tlspipe import TlsPipe
 
 __all__ = ["TLS_MISMATCH_HINT", "TcpConnection", "TcpTransport", "parse_address"]
-
-TLS_MISMATCH_HINT = "tls= (or P2PDIST_TLS) must be the same on every rank"
-"""Ends the refusal of a dialer that asked for the other mode (TLS or plaintext)."""
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +51,6 @@ _TLS_SLICE = 256 * 1024
 """Plaintext encrypted and written at a time of a large payload, in TLS records (AES-GCM
 records take :data:`~p2pdist.transport.aeadpipe.MAX_RECORD` at a time: one record each,
 a quarter of the Python calls of 256 KiB; docs/performance.md)."""
-_KEY_READ = 1024
-"""Plaintext read at a time while the record keys come in through TLS (one small record)."""
 _ASYNCIO_PLAIN_COPIES = sys.version_info < (3, 12)
 _DISCARD = memoryview(bytearray(64 * 1024))
 """Where a closing connection reads what still comes (only to see the peer's end)."""
@@ -95,7 +84,6 @@ def _write_keeps_reference(transport: asyncio.BaseTransport) -> bool:
     return not (_ASYNCIO_PLAIN_COPIES and type(transport).__module__.startswith("asyncio"))
 
 
-_HANDSHAKE_BUFFER_PAUSE = 1 << 20
 _HANDSHAKE_READ = 16 * 1024
 """Bytes read per socket read during the handshake (its records are a few KiB)."""
 _EVICT_AFTER = 1.0
@@ -128,7 +116,7 @@ def parse_address(address: Address) -> tuple[str, int]:
     return host, port
 
 
-class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
+class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
     """One TCP connection to one authenticated peer (also its asyncio protocol)."""
 
     def __init__(
@@ -439,239 +427,6 @@ class TcpConnection(FramedConnection, asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._resume_writing()
-
-    # ---- handshake ---------------------------------------------------------------------
-
-    def _wake_handshake(self) -> None:
-        w, self._hs_wakeup = self._hs_wakeup, None
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def _next_record(self) -> dict[str, Any]:
-        while (rec := self._parse_record(self._hs_reader)) is None:
-            await self._more_handshake_bytes()
-        return rec
-
-    def _parse_record(self, reader: RecordReader) -> dict[str, Any] | None:
-        """The reader's next whole handshake record (None: more bytes needed); malformed
-        bytes are the peer's protocol error."""
-        try:
-            return reader.next_record()
-        except HandshakeError as exc:
-            raise RemoteProtocolError(self.label, str(exc)) from None
-
-    async def _more_handshake_bytes(self) -> None:
-        """Wait until more bytes arrive during the handshake (bounded by the caller's
-        handshake timeout); raises the connection's error if it ended."""
-        if self._error is not None:
-            raise self._error.with_traceback(None)
-        self._hs_wakeup = self._loop.create_future()
-        await self._hs_wakeup
-
-    async def _start_tls(self, ctx: ssl.SSLContext) -> None:
-        """The TLS handshake over this connection's socket (:class:`TlsPipe`), then the
-        check that the peer's certificate carries the id it must have."""
-        assert self._transport is not None
-        if len(self._hs_reader):
-            raise RemoteProtocolError(self.label, "unexpected bytes before the TLS handshake")
-        tls = self._tls = TlsPipe(ctx, server_side=self._server_side)
-        while True:
-            try:
-                done = tls.handshake()
-            except ssl.SSLError as exc:
-                self._flush_tls()  # the alert tells the peer why
-                raise PeerAuthenticationError(self.label, f"TLS handshake failed: {exc}") from None
-            self._flush_tls()
-            if done:
-                break
-            if self._error is None and self._transport.is_closing():
-                raise ConnectionBrokenError(self.label, "connection lost during TLS handshake")
-            if tls.buffered <= _HANDSHAKE_BUFFER_PAUSE:
-                self._transport.resume_reading()
-            await self._more_handshake_bytes()  # lost meanwhile: the connection's error
-        self._ssl = tls.obj
-        der = tls.obj.getpeercert(binary_form=True)
-        if not der:
-            raise PeerAuthenticationError(self.label, "peer presented no certificate")
-        try:
-            presented = endpoint_id_of_cert(der)
-        except ValueError as exc:
-            raise PeerAuthenticationError(self.label, f"unusable certificate: {exc}") from None
-        assert self._peer is not None
-        if presented != self._peer:
-            raise PeerAuthenticationError(
-                self.label,
-                f"identity mismatch: expected {self._peer}, presented {presented}",
-            )
-
-    async def client_handshake(self) -> None:
-        """Authenticate the accepting side as ``expected`` (dialing side)."""
-        owner, expected = self._owner, self._expected
-        assert expected is not None
-        nonce = secrets.token_bytes(32)
-        hello: dict[str, Any] = {
-            "mode": "tls" if self._cfg.tls else "plain",
-            "id": bytes(owner.endpoint_id),
-            "want": bytes(expected),
-            "nonce": nonce,
-        }
-        if self._cfg.tls:
-            hello["cert"] = owner.tls_identity.cert_der
-            if self._cfg.sealed_records:
-                hello["records"] = [CIPHER]
-        self._write(encode_record(hello, first=True))
-        rec = await self._next_record()
-        if rec.get("ok") is not True:
-            reason = rec.get("error")
-            raise PeerAuthenticationError(self.label, f"refused us: {reason}")
-        try:
-            presented = EndpointId(get_bytes(rec, "id", 32))
-            server_nonce = get_bytes(rec, "nonce", 32)
-        except (HandshakeError, UsageError) as exc:
-            raise RemoteProtocolError(self.label, str(exc)) from None
-        if presented != expected:
-            raise PeerAuthenticationError(
-                self.label, f"identity mismatch: expected {expected}, presented {presented}"
-            )
-        if self._cfg.tls:
-            sealed = rec.get("records") == CIPHER and self._cfg.sealed_records
-            await self._start_tls(owner.tls_identity.client_context())
-            if sealed:
-                await self._seal_records()
-        else:
-            me, them = bytes(owner.endpoint_id), bytes(expected)
-            sig = owner.key.sign(auth_transcript(b"C", me, them, nonce, server_nonce))
-            self._write(encode_record({"sig": sig}))
-            rec = await self._next_record()
-            try:
-                server_sig = get_bytes(rec, "sig", 64)
-            except HandshakeError as exc:
-                raise RemoteProtocolError(self.label, str(exc)) from None
-            if not expected.verify(
-                server_sig, auth_transcript(b"S", me, them, nonce, server_nonce)
-            ):
-                raise PeerAuthenticationError(
-                    self.label, f"could not prove it holds the key of {expected}"
-                )
-        self._enter_frames()
-
-    async def server_handshake(self) -> None:
-        """Learn and verify who dialed us (accepting side)."""
-        owner = self._owner
-        rec = await self._next_record()
-        try:
-            client = EndpointId(get_bytes(rec, "id", 32))
-            want = get_bytes(rec, "want", 32)
-            client_nonce = get_bytes(rec, "nonce", 32)
-        except (HandshakeError, UsageError) as exc:
-            raise RemoteProtocolError(self.label, str(exc)) from None
-        self._peer = client
-        # Only a claim until the TLS handshake or the signature proves it: an outsider
-        # must not make our warnings appear to come from a group member.
-        self.label = f"{self._remote_text()} claiming {owner.label_for(client)}"
-        mode = rec.get("mode")
-        my_mode = "tls" if self._cfg.tls else "plain"
-        refusal = None
-        if mode != my_mode:
-            asked = repr(mode) if isinstance(mode, str | None) and len(mode or "") <= 16 else "?"
-            refusal = (
-                f"this endpoint runs {my_mode!r}, the dialer asked for {asked}: {TLS_MISMATCH_HINT}"
-            )
-        elif want != bytes(owner.endpoint_id):
-            wanted = base64.b32encode(want).decode().rstrip("=").lower()
-            refusal = f"identity mismatch: expected {wanted}, presented {owner.endpoint_id}"
-        else:
-            refusal = owner.refusal_for(client)
-        cert = rec.get("cert")
-        if refusal is None and my_mode == "tls":
-            try:
-                if not isinstance(cert, bytes) or endpoint_id_of_cert(cert) != client:
-                    refusal = "certificate key does not match the claimed endpoint id"
-            except ValueError:
-                refusal = "certificate is not an Ed25519 certificate"
-        if refusal is not None:
-            self._write(encode_record({"ok": False, "error": refusal}))
-            raise PeerAuthenticationError(self.label, f"refused: {refusal}")
-        nonce = secrets.token_bytes(32)
-        reply: dict[str, Any] = {"ok": True, "id": bytes(owner.endpoint_id), "nonce": nonce}
-        offered = rec.get("records")
-        sealed = (
-            my_mode == "tls"
-            and self._cfg.sealed_records
-            and isinstance(offered, list)
-            and CIPHER in offered
-        )
-        if sealed:
-            reply["records"] = CIPHER
-        self._write(encode_record(reply))
-        if my_mode == "tls":
-            assert isinstance(cert, bytes)
-            await self._start_tls(owner.tls_identity.server_context(cert))
-            if sealed:
-                await self._seal_records()
-        else:
-            me, them = bytes(owner.endpoint_id), bytes(client)
-            rec = await self._next_record()
-            try:
-                sig = get_bytes(rec, "sig", 64)
-            except HandshakeError as exc:
-                raise RemoteProtocolError(self.label, str(exc)) from None
-            if not client.verify(sig, auth_transcript(b"C", them, me, client_nonce, nonce)):
-                raise PeerAuthenticationError(
-                    self.label, f"could not prove it holds the key of {client}"
-                )
-            mine = owner.key.sign(auth_transcript(b"S", them, me, client_nonce, nonce))
-            self._write(encode_record({"sig": mine}))
-        self.label = owner.label_for(client)  # proven: named as any other peer
-        self._enter_frames()
-
-    async def _seal_records(self) -> None:
-        """Send our record secret inside TLS, read the peer's, and protect everything
-        after them with :class:`AeadPipe` records (each side switches right after its own
-        key message, so what follows the peer's in TLS's buffer is already records)."""
-        tls = self._tls
-        assert isinstance(tls, TlsPipe)
-        mine = new_secret()
-        self._write(encode_record({"key": mine}))  # one TLS record, the last one we send
-        reader = RecordReader()
-        buf = memoryview(bytearray(_KEY_READ))
-        while (rec := self._parse_record(reader)) is None:
-            try:
-                got = tls.read_into(buf)
-            except ssl.SSLError as exc:
-                self._flush_tls()  # our alert, best effort: tells the peer why
-                raise ConnectionBrokenError(self.label, f"TLS error: {exc}") from None
-            if got:
-                reader.feed(buf[:got])
-            elif tls.closed_by_peer:
-                raise ConnectionBrokenError(self.label, "peer closed TLS before its record key")
-            else:
-                if self._transport is not None and tls.buffered <= _HANDSHAKE_BUFFER_PAUSE:
-                    self._transport.resume_reading()
-                await self._more_handshake_bytes()
-        try:
-            theirs = get_bytes(rec, "key", 32)
-        except HandshakeError as exc:
-            raise RemoteProtocolError(self.label, str(exc)) from None
-        if len(reader) or tls.obj.pending():
-            raise RemoteProtocolError(self.label, "TLS data after the record key")
-        try:
-            pipe = AeadPipe(mine, theirs, dialer=not self._server_side)
-        except RecordError as exc:
-            raise RemoteProtocolError(self.label, str(exc)) from None
-        pipe.feed(tls.take_buffered())
-        self._tls = pipe
-
-    def _enter_frames(self) -> None:
-        leftover = self._hs_reader.leftover()
-        self._hs_buf = bytearray()
-        self._start_frames()
-        if self._transport is not None:
-            self._transport.resume_reading()
-        if self._tls is not None:
-            self._tls_receive()  # frames that came with the handshake's last flight
-        elif leftover:
-            self._decode(self._decoder.feed, leftover)
 
 
 class TcpTransport(EndpointBase[TcpConnection]):
