@@ -12,7 +12,9 @@ Layout (each module has one job):
 * :mod:`relay.inbound`, :mod:`relay.addresses`, :mod:`relay.session`, :mod:`relay.limits`,
   :mod:`relay.access`, :mod:`relay.metrics`, :mod:`relay.http` - the pieces the core is
   built from (no asyncio, time passed in).
-* :mod:`relay.server` - thin asyncio glue: TLS listener, STUN port, timers, shutdown.
+* :mod:`relay.server` - thin asyncio glue: TLS listener, STUN port, timers, shutdown;
+  :mod:`relay.connection` - the protocol of one client connection.
+* :mod:`relay.stopsignals` - how ``p2pdist-relay`` takes SIGTERM, SIGINT and SIGHUP.
 * :mod:`relay.tlsconfig` - the relay's certificate (pinned Ed25519 key, or a real one).
 * TLS and AES-GCM records per connection: :mod:`p2pdist.transport.securestream`.
 * :mod:`relay.stun_server` - the UDP port answering STUN Binding Requests.

@@ -1,6 +1,7 @@
 """GroupCore: a group's construction, connections and lifecycle, failure notices, and
 point to point. How a collective runs (:meth:`~p2pdist.group.runner.Runner._run`) is
-runner.py's job; the collectives themselves live in group.py."""
+runner.py's job; the collectives themselves live in group.py (the reductions in
+reducing.py)."""
 
 from __future__ import annotations
 
