@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import signal
+import socket
 from collections.abc import Callable
 from types import FrameType
 
@@ -47,13 +48,15 @@ class ProcessSignals:
     ``signal.signal`` is.
 
     The handler runs on the main thread, the loop's, between two bytecodes: it only
-    queues ``on_signal``. A signal that arrives while the loop waits interrupts the
-    wait (the kernel gives a process's signal to its main thread first), and the
-    handler's wake-up ends it."""
+    queues ``on_signal``. A signal taken by another thread (numpy's OpenBLAS starts
+    some at import), or one that comes just before the loop starts to wait, does not
+    interrupt that wait: so a wake-up fd, which the loop reads, ends it (asyncio's loop
+    sets none unless it owns the handlers; uvloop's own is kept)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_signal: OnSignal) -> None:
         self._loop: asyncio.AbstractEventLoop | None = loop
         self._on_signal = on_signal
+        self._wakeup = _WakeupSocket.install(loop)
         for sig in SIGNALS:
             signal.signal(sig, self._handle)
 
@@ -72,3 +75,46 @@ class ProcessSignals:
         self._loop = None
         for sig in SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        if self._wakeup is not None:
+            self._wakeup.close()
+            self._wakeup = None
+
+
+class _WakeupSocket:
+    """A socket pair whose write end is the process's signal wake-up fd and whose read
+    end the loop watches, so a signal ends the loop's wait whichever thread took it."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, pair: tuple[socket.socket, socket.socket]
+    ) -> None:
+        self._loop = loop
+        self._read, self._write = pair
+
+    @classmethod
+    def install(cls, loop: asyncio.AbstractEventLoop) -> _WakeupSocket | None:
+        """Install one, unless the loop has a wake-up fd of its own (uvloop): None."""
+        pair = socket.socketpair()
+        for sock in pair:
+            sock.setblocking(False)
+        before = signal.set_wakeup_fd(pair[1].fileno(), warn_on_full_buffer=False)
+        if before != -1:
+            signal.set_wakeup_fd(before)
+            for sock in pair:
+                sock.close()
+            return None
+        wakeup = cls(loop, pair)
+        loop.add_reader(pair[0].fileno(), wakeup._drain)
+        return wakeup
+
+    def _drain(self) -> None:
+        # Only the wake-up matters: the handlers themselves run between bytecodes.
+        with contextlib.suppress(OSError):  # BlockingIOError: drained
+            while self._read.recv(4096):
+                pass
+
+    def close(self) -> None:
+        """Stop being the wake-up fd, and close the pair."""
+        signal.set_wakeup_fd(-1)
+        self._loop.remove_reader(self._read.fileno())
+        self._read.close()
+        self._write.close()
