@@ -263,7 +263,7 @@ class GroupAveraging(Leading):
             self._retire(k)
         self._round = k + 1
         self._last = body
-        self._know_running(body.get("joining", ()))  # taken back at the next round
+        self._know_running(body["joining"])  # taken back at the next round
         applied = bool(body["ok"])
         ranks = tuple(int(p[0]) for p in body["p"])
         me = self.group.rank

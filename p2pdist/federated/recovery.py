@@ -382,11 +382,13 @@ class Recovery:
         # ready is read (its listeners start now): not at once, since the others' updates
         # for this round may have gone out before those ranks were back in the group.
         self._left = set(range(self.group.size)) - set(plan.members)
+        waiting = ", ".join(self.group.peer_label(r) for r in plan.rejoining)
         log.warning(
-            "%s took over as leader from round %d%s",
+            "%s took over as leader from round %d%s%s",
             self.group.peer_label(self.group.rank),
             plan.lead_from,
             " (adopting the last decision)" if plan.adopt is not None else "",
+            f"; waiting to be taken back: {waiting}" if waiting else "",
         )
 
     async def _reports(self, ranks: list[int]) -> dict[int, Report]:
