@@ -66,7 +66,7 @@ async def test_a_signal_taken_by_another_thread_wakes_the_loop_at_once() -> None
     try:
         threading.Thread(target=guard, daemon=True).start()
         sender = _raise_on_another_thread(signal.SIGHUP)
-        await got.wait()
+        await asyncio.wait_for(got.wait(), 30)  # a timer after the guard: a bound only
         assert not guard_woke.is_set(), "the loop slept on until something else woke it"
         assert seen == [signal.SIGHUP]
         sender.join(10)
