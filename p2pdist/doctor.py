@@ -33,7 +33,7 @@ from .errors import P2PError, PeerError, UsageError
 from .identity import EndpointId, SecretKey
 from .settings import env_token
 from .transport.base import Connection, TransportConfig
-from .transport.holepunch import interface_addresses
+from .transport.holepunch import interface_addresses, interface_addresses6
 from .transport.observe import StunProbe, mapping_behaviour
 from .transport.paths import UdpAddress, UdpSocket, bind_host_for, is_loopback, path_key
 from .transport.quic import QuicTransport
@@ -88,6 +88,7 @@ class DoctorReport:
     local: str | None = None
     """The local UDP socket the observations were made from."""
     interfaces: list[str] = field(default_factory=list)
+    """This host's interface addresses (IPv4, then global IPv6), loopback left out."""
     observation_ports: list[int] = field(default_factory=list)
     observed: list[str] = field(default_factory=list)
     """Our UDP address as each observation port saw it (in port order)."""
@@ -119,6 +120,11 @@ class DoctorReport:
         if not self.udp:
             return "UDP is blocked: every peer is reached through the relay (TCP + TLS)"
         if self.mapping == "endpoint-dependent":
+            if any(":" in a for a in self.interfaces):
+                return (
+                    "symmetric NAT: over IPv4, direct paths only to peers without NAT; "
+                    "this host has global IPv6, so peers with IPv6 may still go direct"
+                )
             return "symmetric NAT: direct paths only to peers without NAT, the rest stay relayed"
         if self.mapping == "endpoint-independent":
             return "hole punching should work with most peers (relay as the fallback)"
@@ -158,6 +164,7 @@ async def diagnose(
     path = RelayPath(key, relay, token=token)
     report = DoctorReport(str(path.url), str(key.endpoint_id))
     report.interfaces = [a for a in interface_addresses() if not is_loopback(a)]
+    report.interfaces += interface_addresses6()  # candidates too (the group's socket is dual-stack)
     transport = QuicTransport(key, TransportConfig(handshake_timeout=timeout), relay=path)
     try:
         try:

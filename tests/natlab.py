@@ -17,6 +17,11 @@ Each side is one of :data:`KINDS`:
   public port per destination; punching fails, the relay is needed).
 - ``"udp-blocked"``: ``"eim"`` that also drops all forwarded UDP (TCP still works).
 
+With ``ipv6=True`` every namespace also gets IPv6, with no NAT (as an ISP's IPv6 is):
+the internet is 2001:db8:100::/64 (relay ::1, WAN addresses ::10 and ::20), each LAN
+2001:db8:a::/64 or 2001:db8:b::/64 (router ::1, host ::2), and each router is a stateful
+firewall (ip6tables, the same filter as its IPv4 one: unsolicited inbound dropped).
+
 Routers drop unsolicited inbound (FORWARD and INPUT policy DROP; ESTABLISHED,RELATED and
 LAN->WAN accepted). They must: a router that accepted an early punch packet would let
 conntrack move the host's next mapping to a new port, and the NAT would then behave as
@@ -72,6 +77,8 @@ __all__ = [
     "UdpAgent",
     "lab_unavailable",
     "leftover_namespaces",
+    "ipv6_unavailable",
+    "require_ipv6",
     "require_root",
     "require_shaping",
     "shaping_unavailable",
@@ -84,6 +91,10 @@ RELAY_IP = "203.0.113.1"
 PUBLIC_IP = {"a": "203.0.113.10", "b": "203.0.113.20"}
 LAN_HOST_IP = "10.0.0.2"
 LAN_ROUTER_IP = "10.0.0.1"
+RELAY_IP6 = "2001:db8:100::1"
+PUBLIC_IP6 = {"a": "2001:db8:100::10", "b": "2001:db8:100::20"}
+LAN6 = {"a": "2001:db8:a::", "b": "2001:db8:b::"}
+"""Each side's LAN prefix (a /64): its router is ``::1`` in it, its host ``::2``."""
 _BLOCK_COMMENT = "natlab-block-udp"
 SHAPED_NET = "10.77.0"
 _counter = itertools.count()
@@ -135,6 +146,17 @@ def lab_unavailable() -> str | None:
     return reason
 
 
+def ipv6_unavailable() -> str | None:
+    """Why an ``ipv6=True`` :class:`NatLab` cannot run here (the lab's reasons, no
+    ``ip6tables-restore``, or IPv6 off in this kernel), or None."""
+    reason = lab_unavailable()
+    if reason is None and not shutil.which("ip6tables-restore"):
+        reason = "the IPv6 NAT lab needs ip6tables (apt-get install iptables)"
+    if reason is None and not os.path.exists("/proc/net/if_inet6"):
+        reason = "IPv6 is off in this kernel"
+    return reason
+
+
 def shaping_unavailable() -> str | None:
     """Why :class:`ShapedLan` cannot run here (the lab's reasons, or no ``tc``), or None."""
     reason = lab_unavailable()
@@ -155,6 +177,11 @@ def _skip_if(reason: str | None) -> None:
 def require_root() -> None:
     """Skip the calling test (printing the reason) when the lab cannot run here."""
     _skip_if(lab_unavailable())
+
+
+def require_ipv6() -> None:
+    """Skip the calling test (printing the reason) when an IPv6 lab cannot run here."""
+    _skip_if(ipv6_unavailable())
 
 
 def require_shaping() -> None:
@@ -223,10 +250,32 @@ def _ruleset(kind: str, wan: str, lan: str) -> str:
     )
 
 
-def _block_rule(ns: str, action: str, chain: str) -> list[str]:
-    """``iptables -I``/``-D`` of the UDP block rule (:meth:`NatLab.block_udp`) in ``ns``."""
+def _ruleset6(kind: str, wan: str, lan: str) -> str:
+    """ip6tables-restore input for a router of ``kind``: no NAT, the same stateful filter
+    as :func:`_ruleset` (ICMPv6 to the router itself is let in: neighbour discovery)."""
+    block = (
+        f'-A FORWARD -p udp -m comment --comment "{_BLOCK_COMMENT}" -j DROP\n'
+        if kind == "udp-blocked"
+        else ""
+    )
+    return (
+        "*filter\n:INPUT DROP [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\n"
+        f"{block}"
+        "-A FORWARD -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT\n"
+        f"-A FORWARD -i {lan} -o {wan} -j ACCEPT\n"
+        "-A INPUT -i lo -j ACCEPT\n"
+        "-A INPUT -p ipv6-icmp -j ACCEPT\n"
+        "-A INPUT -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT\n"
+        f"-A INPUT -i {lan} -j ACCEPT\n"
+        "COMMIT\n"
+    )
+
+
+def _block_rule(ns: str, action: str, chain: str, tool: str = "iptables") -> list[str]:
+    """``iptables -I``/``-D`` (or ``ip6tables``) of the UDP block rule
+    (:meth:`NatLab.block_udp`) in ``ns``."""
     rule = ["-p", "udp", "-m", "comment", "--comment", _BLOCK_COMMENT, "-j", "DROP"]
-    return ["ip", "netns", "exec", ns, "iptables", action, chain, *rule]
+    return ["ip", "netns", "exec", ns, tool, action, chain, *rule]
 
 
 class _NamespaceLab:
@@ -284,7 +333,7 @@ class NatLab(_NamespaceLab):
 
     ``udp_timeout`` (seconds) sets both routers' conntrack UDP timeouts (see
     :meth:`set_udp_timeout`); ``workdir`` holds the relay's log (default: a temporary
-    directory removed at teardown).
+    directory removed at teardown); ``ipv6`` adds IPv6 everywhere (see the module).
     """
 
     relay_ip = RELAY_IP
@@ -299,11 +348,13 @@ class NatLab(_NamespaceLab):
         *,
         udp_timeout: int | None = None,
         workdir: Path | None = None,
+        ipv6: bool = False,
     ) -> None:
         for kind in (a, b):
             if kind not in KINDS:
                 raise ValueError(f"NAT kind must be one of {', '.join(KINDS)}, got {kind!r}")
         self.kinds = {"a": a, "b": b}
+        self.ipv6 = ipv6
         self.prefix = f"{PREFIX}{os.getpid()}-{next(_counter)}-"
         self.inet_ns = self.prefix + "inet"
         self._udp_timeout = udp_timeout
@@ -327,6 +378,9 @@ class NatLab(_NamespaceLab):
             raise ValueError(f"side must be 'a' or 'b', got {side!r}")
         return side
 
+    def _unavailable(self) -> str | None:
+        return ipv6_unavailable() if self.ipv6 else lab_unavailable()
+
     def kind(self, side: str) -> str:
         """The NAT kind of ``side``."""
         return self.kinds[self._side(side)]
@@ -347,6 +401,14 @@ class NatLab(_NamespaceLab):
         """The address the host's sockets bind: its LAN address behind a router, its
         public address for ``"none"``."""
         return self.public_ip(side) if self.kind(side) == "none" else LAN_HOST_IP
+
+    def host_ip6(self, side: str) -> str:
+        """The host's IPv6 address (``ipv6=True`` labs): global, no NAT in front."""
+        if not self.ipv6:
+            raise NatLabError("this lab has no IPv6 (NatLab(..., ipv6=True))")
+        if self.kind(side) == "none":
+            return PUBLIC_IP6[side]
+        return LAN6[side] + "2"
 
     def ns_of(self, where: str) -> str:
         """``"a"``/``"b"`` (the hosts) or ``"internet"`` -> namespace name."""
@@ -397,6 +459,53 @@ class NatLab(_NamespaceLab):
             _run(["ip", "netns", "exec", router, "iptables-restore"], input=rules)
             if self._udp_timeout is not None:
                 self.set_udp_timeout(side, self._udp_timeout)
+        if self.ipv6:
+            self._build_ipv6()
+
+    def _ns(self, name: str) -> str:
+        ns = super()._ns(name)
+        if self.ipv6:
+            # Before any link exists here: link-local addresses would otherwise stay
+            # "tentative" for about a second, and a router sends no neighbour
+            # discovery for forwarded packets until they are usable.
+            dad_off = {"net.ipv6.conf.all.accept_dad": 0, "net.ipv6.conf.default.accept_dad": 0}
+            self._sysctl(ns, dad_off)
+        return ns
+
+    def _addr6(self, ns: str, addr: str, dev: str) -> None:
+        # nodad: usable at once (duplicate address detection would hold it ~1 s).
+        self._ip(ns, "-6", "addr", "add", addr, "dev", dev, "nodad")
+
+    def _build_ipv6(self) -> None:
+        """IPv6 on the links :meth:`_build` made: routed, firewalled, never NATed."""
+        inet = self.inet_ns
+        self._addr6(inet, f"{RELAY_IP6}/64", "br0")
+        for side in ("a", "b"):
+            other = "b" if side == "a" else "a"
+            router = self.router_ns(side)
+            outer = router if router is not None else self.host_ns(side)
+            self._addr6(outer, f"{PUBLIC_IP6[side]}/64", "wan0")
+            if self.router_ns(other) is not None:  # the other side's LAN, via its router
+                via = ["via", PUBLIC_IP6[other]]
+                self._ip(outer, "-6", "route", "add", f"{LAN6[other]}/64", *via)
+            if router is None:
+                continue
+            self._ip(inet, "-6", "route", "add", f"{LAN6[side]}/64", "via", PUBLIC_IP6[side])
+            host = self.host_ns(side)
+            self._addr6(router, f"{LAN6[side]}1/64", "lan0")
+            self._addr6(host, f"{LAN6[side]}2/64", "eth0")
+            self._ip(host, "-6", "route", "add", "default", "via", f"{LAN6[side]}1")
+            self._sysctl(router, {"net.ipv6.conf.all.forwarding": 1})
+            rules = _ruleset6(self.kind(side), "wan0", "lan0")
+            _run(["ip", "netns", "exec", router, "ip6tables-restore"], input=rules)
+        deadline = time.monotonic() + 10.0
+        while any(
+            _run(["ip", "-n", ns, "-6", "addr", "show", "tentative"]).strip()
+            for ns in self._namespaces
+        ):
+            if time.monotonic() > deadline:
+                raise NatLabError("IPv6 addresses still tentative after 10 s")
+            time.sleep(0.05)
 
     def close(self) -> None:
         """Kill every process started here, delete every namespace (idempotent)."""
@@ -466,10 +575,14 @@ class NatLab(_NamespaceLab):
         self.stun_ports = tuple(int(p) for p in (found.groups() if found else ()) if p.isdigit())
         return self.relay_url
 
-    def udp_agent(self, where: str, port: int = 0) -> UdpAgent:
-        """A :class:`UdpAgent` holding one UDP socket bound to the host's address and
-        ``port`` (0: any) inside ``where``; stopped at teardown."""
-        ip = RELAY_IP if where == "internet" else self.host_ip(where)
+    def udp_agent(self, where: str, port: int = 0, *, ipv6: bool = False) -> UdpAgent:
+        """A :class:`UdpAgent` holding one UDP socket bound to the host's address (its
+        IPv6 one with ``ipv6``) and ``port`` (0: any) inside ``where``; stopped at
+        teardown."""
+        if where == "internet":
+            ip = RELAY_IP6 if ipv6 else RELAY_IP
+        else:
+            ip = self.host_ip6(where) if ipv6 else self.host_ip(where)
         argv = [sys.executable, "-u", str(Path(__file__).resolve()), "agent", ip, str(port)]
         proc = self.spawn(where, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         return UdpAgent(proc)
@@ -484,16 +597,21 @@ class NatLab(_NamespaceLab):
         ``"none"`` side, drop UDP in and out of the host itself."""
         ns = self._filter_ns(side)
         chains = ["FORWARD"] if self.router_ns(side) else ["INPUT", "OUTPUT"]
-        for chain in chains:
-            _run(_block_rule(ns, "-I", chain))
+        for tool in self._filter_tools():
+            for chain in chains:
+                _run(_block_rule(ns, "-I", chain, tool))
 
     def unblock_udp(self, side: str) -> None:
         """Undo :meth:`block_udp` (also lifts a ``"udp-blocked"`` router's block)."""
         ns = self._filter_ns(side)
-        for chain in ("FORWARD", "INPUT", "OUTPUT"):
-            argv = _block_rule(ns, "-D", chain)
-            while subprocess.run(argv, capture_output=True, timeout=30).returncode == 0:
-                pass  # one rule removed per run; stops when none is left
+        for tool in self._filter_tools():
+            for chain in ("FORWARD", "INPUT", "OUTPUT"):
+                argv = _block_rule(ns, "-D", chain, tool)
+                while subprocess.run(argv, capture_output=True, timeout=30).returncode == 0:
+                    pass  # one rule removed per run; stops when none is left
+
+    def _filter_tools(self) -> list[str]:
+        return ["iptables", "ip6tables"] if self.ipv6 else ["iptables"]
 
     def set_udp_timeout(self, side: str, seconds: int, stream_seconds: int | None = None) -> None:
         """Conntrack UDP timeouts at ``side``'s router: ``seconds`` for flows seen one
@@ -651,7 +769,7 @@ def _agent(ip: str, port: int) -> None:  # pragma: no cover - runs in a namespac
         parse_binding_response,
     )
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind((ip, port))
 
     def reply(**fields: Any) -> None:

@@ -603,6 +603,22 @@ def test_doctor_verdict_names_a_failed_peer_check_and_no_none() -> None:
     assert "failed" not in report.verdict()
 
 
+def test_doctor_verdict_on_a_symmetric_nat_counts_a_global_ipv6_address() -> None:
+    from p2pdist.doctor import DoctorReport
+
+    report = DoctorReport(
+        "https://relay.test/",
+        "a" * 52,
+        relay_connected=True,
+        udp=True,
+        mapping="endpoint-dependent",
+        interfaces=["10.0.0.2"],
+    )
+    assert report.verdict().endswith("the rest stay relayed")
+    report.interfaces.append("2001:db8:a::2")
+    assert "peers with IPv6 may still go direct" in report.verdict()
+
+
 def test_a_bad_proxy_in_the_environment_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     from p2pdist import UsageError
     from p2pdist.transport.relay_path import RelayConfig

@@ -22,7 +22,7 @@ from fake_relay import FakeRelayHub
 from hypothesis import given
 from hypothesis import strategies as st
 from relay_helpers import RelayProcess
-from transport_conformance import bounded, closing, wait_until
+from transport_conformance import bounded, closing, ipv6_loopback_works, wait_until
 
 import p2pdist.transport.holepunch as holepunch_module
 import p2pdist.transport.quic as quic_module
@@ -92,6 +92,13 @@ def test_probes_round_trip_and_are_bound_to_sender_and_receiver() -> None:
         encode_candidates(A, B.endpoint_id, addrs, reply_wanted=True, session=SA), B.endpoint_id
     )
     assert cands.candidates == addrs and cands.reply_wanted and cands.from_session == SA
+    mapped = decode_probe(  # an IPv4-mapped address is the IPv4 peer our sockets report
+        encode_candidates(
+            A, B.endpoint_id, [("::ffff:198.51.100.9", 4000)], reply_wanted=False, session=SA
+        ),
+        B.endpoint_id,
+    )
+    assert mapped.candidates == (("198.51.100.9", 4000),)
     # a probe for B is worthless to C, and no byte of it can be changed
     data = encode_ping(A, B.endpoint_id, txid, to_session=SB, from_session=SA)
     with pytest.raises(ProbeError, match="signature"):
@@ -709,7 +716,8 @@ async def test_punch_socket_for_a_relay_without_ipv4_binds_every_interface(
     async with closing(t):
         assert await relay_at("relay6.example").observation_targets() == []
         await t._open_punch_socket()
-        assert asked == ["0.0.0.0"]
+        # dual-stack first (IPv6 too); the fake socket on 127.0.0.1 is not, so 0.0.0.0
+        assert asked == (["::", "0.0.0.0"] if socket.has_ipv6 else ["0.0.0.0"])
     assert bind_host_for([]) == "0.0.0.0"
     assert bind_host_for([("127.0.0.1", 3478)]) == "127.0.0.1"
     assert bind_host_for([("127.0.0.1", 3478), ("192.0.2.1", 3478)]) == "0.0.0.0"
@@ -779,13 +787,18 @@ async def test_punching_turns_off_once_when_no_socket_can_punch(
         await puncher.close()
 
 
-def _unbound_puncher() -> holepunch_module.HolePuncher:
+def _unbound_puncher(
+    host: str = "0.0.0.0", dual_stack: bool = False
+) -> holepunch_module.HolePuncher:
     """A puncher whose socket is bound to every interface (as far as candidates() can
-    tell) and whose relay has one observation port, 198.51.100.1:3478."""
+    tell: ``host``, dual-stack or not) and whose relay has one observation port,
+    198.51.100.1:3478."""
 
     class Unbound:
-        local_address = ("0.0.0.0", 40001)
+        local_address = (host, 40001)
         closed = False
+
+    Unbound.dual_stack = dual_stack  # type: ignore[attr-defined]
 
     async def open_socket() -> Any:
         return Unbound()
@@ -802,6 +815,132 @@ def _unbound_puncher() -> holepunch_module.HolePuncher:
         on_change=lambda *a: None,
         label_for=lambda p: p.short(),
     )
+
+
+@pytest.mark.parametrize("dual_stack", [True, False])
+async def test_a_socket_on_every_ipv6_interface_offers_ipv6_candidates_before_ipv4(
+    monkeypatch: pytest.MonkeyPatch, dual_stack: bool
+) -> None:
+    """Bound to ``::``: the IPv6 interface addresses come after the observed address
+    and before the IPv4 ones (behind a NAT those only work on the same LAN); an
+    IPv6-only socket offers no IPv4 address it could not reach."""
+    monkeypatch.setattr(holepunch_module, "interface_addresses", lambda: ["10.0.0.2"])
+    monkeypatch.setattr(holepunch_module, "interface_addresses6", lambda: ["2001:db8:a::2"])
+    puncher = _unbound_puncher("::", dual_stack)
+    try:
+        seen = (("198.51.100.1", 3478), ("203.0.113.7", 40000))
+        now = asyncio.get_running_loop().time()
+        puncher._observation = holepunch_module.Observation((seen,), now)
+        found = await puncher.candidates()
+        v4 = [("10.0.0.2", 40001)] if dual_stack else []
+        assert found == [("203.0.113.7", 40000), ("2001:db8:a::2", 40001), *v4]
+    finally:
+        await puncher.close()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+async def test_candidates_our_socket_cannot_send_to_are_not_probed(host: str) -> None:
+    """An IPv4-only punching socket (a host without IPv6, or a listener on 0.0.0.0)
+    keeps a peer's IPv6 candidates out of its state: every PING to them would fail,
+    and they would use up the allowance for new candidates. A dual-stack one keeps all."""
+    if host == "::" and not ipv6_loopback_works():
+        pytest.skip("no IPv6 on this host")
+    puncher = _unbound_puncher()
+    sock = await UdpSocket.open(host, 0, lambda *a: None)
+    try:
+        puncher._sock = sock
+        puncher._peers[B.endpoint_id] = holepunch_module._Peer(B.endpoint_id, PeerPaths(FAST_PUNCH))
+        addrs = [("2001:db8:b::2", 4000), ("198.51.100.9", 4000)]
+        puncher.on_relay_probe(
+            B.endpoint_id,
+            encode_candidates(B, A.endpoint_id, addrs, reply_wanted=False, session=SB),
+        )
+        paths = puncher.state(B.endpoint_id)
+        assert paths is not None
+        want = addrs if sock.dual_stack else addrs[1:]
+        assert list(paths._candidates) == want
+        assert puncher.bad_probes == 0
+    finally:
+        await puncher.close()
+        sock.close()
+
+
+def test_ipv6_interface_addresses_are_the_usable_global_ones(tmp_path: Path) -> None:
+    """/proc/net/if_inet6 rows: loopback, link-local, tentative, deprecated and failed
+    addresses are left out; a temporary (privacy) address comes first."""
+    rows = [
+        ("00000000000000000000000000000001", "10", "80", "lo"),  # loopback (host scope)
+        ("fe800000000000000000000000000001", "20", "80", "eth0"),  # link-local
+        ("20010db8000a00000000000000000002", "00", "80", "eth0"),  # global, permanent
+        ("20010db8000a00000000000000000003", "00", "40", "eth0"),  # tentative
+        ("20010db8000a00000000000000000004", "00", "20", "eth0"),  # deprecated
+        ("20010db8000a00000000000000000005", "00", "08", "eth0"),  # DAD failed
+        ("20010db8000a000000000000000000aa", "00", "01", "eth0"),  # temporary
+        ("fd000000000000000000000000000002", "00", "82", "eth1"),  # ULA, nodad
+    ]
+    table = tmp_path / "if_inet6"
+    table.write_text("".join(f"{a} 02 40 {sc} {fl} {dev}\n" for a, sc, fl, dev in rows) + "bad\n")
+    found = holepunch_module.interface_addresses6(str(table))
+    assert found == ["2001:db8:a::aa", "2001:db8:a::2", "fd00::2"]
+    assert holepunch_module.interface_addresses6(str(tmp_path / "none")) == []
+
+
+async def test_a_dual_stack_socket_shows_ipv4_peers_by_their_plain_address() -> None:
+    """``::`` binds one socket for both families: an IPv4 peer is ``127.0.0.1`` both
+    ways (never ``::ffff:127.0.0.1``, which would not match its candidate), an IPv6 one
+    ``::1``."""
+    if not ipv6_loopback_works():
+        pytest.skip("no IPv6 on this host")
+    got: list[tuple[bytes, tuple[str, int]]] = []
+    dual = await UdpSocket.open("::", 0, lambda s, d, a: got.append((d, a)))
+    v4 = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    v6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    try:
+        assert dual.dual_stack and dual.family == socket.AF_INET6
+        port = dual.local_address[1]
+        v4.bind(("127.0.0.1", 0))
+        v6.bind(("::1", 0))
+        v4.sendto(b"four", ("127.0.0.1", port))
+        v6.sendto(b"six", ("::1", port))
+        await wait_until(lambda: len(got) == 2, "both datagrams")
+        assert sorted(got) == sorted(
+            [(b"four", v4.getsockname()), (b"six", tuple(v6.getsockname()[:2]))]
+        )
+        dual.send(b"back", v4.getsockname())
+        v4.settimeout(5.0)
+        assert v4.recvfrom(100) == (b"back", ("127.0.0.1", port))
+        dual.send(b"back six", ("::1", v6.getsockname()[1]))
+        v6.settimeout(5.0)
+        data, addr = v6.recvfrom(100)
+        assert (data, addr[:2]) == (b"back six", ("::1", port))
+    finally:
+        dual.close()
+        v4.close()
+        v6.close()
+
+
+async def test_every_interface_is_ipv4_where_the_host_has_no_ipv6(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kernel or container without IPv6: the dual-stack socket cannot be had, and
+    ``open_any`` binds ``0.0.0.0`` instead (punching goes on over IPv4)."""
+    real_open = UdpSocket.open.__func__  # type: ignore[attr-defined]
+    asked: list[str] = []
+
+    async def no_ipv6(cls: Any, host: str, port: int, on_datagram: Any) -> Any:
+        asked.append(host)
+        if ":" in host:
+            raise OSError(97, "Address family not supported by protocol")
+        return await real_open(cls, host, port, on_datagram)
+
+    monkeypatch.setattr(UdpSocket, "open", classmethod(no_ipv6))
+    monkeypatch.setattr(socket, "has_ipv6", True)
+    sock = await UdpSocket.open_any(0, lambda *a: None)
+    try:
+        assert sock.local_address[0] == "0.0.0.0" and not sock.dual_stack
+        assert asked == ["::", "0.0.0.0"]
+    finally:
+        sock.close()
 
 
 async def test_observed_addresses_come_first_among_the_candidates(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from natlab import NatLab, require_root
+from natlab import NatLab, require_ipv6, require_root
 
 WORKER = str(Path(__file__).resolve().parent / "nat_worker.py")
 BOUND = 60.0
@@ -139,6 +139,25 @@ def test_stays_relayed_and_correct(a: str, b: str, tmp_path: Path) -> None:
         if a == "udp-blocked":  # no UDP at all: the relay (TCP + TLS) carried everything
             blocked = ranks[0].events["done"]
             assert blocked["observed"] == []
+
+
+def test_ipv6_goes_direct_where_the_ipv4_nats_cannot(tmp_path: Path) -> None:
+    """Both IPv4 NATs symmetric (no IPv4 punch can work), but both hosts also have IPv6
+    behind stateful firewalls: the punching socket is dual-stack, its IPv6 interface
+    address is a candidate, and the pair goes direct over IPv6."""
+    require_ipv6()
+    with NatLab("symmetric", "symmetric", workdir=tmp_path, ipv6=True) as lab:
+        ranks = run_pair(lab)
+        times = [r.expect("direct")["seconds"] for r in ranks]
+        assert all(t is not None and t < 2.0 for t in times), times
+        print(f"\nsymmetric-symmetric with IPv6: direct path {max(times):.3f} s after forming")
+        for r, other in zip(ranks, "ba", strict=True):
+            done = r.finish()
+            assert done["path"]["kind"] == "direct"
+            host, _ = done["path"]["remote"].rsplit(":", 1)
+            assert host == f"[{lab.host_ip6(other)}]"
+            relay = next(p for p in done["path"]["paths"] if p["kind"] == "relay")
+            assert relay["datagrams_sent"] > 0  # the connection began on the relay
 
 
 def test_direct_path_dies_mid_run_and_the_all_reduce_completes_on_the_relay(

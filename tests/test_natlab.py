@@ -1,8 +1,9 @@
 """The NAT lab (tests/natlab.py) behaves as it claims, shown with a real relay process
 and plain UDP sockets in the lab's namespaces: the mapping each NAT kind gives (seen
 through the relay's two observation ports), the filtering of unsolicited packets, a
-manual hole punch that works for eim-eim and fails for symmetric-symmetric, runtime
-UDP blocking, conntrack expiry, and a teardown that leaves nothing behind."""
+manual hole punch that works for eim-eim and fails for symmetric-symmetric, IPv6 behind
+stateful firewalls (no NAT; punching works whatever the IPv4 NAT), runtime UDP blocking,
+conntrack expiry, and a teardown that leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from natlab import KINDS, PREFIX, NatLab, UdpAgent, _run, leftover_namespaces, require_root
+from natlab import (
+    KINDS,
+    PREFIX,
+    NatLab,
+    UdpAgent,
+    _run,
+    leftover_namespaces,
+    require_ipv6,
+    require_root,
+)
 
 Addr = tuple[str, int]
 
@@ -141,6 +151,31 @@ def test_manual_hole_punch(
     else:
         assert heard_a is None and heard_b is None
         a.send(mb, "direct")
+        assert arrivals(b) == []
+
+
+@pytest.mark.parametrize(("kind_a", "kind_b"), [("symmetric", "symmetric"), ("none", "eim")])
+def test_ipv6_firewall_drops_unsolicited_udp_and_lets_a_punch_through(
+    make_lab: Callable[..., NatLab], kind_a: str, kind_b: str
+) -> None:
+    """IPv6 hosts keep their own addresses (no NAT, whatever the IPv4 side does) behind
+    stateful firewalls: unsolicited UDP is dropped, and both sides sending opens the path,
+    also where the IPv4 NATs are symmetric and no IPv4 punch can work."""
+    require_ipv6()
+    lab = make_lab(kind_a, kind_b, ipv6=True)
+    a, b = lab.udp_agent("a", ipv6=True), lab.udp_agent("b", ipv6=True)
+    assert a.local[0] == lab.host_ip6("a") and b.local[0] == lab.host_ip6("b")
+    if kind_b != "none":  # a router's firewall in front of b
+        a.send(b.local, "unsolicited")
+        assert arrivals(b) == []
+    bounds = a.punch_begin(b.local, 3.0), b.punch_begin(a.local, 3.0)
+    heard_a, heard_b = a.finish(bounds[0])["heard"], b.finish(bounds[1])["heard"]
+    assert heard_a is not None and heard_b is not None
+    a.send(b.local, "direct")
+    assert received(b, "direct") == a.local  # its own address: nothing translated it
+    if kind_b != "none":  # the hole is for a's address and port only
+        internet = lab.udp_agent("internet", ipv6=True)
+        internet.send(b.local, "still filtered")
         assert arrivals(b) == []
 
 

@@ -33,6 +33,7 @@ from transport_conformance import (
     check_close_waits_for_a_slow_reader,
     check_offender_dropped,
     closing,
+    ipv6_loopback_works,
     still_serving,
     wait_for_log,
     wait_until,
@@ -491,6 +492,36 @@ async def test_peer_whose_socket_closed_is_detected() -> None:
         with pytest.raises(ConnectionBrokenError, match="keepalive timeout") as info:
             await bounded(pending, "noticing the dead peer")
         assert eid(0).short() in str(info.value)
+
+
+@pytest.mark.parametrize("server_host", ["127.0.0.1", "::"])
+async def test_a_peer_dialed_at_its_ipv4_mapped_address_is_reached(server_host: str) -> None:
+    """``[::ffff:127.0.0.1]:port`` names an IPv4 peer: the dial goes out as IPv4 and the
+    peer's answers (which our sockets report as 127.0.0.1) reach the connection. A
+    listener on ``::`` (dual-stack) serves IPv4 dialers, and its own dials to IPv4
+    peers leave from that one socket."""
+    if server_host == "::" and not ipv6_loopback_works():
+        pytest.skip("no IPv6 on this host")
+    conf = config()
+    client_t, server_t = QuicTransport(key(0), conf), QuicTransport(key(1), conf)
+    async with closing(client_t, server_t):
+        _, port = await server_t.listen(server_host, 0)
+        dial = client_t.connect(eid(1), f"[::ffff:127.0.0.1]:{port}")
+        client = await bounded(dial, "connect")
+        server = await bounded(server_t.accept(), "accept")
+        for src, dst in ((client, server), (server, client)):
+            await src.send(3, b"both ways")
+            assert bytes((await bounded(dst.recv(3), "recv")).payload) == b"both ways"
+        assert client.remote_address == ("127.0.0.1", port)
+        assert server.remote_address[0] == "127.0.0.1"  # type: ignore[index]
+        if server_host == "::":
+            back_t = QuicTransport(key(2), conf)
+            async with closing(back_t):
+                _, back_port = await back_t.listen("127.0.0.1", 0)
+                out = await bounded(server_t.connect(eid(2), ("127.0.0.1", back_port)), "dial")
+                await bounded(back_t.accept(), "accept")
+                assert server_t._dial_sockets == {}  # the dual-stack listener carried it
+                assert out.remote_address == ("127.0.0.1", back_port)
 
 
 async def test_backpressure_stops_the_sender_and_is_not_death() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ __all__ = [
     "PairFactory",
     "bounded",
     "closing",
+    "ipv6_loopback_works",
     "still_serving",
     "wait_for_log",
     "wait_until",
@@ -105,6 +107,16 @@ async def wait_until(
 
 async def recv(conn: Connection, channel: int) -> Frame:
     return await bounded(conn.recv(channel), f"a message on channel {channel}")
+
+
+def ipv6_loopback_works() -> bool:
+    """Whether a UDP socket can bind ::1 here (IPv6 on; some containers have it off)."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
 
 
 def content(channel: int, index: int, size: int) -> bytes:

@@ -4,8 +4,9 @@ One :class:`HolePuncher` serves a :class:`~p2pdist.transport.quic.QuicTransport`
 a relay. For every peer connected through the relay it runs a
 :class:`~.punch.PeerPaths` (the sans-I/O logic) and carries out its actions:
 
-* our candidates (the UDP socket's interface addresses, plus the address the relay's
-  STUN ports observe) go to the peer through the relay, signed;
+* our candidates (the address the relay's STUN ports observe, plus the UDP socket's
+  interface addresses, IPv6 and IPv4 on a dual-stack socket) go to the peer through the
+  relay, signed;
 * PINGs and PONGs go over the UDP socket, signed (:mod:`p2pdist.wire.probe`) and bound
   to both sides' punching sessions; a probe that is not from the expected peer, or not
   for us, is dropped before it can touch any state, and one from another session is
@@ -43,7 +44,13 @@ from .observe import StunProbe
 from .paths import Relay, UdpAddress, UdpSocket, is_loopback, path_key
 from .punch import Action, PathChange, PeerPaths, PunchConfig, SendCandidates, SendPing, SendPong
 
-__all__ = ["HolePuncher", "Observation", "PunchingUnavailable", "interface_addresses"]
+__all__ = [
+    "HolePuncher",
+    "Observation",
+    "PunchingUnavailable",
+    "interface_addresses",
+    "interface_addresses6",
+]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +81,40 @@ class Observation:
     def addresses(self) -> list[UdpAddress]:
         """Our distinct server-reflexive addresses."""
         return list(dict.fromkeys(m for _, m in self.mapped))
+
+
+_MAX_IPV6_CANDIDATES = 8
+"""Most IPv6 interface addresses among our candidates."""
+_IFA_F_TEMPORARY = 0x01
+_IFA_F_UNUSABLE = 0x08 | 0x20 | 0x40
+"""IPv6 address flags (linux/if_addr.h): DAD failed, deprecated, tentative."""
+
+
+def interface_addresses6(table: str = "/proc/net/if_inet6") -> list[str]:
+    """Global-scope IPv6 addresses of this host's interfaces that can be used now (Linux,
+    from ``table``; elsewhere an empty list). Link-local, tentative, deprecated and
+    failed ones are left out; temporary (privacy) addresses come first, as the kernel
+    prefers them as the source of outgoing datagrams (RFC 6724, rule 7)."""
+    try:
+        with open(table) as f:
+            lines = f.read().splitlines()
+    except OSError:  # not Linux, or no IPv6 in this kernel
+        return []
+    temporary: list[str] = []
+    stable: list[str] = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6:
+            continue
+        try:
+            addr = ipaddress.IPv6Address(bytes.fromhex(fields[0]))
+            scope, flags = int(fields[3], 16), int(fields[4], 16)
+        except ValueError:
+            continue
+        if scope != 0 or flags & _IFA_F_UNUSABLE or addr.is_link_local or addr.is_loopback:
+            continue
+        (temporary if flags & _IFA_F_TEMPORARY else stable).append(str(addr))
+    return list(dict.fromkeys(temporary + stable))
 
 
 def interface_addresses() -> list[str]:
@@ -209,10 +250,10 @@ class HolePuncher:
             self.bad_probes += 1
             return
         log.debug("%s: candidates %s", self._label_for(src), msg.candidates)
+        # Those of a family our socket cannot send to would only fail at every PING.
+        reachable = tuple(a for a in msg.candidates if self._reaches(a))
         now = self._loop.time()
-        acts = p.paths.on_candidates(
-            msg.candidates, msg.reply_wanted, now, session=msg.from_session
-        )
+        acts = p.paths.on_candidates(reachable, msg.reply_wanted, now, session=msg.from_session)
         self._run(p, acts)
 
     def on_udp_probe(self, sock: UdpSocket, data: bytes, addr: UdpAddress) -> None:
@@ -261,12 +302,19 @@ class HolePuncher:
     async def candidates(self) -> list[UdpAddress]:
         """Our candidate addresses: the observed ones first (across a NAT they are the
         only ones that work, so a host with many interfaces must not crowd them out of
-        the :data:`MAX_CANDIDATES`), then the socket's local addresses."""
+        the :data:`MAX_CANDIDATES`), then the socket's local addresses: IPv6 ones
+        (global, usually reachable through no more than a stateful firewall) before
+        IPv4 ones (behind a NAT, they only work on the same LAN)."""
         sock = await self._socket()
         obs = await self.observe()
         host, port = sock.local_address
         if ipaddress.ip_address(host).is_unspecified:
-            hosts = [h for h in interface_addresses() if not is_loopback(h)]
+            v6 = ":" in host  # "::": IPv6, and IPv4 too when dual-stack
+            # Capped: a host with many IPv6 addresses must leave room for its IPv4 LAN
+            # ones (peers on the same LAN reach those).
+            hosts = interface_addresses6()[:_MAX_IPV6_CANDIDATES] if v6 else []
+            if not v6 or sock.dual_stack:
+                hosts += [h for h in interface_addresses() if not is_loopback(h)]
         else:
             hosts = [host]
         found: list[UdpAddress] = list(obs.addresses) if obs is not None else []
@@ -284,6 +332,13 @@ class HolePuncher:
         await cancel_and_wait(tasks, timeout=1.0)
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _reaches(self, addr: UdpAddress) -> bool:
+        """Whether our socket can send to ``addr``'s address family."""
+        sock = self._sock
+        if sock is None or sock.dual_stack:
+            return True
+        return (":" in addr[0]) == (sock.family == socket.AF_INET6)
 
     async def _socket(self) -> UdpSocket:
         if self._sock is None or self._sock.closed:

@@ -37,6 +37,7 @@ __all__ = [
     "bind_host_for",
     "is_loopback",
     "path_key",
+    "plain_ip",
 ]
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,20 @@ class Route(Protocol):
         ...
 
 
+def plain_ip(host: str) -> str:
+    """``host`` (an IP address) with an IPv4-mapped IPv6 address (``::ffff:a.b.c.d``)
+    written as the IPv4 address it is: one name per peer, whichever socket family
+    saw it. Anything else is returned unchanged."""
+    if host.startswith("::ffff:") or host.startswith("::FFFF:"):
+        try:
+            mapped = ipaddress.IPv6Address(host).ipv4_mapped
+        except ValueError:
+            return host
+        if mapped is not None:
+            return str(mapped)
+    return host
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an IP address) is a loopback address."""
     try:
@@ -145,14 +160,24 @@ class UdpSocket:
     datagram escapes into the event loop. Sends go straight to the kernel; when its buffer
     is full they queue (up to :data:`SEND_QUEUE` datagrams, then drop: QUIC treats a drop
     as a loss). Sending on a closed socket drops silently.
+
+    A socket bound to ``::`` is dual-stack (:attr:`dual_stack`): it reaches IPv6 and IPv4
+    addresses alike, and IPv4 peers keep their plain ``a.b.c.d`` form both ways (the
+    kernel's IPv4-mapped ``::ffff:a.b.c.d`` never shows above this class).
     """
 
     def __init__(
-        self, sock: socket.socket, on_datagram: Callable[[UdpSocket, bytes, UdpAddress], None]
+        self,
+        sock: socket.socket,
+        on_datagram: Callable[[UdpSocket, bytes, UdpAddress], None],
+        *,
+        dual_stack: bool = False,
     ) -> None:
         self._sock = sock
         self._fd = sock.fileno()
         self._on_datagram = on_datagram
+        self.dual_stack = dual_stack
+        """Whether this IPv6 socket also carries IPv4 (bound to ``::``, V6ONLY off)."""
         self._loop = asyncio.get_running_loop()
         self._queue: deque[tuple[bytes, UdpAddress]] = deque()
         self._closed = False
@@ -167,18 +192,45 @@ class UdpSocket:
     async def open(
         cls, host: str, port: int, on_datagram: Callable[[UdpSocket, bytes, UdpAddress], None]
     ) -> UdpSocket:
-        """Bind a socket on ``host:port`` (port 0: any free port)."""
+        """Bind a socket on ``host:port`` (port 0: any free port); ``::`` binds one
+        dual-stack socket for IPv6 and IPv4 (see the class)."""
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, addr = infos[0]
         sock = socket.socket(family, kind, proto)
+        dual = False
         try:
             sock.setblocking(False)
+            if family == socket.AF_INET6 and ipaddress.ip_address(addr[0]).is_unspecified:
+                # Set, not left to the host's default (net.ipv6.bindv6only); where it
+                # cannot be cleared (OpenBSD) the socket stays IPv6 only.
+                try:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                    dual = True
+                except OSError:
+                    pass
             sock.bind(addr)
         except OSError:
             sock.close()
             raise
-        return cls(sock, on_datagram)
+        return cls(sock, on_datagram, dual_stack=dual)
+
+    @classmethod
+    async def open_any(
+        cls, port: int, on_datagram: Callable[[UdpSocket, bytes, UdpAddress], None]
+    ) -> UdpSocket:
+        """Bind every interface: one dual-stack socket (``::``) where the host has IPv6,
+        else an IPv4 one (``0.0.0.0``)."""
+        if socket.has_ipv6:
+            try:
+                sock = await cls.open("::", port, on_datagram)
+            except OSError as exc:  # IPv6 off in this kernel or container
+                log.debug("no dual-stack UDP socket (%s): binding IPv4 only", exc)
+            else:
+                if sock.dual_stack:
+                    return sock
+                sock.close()  # IPv6 only: IPv4 peers (the relay's STUN ports) unreachable
+        return await cls.open("0.0.0.0", port, on_datagram)
 
     @property
     def local_address(self) -> UdpAddress:
@@ -201,6 +253,8 @@ class UdpSocket:
         if self._closed:
             self.dropped += 1
             return
+        if self.dual_stack and ":" not in addr[0]:
+            addr = ("::ffff:" + addr[0], addr[1])  # the kernel's name for an IPv4 peer
         if self._queue:
             self._enqueue(data, addr)
             return
@@ -253,8 +307,11 @@ class UdpSocket:
             except OSError as exc:  # e.g. an ICMP error reported on the socket
                 log.debug("UDP receive error: %s", exc)
                 return
+            host = str(addr[0])
+            if self.dual_stack and host.startswith("::ffff:"):
+                host = plain_ip(host)  # an IPv4 peer on our dual-stack socket
             try:
-                self._on_datagram(self, data, (str(addr[0]), int(addr[1])))
+                self._on_datagram(self, data, (host, int(addr[1])))
             except Exception:  # a datagram must never take the socket down
                 log.exception("error while handling a datagram from %s", addr)
             if self._closed:

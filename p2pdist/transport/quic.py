@@ -46,6 +46,7 @@ from .paths import (
     all_loopback,
     is_loopback,
     path_key,
+    plain_ip,
 )
 from .punch import PunchConfig
 from .quic_conn import QuicConnection
@@ -69,8 +70,10 @@ class QuicTransport(EndpointBase[QuicConnection]):
     :meth:`close`. ``quic`` holds the QUIC-specific settings. Connections made through
     the relay try for a direct UDP path by hole punching (``punch``, see
     docs/nat-traversal.md), from the listening socket if there is one, else from a UDP
-    socket of their own on ``0.0.0.0`` (``127.0.0.1`` when the relay is on loopback, or is
-    an in-memory relay with no address); a listening socket bound to loopback does not
+    socket of their own on every interface (one dual-stack socket on ``::``, so IPv6
+    candidates too, where the host has IPv6, else ``0.0.0.0``; ``127.0.0.1`` when the
+    relay is on loopback, or is an in-memory relay with no address); a listening socket
+    bound to ``0.0.0.0`` punches over IPv4 only; one bound to loopback does not
     punch towards a relay elsewhere (punching stays off, with a warning). :meth:`paths`
     shows where each peer's datagrams go.
     """
@@ -189,7 +192,9 @@ class QuicTransport(EndpointBase[QuicConnection]):
             raise ConnectionBrokenError(name, f"cannot resolve {host}: {exc}") from None
         self._check_not_closed()
         family, *_, sockaddr = infos[0]
-        ip = str(sockaddr[0])
+        ip = plain_ip(str(sockaddr[0]))
+        if ip != sockaddr[0]:  # ::ffff:a.b.c.d is an IPv4 peer: named as our sockets see it
+            family = socket.AF_INET
         try:
             sock = await self._socket_for(family, ip)
         except OSError as exc:  # e.g. no IPv6 on this host
@@ -202,7 +207,9 @@ class QuicTransport(EndpointBase[QuicConnection]):
     def _direct_datagram(self, addr: UdpAddress) -> int:
         """The datagram size for a direct UDP path to ``addr``."""
         qc = self.quic_config
-        return qc.loopback_datagram if is_loopback(addr[0]) else qc.direct_datagram
+        if is_loopback(addr[0]):
+            return qc.loopback_datagram
+        return qc.direct_datagram_ipv6 if ":" in addr[0] else qc.direct_datagram
 
     def _relay_route(self, relay: Relay, peer: EndpointId) -> RelayRoute:
         # QUIC needs 1200-byte datagrams; a relay that takes fewer drops them (and says so).
@@ -213,7 +220,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
         """The listening socket when it can reach ``ip``, else a dial-only socket (a
         socket bound to a loopback address cannot send elsewhere, and vice versa)."""
         udp = self._udp
-        if udp is not None and not udp.closed and udp.family == family:
+        if udp is not None and not udp.closed and (udp.family == family or udp.dual_stack):
             host = udp.local_address[0]
             if ipaddress.ip_address(host).is_unspecified or is_loopback(host) == is_loopback(ip):
                 return udp
@@ -554,7 +561,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
             if is_loopback(host) and not await self._relay_is_local():
                 raise PunchingUnavailable(
                     f"the listening socket is bound to {host}, which cannot reach a relay "
-                    "or peers on other hosts (listen on 0.0.0.0 to punch)"
+                    "or peers on other hosts (listen on :: or 0.0.0.0 to punch)"
                 )
             return udp
         # Held across the awaits: peers watched at the same moment (a rank dialing several
@@ -562,14 +569,20 @@ class QuicTransport(EndpointBase[QuicConnection]):
         # peers an address whose later traffic never comes.
         async with self._punch_lock:
             if self._punch_sock is None or self._punch_sock.closed:
-                host = "127.0.0.1" if await self._relay_is_local() else "0.0.0.0"
-                self._punch_sock = await self._open_udp(host, 0)
+                # Every interface, IPv6 too where the host has it: peers whose IPv4
+                # NATs cannot be punched often reach each other's IPv6 addresses.
+                local = await self._relay_is_local()
+                self._punch_sock = await self._open_udp("127.0.0.1" if local else None, 0)
             return self._punch_sock
 
-    async def _open_udp(self, host: str, port: int) -> UdpSocket:
-        """A UDP socket of this transport; ConnectionClosedError (and the socket closed)
-        when close() ran while it was opening."""
-        sock = await UdpSocket.open(host, port, self._on_udp_datagram)
+    async def _open_udp(self, host: str | None, port: int) -> UdpSocket:
+        """A UDP socket of this transport (``host`` None: every interface, dual-stack
+        where possible); ConnectionClosedError (and the socket closed) when close() ran
+        while it was opening."""
+        if host is None:
+            sock = await UdpSocket.open_any(port, self._on_udp_datagram)
+        else:
+            sock = await UdpSocket.open(host, port, self._on_udp_datagram)
         if self._closed:
             sock.close()
             self._check_not_closed()

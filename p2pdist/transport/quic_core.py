@@ -105,7 +105,11 @@ class QuicConfig:
     loopback_datagram: int = 16384
     """Largest QUIC datagram to a loopback address (loopback has no 1500-byte MTU)."""
     direct_datagram: int = 1452
-    """Largest QUIC datagram on other direct paths (1500-byte MTU minus IPv6 + UDP)."""
+    """Largest QUIC datagram on other direct IPv4 paths (1500-byte MTU minus IPv6 + UDP
+    headers: 20 bytes spare for IPv4, as PPPoE's 1492-byte MTU needs)."""
+    direct_datagram_ipv6: int = 1432
+    """Largest QUIC datagram on direct IPv6 paths: a 1480-byte packet, which PPPoE and
+    6in4/6rd tunnels (common for home IPv6) still carry whole."""
     relay_datagram: int = 16384
     """Largest QUIC datagram through a relay (also capped by the relay's ``max_datagram``)."""
     congestion_control: str = "reno"
@@ -120,7 +124,8 @@ class QuicConfig:
     """Incoming handshakes in progress beyond which new Initial packets are dropped."""
 
     def __post_init__(self) -> None:
-        for name in ("loopback_datagram", "direct_datagram", "relay_datagram"):
+        names = ("loopback_datagram", "direct_datagram", "direct_datagram_ipv6", "relay_datagram")
+        for name in names:
             if not 1200 <= getattr(self, name) <= MAX_DATAGRAM:
                 raise ValueError(f"{name} must be within 1200..{MAX_DATAGRAM}")
         if self.stream_window < 65536 or self.connection_window < self.stream_window:

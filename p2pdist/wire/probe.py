@@ -149,7 +149,10 @@ def _decode_address(data: bytes, off: int) -> tuple[Address, int]:
     raw = data[off + 3 : off + 3 + size]
     if len(raw) != size:
         raise ProbeError("truncated address")
-    return (str(ipaddress.ip_address(raw)), port), off + 3 + size
+    ip = ipaddress.ip_address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # one name per peer: sockets report it as IPv4
+    return (str(ip), port), off + 3 + size
 
 
 def _seal(key: SecretKey, receiver: EndpointId, kind: ProbeKind, body: bytes) -> bytes:
