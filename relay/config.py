@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from p2pdist.eventloop import LOOP_CHOICES
-from p2pdist.wire.relay import MAX_BODY, MAX_KEEPALIVE
+from p2pdist.wire.relay import MAX_BODY, MAX_KEEPALIVE, MAX_TOKEN_BYTES
 
 __all__ = ["ConfigError", "RelayConfig", "coerce", "from_mapping", "normalize_keys", "option_names"]
 
 TOKEN_ENV = "P2PDIST_RELAY_TOKEN"
-MAX_TOKEN_BYTES = 1024
 MIN_INTERVAL = 0.1
 """Shortest keepalive and auth-timeout (seconds) the relay starts with."""
 MAX_PROXY_HOPS = 16

@@ -23,7 +23,9 @@ from p2pdist.wire.relay import (
     MALFORMED_AUTH_TEXT,
     MAX_BODY,
     MAX_DATAGRAM,
+    MAX_TOKEN_BYTES,
     PING_LEN,
+    REPLACED_TEXT,
     VERSION,
     RelayFrameType,
     RelayProtocolError,
@@ -39,7 +41,6 @@ from p2pdist.wire.websocket import frame as ws_frame
 
 from .access import AccessPolicy, Refusal
 from .addresses import forwarded_ip, source_of
-from .config import MAX_TOKEN_BYTES
 from .http import response, route
 from .limits import TokenBucket
 from .logfmt import kv
@@ -58,7 +59,6 @@ SIG_LEN = 64
 MAX_AUTH_BODY = ID_LEN + SIG_LEN + MAX_TOKEN_BYTES
 """The largest valid AUTH body; a longer frame before authentication is refused from
 its header alone, so an unauthenticated connection never buffers more than this."""
-REPLACED = "replaced by a newer connection from the same endpoint"
 REFRESH_EVERY = 1.0
 """Seconds between looks at the certificate files that a bad signature may cause."""
 WS_BEFORE_AUTH = MAX_AUTH_BODY + 1024
@@ -312,7 +312,7 @@ class Inbound:
                 return
         if old is not None:
             self.metrics.replaced_total += 1
-            self._close(old, "replaced", error=REPLACED)  # leaves its bucket in _buckets
+            self._close(old, "replaced", error=REPLACED_TEXT)  # leaves its bucket in _buckets
         s.phase = Phase.ACTIVE
         s.splitter.max_body = MAX_BODY  # until now at most MAX_AUTH_BODY (see RelayCore.open)
         self._stop_waiting(s)

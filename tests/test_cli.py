@@ -243,6 +243,19 @@ def test_from_seed_names_wrong_types() -> None:
         Group.from_seed("s" * 20, rank=0, world=2, peers="127.0.0.1:1,127.0.0.1:2")
 
 
+def test_from_seed_refuses_a_relay_with_tcp_addresses() -> None:
+    """relay= and peers= (or listen=) used to run through the relay and drop the
+    addresses without a word; from_env already refused the pair."""
+    from p2pdist import Group, SecretKey, UsageError
+
+    url = f"https://127.0.0.1:4433/?pin={SecretKey.from_seed('r' * 20, 0).endpoint_id}"
+    with pytest.raises(UsageError, match="peers= is for TCP: give one of relay= or peers="):
+        Group.from_seed("s" * 20, rank=0, world=2, relay=url, peers=["a:1", "b:2"])
+    with pytest.raises(UsageError, match="listen= is for TCP"):
+        Group.from_seed("s" * 20, rank=0, world=2, relay=url, listen="0.0.0.0:7000")
+    Group.from_seed("s" * 20, rank=0, world=2, relay=url)  # alone, it is fine
+
+
 def test_id_missing_file() -> None:
     proc = run_cli("id", "/nonexistent/k.pem")
     assert proc.returncode == 2

@@ -265,13 +265,19 @@ async def test_masked_arrays_and_matrices_do_not_break_the_group() -> None:
         ({"timeout": -1}, "timeout must be a positive"),
         ({"timeout": True}, "timeout must be a positive"),
         ({"timeout": float("nan")}, "timeout must be a positive"),
+        ({"op": "avg"}, "unknown op 'avg'"),
+        ({"mode": "deterministic", "wire_dtype": "int8"}, "cannot be combined"),
+        ({"wire_dtype": "float8"}, "wire_dtype must be"),
+        ({"wire_dtype": "int8", "block": 0}, "block"),
+        ({"op": "max", "wire_dtype": "int8"}, "floating sum/mean"),
     ],
 )
 async def test_gradient_buckets_refuse_unknown_keywords_at_create(
     kwargs: dict[str, Any], message: str
 ) -> None:
     """A misspelt all_reduce keyword used to pass create() and add(), then fail every
-    bucket at wait() with a TypeError."""
+    bucket at wait() with a TypeError; a bad op, mode or wire setting passed create()
+    (taking a sub-group) and failed at the first add()."""
     from p2pdist import GradientBuckets
 
     async with groups(2) as gs:

@@ -236,6 +236,21 @@ async def test_compression_usage_errors() -> None:
         assert np.array_equal(await solo.all_reduce(x, wire_dtype="int8"), x)
 
 
+async def test_a_deterministic_group_default_says_where_it_came_from_and_the_way_out() -> None:
+    """GroupConfig(mode="deterministic") and a call with a wire_dtype but no mode: the
+    error names the group default (the caller passed no mode) and how to compress this
+    call; that way works."""
+    async with groups(2, config={"mode": "deterministic"}) as gs:
+        with pytest.raises(UsageError, match=r"default mode is 'deterministic' \(GroupConfig"):
+            await gs[0].all_reduce(np.ones(4), wire_dtype="int8")
+        with pytest.raises(UsageError, match="pass mode='fast'"):
+            await gs[0].reduce_scatter(np.ones(4), wire_dtype="bfloat16")
+        outs = await asyncio.gather(
+            *(g.all_reduce(np.ones(4), wire_dtype="int8", mode="fast") for g in gs)
+        )
+        assert all(np.allclose(o, 2.0, rtol=3e-2) for o in outs)
+
+
 async def test_a_call_refused_for_its_timeout_leaves_input_and_residual_alone() -> None:
     """In place, a float32 mean divides the input before it is encoded, and error feedback
     updates its residual: a refused call must do neither, so that the same call retried

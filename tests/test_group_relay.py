@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from collective_tour import every_collective_at_once
 from relay_helpers import RelayProcess
+from transport_conformance import wait_until
 
 from p2pdist import Group, GroupConfig, P2PError, P2PTimeoutError, PunchConfig
 
@@ -149,6 +150,50 @@ async def test_a_relay_killed_mid_run_never_hangs_a_collective(tmp_path: Path) -
     finally:
         await asyncio.gather(*(g.close() for g in gs))
         first.__exit__()
+
+
+async def test_a_collective_timed_out_while_the_relay_is_down_says_so(tmp_path: Path) -> None:
+    """The relay is gone and stays gone: every relayed peer falls silent at once, so the
+    timeout error names this rank's relay session, not only the peer that went quiet
+    first (which used to read as that rank's fault)."""
+    relay = RelayProcess(tmp_path)
+    gs = await form(relay.url, 2)
+    try:
+        await asyncio.gather(*(g.all_reduce(np.ones(10)) for g in gs))
+        await asyncio.to_thread(relay.stop, signal.SIGKILL)
+        for g in gs:
+            await wait_until(
+                lambda g=g: g.relay_status.state.value != "connected", "the session to drop"
+            )
+        results = await asyncio.gather(
+            *(g.all_reduce(np.ones(10), timeout=2.0) for g in gs), return_exceptions=True
+        )
+        for res in results:
+            assert isinstance(res, P2PTimeoutError), res
+            assert "this rank's relay session is not connected" in str(res), res
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+        relay.__exit__()
+
+
+async def test_a_second_process_with_a_rank_through_the_relay_is_named(tmp_path: Path) -> None:
+    """A rank started twice: both hold its key, and the relay keeps whichever
+    authenticated last, so the two take turns. The extra one's formation error says so
+    (it used to give only the generic "same seed and relay?"), and the group formed
+    before it still works once it is gone."""
+    with RelayProcess(tmp_path) as relay:
+        gs = await form(relay.url, 2)
+        short = GroupConfig(connect_timeout=3.0, punch=PunchConfig(enabled=False))
+        extra = Group.from_seed(SEED, rank=1, world=2, relay=relay.url, config=short)
+        try:
+            with pytest.raises(P2PTimeoutError, match="two processes claim rank 1"):
+                await extra.start()
+            assert extra.relay_status is not None and extra.relay_status.replaced >= 1
+            await extra.close()
+            outs = await asyncio.gather(*(g.all_reduce(np.ones(3), timeout=20) for g in gs))
+            assert all(o.tolist() == [2.0] * 3 for o in outs)
+        finally:
+            await asyncio.gather(extra.close(), *(g.close() for g in gs))
 
 
 def test_from_env_with_a_relay_runs_the_hello_example(tmp_path: Path) -> None:

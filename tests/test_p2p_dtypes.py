@@ -80,6 +80,21 @@ async def test_recv_with_a_dtype_that_cannot_travel_is_refused_without_taking_th
         assert got.tolist() == [0.0, 1.0, 2.0]
 
 
+async def test_send_of_more_dimensions_than_travel_is_refused_before_it_takes_its_place() -> None:
+    """33 dimensions (the wire carries 32): refused at the sender, as a UsageError, with
+    nothing sent and no place in the order taken; it used to go out, break the link at
+    the receiver and the group with it."""
+    async with groups(2, timeout=5.0) as (a, b):
+        with pytest.raises(UsageError, match="33 dimensions"):
+            await a.send(np.ones((1,) * 33, np.float32), 1)
+        await a.send(np.ones((1,) * 32, np.float32), 1)
+        await a.send(np.arange(3, dtype=np.float32), 1)
+        assert (await b.recv(0)).shape == (1,) * 32
+        assert (await b.recv(0)).tolist() == [0.0, 1.0, 2.0]
+        sums = await asyncio.gather(a.all_reduce(np.ones(2)), b.all_reduce(np.ones(2)))
+        assert [s.tolist() for s in sums] == [[2.0, 2.0]] * 2  # the group is whole
+
+
 async def test_collective_into_big_endian_out_is_a_clear_usage_error() -> None:
     async with groups(2, timeout=5.0) as gs:
         xs = [(np.arange(4) + g.rank).astype(">f4") for g in gs]

@@ -15,6 +15,7 @@ from p2pdist.identity import EndpointId, SecretKey
 from p2pdist.wire.relay import (
     MAX_BODY,
     MAX_DATAGRAM,
+    REPLACED_TEXT,
     RelayFrameDecoder,
     RelayFrameType,
     auth_message,
@@ -27,7 +28,6 @@ from relay.access import AccessPolicy, Allowlist, AllowlistError, parse_allowlis
 from relay.addresses import format_address, unmap_ipv4
 from relay.cli import load_config
 from relay.config import ConfigError, RelayConfig, from_mapping
-from relay.inbound import REPLACED
 from relay.limits import PeerGoneThrottle, TokenBucket
 from relay.metrics import AUTH_FAILURE_REASONS, DROP_REASONS, Metrics
 from relay.session import Phase, Session
@@ -361,7 +361,7 @@ def test_newest_connection_with_the_same_id_wins() -> None:
     old, lold = join(c, A)
     lold.frames()
     new, lnew = join(c, A, now=1.0)  # allowed although the relay is full
-    assert lold.frames() == [(T.ERROR, REPLACED.encode())] and lold.closed
+    assert lold.frames() == [(T.ERROR, REPLACED_TEXT.encode())] and lold.closed
     assert only(lnew)[0] is T.AUTH_OK and c.client(A.endpoint_id) is new
     c.lost(old, 2.0)  # the old connection's late close must not unregister the new one
     assert c.client(A.endpoint_id) is new and c.metrics.replaced_total == 1

@@ -20,6 +20,7 @@ from p2pdist import (
     P2PTimeoutError,
     PeerAuthenticationError,
     SecretKey,
+    UsageError,
 )
 from p2pdist.transport.relay_path import RelayConfig, RelayPath, RelayState, relay_keepalive
 from p2pdist.transport.relay_session import RelaySessionProtocol
@@ -71,6 +72,17 @@ async def send_until_received(a: RelayPath, b_id: EndpointId, inbox: Inbox, data
 def test_relay_client_settings_are_checked(bad: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         RelayConfig(**bad)
+
+
+def test_a_token_the_relay_could_not_read_is_refused_here() -> None:
+    """Over 1024 bytes the relay drops the AUTH frame as malformed, which the client took
+    for a busy relay and retried until connect_timeout."""
+    url = f"https://127.0.0.1:9/?pin={key(9).endpoint_id}"
+    with pytest.raises(UsageError, match="at most 1024 bytes"):
+        RelayPath(key(0), url, token="é" * 513)  # 1026 bytes in UTF-8
+    with pytest.raises(UsageError, match="must be a str"):
+        RelayPath(key(0), url, token=b"bytes")  # type: ignore[arg-type]
+    RelayPath(key(0), url, token="t" * 1024)  # the longest the relay takes
 
 
 async def test_datagrams_flow_with_authenticated_sources(tmp_path: Path) -> None:
@@ -325,3 +337,33 @@ async def test_a_relay_that_cannot_be_reached_is_said_once_while_retried(
     said = [r for r in caplog.records if "cannot connect yet" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING
     assert sum("session ended" in r.getMessage() for r in caplog.records) >= 3  # retried
+
+
+async def test_two_sessions_with_one_key_are_named_as_such_and_take_turns_ever_slower(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two clients with one endpoint key (the same seed and rank started twice): the
+    relay keeps the newest, and the one it drops says why at WARNING, naming the likely
+    cause (it used to say "session ended" at INFO), and counts it in
+    ``status.replaced``. They take turns, each waiting its backoff (never reset by a
+    replacement), and the warning is not repeated at every turn."""
+    cfg = RelayConfig(backoff_initial=0.05, backoff_max=0.4)
+    with RelayProcess(tmp_path) as relay:
+        first = RelayPath(key(0), relay.url, config=cfg)
+        second = RelayPath(key(0), relay.url, config=cfg)
+        try:
+            with caplog.at_level(logging.INFO, logger="p2pdist.transport.relay_path"):
+                await first.wait_connected(10)
+                await second.wait_connected(10)
+                await wait_until(lambda: first.status.replaced >= 1, "the first to be replaced")
+                await asyncio.sleep(2.0)  # they take turns: how often, in 2 s?
+            turns = first.status.replaced + second.status.replaced
+        finally:
+            await bounded(asyncio.gather(first.close(), second.close()), "close()")
+    assert first.status.last_error is not None or second.status.last_error is not None
+    said = [r for r in caplog.records if "another process uses this endpoint key" in r.getMessage()]
+    assert said and all(r.levelno == logging.WARNING for r in said)
+    assert key(0).endpoint_id.short() in said[0].getMessage()
+    # 0.05 s doubling to 0.4 s (random in [0, delay)) per client: about 15 turns in 2 s.
+    assert 1 <= turns <= 60, turns
+    assert len(said) <= 4  # the 1st, 10th (and maybe 100th...) time of each, not each time

@@ -115,6 +115,16 @@ class GradientBuckets:
             raise UsageError("error_feedback needs a wire_dtype")
         if reduce.get("timeout") is not None:
             group._seconds(reduce["timeout"])  # refused now, not at every bucket's wait()
+        # The op, mode, wire_dtype and block, checked now as a float32 bucket would be
+        # (every op takes float32), before the split takes a sub-group.
+        group._all_reduce_codec(
+            np.empty(0, np.float32),
+            op,
+            reduce.get("mode"),
+            reduce.get("wire_dtype"),
+            reduce.get("block", INT8_BLOCK),
+            None,
+        )
         sub = await group.split(0)
         assert sub is not None
         return cls(sub, bucket_bytes=bucket_bytes, op=op, error_feedback=feedback, **reduce)

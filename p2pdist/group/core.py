@@ -35,6 +35,7 @@ from ..transport.pathinfo import PathInfo
 from ..transport.quic import QuicTransport
 from ..transport.relay_path import RelayConfig, RelayPath, RelayStatus
 from ..transport.tcp import TcpTransport, parse_address
+from ..wire.arrays import MAX_NDIM
 from ..wire.relay import RelayUrl
 from . import p2p
 from .buffers import as_array, expectation
@@ -90,6 +91,12 @@ class GroupCore(Runner):
         if addresses is None and relay is None and world > 1 and not _subgroup:
             raise UsageError(
                 "give peers= (one host:port per rank, in rank order) or relay= (a relay URL)"
+            )
+        if relay is not None and not _subgroup and (addresses is not None or listen is not None):
+            given = "peers=" if addresses is not None else "listen="
+            raise UsageError(
+                f"relay= reaches every rank by endpoint id through the relay; {given} is "
+                "for TCP: give one of relay= or peers= (with listen=), not both"
             )
         self._relay_url = RelayUrl.parse(relay) if relay is not None else None
         self._relay_token = relay_token
@@ -604,6 +611,11 @@ class GroupCore(Runner):
         """Send ``x`` to rank ``dst`` (matched in order by ``dst``'s :meth:`recv`)."""
         dst = self._check_peer(dst, "dst")
         arr = as_array(x)
+        if arr.ndim > MAX_NDIM:  # refused here, before the message takes its place in order
+            raise UsageError(
+                f"send: x has {arr.ndim} dimensions; at most {MAX_NDIM} travel "
+                "(reshape it, and back on the receiving side)"
+            )
         seconds = self._seconds(timeout)
         self._check_usable(collective=False)
         index = self._p2p_sent.get(dst, 0)

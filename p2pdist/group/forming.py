@@ -101,6 +101,12 @@ class Forming(Membership):
                         "if the others already formed a group without this rank, "
                         "restart it with rejoin=True"
                     )
+            replaced = self._relay_path.status.replaced if self._relay_path else 0
+            if replaced:
+                why.append(
+                    f"the relay replaced this rank's session {replaced} time(s) with a newer "
+                    f"connection from its endpoint id: two processes claim rank {self._rank}?"
+                )
             if quiet:
                 names = ", ".join(self.peer_label(r) for r in sorted(quiet))
                 why.append(f"{names} never said it was connected to every rank")

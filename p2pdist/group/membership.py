@@ -25,6 +25,7 @@ from ..errors import ConnectionBrokenError, MismatchError, P2PError, PeerError, 
 from ..identity import EndpointId
 from ..transport.base import Address, Connection
 from ..transport.mailbox import SPACE_SHIFT, split_channel
+from ..transport.relay_path import RelayPath
 from ..wire.relay import RelayUrl
 from .config import GroupConfig
 from .link import CollectiveLink
@@ -94,6 +95,7 @@ class Membership:
     _failure_log: list[BaseException]
     _addresses: list[Address] | None
     _relay_url: RelayUrl | None
+    _relay_path: RelayPath | None
 
     # ---- provided by GroupCore ------------------------------------------------------------
 

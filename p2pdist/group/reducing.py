@@ -163,7 +163,14 @@ class Reducing(Reserving):
         ordered = self._ordered(mode, rop, arr)
         codec = None
         if wire_dtype is not None or error_feedback is not None:
-            codec = _codec_for(wire_dtype, block, error_feedback, rop, arr, ordered)
+            by_call = ordered and mode is not None
+            codec = _codec_for(wire_dtype, block, error_feedback, rop, arr, by_call)
+            if codec is not None and ordered and not by_call:
+                raise UsageError(
+                    "this group's default mode is 'deterministic' (GroupConfig.mode), which "
+                    "cannot be combined with a wire_dtype: pass mode='fast' to this call to "
+                    "compress it"
+                )
         return rop, ordered, codec
 
     @collective

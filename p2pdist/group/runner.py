@@ -24,6 +24,7 @@ from ..errors import (
 )
 from ..settings import check_seconds
 from ..transport.mailbox import split_channel
+from ..transport.relay_config import RelayState
 from .calls import Reserving
 from .link import CollectiveLink
 from .membership import CallFailure
@@ -139,6 +140,19 @@ class Runner(Rejoining, Reserving):
         self._retire_everywhere(channel)
         raise error
 
+    def _relay_down(self) -> str:
+        """``"; this rank's relay session is ..."`` while the relay session is not
+        connected (every relayed peer then goes silent: the relay, not they, is why),
+        else ``""``."""
+        path = self._root()._relay_path
+        if path is None:
+            return ""
+        status = path.status
+        if status.state is RelayState.CONNECTED:
+            return ""
+        last = f", last error: {status.last_error}" if status.last_error else ""
+        return f"; this rank's relay session is not connected ({status.state.value}{last})"
+
     def _timeout_error(self, link: CollectiveLink, seconds: float) -> P2PError:
         what = f"{link.explain()} timed out after {seconds:g} s"
         silent = sorted(  # not a peer that has left (its connection is closed)
@@ -151,15 +165,17 @@ class Runner(Rejoining, Reserving):
             extra = ""
             if link.waiting_on is not None and link.waiting_on != r:
                 extra = f" (this rank was waiting for {self._root_label(link.waiting_on)})"
-            return PeerTimeoutError(self._root_label(r), f"{what}: silent for {idle:.1f} s{extra}")
+            relay = self._relay_down()
+            detail = f"{what}: silent for {idle:.1f} s{extra}{relay}"
+            return PeerTimeoutError(self._root_label(r), detail)
         if link.waiting_on is not None:
             q = link.waiting_on
             if link.heard_from(q):  # in a ring, a rank further round may be the one late
                 what += " waiting for it (it did start this call: one further along may not have)"
             else:
                 what += " waiting for it"
-            return PeerTimeoutError(self._root_label(q), what)
-        return P2PTimeoutError(what)
+            return PeerTimeoutError(self._root_label(q), what + self._relay_down())
+        return P2PTimeoutError(what + self._relay_down())
 
     # ---- running a collective -----------------------------------------------------------
 

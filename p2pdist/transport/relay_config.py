@@ -125,6 +125,9 @@ class RelayStatus:
     """Relayed datagrams (and PEER_GONE notices) whose handler (``on_datagram``,
     ``on_peer_gone``) raised: dropped (logged the 1st, 10th, 100th... time), and the
     session goes on."""
+    replaced: int = 0
+    """Sessions the relay ended because a newer connection authenticated our endpoint
+    id: another process with this key (each time logged at the 1st, 10th, 100th...)."""
     limits: dict[str, float] = field(default_factory=dict)
     records: str | None = None
     """The record protection after the upgrade ("aes-256-gcm"), or None when TLS

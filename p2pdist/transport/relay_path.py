@@ -37,7 +37,9 @@ from ..wire.relay import (
     BAD_TOKEN_TEXT,
     CREDENTIAL_REFUSALS,
     MAX_DATAGRAM,
+    MAX_TOKEN_BYTES,
     PING_LEN,
+    REPLACED_TEXT,
     RelayFrame,
     RelayFrameType,
     RelayProtocolError,
@@ -75,6 +77,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+
+class _Replaced(ConnectionBrokenError):
+    """The relay closed our session for a newer one with our endpoint id."""
+
+
 _SELF_SIGNED = (18, 19)
 """OpenSSL's X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT and SELF_SIGNED_CERT_IN_CHAIN: what a
 pinned relay's certificate gives when dialed without its pin."""
@@ -103,6 +110,10 @@ class RelayPath:
         self._key = key
         self.url = url if isinstance(url, RelayUrl) else RelayUrl.parse(url)
         self._token = token or ""
+        if not isinstance(self._token, str):
+            raise UsageError(f"relay token must be a str, got {type(token).__name__}")
+        if len(self._token.encode()) > MAX_TOKEN_BYTES:  # the relay could not read the AUTH
+            raise UsageError(f"relay token must be at most {MAX_TOKEN_BYTES} bytes (UTF-8)")
         self.config = config or RelayConfig()
         self.proxy = self.config.chosen_proxy()
         """The proxy the relay connection is tunnelled through, or None."""
@@ -125,6 +136,7 @@ class RelayPath:
         self._connected = asyncio.Event()
         self._refused = asyncio.Event()
         self._said_unreachable = False  # warned that the relay cannot be reached yet
+        self._replaced = 0  # sessions ended by a newer connection with our endpoint id
         self._closed = asyncio.Event()
         """Set by :meth:`close`: no session any more, and waiters stop waiting."""
         self._ping_sent: dict[bytes, float] = {}
@@ -264,6 +276,16 @@ class RelayPath:
                 self._set(last_error=exc.detail)  # the waiter's error names the relay
                 self._refused.set()
                 log.warning("%s", exc)  # str(exc) starts with "relay <url>: "
+            except _Replaced as exc:
+                # Another connection authenticated our id. Not our own half-dead one: we
+                # open a new session only after this one ended. Said at the 1st, 10th,
+                # 100th... time: two processes with one key would take turns for ever.
+                self._refused.clear()
+                self._replaced += 1
+                self._set(last_error=str(exc), replaced=self._replaced)
+                if str(self._replaced).rstrip("0") == "1":
+                    log.warning("%s (%d times so far)", exc, self._replaced)
+                self._authed_at = None  # its backoff grows: no taking turns at once
             except Exception as exc:  # any failure ends this session, never the loop
                 self._refused.clear()  # the latest attempt was not refused
                 msg = str(exc) or type(exc).__name__
@@ -405,8 +427,8 @@ class RelayPath:
                         " (the token sent is not the relay's)"
                         if self._token
                         else " (this relay needs a token and none was sent: pass "
-                        "relay_token=, or p2pdist doctor --token, or set "
-                        "P2PDIST_RELAY_TOKEN)"
+                        "relay_token= to Group.from_seed, or set P2PDIST_RELAY_TOKEN "
+                        "for Group.from_env and p2pdist doctor)"
                     )
                 raise PeerAuthenticationError(f"relay {self.url}", f"refused us: {why}")
             # A busy relay's answer (full, evicted, timed out, shutting down): this
@@ -587,9 +609,14 @@ class RelayPath:
             log.info("relay %s asks clients to reconnect: %s", self.url, reason)
             return max(0.0, min(float(after), 60.0)) if isinstance(after, int | float) else 0.5
         elif kind is RelayFrameType.ERROR:
-            raise ConnectionBrokenError(
-                f"relay {self.url}", body.decode("utf-8", "replace") or "error"
-            )
+            text = body.decode("utf-8", "replace") or "error"
+            if text == REPLACED_TEXT:
+                raise _Replaced(
+                    f"relay {self.url}",
+                    f"{text} (id {self.endpoint_id.short()}): another process uses this "
+                    "endpoint key (the same seed and rank started twice?)",
+                )
+            raise ConnectionBrokenError(f"relay {self.url}", text)
         else:
             raise RelayProtocolError(f"unexpected {kind.name} from the relay")
         return None

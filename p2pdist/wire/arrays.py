@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ArrayHeader", "ArrayHeaderError", "check_dtype", "WIRE_DTYPES"]
+__all__ = ["MAX_NDIM", "ArrayHeader", "ArrayHeaderError", "WIRE_DTYPES", "check_dtype"]
 
 
 def _code(dtype: np.dtype[Any]) -> str:
@@ -70,6 +70,8 @@ class ArrayHeader:
             raise ArrayHeaderError(f"array of {arr.dtype} is big-endian; convert it first")
         if not arr.flags.c_contiguous:
             raise ArrayHeaderError("array is not C-contiguous; copy it first")
+        if arr.ndim > MAX_NDIM:  # the receiver would refuse the header
+            raise ArrayHeaderError(f"array has {arr.ndim} dimensions; at most {MAX_NDIM} travel")
         return cls(check_dtype(arr.dtype), tuple(int(s) for s in arr.shape))
 
     @property

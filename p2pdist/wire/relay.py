@@ -34,10 +34,12 @@ __all__ = [
     "MALFORMED_AUTH_TEXT",
     "MAX_BODY",
     "MAX_KEEPALIVE",
+    "MAX_TOKEN_BYTES",
     "NOT_ALLOWED_TEXT",
     "RECORDS_HEADER",
     "RECORDS_INFO",
     "RECORDS_MAX",
+    "REPLACED_TEXT",
     "RelayFrame",
     "RelayFrameDecoder",
     "RelayFrameReader",
@@ -82,6 +84,11 @@ CREDENTIAL_REFUSALS = frozenset(
     {BAD_SIGNATURE_TEXT, MALFORMED_AUTH_TEXT, BAD_TOKEN_TEXT, NOT_ALLOWED_TEXT}
 )
 """ERROR answers to AUTH about the client's key, token or place on the allowlist."""
+MAX_TOKEN_BYTES = 1024
+"""Longest access token (UTF-8 bytes) an AUTH frame may carry."""
+REPLACED_TEXT = "replaced by a newer connection from the same endpoint"
+"""ERROR to a connection the relay closes because a newer one authenticated the same
+endpoint id (docs/protocol.md 8.4, "Same id twice")."""
 _HEAD = struct.Struct(">BI")
 FRAME_HEADER = _HEAD.size
 """Bytes in front of every frame's body (kind u8, length u32)."""
