@@ -629,6 +629,8 @@ def test_a_big_endian_model_is_kept_little_endian_and_one_that_cannot_travel_is_
     if np.dtype(np.longdouble).itemsize > 8:  # float128 where the platform has it
         with pytest.raises(UsageError, match="cannot travel"):
             check_model(np.zeros(3, np.longdouble))
+    with pytest.raises(UsageError, match="at most 32 dimensions, got 33"):
+        check_model(np.zeros((1,) * 33, np.float32))  # no model message could carry it
 
 
 @pytest.mark.parametrize(("kind", "param"), [("exponential", 1e-200), ("polynomial", 700.0)])

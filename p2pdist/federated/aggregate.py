@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import UsageError
 from ..group.buffers import wire_form
 from ..settings import INT_MAX, as_int
+from ..wire.arrays import MAX_NDIM
 from .config import FederatedConfig
 
 __all__ = [
@@ -104,6 +105,8 @@ def check_model(model: np.ndarray) -> np.ndarray:
     # As it travels: a dtype that cannot (float128) is refused now, not at each client's
     # join, and a big-endian model is kept little-endian, the dtype the updates come in.
     wire = wire_form(arr.dtype)
+    if arr.ndim > MAX_NDIM:  # no model message could carry it
+        raise UsageError(f"a federated model has at most {MAX_NDIM} dimensions, got {arr.ndim}")
     return arr if arr.dtype == wire else arr.astype(wire)
 
 

@@ -140,12 +140,13 @@ class Runner(Rejoining, Reserving):
         self._retire_everywhere(channel)
         raise error
 
-    def _relay_down(self) -> str:
-        """``"; this rank's relay session is ..."`` while the relay session is not
-        connected (every relayed peer then goes silent: the relay, not they, is why),
-        else ``""``."""
+    def _relay_down(self, r: int | None) -> str:
+        """``"; this rank's relay session is ..."`` while rank ``r`` (of this group) is
+        reached through the relay and the relay session is not connected (every relayed
+        peer then goes silent: the relay, not they, may be why), else ``""``."""
         path = self._root()._relay_path
-        if path is None:
+        conn = self._conns.get(r) if r is not None else None
+        if path is None or conn is None or getattr(conn, "path_kind", None) != "relay":
             return ""
         status = path.status
         if status.state is RelayState.CONNECTED:
@@ -165,8 +166,7 @@ class Runner(Rejoining, Reserving):
             extra = ""
             if link.waiting_on is not None and link.waiting_on != r:
                 extra = f" (this rank was waiting for {self._root_label(link.waiting_on)})"
-            relay = self._relay_down()
-            detail = f"{what}: silent for {idle:.1f} s{extra}{relay}"
+            detail = f"{what}: silent for {idle:.1f} s{extra}{self._relay_down(r)}"
             return PeerTimeoutError(self._root_label(r), detail)
         if link.waiting_on is not None:
             q = link.waiting_on
@@ -174,8 +174,8 @@ class Runner(Rejoining, Reserving):
                 what += " waiting for it (it did start this call: one further along may not have)"
             else:
                 what += " waiting for it"
-            return PeerTimeoutError(self._root_label(q), what + self._relay_down())
-        return P2PTimeoutError(what + self._relay_down())
+            return PeerTimeoutError(self._root_label(q), what + self._relay_down(q))
+        return P2PTimeoutError(what)
 
     # ---- running a collective -----------------------------------------------------------
 

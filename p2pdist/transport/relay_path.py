@@ -109,10 +109,14 @@ class RelayPath:
     ) -> None:
         self._key = key
         self.url = url if isinstance(url, RelayUrl) else RelayUrl.parse(url)
-        self._token = token or ""
-        if not isinstance(self._token, str):
+        if token is not None and not isinstance(token, str):
             raise UsageError(f"relay token must be a str, got {type(token).__name__}")
-        if len(self._token.encode()) > MAX_TOKEN_BYTES:  # the relay could not read the AUTH
+        self._token = token or ""
+        try:
+            size = len(self._token.encode())
+        except UnicodeEncodeError:  # lone surrogates: undecodable bytes from the environment
+            raise UsageError("relay token must be UTF-8 text") from None
+        if size > MAX_TOKEN_BYTES:  # the relay could not read the AUTH frame
             raise UsageError(f"relay token must be at most {MAX_TOKEN_BYTES} bytes (UTF-8)")
         self.config = config or RelayConfig()
         self.proxy = self.config.chosen_proxy()
@@ -283,8 +287,11 @@ class RelayPath:
                 self._refused.clear()
                 self._replaced += 1
                 self._set(last_error=str(exc), replaced=self._replaced)
+                said = f"{exc} (replaced {self._replaced} time(s) so far)"
                 if str(self._replaced).rstrip("0") == "1":
-                    log.warning("%s (%d times so far)", exc, self._replaced)
+                    log.warning("%s", said)
+                else:
+                    log.info("%s", said)
                 self._authed_at = None  # its backoff grows: no taking turns at once
             except Exception as exc:  # any failure ends this session, never the loop
                 self._refused.clear()  # the latest attempt was not refused
@@ -427,8 +434,9 @@ class RelayPath:
                         " (the token sent is not the relay's)"
                         if self._token
                         else " (this relay needs a token and none was sent: pass "
-                        "relay_token= to Group.from_seed, or set P2PDIST_RELAY_TOKEN "
-                        "for Group.from_env and p2pdist doctor)"
+                        "relay_token= (p2pdist doctor: --token), or set "
+                        "P2PDIST_RELAY_TOKEN where Group.from_env or p2pdist doctor "
+                        "reads it)"
                     )
                 raise PeerAuthenticationError(f"relay {self.url}", f"refused us: {why}")
             # A busy relay's answer (full, evicted, timed out, shutting down): this
