@@ -196,6 +196,31 @@ async def test_a_second_process_with_a_rank_through_the_relay_is_named(tmp_path:
             await asyncio.gather(extra.close(), *(g.close() for g in gs))
 
 
+async def test_a_peer_on_a_direct_path_is_not_blamed_on_a_relay_that_is_down(
+    tmp_path: Path,
+) -> None:
+    """The relay is down but the peers went direct (punched on loopback): a collective
+    that times out because the other rank never called it names that rank alone, not
+    the relay session, which carries nothing between them."""
+    fast = PunchConfig(probe_interval=0.05, keepalive=0.2, path_timeout=5.0, punch_timeout=2.0)
+    cfg = GroupConfig(timeout=30.0, connect_timeout=30.0, punch=fast)
+    relay = RelayProcess(tmp_path)
+    gs = [Group.from_seed(SEED, rank=r, world=2, relay=relay.url, config=cfg) for r in range(2)]
+    try:
+        await asyncio.gather(*(g.start() for g in gs))
+        await wait_until(
+            lambda: all(i.kind == "direct" for g in gs for i in g.paths().values()), "direct"
+        )
+        await asyncio.to_thread(relay.stop, signal.SIGKILL)
+        await wait_until(lambda: gs[0].relay_status.state.value != "connected", "the drop")
+        with pytest.raises(P2PTimeoutError) as err:
+            await gs[0].all_reduce(np.ones(10), timeout=1.0)  # rank 1 never calls it
+        assert "rank 1" in str(err.value) and "relay session" not in str(err.value)
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+        relay.__exit__()
+
+
 def test_from_env_with_a_relay_runs_the_hello_example(tmp_path: Path) -> None:
     import os
     import sys
