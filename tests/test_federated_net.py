@@ -118,12 +118,17 @@ async def test_quorum_policy_closes_without_the_slow_client_and_carries_its_upda
         assert ack.accepted and ack.round == 0 and ack.current_round == 1
         run = asyncio.create_task(c.run_round())
         await a.submit(np.full(4, 2.0, np.float32), 10, 1)
+        assert (await a.wait_ack(2)).accepted  # its second verdict: round 1's
+        await asyncio.sleep(0.2)
+        # two updates in, but the carried one does not make round 1's quorum
+        assert not run.done()
+        await b.submit(np.full(4, 2.0, np.float32), 10, 1)
         out1 = await run
         assert out1.reason is CloseReason.QUORUM and out1.stale == 1
         by = {p.client: p for p in out1.participants}
         ps = by[str(slow.endpoint_id)]
         assert ps.carried and ps.staleness == 1 and ps.weight == 20 * 2**-0.5
-        want = (10 * 2.0 + ps.weight * 8.0) / (10 + ps.weight)
+        want = (2 * 10 * 2.0 + ps.weight * 8.0) / (2 * 10 + ps.weight)
         np.testing.assert_allclose(out1.aggregate, np.full(4, want, np.float32), rtol=1e-6)
         for cl in (a, b, slow):
             await cl.close()

@@ -110,6 +110,17 @@ def check_model(model: np.ndarray) -> np.ndarray:
     return arr if arr.dtype == wire else arr.astype(wire)
 
 
+def check_fits(model: np.ndarray, max_payload: int) -> None:
+    """Refuse a model whose updates could not travel: each goes in one frame, and a
+    frame larger than ``max_payload`` is dropped by the sending connection."""
+    if model.nbytes > max_payload:
+        raise UsageError(
+            f"the model has {model.nbytes} bytes, more than one frame carries "
+            f"(transport limits.max_payload, {max_payload} bytes): its updates could not "
+            "be sent; raise the limit on every process, or split the model"
+        )
+
+
 def trim_count(n: int, fraction: float) -> int:
     """Values cut from each end of a coordinate by the trimmed mean of ``n`` values."""
     k = math.floor(fraction * n + 1e-9)

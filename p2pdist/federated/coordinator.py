@@ -43,7 +43,7 @@ from ..tasks import cancel_and_wait
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport, parse_address
-from .aggregate import apply_update, check_model
+from .aggregate import apply_update, check_fits, check_model
 from .config import FederatedConfig, config_or_default
 from .messages import CLIENT_CHANNEL, Message, decode, encode
 from .net import open_transport, until_due
@@ -126,6 +126,7 @@ class Coordinator:
             label=_client_label,
         )
         self._tconfig = transport or TransportConfig()
+        check_fits(self._model, self._tconfig.limits.max_payload)
         self._accept = accept
         self._transport: TcpTransport | QuicTransport | None = None
         self._address: tuple[str, int] | None = None

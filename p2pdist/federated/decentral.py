@@ -45,7 +45,7 @@ from ..settings import as_int, check_int, check_seconds
 from ..tasks import cancel_and_wait
 from ..transport.base import Connection
 from ..wire.frames import Frame
-from .aggregate import Reason, aggregate, apply_update, check_model
+from .aggregate import Reason, aggregate, apply_update, check_fits, check_model
 from .config import FederatedConfig, config_or_default
 from .decision import GroupRound, OwnUpdate, cid, decision_body, digest_async
 from .leading import Leading
@@ -112,6 +112,7 @@ class GroupAveraging(Leading):
         # Every other check first: a refused instance must not hold the tag for good.
         self.config = config_or_default(config)
         self._model = check_model(model)
+        check_fits(self._model, group.config.transport.limits.max_payload)
         self._timeout = (
             group.config.timeout
             if decision_timeout is None
@@ -145,6 +146,7 @@ class GroupAveraging(Leading):
         """This rank's carried updates replaced by a fresh one before any round took them
         (each one a contribution lost: see :meth:`step`)."""
         self._warned_replaced = -_WARN_EVERY  # the round of the last such warning
+        self._replaced_in = -2  # the round of the last replaced carried update
 
     @property
     def model(self) -> np.ndarray:
@@ -303,14 +305,18 @@ class GroupAveraging(Leading):
     def _replacing_carried(self, k: int, own: OwnUpdate) -> None:
         """A fresh update replaces the one carried since round ``own.base_round``'s
         round, unaggregated: a rank slower than round_timeout that always does this never
-        contributes. Say so, at most once per ``_WARN_EVERY`` rounds."""
+        contributes. Say so when it happens in two rounds in a row (once is the first round
+        of a rank that joined or rejoined, which that round does not wait for, or a
+        hiccup), at most once per ``_WARN_EVERY`` rounds."""
         self.carried_replaced += 1
-        if k - self._warned_replaced < _WARN_EVERY:
+        again, self._replaced_in = self._replaced_in == k - 1, k
+        if not again or k - self._warned_replaced < _WARN_EVERY:
             return
         self._warned_replaced = k
         log.warning(
             "rank %d: round %d: a fresh update replaces this rank's update of round %d, "
-            "which no round aggregated (%d so far): this rank is slower than round_timeout "
+            "which no round aggregated, two rounds in a row (%d so far): this rank is "
+            "slower than round_timeout "
             "(%g s) and may never contribute; send the carried update first "
             "('if result.carried: await fed.step(None)'), or raise round_timeout",
             self.group.rank,
