@@ -390,3 +390,24 @@ def test_example_run_tells_joined_clients_to_stop_on_sigterm(tmp_path: Path) -> 
         _stopped_by_sigterm(proc, tmp_path)
         logs = [(tmp_path / f"client{i}.log").read_text() for i in range(3)]
         assert all("the coordinator was interrupted" in log for log in logs), logs
+
+
+def test_example_coordinator_stopped_with_ctrl_c_exits_130_without_a_traceback() -> None:
+    """Ctrl-C while it waits for clients: a short line and exit 130 (it printed a
+    KeyboardInterrupt traceback)."""
+    cmd = [sys.executable, "-m", "examples.federated.coordinator", "--listen", "127.0.0.1:0"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready and proc.stdout.readline().startswith("coordinator id: ")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "coordinator stopped" in err

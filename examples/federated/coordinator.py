@@ -207,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("p2pdist.federated").setLevel(logging.ERROR)
     seeded = args.key_seed is not None
     key = SecretKey.from_seed(args.key_seed, 0) if seeded else SecretKey.generate()
-    asyncio.run(serve(args, listen=args.listen, relay=args.relay, key=key))
+    try:
+        asyncio.run(serve(args, listen=args.listen, relay=args.relay, key=key))
+    except KeyboardInterrupt:  # Ctrl-C: the clients were told (stop, "interrupted")
+        print("coordinator stopped", file=sys.stderr)
+        return 130
     return 0
 
 
