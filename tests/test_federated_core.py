@@ -168,6 +168,28 @@ def test_a_straggler_does_not_close_the_next_round_before_the_fresh_updates_come
     assert out.applied and fresh == ["a", "b"] and out.stale == 2  # c and d ride along
 
 
+def test_after_a_missed_quorum_updates_from_the_unchanged_model_are_fresh() -> None:
+    """Round 0 missed its quorum, so round 1's model is round 0's: updates from it (a
+    decentralised rank sends its carried update again, base 0) make round 1's quorum,
+    as fresh ones; counted stale, round 1 would wait for its deadline."""
+    st = rounds(policy="quorum", quorum=2, round_timeout=10.0, max_staleness=2)
+    for c in "abcd":
+        st.join(c)
+    st.open(0.0)
+    st.submit("a", 0, 0, 1, vec(1.0), 0.1)
+    assert not st.close(10.0).applied  # one update: short of the quorum
+    st.open(10.0)
+    st.submit("a", 1, 0, 1, vec(1.0), 10.1)  # sent again for round 1, base 0
+    assert st.due(10.1) is None
+    st.submit("b", 1, 0, 1, vec(3.0), 10.2)
+    assert st.due(10.2) is CloseReason.QUORUM
+    assert st.close(10.2).applied
+    st.open(10.2)  # round 1 applied: now only updates from round 2's model are fresh
+    st.submit("c", 2, 1, 1, vec(1.0), 10.3)
+    st.submit("d", 2, 1, 1, vec(1.0), 10.4)
+    assert st.due(10.4) is None
+
+
 def test_round_short_of_quorum_applies_nothing_and_carries_its_updates() -> None:
     st = rounds(quorum=2, max_staleness=1)
     st.join("a")
@@ -748,4 +770,4 @@ async def test_a_model_larger_than_one_frame_is_refused_when_its_averaging_is_ma
     async with Group.from_seed("fits-seed-0123456789", rank=0, world=1, config=cfg) as g:
         with pytest.raises(UsageError, match="raise the limit on every process"):
             GroupAveraging(g, np.zeros(limit // 4 + 1, np.float32))
-        GroupAveraging(g, np.zeros(limit // 4, np.float32), tag=1)
+        GroupAveraging(g, np.zeros(limit // 4, np.float32))  # the refused one left tag 0

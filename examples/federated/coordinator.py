@@ -70,10 +70,10 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
         type=quorum_arg,
         default=0.5,
         help="valid updates a round needs to apply an aggregate (and, with --policy quorum, "
-        "to close early). A value up to 1 is a FRACTION of the members at the round's "
-        "opening, rounded up: 0.5 (default) is half, 1 is all of them (not one update, "
-        "as FederatedConfig(quorum=1) would be). A whole number above 1 is a COUNT of "
-        "updates: 2 is two.",
+        "fresh ones, from the current model, to close early). A value up to 1 is a "
+        "FRACTION of the members at the round's opening, rounded up: 0.5 (default) is "
+        "half, 1 is all of them (not one update, as FederatedConfig(quorum=1) would "
+        "be). A whole number above 1 is a COUNT of updates: 2 is two.",
     )
     p.add_argument(
         "--max-staleness", type=int, default=2, help="rounds an update may lag and still count"

@@ -21,7 +21,8 @@ __all__ = [
 RULES = ("mean", "median", "trimmed_mean")
 """Aggregation rules: sample-weighted mean, coordinate-wise median, trimmed mean."""
 POLICIES = ("deadline", "quorum")
-"""When a round closes: at its deadline, or as soon as the quorum is met."""
+"""When a round closes: at its deadline, or as soon as the quorum of fresh updates is
+met."""
 DISCOUNTS = ("polynomial", "exponential", "none")
 """Staleness discounts: ``(1 + s) ** -a``, ``a ** s``, or 1."""
 MIN_DISCOUNT = sys.float_info.min
@@ -43,7 +44,8 @@ class FederatedConfig:
     at the latest, with whatever valid updates have arrived."""
     policy: str = "deadline"
     """``"deadline"``: wait until the deadline, or until every member of the round has
-    submitted. ``"quorum"``: also close as soon as ``quorum`` valid updates are in."""
+    submitted. ``"quorum"``: also close as soon as ``quorum`` valid fresh updates (from
+    the current model) are in; stale ones are aggregated with them but do not count."""
     quorum: int | float = 1
     """Valid updates a round needs to produce an aggregate: an ``int`` count (>= 1), or a
     ``float`` fraction in (0, 1] of the members at the round's opening (rounded up, at

@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 
 _WARN_EVERY = 10
 """Rounds between two warnings that a carried update was replaced unaggregated."""
+_AGAIN_WITHIN = 3
+"""A second such replacement within this many rounds of the last one is warned about."""
 
 _KINDS = (0, 1, 2, 3)  # every kind of a round's channels (all retired together)
 
@@ -146,7 +148,7 @@ class GroupAveraging(Leading):
         """This rank's carried updates replaced by a fresh one before any round took them
         (each one a contribution lost: see :meth:`step`)."""
         self._warned_replaced = -_WARN_EVERY  # the round of the last such warning
-        self._replaced_in = -2  # the round of the last replaced carried update
+        self._replaced_in = -_AGAIN_WITHIN - 1  # round of the last replaced carried update
 
     @property
     def model(self) -> np.ndarray:
@@ -305,17 +307,18 @@ class GroupAveraging(Leading):
     def _replacing_carried(self, k: int, own: OwnUpdate) -> None:
         """A fresh update replaces the one carried since round ``own.base_round``'s
         round, unaggregated: a rank slower than round_timeout that always does this never
-        contributes. Say so when it happens in two rounds in a row (once is the first round
-        of a rank that joined or rejoined, which that round does not wait for, or a
-        hiccup), at most once per ``_WARN_EVERY`` rounds."""
+        contributes. Say so when it happens twice within ``_AGAIN_WITHIN`` rounds (once is
+        the first round of a rank that joined or rejoined, which that round does not wait
+        for, or a hiccup; a rank late every other round loses half its updates), at most
+        once per ``_WARN_EVERY`` rounds."""
         self.carried_replaced += 1
-        again, self._replaced_in = self._replaced_in == k - 1, k
+        again, self._replaced_in = k - self._replaced_in <= _AGAIN_WITHIN, k
         if not again or k - self._warned_replaced < _WARN_EVERY:
             return
         self._warned_replaced = k
         log.warning(
             "rank %d: round %d: a fresh update replaces this rank's update of round %d, "
-            "which no round aggregated, two rounds in a row (%d so far): this rank is "
+            "which no round aggregated, again (%d so far): this rank is "
             "slower than round_timeout "
             "(%g s) and may never contribute; send the carried update first "
             "('if result.carried: await fed.step(None)'), or raise round_timeout",

@@ -48,7 +48,8 @@ class CloseReason(enum.StrEnum):
     """Why a round closed."""
 
     QUORUM = "quorum"
-    """Policy ``"quorum"`` and the quorum of valid updates was in."""
+    """Policy ``"quorum"`` and the quorum of valid fresh updates (from the current model)
+    was in."""
     COMPLETE = "complete"
     """Every member of the round (those present at its opening and still here) submitted."""
     DEADLINE = "deadline"
@@ -165,6 +166,9 @@ class FederatedRounds:
         self._label = label or str
         self.round = first_round
         """The open round's id, or (between rounds) the id the next round will have."""
+        self._model_from = first_round
+        """The first round whose model is the current one (rounds that applied nothing
+        since left it unchanged): an update from it or later is fresh for the quorum."""
         self.phase = Phase.WAITING
         self.members: set[str] = set()
         self.totals: Counter[str] = Counter()
@@ -291,12 +295,15 @@ class FederatedRounds:
         """Why the open round should close at ``now``, or None to keep collecting."""
         if self.phase is not Phase.OPEN:
             return None
-        # The quorum counts fresh updates only (from this round's model). A straggler's
-        # update is aggregated with them, but counted, it closed rounds before the fresh
-        # updates came, which then arrived late in turn: every update stale, round after
-        # round (53% accuracy in the example, against 94% with the deadline policy).
+        # The quorum counts fresh updates only (from the current model: this round's, or
+        # an earlier round's when the rounds since applied nothing, as after a missed
+        # quorum). A straggler's update is aggregated with them, but counted, it closed
+        # rounds before the fresh updates came, which then arrived late in turn: every
+        # update stale, round after round (53% accuracy in the example, against 94%
+        # with the deadline policy).
         if self.config.policy == "quorum":
-            fresh = sum(1 for u in self._pending.values() if u.base_round == self.round)
+            since = self._model_from
+            fresh = sum(1 for u in self._pending.values() if u.base_round >= since)
             if fresh >= self._needed:
                 return CloseReason.QUORUM
         # Complete once every member it opened with has submitted or left, and the
@@ -359,6 +366,8 @@ class FederatedRounds:
             dict(self._dropped),
             dict(self._rejected),
         )
+        if applied:
+            self._model_from = self.round + 1
         self.round += 1
         self._forget_aggregated()
         self.phase = Phase.WAITING
