@@ -190,6 +190,40 @@ def test_after_a_missed_quorum_updates_from_the_unchanged_model_are_fresh() -> N
     assert st.due(10.4) is None
 
 
+def test_a_member_whose_late_update_was_carried_is_waited_for_in_the_next_round() -> None:
+    """b joined mid-round 0 and its update for round 0 came after that round closed:
+    that carried update is not b's part of round 1. Round 1 waits for b's update for
+    it (which replaces the carried one) instead of closing as complete when a's comes;
+    b used to stay one round stale for good at the same speed as a (weight x0.707)."""
+    st = rounds(round_timeout=10.0, max_staleness=2)
+    st.join("a")
+    st.open(0.0)
+    st.join("b")
+    st.submit("a", 0, 0, 1, vec(1.0), 0.1)
+    assert st.due(0.1) is CloseReason.COMPLETE  # b joined mid-round: not waited for
+    assert st.close(0.1).applied
+    st.open(0.1)
+    st.submit("b", 0, 0, 1, vec(3.0), 0.15)  # round 0's, carried into round 1
+    st.submit("a", 1, 1, 1, vec(1.0), 0.2)
+    assert st.due(0.2) is None
+    st.submit("b", 1, 1, 1, vec(2.0), 0.25)
+    assert st.due(0.25) is CloseReason.COMPLETE
+    out = st.close(0.25)
+    assert [(p.client, p.staleness) for p in out.participants] == [("a", 0), ("b", 0)]
+    assert out.aggregate is not None and out.aggregate.tolist() == [1.5] * 4
+    # an old update sent for this round is the member's part (GroupAveraging's
+    # step(None) sends a carried update that way), and so is one at the deadline
+    st.open(0.25)
+    st.submit("a", 2, 2, 1, vec(1.0), 0.3)
+    st.submit("b", 2, 1, 1, vec(5.0), 0.31)  # base 1 was aggregated: a duplicate
+    assert st.due(0.31) is None and st.due(10.25) is CloseReason.DEADLINE
+    st.close(10.25)
+    st.open(10.25)
+    st.submit("a", 3, 3, 1, vec(1.0), 10.3)
+    st.submit("b", 3, 2, 1, vec(5.0), 10.31)  # from round 2's model, sent for round 3
+    assert st.due(10.31) is CloseReason.COMPLETE
+
+
 def test_round_short_of_quorum_applies_nothing_and_carries_its_updates() -> None:
     st = rounds(quorum=2, max_staleness=1)
     st.join("a")

@@ -210,8 +210,11 @@ class FederatedClient:
         timeout: float = 30.0,
     ) -> bool:
         """Send ``update`` (the model delta trained from round ``base_round``'s model, on
-        ``num_samples`` samples) for round ``round_id`` (default: the newest round this
-        client has heard of). The verdict arrives later in :attr:`acks`. A CuPy
+        ``num_samples`` samples) for round ``round_id`` (default: ``base_round``, the
+        round it was trained for; one that arrives after that round closed is carried,
+        and the next round still waits for this client's update for it). Name a later
+        round to make an old update this client's part of that round. The verdict
+        arrives later in :attr:`acks`. A CuPy
         ``update`` is copied to the host first (after the work queued on its stream).
 
         Returns True once sent, or False, sending nothing, when the coordinator has said
@@ -228,7 +231,7 @@ class FederatedClient:
             return False
         conn = self._need_conn()
         if round_id is None:
-            round_id = self._latest.round if self._latest is not None else base_round
+            round_id = base_round
         meta, payload = encode(
             "submit",
             {"r": round_id, "b": base_round, "n": num_samples},

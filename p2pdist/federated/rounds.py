@@ -310,16 +310,25 @@ class FederatedRounds:
         # updates in meet the quorum: with fewer (none, or too few after losses), closing
         # would apply nothing and carry them into a round that is complete as it opens;
         # a member that joins before the deadline may still bring what is missing.
+        # A member's part is an update it sent for this round (a carried one it sends
+        # again too) or one from the current model. A late update for an earlier round
+        # is not: counted, a client that was late once (a joiner's first update) was
+        # one round stale for good, each round closing before its fresh update came.
         if (
             self._members_at_open
             and len(self._pending) >= self._needed
-            and self._expected.issubset(self._pending)
+            and all(self._has_part(c) for c in self._expected)
         ):
             return CloseReason.COMPLETE
         assert self._deadline is not None
         if now >= self._deadline:
             return CloseReason.DEADLINE
         return None
+
+    def _has_part(self, client: str) -> bool:
+        """Whether ``client`` has its part of the open round in (see :meth:`due`)."""
+        u = self._pending.get(client)
+        return u is not None and (u.round == self.round or u.base_round >= self._model_from)
 
     def close(self, now: float, reason: CloseReason | None = None) -> RoundOutcome:
         """Close the open round: aggregate when the quorum is met (else carry the updates
