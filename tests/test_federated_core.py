@@ -212,16 +212,55 @@ def test_a_member_whose_late_update_was_carried_is_waited_for_in_the_next_round(
     assert [(p.client, p.staleness) for p in out.participants] == [("a", 0), ("b", 0)]
     assert out.aggregate is not None and out.aggregate.tolist() == [1.5] * 4
     # an old update sent for this round is the member's part (GroupAveraging's
-    # step(None) sends a carried update that way), and so is one at the deadline
+    # step(None) sends a carried update that way)
     st.open(0.25)
+    st.leave("b")
     st.submit("a", 2, 2, 1, vec(1.0), 0.3)
-    st.submit("b", 2, 1, 1, vec(5.0), 0.31)  # base 1 was aggregated: a duplicate
-    assert st.due(0.31) is None and st.due(10.25) is CloseReason.DEADLINE
-    st.close(10.25)
-    st.open(10.25)
-    st.submit("a", 3, 3, 1, vec(1.0), 10.3)
-    st.submit("b", 3, 2, 1, vec(5.0), 10.31)  # from round 2's model, sent for round 3
-    assert st.due(10.31) is CloseReason.COMPLETE
+    assert st.close(0.3).reason is CloseReason.COMPLETE
+    st.join("b")
+    st.open(0.3)
+    st.submit("a", 3, 3, 1, vec(1.0), 0.4)
+    st.submit("b", 3, 2, 1, vec(5.0), 0.41)  # from round 2's model, sent for round 3
+    assert st.due(0.41) is CloseReason.COMPLETE
+
+
+def test_a_member_slower_than_the_round_is_not_waited_for_round_after_round() -> None:
+    """s takes longer than round_timeout: round 0 closes at its deadline without it, and
+    its late update is its part of round 1 (waiting for its next one would take every
+    round to the deadline); rounds alternate deadline and complete, as before."""
+    st = rounds(round_timeout=10.0, max_staleness=2)
+    st.join("a")
+    st.join("s")
+    st.open(0.0)
+    st.submit("a", 0, 0, 1, vec(1.0), 1.0)
+    assert st.due(9.0) is None and st.close(10.0).reason is CloseReason.DEADLINE
+    st.open(10.0)
+    st.submit("a", 1, 1, 1, vec(1.0), 11.0)
+    st.submit("s", 0, 0, 1, vec(1.0), 15.0)  # round 0's, after its deadline
+    assert st.due(15.0) is CloseReason.COMPLETE
+    out = st.close(15.0)
+    assert [(p.client, p.staleness) for p in out.participants] == [("a", 0), ("s", 1)]
+    st.open(15.0)  # round 1 closed complete: a late update for it is not s's part of 2
+    st.submit("a", 2, 2, 1, vec(1.0), 16.0)
+    st.submit("s", 1, 1, 1, vec(1.0), 16.5)
+    assert st.due(16.5) is None
+
+
+def test_a_carried_update_from_the_unchanged_model_is_its_senders_part() -> None:
+    """Two rounds short of the quorum leave the model as it was: a's update from round
+    0, carried twice, is still from the current model, so it is a's part of round 2."""
+    st = rounds(quorum=2, max_staleness=2, round_timeout=10.0)
+    st.join("a")
+    st.join("b")
+    st.open(0.0)
+    st.submit("a", 0, 0, 1, vec(1.0), 1.0)
+    assert not st.close(10.0).applied
+    st.open(10.0)
+    assert not st.close(20.0).applied  # b sent nothing either
+    st.open(20.0)
+    st.submit("b", 2, 2, 1, vec(3.0), 21.0)
+    assert st.due(21.0) is CloseReason.COMPLETE
+    assert st.close(21.0).applied
 
 
 def test_round_short_of_quorum_applies_nothing_and_carries_its_updates() -> None:

@@ -44,8 +44,9 @@ class FederatedConfig:
     at the latest, with whatever valid updates have arrived."""
     policy: str = "deadline"
     """``"deadline"``: wait until the deadline, or until every member of the round has
-    submitted. ``"quorum"``: also close as soon as ``quorum`` valid fresh updates (from
-    the current model) are in; stale ones are aggregated with them but do not count."""
+    its part in (docs/federated.md §3). ``"quorum"``: also close as soon as ``quorum``
+    valid fresh updates (from the current model) are in; stale ones are aggregated with
+    them but do not count."""
     quorum: int | float = 1
     """Valid updates a round needs to produce an aggregate: an ``int`` count (>= 1), or a
     ``float`` fraction in (0, 1] of the members at the round's opening (rounded up, at

@@ -374,6 +374,8 @@ class Recovery:
             first_round=plan.lead_from,
             label=lambda c: self.group.peer_label(int(c)),
             aggregated=remembered(last),
+            # a last round that applied nothing left the model as it was a round earlier
+            model_from=plan.lead_from - 1 if last is not None and not last["ok"] else None,
         )
         for r in plan.members:
             state.join(cid(r))

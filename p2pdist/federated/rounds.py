@@ -51,7 +51,8 @@ class CloseReason(enum.StrEnum):
     """Policy ``"quorum"`` and the quorum of valid fresh updates (from the current model)
     was in."""
     COMPLETE = "complete"
-    """Every member of the round (those present at its opening and still here) submitted."""
+    """Every member of the round (those present at its opening and still here) has its
+    part in: an update sent for the round, or one from the current model."""
     DEADLINE = "deadline"
     """The round's deadline passed."""
 
@@ -157,6 +158,7 @@ class FederatedRounds:
         first_round: int = 0,
         label: Callable[[str], str] | None = None,
         aggregated: Mapping[str, int] | None = None,
+        model_from: int | None = None,
     ) -> None:
         if first_round < 0:
             raise UsageError("round ids start at 0 or later")
@@ -166,9 +168,11 @@ class FederatedRounds:
         self._label = label or str
         self.round = first_round
         """The open round's id, or (between rounds) the id the next round will have."""
-        self._model_from = first_round
+        self._model_from = first_round if model_from is None else min(model_from, first_round)
         """The first round whose model is the current one (rounds that applied nothing
         since left it unchanged): an update from it or later is fresh for the quorum."""
+        self._after_deadline = False
+        """Whether the last round closed at its deadline (see :meth:`_has_part`)."""
         self.phase = Phase.WAITING
         self.members: set[str] = set()
         self.totals: Counter[str] = Counter()
@@ -326,9 +330,16 @@ class FederatedRounds:
         return None
 
     def _has_part(self, client: str) -> bool:
-        """Whether ``client`` has its part of the open round in (see :meth:`due`)."""
+        """Whether ``client`` has its part of the open round in (see :meth:`due`). After
+        a round that closed at its deadline, a late update for it counts too: its sender
+        is slower than round_timeout, and waiting for its next update would take every
+        round to the deadline (they alternate instead, as rounds always did for it)."""
         u = self._pending.get(client)
-        return u is not None and (u.round == self.round or u.base_round >= self._model_from)
+        if u is None:
+            return False
+        if u.round == self.round or u.base_round >= self._model_from:
+            return True
+        return self._after_deadline and u.round == self.round - 1
 
     def close(self, now: float, reason: CloseReason | None = None) -> RoundOutcome:
         """Close the open round: aggregate when the quorum is met (else carry the updates
@@ -377,6 +388,7 @@ class FederatedRounds:
         )
         if applied:
             self._model_from = self.round + 1
+        self._after_deadline = why is CloseReason.DEADLINE
         self.round += 1
         self._forget_aggregated()
         self.phase = Phase.WAITING
