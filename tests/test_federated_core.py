@@ -225,9 +225,12 @@ def test_a_member_whose_late_update_was_carried_is_waited_for_in_the_next_round(
 
 
 def test_a_member_slower_than_the_round_is_not_waited_for_round_after_round() -> None:
-    """s takes longer than round_timeout: round 0 closes at its deadline without it, and
-    its late update is its part of round 1 (waiting for its next one would take every
-    round to the deadline); rounds alternate deadline and complete, as before."""
+    """s takes 15 s, round_timeout is 10 s. Round 0 closes at its deadline without it,
+    and its late update is its part of round 1 (waiting for its next one would take
+    every round to the deadline). s then trains from round 1, the round still open when
+    it finished, so its next update (at 30 s) is for round 1 while round 3 is open: it is
+    s's part of round 3 too, as round 2 closed at its deadline. Rounds go deadline,
+    complete, deadline, complete."""
     st = rounds(round_timeout=10.0, max_staleness=2)
     st.join("a")
     st.join("s")
@@ -240,10 +243,19 @@ def test_a_member_slower_than_the_round_is_not_waited_for_round_after_round() ->
     assert st.due(15.0) is CloseReason.COMPLETE
     out = st.close(15.0)
     assert [(p.client, p.staleness) for p in out.participants] == [("a", 0), ("s", 1)]
-    st.open(15.0)  # round 1 closed complete: a late update for it is not s's part of 2
+    st.open(15.0)
     st.submit("a", 2, 2, 1, vec(1.0), 16.0)
-    st.submit("s", 1, 1, 1, vec(1.0), 16.5)
-    assert st.due(16.5) is None
+    assert st.due(24.0) is None and st.close(25.0).reason is CloseReason.DEADLINE
+    st.open(25.0)
+    st.submit("a", 3, 3, 1, vec(1.0), 26.0)
+    st.submit("s", 1, 1, 1, vec(1.0), 30.0)  # from round 1's model, two rounds late
+    assert st.due(30.0) is CloseReason.COMPLETE
+    out = st.close(30.0)
+    assert [(p.client, p.staleness) for p in out.participants] == [("a", 0), ("s", 2)]
+    st.open(30.0)  # round 3 closed complete: a late update is not s's part of round 4
+    st.submit("a", 4, 4, 1, vec(1.0), 31.0)
+    st.submit("s", 3, 3, 1, vec(1.0), 31.5)
+    assert st.due(31.5) is None
 
 
 def test_a_carried_update_from_the_unchanged_model_is_its_senders_part() -> None:

@@ -52,7 +52,8 @@ class CloseReason(enum.StrEnum):
     was in."""
     COMPLETE = "complete"
     """Every member of the round (those present at its opening and still here) has its
-    part in: an update sent for the round, or one from the current model."""
+    part in: an update sent for the round, or one from the current model (after a round
+    that closed at its deadline, also a late update)."""
     DEADLINE = "deadline"
     """The round's deadline passed."""
 
@@ -316,8 +317,9 @@ class FederatedRounds:
         # a member that joins before the deadline may still bring what is missing.
         # A member's part is an update it sent for this round (a carried one it sends
         # again too) or one from the current model. A late update for an earlier round
-        # is not: counted, a client that was late once (a joiner's first update) was
-        # one round stale for good, each round closing before its fresh update came.
+        # is not (unless the last round closed at its deadline: _has_part): counted, a
+        # client that was late once (a joiner's first update) was one round stale for
+        # good, each round closing before its fresh update came.
         if (
             self._members_at_open
             and len(self._pending) >= self._needed
@@ -331,15 +333,17 @@ class FederatedRounds:
 
     def _has_part(self, client: str) -> bool:
         """Whether ``client`` has its part of the open round in (see :meth:`due`). After
-        a round that closed at its deadline, a late update for it counts too: its sender
-        is slower than round_timeout, and waiting for its next update would take every
-        round to the deadline (they alternate instead, as rounds always did for it)."""
+        a round that closed at its deadline, a late update counts too, whichever earlier
+        round it was sent for: its sender is slower than round_timeout (after its late
+        update it trains from the round still open, so the next one is two rounds
+        late), and waiting for its next update would take every round to the deadline
+        (about every other round completes instead, as before)."""
         u = self._pending.get(client)
         if u is None:
             return False
         if u.round == self.round or u.base_round >= self._model_from:
             return True
-        return self._after_deadline and u.round == self.round - 1
+        return self._after_deadline
 
     def close(self, now: float, reason: CloseReason | None = None) -> RoundOutcome:
         """Close the open round: aggregate when the quorum is met (else carry the updates
