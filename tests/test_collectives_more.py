@@ -415,7 +415,18 @@ async def test_a_split_against_an_all_gather_is_a_mismatch() -> None:
             return_exceptions=True,
         )
         assert all(isinstance(r, MismatchError) for r in results), results
-        assert "split(int64[3])" in str(results[1]), results
+        assert "split(color, key)" in str(results[1]), results
+
+
+async def test_a_barrier_against_an_all_reduce_names_the_barrier_plainly() -> None:
+    async with groups(2) as gs:
+        results = await asyncio.gather(
+            gs[0].barrier(timeout=5),
+            gs[1].all_reduce(np.zeros(3), timeout=5),
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, MismatchError) for r in results), results
+        assert "barrier()" in " ".join(map(str, results)), results  # it said barrier([])
 
 
 async def test_disagreeing_roots_are_a_mismatch_not_a_silent_answer() -> None:

@@ -342,6 +342,27 @@ async def test_a_relay_that_cannot_be_reached_is_said_once_while_retried(
     assert sum("session ended" in r.getMessage() for r in caplog.records) >= 3  # retried
 
 
+async def test_a_relay_lost_after_it_worked_is_said_to_be_reconnected_to(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After a session that worked, the warning says "reconnect", not "connect" (which
+    read as if the relay had never been reached)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        cfg = RelayConfig(connect_timeout=1.0, backoff_initial=0.05, backoff_max=0.05)
+        path = RelayPath(key(0), f"https://127.0.0.1:{port}/?pin={key(9).endpoint_id}", config=cfg)
+        path._set(connects=1)  # as after one authenticated session
+        try:
+            logs = caplog.at_level(logging.WARNING, logger="p2pdist.transport.relay_path")
+            with logs, pytest.raises(P2PTimeoutError):
+                await path.wait_connected(1.0)
+        finally:
+            await bounded(path.close(), "close()")
+    said = [r.getMessage() for r in caplog.records if "yet (" in r.getMessage()]
+    assert len(said) == 1 and "cannot reconnect yet" in said[0], said
+
+
 async def test_two_sessions_with_one_key_are_named_as_such_and_take_turns(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

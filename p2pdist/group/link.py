@@ -53,7 +53,12 @@ def _explain(desc: bytes) -> str:
         dtype = np.dtype(dtype).name if dtype else ""
     except TypeError:
         dtype = repr(dtype)
-    parts = [f"{dtype}{list(shape)}"]
+    if name == "split":  # its descriptor's dtype and shape are internal
+        parts = ["color, key"]
+    elif dtype or shape:
+        parts = [f"{dtype}{list(shape)}"]
+    else:  # barrier: no array
+        parts = []
     if op:
         parts.append(f"op={op!r}")
     if root is not None:

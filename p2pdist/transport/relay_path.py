@@ -301,7 +301,8 @@ class RelayPath:
                     # Said once, not at every retry: a caller waits (start() up to
                     # connect_timeout) with nothing else to tell it why.
                     self._said_unreachable = True
-                    log.warning("relay %s: cannot connect yet (%s); retrying", self.url, msg)
+                    again = "reconnect" if self._status.connects else "connect"
+                    log.warning("relay %s: cannot %s yet (%s); retrying", self.url, again, msg)
                 else:
                     log.info("relay %s: session ended: %s", self.url, msg)
             finally:
