@@ -321,22 +321,29 @@ def test_a_relay_cannot_switch_off_our_keepalive(offered: object, used: float) -
     assert relay_keepalive(offered) == used
 
 
-async def test_a_relay_that_cannot_be_reached_is_said_once_while_retried(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Nothing listens at the URL: one warning says so (a start() would otherwise wait
-    connect_timeout in silence), not one per retry."""
-    with socket.socket() as s:  # a port that refuses: bound, never listening
+async def retry_against_a_refusing_port(caplog: pytest.LogCaptureFixture, connects: int) -> None:
+    """A RelayPath (``connects`` sessions behind it, as far as it knows) dialing a port
+    that refuses (bound, never listening) for 1 s, its log captured from INFO up."""
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         cfg = RelayConfig(connect_timeout=1.0, backoff_initial=0.05, backoff_max=0.05)
         path = RelayPath(key(0), f"https://127.0.0.1:{port}/?pin={key(9).endpoint_id}", config=cfg)
+        path._set(connects=connects)
         try:
             logs = caplog.at_level(logging.INFO, logger="p2pdist.transport.relay_path")
             with logs, pytest.raises(P2PTimeoutError):
                 await path.wait_connected(1.0)
         finally:
             await bounded(path.close(), "close()")
+
+
+async def test_a_relay_that_cannot_be_reached_is_said_once_while_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nothing listens at the URL: one warning says so (a start() would otherwise wait
+    connect_timeout in silence), not one per retry."""
+    await retry_against_a_refusing_port(caplog, connects=0)
     said = [r for r in caplog.records if "cannot connect yet" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING
     assert sum("session ended" in r.getMessage() for r in caplog.records) >= 3  # retried
@@ -347,18 +354,7 @@ async def test_a_relay_lost_after_it_worked_is_said_to_be_reconnected_to(
 ) -> None:
     """After a session that worked, the warning says "reconnect", not "connect" (which
     read as if the relay had never been reached)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        cfg = RelayConfig(connect_timeout=1.0, backoff_initial=0.05, backoff_max=0.05)
-        path = RelayPath(key(0), f"https://127.0.0.1:{port}/?pin={key(9).endpoint_id}", config=cfg)
-        path._set(connects=1)  # as after one authenticated session
-        try:
-            logs = caplog.at_level(logging.WARNING, logger="p2pdist.transport.relay_path")
-            with logs, pytest.raises(P2PTimeoutError):
-                await path.wait_connected(1.0)
-        finally:
-            await bounded(path.close(), "close()")
+    await retry_against_a_refusing_port(caplog, connects=1)
     said = [r.getMessage() for r in caplog.records if "yet (" in r.getMessage()]
     assert len(said) == 1 and "cannot reconnect yet" in said[0], said
 
