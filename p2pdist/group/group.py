@@ -1,6 +1,6 @@
-"""The Group: the collectives, on top of :class:`~p2pdist.group.core.GroupCore`; the
-reductions (all_reduce, reduce_scatter, reduce) are mixed in from
-:class:`~p2pdist.group.reducing.Reducing`."""
+"""The Group: the collectives, on top of :class:`~p2pdist.group.reducing.Reducing` (the
+reductions: all_reduce, reduce_scatter, reduce, and the ring/pairwise passes every
+collective shares), itself on :class:`~p2pdist.group.core.GroupCore`."""
 
 from __future__ import annotations
 
@@ -15,12 +15,9 @@ from ..settings import as_int
 from . import algorithms as alg
 from .buffers import as_array, result_buffer
 from .calls import collective
-from .config import PAIRWISE_MAX_WORLD
-from .core import GroupCore
 from .devices import on_host
 from .link import CollectiveLink, describe_call
 from .membership import FIRST_RESERVED_SPACE
-from .ops import ReduceOp
 from .reducing import Reducing
 from .spaces import SpaceBook
 
@@ -34,7 +31,7 @@ _SPLIT_ATTEMPTS = 16
 splits run at once on the same ranks)."""
 
 
-class Group(GroupCore, Reducing):
+class Group(Reducing):
     """A fixed set of ranks that run collectives together.
 
     Build one with :meth:`from_seed` or :meth:`from_env` and use it as an async context
@@ -44,53 +41,6 @@ class Group(GroupCore, Reducing):
     """
 
     # ---- collectives ------------------------------------------------------------------
-
-    def _direct(self, arr: np.ndarray) -> bool:
-        """Whether reducing ``arr`` takes a one-round direct algorithm instead of the ring
-        (small arrays, and arrays with fewer elements than ranks)."""
-        return arr.nbytes <= self.config.small_bytes or arr.size < self.size
-
-    def _chunk(self, dtype: np.dtype[Any]) -> int:
-        """The ring and pipeline chunk, in elements of ``dtype``."""
-        return max(1, self.config.chunk_bytes // dtype.itemsize)
-
-    def _pairwise(self) -> bool:
-        """Whether arrays above small_bytes take the pairwise exchange (else the ring)."""
-        chosen = self.config.algorithm
-        if chosen == "auto":  # at 2 ranks the two are the same exchange
-            return 2 < self.size <= PAIRWISE_MAX_WORLD
-        return chosen == "pairwise"
-
-    async def _reduce_scatter_pass(
-        self,
-        lk: CollectiveLink,
-        flat: np.ndarray,
-        bounds: list[tuple[int, int]],
-        rop: ReduceOp,
-        chunk: int,
-    ) -> None:
-        """Segment ``bounds[rank]`` of ``flat`` reduced over all ranks, in place."""
-        if self._pairwise():
-            await alg.pairwise_reduce_scatter(lk, flat, bounds, rop, chunk)
-        else:
-            await alg.ring_reduce_scatter(lk, flat, bounds, rop, chunk)
-
-    async def _all_gather_pass(
-        self, lk: CollectiveLink, flat: np.ndarray, bounds: list[tuple[int, int]], chunk: int
-    ) -> None:
-        """Every rank's segment ``bounds[r]`` of ``flat`` filled in everywhere, in place."""
-        if self._pairwise():
-            await alg.pairwise_all_gather(lk, flat, bounds, chunk)
-        else:
-            await alg.ring_all_gather(lk, flat, bounds, chunk)
-
-    def _alone(self, timeout: float | None) -> bool:
-        """Whether this group has one rank, so that a collective needs no peer; its
-        ``timeout`` is checked all the same (a call must be refused alike at any world)."""
-        if self.size != 1:
-            return False
-        self._seconds(timeout)
-        return True
 
     @collective
     @on_host

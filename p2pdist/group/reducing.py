@@ -1,20 +1,19 @@
 """Reducing: the collectives that reduce (all_reduce, reduce_scatter, reduce), with their
 deterministic (rank-ordered) and compressed (narrow wire) paths and the argument checks
-they share with :class:`~p2pdist.group.buckets.GradientBuckets`. Mixed into
-:class:`~p2pdist.group.group.Group`, after :class:`~p2pdist.group.core.GroupCore`: the
-two provide every method stubbed here."""
+they share with :class:`~p2pdist.group.buckets.GradientBuckets`. The base of
+:class:`~p2pdist.group.group.Group`, on :class:`~p2pdist.group.core.GroupCore`."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from ..errors import UsageError
 from . import algorithms as alg
 from .buffers import as_array, result_buffer
-from .calls import Reserving, collective
+from .calls import collective
 from .compress import (
     INT8_BLOCK,
     ErrorFeedback,
@@ -29,7 +28,8 @@ from .compressed_algorithms import (
     compressed_ring_all_reduce,
     compressed_ring_reduce_scatter,
 )
-from .config import MODES, GroupConfig
+from .config import MODES, PAIRWISE_MAX_WORLD
+from .core import GroupCore
 from .devices import on_host
 from .link import CollectiveLink, describe_call
 from .linkops import split_bounds
@@ -38,43 +38,30 @@ from .ordered import ordered_all_reduce, ordered_reduce_scatter
 
 __all__ = ["Reducing"]
 
-_T = TypeVar("_T")
 
 
-class Reducing(Reserving):
-    """The reductions of a group: all_reduce, reduce_scatter and reduce."""
+class Reducing(GroupCore):
+    """The reductions of a group (all_reduce, reduce_scatter and reduce), and the
+    algorithm choices and ring/pairwise passes that every collective of
+    :class:`~p2pdist.group.group.Group` shares."""
 
-    config: GroupConfig
-    _rank: int
-
-    # ---- provided by GroupCore -----------------------------------------------------------
-
-    @property
-    def size(self) -> int:
-        """Number of ranks in the group."""
-        raise NotImplementedError
-
-    def _check_usable(self, *, collective: bool = True) -> None:
-        raise NotImplementedError
-
-    def _check_rank(self, r: int, what: str) -> int:
-        raise NotImplementedError
-
-    async def _run(
-        self,
-        descriptor: bytes,
-        timeout: float | None,
-        body: Callable[[CollectiveLink], Awaitable[_T]],
-    ) -> _T:
-        raise NotImplementedError
-
-    # ---- provided by Group ----------------------------------------------------------------
+    # ---- the passes every collective shares ------------------------------------------
 
     def _direct(self, arr: np.ndarray) -> bool:
-        raise NotImplementedError
+        """Whether reducing ``arr`` takes a one-round direct algorithm instead of the ring
+        (small arrays, and arrays with fewer elements than ranks)."""
+        return arr.nbytes <= self.config.small_bytes or arr.size < self.size
 
     def _chunk(self, dtype: np.dtype[Any]) -> int:
-        raise NotImplementedError
+        """The ring and pipeline chunk, in elements of ``dtype``."""
+        return max(1, self.config.chunk_bytes // dtype.itemsize)
+
+    def _pairwise(self) -> bool:
+        """Whether arrays above small_bytes take the pairwise exchange (else the ring)."""
+        chosen = self.config.algorithm
+        if chosen == "auto":  # at 2 ranks the two are the same exchange
+            return 2 < self.size <= PAIRWISE_MAX_WORLD
+        return chosen == "pairwise"
 
     async def _reduce_scatter_pass(
         self,
@@ -84,15 +71,28 @@ class Reducing(Reserving):
         rop: ReduceOp,
         chunk: int,
     ) -> None:
-        raise NotImplementedError
+        """Segment ``bounds[rank]`` of ``flat`` reduced over all ranks, in place."""
+        if self._pairwise():
+            await alg.pairwise_reduce_scatter(lk, flat, bounds, rop, chunk)
+        else:
+            await alg.ring_reduce_scatter(lk, flat, bounds, rop, chunk)
 
     async def _all_gather_pass(
         self, lk: CollectiveLink, flat: np.ndarray, bounds: list[tuple[int, int]], chunk: int
     ) -> None:
-        raise NotImplementedError
+        """Every rank's segment ``bounds[r]`` of ``flat`` filled in everywhere, in place."""
+        if self._pairwise():
+            await alg.pairwise_all_gather(lk, flat, bounds, chunk)
+        else:
+            await alg.ring_all_gather(lk, flat, bounds, chunk)
 
     def _alone(self, timeout: float | None) -> bool:
-        raise NotImplementedError
+        """Whether this group has one rank, so that a collective needs no peer; its
+        ``timeout`` is checked all the same (a call must be refused alike at any world)."""
+        if self.size != 1:
+            return False
+        self._seconds(timeout)
+        return True
 
     # ---- the reductions -------------------------------------------------------------------
 
