@@ -117,14 +117,7 @@ class GradientBuckets:
             group._seconds(reduce["timeout"])  # refused now, not at every bucket's wait()
         # The op, mode, wire_dtype and block, checked now as a float32 bucket would be
         # (every op takes float32), before the split takes a sub-group.
-        group._all_reduce_codec(
-            np.empty(0, np.float32),
-            op,
-            reduce.get("mode"),
-            reduce.get("wire_dtype"),
-            reduce.get("block", INT8_BLOCK),
-            None,
-        )
+        _check_reduce(group, np.dtype(np.float32), op, reduce)
         sub = await group.split(0)
         assert sub is not None
         return cls(sub, bucket_bytes=bucket_bytes, op=op, error_feedback=feedback, **reduce)
@@ -176,15 +169,7 @@ class GradientBuckets:
         wire = wire_form(dtype)  # what as_array checks; >f4 reduces as float32
         if wire in self._accepted:
             return wire
-        reduce = self._reduce
-        self._group._all_reduce_codec(
-            np.empty(0, wire),
-            self._op,
-            reduce.get("mode"),
-            reduce.get("wire_dtype"),
-            reduce.get("block", INT8_BLOCK),
-            None,  # each bucket's own ErrorFeedback, made with the wire_dtype
-        )
+        _check_reduce(self._group, wire, self._op, self._reduce)
         self._accepted.add(wire)
         return wire
 
@@ -355,4 +340,18 @@ def _note(err: BaseException, k: int, buckets: int, arrays: int) -> None:
         f"{_NOTE}bucket {k} of {buckets} in this step failed; it and the {buckets - k - 1} "
         f"after it were not reduced ({arrays} arrays keep the values they were added with); "
         f"the {k} before it were"
+    )
+
+
+def _check_reduce(group: Group, dtype: np.dtype[Any], op: str, reduce: dict[str, Any]) -> None:
+    """What the bucket's all_reduce checks before anything travels, for arrays of
+    ``dtype`` (``reduce``: the all_reduce keywords; each bucket's own ErrorFeedback is
+    made with the wire_dtype, so none is passed)."""
+    group._all_reduce_codec(
+        np.empty(0, dtype),
+        op,
+        reduce.get("mode"),
+        reduce.get("wire_dtype"),
+        reduce.get("block", INT8_BLOCK),
+        None,
     )

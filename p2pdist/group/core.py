@@ -35,7 +35,7 @@ from ..transport.pathinfo import PathInfo
 from ..transport.quic import QuicTransport
 from ..transport.relay_path import RelayConfig, RelayPath, RelayStatus
 from ..transport.tcp import TcpTransport, parse_address
-from ..wire.arrays import MAX_NDIM
+from ..wire.arrays import ArrayHeader, ArrayHeaderError
 from ..wire.relay import RelayUrl
 from . import p2p
 from .buffers import as_array, expectation
@@ -611,18 +611,17 @@ class GroupCore(Runner):
         """Send ``x`` to rank ``dst`` (matched in order by ``dst``'s :meth:`recv`)."""
         dst = self._check_peer(dst, "dst")
         arr = as_array(x)
-        if arr.ndim > MAX_NDIM:  # refused here, before the message takes its place in order
-            raise UsageError(
-                f"send: x has {arr.ndim} dimensions; at most {MAX_NDIM} travel "
-                "(reshape it, and back on the receiving side)"
-            )
+        try:  # refused here, before the message takes its place in the order
+            header = ArrayHeader.of(arr)
+        except ArrayHeaderError as exc:
+            raise UsageError(f"send: {exc} (reshape it, and back on the receiving side)") from None
         seconds = self._seconds(timeout)
         self._check_usable(collective=False)
         index = self._p2p_sent.get(dst, 0)
         self._p2p_sent[dst] = index + 1
         channel = (self._p2p_space << SPACE_SHIFT) | index
         try:
-            await p2p.send_array(self._conns[dst], channel, arr, seconds)
+            await p2p.send_array(self._conns[dst], channel, arr, header, seconds)
         except ConnectionClosedError:
             if self._root()._closing:
                 raise self._closed_under("send to", dst) from None

@@ -35,9 +35,11 @@ ABANDONED = b"abandoned"
 first have an empty meta otherwise)."""
 
 
-async def send_array(conn: Connection, channel: int, arr: np.ndarray, seconds: float) -> None:
-    """Send ``arr`` (C-contiguous) on ``channel``; bounded by ``seconds``."""
-    header = ArrayHeader.of(arr)
+async def send_array(
+    conn: Connection, channel: int, arr: np.ndarray, header: ArrayHeader, seconds: float
+) -> None:
+    """Send ``arr`` (C-contiguous; ``header`` is ``ArrayHeader.of(arr)``) on ``channel``;
+    bounded by ``seconds``."""
     data = arr.reshape(-1).data.cast("B") if arr.size else memoryview(b"")
     pieces = [data[i : i + CHUNK] for i in range(0, data.nbytes, CHUNK)] or [data]
     meta = bytes(msgpack.packb([header.to_wire(), len(pieces)], use_bin_type=True))

@@ -39,7 +39,6 @@ from .ordered import ordered_all_reduce, ordered_reduce_scatter
 __all__ = ["Reducing"]
 
 
-
 class Reducing(GroupCore):
     """The reductions of a group (all_reduce, reduce_scatter and reduce), and the
     algorithm choices and ring/pairwise passes that every collective of
@@ -163,14 +162,8 @@ class Reducing(GroupCore):
         ordered = self._ordered(mode, rop, arr)
         codec = None
         if wire_dtype is not None or error_feedback is not None:
-            by_call = ordered and mode is not None
-            codec = _codec_for(wire_dtype, block, error_feedback, rop, arr, by_call)
-            if codec is not None and ordered and not by_call:
-                raise UsageError(
-                    "this group's default mode is 'deterministic' (GroupConfig.mode), which "
-                    "cannot be combined with a wire_dtype: pass mode='fast' to this call to "
-                    "compress it"
-                )
+            deterministic = None if not ordered else "call" if mode is not None else "group"
+            codec = _codec_for(wire_dtype, block, error_feedback, rop, arr, deterministic)
         return rop, ordered, codec
 
     @collective
@@ -478,9 +471,11 @@ def _codec_for(
     feedback: ErrorFeedback | None,
     rop: ReduceOp,
     arr: np.ndarray,
-    ordered: bool,
+    deterministic: str | None,
 ) -> WireCodec | None:
-    """The wire codec of a compressed all_reduce, or None; checks the combination."""
+    """The wire codec of a compressed all_reduce, or None; checks the combination.
+    ``deterministic``: None, or who asked for deterministic mode ("call" or "group",
+    the group's default), which cannot be combined with a wire_dtype."""
     if feedback is not None and not isinstance(feedback, ErrorFeedback):
         raise UsageError(
             "error_feedback must be an ErrorFeedback (one per tensor, kept across calls), "
@@ -495,8 +490,13 @@ def _codec_for(
         raise UsageError(
             f"wire_dtype compresses floating sum/mean only, not op={rop.name!r} on {arr.dtype}"
         )
-    if ordered:
+    if deterministic == "call":
         raise UsageError("mode='deterministic' cannot be combined with a wire_dtype")
+    if deterministic == "group":
+        raise UsageError(
+            "this group's default mode is 'deterministic' (GroupConfig.mode), which cannot "
+            "be combined with a wire_dtype: pass mode='fast' to this call to compress it"
+        )
     return codec
 
 

@@ -82,6 +82,11 @@ class _Replaced(ConnectionBrokenError):
     """The relay closed our session for a newer one with our endpoint id."""
 
 
+def _power_of_ten(n: int) -> bool:
+    """Whether ``n`` is 1, 10, 100...: when a repeating event is logged again."""
+    return n == int(10 ** (len(str(n)) - 1))
+
+
 _SELF_SIGNED = (18, 19)
 """OpenSSL's X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT and SELF_SIGNED_CERT_IN_CHAIN: what a
 pinned relay's certificate gives when dialed without its pin."""
@@ -140,7 +145,6 @@ class RelayPath:
         self._connected = asyncio.Event()
         self._refused = asyncio.Event()
         self._said_unreachable = False  # warned that the relay cannot be reached yet
-        self._replaced = 0  # sessions ended by a newer connection with our endpoint id
         self._closed = asyncio.Event()
         """Set by :meth:`close`: no session any more, and waiters stop waiting."""
         self._ping_sent: dict[bytes, float] = {}
@@ -285,14 +289,11 @@ class RelayPath:
                 # open a new session only after this one ended. Said at the 1st, 10th,
                 # 100th... time: two processes with one key would take turns for ever.
                 self._refused.clear()
-                self._replaced += 1
-                self._set(last_error=str(exc), replaced=self._replaced)
-                said = f"{exc} (replaced {self._replaced} time(s) so far)"
-                if str(self._replaced).rstrip("0") == "1":
-                    log.warning("%s", said)
-                else:
-                    log.info("%s", said)
-                self._authed_at = None  # its backoff grows: no taking turns at once
+                n = self._status.replaced + 1
+                self._set(last_error=str(exc), replaced=n)
+                level = logging.WARNING if _power_of_ten(n) else logging.INFO
+                log.log(level, "%s (replaced %d time(s) so far)", exc, n)
+                self._authed_at = None  # a replacement never resets the backoff
             except Exception as exc:  # any failure ends this session, never the loop
                 self._refused.clear()  # the latest attempt was not refused
                 msg = str(exc) or type(exc).__name__
@@ -566,7 +567,7 @@ class RelayPath:
         100th... time (a handler that fails on every datagram must not flood the log)."""
         self._handler_errors += 1
         n = self._handler_errors
-        if n == 10 ** (len(str(n)) - 1):
+        if _power_of_ten(n):
             log.exception(
                 "relay %s: error while handling %s %s (%d so far; the session goes on)",
                 self.url,
