@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import math
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -90,14 +91,20 @@ class DoctorReport:
     interfaces: list[str] = field(default_factory=list)
     """This host's interface addresses (IPv4, then global IPv6), loopback left out."""
     observation_ports: list[int] = field(default_factory=list)
+    observation_ipv6: list[bool] = field(default_factory=list)
+    """For each of :attr:`observation_ports`: whether it was asked over IPv6."""
     observed: list[str] = field(default_factory=list)
-    """Our UDP address as each observation port saw it (in port order)."""
+    """Our UDP address as each observation port saw it (in port order; IPv4 first, then
+    IPv6 where the relay's name has both)."""
     udp: bool = False
     """Whether any observation port answered (UDP gets out and back)."""
     observation_off: bool = False
     """The relay runs no observation port (``--stun-port 0``): UDP was not checked."""
     mapping: str = "unknown"
-    """``endpoint-independent``, ``endpoint-dependent``, ``no UDP`` or ``unknown``."""
+    """``endpoint-independent``, ``endpoint-dependent``, ``none (public address)``,
+    ``no UDP`` or ``unknown`` (IPv4, or IPv6 for a relay reached over IPv6 only)."""
+    mapping6: str | None = None
+    """The IPv6 mapping, where the relay was asked over both families."""
     peer: PeerReport | None = None
 
     def verdict(self) -> str:
@@ -120,7 +127,9 @@ class DoctorReport:
         if not self.udp:
             return "UDP is blocked: every peer is reached through the relay (TCP + TLS)"
         if self.mapping == "endpoint-dependent":
-            if any(":" in a for a in self.interfaces):
+            if self.mapping6 == "endpoint-dependent":
+                return "symmetric NAT on IPv4 and IPv6: direct paths only to peers without NAT"
+            if self.mapping6 is not None or any(":" in a for a in self.interfaces):
                 return (
                     "symmetric NAT: over IPv4, direct paths only to peers without NAT; "
                     "this host has global IPv6, so peers with IPv6 may still go direct"
@@ -133,21 +142,39 @@ class DoctorReport:
         return "UDP works; the mapping type is unknown (the relay has one observation port)"
 
 
-async def _observe(targets: list[UdpAddress], timeout: float) -> tuple[str, list[str | None]]:
-    """Binding Requests from one new socket to every target: (local, [seen or None])."""
-    probe = StunProbe(targets)
+async def _observe(
+    targets: list[UdpAddress], timeout: float, interfaces: list[str]
+) -> tuple[str, set[str], list[tuple[UdpAddress, str | None]]]:
+    """Binding Requests from one new socket to every target it can reach: (its local
+    address, its own addresses on ``interfaces``, [(target, seen or None)])."""
 
     def on_datagram(sock: UdpSocket, data: bytes, addr: UdpAddress) -> None:
         if classify(data) is DatagramKind.STUN:
             probe.on_datagram(data)
 
-    sock = await UdpSocket.open(bind_host_for(targets), 0, on_datagram)
+    host = bind_host_for(targets)
+    if host is None:
+        sock = await UdpSocket.open_any(0, on_datagram)
+    else:
+        sock = await UdpSocket.open(host, 0, on_datagram)
     try:
+        v6 = sock.family == socket.AF_INET6
+        targets = [t for t in targets if sock.dual_stack or (":" in t[0]) == v6]
+        probe = StunProbe(targets)
         answers = await probe.run(sock.send, timeout)
         local = path_key(sock.local_address)
+        port = sock.local_address[1]
     finally:
         sock.close()
-    return local, [path_key(a) if a is not None else None for a in answers]
+    own = {local, *(path_key((ip, port)) for ip in interfaces)}
+    return (
+        local,
+        own,
+        [
+            (t, path_key(a) if a is not None else None)
+            for t, a in zip(targets, answers, strict=True)
+        ],
+    )
 
 
 async def diagnose(
@@ -187,12 +214,17 @@ async def diagnose(
             report.relay_error = f"cannot resolve {path.url.host}"
             return report
         if targets:
-            report.observation_ports = [port for _, port in targets]
-            local, seen = await _observe(targets, min(timeout, 3.0))
+            local, own, seen = await _observe(targets, min(timeout, 3.0), report.interfaces)
             report.local = local
-            report.observed = [a or "no answer" for a in seen]
-            report.udp = any(a is not None for a in seen)
-            report.mapping = mapping_behaviour(seen, local)
+            report.observation_ports = [port for (_, port), _ in seen]
+            report.observation_ipv6 = [":" in host for (host, _), _ in seen]
+            report.observed = [a or "no answer" for _, a in seen]
+            report.udp = any(a is not None for _, a in seen)
+            v4 = [a for (host, _), a in seen if ":" not in host]
+            v6 = [a for (host, _), a in seen if ":" in host]
+            report.mapping = mapping_behaviour(v4 or v6, own)
+            if v4 and v6:
+                report.mapping6 = mapping_behaviour(v6, own)
         if peer is not None:
             report.peer = await _check_peer(transport, peer, timeout)
         return report
@@ -294,15 +326,19 @@ def render(r: DoctorReport) -> str:
         lines.append(
             f"               connected ({link}), RTT {_ms(r.relay_rtt)}, sees us at {r.relay_sees}"
         )
-        seen_by = zip(r.observation_ports, r.observed, strict=False)
-        pairs = ", ".join(f"{seen} (port {port})" for port, seen in seen_by)
+        ipv6 = r.observation_ipv6 or [False] * len(r.observation_ports)
+        seen_by = zip(r.observation_ports, ipv6, r.observed, strict=False)
+        pairs = ", ".join(
+            f"{seen} ({'IPv6 ' if v6 else ''}port {port})" for port, v6, seen in seen_by
+        )
         if r.observation_off:
             lines.append("  UDP          not checked: the relay has address observation off")
         else:
             lines.append(f"  UDP          {'reachable' if r.udp else 'BLOCKED'}: {pairs}")
         local = r.local or "not checked"
         lines.append(f"  local        {local} (interfaces: {', '.join(r.interfaces) or '-'})")
-        lines.append(f"  NAT mapping  {r.mapping}")
+        ipv6_mapping = f" (IPv6: {r.mapping6})" if r.mapping6 is not None else ""
+        lines.append(f"  NAT mapping  {r.mapping}{ipv6_mapping}")
     p = r.peer
     if p is not None:
         if not p.connected:

@@ -417,11 +417,17 @@ class RelayServer:
         return tuple(p for p in (self.stun_port, self.stun_alt_port) if p)
 
     async def _bind_udp(self, metrics: Metrics, port: int) -> asyncio.DatagramTransport:
+        """An observation port on the TCP listener's addresses: ``--host ""`` (both
+        families) binds one dual-stack socket, so IPv6 clients learn their address too."""
         loop = asyncio.get_running_loop()
-        host = self.config.host or "0.0.0.0"
-        transport, _ = await loop.create_datagram_endpoint(
-            lambda: StunProtocol(metrics), local_addr=(host, port)
-        )
+        host = self.config.host
+        if host:
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: StunProtocol(metrics), local_addr=(host, port)
+            )
+            return transport
+        sock = _dual_stack_udp(port)
+        transport, _ = await loop.create_datagram_endpoint(lambda: StunProtocol(metrics), sock=sock)
         return transport
 
     async def _start_stun(self, metrics: Metrics) -> None:
@@ -430,7 +436,7 @@ class RelayServer:
         port = c.effective_stun_port(self.port)
         if not port:
             return
-        host = c.host or "0.0.0.0"
+        host = c.host or "[::]"
         try:
             self._stun = await self._bind_udp(metrics, port)
         except OSError as exc:
@@ -598,3 +604,28 @@ def _url_port(sockets: Sequence[Any], url_host: str) -> int:
         if sock.family == family:
             return int(sock.getsockname()[1])
     return int(sockets[0].getsockname()[1])
+
+
+def _dual_stack_udp(port: int) -> socket.socket:
+    """A non-blocking UDP socket on ``port`` of every address of both families (``::``
+    with IPV6_V6ONLY off), or of every IPv4 address where the host has no IPv6."""
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    except OSError as exc:  # IPv6 off in this kernel or container
+        log.info(kv("stun_ipv4_only", port=port, error=exc))
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        host = "0.0.0.0"
+    else:
+        host = "::"
+        try:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        except OSError:
+            sock.close()
+            raise
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock

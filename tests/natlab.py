@@ -21,6 +21,8 @@ With ``ipv6=True`` every namespace also gets IPv6, with no NAT (as an ISP's IPv6
 the internet is 2001:db8:100::/64 (relay ::1, WAN addresses ::10 and ::20), each LAN
 2001:db8:a::/64 or 2001:db8:b::/64 (router ::1, host ::2), and each router is a stateful
 firewall (ip6tables, the same filter as its IPv4 one: unsolicited inbound dropped).
+``nat66=True`` adds the IPv4 rule's NAT to IPv6 as well (MASQUERADE to the router's WAN
+address, as NAT66 routers do): then only the observed address of an IPv6 host works.
 
 Routers drop unsolicited inbound (FORWARD and INPUT policy DROP; ESTABLISHED,RELATED and
 LAN->WAN accepted). They must: a router that accepted an early punch packet would let
@@ -250,16 +252,18 @@ def _ruleset(kind: str, wan: str, lan: str) -> str:
     )
 
 
-def _ruleset6(kind: str, wan: str, lan: str) -> str:
-    """ip6tables-restore input for a router of ``kind``: no NAT, the same stateful filter
-    as :func:`_ruleset` (ICMPv6 to the router itself is let in: neighbour discovery)."""
+def _ruleset6(kind: str, wan: str, lan: str, nat66: bool = False) -> str:
+    """ip6tables-restore input for a router of ``kind``: the same stateful filter as
+    :func:`_ruleset` (ICMPv6 to the router itself is let in: neighbour discovery), and
+    no NAT unless ``nat66`` (then the IPv4 rule's MASQUERADE, as NAT66 routers do)."""
     block = (
         f'-A FORWARD -p udp -m comment --comment "{_BLOCK_COMMENT}" -j DROP\n'
         if kind == "udp-blocked"
         else ""
     )
+    nat = _ruleset(kind, wan, lan).split("*filter", 1)[0] if nat66 else ""
     return (
-        "*filter\n:INPUT DROP [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\n"
+        f"{nat}*filter\n:INPUT DROP [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\n"
         f"{block}"
         "-A FORWARD -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT\n"
         f"-A FORWARD -i {lan} -o {wan} -j ACCEPT\n"
@@ -338,6 +342,8 @@ class NatLab(_NamespaceLab):
 
     relay_ip = RELAY_IP
     """The relay host's address in the internet namespace."""
+    relay_ip6 = RELAY_IP6
+    """The relay host's IPv6 address in the internet namespace (``ipv6=True`` labs)."""
     lan_host_ip = LAN_HOST_IP
     """The address of the host behind every router (the same on both sides)."""
 
@@ -349,12 +355,16 @@ class NatLab(_NamespaceLab):
         udp_timeout: int | None = None,
         workdir: Path | None = None,
         ipv6: bool = False,
+        nat66: bool = False,
     ) -> None:
+        if nat66 and not ipv6:
+            raise ValueError("nat66 needs ipv6=True")
         for kind in (a, b):
             if kind not in KINDS:
                 raise ValueError(f"NAT kind must be one of {', '.join(KINDS)}, got {kind!r}")
         self.kinds = {"a": a, "b": b}
         self.ipv6 = ipv6
+        self.nat66 = nat66
         self.prefix = f"{PREFIX}{os.getpid()}-{next(_counter)}-"
         self.inet_ns = self.prefix + "inet"
         self._udp_timeout = udp_timeout
@@ -402,8 +412,16 @@ class NatLab(_NamespaceLab):
         public address for ``"none"``."""
         return self.public_ip(side) if self.kind(side) == "none" else LAN_HOST_IP
 
+    def public_ip6(self, side: str) -> str:
+        """The IPv6 address of ``side`` on the internet (its router's WAN address, or
+        the host's own for ``"none"``; ``ipv6=True`` labs)."""
+        if not self.ipv6:
+            raise NatLabError("this lab has no IPv6 (NatLab(..., ipv6=True))")
+        return PUBLIC_IP6[side]
+
     def host_ip6(self, side: str) -> str:
-        """The host's IPv6 address (``ipv6=True`` labs): global, no NAT in front."""
+        """The host's IPv6 address (``ipv6=True`` labs): global, behind no NAT unless
+        ``nat66``."""
         if not self.ipv6:
             raise NatLabError("this lab has no IPv6 (NatLab(..., ipv6=True))")
         if self.kind(side) == "none":
@@ -496,7 +514,7 @@ class NatLab(_NamespaceLab):
             self._addr6(host, f"{LAN6[side]}2/64", "eth0")
             self._ip(host, "-6", "route", "add", "default", "via", f"{LAN6[side]}1")
             self._sysctl(router, {"net.ipv6.conf.all.forwarding": 1})
-            rules = _ruleset6(self.kind(side), "wan0", "lan0")
+            rules = _ruleset6(self.kind(side), "wan0", "lan0", self.nat66)
             _run(["ip", "netns", "exec", router, "ip6tables-restore"], input=rules)
         deadline = time.monotonic() + 10.0
         while any(

@@ -630,6 +630,31 @@ def test_doctor_verdict_on_a_symmetric_nat_counts_a_global_ipv6_address() -> Non
     assert report.verdict().endswith("the rest stay relayed")
     report.interfaces.append("2001:db8:a::2")
     assert "peers with IPv6 may still go direct" in report.verdict()
+    report.interfaces = ["10.0.0.2"]  # behind NAT66: only the relay's IPv6 ports tell
+    report.mapping6 = "endpoint-independent"
+    assert "peers with IPv6 may still go direct" in report.verdict()
+    report.mapping6 = "endpoint-dependent"
+    assert report.verdict().startswith("symmetric NAT on IPv4 and IPv6")
+
+
+def test_doctor_shows_each_familys_observations_and_mapping() -> None:
+    from p2pdist.doctor import DoctorReport, render
+
+    report = DoctorReport(
+        "https://relay.test/",
+        "a" * 52,
+        relay_connected=True,
+        relay_sees="192.0.2.1:5000",
+        udp=True,
+        observation_ports=[3478, 3478],
+        observation_ipv6=[False, True],
+        observed=["192.0.2.1:5001", "no answer"],
+        mapping="unknown",
+        mapping6="no UDP",
+    )
+    text = render(report)
+    assert "reachable: 192.0.2.1:5001 (port 3478), no answer (IPv6 port 3478)" in text
+    assert "NAT mapping  unknown (IPv6: no UDP)" in text
 
 
 def test_a_bad_proxy_in_the_environment_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

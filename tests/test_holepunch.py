@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import types
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -633,8 +633,8 @@ def test_mapping_behaviour_reads_the_nat_type_off_the_answers() -> None:
     assert mapping_behaviour([None, None]) == "no UDP"
     assert mapping_behaviour([a, None]) == "unknown"  # one answer tells nothing
     assert mapping_behaviour([]) == "unknown"  # a relay without observation ports
-    assert mapping_behaviour([a, a], local=a) == "none (public address)"
-    assert mapping_behaviour([a, a], local=b) == "endpoint-independent"
+    assert mapping_behaviour([a, a], own={a, b}) == "none (public address)"
+    assert mapping_behaviour([a, a], own={b}) == "endpoint-independent"
 
 
 async def test_stun_probe_resends_only_while_an_answer_can_still_count() -> None:
@@ -656,6 +656,40 @@ async def test_stun_probe_resends_only_while_an_answer_can_still_count() -> None
     assert {addr for _, addr in sent} == set(targets)
 
 
+async def test_stun_probe_gives_the_other_family_a_grace_once_one_is_in() -> None:
+    """A relay whose name has an IPv6 address its observation ports do not answer on:
+    once the IPv4 ports answered, IPv6 gets FAMILY_GRACE, not the whole timeout (which
+    would hold up every observation); an answer within the grace still counts."""
+    from p2pdist.transport.observe import FAMILY_GRACE, StunProbe
+    from p2pdist.wire.stun import binding_response
+
+    targets = [("192.0.2.1", 3478), ("192.0.2.1", 3479), ("2001:db8::1", 3478)]
+    loop = asyncio.get_running_loop()
+
+    def answering(probe: StunProbe, v6_after: float | None) -> Callable[[bytes, Any], None]:
+        def send(data: bytes, addr: tuple[str, int]) -> None:
+            reply = binding_response(bytes(data[8:20]), "198.51.100.7", 4000)
+            if ":" not in addr[0]:
+                loop.call_soon(probe.on_datagram, reply)
+            elif v6_after is not None:
+                loop.call_later(v6_after, probe.on_datagram, reply)
+
+        return send
+
+    probe = StunProbe(targets)
+    start = loop.time()
+    answers = await bounded(probe.run(answering(probe, None), 10.0), "probe")
+    took = loop.time() - start
+    assert answers[:2] == [("198.51.100.7", 4000)] * 2 and answers[2] is None
+    assert FAMILY_GRACE * 0.9 <= took < FAMILY_GRACE + 0.5, took
+
+    probe = StunProbe(targets)
+    start = loop.time()
+    answers = await bounded(probe.run(answering(probe, FAMILY_GRACE / 3), 10.0), "probe")
+    assert all(a == ("198.51.100.7", 4000) for a in answers)
+    assert loop.time() - start < FAMILY_GRACE
+
+
 async def test_quic_dialed_at_an_address_reports_one_direct_path() -> None:
     ta, tb = QuicTransport(A, transport_config()), QuicTransport(B, transport_config())
     async with closing(ta, tb):
@@ -674,18 +708,27 @@ async def test_quic_dialed_at_an_address_reports_one_direct_path() -> None:
 
 
 def fake_resolution(monkeypatch: pytest.MonkeyPatch, answers: dict[str, str | None]) -> list[str]:
-    """Resolve each host in ``answers`` to its IPv4 address (None: it has none, as an
-    AAAA-only name); other hosts as usual. Every UdpSocket.open in the transport binds
-    127.0.0.1 whatever it asked for; returns the hosts it asked for."""
+    """Resolve each host in ``answers`` to its addresses (comma-separated, IPv4 or IPv6;
+    None: it does not resolve); other hosts as usual. Every UdpSocket.open in the
+    transport binds 127.0.0.1 whatever it asked for; returns the hosts it asked for."""
     loop = asyncio.get_running_loop()
     real_resolve = loop.getaddrinfo
 
     async def resolve(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
         if host in answers:
-            ip = answers[host]
-            if ip is None:
-                raise socket.gaierror(socket.EAI_NONAME, "no IPv4 address")
-            return [(socket.AF_INET, socket.SOCK_DGRAM, 17, "", (ip, port or 0))]
+            ips = answers[host]
+            if ips is None:
+                raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+            return [
+                (
+                    socket.AF_INET6 if ":" in ip else socket.AF_INET,
+                    socket.SOCK_DGRAM,
+                    17,
+                    "",
+                    (ip, port or 0, 0, 0) if ":" in ip else (ip, port or 0),
+                )
+                for ip in ips.split(",")
+            ]
         return await real_resolve(host, port, *args, **kw)
 
     monkeypatch.setattr(loop, "getaddrinfo", resolve)
@@ -708,19 +751,48 @@ def relay_at(host: str) -> RelayPath:
 async def test_punch_socket_for_a_relay_without_ipv4_binds_every_interface(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The relay's name has no IPv4 address, so its observation ports are unknown: the
-    punching socket still binds every interface (it used to bind 127.0.0.1, and announce
-    loopback candidates no remote peer could ever reach)."""
-    asked = fake_resolution(monkeypatch, {"relay6.example": None})
+    """The relay's name has only an IPv6 address: its observation ports are asked there,
+    and the punching socket binds every interface (it used to bind 127.0.0.1, and
+    announce loopback candidates no remote peer could ever reach)."""
+    asked = fake_resolution(monkeypatch, {"relay6.example": "2001:db8::1"})
     t = QuicTransport(A, transport_config(), relay=relay_at("relay6.example"))
     async with closing(t):
-        assert await relay_at("relay6.example").observation_targets() == []
+        assert await relay_at("relay6.example").observation_targets() == [("2001:db8::1", 443)]
         await t._open_punch_socket()
         # dual-stack first (IPv6 too); the fake socket on 127.0.0.1 is not, so 0.0.0.0
         assert asked == (["::", "0.0.0.0"] if socket.has_ipv6 else ["0.0.0.0"])
-    assert bind_host_for([]) == "0.0.0.0"
+
+
+async def test_observation_targets_are_the_first_address_of_each_family(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake_resolution(
+        monkeypatch,
+        {
+            "both.example": "2001:db8::1,192.0.2.1,192.0.2.2,2001:db8::2",
+            "mapped.example": "::ffff:192.0.2.7",
+            "gone.example": None,
+        },
+    )
+    both = relay_at("both.example")
+    both._status = replace(both.status, stun_ports=(3478, 3479))
+    assert await both.observation_targets() == [
+        ("192.0.2.1", 3478),
+        ("192.0.2.1", 3479),
+        ("2001:db8::1", 3478),
+        ("2001:db8::1", 3479),
+    ]
+    assert await relay_at("mapped.example").observation_targets() == [("192.0.2.7", 443)]
+    assert await relay_at("gone.example").observation_targets() == []
+
+
+def test_a_socket_for_observation_binds_loopback_only_for_a_loopback_relay() -> None:
+    assert bind_host_for([]) is None  # None: every interface, dual-stack where possible
     assert bind_host_for([("127.0.0.1", 3478)]) == "127.0.0.1"
-    assert bind_host_for([("127.0.0.1", 3478), ("192.0.2.1", 3478)]) == "0.0.0.0"
+    assert bind_host_for([("::1", 3478)]) == "::1"
+    assert bind_host_for([("127.0.0.1", 3478), ("::1", 3478)]) == "127.0.0.1"
+    assert bind_host_for([("127.0.0.1", 3478), ("192.0.2.1", 3478)]) is None
+    assert bind_host_for([("::1", 3478), ("2001:db8::1", 3478)]) is None
 
 
 async def test_a_relay_on_loopback_still_punches_on_loopback(

@@ -160,6 +160,29 @@ def test_ipv6_goes_direct_where_the_ipv4_nats_cannot(tmp_path: Path) -> None:
             assert relay["datagrams_sent"] > 0  # the connection began on the relay
 
 
+def test_behind_nat66_the_relay_observes_the_ipv6_address_that_goes_direct(
+    tmp_path: Path,
+) -> None:
+    """Both sides behind NAT66 (IPv6 masqueraded to the router's address) and symmetric
+    IPv4 NATs, the relay on IPv6 only: no interface address of either host is reachable
+    from the other, so only the address the relay's observation ports saw over IPv6
+    can go direct (before the relay was asked over IPv6, it stayed relayed)."""
+    require_ipv6()
+    with NatLab("eim", "eim", workdir=tmp_path, ipv6=True, nat66=True) as lab:
+        url = lab.spawn_relay("--host", lab.relay_ip6)
+        assert url.startswith(f"https://[{lab.relay_ip6}]:")
+        ranks = Rank(lab, "a", 0, url), Rank(lab, "b", 1, url)
+        times = [r.expect("direct")["seconds"] for r in ranks]
+        assert all(t is not None and t < 2.0 for t in times), times
+        print(f"\neim-eim behind NAT66: direct path {max(times):.3f} s after forming")
+        for r, side, other in zip(ranks, "ab", "ba", strict=True):
+            done = r.finish()
+            assert [lab.public_ip6(side)] == list({ip for ip, _ in done["observed"]})
+            assert done["path"]["kind"] == "direct"
+            host, _ = done["path"]["remote"].rsplit(":", 1)
+            assert host == f"[{lab.public_ip6(other)}]"  # never the host's own address
+
+
 def test_direct_path_dies_mid_run_and_the_all_reduce_completes_on_the_relay(
     tmp_path: Path,
 ) -> None:
@@ -180,6 +203,7 @@ def test_direct_path_dies_mid_run_and_the_all_reduce_completes_on_the_relay(
 
 
 DOCTOR_CASES = [
+    ("none", "none (public address)", True),  # the interface's address, seen as it is
     ("eim", "endpoint-independent", True),
     ("symmetric", "endpoint-dependent", False),
     ("udp-blocked", "no UDP", False),

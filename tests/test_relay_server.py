@@ -169,6 +169,25 @@ async def test_ipv6_listener_url_observed_address_and_stun() -> None:
         await client.close()
 
 
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback")
+async def test_a_relay_on_both_families_observes_both() -> None:
+    """``--host ""`` listens on IPv4 and IPv6: so do its observation ports (one
+    dual-stack socket each), and each family's client sees its own address."""
+    async with running(host="", stun_port=None) as srv:
+        assert srv.stun_alt_port
+        loop = asyncio.get_running_loop()
+        for family, ip in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+            with socket.socket(family, socket.SOCK_DGRAM) as sock:
+                sock.bind((ip, 0))
+                sock.setblocking(False)
+                for port in srv.stun_ports:
+                    txid = new_transaction_id()
+                    sock.sendto(binding_request(txid), (ip, port))
+                    data = await asyncio.wait_for(loop.sock_recv(sock, 2048), 10)
+                    assert parse_binding_response(data, txid) == (ip, sock.getsockname()[1])
+        assert srv.core.metrics.stun_requests_total == 4
+
+
 async def test_bad_signature_and_claiming_another_id_are_refused() -> None:
     async with running() as srv:
         forged = await RelayTestClient.open(srv.url)

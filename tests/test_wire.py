@@ -508,8 +508,9 @@ def test_bad_version_and_kind_refused_at_their_first_byte() -> None:
 
 def test_default_limits_refuse_over_one_gib() -> None:
     dec = FrameDecoder()
-    with pytest.raises(FrameError, match="exceeds limit"):
+    with pytest.raises(FrameError, match="exceeds limit") as info:
         dec.feed(raw_header(payload_len=(1 << 30) + 1))
+    assert "this side's FrameLimits.max_payload" in str(info.value)
     dec = FrameDecoder()
     with pytest.raises(FrameError, match="exceeds limit"):
         dec.feed(raw_header(meta_len=64 * 1024 + 1))

@@ -347,7 +347,7 @@ class HolePuncher:
 
     async def _observe(self) -> Observation | None:
         sock = await self._socket()
-        targets = await self._stun_targets()
+        targets = [t for t in await self._stun_targets() if self._reaches(t)]
         if not targets:
             return None
         self._probe = probe = StunProbe(targets)

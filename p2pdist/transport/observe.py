@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 
 from ..wire.stun import StunError, binding_request, new_transaction_id, parse_binding_response
 from .paths import UdpAddress
@@ -20,10 +20,15 @@ __all__ = ["StunProbe", "mapping_behaviour"]
 
 FIRST_RETRY = 0.1
 """Seconds before the first resend; doubles after each."""
+FAMILY_GRACE = 0.3
+"""Seconds the targets of one address family still get once every target of the other
+has answered (a relay whose name has an IPv6 address its observation ports do not
+answer on, or an IPv6 path that drops UDP, must not hold up every observation)."""
 
 
 class StunProbe:
-    """One round of Binding Requests from one socket to ``targets``."""
+    """One round of Binding Requests from one socket to ``targets`` (IPv4, IPv6 or both:
+    once one family's targets have all answered, the other's get :data:`FAMILY_GRACE`)."""
 
     def __init__(self, targets: Sequence[UdpAddress]) -> None:
         self.targets = list(targets)
@@ -31,6 +36,8 @@ class StunProbe:
         """Our address as each target saw it (None: no answer yet)."""
         self._txids = {new_transaction_id(): i for i in range(len(self.targets))}
         self._all_in = asyncio.Event()
+        self._family_in = asyncio.Event()
+        """Set once every target of one address family has answered."""
 
     def on_datagram(self, data: bytes) -> bool:
         """Take a STUN message that arrived on the socket; True if it answered us."""
@@ -44,37 +51,52 @@ class StunProbe:
             return False
         if all(a is not None for a in self.answers):
             self._all_in.set()
+        family = ":" in self.targets[i][0]
+        same = [
+            a for t, a in zip(self.targets, self.answers, strict=True) if (":" in t[0]) == family
+        ]
+        if all(a is not None for a in same):
+            self._family_in.set()
         return True
 
     async def run(
         self, send: Callable[[bytes, UdpAddress], None], timeout: float
     ) -> list[UdpAddress | None]:
         """Send (and resend) the requests until every target answered or ``timeout``
-        seconds passed; returns :attr:`answers`."""
+        seconds passed (less once one family is in: see the class); returns
+        :attr:`answers`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         delay = FIRST_RETRY
+        grace_set = False
         while self.targets:
             for txid, i in self._txids.items():
                 if self.answers[i] is None:
                     send(binding_request(txid), self.targets[i])
-            left = deadline - loop.time()
-            if left <= 0:
-                break
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(delay, left)):
-                    await self._all_in.wait()
+            resend_at = loop.time() + delay
+            while not self._all_in.is_set():
+                if self._family_in.is_set() and not grace_set:
+                    grace_set = True
+                    deadline = min(deadline, loop.time() + FAMILY_GRACE)
+                wake = min(resend_at, deadline) - loop.time()
+                if wake <= 0:
+                    break
+                waiter = self._all_in if grace_set else self._family_in
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wake):
+                        await waiter.wait()
             if self._all_in.is_set() or loop.time() >= deadline:
                 break  # no resend whose answer nobody would wait for
             delay *= 2
         return self.answers
 
 
-def mapping_behaviour(answers: Sequence[Hashable | None], local: Hashable | None = None) -> str:
-    """``none (public address)`` (every target saw ``local``, the socket's own address:
-    no NAT), ``endpoint-independent`` (one mapped address for every target),
+def mapping_behaviour(answers: Sequence[Hashable | None], own: Collection[Hashable] = ()) -> str:
+    """``none (public address)`` (every target saw one of ``own``, the socket's own
+    addresses: no NAT), ``endpoint-independent`` (one mapped address for every target),
     ``endpoint-dependent`` ("symmetric": one per target), ``no UDP`` (no answer at all)
-    or ``unknown`` (fewer than two answers, e.g. a relay with one observation port)."""
+    or ``unknown`` (fewer than two answers, e.g. a relay with one observation port).
+    Give the answers of one address family: each family is mapped on its own."""
     seen = [a for a in answers if a is not None]
     if not seen:
         return "no UDP" if answers else "unknown"
@@ -82,4 +104,4 @@ def mapping_behaviour(answers: Sequence[Hashable | None], local: Hashable | None
         return "unknown"
     if len(set(seen)) > 1:
         return "endpoint-dependent"
-    return "none (public address)" if seen[0] == local else "endpoint-independent"
+    return "none (public address)" if seen[0] in own else "endpoint-independent"

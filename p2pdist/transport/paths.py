@@ -139,11 +139,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def bind_host_for(targets: list[UdpAddress]) -> str:
+def bind_host_for(targets: list[UdpAddress]) -> str | None:
     """Where a socket that talks to ``targets`` binds: loopback only when there are
-    targets and every one is on loopback (tests, one machine), else every interface (a
-    socket bound to loopback can never reach anything elsewhere)."""
-    return "127.0.0.1" if targets and all_loopback(targets) else "0.0.0.0"
+    targets and every one is on loopback (tests, one machine: 127.0.0.1, or ::1 when
+    every one is IPv6), else None: every interface, dual-stack where the host has IPv6
+    (:meth:`UdpSocket.open_any`; a socket bound to loopback can never reach anything
+    elsewhere)."""
+    if not targets or not all_loopback(targets):
+        return None
+    return "::1" if all(":" in h for h, _ in targets) else "127.0.0.1"
 
 
 def all_loopback(targets: list[UdpAddress]) -> bool:

@@ -52,6 +52,7 @@ from ..wire.relay import (
     upgrade_request,
 )
 from .aeadpipe import new_secret
+from .paths import plain_ip
 from .proxytunnel import open_tunnel
 from .relay_config import (
     PROXY_ENV,
@@ -215,21 +216,27 @@ class RelayPath:
         return self._observation_off
 
     async def observation_targets(self) -> list[tuple[str, int]]:
-        """The relay's UDP observation ports as (IPv4 address, port): the ports the relay
+        """The relay's UDP observation ports as (address, port): the ports the relay
         advertised (before it did, or if it names none at all: its TCP port's number, the
-        relay's default); empty when it runs none (:attr:`observation_off`) or when the
-        relay's host does not resolve."""
+        relay's default) at the relay host's first IPv4 address, then at its first IPv6
+        one (where it has both, a dual-stack socket learns how each family sees it);
+        empty when it runs none (:attr:`observation_off`) or when the relay's host does
+        not resolve."""
         if self.observation_off:
             return []
         ports = self._status.stun_ports or (self.url.port,)
         loop = asyncio.get_running_loop()
         try:
-            infos = await loop.getaddrinfo(self.url.host, None, family=socket.AF_INET)
+            infos = await loop.getaddrinfo(self.url.host, None, type=socket.SOCK_DGRAM)
         except OSError as exc:
             log.info("relay %s: cannot resolve for address observation: %s", self.url, exc)
             return []
-        ip = str(infos[0][4][0])
-        return [(ip, port) for port in ports]
+        ips: dict[int, str] = {}
+        for family, *_, sockaddr in infos:
+            if family in (socket.AF_INET, socket.AF_INET6):
+                ips.setdefault(family, plain_ip(str(sockaddr[0])))
+        hosts = [ips[f] for f in (socket.AF_INET, socket.AF_INET6) if f in ips]
+        return [(ip, port) for ip in dict.fromkeys(hosts) for port in ports]
 
     def send(self, dst: EndpointId, datagram: bytes) -> None:
         """Send one datagram to ``dst`` through the relay (best effort)."""

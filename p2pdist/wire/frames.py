@@ -309,10 +309,16 @@ class FrameDecoder:
             )
             kind = _check_start(version, kind_raw)
             if meta_len > lim.max_meta:
-                raise FrameError(f"frame meta of {meta_len} bytes exceeds limit {lim.max_meta}")
-            if payload_len > lim.max_payload:
                 raise FrameError(
-                    f"frame payload of {payload_len} bytes exceeds limit {lim.max_payload}"
+                    f"frame meta of {meta_len} bytes exceeds limit {lim.max_meta} "
+                    "(this side's FrameLimits.max_meta)"
+                )
+            if payload_len > lim.max_payload:
+                # Both sides must allow the frame; a sender with a larger limit sent it.
+                raise FrameError(
+                    f"frame payload of {payload_len} bytes exceeds limit {lim.max_payload} "
+                    "(this side's FrameLimits.max_payload, in TransportConfig.limits: the "
+                    "sender's is larger)"
                 )
             if kind is not FrameKind.DATA and (meta_len or payload_len):
                 raise FrameError(f"{kind.name} frame must be empty")
