@@ -4,7 +4,7 @@
 processes through the launcher (:mod:`p2pdist.launch`), all on 127.0.0.1 with no outside
 server. Each rank runs this module with ``--worker`` and
 
-1. checks every collective against numpy (all_reduce with every op on several dtypes and
+1. checks the core collectives against numpy (all_reduce with every op on several dtypes and
    shapes, including a non-contiguous input, an array smaller than the world, an empty
    array and arrays large enough for the ring path; reduce_scatter, all_gather,
    broadcast, barrier, and send/recv around the ring). Rank ``r``'s inputs come from
@@ -234,7 +234,7 @@ class Checker:
 
 
 async def run_checks(g: Group, seed: int, *, corrupt: bool = False) -> list[CheckResult]:
-    """Check every collective of ``g`` against numpy; return the results of this rank.
+    """Check the core collectives of ``g`` against numpy; return this rank's results.
 
     ``corrupt=True`` makes this rank contribute a wrong input to the first all_reduce, so
     that check fails on every rank (a test of the checking itself).
@@ -430,7 +430,7 @@ async def _worker(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="p2pdist demo",
-        description="Run N local ranks that check every collective against numpy, train a "
+        description="Run N local ranks that check the core collectives against numpy, train a "
         "data-parallel linear model, and time all_reduce (127.0.0.1 only).",
     )
     p.add_argument("-n", "--nprocs", type=int, default=4, metavar="N", help="ranks (default 4)")

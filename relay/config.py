@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from p2pdist.errors import UsageError
 from p2pdist.eventloop import LOOP_CHOICES
-from p2pdist.wire.relay import MAX_BODY, MAX_KEEPALIVE, MAX_TOKEN_BYTES
+from p2pdist.wire.relay import MAX_BODY, MAX_KEEPALIVE, MAX_TOKEN_BYTES, ascii_host
 
 __all__ = ["ConfigError", "RelayConfig", "coerce", "from_mapping", "normalize_keys", "option_names"]
 
@@ -306,6 +307,13 @@ def _validate(c: RelayConfig) -> None:
             raise ConfigError(f"public-host: give an IPv6 address without brackets ({inner})")
         if "%" in inner:
             raise ConfigError(f"public-host {inner!r}: clients take no IPv6 zone id")
+    elif c.public_host is not None:
+        try:  # as clients will read it from the URL: a name they refuse is no use
+            ascii_host(c.public_host)
+        except UsageError as exc:
+            raise ConfigError(f"public-host: {exc}") from None
+    if c.url_file is not None and (not c.url_file.name or c.url_file.is_dir()):
+        raise ConfigError(f"url-file must name a file, got {str(c.url_file)!r}")
     if c.public_port is not None and not 1 <= c.public_port <= 65535:
         raise ConfigError(f"public-port must be a port number 1..65535, got {c.public_port}")
     _port("http-port", c.http_port)

@@ -120,7 +120,7 @@ class _ClientConnection(asyncio.BufferedProtocol):
             if self._session.phase is Phase.CLOSED:  # pragma: no cover - aborted before
                 self.abort()
             return
-        if self._raw is None:  # uvloop or ssl=: TCP was not seen, count it now
+        if self._raw is None:  # the plain HTTP port (no TLS underneath): count it now
             if self._server.closing or not self._server.take_socket():
                 self.abort()
                 return
@@ -157,6 +157,10 @@ class _ClientConnection(asyncio.BufferedProtocol):
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        why = self.stream.backlog_failure if self.stream is not None else None
+        if why is not None:
+            label = self._session.label if self._session is not None else "?"
+            log.warning(kv("client_not_reading", client=label, error=why))
         self._release()
         if self._abort is not None:
             self._abort.cancel()

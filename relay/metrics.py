@@ -50,9 +50,7 @@ class Metrics:
     """Plain integer counters; the core increments them, :meth:`render` exports them
     (each field's name and help text are the metric's)."""
 
-    connections_total: int = _counter(
-        "connections accepted (TCP on asyncio's loop, once TLS is up on uvloop)"
-    )
+    connections_total: int = _counter("connections accepted (counted when TCP is accepted)")
     fd_limit_refused_total: int = _counter(
         "TCP connections closed at once because the relay was near its file descriptor limit"
     )

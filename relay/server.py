@@ -80,6 +80,10 @@ CERT_CHECK_INTERVAL = 5.0
 renewed certificate is taken up within this, without a SIGHUP."""
 SCRATCH_SIZE = 256 * 1024
 """The receive buffer all client connections share: plaintext handed over per read."""
+TLS_SLACK = 256 * 1024
+"""Bytes queued towards a client beyond ``queue_bytes`` (record and TLS overhead, the
+core's control frames) before TLS's own answers to it end the connection: a client that
+asks for key updates and reads nothing (SecureStream's ``backlog_limit``)."""
 CIPHER_SCRATCH_SIZE = 256 * 1024
 """Where every connection's ciphertext lands from the socket (each copies what it keeps
 at once: TLS into its memory BIO, records into its record buffer)."""
@@ -379,6 +383,9 @@ class RelayServer:
                 server_side=True,
                 handshake_timeout=c.auth_timeout,
                 scratch=shared,
+                # the core keeps what it queues within queue_bytes; TLS's own answers
+                # (key updates) to a client that reads nothing must not grow past it
+                backlog_limit=c.queue_bytes + TLS_SLACK,
             )
             return conn.stream
 

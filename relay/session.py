@@ -6,8 +6,9 @@ A :class:`Session` moves through :class:`Phase` in one direction only::
       \\                  \\             \\                 \\
        `------------------`-------------`-----------------`--> CLOSED
 
-(TLS only where the glue sees the TCP connection before its TLS handshake is done, on
-asyncio's own loop; elsewhere a session starts in HTTP.)
+(TLS on the TLS port, where the glue sees the TCP connection before its TLS handshake is
+done; a connection on the plain HTTP port, from the operator's reverse proxy, starts in
+HTTP.)
 
 The asyncio glue gives each session a :class:`Link` (write, buffered, close); the core
 (:mod:`relay.state`) does everything else, so tests can drive sessions with fake links

@@ -554,6 +554,10 @@ def test_tap_file_round_trip(tmp_path: Path) -> None:
         ({"public_host": "[::1]:9443"}, "must not include a port"),
         ({"public_host": "[2001:db8::1]"}, "without brackets"),
         ({"public_host": "fe80::1%eth0"}, "zone id"),
+        ({"public_host": "relay;example.com"}, "not a host name"),  # the URL clients refuse
+        ({"public_host": "relay,b"}, "not a host name"),
+        ({"url_file": "."}, "url-file must name a file"),  # crashed after binding the ports
+        ({"url_file": "/"}, "url-file must name a file"),
         ({"stun_alt_port": 70000}, "stun-alt-port must be a port"),
         ({"stun_port": 0, "stun_alt_port": 3479}, "stun-alt-port needs"),
         ({"stun_port": 3478, "stun_alt_port": 3478}, "must differ"),

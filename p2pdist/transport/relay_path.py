@@ -64,7 +64,7 @@ from .relay_config import (
     relay_keepalive,
 )
 from .relay_session import RelaySessionProtocol, may_answer_ping
-from .securestream import SecureStream
+from .securestream import TLS_BACKLOG, SecureStream
 
 __all__ = [
     "PROXY_ENV",
@@ -348,6 +348,8 @@ class RelayPath:
                 server_hostname=server_hostname,
                 handshake_timeout=self.config.connect_timeout,
                 read_size=_SESSION_READ,
+                # what send() queues, and TLS's own answers on top
+                backlog_limit=self.config.send_buffer + TLS_BACKLOG,
             )
             return proto.stream
 

@@ -38,6 +38,8 @@ __all__ = ["SecureStream", "SecureTransport"]
 
 _OWN_READ = 256 * 1024
 """Ciphertext read at a time by a connection without a shared landing buffer."""
+TLS_BACKLOG = 4 << 20
+"""Default ``backlog_limit`` (see :class:`SecureStream`)."""
 
 
 class SecureTransport(asyncio.Transport):
@@ -97,7 +99,11 @@ class SecureStream(asyncio.BufferedProtocol):
     ``read_size``: how far the record buffer of a connection with its own buffers (no
     ``scratch``) may grow while socket reads fill it, at least
     :data:`~.aeadpipe.RECEIVE_BUFFER`: a busy receiver then drains its socket in
-    fewer, larger reads (TLS is read :data:`_OWN_READ` bytes at a time)."""
+    fewer, larger reads (TLS is read :data:`_OWN_READ` bytes at a time).
+    ``backlog_limit``: the most ciphertext queued towards the peer once TLS has added
+    its own answers (to key update requests): a peer that asks for key updates and
+    reads nothing would otherwise grow the queue without end (each answer is a TLS
+    record, written whether or not the peer reads); over it the stream fails."""
 
     def __init__(
         self,
@@ -109,9 +115,11 @@ class SecureStream(asyncio.BufferedProtocol):
         server_hostname: str | None = None,
         scratch: memoryview | None = None,
         read_size: int = RECEIVE_BUFFER,
+        backlog_limit: int = TLS_BACKLOG,
     ) -> None:
         if read_size < RECEIVE_BUFFER:
             raise ValueError(f"read_size must be at least {RECEIVE_BUFFER}")
+        self._backlog_limit = backlog_limit
         self._app = app
         self._context = context
         self._server_side = server_side
@@ -137,6 +145,8 @@ class SecureStream(asyncio.BufferedProtocol):
         self._copy_writes = False
         self.paused = False
         """Whether the app paused reading."""
+        self.backlog_failure: str | None = None
+        """Why the stream failed for ``backlog_limit``, if it did."""
         self.handshake: asyncio.Future[None] = self._loop.create_future()
 
     # ---- for the app and its transport --------------------------------------------------
@@ -332,13 +342,22 @@ class SecureStream(asyncio.BufferedProtocol):
 
     # ---- internals ----------------------------------------------------------------------
 
-    def _flush_tls(self) -> None:
+    def _flush_tls(self) -> bool:
+        """Queue what TLS itself has to send; False (the stream failed) when that leaves
+        more than ``backlog_limit`` bytes queued towards a peer that does not read."""
         tls, raw = self._tls, self._raw
         if tls is None or raw is None or raw.is_closing():
-            return
+            return True
         out = tls.outgoing()
         if out:
             raw.write(out)
+            queued = raw.get_write_buffer_size()
+            if queued > self._backlog_limit:
+                why = f"it reads nothing of what TLS must send it ({queued} bytes queued)"
+                self.backlog_failure = why
+                self._fail(ConnectionError(why))
+                return False
+        return True
 
     def _advance_handshake(self) -> None:
         tls = self._tls
@@ -349,8 +368,7 @@ class SecureStream(asyncio.BufferedProtocol):
             self._flush_tls()  # our alert: tells the peer why
             self._fail(exc)
             return
-        self._flush_tls()
-        if not done:
+        if not self._flush_tls() or not done:
             return
         if self._timer is not None:
             self._timer.cancel()
@@ -404,7 +422,8 @@ class SecureStream(asyncio.BufferedProtocol):
                         # One TLS record at a time until the app has decided: the
                         # bytes after the agreement must stay unread.
                         n = self._tls.fill(buf) if self._decided else self._tls.read_into(buf)
-                        self._flush_tls()  # answers to what TLS read (key updates)
+                        if not self._flush_tls():  # answers to what TLS read (key updates)
+                            return
                 except (ssl.SSLError, RecordError) as exc:
                     if records is None:
                         self._flush_tls()  # our alert: tells the peer why

@@ -1,0 +1,122 @@
+"""Clients that abuse the relay below its own protocol: TLS key updates asked for by a
+client that reads nothing (each answer is a TLS record the relay must send, which no
+queue_bytes check saw, so the relay's memory grew without end). In-process relay on
+loopback; the client is Python's ssl on a raw socket, with OpenSSL's SSL_key_update
+reached through ctypes (skipped where that cannot be done safely)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import socket
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from p2pdist.wire.relay import MAX_BODY
+from relay import RelayConfig, RelayServer
+
+TLS1_3_VERSION = 0x0304
+MIN_QUEUE = MAX_BODY + 5  # the least queue_bytes (one frame)
+
+
+def _libssl() -> Any:
+    """The libssl that Python's ssl module is linked against (as loaded in this process)."""
+    import _ssl
+
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "libssl" in line and _ssl.__file__ is not None:
+                return ctypes.CDLL(line.split()[-1])
+    return None
+
+
+def _ssl_pointer(obj: ssl.SSLObject, lib: Any) -> int | None:
+    """The ``SSL *`` behind ``obj`` (PySSLSocket: object head, socket, then the SSL
+    pointer), or None unless OpenSSL confirms it is a TLS 1.3 session."""
+    inner = obj._sslobj  # type: ignore[attr-defined]
+    ptr = ctypes.c_void_p.from_address(id(inner) + 24).value
+    if not ptr:
+        return None
+    lib.SSL_version.argtypes = [ctypes.c_void_p]
+    return ptr if lib.SSL_version(ptr) == TLS1_3_VERSION else None
+
+
+@contextlib.asynccontextmanager
+async def running(**overrides: Any) -> AsyncIterator[RelayServer]:
+    values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "stun_port": 0}
+    values.update(overrides)
+    server = RelayServer(RelayConfig(**values))
+    await server.start()
+    try:
+        yield server
+    finally:
+        await asyncio.wait_for(server.close(), 30)
+
+
+def _ask_key_updates_and_never_read(port: int, limit: int) -> int:
+    """Complete TLS, then ask for key updates (30 at a time, one byte of an HTTP request
+    head between, as OpenSSL refuses more in a row) without ever reading; return the
+    bytes sent before the relay dropped us (``limit`` if it never did)."""
+    lib = _libssl()
+    if lib is None:
+        pytest.skip("libssl is not loaded in this process")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE  # the pin is not what this test is about
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(incoming, outgoing)
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(30)
+        sock.connect(("127.0.0.1", port))
+        while True:
+            try:
+                obj.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                sock.sendall(outgoing.read())
+                incoming.write(sock.recv(65536))
+        sock.sendall(outgoing.read())
+        ptr = _ssl_pointer(obj, lib)
+        if ptr is None:
+            pytest.skip("cannot reach OpenSSL's SSL object from Python's ssl here")
+        lib.SSL_key_update.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.SSL_do_handshake.argtypes = [ctypes.c_void_p]
+        sent = 0
+        head = b"GET / HTTP/1.1\r\nX: " + b"a" * 4000
+        try:
+            for i in range(limit):
+                for _ in range(30):
+                    assert lib.SSL_key_update(ptr, 1) == 1  # 1: update_requested
+                    lib.SSL_do_handshake(ptr)
+                obj.write(head[i % len(head) : i % len(head) + 1])
+                data = outgoing.read()
+                sock.sendall(data)
+                sent += len(data)
+                if sent >= limit:
+                    return limit
+        except OSError:  # reset, or a broken pipe: dropped
+            return sent
+    return limit
+
+
+async def test_a_client_asking_key_updates_without_reading_is_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="relay.server")
+    # (a long auth timeout: the relay must drop the client for not reading, not for
+    # taking long over its request head)
+    async with running(queue_bytes=MIN_QUEUE, auth_timeout=600.0) as srv:
+        # the relay may queue MIN_QUEUE + TLS_SLACK (about 320 KiB) beyond the kernel's
+        # socket buffers (a few MiB): 32 MiB sent is far beyond
+        limit = 32 << 20
+        sent = await asyncio.to_thread(_ask_key_updates_and_never_read, srv.port, limit)
+        assert sent < limit, "the relay kept answering a client that reads nothing"
+        assert any("client_not_reading" in r.getMessage() for r in caplog.records)
+        assert srv.core.clients == 0
