@@ -1,7 +1,9 @@
-"""Running a real relay process for tests (``python -m relay`` on 127.0.0.1)."""
+"""Running a real relay for tests: a process (``python -m relay`` on 127.0.0.1) or an
+in-process :class:`~relay.RelayServer` (:func:`running_relay`)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import os
@@ -11,16 +13,34 @@ import socket
 import ssl
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
+from relay import RelayConfig, RelayServer
+
 ROOT = Path(__file__).resolve().parent.parent
 URL_LINE = "relay url: "
+
+
+@contextlib.asynccontextmanager
+async def running_relay(*, tap_object: Any = None, **overrides: Any) -> AsyncIterator[RelayServer]:
+    """An in-process relay on 127.0.0.1, STUN off unless asked for (``overrides``:
+    RelayConfig fields; ``tap_object``: a Tap to hand the server), closed (bounded) at
+    the end."""
+    values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "stun_port": 0}
+    values.update(overrides)
+    server = RelayServer(RelayConfig(**values), tap=tap_object)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await asyncio.wait_for(server.close(), 30)
 
 
 def read_relay_url(stdout: IO[bytes], timeout: float = 30.0) -> str:

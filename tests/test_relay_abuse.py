@@ -7,19 +7,17 @@ reached through ctypes (skipped where that cannot be done safely)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import ctypes.util
 import logging
 import socket
 import ssl
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from relay_helpers import running_relay as running
 
 from p2pdist.wire.relay import MAX_BODY
-from relay import RelayConfig, RelayServer
 
 TLS1_3_VERSION = 0x0304
 MIN_QUEUE = MAX_BODY + 5  # the least queue_bytes (one frame)
@@ -45,18 +43,6 @@ def _ssl_pointer(obj: ssl.SSLObject, lib: Any) -> int | None:
         return None
     lib.SSL_version.argtypes = [ctypes.c_void_p]
     return ptr if lib.SSL_version(ptr) == TLS1_3_VERSION else None
-
-
-@contextlib.asynccontextmanager
-async def running(**overrides: Any) -> AsyncIterator[RelayServer]:
-    values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "stun_port": 0}
-    values.update(overrides)
-    server = RelayServer(RelayConfig(**values))
-    await server.start()
-    try:
-        yield server
-    finally:
-        await asyncio.wait_for(server.close(), 30)
 
 
 def _ask_key_updates_and_never_read(port: int, limit: int) -> int:

@@ -14,16 +14,15 @@ import re
 import shutil
 import stat
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from relay_helpers import ipv6_loopback, self_signed_pem
+from relay_helpers import running_relay as running
 
 from p2pdist.identity import SecretKey
 from p2pdist.wire.relay import RelayFrameType, RelayUrl, encode_frame
-from relay import RelayConfig, RelayServer
 from relay.access import Allowlist, AllowlistError
 from relay.config import ConfigError
 from relay.healthcheck import HOST_ENV
@@ -36,19 +35,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "relay.md"
 KEYS = [SecretKey.from_seed("relay ops tests seed", r) for r in range(6)]
 TOKEN = "tok-secret-0123456789"
-
-
-@contextlib.asynccontextmanager
-async def running(**overrides: Any) -> AsyncIterator[RelayServer]:
-    """An in-process relay on 127.0.0.1 with STUN off."""
-    values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "stun_port": 0}
-    values.update(overrides)
-    server = RelayServer(RelayConfig(**values))
-    await server.start()
-    try:
-        yield server
-    finally:
-        await asyncio.wait_for(server.close(), 30)
 
 
 # ---- the systemd unit in docs/relay.md --------------------------------------------------

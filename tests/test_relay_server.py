@@ -20,7 +20,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from cryptography.x509.oid import NameOID
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from relay_helpers import RelayProcess, ipv6_loopback
+from relay_helpers import running_relay as running
 
 from p2pdist.identity import SecretKey
 from p2pdist.transport.relay_path import RelayConfig as RelayPathConfig
@@ -61,19 +62,6 @@ A, B, C, D = KEYS[:4]
 
 
 # ---- helpers ------------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def running(tap: Any = None, **overrides: Any) -> AsyncIterator[RelayServer]:
-    """An in-process relay on 127.0.0.1 (STUN off unless asked for)."""
-    values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "stun_port": 0}
-    values.update(overrides)
-    server = RelayServer(RelayConfig(**values), tap=tap)
-    await server.start()
-    try:
-        yield server
-    finally:
-        await asyncio.wait_for(server.close(), 30)
 
 
 async def joined(url: str, key: SecretKey, token: str = "", **kw: Any) -> RelayTestClient:
@@ -864,7 +852,7 @@ async def test_tap_sees_every_byte_the_relay_handles(tmp_path: Path) -> None:
     def tap(conn: int, direction: str, data: bytes) -> None:
         seen.setdefault((conn, direction), bytearray()).extend(data)
 
-    async with running(tap=tap) as srv:
+    async with running(tap_object=tap) as srv:
         a, b = await joined(srv.url, A), await joined(srv.url, B)
         a.send(B.endpoint_id, b"MARKER-1234")
         await b.recv()
