@@ -68,6 +68,8 @@ class _ClientConnection(asyncio.BufferedProtocol):
         self._raw: asyncio.Transport | None = None
         self._session: Session | None = None
         self._abort: asyncio.TimerHandle | None = None
+        self._resume: asyncio.TimerHandle | None = None
+        """Set while reading is paused for the client's rate (see :meth:`pause`)."""
         self._counted = False
         """Whether this connection holds one of the server's socket slots."""
 
@@ -157,6 +159,9 @@ class _ClientConnection(asyncio.BufferedProtocol):
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
         why = self.stream.backlog_failure if self.stream is not None else None
         if why is not None:
             label = self._session.label if self._session is not None else "?"
@@ -204,6 +209,20 @@ class _ClientConnection(asyncio.BufferedProtocol):
             label = self._session.label if self._session is not None else "?"
             log.info(kv("records_refused", conn=label, why=str(exc)))
             self.abort()
+
+    def pause(self, seconds: float) -> None:
+        """Read nothing from the client for ``seconds`` (see :class:`relay.session.Link`)."""
+        transport = self._transport
+        if self._resume is not None or transport is None or transport.is_closing():
+            return
+        transport.pause_reading()
+        self._resume = self._loop.call_later(seconds, self._resume_reading)
+
+    def _resume_reading(self) -> None:
+        self._resume = None
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.resume_reading()
 
     def close(self) -> None:
         """Flush and close; abort if the peer does not take the bytes within the close

@@ -23,6 +23,7 @@ from p2pdist.wire.relay import (
     MALFORMED_AUTH_TEXT,
     MAX_BODY,
     MAX_DATAGRAM,
+    MAX_HTTP_HEAD,
     MAX_TOKEN_BYTES,
     PING_LEN,
     REPLACED_TEXT,
@@ -122,7 +123,12 @@ class Inbound:
 
     def _http(self, s: Session, data: bytes | bytearray | memoryview, now: float) -> bytes:
         """Consume the request head; returns bytes that follow a completed upgrade."""
+        # Only the new bytes are searched for the head's end: a client that sends its head
+        # a byte per TLS record must not make each record rescan the whole head.
+        start = max(0, len(s.http_buf) - 3)
         s.http_buf += data
+        if s.http_buf.find(b"\r\n\r\n", start) < 0 and len(s.http_buf) <= MAX_HTTP_HEAD:
+            return b""
         try:
             parsed = parse_http_head(s.http_buf)
         except RelayProtocolError as exc:
@@ -255,6 +261,7 @@ class Inbound:
         if len(body) < ID_LEN:  # a protocol error, not a datagram
             raise RelayProtocolError("SEND shorter than an endpoint id")
         m.datagrams_in_total += 1
+        s.send_bytes += len(body)
         if s.bucket is not None and not s.bucket.take(len(body), now):
             m.dropped["rate_limited"] += 1
             return

@@ -28,14 +28,32 @@ class TokenBucket:
         """Spend ``n`` tokens if there are that many (after refilling up to ``now``)."""
         if not self._rate:
             return True
-        elapsed = now - self._stamp
-        if elapsed > 0:
-            self._tokens = min(self._burst, self._tokens + elapsed * self._rate)
-            self._stamp = now
+        self._refill(now)
         if n <= self._tokens:
             self._tokens -= n
             return True
         return False
+
+    def charge(self, n: int, now: float) -> None:
+        """Spend ``n`` tokens whether or not there are that many (the bucket may go into
+        debt, repaid by the refill before anything more is allowed)."""
+        if self._rate:
+            self._refill(now)
+            self._tokens -= n
+
+    def seconds_until(self, level: float, now: float) -> float:
+        """Seconds until the bucket holds ``level`` tokens (at most ``burst``); 0 when it
+        does already, or is unlimited."""
+        if not self._rate:
+            return 0.0
+        self._refill(now)
+        return max(0.0, (min(level, self._burst) - self._tokens) / self._rate)
+
+    def _refill(self, now: float) -> None:
+        elapsed = now - self._stamp
+        if elapsed > 0:
+            self._tokens = min(self._burst, self._tokens + elapsed * self._rate)
+            self._stamp = now
 
     def full_at(self) -> float:
         """When the bucket will be full again if nothing is taken (its last refill time

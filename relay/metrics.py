@@ -67,6 +67,9 @@ class Metrics:
         "upgrades that chose WebSocket framing (through a proxy, or without records)"
     )
     http_requests_total: int = _counter("plain HTTP requests answered (health, metrics, errors)")
+    rate_paused_total: int = _counter(
+        "times a client's reading was paused because it sent faster than its rate"
+    )
     stun_requests_total: int = _counter("STUN binding requests answered")
     dropped: dict[str, int] = field(
         default_factory=_per_reason(DROP_REASONS),

@@ -303,6 +303,7 @@ class RelayServer:
             keepalive=c.keepalive,
             auth_timeout=c.auth_timeout,
             retry_after=c.retry_after,
+            read_size=SCRATCH_SIZE,
             stun_ports=self.stun_ports,
             proxy_hops=c.proxy_hops,
         )

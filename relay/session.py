@@ -42,6 +42,10 @@ class Link(Protocol):
     def close(self) -> None:
         """Flush what is queued (bounded by the glue), then close."""
 
+    def pause(self, seconds: float) -> None:
+        """Read nothing from the client for ``seconds`` (its rate limit: TCP then holds
+        back what it sends); a pause under way is not extended."""
+
     def secure(self, records: tuple[bytes, bytes] | None) -> None:
         """Called once, right after the 101 was written: None keeps TLS for the data;
         (relay's secret, client's secret) moves both directions to AES-GCM records from
@@ -77,6 +81,7 @@ class Session:
         "proxied",
         "raw_id",
         "ready_at",
+        "send_bytes",
         "source",
         "splitter",
         "websocket",
@@ -103,6 +108,8 @@ class Session:
         self.endpoint: EndpointId | None = None
         self.raw_id = b""
         self.bucket: TokenBucket | None = None
+        self.send_bytes = 0
+        """Bytes of SEND bodies received (charged to the bucket by the SEND rule)."""
         self.peer_gone = PeerGoneThrottle()
         self.out = bytearray()
         """Frames batched for this client during the current core call."""

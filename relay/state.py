@@ -74,6 +74,9 @@ class CoreConfig:
     keepalive: float = 15.0
     auth_timeout: float = 10.0
     retry_after: float = 1.0
+    read_size: int = 256 * 1024
+    """The most bytes the glue hands :meth:`RelayCore.receive` at once: a paused client
+    is read again once its bucket holds that much (or is full)."""
     max_unauthenticated: int | None = None
     """Most connections in the TLS, HTTP or AUTH phase at once (None: ``max_clients``). Over
     the cap the oldest one still waiting is closed if it has waited :data:`EVICT_AFTER`
@@ -368,7 +371,10 @@ class RelayCore(Inbound):
         if s.phase is Phase.TLS:  # a glue that did not say so: bytes mean it is done
             self.handshake_done(s, now)
         s.last_heard = now
-        self.metrics.bytes_in_total += memoryview(data).nbytes
+        nbytes = memoryview(data).nbytes
+        self.metrics.bytes_in_total += nbytes
+        sends_before = s.send_bytes
+        active = s.phase is Phase.ACTIVE  # (AUTH is not charged: it came before the bucket)
         try:
             if s.phase is Phase.HTTP:
                 data = self._http(s, data, now)
@@ -384,6 +390,23 @@ class RelayCore(Inbound):
             self._close(s, "protocol_error", error=f"{exc}{before}")
         finally:
             self.flush()
+        if active and s.bucket is not None and s.phase is Phase.ACTIVE:
+            self._pace(s, nbytes - (s.send_bytes - sends_before), now)
+
+    def _pace(self, s: Session, other: int, now: float) -> None:
+        """Charge ``s``'s bucket for what it sent besides SEND bodies (frame headers,
+        PINGs, PONGs, WebSocket framing: parsing them costs the relay too), and stop
+        reading from it while the bucket is short of one read: a client that sends
+        faster than its rate is held back by TCP, instead of having the relay parse
+        everything and drop its datagrams. Pauses last at most a second (or the
+        keepalive), so its PINGs are still read in time."""
+        bucket = s.bucket
+        assert bucket is not None
+        bucket.charge(other, now)
+        wait = bucket.seconds_until(self.config.read_size, now)
+        if wait > 0:
+            self.metrics.rate_paused_total += 1
+            s.link.pause(min(wait, 1.0, self.config.keepalive))
 
     def lost(self, s: Session, now: float) -> None:
         """The connection of ``s`` is gone (EOF, reset, or after our close)."""

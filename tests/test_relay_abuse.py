@@ -1,12 +1,14 @@
-"""Clients that abuse the relay below its own protocol: TLS key updates asked for by a
-client that reads nothing (each answer is a TLS record the relay must send, which no
-queue_bytes check saw, so the relay's memory grew without end). In-process relay on
-loopback; the client is Python's ssl on a raw socket, with OpenSSL's SSL_key_update
-reached through ctypes (skipped where that cannot be done safely)."""
+"""Clients that abuse the relay below what its protocol forwards: TLS key updates asked
+for by a client that reads nothing (each answer is a TLS record the relay must send,
+which no queue_bytes check saw, so the relay's memory grew without end; the client is
+Python's ssl on a raw socket, with OpenSSL's SSL_key_update reached through ctypes,
+skipped where that cannot be done safely), and floods of frames the relay parses and
+ignores (which its rate limit did not see). In-process relay on loopback."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -17,7 +19,10 @@ from typing import Any
 import pytest
 from relay_helpers import running_relay as running
 
-from p2pdist.wire.relay import MAX_BODY
+from p2pdist.identity import SecretKey
+from p2pdist.wire.relay import MAX_BODY, PING_LEN, RelayFrameType, encode_frame
+from relay.server import SCRATCH_SIZE
+from relay.testclient import RelayTestClient
 
 TLS1_3_VERSION = 0x0304
 MIN_QUEUE = MAX_BODY + 5  # the least queue_bytes (one frame)
@@ -106,3 +111,29 @@ async def test_a_client_asking_key_updates_without_reading_is_dropped(
         assert sent < limit, "the relay kept answering a client that reads nothing"
         assert any("client_not_reading" in r.getMessage() for r in caplog.records)
         assert srv.core.clients == 0
+
+
+async def test_a_client_flooding_frames_the_relay_ignores_is_held_to_its_rate() -> None:
+    """PONG frames cost the relay a parse each and forward nothing; its rate limit only
+    charged SEND bodies, so a client sending them as fast as it could had the relay
+    read and parse megabytes a second (a core) at any rate setting. Every byte is
+    charged now, and reading a client over its rate pauses: the relay reads about what
+    the rate allows, while the client stays connected."""
+    rate, burst = 50_000, MAX_BODY + 5
+    async with running(rate=rate, burst=burst) as srv:
+        flooder = await RelayTestClient.open(srv.url)
+        await flooder.authenticate(SecretKey.from_seed("relay abuse tests", 0))
+        pongs = encode_frame(RelayFrameType.PONG, b"p" * PING_LEN) * 1000
+        loop = asyncio.get_running_loop()
+        metrics = srv.core.metrics
+        start, read_before = loop.time(), metrics.bytes_in_total
+        while loop.time() - start < 2.0:
+            flooder.send_raw(pongs)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(flooder.drain(), 0.1)
+        took = loop.time() - start
+        read = metrics.bytes_in_total - read_before
+        # the burst, the rate, and the read before each pause took effect (two at most)
+        assert read <= burst + rate * took + 2 * SCRATCH_SIZE, (read, took)
+        assert metrics.rate_paused_total > 0 and srv.core.clients == 1
+        flooder.writer.transport.abort()

@@ -45,6 +45,7 @@ class FakeLink:
         self.data = bytearray()
         self.closed = False
         self.backlog = 0
+        self.pauses: list[float] = []
         self._decoder = RelayFrameDecoder()
         self._head_done = False
 
@@ -60,6 +61,9 @@ class FakeLink:
 
     def secure(self, records: tuple[bytes, bytes] | None) -> None:
         self.records = records
+
+    def pause(self, seconds: float) -> None:
+        self.pauses.append(seconds)
 
     def http(self) -> bytes:
         return bytes(self.data)
@@ -271,12 +275,36 @@ def test_unknown_destination_gets_peer_gone_once_per_second() -> None:
     assert c.metrics.dropped["unknown_peer"] == 4 and c.metrics.peer_gone_total == 2
 
 
+def test_a_client_over_its_rate_is_paused_whatever_it_sends() -> None:
+    """PONGs (which the relay parses and ignores) and frame headers are charged too: a
+    client flooding them used to cost the relay a core while its rate limit, which
+    charged SEND bodies only, saw nothing. Reading it pauses until its bucket holds one
+    read again (at most a second, or the keepalive)."""
+    rate, burst = 10_000_000, MAX_BODY * 8
+    c = core(rate=rate, burst=burst, read_size=MAX_BODY)
+    sa, la = join(c, A)
+    pong = encode_frame(T.PONG, b"p" * 8)
+    half = pong * (burst // len(pong) // 2)
+    flood = half + half  # the whole burst in PONGs
+    c.receive(sa, half, 0.0)
+    assert la.pauses == []  # within the burst: no pause
+    c.receive(sa, flood, 0.0)
+    assert len(la.pauses) == 1 and c.metrics.rate_paused_total == 1
+    # in debt: read again once one read's worth (read_size) is back
+    tokens = burst - len(half) - len(flood)
+    assert la.pauses[0] == pytest.approx((MAX_BODY - tokens) / rate, rel=1e-3)  # (and AUTH)
+    c.receive(sa, pong, 100.0)  # long after: full again, no pause
+    assert len(la.pauses) == 1
+    c.receive(sa, flood * 20, 200.0)  # far in debt: a second at most, PINGs are read
+    assert la.pauses[-1] == 1.0
+
+
 def test_rate_limit_drops_over_budget_and_refills_with_time() -> None:
     c = core(rate=MAX_BODY, burst=MAX_BODY)
     sa, la = join(c, A)
     sb, lb = join(c, B)
     lb.frames()
-    big = b"z" * (MAX_BODY // 2 - 32)  # SEND body = half the bucket
+    big = b"z" * (MAX_BODY // 2 - 32 - 16)  # SEND body = half the bucket (less headers)
     for _ in range(3):
         c.receive(sa, encode_addressed(T.SEND, B.endpoint_id, big), 0.0)
     assert len(lb.frames()) == 2 and c.metrics.dropped["rate_limited"] == 1

@@ -180,6 +180,9 @@ class FakeLink:
     def secure(self, records: tuple[bytes, bytes] | None) -> None:
         self.records = records
 
+    def pause(self, seconds: float) -> None:
+        pass
+
     def frames(self) -> list[tuple[T, bytes]]:
         end = self.data.find(b"\r\n\r\n")
         return RelayFrameDecoder().feed(bytes(self.data[end + 4 :]))
