@@ -11,7 +11,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from relay_helpers import RelayProcess
+from relay_helpers import RelayProcess, running_relay
 from transport_conformance import bounded, feed, wait_until
 
 from p2pdist import (
@@ -22,7 +22,13 @@ from p2pdist import (
     SecretKey,
     UsageError,
 )
-from p2pdist.transport.relay_path import RelayConfig, RelayPath, RelayState, relay_keepalive
+from p2pdist.transport.relay_path import (
+    MIN_RATE_QUEUE,
+    RelayConfig,
+    RelayPath,
+    RelayState,
+    relay_keepalive,
+)
 from p2pdist.transport.relay_session import RelaySessionProtocol
 from p2pdist.wire.relay import MAX_BODY, RelayFrame, RelayFrameType, RelayUrl
 
@@ -111,6 +117,30 @@ async def test_datagrams_flow_with_authenticated_sources(tmp_path: Path) -> None
         finally:
             await bounded(asyncio.gather(a.close(), b.close()), "close()")
         assert a.status.state is RelayState.CLOSED
+
+
+@pytest.mark.parametrize("rate", [0, 1_000_000])
+async def test_under_a_rate_limit_the_queue_towards_the_relay_is_a_quarter_second(
+    rate: int,
+) -> None:
+    """A relay stops reading a client over its rate, so datagrams queued beyond what the
+    rate carries in RATE_QUEUE_SECONDS only delay the loss QUIC reacts to: 2 MiB sent at
+    once are queued whole without a limit, and only the first 256 KiB at 1 MB/s."""
+    async with running_relay(rate=rate, burst=1 << 20) as srv:
+        path = RelayPath(key(0), srv.url, config=FAST)
+        try:
+            await path.wait_connected(10)
+            assert path.status.limits["rate"] == rate
+            datagram = b"d" * 16_000
+            for _ in range((2 << 20) // len(datagram)):  # one pass: nothing is written yet
+                path.send(key(1).endpoint_id, datagram)
+            queued = path.status.datagrams_sent * (len(datagram) + 40)
+            if rate:
+                assert path.status.dropped > 0 and queued <= MIN_RATE_QUEUE + 2 * len(datagram)
+            else:
+                assert path.status.dropped == 0
+        finally:
+            await bounded(path.close(), "close()")
 
 
 async def test_wrong_pin_is_refused_and_named(tmp_path: Path) -> None:

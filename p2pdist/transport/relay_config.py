@@ -67,7 +67,9 @@ class RelayConfig:
     keepalive: float | None = None
     """PING interval; None takes the relay's advertised value."""
     send_buffer: int = 4 << 20
-    """Bytes queued towards the relay beyond which new datagrams are dropped."""
+    """Bytes queued towards the relay beyond which new datagrams are dropped (under a
+    relay's rate limit, at most a quarter second of the rate, at least 256 KiB: the
+    relay holds a client over its rate back, and a deeper queue only adds delay)."""
     records: bool = True
     """Offer AES-GCM records after the upgrade (docs/protocol.md 8.2; a relay that does
     not take them keeps TLS). False keeps TLS throughout (for comparisons)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random as _random
 import socket
 import ssl
@@ -92,6 +93,11 @@ _SELF_SIGNED = (18, 19)
 """OpenSSL's X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT and SELF_SIGNED_CERT_IN_CHAIN: what a
 pinned relay's certificate gives when dialed without its pin."""
 
+RATE_QUEUE_SECONDS = 0.25
+"""Under a relay's rate limit, queue at most this many seconds of the rate towards it
+(at least :data:`MIN_RATE_QUEUE`, at most ``send_buffer``): the relay stops reading a
+client over its rate, so a deeper queue only adds delay before QUIC sees a loss."""
+MIN_RATE_QUEUE = 256 * 1024
 _SESSION_READ = 1 << 20
 """Ciphertext one read of the relay session may take. A receiver that drains about 64
 QUIC datagrams per wake-up (as from a UDP socket) acknowledges and transmits once for
@@ -134,6 +140,9 @@ class RelayPath:
         self.on_datagram: Callable[[EndpointId, bytes], None] | None = None
         self.on_peer_gone: Callable[[EndpointId], None] | None = None
         self.max_datagram = MAX_DATAGRAM
+        self._queue_cap = self.config.send_buffer
+        """Bytes queued towards the relay beyond which datagrams are dropped (less than
+        ``send_buffer`` under a rate limit: :data:`RATE_QUEUE_SECONDS`)."""
         self._status = RelayStatus(
             str(self.url),
             RelayState.CONNECTING,
@@ -246,7 +255,7 @@ class RelayPath:
         if (
             w is None
             or w.is_closing()
-            or w.get_write_buffer_size() + len(self._outbox) > self.config.send_buffer
+            or w.get_write_buffer_size() + len(self._outbox) > self._queue_cap
         ):
             self._dropped += 1
             return
@@ -462,6 +471,9 @@ class RelayPath:
         keepalive = info.get("keepalive")
         interval = self.config.keepalive or relay_keepalive(keepalive)
         limits = {k: float(v) for k, v in info.items() if isinstance(v, int | float)}
+        rate = limits.get("rate", 0.0)
+        cap = max(MIN_RATE_QUEUE, int(rate * RATE_QUEUE_SECONDS)) if rate > 0 else math.inf
+        self._queue_cap = int(min(self.config.send_buffer, cap))
         observed = info.get("observed")
         self._observation_off = info.get("stun_ports") == []
         self._set(
