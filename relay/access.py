@@ -15,6 +15,7 @@ order mark at the start is ignored.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
@@ -139,12 +140,19 @@ class Allowlist:
         return len(self._ids)
 
 
+WEAK_TOKEN_CHARS = 16
+"""Tokens shorter than this are warned about (``token_weak``) when the relay starts: a
+token can be tried online once per connection, so only a long random one is safe."""
+
+
 class AccessPolicy:
     """Who may use the relay: everyone, listed ids, token holders, or listed token holders."""
 
     def __init__(self, allowlist: Allowlist | None = None, token: str | None = None) -> None:
         self.allowlist = allowlist
-        self._token = token.encode("utf-8") if token else None
+        # Digests compared, not the tokens: equal lengths, so not even the token's length
+        # shows in the comparison's time.
+        self._token = hashlib.sha256(token.encode("utf-8")).digest() if token else None
 
     @property
     def mode(self) -> str:
@@ -163,7 +171,9 @@ class AccessPolicy:
             self.allowlist.refresh(now)
             if raw_id not in self.allowlist:
                 return NOT_ALLOWED
-        if self._token is not None and not hmac.compare_digest(token, self._token):
+        if self._token is not None and not hmac.compare_digest(
+            hashlib.sha256(token).digest(), self._token
+        ):
             return BAD_TOKEN
         return None
 

@@ -39,7 +39,7 @@ from typing import Any
 from p2pdist.transport.securestream import SecureStream
 from p2pdist.wire.relay import RelayUrl
 
-from .access import AccessPolicy, Allowlist, AllowlistError
+from .access import WEAK_TOKEN_CHARS, AccessPolicy, Allowlist, AllowlistError
 from .addresses import format_address
 from .config import ConfigError, RelayConfig
 from .connection import NESTED_READ as NESTED_READ
@@ -263,6 +263,15 @@ class RelayServer:
         except AllowlistError as exc:
             raise ConfigError(str(exc)) from None
         access = AccessPolicy(allowlist, c.token)
+        if c.token is not None and len(c.token) < WEAK_TOKEN_CHARS:
+            log.warning(
+                kv(
+                    "token_weak",
+                    chars=len(c.token),
+                    hint=f"clients can try tokens online; use {WEAK_TOKEN_CHARS}+ random "
+                    "characters: python3 -c 'import secrets; print(secrets.token_urlsafe(24))'",
+                )
+            )
         metrics = Metrics()
         if self.tap is None and c.tap is not None:
             try:
