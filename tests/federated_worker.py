@@ -1,18 +1,25 @@
-"""A federated client process for the tests: ``python tests/federated_worker.py ID HOST:PORT
-hang``: join, print ``got round R`` for the first model, then never submit (the test
-kills it mid-round)."""
+"""A federated client process for the tests: ``python tests/federated_worker.py ID WHERE
+hang [KEY_SEED]``: join the coordinator ``ID`` at ``WHERE`` (``host:port``, plaintext
+TCP, or a relay URL), print ``got round R`` for the first model, then never submit (the
+test kills it mid-round). ``KEY_SEED``: a fixed key (the same endpoint id each start)."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
 
-from p2pdist import TransportConfig
+from p2pdist import SecretKey, TransportConfig
 from p2pdist.federated import FederatedClient
 
 
-async def main(coordinator: str, address: str, mode: str) -> None:
-    client = FederatedClient(coordinator, address=address, transport=TransportConfig(tls=False))
+async def main(coordinator: str, where: str, mode: str, key_seed: str | None = None) -> None:
+    key = SecretKey.from_seed(key_seed, 0) if key_seed else None
+    if where.startswith("https://"):
+        client = FederatedClient(coordinator, relay=where, key=key)
+    else:
+        client = FederatedClient(
+            coordinator, address=where, transport=TransportConfig(tls=False), key=key
+        )
     if mode != "hang":
         raise SystemExit(f"unknown mode {mode!r}")
     task = await client.connect()
@@ -21,4 +28,4 @@ async def main(coordinator: str, address: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:4]))
+    asyncio.run(main(*sys.argv[1:5]))

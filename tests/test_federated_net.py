@@ -280,6 +280,40 @@ async def test_clients_reach_the_coordinator_through_a_relay(tmp_path: Path) -> 
                 await cl.close()
 
 
+async def test_a_client_killed_and_restarted_with_its_key_through_a_relay_is_back_at_once(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL, then the same key again at once, through a relay: the relay replaces the
+    dead session and the coordinator the dead connection (there was a known issue: it
+    was seen not to get through for seconds, so the example restarted crashed clients
+    under a new identity, and the coordinator counted a member too many until the dead
+    connection timed out)."""
+    seed = "federated restart through a relay"
+    me = str(SecretKey.from_seed(seed, 0).endpoint_id)
+    with RelayProcess(tmp_path) as relay:
+        async with Coordinator(np.zeros(16, np.float32), FederatedConfig(round_timeout=30)) as c:
+            await c.start(relay=relay.url)
+            for _ in range(2):
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    str(HERE / "federated_worker.py"),
+                    str(c.endpoint_id),
+                    relay.url,
+                    "hang",
+                    seed,
+                    stdout=asyncio.subprocess.PIPE,
+                )
+                try:
+                    assert proc.stdout is not None
+                    # at once: well within the 8 s a dead QUIC connection takes to time out
+                    line = await asyncio.wait_for(proc.stdout.readline(), 6.0)
+                    assert line.startswith(b"got round"), line
+                    assert c.members == [me]  # the dead connection replaced, not counted
+                finally:
+                    proc.kill()  # no goodbye
+                    await proc.wait()
+
+
 async def test_wrong_coordinator_key_is_refused() -> None:
     async with coordinator(np.zeros(2, np.float32)) as c:
         assert c.address is not None

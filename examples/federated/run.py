@@ -106,13 +106,6 @@ class Fleet:
             start += count
         return "honest"
 
-    def _key_seed(self, first_start: bool) -> str:
-        """A restarted client keeps its identity over TCP, and the coordinator replaces
-        its dead connection at once. Through a relay it comes back as a new identity:
-        redialing with the same key right after a crash was seen to stall for seconds
-        (see docs/federated.md, section 6)."""
-        return self.key_seed if first_start or not self.relay else self.key_seed + "-restarted"
-
     def start(self, i: int, *, crash: bool = True) -> None:
         """Start client ``i`` with the flags of its role."""
         a = self.args
@@ -134,8 +127,8 @@ class Fleet:
             str(a.epochs),
             "--work",
             str(a.work),
-            "--key-seed",
-            self._key_seed(crash),
+            "--key-seed",  # a restarted client keeps its identity: its old connection is
+            self.key_seed,  # replaced at once, over TCP and through a relay alike
         ]
         cmd += ["--relay", self.relay] if self.relay else ["--address", str(self.address)]
         if a.plaintext:
