@@ -51,9 +51,13 @@ def resolve_loop(choice: str | None = None) -> str:
     """``"asyncio"`` or ``"uvloop"`` for ``choice`` (None: ``$P2PDIST_LOOP``, else
     ``asyncio``; ``auto`` is uvloop when installed). UsageError for an unknown name or for
     ``uvloop`` without uvloop installed."""
+    from_env = choice is None and bool(os.environ.get(LOOP_ENV))
     name = (choice if choice is not None else os.environ.get(LOOP_ENV) or "asyncio").lower()
     if name not in LOOP_CHOICES:
-        raise UsageError(f"event loop must be one of {', '.join(LOOP_CHOICES)}, got {name!r}")
+        where = f"{LOOP_ENV} in the environment: " if from_env else ""
+        raise UsageError(
+            f"{where}event loop must be one of {', '.join(LOOP_CHOICES)}, got {name!r}"
+        )
     if name == "auto":
         return "uvloop" if uvloop_available() else "asyncio"
     if name == "uvloop" and not uvloop_available():

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from p2pdist import __version__
+
 from .config import TOKEN_ENV, ConfigError, RelayConfig, coerce, normalize_keys
 
 __all__ = ["build_parser", "load_config", "read_config_file"]
@@ -28,7 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
         "between authenticated endpoints. Prints 'relay url: URL' once listening.",
         argument_default=argparse.SUPPRESS,
     )
-    p.add_argument("--config", metavar="FILE.toml", help="TOML file with the same settings")
+    p.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="TOML file with the same settings (flags given as well override it)",
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     for f in dataclasses.fields(RelayConfig):
         flag = "--" + f.name.replace("_", "-")
         text = f.metadata["help"]
@@ -41,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 def read_config_file(path: Path) -> dict[str, Any]:
     """Raw settings from a TOML file, keyed by field name."""
     try:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
+        raw = path.read_bytes()
+        # A byte-order mark, as some editors write (the allowlist takes one too).
+        data = tomllib.loads(raw.removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except OSError as exc:

@@ -561,7 +561,7 @@ class RelayServer:
             if self._own_tap is not None:
                 self._own_tap.close()
             return
-        log.info(kv("shutdown", connections=len(self.connections)))
+        log.info(kv("shutdown", connections=len(self.connections) + len(self.handshaking)))
         self._server.close()
         if self._http_server is not None:
             self._http_server.close()

@@ -568,7 +568,7 @@ def test_a_bad_loop_in_the_environment_is_one_line_before_any_rank_starts() -> N
 
     proc = run("bench", "-n", "2")
     assert proc.returncode == 2 and "[rank" not in proc.stderr, proc.stderr
-    assert "event loop must be one of" in proc.stderr
+    assert "P2PDIST_LOOP in the environment: event loop must be one of" in proc.stderr
     proc = run("id", "--seed", "a-long-enough-seed", "--world", "1")
     assert proc.returncode == 0, proc.stderr
 

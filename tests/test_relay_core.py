@@ -597,6 +597,20 @@ def test_config_validation(values: dict[str, object], message: str) -> None:
         from_mapping(values)
 
 
+def test_a_config_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    cfg = tmp_path / "relay.toml"
+    cfg.write_bytes(b"\xef\xbb\xbfport = 9000\n")  # as some editors save UTF-8
+    assert load_config(["--config", str(cfg)], environ={}).port == 9000
+
+
+def test_the_relay_says_its_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from p2pdist import __version__
+
+    with pytest.raises(SystemExit) as done:
+        load_config(["--version"], environ={})
+    assert done.value.code == 0 and capsys.readouterr().out == f"p2pdist-relay {__version__}\n"
+
+
 def test_config_file_flags_and_environment(tmp_path: Path) -> None:
     cfg = tmp_path / "relay.toml"
     cfg.write_text(
