@@ -291,7 +291,7 @@ def run_one(n: int, args: argparse.Namespace, loop: str = "asyncio") -> dict[str
         drops = {
             r: _metric(after, f'p2pdist_relay_dropped_total{{reason="{r}"}}')
             - _metric(before, f'p2pdist_relay_dropped_total{{reason="{r}"}}')
-            for r in ("queue_full", "rate_limited")
+            for r in ("queue_full", "unknown_peer")
         }
         peak = _proc_status(relay.pid)
         for w in workers:

@@ -126,20 +126,33 @@ class DoctorReport:
             )
         if not self.udp:
             return "UDP is blocked: every peer is reached through the relay (TCP + TLS)"
+        punchable6 = ("endpoint-independent", "none (public address)")
+        if self.mapping == "no UDP" and self.mapping6 is not None:  # UDP over IPv6 only
+            return f"UDP over IPv4 is blocked; over IPv6: {_mapping_verdict(self.mapping6)}"
         if self.mapping == "endpoint-dependent":
             if self.mapping6 == "endpoint-dependent":
                 return "symmetric NAT on IPv4 and IPv6: direct paths only to peers without NAT"
-            if self.mapping6 is not None or any(":" in a for a in self.interfaces):
+            if self.mapping6 in punchable6 or (
+                self.mapping6 is None and any(":" in a for a in self.interfaces)
+            ):
                 return (
                     "symmetric NAT: over IPv4, direct paths only to peers without NAT; "
                     "this host has global IPv6, so peers with IPv6 may still go direct"
                 )
-            return "symmetric NAT: direct paths only to peers without NAT, the rest stay relayed"
-        if self.mapping == "endpoint-independent":
-            return "hole punching should work with most peers (relay as the fallback)"
-        if self.mapping == "none (public address)":
-            return "no NAT: peers that can send to this address reach it directly"
-        return "UDP works; the mapping type is unknown (the relay has one observation port)"
+        return _mapping_verdict(self.mapping)
+
+
+def _mapping_verdict(mapping: str) -> str:
+    """What a NAT mapping behaviour means for direct paths (UDP gets through)."""
+    if mapping == "endpoint-dependent":
+        return "symmetric NAT: direct paths only to peers without NAT, the rest stay relayed"
+    if mapping == "endpoint-independent":
+        return "hole punching should work with most peers (relay as the fallback)"
+    if mapping == "none (public address)":
+        return "no NAT: peers that can send to this address reach it directly"
+    if mapping == "no UDP":
+        return "UDP is blocked: every peer is reached through the relay (TCP + TLS)"
+    return "UDP works; the mapping type is unknown (the relay has one observation port)"
 
 
 async def _observe(

@@ -135,6 +135,11 @@ class _ClientConnection(asyncio.BufferedProtocol):
             self._buffer = bytearray(max(sizehint, NESTED_READ))
         else:
             self._buffer = self._server.scratch
+            session = self._session
+            if session is not None and session.bucket is not None:
+                return memoryview(self._buffer)[
+                    : self._core.read_allowance(session, self._loop.time())
+                ]
         return memoryview(self._buffer)
 
     def buffer_updated(self, nbytes: int) -> None:

@@ -261,10 +261,6 @@ class Inbound:
         if len(body) < ID_LEN:  # a protocol error, not a datagram
             raise RelayProtocolError("SEND shorter than an endpoint id")
         m.datagrams_in_total += 1
-        s.send_bytes += len(body)
-        if s.bucket is not None and not s.bucket.take(len(body), now):
-            m.dropped["rate_limited"] += 1
-            return
         dest_id = bytes(body[:ID_LEN])
         dest = self._clients.get(dest_id)
         if dest is None:

@@ -11,7 +11,7 @@ MAX_PEER_GONE_ENTRIES = 64
 class TokenBucket:
     """``rate`` tokens (bytes) per second, holding at most ``burst``; starts full.
 
-    ``rate`` 0 means unlimited: :meth:`take` always succeeds.
+    ``rate`` 0 means unlimited: it never runs short.
     """
 
     __slots__ = ("_burst", "_rate", "_stamp", "_tokens")
@@ -24,22 +24,18 @@ class TokenBucket:
         self._tokens = float(burst)
         self._stamp = now
 
-    def take(self, n: int, now: float) -> bool:
-        """Spend ``n`` tokens if there are that many (after refilling up to ``now``)."""
-        if not self._rate:
-            return True
-        self._refill(now)
-        if n <= self._tokens:
-            self._tokens -= n
-            return True
-        return False
-
     def charge(self, n: int, now: float) -> None:
         """Spend ``n`` tokens whether or not there are that many (the bucket may go into
         debt, repaid by the refill before anything more is allowed)."""
         if self._rate:
             self._refill(now)
             self._tokens -= n
+
+    def level(self, now: float) -> float:
+        """Tokens held at ``now`` (negative: in debt; ``burst`` when unlimited)."""
+        if self._rate:
+            self._refill(now)
+        return self._tokens
 
     def seconds_until(self, level: float, now: float) -> float:
         """Seconds until the bucket holds ``level`` tokens (at most ``burst``); 0 when it

@@ -9,7 +9,9 @@ from typing import Any
 
 __all__ = ["AUTH_FAILURE_REASONS", "DROP_REASONS", "EVICT_REASONS", "REFUSE_REASONS", "Metrics"]
 
-DROP_REASONS = ("rate_limited", "queue_full", "unknown_peer")
+DROP_REASONS = ("queue_full", "unknown_peer")
+"""Why datagrams were dropped (a client over its rate is read more slowly instead:
+``rate_paused_total``)."""
 AUTH_FAILURE_REASONS = (
     "bad_signature",
     "bad_token",

@@ -636,9 +636,11 @@ def _dual_stack_udp(port: int) -> socket.socket:
         host = "::"
         try:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        except OSError:
+        except OSError as exc:  # a system whose IPv6 sockets are IPv6 only (OpenBSD)
             sock.close()
-            raise
+            log.info(kv("stun_ipv4_only", port=port, error=exc))
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            host = "0.0.0.0"
     try:
         sock.bind((host, port))
     except OSError:

@@ -81,7 +81,6 @@ class Session:
         "proxied",
         "raw_id",
         "ready_at",
-        "send_bytes",
         "source",
         "splitter",
         "websocket",
@@ -108,8 +107,6 @@ class Session:
         self.endpoint: EndpointId | None = None
         self.raw_id = b""
         self.bucket: TokenBucket | None = None
-        self.send_bytes = 0
-        """Bytes of SEND bodies received (charged to the bucket by the SEND rule)."""
         self.peer_gone = PeerGoneThrottle()
         self.out = bytearray()
         """Frames batched for this client during the current core call."""

@@ -63,6 +63,11 @@ refused instead: evicting the oldest then would close every connection just befo
 authenticates, and a reconnect storm larger than the cap would never get through."""
 
 
+MIN_READ = 16 * 1024
+"""The least a rate-limited client is read at a time once it may be read again (its
+bucket holds that much, or a keepalive interval has passed)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CoreConfig:
     """The limits the core enforces (sizes in bytes, times in seconds)."""
@@ -75,8 +80,8 @@ class CoreConfig:
     auth_timeout: float = 10.0
     retry_after: float = 1.0
     read_size: int = 256 * 1024
-    """The most bytes the glue hands :meth:`RelayCore.receive` at once: a paused client
-    is read again once its bucket holds that much (or is full)."""
+    """The most bytes the glue hands :meth:`RelayCore.receive` at once (a rate-limited
+    client's reads are smaller: :meth:`RelayCore.read_allowance`)."""
     max_unauthenticated: int | None = None
     """Most connections in the TLS, HTTP or AUTH phase at once (None: ``max_clients``). Over
     the cap the oldest one still waiting is closed if it has waited :data:`EVICT_AFTER`
@@ -373,8 +378,10 @@ class RelayCore(Inbound):
         s.last_heard = now
         nbytes = memoryview(data).nbytes
         self.metrics.bytes_in_total += nbytes
-        sends_before = s.send_bytes
-        active = s.phase is Phase.ACTIVE  # (AUTH is not charged: it came before the bucket)
+        paced = s.bucket is not None and s.phase is Phase.ACTIVE  # (AUTH came before it)
+        if paced:
+            assert s.bucket is not None
+            s.bucket.charge(nbytes, now)  # every byte, whatever it carries: all are parsed
         try:
             if s.phase is Phase.HTTP:
                 data = self._http(s, data, now)
@@ -390,23 +397,29 @@ class RelayCore(Inbound):
             self._close(s, "protocol_error", error=f"{exc}{before}")
         finally:
             self.flush()
-        if active and s.bucket is not None and s.phase is Phase.ACTIVE:
-            self._pace(s, nbytes - (s.send_bytes - sends_before), now)
+        if paced and s.phase is Phase.ACTIVE:
+            self._pace(s, now)
 
-    def _pace(self, s: Session, other: int, now: float) -> None:
-        """Charge ``s``'s bucket for what it sent besides SEND bodies (frame headers,
-        PINGs, PONGs, WebSocket framing: parsing them costs the relay too), and stop
-        reading from it while the bucket is short of one read: a client that sends
-        faster than its rate is held back by TCP, instead of having the relay parse
-        everything and drop its datagrams. Pauses last at most a second (or the
-        keepalive), so its PINGs are still read in time."""
+    def read_allowance(self, s: Session, now: float) -> int:
+        """How many bytes the glue may read from ``s``'s client now: what its bucket
+        holds (at least :data:`MIN_READ`, at most ``read_size``), so a client is read at
+        about its rate, whatever frames it sends."""
+        bucket = s.bucket
+        if bucket is None or s.phase is not Phase.ACTIVE:
+            return self.config.read_size
+        return int(max(MIN_READ, min(self.config.read_size, bucket.level(now))))
+
+    def _pace(self, s: Session, now: float) -> None:
+        """Stop reading from ``s`` while its bucket holds less than :data:`MIN_READ`
+        (for at most the keepalive, so its PINGs are still read in time): a client that
+        sends faster than its rate is held back by TCP, instead of having the relay read
+        and parse everything (and drop its datagrams)."""
         bucket = s.bucket
         assert bucket is not None
-        bucket.charge(other, now)
-        wait = bucket.seconds_until(self.config.read_size, now)
+        wait = bucket.seconds_until(MIN_READ, now)
         if wait > 0:
             self.metrics.rate_paused_total += 1
-            s.link.pause(min(wait, 1.0, self.config.keepalive))
+            s.link.pause(min(wait, self.config.keepalive))
 
     def lost(self, s: Session, now: float) -> None:
         """The connection of ``s`` is gone (EOF, reset, or after our close)."""

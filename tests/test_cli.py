@@ -635,6 +635,13 @@ def test_doctor_verdict_on_a_symmetric_nat_counts_a_global_ipv6_address() -> Non
     assert "peers with IPv6 may still go direct" in report.verdict()
     report.mapping6 = "endpoint-dependent"
     assert report.verdict().startswith("symmetric NAT on IPv4 and IPv6")
+    report.mapping6 = "no UDP"  # asked over IPv6 (the relay has AAAA), no IPv6 here
+    assert report.verdict().endswith("the rest stay relayed")
+    report.mapping, report.mapping6 = "no UDP", "none (public address)"
+    assert report.verdict() == (
+        "UDP over IPv4 is blocked; over IPv6: no NAT: peers that can send to this address "
+        "reach it directly"
+    )
 
 
 def test_doctor_shows_each_familys_observations_and_mapping() -> None:

@@ -286,8 +286,8 @@ async def test_a_client_killed_and_restarted_with_its_key_through_a_relay_is_bac
     """SIGKILL, then the same key again at once, through a relay: the relay replaces the
     dead session and the coordinator the dead connection (there was a known issue: it
     was seen not to get through for seconds, so the example restarted crashed clients
-    under a new identity, and the coordinator counted a member too many until the dead
-    connection timed out)."""
+    under a new identity, which the coordinator counted as a member too many until the
+    dead connection timed out)."""
     seed = "federated restart through a relay"
     me = str(SecretKey.from_seed(seed, 0).endpoint_id)
     with RelayProcess(tmp_path) as relay:
@@ -308,7 +308,7 @@ async def test_a_client_killed_and_restarted_with_its_key_through_a_relay_is_bac
                     # at once: well within the 8 s a dead QUIC connection takes to time out
                     line = await asyncio.wait_for(proc.stdout.readline(), 6.0)
                     assert line.startswith(b"got round"), line
-                    assert c.members == [me]  # the dead connection replaced, not counted
+                    assert c.members == [me]  # its dead connection replaced by this one
                 finally:
                     proc.kill()  # no goodbye
                     await proc.wait()

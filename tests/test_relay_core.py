@@ -31,7 +31,7 @@ from relay.config import ConfigError, RelayConfig, from_mapping
 from relay.limits import PeerGoneThrottle, TokenBucket
 from relay.metrics import AUTH_FAILURE_REASONS, DROP_REASONS, Metrics
 from relay.session import Phase, Session
-from relay.state import CoreConfig, RelayCore
+from relay.state import MIN_READ, CoreConfig, RelayCore
 from relay.tap import FileTap, read_tap
 
 FP = bytes(range(32))  # the fingerprint of "the relay's certificate" in these tests
@@ -275,44 +275,40 @@ def test_unknown_destination_gets_peer_gone_once_per_second() -> None:
     assert c.metrics.dropped["unknown_peer"] == 4 and c.metrics.peer_gone_total == 2
 
 
-def test_a_client_over_its_rate_is_paused_whatever_it_sends() -> None:
-    """PONGs (which the relay parses and ignores) and frame headers are charged too: a
-    client flooding them used to cost the relay a core while its rate limit, which
-    charged SEND bodies only, saw nothing. Reading it pauses until its bucket holds one
-    read again (at most a second, or the keepalive)."""
-    rate, burst = 10_000_000, MAX_BODY * 8
-    c = core(rate=rate, burst=burst, read_size=MAX_BODY)
+def test_a_client_over_its_rate_is_read_at_its_rate_whatever_it_sends() -> None:
+    """Every byte read is charged: PONGs (parsed and ignored) as much as SENDs. A client
+    used to cost the relay a core with them while its rate limit, on SEND bodies only,
+    saw nothing. Reads are at most what the bucket holds (at least MIN_READ), and
+    reading pauses while it holds less than MIN_READ (at most a keepalive)."""
+    rate, burst = 1_000_000, MAX_BODY * 8
+    c = core(rate=rate, burst=burst, read_size=4 * MAX_BODY, keepalive=5.0)
     sa, la = join(c, A)
+    assert c.read_allowance(sa, 0.0) == 4 * MAX_BODY  # a full bucket: a whole read
     pong = encode_frame(T.PONG, b"p" * 8)
-    half = pong * (burst // len(pong) // 2)
-    flood = half + half  # the whole burst in PONGs
-    c.receive(sa, half, 0.0)
-    assert la.pauses == []  # within the burst: no pause
+    flood = pong * (burst // len(pong))  # the whole burst in PONGs
     c.receive(sa, flood, 0.0)
     assert len(la.pauses) == 1 and c.metrics.rate_paused_total == 1
-    # in debt: read again once one read's worth (read_size) is back
-    tokens = burst - len(half) - len(flood)
-    assert la.pauses[0] == pytest.approx((MAX_BODY - tokens) / rate, rel=1e-3)  # (and AUTH)
-    c.receive(sa, pong, 100.0)  # long after: full again, no pause
-    assert len(la.pauses) == 1
-    c.receive(sa, flood * 20, 200.0)  # far in debt: a second at most, PINGs are read
-    assert la.pauses[-1] == 1.0
+    debt = len(flood) - burst
+    assert la.pauses[0] == pytest.approx((MIN_READ + debt) / rate)
+    assert c.read_allowance(sa, 0.0) == MIN_READ  # when read again: a little at a time
+    assert c.read_allowance(sa, 1.0) == 4 * MAX_BODY  # refilled
+    c.receive(sa, flood * 20, 2.0)  # far in debt: paused a keepalive at most
+    assert la.pauses[-1] == 5.0
+    _, lb = join(c, B)  # another client's bucket is its own
+    assert c.read_allowance(c.client(B.endpoint_id), 2.0) == 4 * MAX_BODY and lb.pauses == []
 
 
-def test_rate_limit_drops_over_budget_and_refills_with_time() -> None:
+def test_a_client_over_its_rate_loses_no_datagram() -> None:
+    """The rate holds a client back (its reads), it no longer drops its SENDs."""
     c = core(rate=MAX_BODY, burst=MAX_BODY)
     sa, la = join(c, A)
-    sb, lb = join(c, B)
+    _, lb = join(c, B)
     lb.frames()
-    big = b"z" * (MAX_BODY // 2 - 32 - 16)  # SEND body = half the bucket (less headers)
+    big = b"z" * (MAX_BODY // 2 - 32)  # SEND body = half the bucket
     for _ in range(3):
         c.receive(sa, encode_addressed(T.SEND, B.endpoint_id, big), 0.0)
-    assert len(lb.frames()) == 2 and c.metrics.dropped["rate_limited"] == 1
-    c.receive(sa, encode_addressed(T.SEND, B.endpoint_id, big), 0.5)  # half a second refills half
-    assert len(lb.frames()) == 1 and c.metrics.dropped["rate_limited"] == 1
-    # B's own budget is untouched by A's flood.
-    c.receive(sb, encode_addressed(T.SEND, A.endpoint_id, big), 0.5)
-    assert len([f for f in la.frames() if f[0] is T.RECV]) == 1
+    assert len(lb.frames()) == 3 and c.metrics.dropped == dict.fromkeys(DROP_REASONS, 0)
+    assert la.pauses and c.read_allowance(sa, 0.0) == MIN_READ
 
 
 def test_queue_full_drops_for_a_slow_reader_only() -> None:
@@ -517,10 +513,15 @@ def test_metrics_page_lists_every_metric() -> None:
 
 def test_token_bucket() -> None:
     b = TokenBucket(rate=100, burst=200, now=0.0)
-    assert b.take(150, 0.0) and not b.take(100, 0.0) and b.take(50, 0.0)
-    assert not b.take(1, 0.0) and b.take(100, 1.0) and not b.take(1, 1.0)
-    assert b.take(200, 100.0) and not b.take(1, 100.0)  # never more than the burst
-    assert TokenBucket(0, 1, 0.0).take(10**9, 0.0)  # rate 0: unlimited
+    b.charge(150, 0.0)
+    assert b.level(0.0) == 50 and b.seconds_until(100, 0.0) == 0.5
+    b.charge(250, 0.0)  # into debt
+    assert b.level(0.0) == -200 and b.seconds_until(0, 0.0) == 2.0
+    assert b.level(1.0) == -100
+    assert b.level(100.0) == 200 and b.seconds_until(1000, 100.0) == 0  # at most the burst
+    unlimited = TokenBucket(0, 1, 0.0)
+    unlimited.charge(10**9, 0.0)
+    assert unlimited.seconds_until(10**9, 0.0) == 0  # rate 0: unlimited
     with pytest.raises(ValueError):
         TokenBucket(-1, 10, 0.0)
 

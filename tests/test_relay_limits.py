@@ -27,7 +27,7 @@ from relay.config import ConfigError, RelayConfig, from_mapping
 from relay.inbound import MAX_AUTH_BODY
 from relay.limits import MAX_PEER_GONE_ENTRIES, PeerGoneThrottle, TokenBucket
 from relay.session import Phase, Session
-from relay.state import EVICT_AFTER, CoreConfig, RelayCore
+from relay.state import EVICT_AFTER, MIN_READ, CoreConfig, RelayCore
 
 T = RelayFrameType
 BIG = b"z" * (MAX_BODY - 32)  # a SEND body of MAX_BODY bytes: one whole bucket below
@@ -279,41 +279,40 @@ def test_the_caps_on_waiting_connections_are_configurable() -> None:
 # ---- token buckets across reconnects ------------------------------------------------
 
 
-def forwarded(c: RelayCore) -> tuple[int, int]:
-    return c.metrics.datagrams_out_total, c.metrics.dropped["rate_limited"]
+SEND_BIG = encode_addressed(T.SEND, B.endpoint_id, BIG)  # one whole bucket
 
 
 def test_a_replacing_session_inherits_the_bucket() -> None:
     c = core(rate=MAX_BODY, burst=MAX_BODY)  # one big SEND per second
     join(c, B)
     sa, _ = join(c, A, now=1.0)
-    c.receive(sa, encode_addressed(T.SEND, B.endpoint_id, BIG), 1.0)
-    assert forwarded(c) == (1, 0)
+    c.receive(sa, SEND_BIG, 1.0)
     for i in range(5):  # reconnecting does not buy a fresh burst
         sa, _ = join(c, A, now=1.0 + i / 100)
-        c.receive(sa, encode_addressed(T.SEND, B.endpoint_id, BIG), 1.0 + i / 100)
-    assert forwarded(c) == (1, 5) and c.metrics.replaced_total == 5
-    c.receive(sa, encode_addressed(T.SEND, B.endpoint_id, BIG), 2.1)  # the rate still refills
-    assert forwarded(c) == (2, 5)
+        c.receive(sa, SEND_BIG, 1.0 + i / 100)
+    assert c.metrics.replaced_total == 5 and c.metrics.datagrams_out_total == 6
+    bucket = sa.bucket
+    assert bucket is not None and bucket.level(1.05) < -4 * len(SEND_BIG)  # in debt
+    assert c.read_allowance(sa, 1.05) == MIN_READ
+    assert bucket.level(10.0) == MAX_BODY  # the rate still refills
 
 
 def test_a_gone_clients_bucket_is_kept_until_it_is_full_again() -> None:
     c = core(rate=MAX_BODY, burst=MAX_BODY)
     join(c, B)
     sa, _ = join(c, A, now=1.0)
-    c.receive(sa, encode_addressed(T.SEND, B.endpoint_id, BIG), 1.0)
+    c.receive(sa, SEND_BIG, 1.0)
     c.lost(sa, 1.1)  # disconnect, reconnect at once: still empty
     sa, _ = join(c, A, now=1.2)
-    c.receive(sa, encode_addressed(T.SEND, B.endpoint_id, BIG), 1.2)
-    assert forwarded(c) == (1, 1)
+    assert sa.bucket is not None and sa.bucket.level(1.2) < MAX_BODY / 4
+    full = sa.bucket.full_at()
     c.lost(sa, 1.3)
-    c.tick(1.5)  # not yet full: kept
+    c.tick(full - 0.1)  # not yet full: kept
     assert len(c._buckets) == 1
-    c.tick(2.01)  # burst / rate after the last take: full, forgotten
+    c.tick(full + 0.01)  # full: forgotten
     assert not c._buckets
-    sa, _ = join(c, A, now=2.02)
-    c.receive(sa, encode_addressed(T.SEND, B.endpoint_id, BIG), 2.02)
-    assert forwarded(c) == (2, 1)
+    sa, _ = join(c, A, now=full + 0.02)
+    assert sa.bucket is not None and sa.bucket.level(full + 0.02) == MAX_BODY  # a fresh one
 
 
 def test_kept_buckets_are_bounded_by_max_clients() -> None:
@@ -327,7 +326,8 @@ def test_kept_buckets_are_bounded_by_max_clients() -> None:
 def test_token_bucket_full_at() -> None:
     b = TokenBucket(rate=100, burst=200, now=1.0)
     assert b.full_at() == 1.0
-    assert b.take(150, 2.0) and b.full_at() == 3.5
+    b.charge(150, 2.0)
+    assert b.full_at() == 3.5
 
 
 # ---- PEER_GONE throttle -------------------------------------------------------------

@@ -120,7 +120,7 @@ async def test_health_metrics_and_everything_else() -> None:
         assert await http_get(srv.url, "/health") == (200, "ok")
         status, text = await http_get(srv.url, "/metrics")
         assert status == 200 and metric(text, "p2pdist_relay_clients") == 0
-        assert metric(text, dropped("rate_limited")) == 0
+        assert metric(text, dropped("queue_full")) == 0
         assert (await http_get(srv.url, "/"))[0] == 404
         assert (await http_get(srv.url, "/relay"))[0] == 400  # no Upgrade header
 
@@ -411,7 +411,7 @@ async def test_flooding_client_is_rate_limited_while_another_pair_keeps_flowing(
 
         tasks = [asyncio.create_task(flood()), asyncio.create_task(drain_sink())]
         try:
-            limited = dropped("rate_limited")
+            limited = "p2pdist_relay_rate_paused_total"  # read at its rate, not dropped
             await eventually(lambda: _above(relay.url, limited, 0))
             for i in range(40):  # a well-behaved pair keeps flowing meanwhile
                 a.send(D.endpoint_id, f"ping {i}".encode())

@@ -21,14 +21,15 @@ __all__ = ["StunProbe", "mapping_behaviour"]
 FIRST_RETRY = 0.1
 """Seconds before the first resend; doubles after each."""
 FAMILY_GRACE = 0.3
-"""Seconds the targets of one address family still get once every target of the other
-has answered (a relay whose name has an IPv6 address its observation ports do not
-answer on, or an IPv6 path that drops UDP, must not hold up every observation)."""
+"""Seconds the IPv6 targets still get once every IPv4 target has answered (a relay whose
+name has an IPv6 address its observation ports do not answer on, or an IPv6 path that
+drops UDP, must not hold up every observation). IPv4, the mapping most peers need,
+always gets the whole timeout."""
 
 
 class StunProbe:
     """One round of Binding Requests from one socket to ``targets`` (IPv4, IPv6 or both:
-    once one family's targets have all answered, the other's get :data:`FAMILY_GRACE`)."""
+    once every IPv4 target has answered, the IPv6 ones get :data:`FAMILY_GRACE`)."""
 
     def __init__(self, targets: Sequence[UdpAddress]) -> None:
         self.targets = list(targets)
@@ -36,8 +37,8 @@ class StunProbe:
         """Our address as each target saw it (None: no answer yet)."""
         self._txids = {new_transaction_id(): i for i in range(len(self.targets))}
         self._all_in = asyncio.Event()
-        self._family_in = asyncio.Event()
-        """Set once every target of one address family has answered."""
+        self._ipv4_in = asyncio.Event()
+        """Set once every IPv4 target has answered (IPv6 ones then get the grace)."""
 
     def on_datagram(self, data: bytes) -> bool:
         """Take a STUN message that arrived on the socket; True if it answered us."""
@@ -51,19 +52,16 @@ class StunProbe:
             return False
         if all(a is not None for a in self.answers):
             self._all_in.set()
-        family = ":" in self.targets[i][0]
-        same = [
-            a for t, a in zip(self.targets, self.answers, strict=True) if (":" in t[0]) == family
-        ]
-        if all(a is not None for a in same):
-            self._family_in.set()
+        ipv4 = [a for t, a in zip(self.targets, self.answers, strict=True) if ":" not in t[0]]
+        if ipv4 and all(a is not None for a in ipv4):
+            self._ipv4_in.set()
         return True
 
     async def run(
         self, send: Callable[[bytes, UdpAddress], None], timeout: float
     ) -> list[UdpAddress | None]:
         """Send (and resend) the requests until every target answered or ``timeout``
-        seconds passed (less once one family is in: see the class); returns
+        seconds passed (less for IPv6 once IPv4 is in: see the class); returns
         :attr:`answers`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -75,13 +73,13 @@ class StunProbe:
                     send(binding_request(txid), self.targets[i])
             resend_at = loop.time() + delay
             while not self._all_in.is_set():
-                if self._family_in.is_set() and not grace_set:
+                if self._ipv4_in.is_set() and not grace_set:
                     grace_set = True
                     deadline = min(deadline, loop.time() + FAMILY_GRACE)
                 wake = min(resend_at, deadline) - loop.time()
                 if wake <= 0:
                     break
-                waiter = self._all_in if grace_set else self._family_in
+                waiter = self._all_in if grace_set else self._ipv4_in
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(wake):
                         await waiter.wait()

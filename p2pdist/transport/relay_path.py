@@ -472,7 +472,8 @@ class RelayPath:
         interval = self.config.keepalive or relay_keepalive(keepalive)
         limits = {k: float(v) for k, v in info.items() if isinstance(v, int | float)}
         rate = limits.get("rate", 0.0)
-        cap = max(MIN_RATE_QUEUE, int(rate * RATE_QUEUE_SECONDS)) if rate > 0 else math.inf
+        limited = math.isfinite(rate) and rate > 0  # (a relay may send anything)
+        cap = max(MIN_RATE_QUEUE, int(rate * RATE_QUEUE_SECONDS)) if limited else math.inf
         self._queue_cap = int(min(self.config.send_buffer, cap))
         observed = info.get("observed")
         self._observation_off = info.get("stun_ports") == []
