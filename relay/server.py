@@ -84,6 +84,10 @@ TLS_SLACK = 256 * 1024
 """Bytes queued towards a client beyond ``queue_bytes`` (record and TLS overhead, the
 core's control frames) before TLS's own answers to it end the connection: a client that
 asks for key updates and reads nothing (SecureStream's ``backlog_limit``)."""
+EARLY_TLS_RECORDS = 64
+"""Most TLS records a client may send before its upgrade is settled (a real one sends its
+request head in one or two): one byte per record made each byte a pass through the
+relay's Python, a core's worth from one attacker before it even authenticated."""
 CIPHER_SCRATCH_SIZE = 256 * 1024
 """Where every connection's ciphertext lands from the socket (each copies what it keeps
 at once: TLS into its memory BIO, records into its record buffer)."""
@@ -396,6 +400,7 @@ class RelayServer:
                 # the core keeps what it queues within queue_bytes; TLS's own answers
                 # (key updates) to a client that reads nothing must not grow past it
                 backlog_limit=c.queue_bytes + TLS_SLACK,
+                early_records=EARLY_TLS_RECORDS,
             )
             return conn.stream
 

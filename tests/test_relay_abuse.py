@@ -11,16 +11,25 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import hashlib
 import logging
 import socket
 import ssl
+import struct
 from typing import Any
 
 import pytest
 from relay_helpers import running_relay as running
 
 from p2pdist.identity import SecretKey
-from p2pdist.wire.relay import MAX_BODY, PING_LEN, RelayFrameType, encode_frame
+from p2pdist.wire.relay import (
+    MAX_BODY,
+    PING_LEN,
+    RelayFrameType,
+    auth_message,
+    encode_frame,
+    upgrade_request,
+)
 from relay.state import MIN_READ
 from relay.testclient import RelayTestClient
 
@@ -51,9 +60,10 @@ def _ssl_pointer(obj: ssl.SSLObject, lib: Any) -> int | None:
 
 
 def _ask_key_updates_and_never_read(port: int, limit: int) -> int:
-    """Complete TLS, then ask for key updates (30 at a time, one byte of an HTTP request
-    head between, as OpenSSL refuses more in a row) without ever reading; return the
-    bytes sent before the relay dropped us (``limit`` if it never did)."""
+    """Complete TLS, upgrade and authenticate (TLS carries the frames: no records), then
+    ask for key updates (30 at a time, an empty PONG frame between, as OpenSSL refuses
+    more in a row) without ever reading; return the bytes sent before the relay dropped
+    us (``limit`` if it never did)."""
     lib = _libssl()
     if lib is None:
         pytest.skip("libssl is not loaded in this process")
@@ -62,6 +72,16 @@ def _ask_key_updates_and_never_read(port: int, limit: int) -> int:
     ctx.verify_mode = ssl.CERT_NONE  # the pin is not what this test is about
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     obj = ctx.wrap_bio(incoming, outgoing)
+
+    def read_plain(n: int) -> bytes:
+        got = b""
+        while len(got) < n:
+            try:
+                got += obj.read(n - len(got))
+            except ssl.SSLWantReadError:
+                incoming.write(sock.recv(65536))
+        return got
+
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.settimeout(30)
@@ -74,24 +94,39 @@ def _ask_key_updates_and_never_read(port: int, limit: int) -> int:
                 sock.sendall(outgoing.read())
                 incoming.write(sock.recv(65536))
         sock.sendall(outgoing.read())
+        cert = obj.getpeercert(binary_form=True)
+        assert cert is not None
+        obj.write(upgrade_request(f"127.0.0.1:{port}"))
+        sock.sendall(outgoing.read())
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            head += read_plain(1)
+        kind, size = struct.unpack(">BI", read_plain(5))
+        challenge = read_plain(size)[1:]  # (version byte, then the challenge)
+        key = SecretKey.from_seed("relay abuse tests", 2)
+        me = bytes(key.endpoint_id)
+        proof = key.sign(auth_message(hashlib.sha256(cert).digest(), challenge, me))
+        obj.write(encode_frame(RelayFrameType.AUTH, me + proof))
+        sock.sendall(outgoing.read())
+        kind, size = struct.unpack(">BI", read_plain(5))
+        read_plain(size)
+        assert kind == RelayFrameType.AUTH_OK
         ptr = _ssl_pointer(obj, lib)
         if ptr is None:
             pytest.skip("cannot reach OpenSSL's SSL object from Python's ssl here")
         lib.SSL_key_update.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.SSL_do_handshake.argtypes = [ctypes.c_void_p]
         sent = 0
-        head = b"GET / HTTP/1.1\r\nX: " + b"a" * 4000
+        pong = encode_frame(RelayFrameType.PONG, b"")
         try:
-            for i in range(limit):
+            while sent < limit:
                 for _ in range(30):
                     assert lib.SSL_key_update(ptr, 1) == 1  # 1: update_requested
                     lib.SSL_do_handshake(ptr)
-                obj.write(head[i % len(head) : i % len(head) + 1])
+                obj.write(pong)
                 data = outgoing.read()
                 sock.sendall(data)
                 sent += len(data)
-                if sent >= limit:
-                    return limit
         except OSError:  # reset, or a broken pipe: dropped
             return sent
     return limit
@@ -101,15 +136,14 @@ async def test_a_client_asking_key_updates_without_reading_is_dropped(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="relay.server")
-    # (a long auth timeout: the relay must drop the client for not reading, not for
-    # taking long over its request head)
-    async with running(queue_bytes=MIN_QUEUE, auth_timeout=600.0) as srv:
+    async with running(queue_bytes=MIN_QUEUE) as srv:
         # the relay may queue MIN_QUEUE + TLS_SLACK (about 320 KiB) beyond the kernel's
         # socket buffers (a few MiB): 32 MiB sent is far beyond
         limit = 32 << 20
         sent = await asyncio.to_thread(_ask_key_updates_and_never_read, srv.port, limit)
         assert sent < limit, "the relay kept answering a client that reads nothing"
         assert any("client_not_reading" in r.getMessage() for r in caplog.records)
+        await asyncio.sleep(0.1)  # (the core hears of the loss in the next pass)
         assert srv.core.clients == 0
 
 
@@ -137,3 +171,50 @@ async def test_a_client_flooding_frames_the_relay_ignores_is_held_to_its_rate() 
         assert read <= burst + rate * took + 2 * MIN_READ, (read, took)
         assert metrics.rate_paused_total > 0 and srv.core.clients == 1
         flooder.writer.transport.abort()
+
+
+def _send_head_a_byte_per_record(port: int, records: int) -> int:
+    """Complete TLS, then send an (endless) request head one byte per TLS record; return
+    how many records went out before the relay dropped us (``records``: never)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE  # the pin is not what this test is about
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(incoming, outgoing)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        while True:
+            try:
+                obj.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                sock.sendall(outgoing.read())
+                incoming.write(sock.recv(65536))
+        sock.sendall(outgoing.read())
+        head = b"GET /relay HTTP/1.1\r\nX-Padding: " + b"a" * 6000
+        try:
+            for i in range(records):
+                obj.write(head[i : i + 1])
+                sock.sendall(outgoing.read())
+                if i % 16 == 15:  # has the relay given up on us?
+                    sock.settimeout(0.05)
+                    with contextlib.suppress(TimeoutError):
+                        if not sock.recv(65536):
+                            return i + 1
+                    sock.settimeout(30)
+        except OSError:
+            return i
+    return records
+
+
+async def test_a_request_head_a_byte_per_tls_record_is_cut_short() -> None:
+    """Each TLS record before the upgrade is settled goes through the relay's Python on
+    its own: a client sending its head one byte per record cost the relay a core
+    (7 us a record, 8 KiB of head per connection, then the next connection). A real
+    client needs one or two records; the relay drops one that sends 64."""
+    async with running() as srv:
+        sent = await asyncio.to_thread(_send_head_a_byte_per_record, srv.port, 2000)
+        assert sent < 200, sent
+        assert srv.core.unauthenticated == 0
+        client = await RelayTestClient.open(srv.url)  # others still get in
+        await client.authenticate(SecretKey.from_seed("relay abuse tests", 1))
+        await client.close()

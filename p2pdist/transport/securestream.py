@@ -103,7 +103,11 @@ class SecureStream(asyncio.BufferedProtocol):
     ``backlog_limit``: the most ciphertext queued towards the peer once TLS has added
     its own answers (to key update requests): a peer that asks for key updates and
     reads nothing would otherwise grow the queue without end (each answer is a TLS
-    record, written whether or not the peer reads); over it the stream fails."""
+    record, written whether or not the peer reads); over it the stream fails.
+    ``early_records``: the most TLS records read before the app decides (None: no
+    limit). Until then each record is handed over on its own, so a peer sending one
+    byte per record costs a whole pass through the app per byte; a real client needs
+    one or two."""
 
     def __init__(
         self,
@@ -116,10 +120,12 @@ class SecureStream(asyncio.BufferedProtocol):
         scratch: memoryview | None = None,
         read_size: int = RECEIVE_BUFFER,
         backlog_limit: int = TLS_BACKLOG,
+        early_records: int | None = None,
     ) -> None:
         if read_size < RECEIVE_BUFFER:
             raise ValueError(f"read_size must be at least {RECEIVE_BUFFER}")
         self._backlog_limit = backlog_limit
+        self._early_left = early_records
         self._app = app
         self._context = context
         self._server_side = server_side
@@ -421,7 +427,14 @@ class SecureStream(asyncio.BufferedProtocol):
                         assert self._tls is not None
                         # One TLS record at a time until the app has decided: the
                         # bytes after the agreement must stay unread.
-                        n = self._tls.fill(buf) if self._decided else self._tls.read_into(buf)
+                        if self._decided:
+                            n = self._tls.fill(buf)
+                        else:
+                            n = self._tls.read_into(buf)
+                            if n and self._early_left is not None:
+                                self._early_left -= 1
+                                if self._early_left < 0:
+                                    raise RecordError("too many TLS records before the upgrade")
                         if not self._flush_tls():  # answers to what TLS read (key updates)
                             return
                 except (ssl.SSLError, RecordError) as exc:
