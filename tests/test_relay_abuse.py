@@ -59,6 +59,48 @@ def _ssl_pointer(obj: ssl.SSLObject, lib: Any) -> int | None:
     return ptr if lib.SSL_version(ptr) == TLS1_3_VERSION else None
 
 
+class RawTls:
+    """A TLS client on a blocking loopback socket, through Python's ssl with memory BIOs
+    (so the test decides what goes out in which record); the relay's pin is not checked
+    (not what these tests are about)."""
+
+    def __init__(self, port: int, *, small_receive_buffer: bool = False) -> None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.obj = ctx.wrap_bio(self.incoming, self.outgoing)
+        self.sock = socket.socket()
+        if small_receive_buffer:  # the relay's answers pile up at its end sooner
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.settimeout(30)
+        self.sock.connect(("127.0.0.1", port))
+        while True:
+            try:
+                self.obj.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self.sock.sendall(self.outgoing.read())
+                self.incoming.write(self.sock.recv(65536))
+        self.flush()
+
+    def flush(self) -> int:
+        """Send what TLS has written; the bytes sent."""
+        data = self.outgoing.read()
+        self.sock.sendall(data)
+        return len(data)
+
+    def read(self, n: int) -> bytes:
+        """``n`` bytes of plaintext (blocking)."""
+        got = b""
+        while len(got) < n:
+            try:
+                got += self.obj.read(n - len(got))
+            except ssl.SSLWantReadError:
+                self.incoming.write(self.sock.recv(65536))
+        return got
+
+
 def _ask_key_updates_and_never_read(port: int, limit: int) -> int:
     """Complete TLS, upgrade and authenticate (TLS carries the frames: no records), then
     ask for key updates (30 at a time, an empty PONG frame between, as OpenSSL refuses
@@ -67,37 +109,13 @@ def _ask_key_updates_and_never_read(port: int, limit: int) -> int:
     lib = _libssl()
     if lib is None:
         pytest.skip("libssl is not loaded in this process")
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE  # the pin is not what this test is about
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    obj = ctx.wrap_bio(incoming, outgoing)
-
-    def read_plain(n: int) -> bytes:
-        got = b""
-        while len(got) < n:
-            try:
-                got += obj.read(n - len(got))
-            except ssl.SSLWantReadError:
-                incoming.write(sock.recv(65536))
-        return got
-
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.settimeout(30)
-        sock.connect(("127.0.0.1", port))
-        while True:
-            try:
-                obj.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                sock.sendall(outgoing.read())
-                incoming.write(sock.recv(65536))
-        sock.sendall(outgoing.read())
+    tls = RawTls(port, small_receive_buffer=True)
+    obj, read_plain = tls.obj, tls.read
+    with tls.sock:
         cert = obj.getpeercert(binary_form=True)
         assert cert is not None
         obj.write(upgrade_request(f"127.0.0.1:{port}"))
-        sock.sendall(outgoing.read())
+        tls.flush()
         head = b""
         while not head.endswith(b"\r\n\r\n"):
             head += read_plain(1)
@@ -107,7 +125,7 @@ def _ask_key_updates_and_never_read(port: int, limit: int) -> int:
         me = bytes(key.endpoint_id)
         proof = key.sign(auth_message(hashlib.sha256(cert).digest(), challenge, me))
         obj.write(encode_frame(RelayFrameType.AUTH, me + proof))
-        sock.sendall(outgoing.read())
+        tls.flush()
         kind, size = struct.unpack(">BI", read_plain(5))
         read_plain(size)
         assert kind == RelayFrameType.AUTH_OK
@@ -124,9 +142,7 @@ def _ask_key_updates_and_never_read(port: int, limit: int) -> int:
                     assert lib.SSL_key_update(ptr, 1) == 1  # 1: update_requested
                     lib.SSL_do_handshake(ptr)
                 obj.write(pong)
-                data = outgoing.read()
-                sock.sendall(data)
-                sent += len(data)
+                sent += tls.flush()
         except OSError:  # reset, or a broken pipe: dropped
             return sent
     return limit
@@ -176,25 +192,14 @@ async def test_a_client_flooding_frames_the_relay_ignores_is_held_to_its_rate() 
 def _send_head_a_byte_per_record(port: int, records: int) -> int:
     """Complete TLS, then send an (endless) request head one byte per TLS record; return
     how many records went out before the relay dropped us (``records``: never)."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE  # the pin is not what this test is about
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    obj = ctx.wrap_bio(incoming, outgoing)
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        while True:
-            try:
-                obj.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                sock.sendall(outgoing.read())
-                incoming.write(sock.recv(65536))
-        sock.sendall(outgoing.read())
+    tls = RawTls(port)
+    sock = tls.sock
+    with sock:
         head = b"GET /relay HTTP/1.1\r\nX-Padding: " + b"a" * 6000
         try:
             for i in range(records):
-                obj.write(head[i : i + 1])
-                sock.sendall(outgoing.read())
+                tls.obj.write(head[i : i + 1])
+                tls.flush()
                 if i % 16 == 15:  # has the relay given up on us?
                     sock.settimeout(0.05)
                     with contextlib.suppress(TimeoutError):
