@@ -58,6 +58,8 @@ log = logging.getLogger("relay.state")
 
 SIG_LEN = 64
 MAX_AUTH_BODY = ID_LEN + SIG_LEN + MAX_TOKEN_BYTES
+MAX_SHARES = 256
+"""Senders whose share of one congested destination queue is tracked at most (a few KiB)."""
 """The largest valid AUTH body; a longer frame before authentication is refused from
 its header alone, so an unauthenticated connection never buffers more than this."""
 REFRESH_EVERY = 1.0
@@ -273,11 +275,40 @@ class Inbound:
                 self._queue(s, encode_frame(RelayFrameType.PEER_GONE, dest_id))
             return
         # Checked before the RECV frame is built: a slow reader's drops copy nothing.
-        if dest.queued() + FRAME_HEADER + len(body) > self.config.queue_bytes:
+        size = FRAME_HEADER + len(body)
+        queued = dest.queued()
+        if queued + size > self.config.queue_bytes:
             m.dropped["queue_full"] += 1
+            return
+        share = self._fair_share(dest, s.raw_id, queued, size)
+        if share is not None:  # over its share: the room left is the other senders'
+            m.dropped[share] += 1
             return
         m.datagrams_out_total += 1
         append_addressed(self._batch(dest), RelayFrameType.RECV, s.raw_id, body[ID_LEN:])
+
+    def _fair_share(self, dest: Session, sender: bytes, queued: int, size: int) -> str | None:
+        """None when ``sender`` may add ``size`` bytes to ``dest``'s queue, which holds
+        ``queued``; else the drop reason. Below half of ``queue_bytes`` anyone may. Above
+        it (``dest`` reads slower than it is sent to) each sender may add at most the
+        upper half divided by one more than the senders seen since the queue last went
+        below half: one sender flooding a slow reader cannot fill its queue and starve
+        the others (a newcomer always finds room). A lone sender gets three quarters of
+        the queue (``queue_full``, as the rest is kept for others); one of several, its
+        share (``queue_share``)."""
+        half = self.config.queue_bytes // 2
+        shares = dest.shares
+        if queued + size <= half:
+            if shares:
+                shares.clear()  # the queue drained: a new episode
+            return None
+        taken = shares.get(sender)
+        senders = len(shares) + (taken is None)
+        if (taken or 0) + size > max(MAX_BODY + FRAME_HEADER, half // (senders + 1)):
+            return "queue_share" if senders > 1 else "queue_full"
+        if taken is not None or len(shares) < MAX_SHARES:
+            shares[sender] = (taken or 0) + size
+        return None
 
     def _auth(self, s: Session, view: memoryview, now: float) -> None:
         if len(view) < ID_LEN + SIG_LEN:

@@ -9,9 +9,10 @@ from typing import Any
 
 __all__ = ["AUTH_FAILURE_REASONS", "DROP_REASONS", "EVICT_REASONS", "REFUSE_REASONS", "Metrics"]
 
-DROP_REASONS = ("queue_full", "unknown_peer")
-"""Why datagrams were dropped (a client over its rate is read more slowly instead:
-``rate_paused_total``)."""
+DROP_REASONS = ("queue_full", "queue_share", "unknown_peer")
+"""Why datagrams were dropped: the destination's queue was full, or over half full and
+the sender had added its share of it, or the destination is not connected (a client
+over its rate is read more slowly instead: ``rate_paused_total``)."""
 AUTH_FAILURE_REASONS = (
     "bad_signature",
     "bad_token",

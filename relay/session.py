@@ -81,6 +81,7 @@ class Session:
         "proxied",
         "raw_id",
         "ready_at",
+        "shares",
         "source",
         "splitter",
         "websocket",
@@ -110,6 +111,9 @@ class Session:
         self.peer_gone = PeerGoneThrottle()
         self.out = bytearray()
         """Frames batched for this client during the current core call."""
+        self.shares: dict[bytes, int] = {}
+        """Bytes each sender added to this client's queue while it was over half full
+        (see ``Inbound._fair_share``); emptied once it goes below half."""
         self.proxied = False
         """Whether it came through the plain HTTP port, from a TLS-terminating proxy."""
         self.websocket: WebSocketReader | None = None

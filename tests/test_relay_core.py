@@ -329,6 +329,33 @@ def test_queue_full_drops_for_a_slow_reader_only() -> None:
     assert len(lb.frames()) == 1 and c.metrics.dropped["queue_full"] == 3
 
 
+def test_a_sender_flooding_a_slow_reader_leaves_room_for_the_others() -> None:
+    """B reads slower than A floods it: A's datagrams used to fill B's whole queue, so
+    C's to B were all dropped (a security review: 37 of 117 got through). Over half
+    full, each sender adds at most its share; a newcomer always finds room."""
+    queue = 8 * MAX_BODY
+    c = core(queue_bytes=queue)
+    sa, _ = join(c, A)
+    _, lb = join(c, B)
+    sc, _ = join(c, C)
+    lb.frames()
+    flood = encode_addressed(T.SEND, B.endpoint_id, b"f" * 8000)
+    for _ in range(2 * queue // len(flood)):  # B reads nothing meanwhile
+        c.receive(sa, flood, 1.0)
+        lb.backlog += sum(5 + len(body) for _, body in lb.frames())  # waits in B's socket
+    assert 0.7 * queue < lb.backlog <= 0.75 * queue + len(flood)  # A alone: 3/4, no more
+    assert c.metrics.dropped["queue_full"] > 0 and c.metrics.dropped["queue_share"] == 0
+    for i in range(5):  # C's datagrams still get in, and A's still not
+        c.receive(sc, encode_addressed(T.SEND, B.endpoint_id, b"c%d" % i * 100), 1.0)
+        c.receive(sa, flood, 1.0)
+    got = lb.frames()
+    assert [f[1][:32] for f in got] == [bytes(C.endpoint_id)] * 5
+    assert c.metrics.dropped["queue_share"] == 5
+    lb.backlog = 0  # B caught up: a new episode, A may fill it again
+    c.receive(sa, flood, 2.0)
+    assert len(lb.frames()) == 1 and not c.client(B.endpoint_id).shares
+
+
 def test_counters_count_datagrams_only() -> None:
     """A PONG dropped for a full queue is not a dropped datagram, and a SEND too short to
     name a peer is a protocol error, not a datagram received."""

@@ -473,7 +473,7 @@ def test_a_peer_gone_dropped_for_a_full_queue_is_not_counted() -> None:
     c.receive(s, encode_addressed(T.SEND, nobody, b"x"), 1.0)
     m = c.metrics
     assert m.peer_gone_total == 0 and link.frames() == []
-    assert m.dropped == {"queue_full": 0, "unknown_peer": 1}
+    assert m.dropped == {"queue_full": 0, "queue_share": 0, "unknown_peer": 1}
     link.backlog = 0  # reading again, within the throttle's second: PEER_GONE now
     c.receive(s, encode_addressed(T.SEND, nobody, b"x"), 1.1)
     assert only(link) == (T.PEER_GONE, nobody) and m.peer_gone_total == 1
