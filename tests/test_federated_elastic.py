@@ -360,6 +360,43 @@ async def test_a_new_leader_that_adopts_a_decision_remembers_what_it_counted() -
         assert len({f.model.tobytes() for f in feds[1:]}) == 1
 
 
+async def test_a_new_leader_after_a_round_that_applied_nothing_counts_its_updates_fresh() -> None:
+    """Round 1 misses its quorum (rank 2 sends nothing: 2 of the 3 updates needed), so it
+    applies nothing and the model stays round 1's; then the leader is lost. The new
+    leader must count an update from round 1's model as fresh for round 2's quorum (it
+    seeds its rounds with model_from = 1): the round closes by its quorum. (Unseeded,
+    the resent update was not fresh, so the quorum of fresh updates was never met and
+    the round closed only as "complete", once every member's part was in: with a
+    member missing, it would have waited for its deadline.)"""
+    cfg = FederatedConfig(round_timeout=5.0, policy="quorum", quorum=1.0, max_staleness=2)
+    async with averaging(3, 100, cfg=cfg, first_round=True) as (gs, feds):
+
+        async def round1(f: GroupAveraging) -> GroupRound:
+            if f.group.rank == 2:
+                return await f.step(None)
+            return await f.step(update_of(f.group.rank, 1, 100), 10)
+
+        outs = await asyncio.wait_for(asyncio.gather(*(round1(f) for f in feds)), 30)
+        assert all(not o.applied for o in outs), outs
+        crash(gs[0])
+
+        async def round2(f: GroupAveraging) -> GroupRound:
+            if f.group.rank == 1:  # its round-1 update again: the model is still round 1's
+                return await f.step(update_of(1, 1, 100), 10, base_round=1)
+            return await f.step(update_of(2, 2, 100), 10)
+
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        outs = await asyncio.wait_for(asyncio.gather(*(round2(f) for f in feds[1:])), 30)
+        took = loop.time() - start
+        for o in outs:  # (staleness, for the discount, still counts rounds: 1 for rank 1)
+            assert o.applied and o.reason == "quorum" and o.participants == (1, 2), o
+        assert outs[0].aggregate is not None and outs[1].aggregate is not None
+        assert outs[0].aggregate.tobytes() == outs[1].aggregate.tobytes()
+        assert took < cfg.round_timeout  # closed by the quorum, not the deadline
+        assert feds[1].is_leader
+
+
 async def test_by_default_a_crash_breaks_the_averaging_naming_the_lost_rank() -> None:
     async with averaging(3, 10, config={}) as (gs, feds):
         crash(gs[2])
