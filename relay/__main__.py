@@ -118,8 +118,9 @@ def _remove_if_ours(path: Path, text: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``p2pdist-relay``."""
+    warnings: list[str] = []
     try:
-        config = load_config(argv)
+        config = load_config(argv, warnings=warnings)
     except ConfigError as exc:
         print(f"p2pdist-relay: error: {exc}", file=sys.stderr)
         return 2
@@ -128,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    for line in warnings:
+        log.warning(line)
     _raise_fd_limit()
     try:
         return eventloop.run(run(config, exiting=True), loop=config.loop)

@@ -8,6 +8,7 @@ Set but empty, it is the same error as ``--token ""`` (never a silent "no token"
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import tomllib
@@ -18,6 +19,7 @@ from typing import Any
 from p2pdist import __version__
 
 from .config import TOKEN_ENV, ConfigError, RelayConfig, coerce, normalize_keys
+from .logfmt import kv
 
 __all__ = ["build_parser", "load_config", "read_config_file"]
 
@@ -61,10 +63,14 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def load_config(
-    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    warnings: list[str] | None = None,
 ) -> RelayConfig:
     """Parse flags, read ``--config`` if given, apply the environment; ConfigError on
-    anything wrong (argparse itself exits with status 2 on unknown flags)."""
+    anything wrong (argparse itself exits with status 2 on unknown flags). What is
+    allowed but unwise (a token in a file others may read) is appended to ``warnings``
+    as ``event key=value`` lines, for the caller to log once logging is set up."""
     env = os.environ if environ is None else environ
     args = vars(build_parser().parse_args(argv))
     config_path = args.pop("config", None)
@@ -75,6 +81,14 @@ def load_config(
         path = Path(config_path).expanduser()
         file_values = read_config_file(path)
         base = path.resolve().parent
+        if "token" in file_values and warnings is not None:
+            with contextlib.suppress(OSError):
+                mode = path.stat().st_mode & 0o777
+                if mode & 0o077:
+                    hint = "others on this host can read the token: chmod 600 it"
+                    warnings.append(
+                        kv("token_file_readable", path=path, mode=f"{mode:o}", hint=hint)
+                    )
     if TOKEN_ENV in env:  # set but empty is an error, as --token "" is
         merged["token"] = env[TOKEN_ENV]
     merged.update(args)

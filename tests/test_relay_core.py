@@ -631,6 +631,22 @@ def test_a_config_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
     assert load_config(["--config", str(cfg)], environ={}).port == 9000
 
 
+def test_a_token_in_a_config_file_others_can_read_is_warned_about(tmp_path: Path) -> None:
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text('token = "a-long-random-token-0123"\n')
+    for mode, warned in ((0o644, True), (0o600, False)):
+        cfg.chmod(mode)
+        warnings: list[str] = []
+        load_config(["--config", str(cfg)], environ={}, warnings=warnings)
+        assert bool(warnings) is warned, warnings
+        assert all(w.startswith("token_file_readable ") and "mode=644" in w for w in warnings)
+    cfg.write_text("port = 9000\n")  # no token: nothing to say
+    cfg.chmod(0o644)
+    warnings = []
+    load_config(["--config", str(cfg)], environ={}, warnings=warnings)
+    assert warnings == []
+
+
 def test_the_relay_says_its_version(capsys: pytest.CaptureFixture[str]) -> None:
     from p2pdist import __version__
 
