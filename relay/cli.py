@@ -84,7 +84,7 @@ def load_config(
         if "token" in file_values and warnings is not None:
             with contextlib.suppress(OSError):
                 mode = path.stat().st_mode & 0o777
-                if mode & 0o077:
+                if mode & 0o044:  # readable by group or others
                     hint = "others on this host can read the token: chmod 600 it"
                     warnings.append(
                         kv("token_file_readable", path=path, mode=f"{mode:o}", hint=hint)

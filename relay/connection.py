@@ -167,10 +167,10 @@ class _ClientConnection(asyncio.BufferedProtocol):
         if self._resume is not None:
             self._resume.cancel()
             self._resume = None
-        why = self.stream.backlog_failure if self.stream is not None else None
-        if why is not None:
+        dropped = self.stream.dropped_for if self.stream is not None else None
+        if dropped is not None:
             label = self._session.label if self._session is not None else "?"
-            log.warning(kv("client_not_reading", client=label, error=why))
+            self._server.client_dropped(dropped[0], label, dropped[1])
         self._release()
         if self._abort is not None:
             self._abort.cancel()

@@ -58,8 +58,6 @@ log = logging.getLogger("relay.state")
 
 SIG_LEN = 64
 MAX_AUTH_BODY = ID_LEN + SIG_LEN + MAX_TOKEN_BYTES
-MAX_SHARES = 256
-"""Senders whose share of one congested destination queue is tracked at most (a few KiB)."""
 """The largest valid AUTH body; a longer frame before authentication is refused from
 its header alone, so an unauthenticated connection never buffers more than this."""
 REFRESH_EVERY = 1.0
@@ -68,6 +66,9 @@ WS_BEFORE_AUTH = MAX_AUTH_BODY + 1024
 """The most WebSocket bytes a client may send before it is authenticated: one AUTH
 frame and framing around it (a session that may still send nothing else must not
 make the relay work for free)."""
+MAX_SHARES = 256
+"""Senders whose share of one congested destination queue is tracked on their own at
+most (about 17 KiB); the rest share one entry."""
 
 BAD_SIGNATURE = Refusal("bad_signature", BAD_SIGNATURE_TEXT)
 MALFORMED = Refusal("malformed", MALFORMED_AUTH_TEXT)
@@ -290,24 +291,31 @@ class Inbound:
     def _fair_share(self, dest: Session, sender: bytes, queued: int, size: int) -> str | None:
         """None when ``sender`` may add ``size`` bytes to ``dest``'s queue, which holds
         ``queued``; else the drop reason. Below half of ``queue_bytes`` anyone may. Above
-        it (``dest`` reads slower than it is sent to) each sender may add at most the
+        it (``dest`` reads slower than it is sent to) each sender may hold at most the
         upper half divided by one more than the senders seen since the queue last went
         below half: one sender flooding a slow reader cannot fill its queue and starve
-        the others (a newcomer always finds room). A lone sender gets three quarters of
-        the queue (``queue_full``, as the rest is kept for others); one of several, its
-        share (``queue_share``)."""
+        the others (a newcomer always finds room). A sender's holding is its part of what
+        is above half now (its bytes added this episode, scaled by what the reader has
+        taken since), so a lone sender may keep the queue three quarters full
+        (``queue_full`` beyond, the rest being kept for others); one of several, its
+        share (``queue_share``). Senders past :data:`MAX_SHARES` share one entry."""
         half = self.config.queue_bytes // 2
         shares = dest.shares
         if queued + size <= half:
             if shares:
                 shares.clear()  # the queue drained: a new episode
+                dest.shares_total = 0
             return None
-        taken = shares.get(sender)
-        senders = len(shares) + (taken is None)
-        if (taken or 0) + size > max(MAX_BODY + FRAME_HEADER, half // (senders + 1)):
+        if sender not in shares and len(shares) >= MAX_SHARES:
+            sender = b""  # one entry for all the rest: identities are free
+        taken = shares.get(sender, 0)
+        senders = len(shares) + (sender not in shares)
+        total, above = dest.shares_total, max(0, queued - half)
+        held = taken * above // total if total > above else taken
+        if held + size > max(MAX_BODY + FRAME_HEADER, half // (senders + 1)):
             return "queue_share" if senders > 1 else "queue_full"
-        if taken is not None or len(shares) < MAX_SHARES:
-            shares[sender] = (taken or 0) + size
+        shares[sender] = taken + size
+        dest.shares_total = total + size
         return None
 
     def _auth(self, s: Session, view: memoryview, now: float) -> None:

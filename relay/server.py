@@ -205,6 +205,7 @@ class RelayServer:
         """The most client sockets held at once (None: no limit); see :func:`fd_budget`."""
         self._backlog = BACKLOG
         self._fd_warn = _Every(FD_WARN_INTERVAL, time.monotonic)
+        self._dropped_warn = _Every(FD_WARN_INTERVAL, time.monotonic)
         self._accept_errors: AcceptErrorLimiter | None = None
 
     @property
@@ -241,6 +242,15 @@ class RelayServer:
             return False
         self.sockets_open += 1
         return True
+
+    def client_dropped(self, event: str, client: str, why: str) -> None:
+        """A connection's stream dropped its client for a limit of its own (see
+        ``SecureStream.dropped_for``): a WARNING, at most one per 5 s (a flood of them
+        must not flood the log), with how many were left out."""
+        if self._dropped_warn():
+            skipped = self._dropped_warn.skipped
+            self._dropped_warn.skipped = 0
+            log.warning(kv(event, client=client, error=why, others_since_last=skipped))
 
     def release_socket(self) -> None:
         """A counted client socket is gone."""

@@ -82,6 +82,7 @@ class Session:
         "raw_id",
         "ready_at",
         "shares",
+        "shares_total",
         "source",
         "splitter",
         "websocket",
@@ -114,6 +115,8 @@ class Session:
         self.shares: dict[bytes, int] = {}
         """Bytes each sender added to this client's queue while it was over half full
         (see ``Inbound._fair_share``); emptied once it goes below half."""
+        self.shares_total = 0
+        """The sum of :attr:`shares`."""
         self.proxied = False
         """Whether it came through the plain HTTP port, from a TLS-terminating proxy."""
         self.websocket: WebSocketReader | None = None

@@ -356,6 +356,30 @@ def test_a_sender_flooding_a_slow_reader_leaves_room_for_the_others() -> None:
     assert len(lb.frames()) == 1 and not c.client(B.endpoint_id).shares
 
 
+def test_senders_past_the_tracked_ones_share_one_entry() -> None:
+    """Identities are free: once MAX_SHARES senders are tracked, every further one shares
+    one entry. (Untracked, a 257th sender was never capped, and flooded the others out
+    as before the shares: a review of the change.)"""
+    from relay.inbound import MAX_SHARES
+
+    queue = 8 * MAX_BODY
+    c = core(queue_bytes=queue)
+    join(c, B)
+    dest = c.client(B.endpoint_id)
+    assert dest is not None
+    queued = queue // 2 + 1  # over half: shares apply
+    for i in range(MAX_SHARES):  # one datagram each, then silent
+        assert c._fair_share(dest, i.to_bytes(32, "big"), queued, 100) is None
+        queued += 100
+    admitted = 0
+    for _ in range(100):  # a flooder past the table, the reader taking nothing
+        if c._fair_share(dest, b"F" * 32, queued, 8000) is None:
+            admitted += 1
+            queued += 8000
+    assert admitted * 8000 <= max(MAX_BODY + 5, queue // 2 // (MAX_SHARES + 2)) + 8000
+    assert len(dest.shares) == MAX_SHARES + 1 and b"" in dest.shares
+
+
 def test_counters_count_datagrams_only() -> None:
     """A PONG dropped for a full queue is not a dropped datagram, and a SEND too short to
     name a peer is a protocol error, not a datagram received."""

@@ -151,8 +151,9 @@ class SecureStream(asyncio.BufferedProtocol):
         self._copy_writes = False
         self.paused = False
         """Whether the app paused reading."""
-        self.backlog_failure: str | None = None
-        """Why the stream failed for ``backlog_limit``, if it did."""
+        self.dropped_for: tuple[str, str] | None = None
+        """(event, detail) when the stream dropped the peer for a limit of its own:
+        ``client_not_reading`` (``backlog_limit``) or ``early_records``."""
         self.handshake: asyncio.Future[None] = self._loop.create_future()
 
     # ---- for the app and its transport --------------------------------------------------
@@ -360,7 +361,7 @@ class SecureStream(asyncio.BufferedProtocol):
             queued = raw.get_write_buffer_size()
             if queued > self._backlog_limit:
                 why = f"it reads nothing of what TLS must send it ({queued} bytes queued)"
-                self.backlog_failure = why
+                self.dropped_for = ("client_not_reading", why)
                 self._fail(ConnectionError(why))
                 return False
         return True
@@ -434,7 +435,9 @@ class SecureStream(asyncio.BufferedProtocol):
                             if n and self._early_left is not None:
                                 self._early_left -= 1
                                 if self._early_left < 0:
-                                    raise RecordError("too many TLS records before the upgrade")
+                                    why = "too many TLS records before the upgrade"
+                                    self.dropped_for = ("early_records", why)
+                                    raise RecordError(why)
                         if not self._flush_tls():  # answers to what TLS read (key updates)
                             return
                 except (ssl.SSLError, RecordError) as exc:
