@@ -69,6 +69,8 @@ class _ClientConnection(asyncio.BufferedProtocol):
         self._session: Session | None = None
         self._abort: asyncio.TimerHandle | None = None
         self._resume: asyncio.TimerHandle | None = None
+        self._records_seen = 0
+        """The stream's ``records_in`` at the last read handed to the core."""
         """Set while reading is paused for the client's rate (see :meth:`pause`)."""
         self._counted = False
         """Whether this connection holds one of the server's socket slots."""
@@ -150,7 +152,11 @@ class _ClientConnection(asyncio.BufferedProtocol):
             with memoryview(buffer) as whole, whole[:nbytes] as data:
                 if self._tap is not None:
                     self._tap(self._session.conn_id, "in", bytes(data))
-                self._core.receive(self._session, data, self._loop.time())
+                records = 0
+                if self.stream is not None:
+                    seen, self._records_seen = self._records_seen, self.stream.records_in
+                    records = self._records_seen - seen
+                self._core.receive(self._session, data, self._loop.time(), records)
         except Exception:  # pragma: no cover - a bug costs this connection, not the relay
             log.exception(kv("receive_failed", conn=self._session.label))
             self.abort()

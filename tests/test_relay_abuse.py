@@ -16,6 +16,7 @@ import logging
 import socket
 import ssl
 import struct
+import time
 from typing import Any
 
 import pytest
@@ -90,6 +91,25 @@ class RawTls:
         self.sock.sendall(data)
         return len(data)
 
+    def authenticate(self, port: int, key: SecretKey) -> None:
+        """Upgrade (no records offered: TLS carries the frames) and authenticate."""
+        cert = self.obj.getpeercert(binary_form=True)
+        assert cert is not None
+        self.obj.write(upgrade_request(f"127.0.0.1:{port}"))
+        self.flush()
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            head += self.read(1)
+        _, size = struct.unpack(">BI", self.read(5))
+        challenge = self.read(size)[1:]  # (version byte, then the challenge)
+        me = bytes(key.endpoint_id)
+        proof = key.sign(auth_message(hashlib.sha256(cert).digest(), challenge, me))
+        self.obj.write(encode_frame(RelayFrameType.AUTH, me + proof))
+        self.flush()
+        kind, size = struct.unpack(">BI", self.read(5))
+        self.read(size)
+        assert kind == RelayFrameType.AUTH_OK
+
     def read(self, n: int) -> bytes:
         """``n`` bytes of plaintext (blocking)."""
         got = b""
@@ -110,25 +130,9 @@ def _ask_key_updates_and_never_read(port: int, limit: int) -> int:
     if lib is None:
         pytest.skip("libssl is not loaded in this process")
     tls = RawTls(port, small_receive_buffer=True)
-    obj, read_plain = tls.obj, tls.read
+    obj = tls.obj
     with tls.sock:
-        cert = obj.getpeercert(binary_form=True)
-        assert cert is not None
-        obj.write(upgrade_request(f"127.0.0.1:{port}"))
-        tls.flush()
-        head = b""
-        while not head.endswith(b"\r\n\r\n"):
-            head += read_plain(1)
-        kind, size = struct.unpack(">BI", read_plain(5))
-        challenge = read_plain(size)[1:]  # (version byte, then the challenge)
-        key = SecretKey.from_seed("relay abuse tests", 2)
-        me = bytes(key.endpoint_id)
-        proof = key.sign(auth_message(hashlib.sha256(cert).digest(), challenge, me))
-        obj.write(encode_frame(RelayFrameType.AUTH, me + proof))
-        tls.flush()
-        kind, size = struct.unpack(">BI", read_plain(5))
-        read_plain(size)
-        assert kind == RelayFrameType.AUTH_OK
+        tls.authenticate(port, SecretKey.from_seed("relay abuse tests", 2))
         ptr = _ssl_pointer(obj, lib)
         if ptr is None:
             pytest.skip("cannot reach OpenSSL's SSL object from Python's ssl here")
@@ -220,3 +224,36 @@ async def test_a_request_head_a_byte_per_tls_record_is_cut_short(
         client = await RelayTestClient.open(srv.url)  # others still get in
         await client.authenticate(SecretKey.from_seed("relay abuse tests", 1))
         await client.close()
+
+
+def _pong_a_byte_per_record(port: int, seconds: float) -> None:
+    """Authenticate, then send PONG frames a byte per TLS record for ``seconds``."""
+    tls = RawTls(port)
+    with tls.sock:
+        tls.authenticate(port, SecretKey.from_seed("relay abuse tests", 3))
+        pong = encode_frame(RelayFrameType.PONG, b"p" * PING_LEN)
+        tls.sock.settimeout(0.2)
+        end = time.monotonic() + seconds
+        with contextlib.suppress(OSError):
+            while time.monotonic() < end:
+                for byte in pong:
+                    tls.obj.write(bytes([byte]))
+                with contextlib.suppress(TimeoutError):
+                    tls.flush()  # (blocks once the relay stops reading: it should)
+
+
+async def test_a_client_sending_a_byte_per_record_is_charged_for_its_records() -> None:
+    """After the upgrade too, each record costs the relay a pass of Python: one byte per
+    record took two thirds of a core within --rate 250000 (a review of the rate change).
+    Each record now costs RECORD_CHARGE bytes of the rate on top of its own."""
+    rate, burst = 50_000, MAX_BODY + 5
+    async with running(rate=rate, burst=burst) as srv:
+        metrics = srv.core.metrics
+        await asyncio.to_thread(_pong_a_byte_per_record, srv.port, 4.0)
+        # bytes read after AUTH: about (burst + rate * 4 s) / (RECORD_CHARGE + 1) records
+        # of a byte, plus the one read that took the bucket into debt (it pauses a
+        # keepalive then); without the charge, the rate's 265 KB
+        upgrade = len(upgrade_request(f"127.0.0.1:{srv.port}")) + 5 + 32 + 64  # + AUTH
+        after_auth = metrics.bytes_in_total - upgrade
+        assert after_auth < burst + MIN_READ, after_auth
+        assert metrics.rate_paused_total > 0

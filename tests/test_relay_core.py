@@ -31,7 +31,7 @@ from relay.config import ConfigError, RelayConfig, from_mapping
 from relay.limits import PeerGoneThrottle, TokenBucket
 from relay.metrics import AUTH_FAILURE_REASONS, DROP_REASONS, Metrics
 from relay.session import Phase, Session
-from relay.state import MIN_READ, CoreConfig, RelayCore
+from relay.state import MIN_READ, RECORD_CHARGE, CoreConfig, RelayCore
 from relay.tap import FileTap, read_tap
 
 FP = bytes(range(32))  # the fingerprint of "the relay's certificate" in these tests
@@ -296,6 +296,18 @@ def test_a_client_over_its_rate_is_read_at_its_rate_whatever_it_sends() -> None:
     assert la.pauses[-1] == 5.0
     _, lb = join(c, B)  # another client's bucket is its own
     assert c.read_allowance(c.client(B.endpoint_id), 2.0) == 4 * MAX_BODY and lb.pauses == []
+
+
+def test_each_record_a_client_sends_costs_it_more_than_its_bytes() -> None:
+    """A record costs the relay a pass of Python whatever its size: one byte per record
+    took most of a core within any --rate. Records are charged RECORD_CHARGE each."""
+    c = core(rate=1_000_000, burst=MAX_BODY * 8)
+    sa, _ = join(c, A)
+    bucket = sa.bucket
+    assert bucket is not None
+    before = bucket.level(0.0)
+    c.receive(sa, encode_frame(T.PONG, b"p" * 8), 0.0, records=13)
+    assert before - bucket.level(0.0) == 13 + 13 * RECORD_CHARGE
 
 
 def test_a_client_over_its_rate_loses_no_datagram() -> None:

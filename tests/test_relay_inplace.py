@@ -286,6 +286,8 @@ def _server(tap: Any = None) -> RelayServer:
 class FakeStream:
     """The SecureStream under a connection, as far as these tests go: TLS throughout."""
 
+    records_in = 0
+
     def keep_tls(self) -> None:
         pass
 

@@ -130,6 +130,7 @@ class AeadPipe:
         "_start",
         "_tx",
         "_view",
+        "records_in",
     )
 
     handshake_done = True
@@ -180,6 +181,8 @@ class AeadPipe:
         self._offered = 0
         self._view = memoryview(self._buf)
         self._failed: RecordError | None = None
+        self.records_in = 0
+        """Records decrypted so far."""
         """Set once the stream is broken: every later read raises it."""
         self._start = 0
         self._end = 0
@@ -333,6 +336,7 @@ class AeadPipe:
                 buf[:size] = bytes(size)
             raise self._broken() from None
         self._start = at + length
+        self.records_in += 1
         if self._start == self._end:
             self._drained()
         elif self._lean:
@@ -399,6 +403,7 @@ class AeadPipe:
                 break  # hand out what came before it first
             n += size
             start = at + length
+            self.records_in += 1
         self._start, self._end = start, end
         if start == end:
             self._drained()

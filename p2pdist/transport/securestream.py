@@ -137,6 +137,8 @@ class SecureStream(asyncio.BufferedProtocol):
         self._loop = asyncio.get_running_loop()
         self._raw: asyncio.Transport | None = None
         self._tls: TlsPipe | None = None
+        self._tls_records = 0
+        """TLS records read before records took over (the TLS pipe is let go then)."""
         self._records: AeadPipe | None = None
         self._decided = False
         """Whether the app chose records or TLS (until then TLS is read record by record)."""
@@ -157,6 +159,12 @@ class SecureStream(asyncio.BufferedProtocol):
         self.handshake: asyncio.Future[None] = self._loop.create_future()
 
     # ---- for the app and its transport --------------------------------------------------
+
+    @property
+    def records_in(self) -> int:
+        """TLS and AES-GCM records read so far (about: see ``TlsPipe.records_in``)."""
+        tls = self._tls.records_in if self._tls is not None else self._tls_records
+        return tls + (self._records.records_in if self._records is not None else 0)
 
     @property
     def records(self) -> str | None:
@@ -194,6 +202,7 @@ class SecureStream(asyncio.BufferedProtocol):
             receive_buffer=self._read_size,
         )
         self._records.feed(tls.take_buffered())
+        self._tls_records = tls.records_in
         self._tls = None  # a relay's largest cost per idle client (about 15 KiB)
         if not self._shared:
             self._scratch = memoryview(b"")  # reads land in the record buffer from now on

@@ -30,7 +30,16 @@ _STUCK = 2 * (16 * 1024 + 256 + 5)
 class TlsPipe:
     """One TLS session over memory BIOs (see the module docstring)."""
 
-    __slots__ = ("_cipher", "_failed", "_in", "_out", "closed_by_peer", "handshake_done", "obj")
+    __slots__ = (
+        "_cipher",
+        "_failed",
+        "_in",
+        "_out",
+        "closed_by_peer",
+        "handshake_done",
+        "obj",
+        "records_in",
+    )
 
     def __init__(
         self, context: ssl.SSLContext, *, server_side: bool, server_hostname: str | None = None
@@ -45,6 +54,9 @@ class TlsPipe:
         """The ``ssl.SSLObject`` (version, peer certificate)."""
         self.handshake_done = False
         self.closed_by_peer = False
+        self.records_in = 0
+        """TLS reads that returned data (about one per record: a record read in pieces
+        counts once per piece)."""
         """The peer sent close_notify: no more data will come."""
         self._failed: ssl.SSLError | None = None
         """An error :meth:`fill` holds back until the records before it are handed out."""
@@ -114,6 +126,8 @@ class TlsPipe:
             return 0
         if not n:  # close_notify: ssl returns 0 (and raises only once ours went too)
             self.closed_by_peer = True
+        else:
+            self.records_in += 1
         return n
 
     def fill(self, buf: memoryview) -> int:
