@@ -1,7 +1,8 @@
 """A federated client process for the tests: ``python tests/federated_worker.py ID WHERE
-hang [KEY_SEED]``: join the coordinator ``ID`` at ``WHERE`` (``host:port``, plaintext
-TCP, or a relay URL), print ``got round R`` for the first model, then never submit (the
-test kills it mid-round). ``KEY_SEED``: a fixed key (the same endpoint id each start)."""
+hang [KEY_SEED]``: print ``started``, join the coordinator ``ID`` at ``WHERE``
+(``host:port``, plaintext TCP, or a relay URL), print ``got round R`` for the first
+model, then never submit (the test kills it mid-round). ``KEY_SEED``: a fixed key (the
+same endpoint id each start)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ async def main(coordinator: str, where: str, mode: str, key_seed: str | None = N
         client = FederatedClient(
             coordinator, address=where, transport=TransportConfig(tls=False), key=key
         )
+    print("started", flush=True)  # imports done: what follows is the connection
     if mode != "hang":
         raise SystemExit(f"unknown mode {mode!r}")
     task = await client.connect()

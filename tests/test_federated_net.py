@@ -305,6 +305,8 @@ async def test_a_client_killed_and_restarted_with_its_key_through_a_relay_is_bac
                 )
                 try:
                     assert proc.stdout is not None
+                    started = await asyncio.wait_for(proc.stdout.readline(), 60.0)
+                    assert started == b"started\n", started
                     # at once: well within the 8 s a dead QUIC connection takes to time out
                     line = await asyncio.wait_for(proc.stdout.readline(), 6.0)
                     assert line.startswith(b"got round"), line
