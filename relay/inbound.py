@@ -213,6 +213,7 @@ class Inbound:
 
     def _frames(self, s: Session, data: bytes | bytearray | memoryview, now: float) -> None:
         for kind, body in s.splitter.frames(data):
+            s.frames_in += 1
             self._frame(s, kind, body, now)
             if _closed(s):
                 break
@@ -230,6 +231,7 @@ class Inbound:
                 raise RelayProtocolError(f"more than {WS_BEFORE_AUTH} WebSocket bytes")
         pong: bytes | bytearray | None = None
         for event in reader.feed(data):
+            s.frames_in += 1
             if event.opcode is Opcode.BINARY:
                 self._frames(s, event.payload, now)
             elif event.opcode is Opcode.PING:

@@ -70,6 +70,7 @@ class Session:
         "challenge",
         "conn_id",
         "endpoint",
+        "frames_in",
         "http_buf",
         "last_heard",
         "link",
@@ -109,6 +110,8 @@ class Session:
         self.endpoint: EndpointId | None = None
         self.raw_id = b""
         self.bucket: TokenBucket | None = None
+        self.frames_in = 0
+        """Relay and WebSocket frames received (each costs the relay a pass of Python)."""
         self.peer_gone = PeerGoneThrottle()
         self.out = bytearray()
         """Frames batched for this client during the current core call."""

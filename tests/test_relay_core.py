@@ -31,7 +31,7 @@ from relay.config import ConfigError, RelayConfig, from_mapping
 from relay.limits import PeerGoneThrottle, TokenBucket
 from relay.metrics import AUTH_FAILURE_REASONS, DROP_REASONS, Metrics
 from relay.session import Phase, Session
-from relay.state import MIN_READ, RECORD_CHARGE, CoreConfig, RelayCore
+from relay.state import FRAME_CHARGE, MIN_READ, RECORD_CHARGE, CoreConfig, RelayCore
 from relay.tap import FileTap, read_tap
 
 FP = bytes(range(32))  # the fingerprint of "the relay's certificate" in these tests
@@ -288,14 +288,14 @@ def test_a_client_over_its_rate_is_read_at_its_rate_whatever_it_sends() -> None:
     flood = pong * (burst // len(pong))  # the whole burst in PONGs
     c.receive(sa, flood, 0.0)
     assert len(la.pauses) == 1 and c.metrics.rate_paused_total == 1
-    debt = len(flood) - burst
+    debt = len(flood) - burst + len(flood) // len(pong) * FRAME_CHARGE  # (and per frame)
     assert la.pauses[0] == pytest.approx((MIN_READ + debt) / rate)
     assert c.read_allowance(sa, 0.0) == MIN_READ  # when read again: a little at a time
-    assert c.read_allowance(sa, 1.0) == 4 * MAX_BODY  # refilled
-    c.receive(sa, flood * 20, 2.0)  # far in debt: paused a keepalive at most
+    assert c.read_allowance(sa, 5.0) == 4 * MAX_BODY  # refilled
+    c.receive(sa, flood * 20, 6.0)  # far in debt: paused a keepalive at most
     assert la.pauses[-1] == 5.0
     _, lb = join(c, B)  # another client's bucket is its own
-    assert c.read_allowance(c.client(B.endpoint_id), 2.0) == 4 * MAX_BODY and lb.pauses == []
+    assert c.read_allowance(c.client(B.endpoint_id), 6.0) == 4 * MAX_BODY and lb.pauses == []
 
 
 def test_each_record_a_client_sends_costs_it_more_than_its_bytes() -> None:
@@ -307,7 +307,18 @@ def test_each_record_a_client_sends_costs_it_more_than_its_bytes() -> None:
     assert bucket is not None
     before = bucket.level(0.0)
     c.receive(sa, encode_frame(T.PONG, b"p" * 8), 0.0, records=13)
-    assert before - bucket.level(0.0) == 13 + 13 * RECORD_CHARGE
+    assert before - bucket.level(0.0) == 13 + 13 * RECORD_CHARGE + FRAME_CHARGE
+
+
+def test_each_frame_a_client_sends_costs_it_more_than_its_bytes() -> None:
+    """Empty PONGs, 5 bytes each, cost the relay about 1.5 us apiece: at --rate 1000000
+    they took a third of a core. Each frame is charged FRAME_CHARGE on top."""
+    c = core(rate=1_000_000, burst=MAX_BODY * 8)
+    sa, _ = join(c, A)
+    assert sa.bucket is not None
+    before = sa.bucket.level(0.0)
+    c.receive(sa, encode_frame(T.PONG, b"") * 100, 0.0)
+    assert before - sa.bucket.level(0.0) == 100 * (5 + FRAME_CHARGE) and FRAME_CHARGE >= 64
 
 
 def test_a_client_over_its_rate_loses_no_datagram() -> None:
