@@ -35,6 +35,15 @@ def rounds(**kw: object) -> FederatedRounds:
     return FederatedRounds((4,), np.float32, FederatedConfig(**kw))  # type: ignore[arg-type]
 
 
+def opened(clients: str, **kw: object) -> FederatedRounds:
+    """Round 0 open at time 0 with one member per letter of ``clients``."""
+    st = rounds(**kw)
+    for c in clients:
+        st.join(c)
+    st.open(0.0)
+    return st
+
+
 def test_stale_update_is_discounted_exactly_per_the_rule() -> None:
     st = rounds(max_staleness=2, discount="polynomial", discount_param=0.5)
     for c in "abc":
@@ -261,10 +270,7 @@ def test_a_member_slower_than_the_round_is_not_waited_for_round_after_round() ->
 def test_a_carried_update_from_the_unchanged_model_is_its_senders_part() -> None:
     """Two rounds short of the quorum leave the model as it was: a's update from round
     0, carried twice, is still from the current model, so it is a's part of round 2."""
-    st = rounds(quorum=2, max_staleness=2, round_timeout=10.0)
-    st.join("a")
-    st.join("b")
-    st.open(0.0)
+    st = opened("ab", quorum=2, max_staleness=2, round_timeout=10.0)
     st.submit("a", 0, 0, 1, vec(1.0), 1.0)
     assert not st.close(10.0).applied
     st.open(10.0)
@@ -276,10 +282,7 @@ def test_a_carried_update_from_the_unchanged_model_is_its_senders_part() -> None
 
 
 def test_round_short_of_quorum_applies_nothing_and_carries_its_updates() -> None:
-    st = rounds(quorum=2, max_staleness=1)
-    st.join("a")
-    st.join("b")
-    st.open(0.0)
+    st = opened("ab", quorum=2, max_staleness=1)
     st.submit("a", 0, 0, 4, vec(2.0), 1.0)
     out = st.close(10.0)
     assert not out.applied and out.aggregate is None and len(out.participants) == 1
@@ -298,10 +301,7 @@ def test_a_carried_update_too_stale_for_the_next_round_does_not_close_it(policy:
     round may not count it. It must not make that round look complete (or quorate) as
     soon as "b" submits: it used to close at once, applying nothing, and "a"'s fresh
     update went to the round after."""
-    st = rounds(quorum=2, max_staleness=0, policy=policy, round_timeout=10.0)
-    st.join("a")
-    st.join("b")
-    st.open(0.0)
+    st = opened("ab", quorum=2, max_staleness=0, policy=policy, round_timeout=10.0)
     st.submit("a", 0, 0, 4, vec(2.0), 1.0)
     assert not st.close(10.0).applied
     st.open(10.0)
@@ -317,10 +317,7 @@ def test_a_round_whose_members_cannot_meet_the_quorum_waits_for_its_deadline() -
     """Every member submitted, but they are fewer than the quorum: the round waits for its
     deadline (a joiner may bring the rest) instead of closing as complete, and the next
     round does not close as it opens on the carried updates alone."""
-    st = rounds(quorum=3, round_timeout=10.0)
-    st.join("a")
-    st.join("b")
-    st.open(0.0)
+    st = opened("ab", quorum=3, round_timeout=10.0)
     st.submit("a", 0, 0, 1, vec(1.0), 0.1)
     st.submit("b", 0, 0, 1, vec(1.0), 0.2)
     assert st.due(0.3) is None
@@ -390,10 +387,7 @@ def test_duplicates_future_rounds_and_superseding() -> None:
 
 
 def test_an_update_resent_after_its_round_closed_counts_once() -> None:
-    st = rounds(max_staleness=2)
-    st.join("a")
-    st.join("b")
-    st.open(0.0)
+    st = opened("ab", max_staleness=2)
     assert st.submit("a", 0, 0, 10, vec(1.0), 0.1).accepted
     assert [p.client for p in st.close(1.0).participants] == ["a"]
     # "a" sends the same update again (its ack was lost, it reconnected): with the round
@@ -474,10 +468,7 @@ def test_a_new_leader_seeded_from_the_last_decision_refuses_an_update_resent_to_
 
 
 def test_an_update_carried_without_an_aggregate_may_be_sent_again() -> None:
-    st = rounds(quorum=2, max_staleness=2)
-    st.join("a")
-    st.join("b")
-    st.open(0.0)
+    st = opened("ab", quorum=2, max_staleness=2)
     assert st.submit("a", 0, 0, 10, vec(1.0), 0.1).accepted
     assert not st.close(1.0).applied  # quorum missed: nothing was aggregated
     assert [c.client for c in st.take_pending()] == ["a"]
@@ -488,15 +479,6 @@ def test_an_update_carried_without_an_aggregate_may_be_sent_again() -> None:
     assert out.applied and [p.client for p in out.participants] == ["a", "b"]
     st.open(4.0)
     assert st.submit("a", 1, 0, 10, vec(1.0), 4.1).reason is Reason.DUPLICATE
-
-
-def opened(clients: str, **kw: object) -> FederatedRounds:
-    """Round 0 open at time 0 with one member per letter of ``clients``."""
-    st = rounds(**kw)
-    for c in clients:
-        st.join(c)
-    st.open(0.0)
-    return st
 
 
 def test_leaving_mid_round_never_blocks_and_joiners_count_from_the_next_round() -> None:
