@@ -69,9 +69,9 @@ class _ClientConnection(asyncio.BufferedProtocol):
         self._session: Session | None = None
         self._abort: asyncio.TimerHandle | None = None
         self._resume: asyncio.TimerHandle | None = None
+        """Set while reading is paused for the client's rate (see :meth:`pause`)."""
         self._records_seen = 0
         """The stream's ``records_in`` at the last read handed to the core."""
-        """Set while reading is paused for the client's rate (see :meth:`pause`)."""
         self._counted = False
         """Whether this connection holds one of the server's socket slots."""
 

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
+from p2pdist.transport.paths import bind_udp
 from p2pdist.transport.securestream import SecureStream
 from p2pdist.wire.relay import RelayUrl
 
@@ -640,26 +641,14 @@ def _url_port(sockets: Sequence[Any], url_host: str) -> int:
 
 def _dual_stack_udp(port: int) -> socket.socket:
     """A non-blocking UDP socket on ``port`` of every address of both families (``::``
-    with IPV6_V6ONLY off), or of every IPv4 address where the host has no IPv6."""
+    with IPV6_V6ONLY off), or of every IPv4 address where the host cannot do that."""
     try:
-        sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        sock, dual = bind_udp(socket.AF_INET6, ("::", port))
     except OSError as exc:  # IPv6 off in this kernel or container
         log.info(kv("stun_ipv4_only", port=port, error=exc))
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        host = "0.0.0.0"
     else:
-        host = "::"
-        try:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        except OSError as exc:  # a system whose IPv6 sockets are IPv6 only (OpenBSD)
-            sock.close()
-            log.info(kv("stun_ipv4_only", port=port, error=exc))
-            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            host = "0.0.0.0"
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.setblocking(False)
-    return sock
+        if dual:
+            return sock
+        sock.close()  # IPv6 only (OpenBSD): IPv4 clients would go unanswered
+        log.info(kv("stun_ipv4_only", port=port, error="IPV6_V6ONLY cannot be cleared"))
+    return bind_udp(socket.AF_INET, ("0.0.0.0", port))[0]

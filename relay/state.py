@@ -390,13 +390,8 @@ class RelayCore(Inbound):
         s.last_heard = now
         nbytes = memoryview(data).nbytes
         self.metrics.bytes_in_total += nbytes
-        paced = s.bucket is not None and s.phase is Phase.ACTIVE  # (AUTH came before it)
+        bucket = s.bucket if s.phase is Phase.ACTIVE else None  # (AUTH came before it)
         frames_before = s.frames_in
-        if paced:
-            assert s.bucket is not None
-            # Every byte, whatever it carries (all are parsed), and every record: a record
-            # costs a pass of Python whatever its size (one byte each took a core).
-            s.bucket.charge(nbytes + records * RECORD_CHARGE, now)
         try:
             if s.phase is Phase.HTTP:
                 data = self._http(s, data, now)
@@ -412,10 +407,15 @@ class RelayCore(Inbound):
             self._close(s, "protocol_error", error=f"{exc}{before}")
         finally:
             self.flush()
-        if paced and s.phase is Phase.ACTIVE:
-            assert s.bucket is not None
-            s.bucket.charge((s.frames_in - frames_before) * FRAME_CHARGE, now)
-            self._pace(s, now)
+        if bucket is not None:
+            # Every byte, whatever it carries (all are parsed), and more per record and
+            # per frame: each costs a pass of Python whatever its size (one byte per
+            # record, or empty frames, took a core). Charged even if this read closed
+            # the session: the bucket outlives it (see _keep_bucket).
+            frames = s.frames_in - frames_before
+            bucket.charge(nbytes + records * RECORD_CHARGE + frames * FRAME_CHARGE, now)
+            if s.phase is Phase.ACTIVE:
+                self._pace(s, now)
 
     def read_allowance(self, s: Session, now: float) -> int:
         """How many bytes the glue may read from ``s``'s client now: what its bucket

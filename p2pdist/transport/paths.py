@@ -35,6 +35,7 @@ __all__ = [
     "UdpSocket",
     "all_loopback",
     "bind_host_for",
+    "bind_udp",
     "is_loopback",
     "path_key",
     "plain_ip",
@@ -150,6 +151,28 @@ def bind_host_for(targets: list[UdpAddress]) -> str | None:
     return "::1" if all(":" in h for h, _ in targets) else "127.0.0.1"
 
 
+def bind_udp(family: int, addr: tuple[Any, ...]) -> tuple[socket.socket, bool]:
+    """A non-blocking UDP socket of ``family`` bound to ``addr``, and whether it carries
+    IPv4 as well as IPv6 (an IPv6 wildcard address with IPV6_V6ONLY cleared: set, not
+    left to the host's default, net.ipv6.bindv6only; where it cannot be cleared, as on
+    OpenBSD, the socket stays IPv6 only)."""
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    dual = False
+    try:
+        sock.setblocking(False)
+        if family == socket.AF_INET6 and ipaddress.ip_address(addr[0]).is_unspecified:
+            try:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                dual = True
+            except OSError:
+                pass
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock, dual
+
+
 def all_loopback(targets: list[UdpAddress]) -> bool:
     """Whether every one of ``targets`` is on loopback (True for none)."""
     return all(is_loopback(h) for h, _ in targets)
@@ -200,23 +223,8 @@ class UdpSocket:
         dual-stack socket for IPv6 and IPv4 (see the class)."""
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM, flags=socket.AI_PASSIVE)
-        family, kind, proto, _, addr = infos[0]
-        sock = socket.socket(family, kind, proto)
-        dual = False
-        try:
-            sock.setblocking(False)
-            if family == socket.AF_INET6 and ipaddress.ip_address(addr[0]).is_unspecified:
-                # Set, not left to the host's default (net.ipv6.bindv6only); where it
-                # cannot be cleared (OpenBSD) the socket stays IPv6 only.
-                try:
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                    dual = True
-                except OSError:
-                    pass
-            sock.bind(addr)
-        except OSError:
-            sock.close()
-            raise
+        family, _, _, _, addr = infos[0]
+        sock, dual = bind_udp(family, addr)
         return cls(sock, on_datagram, dual_stack=dual)
 
     @classmethod

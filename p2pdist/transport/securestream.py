@@ -125,7 +125,7 @@ class SecureStream(asyncio.BufferedProtocol):
         if read_size < RECEIVE_BUFFER:
             raise ValueError(f"read_size must be at least {RECEIVE_BUFFER}")
         self._backlog_limit = backlog_limit
-        self._early_left = early_records
+        self._early_records = early_records
         self._app = app
         self._context = context
         self._server_side = server_side
@@ -441,12 +441,11 @@ class SecureStream(asyncio.BufferedProtocol):
                             n = self._tls.fill(buf)
                         else:
                             n = self._tls.read_into(buf)
-                            if n and self._early_left is not None:
-                                self._early_left -= 1
-                                if self._early_left < 0:
-                                    why = "too many TLS records before the upgrade"
-                                    self.dropped_for = ("early_records", why)
-                                    raise RecordError(why)
+                            limit = self._early_records
+                            if limit is not None and self._tls.records_in > limit:
+                                why = "too many TLS records before the upgrade"
+                                self.dropped_for = ("early_records", why)
+                                raise RecordError(why)
                         if not self._flush_tls():  # answers to what TLS read (key updates)
                             return
                 except (ssl.SSLError, RecordError) as exc:
