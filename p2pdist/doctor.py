@@ -24,7 +24,6 @@ import dataclasses
 import json
 import logging
 import math
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -171,8 +170,7 @@ async def _observe(
     else:
         sock = await UdpSocket.open(host, 0, on_datagram)
     try:
-        v6 = sock.family == socket.AF_INET6
-        targets = [t for t in targets if sock.dual_stack or (":" in t[0]) == v6]
+        targets = [t for t in targets if sock.reaches(t)]
         probe = StunProbe(targets)
         answers = await probe.run(sock.send, timeout)
         local = path_key(sock.local_address)

@@ -335,10 +335,7 @@ class HolePuncher:
 
     def _reaches(self, addr: UdpAddress) -> bool:
         """Whether our socket can send to ``addr``'s address family."""
-        sock = self._sock
-        if sock is None or sock.dual_stack:
-            return True
-        return (":" in addr[0]) == (sock.family == socket.AF_INET6)
+        return self._sock is None or self._sock.reaches(addr)
 
     async def _socket(self) -> UdpSocket:
         if self._sock is None or self._sock.closed:

@@ -255,6 +255,10 @@ class UdpSocket:
         """``socket.AF_INET`` or ``socket.AF_INET6``."""
         return int(self._sock.family)
 
+    def reaches(self, addr: UdpAddress) -> bool:
+        """Whether this socket can send to ``addr``'s address family."""
+        return self.dual_stack or (":" in addr[0]) == (self.family == socket.AF_INET6)
+
     @property
     def closed(self) -> bool:
         """True once the socket is closed."""
