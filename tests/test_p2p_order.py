@@ -85,16 +85,17 @@ async def test_a_send_stopped_part_way_fails_the_recv_at_once(
     monkeypatch.setattr(p2p, "CHUNK", 8)  # an array of 3 float64 travels in 3 frames
     async with groups(2, timeout=60.0) as (a, b):
         conn: Any = a._conns[1]
-        real_send = conn.send
         stuck = asyncio.Event()
+        drains = 0
 
-        async def send_then_stall(channel: int, payload: Any = b"", **kw: Any) -> None:
-            await real_send(channel, payload, **kw)
-            if kw.get("seq") == 1:  # the second piece went out; the drain never ends
+        async def stall_before_the_third_piece() -> None:
+            nonlocal drains
+            drains += 1
+            if drains == 3:  # two pieces went out; the pipe never drains for the third
                 stuck.set()
                 await asyncio.Event().wait()
 
-        conn.send = send_then_stall
+        conn.drain = stall_before_the_third_piece
         sending = asyncio.ensure_future(
             a.send(np.array([1.0, 2.0, 3.0]), 1, timeout=0.5 if how == "timed out" else 60)
         )
@@ -104,9 +105,9 @@ async def test_a_send_stopped_part_way_fails_the_recv_at_once(
             with pytest.raises(asyncio.CancelledError):
                 await sending
         else:
-            with pytest.raises(PeerTimeoutError, match="did not drain"):
+            with pytest.raises(PeerTimeoutError, match="2 of its 3 pieces went out"):
                 await sending
-        conn.send = real_send
+        del conn.drain
         with pytest.raises(
             PeerError, match=r"stopped sending float64\[3\] after 2 of its 3"
         ) as err:
@@ -115,3 +116,54 @@ async def test_a_send_stopped_part_way_fails_the_recv_at_once(
         await a.send(np.array([4.0]), 1)
         assert (await b.recv(0, timeout=5)).tolist() == [4.0]  # the next message, in step
         assert a.broken is None and b.broken is None
+
+
+@pytest.mark.parametrize("how", ["cancelled", "timed out"])
+async def test_a_send_stopped_before_it_went_out_is_withdrawn_and_never_received(
+    how: str,
+) -> None:
+    """A send that ends while the peer is not reading (its own timeout, or a cancellation
+    such as wait_for's) delivered nothing: sent again, the message arrives once, in its
+    place, and the receiver never sees the withdrawn one (real back-pressure: the
+    receiver's connection stops reading until 64 MiB wait in the sender's buffers)."""
+    async with groups(2, timeout=30.0) as (a, b):
+        b_side: Any = b._conns[0]
+        b_side._set_reading(False)
+        size = 4 << 20  # 32 MiB of float64: more than the kernel's socket buffers hold
+        # Handed over without waiting, since the pipe kept up; the next one must wait.
+        await asyncio.wait_for(a.send(np.full(size, 1.0), 1), 5)
+        second = np.full(size, 2.0)
+        if how == "timed out":
+            with pytest.raises(PeerTimeoutError, match=r"nothing went out.*sending it again"):
+                await a.send(second, 1, timeout=0.2)
+        else:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(a.send(second, 1), 0.2)
+        b_side._set_reading(True)
+        await a.send(second, 1)  # the retry
+        await a.send(np.array([4.0]), 1)
+        for step in (1.0, 2.0):
+            got = await b.recv(0, shape=(size,), dtype=np.float64)
+            assert got[0] == got[-1] == step
+        assert (await b.recv(0)).tolist() == [4.0]  # no duplicate before it
+        with pytest.raises(PeerTimeoutError, match="recv got no array"):
+            await b.recv(0, timeout=0.2)
+        assert a.broken is None and b.broken is None
+
+
+async def test_a_recv_waiting_when_a_message_is_withdrawn_gets_the_next_one() -> None:
+    """The receiver already waits (its recv took the withdrawn message's place): it skips
+    the withdrawal and returns the next message, within its own timeout."""
+    async with groups(2, timeout=30.0) as (a, b):
+        conn: Any = a._conns[1]
+        waiting = asyncio.create_task(b.recv(0, timeout=10))
+
+        async def never_drains() -> None:
+            await asyncio.Event().wait()
+
+        conn.drain = never_drains
+        with pytest.raises(PeerTimeoutError, match="nothing went out"):
+            await a.send(np.array([1.0]), 1, timeout=0.1)
+        del conn.drain
+        await a.send(np.array([2.0]), 1)
+        assert (await waiting).tolist() == [2.0]

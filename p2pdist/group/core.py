@@ -608,7 +608,12 @@ class GroupCore(Runner):
 
     @on_host
     async def send(self, x: np.ndarray, dst: int, *, timeout: float | None = None) -> None:
-        """Send ``x`` to rank ``dst`` (matched in order by ``dst``'s :meth:`recv`)."""
+        """Send ``x`` to rank ``dst`` (matched in order by ``dst``'s :meth:`recv`).
+
+        Returns once the message is handed to the connection (``x`` may then change);
+        waits only while ``dst`` or the link is not keeping up. A send that raises (its
+        ``timeout``) or is cancelled delivered no message: sending it again is safe.
+        """
         dst = self._check_peer(dst, "dst")
         arr = as_array(x)
         try:  # refused here, before the message takes its place in the order
@@ -653,6 +658,32 @@ class GroupCore(Runner):
         want = expectation(like, shape, dtype, out)
         seconds = self._seconds(timeout)
         self._check_usable(collective=False)
+        deadline = asyncio.get_running_loop().time() + seconds
+        try:
+            while True:  # past the messages withdrawn by their senders
+                try:
+                    return await self._recv_next(src, want, out, seconds, deadline)
+                except p2p.Withdrawn:
+                    continue
+        except RemoteProtocolError as err:
+            if self._gone_with(err) is None:
+                self._break(err, notify=True)
+            raise
+        except ConnectionClosedError:
+            if self._root()._closing:
+                raise self._closed_under("recv from", src) from None
+            raise
+
+    async def _recv_next(
+        self,
+        src: int,
+        want: tuple[np.dtype[Any] | None, tuple[int, ...] | None],
+        out: np.ndarray | None,
+        seconds: float,
+        deadline: float,
+    ) -> np.ndarray:
+        """Receive the next message from ``src`` in order, on the channel it takes, by
+        the loop time ``deadline`` (``seconds``: the recv's timeout, for its error)."""
         given_back = self._p2p_given_back.get(src)
         if given_back:
             index = heapq.heappop(given_back)
@@ -664,24 +695,16 @@ class GroupCore(Runner):
         def give_back() -> None:  # nothing of its message came: the next recv waits for it
             heapq.heappush(self._p2p_given_back.setdefault(src, []), index)
 
-        try:
-            return await p2p.recv_array(
-                self._conns[src],
-                channel,
-                want,
-                out,
-                seconds,
-                self.config.max_message_bytes,
-                give_back,
-            )
-        except RemoteProtocolError as err:
-            if self._gone_with(err) is None:
-                self._break(err, notify=True)
-            raise
-        except ConnectionClosedError:
-            if self._root()._closing:
-                raise self._closed_under("recv from", src) from None
-            raise
+        return await p2p.recv_array(
+            self._conns[src],
+            channel,
+            want,
+            out,
+            seconds,
+            self.config.max_message_bytes,
+            give_back,
+            deadline=deadline,
+        )
 
     def _closed_under(self, what: str, peer: int) -> GroupBrokenError:
         """What a send or recv cut short by this rank's close of the group raises: the

@@ -1,10 +1,14 @@
 """Point-to-point array messages: one array as a few frames on its own channel.
 
 Frame 0's meta is msgpack ``[array header, frame count]``; the payloads are consecutive
-pieces of the array's bytes, at most :data:`CHUNK` each. A send that ends (a cancellation,
-its timeout) after some but not all of its pieces went out sends one more frame, with an
-empty payload and meta :data:`ABANDONED`, so the receiver fails at once instead of
-waiting out its timeout for the rest. The receiver checks the sender's
+pieces of the array's bytes, at most :data:`CHUNK` each. A piece is handed to the
+connection only once the connection keeps up, and a send returns once its last piece is
+handed over, so a send that ends early (a cancellation, its timeout) has not delivered
+its message: it sends one frame more, with an empty payload and meta :data:`ABANDONED`
+and the seq of the first piece that did not go out. At seq 0 the message is withdrawn
+(the receiver skips it, as if it had never been sent: a retry is the next message);
+later, the receiver's recv fails at once instead of waiting out its timeout for the
+rest. The receiver checks the sender's
 dtype and shape against what it expects before it allocates anything; byte order is not
 part of the check (arrays travel little-endian, and a big-endian ``out`` is filled with the
 same values, its bytes swapped).
@@ -27,36 +31,51 @@ from ..wire.frames import Frame
 from .buffers import mismatch
 from .link import PIECE_BYTES
 
-__all__ = ["ABANDONED", "CHUNK", "recv_array", "send_array"]
+__all__ = ["ABANDONED", "CHUNK", "Withdrawn", "recv_array", "send_array"]
 
 CHUNK = PIECE_BYTES
 ABANDONED = b"abandoned"
-"""Meta of the frame that ends a message whose sender stopped part-way (frames after the
-first have an empty meta otherwise)."""
+"""Meta of the frame that ends a message whose sender stopped before its piece ``seq``
+(frames after the first have an empty meta otherwise)."""
+
+
+class Withdrawn(Exception):
+    """The message on this channel was withdrawn before any of it went out: the recv
+    that took the channel takes the next one instead."""
 
 
 async def send_array(
     conn: Connection, channel: int, arr: np.ndarray, header: ArrayHeader, seconds: float
 ) -> None:
     """Send ``arr`` (C-contiguous; ``header`` is ``ArrayHeader.of(arr)``) on ``channel``;
-    bounded by ``seconds``."""
+    bounded by ``seconds``. Returns once the whole message is handed to the connection
+    (which delivers it unless it breaks); one that raises delivered no message (see the
+    module's docstring)."""
     data = arr.reshape(-1).data.cast("B") if arr.size else memoryview(b"")
     pieces = [data[i : i + CHUNK] for i in range(0, data.nbytes, CHUNK)] or [data]
     meta = bytes(msgpack.packb([header.to_wire(), len(pieces)], use_bin_type=True))
-    seq = -1
+    handed = 0
     try:
         async with asyncio.timeout(seconds):
             for seq, piece in enumerate(pieces):
-                # send() hands the whole frame over before it waits: once it is called,
-                # the piece has gone out, whatever ends the wait.
-                await conn.send(channel, piece, meta=meta if seq == 0 else b"", seq=seq)
+                # Wait first, then hand over without waiting: a piece handed over goes
+                # out, whatever ends a wait, so no wait may follow the last one.
+                await conn.drain()
+                conn.send_nowait(channel, piece, meta=meta if seq == 0 else b"", seq=seq)
+                handed = seq + 1
     except (TimeoutError, asyncio.CancelledError) as exc:
-        if 0 <= seq < len(pieces) - 1:
-            with contextlib.suppress(P2PError):
-                conn.send_nowait(channel, meta=ABANDONED, seq=seq + 1)
+        if handed == len(pieces):  # pragma: no cover - nothing awaits after the last
+            raise
+        with contextlib.suppress(P2PError):
+            conn.send_nowait(channel, meta=ABANDONED, seq=handed)
         if isinstance(exc, TimeoutError):
+            n = len(pieces)
+            what = "nothing went out" if not handed else f"{handed} of its {n} pieces went out"
             raise PeerTimeoutError(
-                conn.label, f"send of {header.describe()} did not drain within {seconds:g} s"
+                conn.label,
+                f"send of {header.describe()} did not go out within {seconds:g} s, the "
+                f"peer or the link not keeping up ({what}; the message is dropped, so "
+                "sending it again is safe)",
             ) from None
         raise
 
@@ -69,21 +88,29 @@ async def recv_array(
     seconds: float,
     max_bytes: int,
     give_back: Callable[[], None],
+    *,
+    deadline: float | None = None,
 ) -> np.ndarray:
     """Receive the array sent on ``channel``; the channel is retired afterwards, unless
     the call ends (a timeout, a cancellation) before any of the message came: then it
     stays open, so the message is kept when it comes, and ``give_back()`` is called (the
     caller's next recv from this peer takes the channel again). A message cut short by a
-    timeout is dropped, and the error says so.
+    timeout is dropped, and the error says so; a withdrawn one raises :class:`Withdrawn`.
 
     ``want`` comes from :func:`~p2pdist.group.buffers.expectation` (dtype in wire form).
+    The wait ends ``seconds`` from now, or at the loop time ``deadline`` where given (a
+    recv that skipped withdrawn messages: ``seconds`` is what its error then says).
     """
     want_dtype, want_shape = want
     first: Frame | None = None
     pieces = (0, 0)  # pieces taken, pieces in the message
+    if deadline is None:
+        deadline = asyncio.get_running_loop().time() + seconds
     try:
-        async with asyncio.timeout(seconds):
+        async with asyncio.timeout_at(deadline):
             first = await conn.recv(channel)
+            if first.meta == ABANDONED and first.seq == 0:
+                raise Withdrawn
             header, count = _parse_meta(conn, first.meta)
             if count != max(1, -(-header.nbytes // CHUNK)):
                 raise RemoteProtocolError(conn.label, "array chunk count does not match")

@@ -119,6 +119,11 @@ class Connection(Protocol):
         """Queue one message on ``channel``; waits while the peer is not keeping up."""
         ...
 
+    async def drain(self) -> None:
+        """Wait until the peer keeps up again (at once when it does): after it, a
+        :meth:`send_nowait` queues no more than a :meth:`send` would."""
+        ...
+
     def send_nowait(
         self,
         channel: int,

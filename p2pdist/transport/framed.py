@@ -226,6 +226,12 @@ class FramedConnection:
         if self._write_paused:
             await self._drain()
 
+    async def drain(self) -> None:
+        """Wait while the byte pipe is backed up (return at once when it is not); raises
+        what a send's wait would (the connection closed or broken, an interrupt)."""
+        if self._write_paused:
+            await self._drain()
+
     def send_nowait(
         self,
         channel: int,
