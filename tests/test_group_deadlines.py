@@ -67,3 +67,34 @@ async def test_caller_cancellation_is_not_turned_into_a_timeout() -> None:
             await task
         assert isinstance(gs[0].broken, GroupBrokenError)
         assert "was cancelled" in str(gs[0].broken)
+
+
+async def test_calls_awaited_out_of_the_order_they_were_made_are_named_in_the_timeout() -> None:
+    """Both ranks make two calls in the same order; one awaits the later first. Each
+    waits in a different call for ever: the timeout says that this rank holds an
+    earlier call that never started, and how to run them instead."""
+    async with groups(2, timeout=20.0) as (a, b):
+        x = np.ones(4)
+
+        async def later_first() -> None:
+            first, second = a.all_reduce(x, timeout=0.5), a.all_reduce(x, timeout=0.5)
+            try:
+                await second
+            finally:
+                first.close()
+
+        async def in_order() -> None:
+            first, second = b.all_reduce(x), b.all_reduce(x)
+            try:
+                await first
+            finally:
+                second.close()
+
+        results = await asyncio.gather(later_first(), in_order(), return_exceptions=True)
+        crossed = results[0]
+        assert isinstance(crossed, PeerTimeoutError), crossed
+        me = b.peer_label(0)
+        assert f"; {me} made 1 collective call(s) before it that have not started" in str(crossed)
+        assert "start them as tasks" in str(crossed)
+        assert isinstance(results[1], GroupBrokenError), results[1]  # told by rank 0
+        assert f"; {me} made 1 collective" in str(results[1])

@@ -156,6 +156,7 @@ class Runner(Rejoining, Reserving):
 
     def _timeout_error(self, link: CollectiveLink, seconds: float) -> P2PError:
         what = f"{link.explain()} timed out after {seconds:g} s"
+        hint = self._unstarted_hint(link)
         silent = sorted(  # not a peer that has left (its connection is closed)
             ((c.idle_for(), r) for r, c in self._conns.items() if not c.closed),
             reverse=True,
@@ -166,7 +167,7 @@ class Runner(Rejoining, Reserving):
             extra = ""
             if link.waiting_on is not None and link.waiting_on != r:
                 extra = f" (this rank was waiting for {self._root_label(link.waiting_on)})"
-            detail = f"{what}: silent for {idle:.1f} s{extra}{self._relay_down(r)}"
+            detail = f"{what}: silent for {idle:.1f} s{extra}{self._relay_down(r)}{hint}"
             return PeerTimeoutError(self._root_label(r), detail)
         if link.waiting_on is not None:
             q = link.waiting_on
@@ -174,8 +175,22 @@ class Runner(Rejoining, Reserving):
                 what += " waiting for it (it did start this call: one further along may not have)"
             else:
                 what += " waiting for it"
-            return PeerTimeoutError(self._root_label(q), what + self._relay_down(q))
-        return P2PTimeoutError(what)
+            return PeerTimeoutError(self._root_label(q), what + self._relay_down(q) + hint)
+        return P2PTimeoutError(what + hint)
+
+    def _unstarted_hint(self, link: CollectiveLink) -> str:
+        """Why a call may wait forever with every rank alive: this rank made earlier
+        calls that have not started (coroutines awaited one by one, the later first),
+        and the others wait in those before they come to this one."""
+        mine = split_channel(link.channel)[1]
+        earlier = sum(1 for cid in self._pending if cid < mine)
+        if not earlier:
+            return ""
+        return (
+            f"; {self._root_label(self._rank)} made {earlier} collective call(s) before "
+            "it that have not started: calls run in the order they were made on every "
+            "rank, so await them in that order, or start them as tasks and gather them"
+        )
 
     # ---- running a collective -----------------------------------------------------------
 
