@@ -284,3 +284,32 @@ async def test_a_goodbye_yields_the_lead_to_a_rank_lost_without_one() -> None:
         err = await g._attribute(lost)
         assert err.peer == g.peer_label(2) and "aborted the group" in str(err), err
         g._failure_log.clear()
+
+
+async def test_a_goodbye_yields_the_lead_to_an_abort_notice() -> None:
+    """World 3: rank 0 cancels its call; rank 2 fails for rank 0's notice and closes, and
+    its goodbye reaches rank 1 before rank 0's notice does. Rank 1's error, and the
+    broken state its later calls report, must lead with rank 0's notice, not with rank
+    2, which only left (seen in about 1 of 15 runs of a user's trial)."""
+    async with groups(3, timeout=20) as gs:
+        x = np.ones(8 << 20, np.float32)  # 32 MiB: still in flight when rank 0 cancels
+        tasks = [asyncio.create_task(g.all_reduce(x)) for g in gs]
+        await asyncio.sleep(0.02)
+        from_rank_0 = gs[1].connection(0)
+        from_rank_0._set_reading(False)  # type: ignore[attr-defined]  # its notice waits
+        tasks[0].cancel()
+        with pytest.raises(GroupBrokenError, match="was cancelled on rank 0"):
+            await asyncio.wait_for(tasks[2], 10)
+        await gs[2].close()
+        await asyncio.sleep(0.1)  # rank 1 has the goodbye; its attribution window is open
+        from_rank_0._set_reading(True)  # type: ignore[attr-defined]
+        with pytest.raises(GroupBrokenError) as info:
+            await asyncio.wait_for(tasks[1], 10)
+        lead = f"{gs[1].peer_label(0)} aborted the group: all_reduce(float32[8388608], op='sum') "
+        assert str(info.value).startswith(lead + "was cancelled on rank 0"), info.value
+        assert f"also: {gs[1].peer_label(2)}: closed its connection (left)" in str(info.value)
+        with pytest.raises(GroupBrokenError) as later:
+            await gs[1].barrier()
+        assert str(later.value).startswith(lead), later.value
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[0]

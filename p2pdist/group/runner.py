@@ -98,32 +98,42 @@ class Runner(Rejoining, Reserving):
 
     # ---- naming a failure -----------------------------------------------------------
 
-    async def _attribute(self, err: ConnectionBrokenError) -> ConnectionBrokenError:
+    async def _attribute(self, err: ConnectionBrokenError) -> P2PError:
         """Wait briefly for other reports, so the error names the root cause too.
 
         When rank A dies, rank B may notice first, fail and exit; if B's own exit reaches
         us before A's, "B lost" alone would send the user after the wrong rank. Abort
-        notices and other losses that arrive within the window are added to the message,
-        and when ``err`` is a goodbye (B closed on purpose, having failed) while a
-        connection was lost without one (A), the error leads with A: its ``peer`` is A.
+        notices and other losses that arrive within the window are added to the message.
+        When ``err`` is a goodbye (B closed on purpose, having failed), the error leads
+        with what B most likely failed for: a connection lost without a goodbye (A; its
+        ``peer`` is A), else a rank's abort notice (A cancelled its call, say: then the
+        error is that notice's :class:`GroupBrokenError`). The group's broken state takes
+        the same reason, so later calls name it too.
         """
         await asyncio.sleep(_ATTRIBUTION_WINDOW)
         root = self._root()  # a sub-group's connections are its root's: so are its reports
-        lead = err
+        lead: P2PError = err
         if err.graceful:
             lost = [
                 e
                 for e in root._failure_log
-                if isinstance(e, ConnectionBrokenError) and e.peer != err.peer
+                if isinstance(e, ConnectionBrokenError) and e.peer != err.peer and not e.graceful
             ]
-            lead = lost[0] if lost else err
+            notices = [e for e in root._failure_log if isinstance(e, GroupBrokenError)]
+            lead = lost[0] if lost else notices[0] if notices else err
         others = [str(f) for f in root._failure_log if str(f) != str(lead)]
         if lead is not err:
             others.insert(0, str(err))
         if not others:
             return err
-        detail = f"{lead.detail}; also: " + "; ".join(others)
-        return ConnectionBrokenError(lead.peer, detail, graceful=lead.graceful)
+        if isinstance(lead, ConnectionBrokenError):
+            detail = f"{lead.detail}; also: " + "; ".join(others)
+            attributed: P2PError = ConnectionBrokenError(lead.peer, detail, graceful=lead.graceful)
+        else:
+            attributed = GroupBrokenError(f"{lead}; also: " + "; ".join(others))
+        if self._broken is err:
+            self._broken = attributed
+        return attributed
 
     def _root_label(self, r: int) -> str:
         """How errors name this group's rank ``r``: by its rank in the root group, as
