@@ -616,3 +616,12 @@ async def test_send_and_recv_cut_short_by_closing_the_group_say_so() -> None:
         await gs[0].close()
         with pytest.raises(GroupBrokenError, match=r"recv from rank 1 .*the group was closed"):
             await asyncio.wait_for(waiting, 10)
+
+
+def test_errors_write_a_call_of_rows_that_vary_by_rank_with_a_star() -> None:
+    from p2pdist.group.link import _explain, describe_call
+
+    rows = describe_call("all_to_all_v", "", "<f4", (-1, 3))
+    assert _explain(rows) == "all_to_all_v(float32[*, 3])"
+    fixed = describe_call("all_reduce", "sum", "<f8", (2, 0, 4))
+    assert _explain(fixed) == "all_reduce(float64[2, 0, 4], op='sum')"

@@ -55,8 +55,9 @@ def _explain(desc: bytes) -> str:
         dtype = repr(dtype)
     if name == "split":  # its descriptor's dtype and shape are internal
         parts = ["color, key"]
-    elif dtype or shape:
-        parts = [f"{dtype}{list(shape)}"]
+    elif dtype or shape:  # a -1 dimension (all_to_all_v's rows) differs between ranks
+        dims = ", ".join("*" if d == -1 else str(d) for d in shape)
+        parts = [f"{dtype}[{dims}]"]
     else:  # barrier: no array
         parts = []
     if op:
