@@ -15,6 +15,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -411,3 +412,49 @@ def test_example_coordinator_stopped_with_ctrl_c_exits_130_without_a_traceback()
             proc.wait(10)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "coordinator stopped" in err
+
+
+def test_example_coordinator_failures_are_one_line_and_exit_1() -> None:
+    """No clients within --join-timeout, and a port that is taken: an error line and exit
+    1 (both were tracebacks)."""
+    base = [sys.executable, "-m", "examples.federated.coordinator", "--rounds", "1"]
+    base += ["--clients", "2", "--png", ""]
+    cmd = [*base, "--listen", "127.0.0.1:0", "--join-timeout", "0.5"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "coordinator: error: " in proc.stderr and "0 of 2 clients" in proc.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [*base, "--listen", f"127.0.0.1:{port}"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "coordinator: error: " in proc.stderr
+    assert "cannot listen" in proc.stderr
+
+
+def test_example_client_that_cannot_reach_its_coordinator_is_one_line_and_exits_1() -> None:
+    """A coordinator at that address with another id: the TLS pin refuses it at once."""
+    cmd = [sys.executable, "-m", "examples.federated.coordinator", "--listen", "127.0.0.1:0"]
+    coord = subprocess.Popen(
+        [*cmd, "--clients", "1", "--png", ""],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert coord.stdout is not None
+        lines = [coord.stdout.readline() for _ in range(2)]
+        address = lines[1].split(": ", 1)[1].strip()
+        other = SecretKey.generate().endpoint_id
+        client = [sys.executable, "-m", "examples.federated.client", "--index", "0"]
+        client += ["--clients", "1", "--coordinator", str(other), "--address", address]
+        proc = subprocess.run(client, cwd=ROOT, capture_output=True, text=True, timeout=90)
+    finally:
+        coord.kill()
+        coord.communicate(timeout=10)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "client 0: error: " in proc.stderr

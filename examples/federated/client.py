@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from p2pdist import EndpointId, SecretKey, TransportConfig, UsageError
+from p2pdist import EndpointId, P2PError, SecretKey, TransportConfig, UsageError
 from p2pdist.federated import FederatedClient, RoundTask
 from p2pdist.identity import check_seed
 from p2pdist.settings import env_token
@@ -159,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    return asyncio.run(run(args))
+    try:
+        return asyncio.run(run(args))
+    except P2PError as exc:  # the coordinator out of reach, or gone without a word
+        print(f"client {args.index}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

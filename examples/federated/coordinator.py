@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from p2pdist import SecretKey, TransportConfig, UsageError
+from p2pdist import P2PError, SecretKey, TransportConfig, UsageError
 from p2pdist.bench import unwritable
 from p2pdist.federated import Coordinator, FederatedConfig
 from p2pdist.identity import check_seed
@@ -60,6 +60,12 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-norm", type=float, default=10.0, help="0: no norm bound")
     p.add_argument("--round-timeout", type=float, default=0.25, help="seconds per round")
     p.add_argument(
+        "--join-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the clients before the first round (default 120)",
+    )
+    p.add_argument(
         "--policy",
         choices=["deadline", "quorum"],
         default="deadline",
@@ -97,6 +103,8 @@ def check_coordinator_args(p: argparse.ArgumentParser, args: argparse.Namespace)
     for flag in ("rounds", "clients", "epochs"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if not 0 < args.join_timeout < float("inf"):
+        p.error(f"--join-timeout must be a positive number of seconds, got {args.join_timeout}")
     if args.relay not in (None, "local"):
         try:
             RelayUrl.parse(args.relay)
@@ -156,7 +164,9 @@ async def serve(
             print(f"coordinator address: {coord.address[0]}:{coord.address[1]}", flush=True)
         if on_ready is not None:
             on_ready(coord)
-        await coord.wait_for_members(args.clients if wait_for is None else wait_for, timeout=120.0)
+        await coord.wait_for_members(
+            args.clients if wait_for is None else wait_for, timeout=args.join_timeout
+        )
         loss, acc = evaluate(coord.model, test)
         print(f"{len(coord.members)} clients; initial loss {loss:.4f}, accuracy {acc:.2%}\n")
         table = Table(args.rounds)
@@ -212,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the clients were told (stop, "interrupted")
         print("coordinator stopped", file=sys.stderr)
         return 130
+    except P2PError as exc:  # no clients in time, a relay out of reach, a busy port
+        print(f"coordinator: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
