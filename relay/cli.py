@@ -97,7 +97,7 @@ def load_config(
     given = {name for name, value in merged.items() if value is not None}
     from_file = {name for name in file_values if name not in given}
     try:
-        typed = coerce(file_values, base=base)
+        typed = coerce(file_values, base=base, text=False)
     except ConfigError as exc:  # a value of the wrong kind in the file
         raise ConfigError(f"config file {config_path}: {exc}") from None
     try:

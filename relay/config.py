@@ -401,19 +401,27 @@ def _field_kind(f: dataclasses.Field[Any]) -> str:
     raise AssertionError(f"unhandled config field type {t}")  # pragma: no cover
 
 
-def _coerce(name: str, kind: str, value: Any, base: Path | None) -> Any:
+def _coerce(name: str, kind: str, value: Any, base: Path | None, text: bool) -> Any:
     flag = name.replace("_", "-")
     if value is None:
         return None
     if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int | str):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | str)
+            or (isinstance(value, str) and not text)
+        ):
             raise ConfigError(f"{flag} must be an integer, got {value!r}")
         try:
             return int(value)
         except ValueError:
             raise ConfigError(f"{flag} must be an integer, got {value!r}") from None
     if kind == "float":
-        if isinstance(value, bool) or not isinstance(value, int | float | str):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float | str)
+            or (isinstance(value, str) and not text)
+        ):
             raise ConfigError(f"{flag} must be a number, got {value!r}")
         try:
             return float(value)
@@ -442,11 +450,14 @@ def normalize_keys(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
-def coerce(values: Mapping[str, Any], *, base: Path | None = None) -> dict[str, Any]:
-    """Typed values from raw ones keyed by field name (strings are accepted for numbers,
-    as they come from flags or the environment); ``base`` resolves relative paths."""
+def coerce(
+    values: Mapping[str, Any], *, base: Path | None = None, text: bool = True
+) -> dict[str, Any]:
+    """Typed values from raw ones keyed by field name; ``base`` resolves relative paths.
+    ``text``: numbers may be strings, as they come from flags or the environment (a
+    TOML file's are typed: ``port = "8443"`` is an error there)."""
     kinds = {f.name: _field_kind(f) for f in dataclasses.fields(RelayConfig)}
-    return {name: _coerce(name, kinds[name], value, base) for name, value in values.items()}
+    return {name: _coerce(name, kinds[name], value, base, text) for name, value in values.items()}
 
 
 def from_mapping(values: Mapping[str, Any], *, base: Path | None = None) -> RelayConfig:

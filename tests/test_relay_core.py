@@ -721,7 +721,9 @@ def test_config_file_flags_and_environment(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [("nope = 1\n", "unknown setting 'nope'"), ("port = [\n", "not valid TOML"),
-     ("port = 1\nport_ = 2\n", "unknown"), ("max-clients = 1\nmax_clients = 2\n", "twice")],
+     ("port = 1\nport_ = 2\n", "unknown"), ("max-clients = 1\nmax_clients = 2\n", "twice"),
+     ('port = "8443"\n', "port must be an integer, got '8443'"),
+     ('keepalive = "5"\n', "keepalive must be a number, got '5'")],
 )  # fmt: skip
 def test_config_file_errors(tmp_path: Path, text: str, message: str) -> None:
     cfg = tmp_path / "relay.toml"
