@@ -286,15 +286,20 @@ async def serve(
     token: str | None = None,
     ready: asyncio.Event | None = None,
     timeout: float = 10.0,
+    as_json: bool = False,
 ) -> None:
     """Answer doctors that dial us through ``relay`` (forever; cancel to stop); the first
-    session to the relay must come up within ``timeout`` seconds."""
+    session to the relay must come up within ``timeout`` seconds. Once it has, prints
+    ``doctor serving as ID`` (``as_json``: the line ``{"serving": "ID"}``)."""
     key = key or SecretKey.generate()
     path = RelayPath(key, relay, token=token)
     transport = QuicTransport(key, relay=path)
     try:
         await path.wait_connected(timeout)
-        print(f"doctor serving as {key.endpoint_id}", flush=True)
+        if as_json:
+            print(json.dumps({"serving": str(key.endpoint_id)}), flush=True)
+        else:
+            print(f"doctor serving as {key.endpoint_id}", flush=True)
         if ready is not None:
             ready.set()
         tasks: set[asyncio.Task[None]] = set()
@@ -395,7 +400,11 @@ def main(argv: list[str]) -> int:
             "for slow links; --serve: on reaching the relay)"
         ),
     )
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object (--serve: the line {"serving": ID} once it serves)',
+    )
     args = ap.parse_args(argv)
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         ap.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
@@ -406,7 +415,10 @@ def main(argv: list[str]) -> int:
             args.token = env_token()
         key = SecretKey.load(args.key) if args.key else None
         if args.serve:
-            eventloop.run(serve(args.relay, key=key, token=args.token, timeout=args.timeout))
+            serving = serve(
+                args.relay, key=key, token=args.token, timeout=args.timeout, as_json=args.json
+            )
+            eventloop.run(serving)
             return 0
         peer = EndpointId.parse(args.peer) if args.peer else None
         # What goes wrong is the report's to say (a relay's refusal was printed twice:

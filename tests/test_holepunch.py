@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import socket
@@ -550,6 +551,23 @@ async def test_doctor_on_loopback_sees_udp_and_a_direct_path_to_a_peer(tmp_path:
     assert peer.direct_after > 0.001
     text = render(report)
     assert "NAT mapping  none (public address)" in text and "direct path after" in text
+
+
+async def test_doctor_serving_with_json_prints_its_id_as_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``p2pdist doctor --serve --json`` printed the plain line, ignoring --json."""
+    from p2pdist.doctor import serve
+
+    with RelayProcess(tmp_path) as relay:
+        ready = asyncio.Event()
+        server = asyncio.create_task(serve(relay.url, key=B, ready=ready, as_json=True))
+        try:
+            await bounded(ready.wait(), "the doctor server")
+        finally:
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+    assert json.loads(capsys.readouterr().out) == {"serving": str(B.endpoint_id)}
 
 
 async def test_doctor_on_a_relay_without_observation_does_not_blame_udp(tmp_path: Path) -> None:
