@@ -648,6 +648,13 @@ def main(argv: list[str] | None = None) -> int:
     if min(iters) < 1 or min(warmup) < 0 or args.rounds < 1:
         print("--iters and --rounds must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
+    if args.arrays == "cuda" and not args.no_p2pdist and importlib.util.find_spec("cupy") is None:
+        print(
+            "--arrays cuda needs CuPy for p2pdist's arrays: pip install 'p2pdist[gpu]' "
+            "(or pass --no-p2pdist)",
+            file=sys.stderr,
+        )
+        return 2
 
     tv = torch_version()
     p2p_version = "?"

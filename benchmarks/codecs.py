@@ -135,11 +135,16 @@ def routes(x: np.ndarray) -> list[tuple[str, str, dict[str, Callable[[], object]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=1 << 18, help="elements per call (default 1 Mi B)")
+    ap.add_argument(
+        "--n", type=int, default=1 << 18, help="float32 elements per call (default 262144: 1 MiB)"
+    )
     ap.add_argument("--repeat", type=int, default=7, help="timed runs per cell (best kept)")
     ap.add_argument("--iters", type=int, default=20, help="calls per timed run")
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = ap.parse_args()
+    for flag in ("n", "repeat", "iters"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     x = np.random.default_rng(0).standard_normal(args.n).astype(np.float32)
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
     print(

@@ -249,6 +249,14 @@ def main() -> None:
         "(e.g. 1gbit 100mbit; needs root, ip and tc); default loopback",
     )
     args = ap.parse_args()
+    if min(args.world) < 2:
+        ap.error(f"--world sizes must be at least 2 (a reduction needs peers), got {args.world}")
+    if not all(0 < mib < float("inf") for mib in args.mib):
+        ap.error(f"--mib sizes must be positive, got {args.mib}")
+    if args.rounds < 1 or args.iters < 0:
+        ap.error("--rounds must be at least 1 and --iters at least 0 (0: chosen per size)")
+    if not 0 < args.timeout < float("inf"):
+        ap.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.rate != [None] and os.geteuid() != 0:
         ap.error("--rate needs root (network namespaces and tc)")
     print(f"command: python benchmarks/reduce_modes.py {' '.join(sys.argv[1:])}")

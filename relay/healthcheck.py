@@ -32,12 +32,21 @@ HOST_ENV = "P2PDIST_RELAY_HEALTH_HOST"
 def main(argv: Sequence[str] | None = None) -> int:
     """Probe once; 0 healthy, 1 not."""
     p = argparse.ArgumentParser(prog="python -m relay.healthcheck", description=__doc__)
-    p.add_argument("--host", default=os.environ.get(HOST_ENV) or "127.0.0.1")
+    p.add_argument(
+        "--host",
+        default=os.environ.get(HOST_ENV) or "127.0.0.1",
+        help=f"the relay's host (default ${HOST_ENV}, else 127.0.0.1)",
+    )
     # A string default: argparse converts it like a flag's value, so a bad variable is
     # a usage error, not a traceback (an empty one means the default port).
-    p.add_argument("--port", type=int, default=os.environ.get(PORT_ENV) or "8443")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=os.environ.get(PORT_ENV) or "8443",
+        help=f"the relay's TLS port (default ${PORT_ENV}, else 8443)",
+    )
     p.add_argument("--url", help="verify the relay as clients do (pin or CA)")
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
     try:
         args = p.parse_args(argv)
     except SystemExit as exc:  # argparse's 2 is the "starting" status to Docker

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -226,3 +227,13 @@ def test_bench_from_env_refuses_what_the_environment_decides() -> None:
         with pytest.raises(SystemExit) as info:
             main(["--from-env", *extra])
         assert info.value.code == 2
+
+
+def test_bench_from_env_without_the_environment_is_a_usage_error() -> None:
+    """It printed ``[error] UsageError: ...`` and exit 1, unlike every other usage error."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PDIST_")}
+    cmd = [sys.executable, "-m", "p2pdist.cli", "bench", "--from-env", "--png", ""]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "p2pdist bench: error: " in proc.stderr and "P2PDIST_RANK" in proc.stderr
+    assert "[error]" not in proc.stderr and "Traceback" not in proc.stderr

@@ -11,6 +11,7 @@ installed, as scripts/test.sh does when it runs as root.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -151,3 +152,32 @@ def test_relay_capacity_table(client: str, clients: int) -> None:
     )
     assert row[6] == f"{clients}/{clients}", out  # every light-traffic datagram arrived
     assert float(row[7]) > 0, out  # forwarded datagrams per second
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("codecs.py", ["--n", "-5"], "--n must be at least 1"),
+        ("codecs.py", ["--iters", "0"], "--iters must be at least 1"),
+        ("codecs.py", ["--repeat", "0"], "--repeat must be at least 1"),
+        ("reduce_modes.py", ["--world", "1"], "--world sizes must be at least 2"),
+        ("reduce_modes.py", ["--mib", "0"], "--mib sizes must be positive"),
+        ("reduce_modes.py", ["--rounds", "0"], "--rounds must be at least 1"),
+        ("allreduce.py", ["--arrays", "cuda", "--no-gloo", "--no-mpi"], "needs CuPy"),
+    ],
+)
+def test_benchmarks_refuse_bad_arguments_in_one_line(
+    script: str, args: list[str], message: str
+) -> None:
+    """These were tracebacks, tables of zeros, or a FAILED cell per rank."""
+    if "cuda" in args and importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed here: --arrays cuda is valid")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
