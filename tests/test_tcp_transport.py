@@ -683,7 +683,7 @@ async def test_malformed_frames_close_only_that_connection(name: str, tls: bool)
     async with tcp_pair(tls) as p:
         bystander_t = TcpTransport(key(2), config(tls))
         async with closing(bystander_t):
-            addr = p.server_transport._server.sockets[0].getsockname()  # type: ignore[attr-defined]
+            addr = p.server_transport._server.address  # type: ignore[attr-defined]
             bystander = await bounded(bystander_t.connect(eid(1), addr), "second connect")
             bystander_srv = await bounded(p.server_transport.accept(), "second accept")
 

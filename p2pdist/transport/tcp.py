@@ -37,6 +37,7 @@ from ..wire.handshake import RecordReader
 from .aeadpipe import CIPHER, MAX_RECORD, AeadPipe, RecordError
 from .base import NOT_ADMITTED, Address, TransportConfig
 from .framed import EndpointBase
+from .listener import Listener
 from .pathinfo import PathInfo, single_path
 from .paths import path_key
 from .tcp_handshake import _HANDSHAKE_BUFFER_PAUSE, TLS_MISMATCH_HINT, TcpHandshake
@@ -441,7 +442,7 @@ class TcpTransport(EndpointBase[TcpConnection]):
         label_for: Callable[[EndpointId], str] | None = None,
     ) -> None:
         super().__init__(key, config, accept_from, label_for)
-        self._server: asyncio.Server | None = None
+        self._server: Listener | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
         self._pending: dict[TcpConnection, tuple[float, str]] = {}
         """Incoming connections still handshaking: (loop time accepted, source ip)."""
@@ -451,12 +452,10 @@ class TcpTransport(EndpointBase[TcpConnection]):
         self._check_not_closed()
         if self._server is not None:
             raise UsageError("already listening")
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: TcpConnection(self, server_side=True), host, port, reuse_address=True
+        self._server = await Listener.open(
+            host, port, lambda: TcpConnection(self, server_side=True)
         )
-        name = self._server.sockets[0].getsockname()
-        return str(name[0]), int(name[1])
+        return self._server.address
 
     async def connect(
         self, peer: EndpointId, address: Address, *, label: str | None = None
@@ -588,9 +587,6 @@ class TcpTransport(EndpointBase[TcpConnection]):
     async def _shutdown(self) -> None:
         """Close: stop listening and close every connection (bounded)."""
         if self._server is not None:
-            self._server.close()
+            await self._server.close()
         await cancel_and_wait(self._handshakes, timeout=2.0)
         await self._close_all()
-        if self._server is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
