@@ -167,3 +167,37 @@ async def test_a_recv_waiting_when_a_message_is_withdrawn_gets_the_next_one() ->
         del conn.drain
         await a.send(np.array([2.0]), 1)
         assert (await waiting).tolist() == [2.0]
+
+
+async def test_a_send_then_close_delivers_to_a_peer_busy_for_longer_than_the_flush_stall() -> None:
+    """A send returns once its message is handed over; a close right after must still
+    let it go while the peer is busy (here it reads nothing for 3 s, more than a
+    connection's 2 s flush stall): the group gives it its timeout first."""
+    async with groups(2, timeout=30.0) as (a, b):
+        b_side: Any = b._conns[0]
+        b_side._set_reading(False)
+        size = 4 << 20  # 32 MiB: more than the socket buffers hold
+        await asyncio.wait_for(a.send(np.full(size, 7.0), 1), 5)
+        closing = asyncio.create_task(a.close())
+        await asyncio.sleep(3.0)
+        assert not closing.done()
+        b_side._set_reading(True)
+        got = await b.recv(0, shape=(size,), dtype=np.float64, timeout=20)
+        assert got[0] == got[-1] == 7.0
+        await asyncio.wait_for(closing, 20)
+
+
+async def test_a_send_interrupted_by_a_broken_group_says_why_not_that_it_timed_out() -> None:
+    """A collective's timeout breaks the group and interrupts every connection with its
+    PeerTimeoutError (a TimeoutError too): the waiting send raised its own "did not go
+    out within 30 s ... sending it again is safe" instead, after half a second."""
+    async with groups(2, timeout=30.0) as (a, b):
+        b._conns[0]._set_reading(False)  # type: ignore[attr-defined]
+        await a.send(np.full(4 << 20, 1.0), 1)  # 32 MiB: the link is backed up
+        sending = asyncio.create_task(a.send(np.full(10, 2.0), 1, timeout=30))
+        await asyncio.sleep(0.05)
+        with pytest.raises(PeerTimeoutError, match="barrier"):
+            await a.barrier(timeout=0.5)  # rank 1 never joins
+        with pytest.raises(PeerTimeoutError) as info:
+            await asyncio.wait_for(sending, 10)
+        assert "barrier" in str(info.value) and "sending it again" not in str(info.value)

@@ -464,22 +464,37 @@ class GroupCore(Runner):
                 g._send_control({"closed": g._space, "next": g._next_cid}, g._conns)
             root._cancel_closed(self)
             return
+        healthy = self._broken is None
         if self._broken is None:
             self._broken = GroupBrokenError("the group was closed")
         self._tell_start_stopped()  # closed while start() formed the group
         # One task does the closing, shielded: a close() that is cancelled (an outer
         # timeout, a failing sibling, a second Ctrl-C) still finishes it in the
         # background, and another close() waits for the same task.
-        self._closer = asyncio.ensure_future(self._close_root())
+        self._closer = asyncio.ensure_future(self._close_root(healthy))
         await asyncio.shield(self._closer)
 
-    async def _close_root(self) -> None:
+    async def _close_root(self, healthy: bool) -> None:
+        if healthy:
+            await self._let_sends_leave()
         await cancel_and_wait(self._listeners)
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog, self._watchdog_at = None, math.inf
         if self._transport is not None:
             await self._transport.close()
+
+    async def _let_sends_leave(self) -> None:
+        """A send returns once its message is handed to the connection, so the bytes of
+        the last ones may still wait here for a peer whose loop is busy: give the peers
+        the time a collective would give them (``timeout``) to take them, until no
+        connection is backed up any more. The connections' own close then waits only for
+        what is left below their low-water mark."""
+        conns = [c for c in self._conns.values() if not c.closed]
+        if conns:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.timeout):
+                    await asyncio.gather(*(c.drain() for c in conns), return_exceptions=True)
 
     # ---- failure handling -------------------------------------------------------------
 

@@ -81,6 +81,7 @@ class Membership:
     _closed_by: dict[int, int]  # root rank that closed this sub-group -> its next cid then
     _closed_early: dict[int, list[tuple[int, int]]]  # root: notices before their split
     _parent: Membership | None  # the group this one was split from
+    _broken: BaseException | None  # why the group can no longer be used (None: it can)
     _failed_calls: dict[int, CallFailure]  # channel -> why another rank's call failed
     _p2p_sent: dict[int, int]
     _p2p_received: dict[int, int]

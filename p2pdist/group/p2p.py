@@ -55,8 +55,9 @@ async def send_array(
     pieces = [data[i : i + CHUNK] for i in range(0, data.nbytes, CHUNK)] or [data]
     meta = bytes(msgpack.packb([header.to_wire(), len(pieces)], use_bin_type=True))
     handed = 0
+    deadline = asyncio.timeout(seconds)
     try:
-        async with asyncio.timeout(seconds):
+        async with deadline:
             for seq, piece in enumerate(pieces):
                 # Wait first, then hand over without waiting: a piece handed over goes
                 # out, whatever ends a wait, so no wait may follow the last one.
@@ -68,7 +69,8 @@ async def send_array(
             raise
         with contextlib.suppress(P2PError):
             conn.send_nowait(channel, meta=ABANDONED, seq=handed)
-        if isinstance(exc, TimeoutError):
+        # Not an interrupt's (a broken group's PeerTimeoutError is a TimeoutError too).
+        if isinstance(exc, TimeoutError) and deadline.expired():
             n = len(pieces)
             what = "nothing went out" if not handed else f"{handed} of its {n} pieces went out"
             raise PeerTimeoutError(
@@ -106,8 +108,9 @@ async def recv_array(
     pieces = (0, 0)  # pieces taken, pieces in the message
     if deadline is None:
         deadline = asyncio.get_running_loop().time() + seconds
+    bound = asyncio.timeout_at(deadline)
     try:
-        async with asyncio.timeout_at(deadline):
+        async with bound:
             first = await conn.recv(channel)
             if first.meta == ABANDONED and first.seq == 0:
                 raise Withdrawn
@@ -157,6 +160,8 @@ async def recv_array(
                 out.byteswap(inplace=True)  # a big-endian out: the same values, its order
             return header.view(first.payload) if as_view else result
     except TimeoutError:
+        if not bound.expired():
+            raise  # an interrupt's (a broken group's PeerTimeoutError), not ours
         what = "no array"
         if first is not None:
             what = f"{pieces[0]} of the {pieces[1]} pieces of an array (it is dropped)"

@@ -131,9 +131,21 @@ class Runner(Rejoining, Reserving):
             attributed: P2PError = ConnectionBrokenError(lead.peer, detail, graceful=lead.graceful)
         else:
             attributed = GroupBrokenError(f"{lead}; also: " + "; ".join(others))
+        self._rebreak(err, attributed)
+        return attributed
+
+    def _rebreak(self, err: BaseException, attributed: P2PError) -> None:
+        """Where the group (and, for a sub-group, each ancestor it broke) is broken by
+        ``err``, put ``attributed`` in its place: later calls name the same cause."""
         if self._broken is err:
             self._broken = attributed
-        return attributed
+        group, cause, told = self._parent, err, attributed
+        while group is not None:
+            broken = group._broken
+            if not (isinstance(broken, GroupBrokenError) and broken.cause is cause):
+                return
+            group._broken = told = GroupBrokenError("a sub-group failed", told)
+            group, cause = group._parent, broken
 
     def _root_label(self, r: int) -> str:
         """How errors name this group's rank ``r``: by its rank in the root group, as
