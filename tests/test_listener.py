@@ -77,3 +77,21 @@ async def test_a_listener_on_a_taken_port_names_the_address() -> None:
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match=r"error while attempting to bind on address.*in use"):
             await Listener.open("127.0.0.1", port, _Served)
+
+
+async def test_a_listener_closed_right_after_dials_leaves_no_dialler_waiting() -> None:
+    """Close at every point of an accept: each dialled socket is served or closed, so
+    every dialler reads its end at once (a served one is closed by its protocol)."""
+    for rounds in range(40):
+        _Served.made.clear()
+        listener = await Listener.open("127.0.0.1", 0, _Served)
+        dials = [asyncio.open_connection(*listener.address) for _ in range(3)]
+        pairs = await asyncio.gather(*dials)
+        for _ in range(rounds % 4):  # let the accepts get that far
+            await asyncio.sleep(0)
+        await listener.close()
+        for transport in _Served.made:
+            transport.close()
+        for reader, writer in pairs:
+            assert await _eof_or_reset(reader) == b""
+            writer.close()

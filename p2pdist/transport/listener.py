@@ -8,7 +8,9 @@ peer that dialled waits out its whole handshake timeout. That happens when a gro
 formed again on the same ports right after it closed (a soak test saw 10 s stalls about
 once in a few hundred formations). Here each accepted socket is handed to a transport by
 ``loop.connect_accepted_socket``, which closes it on failure or cancellation, or closed
-once the listener is.
+once the listener is. Sockets are taken by a reader callback, as the Server takes them,
+not by an awaited ``loop.sock_accept``: a task cancelled just after its accept completed
+would lose the accepted socket with the result.
 
 The sockets are bound as ``loop.create_server`` binds them: one per address that
 ``getaddrinfo`` gives (``""`` is every interface), ``SO_REUSEADDR`` set, and IPv6 ones
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import socket
 from collections.abc import Callable
@@ -32,19 +35,24 @@ log = logging.getLogger(__name__)
 BACKLOG = 100
 """Connections the kernel may hold before they are accepted (``create_server``'s)."""
 _ACCEPT_RETRY = 0.1
-"""Seconds to wait after an accept fails for want of resources (out of descriptors)."""
+"""Seconds to stop accepting after an accept fails for want of resources (out of
+descriptors)."""
 
 
 class Listener:
-    """Listening sockets and their accept loops; see the module docstring."""
+    """Listening sockets, accepting while the loop runs; see the module docstring."""
 
     def __init__(
         self, sockets: list[socket.socket], factory: Callable[[], asyncio.BaseProtocol]
     ) -> None:
+        self._loop = asyncio.get_running_loop()
         self._sockets = sockets
         self._factory = factory
         self._closed = False
-        self._loops = [asyncio.create_task(self._accept_loop(s)) for s in sockets]
+        self._serving: set[asyncio.Task[None]] = set()
+        """Accepted sockets being handed to their transports."""
+        for sock in sockets:
+            self._loop.add_reader(sock.fileno(), self._accept, sock)
 
     @classmethod
     async def open(
@@ -87,40 +95,50 @@ class Listener:
         name = self._sockets[0].getsockname()
         return str(name[0]), int(name[1])
 
-    async def _accept_loop(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._closed:
-            try:
-                conn, _ = await loop.sock_accept(sock)
-            except OSError as exc:
-                if self._closed:
-                    return
-                # EMFILE and the like: the connection waits in the backlog meanwhile.
-                log.warning("accept on %s failed: %s", sock.getsockname(), exc)
-                await asyncio.sleep(_ACCEPT_RETRY)
-                continue
+    def _accept(self, sock: socket.socket) -> None:
+        """The listening socket is readable: take what waits, as asyncio's Server does,
+        but each socket taken is ours until a transport has it."""
+        for _ in range(BACKLOG):
             if self._closed:
-                conn.close()
                 return
             try:
-                # Its transport closes the socket if it fails or is cancelled; closing it
-                # here too covers a failure before there is a transport.
-                await loop.connect_accepted_socket(self._factory, conn)
-            except asyncio.CancelledError:  # the listener is closing
-                conn.close()
-                raise
-            except Exception as exc:  # the peer reset it already, say: the next one
-                log.debug("accepted connection dropped: %s", exc)
-                conn.close()
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as exc:
+                # EMFILE and the like: what waits stays in the backlog meanwhile.
+                log.warning("accept on %s failed: %s", sock.getsockname(), exc)
+                self._loop.remove_reader(sock.fileno())
+                self._loop.call_later(_ACCEPT_RETRY, self._resume, sock)
+                return
+            conn.setblocking(False)
+            task = self._loop.create_task(self._serve(conn))
+            self._serving.add(task)
+            # A task cancelled before it ran (close()) never closes the socket itself.
+            task.add_done_callback(functools.partial(self._served, conn=conn))
+
+    def _resume(self, sock: socket.socket) -> None:
+        if not self._closed:
+            self._loop.add_reader(sock.fileno(), self._accept, sock)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        # Its transport closes the socket if it fails or is cancelled.
+        await self._loop.connect_accepted_socket(self._factory, conn)
+
+    def _served(self, task: asyncio.Task[None], *, conn: socket.socket) -> None:
+        self._serving.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            if not task.cancelled():
+                log.debug("accepted connection dropped: %s", task.exception())
+            conn.close()
 
     async def close(self) -> None:
-        """Stop accepting and close the listening sockets; connections already handed
-        to their transports are theirs to close."""
+        """Stop accepting and close the listening sockets; the sockets accepted already
+        are handed to their transports (the protocol sees its owner closed) or closed."""
         if self._closed:
             return
         self._closed = True
-        try:
-            await cancel_and_wait(self._loops)
-        finally:
-            for sock in self._sockets:
-                sock.close()
+        for sock in self._sockets:
+            self._loop.remove_reader(sock.fileno())
+            sock.close()
+        await cancel_and_wait(self._serving, timeout=2.0)
