@@ -37,6 +37,10 @@ BACKLOG = 100
 _ACCEPT_RETRY = 0.1
 """Seconds to stop accepting after an accept fails for want of resources (out of
 descriptors)."""
+_WARN_INTERVAL = 10.0
+"""Seconds between two warnings about failing accepts."""
+_HANDOVER_WAIT = 2.0
+"""Seconds :meth:`Listener.close` lets sockets accepted already reach their transports."""
 
 
 class Listener:
@@ -51,6 +55,7 @@ class Listener:
         self._closed = False
         self._serving: set[asyncio.Task[None]] = set()
         """Accepted sockets being handed to their transports."""
+        self._warned_at = -_WARN_INTERVAL
         for sock in sockets:
             self._loop.add_reader(sock.fileno(), self._accept, sock)
 
@@ -67,7 +72,10 @@ class Listener:
         sockets: list[socket.socket] = []
         try:
             for family, kind, proto, _, address in dict.fromkeys(infos):
-                sock = socket.socket(family, kind, proto)
+                try:
+                    sock = socket.socket(family, kind, proto)
+                except OSError:  # a family this kernel lacks (IPv6 off): as create_server
+                    continue
                 sockets.append(sock)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 if family == socket.AF_INET6:
@@ -107,7 +115,10 @@ class Listener:
                 return
             except OSError as exc:
                 # EMFILE and the like: what waits stays in the backlog meanwhile.
-                log.warning("accept on %s failed: %s", sock.getsockname(), exc)
+                now = self._loop.time()
+                if now - self._warned_at >= _WARN_INTERVAL:
+                    self._warned_at = now
+                    log.warning("accept on %s failed: %s", sock.getsockname(), exc)
                 self._loop.remove_reader(sock.fileno())
                 self._loop.call_later(_ACCEPT_RETRY, self._resume, sock)
                 return
@@ -141,4 +152,9 @@ class Listener:
         for sock in self._sockets:
             self._loop.remove_reader(sock.fileno())
             sock.close()
-        await cancel_and_wait(self._serving, timeout=2.0)
+        # Let each hand-over finish (a few loop steps; the protocol then sees its owner
+        # closed and ends the connection) instead of cancelling it: uvloop, cancelled
+        # there, never calls connection_lost, and what the protocol holds stays open.
+        if self._serving:
+            await asyncio.wait(set(self._serving), timeout=_HANDOVER_WAIT)
+        await cancel_and_wait(self._serving, timeout=_HANDOVER_WAIT)
