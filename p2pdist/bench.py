@@ -146,16 +146,13 @@ def main(argv: list[str]) -> int:
     if one_rank:
         try:
             return eventloop.run(_worker(args.png, args.repeats))
-        except UsageError as exc:
-            if not args.worker:  # --from-env: P2PDIST_* missing or wrong, as other CLIs say
-                p.error(str(exc))
-            print(f"[error] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            return 1
         except P2PError as exc:
-            if not args.worker:
-                print(f"p2pdist bench: error: {exc}", file=sys.stderr, flush=True)
-            else:  # a rank under launch: launch prefixes its lines with the rank
+            if args.worker:  # a rank under launch: launch prefixes its lines with the rank
                 print(f"[error] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            elif isinstance(exc, UsageError):  # --from-env: P2PDIST_* missing or wrong
+                p.error(str(exc))
+            else:
+                print(f"p2pdist bench: error: {exc}", file=sys.stderr, flush=True)
             return 1
     png = str(Path(args.png).resolve()) if args.png else ""
     command = (

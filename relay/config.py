@@ -405,28 +405,18 @@ def _coerce(name: str, kind: str, value: Any, base: Path | None, text: bool) -> 
     flag = name.replace("_", "-")
     if value is None:
         return None
-    if kind == "int":
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | str)
-            or (isinstance(value, str) and not text)
-        ):
-            raise ConfigError(f"{flag} must be an integer, got {value!r}")
+    if kind in ("int", "float"):
+        wrong = ConfigError(
+            f"{flag} must be {'an integer' if kind == 'int' else 'a number'}, got {value!r}"
+        )
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise wrong
+        if (isinstance(value, str) and not text) or (kind == "int" and isinstance(value, float)):
+            raise wrong  # a file's text, or 1.5 for a count
         try:
-            return int(value)
+            return int(value) if kind == "int" else float(value)
         except ValueError:
-            raise ConfigError(f"{flag} must be an integer, got {value!r}") from None
-    if kind == "float":
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float | str)
-            or (isinstance(value, str) and not text)
-        ):
-            raise ConfigError(f"{flag} must be a number, got {value!r}")
-        try:
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"{flag} must be a number, got {value!r}") from None
+            raise wrong from None
     if not isinstance(value, str | Path):
         raise ConfigError(f"{flag} must be a string, got {value!r}")
     if kind == "Path":

@@ -64,9 +64,7 @@ async def send_array(
                 await conn.drain()
                 conn.send_nowait(channel, piece, meta=meta if seq == 0 else b"", seq=seq)
                 handed = seq + 1
-    except (TimeoutError, asyncio.CancelledError) as exc:
-        if handed == len(pieces):  # pragma: no cover - nothing awaits after the last
-            raise
+    except (TimeoutError, asyncio.CancelledError) as exc:  # only drain() waits: handed < n
         with contextlib.suppress(P2PError):
             conn.send_nowait(channel, meta=ABANDONED, seq=handed)
         # Not an interrupt's (a broken group's PeerTimeoutError is a TimeoutError too).
@@ -91,7 +89,7 @@ async def recv_array(
     max_bytes: int,
     give_back: Callable[[], None],
     *,
-    deadline: float | None = None,
+    deadline: float,
 ) -> np.ndarray:
     """Receive the array sent on ``channel``; the channel is retired afterwards, unless
     the call ends (a timeout, a cancellation) before any of the message came: then it
@@ -100,14 +98,12 @@ async def recv_array(
     timeout is dropped, and the error says so; a withdrawn one raises :class:`Withdrawn`.
 
     ``want`` comes from :func:`~p2pdist.group.buffers.expectation` (dtype in wire form).
-    The wait ends ``seconds`` from now, or at the loop time ``deadline`` where given (a
-    recv that skipped withdrawn messages: ``seconds`` is what its error then says).
+    The wait ends at the loop time ``deadline`` (one recv skips withdrawn messages within
+    it); ``seconds`` is the recv's timeout, as its error says it.
     """
     want_dtype, want_shape = want
     first: Frame | None = None
     pieces = (0, 0)  # pieces taken, pieces in the message
-    if deadline is None:
-        deadline = asyncio.get_running_loop().time() + seconds
     bound = asyncio.timeout_at(deadline)
     try:
         async with bound:

@@ -223,8 +223,7 @@ class FramedConnection:
         concurrent senders never interleave.
         """
         self.send_nowait(channel, payload, meta=meta, seq=seq)
-        if self._write_paused:
-            await self._drain()
+        await self.drain()
 
     async def drain(self) -> None:
         """Wait while the byte pipe is backed up (return at once when it is not); raises
