@@ -181,9 +181,9 @@ class AeadPipe:
         self._offered = 0
         self._view = memoryview(self._buf)
         self._failed: RecordError | None = None
+        """Set once the stream is broken: every later read raises it."""
         self.records_in = 0
         """Records decrypted so far."""
-        """Set once the stream is broken: every later read raises it."""
         self._start = 0
         self._end = 0
         self._plain = memoryview(b"")

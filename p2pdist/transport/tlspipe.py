@@ -54,10 +54,10 @@ class TlsPipe:
         """The ``ssl.SSLObject`` (version, peer certificate)."""
         self.handshake_done = False
         self.closed_by_peer = False
+        """The peer sent close_notify: no more data will come."""
         self.records_in = 0
         """TLS reads that returned data (about one per record: a record read in pieces
         counts once per piece)."""
-        """The peer sent close_notify: no more data will come."""
         self._failed: ssl.SSLError | None = None
         """An error :meth:`fill` holds back until the records before it are handed out."""
 
