@@ -98,3 +98,35 @@ async def test_calls_awaited_out_of_the_order_they_were_made_are_named_in_the_ti
         assert "start them as tasks" in str(crossed)
         assert isinstance(results[1], GroupBrokenError), results[1]  # told by rank 0
         assert f"; {me} made 1 collective" in str(results[1])
+
+
+async def test_an_unstarted_call_on_the_parent_group_is_named_in_a_sub_groups_timeout() -> None:
+    """Calls of a group and of its sub-group have ids of their own, but ranks still wait
+    in them in the order they await them: the hint counts the parent's call too."""
+    async with groups(2, timeout=20.0) as (a, b):
+        sub_a, sub_b = await asyncio.gather(a.split(0), b.split(0))
+        assert sub_a is not None and sub_b is not None
+        x = np.ones(4)
+
+        async def sub_first() -> None:
+            first, second = a.all_reduce(x), sub_a.all_reduce(x, timeout=0.5)
+            try:
+                await second
+            finally:
+                first.close()
+
+        async def in_order() -> None:
+            first, second = b.all_reduce(x), sub_b.all_reduce(x)
+            try:
+                await first
+            finally:
+                second.close()
+
+        results = await asyncio.gather(sub_first(), in_order(), return_exceptions=True)
+        crossed = results[0]
+        assert isinstance(crossed, PeerTimeoutError), crossed
+        me = b.peer_label(0)
+        assert (
+            f"; {me} made 1 collective call(s) before it that have not started "
+            "(1 of them on its parent group or a sub-group)"
+        ) in str(crossed)

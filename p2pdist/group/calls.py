@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator, Iterator
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..errors import UsageError
@@ -39,14 +39,19 @@ class Reserving:
     """The call-id bookkeeping :class:`CollectiveCall` needs of a group (GroupCore)."""
 
     _next_cid: int
-    _pending: dict[int, int]  # call id -> id() of its holder: reserved, not started yet
+    _pending: dict[int, int]  # call id -> its holder's place in _call_order: reserved, not started
     _taking: int | None  # the id the call now starting reserved, until _run takes it
     _home_loop: asyncio.AbstractEventLoop | None  # the loop the group was started on
+    _call_order: Iterator[int]
+    """Numbers collective calls in the order they were made, shared by a group and its
+    sub-groups (whose calls have ids of their own): the holder of a reserved id, and what
+    timeouts compare to name the calls made earlier that have not started."""
 
-    def _reserve(self, holder: int) -> int | None:
-        """A call id for a collective called now, held by ``holder``; None at world 1,
-        off the group's event loop, or when the group cannot run it now (it raises that
-        at its start): the call then takes its id when it starts, as an unwrapped one."""
+    def _reserve(self) -> tuple[int, int] | None:
+        """A call id for a collective called now and its place in ``_call_order`` (which
+        holds the id); None at world 1, off the group's event loop, or when the group
+        cannot run it now (it raises that at its start): the call then takes its id when
+        it starts, as an unwrapped one."""
         raise NotImplementedError
 
     def _skip(self, cid: int, holder: int, why: str) -> None:
@@ -69,11 +74,14 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
     that ends without having run: thrown into or closed before its first step,
     garbage-collected unawaited, or failed before it took its id."""
 
-    __slots__ = ("_cid", "_coro", "_group", "_started")
+    __slots__ = ("_cid", "_coro", "_group", "_holder", "_started")
 
-    def __init__(self, group: Reserving, cid: int, coro: Coroutine[Any, Any, _T]) -> None:
+    def __init__(
+        self, group: Reserving, cid: int, holder: int, coro: Coroutine[Any, Any, _T]
+    ) -> None:
         self._group = group
         self._cid = cid
+        self._holder = holder  # its place in the group's _call_order
         self._coro = coro
         self._started = False
 
@@ -81,7 +89,7 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
         """Advance the call; until it has taken its reserved id, each step offers it."""
         self._started = True
         group = self._group
-        if group._pending.get(self._cid) != id(self):
+        if group._pending.get(self._cid) != self._holder:
             return self._coro.send(value)  # taken (or given up): nothing left to settle
         # Offered at every step until taken, not only the first: a collective that
         # awaited something before its _run would otherwise take a fresh id.
@@ -108,7 +116,7 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
         """Close the call; before its first step, it never runs."""
         self._started = True
         self._coro.close()
-        self._group._skip(self._cid, id(self), "it was closed before it started")
+        self._group._skip(self._cid, self._holder, "it was closed before it started")
 
     def __await__(self) -> Generator[Any, None, _T]:
         return self  # our send/throw drive the await
@@ -125,14 +133,14 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
         # Never awaited (Python warns of the method's coroutine). A finalizer runs in
         # whichever thread collected it: the skip goes to the group's loop.
         self._started = True
-        group, cid = self._group, self._cid
+        group, cid, holder = self._group, self._cid, self._holder
         loop = group._home_loop
         try:
             if loop is None:
                 raise RuntimeError("no loop")
-            loop.call_soon_threadsafe(group._skip, cid, id(self), "it was never awaited")
+            loop.call_soon_threadsafe(group._skip, cid, holder, "it was never awaited")
         except RuntimeError:  # its loop is closed: the group is gone, nobody to tell
-            if group._pending.get(cid) == id(self):
+            if group._pending.get(cid) == holder:
                 del group._pending[cid]
 
     def __repr__(self) -> str:
@@ -165,9 +173,9 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
     def _settle(self, exc: BaseException) -> None:
         """The call ended with ``exc``: if it never took its id, it never ran."""
         group = self._group
-        if group._pending.get(self._cid) != id(self):
+        if group._pending.get(self._cid) != self._holder:
             return
-        if isinstance(exc, UsageError) and group._release(self._cid, id(self)):
+        if isinstance(exc, UsageError) and group._release(self._cid, self._holder):
             return  # refused for its arguments: as if never called (a retry takes its place)
         if isinstance(exc, asyncio.CancelledError):
             why = "it was cancelled before it started"
@@ -175,7 +183,7 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
             why = "it returned without running"
         else:
             why = f"it failed before it started: {type(exc).__name__}: {str(exc)[:200]}"
-        group._skip(self._cid, id(self), why)
+        group._skip(self._cid, self._holder, why)
 
 
 def as_coroutine_function(fn: _F) -> _F:
@@ -200,13 +208,10 @@ def collective(
     @functools.wraps(method)
     def call(self: _G, /, *args: _P.args, **kwargs: _P.kwargs) -> Coroutine[Any, Any, _T]:
         coro = method(self, *args, **kwargs)
-        wrapped = CollectiveCall(self, -1, coro)
-        # id(): the group must not keep the call alive (its finalizer is a skip).
-        cid = self._reserve(id(wrapped))
-        if cid is None:
-            wrapped._started = True  # no id held: nothing to skip when it goes
+        # The group holds the call's number, not the call: its finalizer is a skip.
+        reserved = self._reserve()
+        if reserved is None:
             return coro
-        wrapped._cid = cid
-        return wrapped
+        return CollectiveCall(self, *reserved, coro)
 
     return as_coroutine_function(call)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import itertools
 import logging
 import math
 import os
@@ -120,6 +121,7 @@ class GroupCore(Runner):
         self._conns: dict[int, Connection] = {}
         self._next_cid = 0
         self._pending: dict[int, int] = {}
+        self._call_order = itertools.count()  # a sub-group shares its root's (_child)
         self._taking: int | None = None
         self._home_loop: asyncio.AbstractEventLoop | None = None
         self._p2p_sent: dict[int, int] = {}
@@ -572,6 +574,7 @@ class GroupCore(Runner):
         child._root_ranks = [self._root_ranks[r] for r in members]
         child._left = dict(self._left)
         child._home_loop = self._home_loop
+        child._call_order = self._call_order
         self._root()._descendants.add(child)
         child._space, child._p2p_space = space, space + 1
         child._parent = self

@@ -80,6 +80,7 @@ class CollectiveLink:
         "_size",
         "channel",
         "descriptor",
+        "made",
         "waiting_on",
     )
 
@@ -90,10 +91,13 @@ class CollectiveLink:
         channel: int,
         descriptor: bytes,
         connection: Callable[[int], Connection],
+        made: int,
     ) -> None:
         self._rank, self._size = rank, size
         self.channel = channel
         self.descriptor = descriptor
+        self.made = made
+        """The call's place in the order its group and their sub-groups' calls were made."""
         self._conn = connection
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}

@@ -55,7 +55,7 @@ class Runner(Rejoining, Reserving):
 
     # ---- call ids reserved when a collective is called (calls.py) ----------------------
 
-    def _reserve(self, holder: int) -> int | None:
+    def _reserve(self) -> tuple[int, int] | None:
         if self.size == 1:
             return None
         try:
@@ -66,8 +66,8 @@ class Runner(Rejoining, Reserving):
             return None
         cid = self._next_cid
         self._next_cid += 1
-        self._pending[cid] = holder
-        return cid
+        holder = self._pending[cid] = next(self._call_order)
+        return cid, holder
 
     def _skip(self, cid: int, holder: int, why: str) -> None:
         """Call ``cid`` ended without running here: retire its channel (what the others
@@ -202,34 +202,45 @@ class Runner(Rejoining, Reserving):
 
     def _unstarted_hint(self, link: CollectiveLink) -> str:
         """Why a call may wait forever with every rank alive: this rank made earlier
-        calls that have not started (coroutines awaited one by one, the later first),
-        and the others wait in those before they come to this one."""
-        mine = split_channel(link.channel)[1]
-        earlier = sum(1 for cid in self._pending if cid < mine)
-        if not earlier:
+        calls, on this group or on one sharing its connections (its parent, a sub-group),
+        that have not started (coroutines awaited one by one, the later first), and the
+        others wait in those before they come to this one."""
+        root = self._root()
+        here = elsewhere = 0
+        for group in [root, *root._descendants]:
+            earlier = sum(1 for made in group._pending.values() if made < link.made)
+            if group is self:
+                here = earlier
+            else:
+                elsewhere += earlier
+        if not here + elsewhere:
             return ""
+        where = f" ({elsewhere} of them on its parent group or a sub-group)" if elsewhere else ""
         return (
-            f"; {self._root_label(self._rank)} made {earlier} collective call(s) before "
-            "it that have not started: calls run in the order they were made on every "
-            "rank, so await them in that order, or start them as tasks and gather them"
+            f"; {self._root_label(self._rank)} made {here + elsewhere} collective call(s) "
+            f"before it that have not started{where}: calls run in the order they were "
+            "made on every rank, so await them in that order, or start them as tasks and "
+            "gather them"
         )
 
     # ---- running a collective -----------------------------------------------------------
 
     def _new_link(self, descriptor: bytes) -> CollectiveLink:
         cid = self._taking
-        if cid is None:
+        if cid is None:  # made now, as far as the order of calls goes
             cid = self._next_cid
             self._next_cid += 1
+            made = next(self._call_order)
         else:  # the id the call reserved when it was called (calls.py)
             self._taking = None
-            del self._pending[cid]
+            made = self._pending.pop(cid)
         return CollectiveLink(
             self._rank,
             self.size,
             self._call_channel(cid),
             descriptor,
             self._conns.__getitem__,
+            made,
         )
 
     async def _run(
