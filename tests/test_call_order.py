@@ -247,6 +247,35 @@ async def test_a_call_made_in_another_thread_takes_its_id_on_the_loop() -> None:
             np.testing.assert_array_equal(out, np.full(3, 3.0))
 
 
+async def test_a_call_awaited_on_another_threads_loop_is_refused_at_once() -> None:
+    """asyncio.run(g.all_reduce(x)) in a worker thread: the group's connections wake only
+    the group's loop, so the call would stall until a timer; it is refused at once, made
+    there or made on the group's loop and handed over, and the group stays in step."""
+    async with groups(2) as gs:
+        a = gs[0]
+        made_here = a.all_reduce(np.ones(3), timeout=LONG)
+        assert isinstance(made_here, CollectiveCall)
+
+        def in_a_thread() -> list[str]:
+            errors = []
+            for call in (made_here, a.all_reduce(np.ones(3)), a.send(np.ones(3), 1), a.recv(1)):
+                try:
+                    asyncio.run(call)  # type: ignore[arg-type]
+                except UsageError as exc:
+                    errors.append(str(exc))
+            return errors
+
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        errors = await asyncio.to_thread(in_a_thread)
+        assert loop.time() - start < 5.0  # not a timing test: a stall lasts until LONG
+        assert len(errors) == 4, errors
+        for err in errors:
+            assert "another event loop than the group's" in err
+            assert "run_coroutine_threadsafe" in err
+        await in_step(gs, 1)
+
+
 async def test_collectives_still_look_like_coroutine_functions() -> None:
     for name in ("all_reduce", "barrier", "split", "send", "recv"):
         assert asyncio.iscoroutinefunction(getattr(Group, name)), name

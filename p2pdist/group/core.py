@@ -640,6 +640,7 @@ class GroupCore(Runner):
             raise UsageError(f"send: {exc} (reshape it, and back on the receiving side)") from None
         seconds = self._seconds(timeout)
         self._check_usable(collective=False)
+        self._check_loop("send")
         index = self._p2p_sent.get(dst, 0)
         self._p2p_sent[dst] = index + 1
         channel = (self._p2p_space << SPACE_SHIFT) | index
@@ -676,7 +677,7 @@ class GroupCore(Runner):
         want = expectation(like, shape, dtype, out)
         seconds = self._seconds(timeout)
         self._check_usable(collective=False)
-        deadline = asyncio.get_running_loop().time() + seconds
+        deadline = self._check_loop("recv").time() + seconds
         try:
             while True:  # past the messages withdrawn by their senders
                 try:

@@ -21,6 +21,7 @@ from ..errors import (
     P2PTimeoutError,
     PeerTimeoutError,
     RemoteProtocolError,
+    UsageError,
 )
 from ..settings import check_seconds
 from ..transport.mailbox import split_channel
@@ -225,6 +226,19 @@ class Runner(Rejoining, Reserving):
 
     # ---- running a collective -----------------------------------------------------------
 
+    def _check_loop(self, what: str) -> asyncio.AbstractEventLoop:
+        """The running event loop, if it is the group's own; else a :class:`UsageError`
+        (the group's connections wake only their own loop: a call awaited on another
+        would see its messages only when a timer woke the group's loop)."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._home_loop and self._home_loop is not None:
+            raise UsageError(
+                f"{what} was awaited on another event loop than the group's (the one "
+                "start() ran on): run it on that loop, or from another thread submit it "
+                "with asyncio.run_coroutine_threadsafe(coro, loop)"
+            )
+        return loop
+
     def _new_link(self, descriptor: bytes) -> CollectiveLink:
         cid = self._taking
         if cid is None:  # made now, as far as the order of calls goes
@@ -258,6 +272,7 @@ class Runner(Rejoining, Reserving):
         an overdue collective's task is cancelled and the cancellation turned into the
         timeout error here, as ``asyncio.timeout`` would."""
         seconds = self._seconds(timeout)
+        loop = self._check_loop("a collective")  # before it takes its call id
         link = self._new_link(descriptor)
         root = self._root()
         channel = link.channel
@@ -282,7 +297,7 @@ class Runner(Rejoining, Reserving):
         assert task is not None
         inflight = root._inflight
         outer = inflight.get(task)  # None unless a collective runs inside another
-        deadline = asyncio.get_running_loop().time() + seconds
+        deadline = loop.time() + seconds
         if outer is not None and outer[2] < deadline:
             seconds -= deadline - outer[2]  # the enclosing call's bound comes first
             deadline = outer[2]
