@@ -203,6 +203,79 @@ async def test_gradient_buckets_keep_their_order_when_a_step_starts_during_a_wai
         assert [x[0] for x in new] == [2000.0] * 2
 
 
+@pytest.mark.parametrize("misstep", ["skipped", "swapped"])
+async def test_gradient_buckets_added_differently_on_one_rank_fail_on_every_rank(
+    misstep: str,
+) -> None:
+    """Rank 1 skips an add (all arrays of one shape), or adds two arrays of different
+    shapes but equal size in the other order. Each bucket's flat array had the others'
+    size, so rank 1's wait() returned wrong means with no error (the others timed out
+    waiting for a bucket it never sent). Now each bucket's call names its arrays and the
+    last one the step's count: every rank's wait() fails, naming the buckets."""
+    from p2pdist.group.buckets import GradientBuckets
+
+    async with groups(3, timeout=10) as gs:
+        bs = await asyncio.gather(
+            *(GradientBuckets.create(g, bucket_bytes=8000, op="mean") for g in gs)
+        )
+        if misstep == "skipped":
+            shapes = [(1000,)] * 5  # buckets of two
+        else:
+            shapes = [(1000,), (1000,), (10, 100), (100, 10), (7,)]
+
+        async def step(r: int) -> None:
+            arrays = [np.full(shape, 10.0 * r + i, np.float32) for i, shape in enumerate(shapes)]
+            if r == 1:
+                if misstep == "skipped":
+                    del arrays[2]
+                else:
+                    arrays[2], arrays[3] = arrays[3], arrays[2]
+            for a in arrays:
+                bs[r].add(a)
+            await bs[r].wait()
+
+        results = await asyncio.wait_for(
+            asyncio.gather(*(step(r) for r in range(3)), return_exceptions=True), 30
+        )
+        for r, res in enumerate(results):
+            assert isinstance(res, MismatchError | GroupBrokenError), (r, res)
+            assert ", a bucket of " in str(res), (r, res)
+        notes = " ".join(getattr(results[1], "__notes__", []))
+        assert "did not match another rank's" in notes, results[1]
+        assert "no result of this step can be trusted" in notes
+
+
+async def test_gradient_buckets_discard_an_abandoned_step() -> None:
+    """A step abandoned between add and wait (an exception in the backward pass): its
+    pending arrays joined the next step's first bucket, which then reduced a stale
+    array (and, with error feedback, shifted every bucket's residual). discard() drops
+    them; a bucket already started still completes and the next wait() waits for it."""
+    from p2pdist.group.buckets import GradientBuckets
+
+    async with groups(2, timeout=10) as gs:
+        bs = await asyncio.gather(
+            *(GradientBuckets.create(g, bucket_bytes=16, op="sum") for g in gs)
+        )
+
+        async def rank(r: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+            first = [np.full(2, 1.0 + r), np.full(1, 5.0 + r)]
+            bs[r].add(first[0])  # 16 bytes: this bucket starts at once
+            bs[r].add(first[1])  # pending
+            bs[r].discard()
+            second = [np.full(1, 10.0 * (r + 1))]
+            bs[r].add(second[0])
+            await bs[r].wait()
+            return first, second
+
+        (first0, second0), (first1, second1) = await asyncio.wait_for(
+            asyncio.gather(rank(0), rank(1)), 20
+        )
+        np.testing.assert_array_equal(first0[0], [3.0, 3.0])  # started: reduced
+        np.testing.assert_array_equal(first1[0], [3.0, 3.0])
+        assert (first0[1][0], first1[1][0]) == (5.0, 6.0)  # dropped: left as it was
+        assert (second0[0], second1[0]) == (30.0, 30.0)
+
+
 async def test_gradient_buckets_keep_what_was_added_when_a_flush_has_no_loop() -> None:
     """add() from another thread (an autograd hook's) filled a bucket: flush raised for
     want of an event loop, after it had dropped every pending array."""

@@ -4,15 +4,17 @@ the caller goes on (the way data-parallel training overlaps communication with c
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any
 
 import numpy as np
 
-from ..errors import UsageError
+from ..errors import GroupBrokenError, MismatchError, UsageError
 from .buffers import is_plain_array, wire_form
 from .compress import INT8_BLOCK, ErrorFeedback
 from .devices import is_device_array, pack, ready_marker, unpack, wait_ready
 from .group import Group
+from .reducing import BUCKET_LAYOUT
 
 __all__ = ["GradientBuckets"]
 
@@ -40,6 +42,12 @@ class GradientBuckets:
     ``max``/``min`` on complex, a non-floating array with a ``wire_dtype``, ...), so
     nothing is queued that can only fail later; the array is not queued and what was
     added before it is kept.
+
+    Each bucket's all_reduce names the arrays it packs (their number and a digest of
+    their shapes) and the step's last one how many the step added, so ranks that added
+    different arrays fail with a :class:`MismatchError` instead of reducing one array's
+    elements with another's. After an exception between :meth:`add` and :meth:`wait`,
+    :meth:`discard` abandons the step.
 
     A bucket that fails for another reason (a peer lost, a timeout, the group broken or
     closed) fails every later bucket of the step as well: each bucket starts only after
@@ -175,7 +183,15 @@ class GradientBuckets:
 
     def flush(self) -> None:
         """Start reducing what was added so far (the bucket need not be full)."""
-        if not self._pending:
+        self._flush(last=False)
+
+    def _flush(self, *, last: bool) -> None:
+        """Start the bucket of what was added so far; ``last`` (from :meth:`wait`): it
+        ends the step, and its call says how many arrays the step added, so that ranks
+        that added different numbers fail with a MismatchError (without arrays pending,
+        an empty bucket goes out to say so, unless the step added none)."""
+        added = len(self._added)
+        if not self._pending and not (last and added):
             return
         loop = asyncio.get_running_loop()  # none (a hook's thread): the arrays stay pending
         arrays, ready = self._pending, self._ready
@@ -183,15 +199,16 @@ class GradientBuckets:
         # A bucket of the wrong size raises here: its arrays are dropped (left as they
         # were) and its position stays free, so the helper goes on as before the call.
         try:
-            feedback = self._bucket_feedback(sum(a.size for a in arrays))
+            feedback = self._bucket_feedback(sum(a.size for a in arrays)) if arrays else None
         except UsageError:
             for a in arrays:  # not queued after all: they may be added again
                 self._added.pop(id(a), None)
             raise
+        layout = _layout(arrays, added if last else None)
         # After the last bucket started (this step's, or an earlier step's still running):
         # its failure fails this one only within a step.
         task = loop.create_task(
-            self._reduce_bucket(arrays, ready, self._last, bool(self._tasks), feedback)
+            self._reduce_bucket(arrays, ready, self._last, bool(self._tasks), feedback, layout)
         )
         task.add_done_callback(_retrieve)  # a step nobody waits for logs no "never retrieved"
         self._tasks.append(task)
@@ -221,6 +238,7 @@ class GradientBuckets:
         after: asyncio.Task[None] | None,
         same_step: bool,
         feedback: ErrorFeedback | None,
+        layout: str,
     ) -> None:
         if after is not None:  # buckets reduce in order on every rank
             if same_step:
@@ -231,11 +249,29 @@ class GradientBuckets:
                 await asyncio.wait([after])
         # In the wire dtype: a big-endian array joins its little-endian kin.
         await wait_ready(ready, self._group.config.timeout)
-        flat = pack(arrays, wire_form(arrays[0].dtype))
+        dtype = wire_form(arrays[0].dtype) if arrays else self._dtype or np.dtype(np.float32)
+        flat = pack(arrays, dtype) if arrays else np.empty(0, dtype)
+        BUCKET_LAYOUT.set(layout)  # in this task's own context: for its all_reduce only
         await self._group.all_reduce(
             flat, self._op, out=flat, error_feedback=feedback, **self._reduce
         )
         unpack(flat, arrays)
+
+    def discard(self) -> None:
+        """Abandon this step (an exception between :meth:`add` and :meth:`wait`, say), on
+        every rank as :meth:`add`: the arrays added but not in a started bucket yet are
+        dropped, left as they are, and the next :meth:`add` starts a new step (without
+        it they would join the next step's first bucket). Buckets already started go on
+        (stopping one would break the group) and write their results back; the next
+        :meth:`wait` waits for them first, and raises their failure if they failed."""
+        self._check_open()
+        self._pending, self._ready, self._pending_bytes = [], [], 0
+        self._dtype = None
+        self._index = 0
+        self._added = {}
+        if self._tasks:
+            self._carried.append((self._tasks, self._counts))
+            self._tasks, self._counts = [], []
 
     def _check_open(self) -> None:
         if self._closed:
@@ -273,7 +309,7 @@ class GradientBuckets:
         self._check_open()
         refused: UsageError | None = None
         try:
-            self.flush()
+            self._flush(last=True)
         except UsageError as exc:
             refused = exc
         self._index = 0
@@ -315,8 +351,22 @@ class GradientBuckets:
         results = await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
         for k, result in enumerate(results):
             if isinstance(result, BaseException):
-                _note(result, k, len(tasks), sum(sizes[k:]))
+                # The bucket of no arrays that may end a step is not counted as one.
+                _note(result, k, sum(1 for n in sizes if n), sum(sizes[k:]))
                 raise result
+
+
+def _layout(arrays: list[Any], step: int | None) -> str:
+    """What a bucket packs, added to its all_reduce's descriptor: the number of arrays
+    and a digest of their shapes in order (the dtype is the call's own), and for the
+    last bucket of a step (``step``: the arrays the step added) that number too."""
+    if not arrays:  # sent by wait() when the step's last add had started the last bucket
+        return f", a bucket of no arrays ending a step of {step} arrays"
+    shapes = repr([a.shape for a in arrays]).encode()
+    digest = hashlib.blake2b(shapes, digest_size=4).hexdigest()
+    count = f"{len(arrays)} arrays" if len(arrays) > 1 else "1 array"
+    what = f", a bucket of {count} #{digest}"
+    return what if step is None else f"{what} ending a step of {step} arrays"
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:
@@ -336,10 +386,36 @@ def _note(err: BaseException, k: int, buckets: int, arrays: int) -> None:
     notes = getattr(err, "__notes__", None)
     if notes is not None:
         notes[:] = [n for n in notes if not (isinstance(n, str) and n.startswith(_NOTE))]
+    if _packed_differently(err):
+        which = (
+            f"bucket {k} of {buckets} in this step"
+            if k < buckets
+            else f"the end of this step (after its {buckets} buckets)"
+        )
+        err.add_note(
+            f"{_NOTE}{which} did not match another rank's (a rank skipped an add, or "
+            "added arrays in another order or number): no result of this step can be "
+            "trusted"
+        )
+        return
+    if k >= buckets:
+        err.add_note(f"{_NOTE}the step's {buckets} buckets were reduced; its end failed")
+        return
     err.add_note(
         f"{_NOTE}bucket {k} of {buckets} in this step failed; it and the {buckets - k - 1} "
         f"after it were not reduced ({arrays} arrays keep the values they were added with); "
         f"the {k} before it were"
+    )
+
+
+def _packed_differently(err: BaseException) -> bool:
+    """Whether ``err`` is the ranks' buckets not matching: a MismatchError between two
+    bucket calls here, or on another rank (a GroupBrokenError that carries its text)."""
+    text = str(err)
+    return (
+        isinstance(err, MismatchError | GroupBrokenError)
+        and ", a bucket of " in text
+        and "but this rank called" in text
     )
 
 

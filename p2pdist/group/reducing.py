@@ -6,6 +6,7 @@ they share with :class:`~p2pdist.group.buckets.GradientBuckets`. The base of
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,13 @@ from .linkops import split_bounds
 from .ops import ReduceOp, reduce_op
 from .ordered import ordered_all_reduce, ordered_reduce_scatter
 
-__all__ = ["Reducing"]
+__all__ = ["BUCKET_LAYOUT", "Reducing"]
+
+BUCKET_LAYOUT: ContextVar[str] = ContextVar("p2pdist_bucket_layout", default="")
+"""Set by :class:`~p2pdist.group.buckets.GradientBuckets` in a bucket's own task: which
+arrays the flat array it reduces packs, added to that all_reduce's call descriptor, so
+that ranks that packed different arrays (one skipped an ``add``) fail with a
+MismatchError instead of reducing one array's elements with another's."""
 
 
 class Reducing(GroupCore):
@@ -205,7 +212,7 @@ class Reducing(GroupCore):
             if work is not arr:
                 np.copyto(work, arr)
             return work
-        label = _op_label(op, self._deterministic(mode), codec, block)
+        label = _op_label(op, self._deterministic(mode), codec, block) + BUCKET_LAYOUT.get()
         descriptor = describe_call("all_reduce", label, arr.dtype.str, arr.shape)
         if codec is not None:
             if error_feedback is not None:
