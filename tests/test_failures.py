@@ -286,6 +286,40 @@ async def test_a_goodbye_yields_the_lead_to_a_rank_lost_without_one() -> None:
         g._failure_log.clear()
 
 
+async def test_a_call_started_right_after_a_goodbye_is_not_refused_as_left() -> None:
+    """Rank 0 fails (its abort notice to all) and exits at once (its goodbye). Rank 2 read
+    both in one go, and marked rank 0 as left in that read, before its control listener
+    handled the notice: a call rank 2 started just then was refused with "rank 0 left
+    the group", the reason lost (3 of 16 runs of a user's trial). The check is made
+    where that call would have been, right after the goodbye's own handling."""
+    async with groups(3, timeout=20) as gs:
+        seen: list[BaseException | None] = []
+
+        def call_now(error: BaseException | None) -> None:  # after the group's own callback
+            try:
+                gs[2]._check_usable()
+                seen.append(None)
+            except BaseException as exc:
+                seen.append(exc)
+
+        from_rank_0 = gs[2].connection(0)
+        from_rank_0.add_close_callback(call_now)
+        from_rank_0._set_reading(False)  # type: ignore[attr-defined]  # read both at once
+        gs[0]._break(GroupBrokenError("rank 0 failed: a reason worth knowing"), notify=True)
+        closing = asyncio.create_task(gs[0].close())
+        await asyncio.sleep(0.1)  # the notice and the goodbye wait in rank 2's socket
+        from_rank_0._set_reading(True)  # type: ignore[attr-defined]
+        await asyncio.wait_for(closing, 10)
+        for _ in range(100):
+            if seen and gs[2].broken is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert seen and "left the group" not in str(seen[0]), seen
+        assert "a reason worth knowing" in str(gs[2].broken), gs[2].broken
+        with pytest.raises(GroupBrokenError, match="a reason worth knowing"):
+            await gs[2].all_reduce(np.ones(3))
+
+
 @pytest.mark.parametrize("where", ["group", "sub-group"])
 async def test_a_goodbye_yields_the_lead_to_an_abort_notice(where: str) -> None:
     """World 3: rank 0 cancels its call; rank 2 fails for rank 0's notice and closes, and

@@ -37,6 +37,7 @@ from ..transport.quic import QuicTransport
 from ..transport.relay_path import RelayConfig, RelayPath, RelayStatus
 from ..transport.tcp import TcpTransport, parse_address
 from ..wire.arrays import ArrayHeader, ArrayHeaderError
+from ..wire.frames import Frame
 from ..wire.relay import RelayUrl
 from . import p2p
 from .buffers import as_array, expectation
@@ -504,39 +505,45 @@ class GroupCore(Runner):
         """Act on ``rank``'s abort and failed-call notices until the connection ends."""
         with contextlib.suppress(P2PError, asyncio.CancelledError):
             while True:
-                frame = await conn.recv(CONTROL_CHANNEL)
-                call: tuple[int, int, str | None] | None = None
-                closed: tuple[int, int] | None = None
-                gone: int | None = None
-                try:
-                    body = msgpack.unpackb(frame.meta, raw=False)
-                    if "call" in body:  # one collective failed for want of a left rank
-                        why = body.get("why")  # or: that rank did not run it
-                        why = None if why is None else str(why)
-                        call = int(body["call"]), int(body["lost"]), why
-                        if not 0 <= call[1] < self.size:
-                            raise ValueError(f"no rank {call[1]}")
-                    if "closed" in body:  # it closed a sub-group we share
-                        closed = int(body["closed"]), int(body["next"])
-                    if "gone" in body:  # a rank left while we were rejoining
-                        gone = int(body["gone"])
-                        if not 0 <= gone < self.size:
-                            raise ValueError(f"no rank {gone}")
-                    reason = str(body.get("abort", "no reason given"))
-                except Exception:  # msgpack's own exceptions, a missing key, a bad type
-                    reason = "undecodable abort notice"
-                if call is not None:
-                    self._on_call_failed(*call)
-                    continue
-                if closed is not None:
-                    self._on_subgroup_closed(*closed, rank)
-                    continue
-                if gone is not None:
-                    self._on_gone_notice(gone, rank)
-                    continue
-                notice = GroupBrokenError(f"{self.peer_label(rank)} aborted the group: {reason}")
-                self._failure_log.append(notice)
-                self._break(notice)
+                self._on_control(rank, await conn.recv(CONTROL_CHANNEL))
+
+    def _read_notices(self, rank: int, conn: Connection) -> None:
+        # The listener would read them on its next step, after the end is handled.
+        while (frame := conn.recv_nowait(CONTROL_CHANNEL)) is not None:
+            self._on_control(rank, frame)
+
+    def _on_control(self, rank: int, frame: Frame) -> None:
+        """Act on one notice from ``rank``."""
+        call: tuple[int, int, str | None] | None = None
+        closed: tuple[int, int] | None = None
+        gone: int | None = None
+        try:
+            body = msgpack.unpackb(frame.meta, raw=False)
+            if "call" in body:  # one collective failed for want of a left rank
+                why = body.get("why")  # or: that rank did not run it
+                why = None if why is None else str(why)
+                call = int(body["call"]), int(body["lost"]), why
+                if not 0 <= call[1] < self.size:
+                    raise ValueError(f"no rank {call[1]}")
+            if "closed" in body:  # it closed a sub-group we share
+                closed = int(body["closed"]), int(body["next"])
+            if "gone" in body:  # a rank left while we were rejoining
+                gone = int(body["gone"])
+                if not 0 <= gone < self.size:
+                    raise ValueError(f"no rank {gone}")
+            reason = str(body.get("abort", "no reason given"))
+        except Exception:  # msgpack's own exceptions, a missing key, a bad type
+            reason = "undecodable abort notice"
+        if call is not None:
+            self._on_call_failed(*call)
+        elif closed is not None:
+            self._on_subgroup_closed(*closed, rank)
+        elif gone is not None:
+            self._on_gone_notice(gone, rank)
+        else:
+            notice = GroupBrokenError(f"{self.peer_label(rank)} aborted the group: {reason}")
+            self._failure_log.append(notice)
+            self._break(notice)
 
     def _break(self, error: BaseException, *, notify: bool = False) -> None:
         """Mark the group unusable and wake every waiter with ``error``."""

@@ -113,6 +113,10 @@ class Membership:
     async def _listen_control(self, rank: int, conn: Connection) -> None:
         raise NotImplementedError
 
+    def _read_notices(self, rank: int, conn: Connection) -> None:
+        """Act now on the notices from ``rank`` that have arrived on ``conn``."""
+        raise NotImplementedError
+
     def _where(self, r: int) -> str:
         raise NotImplementedError
 
@@ -169,8 +173,14 @@ class Membership:
         """Report the end of ``conn`` (while it is still ``rank``'s connection)."""
 
         def ended(error: BaseException | None) -> None:
-            if self._conns.get(rank) is conn:
-                self._on_connection_end(rank, error)
+            if self._conns.get(rank) is not conn:
+                return
+            # A goodbye ends the connection in the read that brought the frames just
+            # before it: an abort notice among them waits for the control listener's
+            # next step. Read first, so that a call starting now learns why the rank
+            # left, not only that it did.
+            self._read_notices(rank, conn)
+            self._on_connection_end(rank, error)
 
         if conn.closed:  # ended already (said goodbye as the group formed): now, not soon
             ended(conn.end_error)  # a call made at once must find the rank gone

@@ -143,6 +143,11 @@ class Connection(Protocol):
         """The next message on ``channel`` (messages on one channel arrive in send order)."""
         ...
 
+    def recv_nowait(self, channel: int) -> Frame | None:
+        """The next message on ``channel`` if it has arrived, else None (never waits;
+        what arrived before the connection ended stays readable)."""
+        ...
+
     def expect(self, channel: int, seq: int, place: memoryview) -> None:
         """Receive message ``seq`` of ``channel`` straight into ``place`` (a writable 1-D
         byte view) when it arrives later and is exactly that long: its frame's payload is

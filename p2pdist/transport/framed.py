@@ -269,6 +269,10 @@ class FramedConnection:
             return self._closed_recv()
         return self._mailbox.get(channel, timeout)
 
+    def recv_nowait(self, channel: int) -> Frame | None:
+        """The next message on ``channel`` if it has arrived, else None (never waits)."""
+        return None if self._closed_locally else self._mailbox.take(channel)
+
     async def _closed_recv(self) -> Frame:
         raise ConnectionClosedError(f"connection to {self.label} was closed locally")
 

@@ -145,7 +145,9 @@ class Mailbox:
                 w.set_result(None)
         self._waiters.clear()
 
-    def _pop(self, channel: int) -> Frame | None:
+    def take(self, channel: int) -> Frame | None:
+        """The next frame of ``channel`` if one is queued, else None (never waits; frames
+        that came before a failure stay readable)."""
         q = self._queues.get(channel)
         if not q:
             return None
@@ -162,14 +164,14 @@ class Mailbox:
     async def get(self, channel: int, timeout: float | None) -> Frame:
         """Wait (at most ``timeout`` seconds) for the next frame on ``channel``."""
         if channel in self._queues:  # the common case of small collectives: already here
-            frame = self._pop(channel)
+            frame = self.take(channel)
             if frame is not None:
                 return frame
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
             if channel in self._queues:
-                frame = self._pop(channel)
+                frame = self.take(channel)
                 if frame is not None:
                     return frame
             if self._error is not None:
@@ -203,5 +205,5 @@ class Mailbox:
         """Drop queued frames of ``channel`` and every later one."""
         self._retired.retire(channel)
         if channel in self._queues:
-            while self._pop(channel) is not None:
+            while self.take(channel) is not None:
                 self.dropped += 1
