@@ -64,6 +64,9 @@ class FakeRelayHub:
         self.max_datagram = max_datagram
         self._paths: dict[EndpointId, FakeRelayPath] = {}
         self.forwarded = 0
+        self.dropping = False
+        """While True, every datagram is lost (an outage: the relay or its links down)."""
+        self.dropped = 0
 
     def attach(self, endpoint_id: EndpointId) -> FakeRelayPath:
         """A new session for ``endpoint_id`` (replacing an older one)."""
@@ -79,6 +82,9 @@ class FakeRelayHub:
 
     def forward(self, src: FakeRelayPath, dst: EndpointId, datagram: bytes) -> None:
         """Deliver on the next loop iteration, or tell the sender ``dst`` is gone."""
+        if self.dropping:
+            self.dropped += 1
+            return
         loop = asyncio.get_running_loop()
         target = self._paths.get(dst)
         if target is None:

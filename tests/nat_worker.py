@@ -1,6 +1,6 @@
 """One rank of a two-rank group in the NAT lab (run inside a host namespace).
 
-``python tests/nat_worker.py --url URL --rank R [--fallback] [--bench]`` forms a group
+``python tests/nat_worker.py --url URL --rank R [--fallback] [--bench] [--outage S]`` forms a group
 through the relay, reports on stdout, one JSON object per line:
 
 * ``formed``: seconds from start to a formed group and a first all-reduce (relayed);
@@ -9,6 +9,8 @@ through the relay, reports on stdout, one JSON object per line:
   ``started`` and runs more while the test blocks UDP at a router; then reports the
   path again;
 * with ``--bench``: all-reduce bus bandwidth on the path in use;
+* with ``--outage S``: waits for ``go``, runs one all-reduce, says ``started`` and runs
+  more for S seconds while the test cuts a side off (all traffic) and back;
 * ``done``: correctness of every all-reduce against the value both ranks can compute,
   the final path (:class:`p2pdist.PathInfo` as a dict) and the observed addresses.
 """
@@ -70,6 +72,9 @@ async def main() -> None:
     ap.add_argument("--wait", type=float, default=4.0, help="seconds to wait for a direct path")
     ap.add_argument("--fallback", action="store_true")
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument(
+        "--outage", type=float, default=0.0, help="after 'go', all-reduce for this many s"
+    )
     args = ap.parse_args()
     t0 = time.monotonic()
     cfg = GroupConfig(timeout=45.0, connect_timeout=30.0, punch=PUNCH)
@@ -104,6 +109,21 @@ async def main() -> None:
                     # waits before it blocks UDP, and then finishes on the relay.
                     say("started")
             result["kinds"] = kinds
+        if args.outage:
+            line = await asyncio.to_thread(sys.stdin.readline)
+            assert line.strip() == "go", line
+            ok.append(await check(g, 250_000, 100))
+            say("started")
+            end, step, slowest = time.monotonic() + args.outage, 101, 0.0
+            while True:
+                began = time.monotonic()
+                ok.append(await check(g, 250_000, step))
+                slowest, step = max(slowest, time.monotonic() - began), step + 1
+                over = np.array([float(time.monotonic() >= end)])
+                if (await g.all_reduce(over, op="max"))[0]:  # both stop after the same step
+                    break
+            result["slowest"] = slowest
+            result["relay_connects"] = g.relay_status.connects if g.relay_status else None
         puncher = g._transport._puncher  # type: ignore[union-attr]
         obs = puncher.observation if puncher is not None else None
         result["observed"] = [list(m) for _, m in obs.mapped] if obs else []

@@ -275,10 +275,13 @@ def _ruleset6(kind: str, wan: str, lan: str, nat66: bool = False) -> str:
     )
 
 
-def _block_rule(ns: str, action: str, chain: str, tool: str = "iptables") -> list[str]:
-    """``iptables -I``/``-D`` (or ``ip6tables``) of the UDP block rule
-    (:meth:`NatLab.block_udp`) in ``ns``."""
-    rule = ["-p", "udp", "-m", "comment", "--comment", _BLOCK_COMMENT, "-j", "DROP"]
+def _block_rule(
+    ns: str, action: str, chain: str, tool: str = "iptables", *, udp_only: bool = True
+) -> list[str]:
+    """``iptables -I``/``-D`` (or ``ip6tables``) of the block rule in ``ns``: UDP only
+    (:meth:`NatLab.block_udp`), or everything (:meth:`NatLab.block_all`)."""
+    proto = ["-p", "udp"] if udp_only else []
+    rule = [*proto, "-m", "comment", "--comment", _BLOCK_COMMENT, "-j", "DROP"]
     return ["ip", "netns", "exec", ns, tool, action, chain, *rule]
 
 
@@ -610,23 +613,33 @@ class NatLab(_NamespaceLab):
     def _filter_ns(self, side: str) -> str:
         return self.router_ns(side) or self.host_ns(side)
 
-    def block_udp(self, side: str) -> None:
+    def block_udp(self, side: str, *, udp_only: bool = True) -> None:
         """Drop all UDP at ``side``'s router (forwarded, established flows too); for a
         ``"none"`` side, drop UDP in and out of the host itself."""
         ns = self._filter_ns(side)
         chains = ["FORWARD"] if self.router_ns(side) else ["INPUT", "OUTPUT"]
         for tool in self._filter_tools():
             for chain in chains:
-                _run(_block_rule(ns, "-I", chain, tool))
+                _run(_block_rule(ns, "-I", chain, tool, udp_only=udp_only))
 
-    def unblock_udp(self, side: str) -> None:
+    def unblock_udp(self, side: str, *, udp_only: bool = True) -> None:
         """Undo :meth:`block_udp` (also lifts a ``"udp-blocked"`` router's block)."""
         ns = self._filter_ns(side)
         for tool in self._filter_tools():
             for chain in ("FORWARD", "INPUT", "OUTPUT"):
-                argv = _block_rule(ns, "-D", chain, tool)
+                argv = _block_rule(ns, "-D", chain, tool, udp_only=udp_only)
                 while subprocess.run(argv, capture_output=True, timeout=30).returncode == 0:
                     pass  # one rule removed per run; stops when none is left
+
+    def block_all(self, side: str) -> None:
+        """An outage at ``side``: drop every packet (TCP too) as :meth:`block_udp` drops
+        UDP; established connections stay in the kernel, silent, until
+        :meth:`unblock_all`."""
+        self.block_udp(side, udp_only=False)
+
+    def unblock_all(self, side: str) -> None:
+        """Undo :meth:`block_all`."""
+        self.unblock_udp(side, udp_only=False)
 
     def _filter_tools(self) -> list[str]:
         return ["iptables", "ip6tables"] if self.ipv6 else ["iptables"]

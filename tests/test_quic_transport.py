@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 import random
 import socket
@@ -55,6 +56,7 @@ from p2pdist.transport.quic import QuicConnection, QuicTransport
 from p2pdist.transport.quic_core import (
     AIOQUIC_LOG,
     ALPN,
+    MAX_PROBE_INTERVAL,
     UNPROVEN_WINDOW,
     PinnedQuicConnection,
     QuicConfig,
@@ -149,6 +151,47 @@ async def relay_pair(**cfg: Any) -> AsyncIterator[Pair]:
         for t in (client_t, server_t):  # no UDP socket at all
             assert t._udp is None and not t._dial_sockets and t._punch_sock is None
         yield p
+
+
+async def test_probes_keep_coming_through_an_outage_so_the_peers_recover_when_it_ends() -> None:
+    """Everything between the peers is lost for 9 s while a transfer fills the window:
+    only probe timeouts send. aioquic doubled their interval without bound (16 s and
+    more after such an outage, and the peer's as long), so the path came back but the
+    peers stayed silent past the transport's idle_timeout (a user's trial: a 20 s outage
+    broke every group). Probes now repeat at most MAX_PROBE_INTERVAL apart."""
+    conf = config(idle_timeout=30.0, keepalive_interval=1.0)
+    hub = FakeRelayHub()
+    path = hub.attach(eid(0))
+    client_t = QuicTransport(key(0), conf, relay=path, punch=NO_PUNCH)
+    server_t = QuicTransport(key(1), conf, relay=hub.attach(eid(1)), punch=NO_PUNCH)
+    loop = asyncio.get_running_loop()
+    sent_at: list[float] = []
+    forward = path.send
+
+    def send(dst: EndpointId, datagram: bytes) -> None:
+        sent_at.append(loop.time())
+        forward(dst, datagram)
+
+    path.send = send  # type: ignore[method-assign]
+    async with connected(client_t, server_t, None, lambda: hub.detach(eid(0))) as p:
+        await p.client.send(5, b"rtt")
+        await bounded(p.server.recv(5), "a first message")
+        hub.dropping = True
+        outage = loop.time()
+        payload = bytes(8 << 20)  # more than the congestion window: only probes go out
+        sending = asyncio.create_task(p.client.send(6, payload))
+        await asyncio.sleep(9.0)
+        hub.dropping = False
+        back = loop.time()
+        frame = await asyncio.wait_for(p.server.recv(6), 30)
+        arrived = loop.time()
+        await asyncio.wait_for(sending, 10)
+    assert frame.payload.nbytes == len(payload)
+    during = [t for t in sent_at if outage + 3.0 <= t <= back]
+    gaps = [b - a for a, b in itertools.pairwise(during)]
+    assert gaps and max(gaps) <= MAX_PROBE_INTERVAL + 1.0, gaps  # + the loop's slack
+    # The first probe after the outage gets an answer, then the transfer goes on.
+    assert arrived - back < MAX_PROBE_INTERVAL + 10.0, arrived - back
 
 
 def kill_punched(hub: FakeRelayHub, transport: QuicTransport) -> None:

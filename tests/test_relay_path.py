@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import signal
 import socket
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from p2pdist import (
     SecretKey,
     UsageError,
 )
+from p2pdist.transport.relay_config import CLIENT_KEEPALIVE
 from p2pdist.transport.relay_path import (
     MIN_RATE_QUEUE,
     RelayConfig,
@@ -117,6 +119,36 @@ async def test_datagrams_flow_with_authenticated_sources(tmp_path: Path) -> None
         finally:
             await bounded(asyncio.gather(a.close(), b.close()), "close()")
         assert a.status.state is RelayState.CLOSED
+
+
+async def test_a_stalled_session_is_given_up_after_three_of_our_keepalives(tmp_path: Path) -> None:
+    """The relay stops answering but its TCP connection stays up (SIGSTOP), as a session
+    stalled by an outage does (retransmissions backed off, nothing received). The client
+    gave it up after three of the relay's 15 s keepalives, 45 s, when the peers' QUIC
+    connections on it had failed at 30 s; now after three of its own (3 s), and it is
+    connected again once the relay answers."""
+    with RelayProcess(tmp_path) as relay:  # the relay's default --keepalive: 15 s
+        path = RelayPath(key(0), relay.url, config=FAST)
+        try:
+            await path.wait_connected(10)
+            loop = asyncio.get_running_loop()
+            relay.proc.send_signal(signal.SIGSTOP)
+            stalled = loop.time()
+            try:
+                await wait_until(
+                    lambda: path.status.state is not RelayState.CONNECTED,
+                    "the stalled session given up",
+                    30,
+                )
+                given_up = loop.time() - stalled
+            finally:
+                relay.proc.send_signal(signal.SIGCONT)
+            assert 3 * CLIENT_KEEPALIVE - 1 <= given_up <= 3 * CLIENT_KEEPALIVE + 3, given_up
+            assert "silent for 9 s" in str(path.status.last_error), path.status
+            await wait_until(lambda: path.status.state is RelayState.CONNECTED, "a new session", 30)
+            assert path.status.connects == 2
+        finally:
+            await bounded(path.close(), "close()")
 
 
 @pytest.mark.parametrize("rate", [0, 1_000_000])
@@ -336,18 +368,19 @@ def test_a_relay_naming_an_impossible_endpoint_id_loses_one_frame_not_the_sessio
     [
         (2, 2.0),
         (0.5, 0.5),
-        (300, 300.0),
-        (None, 5.0),
-        (0, 5.0),
-        (-1, 5.0),
-        (301, 5.0),
-        (float("inf"), 5.0),
-        (float("nan"), 5.0),
-        ("3", 5.0),
+        (15, CLIENT_KEEPALIVE),  # the relay's default: we ping more often than it needs
+        (300, CLIENT_KEEPALIVE),
+        (None, CLIENT_KEEPALIVE),
+        (0, CLIENT_KEEPALIVE),
+        (-1, CLIENT_KEEPALIVE),
+        (301, CLIENT_KEEPALIVE),
+        (float("inf"), CLIENT_KEEPALIVE),
+        (float("nan"), CLIENT_KEEPALIVE),
+        ("3", CLIENT_KEEPALIVE),
         (True, 1.0),
     ],
 )
-def test_a_relay_cannot_switch_off_our_keepalive(offered: object, used: float) -> None:
+def test_a_relay_cannot_switch_off_or_slow_our_keepalive(offered: object, used: float) -> None:
     assert relay_keepalive(offered) == used
 
 

@@ -20,9 +20,11 @@ changes, each relying on an aioquic internal (hence the ``aioquic>=1.2,<2`` pin;
 3. **Introspection.** :meth:`unsent` (send backpressure) and :meth:`send_acked` (a close
    that waits for the peer to have everything) read the stream's sender; :meth:`ending`
    reads the pending close; :attr:`smoothed_rtt` reads the loss recovery's estimate.
-4. **Path changes.** :meth:`path_changed` sets the datagram size (``_max_datagram_size``,
-   also the pacer's) and resets the probe-timeout count (``_loss._pto_count``) when hole
-   punching moves the connection between the relay and a direct path.
+4. **Path changes and outages.** :meth:`path_changed` sets the datagram size
+   (``_max_datagram_size``, also the pacer's) and resets the probe-timeout count
+   (``_loss._pto_count``) when hole punching moves the connection between the relay and
+   a direct path. :meth:`handle_timer` caps that count's backoff at
+   :data:`MAX_PROBE_INTERVAL` (aioquic doubles it without bound).
 5. **One stream, a small window until admitted.** The peer may open no stream but 0
    (``_local_max_streams_bidi`` and ``_local_max_streams_uni``, aioquic's ``Limit``
    objects, set before the transport parameters go out): a frame on another stream ends
@@ -66,7 +68,14 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from ..identity import SecretKey
 
-__all__ = ["ALPN", "AppError", "PinnedQuicConnection", "QuicConfig", "quic_configuration"]
+__all__ = [
+    "ALPN",
+    "MAX_PROBE_INTERVAL",
+    "AppError",
+    "PinnedQuicConnection",
+    "QuicConfig",
+    "quic_configuration",
+]
 
 ALPN = "p2pdist/1"
 """The TLS application protocol both ends must offer."""
@@ -91,6 +100,15 @@ class AppError(enum.IntEnum):
     """The peer broke the p2pdist frame protocol."""
     ABORTED = 0x3
     """Any other local failure (keepalive timeout, ...)."""
+
+
+MAX_PROBE_INTERVAL = 2.0
+"""Longest wait between probes of a connection whose packets go unacknowledged, seconds.
+RFC 9002 doubles the probe timeout after every probe that goes unanswered, and aioquic
+without bound: after a 20 s outage the next probe was up to 20 s away (and the peer's as
+far), so peers whose path had come back stayed silent past the transport's 30 s
+``idle_timeout``. Past this bound probes repeat at this interval instead: one or two small
+packets every 2 s, while nothing is acknowledged."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +311,16 @@ class PinnedQuicConnection(QuicConnection):
         if ev is None:
             return None
         return ev, self._state is QuicConnectionState.DRAINING
+
+    def handle_timer(self, now: float) -> None:
+        """aioquic's timer handling, with the probe backoff capped at
+        :data:`MAX_PROBE_INTERVAL` (the base probe timeout itself is never cut)."""
+        super().handle_timer(now)
+        loss = self._loss
+        while (
+            loss._pto_count and loss.get_probe_timeout() * 2**loss._pto_count > MAX_PROBE_INTERVAL
+        ):
+            loss._pto_count -= 1
 
     def path_changed(self, max_datagram: int, now: float) -> None:
         """Datagrams take another path from now on (the route below changed): build them

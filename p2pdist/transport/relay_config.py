@@ -22,6 +22,7 @@ from ..wire.httpproxy import ProxyUrl
 from ..wire.relay import MAX_DATAGRAM, MAX_KEEPALIVE
 
 __all__ = [
+    "CLIENT_KEEPALIVE",
     "PROXY_ENV",
     "ReconnectBackoff",
     "RelayConfig",
@@ -37,12 +38,22 @@ PROXY_ENV = "P2PDIST_RELAY_PROXY"
 traffic must not silently carry a fleet's relay sessions too."""
 
 
+CLIENT_KEEPALIVE = 3.0
+"""Longest PING interval of the relay client, seconds, whatever the relay advertises (its
+``--keepalive``, 15 s by default, is how often it needs to hear from a client). The
+session counts as dead after three intervals without a byte from the relay and is
+replaced by a new one: 9 s, well within the peers' 30 s ``idle_timeout``. With the relay's
+45 s, a TCP session stalled by an outage (its retransmissions backed off to 16 s and more)
+outlived the groups on it, though the network had come back long before."""
+
+
 def relay_keepalive(offered: object) -> float:
-    """The keepalive interval to use for a relay's AUTH_OK ``keepalive``: 5 s when it is
-    missing or outside (0, :data:`MAX_KEEPALIVE`] (inf, NaN or a day would switch
-    off our pings and the silence check with them)."""
+    """The keepalive interval to use for a relay's AUTH_OK ``keepalive``: the relay's,
+    at most :data:`CLIENT_KEEPALIVE`, which is also taken when it is missing or outside
+    (0, :data:`MAX_KEEPALIVE`] (inf, NaN or a day would switch off our pings and the
+    silence check with them)."""
     value = float(offered) if isinstance(offered, int | float) else 0.0
-    return value if 0 < value <= MAX_KEEPALIVE else 5.0  # NaN fails both tests
+    return min(value, CLIENT_KEEPALIVE) if 0 < value else CLIENT_KEEPALIVE  # NaN: False
 
 
 class RelayState(enum.Enum):
@@ -65,7 +76,9 @@ class RelayConfig:
     backoff_max: float = 10.0
     """Largest reconnect delay (a RECONNECT's retry_after may ask for up to 60 s)."""
     keepalive: float | None = None
-    """PING interval; None takes the relay's advertised value."""
+    """PING interval; None takes the relay's advertised value, at most
+    :data:`CLIENT_KEEPALIVE` (3 s). Three intervals without a byte from the relay end the
+    session, and a new one begins."""
     send_buffer: int = 4 << 20
     """Bytes queued towards the relay beyond which new datagrams are dropped (under a
     relay's rate limit, at most a quarter second of the rate, at least 256 KiB: the
