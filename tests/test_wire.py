@@ -666,6 +666,15 @@ def test_refused_dtypes(dtype: np.dtype[Any]) -> None:
         ArrayHeader.of(np.zeros(2, dtype=dtype))
 
 
+def test_a_bfloat16_array_is_refused_with_the_ways_to_send_it() -> None:
+    """ml_dtypes' bfloat16 is numeric, but not a numpy dtype the wire carries: the error
+    says what to do instead (reduce float32 with a bfloat16 wire, or move the bits)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    with pytest.raises(ArrayHeaderError, match="cannot travel") as info:
+        check_dtype(np.dtype(ml_dtypes.bfloat16))
+    assert "wire_dtype='bfloat16'" in str(info.value) and "view(np.uint16)" in str(info.value)
+
+
 def test_big_endian_and_non_contiguous_arrays_refused() -> None:
     """The header always says little-endian C order, so bytes in any other layout would be
     reinterpreted on the other side."""

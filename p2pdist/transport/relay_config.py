@@ -53,7 +53,7 @@ def relay_keepalive(offered: object) -> float:
     (0, :data:`MAX_KEEPALIVE`] (inf, NaN or a day would switch off our pings and the
     silence check with them)."""
     value = float(offered) if isinstance(offered, int | float) else 0.0
-    return min(value, CLIENT_KEEPALIVE) if 0 < value else CLIENT_KEEPALIVE  # NaN: False
+    return min(value, CLIENT_KEEPALIVE) if value > 0 else CLIENT_KEEPALIVE  # NaN: False
 
 
 class RelayState(enum.Enum):

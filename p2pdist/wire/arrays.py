@@ -52,7 +52,17 @@ def check_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     """Return the little-endian wire form of ``dtype`` or raise for refused dtypes."""
     dt = np.dtype(dtype)
     if _code(dt) not in WIRE_DTYPES:
-        raise ArrayHeaderError(f"dtype {dt} cannot travel on the wire (numeric and bool only)")
+        hint = ""
+        if dt.name == "bfloat16":  # ml_dtypes': numeric, but not a numpy dtype
+            hint = (
+                "; reduce x.astype(np.float32) with wire_dtype='bfloat16' (bfloat16 on "
+                "the wire), or move the bits as x.view(np.uint16) (broadcast, gather, "
+                "send/recv)"
+            )
+        raise ArrayHeaderError(
+            f"dtype {dt} cannot travel on the wire (bool, integers, float16/32/64 and "
+            f"complex64/128 only){hint}"
+        )
     return dt.newbyteorder("<") if dt.byteorder == ">" else dt
 
 
