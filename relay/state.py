@@ -28,7 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pdist.identity import EndpointId
-from p2pdist.wire.relay import RelayFrameType, RelayProtocolError, encode_frame, encode_map
+from p2pdist.wire.relay import (
+    MIN_READ,
+    RelayFrameType,
+    RelayProtocolError,
+    encode_frame,
+    encode_map,
+)
 from p2pdist.wire.websocket import Opcode, WebSocketError
 from p2pdist.wire.websocket import frame as ws_frame
 from p2pdist.wire.websocket import header as ws_header
@@ -72,9 +78,6 @@ FRAME_CHARGE = 64
 bytes: 0.4% of a 16 KiB datagram, about the size of a QUIC ACK; empty PONGs, 5 bytes
 each, were read at about 1.5 us of CPU apiece, so a rate of 1 MB/s in them took a
 third of a core."""
-MIN_READ = 16 * 1024
-"""The least a rate-limited client is read at a time once it may be read again (its
-bucket holds that much, or a keepalive interval has passed)."""
 
 
 @dataclass(frozen=True, slots=True)

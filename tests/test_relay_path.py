@@ -23,7 +23,7 @@ from p2pdist import (
     SecretKey,
     UsageError,
 )
-from p2pdist.transport.relay_config import CLIENT_KEEPALIVE
+from p2pdist.transport.relay_config import CLIENT_KEEPALIVE, relay_silence
 from p2pdist.transport.relay_path import (
     MIN_RATE_QUEUE,
     RelayConfig,
@@ -149,6 +149,43 @@ async def test_a_stalled_session_is_given_up_after_three_of_our_keepalives(tmp_p
             assert path.status.connects == 2
         finally:
             await bounded(path.close(), "close()")
+
+
+@pytest.mark.parametrize(
+    ("interval", "offered", "rate", "silence"),
+    [
+        (3.0, 15.0, 0.0, 9.0),  # no rate limit: three of our intervals
+        (3.0, 15.0, 1_000_000.0, 9.0),  # a read pause of 16 ms changes nothing
+        (3.0, 15.0, 1000.0, 21.0),  # paused up to the relay's 15 s, then two intervals
+        (3.0, 12.0, 400.0, 18.0),
+        (3.0, None, 400.0, 16384 / 400 + 6.0),  # no keepalive offered: the pause itself
+    ],
+)
+def test_the_silence_check_allows_for_a_rate_limited_relays_read_pause(
+    interval: float, offered: object, rate: float, silence: float
+) -> None:
+    assert relay_silence(interval, offered, rate) == pytest.approx(silence)
+
+
+async def test_a_rate_limited_client_whose_pings_wait_unread_keeps_its_session() -> None:
+    """At 400 B/s a client over its rate is not read until its bucket holds 16 KiB again,
+    for at most the relay's keepalive (12 s here): its PINGs wait unread, and nothing
+    comes back. The client gave the session up after 9 s and dialed again, the same bucket
+    waiting for it (a review of the 3 s client keepalive found it)."""
+    async with running_relay(rate=400, burst=65536, keepalive=12.0) as srv:
+        cfg = RelayConfig(connect_timeout=5.0, backoff_initial=0.05, backoff_max=0.5)
+        a, b = RelayPath(key(0), srv.url, config=cfg), RelayPath(key(1), srv.url, config=cfg)
+        try:
+            await asyncio.gather(a.wait_connected(10), b.wait_connected(10))
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            while loop.time() - start < 24.0:  # 8 KB/s: the 64 KiB burst lasts about 8 s
+                a.send(b.endpoint_id, bytes(1000))
+                await asyncio.sleep(0.125)
+            assert srv._core.metrics.rate_paused_total >= 1  # it was held back
+            assert a.status.connects == 1, a.status.last_error
+        finally:
+            await bounded(asyncio.gather(a.close(), b.close()), "close()")
 
 
 @pytest.mark.parametrize("rate", [0, 1_000_000])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..errors import UsageError
 from ..wire.httpproxy import ProxyUrl
-from ..wire.relay import MAX_DATAGRAM, MAX_KEEPALIVE
+from ..wire.relay import MAX_DATAGRAM, MAX_KEEPALIVE, MIN_READ
 
 __all__ = [
     "CLIENT_KEEPALIVE",
@@ -30,6 +30,7 @@ __all__ = [
     "RelayStatus",
     "parse_stun_ports",
     "relay_keepalive",
+    "relay_silence",
 ]
 
 PROXY_ENV = "P2PDIST_RELAY_PROXY"
@@ -45,6 +46,19 @@ session counts as dead after three intervals without a byte from the relay and i
 replaced by a new one: 9 s, well within the peers' 30 s ``idle_timeout``. With the relay's
 45 s, a TCP session stalled by an outage (its retransmissions backed off to 16 s and more)
 outlived the groups on it, though the network had come back long before."""
+
+
+def relay_silence(interval: float, offered: object, rate: float) -> float:
+    """Seconds without a byte from the relay after which the session counts as dead:
+    three ``interval`` (our PING interval), or, under a relay ``rate`` so low that the
+    relay may leave our PINGs unread longer (while our bucket refills to
+    :data:`~p2pdist.wire.relay.MIN_READ`, at most its ``offered`` keepalive), that pause
+    and two intervals more."""
+    silence = 3 * interval
+    if rate > 0:
+        longest = offered if isinstance(offered, int | float) and offered > 0 else math.inf
+        silence = max(silence, min(float(longest), MIN_READ / rate) + 2 * interval)
+    return silence
 
 
 def relay_keepalive(offered: object) -> float:

@@ -63,6 +63,7 @@ from .relay_config import (
     RelayStatus,
     parse_stun_ports,
     relay_keepalive,
+    relay_silence,
 )
 from .relay_session import RelaySessionProtocol, may_answer_ping
 from .securestream import TLS_BACKLOG, SecureStream
@@ -420,7 +421,9 @@ class RelayPath:
         except OSError as exc:
             raise ConnectionError(f"proxy {proxy}: {exc or type(exc).__name__}") from None
 
-    async def _handshake(self, proto: RelaySessionProtocol, writer: asyncio.Transport) -> float:
+    async def _handshake(
+        self, proto: RelaySessionProtocol, writer: asyncio.Transport
+    ) -> tuple[float, float]:
         """Upgrade and authenticate; returns the keepalive interval."""
         bare = self._bare_upgrade
         if bare:
@@ -474,6 +477,7 @@ class RelayPath:
         rate = limits.get("rate", 0.0)
         limited = math.isfinite(rate) and rate > 0  # (a relay may send anything)
         cap = max(MIN_RATE_QUEUE, int(rate * RATE_QUEUE_SECONDS)) if limited else math.inf
+        silence = relay_silence(interval, keepalive, rate if limited else 0.0)
         self._queue_cap = int(min(self.config.send_buffer, cap))
         observed = info.get("observed")
         self._observation_off = info.get("stun_ports") == []
@@ -487,7 +491,7 @@ class RelayPath:
             records=writer.get_extra_info("records"),
             framing=proto.framing,
         )
-        return interval
+        return interval, silence
 
     async def _session(self) -> float | None:
         """One session; returns the relay's retry_after when it asked us to reconnect."""
@@ -504,7 +508,7 @@ class RelayPath:
         try:
             try:
                 async with asyncio.timeout_at(deadline):
-                    interval = await self._handshake(proto, writer)
+                    interval, silence = await self._handshake(proto, writer)
             except TimeoutError:
                 raise self._too_slow("the upgrade and authentication") from None
             writer = proto.writer
@@ -517,7 +521,7 @@ class RelayPath:
             proto.dispatch_to(lambda frame: self._handle(frame, writer))
             pinger = asyncio.get_running_loop().create_task(self._keepalive(writer, interval))
             try:
-                return await self._watch(proto, 3 * interval)
+                return await self._watch(proto, silence)
             finally:
                 pinger.cancel()
         finally:

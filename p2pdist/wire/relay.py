@@ -72,7 +72,13 @@ PING_LEN = 8
 MAX_HTTP_HEAD = 8 * 1024
 MAX_KEEPALIVE = 300.0
 """Longest keepalive interval (seconds) a relay may advertise in AUTH_OK: clients take
-a longer one for a bad value (and ping every 5 s), so the relay refuses to start with it."""
+a longer one for a bad value (and ping every 3 s), so the relay refuses to start with it."""
+
+MIN_READ = 16 * 1024
+"""The least a relay reads from a rate-limited client at a time once it may be read
+again: it stops reading the client until its bucket holds that much, or for at most its
+keepalive (docs/protocol.md 8.5). At a low rate the client's PINGs wait unread that long,
+which its silence check allows for."""
 
 # ERROR texts answering AUTH (docs/protocol.md, the table of reasons). The first four
 # say the client is not let in; the others are a busy relay's, worth retrying.
