@@ -12,7 +12,9 @@ import asyncio
 import gc
 import inspect
 import sys
+import threading
 import warnings
+from typing import Any
 from unittest import mock
 
 import numpy as np
@@ -274,6 +276,43 @@ async def test_a_call_awaited_on_another_threads_loop_is_refused_at_once() -> No
             assert "another event loop than the group's" in err
             assert "run_coroutine_threadsafe" in err
         await in_step(gs, 1)
+
+
+async def test_a_call_awaited_on_another_loop_after_a_later_call_leaves_a_gap_from_the_loop() -> (
+    None
+):
+    """The call refused on another thread's loop cannot give its id back (a later call
+    has one): its gap is made, and the others told, on the group's own loop, not from
+    the foreign thread (asyncio's transports are not thread-safe)."""
+    async with groups(2) as gs:
+        a, b = gs
+        first = a.all_reduce(np.ones(3), timeout=LONG)
+        later = a.all_reduce(np.full(3, 5.0), timeout=LONG)
+        home = threading.get_ident()
+        senders: list[int] = []
+        conn = a.connection(1)
+        send_nowait = conn.send_nowait
+
+        def spy(*args: Any, **kwargs: Any) -> None:
+            senders.append(threading.get_ident())
+            send_nowait(*args, **kwargs)
+
+        conn.send_nowait = spy  # type: ignore[method-assign]
+
+        def in_a_thread() -> str:
+            try:
+                asyncio.run(first)  # type: ignore[arg-type]
+            except UsageError as exc:
+                return str(exc)
+            return "no error"
+
+        assert "another event loop" in await asyncio.to_thread(in_a_thread)
+        with pytest.raises(MismatchError, match="did not run all_reduce"):
+            await b.all_reduce(np.ones(3), timeout=LONG)
+        outs = await asyncio.gather(later, b.all_reduce(np.full(3, 1.0), timeout=LONG))
+        for out in outs:
+            np.testing.assert_array_equal(out, np.full(3, 6.0))
+        assert senders and set(senders) == {home}, senders
 
 
 async def test_collectives_still_look_like_coroutine_functions() -> None:

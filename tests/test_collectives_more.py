@@ -167,11 +167,16 @@ async def test_gradient_buckets_reduce_everything_in_place_in_the_background() -
                 np.testing.assert_array_equal(grad, np.full(shapes[i], 1.0 + i))  # mean of r+i
 
 
-async def test_gradient_buckets_keep_their_order_when_a_step_starts_during_a_wait() -> None:
+@pytest.mark.parametrize("next_dtype", [np.float64, np.float32])
+async def test_gradient_buckets_keep_their_order_when_a_step_starts_during_a_wait(
+    next_dtype: type,
+) -> None:
     """A bucket added while the last step's wait() still ran did not wait for that step's
     buckets: call ids then followed timing, ranks paired different buckets and summed
     the wrong arrays without an error. A second wait() returned before anything was
-    reduced."""
+    reduced. (float32: the empty bucket that ends the first step took the dtype of the
+    next step's array on the rank that had added it already, and the ranks' calls
+    differed.)"""
     from p2pdist.group.buckets import GradientBuckets
 
     async with groups(2, timeout=10) as gs:
@@ -179,7 +184,7 @@ async def test_gradient_buckets_keep_their_order_when_a_step_starts_during_a_wai
             *(GradientBuckets.create(g, bucket_bytes=8, op="sum") for g in gs)
         )
         old = [[np.full(1, 1.0), np.full(1, 10.0)] for _ in range(2)]
-        new = [np.full(1, 1000.0) for _ in range(2)]
+        new = [np.full(1, 1000.0, next_dtype) for _ in range(2)]
         twice = [np.full(4, 1.0 + r) for r in range(2)]
 
         async def rank(r: int) -> None:

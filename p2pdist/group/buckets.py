@@ -205,10 +205,15 @@ class GradientBuckets:
                 self._added.pop(id(a), None)
             raise
         layout = _layout(arrays, added if last else None)
+        # In the wire dtype: a big-endian array joins its little-endian kin. Chosen now:
+        # by the time the bucket runs, the next step may have added another dtype.
+        dtype = wire_form(arrays[0].dtype) if arrays else self._dtype or np.dtype(np.float32)
         # After the last bucket started (this step's, or an earlier step's still running):
         # its failure fails this one only within a step.
         task = loop.create_task(
-            self._reduce_bucket(arrays, ready, self._last, bool(self._tasks), feedback, layout)
+            self._reduce_bucket(
+                arrays, ready, self._last, bool(self._tasks), feedback, layout, dtype
+            )
         )
         task.add_done_callback(_retrieve)  # a step nobody waits for logs no "never retrieved"
         self._tasks.append(task)
@@ -239,6 +244,7 @@ class GradientBuckets:
         same_step: bool,
         feedback: ErrorFeedback | None,
         layout: str,
+        dtype: np.dtype[Any],
     ) -> None:
         if after is not None:  # buckets reduce in order on every rank
             if same_step:
@@ -247,9 +253,7 @@ class GradientBuckets:
                 # The last bucket of the step before (its wait() still runs, and says how
                 # it ended): after it, whatever happened to it.
                 await asyncio.wait([after])
-        # In the wire dtype: a big-endian array joins its little-endian kin.
         await wait_ready(ready, self._group.config.timeout)
-        dtype = wire_form(arrays[0].dtype) if arrays else self._dtype or np.dtype(np.float32)
         flat = pack(arrays, dtype) if arrays else np.empty(0, dtype)
         BUCKET_LAYOUT.set(layout)  # in this task's own context: for its all_reduce only
         await self._group.all_reduce(

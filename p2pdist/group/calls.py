@@ -20,6 +20,7 @@ and a corrected retry takes its place, as before.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Coroutine, Generator, Iterator
@@ -27,7 +28,13 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..errors import UsageError
 
-__all__ = ["CollectiveCall", "Reserving", "as_coroutine_function", "collective"]
+__all__ = [
+    "CollectiveCall",
+    "Reserving",
+    "as_coroutine_function",
+    "collective",
+    "foreign_loop_error",
+]
 
 _T = TypeVar("_T")
 _P = ParamSpec("_P")
@@ -64,6 +71,12 @@ class Reserving:
         one (then True)."""
         raise NotImplementedError
 
+    def _give_back(self, cid: int, holder: int, why: str) -> None:
+        """Give call id ``cid`` back (a call refused for its arguments), or skip it as
+        :meth:`_skip` does when a later call was made already."""
+        if not self._release(cid, holder):
+            self._skip(cid, holder, why)
+
 
 class CollectiveCall(Coroutine[Any, Any, _T]):
     """The coroutine of one collective call, holding its reserved call id.
@@ -91,6 +104,11 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
         group = self._group
         if group._pending.get(self._cid) != self._holder:
             return self._coro.send(value)  # taken (or given up): nothing left to settle
+        if not _on_home_loop(group):  # touch nothing of the group from this thread
+            self._coro.close()
+            refused = foreign_loop_error("a collective")
+            self._settle(refused)
+            raise refused
         # Offered at every step until taken, not only the first: a collective that
         # awaited something before its _run would otherwise take a fresh id.
         outer = group._taking  # a call made inside another's step
@@ -116,7 +134,7 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
         """Close the call; before its first step, it never runs."""
         self._started = True
         self._coro.close()
-        self._group._skip(self._cid, self._holder, "it was closed before it started")
+        self._settle(None)
 
     def __await__(self) -> Generator[Any, None, _T]:
         return self  # our send/throw drive the await
@@ -170,20 +188,49 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
         """The method coroutine's code object."""
         return getattr(self._coro, "cr_code", None)
 
-    def _settle(self, exc: BaseException) -> None:
-        """The call ended with ``exc``: if it never took its id, it never ran."""
+    def _settle(self, exc: BaseException | None) -> None:
+        """The call ended with ``exc`` (None: closed): if it never took its id, it never
+        ran. Settled on the group's loop (from another thread, soon: the group's state
+        and connections belong to its loop)."""
         group = self._group
         if group._pending.get(self._cid) != self._holder:
             return
-        if isinstance(exc, UsageError) and group._release(self._cid, self._holder):
-            return  # refused for its arguments: as if never called (a retry takes its place)
-        if isinstance(exc, asyncio.CancelledError):
+        if exc is None:
+            why = "it was closed before it started"
+        elif isinstance(exc, asyncio.CancelledError):
             why = "it was cancelled before it started"
         elif isinstance(exc, StopIteration):
             why = "it returned without running"
         else:
             why = f"it failed before it started: {type(exc).__name__}: {str(exc)[:200]}"
-        group._skip(self._cid, self._holder, why)
+        # Refused for its arguments: as if never called (a retry takes its place).
+        settle = group._give_back if isinstance(exc, UsageError) else group._skip
+        home = group._home_loop
+        if home is None or _on_home_loop(group):
+            settle(self._cid, self._holder, why)
+            return
+        with contextlib.suppress(RuntimeError):  # its loop is closed: nobody to tell
+            home.call_soon_threadsafe(settle, self._cid, self._holder, why)
+
+
+def _on_home_loop(group: Reserving) -> bool:
+    """Whether this thread runs the group's event loop (or the group has none yet)."""
+    home = group._home_loop
+    if home is None:
+        return True
+    try:
+        return asyncio.get_running_loop() is home
+    except RuntimeError:  # no loop running in this thread
+        return False
+
+
+def foreign_loop_error(what: str) -> UsageError:
+    """The error of ``what`` (a collective, send, recv) awaited on another event loop."""
+    return UsageError(
+        f"{what} was awaited on another event loop than the group's (the one start() "
+        "ran on): run it on that loop, or from another thread submit it with "
+        "asyncio.run_coroutine_threadsafe(coro, loop)"
+    )
 
 
 def as_coroutine_function(fn: _F) -> _F:

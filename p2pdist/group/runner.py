@@ -21,12 +21,11 @@ from ..errors import (
     P2PTimeoutError,
     PeerTimeoutError,
     RemoteProtocolError,
-    UsageError,
 )
 from ..settings import check_seconds
 from ..transport.mailbox import split_channel
 from ..transport.relay_config import RelayState
-from .calls import Reserving
+from .calls import Reserving, foreign_loop_error
 from .link import CollectiveLink
 from .membership import CallFailure
 from .rejoin import Rejoining
@@ -232,11 +231,7 @@ class Runner(Rejoining, Reserving):
         would see its messages only when a timer woke the group's loop)."""
         loop = asyncio.get_running_loop()
         if loop is not self._home_loop and self._home_loop is not None:
-            raise UsageError(
-                f"{what} was awaited on another event loop than the group's (the one "
-                "start() ran on): run it on that loop, or from another thread submit it "
-                "with asyncio.run_coroutine_threadsafe(coro, loop)"
-            )
+            raise foreign_loop_error(what)
         return loop
 
     def _new_link(self, descriptor: bytes) -> CollectiveLink:

@@ -108,7 +108,8 @@ RFC 9002 doubles the probe timeout after every probe that goes unanswered, and a
 without bound: after a 20 s outage the next probe was up to 20 s away (and the peer's as
 far), so peers whose path had come back stayed silent past the transport's 30 s
 ``idle_timeout``. Past this bound probes repeat at this interval instead: one or two small
-packets every 2 s, while nothing is acknowledged."""
+packets every 2 s, while nothing is acknowledged (on a path whose probe timeout is over
+1 s already, at twice that: the backoff always doubles once)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,11 +315,15 @@ class PinnedQuicConnection(QuicConnection):
 
     def handle_timer(self, now: float) -> None:
         """aioquic's timer handling, with the probe backoff capped at
-        :data:`MAX_PROBE_INTERVAL` (the base probe timeout itself is never cut)."""
+        :data:`MAX_PROBE_INTERVAL` (the base probe timeout itself is never cut, and
+        doubles at least once)."""
         super().handle_timer(now)
         loss = self._loss
+        # Down to one doubling, not none: on a path whose probe timeout is over 1 s
+        # already, unanswered probes still back off (RFC 9002 section 6.2.1).
         while (
-            loss._pto_count and loss.get_probe_timeout() * 2**loss._pto_count > MAX_PROBE_INTERVAL
+            loss._pto_count > 1
+            and loss.get_probe_timeout() * 2**loss._pto_count > MAX_PROBE_INTERVAL
         ):
             loss._pto_count -= 1
 
