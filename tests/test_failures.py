@@ -320,6 +320,24 @@ async def test_a_call_started_right_after_a_goodbye_is_not_refused_as_left() -> 
             await gs[2].all_reduce(np.ones(3))
 
 
+async def test_an_attributed_error_does_not_repeat_what_its_lead_quotes() -> None:
+    """Rank 2 raised in its ``async with`` and left; rank 0 failed for it and sent an
+    abort quoting rank 2's goodbye. Rank 1's error read "rank 0 aborted the group: rank 2
+    (...): closed its connection (left); also: rank 2 (...): closed its connection
+    (left)" (a user's trial): the goodbye is said once."""
+    async with groups(3) as gs:
+        g = gs[1]
+        goodbye = ConnectionBrokenError(
+            g.peer_label(2), "closed its connection (left)", graceful=True
+        )
+        g._failure_log.append(goodbye)
+        notice = GroupBrokenError(f"{g.peer_label(0)} aborted the group: {goodbye}")
+        g._failure_log.append(notice)
+        err = await g._attribute(goodbye)
+        assert str(err) == str(notice), err
+        g._failure_log.clear()
+
+
 @pytest.mark.parametrize("where", ["group", "sub-group"])
 async def test_a_goodbye_yields_the_lead_to_an_abort_notice(where: str) -> None:
     """World 3: rank 0 cancels its call; rank 2 fails for rank 0's notice and closes, and

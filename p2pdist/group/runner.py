@@ -121,11 +121,16 @@ class Runner(Rejoining, Reserving):
             ]
             notices = [e for e in root._failure_log if isinstance(e, GroupBrokenError)]
             lead = lost[0] if lost else notices[0] if notices else err
-        others = [str(f) for f in root._failure_log if str(f) != str(lead)]
-        if lead is not err:
-            others.insert(0, str(err))
+        # Each other report once, and none that the lead's text holds already (an abort
+        # notice quotes the loss it was sent for).
+        lead_text, others = str(lead), []
+        for text in [str(err)] * (lead is not err) + [str(f) for f in root._failure_log]:
+            if text not in lead_text and text not in others:
+                others.append(text)
         if not others:
-            return err
+            if lead is not err:
+                self._rebreak(err, lead)
+            return lead
         if isinstance(lead, ConnectionBrokenError):
             detail = f"{lead.detail}; also: " + "; ".join(others)
             attributed: P2PError = ConnectionBrokenError(lead.peer, detail, graceful=lead.graceful)
