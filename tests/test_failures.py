@@ -320,6 +320,28 @@ async def test_a_call_started_right_after_a_goodbye_is_not_refused_as_left() -> 
             await gs[2].all_reduce(np.ones(3))
 
 
+@pytest.mark.parametrize("when", ["between calls", "during a call"])
+async def test_a_rank_whose_block_raised_tells_the_others_why_it_left(when: str) -> None:
+    """Rank 2's ``async with`` body raises (a CUDA OOM, say). The others learned only
+    "rank 2 closed its connection (left)" (a user's trial); its leaving notice now gives
+    the exception, and every error about its leaving carries it."""
+    async with groups(3, timeout=20) as gs:
+        calls = []
+        if when == "during a call":
+            calls = [asyncio.create_task(g.all_reduce(np.ones(4))) for g in gs[:2]]
+            await asyncio.sleep(0.1)  # both wait for rank 2's part
+        oom = RuntimeError("CUDA out of memory (simulated)")
+        await gs[2].__aexit__(RuntimeError, oom, None)  # what `async with` does
+        if when == "between calls":
+            await until_left(gs[:2], 2)
+            calls = [asyncio.create_task(g.all_reduce(np.ones(4))) for g in gs[:2]]
+        for res in await asyncio.gather(*calls, return_exceptions=True):
+            assert isinstance(res, P2PError), res
+            text = str(res)
+            assert gs[0].peer_label(2) in text, text
+            assert "`async with` block raised RuntimeError: CUDA out of memory" in text, text
+
+
 async def test_an_attributed_error_does_not_repeat_what_its_lead_quotes() -> None:
     """Rank 2 raised in its ``async with`` and left; rank 0 failed for it and sent an
     abort quoting rank 2's goodbye. Rank 1's error read "rank 0 aborted the group: rank 2

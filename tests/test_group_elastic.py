@@ -110,6 +110,21 @@ async def test_a_rank_leaving_mid_collective_fails_it_on_every_rank_at_once() ->
         np.testing.assert_array_equal(await gs[1].recv(0, like=z), z)
 
 
+async def test_under_leave_a_rank_whose_block_raised_leaves_with_its_reason() -> None:
+    """Its leaving notice breaks nothing: the others go on without it, and the
+    collectives that need it say why it left."""
+    async with groups(3, config=LEAVE, timeout=20.0) as gs:
+        await gs[2].__aexit__(ValueError, ValueError("bad batch (simulated)"), None)
+        await until_left(gs[:2], 2)
+        for g in gs[:2]:
+            with pytest.raises(GroupBrokenError, match="block raised ValueError: bad batch"):
+                await g.all_reduce(np.ones(3))
+            assert g.broken is None
+        z = np.ones(3)
+        await gs[0].send(z, 1)
+        np.testing.assert_array_equal(await gs[1].recv(0, like=z), z)
+
+
 async def test_by_default_a_lost_rank_breaks_the_group_naming_it() -> None:
     async with groups(3) as gs:
         crash(gs[2])

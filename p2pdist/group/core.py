@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 _COLLECTIVE_SPACE = 0
 _P2P_SPACE = 1
 _FIRST_SUBGROUP_SPACE = 2
+LEAVING_MAX = 300
+"""Longest reason a leaving notice carries (and a receiver keeps), characters."""
 
 
 def _label(rank: int, eid: EndpointId) -> str:
@@ -164,6 +166,7 @@ class GroupCore(Runner):
         self._cancelled_by_notice: set[asyncio.Task[Any]] = set()
         self._expired: set[asyncio.Task[Any]] = set()
         self._last_loss: dict[int, BaseException] = {}  # root: see Membership
+        self._leaving: dict[int, str] = {}  # root: see Membership
         self._closed_by: dict[int, int] = {}  # see Membership
         self._rejoiners: dict[int, float] = {}  # root: see Rejoining
         self._closed_early: dict[int, list[tuple[int, int]]] = {}  # root: see Membership
@@ -358,6 +361,11 @@ class GroupCore(Runner):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if exc is not None and self._parent is None and self._formed and self._broken is None:
+            # Our program failed, not the group (whose errors tell the others already):
+            # say why before the goodbye, so that their errors about our leaving do too.
+            reason = f"{type(exc).__name__}: {exc}"[:LEAVING_MAX]
+            self._send_control({"leaving": reason}, self._conns)
         await self.close()
 
     async def start(self) -> Self:
@@ -517,8 +525,11 @@ class GroupCore(Runner):
         call: tuple[int, int, str | None] | None = None
         closed: tuple[int, int] | None = None
         gone: int | None = None
+        leaving: str | None = None
         try:
             body = msgpack.unpackb(frame.meta, raw=False)
+            if "leaving" in body:  # it closes next, for this reason (its program failed)
+                leaving = str(body["leaving"])[:LEAVING_MAX]
             if "call" in body:  # one collective failed for want of a left rank
                 why = body.get("why")  # or: that rank did not run it
                 why = None if why is None else str(why)
@@ -536,6 +547,8 @@ class GroupCore(Runner):
             reason = "undecodable abort notice"
         if call is not None:
             self._on_call_failed(*call)
+        elif leaving is not None:
+            self._leaving[rank] = leaving
         elif closed is not None:
             self._on_subgroup_closed(*closed, rank)
         elif gone is not None:

@@ -60,6 +60,10 @@ CallFailure = tuple[int, str | None]
 still here but did not run the call (see calls.py), why not; None: the rank left."""
 
 
+_LEFT_BECAUSE = "its `async with` block raised"
+"""How an explained goodbye (see :meth:`Membership._explained`) gives its reason."""
+
+
 class Membership:
     """Leaving, loss and channel-space reservations of a group."""
 
@@ -78,6 +82,7 @@ class Membership:
     _expired: set[asyncio.Task[Any]]  # collectives the watchdog cancelled (overdue)
     _closed_calls: set[asyncio.Task[Any]]  # collectives a sub-group's close cancelled
     _last_loss: dict[int, BaseException]  # root: why each root rank was last lost or left
+    _leaving: dict[int, str]  # root: why a rank leaves, as its leaving notice said
     _closed_by: dict[int, int]  # root rank that closed this sub-group -> its next cid then
     _closed_early: dict[int, list[tuple[int, int]]]  # root: notices before their split
     _parent: Membership | None  # the group this one was split from
@@ -187,9 +192,22 @@ class Membership:
             return
         conn.add_close_callback(ended)
 
+    def _explained(self, error: ConnectionBrokenError) -> ConnectionBrokenError:
+        """``error``, a rank's goodbye, with the reason its leaving notice gave (its
+        program failed) when it sent one; else ``error`` itself."""
+        root = self._root()
+        said = [why for r, why in root._leaving.items() if root.peer_label(r) == error.peer]
+        if not (said and error.graceful) or _LEFT_BECAUSE in error.detail:
+            return error
+        return ConnectionBrokenError(
+            error.peer, f"{error.detail}: {_LEFT_BECAUSE} {said[0]}", graceful=True
+        )
+
     def _on_connection_end(self, rank: int, error: BaseException | None) -> None:
         if error is None or self._closing:
             return
+        if isinstance(error, ConnectionBrokenError):
+            error = self._explained(error)
         graceful = isinstance(error, ConnectionBrokenError) and error.graceful
         if graceful or self.config.on_peer_loss == "leave":
             # A peer that closes on purpose (or, by choice, one that is lost) is no failure

@@ -157,6 +157,7 @@ class Rejoining(Forming):
         # start, naming it, instead of waiting for it on ids it never runs.
         for cid in self._pending:
             self._failed_calls.setdefault(self._call_channel(cid), (rank, None))
+        self._leaving.pop(rank, None)  # what its old process said as it left
         self._p2p_sent.pop(rank, None)  # its new process counts its messages from 0
         self._p2p_received.pop(rank, None)
         self._p2p_given_back.pop(rank, None)

@@ -112,7 +112,8 @@ class Runner(Rejoining, Reserving):
         """
         await asyncio.sleep(_ATTRIBUTION_WINDOW)
         root = self._root()  # a sub-group's connections are its root's: so are its reports
-        lead: P2PError = err
+        told = self._explained(err)  # a goodbye with its leaving notice's reason, if any
+        lead: P2PError = told
         if err.graceful:
             lost = [
                 e
@@ -120,11 +121,11 @@ class Runner(Rejoining, Reserving):
                 if isinstance(e, ConnectionBrokenError) and e.peer != err.peer and not e.graceful
             ]
             notices = [e for e in root._failure_log if isinstance(e, GroupBrokenError)]
-            lead = lost[0] if lost else notices[0] if notices else err
+            lead = lost[0] if lost else notices[0] if notices else told
         # Each other report once, and none that the lead's text holds already (an abort
         # notice quotes the loss it was sent for).
         lead_text, others = str(lead), []
-        for text in [str(err)] * (lead is not err) + [str(f) for f in root._failure_log]:
+        for text in [str(told)] * (lead is not told) + [str(f) for f in root._failure_log]:
             if text not in lead_text and text not in others:
                 others.append(text)
         if not others:
@@ -159,7 +160,14 @@ class Runner(Rejoining, Reserving):
 
     def _left_error(self, left: dict[int, BaseException]) -> GroupBrokenError:
         gone = ", ".join(self._root_label(r) for r in sorted(left))
-        return GroupBrokenError(f"collectives need every rank, but {gone} left the group")
+        leaving = self._root()._leaving
+        said = [
+            f"{self._root_label(r)}'s `async with` block raised {leaving[r]}"
+            for r in sorted(left)
+            if r in leaving
+        ]
+        why = f" ({'; '.join(said)})" if said else ""
+        return GroupBrokenError(f"collectives need every rank, but {gone} left the group{why}")
 
     def _refuse(self, channel: int, error: P2PError) -> NoReturn:
         """Refuse the collective on ``channel`` after it took its id: what the others
@@ -344,7 +352,10 @@ class Runner(Rejoining, Reserving):
             me = self._root_label(self._rank)
             self._break(GroupBrokenError(f"{link.explain()} was cancelled on {me}"), notify=True)
             raise
-        except (MismatchError, RemoteProtocolError, ConnectionBrokenError) as err:
+        except (MismatchError, RemoteProtocolError, ConnectionBrokenError) as failure:
+            err = failure
+            if isinstance(failure, ConnectionBrokenError):  # a goodbye with its reason
+                err = self._explained(failure)
             gone = self._gone_with(err)
             if gone is not None:
                 self._tell_call_failed(channel, gone)
