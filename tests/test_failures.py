@@ -342,6 +342,43 @@ async def test_a_rank_whose_block_raised_tells_the_others_why_it_left(when: str)
             assert "`async with` block raised RuntimeError: CUDA out of memory" in text, text
 
 
+async def test_a_sub_group_names_the_reason_of_the_rank_that_left_it() -> None:
+    """A sub-group of root ranks 0 and 2: its rank 1 is root rank 2. Reasons are kept by
+    root rank; the sub-group looked them up by its own numbers (a review found it gave
+    rank 1's reason for rank 2)."""
+    async with groups(3, timeout=20) as gs:
+        subs = await asyncio.gather(*(g.split(c) for g, c in zip(gs, [0, None, 0], strict=True)))
+        sub = subs[0]
+        assert sub is not None
+        await gs[1].__aexit__(RuntimeError, RuntimeError("ONE"), None)
+        await until_left(gs[:1], 1)
+        await gs[2].__aexit__(RuntimeError, RuntimeError("TWO"), None)
+        await until_left(gs[:1], 2)
+        with pytest.raises(GroupBrokenError) as info:
+            await sub.all_reduce(np.ones(3))
+        text = str(info.value)
+        assert "raised RuntimeError: TWO" in text and "ONE" not in text, text
+
+
+async def test_a_reason_that_cannot_be_sent_as_it_is_still_leaves_cleanly() -> None:
+    """An exception whose text holds a lone surrogate (a file name that is not UTF-8) or
+    whose ``__str__`` raises: the notice failed to encode inside ``__aexit__``, which
+    then raised instead of closing (a review found it)."""
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise ValueError("no text")
+
+    name = os.fsdecode(b"/data/shard-\xff.bin")
+    for exc in (OSError(f"cannot read {name}"), Unprintable()):
+        async with groups(2, timeout=20) as gs:
+            await gs[1].__aexit__(type(exc), exc, None)
+            assert gs[1]._closing
+            await until_left(gs[:1], 1)
+            with pytest.raises(GroupBrokenError, match=type(exc).__name__):
+                await gs[0].all_reduce(np.ones(3))
+
+
 async def test_an_attributed_error_does_not_repeat_what_its_lead_quotes() -> None:
     """Rank 2 raised in its ``async with`` and left; rank 0 failed for it and sent an
     abort quoting rank 2's goodbye. Rank 1's error read "rank 0 aborted the group: rank 2

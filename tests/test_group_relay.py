@@ -14,7 +14,15 @@ from collective_tour import every_collective_at_once
 from relay_helpers import RelayProcess
 from transport_conformance import wait_until
 
-from p2pdist import Group, GroupConfig, P2PError, P2PTimeoutError, PunchConfig
+from p2pdist import (
+    Group,
+    GroupBrokenError,
+    GroupConfig,
+    P2PError,
+    P2PTimeoutError,
+    PunchConfig,
+    TransportConfig,
+)
 
 SEED = "relay-group-seed-0123456789"
 MARKER = b"PLAINTEXT-MARKER-7d1f0c"
@@ -171,6 +179,43 @@ async def test_a_collective_timed_out_while_the_relay_is_down_says_so(tmp_path: 
         for res in results:
             assert isinstance(res, P2PTimeoutError), res
             assert "this rank's relay session is not connected" in str(res), res
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+        relay.__exit__()
+
+
+@pytest.mark.parametrize("on_peer_loss", ["break", "leave"])
+async def test_peers_lost_while_the_relay_is_down_are_not_blamed_alone(
+    tmp_path: Path, on_peer_loss: str
+) -> None:
+    """The relay is gone (stopped, or restarted with another key): every relayed peer
+    falls silent, and each connection ends at its keepalive timeout. The errors named
+    only the peers, "silent for 30 s", and every rank blamed the others (a user's trial);
+    now the loss itself records that this rank's relay session was down."""
+    fast = TransportConfig(keepalive_interval=0.2, idle_timeout=2.0)
+    cfg = GroupConfig(
+        timeout=20.0,
+        connect_timeout=30.0,
+        punch=PunchConfig(enabled=False),
+        transport=fast,
+        on_peer_loss=on_peer_loss,
+    )
+    relay = RelayProcess(tmp_path)
+    gs = [Group.from_seed(SEED, rank=r, world=2, relay=relay.url, config=cfg) for r in range(2)]
+    await asyncio.gather(*(g.start() for g in gs))
+    try:
+        await asyncio.gather(*(g.all_reduce(np.ones(10)) for g in gs))
+        await asyncio.to_thread(relay.stop, signal.SIGKILL)
+        for g in gs:
+            if on_peer_loss == "break":
+                await wait_until(lambda g=g: g.broken is not None, "the loss", 20)
+                assert "this rank's relay session is not connected" in str(g.broken), g.broken
+            else:
+                await wait_until(lambda g=g: bool(g.left), "the loss", 20)
+                with pytest.raises(GroupBrokenError) as info:
+                    await g.all_reduce(np.ones(10))
+                assert "left the group" in str(info.value), info.value
+                assert "this rank's relay session is not connected" in str(info.value)
     finally:
         await asyncio.gather(*(g.close() for g in gs))
         relay.__exit__()

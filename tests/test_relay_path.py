@@ -159,6 +159,9 @@ async def test_a_stalled_session_is_given_up_after_three_of_our_keepalives(tmp_p
         (3.0, 15.0, 1000.0, 21.0),  # paused up to the relay's 15 s, then two intervals
         (3.0, 12.0, 400.0, 18.0),
         (3.0, None, 400.0, 16384 / 400 + 6.0),  # no keepalive offered: the pause itself
+        (3.0, 1e9, 1e-3, 300.0 + 6.0),  # never beyond the longest keepalive a relay has
+        (3.0, float("inf"), 1e-3, 300.0 + 6.0),
+        (3.0, True, 1e-3, 300.0 + 6.0),
     ],
 )
 def test_the_silence_check_allows_for_a_rate_limited_relays_read_pause(

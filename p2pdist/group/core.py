@@ -58,6 +58,17 @@ LEAVING_MAX = 300
 """Longest reason a leaving notice carries (and a receiver keeps), characters."""
 
 
+def _leaving_reason(exc: BaseException) -> str:
+    """What a leaving notice says of ``exc``: its type and message, at most
+    :data:`LEAVING_MAX` characters (never failing, whatever its ``__str__`` does)."""
+    kind = type(exc).__name__
+    try:
+        text = str(exc).encode("utf-8", "backslashreplace").decode("utf-8")
+    except Exception:  # a __str__ that raises: the type is still worth saying
+        text = ""
+    return (f"{kind}: {text}" if text else kind)[:LEAVING_MAX]
+
+
 def _label(rank: int, eid: EndpointId) -> str:
     return f"rank {rank} ({eid.short()})"
 
@@ -361,12 +372,13 @@ class GroupCore(Runner):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc is not None and self._parent is None and self._formed and self._broken is None:
-            # Our program failed, not the group (whose errors tell the others already):
-            # say why before the goodbye, so that their errors about our leaving do too.
-            reason = f"{type(exc).__name__}: {exc}"[:LEAVING_MAX]
-            self._send_control({"leaving": reason}, self._conns)
-        await self.close()
+        try:
+            if exc is not None and self._parent is None and self._formed and self._broken is None:
+                # Our program failed, not the group (whose errors tell the others already):
+                # say why before the goodbye, so that their errors about our leaving do too.
+                self._send_control({"leaving": _leaving_reason(exc)}, self._conns)
+        finally:
+            await self.close()
 
     async def start(self) -> Self:
         """Connect to every peer (bounded by ``config.connect_timeout``)."""

@@ -192,6 +192,11 @@ class Membership:
             return
         conn.add_close_callback(ended)
 
+    def _relay_down(self, r: int | None) -> str:
+        """A hint when rank ``r`` is reached through a relay session that is down (see
+        :meth:`~p2pdist.group.runner.Runner._relay_down`), else ``""``."""
+        raise NotImplementedError
+
     def _explained(self, error: ConnectionBrokenError) -> ConnectionBrokenError:
         """``error``, a rank's goodbye, with the reason its leaving notice gave (its
         program failed) when it sent one; else ``error`` itself."""
@@ -208,6 +213,9 @@ class Membership:
             return
         if isinstance(error, ConnectionBrokenError):
             error = self._explained(error)
+            relay = "" if error.graceful else self._relay_down(rank)
+            if relay:  # silent because the relay is out of reach, not because it died
+                error = ConnectionBrokenError(error.peer, error.detail + relay)
         graceful = isinstance(error, ConnectionBrokenError) and error.graceful
         if graceful or self.config.on_peer_loss == "leave":
             # A peer that closes on purpose (or, by choice, one that is lost) is no failure

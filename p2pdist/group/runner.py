@@ -159,15 +159,21 @@ class Runner(Rejoining, Reserving):
         return self._root().peer_label(self._root_ranks[r])
 
     def _left_error(self, left: dict[int, BaseException]) -> GroupBrokenError:
+        """The refusal of a collective that needs the ranks of ``left`` (this group's
+        numbering, as :attr:`left` gives), with why they left where known."""
         gone = ", ".join(self._root_label(r) for r in sorted(left))
-        leaving = self._root()._leaving
+        root = self._root()  # what the root knows is by root rank
+        roots = [(self._root_label(r), self._root_ranks[r]) for r in sorted(left)]
         said = [
-            f"{self._root_label(r)}'s `async with` block raised {leaving[r]}"
-            for r in sorted(left)
-            if r in leaving
+            f"{label}'s `async with` block raised {root._leaving[rr]}"
+            for label, rr in roots
+            if rr in root._leaving
         ]
         why = f" ({'; '.join(said)})" if said else ""
-        return GroupBrokenError(f"collectives need every rank, but {gone} left the group{why}")
+        relay = next((hint for _, rr in roots if (hint := root._relay_down(rr))), "")
+        return GroupBrokenError(
+            f"collectives need every rank, but {gone} left the group{why}{relay}"
+        )
 
     def _refuse(self, channel: int, error: P2PError) -> NoReturn:
         """Refuse the collective on ``channel`` after it took its id: what the others

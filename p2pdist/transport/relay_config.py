@@ -56,8 +56,12 @@ def relay_silence(interval: float, offered: object, rate: float) -> float:
     and two intervals more."""
     silence = 3 * interval
     if rate > 0:
-        longest = offered if isinstance(offered, int | float) and offered > 0 else math.inf
-        silence = max(silence, min(float(longest), MIN_READ / rate) + 2 * interval)
+        # A relay's keepalive is at most MAX_KEEPALIVE (it refuses to start otherwise):
+        # an offer past it, or none, bounds the pause no better than that.
+        longest = MAX_KEEPALIVE
+        if isinstance(offered, int | float) and not isinstance(offered, bool) and offered > 0:
+            longest = min(float(offered), MAX_KEEPALIVE)
+        silence = max(silence, min(longest, MIN_READ / rate) + 2 * interval)
     return silence
 
 
