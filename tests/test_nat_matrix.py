@@ -88,6 +88,14 @@ def run_pair(lab: NatLab, *args: str) -> tuple[Rank, Rank]:
     return Rank(lab, "a", 0, url, *args), Rank(lab, "b", 1, url, *args)
 
 
+def go(ranks: tuple[Rank, Rank]) -> None:
+    """Start both ranks' timed part (``go``) and wait until both have begun it."""
+    for r in ranks:
+        r.tell("go")
+    for r in ranks:
+        r.expect("started")
+
+
 DIRECT = [("none", "none"), ("none", "eim"), ("eim", "eim")]
 RELAYED = [("eim", "symmetric"), ("symmetric", "symmetric"), ("udp-blocked", "eim")]
 
@@ -189,10 +197,7 @@ def test_direct_path_dies_mid_run_and_the_all_reduce_completes_on_the_relay(
     with NatLab("eim", "eim", workdir=tmp_path) as lab:
         ranks = run_pair(lab, "--fallback")
         assert all(r.expect("direct")["seconds"] is not None for r in ranks)
-        for r in ranks:
-            r.tell("go")
-        for r in ranks:
-            r.expect("started")
+        go(ranks)
         time.sleep(0.3)
         lab.block_udp("a")
         for r in ranks:
@@ -212,10 +217,7 @@ def test_a_twenty_second_outage_is_ridden_out(tmp_path: Path) -> None:
     every all-reduce completes, correct, on a new relay session."""
     with NatLab("eim", "symmetric", workdir=tmp_path) as lab:
         ranks = run_pair(lab, "--wait", "0", "--outage", "35")
-        for r in ranks:
-            r.tell("go")
-        for r in ranks:
-            r.expect("started")
+        go(ranks)
         time.sleep(1.0)
         lab.block_all("a")
         try:
