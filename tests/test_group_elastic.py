@@ -125,6 +125,19 @@ async def test_under_leave_a_rank_whose_block_raised_leaves_with_its_reason() ->
         np.testing.assert_array_equal(await gs[1].recv(0, like=z), z)
 
 
+async def test_a_rank_every_other_rank_left_is_told_it_may_have_been_dropped() -> None:
+    """A rank paused longer than idle_timeout comes back to find every other rank gone:
+    they dropped it and went on. Its error said only that they left (a user's trial);
+    it now says they may have dropped it, and how to join them again."""
+    async with groups(3, config=LEAVE, timeout=20.0) as gs:
+        await asyncio.gather(gs[0].close(), gs[1].close())
+        await until_left(gs[2:], 0)
+        await until_left(gs[2:], 1)
+        with pytest.raises(GroupBrokenError, match="they dropped this rank") as info:
+            await gs[2].all_reduce(np.ones(3))
+        assert "rejoin=True" in str(info.value)
+
+
 async def test_by_default_a_lost_rank_breaks_the_group_naming_it() -> None:
     async with groups(3) as gs:
         crash(gs[2])

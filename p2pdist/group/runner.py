@@ -171,8 +171,16 @@ class Runner(Rejoining, Reserving):
         ]
         why = f" ({'; '.join(said)})" if said else ""
         relay = next((hint for _, rr in roots if (hint := root._relay_down(rr))), "")
+        alone = ""
+        if self.config.on_peer_loss == "leave" and len(root._left) == root.size - 1:
+            # What a rank paused or cut off past idle_timeout sees once it runs again.
+            alone = (
+                "; every other rank left: if they still run, they dropped this rank "
+                "(paused or cut off for longer than idle_timeout?) and went on without "
+                "it: start it again with rejoin=True to join them"
+            )
         return GroupBrokenError(
-            f"collectives need every rank, but {gone} left the group{why}{relay}"
+            f"collectives need every rank, but {gone} left the group{why}{relay}{alone}"
         )
 
     def _refuse(self, channel: int, error: P2PError) -> NoReturn:
