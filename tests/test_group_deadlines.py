@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 import numpy as np
 import pytest
@@ -69,6 +71,26 @@ async def test_caller_cancellation_is_not_turned_into_a_timeout() -> None:
         assert "was cancelled" in str(gs[0].broken)
 
 
+async def crossed(
+    made_0: tuple[Coroutine[Any, Any, Any], Coroutine[Any, Any, Any]],
+    made_1: tuple[Coroutine[Any, Any, Any], Coroutine[Any, Any, Any]],
+) -> list[Any]:
+    """Rank 0 awaits the later of the two calls it made first, rank 1 the earlier: each
+    waits in a call the other never starts. The call not awaited is closed; the results
+    (or errors) of rank 0 and rank 1."""
+
+    async def await_one(awaited: Coroutine[Any, Any, Any], left: Coroutine[Any, Any, Any]) -> None:
+        try:
+            await awaited
+        finally:
+            left.close()
+
+    (first_0, second_0), (first_1, second_1) = made_0, made_1
+    return await asyncio.gather(
+        await_one(second_0, first_0), await_one(first_1, second_1), return_exceptions=True
+    )
+
+
 async def test_calls_awaited_out_of_the_order_they_were_made_are_named_in_the_timeout() -> None:
     """Both ranks make two calls in the same order; one awaits the later first. Each
     waits in a different call for ever: the timeout says that this rank holds an
@@ -76,26 +98,15 @@ async def test_calls_awaited_out_of_the_order_they_were_made_are_named_in_the_ti
     async with groups(2, timeout=20.0) as (a, b):
         x = np.ones(4)
 
-        async def later_first() -> None:
-            first, second = a.all_reduce(x, timeout=0.5), a.all_reduce(x, timeout=0.5)
-            try:
-                await second
-            finally:
-                first.close()
-
-        async def in_order() -> None:
-            first, second = b.all_reduce(x), b.all_reduce(x)
-            try:
-                await first
-            finally:
-                second.close()
-
-        results = await asyncio.gather(later_first(), in_order(), return_exceptions=True)
-        crossed = results[0]
-        assert isinstance(crossed, PeerTimeoutError), crossed
+        results = await crossed(
+            (a.all_reduce(x, timeout=0.5), a.all_reduce(x, timeout=0.5)),
+            (b.all_reduce(x), b.all_reduce(x)),
+        )
+        first = results[0]
+        assert isinstance(first, PeerTimeoutError), first
         me = b.peer_label(0)
-        assert f"; {me} made 1 collective call(s) before it that have not started" in str(crossed)
-        assert "start them as tasks" in str(crossed)
+        assert f"; {me} made 1 collective call(s) before it that have not started" in str(first)
+        assert "start them as tasks" in str(first)
         assert isinstance(results[1], GroupBrokenError), results[1]  # told by rank 0
         assert f"; {me} made 1 collective" in str(results[1])
 
@@ -108,25 +119,14 @@ async def test_an_unstarted_call_on_the_parent_group_is_named_in_a_sub_groups_ti
         assert sub_a is not None and sub_b is not None
         x = np.ones(4)
 
-        async def sub_first() -> None:
-            first, second = a.all_reduce(x), sub_a.all_reduce(x, timeout=0.5)
-            try:
-                await second
-            finally:
-                first.close()
-
-        async def in_order() -> None:
-            first, second = b.all_reduce(x), sub_b.all_reduce(x)
-            try:
-                await first
-            finally:
-                second.close()
-
-        results = await asyncio.gather(sub_first(), in_order(), return_exceptions=True)
-        crossed = results[0]
-        assert isinstance(crossed, PeerTimeoutError), crossed
+        results = await crossed(
+            (a.all_reduce(x), sub_a.all_reduce(x, timeout=0.5)),
+            (b.all_reduce(x), sub_b.all_reduce(x)),
+        )
+        first = results[0]
+        assert isinstance(first, PeerTimeoutError), first
         me = b.peer_label(0)
         assert (
             f"; {me} made 1 collective call(s) before it that have not started "
             "(1 of them on its parent group or a sub-group)"
-        ) in str(crossed)
+        ) in str(first)

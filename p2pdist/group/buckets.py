@@ -360,16 +360,20 @@ class GradientBuckets:
                 raise result
 
 
+_LAYOUT = ", a bucket of "
+"""How a bucket's call descriptor names what it packs (see :func:`_layout`)."""
+
+
 def _layout(arrays: list[Any], step: int | None) -> str:
     """What a bucket packs, added to its all_reduce's descriptor: the number of arrays
     and a digest of their shapes in order (the dtype is the call's own), and for the
     last bucket of a step (``step``: the arrays the step added) that number too."""
     if not arrays:  # sent by wait() when the step's last add had started the last bucket
-        return f", a bucket of no arrays ending a step of {step} arrays"
+        return f"{_LAYOUT}no arrays ending a step of {step} arrays"
     shapes = repr([a.shape for a in arrays]).encode()
     digest = hashlib.blake2b(shapes, digest_size=4).hexdigest()
     count = f"{len(arrays)} arrays" if len(arrays) > 1 else "1 array"
-    what = f", a bucket of {count} #{digest}"
+    what = f"{_LAYOUT}{count} #{digest}"
     return what if step is None else f"{what} ending a step of {step} arrays"
 
 
@@ -418,8 +422,8 @@ def _packed_differently(err: BaseException) -> bool:
     text = str(err)
     return (
         isinstance(err, MismatchError | GroupBrokenError)
-        and ", a bucket of " in text
-        and "but this rank called" in text
+        and _LAYOUT in text
+        and "but this rank called" in text  # link.py's mismatch
     )
 
 

@@ -205,10 +205,11 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
             why = f"it failed before it started: {type(exc).__name__}: {str(exc)[:200]}"
         # Refused for its arguments: as if never called (a retry takes its place).
         settle = group._give_back if isinstance(exc, UsageError) else group._skip
-        home = group._home_loop
-        if home is None or _on_home_loop(group):
+        if _on_home_loop(group):
             settle(self._cid, self._holder, why)
             return
+        home = group._home_loop
+        assert home is not None  # a group with no loop yet counts as on it
         with contextlib.suppress(RuntimeError):  # its loop is closed: nobody to tell
             home.call_soon_threadsafe(settle, self._cid, self._holder, why)
 

@@ -424,7 +424,8 @@ class RelayPath:
     async def _handshake(
         self, proto: RelaySessionProtocol, writer: asyncio.Transport
     ) -> tuple[float, float]:
-        """Upgrade and authenticate; returns the keepalive interval."""
+        """Upgrade and authenticate; returns the PING interval and the silence after
+        which the session counts as dead (:func:`~.relay_config.relay_silence`)."""
         bare = self._bare_upgrade
         if bare:
             proto.websocket_key = None
