@@ -253,7 +253,13 @@ def client_initial(rank: int) -> bytes:
     never answers: its handshake stays pending on the server."""
     k = key(rank)
     cfg = quic_configuration(
-        k, make_certificate(k), QuicConfig(), is_client=True, max_datagram=1400, idle_timeout=60
+        k,
+        make_certificate(k),
+        QuicConfig(),
+        is_client=True,
+        max_datagram=1400,
+        idle_timeout=60,
+        congestion_control="reno",
     )
     conn = PinnedQuicConnection(configuration=cfg, stream_window=1 << 20)
     conn.connect(("127.0.0.1", 9), now=0.0)

@@ -629,7 +629,13 @@ def sans_io_pair(
     def cfg(rank: int, client: bool) -> QuicConfiguration:
         k = key(rank)
         return quic_configuration(
-            k, make_certificate(k), qc, is_client=client, max_datagram=1400, idle_timeout=60
+            k,
+            make_certificate(k),
+            qc,
+            is_client=client,
+            max_datagram=1400,
+            idle_timeout=60,
+            congestion_control="reno",
         )
 
     client = PinnedQuicConnection(configuration=cfg(0, True), stream_window=qc.stream_window)

@@ -211,6 +211,13 @@ class QuicTransport(EndpointBase[QuicConnection]):
             return qc.loopback_datagram
         return qc.direct_datagram_ipv6 if ":" in addr[0] else qc.direct_datagram
 
+    def congestion_control_for(self, route: Route) -> str:
+        """The congestion controller for the path ``route`` takes now."""
+        remote = route.remote
+        direct = route.kind == "direct" and isinstance(remote, tuple)
+        loopback = isinstance(remote, tuple) and is_loopback(remote[0])
+        return self.quic_config.congestion_control_for(direct=direct, loopback=loopback)
+
     def _relay_route(self, relay: Relay, peer: EndpointId) -> RelayRoute:
         # QUIC needs 1200-byte datagrams; a relay that takes fewer drops them (and says so).
         size = max(1200, min(self.quic_config.relay_datagram, relay.max_datagram))
@@ -252,6 +259,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
             is_client=not server_side,
             max_datagram=route.max_datagram,
             idle_timeout=2 * self.config.idle_timeout + 1.0,
+            congestion_control=self.congestion_control_for(route),
         )
         quic = PinnedQuicConnection(
             configuration=configuration,

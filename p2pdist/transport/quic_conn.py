@@ -366,7 +366,10 @@ class QuicConnection(FramedConnection):
 
     def path_changed(self) -> None:
         """The route now sends another way (hole punching): adapt and send promptly."""
-        self._quic.path_changed(self._route.max_datagram, _now())
+        route = self._route
+        self._quic.path_changed(
+            route.max_datagram, _now(), self._owner.congestion_control_for(route)
+        )
         if not self._terminated.done():
             self._arm_timer()
             self._schedule_transmit()

@@ -24,7 +24,11 @@ changes, each relying on an aioquic internal (hence the ``aioquic>=1.2,<2`` pin;
    (``_max_datagram_size``, also the pacer's) and resets the probe-timeout count
    (``_loss._pto_count``) when hole punching moves the connection between the relay and
    a direct path. :meth:`handle_timer` caps that count's backoff at
-   :data:`MAX_PROBE_INTERVAL` (aioquic doubles it without bound).
+   :data:`MAX_PROBE_INTERVAL` (aioquic doubles it without bound). Each path gets its own
+   congestion controller (``_loss._cc``, from aioquic's registry, to which
+   :mod:`.bbr` adds ``"bbr"``), and BBR its own pacer (``_loss._pacer``): see
+   :meth:`QuicConfig.congestion_control_for`. :meth:`datagrams_to_send` tells BBR when
+   the sender ran out of data (``_pacing_at`` says whether pacing held it back).
 5. **One stream, a small window until admitted.** The peer may open no stream but 0
    (``_local_max_streams_bidi`` and ``_local_max_streams_uni``, aioquic's ``Limit``
    objects, set before the transport parameters go out): a frame on another stream ends
@@ -60,13 +64,14 @@ from aioquic.quic.connection import (
 from aioquic.quic.events import ConnectionTerminated
 from aioquic.quic.packet import QuicFrameType
 from aioquic.quic.packet_builder import QuicPacketBuilder
-from aioquic.quic.recovery import QuicPacketPacer, QuicPacketSpace
+from aioquic.quic.recovery import QuicPacketPacer, QuicPacketRecovery, QuicPacketSpace
 from aioquic.quic.stream import QuicStream
 from aioquic.tls import CipherSuite
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from ..identity import SecretKey
+from .bbr import BbrCongestionControl, RatePacer
 
 __all__ = [
     "ALPN",
@@ -131,8 +136,13 @@ class QuicConfig:
     6in4/6rd tunnels (common for home IPv6) still carry whole."""
     relay_datagram: int = 16384
     """Largest QUIC datagram through a relay (also capped by the relay's ``max_datagram``)."""
-    congestion_control: str = "reno"
-    """aioquic's congestion controller: ``"reno"`` or ``"cubic"``."""
+    congestion_control: str = "auto"
+    """The congestion controller: ``"reno"`` or ``"cubic"`` (aioquic's), ``"bbr"``
+    (:mod:`p2pdist.transport.bbr`), or ``"auto"``: BBR on direct paths to other hosts,
+    where loss is often noise (wifi, home routers) that Reno mistakes for congestion,
+    and Reno through a relay (a TCP session below: no random loss reaches QUIC) and on
+    loopback (no random loss, and sub-millisecond round trips that the event loop's
+    scheduling swamps)."""
     cipher_suites: tuple[CipherSuite, ...] = (
         CipherSuite.AES_128_GCM_SHA256,
         CipherSuite.AES_256_GCM_SHA384,
@@ -149,6 +159,21 @@ class QuicConfig:
                 raise ValueError(f"{name} must be within 1200..{MAX_DATAGRAM}")
         if self.stream_window < 65536 or self.connection_window < self.stream_window:
             raise ValueError("need 64 KiB <= stream_window <= connection_window")
+        if self.congestion_control not in CONGESTION_CONTROLS:
+            raise ValueError(
+                f"congestion_control must be one of {', '.join(CONGESTION_CONTROLS)},"
+                f" not {self.congestion_control!r}"
+            )
+
+    def congestion_control_for(self, *, direct: bool, loopback: bool) -> str:
+        """The controller for a path: :attr:`congestion_control`, with ``"auto"``
+        resolved."""
+        if self.congestion_control != "auto":
+            return self.congestion_control
+        return "bbr" if direct and not loopback else "reno"
+
+
+CONGESTION_CONTROLS = ("auto", "reno", "cubic", "bbr")
 
 
 def quic_configuration(
@@ -159,9 +184,11 @@ def quic_configuration(
     is_client: bool,
     max_datagram: int,
     idle_timeout: float,
+    congestion_control: str,
 ) -> QuicConfiguration:
     """The aioquic configuration of one connection: ``certificate`` (``key``'s, from
-    :func:`p2pdist.tls.make_certificate`), no CA, our ALPN."""
+    :func:`p2pdist.tls.make_certificate`), no CA, our ALPN, and the congestion controller
+    of its first path (see :meth:`QuicConfig.congestion_control_for`)."""
     return QuicConfiguration(
         alpn_protocols=[ALPN],
         is_client=is_client,
@@ -170,7 +197,7 @@ def quic_configuration(
         max_data=config.connection_window,
         max_stream_data=config.stream_window,
         max_datagram_size=max_datagram,
-        congestion_control_algorithm=config.congestion_control,
+        congestion_control_algorithm=congestion_control,
         cipher_suites=list(config.cipher_suites),
         # No CA can vouch for a self-signed key: the glue pins the certificate's key to
         # the expected endpoint id after the handshake. Signatures are still verified.
@@ -194,6 +221,14 @@ class _AioquicLog(QuicConnectionAdapter):
         super().log(min(level, logging.INFO), msg, *args, **kwargs)
 
 
+def _fit_pacer(loss: QuicPacketRecovery, max_datagram: int) -> None:
+    """Give a BBR controller the pacer that paces at its rate (aioquic's paces at window
+    / smoothed RTT)."""
+    cc = loss._cc
+    if isinstance(cc, BbrCongestionControl):
+        loss._pacer = RatePacer(cc, max_datagram_size=max_datagram)
+
+
 class PinnedQuicConnection(QuicConnection):
     """aioquic's QuicConnection that asks for client certificates and has a sliding,
     pausable receive window (see the module docstring for the internals it uses)."""
@@ -211,6 +246,7 @@ class PinnedQuicConnection(QuicConnection):
         )
         self._logger = _AioquicLog(AIOQUIC_LOG, self._logger.extra)
         self._loss._logger = self._logger  # loss recovery was handed the old one
+        _fit_pacer(self._loss, self._max_datagram_size)
         # One stream, 0, opened by the dialer: the peer may open no other. aioquic would
         # otherwise let it open 128 of each kind, each with a full window, and it stores
         # data that arrives past a gap by padding the gap with real memory: a few bytes
@@ -327,31 +363,46 @@ class PinnedQuicConnection(QuicConnection):
         ):
             loss._pto_count -= 1
 
-    def path_changed(self, max_datagram: int, now: float) -> None:
+    def path_changed(self, max_datagram: int, now: float, congestion_control: str) -> None:
         """Datagrams take another path from now on (the route below changed): build them
         at most ``max_datagram`` bytes long, restart the probe-timeout backoff (what was
         lost on the old path is resent promptly on the new one), and start congestion
-        control and the RTT estimate afresh for the new path (RFC 9000 section 9.4): the
-        old path's window counted in its own datagram size (16 KiB through a relay
-        against 1452 bytes direct) and its RTT belongs to another route."""
+        control (with ``congestion_control``, this path's controller) and the RTT
+        estimate afresh for the new path (RFC 9000 section 9.4): the old path's window
+        counted in its own datagram size (16 KiB through a relay against 1452 bytes
+        direct) and its RTT belongs to another route."""
         self._max_datagram_size = max_datagram
         loss = self._loss
-        loss._pacer = QuicPacketPacer(max_datagram_size=max_datagram)
         loss._pto_count = 0
         old = loss._cc
-        cc = create_congestion_control(
-            self._configuration.congestion_control_algorithm, max_datagram_size=max_datagram
-        )
+        cc = create_congestion_control(congestion_control, max_datagram_size=max_datagram)
         cc.bytes_in_flight = old.bytes_in_flight  # still to be acknowledged or lost
         # Losses of packets sent on the old path are not this path's congestion.
-        cc._congestion_recovery_start_time = now  # type: ignore[attr-defined]  # reno, cubic
+        if hasattr(cc, "_congestion_recovery_start_time"):  # reno, cubic
+            cc._congestion_recovery_start_time = now
         loss._cc = cc
+        loss._pacer = QuicPacketPacer(max_datagram_size=max_datagram)
+        _fit_pacer(loss, max_datagram)
         loss._rtt_initialized = False
         loss._rtt_first_sample_time = 0.0
         loss._rtt_latest = 0.0
         loss._rtt_min = math.inf
         loss._rtt_smoothed = 0.0
         loss._rtt_variance = 0.0
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Any]]:
+        """aioquic's, telling a BBR controller when the sender ran out of data (stopped
+        with room in the window, not held back by pacing): its rate samples until then
+        measure the application, not the path."""
+        datagrams = super().datagrams_to_send(now)
+        cc = self._loss._cc
+        if (
+            isinstance(cc, BbrCongestionControl)
+            and self._pacing_at is None
+            and cc.congestion_window - cc.bytes_in_flight >= self._max_datagram_size
+        ):
+            cc.on_app_limited()
+        return datagrams
 
     @property
     def smoothed_rtt(self) -> float | None:
