@@ -3,11 +3,10 @@ al., "BBR: Congestion-Based Congestion Control", ACM Queue 2016, and the IETF dr
 draft-cardwell-iccrg-bbr-congestion-control), plugged into aioquic's loss recovery.
 
 Why: aioquic ships Reno and CUBIC, which read every lost packet as congestion. On a
-100 ms internet path that drops 0.5-1% of packets at random (wifi, a busy home router)
-they hold a window of 15-30 KB, about 200 KB/s, and a 1 MiB all-reduce took 4-9 s where
-it took 0.23 s without loss. BBR sends at the bottleneck bandwidth it measures and does not
-back off for loss it cannot tell from noise, so the same call takes (see
-docs/nat-traversal.md 6 for the figures) a fraction of that.
+100 ms internet path that drops 0.5-2% of packets at random (wifi, a busy home router)
+Reno held a window of 15-30 KB, about 200 KB/s, and a 1 MiB all-reduce took 4-16 s
+where it took 0.23 s without loss. BBR sends at the bottleneck bandwidth it measures and
+does not back off for loss it cannot tell from noise (figures: docs/quic.md 4).
 
 The model, updated on every acknowledgement (all sans-I/O, ``now`` passed in):
 
@@ -18,22 +17,28 @@ The model, updated on every acknowledgement (all sans-I/O, ``now`` passed in):
   (acknowledgements bunched by the receiver's event loop would overstate the rate), and
   samples of packets sent while the application had nothing more to send
   (:meth:`BbrCongestionControl.on_app_limited`) may raise the estimate but never lower it.
-* *Minimum RTT*: the least round trip seen over the last 10-20 s.
+* *Minimum RTT*: the least round trip seen; a value older than :data:`MIN_RTT_WINDOW`
+  gives way to the next sample, and PROBE_RTT then looks for a lower one.
 * The window is ``cwnd_gain`` times their product (the path's bandwidth-delay product),
   and the pacing rate (:class:`RatePacer`) ``pacing_gain`` times the bandwidth.
 
-The phases: STARTUP doubles the rate every round trip until the bandwidth stops growing
-by 25% over three rounds; DRAIN empties the queue STARTUP built; PROBE_BW then cruises at
-the measured bandwidth, probing 25% above it one round in eight and draining for the
-next. Two departures from BBR v1, both in the safe direction:
+The phases, as BBR v1: STARTUP doubles the rate every round trip until the bandwidth
+stops growing by 25% over three rounds; DRAIN empties the queue STARTUP built; PROBE_BW
+cruises at the measured bandwidth, probing 25% above it one round in eight and draining
+for the next; PROBE_RTT, when the minimum RTT went 10 s without a new low, holds half the
+bandwidth-delay product in flight for 200 ms and a round trip, so that flows sharing a
+bottleneck see it empty together (without it, their queue and their minimum RTT grew
+each other without bound). Departures from v1, each in the cautious direction:
 
-* No PROBE_RTT phase. The minimum RTT comes from a 10-20 s window instead; collectives
-  leave idle gaps that show the empty-queue round trip, and pacing at the measured
-  bandwidth keeps the standing queue small.
-* A loss guard, after BBR v2: a round trip that loses over :data:`LOSS_GUARD` of what it
-  sent (at least :data:`LOSS_GUARD_PACKETS` packets) resets the bandwidth estimate to
-  the rate delivered in that round (and ends STARTUP), so a policer or a full bottleneck
-  queue brings the rate down, while random loss of a few percent does not.
+* The window is twice the bandwidth-delay product in STARTUP too, as in BBR v3 (v1's
+  2.89 overfilled queues shallower than that product), and PROBE_RTT keeps half of it,
+  as in v2 (v1: four packets).
+* A loss guard, after BBR v2: a round trip that lost over :data:`LOSS_GUARD` of what it
+  sent (at least :data:`LOSS_GUARD_PACKETS` packets), or over :data:`QUEUE_LOSS_GUARD`
+  while even its least RTT showed a standing queue, ends STARTUP and brings the
+  bandwidth estimate down to the rate delivered in that round, but to no less than
+  :data:`LOSS_BETA` of itself per round: a policer or a full bottleneck queue brings
+  the rate down within a few rounds, while random loss of a few percent does not.
 
 Register with aioquic under the name ``"bbr"`` by importing this module.
 """
@@ -66,30 +71,32 @@ PROBE_GAINS = (1.25, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
 """PROBE_BW's pacing gains, one per minimum RTT."""
 CWND_GAIN = 2.0
 """The window: twice the bandwidth-delay product (room for delayed and bunched
-acknowledgements). STARTUP too, as in BBR v3: BBR v1's 2.89 there overfilled shallow
-queues."""
+acknowledgements)."""
 BW_WINDOW_ROUNDS = 10
 """Round trips over which the bottleneck bandwidth is the largest rate sample."""
 MIN_RTT_WINDOW = 10.0
-"""Seconds after which the minimum RTT is taken afresh from the last window's samples."""
+"""Seconds without a new low after which the minimum RTT is measured again (PROBE_RTT)."""
+PROBE_RTT_TIME = 0.2
+"""How long PROBE_RTT holds its small window (and at least one round trip), seconds."""
+PROBE_RTT_SHARE = 0.5
+"""PROBE_RTT's window, as a share of the bandwidth-delay product."""
 FULL_BW_GROWTH = 1.25
 FULL_BW_ROUNDS = 3
 """STARTUP ends after this many rounds without FULL_BW_GROWTH in bandwidth."""
 MIN_WINDOW_PACKETS = 4
 LOSS_GUARD = 0.15
-"""Fraction of a round's bytes lost above which the bandwidth estimate is reset."""
+"""Share of a round's bytes lost above which the round counts as congested."""
+LOSS_GUARD_PACKETS = 5
+"""Fewest lost packets for that (fewer in a small round are noise)."""
 QUEUE_LOSS_GUARD = 0.02
-"""The same, for a round whose least RTT shows a standing queue (see QUEUE_RTT_SHARE)."""
-APP_LIMITED_BACKOFF = 0.85
-"""A congested round in which the sender ran out of data delivered less than the path
-carries: the bandwidth estimate then drops to this share of itself (or to the round's
-rate, if higher)."""
+QUEUE_LOSS_PACKETS = 3
+"""The same two, for a round whose least RTT shows a standing queue."""
 QUEUE_RTT_SHARE = 0.125
 QUEUE_RTT_FLOOR = 0.004
 """A round's least RTT shows a standing queue when it exceeds the minimum RTT by this
 share of it, and by at least this many seconds (the event loops' own jitter)."""
-LOSS_GUARD_PACKETS = 3
-"""Fewest lost packets in a round for the loss guard to act (small rounds are noise)."""
+LOSS_BETA = 0.7
+"""The most a congested round may cut the bandwidth estimate to (as BBR v2's beta)."""
 
 
 class Phase(Enum):
@@ -98,6 +105,7 @@ class Phase(Enum):
     STARTUP = "startup"
     DRAIN = "drain"
     PROBE_BW = "probe_bw"
+    PROBE_RTT = "probe_rtt"
 
 
 @dataclass(slots=True)
@@ -116,13 +124,15 @@ class BbrCongestionControl(QuicCongestionControl):
 
     def __init__(self, *, max_datagram_size: int) -> None:
         super().__init__(max_datagram_size=max_datagram_size)
-        self._mds = max_datagram_size
+        self._max_datagram_size = max_datagram_size
         self.pacing_rate: float | None = None
         self.phase = Phase.STARTUP
         self._pacing_gain = HIGH_GAIN
         self._cwnd_gain = CWND_GAIN
-        # delivery accounting
+        # delivery accounting, of the packets this controller saw sent (a path change
+        # hands over bytes_in_flight of packets it did not)
         self._sent: dict[int, _Sent] = {}  # id(packet) -> send-time state, while in flight
+        self._own_in_flight = 0
         self._delivered = 0
         self._delivered_time = 0.0
         self._first_sent_time = 0.0
@@ -138,22 +148,28 @@ class BbrCongestionControl(QuicCongestionControl):
         self._round_start_delivered = 0
         self._round_start_time = 0.0
         # model
-        self._bw_samples: deque[tuple[int, float]] = deque()  # (round, rate), max-filter
+        self._bw_samples: deque[tuple[int, float]] = deque()  # (round, rate), falling
         self._last_rate = 0.0
         self._min_rtt = math.inf
-        self._window_min_rtt = math.inf
-        self._min_rtt_epoch: float | None = None
+        self._min_rtt_stamp = 0.0
         self._full_bw = 0.0
         self._full_bw_rounds = 0
+        self._filled_pipe = False
         self._cycle = 2
         self._cycle_stamp = 0.0
+        # PROBE_RTT
+        self._probe_rtt_due = False
+        self._probe_rtt_done: float | None = None
+        self._probe_rtt_round = 0
+        self._prior_cwnd = 0
 
     # ---- the model ---------------------------------------------------------------------
 
     @property
     def bandwidth(self) -> float:
         """The bottleneck bandwidth estimate, bytes/s (0 before the first sample)."""
-        return max((rate for _, rate in self._bw_samples), default=0.0)
+        samples = self._bw_samples
+        return samples[0][1] if samples else 0.0
 
     @property
     def min_rtt(self) -> float | None:
@@ -168,21 +184,24 @@ class BbrCongestionControl(QuicCongestionControl):
     def on_packet_sent(self, *, packet: QuicSentPacket) -> None:
         """Remember the delivery state for this packet's rate sample."""
         sent_time = packet.sent_time or 0.0
-        if self.bytes_in_flight == 0:  # restarting from idle: no interval spans the gap
+        if self._own_in_flight == 0:  # restarting from idle: no interval spans the gap
             self._first_sent_time = self._delivered_time = sent_time
+            if self._round_start_time == 0.0:
+                self._round_start_time = sent_time
         self._sent[id(packet)] = _Sent(
             self._delivered,
             self._delivered_time,
             self._first_sent_time,
-            self._app_limited_until > 0,
+            self._app_limited_until > 0 or self.phase is Phase.PROBE_RTT,
         )
         self.bytes_in_flight += packet.sent_bytes
+        self._own_in_flight += packet.sent_bytes
 
     def on_app_limited(self) -> None:
         """The sender stopped with room in the window and nothing held by pacing: it had
         nothing more to send. Rate samples until what is in flight now is delivered
         measure the application, not the path."""
-        self._app_limited_until = max(self._delivered + self.bytes_in_flight, 1)
+        self._app_limited_until = max(self._delivered + self._own_in_flight, 1)
 
     def on_packet_acked(self, *, now: float, packet: QuicSentPacket) -> None:
         """Count the delivery, take a rate sample, and update the model and window."""
@@ -190,6 +209,7 @@ class BbrCongestionControl(QuicCongestionControl):
         sent = self._sent.pop(id(packet), None)
         if sent is None:  # sent before this controller took over (path change)
             return
+        self._own_in_flight -= packet.sent_bytes
         self._delivered += packet.sent_bytes
         self._delivered_time = now
         self._first_sent_time = packet.sent_time or now
@@ -208,41 +228,45 @@ class BbrCongestionControl(QuicCongestionControl):
         self._set_window(packet.sent_bytes)
 
     def on_packets_expired(self, *, packets: Iterable[QuicSentPacket]) -> None:
-        """Forget packets of a discarded packet space."""
+        """Forget packets of a discarded packet space (or resent by a probe)."""
         for packet in packets:
             self.bytes_in_flight -= packet.sent_bytes
-            self._sent.pop(id(packet), None)
+            if self._sent.pop(id(packet), None) is not None:
+                self._own_in_flight -= packet.sent_bytes
 
     def on_packets_lost(self, *, now: float, packets: Iterable[QuicSentPacket]) -> None:
         """Count the loss towards the round's loss guard; the window does not shrink."""
         for packet in packets:
             self.bytes_in_flight -= packet.sent_bytes
             if self._sent.pop(id(packet), None) is not None:
+                self._own_in_flight -= packet.sent_bytes
                 self._round_lost += packet.sent_bytes
                 self._round_lost_packets += 1
 
     def on_persistent_congestion(self) -> None:
         """Everything was lost for several probe timeouts: the path may have changed, so
-        start measuring it afresh from the smallest window."""
+        start measuring it afresh (bandwidth and RTT) from the smallest window."""
         self._bw_samples.clear()
+        self._min_rtt = math.inf
+        self._probe_rtt_due = False
         self._full_bw = 0.0
         self._full_bw_rounds = 0
+        self._filled_pipe = False
         self._enter(Phase.STARTUP)
-        self.congestion_window = MIN_WINDOW_PACKETS * self._mds
+        self.congestion_window = MIN_WINDOW_PACKETS * self._max_datagram_size
         self.pacing_rate = None
 
     def on_rtt_measurement(self, *, now: float, rtt: float) -> None:
-        """Keep the minimum RTT over a 10-20 s window."""
+        """Keep the minimum RTT; one older than MIN_RTT_WINDOW gives way to this sample,
+        and PROBE_RTT is due."""
         rtt = max(rtt, K_GRANULARITY)  # aioquic passes the raw sample, which may be 0
-        if self._min_rtt_epoch is None:
-            self._min_rtt_epoch = now
-        elif now - self._min_rtt_epoch > MIN_RTT_WINDOW and not math.isinf(self._window_min_rtt):
-            self._min_rtt = self._window_min_rtt
-            self._window_min_rtt = math.inf
-            self._min_rtt_epoch = now
-        self._window_min_rtt = min(self._window_min_rtt, rtt)
         self._round_min_rtt = min(self._round_min_rtt, rtt)
-        self._min_rtt = min(self._min_rtt, rtt)
+        expired = now > self._min_rtt_stamp + MIN_RTT_WINDOW
+        if rtt <= self._min_rtt or expired:
+            if expired and not math.isinf(self._min_rtt) and self.phase is not Phase.PROBE_RTT:
+                self._probe_rtt_due = True
+            self._min_rtt = rtt
+            self._min_rtt_stamp = now
         if self.pacing_rate is None:  # no bandwidth sample yet: pace the window
             self.pacing_rate = HIGH_GAIN * self.congestion_window / rtt
 
@@ -265,8 +289,11 @@ class BbrCongestionControl(QuicCongestionControl):
         self._last_rate = rate
         if sent.app_limited and rate < self.bandwidth:
             return
+        self._add_bw_sample(rate)
+
+    def _add_bw_sample(self, rate: float) -> None:
         samples = self._bw_samples
-        while samples and samples[-1][1] <= rate:  # monotone deque: a windowed max
+        while samples and samples[-1][1] <= rate:  # falling deque: a windowed max
             samples.pop()
         samples.append((self._round, rate))
         while samples[0][0] <= self._round - BW_WINDOW_ROUNDS:
@@ -279,15 +306,13 @@ class BbrCongestionControl(QuicCongestionControl):
             elapsed = now - self._round_start_time
             delivered = self._delivered - self._round_start_delivered
             rate = delivered / elapsed if elapsed > 0 else self._last_rate
-            if self._round_app_limited:  # the round's rate understates the path's
-                rate = max(rate, APP_LIMITED_BACKOFF * self.bandwidth)
+            rate = max(rate, LOSS_BETA * self.bandwidth)
             if rate > 0:
                 self._bw_samples.clear()
-                self._bw_samples.append((self._round, rate))
+                self._add_bw_sample(rate)
             if self.phase is Phase.STARTUP:
+                self._filled_pipe = True
                 self._enter(Phase.DRAIN)
-        elif self.phase is Phase.STARTUP and self._standing_queue():
-            self._enter(Phase.DRAIN)  # the pipe is full: the queue grows (as HyStart)
         self._round_acked = self._round_lost = self._round_lost_packets = 0
         self._round_app_limited = False
         self._round_min_rtt = math.inf
@@ -297,14 +322,15 @@ class BbrCongestionControl(QuicCongestionControl):
     def _congested(self) -> bool:
         """Whether the round's losses look like congestion: many, or some while even the
         round's least RTT shows a standing queue."""
-        if self._round_lost_packets < LOSS_GUARD_PACKETS:
+        lost = self._round_lost_packets
+        if lost < min(LOSS_GUARD_PACKETS, QUEUE_LOSS_PACKETS):
             return False
         share = self._round_lost / (self._round_acked + self._round_lost)
-        if share > LOSS_GUARD:
+        if lost >= LOSS_GUARD_PACKETS and share > LOSS_GUARD:
             return True
-        return self._standing_queue() and share > QUEUE_LOSS_GUARD
+        return lost >= QUEUE_LOSS_PACKETS and share > QUEUE_LOSS_GUARD and self._queued()
 
-    def _standing_queue(self) -> bool:
+    def _queued(self) -> bool:
         """Whether even the round's least RTT shows a queue at the bottleneck."""
         min_rtt = self.min_rtt
         return min_rtt is not None and self._round_min_rtt > min_rtt + max(
@@ -321,71 +347,102 @@ class BbrCongestionControl(QuicCongestionControl):
             return
         self._full_bw_rounds += 1
         if self._full_bw_rounds >= FULL_BW_ROUNDS:
+            self._filled_pipe = True
             self._enter(Phase.DRAIN)
 
     def _advance(self, now: float) -> None:
-        if self.phase is Phase.DRAIN and self.bytes_in_flight <= self._bdp():
+        if self._probe_rtt_due and self.phase is not Phase.PROBE_RTT:
+            self._probe_rtt_due = False
+            self._prior_cwnd = max(self._prior_cwnd, self.congestion_window)
+            self._probe_rtt_done = None
+            self._enter(Phase.PROBE_RTT, now)
+        if self.phase is Phase.PROBE_RTT:
+            self._probe_rtt(now)
+        elif self.phase is Phase.DRAIN and self._own_in_flight <= self._bdp():
             self._enter(Phase.PROBE_BW, now)
         elif self.phase is Phase.PROBE_BW and self.min_rtt is not None:
-            gain = PROBE_GAINS[self._cycle]
-            elapsed = now - self._cycle_stamp > self.min_rtt
-            bdp = self._bdp()
-            if gain > 1.0:  # probe for a round, until the target is in flight or a loss
-                done = elapsed and (
-                    self.bytes_in_flight >= gain * bdp or self._round_lost_packets > 0
-                )
-            elif gain < 1.0:  # drain until the queue is gone or a round passed
-                done = elapsed or self.bytes_in_flight <= bdp
-            else:
-                done = elapsed
-            if done:
-                self._cycle = (self._cycle + 1) % len(PROBE_GAINS)
-                self._cycle_stamp = now
-                self._pacing_gain = PROBE_GAINS[self._cycle]
+            self._cycle_gain(now, self.min_rtt)
         bw = self.bandwidth
         if bw > 0 and self.pacing_rate is not None:  # else the first RTT sample sets it
             rate = self._pacing_gain * bw
             # STARTUP never slows down on a low sample; the other phases follow the model
-            if self.phase is not Phase.STARTUP or rate > (self.pacing_rate or 0.0):
+            if self.phase is not Phase.STARTUP or rate > self.pacing_rate:
                 self.pacing_rate = rate
+
+    def _probe_rtt(self, now: float) -> None:
+        """Hold the small window for PROBE_RTT_TIME and a round, then go back."""
+        done = self._probe_rtt_done
+        if done is None:
+            if self._own_in_flight <= self._probe_rtt_window():
+                self._probe_rtt_done = now + PROBE_RTT_TIME
+                self._probe_rtt_round = self._round
+        elif now >= done and self._round > self._probe_rtt_round:
+            self._min_rtt_stamp = now  # what PROBE_RTT saw is the minimum for a while
+            self.congestion_window = max(self.congestion_window, self._prior_cwnd)
+            self._prior_cwnd = 0
+            self._enter(Phase.PROBE_BW if self._filled_pipe else Phase.STARTUP, now)
+
+    def _cycle_gain(self, now: float, min_rtt: float) -> None:
+        gain = PROBE_GAINS[self._cycle]
+        elapsed = now - self._cycle_stamp > min_rtt
+        bdp = self._bdp()
+        in_flight = self._own_in_flight
+        if gain > 1.0:  # probe for a round, until the target is in flight or a loss
+            done = elapsed and (in_flight >= gain * bdp or self._round_lost_packets > 0)
+        elif gain < 1.0:  # drain until the queue is gone or a round passed
+            done = elapsed or in_flight <= bdp
+        else:
+            done = elapsed
+        if done:
+            self._cycle = (self._cycle + 1) % len(PROBE_GAINS)
+            self._cycle_stamp = now
+            self._pacing_gain = PROBE_GAINS[self._cycle]
+
+    def _probe_rtt_window(self) -> float:
+        return max(PROBE_RTT_SHARE * self._bdp(), MIN_WINDOW_PACKETS * self._max_datagram_size)
 
     def _enter(self, phase: Phase, now: float = 0.0) -> None:
         self.phase = phase
         if phase is Phase.STARTUP:
-            self._pacing_gain, self._cwnd_gain = HIGH_GAIN, CWND_GAIN
+            self._pacing_gain = HIGH_GAIN
         elif phase is Phase.DRAIN:
-            self._pacing_gain, self._cwnd_gain = DRAIN_GAIN, CWND_GAIN
+            self._pacing_gain = DRAIN_GAIN
+        elif phase is Phase.PROBE_RTT:
+            self._pacing_gain = 1.0
         else:
             self._cycle = 2
             self._cycle_stamp = now
-            self._pacing_gain, self._cwnd_gain = PROBE_GAINS[self._cycle], CWND_GAIN
+            self._pacing_gain = PROBE_GAINS[self._cycle]
 
     def _set_window(self, acked: int) -> None:
         bdp = self._bdp()
-        floor = MIN_WINDOW_PACKETS * self._mds
+        mds = self._max_datagram_size
         if bdp <= 0:  # no model yet: grow as slow start does
             self.congestion_window += acked
             return
-        target = self._cwnd_gain * bdp + 3 * self._mds  # + room for bunched packets
-        if self.phase is not Phase.STARTUP:
+        target = self._cwnd_gain * bdp + 3 * mds  # + room for bunched packets
+        if self._filled_pipe:
             self.congestion_window = int(min(self.congestion_window + acked, target))
-        elif self.congestion_window < target or self._delivered < K_INITIAL_WINDOW * self._mds:
+        elif self.congestion_window < target or self._delivered < K_INITIAL_WINDOW * mds:
             self.congestion_window += acked
-        self.congestion_window = max(self.congestion_window, floor)
+        if self.phase is Phase.PROBE_RTT:
+            self.congestion_window = int(min(self.congestion_window, self._probe_rtt_window()))
+        self.congestion_window = max(self.congestion_window, MIN_WINDOW_PACKETS * mds)
 
 
 class RatePacer(QuicPacketPacer):
     """aioquic's pacer, pacing at the controller's ``pacing_rate`` when it has one, and
-    keeping account of the packets it did not hold back.
+    charging every packet sent in full.
 
     aioquic paces at window / smoothed RTT (for BBR's window of twice the bandwidth-delay
-    product, twice the measured bandwidth), and sends a packet whenever an ACK is due
-    without asking the pacer: in an all-reduce, where data flows both ways, about every
-    other packet. Its pacer forgets what those cost, so the sender ran at up to twice the
-    pacing rate, window-bound, and overflowed a shallow bottleneck queue (a third of the
-    packets lost in a lab with a 2 MB/s link and a 64 KiB queue). Here a packet sent
-    without credit leaves a debt, up to :data:`MAX_DEBT_PACKETS` packets' time, that the
-    next paced packets wait out."""
+    product, twice the measured bandwidth). Its pacer also lets a packet out on any
+    credit at all and then rounds the credit down to zero rather than below it, so every
+    wake-up between two pacing ticks (an ACK arriving) sent a packet for free; and
+    aioquic sends whenever an ACK is due without asking the pacer. Together the sender
+    ran well above the pacing rate, window-bound, and overflowed a shallow bottleneck
+    queue (a third of the packets lost on a model path with a 2 MB/s link and a 64 KiB
+    queue). Here a packet always costs its time: one sent without enough credit leaves a
+    debt, up to :data:`MAX_DEBT_PACKETS` packets' time, that the next ones wait out."""
 
     def __init__(self, cc: BbrCongestionControl, *, max_datagram_size: int) -> None:
         super().__init__(max_datagram_size=max_datagram_size)
