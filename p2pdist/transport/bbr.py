@@ -26,9 +26,12 @@ The phases, as BBR v1: STARTUP doubles the rate every round trip until the bandw
 stops growing by 25% over three rounds; DRAIN empties the queue STARTUP built; PROBE_BW
 cruises at the measured bandwidth, probing 25% above it one round in eight and draining
 for the next; PROBE_RTT, when the minimum RTT went 10 s without a new low, holds half the
-bandwidth-delay product in flight for 200 ms and a round trip, so that flows sharing a
-bottleneck see it empty together (without it, their queue and their minimum RTT grew
-each other without bound). Departures from v1, each in the cautious direction:
+bandwidth-delay product (at the minimum RTT before it expired) in flight for 200 ms and a
+whole round trip, so that flows sharing a bottleneck see it empty together (without it,
+their queue and their minimum RTT grew each other without bound). A flow coming back
+from an idle spell skips it: its first round trip already shows an empty queue. After
+persistent congestion (an outage) the model starts over, and the outage's losses count
+against no round. Departures from v1, each in the cautious direction:
 
 * The window is twice the bandwidth-delay product in STARTUP too, as in BBR v3 (v1's
   2.89 overfilled queues shallower than that product), and PROBE_RTT keeps half of it,
@@ -37,8 +40,11 @@ each other without bound). Departures from v1, each in the cautious direction:
   sent (at least :data:`LOSS_GUARD_PACKETS` packets), or over :data:`QUEUE_LOSS_GUARD`
   while even its least RTT showed a standing queue, ends STARTUP and brings the
   bandwidth estimate down to the rate delivered in that round, but to no less than
-  :data:`LOSS_BETA` of itself per round: a policer or a full bottleneck queue brings
-  the rate down within a few rounds, while random loss of a few percent does not.
+  :data:`LOSS_BETA` of itself per round (not at all in a round the application left
+  short of data): a full bottleneck queue brings the rate down within a few rounds,
+  while random loss of a few percent does not. A policer (no queue) is caught only by
+  the 15% branch; below that BBR keeps losing a few percent there (v1 has a long-term
+  policer mode, not ported).
 
 Register with aioquic under the name ``"bbr"`` by importing this module.
 """
@@ -137,6 +143,7 @@ class BbrCongestionControl(QuicCongestionControl):
         self._delivered_time = 0.0
         self._first_sent_time = 0.0
         self._app_limited_until = 0  # delivered count; 0 when not app-limited
+        self._idle_restart = False  # sending again after an idle, app-limited spell
         # round trips
         self._round = 0
         self._next_round_delivered = 0
@@ -152,6 +159,7 @@ class BbrCongestionControl(QuicCongestionControl):
         self._last_rate = 0.0
         self._min_rtt = math.inf
         self._min_rtt_stamp = 0.0
+        self._expired_min_rtt = math.inf  # the minimum a PROBE_RTT replaced
         self._full_bw = 0.0
         self._full_bw_rounds = 0
         self._filled_pipe = False
@@ -186,6 +194,7 @@ class BbrCongestionControl(QuicCongestionControl):
         sent_time = packet.sent_time or 0.0
         if self._own_in_flight == 0:  # restarting from idle: no interval spans the gap
             self._first_sent_time = self._delivered_time = sent_time
+            self._idle_restart = self._app_limited_until > 0
             if self._round_start_time == 0.0:
                 self._round_start_time = sent_time
         self._sent[id(packet)] = _Sent(
@@ -245,10 +254,21 @@ class BbrCongestionControl(QuicCongestionControl):
 
     def on_persistent_congestion(self) -> None:
         """Everything was lost for several probe timeouts: the path may have changed, so
-        start measuring it afresh (bandwidth and RTT) from the smallest window."""
+        start measuring it afresh (bandwidth and RTT) from the smallest window; packets
+        still in flight are counted as another path's, and the round's losses (the
+        outage's) against none."""
         self._bw_samples.clear()
-        self._min_rtt = math.inf
+        self._min_rtt = self._expired_min_rtt = math.inf
         self._probe_rtt_due = False
+        self._probe_rtt_done = None
+        self._prior_cwnd = 0
+        self._sent.clear()
+        self._own_in_flight = 0
+        self._round_acked = self._round_lost = self._round_lost_packets = 0
+        self._round_app_limited = False
+        self._round_min_rtt = math.inf
+        self._round_start_delivered = self._next_round_delivered = self._delivered
+        self._round_start_time = 0.0
         self._full_bw = 0.0
         self._full_bw_rounds = 0
         self._filled_pipe = False
@@ -263,10 +283,19 @@ class BbrCongestionControl(QuicCongestionControl):
         self._round_min_rtt = min(self._round_min_rtt, rtt)
         expired = now > self._min_rtt_stamp + MIN_RTT_WINDOW
         if rtt <= self._min_rtt or expired:
-            if expired and not math.isinf(self._min_rtt) and self.phase is not Phase.PROBE_RTT:
+            # After an idle spell the queue had time to empty: this sample shows it, and
+            # no PROBE_RTT is needed (as v1 and v2).
+            if (
+                expired
+                and not math.isinf(self._min_rtt)
+                and self.phase is not Phase.PROBE_RTT
+                and not self._idle_restart
+            ):
                 self._probe_rtt_due = True
+                self._expired_min_rtt = self._min_rtt
             self._min_rtt = rtt
             self._min_rtt_stamp = now
+        self._idle_restart = False
         if self.pacing_rate is None:  # no bandwidth sample yet: pace the window
             self.pacing_rate = HIGH_GAIN * self.congestion_window / rtt
 
@@ -302,12 +331,12 @@ class BbrCongestionControl(QuicCongestionControl):
     def _end_round(self, now: float) -> None:
         """A round trip ended: apply the loss guard to it and start the next."""
         self._round += 1
-        if self._congested():
+        if self._congested() and self._bw_samples:  # (no model yet: nothing to correct)
             elapsed = now - self._round_start_time
             delivered = self._delivered - self._round_start_delivered
             rate = delivered / elapsed if elapsed > 0 else self._last_rate
             rate = max(rate, LOSS_BETA * self.bandwidth)
-            if rate > 0:
+            if not self._round_app_limited:  # else the rate measured the application
                 self._bw_samples.clear()
                 self._add_bw_sample(rate)
             if self.phase is Phase.STARTUP:
@@ -332,9 +361,11 @@ class BbrCongestionControl(QuicCongestionControl):
 
     def _queued(self) -> bool:
         """Whether even the round's least RTT shows a queue at the bottleneck."""
-        min_rtt = self.min_rtt
-        return min_rtt is not None and self._round_min_rtt > min_rtt + max(
-            min_rtt * QUEUE_RTT_SHARE, QUEUE_RTT_FLOOR
+        min_rtt, least = self.min_rtt, self._round_min_rtt
+        return (
+            min_rtt is not None
+            and not math.isinf(least)
+            and least > min_rtt + max(min_rtt * QUEUE_RTT_SHARE, QUEUE_RTT_FLOOR)
         )
 
     def _check_full_pipe(self, app_limited: bool) -> None:
@@ -375,9 +406,11 @@ class BbrCongestionControl(QuicCongestionControl):
         if done is None:
             if self._own_in_flight <= self._probe_rtt_window():
                 self._probe_rtt_done = now + PROBE_RTT_TIME
+                self._next_round_delivered = self._delivered  # a whole round from here
                 self._probe_rtt_round = self._round
         elif now >= done and self._round > self._probe_rtt_round:
             self._min_rtt_stamp = now  # what PROBE_RTT saw is the minimum for a while
+            self._expired_min_rtt = math.inf
             self.congestion_window = max(self.congestion_window, self._prior_cwnd)
             self._prior_cwnd = 0
             self._enter(Phase.PROBE_BW if self._filled_pipe else Phase.STARTUP, now)
@@ -399,7 +432,12 @@ class BbrCongestionControl(QuicCongestionControl):
             self._pacing_gain = PROBE_GAINS[self._cycle]
 
     def _probe_rtt_window(self) -> float:
-        return max(PROBE_RTT_SHARE * self._bdp(), MIN_WINDOW_PACKETS * self._max_datagram_size)
+        # From the minimum RTT before it expired, if lower: the sample that replaced it
+        # may include the very queue PROBE_RTT is to drain.
+        bdp = self.bandwidth * min(self._min_rtt, self._expired_min_rtt)
+        if math.isinf(bdp) or math.isnan(bdp):
+            bdp = 0.0
+        return max(PROBE_RTT_SHARE * bdp, MIN_WINDOW_PACKETS * self._max_datagram_size)
 
     def _enter(self, phase: Phase, now: float = 0.0) -> None:
         self.phase = phase
