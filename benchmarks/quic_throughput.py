@@ -119,7 +119,7 @@ async def _bare(role: str, port: int, total: int, size: int, qc: QuicConfig, q: 
         is_client=role == "send",
         max_datagram=qc.loopback_datagram,
         idle_timeout=60,
-        congestion_control=qc.congestion_control_for(direct=True, loopback=True),
+        congestion_control=qc.congestion_control_for(direct=True, loopback=True)[0],
     )
     cfg.verify_mode = ssl.CERT_NONE
     if role == "recv":

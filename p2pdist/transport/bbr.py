@@ -331,14 +331,20 @@ class BbrCongestionControl(QuicCongestionControl):
     def _end_round(self, now: float) -> None:
         """A round trip ended: apply the loss guard to it and start the next."""
         self._round += 1
-        if self._congested() and self._bw_samples:  # (no model yet: nothing to correct)
+        # A round the application left short of data measured the application, unless
+        # it still had a bandwidth-delay product of its own in flight, and the model one
+        # worth the name (a side that only sent ACKs knows nothing of the path).
+        bdp = self._bdp()
+        measured = not self._round_app_limited or (
+            self._own_in_flight >= bdp >= K_INITIAL_WINDOW * self._max_datagram_size
+        )
+        if self._congested() and self._bw_samples and measured:  # (no model: nothing to fix)
             elapsed = now - self._round_start_time
             delivered = self._delivered - self._round_start_delivered
             rate = delivered / elapsed if elapsed > 0 else self._last_rate
-            rate = max(rate, LOSS_BETA * self.bandwidth)
-            if not self._round_app_limited:  # else the rate measured the application
+            if not self._round_app_limited:
                 self._bw_samples.clear()
-                self._add_bw_sample(rate)
+                self._add_bw_sample(max(rate, LOSS_BETA * self.bandwidth))
             if self.phase is Phase.STARTUP:
                 self._filled_pipe = True
                 self._enter(Phase.DRAIN)
@@ -510,11 +516,15 @@ class RatePacer(QuicPacketPacer):
         packet_time = self.packet_time
         if packet_time is not None:
             self.update_bucket(now=now)
-            self.bucket_time = max(self.bucket_time - packet_time, -MAX_DEBT_PACKETS * packet_time)
+            debt = min(MAX_DEBT_PACKETS * packet_time, MAX_DEBT_TIME)
+            self.bucket_time = max(self.bucket_time - packet_time, -debt)
 
 
 MAX_DEBT_PACKETS = 32
-"""Most packets' worth of sending time that unpaced packets may leave owing."""
+MAX_DEBT_TIME = 0.005
+"""Most sending time that unpaced packets may leave owing: 32 packets' worth, and at
+most 5 ms (aioquic charges ACK-only packets too, and a side that only received sent
+nothing else: at a low pacing rate its debt held back its next data for seconds)."""
 
 
 register_congestion_control(NAME, BbrCongestionControl)

@@ -211,8 +211,9 @@ class QuicTransport(EndpointBase[QuicConnection]):
             return qc.loopback_datagram
         return qc.direct_datagram_ipv6 if ":" in addr[0] else qc.direct_datagram
 
-    def congestion_control_for(self, route: Route) -> str:
-        """The congestion controller for the path ``route`` takes now."""
+    def congestion_control_for(self, route: Route) -> tuple[str, float | None]:
+        """The congestion controller for the path ``route`` takes now, and the round trip
+        from which it moves to BBR (see :meth:`QuicConfig.congestion_control_for`)."""
         remote = route.remote
         direct = route.kind == "direct" and isinstance(remote, tuple)
         loopback = isinstance(remote, tuple) and is_loopback(remote[0])
@@ -252,6 +253,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
         odcid: bytes | None = None,
     ) -> QuicConnection:
         qc = self.quic_config
+        congestion_control, bbr_from_rtt = self.congestion_control_for(route)
         configuration = quic_configuration(
             self.key,
             self.tls_identity.certificate,
@@ -259,13 +261,14 @@ class QuicTransport(EndpointBase[QuicConnection]):
             is_client=not server_side,
             max_datagram=route.max_datagram,
             idle_timeout=2 * self.config.idle_timeout + 1.0,
-            congestion_control=self.congestion_control_for(route),
+            congestion_control=congestion_control,
         )
         quic = PinnedQuicConnection(
             configuration=configuration,
             stream_window=qc.stream_window,
             original_destination_connection_id=odcid,
         )
+        quic.bbr_from_rtt = bbr_from_rtt
         conn = QuicConnection(
             self, quic, route, server_side=server_side, expected=expected, label=label
         )

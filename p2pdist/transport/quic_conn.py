@@ -367,9 +367,8 @@ class QuicConnection(FramedConnection):
     def path_changed(self) -> None:
         """The route now sends another way (hole punching): adapt and send promptly."""
         route = self._route
-        self._quic.path_changed(
-            route.max_datagram, _now(), self._owner.congestion_control_for(route)
-        )
+        name, bbr_from_rtt = self._owner.congestion_control_for(route)
+        self._quic.path_changed(route.max_datagram, _now(), name, bbr_from_rtt)
         if not self._terminated.done():
             self._arm_timer()
             self._schedule_transmit()

@@ -27,8 +27,11 @@ changes, each relying on an aioquic internal (hence the ``aioquic>=1.2,<2`` pin;
    :data:`MAX_PROBE_INTERVAL` (aioquic doubles it without bound). Each path gets its own
    congestion controller (``_loss._cc``, from aioquic's registry, to which
    :mod:`.bbr` adds ``"bbr"``), and BBR its own pacer (``_loss._pacer``): see
-   :meth:`QuicConfig.congestion_control_for`. :meth:`datagrams_to_send` tells BBR when
-   the sender ran out of data (``_pacing_at`` says whether pacing held it back).
+   :meth:`QuicConfig.congestion_control_for`; ``"auto"`` installs BBR in
+   :meth:`datagrams_to_send` once the first RTT sample (``_loss._rtt_min``) is long
+   enough. :meth:`datagrams_to_send` tells BBR when the sender ran out of data
+   (``_pacing_at`` says whether pacing held it back, each stream's
+   ``sender.buffer_is_empty`` whether data waits).
 5. **One stream, a small window until admitted.** The peer may open no stream but 0
    (``_local_max_streams_bidi`` and ``_local_max_streams_uni``, aioquic's ``Limit``
    objects, set before the transport parameters go out): a frame on another stream ends
@@ -71,6 +74,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from ..identity import SecretKey
+from . import bbr
 from .bbr import BbrCongestionControl, RatePacer
 
 __all__ = [
@@ -138,11 +142,12 @@ class QuicConfig:
     """Largest QUIC datagram through a relay (also capped by the relay's ``max_datagram``)."""
     congestion_control: str = "auto"
     """The congestion controller: ``"reno"`` or ``"cubic"`` (aioquic's), ``"bbr"``
-    (:mod:`p2pdist.transport.bbr`), or ``"auto"``: BBR on direct paths to other hosts,
-    where loss is often noise (wifi, home routers) that Reno mistakes for congestion,
-    and Reno through a relay (a TCP session below: no random loss reaches QUIC) and on
-    loopback (no random loss, and sub-millisecond round trips that the event loop's
-    scheduling swamps)."""
+    (:mod:`p2pdist.transport.bbr`), or ``"auto"``: BBR on direct paths to other hosts
+    whose first measured round trip is :data:`BBR_MIN_RTT` or more (internet paths,
+    where loss is often noise that Reno mistakes for congestion), Reno elsewhere: through
+    a relay (a TCP session below: no random loss reaches QUIC), on loopback, and on LANs
+    (round trips the event loops' scheduling swamps; BBR took 2-3 times Reno's time
+    there). A direct path starts on Reno and moves to BBR after its first RTT sample."""
     cipher_suites: tuple[CipherSuite, ...] = (
         CipherSuite.AES_128_GCM_SHA256,
         CipherSuite.AES_256_GCM_SHA384,
@@ -165,15 +170,19 @@ class QuicConfig:
                 f" not {self.congestion_control!r}"
             )
 
-    def congestion_control_for(self, *, direct: bool, loopback: bool) -> str:
-        """The controller for a path: :attr:`congestion_control`, with ``"auto"``
-        resolved."""
+    def congestion_control_for(self, *, direct: bool, loopback: bool) -> tuple[str, float | None]:
+        """The controller a path starts with, and the round trip (seconds) from which
+        ``"auto"`` moves it to BBR once the path's first one is measured (None: never)."""
         if self.congestion_control != "auto":
-            return self.congestion_control
-        return "bbr" if direct and not loopback else "reno"
+            return self.congestion_control, None
+        return "reno", (BBR_MIN_RTT if direct and not loopback else None)
 
 
 CONGESTION_CONTROLS = ("auto", "reno", "cubic", "bbr")
+
+BBR_MIN_RTT = 0.01
+"""Shortest first round trip on which ``"auto"`` runs BBR, seconds (see
+:attr:`QuicConfig.congestion_control`)."""
 
 
 def quic_configuration(
@@ -265,6 +274,9 @@ class PinnedQuicConnection(QuicConnection):
         self._local_max_stream_data_bidi_remote = self.stream_window
         self.receive_paused = False
         """While True, the peer gets no more credit (backpressure from the mailbox)."""
+        self.bbr_from_rtt: float | None = None
+        """While set, the path moves to BBR once its first round trip is measured, if
+        that is at least this long, seconds (``congestion_control="auto"``)."""
         self._written: dict[int, int] = {}
 
     def admit(self) -> None:
@@ -363,26 +375,25 @@ class PinnedQuicConnection(QuicConnection):
         ):
             loss._pto_count -= 1
 
-    def path_changed(self, max_datagram: int, now: float, congestion_control: str) -> None:
+    def path_changed(
+        self,
+        max_datagram: int,
+        now: float,
+        congestion_control: str,
+        bbr_from_rtt: float | None = None,
+    ) -> None:
         """Datagrams take another path from now on (the route below changed): build them
         at most ``max_datagram`` bytes long, restart the probe-timeout backoff (what was
         lost on the old path is resent promptly on the new one), and start congestion
-        control (with ``congestion_control``, this path's controller) and the RTT
-        estimate afresh for the new path (RFC 9000 section 9.4): the old path's window
-        counted in its own datagram size (16 KiB through a relay against 1452 bytes
-        direct) and its RTT belongs to another route."""
+        control (with ``congestion_control``, this path's controller; see
+        :attr:`bbr_from_rtt`) and the RTT estimate afresh for the new path (RFC 9000
+        section 9.4): the old path's window counted in its own datagram size (16 KiB
+        through a relay against 1452 bytes direct) and its RTT belongs to another route."""
         self._max_datagram_size = max_datagram
         loss = self._loss
         loss._pto_count = 0
-        old = loss._cc
-        cc = create_congestion_control(congestion_control, max_datagram_size=max_datagram)
-        cc.bytes_in_flight = old.bytes_in_flight  # still to be acknowledged or lost
-        # Losses of packets sent on the old path are not this path's congestion.
-        if hasattr(cc, "_congestion_recovery_start_time"):  # reno, cubic
-            cc._congestion_recovery_start_time = now
-        loss._cc = cc
-        loss._pacer = QuicPacketPacer(max_datagram_size=max_datagram)
-        _fit_pacer(loss, max_datagram)
+        self._install_controller(congestion_control, now)
+        self.bbr_from_rtt = bbr_from_rtt
         loss._rtt_initialized = False
         loss._rtt_first_sample_time = 0.0
         loss._rtt_latest = 0.0
@@ -390,19 +401,42 @@ class PinnedQuicConnection(QuicConnection):
         loss._rtt_smoothed = 0.0
         loss._rtt_variance = 0.0
 
+    def _install_controller(self, name: str, now: float) -> None:
+        """A fresh congestion controller (and its pacer), taking over what is in flight."""
+        loss = self._loss
+        old = loss._cc
+        cc = create_congestion_control(name, max_datagram_size=self._max_datagram_size)
+        cc.bytes_in_flight = old.bytes_in_flight  # still to be acknowledged or lost
+        # Losses of packets sent before are not this controller's congestion.
+        if hasattr(cc, "_congestion_recovery_start_time"):  # reno, cubic
+            cc._congestion_recovery_start_time = now
+        loss._cc = cc
+        loss._pacer = QuicPacketPacer(max_datagram_size=self._max_datagram_size)
+        _fit_pacer(loss, self._max_datagram_size)
+
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Any]]:
-        """aioquic's, telling a BBR controller when the sender ran out of data (stopped
-        with room in the window, not held back by pacing): its rate samples until then
-        measure the application, not the path."""
+        """aioquic's, moving the path to BBR once its first round trip is measured and
+        long enough (:attr:`bbr_from_rtt`), and telling a BBR controller when the sender
+        ran out of data (stopped with room in the window, not held back by pacing): its
+        rate samples until then measure the application, not the path."""
+        threshold = self.bbr_from_rtt
+        if threshold is not None and self._loss._rtt_initialized:
+            self.bbr_from_rtt = None
+            if self._loss._rtt_min >= threshold:
+                self._install_controller(bbr.NAME, now)
         datagrams = super().datagrams_to_send(now)
         cc = self._loss._cc
         if (
             isinstance(cc, BbrCongestionControl)
-            and self._pacing_at is None
             and cc.congestion_window - cc.bytes_in_flight >= self._max_datagram_size
+            # pacing holds back only data; a side that sends ACKs only is always "paced"
+            and (self._pacing_at is None or self._nothing_to_send())
         ):
             cc.on_app_limited()
         return datagrams
+
+    def _nothing_to_send(self) -> bool:
+        return all(stream.sender.buffer_is_empty for stream in self._streams.values())
 
     @property
     def smoothed_rtt(self) -> float | None:
