@@ -94,8 +94,6 @@ class Outcome:
     final_srtt: float
     cc: object
     """The sender's congestion controller at the end."""
-    max_min_rtt: float = 0.0
-    """The largest minimum-RTT estimate the sender held (BBR), seconds."""
 
 
 def key(n: int) -> SecretKey:
@@ -138,7 +136,6 @@ class _Flow:
     started: float | None = None
     received: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     done: dict[bool, float] = field(default_factory=dict)
-    max_min_rtt: float = 0.0
 
 
 def run_flows(
@@ -209,9 +206,6 @@ def run_flows(
                         f.received[from_client] += len(event.data)
                         if event.end_stream:
                             f.done[from_client] = now
-            sender = f.client._loss._cc
-            if isinstance(sender, BbrCongestionControl) and sender.min_rtt is not None:
-                f.max_min_rtt = max(f.max_min_rtt, sender.min_rtt)
     raise AssertionError(f"not all delivered in {limit} s: {[f.received for f in state]}")
 
 
@@ -224,7 +218,6 @@ def transfer(cc: str, nbytes: int, **path: Any) -> Outcome:
         loss=up.dropped / up.sent,
         final_srtt=f.client._loss._rtt_smoothed,
         cc=f.client._loss._cc,
-        max_min_rtt=f.max_min_rtt,
     )
 
 

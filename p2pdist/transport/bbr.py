@@ -134,7 +134,6 @@ class BbrCongestionControl(QuicCongestionControl):
         self.pacing_rate: float | None = None
         self.phase = Phase.STARTUP
         self._pacing_gain = HIGH_GAIN
-        self._cwnd_gain = CWND_GAIN
         # delivery accounting, of the packets this controller saw sent (a path change
         # hands over bytes_in_flight of packets it did not)
         self._sent: dict[int, _Sent] = {}  # id(packet) -> send-time state, while in flight
@@ -464,7 +463,7 @@ class BbrCongestionControl(QuicCongestionControl):
         if bdp <= 0:  # no model yet: grow as slow start does
             self.congestion_window += acked
             return
-        target = self._cwnd_gain * bdp + 3 * mds  # + room for bunched packets
+        target = CWND_GAIN * bdp + 3 * mds  # + room for bunched packets
         if self._filled_pipe:
             self.congestion_window = int(min(self.congestion_window + acked, target))
         elif self.congestion_window < target or self._delivered < K_INITIAL_WINDOW * mds:

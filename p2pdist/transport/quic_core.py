@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.congestion.base import create_congestion_control
+from aioquic.quic.congestion.base import QuicCongestionControl, create_congestion_control
 from aioquic.quic.connection import (
     MAX_STREAM_DATA_FRAME_CAPACITY,
     QuicConnection,
@@ -67,14 +67,14 @@ from aioquic.quic.connection import (
 from aioquic.quic.events import ConnectionTerminated
 from aioquic.quic.packet import QuicFrameType
 from aioquic.quic.packet_builder import QuicPacketBuilder
-from aioquic.quic.recovery import QuicPacketPacer, QuicPacketRecovery, QuicPacketSpace
+from aioquic.quic.recovery import QuicPacketPacer, QuicPacketSpace
 from aioquic.quic.stream import QuicStream
 from aioquic.tls import CipherSuite
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from ..identity import SecretKey
-from . import bbr
+from .bbr import NAME as BBR
 from .bbr import BbrCongestionControl, RatePacer
 
 __all__ = [
@@ -230,12 +230,12 @@ class _AioquicLog(QuicConnectionAdapter):
         super().log(min(level, logging.INFO), msg, *args, **kwargs)
 
 
-def _fit_pacer(loss: QuicPacketRecovery, max_datagram: int) -> None:
-    """Give a BBR controller the pacer that paces at its rate (aioquic's paces at window
-    / smoothed RTT)."""
-    cc = loss._cc
+def _pacer_for(cc: QuicCongestionControl, max_datagram: int) -> QuicPacketPacer:
+    """The pacer for ``cc``: BBR's paces at its model's rate, aioquic's at window /
+    smoothed RTT."""
     if isinstance(cc, BbrCongestionControl):
-        loss._pacer = RatePacer(cc, max_datagram_size=max_datagram)
+        return RatePacer(cc, max_datagram_size=max_datagram)
+    return QuicPacketPacer(max_datagram_size=max_datagram)
 
 
 class PinnedQuicConnection(QuicConnection):
@@ -255,7 +255,7 @@ class PinnedQuicConnection(QuicConnection):
         )
         self._logger = _AioquicLog(AIOQUIC_LOG, self._logger.extra)
         self._loss._logger = self._logger  # loss recovery was handed the old one
-        _fit_pacer(self._loss, self._max_datagram_size)
+        self._loss._pacer = _pacer_for(self._loss._cc, self._max_datagram_size)
         # One stream, 0, opened by the dialer: the peer may open no other. aioquic would
         # otherwise let it open 128 of each kind, each with a full window, and it stores
         # data that arrives past a gap by padding the gap with real memory: a few bytes
@@ -411,8 +411,7 @@ class PinnedQuicConnection(QuicConnection):
         if hasattr(cc, "_congestion_recovery_start_time"):  # reno, cubic
             cc._congestion_recovery_start_time = now
         loss._cc = cc
-        loss._pacer = QuicPacketPacer(max_datagram_size=self._max_datagram_size)
-        _fit_pacer(loss, self._max_datagram_size)
+        loss._pacer = _pacer_for(cc, self._max_datagram_size)
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Any]]:
         """aioquic's, moving the path to BBR once its first round trip is measured and
@@ -423,7 +422,7 @@ class PinnedQuicConnection(QuicConnection):
         if threshold is not None and self._loss._rtt_initialized:
             self.bbr_from_rtt = None
             if self._loss._rtt_min >= threshold:
-                self._install_controller(bbr.NAME, now)
+                self._install_controller(BBR, now)
         datagrams = super().datagrams_to_send(now)
         cc = self._loss._cc
         if (
