@@ -369,3 +369,95 @@ async def test_a_collective_that_awaits_before_it_runs_keeps_its_place(
         np.testing.assert_array_equal(got[1], np.full(3, 3.0))
         np.testing.assert_array_equal(got[3], np.full(3, 3.0))
         assert all(not g._pending for g in gs)
+
+
+# ---- awaited in a coroutine (not as a task): CollectiveCall.__await__ ------------------
+
+
+@pytest.mark.parametrize("heard", [0, 1], ids=["first-wait", "later-wait"])
+async def test_an_awaited_call_cancelled_mid_flight_breaks_the_group_and_tells_the_others(
+    heard: int,
+) -> None:
+    # The call's first wait goes through CollectiveCall, later ones straight to the
+    # method's coroutine: a cancellation thrown into either must reach the call, as it
+    # does for a task. heard=1: rank 1 joins the barrier (rank 0 wakes once, then waits
+    # for rank 2, which never comes).
+    async with groups(3) as gs:
+        a, b, c = gs
+        await in_step(gs, 1)
+
+        async def awaiting() -> None:
+            await a.barrier(timeout=LONG)
+
+        task = asyncio.create_task(awaiting())
+        joined = asyncio.create_task(b.barrier(timeout=LONG)) if heard else None
+        await asyncio.sleep(0.2)  # a sent its part, heard from b if it joined, and waits
+        assert not a._pending  # the call took its id
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert isinstance(a.broken, GroupBrokenError)
+        assert "cancelled on rank 0" in str(a.broken)
+        # c is told (b's barrier fails at once, naming rank 0, when it joined).
+        for _ in range(200):
+            if c.broken is not None:
+                break
+            await asyncio.sleep(0.05)
+        with pytest.raises(GroupBrokenError, match="cancelled on rank 0"):
+            await c.barrier(timeout=LONG)
+        if joined is not None:
+            with pytest.raises(GroupBrokenError):
+                await joined
+
+
+def _late_barrier_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Give Group a collective that awaits (0.2 s) before it takes its id."""
+    from p2pdist.group import algorithms as alg
+    from p2pdist.group.calls import collective
+    from p2pdist.group.link import describe_call
+
+    async def late_barrier(self: Group) -> None:
+        await asyncio.sleep(0.2)
+        await self._run(describe_call("barrier", "", "", ()), LONG, alg.barrier)
+
+    monkeypatch.setattr(Group, "late_barrier", collective(late_barrier), raising=False)
+
+
+async def test_an_awaited_call_that_awaits_before_it_runs_keeps_its_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _late_barrier_group(monkeypatch)
+    async with groups(2) as gs:
+
+        async def rank(g: Group) -> np.ndarray:
+            first = g.late_barrier()  # type: ignore[attr-defined]
+            second = g.all_reduce(np.full(3, 1.0 + g.rank), timeout=LONG)
+            later = asyncio.ensure_future(second)  # made second, starts first
+            await first  # its steps before it takes its id go through the call
+            return await later
+
+        for got in await asyncio.gather(*(rank(g) for g in gs)):
+            np.testing.assert_array_equal(got, np.full(3, 3.0))
+        assert all(not g._pending for g in gs)
+
+
+async def test_an_awaited_call_cancelled_before_it_took_its_id_tells_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _late_barrier_group(monkeypatch)
+    async with groups(2) as gs:
+        a, b = gs
+
+        async def awaiting() -> None:
+            await a.late_barrier()  # type: ignore[attr-defined]
+
+        task = asyncio.create_task(awaiting())
+        await asyncio.sleep(0.05)  # inside its sleep: its id is still reserved
+        assert a._pending
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not a._pending and a.broken is None
+        with pytest.raises(MismatchError, match="cancelled before it started"):
+            await b.barrier(timeout=LONG)
+        await in_step(gs, 2)

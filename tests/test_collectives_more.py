@@ -576,8 +576,12 @@ async def test_large_collectives_receive_into_their_result() -> None:
 @pytest.mark.parametrize("call", ["all_gather", "gather", "scatter", "all_to_all", "broadcast"])
 async def test_rooted_and_direct_collectives_receive_into_their_result(call: str) -> None:
     """Each of these names its output before the messages come, so over a few calls some
-    messages land in place (counted by the connections); results right, no place left."""
-    async with groups(3) as gs:
+    messages land in place (counted by the connections); results right, no place left.
+    broadcast names its output only after the agreement round, which the root may finish
+    first and send at once: its one-message path lands by luck of timing, so it runs the
+    chain here (8000 bytes in two chunks), whose later chunks come after the naming."""
+    chain = {"small_bytes": 1024, "chunk_bytes": 4096}
+    async with groups(3, config=chain if call == "broadcast" else None) as gs:
         row = np.arange(2000, dtype=np.float32)
         before = landed(gs)
         for _ in range(4):

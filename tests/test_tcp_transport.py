@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import secrets
+import select
 import socket
 import sys
 import textwrap
@@ -1204,3 +1205,73 @@ async def test_a_record_arriving_slowly_counts_as_life() -> None:
     finally:
         await ta.close()
         await tb.close()
+
+
+# ---- a receiver reads what has arrived before it waits (TcpConnection._read_now) ---------
+
+
+def arrived(conn: TcpConnection) -> None:
+    """Block (the event loop does not run) until ``conn``'s socket has bytes to read."""
+    assert conn._direct is not None
+    readable, _, _ = select.select([conn._direct], [], [], 10)
+    assert readable, "nothing arrived within 10 s"
+
+
+def first_step(coro: Any) -> Any:
+    """Run ``coro``'s first step: its result if it finished there, else fail."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    pytest.fail("the receive waited for the event loop")
+
+
+@pytest.mark.parametrize("tls", [False, True])
+async def test_a_message_that_has_arrived_is_taken_without_a_trip_through_the_loop(
+    tls: bool,
+) -> None:
+    async with tcp_pair(tls) as p:
+        p.client.send_nowait(7, b"already here", seq=0)
+        arrived(p.server)
+        frame = first_step(p.server.recv(7))
+        assert bytes(frame.payload) == b"already here"
+        # The loop's own read of those bytes then finds none; the stream goes on.
+        await asyncio.sleep(0.01)
+        await p.client.send(8, b"next")
+        assert bytes((await bounded(p.server.recv(8), "recv")).payload) == b"next"
+        assert not p.server.closed
+
+
+async def test_a_receiver_does_not_read_while_reading_is_paused() -> None:
+    async with tcp_pair(False) as p:
+        assert p.server._transport is not None
+        p.server._transport.pause_reading()  # as backpressure (or silence()) does
+        p.client.send_nowait(7, b"held back", seq=0)
+        arrived(p.server)
+        waiting = asyncio.ensure_future(p.server.recv(7))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        p.server._transport.resume_reading()
+        assert bytes((await bounded(waiting, "recv")).payload) == b"held back"
+
+
+async def test_a_socket_error_on_the_early_read_ends_the_connection_naming_the_peer() -> None:
+    class Resetting:
+        def recv_into(self, buf: memoryview) -> int:
+            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+
+        def close(self) -> None:
+            pass
+
+    async with tcp_pair(False) as p:
+        real = p.server._direct
+        assert real is not None
+        p.server._direct = Resetting()  # type: ignore[assignment]
+        try:
+            with pytest.raises(ConnectionBrokenError, match="Connection reset by peer") as info:
+                await bounded(p.server.recv(7), "recv")
+            assert eid(0).short() in str(info.value)
+            assert p.server.closed
+        finally:
+            real.close()

@@ -86,7 +86,8 @@ def result_buffer(
         raise UsageError(
             f"out has {out.dtype}{list(out.shape)}, the result is {np.dtype(dtype)}{list(shape)}"
         )
-    if not out.flags.c_contiguous or not out.flags.writeable:
+    flags = out.flags  # a new object on every access
+    if not flags.c_contiguous or not flags.writeable:
         raise UsageError("out must be a writeable C-contiguous array")
     if source is not None and out is not source and np.shares_memory(out, source):
         raise UsageError("out overlaps the input without being the same array")

@@ -137,7 +137,28 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
         self._settle(None)
 
     def __await__(self) -> Generator[Any, None, _T]:
-        return self  # our send/throw drive the await
+        """Awaited in a coroutine: the steps until the call has taken its id go through
+        :meth:`send` and :meth:`throw`; then the method's coroutine is awaited directly,
+        with no Python call of ours per step (a task driving the call uses send)."""
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                yielded = self.send(value) if error is None else self.throw(error)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            taken = self._group._pending.get(self._cid) != self._holder
+            value = error = None
+            try:
+                value = yield yielded
+            except GeneratorExit:
+                self.close()
+                raise
+            except BaseException as exc:  # thrown into the await (a cancellation, say)
+                error = exc
+                continue
+            if taken and value is None:  # what the first step of the await sends
+                return (yield from self._coro.__await__())
 
     def __next__(self) -> Any:
         return self.send(None)

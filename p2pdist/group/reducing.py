@@ -5,6 +5,7 @@ they share with :class:`~p2pdist.group.buckets.GradientBuckets`. The base of
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
@@ -149,8 +150,7 @@ class Reducing(GroupCore):
 
     def _ordered(self, mode: str | None, rop: ReduceOp, arr: np.ndarray) -> bool:
         """Whether this reduction takes the deterministic (rank-ordered float64) path."""
-        # Integer arithmetic and max/min give the same bits in any order already.
-        return self._deterministic(mode) and rop.order_sensitive and arr.dtype.kind in "fc"
+        return _takes_ordered_path(self._deterministic(mode), rop, arr.dtype)
 
     def _all_reduce_codec(
         self,
@@ -203,17 +203,29 @@ class Reducing(GroupCore):
         one per tensor) carries this call's compression error into the next call's input.
         """
         arr = as_array(x)
-        rop, ordered, codec = self._all_reduce_codec(
-            arr, op, mode, wire_dtype, block, error_feedback
-        )
-        work = result_buffer(arr, arr.shape, arr.dtype, out)
+        codec: WireCodec | None = None
+        if wire_dtype is None and error_feedback is None and type(op) is str:
+            # The usual call, planned once per distinct (op, mode, dtype, shape): its
+            # checks and descriptor cost more than a small array's whole exchange.
+            rop, ordered, descriptor = _plain_plan(
+                op, self._deterministic(mode), arr.dtype, arr.shape, BUCKET_LAYOUT.get()
+            )
+        else:
+            rop, ordered, codec = self._all_reduce_codec(
+                arr, op, mode, wire_dtype, block, error_feedback
+            )
+            label = _op_label(op, self._deterministic(mode), codec, block)
+            descriptor = describe_call(
+                "all_reduce", label + BUCKET_LAYOUT.get(), arr.dtype.str, arr.shape
+            )
+        # In place (out is x) needs only the one check as_array has not made.
+        in_place = out is arr and arr.flags.writeable
+        work = arr if in_place else result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_usable()
         if self._alone(timeout):  # the identity, compressed or not: nothing travels
             if work is not arr:
                 np.copyto(work, arr)
             return work
-        label = _op_label(op, self._deterministic(mode), codec, block) + BUCKET_LAYOUT.get()
-        descriptor = describe_call("all_reduce", label, arr.dtype.str, arr.shape)
         if codec is not None:
             if error_feedback is not None:
                 error_feedback.check(arr.size)
@@ -448,6 +460,25 @@ def _check_own_piece(arr: np.ndarray, r0: int, r1: int, result: np.ndarray) -> N
     same = own.__array_interface__["data"][0] == result.__array_interface__["data"][0]
     if not same:  # result_buffer checked the shape, dtype and C order already
         raise UsageError(f"out overlaps the input other than as this rank's own piece x[{r0}:{r1}]")
+
+
+def _takes_ordered_path(deterministic: bool, rop: ReduceOp, dtype: np.dtype[Any]) -> bool:
+    """Whether a reduction takes the deterministic (rank-ordered float64) path: integer
+    arithmetic and max/min give the same bits in any order already."""
+    return deterministic and rop.order_sensitive and dtype.kind in "fc"
+
+
+@functools.lru_cache(maxsize=1024)
+def _plain_plan(
+    op: str, deterministic: bool, dtype: np.dtype[Any], shape: tuple[int, ...], layout: str
+) -> tuple[ReduceOp, bool, bytes]:
+    """An uncompressed all_reduce's reduce op, whether it takes the ordered path, and its
+    call descriptor (``layout``: :data:`BUCKET_LAYOUT`'s value). A bad op raises, and
+    nothing is remembered."""
+    rop = reduce_op(op, dtype)
+    label = _op_label(op, deterministic) + layout
+    descriptor = describe_call("all_reduce", label, dtype.str, shape)
+    return rop, _takes_ordered_path(deterministic, rop, dtype), descriptor
 
 
 def _op_label(

@@ -315,7 +315,7 @@ class Runner(Rejoining, Reserving):
             noticed = root._failed_calls.pop(channel, None)
             if noticed is not None:  # another rank's part of this call already failed
                 self._refuse(channel, self._failure_error(noticed, link))
-        task = asyncio.current_task()
+        task = asyncio.current_task(loop)  # the loop given: no second lookup
         assert task is not None
         inflight = root._inflight
         outer = inflight.get(task)  # None unless a collective runs inside another

@@ -91,7 +91,11 @@ class FramedConnection:
         """True until frames flow (the transport's own handshake is not done)."""
         self._decoder = FrameDecoder(config.limits)
         self._mailbox = Mailbox(
-            config.max_buffered, self._pause_reading, self._resume_reading, lambda: self.label
+            config.max_buffered,
+            self._pause_reading,
+            self._resume_reading,
+            lambda: self.label,
+            poll=self._read_now,
         )
         self._stats = ConnectionStats()
         self._keepalive: Keepalive | None = None
@@ -331,6 +335,10 @@ class FramedConnection:
             self._cfg.keepalive_interval, self._cfg.idle_timeout, self._loop.time()
         )
         self._arm_keepalive()
+
+    def _read_now(self) -> None:
+        """Take in what the byte pipe has received and not yet reported, if it can (a
+        receiver calls this before it waits); nothing here."""
 
     def _decode(self, decode: Callable[[_T], list[Frame]], arg: _T) -> None:
         """Run ``decode(arg)`` on received bytes and act on the frames or the error.

@@ -94,7 +94,13 @@ class Mailbox:
         pause: Callable[[], None],
         resume: Callable[[], None],
         label: Callable[[], str],
+        *,
+        poll: Callable[[], None] | None = None,
     ) -> None:
+        """``pause``/``resume``: stop and restart reading (backpressure); ``label``: the
+        peer, for errors; ``poll``: delivers what has arrived and not yet been reported
+        (called once by :meth:`get` before it waits)."""
+        self._poll = poll
         self._queues: dict[int, deque[Frame]] = {}
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._retired = RetiredChannels()
@@ -167,6 +173,12 @@ class Mailbox:
             frame = self.take(channel)
             if frame is not None:
                 return frame
+        if self._poll is not None:  # it may be here, unread: no wait for the loop then
+            self._poll()
+            if channel in self._queues:
+                frame = self.take(channel)
+                if frame is not None:
+                    return frame
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:

@@ -144,7 +144,8 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         self._closing = False
         """Closed locally: what still comes is read and dropped until the peer ends too."""
         self._direct: socket.socket | None = None
-        """A duplicate of the socket, to send borrowed bytes the kernel takes at once."""
+        """A duplicate of the socket: to send borrowed bytes the kernel takes at once, and
+        to read what has arrived before a receiver waits (:meth:`_read_now`)."""
         # Handshake phase state.
         self._hs_buf = bytearray()
         """Where handshake bytes land; allocated when the first bytes come, not when the
@@ -317,10 +318,10 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         self._write_copy = _write_keeps_reference(transport)
         transport.set_write_buffer_limits(high=self._cfg.write_buffer_high)
         sock = transport.get_extra_info("socket")
-        if self._write_copy and sock is not None:
+        if sock is not None:
             with contextlib.suppress(OSError, ValueError):
-                # Our own handle on the same (non-blocking) socket, for _write_frame;
-                # closed in connection_lost, after the transport closed its own.
+                # Our own handle on the same (non-blocking) socket, for _write_borrowed
+                # and _read_now; closed in connection_lost, after the transport's own.
                 self._direct = socket.socket(fileno=os.dup(sock.fileno()))
                 self._direct.setblocking(False)
         if sock is not None:
@@ -330,6 +331,27 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
             # Until the handshake proves who it is, a dialer is only where it dials from.
             self.label = f"incoming {self._remote_text()}"
             self._owner._on_incoming(self)
+
+    def _read_now(self) -> None:
+        """Read what the socket holds now, as the event loop would once it reports the
+        socket readable: a receiver about to wait for a message that has arrived takes it
+        at once, without a trip through the loop (about a fifth of a small collective's
+        time). The loop's own read of the same bytes then finds nothing (it expects that);
+        the end of the stream is left to it."""
+        sock, t = self._direct, self._transport
+        if sock is None or t is None or self._handshaking or self._closing:
+            return
+        if self._error is not None or not t.is_reading():  # paused (by us or anyone)
+            return
+        try:
+            n = sock.recv_into(self.get_buffer(-1))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:  # what the loop's read would have reported
+            self.abort(self._end_of_stream_error(str(exc)))
+            return
+        if n:
+            self.buffer_updated(n)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._closing:
