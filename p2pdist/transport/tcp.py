@@ -343,6 +343,8 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
             return
         if self._error is not None or not t.is_reading():  # paused (by us or anyone)
             return
+        if self._decoder.mid_frame:  # a large payload coming in: a piece of it now is no gain
+            return
         try:
             n = sock.recv_into(self.get_buffer(-1))
         except (BlockingIOError, InterruptedError):
