@@ -23,9 +23,12 @@ CHANNEL_OVERHEAD = 1024
 about 780 bytes in CPython 3.11, rounded up)."""
 
 
+_COUNTER = (1 << SPACE_SHIFT) - 1
+
+
 def split_channel(channel: int) -> tuple[int, int]:
     """``(space, counter)`` of a channel id: ``space << SPACE_SHIFT | counter``."""
-    return channel >> SPACE_SHIFT, channel & ((1 << SPACE_SHIFT) - 1)
+    return channel >> SPACE_SHIFT, channel & _COUNTER
 
 
 class RetiredChannels:
@@ -48,7 +51,7 @@ class RetiredChannels:
 
     def retire(self, channel: int) -> None:
         """Mark ``channel`` retired."""
-        space, counter = split_channel(channel)
+        space, counter = channel >> SPACE_SHIFT, channel & _COUNTER  # split_channel, inline
         runs = self._runs.get(space)
         if runs is None:
             self._runs[space] = ([counter], [counter + 1])
@@ -74,7 +77,7 @@ class RetiredChannels:
             ends.insert(i, counter + 1)
 
     def __contains__(self, channel: int) -> bool:
-        space, counter = split_channel(channel)
+        space, counter = channel >> SPACE_SHIFT, channel & _COUNTER  # once per frame
         runs = self._runs.get(space)
         if runs is None:
             return False
@@ -129,7 +132,8 @@ class Mailbox:
             self._buffered += CHANNEL_OVERHEAD
         q.append(frame)
         self._buffered += frame.nbytes + FRAME_OVERHEAD
-        if self._buffered > self._limit() and not self._paused:
+        # (The limit is max_buffered or more: past that only is it worth a look.)
+        if self._buffered > self._max and not self._paused and self._buffered > self._limit():
             self._paused = True
             self._pause()
         w = self._waiters.pop(ch, None)

@@ -307,7 +307,9 @@ class FrameDecoder:
             version, kind_raw, flags, meta_len, channel, seq, payload_len = HEADER.unpack_from(
                 self._scratch, s
             )
-            kind = _check_start(version, kind_raw)
+            kind = _KINDS.get(kind_raw) if version == VERSION else None
+            if kind is None:
+                kind = _check_start(version, kind_raw)  # raises, naming what is wrong
             if meta_len > lim.max_meta:
                 raise FrameError(
                     f"frame meta of {meta_len} bytes exceeds limit {lim.max_meta} "
@@ -359,7 +361,7 @@ class FrameDecoder:
                 self.landed += 1
             else:  # a bytearray slice is one copy, into a buffer the frame owns
                 owned = memoryview(self._scratch[pstart:end]) if payload_len else _EMPTY
-            frames.append(Frame(kind, channel, seq, meta, owned, flags))
+            frames.append(_new_frame(Frame, (kind, channel, seq, meta, owned, flags)))
             self._start = end
         partial = self._end - self._start
         if 0 < partial < HEADER.size:
@@ -373,6 +375,9 @@ class FrameDecoder:
 
 
 _KINDS: dict[int, FrameKind] = {int(k): k for k in FrameKind}
+_new_frame = tuple.__new__
+"""``Frame(...)`` without the Python-level ``__new__`` NamedTuple generates (once per
+small frame received, the latency path)."""
 
 
 def _check_start(version: int, kind_raw: int) -> FrameKind:
