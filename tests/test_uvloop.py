@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+import test_tcp_transport as tcp_tests
 from relay_helpers import ROOT, RelayProcess
 from test_quic_transport import PAIRS as QUIC_PAIRS
 from test_tcp_transport import tcp_pair
@@ -50,6 +51,16 @@ def on_uvloop(coro: Coroutine[Any, Any, T]) -> T:
         return await coro
 
     return eventloop.run(checked(), loop="uvloop")
+
+
+@needs_uvloop
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_receiver_reads_before_it_waits_on_uvloop(tls: bool) -> None:
+    # TcpConnection._read_now reads uvloop's pseudo-socket through its own duplicate.
+    on_uvloop(
+        tcp_tests.test_a_message_that_has_arrived_is_taken_without_a_trip_through_the_loop(tls)
+    )
+    on_uvloop(tcp_tests.test_a_receiver_does_not_read_while_reading_is_paused())
 
 
 @needs_uvloop
