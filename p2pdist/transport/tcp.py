@@ -335,9 +335,9 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
     def _read_now(self) -> None:
         """Read what the socket holds now, as the event loop would once it reports the
         socket readable: a receiver about to wait for a message that has arrived takes it
-        at once, without a trip through the loop (about a fifth of a small collective's
-        time). The loop's own read of the same bytes then finds nothing (it expects that);
-        the end of the stream is left to it."""
+        at once, without a trip through the loop (a 4 KiB all_reduce spent some 20 us of
+        its 110 on that trip). The loop's own read of the same bytes then finds nothing
+        (it expects that); the end of the stream is left to it."""
         sock, t = self._direct, self._transport
         if sock is None or t is None or self._handshaking or self._closing:
             return
