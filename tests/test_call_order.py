@@ -19,10 +19,18 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from group_helpers import crash, groups, until_left
+from group_helpers import crash, groups, loopback_peers, until_left
 from test_group_elastic import restart
 
-from p2pdist import ConnectionBrokenError, Group, GroupBrokenError, MismatchError, UsageError
+from p2pdist import (
+    ConnectionBrokenError,
+    Group,
+    GroupBrokenError,
+    GroupConfig,
+    MismatchError,
+    TransportConfig,
+    UsageError,
+)
 from p2pdist.group.calls import CollectiveCall
 
 # Generous: a call that is not told of the gap would fail with a timeout instead.
@@ -461,3 +469,45 @@ async def test_an_awaited_call_cancelled_before_it_took_its_id_tells_the_others(
         with pytest.raises(MismatchError, match="cancelled before it started"):
             await b.barrier(timeout=LONG)
         await in_step(gs, 2)
+
+
+def test_a_notice_and_goodbye_read_by_the_calls_own_receive_still_name_the_dropped_call() -> None:
+    # Rank 1 drops a call (cancelled before it ran) and closes its group while rank 0
+    # computes (its loop does not run): rank 0's next call reads the notice and the
+    # goodbye itself, inside its own task (the early read), and must fail as when its
+    # loop reads them: naming the dropped call, the group not broken.
+    peers = loopback_peers(2)
+    cfg = GroupConfig(timeout=LONG, connect_timeout=20, transport=TransportConfig(tls=False))
+    seed = "test-seed-0123456789"
+    formed, dropped = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+
+    async def rank1() -> None:
+        async with Group.from_seed(seed, rank=1, world=2, peers=peers, config=cfg) as g:
+            await g.all_reduce(np.ones(3))
+            formed.wait(20)
+            task = asyncio.ensure_future(g.all_reduce(np.ones(3)))
+            task.cancel()  # before its first step
+            await asyncio.gather(task, return_exceptions=True)
+        dropped.set()
+
+    async def rank0() -> None:
+        async with Group.from_seed(seed, rank=0, world=2, peers=peers, config=cfg) as g:
+            await g.all_reduce(np.ones(3))
+            formed.set()
+            dropped.wait(20)  # computing: this loop does not run meanwhile
+            try:
+                await g.all_reduce(np.ones(3))
+            except Exception as exc:
+                outcome["error"] = exc
+            outcome["broken"] = g.broken
+
+    other = threading.Thread(target=lambda: asyncio.run(rank1()), daemon=True)
+    other.start()
+    asyncio.run(asyncio.wait_for(rank0(), 60))
+    other.join(30)
+    assert dropped.is_set()
+    err = outcome.get("error")
+    assert isinstance(err, MismatchError), err
+    assert "cancelled before it started" in str(err)
+    assert outcome["broken"] is None

@@ -43,6 +43,7 @@ from p2pdist.errors import (
 from p2pdist.identity import EndpointId, SecretKey
 from p2pdist.tls import TlsIdentity
 from p2pdist.transport import TcpTransport, TransportConfig
+from p2pdist.transport import tcp as tcp_module
 from p2pdist.transport.keepalive import Keepalive, KeepaliveAction
 from p2pdist.transport.mailbox import (
     CHANNEL_OVERHEAD,
@@ -1212,8 +1213,8 @@ async def test_a_record_arriving_slowly_counts_as_life() -> None:
 
 def arrived(conn: TcpConnection) -> None:
     """Block (the event loop does not run) until ``conn``'s socket has bytes to read."""
-    assert conn._direct is not None
-    readable, _, _ = select.select([conn._direct], [], [], 10)
+    assert conn._fd is not None
+    readable, _, _ = select.select([conn._fd], [], [], 10)
     assert readable, "nothing arrived within 10 s"
 
 
@@ -1256,22 +1257,35 @@ async def test_a_receiver_does_not_read_while_reading_is_paused() -> None:
         assert bytes((await bounded(waiting, "recv")).payload) == b"held back"
 
 
-async def test_a_socket_error_on_the_early_read_ends_the_connection_naming_the_peer() -> None:
-    class Resetting:
-        def recv_into(self, buf: memoryview) -> int:
-            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
-
-        def close(self) -> None:
-            pass
+async def test_a_socket_error_on_the_early_read_ends_the_connection_naming_the_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def resetting(fd: int, buf: memoryview) -> int:
+        raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
 
     async with tcp_pair(False) as p:
-        real = p.server._direct
-        assert real is not None
-        p.server._direct = Resetting()  # type: ignore[assignment]
-        try:
-            with pytest.raises(ConnectionBrokenError, match="Connection reset by peer") as info:
-                await bounded(p.server.recv(7), "recv")
-            assert eid(0).short() in str(info.value)
-            assert p.server.closed
-        finally:
-            real.close()
+        monkeypatch.setattr(tcp_module, "_recv_into", resetting)
+        with pytest.raises(ConnectionBrokenError, match="Connection reset by peer") as info:
+            await bounded(p.server.recv(7), "recv")
+        assert eid(0).short() in str(info.value)
+        assert p.server.closed
+
+
+async def test_a_second_receiver_on_a_channel_is_refused_even_with_its_message_unread() -> None:
+    async with tcp_pair(False) as p:
+        first = asyncio.ensure_future(p.server.recv(7))
+        await asyncio.sleep(0.05)  # waiting on channel 7
+        p.client.send_nowait(7, b"for the first", seq=0)
+        arrived(p.server)
+        with pytest.raises(UsageError, match="two receivers"):
+            first_step(p.server.recv(7))
+        assert bytes((await bounded(first, "the first receiver")).payload) == b"for the first"
+
+
+async def test_an_interrupted_connection_does_not_read_for_a_receiver() -> None:
+    async with tcp_pair(False) as p:
+        p.server.interrupt(RuntimeError("the group broke"))
+        p.client.send_nowait(7, b"late", seq=0)
+        arrived(p.server)
+        with pytest.raises(RuntimeError, match="the group broke"):
+            first_step(p.server.recv(7))

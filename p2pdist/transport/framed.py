@@ -95,8 +95,10 @@ class FramedConnection:
             self._pause_reading,
             self._resume_reading,
             lambda: self.label,
-            poll=self._read_now,
+            poll=self._read_early,
         )
+        self._reading_early = False
+        """True while a receiver reads for itself (:meth:`_read_early`, in its own task)."""
         self._stats = ConnectionStats()
         self._keepalive: Keepalive | None = None
         self._ka_timer: asyncio.TimerHandle | None = None
@@ -336,9 +338,19 @@ class FramedConnection:
         )
         self._arm_keepalive()
 
+    def _read_early(self) -> None:
+        """What a receiver calls before it waits (the mailbox's poll): :meth:`_read_now`,
+        in the receiver's own task. An end of the connection found there is told from the
+        event loop (see :meth:`_finish`)."""
+        self._reading_early = True
+        try:
+            self._read_now()
+        finally:
+            self._reading_early = False
+
     def _read_now(self) -> None:
-        """Take in what the byte pipe has received and not yet reported, if it can (a
-        receiver calls this before it waits); nothing here."""
+        """Take in what the byte pipe has received and not yet reported, if it can;
+        nothing here."""
 
     def _decode(self, decode: Callable[[_T], list[Frame]], arg: _T) -> None:
         """Run ``decode(arg)`` on received bytes and act on the frames or the error.
@@ -387,6 +399,17 @@ class FramedConnection:
         self._error = error
         if self._ka_timer is not None:
             self._ka_timer.cancel()
+        if self._reading_early:
+            # Found by a receiver reading for itself, inside its task: tell everyone from
+            # the loop, as the loop's own read would have, so that what the close
+            # callbacks do (a group reads the notices that came just before the end, and
+            # cancels the calls they fail) happens outside that task, before it resumes.
+            self._loop.call_soon(self._tell_finished, error)
+            return
+        self._tell_finished(error)
+
+    def _tell_finished(self, error: BaseException) -> None:
+        """Wake receivers and senders with ``error`` and run the close callbacks."""
         self._mailbox.fail(error)
         self._wake_drain()
         report = None if self._closed_locally else error

@@ -177,8 +177,8 @@ class Mailbox:
             frame = self.take(channel)
             if frame is not None:
                 return frame
-        if self._poll is not None:  # it may be here, unread: no wait for the loop then
-            self._poll()
+        if self._poll is not None and self._error is None and channel not in self._waiters:
+            self._poll()  # it may be here, unread: no wait for the loop then
             if channel in self._queues:
                 frame = self.take(channel)
                 if frame is not None:

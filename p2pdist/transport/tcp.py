@@ -85,6 +85,16 @@ def _write_keeps_reference(transport: asyncio.BaseTransport) -> bool:
     return not (_ASYNCIO_PLAIN_COPIES and type(transport).__module__.startswith("asyncio"))
 
 
+_CAN_READ_NOW = hasattr(os, "readv")
+"""Whether :meth:`TcpConnection._read_now` can read the socket's descriptor itself."""
+
+
+def _recv_into(fd: int, buf: memoryview) -> int:
+    """Read what non-blocking ``fd`` holds into ``buf``: the bytes read (0 at its end);
+    BlockingIOError when nothing is there. No duplicate descriptor, no socket object."""
+    return os.readv(fd, (buf,))
+
+
 _HANDSHAKE_READ = 16 * 1024
 """Bytes read per socket read during the handshake (its records are a few KiB)."""
 _EVICT_AFTER = 1.0
@@ -144,8 +154,9 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         self._closing = False
         """Closed locally: what still comes is read and dropped until the peer ends too."""
         self._direct: socket.socket | None = None
-        """A duplicate of the socket: to send borrowed bytes the kernel takes at once, and
-        to read what has arrived before a receiver waits (:meth:`_read_now`)."""
+        """A duplicate of the socket, to send borrowed bytes the kernel takes at once."""
+        self._fd: int | None = None
+        """The socket's file descriptor while it is open, for :meth:`_read_now`."""
         # Handshake phase state.
         self._hs_buf = bytearray()
         """Where handshake bytes land; allocated when the first bytes come, not when the
@@ -318,12 +329,15 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         self._write_copy = _write_keeps_reference(transport)
         transport.set_write_buffer_limits(high=self._cfg.write_buffer_high)
         sock = transport.get_extra_info("socket")
-        if sock is not None:
+        if self._write_copy and sock is not None:
             with contextlib.suppress(OSError, ValueError):
-                # Our own handle on the same (non-blocking) socket, for _write_borrowed
-                # and _read_now; closed in connection_lost, after the transport's own.
+                # Our own handle on the same (non-blocking) socket, for _write_frame;
+                # closed in connection_lost, after the transport closed its own.
                 self._direct = socket.socket(fileno=os.dup(sock.fileno()))
                 self._direct.setblocking(False)
+        if sock is not None and _CAN_READ_NOW:
+            with contextlib.suppress(OSError, ValueError):
+                self._fd = sock.fileno()  # valid while the transport reads (_read_now)
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -338,15 +352,17 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         at once, without a trip through the loop (a 4 KiB all_reduce spent some 20 us of
         its 110 on that trip). The loop's own read of the same bytes then finds nothing
         (it expects that); the end of the stream is left to it."""
-        sock, t = self._direct, self._transport
-        if sock is None or t is None or self._handshaking or self._closing:
+        fd, t = self._fd, self._transport
+        if fd is None or t is None or self._handshaking or self._closing:
             return
-        if self._error is not None or not t.is_reading():  # paused (by us or anyone)
+        # Not while paused (by us or anyone); not once the transport closes, which is also
+        # what keeps fd ours: the transport closes it only after it stopped reading.
+        if self._error is not None or not t.is_reading():
             return
         if self._decoder.mid_frame:  # a large payload coming in: a piece of it now is no gain
             return
         try:
-            n = sock.recv_into(self.get_buffer(-1))
+            n = _recv_into(fd, self.get_buffer(-1))
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:  # what the loop's read would have reported
@@ -437,6 +453,7 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._fd = None
         if self._direct is not None:
             self._direct.close()
             self._direct = None
