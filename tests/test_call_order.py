@@ -357,18 +357,23 @@ async def test_a_call_made_while_a_rank_was_gone_fails_if_it_starts_after_it_rej
             await back.close()
 
 
-async def test_a_collective_that_awaits_before_it_runs_keeps_its_place(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _late_barrier_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Give Group a collective that awaits (0.2 s) before it takes its id."""
     from p2pdist.group import algorithms as alg
     from p2pdist.group.calls import collective
     from p2pdist.group.link import describe_call
 
     async def late_barrier(self: Group) -> None:
-        await asyncio.sleep(0.05)  # before it takes its id: the id is offered again
+        await asyncio.sleep(0.2)
         await self._run(describe_call("barrier", "", "", ()), LONG, alg.barrier)
 
     monkeypatch.setattr(Group, "late_barrier", collective(late_barrier), raising=False)
+
+
+async def test_a_collective_that_awaits_before_it_runs_keeps_its_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _late_barrier_group(monkeypatch)
     async with groups(2) as gs:
         calls = []
         for g in gs:  # on each rank: the late barrier is made first, then an all_reduce
@@ -416,19 +421,6 @@ async def test_an_awaited_call_cancelled_mid_flight_breaks_the_group_and_tells_t
         if joined is not None:
             with pytest.raises(GroupBrokenError):
                 await joined
-
-
-def _late_barrier_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Give Group a collective that awaits (0.2 s) before it takes its id."""
-    from p2pdist.group import algorithms as alg
-    from p2pdist.group.calls import collective
-    from p2pdist.group.link import describe_call
-
-    async def late_barrier(self: Group) -> None:
-        await asyncio.sleep(0.2)
-        await self._run(describe_call("barrier", "", "", ()), LONG, alg.barrier)
-
-    monkeypatch.setattr(Group, "late_barrier", collective(late_barrier), raising=False)
 
 
 async def test_an_awaited_call_that_awaits_before_it_runs_keeps_its_place(

@@ -139,9 +139,7 @@ class CollectiveLink:
         self._sent[peer] = seq + 1
         meta = self.descriptor if seq == 0 else b""
         self.waiting_on = peer
-        conn = self._conn(peer)
-        conn.send_nowait(self.channel, payload, meta=meta, seq=seq)  # what send() does
-        await conn.drain()
+        await self._conn(peer).send(self.channel, payload, meta=meta, seq=seq)
         self.waiting_on = None
 
     def recv(self, peer: int, nbytes: int) -> Coroutine[Any, Any, memoryview]:

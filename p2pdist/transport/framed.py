@@ -95,7 +95,7 @@ class FramedConnection:
             self._pause_reading,
             self._resume_reading,
             lambda: self.label,
-            poll=self._read_early,
+            poll=self._read_early if self._READS_EARLY else None,
         )
         self._reading_early = False
         """True while a receiver reads for itself (:meth:`_read_early`, in its own task)."""
@@ -348,9 +348,13 @@ class FramedConnection:
         finally:
             self._reading_early = False
 
+    _READS_EARLY = False
+    """Whether :meth:`_read_now` can take in what the byte pipe has received and not yet
+    reported (a subclass that overrides it says so; then the mailbox polls it)."""
+
     def _read_now(self) -> None:
-        """Take in what the byte pipe has received and not yet reported, if it can;
-        nothing here."""
+        """Take in what the byte pipe has received and not yet reported."""
+        raise NotImplementedError
 
     def _decode(self, decode: Callable[[_T], list[Frame]], arg: _T) -> None:
         """Run ``decode(arg)`` on received bytes and act on the frames or the error.

@@ -51,7 +51,7 @@ class RetiredChannels:
 
     def retire(self, channel: int) -> None:
         """Mark ``channel`` retired."""
-        space, counter = channel >> SPACE_SHIFT, channel & _COUNTER  # split_channel, inline
+        space, counter = split_channel(channel)
         runs = self._runs.get(space)
         if runs is None:
             self._runs[space] = ([counter], [counter + 1])
@@ -77,7 +77,7 @@ class RetiredChannels:
             ends.insert(i, counter + 1)
 
     def __contains__(self, channel: int) -> bool:
-        space, counter = channel >> SPACE_SHIFT, channel & _COUNTER  # once per frame
+        space, counter = split_channel(channel)
         runs = self._runs.get(space)
         if runs is None:
             return False
@@ -173,16 +173,17 @@ class Mailbox:
 
     async def get(self, channel: int, timeout: float | None) -> Frame:
         """Wait (at most ``timeout`` seconds) for the next frame on ``channel``."""
+        if (
+            channel not in self._queues
+            and self._poll is not None
+            and self._error is None
+            and channel not in self._waiters
+        ):
+            self._poll()  # it may be here, unread: no wait for the loop then
         if channel in self._queues:  # the common case of small collectives: already here
             frame = self.take(channel)
             if frame is not None:
                 return frame
-        if self._poll is not None and self._error is None and channel not in self._waiters:
-            self._poll()  # it may be here, unread: no wait for the loop then
-            if channel in self._queues:
-                frame = self.take(channel)
-                if frame is not None:
-                    return frame
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:

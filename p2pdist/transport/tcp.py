@@ -346,6 +346,8 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
             self.label = f"incoming {self._remote_text()}"
             self._owner._on_incoming(self)
 
+    _READS_EARLY = _CAN_READ_NOW
+
     def _read_now(self) -> None:
         """Read what the socket holds now, as the event loop would once it reports the
         socket readable: a receiver about to wait for a message that has arrived takes it
