@@ -146,7 +146,6 @@ class BbrCongestionControl(QuicCongestionControl):
         # round trips
         self._round = 0
         self._next_round_delivered = 0
-        self._round_acked = 0
         self._round_lost = 0
         self._round_lost_packets = 0
         self._round_app_limited = False
@@ -155,7 +154,6 @@ class BbrCongestionControl(QuicCongestionControl):
         self._round_start_time = 0.0
         # model
         self._bw_samples: deque[tuple[int, float]] = deque()  # (round, rate), falling
-        self._last_rate = 0.0
         self._min_rtt = math.inf
         self._min_rtt_stamp = 0.0
         self._expired_min_rtt = math.inf  # the minimum a PROBE_RTT replaced
@@ -221,7 +219,6 @@ class BbrCongestionControl(QuicCongestionControl):
         self._delivered += packet.sent_bytes
         self._delivered_time = now
         self._first_sent_time = packet.sent_time or now
-        self._round_acked += packet.sent_bytes
         if self._app_limited_until and self._delivered > self._app_limited_until:
             self._app_limited_until = 0
         round_start = sent.delivered >= self._next_round_delivered
@@ -263,11 +260,8 @@ class BbrCongestionControl(QuicCongestionControl):
         self._prior_cwnd = 0
         self._sent.clear()
         self._own_in_flight = 0
-        self._round_acked = self._round_lost = self._round_lost_packets = 0
-        self._round_app_limited = False
-        self._round_min_rtt = math.inf
-        self._round_start_delivered = self._next_round_delivered = self._delivered
-        self._round_start_time = 0.0
+        self._next_round_delivered = self._delivered
+        self._start_round(0.0)
         self._full_bw = 0.0
         self._full_bw_rounds = 0
         self._filled_pipe = False
@@ -314,7 +308,6 @@ class BbrCongestionControl(QuicCongestionControl):
         if interval <= 0 or (min_rtt is not None and interval < min_rtt):
             return
         rate = (self._delivered - sent.delivered) / interval
-        self._last_rate = rate
         if sent.app_limited and rate < self.bandwidth:
             return
         self._add_bw_sample(rate)
@@ -340,14 +333,18 @@ class BbrCongestionControl(QuicCongestionControl):
         if self._congested() and self._bw_samples and measured:  # (no model: nothing to fix)
             elapsed = now - self._round_start_time
             delivered = self._delivered - self._round_start_delivered
-            rate = delivered / elapsed if elapsed > 0 else self._last_rate
+            rate = delivered / elapsed if elapsed > 0 else 0.0  # (the floor below holds)
             if not self._round_app_limited:
                 self._bw_samples.clear()
                 self._add_bw_sample(max(rate, LOSS_BETA * self.bandwidth))
             if self.phase is Phase.STARTUP:
                 self._filled_pipe = True
                 self._enter(Phase.DRAIN)
-        self._round_acked = self._round_lost = self._round_lost_packets = 0
+        self._start_round(now)
+
+    def _start_round(self, now: float) -> None:
+        """A new round's counts, from ``now``."""
+        self._round_lost = self._round_lost_packets = 0
         self._round_app_limited = False
         self._round_min_rtt = math.inf
         self._round_start_delivered = self._delivered
@@ -359,7 +356,8 @@ class BbrCongestionControl(QuicCongestionControl):
         lost = self._round_lost_packets
         if lost < min(LOSS_GUARD_PACKETS, QUEUE_LOSS_PACKETS):
             return False
-        share = self._round_lost / (self._round_acked + self._round_lost)
+        acked = self._delivered - self._round_start_delivered
+        share = self._round_lost / (acked + self._round_lost)
         if lost >= LOSS_GUARD_PACKETS and share > LOSS_GUARD:
             return True
         return lost >= QUEUE_LOSS_PACKETS and share > QUEUE_LOSS_GUARD and self._queued()

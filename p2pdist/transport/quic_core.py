@@ -28,10 +28,10 @@ changes, each relying on an aioquic internal (hence the ``aioquic>=1.2,<2`` pin;
    congestion controller (``_loss._cc``, from aioquic's registry, to which
    :mod:`.bbr` adds ``"bbr"``), and BBR its own pacer (``_loss._pacer``): see
    :meth:`QuicConfig.congestion_control_for`; ``"auto"`` installs BBR in
-   :meth:`datagrams_to_send` once the first RTT sample (``_loss._rtt_min``) is long
-   enough. :meth:`datagrams_to_send` tells BBR when the sender ran out of data
-   (``_pacing_at`` says whether pacing held it back, each stream's
-   ``sender.buffer_is_empty`` whether data waits).
+   :meth:`datagrams_to_send` once the path's round trip (``_loss._rtt_min``, over
+   the round trip after the first sample) is long enough. :meth:`datagrams_to_send`
+   tells BBR when the sender ran out of data (``_pacing_at`` says whether pacing held
+   it back, each stream's ``sender.buffer_is_empty`` whether data waits).
 5. **One stream, a small window until admitted.** The peer may open no stream but 0
    (``_local_max_streams_bidi`` and ``_local_max_streams_uni``, aioquic's ``Limit``
    objects, set before the transport parameters go out): a frame on another stream ends
@@ -143,11 +143,12 @@ class QuicConfig:
     congestion_control: str = "auto"
     """The congestion controller: ``"reno"`` or ``"cubic"`` (aioquic's), ``"bbr"``
     (:mod:`p2pdist.transport.bbr`), or ``"auto"``: BBR on direct paths to other hosts
-    whose first measured round trip is :data:`BBR_MIN_RTT` or more (internet paths,
+    whose measured round trip is :data:`BBR_MIN_RTT` or more (internet paths,
     where loss is often noise that Reno mistakes for congestion), Reno elsewhere: through
     a relay (a TCP session below: no random loss reaches QUIC), on loopback, and on LANs
     (round trips the event loops' scheduling swamps; BBR took 2-3 times Reno's time
-    there). A direct path starts on Reno and moves to BBR after its first RTT sample."""
+    there). A direct path starts on Reno and moves to BBR once its round trip is known
+    (see :meth:`PinnedQuicConnection.datagrams_to_send`)."""
     cipher_suites: tuple[CipherSuite, ...] = (
         CipherSuite.AES_128_GCM_SHA256,
         CipherSuite.AES_256_GCM_SHA384,
@@ -181,7 +182,7 @@ class QuicConfig:
 CONGESTION_CONTROLS = ("auto", "reno", "cubic", "bbr")
 
 BBR_MIN_RTT = 0.01
-"""Shortest first round trip on which ``"auto"`` runs BBR, seconds (see
+"""Shortest round trip on which ``"auto"`` runs BBR, seconds (see
 :attr:`QuicConfig.congestion_control`)."""
 
 
@@ -275,8 +276,9 @@ class PinnedQuicConnection(QuicConnection):
         self.receive_paused = False
         """While True, the peer gets no more credit (backpressure from the mailbox)."""
         self.bbr_from_rtt: float | None = None
-        """While set, the path moves to BBR once its first round trip is measured, if
-        that is at least this long, seconds (``congestion_control="auto"``)."""
+        """While set, the path moves to BBR if its round trip, the least measured during
+        the round trip after its first sample, is at least this long, seconds
+        (``congestion_control="auto"``; see :meth:`datagrams_to_send`)."""
         self._written: dict[int, int] = {}
 
     def admit(self) -> None:
@@ -414,14 +416,20 @@ class PinnedQuicConnection(QuicConnection):
         loss._pacer = _pacer_for(cc, self._max_datagram_size)
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Any]]:
-        """aioquic's, moving the path to BBR once its first round trip is measured and
-        long enough (:attr:`bbr_from_rtt`), and telling a BBR controller when the sender
+        """aioquic's, moving the path to BBR once its round trip is measured and long
+        enough (:attr:`bbr_from_rtt`), and telling a BBR controller when the sender
         ran out of data (stopped with room in the window, not held back by pacing): its
         rate samples until then measure the application, not the path."""
-        threshold = self.bbr_from_rtt
-        if threshold is not None and self._loss._rtt_initialized:
-            self.bbr_from_rtt = None
-            if self._loss._rtt_min >= threshold:
+        threshold, loss = self.bbr_from_rtt, self._loss
+        if threshold is not None and loss._rtt_initialized:
+            # Decided on the least round trip seen until one more of them has passed
+            # since the first sample: right after a path change the first ACKs can be
+            # for packets sent on the old path (the relay's round trip), and a stalled
+            # event loop can stretch one sample. A short one decides at once.
+            if loss._rtt_min < threshold:
+                self.bbr_from_rtt = None
+            elif now >= loss._rtt_first_sample_time + loss._rtt_min:
+                self.bbr_from_rtt = None
                 self._install_controller(BBR, now)
         datagrams = super().datagrams_to_send(now)
         cc = self._loss._cc
