@@ -83,6 +83,9 @@ class DoctorReport:
     relay_framing: str | None = None
     """``"websocket"`` when the session's frames travel in WebSocket frames (a relay
     behind a TLS-terminating reverse proxy), ``"raw"`` otherwise."""
+    relay_proof: str | None = None
+    """What our AUTH proof was bound to: ``"certificate"``, or ``"name"`` (a relay behind a
+    proxy with certificates of its own)."""
     relay_proxy: str | None = None
     """The HTTP proxy the relay session is tunnelled through (P2PDIST_RELAY_PROXY), if any."""
     local: str | None = None
@@ -217,6 +220,7 @@ async def diagnose(
         report.relay_sees = path.status.observed
         report.relay_records = path.status.records
         report.relay_framing = path.status.framing
+        report.relay_proof = path.status.proof
         report.relay_proxy = path.status.proxy
         targets = await path.observation_targets()
         if path.observation_off:
@@ -337,6 +341,8 @@ def render(r: DoctorReport) -> str:
         link = "TLS, then " + r.relay_records + " records" if r.relay_records else "TLS"
         if r.relay_framing == "websocket":
             link += ", WebSocket frames"
+        if r.relay_proof == "name":
+            link += ", proof bound to the relay's name"
         if r.relay_proxy:
             link += f", through proxy {r.relay_proxy}"
         lines.append(

@@ -28,6 +28,8 @@ MIN_INTERVAL = 0.1
 """Shortest keepalive and auth-timeout (seconds) the relay starts with."""
 MAX_PROXY_HOPS = 16
 LOG_LEVELS = ("debug", "info", "warning", "error")
+PROXY_CERTS = ("relay", "own")
+"""Values of ``proxy-certs``: whose certificates the proxy in front of the http-port serves."""
 EVENT_LOOPS = LOOP_CHOICES
 """The names ``--loop`` takes: p2pdist.eventloop's, so the relay and the library agree."""
 
@@ -86,7 +88,8 @@ class RelayConfig:
             "also serve the relay over plain HTTP (no TLS) on this port, for a "
             "TLS-terminating reverse proxy in front of it (nginx, Caddy, a load balancer); "
             "clients reach it through the proxy with WebSocket framing; needs cert and "
-            "cert-key, the certificate the proxy serves (default: off; 0: any free port)",
+            "cert-key, the certificate the proxy serves, unless proxy-certs is own "
+            "(default: off; 0: any free port)",
             "PORT",
         ),
     )
@@ -95,6 +98,17 @@ class RelayConfig:
         metadata=_doc(
             "address the plain HTTP port binds: the proxy's side only, never a public one",
             "ADDR",
+        ),
+    )
+    proxy_certs: str = field(
+        default="relay",
+        metadata=_doc(
+            "the certificates of the TLS-terminating proxy in front of the http-port: "
+            "relay (it serves the relay's cert files; proofs bind to that certificate) "
+            "or own (a managed load balancer or CDN with certificates of its own; "
+            "proofs there bind to the relay's name, public-host:public-port, which both "
+            "must then name the proxy)",
+            "relay|own",
         ),
     )
     proxy_hops: int = field(
@@ -317,12 +331,22 @@ def _validate(c: RelayConfig) -> None:
     if c.public_port is not None and not 1 <= c.public_port <= 65535:
         raise ConfigError(f"public-port must be a port number 1..65535, got {c.public_port}")
     _port("http-port", c.http_port)
+    if c.proxy_certs not in PROXY_CERTS:
+        raise ConfigError(f"proxy-certs must be relay or own, got {c.proxy_certs!r}")
+    if c.proxy_certs == "own":
+        if c.http_port is None:
+            raise ConfigError("proxy-certs is for the http-port: set http-port too")
+        if c.public_host is None or c.public_port is None:
+            raise ConfigError(
+                "proxy-certs own binds proofs to the name clients dial: set public-host "
+                "and public-port to the proxy's"
+            )
     if c.http_port is not None:
-        if c.cert is None:
+        if c.cert is None and c.proxy_certs == "relay":
             raise ConfigError(
                 "http-port needs cert and cert-key: clients sign the certificate they see, "
                 "which behind a TLS-terminating proxy is the proxy's (give the relay the "
-                "same files)"
+                "same files, or set proxy-certs own when the proxy has certificates of its own)"
             )
         if c.http_port and c.http_port == c.port:
             raise ConfigError(f"http-port must differ from port, got {c.port} for both")

@@ -27,13 +27,14 @@ from p2pdist.wire.relay import (
     MAX_TOKEN_BYTES,
     PING_LEN,
     REPLACED_TEXT,
-    VERSION,
     RelayFrameType,
     RelayProtocolError,
     append_addressed,
     auth_message,
+    challenge_body,
     encode_frame,
     encode_map,
+    name_auth_message,
     parse_http_head,
     upgrade_response,
 )
@@ -176,7 +177,8 @@ class Inbound:
             self._queue(s, upgrade_response(mine, websocket_key=key))
             self._write_batch(s)  # the 101 is the last the client gets in TLS
             s.link.secure((mine, offer))
-        self._queue(s, encode_frame(RelayFrameType.CHALLENGE, bytes([VERSION]) + s.challenge))
+        body = challenge_body(s.challenge, name_bound=self._bound_name(s) is not None)
+        self._queue(s, encode_frame(RelayFrameType.CHALLENGE, body))
         return rest
 
     def _forwarded(self, s: Session, header: str, now: float) -> None:
@@ -335,7 +337,7 @@ class Inbound:
         except UsageError:
             self._refuse(s, BAD_SIGNATURE)
             return
-        if not self._proof_holds(eid, sig, s.challenge, raw_id, now):
+        if not self._proof_holds(s, eid, sig, raw_id, now):
             self._refuse(s, BAD_SIGNATURE, claimed=eid.short())
             return
         refusal = self.access.check(raw_id, token, now)
@@ -374,12 +376,22 @@ class Inbound:
         self._queue(s, encode_frame(RelayFrameType.AUTH_OK, self._auth_ok_body(s)))
         log.info(kv("auth_ok", conn=s.label, peer=s.observed, clients=len(self._clients)))
 
+    def _bound_name(self, s: Session) -> bytes | None:
+        """The relay name ``s``'s AUTH must be bound to instead of a certificate (a
+        session through a proxy with certificates of its own), else None."""
+        return self.config.proof_name if s.proxied else None
+
     def _proof_holds(
-        self, eid: EndpointId, sig: bytes, challenge: bytes, raw_id: bytes, now: float
+        self, s: Session, eid: EndpointId, sig: bytes, raw_id: bytes, now: float
     ) -> bool:
-        """Whether ``sig`` proves ``eid`` bound to a certificate AUTH may name; before a
-        no, the glue may look at the certificate files once a second (a renewal that
+        """Whether ``sig`` proves ``eid`` bound to ``s``'s challenge and to the relay's
+        name (:meth:`_bound_name`) or a certificate AUTH may name; before a no to the
+        latter, the glue may look at the certificate files once a second (a renewal that
         the proxy in front took up before the relay's own poll)."""
+        challenge = s.challenge
+        name = self._bound_name(s)
+        if name is not None:
+            return eid.verify(sig, name_auth_message(name, challenge, raw_id))
 
         def holds() -> bool:
             return any(

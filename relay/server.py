@@ -38,7 +38,7 @@ from typing import Any
 
 from p2pdist.transport.paths import bind_udp
 from p2pdist.transport.securestream import SecureStream
-from p2pdist.wire.relay import RelayUrl
+from p2pdist.wire.relay import RelayUrl, relay_name
 
 from .access import WEAK_TOKEN_CHARS, AccessPolicy, Allowlist, AllowlistError
 from .addresses import format_address
@@ -316,6 +316,7 @@ class RelayServer:
             if self._own_tap is not None:
                 self._own_tap.close()
             raise
+        own = c.proxy_certs == "own"  # clients dial a proxy with certificates of its own
         core_cfg = CoreConfig(
             max_clients=c.max_clients,
             max_clients_per_ip=c.max_clients_per_ip,
@@ -330,6 +331,7 @@ class RelayServer:
             read_size=SCRATCH_SIZE,
             stun_ports=self.stun_ports,
             proxy_hops=c.proxy_hops,
+            proof_name=relay_name(c.url_host(), c.public_port or self.port) if own else None,
         )
         self._core = RelayCore(core_cfg, self.tls.fingerprints, access, metrics)
         if self.tls.cert_path is not None:
@@ -337,8 +339,10 @@ class RelayServer:
         await self._server.start_serving()
         if self._http_server is not None:
             await self._http_server.start_serving()
-        self.url = str(RelayUrl(c.url_host(), c.public_port or self.port, self.tls.pin))
-        if not self.tls.covers(c.url_host()):
+        self.url = str(
+            RelayUrl(c.url_host(), c.public_port or self.port, None if own else self.tls.pin)
+        )
+        if not own and not self.tls.covers(c.url_host()):
             log.warning(
                 kv(
                     "url_host_not_in_certificate",
@@ -361,6 +365,7 @@ class RelayServer:
                 stun_alt=self.stun_alt_port or "off",
                 http=format_address(c.http_host, self.http_port) if self.http_port else "off",
                 tls="pinned" if self.tls.pin else "certificate",
+                proxy_certs=c.proxy_certs if self.http_port else "-",
                 access=access.mode,
                 max_clients=c.max_clients,
                 max_clients_per_ip=c.max_clients_per_ip or "unlimited",

@@ -111,6 +111,10 @@ class CoreConfig:
     proxy_hops: int = 1
     """Proxied sessions: the ``X-Forwarded-For`` entry this many from the end is the
     client's address (one per reverse proxy of ours in a row; at least 1)."""
+    proof_name: bytes | None = None
+    """Proxied sessions: None, their AUTH binds the relay's certificate, as on the TLS
+    port; else this relay name (:func:`~p2pdist.wire.relay.relay_name`), which their AUTH
+    binds instead (a proxy with certificates of its own, ``proxy-certs own``)."""
 
     def __post_init__(self) -> None:
         if self.proxy_hops < 1:

@@ -21,9 +21,9 @@ from typing import Any
 from p2pdist.identity import EndpointId, SecretKey
 from p2pdist.tls import endpoint_id_of_cert
 from p2pdist.wire.relay import (
-    VERSION,
     RelayFrameDecoder,
     RelayFrameType,
+    RelayProtocolError,
     RelayUrl,
     auth_message,
     cert_fingerprint,
@@ -31,6 +31,9 @@ from p2pdist.wire.relay import (
     decode_map,
     encode_addressed,
     encode_frame,
+    name_auth_message,
+    parse_challenge,
+    relay_name,
     upgrade_request,
 )
 
@@ -142,6 +145,9 @@ class RelayTestClient:
         self.writer = writer
         self.cert_der = cert_der
         self.challenge = b""
+        self.bound_name: bytes | None = None
+        """The relay name AUTH binds (a relay behind a proxy with certificates of its
+        own asked for it), else None: AUTH binds the certificate."""
         self.endpoint: EndpointId | None = None
         self.auth_ok: dict[str, Any] = {}
         self._decoder = RelayFrameDecoder()
@@ -161,9 +167,14 @@ class RelayTestClient:
                 raise RelayRefused(head.decode("latin-1").split("\r\n", 1)[0])
             client = cls(reader, writer, der)
             kind, body = await client.next_frame(timeout)
-            if kind is not RelayFrameType.CHALLENGE or len(body) != 33 or body[0] != VERSION:
-                raise RelayRefused(f"expected CHALLENGE v{VERSION}, got {kind.name}")
-            client.challenge = body[1:]
+            if kind is not RelayFrameType.CHALLENGE:
+                raise RelayRefused(f"expected CHALLENGE, got {kind.name}")
+            try:
+                client.challenge, name_bound = parse_challenge(body)
+            except RelayProtocolError as exc:
+                raise RelayRefused(str(exc)) from None
+            if name_bound:
+                client.bound_name = relay_name(u.host, u.port)
         except BaseException:
             writer.close()
             raise
@@ -175,7 +186,11 @@ class RelayTestClient:
         """An AUTH body signed by ``key``; ``claim`` puts another id in it (a forgery)."""
         my_id = bytes(key.endpoint_id)
         claimed = my_id if claim is None else claim
-        sig = key.sign(auth_message(cert_fingerprint(self.cert_der), self.challenge, claimed))
+        if self.bound_name is not None:
+            message = name_auth_message(self.bound_name, self.challenge, claimed)
+        else:
+            message = auth_message(cert_fingerprint(self.cert_der), self.challenge, claimed)
+        sig = key.sign(message)
         tok = token.encode("utf-8") if isinstance(token, str) else token
         return claimed + sig + tok
 

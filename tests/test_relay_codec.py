@@ -19,10 +19,14 @@ from p2pdist.wire.relay import (
     RelayProtocolError,
     RelayUrl,
     auth_message,
+    challenge_body,
     decode_addressed,
     encode_addressed,
     encode_frame,
+    name_auth_message,
+    parse_challenge,
     parse_http_head,
+    relay_name,
     upgrade_request,
     upgrade_response,
 )
@@ -163,6 +167,46 @@ def test_auth_message_binds_everything() -> None:
     assert base != auth_message(b"h" * 32, b"c" * 32, b"I" * 32)
     with pytest.raises(ValueError):
         auth_message(b"short", b"c" * 32, b"i" * 32)
+
+
+def test_a_name_bound_proof_binds_everything_and_never_reads_as_a_certificate_bound_one() -> None:
+    name = relay_name("relay.example.com", 443)
+    base = name_auth_message(name, b"c" * 32, b"i" * 32)
+    assert base != name_auth_message(relay_name("relay.example.com", 8443), b"c" * 32, b"i" * 32)
+    assert base != name_auth_message(name, b"C" * 32, b"i" * 32)
+    assert base != name_auth_message(name, b"c" * 32, b"I" * 32)
+    # The name's length is written: no name can end where a longer one's bytes go on.
+    assert base[27:29] == len(name).to_bytes(2, "big") and base[29:50] == name
+    # Another context string: no certificate-bound message is a name-bound one.
+    assert not base.startswith(auth_message(b"h" * 32, b"c" * 32, b"i" * 32)[:22])
+    for bad in ((b"", b"c" * 32, b"i" * 32), (name, b"c" * 31, b"i" * 32), (name, b"c" * 32, b"i")):
+        with pytest.raises(ValueError):
+            name_auth_message(*bad)
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "name"),
+    [
+        ("Relay.Example.COM", 443, b"relay.example.com:443"),
+        ("127.0.0.1", 8443, b"127.0.0.1:8443"),
+        ("2001:DB8:0:0::1", 443, b"[2001:db8::1]:443"),
+    ],
+)
+def test_relay_names_are_written_one_way(host: str, port: int, name: bytes) -> None:
+    assert relay_name(host, port) == name
+    url = RelayUrl.parse(f"https://{'[' + host + ']' if ':' in host else host}:{port}/")
+    assert relay_name(url.host, url.port) == name  # as the client computes it
+
+
+def test_challenges_ask_for_either_binding_and_nothing_else() -> None:
+    c = bytes(range(32))
+    assert challenge_body(c) == b"\x01" + c
+    assert parse_challenge(challenge_body(c)) == (c, False)
+    assert challenge_body(c, name_bound=True) == b"\x01" + c + b"\x01"
+    assert parse_challenge(challenge_body(c, name_bound=True)) == (c, True)
+    for bad in (b"\x02" + c, b"\x01" + c[:31], b"\x01" + c + b"\x00", b"\x01" + c + b"\x02", b""):
+        with pytest.raises(RelayProtocolError, match="version-1 challenge"):
+            parse_challenge(bad)
 
 
 def test_http_upgrade_heads() -> None:

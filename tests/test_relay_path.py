@@ -215,6 +215,35 @@ async def test_under_a_rate_limit_the_queue_towards_the_relay_is_a_quarter_secon
             await bounded(path.close(), "close()")
 
 
+async def test_a_session_cancelled_as_its_tls_handshake_ends_leaves_no_unread_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cancelled right when its TLS handshake finished (the session had just been told
+    of the connection), the opening step aborts the connection: the session must not
+    keep an error for it that nobody reads (asyncio logged "Future exception was never
+    retrieved" when Group.close() came at that moment)."""
+    unread: list[str] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: unread.append(context["message"]))
+    async with running_relay() as srv:
+        path = RelayPath(key(0), srv.url, config=FAST)  # not started: _open is driven here
+        opening: asyncio.Task[Any] | None = None
+        made = RelaySessionProtocol.connection_made
+
+        def made_then_cancelled(self: RelaySessionProtocol, transport: Any) -> None:
+            made(self, transport)
+            assert opening is not None
+            opening.cancel()
+
+        monkeypatch.setattr(RelaySessionProtocol, "connection_made", made_then_cancelled)
+        opening = asyncio.create_task(path._open())
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        await asyncio.sleep(0.05)  # the abort's connection_lost
+        gc.collect()
+    assert unread == []
+
+
 async def test_wrong_pin_is_refused_and_named(tmp_path: Path) -> None:
     with RelayProcess(tmp_path) as relay:
         parts = urlsplit(relay.url)

@@ -6,6 +6,7 @@ relay process and lets only WebSocket upgrades through."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import ssl
 import struct
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,14 @@ from test_relay_core import FakeLink, auth_frame, core
 from test_relay_server import _certificate
 from transport_conformance import bounded
 
-from p2pdist import Group, GroupConfig, PunchConfig, SecretKey
+from p2pdist import (
+    Group,
+    GroupConfig,
+    P2PTimeoutError,
+    PeerAuthenticationError,
+    PunchConfig,
+    SecretKey,
+)
 from p2pdist.doctor import diagnose, render
 from p2pdist.transport.relay_path import RelayConfig, RelayPath
 from p2pdist.transport.relay_session import PONG_BACKLOG, RelaySessionProtocol
@@ -37,7 +46,9 @@ from p2pdist.wire.relay import (
     RelayProtocolError,
     decode_map,
     encode_frame,
+    name_auth_message,
     parse_http_head,
+    relay_name,
     upgrade_request,
 )
 from p2pdist.wire.websocket import (
@@ -278,6 +289,46 @@ def test_proxied_sessions_decline_records_and_take_the_forwarded_address() -> No
     assert kind is T.ERROR and body == b"too many clients from this address"
 
 
+PROXY_NAME = relay_name("relay.example.com", 443)
+
+
+def name_auth_ws(key: SecretKey, name: bytes = PROXY_NAME) -> bytes:
+    """A WebSocket-framed AUTH whose proof is bound to the relay name ``name``."""
+    raw = bytes(key.endpoint_id)
+    sig = key.sign(name_auth_message(name, b"\x07" * 32, raw))
+    return frame(encode_frame(T.AUTH, raw + sig), masked=True)
+
+
+def test_behind_a_proxy_with_its_own_certificates_proofs_bind_the_relays_name() -> None:
+    c = core(proof_name=PROXY_NAME)
+    s, link, _ = ws_upgrade(c, proxied=True)
+    link.head()
+    assert link.ws_frames() == [(T.CHALLENGE, b"\x01" + b"\x07" * 32 + b"\x01")]
+    c.receive(s, name_auth_ws(KEYS[0]), 0.0)
+    [(kind, _)] = link.ws_frames()
+    assert kind is T.AUTH_OK
+    # Through that proxy a proof bound to the certificate, or to another name (another
+    # relay's, or this host at another port), is refused.
+    for bad in (
+        auth_frame_ws(KEYS[1]),
+        name_auth_ws(KEYS[1], relay_name("relay.example.com", 8443)),
+        name_auth_ws(KEYS[1], relay_name("relay.example.net", 443)),
+    ):
+        s2, link2 = ws_session(c, proxied=True)
+        c.receive(s2, bad, 0.0)
+        [(kind, body)] = link2.ws_frames()
+        assert (kind, body) == (T.ERROR, b"bad signature")
+    assert c.metrics.auth_failures["bad_signature"] == 3
+    # On the relay's own TLS port the certificate binds, as before: a name-bound proof
+    # is refused there.
+    for proof, answer in ((name_auth_ws(KEYS[1]), T.ERROR), (auth_frame_ws(KEYS[1]), T.AUTH_OK)):
+        s3, link3, _ = ws_upgrade(c)
+        link3.head()
+        assert link3.ws_frames() == [(T.CHALLENGE, b"\x01" + b"\x07" * 32)]
+        c.receive(s3, proof, 0.0)
+        assert [kind for kind, _ in link3.ws_frames()] == [answer]
+
+
 @pytest.mark.parametrize(
     ("header", "ip"),
     [
@@ -394,6 +445,16 @@ def test_http_port_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="proxy-hops is for the http-port"):
         ServerConfig(proxy_hops=2)
     assert ServerConfig(http_port=0, cert=pem, cert_key=pem, proxy_hops=2).proxy_hops == 2
+    # A proxy with certificates of its own: the relay needs no certificate files, but
+    # the name clients dial.
+    own = {"http_port": 0, "proxy_certs": "own", "public_host": "relay.example.com"}
+    assert ServerConfig(**own, public_port=443).cert is None  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="set public-host and public-port to the proxy's"):
+        ServerConfig(**own)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="proxy-certs is for the http-port"):
+        ServerConfig(proxy_certs="own", public_host="r.example", public_port=443)
+    with pytest.raises(ConfigError, match="proxy-certs must be relay or own, got 'theirs'"):
+        ServerConfig(http_port=0, cert=pem, cert_key=pem, proxy_certs="theirs")
 
 
 # ---- the real client ----------------------------------------------------------------------
@@ -504,6 +565,28 @@ def _nginx_conf(tmp: Path, cert: Path, key: Path, port: int, http_port: int, hop
     )
 
 
+@contextlib.contextmanager
+def _nginx(tmp: Path, conf: str, port: int) -> Iterator[None]:
+    """nginx with ``conf``, listening on ``port``, until the block ends."""
+    assert NGINX is not None
+    path = tmp / "nginx.conf"
+    path.write_text(conf)
+    nginx = subprocess.Popen(
+        [NGINX, "-c", str(path), "-p", str(tmp), "-e", str(tmp / "nginx-error.log")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        _wait_listening(port, nginx, tmp / "nginx-error.log")
+        yield
+    finally:
+        nginx.send_signal(signal.SIGQUIT)
+        try:
+            nginx.wait(10)
+        except subprocess.TimeoutExpired:
+            nginx.kill()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -536,7 +619,7 @@ async def _group_through(url: str) -> list[str]:
             np.testing.assert_array_equal(out, np.full(300_000, 6.0))
         await asyncio.gather(*(g.barrier() for g in gs))
         return [
-            f"{g.relay_status.framing} {g.relay_status.observed}"
+            f"{g.relay_status.framing} {g.relay_status.proof} {g.relay_status.observed}"
             for g in gs
             if g.relay_status is not None
         ]
@@ -565,50 +648,74 @@ def _get(ctx: ssl.SSLContext, port: int, path: str, request: bytes | None = None
 def test_a_group_through_nginx_terminating_tls_in_front_of_the_relay(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hops: int
 ) -> None:
-    assert NGINX is not None
     cert, key = _certificate(tmp_path)  # for 127.0.0.1, its own CA
     port, http_port = _free_port(), _free_port()
-    conf = tmp_path / "nginx.conf"
-    conf.write_text(_nginx_conf(tmp_path, cert, key, port, http_port, hops))
-    with RelayProcess(
-        tmp_path,
-        *("--cert", str(cert), "--cert-key", str(key)),
-        *("--http-port", str(http_port), "--public-port", str(port)),
-        *("--proxy-hops", str(hops)),
-    ) as relay:
+    conf = _nginx_conf(tmp_path, cert, key, port, http_port, hops)
+    with (
+        RelayProcess(
+            tmp_path,
+            *("--cert", str(cert), "--cert-key", str(key)),
+            *("--http-port", str(http_port), "--public-port", str(port)),
+            *("--proxy-hops", str(hops)),
+        ) as relay,
+        _nginx(tmp_path, conf, port),
+    ):
         assert relay.url == f"https://127.0.0.1:{port}/"  # the proxy's: what clients dial
-        nginx = subprocess.Popen(
-            [NGINX, "-c", str(conf), "-p", str(tmp_path), "-e", str(tmp_path / "nginx-error.log")],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            _wait_listening(port, nginx, tmp_path / "nginx-error.log")
-            monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # trust the proxy's certificate
-            framings = asyncio.run(_group_through(relay.url))
-            # The relay saw each client's address in X-Forwarded-For (no port: nginx's
-            # peer port would follow a colon), not the proxy's (127.0.0.2, or 127.0.0.3
-            # for the second one); behind two proxies the entry before the second one's
-            # (127.0.0.2).
-            assert framings == ["websocket 127.0.0.1"] * 3
-            if hops == 2:
-                return
-            report = asyncio.run(diagnose(f"https://127.0.0.1:{port}/", key=KEYS[0], timeout=5.0))
-            assert report.relay_connected and report.relay_framing == "websocket"
-            assert "connected (TLS, WebSocket frames)" in render(report), render(report)
-            ctx = ssl.create_default_context(cafile=str(cert))
-            # The proxy lets only WebSocket upgrades through, as CDNs and load balancers do.
-            refused = _get(ctx, port, "/relay", upgrade_request("127.0.0.1"))
-            assert refused.startswith(b"HTTP/1.1 403 "), refused[:100]
-            page = _get(ctx, port, "/metrics")
-            assert b"p2pdist_relay_websocket_upgrades_total 4" in page  # 3 ranks, the doctor
-            assert b"p2pdist_relay_datagrams_out_total 0" not in page
-        finally:
-            nginx.send_signal(signal.SIGQUIT)
-            try:
-                nginx.wait(10)
-            except subprocess.TimeoutExpired:
-                nginx.kill()
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # trust the proxy's certificate
+        framings = asyncio.run(_group_through(relay.url))
+        # The relay saw each client's address in X-Forwarded-For (no port: nginx's
+        # peer port would follow a colon), not the proxy's (127.0.0.2, or 127.0.0.3
+        # for the second one); behind two proxies the entry before the second one's
+        # (127.0.0.2). The proofs are bound to the certificate, which is the relay's.
+        assert framings == ["websocket certificate 127.0.0.1"] * 3
+        if hops == 2:
+            return
+        report = asyncio.run(diagnose(f"https://127.0.0.1:{port}/", key=KEYS[0], timeout=5.0))
+        assert report.relay_connected and report.relay_framing == "websocket"
+        assert "connected (TLS, WebSocket frames)" in render(report), render(report)
+        ctx = ssl.create_default_context(cafile=str(cert))
+        # The proxy lets only WebSocket upgrades through, as CDNs and load balancers do.
+        refused = _get(ctx, port, "/relay", upgrade_request("127.0.0.1"))
+        assert refused.startswith(b"HTTP/1.1 403 "), refused[:100]
+        page = _get(ctx, port, "/metrics")
+        assert b"p2pdist_relay_websocket_upgrades_total 4" in page  # 3 ranks, the doctor
+        assert b"p2pdist_relay_datagrams_out_total 0" not in page
+
+
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed (CI installs nginx-light)")
+@pytest.mark.parametrize("proxy_certs", ["own", "relay"])
+def test_a_proxy_with_certificates_of_its_own_needs_proofs_bound_to_the_relays_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, proxy_certs: str
+) -> None:
+    """As a managed load balancer or CDN: the proxy serves a certificate the relay never
+    sees. With ``--proxy-certs own`` (and no certificate files at all: the relay's own TLS
+    port is pinned) the group forms; without it every proof is refused."""
+    (tmp_path / "proxy").mkdir()
+    (tmp_path / "relay").mkdir()
+    cert, key = _certificate(tmp_path / "proxy")
+    port, http_port = _free_port(), _free_port()
+    if proxy_certs == "own":
+        mode: tuple[str, ...] = ("--proxy-certs", "own", "--public-host", "127.0.0.1")
+    else:  # the relay has a certificate, another one than the proxy's
+        relay_cert, relay_key = _certificate(tmp_path / "relay")
+        mode = ("--cert", str(relay_cert), "--cert-key", str(relay_key))
+    with (
+        RelayProcess(
+            tmp_path, *mode, "--http-port", str(http_port), "--public-port", str(port)
+        ) as relay,
+        _nginx(tmp_path, _nginx_conf(tmp_path, cert, key, port, http_port, 1), port),
+    ):
+        assert relay.url == f"https://127.0.0.1:{port}/"  # no pin: the proxy's certificate
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        if proxy_certs == "relay":
+            with pytest.raises(PeerAuthenticationError, match="refused us: bad signature"):
+                asyncio.run(_group_through(relay.url))
+            return
+        assert asyncio.run(_group_through(relay.url)) == ["websocket name 127.0.0.1"] * 3
+        report = asyncio.run(diagnose(relay.url, key=KEYS[0], timeout=5.0))
+        assert report.relay_proof == "name"
+        assert "WebSocket frames, proof bound to the relay's name" in render(report)
+    assert "proxy_certs=own" in relay.log.read_text()
 
 
 async def test_the_http_port_also_serves_raw_upgrades_bound_to_the_certificate(
@@ -778,6 +885,27 @@ async def _connect_once() -> tuple[Any, Any]:
         try:
             await path.wait_connected(10)
             return path.status, srv.core.metrics
+        finally:
+            await bounded(path.close(), "close()")
+
+
+async def test_a_pinned_client_never_signs_a_proof_bound_to_a_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only a relay behind a proxy with certificates of its own may ask for a name-bound
+    proof; over a connection to a pinned key (the relay's own TLS) the client refuses."""
+    from relay.inbound import Inbound
+
+    monkeypatch.setattr(Inbound, "_bound_name", lambda self, s: b"127.0.0.1:1")
+    async with RelayServer(ServerConfig(host="127.0.0.1", port=0, stun_port=0)) as srv:
+        assert "?pin=" in srv.url
+        path = RelayPath(
+            KEYS[0], srv.url, config=RelayConfig(backoff_initial=0.05, backoff_max=0.1)
+        )
+        try:
+            with pytest.raises(P2PTimeoutError, match="asked for a proof bound to its name"):
+                await path.wait_connected(1.0)
+            assert srv.core.metrics.auth_ok_total == 0
         finally:
             await bounded(path.close(), "close()")
 

@@ -176,6 +176,10 @@ class RelayStatus:
     """How relay frames travel after the upgrade: ``"raw"`` (the relay's own TLS port),
     or ``"websocket"`` (WebSocket binary frames: a relay behind a TLS-terminating reverse
     proxy, or one that did not take records)."""
+    proof: str | None = None
+    """What our AUTH proof was bound to: ``"certificate"`` (the relay's TLS certificate
+    as we saw it) or ``"name"`` (the relay URL's host and port: a relay behind a proxy or
+    load balancer with certificates of its own, docs/relay.md)."""
 
 
 def parse_stun_ports(value: object) -> tuple[int, ...]:

@@ -50,6 +50,9 @@ from ..wire.relay import (
     cert_fingerprint,
     decode_map,
     encode_frame,
+    name_auth_message,
+    parse_challenge,
+    relay_name,
     upgrade_request,
 )
 from .aeadpipe import new_secret
@@ -375,6 +378,9 @@ class RelayPath:
         except BaseException as exc:
             if stream is not None:
                 stream.abort()
+            # Cancelled just as the handshake finished, the session would be told of the
+            # abort, with an error nobody reads.
+            proto.close()
             if not isinstance(exc, ssl.SSLCertVerificationError):
                 raise
             # Not worth waiting out: retrying will not make the certificate trusted.
@@ -444,10 +450,22 @@ class RelayPath:
         self._bare_upgrade = bare  # the form that worked, kept for the next sessions
         writer = proto.writer
         kind, _, body = await proto.next_frame()
-        if kind is not RelayFrameType.CHALLENGE or len(body) != 33 or body[0] != 1:
-            raise RelayProtocolError("relay did not send a version-1 challenge")
+        if kind is not RelayFrameType.CHALLENGE:
+            raise RelayProtocolError(f"expected CHALLENGE, got {kind.name}")
+        challenge, name_bound = parse_challenge(body)
         me = bytes(self.endpoint_id)
-        sig = self._key.sign(auth_message(self._cert_hash, body[1:], me))
+        if not name_bound:
+            message = auth_message(self._cert_hash, challenge, me)
+        elif self.url.pin is not None:
+            # Only a relay behind a proxy with certificates of its own asks for this; a
+            # pinned URL reaches the relay's own TLS, where the certificate binds.
+            raise RelayProtocolError(
+                "relay asked for a proof bound to its name, over a connection to its "
+                "pinned key (a relay asks that only behind a proxy with its own certificates)"
+            )
+        else:
+            message = name_auth_message(relay_name(self.url.host, self.url.port), challenge, me)
+        sig = self._key.sign(message)
         writer.write(encode_frame(RelayFrameType.AUTH, me + sig + self._token.encode()))
         kind, _, body = await proto.next_frame()
         if kind is RelayFrameType.ERROR:
@@ -491,6 +509,7 @@ class RelayPath:
             limits=limits,
             records=writer.get_extra_info("records"),
             framing=proto.framing,
+            proof="name" if name_bound else "certificate",
         )
         return interval, silence
 

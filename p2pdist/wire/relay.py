@@ -11,8 +11,10 @@ The full byte layouts are in docs/protocol.md ("Relay protocol").
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
+import ipaddress
 import re
 import struct
 from collections.abc import Iterator
@@ -35,6 +37,7 @@ __all__ = [
     "MAX_BODY",
     "MAX_KEEPALIVE",
     "MAX_TOKEN_BYTES",
+    "NAME_BOUND",
     "NOT_ALLOWED_TEXT",
     "RECORDS_HEADER",
     "RECORDS_INFO",
@@ -50,10 +53,14 @@ __all__ = [
     "append_addressed",
     "ascii_host",
     "auth_message",
+    "challenge_body",
     "decode_addressed",
     "encode_addressed",
     "encode_frame",
+    "name_auth_message",
+    "parse_challenge",
     "parse_http_head",
+    "relay_name",
     "records_key",
     "FRAME_HEADER",
     "upgrade_request",
@@ -364,6 +371,55 @@ def auth_message(cert_sha256: bytes, challenge: bytes, client_id: bytes) -> byte
     if len(cert_sha256) != 32 or len(challenge) != 32 or len(client_id) != ID_LEN:
         raise ValueError("auth_message needs 32-byte hash, challenge and id")
     return b"p2pdist/v1/relay-auth\x00" + cert_sha256 + challenge + client_id
+
+
+NAME_BOUND = 1
+"""The CHALLENGE's last byte when the relay asks for a proof bound to its name
+(:func:`name_auth_message`), not to the certificate the client sees."""
+
+
+def challenge_body(challenge: bytes, *, name_bound: bool = False) -> bytes:
+    """A CHALLENGE frame's body: the version, the fresh ``challenge`` and, when the
+    proof must be bound to the relay's name, :data:`NAME_BOUND`."""
+    if len(challenge) != 32:
+        raise ValueError("a challenge is 32 bytes")
+    return bytes([VERSION]) + challenge + (bytes([NAME_BOUND]) if name_bound else b"")
+
+
+def parse_challenge(body: bytes) -> tuple[bytes, bool]:
+    """A CHALLENGE body's challenge and whether the proof is to be bound to the relay's
+    name; RelayProtocolError for any other form."""
+    if len(body) not in (33, 34) or body[0] != VERSION or body[33:] not in (b"", b"\x01"):
+        raise RelayProtocolError(f"relay did not send a version-{VERSION} challenge")
+    return body[1:33], len(body) == 34
+
+
+def relay_name(host: str, port: int) -> bytes:
+    """A relay's name as a name-bound proof names it: ``host:port`` in lower case (an IP
+    address in its compressed form, IPv6 bracketed), the port always written."""
+    host = host.lower()
+    with contextlib.suppress(ValueError):
+        host = ipaddress.ip_address(host).compressed
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{port}".encode("ascii")
+
+
+def name_auth_message(name: bytes, challenge: bytes, client_id: bytes) -> bytes:
+    """What a client signs for a relay behind a TLS-terminating proxy or load balancer
+    with certificates of its own (which the relay cannot know): bound to the relay's
+    name (:func:`relay_name`, as the client dialed it) instead of the certificate, and
+    to the fresh challenge. A proof made for one relay still names that relay only;
+    docs/security.md says what this binding gives up."""
+    if not 0 < len(name) <= 0xFFFF or len(challenge) != 32 or len(client_id) != ID_LEN:
+        raise ValueError("name_auth_message needs a name, a 32-byte challenge and an id")
+    return (
+        b"p2pdist/v1/relay-auth-name\x00"
+        + len(name).to_bytes(2, "big")
+        + name
+        + challenge
+        + client_id
+    )
 
 
 def cert_fingerprint(cert_der: bytes) -> bytes:
