@@ -366,6 +366,8 @@ class RelayServer:
                 http=format_address(c.http_host, self.http_port) if self.http_port else "off",
                 tls="pinned" if self.tls.pin else "certificate",
                 proxy_certs=c.proxy_certs if self.http_port else "-",
+                # The URL above is the balancer's; direct clients of the TLS port pin this.
+                pin=self.tls.pin if own and self.tls.pin else "-",
                 access=access.mode,
                 max_clients=c.max_clients,
                 max_clients_per_ip=c.max_clients_per_ip or "unlimited",

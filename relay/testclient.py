@@ -173,6 +173,8 @@ class RelayTestClient:
                 client.challenge, name_bound = parse_challenge(body)
             except RelayProtocolError as exc:
                 raise RelayRefused(str(exc)) from None
+            if name_bound and u.pin is not None:  # as RelayPath: never for a pinned URL
+                raise RelayRefused("name-bound challenge over a pinned connection")
             if name_bound:
                 client.bound_name = relay_name(u.host, u.port)
         except BaseException:

@@ -31,7 +31,6 @@ from transport_conformance import bounded
 from p2pdist import (
     Group,
     GroupConfig,
-    P2PTimeoutError,
     PeerAuthenticationError,
     PunchConfig,
     SecretKey,
@@ -44,6 +43,7 @@ from p2pdist.wire.relay import (
     RelayFrameDecoder,
     RelayFrameType,
     RelayProtocolError,
+    RelayUrl,
     decode_map,
     encode_frame,
     name_auth_message,
@@ -327,6 +327,34 @@ def test_behind_a_proxy_with_its_own_certificates_proofs_bind_the_relays_name() 
         assert link3.ws_frames() == [(T.CHALLENGE, b"\x01" + b"\x07" * 32)]
         c.receive(s3, proof, 0.0)
         assert [kind for kind, _ in link3.ws_frames()] == [answer]
+
+
+def test_without_proxy_certs_own_a_name_bound_proof_is_refused_through_the_proxy() -> None:
+    """A middlebox that asks the client for a name-bound proof gets nothing the relay
+    takes: only a relay told ``proxy-certs own`` does."""
+    c = core()
+    s, link = ws_session(c, proxied=True)
+    c.receive(s, name_auth_ws(KEYS[0]), 0.0)
+    assert link.ws_frames() == [(T.ERROR, b"bad signature")]
+
+
+@pytest.mark.parametrize(
+    "public_host", ["Relay.Example.COM", "bücher.example", "relay.example.com.", "2001:DB8:0::1"]
+)
+async def test_the_relay_binds_the_name_of_the_url_it_prints(public_host: str) -> None:
+    config = ServerConfig(
+        host="127.0.0.1",
+        port=0,
+        stun_port=0,
+        http_port=0,
+        proxy_certs="own",
+        public_host=public_host,
+        public_port=443,
+    )
+    async with RelayServer(config) as srv:
+        url = RelayUrl.parse(srv.url)
+        assert url.pin is None  # the balancer's URL: its certificate, through the CAs
+        assert srv.core.config.proof_name == relay_name(url.host, url.port)  # as clients do
 
 
 @pytest.mark.parametrize(
@@ -903,8 +931,8 @@ async def test_a_pinned_client_never_signs_a_proof_bound_to_a_name(
             KEYS[0], srv.url, config=RelayConfig(backoff_initial=0.05, backoff_max=0.1)
         )
         try:
-            with pytest.raises(P2PTimeoutError, match="asked for a proof bound to its name"):
-                await path.wait_connected(1.0)
+            with pytest.raises(PeerAuthenticationError, match="asked for a proof bound to its"):
+                await path.wait_connected(10.0)  # at once: not worth waiting out
             assert srv.core.metrics.auth_ok_total == 0
         finally:
             await bounded(path.close(), "close()")

@@ -458,10 +458,12 @@ class RelayPath:
             message = auth_message(self._cert_hash, challenge, me)
         elif self.url.pin is not None:
             # Only a relay behind a proxy with certificates of its own asks for this; a
-            # pinned URL reaches the relay's own TLS, where the certificate binds.
-            raise RelayProtocolError(
-                "relay asked for a proof bound to its name, over a connection to its "
-                "pinned key (a relay asks that only behind a proxy with its own certificates)"
+            # pinned URL reaches the relay's own TLS, where the certificate binds. Not
+            # worth retrying: the relay that holds the pinned key asked it.
+            raise PeerAuthenticationError(
+                f"relay {self.url}",
+                "asked for a proof bound to its name over a connection to its pinned key "
+                "(a relay asks that only behind a proxy with certificates of its own)",
             )
         else:
             message = name_auth_message(relay_name(self.url.host, self.url.port), challenge, me)

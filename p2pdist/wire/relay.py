@@ -395,9 +395,11 @@ def parse_challenge(body: bytes) -> tuple[bytes, bool]:
 
 
 def relay_name(host: str, port: int) -> bytes:
-    """A relay's name as a name-bound proof names it: ``host:port`` in lower case (an IP
-    address in its compressed form, IPv6 bracketed), the port always written."""
-    host = host.lower()
+    """A relay's name as a name-bound proof names it: ``host:port`` in lower case, a
+    non-ASCII name in its IDNA form, without a trailing dot, an IP address in its
+    compressed form (IPv6 bracketed), the port always written. UsageError for a host
+    without an ASCII form."""
+    host = ascii_host(host).lower().removesuffix(".")
     with contextlib.suppress(ValueError):
         host = ipaddress.ip_address(host).compressed
     if ":" in host:
