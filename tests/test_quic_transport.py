@@ -24,6 +24,7 @@ from aioquic.quic.connection import QuicConnection as AioQuicConnection
 from aioquic.quic.connection import QuicConnectionState
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, StreamDataReceived
 from aioquic.quic.packet import QuicErrorCode
+from aioquic.quic.recovery import QuicPacketRecovery
 from aioquic.quic.stream import QuicStream
 from fake_relay import FakeRelayHub
 from transport_conformance import (
@@ -62,6 +63,7 @@ from p2pdist.transport.quic_core import (
     QuicConfig,
     quic_configuration,
 )
+from p2pdist.transport.reordering import ReorderingRecovery
 
 SEED = "quic transport tests: a shared secret"
 QUIC_LOG = "p2pdist.transport"
@@ -669,6 +671,24 @@ def test_aioquic_internals_exist() -> None:
     assert stream.receiver.starting_offset() == 0
     assert stream.sender.highest_offset == 0 and stream.sender.is_finished is False
     assert QuicConnectionState.DRAINING and QuicConnectionState.FIRSTFLIGHT
+    # ReorderingRecovery: made with the arguments aioquic's QuicConnection passes its own
+    # recovery (the connection replaces that one), and overriding methods it calls.
+    made = inspect.signature(QuicPacketRecovery.__init__).parameters
+    assert set(made) == {
+        "self",
+        "congestion_control_algorithm",
+        "initial_rtt",
+        "max_datagram_size",
+        "peer_completed_address_validation",
+        "send_probe",
+        "logger",
+        "quic_logger",
+    }
+    for name in ("_detect_loss", "_on_packets_lost", "_in_persistent_congestion"):
+        assert callable(getattr(QuicPacketRecovery, name))
+    assert "congestion_event" in inspect.signature(QuicPacketRecovery._on_packets_lost).parameters
+    client, _ = sans_io_pair()
+    assert type(client._loss) is ReorderingRecovery
 
 
 def test_a_peer_can_open_no_stream_but_stream_0() -> None:

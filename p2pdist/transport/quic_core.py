@@ -39,7 +39,11 @@ changes, each relying on an aioquic internal (hence the ``aioquic>=1.2,<2`` pin;
    stores data past a gap by padding the gap with real memory). Stream 0's initial
    window (``_local_max_stream_data_bidi_local`` / ``_remote``) is
    :data:`UNPROVEN_WINDOW` until :meth:`admit`, then the sliding window grows it.
-6. **Logging.** aioquic logs through ``self._logger`` (and ``_loss._logger``, handed
+6. **Loss detection.** ``_loss`` is replaced, right after aioquic made it, by a
+   :class:`~.reordering.ReorderingRecovery` made with the same arguments: aioquic's
+   loss recovery with a reordering window (it overrides ``_detect_loss`` and
+   ``_on_packets_lost``); :meth:`path_changed` tells it of a new path.
+7. **Logging.** aioquic logs through ``self._logger`` (and ``_loss._logger``, handed
    the same adapter) and warns of every protocol error
    a peer makes, a stranger's late or forged Initial included; with no logging set up,
    Python prints such warnings on stderr. The connection logs under
@@ -76,6 +80,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from ..identity import SecretKey
 from .bbr import NAME as BBR
 from .bbr import BbrCongestionControl, RatePacer
+from .reordering import ReorderingRecovery
 
 __all__ = [
     "ALPN",
@@ -255,7 +260,16 @@ class PinnedQuicConnection(QuicConnection):
             original_destination_connection_id=original_destination_connection_id,
         )
         self._logger = _AioquicLog(AIOQUIC_LOG, self._logger.extra)
-        self._loss._logger = self._logger  # loss recovery was handed the old one
+        # aioquic's loss recovery, as aioquic makes it, but adapting to reordering.
+        self._loss: ReorderingRecovery = ReorderingRecovery(
+            congestion_control_algorithm=configuration.congestion_control_algorithm,
+            initial_rtt=configuration.initial_rtt,
+            max_datagram_size=self._max_datagram_size,
+            peer_completed_address_validation=not self._is_client,
+            quic_logger=self._quic_logger,
+            send_probe=self._send_probe,
+            logger=self._logger,
+        )
         self._loss._pacer = _pacer_for(self._loss._cc, self._max_datagram_size)
         # One stream, 0, opened by the dialer: the peer may open no other. aioquic would
         # otherwise let it open 128 of each kind, each with a full window, and it stores
@@ -402,6 +416,7 @@ class PinnedQuicConnection(QuicConnection):
         loss._rtt_min = math.inf
         loss._rtt_smoothed = 0.0
         loss._rtt_variance = 0.0
+        loss.new_path(self._packet_number)
 
     def _install_controller(self, name: str, now: float) -> None:
         """A fresh congestion controller (and its pacer), taking over what is in flight."""

@@ -1,0 +1,159 @@
+"""Loss detection that adapts to reordering (p2pdist.transport.reordering), driven packet
+by packet: which packets it declares lost, when its window widens and narrows, and what
+a path change resets. (Whole transfers over a reordering model path: test_bbr.py.)"""
+
+from __future__ import annotations
+
+from aioquic.quic.packet import QuicPacketType
+from aioquic.quic.packet_builder import QuicSentPacket
+from aioquic.quic.rangeset import RangeSet
+from aioquic.quic.recovery import QuicPacketSpace
+from aioquic.tls import Epoch
+
+from p2pdist.transport.reordering import CALM_EPISODES, MAX_WINDOW_STEPS, ReorderingRecovery
+
+RTT = 0.1
+
+
+class Sender:
+    """A loss recovery and one packet space, with packets sent and ACKs received at
+    chosen times."""
+
+    def __init__(self) -> None:
+        self.recovery = ReorderingRecovery(
+            congestion_control_algorithm="reno",
+            initial_rtt=RTT,
+            max_datagram_size=1200,
+            peer_completed_address_validation=True,
+            send_probe=lambda: None,
+        )
+        self.space = QuicPacketSpace(is_application_data=True)
+        self.recovery.spaces = [self.space]
+        self.recovery.handshake_confirmed = True
+        self.next_number = 0
+        self.lost: list[int] = []
+
+    def send(self, count: int, now: float) -> list[int]:
+        numbers = []
+        for _ in range(count):
+            packet = QuicSentPacket(
+                epoch=Epoch.ONE_RTT,
+                in_flight=True,
+                is_ack_eliciting=True,
+                is_crypto_packet=False,
+                packet_number=self.next_number,
+                packet_type=QuicPacketType.ONE_RTT,
+                sent_time=now,
+                sent_bytes=1200,
+            )
+            packet.delivery_handlers.append((self._delivered, (self.next_number,)))
+            self.recovery.on_packet_sent(packet=packet, space=self.space)
+            numbers.append(self.next_number)
+            self.next_number += 1
+        return numbers
+
+    def _delivered(self, state: object, number: int) -> None:
+        if getattr(state, "name", "") == "LOST":
+            self.lost.append(number)
+
+    def ack(self, ranges: list[tuple[int, int]], now: float) -> None:
+        """Acknowledge packets ``start..stop - 1`` for each range."""
+        acked = RangeSet()
+        for start, stop in ranges:
+            acked.add(start, stop)
+        self.recovery.on_ack_received(ack_rangeset=acked, ack_delay=0.0, now=now, space=self.space)
+
+    def timeout(self, now: float) -> None:
+        self.recovery.on_loss_detection_timeout(now=now)
+
+
+def test_in_order_the_packet_threshold_declares_losses_at_once() -> None:
+    s = Sender()
+    s.send(10, 0.0)
+    s.ack([(0, 2), (5, 10)], RTT)  # 2, 3, 4 missing: 2 is 7 packets below the largest
+    assert s.lost == [2, 3, 4] and not s.recovery.reordering  # aioquic's rule: 3 packets
+
+
+def test_a_late_packet_turns_loss_detection_to_time_only() -> None:
+    s = Sender()
+    s.send(10, 0.0)
+    s.ack([(0, 1), (2, 10)], RTT)  # 1 is 8 below the largest: declared lost
+    assert s.lost == [1]
+    s.ack([(0, 10)], RTT + 0.005)  # ...and it came after all
+    assert s.recovery.spurious_losses == 1 and s.recovery.window_steps == 1
+    # From now on a gap is a loss only once a round trip and a quarter old.
+    s.send(10, 0.2)
+    s.ack([(15, 20)], 0.3)
+    assert s.lost == [1]
+    assert s.space.loss_time is not None
+    assert abs(s.space.loss_time - (0.2 + 1.25 * s.recovery._rtt_smoothed)) < 1e-9
+    s.timeout(s.space.loss_time)
+    assert s.lost == [1, 10, 11, 12, 13, 14]
+
+
+def test_a_packet_overtaken_before_its_loss_shows_reordering_too() -> None:
+    s = Sender()
+    s.send(10, 0.0)
+    s.ack([(0, 3), (4, 6)], RTT)  # 3 is 2 below the largest: not lost yet
+    s.ack([(0, 6)], RTT + 0.001)  # newly acknowledged below the largest: reordered
+    assert s.lost == [] and s.recovery.window_steps == 1 and s.recovery.spurious_losses == 0
+
+
+def test_the_window_widens_once_a_round_trip_up_to_one_round_trip_and_narrows_when_calm() -> None:
+    s = Sender()
+    now = 0.0
+
+    def loss(*, spurious: bool = True) -> None:
+        """A packet declared lost (9 later ones acknowledged), then, if ``spurious``,
+        acknowledged after all."""
+        nonlocal now
+        first = s.send(10, now)[0]
+        now += RTT
+        s.ack([(first + 1, first + 10)], now)
+        if s.space.loss_time is not None:  # time only: lost once it is old enough
+            now = s.space.loss_time
+            s.timeout(now)
+        assert s.lost[-1] == first
+        if spurious:
+            s.ack([(first, first + 10)], now + 0.001)
+
+    loss()
+    loss()  # a round trip later: widened
+    assert s.recovery.window_steps == 2
+    first = s.send(12, now)[0]
+    s.ack([(first + 11, first + 12)], now + 0.01)
+    assert s.space.loss_time is not None
+    now = s.space.loss_time
+    s.timeout(now)
+    assert s.lost[-11:] == list(range(first, first + 11))
+    before = s.recovery.spurious_losses
+    s.ack([(first, first + 5), (first + 11, first + 12)], now + 0.001)
+    assert s.recovery.window_steps == 3
+    s.ack([(first, first + 12)], now + 0.002)  # the same round trip: not widened again
+    assert s.recovery.window_steps == 3 and s.recovery.spurious_losses == before + 11
+    for _ in range(MAX_WINDOW_STEPS):
+        now += 2 * RTT
+        loss()
+    assert s.recovery.window_steps == MAX_WINDOW_STEPS
+    for _ in range(CALM_EPISODES - 1):  # real losses, none acknowledged later
+        now += 2 * RTT
+        loss(spurious=False)
+    assert s.recovery.window_steps == MAX_WINDOW_STEPS
+    loss(spurious=False)
+    assert s.recovery.window_steps == MAX_WINDOW_STEPS - 1
+
+
+def test_a_new_path_starts_without_reordering_and_ignores_the_old_paths_packets() -> None:
+    s = Sender()
+    s.send(10, 0.0)
+    s.ack([(0, 1), (2, 10)], RTT)
+    s.ack([(0, 10)], RTT + 0.001)
+    assert s.recovery.reordering
+    old = s.send(5, 0.2)  # still in flight on the old path (the relay, say)
+    s.recovery.new_path(s.next_number)
+    assert not s.recovery.reordering
+    new = s.send(5, 0.21)
+    s.ack([(new[0], new[-1] + 1)], 0.25)  # the new, shorter path's ACKs come first
+    s.ack([(old[0], new[-1] + 1)], 0.3)  # then the old path's packets: no reordering
+    assert not s.recovery.reordering
+    assert s.lost == [1, *old]  # lost by the count (before its ACK came): sent again
