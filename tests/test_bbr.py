@@ -273,6 +273,18 @@ def test_a_path_that_reorders_keeps_its_rate(cc: str, jitter: float) -> None:
     assert out.seconds < clean.seconds * (1.5 if jitter > 0.025 else 1.2), (out, clean)
 
 
+def test_a_path_change_starts_loss_detection_over() -> None:
+    """The connection tells its loss recovery of a new path: no reordering seen there
+    yet, and nothing to see in the old path's packets."""
+    conn = connection("reno", client=True)
+    recovery = conn._loss
+    assert isinstance(recovery, ReorderingRecovery)
+    recovery.window_steps = 3
+    conn._packet_number = 57
+    conn.path_changed(MDS, 1.0, "reno")
+    assert not recovery.reordering and recovery._first_number == 57
+
+
 def test_a_shallow_bottleneck_queue_sees_little_loss() -> None:
     """A 2 MB/s bottleneck with a 64 KiB queue (a third of the path's bandwidth-delay
     product): BBR fills the link and loses few packets. Before its pacer kept account of

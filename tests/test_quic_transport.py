@@ -686,6 +686,12 @@ def test_aioquic_internals_exist() -> None:
     }
     for name in ("_detect_loss", "_on_packets_lost", "_in_persistent_congestion"):
         assert callable(getattr(QuicPacketRecovery, name))
+    for name, params in (
+        ("on_ack_received", {"self", "ack_rangeset", "ack_delay", "now", "space"}),
+        ("discard_space", {"self", "space"}),
+        ("_detect_loss", {"self", "now", "space"}),
+    ):
+        assert set(inspect.signature(getattr(QuicPacketRecovery, name)).parameters) == params
     assert "congestion_event" in inspect.signature(QuicPacketRecovery._on_packets_lost).parameters
     client, _ = sans_io_pair()
     assert type(client._loss) is ReorderingRecovery

@@ -139,6 +139,7 @@ def test_the_window_widens_once_a_round_trip_up_to_one_round_trip_and_narrows_wh
         now += 2 * RTT
         loss(spurious=False)
     assert s.recovery.window_steps == MAX_WINDOW_STEPS
+    now += 2 * RTT
     loss(spurious=False)
     assert s.recovery.window_steps == MAX_WINDOW_STEPS - 1
 
@@ -157,3 +158,30 @@ def test_a_new_path_starts_without_reordering_and_ignores_the_old_paths_packets(
     s.ack([(old[0], new[-1] + 1)], 0.3)  # then the old path's packets: no reordering
     assert not s.recovery.reordering
     assert s.lost == [1, *old]  # lost by the count (before its ACK came): sent again
+
+
+def test_a_packet_overtaken_then_a_spurious_loss_widen_once_in_a_round_trip() -> None:
+    s = Sender()
+    s.send(20, 0.0)
+    s.ack([(0, 3), (4, 20)], RTT)  # 3 is declared lost (16 below the largest)...
+    s.ack([(0, 1), (2, 20)], RTT + 0.001)  # ...and 1 was overtaken, found now: reordering
+    assert s.recovery.window_steps == 1
+    s.ack([(0, 20)], RTT + 0.002)  # 3 came after all: a spurious loss, the same round trip
+    assert s.recovery.spurious_losses == 1 and s.recovery.window_steps == 1
+
+
+def test_a_burst_of_losses_declared_a_few_at_a_time_is_one_episode() -> None:
+    """Time declares the losses of a paced burst one packet per timer; they are one loss
+    episode, not one each (the window would narrow after a single long burst)."""
+    s = Sender()
+    s.recovery.window_steps = 2
+    for i in range(2 * CALM_EPISODES):
+        s.send(1, i * 0.001)  # paced: a packet a millisecond
+    last = s.next_number - 1
+    s.ack([(last, last + 1)], 0.1)
+    declared = 0
+    while s.space.loss_time is not None and declared < 100:
+        s.timeout(s.space.loss_time + 1e-9)  # (the clock moves on past the deadline)
+        declared += 1
+    assert s.lost == list(range(last)) and declared > CALM_EPISODES
+    assert s.recovery.window_steps == 2

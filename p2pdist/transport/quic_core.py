@@ -1,7 +1,7 @@
 """aioquic, set up for p2pdist: mutual TLS pinned to endpoint ids and a real receive window.
 
 :class:`PinnedQuicConnection` is aioquic's sans-I/O ``QuicConnection`` with these
-changes, each relying on an aioquic internal (hence the ``aioquic>=1.2,<2`` pin;
+changes, each relying on an aioquic internal (hence the ``aioquic>=1.7,<2`` pin;
 ``tests/test_quic_transport.py`` has a test per internal that fails when aioquic changes it):
 
 1. **Client certificates.** aioquic servers never ask for one. Its TLS context can:
@@ -41,8 +41,9 @@ changes, each relying on an aioquic internal (hence the ``aioquic>=1.2,<2`` pin;
    :data:`UNPROVEN_WINDOW` until :meth:`admit`, then the sliding window grows it.
 6. **Loss detection.** ``_loss`` is replaced, right after aioquic made it, by a
    :class:`~.reordering.ReorderingRecovery` made with the same arguments: aioquic's
-   loss recovery with a reordering window (it overrides ``_detect_loss`` and
-   ``_on_packets_lost``); :meth:`path_changed` tells it of a new path.
+   loss recovery with a reordering window (it overrides ``on_ack_received``,
+   ``_detect_loss``, ``_on_packets_lost`` and ``discard_space``, and calls
+   ``_in_persistent_congestion``); :meth:`path_changed` tells it of a new path.
 7. **Logging.** aioquic logs through ``self._logger`` (and ``_loss._logger``, handed
    the same adapter) and warns of every protocol error
    a peer makes, a stranger's late or forged Initial included; with no logging set up,
@@ -230,7 +231,7 @@ UNPROVEN_WINDOW = 64 * 1024
 
 class _AioquicLog(QuicConnectionAdapter):
     """aioquic's per-connection log (``[connection id] message``) with warnings and errors
-    lowered to INFO (module docstring, item 6)."""
+    lowered to INFO (module docstring, item 7)."""
 
     def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
         super().log(min(level, logging.INFO), msg, *args, **kwargs)

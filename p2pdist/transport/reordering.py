@@ -18,7 +18,9 @@ reorders, then does what TCP's RACK (RFC 8985) does:
 * **Each spurious loss** (at most one per round trip) widens the window by a quarter of
   a round trip, up to a whole one: the path reorders by more than the window.
 * **16 loss episodes without a spurious one** narrow it by a step again (never below
-  the first), so a path that stopped reordering detects real losses sooner again.
+  the first), so a path that stopped reordering detects real losses sooner again. An
+  episode starts with a loss of a packet sent after the last episode began (the losses
+  of one burst, declared a few at a time, are one), as a recovery period does.
 
 Declared-lost packet numbers are remembered (the latest :data:`REMEMBERED_LOSSES` per
 packet space) so that their late acknowledgements can be recognised; aioquic forgets a
@@ -43,8 +45,9 @@ from aioquic.quic.recovery import (
 __all__ = ["MAX_WINDOW_STEPS", "REMEMBERED_LOSSES", "ReorderingRecovery"]
 
 WINDOW_STEP = 0.25
-"""The reordering window grows by this share of the round trip per step (RACK's
-min_RTT / 4)."""
+"""The reordering window grows by this share of the round trip per step (as RACK's by
+min_RTT / 4; here of the round trip aioquic's time threshold uses, the larger of the
+latest and the smoothed)."""
 MAX_WINDOW_STEPS = 4
 """At most this many steps: a window of one round trip, a loss declared after two."""
 CALM_EPISODES = 16
@@ -64,6 +67,7 @@ class ReorderingRecovery(QuicPacketRecovery):
         self.spurious_losses = 0
         """Acknowledgements that came for packets already declared lost."""
         self._calm = 0
+        self._episode_start = float("-inf")
         self._widened_at = float("-inf")
         self._first_number = 0
         """Packets numbered below this were sent on an earlier path."""
@@ -96,6 +100,7 @@ class ReorderingRecovery(QuicPacketRecovery):
             self._spurious(ack_rangeset, lost, now)
         elif not self.window_steps and self._acks_below(ack_rangeset, space):
             self.window_steps = 1
+            self._widened_at = now
         super().on_ack_received(
             ack_rangeset=ack_rangeset, ack_delay=ack_delay, now=now, space=space
         )
@@ -149,10 +154,16 @@ class ReorderingRecovery(QuicPacketRecovery):
             first = self._first_number  # an earlier path's late packets show nothing
             lost.extend(p.packet_number for p in packets if p.packet_number >= first)
             del lost[:-REMEMBERED_LOSSES]
-            self._calm += 1
-            if self._calm >= CALM_EPISODES and self.window_steps > 1:
-                self.window_steps -= 1
-                self._calm = 0
+            sent = packets[0].sent_time
+            if sent is not None and sent > self._episode_start:
+                # A new episode: the first loss sent after the last one began, as a
+                # congestion controller's recovery period (the losses of one burst,
+                # declared a few at a time, are one).
+                self._episode_start = now
+                self._calm += 1
+                if self._calm >= CALM_EPISODES and self.window_steps > 1:
+                    self.window_steps -= 1
+                    self._calm = 0
         super()._on_packets_lost(
             congestion_event=congestion_event,
             now=now,
@@ -179,9 +190,10 @@ class ReorderingRecovery(QuicPacketRecovery):
     def _spurious(self, ack_rangeset: RangeSet, lost: list[int], now: float) -> None:
         """Packets declared lost were acknowledged after all: forget them, and widen the
         reordering window (at most once a round trip)."""
-        keep = [n for n in lost if n not in ack_rangeset]
-        self.spurious_losses += len(lost) - len(keep)
-        lost[:] = keep
+        for r in ack_rangeset:
+            i, j = bisect.bisect_left(lost, r.start), bisect.bisect_left(lost, r.stop)
+            self.spurious_losses += j - i
+            del lost[i:j]
         self._calm = 0
         rtt = self._rtt_smoothed if self._rtt_initialized else self._rtt_initial
         if not self.window_steps:
