@@ -4,6 +4,7 @@ a path change resets. (Whole transfers over a reordering model path: test_bbr.py
 
 from __future__ import annotations
 
+from aioquic.quic.congestion.reno import RenoCongestionControl
 from aioquic.quic.packet import QuicPacketType
 from aioquic.quic.packet_builder import QuicSentPacket
 from aioquic.quic.rangeset import RangeSet
@@ -185,3 +186,30 @@ def test_a_burst_of_losses_declared_a_few_at_a_time_is_one_episode() -> None:
         declared += 1
     assert s.lost == list(range(last)) and declared > CALM_EPISODES
     assert s.recovery.window_steps == 2
+
+
+def test_a_reno_window_cut_for_losses_that_were_none_is_undone() -> None:
+    """Reno halves its window for a loss; when every packet behind that cut is
+    acknowledged after all, the window it had comes back (the losses of its recovery
+    after it included). Until then, and for a cut with one real loss, the cut stands."""
+    s = Sender()
+    cc = s.recovery._cc
+    assert isinstance(cc, RenoCongestionControl)
+    s.send(20, 0.001)  # (Reno cuts only for packets sent after its last cut, at 0.0)
+    s.ack([(0, 3), (7, 20)], RTT)  # 3..6 declared lost: the window is halved
+    assert s.lost == [3, 4, 5, 6] and cc.ssthresh is not None
+    cut = cc.congestion_window
+    s.ack([(0, 6), (7, 20)], RTT + 0.001)  # 3, 4 and 5 came: 6 may still be lost
+    assert cc.congestion_window == cut and s.recovery.undone == 0
+    s.ack([(0, 20)], RTT + 0.002)  # ...and 6
+    assert cc.congestion_window >= 2 * cut and cc.ssthresh is None  # back in slow start
+    assert s.recovery.undone == 1
+    s.send(10, 0.2)  # a real loss this time
+    s.ack([(20, 21), (22, 30)], 0.3)
+    assert s.space.loss_time is not None  # time only now: lost when old enough
+    s.timeout(s.space.loss_time + 1e-9)
+    assert s.lost[-1] == 21
+    cut = cc.congestion_window
+    s.send(10, 0.5)
+    s.ack([(20, 21), (22, 40)], 0.6)  # later packets acknowledged, 21 never: no undo
+    assert cc.congestion_window == cut and s.recovery.undone == 1

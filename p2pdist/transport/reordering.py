@@ -24,15 +24,18 @@ reorders, then does what TCP's RACK (RFC 8985) does:
 
 Declared-lost packet numbers are remembered (the latest :data:`REMEMBERED_LOSSES` per
 packet space) so that their late acknowledgements can be recognised; aioquic forgets a
-packet once it is declared lost. A spurious loss is not undone in the congestion
-controller (BBR hardly reacts to loss; Reno's cut stands).
+packet once it is declared lost. A Reno window cut whose losses all turn out spurious
+(those of its recovery after it included) is undone: the window and slow-start
+threshold it had come back. BBR's model is left as it is (it hardly reacts to loss).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from dataclasses import dataclass
 
+from aioquic.quic.congestion.reno import RenoCongestionControl
 from aioquic.quic.packet_builder import QuicSentPacket
 from aioquic.quic.rangeset import RangeSet
 from aioquic.quic.recovery import (
@@ -56,6 +59,17 @@ REMEMBERED_LOSSES = 4096
 """Declared-lost packet numbers kept per packet space to recognise late acknowledgements."""
 
 
+@dataclass(slots=True)
+class _Undo:
+    """A Reno window cut that may be undone: the window before it, and the packets whose
+    loss it answered (and losses of the same recovery after it) not yet acknowledged."""
+
+    cc: RenoCongestionControl
+    window: int
+    ssthresh: int | None
+    outstanding: set[int]
+
+
 class ReorderingRecovery(QuicPacketRecovery):
     """aioquic's loss recovery with a reordering window (see the module docstring)."""
 
@@ -69,6 +83,9 @@ class ReorderingRecovery(QuicPacketRecovery):
         self._calm = 0
         self._episode_start = float("-inf")
         self._widened_at = float("-inf")
+        self.undone = 0
+        """Window cuts undone: every loss behind them turned out spurious."""
+        self._undo: _Undo | None = None
         self._first_number = 0
         """Packets numbered below this were sent on an earlier path."""
         self._lost: dict[QuicPacketSpace, list[int]] = {}
@@ -82,6 +99,7 @@ class ReorderingRecovery(QuicPacketRecovery):
         self.window_steps = 0
         self._calm = 0
         self._lost.clear()
+        self._undo = None
         self._first_number = first_number
 
     @property
@@ -164,6 +182,8 @@ class ReorderingRecovery(QuicPacketRecovery):
                 if self._calm >= CALM_EPISODES and self.window_steps > 1:
                     self.window_steps -= 1
                     self._calm = 0
+        cc = self._cc
+        window = cc.congestion_window, cc.ssthresh
         super()._on_packets_lost(
             congestion_event=congestion_event,
             now=now,
@@ -171,6 +191,15 @@ class ReorderingRecovery(QuicPacketRecovery):
             persistent_congestion=persistent_congestion,
             space=space,
         )
+        if not congestion_event or not packets:
+            return
+        numbers = {p.packet_number for p in packets}
+        if persistent_congestion or not isinstance(cc, RenoCongestionControl):
+            self._undo = None
+        elif cc.congestion_window < window[0]:  # this loss cut the window
+            self._undo = _Undo(cc, *window, numbers)
+        elif self._undo is not None:  # the same recovery: undone only if all are spurious
+            self._undo.outstanding |= numbers
 
     def discard_space(self, space: QuicPacketSpace) -> None:
         """Forget the space's lost packets with it."""
@@ -190,10 +219,19 @@ class ReorderingRecovery(QuicPacketRecovery):
     def _spurious(self, ack_rangeset: RangeSet, lost: list[int], now: float) -> None:
         """Packets declared lost were acknowledged after all: forget them, and widen the
         reordering window (at most once a round trip)."""
+        undo = self._undo
         for r in ack_rangeset:
             i, j = bisect.bisect_left(lost, r.start), bisect.bisect_left(lost, r.stop)
             self.spurious_losses += j - i
+            if undo is not None:
+                undo.outstanding.difference_update(lost[i:j])
             del lost[i:j]
+        if undo is not None and not undo.outstanding and undo.cc is self._cc:
+            # Every loss that cut the window was none: the window it had comes back.
+            undo.cc.congestion_window = max(undo.cc.congestion_window, undo.window)
+            undo.cc.ssthresh = undo.ssthresh
+            self._undo = None
+            self.undone += 1
         self._calm = 0
         rtt = self._rtt_smoothed if self._rtt_initialized else self._rtt_initial
         if not self.window_steps:
