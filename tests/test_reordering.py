@@ -213,3 +213,36 @@ def test_a_reno_window_cut_for_losses_that_were_none_is_undone() -> None:
     s.send(10, 0.5)
     s.ack([(20, 21), (22, 40)], 0.6)  # later packets acknowledged, 21 never: no undo
     assert cc.congestion_window == cut and s.recovery.undone == 1
+
+
+def test_a_real_loss_in_the_cuts_recovery_keeps_the_cut() -> None:
+    """A later loss of the recovery the cut began (a packet sent before the cut), declared
+    before the late acknowledgements of the cut's own losses, is real: no undo."""
+    s = Sender()
+    cc = s.recovery._cc
+    s.send(20, 0.001)
+    s.send(10, 0.05)
+    s.ack([(0, 3), (7, 20)], RTT)  # 3..6 lost: the window is halved
+    cut = cc.congestion_window
+    s.ack([(0, 3), (7, 25), (26, 30)], 0.16)  # 25 missing: lost, in the same recovery
+    assert 25 in s.lost
+    s.ack([(0, 25), (26, 30)], 0.17)  # 3..6 came after all; 25 never
+    assert cc.congestion_window == cut and s.recovery.undone == 0
+
+
+def test_after_an_undo_a_real_loss_of_a_packet_sent_before_the_cut_cuts_again() -> None:
+    """The undo ends the cut's recovery: a packet sent before the cut and lost for real
+    afterwards is a congestion signal again (it fell inside the recovery period, which
+    Reno ignores, while the window stood at its full size)."""
+    s = Sender()
+    cc = s.recovery._cc
+    s.send(20, 0.001)
+    s.send(10, 0.05)
+    s.ack([(0, 3), (7, 20)], RTT)  # 3..6 lost: cut
+    s.ack([(0, 20)], RTT + 0.001)  # all came: undone
+    assert s.recovery.undone == 1
+    window = cc.congestion_window
+    s.ack([(0, 25), (26, 30)], 0.16)  # 25 missing, 26..29 acknowledged
+    assert s.space.loss_time is not None  # time only since the spurious loss
+    s.timeout(s.space.loss_time + 1e-9)
+    assert 25 in s.lost and cc.congestion_window < window

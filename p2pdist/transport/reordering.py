@@ -25,8 +25,9 @@ reorders, then does what TCP's RACK (RFC 8985) does:
 Declared-lost packet numbers are remembered (the latest :data:`REMEMBERED_LOSSES` per
 packet space) so that their late acknowledgements can be recognised; aioquic forgets a
 packet once it is declared lost. A Reno window cut whose losses all turn out spurious
-(those of its recovery after it included) is undone: the window and slow-start
-threshold it had come back. BBR's model is left as it is (it hardly reacts to loss).
+(those of its recovery declared after it included) is undone: the window, slow-start
+threshold and recovery period it had come back, so a real loss after that cuts again.
+BBR's model is left as it is (it hardly reacts to loss).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class _Undo:
     cc: RenoCongestionControl
     window: int
     ssthresh: int | None
+    recovery_start: float
+    """When the recovery before the cut began: undone, the cut's recovery ends (a later
+    loss of a packet sent before the cut then counts, and cuts again)."""
     outstanding: set[int]
 
 
@@ -184,6 +188,7 @@ class ReorderingRecovery(QuicPacketRecovery):
                     self._calm = 0
         cc = self._cc
         window = cc.congestion_window, cc.ssthresh
+        recovery_start = getattr(cc, "_congestion_recovery_start_time", 0.0)
         super()._on_packets_lost(
             congestion_event=congestion_event,
             now=now,
@@ -197,7 +202,7 @@ class ReorderingRecovery(QuicPacketRecovery):
         if persistent_congestion or not isinstance(cc, RenoCongestionControl):
             self._undo = None
         elif cc.congestion_window < window[0]:  # this loss cut the window
-            self._undo = _Undo(cc, *window, numbers)
+            self._undo = _Undo(cc, *window, recovery_start, numbers)
         elif self._undo is not None:  # the same recovery: undone only if all are spurious
             self._undo.outstanding |= numbers
 
@@ -228,8 +233,13 @@ class ReorderingRecovery(QuicPacketRecovery):
             del lost[i:j]
         if undo is not None and not undo.outstanding and undo.cc is self._cc:
             # Every loss that cut the window was none: the window it had comes back.
-            undo.cc.congestion_window = max(undo.cc.congestion_window, undo.window)
-            undo.cc.ssthresh = undo.ssthresh
+            cc = undo.cc
+            cc.congestion_window = max(cc.congestion_window, undo.window)
+            cc.ssthresh = undo.ssthresh
+            cc._congestion_recovery_start_time = undo.recovery_start
+            self._pacer.update_rate(
+                congestion_window=cc.congestion_window, smoothed_rtt=self._rtt_smoothed
+            )
             self._undo = None
             self.undone += 1
         self._calm = 0
