@@ -246,3 +246,24 @@ def test_after_an_undo_a_real_loss_of_a_packet_sent_before_the_cut_cuts_again() 
     assert s.space.loss_time is not None  # time only since the spurious loss
     s.timeout(s.space.loss_time + 1e-9)
     assert 25 in s.lost and cc.congestion_window < window
+
+
+def test_an_undo_restores_the_recovery_period_before_the_cut_and_the_pacing_rate() -> None:
+    """A real cut, then a spurious one, undone: the first cut's recovery period is the
+    one in force again (a loss of a packet sent before it does not cut, one sent after
+    it does), and the pacer paces at the restored window again."""
+    s = Sender()
+    cc = s.recovery._cc
+    s.send(10, 0.01)  # 0..9
+    s.ack([(0, 1), (5, 10)], RTT)  # 1..4 lost for real: the first cut, at 0.1
+    first_start = cc._congestion_recovery_start_time
+    s.send(10, 0.05 + RTT)  # 10..19, after the first cut
+    s.send(10, 0.15 + RTT)  # 20..29
+    s.ack([(0, 1), (5, 12), (16, 30)], 0.2 + RTT)  # 12..15 lost: the second cut
+    assert cc._congestion_recovery_start_time > first_start
+    slow = s.recovery._pacer.packet_time
+    s.ack([(0, 1), (5, 30)], 0.2 + RTT + 0.001)  # 12..15 came: the second cut undone
+    assert s.recovery.undone == 1
+    assert cc._congestion_recovery_start_time == first_start
+    assert slow is not None and s.recovery._pacer.packet_time is not None
+    assert s.recovery._pacer.packet_time < slow

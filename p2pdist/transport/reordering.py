@@ -26,8 +26,10 @@ Declared-lost packet numbers are remembered (the latest :data:`REMEMBERED_LOSSES
 packet space) so that their late acknowledgements can be recognised; aioquic forgets a
 packet once it is declared lost. A Reno window cut whose losses all turn out spurious
 (those of its recovery declared after it included) is undone: the window, slow-start
-threshold and recovery period it had come back, so a real loss after that cuts again.
-BBR's model is left as it is (it hardly reacts to loss).
+threshold and recovery period it had come back, so a later loss of a packet sent since
+that recovery period began cuts again. A cut replaced by another before its undo stays
+(the undo of the later one restores the window between them). BBR's model is left as
+it is (it hardly reacts to loss).
 """
 
 from __future__ import annotations
@@ -62,8 +64,9 @@ REMEMBERED_LOSSES = 4096
 
 @dataclass(slots=True)
 class _Undo:
-    """A Reno window cut that may be undone: the window before it, and the packets whose
-    loss it answered (and losses of the same recovery after it) not yet acknowledged."""
+    """A Reno window cut that may be undone: the window before it, and the packets (space,
+    number) whose loss it answered (and losses of the same recovery after it) not yet
+    acknowledged."""
 
     cc: RenoCongestionControl
     window: int
@@ -71,7 +74,7 @@ class _Undo:
     recovery_start: float
     """When the recovery before the cut began: undone, the cut's recovery ends (a later
     loss of a packet sent before the cut then counts, and cuts again)."""
-    outstanding: set[int]
+    outstanding: set[tuple[QuicPacketSpace, int]]
 
 
 class ReorderingRecovery(QuicPacketRecovery):
@@ -119,7 +122,7 @@ class ReorderingRecovery(QuicPacketRecovery):
         """Look for reordering in the acknowledgement, then let aioquic handle it."""
         lost = self._lost.get(space)
         if lost and self._acks_any(ack_rangeset, lost):
-            self._spurious(ack_rangeset, lost, now)
+            self._spurious(ack_rangeset, lost, space, now)
         elif not self.window_steps and self._acks_below(ack_rangeset, space):
             self.window_steps = 1
             self._widened_at = now
@@ -198,7 +201,7 @@ class ReorderingRecovery(QuicPacketRecovery):
         )
         if not congestion_event or not packets:
             return
-        numbers = {p.packet_number for p in packets}
+        numbers = {(space, p.packet_number) for p in packets}
         if persistent_congestion or not isinstance(cc, RenoCongestionControl):
             self._undo = None
         elif cc.congestion_window < window[0]:  # this loss cut the window
@@ -221,7 +224,9 @@ class ReorderingRecovery(QuicPacketRecovery):
                 return True
         return False
 
-    def _spurious(self, ack_rangeset: RangeSet, lost: list[int], now: float) -> None:
+    def _spurious(
+        self, ack_rangeset: RangeSet, lost: list[int], space: QuicPacketSpace, now: float
+    ) -> None:
         """Packets declared lost were acknowledged after all: forget them, and widen the
         reordering window (at most once a round trip)."""
         undo = self._undo
@@ -229,7 +234,7 @@ class ReorderingRecovery(QuicPacketRecovery):
             i, j = bisect.bisect_left(lost, r.start), bisect.bisect_left(lost, r.stop)
             self.spurious_losses += j - i
             if undo is not None:
-                undo.outstanding.difference_update(lost[i:j])
+                undo.outstanding.difference_update((space, n) for n in lost[i:j])
             del lost[i:j]
         if undo is not None and not undo.outstanding and undo.cc is self._cc:
             # Every loss that cut the window was none: the window it had comes back.
