@@ -408,6 +408,9 @@ async def test_relayed_connection_moves_to_direct_and_reports_its_paths() -> Non
         assert by_kind["direct"].bytes_sent > len(payload)  # the payload went direct
         assert by_kind["relay"].bytes_sent < 100_000  # the relay carried the handshake only
         assert by_kind["direct"].rtt is not None
+        # Loopback stays on Reno ("auto"), and nothing reorders there.
+        assert info.loss is not None and info.loss.congestion_control == "reno"
+        assert not info.loss.reordering and info.loss.spurious_losses == 0
 
 
 async def test_direct_path_dies_traffic_returns_to_the_relay_then_punches_again() -> None:
@@ -424,6 +427,7 @@ async def test_direct_path_dies_traffic_returns_to_the_relay_then_punches_again(
             info = ta.paths()[B.endpoint_id]
             assert info.kind == "relay" and info.punching in ("backoff", "punching")
             assert info.last_failure is not None and "silent" in info.last_failure
+            assert info.loss is not None and info.loss.packets_lost > 0  # on the dead path
         # the network heals: the next round finds the direct path again
         await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct again")
         await ca.send(8, b"after")

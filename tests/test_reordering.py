@@ -73,6 +73,10 @@ def test_in_order_the_packet_threshold_declares_losses_at_once() -> None:
     s.send(10, 0.0)
     s.ack([(0, 2), (5, 10)], RTT)  # 2, 3, 4 missing: 2 is 7 packets below the largest
     assert s.lost == [2, 3, 4] and not s.recovery.reordering  # aioquic's rule: 3 packets
+    assert s.recovery.packets_lost == 3
+    s.send(2, RTT)  # 10, 11
+    s.recovery.reschedule_data(now=RTT + 0.01)  # a probe's early resend: no loss declared
+    assert s.recovery.packets_lost == 3 and s.lost == [2, 3, 4, 10]
 
 
 def test_a_late_packet_turns_loss_detection_to_time_only() -> None:

@@ -6,7 +6,7 @@ and :class:`QuicTransport` (over UDP, or a relay through :class:`RelayPath`).
 """
 
 from .base import Connection, ConnectionStats, Transport, TransportConfig
-from .pathinfo import PathInfo, PathStats
+from .pathinfo import LossInfo, PathInfo, PathStats
 from .punch import PunchConfig
 from .quic import QuicConnection, QuicTransport
 from .relay_path import RelayPath
@@ -15,6 +15,7 @@ from .tcp import TcpTransport
 __all__ = [
     "Connection",
     "ConnectionStats",
+    "LossInfo",
     "PathInfo",
     "PathStats",
     "PunchConfig",

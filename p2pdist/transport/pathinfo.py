@@ -8,7 +8,7 @@ from ..identity import EndpointId
 from .base import ConnectionStats
 from .paths import PathKind
 
-__all__ = ["PathInfo", "PathStats", "single_path"]
+__all__ = ["LossInfo", "PathInfo", "PathStats", "single_path"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,21 @@ class PathStats:
     bytes_received: int = 0
     rtt: float | None = None
     """Smoothed PING round trip on a direct path, seconds (None for the relay)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LossInfo:
+    """A QUIC connection's congestion control and loss detection (docs/quic.md 4)."""
+
+    congestion_control: str
+    """The current path's controller: ``"reno"``, ``"bbr"`` or ``"cubic"``."""
+    packets_lost: int = 0
+    """Packets declared lost since the connection began (a probe's early resend not
+    counted)."""
+    spurious_losses: int = 0
+    """Of those, packets acknowledged after all: the path reorders them."""
+    reordering: bool = False
+    """The current path has shown reordering: losses are declared by time only."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,13 +66,20 @@ class PathInfo:
     """How many times the path changed."""
     last_failure: str | None = None
     """Why the last punching round or direct path failed, if one did."""
+    loss: LossInfo | None = None
+    """QUIC: congestion control and loss detection (None for TCP)."""
 
 
 def single_path(
-    peer: EndpointId, remote: str, stats: ConnectionStats, rtt: float | None, transport: str
+    peer: EndpointId,
+    remote: str,
+    stats: ConnectionStats,
+    rtt: float | None,
+    transport: str,
+    loss: LossInfo | None = None,
 ) -> PathInfo:
     """A peer reached over one direct path (TCP, or QUIC dialed at an address), with the
-    connection's frame counters as the path's traffic."""
+    connection's frame counters as the path's traffic, and QUIC's ``loss``."""
     only = PathStats(
         "direct",
         remote,
@@ -68,4 +90,4 @@ def single_path(
         stats.bytes_received,
         rtt,
     )
-    return PathInfo(peer, "direct", remote, rtt, transport, (only,))
+    return PathInfo(peer, "direct", remote, rtt, transport, (only,), loss=loss)

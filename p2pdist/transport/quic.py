@@ -494,7 +494,8 @@ class QuicTransport(EndpointBase[QuicConnection]):
         route = conn.route
         peer = conn.peer_id
         if isinstance(route, UdpRoute):
-            return single_path(peer, path_key(route.remote), conn.stats, conn.rtt, "quic")
+            remote = path_key(route.remote)
+            return single_path(peer, remote, conn.stats, conn.rtt, "quic", conn.loss_info)
         assert isinstance(route, RelayRoute)
         state = self._puncher.state(peer) if self._puncher is not None else None
         active = route.direct_addr  # None: the relay (also when the direct socket closed)
@@ -529,6 +530,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
             punching=state.phase.value if state is not None else "off",
             changes=route.changes,
             last_failure=state.last_failure if state is not None else self._punch_off(),
+            loss=conn.loss_info,
         )
 
     def _relay_routes(self) -> list[RelayRoute]:

@@ -43,6 +43,7 @@ from ..identity import EndpointId
 from ..tls import endpoint_id_of_cert
 from .base import NOT_ADMITTED
 from .framed import FramedConnection
+from .pathinfo import LossInfo
 from .paths import PathKind, Route, UdpAddress, UdpRoute
 from .quic_core import AppError, PinnedQuicConnection
 
@@ -377,6 +378,11 @@ class QuicConnection(FramedConnection):
     def rtt(self) -> float | None:
         """QUIC's smoothed round-trip time to the peer, seconds."""
         return self._quic.smoothed_rtt
+
+    @property
+    def loss_info(self) -> LossInfo:
+        """Congestion control and loss detection on the current path."""
+        return self._quic.loss_info
 
     def _transmit(self) -> None:
         self._transmit_soon = False

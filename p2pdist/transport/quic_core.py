@@ -81,6 +81,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from ..identity import SecretKey
 from .bbr import NAME as BBR
 from .bbr import BbrCongestionControl, RatePacer
+from .pathinfo import LossInfo
 from .reordering import ReorderingRecovery
 
 __all__ = [
@@ -290,6 +291,8 @@ class PinnedQuicConnection(QuicConnection):
         self._local_max_stream_data_bidi_remote = self.stream_window
         self.receive_paused = False
         """While True, the peer gets no more credit (backpressure from the mailbox)."""
+        self.congestion_control = configuration.congestion_control_algorithm
+        """The current path's congestion controller, by its name in aioquic's registry."""
         self.bbr_from_rtt: float | None = None
         """While set, the path moves to BBR if its round trip, the least measured during
         the round trip after its first sample, is at least this long, seconds
@@ -421,6 +424,7 @@ class PinnedQuicConnection(QuicConnection):
 
     def _install_controller(self, name: str, now: float) -> None:
         """A fresh congestion controller (and its pacer), taking over what is in flight."""
+        self.congestion_control = name
         loss = self._loss
         old = loss._cc
         cc = create_congestion_control(name, max_datagram_size=self._max_datagram_size)
@@ -460,6 +464,14 @@ class PinnedQuicConnection(QuicConnection):
 
     def _nothing_to_send(self) -> bool:
         return all(stream.sender.buffer_is_empty for stream in self._streams.values())
+
+    @property
+    def loss_info(self) -> LossInfo:
+        """Congestion control and loss detection as :class:`~.pathinfo.LossInfo`."""
+        loss = self._loss
+        return LossInfo(
+            self.congestion_control, loss.packets_lost, loss.spurious_losses, loss.reordering
+        )
 
     @property
     def smoothed_rtt(self) -> float | None:

@@ -85,6 +85,8 @@ class ReorderingRecovery(QuicPacketRecovery):
         self.window_steps = 0
         """0: aioquic's thresholds (no reordering seen); else the reordering window in
         quarters of a round trip, and no packet threshold."""
+        self.packets_lost = 0
+        """Packets declared lost (a probe's early resend, which declares no loss, aside)."""
         self.spurious_losses = 0
         """Acknowledgements that came for packets already declared lost."""
         self._calm = 0
@@ -175,6 +177,7 @@ class ReorderingRecovery(QuicPacketRecovery):
         retransmission, which declares no loss)."""
         packets = list(packets)
         if congestion_event and packets:
+            self.packets_lost += len(packets)
             lost = self._lost.setdefault(space, [])
             first = self._first_number  # an earlier path's late packets show nothing
             lost.extend(p.packet_number for p in packets if p.packet_number >= first)
