@@ -62,6 +62,14 @@ class PeerReport:
     """QUIC's smoothed RTT on the final path, seconds."""
     transfer_mb_s: float | None = None
     """One-way rate of an 8 MiB message on the final path, MB/s."""
+    congestion_control: str | None = None
+    """The final path's congestion controller (``"reno"``, ``"bbr"``)."""
+    packets_lost: int | None = None
+    """QUIC packets declared lost during the check."""
+    spurious_losses: int | None = None
+    """Of those, packets acknowledged after all (the path reorders them)."""
+    reordering: bool | None = None
+    """Whether the final path showed reordering (losses then declared by time only)."""
     punching: str | None = None
     last_failure: str | None = None
 
@@ -279,6 +287,11 @@ async def _check_peer(transport: QuicTransport, peer: EndpointId, timeout: float
     if info is not None:
         out.remote, out.rtt = info.remote, info.rtt
         out.punching, out.last_failure = info.punching, info.last_failure
+        if info.loss is not None:
+            out.congestion_control = info.loss.congestion_control
+            out.packets_lost = info.loss.packets_lost
+            out.spurious_losses = info.loss.spurious_losses
+            out.reordering = info.loss.reordering
     await conn.close()
     return out
 
@@ -376,11 +389,23 @@ def render(r: DoctorReport) -> str:
                 f"  peer         {p.peer[:10]}: NO direct path, relayed{why}, RTT {_ms(p.rtt)}"
             )
         if p.transfer_mb_s is not None:
-            lines.append(f"               8 MiB one way: {p.transfer_mb_s:.1f} MB/s")
+            lines.append(f"               8 MiB one way: {p.transfer_mb_s:.1f} MB/s{_loss(p)}")
         elif p.connected and p.error:
             lines.append(f"               {p.error}")
     lines.append(f"  verdict      {r.verdict()}")
     return "\n".join(lines)
+
+
+def _loss(p: PeerReport) -> str:
+    """`` (bbr, 12 packets lost, 3 of them late: the path reorders)``, or nothing."""
+    if p.congestion_control is None:
+        return ""
+    parts = [p.congestion_control, f"{p.packets_lost or 0} packets lost"]
+    if p.spurious_losses:
+        parts[-1] += f", {p.spurious_losses} of them late"
+    if p.reordering:
+        parts[-1] += ": the path reorders"
+    return f" ({', '.join(parts)})"
 
 
 def main(argv: list[str]) -> int:

@@ -614,6 +614,11 @@ def test_doctor_verdict_names_a_failed_peer_check_and_no_none() -> None:
     assert report.verdict().endswith("but the check of peer bbbbbbbbbb failed (above)")
     report.peer = PeerReport("b" * 52, connected=True, direct=True, transfer_mb_s=9.0)
     assert "failed" not in report.verdict()
+    report.peer.congestion_control, report.peer.packets_lost = "bbr", 12
+    report.peer.spurious_losses, report.peer.reordering = 3, True
+    assert "8 MiB one way: 9.0 MB/s (bbr, 12 packets lost, 3 of them late: the path " in render(
+        report
+    )
 
 
 def test_doctor_verdict_on_a_symmetric_nat_counts_a_global_ipv6_address() -> None:

@@ -550,11 +550,14 @@ async def test_doctor_on_loopback_sees_udp_and_a_direct_path_to_a_peer(tmp_path:
     peer = report.peer
     assert peer is not None and peer.connected and peer.direct and peer.error is None
     assert peer.direct_after is not None and peer.transfer_mb_s is not None
+    assert peer.congestion_control == "reno" and peer.reordering is False  # loopback
+    assert peer.packets_lost is not None
     # timed from the dial (a relayed QUIC handshake), not from when connect() returned,
     # when the path was often direct already (it read a few microseconds)
     assert peer.direct_after > 0.001
     text = render(report)
     assert "NAT mapping  none (public address)" in text and "direct path after" in text
+    assert "MB/s (reno, " in text
 
 
 async def test_doctor_serving_with_json_prints_its_id_as_json(
