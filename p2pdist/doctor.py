@@ -35,6 +35,7 @@ from .settings import env_token
 from .transport.base import Connection, TransportConfig
 from .transport.holepunch import interface_addresses, interface_addresses6
 from .transport.observe import StunProbe, mapping_behaviour
+from .transport.pathinfo import LossInfo
 from .transport.paths import UdpAddress, UdpSocket, bind_host_for, is_loopback, path_key
 from .transport.quic import QuicTransport
 from .transport.relay_path import RelayPath
@@ -62,14 +63,8 @@ class PeerReport:
     """QUIC's smoothed RTT on the final path, seconds."""
     transfer_mb_s: float | None = None
     """One-way rate of an 8 MiB message on the final path, MB/s."""
-    congestion_control: str | None = None
-    """The final path's congestion controller (``"reno"``, ``"bbr"``)."""
-    packets_lost: int | None = None
-    """QUIC packets declared lost during the check."""
-    spurious_losses: int | None = None
-    """Of those, packets acknowledged after all (the path reorders them)."""
-    reordering: bool | None = None
-    """Whether the final path showed reordering (losses then declared by time only)."""
+    loss: LossInfo | None = None
+    """The final path's congestion controller and the losses during the check."""
     punching: str | None = None
     last_failure: str | None = None
 
@@ -287,11 +282,7 @@ async def _check_peer(transport: QuicTransport, peer: EndpointId, timeout: float
     if info is not None:
         out.remote, out.rtt = info.remote, info.rtt
         out.punching, out.last_failure = info.punching, info.last_failure
-        if info.loss is not None:
-            out.congestion_control = info.loss.congestion_control
-            out.packets_lost = info.loss.packets_lost
-            out.spurious_losses = info.loss.spurious_losses
-            out.reordering = info.loss.reordering
+        out.loss = info.loss
     await conn.close()
     return out
 
@@ -398,14 +389,15 @@ def render(r: DoctorReport) -> str:
 
 def _loss(p: PeerReport) -> str:
     """`` (bbr, 12 packets lost, 3 of them late: the path reorders)``, or nothing."""
-    if p.congestion_control is None:
+    loss = p.loss
+    if loss is None:
         return ""
-    parts = [p.congestion_control, f"{p.packets_lost or 0} packets lost"]
-    if p.spurious_losses:
-        parts[-1] += f", {p.spurious_losses} of them late"
-    if p.reordering:
-        parts[-1] += ": the path reorders"
-    return f" ({', '.join(parts)})"
+    text = f"{loss.congestion_control}, {loss.packets_lost} packets lost"
+    if loss.spurious_losses:
+        text += f", {loss.spurious_losses} of them late"
+    if loss.reordering:
+        text += ": the path reorders"
+    return f" ({text})"
 
 
 def main(argv: list[str]) -> int:

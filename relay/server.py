@@ -317,6 +317,7 @@ class RelayServer:
                 self._own_tap.close()
             raise
         own = c.proxy_certs == "own"  # clients dial a proxy with certificates of its own
+        public = RelayUrl(c.url_host(), c.public_port or self.port, None if own else self.tls.pin)
         core_cfg = CoreConfig(
             max_clients=c.max_clients,
             max_clients_per_ip=c.max_clients_per_ip,
@@ -331,7 +332,7 @@ class RelayServer:
             read_size=SCRATCH_SIZE,
             stun_ports=self.stun_ports,
             proxy_hops=c.proxy_hops,
-            proof_name=relay_name(c.url_host(), c.public_port or self.port) if own else None,
+            proof_name=relay_name(public.host, public.port) if own else None,
         )
         self._core = RelayCore(core_cfg, self.tls.fingerprints, access, metrics)
         if self.tls.cert_path is not None:
@@ -339,9 +340,7 @@ class RelayServer:
         await self._server.start_serving()
         if self._http_server is not None:
             await self._http_server.start_serving()
-        self.url = str(
-            RelayUrl(c.url_host(), c.public_port or self.port, None if own else self.tls.pin)
-        )
+        self.url = str(public)
         if not own and not self.tls.covers(c.url_host()):
             log.warning(
                 kv(

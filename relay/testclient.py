@@ -25,15 +25,13 @@ from p2pdist.wire.relay import (
     RelayFrameType,
     RelayProtocolError,
     RelayUrl,
-    auth_message,
     cert_fingerprint,
     decode_addressed,
     decode_map,
     encode_addressed,
     encode_frame,
-    name_auth_message,
     parse_challenge,
-    relay_name,
+    proof_message,
     upgrade_request,
 )
 
@@ -145,9 +143,11 @@ class RelayTestClient:
         self.writer = writer
         self.cert_der = cert_der
         self.challenge = b""
-        self.bound_name: bytes | None = None
-        """The relay name AUTH binds (a relay behind a proxy with certificates of its
-        own asked for it), else None: AUTH binds the certificate."""
+        self.url: RelayUrl | None = None
+        """The URL dialed (set by :meth:`open`)."""
+        self.name_bound = False
+        """Whether AUTH binds the relay's name (a relay behind a proxy with certificates
+        of its own asked for it), not the certificate."""
         self.endpoint: EndpointId | None = None
         self.auth_ok: dict[str, Any] = {}
         self._decoder = RelayFrameDecoder()
@@ -175,8 +175,7 @@ class RelayTestClient:
                 raise RelayRefused(str(exc)) from None
             if name_bound and u.pin is not None:  # as RelayPath: never for a pinned URL
                 raise RelayRefused("name-bound challenge over a pinned connection")
-            if name_bound:
-                client.bound_name = relay_name(u.host, u.port)
+            client.url, client.name_bound = u, name_bound
         except BaseException:
             writer.close()
             raise
@@ -188,11 +187,13 @@ class RelayTestClient:
         """An AUTH body signed by ``key``; ``claim`` puts another id in it (a forgery)."""
         my_id = bytes(key.endpoint_id)
         claimed = my_id if claim is None else claim
-        if self.bound_name is not None:
-            message = name_auth_message(self.bound_name, self.challenge, claimed)
-        else:
-            message = auth_message(cert_fingerprint(self.cert_der), self.challenge, claimed)
-        sig = key.sign(message)
+        assert self.url is not None  # made by open()
+        fingerprint = cert_fingerprint(self.cert_der)
+        sig = key.sign(
+            proof_message(
+                self.url, fingerprint, self.challenge, claimed, name_bound=self.name_bound
+            )
+        )
         tok = token.encode("utf-8") if isinstance(token, str) else token
         return claimed + sig + tok
 

@@ -600,6 +600,7 @@ def test_a_reader_that_goes_away_ends_the_command_as_sigpipe_would() -> None:
 
 def test_doctor_verdict_names_a_failed_peer_check_and_no_none() -> None:
     from p2pdist.doctor import DoctorReport, PeerReport, render
+    from p2pdist.transport import LossInfo
 
     report = DoctorReport(
         "https://relay.test/",
@@ -614,8 +615,7 @@ def test_doctor_verdict_names_a_failed_peer_check_and_no_none() -> None:
     assert report.verdict().endswith("but the check of peer bbbbbbbbbb failed (above)")
     report.peer = PeerReport("b" * 52, connected=True, direct=True, transfer_mb_s=9.0)
     assert "failed" not in report.verdict()
-    report.peer.congestion_control, report.peer.packets_lost = "bbr", 12
-    report.peer.spurious_losses, report.peer.reordering = 3, True
+    report.peer.loss = LossInfo("bbr", packets_lost=12, spurious_losses=3, reordering=True)
     assert "8 MiB one way: 9.0 MB/s (bbr, 12 packets lost, 3 of them late: the path " in render(
         report
     )

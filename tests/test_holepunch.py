@@ -550,8 +550,8 @@ async def test_doctor_on_loopback_sees_udp_and_a_direct_path_to_a_peer(tmp_path:
     peer = report.peer
     assert peer is not None and peer.connected and peer.direct and peer.error is None
     assert peer.direct_after is not None and peer.transfer_mb_s is not None
-    assert peer.congestion_control == "reno" and peer.reordering is False  # loopback
-    assert peer.packets_lost is not None
+    assert peer.loss is not None and peer.loss.congestion_control == "reno"  # loopback
+    assert not peer.loss.reordering
     # timed from the dial (a relayed QUIC handshake), not from when connect() returned,
     # when the path was often direct already (it read a few microseconds)
     assert peer.direct_after > 0.001

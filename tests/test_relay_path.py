@@ -238,7 +238,7 @@ async def test_a_session_cancelled_as_its_tls_handshake_ends_leaves_no_unread_er
         monkeypatch.setattr(RelaySessionProtocol, "connection_made", made_then_cancelled)
         opening = asyncio.create_task(path._open())
         with pytest.raises(asyncio.CancelledError):
-            await opening
+            await bounded(opening, "the opening step")
         await asyncio.sleep(0.05)  # the abort's connection_lost
         gc.collect()
     assert unread == []

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 import ssl
 from dataclasses import dataclass
 from typing import Any, cast
@@ -410,17 +409,9 @@ class PinnedQuicConnection(QuicConnection):
         section 9.4): the old path's window counted in its own datagram size (16 KiB
         through a relay against 1452 bytes direct) and its RTT belongs to another route."""
         self._max_datagram_size = max_datagram
-        loss = self._loss
-        loss._pto_count = 0
         self._install_controller(congestion_control, now)
         self.bbr_from_rtt = bbr_from_rtt
-        loss._rtt_initialized = False
-        loss._rtt_first_sample_time = 0.0
-        loss._rtt_latest = 0.0
-        loss._rtt_min = math.inf
-        loss._rtt_smoothed = 0.0
-        loss._rtt_variance = 0.0
-        loss.new_path(self._packet_number)
+        self._loss.new_path(self._packet_number)
 
     def _install_controller(self, name: str, now: float) -> None:
         """A fresh congestion controller (and its pacer), taking over what is in flight."""

@@ -46,13 +46,11 @@ from ..wire.relay import (
     RelayProtocolError,
     RelayUrl,
     append_addressed,
-    auth_message,
     cert_fingerprint,
     decode_map,
     encode_frame,
-    name_auth_message,
     parse_challenge,
-    relay_name,
+    proof_message,
     upgrade_request,
 )
 from .aeadpipe import new_secret
@@ -453,10 +451,7 @@ class RelayPath:
         if kind is not RelayFrameType.CHALLENGE:
             raise RelayProtocolError(f"expected CHALLENGE, got {kind.name}")
         challenge, name_bound = parse_challenge(body)
-        me = bytes(self.endpoint_id)
-        if not name_bound:
-            message = auth_message(self._cert_hash, challenge, me)
-        elif self.url.pin is not None:
+        if name_bound and self.url.pin is not None:
             # Only a relay behind a proxy with certificates of its own asks for this; a
             # pinned URL reaches the relay's own TLS, where the certificate binds. Not
             # worth retrying: the relay that holds the pinned key asked it.
@@ -465,8 +460,8 @@ class RelayPath:
                 "asked for a proof bound to its name over a connection to its pinned key "
                 "(a relay asks that only behind a proxy with certificates of its own)",
             )
-        else:
-            message = name_auth_message(relay_name(self.url.host, self.url.port), challenge, me)
+        me = bytes(self.endpoint_id)
+        message = proof_message(self.url, self._cert_hash, challenge, me, name_bound=name_bound)
         sig = self._key.sign(message)
         writer.write(encode_frame(RelayFrameType.AUTH, me + sig + self._token.encode()))
         kind, _, body = await proto.next_frame()

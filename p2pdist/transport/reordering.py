@@ -35,6 +35,7 @@ it is (it hardly reacts to loss).
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -102,9 +103,18 @@ class ReorderingRecovery(QuicPacketRecovery):
         packet number order)."""
 
     def new_path(self, first_number: int) -> None:
-        """Datagrams take another path from packet ``first_number`` on: start without
-        reordering again, and take none from packets sent before (those on the old path
-        may arrive after the new path's, which is no reordering of the new path)."""
+        """Datagrams take another path from packet ``first_number`` on: the probe-timeout
+        backoff and the RTT estimate start afresh (RFC 9000 9.4: the old path's RTT is
+        another route's; what was lost there is resent promptly), and so does reordering,
+        which takes nothing from packets sent before (those on the old path may arrive
+        after the new path's, which is no reordering of the new path)."""
+        self._pto_count = 0
+        self._rtt_initialized = False
+        self._rtt_first_sample_time = 0.0
+        self._rtt_latest = 0.0
+        self._rtt_min = math.inf
+        self._rtt_smoothed = 0.0
+        self._rtt_variance = 0.0
         self.window_steps = 0
         self._calm = 0
         self._lost.clear()
@@ -173,28 +183,17 @@ class ReorderingRecovery(QuicPacketRecovery):
         persistent_congestion: bool = False,
         space: QuicPacketSpace,
     ) -> None:
-        """Remember the packet numbers of a loss episode (not of a probe's early
-        retransmission, which declares no loss)."""
+        """aioquic's, remembering a loss episode's packets (not a probe's early resend,
+        which declares no loss) and the Reno window cut it may cause."""
         packets = list(packets)
-        if congestion_event and packets:
-            self.packets_lost += len(packets)
-            lost = self._lost.setdefault(space, [])
-            first = self._first_number  # an earlier path's late packets show nothing
-            lost.extend(p.packet_number for p in packets if p.packet_number >= first)
-            del lost[:-REMEMBERED_LOSSES]
-            sent = packets[0].sent_time
-            if sent is not None and sent > self._episode_start:
-                # A new episode: the first loss sent after the last one began, as a
-                # congestion controller's recovery period (the losses of one burst,
-                # declared a few at a time, are one).
-                self._episode_start = now
-                self._calm += 1
-                if self._calm >= CALM_EPISODES and self.window_steps > 1:
-                    self.window_steps -= 1
-                    self._calm = 0
+        declared = congestion_event and bool(packets)
+        if declared:
+            self._remember(packets, space, now)
         cc = self._cc
-        window = cc.congestion_window, cc.ssthresh
-        recovery_start = getattr(cc, "_congestion_recovery_start_time", 0.0)
+        reno = cc if isinstance(cc, RenoCongestionControl) else None
+        before = None
+        if reno is not None:
+            before = reno.congestion_window, reno.ssthresh, reno._congestion_recovery_start_time
         super()._on_packets_lost(
             congestion_event=congestion_event,
             now=now,
@@ -202,15 +201,34 @@ class ReorderingRecovery(QuicPacketRecovery):
             persistent_congestion=persistent_congestion,
             space=space,
         )
-        if not congestion_event or not packets:
+        if not declared:
             return
         numbers = {(space, p.packet_number) for p in packets}
-        if persistent_congestion or not isinstance(cc, RenoCongestionControl):
+        if reno is None or before is None or persistent_congestion:
             self._undo = None
-        elif cc.congestion_window < window[0]:  # this loss cut the window
-            self._undo = _Undo(cc, *window, recovery_start, numbers)
+        elif reno.congestion_window < before[0]:  # this loss cut the window
+            self._undo = _Undo(reno, *before, numbers)
         elif self._undo is not None:  # the same recovery: undone only if all are spurious
             self._undo.outstanding |= numbers
+
+    def _remember(self, packets: list[QuicSentPacket], space: QuicPacketSpace, now: float) -> None:
+        """Count declared losses, keep their numbers (for late ACKs), and count an
+        episode, narrowing the window after enough calm ones."""
+        self.packets_lost += len(packets)
+        lost = self._lost.setdefault(space, [])
+        first = self._first_number  # an earlier path's late packets show nothing
+        lost.extend(p.packet_number for p in packets if p.packet_number >= first)
+        del lost[:-REMEMBERED_LOSSES]
+        sent = packets[0].sent_time
+        if sent is not None and sent > self._episode_start:
+            # A new episode: the first loss sent after the last one began, as a
+            # congestion controller's recovery period (the losses of one burst,
+            # declared a few at a time, are one).
+            self._episode_start = now
+            self._calm += 1
+            if self._calm >= CALM_EPISODES and self.window_steps > 1:
+                self.window_steps -= 1
+                self._calm = 0
 
     def discard_space(self, space: QuicPacketSpace) -> None:
         """Forget the space's lost packets with it."""
@@ -240,16 +258,7 @@ class ReorderingRecovery(QuicPacketRecovery):
                 undo.outstanding.difference_update((space, n) for n in lost[i:j])
             del lost[i:j]
         if undo is not None and not undo.outstanding and undo.cc is self._cc:
-            # Every loss that cut the window was none: the window it had comes back.
-            cc = undo.cc
-            cc.congestion_window = max(cc.congestion_window, undo.window)
-            cc.ssthresh = undo.ssthresh
-            cc._congestion_recovery_start_time = undo.recovery_start
-            self._pacer.update_rate(
-                congestion_window=cc.congestion_window, smoothed_rtt=self._rtt_smoothed
-            )
-            self._undo = None
-            self.undone += 1
+            self._take_back(undo)
         self._calm = 0
         rtt = self._rtt_smoothed if self._rtt_initialized else self._rtt_initial
         if not self.window_steps:
@@ -258,6 +267,19 @@ class ReorderingRecovery(QuicPacketRecovery):
         elif self.window_steps < MAX_WINDOW_STEPS and now - self._widened_at >= rtt:
             self.window_steps += 1
             self._widened_at = now
+
+    def _take_back(self, undo: _Undo) -> None:
+        """Every loss that cut the window was none: the window, slow-start threshold and
+        recovery period it had come back, and the pacer paces at that window."""
+        cc = undo.cc
+        cc.congestion_window = max(cc.congestion_window, undo.window)
+        cc.ssthresh = undo.ssthresh
+        cc._congestion_recovery_start_time = undo.recovery_start
+        self._pacer.update_rate(
+            congestion_window=cc.congestion_window, smoothed_rtt=self._rtt_smoothed
+        )
+        self._undo = None
+        self.undone += 1
 
     def _acks_below(self, ack_rangeset: RangeSet, space: QuicPacketSpace) -> bool:
         """Whether the acknowledgement newly covers a packet sent on this path before one

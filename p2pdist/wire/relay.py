@@ -60,6 +60,7 @@ __all__ = [
     "name_auth_message",
     "parse_challenge",
     "parse_http_head",
+    "proof_message",
     "relay_name",
     "records_key",
     "FRAME_HEADER",
@@ -378,18 +379,21 @@ NAME_BOUND = 1
 (:func:`name_auth_message`), not to the certificate the client sees."""
 
 
+_BOUND = bytes([NAME_BOUND])
+
+
 def challenge_body(challenge: bytes, *, name_bound: bool = False) -> bytes:
     """A CHALLENGE frame's body: the version, the fresh ``challenge`` and, when the
     proof must be bound to the relay's name, :data:`NAME_BOUND`."""
     if len(challenge) != 32:
         raise ValueError("a challenge is 32 bytes")
-    return bytes([VERSION]) + challenge + (bytes([NAME_BOUND]) if name_bound else b"")
+    return bytes([VERSION]) + challenge + (_BOUND if name_bound else b"")
 
 
 def parse_challenge(body: bytes) -> tuple[bytes, bool]:
     """A CHALLENGE body's challenge and whether the proof is to be bound to the relay's
     name; RelayProtocolError for any other form."""
-    if len(body) not in (33, 34) or body[0] != VERSION or body[33:] not in (b"", b"\x01"):
+    if len(body) not in (33, 34) or body[0] != VERSION or body[33:] not in (b"", _BOUND):
         raise RelayProtocolError(f"relay did not send a version-{VERSION} challenge")
     return body[1:33], len(body) == 34
 
@@ -422,6 +426,19 @@ def name_auth_message(name: bytes, challenge: bytes, client_id: bytes) -> bytes:
         + challenge
         + client_id
     )
+
+
+def proof_message(
+    url: RelayUrl, cert_sha256: bytes, challenge: bytes, client_id: bytes, *, name_bound: bool
+) -> bytes:
+    """What a client that dialed ``url`` and was shown the certificate of SHA-256
+    ``cert_sha256`` signs for ``challenge``: bound to the relay's name when the CHALLENGE
+    asked for that (:func:`name_auth_message`), else to the certificate
+    (:func:`auth_message`). A client refuses the former for a pinned ``url`` before it
+    gets here (a pin reaches the relay's own TLS, where the certificate binds)."""
+    if name_bound:
+        return name_auth_message(relay_name(url.host, url.port), challenge, client_id)
+    return auth_message(cert_sha256, challenge, client_id)
 
 
 def cert_fingerprint(cert_der: bytes) -> bytes:
