@@ -258,7 +258,8 @@ def test_random_loss_does_not_collapse_the_rate(loss: float) -> None:
 
 
 @pytest.mark.parametrize(
-    ("cc", "jitter"), [("reno", 0.01), ("bbr", 0.01), ("reno", 0.03), ("bbr", 0.03)]
+    ("cc", "jitter"),
+    [("reno", 0.01), ("bbr", 0.01), ("reno", 0.03), ("bbr", 0.03), ("cubic", 0.03)],
 )
 def test_a_path_that_reorders_keeps_its_rate(cc: str, jitter: float) -> None:
     """Up to 10 or 30 ms of jitter on a 100 ms, 4 MB/s path: hundreds of packets overtake
@@ -267,12 +268,13 @@ def test_a_path_that_reorders_keeps_its_rate(cc: str, jitter: float) -> None:
     the path shows reordering only time declares a loss (ReorderingRecovery), after a
     round trip plus a window that widens with each spurious loss: 30 ms needs two steps
     of a quarter round trip. The losses before it widened cut Reno's window; once all
-    turned out spurious it was undone (Reno took 5.1 s at 30 ms without that, 1.7 s with)."""
+    turned out spurious it was undone (Reno took 5.1 s at 30 ms without that, 1.7 s with;
+    Cubic, whose undo also restores its curve, 2.6 s without, 1.8 s with)."""
     size = 4 << 20
     clean = transfer(cc, size, rate=4e6, queue=400_000, rtt=0.1)
     out = transfer(cc, size, rate=4e6, queue=400_000, rtt=0.1, jitter=jitter)
     assert not clean.recovery.reordering  # in order: aioquic's thresholds throughout
-    if cc == "reno" and jitter > 0.025:
+    if cc != "bbr" and jitter > 0.025:
         assert out.recovery.undone >= 1  # the cuts before the window widened, undone
     assert out.recovery.window_steps >= (2 if jitter > 0.025 else 1), out.recovery.window_steps
     assert out.seconds < clean.seconds * (1.5 if jitter > 0.025 else 1.2), (out, clean)

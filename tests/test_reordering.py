@@ -4,6 +4,7 @@ a path change resets. (Whole transfers over a reordering model path: test_bbr.py
 
 from __future__ import annotations
 
+from aioquic.quic.congestion.cubic import CubicCongestionControl
 from aioquic.quic.congestion.reno import RenoCongestionControl
 from aioquic.quic.packet import QuicPacketType
 from aioquic.quic.packet_builder import QuicSentPacket
@@ -20,9 +21,9 @@ class Sender:
     """A loss recovery and one packet space, with packets sent and ACKs received at
     chosen times."""
 
-    def __init__(self) -> None:
+    def __init__(self, cc: str = "reno") -> None:
         self.recovery = ReorderingRecovery(
-            congestion_control_algorithm="reno",
+            congestion_control_algorithm=cc,
             initial_rtt=RTT,
             max_datagram_size=1200,
             peer_completed_address_validation=True,
@@ -271,3 +272,39 @@ def test_an_undo_restores_the_recovery_period_before_the_cut_and_the_pacing_rate
     assert cc._congestion_recovery_start_time == first_start
     assert slow is not None and s.recovery._pacer.packet_time is not None
     assert s.recovery._pacer.packet_time < slow
+
+
+def test_a_cubic_window_cut_for_losses_that_were_none_is_undone_curve_and_all() -> None:
+    """Cubic's cut changes more than the window: W_max (lowered further by fast
+    convergence), the slow-start threshold, and, on the next ACK, a new epoch of its
+    curve and Reno-friendly estimate. Undone, all of it comes back, so the window grows
+    on along the curve it was on; a real loss afterwards cuts again."""
+    s = Sender("cubic")
+    cc = s.recovery._cc
+    assert isinstance(cc, CubicCongestionControl)
+    s.send(40, 0.001)  # 0..39
+    s.ack([(0, 10), (11, 20)], RTT)  # 10 declared lost: the first cut, a real one
+    assert s.lost == [10]
+    s.ack([(0, 10), (11, 40)], RTT + 0.001)  # congestion avoidance: a new epoch
+    s.send(16, RTT + 0.002)  # 40..55, within the window
+    s.ack([(40, 44)], 2 * RTT)
+    names = ("ssthresh", "_W_max", "K", "_cwnd_epoch", "_t_epoch", "_first_slow_start")
+    before = {name: getattr(cc, name) for name in names}
+    estimate = cc._W_est
+    window = cc.congestion_window
+    s.ack([(40, 44), (45, 50)], 2 * RTT + 0.001)  # 44 declared lost: the second cut
+    assert s.lost == [10, 44]
+    assert cc.congestion_window < window and cc.ssthresh != before["ssthresh"]
+    s.ack([(40, 44), (45, 53)], 3 * RTT)  # an ACK in the cut's recovery: a new epoch
+    assert cc._t_epoch != before["_t_epoch"] and cc._W_max != before["_W_max"]
+    s.ack([(40, 53)], 3 * RTT + 0.001)  # 44 came after all: undone
+    assert s.recovery.undone == 1
+    assert cc.congestion_window >= window
+    assert {name: getattr(cc, name) for name in names} == before  # the same curve
+    assert cc._W_est >= estimate  # (the ACK that cut also grew it first)
+    assert cc._starting_congestion_avoidance is False
+    s.send(10, 0.5)  # 56..65; a real loss cuts again
+    s.ack([(53, 57), (58, 66)], 0.6)
+    assert s.space.loss_time is not None  # time only since the spurious loss
+    s.timeout(s.space.loss_time + 1e-9)
+    assert 57 in s.lost and cc.congestion_window < window

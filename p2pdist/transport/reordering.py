@@ -24,12 +24,14 @@ reorders, then does what TCP's RACK (RFC 8985) does:
 
 Declared-lost packet numbers are remembered (the latest :data:`REMEMBERED_LOSSES` per
 packet space) so that their late acknowledgements can be recognised; aioquic forgets a
-packet once it is declared lost. A Reno window cut whose losses all turn out spurious
-(those of its recovery declared after it included) is undone: the window, slow-start
-threshold and recovery period it had come back, so a later loss of a packet sent since
-that recovery period began cuts again. A cut replaced by another before its undo stays
-(the undo of the later one restores the window between them). BBR's model is left as
-it is (it hardly reacts to loss).
+packet once it is declared lost. A Reno or Cubic window cut whose losses all turn out
+spurious (those of its recovery declared after it included) is undone: the window and
+the state the cut changed come back (the slow-start threshold and recovery period, and
+Cubic's curve: its W_max, epoch and Reno-friendly estimate), so the window grows on as
+if the cut had not been, and a later loss of a packet sent since that recovery period
+began cuts again. A cut replaced by another before its undo stays (the undo of the later
+one restores the window between them). BBR's model is left as it is (it hardly reacts
+to loss).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from aioquic.quic.congestion.base import QuicCongestionControl
+from aioquic.quic.congestion.cubic import CubicCongestionControl
 from aioquic.quic.congestion.reno import RenoCongestionControl
 from aioquic.quic.packet_builder import QuicSentPacket
 from aioquic.quic.rangeset import RangeSet
@@ -63,19 +67,46 @@ REMEMBERED_LOSSES = 4096
 """Declared-lost packet numbers kept per packet space to recognise late acknowledgements."""
 
 
+_CUT_STATE: dict[type[QuicCongestionControl], tuple[str, ...]] = {
+    RenoCongestionControl: ("ssthresh", "_congestion_recovery_start_time"),
+    CubicCongestionControl: (
+        "ssthresh",
+        "_congestion_recovery_start_time",
+        "_W_max",
+        "_first_slow_start",
+        "_starting_congestion_avoidance",
+        "K",
+        "_W_est",
+        "_cwnd_epoch",
+        "_t_epoch",
+    ),
+}
+"""Per controller that cuts its window on loss, the attributes besides the window that a
+cut changes (at once, or on the next ACK, as Cubic's new epoch): what an undo restores.
+The recovery period's start among them: undone, the cut's recovery ends (a later loss of
+a packet sent before the cut then counts, and cuts again)."""
+
+
 @dataclass(slots=True)
 class _Undo:
-    """A Reno window cut that may be undone: the window before it, and the packets (space,
-    number) whose loss it answered (and losses of the same recovery after it) not yet
-    acknowledged."""
+    """A window cut that may be undone: the window and state before it, and the packets
+    (space, number) whose loss it answered (and losses of the same recovery after it) not
+    yet acknowledged."""
 
-    cc: RenoCongestionControl
+    cc: QuicCongestionControl
     window: int
-    ssthresh: int | None
-    recovery_start: float
-    """When the recovery before the cut began: undone, the cut's recovery ends (a later
-    loss of a packet sent before the cut then counts, and cuts again)."""
+    state: dict[str, object]
     outstanding: set[tuple[QuicPacketSpace, int]]
+
+
+def _cut_state(cc: QuicCongestionControl) -> dict[str, object] | None:
+    """What an undo of a cut by ``cc`` restores, as it is now (None: ``cc`` does not cut
+    its window on loss)."""
+    for klass in type(cc).__mro__:
+        names = _CUT_STATE.get(klass)
+        if names is not None:
+            return {name: getattr(cc, name) for name in names}
+    return None
 
 
 class ReorderingRecovery(QuicPacketRecovery):
@@ -184,16 +215,13 @@ class ReorderingRecovery(QuicPacketRecovery):
         space: QuicPacketSpace,
     ) -> None:
         """aioquic's, remembering a loss episode's packets (not a probe's early resend,
-        which declares no loss) and the Reno window cut it may cause."""
+        which declares no loss) and the window cut it may cause."""
         packets = list(packets)
         declared = congestion_event and bool(packets)
         if declared:
             self._remember(packets, space, now)
         cc = self._cc
-        reno = cc if isinstance(cc, RenoCongestionControl) else None
-        before = None
-        if reno is not None:
-            before = reno.congestion_window, reno.ssthresh, reno._congestion_recovery_start_time
+        window, before = cc.congestion_window, _cut_state(cc)
         super()._on_packets_lost(
             congestion_event=congestion_event,
             now=now,
@@ -204,10 +232,10 @@ class ReorderingRecovery(QuicPacketRecovery):
         if not declared:
             return
         numbers = {(space, p.packet_number) for p in packets}
-        if reno is None or before is None or persistent_congestion:
+        if before is None or persistent_congestion:
             self._undo = None
-        elif reno.congestion_window < before[0]:  # this loss cut the window
-            self._undo = _Undo(reno, *before, numbers)
+        elif cc.congestion_window < window:  # this loss cut the window
+            self._undo = _Undo(cc, window, before, numbers)
         elif self._undo is not None:  # the same recovery: undone only if all are spurious
             self._undo.outstanding |= numbers
 
@@ -269,12 +297,12 @@ class ReorderingRecovery(QuicPacketRecovery):
             self._widened_at = now
 
     def _take_back(self, undo: _Undo) -> None:
-        """Every loss that cut the window was none: the window, slow-start threshold and
-        recovery period it had come back, and the pacer paces at that window."""
+        """Every loss that cut the window was none: the window and the state the cut
+        changed come back, and the pacer paces at that window."""
         cc = undo.cc
         cc.congestion_window = max(cc.congestion_window, undo.window)
-        cc.ssthresh = undo.ssthresh
-        cc._congestion_recovery_start_time = undo.recovery_start
+        for name, value in undo.state.items():
+            setattr(cc, name, value)
         self._pacer.update_rate(
             congestion_window=cc.congestion_window, smoothed_rtt=self._rtt_smoothed
         )
