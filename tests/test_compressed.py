@@ -359,6 +359,51 @@ async def test_bfloat16_overflow_and_int8_underflow_under_raising_errstate() -> 
         assert all(g.broken is None for g in gs)
 
 
+@pytest.mark.parametrize("wire", ["float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("raising", [True, False])
+async def test_opposite_infinities_sum_to_nan_without_error_or_warning(
+    wire: str, raising: bool
+) -> None:
+    """+inf from one rank and -inf from another (gradients of a diverged mixed-precision
+    step): the element's sum is NaN, on every wire and call, on the small path and the
+    ring, and the group goes on. Under the caller's np.errstate(all="raise") the float16
+    and bfloat16 partial sums raised FloatingPointError and broke the group; under
+    numpy's defaults they warned from inside the library."""
+    import warnings
+
+    async with groups(3) as gs:
+        for n in (5, 100_003):  # one round, and the ring
+            xs = [np.ones(n, np.float32) for _ in gs]
+            xs[0][1], xs[1][1] = np.inf, -np.inf
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                with np.errstate(all="raise") if raising else np.errstate():
+                    outs = await reduce_all(gs, xs, wire_dtype=wire, timeout=10)
+                    pieces = await asyncio.gather(
+                        *(g.reduce_scatter(xs[g.rank], wire_dtype=wire, timeout=10) for g in gs)
+                    )
+                    roots = await asyncio.gather(
+                        *(g.reduce(xs[g.rank], 0, wire_dtype=wire, timeout=10) for g in gs)
+                    )
+            for out in outs:
+                assert np.isnan(out[1]) and np.isfinite(np.delete(out, 1)).all(), wire
+            assert np.isnan(pieces[0][1]) and np.isnan(roots[0][1])
+            assert np.isfinite(np.concatenate(pieces[1:])).all()
+        assert all(g.broken is None for g in gs)
+        await asyncio.gather(*(g.barrier() for g in gs))
+
+
+@pytest.mark.parametrize("route", ["bits", "numpy"])
+def test_float16_partial_sums_of_opposite_infinities_on_either_route(route: str) -> None:
+    from p2pdist.group.compress import make_codec
+
+    codec = make_codec("float16", f16_route=route)
+    acc = np.array([np.inf, 1.0], np.float32)
+    with np.errstate(all="raise"):
+        codec.accumulate(codec.encode(np.array([-np.inf, 2.0], np.float32)), acc)
+    assert np.isnan(acc[0]) and acc[1] == 3.0
+
+
 def test_int8_block_may_be_a_numpy_integer() -> None:
     from p2pdist.group.compress import make_codec
 

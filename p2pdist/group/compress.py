@@ -45,6 +45,14 @@ _F16 = np.dtype(np.float16)
 _ABS_BITS = np.int32(0x7FFFFFFF)
 
 
+def _sum_errors_documented() -> np.errstate:
+    """For a wire's partial sums, whatever the caller's ``np.errstate``: a sum past
+    float32's range is inf and +inf plus -inf is NaN, the documented results (an int8
+    wire gives the same), not a FloatingPointError that would break the group, nor a
+    warning. (An errstate is entered once: a fresh one per use.)"""
+    return np.errstate(over="ignore", invalid="ignore")
+
+
 class WireCodec(Protocol):
     """float32 <-> wire bytes for one compressed collective."""
 
@@ -143,7 +151,7 @@ class _Bf16Codec(_Codec):
 
     def accumulate(self, data: Any, acc: np.ndarray) -> None:
         # A mixed-dtype ufunc casts in small buffered blocks: no full-size temporary.
-        with np.errstate(over="ignore"):  # a sum past float32's range is inf, documented
+        with _sum_errors_documented():
             np.add(acc, np.frombuffer(data, self._dtype, acc.size), out=acc)
 
 
@@ -184,13 +192,15 @@ class _F16Codec(_Codec):
 
     def accumulate(self, data: Any, acc: np.ndarray) -> None:
         if self._route != "bits":
-            np.add(acc, np.frombuffer(data, _F16, acc.size), out=acc)
+            with _sum_errors_documented():
+                np.add(acc, np.frombuffer(data, _F16, acc.size), out=acc)
             return
         if self._acc.size < acc.size:
             self._acc = np.empty(acc.size, np.float32)
         tmp = self._acc[: acc.size]
         self.decode_into(data, tmp)
-        np.add(acc, tmp, out=acc)
+        with _sum_errors_documented():
+            np.add(acc, tmp, out=acc)
 
 
 class _Int8Codec(_Codec):
