@@ -42,9 +42,13 @@ against no round. Departures from v1, each in the cautious direction:
   bandwidth estimate down to the rate delivered in that round, but to no less than
   :data:`LOSS_BETA` of itself per round (not at all in a round the application left
   short of data): a full bottleneck queue brings the rate down within a few rounds,
-  while random loss of a few percent does not. A policer (no queue) is caught only by
-  the 15% branch; below that BBR keeps losing a few percent there (v1 has a long-term
-  policer mode, not ported).
+  while random loss of a few percent does not. Both shares are counted above the
+  path's *base loss* (:attr:`BbrCongestionControl.base_loss`: the share lost in the
+  recent rounds that were not congested), so that on a path losing 10-20% at random an
+  unlucky round of a little more neither ends STARTUP at a fraction of the link nor
+  keeps cutting the estimate (v2's fixed thresholds do both). A policer (no queue) is
+  caught only by the 15% branch; below that BBR keeps losing a few percent there (v1
+  has a long-term policer mode, not ported).
 
 Register with aioquic under the name ``"bbr"`` by importing this module.
 """
@@ -103,6 +107,11 @@ QUEUE_RTT_FLOOR = 0.004
 share of it, and by at least this many seconds (the event loops' own jitter)."""
 LOSS_BETA = 0.7
 """The most a congested round may cut the bandwidth estimate to (as BBR v2's beta)."""
+BASE_LOSS_MEMORY = 0.875
+"""The path's base loss rate weighs each earlier round by this factor more per round
+(about the last 8 rounds count)."""
+BASE_LOSS_MAX = 0.5
+"""The most base loss the guard looks past."""
 
 
 class Phase(Enum):
@@ -152,6 +161,8 @@ class BbrCongestionControl(QuicCongestionControl):
         self._round_min_rtt = math.inf
         self._round_start_delivered = 0
         self._round_start_time = 0.0
+        self._base_lost = 0.0  # bytes lost and sent in calm rounds, older ones fading
+        self._base_sent = 0.0
         # model
         self._bw_samples: deque[tuple[int, float]] = deque()  # (round, rate), falling
         self._min_rtt = math.inf
@@ -262,6 +273,7 @@ class BbrCongestionControl(QuicCongestionControl):
         self._own_in_flight = 0
         self._next_round_delivered = self._delivered
         self._start_round(0.0)
+        self._base_lost = self._base_sent = 0.0
         self._full_bw = 0.0
         self._full_bw_rounds = 0
         self._filled_pipe = False
@@ -330,7 +342,10 @@ class BbrCongestionControl(QuicCongestionControl):
         measured = not self._round_app_limited or (
             self._own_in_flight >= bdp >= K_INITIAL_WINDOW * self._max_datagram_size
         )
-        if self._congested() and self._bw_samples and measured:  # (no model: nothing to fix)
+        congested = self._congested()
+        if not congested:
+            self._note_base_loss()
+        if congested and self._bw_samples and measured:  # (no model: nothing to fix)
             elapsed = now - self._round_start_time
             delivered = self._delivered - self._round_start_delivered
             rate = delivered / elapsed if elapsed > 0 else 0.0  # (the floor below holds)
@@ -350,14 +365,32 @@ class BbrCongestionControl(QuicCongestionControl):
         self._round_start_delivered = self._delivered
         self._round_start_time = now
 
+    def _note_base_loss(self) -> None:
+        """Count a round that was not congested towards the path's base loss rate."""
+        sent = self._delivered - self._round_start_delivered + self._round_lost
+        if sent > 0:
+            memory = BASE_LOSS_MEMORY if self._base_sent else 0.0
+            self._base_lost = self._base_lost * memory + self._round_lost
+            self._base_sent = self._base_sent * memory + sent
+
+    @property
+    def base_loss(self) -> float:
+        """The share of bytes the path loses in rounds that were not congested (random
+        loss: wifi, a busy link), which the loss guard looks past (at most
+        :data:`BASE_LOSS_MAX`)."""
+        if not self._base_sent:
+            return 0.0
+        return min(self._base_lost / self._base_sent, BASE_LOSS_MAX)
+
     def _congested(self) -> bool:
-        """Whether the round's losses look like congestion: many, or some while even the
-        round's least RTT shows a standing queue."""
+        """Whether the round's losses look like congestion: many more than the path's
+        base loss, or some more while even the round's least RTT shows a standing
+        queue."""
         lost = self._round_lost_packets
         if lost < min(LOSS_GUARD_PACKETS, QUEUE_LOSS_PACKETS):
             return False
         acked = self._delivered - self._round_start_delivered
-        share = self._round_lost / (acked + self._round_lost)
+        share = self._round_lost / (acked + self._round_lost) - self.base_loss
         if lost >= LOSS_GUARD_PACKETS and share > LOSS_GUARD:
             return True
         return lost >= QUEUE_LOSS_PACKETS and share > QUEUE_LOSS_GUARD and self._queued()
