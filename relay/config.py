@@ -425,13 +425,18 @@ def _field_kind(f: dataclasses.Field[Any]) -> str:
     raise AssertionError(f"unhandled config field type {t}")  # pragma: no cover
 
 
-def _coerce(name: str, kind: str, value: Any, base: Path | None, text: bool) -> Any:
+def _coerce(
+    name: str, kind: str, value: Any, base: Path | None, text: bool, *, secret: bool = False
+) -> Any:
+    """``value`` as ``kind``; ConfigError naming the setting, and the value given unless
+    it is ``secret`` (the token: errors reach logs and journals)."""
     flag = name.replace("_", "-")
     if value is None:
         return None
+    got = f"a {type(value).__name__}" if secret else repr(value)
     if kind in ("int", "float"):
         wrong = ConfigError(
-            f"{flag} must be {'an integer' if kind == 'int' else 'a number'}, got {value!r}"
+            f"{flag} must be {'an integer' if kind == 'int' else 'a number'}, got {got}"
         )
         if isinstance(value, bool) or not isinstance(value, int | float | str):
             raise wrong
@@ -442,7 +447,7 @@ def _coerce(name: str, kind: str, value: Any, base: Path | None, text: bool) -> 
         except ValueError:
             raise wrong from None
     if not isinstance(value, str | Path):
-        raise ConfigError(f"{flag} must be a string, got {value!r}")
+        raise ConfigError(f"{flag} must be a string, got {got}")
     if kind == "Path":
         p = Path(value).expanduser()
         return base / p if base is not None and not p.is_absolute() else p
@@ -470,8 +475,13 @@ def coerce(
     """Typed values from raw ones keyed by field name; ``base`` resolves relative paths.
     ``text``: numbers may be strings, as they come from flags or the environment (a
     TOML file's are typed: ``port = "8443"`` is an error there)."""
-    kinds = {f.name: _field_kind(f) for f in dataclasses.fields(RelayConfig)}
-    return {name: _coerce(name, kinds[name], value, base, text) for name, value in values.items()}
+    fields = {f.name: f for f in dataclasses.fields(RelayConfig)}
+    return {
+        name: _coerce(
+            name, _field_kind(fields[name]), value, base, text, secret=not fields[name].repr
+        )
+        for name, value in values.items()
+    }
 
 
 def from_mapping(values: Mapping[str, Any], *, base: Path | None = None) -> RelayConfig:

@@ -125,10 +125,10 @@ class _ClientConnection(asyncio.BufferedProtocol):
                 self.abort()
             return
         if self._raw is None:  # the plain HTTP port (no TLS underneath): count it now
-            if self._server.closing or not self._server.take_socket():
+            if not self._server.take_socket():
                 self.abort()
                 return
-            self._counted = True
+            self._counted = True  # (accepted as a shutdown began: the core answers 503)
         self._session = self._core.open(self, self._peer(transport), now, proxied=self._proxied)
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -138,7 +138,7 @@ class _ClientConnection(asyncio.BufferedProtocol):
         else:
             self._buffer = self._server.scratch
             session = self._session
-            if session is not None and session.bucket is not None:
+            if session is not None:
                 return memoryview(self._buffer)[
                     : self._core.read_allowance(session, self._loop.time())
                 ]

@@ -232,8 +232,10 @@ class Inbound:
             if s.ws_before_auth > WS_BEFORE_AUTH:
                 raise RelayProtocolError(f"more than {WS_BEFORE_AUTH} WebSocket bytes")
         pong: bytes | bytearray | None = None
-        for event in reader.feed(data):
-            s.frames_in += 1
+        before = reader.frames
+        events = reader.feed(data)
+        s.frames_in += reader.frames - before  # every frame, empty ones and joined ones too
+        for event in events:
             if event.opcode is Opcode.BINARY:
                 self._frames(s, event.payload, now)
             elif event.opcode is Opcode.PING:

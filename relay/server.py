@@ -183,8 +183,8 @@ class RelayServer:
         self._all_gone: asyncio.Event | None = None
         self._server: asyncio.Server | None = None
         self._http_server: asyncio.Server | None = None
-        self._stun: asyncio.DatagramTransport | None = None
-        self._stun_alt: asyncio.DatagramTransport | None = None
+        self._stun: list[asyncio.DatagramTransport] = []  # one per address of the host
+        self._stun_alt: list[asyncio.DatagramTransport] = []
         self._tick: asyncio.TimerHandle | None = None
         self.cert_check_interval = CERT_CHECK_INTERVAL
         """Seconds between looks at the certificate files (certificate mode)."""
@@ -310,9 +310,8 @@ class RelayServer:
             await self._listen_http()
         except ConfigError:
             self._server.close()
-            for udp in (self._stun, self._stun_alt):
-                if udp is not None:
-                    udp.close()
+            for udp in (*self._stun, *self._stun_alt):
+                udp.close()
             if self._own_tap is not None:
                 self._own_tap.close()
             raise
@@ -455,19 +454,35 @@ class RelayServer:
         advertised in AUTH_OK; empty when STUN is off."""
         return tuple(p for p in (self.stun_port, self.stun_alt_port) if p)
 
-    async def _bind_udp(self, metrics: Metrics, port: int) -> asyncio.DatagramTransport:
-        """An observation port on the TCP listener's addresses: ``--host ""`` (both
-        families) binds one dual-stack socket, so IPv6 clients learn their address too."""
+    async def _bind_udp(self, metrics: Metrics, port: int) -> list[asyncio.DatagramTransport]:
+        """An observation port on the TCP listener's addresses, the same port on each:
+        ``--host ""`` (both families) binds one dual-stack socket, so IPv6 clients learn
+        their address too; a name binds every address it resolves to (``localhost``:
+        127.0.0.1 and ::1), an IPv6 one for IPv6 only, as the TCP listener does."""
         loop = asyncio.get_running_loop()
         host = self.config.host
-        if host:
-            transport, _ = await loop.create_datagram_endpoint(
-                lambda: StunProtocol(metrics), local_addr=(host, port)
+        if not host:
+            socks = [_dual_stack_udp(port)]
+        else:
+            infos = await loop.getaddrinfo(
+                host, port, type=socket.SOCK_DGRAM, flags=socket.AI_PASSIVE
             )
-            return transport
-        sock = _dual_stack_udp(port)
-        transport, _ = await loop.create_datagram_endpoint(lambda: StunProtocol(metrics), sock=sock)
-        return transport
+            socks = []
+            try:
+                for family, _, _, _, addr in dict.fromkeys(infos):
+                    socks.append(_bound_udp(family, (addr[0], port, *addr[2:])))
+                    port = int(socks[-1].getsockname()[1])  # an ephemeral port: the same
+            except OSError:
+                for sock in socks:
+                    sock.close()
+                raise
+        transports: list[asyncio.DatagramTransport] = []
+        for sock in socks:
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: StunProtocol(metrics), sock=sock
+            )
+            transports.append(transport)
+        return transports
 
     async def _start_stun(self, metrics: Metrics) -> None:
         """Bind the STUN port and the alternate observation port (see RelayConfig)."""
@@ -482,7 +497,7 @@ class RelayServer:
             raise ConfigError(
                 f"cannot bind STUN port {host}:{port} (UDP): {exc}; pass --stun-port N or 0"
             ) from None
-        self.stun_port = int(self._stun.get_extra_info("sockname")[1])
+        self.stun_port = int(self._stun[0].get_extra_info("sockname")[1])
         alt, explicit = c.effective_stun_alt_port(self.stun_port)
         if not alt:
             if self.stun_port >= 65535 and c.stun_alt_port is None:
@@ -492,7 +507,8 @@ class RelayServer:
             self._stun_alt = await self._bind_udp(metrics, alt)
         except OSError as exc:
             if explicit:
-                self._stun.close()
+                for udp in self._stun:
+                    udp.close()
                 raise ConfigError(
                     f"cannot bind STUN alternate port {host}:{alt} (UDP): {exc}; "
                     "pass --stun-alt-port N or 0"
@@ -506,7 +522,7 @@ class RelayServer:
                 )
             )
             return
-        self.stun_alt_port = int(self._stun_alt.get_extra_info("sockname")[1])
+        self.stun_alt_port = int(self._stun_alt[0].get_extra_info("sockname")[1])
 
     def _schedule_tick(self) -> None:
         c = self.config
@@ -591,9 +607,8 @@ class RelayServer:
             conn.abort_handshake()
         if self._tick is not None:
             self._tick.cancel()
-        for udp in (self._stun, self._stun_alt):
-            if udp is not None:
-                udp.close()
+        for udp in (*self._stun, *self._stun_alt):
+            udp.close()
         if self._core is not None:
             self._core.shutdown()
         if self.connections and self._all_gone is not None:
@@ -643,6 +658,21 @@ def _url_port(sockets: Sequence[Any], url_host: str) -> int:
         if sock.family == family:
             return int(sock.getsockname()[1])
     return int(sockets[0].getsockname()[1])
+
+
+def _bound_udp(family: int, addr: tuple[Any, ...]) -> socket.socket:
+    """A non-blocking UDP socket bound to ``addr``; an IPv6 one carries IPv6 only (as
+    asyncio's TCP listeners do), so ``::`` answers the clients the TCP port serves."""
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        sock.setblocking(False)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _dual_stack_udp(port: int) -> socket.socket:

@@ -29,6 +29,7 @@ from typing import Any
 
 from p2pdist.identity import EndpointId
 from p2pdist.wire.relay import (
+    MAX_HTTP_HEAD,
     MIN_READ,
     RelayFrameType,
     RelayProtocolError,
@@ -42,7 +43,14 @@ from p2pdist.wire.websocket import header as ws_header
 from .access import AccessPolicy, Refusal
 from .addresses import format_address, source_of
 from .http import response
-from .inbound import MAX_AUTH_BODY, PER_IP_FULL, REFRESH_EVERY, RELAY_FULL, Inbound
+from .inbound import (
+    MAX_AUTH_BODY,
+    PER_IP_FULL,
+    REFRESH_EVERY,
+    RELAY_FULL,
+    WS_BEFORE_AUTH,
+    Inbound,
+)
 from .limits import TokenBucket
 from .logfmt import kv
 from .metrics import Metrics
@@ -397,7 +405,6 @@ class RelayCore(Inbound):
         s.last_heard = now
         nbytes = memoryview(data).nbytes
         self.metrics.bytes_in_total += nbytes
-        bucket = s.bucket if s.phase is Phase.ACTIVE else None  # (AUTH came before it)
         frames_before = s.frames_in
         try:
             if s.phase is Phase.HTTP:
@@ -414,11 +421,14 @@ class RelayCore(Inbound):
             self._close(s, "protocol_error", error=f"{exc}{before}")
         finally:
             self.flush()
+        bucket = s.bucket  # None before AUTH_OK, or with no rate
         if bucket is not None:
             # Every byte, whatever it carries (all are parsed), and more per record and
             # per frame: each costs a pass of Python whatever its size (one byte per
             # record, or empty frames, took a core). Charged even if this read closed
-            # the session: the bucket outlives it (see _keep_bucket).
+            # the session: the bucket outlives it (see _keep_bucket). The read that
+            # carried AUTH is charged whole, AUTH included: frames written behind it
+            # (a reconnecting client's, into an inherited bucket) are not free.
             frames = s.frames_in - frames_before
             bucket.charge(nbytes + records * RECORD_CHARGE + frames * FRAME_CHARGE, now)
             if s.phase is Phase.ACTIVE:
@@ -427,9 +437,14 @@ class RelayCore(Inbound):
     def read_allowance(self, s: Session, now: float) -> int:
         """How many bytes the glue may read from ``s``'s client now: what its bucket
         holds (at least :data:`MIN_READ`, at most ``read_size``), so a client is read at
-        about its rate, whatever frames it sends."""
+        about its rate, whatever frames it sends; before AUTH_OK no more than the
+        phase's one message (:data:`MAX_HTTP_HEAD`, or an AUTH frame in a WebSocket
+        frame), so frames written behind AUTH wait for the bucket of the id it proves."""
+        if s.phase is not Phase.ACTIVE:
+            most = WS_BEFORE_AUTH if s.phase is Phase.AUTH else MAX_HTTP_HEAD
+            return min(self.config.read_size, most)
         bucket = s.bucket
-        if bucket is None or s.phase is not Phase.ACTIVE:
+        if bucket is None:
             return self.config.read_size
         return int(max(MIN_READ, min(self.config.read_size, bucket.level(now))))
 

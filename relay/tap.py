@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from p2pdist.wire.relay import _HEAD, FRAME_HEADER, RelayFrameType
+from p2pdist.wire.websocket import Opcode
+from p2pdist.wire.websocket import mask as ws_mask
 
 from .logfmt import kv
 
@@ -44,23 +46,36 @@ _AUTH_FIXED = 32 + 64
 
 
 class AuthRedactor:
-    """Follows one client-to-relay byte stream (an HTTP head, then relay frames) across
-    reads of any size and zeroes the token bytes of every AUTH frame, keeping lengths.
+    """Follows one client-to-relay byte stream (an HTTP head, then relay frames, bare or
+    in masked WebSocket frames) across reads of any size and zeroes the token bytes of
+    every AUTH frame, keeping lengths. In WebSocket frames the masked bytes are zeroed
+    (the mask key, which travels with them, no longer unmasks them to the token).
 
     Only framing is tracked (no bytes are kept), so a stream that is not what the relay
     expects merely goes through unredacted where it cannot be read as frames. A read
     with no token bytes in it is returned as it is (no copy). Every AUTH is followed, not
     only the first: the relay refuses a second one, but only after it was read (and
-    tapped).
+    tapped). Which framing follows the head is told by its second byte: a client's
+    WebSocket frame has the mask bit there, a relay frame the top byte of a length that
+    never reaches 2^24.
     """
 
     def __init__(self) -> None:
         self._head_tail = b""  # the last bytes of the HTTP head so far (up to 3)
         self._in_head = True
+        self._websocket: bool | None = None  # None: not told yet (fewer than 2 bytes)
+        self._first = b""  # the byte after the head, while the second is awaited
+        # relay frames
         self._header = bytearray()  # a frame header split across reads
         self._left = 0  # bytes of the current frame body still to come
         self._secret = False  # the current frame is an AUTH (its token is secret)
         self._body_at = 0  # bytes of the current body seen so far
+        # WebSocket frames around them
+        self._ws_head = bytearray()  # a frame header split across reads
+        self._ws_left = 0  # payload bytes of the current frame still to come
+        self._ws_key = b""
+        self._ws_offset = 0  # payload bytes of the current frame seen so far
+        self._ws_data = False  # the current frame carries the relay stream
 
     def __call__(self, data: bytes) -> bytes:
         """``data`` with any AUTH token bytes in it replaced by zero bytes (``data``
@@ -74,7 +89,27 @@ class AuthRedactor:
                 return data
             self._in_head = False
             i = end + len(_HEAD_END) - len(self._head_tail)
-        out: bytearray | None = None  # a copy, made at the first token byte
+        if self._websocket is None:
+            if i >= len(data):
+                return data
+            if not self._first and i + 1 >= len(data):
+                self._first = data[i:]  # the first byte alone: a header byte either way
+                return data
+            second = data[i + 1] if not self._first else data[i]
+            self._websocket = bool(second & 0x80)
+            target = self._ws_head if self._websocket else self._header
+            target += self._first  # the first header byte, seen in the last read
+        blank = self._websocket_spans(data, i) if self._websocket else self._relay_spans(data, i)
+        if not blank:
+            return data
+        out = bytearray(data)
+        for start, stop in blank:
+            out[start:stop] = bytes(stop - start)
+        return bytes(out)
+
+    def _relay_spans(self, data: bytes | bytearray, i: int) -> list[tuple[int, int]]:
+        """Follow relay frames through ``data[i:]``: the spans of token bytes in it."""
+        spans: list[tuple[int, int]] = []
         n = len(data)
         while i < n:
             if self._left == 0:  # a frame header next
@@ -96,13 +131,54 @@ class AuthRedactor:
             if self._secret:
                 start = max(self._body_at, _AUTH_FIXED) - self._body_at
                 if start < take:
-                    if out is None:
-                        out = bytearray(data)
-                    out[i + start : i + take] = bytes(take - start)
+                    spans.append((i + start, i + take))
             self._body_at += take
             self._left -= take
             i += take
-        return data if out is None else bytes(out)
+        return spans
+
+    def _websocket_spans(self, data: bytes, i: int) -> list[tuple[int, int]]:
+        """Follow WebSocket frames through ``data[i:]``, the relay stream in their
+        (unmasked) payloads: the spans of ``data`` that carry token bytes."""
+        spans: list[tuple[int, int]] = []
+        n = len(data)
+        while i < n:
+            if self._ws_left == 0:  # a frame header next
+                take = min(self._ws_head_size() - len(self._ws_head), n - i)
+                self._ws_head += data[i : i + take]
+                i += take
+                if len(self._ws_head) < self._ws_head_size():
+                    continue  # (the size grows once its second byte is in)
+                self._ws_begin()
+                continue
+            take = min(self._ws_left, n - i)
+            if self._ws_data:
+                clear = ws_mask(data[i : i + take], self._ws_key, self._ws_offset)
+                spans += [(i + a, i + b) for a, b in self._relay_spans(clear, 0)]
+            self._ws_offset += take
+            self._ws_left -= take
+            i += take
+        return spans
+
+    def _ws_head_size(self) -> int:
+        """Bytes of the header being read (2 until its second byte tells more)."""
+        head = self._ws_head
+        if len(head) < 2:
+            return 2
+        size = head[1] & 0x7F
+        return 2 + (2 if size == 126 else 8 if size == 127 else 0) + (4 if head[1] & 0x80 else 0)
+
+    def _ws_begin(self) -> None:
+        """A whole frame header is in: start its payload."""
+        head, self._ws_head = bytes(self._ws_head), bytearray()
+        size, at = head[1] & 0x7F, 2
+        if size == 126:
+            size, at = int.from_bytes(head[2:4], "big"), 4
+        elif size == 127:
+            size, at = int.from_bytes(head[2:10], "big"), 10
+        self._ws_key = head[at : at + 4] if head[1] & 0x80 else bytes(4)
+        self._ws_left, self._ws_offset = size, 0
+        self._ws_data = (head[0] & 0x0F) in (Opcode.CONTINUATION, Opcode.BINARY)
 
 
 class FileTap:

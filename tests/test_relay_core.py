@@ -289,6 +289,7 @@ def test_a_client_over_its_rate_is_read_at_its_rate_whatever_it_sends() -> None:
     c.receive(sa, flood, 0.0)
     assert len(la.pauses) == 1 and c.metrics.rate_paused_total == 1
     debt = len(flood) - burst + len(flood) // len(pong) * FRAME_CHARGE  # (and per frame)
+    debt += len(auth_frame(A)) + FRAME_CHARGE  # the read that carried AUTH is charged too
     assert la.pauses[0] == pytest.approx((MIN_READ + debt) / rate)
     assert c.read_allowance(sa, 0.0) == MIN_READ  # when read again: a little at a time
     assert c.read_allowance(sa, 5.0) == 4 * MAX_BODY  # refilled
@@ -732,6 +733,17 @@ def test_config_file_errors(tmp_path: Path, text: str, message: str) -> None:
         load_config(["--config", str(cfg)], environ={})
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(["--config", str(tmp_path / "missing.toml")], environ={})
+
+
+@pytest.mark.parametrize("value", ["12345678901234567890123", "1234567.25", '["s3cr3t-part"]'])
+def test_a_token_of_the_wrong_type_is_not_printed_in_the_error(tmp_path: Path, value: str) -> None:
+    """A token written without quotes (a number) was echoed in the error, which reaches
+    the terminal and the journal."""
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(f"token = {value}\n")
+    with pytest.raises(ConfigError, match="token must be a string, got a ") as info:
+        load_config(["--config", str(cfg)], environ={})
+    assert "1234567" not in str(info.value) and "s3cr3t" not in str(info.value)
 
 
 def test_a_bad_value_is_blamed_on_where_it_came_from(tmp_path: Path) -> None:

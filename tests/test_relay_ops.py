@@ -22,13 +22,24 @@ from relay_helpers import ipv6_loopback, self_signed_pem
 from relay_helpers import running_relay as running
 
 from p2pdist.identity import SecretKey
-from p2pdist.wire.relay import RelayFrameType, RelayUrl, encode_frame
+from p2pdist.wire.relay import (
+    RelayFrameDecoder,
+    RelayFrameType,
+    RelayUrl,
+    auth_message,
+    cert_fingerprint,
+    encode_frame,
+    parse_challenge,
+    upgrade_request,
+)
+from p2pdist.wire.websocket import Opcode, WebSocketReader, client_key
+from p2pdist.wire.websocket import frame as ws_frame
 from relay.access import Allowlist, AllowlistError
 from relay.config import ConfigError
 from relay.healthcheck import HOST_ENV
 from relay.healthcheck import main as healthcheck
 from relay.tap import AuthRedactor, FileTap, read_tap
-from relay.testclient import RelayRefused, RelayTestClient
+from relay.testclient import RelayRefused, RelayTestClient, _tls_open
 from relay.tlsconfig import RelayTls
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,6 +129,79 @@ def test_auth_redactor_blanks_the_token_across_any_split(chunk: int) -> None:
     second = len(expected) - len(b"second-token")
     expected[second:] = bytes(len(b"second-token"))
     assert out == bytes(expected)  # id, signature and other frames unchanged
+
+
+def _ws_relay_stream(data: bytes) -> bytes:
+    """The relay stream a client's WebSocket bytes carry (after the HTTP head)."""
+    reader = WebSocketReader(masked=True)
+    events = reader.feed(data[data.find(b"\r\n\r\n") + 4 :])
+    return b"".join(bytes(e.payload) for e in events if e.opcode is Opcode.BINARY)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 7, 100, 4096])
+def test_auth_redactor_blanks_the_token_in_websocket_frames_across_any_split(chunk: int) -> None:
+    """A client without records speaks WebSocket: its AUTH is masked, and the mask key
+    travels with it, so the tap held the token one XOR away. The redactor follows the
+    WebSocket frames (a control frame between, AUTH cut across frames, a 16-bit length)
+    and zeroes the masked token bytes."""
+    head = b"GET /relay HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n\r\n"
+    auth = encode_frame(RelayFrameType.AUTH, bytes(range(96)) + TOKEN.encode())
+    send = encode_frame(RelayFrameType.SEND, b"s" * 300)
+    auth2 = encode_frame(RelayFrameType.AUTH, b"\xff" * 96 + b"second-token")
+    relay_stream = auth + send + auth2
+    pieces = [auth[:50], auth[50:110], auth[110:] + send, auth2]
+    frames = [ws_frame(pieces[0], masked=True), ws_frame(b"ping", Opcode.PING, masked=True)]
+    frames += [ws_frame(p, masked=True) for p in pieces[1:]]
+    data = head + b"".join(frames)
+    whole = AuthRedactor()(data)
+    redact = AuthRedactor()
+    out = b"".join(redact(data[i : i + chunk]) for i in range(0, len(data), chunk))
+    assert out == whole and len(out) == len(data)
+    seen = _ws_relay_stream(out)
+    assert TOKEN.encode() not in out and TOKEN.encode() not in seen
+    assert b"second-token" not in seen
+    at, second = 5 + 96, len(relay_stream) - len(b"second-token")
+    assert seen[:at] == relay_stream[:at]  # the rest as sent
+    assert seen[at + len(TOKEN) : second] == relay_stream[at + len(TOKEN) : second]
+
+
+async def test_the_tap_file_never_holds_the_token_of_a_websocket_session(tmp_path: Path) -> None:
+    tap = tmp_path / "tap.bin"
+    key = KEYS[0]
+    async with running(token=TOKEN, tap=tap) as srv:
+        url = RelayUrl.parse(srv.url)
+        reader, writer, der = await _tls_open(url, None, 10.0)
+        try:
+            writer.write(upgrade_request(url.authority, websocket_key=client_key()))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 101"), head
+            ws, frames = WebSocketReader(masked=False), RelayFrameDecoder()
+
+            async def next_frame() -> tuple[RelayFrameType, bytes]:
+                got: list[tuple[RelayFrameType, bytes]] = []
+                while not got:
+                    data = await asyncio.wait_for(reader.read(65536), 10)
+                    assert data, "the relay closed"
+                    for event in ws.feed(data):
+                        got += frames.feed(bytes(event.payload))
+                return got[0]
+
+            kind, body = await next_frame()
+            assert kind is RelayFrameType.CHALLENGE
+            challenge, _ = parse_challenge(body)
+            me = bytes(key.endpoint_id)
+            sig = key.sign(auth_message(cert_fingerprint(der), challenge, me))
+            auth = encode_frame(RelayFrameType.AUTH, me + sig + TOKEN.encode())
+            writer.write(ws_frame(auth[:120], masked=True) + ws_frame(auth[120:], masked=True))
+            assert (await next_frame())[0] is RelayFrameType.AUTH_OK
+        finally:
+            writer.close()
+    streams = read_tap(tap)
+    [inbound] = [data for (_, way), data in streams.items() if way == "in"]
+    assert b"Upgrade: websocket" in inbound or b"upgrade: websocket" in inbound.lower()
+    relay_stream = _ws_relay_stream(inbound)
+    assert relay_stream[:1] == bytes([RelayFrameType.AUTH])
+    assert TOKEN.encode() not in inbound and TOKEN.encode() not in relay_stream
 
 
 def test_a_read_without_token_bytes_is_not_copied_and_a_closed_connection_is_forgotten(

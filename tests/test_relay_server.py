@@ -45,6 +45,7 @@ from p2pdist.wire.relay import (
     auth_message,
     cert_fingerprint,
     decode_map,
+    encode_addressed,
     encode_frame,
     upgrade_request,
 )
@@ -174,6 +175,50 @@ async def test_a_relay_on_both_families_observes_both() -> None:
                     data = await asyncio.wait_for(loop.sock_recv(sock, 2048), 10)
                     assert parse_binding_response(data, txid) == (ip, sock.getsockname()[1])
         assert srv.core.metrics.stun_requests_total == 4
+
+
+async def _stun_answers(ip: str, port: int) -> bool:
+    """Whether a binding request to ``ip``:``port`` is answered within a second."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    loop = asyncio.get_running_loop()
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.bind((ip, 0))
+        sock.setblocking(False)
+        txid = new_transaction_id()
+        sock.sendto(binding_request(txid), (ip, port))
+        try:
+            data = await asyncio.wait_for(loop.sock_recv(sock, 2048), 1.0)
+        except TimeoutError:
+            return False
+        return parse_binding_response(data, txid) == (ip, sock.getsockname()[1])
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback")
+async def test_the_observation_ports_serve_the_addresses_the_tcp_listener_serves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--host ::`` listens for IPv6 only, and its STUN ports answered IPv4 too;
+    ``--host localhost`` with both 127.0.0.1 and ::1 (as many systems resolve it, made
+    so here) listens on both, and its STUN ports answered on the first only."""
+    async with running(host="::", stun_port=None) as srv:
+        for port in srv.stun_ports:
+            assert await _stun_answers("::1", port)
+            assert not await _stun_answers("127.0.0.1", port)
+    resolve = socket.getaddrinfo
+
+    def both(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        if host != "localhost":
+            return resolve(host, port, *args, **kw)
+        return resolve("127.0.0.1", port, *args, **kw) + resolve("::1", port, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", both)
+    async with running(host="localhost", stun_port=None) as srv:
+        server = srv._server
+        assert server is not None
+        assert {sock.getsockname()[0] for sock in server.sockets} == {"127.0.0.1", "::1"}
+        for port in srv.stun_ports:
+            assert await _stun_answers("127.0.0.1", port)
+            assert await _stun_answers("::1", port)
 
 
 async def test_bad_signature_and_claiming_another_id_are_refused() -> None:
@@ -426,6 +471,47 @@ async def test_flooding_client_is_rate_limited_while_another_pair_keeps_flowing(
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         assert (await asyncio.to_thread(relay.stop))[0] == 0
+
+
+async def test_reconnecting_with_sends_behind_auth_gets_no_more_than_the_rate() -> None:
+    """A client that reconnected over and over, writing AUTH and 15 SENDs of 16 KB in
+    one go each time, moved about 120x its --rate: the frames read with AUTH were never
+    charged (the bucket was looked up before AUTH made the session active) and a read
+    before AUTH took 256 KiB. Now that read is charged and reads before AUTH_OK hold
+    one message, so what follows AUTH waits for the bucket of the id it proves."""
+    rate = burst = 100_000
+    async with running(rate=rate, burst=burst) as srv:
+        sink = await joined(srv.url, B)
+        got = 0
+
+        async def count() -> None:
+            nonlocal got
+            with contextlib.suppress(OSError, TimeoutError):
+                while True:
+                    got += len((await sink.recv(timeout=30))[1])
+
+        counter = asyncio.create_task(count())
+        sends = b"".join(
+            encode_addressed(RelayFrameType.SEND, bytes(B.endpoint_id), b"x" * 16000)
+            for _ in range(15)
+        )
+        start = time.monotonic()
+        connections = 0
+        try:
+            while time.monotonic() - start < 1.5:
+                a = await RelayTestClient.open(srv.url)
+                a.send_raw(encode_frame(RelayFrameType.AUTH, a.auth_body(A)) + sends)
+                await a.drain()
+                await a.expect(RelayFrameType.AUTH_OK)
+                a.writer.transport.abort()
+                connections += 1
+            elapsed = time.monotonic() - start
+            await asyncio.sleep(0.5)  # what was let through arrives
+        finally:
+            counter.cancel()
+            await asyncio.gather(counter, return_exceptions=True)
+        assert connections >= 10
+        assert got <= burst + rate * (elapsed + 0.5) + 16000, (got, connections)
 
 
 async def _above(url: str, name: str, value: int) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 
 import pytest
@@ -56,6 +57,29 @@ async def test_a_handshake_in_progress_at_shutdown_is_dropped() -> None:
 
         await eventually(all_gone)
         assert not srv.handshaking and not srv.connections and srv.core.connections == 0
+
+
+async def test_a_plain_http_connection_accepted_as_the_drain_begins_gets_503() -> None:
+    """On --http-port (no TLS) a connection accepted just as a shutdown began was
+    aborted before the core saw it: no 503, and auth_failures_total{reason=
+    "shutting_down"} stayed 0, against docs/relay.md. (The race is replayed: the
+    accepted socket reaches the server's protocol after close() has begun.)"""
+    from relay.connection import _ClientConnection
+
+    loop = asyncio.get_running_loop()
+    proxy = {"proxy_certs": "own", "public_host": "relay.test", "public_port": 443}
+    async with running(http_port=0, **proxy) as srv:
+        closing = asyncio.create_task(srv.close())
+        await asyncio.sleep(0)  # close() runs up to its drain
+        assert srv.closing
+        ours, theirs = socket.socketpair()
+        with ours:
+            ours.setblocking(False)
+            await loop.connect_accepted_socket(lambda: _ClientConnection(srv, proxied=True), theirs)
+            answer = await asyncio.wait_for(loop.sock_recv(ours, 4096), 10)
+        await asyncio.wait_for(closing, 30)
+    assert answer.startswith(b"HTTP/1.1 503"), answer[:60]
+    assert srv.core.metrics.auth_failures["shutting_down"] == 1
 
 
 async def test_queue_bytes_counts_the_tcp_buffer_and_shutdown_does_not_warn(

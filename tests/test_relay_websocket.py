@@ -230,6 +230,29 @@ def test_a_websocket_upgrade_without_records_speaks_websocket_frames() -> None:
     assert c.metrics.websocket_upgrades_total == 1
 
 
+def test_every_websocket_frame_is_charged_empty_and_joined_ones_too() -> None:
+    """Empty masked binary frames (6 bytes) made no event and the data frames of one
+    read made one, so a client sending them escaped the per-frame charge: a third of a
+    core at --rate 1000000 (a fifth in PINGs of the same rate). Each frame header read
+    is charged FRAME_CHARGE, as each relay frame is."""
+    from relay.state import FRAME_CHARGE
+
+    c = core(rate=1_000_000, burst=1 << 22)
+    s, _ = ws_session(c)
+    c.receive(s, frame(auth_frame(KEYS[0]), masked=True), 0.0)
+    bucket = s.bucket
+    assert bucket is not None
+    before = bucket.level(0.0)
+    empties = frame(b"", masked=True) * 100
+    c.receive(s, empties, 0.0)
+    assert before - bucket.level(0.0) == len(empties) + 100 * FRAME_CHARGE
+    before = bucket.level(0.0)
+    pong = encode_frame(T.PONG, b"p" * 8)
+    pieces = frame(pong[:4], masked=True) + frame(pong[4:], masked=True)  # one relay frame
+    c.receive(s, pieces, 0.0)
+    assert before - bucket.level(0.0) == len(pieces) + 3 * FRAME_CHARGE
+
+
 def test_on_the_tls_port_records_win_and_frames_stay_raw() -> None:
     c = core()
     _, link, key = ws_upgrade(c, records=b"\x05" * 32)

@@ -199,6 +199,10 @@ class WebSocketReader:
         """Whether a data message has begun and not finished (continuations are due)."""
         self.closed = False
         """Whether a CLOSE frame was read (nothing after it is read)."""
+        self.frames = 0
+        """Frame headers read so far (an empty data frame makes no event, and the data
+        frames of one :meth:`feed` make one: a reader that charges per frame counts
+        these)."""
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[WebSocketEvent]:
         """Read ``data``; WebSocketError when it breaks the framing (then stop feeding)."""
@@ -258,6 +262,7 @@ class WebSocketReader:
         return pos
 
     def _start(self, head: bytes) -> None:
+        self.frames += 1
         b0, b1 = head[0], head[1]
         if b0 & 0x70:
             raise WebSocketError("reserved bits set (no extension was agreed)")
