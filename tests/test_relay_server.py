@@ -870,6 +870,51 @@ async def test_graceful_shutdown_sends_reconnect_and_exits_0(tmp_path: Path, sig
         assert "shutdown" in log and "Traceback" not in log
 
 
+_VALUE = r'(?:"(?:[^"\\]|\\.)*"|[^ "=]+)'
+"""A log value: bare, or quoted with backslash escapes (relay/logfmt.py)."""
+_LOG_LINE = re.compile(
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) relay(?:\.\w+)* "
+    rf"([a-z_]+)((?: [a-z_0-9]+={_VALUE})*)$"
+)
+_FIELD = re.compile(rf" ([a-z_0-9]+)=({_VALUE})")
+
+
+async def test_the_log_is_one_structured_event_a_line_with_short_connection_ids(
+    tmp_path: Path,
+) -> None:
+    """What docs/relay.md "Logs" promises an operator's log shipper: every stderr line is
+    ``time level logger event key=value ...``; connections are named ``c<n>`` before
+    authentication and ``c<n>/<first 10 characters of the endpoint id>`` after, a refusal
+    names the id claimed, and the token never appears."""
+    token = "log-test-token-4f7c2a9e"
+    with RelayProcess(tmp_path, "--stun-port", "0", env={"P2PDIST_RELAY_TOKEN": token}) as relay:
+        a = await joined(relay.url, A, token)
+        with pytest.raises(RelayRefused, match="token"):
+            await joined(relay.url, B, token + "x")
+        again = await joined(relay.url, A, token)  # replaces the first
+        assert await a.wait_closed()
+        code, _ = await asyncio.to_thread(relay.stop)
+        await again.wait_closed()
+    assert code == 0
+    lines = relay.log.read_text().splitlines()
+    assert lines and token not in "\n".join(lines)
+    events: dict[str, list[dict[str, str]]] = {}
+    for line in lines:
+        match = _LOG_LINE.match(line)
+        assert match, f"not a structured log line: {line!r}"
+        fields = dict(_FIELD.findall(match.group(3)))
+        events.setdefault(match.group(2), []).append(fields)
+    short_a, short_b = A.endpoint_id.short(), B.endpoint_id.short()
+    oks = [f["conn"] for f in events["auth_ok"]]
+    assert len(oks) == 2 and all(re.fullmatch(rf"c\d+/{short_a}", c) for c in oks), oks
+    [refused] = events["auth_failed"]
+    assert re.fullmatch(r"c\d+", refused["conn"]), refused  # not authenticated: no id
+    assert refused["claimed"] == short_b and refused["reason"] == "bad_token"
+    assert [f["conn"] for f in events["replaced"]] == oks[:1]
+    for event in ("listening", "shutdown", "reconnect_all", "stopped"):
+        assert event in events, sorted(events)
+
+
 def silent_client(url: str, key: SecretKey) -> ssl.SSLSocket:
     """An authenticated client that then never reads (a blocking socket nobody drains):
     the relay's graceful shutdown waits for it up to the drain timeout."""
