@@ -27,6 +27,7 @@ from aioquic.quic.packet import QuicErrorCode
 from aioquic.quic.recovery import QuicPacketRecovery
 from aioquic.quic.stream import QuicStream
 from fake_relay import FakeRelayHub
+from relay_helpers import running_relay
 from transport_conformance import (
     CHECKS,
     Pair,
@@ -63,6 +64,8 @@ from p2pdist.transport.quic_core import (
     QuicConfig,
     quic_configuration,
 )
+from p2pdist.transport.relay_path import RelayConfig as RelayPathConfig
+from p2pdist.transport.relay_path import RelayPath
 from p2pdist.transport.reordering import ReorderingRecovery
 
 SEED = "quic transport tests: a shared secret"
@@ -196,6 +199,32 @@ async def test_probes_keep_coming_through_an_outage_so_the_peers_recover_when_it
     assert arrived - back < MAX_PROBE_INTERVAL + 10.0, arrived - back
 
 
+@contextlib.asynccontextmanager
+async def real_relay_pair(**cfg: Any) -> AsyncIterator[Pair]:
+    """A pair through a real relay server (in process: TLS, AES-GCM records, the relay's
+    framing and limits) that stays there (hole punching off); the client dies by
+    leaving the relay, as its process would."""
+    conf = config(**cfg)
+    fast = RelayPathConfig(connect_timeout=5.0, backoff_initial=0.05, backoff_max=0.5)
+    async with running_relay() as relay:
+        paths = [RelayPath(key(rank), relay.url, config=fast) for rank in (0, 1)]
+        gone: list[asyncio.Task[None]] = []
+        try:
+            await bounded(asyncio.gather(*(p.wait_connected(10) for p in paths)), "sessions")
+            client_t = QuicTransport(key(0), conf, relay=paths[0], punch=NO_PUNCH)
+            server_t = QuicTransport(key(1), conf, relay=paths[1], punch=NO_PUNCH)
+
+            def kill() -> None:
+                gone.append(asyncio.ensure_future(paths[0].close()))
+
+            async with connected(client_t, server_t, None, kill) as p:
+                assert isinstance(p.client, QuicConnection) and isinstance(p.server, QuicConnection)
+                assert p.client.path_kind == p.server.path_kind == "relay"
+                yield p
+        finally:
+            await bounded(asyncio.gather(*gone, *(p.close() for p in paths)), "relay paths closed")
+
+
 def kill_punched(hub: FakeRelayHub, transport: QuicTransport) -> None:
     """The client dies: off the relay, and its punching socket closed."""
     hub.detach(transport.endpoint_id)
@@ -219,7 +248,12 @@ async def punched_pair(**cfg: Any) -> AsyncIterator[Pair]:
         yield p
 
 
-PAIRS = {"direct": direct_pair, "relay": relay_pair, "punched": punched_pair}
+PAIRS = {
+    "direct": direct_pair,
+    "relay": relay_pair,
+    "real-relay": real_relay_pair,
+    "punched": punched_pair,
+}
 
 
 @pytest.fixture(params=sorted(PAIRS))
