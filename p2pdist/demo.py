@@ -437,7 +437,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plaintext", action="store_true", help="authenticated plaintext, no TLS")
     p.add_argument("--steps", type=int, default=30, help="SGD steps (default 30)")
     p.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
-    p.add_argument("--bench-mib", type=int, default=16, help="bandwidth test size in MiB")
+    p.add_argument(
+        "--bench-mib", type=int, default=16, help="bandwidth test size in MiB (default 16)"
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     # Testing the demo itself: this rank feeds a wrong input to one check.
     p.add_argument("--corrupt-rank", type=int, default=-1, help=argparse.SUPPRESS)

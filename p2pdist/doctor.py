@@ -203,8 +203,13 @@ async def diagnose(
     timeout: float = 10.0,
 ) -> DoctorReport:
     """Run every check (see the module docstring); never raises for network trouble,
-    the report says what failed."""
+    the report says what failed (UsageError for a ``peer`` that is our own id)."""
     key = key or SecretKey.generate()
+    if peer is not None and peer == key.endpoint_id:
+        raise UsageError(
+            f"--peer {peer.short()} is this doctor's own endpoint id "
+            "(the same --key on both hosts?)"
+        )
     path = RelayPath(key, relay, token=token)
     report = DoctorReport(str(path.url), str(key.endpoint_id))
     report.interfaces = [a for a in interface_addresses() if not is_loopback(a)]
@@ -419,8 +424,8 @@ def main(argv: list[str]) -> int:
         type=float,
         default=10.0,
         help=(
-            "bound per check, seconds (the 8 MiB transfer to --peer waits at least 30 s, "
-            "for slow links; --serve: on reaching the relay)"
+            "bound per check, seconds (default 10; the 8 MiB transfer to --peer waits at "
+            "least 30 s, for slow links; --serve: on reaching the relay)"
         ),
     )
     ap.add_argument(

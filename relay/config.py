@@ -19,6 +19,7 @@ from typing import Any
 
 from p2pdist.errors import UsageError
 from p2pdist.eventloop import LOOP_CHOICES
+from p2pdist.transport.relay_config import CLIENT_KEEPALIVE
 from p2pdist.wire.relay import MAX_BODY, MAX_KEEPALIVE, MAX_TOKEN_BYTES, ascii_host
 
 __all__ = ["ConfigError", "RelayConfig", "coerce", "from_mapping", "normalize_keys", "option_names"]
@@ -178,7 +179,12 @@ class RelayConfig:
         ),
     )
     rate: int = field(
-        default=0, metadata=_doc("per-client SEND budget in bytes/s (0: unlimited)", "BYTES_PER_S")
+        default=0,
+        metadata=_doc(
+            "per-client budget in bytes/s on everything it sends from its AUTH on, framing "
+            "included, plus 256 per record and 64 per frame (0: unlimited)",
+            "BYTES_PER_S",
+        ),
     )
     burst: int = field(
         default=1 << 20, metadata=_doc("per-client token bucket size in bytes", "BYTES")
@@ -404,8 +410,8 @@ def _validate(c: RelayConfig) -> None:
     if c.keepalive > MAX_KEEPALIVE:
         raise ConfigError(
             f"keepalive must be at most {MAX_KEEPALIVE:g} s, got {c.keepalive!r} (clients "
-            "would not take it and ping every 5 s, while the relay waited 3 times as long "
-            "to drop a silent one)"
+            f"would not take it and ping every {CLIENT_KEEPALIVE:g} s, while the relay "
+            "waited 3 times as long to drop a silent one)"
         )
     _positive("retry-after", c.retry_after, allow_zero=True)
     if c.log_level not in LOG_LEVELS:

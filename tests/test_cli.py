@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import pty
@@ -552,6 +553,37 @@ def test_subcommands_refuse_bad_options_before_running(args: list[str], message:
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_doctor_refuses_its_own_endpoint_id_as_the_peer_at_once(tmp_path: Path) -> None:
+    """The same --key on both hosts (or one's own id pasted): the doctor dialled itself
+    through the relay, found a "direct path" to itself and waited 30 s for a transfer no
+    one answered. Now one line and exit 2, before the relay is dialled (port 1 here)."""
+    from p2pdist.identity import SecretKey
+
+    key = SecretKey.generate()
+    key.save(tmp_path / "node.key")
+    peer = str(key.endpoint_id)
+    args = ["doctor", "--relay", "https://127.0.0.1:1/", "--key", str(tmp_path / "node.key")]
+    proc = run_cli(*args, "--peer", peer)
+    assert proc.returncode == 2, proc.stderr
+    assert "own endpoint id" in proc.stderr and "Traceback" not in proc.stderr
+
+
+async def test_a_transport_refuses_to_dial_its_own_endpoint_id() -> None:
+    from p2pdist.errors import UsageError
+    from p2pdist.identity import SecretKey
+    from p2pdist.transport.quic import QuicTransport
+    from p2pdist.transport.tcp import TcpTransport
+
+    key = SecretKey.generate()
+    for transport in (QuicTransport(key), TcpTransport(key)):
+        try:
+            address = await transport.listen("127.0.0.1", 0)
+            with pytest.raises(UsageError, match="own endpoint id"):
+                await asyncio.wait_for(transport.connect(key.endpoint_id, address), 10)
+        finally:
+            await transport.close()
 
 
 def test_a_bad_loop_in_the_environment_is_one_line_before_any_rank_starts() -> None:

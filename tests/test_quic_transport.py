@@ -336,7 +336,7 @@ async def test_an_accept_policy_that_raises_refuses_at_once() -> None:
 
     async with listening(accept_from=broken) as (server, addr):
         for attempt in range(2):  # and the listener goes on answering
-            dialer = QuicTransport(key(attempt), config(handshake_timeout=30.0))
+            dialer = QuicTransport(key(2 * attempt), config(handshake_timeout=30.0))
             async with closing(dialer):
                 with pytest.raises(PeerAuthenticationError, match="accept policy failed") as info:
                     await asyncio.wait_for(dialer.connect(server.endpoint_id, addr), 10)

@@ -271,7 +271,9 @@ class GroupCore(Runner):
             if not value:
                 raise UsageError(
                     f"environment variable {name} is not set: run this under "
-                    "`p2pdist launch -n N -- ...`, which sets it for every rank"
+                    "`p2pdist launch -n N -- ...` (ranks on this host), or set P2PDIST_SEED, "
+                    "P2PDIST_RANK, P2PDIST_WORLD and P2PDIST_PEERS or P2PDIST_RELAY on every "
+                    "host"
                 )
             return value
 

@@ -657,6 +657,14 @@ class EndpointBase(Generic[C]):
         if self._closed:
             raise ConnectionClosedError("transport is closed")
 
+    def _check_not_self(self, peer: EndpointId, name: str) -> None:
+        """Refuse to dial our own endpoint id: through a relay, or at our own address,
+        the handshake would succeed against ourselves and every wait after it hang."""
+        if peer == self.endpoint_id:
+            raise UsageError(
+                f"{name}: that is this transport's own endpoint id (the same key on both ends?)"
+            )
+
     async def close(self) -> None:
         """Stop accepting and close every connection and socket (bounded)."""
         if self._closed:

@@ -507,6 +507,7 @@ class TcpTransport(EndpointBase[TcpConnection]):
         self._check_not_closed()
         host, port = parse_address(address)
         name = label or self.label_for(peer)
+        self._check_not_self(peer, name)
         loop = asyncio.get_running_loop()
         conn: TcpConnection | None = None
         deadline = asyncio.timeout(self.config.handshake_timeout)
