@@ -178,7 +178,8 @@ class AuthRedactor:
             size, at = int.from_bytes(head[2:10], "big"), 10
         self._ws_key = head[at : at + 4] if head[1] & 0x80 else bytes(4)
         self._ws_left, self._ws_offset = size, 0
-        self._ws_data = (head[0] & 0x0F) in (Opcode.CONTINUATION, Opcode.BINARY)
+        # TEXT too: the relay refuses it, but only after the read was tapped.
+        self._ws_data = (head[0] & 0x0F) in (Opcode.CONTINUATION, Opcode.TEXT, Opcode.BINARY)
 
 
 class FileTap:

@@ -398,10 +398,10 @@ def test_float16_partial_sums_of_opposite_infinities_on_either_route(route: str)
     from p2pdist.group.compress import make_codec
 
     codec = make_codec("float16", f16_route=route)
-    acc = np.array([np.inf, 1.0], np.float32)
-    with np.errstate(all="raise"):
-        codec.accumulate(codec.encode(np.array([-np.inf, 2.0], np.float32)), acc)
-    assert np.isnan(acc[0]) and acc[1] == 3.0
+    acc = np.array([np.inf, 1.0, 0.0], np.float32)
+    with np.errstate(all="raise"):  # (1e-45 is below float16's least: 0, not an error)
+        codec.accumulate(codec.encode(np.array([-np.inf, 2.0, 1e-45], np.float32)), acc)
+    assert np.isnan(acc[0]) and acc[1] == 3.0 and acc[2] == 0.0
 
 
 def test_int8_block_may_be_a_numpy_integer() -> None:

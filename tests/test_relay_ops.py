@@ -34,6 +34,7 @@ from p2pdist.wire.relay import (
 )
 from p2pdist.wire.websocket import Opcode, WebSocketReader, client_key
 from p2pdist.wire.websocket import frame as ws_frame
+from p2pdist.wire.websocket import mask as ws_mask
 from relay.access import Allowlist, AllowlistError
 from relay.config import ConfigError
 from relay.healthcheck import HOST_ENV
@@ -132,26 +133,39 @@ def test_auth_redactor_blanks_the_token_across_any_split(chunk: int) -> None:
 
 
 def _ws_relay_stream(data: bytes) -> bytes:
-    """The relay stream a client's WebSocket bytes carry (after the HTTP head)."""
-    reader = WebSocketReader(masked=True)
-    events = reader.feed(data[data.find(b"\r\n\r\n") + 4 :])
-    return b"".join(bytes(e.payload) for e in events if e.opcode is Opcode.BINARY)
+    """The relay stream a client's WebSocket bytes carry (after the HTTP head), from
+    BINARY or TEXT frames (the reader refuses TEXT: a text frame's bytes are unmasked
+    here by hand)."""
+    body, out = data[data.find(b"\r\n\r\n") + 4 :], bytearray()
+    while body:
+        size, at = body[1] & 0x7F, 2
+        if size == 126:
+            size, at = int.from_bytes(body[2:4], "big"), 4
+        key, at = body[at : at + 4], at + 4
+        if body[0] & 0x0F in (Opcode.BINARY, Opcode.TEXT, Opcode.CONTINUATION):
+            out += ws_mask(body[at : at + size], key)
+        body = body[at + size :]
+    return bytes(out)
 
 
+@pytest.mark.parametrize("opcode", [Opcode.BINARY, Opcode.TEXT])
 @pytest.mark.parametrize("chunk", [1, 2, 3, 5, 7, 100, 4096])
-def test_auth_redactor_blanks_the_token_in_websocket_frames_across_any_split(chunk: int) -> None:
+def test_auth_redactor_blanks_the_token_in_websocket_frames_across_any_split(
+    chunk: int, opcode: Opcode
+) -> None:
     """A client without records speaks WebSocket: its AUTH is masked, and the mask key
     travels with it, so the tap held the token one XOR away. The redactor follows the
     WebSocket frames (a control frame between, AUTH cut across frames, a 16-bit length)
-    and zeroes the masked token bytes."""
+    and zeroes the masked token bytes; in TEXT frames too, which the relay refuses, but
+    only after the read was tapped."""
     head = b"GET /relay HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n\r\n"
     auth = encode_frame(RelayFrameType.AUTH, bytes(range(96)) + TOKEN.encode())
     send = encode_frame(RelayFrameType.SEND, b"s" * 300)
     auth2 = encode_frame(RelayFrameType.AUTH, b"\xff" * 96 + b"second-token")
     relay_stream = auth + send + auth2
     pieces = [auth[:50], auth[50:110], auth[110:] + send, auth2]
-    frames = [ws_frame(pieces[0], masked=True), ws_frame(b"ping", Opcode.PING, masked=True)]
-    frames += [ws_frame(p, masked=True) for p in pieces[1:]]
+    frames = [ws_frame(pieces[0], opcode, masked=True), ws_frame(b"ping", Opcode.PING, masked=True)]
+    frames += [ws_frame(p, opcode, masked=True) for p in pieces[1:]]
     data = head + b"".join(frames)
     whole = AuthRedactor()(data)
     redact = AuthRedactor()

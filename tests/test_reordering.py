@@ -308,3 +308,21 @@ def test_a_cubic_window_cut_for_losses_that_were_none_is_undone_curve_and_all() 
     assert s.space.loss_time is not None  # time only since the spurious loss
     s.timeout(s.space.loss_time + 1e-9)
     assert 57 in s.lost and cc.congestion_window < window
+
+
+def test_a_cubic_cut_is_not_undone_once_cubic_started_over() -> None:
+    """Cubic starts over (its idle reset after 2 s without ACKs) between a cut and the
+    late ACKs that show the cut spurious: restoring the window and curve from before the
+    cut would undo the reset instead. The undo is dropped."""
+    s = Sender("cubic")
+    cc = s.recovery._cc
+    assert isinstance(cc, CubicCongestionControl)
+    s.send(40, 0.001)
+    s.ack([(0, 10), (11, 20)], RTT)  # 10 declared lost: a cut
+    assert cc.ssthresh is not None
+    s.send(1, 2.5)  # 2.4 s after the last ACK: Cubic resets
+    assert cc.ssthresh is None
+    reset_window = cc.congestion_window
+    s.ack([(0, 40)], 2.6)  # 10 came after all
+    assert s.recovery.undone == 0 and s.recovery._undo is None
+    assert cc.congestion_window >= reset_window and cc.ssthresh is None

@@ -179,7 +179,8 @@ class _F16Codec(_Codec):
         if self._route == "bits":
             encode_f16(x, out.view(np.uint16), self._scratch)
         else:
-            with np.errstate(over="ignore", invalid="ignore"):  # inf is the documented result
+            # inf is the documented result, and 0 for what is below float16's least
+            with np.errstate(over="ignore", invalid="ignore", under="ignore"):
                 np.copyto(out.view(_F16), x, casting="unsafe")
 
     def decode_into(self, data: Any, out: np.ndarray) -> None:

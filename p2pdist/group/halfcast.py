@@ -97,7 +97,8 @@ def _encode_block(x: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> None:
     a, t = scratch.get(n)
     np.bitwise_and(u, _ABS, out=a)
     if a.max() > _MAX_FINITE:  # overflow to inf, inf or NaN: numpy's cast (rare)
-        with np.errstate(over="ignore", invalid="ignore"):  # inf is the documented result
+        # inf is the documented result, and 0 for what is below float16's least
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):
             np.copyto(out.view(np.float16), x, casting="unsafe")
         return
     np.right_shift(a, _SHIFT, out=t)

@@ -44,11 +44,11 @@ against no round. Departures from v1, each in the cautious direction:
   short of data): a full bottleneck queue brings the rate down within a few rounds,
   while random loss of a few percent does not. Both shares are counted above the
   path's *base loss* (:attr:`BbrCongestionControl.base_loss`: the share lost in the
-  recent rounds that were not congested), so that on a path losing 10-20% at random an
-  unlucky round of a little more neither ends STARTUP at a fraction of the link nor
-  keeps cutting the estimate (v2's fixed thresholds do both). A policer (no queue) is
-  caught only by the 15% branch; below that BBR keeps losing a few percent there (v1
-  has a long-term policer mode, not ported).
+  recent rounds that were neither congested nor queued), so that on a path losing
+  10-20% at random an unlucky round of a little more neither ends STARTUP at a fraction
+  of the link nor keeps cutting the estimate (v2's fixed thresholds do both). A policer
+  (no queue) is caught only by the 15% branch; below that BBR keeps losing a few
+  percent there (v1 has a long-term policer mode, not ported).
 
 Register with aioquic under the name ``"bbr"`` by importing this module.
 """
@@ -110,7 +110,7 @@ LOSS_BETA = 0.7
 BASE_LOSS_MEMORY = 0.875
 """The path's base loss rate weighs each earlier round by this factor more per round
 (about the last 8 rounds count)."""
-BASE_LOSS_MAX = 0.5
+BASE_LOSS_MAX = 0.3
 """The most base loss the guard looks past."""
 
 
@@ -343,7 +343,7 @@ class BbrCongestionControl(QuicCongestionControl):
             self._own_in_flight >= bdp >= K_INITIAL_WINDOW * self._max_datagram_size
         )
         congested = self._congested()
-        if not congested:
+        if not congested and not self._queued():
             self._note_base_loss()
         if congested and self._bw_samples and measured:  # (no model: nothing to fix)
             elapsed = now - self._round_start_time
@@ -366,7 +366,9 @@ class BbrCongestionControl(QuicCongestionControl):
         self._round_start_time = now
 
     def _note_base_loss(self) -> None:
-        """Count a round that was not congested towards the path's base loss rate."""
+        """Count a round that was neither congested nor queued (a queue's overflow just
+        under the guard's line is congestion all the same) towards the path's base
+        loss rate."""
         sent = self._delivered - self._round_start_delivered + self._round_lost
         if sent > 0:
             memory = BASE_LOSS_MEMORY if self._base_sent else 0.0
@@ -375,9 +377,9 @@ class BbrCongestionControl(QuicCongestionControl):
 
     @property
     def base_loss(self) -> float:
-        """The share of bytes the path loses in rounds that were not congested (random
-        loss: wifi, a busy link), which the loss guard looks past (at most
-        :data:`BASE_LOSS_MAX`)."""
+        """The share of bytes the path loses in rounds that were neither congested nor
+        showed a standing queue (random loss: wifi, a busy link), which the loss guard
+        looks past (at most :data:`BASE_LOSS_MAX`)."""
         if not self._base_sent:
             return 0.0
         return min(self._base_lost / self._base_sent, BASE_LOSS_MAX)

@@ -142,8 +142,8 @@ class QuicTransport(EndpointBase[QuicConnection]):
         and authenticate that the other end holds ``peer``'s key."""
         self._check_not_closed()
         name = label or self.label_for(peer)
-        route = await self._route_to(peer, address, name)
         self._check_not_self(peer, name)
+        route = await self._route_to(peer, address, name)
         self._check_not_closed()  # close() may have run while resolving or opening a socket
         conn = self._new_connection(route, server_side=False, expected=peer, label=name)
         where = f"{route.remote[0]}:{route.remote[1]}" if isinstance(route, UdpRoute) else "relay"

@@ -286,7 +286,10 @@ class ReorderingRecovery(QuicPacketRecovery):
                 undo.outstanding.difference_update((space, n) for n in lost[i:j])
             del lost[i:j]
         if undo is not None and not undo.outstanding and undo.cc is self._cc:
-            self._take_back(undo)
+            if undo.cc.ssthresh is None:  # started over since the cut (Cubic, 2 s idle)
+                self._undo = None
+            else:
+                self._take_back(undo)
         self._calm = 0
         rtt = self._rtt_smoothed if self._rtt_initialized else self._rtt_initial
         if not self.window_steps:
