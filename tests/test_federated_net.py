@@ -720,13 +720,23 @@ async def test_a_cancelled_coordinator_tells_its_clients_it_was_interrupted() ->
 
 
 async def test_a_client_with_the_coordinators_own_key_is_refused(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with coordinator(np.zeros(2, np.float32)) as c:
         assert c.address is not None
-        twin = FederatedClient(
-            c.endpoint_id, address=f"{c.address[0]}:{c.address[1]}", transport=PLAIN, key=c.key
-        )
+        address = f"{c.address[0]}:{c.address[1]}"
+        twin = FederatedClient(c.endpoint_id, address=address, transport=PLAIN, key=c.key)
+        # Its transport refuses to dial its own endpoint id, at once and without a
+        # connection.
+        with pytest.raises(UsageError, match="own endpoint id"):
+            await twin.connect()
+        assert c.members == []
+        # A client whose transport did dial (another implementation, an older p2pdist)
+        # is refused by the coordinator, as before.
+        from p2pdist.transport.framed import EndpointBase
+
+        monkeypatch.setattr(EndpointBase, "_check_not_self", lambda *args: None)
+        twin = FederatedClient(c.endpoint_id, address=address, transport=PLAIN, key=c.key)
         with (
             caplog.at_level(logging.WARNING, logger="p2pdist.federated.coordinator"),
             pytest.raises(ConnectionClosedError, match=r"refused: .*coordinator's own"),
@@ -734,6 +744,7 @@ async def test_a_client_with_the_coordinators_own_key_is_refused(
             await twin.connect()
         assert twin.stop_error and c.members == []
         assert any("coordinator's own" in r.getMessage() for r in caplog.records)
+        monkeypatch.undo()
         other = client_of(c)  # others still join
         await other.connect()
         assert c.members == [str(other.endpoint_id)]
