@@ -190,6 +190,16 @@ class CollectiveLink:
             )
         return frame.payload
 
+    def round_trip(self, peer: int) -> float:
+        """The round-trip time last measured to ``peer``: the keepalive's, measured while
+        the connection was idle (no queue of our own in it), else the transport's own
+        estimate (QUIC's, from the handshake on); 0 until there is one."""
+        conn = self._conn(peer)
+        rtt = conn.stats.rtt
+        if rtt is None:
+            rtt = getattr(conn, "rtt", None)
+        return float(rtt or 0.0)
+
     def expect(self, peer: int, places: Sequence[memoryview]) -> None:
         """Receive the next ``len(places)`` messages from ``peer`` straight into
         ``places``, in order (each one that has not begun to arrive yet and has the

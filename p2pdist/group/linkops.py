@@ -57,6 +57,10 @@ class Link(Protocol):
         """How errors name ``peer``."""
         ...
 
+    def round_trip(self, peer: int) -> float:
+        """The round-trip time last measured to ``peer``, seconds (0 until one was)."""
+        ...
+
 
 def split_bounds(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
     """``[start, end)`` of each of ``parts`` pieces of ``n`` items (numpy.array_split rule),
