@@ -20,7 +20,7 @@ The deterministic algorithms are in :mod:`.ordered`, the compressed ones in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,7 @@ from .linkops import (
 from .ops import ReduceOp
 
 __all__ = [
+    "ahead",
     "agree",
     "all_to_all",
     "all_to_all_v",
@@ -58,6 +59,7 @@ __all__ = [
     "pairwise_reduce_scatter",
     "ring_all_gather",
     "ring_reduce_scatter",
+    "ring_steps",
     "scatter_from",
 ]
 
@@ -98,11 +100,48 @@ and LANs (round trips under about a millisecond) it stays one chunk: running ahe
 only piled up received chunks (64 MiB at world 2 took 45-53 ms against 34)."""
 
 
-def _ahead(link: Link, peers: list[int], chunk_bytes: int) -> int:
+def ahead(link: Link, peers: list[int], chunk_bytes: int) -> int:
     """Chunks the sends to ``peers`` may run ahead of the receives (see
     :data:`SEND_AHEAD_BYTES`)."""
     rtt = max(link.round_trip(p) for p in peers)
     return max(1, int(min(SEND_AHEAD_BYTES, rtt * SEND_AHEAD_RATE)) // max(chunk_bytes, 1))
+
+
+async def ring_steps(
+    link: Link,
+    send_chunks: list[list[tuple[int, int]]],
+    recv_chunks: list[list[tuple[int, int]]],
+    send: Callable[[int, int, int], Awaitable[None]],
+    receive: Callable[[int, int, int], Awaitable[None]],
+    chunk_bytes: int,
+) -> None:
+    """Ring steps, chunk by chunk: step k sends ``send_chunks[k]`` to the right (``await
+    send(k, a, b)``) and takes ``recv_chunks[k]`` from the left (``await receive(k, a,
+    b)``), where what step k sends is what step k-1 took (so ``send_chunks[k] ==
+    recv_chunks[k - 1]``). A chunk goes once the chunk it forwards has been taken;
+    otherwise sends run ahead of the receives by up to :func:`ahead` chunks of
+    ``chunk_bytes`` (one on short round trips), so the transfer of later chunks
+    overlaps the handling of earlier ones and a long path stays full."""
+    n = link.size
+    right, left = (link.rank + 1) % n, (link.rank - 1) % n
+    sends = [(k, c, ab) for k, step in enumerate(send_chunks) for c, ab in enumerate(step)]
+    window = ahead(link, [right, left], chunk_bytes)
+    taken = [0] * len(recv_chunks)  # chunks taken so far in each step
+    sent = 0
+    done = 0
+    for k, step in enumerate(recv_chunks):
+        for a, b in step:
+            while sent < len(sends) and sent - done < window:
+                j, c, (sa, sb) = sends[sent]
+                if j and taken[j - 1] <= c:
+                    break  # forwards a chunk not taken yet
+                await send(j, sa, sb)
+                sent += 1
+            await receive(k, a, b)
+            taken[k] += 1
+            done += 1
+    for j, _, (sa, sb) in sends[sent:]:  # (every chunk they forward has been taken)
+        await send(j, sa, sb)
 
 
 async def _ring_pass(
@@ -113,46 +152,34 @@ async def _ring_pass(
     lag: int,
     land: Callable[[np.ndarray, np.ndarray], object] | None,
 ) -> None:
-    """One trip round the ring: step k sends segment (rank-k-lag) to the right and takes
-    segment (rank-k-lag-1) from the left, chunk by chunk: ``land(flat[a:b], received)``
-    each chunk from the left, or with ``land=None`` receive it straight into
-    ``flat[a:b]``. A chunk that step k forwards is the one step k-1 took (reduced, for a
-    reduce-scatter), so it goes once that arrived; otherwise sends run ahead of the
-    receives as far as the round trip needs (:data:`SEND_AHEAD_BYTES`), and the
-    transfer of later chunks overlaps the handling of earlier ones."""
+    """One trip round the ring (see :func:`ring_steps`): step k sends segment
+    (rank-k-lag) to the right and takes segment (rank-k-lag-1) from the left:
+    ``land(flat[a:b], received)`` each chunk from the left, or with ``land=None``
+    receive it straight into ``flat[a:b]``."""
     n, r = link.size, link.rank
     right, left = (r + 1) % n, (r - 1) % n
     item = flat.dtype.itemsize
-    steps = range(n - 1)
-    sends = [
-        (k, c, ab) for k in steps for c, ab in enumerate(chunks(*bounds[(r - k - lag) % n], chunk))
-    ]
-    recvs = [(k, ab) for k in steps for ab in chunks(*bounds[(r - k - lag - 1) % n], chunk)]
+    sends = [chunks(*bounds[(r - k - lag) % n], chunk) for k in range(n - 1)]
+    recvs = [chunks(*bounds[(r - k - lag - 1) % n], chunk) for k in range(n - 1)]
     places: Iterator[memoryview] = iter(())
     if land is None:  # every chunk's place is known now: name them all before they come
-        named = [as_bytes(flat[a:b]) for _, (a, b) in recvs]
+        named = [as_bytes(flat[a:b]) for step in recvs for a, b in step]
         link.expect(left, named)
         places = iter(named)
-    ahead = _ahead(link, [right, left], chunk * item)
-    taken = [0] * (n - 1)  # chunks received so far in each step
-    sent = 0
-    for done, (k, (a, b)) in enumerate(recvs):
-        while sent < len(sends) and sent - done < ahead:
-            step, c, (sa, sb) = sends[sent]
-            if step and taken[step - 1] <= c:
-                break  # forwards a chunk not received yet
-            await link.send(right, as_bytes(flat[sa:sb]))
-            sent += 1
+
+    async def send(_k: int, a: int, b: int) -> None:
+        await link.send(right, as_bytes(flat[a:b]))
+
+    async def receive(_k: int, a: int, b: int) -> None:
         if land is None:
             await recv_into(link, left, next(places))
-        else:
-            data = await link.recv(left, (b - a) * item)
-            if b > a:
-                land(flat[a:b], view_as(data, flat.dtype))
-            del data  # let the buffer go before the next receive: fewer fresh pages
-        taken[k] += 1
-    for _, _, (sa, sb) in sends[sent:]:  # (every chunk they forward has come)
-        await link.send(right, as_bytes(flat[sa:sb]))
+            return
+        data = await link.recv(left, (b - a) * item)
+        if b > a:
+            land(flat[a:b], view_as(data, flat.dtype))
+        del data  # let the buffer go before the next receive: fewer fresh pages
+
+    await ring_steps(link, sends, recvs, send, receive, chunk * item)
 
 
 async def ring_reduce_scatter(
@@ -195,9 +222,9 @@ async def pairwise_reduce_scatter(
     mine = chunks(*bounds[r], chunk)
     theirs = {p: chunks(*bounds[p], chunk) for p in others}
     rounds = max(len(mine), *(len(c) for c in theirs.values()))
-    ahead, sent = _ahead(link, others, chunk * item), 0  # sent: rounds gone out
+    window, sent = ahead(link, others, chunk * item), 0  # sent: rounds gone out
     for i in range(rounds):
-        while sent < min(rounds, i + ahead):
+        while sent < min(rounds, i + window):
             for p in others:
                 if sent < len(theirs[p]):
                     a, b = theirs[p][sent]
@@ -226,9 +253,9 @@ async def pairwise_all_gather(
     for q in others:
         link.expect(q, places[q])
     rounds = max(len(mine), *(len(p) for p in places.values()))
-    ahead, sent = _ahead(link, others, chunk * flat.dtype.itemsize), 0
+    window, sent = ahead(link, others, chunk * flat.dtype.itemsize), 0
     for i in range(rounds):
-        while sent < min(len(mine), i + ahead):
+        while sent < min(len(mine), i + window):
             a, b = mine[sent]
             for p in others:
                 await link.send(p, as_bytes(flat[a:b]))

@@ -10,6 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .algorithms import ring_steps
 from .compress import WireCodec
 from .linkops import Link, as_bytes, chunks, send_to_others
 
@@ -180,24 +181,26 @@ async def _reduce_scatter_steps(
     steps: int,
     encoded: Callable[[int, int, int], memoryview],
 ) -> None:
-    """The first ``steps`` reduce-scatter steps of the ring: step k sends segment
-    (rank-k-1) chunk by chunk as ``encoded(k, a, b)`` gives it (valid until the next
-    call; a send hands its bytes over before it returns) and accumulates segment
-    (rank-k-2) from the left in float32, interleaved."""
+    """The first ``steps`` reduce-scatter steps of the ring (:func:`ring_steps`: sends
+    run ahead of receives on long round trips): step k sends segment (rank-k-1) chunk by
+    chunk as ``encoded(k, a, b)`` gives it (valid until the next call; a send hands its
+    bytes over before it returns) and accumulates segment (rank-k-2) from the left in
+    float32."""
     n, r = link.size, link.rank
     right, left = (r + 1) % n, (r - 1) % n
-    for k in range(steps):
-        sends = chunks(*bounds[(r - k - 1) % n], chunk)
-        recvs = chunks(*bounds[(r - k - 2) % n], chunk)
-        for send, recv in zip_longest(sends, recvs):
-            if send is not None:
-                await link.send(right, encoded(k, *send))
-            if recv is not None:
-                a, b = recv
-                data = await link.recv(left, codec.nbytes(b - a))
-                if b > a:
-                    codec.accumulate(data, work[a:b])
-                del data
+    sends = [chunks(*bounds[(r - k - 1) % n], chunk) for k in range(steps)]
+    recvs = [chunks(*bounds[(r - k - 2) % n], chunk) for k in range(steps)]
+
+    async def send(k: int, a: int, b: int) -> None:
+        await link.send(right, encoded(k, a, b))
+
+    async def receive(_k: int, a: int, b: int) -> None:
+        data = await link.recv(left, codec.nbytes(b - a))
+        if b > a:
+            codec.accumulate(data, work[a:b])
+        del data
+
+    await ring_steps(link, sends, recvs, send, receive, codec.nbytes(chunk))
 
 
 class _Encoder(Protocol):
