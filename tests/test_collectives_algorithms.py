@@ -5,6 +5,7 @@ segments that are empty or end inside a chunk. Real sockets on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import numpy as np
@@ -147,6 +148,9 @@ class MemoryLink:
     def round_trip(self, peer: int) -> float:
         return self.rtt
 
+    def receive_limit(self, peer: int) -> int:
+        return 512 << 20
+
 
 def memory_links(world: int, rtt: float) -> list[MemoryLink]:
     queues = {(a, b): asyncio.Queue() for a in range(world) for b in range(world) if a != b}
@@ -226,3 +230,43 @@ async def test_the_compressed_ring_runs_ahead_too_with_the_same_bits(world: int)
     for piece, fast, (a, b) in zip(results[0.0], results[0.1], bounds, strict=True):
         np.testing.assert_array_equal(piece, fast)
         np.testing.assert_allclose(piece, want[a:b], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize(("world", "algorithm"), [(2, "ring"), (3, "pairwise")])
+async def test_running_ahead_never_outgrows_what_the_peer_buffers(
+    world: int, algorithm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks that ran 16 MiB ahead (a 100 ms round trip claimed) with max_buffered of
+    1-4 MiB blocked each in a send to a peer that had stopped reading, and neither
+    received: the 64 MiB all-reduce timed out. The window is at most a quarter of what
+    the connections buffer."""
+    from p2pdist.group.link import CollectiveLink
+
+    monkeypatch.setattr(CollectiveLink, "round_trip", lambda self, peer: 0.1)
+    for mib, high in ((1, 64 << 10), (4, 8 << 20)):
+        async with groups(
+            world,
+            timeout=30.0,
+            config={"algorithm": algorithm},
+            max_buffered=mib << 20,
+            write_buffer_high=high,
+        ) as gs:
+            x = np.ones(16 << 20, np.float32)
+            outs = await asyncio.wait_for(asyncio.gather(*(g.all_reduce(x.copy()) for g in gs)), 60)
+            assert all(o[0] == world and o[-1] == world for o in outs)
+
+
+async def test_the_round_trip_comes_from_the_transport_not_a_late_keepalive() -> None:
+    """One keepalive answer held up by a peer's blocked event loop read as a 1.5 s round
+    trip on loopback, and every later collective ran 16 chunks ahead there. The round
+    trip is the kernel's (TCP) or QUIC's least, which such a stall does not touch."""
+    from p2pdist.group.link import CollectiveLink
+
+    async with groups(2) as gs:
+        await asyncio.gather(*(g.barrier() for g in gs))
+        conn = gs[0]._conns[1]
+        conn.stats.rtt = 1.5  # as a late PONG leaves it
+        link = CollectiveLink(0, 2, 1, b"", gs[0]._conns.__getitem__, 0)
+        if sys.platform == "linux":  # (elsewhere the kernel does not tell)
+            assert 0 < link.round_trip(1) < 0.01
+        assert link.receive_limit(1) == 512 << 20

@@ -826,3 +826,14 @@ def test_quic_config_is_frozen_and_replaceable() -> None:
     assert qc.stream_window == 1 << 20
     with pytest.raises(ValueError, match="stream_window"):
         QuicConfig(stream_window=1 << 20, connection_window=1 << 19)
+
+
+async def test_the_path_rtt_is_quics_least_not_a_late_keepalive() -> None:
+    """Collectives size how far their sends run ahead by ``path_rtt``: QUIC's least round
+    trip on the current path, known from the handshake on, untouched by one keepalive
+    answer that a peer's blocked event loop held up."""
+    async with direct_pair() as p:
+        assert isinstance(p.client, QuicConnection)
+        p.client.stats.rtt = 1.5  # as a late PONG leaves it
+        rtt = p.client.path_rtt
+        assert rtt is not None and 0 < rtt < 0.05, rtt

@@ -102,9 +102,13 @@ only piled up received chunks (64 MiB at world 2 took 45-53 ms against 34)."""
 
 def ahead(link: Link, peers: list[int], chunk_bytes: int) -> int:
     """Chunks the sends to ``peers`` may run ahead of the receives (see
-    :data:`SEND_AHEAD_BYTES`)."""
+    :data:`SEND_AHEAD_BYTES`), and never more than a quarter of what the connections
+    buffer before they stop reading: a rank blocked in a send does not receive, and two
+    such ranks would wait for each other."""
     rtt = max(link.round_trip(p) for p in peers)
-    return max(1, int(min(SEND_AHEAD_BYTES, rtt * SEND_AHEAD_RATE)) // max(chunk_bytes, 1))
+    room = min(link.receive_limit(p) for p in peers) // 4
+    most = min(SEND_AHEAD_BYTES, rtt * SEND_AHEAD_RATE, room)
+    return max(1, int(most) // max(chunk_bytes, 1))
 
 
 async def ring_steps(

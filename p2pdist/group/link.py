@@ -191,14 +191,14 @@ class CollectiveLink:
         return frame.payload
 
     def round_trip(self, peer: int) -> float:
-        """The round-trip time last measured to ``peer``: the keepalive's, measured while
-        the connection was idle (no queue of our own in it), else the transport's own
-        estimate (QUIC's, from the handshake on); 0 until there is one."""
-        conn = self._conn(peer)
-        rtt = conn.stats.rtt
-        if rtt is None:
-            rtt = getattr(conn, "rtt", None)
-        return float(rtt or 0.0)
+        """The path's round trip to ``peer`` as its transport measures it
+        (``Connection.path_rtt``), seconds; 0 until there is one."""
+        return float(self._conn(peer).path_rtt or 0.0)
+
+    def receive_limit(self, peer: int) -> int:
+        """What the connection to ``peer`` buffers before it stops reading (ranks share
+        their TransportConfig, so the peer's end holds as much)."""
+        return self._conn(peer).receive_limit
 
     def expect(self, peer: int, places: Sequence[memoryview]) -> None:
         """Receive the next ``len(places)`` messages from ``peer`` straight into

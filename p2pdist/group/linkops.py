@@ -58,7 +58,11 @@ class Link(Protocol):
         ...
 
     def round_trip(self, peer: int) -> float:
-        """The round-trip time last measured to ``peer``, seconds (0 until one was)."""
+        """The round-trip time measured to ``peer``, seconds (0 until one was)."""
+        ...
+
+    def receive_limit(self, peer: int) -> int:
+        """Bytes the connection to ``peer`` buffers before it stops reading."""
         ...
 
 

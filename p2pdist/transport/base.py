@@ -104,6 +104,19 @@ class Connection(Protocol):
         """Counters."""
         ...
 
+    @property
+    def path_rtt(self) -> float | None:
+        """The path's round-trip time as the transport measures it below the application
+        (TCP: the kernel's least RTT; QUIC: the path's least RTT), else the keepalive's
+        last; seconds, None before any measurement."""
+        ...
+
+    @property
+    def receive_limit(self) -> int:
+        """Bytes this end buffers for the application before it stops reading
+        (``TransportConfig.max_buffered``)."""
+        ...
+
     def idle_for(self) -> float:
         """Seconds since anything arrived from the peer."""
         ...

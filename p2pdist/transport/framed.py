@@ -197,6 +197,18 @@ class FramedConnection:
         self._stats.landed_in_place = self._decoder.landed
         return self._stats
 
+    @property
+    def path_rtt(self) -> float | None:
+        """The keepalive's last round trip (a transport that measures its path below
+        the application says so instead: TCP, QUIC). One PING's answer can be late for
+        reasons of the peer's own (a blocked event loop), so it is the last resort."""
+        return self._stats.rtt
+
+    @property
+    def receive_limit(self) -> int:
+        """``TransportConfig.max_buffered``: what this end buffers before it pauses."""
+        return self._cfg.max_buffered
+
     def idle_for(self) -> float:
         """Seconds since anything arrived from the peer."""
         if self._keepalive is None:

@@ -380,6 +380,13 @@ class QuicConnection(FramedConnection):
         return self._quic.smoothed_rtt
 
     @property
+    def path_rtt(self) -> float | None:
+        """The current path's least round trip as QUIC measured it (from the handshake
+        on; a new path starts over), else the keepalive's."""
+        least = self._quic.min_rtt
+        return least if least is not None else super().path_rtt
+
+    @property
     def loss_info(self) -> LossInfo:
         """Congestion control and loss detection on the current path."""
         return self._quic.loss_info

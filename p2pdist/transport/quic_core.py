@@ -471,6 +471,13 @@ class PinnedQuicConnection(QuicConnection):
         return loss._rtt_smoothed if loss._rtt_initialized else None
 
     @property
+    def min_rtt(self) -> float | None:
+        """The least round trip seen on the current path, seconds (None before the first
+        sample; a path change starts over)."""
+        loss = self._loss
+        return loss._rtt_min if loss._rtt_initialized else None
+
+    @property
     def address_validated(self) -> bool:
         """Whether the peer proved that it receives at its address (RFC 9000 section 8.1).
         Until then we may send it at most three times what it sent; aioquic keeps to that

@@ -74,6 +74,28 @@ def kernel_unsent(sock: Any) -> int:
         return 0
 
 
+_TCP_INFO_RTT = 68
+_TCP_INFO_MIN_RTT = 148
+"""Offsets of ``tcpi_rtt`` and ``tcpi_min_rtt`` (microseconds, u32) in Linux's
+``struct tcp_info``."""
+
+
+def kernel_rtt(sock: Any) -> float | None:
+    """The least round trip the kernel measured on TCP socket ``sock`` (its smoothed one
+    on kernels that keep no least), seconds; None where the platform cannot tell."""
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_MIN_RTT + 4)
+    except (OSError, ValueError):
+        return None
+    at = _TCP_INFO_MIN_RTT if len(info) >= _TCP_INFO_MIN_RTT + 4 else _TCP_INFO_RTT
+    if len(info) < at + 4:
+        return None
+    (micros,) = struct.unpack_from("I", info, at)
+    return micros / 1e6 if micros else None
+
+
 def _write_keeps_reference(transport: asyncio.BaseTransport) -> bool:
     """Whether ``transport.write(memoryview)`` may keep a reference to the part of the
     buffer it could not send at once (so the caller must not change it afterwards).
@@ -170,6 +192,15 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         """The peer's (ip, port) (None before the socket is connected)."""
         name = self._transport.get_extra_info("peername") if self._transport else None
         return (str(name[0]), int(name[1])) if name else None
+
+    @property
+    def path_rtt(self) -> float | None:
+        """The kernel's least round trip on this TCP connection (Linux; measured from
+        the first segments on, and not delayed by either end's event loop), else the
+        keepalive's."""
+        sock = self._transport.get_extra_info("socket") if self._transport else None
+        rtt = kernel_rtt(sock)
+        return rtt if rtt is not None else super().path_rtt
 
     def _remote_text(self) -> str:
         """The peer's ``ip:port`` (``[ip]:port`` for IPv6), for labels."""
