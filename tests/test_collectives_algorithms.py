@@ -225,7 +225,7 @@ async def test_the_compressed_ring_runs_ahead_too_with_the_same_bits(world: int)
         )
         results[rtt] = [w[a:b].copy() for w, (a, b) in zip(works, bounds, strict=True)]
         first = links[0].log.index("recv")
-        assert (first >= 5) if rtt else (first == 1), links[0].log[:20]  # (7 chunks a segment)
+        assert (first >= 5) if rtt else (first == 1), links[0].log[:20]  # (5-10 chunks a segment)
     want = np.sum(np.stack(xs), axis=0, dtype=np.float32)
     for piece, fast, (a, b) in zip(results[0.0], results[0.1], bounds, strict=True):
         np.testing.assert_array_equal(piece, fast)

@@ -1290,3 +1290,30 @@ async def test_an_interrupted_connection_does_not_read_for_a_receiver() -> None:
         arrived(p.server)
         with pytest.raises(RuntimeError, match="the group broke"):
             first_step(p.server.recv(7))
+
+
+def test_kernel_rtt_is_none_before_the_first_sample_and_small_on_loopback() -> None:
+    """An unconnected (or not yet measured) socket's tcpi_min_rtt is ~0U, which read as
+    a 4295 s round trip; a loopback exchange gives microseconds (Linux only)."""
+    import socket
+    import sys
+
+    from p2pdist.transport.tcp import kernel_rtt
+
+    assert kernel_rtt(None) is None
+    with socket.socket() as fresh:
+        assert kernel_rtt(fresh) is None
+    if not sys.platform.startswith("linux"):
+        return
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        with socket.create_connection(server.getsockname()) as client:
+            accepted, _ = server.accept()
+            with accepted:
+                client.sendall(b"x")
+                assert accepted.recv(1) == b"x"
+                accepted.sendall(b"y")
+                assert client.recv(1) == b"y"
+                rtt = kernel_rtt(client)
+                assert rtt is not None and 0 < rtt < 0.01, rtt

@@ -80,20 +80,26 @@ _TCP_INFO_MIN_RTT = 148
 ``struct tcp_info``."""
 
 
+_NO_RTT = 0xFFFFFFFF
+"""What ``tcpi_min_rtt`` holds before the first sample."""
+
+
 def kernel_rtt(sock: Any) -> float | None:
     """The least round trip the kernel measured on TCP socket ``sock`` (its smoothed one
-    on kernels that keep no least), seconds; None where the platform cannot tell."""
-    if sock is None or not hasattr(socket, "TCP_INFO"):
+    on kernels that keep no least), seconds; None before the first sample, and off Linux
+    (other systems lay ``struct tcp_info`` out otherwise)."""
+    if sock is None or not sys.platform.startswith("linux") or not hasattr(socket, "TCP_INFO"):
         return None
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_MIN_RTT + 4)
     except (OSError, ValueError):
         return None
-    at = _TCP_INFO_MIN_RTT if len(info) >= _TCP_INFO_MIN_RTT + 4 else _TCP_INFO_RTT
-    if len(info) < at + 4:
-        return None
-    (micros,) = struct.unpack_from("I", info, at)
-    return micros / 1e6 if micros else None
+    for at in (_TCP_INFO_MIN_RTT, _TCP_INFO_RTT):
+        if len(info) >= at + 4:
+            (micros,) = struct.unpack_from("I", info, at)
+            if micros and micros != _NO_RTT:
+                return float(micros) / 1e6
+    return None
 
 
 def _write_keeps_reference(transport: asyncio.BaseTransport) -> bool:
