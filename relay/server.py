@@ -310,8 +310,7 @@ class RelayServer:
             await self._listen_http()
         except ConfigError:
             self._server.close()
-            for udp in (*self._stun, *self._stun_alt):
-                udp.close()
+            self._close_stun()
             if self._own_tap is not None:
                 self._own_tap.close()
             raise
@@ -470,8 +469,8 @@ class RelayServer:
             socks = []
             try:
                 for family, _, _, _, addr in dict.fromkeys(infos):
-                    socks.append(_bound_udp(family, (addr[0], port, *addr[2:])))
-                    port = int(socks[-1].getsockname()[1])  # an ephemeral port: the same
+                    sock, _ = bind_udp(family, (addr[0], port, *addr[2:]), dual_stack=False)
+                    socks.append(sock)
             except OSError:
                 for sock in socks:
                     sock.close()
@@ -507,8 +506,7 @@ class RelayServer:
             self._stun_alt = await self._bind_udp(metrics, alt)
         except OSError as exc:
             if explicit:
-                for udp in self._stun:
-                    udp.close()
+                self._close_stun()
                 raise ConfigError(
                     f"cannot bind STUN alternate port {host}:{alt} (UDP): {exc}; "
                     "pass --stun-alt-port N or 0"
@@ -523,6 +521,11 @@ class RelayServer:
             )
             return
         self.stun_alt_port = int(self._stun_alt[0].get_extra_info("sockname")[1])
+
+    def _close_stun(self) -> None:
+        """Close the observation ports' sockets (every address's)."""
+        for udp in (*self._stun, *self._stun_alt):
+            udp.close()
 
     def _schedule_tick(self) -> None:
         c = self.config
@@ -607,8 +610,7 @@ class RelayServer:
             conn.abort_handshake()
         if self._tick is not None:
             self._tick.cancel()
-        for udp in (*self._stun, *self._stun_alt):
-            udp.close()
+        self._close_stun()
         if self._core is not None:
             self._core.shutdown()
         if self.connections and self._all_gone is not None:
@@ -658,21 +660,6 @@ def _url_port(sockets: Sequence[Any], url_host: str) -> int:
         if sock.family == family:
             return int(sock.getsockname()[1])
     return int(sockets[0].getsockname()[1])
-
-
-def _bound_udp(family: int, addr: tuple[Any, ...]) -> socket.socket:
-    """A non-blocking UDP socket bound to ``addr``; an IPv6 one carries IPv6 only (as
-    asyncio's TCP listeners do), so ``::`` answers the clients the TCP port serves."""
-    sock = socket.socket(family, socket.SOCK_DGRAM)
-    try:
-        sock.setblocking(False)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(addr)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def _dual_stack_udp(port: int) -> socket.socket:

@@ -151,16 +151,21 @@ def bind_host_for(targets: list[UdpAddress]) -> str | None:
     return "::1" if all(":" in h for h, _ in targets) else "127.0.0.1"
 
 
-def bind_udp(family: int, addr: tuple[Any, ...]) -> tuple[socket.socket, bool]:
+def bind_udp(
+    family: int, addr: tuple[Any, ...], *, dual_stack: bool = True
+) -> tuple[socket.socket, bool]:
     """A non-blocking UDP socket of ``family`` bound to ``addr``, and whether it carries
     IPv4 as well as IPv6 (an IPv6 wildcard address with IPV6_V6ONLY cleared: set, not
     left to the host's default, net.ipv6.bindv6only; where it cannot be cleared, as on
-    OpenBSD, the socket stays IPv6 only)."""
+    OpenBSD, the socket stays IPv6 only). ``dual_stack=False``: an IPv6 socket carries
+    IPv6 only (set, as asyncio's TCP listeners do)."""
     sock = socket.socket(family, socket.SOCK_DGRAM)
     dual = False
     try:
         sock.setblocking(False)
-        if family == socket.AF_INET6 and ipaddress.ip_address(addr[0]).is_unspecified:
+        if family == socket.AF_INET6 and not dual_stack:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        elif family == socket.AF_INET6 and ipaddress.ip_address(addr[0]).is_unspecified:
             try:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
                 dual = True
