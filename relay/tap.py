@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from p2pdist.wire.relay import _HEAD, FRAME_HEADER, RelayFrameType
-from p2pdist.wire.websocket import Opcode
+from p2pdist.wire.websocket import Opcode, header_fields, header_size
 from p2pdist.wire.websocket import mask as ws_mask
 
 from .logfmt import kv
@@ -163,23 +163,15 @@ class AuthRedactor:
     def _ws_head_size(self) -> int:
         """Bytes of the header being read (2 until its second byte tells more)."""
         head = self._ws_head
-        if len(head) < 2:
-            return 2
-        size = head[1] & 0x7F
-        return 2 + (2 if size == 126 else 8 if size == 127 else 0) + (4 if head[1] & 0x80 else 0)
+        return 2 if len(head) < 2 else header_size(head[1])
 
     def _ws_begin(self) -> None:
         """A whole frame header is in: start its payload."""
         head, self._ws_head = bytes(self._ws_head), bytearray()
-        size, at = head[1] & 0x7F, 2
-        if size == 126:
-            size, at = int.from_bytes(head[2:4], "big"), 4
-        elif size == 127:
-            size, at = int.from_bytes(head[2:10], "big"), 10
-        self._ws_key = head[at : at + 4] if head[1] & 0x80 else bytes(4)
-        self._ws_left, self._ws_offset = size, 0
+        opcode, self._ws_left, key = header_fields(head)
+        self._ws_key, self._ws_offset = key or bytes(4), 0
         # TEXT too: the relay refuses it, but only after the read was tapped.
-        self._ws_data = (head[0] & 0x0F) in (Opcode.CONTINUATION, Opcode.TEXT, Opcode.BINARY)
+        self._ws_data = opcode in (Opcode.CONTINUATION, Opcode.TEXT, Opcode.BINARY)
 
 
 class FileTap:

@@ -38,6 +38,8 @@ __all__ = [
     "close_frame",
     "echo_code",
     "frame",
+    "header_fields",
+    "header_size",
     "header",
     "mask",
     "valid_key",
@@ -175,6 +177,24 @@ def _joined(pieces: list[bytes | bytearray]) -> bytes | bytearray:
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
+def header_size(second: int) -> int:
+    """Bytes of a frame header whose second byte is ``second``: 2 to 14, with the
+    extended length and the mask key it announces."""
+    size = second & 0x7F
+    return 2 + (2 if size == 126 else 8 if size == 127 else 0) + (4 if second & 0x80 else 0)
+
+
+def header_fields(head: bytes) -> tuple[int, int, bytes]:
+    """A whole frame header's opcode (its 4 bits, unchecked), payload length and mask
+    key (b"" when unmasked)."""
+    size, at = head[1] & 0x7F, 2
+    if size == 126:
+        (size,), at = struct.unpack_from("!H", head, 2), 4
+    elif size == 127:
+        (size,), at = struct.unpack_from("!Q", head, 2), 10
+    return head[0] & 0x0F, size, head[at : at + 4] if head[1] & 0x80 else b""
+
+
 class WebSocketReader:
     """Turns received bytes into :class:`WebSocketEvent` s.
 
@@ -237,9 +257,7 @@ class WebSocketReader:
     def _read_header(self, view: memoryview, pos: int) -> int:
         """Collect header bytes from ``view[pos:]``; starts the frame once all are in."""
         if not self._head and len(view) - pos >= 2:  # the usual case: a whole header here
-            b1 = view[pos + 1]
-            size = b1 & 0x7F
-            need = 2 + (2 if size == 126 else 8 if size == 127 else 0) + (4 if b1 & 0x80 else 0)
+            need = header_size(view[pos + 1])
             if len(view) - pos >= need:
                 self._start(bytes(view[pos : pos + need]))
                 return pos + need
@@ -252,9 +270,7 @@ class WebSocketReader:
                 pos += take
                 if len(self._head) < need:
                     return pos
-            b1 = self._head[1]
-            size = b1 & 0x7F
-            need = 2 + {126: 2, 127: 8}.get(size, 0) + (4 if b1 & 0x80 else 0)
+            need = header_size(self._head[1])
             if len(self._head) >= need:
                 break
         head, self._head = bytes(self._head), bytearray()
@@ -263,27 +279,19 @@ class WebSocketReader:
 
     def _start(self, head: bytes) -> None:
         self.frames += 1
-        b0, b1 = head[0], head[1]
-        if b0 & 0x70:
+        if head[0] & 0x70:
             raise WebSocketError("reserved bits set (no extension was agreed)")
+        bits, size, key = header_fields(head)
         try:
-            opcode = Opcode(b0 & 0x0F)
+            opcode = Opcode(bits)
         except ValueError:
-            raise WebSocketError(f"unknown opcode {b0 & 0x0F:#x}") from None
-        fin = bool(b0 & 0x80)
-        masked = bool(b1 & 0x80)
+            raise WebSocketError(f"unknown opcode {bits:#x}") from None
+        fin = bool(head[0] & 0x80)
+        masked = bool(head[1] & 0x80)
         if masked != self._masked:
             raise WebSocketError("unmasked client frame" if self._masked else "masked server frame")
-        size = b1 & 0x7F
-        pos = 2
-        if size == 126:
-            (size,) = struct.unpack_from("!H", head, 2)
-            pos = 4
-        elif size == 127:
-            (size,) = struct.unpack_from("!Q", head, 2)
-            if size >> 63:
-                raise WebSocketError("frame length with its top bit set")
-            pos = 10
+        if size >> 63:
+            raise WebSocketError("frame length with its top bit set")
         if opcode is Opcode.TEXT:
             raise WebSocketError("text frame (the relay stream is binary)")
         if opcode >= Opcode.CLOSE:
@@ -297,7 +305,7 @@ class WebSocketReader:
             if self._fragmented:
                 raise WebSocketError("new message before the last one finished")
             self._fragmented = not fin
-        self._key = head[pos : pos + 4] if masked else b""
+        self._key = key
         self._opcode = opcode
         self._left = size
         self._offset = 0
