@@ -59,6 +59,7 @@ __all__ = [
     "pairwise_reduce_scatter",
     "ring_all_gather",
     "ring_reduce_scatter",
+    "pairwise_rounds",
     "ring_steps",
     "scatter_from",
 ]
@@ -204,6 +205,25 @@ async def ring_all_gather(
     await _ring_pass(link, flat, bounds, chunk, 0, None)
 
 
+async def pairwise_rounds(
+    rounds: int,
+    sends: int,
+    window: int,
+    send: Callable[[int], Awaitable[None]],
+    receive: Callable[[int], Awaitable[None]],
+) -> None:
+    """The pairwise exchange's rounds: ``receive(i)`` for each of ``rounds``, and before
+    it ``send(j)`` for the first ``sends`` rounds up to ``window`` rounds ahead of it
+    (its sends never wait for a receive: the window is only what the round trip needs,
+    see :func:`ahead`)."""
+    sent = 0
+    for i in range(rounds):
+        while sent < min(sends, i + window):
+            await send(sent)
+            sent += 1
+        await receive(i)
+
+
 def _others_from_next(link: Link) -> list[int]:
     """The other ranks, starting with the next one: each rank starts its round of sends
     with a different peer, so that no rank has every other one sending to it first."""
@@ -226,14 +246,14 @@ async def pairwise_reduce_scatter(
     mine = chunks(*bounds[r], chunk)
     theirs = {p: chunks(*bounds[p], chunk) for p in others}
     rounds = max(len(mine), *(len(c) for c in theirs.values()))
-    window, sent = ahead(link, others, chunk * item), 0  # sent: rounds gone out
-    for i in range(rounds):
-        while sent < min(rounds, i + window):
-            for p in others:
-                if sent < len(theirs[p]):
-                    a, b = theirs[p][sent]
-                    await link.send(p, as_bytes(flat[a:b]))
-            sent += 1
+
+    async def send(i: int) -> None:
+        for p in others:
+            if i < len(theirs[p]):
+                a, b = theirs[p][i]
+                await link.send(p, as_bytes(flat[a:b]))
+
+    async def receive(i: int) -> None:
         if i < len(mine):
             a, b = mine[i]
             for q in reversed(others):  # the rank that sent to us first comes first
@@ -241,6 +261,8 @@ async def pairwise_reduce_scatter(
                 if b > a:
                     op.combine(flat[a:b], view_as(data, flat.dtype))
                 del data  # let the buffer go before the next receive
+
+    await pairwise_rounds(rounds, rounds, ahead(link, others, chunk * item), send, receive)
 
 
 async def pairwise_all_gather(
@@ -257,16 +279,19 @@ async def pairwise_all_gather(
     for q in others:
         link.expect(q, places[q])
     rounds = max(len(mine), *(len(p) for p in places.values()))
-    window, sent = ahead(link, others, chunk * flat.dtype.itemsize), 0
-    for i in range(rounds):
-        while sent < min(len(mine), i + window):
-            a, b = mine[sent]
-            for p in others:
-                await link.send(p, as_bytes(flat[a:b]))
-            sent += 1
+
+    async def send(i: int) -> None:
+        a, b = mine[i]
+        for p in others:
+            await link.send(p, as_bytes(flat[a:b]))
+
+    async def receive(i: int) -> None:
         for q in reversed(others):
             if i < len(places[q]):
                 await recv_into(link, q, places[q][i])
+
+    window = ahead(link, others, chunk * flat.dtype.itemsize)
+    await pairwise_rounds(rounds, len(mine), window, send, receive)
 
 
 async def direct_all_reduce(link: Link, flat: np.ndarray, op: ReduceOp, out: np.ndarray) -> None:

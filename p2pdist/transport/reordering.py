@@ -286,10 +286,7 @@ class ReorderingRecovery(QuicPacketRecovery):
                 undo.outstanding.difference_update((space, n) for n in lost[i:j])
             del lost[i:j]
         if undo is not None and not undo.outstanding and undo.cc is self._cc:
-            if undo.cc.ssthresh is None:  # started over since the cut (Cubic, 2 s idle)
-                self._undo = None
-            else:
-                self._take_back(undo)
+            self._take_back(undo)
         self._calm = 0
         rtt = self._rtt_smoothed if self._rtt_initialized else self._rtt_initial
         if not self.window_steps:
@@ -301,15 +298,19 @@ class ReorderingRecovery(QuicPacketRecovery):
 
     def _take_back(self, undo: _Undo) -> None:
         """Every loss that cut the window was none: the window and the state the cut
-        changed come back, and the pacer paces at that window."""
+        changed come back, and the pacer paces at that window; unless the controller
+        started over since (Cubic's idle reset: no slow-start threshold), which the old
+        state would revert."""
+        self._undo = None
         cc = undo.cc
+        if cc.ssthresh is None:
+            return
         cc.congestion_window = max(cc.congestion_window, undo.window)
         for name, value in undo.state.items():
             setattr(cc, name, value)
         self._pacer.update_rate(
             congestion_window=cc.congestion_window, smoothed_rtt=self._rtt_smoothed
         )
-        self._undo = None
         self.undone += 1
 
     def _acks_below(self, ack_rangeset: RangeSet, space: QuicPacketSpace) -> bool:

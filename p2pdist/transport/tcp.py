@@ -78,8 +78,6 @@ _TCP_INFO_RTT = 68
 _TCP_INFO_MIN_RTT = 148
 """Offsets of ``tcpi_rtt`` and ``tcpi_min_rtt`` (microseconds, u32) in Linux's
 ``struct tcp_info``."""
-
-
 _NO_RTT = 0xFFFFFFFF
 """What ``tcpi_min_rtt`` holds before the first sample."""
 
