@@ -106,6 +106,7 @@ def ahead(link: Link, peers: list[int], chunk_bytes: int) -> int:
     :data:`SEND_AHEAD_BYTES`), and never more than a quarter of what the connections
     buffer before they stop reading: a rank blocked in a send does not receive, and two
     such ranks would wait for each other."""
+    peers = list(dict.fromkeys(peers))  # (a ring of two: left is right)
     rtt = max(link.round_trip(p) for p in peers)
     room = min(link.receive_limit(p) for p in peers) // 4
     most = min(SEND_AHEAD_BYTES, rtt * SEND_AHEAD_RATE, room)
