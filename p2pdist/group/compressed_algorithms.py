@@ -5,8 +5,6 @@ codecs)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import zip_longest
-from typing import Protocol
 
 import numpy as np
 
@@ -49,9 +47,10 @@ async def compressed_ring_all_reduce(
     ``4 * chunk`` bytes. No full-size temporaries: chunks are encoded into one reused
     buffer (a send hands its bytes to the transport before it returns), received chunks
     are accumulated or decoded straight into ``work`` and forwarded as received. The
-    last reduce-scatter step and the first all-gather step run interleaved chunk by
-    chunk, so a finished chunk leaves while the next ones are still being reduced (see
-    ``_last_hop``).
+    reduce-scatter and all-gather steps are one run of :func:`ring_steps`: a chunk of
+    our own segment leaves as soon as its last contribution is in, while the next ones
+    are still being reduced, and on long round trips sends run ahead of receives, so a
+    step never waits for a chunk's trip round the ring.
 
     With ``residual`` (error feedback, in ``work``'s units), every encoding this rank
     makes of a partial or final sum adds what it lost to ``residual``: the next call's
@@ -65,25 +64,32 @@ async def compressed_ring_all_reduce(
     right, left = (r + 1) % n, (r - 1) % n
     encodings = _Encodings(codec, work, bounds, chunk, residual)
     chunk, encoded = encodings.chunk, encodings.encoded
+    last = n - 2  # the last reduce-scatter step: it brings this rank's own segment
+    steps = range(2 * (n - 1))  # step k sends segment (rank-k-1), takes (rank-k-2)
+    sends = [chunks(*bounds[(r - k - 1) % n], chunk) for k in steps]
+    recvs = [chunks(*bounds[(r - k - 2) % n], chunk) for k in steps]
+    held: dict[tuple[int, int, int], memoryview] = {}  # all-gather chunks to forward
 
-    # reduce-scatter steps but the last; k == 0 sends our input, which ErrorFeedback
-    # already encoded
-    await _reduce_scatter_steps(
-        link, work, bounds, codec, chunk, n - 2, lambda k, a, b: encoded(a, b, feed=k > 0)
-    )
-    held = await _last_hop(link, work, bounds, codec, chunk, encoded)
-    for k in range(1, n - 1):  # the other all-gather steps: forward what arrived
-        forward, held = held, []
-        for fwd, recv in zip_longest(forward, chunks(*bounds[(r - k - 1) % n], chunk)):
-            if fwd is not None:
-                await link.send(right, fwd)
-            if recv is not None:
-                a, b = recv
-                data = await link.recv(left, codec.nbytes(b - a))
-                codec.decode_into(data, work[a:b])
-                if k < n - 2:  # forwarded in the next step; else let the buffer go
-                    held.append(data)
-                del data
+    async def send(k: int, a: int, b: int) -> None:
+        if k <= last:  # a partial sum; k == 0 sends our input, which ErrorFeedback encoded
+            await link.send(right, encoded(a, b, feed=k > 0))
+        elif k == last + 1:  # our own segment, final: keep exactly what the others get
+            await link.send(right, encoded(a, b, keep=True))
+        else:
+            await link.send(right, held.pop((k - 1, a, b)))
+
+    async def receive(k: int, a: int, b: int) -> None:
+        data = await link.recv(left, codec.nbytes(b - a))
+        if k <= last:
+            if b > a:
+                codec.accumulate(data, work[a:b])
+        else:
+            codec.decode_into(data, work[a:b])
+            if k < len(steps) - 1:  # forwarded by the next step
+                held[(k, a, b)] = data
+        del data
+
+    await ring_steps(link, sends, recvs, send, receive, codec.nbytes(chunk))
 
 
 async def compressed_ring_reduce_scatter(
@@ -201,59 +207,6 @@ async def _reduce_scatter_steps(
         del data
 
     await ring_steps(link, sends, recvs, send, receive, codec.nbytes(chunk))
-
-
-class _Encoder(Protocol):
-    """``encoded`` of :func:`compressed_ring_all_reduce`: the wire bytes of ``work[a:b]``
-    (valid until the next call); with ``keep``, ``work[a:b]`` then holds their decoded
-    value; without ``feed``, error feedback skips this encoding."""
-
-    def __call__(self, a: int, b: int, *, keep: bool = ..., feed: bool = ...) -> memoryview: ...
-
-
-async def _last_hop(
-    link: Link,
-    work: np.ndarray,
-    bounds: list[tuple[int, int]],
-    codec: WireCodec,
-    chunk: int,
-    encoded: _Encoder,
-) -> list[memoryview]:
-    """The last reduce-scatter step fused with the first all-gather step.
-
-    Iteration i sends partial-sum chunk i of segment rank+1, then the final encoding of
-    our own chunk i-1 (finished one iteration earlier, so nothing waits on it), then
-    receives our own chunk i (the last contribution) and segment rank-1's final chunk
-    i-1. The left neighbour sends exactly that sequence, so messages pair up in order.
-    Returns the all-gather chunks received, for forwarding (none with two ranks).
-    """
-    n, r = link.size, link.rank
-    right, left = (r + 1) % n, (r - 1) % n
-    partial = chunks(*bounds[(r + 1) % n], chunk)
-    own = chunks(*bounds[r], chunk)
-    final = chunks(*bounds[(r - 1) % n], chunk)
-    held: list[memoryview] = []
-    for i in range(max(len(partial), len(own) + 1, len(final) + 1)):
-        if i < len(partial):  # with two ranks, the first hop: see the ring's k == 0
-            await link.send(right, encoded(*partial[i], feed=n > 2))
-        if 0 < i <= len(own):
-            a, b = own[i - 1]
-            payload = encoded(a, b, keep=True)  # keep exactly what the others get
-            await link.send(right, payload)
-        if i < len(own):
-            a, b = own[i]
-            data = await link.recv(left, codec.nbytes(b - a))
-            if b > a:
-                codec.accumulate(data, work[a:b])
-            del data
-        if 0 < i <= len(final):
-            a, b = final[i - 1]
-            data = await link.recv(left, codec.nbytes(b - a))
-            codec.decode_into(data, work[a:b])
-            if n > 2:  # forwarded by the next all-gather step
-                held.append(data)
-            del data
-    return held
 
 
 async def compressed_direct_all_reduce(link: Link, work: np.ndarray, codec: WireCodec) -> None:

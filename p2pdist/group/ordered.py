@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from .algorithms import ahead, pairwise_rounds
 from .linkops import Link, as_bytes, chunks, rank_ordered, send_to_others, view_as
 from .ops import ReduceOp, multiply_complex_into
 
@@ -94,18 +95,13 @@ async def ordered_reduce_scatter(
     a, b = bounds[r]
     scratch = fold_scratch(flat.dtype, min(chunk, b - a))
 
-    async def send_chunk(i: int) -> None:
+    async def send(i: int) -> None:
         for p in range(n):
             if p != r and i < len(pieces[p]):
                 c0, c1 = pieces[p][i]
                 await link.send(p, as_bytes(flat[c0:c1]))
 
-    # Interleave, one chunk ahead: send chunk i+1 of every other rank's piece, then fold
-    # our chunk i, so the next chunks travel while this one is folded and no large
-    # backlog builds up.
-    await send_chunk(0)
-    for i in range(max(len(c) for c in pieces)):
-        await send_chunk(i + 1)
+    async def fold(i: int) -> None:
         if i < len(pieces[r]):
             c0, c1 = pieces[r][i]
             parts = [
@@ -113,3 +109,10 @@ async def ordered_reduce_scatter(
                 for p in range(n)
             ]
             ordered_reduce(parts, op, n, out[c0 - a : c1 - a], scratch)
+
+    # Chunk i+1 of every other rank's piece goes before our chunk i is folded, so the next
+    # chunks travel while this one is folded; on long round trips sends run further ahead
+    # (algorithms.ahead).
+    others = [p for p in range(n) if p != r]
+    rounds = max(len(c) for c in pieces)
+    await pairwise_rounds(rounds, rounds, ahead(link, others, chunk * item) + 1, send, fold)
