@@ -15,7 +15,7 @@ from . import eventloop
 from .errors import P2PError, UsageError
 from .group import Group
 from .group.profile import DEFAULT_SIZES, LinkProfile, profile_links
-from .launch import ENV_RANK, LaunchConfig, launch
+from .launch import ENV_RANK, ENV_WORLD, LaunchConfig, launch
 
 __all__ = ["format_table", "main", "plot", "unwritable"]
 
@@ -85,6 +85,8 @@ def unwritable(path: Path) -> str | None:
 
 async def _worker(png: str, repeats: int) -> int:
     async with Group.from_env() as g:
+        if g.size < 2:
+            raise UsageError(f"{ENV_WORLD}=1: a group of one rank has no links to profile")
         profiles = await profile_links(g, repeats=repeats)
         if g.rank == 0:
             print(format_table(profiles), flush=True)

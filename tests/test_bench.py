@@ -237,3 +237,23 @@ def test_bench_from_env_without_the_environment_is_a_usage_error() -> None:
     assert proc.returncode == 2, proc.stderr
     assert "p2pdist bench: error: " in proc.stderr and "P2PDIST_RANK" in proc.stderr
     assert "[error]" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_from_env_refuses_a_group_of_one(tmp_path: Path) -> None:
+    """P2PDIST_WORLD=1 printed a table without rows, wrote an empty plot and exited 0,
+    where ``-n 1`` is refused: a group of one has no links."""
+    from group_helpers import loopback_peers
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PDIST_")}
+    env |= {
+        "P2PDIST_SEED": "bench-from-env-seed-0123456789",
+        "P2PDIST_RANK": "0",
+        "P2PDIST_WORLD": "1",
+        "P2PDIST_PEERS": loopback_peers(1)[0],
+    }
+    png = tmp_path / "one.png"
+    cmd = [sys.executable, "-m", "p2pdist.cli", "bench", "--from-env", "--png", str(png)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "a group of one rank has no links to profile" in proc.stderr
+    assert not png.exists()

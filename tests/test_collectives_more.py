@@ -250,6 +250,54 @@ async def test_gradient_buckets_added_differently_on_one_rank_fail_on_every_rank
         assert "no result of this step can be trusted" in notes
 
 
+async def test_a_rank_with_nothing_to_add_fails_the_step_instead_of_shifting_a_step() -> None:
+    """Rank 0 had no gradients at step 0 and still called wait(): a wait() with nothing
+    added sent nothing, so rank 0's step-1 bucket was reduced with rank 1's step-0 bucket
+    (same shape), every later step one off, rank 0 told nothing (found by an audit: 101
+    and 301 where 201 and 401 were due). An empty step says so: both ranks fail it."""
+    from p2pdist.group.buckets import GradientBuckets
+
+    async with groups(2, timeout=5) as gs:
+        bs = await asyncio.gather(*(GradientBuckets.create(g, op="sum") for g in gs))
+
+        async def rank(r: int) -> None:
+            for step in range(2):
+                grad = np.full(4, 100.0 * step + r, np.float32)
+                if not (r == 0 and step == 0):
+                    bs[r].add(grad)
+                await bs[r].wait()
+
+        results = await asyncio.wait_for(
+            asyncio.gather(*(rank(r) for r in range(2)), return_exceptions=True), 30
+        )
+        for r, res in enumerate(results):
+            assert isinstance(res, MismatchError | GroupBrokenError), (r, res)
+            assert "a bucket of no arrays ending a step of 0 arrays" in str(res), (r, res)
+
+
+async def test_steps_with_nothing_to_add_on_every_rank_go_on() -> None:
+    """A step that adds nothing on every rank is a step too (an empty bucket ends it),
+    and the steps after it reduce their own arrays."""
+    from p2pdist.group.buckets import GradientBuckets
+
+    async with groups(3, timeout=10) as gs:
+        bs = await asyncio.gather(*(GradientBuckets.create(g, op="sum") for g in gs))
+
+        async def rank(r: int) -> list[float]:
+            got = []
+            for step in range(4):
+                grad = np.full(4, 100.0 * step + r, np.float32)
+                if step % 2:  # steps 1 and 3 add nothing, anywhere
+                    bs[r].add(grad)
+                await bs[r].wait()
+                got.append(float(grad[0]))
+            return got
+
+        results = await asyncio.wait_for(asyncio.gather(*(rank(r) for r in range(3))), 30)
+        for r, got in enumerate(results):
+            assert got == [0.0 + r, 303.0, 200.0 + r, 903.0], (r, got)
+
+
 async def test_gradient_buckets_discard_an_abandoned_step() -> None:
     """A step abandoned between add and wait (an exception in the backward pass): its
     pending arrays joined the next step's first bucket, which then reduced a stale

@@ -404,6 +404,29 @@ def test_codecs_keep_non_finite_values_non_finite() -> None:
             assert not np.isfinite(dec[:3]).any(), (wire, route, dec)
 
 
+async def test_error_feedback_buckets_refuse_the_same_size_in_another_layout() -> None:
+    """Error feedback keeps a residual per element: a bucket of arrays (100, 50) and
+    (50,) one step and (50,) and (100, 50) the next has the same size, and was taken,
+    each array then given the other's residual. The shapes must match, not the size."""
+    async with groups(2) as gs:
+        buckets = await asyncio.gather(
+            *(GradientBuckets.create(g, op="sum", error_feedback=True, **BUCKET_KW) for g in gs)
+        )
+        for b in buckets:
+            b.add(np.ones((100, 50), np.float32))
+            b.add(np.ones(50, np.float32))
+        await asyncio.gather(*(b.wait() for b in buckets))
+        for b in buckets:
+            b.add(np.ones(50, np.float32))
+            b.add(np.ones((100, 50), np.float32))
+            with pytest.raises(UsageError, match=r"packs arrays of shapes \(50,\), \(100, 50\)"):
+                b.flush()
+        for b in buckets:  # the same layout as before goes on
+            b.add(np.ones((100, 50), np.float32))
+            b.add(np.ones(50, np.float32))
+        await asyncio.gather(*(b.wait() for b in buckets))
+
+
 async def test_gradient_buckets_refused_at_wait_or_at_a_dtype_change_keep_their_step() -> None:
     """Two refusals of a mis-sized bucket that used to derail the helper: one raised by
     wait()'s own flush (the last bucket) left the bucket position where it was, so the

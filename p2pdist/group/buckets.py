@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ class GradientBuckets:
     With ``error_feedback=True`` (and a ``wire_dtype``) every bucket keeps an
     :class:`ErrorFeedback` of its own: the k-th bucket of a step (counted from the last
     :meth:`wait`) uses the k-th feedback, so the same arrays must be added in the same
-    order every step (a bucket whose size changes raises :class:`UsageError` at once:
+    order every step (a bucket whose arrays' shapes change raises :class:`UsageError` at once:
     that bucket's arrays are dropped, not reduced, and the next bucket takes its position,
     so the step can go on with the right arrays).
 
@@ -44,9 +45,11 @@ class GradientBuckets:
     added before it is kept.
 
     Each bucket's all_reduce names the arrays it packs (their number and a digest of
-    their shapes) and the step's last one how many the step added, so ranks that added
-    different arrays fail with a :class:`MismatchError` instead of reducing one array's
-    elements with another's. After an exception between :meth:`add` and :meth:`wait`,
+    their shapes) and the step's last one how many the step added (a step that added
+    nothing too), so ranks that added different arrays fail with a
+    :class:`MismatchError` instead of reducing one array's elements with another's
+    (same-shaped arrays in another order cannot be told apart); the error breaks the
+    group as well. After an exception between :meth:`add` and :meth:`wait`,
     :meth:`discard` abandons the step.
 
     A bucket that fails for another reason (a peer lost, a timeout, the group broken or
@@ -87,7 +90,7 @@ class GradientBuckets:
         self._added: dict[int, Any] = {}
         """This step's arrays by id (held, so that an id is not reused within the step)."""
         self._feedback: list[ErrorFeedback] | None = [] if error_feedback else None
-        self._sizes: list[int] = []  # elements of each bucket with feedback, by position
+        self._shapes: list[list[tuple[int, ...]]] = []  # of each bucket's arrays, by position
         self._index = 0  # position of the next bucket in this step
         self._accepted: set[np.dtype[Any]] = set()  # dtypes that passed _check
         self._closed = False
@@ -189,9 +192,10 @@ class GradientBuckets:
         """Start the bucket of what was added so far; ``last`` (from :meth:`wait`): it
         ends the step, and its call says how many arrays the step added, so that ranks
         that added different numbers fail with a MismatchError (without arrays pending,
-        an empty bucket goes out to say so, unless the step added none)."""
+        an empty bucket goes out to say so: a step of no arrays too, unless this wait()
+        finishes an earlier step, see :meth:`_finishing`)."""
         added = len(self._added)
-        if not self._pending and not (last and added):
+        if not self._pending and (not last or (not added and self._finishing())):
             return
         loop = asyncio.get_running_loop()  # none (a hook's thread): the arrays stay pending
         arrays, ready = self._pending, self._ready
@@ -199,7 +203,7 @@ class GradientBuckets:
         # A bucket of the wrong size raises here: its arrays are dropped (left as they
         # were) and its position stays free, so the helper goes on as before the call.
         try:
-            feedback = self._bucket_feedback(sum(a.size for a in arrays)) if arrays else None
+            feedback = self._bucket_feedback([a.shape for a in arrays]) if arrays else None
         except UsageError:
             for a in arrays:  # not queued after all: they may be added again
                 self._added.pop(id(a), None)
@@ -220,18 +224,38 @@ class GradientBuckets:
         self._counts.append(len(arrays))
         self._last = task
 
-    def _bucket_feedback(self, size: int) -> ErrorFeedback | None:
-        """The next bucket's own ErrorFeedback (None without error feedback)."""
+    def _finishing(self) -> bool:
+        """Whether a wait() with nothing added finishes an earlier step instead of ending
+        an empty one: a wait() for that step was cancelled (or the step discarded) and
+        has not been waited for since, or another wait() for it still runs. An empty
+        step must still say so: a rank that had nothing to add while the others added
+        would otherwise send nothing, and its next step's buckets would be reduced with
+        the others' buckets of this one, same-shaped, without an error."""
+        running = self._last is not None and not self._last.done()
+        return bool(self._carried) or running
+
+    def _bucket_feedback(self, shapes: list[tuple[int, ...]]) -> ErrorFeedback | None:
+        """The next bucket's own ErrorFeedback (None without error feedback), for a bucket
+        of arrays of ``shapes``: those of this position's bucket in earlier steps (the
+        residual is kept element by element, so the same count in another layout would
+        add one array's residual to another)."""
         if self._feedback is None:
             return None
         k = self._index
         if k == len(self._feedback):
             self._feedback.append(ErrorFeedback())
-            self._sizes.append(size)
-        elif self._sizes[k] != size:
+            self._shapes.append(shapes)
+        elif self._shapes[k] != shapes:
+            size, before = _elements(shapes), _elements(self._shapes[k])
+            holds = (
+                f"holds {size} elements, {before} in earlier steps"
+                if size != before
+                else f"packs arrays of shapes {_shapes_text(shapes)}, "
+                f"{_shapes_text(self._shapes[k])} in earlier steps"
+            )
             raise UsageError(
-                f"bucket {k} holds {size} elements, {self._sizes[k]} in earlier steps: with "
-                "error_feedback, add the same arrays in the same order every step"
+                f"bucket {k} {holds}: with error_feedback, add the same arrays in the same "
+                "order every step"
             )
         self._index = k + 1  # only a bucket that goes out takes a position
         return self._feedback[k]
@@ -375,6 +399,15 @@ def _layout(arrays: list[Any], step: int | None) -> str:
     count = f"{len(arrays)} arrays" if len(arrays) > 1 else "1 array"
     what = f"{_LAYOUT}{count} #{digest}"
     return what if step is None else f"{what} ending a step of {step} arrays"
+
+
+def _elements(shapes: list[tuple[int, ...]]) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+def _shapes_text(shapes: list[tuple[int, ...]]) -> str:
+    text = ", ".join(map(str, shapes))
+    return f"{text[:80]}..." if len(text) > 80 else text
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:
