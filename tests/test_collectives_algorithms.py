@@ -264,8 +264,8 @@ async def test_the_whole_compressed_ring_runs_ahead_with_the_same_bits(
 
         await _run_all(links, call)
         results[rtt], residuals[rtt], logs[rtt] = works, rests, links[0].log
-    # (5-10 wire chunks a segment)
-    assert logs[0.0].index("recv") == 1 and logs[0.1].index("recv") >= 5, logs[0.1][:20]
+    # (5-10 wire chunks a segment; two in flight at least: see the next test)
+    assert logs[0.0].index("recv") == 2 and logs[0.1].index("recv") >= 5, logs[0.1][:20]
     # The all-gather's sends, too, run ahead: the last receives come in a row.
     assert logs[0.1][-5:] == ["recv"] * 5, logs[0.1][-20:]
     want = np.sum(np.stack(xs), axis=0, dtype=np.float32)
@@ -277,6 +277,30 @@ async def test_the_whole_compressed_ring_runs_ahead_with_the_same_bits(
         for slow, fast in zip(residuals[0.0], residuals[0.1], strict=True):
             np.testing.assert_array_equal(slow, fast)
             assert np.any(fast)
+
+
+async def test_the_compressed_ring_keeps_two_chunks_in_flight_on_short_round_trips() -> None:
+    """Its all-gather's first chunk left only after the last reduce-scatter step's every
+    chunk with one chunk in flight (the round trip of a LAN): a one-way trip per chunk
+    where the hand-fused last hop before had two chunks in flight (a reviewer counted
+    16 one-way trips against 9 at world 2, 8 chunks a segment). With two in flight at
+    least, the first all-gather send follows the last step's receives one behind."""
+    from p2pdist.group.compress import make_codec
+    from p2pdist.group.compressed_algorithms import compressed_ring_all_reduce
+
+    n, chunk_elems = 2 * 8 * 512, 256  # bfloat16 wire chunks of 512: 8 a segment
+    xs = inputs(2, n)
+    links = memory_links(2, 0.0)
+    works = [x.copy() for x in xs]
+
+    async def call(r: int, lk: MemoryLink) -> None:
+        codec = make_codec("bfloat16")
+        await compressed_ring_all_reduce(lk, works[r], split_bounds(n, 2), codec, chunk_elems)
+
+    await _run_all(links, call)
+    log = links[0].log
+    assert log == ["send", "send"] + ["recv", "send"] * 14 + ["recv", "recv"], log
+    np.testing.assert_array_equal(works[0], works[1])
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

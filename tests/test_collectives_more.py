@@ -886,3 +886,41 @@ async def test_every_collective_started_at_once(world: int) -> None:
     async with groups(world) as gs:
         await every_collective_at_once(gs)
         await every_collective_at_once(gs)  # the group goes on after the batch
+
+
+async def test_many_collectives_in_flight_past_the_buffer_limit_do_not_wait_for_each_other() -> (
+    None
+):
+    """32 all-reduces of 4 MiB in flight at once on three ranks with 2 MiB max_buffered
+    timed out (found by an audit: 1,300 of 2 MiB at the default 512 MiB did too): every
+    call sends before it receives, so each rank blocked in a send while its own reading
+    had paused, its mailbox full of frames for its calls still sending. While a sender
+    of the endpoint waits, none of its connections pauses reading now."""
+    mib = 1 << 20
+    async with groups(3, timeout=8.0, max_buffered=2 * mib, config={"algorithm": "ring"}) as gs:
+
+        async def many(g: Group) -> bool:
+            xs = [np.full(mib, 1.0, np.float32) for _ in range(32)]
+            await asyncio.gather(*(g.all_reduce(x, out=x) for x in xs))
+            return all(x[0] == 3.0 and x[-1] == 3.0 for x in xs)
+
+        assert await asyncio.wait_for(asyncio.gather(*(many(g) for g in gs)), 30) == [True] * 3
+
+
+@pytest.mark.parametrize("kind", ["all_to_all", "all_to_all_v"])
+async def test_all_to_all_of_blocks_beyond_the_buffer_limit(kind: str) -> None:
+    """all_to_all sends every block before it receives one: with blocks of 130 MiB and
+    2 MiB max_buffered (or past 512 MiB at the default) both ranks blocked in their
+    sends with reading paused, until the timeout."""
+    n = (130 << 20) // 4
+    async with groups(2, timeout=8.0, max_buffered=2 << 20) as gs:
+
+        async def one(g: Group) -> float:
+            x = np.full((2, n), float(g.rank), np.float32)
+            if kind == "all_to_all":
+                got = await g.all_to_all(x)
+                return float(got[1 - g.rank][-1])
+            parts = await g.all_to_all_v([x[0], x[1]])
+            return float(parts[1 - g.rank][-1])
+
+        assert await asyncio.wait_for(asyncio.gather(*(one(g) for g in gs)), 30) == [1.0, 0.0]

@@ -45,3 +45,32 @@ async def test_empty_frames_on_one_channel_count_and_retire_releases_them() -> N
     mb.retire(7)
     assert mb.buffered == 0 and mb.dropped == 200 and events == ["pause", "resume"]
     await asyncio.sleep(0)
+
+
+async def test_reading_does_not_pause_while_a_sender_waits_and_unpause_reads_on() -> None:
+    """``may_pause`` says whether reading may pause (not while a sender of the endpoint
+    waits for its peer: two ranks could each wait in a send while their reading paused);
+    ``unpause`` resumes a paused mailbox, and the next frame over the limit pauses it
+    again once pausing is allowed."""
+    events: list[str] = []
+    allowed = [False]
+    mb = Mailbox(
+        100 * FRAME_OVERHEAD,
+        lambda: events.append("pause"),
+        lambda: events.append("resume"),
+        lambda: "rank 1 (abcdefghij)",
+        may_pause=lambda: allowed[0],
+    )
+    wire = b"".join(encode_header(FrameKind.DATA, channel=7, seq=i) for i in range(300))
+    frames = FrameDecoder().feed(wire)
+    for frame in frames[:200]:
+        mb.deliver(frame)
+    assert events == [] and mb.buffered > 100 * FRAME_OVERHEAD  # a sender waits: read on
+    allowed[0] = True
+    mb.deliver(frames[200])
+    assert events == ["pause"]
+    mb.unpause()
+    mb.unpause()  # (once)
+    assert events == ["pause", "resume"]
+    mb.deliver(frames[201])
+    assert events == ["pause", "resume", "pause"]

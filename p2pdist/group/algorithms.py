@@ -120,18 +120,19 @@ async def ring_steps(
     send: Callable[[int, int, int], Awaitable[None]],
     receive: Callable[[int, int, int], Awaitable[None]],
     chunk_bytes: int,
+    least: int = 1,
 ) -> None:
     """Ring steps, chunk by chunk: step k sends ``send_chunks[k]`` to the right (``await
     send(k, a, b)``) and takes ``recv_chunks[k]`` from the left (``await receive(k, a,
     b)``), where what step k sends is what step k-1 took (so ``send_chunks[k] ==
     recv_chunks[k - 1]``). A chunk goes once the chunk it forwards has been taken;
     otherwise sends run ahead of the receives by up to :func:`ahead` chunks of
-    ``chunk_bytes`` (one on short round trips), so the transfer of later chunks
-    overlaps the handling of earlier ones and a long path stays full."""
+    ``chunk_bytes`` (one on short round trips; at least ``least``), so the transfer of
+    later chunks overlaps the handling of earlier ones and a long path stays full."""
     n = link.size
     right, left = (link.rank + 1) % n, (link.rank - 1) % n
     sends = [(k, c, ab) for k, step in enumerate(send_chunks) for c, ab in enumerate(step)]
-    window = ahead(link, [right, left], chunk_bytes)
+    window = max(least, ahead(link, [right, left], chunk_bytes))
     taken = [0] * len(recv_chunks)  # chunks taken so far in each step
     sent = 0
     done = 0

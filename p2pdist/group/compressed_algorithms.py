@@ -47,10 +47,10 @@ async def compressed_ring_all_reduce(
     ``4 * chunk`` bytes. No full-size temporaries: chunks are encoded into one reused
     buffer (a send hands its bytes to the transport before it returns), received chunks
     are accumulated or decoded straight into ``work`` and forwarded as received. The
-    reduce-scatter and all-gather steps are one run of :func:`ring_steps`: a chunk of
-    our own segment leaves as soon as its last contribution is in, while the next ones
-    are still being reduced, and on long round trips sends run ahead of receives, so a
-    step never waits for a chunk's trip round the ring.
+    reduce-scatter and all-gather steps are one run of :func:`ring_steps`, with sends
+    at least two chunks ahead of receives (more on long round trips): the all-gather's
+    first chunks leave while the last reduce-scatter step's later ones are still
+    coming in, and no step waits for a chunk's trip round the ring.
 
     With ``residual`` (error feedback, in ``work``'s units), every encoding this rank
     makes of a partial or final sum adds what it lost to ``residual``: the next call's
@@ -89,7 +89,10 @@ async def compressed_ring_all_reduce(
                 held[(k, a, b)] = data
         del data
 
-    await ring_steps(link, sends, recvs, send, receive, codec.nbytes(chunk))
+    # At least two chunks in flight: the all-gather's first chunks leave while the last
+    # reduce-scatter step's later ones still come in (with one, every chunk of that step
+    # cost a one-way trip on a path whose round trip is short but not nothing).
+    await ring_steps(link, sends, recvs, send, receive, codec.nbytes(chunk), least=2)
 
 
 async def compressed_ring_reduce_scatter(

@@ -31,6 +31,7 @@ from ..identity import EndpointId, SecretKey
 from ..settings import as_int, env_flag, env_token
 from ..tasks import cancel_and_wait
 from ..transport.base import Address, Connection, TransportConfig
+from ..transport.framed import SendStalls
 from ..transport.mailbox import SPACE_SHIFT
 from ..transport.pathinfo import PathInfo
 from ..transport.quic import QuicTransport
@@ -442,6 +443,7 @@ class GroupCore(Runner):
                 relay=path,
                 punch=self.config.punch,
             )
+            quic.send_stalls = SendStalls()  # members read on while one of our sends waits
             self._transport = quic
             await path.wait_connected(self.config.connect_timeout)
             return quic
@@ -449,6 +451,7 @@ class GroupCore(Runner):
         tcp = TcpTransport(
             self._key, self.config.transport, accept_from=members, label_for=self._peer_name
         )
+        tcp.send_stalls = SendStalls()
         self._transport = tcp
         host, port = parse_address(self._listen or self._addresses[self._rank])
         try:

@@ -47,7 +47,9 @@ class TransportConfig:
     idle_timeout: float = 30.0
     """Declare the peer dead when nothing arrived from it for this long."""
     max_buffered: int = 512 * 1024 * 1024
-    """Received-but-unconsumed bytes per connection before we stop reading (backpressure)."""
+    """Received-but-unconsumed bytes per connection before we stop reading (backpressure;
+    not while a sender of this endpoint waits for its peer to read: see docs/architecture.md
+    section 7)."""
     write_buffer_high: int = 8 * 1024 * 1024
     """Outgoing bytes queued in user space before ``send`` waits for the socket."""
     max_pending_handshakes: int = 256

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Generic, TypeVar, cast
 
@@ -41,7 +42,7 @@ from .base import NOT_ADMITTED, ConnectionStats, TransportConfig
 from .keepalive import Keepalive, KeepaliveAction
 from .mailbox import Mailbox
 
-__all__ = ["AcceptQueue", "EndpointBase", "FramedConnection"]
+__all__ = ["AcceptQueue", "EndpointBase", "FramedConnection", "SendStalls"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,31 @@ _T = TypeVar("_T")
 C = TypeVar("C", bound="FramedConnection")
 
 
+class SendStalls:
+    """The connections of one endpoint whose senders wait for the byte pipe, and those
+    whose reading is paused. While any sender waits, no connection pauses its reading:
+    two processes whose senders each wait for the other to read, each with reading
+    paused because its mailbox filled with frames for calls still sending, would wait
+    for good (many collectives in flight, an all_to_all of blocks larger than
+    ``max_buffered``). Reading on costs memory, at most what the peers' calls send
+    ahead of their receives; pausing costs the run. For peers trusted with that memory
+    only: a Group's members (see ``EndpointBase.send_stalls``)."""
+
+    def __init__(self) -> None:
+        self.senders: weakref.WeakSet[FramedConnection] = weakref.WeakSet()
+        self.paused: weakref.WeakSet[FramedConnection] = weakref.WeakSet()
+
+    def may_pause(self) -> bool:
+        return not self.senders
+
+    def sender_waits(self, conn: FramedConnection) -> None:
+        first = not self.senders
+        self.senders.add(conn)
+        if first:
+            for paused in list(self.paused):
+                paused._mailbox.unpause()
+
+
 class FramedConnection:
     """The frame-level logic of one connection to one peer (transport independent).
 
@@ -81,6 +107,7 @@ class FramedConnection:
         label: str,
         peer: EndpointId | None,
         on_finish: Callable[[FramedConnection], None],
+        stalls: SendStalls | None = None,
     ) -> None:
         self._cfg = config
         self._peer = peer
@@ -90,12 +117,15 @@ class FramedConnection:
         self._handshaking = True
         """True until frames flow (the transport's own handshake is not done)."""
         self._decoder = FrameDecoder(config.limits)
+        self._stalls = stalls
+        self._senders_waiting = 0
         self._mailbox = Mailbox(
             config.max_buffered,
             self._pause_reading,
             self._resume_reading,
             lambda: self.label,
             poll=self._read_early if self._READS_EARLY else None,
+            may_pause=None if stalls is None else stalls.may_pause,
         )
         self._reading_early = False
         """True while a receiver reads for itself (:meth:`_read_early`, in its own task)."""
@@ -467,24 +497,37 @@ class FramedConnection:
             w.set_result(None)
 
     async def _drain(self) -> None:
-        while self._write_paused:
+        stalls = self._stalls
+        self._senders_waiting += 1
+        if self._senders_waiting == 1 and stalls is not None:
+            stalls.sender_waits(self)  # no connection of the endpoint pauses reading now
+        try:
+            while self._write_paused:
+                self._check_open()
+                if self._interrupted is not None:
+                    raise self._interrupted.with_traceback(None)
+                w = self._drain_waiter
+                if w is None or w.done():
+                    w = self._drain_waiter = self._loop.create_future()
+                # Shielded: the waiter is shared by every paused sender, and cancelling
+                # one of them must not cancel the others' wait.
+                await asyncio.shield(w)
             self._check_open()
-            if self._interrupted is not None:
-                raise self._interrupted.with_traceback(None)
-            w = self._drain_waiter
-            if w is None or w.done():
-                w = self._drain_waiter = self._loop.create_future()
-            # Shielded: the waiter is shared by every paused sender, and cancelling one
-            # of them must not cancel the others' wait.
-            await asyncio.shield(w)
-        self._check_open()
+        finally:
+            self._senders_waiting -= 1
+            if not self._senders_waiting and stalls is not None:
+                stalls.senders.discard(self)
 
     def _pause_reading(self) -> None:
+        if self._stalls is not None:
+            self._stalls.paused.add(self)
         if self._keepalive is not None:
             self._keepalive.set_rx_paused(True, self._loop.time())
         self._set_reading(False)
 
     def _resume_reading(self) -> None:
+        if self._stalls is not None:
+            self._stalls.paused.discard(self)
         if self._keepalive is not None:
             self._keepalive.set_rx_paused(False, self._loop.time())
         self._set_reading(True)
@@ -589,6 +632,11 @@ class EndpointBase(Generic[C]):
         self._accepted: AcceptQueue[C] = AcceptQueue()
         self._connections: set[C] = set()
         self._closed = False
+        self.send_stalls: SendStalls | None = None
+        """Set before the first connection (a Group sets one for its transport): while a
+        sender on one of this endpoint's connections waits, none of them pauses reading
+        (see :class:`SendStalls`). None: each connection pauses on its own, whatever its
+        senders do (a coordinator's clients, who need not be trusted with the memory)."""
         self.refused_incoming = 0
         """Incoming connections refused in their handshake (not allowed here, another id
         asked for, a failed proof)."""

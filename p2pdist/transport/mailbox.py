@@ -99,11 +99,14 @@ class Mailbox:
         label: Callable[[], str],
         *,
         poll: Callable[[], None] | None = None,
+        may_pause: Callable[[], bool] | None = None,
     ) -> None:
         """``pause``/``resume``: stop and restart reading (backpressure); ``label``: the
         peer, for errors; ``poll``: delivers what has arrived and not yet been reported
-        (called once by :meth:`get` before it waits)."""
+        (called once by :meth:`get` before it waits); ``may_pause``: whether reading may
+        pause now (see :meth:`unpause`)."""
         self._poll = poll
+        self._may_pause = may_pause
         self._queues: dict[int, deque[Frame]] = {}
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._retired = RetiredChannels()
@@ -133,12 +136,24 @@ class Mailbox:
         q.append(frame)
         self._buffered += frame.nbytes + FRAME_OVERHEAD
         # (The limit is max_buffered or more: past that only is it worth a look.)
-        if self._buffered > self._max and not self._paused and self._buffered > self._limit():
+        if (
+            self._buffered > self._max
+            and not self._paused
+            and self._buffered > self._limit()
+            and (self._may_pause is None or self._may_pause())
+        ):
             self._paused = True
             self._pause()
         w = self._waiters.pop(ch, None)
         if w is not None and not w.done():
             w.set_result(None)
+
+    def unpause(self) -> None:
+        """Read on, over the limit (the next frame delivered pauses again if it may): a
+        sender of this endpoint waits for a peer that may itself wait in a send to us."""
+        if self._paused:
+            self._paused = False
+            self._resume()
 
     def _limit(self) -> int:
         """Bytes queued at which reading pauses: ``max_buffered``, or twice that while a

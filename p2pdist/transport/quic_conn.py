@@ -72,7 +72,13 @@ class QuicConnection(FramedConnection):
         expected: EndpointId | None,
         label: str,
     ) -> None:
-        super().__init__(owner.config, label=label, peer=expected, on_finish=owner._forget)
+        super().__init__(
+            owner.config,
+            label=label,
+            peer=expected,
+            on_finish=owner._forget,
+            stalls=owner.send_stalls,
+        )
         self._owner = owner
         self._quic = quic
         self._route = route

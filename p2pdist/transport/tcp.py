@@ -164,6 +164,7 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
             label=f"peer {expected.short()}" if expected else "incoming connection",
             peer=expected,
             on_finish=owner._forget,
+            stalls=owner.send_stalls,
         )
         self._owner = owner
         self._server_side = server_side
