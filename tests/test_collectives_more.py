@@ -10,7 +10,14 @@ import pytest
 from collective_tour import every_collective_at_once
 from group_helpers import groups, slow_link
 
-from p2pdist import ConnectionBrokenError, Group, GroupBrokenError, MismatchError, UsageError
+from p2pdist import (
+    ConnectionBrokenError,
+    Group,
+    GroupBrokenError,
+    MismatchError,
+    PeerTimeoutError,
+    UsageError,
+)
 
 
 def data(rank: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
@@ -888,30 +895,39 @@ async def test_every_collective_started_at_once(world: int) -> None:
         await every_collective_at_once(gs)  # the group goes on after the batch
 
 
-async def test_many_collectives_in_flight_past_the_buffer_limit_do_not_wait_for_each_other() -> (
-    None
-):
-    """32 all-reduces of 4 MiB in flight at once on three ranks with 2 MiB max_buffered
+async def test_many_collectives_in_flight_past_the_buffer_limit_do_not_wait_for_good() -> None:
+    """48 all-reduces of 4 MiB in flight at once on three ranks with 16 MiB max_buffered
     timed out (found by an audit: 1,300 of 2 MiB at the default 512 MiB did too): every
     call sends before it receives, so each rank blocked in a send while its own reading
     had paused, its mailbox full of frames for its calls still sending. While a sender
-    of the endpoint waits, none of its connections pauses reading now."""
+    of the group waits, its connections read on to four times max_buffered (past that,
+    as with 96 calls here, the timeout says reading is paused and what to change)."""
     mib = 1 << 20
-    async with groups(3, timeout=8.0, max_buffered=2 * mib, config={"algorithm": "ring"}) as gs:
+    config = {"algorithm": "ring"}
+    async with groups(3, timeout=8.0, max_buffered=16 * mib, config=config) as gs:
 
-        async def many(g: Group) -> bool:
-            xs = [np.full(mib, 1.0, np.float32) for _ in range(32)]
+        async def many(g: Group, calls: int) -> bool:
+            xs = [np.full(mib, 1.0, np.float32) for _ in range(calls)]
             await asyncio.gather(*(g.all_reduce(x, out=x) for x in xs))
             return all(x[0] == 3.0 and x[-1] == 3.0 for x in xs)
 
-        assert await asyncio.wait_for(asyncio.gather(*(many(g) for g in gs)), 30) == [True] * 3
+        got = await asyncio.wait_for(asyncio.gather(*(many(g, 48) for g in gs)), 30)
+        assert got == [True] * 3
+    async with groups(3, timeout=4.0, max_buffered=16 * mib, config=config) as gs:
+        results = await asyncio.wait_for(
+            asyncio.gather(*(many(g, 96) for g in gs), return_exceptions=True), 30
+        )
+        told = [str(e) for e in results if isinstance(e, PeerTimeoutError)]
+        assert any(" is paused: " in t and "max_buffered" in t for t in told), results
 
 
 @pytest.mark.parametrize("kind", ["all_to_all", "all_to_all_v"])
 async def test_all_to_all_of_blocks_beyond_the_buffer_limit(kind: str) -> None:
     """all_to_all sends every block before it receives one: with blocks of 130 MiB and
     2 MiB max_buffered (or past 512 MiB at the default) both ranks blocked in their
-    sends with reading paused, until the timeout."""
+    sends with reading paused, until the timeout. A block received straight into its
+    place takes none of the connection's memory and no longer counts; all_to_all_v
+    names its large pieces' places once the row counts are in, before they come."""
     n = (130 << 20) // 4
     async with groups(2, timeout=8.0, max_buffered=2 << 20) as gs:
 
@@ -924,3 +940,36 @@ async def test_all_to_all_of_blocks_beyond_the_buffer_limit(kind: str) -> None:
             return float(parts[1 - g.rank][-1])
 
         assert await asyncio.wait_for(asyncio.gather(*(one(g) for g in gs)), 30) == [1.0, 0.0]
+
+
+async def test_a_paused_connection_reads_on_to_the_higher_limit_once_a_sender_waits() -> None:
+    """Reading from rank 1 paused (rank 0 does not take its messages yet); then a send
+    of rank 0 to rank 2 waits (rank 2 does not read yet): the paused connection reads on
+    to four times max_buffered, no further, and everything arrives in the end."""
+    from transport_conformance import wait_until
+
+    mib = 1 << 20
+    async with groups(3, timeout=20.0, max_buffered=mib, write_buffer_high=mib) as gs:
+        pieces = [np.full(mib // 4, float(i), np.float32) for i in range(12)]
+        from_one = asyncio.gather(*(gs[1].send(p, 0) for p in pieces))
+        conn = gs[0].connection(1)
+        await wait_until(lambda: conn.stats.reading_paused, "reading from rank 1 paused")
+        held = conn.stats.buffered
+        assert held <= 2 * mib + mib + 4096, held  # twice max_buffered (and a frame)
+        big = np.ones(mib, np.float32)
+
+        async def send_to_two() -> None:  # the second send waits: rank 2 reads nothing
+            for _ in range(8):
+                await gs[0].send(big, 2)
+
+        to_two = asyncio.ensure_future(send_to_two())
+        await wait_until(lambda: conn.stats.buffered > held + mib // 2, "reading on")
+        assert conn.stats.buffered <= 4 * mib + mib + 4096, conn.stats.buffered
+        for _ in range(8):
+            got = await asyncio.wait_for(gs[2].recv(0, like=big), 20)
+            assert got[0] == 1.0 and got[-1] == 1.0
+        await asyncio.wait_for(to_two, 20)
+        for i in range(12):
+            x = await asyncio.wait_for(gs[0].recv(1, like=pieces[0]), 20)
+            assert x[0] == float(i)
+        await asyncio.wait_for(from_one, 20)

@@ -421,12 +421,17 @@ async def test_a_goodbye_yields_the_lead_to_an_abort_notice(where: str) -> None:
             await asyncio.wait_for(tasks[1], 10)
         lead = f"{gs[1].peer_label(0)} aborted the group: all_reduce(float32[8388608], op='sum') "
         assert str(info.value).startswith(lead + "was cancelled on rank 0"), info.value
-        assert f"also: {gs[1].peer_label(2)}: closed its connection (left)" in str(info.value)
+        # Rank 2's leaving comes after, when rank 1 learnt of it first; on a loaded machine
+        # rank 1 may have rank 0's notice first after all (about 1 run in 8 under a full
+        # test run, before and after 2026-12-06), and then rank 2's leaving is no news.
+        also = f"also: {gs[1].peer_label(2)}: closed its connection (left)"
+        first = also in str(info.value)
         for group in {id(g): g for g in (used[1], gs[1])}.values():
             with pytest.raises(GroupBrokenError) as later:
                 await group.barrier()
             text = str(later.value)
             assert lead + "was cancelled on rank 0" in text, text
-            assert text.index("was cancelled on rank 0") < text.index("closed its connection")
+            if first:
+                assert text.index("was cancelled on rank 0") < text.index("closed its connection")
         with pytest.raises(asyncio.CancelledError):
             await tasks[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from p2pdist.transport.mailbox import CHANNEL_OVERHEAD, FRAME_OVERHEAD, Mailbox
+from p2pdist.transport.mailbox import CHANNEL_OVERHEAD, FRAME_OVERHEAD, STALLED_FACTOR, Mailbox
 from p2pdist.wire.frames import FrameDecoder, FrameKind, encode_header
 
 
@@ -47,30 +47,36 @@ async def test_empty_frames_on_one_channel_count_and_retire_releases_them() -> N
     await asyncio.sleep(0)
 
 
-async def test_reading_does_not_pause_while_a_sender_waits_and_unpause_reads_on() -> None:
-    """``may_pause`` says whether reading may pause (not while a sender of the endpoint
-    waits for its peer: two ranks could each wait in a send while their reading paused);
-    ``unpause`` resumes a paused mailbox, and the next frame over the limit pauses it
-    again once pausing is allowed."""
+async def test_while_a_sender_waits_reading_pauses_at_four_times_the_limit() -> None:
+    """``stalled`` says whether a sender of this end waits for its peer (two ranks could
+    each wait in a send while their reading paused): the limit is then STALLED_FACTOR
+    times max_buffered; ``relax`` resumes a mailbox paused below that, and it pauses
+    again past it. Once no sender waits, the plain limit holds again."""
     events: list[str] = []
-    allowed = [False]
+    stalled = [False]
+    limit = 100 * FRAME_OVERHEAD
     mb = Mailbox(
-        100 * FRAME_OVERHEAD,
+        limit,
         lambda: events.append("pause"),
         lambda: events.append("resume"),
         lambda: "rank 1 (abcdefghij)",
-        may_pause=lambda: allowed[0],
+        stalled=lambda: stalled[0],
     )
-    wire = b"".join(encode_header(FrameKind.DATA, channel=7, seq=i) for i in range(300))
+    wire = b"".join(encode_header(FrameKind.DATA, channel=7, seq=i) for i in range(600))
     frames = FrameDecoder().feed(wire)
-    for frame in frames[:200]:
+    for frame in frames[:101]:
         mb.deliver(frame)
-    assert events == [] and mb.buffered > 100 * FRAME_OVERHEAD  # a sender waits: read on
-    allowed[0] = True
-    mb.deliver(frames[200])
-    assert events == ["pause"]
-    mb.unpause()
-    mb.unpause()  # (once)
-    assert events == ["pause", "resume"]
-    mb.deliver(frames[201])
+    assert events == ["pause"] and mb.paused
+    stalled[0] = True
+    mb.relax()
+    mb.relax()  # (once)
+    assert events == ["pause", "resume"] and not mb.paused
+    for frame in frames[101:396]:
+        mb.deliver(frame)
+    assert events == ["pause", "resume"]  # 396 frames and a channel: four times the limit
+    mb.deliver(frames[396])
+    assert events == ["pause", "resume", "pause"]
+    assert mb.buffered > STALLED_FACTOR * limit
+    stalled[0] = False
+    mb.relax()  # over the plain limit: stays paused
     assert events == ["pause", "resume", "pause"]

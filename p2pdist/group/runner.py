@@ -224,8 +224,24 @@ class Runner(Rejoining, Reserving):
                 what += " waiting for it (it did start this call: one further along may not have)"
             else:
                 what += " waiting for it"
+            hint = self._paused_hint() + hint
             return PeerTimeoutError(self._root_label(q), what + self._relay_down(q) + hint)
         return P2PTimeoutError(what + hint)
+
+    def _paused_hint(self) -> str:
+        """Why messages may not come with every rank alive and sending: this rank's
+        reading from a peer is paused, with messages for calls it has not come to ahead
+        in the stream, or two ranks each wait in a send with reading paused
+        (docs/architecture.md section 7)."""
+        paused = [(c.stats.buffered, r) for r, c in self._conns.items() if c.stats.reading_paused]
+        if not paused:
+            return ""
+        held, r = max(paused)
+        return (
+            f" (reading from {self._root_label(r)} is paused: {held / 2**20:.0f} MiB of its "
+            "messages wait unread, for calls still sending or not come to yet; raise "
+            "TransportConfig.max_buffered, or keep fewer calls in flight at once)"
+        )
 
     def _unstarted_hint(self, link: CollectiveLink) -> str:
         """Why a call may wait forever with every rank alive: this rank made earlier

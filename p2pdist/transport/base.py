@@ -48,8 +48,8 @@ class TransportConfig:
     """Declare the peer dead when nothing arrived from it for this long."""
     max_buffered: int = 512 * 1024 * 1024
     """Received-but-unconsumed bytes per connection before we stop reading (backpressure;
-    not while a sender of this endpoint waits for its peer to read: see docs/architecture.md
-    section 7)."""
+    higher while a sender of a group's connections waits for its peer to read: see
+    docs/architecture.md section 7)."""
     write_buffer_high: int = 8 * 1024 * 1024
     """Outgoing bytes queued in user space before ``send`` waits for the socket."""
     max_pending_handshakes: int = 256
@@ -80,6 +80,10 @@ class ConnectionStats:
     """Frames that arrived for a retired channel and were discarded."""
     landed_in_place: int = 0
     """Frames received straight into a place the receiver named (``expect``)."""
+    buffered: int = 0
+    """Bytes received and not yet taken by a receiver (as ``max_buffered`` counts them)."""
+    reading_paused: bool = False
+    """Whether reading from the peer is paused (backpressure: ``max_buffered``)."""
     rtt: float | None = None
     """Last keepalive round-trip time, seconds."""
 

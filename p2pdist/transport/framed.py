@@ -69,27 +69,30 @@ C = TypeVar("C", bound="FramedConnection")
 
 class SendStalls:
     """The connections of one endpoint whose senders wait for the byte pipe, and those
-    whose reading is paused. While any sender waits, no connection pauses its reading:
-    two processes whose senders each wait for the other to read, each with reading
-    paused because its mailbox filled with frames for calls still sending, would wait
-    for good (many collectives in flight, an all_to_all of blocks larger than
-    ``max_buffered``). Reading on costs memory, at most what the peers' calls send
-    ahead of their receives; pausing costs the run. For peers trusted with that memory
-    only: a Group's members (see ``EndpointBase.send_stalls``)."""
+    whose reading is paused. While any sender waits, every connection reads on to
+    :data:`~.mailbox.STALLED_FACTOR` times ``max_buffered`` before it pauses: two
+    processes whose senders each wait for the other to read, each with reading paused
+    because its mailbox filled with frames for calls still sending, would wait for good
+    (many collectives in flight, an all_to_all of blocks larger than ``max_buffered``).
+    For peers trusted with that memory only: a Group's members (see
+    ``EndpointBase.send_stalls``)."""
 
     def __init__(self) -> None:
         self.senders: weakref.WeakSet[FramedConnection] = weakref.WeakSet()
         self.paused: weakref.WeakSet[FramedConnection] = weakref.WeakSet()
 
-    def may_pause(self) -> bool:
-        return not self.senders
+    def stalled(self) -> bool:
+        """Whether a sender waits (the mailboxes' limit is then higher)."""
+        return bool(self.senders)
 
     def sender_waits(self, conn: FramedConnection) -> None:
+        """``conn``'s senders began to wait: paused connections read on, to the higher
+        limit."""
         first = not self.senders
         self.senders.add(conn)
         if first:
             for paused in list(self.paused):
-                paused._mailbox.unpause()
+                paused._mailbox.relax()
 
 
 class FramedConnection:
@@ -125,7 +128,7 @@ class FramedConnection:
             self._resume_reading,
             lambda: self.label,
             poll=self._read_early if self._READS_EARLY else None,
-            may_pause=None if stalls is None else stalls.may_pause,
+            stalled=None if stalls is None else stalls.stalled,
         )
         self._reading_early = False
         """True while a receiver reads for itself (:meth:`_read_early`, in its own task)."""
@@ -225,6 +228,8 @@ class FramedConnection:
         """Counters (``dropped_stale`` included)."""
         self._stats.dropped_stale = self._mailbox.dropped
         self._stats.landed_in_place = self._decoder.landed
+        self._stats.buffered = self._mailbox.buffered
+        self._stats.reading_paused = self._mailbox.paused
         return self._stats
 
     @property
@@ -634,9 +639,10 @@ class EndpointBase(Generic[C]):
         self._closed = False
         self.send_stalls: SendStalls | None = None
         """Set before the first connection (a Group sets one for its transport): while a
-        sender on one of this endpoint's connections waits, none of them pauses reading
-        (see :class:`SendStalls`). None: each connection pauses on its own, whatever its
-        senders do (a coordinator's clients, who need not be trusted with the memory)."""
+        sender on one of this endpoint's connections waits, all of them read on to a
+        higher limit (see :class:`SendStalls`). None: each connection pauses on its
+        own, whatever its senders do (a coordinator's clients, who need not be trusted
+        with the memory)."""
         self.refused_incoming = 0
         """Incoming connections refused in their handshake (not allowed here, another id
         asked for, a failed proof)."""

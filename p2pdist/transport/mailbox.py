@@ -10,7 +10,14 @@ from collections.abc import Callable
 from ..errors import PeerTimeoutError, UsageError
 from ..wire.frames import Frame
 
-__all__ = ["CHANNEL_OVERHEAD", "FRAME_OVERHEAD", "Mailbox", "RetiredChannels", "split_channel"]
+__all__ = [
+    "CHANNEL_OVERHEAD",
+    "FRAME_OVERHEAD",
+    "STALLED_FACTOR",
+    "Mailbox",
+    "RetiredChannels",
+    "split_channel",
+]
 
 SPACE_SHIFT = 48
 """Channels are ``space << 48 | counter``; counters retire roughly in order per space."""
@@ -21,6 +28,13 @@ that frames without meta or payload still count towards ``max_buffered``."""
 CHANNEL_OVERHEAD = 1024
 """Bytes charged for each channel that has frames queued (its deque and dict entry:
 about 780 bytes in CPython 3.11, rounded up)."""
+STALLED_FACTOR = 4
+"""While a sender of this end waits for its peer to read (``Mailbox(stalled=...)``),
+reading pauses at this many times ``max_buffered`` (2 GiB at the default): two ranks that
+each wait in a send with reading paused wait for good, and a group of many collectives
+in flight at once comes there (1,300 all-reduces of 2 MiB held about 830 MiB a
+connection). Not without bound: a slow peer would otherwise let every other peer's
+sends pile up here."""
 
 
 _COUNTER = (1 << SPACE_SHIFT) - 1
@@ -88,6 +102,13 @@ class RetiredChannels:
         return i > 0 and counter < ends[i - 1]
 
 
+def _charge(frame: Frame) -> int:
+    """What ``frame`` counts towards ``max_buffered``: its meta and payload and
+    :data:`FRAME_OVERHEAD`, but not a payload received into the receiver's own place."""
+    payload = 0 if frame.placed else frame.payload.nbytes
+    return len(frame.meta) + payload + FRAME_OVERHEAD
+
+
 class Mailbox:
     """Holds received frames until a receiver asks for their channel."""
 
@@ -99,14 +120,15 @@ class Mailbox:
         label: Callable[[], str],
         *,
         poll: Callable[[], None] | None = None,
-        may_pause: Callable[[], bool] | None = None,
+        stalled: Callable[[], bool] | None = None,
     ) -> None:
         """``pause``/``resume``: stop and restart reading (backpressure); ``label``: the
         peer, for errors; ``poll``: delivers what has arrived and not yet been reported
-        (called once by :meth:`get` before it waits); ``may_pause``: whether reading may
-        pause now (see :meth:`unpause`)."""
+        (called once by :meth:`get` before it waits); ``stalled``: whether a sender of
+        this end waits for its peer to read (the limit is then :data:`STALLED_FACTOR`
+        times ``max_buffered``, see :meth:`relax`)."""
         self._poll = poll
-        self._may_pause = may_pause
+        self._stalled = stalled
         self._queues: dict[int, deque[Frame]] = {}
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._retired = RetiredChannels()
@@ -119,8 +141,9 @@ class Mailbox:
 
     @property
     def buffered(self) -> int:
-        """Bytes held for receivers that have not asked yet: meta and payload, plus
-        :data:`FRAME_OVERHEAD` per frame and :data:`CHANNEL_OVERHEAD` per channel."""
+        """Bytes held for receivers that have not asked yet: meta and payload (not a
+        payload received into the receiver's own place), plus :data:`FRAME_OVERHEAD` per
+        frame and :data:`CHANNEL_OVERHEAD` per channel."""
         return self._buffered
 
     def deliver(self, frame: Frame) -> None:
@@ -134,31 +157,36 @@ class Mailbox:
             q = self._queues[ch] = deque()
             self._buffered += CHANNEL_OVERHEAD
         q.append(frame)
-        self._buffered += frame.nbytes + FRAME_OVERHEAD
+        self._buffered += _charge(frame)
         # (The limit is max_buffered or more: past that only is it worth a look.)
-        if (
-            self._buffered > self._max
-            and not self._paused
-            and self._buffered > self._limit()
-            and (self._may_pause is None or self._may_pause())
-        ):
+        if self._buffered > self._max and not self._paused and self._buffered > self._limit():
             self._paused = True
             self._pause()
         w = self._waiters.pop(ch, None)
         if w is not None and not w.done():
             w.set_result(None)
 
-    def unpause(self) -> None:
-        """Read on, over the limit (the next frame delivered pauses again if it may): a
-        sender of this endpoint waits for a peer that may itself wait in a send to us."""
-        if self._paused:
+    @property
+    def paused(self) -> bool:
+        """Whether reading is paused."""
+        return self._paused
+
+    def relax(self) -> None:
+        """Read on if reading is paused below the limit as it is now (a sender of this
+        end has begun to wait: the limit is higher while it does)."""
+        if self._paused and self._buffered <= self._limit():
             self._paused = False
             self._resume()
 
     def _limit(self) -> int:
-        """Bytes queued at which reading pauses: ``max_buffered``, or twice that while a
+        """Bytes queued at which reading pauses: ``max_buffered``; twice that while a
         receiver waits for a channel with nothing queued (its frame may be behind the
-        others in the stream: pausing then would stall it for good)."""
+        others in the stream: pausing then would stall it for good); and
+        :data:`STALLED_FACTOR` times it while a sender of this end waits for its peer to
+        read (two ends each waiting in a send, each with reading paused by frames of its
+        own calls that are still sending, would wait for good)."""
+        if self._stalled is not None and self._stalled():
+            return STALLED_FACTOR * self._max
         return 2 * self._max if self._waiters else self._max
 
     def fail(self, error: BaseException) -> None:
@@ -177,7 +205,7 @@ class Mailbox:
         if not q:
             return None
         frame = q.popleft()
-        self._buffered -= frame.nbytes + FRAME_OVERHEAD
+        self._buffered -= _charge(frame)
         if not q:
             del self._queues[channel]
             self._buffered -= CHANNEL_OVERHEAD
@@ -226,7 +254,7 @@ class Mailbox:
                 if self._paused:  # ours may have come, behind frames nobody reads
                     why += (
                         f" (reading is paused: {self._buffered} bytes of frames for other "
-                        "channels wait unread, over twice max_buffered)"
+                        f"channels wait unread, over the limit of {self._limit()})"
                     )
                 raise PeerTimeoutError(self._label(), why) from None
             finally:

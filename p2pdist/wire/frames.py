@@ -90,6 +90,9 @@ class Frame(NamedTuple):
     meta: bytes
     payload: memoryview
     flags: int = 0
+    placed: bool = False
+    """The payload was received straight into the place the receiver named
+    (:meth:`FrameDecoder.expect`): it takes no memory of the connection's."""
 
     @property
     def nbytes(self) -> int:
@@ -285,7 +288,7 @@ class FrameDecoder:
     def _finish_direct(self) -> Frame:
         assert self._pending is not None and self._payload is not None
         kind, flags, channel, seq, meta = self._pending
-        frame = Frame(kind, channel, seq, meta, self._payload, flags)
+        frame = Frame(kind, channel, seq, meta, self._payload, flags, self._into_place)
         self._pending, self._payload, self._filled = None, None, 0
         self._into_place = False
         return frame  # the scratch buffer was emptied when the direct receive began
@@ -361,7 +364,9 @@ class FrameDecoder:
                 self.landed += 1
             else:  # a bytearray slice is one copy, into a buffer the frame owns
                 owned = memoryview(self._scratch[pstart:end]) if payload_len else _EMPTY
-            frames.append(_new_frame(Frame, (kind, channel, seq, meta, owned, flags)))
+            frames.append(
+                _new_frame(Frame, (kind, channel, seq, meta, owned, flags, place is not None))
+            )
             self._start = end
         partial = self._end - self._start
         if 0 < partial < HEADER.size:
