@@ -69,9 +69,6 @@ MAX_ALL_TO_ALL_V_BYTES = 1 << 40
 """Largest piece a peer may announce in all_to_all_v (1 TiB: a sanity bound)."""
 MAX_ALL_TO_ALL_V_ROWS = 1 << 40
 """Largest row count a peer may announce (rows may be empty, so bytes alone do not bound it)."""
-ALL_TO_ALL_V_EAGER = 64 << 10
-"""all_to_all_v pieces up to this many bytes travel right behind their row count; larger
-ones wait until every count is in (see :func:`all_to_all_v`)."""
 
 
 def _fold(parts: list[np.ndarray], op: ReduceOp, out: np.ndarray) -> None:
@@ -443,36 +440,25 @@ async def all_to_all_v(
     link: Link, parts: list[np.ndarray], row_shape: tuple[int, ...], dtype: np.dtype[Any]
 ) -> list[np.ndarray]:
     """Variable-size all-to-all: rank r sends ``parts[p]`` (any number of rows, zero too)
-    to p; returns what each rank sent to r. Each message is a row count, then the rows:
-    small pieces (up to :data:`ALL_TO_ALL_V_EAGER` bytes) right behind their count,
-    larger ones once every count has come in and each receiver has named the place of
-    the pieces it will get, so that they land there (sent before, a piece larger than
-    what a connection buffers stopped its reading while both ranks were still sending,
-    and the two waited for each other until the timeout)."""
+    to p; returns what each rank sent to r. Each message is a row count, then the rows,
+    sent together (in call order: a rank behind in its calls finds each call's rows
+    right behind its count). Every piece goes before any is received: pieces beyond
+    what the connections buffer (four times ``max_buffered`` while a send waits) stall
+    until the timeout, which says so (docs/architecture.md section 7)."""
     n, r = link.size, link.rank
-    others = [p for p in range(n) if p != r]
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
-    for p in others:
-        piece = parts[p]
-        await link.send(p, memoryview(len(piece).to_bytes(8, "little")))
-        if piece.nbytes <= ALL_TO_ALL_V_EAGER:
-            await link.send(p, as_bytes(np.ascontiguousarray(piece)))
-    result: dict[int, np.ndarray] = {r: parts[r].copy()}
-    late: dict[int, memoryview] = {}  # the large pieces' places, named before they come
-    for p in others:
+    for p in range(n):
+        if p != r:
+            await link.send(p, memoryview(len(parts[p]).to_bytes(8, "little")))
+            await link.send(p, as_bytes(np.ascontiguousarray(parts[p])))
+    result: list[np.ndarray] = []
+    for p in range(n):
+        if p == r:
+            result.append(parts[r].copy())
+            continue
         rows = int.from_bytes(await link.recv(p, 8), "little")
         if rows > MAX_ALL_TO_ALL_V_ROWS or rows * row_bytes > MAX_ALL_TO_ALL_V_BYTES:
             raise RemoteProtocolError(link.label(p), f"announced {rows} rows for all_to_all_v")
-        if rows * row_bytes <= ALL_TO_ALL_V_EAGER:
-            data = await link.recv(p, rows * row_bytes)
-            result[p] = view_as(data, dtype).reshape((rows, *row_shape)).copy()
-        else:
-            result[p] = np.empty((rows, *row_shape), dtype)
-            late[p] = as_bytes(result[p])
-            link.expect(p, (late[p],))
-    for p in others:
-        if parts[p].nbytes > ALL_TO_ALL_V_EAGER:
-            await link.send(p, as_bytes(np.ascontiguousarray(parts[p])))
-    for p, place in late.items():
-        await recv_into(link, p, place)
-    return [result[p] for p in range(n)]
+        data = await link.recv(p, rows * row_bytes)
+        result.append(view_as(data, dtype).reshape((rows, *row_shape)).copy())
+    return result

@@ -224,23 +224,29 @@ class Runner(Rejoining, Reserving):
                 what += " waiting for it (it did start this call: one further along may not have)"
             else:
                 what += " waiting for it"
-            hint = self._paused_hint() + hint
+            hint = self._paused_hint(q) + hint
             return PeerTimeoutError(self._root_label(q), what + self._relay_down(q) + hint)
         return P2PTimeoutError(what + hint)
 
-    def _paused_hint(self) -> str:
+    def _paused_hint(self, waited_on: int) -> str:
         """Why messages may not come with every rank alive and sending: this rank's
-        reading from a peer is paused, with messages for calls it has not come to ahead
-        in the stream, or two ranks each wait in a send with reading paused
-        (docs/architecture.md section 7)."""
-        paused = [(c.stats.buffered, r) for r, c in self._conns.items() if c.stats.reading_paused]
+        reading from a peer (``waited_on`` first) is paused, with messages for calls it
+        has not come to, or not taken, ahead in the stream, or two ranks each wait in a
+        send with reading paused (docs/architecture.md section 7)."""
+        paused = [
+            (r == waited_on, c.stats.buffered, r)
+            for r, c in self._conns.items()
+            if not c.closed and c.stats.reading_paused
+        ]
         if not paused:
             return ""
-        held, r = max(paused)
+        _, held, r = max(paused)
+        amount = f"{held / 2**20:.1f} MiB" if held >= 2**20 else f"{held} bytes"
         return (
-            f" (reading from {self._root_label(r)} is paused: {held / 2**20:.0f} MiB of its "
-            "messages wait unread, for calls still sending or not come to yet; raise "
-            "TransportConfig.max_buffered, or keep fewer calls in flight at once)"
+            f" (reading from {self._root_label(r)} is paused: {amount} of its messages "
+            "wait unread, for calls still sending or not come to yet; raise "
+            "TransportConfig.max_buffered, or keep fewer calls, or messages not yet "
+            "received, in flight at once)"
         )
 
     def _unstarted_hint(self, link: CollectiveLink) -> str:
