@@ -249,9 +249,7 @@ async def test_gradient_buckets_added_differently_on_one_rank_fail_on_every_rank
         results = await asyncio.wait_for(
             asyncio.gather(*(step(r) for r in range(3)), return_exceptions=True), 30
         )
-        for r, res in enumerate(results):
-            assert isinstance(res, MismatchError | GroupBrokenError), (r, res)
-            assert ", a bucket of " in str(res), (r, res)
+        _every_rank_failed_naming(results, ", a bucket of ")
         notes = " ".join(getattr(results[1], "__notes__", []))
         assert "did not match another rank's" in notes, results[1]
         assert "no result of this step can be trusted" in notes
@@ -277,9 +275,15 @@ async def test_a_rank_with_nothing_to_add_fails_the_step_instead_of_shifting_a_s
         results = await asyncio.wait_for(
             asyncio.gather(*(rank(r) for r in range(2)), return_exceptions=True), 30
         )
-        for r, res in enumerate(results):
-            assert isinstance(res, MismatchError | GroupBrokenError), (r, res)
-            assert "a bucket of no arrays ending a step of 0 arrays" in str(res), (r, res)
+        _every_rank_failed_naming(results, "a bucket of no arrays ending a step of 0 arrays")
+
+
+def _every_rank_failed_naming(results: list[Any], text: str) -> None:
+    """Every rank's step failed with the buckets' mismatch (or the group it broke),
+    its error naming ``text``."""
+    for r, res in enumerate(results):
+        assert isinstance(res, MismatchError | GroupBrokenError), (r, res)
+        assert text in str(res), (r, res)
 
 
 async def test_steps_with_nothing_to_add_on_every_rank_go_on() -> None:
