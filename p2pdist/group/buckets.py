@@ -200,7 +200,7 @@ class GradientBuckets:
         loop = asyncio.get_running_loop()  # none (a hook's thread): the arrays stay pending
         arrays, ready = self._pending, self._ready
         self._pending, self._ready, self._pending_bytes = [], [], 0
-        # A bucket of the wrong size raises here: its arrays are dropped (left as they
+        # A bucket of the wrong shapes raises here: its arrays are dropped (left as they
         # were) and its position stays free, so the helper goes on as before the call.
         try:
             feedback = self._bucket_feedback([a.shape for a in arrays]) if arrays else None
@@ -330,7 +330,7 @@ class GradientBuckets:
         """Flush, then wait for every bucket; raises the first failure, with a note naming
         the first bucket not reduced (it and every later bucket were left as they were).
         The next :meth:`add` starts a new step (bucket positions count from 0 again),
-        also when the last bucket was refused here (a UsageError for its size, raised once
+        also when the last bucket was refused here (a UsageError for its shapes, raised once
         the step's other buckets are done). A cancelled wait() leaves the buckets
         reducing (cancelling them would break the group); the next wait() waits for them
         first, and raises their failure if they failed."""

@@ -47,8 +47,8 @@ async def compressed_ring_all_reduce(
     ``4 * chunk`` bytes. No full-size temporaries: chunks are encoded into one reused
     buffer (a send hands its bytes to the transport before it returns), received chunks
     are accumulated or decoded straight into ``work`` and forwarded as received. The
-    reduce-scatter and all-gather steps are one run of :func:`ring_steps`, with sends
-    at least two chunks ahead of receives (more on long round trips): the all-gather's
+    reduce-scatter and all-gather steps are one run of :func:`ring_steps`, whose sends
+    may run up to two chunks ahead of its receives (more on long round trips): the all-gather's
     first chunks leave while the last reduce-scatter step's later ones are still
     coming in, and no step waits for a chunk's trip round the ring.
 

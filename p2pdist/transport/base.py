@@ -48,8 +48,9 @@ class TransportConfig:
     """Declare the peer dead when nothing arrived from it for this long."""
     max_buffered: int = 512 * 1024 * 1024
     """Received-but-unconsumed bytes per connection before we stop reading (backpressure;
-    higher while a sender of a group's connections waits for its peer to read: see
-    docs/architecture.md section 7)."""
+    twice this while a receiver waits for a message, which on a group's connections is
+    always, and four times it while a sender of the group waits for its peer to read:
+    see docs/architecture.md section 7)."""
     write_buffer_high: int = 8 * 1024 * 1024
     """Outgoing bytes queued in user space before ``send`` waits for the socket."""
     max_pending_handshakes: int = 256
