@@ -398,12 +398,20 @@ async def test_an_attributed_error_does_not_repeat_what_its_lead_quotes() -> Non
 
 
 @pytest.mark.parametrize("where", ["group", "sub-group"])
-async def test_a_goodbye_yields_the_lead_to_an_abort_notice(where: str) -> None:
+async def test_a_goodbye_yields_the_lead_to_an_abort_notice(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """World 3: rank 0 cancels its call; rank 2 fails for rank 0's notice and closes, and
     its goodbye reaches rank 1 before rank 0's notice does. Rank 1's error, and the
     broken state its later calls report (on a sub-group's root too), must lead with rank
     0's notice, not with rank 2, which only left (seen in about 1 of 15 runs of a user's
     trial)."""
+    from p2pdist.group import runner
+
+    # The notice is let in 0.1 s into the 0.25 s window: under a loaded CI run it once
+    # came after the window closed (the error then led with rank 2's leaving, as it
+    # should when no notice comes in time). The window's length is not what is tested.
+    monkeypatch.setattr(runner, "_ATTRIBUTION_WINDOW", 1.0)
     async with groups(3, timeout=20) as gs:
         used = gs if where == "group" else await asyncio.gather(*(g.split(0) for g in gs))
         x = np.ones(8 << 20, np.float32)  # 32 MiB: still in flight when rank 0 cancels
