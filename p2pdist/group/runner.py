@@ -234,9 +234,9 @@ class Runner(Rejoining, Reserving):
         has not come to, or not taken, ahead in the stream, or two ranks each wait in a
         send with reading paused (docs/architecture.md section 7)."""
         paused = [
-            (r == waited_on, c.stats.buffered, r)
+            (r == waited_on, stats.buffered, r)
             for r, c in self._conns.items()
-            if not c.closed and c.stats.reading_paused
+            if not c.closed and (stats := c.stats).reading_paused
         ]
         if not paused:
             return ""

@@ -505,7 +505,7 @@ class FramedConnection:
         stalls = self._stalls
         self._senders_waiting += 1
         if self._senders_waiting == 1 and stalls is not None:
-            stalls.sender_waits(self)  # no connection of the endpoint pauses reading now
+            stalls.sender_waits(self)  # the endpoint's connections read on, to a higher limit
         try:
             while self._write_paused:
                 self._check_open()
