@@ -146,6 +146,31 @@ async def test_two_processes_claiming_a_rank_never_form_a_wrong_group(
         await asyncio.gather(*(g.close() for g in gs))
 
 
+async def test_a_claimant_admitted_as_the_group_formed_is_refused_not_left_waiting() -> None:
+    """A second rank-2 process whose handshakes were admitted while the group still formed
+    but ended only after it formed (it was a moment late: CI saw it) is refused as formed
+    already, not left waiting for an ``ok``: its start fails within connect_timeout
+    saying two processes may claim rank 2, and the group it missed works on."""
+    peers = loopback_peers(3)
+    gs = [make(r, peers) for r in range(3)]
+    late = make(2, peers, listen=f"127.0.0.1:{free_ports(1)[0]}")
+    try:
+        await asyncio.wait_for(asyncio.gather(*(g.start() for g in gs)), CONNECT + 2)
+        for g in gs[:2]:
+            # Admit members in the handshake, as while the group formed: the late
+            # claimant's connections reach the formed group's accept queue.
+            g._transport._accept_from = lambda eid: True  # type: ignore[union-attr]
+        with pytest.raises(
+            P2PTimeoutError,
+            match=r"rank 0 .*refused this rank's connections until the end \(its group has "
+            r"formed already\).*two processes claim rank 2\?",
+        ):
+            await asyncio.wait_for(late.start(), CONNECT + 2)
+        await check_sum(gs)
+    finally:
+        await asyncio.gather(*(g.close() for g in [*gs, late]))
+
+
 async def test_a_rank_that_restarts_while_the_group_forms_still_gets_a_correct_group() -> None:
     peers = loopback_peers(3)
     g0, first = make(0, peers), make(2, peers)

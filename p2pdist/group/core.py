@@ -414,6 +414,8 @@ class GroupCore(Runner):
                 self._adopt(r, conn)
             if self.config.on_peer_loss == "leave":
                 self._spawn(self._accept_rejoins(transport))
+            else:
+                self._spawn(self._refuse_late_dials(transport))
         self._formed = True
         log.info("%s: group of %d formed", self.peer_label(self._rank), self.size)
         return self

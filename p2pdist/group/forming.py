@@ -21,6 +21,7 @@ from ..errors import (
     ConnectionClosedError,
     GroupBrokenError,
     MismatchError,
+    P2PError,
     P2PTimeoutError,
     PeerAuthenticationError,
     RemoteProtocolError,
@@ -329,6 +330,21 @@ class Forming(Membership):
                 log.info("%s connected again (restarted while the group formed)", label)
             self._conns[r] = conn
             form.inbox[r].put_nowait(conn)
+
+    async def _refuse_late_dials(self, transport: TcpTransport | QuicTransport) -> None:
+        """(Once formed, when lost ranks cannot come back) refuse, as formed already, a
+        member's connection whose handshake was admitted while the group still formed but
+        ended after it formed (a second process claiming a rank, a moment late): it is
+        never left waiting for an ``ok``. Its dialer dials again, and is refused from now
+        on in the handshake (see :meth:`_accepts`), until its connect_timeout says why."""
+        while not self._closing:
+            try:
+                conn = await transport.accept()
+            except P2PError:
+                return  # the transport is closed
+            _form_note(conn, "refused", _FORMED_ALREADY, error="formed")
+            rank = self._rank_of.get(conn.peer_id)
+            self._turn_away(conn, _FORMED_ALREADY, rank=rank, noted=True, routine=True)
 
 
 def group_terms(config: GroupConfig, world: int) -> dict[str, Any]:
