@@ -241,6 +241,36 @@ async def test_a_second_process_with_a_rank_through_the_relay_is_named(tmp_path:
             await asyncio.gather(extra.close(), *(g.close() for g in gs))
 
 
+async def test_a_restarted_rank_through_the_relay_is_told_the_group_formed(
+    tmp_path: Path,
+) -> None:
+    """A rank that restarts (without rejoin) into a formed group is refused through the
+    relay as over TCP, with the reason: its start fails saying the group formed already
+    and what to do, instead of every handshake's packets being dropped as garbage until
+    connect_timeout names only "no connection"."""
+    with RelayProcess(tmp_path) as relay:
+        gs = await form(relay.url, 2)
+        await gs[1].close()
+        short = GroupConfig(
+            connect_timeout=4.0,
+            punch=PunchConfig(enabled=False),
+            transport=TransportConfig(handshake_timeout=1.0),
+        )
+        again = Group.from_seed(SEED, rank=1, world=2, relay=relay.url, config=short)
+        try:
+            with pytest.raises(
+                P2PTimeoutError,
+                match=r"refused this rank's connections until the end .*its group has formed "
+                r"already.*rejoin=True",
+            ) as caught:
+                await again.start()
+            assert "same seed and relay?" not in str(caught.value)
+            transport = gs[0]._transport
+            assert transport is not None and transport.refused_incoming >= 1
+        finally:
+            await asyncio.gather(again.close(), *(g.close() for g in gs))
+
+
 async def test_a_peer_on_a_direct_path_is_not_blamed_on_a_relay_that_is_down(
     tmp_path: Path,
 ) -> None:

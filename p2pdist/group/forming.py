@@ -91,7 +91,7 @@ class Forming(Membership):
             if not_in:
                 names = ", ".join(f"{self.peer_label(r)} {self._where(r)}" for r in not_in)
                 why.append(f"no connection to {names}")
-                if self._relay_url is not None:
+                if self._relay_url is not None and not any(r in form.refusals for r in not_in):
                     # Through a relay a rank with another seed has other ids: nobody
                     # refuses anything, the ranks just never meet.
                     why.append("is every rank running, with the same seed and relay?")

@@ -462,11 +462,15 @@ class QuicTransport(EndpointBase[QuicConnection]):
         self._dispatch(data, RELAY_ADDR, fits, new_route)
 
     def _may_start(self, src: EndpointId) -> bool:
-        """Whether ``src`` (authenticated by the relay) may start a handshake. When the
-        application's ``accept_from`` raises, the handshake runs: its own check of the
-        policy then refuses the dialer with the reason, as on the UDP path (and logs it)."""
+        """Whether ``src`` (authenticated by the relay) may start a handshake: unless
+        ``accept_from`` says False. One it refuses with a reason (a string: a member of a
+        group that has formed already, say) starts too, so that the handshake's own check
+        of the policy tells the dialer why, as on the UDP path, instead of dropping its
+        packets until its handshake times out; so does one when ``accept_from`` raises."""
+        if self._accept_from is None:
+            return True
         try:
-            return self.accepts(src)
+            return bool(self._accept_from(src))
         except Exception as exc:
             log.debug("accept policy failed for %s before its handshake: %r", src.short(), exc)
             return True
