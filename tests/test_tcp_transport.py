@@ -564,6 +564,25 @@ async def test_connect_to_closed_port_names_peer() -> None:
         assert eid(1).short() in str(info.value) and str(port) in str(info.value)
 
 
+async def test_a_close_while_listen_looks_up_the_address_leaves_no_port_bound() -> None:
+    """close() while listen() awaits its address lookup: listen() raises that the
+    transport is closed, and the port is free at once (the socket it bound after the
+    lookup used to stay open, and the next listener there failed "address in use")."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    transport = TcpTransport(key(0), config(False))
+    listening = asyncio.create_task(transport.listen("127.0.0.1", port))
+    await asyncio.sleep(0)  # listen() now awaits getaddrinfo
+    await bounded(transport.close(), "close")
+    with pytest.raises(ConnectionClosedError, match="transport is closed"):
+        await bounded(listening, "listen")
+    again = TcpTransport(key(1), config(False))
+    async with closing(again):
+        assert (await again.listen("127.0.0.1", port))[1] == port
+
+
 async def test_unreachable_host_is_a_connect_error_not_a_handshake_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -531,10 +531,15 @@ class TcpTransport(EndpointBase[TcpConnection]):
         self._check_not_closed()
         if self._server is not None:
             raise UsageError("already listening")
-        self._server = await Listener.open(
-            host, port, lambda: TcpConnection(self, server_side=True)
-        )
-        return self._server.address
+        server = await Listener.open(host, port, lambda: TcpConnection(self, server_side=True))
+        if self._closed or self._server is not None:
+            # Closed (or listening) while the address was looked up: close() could not
+            # see this server, and it would keep the port bound.
+            await server.close()
+            self._check_not_closed()
+            raise UsageError("already listening")
+        self._server = server
+        return server.address
 
     async def connect(
         self, peer: EndpointId, address: Address, *, label: str | None = None
