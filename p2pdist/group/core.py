@@ -408,8 +408,10 @@ class GroupCore(Runner):
             except BaseException:
                 await self.close()
                 raise
+            self._check_not_closed_while_starting()
         else:
             await self._form(transport)
+            self._check_not_closed_while_starting()
             for r, conn in list(self._conns.items()):
                 self._adopt(r, conn)
             if self.config.on_peer_loss == "leave":
@@ -419,6 +421,15 @@ class GroupCore(Runner):
         self._formed = True
         log.info("%s: group of %d formed", self.peer_label(self._rank), self.size)
         return self
+
+    def _check_not_closed_while_starting(self) -> None:
+        """Raise if close() ran while start() formed (or rejoined) the group, as its last
+        notes came in: never report success for a group already closing (its close goes
+        on, and tells the ranks this one said ready to that its start stopped)."""
+        if self._closing:
+            raise GroupBrokenError(
+                f"{self.peer_label(self._rank)}: the group was closed while it started"
+            )
 
     def _where(self, r: int) -> str:
         if self._relay_url is not None:
