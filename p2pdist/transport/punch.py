@@ -251,6 +251,8 @@ class PeerPaths:
         self._direct_since: float | None = None
         self._candidates_sent: float | None = None
         self._next_keepalive = 0.0
+        self._direct_polled: float | None = None
+        """When :meth:`poll` last ran on the current direct path (None: not yet)."""
 
     # ---- inputs ------------------------------------------------------------------------
 
@@ -348,6 +350,7 @@ class PeerPaths:
             self.phase = Phase.DIRECT
             self._direct_since = now  # the retry delay restarts only once it has lasted
             self._next_keepalive = now + self.config.keepalive
+            self._direct_polled = None
             return [PathChange(None, addr, f"direct path validated (PING round trip {rtt:.4f} s)")]
         return []
 
@@ -375,6 +378,14 @@ class PeerPaths:
         elif self.phase is Phase.DIRECT:
             assert self.current is not None
             path = self.paths[self.current]
+            late = self._direct_polled is not None and now - self._direct_polled > 3 * cfg.keepalive
+            self._direct_polled = now
+            if late:
+                # Our own polls came late (a long computation held this process's loop,
+                # so no keepalive went out): the path's silence is ours, no evidence
+                # against it. A keepalive now, and a fresh path_timeout for its answer.
+                path.last_pong = max(path.last_pong, now - cfg.keepalive)
+                self._next_keepalive = now
             if now - path.last_pong >= cfg.path_timeout:
                 old = self.current
                 self.current = None
