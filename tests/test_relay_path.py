@@ -46,6 +46,7 @@ class Inbox:
 
     def __init__(self, path: RelayPath) -> None:
         self.items: asyncio.Queue[tuple[EndpointId, bytes]] = asyncio.Queue()
+        self.seen: set[tuple[EndpointId, bytes]] = set()  # what send_until_received got
         path.on_datagram = lambda src, data: self.items.put_nowait((src, data))
 
     async def get(self) -> tuple[EndpointId, bytes]:
@@ -53,14 +54,20 @@ class Inbox:
 
 
 async def send_until_received(a: RelayPath, b_id: EndpointId, inbox: Inbox, data: bytes) -> None:
-    """Datagrams are best effort: resend until one arrives (bounded)."""
+    """Datagrams are best effort: resend until one arrives (bounded). Copies of an
+    earlier call's datagram still on their way (resent while a loaded relay was slow)
+    are skipped; anything else arriving fails."""
+    earlier = set(inbox.seen)
     for _ in range(100):
         a.send(b_id, data)
         try:
             src, got = await asyncio.wait_for(inbox.items.get(), 0.2)
         except TimeoutError:
             continue
+        if got != data and (src, got) in earlier:
+            continue
         assert (src, got) == (a.endpoint_id, data)
+        inbox.seen.add((src, got))
         return
     raise AssertionError("no datagram made it through the relay")
 
@@ -143,7 +150,8 @@ async def test_a_stalled_session_is_given_up_after_three_of_our_keepalives(tmp_p
                 given_up = loop.time() - stalled
             finally:
                 relay.proc.send_signal(signal.SIGCONT)
-            assert 3 * CLIENT_KEEPALIVE - 1 <= given_up <= 3 * CLIENT_KEEPALIVE + 3, given_up
+            # (room for a loaded machine above: the old behaviour took 45 s)
+            assert 3 * CLIENT_KEEPALIVE - 1 <= given_up <= 3 * CLIENT_KEEPALIVE + 8, given_up
             assert "silent for 9 s" in str(path.status.last_error), path.status
             await wait_until(lambda: path.status.state is RelayState.CONNECTED, "a new session", 30)
             assert path.status.connects == 2
