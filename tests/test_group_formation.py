@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from group_helpers import free_ports, loopback_peers
+from transport_conformance import wait_until
 
 from p2pdist import (
     Group,
@@ -188,6 +189,37 @@ async def test_a_start_that_forms_as_the_group_is_closed_does_not_report_success
         with pytest.raises(GroupBrokenError, match=r"rank 0 .*closed while it started"):
             await asyncio.wait_for(starts[0], CONNECT + 2)
         await asyncio.wait_for(closing, CONNECT + 2)
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+
+
+async def test_a_rank_whose_start_fails_after_the_others_formed_is_seen_to_leave_with_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 2 said ready to everyone, but rank 1's ready to it never comes: ranks 0 and 1
+    form, and rank 2's start times out. Its ``failed`` note came after they stopped
+    reading formation notes, so they saw it leave without a reason; its leaving notice
+    (marked as a failed start) now gives them the reason, and their calls say it."""
+    peers = loopback_peers(3)
+    gs = [make(r, peers) for r in range(3)]
+    real = forming._form_note
+
+    def note(conn: Connection, kind: str, why: str = "", **kw: Any) -> None:
+        if kind == "ready" and conn is gs[1]._conns.get(2):
+            return  # rank 1's ready to rank 2 never arrives
+        real(conn, kind, why, **kw)
+
+    monkeypatch.setattr(forming, "_form_note", note)
+    try:
+        starts = [asyncio.create_task(g.start()) for g in gs]
+        await asyncio.wait_for(asyncio.gather(*starts[:2]), CONNECT + 2)
+        with pytest.raises(P2PTimeoutError, match=r"rank 1 .* never said it was connected"):
+            await asyncio.wait_for(starts[2], CONNECT + 2)
+        await wait_until(lambda: 2 in gs[0].left, "rank 0 seeing rank 2 leave")
+        why = "its start failed after it said it was connected to every rank: forming the group"
+        assert why in str(gs[0].left[2]), gs[0].left
+        with pytest.raises(GroupBrokenError, match=why):
+            await gs[0].all_reduce(np.ones(2))
     finally:
         await asyncio.gather(*(g.close() for g in gs))
 

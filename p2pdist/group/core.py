@@ -44,7 +44,15 @@ from . import p2p
 from .buffers import as_array, expectation
 from .config import GroupConfig
 from .devices import on_host
-from .membership import CONTROL_CHANNEL, LAST_SPACE, CallFailure, Membership
+from .membership import (
+    _LEFT_BECAUSE,
+    _START_FAILED,
+    CONTROL_CHANNEL,
+    LAST_SPACE,
+    LEAVING_MAX,
+    CallFailure,
+    Membership,
+)
 from .runner import Runner
 from .spaces import SpaceBook
 
@@ -55,8 +63,6 @@ log = logging.getLogger(__name__)
 _COLLECTIVE_SPACE = 0
 _P2P_SPACE = 1
 _FIRST_SUBGROUP_SPACE = 2
-LEAVING_MAX = 300
-"""Longest reason a leaving notice carries (and a receiver keeps), characters."""
 
 
 def _leaving_reason(exc: BaseException) -> str:
@@ -559,7 +565,9 @@ class GroupCore(Runner):
         try:
             body = msgpack.unpackb(frame.meta, raw=False)
             if "leaving" in body:  # it closes next, for this reason (its program failed)
-                leaving = str(body["leaving"])[:LEAVING_MAX]
+                reason = str(body["leaving"])[:LEAVING_MAX]
+                # ("start": its start failed after it said ready, see Forming)
+                leaving = f"{_START_FAILED if body.get('start') else _LEFT_BECAUSE} {reason}"
             if "call" in body:  # one collective failed for want of a left rank
                 why = body.get("why")  # or: that rank did not run it
                 why = None if why is None else str(why)

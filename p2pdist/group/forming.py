@@ -11,6 +11,7 @@ shares with :mod:`p2pdist.group.rejoin`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -31,7 +32,15 @@ from ..transport.dial import dial_with_retry
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TLS_MISMATCH_HINT, TcpTransport
 from .config import GroupConfig
-from .membership import _FORM_CHANNEL, _FORMED_ALREADY, Membership, _form_note, _remote
+from .membership import (
+    _FORM_CHANNEL,
+    _FORMED_ALREADY,
+    CONTROL_CHANNEL,
+    LEAVING_MAX,
+    Membership,
+    _form_note,
+    _remote,
+)
 
 __all__ = ["Forming"]
 
@@ -155,6 +164,7 @@ class Forming(Membership):
         else:
             for conn in conns.values():
                 _form_note(conn, "failed", f"{self.peer_label(self._rank)}: {why}", error=kind)
+            _tell_start_failed(form.told, why)
         self._forming = None
         await self.close()
 
@@ -169,6 +179,7 @@ class Forming(Membership):
         why = f"{self.peer_label(self._rank)}: its start was stopped (closed or cancelled)"
         for conn in form.told:
             _form_note(conn, "failed", why)
+        _tell_start_failed(form.told, "it was closed or cancelled")
 
     def _check_formed(self, form: _Formation) -> None:
         """Every connection must be the one that said ``ready``, and still open, once
@@ -413,6 +424,16 @@ def _formed_refusal(label: str, refusal: str, me: int) -> str:
         "rejoin=True), or that process kept an earlier group open for longer than "
         "connect_timeout"
     )
+
+
+def _tell_start_failed(told: set[Connection], why: str) -> None:
+    """A leaving notice marked ``start`` (protocol.md 7) with ``why``, to the ranks this
+    one said ready to: one that formed meanwhile no longer reads formation notes, so its
+    ``failed`` note would be lost, and this rank only seen to leave without a reason."""
+    meta = bytes(msgpack.packb({"leaving": why[:LEAVING_MAX], "start": True}))
+    for conn in told:
+        with contextlib.suppress(P2PError):
+            conn.send_nowait(CONTROL_CHANNEL, meta=meta)
 
 
 def _said_goodbye(conn: Connection) -> bool:

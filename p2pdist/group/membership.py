@@ -30,7 +30,7 @@ from ..wire.relay import RelayUrl
 from .config import GroupConfig
 from .link import CollectiveLink
 
-__all__ = ["CONTROL_CHANNEL", "FIRST_RESERVED_SPACE", "LAST_SPACE", "Membership"]
+__all__ = ["CONTROL_CHANNEL", "FIRST_RESERVED_SPACE", "LAST_SPACE", "LEAVING_MAX", "Membership"]
 
 log = logging.getLogger(__name__)
 _FORMED_ALREADY = "its group has formed already"
@@ -62,6 +62,10 @@ still here but did not run the call (see calls.py), why not; None: the rank left
 
 _LEFT_BECAUSE = "its `async with` block raised"
 """How an explained goodbye (see :meth:`Membership._explained`) gives its reason."""
+_START_FAILED = "its start failed after it said it was connected to every rank:"
+"""How it gives the reason of a rank whose start failed after it said ready."""
+LEAVING_MAX = 300
+"""Longest reason a leaving notice carries (and a receiver keeps), characters."""
 
 
 class Membership:
@@ -82,7 +86,7 @@ class Membership:
     _expired: set[asyncio.Task[Any]]  # collectives the watchdog cancelled (overdue)
     _closed_calls: set[asyncio.Task[Any]]  # collectives a sub-group's close cancelled
     _last_loss: dict[int, BaseException]  # root: why each root rank was last lost or left
-    _leaving: dict[int, str]  # root: why a rank leaves, as its leaving notice said
+    _leaving: dict[int, str]  # root: why a rank leaves ("its ... raised X"), as it said
     _closed_by: dict[int, int]  # root rank that closed this sub-group -> its next cid then
     _closed_early: dict[int, list[tuple[int, int]]]  # root: notices before their split
     _parent: Membership | None  # the group this one was split from
@@ -202,11 +206,9 @@ class Membership:
         program failed) when it sent one; else ``error`` itself."""
         root = self._root()
         said = [why for r, why in root._leaving.items() if root.peer_label(r) == error.peer]
-        if not (said and error.graceful) or _LEFT_BECAUSE in error.detail:
+        if not (said and error.graceful) or said[0] in error.detail:
             return error
-        return ConnectionBrokenError(
-            error.peer, f"{error.detail}: {_LEFT_BECAUSE} {said[0]}", graceful=True
-        )
+        return ConnectionBrokenError(error.peer, f"{error.detail}: {said[0]}", graceful=True)
 
     def _on_connection_end(self, rank: int, error: BaseException | None) -> None:
         if error is None or self._closing:

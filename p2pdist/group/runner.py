@@ -164,11 +164,7 @@ class Runner(Rejoining, Reserving):
         gone = ", ".join(self._root_label(r) for r in sorted(left))
         root = self._root()  # what the root knows is by root rank
         roots = [(self._root_label(r), self._root_ranks[r]) for r in sorted(left)]
-        said = [
-            f"{label}'s `async with` block raised {root._leaving[rr]}"
-            for label, rr in roots
-            if rr in root._leaving
-        ]
+        said = [f"{label}: {root._leaving[rr]}" for label, rr in roots if rr in root._leaving]
         why = f" ({'; '.join(said)})" if said else ""
         relay = next((hint for _, rr in roots if (hint := root._relay_down(rr))), "")
         alone = ""
