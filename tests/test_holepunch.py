@@ -247,9 +247,10 @@ def test_direct_path_keepalive_and_fallback_when_pongs_stop() -> None:
 
 def test_a_stalled_process_keeps_its_direct_path_and_pings_at_once() -> None:
     """Our own loop held for longer than path_timeout (a long computation between
-    collectives): no keepalive went out, so the silence is ours. The first poll after it
-    sends a keepalive and gives the path a fresh path_timeout (it used to fall back to
-    the relay and punch again); a path that stays silent after that still goes."""
+    collectives): no keepalive went out, so the silence is ours. A PING from the peer
+    read first, then the timer, send a keepalive and give it path_timeout - keepalive
+    for its PONG, as on a loop that runs on time (it used to fall back to the relay and
+    punch again); a path that stays silent after that still goes."""
     cfg = PunchConfig(keepalive=1.0, path_timeout=3.0, retry_after=10.0)
     p = PeerPaths(cfg, counter(), session=ME)
     x = ("203.0.113.5", 1000)
@@ -259,13 +260,14 @@ def test_a_stalled_process_keeps_its_direct_path_and_pings_at_once() -> None:
     for a in pings(p.poll(t)):  # one keepalive on time, answered
         p.on_pong(a.addr, a.txid, t + 0.01, **FROM_PEER)
     t += 10.0  # the loop was held for 10 s
-    acts = p.poll(t)
+    acts = p.on_ping(x, b"\x02" * 12, t, **FROM_PEER)  # the peer's, queued meanwhile
+    acts += p.poll(t)  # then the timer
     assert not any(isinstance(a, PathChange) for a in acts), acts
     assert [a.addr for a in pings(acts)] == [x] and p.phase is Phase.DIRECT
     while not any(isinstance(a, PathChange) for a in acts):  # no answer this time
         t = p.next_deadline() or t
         acts = p.poll(t)
-    assert t == pytest.approx(11.0 - 1.0 + 3.0) and p.phase is Phase.BACKOFF
+    assert t == pytest.approx(11.0 + 3.0 - 1.0) and p.phase is Phase.BACKOFF
 
 
 def test_keepalive_pongs_keep_the_path() -> None:

@@ -251,8 +251,9 @@ class PeerPaths:
         self._direct_since: float | None = None
         self._candidates_sent: float | None = None
         self._next_keepalive = 0.0
-        self._direct_polled: float | None = None
-        """When :meth:`poll` last ran on the current direct path (None: not yet)."""
+        self._asked_since: float | None = None
+        """When the oldest keepalive PING on the current direct path that no PONG has
+        answered since went out (None: every one is answered)."""
 
     # ---- inputs ------------------------------------------------------------------------
 
@@ -298,7 +299,7 @@ class PeerPaths:
         self._trim_candidates()
         if self.phase in (Phase.IDLE, Phase.BACKOFF):
             out += self._begin_round(now, ask=False)
-        return out + self.poll(now)
+        return out + self.poll(now, timer=False)
 
     def on_ping(
         self, addr: Address, txid: bytes, now: float, *, to_session: bytes, from_session: bytes
@@ -323,7 +324,7 @@ class PeerPaths:
             self.excess_pings += 1
             return out
         self._hear(addr, now)
-        return [SendPong(addr, txid, from_session), *out, *self.poll(now)]
+        return [SendPong(addr, txid, from_session), *out, *self.poll(now, timer=False)]
 
     def on_pong(
         self, addr: Address, txid: bytes, now: float, *, to_session: bytes, from_session: bytes
@@ -344,13 +345,15 @@ class PeerPaths:
         else:
             path.rtt = 0.875 * path.rtt + 0.125 * rtt
             path.last_pong = now
+            if addr == self.current:
+                self._asked_since = None
         self._hear(addr, now)
         if self.current is None:
             self.current = addr
             self.phase = Phase.DIRECT
             self._direct_since = now  # the retry delay restarts only once it has lasted
             self._next_keepalive = now + self.config.keepalive
-            self._direct_polled = None
+            self._asked_since = None
             return [PathChange(None, addr, f"direct path validated (PING round trip {rtt:.4f} s)")]
         return []
 
@@ -359,11 +362,19 @@ class PeerPaths:
         from there, by a signed PING or PONG of this session)."""
         return addr in self._heard
 
-    def poll(self, now: float) -> list[Action]:
-        """What is due at ``now``: PINGs, the end of a round, keepalives, a fallback."""
+    def poll(self, now: float, *, timer: bool = True) -> list[Action]:
+        """What is due at ``now``: PINGs, the end of a round, keepalives, a fallback.
+
+        A direct path falls back only when it has been silent for ``path_timeout`` and
+        a keepalive has waited ``path_timeout - keepalive`` for its PONG (which on a
+        loop that runs on time comes to the same): a silence of our own making, a
+        process whose loop was held (a long computation between collectives) and sent
+        no keepalive, is no evidence against the path. And only on ``timer`` polls, not
+        on those a datagram makes (``timer=False``): after a stall the PONGs that came
+        meanwhile are read before the timer runs, but maybe after a PING."""
         cfg = self.config
         out: list[Action] = []
-        if self._pending:
+        if self._pending and timer:  # (after a stall, PONGs read late still count)
             horizon = now - cfg.punch_timeout
             for txid in [t for t, (_, sent) in self._pending.items() if sent < horizon]:
                 del self._pending[txid]
@@ -378,15 +389,9 @@ class PeerPaths:
         elif self.phase is Phase.DIRECT:
             assert self.current is not None
             path = self.paths[self.current]
-            late = self._direct_polled is not None and now - self._direct_polled > 3 * cfg.keepalive
-            self._direct_polled = now
-            if late:
-                # Our own polls came late (a long computation held this process's loop,
-                # so no keepalive went out): the path's silence is ours, no evidence
-                # against it. A keepalive now, and a fresh path_timeout for its answer.
-                path.last_pong = max(path.last_pong, now - cfg.keepalive)
-                self._next_keepalive = now
-            if now - path.last_pong >= cfg.path_timeout:
+            asked = self._asked_since
+            silent_at = self._silent_at()
+            if timer and silent_at is not None and now >= silent_at:
                 old = self.current
                 self.current = None
                 self.paths.clear()
@@ -395,6 +400,8 @@ class PeerPaths:
             elif now >= self._next_keepalive:
                 out.append(self._ping(self.current, now))
                 self._next_keepalive = now + cfg.keepalive
+                if asked is None:
+                    self._asked_since = now
         elif self.phase is Phase.BACKOFF and now >= self._retry_at:
             out += self._begin_round(now, ask=True)
         return out
@@ -404,15 +411,27 @@ class PeerPaths:
         if self.phase is Phase.PUNCHING:
             return min([self._round_end, *(c.next_probe for c in self._candidates.values())])
         if self.phase is Phase.DIRECT:
-            assert self.current is not None
-            return min(
-                self._next_keepalive, self.paths[self.current].last_pong + self.config.path_timeout
-            )
+            silent_at = self._silent_at()
+            if silent_at is None:  # silence counts only once a keepalive has asked
+                return self._next_keepalive
+            return min(self._next_keepalive, silent_at)
         if self.phase is Phase.BACKOFF:
             return self._retry_at
         return None
 
     # ---- internals ----------------------------------------------------------------------
+
+    def _silent_at(self) -> float | None:
+        """When the current direct path counts as dead (see :meth:`poll`); None while no
+        keepalive waits for its PONG."""
+        asked = self._asked_since
+        if self.current is None or asked is None:
+            return None
+        cfg = self.config
+        return max(
+            self.paths[self.current].last_pong + cfg.path_timeout,
+            asked + cfg.path_timeout - cfg.keepalive,
+        )
 
     def fresh(self, to_session: bytes, from_session: bytes) -> bool:
         """Whether a probe carrying these sessions belongs to this punching session (else
