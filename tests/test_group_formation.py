@@ -224,6 +224,18 @@ async def test_a_rank_whose_start_fails_after_the_others_formed_is_seen_to_leave
         await asyncio.gather(*(g.close() for g in gs))
 
 
+async def test_a_start_closed_while_it_opens_its_listener_says_so() -> None:
+    """close() while start() still looks up its listening address: start() says the
+    group was closed while it started, not only "transport is closed"."""
+    peers = loopback_peers(2)
+    g = make(0, peers)
+    starting = asyncio.create_task(g.start())
+    await asyncio.sleep(0)  # start() awaits the address lookup of its listener
+    await asyncio.wait_for(g.close(), 5)
+    with pytest.raises(GroupBrokenError, match=r"rank 0 .*closed while it started"):
+        await asyncio.wait_for(starting, 5)
+
+
 async def test_a_rank_that_restarts_while_the_group_forms_still_gets_a_correct_group() -> None:
     peers = loopback_peers(3)
     g0, first = make(0, peers), make(2, peers)

@@ -404,8 +404,11 @@ class GroupCore(Runner):
             # Bounded inside (a relay session waits at most connect_timeout and says why
             # it failed, e.g. "refused us: bad token"); a listen is immediate.
             transport = await self._open_transport()
-        except BaseException:
+        except BaseException as exc:
+            closed_meanwhile = self._closing and isinstance(exc, P2PError)
             await self.close()
+            if closed_meanwhile:  # ("transport is closed": the cause is the close)
+                raise self._closed_while_starting() from None
             raise
         if self._rejoin:
             try:
@@ -433,9 +436,7 @@ class GroupCore(Runner):
         notes came in: never report success for a group already closing (its close goes
         on, and tells the ranks this one said ready to that its start stopped)."""
         if self._closing:
-            raise GroupBrokenError(
-                f"{self.peer_label(self._rank)}: the group was closed while it started"
-            )
+            raise self._closed_while_starting()
 
     def _where(self, r: int) -> str:
         if self._relay_url is not None:

@@ -140,6 +140,8 @@ class Forming(Membership):
             ) from None
         except BaseExceptionGroup as group:
             first = _first_error(group)
+            if self._closing and isinstance(first, P2PError):
+                first = self._closed_while_starting()  # its closed transport failed it
             reason = str(first) if isinstance(first, Exception) else None
             await self._fail_forming(form, reason, first)
             raise first from None
@@ -148,6 +150,12 @@ class Forming(Membership):
             # only the ranks it said ready to that it stopped (_tell_start_stopped).
             await self._fail_forming(form, str(exc) if isinstance(exc, Exception) else None)
             raise
+
+    def _closed_while_starting(self) -> GroupBrokenError:
+        """What start() raises when close() ran while it started."""
+        return GroupBrokenError(
+            f"{self.peer_label(self._rank)}: the group was closed while it started"
+        )
 
     async def _fail_forming(
         self, form: _Formation, why: str | None, error: BaseException | None = None
