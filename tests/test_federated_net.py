@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -636,6 +637,47 @@ async def test_submit_after_the_coordinator_stopped_returns_false() -> None:
         with pytest.raises(ConnectionClosedError, match="stopped: training is over"):
             await a.wait_ack(1, timeout=10)
         await a.close()
+
+
+async def test_the_last_model_sent_before_the_stop_is_not_a_new_round() -> None:
+    """The last round's close sends its model, then close() says stop: next_round()
+    returns None, as documented, not a task for a round that will never run (it used
+    to return it, and the client trained a wasted round)."""
+    async with coordinator(np.zeros(2, np.float32), round_timeout=30.0) as c:
+        a = client_of(c)
+        task = await a.connect()
+        run = asyncio.create_task(c.run_round())
+        assert await a.submit(np.ones(2, np.float32), 1, task.round)
+        await asyncio.wait_for(run, 10)
+        await wait_until(lambda: a.latest is not None and a.latest.round == 1, "round 1 model")
+        await c.close()
+        await wait_until(lambda: a.stopped is not None, "the stop read")
+        assert await a.next_round(timeout=10) is None
+        await a.close()
+
+
+async def test_a_client_whose_connect_failed_may_connect_again_and_a_closed_one_says_why() -> None:
+    """The coordinator is not up at the first connect(), which times out: a second
+    connect() on the same client works once it is (it used to say "already
+    connected"); a client closed on purpose says to make a new one."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    model = np.zeros(2, np.float32)
+    async with Coordinator(model, FederatedConfig(), transport=PLAIN) as c:
+        cl = FederatedClient(
+            c.endpoint_id, address=f"127.0.0.1:{port}", transport=PLAIN, connect_timeout=0.5
+        )
+        with pytest.raises(PeerTimeoutError):
+            await cl.connect()
+        await c.start(listen=f"127.0.0.1:{port}")
+        cl._connect_timeout = 10.0
+        task = await cl.connect()
+        assert task.round == 0 and c.members == [str(cl.endpoint_id)]
+        await cl.close()
+        with pytest.raises(UsageError, match="this client was closed: make a new"):
+            await cl.connect()
 
 
 async def test_submit_racing_the_stop_returns_false(monkeypatch: pytest.MonkeyPatch) -> None:

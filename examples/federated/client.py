@@ -142,7 +142,9 @@ async def run(args: argparse.Namespace) -> int:
             if args.leave_round is not None and task.round >= args.leave_round:
                 print(f"client {args.index}: leaving after round {task.round}")
                 break
-            task = await client.next_round(timeout=120.0)
+            # No timeout: the next round may wait for clients started by hand (the
+            # coordinator's --join-timeout); a dead coordinator ends it by idle_timeout.
+            task = await client.next_round()
     finally:
         await client.close()
     if client.stop_error:

@@ -116,6 +116,7 @@ class FederatedClient:
         self._returned = -1
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
+        self._closed = False
         self.acks: deque[Ack] = deque(maxlen=check_int("keep_acks", keep_acks, 1))
         """The newest verdicts received (at most ``keep_acks``), oldest first: a client
         that submits for days holds a bounded history."""
@@ -155,7 +156,13 @@ class FederatedClient:
 
     async def connect(self) -> RoundTask:
         """Dial the coordinator (retrying for ``connect_timeout`` s), say hello and return
-        the current model and round id."""
+        the current model and round id. A connect that failed may be tried again; a
+        closed client may not (make a new one: the same key keeps its identity)."""
+        if self._closed:
+            raise UsageError(
+                "this client was closed: make a new FederatedClient (the same key keeps "
+                "its identity)"
+            )
         if self._transport is not None:
             raise UsageError("already connected")
         label = self._label
@@ -184,7 +191,11 @@ class FederatedClient:
             if task is None:  # told to stop before any model: do not keep the transport
                 raise ConnectionClosedError(f"{label} stopped: {self.stopped}")
         except BaseException:
-            await self.close()
+            await self._end_session()
+            # Ready to connect again (the coordinator may not be up yet).
+            self._transport, self._reader, self._error = None, None, None
+            self.stopped, self.stop_error = None, False
+            self._changed.clear()
             raise
         return task
 
@@ -195,7 +206,7 @@ class FederatedClient:
             lambda: self._has_new_round() or self.stopped is not None, timeout, "no new round"
         )
         latest = self._latest
-        if latest is not None and latest.round > self._returned:
+        if self.stopped is None and latest is not None and latest.round > self._returned:
             self._returned = latest.round
             return latest
         return None
@@ -280,6 +291,10 @@ class FederatedClient:
 
     async def close(self) -> None:
         """Say bye (leaving on purpose) and close; returns once the reader has ended."""
+        self._closed = True
+        await self._end_session()
+
+    async def _end_session(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None and not conn.closed:
             meta, payload = encode("bye")
