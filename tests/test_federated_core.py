@@ -748,6 +748,10 @@ def test_a_big_endian_model_is_kept_little_endian_and_one_that_cannot_travel_is_
             check_model(np.zeros(3, np.longdouble))
     with pytest.raises(UsageError, match="at most 32 dimensions, got 33"):
         check_model(np.zeros((1,) * 33, np.float32))  # no model message could carry it
+    # A delta may be negative: in uint8, 100 -> 99 would send 255 and saturate the model.
+    with pytest.raises(UsageError, match=r"cannot be unsigned \(uint8\).*deltas"):
+        check_model(np.full(2, 100, np.uint8))
+    assert check_model(np.full(2, 100, np.int8)).dtype == np.int8
 
 
 @pytest.mark.parametrize(("kind", "param"), [("exponential", 1e-200), ("polynomial", 700.0)])

@@ -93,7 +93,14 @@ def check_model(model: np.ndarray) -> np.ndarray:
     bound, the mean and the robust rules work on real values (a complex model would lose
     its imaginary parts there; train on real and imaginary parts as two arrays)."""
     arr = np.array(model, copy=True, order="C")
-    if arr.dtype.kind not in "fiu":
+    if arr.dtype.kind == "u":
+        # An update is a delta in the model's dtype: a weight that goes down would wrap
+        # around to a huge one (uint8 100 -> 99 sends 255), silently.
+        raise UsageError(
+            f"a federated model cannot be unsigned ({arr.dtype}): updates are deltas, "
+            "which may be negative; use a signed integer or a float dtype"
+        )
+    if arr.dtype.kind not in "fi":
         raise UsageError(
             f"a federated model must be a real numeric array, got {arr.dtype}"
             + (
