@@ -639,6 +639,25 @@ async def test_submit_after_the_coordinator_stopped_returns_false() -> None:
         await a.close()
 
 
+async def test_a_coordinator_closed_while_it_starts_accepts_nobody() -> None:
+    """close() while start() still opens its listener: start() raises that it was
+    closed, and nothing listens (it used to install the transport and accept clients
+    after close(), which then waited for a stop that never came)."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    c = Coordinator(np.zeros(2, np.float32), transport=PLAIN)
+    starting = asyncio.create_task(c.start(listen=f"127.0.0.1:{port}"))
+    await asyncio.sleep(0)  # start() awaits the listener's address lookup
+    await asyncio.wait_for(c.close(), 5)
+    with pytest.raises(ConnectionClosedError, match="closed while it started"):
+        await asyncio.wait_for(starting, 5)
+    assert c.address is None and not c._tasks
+    with socket.socket() as s:  # nothing listens there any more
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
 async def test_the_last_model_sent_before_the_stop_is_not_a_new_round() -> None:
     """The last round's close sends its model, then close() says stop: next_round()
     returns None, as documented, not a task for a round that will never run (it used

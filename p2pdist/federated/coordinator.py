@@ -214,13 +214,19 @@ class Coordinator:
             label_for=_client_label,
             timeout=timeout,
         )
-        if listen is not None:
-            host, port = parse_address(listen)
-            try:
-                self._address = await transport.listen(host, port)
-            except OSError as exc:  # not started: start() may be called again
-                await transport.close()
-                raise UsageError(f"coordinator cannot listen on {host}:{port}: {exc}") from None
+        try:
+            if listen is not None:
+                host, port = parse_address(listen)
+                try:
+                    self._address = await transport.listen(host, port)
+                except OSError as exc:  # not started: start() may be called again
+                    raise UsageError(f"coordinator cannot listen on {host}:{port}: {exc}") from None
+            if self._closed:  # close() ran while it started: it could not see transport
+                raise ConnectionClosedError("coordinator: closed while it started")
+        except BaseException:  # (a cancellation too) no listener or session left behind
+            self._address = None
+            await asyncio.shield(transport.close())
+            raise
         self._transport = transport
         self._spawn(self._accept_loop(transport))
 
