@@ -56,7 +56,10 @@ class RoundTask:
     """Whether the round was open when the model was sent (a joiner between rounds gets
     the model of the round about to open)."""
     deadline: float
-    """When the round closes at the latest, on this event loop's clock (``loop.time()``)."""
+    """When the round closes at the latest, on this event loop's clock (``loop.time()``),
+    when :attr:`open`; otherwise only an estimate, ``round_timeout`` after the model
+    came: the round opens when the coordinator runs it (after its wait for members, say),
+    and its own deadline counts from then."""
 
 
 @dataclass(frozen=True, slots=True)
