@@ -168,6 +168,9 @@ class FederatedClient:
             )
         if self._transport is not None:
             raise UsageError("already connected")
+        # What a failed connect() before this one left (kept until now, for the caller).
+        self._error, self.stopped, self.stop_error = None, None, False
+        self._changed.clear()
         label = self._label
         self._transport = await open_transport(
             self.key,
@@ -195,10 +198,7 @@ class FederatedClient:
                 raise ConnectionClosedError(f"{label} stopped: {self.stopped}")
         except BaseException:
             await self._end_session()
-            # Ready to connect again (the coordinator may not be up yet).
-            self._transport, self._reader, self._error = None, None, None
-            self.stopped, self.stop_error = None, False
-            self._changed.clear()
+            self._transport = None  # connect() may be tried again (see above)
             raise
         return task
 
