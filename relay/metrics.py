@@ -74,6 +74,9 @@ class Metrics:
         "times a client's reading was paused because it sent faster than its rate"
     )
     stun_requests_total: int = _counter("STUN binding requests answered")
+    stun_dropped_total: int = _counter(
+        "STUN binding requests left unanswered: replies already waiting for the uplink"
+    )
     dropped: dict[str, int] = field(
         default_factory=_per_reason(DROP_REASONS),
         metadata=_labelled("dropped_total", "datagrams dropped, by reason"),

@@ -17,6 +17,11 @@ __all__ = ["StunProtocol"]
 
 log = logging.getLogger(__name__)
 
+STUN_BACKLOG = 64 * 1024
+"""Bytes of replies the kernel has not taken yet beyond which a request goes unanswered
+(counted): asyncio keeps every reply it could not send at once, without bound, and
+requests are cheap to send (and to spoof) while the uplink is full."""
+
 
 class StunProtocol(asyncio.DatagramProtocol):
     """Stateless: one response datagram (32 or 44 bytes) per valid request."""
@@ -35,6 +40,9 @@ class StunProtocol(asyncio.DatagramProtocol):
             return
         if self._transport is None:
             return
+        if self._backlog() > STUN_BACKLOG:
+            self._metrics.stun_dropped_total += 1
+            return
         ip, port = unmap_ipv4(str(addr[0])), int(addr[1])
         try:
             self._transport.sendto(binding_response(txid, ip, port), addr)
@@ -42,6 +50,12 @@ class StunProtocol(asyncio.DatagramProtocol):
             log.debug(kv("stun_send_failed", to=f"{ip}:{port}", error=exc))
             return
         self._metrics.stun_requests_total += 1
+
+    def _backlog(self) -> int:
+        """Bytes of replies asyncio holds for the kernel (its datagram transports have
+        the method, though asyncio.DatagramTransport does not declare it)."""
+        size = getattr(self._transport, "get_write_buffer_size", None)
+        return int(size()) if size is not None else 0
 
     def error_received(self, exc: Exception) -> None:
         log.debug(kv("stun_error", error=exc))

@@ -569,7 +569,7 @@ def test_metrics_page_lists_every_metric() -> None:
         "open_connections", "connections_total", "auth_ok_total", "replaced_total",
         "bytes_in_total", "bytes_out_total", "datagrams_in_total", "datagrams_out_total",
         "peer_gone_total", "protocol_errors_total", "keepalive_timeouts_total",
-        "http_requests_total", "stun_requests_total",
+        "http_requests_total", "stun_requests_total", "stun_dropped_total",
     ):  # fmt: skip
         assert f"# TYPE p2pdist_relay_{name} " in text
     for reason in DROP_REASONS:

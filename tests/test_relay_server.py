@@ -735,6 +735,38 @@ async def test_stun_binding_reports_the_observed_address() -> None:
         assert srv.core.metrics.stun_requests_total == 1
 
 
+def test_stun_requests_go_unanswered_while_replies_wait_for_the_uplink() -> None:
+    """A full uplink (sendto would block): asyncio queues every reply, without bound, so
+    past 64 KiB waiting a request is counted and left unanswered, and answered again
+    once the replies have left."""
+    from relay.metrics import Metrics
+    from relay.stun_server import STUN_BACKLOG, StunProtocol
+
+    class Uplink:
+        def __init__(self) -> None:
+            self.waiting = 0
+            self.sent = 0
+
+        def get_write_buffer_size(self) -> int:
+            return self.waiting
+
+        def sendto(self, data: bytes, addr: Any) -> None:
+            self.sent += 1
+            self.waiting += len(data)
+
+    metrics, uplink = Metrics(), Uplink()
+    stun = StunProtocol(metrics)
+    stun.connection_made(uplink)  # type: ignore[arg-type]
+    for _ in range(10_000):
+        stun.datagram_received(binding_request(new_transaction_id()), ("192.0.2.7", 4000))
+    assert uplink.waiting <= STUN_BACKLOG + 64  # one reply past the bound at most
+    assert metrics.stun_requests_total == uplink.sent and uplink.sent < 10_000
+    assert metrics.stun_dropped_total == 10_000 - uplink.sent
+    uplink.waiting = 0  # the kernel took them
+    stun.datagram_received(binding_request(new_transaction_id()), ("192.0.2.7", 4000))
+    assert metrics.stun_requests_total == uplink.sent
+
+
 async def _mapped(sock: socket.socket, port: int) -> tuple[str, int]:
     """The address the relay's observation port ``port`` saw ``sock`` at."""
     txid = new_transaction_id()
