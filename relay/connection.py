@@ -72,6 +72,9 @@ class _ClientConnection(asyncio.BufferedProtocol):
         """Set while reading is paused for the client's rate (see :meth:`pause`)."""
         self._records_seen = 0
         """The stream's ``records_in`` at the last read handed to the core."""
+        self._reads_seen = 0
+        """The stream's ``reads_in`` then (socket reads, which hold part of a record or
+        several)."""
         self._counted = False
         """Whether this connection holds one of the server's socket slots."""
 
@@ -152,11 +155,13 @@ class _ClientConnection(asyncio.BufferedProtocol):
             with memoryview(buffer) as whole, whole[:nbytes] as data:
                 if self._tap is not None:
                     self._tap(self._session.conn_id, "in", bytes(data))
-                records = 0
+                records, reads = 0, 1  # (without a stream, this is the socket read)
                 if self.stream is not None:
                     seen, self._records_seen = self._records_seen, self.stream.records_in
                     records = self._records_seen - seen
-                self._core.receive(self._session, data, self._loop.time(), records)
+                    seen, self._reads_seen = self._reads_seen, self.stream.reads_in
+                    reads = self._reads_seen - seen
+                self._core.receive(self._session, data, self._loop.time(), records, reads)
         except Exception:  # pragma: no cover - a bug costs this connection, not the relay
             log.exception(kv("receive_failed", conn=self._session.label))
             self.abort()

@@ -77,6 +77,11 @@ refused instead: evicting the oldest then would close every connection just befo
 authenticates, and a reconnect storm larger than the cap would never get through."""
 
 
+READ_CHARGE = 256
+"""Bytes of a client's rate each socket read costs on top of its bytes: a read of a
+part of a record is a pass of Python too (a client sending each record a byte per TCP
+segment, TCP_NODELAY, took 86% of a core within ``--rate 12500000``, at 4 us a byte);
+0.1% of a full 256 KiB read."""
 RECORD_CHARGE = 256
 """Bytes of a client's rate each record it sends costs on top of its bytes: 1.6% of a
 full 16 KiB TLS record, less for AES-GCM records; a client sending a byte per record is
@@ -393,11 +398,17 @@ class RelayCore(Inbound):
             self._close(s, "evicted", error=EVICTED, quiet=True, fields=fields)
 
     def receive(
-        self, s: Session, data: bytes | bytearray | memoryview, now: float, records: int = 0
+        self,
+        s: Session,
+        data: bytes | bytearray | memoryview,
+        now: float,
+        records: int = 0,
+        reads: int = 0,
     ) -> None:
-        """Bytes arrived from ``s``'s client, in ``records`` TLS or AES-GCM records (0
-        when the glue does not know). ``data`` is only read during the call (it may be a
-        view of a buffer that is reused right after)."""
+        """Bytes arrived from ``s``'s client, in ``records`` TLS or AES-GCM records over
+        ``reads`` socket reads since the last call (each 0 when the glue does not know).
+        ``data`` is only read during the call (it may be a view of a buffer that is
+        reused right after)."""
         if s.phase is Phase.CLOSED:
             return
         if s.phase is Phase.TLS:  # a glue that did not say so: bytes mean it is done
@@ -423,14 +434,16 @@ class RelayCore(Inbound):
             self.flush()
         bucket = s.bucket  # None before AUTH_OK, or with no rate
         if bucket is not None:
-            # Every byte, whatever it carries (all are parsed), and more per record and
-            # per frame: each costs a pass of Python whatever its size (one byte per
-            # record, or empty frames, took a core). Charged even if this read closed
+            # Every byte, whatever it carries (all are parsed), and more per socket read,
+            # record and frame: each costs a pass of Python whatever its size (one byte
+            # per record, empty frames, or a record sent a byte per TCP segment, took a
+            # core). Charged even if this read closed
             # the session: the bucket outlives it (see _keep_bucket). The read that
             # carried AUTH is charged whole, AUTH included: frames written behind it
             # (a reconnecting client's, into an inherited bucket) are not free.
             frames = s.frames_in - frames_before
-            bucket.charge(nbytes + records * RECORD_CHARGE + frames * FRAME_CHARGE, now)
+            extra = reads * READ_CHARGE + records * RECORD_CHARGE + frames * FRAME_CHARGE
+            bucket.charge(nbytes + extra, now)
             if s.phase is Phase.ACTIVE:
                 self._pace(s, now)
 

@@ -226,6 +226,39 @@ async def test_a_request_head_a_byte_per_tls_record_is_cut_short(
         await client.close()
 
 
+def _pong_a_byte_per_segment(port: int, seconds: float) -> None:
+    """Authenticate, then send whole PONG records, each a byte per TCP segment
+    (TCP_NODELAY, a pause between bytes so that the relay reads each on its own), for
+    ``seconds``."""
+    tls = RawTls(port)
+    with tls.sock:
+        tls.authenticate(port, SecretKey.from_seed("relay abuse tests", 4))
+        tls.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tls.sock.settimeout(0.2)
+        pong = encode_frame(RelayFrameType.PONG, b"p" * PING_LEN)
+        end = time.monotonic() + seconds
+        with contextlib.suppress(OSError):
+            while time.monotonic() < end:
+                tls.obj.write(pong)
+                for byte in tls.outgoing.read():
+                    if time.monotonic() >= end:
+                        break
+                    with contextlib.suppress(TimeoutError):  # (once the relay stops reading)
+                        tls.sock.send(bytes([byte]))
+                    time.sleep(0.0003)
+
+
+async def test_a_client_sending_records_a_byte_per_segment_is_charged_for_its_reads() -> None:
+    """Whole records, each sent a byte per TCP segment: every byte is a socket read of
+    the relay, a pass of Python (86% of a core within --rate 12500000, found by an
+    audit), while the bytes and records charged stayed far below the rate. Each read
+    now costs READ_CHARGE, so such a client is paused at its rate (it never was)."""
+    rate, burst = 50_000, MAX_BODY + 5
+    async with running(rate=rate, burst=burst) as srv:
+        await asyncio.to_thread(_pong_a_byte_per_segment, srv.port, 4.0)
+        assert srv.core.metrics.rate_paused_total > 0
+
+
 def _pong_a_byte_per_record(port: int, seconds: float) -> None:
     """Authenticate, then send PONG frames a byte per TLS record for ``seconds``."""
     tls = RawTls(port)

@@ -153,6 +153,9 @@ class SecureStream(asyncio.BufferedProtocol):
         self._copy_writes = False
         self.paused = False
         """Whether the app paused reading."""
+        self.reads_in = 0
+        """Socket reads so far (each costs a pass of Python, even one that holds a single
+        byte of a record: the relay charges them, see ``relay.state.READ_CHARGE``)."""
         self.dropped_for: tuple[str, str] | None = None
         """(event, detail) when the stream dropped the peer for a limit of its own:
         ``client_not_reading`` (``backlog_limit``) or ``early_records``."""
@@ -306,6 +309,7 @@ class SecureStream(asyncio.BufferedProtocol):
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.reads_in += 1
         if self._closing and not self._up:
             return
         records = self._records
