@@ -381,10 +381,10 @@ async def test_a_client_told_to_stop_before_any_model_closes_on_connect(
     async with coordinator(np.zeros(2, np.float32)) as c:
         cl = client_of(c)
 
-        async def stopped(*, timeout: float | None = None) -> None:
-            cl.stopped = "training is over"
+        async def stopped(timeout: float | None, *, after_stop: bool) -> None:
+            cl.stopped = "training is over"  # the stop came before any model
 
-        monkeypatch.setattr(cl, "next_round", stopped)
+        monkeypatch.setattr(cl, "_next_task", stopped)
         with pytest.raises(ConnectionClosedError, match="stopped: training is over"):
             await cl.connect()
         assert cl._conn is None and cl._reader is not None and cl._reader.done()

@@ -193,7 +193,8 @@ class FederatedClient:
             meta, payload = encode("hello", {"name": self.name})
             await conn.send(CLIENT_CHANNEL, payload, meta=meta)
             self._reader = asyncio.get_running_loop().create_task(self._read(conn))
-            task = await self.next_round(timeout=self._connect_timeout)
+            # The first model, even when a stop followed it (submit() then says so).
+            task = await self._next_task(self._connect_timeout, after_stop=True)
             if task is None:  # told to stop before any model: do not keep the transport
                 raise ConnectionClosedError(f"{label} stopped: {self.stopped}")
         except BaseException:
@@ -205,11 +206,16 @@ class FederatedClient:
     async def next_round(self, *, timeout: float | None = None) -> RoundTask | None:
         """The newest model newer than the last one returned (rounds a slow client missed
         are skipped), or None once the coordinator has said stop."""
+        return await self._next_task(timeout, after_stop=False)
+
+    async def _next_task(self, timeout: float | None, *, after_stop: bool) -> RoundTask | None:
+        """:meth:`next_round`; ``after_stop``: a model that came before the stop too."""
         await self._wait_until(
             lambda: self._has_new_round() or self.stopped is not None, timeout, "no new round"
         )
         latest = self._latest
-        if self.stopped is None and latest is not None and latest.round > self._returned:
+        fresh = after_stop or self.stopped is None
+        if fresh and latest is not None and latest.round > self._returned:
             self._returned = latest.round
             return latest
         return None
