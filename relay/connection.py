@@ -187,7 +187,9 @@ class _ClientConnection(asyncio.BufferedProtocol):
             self._abort.cancel()
             self._abort = None
         if self._session is not None:
-            self._core.lost(self._session, self._loop.time())
+            failure = self.stream.failure if self.stream is not None else None
+            why = exc or failure
+            self._core.lost(self._session, self._loop.time(), None if why is None else str(why))
             if self._server._own_tap is not None:
                 self._server._own_tap.forget(self._session.conn_id)
         self._server.connection_gone(self)

@@ -360,7 +360,9 @@ class Inbound:
                 return
         if old is not None:
             self.metrics.replaced_total += 1
-            self._close(old, "replaced", error=REPLACED_TEXT)  # leaves its bucket in _buckets
+            # (leaves its bucket in _buckets) The log names the connection taking over.
+            fields: dict[str, object] = {"by": f"{s.label}/{eid.short()}", "by_peer": s.observed}
+            self._close(old, "replaced", error=REPLACED_TEXT, fields=fields)
         s.phase = Phase.ACTIVE
         s.splitter.max_body = MAX_BODY  # until now at most MAX_AUTH_BODY (see RelayCore.open)
         self._stop_waiting(s)

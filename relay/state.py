@@ -473,11 +473,13 @@ class RelayCore(Inbound):
             self.metrics.rate_paused_total += 1
             s.link.pause(min(wait, self.config.keepalive))
 
-    def lost(self, s: Session, now: float) -> None:
-        """The connection of ``s`` is gone (EOF, reset, or after our close)."""
+    def lost(self, s: Session, now: float, error: str | None = None) -> None:
+        """The connection of ``s`` is gone (EOF, reset, or after our close); ``error``:
+        why, when the glue knows (a TLS failure, a record that did not decrypt)."""
         if s.phase is not Phase.CLOSED:
             level = logging.INFO if s.phase is Phase.ACTIVE else logging.DEBUG
-            log.log(level, kv("disconnect", conn=s.label, after=now - s.opened_at))
+            fields = {"peer": s.observed, "after": now - s.opened_at, "error": error}
+            log.log(level, kv("disconnect", conn=s.label, **fields))
             self._forget(s)
         self._sessions.discard(s)
 

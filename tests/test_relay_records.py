@@ -7,6 +7,7 @@ the upgrade, only records pass."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import ssl
 import struct
@@ -217,7 +218,10 @@ async def test_either_side_can_keep_tls(side: str, monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("bad", ["forged", "too long"])
-async def test_a_bad_record_costs_only_that_client_its_connection(bad: str) -> None:
+async def test_a_bad_record_costs_only_that_client_its_connection(
+    bad: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="relay")
     async with running() as srv:
         a, b, got = await _pair(srv.url)
         try:
@@ -236,6 +240,9 @@ async def test_a_bad_record_costs_only_that_client_its_connection(bad: str) -> N
 
             await eventually(reconnected, timeout=20)
             assert b.status.connects == 1  # the other client never noticed
+            # The relay's log says why it dropped the connection (it gave only the time).
+            ends = [r.getMessage() for r in caplog.records if "disconnect" in r.getMessage()]
+            assert any("error=" in e and "peer=" in e for e in ends), ends
             a.send(b.endpoint_id, b"after")
             assert await asyncio.wait_for(got.get(), 10) == b"after"
         finally:

@@ -946,6 +946,7 @@ async def test_the_log_is_one_structured_event_a_line_with_short_connection_ids(
     assert re.fullmatch(r"c\d+", refused["conn"]), refused  # not authenticated: no id
     assert refused["claimed"] == short_b and refused["reason"] == "bad_token"
     assert [f["conn"] for f in events["replaced"]] == oks[:1]
+    assert events["replaced"][0]["by"] == oks[1]  # and which connection took over
     for event in ("listening", "shutdown", "reconnect_all", "stopped"):
         assert event in events, sorted(events)
 

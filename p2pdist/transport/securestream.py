@@ -153,6 +153,9 @@ class SecureStream(asyncio.BufferedProtocol):
         self._copy_writes = False
         self.paused = False
         """Whether the app paused reading."""
+        self.failure: Exception | None = None
+        """What broke the stream (a TLS error, a record that did not decrypt), if it
+        failed rather than closed."""
         self.reads_in = 0
         """Socket reads so far (each costs a pass of Python, even one that holds a single
         byte of a record: the relay charges them, see ``relay.state.READ_CHARGE``)."""
@@ -415,6 +418,8 @@ class SecureStream(asyncio.BufferedProtocol):
 
     def _fail(self, exc: Exception) -> None:
         """The stream is broken (TLS error, a record that does not decrypt): drop it."""
+        if self.failure is None:
+            self.failure = exc
         self._handshake_failed(exc)
         self.abort()
 
