@@ -46,6 +46,9 @@ __all__ = ["_ClientConnection"]
 log = logging.getLogger("relay.server")
 """The server's logger (receive_failed, records_refused): one name for the asyncio glue."""
 
+CLOSE_FLUSH_MAX = 64 * 1024
+"""Bytes still queued towards a client beyond which the relay's close aborts it at once
+instead of flushing for the close grace (see :meth:`_ClientConnection.close`)."""
 NESTED_READ = 16 * 1024
 """Least size of the private receive buffer of a connection that is closing (its last
 reads may come while another connection's read is being handled)."""
@@ -250,6 +253,13 @@ class _ClientConnection(asyncio.BufferedProtocol):
             self.abort_handshake()
             return
         if not self._transport.is_closing():
+            if self.buffered() > CLOSE_FLUSH_MAX and not self._server.closing:
+                # A client with this much still waiting is most likely not reading (it
+                # was replaced, went silent, or broke the protocol): its queue would be
+                # held for the grace outside every cap, and a client reconnecting again
+                # and again could park memory that way. (A shutdown drains as it can.)
+                self.abort()
+                return
             self._transport.close()
         self._arm_abort()
 

@@ -226,6 +226,43 @@ async def test_a_request_head_a_byte_per_tls_record_is_cut_short(
         await client.close()
 
 
+async def test_a_replaced_connection_with_a_full_queue_is_aborted_not_flushed() -> None:
+    """A client that never reads, its queue filled by another, is replaced by a newer
+    connection with its id, again and again: each old connection, holding its queue,
+    used to stay open for the 5 s close grace outside every cap (0.7 MiB each, found by
+    an audit). With more than 64 KiB queued, the relay aborts it at once."""
+    from relay.connection import CLOSE_FLUSH_MAX
+    from relay.session import Phase
+
+    x_key, y_key = (SecretKey.from_seed("relay abuse tests", i) for i in (5, 6))
+    async with running() as srv:
+        y = await RelayTestClient.open(srv.url)
+        await y.authenticate(y_key)
+        kept = []
+        for _ in range(3):
+            x = await RelayTestClient.open(srv.url)
+            kept.append(x)
+            x.writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await x.authenticate(x_key)  # replaces the one before, whose queue is full
+            session = srv.core.client(x_key.endpoint_id)
+            assert session is not None
+            for _ in range(400):  # fill its queue: it never reads
+                if session.queued() > 4 * CLOSE_FLUSH_MAX:
+                    break
+                for _ in range(16):
+                    y.send(x_key.endpoint_id, b"z" * 60000)
+                await y.drain()
+                await asyncio.sleep(0.01)
+            assert session.queued() > 4 * CLOSE_FLUSH_MAX
+        await asyncio.sleep(0.3)
+        closed = [c for c in srv.connections if c._session.phase is Phase.CLOSED]
+        assert sum(c.buffered() for c in closed) <= len(closed) * CLOSE_FLUSH_MAX, [
+            c.buffered() for c in closed
+        ]
+        for client in [*kept, y]:
+            client.writer.transport.abort()
+
+
 def _pong_a_byte_per_segment(port: int, seconds: float) -> None:
     """Authenticate, then send whole PONG records, each a byte per TCP segment
     (TCP_NODELAY, a pause between bytes so that the relay reads each on its own), for
