@@ -288,6 +288,8 @@ class FakeStream:
     """The SecureStream under a connection, as far as these tests go: TLS throughout."""
 
     records_in = 0
+    reads_in = 0
+    failure = None
 
     def keep_tls(self) -> None:
         pass
