@@ -182,7 +182,8 @@ class RelayConfig:
         default=0,
         metadata=_doc(
             "per-client budget in bytes/s on everything it sends from its AUTH on, framing "
-            "included, plus 256 per record and 64 per frame (0: unlimited)",
+            "included, plus 256 per record, 256 per socket read under 1 KiB and 64 per "
+            "frame (0: unlimited)",
             "BYTES_PER_S",
         ),
     )

@@ -32,7 +32,7 @@ import logging
 from typing import TYPE_CHECKING, cast
 
 from p2pdist.transport.aeadpipe import RecordError
-from p2pdist.transport.securestream import SecureStream
+from p2pdist.transport.securestream import SMALL_READ, SecureStream
 from p2pdist.wire.relay import RECORDS_INFO, RECORDS_MAX
 
 from .logfmt import kv
@@ -47,8 +47,11 @@ log = logging.getLogger("relay.server")
 """The server's logger (receive_failed, records_refused): one name for the asyncio glue."""
 
 CLOSE_FLUSH_MAX = 64 * 1024
-"""Bytes still queued towards a client beyond which the relay's close aborts it at once
-instead of flushing for the close grace (see :meth:`_ClientConnection.close`)."""
+"""Bytes still queued towards a client beyond which the relay's close gives it only
+:data:`CLOSE_BUSY_GRACE` to flush, not the whole close grace (see
+:meth:`_ClientConnection.close`)."""
+CLOSE_BUSY_GRACE = 0.5
+"""Seconds a closed connection with over :data:`CLOSE_FLUSH_MAX` queued may flush."""
 NESTED_READ = 16 * 1024
 """Least size of the private receive buffer of a connection that is closing (its last
 reads may come while another connection's read is being handled)."""
@@ -76,8 +79,8 @@ class _ClientConnection(asyncio.BufferedProtocol):
         self._records_seen = 0
         """The stream's ``records_in`` at the last read handed to the core."""
         self._reads_seen = 0
-        """The stream's ``reads_in`` then (socket reads, which hold part of a record or
-        several)."""
+        """The stream's ``small_reads_in`` then (socket reads under ``SMALL_READ``
+        bytes, which may hold a byte of a record)."""
         self._counted = False
         """Whether this connection holds one of the server's socket slots."""
 
@@ -158,11 +161,12 @@ class _ClientConnection(asyncio.BufferedProtocol):
             with memoryview(buffer) as whole, whole[:nbytes] as data:
                 if self._tap is not None:
                     self._tap(self._session.conn_id, "in", bytes(data))
-                records, reads = 0, 1  # (without a stream, this is the socket read)
+                # (without a stream, this is the socket read)
+                records, reads = 0, int(nbytes < SMALL_READ)
                 if self.stream is not None:
                     seen, self._records_seen = self._records_seen, self.stream.records_in
                     records = self._records_seen - seen
-                    seen, self._reads_seen = self._reads_seen, self.stream.reads_in
+                    seen, self._reads_seen = self._reads_seen, self.stream.small_reads_in
                     reads = self._reads_seen - seen
                 self._core.receive(self._session, data, self._loop.time(), records, reads)
         except Exception:  # pragma: no cover - a bug costs this connection, not the relay
@@ -252,20 +256,22 @@ class _ClientConnection(asyncio.BufferedProtocol):
         if self._transport is None:
             self.abort_handshake()
             return
+        grace = None
         if not self._transport.is_closing():
             if self.buffered() > CLOSE_FLUSH_MAX and not self._server.closing:
                 # A client with this much still waiting is most likely not reading (it
                 # was replaced, went silent, or broke the protocol): its queue would be
                 # held for the grace outside every cap, and a client reconnecting again
-                # and again could park memory that way. (A shutdown drains as it can.)
-                self.abort()
-                return
+                # and again could park memory that way. One that reads still gets its
+                # ERROR within the short grace. (A shutdown drains as it can.)
+                grace = CLOSE_BUSY_GRACE
             self._transport.close()
-        self._arm_abort()
+        self._arm_abort(grace)
 
-    def _arm_abort(self) -> None:
+    def _arm_abort(self, grace: float | None = None) -> None:
         if self._abort is None and self._transport is not None:
-            self._abort = self._loop.call_later(self._server.close_grace, self.abort)
+            wait = self._server.close_grace if grace is None else grace
+            self._abort = self._loop.call_later(wait, self.abort)
 
     def abort(self) -> None:
         """Drop the connection now."""

@@ -89,6 +89,11 @@ EARLY_TLS_RECORDS = 64
 """Most TLS records a client may send before its upgrade is settled (a real one sends its
 request head in one or two): one byte per record made each byte a pass through the
 relay's Python, a core's worth from one attacker before it even authenticated."""
+SMALL_READS_PER_RECORD = 1024
+"""Most socket reads under 1 KiB in a row without a whole record (TLS or AES-GCM): a
+record sent a byte per TCP segment costs a pass of Python per byte (charged to the
+rate only once the record completes, so a client could end its connection before);
+the largest record in segments of 536 bytes, the least MSS, needs 123."""
 CIPHER_SCRATCH_SIZE = 256 * 1024
 """Where every connection's ciphertext lands from the socket (each copies what it keeps
 at once: TLS into its memory BIO, records into its record buffer)."""
@@ -416,6 +421,7 @@ class RelayServer:
                 # (key updates) to a client that reads nothing must not grow past it
                 backlog_limit=c.queue_bytes + TLS_SLACK,
                 early_records=EARLY_TLS_RECORDS,
+                small_reads_per_record=SMALL_READS_PER_RECORD,
             )
             return conn.stream
 

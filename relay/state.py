@@ -78,10 +78,11 @@ authenticates, and a reconnect storm larger than the cap would never get through
 
 
 READ_CHARGE = 256
-"""Bytes of a client's rate each socket read costs on top of its bytes: a read of a
-part of a record is a pass of Python too (a client sending each record a byte per TCP
-segment, TCP_NODELAY, took 86% of a core within ``--rate 12500000``, at 4 us a byte);
-0.1% of a full 256 KiB read."""
+"""Bytes of a client's rate each socket read shorter than 1 KiB
+(``p2pdist.transport.securestream.SMALL_READ``) costs on top of its bytes: a read of
+a part of a record is a pass of Python too (a client sending each record a byte per
+TCP segment, TCP_NODELAY, took 86% of a core within ``--rate 12500000``, at 4 us a
+byte). Longer reads, full TCP segments and more, cost their bytes alone."""
 RECORD_CHARGE = 256
 """Bytes of a client's rate each record it sends costs on top of its bytes: 1.6% of a
 full 16 KiB TLS record, less for AES-GCM records; a client sending a byte per record is
@@ -405,8 +406,9 @@ class RelayCore(Inbound):
         records: int = 0,
         reads: int = 0,
     ) -> None:
-        """Bytes arrived from ``s``'s client, in ``records`` TLS or AES-GCM records over
-        ``reads`` socket reads since the last call (each 0 when the glue does not know).
+        """Bytes arrived from ``s``'s client, in ``records`` TLS or AES-GCM records, with
+        ``reads`` socket reads under 1 KiB since the last call (each 0 when the glue does
+        not know).
         ``data`` is only read during the call (it may be a view of a buffer that is
         reused right after)."""
         if s.phase is Phase.CLOSED:

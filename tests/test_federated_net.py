@@ -658,6 +658,35 @@ async def test_a_coordinator_closed_while_it_starts_accepts_nobody() -> None:
         assert s.connect_ex(("127.0.0.1", port)) != 0
 
 
+async def test_a_client_closed_while_it_connects_ends_unconnected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """close() while connect() still opens its transport (a relay session, say): connect()
+    raises that the client was closed, and the transport it opened is closed too (it
+    used to be kept, and the client connected after its close)."""
+    from p2pdist.federated import client as client_module
+
+    real, opened, gate = client_module.open_transport, [], asyncio.Event()
+
+    async def slow_open(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.wait_for(gate.wait(), 10)
+        opened.append(await real(*args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(client_module, "open_transport", slow_open)
+    async with coordinator(np.zeros(2, np.float32)) as c:
+        cl = client_of(c)
+        connecting = asyncio.create_task(cl.connect())
+        await asyncio.sleep(0.05)  # connect() waits for its transport
+        await asyncio.wait_for(cl.close(), 5)
+        gate.set()
+        with pytest.raises(ConnectionClosedError, match="closed while it connected"):
+            await asyncio.wait_for(connecting, 10)
+        assert cl._transport is None and opened and opened[0]._closed
+        await asyncio.sleep(0.2)
+        assert c.members == []
+
+
 async def test_the_last_model_sent_before_the_stop_is_not_a_new_round() -> None:
     """The last round's close sends its model, then close() says stop: next_round()
     returns None, as documented, not a task for a round that will never run (it used

@@ -28,6 +28,7 @@ from p2pdist.wire.relay import (
     PING_LEN,
     RelayFrameType,
     auth_message,
+    encode_addressed,
     encode_frame,
     upgrade_request,
 )
@@ -230,8 +231,8 @@ async def test_a_replaced_connection_with_a_full_queue_is_aborted_not_flushed() 
     """A client that never reads, its queue filled by another, is replaced by a newer
     connection with its id, again and again: each old connection, holding its queue,
     used to stay open for the 5 s close grace outside every cap (0.7 MiB each, found by
-    an audit). With more than 64 KiB queued, the relay aborts it at once."""
-    from relay.connection import CLOSE_FLUSH_MAX
+    an audit). With more than 64 KiB queued, the relay gives it half a second."""
+    from relay.connection import CLOSE_BUSY_GRACE, CLOSE_FLUSH_MAX
     from relay.session import Phase
 
     x_key, y_key = (SecretKey.from_seed("relay abuse tests", i) for i in (5, 6))
@@ -254,7 +255,7 @@ async def test_a_replaced_connection_with_a_full_queue_is_aborted_not_flushed() 
                 await y.drain()
                 await asyncio.sleep(0.01)
             assert session.queued() > 4 * CLOSE_FLUSH_MAX
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(CLOSE_BUSY_GRACE + 0.5)
         closed = [c for c in srv.connections if c._session.phase is Phase.CLOSED]
         assert sum(c.buffered() for c in closed) <= len(closed) * CLOSE_FLUSH_MAX, [
             c.buffered() for c in closed
@@ -283,6 +284,43 @@ def _pong_a_byte_per_segment(port: int, seconds: float) -> None:
                     with contextlib.suppress(TimeoutError):  # (once the relay stops reading)
                         tls.sock.send(bytes([byte]))
                     time.sleep(0.0003)
+
+
+def _one_record_a_byte_per_segment(port: int, size: int) -> int:
+    """Authenticate, then send one TLS record of a ``size``-byte SEND a byte per TCP
+    segment until the relay ends the connection; the bytes sent."""
+    tls = RawTls(port)
+    sent = 0
+    with tls.sock:
+        tls.authenticate(port, SecretKey.from_seed("relay abuse tests", 7))
+        tls.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nobody = bytes(SecretKey.from_seed("relay abuse tests", 8).endpoint_id)
+        tls.obj.write(encode_addressed(RelayFrameType.SEND, nobody, b"s" * size))
+        with contextlib.suppress(OSError):
+            for byte in tls.outgoing.read():
+                tls.sock.send(bytes([byte]))
+                sent += 1
+                time.sleep(0.0003)
+    return sent
+
+
+async def test_a_record_sent_a_byte_per_segment_is_cut_short(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The reads of a record still unfinished are charged only once it completes: a
+    client could send the largest record a byte per segment (a pass of Python each)
+    and leave before its last byte. The relay drops a client after 1024 reads under
+    1 KiB without a whole record (a real one needs at most 123), saying so."""
+    from relay.server import SMALL_READS_PER_RECORD
+
+    caplog.set_level(logging.WARNING, logger="relay.server")
+    async with running() as srv:
+        sent = await asyncio.to_thread(_one_record_a_byte_per_segment, srv.port, 8000)
+        assert sent < 8000 and sent < 2 * SMALL_READS_PER_RECORD, sent
+        assert any("small_reads" in r.getMessage() for r in caplog.records)
+        client = await RelayTestClient.open(srv.url)  # others still get in
+        await client.authenticate(SecretKey.from_seed("relay abuse tests", 9))
+        await client.close()
 
 
 async def test_a_client_sending_records_a_byte_per_segment_is_charged_for_its_reads() -> None:

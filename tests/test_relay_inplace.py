@@ -288,7 +288,7 @@ class FakeStream:
     """The SecureStream under a connection, as far as these tests go: TLS throughout."""
 
     records_in = 0
-    reads_in = 0
+    small_reads_in = 0
     failure = None
 
     def keep_tls(self) -> None:

@@ -170,6 +170,7 @@ class FederatedClient:
             raise UsageError("already connected")
         # What a failed connect() before this one left (kept until now, for the caller).
         self._error, self.stopped, self.stop_error = None, None, False
+        self._latest, self._returned = None, -1  # (a model its cancelled wait had got)
         self._changed.clear()
         label = self._label
         self._transport = await open_transport(
@@ -182,6 +183,8 @@ class FederatedClient:
             timeout=self._connect_timeout,
         )
         try:
+            if self._closed:  # close() ran while the transport opened: it could not see it
+                raise ConnectionClosedError(f"{label}: the client was closed while it connected")
             conn = await dial_with_retry(
                 self._transport,
                 self.coordinator,
@@ -198,8 +201,7 @@ class FederatedClient:
             if task is None:  # told to stop before any model: do not keep the transport
                 raise ConnectionClosedError(f"{label} stopped: {self.stopped}")
         except BaseException:
-            await self._end_session()
-            self._transport = None  # connect() may be tried again (see above)
+            await self._end_session()  # (and connect() may be tried again: see above)
             raise
         return task
 
@@ -304,18 +306,22 @@ class FederatedClient:
         await self._end_session()
 
     async def _end_session(self) -> None:
+        # Taken first: a cancellation below must not leave it to say "already connected".
         conn, self._conn = self._conn, None
-        if conn is not None and not conn.closed:
-            meta, payload = encode("bye")
-            with contextlib.suppress(P2PError):
-                conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
-        if self._reader is not None:
-            await cancel_and_wait([self._reader])
-        if self._error is None:
-            self._error = ConnectionClosedError("the client was closed")
-        self._changed.set()
-        if self._transport is not None:
-            await asyncio.shield(self._transport.close())
+        transport, self._transport = self._transport, None
+        try:
+            if conn is not None and not conn.closed:
+                meta, payload = encode("bye")
+                with contextlib.suppress(P2PError):
+                    conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
+            if self._reader is not None:
+                await cancel_and_wait([self._reader])
+            if self._error is None:
+                self._error = ConnectionClosedError("the client was closed")
+            self._changed.set()
+        finally:
+            if transport is not None:
+                await asyncio.shield(transport.close())
 
     def _has_new_round(self) -> bool:
         return self._latest is not None and self._latest.round > self._returned

@@ -38,6 +38,9 @@ __all__ = ["SecureStream", "SecureTransport"]
 
 _OWN_READ = 256 * 1024
 """Ciphertext read at a time by a connection without a shared landing buffer."""
+SMALL_READ = 1024
+"""Socket reads shorter than this are counted (``small_reads_in``) and may be limited
+(``small_reads_per_record``): a full-size TCP segment is longer."""
 TLS_BACKLOG = 4 << 20
 """Default ``backlog_limit`` (see :class:`SecureStream`)."""
 
@@ -107,7 +110,11 @@ class SecureStream(asyncio.BufferedProtocol):
     ``early_records``: the most TLS records read before the app decides (None: no
     limit). Until then each record is handed over on its own, so a peer sending one
     byte per record costs a whole pass through the app per byte; a real client needs
-    one or two."""
+    one or two. ``small_reads_per_record``: the most socket reads shorter than
+    :data:`SMALL_READ` in a row without a record completing (None: no limit): each is a
+    pass of Python, and a peer sending its records a byte per TCP segment would
+    otherwise cost that per byte, where a real one needs a few dozen reads for the
+    largest record."""
 
     def __init__(
         self,
@@ -121,11 +128,16 @@ class SecureStream(asyncio.BufferedProtocol):
         read_size: int = RECEIVE_BUFFER,
         backlog_limit: int = TLS_BACKLOG,
         early_records: int | None = None,
+        small_reads_per_record: int | None = None,
     ) -> None:
         if read_size < RECEIVE_BUFFER:
             raise ValueError(f"read_size must be at least {RECEIVE_BUFFER}")
         self._backlog_limit = backlog_limit
         self._early_records = early_records
+        self._small_reads_limit = small_reads_per_record
+        self._small_run = 0
+        """Small reads since a record last completed (see ``small_reads_per_record``)."""
+        self._records_at_run = 0
         self._app = app
         self._context = context
         self._server_side = server_side
@@ -156,12 +168,13 @@ class SecureStream(asyncio.BufferedProtocol):
         self.failure: Exception | None = None
         """What broke the stream (a TLS error, a record that did not decrypt), if it
         failed rather than closed."""
-        self.reads_in = 0
-        """Socket reads so far (each costs a pass of Python, even one that holds a single
-        byte of a record: the relay charges them, see ``relay.state.READ_CHARGE``)."""
+        self.small_reads_in = 0
+        """Socket reads shorter than :data:`SMALL_READ` so far: each costs a pass of
+        Python whatever it holds (one byte of a record, say), which the relay charges
+        (``relay.state.READ_CHARGE``)."""
         self.dropped_for: tuple[str, str] | None = None
         """(event, detail) when the stream dropped the peer for a limit of its own:
-        ``client_not_reading`` (``backlog_limit``) or ``early_records``."""
+        ``client_not_reading`` (``backlog_limit``), ``early_records`` or ``small_reads``."""
         self.handshake: asyncio.Future[None] = self._loop.create_future()
 
     # ---- for the app and its transport --------------------------------------------------
@@ -312,7 +325,8 @@ class SecureStream(asyncio.BufferedProtocol):
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.reads_in += 1
+        if nbytes < SMALL_READ and not self._small_read_allowed():
+            return
         if self._closing and not self._up:
             return
         records = self._records
@@ -364,6 +378,24 @@ class SecureStream(asyncio.BufferedProtocol):
             self._app.resume_writing()
 
     # ---- internals ----------------------------------------------------------------------
+
+    def _small_read_allowed(self) -> bool:
+        """Count a small read; False (the stream failed) past ``small_reads_per_record``
+        of them in a row without a record completing."""
+        self.small_reads_in += 1
+        limit = self._small_reads_limit
+        if limit is None:
+            return True
+        records = self.records_in
+        if records != self._records_at_run:
+            self._records_at_run, self._small_run = records, 0
+        self._small_run += 1
+        if self._small_run <= limit:
+            return True
+        why = f"{self._small_run} reads under {SMALL_READ} bytes without a whole record"
+        self.dropped_for = ("small_reads", why)
+        self._fail(RecordError(why))
+        return False
 
     def _flush_tls(self) -> bool:
         """Queue what TLS itself has to send; False (the stream failed) when that leaves
