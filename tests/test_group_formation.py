@@ -236,6 +236,39 @@ async def test_a_start_closed_while_it_opens_its_listener_says_so() -> None:
         await asyncio.wait_for(starting, 5)
 
 
+async def test_a_rank_that_connected_as_formation_failed_is_told_why() -> None:
+    """Rank 0 gives up (rank 1 never comes) just as rank 2's connection arrives, after
+    its accept loop stopped: rank 2 is told rank 0's reason at once (it used to get a
+    bare goodbye, take it for a restart, and dial again until its own connect_timeout,
+    naming only "no connection to rank 0")."""
+    peers = loopback_peers(3)
+    quick = GroupConfig(timeout=5.0, connect_timeout=1.0, transport=TransportConfig(tls=False))
+    patient = GroupConfig(timeout=5.0, connect_timeout=20.0, transport=TransportConfig(tls=False))
+    g0 = Group.from_seed(SEED, rank=0, world=3, peers=peers, config=quick)
+    g2 = Group.from_seed(SEED, rank=2, world=3, peers=peers, config=patient)
+    let_fail = asyncio.Event()
+    hold(g0, "_fail_forming", let_fail)  # rank 0 timed out and stopped accepting
+    start0 = asyncio.create_task(g0.start())
+    try:
+        await asyncio.sleep(1.5)  # past rank 0's connect_timeout
+        start2 = asyncio.create_task(g2.start())
+        transport = g0._transport
+        assert transport is not None
+        for _ in range(500):  # until rank 2's connection waits in rank 0's accept queue
+            if not transport._accepted._queue.empty():
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("rank 2 never reached rank 0")
+        let_fail.set()
+        with pytest.raises(P2PTimeoutError, match="no connection to rank 1"):
+            await asyncio.wait_for(start0, 5)
+        with pytest.raises(P2PError, match=r"rank 0 .*could not join the group .*took over 1 s"):
+            await asyncio.wait_for(start2, 5)  # not its own 20 s
+    finally:
+        await asyncio.gather(g0.close(), g2.close())
+
+
 async def test_a_rank_that_restarts_while_the_group_forms_still_gets_a_correct_group() -> None:
     peers = loopback_peers(3)
     g0, first = make(0, peers), make(2, peers)

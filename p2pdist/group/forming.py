@@ -61,6 +61,7 @@ class Forming(Membership):
     """Forming a group at start: dialing, accepting and the formation notes."""
 
     _forming: _Formation | None  # root, while start() forms the group
+    _transport: TcpTransport | QuicTransport | None  # set by GroupCore as start() begins
 
     async def _form(self, transport: TcpTransport | QuicTransport) -> None:
         """Connect to every rank, bounded by ``connect_timeout``; closes on failure.
@@ -165,7 +166,11 @@ class Forming(Membership):
         ready to that its start stopped, and says only goodbye to the others: to them it
         is a rank that restarts, waited for within connect_timeout.) A settings mismatch
         is marked as one, so that every rank raises MismatchError."""
-        conns = {id(c): c for c in [*self._conns.values(), *form.joined.values()]}
+        # And those that connected after the accept loop stopped: they wait for an ok,
+        # and would take the goodbye alone for a restart, and dial again until their
+        # connect_timeout, naming no connection instead of this reason.
+        waiting = self._transport.take_accepted() if self._transport is not None else []
+        conns = {id(c): c for c in [*self._conns.values(), *form.joined.values(), *waiting]}
         kind = "mismatch" if isinstance(error, MismatchError) else None
         if self._closing or why is None:
             self._tell_start_stopped()

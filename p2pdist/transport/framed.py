@@ -608,6 +608,17 @@ class AcceptQueue(Generic[C]):
             raise ConnectionClosedError("transport is closed")
         return conn
 
+    def take_waiting(self) -> list[C]:
+        """The connections waiting now, taken without waiting (the queue stays open)."""
+        taken: list[C] = []
+        while not self._queue.empty():
+            c = self._queue.get_nowait()
+            if c is None:  # closed: leave the mark for the next waiter
+                self._queue.put_nowait(None)
+                break
+            taken.append(c)
+        return taken
+
     def close(self) -> list[C]:
         """Wake every waiter with ConnectionClosedError; returns the unclaimed connections."""
         left: list[C] = []
@@ -718,6 +729,11 @@ class EndpointBase(Generic[C]):
         """The next authenticated incoming connection."""
         self._check_not_closed()
         return await self._accepted.get(timeout)
+
+    def take_accepted(self) -> list[C]:
+        """The authenticated incoming connections that wait for :meth:`accept` now, taken
+        without waiting (the caller answers them; :meth:`close` still closes them)."""
+        return self._accepted.take_waiting()
 
     def _check_not_closed(self) -> None:
         if self._closed:
