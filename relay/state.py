@@ -408,9 +408,8 @@ class RelayCore(Inbound):
     ) -> None:
         """Bytes arrived from ``s``'s client, in ``records`` TLS or AES-GCM records, with
         ``reads`` socket reads under 1 KiB since the last call (each 0 when the glue does
-        not know).
-        ``data`` is only read during the call (it may be a view of a buffer that is
-        reused right after)."""
+        not know). ``data`` is only read during the call (it may be a view of a buffer
+        that is reused right after)."""
         if s.phase is Phase.CLOSED:
             return
         if s.phase is Phase.TLS:  # a glue that did not say so: bytes mean it is done
@@ -436,13 +435,13 @@ class RelayCore(Inbound):
             self.flush()
         bucket = s.bucket  # None before AUTH_OK, or with no rate
         if bucket is not None:
-            # Every byte, whatever it carries (all are parsed), and more per socket read,
-            # record and frame: each costs a pass of Python whatever its size (one byte
-            # per record, empty frames, or a record sent a byte per TCP segment, took a
-            # core). Charged even if this read closed
-            # the session: the bucket outlives it (see _keep_bucket). The read that
-            # carried AUTH is charged whole, AUTH included: frames written behind it
-            # (a reconnecting client's, into an inherited bucket) are not free.
+            # Every byte, whatever it carries (all are parsed), and more per small socket
+            # read, record and frame: each costs a pass of Python whatever its size (one
+            # byte per record, empty frames, or a record sent a byte per TCP segment,
+            # took a core). Charged even if this read closed the session: the bucket
+            # outlives it (see _keep_bucket). The read that carried AUTH is charged
+            # whole, AUTH included: frames written behind it (a reconnecting client's,
+            # into an inherited bucket) are not free.
             frames = s.frames_in - frames_before
             extra = reads * READ_CHARGE + records * RECORD_CHARGE + frames * FRAME_CHARGE
             bucket.charge(nbytes + extra, now)

@@ -666,9 +666,10 @@ async def test_a_client_closed_while_it_connects_ends_unconnected(
     used to be kept, and the client connected after its close)."""
     from p2pdist.federated import client as client_module
 
-    real, opened, gate = client_module.open_transport, [], asyncio.Event()
+    real, opened, gate, entered = client_module.open_transport, [], asyncio.Event(), asyncio.Event()
 
     async def slow_open(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
         await asyncio.wait_for(gate.wait(), 10)
         opened.append(await real(*args, **kwargs))
         return opened[-1]
@@ -677,7 +678,7 @@ async def test_a_client_closed_while_it_connects_ends_unconnected(
     async with coordinator(np.zeros(2, np.float32)) as c:
         cl = client_of(c)
         connecting = asyncio.create_task(cl.connect())
-        await asyncio.sleep(0.05)  # connect() waits for its transport
+        await asyncio.wait_for(entered.wait(), 10)  # connect() waits for its transport
         await asyncio.wait_for(cl.close(), 5)
         gate.set()
         with pytest.raises(ConnectionClosedError, match="closed while it connected"):

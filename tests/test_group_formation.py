@@ -41,12 +41,21 @@ def make(rank: int, peers: list[str], listen: str | None = None) -> Group:
     )
 
 
-def hold(g: Group, method: str, until: asyncio.Event, *, after: bool = False) -> None:
+def hold(
+    g: Group,
+    method: str,
+    until: asyncio.Event,
+    *,
+    after: bool = False,
+    entered: asyncio.Event | None = None,
+) -> None:
     """Make ``g``'s coroutine method ``method`` wait (bounded) for ``until`` before it
-    runs, or with ``after`` before it returns."""
+    runs, or with ``after`` before it returns; ``entered`` is set once it is called."""
     real = getattr(g, method)
 
     async def held(*args: Any) -> Any:
+        if entered is not None:
+            entered.set()
         if not after:
             await asyncio.wait_for(until.wait(), 10)
         result = await real(*args)
@@ -246,11 +255,11 @@ async def test_a_rank_that_connected_as_formation_failed_is_told_why() -> None:
     patient = GroupConfig(timeout=5.0, connect_timeout=20.0, transport=TransportConfig(tls=False))
     g0 = Group.from_seed(SEED, rank=0, world=3, peers=peers, config=quick)
     g2 = Group.from_seed(SEED, rank=2, world=3, peers=peers, config=patient)
-    let_fail = asyncio.Event()
-    hold(g0, "_fail_forming", let_fail)  # rank 0 timed out and stopped accepting
+    let_fail, failing = asyncio.Event(), asyncio.Event()
+    hold(g0, "_fail_forming", let_fail, entered=failing)
     start0 = asyncio.create_task(g0.start())
     try:
-        await asyncio.sleep(1.5)  # past rank 0's connect_timeout
+        await asyncio.wait_for(failing.wait(), 10)  # rank 0 timed out, stopped accepting
         start2 = asyncio.create_task(g2.start())
         transport = g0._transport
         assert transport is not None

@@ -61,7 +61,6 @@ class Forming(Membership):
     """Forming a group at start: dialing, accepting and the formation notes."""
 
     _forming: _Formation | None  # root, while start() forms the group
-    _transport: TcpTransport | QuicTransport | None  # set by GroupCore as start() begins
 
     async def _form(self, transport: TcpTransport | QuicTransport) -> None:
         """Connect to every rank, bounded by ``connect_timeout``; closes on failure.
@@ -135,7 +134,7 @@ class Forming(Membership):
             note = "; ".join([took, *why])
             if len(note) > _NOTE_CHARS:  # a frame's meta is bounded: a huge world's list
                 note = note[: _NOTE_CHARS - 1] + "…"
-            await self._fail_forming(form, note)
+            await self._fail_forming(transport, form, note)
             raise P2PTimeoutError(
                 f"{self.peer_label(self._rank)}: {took}; " + "; ".join(why)
             ) from None
@@ -144,12 +143,13 @@ class Forming(Membership):
             if self._closing and isinstance(first, P2PError):
                 first = self._closed_while_starting()  # its closed transport failed it
             reason = str(first) if isinstance(first, Exception) else None
-            await self._fail_forming(form, reason, first)
+            await self._fail_forming(transport, form, reason, first)
             raise first from None
         except BaseException as exc:
             # A cancelled start (Ctrl-C, an outer timeout) has no reason to give: it tells
             # only the ranks it said ready to that it stopped (_tell_start_stopped).
-            await self._fail_forming(form, str(exc) if isinstance(exc, Exception) else None)
+            reason = str(exc) if isinstance(exc, Exception) else None
+            await self._fail_forming(transport, form, reason)
             raise
 
     def _closed_while_starting(self) -> GroupBrokenError:
@@ -159,7 +159,11 @@ class Forming(Membership):
         )
 
     async def _fail_forming(
-        self, form: _Formation, why: str | None, error: BaseException | None = None
+        self,
+        transport: TcpTransport | QuicTransport,
+        form: _Formation,
+        why: str | None,
+        error: BaseException | None = None,
     ) -> None:
         """Tell every connected rank why our start failed, then close. (A start that was
         cancelled, ``why`` None, or a group closed while it starts tells the ranks it said
@@ -169,7 +173,7 @@ class Forming(Membership):
         # And those that connected after the accept loop stopped: they wait for an ok,
         # and would take the goodbye alone for a restart, and dial again until their
         # connect_timeout, naming no connection instead of this reason.
-        waiting = self._transport.take_accepted() if self._transport is not None else []
+        waiting = transport.take_accepted()
         conns = {id(c): c for c in [*self._conns.values(), *form.joined.values(), *waiting]}
         kind = "mismatch" if isinstance(error, MismatchError) else None
         if self._closing or why is None:
@@ -335,8 +339,7 @@ class Forming(Membership):
             elif r in form.ready and _said_goodbye(form.ready[r]):
                 # It formed and left (see _check_formed): a new process of it is one
                 # that comes after formation, told to dial again later ("formed").
-                _form_note(conn, "refused", _FORMED_ALREADY, error="formed")
-                self._turn_away(conn, _FORMED_ALREADY, rank=r, noted=True, routine=True)
+                self._refuse_as_formed(conn, r)
                 continue
             elif r in form.ready:
                 # It said ready and then restarted: ranks may have formed with its old
@@ -366,9 +369,13 @@ class Forming(Membership):
                 conn = await transport.accept()
             except P2PError:
                 return  # the transport is closed
-            _form_note(conn, "refused", _FORMED_ALREADY, error="formed")
-            rank = self._rank_of.get(conn.peer_id)
-            self._turn_away(conn, _FORMED_ALREADY, rank=rank, noted=True, routine=True)
+            self._refuse_as_formed(conn, self._rank_of.get(conn.peer_id))
+
+    def _refuse_as_formed(self, conn: Connection, rank: int | None) -> None:
+        """Refuse ``conn`` (from ``rank``) as a dial into a group that formed already: a
+        ``refused`` note marked ``formed`` (its forming dialer dials again)."""
+        _form_note(conn, "refused", _FORMED_ALREADY, error="formed")
+        self._turn_away(conn, _FORMED_ALREADY, rank=rank, noted=True, routine=True)
 
 
 def group_terms(config: GroupConfig, world: int) -> dict[str, Any]:

@@ -389,7 +389,6 @@ class PeerPaths:
         elif self.phase is Phase.DIRECT:
             assert self.current is not None
             path = self.paths[self.current]
-            asked = self._asked_since
             silent_at = self._silent_at()
             if timer and silent_at is not None and now >= silent_at:
                 old = self.current
@@ -400,7 +399,7 @@ class PeerPaths:
             elif now >= self._next_keepalive:
                 out.append(self._ping(self.current, now))
                 self._next_keepalive = now + cfg.keepalive
-                if asked is None:
+                if self._asked_since is None:  # the oldest unanswered one counts
                     self._asked_since = now
         elif self.phase is Phase.BACKOFF and now >= self._retry_at:
             out += self._begin_round(now, ask=True)
