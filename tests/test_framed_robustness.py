@@ -16,6 +16,7 @@ from test_tcp_transport import config, key, tcp_pair
 from transport_conformance import (
     PairFactory,
     bounded,
+    check_a_close_that_gives_up_is_a_lost_connection_to_the_peer,
     check_cancelled_sender_leaves_others_waiting,
     check_close_waits_for_a_slow_reader,
     closing,
@@ -25,10 +26,11 @@ from transport_conformance import (
 from p2pdist.errors import ConnectionBrokenError, ConnectionClosedError, P2PError
 from p2pdist.transport import TcpTransport, TransportConfig
 from p2pdist.transport import tcp as tcp_module
-from p2pdist.transport.framed import FramedConnection
+from p2pdist.transport.framed import GOODBYE, FramedConnection
 from p2pdist.transport.keepalive import Keepalive, KeepaliveAction
 from p2pdist.transport.mailbox import SPACE_SHIFT, RetiredChannels
 from p2pdist.transport.tcp import TcpConnection
+from p2pdist.wire.frames import FrameLimits
 
 
 async def passes(n: int = 5) -> None:
@@ -67,6 +69,11 @@ async def test_a_cancelled_close_still_drops_the_socket(tls: bool) -> None:
 
 async def test_close_waits_for_a_slow_reader(tls: bool) -> None:
     await check_close_waits_for_a_slow_reader(functools.partial(tcp_pair, tls))
+
+
+async def test_a_close_that_gives_up_is_a_lost_connection_to_the_peer(tls: bool) -> None:
+    pair = functools.partial(tcp_pair, tls)
+    await check_a_close_that_gives_up_is_a_lost_connection_to_the_peer(pair)
 
 
 async def test_close_does_not_wait_for_strangers_or_a_peer_that_streams_on(tls: bool) -> None:
@@ -330,3 +337,109 @@ async def test_many_real_peers_from_one_address_all_get_in() -> None:
         )
         assert all(not c.closed for c in conns)
         assert server_t.refused_handshakes == 0
+
+
+# ---- 9. a peer that ended its side does not keep our socket -----------------------------
+
+
+@pytest.mark.parametrize("end", ["eof", "goodbye"])
+async def test_a_peer_that_ends_its_side_unread_bytes_queued_does_not_keep_our_socket(
+    tls: bool, end: str
+) -> None:
+    """A peer that ends its side (a TCP EOF, or a GOODBYE) reads nothing of ours after
+    it. With 16 MiB queued towards it, our socket was left to asyncio's close(), which
+    waited for the queue to leave for as long as the peer kept its socket open; the
+    transport had forgotten the connection, so its close() did not end it either."""
+    async with tcp_pair(tls) as p:
+        client, server = p.client, p.server
+        assert isinstance(client, TcpConnection) and isinstance(server, TcpConnection)
+        p.silence_client()  # the peer reads nothing and sends no keepalives
+        server.send_nowait(1, bytes(16 << 20))
+        await passes()
+        assert client._transport is not None
+        if end == "eof":
+            client._transport.get_extra_info("socket").shutdown(socket.SHUT_WR)
+        else:
+            client._write(GOODBYE)
+        await wait_until(lambda: server.end_error is not None, "our side seeing the peer's end")
+        await wait_until(lambda: server._lost.done(), "our socket closed", 5.0)
+
+
+# ---- 10. a second close() waits for the first -------------------------------------------
+
+
+async def test_a_second_close_waits_for_the_first(tls: bool) -> None:
+    """A close() while another close() let queued bytes go returned at once, the socket
+    still open: its caller took the connection (or transport) for closed."""
+    for what in ("connection", "transport"):
+        async with tcp_pair(tls) as p:
+            client, server = p.client, p.server
+            assert isinstance(client, TcpConnection) and isinstance(server, TcpConnection)
+            assert server._transport is not None
+            server._transport.pause_reading()
+            client.send_nowait(1, bytes(16 << 20))
+            closing_target = client if what == "connection" else p.client_transport
+            first = asyncio.create_task(closing_target.close())
+            await passes()
+            assert not first.done()  # the queued bytes hold it
+            second = asyncio.create_task(closing_target.close())
+            await passes()
+            assert not second.done(), what
+            server._transport.resume_reading()
+            await bounded(second, f"the second close of the {what}")
+            assert client._lost.done(), what
+            await bounded(first, f"the first close of the {what}")
+
+
+# ---- 11. keepalive round trips ----------------------------------------------------------
+
+
+async def test_round_trip_time_is_not_timed_from_a_ping_left_unanswered(tls: bool) -> None:
+    """A peer whose writes back up answers no PING (on purpose); the next PONG was then
+    timed from the first unanswered PING, and stats.rtt read over a second on loopback."""
+    async with tcp_pair(tls, keepalive_interval=0.1, idle_timeout=10.0) as p:
+        client, server = p.client, p.server
+        assert isinstance(server, TcpConnection)
+        await wait_until(lambda: client.stats.rtt is not None, "a first round trip")
+        server._write_paused = True  # as pause_writing: its PONGs are skipped
+        await asyncio.sleep(1.0)
+        server._write_paused = False
+        before = client.stats.rtt
+        await wait_until(lambda: client.stats.rtt != before, "a round trip after", every=0)
+        rtt = client.stats.rtt  # the first sample after
+        assert rtt is not None and rtt < 0.5, rtt
+
+
+# ---- 12. a meta larger than a record ----------------------------------------------------
+
+
+async def test_a_meta_larger_than_one_record_is_sent(tls: bool) -> None:
+    """FrameLimits allows a meta over 1 MiB; with AES-GCM records a small frame went as
+    one record, which takes at most 1 MiB: send() raised a bare ValueError."""
+    limits = FrameLimits(max_meta=4 << 20)
+    async with tcp_pair(tls, limits=limits) as p:
+        await p.client.send(1, b"x" * 10, meta=b"m" * (2 << 20))
+        frame = await bounded(p.server.recv(1), "the frame")
+        assert len(frame.meta) == 2 << 20 and bytes(frame.payload) == b"x" * 10
+
+
+# ---- 13. a paused receiver keeps what a closed peer sent --------------------------------
+
+
+async def test_a_paused_receiver_keeps_the_frames_of_a_peer_that_closed(tls: bool) -> None:
+    """The receiver's reading is paused (its queue is over max_buffered) while the
+    sender closes: the sender has everything acknowledged, waits its grace and closes
+    its socket. The receiver's next keepalive PING drew the sender's reset, its write
+    failed, and asyncio closed the receiver's socket with the last frames and the
+    GOODBYE unread in it: 7 of 12 frames arrived, and a broken pipe instead of a leave."""
+    async with tcp_pair(tls, max_buffered=64 * 1024, keepalive_interval=0.2) as p:
+        for i in range(12):
+            await p.client.send(1, bytes([i]) * (16 << 10), seq=i)
+        await bounded(p.client.close(), "the sender's close")
+        await asyncio.sleep(1.0)  # five keepalive intervals, the receiver still paused
+        for i in range(12):
+            frame = await bounded(p.server.recv(1), f"frame {i}")
+            assert frame.seq == i and bytes(frame.payload[:1]) == bytes([i])
+        await wait_until(lambda: p.server.end_error is not None, "the sender's leave")
+        err = p.server.end_error
+        assert isinstance(err, ConnectionBrokenError) and err.graceful, err

@@ -33,6 +33,7 @@ from transport_conformance import (
     Pair,
     PairFactory,
     bounded,
+    check_a_close_that_gives_up_is_a_lost_connection_to_the_peer,
     check_close_waits_for_a_slow_reader,
     check_offender_dropped,
     closing,
@@ -47,6 +48,7 @@ from p2pdist.errors import (
     ConnectionBrokenError,
     P2PTimeoutError,
     PeerAuthenticationError,
+    PeerTimeoutError,
     RemoteProtocolError,
     UsageError,
 )
@@ -270,6 +272,11 @@ async def test_conformance(
 
 async def test_close_waits_for_a_slow_reader() -> None:
     await check_close_waits_for_a_slow_reader(direct_pair)
+
+
+async def test_a_close_that_gives_up_is_a_lost_connection_to_the_peer() -> None:
+    err = await check_a_close_that_gives_up_is_a_lost_connection_to_the_peer(direct_pair)
+    assert "closed by the peer: closed with" in str(err) and "undelivered" in str(err), err
 
 
 # ---- authentication -------------------------------------------------------------------------
@@ -837,3 +844,83 @@ async def test_the_path_rtt_is_quics_least_not_a_late_keepalive() -> None:
         p.client.stats.rtt = 1.5  # as a late PONG leaves it
         rtt = p.client.path_rtt
         assert rtt is not None and 0 < rtt < 0.05, rtt
+
+
+# ---- dialing by name and at the wildcard address ---------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+async def test_dialing_the_wildcard_address_listen_returned_reaches_this_host(host: str) -> None:
+    """listen("0.0.0.0") returns ("0.0.0.0", port); TCP connects to it (this host), QUIC
+    timed out: the answer came from 127.0.0.1 and aioquic's client drops it."""
+    if host == "::" and not ipv6_loopback_works():
+        pytest.skip("no IPv6 loopback on this host")
+    server, client = QuicTransport(key(1), config()), QuicTransport(key(0), config())
+    async with closing(client, server):
+        addr = await server.listen(host, 0)
+        assert addr[0] == host
+        conn = await bounded(client.connect(eid(1), addr), "connect to the wildcard address")
+        accepted = await bounded(server.accept(), "accept")
+        await conn.send(1, b"hi")
+        assert bytes((await bounded(accepted.recv(1), "recv")).payload) == b"hi"
+
+
+async def test_a_name_is_dialed_at_the_address_of_our_listening_family(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The name "localhost" resolves to ::1 first on many hosts (/etc/hosts), where the peer
+    listens on 127.0.0.1: the dial went to ::1 only and timed out."""
+    server, client = QuicTransport(key(1), config()), QuicTransport(key(0), config())
+    async with closing(client, server):
+        port = (await server.listen("127.0.0.1", 0))[1]
+        await client.listen("127.0.0.1", 0)
+        real = asyncio.get_running_loop().getaddrinfo
+
+        async def v6_first(host: Any, *args: Any, **kw: Any) -> Any:
+            if host != "peer.test":
+                return await real(host, *args, **kw)
+            six = (socket.AF_INET6, socket.SOCK_DGRAM, 17, "", ("::1", port, 0, 0))
+            return [six, (socket.AF_INET, socket.SOCK_DGRAM, 17, "", ("127.0.0.1", port))]
+
+        monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", v6_first)
+        conn = await bounded(client.connect(eid(1), ("peer.test", port)), "connect by name")
+        assert conn.remote_address == ("127.0.0.1", port)
+
+
+async def test_a_name_lookup_counts_towards_the_handshake_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DNS server that does not answer held QUIC's connect for the resolver's own
+    timeouts (10 s against a 2 s handshake_timeout); TCP's connect bounds both."""
+    client = QuicTransport(key(0), config(handshake_timeout=0.5))
+    async with closing(client):
+
+        async def silent_dns(*args: Any, **kw: Any) -> Any:
+            await asyncio.sleep(3600)
+
+        monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", silent_dns)
+        with pytest.raises(PeerTimeoutError, match=r"looking up peer\.test:4433 took over 0\.5 s"):
+            await bounded(client.connect(eid(1), ("peer.test", 4433)), "connect", 5.0)
+
+
+async def test_transport_close_waits_for_a_connection_its_user_is_closing() -> None:
+    """The user closes a connection with 48 MiB queued, and the transport right after:
+    the transport forgot the connection (its close had begun), so it did not wait for it
+    and closed the UDP socket under it. The message never arrived, and the peer learnt of
+    the end only at its idle_timeout."""
+    sender, receiver = QuicTransport(key(0), config()), QuicTransport(key(1), config())
+    async with closing(sender, receiver):
+        addr = await receiver.listen("127.0.0.1", 0)
+        conn = await bounded(sender.connect(eid(1), addr), "connect")
+        accepted = await bounded(receiver.accept(), "accept")
+        data = random.randbytes(48 << 20)
+        conn.send_nowait(1, data)
+        user_close = asyncio.create_task(conn.close())
+        await asyncio.sleep(0)
+        await bounded(sender.close(), "the transport's close")
+        assert user_close.done()
+        frame = await bounded(accepted.recv(1), "the message")
+        assert bytes(frame.payload) == data
+        with pytest.raises(ConnectionBrokenError, match="left") as info:
+            await bounded(accepted.recv(1), "the end")
+        assert info.value.graceful

@@ -31,6 +31,7 @@ import pytest
 from p2pdist.errors import (
     ConnectionBrokenError,
     ConnectionClosedError,
+    P2PError,
     PeerTimeoutError,
     RemoteProtocolError,
     UsageError,
@@ -43,6 +44,7 @@ __all__ = [
     "check_offender_dropped",
     "BOUND",
     "CHECKS",
+    "check_a_close_that_gives_up_is_a_lost_connection_to_the_peer",
     "Pair",
     "PairFactory",
     "bounded",
@@ -577,6 +579,30 @@ async def check_close_waits_for_a_slow_reader(make_pair: PairFactory) -> None:
         assert "left" in str(info.value), info.value
 
 
+async def check_a_close_that_gives_up_is_a_lost_connection_to_the_peer(
+    make_pair: PairFactory,
+) -> ConnectionBrokenError:
+    """A close() that gives up on queued bytes (the peer read nothing for FLUSH_STALL)
+    left the peer's stream cut in a frame, which the peer reported as a protocol
+    violation by us (RemoteProtocolError "ended in the middle of a frame"). It is a
+    lost connection: the peer reads what came whole, then a ConnectionBrokenError.
+
+    Not in :data:`CHECKS` (it waits out the 2 s stall): run by each transport's module.
+    Returns the peer's error."""
+    count, size = 64, 1 << 20  # far more than the sockets' buffers hold
+    async with make_pair(max_buffered=1 << 20, write_buffer_high=1 << 20) as p:
+        for i in range(count):
+            p.client.send_nowait(1, content(1, i, size), seq=i)
+        await bounded(p.client.close(), "the close that gives up")
+        got = 0
+        with pytest.raises(ConnectionBrokenError) as info:
+            while True:
+                assert_frame(await recv(p.server, 1), 1, got, b"", content(1, got, size))
+                got += 1
+        assert 0 < got < count and not info.value.graceful, (got, info.value)
+        return info.value
+
+
 async def check_cancelled_sender_leaves_others_waiting(make_pair: PairFactory) -> None:
     """Cancelling one sender that waits for a backed-up connection cancels only that
     sender: another one waiting on the same connection keeps waiting, and fails only
@@ -668,13 +694,16 @@ async def still_serving(server: Transport, client: Transport, address: Any) -> N
 
 
 async def check_offender_dropped(
-    p: Pair, bystanders: tuple[Connection, Connection], match: str | None = None
+    p: Pair,
+    bystanders: tuple[Connection, Connection],
+    match: str | None = None,
+    error: type[P2PError] = RemoteProtocolError,
 ) -> None:
     """After ``p.client`` sent bytes that break the frame protocol: the server fails
-    with a RemoteProtocolError naming the client and closes that connection, the client
-    learns it was dropped (naming the server), and another connection to the same server
+    with ``error`` naming the client and closes that connection, the client learns it
+    was dropped (naming the server), and another connection to the same server
     (``bystanders``: its two ends) still carries messages both ways."""
-    with pytest.raises(RemoteProtocolError, match=match) as info:
+    with pytest.raises(error, match=match) as info:
         await bounded(p.server.recv(1), "the protocol error")
     assert p.client_transport.endpoint_id.short() in str(info.value)
     assert p.server.closed

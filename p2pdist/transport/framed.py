@@ -136,11 +136,16 @@ class FramedConnection:
         self._keepalive: Keepalive | None = None
         self._ka_timer: asyncio.TimerHandle | None = None
         self._ping_sent_at: float | None = None
+        self._pings_unanswered = 0
+        """PINGs sent since the last PONG: a PONG is a round-trip sample only when it
+        answers the one PING out (a peer whose writes back up answers none)."""
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._interrupted: BaseException | None = None
         self._closed_locally = False
+        self._close_done: asyncio.Future[None] | None = None
+        """Set when :meth:`close` ends: a second caller waits for the first's close."""
         self._goodbye_received = False
         self._callbacks: list[Callable[[BaseException | None], None]] = []
 
@@ -161,6 +166,10 @@ class FramedConnection:
     def _set_reading(self, on: bool) -> None:
         """Stop (``False``) or resume (``True``) taking bytes from the peer."""
         raise NotImplementedError
+
+    def _may_ping(self) -> bool:
+        """Whether a keepalive PING may go now (it may unless the byte pipe says no)."""
+        return True
 
     async def _shutdown(self) -> None:
         """After GOODBYE: let queued bytes go (bounded, see :meth:`_await_flush`), then
@@ -354,10 +363,14 @@ class FramedConnection:
         self._wake_drain()
 
     async def close(self) -> None:
-        """Say goodbye and close; waits (briefly, bounded) for queued bytes to leave."""
+        """Say goodbye and close; waits (briefly, bounded) for queued bytes to leave. A
+        call while another closes returns when that close is done."""
         if self._closed_locally:
+            if self._close_done is not None:
+                await asyncio.shield(self._close_done)
             return
         self._closed_locally = True
+        done = self._close_done = self._loop.create_future()
         if self._error is None and not self._handshaking and self._writable():
             with contextlib.suppress(Exception):
                 self._write(GOODBYE)
@@ -369,6 +382,8 @@ class FramedConnection:
             # already forgotten by its transport, so nobody else would ever drop it.
             self._drop()
             raise
+        finally:
+            done.set_result(None)
 
     def abort(self, error: BaseException) -> None:
         """Drop the connection at once, failing everyone waiting with ``error``."""
@@ -435,7 +450,11 @@ class FramedConnection:
             # with a reset (it closed with our last bytes still unread in its kernel).
             return ConnectionBrokenError(self.label, "closed its connection (left)", graceful=True)
         if self._decoder.mid_frame and why is None:
-            return RemoteProtocolError(self.label, "connection ended in the middle of a frame")
+            # Not a protocol violation: a p2pdist peer ends so when it crashed mid-send
+            # (its kernel sends what it had, then FIN) or gave up sending to us.
+            return ConnectionBrokenError(
+                self.label, "connection ended in the middle of a frame, without a goodbye"
+            )
         return ConnectionBrokenError(self.label, f"connection lost{f': {why}' if why else ''}")
 
     def _resume_writing(self) -> None:
@@ -483,8 +502,8 @@ class FramedConnection:
         self._write(PING)
         if self._keepalive is not None:
             self._keepalive.on_send(now)
-        if self._ping_sent_at is None:
-            self._ping_sent_at = now
+        self._pings_unanswered += 1
+        self._ping_sent_at = now
 
     # ---- internals -------------------------------------------------------------------
 
@@ -553,9 +572,9 @@ class FramedConnection:
                 if self._writable() and not self._write_paused:
                     self._write(PONG)
             elif f.kind is FrameKind.PONG:
-                if self._ping_sent_at is not None:
+                if self._pings_unanswered == 1 and self._ping_sent_at is not None:
                     self._stats.rtt = now - self._ping_sent_at
-                    self._ping_sent_at = None
+                self._pings_unanswered = 0
             elif f.kind is FrameKind.GOODBYE:
                 self._goodbye_received = True
                 self._on_goodbye()
@@ -581,7 +600,7 @@ class FramedConnection:
                 )
             )
             return
-        if action is KeepaliveAction.PING and self._writable():
+        if action is KeepaliveAction.PING and self._writable() and self._may_ping():
             self._send_ping()
         self._arm_keepalive()
 
@@ -648,6 +667,9 @@ class EndpointBase(Generic[C]):
         self._accepted: AcceptQueue[C] = AcceptQueue()
         self._connections: set[C] = set()
         self._closed = False
+        self._close_task: asyncio.Task[None] | None = None
+        self._user_closes: set[asyncio.Future[None]] = set()
+        """When the closes of connections their users closed end (see :meth:`_forget`)."""
         self.send_stalls: SendStalls | None = None
         """Set before the first connection (a Group sets one for its transport): while a
         sender on one of this endpoint's connections waits, all of them read on to a
@@ -748,12 +770,13 @@ class EndpointBase(Generic[C]):
             )
 
     async def close(self) -> None:
-        """Stop accepting and close every connection and socket (bounded)."""
-        if self._closed:
-            return
-        self._closed = True
+        """Stop accepting and close every connection and socket (bounded). A call while
+        another closes returns when that close is done."""
+        if self._close_task is None:
+            self._closed = True
+            self._close_task = asyncio.ensure_future(self._shutdown())
         # Shielded: a cancelled close() still finishes closing in the background.
-        await asyncio.shield(self._shutdown())
+        await asyncio.shield(self._close_task)
 
     async def _shutdown(self) -> None:
         """The transport-specific part of :meth:`close`."""
@@ -761,9 +784,17 @@ class EndpointBase(Generic[C]):
 
     def _forget(self, conn: FramedConnection) -> None:
         self._connections.discard(cast(C, conn))
+        closing = conn._close_done
+        if closing is not None and not closing.done():
+            # Its own close() lets queued bytes go: ours waits for that too (a QUIC
+            # connection's datagrams leave by this transport's socket).
+            self._user_closes.add(closing)
+            closing.add_done_callback(self._user_closes.discard)
 
     async def _close_all(self, extra: Iterable[C] = ()) -> None:
-        """Close every connection, accepted or not (bounded), and wake ``accept()``."""
+        """Close every connection, accepted or not, and wait for the closes their users
+        began (all bounded); wake ``accept()``."""
         conns = set(self._connections) | set(self._accepted.close()) | set(extra)
-        if conns:
-            await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+        waits = [*(c.close() for c in conns), *(asyncio.shield(f) for f in self._user_closes)]
+        if waits:
+            await asyncio.gather(*waits, return_exceptions=True)

@@ -17,7 +17,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 from aioquic.buffer import Buffer  # type: ignore[attr-defined]  # re-exported from _buffer
 from aioquic.quic.packet import QuicPacketType, QuicProtocolVersion, pull_quic_header
@@ -143,12 +143,21 @@ class QuicTransport(EndpointBase[QuicConnection]):
         self._check_not_closed()
         name = label or self.label_for(peer)
         self._check_not_self(peer, name)
-        route = await self._route_to(peer, address, name)
+        # One bound for the name's lookup and the handshake, as TCP's connect has.
+        deadline = asyncio.get_running_loop().time() + self.config.handshake_timeout
+        try:
+            async with asyncio.timeout_at(deadline):
+                route = await self._route_to(peer, address, name)
+        except TimeoutError:
+            target = "the relay route" if address is None else path_key(parse_address(address))
+            raise PeerTimeoutError(
+                name, f"looking up {target} took over {self.config.handshake_timeout} s"
+            ) from None
         self._check_not_closed()  # close() may have run while resolving or opening a socket
         conn = self._new_connection(route, server_side=False, expected=peer, label=name)
-        where = f"{route.remote[0]}:{route.remote[1]}" if isinstance(route, UdpRoute) else "relay"
+        where = path_key(route.remote) if isinstance(route, UdpRoute) else "relay"
         try:
-            async with asyncio.timeout(self.config.handshake_timeout):
+            async with asyncio.timeout_at(deadline):
                 conn.start_client()
                 await conn.wait_established()
         except TimeoutError:
@@ -192,15 +201,31 @@ class QuicTransport(EndpointBase[QuicConnection]):
         except OSError as exc:
             raise ConnectionBrokenError(name, f"cannot resolve {host}: {exc}") from None
         self._check_not_closed()
-        family, *_, sockaddr = infos[0]
+        family, *_, sockaddr = self._preferred(infos)
         ip = plain_ip(str(sockaddr[0]))
         if ip != sockaddr[0]:  # ::ffff:a.b.c.d is an IPv4 peer: named as our sockets see it
             family = socket.AF_INET
+        if ipaddress.ip_address(ip).is_unspecified:
+            # The wildcard listen() may return: this host, as a TCP connect takes it (the
+            # answer would come from a loopback address, which QUIC does not take).
+            ip = "::1" if family == socket.AF_INET6 else "127.0.0.1"
         try:
             sock = await self._socket_for(family, ip)
         except OSError as exc:  # e.g. no IPv6 on this host
             raise ConnectionBrokenError(name, f"cannot open a UDP socket for {ip}: {exc}") from None
         return self._udp_route(sock, (ip, int(sockaddr[1])))
+
+    def _preferred(self, infos: list[Any]) -> Any:
+        """Which of a name's addresses to dial (one: UDP says nothing of an address
+        nobody listens at, so trying the next would cost the whole handshake timeout):
+        the first of our listening socket's family, or of IPv4 when we listen on both or
+        none ("localhost" is ::1 first on many hosts, where peers listen on 127.0.0.1)."""
+        udp = self._udp
+        if udp is not None and not udp.closed and not udp.dual_stack:
+            want = udp.family
+        else:
+            want = socket.AF_INET
+        return next((info for info in infos if info[0] == want), infos[0])
 
     def _udp_route(self, sock: UdpSocket, addr: UdpAddress) -> UdpRoute:
         return UdpRoute(sock, addr, self._direct_datagram(addr))

@@ -159,7 +159,10 @@ class QuicConnection(FramedConnection):
             if self._route.up:
                 self._flushed = self._loop.create_future()
                 self._check_flushed()
-                await self._await_flush(self._flushed, lambda: self._quic.unacked(STREAM_ID))
+                left = await self._await_flush(self._flushed, lambda: self._quic.unacked(STREAM_ID))
+                if left:  # the peer's error says so, not "ended in the middle of a frame"
+                    self._close_quic(AppError.ABORTED, f"closed with {left} bytes undelivered")
+                    return
         self._close_quic(AppError.NO_ERROR, "")
 
     def _drop(self) -> None:

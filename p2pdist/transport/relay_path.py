@@ -485,8 +485,12 @@ class RelayPath:
             raise RelayProtocolError(f"expected AUTH_OK, got {kind.name}")
         info = decode_map(body)
         max_dgram = info.get("max_datagram")
+        # What this session's relay takes (docs/protocol.md: 65504 when it says no size
+        # in range), not what an earlier session's relay took.
         if isinstance(max_dgram, int) and 1200 <= max_dgram <= MAX_DATAGRAM:
             self.max_datagram = max_dgram
+        else:
+            self.max_datagram = MAX_DATAGRAM
         keepalive = info.get("keepalive")
         interval = self.config.keepalive or relay_keepalive(keepalive)
         limits = {k: float(v) for k, v in info.items() if isinstance(v, int | float)}

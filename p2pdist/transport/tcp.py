@@ -100,6 +100,23 @@ def kernel_rtt(sock: Any) -> float | None:
     return None
 
 
+_TCP_CLOSE_WAIT = 8
+"""Linux's ``tcpi_state`` (the first byte of ``struct tcp_info``) once the peer's FIN
+is in."""
+
+
+def peer_has_ended(sock: Any) -> bool:
+    """Whether TCP socket ``sock`` holds the peer's end of the stream (its FIN), read or
+    not (Linux; False where the platform cannot tell)."""
+    if sock is None or not sys.platform.startswith("linux") or not hasattr(socket, "TCP_INFO"):
+        return False
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)
+    except (OSError, ValueError):
+        return False
+    return len(info) >= 1 and info[0] == _TCP_CLOSE_WAIT
+
+
 def _write_keeps_reference(transport: asyncio.BaseTransport) -> bool:
     """Whether ``transport.write(memoryview)`` may keep a reference to the part of the
     buffer it could not send at once (so the caller must not change it afterwards).
@@ -280,10 +297,10 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         tls = self._tls
         if payload.nbytes <= _SMALL_WRITE:
             data = b"".join((header, payload)) if payload.nbytes else header  # one copy
-            if isinstance(tls, AeadPipe):
+            if isinstance(tls, AeadPipe) and len(data) <= MAX_RECORD:
                 self._write_borrowed(tls.seal(data))  # one record
             elif tls is not None:
-                self._write_sealed(tls, data)  # one record
+                self._write_sealed(tls, data)  # one record (more for a meta over 1 MiB)
             else:
                 t.write(data)
         elif tls is not None:
@@ -301,6 +318,15 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
 
     def _writable(self) -> bool:
         return self._transport is not None and not self._transport.is_closing()
+
+    def _may_ping(self) -> bool:
+        # Not once the peer's end is in, unread behind our paused reading: the peer has
+        # closed, a PING would only draw its kernel's reset, and a write after that fails
+        # and makes asyncio close our socket with the peer's last frames (its GOODBYE
+        # too) still unread in it.
+        if not self._rx_paused or self._transport is None:
+            return True
+        return not peer_has_ended(self._transport.get_extra_info("socket"))
 
     def _set_reading(self, on: bool) -> None:
         self._rx_paused = not on
@@ -350,11 +376,22 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
             self._transport.abort()
 
     def _on_goodbye(self) -> None:
-        # The peer reads nothing more either (it drops what comes while it closes): our
-        # sends fail from now on, and our side ends too, which ends the peer's close.
+        # Our sends fail from now on, and our side ends too, which ends the peer's close.
         self._finish(self._end_of_stream_error(None))
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.close()
+        self._close_after_peer_end()
+
+    def _close_after_peer_end(self) -> None:
+        """Close the socket once the peer ended its side (GOODBYE, EOF, close_notify).
+        The peer reads nothing more (it drops what comes while it closes), so what we
+        still have queued is dropped: asyncio's close would wait for it to leave, for as
+        long as the peer keeps its socket open."""
+        t = self._transport
+        if t is None or t.is_closing():
+            return
+        if t.get_write_buffer_size():
+            t.abort()
+        else:
+            t.close()
 
     # ---- asyncio protocol callbacks ------------------------------------------------------
 
@@ -481,13 +518,14 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         if tls.closed_by_peer and self._transport is not None:
             # close_notify: nothing more can be read, and whatever follows would only pile
             # up undecrypted: end as on a TCP EOF (graceful only after GOODBYE).
-            self._transport.close()
+            self._close_after_peer_end()
         elif not self._rx_paused and tls.stuck and self._error is None:
             self._protocol_error("TLS data that cannot be decrypted is piling up")
 
     def eof_received(self) -> bool | None:
         # Ended now (not once our queued bytes have left: a send would queue on for good).
         self._finish(self._end_of_stream_error(None))
+        self._close_after_peer_end()
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -575,7 +613,10 @@ class TcpTransport(EndpointBase[TcpConnection]):
                 if conn is not None:
                     conn.abort(exc)
                 raise
-            err = ConnectionBrokenError(name, f"cannot connect to {host}:{port}: {exc}")
+            why = str(exc)
+            if isinstance(exc, ConnectionRefusedError):  # asyncio says "Connect call failed"
+                why = "connection refused (nothing listens there: not started yet, or gone?)"
+            err = ConnectionBrokenError(name, f"cannot connect to {path_key((host, port))}: {why}")
             if conn is not None:
                 conn.abort(err)
             raise err from None
