@@ -7,9 +7,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from group_helpers import groups
+from group_helpers import groups, until_left
 
-from p2pdist import Group, GroupConfig, MismatchError, RemoteProtocolError, UsageError
+from p2pdist import (
+    Group,
+    GroupBrokenError,
+    GroupConfig,
+    MismatchError,
+    RemoteProtocolError,
+    UsageError,
+)
 from p2pdist.transport.base import TransportConfig
 from p2pdist.wire.frames import FrameLimits
 
@@ -182,6 +189,25 @@ async def test_collective_mismatch_is_detected_and_named() -> None:
         assert any(isinstance(r, MismatchError) for r in results)
 
 
+async def test_a_mismatch_told_by_another_rank_names_that_rank() -> None:
+    """In a ring only rank 2's neighbours see its call; the others learn of it from
+    their abort notice, whose text said "but this rank called": the teller, read as the
+    reader."""
+    async with groups(4, config={"algorithm": "ring"}) as gs:
+
+        async def call(g: Group) -> Any:
+            x = np.ones(100_000, np.float64 if g.rank == 2 else np.float32)
+            return await g.all_reduce(x, timeout=5)
+
+        results = await asyncio.gather(*(call(g) for g in gs), return_exceptions=True)
+        told = [r for r in results if "aborted the group" in str(r)]
+        assert told, results
+        for r in told:
+            assert isinstance(r, GroupBrokenError) and "this rank" not in str(r), r
+            teller = str(r).split(" aborted the group")[0]
+            assert f"but {teller} called" in str(r), r
+
+
 async def test_concurrent_collectives_from_several_tasks() -> None:
     async with groups(3) as gs:
         arrays = [
@@ -247,6 +273,35 @@ async def test_size_one_group_is_identity_without_network() -> None:
             with pytest.raises(UsageError, match="timeout must be a positive"):
                 await call(-1)
             await call(5.0)  # and the same call with a good one works
+
+
+async def test_a_bad_timeout_is_the_callers_error_even_in_a_broken_group() -> None:
+    """Every rank passed timeout=0: the first to fail left the group over it, and a
+    slower rank then got "rank 1 left the group" instead of its own mistake (the group's
+    state was checked before the call's timeout)."""
+    async with groups(2) as gs:
+        a, b = gs
+        await b.close()  # a rank that left the group, whatever its reason
+        await until_left([a], 1)
+        one = np.ones(3)
+        calls = {
+            "all_reduce": lambda: a.all_reduce(one, timeout=0),
+            "reduce_scatter": lambda: a.reduce_scatter(np.ones(4), timeout=0),
+            "all_gather": lambda: a.all_gather(one, timeout=0),
+            "broadcast": lambda: a.broadcast(one, 0, timeout=0),
+            "barrier": lambda: a.barrier(timeout=0),
+            "reduce": lambda: a.reduce(one, 0, timeout=0),
+            "gather": lambda: a.gather(one, 0, timeout=0),
+            "scatter": lambda: a.scatter([one, one], 0, timeout=0),
+            "all_to_all": lambda: a.all_to_all(np.ones((2, 3)), timeout=0),
+            "all_to_all_v": lambda: a.all_to_all_v([one, one], timeout=0),
+            "split": lambda: a.split(0, timeout=0),
+        }
+        for name, call in calls.items():
+            with pytest.raises(UsageError, match="timeout must be a positive"):
+                await call()
+            with pytest.raises(GroupBrokenError):  # the group's state, once the call is right
+                await (a.split(0, timeout=5) if name == "split" else a.barrier(timeout=5))
 
 
 async def test_a_refused_timeout_leaves_the_sequence_in_step() -> None:

@@ -215,6 +215,32 @@ async def test_gradient_buckets_keep_their_order_when_a_step_starts_during_a_wai
         assert [x[0] for x in new] == [2000.0] * 2
 
 
+async def test_a_second_wait_is_the_same_step_on_every_rank_whatever_the_timing() -> None:
+    """Both ranks run: add, wait() in a task, some work, wait() again, then the task. A
+    second wait() with nothing added ended an empty step where the first step's buckets
+    were done already (rank 0, whose work took longer) and finished the first step where
+    they still ran (rank 1): the ranks' buckets parted and the group broke (an audit)."""
+    from p2pdist.group.buckets import GradientBuckets
+
+    async with groups(2, timeout=10) as gs:
+        bs = await asyncio.gather(*(GradientBuckets.create(g, op="sum") for g in gs))
+
+        async def rank(r: int) -> list[float]:
+            b = bs[r]
+            for _ in range(3):
+                grads = [np.full(1000, r + 1.0), np.full(10, r + 1.0)]
+                for a in grads:
+                    b.add(a)
+                first = asyncio.create_task(b.wait())
+                await asyncio.sleep(0.3 if r == 0 else 0)  # other work, longer on rank 0
+                await b.wait()
+                await first
+            return [float(a[0]) for a in grads]
+
+        got = await asyncio.wait_for(asyncio.gather(rank(0), rank(1)), 30)
+        assert got == [[3.0, 3.0]] * 2
+
+
 @pytest.mark.parametrize("misstep", ["skipped", "swapped"])
 async def test_gradient_buckets_added_differently_on_one_rank_fail_on_every_rank(
     misstep: str,

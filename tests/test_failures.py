@@ -342,6 +342,27 @@ async def test_a_rank_whose_block_raised_tells_the_others_why_it_left(when: str)
             assert "`async with` block raised RuntimeError: CUDA out of memory" in text, text
 
 
+async def test_a_rank_that_fails_over_a_left_rank_does_not_retell_its_reason() -> None:
+    """Rank 2's block raises; rank 3's next collective is refused for it, and rank 3's
+    block raises that refusal, which quotes rank 2's reason. Rank 3's leaving notice
+    sent that whole text: rank 0's error then quoted rank 2's reason twice, nested (and
+    four ranks that failed alike nested it three deep)."""
+    async with groups(4, timeout=20) as gs:
+        boom = RuntimeError("boom (simulated)")
+        await gs[2].__aexit__(RuntimeError, boom, None)
+        await until_left([gs[3]], 2)
+        with pytest.raises(GroupBrokenError) as info:
+            await gs[3].all_reduce(np.ones(3))
+        await gs[3].__aexit__(GroupBrokenError, info.value, None)
+        await until_left([gs[0]], 3)
+        with pytest.raises(GroupBrokenError) as told:
+            await gs[0].all_reduce(np.ones(3))
+        text = str(told.value)
+        assert text.count("boom (simulated)") == 1, text
+        said = f"{gs[0].peer_label(3)}: its `async with` block raised GroupBrokenError: "
+        assert f"{said}collectives need every rank, but {gs[0].peer_label(2)} left" in text, text
+
+
 async def test_a_sub_group_names_the_reason_of_the_rank_that_left_it() -> None:
     """A sub-group of root ranks 0 and 2: its rank 1 is root rank 2. Reasons are kept by
     root rank; the sub-group looked them up by its own numbers (a review found it gave

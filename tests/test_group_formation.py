@@ -756,3 +756,21 @@ async def test_ranks_with_tls_on_and_off_are_told_so_not_to_check_the_seed() -> 
     assert isinstance(err_a, P2PError), err_a
     assert "must be the same on every rank" in str(err_a), err_a
     assert "another seed" not in str(err_a) and "rejoin=True" not in str(err_a)
+
+
+async def test_a_dial_that_keeps_failing_is_named_in_the_formation_timeout() -> None:
+    """Rank 1 of three failed at once (another setting) and is gone: rank 2 dialed it
+    until connect_timeout, each dial refused, and its error named rank 1 as "no
+    connection" only, with a hint to restart with rejoin=True (a user's trial); the
+    refused dials were in debug log lines."""
+    peers = loopback_peers(3)
+    quick = GroupConfig(connect_timeout=2.0, transport=TransportConfig(tls=False))
+    gs = [Group.from_seed("dial-seed", rank=r, world=3, peers=peers, config=quick) for r in (0, 2)]
+    try:
+        results = await asyncio.gather(*(g.start() for g in gs), return_exceptions=True)
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+    err = results[1]
+    assert isinstance(err, P2PError), err
+    assert f"the last dial to {gs[1].peer_label(1)} failed: " in str(err), err
+    assert "refused" in str(err), err

@@ -4,6 +4,7 @@ that are not rows, and int8's block size on the other wires (from a misuse revie
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -108,3 +109,53 @@ async def test_numpy_numbers_make_good_settings() -> None:
     async with groups(2, timeout=10, config=extra, max_buffered=np.int64(1 << 24)) as gs:
         outs = await asyncio.gather(*(g.all_reduce(np.ones(1 << 16)) for g in gs))
         np.testing.assert_array_equal(outs[0], np.full(1 << 16, 2.0))
+
+
+async def test_broadcast_without_x_on_a_receiving_rank_says_what_it_needs() -> None:
+    """broadcast(None, src=0) on the other ranks (as scatter's xs may be None there) was
+    refused as "dtype object cannot travel on the wire"."""
+    async with groups(2, timeout=10) as gs:
+        with pytest.raises(UsageError, match="an array like rank 0's"):
+            await gs[1].broadcast(None, src=0)  # type: ignore[arg-type]
+        with pytest.raises(UsageError, match="the array to send"):
+            await gs[0].broadcast(None, src=0)  # type: ignore[arg-type]
+        x = np.arange(3.0)
+        got = await asyncio.gather(gs[0].broadcast(x, 0), gs[1].broadcast(np.empty(3), 0))
+        np.testing.assert_array_equal(got[1], x)  # nothing was taken by the refusals
+
+
+async def test_out_as_another_view_of_the_input_is_in_place() -> None:
+    """out=x[:] or out=b.reshape(...) (the input's own memory under another array
+    object) was refused as "out overlaps the input without being the same array", though
+    out=x is in place."""
+    async with groups(2, timeout=10) as gs:
+        xs = [np.arange(6.0) + g.rank for g in gs]
+        await asyncio.gather(*(g.all_reduce(x, out=x[:]) for g, x in zip(gs, xs, strict=True)))
+        for x in xs:
+            np.testing.assert_array_equal(x, 2 * np.arange(6.0) + 1)
+        bs = [np.arange(6.0) + 10 * g.rank for g in gs]
+        got = await asyncio.gather(
+            *(
+                g.all_to_all(b.reshape(2, 3), out=b.reshape(2, 3))
+                for g, b in zip(gs, bs, strict=True)
+            )
+        )
+        np.testing.assert_array_equal(bs[0], [0, 1, 2, 10, 11, 12])
+        np.testing.assert_array_equal(got[1].reshape(-1), [3, 4, 5, 13, 14, 15])
+        x = np.arange(4.0)
+        with pytest.raises(UsageError, match="overlaps"):  # a shifted view is no such thing
+            await gs[0].all_reduce(x[:3], out=x[1:])
+
+
+async def test_all_to_all_v_takes_any_iterable_of_pieces() -> None:
+    """A generator of pieces raised TypeError (len() of it); a TypeError is no usage
+    error, so the call was not given back and the other rank got a MismatchError."""
+    async with groups(2, timeout=10) as gs:
+
+        def pieces(rank: int) -> Iterator[np.ndarray]:
+            return (np.full(p + 1, rank) for p in range(2))
+
+        got = await asyncio.gather(*(g.all_to_all_v(pieces(g.rank)) for g in gs))
+        assert [list(a) for a in got[1]] == [[0, 0], [1, 1]]
+        with pytest.raises(UsageError, match="a sequence of 2 arrays, got int"):
+            await gs[0].all_to_all_v(3)  # type: ignore[arg-type]

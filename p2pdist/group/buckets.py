@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from .buffers import is_plain_array, wire_form
 from .compress import INT8_BLOCK, ErrorFeedback
 from .devices import is_device_array, pack, ready_marker, unpack, wait_ready
 from .group import Group
+from .link import THIS_RANK
 from .reducing import BUCKET_LAYOUT
 
 __all__ = ["GradientBuckets"]
@@ -227,12 +229,14 @@ class GradientBuckets:
     def _finishing(self) -> bool:
         """Whether a wait() with nothing added finishes an earlier step instead of ending
         an empty one: a wait() for that step was cancelled (or the step discarded) and
-        has not been waited for since, or another wait() for it still runs. An empty
-        step must still say so: a rank that had nothing to add while the others added
-        would otherwise send nothing, and its next step's buckets would be reduced with
-        the others' buckets of this one, same-shaped, without an error."""
-        running = self._last is not None and not self._last.done()
-        return bool(self._carried) or running
+        has not been waited for since. An empty step must still say so: a rank that had
+        nothing to add while the others added would otherwise send nothing, and its next
+        step's buckets would be reduced with the others' buckets of this one,
+        same-shaped, without an error. Decided by the calls alone, never by whether
+        buckets are still running: a second wait() while the first runs ended an empty
+        step on a rank whose buckets were done and nothing on one whose were not, and
+        the ranks' steps parted."""
+        return bool(self._carried)
 
     def _bucket_feedback(self, shapes: list[tuple[int, ...]]) -> ErrorFeedback | None:
         """The next bucket's own ErrorFeedback (None without error feedback), for a bucket
@@ -386,6 +390,8 @@ class GradientBuckets:
 
 _LAYOUT = ", a bucket of "
 """How a bucket's call descriptor names what it packs (see :func:`_layout`)."""
+_MISMATCH = re.compile(rf"but ({re.escape(THIS_RANK)}|rank \d+ \(\w+\)) called")
+"""A call mismatch in an error's text (link.py's, as raised or as another rank told it)."""
 
 
 def _layout(arrays: list[Any], step: int | None) -> str:
@@ -393,12 +399,15 @@ def _layout(arrays: list[Any], step: int | None) -> str:
     and a digest of their shapes in order (the dtype is the call's own), and for the
     last bucket of a step (``step``: the arrays the step added) that number too."""
     if not arrays:  # sent by wait() when the step's last add had started the last bucket
-        return f"{_LAYOUT}no arrays ending a step of {step} arrays"
+        return f"{_LAYOUT}no arrays ending a step of {_count(step or 0)}"
     shapes = repr([a.shape for a in arrays]).encode()
     digest = hashlib.blake2b(shapes, digest_size=4).hexdigest()
-    count = f"{len(arrays)} arrays" if len(arrays) > 1 else "1 array"
-    what = f"{_LAYOUT}{count} #{digest}"
-    return what if step is None else f"{what} ending a step of {step} arrays"
+    what = f"{_LAYOUT}{_count(len(arrays))} #{digest}"
+    return what if step is None else f"{what} ending a step of {_count(step)}"
+
+
+def _count(n: int) -> str:
+    return "1 array" if n == 1 else f"{n} arrays"
 
 
 def _elements(shapes: list[tuple[int, ...]]) -> int:
@@ -456,7 +465,7 @@ def _packed_differently(err: BaseException) -> bool:
     return (
         isinstance(err, MismatchError | GroupBrokenError)
         and _LAYOUT in text
-        and "but this rank called" in text  # link.py's mismatch
+        and _MISMATCH.search(text) is not None  # link.py's, here or told by another rank
     )
 
 

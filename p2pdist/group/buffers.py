@@ -66,7 +66,8 @@ def as_array(x: Any) -> np.ndarray:
 def result_buffer(
     source: np.ndarray | None, shape: tuple[int, ...], dtype: Any, out: np.ndarray | None
 ) -> np.ndarray:
-    """``out`` checked for shape and dtype, or a fresh buffer.
+    """``out`` checked for shape and dtype, or a fresh buffer (``source`` itself when
+    ``out`` is ``source`` under another array object, as ``x[:]``: the call is in place).
 
     ``dtype`` is the result's (little-endian) wire dtype. A big-endian ``out`` is refused
     with a :class:`UsageError` saying so: the collective works in ``out`` itself, in
@@ -90,8 +91,22 @@ def result_buffer(
     if not flags.c_contiguous or not flags.writeable:
         raise UsageError("out must be a writeable C-contiguous array")
     if source is not None and out is not source and np.shares_memory(out, source):
+        if _same_place(out, source):
+            return source  # out=x[:] or x.reshape(...) of the same shape: in place
         raise UsageError("out overlaps the input without being the same array")
     return out
+
+
+def _same_place(out: np.ndarray, source: np.ndarray) -> bool:
+    """Whether ``out`` is ``source`` under another array object (``x[:]``, a reshape to
+    the same shape): the same first byte, shape, strides and dtype, and writeable."""
+    return (
+        out.__array_interface__["data"][0] == source.__array_interface__["data"][0]
+        and out.shape == source.shape
+        and out.strides == source.strides
+        and out.dtype == source.dtype
+        and bool(source.flags.writeable)
+    )
 
 
 def expectation(

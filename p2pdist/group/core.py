@@ -44,6 +44,7 @@ from . import p2p
 from .buffers import as_array, expectation
 from .config import GroupConfig
 from .devices import on_host
+from .link import as_told_to_others
 from .membership import (
     _LEFT_BECAUSE,
     _START_FAILED,
@@ -385,7 +386,12 @@ class GroupCore(Runner):
             if exc is not None and self._parent is None and self._formed and self._broken is None:
                 # Our program failed, not the group (whose errors tell the others already):
                 # say why before the goodbye, so that their errors about our leaving do too.
-                self._send_control({"leaving": _leaving_reason(exc)}, self._conns)
+                reason = _leaving_reason(exc)
+                if isinstance(exc, GroupBrokenError) and (left := self.left):
+                    # The refusal for ranks that left first: not the reasons it quotes,
+                    # which those ranks told everyone (each rank's error would nest them).
+                    reason = f"{type(exc).__name__}: {self._left_summary(left)}"
+                self._send_control({"leaving": reason}, self._conns)
         finally:
             await self.close()
 
@@ -603,7 +609,8 @@ class GroupCore(Runner):
             return
         self._broken = error
         if notify:
-            self._send_control({"abort": str(error)}, self._conns)
+            told = as_told_to_others(str(error), self.peer_label(self._rank))
+            self._send_control({"abort": told}, self._conns)
         for conn in self._conns.values():
             conn.interrupt(error)
         if self._parent is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from typing import Any
 
@@ -25,6 +26,7 @@ from ..errors import (
     P2PError,
     P2PTimeoutError,
     PeerAuthenticationError,
+    PeerError,
     RemoteProtocolError,
 )
 from ..transport.base import NOT_ADMITTED, Connection
@@ -123,6 +125,10 @@ class Forming(Membership):
             for r, refusal in sorted(form.refusals.items()):
                 if r in not_in:
                     why.append(_formed_refusal(self.peer_label(r), refusal, self._rank))
+            for r, error in sorted(form.dial_errors.items()):
+                if r in not_in and r not in form.refusals:
+                    detail = error.detail if isinstance(error, PeerError) else str(error)
+                    why.append(f"the last dial to {self.peer_label(r)} failed: {detail}")
             if refused:
                 hint = "" if tls_differs else ": a rank with another seed?"
                 why.append(
@@ -219,8 +225,14 @@ class Forming(Membership):
         if isinstance(transport, TcpTransport):
             assert self._addresses is not None
             address = self._addresses[r]
+        form = self._forming
         return await dial_with_retry(
-            transport, self._ids[r], address, label=self.peer_label(r), timeout=None
+            transport,
+            self._ids[r],
+            address,
+            label=self.peer_label(r),
+            timeout=None,
+            on_retry=None if form is None else functools.partial(form.dial_failed, r),
         )
 
     async def _form_with(
@@ -488,7 +500,13 @@ class _Formation:
         self.told: set[Connection] = set()  # told "ready" (connections hash by identity)
         self.refusals: dict[int, str] = {}
         """The last refusal from each lower rank whose group had formed already."""
+        self.dial_errors: dict[int, BaseException] = {}
+        """The last failed dial to each lower rank (retried until connect_timeout)."""
         self._refused_count: dict[int, int] = {}
+
+    def dial_failed(self, r: int, error: BaseException) -> None:
+        """A dial to lower rank ``r`` failed with ``error`` (and is tried again)."""
+        self.dial_errors[r] = error
 
     async def refused_by(self, r: int, label: str, why: str) -> None:
         """Lower rank ``r`` refused us because its group has formed: most likely the

@@ -5,7 +5,7 @@ collective shares), itself on :class:`~p2pdist.group.core.GroupCore`."""
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -54,7 +54,7 @@ class Group(Reducing):
         arr = as_array(x)
         result = result_buffer(None, (self.size, *arr.shape), arr.dtype, out)
         _check_row_of_out(arr, result)
-        self._check_usable()
+        self._check_call(timeout)
         if self._alone(timeout):
             result[0] = arr
             return result
@@ -85,10 +85,15 @@ class Group(Reducing):
         """Rank ``src``'s ``x`` on every rank. Other ranks' ``x`` gives the expected dtype and
         shape (checked against ``src``'s)."""
         src = self._check_rank(src, "src")
+        if x is None:
+            needs = "the array to send" if self._rank == src else f"an array like rank {src}'s"
+            raise UsageError(
+                f"broadcast needs x on every rank: {needs} (the other ranks' x gives the "
+                "shape and dtype expected)"
+            )
         arr = as_array(x)
         work = result_buffer(arr, arr.shape, arr.dtype, out)
-        self._check_usable()
-        self._seconds(timeout)  # a call refused for its timeout leaves out= alone
+        self._check_call(timeout)  # a call refused for its timeout leaves out= alone
         if self._rank == src and work is not arr:
             np.copyto(work, arr)
         if self.size == 1:
@@ -109,7 +114,7 @@ class Group(Reducing):
     @collective
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Return once every rank has entered the barrier."""
-        self._check_usable()
+        self._check_call(timeout)
         if not self._alone(timeout):
             await self._run(describe_call("barrier", "", "", ()), timeout, alg.barrier)
 
@@ -134,7 +139,7 @@ class Group(Reducing):
             checked = result_buffer(None, (self.size, *arr.shape), arr.dtype, out)
             _check_row_of_out(arr, checked)
         result = checked if mine else None
-        self._check_usable()
+        self._check_call(timeout)
         if self._alone(timeout):
             assert result is not None
             result[0] = arr
@@ -179,7 +184,7 @@ class Group(Reducing):
             blocks, dtype, item = None, as_array(ref).dtype, tuple(np.shape(ref))
         # On the source, out may not share memory with the rows it sends from.
         result = result_buffer(blocks, item, dtype, out)
-        self._check_usable()
+        self._check_call(timeout)
         if self._alone(timeout):
             assert blocks is not None
             result[...] = blocks[0]
@@ -204,7 +209,7 @@ class Group(Reducing):
         if arr.ndim == 0 or arr.shape[0] != self.size:
             raise UsageError(f"all_to_all needs {self.size} rows (one per rank), got {arr.shape}")
         result = result_buffer(arr, arr.shape, arr.dtype, out)
-        self._check_usable()
+        self._check_call(timeout)
         if self._alone(timeout):
             if result is not arr:
                 np.copyto(result, arr)
@@ -221,13 +226,21 @@ class Group(Reducing):
     @collective
     @on_host
     async def all_to_all_v(
-        self, xs: Sequence[np.ndarray], *, timeout: float | None = None
+        self, xs: Iterable[np.ndarray], *, timeout: float | None = None
     ) -> list[np.ndarray]:
         """Variable-size all-to-all: ``xs[p]`` (any number of rows, zero allowed, same dtype
         and row shape everywhere) goes to rank p; returns ``[what rank p sent us, ...]``."""
-        if len(xs) != self.size:
-            raise UsageError(f"all_to_all_v needs {self.size} arrays (one per rank), got {len(xs)}")
-        parts = [as_array(x) for x in xs]
+        try:
+            pieces = list(xs)  # a generator too
+        except TypeError:
+            raise UsageError(
+                f"all_to_all_v needs a sequence of {self.size} arrays, got {type(xs).__name__}"
+            ) from None
+        if len(pieces) != self.size:
+            raise UsageError(
+                f"all_to_all_v needs {self.size} arrays (one per rank), got {len(pieces)}"
+            )
+        parts = [as_array(x) for x in pieces]
         first = parts[0]
         if first.ndim == 0:
             raise UsageError("all_to_all_v arrays need at least one dimension (rows)")
@@ -238,7 +251,7 @@ class Group(Reducing):
                     f"all_to_all_v: xs[{i}] is {part.dtype}{list(part.shape)}, xs[0] is "
                     f"{first.dtype}{list(first.shape)}; dtype and row shape must agree"
                 )
-        self._check_usable()
+        self._check_call(timeout)
         if self._alone(timeout):
             return [parts[0].copy()]
 
@@ -272,7 +285,7 @@ class Group(Reducing):
         key = checked_key
         book = self._root()._spaces
         token = object()  # this split, in the book
-        self._check_usable()
+        self._check_call(timeout)
         try:
             if self._alone(timeout):
                 outcome = await self._split_rounds(None, color, key, book, token)

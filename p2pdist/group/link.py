@@ -24,8 +24,11 @@ import numpy as np
 from ..errors import MismatchError, RemoteProtocolError
 from ..transport.base import Connection
 
-__all__ = ["PIECE_BYTES", "CollectiveLink", "describe_call"]
+__all__ = ["PIECE_BYTES", "THIS_RANK", "CollectiveLink", "as_told_to_others", "describe_call"]
 
+THIS_RANK = "this rank"
+"""How a mismatch names the rank that raises it (an abort notice that relays the text to
+the other ranks names the rank instead: :func:`as_told_to_others`)."""
 PIECE_BYTES = 64 << 20
 """Largest frame payload a group sends (point to point and collectives alike); longer
 messages go in pieces. A group's transport must accept frames this large."""
@@ -43,6 +46,12 @@ def describe_call(
 @functools.lru_cache(maxsize=4096)
 def _descriptor(name: str, op: str, dtype: str, shape: tuple[int, ...], root: int | None) -> bytes:
     return bytes(msgpack.packb([name, op, dtype, list(shape), root], use_bin_type=True))
+
+
+def as_told_to_others(text: str, label: str) -> str:
+    """``text`` (an error raised on this rank) as another rank must read it: "this rank"
+    there is ``label``, the rank that raised it."""
+    return text.replace(f"but {THIS_RANK} called", f"but {label} called")
 
 
 def _explain(desc: bytes) -> str:
@@ -180,7 +189,7 @@ class CollectiveLink:
         if seq == 0 and frame.meta != self.descriptor:
             raise MismatchError(
                 conn.label,
-                f"called {_explain(frame.meta)} but this rank called {_explain(self.descriptor)}",
+                f"called {_explain(frame.meta)} but {THIS_RANK} called {_explain(self.descriptor)}",
             )
         if frame.payload.nbytes != nbytes:
             raise MismatchError(

@@ -221,7 +221,7 @@ class Reducing(GroupCore):
         # In place (out is x) needs only the one check as_array has not made.
         in_place = out is arr and arr.flags.writeable
         work = arr if in_place else result_buffer(arr, arr.shape, arr.dtype, out)
-        self._check_usable()
+        self._check_call(timeout)
         if self._alone(timeout):  # the identity, compressed or not: nothing travels
             if work is not arr:
                 np.copyto(work, arr)
@@ -312,7 +312,7 @@ class Reducing(GroupCore):
         r0, r1 = rows[self._rank]
         result = result_buffer(None, (r1 - r0, *arr.shape[1:]), arr.dtype, out)
         _check_own_piece(arr, r0, r1, result)
-        self._check_usable()
+        self._check_call(timeout)
         if self._alone(timeout):
             np.copyto(result, arr[r0:r1])
             return result
@@ -391,7 +391,7 @@ class Reducing(GroupCore):
         # out= is checked on every rank that passes one; only dst needs a buffer
         checked = result_buffer(arr, arr.shape, arr.dtype, out) if mine or out is not None else None
         result = checked if mine else None
-        self._check_usable()
+        self._check_call(timeout)
         if self._alone(timeout):
             assert result is not None
             if result is not arr:

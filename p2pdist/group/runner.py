@@ -161,7 +161,7 @@ class Runner(Rejoining, Reserving):
     def _left_error(self, left: dict[int, BaseException]) -> GroupBrokenError:
         """The refusal of a collective that needs the ranks of ``left`` (this group's
         numbering, as :attr:`left` gives), with why they left where known."""
-        gone = ", ".join(self._root_label(r) for r in sorted(left))
+        gone = self._left_summary(left)
         root = self._root()  # what the root knows is by root rank
         roots = [(self._root_label(r), self._root_ranks[r]) for r in sorted(left)]
         said = [f"{label}: {root._leaving[rr]}" for label, rr in roots if rr in root._leaving]
@@ -175,9 +175,12 @@ class Runner(Rejoining, Reserving):
                 "(paused or cut off for longer than idle_timeout?) and went on without "
                 "it: start it again with rejoin=True to join them"
             )
-        return GroupBrokenError(
-            f"collectives need every rank, but {gone} left the group{why}{relay}{alone}"
-        )
+        return GroupBrokenError(f"{gone}{why}{relay}{alone}")
+
+    def _left_summary(self, left: dict[int, BaseException]) -> str:
+        """``"collectives need every rank, but rank 2 (...) left the group"``."""
+        gone = ", ".join(self._root_label(r) for r in sorted(left))
+        return f"collectives need every rank, but {gone} left the group"
 
     def _refuse(self, channel: int, error: P2PError) -> NoReturn:
         """Refuse the collective on ``channel`` after it took its id: what the others
@@ -444,3 +447,10 @@ class Runner(Rejoining, Reserving):
         if timeout is None:
             return self.config.timeout  # positive: GroupConfig checks it
         return check_seconds("timeout", timeout)
+
+    def _check_call(self, timeout: float | None) -> None:
+        """A collective's last argument check (its ``timeout``), then the group's state:
+        a rank's own mistake is the error it gets, whatever the others did meanwhile
+        (one that left over the same mistake breaks the group)."""
+        self._seconds(timeout)
+        self._check_usable()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from ..errors import (
     ConnectionBrokenError,
@@ -34,12 +35,13 @@ async def dial_with_retry(
     *,
     label: str,
     timeout: float | None,
+    on_retry: Callable[[BaseException], None] | None = None,
 ) -> Connection:
     """Connect to ``peer`` at ``address`` (QUIC: through the relay when None), retrying
     refusals, resets and handshake timeouts with exponential backoff (a peer that is
     still starting up), never an authentication failure. ``timeout`` bounds the whole
     attempt (:class:`PeerTimeoutError` naming ``label`` and the last error); None leaves
-    the bound to the caller."""
+    the bound to the caller, whom ``on_retry`` tells each error retried."""
     if address is None and not isinstance(transport, QuicTransport):
         raise UsageError(f"{label}: TCP needs a host:port")
     delay = FIRST_RETRY
@@ -58,6 +60,8 @@ async def dial_with_retry(
                 except (ConnectionBrokenError, PeerTimeoutError, RemoteProtocolError) as exc:
                     last = exc
                     log.debug("dial %s: %s; retrying", label, exc)
+                    if on_retry is not None:
+                        on_retry(exc)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, MAX_RETRY)
     except TimeoutError:
