@@ -137,6 +137,9 @@ async def test_scatter_and_all_to_all(xp: Any) -> None:
             assert len(parts) == 3
             for p, part in enumerate(parts):
                 np.testing.assert_array_equal(host(part), np.full((rank, 2), p, np.float32))
+        # A generator of device pieces is not staged (only lists and tuples are): said so.
+        with pytest.raises(UsageError, match="as a list or tuple"):
+            await gs[0].all_to_all_v(iter(sends[0]))
 
 
 async def test_send_recv_with_device_buffers(xp: Any) -> None:

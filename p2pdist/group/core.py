@@ -54,7 +54,7 @@ from .membership import (
     CallFailure,
     Membership,
 )
-from .runner import Runner
+from .runner import Runner, left_refusal
 from .spaces import SpaceBook
 
 __all__ = ["GroupCore"]
@@ -386,11 +386,12 @@ class GroupCore(Runner):
             if exc is not None and self._parent is None and self._formed and self._broken is None:
                 # Our program failed, not the group (whose errors tell the others already):
                 # say why before the goodbye, so that their errors about our leaving do too.
-                reason = _leaving_reason(exc)
-                if isinstance(exc, GroupBrokenError) and (left := self.left):
+                if (refusal := left_refusal(exc)) is not None:
                     # The refusal for ranks that left first: not the reasons it quotes,
                     # which those ranks told everyone (each rank's error would nest them).
-                    reason = f"{type(exc).__name__}: {self._left_summary(left)}"
+                    reason = f"GroupBrokenError: {refusal}"[:LEAVING_MAX]
+                else:
+                    reason = _leaving_reason(exc)
                 self._send_control({"leaving": reason}, self._conns)
         finally:
             await self.close()
@@ -609,7 +610,7 @@ class GroupCore(Runner):
             return
         self._broken = error
         if notify:
-            told = as_told_to_others(str(error), self.peer_label(self._rank))
+            told = as_told_to_others(str(error), self._root_label(self._rank))
             self._send_control({"abort": told}, self._conns)
         for conn in self._conns.values():
             conn.interrupt(error)

@@ -265,6 +265,7 @@ class Forming(Membership):
                             "seed, world size and peers list?",
                         ) from None
                     raise
+                form.dial_errors.pop(r, None)  # (a rank that leaves later is no failed dial)
                 self._conns[r] = conn
             else:
                 conn = await form.inbox[r].get()

@@ -15,7 +15,7 @@ from ..settings import as_int
 from . import algorithms as alg
 from .buffers import as_array, result_buffer
 from .calls import collective
-from .devices import on_host
+from .devices import is_device_array, on_host
 from .link import CollectiveLink, describe_call
 from .membership import FIRST_RESERVED_SPACE
 from .reducing import Reducing
@@ -231,7 +231,8 @@ class Group(Reducing):
         """Variable-size all-to-all: ``xs[p]`` (any number of rows, zero allowed, same dtype
         and row shape everywhere) goes to rank p; returns ``[what rank p sent us, ...]``."""
         try:
-            pieces = list(xs)  # a generator too
+            pieces = list(xs)  # a generator too (numpy pieces: CuPy ones are staged from
+            # a list or tuple before the call runs, see on_host)
         except TypeError:
             raise UsageError(
                 f"all_to_all_v needs a sequence of {self.size} arrays, got {type(xs).__name__}"
@@ -240,6 +241,8 @@ class Group(Reducing):
             raise UsageError(
                 f"all_to_all_v needs {self.size} arrays (one per rank), got {len(pieces)}"
             )
+        if not isinstance(xs, list | tuple) and any(is_device_array(x) for x in pieces):
+            raise UsageError("all_to_all_v: pass CuPy pieces as a list or tuple")
         parts = [as_array(x) for x in pieces]
         first = parts[0]
         if first.ndim == 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, TypeVar
 
@@ -30,13 +31,25 @@ from .link import CollectiveLink
 from .membership import CallFailure
 from .rejoin import Rejoining
 
-__all__ = ["Runner"]
+__all__ = ["Runner", "left_refusal"]
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
 _ATTRIBUTION_WINDOW = 0.25  # seconds a failing collective waits for other failure reports
+
+
+_LEFT_REFUSALS: weakref.WeakKeyDictionary[BaseException, str] = weakref.WeakKeyDictionary()
+"""The refusals :meth:`Runner._left_error` made, each with its first sentence (the ranks
+that left, without the reasons it quotes)."""
+
+
+def left_refusal(exc: BaseException) -> str | None:
+    """``exc``'s first sentence when it is a collective's refusal for ranks that left the
+    group, else None."""
+    # (A built-in exception takes no weak reference: never one of ours anyway.)
+    return _LEFT_REFUSALS.get(exc) if isinstance(exc, GroupBrokenError) else None
 
 
 class Runner(Rejoining, Reserving):
@@ -161,7 +174,8 @@ class Runner(Rejoining, Reserving):
     def _left_error(self, left: dict[int, BaseException]) -> GroupBrokenError:
         """The refusal of a collective that needs the ranks of ``left`` (this group's
         numbering, as :attr:`left` gives), with why they left where known."""
-        gone = self._left_summary(left)
+        names = ", ".join(self._root_label(r) for r in sorted(left))
+        gone = f"collectives need every rank, but {names} left the group"
         root = self._root()  # what the root knows is by root rank
         roots = [(self._root_label(r), self._root_ranks[r]) for r in sorted(left)]
         said = [f"{label}: {root._leaving[rr]}" for label, rr in roots if rr in root._leaving]
@@ -175,12 +189,9 @@ class Runner(Rejoining, Reserving):
                 "(paused or cut off for longer than idle_timeout?) and went on without "
                 "it: start it again with rejoin=True to join them"
             )
-        return GroupBrokenError(f"{gone}{why}{relay}{alone}")
-
-    def _left_summary(self, left: dict[int, BaseException]) -> str:
-        """``"collectives need every rank, but rank 2 (...) left the group"``."""
-        gone = ", ".join(self._root_label(r) for r in sorted(left))
-        return f"collectives need every rank, but {gone} left the group"
+        refusal = GroupBrokenError(f"{gone}{why}{relay}{alone}")
+        _LEFT_REFUSALS[refusal] = gone
+        return refusal
 
     def _refuse(self, channel: int, error: P2PError) -> NoReturn:
         """Refuse the collective on ``channel`` after it took its id: what the others

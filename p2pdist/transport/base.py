@@ -74,9 +74,13 @@ class ConnectionStats:
     """Counters of one connection."""
 
     frames_sent: int = 0
+    """Messages sent (DATA frames; not keepalives nor the goodbye)."""
     bytes_sent: int = 0
+    """Their frame headers, metas and payloads, before any encryption."""
     frames_received: int = 0
+    """Frames received, keepalives and the goodbye included."""
     bytes_received: int = 0
+    """Metas and payloads of the frames received (what ``max_buffered`` counts)."""
     dropped_stale: int = 0
     """Frames that arrived for a retired channel and were discarded."""
     landed_in_place: int = 0

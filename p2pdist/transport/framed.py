@@ -167,9 +167,10 @@ class FramedConnection:
         """Stop (``False``) or resume (``True``) taking bytes from the peer."""
         raise NotImplementedError
 
-    def _may_ping(self) -> bool:
-        """Whether a keepalive PING may go now (it may unless the byte pipe says no)."""
-        return True
+    def _peer_ended_unread(self) -> bool:
+        """Whether the peer's end of the stream is known to be here, unread behind our
+        paused reading (then nothing should be written: see TcpConnection's)."""
+        return False
 
     async def _shutdown(self) -> None:
         """After GOODBYE: let queued bytes go (bounded, see :meth:`_await_flush`), then
@@ -371,10 +372,13 @@ class FramedConnection:
             return
         self._closed_locally = True
         done = self._close_done = self._loop.create_future()
-        if self._error is None and not self._handshaking and self._writable():
+        ended = self._error is not None
+        if not ended and not self._handshaking and self._writable():
             with contextlib.suppress(Exception):
                 self._write(GOODBYE)
         self._finish(ConnectionClosedError(f"connection to {self.label} was closed locally"))
+        if ended:  # the peer ended it first: the transport's close must still wait for this
+            self._on_finish(self)
         try:
             await self._shutdown()
         except BaseException:
@@ -600,7 +604,7 @@ class FramedConnection:
                 )
             )
             return
-        if action is KeepaliveAction.PING and self._writable() and self._may_ping():
+        if action is KeepaliveAction.PING and self._writable() and not self._peer_ended_unread():
             self._send_ping()
         self._arm_keepalive()
 

@@ -132,6 +132,15 @@ def plain_ip(host: str) -> str:
     return host
 
 
+def preferred_address(infos: list[Any], family: int) -> Any:
+    """Of a name's ``getaddrinfo`` results, the first of ``family``, else the first. A
+    QUIC transport binds and dials one address of a name, IPv4 unless its socket is of
+    another family ("localhost" is ::1 first on many hosts): one that bound ::1 and one
+    that dialed 127.0.0.1 would never meet, and UDP says nothing of a wrong address but
+    the whole handshake timeout."""
+    return next((info for info in infos if info[0] == family), infos[0])
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an IP address) is a loopback address."""
     try:
@@ -228,7 +237,7 @@ class UdpSocket:
         dual-stack socket for IPv6 and IPv4 (see the class)."""
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM, flags=socket.AI_PASSIVE)
-        family, _, _, _, addr = infos[0]
+        family, _, _, _, addr = preferred_address(infos, socket.AF_INET)
         sock, dual = bind_udp(family, addr)
         return cls(sock, on_datagram, dual_stack=dual)
 

@@ -47,6 +47,7 @@ from .paths import (
     is_loopback,
     path_key,
     plain_ip,
+    preferred_address,
 )
 from .punch import PunchConfig
 from .quic_conn import QuicConnection
@@ -216,16 +217,12 @@ class QuicTransport(EndpointBase[QuicConnection]):
         return self._udp_route(sock, (ip, int(sockaddr[1])))
 
     def _preferred(self, infos: list[Any]) -> Any:
-        """Which of a name's addresses to dial (one: UDP says nothing of an address
-        nobody listens at, so trying the next would cost the whole handshake timeout):
-        the first of our listening socket's family, or of IPv4 when we listen on both or
-        none ("localhost" is ::1 first on many hosts, where peers listen on 127.0.0.1)."""
+        """Which of a name's addresses to dial (:func:`preferred_address`): of our
+        listening socket's family, or IPv4 when we listen on both or none."""
         udp = self._udp
-        if udp is not None and not udp.closed and not udp.dual_stack:
-            want = udp.family
-        else:
-            want = socket.AF_INET
-        return next((info for info in infos if info[0] == want), infos[0])
+        if udp is None or udp.closed or udp.dual_stack:
+            return preferred_address(infos, socket.AF_INET)
+        return preferred_address(infos, udp.family)
 
     def _udp_route(self, sock: UdpSocket, addr: UdpAddress) -> UdpRoute:
         return UdpRoute(sock, addr, self._direct_datagram(addr))

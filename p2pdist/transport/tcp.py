@@ -251,6 +251,8 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
 
     def _write(self, data: bytes) -> None:
         assert self._transport is not None
+        if self._rx_paused and self._peer_ended_unread():
+            return  # a control frame for a peer that has closed (see _peer_ended_unread)
         if self._tls is None:
             self._transport.write(data)
             return
@@ -294,6 +296,10 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
     def _write_frame(self, header: bytes, payload: memoryview) -> None:
         t = self._transport
         assert t is not None
+        if self._rx_paused and self._peer_ended_unread():
+            raise ConnectionBrokenError(
+                self.label, "it closed the connection (its last messages are still unread here)"
+            )
         tls = self._tls
         if payload.nbytes <= _SMALL_WRITE:
             data = b"".join((header, payload)) if payload.nbytes else header  # one copy
@@ -319,14 +325,14 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
     def _writable(self) -> bool:
         return self._transport is not None and not self._transport.is_closing()
 
-    def _may_ping(self) -> bool:
-        # Not once the peer's end is in, unread behind our paused reading: the peer has
-        # closed, a PING would only draw its kernel's reset, and a write after that fails
-        # and makes asyncio close our socket with the peer's last frames (its GOODBYE
-        # too) still unread in it.
+    def _peer_ended_unread(self) -> bool:
+        # The peer closed, and its FIN waits behind what our paused reading left unread:
+        # anything we write (a keepalive PING, a group's notice, a message) only draws its
+        # kernel's reset, and a write after that fails and makes asyncio close our socket
+        # with the peer's last frames, its GOODBYE too, still unread in it.
         if not self._rx_paused or self._transport is None:
-            return True
-        return not peer_has_ended(self._transport.get_extra_info("socket"))
+            return False
+        return peer_has_ended(self._transport.get_extra_info("socket"))
 
     def _set_reading(self, on: bool) -> None:
         self._rx_paused = not on
