@@ -200,12 +200,30 @@ async def test_a_mismatch_told_by_another_rank_names_that_rank() -> None:
             return await g.all_reduce(x, timeout=5)
 
         results = await asyncio.gather(*(call(g) for g in gs), return_exceptions=True)
-        told = [r for r in results if "aborted the group" in str(r)]
-        assert told, results
-        for r in told:
-            assert isinstance(r, GroupBrokenError) and "this rank" not in str(r), r
-            teller = str(r).split(" aborted the group")[0]
-            assert f"but {teller} called" in str(r), r
+        _check_told_by_name(results)
+    # In a sub-group numbered the other way round, ranks are named by their root numbers
+    # all the same (the notice named the teller by its sub-group number).
+    async with groups(4, config={"algorithm": "ring"}) as gs:
+        subs = await asyncio.gather(*(g.split(0, key=-g.rank) for g in gs))
+
+        async def sub_call(sub: Group | None, rank: int) -> Any:
+            assert sub is not None
+            x = np.ones(100_000, np.float64 if rank == 2 else np.float32)
+            return await sub.all_reduce(x, timeout=5)
+
+        results = await asyncio.gather(
+            *(sub_call(s, g.rank) for s, g in zip(subs, gs, strict=True)), return_exceptions=True
+        )
+        _check_told_by_name(results)
+
+
+def _check_told_by_name(results: list[Any]) -> None:
+    told = [r for r in results if "aborted the group" in str(r)]
+    assert told, results
+    for r in told:
+        assert isinstance(r, GroupBrokenError) and "this rank" not in str(r), r
+        teller = str(r).split(" aborted the group")[0].split(": ")[-1]
+        assert f"but {teller} called" in str(r), r
 
 
 async def test_concurrent_collectives_from_several_tasks() -> None:
