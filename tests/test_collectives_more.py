@@ -18,6 +18,7 @@ from p2pdist import (
     PeerTimeoutError,
     UsageError,
 )
+from p2pdist.group import p2p as p2p_module
 
 
 def data(rank: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
@@ -859,6 +860,75 @@ async def test_a_subgroup_closed_on_one_rank_has_it_leave_for_the_others() -> No
             await asyncio.wait_for(subs[1].all_reduce(np.ones(3)), 5)  # type: ignore[union-attr]
         got = await asyncio.gather(*(g.all_reduce(np.ones(2), timeout=5) for g in gs))
         np.testing.assert_array_equal(got[0], [3.0, 3.0])
+        assert all(g.broken is None for g in gs)
+
+
+async def test_closing_a_subgroup_ends_its_point_to_point_traffic_too() -> None:
+    """Closing a sub-group did nothing to its sends and recvs: the closing rank's own
+    pending recv stayed open (it returned a message sent after the close), the peer's
+    recv from it waited out the timeout, the peer's sends to it "succeeded", and what
+    they carried stayed queued on the shared root connection for good (with a small
+    max_buffered, reading paused there and the root group's all_reduce timed out: an
+    audit). A message sent before the close is still received."""
+    async with groups(2, timeout=10, max_buffered=8 << 20) as gs:
+        subs = await asyncio.gather(*(g.split(0) for g in gs))
+        s0, s1 = subs
+        assert s0 is not None and s1 is not None
+        await s0.send(np.arange(3.0), 1)  # before the close: still received
+        waiting = asyncio.create_task(s1.recv(0, like=np.zeros(3)))
+
+        async def send_unread() -> None:  # 16 MiB each, past max_buffered: blocks
+            for _ in range(3):
+                await s1.send(np.zeros(2 << 20), 0)
+
+        sending = asyncio.create_task(send_unread())
+        await asyncio.sleep(0.2)
+        assert not sending.done()
+        await s0.close()
+        np.testing.assert_array_equal(await asyncio.wait_for(waiting, 5), np.arange(3.0))
+        # What was queued is dropped, so the blocked send goes on, and a send after
+        # the close notice fails saying why.
+        ended = await asyncio.wait_for(asyncio.gather(sending, return_exceptions=True), 5)
+        assert ended[0] is None or "closed the sub-group" in str(ended[0]), ended
+        with pytest.raises(ConnectionBrokenError, match=r"rank 0 \(.*closed the sub-group"):
+            await asyncio.wait_for(s1.recv(0), 5)  # nothing more comes from it
+        with pytest.raises(ConnectionBrokenError, match=r"rank 0 \(.*closed the sub-group"):
+            await asyncio.wait_for(s1.send(np.ones(3), 0), 5)
+        conn = gs[0]._conns[1]
+        await asyncio.sleep(0.2)
+        assert conn.stats.buffered < 1 << 20, conn.stats  # the 48 MiB were dropped
+        got = await asyncio.gather(*(g.all_reduce(np.ones(2), timeout=5) for g in gs))
+        np.testing.assert_array_equal(got[0], [2.0, 2.0])
+        # The closing rank's own recv under way fails at once, saying why.
+        subs = await asyncio.gather(*(g.split(0) for g in gs))
+        assert subs[0] is not None
+        pending = asyncio.create_task(subs[0].recv(1))
+        await asyncio.sleep(0.05)
+        await subs[0].close()
+        with pytest.raises(GroupBrokenError, match=r"recv from rank 1 \(.*the group was closed"):
+            await asyncio.wait_for(pending, 5)
+        assert all(g.broken is None for g in gs)
+
+
+async def test_a_send_cut_by_its_subgroups_close_is_a_closed_subgroup_to_the_receiver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 closes its sub-group in the middle of a send of many pieces: its cut send
+    says "stopped sending" after the close notice, and rank 1's recv raised that plain
+    PeerError, or "closed the sub-group", depending on which it read first (a review)."""
+    monkeypatch.setattr(p2p_module, "CHUNK", 1 << 20)
+    async with groups(2, timeout=10, max_buffered=2 << 20) as gs:
+        subs = await asyncio.gather(*(g.split(0) for g in gs))
+        s0, s1 = subs
+        assert s0 is not None and s1 is not None
+        sending = asyncio.create_task(s0.send(np.zeros(4 << 20), 1))  # 32 pieces
+        await asyncio.sleep(0.2)
+        assert not sending.done()  # rank 1 reads nothing yet: it waits on the link
+        await s0.close()
+        with pytest.raises(GroupBrokenError, match="the group was closed"):
+            await asyncio.wait_for(sending, 5)
+        with pytest.raises(ConnectionBrokenError, match=r"rank 0 \(.*closed the sub-group"):
+            await asyncio.wait_for(s1.recv(0), 5)
         assert all(g.broken is None for g in gs)
 
 

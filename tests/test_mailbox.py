@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-from p2pdist.transport.mailbox import CHANNEL_OVERHEAD, FRAME_OVERHEAD, STALLED_FACTOR, Mailbox
+from p2pdist.transport.mailbox import (
+    CHANNEL_OVERHEAD,
+    FRAME_OVERHEAD,
+    SPACE_SHIFT,
+    STALLED_FACTOR,
+    Mailbox,
+)
 from p2pdist.wire.frames import FrameDecoder, FrameKind, encode_header
 
 
@@ -80,3 +86,26 @@ async def test_while_a_sender_waits_reading_pauses_at_four_times_the_limit() -> 
     stalled[0] = False
     mb.relax()  # over the plain limit: stays paused
     assert events == ["pause", "resume", "pause"]
+
+
+async def test_retiring_a_space_drops_its_channels_only_queued_and_to_come() -> None:
+    """A closed sub-group's two spaces are retired whole: what its peers had sent and
+    what they send after is dropped (it stayed queued for good, and past max_buffered
+    paused the shared connection); other spaces keep theirs."""
+    mb, events = new_mailbox(100 * FRAME_OVERHEAD)
+    space, other = 5 << SPACE_SHIFT, 6 << SPACE_SHIFT
+    wire = b"".join(
+        encode_header(FrameKind.DATA, channel=base | i, seq=0)
+        for i in range(60)
+        for base in (space, other)
+    )
+    for frame in FrameDecoder().feed(wire):
+        mb.deliver(frame)
+    assert events == ["pause"]
+    before = mb.buffered
+    mb.retire_space(5)
+    assert mb.dropped == 60 and mb.buffered == before // 2
+    for frame in FrameDecoder().feed(encode_header(FrameKind.DATA, channel=space | 1000)):
+        mb.deliver(frame)  # sent before the sender knew: dropped on arrival
+    assert mb.dropped == 61
+    assert (await mb.get(other | 59, 1.0)).channel == other | 59

@@ -13,17 +13,19 @@ import logging
 import math
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import msgpack
 import numpy as np
 
 from ..errors import (
+    ConnectionBrokenError,
     ConnectionClosedError,
     GroupBrokenError,
     P2PError,
+    PeerError,
     RemoteProtocolError,
     UsageError,
 )
@@ -58,6 +60,8 @@ from .runner import Runner, left_refusal
 from .spaces import SpaceBook
 
 __all__ = ["GroupCore"]
+
+_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +152,10 @@ class GroupCore(Runner):
         self._home_loop: asyncio.AbstractEventLoop | None = None
         self._p2p_sent: dict[int, int] = {}
         self._p2p_received: dict[int, int] = {}
+        self._p2p_waiting: dict[asyncio.Task[Any], tuple[int, str]] = {}
+        """(Sub-group) sends and recvs under way: task -> (peer, "send to"/"recv from")."""
+        self._p2p_cut: dict[asyncio.Task[Any], P2PError] = {}
+        """(Sub-group) those a close cut short, with the error each raises instead."""
         self._p2p_given_back: dict[int, list[int]] = {}
         """Per source: indices of recvs that ended before any of their message came (a
         timeout, a cancellation), smallest first: the next recv from it takes them."""
@@ -518,6 +526,11 @@ class GroupCore(Runner):
             for g in closing:
                 g._send_control({"closed": g._space, "next": g._next_cid}, g._conns)
             root._cancel_closed(self)
+            for g in closing:
+                g._cut_p2p(None)
+                for conn in g._conns.values():  # what the others still send it, dropped
+                    conn.retire_space(g._space)
+                    conn.retire_space(g._p2p_space)
             return
         healthy = self._broken is None
         if self._broken is None:
@@ -708,11 +721,15 @@ class GroupCore(Runner):
         seconds = self._seconds(timeout)
         self._check_usable(collective=False)
         self._check_loop("send")
+        sub = self._parent is not None
+        if sub and self._root_ranks[dst] in self._closed_by:
+            raise self._closed_p2p_error(dst, "send to")
         index = self._p2p_sent.get(dst, 0)
         self._p2p_sent[dst] = index + 1
         channel = (self._p2p_space << SPACE_SHIFT) | index
         try:
-            await p2p.send_array(self._conns[dst], channel, arr, header, seconds)
+            sending = p2p.send_array(self._conns[dst], channel, arr, header, seconds)
+            await (self._p2p_wait(dst, "send to", sending) if sub else sending)
         except ConnectionClosedError:
             if self._root()._closing:
                 raise self._closed_under("send to", dst) from None
@@ -746,11 +763,10 @@ class GroupCore(Runner):
         self._check_usable(collective=False)
         deadline = self._check_loop("recv").time() + seconds
         try:
-            while True:  # past the messages withdrawn by their senders
-                try:
-                    return await self._recv_next(src, want, out, seconds, deadline)
-                except p2p.Withdrawn:
-                    continue
+            receiving = self._recv_in_order(src, want, out, seconds, deadline)
+            if self._parent is None:
+                return await receiving
+            return await self._p2p_wait(src, "recv from", receiving)
         except RemoteProtocolError as err:
             if self._gone_with(err) is None:
                 self._break(err, notify=True)
@@ -759,6 +775,71 @@ class GroupCore(Runner):
             if self._root()._closing:
                 raise self._closed_under("recv from", src) from None
             raise
+
+    async def _recv_in_order(
+        self,
+        src: int,
+        want: tuple[np.dtype[Any] | None, tuple[int, ...] | None],
+        out: np.ndarray | None,
+        seconds: float,
+        deadline: float,
+    ) -> np.ndarray:
+        while True:  # past the messages withdrawn by their senders
+            try:
+                return await self._recv_next(src, want, out, seconds, deadline)
+            except p2p.Withdrawn:
+                continue
+
+    async def _p2p_wait(self, peer: int, what: str, aw: Coroutine[Any, Any, _T]) -> _T:
+        """Await ``aw``, a sub-group's send to or recv from ``peer`` (``what`` says
+        which): a close of the sub-group, here or by ``peer``, cuts it short with an
+        error saying so (:meth:`_cut_p2p`), where it would wait out its timeout."""
+        task = asyncio.current_task()
+        assert task is not None
+        cancelling = task.cancelling()  # (a cancel already asked for is not ours to undo)
+        self._p2p_waiting[task] = (peer, what)
+        closer = self._root_ranks[peer]
+        if closer in self._closed_by:
+            # What the peer sent before it closed came before its notice: taken at once
+            # if it is here; after that nothing more comes.
+            asyncio.get_running_loop().call_soon(self._cut_p2p, closer)
+        try:
+            return await aw
+        except asyncio.CancelledError:
+            cut = self._p2p_cut.pop(task, None)
+            if cut is not None and task.uncancel() <= cancelling:
+                raise cut from None
+            raise
+        except PeerError as err:
+            if isinstance(err, ConnectionBrokenError):
+                raise
+            # A message it was sending when it closed the sub-group: its send was cut and
+            # said so ("stopped sending") after the close notice, which may be unread yet.
+            self._root()._read_notices(closer, self._conns[peer])
+            if closer in self._closed_by:
+                raise self._closed_p2p_error(peer, what) from err
+            raise
+        finally:
+            self._p2p_waiting.pop(task, None)
+            self._p2p_cut.pop(task, None)
+
+    def _cut_p2p(self, root_rank: int | None) -> None:
+        """(Sub-group) cut short the sends and recvs under way with root rank
+        ``root_rank``, which closed this sub-group (None: with anyone, this rank closed
+        it). Called soon after the notice, not at once: a recv woken by a message that
+        came before the notice takes it first."""
+        for task, (peer, what) in list(self._p2p_waiting.items()):
+            if task in self._p2p_cut or root_rank not in (None, self._root_ranks[peer]):
+                continue
+            gone = self._closed_under(what, peer) if root_rank is None else None
+            self._p2p_cut[task] = gone or self._closed_p2p_error(peer, what)
+            task.cancel()
+
+    def _closed_p2p_error(self, peer: int, what: str) -> ConnectionBrokenError:
+        """The error of a send to or recv from ``peer``, which closed this sub-group."""
+        return ConnectionBrokenError(
+            self._root_label(peer), f"closed the sub-group: this {what} it cannot complete"
+        )
 
     async def _recv_next(
         self,

@@ -29,6 +29,7 @@ from ..transport.relay_path import RelayPath
 from ..wire.relay import RelayUrl
 from .config import GroupConfig
 from .link import CollectiveLink
+from .spaces import SpaceBook
 
 __all__ = ["CONTROL_CHANNEL", "FIRST_RESERVED_SPACE", "LAST_SPACE", "LEAVING_MAX", "Membership"]
 
@@ -98,6 +99,8 @@ class Membership:
     _next_cid: int
     _pending: dict[int, int]  # see calls.Reserving
     _space: int  # the channel space of this group's collectives
+    _p2p_space: int  # and of its point-to-point messages
+    _spaces: SpaceBook  # root only
     _listeners: list[asyncio.Task[None]]
     _closing: bool
     _formed: bool
@@ -117,6 +120,9 @@ class Membership:
         raise NotImplementedError
 
     def _break(self, error: BaseException, *, notify: bool = False) -> None:
+        raise NotImplementedError
+
+    def _cut_p2p(self, root_rank: int | None) -> None:
         raise NotImplementedError
 
     async def _listen_control(self, rank: int, conn: Connection) -> None:
@@ -271,6 +277,8 @@ class Membership:
             if g._space == space and root_rank in g._root_ranks:
                 self._apply_closed(g, root_rank, next_cid)
                 return
+        if self._spaces.taken(space):
+            return  # a sub-group this rank closed and let go of: nothing left to tell
         early = self._closed_early
         if space in early or len(early) < _CLOSED_EARLY_MAX:
             early.setdefault(space, []).append((root_rank, next_cid))
@@ -283,6 +291,7 @@ class Membership:
         for task, (running, channel, _) in list(self._inflight.items()):
             if running is group and split_channel(channel)[1] >= next_cid:
                 self._cancel_for_loss(task, root_rank, told=True)
+        asyncio.get_running_loop().call_soon(group._cut_p2p, root_rank)
 
     def _cancel_closed(self, group: Membership) -> None:
         """(Root group) fail the running collectives of ``group`` (a sub-group being

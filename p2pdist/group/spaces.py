@@ -43,6 +43,10 @@ class SpaceBook:
         self.next = space + 2
         return space
 
+    def taken(self, space: int) -> bool:
+        """Whether a sub-group here was made on ``space`` (it stays taken once closed)."""
+        return space in self._taken
+
     def claim(self, space: int, token: object) -> bool:
         """Hold ``space`` for the split ``token`` unless a sub-group here uses it or
         another unfinished split holds it (then False)."""

@@ -184,6 +184,11 @@ class Connection(Protocol):
         places named for it with :meth:`expect` are let go."""
         ...
 
+    def retire_space(self, space: int) -> None:
+        """:meth:`retire` every channel of ``space`` (``channel >> 48``), those to come
+        too (a sub-group this end has closed)."""
+        ...
+
     def add_close_callback(self, callback: Callable[[BaseException | None], None]) -> None:
         """Call ``callback(error)`` once when the connection ends (None: closed by us)."""
         ...

@@ -40,7 +40,7 @@ from ..wire.frames import (
 )
 from .base import NOT_ADMITTED, ConnectionStats, TransportConfig
 from .keepalive import Keepalive, KeepaliveAction
-from .mailbox import Mailbox
+from .mailbox import Mailbox, split_channel
 
 __all__ = ["AcceptQueue", "EndpointBase", "FramedConnection", "SendStalls"]
 
@@ -352,6 +352,13 @@ class FramedConnection:
         """Drop queued and future frames of ``channel``, and the places named for it."""
         self._mailbox.retire(channel)
         self._decoder.forget(channel)
+
+    def retire_space(self, space: int) -> None:
+        """:meth:`retire` every channel of ``space``, those to come too."""
+        self._mailbox.retire_space(space)
+        for channel in self._decoder.named_channels():
+            if split_channel(channel)[0] == space:
+                self._decoder.forget(channel)
 
     def interrupt(self, error: BaseException) -> None:
         """Fail current and future receives and send waits with ``error``.

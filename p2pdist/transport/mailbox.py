@@ -90,6 +90,10 @@ class RetiredChannels:
             starts.insert(i, counter)
             ends.insert(i, counter + 1)
 
+    def retire_space(self, space: int) -> None:
+        """Mark every channel of ``space`` retired, those to come too."""
+        self._runs[space] = ([0], [_COUNTER + 1])
+
     def __contains__(self, channel: int) -> bool:
         space, counter = split_channel(channel)
         runs = self._runs.get(space)
@@ -265,5 +269,12 @@ class Mailbox:
         """Drop queued frames of ``channel`` and every later one."""
         self._retired.retire(channel)
         if channel in self._queues:
+            while self.take(channel) is not None:
+                self.dropped += 1
+
+    def retire_space(self, space: int) -> None:
+        """Drop the queued and every later frame of any channel in ``space``."""
+        self._retired.retire_space(space)
+        for channel in [ch for ch in self._queues if split_channel(ch)[0] == space]:
             while self.take(channel) is not None:
                 self.dropped += 1

@@ -213,6 +213,12 @@ class FrameDecoder:
             raise ValueError("a landing place must be a writable, contiguous 1-D view of bytes")
         self._places.setdefault(channel, {})[seq] = place
 
+    def named_channels(self) -> list[int]:
+        """The channels with places named (or a payload coming into one)."""
+        pending = self._pending
+        coming = [pending[2]] if pending is not None and self._into_place else []
+        return [*self._places, *coming]
+
     def forget(self, channel: int) -> None:
         """Drop the places named for ``channel``. The rest of a payload being received
         into one of them is read into the (then empty) scratch buffer and thrown away,
