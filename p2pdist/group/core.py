@@ -763,7 +763,7 @@ class GroupCore(Runner):
         self._check_usable(collective=False)
         deadline = self._check_loop("recv").time() + seconds
         try:
-            receiving = self._recv_in_order(src, want, out, seconds, deadline)
+            receiving = self._recv_next(src, want, out, seconds, deadline)
             if self._parent is None:
                 return await receiving
             return await self._p2p_wait(src, "recv from", receiving)
@@ -775,20 +775,6 @@ class GroupCore(Runner):
             if self._root()._closing:
                 raise self._closed_under("recv from", src) from None
             raise
-
-    async def _recv_in_order(
-        self,
-        src: int,
-        want: tuple[np.dtype[Any] | None, tuple[int, ...] | None],
-        out: np.ndarray | None,
-        seconds: float,
-        deadline: float,
-    ) -> np.ndarray:
-        while True:  # past the messages withdrawn by their senders
-            try:
-                return await self._recv_next(src, want, out, seconds, deadline)
-            except p2p.Withdrawn:
-                continue
 
     async def _p2p_wait(self, peer: int, what: str, aw: Coroutine[Any, Any, _T]) -> _T:
         """Await ``aw``, a sub-group's send to or recv from ``peer`` (``what`` says
@@ -850,28 +836,34 @@ class GroupCore(Runner):
         deadline: float,
     ) -> np.ndarray:
         """Receive the next message from ``src`` in order, on the channel it takes, by
-        the loop time ``deadline`` (``seconds``: the recv's timeout, for its error)."""
-        given_back = self._p2p_given_back.get(src)
-        if given_back:
-            index = heapq.heappop(given_back)
-        else:
-            index = self._p2p_received.get(src, 0)
-            self._p2p_received[src] = index + 1
-        channel = (self._p2p_space << SPACE_SHIFT) | index
+        the loop time ``deadline`` (``seconds``: the recv's timeout, for its error),
+        past the messages withdrawn by their senders."""
+        while True:
+            given_back = self._p2p_given_back.get(src)
+            if given_back:
+                index = heapq.heappop(given_back)
+            else:
+                index = self._p2p_received.get(src, 0)
+                self._p2p_received[src] = index + 1
+            channel = (self._p2p_space << SPACE_SHIFT) | index
 
-        def give_back() -> None:  # nothing of its message came: the next recv waits for it
-            heapq.heappush(self._p2p_given_back.setdefault(src, []), index)
+            def give_back(index: int = index) -> None:
+                # Nothing of its message came: the next recv waits for it.
+                heapq.heappush(self._p2p_given_back.setdefault(src, []), index)
 
-        return await p2p.recv_array(
-            self._conns[src],
-            channel,
-            want,
-            out,
-            seconds,
-            self.config.max_message_bytes,
-            give_back,
-            deadline=deadline,
-        )
+            try:
+                return await p2p.recv_array(
+                    self._conns[src],
+                    channel,
+                    want,
+                    out,
+                    seconds,
+                    self.config.max_message_bytes,
+                    give_back,
+                    deadline=deadline,
+                )
+            except p2p.Withdrawn:
+                continue
 
     def _closed_under(self, what: str, peer: int) -> GroupBrokenError:
         """What a send or recv cut short by this rank's close of the group raises: the
