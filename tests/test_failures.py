@@ -465,3 +465,27 @@ async def test_a_goodbye_yields_the_lead_to_an_abort_notice(
                 assert text.index("was cancelled on rank 0") < text.index("closed its connection")
         with pytest.raises(asyncio.CancelledError):
             await tasks[0]
+
+
+async def test_a_call_the_others_gave_up_fails_where_it_finishes_late() -> None:
+    """Rank 2's event loop is held (its reading stands still) past the others' timeout:
+    they give the call up and say so. When rank 2 runs again its call found their parts
+    there and returned the result, which they lack (a user's trial: a rank blocked in
+    numpy saved a state the others never reached). It fails there too now."""
+    async with groups(3, timeout=20) as gs:
+        held = [c._transport for c in gs[2]._conns.values()]  # type: ignore[attr-defined]
+        for t in held:
+            t.pause_reading()
+        x = np.ones(3)
+        gave_up = await asyncio.gather(
+            *(g.all_reduce(x, timeout=0.5) for g in gs[:2]), return_exceptions=True
+        )
+        assert all(isinstance(e, PeerTimeoutError) for e in gave_up), gave_up
+        await asyncio.sleep(0.2)  # their aborts wait unread in rank 2's sockets
+        for t in held:
+            t.resume_reading()
+        # At once, as a loop that runs again finds the call next: its reads take the
+        # parts and the aborts behind them.
+        with pytest.raises(GroupBrokenError, match="finished on this rank, but too late") as info:
+            await gs[2].all_reduce(x)
+        assert "timed out" in str(info.value) and gs[2].peer_label(2) in str(info.value)

@@ -62,6 +62,8 @@ from .spaces import SpaceBook
 __all__ = ["GroupCore"]
 
 _T = TypeVar("_T")
+_GIVEN_UP_MAX = 64
+"""Calls given up by other ranks that a group remembers (the first breaks it)."""
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +203,8 @@ class GroupCore(Runner):
         self._watchdog: asyncio.TimerHandle | None = None  # root only: see _run
         self._watchdog_at = math.inf
         self._failed_calls: dict[int, CallFailure] = {}
+        self._given_up: dict[int, GroupBrokenError] = {}
+        """(Root) calls (channels) another rank gave up, with its abort notice."""
 
     # ---- construction ---------------------------------------------------------------
 
@@ -602,8 +606,10 @@ class GroupCore(Runner):
                 if not 0 <= gone < self.size:
                     raise ValueError(f"no rank {gone}")
             reason = str(body.get("abort", "no reason given"))
+            during = body.get("during")  # the call it gave up (a channel), if one
+            during = during if isinstance(during, int) else None
         except Exception:  # msgpack's own exceptions, a missing key, a bad type
-            reason = "undecodable abort notice"
+            reason, during = "undecodable abort notice", None
         if call is not None:
             self._on_call_failed(*call)
         elif leaving is not None:
@@ -615,21 +621,41 @@ class GroupCore(Runner):
         else:
             notice = GroupBrokenError(f"{self.peer_label(rank)} aborted the group: {reason}")
             self._failure_log.append(notice)
+            if during is not None:
+                given_up = self._given_up
+                given_up[during] = notice
+                if len(given_up) > _GIVEN_UP_MAX:
+                    del given_up[next(iter(given_up))]
             self._break(notice)
 
-    def _break(self, error: BaseException, *, notify: bool = False) -> None:
-        """Mark the group unusable and wake every waiter with ``error``."""
+    def _read_pending_notices(self) -> None:
+        """(Root group) act now on the notices a collective's own reads took in with its
+        messages (an abort that came right behind them, say), not on the listener's
+        next step."""
+        for rank, conn in list(self._conns.items()):
+            self._read_notices(rank, conn)
+
+    def _break(
+        self, error: BaseException, *, notify: bool = False, during: int | None = None
+    ) -> None:
+        """Mark the group unusable and wake every waiter with ``error``; ``notify``: tell
+        the others too, naming the call (channel) ``during`` which failed, if one."""
         if self._broken is not None:
             return
         self._broken = error
         if notify:
             told = as_told_to_others(str(error), self._root_label(self._rank))
-            self._send_control({"abort": told}, self._conns)
+            body: dict[str, Any] = {"abort": told}
+            if during is not None:
+                body["during"] = during
+            self._send_control(body, self._conns)
         for conn in self._conns.values():
             conn.interrupt(error)
         if self._parent is not None:
             # The connections are shared: a sub-group failure breaks its ancestors too.
-            self._parent._break(GroupBrokenError("a sub-group failed", error), notify=notify)
+            self._parent._break(
+                GroupBrokenError("a sub-group failed", error), notify=notify, during=during
+            )
 
     def _root(self) -> GroupCore:
         group = self

@@ -21,7 +21,14 @@ from typing import Any
 
 import msgpack
 
-from ..errors import ConnectionBrokenError, MismatchError, P2PError, PeerError, UsageError
+from ..errors import (
+    ConnectionBrokenError,
+    GroupBrokenError,
+    MismatchError,
+    P2PError,
+    PeerError,
+    UsageError,
+)
 from ..identity import EndpointId
 from ..transport.base import Address, Connection
 from ..transport.mailbox import SPACE_SHIFT, split_channel
@@ -106,6 +113,7 @@ class Membership:
     _formed: bool
     _rejoin: bool
     _failure_log: list[BaseException]
+    _given_up: dict[int, GroupBrokenError]  # root: see GroupCore
     _addresses: list[Address] | None
     _relay_url: RelayUrl | None
     _relay_path: RelayPath | None
@@ -119,7 +127,12 @@ class Membership:
     def _root(self) -> Membership:
         raise NotImplementedError
 
-    def _break(self, error: BaseException, *, notify: bool = False) -> None:
+    def _break(
+        self, error: BaseException, *, notify: bool = False, during: int | None = None
+    ) -> None:
+        raise NotImplementedError
+
+    def _read_pending_notices(self) -> None:
         raise NotImplementedError
 
     def _cut_p2p(self, root_rank: int | None) -> None:

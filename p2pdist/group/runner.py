@@ -362,7 +362,7 @@ class Runner(Rejoining, Reserving):
         expired = closed = False
         try:
             try:
-                return await body(link)
+                result = await body(link)
             finally:
                 if outer is None:
                     del inflight[task]
@@ -378,6 +378,17 @@ class Runner(Rejoining, Reserving):
                 if root._closed_calls:
                     closed = task in root._closed_calls
                     root._closed_calls.discard(task)
+            # Done here; but a rank that gave this call up (its timeout ran out while this
+            # rank's loop was held, say) has no result: fail it here too, rather than go
+            # on with a result the others lack. Its abort may have come in with the last
+            # messages, not yet read by the listener: read it now.
+            if root._broken is None:
+                root._read_pending_notices()
+            if root._given_up and (notice := root._given_up.get(channel)) is not None:
+                raise GroupBrokenError(
+                    f"{link.explain()} finished on this rank, but too late: {notice}"
+                )
+            return result
         except asyncio.CancelledError:
             # A member was lost (on_peer_loss="leave"): not our doing, unless the caller
             # cancelled us too (then the cancellation goes on, as any other does).
@@ -393,10 +404,11 @@ class Runner(Rejoining, Reserving):
                 raise GroupBrokenError(f"{link.explain()} failed: the group was closed") from None
             if expired and task.uncancel() == 0:  # the watchdog's: this call is overdue
                 timeout_err = self._timeout_error(link, seconds)
-                self._break(timeout_err, notify=True)
+                self._break(timeout_err, notify=True, during=channel)
                 raise timeout_err from None
             me = self._root_label(self._rank)
-            self._break(GroupBrokenError(f"{link.explain()} was cancelled on {me}"), notify=True)
+            cancelled = GroupBrokenError(f"{link.explain()} was cancelled on {me}")
+            self._break(cancelled, notify=True, during=channel)
             raise
         except (MismatchError, RemoteProtocolError, ConnectionBrokenError) as failure:
             err = failure
@@ -406,7 +418,7 @@ class Runner(Rejoining, Reserving):
             if gone is not None:
                 self._tell_call_failed(channel, gone)
                 raise self._loss_error(gone, link) from None
-            self._break(err, notify=True)
+            self._break(err, notify=True, during=channel)
             if not isinstance(err, ConnectionBrokenError):
                 raise
             # A goodbye too: a rank that failed for another's sake says so (an abort
@@ -419,7 +431,7 @@ class Runner(Rejoining, Reserving):
                 # peer the call waited on says "closed locally": not that peer's doing).
                 raise GroupBrokenError(f"{link.explain()} failed: the group was closed") from None
             # Tell the others why, unless this failure is itself someone's abort notice.
-            self._break(err, notify=not isinstance(err, GroupBrokenError))
+            self._break(err, notify=not isinstance(err, GroupBrokenError), during=channel)
             raise
         except Exception as err:
             # Not ours (FloatingPointError under np.seterr, MemoryError, a codec's error):
@@ -427,7 +439,7 @@ class Runner(Rejoining, Reserving):
             me = self._root_label(self._rank)
             kind = type(err).__name__
             broken = GroupBrokenError(f"{link.explain()} failed on {me} with {kind}", err)
-            self._break(broken, notify=True)
+            self._break(broken, notify=True, during=channel)
             raise broken from err
         finally:
             self._retire_everywhere(channel)
