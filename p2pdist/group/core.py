@@ -628,13 +628,6 @@ class GroupCore(Runner):
                     del given_up[next(iter(given_up))]
             self._break(notice)
 
-    def _read_pending_notices(self) -> None:
-        """(Root group) act now on the notices a collective's own reads took in with its
-        messages (an abort that came right behind them, say), not on the listener's
-        next step."""
-        for rank, conn in list(self._conns.items()):
-            self._read_notices(rank, conn)
-
     def _break(
         self, error: BaseException, *, notify: bool = False, during: int | None = None
     ) -> None:

@@ -55,7 +55,7 @@ class Group(Reducing):
         result = result_buffer(None, (self.size, *arr.shape), arr.dtype, out)
         _check_row_of_out(arr, result)
         self._check_call(timeout)
-        if self._alone(timeout):
+        if self._alone():
             result[0] = arr
             return result
         descriptor = describe_call("all_gather", "", arr.dtype.str, arr.shape)
@@ -115,7 +115,7 @@ class Group(Reducing):
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Return once every rank has entered the barrier."""
         self._check_call(timeout)
-        if not self._alone(timeout):
+        if not self._alone():
             await self._run(describe_call("barrier", "", "", ()), timeout, alg.barrier)
 
     @collective
@@ -140,7 +140,7 @@ class Group(Reducing):
             _check_row_of_out(arr, checked)
         result = checked if mine else None
         self._check_call(timeout)
-        if self._alone(timeout):
+        if self._alone():
             assert result is not None
             result[0] = arr
             return result
@@ -185,7 +185,7 @@ class Group(Reducing):
         # On the source, out may not share memory with the rows it sends from.
         result = result_buffer(blocks, item, dtype, out)
         self._check_call(timeout)
-        if self._alone(timeout):
+        if self._alone():
             assert blocks is not None
             result[...] = blocks[0]
             return result
@@ -210,7 +210,7 @@ class Group(Reducing):
             raise UsageError(f"all_to_all needs {self.size} rows (one per rank), got {arr.shape}")
         result = result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_call(timeout)
-        if self._alone(timeout):
+        if self._alone():
             if result is not arr:
                 np.copyto(result, arr)
             return result
@@ -230,9 +230,8 @@ class Group(Reducing):
     ) -> list[np.ndarray]:
         """Variable-size all-to-all: ``xs[p]`` (any number of rows, zero allowed, same dtype
         and row shape everywhere) goes to rank p; returns ``[what rank p sent us, ...]``."""
-        try:
-            pieces = list(xs)  # a generator too (numpy pieces: CuPy ones are staged from
-            # a list or tuple before the call runs, see on_host)
+        try:  # any iterable (on_host stages CuPy pieces from a list or tuple only)
+            pieces = list(xs)
         except TypeError:
             raise UsageError(
                 f"all_to_all_v needs a sequence of {self.size} arrays, got {type(xs).__name__}"
@@ -255,7 +254,7 @@ class Group(Reducing):
                     f"{first.dtype}{list(first.shape)}; dtype and row shape must agree"
                 )
         self._check_call(timeout)
-        if self._alone(timeout):
+        if self._alone():
             return [parts[0].copy()]
 
         async def body(lk: CollectiveLink) -> list[np.ndarray]:
@@ -290,7 +289,7 @@ class Group(Reducing):
         token = object()  # this split, in the book
         self._check_call(timeout)
         try:
-            if self._alone(timeout):
+            if self._alone():
                 outcome = await self._split_rounds(None, color, key, book, token)
             else:
                 # One collective however many rounds it takes (one channel, its messages

@@ -132,9 +132,6 @@ class Membership:
     ) -> None:
         raise NotImplementedError
 
-    def _read_pending_notices(self) -> None:
-        raise NotImplementedError
-
     def _cut_p2p(self, root_rank: int | None) -> None:
         raise NotImplementedError
 

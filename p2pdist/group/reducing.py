@@ -93,13 +93,10 @@ class Reducing(GroupCore):
         else:
             await alg.ring_all_gather(lk, flat, bounds, chunk)
 
-    def _alone(self, timeout: float | None) -> bool:
-        """Whether this group has one rank, so that a collective needs no peer; its
-        ``timeout`` is checked all the same (a call must be refused alike at any world)."""
-        if self.size != 1:
-            return False
-        self._seconds(timeout)
-        return True
+    def _alone(self) -> bool:
+        """Whether this group has one rank, so that a collective needs no peer (its
+        ``timeout`` was checked all the same, by :meth:`_check_call`)."""
+        return self.size == 1
 
     # ---- the reductions -------------------------------------------------------------------
 
@@ -222,7 +219,7 @@ class Reducing(GroupCore):
         in_place = out is arr and arr.flags.writeable
         work = arr if in_place else result_buffer(arr, arr.shape, arr.dtype, out)
         self._check_call(timeout)
-        if self._alone(timeout):  # the identity, compressed or not: nothing travels
+        if self._alone():  # the identity, compressed or not: nothing travels
             if work is not arr:
                 np.copyto(work, arr)
             return work
@@ -313,7 +310,7 @@ class Reducing(GroupCore):
         result = result_buffer(None, (r1 - r0, *arr.shape[1:]), arr.dtype, out)
         _check_own_piece(arr, r0, r1, result)
         self._check_call(timeout)
-        if self._alone(timeout):
+        if self._alone():
             np.copyto(result, arr[r0:r1])
             return result
         label = _op_label(op, self._deterministic(mode), codec, block)
@@ -392,7 +389,7 @@ class Reducing(GroupCore):
         checked = result_buffer(arr, arr.shape, arr.dtype, out) if mine or out is not None else None
         result = checked if mine else None
         self._check_call(timeout)
-        if self._alone(timeout):
+        if self._alone():
             assert result is not None
             if result is not arr:
                 np.copyto(result, arr)

@@ -382,8 +382,9 @@ class Runner(Rejoining, Reserving):
             # rank's loop was held, say) has no result: fail it here too, rather than go
             # on with a result the others lack. Its abort may have come in with the last
             # messages, not yet read by the listener: read it now.
-            if root._broken is None:
-                root._read_pending_notices()
+            if root._broken is None:  # (only this group's members can have given it up)
+                for r, conn in list(self._conns.items()):  # (a notice may change them)
+                    root._read_notices(self._root_ranks[r], conn)
             if root._given_up and (notice := root._given_up.get(channel)) is not None:
                 raise GroupBrokenError(
                     f"{link.explain()} finished on this rank, but too late: {notice}"

@@ -146,14 +146,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
         self._check_not_self(peer, name)
         # One bound for the name's lookup and the handshake, as TCP's connect has.
         deadline = asyncio.get_running_loop().time() + self.config.handshake_timeout
-        try:
-            async with asyncio.timeout_at(deadline):
-                route = await self._route_to(peer, address, name)
-        except TimeoutError:
-            target = "the relay route" if address is None else path_key(parse_address(address))
-            raise PeerTimeoutError(
-                name, f"looking up {target} took over {self.config.handshake_timeout} s"
-            ) from None
+        route = await self._route_to(peer, address, name, deadline)
         self._check_not_closed()  # close() may have run while resolving or opening a socket
         conn = self._new_connection(route, server_side=False, expected=peer, label=name)
         where = path_key(route.remote) if isinstance(route, UdpRoute) else "relay"
@@ -190,7 +183,11 @@ class QuicTransport(EndpointBase[QuicConnection]):
 
     # ---- connections ---------------------------------------------------------------------
 
-    async def _route_to(self, peer: EndpointId, address: Address | None, name: str) -> Route:
+    async def _route_to(
+        self, peer: EndpointId, address: Address | None, name: str, deadline: float
+    ) -> Route:
+        """The route to ``peer``: through the relay, or a UDP socket for ``address``,
+        whose name is looked up by the loop time ``deadline``."""
         if address is None:
             if self._relay is None:
                 raise UsageError(f"{name}: no address given and no relay to reach it through")
@@ -198,7 +195,13 @@ class QuicTransport(EndpointBase[QuicConnection]):
         host, port = parse_address(address)
         loop = asyncio.get_running_loop()
         try:
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+            async with asyncio.timeout_at(deadline):
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        except TimeoutError:
+            raise PeerTimeoutError(
+                name,
+                f"looking up {path_key((host, port))} took over {self.config.handshake_timeout} s",
+            ) from None
         except OSError as exc:
             raise ConnectionBrokenError(name, f"cannot resolve {host}: {exc}") from None
         self._check_not_closed()

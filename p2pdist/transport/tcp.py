@@ -82,16 +82,22 @@ _NO_RTT = 0xFFFFFFFF
 """What ``tcpi_min_rtt`` holds before the first sample."""
 
 
+def _tcp_info(sock: Any, size: int) -> bytes:
+    """The first ``size`` bytes of Linux's ``struct tcp_info`` for ``sock`` (fewer on an
+    older kernel); empty off Linux (other systems lay it out otherwise) or on error."""
+    if sock is None or not sys.platform.startswith("linux") or not hasattr(socket, "TCP_INFO"):
+        return b""
+    try:
+        info: bytes = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, size)
+        return info
+    except (OSError, ValueError):
+        return b""
+
+
 def kernel_rtt(sock: Any) -> float | None:
     """The least round trip the kernel measured on TCP socket ``sock`` (its smoothed one
-    on kernels that keep no least), seconds; None before the first sample, and off Linux
-    (other systems lay ``struct tcp_info`` out otherwise)."""
-    if sock is None or not sys.platform.startswith("linux") or not hasattr(socket, "TCP_INFO"):
-        return None
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_MIN_RTT + 4)
-    except (OSError, ValueError):
-        return None
+    on kernels that keep no least), seconds; None before the first sample, and off Linux."""
+    info = _tcp_info(sock, _TCP_INFO_MIN_RTT + 4)
     for at in (_TCP_INFO_MIN_RTT, _TCP_INFO_RTT):
         if len(info) >= at + 4:
             (micros,) = struct.unpack_from("I", info, at)
@@ -108,13 +114,8 @@ is in."""
 def peer_has_ended(sock: Any) -> bool:
     """Whether TCP socket ``sock`` holds the peer's end of the stream (its FIN), read or
     not (Linux; False where the platform cannot tell)."""
-    if sock is None or not sys.platform.startswith("linux") or not hasattr(socket, "TCP_INFO"):
-        return False
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)
-    except (OSError, ValueError):
-        return False
-    return len(info) >= 1 and info[0] == _TCP_CLOSE_WAIT
+    info = _tcp_info(sock, 1)
+    return bool(info) and info[0] == _TCP_CLOSE_WAIT
 
 
 def _write_keeps_reference(transport: asyncio.BaseTransport) -> bool:
