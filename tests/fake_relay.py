@@ -25,6 +25,7 @@ class FakeRelayPath:
         self._id = endpoint_id
         self.on_datagram: Callable[[EndpointId, bytes], None] | None = None
         self.on_peer_gone: Callable[[EndpointId], None] | None = None
+        self.on_datagram_size: Callable[[int], None] | None = None
         self.max_datagram = hub.max_datagram
         self.sent = 0
         self.received = 0

@@ -44,6 +44,7 @@ from transport_conformance import (
 )
 
 import p2pdist.transport.quic as quic_module
+import relay.inbound as relay_inbound
 from p2pdist.errors import (
     ConnectionBrokenError,
     P2PTimeoutError,
@@ -55,6 +56,7 @@ from p2pdist.errors import (
 from p2pdist.identity import EndpointId, SecretKey
 from p2pdist.tls import TlsIdentity, make_certificate
 from p2pdist.transport import TransportConfig
+from p2pdist.transport.paths import RelayRoute
 from p2pdist.transport.punch import PunchConfig
 from p2pdist.transport.quic import QuicConnection, QuicTransport
 from p2pdist.transport.quic_core import (
@@ -225,6 +227,47 @@ async def real_relay_pair(**cfg: Any) -> AsyncIterator[Pair]:
                 yield p
         finally:
             await bounded(asyncio.gather(*gone, *(p.close() for p in paths)), "relay paths closed")
+
+
+async def test_a_relay_session_that_takes_smaller_datagrams_shrinks_relayed_connections(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay session reconnects and the new AUTH_OK says 4000-byte datagrams (a relay
+    restarted with another limit). The relay client refuses anything larger, and the
+    connection built 16 KiB datagrams until it timed out: it now builds them to fit, and
+    what was refused is resent. A later session's size goes back up, to at most the
+    size the connection started with."""
+    conf = config(idle_timeout=20.0)
+    fast = RelayPathConfig(connect_timeout=5.0, backoff_initial=0.05, backoff_max=0.5)
+    async with running_relay() as relay:
+        paths = [RelayPath(key(rank), relay.url, config=fast) for rank in (0, 1)]
+        try:
+            await bounded(asyncio.gather(*(p.wait_connected(10) for p in paths)), "sessions")
+            client_t = QuicTransport(key(0), conf, relay=paths[0], punch=NO_PUNCH)
+            server_t = QuicTransport(key(1), conf, relay=paths[1], punch=NO_PUNCH)
+            async with connected(client_t, server_t, None, lambda: None) as p:
+                await p.client.send(1, bytes(1 << 20))
+                assert (await bounded(p.server.recv(1), "before")).payload.nbytes == 1 << 20
+                monkeypatch.setattr(relay_inbound, "MAX_DATAGRAM", 4000)
+                writer = paths[0]._writer
+                assert writer is not None
+                writer.abort()  # the session drops; the client reconnects at once
+                await wait_until(lambda: paths[0].max_datagram == 4000, "a new session")
+                payload = random.randbytes(4 << 20)
+                await p.client.send(2, payload)
+                frame = await asyncio.wait_for(p.server.recv(2), 10)
+                assert bytes(frame.payload) == payload
+                route = p.client.route
+                assert isinstance(route, RelayRoute) and route.max_datagram == 4000
+                # A size out of range counts as 65504 (docs/protocol.md): back to 16 KiB.
+                monkeypatch.setattr(relay_inbound, "MAX_DATAGRAM", 10)
+                paths[0]._writer.abort()
+                await wait_until(lambda: paths[0].max_datagram == 65504, "a third session")
+                assert route.max_datagram == 16384
+                await p.client.send(3, payload)
+                assert bytes((await bounded(p.server.recv(3), "after")).payload) == payload
+        finally:
+            await bounded(asyncio.gather(*(p.close() for p in paths)), "relay paths closed")
 
 
 def kill_punched(hub: FakeRelayHub, transport: QuicTransport) -> None:

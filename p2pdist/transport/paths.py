@@ -66,10 +66,13 @@ class Relay(Protocol):
     Datagrams are best effort. ``on_datagram`` receives ``(source id, datagram)``; the
     relay authenticated the source, so it is the sender's endpoint id. ``on_peer_gone``
     receives the id of a destination the relay could not deliver to (not connected).
+    ``on_datagram_size`` receives the new :attr:`max_datagram` when a new session (a
+    reconnect) takes another size than the one before.
     """
 
     on_datagram: Callable[[EndpointId, bytes], None] | None
     on_peer_gone: Callable[[EndpointId], None] | None
+    on_datagram_size: Callable[[int], None] | None
     max_datagram: int
     """Largest datagram the relay accepts, bytes."""
 
@@ -390,6 +393,7 @@ class RelayRoute:
         self.relay = relay
         self.peer = peer
         self.relay_datagram = max_datagram
+        self._first_datagram = max_datagram  # the QUIC connection was configured for it
         self.dropped = 0
         self.direct: tuple[UdpSocket, UdpAddress] | None = None
         self.direct_datagram = max_datagram
@@ -442,6 +446,15 @@ class RelayRoute:
             self._forget_oldest(self.sent, 0)
         self._sending = self.sent[addr]
         self.changes += 1
+
+    def resize_relay(self, max_datagram: int) -> bool:
+        """The relay now takes datagrams of at most ``max_datagram`` bytes (a new session
+        of it): build relayed ones to fit, never larger than the size the connection
+        started with (the peer was told that size). Returns whether the size changed."""
+        size = min(max_datagram, self._first_datagram)
+        changed = size != self.relay_datagram
+        self.relay_datagram = size
+        return changed
 
     def use_relay(self) -> None:
         """Send through the relay from now on."""

@@ -120,6 +120,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
         if relay is not None:
             relay.on_datagram = self._on_relay_datagram
             relay.on_peer_gone = self._on_peer_gone
+            relay.on_datagram_size = self._on_relay_datagram_size
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Bind the UDP socket that accepts connections; returns the bound (host, port)."""
@@ -179,6 +180,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
         if self._relay is not None:
             self._relay.on_datagram = None
             self._relay.on_peer_gone = None
+            self._relay.on_datagram_size = None
             await self._relay.close()
 
     # ---- connections ---------------------------------------------------------------------
@@ -246,9 +248,27 @@ class QuicTransport(EndpointBase[QuicConnection]):
         return self.quic_config.congestion_control_for(direct=direct, loopback=loopback)
 
     def _relay_route(self, relay: Relay, peer: EndpointId) -> RelayRoute:
+        return RelayRoute(relay, peer, self._relay_datagram(relay))
+
+    def _relay_datagram(self, relay: Relay) -> int:
         # QUIC needs 1200-byte datagrams; a relay that takes fewer drops them (and says so).
-        size = max(1200, min(self.quic_config.relay_datagram, relay.max_datagram))
-        return RelayRoute(relay, peer, size)
+        return max(1200, min(self.quic_config.relay_datagram, relay.max_datagram))
+
+    def _on_relay_datagram_size(self, size: int) -> None:
+        """A new relay session takes datagrams of at most ``size`` bytes: connections on
+        the relay build theirs to fit from now on (what the relay refused is resent)."""
+        relay = self._relay
+        if relay is None:
+            return
+        fitting = self._relay_datagram(relay)
+        for conn in list(self._live):
+            route = conn.route
+            if isinstance(route, RelayRoute) and route.resize_relay(fitting):
+                log.info(
+                    "%s: relayed datagrams now at most %d bytes", conn.label, route.relay_datagram
+                )
+                if route.kind == "relay":
+                    conn.path_changed()
 
     async def _socket_for(self, family: int, ip: str) -> UdpSocket:
         """The listening socket when it can reach ``ip``, else a dial-only socket (a

@@ -141,6 +141,7 @@ class RelayPath:
         self._authed_at: float | None = None
         self.on_datagram: Callable[[EndpointId, bytes], None] | None = None
         self.on_peer_gone: Callable[[EndpointId], None] | None = None
+        self.on_datagram_size: Callable[[int], None] | None = None
         self.max_datagram = MAX_DATAGRAM
         self._queue_cap = self.config.send_buffer
         """Bytes queued towards the relay beyond which datagrams are dropped (less than
@@ -527,6 +528,7 @@ class RelayPath:
         writer = proto.transport
         assert writer is not None  # connection_made ran before create_connection returned
         try:
+            size_before = self.max_datagram
             try:
                 async with asyncio.timeout_at(deadline):
                     interval, silence = await self._handshake(proto, writer)
@@ -534,6 +536,8 @@ class RelayPath:
                 raise self._too_slow("the upgrade and authentication") from None
             writer = proto.writer
             self._writer = writer
+            if self.max_datagram != size_before:
+                self._tell_datagram_size()
             self._authed_at = time.monotonic()
             self._refused.clear()
             self._connected.set()
@@ -547,6 +551,18 @@ class RelayPath:
                 pinger.cancel()
         finally:
             proto.close()
+
+    def _tell_datagram_size(self) -> None:
+        """Tell ``on_datagram_size`` that this session takes another datagram size than
+        the last one (QUIC connections through us must build theirs to fit, or every
+        full-size datagram would be refused here until they time out)."""
+        hook = self.on_datagram_size
+        if hook is None:
+            return
+        try:
+            hook(self.max_datagram)
+        except Exception:
+            log.exception("relay %s: error while adapting to its datagram size", self.url)
 
     def _too_slow(self, step: str) -> P2PTimeoutError:
         return P2PTimeoutError(
