@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -858,6 +859,57 @@ async def test_a_subgroup_closed_on_one_rank_has_it_leave_for_the_others() -> No
             await asyncio.wait_for(running, 5)
         with pytest.raises(ConnectionBrokenError, match=r"rank 2 \(.*closed the sub-group"):
             await asyncio.wait_for(subs[1].all_reduce(np.ones(3)), 5)  # type: ignore[union-attr]
+        got = await asyncio.gather(*(g.all_reduce(np.ones(2), timeout=5) for g in gs))
+        np.testing.assert_array_equal(got[0], [3.0, 3.0])
+        assert all(g.broken is None for g in gs)
+
+
+async def test_a_split_that_failed_on_one_member_leaves_no_half_made_subgroup() -> None:
+    """Rank 2 closes its sub-group while a split of it is under way there, after its
+    rows of the split went out. Ranks 0 and 1 have every row, so their split returns a
+    sub-group with rank 2 in it, a sub-group rank 2 never made: their calls on it used to
+    wait for rank 2 until the timeout, which then broke the root group on every rank.
+    The call-failed notice rank 2 sends for the split now marks that sub-group unmade by
+    rank 2: calls on it fail at once naming it and why, and the root group goes on."""
+    async with groups(3, timeout=6) as gs:
+        subs = [s for s in await asyncio.gather(*(g.split(0) for g in gs)) if s is not None]
+        assert len(subs) == 3
+        closer: list[asyncio.Task[None]] = []
+        slowed = contextlib.ExitStack()
+
+        def in_the_second_round(rank: int) -> None:
+            """In the split's second round (the confirmations), rank 2 closes its
+            sub-group 0.1 s after its own went out, while what ranks 0 and 1 send it
+            takes 0.5 s: it closes before it has theirs, and they have all of its."""
+            exchange = subs[rank]._split_exchange
+            rounds = 0
+
+            async def second_round(lk: Any, row: np.ndarray) -> np.ndarray:
+                nonlocal rounds
+                rounds += 1
+                if rounds == 2 and rank == 2:
+                    asyncio.get_running_loop().call_later(
+                        0.1, lambda: closer.append(asyncio.ensure_future(subs[2].close()))
+                    )
+                elif rounds == 2:
+                    slowed.enter_context(slow_link(gs[rank], 2, 0.5, space=subs[rank]._space))
+                return await exchange(lk, row)
+
+            subs[rank]._split_exchange = second_round  # type: ignore[method-assign]
+
+        for rank in range(3):
+            in_the_second_round(rank)
+        with slowed:
+            got = await asyncio.gather(*(s.split(0) for s in subs), return_exceptions=True)
+            await asyncio.gather(*closer)
+        assert isinstance(got[2], GroupBrokenError), got
+        for rank in (0, 1):
+            child = got[rank]
+            assert isinstance(child, Group) and child.size == 3, got
+            with pytest.raises(ConnectionBrokenError, match=r"rank 2 \(.*split.*failed there"):
+                await asyncio.wait_for(child.all_reduce(np.ones(3)), 3)
+            with pytest.raises(ConnectionBrokenError, match=r"rank 2 \(.*split.*failed there"):
+                await asyncio.wait_for(child.send(np.ones(3), 2), 3)
         got = await asyncio.gather(*(g.all_reduce(np.ones(2), timeout=5) for g in gs))
         np.testing.assert_array_equal(got[0], [3.0, 3.0])
         assert all(g.broken is None for g in gs)

@@ -197,6 +197,8 @@ class GroupCore(Runner):
         self._last_loss: dict[int, BaseException] = {}  # root: see Membership
         self._leaving: dict[int, str] = {}  # root: see Membership
         self._closed_by: dict[int, int] = {}  # see Membership
+        self._closed_why: dict[int, str] = {}  # see Membership
+        self._split_made: dict[int, weakref.ref[Membership]] = {}  # root: see Membership
         self._rejoiners: dict[int, float] = {}  # root: see Rejoining
         self._closed_early: dict[int, list[tuple[int, int]]] = {}  # root: see Membership
         self._closed_calls: set[asyncio.Task[Any]] = set()  # root: cancelled by a sub-group's close
@@ -611,7 +613,7 @@ class GroupCore(Runner):
         except Exception:  # msgpack's own exceptions, a missing key, a bad type
             reason, during = "undecodable abort notice", None
         if call is not None:
-            self._on_call_failed(*call)
+            self._on_call_failed(*call, sender=rank)
         elif leaving is not None:
             self._leaving[rank] = leaving
         elif closed is not None:
@@ -680,7 +682,8 @@ class GroupCore(Runner):
         child._started = True
         root = self._root()
         for r, next_cid in root._closed_early.pop(space, []):  # closed before we had it
-            root._apply_closed(child, r, next_cid)
+            if r in child._root_ranks:  # (a member's notice: a stranger's is no news)
+                root._apply_closed(child, r, next_cid)
         return child
 
     def _check_usable(self, *, collective: bool = True) -> None:
@@ -841,9 +844,11 @@ class GroupCore(Runner):
             task.cancel()
 
     def _closed_p2p_error(self, peer: int, what: str) -> ConnectionBrokenError:
-        """The error of a send to or recv from ``peer``, which closed this sub-group."""
+        """The error of a send to or recv from ``peer``, which closed this sub-group (or
+        never had it: its split failed)."""
+        why = self._closed_why.get(self._root_ranks[peer], "closed the sub-group")
         return ConnectionBrokenError(
-            self._root_label(peer), f"closed the sub-group: this {what} it cannot complete"
+            self._root_label(peer), f"{why}: this {what} it cannot complete"
         )
 
     async def _recv_next(

@@ -345,7 +345,10 @@ class Group(Reducing):
                     (r for r in range(self.size) if table[r, 0] == color),
                     key=lambda r: (int(table[r, 1]), r),
                 )
-                return self._child(members, chosen[color])
+                child = self._child(members, chosen[color])
+                if lk is not None:  # should another member's split fail after all
+                    self._root()._remember_split(lk.channel, child)
+                return child
             # A concurrent split here holds a space one of these wanted: again, higher
             # (a random step, so two such splits do not keep meeting on one space).
             book.release(token)
