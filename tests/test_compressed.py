@@ -322,6 +322,38 @@ async def test_float16_overflow_and_mean_underflow_under_raising_errstate() -> N
         assert all(g.broken is None for g in gs)
 
 
+async def test_tiny_float16_results_and_a_rescaled_residual_under_raising_errstate() -> None:
+    """Under np.errstate(all="raise"), a float16 result in float16's subnormal range (a
+    small gradient divided by the world, an int8 block decoded) raised "underflow in
+    cast" where the float32 result is written back, and a residual rescaled for a call
+    with another op raised "underflow in multiply": either broke the group on every rank
+    (an audit). They now round, as the docs promise."""
+    grads = np.array([6e-8, 1.0], np.float16)
+    tiny = np.array([2e-6, 6e-8], np.float16)
+    async with groups(3) as gs:
+        with np.errstate(all="raise"):
+            for wire in ("float16", "bfloat16"):
+                parts = await asyncio.gather(
+                    *(g.reduce_scatter(np.tile(grads, 3), op="mean", wire_dtype=wire) for g in gs)
+                )
+                assert parts[0].dtype == np.float16 and abs(float(parts[0][1]) - 1) < 0.01
+                means = await reduce_all(gs, [grads] * 3, op="mean", wire_dtype=wire)
+                assert abs(float(means[0][1]) - 1) < 0.01
+            sums = await reduce_all(gs, [tiny] * 3, wire_dtype="int8")
+            assert sums[0].dtype == np.float16 and abs(float(sums[0][0]) - 6e-6) < 1e-7
+            efs = [ErrorFeedback() for _ in gs]
+            x = np.zeros(256, np.float32)
+            x[0], x[1] = 1.0, 1e-39  # int8 loses 1e-39: the residual keeps it
+            for op in ("sum", "mean"):  # the residual is rescaled for mean's units
+                await asyncio.gather(
+                    *(
+                        g.all_reduce(x, op=op, wire_dtype="int8", error_feedback=efs[g.rank])
+                        for g in gs
+                    )
+                )
+        assert all(g.broken is None for g in gs)
+
+
 async def test_float64_and_float16_edges_under_raising_errstate() -> None:
     """float64 input beyond float32's range (1e-50, 1e39) raised FloatingPointError on
     its rank alone, before the collective, and the other rank waited out its timeout;

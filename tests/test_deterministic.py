@@ -162,6 +162,29 @@ async def test_integer_and_max_are_exact_in_either_mode() -> None:
         np.testing.assert_array_equal(mx[2], np.maximum.reduce(fl))
 
 
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"small_bytes": 0, "algorithm": "ring"}, {"small_bytes": 0, "algorithm": "pairwise"}],
+)
+async def test_max_and_min_of_signed_zeros_do_not_depend_on_the_algorithm(
+    config: dict[str, object],
+) -> None:
+    """Float max and min are exact, but np.maximum(-0.0, 0.0) and np.maximum(0.0, -0.0)
+    differ: on the fast path the sign of a zero result followed the algorithm (and the
+    segment), -0 one way and +0 another (an audit). The deterministic mode folds them in
+    rank order too, so every algorithm gives the reference's bits."""
+    signs = [-0.0, 0.0, -0.0]
+    xs = [np.full(7, signs[r], np.float32) for r in range(3)]
+    xs[1][3] = np.nan
+    async with groups(3, config=config) as gs:
+        for op, ufunc in (("max", np.maximum), ("min", np.minimum)):
+            outs = await asyncio.gather(
+                *(g.all_reduce(xs[g.rank], op, mode="deterministic") for g in gs)
+            )
+            want = ufunc(ufunc(xs[0], xs[1]), xs[2])
+            assert all(o.tobytes() == want.tobytes() for o in outs), (op, outs, want)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "complex64", "complex128"])
 @pytest.mark.parametrize("op", ["sum", "mean", "prod"])
 @pytest.mark.parametrize("parts", [1, 2, 3, 5])

@@ -456,7 +456,8 @@ class ErrorFeedback:
         if self.residual is None:
             self.residual = np.zeros_like(sent)
         elif divisor != self._divisor:
-            self.residual *= np.float32(self._divisor / divisor)
+            with np.errstate(under="ignore"):  # a tiny residual rounds to 0, as it should
+                self.residual *= np.float32(self._divisor / divisor)
         self._divisor = divisor
         return sent, self.residual
 

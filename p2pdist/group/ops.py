@@ -24,11 +24,6 @@ class ReduceOp:
         """``acc = acc (op) other`` in place, in ``acc``'s dtype (no temporaries)."""
         self.ufunc(acc, other, out=acc)
 
-    @property
-    def order_sensitive(self) -> bool:
-        """True when floating-point results depend on the order of the reduction."""
-        return self.name in ("sum", "mean", "prod")
-
     def finish(self, result: np.ndarray, world: int) -> None:
         """Final in-place step (mean divides by ``world``)."""
         if self.divide and world > 1:

@@ -132,7 +132,7 @@ class Reducing(GroupCore):
             if feedback is not None:
                 feedback.settle(flat)
             if not np.may_share_memory(work, flat):
-                with np.errstate(over="ignore"):  # a float16 result past 65504 is inf
+                with np.errstate(over="ignore", under="ignore"):  # float16: inf past 65504, tiny: 0
                     work.reshape(-1)[:] = flat
             return work
 
@@ -336,7 +336,7 @@ class Reducing(GroupCore):
                     lk, work, bounds, wire_codec, self._chunk(work.dtype), residual
                 )
                 a, b = bounds[self._rank]
-                with np.errstate(over="ignore"):  # a float16 result past 65504 is inf
+                with np.errstate(over="ignore", under="ignore"):  # float16: inf past 65504, tiny: 0
                     result.reshape(-1)[:] = work[a:b]
                 return result
 
@@ -413,7 +413,9 @@ class Reducing(GroupCore):
                 await compressed_ring_reduce_scatter(lk, work, bounds, wire_codec, chunk)
                 await compressed_gather_segments(lk, work, bounds, wire_codec, dst)
                 if result is not None and not np.may_share_memory(result, work):
-                    with np.errstate(over="ignore"):  # a float16 result past 65504 is inf
+                    with np.errstate(
+                        over="ignore", under="ignore"
+                    ):  # float16: inf past 65504, tiny: 0
                         result.reshape(-1)[:] = work
                 return result
 
@@ -460,9 +462,11 @@ def _check_own_piece(arr: np.ndarray, r0: int, r1: int, result: np.ndarray) -> N
 
 
 def _takes_ordered_path(deterministic: bool, rop: ReduceOp, dtype: np.dtype[Any]) -> bool:
-    """Whether a reduction takes the deterministic (rank-ordered float64) path: integer
-    arithmetic and max/min give the same bits in any order already."""
-    return deterministic and rop.order_sensitive and dtype.kind in "fc"
+    """Whether a reduction takes the deterministic (rank-ordered float64) path: every
+    floating one. (Integer arithmetic gives the same bits in any order already; float
+    max and min give the same value, but which of -0 and +0, or of two NaNs, comes out
+    depends on the order, and so on the algorithm.)"""
+    return deterministic and dtype.kind in "fc"
 
 
 @functools.lru_cache(maxsize=1024)
