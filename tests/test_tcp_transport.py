@@ -592,7 +592,7 @@ async def test_unreachable_host_is_a_connect_error_not_a_handshake_timeout(
     async def unreachable(*args: Any, **kw: Any) -> Any:
         raise OSError(errno.ETIMEDOUT, "Connection timed out")
 
-    monkeypatch.setattr(asyncio.get_running_loop(), "create_connection", unreachable)
+    monkeypatch.setattr(asyncio.get_running_loop(), "sock_connect", unreachable)
     client = TcpTransport(key(0), config(False, handshake_timeout=30.0))
     async with closing(client):
         with pytest.raises(ConnectionBrokenError) as info:

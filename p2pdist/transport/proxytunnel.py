@@ -12,32 +12,9 @@ import socket
 
 from ..wire.httpproxy import ProxyUrl, connect_answer, connect_request
 from ..wire.relay import MAX_HTTP_HEAD, RelayProtocolError
+from .happyeyeballs import connect_tcp
 
 __all__ = ["open_tunnel"]
-
-
-async def _connect(host: str, port: int) -> socket.socket:
-    """A non-blocking TCP socket connected to ``host:port`` (every resolved address in
-    turn; the last failure is raised)."""
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    last: OSError = OSError(f"{host}:{port} resolves to no address")
-    for family, kind, proto, _, addr in infos:
-        sock: socket.socket | None = None
-        try:  # creating the socket may fail too (an address family the host lacks)
-            sock = socket.socket(family, kind, proto)
-            sock.setblocking(False)
-            await loop.sock_connect(sock, addr)
-            return sock
-        except OSError as exc:
-            if sock is not None:
-                sock.close()
-            last = exc
-        except BaseException:
-            if sock is not None:
-                sock.close()
-            raise
-    raise last
 
 
 MAX_ANSWER = 4 * MAX_HTTP_HEAD
@@ -51,7 +28,7 @@ async def open_tunnel(proxy: ProxyUrl, host: str, port: int) -> socket.socket:
     cannot be reached or closes, ``RelayProtocolError`` for an answer that is not HTTP or
     has bytes after its head (the relay speaks only after our TLS ClientHello)."""
     loop = asyncio.get_running_loop()
-    sock = await _connect(proxy.host, proxy.port)
+    sock = await connect_tcp(proxy.host, proxy.port)
     try:
         await loop.sock_sendall(sock, connect_request(proxy, host, port))
         answer = bytearray()

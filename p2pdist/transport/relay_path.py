@@ -54,6 +54,7 @@ from ..wire.relay import (
     upgrade_request,
 )
 from .aeadpipe import new_secret
+from .happyeyeballs import connect_tcp
 from .paths import plain_ip
 from .proxytunnel import open_tunnel
 from .relay_config import (
@@ -366,17 +367,20 @@ class RelayPath:
             return proto.stream
 
         stream: SecureStream | None = None
+        sock: socket.socket | None = None
         loop = asyncio.get_running_loop()
         try:
-            if self.proxy is None:
-                _, stream = await loop.create_connection(stream_factory, url.host, url.port)
+            if self.proxy is None:  # (the relay's name may have broken IPv6: raced)
+                sock = await connect_tcp(url.host, url.port)
             else:
-                tunnel = await self._tunnel(self.proxy)
-                _, stream = await loop.create_connection(stream_factory, sock=tunnel)
+                sock = await self._tunnel(self.proxy)
+            _, stream = await loop.create_connection(stream_factory, sock=sock)
             await stream.handshake
         except BaseException as exc:
             if stream is not None:
                 stream.abort()
+            elif sock is not None:  # not handed to a transport yet
+                sock.close()
             # Cancelled just as the handshake finished, the session would be told of the
             # abort, with an error nobody reads.
             proto.close()

@@ -37,6 +37,7 @@ from ..wire.handshake import RecordReader
 from .aeadpipe import CIPHER, MAX_RECORD, AeadPipe, RecordError
 from .base import NOT_ADMITTED, Address, TransportConfig
 from .framed import EndpointBase
+from .happyeyeballs import connect_tcp
 from .listener import Listener
 from .pathinfo import PathInfo, single_path
 from .paths import path_key
@@ -599,9 +600,16 @@ class TcpTransport(EndpointBase[TcpConnection]):
         deadline = asyncio.timeout(self.config.handshake_timeout)
         try:
             async with deadline:
-                _, proto = await loop.create_connection(
-                    lambda: TcpConnection(self, server_side=False, expected=peer), host, port
-                )
+                # (A name's addresses are raced: one whose packets are dropped must not
+                # hold the dial until the deadline.)
+                sock = await connect_tcp(host, port)
+                try:
+                    _, proto = await loop.create_connection(
+                        lambda: TcpConnection(self, server_side=False, expected=peer), sock=sock
+                    )
+                except BaseException:
+                    sock.close()
+                    raise
                 conn = proto
                 conn.label = name
                 self._check_not_closed()  # closed meanwhile: close() could not see conn

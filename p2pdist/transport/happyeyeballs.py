@@ -1,0 +1,110 @@
+"""Dialing a name with several addresses (RFC 8305, "Happy Eyeballs"), on any event loop.
+
+A relay published with an A and an AAAA record is reached by whichever address answers
+first: the addresses are tried in turn, IPv6 and IPv4 interleaved, each starting
+:data:`ATTEMPT_DELAY` after the one before (or as soon as it fails), and the first
+connected socket wins. Tried one after another instead (asyncio's default, and uvloop
+has no other), an address whose packets are silently dropped (a broken IPv6 path, which
+is common) holds the dial until its caller's bound and the working address is never
+reached, on every retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["ATTEMPT_DELAY", "connect_tcp", "interleaved"]
+
+ATTEMPT_DELAY = 0.25
+"""Seconds before the next address is tried while the ones before still wait (RFC 8305's
+recommended "Connection Attempt Delay")."""
+
+AddrInfo = tuple[int, int, int, str, Any]
+"""One entry of ``getaddrinfo``: family, type, proto, canonname, sockaddr."""
+
+
+def interleaved(infos: Sequence[AddrInfo]) -> list[AddrInfo]:
+    """``infos`` without repeats, families taking turns (RFC 8305 section 4), starting
+    with the family of the first one (the system's preference)."""
+    by_family: dict[int, list[AddrInfo]] = {}
+    seen: set[tuple[int, Any]] = set()
+    for info in infos:
+        key = (info[0], info[4])
+        if key not in seen:
+            seen.add(key)
+            by_family.setdefault(info[0], []).append(info)
+    queues = list(by_family.values())
+    out: list[AddrInfo] = []
+    while any(queues):
+        for queue in queues:
+            if queue:
+                out.append(queue.pop(0))
+    return out
+
+
+async def connect_tcp(host: str, port: int, *, delay: float = ATTEMPT_DELAY) -> socket.socket:
+    """A non-blocking TCP socket connected to ``host:port``: its addresses raced as the
+    module docstring says. The caller bounds the wait (cancelling closes every socket
+    opened here). When every address fails: that error if there was one address, or
+    all of them refused, else an ``OSError`` listing each."""
+    loop = asyncio.get_running_loop()
+    infos = interleaved(await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+    if not infos:
+        raise OSError(f"{host}:{port} resolves to no address")
+    return await _race(infos, delay)
+
+
+async def _attempt(info: AddrInfo) -> socket.socket:
+    family, kind, proto, _, addr = info
+    sock = socket.socket(family, kind, proto)  # may fail too: a family the host lacks
+    try:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, addr)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _race(infos: list[AddrInfo], delay: float) -> socket.socket:
+    waiting = list(infos)
+    running: dict[asyncio.Task[socket.socket], AddrInfo] = {}
+    errors: list[tuple[AddrInfo, OSError]] = []
+    try:
+        while waiting or running:
+            if waiting:
+                info = waiting.pop(0)
+                running[asyncio.ensure_future(_attempt(info))] = info
+            done, _ = await asyncio.wait(
+                running,
+                timeout=delay if waiting else None,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            for task in done:
+                info = running.pop(task)
+                exc = task.exception()
+                if exc is None:
+                    return task.result()  # (another one done too is closed below)
+                if not isinstance(exc, OSError):
+                    raise exc
+                errors.append((info, exc))
+    finally:
+        for task in running:
+            task.cancel()
+        for task in running:
+            # Each attempt closes its socket when cancelled; one that connected anyway
+            # (it finished before the cancel reached it) is closed here.
+            (outcome,) = await asyncio.gather(task, return_exceptions=True)
+            if not isinstance(outcome, BaseException):
+                outcome.close()
+    if len(errors) == 1 or all(isinstance(e, ConnectionRefusedError) for _, e in errors):
+        raise errors[0][1]
+    raise OSError("; ".join(f"{_where(info)}: {e}" for info, e in errors))
+
+
+def _where(info: AddrInfo) -> str:
+    host, port = info[4][:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,163 @@
+"""Dialing a name with several addresses: they are raced (RFC 8305), so one whose packets
+are dropped does not hold the dial. The dropping address is a loopback listener whose
+accept queue is full: Linux drops the SYNs it gets, as a broken IPv6 path would."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from relay_helpers import running_relay
+from transport_conformance import bounded
+
+from p2pdist.identity import SecretKey
+from p2pdist.transport import TcpTransport, TransportConfig
+from p2pdist.transport.happyeyeballs import connect_tcp, interleaved
+from p2pdist.transport.relay_config import RelayConfig
+from p2pdist.transport.relay_path import RelayPath
+
+SILENT_HOST = "127.0.0.2"
+
+
+@contextlib.contextmanager
+def silent_listener(port: int = 0) -> Iterator[int]:
+    """A port on 127.0.0.2 that drops every SYN (its one-place accept queue is full)."""
+    server = socket.socket()
+    server.bind((SILENT_HOST, port))
+    server.listen(0)
+    filler = socket.create_connection(server.getsockname(), timeout=5)
+    try:
+        yield server.getsockname()[1]
+    finally:
+        filler.close()
+        server.close()
+
+
+def name_resolving_to(monkeypatch: pytest.MonkeyPatch, name: str, hosts: list[str]) -> None:
+    """Make the running loop resolve ``name`` to ``hosts`` (in that order)."""
+    loop = asyncio.get_running_loop()
+    real = loop.getaddrinfo
+
+    async def getaddrinfo(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        if host != name:
+            return await real(host, port, *args, **kw)
+        infos = []
+        for h in hosts:
+            infos += await real(h, port, *args, **kw)
+        return infos
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+
+
+def test_families_take_turns_starting_with_the_first() -> None:
+    v6 = [(socket.AF_INET6, 1, 6, "", (f"::{i}", 80, 0, 0)) for i in range(1, 4)]
+    v4 = [(socket.AF_INET, 1, 6, "", (f"10.0.0.{i}", 80)) for i in range(1, 3)]
+    infos = [v6[0], v6[1], v6[1], v6[2], v4[0], v4[1], v4[0]]
+    assert interleaved(infos) == [v6[0], v4[0], v6[1], v4[1], v6[2]]
+    assert interleaved(v4 + v6)[:2] == [v4[0], v6[0]]
+
+
+async def test_a_silent_first_address_does_not_hold_the_dial(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    live = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = live.sockets[0].getsockname()[1]
+    try:
+        with silent_listener(port):
+            name_resolving_to(monkeypatch, "two.test", [SILENT_HOST, "127.0.0.1"])
+            start = time.monotonic()
+            sock = await bounded(connect_tcp("two.test", port), "connect_tcp", seconds=5)
+            took = time.monotonic() - start
+            with sock:
+                assert sock.getpeername() == ("127.0.0.1", port)
+            # The second address starts 0.25 s after the first (not when it times out).
+            assert took < 2.0, took
+    finally:
+        live.close()
+        await live.wait_closed()
+
+
+async def test_every_address_failing_names_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as closed_port:
+        closed_port.bind(("127.0.0.1", 0))
+        port = closed_port.getsockname()[1]  # nothing listens there once closed
+    name_resolving_to(monkeypatch, "two.test", ["127.0.0.1", "127.0.0.3"])
+    with pytest.raises(ConnectionRefusedError):  # every one refused: a refusal
+        await bounded(connect_tcp("two.test", port), "connect_tcp")
+
+    async def unreachable(sock: socket.socket, addr: Any) -> None:
+        if addr[0] == "127.0.0.3":
+            raise OSError(113, "No route to host")
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "sock_connect", unreachable)
+    with pytest.raises(OSError) as info:
+        await bounded(connect_tcp("two.test", port), "connect_tcp")
+    text = str(info.value)
+    assert f"127.0.0.1:{port}: [Errno 111]" in text and f"127.0.0.3:{port}: [Errno 113]" in text
+
+
+async def test_a_cancelled_dial_leaves_no_socket_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    with silent_listener() as port:
+        name_resolving_to(monkeypatch, "two.test", [SILENT_HOST, SILENT_HOST])
+        opened: list[socket.socket] = []
+        real_socket = socket.socket
+
+        def tracked(*args: Any, **kw: Any) -> socket.socket:
+            sock = real_socket(*args, **kw)
+            opened.append(sock)
+            return sock
+
+        monkeypatch.setattr(socket, "socket", tracked)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(connect_tcp("two.test", port), 0.4)
+        monkeypatch.setattr(socket, "socket", real_socket)
+        assert opened and all(s.fileno() == -1 for s in opened)
+
+
+async def test_the_relay_client_reaches_a_relay_whose_first_address_is_silent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A relay published under a name with a broken address first (an AAAA record over a
+    path that drops packets): the client tried it alone until connect_timeout, on every
+    attempt, and never connected (an audit). Now the second address answers at once."""
+    async with running_relay() as relay:
+        parts = urlsplit(relay.url)
+        port = parts.port
+        assert port is not None
+        with silent_listener(port):
+            name_resolving_to(monkeypatch, "relay.test", [SILENT_HOST, "127.0.0.1"])
+            url = parts._replace(netloc=f"relay.test:{port}").geturl()
+            path = RelayPath(SecretKey.generate(), url, config=RelayConfig(connect_timeout=10))
+            try:
+                start = time.monotonic()
+                await path.wait_connected(5)
+                assert time.monotonic() - start < 3.0
+            finally:
+                await bounded(path.close(), "close()")
+
+
+async def test_a_peer_dialed_by_name_is_reached_past_a_silent_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    keys = [SecretKey.from_seed("happy eyeballs tests", r) for r in (0, 1)]
+    server = TcpTransport(keys[1], TransportConfig(handshake_timeout=10))
+    client = TcpTransport(keys[0], TransportConfig(handshake_timeout=10))
+    try:
+        _, port = await server.listen("127.0.0.1", 0)
+        with silent_listener(port):
+            name_resolving_to(monkeypatch, "peer.test", [SILENT_HOST, "127.0.0.1"])
+            start = time.monotonic()
+            conn = await bounded(client.connect(keys[1].endpoint_id, ("peer.test", port)), "dial")
+            assert time.monotonic() - start < 3.0
+            await conn.send(1, b"hello")
+            accepted = await bounded(server.accept(), "accept")
+            assert bytes((await bounded(accepted.recv(1), "recv")).payload) == b"hello"
+    finally:
+        await bounded(asyncio.gather(client.close(), server.close()), "close()")
