@@ -113,8 +113,11 @@ class _ClientConnection(asyncio.BufferedProtocol):
         self._server.handshaking.discard(self)
         self._release()
         if self._transport is None and self._session is not None:
-            # The handshake never completed: no connection_lost will follow.
-            self._core.lost(self._session, self._loop.time())
+            # The handshake never completed: no connection_lost will follow. Say why
+            # (an operator's plain-HTTP health check on the TLS port, say).
+            failure = self.stream.failure if self.stream is not None else None
+            why = None if failure is None else str(failure)
+            self._core.lost(self._session, self._loop.time(), why)
 
     def abort_handshake(self) -> None:
         """Drop the TCP connection of a handshake that has not completed."""

@@ -53,7 +53,10 @@ class Metrics:
     """Plain integer counters; the core increments them, :meth:`render` exports them
     (each field's name and help text are the metric's)."""
 
-    connections_total: int = _counter("connections accepted (counted when TCP is accepted)")
+    connections_total: int = _counter(
+        "connections accepted (counted when TCP is accepted; one closed at once at the "
+        "socket budget counts in fd_limit_refused_total instead)"
+    )
     fd_limit_refused_total: int = _counter(
         "TCP connections closed at once because the relay was near its file descriptor limit"
     )

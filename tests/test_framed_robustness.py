@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import socket
 import tracemalloc
 
@@ -261,6 +262,7 @@ async def test_incoming_handshakes_are_capped_and_the_oldest_makes_way(
     enough (_EVICT_AFTER, here 0.2 s): then that one makes way (counted too), so silent
     sockets cannot lock real peers out."""
     monkeypatch.setattr(tcp_module, "_EVICT_AFTER", 0.2)
+    caplog.set_level(logging.DEBUG, logger="p2pdist.transport")
     cfg = TransportConfig(tls=False, max_pending_handshakes=2)
     server_t = TcpTransport(key(1), cfg)
     client_t = TcpTransport(key(0), cfg)
@@ -277,16 +279,28 @@ async def test_incoming_handshakes_are_capped_and_the_oldest_makes_way(
                 assert await bounded(loop.sock_recv(extra, 1), "the refusal") == b""
             await wait_until(lambda: server_t.refused_handshakes == 1, "the refusal counted")
             assert len(server_t._pending) == 2
-            assert any("max_pending_handshakes" in r.getMessage() for r in caplog.records)
+            said = [r.getMessage() for r in caplog.records if "max_pending" in r.getMessage()]
+            assert said and said[0].startswith("2 incoming handshakes already"), said
             await asyncio.sleep(0.25)  # the silent ones are old now: a real peer gets in
+            caplog.clear()
             conn = await bounded(client_t.connect(server_t.endpoint_id, addr), "connect")
             assert not conn.closed
             assert len(server_t._pending) == 1  # the oldest silent socket made way
             assert server_t.refused_handshakes == 2  # the eviction counts too
+            # An eviction is not a timeout (it was logged as one: a PeerTimeoutError is
+            # a TimeoutError), and the count is of the handshakes that were in progress.
+            await asyncio.sleep(0.05)
+            warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert not any("timed out" in m for m in warned), warned
         finally:
             for s in silent:
                 s.close()
         await wait_until(lambda: not server_t._pending, "the slots freed")
+        # A silent socket that leaves (a port probe, a health check) was warned of as a
+        # "refused incoming connection": it now says so at debug level only.
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not warned, warned
+        assert any("went away during the handshake" in r.getMessage() for r in caplog.records)
 
 
 def test_max_pending_handshakes_must_be_positive() -> None:

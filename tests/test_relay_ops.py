@@ -442,3 +442,25 @@ async def test_healthcheck_host_comes_from_the_environment() -> None:
             assert (
                 await asyncio.to_thread(healthcheck, ["--host", "127.0.0.1", "--port", port]) == 0
             )
+
+
+async def test_a_connection_that_fails_its_tls_handshake_is_logged_with_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A plain-HTTP health check sent to the TLS port was logged as a bare "disconnect
+    after=0.000", no reason given (an audit): the TLS error is now part of the line."""
+    caplog.set_level(logging.DEBUG, logger="relay.state")
+    async with running() as srv:
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: relay\r\n\r\n")
+        await asyncio.wait_for(reader.read(), 10)  # the relay closes it
+        writer.close()
+
+        def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "disconnect" in r.getMessage()]
+
+        for _ in range(100):
+            if said():
+                break
+            await asyncio.sleep(0.05)
+    assert said() and "error=" in said()[0] and "http request" in said()[0].lower(), said()

@@ -692,18 +692,29 @@ class TcpTransport(EndpointBase[TcpConnection]):
         )
         if now - self._pending[oldest][0] < _EVICT_AFTER:
             return False
+        full = len(self._pending)
         del self._pending[oldest]
         oldest.abort(PeerTimeoutError(oldest.label, "handshake evicted for a newer connection"))
-        self._note_handshake_slots_full(len(self._pending), "evicting the oldest silent ones")
+        self._note_handshake_slots_full(full, "evicting the oldest silent ones")
         return True
 
     async def _serve_handshake(self, conn: TcpConnection) -> None:
         try:
-            async with asyncio.timeout(self.config.handshake_timeout):
+            async with asyncio.timeout(self.config.handshake_timeout) as bound:
                 await conn.server_handshake()
-        except TimeoutError:
-            conn.abort(PeerTimeoutError(conn.label, "handshake timed out"))
-            log.warning("%s: incoming handshake timed out", conn.label)
+        except TimeoutError as exc:
+            if bound.expired():
+                conn.abort(PeerTimeoutError(conn.label, "handshake timed out"))
+                log.warning("%s: incoming handshake timed out", conn.label)
+            else:  # evicted by _make_room, which warned (its error is a PeerTimeoutError)
+                log.debug("%s: %s", conn.label, exc)
+            return
+        except ConnectionBrokenError as exc:
+            conn.abort(exc)
+            # Nothing was refused: the dialer left. Before its hello that is most often
+            # a port probe or a health check, not worth more than a debug line.
+            level = logging.DEBUG if conn._peer is None else logging.INFO
+            log.log(level, "%s: the dialer went away during the handshake (%s)", conn.label, exc)
             return
         except P2PError as exc:
             conn.abort(exc)
