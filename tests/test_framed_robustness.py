@@ -11,6 +11,7 @@ import functools
 import logging
 import socket
 import tracemalloc
+from typing import Any
 
 import pytest
 from test_tcp_transport import config, key, tcp_pair
@@ -31,7 +32,7 @@ from p2pdist.transport.framed import GOODBYE, FramedConnection
 from p2pdist.transport.keepalive import Keepalive, KeepaliveAction
 from p2pdist.transport.mailbox import SPACE_SHIFT, RetiredChannels
 from p2pdist.transport.tcp import TcpConnection
-from p2pdist.wire.frames import FrameLimits
+from p2pdist.wire.frames import VERSION, FrameKind, FrameLimits, encode_header
 
 
 async def passes(n: int = 5) -> None:
@@ -422,6 +423,59 @@ async def test_round_trip_time_is_not_timed_from_a_ping_left_unanswered(tls: boo
         await wait_until(lambda: client.stats.rtt != before, "a round trip after", every=0)
         rtt = client.stats.rtt  # the first sample after
         assert rtt is not None and rtt < 0.5, rtt
+
+
+async def test_round_trip_longer_than_the_keepalive_interval_is_not_read_short(
+    tls: bool,
+) -> None:
+    """Each PONG takes 0.25 s, PINGs go every 0.1 s: a PONG answering an older PING was
+    taken for the answer to the newest and stats.rtt read 0.05 s, the round trip modulo
+    the interval (an audit). A PING now carries its number, its PONG echoes it."""
+    async with tcp_pair(tls, keepalive_interval=0.1, idle_timeout=10.0) as p:
+        client, server = p.client, p.server
+        assert isinstance(server, TcpConnection)
+        loop = asyncio.get_running_loop()
+        write = server._write
+
+        def slow_pongs(data: Any) -> None:
+            if bytes(data[:2]) == bytes([VERSION, FrameKind.PONG]):
+                loop.call_later(0.25, write, data)
+            else:
+                write(data)
+
+        server._write = slow_pongs  # type: ignore[method-assign]
+        samples: list[float] = []
+        last = client.stats.rtt
+
+        def sampled() -> bool:
+            nonlocal last
+            if client.stats.rtt != last:
+                last = client.stats.rtt
+                assert last is not None
+                samples.append(last)
+            return len(samples) >= 8
+
+        await wait_until(sampled, "round trips", every=0)
+        assert all(0.2 <= s < 1.0 for s in samples[2:]), samples
+
+
+async def test_a_pong_that_names_no_ping_is_still_timed(tls: bool) -> None:
+    """A peer of before 2026-12-06 answers every PING with a PONG whose seq is 0: it is
+    timed from the one PING out, as before."""
+    async with tcp_pair(tls, keepalive_interval=0.1, idle_timeout=10.0) as p:
+        client, server = p.client, p.server
+        assert isinstance(server, TcpConnection)
+        write = server._write
+        plain = encode_header(FrameKind.PONG)
+
+        def unnamed_pongs(data: Any) -> None:
+            named = bytes(data[:2]) == bytes([VERSION, FrameKind.PONG])
+            write(plain if named else data)
+
+        server._write = unnamed_pongs  # type: ignore[method-assign]
+        client.stats.rtt = None
+        await wait_until(lambda: client.stats.rtt is not None, "a round trip")
+        assert client.stats.rtt is not None and client.stats.rtt < 0.5
 
 
 # ---- 12. a meta larger than a record ----------------------------------------------------

@@ -1153,8 +1153,7 @@ def test_a_label_for_that_raises_falls_back_to_the_short_id(
 async def test_a_peer_that_pings_and_never_reads_cannot_grow_our_write_buffer() -> None:
     """Every PING used to be answered, even while our writes backed up: a member that
     pings and never reads grew our write buffer without bound (past write_buffer_high)."""
-    from p2pdist.transport.framed import PING
-
+    ping = encode_header(FrameKind.PING, seq=1)
     high = 256 * 1024
     cfg = TransportConfig(tls=False, write_buffer_high=high)
     a, b = TcpTransport(key(0), cfg), TcpTransport(key(1), cfg)
@@ -1165,7 +1164,7 @@ async def test_a_peer_that_pings_and_never_reads_cannot_grow_our_write_buffer() 
         ca._transport.pause_reading()  # type: ignore[attr-defined]  # it never reads
         for _ in range(6):
             for _ in range(50_000):
-                ca._write(PING)  # type: ignore[attr-defined]
+                ca._write(ping)  # type: ignore[attr-defined]
             await asyncio.sleep(0.2)
         assert cb._transport.get_write_buffer_size() <= 2 * high  # type: ignore[attr-defined]
         assert not cb.closed

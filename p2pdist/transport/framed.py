@@ -50,8 +50,10 @@ _SLOTS_FULL_LOG_INTERVAL = 10.0
 """Seconds between two warnings about incoming connections turned away for want of a
 handshake slot."""
 
-PING = encode_header(FrameKind.PING)
 PONG = encode_header(FrameKind.PONG)
+PINGS_KEPT = 8
+"""PINGs remembered for their answers' round trips (8 keepalive intervals: a PONG later
+than that, queued behind bulk data on a slow link, times nothing)."""
 GOODBYE = encode_header(FrameKind.GOODBYE)
 
 FLUSH_STALL = 2.0
@@ -135,10 +137,13 @@ class FramedConnection:
         self._stats = ConnectionStats()
         self._keepalive: Keepalive | None = None
         self._ka_timer: asyncio.TimerHandle | None = None
-        self._ping_sent_at: float | None = None
+        self._pings_sent: dict[int, float] = {}
+        """The latest PINGs (at most :data:`PINGS_KEPT`), by number, with the loop time
+        each was sent: a PONG that names one (its ``seq``) is a round-trip sample of it."""
+        self._ping_number = 0
         self._pings_unanswered = 0
-        """PINGs sent since the last PONG: a PONG is a round-trip sample only when it
-        answers the one PING out (a peer whose writes back up answers none)."""
+        """PINGs sent since the last PONG, for a PONG that names none (a peer of before
+        2026-12-06): a sample only when it answers the one PING out."""
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
@@ -510,11 +515,15 @@ class FramedConnection:
     def _send_ping(self) -> None:
         """Send a keepalive PING (also measures the round-trip time)."""
         now = self._loop.time()
-        self._write(PING)
+        self._ping_number += 1
+        self._write(encode_header(FrameKind.PING, seq=self._ping_number))
         if self._keepalive is not None:
             self._keepalive.on_send(now)
+        sent = self._pings_sent
+        sent[self._ping_number] = now
+        if len(sent) > PINGS_KEPT:
+            del sent[next(iter(sent))]
         self._pings_unanswered += 1
-        self._ping_sent_at = now
 
     # ---- internals -------------------------------------------------------------------
 
@@ -581,15 +590,25 @@ class FramedConnection:
                 # would reach it no sooner), and a peer that pings without reading
                 # must not grow our write buffer without bound.
                 if self._writable() and not self._write_paused:
-                    self._write(PONG)
+                    # The PONG names the PING it answers (its seq), for the round trip.
+                    self._write(encode_header(FrameKind.PONG, seq=f.seq) if f.seq else PONG)
             elif f.kind is FrameKind.PONG:
-                if self._pings_unanswered == 1 and self._ping_sent_at is not None:
-                    self._stats.rtt = now - self._ping_sent_at
-                self._pings_unanswered = 0
+                self._on_pong(f.seq, now)
             elif f.kind is FrameKind.GOODBYE:
                 self._goodbye_received = True
                 self._on_goodbye()
                 return  # nothing follows a GOODBYE
+
+    def _on_pong(self, number: int, now: float) -> None:
+        """A PONG answering PING ``number`` (0: a peer that does not say which) came in."""
+        sent = self._pings_sent
+        if number:
+            at = sent.pop(number, None)
+            if at is not None:  # (one of the latest: a late answer still times its PING)
+                self._stats.rtt = now - at
+        elif self._pings_unanswered == 1 and sent:
+            self._stats.rtt = now - sent[next(reversed(sent))]
+        self._pings_unanswered = 0
 
     def _arm_keepalive(self) -> None:
         if self._keepalive is None or self._error is not None:
