@@ -58,6 +58,11 @@ class TransportConfig:
     oldest (of the address holding the most) makes way if it has waited a second, else
     the new one is closed at once; both counted in ``TcpTransport.refused_handshakes``.
     QuicTransport has its own limit, ``QuicConfig.max_pending_handshakes``."""
+    max_accept_queue: int = 1024
+    """Authenticated incoming connections that may wait for ``accept()`` (or
+    ``take_accepted()``) at once, and 16 of one peer (``ACCEPT_QUEUE_PER_PEER``); past
+    either the dialer is refused ("accept queue full"). A waiting connection reads
+    nothing from its peer until it is handed out."""
 
     def __post_init__(self) -> None:
         # Kept as plain numbers (numpy's are taken): they go into msgpack and formatting.
@@ -65,7 +70,12 @@ class TransportConfig:
             object.__setattr__(self, name, check_seconds(name, getattr(self, name)))
         if self.idle_timeout <= self.keepalive_interval:
             raise UsageError("need 0 < keepalive_interval < idle_timeout")
-        for name in ("max_buffered", "write_buffer_high", "max_pending_handshakes"):
+        for name in (
+            "max_buffered",
+            "write_buffer_high",
+            "max_pending_handshakes",
+            "max_accept_queue",
+        ):
             object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
 
 

@@ -46,6 +46,11 @@ __all__ = ["AcceptQueue", "EndpointBase", "FramedConnection", "SendStalls"]
 
 log = logging.getLogger(__name__)
 
+ACCEPT_QUEUE_PER_PEER = 16
+"""Connections of one peer that may wait for ``accept()`` at once (past it the peer's
+next dial is refused, :data:`ACCEPT_QUEUE_FULL`); ``TransportConfig.max_accept_queue``
+bounds them all."""
+ACCEPT_QUEUE_FULL = "accept queue full"
 _SLOTS_FULL_LOG_INTERVAL = 10.0
 """Seconds between two warnings about incoming connections turned away for want of a
 handshake slot."""
@@ -121,6 +126,8 @@ class FramedConnection:
         self._loop = asyncio.get_running_loop()
         self._handshaking = True
         """True until frames flow (the transport's own handshake is not done)."""
+        self._held_for_accept = False
+        """True while the connection waits for accept(): it reads nothing (AcceptQueue)."""
         self._decoder = FrameDecoder(config.limits)
         self._stalls = stalls
         self._senders_waiting = 0
@@ -414,6 +421,8 @@ class FramedConnection:
         self._keepalive = Keepalive.start(
             self._cfg.keepalive_interval, self._cfg.idle_timeout, self._loop.time()
         )
+        if self._held_for_accept or self._mailbox.paused:
+            self._keepalive.set_rx_paused(True, self._loop.time())
         self._arm_keepalive()
 
     def _read_early(self) -> None:
@@ -565,16 +574,27 @@ class FramedConnection:
     def _pause_reading(self) -> None:
         if self._stalls is not None:
             self._stalls.paused.add(self)
-        if self._keepalive is not None:
-            self._keepalive.set_rx_paused(True, self._loop.time())
-        self._set_reading(False)
+        if not self._held_for_accept:  # (else paused already)
+            self._stop_reading(True)
 
     def _resume_reading(self) -> None:
         if self._stalls is not None:
             self._stalls.paused.discard(self)
-        if self._keepalive is not None:
-            self._keepalive.set_rx_paused(False, self._loop.time())
-        self._set_reading(True)
+        if not self._held_for_accept:  # (else it reads once accepted)
+            self._stop_reading(False)
+
+    def _hold_for_accept(self, on: bool) -> None:
+        """(AcceptQueue) read nothing while waiting for accept() (``on``); read again,
+        unless the mailbox holds reading paused, once handed out."""
+        if on != self._held_for_accept:
+            self._held_for_accept = on
+            if not self._mailbox.paused:
+                self._stop_reading(on)
+
+    def _stop_reading(self, stop: bool) -> None:
+        if self._keepalive is not None:  # the peer's silence is then our own doing
+            self._keepalive.set_rx_paused(stop, self._loop.time())
+        self._set_reading(not stop)
 
     def _on_frames(self, frames: list[Frame]) -> None:
         now = self._loop.time()
@@ -636,14 +656,35 @@ class FramedConnection:
 
 
 class AcceptQueue(Generic[C]):
-    """Authenticated incoming connections waiting for ``accept()``; closable."""
+    """Authenticated incoming connections waiting for ``accept()``; closable. A waiting
+    connection reads nothing from its peer (what the peer sends stays in the kernel, and
+    TCP's or QUIC's flow control holds the peer back) until it is handed out."""
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue[C | None] = asyncio.Queue()  # None: closed
+        self._per_peer: dict[EndpointId, int] = {}
+
+    def __len__(self) -> int:
+        return sum(self._per_peer.values())
+
+    def waiting_from(self, peer: EndpointId) -> int:
+        """Connections of ``peer`` waiting now."""
+        return self._per_peer.get(peer, 0)
 
     def put(self, conn: C) -> None:
         """Hand ``conn`` to the next ``get``."""
+        conn._hold_for_accept(True)
+        peer = conn.peer_id
+        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self._queue.put_nowait(conn)
+
+    def _handed_out(self, conn: C) -> C:
+        peer = conn.peer_id
+        left = self._per_peer.pop(peer, 1) - 1
+        if left:
+            self._per_peer[peer] = left
+        conn._hold_for_accept(False)
+        return conn
 
     async def get(self, timeout: float | None) -> C:
         """The next connection; ConnectionClosedError once :meth:`close` was called."""
@@ -655,7 +696,7 @@ class AcceptQueue(Generic[C]):
         if conn is None:
             self._queue.put_nowait(None)  # wake the next waiter too
             raise ConnectionClosedError("transport is closed")
-        return conn
+        return self._handed_out(conn)
 
     def take_waiting(self) -> list[C]:
         """The connections waiting now, taken without waiting (the queue stays open)."""
@@ -665,7 +706,7 @@ class AcceptQueue(Generic[C]):
             if c is None:  # closed: leave the mark for the next waiter
                 self._queue.put_nowait(None)
                 break
-            taken.append(c)
+            taken.append(self._handed_out(c))
         return taken
 
     def close(self) -> list[C]:
@@ -674,7 +715,9 @@ class AcceptQueue(Generic[C]):
         while not self._queue.empty():
             c = self._queue.get_nowait()
             if c is not None:
+                c._hold_for_accept(False)  # its close reads on until the peer's end
                 left.append(c)
+        self._per_peer.clear()
         self._queue.put_nowait(None)
         return left
 
@@ -768,14 +811,26 @@ class EndpointBase(Generic[C]):
         return self.refusal_for(peer) is None
 
     def refusal_for(self, peer: EndpointId) -> str | None:
-        """None when ``accept_from`` admits ``peer``, else the reason the dialer is given:
-        ``endpoint ID is not allowed to connect here``, followed by the reason
-        ``accept_from`` returned when it returned a string instead of False."""
+        """None when ``accept_from`` admits ``peer`` and the accept queue has room for it,
+        else the reason the dialer is given: ``endpoint ID is not allowed to connect
+        here``, followed by the reason ``accept_from`` returned when it returned a string
+        instead of False; or ``accept queue full`` (``max_accept_queue`` connections
+        wait for accept() here, or :data:`ACCEPT_QUEUE_PER_PEER` of ``peer``'s)."""
         verdict = True if self._accept_from is None else self._accept_from(peer)
         if verdict is True or (verdict and not isinstance(verdict, str)):
-            return None
+            return self._accept_queue_refusal(peer)
         refusal = f"endpoint {peer} {NOT_ADMITTED}"
         return f"{refusal}: {verdict}" if isinstance(verdict, str) and verdict else refusal
+
+    def _accept_queue_refusal(self, peer: EndpointId) -> str | None:
+        queue = self._accepted
+        if queue.waiting_from(peer) >= ACCEPT_QUEUE_PER_PEER:
+            mine = f"{ACCEPT_QUEUE_PER_PEER} connections of this endpoint wait"
+        elif len(queue) >= self.config.max_accept_queue:
+            mine = f"{self.config.max_accept_queue} connections (max_accept_queue) wait"
+        else:
+            return None
+        return f"{ACCEPT_QUEUE_FULL}: {mine} for accept() here"
 
     async def accept(self, *, timeout: float | None = None) -> C:
         """The next authenticated incoming connection."""
