@@ -161,3 +161,61 @@ async def test_a_peer_dialed_by_name_is_reached_past_a_silent_address(
             assert bytes((await bounded(accepted.recv(1), "recv")).payload) == b"hello"
     finally:
         await bounded(asyncio.gather(client.close(), server.close()), "close()")
+
+
+async def test_an_unanswered_dial_starts_afresh_with_a_new_socket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``redial``, a dial nobody answers is replaced by a new one (a new SYN at once,
+    not the kernel's retransmission seconds later), and the old socket is closed."""
+    with silent_listener() as port:
+        opened: list[socket.socket] = []
+        real_socket = socket.socket
+
+        def tracked(*args: Any, **kw: Any) -> socket.socket:
+            sock = real_socket(*args, **kw)
+            opened.append(sock)
+            return sock
+
+        monkeypatch.setattr(socket, "socket", tracked)
+        dial = connect_tcp(SILENT_HOST, port, redial=0.3, random=lambda: 0.0)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(dial, 1.45)
+        monkeypatch.setattr(socket, "socket", real_socket)
+        assert len(opened) >= 3, opened  # at 0, 0.3, 0.6, 0.9 and 1.2 s (a loaded host: fewer)
+        assert all(s.fileno() == -1 for s in opened)
+
+
+async def test_a_relay_dial_that_timed_out_counts_against_the_backoff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay's address drops SYNs; each attempt gives up after connect_timeout (2 s).
+    The backoff's wait (here 3.96 s) came on top of it, so a relay back from an outage
+    was dialed again only up to backoff_max later; the attempt's own time now counts
+    against it."""
+    from p2pdist.transport import relay_path as relay_path_module
+
+    dials: list[float] = []
+    real = relay_path_module.connect_tcp
+
+    async def counted(*args: Any, **kw: Any) -> socket.socket:
+        dials.append(time.monotonic())
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(relay_path_module, "connect_tcp", counted)
+    with silent_listener() as port:
+        pin = SecretKey.from_seed("happy eyeballs tests", 9).endpoint_id
+        cfg = RelayConfig(connect_timeout=2.0, backoff_initial=4.0, backoff_max=4.0)
+        path = RelayPath(
+            SecretKey.generate(),
+            f"https://{SILENT_HOST}:{port}/?pin={pin}",
+            config=cfg,
+            random=lambda: 0.99,
+        )
+        path.start()
+        try:
+            await asyncio.sleep(5.0)
+        finally:
+            await bounded(path.close(), "close()")
+    # The second dial 2 + 3.96 s after the first before, now 3.96 s (2 s of it spent).
+    assert len(dials) >= 2 and dials[1] - dials[0] < 5.0, [d - dials[0] for d in dials]

@@ -12,8 +12,9 @@ reached, on every retry.
 from __future__ import annotations
 
 import asyncio
+import random as _random
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["ATTEMPT_DELAY", "connect_tcp", "interleaved"]
@@ -45,16 +46,29 @@ def interleaved(infos: Sequence[AddrInfo]) -> list[AddrInfo]:
     return out
 
 
-async def connect_tcp(host: str, port: int, *, delay: float = ATTEMPT_DELAY) -> socket.socket:
+async def connect_tcp(
+    host: str,
+    port: int,
+    *,
+    delay: float = ATTEMPT_DELAY,
+    redial: float | None = None,
+    random: Callable[[], float] = _random.random,
+) -> socket.socket:
     """A non-blocking TCP socket connected to ``host:port``: its addresses raced as the
-    module docstring says. The caller bounds the wait (cancelling closes every socket
-    opened here). When every address fails: that error if there was one address, or
-    all of them refused, else an ``OSError`` listing each."""
+    module docstring says. With ``redial``, an address unanswered for that long (times
+    1 to 1.5, ``random`` jitters it) is dialed afresh on a new socket, the old attempt
+    dropped: a new SYN at once instead of the kernel's retransmission, 1, 3, 7, 15 s
+    apart on many kernels, so a server that comes back (a relay after an outage) is
+    reached within about ``redial``, not many seconds later.
+
+    The caller bounds the wait (cancelling closes every socket opened here). When every
+    address fails: that error if there was one address, or all of them refused, else
+    an ``OSError`` listing each."""
     loop = asyncio.get_running_loop()
     infos = interleaved(await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))
     if not infos:
         raise OSError(f"{host}:{port} resolves to no address")
-    return await _race(infos, delay)
+    return await _race(infos, delay, redial, random)
 
 
 async def _attempt(info: AddrInfo) -> socket.socket:
@@ -69,28 +83,45 @@ async def _attempt(info: AddrInfo) -> socket.socket:
     return sock
 
 
-async def _race(infos: list[AddrInfo], delay: float) -> socket.socket:
+async def _race(
+    infos: list[AddrInfo], delay: float, redial: float | None, random: Callable[[], float]
+) -> socket.socket:
+    loop = asyncio.get_running_loop()
     waiting = list(infos)
     running: dict[asyncio.Task[socket.socket], AddrInfo] = {}
+    stale_at: dict[asyncio.Task[socket.socket], float] = {}  # when to dial it afresh
     errors: list[tuple[AddrInfo, OSError]] = []
     try:
         while waiting or running:
             if waiting:
                 info = waiting.pop(0)
-                running[asyncio.ensure_future(_attempt(info))] = info
+                task = asyncio.ensure_future(_attempt(info))
+                running[task] = info
+                if redial is not None:
+                    stale_at[task] = loop.time() + redial * (1.0 + 0.5 * random())
+            timeout = delay if waiting else None
+            if stale_at and not waiting:
+                timeout = max(0.0, min(stale_at.values()) - loop.time())
             done, _ = await asyncio.wait(
-                running,
-                timeout=delay if waiting else None,
-                return_when=asyncio.FIRST_COMPLETED,
+                running, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
             for task in done:
                 info = running.pop(task)
+                stale_at.pop(task, None)
+                if task.cancelled():  # dialed afresh (below)
+                    continue
                 exc = task.exception()
                 if exc is None:
                     return task.result()  # (another one done too is closed below)
                 if not isinstance(exc, OSError):
                     raise exc
                 errors.append((info, exc))
+            now = loop.time()
+            for task, at in list(stale_at.items()):
+                if at <= now and not task.done():  # unanswered: a fresh SYN, at once
+                    del stale_at[task]
+                    task.cancel()  # (its socket is closed as it ends)
+                    waiting.append(running[task])
     finally:
         for task in running:
             task.cancel()

@@ -101,6 +101,10 @@ RATE_QUEUE_SECONDS = 0.25
 (at least :data:`MIN_RATE_QUEUE`, at most ``send_buffer``): the relay stops reading a
 client over its rate, so a deeper queue only adds delay before QUIC sees a loss."""
 MIN_RATE_QUEUE = 256 * 1024
+REDIAL = 2.0
+"""Seconds (times 1 to 1.5) after which an unanswered TCP dial to the relay starts afresh
+with a new SYN, instead of the kernel's retransmissions 1, 3, 7 s... apart: a relay
+back from an outage is reached within about this long (connect_tcp's ``redial``)."""
 _SESSION_READ = 1 << 20
 """Ciphertext one read of the relay session may take. A receiver that drains about 64
 QUIC datagrams per wake-up (as from a UDP socket) acknowledges and transmits once for
@@ -296,6 +300,8 @@ class RelayPath:
             self._set(state=RelayState.CONNECTING)
             self._authed_at = None
             retry_after: float | None = None
+            began = time.monotonic()
+            waited = 0.0  # of the backoff, in an attempt that never got through
             try:
                 retry_after = await self._session()
             except PeerAuthenticationError as exc:
@@ -316,6 +322,8 @@ class RelayPath:
                 self._authed_at = None  # a replacement never resets the backoff
             except Exception as exc:  # any failure ends this session, never the loop
                 self._refused.clear()  # the latest attempt was not refused
+                if self._authed_at is None:  # (say, TCP unanswered until connect_timeout)
+                    waited = time.monotonic() - began
                 msg = str(exc) or type(exc).__name__
                 self._set(last_error=msg)
                 if self._authed_at is None and not self._said_unreachable:
@@ -334,6 +342,11 @@ class RelayPath:
             authed = self._authed_at
             lasted = None if authed is None else time.monotonic() - authed
             wait = self._backoff.next_wait(lasted=lasted, retry_after=retry_after)
+            # An attempt that failed after a while waited already: that counts against
+            # the backoff, so a relay back from an outage is dialed again at once, not
+            # up to backoff_max later. (Not a replaced session: two processes with one
+            # key would take turns at full speed.)
+            wait = max(0.0, wait - waited)
             self._set(state=RelayState.BACKOFF)
             log.debug("relay %s: reconnecting in %.2f s", self.url, wait)
             await asyncio.sleep(wait)
@@ -371,7 +384,7 @@ class RelayPath:
         loop = asyncio.get_running_loop()
         try:
             if self.proxy is None:  # (the relay's name may have broken IPv6: raced)
-                sock = await connect_tcp(url.host, url.port)
+                sock = await connect_tcp(url.host, url.port, redial=REDIAL)
             else:
                 sock = await self._tunnel(self.proxy)
             _, stream = await loop.create_connection(stream_factory, sock=sock)
