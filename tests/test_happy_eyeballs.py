@@ -39,6 +39,24 @@ def silent_listener(port: int = 0) -> Iterator[int]:
         server.close()
 
 
+@contextlib.contextmanager
+def sockets_opened(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[socket.socket]]:
+    """Every socket made inside the block, in a list."""
+    opened: list[socket.socket] = []
+    real_socket = socket.socket
+
+    def tracked(*args: Any, **kw: Any) -> socket.socket:
+        sock = real_socket(*args, **kw)
+        opened.append(sock)
+        return sock
+
+    monkeypatch.setattr(socket, "socket", tracked)
+    try:
+        yield opened
+    finally:
+        monkeypatch.setattr(socket, "socket", real_socket)
+
+
 def name_resolving_to(monkeypatch: pytest.MonkeyPatch, name: str, hosts: list[str]) -> None:
     """Make the running loop resolve ``name`` to ``hosts`` (in that order)."""
     loop = asyncio.get_running_loop()
@@ -106,18 +124,8 @@ async def test_every_address_failing_names_each(monkeypatch: pytest.MonkeyPatch)
 async def test_a_cancelled_dial_leaves_no_socket_open(monkeypatch: pytest.MonkeyPatch) -> None:
     with silent_listener() as port:
         name_resolving_to(monkeypatch, "two.test", [SILENT_HOST, SILENT_HOST])
-        opened: list[socket.socket] = []
-        real_socket = socket.socket
-
-        def tracked(*args: Any, **kw: Any) -> socket.socket:
-            sock = real_socket(*args, **kw)
-            opened.append(sock)
-            return sock
-
-        monkeypatch.setattr(socket, "socket", tracked)
-        with pytest.raises(TimeoutError):
+        with sockets_opened(monkeypatch) as opened, pytest.raises(TimeoutError):
             await asyncio.wait_for(connect_tcp("two.test", port), 0.4)
-        monkeypatch.setattr(socket, "socket", real_socket)
         assert opened and all(s.fileno() == -1 for s in opened)
 
 
@@ -169,19 +177,10 @@ async def test_an_unanswered_dial_starts_afresh_with_a_new_socket(
     """With ``redial``, a dial nobody answers is replaced by a new one (a new SYN at once,
     not the kernel's retransmission seconds later), and the old socket is closed."""
     with silent_listener() as port:
-        opened: list[socket.socket] = []
-        real_socket = socket.socket
-
-        def tracked(*args: Any, **kw: Any) -> socket.socket:
-            sock = real_socket(*args, **kw)
-            opened.append(sock)
-            return sock
-
-        monkeypatch.setattr(socket, "socket", tracked)
-        dial = connect_tcp(SILENT_HOST, port, redial=0.3, random=lambda: 0.0)
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(dial, 1.45)
-        monkeypatch.setattr(socket, "socket", real_socket)
+        with sockets_opened(monkeypatch) as opened:
+            dial = connect_tcp(SILENT_HOST, port, redial=0.3, random=lambda: 0.0)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(dial, 1.45)
         assert len(opened) >= 3, opened  # at 0, 0.3, 0.6, 0.9 and 1.2 s (a loaded host: fewer)
         assert all(s.fileno() == -1 for s in opened)
 
