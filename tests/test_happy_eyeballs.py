@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import socket
 import time
 from collections.abc import Iterator
@@ -26,10 +27,10 @@ SILENT_HOST = "127.0.0.2"
 
 
 @contextlib.contextmanager
-def silent_listener(port: int = 0) -> Iterator[int]:
-    """A port on 127.0.0.2 that drops every SYN (its one-place accept queue is full)."""
+def silent_listener(port: int = 0, host: str = SILENT_HOST) -> Iterator[int]:
+    """A port on ``host`` that drops every SYN (its one-place accept queue is full)."""
     server = socket.socket()
-    server.bind((SILENT_HOST, port))
+    server.bind((host, port))
     server.listen(0)
     filler = socket.create_connection(server.getsockname(), timeout=5)
     try:
@@ -122,8 +123,8 @@ async def test_every_address_failing_names_each(monkeypatch: pytest.MonkeyPatch)
 
 
 async def test_a_cancelled_dial_leaves_no_socket_open(monkeypatch: pytest.MonkeyPatch) -> None:
-    with silent_listener() as port:
-        name_resolving_to(monkeypatch, "two.test", [SILENT_HOST, SILENT_HOST])
+    with silent_listener() as port, silent_listener(port, host="127.0.0.3"):
+        name_resolving_to(monkeypatch, "two.test", [SILENT_HOST, "127.0.0.3"])
         with sockets_opened(monkeypatch) as opened, pytest.raises(TimeoutError):
             await asyncio.wait_for(connect_tcp("two.test", port), 0.4)
         assert opened and all(s.fileno() == -1 for s in opened)
@@ -185,13 +186,36 @@ async def test_an_unanswered_dial_starts_afresh_with_a_new_socket(
         assert all(s.fileno() == -1 for s in opened)
 
 
-async def test_a_relay_dial_that_timed_out_counts_against_the_backoff(
+async def test_a_dial_answered_later_than_redial_still_gets_through(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The relay's address drops SYNs; each attempt gives up after connect_timeout (2 s).
-    The backoff's wait (here 3.96 s) came on top of it, so a relay back from an outage
-    was dialed again only up to backoff_max later; the attempt's own time now counts
-    against it."""
+    """A path whose SYN-ACK takes 0.5 s, against a redial of 0.3 s: the older attempt
+    goes on beside the newer one and connects (a review: replacing it at every redial,
+    no attempt ever lived long enough to connect)."""
+    live = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = live.sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
+    real = loop.sock_connect
+
+    async def slow_path(sock: socket.socket, addr: Any) -> None:
+        await asyncio.sleep(0.5)
+        await real(sock, addr)
+
+    monkeypatch.setattr(loop, "sock_connect", slow_path)
+    try:
+        dial = connect_tcp("127.0.0.1", port, redial=0.3, random=lambda: 0.0)
+        with await bounded(dial, "a slow dial", seconds=5):
+            pass
+    finally:
+        live.close()
+        await live.wait_closed()
+
+
+async def dials_of_a_relay_path(
+    monkeypatch: pytest.MonkeyPatch, port: int, host: str, seconds: float
+) -> list[float]:
+    """When a RelayPath to ``host:port`` (connect_timeout 2 s, backoff 4 s, whose wait
+    draws 0.99 and whose floor draws 0) began each attempt, over ``seconds``."""
     from p2pdist.transport import relay_path as relay_path_module
 
     dials: list[float] = []
@@ -202,19 +226,44 @@ async def test_a_relay_dial_that_timed_out_counts_against_the_backoff(
         return await real(*args, **kw)
 
     monkeypatch.setattr(relay_path_module, "connect_tcp", counted)
+    pin = SecretKey.from_seed("happy eyeballs tests", 9).endpoint_id
+    draws = itertools.cycle([0.99, 0.0])  # the backoff's wait, then the credit's floor
+    path = RelayPath(
+        SecretKey.generate(),
+        f"https://{host}:{port}/?pin={pin}",
+        config=RelayConfig(connect_timeout=2.0, backoff_initial=4.0, backoff_max=4.0),
+        random=lambda: next(draws),
+    )
+    path.start()
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        await bounded(path.close(), "close()")
+    return [d - dials[0] for d in dials]
+
+
+async def test_a_relay_dial_that_went_unanswered_counts_against_the_backoff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay's address drops SYNs; each attempt gives up after connect_timeout (2 s).
+    The backoff's wait (3.96 s) came on top of it, so a relay back from an outage was
+    dialed again only up to backoff_max later: the dial's own time now counts against
+    it (the second dial 3.96 s after the first, not 5.96)."""
     with silent_listener() as port:
-        pin = SecretKey.from_seed("happy eyeballs tests", 9).endpoint_id
-        cfg = RelayConfig(connect_timeout=2.0, backoff_initial=4.0, backoff_max=4.0)
-        path = RelayPath(
-            SecretKey.generate(),
-            f"https://{SILENT_HOST}:{port}/?pin={pin}",
-            config=cfg,
-            random=lambda: 0.99,
-        )
-        path.start()
-        try:
-            await asyncio.sleep(5.0)
-        finally:
-            await bounded(path.close(), "close()")
-    # The second dial 2 + 3.96 s after the first before, now 3.96 s (2 s of it spent).
-    assert len(dials) >= 2 and dials[1] - dials[0] < 5.0, [d - dials[0] for d in dials]
+        dials = await dials_of_a_relay_path(monkeypatch, port, SILENT_HOST, 5.0)
+    assert len(dials) >= 2 and dials[1] < 5.0, dials
+
+
+async def test_a_relay_too_loaded_to_answer_tls_keeps_the_whole_backoff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A relay that takes TCP but never finishes TLS (overloaded) is not an unanswered
+    dial: its clients keep the whole backoff and its jitter, not a redial in step with
+    every other client (a review of the change above)."""
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        dials = await dials_of_a_relay_path(monkeypatch, port, "127.0.0.1", 6.5)
+    finally:
+        server.close()
+    assert len(dials) >= 2 and dials[1] > 5.5, dials

@@ -487,11 +487,15 @@ def _op_label(
 ) -> str:
     """The op as the call descriptor names it: the mode asked for is part of the call, so
     ranks that disagree on it fail with a MismatchError, even where both modes would run
-    the same path (integers, max/min); so is the wire format, with the block for int8
-    only (the one wire with blocks: others must not differ in an unused one)."""
+    the same path (integers); so is the wire format, with the block for int8 only (the
+    one wire with blocks: others must not differ in an unused one). A deterministic max
+    or min says ``:rank-ordered`` too: before 2026-12-06 a float one ran the fast path,
+    and a rank of that version must not pair with one of this."""
     if codec is not None:  # never with deterministic: _codec_for refuses the pair
         return f"{op}@{codec.name}" + (f"/{block}" if codec.name == "int8" else "")
-    return f"{op}:deterministic" if deterministic else op
+    if not deterministic:
+        return op
+    return f"{op}:deterministic:rank-ordered" if op in ("max", "min") else f"{op}:deterministic"
 
 
 def _load_into(arr: np.ndarray, divisor: int, buf: np.ndarray) -> np.ndarray:

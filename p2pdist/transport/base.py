@@ -23,6 +23,17 @@ __all__ = [
 NOT_ADMITTED = "is not allowed to connect here"
 """The end of the reason a transport gives a peer its ``accept_from`` refuses (after
 "endpoint ID"); the dialer's error carries it."""
+ACCEPT_QUEUE_FULL = "accept queue full"
+"""Why a dial is refused while ``TransportConfig.max_accept_queue`` connections wait for
+``accept()`` (a passing state: the dialer may try again)."""
+
+
+def routine_refusal(reason: str) -> bool:
+    """Whether a refusal is routine, logged at info: the accept policy's (a group member
+    re-forming while this process still runs its earlier group dials until it closes)
+    or a full accept queue's (the dialer tries again)."""
+    return NOT_ADMITTED in reason or ACCEPT_QUEUE_FULL in reason
+
 
 Address = str | tuple[str, int]
 """A network address: ``"host:port"``, ``"[v6]:port"`` or ``(host, port)``."""
@@ -60,9 +71,10 @@ class TransportConfig:
     QuicTransport has its own limit, ``QuicConfig.max_pending_handshakes``."""
     max_accept_queue: int = 1024
     """Authenticated incoming connections that may wait for ``accept()`` (or
-    ``take_accepted()``) at once, and 16 of one peer (``ACCEPT_QUEUE_PER_PEER``); past
-    either the dialer is refused ("accept queue full"). A waiting connection reads
-    nothing from its peer until it is handed out."""
+    ``take_accepted()``) at once (plus those finishing their handshake then); past it a
+    dialer is refused "accept queue full", which ``dial_with_retry`` retries. A waiting
+    connection reads nothing from its peer until it is handed out (over QUIC, at most
+    the credit the peer had been given)."""
 
     def __post_init__(self) -> None:
         # Kept as plain numbers (numpy's are taken): they go into msgpack and formatting.

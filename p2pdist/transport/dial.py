@@ -15,7 +15,7 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId
-from .base import Address, Connection
+from .base import ACCEPT_QUEUE_FULL, Address, Connection
 from .quic import QuicTransport
 from .tcp import TcpTransport
 
@@ -39,9 +39,10 @@ async def dial_with_retry(
 ) -> Connection:
     """Connect to ``peer`` at ``address`` (QUIC: through the relay when None), retrying
     refusals, resets and handshake timeouts with exponential backoff (a peer that is
-    still starting up), never an authentication failure. ``timeout`` bounds the whole
-    attempt (:class:`PeerTimeoutError` naming ``label`` and the last error); None leaves
-    the bound to the caller, whom ``on_retry`` tells each error retried."""
+    still starting up), and a full accept queue (a busy one), never an authentication
+    failure. ``timeout`` bounds the whole attempt (:class:`PeerTimeoutError` naming
+    ``label`` and the last error); None leaves the bound to the caller, whom
+    ``on_retry`` tells each error retried."""
     if address is None and not isinstance(transport, QuicTransport):
         raise UsageError(f"{label}: TCP needs a host:port")
     delay = FIRST_RETRY
@@ -55,15 +56,17 @@ async def dial_with_retry(
                         return await transport.connect(peer, address, label=label)
                     assert address is not None
                     return await transport.connect(peer, address, label=label)
-                except PeerAuthenticationError:
-                    raise
+                except PeerAuthenticationError as exc:
+                    if ACCEPT_QUEUE_FULL not in exc.detail:  # (full: busy, not refused)
+                        raise
+                    last = exc
                 except (ConnectionBrokenError, PeerTimeoutError, RemoteProtocolError) as exc:
                     last = exc
-                    log.debug("dial %s: %s; retrying", label, exc)
-                    if on_retry is not None:
-                        on_retry(exc)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, MAX_RETRY)
+                log.debug("dial %s: %s; retrying", label, last)
+                if on_retry is not None:
+                    on_retry(last)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, MAX_RETRY)
     except TimeoutError:
         if timeout is None:
             raise

@@ -38,7 +38,7 @@ from ..wire.frames import (
     encode_data_header,
     encode_header,
 )
-from .base import NOT_ADMITTED, ConnectionStats, TransportConfig
+from .base import ACCEPT_QUEUE_FULL, NOT_ADMITTED, ConnectionStats, TransportConfig
 from .keepalive import Keepalive, KeepaliveAction
 from .mailbox import Mailbox, split_channel
 
@@ -46,11 +46,6 @@ __all__ = ["AcceptQueue", "EndpointBase", "FramedConnection", "SendStalls"]
 
 log = logging.getLogger(__name__)
 
-ACCEPT_QUEUE_PER_PEER = 16
-"""Connections of one peer that may wait for ``accept()`` at once (past it the peer's
-next dial is refused, :data:`ACCEPT_QUEUE_FULL`); ``TransportConfig.max_accept_queue``
-bounds them all."""
-ACCEPT_QUEUE_FULL = "accept queue full"
 _SLOTS_FULL_LOG_INTERVAL = 10.0
 """Seconds between two warnings about incoming connections turned away for want of a
 handshake slot."""
@@ -662,27 +657,19 @@ class AcceptQueue(Generic[C]):
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue[C | None] = asyncio.Queue()  # None: closed
-        self._per_peer: dict[EndpointId, int] = {}
+        self._waiting = 0
 
     def __len__(self) -> int:
-        return sum(self._per_peer.values())
-
-    def waiting_from(self, peer: EndpointId) -> int:
-        """Connections of ``peer`` waiting now."""
-        return self._per_peer.get(peer, 0)
+        return self._waiting
 
     def put(self, conn: C) -> None:
         """Hand ``conn`` to the next ``get``."""
         conn._hold_for_accept(True)
-        peer = conn.peer_id
-        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+        self._waiting += 1
         self._queue.put_nowait(conn)
 
     def _handed_out(self, conn: C) -> C:
-        peer = conn.peer_id
-        left = self._per_peer.pop(peer, 1) - 1
-        if left:
-            self._per_peer[peer] = left
+        self._waiting -= 1
         conn._hold_for_accept(False)
         return conn
 
@@ -717,7 +704,7 @@ class AcceptQueue(Generic[C]):
             if c is not None:
                 c._hold_for_accept(False)  # its close reads on until the peer's end
                 left.append(c)
-        self._per_peer.clear()
+        self._waiting = 0
         self._queue.put_nowait(None)
         return left
 
@@ -811,26 +798,22 @@ class EndpointBase(Generic[C]):
         return self.refusal_for(peer) is None
 
     def refusal_for(self, peer: EndpointId) -> str | None:
-        """None when ``accept_from`` admits ``peer`` and the accept queue has room for it,
-        else the reason the dialer is given: ``endpoint ID is not allowed to connect
-        here``, followed by the reason ``accept_from`` returned when it returned a string
-        instead of False; or ``accept queue full`` (``max_accept_queue`` connections
-        wait for accept() here, or :data:`ACCEPT_QUEUE_PER_PEER` of ``peer``'s)."""
+        """None when ``accept_from`` admits ``peer`` and the accept queue has room, else
+        the reason the dialer is given: ``endpoint ID is not allowed to connect here``,
+        followed by the reason ``accept_from`` returned when it returned a string instead
+        of False; or :data:`ACCEPT_QUEUE_FULL` (``max_accept_queue`` connections wait for
+        accept() here: a dialer may try again, ``dial_with_retry`` does)."""
         verdict = True if self._accept_from is None else self._accept_from(peer)
         if verdict is True or (verdict and not isinstance(verdict, str)):
-            return self._accept_queue_refusal(peer)
+            return self._accept_queue_refusal()
         refusal = f"endpoint {peer} {NOT_ADMITTED}"
         return f"{refusal}: {verdict}" if isinstance(verdict, str) and verdict else refusal
 
-    def _accept_queue_refusal(self, peer: EndpointId) -> str | None:
-        queue = self._accepted
-        if queue.waiting_from(peer) >= ACCEPT_QUEUE_PER_PEER:
-            mine = f"{ACCEPT_QUEUE_PER_PEER} connections of this endpoint wait"
-        elif len(queue) >= self.config.max_accept_queue:
-            mine = f"{self.config.max_accept_queue} connections (max_accept_queue) wait"
-        else:
+    def _accept_queue_refusal(self) -> str | None:
+        most = self.config.max_accept_queue
+        if len(self._accepted) < most:
             return None
-        return f"{ACCEPT_QUEUE_FULL}: {mine} for accept() here"
+        return f"{ACCEPT_QUEUE_FULL}: {most} connections (max_accept_queue) wait for accept()"
 
     async def accept(self, *, timeout: float | None = None) -> C:
         """The next authenticated incoming connection."""

@@ -56,10 +56,12 @@ async def connect_tcp(
 ) -> socket.socket:
     """A non-blocking TCP socket connected to ``host:port``: its addresses raced as the
     module docstring says. With ``redial``, an address unanswered for that long (times
-    1 to 1.5, ``random`` jitters it) is dialed afresh on a new socket, the old attempt
-    dropped: a new SYN at once instead of the kernel's retransmission, 1, 3, 7, 15 s
-    apart on many kernels, so a server that comes back (a relay after an outage) is
-    reached within about ``redial``, not many seconds later.
+    1 to 1.5, ``random`` jitters it) is dialed again on a new socket beside the old
+    attempt (the one before that is dropped: two per address): a new SYN at once
+    instead of the kernel's retransmission, 1, 3, 7, 15 s apart on many kernels, so a
+    server that comes back (a relay after an outage) is reached within about
+    ``redial``, while a dial whose answer takes longer than that (a slow path) still
+    gets through.
 
     The caller bounds the wait (cancelling closes every socket opened here). When every
     address fails: that error if there was one address, or all of them refused, else
@@ -89,8 +91,10 @@ async def _race(
     loop = asyncio.get_running_loop()
     waiting = list(infos)
     running: dict[asyncio.Task[socket.socket], AddrInfo] = {}
-    stale_at: dict[asyncio.Task[socket.socket], float] = {}  # when to dial it afresh
+    stale_at: dict[asyncio.Task[socket.socket], float] = {}  # when to dial it again
+    superseded: set[asyncio.Task[socket.socket]] = set()  # left running beside a newer one
     errors: list[tuple[AddrInfo, OSError]] = []
+    winner: socket.socket | None = None
     try:
         while waiting or running:
             if waiting:
@@ -108,11 +112,16 @@ async def _race(
             for task in done:
                 info = running.pop(task)
                 stale_at.pop(task, None)
-                if task.cancelled():  # dialed afresh (below)
+                if task.cancelled():  # superseded twice (below)
+                    superseded.discard(task)
                     continue
                 exc = task.exception()
                 if exc is None:
-                    return task.result()  # (another one done too is closed below)
+                    winner = task.result()
+                    return winner  # (another one done too is closed below)
+                if task in superseded:
+                    superseded.discard(task)
+                    continue  # its newer attempt goes on
                 if not isinstance(exc, OSError):
                     raise exc
                 errors.append((info, exc))
@@ -120,17 +129,25 @@ async def _race(
             for task, at in list(stale_at.items()):
                 if at <= now and not task.done():  # unanswered: a fresh SYN, at once
                     del stale_at[task]
-                    task.cancel()  # (its socket is closed as it ends)
-                    waiting.append(running[task])
+                    info = running[task]
+                    for older in [t for t in superseded if running.get(t) == info]:
+                        older.cancel()  # (its socket is closed as it ends)
+                    superseded.add(task)
+                    waiting.append(info)
     finally:
         for task in running:
             task.cancel()
-        for task in running:
-            # Each attempt closes its socket when cancelled; one that connected anyway
-            # (it finished before the cancel reached it) is closed here.
-            (outcome,) = await asyncio.gather(task, return_exceptions=True)
-            if not isinstance(outcome, BaseException):
-                outcome.close()
+        try:
+            for task in running:
+                # Each attempt closes its socket when cancelled; one that connected
+                # anyway (it finished before the cancel reached it) is closed here.
+                (outcome,) = await asyncio.gather(task, return_exceptions=True)
+                if not isinstance(outcome, BaseException):
+                    outcome.close()
+        except BaseException:  # cancelled again meanwhile: the winner is lost too
+            if winner is not None:
+                winner.close()
+            raise
     if len(errors) == 1 or all(isinstance(e, ConnectionRefusedError) for _, e in errors):
         raise errors[0][1]
     raise OSError("; ".join(f"{_where(info)}: {e}" for info, e in errors))

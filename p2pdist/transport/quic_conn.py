@@ -41,7 +41,7 @@ from ..errors import (
 )
 from ..identity import EndpointId
 from ..tls import endpoint_id_of_cert
-from .base import NOT_ADMITTED
+from .base import routine_refusal
 from .framed import FramedConnection
 from .pathinfo import LossInfo
 from .paths import PathKind, Route, UdpAddress, UdpRoute
@@ -275,8 +275,7 @@ class QuicConnection(FramedConnection):
             prefix = "refused: " if self._server_side else ""
             err = PeerAuthenticationError(self.label, prefix + refusal)
             if self._server_side:
-                # The accept policy's refusals are routine (see TcpTransport's).
-                level = logging.INFO if NOT_ADMITTED in refusal else logging.WARNING
+                level = logging.INFO if routine_refusal(refusal) else logging.WARNING
                 log.log(level, "refused incoming connection: %s", err)
                 self._owner._note_refusal(str(err))
             self._fail_handshake(err, AppError.REFUSED, refusal)

@@ -227,3 +227,11 @@ class ReconnectBackoff:
             return self._random() * delay
         base = max(retry_after, delay)
         return base * (1.0 + 0.5 * self._random())
+
+    def less(self, wait: float, waited: float) -> float:
+        """``wait`` less ``waited``, the time an attempt spent on a TCP dial nobody
+        answered (it waited already), but at least ``initial`` times a random draw:
+        clients whose dials timed out together come back apart."""
+        if waited <= 0:
+            return wait
+        return max(wait - waited, self._random() * self.initial)

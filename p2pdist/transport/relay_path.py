@@ -148,6 +148,9 @@ class RelayPath:
         self.on_peer_gone: Callable[[EndpointId], None] | None = None
         self.on_datagram_size: Callable[[int], None] | None = None
         self.max_datagram = MAX_DATAGRAM
+        self._told_datagram = MAX_DATAGRAM
+        """The size ``on_datagram_size`` was last told (or the first one): a session that
+        failed after AUTH_OK set another must not keep the transport from hearing it."""
         self._queue_cap = self.config.send_buffer
         """Bytes queued towards the relay beyond which datagrams are dropped (less than
         ``send_buffer`` under a rate limit: :data:`RATE_QUEUE_SECONDS`)."""
@@ -163,6 +166,8 @@ class RelayPath:
         self._connected = asyncio.Event()
         self._refused = asyncio.Event()
         self._said_unreachable = False  # warned that the relay cannot be reached yet
+        self._unanswered = 0.0
+        """Seconds the last attempt's TCP dial went unanswered until it was given up."""
         self._closed = asyncio.Event()
         """Set by :meth:`close`: no session any more, and waiters stop waiting."""
         self._ping_sent: dict[bytes, float] = {}
@@ -300,8 +305,7 @@ class RelayPath:
             self._set(state=RelayState.CONNECTING)
             self._authed_at = None
             retry_after: float | None = None
-            began = time.monotonic()
-            waited = 0.0  # of the backoff, in an attempt that never got through
+            self._unanswered = 0.0
             try:
                 retry_after = await self._session()
             except PeerAuthenticationError as exc:
@@ -322,8 +326,6 @@ class RelayPath:
                 self._authed_at = None  # a replacement never resets the backoff
             except Exception as exc:  # any failure ends this session, never the loop
                 self._refused.clear()  # the latest attempt was not refused
-                if self._authed_at is None:  # (say, TCP unanswered until connect_timeout)
-                    waited = time.monotonic() - began
                 msg = str(exc) or type(exc).__name__
                 self._set(last_error=msg)
                 if self._authed_at is None and not self._said_unreachable:
@@ -342,11 +344,11 @@ class RelayPath:
             authed = self._authed_at
             lasted = None if authed is None else time.monotonic() - authed
             wait = self._backoff.next_wait(lasted=lasted, retry_after=retry_after)
-            # An attempt that failed after a while waited already: that counts against
-            # the backoff, so a relay back from an outage is dialed again at once, not
-            # up to backoff_max later. (Not a replaced session: two processes with one
-            # key would take turns at full speed.)
-            wait = max(0.0, wait - waited)
+            # An attempt whose TCP dial went unanswered until connect_timeout waited
+            # already: that counts against the backoff, so a relay back from an outage
+            # is dialed again soon, not up to backoff_max later. (Only then: a relay that
+            # takes TCP but is too loaded to finish TLS keeps its clients' backoff.)
+            wait = self._backoff.less(wait, self._unanswered)
             self._set(state=RelayState.BACKOFF)
             log.debug("relay %s: reconnecting in %.2f s", self.url, wait)
             await asyncio.sleep(wait)
@@ -384,7 +386,12 @@ class RelayPath:
         loop = asyncio.get_running_loop()
         try:
             if self.proxy is None:  # (the relay's name may have broken IPv6: raced)
-                sock = await connect_tcp(url.host, url.port, redial=REDIAL)
+                dialed = time.monotonic()
+                try:
+                    sock = await connect_tcp(url.host, url.port, redial=REDIAL)
+                except asyncio.CancelledError:  # connect_timeout: nobody answered
+                    self._unanswered = time.monotonic() - dialed
+                    raise
             else:
                 sock = await self._tunnel(self.proxy)
             _, stream = await loop.create_connection(stream_factory, sock=sock)
@@ -545,7 +552,6 @@ class RelayPath:
         writer = proto.transport
         assert writer is not None  # connection_made ran before create_connection returned
         try:
-            size_before = self.max_datagram
             try:
                 async with asyncio.timeout_at(deadline):
                     interval, silence = await self._handshake(proto, writer)
@@ -553,7 +559,7 @@ class RelayPath:
                 raise self._too_slow("the upgrade and authentication") from None
             writer = proto.writer
             self._writer = writer
-            if self.max_datagram != size_before:
+            if self.max_datagram != self._told_datagram:
                 self._tell_datagram_size()
             self._authed_at = time.monotonic()
             self._refused.clear()
@@ -574,6 +580,7 @@ class RelayPath:
         the last one (QUIC connections through us must build theirs to fit, or every
         full-size datagram would be refused here until they time out)."""
         hook = self.on_datagram_size
+        self._told_datagram = self.max_datagram
         if hook is None:
             return
         try:

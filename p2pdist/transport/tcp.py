@@ -35,7 +35,7 @@ from ..settings import as_int
 from ..tasks import cancel_and_wait
 from ..wire.handshake import RecordReader
 from .aeadpipe import CIPHER, MAX_RECORD, AeadPipe, RecordError
-from .base import NOT_ADMITTED, Address, TransportConfig
+from .base import Address, TransportConfig, routine_refusal
 from .framed import EndpointBase
 from .happyeyeballs import connect_tcp
 from .listener import Listener
@@ -145,6 +145,16 @@ _HANDSHAKE_READ = 16 * 1024
 _EVICT_AFTER = 1.0
 """Seconds an incoming handshake must have waited before a newer one may evict it when
 the handshake slots are full (a real handshake takes milliseconds)."""
+_TLS_ERROR, _BAD_RECORD = "TLS error", "bad record"
+
+
+def _went_away(err: ConnectionBrokenError) -> bool:
+    """Whether ``err`` says the peer closed or reset the connection (not a TLS error or
+    a record that did not decrypt, which also read "connection lost: ...")."""
+    detail = err.detail
+    return detail.startswith("connection lost") and not (
+        _TLS_ERROR in detail or _BAD_RECORD in detail
+    )
 
 
 def parse_address(address: Address) -> tuple[str, int]:
@@ -514,7 +524,7 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
                 # stream is broken, as when the socket fails. The records before it were
                 # authentic: fill handed their frames (a GOODBYE, say) out first.
                 self._flush_tls()  # our alert, best effort: tells the peer why
-                what = "TLS error" if isinstance(exc, ssl.SSLError) else "bad record"
+                what = _TLS_ERROR if isinstance(exc, ssl.SSLError) else _BAD_RECORD
                 err = ConnectionBrokenError(self.label, f"connection lost: {what}: {exc}")
                 log.warning("%s", err)
                 self.abort(err)
@@ -709,18 +719,17 @@ class TcpTransport(EndpointBase[TcpConnection]):
             else:  # evicted by _make_room, which warned (its error is a PeerTimeoutError)
                 log.debug("%s: %s", conn.label, exc)
             return
-        except ConnectionBrokenError as exc:
-            conn.abort(exc)
-            # Nothing was refused: the dialer left. Before its hello that is most often
-            # a port probe or a health check, not worth more than a debug line.
-            level = logging.DEBUG if conn._peer is None else logging.INFO
-            log.log(level, "%s: the dialer went away during the handshake (%s)", conn.label, exc)
-            return
         except P2PError as exc:
             conn.abort(exc)
-            # The accept policy's refusals are routine (a group member re-forming while
-            # this process still runs its earlier group dials until it closes).
-            level = logging.INFO if NOT_ADMITTED in str(exc) else logging.WARNING
+            if isinstance(exc, ConnectionBrokenError) and _went_away(exc):
+                # Nothing was refused: the dialer left. Before its hello that is most
+                # often a port probe or a health check, not worth more than a debug line.
+                level = logging.DEBUG if conn._peer is None else logging.INFO
+                log.log(
+                    level, "%s: the dialer went away during the handshake (%s)", conn.label, exc
+                )
+                return
+            level = logging.INFO if routine_refusal(str(exc)) else logging.WARNING
             log.log(level, "refused incoming connection: %s", exc)
             if isinstance(exc, PeerAuthenticationError):  # not a dialer that just went away
                 self._note_refusal(str(exc))
