@@ -345,3 +345,46 @@ async def test_a_rank_with_another_seed_through_the_relay_is_named_with_a_hint(
             assert isinstance(err, P2PTimeoutError), err
             assert f"no connection to rank {1 - r}" in str(err)
             assert "same seed and relay?" in str(err)
+
+
+async def test_a_relay_restarted_under_another_key_is_named_as_the_cause(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The relay comes back on its port without its key (a new pin): every session is
+    refused ("identity mismatch"), the relayed peers fall silent, and the loss said
+    "silent for 2 s (keepalive timeout)" first and the relay's refusal last, as a
+    backoff's last error; the refusal was also warned at every retry (an operator's
+    trial). Now the loss says the relay refuses this rank, and asks whether it was
+    restarted with another key, token or allowlist; the refusal is warned once."""
+    fast = TransportConfig(keepalive_interval=0.2, idle_timeout=2.0)
+    cfg = GroupConfig(
+        timeout=20.0, connect_timeout=30.0, punch=PunchConfig(enabled=False), transport=fast
+    )
+    first = RelayProcess(tmp_path, "--key", str(tmp_path / "relay.key"))
+    port = first.url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1]
+    gs = [Group.from_seed(SEED, rank=r, world=2, relay=first.url, config=cfg) for r in range(2)]
+    await asyncio.gather(*(g.start() for g in gs))
+    second: RelayProcess | None = None
+    try:
+        await asyncio.gather(*(g.all_reduce(np.ones(10)) for g in gs))
+        await asyncio.to_thread(first.stop, signal.SIGKILL)
+        second = RelayProcess(tmp_path, "--port", port)  # an ephemeral key: another pin
+        assert second.url != first.url
+        for g in gs:
+            await wait_until(lambda g=g: g.broken is not None, "the loss", 20)
+            text = str(g.broken)
+            assert "relay refuses it now" in text and "identity mismatch" in text, text
+            assert "restarted with another key, token or allowlist" in text, text
+        warned = [
+            r
+            for r in caplog.records
+            if r.name.endswith("relay_path")
+            and r.levelname == "WARNING"
+            and "mismatch" in r.getMessage()
+        ]
+        assert len(warned) <= 2, [r.getMessage() for r in warned]  # once per rank
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+        first.__exit__()
+        if second is not None:
+            second.__exit__()

@@ -210,6 +210,11 @@ class Runner(Rejoining, Reserving):
         status = path.status
         if status.state is RelayState.CONNECTED:
             return ""
+        if status.refused:  # a relay that was fine when the group formed: what changed?
+            return (
+                f"; this rank's relay refuses it now ({status.last_error}): was the relay "
+                "restarted with another key, token or allowlist?"
+            )
         last = f", last error: {status.last_error}" if status.last_error else ""
         return f"; this rank's relay session is not connected ({status.state.value}{last})"
 

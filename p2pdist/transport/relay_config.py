@@ -147,6 +147,10 @@ class RelayStatus:
     """Last PING round trip, seconds."""
     connects: int = 0
     last_error: str | None = None
+    refused: bool = False
+    """Whether the relay refused the latest attempt (``last_error`` says why: a bad
+    token, an allowlist, a relay whose key is not the pinned one): retrying goes on,
+    but only a change to the relay or to this client's settings will let it in."""
     datagrams_sent: int = 0
     datagrams_received: int = 0
     dropped: int = 0

@@ -311,23 +311,25 @@ class RelayPath:
             except PeerAuthenticationError as exc:
                 # The relay refused us (or is not the pinned relay): tell waiters now;
                 # keep retrying in the background (an allowlist may be reloaded).
-                self._set(last_error=exc.detail)  # the waiter's error names the relay
+                said = self._status.refused and self._status.last_error == exc.detail
+                self._set(last_error=exc.detail, refused=True)  # (the error names the relay)
                 self._refused.set()
-                log.warning("%s", exc)  # str(exc) starts with "relay <url>: "
+                # Warned once, not at every retry (str(exc) starts with "relay <url>: ").
+                log.log(logging.INFO if said else logging.WARNING, "%s", exc)
             except _Replaced as exc:
                 # Another connection authenticated our id. Not our own half-dead one: we
                 # open a new session only after this one ended. Said at the 1st, 10th,
                 # 100th... time: two processes with one key would take turns for ever.
                 self._refused.clear()
                 n = self._status.replaced + 1
-                self._set(last_error=str(exc), replaced=n)
+                self._set(last_error=str(exc), replaced=n, refused=False)
                 level = logging.WARNING if _power_of_ten(n) else logging.INFO
                 log.log(level, "%s (replaced %d time(s) so far)", exc, n)
                 self._authed_at = None  # a replacement never resets the backoff
             except Exception as exc:  # any failure ends this session, never the loop
                 self._refused.clear()  # the latest attempt was not refused
                 msg = str(exc) or type(exc).__name__
-                self._set(last_error=msg)
+                self._set(last_error=msg, refused=False)
                 if self._authed_at is None and not self._said_unreachable:
                     # Said once, not at every retry: a caller waits (start() up to
                     # connect_timeout) with nothing else to tell it why.
@@ -532,6 +534,7 @@ class RelayPath:
             stun_ports=parse_stun_ports(info.get("stun_ports")),
             connects=self._status.connects + 1,
             last_error=None,
+            refused=False,
             limits=limits,
             records=writer.get_extra_info("records"),
             framing=proto.framing,
