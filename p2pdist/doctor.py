@@ -77,6 +77,8 @@ class DoctorReport:
     endpoint: str
     relay_connected: bool = False
     relay_error: str | None = None
+    relay_refused: bool = False
+    """The relay answered, and refused this key (a token, an allowlist, its pin)."""
     relay_rtt: float | None = None
     """Seconds, PING/PONG over the relay session (TCP + TLS)."""
     relay_sees: str | None = None
@@ -122,6 +124,12 @@ class DoctorReport:
         return host
 
     def _host_verdict(self) -> str:
+        if self.relay_refused:
+            return (
+                "the relay refuses this key: nothing works until it lets it in (with an "
+                "allowlist, add this endpoint id, or pass --key with an allowed key file; "
+                "`p2pdist keygen` makes one)"
+            )
         if not self.relay_connected:
             return "cannot reach the relay: nothing works until it can"
         if self.observation_off:
@@ -224,6 +232,8 @@ async def diagnose(
             # The report's line names the relay already: keep only what went wrong.
             text = exc.detail if isinstance(exc, PeerError) else str(exc)
             report.relay_error = text.removeprefix(f"relay {path.url}: ")
+            # (Not a relay whose key is not the pinned one: that is ours to refuse.)
+            report.relay_refused = path.status.refused and "refused us" in text
             return report
         report.relay_sees = path.status.observed
         report.relay_records = path.status.records
@@ -342,7 +352,8 @@ def _ms(seconds: float | None) -> str:
 
 def render(r: DoctorReport) -> str:
     """The readable report."""
-    lines = [f"p2pdist doctor (as {r.endpoint[:10]})"]
+    # The whole id where the relay refused it: the one to put on an allowlist.
+    lines = [f"p2pdist doctor (as {r.endpoint if r.relay_refused else r.endpoint[:10]})"]
     if not r.relay_connected:
         lines.append(f"  relay        {r.relay}: NOT CONNECTED ({r.relay_error})")
     else:

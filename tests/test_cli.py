@@ -709,3 +709,38 @@ def test_a_bad_proxy_in_the_environment_is_named(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(UsageError, match="P2PDIST_RELAY_PROXY in the environment: proxy URL"):
         RelayConfig().chosen_proxy()
     assert RelayConfig(proxy="").chosen_proxy() is None  # "" overrides the environment
+
+
+def test_doctor_refused_by_the_relay_says_so_and_shows_the_whole_id() -> None:
+    """An allowlist relay refuses doctor's fresh key: the verdict said "cannot reach the
+    relay", and the report showed 10 characters of an id the allowlist needs whole (an
+    operator's trial)."""
+    from p2pdist.doctor import DoctorReport, render
+
+    report = DoctorReport(
+        "https://relay.test/",
+        "a" * 52,
+        relay_error="refused us: endpoint not allowed",
+        relay_refused=True,
+    )
+    text = render(report)
+    assert "as " + "a" * 52 in text
+    assert "cannot reach" not in report.verdict()
+    assert report.verdict().startswith("the relay refuses this key")
+    assert "--key" in report.verdict()
+
+
+async def test_doctor_against_a_relay_that_refuses_its_key(tmp_path: Path) -> None:
+    from relay_helpers import running_relay
+
+    from p2pdist.doctor import diagnose, render
+    from p2pdist.identity import SecretKey
+
+    allow = tmp_path / "allow.txt"
+    allow.write_text(f"{SecretKey.generate().endpoint_id}\n")
+    async with running_relay(allowlist=allow) as relay:
+        key = SecretKey.generate()
+        report = await diagnose(relay.url, key=key, timeout=5.0)
+    assert report.relay_refused and not report.relay_connected, report
+    assert str(key.endpoint_id) in render(report)
+    assert report.verdict().startswith("the relay refuses this key")
