@@ -15,6 +15,7 @@ from relay_helpers import RelayProcess
 from transport_conformance import wait_until
 
 from p2pdist import (
+    ConnectionBrokenError,
     Group,
     GroupBrokenError,
     GroupConfig,
@@ -388,3 +389,32 @@ async def test_a_relay_restarted_under_another_key_is_named_as_the_cause(
         first.__exit__()
         if second is not None:
             second.__exit__()
+
+
+async def test_a_call_cut_by_a_relayed_loss_says_it_once_with_the_relays_state(
+    tmp_path: Path,
+) -> None:
+    """A call in flight when the relay dies and the peer falls silent failed with "rank 1:
+    silent for 2.0 s (keepalive timeout); also: rank 1: silent for 2.0 s (keepalive
+    timeout); this rank's relay session is not connected (...)": the bare loss, then
+    the group's record of it again (an operator's trial). Now the fuller one, once."""
+    fast = TransportConfig(keepalive_interval=0.2, idle_timeout=2.0)
+    cfg = GroupConfig(
+        timeout=20.0, connect_timeout=30.0, punch=PunchConfig(enabled=False), transport=fast
+    )
+    relay = RelayProcess(tmp_path)
+    gs = [Group.from_seed(SEED, rank=r, world=2, relay=relay.url, config=cfg) for r in range(2)]
+    await asyncio.gather(*(g.start() for g in gs))
+    try:
+        await asyncio.gather(*(g.all_reduce(np.ones(10)) for g in gs))
+        waiting = asyncio.create_task(gs[0].all_reduce(np.ones(10)))  # rank 1 never calls
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(relay.stop, signal.SIGKILL)
+        with pytest.raises(ConnectionBrokenError) as info:
+            await asyncio.wait_for(waiting, 20)
+        text = str(info.value)
+        assert text.count("keepalive timeout") == 1 and "also:" not in text, text
+        assert "this rank's relay session is not connected" in text, text
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+        relay.__exit__()

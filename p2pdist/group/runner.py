@@ -135,9 +135,20 @@ class Runner(Rejoining, Reserving):
             ]
             notices = [e for e in root._failure_log if isinstance(e, GroupBrokenError)]
             lead = lost[0] if lost else notices[0] if notices else told
+        # The loss as the group recorded it may say more (why the relayed peer fell
+        # silent, say): that one leads, rather than coming after the bare one as "also".
+        lead_text = str(lead)
+        fuller = [
+            f
+            for f in root._failure_log
+            if isinstance(f, type(lead)) and lead_text in str(f) and str(f) != lead_text
+        ]
+        if fuller:
+            lead = fuller[0]
+            lead_text = str(lead)
         # Each other report once, and none that the lead's text holds already (an abort
         # notice quotes the loss it was sent for).
-        lead_text, others = str(lead), []
+        others: list[str] = []
         for text in [str(told)] * (lead is not told) + [str(f) for f in root._failure_log]:
             if text not in lead_text and text not in others:
                 others.append(text)
