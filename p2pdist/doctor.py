@@ -40,6 +40,7 @@ from .transport.paths import UdpAddress, UdpSocket, bind_host_for, is_loopback, 
 from .transport.quic import QuicTransport
 from .transport.relay_path import RelayPath
 from .wire.probe import DatagramKind, classify
+from .wire.relay import NOT_ALLOWED_TEXT
 
 __all__ = ["DoctorReport", "PeerReport", "diagnose", "main", "serve"]
 
@@ -78,7 +79,7 @@ class DoctorReport:
     relay_connected: bool = False
     relay_error: str | None = None
     relay_refused: bool = False
-    """The relay answered, and refused this key (a token, an allowlist, its pin)."""
+    """The relay answered, and its allowlist refused this key."""
     relay_rtt: float | None = None
     """Seconds, PING/PONG over the relay session (TCP + TLS)."""
     relay_sees: str | None = None
@@ -126,9 +127,9 @@ class DoctorReport:
     def _host_verdict(self) -> str:
         if self.relay_refused:
             return (
-                "the relay refuses this key: nothing works until it lets it in (with an "
-                "allowlist, add this endpoint id, or pass --key with an allowed key file; "
-                "`p2pdist keygen` makes one)"
+                "the relay's allowlist refuses this key: nothing works until it lets it "
+                "in (add this endpoint id to the allowlist, or pass --key with an allowed "
+                "key file; `p2pdist keygen` makes one)"
             )
         if not self.relay_connected:
             return "cannot reach the relay: nothing works until it can"
@@ -232,8 +233,9 @@ async def diagnose(
             # The report's line names the relay already: keep only what went wrong.
             text = exc.detail if isinstance(exc, PeerError) else str(exc)
             report.relay_error = text.removeprefix(f"relay {path.url}: ")
-            # (Not a relay whose key is not the pinned one: that is ours to refuse.)
-            report.relay_refused = path.status.refused and "refused us" in text
+            # (An allowlist's refusal: a bad token, or a relay whose key is not the
+            # pinned one, has its own answer in relay_error.)
+            report.relay_refused = path.status.refused and NOT_ALLOWED_TEXT in text
             return report
         report.relay_sees = path.status.observed
         report.relay_records = path.status.records

@@ -726,7 +726,7 @@ def test_doctor_refused_by_the_relay_says_so_and_shows_the_whole_id() -> None:
     text = render(report)
     assert "as " + "a" * 52 in text
     assert "cannot reach" not in report.verdict()
-    assert report.verdict().startswith("the relay refuses this key")
+    assert report.verdict().startswith("the relay's allowlist refuses this key")
     assert "--key" in report.verdict()
 
 
@@ -743,4 +743,4 @@ async def test_doctor_against_a_relay_that_refuses_its_key(tmp_path: Path) -> No
         report = await diagnose(relay.url, key=key, timeout=5.0)
     assert report.relay_refused and not report.relay_connected, report
     assert str(key.endpoint_id) in render(report)
-    assert report.verdict().startswith("the relay refuses this key")
+    assert report.verdict().startswith("the relay's allowlist refuses this key")

@@ -17,6 +17,7 @@ import pytest
 from relay_helpers import running_relay
 from transport_conformance import bounded
 
+from p2pdist.errors import UsageError
 from p2pdist.identity import SecretKey
 from p2pdist.transport import TcpTransport, TransportConfig
 from p2pdist.transport.happyeyeballs import connect_tcp, interleaved
@@ -211,6 +212,29 @@ async def test_a_dial_answered_later_than_redial_still_gets_through(
         await live.wait_closed()
 
 
+async def test_a_refusal_of_the_newest_attempt_ends_the_dial(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first attempt hangs, the redial is refused (the host is back, its server not
+    yet): that is the answer, at once, not after the hanging attempt's next SYN or the
+    caller's bound (a review). And a redial that is not a positive time is refused."""
+    calls = 0
+
+    async def first_hangs(sock: socket.socket, addr: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(100)
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "sock_connect", first_hangs)
+    with pytest.raises(ConnectionRefusedError):
+        await bounded(connect_tcp("127.0.0.1", 9, redial=0.2, random=lambda: 0.0), "dial", 3)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(UsageError, match="redial"):
+            await connect_tcp("127.0.0.1", 9, redial=bad)
+
+
 async def dials_of_a_relay_path(
     monkeypatch: pytest.MonkeyPatch, port: int, host: str, seconds: float
 ) -> list[float]:
@@ -260,7 +284,8 @@ async def test_a_relay_too_loaded_to_answer_tls_keeps_the_whole_backoff(
     """A relay that takes TCP but never finishes TLS (overloaded) is not an unanswered
     dial: its clients keep the whole backoff and its jitter, not a redial in step with
     every other client (a review of the change above)."""
-    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    kept: list[asyncio.StreamWriter] = []  # (a writer let go of closes its connection)
+    server = await asyncio.start_server(lambda r, w: kept.append(w), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
         dials = await dials_of_a_relay_path(monkeypatch, port, "127.0.0.1", 6.5)

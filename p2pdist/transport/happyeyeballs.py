@@ -17,6 +17,8 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..errors import UsageError
+
 __all__ = ["ATTEMPT_DELAY", "connect_tcp", "interleaved"]
 
 ATTEMPT_DELAY = 0.25
@@ -66,6 +68,8 @@ async def connect_tcp(
     The caller bounds the wait (cancelling closes every socket opened here). When every
     address fails: that error if there was one address, or all of them refused, else
     an ``OSError`` listing each."""
+    if redial is not None and not redial > 0:
+        raise UsageError(f"redial must be a positive number of seconds, got {redial!r}")
     loop = asyncio.get_running_loop()
     infos = interleaved(await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))
     if not infos:
@@ -125,6 +129,8 @@ async def _race(
                 if not isinstance(exc, OSError):
                     raise exc
                 errors.append((info, exc))
+                for older in [t for t in superseded if running.get(t) == info]:
+                    older.cancel()  # the newest said no (refused, say): that is the answer
             now = loop.time()
             for task, at in list(stale_at.items()):
                 if at <= now and not task.done():  # unanswered: a fresh SYN, at once
@@ -144,13 +150,20 @@ async def _race(
                 (outcome,) = await asyncio.gather(task, return_exceptions=True)
                 if not isinstance(outcome, BaseException):
                     outcome.close()
-        except BaseException:  # cancelled again meanwhile: the winner is lost too
+        except BaseException:  # cancelled again meanwhile: close what is left now
+            for task in running:
+                task.add_done_callback(_close_if_connected)
             if winner is not None:
                 winner.close()
             raise
     if len(errors) == 1 or all(isinstance(e, ConnectionRefusedError) for _, e in errors):
         raise errors[0][1]
     raise OSError("; ".join(f"{_where(info)}: {e}" for info, e in errors))
+
+
+def _close_if_connected(task: asyncio.Task[socket.socket]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().close()
 
 
 def _where(info: AddrInfo) -> str:

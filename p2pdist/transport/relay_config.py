@@ -148,9 +148,9 @@ class RelayStatus:
     connects: int = 0
     last_error: str | None = None
     refused: bool = False
-    """Whether the relay refused the latest attempt (``last_error`` says why: a bad
-    token, an allowlist, a relay whose key is not the pinned one): retrying goes on,
-    but only a change to the relay or to this client's settings will let it in."""
+    """Whether the relay refused the latest attempt, or was not the pinned relay
+    (``last_error`` says which: a bad token, an allowlist, another key): retrying goes
+    on, but only a change to the relay or to this client's settings will let it in."""
     datagrams_sent: int = 0
     datagrams_received: int = 0
     dropped: int = 0
@@ -234,8 +234,9 @@ class ReconnectBackoff:
 
     def less(self, wait: float, waited: float) -> float:
         """``wait`` less ``waited``, the time an attempt spent on a TCP dial nobody
-        answered (it waited already), but at least ``initial`` times a random draw:
-        clients whose dials timed out together come back apart."""
+        answered (it waited already), but at least ``initial`` times a random draw (and
+        never more than ``wait``). Clients whose dials timed out together are kept apart
+        mostly by their redials' own jitter (REDIAL)."""
         if waited <= 0:
             return wait
-        return max(wait - waited, self._random() * self.initial)
+        return min(wait, max(wait - waited, self._random() * self.initial))

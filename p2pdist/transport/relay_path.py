@@ -166,6 +166,7 @@ class RelayPath:
         self._connected = asyncio.Event()
         self._refused = asyncio.Event()
         self._said_unreachable = False  # warned that the relay cannot be reached yet
+        self._warned_refusal: str | None = None  # the refusal warned of last (once each)
         self._unanswered = 0.0
         """Seconds the last attempt's TCP dial went unanswered until it was given up."""
         self._closed = asyncio.Event()
@@ -311,8 +312,12 @@ class RelayPath:
             except PeerAuthenticationError as exc:
                 # The relay refused us (or is not the pinned relay): tell waiters now;
                 # keep retrying in the background (an allowlist may be reloaded).
-                said = self._status.refused and self._status.last_error == exc.detail
-                self._set(last_error=exc.detail, refused=True)  # (the error names the relay)
+                said = self._warned_refusal == exc.detail
+                self._warned_refusal = exc.detail
+                # The relay's own refusal, or a relay that is not the pinned one (not a
+                # proxy's refusal of the tunnel, say): what a restart could change.
+                by_relay = any(why in exc.detail for why in ("refused us", "identity mismatch"))
+                self._set(last_error=exc.detail, refused=by_relay)  # (the error names the relay)
                 self._refused.set()
                 # Warned once, not at every retry (str(exc) starts with "relay <url>: ").
                 log.log(logging.INFO if said else logging.WARNING, "%s", exc)
@@ -568,6 +573,7 @@ class RelayPath:
             self._refused.clear()
             self._connected.set()
             self._said_unreachable = False
+            self._warned_refusal = None
             log.info("relay %s: connected as %s", self.url, self.endpoint_id.short())
             proto.dispatch_to(lambda frame: self._handle(frame, writer))
             pinger = asyncio.get_running_loop().create_task(self._keepalive(writer, interval))

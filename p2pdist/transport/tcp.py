@@ -35,7 +35,7 @@ from ..settings import as_int
 from ..tasks import cancel_and_wait
 from ..wire.handshake import RecordReader
 from .aeadpipe import CIPHER, MAX_RECORD, AeadPipe, RecordError
-from .base import Address, TransportConfig, routine_refusal
+from .base import ACCEPT_QUEUE_FULL, Address, TransportConfig, routine_refusal
 from .framed import EndpointBase
 from .happyeyeballs import connect_tcp
 from .listener import Listener
@@ -149,12 +149,9 @@ _TLS_ERROR, _BAD_RECORD = "TLS error", "bad record"
 
 
 def _went_away(err: ConnectionBrokenError) -> bool:
-    """Whether ``err`` says the peer closed or reset the connection (not a TLS error or
-    a record that did not decrypt, which also read "connection lost: ...")."""
-    detail = err.detail
-    return detail.startswith("connection lost") and not (
-        _TLS_ERROR in detail or _BAD_RECORD in detail
-    )
+    """Whether ``err`` says the peer closed or reset the connection, or closed TLS:
+    anything but a TLS error or a record that did not decrypt."""
+    return not (_TLS_ERROR in err.detail or _BAD_RECORD in err.detail)
 
 
 def parse_address(address: Address) -> tuple[str, int]:
@@ -731,8 +728,8 @@ class TcpTransport(EndpointBase[TcpConnection]):
                 return
             level = logging.INFO if routine_refusal(str(exc)) else logging.WARNING
             log.log(level, "refused incoming connection: %s", exc)
-            if isinstance(exc, PeerAuthenticationError):  # not a dialer that just went away
-                self._note_refusal(str(exc))
+            if isinstance(exc, PeerAuthenticationError) and ACCEPT_QUEUE_FULL not in str(exc):
+                self._note_refusal(str(exc))  # (a full queue is no refusal of who it is)
             return
         except Exception as exc:  # never leave a half-open socket behind
             log.exception("%s: incoming handshake failed", conn.label)
