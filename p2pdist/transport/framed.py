@@ -24,6 +24,7 @@ from ..errors import (
     ConnectionBrokenError,
     ConnectionClosedError,
     P2PTimeoutError,
+    PeerAuthenticationError,
     PeerError,
     RemoteProtocolError,
     UsageError,
@@ -38,7 +39,13 @@ from ..wire.frames import (
     encode_data_header,
     encode_header,
 )
-from .base import ACCEPT_QUEUE_FULL, NOT_ADMITTED, ConnectionStats, TransportConfig
+from .base import (
+    ACCEPT_QUEUE_FULL,
+    NOT_ADMITTED,
+    ConnectionStats,
+    TransportConfig,
+    routine_refusal,
+)
 from .keepalive import Keepalive, KeepaliveAction
 from .mailbox import Mailbox, split_channel
 
@@ -747,10 +754,19 @@ class EndpointBase(Generic[C]):
         ``QuicConfig``)."""
         self._slots_full_logged_at: float | None = None
 
-    def _note_refusal(self, why: str) -> None:
-        """Count an incoming connection refused in its handshake, and remember why."""
-        self.refused_incoming += 1
-        self.last_refusal = why
+    def _note_refusal(self, err: PeerAuthenticationError) -> None:
+        """Log an incoming connection refused in its handshake (at info when routine: the
+        accept policy's refusals, a full accept queue); count it and remember why, unless
+        it was the queue (no refusal of who the dialer is)."""
+        why = str(err)
+        log.log(
+            logging.INFO if routine_refusal(why) else logging.WARNING,
+            "refused incoming connection: %s",
+            err,
+        )
+        if ACCEPT_QUEUE_FULL not in why:
+            self.refused_incoming += 1
+            self.last_refusal = why
 
     def _note_handshake_slots_full(self, in_progress: int, what: str) -> None:
         """Count an incoming connection turned away because ``in_progress`` handshakes

@@ -15,11 +15,14 @@ import asyncio
 import random as _random
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import UsageError
+from .paths import path_key
 
-__all__ = ["ATTEMPT_DELAY", "connect_tcp", "interleaved"]
+_P = TypeVar("_P", bound=asyncio.BaseProtocol)
+
+__all__ = ["ATTEMPT_DELAY", "connect_tcp", "connection_on", "interleaved"]
 
 ATTEMPT_DELAY = 0.25
 """Seconds before the next address is tried while the ones before still wait (RFC 8305's
@@ -99,6 +102,11 @@ async def _race(
     superseded: set[asyncio.Task[socket.socket]] = set()  # left running beside a newer one
     errors: list[tuple[AddrInfo, OSError]] = []
     winner: socket.socket | None = None
+
+    def drop_older(info: AddrInfo) -> None:
+        for older in [t for t in superseded if running.get(t) == info]:
+            older.cancel()  # (its socket is closed as it ends)
+
     try:
         while waiting or running:
             if waiting:
@@ -129,36 +137,31 @@ async def _race(
                 if not isinstance(exc, OSError):
                     raise exc
                 errors.append((info, exc))
-                for older in [t for t in superseded if running.get(t) == info]:
-                    older.cancel()  # the newest said no (refused, say): that is the answer
+                drop_older(info)  # the newest said no (refused, say): that is the answer
             now = loop.time()
             for task, at in list(stale_at.items()):
                 if at <= now and not task.done():  # unanswered: a fresh SYN, at once
                     del stale_at[task]
                     info = running[task]
-                    for older in [t for t in superseded if running.get(t) == info]:
-                        older.cancel()  # (its socket is closed as it ends)
+                    drop_older(info)
                     superseded.add(task)
                     waiting.append(info)
     finally:
         for task in running:
+            # Each attempt closes its socket when cancelled; one that connected anyway
+            # (it finished before the cancel reached it) is closed as it ends.
             task.cancel()
-        try:
-            for task in running:
-                # Each attempt closes its socket when cancelled; one that connected
-                # anyway (it finished before the cancel reached it) is closed here.
-                (outcome,) = await asyncio.gather(task, return_exceptions=True)
-                if not isinstance(outcome, BaseException):
-                    outcome.close()
-        except BaseException:  # cancelled again meanwhile: close what is left now
-            for task in running:
-                task.add_done_callback(_close_if_connected)
-            if winner is not None:
-                winner.close()
-            raise
+            task.add_done_callback(_close_if_connected)
+        if running:
+            try:
+                await asyncio.wait(running)
+            except BaseException:  # cancelled again meanwhile: the winner is lost too
+                if winner is not None:
+                    winner.close()
+                raise
     if len(errors) == 1 or all(isinstance(e, ConnectionRefusedError) for _, e in errors):
         raise errors[0][1]
-    raise OSError("; ".join(f"{_where(info)}: {e}" for info, e in errors))
+    raise OSError("; ".join(f"{path_key(info[4][:2])}: {e}" for info, e in errors))
 
 
 def _close_if_connected(task: asyncio.Task[socket.socket]) -> None:
@@ -166,6 +169,13 @@ def _close_if_connected(task: asyncio.Task[socket.socket]) -> None:
         task.result().close()
 
 
-def _where(info: AddrInfo) -> str:
-    host, port = info[4][:2]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+async def connection_on(
+    sock: socket.socket, factory: Callable[[], _P]
+) -> tuple[asyncio.Transport, _P]:
+    """asyncio's ``create_connection`` on the connected ``sock`` (from :func:`connect_tcp`
+    or a proxy tunnel), which is closed if that fails or is cancelled."""
+    try:
+        return await asyncio.get_running_loop().create_connection(factory, sock=sock)
+    except BaseException:
+        sock.close()
+        raise

@@ -268,13 +268,15 @@ class Mailbox:
     def retire(self, channel: int) -> None:
         """Drop queued frames of ``channel`` and every later one."""
         self._retired.retire(channel)
-        if channel in self._queues:
-            while self.take(channel) is not None:
-                self.dropped += 1
+        self._drop_queued(channel)
 
     def retire_space(self, space: int) -> None:
         """Drop the queued and every later frame of any channel in ``space``."""
         self._retired.retire_space(space)
         for channel in [ch for ch in self._queues if split_channel(ch)[0] == space]:
+            self._drop_queued(channel)
+
+    def _drop_queued(self, channel: int) -> None:
+        if channel in self._queues:
             while self.take(channel) is not None:
                 self.dropped += 1

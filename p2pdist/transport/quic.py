@@ -248,19 +248,16 @@ class QuicTransport(EndpointBase[QuicConnection]):
         return self.quic_config.congestion_control_for(direct=direct, loopback=loopback)
 
     def _relay_route(self, relay: Relay, peer: EndpointId) -> RelayRoute:
-        return RelayRoute(relay, peer, self._relay_datagram(relay))
+        return RelayRoute(relay, peer, self._relay_datagram(relay.max_datagram))
 
-    def _relay_datagram(self, relay: Relay) -> int:
+    def _relay_datagram(self, relay_takes: int) -> int:
         # QUIC needs 1200-byte datagrams; a relay that takes fewer drops them (and says so).
-        return max(1200, min(self.quic_config.relay_datagram, relay.max_datagram))
+        return max(1200, min(self.quic_config.relay_datagram, relay_takes))
 
     def _on_relay_datagram_size(self, size: int) -> None:
         """A new relay session takes datagrams of at most ``size`` bytes: connections on
         the relay build theirs to fit from now on (what the relay refused is resent)."""
-        relay = self._relay
-        if relay is None:
-            return
-        fitting = self._relay_datagram(relay)
+        fitting = self._relay_datagram(size)
         for conn in list(self._live):
             route = conn.route
             if isinstance(route, RelayRoute) and route.resize_relay(fitting):

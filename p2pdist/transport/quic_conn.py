@@ -41,7 +41,6 @@ from ..errors import (
 )
 from ..identity import EndpointId
 from ..tls import endpoint_id_of_cert
-from .base import ACCEPT_QUEUE_FULL, routine_refusal
 from .framed import FramedConnection
 from .pathinfo import LossInfo
 from .paths import PathKind, Route, UdpAddress, UdpRoute
@@ -275,10 +274,7 @@ class QuicConnection(FramedConnection):
             prefix = "refused: " if self._server_side else ""
             err = PeerAuthenticationError(self.label, prefix + refusal)
             if self._server_side:
-                level = logging.INFO if routine_refusal(refusal) else logging.WARNING
-                log.log(level, "refused incoming connection: %s", err)
-                if ACCEPT_QUEUE_FULL not in refusal:  # (no refusal of who it is)
-                    self._owner._note_refusal(str(err))
+                self._owner._note_refusal(err)
             self._fail_handshake(err, AppError.REFUSED, refusal)
             return
         assert presented is not None

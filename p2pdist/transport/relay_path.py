@@ -54,7 +54,7 @@ from ..wire.relay import (
     upgrade_request,
 )
 from .aeadpipe import new_secret
-from .happyeyeballs import connect_tcp
+from .happyeyeballs import connect_tcp, connection_on
 from .paths import plain_ip
 from .proxytunnel import open_tunnel
 from .relay_config import (
@@ -389,8 +389,6 @@ class RelayPath:
             return proto.stream
 
         stream: SecureStream | None = None
-        sock: socket.socket | None = None
-        loop = asyncio.get_running_loop()
         try:
             if self.proxy is None:  # (the relay's name may have broken IPv6: raced)
                 dialed = time.monotonic()
@@ -401,13 +399,11 @@ class RelayPath:
                     raise
             else:
                 sock = await self._tunnel(self.proxy)
-            _, stream = await loop.create_connection(stream_factory, sock=sock)
+            _, stream = await connection_on(sock, stream_factory)
             await stream.handshake
         except BaseException as exc:
             if stream is not None:
                 stream.abort()
-            elif sock is not None:  # not handed to a transport yet
-                sock.close()
             # Cancelled just as the handshake finished, the session would be told of the
             # abort, with an error nobody reads.
             proto.close()

@@ -35,9 +35,9 @@ from ..settings import as_int
 from ..tasks import cancel_and_wait
 from ..wire.handshake import RecordReader
 from .aeadpipe import CIPHER, MAX_RECORD, AeadPipe, RecordError
-from .base import ACCEPT_QUEUE_FULL, Address, TransportConfig, routine_refusal
+from .base import Address, TransportConfig
 from .framed import EndpointBase
-from .happyeyeballs import connect_tcp
+from .happyeyeballs import connect_tcp, connection_on
 from .listener import Listener
 from .pathinfo import PathInfo, single_path
 from .paths import path_key
@@ -602,7 +602,6 @@ class TcpTransport(EndpointBase[TcpConnection]):
         host, port = parse_address(address)
         name = label or self.label_for(peer)
         self._check_not_self(peer, name)
-        loop = asyncio.get_running_loop()
         conn: TcpConnection | None = None
         deadline = asyncio.timeout(self.config.handshake_timeout)
         try:
@@ -610,14 +609,9 @@ class TcpTransport(EndpointBase[TcpConnection]):
                 # (A name's addresses are raced: one whose packets are dropped must not
                 # hold the dial until the deadline.)
                 sock = await connect_tcp(host, port)
-                try:
-                    _, proto = await loop.create_connection(
-                        lambda: TcpConnection(self, server_side=False, expected=peer), sock=sock
-                    )
-                except BaseException:
-                    sock.close()
-                    raise
-                conn = proto
+                _, conn = await connection_on(
+                    sock, lambda: TcpConnection(self, server_side=False, expected=peer)
+                )
                 conn.label = name
                 self._check_not_closed()  # closed meanwhile: close() could not see conn
                 self._connections.add(conn)
@@ -726,10 +720,10 @@ class TcpTransport(EndpointBase[TcpConnection]):
                     level, "%s: the dialer went away during the handshake (%s)", conn.label, exc
                 )
                 return
-            level = logging.INFO if routine_refusal(str(exc)) else logging.WARNING
-            log.log(level, "refused incoming connection: %s", exc)
-            if isinstance(exc, PeerAuthenticationError) and ACCEPT_QUEUE_FULL not in str(exc):
-                self._note_refusal(str(exc))  # (a full queue is no refusal of who it is)
+            if isinstance(exc, PeerAuthenticationError):
+                self._note_refusal(exc)
+            else:  # a broken handshake: the dialer's doing, or its network's
+                log.warning("refused incoming connection: %s", exc)
             return
         except Exception as exc:  # never leave a half-open socket behind
             log.exception("%s: incoming handshake failed", conn.label)
