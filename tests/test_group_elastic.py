@@ -562,7 +562,7 @@ async def test_ranks_stay_in_step_when_one_started_the_call_a_loss_failed_and_on
         with pytest.raises(GroupBrokenError, match=r"rank 2 \(.*left the group"):
             await gs[1].all_reduce(np.ones(4))
         assert gs[0]._next_cid == gs[1]._next_cid
-        gs[0]._on_call_failed(0, 2)  # rank 1's notice for the call rank 0 already ended
+        gs[0]._on_call_failed(0, 2, None, 1)  # rank 1's notice for the call rank 0 already ended
         assert not gs[0]._failed_calls  # is not kept
         back = await restart(gs[2])
         async with back:

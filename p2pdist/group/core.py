@@ -197,8 +197,8 @@ class GroupCore(Runner):
         self._last_loss: dict[int, BaseException] = {}  # root: see Membership
         self._leaving: dict[int, str] = {}  # root: see Membership
         self._closed_by: dict[int, int] = {}  # see Membership
-        self._closed_why: dict[int, str] = {}  # see Membership
-        self._split_made: dict[int, weakref.ref[Membership]] = {}  # root: see Membership
+        self._unmade: set[int] = set()  # see Membership
+        self._made_on: int | None = None  # see Membership
         self._rejoiners: dict[int, float] = {}  # root: see Rejoining
         self._closed_early: dict[int, list[tuple[int, int]]] = {}  # root: see Membership
         self._closed_calls: set[asyncio.Task[Any]] = set()  # root: cancelled by a sub-group's close
@@ -846,7 +846,7 @@ class GroupCore(Runner):
     def _closed_p2p_error(self, peer: int, what: str) -> ConnectionBrokenError:
         """The error of a send to or recv from ``peer``, which closed this sub-group (or
         never had it: its split failed)."""
-        why = self._closed_why.get(self._root_ranks[peer], "closed the sub-group")
+        why = self._closed_reason(self._root_ranks[peer]).removeprefix("it ")
         return ConnectionBrokenError(
             self._root_label(peer), f"{why}: this {what} it cannot complete"
         )

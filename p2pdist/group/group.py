@@ -347,7 +347,7 @@ class Group(Reducing):
                 )
                 child = self._child(members, chosen[color])
                 if lk is not None:  # should another member's split fail after all
-                    self._root()._remember_split(lk.channel, child)
+                    child._made_on = lk.channel
                 return child
             # A concurrent split here holds a space one of these wanted: again, higher
             # (a random step, so two such splits do not keep meeting on one space).

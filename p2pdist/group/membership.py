@@ -47,9 +47,6 @@ _FORMED_ALREADY = "its group has formed already"
 _CLOSED_EARLY_MAX = 1024
 """Sub-group close notices kept for sub-groups whose split has not returned here yet
 (each split returns soon: the bound only stops a peer from growing the dict)."""
-_SPLIT_MADE_MAX = 1024
-"""The latest splits whose sub-group is remembered by the split's channel, so that a
-notice that the split failed on another member marks the sub-group unmade there."""
 _UNMADE = "its split(color, key) that made this sub-group failed there"
 
 FIRST_RESERVED_SPACE = 0xFE00
@@ -100,8 +97,8 @@ class Membership:
     _last_loss: dict[int, BaseException]  # root: why each root rank was last lost or left
     _leaving: dict[int, str]  # root: why a rank leaves ("its ... raised X"), as it said
     _closed_by: dict[int, int]  # root rank that closed this sub-group -> its next cid then
-    _closed_why: dict[int, str]  # root rank in _closed_by -> why, when not a close of it
-    _split_made: dict[int, weakref.ref[Membership]]  # root: split's channel -> its sub-group
+    _unmade: set[int]  # root ranks in _closed_by whose split of this sub-group failed
+    _made_on: int | None  # the channel of the split that made this sub-group
     _closed_early: dict[int, list[tuple[int, int]]]  # root: notices before their split
     _parent: Membership | None  # the group this one was split from
     _broken: BaseException | None  # why the group can no longer be used (None: it can)
@@ -361,13 +358,12 @@ class Membership:
             with contextlib.suppress(P2PError):
                 self._conns[r].send_nowait(CONTROL_CHANNEL, meta=meta)
 
-    def _on_call_failed(
-        self, channel: int, root_rank: int, why: str | None = None, sender: int | None = None
-    ) -> None:
+    def _on_call_failed(self, channel: int, root_rank: int, why: str | None, sender: int) -> None:
         """Another rank's (``sender``'s) collective on ``channel`` failed for want of
         ``root_rank`` (or, with ``why``, rank ``root_rank`` did not run it)."""
-        if sender is not None and channel in self._split_made:
-            self._split_failed_there(channel, sender)
+        made = next((g for g in self._descendants if g._made_on == channel), None)
+        if made is not None:  # (rare: a search beats remembering every split)
+            self._split_failed_there(made, sender)
             return
         for task, (_, running, _) in list(self._inflight.items()):
             if running == channel:
@@ -378,26 +374,22 @@ class Membership:
         if len(self._failed_calls) < _FAILED_CALLS_MAX:
             self._failed_calls[channel] = (root_rank, why)  # not started here: fail it then
 
-    def _remember_split(self, channel: int, child: Membership) -> None:
-        """(Root group) the split on ``channel`` made ``child`` here."""
-        made = self._split_made
-        made[channel] = weakref.ref(child)
-        if len(made) > _SPLIT_MADE_MAX:
-            del made[next(iter(made))]
-
-    def _split_failed_there(self, channel: int, sender: int) -> None:
-        """(Root group) the split on ``channel`` finished here, but failed on root rank
-        ``sender`` (its part came in before it failed: a rank that closed the group
+    def _split_failed_there(self, child: Membership, sender: int) -> None:
+        """(Root group) the split that made ``child`` finished here, but failed on root
+        rank ``sender`` (its part came in before it failed: a rank that closed the group
         under the split, or lost another member): ``sender`` has no such sub-group, so
         every call on ours, and on the sub-groups split from it, fails at once naming it
         instead of waiting for it until the timeout breaks the group."""
-        child = self._split_made[channel]()
-        if child is None or sender not in child._root_ranks:
-            return  # let go of already, or a sub-group of another colour: it is whole
+        if sender not in child._root_ranks:
+            return  # a sub-group of another colour: it is whole
         for group in [child, *self._split_from(child)]:
             if sender in group._root_ranks and sender not in group._closed_by:
-                group._closed_why[sender] = _UNMADE
+                group._unmade.add(sender)
                 self._apply_closed(group, sender, 0)
+
+    def _closed_reason(self, root_rank: int) -> str:
+        """Why ``root_rank``, in :attr:`_closed_by`, is gone from this sub-group."""
+        return _UNMADE if root_rank in self._unmade else "it closed the sub-group"
 
     def _call_channel(self, cid: int) -> int:
         """The channel of this group's collective call ``cid``."""
@@ -441,7 +433,7 @@ class Membership:
         cause = self._left.get(root_rank) or self._root()._last_loss.get(root_rank)
         why = cause.detail if isinstance(cause, PeerError) else cause
         if root_rank in self._closed_by:
-            why = self._closed_why.get(root_rank, "it closed the sub-group")
+            why = self._closed_reason(root_rank)
         elif cause is None:
             why = "another rank's part of the call lacked it"
         return ConnectionBrokenError(

@@ -22,6 +22,7 @@ from .compress import (
     WireCodec,
     divide_for_mean,
     make_codec,
+    store_float32,
     to_float32,
 )
 from .compressed_algorithms import (
@@ -132,8 +133,7 @@ class Reducing(GroupCore):
             if feedback is not None:
                 feedback.settle(flat)
             if not np.may_share_memory(work, flat):
-                with np.errstate(over="ignore", under="ignore"):  # float16: inf past 65504, tiny: 0
-                    work.reshape(-1)[:] = flat
+                store_float32(work, flat)
             return work
 
         return await self._run(descriptor, timeout, body)
@@ -336,8 +336,7 @@ class Reducing(GroupCore):
                     lk, work, bounds, wire_codec, self._chunk(work.dtype), residual
                 )
                 a, b = bounds[self._rank]
-                with np.errstate(over="ignore", under="ignore"):  # float16: inf past 65504, tiny: 0
-                    result.reshape(-1)[:] = work[a:b]
+                store_float32(result, work[a:b])
                 return result
 
             return await self._run(descriptor, timeout, compressed)
@@ -413,10 +412,7 @@ class Reducing(GroupCore):
                 await compressed_ring_reduce_scatter(lk, work, bounds, wire_codec, chunk)
                 await compressed_gather_segments(lk, work, bounds, wire_codec, dst)
                 if result is not None and not np.may_share_memory(result, work):
-                    with np.errstate(
-                        over="ignore", under="ignore"
-                    ):  # float16: inf past 65504, tiny: 0
-                        result.reshape(-1)[:] = work
+                    store_float32(result, work)
                 return result
 
             return await self._run(descriptor, timeout, compressed)
