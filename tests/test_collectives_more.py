@@ -16,6 +16,7 @@ from p2pdist import (
     Group,
     GroupBrokenError,
     MismatchError,
+    P2PError,
     PeerTimeoutError,
     UsageError,
 )
@@ -366,6 +367,51 @@ async def test_gradient_buckets_discard_an_abandoned_step() -> None:
         np.testing.assert_array_equal(first1[0], [3.0, 3.0])
         assert (first0[1][0], first1[1][0]) == (5.0, 6.0)  # dropped: left as it was
         assert (second0[0], second1[0]) == (30.0, 30.0)
+
+
+async def test_a_bucket_that_fails_before_its_all_reduce_fails_the_others_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bucket that failed on one rank before its all_reduce (packing ran out of
+    memory, a GPU wait timed out) took no call id there, so the other ranks' bucket
+    waited for it until their timeout (an audit, by reading). The bucket's call now takes
+    its id when the bucket is queued: its failure is thrown into it, unstarted, and the
+    others' bucket fails at once, naming the rank and why; the group goes on."""
+    from p2pdist.group import buckets as buckets_module
+    from p2pdist.group.buckets import GradientBuckets
+
+    poisoned = np.full(4, 7.0, np.float32)  # rank 1's array that cannot be packed
+    real_pack = buckets_module.pack
+
+    def pack(arrays: list[Any], out: np.ndarray) -> None:
+        if any(a is poisoned for a in arrays):
+            raise MemoryError("no room for the bucket")
+        real_pack(arrays, out)
+
+    monkeypatch.setattr(buckets_module, "pack", pack)
+    async with groups(2, timeout=60) as gs:
+        bs = await asyncio.gather(*(GradientBuckets.create(g, op="sum") for g in gs))
+        grads = [np.full(4, 1.0, np.float32), poisoned]
+        for b, grad in zip(bs, grads, strict=True):
+            b.add(grad)
+        # Far below the timeout: without the fix rank 0 waits its full 60 s.
+        results = await asyncio.wait_for(
+            asyncio.gather(*(b.wait() for b in bs), return_exceptions=True), 10
+        )
+        assert isinstance(results[1], MemoryError), results[1]
+        assert isinstance(results[0], P2PError), results[0]
+        assert "rank 1" in str(results[0]) and "MemoryError" in str(results[0]), results[0]
+        np.testing.assert_array_equal(grads[0], np.full(4, 1.0))  # left as added
+        # Both ranks go on: the next step reduces.
+        nexts = [np.full(4, 1.0 + r, np.float32) for r in range(2)]
+        for b, grad in zip(bs, nexts, strict=True):
+            b.add(grad)
+        await asyncio.wait_for(asyncio.gather(*(b.wait() for b in bs)), 10)
+        for grad in nexts:
+            np.testing.assert_array_equal(grad, np.full(4, 3.0))
+        got = await asyncio.wait_for(asyncio.gather(*(g.all_reduce(np.ones(2)) for g in gs)), 10)
+        for x in got:
+            np.testing.assert_array_equal(x, [2.0, 2.0])
 
 
 async def test_gradient_buckets_keep_what_was_added_when_a_flush_has_no_loop() -> None:

@@ -4,9 +4,11 @@ the caller goes on (the way data-parallel training overlaps communication with c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import math
 import re
+from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
@@ -60,9 +62,12 @@ class GradientBuckets:
     failed one hold their reduced values; the failed bucket's arrays and every later
     bucket's keep the values they had when added (a bucket writes back only after its
     all_reduce succeeded). :meth:`wait` raises that error, with a note naming the first
-    bucket not reduced and how many arrays were left. Cancelling :meth:`wait` leaves the
-    buckets reducing (cancelling them would break the group); the next :meth:`wait`
-    waits for them.
+    bucket not reduced and how many arrays were left. A bucket's all_reduce is called
+    (takes its place in the call order) when the bucket is queued, so a bucket that
+    fails on one rank before its all_reduce runs (packing out of memory, a GPU wait
+    timed out) fails the others' at once, naming that rank, not at their timeout.
+    Cancelling :meth:`wait` leaves the buckets reducing (cancelling them would break the
+    group); the next :meth:`wait` waits for them.
     """
 
     def __init__(
@@ -214,12 +219,18 @@ class GradientBuckets:
         # In the wire dtype: a big-endian array joins its little-endian kin. Chosen now:
         # by the time the bucket runs, the next step may have added another dtype.
         dtype = wire_form(arrays[0].dtype) if arrays else self._dtype or np.dtype(np.float32)
+        # Called now, the bucket's all_reduce takes its place in the call order now: if
+        # the bucket fails before it runs (packing out of memory, a GPU wait timed out),
+        # that is thrown into it unstarted, and the others' fails at once naming this
+        # rank. (The flat buffer's pages are touched only when the bucket packs.)
+        flat = np.empty(sum(a.size for a in arrays), dtype)
+        call = self._group.all_reduce(
+            flat, self._op, out=flat, error_feedback=feedback, **self._reduce
+        )
         # After the last bucket started (this step's, or an earlier step's still running):
         # its failure fails this one only within a step.
         task = loop.create_task(
-            self._reduce_bucket(
-                arrays, ready, self._last, bool(self._tasks), feedback, layout, dtype
-            )
+            self._reduce_bucket(call, flat, arrays, ready, self._last, bool(self._tasks), layout)
         )
         task.add_done_callback(_retrieve)  # a step nobody waits for logs no "never retrieved"
         self._tasks.append(task)
@@ -266,27 +277,31 @@ class GradientBuckets:
 
     async def _reduce_bucket(
         self,
+        call: Coroutine[Any, Any, np.ndarray],
+        flat: np.ndarray,
         arrays: list[np.ndarray],
         ready: list[Any],
         after: asyncio.Task[None] | None,
         same_step: bool,
-        feedback: ErrorFeedback | None,
         layout: str,
-        dtype: np.dtype[Any],
     ) -> None:
-        if after is not None:  # buckets reduce in order on every rank
-            if same_step:
-                await asyncio.shield(after)  # its failure is ours too
-            elif not after.done():
-                # The last bucket of the step before (its wait() still runs, and says how
-                # it ended): after it, whatever happened to it.
-                await asyncio.wait([after])
-        await wait_ready(ready, self._group.config.timeout)
-        flat = pack(arrays, dtype) if arrays else np.empty(0, dtype)
+        try:
+            if after is not None:  # buckets reduce in order on every rank
+                if same_step:
+                    await asyncio.shield(after)  # its failure is ours too
+                elif not after.done():
+                    # The last bucket of the step before (its wait() still runs, and says
+                    # how it ended): after it, whatever happened to it.
+                    await asyncio.wait([after])
+            await wait_ready(ready, self._group.config.timeout)
+            if arrays:
+                pack(arrays, flat)
+        except BaseException as exc:
+            with contextlib.suppress(BaseException):
+                call.throw(exc)  # it never runs: the others are told why
+            raise
         BUCKET_LAYOUT.set(layout)  # in this task's own context: for its all_reduce only
-        await self._group.all_reduce(
-            flat, self._op, out=flat, error_feedback=feedback, **self._reduce
-        )
+        await call
         unpack(flat, arrays)
 
     def discard(self) -> None:

@@ -259,19 +259,22 @@ async def wait_ready(events: Sequence[Any], seconds: float) -> None:
         ) from None
 
 
-def pack(arrays: Sequence[Any], dtype: np.dtype[Any]) -> np.ndarray:
-    """``arrays`` flattened into one new host array of ``dtype``; CuPy arrays on one
-    device are joined there first, so they cross to the host in one copy."""
+def pack(arrays: Sequence[Any], out: np.ndarray) -> None:
+    """``arrays`` flattened into ``out``, a host array of their total size (cast to its
+    dtype); CuPy arrays on one device are joined there first, so they cross to the host
+    in one copy."""
     if not any(is_device_array(a) for a in arrays):
-        return np.concatenate([a.reshape(-1) for a in arrays], dtype=dtype)
+        np.concatenate([a.reshape(-1) for a in arrays], out=out)
+        return
     devices = {a.device.id for a in arrays if is_device_array(a)}
     if len(devices) == 1 and all(is_device_array(a) for a in arrays):
         cp = _cupy()
         with arrays[0].device:
-            joined = cp.concatenate([a.reshape(-1) for a in arrays]).astype(dtype, copy=False)
-            return np.asarray(joined.get())  # on the current stream, after the join
+            joined = cp.concatenate([a.reshape(-1) for a in arrays]).astype(out.dtype, copy=False)
+            joined.get(out=out)  # on the current stream, after the join
+        return
     parts = [a.get().reshape(-1) if is_device_array(a) else a.reshape(-1) for a in arrays]
-    return np.concatenate(parts, dtype=dtype)
+    np.concatenate(parts, out=out)
 
 
 def unpack(flat: np.ndarray, arrays: Sequence[Any]) -> None:
