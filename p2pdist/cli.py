@@ -85,13 +85,15 @@ def _cmd_id(args: argparse.Namespace, extra: list[str]) -> int:
         if args.world is None:
             raise UsageError("id --seed needs --world N")
         for rank, eid in enumerate(derive_endpoint_ids(args.seed, args.world)):
-            print(f"{rank} {eid}")
+            # An allowlist file's line: the id, then a comment the relay ignores.
+            print(f"{eid}  # rank {rank}" if args.allowlist else f"{rank} {eid}")
         return 0
     if args.world is not None:
         raise UsageError("--world only makes sense with --seed")
     if args.file is None:
         raise UsageError("id needs a key FILE, or --seed SEED --world N")
-    print(SecretKey.load(args.file).endpoint_id)
+    eid = SecretKey.load(args.file).endpoint_id
+    print(f"{eid}  # {args.file}" if args.allowlist else eid)
     return 0
 
 
@@ -138,11 +140,17 @@ def _add_id(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "id",
         help="print the endpoint id of a key file, or of each rank of a seed",
         description="Print the endpoint id of key FILE, or with --seed/--world each "
-        "rank's endpoint id as 'RANK ID'.",
+        "rank's endpoint id as 'RANK ID'. With --allowlist, print lines for a relay's "
+        "allowlist file instead ('ID  # rank RANK', or 'ID  # FILE').",
     )
     p.add_argument("file", nargs="?", default=None, metavar="FILE", help="a key file")
     p.add_argument("--seed", default=None, help="group seed")
     p.add_argument("--world", type=int, default=None, metavar="N", help="number of ranks")
+    p.add_argument(
+        "--allowlist",
+        action="store_true",
+        help="print allowlist lines: append them to the relay's --allowlist FILE",
+    )
     p.set_defaults(handler=_cmd_id, subparser=p)
 
 

@@ -276,6 +276,27 @@ def test_id_seed_world_lists_distinct_ids() -> None:
     assert again.stdout == proc.stdout
 
 
+def test_id_allowlist_lines_are_what_the_relay_reads(tmp_path: Path) -> None:
+    """`id --allowlist` prints lines a relay's allowlist file takes as they are (the
+    plain `RANK ID` form is not one: the relay refuses a line that is not an id)."""
+    from relay.access import AllowlistError, parse_allowlist
+
+    plain = run_cli("id", "--seed", "a-long-enough-group-seed", "--world", "3")
+    listed = run_cli("id", "--seed", "a-long-enough-group-seed", "--world", "3", "--allowlist")
+    assert listed.returncode == 0, listed.stderr
+    ids = [line.split()[1] for line in plain.stdout.splitlines()]
+    assert listed.stdout.splitlines() == [f"{eid}  # rank {r}" for r, eid in enumerate(ids)]
+    key = tmp_path / "node.key"
+    assert run_cli("keygen", "--out", str(key)).returncode == 0
+    one = run_cli("id", str(key), "--allowlist")
+    assert one.returncode == 0, one.stderr
+    text = listed.stdout + one.stdout
+    parsed = parse_allowlist(text, "allowlist.txt")
+    assert len(parsed) == 4
+    with pytest.raises(AllowlistError):
+        parse_allowlist(plain.stdout, "allowlist.txt")
+
+
 def test_keygen_seed_prints_fresh_seed() -> None:
     first = run_cli("keygen", "--seed")
     second = run_cli("keygen", "--seed")
