@@ -315,6 +315,7 @@ class RelayServer:
             await self._listen_http()
         except ConfigError:
             self._server.close()
+            self._server = None  # it never started: close() logs no shutdown
             self._close_stun()
             if self._own_tap is not None:
                 self._own_tap.close()

@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import io
 import ipaddress
+import logging
 import os
 import re
 import signal
@@ -833,9 +834,14 @@ async def test_default_alternate_port_taken_runs_without_it(
         server = RelayServer(
             RelayConfig(host="127.0.0.1", port=0, stun_port=p + 1, stun_alt_port=0)
         )
+        caplog.clear()
+        caplog.set_level(logging.INFO, logger="relay")
         with pytest.raises(ConfigError, match="cannot bind STUN port"):
             await server.start()
         await server.close()
+        # A relay that never started logs no shutdown (it logged "shutdown" and
+        # "stopped" before its startup error, as if it had run).
+        assert "shutdown" not in caplog.text and "stopped" not in caplog.text, caplog.text
 
 
 async def test_observation_ports_off_and_explicit() -> None:
