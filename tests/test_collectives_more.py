@@ -97,6 +97,23 @@ async def test_all_to_all_v_with_zero_counts(world: int) -> None:
                 assert got[p].shape == (counts[p, r], 2)
 
 
+async def test_all_to_all_v_refuses_a_piece_over_max_message_bytes() -> None:
+    """A peer's all_to_all_v piece was bounded by 1 TiB, not by max_message_bytes as
+    docs/security.md says (an audit): now a piece over it is refused before it is
+    allocated, naming the sender; one within it goes through."""
+    async with groups(2, config={"max_message_bytes": 4096}) as gs:
+        fits = [[np.ones((2, 8)), np.full((64, 8), 1.0 + r)] for r in range(2)]  # 4 KiB
+        outs = await asyncio.gather(*(g.all_to_all_v(fits[g.rank]) for g in gs))
+        assert outs[1][0].shape == (64, 8) and outs[0][1].shape == (2, 8)
+        big = [np.ones((1, 8)), np.ones((65, 8))]  # rank 0 sends rank 1 4160 bytes
+        results = await asyncio.gather(
+            gs[0].all_to_all_v(big), gs[1].all_to_all_v(fits[1]), return_exceptions=True
+        )
+        err = results[1]
+        assert isinstance(err, MismatchError), err
+        assert "max_message_bytes=4096" in str(err) and gs[0].endpoint_id.short() in str(err)
+
+
 async def test_more_collectives_check_their_arguments() -> None:
     async with groups(2) as gs:
         g = gs[0]

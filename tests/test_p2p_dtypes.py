@@ -95,6 +95,45 @@ async def test_send_of_more_dimensions_than_travel_is_refused_before_it_takes_it
         assert [s.tolist() for s in sums] == [[2.0, 2.0]] * 2  # the group is whole
 
 
+async def test_an_empty_array_the_receiver_cannot_make_is_refused_at_the_sender() -> None:
+    """An empty array with a huge extent (numpy makes (0, 5, 2**60) of uint8: 0 bytes)
+    went out, the receiver's header check refused it as too large, and that broke the
+    group (an audit). The sender now refuses it as the receiver would, as a UsageError;
+    all_gather's result of it, which numpy cannot make, is a UsageError too."""
+    huge_empty = np.empty((0, 5, 2**60), np.uint8)
+    async with groups(2, timeout=5.0) as (a, b):
+        with pytest.raises(UsageError, match="too large"):
+            await a.send(huge_empty, 1)
+        for g in (a, b):
+            with pytest.raises(UsageError, match="the result"):
+                await g.all_gather(huge_empty)
+        await a.send(np.empty((0, 5, 7), np.uint8), 1)
+        assert (await b.recv(0)).shape == (0, 5, 7)
+        sums = await asyncio.gather(a.all_reduce(np.ones(2)), b.all_reduce(np.ones(2)))
+        assert [s.tolist() for s in sums] == [[2.0, 2.0]] * 2  # the group is whole
+
+
+async def test_like_that_disagrees_with_out_or_xs_is_a_usage_error() -> None:
+    """recv(out=, like=) and a non-source scatter(like=, out=) or (xs, like=) ignored
+    a like= that disagreed (while shape=/dtype= against out= were checked): an audit.
+    Now like= says what is expected, and out= (or xs) must match it."""
+    async with groups(2, timeout=5.0) as (a, b):
+        await a.send(np.arange(3), 1)
+        with pytest.raises(UsageError, match=r"out has int64\[3\] but dtype float32"):
+            await b.recv(0, out=np.zeros(3, np.int64), like=np.zeros((5, 5), np.float32))
+        got = await b.recv(0, out=np.zeros(3, np.int64), like=np.zeros(3, ">i8"))
+        assert got.tolist() == [0, 1, 2]  # the message waited; a like that agrees is fine
+        with pytest.raises(UsageError, match="out has float64"):
+            await b.scatter(None, 0, like=np.zeros(7, np.int8), out=np.zeros(2))
+        with pytest.raises(UsageError, match="like is int8"):
+            await b.scatter(np.zeros((2, 2)), 0, like=np.zeros(7, np.int8))
+        rows = np.arange(4.0).reshape(2, 2)
+        got_a, got_b = await asyncio.gather(
+            a.scatter(rows, 0), b.scatter(None, 0, like=np.zeros(2), out=np.zeros(2))
+        )
+        assert got_a.tolist() == [0.0, 1.0] and got_b.tolist() == [2.0, 3.0]
+
+
 async def test_collective_into_big_endian_out_is_a_clear_usage_error() -> None:
     async with groups(2, timeout=5.0) as gs:
         xs = [(np.arange(4) + g.rank).astype(">f4") for g in gs]

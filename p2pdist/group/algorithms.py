@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import RemoteProtocolError
+from ..errors import MismatchError, RemoteProtocolError
 from .linkops import (
     Link,
     as_bytes,
@@ -65,8 +65,6 @@ __all__ = [
 ]
 
 
-MAX_ALL_TO_ALL_V_BYTES = 1 << 40
-"""Largest piece a peer may announce in all_to_all_v (1 TiB: a sanity bound)."""
 MAX_ALL_TO_ALL_V_ROWS = 1 << 40
 """Largest row count a peer may announce (rows may be empty, so bytes alone do not bound it)."""
 
@@ -437,12 +435,18 @@ async def all_to_all(link: Link, blocks: np.ndarray, out: np.ndarray) -> None:
 
 
 async def all_to_all_v(
-    link: Link, parts: list[np.ndarray], row_shape: tuple[int, ...], dtype: np.dtype[Any]
+    link: Link,
+    parts: list[np.ndarray],
+    row_shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    max_bytes: int,
 ) -> list[np.ndarray]:
     """Variable-size all-to-all: rank r sends ``parts[p]`` (any number of rows, zero too)
-    to p; returns what each rank sent to r. Each message is a row count, then the rows,
-    sent together (in call order: a rank behind in its calls finds each call's rows
-    right behind its count). Every piece goes before any is received: pieces beyond
+    to p; returns what each rank sent to r. A piece a peer announces past ``max_bytes``
+    (``GroupConfig.max_message_bytes``) is refused before it is allocated. Each message
+    is a row count, then the rows, sent together (in call order: a rank behind in its
+    calls finds each call's rows right behind its count). Every piece goes before any is
+    received: pieces beyond
     what the connections buffer (four times ``max_buffered`` while a send waits) stall
     until the timeout, which says so (docs/architecture.md section 7)."""
     n, r = link.size, link.rank
@@ -457,8 +461,14 @@ async def all_to_all_v(
             result.append(parts[r].copy())
             continue
         rows = int.from_bytes(await link.recv(p, 8), "little")
-        if rows > MAX_ALL_TO_ALL_V_ROWS or rows * row_bytes > MAX_ALL_TO_ALL_V_BYTES:
+        if rows > MAX_ALL_TO_ALL_V_ROWS:
             raise RemoteProtocolError(link.label(p), f"announced {rows} rows for all_to_all_v")
+        if rows * row_bytes > max_bytes:
+            raise MismatchError(
+                link.label(p),
+                f"sent an all_to_all_v piece of {rows} rows of {row_bytes} bytes, over "
+                f"this group's max_message_bytes={max_bytes}",
+            )
         data = await link.recv(p, rows * row_bytes)
         result.append(view_as(data, dtype).reshape((rows, *row_shape)).copy())
     return result

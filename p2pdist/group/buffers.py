@@ -74,7 +74,10 @@ def result_buffer(
     little-endian order, so it cannot fill a big-endian buffer in place.
     """
     if out is None:
-        return np.empty(shape, dtype)
+        try:
+            return np.empty(shape, dtype)
+        except ValueError as exc:  # an extent numpy cannot make, as (size, 0, 2**62)
+            raise UsageError(f"the result, {np.dtype(dtype)}{list(shape)}: {exc}") from None
     if not is_plain_array(out):
         raise UsageError(f"out must be a numpy array, got {type(out).__name__}")
     if out.dtype.byteorder == ">" and out.dtype.newbyteorder("<") == dtype:
@@ -123,7 +126,7 @@ def expectation(
         raise UsageError(f"out must be a numpy array, got {type(out).__name__}")
     if like is not None and not isinstance(like, np.ndarray):
         like = as_array(like)  # a list is fine: only its dtype and shape are used
-    ref = out if out is not None else like
+    ref = like if like is not None else out  # and out, if given, must match like
     want_dtype = (ref.dtype if ref is not None else None) if dtype is None else _dtype(dtype)
     if want_dtype is not None:
         want_dtype = wire_form(want_dtype)

@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import UsageError
 from ..settings import as_int
 from . import algorithms as alg
-from .buffers import as_array, result_buffer
+from .buffers import as_array, mismatch, result_buffer, wire_form
 from .calls import collective
 from .devices import is_device_array, on_host
 from .link import CollectiveLink, describe_call
@@ -174,11 +174,19 @@ class Group(Reducing):
             blocks = _scatter_rows(xs, self.size)
             dtype, item = blocks.dtype, blocks.shape[1:]
         else:
-            if xs is not None:
-                rows = _scatter_rows(xs, self.size)
-                ref: Any = rows[0]
-            else:
-                ref = out if out is not None else like
+            ref: Any = _scatter_rows(xs, self.size)[0] if xs is not None else None
+            if like is not None:
+                like = as_array(like)
+                if ref is not None and mismatch(
+                    wire_form(like.dtype), like.shape, wire_form(ref.dtype), ref.shape
+                ):
+                    raise UsageError(
+                        f"like is {like.dtype}{list(like.shape)}, but a row of xs is "
+                        f"{ref.dtype}{list(ref.shape)}"
+                    )
+                ref = like  # and out, if given, must match it (checked below)
+            if ref is None:
+                ref = out
             if ref is None:
                 raise UsageError("scatter on a non-source rank needs like=, out= or xs")
             blocks, dtype, item = None, as_array(ref).dtype, tuple(np.shape(ref))
@@ -258,7 +266,9 @@ class Group(Reducing):
             return [parts[0].copy()]
 
         async def body(lk: CollectiveLink) -> list[np.ndarray]:
-            return await alg.all_to_all_v(lk, parts, row_shape, first.dtype)
+            return await alg.all_to_all_v(
+                lk, parts, row_shape, first.dtype, self.config.max_message_bytes
+            )
 
         descriptor = describe_call("all_to_all_v", "", first.dtype.str, (-1, *row_shape))
         return await self._run(descriptor, timeout, body)

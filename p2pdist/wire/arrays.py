@@ -7,6 +7,7 @@ are refused, so nothing received is ever unpickled or interpreted as Python obje
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,15 @@ def check_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return dt.newbyteorder("<") if dt.byteorder == ">" else dt
 
 
+def _check_extent(dt: np.dtype[Any], dims: Sequence[int]) -> None:
+    """Refuse a shape whose extent (its dimensions, zeros counted as one) passes
+    :data:`MAX_NBYTES`: numpy refuses to make such an array when its extent overflows,
+    even when a dimension is 0, so the receiver cannot allocate it; the sender refuses
+    it first (else the receiver's refusal would break the connection)."""
+    if math.prod(max(d, 1) for d in dims) * dt.itemsize > MAX_NBYTES:
+        raise ArrayHeaderError(f"array {dt.name}{list(dims)} is too large")
+
+
 @dataclass(frozen=True, slots=True)
 class ArrayHeader:
     """dtype and shape of an array whose raw C-order bytes follow."""
@@ -82,7 +92,9 @@ class ArrayHeader:
             raise ArrayHeaderError("array is not C-contiguous; copy it first")
         if arr.ndim > MAX_NDIM:  # the receiver would refuse the header
             raise ArrayHeaderError(f"array has {arr.ndim} dimensions; at most {MAX_NDIM} travel")
-        return cls(check_dtype(arr.dtype), tuple(int(s) for s in arr.shape))
+        dt, dims = check_dtype(arr.dtype), tuple(int(s) for s in arr.shape)
+        _check_extent(dt, dims)  # as the receiver does: an empty array may still be refused
+        return cls(dt, dims)
 
     @property
     def nbytes(self) -> int:
@@ -112,9 +124,7 @@ class ArrayHeader:
                 raise ArrayHeaderError(f"bad array dimension {d!r}")
             dims.append(d)
         dt = np.dtype(order + base)
-        # numpy refuses shapes whose extent overflows even when a dimension is 0.
-        if math.prod(max(d, 1) for d in dims) * dt.itemsize > MAX_NBYTES:
-            raise ArrayHeaderError(f"array {dt.name}{dims} is too large")
+        _check_extent(dt, dims)
         return cls(dt, tuple(dims))
 
     def describe(self) -> str:
