@@ -719,6 +719,59 @@ def test_a_round_whose_members_all_left_after_submitting_closes_complete() -> No
     assert st.due(5.0) is None  # no members and nothing in: waits for a joiner
 
 
+def test_a_member_whose_update_was_rejected_does_not_hold_the_round_open() -> None:
+    """A member that stays connected but sends an update that is rejected (NaN, past
+    the norm bound, the wrong dtype...) never had its part in, so every round waited for
+    its deadline though the others' updates were in (an audit: 5 s a round, in both
+    shapes). Its rejected update is its part now; a corrected one before the round
+    closes still counts, and a rejected straggler for an earlier round is no part."""
+    st = opened("abc", round_timeout=10.0)
+    st.submit("a", 0, 0, 1, vec(1.0), 0.1)
+    assert not st.submit("c", 0, 0, 1, vec(np.nan), 0.1).accepted
+    assert st.due(0.2) is None  # b has not sent yet
+    st.submit("b", 0, 0, 1, vec(3.0), 0.2)
+    assert st.due(0.2) is CloseReason.COMPLETE
+    out = st.close(0.2)
+    assert out.applied and [p.client for p in out.participants] == ["a", "b"]
+    assert out.rejected == {"nonfinite": 1}
+    # Round 1: c corrects itself before the close, and its update counts.
+    st.open(0.3)
+    assert not st.submit("c", 1, 1, 1, vec(np.inf), 0.3).accepted
+    assert st.submit("c", 1, 1, 1, vec(5.0), 0.35).accepted
+    st.submit("a", 1, 1, 1, vec(1.0), 0.4)
+    st.submit("b", 1, 1, 1, vec(3.0), 0.4)
+    assert st.due(0.4) is CloseReason.COMPLETE
+    np.testing.assert_array_equal(st.close(0.4).aggregate, vec(3.0))
+    # Round 2: a rejected update sent for round 1 is not c's part of round 2.
+    st.open(0.5)
+    st.submit("a", 2, 2, 1, vec(1.0), 0.5)
+    st.submit("b", 2, 2, 1, vec(1.0), 0.5)
+    assert not st.submit("c", 1, 1, 1, vec(np.nan), 0.5).accepted
+    assert st.due(0.6) is None
+    assert st.due(10.5) is CloseReason.DEADLINE
+
+
+def test_a_float_model_saturates_at_its_range_instead_of_becoming_inf(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Finite, valid updates could carry a float model past its dtype's range: the cast
+    made inf, every update trained from that model was then rejected as not finite, and
+    the run never moved again, without an error (an audit). Now the model saturates at
+    the dtype's largest finite values, with a warning, as an integer model does."""
+    f16 = np.full(2, 60000, np.float16)
+    with caplog.at_level(logging.WARNING, logger="p2pdist.federated.aggregate"):
+        got = apply_update(f16, np.array([6000.0, -6000.0], np.float16), 1.0)
+    assert got.dtype == np.float16 and got.tolist() == [65504.0, 54016.0]  # float16 steps
+    assert "1 values past what float16 holds" in caplog.text
+    big = np.finfo(np.float64).max
+    got64 = apply_update(np.array([big, -big]), np.array([big, -big]), 1.0)
+    assert got64.tolist() == [big, -big]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="p2pdist.federated.aggregate"):
+        assert apply_update(f16, np.ones(2, np.float16), 1.0).tolist() == [60000.0] * 2
+    assert caplog.text == ""
+
+
 def test_integer_models_are_rounded_to_nearest_not_truncated() -> None:
     i64 = np.dtype(np.int64)
     got = aggregate([np.array([1, -1, 3, 7]), np.array([2, -2, 0, 8])], [1, 1], "mean", 0.0, i64)

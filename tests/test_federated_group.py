@@ -320,6 +320,10 @@ async def test_a_bad_step_argument_is_a_usage_error_that_leaves_the_rank_in_step
                 await feds[0].step(np.ones(4, np.float32), *bad)
         with pytest.raises(UsageError, match="base_round"):
             await feds[0].step(np.ones(4, np.float32), 1, base_round=-1)
+        # From a model not made yet: it was sent, refused as too stale, carried, resent
+        # every round and counted at full weight once the rounds got there (an audit).
+        with pytest.raises(UsageError, match="base_round 3 is after the round now open"):
+            await feds[0].step(np.ones(4, np.float32), 1, base_round=3)
         for big in ({"num_samples": 2**70}, {"base_round": 2**70}):  # msgpack cannot send it
             args: dict[str, Any] = {"num_samples": 1, **big}
             with pytest.raises(UsageError, match=next(iter(big))):  # it broke the rank
@@ -329,6 +333,25 @@ async def test_a_bad_step_argument_is_a_usage_error_that_leaves_the_rank_in_step
         )
         assert all(o.applied and o.participants == (0, 1) for o in outs)
         assert feds[0].model.tolist() == feds[1].model.tolist() == [1.5] * 4
+        await asyncio.gather(*(f.close() for f in feds))
+
+
+async def test_an_update_too_stale_to_send_says_so() -> None:
+    """An update whose base is past max_staleness already is dropped on the rank without
+    being sent; its round said nothing of it (own_reason "", only local_drops counted)."""
+    cfg = FederatedConfig(max_staleness=1, round_timeout=5.0)
+    async with groups(2) as gs:
+        feds = [GroupAveraging(g, np.zeros(4, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        for _ in range(2):
+            await asyncio.gather(*(f.step(np.ones(4, np.float32), 1) for f in feds))
+        outs = await asyncio.gather(
+            feds[0].step(np.ones(4, np.float32), 1),
+            feds[1].step(np.ones(4, np.float32), 1, base_round=0),  # round 2: 2 > 1 stale
+        )
+        assert outs[1].own_reason == "too_stale" and not outs[1].carried
+        assert not outs[1].included and feds[1].local_drops == 1
+        assert outs[0].own_reason == "" and outs[0].included
         await asyncio.gather(*(f.close() for f in feds))
 
 

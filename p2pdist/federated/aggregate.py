@@ -8,6 +8,7 @@ association numpy may choose, and the result is rounded once to the model's dtyp
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,8 @@ __all__ = [
     "check_update",
     "trim_count",
 ]
+
+log = logging.getLogger(__name__)
 
 
 class Reason(enum.StrEnum):
@@ -199,19 +202,48 @@ _UNSCALED_WEIGHT = 2.0**64
 def _rounded(values: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
     """``values`` (float64) rounded once to ``dtype``: to nearest (ties to even) and
     saturating at its range for an integer dtype (a cast alone truncates toward zero,
-    so a minority's small updates would never move an integer model)."""
+    so a minority's small updates would never move an integer model), and at its largest
+    finite values for a float dtype (a cast makes inf, and every update trained from an
+    inf model is rejected as not finite: the run could never move again)."""
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
         top = float(info.max)  # 2^63 for int64: one past its range, so one float lower
         if top > info.max:
             top = float(np.nextafter(top, 0.0))
         values = np.clip(np.rint(values), float(info.min), top)
+    elif dtype.kind == "f":
+        big = float(np.finfo(dtype).max)
+        values = np.clip(values, -big, big)
     return np.asarray(values).astype(dtype, copy=False)
+
+
+def _past_range(values: np.ndarray, dtype: np.dtype[Any]) -> int:
+    """How many of ``values`` (float64) lie outside what ``dtype`` holds (saturated)."""
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        low, high = float(info.min), float(info.max)
+    elif dtype.kind == "f":
+        high = float(np.finfo(dtype).max)
+        low = -high
+    else:
+        return 0
+    with np.errstate(invalid="ignore"):
+        return int(np.count_nonzero((values < low) | (values > high)))
 
 
 def apply_update(model: np.ndarray, update: np.ndarray, server_lr: float) -> np.ndarray:
     """``model + server_lr * update`` as a new array of the model's dtype (computed in
-    float64 and rounded once, see :func:`_rounded`; a 0-d model stays a 0-d array). The
-    model is replaced, never changed in place: a message may still be sending its bytes."""
-    total = np.add(model, np.multiply(update, server_lr, dtype=np.float64), dtype=np.float64)
+    float64 and rounded once, see :func:`_rounded`: values past the dtype's range
+    saturate, with a warning; a 0-d model stays a 0-d array). The model is replaced,
+    never changed in place: a message may still be sending its bytes."""
+    with np.errstate(over="ignore"):  # a float64 model past its range: saturated below
+        step = np.multiply(update, server_lr, dtype=np.float64)
+        total = np.add(model, step, dtype=np.float64)
+    if saturated := _past_range(total, model.dtype):
+        log.warning(
+            "the new model has %d values past what %s holds: saturated at its range "
+            "(a model near its dtype's limits, a large server_lr, or a hostile update)",
+            saturated,
+            model.dtype,
+        )
     return _rounded(total, model.dtype)

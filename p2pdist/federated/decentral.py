@@ -245,12 +245,18 @@ class GroupAveraging(Leading):
         if update is not None:
             samples = check_int("num_samples", num_samples, 1)  # None too: required
             base = k if base_round is None else check_int("base_round", base_round, 0)
+            if base > k:
+                raise UsageError(
+                    f"base_round {base} is after the round now open ({k}): an update is "
+                    "computed from the model of this round or an earlier one"
+                )
             sent = as_array(host_copy(update))  # a CuPy update: its values, on the host
             if self._own is not None:  # carried from an earlier round, never aggregated
                 self._replacing_carried(k, self._own)
             self._own = OwnUpdate(sent, samples, base, await digest_async(sent))
         own = self._own
-        if own is not None and k - own.base_round > self.config.max_staleness:
+        dropped_here = own is not None and k - own.base_round > self.config.max_staleness
+        if dropped_here:
             self._own, own = None, None
             self.local_drops += 1
         try:
@@ -273,11 +279,14 @@ class GroupAveraging(Leading):
         me = self.group.rank
         refused = {int(r): str(why) for r, why in body["refused"]}
         included = applied and me in ranks
-        own_reason = refused.get(me, "")
+        own_reason = refused.get(me, "") or (Reason.TOO_STALE.value if dropped_here else "")
         carried = False
         if own is not None and not included:
-            if own_reason and (Reason(own_reason).is_rejection or own_reason == Reason.DUPLICATE):
-                self._own = None  # refused for good: a rejected or resent update
+            if own_reason and (
+                Reason(own_reason).is_rejection
+                or own_reason in (Reason.DUPLICATE, Reason.TOO_STALE)
+            ):
+                self._own = None  # refused for good: rejected, resent or too stale
             elif k + 1 - own.base_round <= self.config.max_staleness:
                 carried = True
             else:

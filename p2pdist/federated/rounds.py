@@ -53,7 +53,8 @@ class CloseReason(enum.StrEnum):
     COMPLETE = "complete"
     """Every member of the round (those present at its opening and still here) has its
     part in: an update sent for the round, or one from the current model (after a round
-    that closed at its deadline, also a late update)."""
+    that closed at its deadline, also a late update), or an update sent for the round
+    that was rejected (not finite, over the norm bound, the wrong dtype or shape...)."""
     DEADLINE = "deadline"
     """The round's deadline passed."""
 
@@ -185,6 +186,10 @@ class FederatedRounds:
         staleness bound, so it holds at most one int per recent participant."""
         self._forget_aggregated()
         self._expected: set[str] = set()
+        self._invalid: set[str] = set()
+        """Clients whose update sent for the open round was rejected (not valid): their
+        part is in, so the round does not wait for them until its deadline (a corrected
+        update that comes before it closes still counts)."""
         self._logged: set[str] = set()
         """Clients whose refusal this round was logged at WARNING/INFO (later ones: DEBUG,
         so a client submitting garbage in a loop cannot flood the log)."""
@@ -278,6 +283,8 @@ class FederatedRounds:
             return self._refuse(client, Reason.DUPLICATE, why, staleness)
         problem = check_update(update, num_samples, self.shape, self.dtype, self.config)
         if problem is not None:
+            if round_id == target:
+                self._invalid.add(client)
             return self._refuse(client, problem[0], problem[1], staleness)
         old = self._pending.get(client)
         if old is not None:
@@ -337,10 +344,12 @@ class FederatedRounds:
         round it was sent for: its sender is slower than round_timeout (after its late
         update it trains from the round still open, so the next one is two rounds
         late), and waiting for its next update would take every round to the deadline
-        (about every other round completes instead, as before)."""
+        (about every other round completes instead, as before). An update sent for this
+        round and rejected is the client's part too: waiting for another would hold
+        every round to its deadline while the client keeps sending bad ones."""
         u = self._pending.get(client)
         if u is None:
-            return False
+            return client in self._invalid  # it sent its update, and it was rejected
         if u.round == self.round or u.base_round >= self._model_from:
             return True
         return self._after_deadline
@@ -398,6 +407,7 @@ class FederatedRounds:
         self.phase = Phase.WAITING
         self._deadline = None
         self._expected = set()
+        self._invalid.clear()
         self._dropped, self._rejected = Counter(), Counter()
         self._logged.clear()
         return outcome
