@@ -87,6 +87,17 @@ async def test_send_of_more_dimensions_than_travel_is_refused_before_it_takes_it
     async with groups(2, timeout=5.0) as (a, b):
         with pytest.raises(UsageError, match="33 dimensions"):
             await a.send(np.ones((1,) * 33, np.float32), 1)
+        # A recv that expects what no sender can send waited its timeout, blaming the
+        # peer (a user trial): refused at once now, taking no message.
+        big: list[dict[str, Any]] = [
+            {"like": np.ones((1,) * 33, np.float32)},
+            {"shape": (1,) * 33, "dtype": np.float32},
+            {"out": np.ones((1,) * 33, np.float32)},
+            {"shape": (0, 5, 2**60), "dtype": np.uint8},
+        ]
+        for kw in big:
+            with pytest.raises(UsageError, match="recv expects what cannot travel"):
+                await b.recv(0, timeout=30, **kw)
         await a.send(np.ones((1,) * 32, np.float32), 1)
         await a.send(np.arange(3, dtype=np.float32), 1)
         assert (await b.recv(0)).shape == (1,) * 32

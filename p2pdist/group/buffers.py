@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
-from ..wire.arrays import WIRE_DTYPES, ArrayHeaderError, check_dtype
+from ..wire.arrays import WIRE_DTYPES, ArrayHeaderError, check_dtype, check_shape
 
 __all__ = ["as_array", "expectation", "is_plain_array", "mismatch", "result_buffer", "wire_form"]
 
@@ -134,6 +134,11 @@ def expectation(
         want_shape: tuple[int, ...] | None = _shape(shape)
     else:
         want_shape = tuple(ref.shape) if ref is not None else None
+    if want_shape is not None:  # what no sender can send: refused, not waited for
+        try:
+            check_shape(want_dtype or np.dtype(np.uint8), want_shape)
+        except ArrayHeaderError as exc:
+            raise UsageError(f"recv expects what cannot travel: {exc}") from None
     if out is not None:
         asked = mismatch(wire_form(out.dtype), out.shape, want_dtype, want_shape)
         if asked:

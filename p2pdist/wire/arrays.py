@@ -13,7 +13,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_NDIM", "ArrayHeader", "ArrayHeaderError", "WIRE_DTYPES", "check_dtype"]
+__all__ = [
+    "MAX_NDIM",
+    "ArrayHeader",
+    "ArrayHeaderError",
+    "WIRE_DTYPES",
+    "check_dtype",
+    "check_shape",
+]
 
 
 def _code(dtype: np.dtype[Any]) -> str:
@@ -67,11 +74,15 @@ def check_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return dt.newbyteorder("<") if dt.byteorder == ">" else dt
 
 
-def _check_extent(dt: np.dtype[Any], dims: Sequence[int]) -> None:
-    """Refuse a shape whose extent (its dimensions, zeros counted as one) passes
+def check_shape(dt: np.dtype[Any], dims: Sequence[int]) -> None:
+    """Refuse (ArrayHeaderError) a shape that cannot travel: more than :data:`MAX_NDIM`
+    dimensions, or an extent (the dimensions, zeros counted as one) past
     :data:`MAX_NBYTES`: numpy refuses to make such an array when its extent overflows,
-    even when a dimension is 0, so the receiver cannot allocate it; the sender refuses
-    it first (else the receiver's refusal would break the connection)."""
+    even when a dimension is 0, so the receiver cannot allocate it. The sender (and a
+    receiver that expects such a shape) refuses it first: else the receiver's refusal
+    would break the connection, or the receiver would wait for what cannot come."""
+    if len(dims) > MAX_NDIM:
+        raise ArrayHeaderError(f"array has {len(dims)} dimensions; at most {MAX_NDIM} travel")
     if math.prod(max(d, 1) for d in dims) * dt.itemsize > MAX_NBYTES:
         raise ArrayHeaderError(f"array {dt.name}{list(dims)} is too large")
 
@@ -90,10 +101,8 @@ class ArrayHeader:
             raise ArrayHeaderError(f"array of {arr.dtype} is big-endian; convert it first")
         if not arr.flags.c_contiguous:
             raise ArrayHeaderError("array is not C-contiguous; copy it first")
-        if arr.ndim > MAX_NDIM:  # the receiver would refuse the header
-            raise ArrayHeaderError(f"array has {arr.ndim} dimensions; at most {MAX_NDIM} travel")
         dt, dims = check_dtype(arr.dtype), tuple(int(s) for s in arr.shape)
-        _check_extent(dt, dims)  # as the receiver does: an empty array may still be refused
+        check_shape(dt, dims)  # as the receiver does: an empty array may still be refused
         return cls(dt, dims)
 
     @property
@@ -124,7 +133,7 @@ class ArrayHeader:
                 raise ArrayHeaderError(f"bad array dimension {d!r}")
             dims.append(d)
         dt = np.dtype(order + base)
-        _check_extent(dt, dims)
+        check_shape(dt, dims)
         return cls(dt, tuple(dims))
 
     def describe(self) -> str:
