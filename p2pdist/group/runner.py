@@ -13,6 +13,8 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, TypeVar
 
+import numpy as np
+
 from ..errors import (
     ConnectionBrokenError,
     ConnectionClosedError,
@@ -378,7 +380,10 @@ class Runner(Rejoining, Reserving):
         expired = closed = False
         try:
             try:
-                result = await body(link)
+                # IEEE arithmetic whatever the caller's np.errstate says: under "raise",
+                # an overflow (inf, as Gloo gives) broke the group on every rank.
+                with np.errstate(all="ignore"):
+                    result = await body(link)
             finally:
                 if outer is None:
                     del inflight[task]
