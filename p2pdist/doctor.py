@@ -80,6 +80,11 @@ class DoctorReport:
     relay_error: str | None = None
     relay_refused: bool = False
     """The relay answered, and its allowlist refused this key."""
+    relay_denied: bool = False
+    """The relay answered and refused this client, for any reason (a bad or missing
+    token, its allowlist, a key that is not the pinned relay's): see ``relay_error``."""
+    fresh_key: bool = False
+    """The key was made for this run (no ``--key``): another run has another id."""
     relay_rtt: float | None = None
     """Seconds, PING/PONG over the relay session (TCP + TLS)."""
     relay_sees: str | None = None
@@ -126,11 +131,19 @@ class DoctorReport:
 
     def _host_verdict(self) -> str:
         if self.relay_refused:
+            if self.fresh_key:  # its id is gone with this run: allowing it helps no one
+                return (
+                    "the relay's allowlist refuses this key, made for this run only: "
+                    "pass --key with a key file the allowlist holds (`p2pdist keygen --out "
+                    "node.key`, then add the line of `p2pdist id node.key --allowlist`)"
+                )
             return (
                 "the relay's allowlist refuses this key: nothing works until it lets it "
                 "in (add this endpoint id to the allowlist, or pass --key with an allowed "
                 "key file; `p2pdist keygen` makes one)"
             )
+        if self.relay_denied:
+            return "the relay refuses this client (above): nothing works until it lets it in"
         if not self.relay_connected:
             return "cannot reach the relay: nothing works until it can"
         if self.observation_off:
@@ -213,6 +226,7 @@ async def diagnose(
 ) -> DoctorReport:
     """Run every check (see the module docstring); never raises for network trouble,
     the report says what failed (UsageError for a ``peer`` that is our own id)."""
+    fresh = key is None
     key = key or SecretKey.generate()
     if peer is not None and peer == key.endpoint_id:
         raise UsageError(
@@ -220,7 +234,7 @@ async def diagnose(
             "(the same --key on both hosts?)"
         )
     path = RelayPath(key, relay, token=token)
-    report = DoctorReport(str(path.url), str(key.endpoint_id))
+    report = DoctorReport(str(path.url), str(key.endpoint_id), fresh_key=fresh)
     report.interfaces = [a for a in interface_addresses() if not is_loopback(a)]
     report.interfaces += interface_addresses6()  # candidates too (the group's socket is dual-stack)
     transport = QuicTransport(key, TransportConfig(handshake_timeout=timeout), relay=path)
@@ -235,6 +249,7 @@ async def diagnose(
             report.relay_error = text.removeprefix(f"relay {path.url}: ")
             # (An allowlist's refusal: a bad token, or a relay whose key is not the
             # pinned one, has its own answer in relay_error.)
+            report.relay_denied = path.status.refused
             report.relay_refused = path.status.refused and NOT_ALLOWED_TEXT in text
             return report
         report.relay_sees = path.status.observed

@@ -749,6 +749,11 @@ def test_doctor_refused_by_the_relay_says_so_and_shows_the_whole_id() -> None:
     assert "cannot reach" not in report.verdict()
     assert report.verdict().startswith("the relay's allowlist refuses this key")
     assert "--key" in report.verdict()
+    # Doctor's own fresh key: adding its id helps no one (a user trial: each run had
+    # another id, and the verdict asked to allowlist it).
+    report.fresh_key = True
+    assert "made for this run only" in report.verdict()
+    assert "add this endpoint id" not in report.verdict()
 
 
 async def test_doctor_against_a_relay_that_refuses_its_key(tmp_path: Path) -> None:
@@ -765,3 +770,18 @@ async def test_doctor_against_a_relay_that_refuses_its_key(tmp_path: Path) -> No
     assert report.relay_refused and not report.relay_connected, report
     assert str(key.endpoint_id) in render(report)
     assert report.verdict().startswith("the relay's allowlist refuses this key")
+
+
+async def test_doctor_without_a_token_is_told_the_relay_refuses_it() -> None:
+    """A token relay refused doctor for want of one: the relay line said so, but the
+    verdict read "cannot reach the relay" (a user trial); doctor without --key says
+    its key is this run's only."""
+    from relay_helpers import running_relay
+
+    from p2pdist.doctor import diagnose
+
+    async with running_relay(token="a-long-enough-relay-token-0123456789") as relay:
+        report = await diagnose(relay.url, timeout=5.0)
+    assert report.relay_denied and not report.relay_refused and report.fresh_key, report
+    assert report.verdict().startswith("the relay refuses this client"), report.verdict()
+    assert "bad token" in (report.relay_error or ""), report
