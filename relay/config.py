@@ -393,8 +393,8 @@ def _validate(c: RelayConfig) -> None:
     _positive("rate", c.rate, allow_zero=True)
     if c.rate and c.burst < MAX_BODY:
         raise ConfigError(
-            f"burst must be at least {MAX_BODY} bytes (the largest SEND) when rate is set, "
-            f"got {c.burst}; a smaller bucket would drop large datagrams forever"
+            f"burst must be at least {MAX_BODY} bytes when rate is set, got {c.burst}: "
+            "a client may send one largest SEND at once"
         )
     _positive("burst", c.burst)
     if c.queue_bytes < MAX_BODY + 5:
