@@ -270,7 +270,8 @@ class SecretKey:
             raise KeyFileError(f"key file {p} does not exist") from exc
         except OSError as exc:
             raise KeyFileError(f"cannot read key file {p}: {exc}") from exc
-        if (problem := exposed_key_file(p, st.st_mode)) is not None:
+        problem = exposed_key_file(p, st.st_mode)
+        if problem is not None and not stat.S_ISREG(st.st_mode):  # a directory, a device
             raise KeyFileError(f"key file {problem}")
         try:
             data = p.read_bytes()
@@ -282,6 +283,10 @@ class SecretKey:
             raise KeyFileError(f"key file {p} is not an unencrypted PEM private key") from exc
         if not isinstance(key, Ed25519PrivateKey):
             raise KeyFileError(f"key file {p} holds a {type(key).__name__}, not an Ed25519 key")
+        # A key readable by others, once the file is known to be a key: a wrong file
+        # was asked to be made private first, and only then said to be no key.
+        if problem is not None:
+            raise KeyFileError(f"key file {problem}")
         return cls(key)
 
 

@@ -316,10 +316,13 @@ def test_load_refuses_permissive_file(tmp_path: Path, mode: int) -> None:
     [b"", b"garbage\n", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"],
     ids=["empty", "text", "bad-pem"],
 )
-def test_load_garbage(tmp_path: Path, content: bytes) -> None:
+@pytest.mark.parametrize("mode", [0o600, 0o644])
+def test_load_garbage(tmp_path: Path, content: bytes, mode: int) -> None:
+    # Readable by others too: no key, so nothing to make private (it asked to chmod
+    # first, and only then said the file was no key: a user trial).
     path = tmp_path / "key.pem"
     path.write_bytes(content)
-    path.chmod(0o600)
+    path.chmod(mode)
     with pytest.raises(KeyFileError, match="not an unencrypted PEM private key"):
         SecretKey.load(path)
 
