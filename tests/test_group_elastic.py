@@ -591,6 +591,100 @@ async def test_ranks_stay_in_step_when_the_lost_rank_is_back_before_one_calls() 
             assert all(g.broken is None for g in everyone)
 
 
+async def until_back(gs: list[Group], rank: int) -> None:
+    await wait_until(lambda: all(rank not in g.left for g in gs), f"rank {rank} back", 20)
+
+
+async def test_a_call_running_when_a_rank_that_said_goodbye_rejoins_fails_at_once() -> None:
+    """Rank 0 is in an all_reduce (rank 1 is slow to join it) when rank 2 closes (a
+    goodbye, which fails no running call) and is restarted with rejoin=True. Rank 0's
+    call then read rank 2's part from the new process's connection, for a call it never
+    runs: the timeout, then the group broken on every rank (an audit). Taking the rank
+    back now fails the running call naming it and tells the others; the next call runs
+    on all three."""
+    async with groups(3, config=LEAVE, timeout=20.0) as gs:
+        await asyncio.gather(*(g.all_reduce(np.ones(2)) for g in gs))
+        running = asyncio.create_task(gs[0].all_reduce(np.ones(2)))
+        await until_running(gs[0])
+        await gs[2].close()
+        await until_left(gs[:2], 2)
+        back = await restart(gs[2])
+        async with back:
+            await until_back(gs[:2], 2)
+            results = await asyncio.wait_for(
+                asyncio.gather(running, gs[1].all_reduce(np.ones(2)), return_exceptions=True),
+                10,  # far below the timeout
+            )
+            for r in results:
+                assert isinstance(r, ConnectionBrokenError) and "rank 2 (" in str(r), r
+            everyone = (*gs[:2], back)
+            out = await asyncio.wait_for(
+                asyncio.gather(*(g.all_reduce(np.full(2, g.rank + 1.0)) for g in everyone)), 10
+            )
+            assert all(o.tolist() == [6.0, 6.0] for o in out)
+            assert all(g.broken is None for g in everyone)
+
+
+async def test_a_call_made_before_a_rejoin_and_started_after_it_fails_everywhere_at_once() -> None:
+    """Rank 0 makes a call while rank 2 is gone and starts it after rank 2 is back: it
+    failed on rank 0 only, telling nobody, so rank 1's part waited out the timeout and
+    the group broke on every rank (an audit). Rank 1 is told now."""
+    async with groups(3, config=LEAVE, timeout=20.0) as gs:
+        await asyncio.gather(*(g.all_reduce(np.ones(2)) for g in gs))
+        crash(gs[2])
+        await until_left(gs[:2], 2)
+        made = gs[0].all_reduce(np.ones(2))  # its id is taken now; it runs later
+        back = await restart(gs[2])
+        async with back:
+            await until_back(gs[:2], 2)
+            results = await asyncio.wait_for(
+                asyncio.gather(made, gs[1].all_reduce(np.ones(2)), return_exceptions=True), 10
+            )
+            for r in results:
+                assert isinstance(r, ConnectionBrokenError) and "rank 2 (" in str(r), r
+            everyone = (*gs[:2], back)
+            out = await asyncio.wait_for(
+                asyncio.gather(*(g.all_reduce(np.full(2, g.rank + 1.0)) for g in everyone)), 10
+            )
+            assert all(o.tolist() == [6.0, 6.0] for o in out)
+            assert all(g.broken is None for g in everyone)
+
+
+async def test_a_recv_cut_by_a_silent_ranks_rejoin_leaves_the_new_messages_in_order() -> None:
+    """Rank 0 waits in recv(2) when rank 2 dies silently (nothing reaches rank 0) and
+    restarts with rejoin=True. The recv, cut by the rejoin, gave its message number back
+    after the new process's numbers were reset: rank 0 then read the new messages as
+    3, 0, 1, 2 (wrong data, same shapes) and waited for a 4th (an audit)."""
+    async with groups(3, config=LEAVE, timeout=20.0, keepalive_interval=0.2) as gs:
+        x = np.zeros(3)
+        for i in range(3):
+            await asyncio.gather(gs[2].send(x + i, 0), gs[0].recv(2, like=x))
+        waiting = asyncio.create_task(gs[0].recv(2, like=x, timeout=30))
+        await asyncio.sleep(0.1)
+        # Silently gone: its listener closes, and its old connections look silent.
+        listener = gs[2]._transport._server  # type: ignore[union-attr]
+        assert listener is not None
+        await listener.close()
+        for g in gs[:2]:
+            g._conns[2].idle_for = lambda: 1e9  # type: ignore[method-assign]
+        back = Group.from_seed(
+            "test-seed-0123456789",
+            rank=2,
+            world=3,
+            peers=gs[2]._addresses,
+            config=gs[2].config,
+            rejoin=True,
+        )
+        async with back:
+            with pytest.raises(ConnectionBrokenError, match="connected again"):
+                await asyncio.wait_for(waiting, 10)
+            for k in range(4):
+                await back.send(x + 10 + k, 0)
+            got = [float((await gs[0].recv(2, like=x, timeout=10))[0]) for _ in range(4)]
+            assert got == [10.0, 11.0, 12.0, 13.0]
+        crash(gs[2])
+
+
 async def test_a_caller_cancelling_a_collective_a_loss_also_failed_still_gets_cancelled() -> None:
     async with groups(3, config=LEAVE) as gs:
         call = asyncio.create_task(gs[0].all_reduce(np.ones(4)))

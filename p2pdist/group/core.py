@@ -870,14 +870,17 @@ class GroupCore(Runner):
                 index = self._p2p_received.get(src, 0)
                 self._p2p_received[src] = index + 1
             channel = (self._p2p_space << SPACE_SHIFT) | index
+            conn = self._conns[src]
 
-            def give_back(index: int = index) -> None:
-                # Nothing of its message came: the next recv waits for it.
-                heapq.heappush(self._p2p_given_back.setdefault(src, []), index)
+            def give_back(index: int = index, conn: Connection = conn) -> None:
+                # Nothing of its message came: the next recv waits for it. Unless the
+                # rank was taken back meanwhile: its new process numbers from 0.
+                if self._conns.get(src) is conn:
+                    heapq.heappush(self._p2p_given_back.setdefault(src, []), index)
 
             try:
                 return await p2p.recv_array(
-                    self._conns[src],
+                    conn,
                     channel,
                     want,
                     out,

@@ -260,13 +260,18 @@ class Membership:
         self._failure_log.append(error)
         self._break(error, notify=True)
 
-    def _cancel_inflight(self, root_rank: int) -> None:
+    def _cancel_inflight(self, root_rank: int, *, tell_now: bool = False) -> None:
         """Fail every running collective of a group that has ``root_rank`` as a member:
         it can no longer finish, and its other ranks may wait on us, not on the lost one.
-        ``GroupCore._run`` turns the cancellation into an error naming the lost rank."""
-        for task, (group, _, _) in list(self._inflight.items()):
+        ``GroupCore._run`` turns the cancellation into an error naming the lost rank, and
+        tells the other members; ``tell_now``: they are told here instead (the rank is
+        about to be taken back, and its new process must not be told of calls it never
+        ran)."""
+        for task, (group, channel, _) in list(self._inflight.items()):
             if root_rank in group._root_ranks:
-                self._cancel_for_loss(task, root_rank)
+                if tell_now:
+                    group._tell_call_failed(channel, root_rank)
+                self._cancel_for_loss(task, root_rank, told=tell_now)
 
     def _tell_rejoiners(self, gone: int) -> None:
         """Overridden by Rejoining (the base class takes nobody back)."""
