@@ -93,7 +93,10 @@ def _cmd_id(args: argparse.Namespace, extra: list[str]) -> int:
     if args.file is None:
         raise UsageError("id needs a key FILE, or --seed SEED --world N")
     eid = SecretKey.load(args.file).endpoint_id
-    print(f"{eid}  # {args.file}" if args.allowlist else eid)
+    # The file's name in the comment, on its one line (a newline in it would start an
+    # allowlist line of its own).
+    name = "".join(c if c.isprintable() else "?" for c in args.file)
+    print(f"{eid}  # {name}" if args.allowlist else eid)
     return 0
 
 

@@ -81,8 +81,8 @@ class DoctorReport:
     relay_refused: bool = False
     """The relay answered, and its allowlist refused this key."""
     relay_denied: bool = False
-    """The relay answered and refused this client, for any reason (a bad or missing
-    token, its allowlist, a key that is not the pinned relay's): see ``relay_error``."""
+    """The relay answered and refused this client (a bad or missing token, its
+    allowlist), or its key is not the URL's pin (we refused it): see ``relay_error``."""
     fresh_key: bool = False
     """The key was made for this run (no ``--key``): another run has another id."""
     relay_rtt: float | None = None
@@ -141,6 +141,12 @@ class DoctorReport:
                 "the relay's allowlist refuses this key: nothing works until it lets it "
                 "in (add this endpoint id to the allowlist, or pass --key with an allowed "
                 "key file; `p2pdist keygen` makes one)"
+            )
+        if self.relay_denied and "identity mismatch" in (self.relay_error or ""):
+            # We refused it: whoever answers there is not the relay the URL pins.
+            return (
+                "the relay presented another key than the URL's pin: check the URL (a "
+                "relay restarted without --key has a new pin), or suspect interception"
             )
         if self.relay_denied:
             return "the relay refuses this client (above): nothing works until it lets it in"

@@ -274,9 +274,14 @@ class SecretKey:
         if problem is not None and not stat.S_ISREG(st.st_mode):  # a directory, a device
             raise KeyFileError(f"key file {problem}")
         try:
-            data = p.read_bytes()
+            with p.open("rb") as f:
+                # The mode of the file read, not of the path a moment before.
+                problem = exposed_key_file(p, os.fstat(f.fileno()).st_mode)
+                data = f.read(_KEY_FILE_MAX + 1)  # a key is some 120 bytes: not a log
         except OSError as exc:
             raise KeyFileError(f"cannot read key file {p}: {exc}") from exc
+        if len(data) > _KEY_FILE_MAX:
+            raise KeyFileError(f"key file {p} is not a key file (over {_KEY_FILE_MAX} bytes)")
         try:
             key = serialization.load_pem_private_key(data, password=None)
         except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
@@ -288,6 +293,10 @@ class SecretKey:
         if problem is not None:
             raise KeyFileError(f"key file {problem}")
         return cls(key)
+
+
+_KEY_FILE_MAX = 64 * 1024
+"""The most :meth:`SecretKey.load` reads (a PEM Ed25519 key is about 120 bytes)."""
 
 
 def derive_endpoint_ids(seed: str | bytes, world: int) -> list[EndpointId]:

@@ -293,6 +293,12 @@ def test_id_allowlist_lines_are_what_the_relay_reads(tmp_path: Path) -> None:
     text = listed.stdout + one.stdout
     parsed = parse_allowlist(text, "allowlist.txt")
     assert len(parsed) == 4
+    # A file name cannot add a line (a reviewer's: a newline, then another id).
+    sly = tmp_path / f"x\n{ids[0]}"
+    key.rename(sly)
+    tricked = run_cli("id", str(sly), "--allowlist")
+    assert tricked.returncode == 0, tricked.stderr
+    assert len(tricked.stdout.splitlines()) == 1, tricked.stdout
     with pytest.raises(AllowlistError):
         parse_allowlist(plain.stdout, "allowlist.txt")
 
@@ -779,9 +785,16 @@ async def test_doctor_without_a_token_is_told_the_relay_refuses_it() -> None:
     from relay_helpers import running_relay
 
     from p2pdist.doctor import diagnose
+    from p2pdist.identity import SecretKey
 
     async with running_relay(token="a-long-enough-relay-token-0123456789") as relay:
         report = await diagnose(relay.url, timeout=5.0)
     assert report.relay_denied and not report.relay_refused and report.fresh_key, report
     assert report.verdict().startswith("the relay refuses this client"), report.verdict()
     assert "bad token" in (report.relay_error or ""), report
+    # Not the pinned relay: we refused it, and the verdict says to check the pin.
+    async with running_relay() as relay:
+        base = relay.url.split("?")[0]
+        wrong = await diagnose(f"{base}?pin={SecretKey.generate().endpoint_id}", timeout=5.0)
+    assert wrong.relay_denied and "identity mismatch" in (wrong.relay_error or ""), wrong
+    assert wrong.verdict().startswith("the relay presented another key"), wrong.verdict()

@@ -386,26 +386,41 @@ async def test_gradient_buckets_discard_an_abandoned_step() -> None:
         assert (second0[0], second1[0]) == (30.0, 30.0)
 
 
+@pytest.mark.parametrize("where", ["buffer", "pack"])
 async def test_a_bucket_that_fails_before_its_all_reduce_fails_the_others_at_once(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    """A bucket that failed on one rank before its all_reduce (packing ran out of
-    memory, a GPU wait timed out) took no call id there, so the other ranks' bucket
-    waited for it until their timeout (an audit, by reading). The bucket's call now takes
-    its id when the bucket is queued: its failure is thrown into it, unstarted, and the
-    others' bucket fails at once, naming the rank and why; the group goes on."""
+    """A bucket that failed on one rank before its all_reduce (no memory for its
+    buffer, packing failed as a GPU copy may) took no call id there, so the other ranks'
+    bucket waited for it until their timeout (an audit, by reading). The bucket's call
+    now takes its id when the bucket is queued: its failure is thrown into it,
+    unstarted, and the others' bucket fails at once, naming the rank and why; the group
+    goes on, and so does the failed rank's helper."""
     from p2pdist.group import buckets as buckets_module
     from p2pdist.group.buckets import GradientBuckets
 
-    poisoned = np.full(4, 7.0, np.float32)  # rank 1's array that cannot be packed
-    real_pack = buckets_module.pack
+    poisoned = np.full(4, 7.0, np.float32)  # rank 1's array whose bucket cannot be made
+    fail_once = [MemoryError("no room for the bucket")]
+    if where == "pack":
+        real_pack = buckets_module.pack
 
-    def pack(arrays: list[Any], out: np.ndarray) -> None:
-        if any(a is poisoned for a in arrays):
-            raise MemoryError("no room for the bucket")
-        real_pack(arrays, out)
+        def pack(arrays: list[Any], out: np.ndarray) -> None:
+            if fail_once and any(a is poisoned for a in arrays):
+                raise fail_once.pop()
+            real_pack(arrays, out)
 
-    monkeypatch.setattr(buckets_module, "pack", pack)
+        monkeypatch.setattr(buckets_module, "pack", pack)
+    else:
+        real_buffer = buckets_module._bucket_buffer
+        made: list[int] = []
+
+        def buffer(size: int, dtype: np.dtype[Any]) -> np.ndarray:
+            made.append(size)
+            if len(made) == 2 and fail_once:  # rank 1's first bucket (rank 0 adds first)
+                raise fail_once.pop()
+            return real_buffer(size, dtype)
+
+        monkeypatch.setattr(buckets_module, "_bucket_buffer", buffer)
     async with groups(2, timeout=60) as gs:
         bs = await asyncio.gather(*(GradientBuckets.create(g, op="sum") for g in gs))
         grads = [np.full(4, 1.0, np.float32), poisoned]
@@ -419,12 +434,12 @@ async def test_a_bucket_that_fails_before_its_all_reduce_fails_the_others_at_onc
         assert isinstance(results[0], P2PError), results[0]
         assert "rank 1" in str(results[0]) and "MemoryError" in str(results[0]), results[0]
         np.testing.assert_array_equal(grads[0], np.full(4, 1.0))  # left as added
-        # Both ranks go on: the next step reduces.
-        nexts = [np.full(4, 1.0 + r, np.float32) for r in range(2)]
-        for b, grad in zip(bs, nexts, strict=True):
+        # Both ranks go on, the same arrays too: the next step reduces.
+        for r, (b, grad) in enumerate(zip(bs, grads, strict=True)):
+            grad[:] = 1.0 + r
             b.add(grad)
         await asyncio.wait_for(asyncio.gather(*(b.wait() for b in bs)), 10)
-        for grad in nexts:
+        for grad in grads:
             np.testing.assert_array_equal(grad, np.full(4, 3.0))
         got = await asyncio.wait_for(asyncio.gather(*(g.all_reduce(np.ones(2)) for g in gs)), 10)
         for x in got:

@@ -339,7 +339,7 @@ async def test_a_bad_step_argument_is_a_usage_error_that_leaves_the_rank_in_step
 async def test_an_update_too_stale_to_send_says_so() -> None:
     """An update whose base is past max_staleness already is dropped on the rank without
     being sent; its round said nothing of it (own_reason "", only local_drops counted)."""
-    cfg = FederatedConfig(max_staleness=1, round_timeout=5.0)
+    cfg = FederatedConfig(max_staleness=1, round_timeout=1.0)  # its round waits it out
     async with groups(2) as gs:
         feds = [GroupAveraging(g, np.zeros(4, np.float32), cfg) for g in gs]
         await asyncio.gather(*(f.start() for f in feds))

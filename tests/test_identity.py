@@ -327,6 +327,16 @@ def test_load_garbage(tmp_path: Path, content: bytes, mode: int) -> None:
         SecretKey.load(path)
 
 
+def test_load_reads_no_more_than_a_key_file_holds(tmp_path: Path) -> None:
+    """A wrong --key (a big log, readable by others) was read whole before it was
+    refused; now at most 64 KiB are read."""
+    path = tmp_path / "big.log"
+    path.write_bytes(b"x" * (1 << 20))
+    path.chmod(0o644)
+    with pytest.raises(KeyFileError, match="not a key file"):
+        SecretKey.load(path)
+
+
 def test_load_encrypted_key(tmp_path: Path) -> None:
     path = tmp_path / "key.pem"
     pem = (

@@ -199,34 +199,39 @@ _UNSCALED_WEIGHT = 2.0**64
 """Weights up to this go into the weighted mean as they are (the formula's bits)."""
 
 
+def _range(dtype: np.dtype[Any]) -> tuple[float, float] | None:
+    """The float64 bounds a model of ``dtype`` holds (None: not an int or float dtype).
+    For an integer dtype the largest float64 within its range (2^63 is one past int64's)."""
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        top = float(info.max)
+        if top > info.max:
+            top = float(np.nextafter(top, 0.0))
+        return float(info.min), top
+    if dtype.kind == "f":
+        big = float(np.finfo(dtype).max)
+        return -big, big
+    return None
+
+
 def _rounded(values: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
     """``values`` (float64) rounded once to ``dtype``: to nearest (ties to even) and
     saturating at its range for an integer dtype (a cast alone truncates toward zero,
     so a minority's small updates would never move an integer model), and at its largest
     finite values for a float dtype (a cast makes inf, and every update trained from an
     inf model is rejected as not finite: the run could never move again)."""
-    if dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        top = float(info.max)  # 2^63 for int64: one past its range, so one float lower
-        if top > info.max:
-            top = float(np.nextafter(top, 0.0))
-        values = np.clip(np.rint(values), float(info.min), top)
-    elif dtype.kind == "f":
-        big = float(np.finfo(dtype).max)
-        values = np.clip(values, -big, big)
+    bounds = _range(dtype)
+    if bounds is not None:
+        values = np.clip(np.rint(values) if dtype.kind in "iu" else values, *bounds)
     return np.asarray(values).astype(dtype, copy=False)
 
 
 def _past_range(values: np.ndarray, dtype: np.dtype[Any]) -> int:
     """How many of ``values`` (float64) lie outside what ``dtype`` holds (saturated)."""
-    if dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        low, high = float(info.min), float(info.max)
-    elif dtype.kind == "f":
-        high = float(np.finfo(dtype).max)
-        low = -high
-    else:
+    bounds = _range(dtype)
+    if bounds is None:
         return 0
+    low, high = bounds
     with np.errstate(invalid="ignore"):
         return int(np.count_nonzero((values < low) | (values > high)))
 

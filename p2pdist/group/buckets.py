@@ -220,17 +220,23 @@ class GradientBuckets:
         # by the time the bucket runs, the next step may have added another dtype.
         dtype = wire_form(arrays[0].dtype) if arrays else self._dtype or np.dtype(np.float32)
         # Called now, the bucket's all_reduce takes its place in the call order now: if
-        # the bucket fails before it runs (packing out of memory, a GPU wait timed out),
-        # that is thrown into it unstarted, and the others' fails at once naming this
-        # rank. (The flat buffer's pages are touched only when the bucket packs.)
-        flat = np.empty(sum(a.size for a in arrays), dtype)
+        # the bucket fails before it runs (no memory for its buffer, packing failed, a
+        # GPU wait timed out), that is thrown into it unstarted, and the others' fails at
+        # once naming this rank.
+        failed: MemoryError | None = None
+        try:
+            flat = _bucket_buffer(sum(a.size for a in arrays), dtype)
+        except MemoryError as exc:  # the bucket fails as one whose packing failed does
+            flat, failed = np.empty(0, dtype), exc
         call = self._group.all_reduce(
             flat, self._op, out=flat, error_feedback=feedback, **self._reduce
         )
         # After the last bucket started (this step's, or an earlier step's still running):
         # its failure fails this one only within a step.
         task = loop.create_task(
-            self._reduce_bucket(call, flat, arrays, ready, self._last, bool(self._tasks), layout)
+            self._reduce_bucket(
+                call, flat, arrays, ready, self._last, bool(self._tasks), layout, failed
+            )
         )
         task.add_done_callback(_retrieve)  # a step nobody waits for logs no "never retrieved"
         self._tasks.append(task)
@@ -284,8 +290,11 @@ class GradientBuckets:
         after: asyncio.Task[None] | None,
         same_step: bool,
         layout: str,
+        failed: MemoryError | None,
     ) -> None:
         try:
+            if failed is not None:
+                raise failed
             if after is not None:  # buckets reduce in order on every rank
                 if same_step:
                     await asyncio.shield(after)  # its failure is ours too
@@ -401,6 +410,11 @@ class GradientBuckets:
                 # The bucket of no arrays that may end a step is not counted as one.
                 _note(result, k, sum(1 for n in sizes if n), sum(sizes[k:]))
                 raise result
+
+
+def _bucket_buffer(size: int, dtype: np.dtype[Any]) -> np.ndarray:
+    """A bucket's flat host buffer (its pages are touched only when the bucket packs)."""
+    return np.empty(size, dtype)
 
 
 _LAYOUT = ", a bucket of "

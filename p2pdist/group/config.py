@@ -43,7 +43,9 @@ class GroupConfig:
     """Default reduction mode: "fast" (ring/direct, identical on all ranks) or
     "deterministic" (float64 accumulation in rank order, identical across runs too)."""
     max_message_bytes: int = 16 << 30
-    """Largest array :meth:`Group.recv` allocates for a sender (without ``out=``)."""
+    """Largest array :meth:`Group.recv` allocates for a sender (without ``out=``), and
+    largest piece a peer may send this rank in :meth:`Group.all_to_all_v` (a larger one
+    is a MismatchError naming it, before anything is allocated)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
     punch: PunchConfig = field(default_factory=PunchConfig)
     """Hole punching for ranks that meet through a relay (``PunchConfig(enabled=False)``

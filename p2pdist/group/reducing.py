@@ -244,11 +244,13 @@ class Reducing(GroupCore):
             flat = work.reshape(-1)
             # In place (work is arr) needs a copy of the input, except at world 2.
             src = arr.reshape(-1) if work is not arr or self.size == 2 else flat.copy()
-            await self._run(
-                descriptor, timeout, lambda lk: alg.direct_all_reduce(lk, src, rop, flat)
-            )
-            rop.finish(work, self.size)
-            return work
+
+            async def direct(lk: CollectiveLink) -> np.ndarray:
+                await alg.direct_all_reduce(lk, src, rop, flat)
+                rop.finish(work, self.size)  # in the call: under its errstate too
+                return work
+
+            return await self._run(descriptor, timeout, direct)
         chunk = self._chunk(arr.dtype)
 
         async def body(lk: CollectiveLink) -> np.ndarray:

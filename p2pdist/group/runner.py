@@ -456,7 +456,7 @@ class Runner(Rejoining, Reserving):
             self._break(err, notify=not isinstance(err, GroupBrokenError), during=channel)
             raise
         except Exception as err:
-            # Not ours (FloatingPointError under np.seterr, MemoryError, a codec's error):
+            # Not ours (MemoryError, an exception in a block, a codec's error):
             # this rank's part of the call is lost, so the others must not wait for it.
             me = self._root_label(self._rank)
             kind = type(err).__name__
