@@ -438,6 +438,48 @@ async def test_relayed_connection_moves_to_direct_and_reports_its_paths() -> Non
         assert not info.loss.reordering and info.loss.spurious_losses == 0
 
 
+async def test_a_close_just_after_the_direct_path_died_still_delivers() -> None:
+    """The direct path dies unnoticed (UDP dropped, the relay up), then the sender sends
+    and closes: the close gave up after 2 s (FLUSH_STALL), before hole punching fell back
+    to the relay (path_timeout, 5 s), and aborted on the dead path, so the message was
+    lost and the peer learned of the close 30 s later, by its keepalive (an audit). A
+    close on a direct path now waits for that fallback, and its closing datagrams go
+    through the relay too."""
+    punch = replace(FAST_PUNCH, path_timeout=3.0, keepalive=0.5)  # falls back after 2-3.5 s
+    hub = FakeRelayHub()
+    cfg = TransportConfig(keepalive_interval=0.2, idle_timeout=30.0)
+    ta = QuicTransport(A, cfg, relay=hub.attach(A.endpoint_id), punch=punch)
+    tb = QuicTransport(B, cfg, relay=hub.attach(B.endpoint_id), punch=punch)
+    async with closing(ta, tb):
+        ca = await bounded(ta.connect(B.endpoint_id, None), "connect")
+        cb = await bounded(tb.accept(), "accept")
+        await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct paths")
+        payload = os.urandom(1 << 20)
+        with UdpBlock(ta), UdpBlock(tb):
+            await ca.send(7, payload)
+            await bounded(ca.close(), "the close", 20)
+            got = await asyncio.wait_for(cb.recv(7), 10)  # long before the idle timeout
+        assert bytes(got.payload) == payload
+        assert ca.path_kind == "relay"
+
+
+def test_a_relayed_close_goes_both_ways_while_direct() -> None:
+    """A closing connection's datagrams go direct and through the relay: the direct
+    path may be dead, and the peer must learn of the close now, not at its timeout."""
+    relay = FakeRelayHub().attach(A.endpoint_id)
+    route = RelayRoute(relay, B.endpoint_id, 1200)
+    sent: list[bytes] = []
+    sock = types.SimpleNamespace(closed=False, send=lambda data, addr: sent.append(data))
+    route.use_direct(sock, ("127.0.0.1", 9), 1200)  # type: ignore[arg-type]
+    relayed: list[bytes] = []
+    relay.send = lambda peer, data: relayed.append(data)  # type: ignore[method-assign]
+    route.send(b"data", None)
+    assert (sent, relayed) == ([b"data"], [])
+    route.also_relay = True
+    route.send(b"close", None)
+    assert (sent, relayed) == ([b"data", b"close"], [b"close"])
+
+
 async def test_direct_path_dies_traffic_returns_to_the_relay_then_punches_again() -> None:
     async with relayed_pair() as (ta, tb, ca, cb):
         await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct paths")

@@ -204,8 +204,14 @@ class FramedConnection:
         now = loop.time()
         deadline = now + max(FLUSH_STALL, self._cfg.idle_timeout)
         left, moved = unsent(), now  # moved: when the peer last took some of our bytes
+        stall, extended = FLUSH_STALL, False
         while not flushed.done():
-            limit = min(moved + (FLUSH_STALL if left else CLOSE_GRACE), deadline)
+            limit = min(moved + (stall if left else CLOSE_GRACE), deadline)
+            if now >= limit and left and not extended:
+                extended = True
+                if (more := self._flush_stalled()) > 0:  # the path may be changing
+                    stall, moved = more, now
+                    continue
             if now >= limit:
                 if left:
                     why = (
@@ -224,11 +230,18 @@ class FramedConnection:
             before, left = left, unsent()
             if left < before:
                 moved = now  # the peer is taking our bytes (or has just taken the last)
+                stall = FLUSH_STALL
         return None
 
     def _drop(self) -> None:
         """Close the byte pipe at once, without flushing."""
         raise NotImplementedError
+
+    def _flush_stalled(self) -> float:
+        """A close's flush made no progress for :data:`FLUSH_STALL` seconds: how many
+        seconds more it may wait for progress (once), when the way to the peer may be
+        about to change; 0 to give up now. By default it cannot change."""
+        return 0.0
 
     def _on_goodbye(self) -> None:
         """The peer said GOODBYE: it sends nothing more (frames before it stay readable)."""

@@ -408,6 +408,9 @@ class RelayRoute:
         """Datagrams and bytes sent, then received, on direct paths whose own counters
         were dropped (a peer behind a NAT that keeps rebinding meets many addresses)."""
         self._sending = self.sent[None]  # the counter of the path in use (hot path)
+        self.also_relay = False
+        """Send through the relay as well while direct (a closing connection's last
+        datagrams: the direct path may have died unnoticed)."""
 
     @property
     def direct_addr(self) -> UdpAddress | None:
@@ -498,7 +501,8 @@ class RelayRoute:
         counter[1] += len(datagram)
         if direct is not None:
             direct[0].send(datagram, direct[1])
-            return
+            if not self.also_relay:
+                return
         try:
             self.relay.send(self.peer, datagram)
         except Exception as exc:  # e.g. the relay lowered max_datagram after a reconnect

@@ -43,7 +43,7 @@ from ..identity import EndpointId
 from ..tls import endpoint_id_of_cert
 from .framed import FramedConnection
 from .pathinfo import LossInfo
-from .paths import PathKind, Route, UdpAddress, UdpRoute
+from .paths import PathKind, RelayRoute, Route, UdpAddress, UdpRoute
 from .quic_core import AppError, PinnedQuicConnection
 
 if TYPE_CHECKING:
@@ -363,7 +363,23 @@ class QuicConnection(FramedConnection):
     def _close_quic(self, code: AppError, reason: str) -> None:
         if not self._quic.is_closing:
             self._quic.close(error_code=code, reason_phrase=reason[:_MAX_REASON])
+            route = self._route
+            if isinstance(route, RelayRoute) and route.direct_addr is not None:
+                # A direct path may have died unnoticed (its fallback takes path_timeout):
+                # the close goes through the relay too, so the peer learns of it now.
+                route.also_relay = True
             self._transmit()
+
+    def _flush_stalled(self) -> float:
+        """On a direct path, which may have died unnoticed: as long as hole punching
+        takes to fall back to the relay (both ends: the peer's answers must come back
+        that way too), longer than a close waits otherwise; the relay is up."""
+        route = self._route
+        if not isinstance(route, RelayRoute) or route.direct_addr is None:
+            return 0.0
+        pc = self._owner.punch_config
+        log.info("%s: closing, nothing delivered on the direct path yet", self.label)
+        return pc.path_timeout + pc.keepalive
 
     def _schedule_transmit(self) -> None:
         if not self._transmit_soon:
