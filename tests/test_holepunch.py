@@ -1235,3 +1235,28 @@ async def test_paths_say_relay_once_the_direct_socket_closed() -> None:
         assert info.kind == "relay" and info.remote.startswith("relay")
         assert ca.path_kind == "relay" and ca.remote_address == B.endpoint_id
         assert [s.kind for s in info.paths if s.active] == ["relay"]
+
+
+async def test_peers_of_a_relay_on_ipv6_loopback_punch_from_ipv6_loopback() -> None:
+    """A relay on [::1]: the punching socket was bound to 127.0.0.1 whatever the relay's
+    family, so a peer listening on ::1 never went direct (each side dropped the other's
+    candidates as unreachable: an audit). It binds ::1 there now."""
+    if not ipv6_loopback_works():
+        pytest.skip("no IPv6 on this host")
+    from relay_helpers import running_relay
+
+    cfg = TransportConfig(keepalive_interval=0.5, idle_timeout=10.0)
+    async with running_relay(host="::1") as server:
+        paths = [RelayPath(key, server.url) for key in (A, B)]
+        try:
+            await asyncio.gather(*(p.wait_connected(10) for p in paths))
+            ta = QuicTransport(A, cfg, relay=paths[0], punch=FAST_PUNCH)
+            tb = QuicTransport(B, cfg, relay=paths[1], punch=FAST_PUNCH)
+            async with closing(ta, tb):
+                await ta.listen("::1", 0)
+                ca = await bounded(ta.connect(B.endpoint_id, None), "connect")
+                cb = await bounded(tb.accept(), "accept")
+                await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct")
+                assert ":" in ca.remote_address[0] and ":" in cb.remote_address[0]  # type: ignore[index]
+        finally:
+            await asyncio.gather(*(p.close() for p in paths))

@@ -44,6 +44,7 @@ from .paths import (
     UdpRoute,
     UdpSocket,
     all_loopback,
+    bind_host_for,
     is_loopback,
     path_key,
     plain_ip,
@@ -632,7 +633,8 @@ class QuicTransport(EndpointBase[QuicConnection]):
                 # Every interface, IPv6 too where the host has it: peers whose IPv4
                 # NATs cannot be punched often reach each other's IPv6 addresses.
                 local = await self._relay_is_local()
-                self._punch_sock = await self._open_udp("127.0.0.1" if local else None, 0)
+                bind = await self._loopback_host() if local else None
+                self._punch_sock = await self._open_udp(bind, 0)
             return self._punch_sock
 
     async def _open_udp(self, host: str | None, port: int) -> UdpSocket:
@@ -661,6 +663,16 @@ class QuicTransport(EndpointBase[QuicConnection]):
             return all_loopback(targets)
         host = relay.url.host
         return is_loopback(host) or host.lower() == "localhost"
+
+    async def _loopback_host(self) -> str:
+        """The loopback address to punch from, for a relay on this host: ::1 where the
+        relay is on IPv6's loopback (peers there listen on ::1 too), else 127.0.0.1."""
+        relay = self._relay
+        targets = await self._stun_targets()
+        if targets:
+            return bind_host_for(targets) or "127.0.0.1"
+        ipv6 = isinstance(relay, RelayPath) and ":" in relay.url.host
+        return "::1" if ipv6 else "127.0.0.1"
 
     async def _stun_targets(self) -> list[UdpAddress]:
         """The relay's observation ports (none for a relay that is not a RelayPath)."""
