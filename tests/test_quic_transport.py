@@ -967,3 +967,17 @@ async def test_transport_close_waits_for_a_connection_its_user_is_closing() -> N
         with pytest.raises(ConnectionBrokenError, match="left") as info:
             await bounded(accepted.recv(1), "the end")
         assert info.value.graceful
+
+
+async def test_a_connection_dialed_at_an_address_reports_its_datagrams() -> None:
+    """paths() of a QUIC connection dialed at an address gave its frame counters as the
+    path's datagrams (one 4 MiB frame: "1 datagram"), unlike a punched path's, which
+    counts real datagrams (an audit)."""
+    async with direct_pair() as p:
+        await p.client.send(1, bytes(1 << 20))
+        await bounded(p.server.recv(1), "1 MiB")
+        client_t = p.client_transport
+        assert isinstance(client_t, QuicTransport)
+        (stats,) = client_t.paths()[key(1).endpoint_id].paths
+        assert stats.datagrams_sent > 10 and stats.bytes_sent > 1 << 20, stats
+        assert stats.datagrams_received > 0 and stats.bytes_received > 0, stats  # its ACKs

@@ -77,17 +77,17 @@ def single_path(
     rtt: float | None,
     transport: str,
     loss: LossInfo | None = None,
+    *,
+    traffic: tuple[int, int, int, int] | None = None,
 ) -> PathInfo:
-    """A peer reached over one direct path (TCP, or QUIC dialed at an address), with the
-    connection's frame counters as the path's traffic, and QUIC's ``loss``."""
-    only = PathStats(
-        "direct",
-        remote,
-        True,
+    """A peer reached over one direct path (TCP, or QUIC dialed at an address), with
+    ``traffic`` (datagrams and bytes sent, then received: QUIC's) as the path's, else the
+    connection's frame counters (TCP has no datagrams), and QUIC's ``loss``."""
+    sent, sent_bytes, got, got_bytes = traffic or (
         stats.frames_sent,
         stats.bytes_sent,
         stats.frames_received,
         stats.bytes_received,
-        rtt,
     )
+    only = PathStats("direct", remote, True, sent, sent_bytes, got, got_bytes, rtt)
     return PathInfo(peer, "direct", remote, rtt, transport, (only,), loss=loss)

@@ -360,6 +360,10 @@ class UdpRoute:
         self.sock = sock
         self.quic_addr = addr
         self.max_datagram = max_datagram
+        self.sent = [0, 0]
+        """Datagrams and bytes sent."""
+        self.received = [0, 0]
+        """Datagrams and bytes received."""
 
     @property
     def remote(self) -> UdpAddress:
@@ -373,6 +377,8 @@ class UdpRoute:
 
     def send(self, datagram: bytes, addr: Any) -> None:
         """Send to ``addr`` (aioquic's current address of the peer)."""
+        self.sent[0] += 1
+        self.sent[1] += len(datagram)
         self.sock.send(datagram, addr)
 
 

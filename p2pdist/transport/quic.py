@@ -454,6 +454,9 @@ class QuicTransport(EndpointBase[QuicConnection]):
         if isinstance(route, RelayRoute):  # aioquic sees one address, whichever the path
             route.count_received(len(data), None if addr is RELAY_ADDR else cast(UdpAddress, addr))
             addr = RELAY_ADDR
+        elif isinstance(route, UdpRoute):
+            route.received[0] += 1
+            route.received[1] += len(data)
         conn.datagram_received(data, addr)
 
     def _on_udp_datagram(self, sock: UdpSocket, data: bytes, addr: UdpAddress) -> None:
@@ -532,7 +535,17 @@ class QuicTransport(EndpointBase[QuicConnection]):
     def paths(self) -> dict[EndpointId, PathInfo]:
         """How each connected peer is reached now (see :class:`~.pathinfo.PathInfo`)."""
         out: dict[EndpointId, PathInfo] = {}
-        for conn in sorted(self._live, key=lambda c: c.closed):  # open ones first
+        # Of several connections to a peer: an open one, established, that carried the
+        # most (not one still in its handshake, nor whichever the set gives first).
+        ranked = sorted(
+            self._live,
+            key=lambda c: (
+                c.closed,
+                not c.established,
+                -c.stats.bytes_sent - c.stats.bytes_received,
+            ),
+        )
+        for conn in ranked:
             if conn.dialing or conn._peer is None or conn.peer_id in out:
                 continue
             out[conn.peer_id] = self._path_info(conn)
@@ -541,9 +554,12 @@ class QuicTransport(EndpointBase[QuicConnection]):
     def _path_info(self, conn: QuicConnection) -> PathInfo:
         route = conn.route
         peer = conn.peer_id
-        if isinstance(route, UdpRoute):
+        if isinstance(route, UdpRoute):  # dialed at an address: its datagrams, counted
             remote = path_key(route.remote)
-            return single_path(peer, remote, conn.stats, conn.rtt, "quic", conn.loss_info)
+            traffic = (route.sent[0], route.sent[1], route.received[0], route.received[1])
+            return single_path(
+                peer, remote, conn.stats, conn.rtt, "quic", conn.loss_info, traffic=traffic
+            )
         assert isinstance(route, RelayRoute)
         state = self._puncher.state(peer) if self._puncher is not None else None
         active = route.direct_addr  # None: the relay (also when the direct socket closed)

@@ -121,6 +121,11 @@ class QuicConnection(FramedConnection):
         return self._quic.decrypted_any
 
     @property
+    def established(self) -> bool:
+        """Whether the handshake finished and frames flow."""
+        return self._established.done() and self._established.exception() is None
+
+    @property
     def encrypted(self) -> bool:
         """Always True: QUIC is always TLS 1.3."""
         return True
