@@ -16,6 +16,7 @@ from .errors import P2PError, UsageError
 from .group import Group
 from .group.profile import DEFAULT_SIZES, LinkProfile, profile_links
 from .launch import ENV_RANK, ENV_WORLD, LaunchConfig, launch
+from .settings import decimal_int
 
 __all__ = ["format_table", "main", "plot", "unwritable"]
 
@@ -99,7 +100,7 @@ async def _worker(png: str, repeats: int) -> int:
 def _env_rank() -> int | None:
     """P2PDIST_RANK as Group.from_env reads it (None when unset or not an integer)."""
     try:
-        return int(os.environ.get(ENV_RANK, ""))
+        return decimal_int(os.environ.get(ENV_RANK, ""))
     except ValueError:
         return None
 

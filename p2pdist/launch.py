@@ -92,6 +92,8 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if not self.command:
             raise UsageError("launch needs a command after '--', e.g. -- python train.py")
+        if not self.host.strip():  # every rank would fail on ":port" addresses
+            raise UsageError("--host must name an address the ranks listen on")
         if not 1 <= self.nprocs <= MAX_LOCAL_RANKS:
             raise UsageError(
                 f"the number of ranks (-n) must be 1 to {MAX_LOCAL_RANKS} on one machine "
@@ -172,6 +174,18 @@ def pick_free_ports(host: str, count: int) -> list[int]:
 
 _GROUP_POLL_S = 0.5
 """How often the launcher looks for ranks' process groups that have emptied."""
+_EXIT_POLL_S = 0.02
+"""How often the launcher looks whether a rank's process has exited."""
+
+
+async def _exit_of(proc: asyncio.subprocess.Process) -> int:
+    """``proc``'s exit status once it has exited. Not ``Process.wait()``, which returns
+    only once every process holding its output pipes closed them too: a rank's helper
+    in the background hid the rank's exit (its crash blamed on another rank, or a launch
+    waiting as long as the helper ran)."""
+    while (code := proc.returncode) is None:  # noqa: ASYNC110 (no event for the exit alone)
+        await asyncio.sleep(_EXIT_POLL_S)
+    return code
 
 
 def _live_groups(pgids: set[int]) -> set[int]:
@@ -357,7 +371,7 @@ class _Launcher:
 
     async def supervise(self) -> int:
         """Wait until all ranks exit 0, one fails, or a stop signal; return the status."""
-        waits = {asyncio.create_task(p.wait()): rank for rank, p in enumerate(self.procs)}
+        waits = {asyncio.create_task(_exit_of(p)): rank for rank, p in enumerate(self.procs)}
         stopper = asyncio.create_task(self.stop.wait())
         try:
             while waits:
@@ -403,7 +417,7 @@ class _Launcher:
 
     async def _wait_all(self, timeout: float) -> bool:
         """Wait until every rank and everything left in its process group has exited."""
-        running = [p.wait() for p in self.procs if p.returncode is None]
+        running = [_exit_of(p) for p in self.procs if p.returncode is None]
         deadline = asyncio.get_running_loop().time() + timeout
         try:
             if running:

@@ -58,6 +58,16 @@ def check_int(name: str, value: object, minimum: int = 0) -> int:
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
+def decimal_int(text: str) -> int:
+    """``text`` (an environment variable's value) as a plain decimal integer, spaces
+    around it allowed; ValueError for anything else (``int()`` takes ``"0_1"`` and other
+    scripts' digits, which no launcher writes)."""
+    stripped = text.strip()
+    if not (stripped.isascii() and stripped.isdigit()):
+        raise ValueError(f"not a decimal integer: {text!r}")
+    return int(stripped)
+
+
 def env_flag(name: str, default: bool) -> bool:
     """The environment variable ``name`` as a yes/no (1/0, true/false, yes/no, on/off,
     any case; unset or empty: ``default``); UsageError naming it for anything else."""

@@ -258,3 +258,13 @@ def test_bench_from_env_refuses_a_group_of_one(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "a group of one rank has no links to profile" in proc.stderr
     assert not png.exists()
+
+
+async def test_profile_links_measures_sizes_in_increasing_order() -> None:
+    """Sizes given out of order were kept so, and the plot joined them in that order
+    (a zigzag; the fit sorted them): an audit. They are measured sorted, each once."""
+    async with groups(2, timeout=10) as gs:
+        results = await asyncio.gather(
+            *(profile_links(g, (4096, 1, 64, 4096), 1, timeout=5) for g in gs)
+        )
+    assert results[0][0].sizes == (1, 64, 4096)

@@ -122,6 +122,17 @@ def test_launch_failing_rank_stops_the_others() -> None:
     assert not any(_pid_alive(pid) for pid in pids)
 
 
+def test_launch_sees_a_ranks_exit_though_its_helper_holds_its_output() -> None:
+    """Rank 1 starts a helper in the background (it inherits the rank's output) and
+    fails: the launcher saw the exit only once the helper ended too (Process.wait waits
+    for the pipes): it blamed rank 0 for a crash, or waited as long as the helper ran (an
+    audit). The bound of 20 s is far below the helpers' 60 s."""
+    script = '[ "$P2PDIST_RANK" = 1 ] && { sleep 60 & exit 5; }; sleep 60'
+    proc = run_cli("launch", "-n", "2", "--", "sh", "-c", script, timeout=20)
+    assert proc.returncode == 5, proc.stderr
+    assert "rank 1 exited with code 5" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -130,6 +141,7 @@ def test_launch_failing_rank_stops_the_others() -> None:
         (["launch", "-n", "0", "--", "true"], "must be 1 to 1024 on one machine"),
         (["launch", "-n", "100000", "--", "true"], "got 100000"),  # it hung binding ports
         (["launch", "-n", "2", "--seed", "short", "--", "true"], "at least 8 bytes"),
+        (["launch", "-n", "2", "--host", "", "--", "true"], "--host must name"),
         (["keygen", "--out", ""], "--out needs a file name"),
         (["keygen", "--out", "/nonexistent-p2pdist-dir/k.pem"], "cannot write key file"),
     ],
@@ -233,6 +245,28 @@ def test_the_environment_is_read_strictly(monkeypatch: pytest.MonkeyPatch) -> No
         env={**os.environ, "P2PDIST_RELAY_TOKEN": ""},
     )
     assert proc.returncode == 2 and "P2PDIST_RELAY_TOKEN is set but empty" in proc.stderr
+
+
+def test_rank_world_and_peers_from_the_environment_are_read_strictly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """int() took P2PDIST_RANK="0_1" as rank 1 and other scripts' digits, and an empty
+    entry in P2PDIST_PEERS ("a,,b") was dropped, so a missing address went unnoticed when
+    the count still matched (an audit)."""
+    from p2pdist import Group, UsageError
+
+    monkeypatch.setenv("P2PDIST_SEED", "s" * 20)
+    monkeypatch.setenv("P2PDIST_WORLD", "3")
+    monkeypatch.setenv("P2PDIST_PEERS", "127.0.0.1:1, 127.0.0.1:2,127.0.0.1:3,")
+    for bad in ("0_1", "\u0661", "+1", "1.0", ""):
+        monkeypatch.setenv("P2PDIST_RANK", bad)
+        with pytest.raises(UsageError, match=r"must be integers|is not set"):
+            Group.from_env()
+    monkeypatch.setenv("P2PDIST_RANK", " 1 ")
+    assert Group.from_env().rank == 1  # spaces, and a trailing comma, are fine
+    monkeypatch.setenv("P2PDIST_PEERS", "127.0.0.1:1,,127.0.0.1:3")
+    with pytest.raises(UsageError, match="empty entry"):
+        Group.from_env()
 
 
 def test_from_seed_names_wrong_types() -> None:

@@ -30,7 +30,7 @@ from ..errors import (
     UsageError,
 )
 from ..identity import EndpointId, SecretKey
-from ..settings import as_int, env_flag, env_token
+from ..settings import as_int, decimal_int, env_flag, env_token
 from ..tasks import cancel_and_wait
 from ..transport.base import Address, Connection, TransportConfig
 from ..transport.framed import SendStalls
@@ -301,12 +301,16 @@ class GroupCore(Runner):
 
         rank_text, world_text = need("P2PDIST_RANK"), need("P2PDIST_WORLD")
         try:  # only the conversions: UsageError is a ValueError too
-            rank, world = int(rank_text), int(world_text)
+            rank, world = decimal_int(rank_text), decimal_int(world_text)
         except ValueError:
             raise UsageError("P2PDIST_RANK and P2PDIST_WORLD must be integers") from None
         relay = os.environ.get("P2PDIST_RELAY") or None
         peers_text = os.environ.get("P2PDIST_PEERS", "")
-        peers = [p for p in peers_text.split(",") if p] if world > 1 else []
+        peers = [p.strip() for p in peers_text.strip().removesuffix(",").split(",")]
+        if world == 1 or peers == [""]:
+            peers = []
+        if any(not p for p in peers):  # "a,,b": an address left out, not a separator
+            raise UsageError(f"P2PDIST_PEERS has an empty entry: {peers_text!r}")
         if world > 1 and not peers and not relay:
             raise UsageError("set P2PDIST_PEERS (host:port list) or P2PDIST_RELAY (a relay URL)")
         if peers and relay:  # one of them would be ignored: say so instead of guessing

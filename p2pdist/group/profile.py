@@ -73,12 +73,14 @@ async def profile_links(
 
     Every rank returns the same list (rank 0's measurements are shared with all).
     ``timeout`` (default: the group's) bounds each message; ranks not in the pair being
-    measured wait up to that times the pair's message count.
+    measured wait up to that times the pair's message count. ``sizes`` are measured in
+    increasing order, each once (a plot joins them in that order).
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise UsageError(f"repeats must be a positive int, got {repeats!r}")
     if len(set(sizes)) < 2 or any(not isinstance(m, int) or m < 1 for m in sizes):
         raise UsageError(f"sizes must be at least two different positive ints, got {sizes!r}")
+    sizes = tuple(sorted(set(sizes)))
     # On a sub-group of everyone: its messages have channels of their own, so point to
     # point messages of the caller's still in flight are neither taken nor disturbed.
     own = await group.split(0, timeout=timeout)
