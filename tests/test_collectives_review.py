@@ -193,6 +193,8 @@ async def test_foreign_exception_breaks_the_group_and_tells_the_others(
         ((40000.0, 40000.0), {}, np.inf),  # the sum overflows float16
         ((40000.0, 40000.0), {"op": "mean"}, np.inf),  # so does the mean's sum (fast mode)
         ((2.0**-24, 0.0), {"op": "mean"}, 0.0),  # half the least subnormal: underflow
+        ((40000.0, 40000.0), {"op": "mean", "mode": "deterministic"}, 40000.0),  # in float64
+        ((40000.0, 40000.0), {"op": "max"}, 40000.0),
     ],
 )
 @pytest.mark.parametrize("n", [4, 1 << 16])  # the direct path, the ring

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from group_helpers import crash, groups, until_left
+from group_helpers import crash, groups, slow_link, until_left
 from transport_conformance import wait_until
 
 from p2pdist import (
@@ -682,6 +682,72 @@ async def test_a_recv_cut_by_a_silent_ranks_rejoin_leaves_the_new_messages_in_or
                 await back.send(x + 10 + k, 0)
             got = [float((await gs[0].recv(2, like=x, timeout=10))[0]) for _ in range(4)]
             assert got == [10.0, 11.0, 12.0, 13.0]
+        crash(gs[2])
+
+
+async def test_a_subgroup_call_that_has_the_rejoiners_part_still_finishes() -> None:
+    """Taking a rank back failed the running calls of every group with it, sub-groups
+    too, though a sub-group keeps the old connection and had the rank's part there:
+    rank 0 failed a call ranks 1 and 2 had finished (a reviewer). Only the root group's
+    calls fail now."""
+    async with groups(3, config=LEAVE, timeout=20.0) as gs:
+        subs = await asyncio.gather(*(g.split(0) for g in gs))
+        assert all(s is not None for s in subs)
+        with slow_link(gs[1], 0, 3.0, space=subs[1]._space):  # rank 1 -> 0 comes late
+            calls = [asyncio.create_task(s.all_reduce(np.ones(2))) for s in subs]  # type: ignore[union-attr]
+            await until_running(gs[0])
+            for call in calls[1:]:
+                assert (await asyncio.wait_for(call, 5)).tolist() == [3.0, 3.0]
+            old = [g._conns[2] for g in gs[:2]]
+            back = await restart(gs[2])  # a goodbye, then a new process
+            async with back:
+                await wait_until(
+                    lambda: all(g._conns[2] is not o for g, o in zip(gs[:2], old, strict=True)),
+                    "rank 2 taken back",
+                )
+                out = await asyncio.wait_for(calls[0], 10)  # rank 2's part is in the old one
+                assert out.tolist() == [3.0, 3.0]
+
+
+async def test_a_rank_back_before_its_loss_was_seen_is_told_of_no_old_call() -> None:
+    """Rank 2 dies silently during a call and restarts before ranks 0 and 1 notice: the
+    call failed twice over, and its CancelledError told the members again after the
+    rank was taken back, the new process included, which never ran it (a reviewer). One
+    notice now, to the old members only."""
+    async with groups(3, config=LEAVE, timeout=20.0, keepalive_interval=0.2) as gs:
+        await asyncio.gather(*(g.all_reduce(np.ones(2)) for g in gs))
+        sent: list[tuple[dict[str, Any], list[int]]] = []
+        send_control = gs[0]._send_control
+
+        def spy(body: dict[str, Any], ranks: Any) -> None:
+            ranks = list(ranks)
+            sent.append((dict(body), ranks))
+            send_control(body, ranks)
+
+        gs[0]._send_control = spy  # type: ignore[method-assign]
+        calls = [asyncio.create_task(g.all_reduce(np.ones(2))) for g in gs[:2]]
+        for g in gs[:2]:
+            await until_running(g)
+        listener = gs[2]._transport._server  # type: ignore[union-attr]
+        assert listener is not None
+        await listener.close()  # silently gone: nothing reaches ranks 0 and 1
+        for g in gs[:2]:
+            g._conns[2].idle_for = lambda: 1e9  # type: ignore[method-assign]
+        back = Group.from_seed(
+            "test-seed-0123456789",
+            rank=2,
+            world=3,
+            peers=gs[2]._addresses,
+            config=gs[2].config,
+            rejoin=True,
+        )
+        async with back:
+            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+            assert all(isinstance(r, ConnectionBrokenError) for r in results), results
+            await asyncio.sleep(0.3)  # what the failed calls would still send
+            notices = [(b, r) for b, r in sent if "call" in b]
+            assert notices == [({"call": 1, "lost": 2}, [1])], notices
+            assert not back._failed_calls
         crash(gs[2])
 
 

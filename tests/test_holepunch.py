@@ -463,6 +463,33 @@ async def test_a_close_just_after_the_direct_path_died_still_delivers() -> None:
         assert ca.path_kind == "relay"
 
 
+async def test_a_close_on_a_working_direct_path_does_not_wait_for_a_fallback() -> None:
+    """The peer stops reading (its loop busy) on a working direct path: its ACKs still
+    come, so the close gives up after 2 s as before, not after the fallback's 6.5 s
+    more (a reviewer: the first version waited for it whenever a flush stalled)."""
+    punch = replace(FAST_PUNCH, path_timeout=5.0, keepalive=1.5)  # the defaults' fallback
+    hub = FakeRelayHub()
+    cfg = TransportConfig(keepalive_interval=0.2, idle_timeout=30.0)
+    ta = QuicTransport(A, cfg, relay=hub.attach(A.endpoint_id), punch=punch)
+    tb = QuicTransport(B, cfg, relay=hub.attach(B.endpoint_id), punch=punch)
+    async with closing(ta, tb):
+        ca = await bounded(ta.connect(B.endpoint_id, None), "connect")
+        cb = await bounded(tb.accept(), "accept")
+        await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct paths")
+        assert isinstance(cb, QuicConnection)
+        cb._set_reading(False)  # it takes nothing more
+        sending = asyncio.create_task(ca.send(7, bytes(96 << 20)))
+        await asyncio.sleep(0.5)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await bounded(ca.close(), "the close", 30)
+        assert loop.time() - start < 5.0  # 2 s and a loaded host's slack; not 8.5 s
+        assert ca.path_kind == "direct"
+        sending.cancel()
+        with contextlib.suppress(BaseException):
+            await sending
+
+
 def test_a_relayed_close_goes_both_ways_while_direct() -> None:
     """A closing connection's datagrams go direct and through the relay: the direct
     path may be dead, and the peer must learn of the close now, not at its timeout."""

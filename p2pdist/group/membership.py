@@ -260,18 +260,21 @@ class Membership:
         self._failure_log.append(error)
         self._break(error, notify=True)
 
-    def _cancel_inflight(self, root_rank: int, *, tell_now: bool = False) -> None:
+    def _cancel_inflight(self, root_rank: int, *, taken_back: bool = False) -> None:
         """Fail every running collective of a group that has ``root_rank`` as a member:
         it can no longer finish, and its other ranks may wait on us, not on the lost one.
         ``GroupCore._run`` turns the cancellation into an error naming the lost rank, and
-        tells the other members; ``tell_now``: they are told here instead (the rank is
-        about to be taken back, and its new process must not be told of calls it never
-        ran)."""
+        tells the other members. ``taken_back``: the rank is about to be taken back, so
+        only this (root) group's calls, whose connection to it is replaced, and the
+        other members are told here, not by ``_run`` later (its new process must not be
+        told of calls it never ran)."""
         for task, (group, channel, _) in list(self._inflight.items()):
+            if taken_back and group is not self:
+                continue
             if root_rank in group._root_ranks:
-                if tell_now:
+                if taken_back:
                     group._tell_call_failed(channel, root_rank)
-                self._cancel_for_loss(task, root_rank, told=tell_now)
+                self._cancel_for_loss(task, root_rank, told=taken_back)
 
     def _tell_rejoiners(self, gone: int) -> None:
         """Overridden by Rejoining (the base class takes nobody back)."""
@@ -334,13 +337,15 @@ class Membership:
         """Cancel ``task`` for the loss of ``root_rank`` (or, with ``why``, because that
         rank did not run the call). ``told``: every member was sent the notice that made
         us cancel it, so ``_run`` need not tell them again."""
-        if task is asyncio.current_task() or task in self._cancelled_by_loss:
+        if task is asyncio.current_task():
             return  # a running task meets the connection's error itself
         if task in self._expired:
             return  # already cancelled as overdue: it fails with its timeout
-        self._cancelled_by_loss[task] = (root_rank, why)
-        if told:
+        if told:  # (also for a task cancelled for the loss already: told, it tells no one)
             self._cancelled_by_notice.add(task)
+        if task in self._cancelled_by_loss:
+            return
+        self._cancelled_by_loss[task] = (root_rank, why)
         task.cancel()
 
     def _tell_call_failed(self, channel: int, root_rank: int, why: str | None = None) -> None:

@@ -151,20 +151,22 @@ class Rejoining(Forming):
             self._on_connection_end(rank, err)
             old.interrupt(err)
             self._spawn(old.close())
-        # Calls running with it cannot finish: its part would have to come from the old
-        # process (a goodbye does not cancel them), but from now on they would read the
-        # new connection, for a call its new process never runs.
-        self._cancel_inflight(rank, tell_now=True)
-        self._left.pop(rank, None)  # this group only: sub-groups made before keep it out
+        # This group's calls running with it cannot finish: its part would have to come
+        # from the old process (a goodbye does not cancel them), but from now on they
+        # would read the new connection, for a call its new process never runs. (Those of
+        # sub-groups keep the old connection: they finish from it, or fail by themselves.)
+        self._cancel_inflight(rank, taken_back=True)
         # Calls made while it was gone and not started yet cannot have its part: its new
         # process starts at our next call id (which counts them). They fail when they
         # start, naming it, instead of waiting for it on ids it never runs; the others
-        # are told, as their part of such a call would wait for ours.
+        # are told (while it is still left: not its new process), as their part of such
+        # a call would wait for ours.
         for cid in self._pending:
             channel = self._call_channel(cid)
             if channel not in self._failed_calls:
                 self._failed_calls[channel] = (rank, None)
                 self._tell_call_failed(channel, rank)
+        self._left.pop(rank, None)  # this group only: sub-groups made before keep it out
         self._leaving.pop(rank, None)  # what its old process said as it left
         self._p2p_sent.pop(rank, None)  # its new process counts its messages from 0
         self._p2p_received.pop(rank, None)

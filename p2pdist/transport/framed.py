@@ -214,11 +214,7 @@ class FramedConnection:
                     continue
             if now >= limit:
                 if left:
-                    why = (
-                        "read too slowly"
-                        if now >= deadline
-                        else f"read nothing for {FLUSH_STALL:g} s"
-                    )
+                    why = "read too slowly" if now >= deadline else f"read nothing for {stall:g} s"
                     log.warning(
                         "%s: closed with %d bytes undelivered (the peer %s)", self.label, left, why
                     )

@@ -41,7 +41,7 @@ from ..errors import (
 )
 from ..identity import EndpointId
 from ..tls import endpoint_id_of_cert
-from .framed import FramedConnection
+from .framed import FLUSH_STALL, FramedConnection
 from .pathinfo import LossInfo
 from .paths import PathKind, RelayRoute, Route, UdpAddress, UdpRoute
 from .quic_core import AppError, PinnedQuicConnection
@@ -92,6 +92,8 @@ class QuicConnection(FramedConnection):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._transmit_soon = False
+        self._heard_at = self._loop.time()
+        """When the last datagram of this connection arrived (ACKs too)."""
 
     # ---- what this connection runs on ------------------------------------------------------
 
@@ -194,6 +196,7 @@ class QuicConnection(FramedConnection):
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         """A datagram for this connection arrived (the transport routed it here)."""
+        self._heard_at = self._loop.time()
         self._quic.receive_datagram(data, addr, now=_now())
         self._process_events()
         self._schedule_transmit()
@@ -382,6 +385,8 @@ class QuicConnection(FramedConnection):
         route = self._route
         if not isinstance(route, RelayRoute) or route.direct_addr is None:
             return 0.0
+        if self._loop.time() - self._heard_at < FLUSH_STALL:
+            return 0.0  # its datagrams (ACKs) still come: the path works, the peer reads nothing
         pc = self._owner.punch_config
         log.info("%s: closing, nothing delivered on the direct path yet", self.label)
         return pc.path_timeout + pc.keepalive
