@@ -640,3 +640,102 @@ async def test_a_peer_that_sends_our_own_secret_back_is_refused(
         addr = await server_t.listen("127.0.0.1", 0)
         with pytest.raises((RemoteProtocolError, ConnectionBrokenError)):
             await bounded(client_t.connect(eid(1), addr), "connect", 5.0)
+
+
+def _ask_key_updates_and_never_read(port: int, server_id: bytes, limit: int) -> int:
+    """A dialer that leaves sealed records out (so TLS records carry the frames), then asks
+    for TLS key updates without ever reading; returns what it sent before it was dropped
+    (or ``limit``)."""
+    import ctypes
+    import secrets
+    import socket
+
+    from test_relay_abuse import _libssl, _ssl_pointer
+
+    from p2pdist.wire.handshake import RecordReader
+
+    k = SecretKey.generate()
+    ident = TlsIdentity(k)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    hello = {
+        "mode": "tls",
+        "id": bytes(k.endpoint_id),
+        "want": server_id,
+        "nonce": secrets.token_bytes(32),
+        "cert": ident.cert_der,
+    }
+    s.sendall(encode_record(hello, first=True))
+    reader = RecordReader()
+    while (rec := reader.next_record()) is None:
+        reader.feed(s.recv(65536))
+    assert rec["ok"], rec
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ident.client_context().wrap_bio(incoming, outgoing, server_side=False)
+    while True:
+        try:
+            obj.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            s.sendall(outgoing.read())
+            incoming.write(s.recv(65536))
+    s.sendall(outgoing.read())
+    lib = _libssl()
+    pointer = _ssl_pointer(obj, lib)
+    lib.SSL_key_update.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.SSL_do_handshake.argtypes = [ctypes.c_void_p]
+    ping = encode_header(FrameKind.PING, seq=1)
+    sent = 0
+    s.settimeout(10)
+    try:
+        while sent < limit:
+            for _ in range(30):
+                assert lib.SSL_key_update(pointer, 1) == 1  # SSL_KEY_UPDATE_REQUESTED
+                lib.SSL_do_handshake(pointer)
+            obj.write(ping)
+            data = outgoing.read()
+            s.sendall(data)
+            sent += len(data)
+    except OSError:
+        pass
+    finally:
+        s.close()
+    return sent
+
+
+async def test_a_peer_asking_key_updates_without_reading_is_dropped() -> None:
+    """Each TLS key update request makes TLS queue an answer, and nothing bounded them:
+    a peer that forces TLS records (offers no sealed records), asks for key updates and
+    reads nothing grew our write buffer by about a byte per byte it sent (an audit:
+    55 MB for 64 MB). It is dropped once write_buffer_high plus 4 MiB are queued."""
+    cfg = TransportConfig(write_buffer_high=1 << 20)
+    server = TcpTransport(key(1), cfg)
+    async with closing(server):
+        _, port = await server.listen("127.0.0.1", 0)
+        limit = 48 << 20  # far beyond 5 MiB and the kernel's buffers
+        attack = asyncio.create_task(
+            asyncio.to_thread(
+                _ask_key_updates_and_never_read, port, bytes(server.endpoint_id), limit
+            )
+        )
+        conn = await bounded(server.accept(), "accept")
+        sent = await asyncio.wait_for(attack, 60)
+        assert sent < limit, "it kept answering a peer that reads nothing"
+        with pytest.raises(ConnectionBrokenError, match="reads nothing of what TLS"):
+            await bounded(conn.recv(1), "the drop")
+
+
+async def test_a_stream_cut_inside_a_record_ends_in_the_middle_of_a_frame() -> None:
+    """Half a record, then EOF: plaintext said "ended in the middle of a frame" as
+    protocol.md section 2 does, records said only "connection lost" (the partial frame
+    sat undecrypted in the record buffer: an audit)."""
+    async with tcp_pair(True) as p:
+        assert isinstance(p.client._tls, AeadPipe) and p.client._transport is not None
+        frame = encode_header(FrameKind.DATA, 3, 0, b"", 1000) + b"z" * 1000
+        record = bytes(p.client._tls.encrypt(frame))
+        p.client._transport.write(record[: len(record) // 2])
+        await asyncio.sleep(0.1)
+        p.client._transport.write_eof()
+        with pytest.raises(ConnectionBrokenError, match="in the middle of a frame"):
+            await bounded(p.server.recv(3), "the cut")

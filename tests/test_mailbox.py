@@ -109,3 +109,25 @@ async def test_retiring_a_space_drops_its_channels_only_queued_and_to_come() -> 
         mb.deliver(frame)  # sent before the sender knew: dropped on arrival
     assert mb.dropped == 61
     assert (await mb.get(other | 59, 1.0)).channel == other | 59
+
+
+def test_tiny_frames_are_charged_at_least_what_they_hold() -> None:
+    """Frames of a 1-byte payload, as the decoder makes them, held about 512 bytes each
+    and were charged 257: a peer streaming them unread held twice max_buffered (an
+    audit). What is charged now covers what they take."""
+    import tracemalloc
+
+    n = 5000
+    wire = b"".join(encode_header(FrameKind.DATA, 7, seq, b"", 1) + b"x" for seq in range(n))
+    decoder = FrameDecoder()
+    mb, _ = new_mailbox(1 << 30)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for frame in decoder.feed(wire):
+            mb.deliver(frame)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert mb.buffered >= held, (mb.buffered, held)
+    assert mb.buffered < 2 * held  # and not far more either

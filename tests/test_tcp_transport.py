@@ -48,6 +48,7 @@ from p2pdist.transport.keepalive import Keepalive, KeepaliveAction
 from p2pdist.transport.mailbox import (
     CHANNEL_OVERHEAD,
     FRAME_OVERHEAD,
+    PAYLOAD_OVERHEAD,
     Mailbox,
     RetiredChannels,
 )
@@ -1059,7 +1060,7 @@ async def test_mailbox_fail_wakes_waiters_after_queued_frames() -> None:
 
 
 async def test_mailbox_backpressure_pauses_and_resumes_once() -> None:
-    cost = 30 + FRAME_OVERHEAD  # one 30-byte frame, as the mailbox counts it
+    cost = 30 + FRAME_OVERHEAD + PAYLOAD_OVERHEAD  # one 30-byte frame, as the mailbox counts it
     mb, flow = mailbox(max_buffered=2 * (CHANNEL_OVERHEAD + cost) + cost)
     for i in range(10):
         mb.deliver(data_frame(1, i, size=30))
@@ -1077,7 +1078,7 @@ async def test_mailbox_backpressure_pauses_and_resumes_once() -> None:
 
 
 async def test_mailbox_retire_drops_and_counts() -> None:
-    mb, flow = mailbox(max_buffered=2 * (CHANNEL_OVERHEAD + FRAME_OVERHEAD + 10))
+    mb, flow = mailbox(max_buffered=2 * (CHANNEL_OVERHEAD + FRAME_OVERHEAD + PAYLOAD_OVERHEAD + 10))
     for i in range(4):
         mb.deliver(data_frame(5, i, size=20))
     mb.deliver(data_frame(6, 0))

@@ -485,13 +485,17 @@ class FramedConnection:
             # The peer said goodbye: it left on purpose, even if its socket then ended
             # with a reset (it closed with our last bytes still unread in its kernel).
             return ConnectionBrokenError(self.label, "closed its connection (left)", graceful=True)
-        if self._decoder.mid_frame and why is None:
+        if self._mid_frame() and why is None:
             # Not a protocol violation: a p2pdist peer ends so when it crashed mid-send
             # (its kernel sends what it had, then FIN) or gave up sending to us.
             return ConnectionBrokenError(
                 self.label, "connection ended in the middle of a frame, without a goodbye"
             )
         return ConnectionBrokenError(self.label, f"connection lost{f': {why}' if why else ''}")
+
+    def _mid_frame(self) -> bool:
+        """Whether the peer's stream ended inside a frame (part of it is here)."""
+        return self._decoder.mid_frame
 
     def _resume_writing(self) -> None:
         """The byte pipe drained below its low-water mark: let senders go on."""

@@ -68,7 +68,8 @@ from .relay_config import (
     relay_silence,
 )
 from .relay_session import RelaySessionProtocol, may_answer_ping
-from .securestream import TLS_BACKLOG, SecureStream
+from .securestream import SecureStream
+from .tlspipe import TLS_BACKLOG
 
 __all__ = [
     "PROXY_ENV",

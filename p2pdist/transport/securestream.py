@@ -32,7 +32,7 @@ from typing import Any, cast
 
 from .aeadpipe import CIPHER, RECEIVE_BUFFER, AeadPipe, RecordError
 from .tcp import _write_keeps_reference
-from .tlspipe import TlsPipe
+from .tlspipe import TLS_BACKLOG, TlsPipe
 
 __all__ = ["SecureStream", "SecureTransport"]
 
@@ -41,8 +41,6 @@ _OWN_READ = 256 * 1024
 SMALL_READ = 1024
 """Socket reads shorter than this are counted (``small_reads_in``) and may be limited
 (``small_reads_per_record``): a full-size TCP segment is longer."""
-TLS_BACKLOG = 4 << 20
-"""Default ``backlog_limit`` (see :class:`SecureStream`)."""
 
 
 class SecureTransport(asyncio.Transport):

@@ -42,7 +42,7 @@ from .listener import Listener
 from .pathinfo import PathInfo, single_path
 from .paths import path_key
 from .tcp_handshake import _HANDSHAKE_BUFFER_PAUSE, TLS_MISMATCH_HINT, TcpHandshake
-from .tlspipe import TlsPipe
+from .tlspipe import TLS_BACKLOG, TlsPipe
 
 __all__ = ["TLS_MISMATCH_HINT", "TcpConnection", "TcpTransport", "parse_address"]
 
@@ -495,12 +495,30 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
             return
         self._decode(self._decoder.buffer_updated, nbytes)
 
+    def _mid_frame(self) -> bool:
+        """Inside a frame also when part of a record is here, not decrypted yet (a
+        frame's bytes in it, or the next one's)."""
+        tls = self._tls
+        return super()._mid_frame() or (tls is not None and tls.buffered > 0)
+
     def _flush_tls(self) -> None:
-        """Send what TLS has to say by itself (handshake messages, alerts)."""
+        """Send what TLS has to say by itself (handshake messages, alerts, key update
+        answers); a peer that makes it say more and more while it reads nothing (it asks
+        for key updates) is dropped once that passes ``write_buffer_high`` plus
+        :data:`~.securestream.TLS_BACKLOG` queued: our write buffer must stay bounded."""
         assert self._tls is not None
         out = self._tls.outgoing()
-        if out and self._transport is not None and not self._transport.is_closing():
-            self._transport.write(out)
+        transport = self._transport
+        if out and transport is not None and not transport.is_closing():
+            transport.write(out)
+            queued = transport.get_write_buffer_size()
+            if queued > self._cfg.write_buffer_high + TLS_BACKLOG and self._error is None:
+                err = ConnectionBrokenError(
+                    self.label,
+                    f"it reads nothing of what TLS must send it ({queued} bytes queued): dropped",
+                )
+                log.warning("%s", err)
+                self.abort(err)
 
     def _tls_receive(self) -> None:
         """Decrypt the records received so far straight into the frame decoder's buffers

@@ -19,7 +19,12 @@ import contextlib
 import ssl
 from typing import cast
 
-__all__ = ["TlsPipe"]
+__all__ = ["TLS_BACKLOG", "TlsPipe"]
+
+TLS_BACKLOG = 4 << 20
+"""The most TLS may queue by itself towards a peer that reads nothing (answers to its key
+update requests): a relay's default ``backlog_limit`` (SecureStream), and what a TCP
+connection allows above its ``write_buffer_high``."""
 
 _READ = 256 * 1024
 """Bytes read from the socket at a time once frames flow."""
