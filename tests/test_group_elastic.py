@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -595,6 +596,25 @@ async def until_back(gs: list[Group], rank: int) -> None:
     await wait_until(lambda: all(rank not in g.left for g in gs), f"rank {rank} back", 20)
 
 
+async def fail_at_once_then_run_together(
+    gs: list[Group], back: Group, rank0_call: Awaitable[Any]
+) -> None:
+    """Once rank 2 (``back``) is back: rank 0's call and rank 1's part of it fail at
+    once naming rank 2, far below the timeout, and the next call runs on all three."""
+    await until_back(gs[:2], 2)
+    results = await asyncio.wait_for(
+        asyncio.gather(rank0_call, gs[1].all_reduce(np.ones(2)), return_exceptions=True), 10
+    )
+    for r in results:
+        assert isinstance(r, ConnectionBrokenError) and "rank 2 (" in str(r), r
+    everyone = (*gs[:2], back)
+    out = await asyncio.wait_for(
+        asyncio.gather(*(g.all_reduce(np.full(2, g.rank + 1.0)) for g in everyone)), 10
+    )
+    assert all(o.tolist() == [6.0, 6.0] for o in out)
+    assert all(g.broken is None for g in everyone)
+
+
 async def test_a_call_running_when_a_rank_that_said_goodbye_rejoins_fails_at_once() -> None:
     """Rank 0 is in an all_reduce (rank 1 is slow to join it) when rank 2 closes (a
     goodbye, which fails no running call) and is restarted with rejoin=True. Rank 0's
@@ -610,19 +630,7 @@ async def test_a_call_running_when_a_rank_that_said_goodbye_rejoins_fails_at_onc
         await until_left(gs[:2], 2)
         back = await restart(gs[2])
         async with back:
-            await until_back(gs[:2], 2)
-            results = await asyncio.wait_for(
-                asyncio.gather(running, gs[1].all_reduce(np.ones(2)), return_exceptions=True),
-                10,  # far below the timeout
-            )
-            for r in results:
-                assert isinstance(r, ConnectionBrokenError) and "rank 2 (" in str(r), r
-            everyone = (*gs[:2], back)
-            out = await asyncio.wait_for(
-                asyncio.gather(*(g.all_reduce(np.full(2, g.rank + 1.0)) for g in everyone)), 10
-            )
-            assert all(o.tolist() == [6.0, 6.0] for o in out)
-            assert all(g.broken is None for g in everyone)
+            await fail_at_once_then_run_together(gs, back, running)
 
 
 async def test_a_call_made_before_a_rejoin_and_started_after_it_fails_everywhere_at_once() -> None:
@@ -636,18 +644,26 @@ async def test_a_call_made_before_a_rejoin_and_started_after_it_fails_everywhere
         made = gs[0].all_reduce(np.ones(2))  # its id is taken now; it runs later
         back = await restart(gs[2])
         async with back:
-            await until_back(gs[:2], 2)
-            results = await asyncio.wait_for(
-                asyncio.gather(made, gs[1].all_reduce(np.ones(2)), return_exceptions=True), 10
-            )
-            for r in results:
-                assert isinstance(r, ConnectionBrokenError) and "rank 2 (" in str(r), r
-            everyone = (*gs[:2], back)
-            out = await asyncio.wait_for(
-                asyncio.gather(*(g.all_reduce(np.full(2, g.rank + 1.0)) for g in everyone)), 10
-            )
-            assert all(o.tolist() == [6.0, 6.0] for o in out)
-            assert all(g.broken is None for g in everyone)
+            await fail_at_once_then_run_together(gs, back, made)
+
+
+async def silently_gone_then_back(gs: list[Group]) -> Group:
+    """Rank 2 dies silently (its listener closes, and the others' connections to it look
+    silent: nothing reaches them) and its new process, made with rejoin=True, is
+    returned to be started."""
+    listener = gs[2]._transport._server  # type: ignore[union-attr]
+    assert listener is not None
+    await listener.close()
+    for g in gs[:2]:
+        g._conns[2].idle_for = lambda: 1e9  # type: ignore[method-assign]
+    return Group.from_seed(
+        "test-seed-0123456789",
+        rank=2,
+        world=3,
+        peers=gs[2]._addresses,
+        config=gs[2].config,
+        rejoin=True,
+    )
 
 
 async def test_a_recv_cut_by_a_silent_ranks_rejoin_leaves_the_new_messages_in_order() -> None:
@@ -661,20 +677,7 @@ async def test_a_recv_cut_by_a_silent_ranks_rejoin_leaves_the_new_messages_in_or
             await asyncio.gather(gs[2].send(x + i, 0), gs[0].recv(2, like=x))
         waiting = asyncio.create_task(gs[0].recv(2, like=x, timeout=30))
         await asyncio.sleep(0.1)
-        # Silently gone: its listener closes, and its old connections look silent.
-        listener = gs[2]._transport._server  # type: ignore[union-attr]
-        assert listener is not None
-        await listener.close()
-        for g in gs[:2]:
-            g._conns[2].idle_for = lambda: 1e9  # type: ignore[method-assign]
-        back = Group.from_seed(
-            "test-seed-0123456789",
-            rank=2,
-            world=3,
-            peers=gs[2]._addresses,
-            config=gs[2].config,
-            rejoin=True,
-        )
+        back = await silently_gone_then_back(gs)
         async with back:
             with pytest.raises(ConnectionBrokenError, match="connected again"):
                 await asyncio.wait_for(waiting, 10)
@@ -728,19 +731,7 @@ async def test_a_rank_back_before_its_loss_was_seen_is_told_of_no_old_call() -> 
         calls = [asyncio.create_task(g.all_reduce(np.ones(2))) for g in gs[:2]]
         for g in gs[:2]:
             await until_running(g)
-        listener = gs[2]._transport._server  # type: ignore[union-attr]
-        assert listener is not None
-        await listener.close()  # silently gone: nothing reaches ranks 0 and 1
-        for g in gs[:2]:
-            g._conns[2].idle_for = lambda: 1e9  # type: ignore[method-assign]
-        back = Group.from_seed(
-            "test-seed-0123456789",
-            rank=2,
-            world=3,
-            peers=gs[2]._addresses,
-            config=gs[2].config,
-            rejoin=True,
-        )
+        back = await silently_gone_then_back(gs)
         async with back:
             results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
             assert all(isinstance(r, ConnectionBrokenError) for r in results), results

@@ -339,10 +339,12 @@ def transport_config() -> TransportConfig:
 
 @contextlib.asynccontextmanager
 async def relayed_pair(
-    punch: PunchConfig = FAST_PUNCH, quic: QuicConfig | None = None
+    punch: PunchConfig = FAST_PUNCH,
+    quic: QuicConfig | None = None,
+    cfg: TransportConfig | None = None,
 ) -> AsyncIterator[tuple[QuicTransport, QuicTransport, QuicConnection, QuicConnection]]:
     hub = FakeRelayHub()
-    cfg = transport_config()
+    cfg = cfg or transport_config()
     ta = QuicTransport(A, cfg, relay=hub.attach(A.endpoint_id), punch=punch, quic=quic)
     tb = QuicTransport(B, cfg, relay=hub.attach(B.endpoint_id), punch=punch, quic=quic)
     async with closing(ta, tb):
@@ -438,6 +440,10 @@ async def test_relayed_connection_moves_to_direct_and_reports_its_paths() -> Non
         assert not info.loss.reordering and info.loss.spurious_losses == 0
 
 
+LONG_IDLE = TransportConfig(keepalive_interval=0.2, idle_timeout=30.0)
+"""An idle timeout past every fallback: a loss can only come from what a test does."""
+
+
 async def test_a_close_just_after_the_direct_path_died_still_delivers() -> None:
     """The direct path dies unnoticed (UDP dropped, the relay up), then the sender sends
     and closes: the close gave up after 2 s (FLUSH_STALL), before hole punching fell back
@@ -446,13 +452,7 @@ async def test_a_close_just_after_the_direct_path_died_still_delivers() -> None:
     close on a direct path now waits for that fallback, and its closing datagrams go
     through the relay too."""
     punch = replace(FAST_PUNCH, path_timeout=3.0, keepalive=0.5)  # falls back after 2-3.5 s
-    hub = FakeRelayHub()
-    cfg = TransportConfig(keepalive_interval=0.2, idle_timeout=30.0)
-    ta = QuicTransport(A, cfg, relay=hub.attach(A.endpoint_id), punch=punch)
-    tb = QuicTransport(B, cfg, relay=hub.attach(B.endpoint_id), punch=punch)
-    async with closing(ta, tb):
-        ca = await bounded(ta.connect(B.endpoint_id, None), "connect")
-        cb = await bounded(tb.accept(), "accept")
+    async with relayed_pair(punch, cfg=LONG_IDLE) as (ta, tb, ca, cb):
         await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct paths")
         payload = os.urandom(1 << 20)
         with UdpBlock(ta), UdpBlock(tb):
@@ -468,15 +468,8 @@ async def test_a_close_on_a_working_direct_path_does_not_wait_for_a_fallback() -
     come, so the close gives up after 2 s as before, not after the fallback's 6.5 s
     more (a reviewer: the first version waited for it whenever a flush stalled)."""
     punch = replace(FAST_PUNCH, path_timeout=5.0, keepalive=1.5)  # the defaults' fallback
-    hub = FakeRelayHub()
-    cfg = TransportConfig(keepalive_interval=0.2, idle_timeout=30.0)
-    ta = QuicTransport(A, cfg, relay=hub.attach(A.endpoint_id), punch=punch)
-    tb = QuicTransport(B, cfg, relay=hub.attach(B.endpoint_id), punch=punch)
-    async with closing(ta, tb):
-        ca = await bounded(ta.connect(B.endpoint_id, None), "connect")
-        cb = await bounded(tb.accept(), "accept")
+    async with relayed_pair(punch, cfg=LONG_IDLE) as (_ta, _tb, ca, cb):
         await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct paths")
-        assert isinstance(cb, QuicConnection)
         cb._set_reading(False)  # it takes nothing more
         sending = asyncio.create_task(ca.send(7, bytes(96 << 20)))
         await asyncio.sleep(0.5)
