@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import os
 import secrets
 import signal
@@ -38,7 +39,7 @@ import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO, TextIO
+from typing import Any, BinaryIO, TextIO, cast
 
 from .errors import UsageError
 from .identity import check_seed
@@ -174,18 +175,33 @@ def pick_free_ports(host: str, count: int) -> list[int]:
 
 _GROUP_POLL_S = 0.5
 """How often the launcher looks for ranks' process groups that have emptied."""
-_EXIT_POLL_S = 0.02
-"""How often the launcher looks whether a rank's process has exited."""
+_STREAM_LIMIT = 1 << 16
+"""The rank's output streams' buffer limit (asyncio's default; the pumps read chunks)."""
 
 
-async def _exit_of(proc: asyncio.subprocess.Process) -> int:
-    """``proc``'s exit status once it has exited. Not ``Process.wait()``, which returns
-    only once every process holding its output pipes closed them too: a rank's helper
-    in the background hid the rank's exit (its crash blamed on another rank, or a launch
-    waiting as long as the helper ran)."""
-    while (code := proc.returncode) is None:  # noqa: ASYNC110 (no event for the exit alone)
-        await asyncio.sleep(_EXIT_POLL_S)
-    return code
+class _RankProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """A rank's subprocess protocol that tells when the process itself exited: not
+    ``Process.wait()``, which returns only once every process holding its output pipes
+    closed them too (a rank's helper in the background hid the rank's exit: its crash
+    was blamed on another rank, or the launch waited as long as the helper ran)."""
+
+    def __init__(self, exited: asyncio.Future[tuple[int, int]], order: itertools.count[int]):
+        super().__init__(limit=_STREAM_LIMIT, loop=exited.get_loop())
+        self.exited = exited
+        """Resolves to (the order in which the launcher saw ranks exit, the status)."""
+        self._order = order
+        self._process: asyncio.SubprocessTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._process = cast(asyncio.SubprocessTransport, transport)
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        process = self._process
+        code = process.get_returncode() if process is not None else None
+        if not self.exited.done():
+            self.exited.set_result((next(self._order), -1 if code is None else code))
 
 
 def _live_groups(pgids: set[int]) -> set[int]:
@@ -331,6 +347,9 @@ class _Launcher:
     def __init__(self, cfg: LaunchConfig) -> None:
         self.cfg = cfg
         self.procs: list[asyncio.subprocess.Process] = []
+        self.exits: list[asyncio.Future[tuple[int, int]]] = []
+        """Per rank: (the order the exit was seen in, its status), once it exited."""
+        self._order = itertools.count()
         self.pumps: list[asyncio.Task[None]] = []
         self.stop = asyncio.Event()
         self.stop_signal = 0
@@ -340,8 +359,12 @@ class _Launcher:
     async def start(self, envs: Sequence[dict[str, str]]) -> None:
         """Spawn one child per environment, each with its output pumps."""
         for rank, env in enumerate(envs):
+            loop = asyncio.get_running_loop()
+            exited: asyncio.Future[tuple[int, int]] = loop.create_future()
             try:
-                proc = await asyncio.create_subprocess_exec(
+                # create_subprocess_exec, with a protocol that tells the process's exit.
+                transport, protocol = await loop.subprocess_exec(
+                    functools.partial(_RankProtocol, exited, self._order),
                     *self.cfg.command,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE,
@@ -351,7 +374,9 @@ class _Launcher:
                 )
             except OSError as exc:
                 raise UsageError(f"cannot start {self.cfg.command[0]!r}: {exc}") from exc
+            proc = asyncio.subprocess.Process(transport, protocol, loop)
             self.procs.append(proc)
+            self.exits.append(exited)
             self.groups.add(proc.pid)  # start_new_session: its pid is its group's id
             prefix = f"[rank {rank}] ".encode()
             assert proc.stdout is not None and proc.stderr is not None
@@ -371,26 +396,31 @@ class _Launcher:
 
     async def supervise(self) -> int:
         """Wait until all ranks exit 0, one fails, or a stop signal; return the status."""
-        waits = {asyncio.create_task(_exit_of(p)): rank for rank, p in enumerate(self.procs)}
+        waits: dict[asyncio.Future[tuple[int, int]], int] = {
+            exited: rank for rank, exited in enumerate(self.exits)
+        }
         stopper = asyncio.create_task(self.stop.wait())
         try:
             while waits:
+                watched: set[asyncio.Future[Any]] = {*waits, stopper}
                 done, _ = await asyncio.wait(
-                    {*waits, stopper}, timeout=_GROUP_POLL_S, return_when="FIRST_COMPLETED"
+                    watched, timeout=_GROUP_POLL_S, return_when="FIRST_COMPLETED"
                 )
                 self._prune_groups()  # forget emptied groups before their ids are reused
                 if stopper in done:
                     _say(f"got {_signal_name(self.stop_signal)}; stopping all ranks")
                     return 128 + self.stop_signal
-                for task in done:
-                    result = RankExit(waits.pop(task), task.result())
+                # In the order the exits were seen: a rank that failed because another
+                # crashed just before (in the same pass) must not be blamed for it.
+                ended = [exited for exited in waits if exited in done]
+                for exited in sorted(ended, key=lambda f: f.result()[0]):
+                    result = RankExit(waits.pop(exited), exited.result()[1])
                     if not result.ok:
                         _say(f"{result.describe()}; stopping the other ranks")
                         return exit_status(result.returncode)
             return 0
         finally:
-            for task in (*waits, stopper):
-                task.cancel()
+            stopper.cancel()
 
     def _signal_running(self, sig: int) -> None:
         for proc in self.procs:
@@ -417,17 +447,16 @@ class _Launcher:
 
     async def _wait_all(self, timeout: float) -> bool:
         """Wait until every rank and everything left in its process group has exited."""
-        running = [_exit_of(p) for p in self.procs if p.returncode is None]
+        running = [exited for exited in self.exits if not exited.done()]
         deadline = asyncio.get_running_loop().time() + timeout
-        try:
-            if running:
-                await asyncio.wait_for(asyncio.gather(*running), timeout)
-            while self._groups_alive():  # the ranks' own children: nothing to wait on
-                if asyncio.get_running_loop().time() >= deadline:
-                    return False
-                await asyncio.sleep(0.05)
-        except TimeoutError:
-            return False
+        if running:  # (asyncio.wait cancels nothing: a later wait waits for them still)
+            _, pending = await asyncio.wait(running, timeout=timeout)
+            if pending:
+                return False
+        while self._groups_alive():  # the ranks' own children: nothing to wait on
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
         return True
 
     async def teardown(self) -> None:

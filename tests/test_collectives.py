@@ -422,5 +422,5 @@ def test_from_env_says_which_variable_is_missing(monkeypatch: pytest.MonkeyPatch
         Group.from_env()
     monkeypatch.setenv("P2PDIST_RANK", "0")
     monkeypatch.setenv("P2PDIST_WORLD", "two")
-    with pytest.raises(UsageError, match="must be integers"):
+    with pytest.raises(UsageError, match="must be non-negative decimal integers"):
         Group.from_env()

@@ -464,9 +464,10 @@ async def test_a_close_just_after_the_direct_path_died_still_delivers() -> None:
 
 
 async def test_a_close_on_a_working_direct_path_does_not_wait_for_a_fallback() -> None:
-    """The peer stops reading (its loop busy) on a working direct path: its ACKs still
-    come, so the close gives up after 2 s as before, not after the fallback's 6.5 s
-    more (a reviewer: the first version waited for it whenever a flush stalled)."""
+    """The peer stops reading (its mailbox full) on a working direct path: its datagrams
+    still come that way, so the close gives up after 2 s as before, not after the
+    fallback's 6.5 s more (a reviewer: the first version waited for it whenever a flush
+    stalled)."""
     punch = replace(FAST_PUNCH, path_timeout=5.0, keepalive=1.5)  # the defaults' fallback
     async with relayed_pair(punch, cfg=LONG_IDLE) as (_ta, _tb, ca, cb):
         await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct paths")

@@ -303,7 +303,9 @@ class GroupCore(Runner):
         try:  # only the conversions: UsageError is a ValueError too
             rank, world = decimal_int(rank_text), decimal_int(world_text)
         except ValueError:
-            raise UsageError("P2PDIST_RANK and P2PDIST_WORLD must be integers") from None
+            raise UsageError(
+                "P2PDIST_RANK and P2PDIST_WORLD must be non-negative decimal integers"
+            ) from None
         relay = os.environ.get("P2PDIST_RELAY") or None
         peers_text = os.environ.get("P2PDIST_PEERS", "")
         peers = [p.strip() for p in peers_text.strip().removesuffix(",").split(",")]

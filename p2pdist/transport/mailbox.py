@@ -154,7 +154,8 @@ class Mailbox:
     def buffered(self) -> int:
         """Bytes held for receivers that have not asked yet: meta and payload (not a
         payload received into the receiver's own place), plus :data:`FRAME_OVERHEAD` per
-        frame and :data:`CHANNEL_OVERHEAD` per channel."""
+        frame (and :data:`PAYLOAD_OVERHEAD` per payload of its own) and
+        :data:`CHANNEL_OVERHEAD` per channel."""
         return self._buffered
 
     def deliver(self, frame: Frame) -> None:

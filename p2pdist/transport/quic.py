@@ -452,7 +452,10 @@ class QuicTransport(EndpointBase[QuicConnection]):
             self.garbage += 1
             return
         if isinstance(route, RelayRoute):  # aioquic sees one address, whichever the path
-            route.count_received(len(data), None if addr is RELAY_ADDR else cast(UdpAddress, addr))
+            direct = addr is not RELAY_ADDR
+            route.count_received(len(data), cast(UdpAddress, addr) if direct else None)
+            if direct:
+                conn.heard_directly()
             addr = RELAY_ADDR
         elif isinstance(route, UdpRoute):
             route.received[0] += 1

@@ -92,8 +92,9 @@ class QuicConnection(FramedConnection):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._transmit_soon = False
-        self._heard_at = self._loop.time()
-        """When the last datagram of this connection arrived (ACKs too)."""
+        self._heard_direct_at = self._loop.time()
+        """When the last datagram of this connection arrived on a direct path (ACKs too;
+        for a connection through the relay, see :meth:`heard_directly`)."""
 
     # ---- what this connection runs on ------------------------------------------------------
 
@@ -196,7 +197,6 @@ class QuicConnection(FramedConnection):
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         """A datagram for this connection arrived (the transport routed it here)."""
-        self._heard_at = self._loop.time()
         self._quic.receive_datagram(data, addr, now=_now())
         self._process_events()
         self._schedule_transmit()
@@ -378,6 +378,11 @@ class QuicConnection(FramedConnection):
                 route.also_relay = True
             self._transmit()
 
+    def heard_directly(self) -> None:
+        """A datagram of this connection came on a direct path (not through the relay:
+        a peer that fell back already says nothing of our direct path)."""
+        self._heard_direct_at = self._loop.time()
+
     def _flush_stalled(self) -> float:
         """On a direct path, which may have died unnoticed: as long as hole punching
         takes to fall back to the relay (both ends: the peer's answers must come back
@@ -385,8 +390,8 @@ class QuicConnection(FramedConnection):
         route = self._route
         if not isinstance(route, RelayRoute) or route.direct_addr is None:
             return 0.0
-        if self._loop.time() - self._heard_at < FLUSH_STALL:
-            return 0.0  # its datagrams (ACKs) still come: the path works, the peer reads nothing
+        if self._loop.time() - self._heard_direct_at < FLUSH_STALL:
+            return 0.0  # its datagrams still come that way: the path works, it reads nothing
         pc = self._owner.punch_config
         log.info("%s: closing, nothing delivered on the direct path yet", self.label)
         return pc.path_timeout + pc.keepalive

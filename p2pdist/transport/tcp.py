@@ -202,6 +202,8 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         self._tls: TlsPipe | AeadPipe | None = None
         """What protects the socket's bytes in TLS mode: TLS from its handshake on, then
         (when both ends offer it) AES-GCM records under keys agreed inside TLS."""
+        self._tls_said = 0
+        """Bytes TLS sent by itself while our write buffer stayed above its high mark."""
         self._ssl: ssl.SSLObject | None = None
         self._rx_paused = False
         self._closing = False
@@ -503,16 +505,20 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
 
     def _flush_tls(self) -> None:
         """Send what TLS has to say by itself (handshake messages, alerts, key update
-        answers); a peer that makes it say more and more while it reads nothing (it asks
-        for key updates) is dropped once that passes ``write_buffer_high`` plus
-        :data:`~.securestream.TLS_BACKLOG` queued: our write buffer must stay bounded."""
+        answers). A peer that makes it say more and more while it reads nothing (it asks
+        for key updates) is dropped once TLS said :data:`~.tlspipe.TLS_BACKLOG` bytes
+        while our write buffer stayed above ``write_buffer_high``: that buffer must stay
+        bounded (our own frames there, a bulk send's, do not count)."""
         assert self._tls is not None
         out = self._tls.outgoing()
         transport = self._transport
         if out and transport is not None and not transport.is_closing():
+            if transport.get_write_buffer_size() <= self._cfg.write_buffer_high:
+                self._tls_said = 0  # the peer reads: what TLS said before has left
             transport.write(out)
-            queued = transport.get_write_buffer_size()
-            if queued > self._cfg.write_buffer_high + TLS_BACKLOG and self._error is None:
+            self._tls_said += len(out)
+            if self._tls_said > TLS_BACKLOG and self._error is None:
+                queued = transport.get_write_buffer_size()
                 err = ConnectionBrokenError(
                     self.label,
                     f"it reads nothing of what TLS must send it ({queued} bytes queued): dropped",
