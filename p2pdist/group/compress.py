@@ -34,7 +34,6 @@ __all__ = [
     "WireCodec",
     "divide_for_mean",
     "make_codec",
-    "store_float32",
     "to_float32",
 ]
 
@@ -375,14 +374,6 @@ def to_float32(x: np.ndarray) -> np.ndarray:
     rank alone, before the collective, and leave the others waiting)."""
     with np.errstate(over="ignore", under="ignore"):
         return x.reshape(-1).astype(np.float32)
-
-
-def store_float32(out: np.ndarray, values: np.ndarray) -> None:
-    """Write a compressed reduction's float32 ``values`` into ``out`` (the caller's
-    dtype), whatever the caller's ``np.errstate``: float16 past 65504 becomes inf, and
-    below its subnormals 0, as the cast makes them."""
-    with np.errstate(over="ignore", under="ignore"):
-        out.reshape(-1)[:] = values
 
 
 def make_codec(wire_dtype: str, block: int = INT8_BLOCK, *, f16_route: str = "bits") -> WireCodec:

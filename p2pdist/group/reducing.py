@@ -22,7 +22,6 @@ from .compress import (
     WireCodec,
     divide_for_mean,
     make_codec,
-    store_float32,
     to_float32,
 )
 from .compressed_algorithms import (
@@ -133,7 +132,7 @@ class Reducing(GroupCore):
             if feedback is not None:
                 feedback.settle(flat)
             if not np.may_share_memory(work, flat):
-                store_float32(work, flat)
+                work.reshape(-1)[:] = flat  # under the call's errstate
             return work
 
         return await self._run(descriptor, timeout, body)
@@ -338,7 +337,7 @@ class Reducing(GroupCore):
                     lk, work, bounds, wire_codec, self._chunk(work.dtype), residual
                 )
                 a, b = bounds[self._rank]
-                store_float32(result, work[a:b])
+                result.reshape(-1)[:] = work[a:b]
                 return result
 
             return await self._run(descriptor, timeout, compressed)
@@ -414,7 +413,7 @@ class Reducing(GroupCore):
                 await compressed_ring_reduce_scatter(lk, work, bounds, wire_codec, chunk)
                 await compressed_gather_segments(lk, work, bounds, wire_codec, dst)
                 if result is not None and not np.may_share_memory(result, work):
-                    store_float32(result, work)
+                    result.reshape(-1)[:] = work
                 return result
 
             return await self._run(descriptor, timeout, compressed)

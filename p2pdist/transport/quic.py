@@ -43,7 +43,6 @@ from .paths import (
     UdpAddress,
     UdpRoute,
     UdpSocket,
-    all_loopback,
     bind_host_for,
     is_loopback,
     path_key,
@@ -638,7 +637,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
         udp = self._udp
         if udp is not None and not udp.closed:
             host = udp.local_address[0]
-            if is_loopback(host) and not await self._relay_is_local():
+            if is_loopback(host) and await self._local_relay_host() is None:
                 raise PunchingUnavailable(
                     f"the listening socket is bound to {host}, which cannot reach a relay "
                     "or peers on other hosts (listen on :: or 0.0.0.0 to punch)"
@@ -651,8 +650,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
             if self._punch_sock is None or self._punch_sock.closed:
                 # Every interface, IPv6 too where the host has it: peers whose IPv4
                 # NATs cannot be punched often reach each other's IPv6 addresses.
-                local = await self._relay_is_local()
-                bind = await self._loopback_host() if local else None
+                bind = await self._local_relay_host()  # None: every interface
                 self._punch_sock = await self._open_udp(bind, 0)
             return self._punch_sock
 
@@ -669,29 +667,22 @@ class QuicTransport(EndpointBase[QuicConnection]):
             self._check_not_closed()
         return sock
 
-    async def _relay_is_local(self) -> bool:
-        """Whether the relay (so every peer met through it) is on this host: its
-        observation ports are all on loopback, or, when its address is unknown (it does
-        not resolve to IPv4), its URL names loopback. A relay that is not a RelayPath
-        has no address (an in-memory relay, in tests) and counts as local."""
+    async def _local_relay_host(self) -> str | None:
+        """The loopback address to punch from when the relay (so every peer met through
+        it) is on this host, else None. Its observation ports decide (``::1`` where they
+        are all on IPv6's loopback); when its address is unknown (it does not resolve to
+        IPv4), its URL. A relay that is not a RelayPath has no address (an in-memory
+        relay, in tests) and counts as local."""
         relay = self._relay
         if not isinstance(relay, RelayPath):
-            return True
-        targets = await self._stun_targets()
+            return "127.0.0.1"
+        targets = await relay.observation_targets()  # one lookup of the relay's name
         if targets:
-            return all_loopback(targets)
+            return bind_host_for(targets)
         host = relay.url.host
-        return is_loopback(host) or host.lower() == "localhost"
-
-    async def _loopback_host(self) -> str:
-        """The loopback address to punch from, for a relay on this host: ::1 where the
-        relay is on IPv6's loopback (peers there listen on ::1 too), else 127.0.0.1."""
-        relay = self._relay
-        targets = await self._stun_targets()
-        if targets:
-            return bind_host_for(targets) or "127.0.0.1"
-        ipv6 = isinstance(relay, RelayPath) and ":" in relay.url.host
-        return "::1" if ipv6 else "127.0.0.1"
+        if not (is_loopback(host) or host.lower() == "localhost"):
+            return None
+        return "::1" if ":" in host else "127.0.0.1"
 
     async def _stun_targets(self) -> list[UdpAddress]:
         """The relay's observation ports (none for a relay that is not a RelayPath)."""
