@@ -88,6 +88,11 @@ class _Replaced(ConnectionBrokenError):
     """The relay closed our session for a newer one with our endpoint id."""
 
 
+class _RefusedByRelay(PeerAuthenticationError):
+    """The relay refused us, or is not the pinned relay: what a restart of the relay
+    could change (not a proxy's refusal of the tunnel, say)."""
+
+
 def _power_of_ten(n: int) -> bool:
     """Whether ``n`` is 1, 10, 100...: when a repeating event is logged again."""
     return n == int(10 ** (len(str(n)) - 1))
@@ -315,9 +320,7 @@ class RelayPath:
                 # keep retrying in the background (an allowlist may be reloaded).
                 said = self._warned_refusal == exc.detail
                 self._warned_refusal = exc.detail
-                # The relay's own refusal, or a relay that is not the pinned one (not a
-                # proxy's refusal of the tunnel, say): what a restart could change.
-                by_relay = any(why in exc.detail for why in ("refused us", "identity mismatch"))
+                by_relay = isinstance(exc, _RefusedByRelay)
                 self._set(last_error=exc.detail, refused=by_relay)  # (the error names the relay)
                 self._refused.set()
                 # Warned once, not at every retry (str(exc) starts with "relay <url>: ").
@@ -435,7 +438,7 @@ class RelayPath:
                 raise PeerAuthenticationError(f"relay {url}", f"bad certificate: {exc}") from None
             if presented != url.pin:
                 proto.close()
-                raise PeerAuthenticationError(
+                raise _RefusedByRelay(
                     f"relay {url}", f"identity mismatch: expected {url.pin}, presented {presented}"
                 )
         self._cert_hash = cert_fingerprint(der)
@@ -506,7 +509,7 @@ class RelayPath:
                         "P2PDIST_RELAY_TOKEN where Group.from_env or p2pdist doctor "
                         "reads it)"
                     )
-                raise PeerAuthenticationError(f"relay {self.url}", f"refused us: {why}")
+                raise _RefusedByRelay(f"relay {self.url}", f"refused us: {why}")
             # A busy relay's answer (full, evicted, timed out, shutting down): this
             # attempt failed, the next one may not; waiters keep waiting.
             raise RelayProtocolError(f"relay turned us away for now: {why}")
