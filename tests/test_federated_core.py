@@ -751,6 +751,46 @@ def test_a_member_whose_update_was_rejected_does_not_hold_the_round_open() -> No
     assert st.due(10.5) is CloseReason.DEADLINE
 
 
+def test_a_member_with_no_update_for_the_round_does_not_hold_it_open() -> None:
+    """A member that says it has no update for the open round (``abstain``: nothing
+    trained, or its update too stale to send) has its part in: the round closes
+    ``complete`` once the others are in, not at its deadline. Its word counts for that
+    round only, and an abstention is no update towards the quorum."""
+    st = opened("abc", round_timeout=10.0)
+    assert not st.abstain("c", 1)  # another round's word: not counted
+    st.submit("a", 0, 0, 1, vec(1.0), 0.1)
+    assert st.abstain("c", 0)
+    assert st.due(0.2) is None  # b has not answered yet
+    st.submit("b", 0, 0, 1, vec(3.0), 0.2)
+    assert st.due(0.2) is CloseReason.COMPLETE
+    out = st.close(0.2)
+    assert out.applied and [p.client for p in out.participants] == ["a", "b"]
+    assert not st.abstain("c", 0)  # round 0 has closed
+    # Round 1: the word was for round 0 only.
+    st.open(0.3)
+    st.submit("a", 1, 1, 1, vec(1.0), 0.3)
+    st.submit("b", 1, 1, 1, vec(1.0), 0.3)
+    assert st.due(0.4) is None
+    # An update after the word still counts.
+    assert st.abstain("c", 1)
+    assert st.submit("c", 1, 1, 1, vec(4.0), 0.5).accepted
+    assert st.due(0.5) is CloseReason.COMPLETE
+    np.testing.assert_array_equal(st.close(0.5).aggregate, vec(2.0))
+    # Between rounds, a word for the round about to open counts when it opens.
+    assert st.abstain("c", 2)
+    st.open(0.6)
+    st.submit("a", 2, 2, 1, vec(1.0), 0.6)
+    st.submit("b", 2, 2, 1, vec(1.0), 0.6)
+    assert st.due(0.6) is CloseReason.COMPLETE
+    st.close(0.6)
+    # Abstentions are no updates: a round short of its quorum still waits.
+    st = opened("abc", round_timeout=10.0, quorum=1.0)
+    for c in "ab":
+        st.abstain(c, 0)
+    st.submit("c", 0, 0, 1, vec(1.0), 0.1)
+    assert st.due(0.2) is None and st.due(10.0) is CloseReason.DEADLINE
+
+
 def test_a_float_model_saturates_at_its_range_instead_of_becoming_inf(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -144,6 +144,20 @@ async def test_a_lost_leader_is_replaced_by_the_lowest_rank_left() -> None:
         assert len({f.model.tobytes() for f in feds[1:]}) == 1
 
 
+async def test_a_rank_with_no_update_tells_the_new_leader_after_a_failover() -> None:
+    """A rank with no update for the round (step(None), nothing carried) tells the
+    leader so; when the leader is lost, it tells the new one in turn, and the round
+    closes complete with the others, not at its 60 s deadline."""
+    async with averaging(4, 100, first_round=True) as (gs, feds):
+        crash(gs[0])  # the leader, between rounds
+        steps = [f.step(update_of(f.group.rank, 1, 100), 10) for f in feds[1:3]]
+        outs = await asyncio.wait_for(asyncio.gather(*steps, feds[3].step(None)), 20)
+        for o in outs:
+            assert o.participants == (1, 2) and o.reason == "complete" and o.left == (0,)
+        assert not outs[2].included and feds[1].is_leader
+        assert len({f.model.tobytes() for f in feds[1:]}) == 1
+
+
 async def test_a_decision_one_rank_applied_is_adopted_by_the_new_leader() -> None:
     async with averaging(4, 100, first_round=True) as (gs, feds):
         send = feds[0]._send_decision

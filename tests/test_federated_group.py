@@ -119,6 +119,30 @@ async def test_nan_from_one_rank_is_rejected_and_that_rank_is_told() -> None:
         assert len({f.model.tobytes() for f in feds}) == 1
 
 
+async def test_a_rank_with_no_update_holds_no_round_to_its_deadline() -> None:
+    """A rank that calls step(None) with nothing carried (it trained nothing this
+    round) says so: the round closes complete once the others are in, not at its 60 s
+    deadline; a leader with nothing says so too (it is rank 0 here), and the rank that
+    abstained is not named in the round but applies it like the others."""
+    cfg = FederatedConfig(round_timeout=60.0)
+    async with groups(3) as gs:
+        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        for idle in (2, 0):  # a follower, then the leader
+            steps = [
+                f.step(None) if f.group.rank == idle else f.step(np.full(10, f.group.rank, F32), 1)
+                for f in feds
+            ]
+            outs = await asyncio.wait_for(asyncio.gather(*steps), 20)
+            busy = tuple(r for r in range(3) if r != idle)
+            for o in outs:
+                assert o.reason == "complete" and o.participants == busy
+            assert not outs[idle].included and not outs[idle].carried
+            assert outs[idle].own_reason == ""
+        assert len({f.model.tobytes() for f in feds}) == 1
+        np.testing.assert_array_equal(feds[0].model, np.full(10, 0.5 + 1.5, np.float32))
+
+
 async def test_a_rank_that_leaves_between_rounds_blocks_nobody() -> None:
     cfg = FederatedConfig(round_timeout=60.0)
     async with groups(3) as gs:

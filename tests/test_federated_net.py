@@ -172,6 +172,33 @@ async def test_nan_update_is_rejected_and_the_round_goes_on() -> None:
         await good.close()
 
 
+async def test_a_client_with_no_update_abstains_and_the_round_does_not_wait_for_it() -> None:
+    """A client that trained nothing this round says so (``abstain``): the round closes
+    complete once the others are in, not at its 60 s deadline, and the next round waits
+    for it again."""
+    async with coordinator(np.zeros(4, np.float32), round_timeout=60.0) as c:
+        a, idle = client_of(c), client_of(c)
+        await a.connect()
+        await idle.connect()
+        assert await idle.abstain(0)  # (may come before the round opens: it counts then)
+        run = asyncio.create_task(c.run_round())
+        await a.submit(np.full(4, 2.0, np.float32), 10, 0)
+        out = await asyncio.wait_for(run, 20)
+        assert out.reason is CloseReason.COMPLETE and out.members == 2
+        assert [p.client for p in out.participants] == [str(a.endpoint_id)]
+        run = asyncio.create_task(c.run_round())
+        await a.submit(np.full(4, 2.0, np.float32), 10, 1)
+        await asyncio.sleep(0.3)
+        assert not run.done()  # round 1 waits for the idle client again
+        assert await idle.abstain(1)
+        out = await asyncio.wait_for(run, 20)
+        assert out.reason is CloseReason.COMPLETE and out.round == 1
+        with pytest.raises(UsageError):
+            await idle.abstain(-1)
+        for cl in (a, idle):
+            await cl.close()
+
+
 async def test_submit_takes_numpy_integers_and_refuses_bad_counts_before_sending() -> None:
     """A count from numpy (``mask.sum()``) is sent as the int it is; a negative base
     round or a count below 1 is the caller's error, raised here (the coordinator used to

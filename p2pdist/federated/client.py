@@ -251,19 +251,40 @@ class FederatedClient:
         timeout = check_seconds("timeout", timeout)
         if self.stopped is not None:
             return False
-        conn = self._need_conn()
         if round_id is None:
             round_id = base_round
-        meta, payload = encode(
+        message = encode(
             "submit",
             {"r": round_id, "b": base_round, "n": num_samples},
             np.asarray(host_copy(update)),
         )
+        return await self._send(message, timeout, "update")
+
+    async def abstain(self, round_id: int, *, timeout: float = 30.0) -> bool:
+        """Tell the coordinator that this client has no update for round ``round_id``
+        (it trained nothing this round): the round does not wait for it until its
+        deadline, and closes ``complete`` once the other members are in. No verdict
+        comes back. An update submitted for the round afterwards still counts.
+
+        Returns True once sent, or False, sending nothing, when the coordinator has said
+        stop (as :meth:`submit`). A coordinator of p2pdist 0.1.0 before this message
+        existed drops the client (an unexpected message)."""
+        round_id = check_int("round_id", round_id, 0)
+        timeout = check_seconds("timeout", timeout)
+        if self.stopped is not None:
+            return False
+        return await self._send(encode("abstain", {"r": round_id}), timeout, "abstention")
+
+    async def _send(self, message: tuple[bytes, memoryview], timeout: float, what: str) -> bool:
+        """Send ``message`` to the coordinator within ``timeout``: True once sent, False
+        when a failed send came from the coordinator's stop."""
+        conn = self._need_conn()
+        meta, payload = message
         try:
             async with asyncio.timeout(timeout):
                 await conn.send(CLIENT_CHANNEL, payload, meta=meta)
         except TimeoutError:
-            raise PeerTimeoutError(self._label, f"update not sent within {timeout:g} s") from None
+            raise PeerTimeoutError(self._label, f"{what} not sent within {timeout:g} s") from None
         except (ConnectionBrokenError, ConnectionClosedError):
             if await self._stopped_meanwhile():
                 return False

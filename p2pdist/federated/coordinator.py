@@ -386,6 +386,9 @@ class Coordinator:
                 message = decode(await conn.recv(CLIENT_CHANNEL), label)
                 if message.kind == "submit":
                     await self._on_submit(client, message)
+                elif message.kind == "abstain":  # it has no update for that round
+                    self._state.abstain(client.id, message.get_int("r", label))
+                    self._wake.set()
                 elif message.kind == "bye":
                     log.info("%s left", label)
                     return

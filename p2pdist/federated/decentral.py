@@ -260,8 +260,7 @@ class GroupAveraging(Leading):
             self._own, own = None, None
             self.local_drops += 1
         try:
-            if own is not None:
-                self._contribute(k, own)
+            self._contribute(k, own)
             if self.is_leader:
                 body, agg = await self._lead(k, own)
             else:
@@ -372,14 +371,21 @@ class GroupAveraging(Leading):
                 for kind in _KINDS:
                     conn.retire(round_channel(self.tag, k, kind))
 
-    def _contribute(self, k: int, own: OwnUpdate) -> None:
+    def _contribute(self, k: int, own: OwnUpdate | None) -> None:
         """Send our update to every rank, the leader last (so whoever the leader counts
-        has, in all likelihood, already reached the others). Never waits."""
-        meta, payload = encode(
-            "update", {"r": k, "b": own.base_round, "n": own.num_samples}, own.update
-        )
+        has, in all likelihood, already reached the others), or, with none, tell the
+        leader that this rank has none for round ``k``, so the round does not wait for
+        it until its deadline (a leader chosen after a failover is told in turn). Never
+        waits."""
         channel = round_channel(self.tag, k, UPDATE)
         conns = self._conns()
+        if own is None:
+            conns = {r: c for r, c in conns.items() if r == self.leader}
+            meta, payload = encode("abstain", {"r": k})
+        else:
+            meta, payload = encode(
+                "update", {"r": k, "b": own.base_round, "n": own.num_samples}, own.update
+            )
         order = [r for r in conns if r != self.leader] + [r for r in conns if r == self.leader]
         for r in order:
             try:
@@ -406,6 +412,8 @@ class GroupAveraging(Leading):
                 if self._successor(passed) == self.group.rank:
                     return await self._take_over(k, own)
                 self._report(k)
+                if own is None:  # tell the new leader too that this rank has none
+                    self._contribute(k, None)
                 continue
             return body, await self._follow(k, body, own)
 

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import P2PError, RemoteProtocolError, UsageError
 from ..transport.base import Connection
 from .decision import OwnUpdate, cid, counted_of, digest_async
-from .messages import DECISION, UPDATE, decode, encode, round_channel
+from .messages import DECISION, UPDATE, Message, decode, encode, round_channel
 from .net import until_due
 from .recovery import Recovery
 from .rounds import Phase, Verdict
@@ -97,32 +97,21 @@ class Leading(Recovery):
         assert self._state is not None
         label = self.group.peer_label(r)
         channel = round_channel(self.tag, k, UPDATE)
-        loop = asyncio.get_running_loop()
         malformed = 0
         try:
             while True:
                 frame = await conn.recv(channel)
                 try:
                     message = decode(frame, label)
-                    if message.kind != "update" or message.get_int("r", label) != k:
+                    if (
+                        message.kind not in ("update", "abstain")
+                        or message.get_int("r", label) != k
+                    ):
                         raise RemoteProtocolError(label, f"not an update for round {k}")
-                    update = message.need_array(label)
-                    # Hashed before submit (off the loop when big), so nothing runs
-                    # between acceptance and noting its digest: the round cannot close
-                    # on an accepted update the decision could not name. Only a
-                    # model-shaped update can be accepted, so only those are hashed.
-                    model = self._model
-                    fits = update.shape == model.shape and update.dtype == model.dtype
-                    hashed = await digest_async(update) if fits else b""
-                    verdict = self._state.submit(
-                        cid(r),
-                        k,
-                        message.get_int("b", label),
-                        message.fields.get("n"),
-                        update,
-                        loop.time(),
-                    )
-                    self._note(r, verdict, hashed)
+                    if message.kind == "abstain":  # it has none: its part is in
+                        self._state.abstain(cid(r), k)
+                    else:
+                        await self._submit(k, r, message, label)
                 except RemoteProtocolError as exc:
                     # One warning per rank and round (the rest at DEBUG): a rank sending
                     # garbage in a loop must not flood the log.
@@ -140,6 +129,22 @@ class Leading(Recovery):
         finally:
             self._wake.set()  # whatever ended this reader, the leader looks again
 
+    async def _submit(self, k: int, r: int, message: Message, label: str) -> None:
+        """Offer rank ``r``'s update (``message``, sent for round ``k``) to the round."""
+        assert self._state is not None
+        update = message.need_array(label)
+        # Hashed before submit (off the loop when big), so nothing runs between
+        # acceptance and noting its digest: the round cannot close on an accepted update
+        # the decision could not name. Only a model-shaped update can be accepted, so
+        # only those are hashed.
+        model = self._model
+        fits = update.shape == model.shape and update.dtype == model.dtype
+        hashed = await digest_async(update) if fits else b""
+        now = asyncio.get_running_loop().time()
+        base, samples = message.get_int("b", label), message.fields.get("n")
+        verdict = self._state.submit(cid(r), k, base, samples, update, now)
+        self._note(r, verdict, hashed)
+
     async def _lead(
         self, k: int, own: OwnUpdate | None
     ) -> tuple[dict[str, Any], np.ndarray | None]:
@@ -150,6 +155,8 @@ class Leading(Recovery):
         if own is not None:
             verdict = state.submit(me, k, own.base_round, own.num_samples, own.update, loop.time())
             self._note(self.group.rank, verdict, own.digest)
+        else:
+            state.abstain(me, k)
         why = await until_due(state, self._wake, self._check_leading)
         self._check_leading()
         outcome = state.close(loop.time(), why)

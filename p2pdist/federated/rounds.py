@@ -186,10 +186,11 @@ class FederatedRounds:
         staleness bound, so it holds at most one int per recent participant."""
         self._forget_aggregated()
         self._expected: set[str] = set()
-        self._invalid: set[str] = set()
-        """Clients whose update sent for the open round was rejected (not valid): their
-        part is in, so the round does not wait for them until its deadline (a corrected
-        update that comes before it closes still counts)."""
+        self._without_update: set[str] = set()
+        """Clients that answered the open round without a valid update: the one they sent
+        for it was rejected, or they said they have none (:meth:`abstain`). Their part is
+        in, so the round does not wait for them until its deadline (an update that comes
+        before it closes still counts)."""
         self._logged: set[str] = set()
         """Clients whose refusal this round was logged at WARNING/INFO (later ones: DEBUG,
         so a client submitting garbage in a loop cannot flood the log)."""
@@ -284,7 +285,7 @@ class FederatedRounds:
         problem = check_update(update, num_samples, self.shape, self.dtype, self.config)
         if problem is not None:
             if round_id == target:
-                self._invalid.add(client)
+                self._without_update.add(client)
             return self._refuse(client, problem[0], problem[1], staleness)
         old = self._pending.get(client)
         if old is not None:
@@ -302,6 +303,17 @@ class FederatedRounds:
             client, round_id, base_round, int(num_samples), update, now
         )
         return Verdict(True, None, "", staleness, carried=round_id < target)
+
+    def abstain(self, client: str, round_id: int) -> bool:
+        """``client`` has no update for round ``round_id`` (none trained, or the one it
+        had is too stale to send): when that is the open round (or, between rounds, the
+        next), its part is in, so the round does not wait for it. Returns whether it
+        counted (False for another round: an earlier round's word says nothing of this
+        one)."""
+        if round_id != self.round:
+            return False
+        self._without_update.add(client)
+        return True
 
     def due(self, now: float) -> CloseReason | None:
         """Why the open round should close at ``now``, or None to keep collecting."""
@@ -346,10 +358,11 @@ class FederatedRounds:
         late), and waiting for its next update would take every round to the deadline
         (about every other round completes instead, as before). An update sent for this
         round and rejected is the client's part too: waiting for another would hold
-        every round to its deadline while the client keeps sending bad ones."""
+        every round to its deadline while the client keeps sending bad ones; so is its
+        word that it has none (:meth:`abstain`)."""
         u = self._pending.get(client)
         if u is None:
-            return client in self._invalid  # it sent its update, and it was rejected
+            return client in self._without_update  # rejected, or it has none
         if u.round == self.round or u.base_round >= self._model_from:
             return True
         return self._after_deadline
@@ -407,7 +420,7 @@ class FederatedRounds:
         self.phase = Phase.WAITING
         self._deadline = None
         self._expected = set()
-        self._invalid.clear()
+        self._without_update.clear()
         self._dropped, self._rejected = Counter(), Counter()
         self._logged.clear()
         return outcome
