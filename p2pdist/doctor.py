@@ -40,7 +40,6 @@ from .transport.paths import UdpAddress, UdpSocket, bind_host_for, is_loopback, 
 from .transport.quic import QuicTransport
 from .transport.relay_path import RelayPath
 from .wire.probe import DatagramKind, classify
-from .wire.relay import NOT_ALLOWED_TEXT
 
 __all__ = ["DoctorReport", "PeerReport", "diagnose", "main", "serve"]
 
@@ -83,6 +82,9 @@ class DoctorReport:
     relay_denied: bool = False
     """The relay answered and refused this client (a bad or missing token, its
     allowlist), or its key is not the URL's pin (we refused it): see ``relay_error``."""
+    relay_refusal: str | None = None
+    """Which, when :attr:`relay_denied` (``RelayStatus.refusal``: ``"not_allowed"``,
+    ``"bad_token"``, ``"pin_mismatch"``...)."""
     fresh_key: bool = False
     """The key was made for this run (no ``--key``): another run has another id."""
     relay_rtt: float | None = None
@@ -142,7 +144,7 @@ class DoctorReport:
                 "in (add this endpoint id to the allowlist, or pass --key with an allowed "
                 "key file; `p2pdist keygen` makes one)"
             )
-        if self.relay_denied and "identity mismatch" in (self.relay_error or ""):
+        if self.relay_refusal == "pin_mismatch":
             # We refused it: whoever answers there is not the relay the URL pins.
             return (
                 "the relay presented another key than the URL's pin: check the URL (a "
@@ -253,10 +255,9 @@ async def diagnose(
             # The report's line names the relay already: keep only what went wrong.
             text = exc.detail if isinstance(exc, PeerError) else str(exc)
             report.relay_error = text.removeprefix(f"relay {path.url}: ")
-            # (An allowlist's refusal: a bad token, or a relay whose key is not the
-            # pinned one, has its own answer in relay_error.)
             report.relay_denied = path.status.refused
-            report.relay_refused = path.status.refused and NOT_ALLOWED_TEXT in text
+            report.relay_refusal = path.status.refusal
+            report.relay_refused = path.status.refusal == "not_allowed"
             return report
         report.relay_sees = path.status.observed
         report.relay_records = path.status.records

@@ -808,6 +808,7 @@ async def test_doctor_against_a_relay_that_refuses_its_key(tmp_path: Path) -> No
         key = SecretKey.generate()
         report = await diagnose(relay.url, key=key, timeout=5.0)
     assert report.relay_refused and not report.relay_connected, report
+    assert report.relay_refusal == "not_allowed", report
     assert str(key.endpoint_id) in render(report)
     assert report.verdict().startswith("the relay's allowlist refuses this key")
 
@@ -824,6 +825,7 @@ async def test_doctor_without_a_token_is_told_the_relay_refuses_it() -> None:
     async with running_relay(token="a-long-enough-relay-token-0123456789") as relay:
         report = await diagnose(relay.url, timeout=5.0)
     assert report.relay_denied and not report.relay_refused and report.fresh_key, report
+    assert report.relay_refusal == "bad_token", report
     assert report.verdict().startswith("the relay refuses this client"), report.verdict()
     assert "bad token" in (report.relay_error or ""), report
     # Not the pinned relay: we refused it, and the verdict says to check the pin.
@@ -831,4 +833,5 @@ async def test_doctor_without_a_token_is_told_the_relay_refuses_it() -> None:
         base = relay.url.split("?")[0]
         wrong = await diagnose(f"{base}?pin={SecretKey.generate().endpoint_id}", timeout=5.0)
     assert wrong.relay_denied and "identity mismatch" in (wrong.relay_error or ""), wrong
+    assert wrong.relay_refusal == "pin_mismatch", wrong
     assert wrong.verdict().startswith("the relay presented another key"), wrong.verdict()

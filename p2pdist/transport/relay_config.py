@@ -151,6 +151,10 @@ class RelayStatus:
     """Whether the relay refused the latest attempt, or was not the pinned relay
     (``last_error`` says which: a bad token, an allowlist, another key): retrying goes
     on, but only a change to the relay or to this client's settings will let it in."""
+    refusal: str | None = None
+    """Why, when :attr:`refused`: ``"bad_token"``, ``"not_allowed"`` (the allowlist),
+    ``"bad_signature"``, ``"malformed_auth"``, or ``"pin_mismatch"`` (the relay's key is
+    not the URL's pin: we refused it)."""
     datagrams_sent: int = 0
     datagrams_received: int = 0
     dropped: int = 0

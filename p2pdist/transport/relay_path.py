@@ -90,7 +90,12 @@ class _Replaced(ConnectionBrokenError):
 
 class _RefusedByRelay(PeerAuthenticationError):
     """The relay refused us, or is not the pinned relay: what a restart of the relay
-    could change (not a proxy's refusal of the tunnel, say)."""
+    could change (not a proxy's refusal of the tunnel, say). ``refusal`` names which
+    (see ``RelayStatus.refusal``)."""
+
+    def __init__(self, peer: str, detail: str, refusal: str) -> None:
+        super().__init__(peer, detail)
+        self.refusal = refusal
 
 
 def _power_of_ten(n: int) -> bool:
@@ -320,8 +325,9 @@ class RelayPath:
                 # keep retrying in the background (an allowlist may be reloaded).
                 said = self._warned_refusal == exc.detail
                 self._warned_refusal = exc.detail
-                by_relay = isinstance(exc, _RefusedByRelay)
-                self._set(last_error=exc.detail, refused=by_relay)  # (the error names the relay)
+                refusal = exc.refusal if isinstance(exc, _RefusedByRelay) else None
+                # (the error names the relay)
+                self._set(last_error=exc.detail, refused=refusal is not None, refusal=refusal)
                 self._refused.set()
                 # Warned once, not at every retry (str(exc) starts with "relay <url>: ").
                 log.log(logging.INFO if said else logging.WARNING, "%s", exc)
@@ -331,14 +337,14 @@ class RelayPath:
                 # 100th... time: two processes with one key would take turns for ever.
                 self._refused.clear()
                 n = self._status.replaced + 1
-                self._set(last_error=str(exc), replaced=n, refused=False)
+                self._set(last_error=str(exc), replaced=n, refused=False, refusal=None)
                 level = logging.WARNING if _power_of_ten(n) else logging.INFO
                 log.log(level, "%s (replaced %d time(s) so far)", exc, n)
                 self._authed_at = None  # a replacement never resets the backoff
             except Exception as exc:  # any failure ends this session, never the loop
                 self._refused.clear()  # the latest attempt was not refused
                 msg = str(exc) or type(exc).__name__
-                self._set(last_error=msg, refused=False)
+                self._set(last_error=msg, refused=False, refusal=None)
                 if self._authed_at is None and not self._said_unreachable:
                     # Said once, not at every retry: a caller waits (start() up to
                     # connect_timeout) with nothing else to tell it why.
@@ -439,7 +445,9 @@ class RelayPath:
             if presented != url.pin:
                 proto.close()
                 raise _RefusedByRelay(
-                    f"relay {url}", f"identity mismatch: expected {url.pin}, presented {presented}"
+                    f"relay {url}",
+                    f"identity mismatch: expected {url.pin}, presented {presented}",
+                    "pin_mismatch",
                 )
         self._cert_hash = cert_fingerprint(der)
         return proto
@@ -499,7 +507,8 @@ class RelayPath:
         kind, _, body = await proto.next_frame()
         if kind is RelayFrameType.ERROR:
             why = body.decode("utf-8", "replace")
-            if why in CREDENTIAL_REFUSALS:  # not let in: reported to waiters at once
+            refusal = CREDENTIAL_REFUSALS.get(why)
+            if refusal is not None:  # not let in: reported to waiters at once
                 if why == BAD_TOKEN_TEXT:
                     why += (
                         " (the token sent is not the relay's)"
@@ -509,7 +518,7 @@ class RelayPath:
                         "P2PDIST_RELAY_TOKEN where Group.from_env or p2pdist doctor "
                         "reads it)"
                     )
-                raise _RefusedByRelay(f"relay {self.url}", f"refused us: {why}")
+                raise _RefusedByRelay(f"relay {self.url}", f"refused us: {why}", refusal)
             # A busy relay's answer (full, evicted, timed out, shutting down): this
             # attempt failed, the next one may not; waiters keep waiting.
             raise RelayProtocolError(f"relay turned us away for now: {why}")
@@ -540,6 +549,7 @@ class RelayPath:
             connects=self._status.connects + 1,
             last_error=None,
             refused=False,
+            refusal=None,
             limits=limits,
             records=writer.get_extra_info("records"),
             framing=proto.framing,

@@ -94,10 +94,15 @@ BAD_SIGNATURE_TEXT = "bad signature"
 MALFORMED_AUTH_TEXT = "malformed AUTH"
 BAD_TOKEN_TEXT = "bad token"
 NOT_ALLOWED_TEXT = "endpoint not allowed"
-CREDENTIAL_REFUSALS = frozenset(
-    {BAD_SIGNATURE_TEXT, MALFORMED_AUTH_TEXT, BAD_TOKEN_TEXT, NOT_ALLOWED_TEXT}
-)
-"""ERROR answers to AUTH about the client's key, token or place on the allowlist."""
+CREDENTIAL_REFUSALS = {
+    BAD_SIGNATURE_TEXT: "bad_signature",
+    MALFORMED_AUTH_TEXT: "malformed_auth",
+    BAD_TOKEN_TEXT: "bad_token",
+    NOT_ALLOWED_TEXT: "not_allowed",
+}
+"""ERROR answers to AUTH about the client's key, token or place on the allowlist, each
+with the short name a client reports it by (``RelayStatus.refusal``; the relay's
+metrics use the same names)."""
 MAX_TOKEN_BYTES = 1024
 """Longest access token (UTF-8 bytes) an AUTH frame may carry."""
 REPLACED_TEXT = "replaced by a newer connection from the same endpoint"
