@@ -32,6 +32,7 @@ __all__ = [
     "WIRE_DTYPES",
     "ErrorFeedback",
     "WireCodec",
+    "check_block",
     "divide_for_mean",
     "make_codec",
     "to_float32",
@@ -376,17 +377,24 @@ def to_float32(x: np.ndarray) -> np.ndarray:
         return x.reshape(-1).astype(np.float32)
 
 
+def check_block(block: object) -> int:
+    """``block`` as an int of at least 1, else a :class:`UsageError`: checked whatever the
+    wire (only int8 uses it, but a bad one is a mistake on every call)."""
+    return check_int("int8 block size", block, 1)
+
+
 def make_codec(wire_dtype: str, block: int = INT8_BLOCK, *, f16_route: str = "bits") -> WireCodec:
     """The codec for ``wire_dtype`` (float16, bfloat16 or int8 with ``block``-sized scales).
 
     ``f16_route`` picks the float16 conversion ("bits" or "numpy"; identical results).
     """
+    block = check_block(block)
     if wire_dtype == "float16":
         return _F16Codec(f16_route)
     if wire_dtype == "bfloat16":
         return _Bf16Codec()
     if wire_dtype == "int8":
-        return _Int8Codec(check_int("int8 block size", block, 1))
+        return _Int8Codec(block)
     raise UsageError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype!r}")
 
 
@@ -411,6 +419,10 @@ class ErrorFeedback:
     sum past the wire's or float32's range), the residual keeps the value it had before
     the call: one bad step costs that step's result, and later finite inputs give finite
     results again.
+
+    One ErrorFeedback serves one call at a time: a collective holds it from the call
+    until the call ends (:meth:`hold`, :meth:`release`), and a second call made with it
+    meanwhile is a :class:`UsageError`, raised before that call sends anything.
     """
 
     _PIECE = 1 << 18
@@ -421,6 +433,8 @@ class ErrorFeedback:
         self._divisor = 1
         self._before: np.ndarray | None = None
         """The residual as the running call found it, until :meth:`settle`."""
+        self._held: int | None = None
+        """The size of the call that holds this feedback (:meth:`hold`), or None."""
 
     def begin(self, x: np.ndarray, divisor: int = 1) -> np.ndarray:
         """``x / divisor + residual`` as a new flat float32 array, with the residual back
@@ -439,12 +453,32 @@ class ErrorFeedback:
 
     def check(self, size: int) -> None:
         """A :class:`UsageError` unless a call of ``size`` elements may use this feedback
-        (one ErrorFeedback per tensor): checked before the call takes its channel."""
-        if self.residual is not None and self.residual.size != size:
+        (one ErrorFeedback per tensor): the size of its residual, or of the call that
+        holds it while that has made none yet."""
+        held = self.residual.size if self.residual is not None else self._held
+        if held is not None and held != size:
             raise UsageError(
-                f"error feedback holds a residual of {self.residual.size} elements, "
+                f"error feedback holds a residual of {held} elements, "
                 f"this call has {size}; use one ErrorFeedback per tensor"
             )
+
+    def hold(self, size: int) -> None:
+        """Mark this feedback as serving a call of ``size`` elements, until
+        :meth:`release`: checked (:meth:`check`) before the call takes its channel. A
+        :class:`UsageError` while another call holds it: the second call's input would
+        start from the first's residual before the first had settled it."""
+        if self._held is not None:
+            raise UsageError(
+                "this ErrorFeedback serves another call still in flight; one ErrorFeedback "
+                "serves one call at a time: await that call first, or use one per tensor"
+            )
+        self.check(size)
+        self._held = size
+
+    def release(self) -> None:
+        """End the hold of :meth:`hold` (the call ended: returned, failed or cancelled)."""
+        self._held = None
+        self._before = None  # a call that failed before settle() left its snapshot
 
     def _start(self, x: np.ndarray, divisor: int) -> tuple[np.ndarray, np.ndarray]:
         """``x / divisor`` as a new flat float32 array, and the residual in those units

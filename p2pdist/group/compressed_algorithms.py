@@ -167,12 +167,14 @@ async def compressed_gather_segments(
 ) -> None:
     """After a reduce-scatter, bring every rank's segment of float32 ``work`` to ``dst``,
     encoded once (one message per rank); ``dst`` decodes each into its place and keeps its
-    own segment as it is."""
+    own segment in float32, but for float16 with the range of the others (a sum of 65520
+    or more is inf, as its encoding would make it and as all_reduce gives)."""
     r = link.rank
+    a, b = bounds[r]
     if r != dst:
-        a, b = bounds[r]
         await link.send(dst, as_bytes(codec.encode(work[a:b])) if b > a else memoryview(b""))
         return
+    _f16_range(codec, work[a:b])
     for p, (a, b) in enumerate(bounds):
         if p != r:
             data = await link.recv(p, codec.nbytes(b - a))
@@ -228,6 +230,12 @@ async def compressed_direct_all_reduce(link: Link, work: np.ndarray, codec: Wire
             codec.decode_into(data, work)
         else:
             codec.accumulate(data, work)
+    _f16_range(codec, work)
+
+
+def _f16_range(codec: WireCodec, work: np.ndarray) -> None:
+    """With a float16 wire, float32 ``work``'s values that float16 cannot hold
+    (|value| >= 65520) set to inf of their sign, in place, as encoding them would."""
     if codec.name == "float16":
         over = np.abs(work) >= _F16_OVERFLOW
         if over.any():

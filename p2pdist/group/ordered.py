@@ -39,10 +39,18 @@ def ordered_reduce(
     when None) with plain casts and folds them with same-dtype ufuncs: the same float64
     operations as ``op.ufunc(acc, part, dtype=float64)``, without the buffered mixed-dtype
     loops (about 20% faster)."""
-    if len(parts) == 2 and not op.divide and out.dtype.kind == "f" and out.dtype.itemsize <= 4:
+    if (
+        len(parts) == 2
+        and (op.ufunc is np.add or op.ufunc is np.multiply)
+        and not op.divide
+        and out.dtype.kind == "f"
+        and out.dtype.itemsize <= 4
+    ):
         # One float64 add or multiply of two float32 (or float16) values, rounded to
         # float32, is the correctly rounded float32 operation itself (53 >= 2 * 24 + 2
-        # bits: double rounding is innocuous). Same bits, no casts.
+        # bits: double rounding is innocuous; numpy's float16 loops compute in float32,
+        # 24 >= 2 * 11 + 2). Same bits, no casts. Not max or min: which of +0 and -0
+        # they keep depends on the loop (numpy's float16 one keeps the other one).
         op.ufunc(parts[0], parts[1], out=out)
         return
     if scratch is None:

@@ -20,6 +20,7 @@ from .compress import (
     INT8_BLOCK,
     ErrorFeedback,
     WireCodec,
+    check_block,
     divide_for_mean,
     make_codec,
     to_float32,
@@ -163,6 +164,7 @@ class Reducing(GroupCore):
         them too, on an empty array of each dtype it is given."""
         rop = reduce_op(op, arr.dtype)
         ordered = self._ordered(mode, rop, arr)
+        check_block(block)
         codec = None
         if wire_dtype is not None or error_feedback is not None:
             deterministic = None if not ordered else "call" if mode is not None else "group"
@@ -196,13 +198,16 @@ class Reducing(GroupCore):
         float32; mean divides by the world before encoding, so partial sums stay in the
         inputs' range (for sum with float16, every partial sum must fit float16, else it
         becomes inf: docs/collectives.md). ``error_feedback`` (an :class:`ErrorFeedback`,
-        one per tensor) carries this call's compression error into the next call's input.
+        one per tensor, one call at a time) carries this call's compression error into the
+        next call's input.
         """
         arr = as_array(x)
         codec: WireCodec | None = None
         if wire_dtype is None and error_feedback is None and type(op) is str:
             # The usual call, planned once per distinct (op, mode, dtype, shape): its
             # checks and descriptor cost more than a small array's whole exchange.
+            if block is not INT8_BLOCK:  # the default needs no check
+                check_block(block)
             rop, ordered, descriptor = _plain_plan(
                 op, self._deterministic(mode), arr.dtype, arr.shape, BUCKET_LAYOUT.get()
             )
@@ -223,8 +228,6 @@ class Reducing(GroupCore):
                 np.copyto(work, arr)
             return work
         if codec is not None:
-            if error_feedback is not None:
-                error_feedback.check(arr.size)
             # mean divides before encoding (as NCCL does): partial sums then stay in the
             # inputs' range, which a float16 wire needs.
             divisor = self.size if rop.divide else 1
@@ -236,9 +239,15 @@ class Reducing(GroupCore):
                     return _load_into(arr, divisor, work)
                 return _compressed_input(arr, wire_codec, error_feedback, divisor)
 
-            return await self._compressed(
-                descriptor, arr, work, codec, prepare, timeout, error_feedback
-            )
+            if error_feedback is None:
+                return await self._compressed(descriptor, arr, work, codec, prepare, timeout, None)
+            error_feedback.hold(arr.size)  # the last argument check: nothing sent yet
+            try:
+                return await self._compressed(
+                    descriptor, arr, work, codec, prepare, timeout, error_feedback
+                )
+            finally:
+                error_feedback.release()
         if not ordered and self._direct(arr):  # small: the latency path, no extra layer
             flat = work.reshape(-1)
             # In place (work is arr) needs a copy of the input, except at world 2.
@@ -320,8 +329,6 @@ class Reducing(GroupCore):
         if codec is not None:
             wire_codec = codec
             feedback = error_feedback
-            if feedback is not None:
-                feedback.check(arr.size)
             # mean divides before encoding, as all_reduce does: partial sums stay in range
             divisor = self.size if rop.divide else 1
 
@@ -340,7 +347,13 @@ class Reducing(GroupCore):
                 result.reshape(-1)[:] = work[a:b]
                 return result
 
-            return await self._run(descriptor, timeout, compressed)
+            if feedback is None:
+                return await self._run(descriptor, timeout, compressed)
+            feedback.hold(arr.size)  # the last argument check: nothing sent yet
+            try:
+                return await self._run(descriptor, timeout, compressed)
+            finally:
+                feedback.release()
 
         async def body(lk: CollectiveLink) -> np.ndarray:
             if ordered:

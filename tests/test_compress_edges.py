@@ -1,0 +1,178 @@
+"""Edges of compressed and deterministic reductions: one ErrorFeedback per call in flight,
+signed zeros of deterministic max/min at world 2, the float16 range of a compressed
+reduce on its root, and the int8 ``block`` checked whatever the wire."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+from group_helpers import groups
+
+from p2pdist import ErrorFeedback, PeerTimeoutError, UsageError
+from p2pdist.group.ops import reduce_op
+from p2pdist.group.ordered import ordered_reduce
+
+ONE_AT_A_TIME = "one ErrorFeedback serves one call at a time"
+
+
+async def test_a_second_call_with_a_busy_error_feedback_is_refused_at_once() -> None:
+    """Two calls in flight with one ErrorFeedback: the second is a UsageError before it
+    sends anything (on every rank alike), the first's result and rollback are right, and
+    the group and the feedback serve the next calls as if the second were never made."""
+    # The ring in many small chunks: the first call is still in flight on every rank when
+    # the second is made (one round, it may finish in its first step where the other
+    # rank's input has come already, and the second call is then no misuse).
+    async with groups(2, timeout=10, config={"chunk_bytes": 4096, "small_bytes": 0}) as gs:
+        efs = [ErrorFeedback() for _ in gs]
+        xa = np.ones(20_000, np.float32)
+        xa[0] = 2e38 + 1.3e36  # bfloat16 loses about 1e36 here; the sum overflows
+        xb = np.ones(20_000, np.float32)
+
+        async def rank(g: Any) -> list[Any]:
+            ef = efs[g.rank]
+            a = asyncio.create_task(
+                g.all_reduce(xa.copy(), wire_dtype="bfloat16", error_feedback=ef)
+            )
+            b = asyncio.create_task(
+                g.all_reduce(xb.copy(), wire_dtype="bfloat16", error_feedback=ef)
+            )
+            return list(await asyncio.gather(a, b, return_exceptions=True))
+
+        for ra, rb in await asyncio.gather(*(rank(g) for g in gs)):
+            assert isinstance(rb, UsageError) and ONE_AT_A_TIME in str(rb), rb
+            assert np.isinf(ra[0]) and (ra[1:] == 2.0).all()
+        # The overflowed element's residual was rolled back: the next call's sum is exact.
+        outs = await asyncio.gather(
+            *(
+                g.all_reduce(xb.copy(), wire_dtype="bfloat16", error_feedback=efs[g.rank])
+                for g in gs
+            )
+        )
+        for out in outs:
+            assert (out == 2.0).all(), out
+
+
+async def test_a_busy_error_feedback_of_another_size_is_refused_before_the_call_runs() -> None:
+    """A fresh ErrorFeedback shared by two calls of different sizes in flight: the second
+    is refused on its own rank before it runs (it used to fail inside the running call,
+    leaving the other ranks to their timeout); reduce_scatter holds it as all_reduce does."""
+    async with groups(2, timeout=10, config={"chunk_bytes": 4096, "small_bytes": 0}) as gs:
+
+        async def rank(g: Any) -> list[Any]:
+            ef = ErrorFeedback()
+            a = asyncio.create_task(
+                g.all_reduce(np.ones(20_000, np.float32), wire_dtype="int8", error_feedback=ef)
+            )
+            b = asyncio.create_task(
+                g.reduce_scatter(np.ones(20, np.float32), wire_dtype="int8", error_feedback=ef)
+            )
+            return list(await asyncio.gather(a, b, return_exceptions=True))
+
+        for ra, rb in await asyncio.gather(*(rank(g) for g in gs)):
+            assert isinstance(rb, UsageError) and ONE_AT_A_TIME in str(rb), rb
+            assert (ra == 2.0).all()
+        outs = await asyncio.gather(*(g.all_reduce(np.ones(4, np.float32)) for g in gs))
+        assert all((o == 2.0).all() for o in outs)
+
+
+async def test_an_error_feedback_is_released_when_its_call_fails_or_is_cancelled() -> None:
+    """A call that times out, and one cancelled while it waits for its peer, leave their
+    ErrorFeedback free for the next call."""
+    async with groups(2, timeout=10) as gs:
+        ef = ErrorFeedback()
+        x = np.ones(8, np.float32)
+        task = asyncio.create_task(gs[0].all_reduce(x, wire_dtype="int8", error_feedback=ef))
+        await asyncio.sleep(0.05)  # it runs, waiting for rank 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        ef.hold(8)  # free again
+        ef.release()
+    async with groups(2, timeout=10) as gs:
+        ef = ErrorFeedback()
+        with pytest.raises(PeerTimeoutError):
+            await gs[0].reduce_scatter(x, wire_dtype="int8", error_feedback=ef, timeout=0.2)
+        ef.hold(8)
+        ef.release()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("op", ["max", "min", "sum", "prod"])
+def test_ordered_reduce_of_two_equals_the_float64_fold_bitwise(dtype: str, op: str) -> None:
+    """World 2's two-part shortcut gives the float64 rank-ordered fold's bits: for sum and
+    prod (one correctly rounded operation), and for max and min, whose float16 and float32
+    loops keep the other signed zero, so they take the fold."""
+    rng = np.random.default_rng(7)
+    vals = np.array([0.0, -0.0, 1.5, -2.25, np.inf, -np.inf, 65504.0, 6e-8, 3e38], np.float64)
+    a = np.concatenate([np.repeat(vals, vals.size), rng.standard_normal(500) * 1e3])
+    b = np.concatenate([np.tile(vals, vals.size), rng.standard_normal(500) * 1e3])
+    with np.errstate(over="ignore", invalid="ignore"):
+        parts = [a.astype(dtype), b.astype(dtype)]
+        rop = reduce_op(op, np.dtype(dtype))
+        fold = rop.ufunc(parts[0].astype(np.float64), parts[1].astype(np.float64))
+        want = fold.astype(dtype)
+        got = np.empty_like(parts[0])
+        ordered_reduce(parts, rop, 2, got)
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+async def test_deterministic_max_min_at_world_2_keep_the_folds_signed_zero(dtype: str) -> None:
+    async with groups(2) as gs:
+        for first in (0.0, -0.0):
+            xs = [np.array([first] * 3, dtype), np.array([-first] * 3, dtype)]
+            for op, ufunc in (("max", np.maximum), ("min", np.minimum)):
+                want = ufunc(xs[0].astype(np.float64), xs[1].astype(np.float64)).astype(dtype)
+                outs = await asyncio.gather(
+                    *(g.all_reduce(xs[g.rank], op, mode="deterministic") for g in gs)
+                )
+                for out in outs:
+                    assert out.tobytes() == want.tobytes(), (op, first, out, want)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+async def test_compressed_reduce_float16_range_is_all_reduces_on_the_root_too(world: int) -> None:
+    """reduce with a float16 wire: a sum of 65520 or more is inf on every piece of dst's
+    result, its own included, as all_reduce gives (dst kept its own piece finite)."""
+    async with groups(world) as gs:
+        for n in (8, 40_000):
+            x = np.full(n, 40000.0, np.float32)
+            x[1::2] *= -1
+            ar = await asyncio.gather(*(g.all_reduce(x, wire_dtype="float16") for g in gs))
+            for dst in (0, world - 1):
+                rd = await asyncio.gather(*(g.reduce(x, dst, wire_dtype="float16") for g in gs))
+                got = rd[dst]
+                assert got is not None
+                assert got.tobytes() == ar[0].tobytes(), (n, dst, np.unique(got))
+                assert np.isinf(got).all()
+                # mean stays in range: finite everywhere
+                md = await asyncio.gather(
+                    *(g.reduce(x, dst, "mean", wire_dtype="float16") for g in gs)
+                )
+                assert md[dst] is not None
+                np.testing.assert_allclose(md[dst], x, rtol=1e-3)
+
+
+@pytest.mark.parametrize("wire", [None, "float16", "bfloat16", "int8"])
+async def test_block_is_checked_whatever_the_wire(wire: str | None) -> None:
+    """A block that is not an integer of at least 1 is a UsageError on every reduction,
+    with any wire or none; a good one is taken (unused but for int8)."""
+    async with groups(2) as gs:
+        g = gs[0]
+        x = np.ones(8, np.float32)
+        for block in (0, -3, "abc", 2.5, True, None):
+            # One at a time: a refused call gives its id back only while it is the last
+            with pytest.raises(UsageError, match="block size must be an integer of at least 1"):
+                await g.all_reduce(x, wire_dtype=wire, block=block)
+            with pytest.raises(UsageError, match="block size must be an integer of at least 1"):
+                await g.reduce_scatter(x, wire_dtype=wire, block=block)
+            with pytest.raises(UsageError, match="block size must be an integer of at least 1"):
+                await g.reduce(x, 0, wire_dtype=wire, block=block)
+        for block in (1, np.int64(64), 256):
+            outs = await asyncio.gather(
+                *(h.all_reduce(x, wire_dtype=wire, block=block) for h in gs)  # type: ignore[arg-type]
+            )
+            assert all((o == 2.0).all() for o in outs)
