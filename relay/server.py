@@ -363,7 +363,7 @@ class RelayServer:
             kv(
                 "listening",
                 url=self.url,
-                bind=format_address(c.host, self.port),
+                bind=_bind_addresses(self._server.sockets),
                 stun=self.stun_port or "off",
                 stun_alt=self.stun_alt_port or "off",
                 http=format_address(c.http_host, self.http_port) if self.http_port else "off",
@@ -667,6 +667,13 @@ def _url_port(sockets: Sequence[Any], url_host: str) -> int:
         if sock.family == family:
             return int(sock.getsockname()[1])
     return int(sockets[0].getsockname()[1])
+
+
+def _bind_addresses(sockets: Sequence[Any]) -> str:
+    """Every listening socket's address, comma-separated, for the ``listening`` line
+    (``--host ""`` with ``--port 0`` gives each family a port of its own:
+    ``0.0.0.0:37151,[::]:46005``)."""
+    return ",".join(format_address(*sock.getsockname()[:2]) for sock in sockets)
 
 
 def _dual_stack_udp(port: int) -> socket.socket:

@@ -417,6 +417,28 @@ async def test_listening_line_shows_an_ipv4_bind_address_plainly(
         assert f" bind=127.0.0.1:{srv.port} " in caplog.text
 
 
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback")
+async def test_listening_line_names_every_listening_socket(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``--host ""`` with ``--port 0`` gives each family a port of its own: ``bind=``
+    names both sockets, not the empty host with IPv4's port."""
+    caplog.set_level(logging.INFO, logger="relay.server")
+    async with running(host="") as srv:
+        server = srv._server
+        assert server is not None
+        names = {sock.getsockname()[:2] for sock in server.sockets}
+        assert {ip for ip, _ in names} == {"0.0.0.0", "::"}
+        [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("listening ")]
+        bind = re.search(r" bind=(\S+) ", line)
+        assert bind is not None, line
+        shown = bind.group(1).split(",")
+        assert sorted(shown) == sorted(
+            f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip, port in names
+        )
+        assert f"0.0.0.0:{srv.port}" in shown
+
+
 @contextlib.contextmanager
 def _env(name: str, value: str) -> Iterator[None]:
     old = os.environ.get(name)
