@@ -189,6 +189,29 @@ async def test_collective_mismatch_is_detected_and_named() -> None:
         assert any(isinstance(r, MismatchError) for r in results)
 
 
+async def test_a_call_in_flight_beside_a_mismatch_fails_as_broken_not_as_that_mismatch() -> None:
+    """A barrier in flight beside an all_reduce whose ranks disagree: the all_reduce's
+    MismatchError broke the group and woke every wait on the connections with itself,
+    so the barrier raised the all_reduce's MismatchError (the very object), as if the
+    barrier had mismatched (an audit). It is a GroupBrokenError now, naming its own
+    call, with the all_reduce's error as its cause."""
+    async with groups(3) as gs:
+
+        async def calls(g: Group) -> list[Any]:
+            if g.rank == 2:
+                await asyncio.sleep(0.3)  # ranks 0 and 1 wait in both calls
+            dtype = np.float64 if g.rank == 1 else np.float32
+            both = [g.barrier(timeout=5), g.all_reduce(np.ones(4, dtype), timeout=5)]
+            return list(await asyncio.gather(*both, return_exceptions=True))
+
+        results = await asyncio.gather(*(calls(g) for g in gs))
+        for barrier, reduced in results[:2]:
+            assert isinstance(reduced, MismatchError), reduced
+            assert isinstance(barrier, GroupBrokenError), barrier
+            assert str(barrier).startswith("barrier() failed: "), barrier
+            assert barrier.cause is reduced
+
+
 async def test_a_mismatch_told_by_another_rank_names_that_rank() -> None:
     """In a ring only rank 2's neighbours see its call; the others learn of it from
     their abort notice, whose text said "but this rank called": the teller, read as the

@@ -921,6 +921,21 @@ async def test_out_may_hold_the_input_only_as_a_whole_row_and_is_checked_everywh
             await gs[1].gather(np.ones(3), 0, out=np.zeros((7, 4), np.int8))
 
 
+async def test_a_closed_group_or_sub_group_says_it_is_closed_when_entered_again() -> None:
+    """``async with`` (or start()) on a closed group said "group already started"; the
+    message that says what to do could never be reached (an audit)."""
+    async with groups(2, timeout=30) as gs:
+        subs = await asyncio.gather(*(g.split(0) for g in gs))
+        sub = subs[0]
+        assert sub is not None
+        await asyncio.gather(*(s.close() for s in subs if s is not None))
+        with pytest.raises(UsageError, match=r"sub-group is closed; split\(\) makes a new one"):
+            async with sub:
+                pass
+    with pytest.raises(UsageError, match="group is closed; make a new Group"):
+        await gs[0].start()
+
+
 async def test_a_subgroup_closed_on_one_rank_has_it_leave_for_the_others() -> None:
     """Rank 2 closes its sub-group while idle: for ranks 0 and 1 it has left that
     sub-group, so their later calls on it fail at once naming it (they used to wait out

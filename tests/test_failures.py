@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -227,7 +228,7 @@ async def test_a_rank_that_refuses_a_call_for_a_left_peer_tells_the_others() -> 
         await until_left(gs[1:], 0)
         told: list[int] = []
         tell = gs[2]._tell_call_failed
-        gs[2]._tell_call_failed = lambda ch, r: (told.append(ch), tell(ch, r))  # type: ignore[method-assign,func-returns-value]
+        gs[2]._tell_call_failed = lambda ch, r, **kw: (told.append(ch), tell(ch, r, **kw))  # type: ignore[method-assign,func-returns-value]
         for _ in range(5):  # a retry loop tells the others once, not at every attempt
             with pytest.raises(GroupBrokenError, match="left the group"):
                 await gs[2].all_reduce(x)
@@ -340,6 +341,45 @@ async def test_a_rank_whose_block_raised_tells_the_others_why_it_left(when: str)
             text = str(res)
             assert gs[0].peer_label(2) in text, text
             assert "`async with` block raised RuntimeError: CUDA out of memory" in text, text
+
+
+async def test_every_call_in_flight_fails_at_once_when_a_rank_refuses_them_for_a_left_one() -> None:
+    """Under on_peer_loss="break", ranks 0 and 2 run two collectives at once; rank 0
+    closes the group in them, and rank 1 makes both calls after it saw rank 0 leave (so
+    it refuses them). Only its first refusal was told: rank 2's second call waited its
+    timeout, then blamed rank 1, alive, and broke the group (an audit). Rank 1 now
+    says it refuses every call from the first on: both of rank 2's fail at once, naming
+    rank 0, and the group is not broken."""
+    async with groups(3, timeout=20) as gs:
+        calls = [[asyncio.create_task(g.all_reduce(np.ones(4))) for _ in range(2)] for g in gs[::2]]
+        await asyncio.sleep(0.2)  # ranks 0 and 2 wait for rank 1's parts
+        await gs[0].close()
+        await until_left(gs[1:], 0)
+        for _ in range(2):
+            with pytest.raises(GroupBrokenError, match=r"rank 0 .* left the group"):
+                await gs[1].all_reduce(np.ones(4))
+        outs = await asyncio.wait_for(asyncio.gather(*calls[1], return_exceptions=True), 10)
+        for res in outs:
+            assert isinstance(res, ConnectionBrokenError), res
+            assert gs[2].peer_label(0) in str(res), res
+        assert gs[1].broken is None and gs[2].broken is None
+        for res in await asyncio.gather(*calls[0], return_exceptions=True):
+            assert isinstance(res, GroupBrokenError), res  # closed under them
+
+
+async def test_a_call_started_after_a_rank_refused_every_call_from_there_fails_at_once() -> None:
+    """The notice that a rank refuses every call from one on can come before this rank
+    learns why (the left rank's goodbye comes on another connection): a call started
+    in between fails at once instead of waiting for the refusing rank's part."""
+    async with groups(3, timeout=20) as gs:
+        g = gs[2]
+        first = g._call_channel(g._next_cid)
+        g._on_call_failed(first, 0, None, sender=1, onward=True)  # as rank 1 says
+        for _ in range(2):
+            with pytest.raises(ConnectionBrokenError, match=re.escape(g.peer_label(0))):
+                await asyncio.wait_for(g.all_reduce(np.ones(4)), 10)
+        assert g._refused_here(g._call_channel(g._next_cid)) is not None
+        assert g._refused_here(first - 1) is None  # earlier calls are not refused
 
 
 async def test_a_rank_that_fails_over_a_left_rank_does_not_retell_its_reason() -> None:

@@ -205,6 +205,7 @@ class GroupCore(Runner):
         self._watchdog: asyncio.TimerHandle | None = None  # root only: see _run
         self._watchdog_at = math.inf
         self._failed_calls: dict[int, CallFailure] = {}
+        self._refused_from: dict[int, tuple[int, int]] = {}
         self._given_up: dict[int, GroupBrokenError] = {}
         """(Root) calls (channels) another rank gave up, with its abort notice."""
 
@@ -418,10 +419,12 @@ class GroupCore(Runner):
 
     async def start(self) -> Self:
         """Connect to every peer (bounded by ``config.connect_timeout``)."""
+        if self._closing:
+            if self._parent is not None:
+                raise UsageError("this sub-group is closed; split() makes a new one")
+            raise UsageError("group is closed; make a new Group to start again")
         if self._started:
             raise UsageError("group already started")
-        if self._closing:
-            raise UsageError("group is closed; make a new Group to start again")
         self._started = True
         self._home_loop = asyncio.get_running_loop()
         if self.size == 1:
@@ -592,6 +595,7 @@ class GroupCore(Runner):
     def _on_control(self, rank: int, frame: Frame) -> None:
         """Act on one notice from ``rank``."""
         call: tuple[int, int, str | None] | None = None
+        onward = False
         closed: tuple[int, int] | None = None
         gone: int | None = None
         leaving: str | None = None
@@ -605,6 +609,7 @@ class GroupCore(Runner):
                 why = body.get("why")  # or: that rank did not run it
                 why = None if why is None else str(why)
                 call = int(body["call"]), int(body["lost"]), why
+                onward = body.get("onward") is True  # and every later call fails there
                 if not 0 <= call[1] < self.size:
                     raise ValueError(f"no rank {call[1]}")
             if "closed" in body:  # it closed a sub-group we share
@@ -619,7 +624,7 @@ class GroupCore(Runner):
         except Exception:  # msgpack's own exceptions, a missing key, a bad type
             reason, during = "undecodable abort notice", None
         if call is not None:
-            self._on_call_failed(*call, sender=rank)
+            self._on_call_failed(*call, sender=rank, onward=onward)
         elif leaving is not None:
             self._leaving[rank] = leaving
         elif closed is not None:
@@ -707,14 +712,16 @@ class GroupCore(Runner):
         # Under "leave", _run refuses the collective once it has taken its id.
         leave = self.config.on_peer_loss == "leave"
         if collective and self._left and not leave and (left := self.left):
-            # The others may be in this call already (they began it before they saw the
-            # loss, and wait for our part): it fails here, so tell them (not advancing
-            # our call id: every later call is refused too, and names the same one).
+            # The others may be in this call already, and later ones (they began them
+            # before they saw the loss, and wait for our part): it fails here, so tell
+            # them (not advancing our call id: every later call is refused too, and
+            # names the same one).
             cid = self._next_cid if self._taking is None else self._taking  # see calls.py
             channel = self._call_channel(cid)
             if channel != self._refusal_told:  # once: a retry loop must not flood them
                 self._refusal_told = channel
-                self._tell_call_failed(channel, self._root_ranks[min(left)])
+                # Theirs after this one fail too (ours would be refused all the same).
+                self._tell_call_failed(channel, self._root_ranks[min(left)], onward=True)
             raise self._left_error(left)
 
     # ---- point to point -----------------------------------------------------------------

@@ -103,6 +103,7 @@ class Membership:
     _parent: Membership | None  # the group this one was split from
     _broken: BaseException | None  # why the group can no longer be used (None: it can)
     _failed_calls: dict[int, CallFailure]  # channel -> why another rank's call failed
+    _refused_from: dict[int, tuple[int, int]]  # root: space -> (first cid, left root rank)
     _p2p_sent: dict[int, int]
     _p2p_received: dict[int, int]
     _p2p_given_back: dict[int, list[int]]
@@ -348,16 +349,23 @@ class Membership:
         self._cancelled_by_loss[task] = (root_rank, why)
         task.cancel()
 
-    def _tell_call_failed(self, channel: int, root_rank: int, why: str | None = None) -> None:
+    def _tell_call_failed(
+        self, channel: int, root_rank: int, why: str | None = None, *, onward: bool = False
+    ) -> None:
         """Tell the others that our collective on ``channel`` failed because ``root_rank``
         left before sending us its part (or, with ``why``, that this rank, ``root_rank``,
         did not run it): theirs cannot finish either (they may be waiting on us), so they
-        fail it at once instead of at their timeout."""
+        fail it at once instead of at their timeout. ``onward``: this rank refuses every
+        later collective of the group too (a rank left under ``on_peer_loss="break"``), so
+        theirs from ``channel`` on fail as well (a peer of an earlier version reads it as
+        a notice of ``channel`` alone)."""
         # This group's members only: the call is theirs.
         members = [r for r in self._conns if self._root_ranks[r] not in self._left]
         body: dict[str, Any] = {"call": channel, "lost": root_rank}
         if why is not None:
             body["why"] = why[:_WHY_CHARS]
+        if onward:
+            body["onward"] = True
         self._send_control(body, members)
 
     def _send_control(self, body: dict[str, Any], ranks: Iterable[int]) -> None:
@@ -368,13 +376,24 @@ class Membership:
             with contextlib.suppress(P2PError):
                 self._conns[r].send_nowait(CONTROL_CHANNEL, meta=meta)
 
-    def _on_call_failed(self, channel: int, root_rank: int, why: str | None, sender: int) -> None:
+    def _on_call_failed(
+        self,
+        channel: int,
+        root_rank: int,
+        why: str | None,
+        sender: int,
+        *,
+        onward: bool = False,
+    ) -> None:
         """Another rank's (``sender``'s) collective on ``channel`` failed for want of
-        ``root_rank`` (or, with ``why``, rank ``root_rank`` did not run it)."""
+        ``root_rank`` (or, with ``why``, rank ``root_rank`` did not run it); ``onward``:
+        and every later one of that group fails there too (see :meth:`_tell_call_failed`)."""
         made = next((g for g in self._descendants if g._made_on == channel), None)
         if made is not None:  # (rare: a search beats remembering every split)
             self._split_failed_there(made, sender)
             return
+        if onward:
+            self._refused_onward(channel, root_rank)
         for task, (_, running, _) in list(self._inflight.items()):
             if running == channel:
                 self._cancel_for_loss(task, root_rank, told=True, why=why)
@@ -383,6 +402,31 @@ class Membership:
             return
         if len(self._failed_calls) < _FAILED_CALLS_MAX:
             self._failed_calls[channel] = (root_rank, why)  # not started here: fail it then
+
+    def _refused_onward(self, channel: int, root_rank: int) -> None:
+        """(Root) a rank refuses every collective of ``channel``'s group from that call on,
+        for want of ``root_rank``: ours running from there fail now, and ours starting
+        later fail as they start (until ``root_rank`` is taken back). Ours on
+        ``channel`` itself are left to the caller (a notice of that one call)."""
+        space, first = split_channel(channel)
+        known = self._refused_from.get(space)
+        if known is None and len(self._refused_from) >= _FAILED_CALLS_MAX:
+            return
+        if known is None or first < known[0]:
+            self._refused_from[space] = (first, root_rank)
+        for task, (_, running, _) in list(self._inflight.items()):
+            running_space, cid = split_channel(running)
+            if running_space == space and cid > first:
+                self._cancel_for_loss(task, root_rank, told=True)
+
+    def _refused_here(self, channel: int) -> CallFailure | None:
+        """(Root) why the call on ``channel`` fails at once, if a rank refuses it (see
+        :meth:`_refused_onward`)."""
+        space, cid = split_channel(channel)
+        known = self._refused_from.get(space)
+        if known is None or cid < known[0]:
+            return None
+        return known[1], None
 
     def _split_failed_there(self, child: Membership, sender: int) -> None:
         """(Root group) the split that made ``child`` finished here, but failed on root

@@ -30,7 +30,7 @@ from ..transport.mailbox import split_channel
 from ..transport.relay_config import RelayState
 from .calls import Reserving, foreign_loop_error
 from .link import CollectiveLink
-from .membership import CallFailure
+from .membership import CallFailure, Membership
 from .rejoin import Rejoining
 
 __all__ = ["Runner", "left_refusal"]
@@ -206,6 +206,18 @@ class Runner(Rejoining, Reserving):
         _LEFT_REFUSALS[refusal] = gone
         return refusal
 
+    def _broke_with(self, failure: BaseException) -> bool:
+        """Whether this group (or one it was split from) broke with ``failure``."""
+        group: Membership | None = self
+        while group is not None:
+            broken = group._broken
+            while isinstance(broken, GroupBrokenError) and broken is not failure:
+                broken = broken.cause  # (an ancestor's: "a sub-group failed: ...")
+            if broken is failure:
+                return True
+            group = group._parent
+        return False
+
     def _refuse(self, channel: int, error: P2PError) -> NoReturn:
         """Refuse the collective on ``channel`` after it took its id: what the others
         sent for it is dropped, and ``error`` raised."""
@@ -365,6 +377,8 @@ class Runner(Rejoining, Reserving):
             noticed = root._failed_calls.pop(channel, None)
             if noticed is not None:  # another rank's part of this call already failed
                 self._refuse(channel, self._failure_error(noticed, link))
+        if root._refused_from and (refused := root._refused_here(channel)) is not None:
+            self._refuse(channel, self._failure_error(refused, link))  # refused there
         task = asyncio.current_task(loop)  # the loop given: no second lookup
         assert task is not None
         inflight = root._inflight
@@ -433,6 +447,10 @@ class Runner(Rejoining, Reserving):
             self._break(cancelled, notify=True, during=channel)
             raise
         except (MismatchError, RemoteProtocolError, ConnectionBrokenError) as failure:
+            if not isinstance(failure, ConnectionBrokenError) and self._broke_with(failure):
+                # Another call's failure: breaking the group, it woke every wait on the
+                # connections with its error, which names that call, not this one.
+                raise GroupBrokenError(f"{link.explain()} failed", failure) from None
             err = failure
             if isinstance(failure, ConnectionBrokenError):  # a goodbye with its reason
                 err = self._explained(failure)
