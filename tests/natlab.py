@@ -75,6 +75,7 @@ __all__ = [
     "PREFIX",
     "NatLab",
     "NatLabError",
+    "Lan",
     "ShapedLan",
     "UdpAgent",
     "lab_unavailable",
@@ -663,17 +664,15 @@ class NatLab(_NamespaceLab):
 # ---- the UDP agent ----------------------------------------------------------------------
 
 
-class ShapedLan(_NamespaceLab):
-    """``world`` hosts on one switch, each in its own namespace with address
-    ``10.77.0.<r+1>``, and every host's link shaped to ``rate_bits`` per second each way
-    (``tc`` token bucket on both ends of its cable), like a fleet of machines with
-    ``rate_bits`` network cards. For benchmarks of slow links (``reduce_modes.py
-    --rate``). A context manager, torn down as :class:`NatLab` is."""
+class Lan(_NamespaceLab):
+    """``world`` hosts on one switch (a bridge that forwards multicast), each in its own
+    namespace with address ``10.77.0.<r+1>/24`` on ``eth0``: machines on one LAN. A
+    context manager, torn down as :class:`NatLab` is."""
 
-    def __init__(self, world: int, rate_bits: int) -> None:
-        if world < 1 or rate_bits < 1_000_000:
-            raise ValueError("need at least one host and at least 1 Mbit/s")
-        self.world, self.rate_bits = world, rate_bits
+    def __init__(self, world: int) -> None:
+        if world < 1:
+            raise ValueError("need at least one host")
+        self.world = world
         self.prefix = f"{PREFIX}{os.getpid()}-{next(_counter)}-"
         self._namespaces: list[str] = []
 
@@ -689,6 +688,42 @@ class ShapedLan(_NamespaceLab):
         """``ip netns exec NS`` for host ``r``."""
         return ["ip", "netns", "exec", self.host_ns(r)]
 
+    def _cabled(self, host: str, switch: str, port: str) -> None:
+        """Host namespace ``host`` is cabled to the switch's ``port`` (both up)."""
+
+    def _build(self) -> None:
+        switch = self._ns(self.prefix + "switch")
+        bridge = ["type", "bridge", "mcast_snooping", "0"]  # every host hears multicast
+        _run(["ip", "-n", switch, "link", "add", "br0", *bridge])
+        _run(["ip", "-n", switch, "link", "set", "br0", "up"])
+        for r in range(self.world):
+            host, port = self._ns(self.host_ns(r)), f"p{r}"
+            veth = ["type", "veth", "peer", "name", "eth0", "netns", host]
+            _run(["ip", "-n", switch, "link", "add", port, *veth])
+            _run(["ip", "-n", switch, "link", "set", port, "master", "br0", "up"])
+            _run(["ip", "-n", host, "addr", "add", f"{self.ip(r)}/24", "dev", "eth0"])
+            _run(["ip", "-n", host, "link", "set", "eth0", "up"])
+            self._cabled(host, switch, port)
+
+    def close(self) -> None:
+        """Delete every namespace (killing what still runs in them); idempotent."""
+        for ns in reversed(self._namespaces):
+            _delete_namespace(ns)
+        self._namespaces.clear()
+
+
+class ShapedLan(Lan):
+    """A :class:`Lan` whose every host link is shaped to ``rate_bits`` per second each way
+    (``tc`` token bucket on both ends of its cable), like a fleet of machines with
+    ``rate_bits`` network cards. For benchmarks of slow links (``reduce_modes.py
+    --rate``)."""
+
+    def __init__(self, world: int, rate_bits: int) -> None:
+        if rate_bits < 1_000_000:
+            raise ValueError("need at least 1 Mbit/s")
+        super().__init__(world)
+        self.rate_bits = rate_bits
+
     def _unavailable(self) -> str | None:
         return shaping_unavailable()
 
@@ -699,25 +734,9 @@ class ShapedLan(_NamespaceLab):
         bucket = ["rate", f"{self.rate_bits}bit", "burst", str(burst), "latency", "50ms"]
         _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", *bucket])
 
-    def _build(self) -> None:
-        switch = self._ns(self.prefix + "switch")
-        _run(["ip", "-n", switch, "link", "add", "br0", "type", "bridge"])
-        _run(["ip", "-n", switch, "link", "set", "br0", "up"])
-        for r in range(self.world):
-            host, port = self._ns(self.host_ns(r)), f"p{r}"
-            veth = ["type", "veth", "peer", "name", "eth0", "netns", host]
-            _run(["ip", "-n", switch, "link", "add", port, *veth])
-            _run(["ip", "-n", switch, "link", "set", port, "master", "br0", "up"])
-            _run(["ip", "-n", host, "addr", "add", f"{self.ip(r)}/24", "dev", "eth0"])
-            _run(["ip", "-n", host, "link", "set", "eth0", "up"])
-            self._shape(host, "eth0")  # what the host sends
-            self._shape(switch, port)  # what it receives
-
-    def close(self) -> None:
-        """Delete every namespace (killing what still runs in them); idempotent."""
-        for ns in reversed(self._namespaces):
-            _delete_namespace(ns)
-        self._namespaces.clear()
+    def _cabled(self, host: str, switch: str, port: str) -> None:
+        self._shape(host, "eth0")  # what the host sends
+        self._shape(switch, port)  # what it receives
 
 
 class UdpAgent:

@@ -15,7 +15,7 @@ import os
 import weakref
 from collections.abc import Coroutine, Sequence
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import msgpack
 import numpy as np
@@ -25,7 +25,9 @@ from ..errors import (
     ConnectionClosedError,
     GroupBrokenError,
     P2PError,
+    P2PTimeoutError,
     PeerError,
+    PeerTimeoutError,
     RemoteProtocolError,
     UsageError,
 )
@@ -59,10 +61,15 @@ from .membership import (
 from .runner import Runner, left_refusal
 from .spaces import SpaceBook
 
+if TYPE_CHECKING:
+    from ..discovery import LanDiscovery
+
 __all__ = ["GroupCore"]
 
 _T = TypeVar("_T")
 _GIVEN_UP_MAX = 64
+_DISCOVERY_CLOSE = 2.0
+"""Seconds a closing group waits for its local-network announcement to be withdrawn."""
 """Calls given up by other ranks that a group remembers (the first breaks it)."""
 
 log = logging.getLogger(__name__)
@@ -117,10 +124,6 @@ class GroupCore(Runner):
             raise UsageError("endpoint ids of a group must be distinct")
         if addresses is not None and len(addresses) != world:
             raise UsageError(f"need one address per rank: {world} ranks, {len(addresses)} given")
-        if addresses is None and relay is None and world > 1 and not _subgroup:
-            raise UsageError(
-                "give peers= (one host:port per rank, in rank order) or relay= (a relay URL)"
-            )
         if relay is not None and not _subgroup and (addresses is not None or listen is not None):
             given = "peers=" if addresses is not None else "listen="
             raise UsageError(
@@ -144,6 +147,8 @@ class GroupCore(Runner):
         self._rank_of = {eid: r for r, eid in enumerate(self._ids)}
         self._addresses = list(addresses) if addresses is not None else None
         self._listen = listen
+        self._discovery: LanDiscovery | None = None
+        """Neither peers nor relay: the ranks find each other on the local network."""
         self.config = config or GroupConfig()
         self._transport: TcpTransport | QuicTransport | None = None
         self._conns: dict[int, Connection] = {}
@@ -232,7 +237,10 @@ class GroupCore(Runner):
         can act as any rank).
 
         Either ``peers`` lists every rank's ``host:port`` in rank order (TCP; this rank
-        listens on its own entry, or on ``listen``), or ``relay`` is a relay URL
+        listens on its own entry, or on ``listen``), or, with neither ``peers`` nor
+        ``relay``, the ranks find each other on the local network by mDNS (TCP; this
+        rank listens on ``listen``, default ``0.0.0.0:0``, and announces its endpoint id
+        there: docs/architecture.md, "Finding the ranks"), or ``relay`` is a relay URL
         (``https://host:port/?pin=<id>``, as ``p2pdist-relay`` prints it): then the ranks
         reach each other by endpoint id alone, over QUIC through the relay, with no
         addresses at all (``relay_token`` for a relay that wants one; ``relay_proxy``,
@@ -497,20 +505,52 @@ class GroupCore(Runner):
             self._transport = quic
             await path.wait_connected(self.config.connect_timeout)
             return quic
-        assert self._addresses is not None
         tcp = TcpTransport(
             self._key, self.config.transport, accept_from=members, label_for=self._peer_name
         )
         tcp.send_stalls = SendStalls()
         self._transport = tcp
-        host, port = parse_address(self._listen or self._addresses[self._rank])
+        own = self._addresses[self._rank] if self._addresses is not None else "0.0.0.0:0"
+        host, port = parse_address(self._listen or own)
         try:
-            await tcp.listen(host, port)
+            _, port = await tcp.listen(host, port)
         except OSError as exc:
             raise UsageError(
                 f"{self.peer_label(self._rank)} cannot listen on {host}:{port}: {exc}"
             ) from None
+        if self._addresses is None:
+            self._addresses = await self._find_ranks(host, port)
         return tcp
+
+    async def _find_ranks(self, host: str, port: int) -> list[Address]:
+        """Every rank's address, found on the local network (this rank announced as
+        listening on ``host:port``), each lookup bounded by ``connect_timeout``."""
+        from ..discovery import LanDiscovery  # (zeroconf: imported only by those who use it)
+
+        discovery = self._discovery = LanDiscovery(self.endpoint_id, host, port)
+        await discovery.start()
+        timeout = self.config.connect_timeout
+
+        async def find(r: int) -> Address:
+            if r == self._rank:
+                return f"{discovery.announced[0]}:{port}"
+            return await discovery.find(self._ids[r], self.peer_label(r), timeout)
+
+        found = await asyncio.gather(*(find(r) for r in range(self.size)), return_exceptions=True)
+        missing = [r for r, a in enumerate(found) if isinstance(a, PeerTimeoutError)]
+        if missing:
+            names = ", ".join(self.peer_label(r) for r in missing)
+            raise P2PTimeoutError(
+                f"{self.peer_label(self._rank)}: {len(missing)} of {self.size - 1} ranks not "
+                f"found on the local network within {timeout:g} s (mDNS): {names}; ranks on "
+                "other networks need peers= or relay="
+            )
+        for a in found:
+            if isinstance(a, BaseException):
+                raise a
+        addresses = [a for a in found if not isinstance(a, BaseException)]
+        log.info("%s: found the ranks at %s", self.peer_label(self._rank), addresses)
+        return addresses
 
     async def close(self) -> None:
         """Close every connection (bounded); the group cannot be used afterwards.
@@ -566,6 +606,10 @@ class GroupCore(Runner):
             self._watchdog, self._watchdog_at = None, math.inf
         if self._transport is not None:
             await self._transport.close()
+        if self._discovery is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_DISCOVERY_CLOSE):
+                    await self._discovery.close()
 
     async def _let_sends_leave(self) -> None:
         """A send returns once its message is handed to the connection, so the bytes of

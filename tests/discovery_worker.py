@@ -1,0 +1,35 @@
+"""A rank process for tests/test_discovery.py: a group formed with neither peers= nor
+relay=, the ranks finding each other on the local network (mDNS).
+
+Usage: python discovery_worker.py SEED RANK WORLD [LISTEN [CONNECT_TIMEOUT]]
+Prints one JSON line: ``{"sum": [...], "peers": [host:port per rank]}`` after an
+all_reduce of ``rank + 1`` over the group, or ``{"error": type, "text": str}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import numpy as np
+
+from p2pdist import Group, GroupConfig, P2PError
+
+
+async def main(seed: str, rank: int, world: int, listen: str | None, wait: float) -> None:
+    config = GroupConfig(connect_timeout=wait, timeout=30.0)
+    try:
+        async with Group.from_seed(seed, rank=rank, world=world, listen=listen, config=config) as g:
+            total = await g.all_reduce(np.full(4, rank + 1.0))
+            await g.barrier()  # nobody closes while another still reads its part
+            print(json.dumps({"sum": total.tolist(), "peers": g._addresses}), flush=True)
+    except P2PError as exc:
+        print(json.dumps({"error": type(exc).__name__, "text": str(exc)}), flush=True)
+
+
+if __name__ == "__main__":
+    seed, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    listen = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
+    wait = float(sys.argv[5]) if len(sys.argv) > 5 else 30.0
+    asyncio.run(asyncio.wait_for(main(seed, rank, world, listen, wait), 120))
