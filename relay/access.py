@@ -24,7 +24,7 @@ from pathlib import Path
 
 from p2pdist.errors import UsageError
 from p2pdist.identity import EndpointId
-from p2pdist.wire.relay import BAD_TOKEN_TEXT, NOT_ALLOWED_TEXT
+from p2pdist.wire.relay import BAD_TOKEN_TEXT, CREDENTIAL_REFUSALS, NOT_ALLOWED_TEXT
 
 from .logfmt import kv
 
@@ -49,8 +49,8 @@ class Refusal:
     message: str
 
 
-BAD_TOKEN = Refusal("bad_token", BAD_TOKEN_TEXT)
-NOT_ALLOWED = Refusal("not_allowed", NOT_ALLOWED_TEXT)
+BAD_TOKEN = Refusal(CREDENTIAL_REFUSALS[BAD_TOKEN_TEXT], BAD_TOKEN_TEXT)
+NOT_ALLOWED = Refusal(CREDENTIAL_REFUSALS[NOT_ALLOWED_TEXT], NOT_ALLOWED_TEXT)
 
 
 def parse_allowlist(text: str, source: str) -> frozenset[bytes]:

@@ -19,6 +19,7 @@ from p2pdist.errors import UsageError
 from p2pdist.identity import ID_LEN, EndpointId
 from p2pdist.wire.relay import (
     BAD_SIGNATURE_TEXT,
+    CREDENTIAL_REFUSALS,
     FRAME_HEADER,
     MALFORMED_AUTH_TEXT,
     MAX_BODY,
@@ -71,8 +72,8 @@ MAX_SHARES = 256
 """Senders whose share of one congested destination queue is tracked on their own at
 most (about 17 KiB); the rest share one entry."""
 
-BAD_SIGNATURE = Refusal("bad_signature", BAD_SIGNATURE_TEXT)
-MALFORMED = Refusal("malformed", MALFORMED_AUTH_TEXT)
+BAD_SIGNATURE = Refusal(CREDENTIAL_REFUSALS[BAD_SIGNATURE_TEXT], BAD_SIGNATURE_TEXT)
+MALFORMED = Refusal(CREDENTIAL_REFUSALS[MALFORMED_AUTH_TEXT], MALFORMED_AUTH_TEXT)
 RELAY_FULL = Refusal("relay_full", "relay full")
 PER_IP_FULL = Refusal("max_clients_per_ip", "too many clients from this address")
 

@@ -212,6 +212,18 @@ async def test_a_call_in_flight_beside_a_mismatch_fails_as_broken_not_as_that_mi
             assert barrier.cause is reduced
 
 
+async def test_a_garbled_stream_under_a_collective_is_its_protocol_error() -> None:
+    """The connection's own protocol error breaks the group before the waiting call
+    sees it: the call still raises it as is (a first version of the test above wrapped
+    it as if another call had failed: a reviewer)."""
+    async with groups(2, timeout=5) as gs:
+        call = asyncio.create_task(gs[1].all_reduce(np.ones(4)))
+        await asyncio.sleep(0.2)  # rank 1 waits for rank 0's part
+        gs[0].connection(1)._transport.write(b"\xff" * 64)  # type: ignore[attr-defined]
+        with pytest.raises(RemoteProtocolError, match=r"rank 0 .*frame version"):
+            await asyncio.wait_for(call, 8)
+
+
 async def test_a_mismatch_told_by_another_rank_names_that_rank() -> None:
     """In a ring only rank 2's neighbours see its call; the others learn of it from
     their abort notice, whose text said "but this rank called": the teller, read as the
@@ -283,8 +295,9 @@ async def test_usage_errors_are_clear() -> None:
             await g.send(np.ones(3), 0)
     with pytest.raises(UsageError):
         Group.from_seed("test-seed-0123456789", rank=3, world=2, peers=["a:1", "b:2"])
-    with pytest.raises(UsageError, match="peers"):
-        Group.from_seed("test-seed-0123456789", rank=0, world=2)
+    with pytest.raises(UsageError, match="one address per rank"):
+        Group.from_seed("test-seed-0123456789", rank=0, world=2, peers=["a:1"])
+    # (neither peers nor relay: the ranks are found on the local network, test_discovery.py)
 
 
 async def test_size_one_group_is_identity_without_network() -> None:

@@ -10,10 +10,11 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from group_helpers import groups, loopback_peers, until_left
+from group_helpers import groups, loopback_peers, slow_link, until_left
 
 from p2pdist import ConnectionBrokenError, GroupBrokenError, P2PError, PeerTimeoutError
 from p2pdist.group.core import _COLLECTIVE_SPACE
@@ -365,6 +366,35 @@ async def test_every_call_in_flight_fails_at_once_when_a_rank_refuses_them_for_a
         assert gs[1].broken is None and gs[2].broken is None
         for res in await asyncio.gather(*calls[0], return_exceptions=True):
             assert isinstance(res, GroupBrokenError), res  # closed under them
+
+
+async def test_a_refused_call_reserved_earlier_spares_the_calls_run_after_it() -> None:
+    """Rank 1 reserved call 0, ran call 1 (a broadcast it sends, slow to reach rank 2),
+    then saw rank 0 leave and started call 0, refused. Its notice said it refuses every
+    call from call 0 on, so rank 2 failed call 1, which rank 1 had run (a reviewer): now
+    call 0 alone is told, and every call from the first one not reserved on."""
+    async with groups(3, timeout=20) as gs:
+        a, b, c = gs
+        told: list[tuple[int, dict[str, Any]]] = []
+        tell = b._tell_call_failed
+        b._tell_call_failed = lambda ch, r, *rest, **kw: (  # type: ignore[method-assign,func-returns-value]
+            told.append((ch, kw)),
+            tell(ch, r, *rest, **kw),
+        )
+        first = [g.all_reduce(np.ones(4)) for g in gs]  # call 0: reserved, not started
+        with slow_link(b, 2, 1.5, space=0):  # rank 1's collective data reach rank 2 late
+            later = [asyncio.create_task(g.broadcast(np.arange(4.0), src=1)) for g in (a, c)]
+            await b.broadcast(np.arange(4.0), src=1)  # call 1 runs on rank 1
+            await asyncio.wait_for(later[0], 10)
+            first[0].close()
+            await a.close()
+            await until_left([b], 0)
+            with pytest.raises(GroupBrokenError, match="left the group"):
+                await asyncio.wait_for(first[1], 10)  # call 0 starts now: refused
+            np.testing.assert_array_equal(await asyncio.wait_for(later[1], 10), np.arange(4.0))
+        first[2].close()
+        assert [kw for _, kw in told] == [{}, {"onward": True}], told
+        assert told[1][0] == told[0][0] + 2  # from the first call not reserved (2) on
 
 
 async def test_a_call_started_after_a_rank_refused_every_call_from_there_fails_at_once() -> None:

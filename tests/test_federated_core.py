@@ -783,6 +783,16 @@ def test_a_member_with_no_update_for_the_round_does_not_hold_it_open() -> None:
     st.submit("b", 2, 2, 1, vec(1.0), 0.6)
     assert st.due(0.6) is CloseReason.COMPLETE
     st.close(0.6)
+    # A client with a late update carried in (not its part) that says it has none for
+    # this round has its part in all the same (a reviewer: the carried update hid it).
+    st.open(0.7)
+    st.submit("a", 3, 3, 1, vec(1.0), 0.7)
+    st.submit("b", 3, 3, 1, vec(1.0), 0.7)
+    assert st.submit("c", 2, 2, 1, vec(1.0), 0.7).accepted  # late, for round 2
+    assert st.due(0.7) is None
+    assert st.abstain("c", 3)
+    assert st.due(0.7) is CloseReason.COMPLETE
+    st.close(0.7)
     # Abstentions are no updates: a round short of its quorum still waits.
     st = opened("abc", round_timeout=10.0, quorum=1.0)
     for c in "ab":

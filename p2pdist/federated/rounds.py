@@ -360,9 +360,11 @@ class FederatedRounds:
         round and rejected is the client's part too: waiting for another would hold
         every round to its deadline while the client keeps sending bad ones; so is its
         word that it has none (:meth:`abstain`)."""
+        if client in self._without_update:  # rejected, or it has none (whatever it carries)
+            return True
         u = self._pending.get(client)
         if u is None:
-            return client in self._without_update  # rejected, or it has none
+            return False
         if u.round == self.round or u.base_round >= self._model_from:
             return True
         return self._after_deadline

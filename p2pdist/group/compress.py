@@ -17,6 +17,7 @@ numpy's cast, 2-3x faster) for float16.
 
 from __future__ import annotations
 
+import asyncio
 from functools import cache
 from typing import Any, Protocol
 
@@ -420,9 +421,11 @@ class ErrorFeedback:
     the call: one bad step costs that step's result, and later finite inputs give finite
     results again.
 
-    One ErrorFeedback serves one call at a time: a collective holds it from the call
-    until the call ends (:meth:`hold`, :meth:`release`), and a second call made with it
-    meanwhile is a :class:`UsageError`, raised before that call sends anything.
+    One ErrorFeedback serves one call at a time: a collective holds it from when it runs
+    until it ends (:meth:`hold`, :meth:`release`), and a second call made with it
+    meanwhile waits for the first to end before it starts: its input then joins the
+    residual the first left, as if the caller had awaited the first (the same on every
+    rank, whatever the timing).
     """
 
     _PIECE = 1 << 18
@@ -435,6 +438,10 @@ class ErrorFeedback:
         """The residual as the running call found it, until :meth:`settle`."""
         self._held: int | None = None
         """The size of the call that holds this feedback (:meth:`hold`), or None."""
+        self._busy = False
+        """Whether a call holds this feedback, or has been handed it."""
+        self._waiting: list[asyncio.Future[None]] = []
+        """Calls waiting for the holder to end, in the order they came."""
 
     def begin(self, x: np.ndarray, divisor: int = 1) -> np.ndarray:
         """``x / divisor + residual`` as a new flat float32 array, with the residual back
@@ -462,23 +469,44 @@ class ErrorFeedback:
                 f"this call has {size}; use one ErrorFeedback per tensor"
             )
 
-    def hold(self, size: int) -> None:
-        """Mark this feedback as serving a call of ``size`` elements, until
-        :meth:`release`: checked (:meth:`check`) before the call takes its channel. A
-        :class:`UsageError` while another call holds it: the second call's input would
-        start from the first's residual before the first had settled it."""
-        if self._held is not None:
-            raise UsageError(
-                "this ErrorFeedback serves another call still in flight; one ErrorFeedback "
-                "serves one call at a time: await that call first, or use one per tensor"
-            )
-        self.check(size)
+    async def hold(self, size: int) -> None:
+        """Take this feedback for a call of ``size`` elements, once the calls that took or
+        asked for it before have ended (in the order they asked), and check it
+        (:meth:`check`) before the call takes its channel: a :class:`UsageError`, or a
+        cancellation while it waits, holds nothing."""
+        if self._busy or self._waiting:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+            try:
+                await waiter  # resolved: handed the feedback by release()
+            except BaseException:
+                if waiter in self._waiting:
+                    self._waiting.remove(waiter)
+                elif waiter.done() and not waiter.cancelled():
+                    self._pass_on()  # handed it, then cancelled before taking it
+                raise
+        self._busy = True
+        try:
+            self.check(size)
+        except BaseException:
+            self._pass_on()
+            raise
         self._held = size
 
     def release(self) -> None:
-        """End the hold of :meth:`hold` (the call ended: returned, failed or cancelled)."""
-        self._held = None
+        """End the hold of :meth:`hold` (the call ended: returned, failed or cancelled),
+        handing the feedback to the next call waiting for it."""
         self._before = None  # a call that failed before settle() left its snapshot
+        self._pass_on()
+
+    def _pass_on(self) -> None:
+        self._held = None
+        while self._waiting:
+            waiter = self._waiting.pop(0)
+            if not waiter.done():
+                waiter.set_result(None)  # it holds the feedback now (still busy)
+                return
+        self._busy = False
 
     def _start(self, x: np.ndarray, divisor: int) -> tuple[np.ndarray, np.ndarray]:
         """``x / divisor`` as a new flat float32 array, and the residual in those units

@@ -13,6 +13,7 @@ from .compress import WireCodec
 from .linkops import Link, as_bytes, chunks, send_to_others
 
 __all__ = [
+    "clamp_to_wire_range",
     "compressed_direct_all_reduce",
     "compressed_gather_segments",
     "compressed_ring_all_reduce",
@@ -174,7 +175,7 @@ async def compressed_gather_segments(
     if r != dst:
         await link.send(dst, as_bytes(codec.encode(work[a:b])) if b > a else memoryview(b""))
         return
-    _f16_range(codec, work[a:b])
+    clamp_to_wire_range(codec, work[a:b])
     for p, (a, b) in enumerate(bounds):
         if p != r:
             data = await link.recv(p, codec.nbytes(b - a))
@@ -230,10 +231,10 @@ async def compressed_direct_all_reduce(link: Link, work: np.ndarray, codec: Wire
             codec.decode_into(data, work)
         else:
             codec.accumulate(data, work)
-    _f16_range(codec, work)
+    clamp_to_wire_range(codec, work)
 
 
-def _f16_range(codec: WireCodec, work: np.ndarray) -> None:
+def clamp_to_wire_range(codec: WireCodec, work: np.ndarray) -> None:
     """With a float16 wire, float32 ``work``'s values that float16 cannot hold
     (|value| >= 65520) set to inf of their sign, in place, as encoding them would."""
     if codec.name == "float16":

@@ -167,6 +167,8 @@ class GroupCore(Runner):
         """Per source: indices of recvs that ended before any of their message came (a
         timeout, a cancellation), smallest first: the next recv from it takes them."""
         self._broken: BaseException | None = None
+        self._broken_during: int | None = None
+        """The call (channel) whose failure broke the group, if one did."""
         self._left: dict[int, BaseException] = {}
         self._failure_log: list[BaseException] = []
         """What broke the group, in order: connections lost without a goodbye
@@ -692,7 +694,7 @@ class GroupCore(Runner):
         the others too, naming the call (channel) ``during`` which failed, if one."""
         if self._broken is not None:
             return
-        self._broken = error
+        self._broken, self._broken_during = error, during
         if notify:
             told = as_told_to_others(str(error), self._root_label(self._rank))
             body: dict[str, Any] = {"abort": told}
@@ -760,12 +762,15 @@ class GroupCore(Runner):
             # before they saw the loss, and wait for our part): it fails here, so tell
             # them (not advancing our call id: every later call is refused too, and
             # names the same one).
-            cid = self._next_cid if self._taking is None else self._taking  # see calls.py
-            channel = self._call_channel(cid)
+            lost = self._root_ranks[min(left)]
+            if self._taking is not None:  # a call reserved earlier (calls.py): that one
+                self._tell_call_failed(self._call_channel(self._taking), lost)
+            # Every call not reserved yet fails here too: theirs from that id on as well
+            # (not from a reserved one: calls after it may have run here already).
+            channel = self._call_channel(self._next_cid)
             if channel != self._refusal_told:  # once: a retry loop must not flood them
                 self._refusal_told = channel
-                # Theirs after this one fail too (ours would be refused all the same).
-                self._tell_call_failed(channel, self._root_ranks[min(left)], onward=True)
+                self._tell_call_failed(channel, lost, onward=True)
             raise self._left_error(left)
 
     # ---- point to point -----------------------------------------------------------------

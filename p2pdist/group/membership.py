@@ -102,6 +102,7 @@ class Membership:
     _closed_early: dict[int, list[tuple[int, int]]]  # root: notices before their split
     _parent: Membership | None  # the group this one was split from
     _broken: BaseException | None  # why the group can no longer be used (None: it can)
+    _broken_during: int | None  # the call (channel) whose failure broke it, if one did
     _failed_calls: dict[int, CallFailure]  # channel -> why another rank's call failed
     _refused_from: dict[int, tuple[int, int]]  # root: space -> (first cid, left root rank)
     _p2p_sent: dict[int, int]
@@ -406,8 +407,9 @@ class Membership:
     def _refused_onward(self, channel: int, root_rank: int) -> None:
         """(Root) a rank refuses every collective of ``channel``'s group from that call on,
         for want of ``root_rank``: ours running from there fail now, and ours starting
-        later fail as they start (until ``root_rank`` is taken back). Ours on
-        ``channel`` itself are left to the caller (a notice of that one call)."""
+        later fail as they start (for good: such notices come under
+        ``on_peer_loss="break"``, where no rank is taken back). Ours on ``channel``
+        itself are left to the caller (a notice of that one call)."""
         space, first = split_channel(channel)
         known = self._refused_from.get(space)
         if known is None and len(self._refused_from) >= _FAILED_CALLS_MAX:

@@ -26,6 +26,7 @@ from .compress import (
     to_float32,
 )
 from .compressed_algorithms import (
+    clamp_to_wire_range,
     compressed_direct_all_reduce,
     compressed_gather_segments,
     compressed_ring_all_reduce,
@@ -241,7 +242,7 @@ class Reducing(GroupCore):
 
             if error_feedback is None:
                 return await self._compressed(descriptor, arr, work, codec, prepare, timeout, None)
-            error_feedback.hold(arr.size)  # the last argument check: nothing sent yet
+            await error_feedback.hold(arr.size)  # after calls before it with it; then checked
             try:
                 return await self._compressed(
                     descriptor, arr, work, codec, prepare, timeout, error_feedback
@@ -344,12 +345,13 @@ class Reducing(GroupCore):
                     lk, work, bounds, wire_codec, self._chunk(work.dtype), residual
                 )
                 a, b = bounds[self._rank]
+                clamp_to_wire_range(wire_codec, work[a:b])  # as all_reduce's piece would be
                 result.reshape(-1)[:] = work[a:b]
                 return result
 
             if feedback is None:
                 return await self._run(descriptor, timeout, compressed)
-            feedback.hold(arr.size)  # the last argument check: nothing sent yet
+            await feedback.hold(arr.size)  # after calls before it with it; then checked
             try:
                 return await self._run(descriptor, timeout, compressed)
             finally:

@@ -156,8 +156,6 @@ class Rejoining(Forming):
         # would read the new connection, for a call its new process never runs. (Those of
         # sub-groups keep the old connection: they finish from it, or fail by themselves.)
         self._cancel_inflight(rank, taken_back=True)
-        # Ranks that refused every call for want of it run them again from here on.
-        self._refused_from = {s: m for s, m in self._refused_from.items() if m[1] != rank}
         # Calls made while it was gone and not started yet cannot have its part: its new
         # process starts at our next call id (which counts them). They fail when they
         # start, naming it, instead of waiting for it on ids it never runs; the others

@@ -206,15 +206,16 @@ class Runner(Rejoining, Reserving):
         _LEFT_REFUSALS[refusal] = gone
         return refusal
 
-    def _broke_with(self, failure: BaseException) -> bool:
-        """Whether this group (or one it was split from) broke with ``failure``."""
+    def _broken_by_another(self, failure: BaseException, channel: int) -> bool:
+        """Whether this group (or one it was split from) broke with ``failure``, the
+        failure of a call other than the one on ``channel``."""
         group: Membership | None = self
         while group is not None:
             broken = group._broken
             while isinstance(broken, GroupBrokenError) and broken is not failure:
                 broken = broken.cause  # (an ancestor's: "a sub-group failed: ...")
             if broken is failure:
-                return True
+                return group._broken_during not in (None, channel)
             group = group._parent
         return False
 
@@ -447,7 +448,9 @@ class Runner(Rejoining, Reserving):
             self._break(cancelled, notify=True, during=channel)
             raise
         except (MismatchError, RemoteProtocolError, ConnectionBrokenError) as failure:
-            if not isinstance(failure, ConnectionBrokenError) and self._broke_with(failure):
+            if not isinstance(failure, ConnectionBrokenError) and self._broken_by_another(
+                failure, channel
+            ):
                 # Another call's failure: breaking the group, it woke every wait on the
                 # connections with its error, which names that call, not this one.
                 raise GroupBrokenError(f"{link.explain()} failed", failure) from None

@@ -153,7 +153,7 @@ class RelayStatus:
     on, but only a change to the relay or to this client's settings will let it in."""
     refusal: str | None = None
     """Why, when :attr:`refused`: ``"bad_token"``, ``"not_allowed"`` (the allowlist),
-    ``"bad_signature"``, ``"malformed_auth"``, or ``"pin_mismatch"`` (the relay's key is
+    ``"bad_signature"``, ``"malformed"``, or ``"pin_mismatch"`` (the relay's key is
     not the URL's pin: we refused it)."""
     datagrams_sent: int = 0
     datagrams_received: int = 0

@@ -96,7 +96,7 @@ BAD_TOKEN_TEXT = "bad token"
 NOT_ALLOWED_TEXT = "endpoint not allowed"
 CREDENTIAL_REFUSALS = {
     BAD_SIGNATURE_TEXT: "bad_signature",
-    MALFORMED_AUTH_TEXT: "malformed_auth",
+    MALFORMED_AUTH_TEXT: "malformed",
     BAD_TOKEN_TEXT: "bad_token",
     NOT_ALLOWED_TEXT: "not_allowed",
 }
