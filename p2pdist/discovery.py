@@ -17,22 +17,23 @@ import asyncio
 import ipaddress
 import logging
 import socket
+from collections.abc import Awaitable
 
 import ifaddr
-from zeroconf import InterfaceChoice, IPVersion
+from zeroconf import InterfaceChoice, IPVersion, NonUniqueNameException
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from .errors import PeerTimeoutError, UsageError
+from .errors import ConnectionClosedError, UsageError
 from .identity import EndpointId
 
-__all__ = ["SERVICE_TYPE", "LanDiscovery", "local_ipv4"]
+__all__ = ["SERVICE_TYPE", "LanDiscovery", "dial_order", "local_ipv4"]
 
 log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_p2pdist._tcp.local."
 """The DNS-SD service type a rank announces itself under."""
 ASK_EVERY = 1.0
-"""Seconds one lookup of a rank waits for an answer before it asks again."""
+"""Seconds one lookup of a rank waits for an answer (a dial asks again after that)."""
 
 _Network = ipaddress.IPv4Network
 
@@ -48,23 +49,29 @@ def local_ipv4() -> list[tuple[str, _Network]]:
     return sorted(found, key=lambda a: a[1].is_loopback or a[1].is_link_local)
 
 
-def pick_address(theirs: list[str], ours: list[tuple[str, _Network]]) -> str:
-    """The one of ``theirs`` to dial: one on a network this host is on (a rank with
-    several interfaces announces them all), else the first."""
-    for address in theirs:
+def dial_order(theirs: list[str], ours: list[tuple[str, _Network]]) -> list[str]:
+    """``theirs`` (a rank's announced addresses) in the order to dial them: those on a
+    network this host is on first, then the others, and last those that are this host's
+    own too (a docker bridge's, the same on every host: there, the dial would reach
+    this host; they come first only for a rank on this very host, whose addresses are
+    all ours)."""
+    mine = {address for address, _ in ours}
+
+    def rank(address: str) -> tuple[bool, bool]:
         ip = ipaddress.IPv4Address(address)
-        if any(ip in net for _, net in ours):
-            return address
-    return theirs[0]
+        shared = any(ip in net for _, net in ours)
+        return address in mine and not set(theirs) <= mine, not shared
+
+    return sorted(dict.fromkeys(theirs), key=rank)
 
 
 class LanDiscovery:
     """Announce this rank (``me``, listening on ``host:port``) on the local network and
     look other ranks up; ``host`` is the listening address: a specific IPv4 address keeps
     mDNS on that interface alone (``127.0.0.1``: this host only), ``0.0.0.0`` uses every
-    interface."""
+    interface. ``label`` names this rank in errors."""
 
-    def __init__(self, me: EndpointId, host: str, port: int) -> None:
+    def __init__(self, me: EndpointId, host: str, port: int, label: str) -> None:
         try:
             ip = ipaddress.ip_address(host or "0.0.0.0")
         except ValueError:
@@ -77,26 +84,35 @@ class LanDiscovery:
                 f"0.0.0.0), not {host!r}"
             )
         self._me = me
+        self._label = label
         self._port = port
         self._ours = local_ipv4()
         if ip.is_unspecified:
             self._interfaces: InterfaceChoice | list[str] = InterfaceChoice.All
-            announced = [a for a, net in self._ours if not ipaddress.IPv4Address(a).is_loopback]
+            announced = [a for a, net in self._ours if not net.is_loopback]
             self._announced = announced or [a for a, _ in self._ours]
         else:
             self._interfaces = [str(ip)]
             self._announced = [str(ip)]
         self._zc: AsyncZeroconf | None = None
         self._info: AsyncServiceInfo | None = None
+        self._announcing: Awaitable[object] | None = None
+        """zeroconf's announcements after the name was claimed (a task it returns)."""
+        self.found: dict[EndpointId, str] = {}
+        """The address each rank was last dialed at (see :meth:`lookup`)."""
 
     @property
     def announced(self) -> list[str]:
         """The addresses this rank announces (dialed at its port)."""
         return list(self._announced)
 
-    async def start(self) -> None:
-        """Announce this rank (returns once its name is claimed: about a second)."""
-        self._zc = AsyncZeroconf(interfaces=self._interfaces, ip_version=IPVersion.V4Only)
+    async def start(self, timeout: float) -> None:
+        """Announce this rank (returns once its name is claimed: about a second). Another
+        process announcing the same name (this rank's) is waited out for ``timeout``
+        seconds (the last run's rank may still be closing), then a :class:`UsageError`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        self._zc = zc = AsyncZeroconf(interfaces=self._interfaces, ip_version=IPVersion.V4Only)
         self._info = AsyncServiceInfo(
             SERVICE_TYPE,
             f"{self._me}.{SERVICE_TYPE}",
@@ -105,36 +121,44 @@ class LanDiscovery:
             server=f"p2pdist-{self._me}.local.",
             properties={"v": "1"},
         )
-        await self._zc.async_register_service(self._info)
-        log.debug("%s announced at %s port %d", self._me.short(), self._announced, self._port)
-
-    async def find(self, peer: EndpointId, label: str, timeout: float) -> str:
-        """``host:port`` of ``peer`` (named ``label`` in errors), asking until it answers;
-        :class:`PeerTimeoutError` after ``timeout`` seconds."""
-        assert self._zc is not None, "start() first"
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
         while True:
-            info = AsyncServiceInfo(SERVICE_TYPE, f"{peer}.{SERVICE_TYPE}")
-            wait = min(ASK_EVERY, max(deadline - loop.time(), 0.0))
-            if await info.async_request(self._zc.zeroconf, wait * 1000) and info.port:
-                addresses = info.parsed_addresses(IPVersion.V4Only)
-                if addresses:
-                    return f"{pick_address(addresses, self._ours)}:{info.port}"
-            if loop.time() >= deadline:
-                raise PeerTimeoutError(
-                    label,
-                    f"not found on the local network within {timeout:g} s (mDNS, "
-                    f"{SERVICE_TYPE}); ranks on other networks need peers= or relay=",
-                )
+            try:
+                self._announcing = await zc.async_register_service(self._info)
+                break
+            except NonUniqueNameException:
+                if loop.time() >= deadline:
+                    raise UsageError(
+                        f"{self._label}: another process announces this rank on the local "
+                        f"network (its endpoint id, {SERVICE_TYPE}): a second process runs "
+                        "this rank with this seed, or the last run's has not closed yet"
+                    ) from None
+                await asyncio.sleep(min(ASK_EVERY, max(deadline - loop.time(), 0.0)))
+        log.debug("%s announced at %s port %d", self._label, self._announced, self._port)
+
+    async def lookup(self, peer: EndpointId) -> list[str]:
+        """``peer``'s ``host:port`` addresses, in the order to dial them
+        (:func:`dial_order`), as the network (or what zeroconf heard of it already)
+        answers within :data:`ASK_EVERY` seconds; empty when nothing answered."""
+        zc = self._zc
+        if zc is None:
+            raise ConnectionClosedError(f"{self._label}: local network discovery is closed")
+        info = AsyncServiceInfo(SERVICE_TYPE, f"{peer}.{SERVICE_TYPE}")
+        if not await info.async_request(zc.zeroconf, ASK_EVERY * 1000) or not info.port:
+            return []
+        theirs = info.parsed_addresses(IPVersion.V4Only)
+        return [f"{a}:{info.port}" for a in dial_order(theirs, self._ours)]
 
     async def close(self) -> None:
-        """Withdraw the announcement and stop answering."""
+        """Withdraw the announcement (goodbye packets, which the caller bounds) and stop
+        answering."""
         zc, self._zc = self._zc, None
         if zc is None:
             return
         try:
+            if isinstance(self._announcing, asyncio.Future):
+                self._announcing.cancel()
             if self._info is not None:
-                await zc.async_unregister_service(self._info)
+                sending = await zc.async_unregister_service(self._info)
+                await sending  # (closing first would drop the goodbye unsent)
         finally:
             await zc.async_close()

@@ -2,8 +2,9 @@
 relay=, the ranks finding each other on the local network (mDNS).
 
 Usage: python discovery_worker.py SEED RANK WORLD [LISTEN [CONNECT_TIMEOUT]]
-Prints one JSON line: ``{"sum": [...], "peers": [host:port per rank]}`` after an
-all_reduce of ``rank + 1`` over the group, or ``{"error": type, "text": str}``.
+Prints one JSON line: ``{"sum": [...], "dialed": {rank: host:port}}`` (the lower ranks,
+which this rank dialed) after an all_reduce of ``rank + 1`` over the group, or
+``{"error": type, "text": str}``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ async def main(seed: str, rank: int, world: int, listen: str | None, wait: float
         async with Group.from_seed(seed, rank=rank, world=world, listen=listen, config=config) as g:
             total = await g.all_reduce(np.full(4, rank + 1.0))
             await g.barrier()  # nobody closes while another still reads its part
-            print(json.dumps({"sum": total.tolist(), "peers": g._addresses}), flush=True)
+            found = g._discovery.found if g._discovery is not None else {}
+            dialed = {r: found.get(g._ids[r]) for r in range(rank)}  # (it dials lower ranks)
+            print(json.dumps({"sum": total.tolist(), "dialed": dialed}), flush=True)
     except P2PError as exc:
         print(json.dumps({"error": type(exc).__name__, "text": str(exc)}), flush=True)
 

@@ -25,9 +25,7 @@ from ..errors import (
     ConnectionClosedError,
     GroupBrokenError,
     P2PError,
-    P2PTimeoutError,
     PeerError,
-    PeerTimeoutError,
     RemoteProtocolError,
     UsageError,
 )
@@ -68,9 +66,9 @@ __all__ = ["GroupCore"]
 
 _T = TypeVar("_T")
 _GIVEN_UP_MAX = 64
+"""Calls given up by other ranks that a group remembers (the first breaks it)."""
 _DISCOVERY_CLOSE = 2.0
 """Seconds a closing group waits for its local-network announcement to be withdrawn."""
-"""Calls given up by other ranks that a group remembers (the first breaks it)."""
 
 log = logging.getLogger(__name__)
 
@@ -428,7 +426,9 @@ class GroupCore(Runner):
             await self.close()
 
     async def start(self) -> Self:
-        """Connect to every peer (bounded by ``config.connect_timeout``)."""
+        """Connect to every peer (bounded by ``config.connect_timeout``; with neither
+        peers nor relay, announcing this rank on the local network takes about a second
+        before that)."""
         if self._closing:
             if self._parent is not None:
                 raise UsageError("this sub-group is closed; split() makes a new one")
@@ -481,6 +481,11 @@ class GroupCore(Runner):
     def _where(self, r: int) -> str:
         if self._relay_url is not None:
             return f"through relay {self._relay_url}"
+        if self._discovery is not None:
+            found = self._discovery.found.get(self._ids[r])
+            if found is not None:
+                return f"at {found} (found on the local network)"
+            return "(not found on the local network; ranks on other networks need peers= or relay=)"
         return f"at {self._addresses[r]}" if self._addresses else ""
 
     def _peer_name(self, eid: EndpointId) -> str:
@@ -520,39 +525,13 @@ class GroupCore(Runner):
             raise UsageError(
                 f"{self.peer_label(self._rank)} cannot listen on {host}:{port}: {exc}"
             ) from None
-        if self._addresses is None:
-            self._addresses = await self._find_ranks(host, port)
+        if self._addresses is None:  # announced, and each rank looked up as it is dialed
+            from ..discovery import LanDiscovery  # (zeroconf: imported only when used)
+
+            label = self.peer_label(self._rank)
+            self._discovery = LanDiscovery(self.endpoint_id, host, port, label)
+            await self._discovery.start(self.config.connect_timeout)
         return tcp
-
-    async def _find_ranks(self, host: str, port: int) -> list[Address]:
-        """Every rank's address, found on the local network (this rank announced as
-        listening on ``host:port``), each lookup bounded by ``connect_timeout``."""
-        from ..discovery import LanDiscovery  # (zeroconf: imported only by those who use it)
-
-        discovery = self._discovery = LanDiscovery(self.endpoint_id, host, port)
-        await discovery.start()
-        timeout = self.config.connect_timeout
-
-        async def find(r: int) -> Address:
-            if r == self._rank:
-                return f"{discovery.announced[0]}:{port}"
-            return await discovery.find(self._ids[r], self.peer_label(r), timeout)
-
-        found = await asyncio.gather(*(find(r) for r in range(self.size)), return_exceptions=True)
-        missing = [r for r, a in enumerate(found) if isinstance(a, PeerTimeoutError)]
-        if missing:
-            names = ", ".join(self.peer_label(r) for r in missing)
-            raise P2PTimeoutError(
-                f"{self.peer_label(self._rank)}: {len(missing)} of {self.size - 1} ranks not "
-                f"found on the local network within {timeout:g} s (mDNS): {names}; ranks on "
-                "other networks need peers= or relay="
-            )
-        for a in found:
-            if isinstance(a, BaseException):
-                raise a
-        addresses = [a for a in found if not isinstance(a, BaseException)]
-        log.info("%s: found the ranks at %s", self.peer_label(self._rank), addresses)
-        return addresses
 
     async def close(self) -> None:
         """Close every connection (bounded); the group cannot be used afterwards.

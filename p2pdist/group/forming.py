@@ -30,7 +30,12 @@ from ..errors import (
     RemoteProtocolError,
 )
 from ..transport.base import NOT_ADMITTED, Connection
-from ..transport.dial import dial_with_retry
+from ..transport.dial import (
+    FIRST_RETRY,
+    MAX_RETRY,
+    dial_with_retry,
+    worth_retrying,
+)
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TLS_MISMATCH_HINT, TcpTransport
 from .config import GroupConfig
@@ -221,6 +226,8 @@ class Forming(Membership):
 
     async def _dial(self, transport: TcpTransport | QuicTransport, r: int) -> Connection:
         # Bounded by start()'s connect_timeout, which names every rank still missing.
+        if self._discovery is not None and isinstance(transport, TcpTransport):
+            return await self._dial_found(transport, r)
         address = None
         if isinstance(transport, TcpTransport):
             assert self._addresses is not None
@@ -234,6 +241,30 @@ class Forming(Membership):
             timeout=None,
             on_retry=None if form is None else functools.partial(form.dial_failed, r),
         )
+
+    async def _dial_found(self, transport: TcpTransport, r: int) -> Connection:
+        """Dial rank ``r`` at the addresses the local network gives for it, each in turn,
+        looking it up again after each round (it may have restarted on another port);
+        retried as :func:`dial_with_retry` does, and bounded the same way."""
+        assert self._discovery is not None
+        discovery, peer, label = self._discovery, self._ids[r], self.peer_label(r)
+        delay = FIRST_RETRY
+        while True:
+            for address in await discovery.lookup(peer):
+                try:
+                    conn = await transport.connect(peer, address, label=label)
+                except P2PError as exc:
+                    if not worth_retrying(exc):
+                        discovery.found[peer] = address  # (the error names where)
+                        raise
+                    discovery.found[peer] = address
+                    if self._forming is not None:
+                        self._forming.dial_failed(r, exc)
+                    continue
+                discovery.found[peer] = address
+                return conn
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_RETRY)
 
     async def _form_with(
         self, transport: TcpTransport | QuicTransport, r: int, form: _Formation

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Coroutine, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -37,6 +37,9 @@ from ..wire.relay import RelayUrl
 from .config import GroupConfig
 from .link import CollectiveLink
 from .spaces import SpaceBook
+
+if TYPE_CHECKING:
+    from ..discovery import LanDiscovery
 
 __all__ = ["CONTROL_CHANNEL", "FIRST_RESERVED_SPACE", "LAST_SPACE", "LEAVING_MAX", "Membership"]
 
@@ -120,6 +123,7 @@ class Membership:
     _failure_log: list[BaseException]
     _given_up: dict[int, GroupBrokenError]  # root: see GroupCore
     _addresses: list[Address] | None
+    _discovery: LanDiscovery | None  # neither peers nor relay: ranks found on the LAN
     _relay_url: RelayUrl | None
     _relay_path: RelayPath | None
 

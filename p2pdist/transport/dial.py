@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from ..errors import (
     ConnectionBrokenError,
+    P2PError,
     PeerAuthenticationError,
     PeerTimeoutError,
     RemoteProtocolError,
@@ -19,9 +20,19 @@ from .base import ACCEPT_QUEUE_FULL, Address, Connection
 from .quic import QuicTransport
 from .tcp import TcpTransport
 
-__all__ = ["dial_with_retry"]
+__all__ = ["dial_with_retry", "worth_retrying"]
 
 log = logging.getLogger(__name__)
+
+
+def worth_retrying(exc: BaseException) -> bool:
+    """Whether a dial that failed with ``exc`` is retried: a refusal, a reset or a
+    handshake timeout (a peer still starting up) and a full accept queue (a busy one),
+    never an authentication failure."""
+    if isinstance(exc, PeerAuthenticationError):
+        return ACCEPT_QUEUE_FULL in exc.detail  # (full: busy, not refused)
+    return isinstance(exc, ConnectionBrokenError | PeerTimeoutError | RemoteProtocolError)
+
 
 FIRST_RETRY = 0.02
 """Seconds before the first retry; doubles up to :data:`MAX_RETRY`."""
@@ -56,11 +67,9 @@ async def dial_with_retry(
                         return await transport.connect(peer, address, label=label)
                     assert address is not None
                     return await transport.connect(peer, address, label=label)
-                except PeerAuthenticationError as exc:
-                    if ACCEPT_QUEUE_FULL not in exc.detail:  # (full: busy, not refused)
+                except P2PError as exc:
+                    if not worth_retrying(exc):
                         raise
-                    last = exc
-                except (ConnectionBrokenError, PeerTimeoutError, RemoteProtocolError) as exc:
                     last = exc
                 log.debug("dial %s: %s; retrying", label, last)
                 if on_retry is not None:
