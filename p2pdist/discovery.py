@@ -96,6 +96,9 @@ class LanDiscovery:
             self._announced = [str(ip)]
         self._zc: AsyncZeroconf | None = None
         self._info: AsyncServiceInfo | None = None
+        self._registered = False
+        """Whether the name is ours (only then may close() say goodbye for it: another
+        process's records would be dropped from every cache)."""
         self._announcing: Awaitable[object] | None = None
         """zeroconf's announcements after the name was claimed (a task it returns)."""
         self.found: dict[EndpointId, str] = {}
@@ -106,12 +109,11 @@ class LanDiscovery:
         """The addresses this rank announces (dialed at its port)."""
         return list(self._announced)
 
-    async def start(self, timeout: float) -> None:
-        """Announce this rank (returns once its name is claimed: about a second). Another
-        process announcing the same name (this rank's) is waited out for ``timeout``
-        seconds (the last run's rank may still be closing), then a :class:`UsageError`."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+    async def start(self) -> None:
+        """Announce this rank (returns once its name is claimed: about a second). A name
+        another process announces (this rank's) is a :class:`UsageError` at once: mDNS
+        tells of a conflict only while probing, and answers a probe repeated within a
+        second no more, so a second try would claim the name beside its owner."""
         self._zc = zc = AsyncZeroconf(interfaces=self._interfaces, ip_version=IPVersion.V4Only)
         self._info = AsyncServiceInfo(
             SERVICE_TYPE,
@@ -121,18 +123,15 @@ class LanDiscovery:
             server=f"p2pdist-{self._me}.local.",
             properties={"v": "1"},
         )
-        while True:
-            try:
-                self._announcing = await zc.async_register_service(self._info)
-                break
-            except NonUniqueNameException:
-                if loop.time() >= deadline:
-                    raise UsageError(
-                        f"{self._label}: another process announces this rank on the local "
-                        f"network (its endpoint id, {SERVICE_TYPE}): a second process runs "
-                        "this rank with this seed, or the last run's has not closed yet"
-                    ) from None
-                await asyncio.sleep(min(ASK_EVERY, max(deadline - loop.time(), 0.0)))
+        try:
+            self._announcing = await zc.async_register_service(self._info)
+        except NonUniqueNameException:
+            raise UsageError(
+                f"{self._label}: another process announces this rank on the local network "
+                f"(its endpoint id, {SERVICE_TYPE}): a second process runs this rank with "
+                "this seed, or the last run's has not closed yet"
+            ) from None
+        self._registered = True
         log.debug("%s announced at %s port %d", self._label, self._announced, self._port)
 
     async def lookup(self, peer: EndpointId) -> list[str]:
@@ -157,7 +156,7 @@ class LanDiscovery:
         try:
             if isinstance(self._announcing, asyncio.Future):
                 self._announcing.cancel()
-            if self._info is not None:
+            if self._info is not None and self._registered:
                 sending = await zc.async_unregister_service(self._info)
                 await sending  # (closing first would drop the goodbye unsent)
         finally:

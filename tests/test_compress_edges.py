@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 from group_helpers import groups
 
-from p2pdist import ErrorFeedback, PeerTimeoutError, UsageError
+from p2pdist import (
+    ErrorFeedback,
+    GroupBrokenError,
+    MismatchError,
+    P2PTimeoutError,
+    UsageError,
+)
 from p2pdist.group.ops import reduce_op
 from p2pdist.group.ordered import ordered_reduce
 
@@ -68,51 +74,66 @@ async def test_a_waiting_error_feedback_call_of_another_size_is_refused_when_its
         assert all((o == 2.0).all() for o in outs)
 
 
-async def test_calls_waiting_for_an_error_feedback_take_it_in_turn_and_a_cancelled_one_passes() -> (
-    None
-):
-    """Waiters take the feedback in the order they asked; one cancelled while it waits
-    (or once handed it) passes it on."""
-    ef = ErrorFeedback()
-    order: list[int] = []
-    await ef.hold(4)
+async def test_calls_with_one_error_feedback_take_their_turns_in_call_order() -> None:
+    """The calls take the feedback in the order they were made, whatever order they
+    start in: rank 0 starts its second call first, rank 1 its first (turns given in
+    the order the calls asked deadlocked the two ranks until the timeout: a reviewer).
+    A call that ends without running gives its turn up; and a call whose earlier one
+    with the same feedback never starts fails after its timeout instead of waiting for
+    ever."""
+    async with groups(2, timeout=5) as gs:
+        efs = [ErrorFeedback() for _ in gs]
 
-    async def call(i: int) -> None:
-        await ef.hold(4)
-        order.append(i)
-        await asyncio.sleep(0)
-        ef.release()
+        async def rank(g: Any, reverse: bool) -> list[Any]:
+            ef = efs[g.rank]
+            calls = [
+                g.all_reduce(np.full(8, v, np.float32), wire_dtype="int8", error_feedback=ef)
+                for v in (1.0, 2.0)
+            ]
+            unrun = g.all_reduce(np.ones(8, np.float32), wire_dtype="int8", error_feedback=ef)
+            unrun.close()  # made, then dropped: its turn is given up (as its call id)
+            return list(await asyncio.gather(*(calls[::-1] if reverse else calls)))
 
-    tasks = [asyncio.create_task(call(i)) for i in range(4)]
-    await asyncio.sleep(0.01)
-    tasks[1].cancel()  # while it waits
-    ef.release()
-    tasks[2].cancel()  # handed to 0 now: 2 leaves the queue
-    await asyncio.gather(*tasks, return_exceptions=True)
-    assert order == [0, 3], order
-    await asyncio.wait_for(ef.hold(4), 1)  # free again
-    ef.release()
+        outs = await asyncio.wait_for(asyncio.gather(rank(gs[0], True), rank(gs[1], False)), 4)
+        assert (outs[0][1] == 2.0).all() and (outs[0][0] == 4.0).all(), outs[0]
+        assert (outs[1][0] == 2.0).all() and (outs[1][1] == 4.0).all(), outs[1]
+        # The group is in step after the dropped call (both ranks dropped it).
+        await asyncio.gather(*(g.barrier() for g in gs))
+        ef = efs[0]
+        first = gs[0].all_reduce(np.ones(8, np.float32), wire_dtype="int8", error_feedback=ef)
+        with pytest.raises(P2PTimeoutError, match="has not started"):
+            await gs[0].all_reduce(
+                np.ones(8, np.float32), wire_dtype="int8", error_feedback=ef, timeout=0.3
+            )
+        first.close()
 
 
-async def test_an_error_feedback_is_released_when_its_call_fails_or_is_cancelled() -> None:
-    """A call that times out, and one cancelled while it waits for its peer, leave their
-    ErrorFeedback free for the next call."""
-    async with groups(2, timeout=10) as gs:
+async def test_a_call_that_waited_for_its_error_feedback_is_refused_if_the_group_broke() -> None:
+    """A call waiting for its turn with the feedback while another call broke the group
+    (a mismatch) is refused as it starts: it ran on, applying the feedback on a broken
+    group (a reviewer)."""
+    async with groups(2, timeout=5) as gs:
         ef = ErrorFeedback()
-        x = np.ones(8, np.float32)
-        task = asyncio.create_task(gs[0].all_reduce(x, wire_dtype="int8", error_feedback=ef))
-        await asyncio.sleep(0.05)  # it runs, waiting for rank 1
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await ef.hold(8)  # free again
-        ef.release()
-    async with groups(2, timeout=10) as gs:
-        ef = ErrorFeedback()
-        with pytest.raises(PeerTimeoutError):
-            await gs[0].reduce_scatter(x, wire_dtype="int8", error_feedback=ef, timeout=0.2)
-        await ef.hold(8)
-        ef.release()
+        applied = []
+        apply = ef.apply
+        ef.apply = lambda *a, **k: (applied.append(1), apply(*a, **k))[1]  # type: ignore[method-assign]
+
+        async def rank0() -> list[Any]:
+            calls = [
+                gs[0].all_reduce(np.ones(8, np.float32), wire_dtype="int8", error_feedback=ef)
+                for _ in range(2)
+            ]
+            return list(await asyncio.gather(*calls, return_exceptions=True))
+
+        async def rank1() -> None:
+            await asyncio.sleep(0.3)
+            with pytest.raises(MismatchError):
+                await gs[1].all_reduce(np.ones(9, np.float32), wire_dtype="int8")
+
+        first, second = (await asyncio.gather(rank0(), rank1()))[0]
+        assert isinstance(first, MismatchError), first
+        assert isinstance(second, GroupBrokenError), second
+        assert len(applied) == 1, applied
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])

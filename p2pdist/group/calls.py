@@ -27,6 +27,7 @@ from collections.abc import Callable, Coroutine, Generator, Iterator
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..errors import UsageError
+from .compress import ErrorFeedback
 
 __all__ = [
     "CollectiveCall",
@@ -53,6 +54,12 @@ class Reserving:
     """Numbers collective calls in the order they were made, shared by a group and its
     sub-groups (whose calls have ids of their own): the holder of a reserved id, and what
     timeouts compare to name the calls made earlier that have not started."""
+
+    def _call_number(self) -> int:
+        """The place in the call order of the call now taking its first steps (until
+        ``_run`` takes its id), or -1 for a call that reserved none."""
+        cid = self._taking
+        return -1 if cid is None else self._pending.get(cid, -1)
 
     def _reserve(self) -> tuple[int, int] | None:
         """A call id for a collective called now and its place in ``_call_order`` (which
@@ -87,16 +94,23 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
     that ends without having run: thrown into or closed before its first step,
     garbage-collected unawaited, or failed before it took its id."""
 
-    __slots__ = ("_cid", "_coro", "_group", "_holder", "_started")
+    __slots__ = ("_cid", "_coro", "_group", "_holder", "_started", "_unrun")
 
     def __init__(
-        self, group: Reserving, cid: int, holder: int, coro: Coroutine[Any, Any, _T]
+        self,
+        group: Reserving,
+        cid: int,
+        holder: int,
+        coro: Coroutine[Any, Any, _T],
+        *,
+        unrun: Callable[[], None] | None = None,
     ) -> None:
         self._group = group
         self._cid = cid
         self._holder = holder  # its place in the group's _call_order
         self._coro = coro
         self._started = False
+        self._unrun = unrun  # called (on the group's loop) if the call ends unstarted
 
     def send(self, value: Any) -> Any:
         """Advance the call; until it has taken its reserved id, each step offers it."""
@@ -123,7 +137,7 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
 
     def throw(self, *args: Any) -> Any:
         """Raise an exception in the call; before its first step, it never runs."""
-        self._started = True  # before its first step, the method's code never runs
+        self._ends_unstarted()  # before its first step, the method's code never runs
         try:
             return self._coro.throw(*args)
         except BaseException as exc:
@@ -132,7 +146,7 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
 
     def close(self) -> None:
         """Close the call; before its first step, it never runs."""
-        self._started = True
+        self._ends_unstarted()
         self._coro.close()
         self._settle(None)
 
@@ -166,6 +180,13 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
     def __iter__(self) -> CollectiveCall[_T]:
         return self
 
+    def _ends_unstarted(self) -> None:
+        """Mark the call started; one ending before its first step never ran."""
+        if not self._started:
+            self._started = True
+            if self._unrun is not None:
+                self._unrun()
+
     def __del__(self) -> None:
         if self._started:
             return
@@ -178,6 +199,8 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
             if loop is None:
                 raise RuntimeError("no loop")
             loop.call_soon_threadsafe(group._skip, cid, holder, "it was never awaited")
+            if self._unrun is not None:
+                loop.call_soon_threadsafe(self._unrun)
         except RuntimeError:  # its loop is closed: the group is gone, nobody to tell
             if group._pending.get(cid) == holder:
                 del group._pending[cid]
@@ -235,6 +258,14 @@ class CollectiveCall(Coroutine[Any, Any, _T]):
             home.call_soon_threadsafe(settle, self._cid, self._holder, why)
 
 
+async def _then(coro: Coroutine[Any, Any, _T], ended: Callable[[], None]) -> _T:
+    """``coro``'s result, calling ``ended`` once it has ended, however."""
+    try:
+        return await coro
+    finally:
+        ended()
+
+
 def _on_home_loop(group: Reserving) -> bool:
     """Whether this thread runs the group's event loop (or the group has none yet)."""
     home = group._home_loop
@@ -281,6 +312,21 @@ def collective(
         reserved = self._reserve()
         if reserved is None:
             return coro
-        return CollectiveCall(self, *reserved, coro)
+        feedback = kwargs.get("error_feedback")
+        if not isinstance(feedback, ErrorFeedback):
+            return CollectiveCall(self, *reserved, coro)
+        # Its turn with the feedback comes in call order (compress.py), and ends with
+        # the call, whether it ran or not.
+        order = reserved[1]
+        feedback.take_ticket(order)
+        ended = functools.partial(feedback.end, order)
+        wrapped = _then(coro, ended)
+        wrapped.__qualname__ = coro.__qualname__  # type: ignore[attr-defined]  # (warnings)
+
+        def unrun() -> None:
+            ended()
+            coro.close()  # never started: closed, as the call is
+
+        return CollectiveCall(self, *reserved, wrapped, unrun=unrun)
 
     return as_coroutine_function(call)

@@ -18,12 +18,13 @@ numpy's cast, 2-3x faster) for float16.
 from __future__ import annotations
 
 import asyncio
+import bisect
 from functools import cache
 from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import UsageError
+from ..errors import P2PTimeoutError, UsageError
 from ..settings import check_int
 from .halfcast import HalfScratch, decode_f16, encode_f16, subnormals_flushed
 
@@ -422,10 +423,10 @@ class ErrorFeedback:
     results again.
 
     One ErrorFeedback serves one call at a time: a collective holds it from when it runs
-    until it ends (:meth:`hold`, :meth:`release`), and a second call made with it
-    meanwhile waits for the first to end before it starts: its input then joins the
-    residual the first left, as if the caller had awaited the first (the same on every
-    rank, whatever the timing).
+    until it ends, and the calls made with it take their turns in the order they were
+    made (the order every rank pairs its calls in), whatever order they start in: a
+    second call made while the first is in flight waits for it, and its input joins the
+    residual the first left, as if the caller had awaited the first.
     """
 
     _PIECE = 1 << 18
@@ -438,10 +439,13 @@ class ErrorFeedback:
         """The residual as the running call found it, until :meth:`settle`."""
         self._held: int | None = None
         """The size of the call that holds this feedback (:meth:`hold`), or None."""
-        self._busy = False
-        """Whether a call holds this feedback, or has been handed it."""
-        self._waiting: list[asyncio.Future[None]] = []
-        """Calls waiting for the holder to end, in the order they came."""
+        self._tickets: list[int] = []
+        """The call-order numbers of the calls made with this feedback that have not
+        ended, smallest first (taken when each call is made: calls.py): whose turn."""
+        self._holder: int | None = None
+        """The call-order number of the call that holds it (-1: a call with none)."""
+        self._changed: list[asyncio.Future[None]] = []
+        """Calls waiting for their turn, woken when a call ends."""
 
     def begin(self, x: np.ndarray, divisor: int = 1) -> np.ndarray:
         """``x / divisor + residual`` as a new flat float32 array, with the residual back
@@ -469,44 +473,56 @@ class ErrorFeedback:
                 f"this call has {size}; use one ErrorFeedback per tensor"
             )
 
-    async def hold(self, size: int) -> None:
-        """Take this feedback for a call of ``size`` elements, once the calls that took or
-        asked for it before have ended (in the order they asked), and check it
-        (:meth:`check`) before the call takes its channel: a :class:`UsageError`, or a
-        cancellation while it waits, holds nothing."""
-        if self._busy or self._waiting:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiting.append(waiter)
+    def take_ticket(self, order: int) -> None:
+        """A call numbered ``order`` in the group's call order is made with this feedback:
+        it takes its turn after the calls made before it (:meth:`hold`)."""
+        bisect.insort(self._tickets, order)
+
+    async def hold(self, size: int, order: int, timeout: float) -> None:
+        """Take this feedback for the call numbered ``order`` (-1: a call that took no
+        ticket), of ``size`` elements, once the calls made before it with this feedback
+        have ended, waiting at most ``timeout`` seconds; then check it (:meth:`check`)
+        before the call takes its channel. A :class:`UsageError` holds nothing."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self._turn_of(order):
+            waiter = loop.create_future()
+            self._changed.append(waiter)
             try:
-                await waiter  # resolved: handed the feedback by release()
-            except BaseException:
-                if waiter in self._waiting:
-                    self._waiting.remove(waiter)
-                elif waiter.done() and not waiter.cancelled():
-                    self._pass_on()  # handed it, then cancelled before taking it
-                raise
-        self._busy = True
+                async with asyncio.timeout_at(deadline):
+                    await waiter
+            except TimeoutError:
+                raise P2PTimeoutError(
+                    f"a call made with an ErrorFeedback waited {timeout:g} s for the call "
+                    "made before it with the same feedback to end: that one has not "
+                    "started (await it, or start it as a task, before awaiting this one)"
+                ) from None
+        self._holder = order
         try:
             self.check(size)
         except BaseException:
-            self._pass_on()
+            self.end(order)
             raise
         self._held = size
 
-    def release(self) -> None:
-        """End the hold of :meth:`hold` (the call ended: returned, failed or cancelled),
-        handing the feedback to the next call waiting for it."""
-        self._before = None  # a call that failed before settle() left its snapshot
-        self._pass_on()
+    def _turn_of(self, order: int) -> bool:
+        if self._holder is not None:
+            return False
+        if order < 0:  # (a call without a ticket goes when no ticketed call waits)
+            return not self._tickets
+        return bool(self._tickets) and self._tickets[0] == order
 
-    def _pass_on(self) -> None:
-        self._held = None
-        while self._waiting:
-            waiter = self._waiting.pop(0)
+    def end(self, order: int) -> None:
+        """The call numbered ``order`` ended (returned, failed, cancelled, or never ran):
+        it gives its turn up, or the feedback back; idempotent."""
+        if order in self._tickets:
+            self._tickets.remove(order)
+        if self._holder == order:
+            self._holder = self._held = self._before = None  # (a failed call's snapshot)
+        waiting, self._changed = self._changed, []
+        for waiter in waiting:
             if not waiter.done():
-                waiter.set_result(None)  # it holds the feedback now (still busy)
-                return
-        self._busy = False
+                waiter.set_result(None)
 
     def _start(self, x: np.ndarray, divisor: int) -> tuple[np.ndarray, np.ndarray]:
         """``x / divisor`` as a new flat float32 array, and the residual in those units

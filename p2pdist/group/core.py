@@ -530,7 +530,7 @@ class GroupCore(Runner):
 
             label = self.peer_label(self._rank)
             self._discovery = LanDiscovery(self.endpoint_id, host, port, label)
-            await self._discovery.start(self.config.connect_timeout)
+            await self._discovery.start()
         return tcp
 
     async def close(self) -> None:

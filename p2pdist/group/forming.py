@@ -250,19 +250,20 @@ class Forming(Membership):
         discovery, peer, label = self._discovery, self._ids[r], self.peer_label(r)
         delay = FIRST_RETRY
         while True:
-            for address in await discovery.lookup(peer):
+            addresses = await discovery.lookup(peer)
+            for address in addresses:
+                discovery.found[peer] = address  # (an error names where it dialed)
                 try:
                     conn = await transport.connect(peer, address, label=label)
                 except P2PError as exc:
                     if not worth_retrying(exc):
-                        discovery.found[peer] = address  # (the error names where)
                         raise
-                    discovery.found[peer] = address
                     if self._forming is not None:
                         self._forming.dial_failed(r, exc)
                     continue
-                discovery.found[peer] = address
                 return conn
+            if addresses:  # all failed: a timeout names them all
+                discovery.found[peer] = ", ".join(addresses)
             await asyncio.sleep(delay)
             delay = min(delay * 2, MAX_RETRY)
 

@@ -242,13 +242,16 @@ class Reducing(GroupCore):
 
             if error_feedback is None:
                 return await self._compressed(descriptor, arr, work, codec, prepare, timeout, None)
-            await error_feedback.hold(arr.size)  # after calls before it with it; then checked
+            order = self._call_number()
+            # Its turn with the feedback: after the calls made before it with it.
+            await error_feedback.hold(arr.size, order, self._seconds(timeout))
             try:
+                self._check_usable()  # (it may have waited while the group broke)
                 return await self._compressed(
                     descriptor, arr, work, codec, prepare, timeout, error_feedback
                 )
             finally:
-                error_feedback.release()
+                error_feedback.end(order)
         if not ordered and self._direct(arr):  # small: the latency path, no extra layer
             flat = work.reshape(-1)
             # In place (work is arr) needs a copy of the input, except at world 2.
@@ -351,11 +354,13 @@ class Reducing(GroupCore):
 
             if feedback is None:
                 return await self._run(descriptor, timeout, compressed)
-            await feedback.hold(arr.size)  # after calls before it with it; then checked
+            order = self._call_number()
+            await feedback.hold(arr.size, order, self._seconds(timeout))  # (as all_reduce)
             try:
+                self._check_usable()
                 return await self._run(descriptor, timeout, compressed)
             finally:
-                feedback.release()
+                feedback.end(order)
 
         async def body(lk: CollectiveLink) -> np.ndarray:
             if ordered:
