@@ -27,6 +27,7 @@ from ..errors import (
     P2PTimeoutError,
     PeerAuthenticationError,
     PeerError,
+    PeerTimeoutError,
     RemoteProtocolError,
 )
 from ..transport.base import NOT_ADMITTED, Connection
@@ -62,6 +63,12 @@ _QUEUED_NOTE_WAIT = 1.0
 the read fails at once with the connection's end: the bound is only a guard)."""
 _NOTE_CHARS = 2000
 """Longest reason a formation ``failed`` note carries (it names ranks and addresses)."""
+
+
+FOUND_DIAL_BOUND = 2.0
+"""Seconds a dial of one of a rank's several announced addresses may take before the
+next is tried (so a path slower than that to connect and shake hands is given up while
+the rank announces others; one address alone has the whole handshake_timeout)."""
 
 
 class Forming(Membership):
@@ -251,15 +258,27 @@ class Forming(Membership):
         delay = FIRST_RETRY
         while True:
             addresses = await discovery.lookup(peer)
+            # One of several addresses that drops what is sent to it (a VPN's, another
+            # network's) must not hold the round for a whole handshake_timeout.
+            bound = FOUND_DIAL_BOUND if len(addresses) > 1 else None
             for address in addresses:
                 discovery.found[peer] = address  # (an error names where it dialed)
+                attempt = asyncio.timeout(bound)
                 try:
-                    conn = await transport.connect(peer, address, label=label)
+                    async with attempt:
+                        conn = await transport.connect(peer, address, label=label)
                 except P2PError as exc:
                     if not worth_retrying(exc):
                         raise
                     if self._forming is not None:
                         self._forming.dial_failed(r, exc)
+                    continue
+                except TimeoutError:
+                    if not attempt.expired():
+                        raise
+                    if self._forming is not None:
+                        why = f"no answer at {address} within {bound:g} s"
+                        self._forming.dial_failed(r, PeerTimeoutError(label, why))
                     continue
                 return conn
             if addresses:  # all failed: a timeout names them all
