@@ -96,18 +96,13 @@ class LanDiscovery:
             self._announced = [str(ip)]
         self._zc: AsyncZeroconf | None = None
         self._info: AsyncServiceInfo | None = None
-        self._registered = False
-        """Whether the name is ours (only then may close() say goodbye for it: another
-        process's records would be dropped from every cache)."""
+        """This rank's service, once its name is claimed (only then may close() say
+        goodbye for it: another process's records would be dropped from every cache)."""
         self._announcing: Awaitable[object] | None = None
         """zeroconf's announcements after the name was claimed (a task it returns)."""
-        self.found: dict[EndpointId, str] = {}
-        """The address each rank was last dialed at (see :meth:`lookup`)."""
-
-    @property
-    def announced(self) -> list[str]:
-        """The addresses this rank announces (dialed at its port)."""
-        return list(self._announced)
+        self.found: dict[EndpointId, list[str]] = {}
+        """Where each rank was last dialed: one address, or all of a round that failed
+        (group/forming.py)."""
 
     async def start(self) -> None:
         """Announce this rank (returns once its name is claimed: about a second). A name
@@ -115,7 +110,7 @@ class LanDiscovery:
         tells of a conflict only while probing, and answers a probe repeated within a
         second no more, so a second try would claim the name beside its owner."""
         self._zc = zc = AsyncZeroconf(interfaces=self._interfaces, ip_version=IPVersion.V4Only)
-        self._info = AsyncServiceInfo(
+        info = AsyncServiceInfo(
             SERVICE_TYPE,
             f"{self._me}.{SERVICE_TYPE}",
             port=self._port,
@@ -124,14 +119,14 @@ class LanDiscovery:
             properties={"v": "1"},
         )
         try:
-            self._announcing = await zc.async_register_service(self._info)
+            self._announcing = await zc.async_register_service(info)
         except NonUniqueNameException:
             raise UsageError(
                 f"{self._label}: another process announces this rank on the local network "
                 f"(its endpoint id, {SERVICE_TYPE}): a second process runs this rank with "
                 "this seed, or the last run's has not closed yet"
             ) from None
-        self._registered = True
+        self._info = info
         log.debug("%s announced at %s port %d", self._label, self._announced, self._port)
 
     async def lookup(self, peer: EndpointId) -> list[str]:
@@ -156,7 +151,7 @@ class LanDiscovery:
         try:
             if isinstance(self._announcing, asyncio.Future):
                 self._announcing.cancel()
-            if self._info is not None and self._registered:
+            if self._info is not None:
                 sending = await zc.async_unregister_service(self._info)
                 await sending  # (closing first would drop the goodbye unsent)
         finally:

@@ -358,8 +358,8 @@ class _Launcher:
 
     async def start(self, envs: Sequence[dict[str, str]]) -> None:
         """Spawn one child per environment, each with its output pumps."""
+        loop = asyncio.get_running_loop()
         for rank, env in enumerate(envs):
-            loop = asyncio.get_running_loop()
             exited: asyncio.Future[tuple[int, int]] = loop.create_future()
             try:
                 # create_subprocess_exec, with a protocol that tells the process's exit.

@@ -25,7 +25,7 @@ async def main(seed: str, rank: int, world: int, listen: str | None, wait: float
             total = await g.all_reduce(np.full(4, rank + 1.0))
             await g.barrier()  # nobody closes while another still reads its part
             found = g._discovery.found if g._discovery is not None else {}
-            dialed = {r: found.get(g._ids[r]) for r in range(rank)}  # (it dials lower ranks)
+            dialed = {r: found[g._ids[r]][0] for r in range(rank)}  # (it dials lower ranks)
             print(json.dumps({"sum": total.tolist(), "dialed": dialed}), flush=True)
     except P2PError as exc:
         print(json.dumps({"error": type(exc).__name__, "text": str(exc)}), flush=True)

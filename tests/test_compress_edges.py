@@ -16,6 +16,7 @@ from p2pdist import (
     GroupBrokenError,
     MismatchError,
     P2PTimeoutError,
+    PeerTimeoutError,
     UsageError,
 )
 from p2pdist.group.ops import reduce_op
@@ -106,6 +107,44 @@ async def test_calls_with_one_error_feedback_take_their_turns_in_call_order() ->
                 np.ones(8, np.float32), wire_dtype="int8", error_feedback=ef, timeout=0.3
             )
         first.close()
+
+
+async def test_an_error_feedback_is_released_when_its_call_fails_or_is_cancelled() -> None:
+    """A call that times out, and one cancelled while it waits for its peer, leave their
+    ErrorFeedback free for the next call; so does a call cancelled while it waits for
+    its turn."""
+    async with groups(2, timeout=10) as gs:
+        ef = ErrorFeedback()
+        x = np.ones(8, np.float32)
+        task = asyncio.create_task(gs[0].all_reduce(x, wire_dtype="int8", error_feedback=ef))
+        await asyncio.sleep(0.05)  # it runs, waiting for rank 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(ef.hold(8, -1, 1), 1)  # free again
+        ef.end(-1)
+    async with groups(2, timeout=10) as gs:
+        ef = ErrorFeedback()
+        with pytest.raises(PeerTimeoutError):
+            await gs[0].reduce_scatter(x, wire_dtype="int8", error_feedback=ef, timeout=0.2)
+        await asyncio.wait_for(ef.hold(8, -1, 1), 1)
+        ef.end(-1)
+    ef = ErrorFeedback()
+    for order in (0, 1, 2):
+        ef.take_ticket(order)
+    await ef.hold(8, 0, 1)
+    waiting = asyncio.create_task(ef.hold(8, 1, 5))
+    last = asyncio.create_task(ef.hold(8, 2, 5))
+    await asyncio.sleep(0.01)
+    waiting.cancel()  # while it waits for its turn
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    ef.end(1)  # (what its call does as it ends)
+    ef.end(0)
+    await asyncio.wait_for(last, 1)  # its turn came
+    ef.end(2)
+    await asyncio.wait_for(ef.hold(8, -1, 1), 1)
+    ef.end(-1)
 
 
 async def test_a_call_that_waited_for_its_error_feedback_is_refused_if_the_group_broke() -> None:

@@ -179,11 +179,23 @@ async def test_reserve_channel_space_refuses_a_taken_or_foreign_space() -> None:
 
 async def restart(old: Group, config: GroupConfig | None = None, **kw: object) -> Group:
     """Rank ``old.rank`` again, as a restarted process would be (same key and address),
-    with ``old``'s config unless ``config`` is given."""
+    with ``old``'s config unless ``config`` is given: ``old`` is closed first."""
     await old.close()
+    return rejoiner(old, config=config, **kw)
+
+
+def rejoiner(
+    old: Group,
+    *,
+    seed: str = "test-seed-0123456789",
+    config: GroupConfig | None = None,
+    **kw: object,
+) -> Group:
+    """A rank ``old.rank`` made with rejoin=True at ``old``'s address (``old`` as it is:
+    closed or not), from ``seed``, with ``old``'s config unless ``config`` is given."""
     assert old._addresses is not None
     return Group.from_seed(
-        "test-seed-0123456789",
+        seed,
         rank=old.rank,
         world=old.size,
         peers=old._addresses,
@@ -395,15 +407,7 @@ async def test_a_rejoin_with_another_seed_is_told_to_check_the_seed() -> None:
         crash(gs[2])
         await until_left(gs[:2], 2)
         await gs[2].close()
-        assert gs[2]._addresses is not None
-        other = Group.from_seed(
-            "another-seed-0123456789",
-            rank=2,
-            world=3,
-            peers=gs[2]._addresses,
-            config=gs[2].config,
-            rejoin=True,
-        )
+        other = rejoiner(gs[2], seed="another-seed-0123456789")
         with pytest.raises(PeerAuthenticationError, match="same seed") as info:
             await asyncio.wait_for(other.start(), 5)
         assert "on_peer_loss" not in str(info.value)  # the hint for another refusal
@@ -656,14 +660,7 @@ async def silently_gone_then_back(gs: list[Group]) -> Group:
     await listener.close()
     for g in gs[:2]:
         g._conns[2].idle_for = lambda: 1e9  # type: ignore[method-assign]
-    return Group.from_seed(
-        "test-seed-0123456789",
-        rank=2,
-        world=3,
-        peers=gs[2]._addresses,
-        config=gs[2].config,
-        rejoin=True,
-    )
+    return rejoiner(gs[2])
 
 
 async def test_a_recv_cut_by_a_silent_ranks_rejoin_leaves_the_new_messages_in_order() -> None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
+from collections.abc import AsyncIterator
 from functools import cache
 from typing import Any, Protocol
 
@@ -407,6 +409,10 @@ def divide_for_mean(x: np.ndarray, divisor: int, out: np.ndarray) -> None:
         np.divide(x, np.float32(divisor), out=out)
 
 
+_LEAST_LEFT = 1e-3
+"""Seconds a call whose turn came at its deadline still gets (a timeout must be > 0)."""
+
+
 class ErrorFeedback:
     """Keeps what compression lost from one call's input and adds it to the next call's.
 
@@ -504,6 +510,19 @@ class ErrorFeedback:
             self.end(order)
             raise
         self._held = size
+
+    @contextlib.asynccontextmanager
+    async def turn(self, size: int, order: int, timeout: float) -> AsyncIterator[float]:
+        """The call numbered ``order`` holds this feedback inside (:meth:`hold`), and
+        ends its turn on the way out (:meth:`end`), however it leaves. Gives what is left
+        of ``timeout`` after the wait, for the call itself (one bound for both)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        await self.hold(size, order, timeout)
+        try:
+            yield max(deadline - loop.time(), _LEAST_LEFT)
+        finally:
+            self.end(order)
 
     def _turn_of(self, order: int) -> bool:
         if self._holder is not None:

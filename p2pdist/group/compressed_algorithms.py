@@ -13,7 +13,6 @@ from .compress import WireCodec
 from .linkops import Link, as_bytes, chunks, send_to_others
 
 __all__ = [
-    "clamp_to_wire_range",
     "compressed_direct_all_reduce",
     "compressed_gather_segments",
     "compressed_ring_all_reduce",
@@ -113,7 +112,9 @@ async def compressed_ring_reduce_scatter(
 
     With ``residual`` (error feedback, in ``work``'s units), every encoding this rank
     makes adds what it lost to ``residual`` at that place, the first hop's (our input)
-    included: :meth:`ErrorFeedback.begin` leaves the input unencoded."""
+    included: :meth:`ErrorFeedback.begin` leaves the input unencoded. Our segment ends
+    with the wire's range (float16: a sum of 65520 or more is inf), as all_reduce's,
+    whose every piece is encoded once more."""
     encodings = _Encodings(codec, work, bounds, chunk, residual)
     await _reduce_scatter_steps(
         link,
@@ -124,6 +125,8 @@ async def compressed_ring_reduce_scatter(
         link.size - 1,
         lambda _k, a, b: encodings.encoded(a, b),
     )
+    a, b = bounds[link.rank]
+    _clamp_to_wire_range(codec, work[a:b])  # as its encoding would make it: all_reduce's
 
 
 class _Encodings:
@@ -168,14 +171,12 @@ async def compressed_gather_segments(
 ) -> None:
     """After a reduce-scatter, bring every rank's segment of float32 ``work`` to ``dst``,
     encoded once (one message per rank); ``dst`` decodes each into its place and keeps its
-    own segment in float32, but for float16 with the range of the others (a sum of 65520
-    or more is inf, as its encoding would make it and as all_reduce gives)."""
+    own segment as it is (float32; the reduce-scatter gave it the wire's range)."""
     r = link.rank
-    a, b = bounds[r]
     if r != dst:
+        a, b = bounds[r]
         await link.send(dst, as_bytes(codec.encode(work[a:b])) if b > a else memoryview(b""))
         return
-    clamp_to_wire_range(codec, work[a:b])
     for p, (a, b) in enumerate(bounds):
         if p != r:
             data = await link.recv(p, codec.nbytes(b - a))
@@ -231,10 +232,10 @@ async def compressed_direct_all_reduce(link: Link, work: np.ndarray, codec: Wire
             codec.decode_into(data, work)
         else:
             codec.accumulate(data, work)
-    clamp_to_wire_range(codec, work)
+    _clamp_to_wire_range(codec, work)
 
 
-def clamp_to_wire_range(codec: WireCodec, work: np.ndarray) -> None:
+def _clamp_to_wire_range(codec: WireCodec, work: np.ndarray) -> None:
     """With a float16 wire, float32 ``work``'s values that float16 cannot hold
     (|value| >= 65520) set to inf of their sign, in place, as encoding them would."""
     if codec.name == "float16":

@@ -484,7 +484,7 @@ class GroupCore(Runner):
         if self._discovery is not None:
             found = self._discovery.found.get(self._ids[r])
             if found is not None:
-                return f"at {found} (found on the local network)"
+                return f"at {', '.join(found)} (found on the local network)"
             return "(not found on the local network; ranks on other networks need peers= or relay=)"
         return f"at {self._addresses[r]}" if self._addresses else ""
 

@@ -31,12 +31,7 @@ from ..errors import (
     RemoteProtocolError,
 )
 from ..transport.base import NOT_ADMITTED, Connection
-from ..transport.dial import (
-    FIRST_RETRY,
-    MAX_RETRY,
-    dial_with_retry,
-    worth_retrying,
-)
+from ..transport.dial import dial_with_retry, retry_pauses, worth_retrying
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TLS_MISMATCH_HINT, TcpTransport
 from .config import GroupConfig
@@ -255,14 +250,14 @@ class Forming(Membership):
         retried as :func:`dial_with_retry` does, and bounded the same way."""
         assert self._discovery is not None
         discovery, peer, label = self._discovery, self._ids[r], self.peer_label(r)
-        delay = FIRST_RETRY
+        pauses = retry_pauses()
         while True:
             addresses = await discovery.lookup(peer)
             # One of several addresses that drops what is sent to it (a VPN's, another
             # network's) must not hold the round for a whole handshake_timeout.
             bound = FOUND_DIAL_BOUND if len(addresses) > 1 else None
             for address in addresses:
-                discovery.found[peer] = address  # (an error names where it dialed)
+                discovery.found[peer] = [address]  # (an error names where it dialed)
                 attempt = asyncio.timeout(bound)
                 try:
                     async with attempt:
@@ -282,9 +277,8 @@ class Forming(Membership):
                     continue
                 return conn
             if addresses:  # all failed: a timeout names them all
-                discovery.found[peer] = ", ".join(addresses)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, MAX_RETRY)
+                discovery.found[peer] = addresses
+            await asyncio.sleep(next(pauses))
 
     async def _form_with(
         self, transport: TcpTransport | QuicTransport, r: int, form: _Formation

@@ -26,7 +26,6 @@ from .compress import (
     to_float32,
 )
 from .compressed_algorithms import (
-    clamp_to_wire_range,
     compressed_direct_all_reduce,
     compressed_gather_segments,
     compressed_ring_all_reduce,
@@ -165,8 +164,9 @@ class Reducing(GroupCore):
         them too, on an empty array of each dtype it is given."""
         rop = reduce_op(op, arr.dtype)
         ordered = self._ordered(mode, rop, arr)
-        check_block(block)
         codec = None
+        if wire_dtype is None:
+            check_block(block)  # (make_codec checks it otherwise)
         if wire_dtype is not None or error_feedback is not None:
             deterministic = None if not ordered else "call" if mode is not None else "group"
             codec = _codec_for(wire_dtype, block, error_feedback, rop, arr, deterministic)
@@ -242,16 +242,13 @@ class Reducing(GroupCore):
 
             if error_feedback is None:
                 return await self._compressed(descriptor, arr, work, codec, prepare, timeout, None)
-            order = self._call_number()
             # Its turn with the feedback: after the calls made before it with it.
-            await error_feedback.hold(arr.size, order, self._seconds(timeout))
-            try:
+            seconds = self._seconds(timeout)
+            async with error_feedback.turn(arr.size, self._call_number(), seconds) as left:
                 self._check_usable()  # (it may have waited while the group broke)
                 return await self._compressed(
-                    descriptor, arr, work, codec, prepare, timeout, error_feedback
+                    descriptor, arr, work, codec, prepare, left, error_feedback
                 )
-            finally:
-                error_feedback.end(order)
         if not ordered and self._direct(arr):  # small: the latency path, no extra layer
             flat = work.reshape(-1)
             # In place (work is arr) needs a copy of the input, except at world 2.
@@ -348,19 +345,15 @@ class Reducing(GroupCore):
                     lk, work, bounds, wire_codec, self._chunk(work.dtype), residual
                 )
                 a, b = bounds[self._rank]
-                clamp_to_wire_range(wire_codec, work[a:b])  # as all_reduce's piece would be
                 result.reshape(-1)[:] = work[a:b]
                 return result
 
             if feedback is None:
                 return await self._run(descriptor, timeout, compressed)
-            order = self._call_number()
-            await feedback.hold(arr.size, order, self._seconds(timeout))  # (as all_reduce)
-            try:
-                self._check_usable()
-                return await self._run(descriptor, timeout, compressed)
-            finally:
-                feedback.end(order)
+            seconds = self._seconds(timeout)
+            async with feedback.turn(arr.size, self._call_number(), seconds) as left:
+                self._check_usable()  # (as all_reduce)
+                return await self._run(descriptor, left, compressed)
 
         async def body(lk: CollectiveLink) -> np.ndarray:
             if ordered:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ..errors import (
     ConnectionBrokenError,
@@ -20,7 +20,7 @@ from .base import ACCEPT_QUEUE_FULL, Address, Connection
 from .quic import QuicTransport
 from .tcp import TcpTransport
 
-__all__ = ["dial_with_retry", "worth_retrying"]
+__all__ = ["dial_with_retry", "retry_pauses", "worth_retrying"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,15 @@ def worth_retrying(exc: BaseException) -> bool:
 FIRST_RETRY = 0.02
 """Seconds before the first retry; doubles up to :data:`MAX_RETRY`."""
 MAX_RETRY = 0.5
+
+
+def retry_pauses() -> Iterator[float]:
+    """Seconds to wait before each retry of a dial: :data:`FIRST_RETRY`, doubling up to
+    :data:`MAX_RETRY`."""
+    delay = FIRST_RETRY
+    while True:
+        yield delay
+        delay = min(delay * 2, MAX_RETRY)
 
 
 async def dial_with_retry(
@@ -56,7 +65,7 @@ async def dial_with_retry(
     ``on_retry`` tells each error retried."""
     if address is None and not isinstance(transport, QuicTransport):
         raise UsageError(f"{label}: TCP needs a host:port")
-    delay = FIRST_RETRY
+    pauses = retry_pauses()
     last: BaseException | None = None
     bound = asyncio.timeout(timeout) if timeout is not None else contextlib.nullcontext()
     try:
@@ -74,8 +83,7 @@ async def dial_with_retry(
                 log.debug("dial %s: %s; retrying", label, last)
                 if on_retry is not None:
                     on_retry(last)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, MAX_RETRY)
+                await asyncio.sleep(next(pauses))
     except TimeoutError:
         if timeout is None:
             raise

@@ -207,7 +207,7 @@ class FramedConnection:
         stall, extended = FLUSH_STALL, False
         while not flushed.done():
             limit = min(moved + (stall if left else CLOSE_GRACE), deadline)
-            if now >= limit and left and not extended:
+            if now >= limit and left and not extended and now < deadline:
                 extended = True
                 if (more := self._flush_stalled()) > 0:  # the path may be changing
                     stall, moved = more, now

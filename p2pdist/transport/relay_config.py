@@ -147,14 +147,10 @@ class RelayStatus:
     """Last PING round trip, seconds."""
     connects: int = 0
     last_error: str | None = None
-    refused: bool = False
-    """Whether the relay refused the latest attempt, or was not the pinned relay
-    (``last_error`` says which: a bad token, an allowlist, another key): retrying goes
-    on, but only a change to the relay or to this client's settings will let it in."""
     refusal: str | None = None
-    """Why, when :attr:`refused`: ``"bad_token"``, ``"not_allowed"`` (the allowlist),
-    ``"bad_signature"``, ``"malformed"``, or ``"pin_mismatch"`` (the relay's key is
-    not the URL's pin: we refused it)."""
+    """Why the relay refused the latest attempt, or None: ``"bad_token"``,
+    ``"not_allowed"`` (the allowlist), ``"bad_signature"``, ``"malformed"``, or
+    ``"pin_mismatch"`` (the relay's key is not the URL's pin: we refused it)."""
     datagrams_sent: int = 0
     datagrams_received: int = 0
     dropped: int = 0
@@ -188,6 +184,14 @@ class RelayStatus:
     """What our AUTH proof was bound to: ``"certificate"`` (the relay's TLS certificate
     as we saw it) or ``"name"`` (the relay URL's host and port: a relay behind a proxy or
     load balancer with certificates of its own, docs/relay.md)."""
+
+    @property
+    def refused(self) -> bool:
+        """Whether the relay refused the latest attempt, or was not the pinned relay
+        (:attr:`refusal` and ``last_error`` say which: a bad token, an allowlist, another
+        key): retrying goes on, but only a change to the relay or to this client's
+        settings will let it in."""
+        return self.refusal is not None
 
 
 def parse_stun_ports(value: object) -> tuple[int, ...]:

@@ -327,7 +327,7 @@ class RelayPath:
                 self._warned_refusal = exc.detail
                 refusal = exc.refusal if isinstance(exc, _RefusedByRelay) else None
                 # (the error names the relay)
-                self._set(last_error=exc.detail, refused=refusal is not None, refusal=refusal)
+                self._set(last_error=exc.detail, refusal=refusal)
                 self._refused.set()
                 # Warned once, not at every retry (str(exc) starts with "relay <url>: ").
                 log.log(logging.INFO if said else logging.WARNING, "%s", exc)
@@ -337,14 +337,14 @@ class RelayPath:
                 # 100th... time: two processes with one key would take turns for ever.
                 self._refused.clear()
                 n = self._status.replaced + 1
-                self._set(last_error=str(exc), replaced=n, refused=False, refusal=None)
+                self._set(last_error=str(exc), replaced=n, refusal=None)
                 level = logging.WARNING if _power_of_ten(n) else logging.INFO
                 log.log(level, "%s (replaced %d time(s) so far)", exc, n)
                 self._authed_at = None  # a replacement never resets the backoff
             except Exception as exc:  # any failure ends this session, never the loop
                 self._refused.clear()  # the latest attempt was not refused
                 msg = str(exc) or type(exc).__name__
-                self._set(last_error=msg, refused=False, refusal=None)
+                self._set(last_error=msg, refusal=None)
                 if self._authed_at is None and not self._said_unreachable:
                     # Said once, not at every retry: a caller waits (start() up to
                     # connect_timeout) with nothing else to tell it why.
@@ -548,7 +548,6 @@ class RelayPath:
             stun_ports=parse_stun_ports(info.get("stun_ports")),
             connects=self._status.connects + 1,
             last_error=None,
-            refused=False,
             refusal=None,
             limits=limits,
             records=writer.get_extra_info("records"),
