@@ -120,8 +120,8 @@ def main(argv: list[str]) -> int:
         "--from-env",
         action="store_true",
         help="be one rank of a group described by P2PDIST_SEED, P2PDIST_RANK, P2PDIST_WORLD "
-        "and P2PDIST_PEERS or P2PDIST_RELAY (run it on every host of a fleet); rank 0 "
-        "prints the model and writes the plot",
+        "and P2PDIST_PEERS, P2PDIST_RELAY or P2PDIST_LAN=1 (run it on every host of a fleet); "
+        "rank 0 prints the model and writes the plot",
     )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # what -n starts
     args = p.parse_args(argv)

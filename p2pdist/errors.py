@@ -77,11 +77,16 @@ class ConnectionBrokenError(PeerError):
     """The peer's connection broke (EOF, reset, or it stopped answering keepalives).
 
     ``graceful`` is True when the peer said goodbye first (it closed on purpose).
+    ``corrupt`` is True when the byte stream failed its cryptographic check (a record
+    that does not decrypt, or TLS's own error): altered in transit, or a broken peer.
     """
 
-    def __init__(self, peer: str, message: str, *, graceful: bool = False) -> None:
+    def __init__(
+        self, peer: str, message: str, *, graceful: bool = False, corrupt: bool = False
+    ) -> None:
         super().__init__(peer, message)
         self.graceful = graceful
+        self.corrupt = corrupt
 
 
 class P2PTimeoutError(P2PError, TimeoutError):

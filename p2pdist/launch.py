@@ -8,8 +8,9 @@ Each child gets:
 * ``P2PDIST_PEERS`` - ``host:port`` of every rank, comma-separated, in rank order;
 * ``P2PDIST_TLS`` - ``"1"``, or ``"0"`` with ``--plaintext``;
 
-and loses ``P2PDIST_RELAY`` from the launcher's environment (the ranks are wired by
-``P2PDIST_PEERS``; the launcher says so when it drops one).
+and loses ``P2PDIST_RELAY``, ``P2PDIST_LAN`` and ``P2PDIST_LISTEN`` from the launcher's
+environment (the ranks are wired by ``P2PDIST_PEERS``, each listening on its own entry;
+the launcher says so when it drops one).
 
 Every line a child writes is echoed with a ``[rank R] `` prefix (stdout to stdout,
 stderr to stderr). If a rank fails, the others are stopped (SIGTERM, then SIGKILL
@@ -46,6 +47,8 @@ from .identity import check_seed
 
 __all__ = [
     "ENV_PEERS",
+    "ENV_LAN",
+    "ENV_LISTEN",
     "ENV_RANK",
     "ENV_RELAY",
     "ENV_SEED",
@@ -67,6 +70,11 @@ ENV_WORLD = "P2PDIST_WORLD"
 ENV_PEERS = "P2PDIST_PEERS"
 ENV_TLS = "P2PDIST_TLS"
 ENV_RELAY = "P2PDIST_RELAY"
+ENV_LAN = "P2PDIST_LAN"
+ENV_LISTEN = "P2PDIST_LISTEN"
+_NOT_PASSED_ON = (ENV_RELAY, ENV_LAN, ENV_LISTEN)
+"""What would wire the ranks some other way than ``P2PDIST_PEERS`` (``Group.from_env``
+refuses two ways), or make them all listen on one address."""
 
 _READ_CHUNK = 65536
 
@@ -254,9 +262,9 @@ def rank_env(
     base: Mapping[str, str], *, rank: int, world: int, seed: str, peers: Sequence[str], tls: bool
 ) -> dict[str, str]:
     """The environment for rank ``rank``: ``base`` plus the ``P2PDIST_*`` variables,
-    without a relay URL that ``base`` may hold (the launched ranks reach each other at
-    ``peers``, and ``Group.from_env`` refuses both)."""
-    env = {k: v for k, v in base.items() if k != ENV_RELAY}
+    without the relay URL, LAN flag or listen address that ``base`` may hold (the
+    launched ranks reach each other at ``peers``, each listening on its own entry)."""
+    env = {k: v for k, v in base.items() if k not in _NOT_PASSED_ON}
     env[ENV_SEED] = seed
     env[ENV_RANK] = str(rank)
     env[ENV_WORLD] = str(world)
@@ -499,8 +507,9 @@ def launch(cfg: LaunchConfig) -> int:
     seed = cfg.seed if cfg.seed is not None else secrets.token_hex(32)
     ports = pick_free_ports(cfg.host, cfg.nprocs)
     peers = [_format_peer(cfg.host, port) for port in ports]
-    if os.environ.get(ENV_RELAY):
-        _say(f"not passing {ENV_RELAY} on: the ranks reach each other at {ENV_PEERS}")
+    for name in _NOT_PASSED_ON:
+        if os.environ.get(name):
+            _say(f"not passing {name} on: the ranks reach each other at {ENV_PEERS}")
     envs = [
         rank_env(os.environ, rank=r, world=cfg.nprocs, seed=seed, peers=peers, tls=cfg.tls)
         for r in range(cfg.nprocs)

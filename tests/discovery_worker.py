@@ -2,6 +2,7 @@
 relay=, the ranks finding each other on the local network (mDNS).
 
 Usage: python discovery_worker.py SEED RANK WORLD [LISTEN [CONNECT_TIMEOUT]]
+(SEED ``-``: ``Group.from_env()``, RANK and WORLD then only for the output)
 Prints one JSON line: ``{"sum": [...], "dialed": {rank: host:port}}`` (the lower ranks,
 which this rank dialed) after an all_reduce of ``rank + 1`` over the group, or
 ``{"error": type, "text": str}``.
@@ -20,8 +21,12 @@ from p2pdist import Group, GroupConfig, P2PError
 
 async def main(seed: str, rank: int, world: int, listen: str | None, wait: float) -> None:
     config = GroupConfig(connect_timeout=wait, timeout=30.0)
+    if seed == "-":
+        group = Group.from_env(config=config)
+    else:
+        group = Group.from_seed(seed, rank=rank, world=world, listen=listen, config=config)
     try:
-        async with Group.from_seed(seed, rank=rank, world=world, listen=listen, config=config) as g:
+        async with group as g:
             total = await g.all_reduce(np.full(4, rank + 1.0))
             await g.barrier()  # nobody closes while another still reads its part
             found = g._discovery.found if g._discovery is not None else {}

@@ -369,8 +369,11 @@ def test_exit_status_and_rank_env() -> None:
     assert exit_status(3) == 3
     assert exit_status(-9) == 137
     base = {"X": "1", "P2PDIST_RELAY": "https://r:1/?pin=x", "P2PDIST_RELAY_TOKEN": "t"}
+    base |= {"P2PDIST_LAN": "1", "P2PDIST_LISTEN": "0.0.0.0:7000"}
     env = rank_env(base, rank=1, world=2, seed="s", peers=["h:1", "h:2"], tls=False)
-    assert env == {  # an exported relay URL would make Group.from_env refuse the peers
+    # An exported relay URL or LAN flag would make Group.from_env refuse the peers, and
+    # a listen address would make every rank listen on it.
+    assert env == {
         "X": "1",
         "P2PDIST_RELAY_TOKEN": "t",  # conflicts with nothing: programs may use it
         "P2PDIST_SEED": "s",

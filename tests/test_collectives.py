@@ -449,6 +449,23 @@ def test_from_env_refuses_peers_and_a_relay_at_once(monkeypatch: pytest.MonkeyPa
         Group.from_env()
     monkeypatch.delenv("P2PDIST_RELAY")
     assert Group.from_env().size == 2  # made, not started: nothing connects yet
+    monkeypatch.setenv("P2PDIST_LAN", "1")
+    with pytest.raises(UsageError, match="both P2PDIST_PEERS and P2PDIST_LAN"):
+        Group.from_env()
+    monkeypatch.delenv("P2PDIST_PEERS")
+    monkeypatch.setenv("P2PDIST_RELAY", "https://127.0.0.1:9/?pin=" + "a" * 52)
+    with pytest.raises(UsageError, match="both P2PDIST_RELAY and P2PDIST_LAN"):
+        Group.from_env()
+    monkeypatch.delenv("P2PDIST_RELAY")
+    monkeypatch.setenv("P2PDIST_LISTEN", "127.0.0.1:0")
+    lan = Group.from_env()  # found on the local network: no addresses, no relay
+    assert lan._addresses is None and lan._relay_url is None and lan._listen == "127.0.0.1:0"
+    monkeypatch.setenv("P2PDIST_LAN", "0")
+    with pytest.raises(UsageError, match="P2PDIST_LAN=1"):  # nothing says how to reach them
+        Group.from_env()
+    monkeypatch.setenv("P2PDIST_LAN", "maybe")
+    with pytest.raises(UsageError, match="P2PDIST_LAN must be 1 or 0"):
+        Group.from_env()
 
 
 def test_from_env_says_which_variable_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:

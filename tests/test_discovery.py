@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -49,10 +50,13 @@ def test_discovery_needs_an_ipv4_listen_address() -> None:
             LanDiscovery(me, host, 1234, "rank 0")
 
 
-def _start(prefix: list[str], *argv: str) -> subprocess.Popen[str]:
+def _start(
+    prefix: list[str], *argv: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [*prefix, sys.executable, str(WORKER), *argv],
         cwd=ROOT,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -129,6 +133,22 @@ def test_ranks_on_one_host_find_each_other_over_loopback(loopback_namespace: Lan
     """listen="127.0.0.1:0" keeps mDNS on loopback: ranks of one host only."""
     prefix = loopback_namespace.exec_prefix(0)
     procs = [_start(prefix, SEED, str(r), "2", "127.0.0.1:0") for r in range(2)]
+    for out in _results(procs):
+        assert out.get("sum") == [3.0] * 4, out
+        assert all(str(a).startswith("127.0.0.1:") for a in out["dialed"].values()), out
+
+
+def test_from_env_with_p2pdist_lan_finds_the_ranks(loopback_namespace: Lan) -> None:
+    """``Group.from_env()`` with P2PDIST_LAN=1 in place of P2PDIST_PEERS or P2PDIST_RELAY,
+    and P2PDIST_LISTEN as its listen address: the ranks find each other as with
+    from_seed and nothing else."""
+    prefix = loopback_namespace.exec_prefix(0)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("P2PDIST_")}
+    base |= {"P2PDIST_SEED": SEED, "P2PDIST_WORLD": "2", "P2PDIST_LAN": "1"}
+    base |= {"P2PDIST_LISTEN": "127.0.0.1:0"}
+    procs = [
+        _start(prefix, "-", str(r), "2", env={**base, "P2PDIST_RANK": str(r)}) for r in range(2)
+    ]
     for out in _results(procs):
         assert out.get("sum") == [3.0] * 4, out
         assert all(str(a).startswith("127.0.0.1:") for a in out["dialed"].values()), out

@@ -817,6 +817,7 @@ async def test_a_corrupt_tls_record_closes_the_connection_naming_the_peer() -> N
         with pytest.raises(ConnectionBrokenError, match=r"TLS error") as caught:
             await bounded(p.server.recv(1), "the server noticing")
         assert eid(0).short() in str(caught.value)
+        assert caught.value.corrupt and not caught.value.graceful
         with pytest.raises(ConnectionBrokenError, match=r"TLS error: .*ALERT"):
             await bounded(p.client.recv(1), "the client reading the alert")
 
@@ -912,7 +913,13 @@ _NOT_ADDRESSES = [45001, None, ("h",), ("h", "x"), ("h", 1.5), (1, 80), ("h", Tr
 
 
 @pytest.mark.parametrize(
-    "text", ["", "host", "host:", ":80", "host:http", "h:70000", "[::1]", *_NOT_ADDRESSES]
+    "text",
+    [
+        *["", "host", "host:", ":80", "host:http", "h:70000", "[::1]", *_NOT_ADDRESSES],
+        # what int() takes but no port is written as: signs, spaces, underscores, and
+        # other scripts' digits (Arabic-Indic 80)
+        *["h:+80", "h:8_0", "h: 80", "h:\u0668\u0660", ("h", "\u0668\u0660"), ("h", " 9")],
+    ],
 )
 def test_parse_address_refuses(text: Any) -> None:
     with pytest.raises(UsageError):

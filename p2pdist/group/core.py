@@ -292,10 +292,12 @@ class GroupCore(Runner):
 
     @classmethod
     def from_env(cls, *, config: GroupConfig | None = None) -> Self:
-        """A seed group described by P2PDIST_SEED, P2PDIST_RANK, P2PDIST_WORLD and either
-        P2PDIST_PEERS (comma-separated host:port) or P2PDIST_RELAY (a relay URL, with
-        P2PDIST_RELAY_TOKEN if the relay wants one), not both; P2PDIST_TLS=0 (or false,
-        no, off) selects plaintext."""
+        """A seed group described by P2PDIST_SEED, P2PDIST_RANK, P2PDIST_WORLD and one of
+        P2PDIST_PEERS (comma-separated host:port), P2PDIST_RELAY (a relay URL, with
+        P2PDIST_RELAY_TOKEN if the relay wants one) or P2PDIST_LAN=1 (the ranks find
+        each other on the local network by mDNS, as :meth:`from_seed` with neither
+        ``peers`` nor ``relay``); P2PDIST_LISTEN (host:port) is ``listen`` for TCP;
+        P2PDIST_TLS=0 (or false, no, off) selects plaintext."""
 
         def need(name: str) -> str:
             value = os.environ.get(name)
@@ -303,8 +305,8 @@ class GroupCore(Runner):
                 raise UsageError(
                     f"environment variable {name} is not set: run this under "
                     "`p2pdist launch -n N -- ...` (ranks on this host), or set P2PDIST_SEED, "
-                    "P2PDIST_RANK, P2PDIST_WORLD and P2PDIST_PEERS or P2PDIST_RELAY on every "
-                    "host"
+                    "P2PDIST_RANK, P2PDIST_WORLD and P2PDIST_PEERS, P2PDIST_RELAY or "
+                    "P2PDIST_LAN=1 on every host"
                 )
             return value
 
@@ -322,12 +324,26 @@ class GroupCore(Runner):
             peers = []
         if any(not p for p in peers):  # "a,,b": an address left out, not a separator
             raise UsageError(f"P2PDIST_PEERS has an empty entry: {peers_text!r}")
-        if world > 1 and not peers and not relay:
-            raise UsageError("set P2PDIST_PEERS (host:port list) or P2PDIST_RELAY (a relay URL)")
-        if peers and relay:  # one of them would be ignored: say so instead of guessing
+        lan = env_flag("P2PDIST_LAN", False)
+        chosen = [
+            name
+            for name, given in (
+                ("P2PDIST_PEERS", peers),
+                ("P2PDIST_RELAY", relay),
+                ("P2PDIST_LAN", lan),
+            )
+            if given
+        ]
+        if world > 1 and not chosen:
             raise UsageError(
-                "both P2PDIST_PEERS and P2PDIST_RELAY are set: unset one (P2PDIST_PEERS: "
-                "ranks reach each other at those addresses; P2PDIST_RELAY: through the relay)"
+                "set P2PDIST_PEERS (host:port list), P2PDIST_RELAY (a relay URL) or "
+                "P2PDIST_LAN=1 (find the ranks on the local network)"
+            )
+        if len(chosen) > 1:  # one of them would be ignored: say so instead of guessing
+            raise UsageError(
+                f"both {chosen[0]} and {chosen[1]} are set: unset one (P2PDIST_PEERS: "
+                "ranks reach each other at those addresses; P2PDIST_RELAY: through the "
+                "relay; P2PDIST_LAN=1: they find each other on the local network)"
             )
         tls = env_flag("P2PDIST_TLS", True)
         return cls.from_seed(
@@ -336,6 +352,7 @@ class GroupCore(Runner):
             world=world,
             peers=peers or None,
             tls=tls,
+            listen=os.environ.get("P2PDIST_LISTEN", "").strip() or None,
             config=config,
             relay=relay,
             relay_token=env_token() if relay else None,  # unused without a relay

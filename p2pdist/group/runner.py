@@ -160,7 +160,9 @@ class Runner(Rejoining, Reserving):
             return lead
         if isinstance(lead, ConnectionBrokenError):
             detail = f"{lead.detail}; also: " + "; ".join(others)
-            attributed: P2PError = ConnectionBrokenError(lead.peer, detail, graceful=lead.graceful)
+            attributed: P2PError = ConnectionBrokenError(
+                lead.peer, detail, graceful=lead.graceful, corrupt=lead.corrupt
+            )
         else:
             attributed = GroupBrokenError(f"{lead}; also: " + "; ".join(others))
         self._rebreak(err, attributed)

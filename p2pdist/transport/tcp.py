@@ -145,13 +145,12 @@ _HANDSHAKE_READ = 16 * 1024
 _EVICT_AFTER = 1.0
 """Seconds an incoming handshake must have waited before a newer one may evict it when
 the handshake slots are full (a real handshake takes milliseconds)."""
-_TLS_ERROR, _BAD_RECORD = "TLS error", "bad record"
 
 
-def _went_away(err: ConnectionBrokenError) -> bool:
-    """Whether ``err`` says the peer closed or reset the connection, or closed TLS:
-    anything but a TLS error or a record that did not decrypt."""
-    return not (_TLS_ERROR in err.detail or _BAD_RECORD in err.detail)
+def _port_text(text: str) -> int | None:
+    """A port written in ASCII digits only (``int()`` would also take " 80", "+80",
+    "8_0" and other scripts' digits), or None."""
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def parse_address(address: Address) -> tuple[str, int]:
@@ -160,7 +159,7 @@ def parse_address(address: Address) -> tuple[str, int]:
     port: int | None
     if isinstance(address, tuple) and len(address) == 2:
         host, raw = address
-        port = int(raw) if isinstance(raw, str) and raw.isdecimal() else as_int(raw)
+        port = _port_text(raw) if isinstance(raw, str) else as_int(raw)
     elif isinstance(address, str):
         text = address.strip()
         if text.startswith("["):
@@ -168,10 +167,7 @@ def parse_address(address: Address) -> tuple[str, int]:
             port_text = rest if sep else ""
         else:
             host, _, port_text = text.rpartition(":")
-        try:
-            port = int(port_text)
-        except ValueError:
-            port = None
+        port = _port_text(port_text)
     else:
         raise UsageError(f"address must be 'host:port' or (host, port), got {address!r}")
     if not isinstance(host, str) or not host or port is None or not 0 <= port <= 65535:
@@ -545,8 +541,10 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
                 # stream is broken, as when the socket fails. The records before it were
                 # authentic: fill handed their frames (a GOODBYE, say) out first.
                 self._flush_tls()  # our alert, best effort: tells the peer why
-                what = _TLS_ERROR if isinstance(exc, ssl.SSLError) else _BAD_RECORD
-                err = ConnectionBrokenError(self.label, f"connection lost: {what}: {exc}")
+                what = "TLS error" if isinstance(exc, ssl.SSLError) else "bad record"
+                err = ConnectionBrokenError(
+                    self.label, f"connection lost: {what}: {exc}", corrupt=True
+                )
                 log.warning("%s", err)
                 self.abort(err)
                 return
@@ -736,7 +734,7 @@ class TcpTransport(EndpointBase[TcpConnection]):
             return
         except P2PError as exc:
             conn.abort(exc)
-            if isinstance(exc, ConnectionBrokenError) and _went_away(exc):
+            if isinstance(exc, ConnectionBrokenError) and not exc.corrupt:
                 # Nothing was refused: the dialer left. Before its hello that is most
                 # often a port probe or a health check, not worth more than a debug line.
                 level = logging.DEBUG if conn._peer is None else logging.INFO

@@ -281,7 +281,7 @@ class TcpHandshake(FramedConnection):
                 got = tls.read_into(buf)
             except ssl.SSLError as exc:
                 self._flush_tls()  # our alert, best effort: tells the peer why
-                raise ConnectionBrokenError(self.label, f"TLS error: {exc}") from None
+                raise ConnectionBrokenError(self.label, f"TLS error: {exc}", corrupt=True) from None
             if got:
                 reader.feed(buf[:got])
             elif tls.closed_by_peer:
