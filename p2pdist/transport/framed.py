@@ -677,19 +677,19 @@ class AcceptQueue(Generic[C]):
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue[C | None] = asyncio.Queue()  # None: closed
-        self._waiting = 0
+        self._closed = False
+        """Whether :meth:`close` was called (the queue then ends in one None)."""
 
     def __len__(self) -> int:
-        return self._waiting
+        """Connections waiting now."""
+        return self._queue.qsize() - self._closed
 
     def put(self, conn: C) -> None:
         """Hand ``conn`` to the next ``get``."""
         conn._hold_for_accept(True)
-        self._waiting += 1
         self._queue.put_nowait(conn)
 
     def _handed_out(self, conn: C) -> C:
-        self._waiting -= 1
         conn._hold_for_accept(False)
         return conn
 
@@ -724,7 +724,7 @@ class AcceptQueue(Generic[C]):
             if c is not None:
                 c._hold_for_accept(False)  # its close reads on until the peer's end
                 left.append(c)
-        self._waiting = 0
+        self._closed = True
         self._queue.put_nowait(None)
         return left
 
