@@ -381,6 +381,11 @@ class UdpRoute:
         self.sent[1] += len(datagram)
         self.sock.send(datagram, addr)
 
+    def count_received(self, nbytes: int) -> None:
+        """A datagram of ``nbytes`` came on this path."""
+        self.received[0] += 1
+        self.received[1] += nbytes
+
 
 class RelayRoute:
     """The relay path to one peer, addressed by its endpoint id, which hole punching can

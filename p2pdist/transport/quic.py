@@ -457,8 +457,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
                 conn.heard_directly()
             addr = RELAY_ADDR
         elif isinstance(route, UdpRoute):
-            route.received[0] += 1
-            route.received[1] += len(data)
+            route.count_received(len(data))
         conn.datagram_received(data, addr)
 
     def _on_udp_datagram(self, sock: UdpSocket, data: bytes, addr: UdpAddress) -> None:
