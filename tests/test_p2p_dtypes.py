@@ -139,8 +139,11 @@ async def test_like_that_disagrees_with_out_or_xs_is_a_usage_error() -> None:
         with pytest.raises(UsageError, match="like is int8"):
             await b.scatter(np.zeros((2, 2)), 0, like=np.zeros(7, np.int8))
         rows = np.arange(4.0).reshape(2, 2)
+        with pytest.raises(UsageError, match="like is int8"):  # on the source too
+            await a.scatter(rows, 0, like=np.zeros(7, np.int8))
         got_a, got_b = await asyncio.gather(
-            a.scatter(rows, 0), b.scatter(None, 0, like=np.zeros(2), out=np.zeros(2))
+            a.scatter(rows, 0, like=np.zeros(2, ">f8")),  # one that agrees is fine
+            b.scatter(None, 0, like=np.zeros(2), out=np.zeros(2)),
         )
         assert got_a.tolist() == [0.0, 1.0] and got_b.tolist() == [2.0, 3.0]
 

@@ -173,17 +173,14 @@ class Group(Reducing):
                 raise UsageError(f"rank {src} is the scatter source and must pass xs")
             blocks = _scatter_rows(xs, self.size)
             dtype, item = blocks.dtype, blocks.shape[1:]
+            if like is not None:  # not needed here, but a like= that disagrees is a mistake
+                _check_like_row(as_array(like), blocks[0])
         else:
             ref: Any = _scatter_rows(xs, self.size)[0] if xs is not None else None
             if like is not None:
                 like = as_array(like)
-                if ref is not None and mismatch(
-                    wire_form(like.dtype), like.shape, wire_form(ref.dtype), ref.shape
-                ):
-                    raise UsageError(
-                        f"like is {like.dtype}{list(like.shape)}, but a row of xs is "
-                        f"{ref.dtype}{list(ref.shape)}"
-                    )
+                if ref is not None:
+                    _check_like_row(like, ref)
                 ref = like  # and out, if given, must match it (checked below)
             if ref is None:
                 ref = out
@@ -402,6 +399,15 @@ def _check_row_of_out(arr: np.ndarray, result: np.ndarray) -> None:
         arr.flags.c_contiguous and row and offset % row == 0 and 0 <= offset // row < len(result)
     ):
         raise UsageError("out overlaps the input other than as one whole row of out")
+
+
+def _check_like_row(like: np.ndarray, row: np.ndarray) -> None:
+    """UsageError unless scatter's ``like`` has the dtype and shape of a row of ``xs``."""
+    if mismatch(wire_form(like.dtype), like.shape, wire_form(row.dtype), row.shape):
+        raise UsageError(
+            f"like is {like.dtype}{list(like.shape)}, but a row of xs is "
+            f"{row.dtype}{list(row.shape)}"
+        )
 
 
 def _scatter_rows(xs: Any, size: int) -> np.ndarray:
