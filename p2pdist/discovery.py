@@ -19,14 +19,14 @@ import logging
 import socket
 from collections.abc import Awaitable
 
-import ifaddr
 from zeroconf import InterfaceChoice, IPVersion, NonUniqueNameException
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from .errors import ConnectionClosedError, UsageError
 from .identity import EndpointId
+from .transport.interfaces import local_ipv4
 
-__all__ = ["SERVICE_TYPE", "LanDiscovery", "dial_order", "local_ipv4"]
+__all__ = ["SERVICE_TYPE", "LanDiscovery", "dial_order"]
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +36,6 @@ ASK_EVERY = 1.0
 """Seconds one lookup of a rank waits for an answer (a dial asks again after that)."""
 
 _Network = ipaddress.IPv4Network
-
-
-def local_ipv4() -> list[tuple[str, _Network]]:
-    """This host's IPv4 addresses with their networks, loopback and link-local last."""
-    found: list[tuple[str, _Network]] = []
-    for adapter in ifaddr.get_adapters():
-        for ip in adapter.ips:
-            if isinstance(ip.ip, str):  # (IPv6 addresses are tuples)
-                net = ipaddress.IPv4Network(f"{ip.ip}/{ip.network_prefix}", strict=False)
-                found.append((ip.ip, net))
-    return sorted(found, key=lambda a: a[1].is_loopback or a[1].is_link_local)
 
 
 def dial_order(theirs: list[str], ours: list[tuple[str, _Network]]) -> list[str]:

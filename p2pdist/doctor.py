@@ -33,7 +33,7 @@ from .errors import P2PError, PeerError, UsageError
 from .identity import EndpointId, SecretKey
 from .settings import env_token
 from .transport.base import Connection, TransportConfig
-from .transport.holepunch import interface_addresses, interface_addresses6
+from .transport.interfaces import interface_addresses, interface_addresses6
 from .transport.observe import StunProbe, mapping_behaviour
 from .transport.pathinfo import LossInfo
 from .transport.paths import UdpAddress, UdpSocket, bind_host_for, is_loopback, path_key

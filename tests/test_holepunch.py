@@ -26,6 +26,7 @@ from relay_helpers import RelayProcess
 from transport_conformance import bounded, closing, ipv6_loopback_works, wait_until
 
 import p2pdist.transport.holepunch as holepunch_module
+import p2pdist.transport.interfaces as interfaces_module
 import p2pdist.transport.quic as quic_module
 import p2pdist.wire.probe as probe_module
 from p2pdist import Group, GroupConfig, PunchConfig
@@ -1080,9 +1081,9 @@ def test_ipv6_interface_addresses_are_the_usable_global_ones(tmp_path: Path) -> 
     ]
     table = tmp_path / "if_inet6"
     table.write_text("".join(f"{a} 02 40 {sc} {fl} {dev}\n" for a, sc, fl, dev in rows) + "bad\n")
-    found = holepunch_module.interface_addresses6(str(table))
+    found = interfaces_module.interface_addresses6(str(table))
     assert found == ["2001:db8:a::aa", "2001:db8:a::2", "fd00::2"]
-    assert holepunch_module.interface_addresses6(str(tmp_path / "none")) == []
+    assert interfaces_module.interface_addresses6(str(tmp_path / "none")) == []
 
 
 async def test_a_dual_stack_socket_shows_ipv4_peers_by_their_plain_address() -> None:

@@ -20,9 +20,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import socket
-import struct
-import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +37,7 @@ from ..wire.probe import (
     encode_pong,
     peek_sender,
 )
+from .interfaces import interface_addresses, interface_addresses6
 from .observe import StunProbe
 from .paths import Relay, UdpAddress, UdpSocket, is_loopback, path_key
 from .punch import Action, PathChange, PeerPaths, PunchConfig, SendCandidates, SendPing, SendPong
@@ -48,8 +46,6 @@ __all__ = [
     "HolePuncher",
     "Observation",
     "PunchingUnavailable",
-    "interface_addresses",
-    "interface_addresses6",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,7 +56,6 @@ _EARLY_TTL = 5.0
 _OBSERVATION_TTL = 60.0
 """Seconds an observation of our socket is reused before the relay's ports are asked again
 (at once after a direct path died: our NAT may have given us another port)."""
-_SIOCGIFADDR = 0x8915
 
 
 class PunchingUnavailable(Exception):
@@ -85,54 +80,6 @@ class Observation:
 
 _MAX_IPV6_CANDIDATES = 8
 """Most IPv6 interface addresses among our candidates."""
-_IFA_F_TEMPORARY = 0x01
-_IFA_F_UNUSABLE = 0x08 | 0x20 | 0x40
-"""IPv6 address flags (linux/if_addr.h): DAD failed, deprecated, tentative."""
-
-
-def interface_addresses6(table: str = "/proc/net/if_inet6") -> list[str]:
-    """Global-scope IPv6 addresses of this host's interfaces that can be used now (Linux,
-    from ``table``; elsewhere an empty list). Link-local, tentative, deprecated and
-    failed ones are left out; temporary (privacy) addresses come first, as the kernel
-    prefers them as the source of outgoing datagrams (RFC 6724, rule 7)."""
-    try:
-        with open(table) as f:
-            lines = f.read().splitlines()
-    except OSError:  # not Linux, or no IPv6 in this kernel
-        return []
-    temporary: list[str] = []
-    stable: list[str] = []
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 6:
-            continue
-        try:
-            addr = ipaddress.IPv6Address(bytes.fromhex(fields[0]))
-            scope, flags = int(fields[3], 16), int(fields[4], 16)
-        except ValueError:
-            continue
-        if scope != 0 or flags & _IFA_F_UNUSABLE or addr.is_link_local or addr.is_loopback:
-            continue
-        (temporary if flags & _IFA_F_TEMPORARY else stable).append(str(addr))
-    return list(dict.fromkeys(temporary + stable))
-
-
-def interface_addresses() -> list[str]:
-    """IPv4 addresses of this host's interfaces (Linux; elsewhere an empty list)."""
-    if not sys.platform.startswith("linux"):
-        return []
-    import fcntl
-
-    found: list[str] = []
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                packed = struct.pack("256s", name.encode()[:15])
-                res = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, packed)
-            except OSError:
-                continue  # no IPv4 address on this interface
-            found.append(socket.inet_ntoa(res[20:24]))
-    return found
 
 
 class _Peer:
