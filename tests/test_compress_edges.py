@@ -147,6 +147,40 @@ async def test_an_error_feedback_is_released_when_its_call_fails_or_is_cancelled
     ef.end(-1)
 
 
+@pytest.mark.parametrize("method", ["all_reduce", "reduce_scatter"])
+async def test_a_failed_call_leaves_the_error_feedback_residual_as_it_found_it(
+    method: str,
+) -> None:
+    """A call that fails once it began (it times out: rank 1 never joins) never reached
+    the sum: the residual is the one the good step before it left, not the failed step's
+    loss (which replaced it: an audit). And a call waiting for its turn behind one that
+    is still running says so when it times out (it said the other had not started)."""
+    rng = np.random.default_rng(3)
+    async with groups(2, timeout=10) as gs:
+        efs = [ErrorFeedback() for _ in gs]
+        xs = [rng.standard_normal(4096).astype(np.float32) for _ in gs]
+        await asyncio.gather(
+            *(
+                getattr(g, method)(xs[g.rank], wire_dtype="int8", error_feedback=efs[g.rank])
+                for g in gs
+            )
+        )
+        ef = efs[0]
+        assert ef.residual is not None and np.abs(ef.residual).max() > 0
+        kept = ef.residual.copy()
+        y = rng.standard_normal(4096).astype(np.float32)
+        running = asyncio.create_task(
+            getattr(gs[0], method)(y, wire_dtype="int8", error_feedback=ef, timeout=0.6)
+        )
+        await asyncio.sleep(0.2)  # it runs, waiting for rank 1
+        assert ef.residual.tobytes() != kept.tobytes()  # it applied the feedback
+        with pytest.raises(P2PTimeoutError, match="that one is still running"):
+            await getattr(gs[0], method)(y, wire_dtype="int8", error_feedback=ef, timeout=0.1)
+        with pytest.raises(PeerTimeoutError):
+            await running
+        assert ef.residual.tobytes() == kept.tobytes()
+
+
 async def test_a_call_that_waited_for_its_error_feedback_is_refused_if_the_group_broke() -> None:
     """A call waiting for its turn with the feedback while another call broke the group
     (a mismatch) is refused as it starts: it ran on, applying the feedback on a broken

@@ -426,13 +426,17 @@ class ErrorFeedback:
     in the input, or a float16 overflow), and where the call's result is not finite (a
     sum past the wire's or float32's range), the residual keeps the value it had before
     the call: one bad step costs that step's result, and later finite inputs give finite
-    results again.
+    results again. A call that fails or is cancelled once it began (a timeout, a lost
+    peer) leaves the residual as it found it: its step never reached the sum, so a
+    step repeated after recovering carries what the earlier ones lost.
 
     One ErrorFeedback serves one call at a time: a collective holds it from when it runs
     until it ends, and the calls made with it take their turns in the order they were
     made (the order every rank pairs its calls in), whatever order they start in: a
     second call made while the first is in flight waits for it, and its input joins the
-    residual the first left, as if the caller had awaited the first.
+    residual the first left, as if the caller had awaited the first. That order is this
+    rank's: use one ErrorFeedback with one group's calls (a sub-group's calls and its
+    parent's pair independently, so another rank may make them in the other order).
     """
 
     _PIECE = 1 << 18
@@ -442,7 +446,9 @@ class ErrorFeedback:
         self.residual: np.ndarray | None = None
         self._divisor = 1
         self._before: np.ndarray | None = None
-        """The residual as the running call found it, until :meth:`settle`."""
+        """The residual as the running call found it (in its units), until the call
+        ends: what :meth:`settle` rolls back to where the sum is not finite, and what
+        the residual goes back to when the call fails."""
         self._held: int | None = None
         """The size of the call that holds this feedback (:meth:`hold`), or None."""
         self._tickets: list[int] = []
@@ -465,7 +471,8 @@ class ErrorFeedback:
         this rank's encoding of that element is carried on, unlike all_reduce's.)"""
         sent, residual = self._start(x, divisor)
         sent += residual
-        residual[:] = 0
+        # The old residual is kept whole (for a failure) and a zeroed one takes its place.
+        self._before, self.residual = residual, np.zeros_like(residual)
         return sent
 
     def check(self, size: int) -> None:
@@ -498,10 +505,21 @@ class ErrorFeedback:
                 async with asyncio.timeout_at(deadline):
                     await waiter
             except TimeoutError:
+                if self._holder is not None:
+                    why = (
+                        "that one is still running (this call's timeout bounds its wait "
+                        "for its turn and its own run together)"
+                    )
+                else:
+                    why = (
+                        "that one has not started (await it, or start it as a task, "
+                        "before awaiting this one; or it is a call of another group, a "
+                        "sub-group or its parent, which another rank made in the other "
+                        "order: use one ErrorFeedback per group)"
+                    )
                 raise P2PTimeoutError(
                     f"a call made with an ErrorFeedback waited {timeout:g} s for the call "
-                    "made before it with the same feedback to end: that one has not "
-                    "started (await it, or start it as a task, before awaiting this one)"
+                    f"made before it with the same feedback to end: {why}"
                 ) from None
         self._holder = order
         try:
@@ -521,6 +539,9 @@ class ErrorFeedback:
         await self.hold(size, order, timeout)
         try:
             yield max(deadline - loop.time(), _LEAST_LEFT)
+        except BaseException:
+            self._roll_back()
+            raise
         finally:
             self.end(order)
 
@@ -542,6 +563,12 @@ class ErrorFeedback:
         for waiter in waiting:
             if not waiter.done():
                 waiter.set_result(None)
+
+    def _roll_back(self) -> None:
+        """The running call failed: the residual goes back to what it found."""
+        before = self._before
+        if before is not None and self.residual is not None and before.shape == self.residual.shape:
+            self.residual = before
 
     def _start(self, x: np.ndarray, divisor: int) -> tuple[np.ndarray, np.ndarray]:
         """``x / divisor`` as a new flat float32 array, and the residual in those units
@@ -594,7 +621,7 @@ class ErrorFeedback:
         rank's residual holds what its own encodings lost; where the sum overflowed, the
         step is lost anyway, and carrying that loss forward would add a large finite
         error to the next steps' results.)"""
-        before, self._before = self._before, None
+        before = self._before
         if before is None or self.residual is None or before.shape != self.residual.shape:
             return
         ok = np.isfinite(result.reshape(-1))
