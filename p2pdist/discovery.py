@@ -98,13 +98,22 @@ class LanDiscovery:
         another process announces (this rank's) is a :class:`UsageError` at once: mDNS
         tells of a conflict only while probing, and answers a probe repeated within a
         second no more, so a second try would claim the name beside its owner."""
-        self._zc = zc = AsyncZeroconf(interfaces=self._interfaces, ip_version=IPVersion.V4Only)
+        try:
+            zc = AsyncZeroconf(interfaces=self._interfaces, ip_version=IPVersion.V4Only)
+        except (OSError, RuntimeError) as exc:  # no interface it can join the group on
+            where = ", ".join(self._announced) or "no IPv4 address"
+            raise UsageError(
+                f"{self._label}: local network discovery cannot start on {where} ({exc}): "
+                "it needs an IPv4 interface that is up and takes multicast; give peers= "
+                "or relay= instead"
+            ) from None
+        self._zc = zc
         info = AsyncServiceInfo(
             SERVICE_TYPE,
             f"{self._me}.{SERVICE_TYPE}",
             port=self._port,
             addresses=[socket.inet_aton(a) for a in self._announced],
-            server=f"p2pdist-{self._me}.local.",
+            server=self._host_name(self._me),
             properties={"v": "1"},
         )
         try:
@@ -130,6 +139,23 @@ class LanDiscovery:
             return []
         theirs = info.parsed_addresses(IPVersion.V4Only)
         return [f"{a}:{info.port}" for a in dial_order(theirs, self._ours)]
+
+    def forget(self, peer: EndpointId) -> None:
+        """Drop what zeroconf cached of ``peer`` (its service and host records), so that
+        the next :meth:`lookup` asks the network: a lookup answers from the cache while
+        that holds the records (for up to their 120 s), and a rank restarted on another
+        port whose own announcements were lost would be dialed at the old one until then."""
+        zc = self._zc
+        if zc is None:
+            return
+        cache = zc.zeroconf.cache
+        names = (f"{peer}.{SERVICE_TYPE}", self._host_name(peer))
+        cache.async_remove_records([r for n in names for r in cache.async_entries_with_name(n)])
+
+    @staticmethod
+    def _host_name(peer: EndpointId) -> str:
+        """The host name a rank's service record points at (its address records')."""
+        return f"p2pdist-{peer}.local."
 
     async def close(self) -> None:
         """Withdraw the announcement (goodbye packets, which the caller bounds) and stop

@@ -61,9 +61,10 @@ _NOTE_CHARS = 2000
 
 
 FOUND_DIAL_BOUND = 2.0
-"""Seconds a dial of one of a rank's several announced addresses may take before the
-next is tried (so a path slower than that to connect and shake hands is given up while
-the rank announces others; one address alone has the whole handshake_timeout)."""
+"""Seconds a dial of one of a rank's several announced addresses may take, in the first
+round, before the next is tried (one address alone has the whole handshake_timeout);
+doubled after each round in which it cut a dial short, so a path slower than that to
+connect and shake hands is reached in a later round."""
 
 
 class Forming(Membership):
@@ -246,16 +247,18 @@ class Forming(Membership):
 
     async def _dial_found(self, transport: TcpTransport, r: int) -> Connection:
         """Dial rank ``r`` at the addresses the local network gives for it, each in turn,
-        looking it up again after each round (it may have restarted on another port);
-        retried as :func:`dial_with_retry` does, and bounded the same way."""
+        asking the network again after each round (it may have restarted on another
+        port); retried as :func:`dial_with_retry` does, and bounded the same way."""
         assert self._discovery is not None
         discovery, peer, label = self._discovery, self._ids[r], self.peer_label(r)
         pauses = retry_pauses()
+        cap = FOUND_DIAL_BOUND
         while True:
             addresses = await discovery.lookup(peer)
             # One of several addresses that drops what is sent to it (a VPN's, another
-            # network's) must not hold the round for a whole handshake_timeout.
-            bound = FOUND_DIAL_BOUND if len(addresses) > 1 else None
+            # network's) must not hold the round for a whole handshake_timeout; the cap
+            # doubles each round that it cut a dial short, for a path that is just slow.
+            bound, cut = (cap if len(addresses) > 1 else None), False
             for address in addresses:
                 discovery.found[peer] = [address]  # (an error names where it dialed)
                 attempt = asyncio.timeout(bound)
@@ -274,10 +277,14 @@ class Forming(Membership):
                     if self._forming is not None:
                         why = f"no answer at {address} within {bound:g} s"
                         self._forming.dial_failed(r, PeerTimeoutError(label, why))
+                    cut = True
                     continue
                 return conn
             if addresses:  # all failed: a timeout names them all
                 discovery.found[peer] = addresses
+                discovery.forget(peer)  # the next lookup asks the network, not the cache
+            if cut:
+                cap *= 2
             await asyncio.sleep(next(pauses))
 
     async def _form_with(
