@@ -233,6 +233,34 @@ def test_a_member_whose_late_update_was_carried_is_waited_for_in_the_next_round(
     assert st.due(0.41) is CloseReason.COMPLETE
 
 
+def test_a_carried_update_sent_again_for_the_open_round_is_the_members_part() -> None:
+    """a's update for round 0 came after round 0 closed by quorum, so it is carried into
+    round 1, but is not a's part of it; a sends the same update again for round 1 (as
+    GroupAveraging's step(None) does): that is its part, and with b's fresh update and
+    c's word that it has none, round 1 is complete. The resend was refused as a
+    duplicate, and round 1 waited for its deadline (an audit)."""
+    st = rounds(round_timeout=10.0, policy="quorum", quorum=2)
+    for c in "abc":
+        st.join(c)
+    st.open(0.0)
+    st.submit("b", 0, 0, 1, vec(1.0), 0.1)
+    st.submit("c", 0, 0, 1, vec(1.0), 0.1)
+    assert st.close(0.3, st.due(0.3)).reason is CloseReason.QUORUM
+    st.open(0.3)
+    assert st.submit("a", 0, 0, 1, vec(3.0), 0.5).carried
+    st.submit("b", 1, 1, 1, vec(1.0), 0.6)
+    assert st.abstain("c", 1)
+    assert st.due(0.6) is None  # a's carried update is not its part of round 1
+    again = st.submit("a", 1, 0, 1, vec(3.0), 0.7)
+    assert again.accepted and not again.carried, again
+    assert st.due(0.7) is CloseReason.COMPLETE
+    out = st.close(0.7)
+    assert sorted((p.client, p.staleness) for p in out.participants) == [("a", 1), ("b", 0)]
+    # Sent again once more, it is a duplicate (it counted once).
+    dup = st.submit("a", 1, 0, 1, vec(3.0), 0.8)
+    assert not dup.accepted and dup.reason is Reason.DUPLICATE
+
+
 def test_a_member_slower_than_the_round_is_not_waited_for_round_after_round() -> None:
     """s takes 15 s, round_timeout is 10 s. Round 0 closes at its deadline without it,
     and its late update is its part of round 1 (waiting for its next one would take

@@ -295,6 +295,9 @@ def test_what_a_decision_counted_is_checked_naming_the_leader(counted: object, w
         ("p", [[1, 3, -1, 10.0, bytes(16)]], "participant 1: base 3, samples -1"),
         ("p", [[1, 3, 10, float("nan"), bytes(16)]], "weight nan"),
         ("p", [[1, 3, 10, -1.0, bytes(16)]], "weight -1.0"),
+        # no honest leader names these; all-zero weights failed later, naming nobody
+        ("p", [[1, 3, 0, 10.0, bytes(16)]], "samples 0"),
+        ("p", [[1, 3, 10, 0.0, bytes(16)]], "weight 0.0"),
         ("refused", [[2, "duplicate"], [2, "duplicate"]], "refused ranks"),
         ("refused", [[9, "duplicate"]], "refused ranks"),
         ("left", [0, 0], "left ranks"),

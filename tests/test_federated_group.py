@@ -273,6 +273,27 @@ async def test_the_model_is_read_only_so_training_it_in_place_fails_at_once() ->
             np.testing.assert_array_equal(f.model, np.ones(10, np.float32))
 
 
+async def test_updates_carried_by_a_missed_quorum_and_replaced_are_not_called_slow(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Rounds that miss their quorum apply nothing and carry every rank's update; a rank
+    that then steps with a fresh update replaces its carried one, which is counted, but
+    is no sign of slowness: nobody was late (it was warned that this rank "is slower
+    than round_timeout": an audit)."""
+    cfg = FederatedConfig(round_timeout=0.3, quorum=3)  # two ranks: never met
+    async with groups(2) as gs:
+        feds = [GroupAveraging(g, np.zeros(10, np.float32), cfg) for g in gs]
+        await asyncio.gather(*(f.start() for f in feds))
+        with caplog.at_level(logging.WARNING, logger="p2pdist.federated.decentral"):
+            for k in range(3):
+                outs = await asyncio.gather(
+                    *(f.step(update_of(f.group.rank, k, 10), 10) for f in feds)
+                )
+                assert all(not o.applied and o.carried for o in outs), outs
+        assert [f.carried_replaced for f in feds] == [2, 2]
+        assert not [r for r in caplog.records if "no round aggregated" in r.getMessage()]
+
+
 async def test_a_carried_update_replaced_unaggregated_is_warned_about_once_per_10_rounds(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -149,6 +149,9 @@ class GroupAveraging(Leading):
         (each one a contribution lost: see :meth:`step`)."""
         self._warned_replaced = -_WARN_EVERY  # the round of the last such warning
         self._replaced_in = -_AGAIN_WITHIN - 1  # round of the last replaced carried update
+        self._carried_unapplied = False
+        """Whether our carried update is carried because its round applied nothing (a
+        missed quorum: every update was carried), not because it came late."""
 
     @property
     def model(self) -> np.ndarray:
@@ -288,6 +291,7 @@ class GroupAveraging(Leading):
                 self._own = None  # refused for good: rejected, resent or too stale
             elif k + 1 - own.base_round <= self.config.max_staleness:
                 carried = True
+                self._carried_unapplied = not applied
             else:
                 self._own = None
                 self.local_drops += 1
@@ -315,11 +319,14 @@ class GroupAveraging(Leading):
     def _replacing_carried(self, k: int, own: OwnUpdate) -> None:
         """A fresh update replaces the one carried since round ``own.base_round``'s
         round, unaggregated: a rank slower than round_timeout that always does this never
-        contributes. Say so when it happens twice within ``_AGAIN_WITHIN`` rounds (once is
+        contributes. Say so (unless it is carried because its round applied nothing, a
+        missed quorum) when it happens twice within ``_AGAIN_WITHIN`` rounds (once is
         the first round of a rank that joined or rejoined, which that round does not wait
         for, or a hiccup; a rank late every other round loses half its updates), at most
         once per ``_WARN_EVERY`` rounds."""
         self.carried_replaced += 1
+        if self._carried_unapplied:  # its round missed its quorum: nobody was late
+            return
         again, self._replaced_in = k - self._replaced_in <= _AGAIN_WITHIN, k
         if not again or k - self._warned_replaced < _WARN_EVERY:
             return

@@ -122,7 +122,8 @@ def decision_body(message: Message, label: str, k: int, size: int) -> dict[str, 
         _check_ranks("left", left, size)
         _check_ranks("joining", joining, size)
         for r, b, n, w, _ in named:
-            if not (0 <= b <= k and n >= 0 and math.isfinite(w) and w >= 0):
+            # (an update has a sample at least, and a weight above 0: config.discount)
+            if not (0 <= b <= k and n >= 1 and math.isfinite(w) and w > 0):
                 raise ValueError(f"participant {r}: base {b}, samples {n}, weight {w}")
         p = [list(entry) for entry in named]
         body = {

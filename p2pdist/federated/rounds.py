@@ -266,7 +266,8 @@ class FederatedRounds:
         model of ``base_round``. It counts in the current round (a straggler's, sent for an
         earlier round, too) when it is valid and not too stale, and no update of the
         client's from ``base_round`` or a later base is already in an applied aggregate
-        (a resent update counts once: ``duplicate``)."""
+        (a resent update counts once: ``duplicate``; but a carried update sent again for
+        the open round becomes the client's part of it, as :meth:`due` counts parts)."""
         target = self.round
         staleness = target - base_round
         if round_id > target:
@@ -289,16 +290,19 @@ class FederatedRounds:
             return self._refuse(client, problem[0], problem[1], staleness)
         old = self._pending.get(client)
         if old is not None:
-            if base_round <= old.base_round:
+            # The carried update sent again for this round: now the client's part of it.
+            resent = base_round == old.base_round and round_id == target > old.round
+            if base_round <= old.base_round and not resent:
                 why = f"already has an update from base round {old.base_round}"
                 return self._refuse(client, Reason.DUPLICATE, why, staleness)
-            self._count(Reason.SUPERSEDED)
-            log.info(
-                "round %d: %s's update of base %d superseded",
-                target,
-                self._label(client),
-                old.base_round,
-            )
+            if not resent:
+                self._count(Reason.SUPERSEDED)
+                log.info(
+                    "round %d: %s's update of base %d superseded",
+                    target,
+                    self._label(client),
+                    old.base_round,
+                )
         self._pending[client] = Contribution(
             client, round_id, base_round, int(num_samples), update, now
         )
