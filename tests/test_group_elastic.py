@@ -812,3 +812,78 @@ async def test_a_rank_that_dies_silently_rejoins_through_a_relay_at_once(
                     proc.kill()
                     await asyncio.wait_for(proc.wait(), 10)
             await asyncio.gather(*(g.close() for g in gs))
+
+
+@pytest.mark.parametrize("how", ["dies", "closes", "is closing"])
+async def test_a_survivor_that_ends_while_a_rank_rejoins_does_not_fail_the_rejoin(
+    how: str,
+) -> None:
+    """Rank 2 rejoins; rank 1 ends after rank 2's dial reached it and before its hello:
+    it dies (every socket, its listener too), closes on purpose, or was closing already
+    when the dial came. Rank 2 dials it again, rank 0 reports it gone, and the rejoin
+    ends with rank 1 left (each raised at once from start(): "connection lost", "closed
+    its connection (left)", and a refusal saying the group was broken and every rank
+    must restart, though only rank 1 closed: an audit)."""
+    async with groups(3, config=LEAVE) as gs:
+        crash(gs[2])
+        await until_left(gs[:2], 2)
+        take_back = gs[1]._take_back
+
+        async def ends(rank: int, conn: Any) -> None:
+            if how == "is closing":
+                closing = asyncio.ensure_future(gs[1].close())
+                await asyncio.sleep(0)
+                await take_back(rank, conn)
+                await closing
+            elif how == "closes":
+                await asyncio.sleep(0.3)
+                await gs[1].close()
+            else:
+                await asyncio.sleep(0.3)
+                crash(gs[1])
+                conn._transport.abort()  # the rejoiner's connection goes with it
+                assert gs[1]._transport is not None
+                await gs[1]._transport.close()  # and its listener: a dead process
+
+        gs[1]._take_back = ends  # type: ignore[method-assign]
+        await gs[2].close()
+        back = rejoiner(gs[2])
+        try:
+            await asyncio.wait_for(back.start(), 30)
+            assert sorted(back.left) == [1], back.left
+            assert sorted(gs[0].left) == [1], gs[0].left  # rank 2 is back there
+            with pytest.raises(ConnectionBrokenError, match=r"rank 1 \(.*had left"):
+                await back.send(np.ones(3), 1, timeout=3)
+            with pytest.raises(ConnectionBrokenError, match=r"rank 1 \(.*had left"):
+                await back.recv(1, timeout=3)  # (both were a bare KeyError: an audit)
+            outs = await asyncio.wait_for(
+                asyncio.gather(back.send(np.ones(2), 0), gs[0].recv(2)), 10
+            )
+            assert outs[1].tolist() == [1.0, 1.0]
+        finally:
+            await back.close()
+
+
+async def test_a_rejoin_closed_while_it_starts_says_so() -> None:
+    """close() while start() rejoins: start() raises GroupBrokenError "the group was
+    closed while it started", as a forming start does (it raised the bare "connection ...
+    was closed locally": an audit)."""
+    async with groups(3, config=LEAVE) as gs:
+        crash(gs[2])
+        await until_left(gs[:2], 2)
+        release = asyncio.Event()
+        take_back = gs[1]._take_back
+
+        async def late(rank: int, conn: Any) -> None:
+            await release.wait()
+            await take_back(rank, conn)
+
+        gs[1]._take_back = late  # type: ignore[method-assign]
+        await gs[2].close()
+        back = rejoiner(gs[2])
+        starting = asyncio.create_task(back.start())
+        await asyncio.sleep(1.0)  # rank 1 holds its answer
+        await back.close()
+        with pytest.raises(GroupBrokenError, match="the group was closed while it started"):
+            await asyncio.wait_for(starting, 10)
+        release.set()

@@ -471,8 +471,11 @@ class GroupCore(Runner):
             try:
                 # Takes back other ranks from the start (they may rejoin at the same time).
                 await self._rejoin_all(transport, self.config.connect_timeout)
-            except BaseException:
+            except BaseException as exc:
+                closed_meanwhile = self._closing and isinstance(exc, P2PError)
                 await self.close()
+                if closed_meanwhile:  # (a connection "closed locally": the cause is the close)
+                    raise self._closed_while_starting() from None
                 raise
             self._check_not_closed_while_starting()
         else:
@@ -778,6 +781,17 @@ class GroupCore(Runner):
             raise UsageError(f"{what} must be a rank in [0, {self.size}), got {r!r}")
         return rank
 
+    def _conn_to(self, r: int) -> Connection:
+        """The connection to rank ``r``. A rank that left with none (one a rejoining rank
+        was told had left before it could reach it) raises what it left with, as a
+        ConnectionBrokenError naming it, as a lost connection's own error does."""
+        conn = self._conns.get(r)
+        if conn is None:
+            why = self.left.get(r)
+            detail = why.detail if isinstance(why, PeerError) else str(why or "no connection")
+            raise ConnectionBrokenError(self._root_label(r), detail)
+        return conn
+
     def _check_peer(self, r: int, what: str) -> int:
         rank = self._check_rank(r, what)
         if rank == self._rank:
@@ -808,7 +822,7 @@ class GroupCore(Runner):
         self._p2p_sent[dst] = index + 1
         channel = (self._p2p_space << SPACE_SHIFT) | index
         try:
-            sending = p2p.send_array(self._conns[dst], channel, arr, header, seconds)
+            sending = p2p.send_array(self._conn_to(dst), channel, arr, header, seconds)
             await (self._p2p_wait(dst, "send to", sending) if sub else sending)
         except ConnectionClosedError:
             if self._root()._closing:
@@ -928,7 +942,7 @@ class GroupCore(Runner):
                 index = self._p2p_received.get(src, 0)
                 self._p2p_received[src] = index + 1
             channel = (self._p2p_space << SPACE_SHIFT) | index
-            conn = self._conns[src]
+            conn = self._conn_to(src)
 
             def give_back(index: int = index, conn: Connection = conn) -> None:
                 # Nothing of its message came: the next recv waits for it. Unless the

@@ -35,6 +35,7 @@ from ..errors import (
 )
 from ..tasks import cancel_and_wait
 from ..transport.base import Connection
+from ..transport.dial import retry_pauses
 from ..transport.mailbox import split_channel
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TcpTransport
@@ -123,6 +124,9 @@ class Rejoining(Forming):
         means another process has the rank: the newcomer is refused with the reason."""
         label = self.peer_label(rank)
         if not await self._wants_rejoin(rank, conn):
+            return
+        if self._closing:  # (close() breaks the group too: it is not broken for the rank)
+            await conn.close()
             return
         if self._broken is not None:  # nothing it could run here would ever finish
             why = f"the group is broken ({self._broken}); restart every rank"
@@ -441,22 +445,43 @@ class Rejoining(Forming):
         """Connect to ``rank`` and read its hello: ``(connection, ranks gone, next cid)``,
         the cid None when ``rank`` rejoins too (its word on who is gone means nothing)."""
         label = self.peer_label(rank)
+        pauses = retry_pauses()
+        while True:
+            try:
+                conn = await self._dial(transport, rank)
+            except PeerAuthenticationError as exc:
+                if "identity mismatch" in exc.detail:  # another key than this seed gives it
+                    hint = "do all ranks use the same seed and the same peers list, in rank order?"
+                else:
+                    hint = (
+                        'a rank can rejoin only a group whose ranks run with on_peer_loss="leave"'
+                    )
+                raise PeerAuthenticationError(exc.peer, f"{exc.detail} ({hint})") from None
+            rejoin.alive.add(rank)  # it may have taken this connection: do not give up on it
+            # The first word of a rejoin (a plain restart says none), with the settings
+            # every rank must share, which the survivor checks.
+            intent = {"rejoin": True, "terms": group_terms(self.config, self.size)}
+            with contextlib.suppress(P2PError):
+                conn.send_nowait(_HELLO_CHANNEL, meta=bytes(msgpack.packb(intent)))
+            try:
+                frame = await self._hello_or_forming(conn, label)
+                break
+            except (ConnectionBrokenError, ConnectionClosedError) as exc:
+                # It died or closed before its hello: as a dial that failed. Dial again,
+                # until a survivor reports it gone (_rejoin_all then gives it up) or the
+                # rejoin's timeout; it is not alive for that meanwhile.
+                rejoin.alive.discard(rank)
+                with contextlib.suppress(ConnectionClosedError):
+                    await conn.close()
+                if self._closing:
+                    raise
+                log.info("%s ended before its rejoin hello (%s); dialing again", label, exc)
+                await asyncio.sleep(next(pauses))
+            except BaseException:
+                with contextlib.suppress(ConnectionClosedError):
+                    await conn.close()
+                raise
         try:
-            conn = await self._dial(transport, rank)
-        except PeerAuthenticationError as exc:
-            if "identity mismatch" in exc.detail:  # another key than this seed gives it
-                hint = "do all ranks use the same seed and the same peers list, in rank order?"
-            else:
-                hint = 'a rank can rejoin only a group whose ranks run with on_peer_loss="leave"'
-            raise PeerAuthenticationError(exc.peer, f"{exc.detail} ({hint})") from None
-        rejoin.alive.add(rank)  # it may have taken this connection: do not give up on it
-        # The first word of a rejoin (a plain restart says none), with the settings every
-        # rank must share, which the survivor checks.
-        intent = {"rejoin": True, "terms": group_terms(self.config, self.size)}
-        with contextlib.suppress(P2PError):
-            conn.send_nowait(_HELLO_CHANNEL, meta=bytes(msgpack.packb(intent)))
-        try:
-            frame = await self._hello_or_forming(conn, label)
             conn.retire(_HELLO_CHANNEL)
             try:
                 hello = msgpack.unpackb(frame.meta, raw=False)
