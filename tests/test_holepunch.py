@@ -1066,6 +1066,61 @@ async def test_candidates_our_socket_cannot_send_to_are_not_probed(host: str) ->
         sock.close()
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "127.0.0.1"])
+async def test_candidates_no_peer_can_be_at_are_not_probed(host: str) -> None:
+    """A peer's candidates that are unspecified, multicast, broadcast or link-local, and
+    loopback ones unless our socket is on loopback, are never PINGed: an authenticated
+    peer could make us send probes to our own host's ports (0.0.0.0 and 127.0.0.1 reach
+    this host) or to every host of our LAN (224.0.0.1), and only the address family
+    was checked (an audit)."""
+    puncher = _unbound_puncher()
+    sock = await UdpSocket.open(host, 0, lambda *a: None)
+    try:
+        puncher._sock = sock
+        puncher._peers[B.endpoint_id] = holepunch_module._Peer(B.endpoint_id, PeerPaths(FAST_PUNCH))
+        junk = ["0.0.0.0", "224.0.0.1", "255.255.255.255", "169.254.3.4", "127.0.0.1"]
+        addrs = [(h, 4000) for h in [*junk, "198.51.100.9", "10.0.0.7"]]
+        puncher.on_relay_probe(
+            B.endpoint_id,
+            encode_candidates(B, A.endpoint_id, addrs, reply_wanted=False, session=SB),
+        )
+        paths = puncher.state(B.endpoint_id)
+        assert paths is not None
+        kept = [("198.51.100.9", 4000), ("10.0.0.7", 4000)]
+        if host == "127.0.0.1":  # a peer on this host, met through a relay on loopback
+            kept = [("127.0.0.1", 4000), *kept]
+        assert list(paths._candidates) == kept
+    finally:
+        await puncher.close()
+        sock.close()
+
+
+@pytest.mark.parametrize(
+    ("host", "on_loopback", "probed"),
+    [
+        ("::", False, False),
+        ("ff02::1", False, False),
+        ("fe80::1", False, False),
+        ("::ffff:127.0.0.1", False, False),  # IPv4-mapped: judged as the IPv4 address
+        ("::ffff:127.0.0.1", True, True),
+        ("::1", True, True),
+        ("2001:db8::5", False, True),
+        ("::ffff:198.51.100.9", False, True),
+        ("not an address", False, False),
+    ],
+)
+def test_which_candidate_addresses_are_probed(host: str, on_loopback: bool, probed: bool) -> None:
+    assert holepunch_module.worth_probing(host, on_loopback) is probed
+
+
+def test_this_hosts_link_local_and_loopback_addresses_are_not_offered() -> None:
+    """169.254/16 (an adapter without DHCP, avahi's) reaches one link only and needs an
+    interface a candidate does not carry; getifaddrs lists every such address, where the
+    ioctl before listed one per interface."""
+    offered = [h for h in ["127.0.0.1", "169.254.7.7", "10.0.0.2", "192.0.2.9"]]
+    assert [h for h in offered if holepunch_module.worth_offering(h)] == ["10.0.0.2", "192.0.2.9"]
+
+
 def test_ipv6_interface_addresses_are_the_usable_global_ones(tmp_path: Path) -> None:
     """/proc/net/if_inet6 rows: loopback, link-local, tentative, deprecated and failed
     addresses are left out; a temporary (privacy) address comes first."""

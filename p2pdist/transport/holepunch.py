@@ -43,6 +43,8 @@ from .paths import Relay, UdpAddress, UdpSocket, is_loopback, path_key
 from .punch import Action, PathChange, PeerPaths, PunchConfig, SendCandidates, SendPing, SendPong
 
 __all__ = [
+    "worth_offering",
+    "worth_probing",
     "HolePuncher",
     "Observation",
     "PunchingUnavailable",
@@ -80,6 +82,33 @@ class Observation:
 
 _MAX_IPV6_CANDIDATES = 8
 """Most IPv6 interface addresses among our candidates."""
+
+
+def worth_probing(host: str, on_loopback: bool) -> bool:
+    """Whether a peer's candidate address ``host`` is one to send PINGs to: not an
+    unspecified, multicast, broadcast or link-local address (none is where a peer is;
+    a link-local one needs an interface a candidate does not carry), and loopback only
+    when our own socket is on loopback (a peer on this host). An authenticated peer
+    could otherwise make us PING our own host's ports, or every host of our LAN."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_unspecified or ip.is_multicast or ip.is_link_local:
+        return False
+    if isinstance(ip, ipaddress.IPv4Address) and ip == ipaddress.IPv4Address("255.255.255.255"):
+        return False
+    return on_loopback or not ip.is_loopback
+
+
+def worth_offering(host: str) -> bool:
+    """Whether this host's IPv4 address ``host`` is a candidate to offer a peer elsewhere:
+    not loopback, and not link-local (169.254/16: only that link, and the ping needs an
+    interface a candidate does not carry)."""
+    ip = ipaddress.ip_address(host)
+    return not (ip.is_loopback or ip.is_link_local)
 
 
 class _Peer:
@@ -197,8 +226,12 @@ class HolePuncher:
             self.bad_probes += 1
             return
         log.debug("%s: candidates %s", self._label_for(src), msg.candidates)
-        # Those of a family our socket cannot send to would only fail at every PING.
-        reachable = tuple(a for a in msg.candidates if self._reaches(a))
+        # Those of a family our socket cannot send to would only fail at every PING, and
+        # those no peer can be at are not probed at all (see worth_probing).
+        on_loopback = is_loopback(self._sock.local_address[0])
+        reachable = tuple(
+            a for a in msg.candidates if self._reaches(a) and worth_probing(a[0], on_loopback)
+        )
         now = self._loop.time()
         acts = p.paths.on_candidates(reachable, msg.reply_wanted, now, session=msg.from_session)
         self._run(p, acts)
@@ -261,7 +294,7 @@ class HolePuncher:
             # ones (peers on the same LAN reach those).
             hosts = interface_addresses6()[:_MAX_IPV6_CANDIDATES] if v6 else []
             if not v6 or sock.dual_stack:
-                hosts += [h for h in interface_addresses() if not is_loopback(h)]
+                hosts += [h for h in interface_addresses() if worth_offering(h)]
         else:
             hosts = [host]
         found: list[UdpAddress] = list(obs.addresses) if obs is not None else []

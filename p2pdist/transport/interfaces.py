@@ -10,11 +10,14 @@ more) from those that can, and the temporary ones the kernel prefers as a source
 from __future__ import annotations
 
 import ipaddress
+import logging
 import sys
 
 import ifaddr
 
 __all__ = ["interface_addresses", "interface_addresses6", "local_ipv4"]
+
+log = logging.getLogger(__name__)
 
 _IFA_F_TEMPORARY = 0x01
 _IFA_F_UNUSABLE = 0x08 | 0x20 | 0x40
@@ -24,7 +27,7 @@ _IFA_F_UNUSABLE = 0x08 | 0x20 | 0x40
 def local_ipv4() -> list[tuple[str, ipaddress.IPv4Network]]:
     """This host's IPv4 addresses with their networks, loopback and link-local last."""
     found: list[tuple[str, ipaddress.IPv4Network]] = []
-    for adapter in ifaddr.get_adapters():
+    for adapter in _adapters():
         for ip in adapter.ips:
             if isinstance(ip.ip, str):  # (IPv6 addresses are tuples)
                 net = ipaddress.IPv4Network(f"{ip.ip}/{ip.network_prefix}", strict=False)
@@ -70,10 +73,21 @@ def interface_addresses6(table: str = "/proc/net/if_inet6") -> list[str]:
 
 def _global_ipv6() -> list[str]:
     found: list[str] = []
-    for adapter in ifaddr.get_adapters():
+    for adapter in _adapters():
         for ip in adapter.ips:
             if isinstance(ip.ip, tuple):
                 addr = ipaddress.IPv6Address(ip.ip[0].split("%")[0])
                 if not (addr.is_link_local or addr.is_loopback or addr.is_multicast):
                     found.append(str(addr))
     return list(dict.fromkeys(found))
+
+
+def _adapters() -> list[ifaddr.Adapter]:
+    """``ifaddr``'s interfaces; none when it fails (an interface without a netmask trips
+    an assertion of its own off Linux): the callers then offer fewer addresses, they do
+    not fail."""
+    try:
+        return list(ifaddr.get_adapters())
+    except Exception as exc:  # whatever the platform's listing raised
+        log.warning("cannot list this host's interfaces: %r", exc)
+        return []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 from collections.abc import Callable, Collection, Hashable, Sequence
 
 from ..wire.stun import StunError, binding_request, new_transaction_id, parse_binding_response
@@ -27,6 +28,15 @@ drops UDP, must not hold up every observation). IPv4, the mapping most peers nee
 always gets the whole timeout."""
 
 
+def _possible(addr: UdpAddress) -> bool:
+    """Whether a mapped address is one a socket can have (a candidate to offer)."""
+    try:
+        ip = ipaddress.ip_address(addr[0])
+    except ValueError:
+        return False
+    return 0 < addr[1] < 65536 and not (ip.is_unspecified or ip.is_multicast)
+
+
 class StunProbe:
     """One round of Binding Requests from one socket to ``targets`` (IPv4, IPv6 or both:
     once every IPv4 target has answered, the IPv6 ones get :data:`FAMILY_GRACE`)."""
@@ -41,15 +51,22 @@ class StunProbe:
         """Set once every IPv4 target has answered (IPv6 ones then get the grace)."""
 
     def on_datagram(self, data: bytes) -> bool:
-        """Take a STUN message that arrived on the socket; True if it answered us."""
+        """Take a STUN message that arrived on the socket; True if it answered us. An
+        answer naming an address no socket can have (port 0, unspecified, multicast) is
+        none. (Its source is not checked against the target: a relay on several
+        addresses answers from whichever its routing picks; the 96-bit transaction id
+        is what an answer must know.)"""
         txid = bytes(data[8:20])
         i = self._txids.get(txid)
         if i is None or self.answers[i] is not None:
             return False
         try:
-            self.answers[i] = parse_binding_response(data, txid)
+            mapped = parse_binding_response(data, txid)
         except StunError:
             return False
+        if not _possible(mapped):
+            return False
+        self.answers[i] = mapped
         if all(a is not None for a in self.answers):
             self._all_in.set()
         ipv4 = [a for t, a in zip(self.targets, self.answers, strict=True) if ":" not in t[0]]
