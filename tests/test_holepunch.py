@@ -1337,3 +1337,23 @@ async def test_peers_of_a_relay_on_ipv6_loopback_punch_from_ipv6_loopback() -> N
                 assert ":" in ca.remote_address[0] and ":" in cb.remote_address[0]  # type: ignore[index]
         finally:
             await asyncio.gather(*(p.close() for p in paths))
+
+
+@pytest.mark.parametrize(
+    ("ip", "port"), [("198.51.100.7", 0), ("0.0.0.0", 4000), ("224.0.0.1", 4000)]
+)
+def test_an_observation_answer_naming_an_impossible_address_is_no_answer(
+    ip: str, port: int
+) -> None:
+    """An answer saying we are at port 0 (or at no address) was taken, and then every
+    CANDIDATES message failed to encode until the observation expired (a minute): an
+    audit. It is ignored; a real answer for the same target still counts."""
+    from p2pdist.transport.observe import StunProbe
+    from p2pdist.wire.stun import binding_response
+
+    probe = StunProbe([("192.0.2.1", 3478)])
+    (txid,) = probe._txids
+    assert not probe.on_datagram(binding_response(txid, ip, port))
+    assert probe.answers == [None]
+    assert probe.on_datagram(binding_response(txid, "198.51.100.7", 4000))
+    assert probe.answers == [("198.51.100.7", 4000)]
