@@ -286,6 +286,21 @@ def test_keepalive_pongs_keep_the_path() -> None:
     assert p.phase is Phase.DIRECT and t > 9.0
 
 
+def test_a_state_that_never_sent_its_candidates_sends_them_with_any_list() -> None:
+    """A restart() makes a new state and starts it from a task; the peer's reply to the
+    old state's candidates (reply_wanted=False) can come first. The new state sends its
+    own then: it did not, its start() found the round begun and sent nothing, and the
+    peer, never told our new session, refused our PINGs until the next round (an
+    audit)."""
+    p = PeerPaths(PunchConfig(), counter(), session=ME)
+    acts = p.on_candidates((("203.0.113.5", 1000),), reply_wanted=False, now=0.0, session=PEER)
+    assert SendCandidates(False) in acts
+    assert p.start(0.1) == []  # the round has begun; ours went out above
+    assert SendCandidates(False) not in p.on_candidates(
+        (), reply_wanted=False, now=0.2, session=PEER
+    )
+
+
 def test_candidates_are_answered_once_per_refresh_interval() -> None:
     p = PeerPaths(PunchConfig(candidate_refresh=1.0), counter(), session=ME)
     assert SendCandidates(False) in p.on_candidates((), reply_wanted=True, now=0.0, session=PEER)

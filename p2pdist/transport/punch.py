@@ -277,9 +277,11 @@ class PeerPaths:
             return []
         self._set_peer_session(session)
         out: list[Action] = []
-        if reply_wanted and (
-            self._candidates_sent is None
-            or now - self._candidates_sent >= self.config.candidate_refresh
+        # Ours go out when asked (once per candidate_refresh), and whenever this state
+        # never sent them: a reply meant for the state before a restart() can come before
+        # the new state's start() asks, and the peer would not learn our new session.
+        if self._candidates_sent is None or (
+            reply_wanted and now - self._candidates_sent >= self.config.candidate_refresh
         ):
             self._candidates_sent = now
             out.append(SendCandidates(reply_wanted=False))
