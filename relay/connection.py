@@ -81,6 +81,8 @@ class _ClientConnection(asyncio.BufferedProtocol):
         self._reads_seen = 0
         """The stream's ``small_reads_in`` then (socket reads under ``SMALL_READ``
         bytes, which may hold a byte of a record)."""
+        self._wire_seen = 0
+        """The stream's ``bytes_in`` then (what the client sent, as ciphertext)."""
         self._counted = False
         """Whether this connection holds one of the server's socket slots."""
 
@@ -165,13 +167,17 @@ class _ClientConnection(asyncio.BufferedProtocol):
                 if self._tap is not None:
                     self._tap(self._session.conn_id, "in", bytes(data))
                 # (without a stream, this is the socket read)
-                records, reads = 0, int(nbytes < SMALL_READ)
+                records, reads, wire = 0, int(nbytes < SMALL_READ), None
                 if self.stream is not None:
                     seen, self._records_seen = self._records_seen, self.stream.records_in
                     records = self._records_seen - seen
                     seen, self._reads_seen = self._reads_seen, self.stream.small_reads_in
                     reads = self._reads_seen - seen
-                self._core.receive(self._session, data, self._loop.time(), records, reads)
+                    seen, self._wire_seen = self._wire_seen, self.stream.bytes_in
+                    wire = self._wire_seen - seen
+                self._core.receive(
+                    self._session, data, self._loop.time(), records, reads, wire_bytes=wire
+                )
         except Exception:  # pragma: no cover - a bug costs this connection, not the relay
             log.exception(kv("receive_failed", conn=self._session.label))
             self.abort()

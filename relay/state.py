@@ -70,6 +70,10 @@ SHUTTING_DOWN = Refusal("shutting_down", "relay shutting down")
 EVICTED = "evicted: too many connections waiting to authenticate"
 REFUSED = "too many connections waiting to authenticate; retry later"
 EVICT_AFTER = 1.0
+REFUSAL_LOG_EVERY = 5.0
+"""Seconds between INFO lines for connections refused or failed before AUTH_OK (the rest
+at DEBUG, counted in the next line): a stream of cheap connections must not flood the
+log; /metrics counts every one."""
 """Seconds a connection must have waited to authenticate before a newer one may evict
 it. A real client needs a round trip or two, so an older one is most likely idle (a
 flood churns itself). When the cap is full of younger connections, newcomers are
@@ -190,6 +194,10 @@ class RelayCore(Inbound):
         self._refreshed_at = -REFRESH_EVERY
         self._next_id = 0
         self._closing = False
+        self._now = 0.0
+        """The time of the last input (receive, tick, ...): for the log's rate limit."""
+        self._refusal_logged_at = -REFUSAL_LOG_EVERY
+        self._refusals_unlogged = 0
 
     # ---- queries ----------------------------------------------------------------------
 
@@ -405,13 +413,19 @@ class RelayCore(Inbound):
         now: float,
         records: int = 0,
         reads: int = 0,
+        *,
+        wire_bytes: int | None = None,
     ) -> None:
         """Bytes arrived from ``s``'s client, in ``records`` TLS or AES-GCM records, with
         ``reads`` socket reads under 1 KiB since the last call (each 0 when the glue does
-        not know). ``data`` is only read during the call (it may be a view of a buffer
-        that is reused right after)."""
+        not know), which took ``wire_bytes`` bytes of the socket since the last call
+        (ciphertext, padding and records without plaintext included; None when the glue
+        does not know, then ``data``'s size is charged instead). ``data``
+        is only read during the call (it may be a view of a buffer that is reused right
+        after)."""
         if s.phase is Phase.CLOSED:
             return
+        self._now = now
         if s.phase is Phase.TLS:  # a glue that did not say so: bytes mean it is done
             self.handshake_done(s, now)
         s.last_heard = now
@@ -442,9 +456,14 @@ class RelayCore(Inbound):
             # outlives it (see _keep_bucket). The read that carried AUTH is charged
             # whole, AUTH included: frames written behind it (a reconnecting client's,
             # into an inherited bucket) are not free.
+            # What the socket carried, where the glue knows it (one read's plaintext may
+            # come in several calls: the first has its bytes): TLS's padding, empty
+            # records and key updates carry no plaintext but cost their reads and
+            # decryption (a record of one byte padded to 16 KiB was charged 257).
             frames = s.frames_in - frames_before
             extra = reads * READ_CHARGE + records * RECORD_CHARGE + frames * FRAME_CHARGE
-            bucket.charge(nbytes + extra, now)
+            carried = nbytes if wire_bytes is None else wire_bytes
+            bucket.charge(carried + extra, now)
             if s.phase is Phase.ACTIVE:
                 self._pace(s, now)
 
@@ -495,6 +514,7 @@ class RelayCore(Inbound):
     def tick(self, now: float) -> None:
         """Enforce the auth timeout and keepalive silence, and forget limiter state that
         has run out; call about once a second."""
+        self._now = now
         silence = 3 * self.config.keepalive
         for s in list(self._sessions):
             if s.phase is Phase.ACTIVE:
@@ -603,7 +623,20 @@ class RelayCore(Inbound):
         if s.websocket is not None:
             s.link.write(ws_frame(close_code or _ws_close_code(event), Opcode.CLOSE, masked=False))
         level = logging.DEBUG if quiet else logging.INFO
-        log.log(level, kv(event, conn=s.label, peer=s.observed, error=error, **(fields or {})))
+        extra = dict(fields or {})
+        if level == logging.INFO and s.phase is not Phase.ACTIVE:
+            # Before AUTH_OK: at most one line per REFUSAL_LOG_EVERY, saying how many
+            # were left out since (a flood of bad tokens or garbage costs its sender a
+            # connection each, and must not cost the relay's disk a line each).
+            if self._now - self._refusal_logged_at < REFUSAL_LOG_EVERY:
+                self._refusals_unlogged += 1
+                level = logging.DEBUG
+            else:
+                self._refusal_logged_at = self._now
+                if self._refusals_unlogged:
+                    extra["others_since_last"] = self._refusals_unlogged
+                self._refusals_unlogged = 0
+        log.log(level, kv(event, conn=s.label, peer=s.observed, error=error, **extra))
         self._forget(s)
         s.link.close()
 

@@ -4,6 +4,7 @@ PEER_GONE throttle, allowlist, metrics, configuration and the tap file format.""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -174,6 +175,29 @@ def test_short_auth_is_malformed() -> None:
     assert c.metrics.auth_failures["malformed"] == 1
 
 
+def test_refusals_before_auth_are_logged_at_most_once_per_5_s(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each connection refused or failed before AUTH_OK wrote an INFO line, so a stream of
+    cheap connections with a bad token or garbage filled the log (an audit). One line per
+    REFUSAL_LOG_EVERY seconds now, the next saying how many it left out; /metrics counts
+    every one."""
+    c = core()
+    caplog.set_level(logging.DEBUG, logger="relay")
+
+    def refuse(now: float) -> None:
+        s, _ = upgrade(c, now)
+        c.receive(s, encode_frame(T.AUTH, b"x" * 95), now)
+
+    for now in (0.0, 1.0, 2.0, 5.5):
+        refuse(now)
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    failed = [m for m in info if "auth_failed" in m]
+    assert len(failed) == 2, info
+    assert "others_since_last" not in failed[0] and "others_since_last=2" in failed[1]
+    assert c.metrics.auth_failures["malformed"] == 4
+
+
 @pytest.mark.parametrize("kind", [T.SEND, T.PING, T.AUTH_OK, T.RECV])
 def test_any_frame_but_auth_first_closes(kind: RelayFrameType) -> None:
     c = core()
@@ -316,6 +340,28 @@ def test_each_record_a_client_sends_costs_it_more_than_its_bytes() -> None:
     before = bucket.level(0.0)
     c.receive(sa, encode_frame(T.PONG, b"p" * 8), 0.0, records=13)
     assert before - bucket.level(0.0) == 13 + 13 * RECORD_CHARGE + FRAME_CHARGE
+
+
+def test_a_client_is_charged_for_what_its_socket_carried_not_its_plaintext() -> None:
+    """TLS records padded far past their content, empty records and key updates carry
+    little or no plaintext but cost the relay their reads and decryption: a one-byte
+    record padded to 16 KiB was charged 257 (an audit). The glue gives the ciphertext
+    bytes read since its last call, which are charged in place of the plaintext's; a
+    read whose plaintext comes in several calls is charged once."""
+    c = core(rate=1_000_000, burst=MAX_BODY * 8)
+    sa, _ = join(c, A)
+    bucket = sa.bucket
+    assert bucket is not None
+    pong = encode_frame(T.PONG, b"p" * 8)
+    before = bucket.level(0.0)
+    c.receive(sa, pong, 0.0, records=1, wire_bytes=16_405)
+    assert before - bucket.level(0.0) == 16_405 + RECORD_CHARGE + FRAME_CHARGE
+    before = bucket.level(0.0)
+    c.receive(sa, pong, 0.0, wire_bytes=0)  # the rest of that read's plaintext
+    assert before - bucket.level(0.0) == FRAME_CHARGE
+    before = bucket.level(0.0)
+    c.receive(sa, pong, 0.0)  # a glue that does not know: the plaintext's size
+    assert before - bucket.level(0.0) == len(pong) + FRAME_CHARGE
 
 
 def test_each_socket_read_costs_a_client_more_than_its_bytes() -> None:

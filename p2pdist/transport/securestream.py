@@ -167,6 +167,9 @@ class SecureStream(asyncio.BufferedProtocol):
         """What broke the stream (a TLS error, a record that did not decrypt), if it
         failed rather than closed."""
         self.small_reads_in = 0
+        self.bytes_in = 0
+        """Bytes read from the socket so far (ciphertext: TLS's padding, empty records and
+        key updates, which carry no plaintext, included)."""
         """Socket reads shorter than :data:`SMALL_READ` so far: each costs a pass of
         Python whatever it holds (one byte of a record, say), which the relay charges
         (``relay.state.READ_CHARGE``)."""
@@ -323,6 +326,7 @@ class SecureStream(asyncio.BufferedProtocol):
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.bytes_in += nbytes
         if nbytes < SMALL_READ and not self._small_read_allowed():
             return
         if self._closing and not self._up:
