@@ -101,7 +101,7 @@ class _ClientConnection(asyncio.BufferedProtocol):
         """TCP is up, the TLS handshake starts: the session is opened now, so the
         handshake counts against the caps on waiting connections."""
         self._raw = transport
-        if self._server.closing or not self._server.take_socket():
+        if self._server.closing or not self._server.take_socket(self._peer(transport)[0]):
             transport.abort()
             return
         self._counted = True

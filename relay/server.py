@@ -224,12 +224,13 @@ class RelayServer:
         """Seconds a closed connection may take to flush before it is aborted."""
         return self.config.drain_timeout * SHUTDOWN_GRACE_SHARE if self._closed else CLOSE_GRACE
 
-    def take_socket(self) -> bool:
-        """Count a new client socket. At the budget the oldest connection waiting to
-        authenticate makes room if it has waited a second (it is dropped at once: its
-        socket closes on the loop's next pass); else False, counted as refused."""
+    def take_socket(self, peer: str | None = None) -> bool:
+        """Count a new client socket (from address ``peer``, when known). At the budget
+        the oldest connection waiting to authenticate makes room if it has waited a
+        second (it is dropped at once: its socket closes on the loop's next pass; see
+        ``RelayCore.evict_for_socket``); else False, counted as refused."""
         if self.socket_budget is not None and self.sockets_open >= self.socket_budget:
-            evicted = self.core.evict_for_socket(asyncio.get_running_loop().time())
+            evicted = self.core.evict_for_socket(asyncio.get_running_loop().time(), peer)
             if isinstance(evicted, _ClientConnection):
                 evicted.abort()  # its socket closes on the loop's next pass
                 self.sockets_open += 1

@@ -370,15 +370,23 @@ class RelayCore(Inbound):
         if any(other.opened_at > s.opened_at for other in mine):
             self._waiting_by_source[source] = dict.fromkeys(sorted(mine, key=lambda w: w.opened_at))
 
-    def evict_for_socket(self, now: float) -> Link | None:
-        """The socket budget is spent and a new connection came: forget the oldest
-        connection still waiting to authenticate if it has waited :data:`EVICT_AFTER`, as
-        the caps on waiting connections do, so that idle sockets cannot lock real clients
-        out when the budget is smaller than those caps. Returns its link, for the caller
-        to drop at once (what :meth:`_evict` queued for it is not flushed: its socket must
+    def evict_for_socket(self, now: float, peer: str | None = None) -> Link | None:
+        """The socket budget is spent and a new connection came (from address ``peer``,
+        when known): forget the oldest connection still waiting to authenticate if it has
+        waited :data:`EVICT_AFTER`, as the caps on waiting connections do, so that idle
+        sockets cannot lock real clients out when the budget is smaller than those caps.
+        A newcomer whose source already has ``max_unauthenticated_per_ip`` connections
+        waiting (it would be refused anyway) makes room only among its own source's:
+        one source never evicts another's. Returns the evicted link, for the caller to
+        drop at once (what :meth:`_evict` queued for it is not flushed: its socket must
         go now, not after a close grace, or a flood could push the relay past its
         descriptors); None: no room."""
-        oldest = next(iter(self._waiting), None)
+        waiting: dict[Session, Any] = self._waiting
+        if peer is not None:
+            own = self._waiting_by_source.get(source_of(peer))
+            if own and len(own) >= self.config.max_unauthenticated_per_ip:
+                waiting = own
+        oldest = next(iter(waiting), None)
         if oldest is None or now - oldest.opened_at < EVICT_AFTER:
             return None
         self._evict(oldest, "socket_budget", now)

@@ -878,3 +878,17 @@ def test_a_bad_signature_first_looks_at_the_certificate_files_once_a_second() ->
     s, link = upgrade(c, 6.5)
     c.receive(s, auth_frame(C, fp=bytes(32)), 6.5)
     assert only(link) == (T.ERROR, b"bad signature") and looks == [5.0, 6.5]
+
+
+def test_a_newcomer_at_its_sources_cap_evicts_only_its_own_for_the_socket_budget() -> None:
+    """At the socket budget a new connection made room by evicting the oldest waiting
+    connection of any source, before the core refused it for its own source's cap: a
+    source at its cap kept closing other sources' slow handshakes (an audit). It now
+    evicts among its own source's only; a source under its cap evicts the oldest."""
+    c = core(max_unauthenticated_per_ip=2)
+    other = c.open(FakeLink(), ("198.51.100.1", 1000), 0.0, handshaking=True)
+    mine = [c.open(FakeLink(), ("192.0.2.9", 2000 + i), 0.5, handshaking=True) for i in (0, 1)]
+    assert c.evict_for_socket(0.9, "192.0.2.9") is None  # none of its own has waited 1 s
+    evicted = c.evict_for_socket(2.0, "192.0.2.9")
+    assert evicted is mine[0].link and other.phase is Phase.TLS
+    assert c.evict_for_socket(2.0, "203.0.113.4") is other.link  # under its cap: the oldest
