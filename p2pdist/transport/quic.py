@@ -650,6 +650,13 @@ class QuicTransport(EndpointBase[QuicConnection]):
                 # Every interface, IPv6 too where the host has it: peers whose IPv4
                 # NATs cannot be punched often reach each other's IPv6 addresses.
                 bind = await self._local_relay_host()  # None: every interface
+                if bind is not None and isinstance(self._relay, RelayPath):
+                    log.info(
+                        "hole punching from %s: the relay is on this host's loopback, so "
+                        "only peers on this host can go direct (peers elsewhere stay on "
+                        "the relay: give the relay's public address to reach them)",
+                        bind,
+                    )
                 self._punch_sock = await self._open_udp(bind, 0)
             return self._punch_sock
 
