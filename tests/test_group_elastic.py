@@ -184,6 +184,21 @@ async def restart(old: Group, config: GroupConfig | None = None, **kw: object) -
     return rejoiner(old, config=config, **kw)
 
 
+def hold_take_back(g: Group, only: int | None = None) -> asyncio.Event:
+    """Make ``g`` hold its answer to a rejoining rank (``only`` that rank) until the
+    returned event is set."""
+    release = asyncio.Event()
+    take_back = g._take_back
+
+    async def late(rank: int, conn: Any) -> None:
+        if only is None or rank == only:
+            await release.wait()
+        await take_back(rank, conn)
+
+    g._take_back = late  # type: ignore[method-assign]
+    return release
+
+
 def rejoiner(
     old: Group,
     *,
@@ -273,15 +288,7 @@ async def test_a_lower_rank_restarting_while_another_rejoins_is_dialed_again() -
     async with groups(4, config=LEAVE) as gs:
         crash(gs[3])
         await until_left(gs[:3], 3)
-        release = asyncio.Event()
-        take_back = gs[2]._take_back
-
-        async def late(rank: int, conn: Any) -> None:
-            if rank == 3:
-                await release.wait()
-            await take_back(rank, conn)
-
-        gs[2]._take_back = late  # type: ignore[method-assign]
+        release = hold_take_back(gs[2], 3)
         back = await restart(gs[3])
         starting = asyncio.create_task(back.start())
         try:
@@ -871,14 +878,7 @@ async def test_a_rejoin_closed_while_it_starts_says_so() -> None:
     async with groups(3, config=LEAVE) as gs:
         crash(gs[2])
         await until_left(gs[:2], 2)
-        release = asyncio.Event()
-        take_back = gs[1]._take_back
-
-        async def late(rank: int, conn: Any) -> None:
-            await release.wait()
-            await take_back(rank, conn)
-
-        gs[1]._take_back = late  # type: ignore[method-assign]
+        release = hold_take_back(gs[1])
         await gs[2].close()
         back = rejoiner(gs[2])
         starting = asyncio.create_task(back.start())
