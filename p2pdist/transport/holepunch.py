@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -339,7 +339,7 @@ class HolePuncher:
             log.info("no answer from the relay observation ports %s (UDP blocked?)", targets)
         return obs
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         async def guarded() -> None:
             try:
                 await coro
@@ -355,6 +355,9 @@ class HolePuncher:
         task = self._loop.create_task(guarded())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        # Cancelled before its first step (a close right after), guarded() never awaits
+        # coro: closed here instead ("never awaited" otherwise; a no-op once it ran).
+        task.add_done_callback(lambda _: coro.close())
 
     def _switch_off(self, why: str) -> None:
         """No socket can punch: stop for every peer (they stay on the relay), say so once."""
