@@ -919,6 +919,8 @@ _NOT_ADDRESSES = [45001, None, ("h",), ("h", "x"), ("h", 1.5), (1, 80), ("h", Tr
         # what int() takes but no port is written as: signs, spaces, underscores, and
         # other scripts' digits (Arabic-Indic 80)
         *["h:+80", "h:8_0", "h: 80", "h:\u0668\u0660", ("h", "\u0668\u0660"), ("h", " 9")],
+        # names getaddrinfo's IDNA encoding refuses (a raw UnicodeError from connect)
+        *["a..b:80", ".:80", "x" * 64 + ".example:80"],
     ],
 )
 def test_parse_address_refuses(text: Any) -> None:
@@ -1349,3 +1351,16 @@ def test_kernel_rtt_is_none_before_the_first_sample_and_small_on_loopback() -> N
                 assert client.recv(1) == b"y"
                 rtt = kernel_rtt(client)
                 assert rtt is not None and 0 < rtt < 0.01, rtt
+
+
+async def test_a_dial_to_a_bad_address_names_the_peer() -> None:
+    """connect() raised the address error before naming the peer, and a name that IDNA
+    refuses (an empty or overlong label) came out as a raw UnicodeError, not a
+    P2PError: an audit."""
+    t = TcpTransport(SecretKey.from_seed("bad address seed", 0))
+    try:
+        for bad in ("a..b:80", "x" * 64 + ".example:80", "nohost"):
+            with pytest.raises(UsageError, match=r"^rank 1 \(.*is not host:port"):
+                await t.connect(eid(1), bad, label=f"rank 1 ({eid(1).short()})")
+    finally:
+        await t.close()

@@ -172,6 +172,11 @@ def parse_address(address: Address) -> tuple[str, int]:
         raise UsageError(f"address must be 'host:port' or (host, port), got {address!r}")
     if not isinstance(host, str) or not host or port is None or not 0 <= port <= 65535:
         raise UsageError(f"address {address!r} is not host:port")
+    if ":" not in host:  # (an IPv6 literal is no name)
+        try:  # what getaddrinfo will do with a name: an empty or overlong label fails
+            host.encode("idna")
+        except UnicodeError as exc:
+            raise UsageError(f"address {address!r} is not host:port: {exc}") from None
     return host, port
 
 
@@ -362,7 +367,12 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
                 t.write(self._tls.close_notify())
         self._closing = True
         if self._handshaking:
-            t.close()  # not a peer yet (a stranger, a port scan): nothing of ours to deliver
+            # Not a peer yet (a stranger, a port scan): nothing of ours to deliver, so a
+            # reply stuck behind a peer that does not read is dropped, not waited for.
+            if t.get_write_buffer_size():
+                t.abort()
+            else:
+                t.close()
             return
         if not t.is_closing() and t.can_write_eof():
             # Half-close and read on (dropping it) until the peer closes too: a socket
@@ -620,9 +630,12 @@ class TcpTransport(EndpointBase[TcpConnection]):
         self, peer: EndpointId, address: Address, *, label: str | None = None
     ) -> TcpConnection:
         """Dial ``address`` and authenticate the other end as ``peer``."""
-        self._check_not_closed()
-        host, port = parse_address(address)
         name = label or self.label_for(peer)
+        self._check_not_closed()
+        try:
+            host, port = parse_address(address)
+        except UsageError as exc:
+            raise UsageError(f"{name}: {exc}") from None
         self._check_not_self(peer, name)
         conn: TcpConnection | None = None
         deadline = asyncio.timeout(self.config.handshake_timeout)
