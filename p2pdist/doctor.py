@@ -155,6 +155,8 @@ class DoctorReport:
             return "the relay refuses this client (above): nothing works until it lets it in"
         if not self.relay_connected:
             return "cannot reach the relay: nothing works until it can"
+        if self.relay_error is not None:
+            return f"the relay answers, but {self.relay_error}: nothing was tested beyond it"
         if self.observation_off:
             return (
                 "the relay observes no UDP addresses (--stun-port 0): direct paths only "
@@ -248,14 +250,17 @@ async def diagnose(
     report.interfaces += interface_addresses6()  # candidates too (the group's socket is dual-stack)
     transport = QuicTransport(key, TransportConfig(handshake_timeout=timeout), relay=path)
     try:
+        connected = False
         try:
             await path.wait_connected(timeout)
-            report.relay_connected = True
+            connected = True
             report.relay_rtt = await path.ping(timeout)
+            report.relay_connected = True  # (only once it answers: then UDP is tested)
         except P2PError as exc:
             # The report's line names the relay already: keep only what went wrong.
             text = exc.detail if isinstance(exc, PeerError) else str(exc)
-            report.relay_error = text.removeprefix(f"relay {path.url}: ")
+            text = text.removeprefix(f"relay {path.url}: ")
+            report.relay_error = f"connected, then: {text}" if connected else text
             report.relay_denied = path.status.refused
             report.relay_refusal = path.status.refusal
             report.relay_refused = path.status.refusal == "not_allowed"
@@ -502,8 +507,10 @@ def main(argv: list[str]) -> int:
         print(json.dumps(dataclasses.asdict(report), indent=2))
     else:
         print(render(report))
-    ok = report.relay_connected and (
-        report.peer is None or (report.peer.connected and report.peer.error is None)
+    ok = (
+        report.relay_connected
+        and report.relay_error is None
+        and (report.peer is None or (report.peer.connected and report.peer.error is None))
     )
     return 0 if ok else 1
 

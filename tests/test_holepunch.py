@@ -710,6 +710,31 @@ def test_doctor_says_a_refusal_once(tmp_path: Path) -> None:
     assert (proc.stdout + proc.stderr).count("bad token") == 1, proc.stdout + proc.stderr
 
 
+async def test_doctor_against_a_relay_that_stops_answering_does_not_blame_udp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session comes up, then the relay answers no PING: the report said
+    "connected", UDP "BLOCKED" (never tested), and exit 0 (an audit). It now says the
+    relay stopped answering, and main() exits 1."""
+    from p2pdist.doctor import diagnose, main, render
+    from p2pdist.errors import P2PTimeoutError
+    from p2pdist.transport.relay_path import RelayPath
+
+    async def no_pong(self: RelayPath, timeout: float = 5.0) -> float:
+        raise P2PTimeoutError(f"relay {self.url}: no PONG within {timeout:g} s")
+
+    monkeypatch.setattr(RelayPath, "ping", no_pong)
+    with RelayProcess(tmp_path) as relay:
+        report = await diagnose(relay.url, key=A, timeout=2.0)
+        assert not report.relay_connected
+        assert report.relay_error == "connected, then: no PONG within 2 s"
+        text = render(report)
+        assert "UDP is blocked" not in text and "BLOCKED" not in text
+        assert "connected, then: no PONG" in text
+        rc = await asyncio.to_thread(main, ["--relay", relay.url, "--timeout", "2"])
+    assert rc == 1
+
+
 async def test_doctor_names_an_unreachable_relay() -> None:
     from p2pdist.doctor import diagnose, render
 
