@@ -54,6 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.timeout <= 0 or args.timeout != args.timeout:
         print(f"unhealthy: --timeout must be positive, got {args.timeout}", file=sys.stderr)
         return 1
+    if not 1 <= args.port <= 65535:
+        print(f"unhealthy: --port must be 1..65535, got {args.port}", file=sys.stderr)
+        return 1
     if args.url is not None and not args.url.strip():
         # "$(cat /data/relay.url)" of a missing or empty file: checking no key at all
         # would report a relay healthy that clients cannot verify.
@@ -65,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status, body = asyncio.run(
             http_get(url, "/health", timeout=args.timeout, verify=bool(args.url))
         )
-    except (OSError, TimeoutError, ValueError, IndexError) as exc:
+    except (OSError, TimeoutError, ValueError, IndexError, OverflowError) as exc:
         # str() of an ssl.SSLError made with a message alone is its args tuple
         text = exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
         why = text or type(exc).__name__  # a timeout has no text of its own

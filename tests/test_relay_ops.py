@@ -486,3 +486,14 @@ async def test_a_connection_that_fails_its_tls_handshake_is_logged_with_why(
                 break
             await asyncio.sleep(0.05)
     assert said() and "error=" in said()[0] and "http request" in said()[0].lower(), said()
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "0", "65536"])
+def test_healthcheck_refuses_a_port_out_of_range_in_one_line(
+    port: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An out-of-range port printed an OverflowError traceback (an audit): Docker's
+    health log gets one "unhealthy:" line instead."""
+    assert healthcheck(["--port", port, "--timeout", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("unhealthy: --port must be 1..65535") and "Traceback" not in err
