@@ -279,6 +279,12 @@ def option_names() -> list[str]:
     return [f.name for f in dataclasses.fields(RelayConfig)]
 
 
+def _default(name: str) -> Any:
+    """The default of RelayConfig's field ``name`` (a setting given as its default is
+    the same as not given)."""
+    return {f.name: f.default for f in dataclasses.fields(RelayConfig)}[name]
+
+
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
@@ -361,6 +367,8 @@ def _validate(c: RelayConfig) -> None:
         raise ConfigError(f"proxy-hops must be 1..{MAX_PROXY_HOPS}, got {c.proxy_hops}")
     if c.proxy_hops != 1 and c.http_port is None:
         raise ConfigError("proxy-hops is for the http-port: set http-port too")
+    if c.http_host != _default("http_host") and c.http_port is None:
+        raise ConfigError("http-host is for the http-port: set http-port too")
     try:
         ipaddress.ip_address(c.http_host)
     except ValueError:
@@ -391,6 +399,8 @@ def _validate(c: RelayConfig) -> None:
             f"max-unauthenticated-per-ip must be >= 1, got {c.max_unauthenticated_per_ip}"
         )
     _positive("rate", c.rate, allow_zero=True)
+    if not c.rate and c.burst != _default("burst"):
+        raise ConfigError("burst is the rate's bucket: set rate too (0 is unlimited)")
     if c.rate and c.burst < MAX_BODY:
         raise ConfigError(
             f"burst must be at least {MAX_BODY} bytes when rate is set, got {c.burst}: "
