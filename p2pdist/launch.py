@@ -31,10 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import itertools
 import os
+import resource
 import secrets
+import select
 import signal
 import socket
 import sys
@@ -318,15 +321,36 @@ def discard_output(out: BinaryIO | TextIO) -> None:
 
 
 def _emit(out: BinaryIO, prefix: bytes, lines: list[bytes], broken: Callable[[], None]) -> None:
+    if not lines:
+        return
+    data = b"".join(
+        prefix + line if line.endswith(b"\n") else prefix + line + b"\n" for line in lines
+    )
     try:
-        for line in lines:
-            out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+        try:
+            fd = out.fileno()
+        except (OSError, ValueError):  # not a file (a test's capture): its own write
+            out.write(data)
             out.flush()
+        else:
+            _write_all(fd, data)
     except BrokenPipeError:  # `launch ... | head`: whoever read our output is gone
         discard_output(out)
         broken()
     except OSError:  # the terminal hung up (EIO; SIGHUP stops the ranks): keep draining
         pass
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd``, as a blocking write would: a parent may have left
+    our stdout non-blocking (some CI runners do), and then a reader that lags a moment
+    made the write fail with EAGAIN, and the lines were lost."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            select.select([], [fd], [], 1.0)  # until there is room (or a second: again)
 
 
 async def _pump(
@@ -341,6 +365,16 @@ async def _pump(
             _emit(out, prefix, splitter.feed(chunk), broken)
     finally:
         _emit(out, prefix, splitter.flush(), broken)
+
+
+def _raise_open_files_limit(needed: int) -> None:
+    """Raise the soft limit on open files towards ``needed`` (each rank holds two pipes
+    in the launcher), as far as the hard limit allows."""
+    with contextlib.suppress(ValueError, OSError):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < needed:
+            top = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, top), hard))
 
 
 def _say(message: str) -> None:
@@ -381,6 +415,13 @@ class _Launcher:
                     start_new_session=True,
                 )
             except OSError as exc:
+                if exc.errno == errno.EMFILE:
+                    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+                    raise UsageError(
+                        f"cannot start rank {rank}: too many open files (each rank takes "
+                        f"two of the launcher's; ulimit -n is {soft}): start fewer ranks, "
+                        "or raise the limit"
+                    ) from exc
                 raise UsageError(f"cannot start {self.cfg.command[0]!r}: {exc}") from exc
             proc = asyncio.subprocess.Process(transport, protocol, loop)
             self.procs.append(proc)
@@ -504,6 +545,12 @@ async def _run(cfg: LaunchConfig, envs: Sequence[dict[str, str]]) -> int:
 
 def launch(cfg: LaunchConfig) -> int:
     """Run ``cfg.nprocs`` ranks of ``cfg.command``; return the launcher's exit status."""
+    # A closed stdout or stderr (`>&-`) is None here: the ranks' lines go nowhere.
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the process's lifetime
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+    _raise_open_files_limit(2 * cfg.nprocs + 64)
     seed = cfg.seed if cfg.seed is not None else secrets.token_hex(32)
     ports = pick_free_ports(cfg.host, cfg.nprocs)
     peers = [_format_peer(cfg.host, port) for port in ports]

@@ -90,6 +90,59 @@ def test_launch_handles_large_output_without_deadlock() -> None:
     assert proc.stderr.count("e") >= 600000
 
 
+def test_launch_writes_every_line_to_a_non_blocking_stdout() -> None:
+    """A parent that left the launcher's stdout non-blocking (some CI runners do): when
+    its reader lagged, writes failed with EAGAIN and were dropped as if the terminal had
+    hung up (288 of 20,000 lines came through, exit 0: an audit)."""
+    import fcntl
+
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETFL, fcntl.fcntl(w, fcntl.F_GETFL) | os.O_NONBLOCK)
+    code = "for i in range(20000): print('%06d' % i + 'y' * 200)"
+    cmd = [sys.executable, "-m", "p2pdist.cli", "launch", "-n", "1", "--"]
+    proc = subprocess.Popen([*cmd, sys.executable, "-c", code], stdout=w)
+    os.close(w)
+    try:
+        time.sleep(1.0)  # the reader lags: the pipe fills
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        assert proc.wait(timeout=TIMEOUT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = data.decode().splitlines()
+    assert lines == [f"[rank 0] {i:06d}" + "y" * 200 for i in range(20000)]
+
+
+def test_launch_with_stdout_and_stderr_closed_still_runs_the_ranks(tmp_path: Path) -> None:
+    """`p2pdist launch ... >&-` failed with an AttributeError traceback (sys.stdout is
+    None then): an audit. The ranks run, their output goes nowhere."""
+    mark = tmp_path / "ran"
+    code = f"import pathlib; print('hi'); pathlib.Path({str(mark)!r}).touch()"
+    launch = f"{sys.executable} -m p2pdist.cli launch -n 1 -- {sys.executable} -c {code!r}"
+    proc = subprocess.run(["bash", "-c", f"{launch} >&- 2>&-"], timeout=TIMEOUT_S, check=False)
+    assert proc.returncode == 0 and mark.exists()
+
+
+def test_launch_raises_its_open_files_limit_or_says_it_is_too_low() -> None:
+    """Each rank holds two pipes in the launcher: under a low soft limit it raises the
+    limit (up to the hard one), and when even that is too low it says so instead of
+    blaming the command ("cannot start 'sleep': Too many open files": an audit)."""
+    launch = f"{sys.executable} -m p2pdist.cli launch -n 30 -- sleep 1"
+    raised = subprocess.run(
+        ["bash", "-c", f"ulimit -S -n 40 && {launch}"],
+        capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert raised.returncode == 0, raised.stderr
+    low = subprocess.run(
+        ["bash", "-c", f"ulimit -n 40 && {launch}"],
+        capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert low.returncode == 2, low.stderr
+    assert "too many open files" in low.stderr and "ulimit -n is 40" in low.stderr
+
+
 CHILD_FAIL = textwrap.dedent(
     """
     import os, sys, time
