@@ -77,6 +77,9 @@ class DoctorReport:
     relay: str
     endpoint: str
     relay_connected: bool = False
+    """The relay's session came up and it answered a PING."""
+    relay_reached: bool = False
+    """The relay's session came up (it may have stopped answering then: ``relay_error``)."""
     relay_error: str | None = None
     relay_refused: bool = False
     """The relay answered, and its allowlist refused this key."""
@@ -153,6 +156,11 @@ class DoctorReport:
             )
         if self.relay_denied:
             return "the relay refuses this client (above): nothing works until it lets it in"
+        if self.relay_reached and not self.relay_connected:
+            return (
+                "the relay stopped answering once its session was up (overloaded, "
+                "restarting, or a proxy cut the connection): nothing was tested beyond it"
+            )
         if not self.relay_connected:
             return "cannot reach the relay: nothing works until it can"
         if self.relay_error is not None:
@@ -250,17 +258,15 @@ async def diagnose(
     report.interfaces += interface_addresses6()  # candidates too (the group's socket is dual-stack)
     transport = QuicTransport(key, TransportConfig(handshake_timeout=timeout), relay=path)
     try:
-        connected = False
         try:
             await path.wait_connected(timeout)
-            connected = True
+            report.relay_reached = True
             report.relay_rtt = await path.ping(timeout)
             report.relay_connected = True  # (only once it answers: then UDP is tested)
         except P2PError as exc:
             # The report's line names the relay already: keep only what went wrong.
             text = exc.detail if isinstance(exc, PeerError) else str(exc)
-            text = text.removeprefix(f"relay {path.url}: ")
-            report.relay_error = f"connected, then: {text}" if connected else text
+            report.relay_error = text.removeprefix(f"relay {path.url}: ")
             report.relay_denied = path.status.refused
             report.relay_refusal = path.status.refusal
             report.relay_refused = path.status.refusal == "not_allowed"
@@ -384,7 +390,9 @@ def render(r: DoctorReport) -> str:
     """The readable report."""
     # The whole id where the relay refused it: the one to put on an allowlist.
     lines = [f"p2pdist doctor (as {r.endpoint if r.relay_refused else r.endpoint[:10]})"]
-    if not r.relay_connected:
+    if r.relay_reached and not r.relay_connected:
+        lines.append(f"  relay        {r.relay}: STOPPED ANSWERING ({r.relay_error})")
+    elif not r.relay_connected:
         lines.append(f"  relay        {r.relay}: NOT CONNECTED ({r.relay_error})")
     else:
         lines.append(f"  relay        {r.relay}")

@@ -35,7 +35,6 @@ import errno
 import functools
 import itertools
 import os
-import resource
 import secrets
 import select
 import signal
@@ -367,9 +366,22 @@ async def _pump(
         _emit(out, prefix, splitter.flush(), broken)
 
 
+def _open_files_limit() -> int | str:
+    """The soft limit on open files ("?" where the platform does not say)."""
+    try:
+        import resource
+    except ImportError:
+        return "?"
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def _raise_open_files_limit(needed: int) -> None:
     """Raise the soft limit on open files towards ``needed`` (each rank holds two pipes
     in the launcher), as far as the hard limit allows."""
+    try:
+        import resource  # (POSIX only: the launcher's other parts run anywhere)
+    except ImportError:
+        return
     with contextlib.suppress(ValueError, OSError):
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != resource.RLIM_INFINITY and soft < needed:
@@ -416,11 +428,10 @@ class _Launcher:
                 )
             except OSError as exc:
                 if exc.errno == errno.EMFILE:
-                    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
                     raise UsageError(
                         f"cannot start rank {rank}: too many open files (each rank takes "
-                        f"two of the launcher's; ulimit -n is {soft}): start fewer ranks, "
-                        "or raise the limit"
+                        f"two of the launcher's; ulimit -n is {_open_files_limit()}): start "
+                        "fewer ranks, or raise the limit"
                     ) from exc
                 raise UsageError(f"cannot start {self.cfg.command[0]!r}: {exc}") from exc
             proc = asyncio.subprocess.Process(transport, protocol, loop)

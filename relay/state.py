@@ -70,15 +70,17 @@ SHUTTING_DOWN = Refusal("shutting_down", "relay shutting down")
 EVICTED = "evicted: too many connections waiting to authenticate"
 REFUSED = "too many connections waiting to authenticate; retry later"
 EVICT_AFTER = 1.0
-REFUSAL_LOG_EVERY = 5.0
-"""Seconds between INFO lines for connections refused or failed before AUTH_OK (the rest
-at DEBUG, counted in the next line): a stream of cheap connections must not flood the
-log; /metrics counts every one."""
 """Seconds a connection must have waited to authenticate before a newer one may evict
 it. A real client needs a round trip or two, so an older one is most likely idle (a
 flood churns itself). When the cap is full of younger connections, newcomers are
 refused instead: evicting the oldest then would close every connection just before it
 authenticates, and a reconnect storm larger than the cap would never get through."""
+REFUSAL_LOG_EVERY = 5.0
+"""Seconds between INFO lines of one kind (event and reason) for connections refused or
+failed before AUTH_OK (the rest at DEBUG, counted in the next line of that kind): a
+stream of cheap connections must not flood the log, nor hide another kind's first line
+(a real client refused by the allowlist among a scanner's garbage); /metrics counts
+every one."""
 
 
 READ_CHARGE = 256
@@ -196,8 +198,9 @@ class RelayCore(Inbound):
         self._closing = False
         self._now = 0.0
         """The time of the last input (receive, tick, ...): for the log's rate limit."""
-        self._refusal_logged_at = -REFUSAL_LOG_EVERY
-        self._refusals_unlogged = 0
+        self._refusals_logged: dict[tuple[str, object], tuple[float, int]] = {}
+        """Per (event, reason) before AUTH_OK: when its last INFO line went out, and how
+        many of its kind were logged at DEBUG since."""
 
     # ---- queries ----------------------------------------------------------------------
 
@@ -633,17 +636,18 @@ class RelayCore(Inbound):
         level = logging.DEBUG if quiet else logging.INFO
         extra = dict(fields or {})
         if level == logging.INFO and s.phase is not Phase.ACTIVE:
-            # Before AUTH_OK: at most one line per REFUSAL_LOG_EVERY, saying how many
-            # were left out since (a flood of bad tokens or garbage costs its sender a
-            # connection each, and must not cost the relay's disk a line each).
-            if self._now - self._refusal_logged_at < REFUSAL_LOG_EVERY:
-                self._refusals_unlogged += 1
+            # Before AUTH_OK: at most one line of each kind per REFUSAL_LOG_EVERY, saying
+            # how many were left out since (a flood of bad tokens or garbage costs its
+            # sender a connection each, and must not cost the relay's disk a line each).
+            kind = (event, extra.get("reason"))
+            logged_at, unlogged = self._refusals_logged.get(kind, (-REFUSAL_LOG_EVERY, 0))
+            if self._now - logged_at < REFUSAL_LOG_EVERY:
+                self._refusals_logged[kind] = (logged_at, unlogged + 1)
                 level = logging.DEBUG
             else:
-                self._refusal_logged_at = self._now
-                if self._refusals_unlogged:
-                    extra["others_since_last"] = self._refusals_unlogged
-                self._refusals_unlogged = 0
+                self._refusals_logged[kind] = (self._now, 0)
+                if unlogged:
+                    extra["others_since_last"] = unlogged
         log.log(level, kv(event, conn=s.label, peer=s.observed, error=error, **extra))
         self._forget(s)
         s.link.close()

@@ -191,11 +191,14 @@ def test_refusals_before_auth_are_logged_at_most_once_per_5_s(
 
     for now in (0.0, 1.0, 2.0, 5.5):
         refuse(now)
+    s, _ = upgrade(c, 6.0)  # another kind (a frame before AUTH) has a line of its own
+    c.receive(s, encode_frame(T.PING, b"\0" * 8), 6.0)
     info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     failed = [m for m in info if "auth_failed" in m]
     assert len(failed) == 2, info
     assert "others_since_last" not in failed[0] and "others_since_last=2" in failed[1]
     assert c.metrics.auth_failures["malformed"] == 4
+    assert len([m for m in info if "protocol_error" in m]) == 1, info
 
 
 @pytest.mark.parametrize("kind", [T.SEND, T.PING, T.AUTH_OK, T.RECV])

@@ -457,6 +457,7 @@ class Rejoining(Forming):
                         'a rank can rejoin only a group whose ranks run with on_peer_loss="leave"'
                     )
                 raise PeerAuthenticationError(exc.peer, f"{exc.detail} ({hint})") from None
+            marked = rank not in rejoin.alive  # (its own dial to us may have marked it)
             rejoin.alive.add(rank)  # it may have taken this connection: do not give up on it
             # The first word of a rejoin (a plain restart says none), with the settings
             # every rank must share, which the survivor checks.
@@ -469,8 +470,10 @@ class Rejoining(Forming):
             except (ConnectionBrokenError, ConnectionClosedError) as exc:
                 # It died or closed before its hello: as a dial that failed. Dial again,
                 # until a survivor reports it gone (_rejoin_all then gives it up) or the
-                # rejoin's timeout; it is not alive for that meanwhile.
-                rejoin.alive.discard(rank)
+                # rejoin's timeout; it is not alive for that meanwhile (unless something
+                # else, its own dial to us, said it is).
+                if marked:
+                    rejoin.alive.discard(rank)
                 with contextlib.suppress(ConnectionClosedError):
                     await conn.close()
                 if self._closing:

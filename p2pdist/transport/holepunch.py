@@ -86,17 +86,22 @@ _MAX_IPV6_CANDIDATES = 8
 
 def worth_probing(host: str, on_loopback: bool) -> bool:
     """Whether a peer's candidate address ``host`` is one to send PINGs to: not an
-    unspecified, multicast, broadcast or link-local address (none is where a peer is;
-    a link-local one needs an interface a candidate does not carry), and loopback only
-    when our own socket is on loopback (a peer on this host). An authenticated peer
-    could otherwise make us PING our own host's ports, or every host of our LAN."""
+    unspecified, multicast or broadcast address (none is where a peer is), nor an IPv6
+    link-local one (it needs the interface, which a candidate does not carry; IPv4's
+    169.254/16 is routed on its link, and two hosts cabled together without DHCP have
+    nothing else), and loopback only when ``on_loopback`` (our socket, or the relay
+    that observes it, is on this host's loopback: a peer on this host). An
+    authenticated peer could otherwise make us PING our own host's ports, or every
+    host of our LAN."""
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
         return False
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    if ip.is_unspecified or ip.is_multicast or ip.is_link_local:
+    if ip.is_unspecified or ip.is_multicast:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.is_link_local:
         return False
     if isinstance(ip, ipaddress.IPv4Address) and ip == ipaddress.IPv4Address("255.255.255.255"):
         return False
@@ -105,10 +110,9 @@ def worth_probing(host: str, on_loopback: bool) -> bool:
 
 def worth_offering(host: str) -> bool:
     """Whether this host's IPv4 address ``host`` is a candidate to offer a peer elsewhere:
-    not loopback, and not link-local (169.254/16: only that link, and the ping needs an
-    interface a candidate does not carry)."""
-    ip = ipaddress.ip_address(host)
-    return not (ip.is_loopback or ip.is_link_local)
+    not loopback (169.254/16 link-local addresses are offered: interfaces_addresses()
+    lists them last, and hosts cabled together without DHCP have nothing else)."""
+    return not ipaddress.ip_address(host).is_loopback
 
 
 class _Peer:
@@ -228,7 +232,12 @@ class HolePuncher:
         log.debug("%s: candidates %s", self._label_for(src), msg.candidates)
         # Those of a family our socket cannot send to would only fail at every PING, and
         # those no peer can be at are not probed at all (see worth_probing).
-        on_loopback = is_loopback(self._sock.local_address[0])
+        # A peer on this host: our socket is on loopback, or it is bound to every
+        # interface and the relay, on loopback, saw it there.
+        seen = self._observation.addresses if self._observation is not None else []
+        on_loopback = is_loopback(self._sock.local_address[0]) or any(
+            is_loopback(h) for h, _ in seen
+        )
         reachable = tuple(
             a for a in msg.candidates if self._reaches(a) and worth_probing(a[0], on_loopback)
         )

@@ -167,12 +167,12 @@ class SecureStream(asyncio.BufferedProtocol):
         """What broke the stream (a TLS error, a record that did not decrypt), if it
         failed rather than closed."""
         self.small_reads_in = 0
-        self.bytes_in = 0
-        """Bytes read from the socket so far (ciphertext: TLS's padding, empty records and
-        key updates, which carry no plaintext, included)."""
         """Socket reads shorter than :data:`SMALL_READ` so far: each costs a pass of
         Python whatever it holds (one byte of a record, say), which the relay charges
         (``relay.state.READ_CHARGE``)."""
+        self.bytes_in = 0
+        """Bytes read from the socket so far (ciphertext: TLS's padding, empty records and
+        key updates, which carry no plaintext, included)."""
         self.dropped_for: tuple[str, str] | None = None
         """(event, detail) when the stream dropped the peer for a limit of its own:
         ``client_not_reading`` (``backlog_limit``), ``early_records`` or ``small_reads``."""
