@@ -289,6 +289,7 @@ class FakeStream:
 
     records_in = 0
     small_reads_in = 0
+    bytes_in = 0
     failure = None
 
     def keep_tls(self) -> None:
