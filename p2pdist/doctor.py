@@ -33,11 +33,10 @@ from .errors import P2PError, PeerError, UsageError
 from .identity import EndpointId, SecretKey
 from .settings import env_token
 from .transport.base import Connection, TransportConfig
-from .transport.holepunch import worth_offering
 from .transport.interfaces import interface_addresses, interface_addresses6
 from .transport.observe import StunProbe, mapping_behaviour
 from .transport.pathinfo import LossInfo
-from .transport.paths import UdpAddress, UdpSocket, bind_host_for, path_key
+from .transport.paths import UdpAddress, UdpSocket, bind_host_for, is_loopback, path_key
 from .transport.quic import QuicTransport
 from .transport.relay_path import RelayPath
 from .wire.probe import DatagramKind, classify
@@ -254,7 +253,7 @@ async def diagnose(
         )
     path = RelayPath(key, relay, token=token)
     report = DoctorReport(str(path.url), str(key.endpoint_id), fresh_key=fresh)
-    report.interfaces = [a for a in interface_addresses() if worth_offering(a)]
+    report.interfaces = [a for a in interface_addresses() if not is_loopback(a)]
     report.interfaces += interface_addresses6()  # candidates too (the group's socket is dual-stack)
     transport = QuicTransport(key, TransportConfig(handshake_timeout=timeout), relay=path)
     try:

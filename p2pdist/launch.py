@@ -366,27 +366,21 @@ async def _pump(
         _emit(out, prefix, splitter.flush(), broken)
 
 
-def _open_files_limit() -> int | str:
-    """The soft limit on open files ("?" where the platform does not say)."""
-    try:
-        import resource
-    except ImportError:
-        return "?"
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-def _raise_open_files_limit(needed: int) -> None:
-    """Raise the soft limit on open files towards ``needed`` (each rank holds two pipes
-    in the launcher), as far as the hard limit allows."""
+def _open_files_limit(at_least: int = 0) -> int | None:
+    """The soft limit on open files, first raised towards ``at_least`` (each rank holds
+    two pipes in the launcher) as far as the hard limit allows; None where the platform
+    has no such limit."""
     try:
         import resource  # (POSIX only: the launcher's other parts run anywhere)
     except ImportError:
-        return
-    with contextlib.suppress(ValueError, OSError):
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != resource.RLIM_INFINITY and soft < needed:
-            top = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, top), hard))
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < at_least:
+        top = max(soft, at_least if hard == resource.RLIM_INFINITY else min(at_least, hard))
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
+            soft = top
+    return soft
 
 
 def _say(message: str) -> None:
@@ -430,7 +424,7 @@ class _Launcher:
                 if exc.errno == errno.EMFILE:
                     raise UsageError(
                         f"cannot start rank {rank}: too many open files (each rank takes "
-                        f"two of the launcher's; ulimit -n is {_open_files_limit()}): start "
+                        f"two of the launcher's; ulimit -n is {_open_files_limit() or '?'}): start "
                         "fewer ranks, or raise the limit"
                     ) from exc
                 raise UsageError(f"cannot start {self.cfg.command[0]!r}: {exc}") from exc
@@ -561,7 +555,7 @@ def launch(cfg: LaunchConfig) -> int:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the process's lifetime
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115
-    _raise_open_files_limit(2 * cfg.nprocs + 64)
+    _open_files_limit(at_least=2 * cfg.nprocs + 64)
     seed = cfg.seed if cfg.seed is not None else secrets.token_hex(32)
     ports = pick_free_ports(cfg.host, cfg.nprocs)
     peers = [_format_peer(cfg.host, port) for port in ports]

@@ -1,11 +1,34 @@
-"""Rate limits with time passed in: a token bucket and the PEER_GONE throttle."""
+"""Rate limits with time passed in: a token bucket, the PEER_GONE throttle, and a
+once-per-interval gate for log lines."""
 
 from __future__ import annotations
 
-__all__ = ["MAX_PEER_GONE_ENTRIES", "PeerGoneThrottle", "TokenBucket"]
+import math
+from collections.abc import Callable
+
+__all__ = ["MAX_PEER_GONE_ENTRIES", "Every", "PeerGoneThrottle", "TokenBucket"]
 
 MAX_PEER_GONE_ENTRIES = 64
 """Destinations one sender's PEER_GONE throttle remembers at most."""
+
+
+class Every:
+    """True at most once per ``interval`` seconds of ``clock``; counts the rest
+    (``skipped``, which the caller resets when it reports them)."""
+
+    def __init__(self, interval: float, clock: Callable[[], float]) -> None:
+        self._interval = interval
+        self._clock = clock
+        self._last = -math.inf
+        self.skipped = 0
+
+    def __call__(self) -> bool:
+        now = self._clock()
+        if now - self._last < self._interval:
+            self.skipped += 1
+            return False
+        self._last = now
+        return True
 
 
 class TokenBucket:

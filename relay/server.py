@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import math
 import os
 import resource
 import socket
@@ -45,6 +44,7 @@ from .addresses import format_address
 from .config import ConfigError, RelayConfig
 from .connection import NESTED_READ as NESTED_READ
 from .connection import _ClientConnection as _ClientConnection
+from .limits import Every
 from .logfmt import kv
 from .metrics import Metrics
 from .state import CoreConfig, RelayCore
@@ -116,24 +116,6 @@ def fd_budget(soft_limit: int, in_use: int) -> tuple[int, int | None]:
     return backlog, max(1, soft_limit - in_use - backlog - FD_RESERVE)
 
 
-class _Every:
-    """True at most once per ``interval`` seconds of ``clock``; counts the rest."""
-
-    def __init__(self, interval: float, clock: Callable[[], float]) -> None:
-        self._interval = interval
-        self._clock = clock
-        self._last = -math.inf
-        self.skipped = 0
-
-    def __call__(self) -> bool:
-        now = self._clock()
-        if now - self._last < self._interval:
-            self.skipped += 1
-            return False
-        self._last = now
-        return True
-
-
 class AcceptErrorLimiter:
     """A loop exception handler that logs :data:`ACCEPT_ERROR` at most once per
     ``interval`` seconds (with how many it left out) and passes every other context on
@@ -146,7 +128,7 @@ class AcceptErrorLimiter:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.previous = previous
-        self._every = _Every(interval, clock)
+        self._every = Every(interval, clock)
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         if context.get("message") != ACCEPT_ERROR:
@@ -210,8 +192,8 @@ class RelayServer:
         self.socket_budget: int | None = None
         """The most client sockets held at once (None: no limit); see :func:`fd_budget`."""
         self._backlog = BACKLOG
-        self._fd_warn = _Every(FD_WARN_INTERVAL, time.monotonic)
-        self._dropped_warn = _Every(FD_WARN_INTERVAL, time.monotonic)
+        self._fd_warn = Every(FD_WARN_INTERVAL, time.monotonic)
+        self._dropped_warn = Every(FD_WARN_INTERVAL, time.monotonic)
         self._accept_errors: AcceptErrorLimiter | None = None
 
     @property

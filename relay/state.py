@@ -51,7 +51,7 @@ from .inbound import (
     WS_BEFORE_AUTH,
     Inbound,
 )
-from .limits import TokenBucket
+from .limits import Every, TokenBucket
 from .logfmt import kv
 from .metrics import Metrics
 from .session import Link, Phase, Session
@@ -197,10 +197,10 @@ class RelayCore(Inbound):
         self._next_id = 0
         self._closing = False
         self._now = 0.0
-        """The time of the last input (receive, tick, ...): for the log's rate limit."""
-        self._refusals_logged: dict[tuple[str, object], tuple[float, int]] = {}
-        """Per (event, reason) before AUTH_OK: when its last INFO line went out, and how
-        many of its kind were logged at DEBUG since."""
+        """The time of the last receive or tick (at most about a second behind: tick
+        runs every second): the clock of the log's rate limit, which _close has not."""
+        self._refusal_lines: dict[tuple[str, object], Every] = {}
+        """Per (event, reason) before AUTH_OK: the gate of its INFO lines."""
 
     # ---- queries ----------------------------------------------------------------------
 
@@ -460,17 +460,16 @@ class RelayCore(Inbound):
             self.flush()
         bucket = s.bucket  # None before AUTH_OK, or with no rate
         if bucket is not None:
-            # Every byte, whatever it carries (all are parsed), and more per small socket
+            # Every byte the socket carried, where the glue knows it (TLS's padding, empty
+            # records and key updates carry no plaintext but cost their reads: a record
+            # of one byte padded to 16 KiB was charged 257; one read's plaintext may come
+            # in several calls, the first has its bytes), and more per small socket
             # read, record and frame: each costs a pass of Python whatever its size (one
             # byte per record, empty frames, or a record sent a byte per TCP segment,
             # took a core). Charged even if this read closed the session: the bucket
             # outlives it (see _keep_bucket). The read that carried AUTH is charged
             # whole, AUTH included: frames written behind it (a reconnecting client's,
             # into an inherited bucket) are not free.
-            # What the socket carried, where the glue knows it (one read's plaintext may
-            # come in several calls: the first has its bytes): TLS's padding, empty
-            # records and key updates carry no plaintext but cost their reads and
-            # decryption (a record of one byte padded to 16 KiB was charged 257).
             frames = s.frames_in - frames_before
             extra = reads * READ_CHARGE + records * RECORD_CHARGE + frames * FRAME_CHARGE
             carried = nbytes if wire_bytes is None else wire_bytes
@@ -640,14 +639,15 @@ class RelayCore(Inbound):
             # how many were left out since (a flood of bad tokens or garbage costs its
             # sender a connection each, and must not cost the relay's disk a line each).
             kind = (event, extra.get("reason"))
-            logged_at, unlogged = self._refusals_logged.get(kind, (-REFUSAL_LOG_EVERY, 0))
-            if self._now - logged_at < REFUSAL_LOG_EVERY:
-                self._refusals_logged[kind] = (logged_at, unlogged + 1)
+            gate = self._refusal_lines.get(kind)
+            if gate is None:
+                gate = self._refusal_lines[kind] = Every(REFUSAL_LOG_EVERY, lambda: self._now)
+            skipped = gate.skipped
+            if not gate():
                 level = logging.DEBUG
-            else:
-                self._refusals_logged[kind] = (self._now, 0)
-                if unlogged:
-                    extra["others_since_last"] = unlogged
+            elif skipped:
+                gate.skipped = 0
+                extra["others_since_last"] = skipped
         log.log(level, kv(event, conn=s.label, peer=s.observed, error=error, **extra))
         self._forget(s)
         s.link.close()

@@ -32,7 +32,13 @@ import p2pdist.wire.probe as probe_module
 from p2pdist import Group, GroupConfig, PunchConfig
 from p2pdist.identity import SecretKey
 from p2pdist.transport import TransportConfig
-from p2pdist.transport.paths import MAX_PATH_COUNTERS, RelayRoute, UdpSocket, bind_host_for
+from p2pdist.transport.paths import (
+    MAX_PATH_COUNTERS,
+    RelayRoute,
+    UdpSocket,
+    bind_host_for,
+    worth_probing,
+)
 from p2pdist.transport.punch import (
     PathChange,
     PeerPaths,
@@ -1165,14 +1171,23 @@ async def test_candidates_no_peer_can_be_at_are_not_probed(where: str) -> None:
     ],
 )
 def test_which_candidate_addresses_are_probed(host: str, on_loopback: bool, probed: bool) -> None:
-    assert holepunch_module.worth_probing(host, on_loopback) is probed
+    assert worth_probing(host, on_loopback) is probed
 
 
-def test_this_hosts_loopback_addresses_are_not_offered() -> None:
+async def test_this_hosts_loopback_addresses_are_not_offered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Loopback reaches this host only; 169.254/16 (an adapter without DHCP, avahi's)
     reaches its link, and is offered (listed last by interface_addresses())."""
-    offered = ["127.0.0.1", "169.254.7.7", "10.0.0.2", "192.0.2.9"]
-    assert [h for h in offered if holepunch_module.worth_offering(h)] == offered[1:]
+    listed = ["10.0.0.2", "192.0.2.9", "127.0.0.1", "169.254.7.7"]
+    monkeypatch.setattr(holepunch_module, "interface_addresses", lambda: listed)
+    puncher = _unbound_puncher()
+    try:
+        puncher._observation = holepunch_module.Observation((), asyncio.get_running_loop().time())
+        found = await puncher.candidates()
+        assert found == [(h, 40001) for h in ("10.0.0.2", "192.0.2.9", "169.254.7.7")]
+    finally:
+        await puncher.close()
 
 
 def test_ipv6_interface_addresses_are_the_usable_global_ones(tmp_path: Path) -> None:

@@ -462,20 +462,14 @@ class GroupCore(Runner):
             # it failed, e.g. "refused us: bad token"); a listen is immediate.
             transport = await self._open_transport()
         except BaseException as exc:
-            closed_meanwhile = self._closing and isinstance(exc, P2PError)
-            await self.close()
-            if closed_meanwhile:  # ("transport is closed": the cause is the close)
-                raise self._closed_while_starting() from None
+            await self._close_failed_start(exc)
             raise
         if self._rejoin:
             try:
                 # Takes back other ranks from the start (they may rejoin at the same time).
                 await self._rejoin_all(transport, self.config.connect_timeout)
             except BaseException as exc:
-                closed_meanwhile = self._closing and isinstance(exc, P2PError)
-                await self.close()
-                if closed_meanwhile:  # (a connection "closed locally": the cause is the close)
-                    raise self._closed_while_starting() from None
+                await self._close_failed_start(exc)
                 raise
             self._check_not_closed_while_starting()
         else:
@@ -497,6 +491,15 @@ class GroupCore(Runner):
         on, and tells the ranks this one said ready to that its start stopped)."""
         if self._closing:
             raise self._closed_while_starting()
+
+    async def _close_failed_start(self, exc: BaseException) -> None:
+        """Close the group after ``exc`` ended its start; when a close() under way made it
+        fail ("transport is closed", a connection "closed locally"), raise what start()
+        says for that instead (the caller re-raises ``exc`` otherwise)."""
+        closed_meanwhile = self._closing and isinstance(exc, P2PError)
+        await self.close()
+        if closed_meanwhile:
+            raise self._closed_while_starting() from None
 
     def _where(self, r: int) -> str:
         if self._relay_url is not None:

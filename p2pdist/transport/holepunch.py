@@ -39,12 +39,10 @@ from ..wire.probe import (
 )
 from .interfaces import interface_addresses, interface_addresses6
 from .observe import StunProbe
-from .paths import Relay, UdpAddress, UdpSocket, is_loopback, path_key
+from .paths import Relay, UdpAddress, UdpSocket, is_loopback, path_key, worth_probing
 from .punch import Action, PathChange, PeerPaths, PunchConfig, SendCandidates, SendPing, SendPong
 
 __all__ = [
-    "worth_offering",
-    "worth_probing",
     "HolePuncher",
     "Observation",
     "PunchingUnavailable",
@@ -82,37 +80,6 @@ class Observation:
 
 _MAX_IPV6_CANDIDATES = 8
 """Most IPv6 interface addresses among our candidates."""
-
-
-def worth_probing(host: str, on_loopback: bool) -> bool:
-    """Whether a peer's candidate address ``host`` is one to send PINGs to: not an
-    unspecified, multicast or broadcast address (none is where a peer is), nor an IPv6
-    link-local one (it needs the interface, which a candidate does not carry; IPv4's
-    169.254/16 is routed on its link, and two hosts cabled together without DHCP have
-    nothing else), and loopback only when ``on_loopback`` (our socket, or the relay
-    that observes it, is on this host's loopback: a peer on this host). An
-    authenticated peer could otherwise make us PING our own host's ports, or every
-    host of our LAN."""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    if ip.is_unspecified or ip.is_multicast:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.is_link_local:
-        return False
-    if isinstance(ip, ipaddress.IPv4Address) and ip == ipaddress.IPv4Address("255.255.255.255"):
-        return False
-    return on_loopback or not ip.is_loopback
-
-
-def worth_offering(host: str) -> bool:
-    """Whether this host's IPv4 address ``host`` is a candidate to offer a peer elsewhere:
-    not loopback (169.254/16 link-local addresses are offered: interfaces_addresses()
-    lists them last, and hosts cabled together without DHCP have nothing else)."""
-    return not ipaddress.ip_address(host).is_loopback
 
 
 class _Peer:
@@ -303,7 +270,7 @@ class HolePuncher:
             # ones (peers on the same LAN reach those).
             hosts = interface_addresses6()[:_MAX_IPV6_CANDIDATES] if v6 else []
             if not v6 or sock.dual_stack:
-                hosts += [h for h in interface_addresses() if worth_offering(h)]
+                hosts += [h for h in interface_addresses() if not is_loopback(h)]
         else:
             hosts = [host]
         found: list[UdpAddress] = list(obs.addresses) if obs is not None else []

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 from collections.abc import Callable, Collection, Hashable, Sequence
 
 from ..wire.stun import StunError, binding_request, new_transaction_id, parse_binding_response
-from .paths import UdpAddress
+from .paths import UdpAddress, worth_probing
 
 __all__ = ["StunProbe", "mapping_behaviour"]
 
@@ -29,12 +28,9 @@ always gets the whole timeout."""
 
 
 def _possible(addr: UdpAddress) -> bool:
-    """Whether a mapped address is one a socket can have (a candidate to offer)."""
-    try:
-        ip = ipaddress.ip_address(addr[0])
-    except ValueError:
-        return False
-    return 0 < addr[1] < 65536 and not (ip.is_unspecified or ip.is_multicast)
+    """Whether a mapped address is one a socket can have (a candidate to offer): a port,
+    and an address a peer could probe (loopback too: a relay on this host sees us there)."""
+    return 0 < addr[1] < 65536 and worth_probing(addr[0], on_loopback=True)
 
 
 class StunProbe:

@@ -39,6 +39,7 @@ __all__ = [
     "is_loopback",
     "path_key",
     "plain_ip",
+    "worth_probing",
 ]
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,31 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
+
+
+def worth_probing(host: str, on_loopback: bool) -> bool:
+    """Whether a peer's candidate address ``host`` is one to send PINGs to: not an
+    unspecified, multicast or broadcast address (none is where a peer is), nor an IPv6
+    link-local one (it needs the interface, which a candidate does not carry; IPv4's
+    169.254/16 is routed on its link, and two hosts cabled together without DHCP have
+    nothing else), and loopback only when ``on_loopback`` (our socket, or the relay
+    that observes it, is on this host's loopback: a peer on this host). An
+    authenticated peer could otherwise make us PING our own host's ports, or every
+    host of our LAN."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_unspecified or ip.is_multicast or ip == _BROADCAST:
+        return False
+    if ip.version == 6 and ip.is_link_local:
+        return False
+    return on_loopback or not ip.is_loopback
 
 
 def bind_host_for(targets: list[UdpAddress]) -> str | None:
