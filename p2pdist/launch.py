@@ -24,7 +24,10 @@ way (SIGQUIT is passed on to the ranks first, with a grace period to dump), and 
 launcher exits with 128 + the signal's number. So does a reader of the launcher's output
 that goes away (``p2pdist launch ... | head``): the ranks are stopped and the launcher
 exits 141, as a command killed by SIGPIPE. A terminal that hung up does not stop the
-teardown: output that cannot be written is dropped.
+teardown: output that cannot be written is dropped. Output is written by a thread per
+stream, so a blocked output (a paused terminal) does not keep the launcher from acting on
+signals; and a launcher killed with SIGKILL has its ranks stopped by its guard
+(:mod:`p2pdist.launch_guard`).
 """
 
 from __future__ import annotations
@@ -35,11 +38,15 @@ import errno
 import functools
 import itertools
 import os
+import queue
 import secrets
 import select
 import signal
 import socket
+import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TextIO, cast
@@ -319,25 +326,60 @@ def discard_output(out: BinaryIO | TextIO) -> None:
             os.close(null)
 
 
-def _emit(out: BinaryIO, prefix: bytes, lines: list[bytes], broken: Callable[[], None]) -> None:
-    if not lines:
-        return
-    data = b"".join(
-        prefix + line if line.endswith(b"\n") else prefix + line + b"\n" for line in lines
-    )
-    try:
+class _Output:
+    """One of the launcher's outputs (its stdout or stderr), written by a thread of its
+    own: while the output is blocked (a paused terminal, a pipe nobody reads), the event
+    loop goes on, so signals and rank exits are still acted on. Writes keep their order;
+    ``broken`` is called (on the loop) once the output's reader has gone away."""
+
+    def __init__(self, out: BinaryIO, name: str, broken: Callable[[], None]) -> None:
+        self._out = out
+        self._loop = asyncio.get_running_loop()
+        self._broken = broken
+        self._queue: queue.SimpleQueue[tuple[bytes, asyncio.Future[None] | None] | None]
+        self._queue = queue.SimpleQueue()
+        # A daemon: one blocked in a write must not keep the launcher from exiting.
+        self._thread = threading.Thread(target=self._serve, name=f"launch-{name}", daemon=True)
+        self._thread.start()
+
+    async def write(self, data: bytes) -> None:
+        """Write ``data``; return once it is written (or dropped: the output is gone)."""
+        written = self._loop.create_future()
+        self._queue.put((data, written))
+        await written
+
+    def post(self, data: bytes) -> None:
+        """Write ``data`` after what is queued, without waiting for it."""
+        self._queue.put((data, None))
+
+    def close(self, timeout: float) -> None:
+        """Write what is queued, waiting up to ``timeout`` seconds; then leave the rest."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _serve(self) -> None:
+        while (item := self._queue.get()) is not None:
+            data, written = item
+            self._write(data)
+            if written is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    self._loop.call_soon_threadsafe(_resolve, written)
+
+    def _write(self, data: bytes) -> None:
         try:
-            fd = out.fileno()
-        except (OSError, ValueError):  # not a file (a test's capture): its own write
-            out.write(data)
-            out.flush()
-        else:
-            _write_all(fd, data)
-    except BrokenPipeError:  # `launch ... | head`: whoever read our output is gone
-        discard_output(out)
-        broken()
-    except OSError:  # the terminal hung up (EIO; SIGHUP stops the ranks): keep draining
-        pass
+            try:
+                fd = self._out.fileno()
+            except (OSError, ValueError):  # not a file (a test's capture): its own write
+                self._out.write(data)
+                self._out.flush()
+            else:
+                _write_all(fd, data)
+        except BrokenPipeError:  # `launch ... | head`: whoever read our output is gone
+            discard_output(self._out)
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._broken)
+        except (OSError, ValueError):  # the terminal hung up (EIO; SIGHUP stops the ranks)
+            pass
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -352,18 +394,29 @@ def _write_all(fd: int, data: bytes) -> None:
             select.select([], [fd], [], 1.0)  # until there is room (or a second: again)
 
 
-async def _pump(
-    stream: asyncio.StreamReader, out: BinaryIO, prefix: bytes, broken: Callable[[], None]
-) -> None:
-    """Copy ``stream`` to ``out`` line by line, each line prefixed; ``broken`` is called
-    when ``out``'s reader has gone away (and the copying goes on, into nothing, so that
-    no rank blocks on a full pipe while it is being stopped)."""
+def _resolve(written: asyncio.Future[None]) -> None:
+    if not written.done():  # (its waiter may have been cancelled)
+        written.set_result(None)
+
+
+def _prefixed(prefix: bytes, lines: list[bytes]) -> bytes:
+    return b"".join(
+        prefix + line if line.endswith(b"\n") else prefix + line + b"\n" for line in lines
+    )
+
+
+async def _pump(stream: asyncio.StreamReader, out: _Output, prefix: bytes) -> None:
+    """Copy ``stream`` to ``out`` line by line, each line prefixed. When ``out``'s reader
+    has gone away the copying goes on, into nothing, so that no rank blocks on a full
+    pipe while it is being stopped."""
     splitter = LineSplitter()
     try:
         while chunk := await stream.read(_READ_CHUNK):
-            _emit(out, prefix, splitter.feed(chunk), broken)
+            if lines := splitter.feed(chunk):
+                await out.write(_prefixed(prefix, lines))
     finally:
-        _emit(out, prefix, splitter.flush(), broken)
+        if tail := splitter.flush():
+            out.post(_prefixed(prefix, tail))
 
 
 def _open_files_limit(at_least: int = 0) -> int | None:
@@ -389,6 +442,55 @@ def _say(message: str) -> None:
         print(f"p2pdist launch: {message}", file=sys.stderr, flush=True)
 
 
+class _Guard:
+    """The launcher's side of :mod:`p2pdist.launch_guard`: a process in a session of its
+    own that stops the ranks' groups if the launcher dies without doing so (SIGKILL, the
+    OOM killer). Without it (it could not start, or was killed) the launch goes on."""
+
+    def __init__(self, grace_s: float) -> None:
+        guard = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_guard.py")
+        try:
+            self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+                [sys.executable, "-I", "-S", guard, repr(grace_s)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,  # a terminal's signals are for the launcher
+            )
+        except OSError as exc:
+            _say(f"cannot start the guard that stops the ranks if the launcher is killed: {exc}")
+            self._proc = None
+
+    def _tell(self, line: str) -> None:
+        proc = self._proc
+        if proc is None or proc.stdin is None:
+            return
+        try:
+            proc.stdin.write(line.encode() + b"\n")
+            proc.stdin.flush()
+        except (OSError, ValueError):  # the guard is gone: go on without it
+            self._proc = None
+
+    def watch(self, pgid: int) -> None:
+        """Stop group ``pgid`` should the launcher die."""
+        self._tell(f"+{pgid}")
+
+    def forget(self, pgid: int) -> None:
+        """Group ``pgid`` is empty: its id may be reused."""
+        self._tell(f"-{pgid}")
+
+    def done(self) -> None:
+        """Every group is torn down: let the guard go (and reap it)."""
+        self._tell("done")
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            if proc.stdin is not None:
+                proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)
+
+
 class _Launcher:
     """Owns the child processes of one launch and tears them down."""
 
@@ -403,6 +505,21 @@ class _Launcher:
         self.stop_signal = 0
         self.groups: set[int] = set()
         """Process groups of ranks not yet seen empty: the ones teardown may signal."""
+        broken = functools.partial(self.on_signal, signal.SIGPIPE)
+        self.stdout = _Output(sys.stdout.buffer, "stdout", broken)
+        self.stderr = _Output(sys.stderr.buffer, "stderr", broken)
+        self.guard = _Guard(cfg.grace_s)
+
+    def say(self, message: str) -> None:
+        """One line of the launcher's own on stderr, after the ranks' lines already
+        queued there (never waiting: stderr may be blocked)."""
+        self.stderr.post(f"p2pdist launch: {message}\n".encode())
+
+    def close_outputs(self) -> None:
+        """Write what is still queued, waiting up to ``drain_s`` for a blocked output."""
+        deadline = time.monotonic() + self.cfg.drain_s
+        for out in (self.stdout, self.stderr):
+            out.close(max(0.0, deadline - time.monotonic()))
 
     async def start(self, envs: Sequence[dict[str, str]]) -> None:
         """Spawn one child per environment, each with its output pumps."""
@@ -432,11 +549,11 @@ class _Launcher:
             self.procs.append(proc)
             self.exits.append(exited)
             self.groups.add(proc.pid)  # start_new_session: its pid is its group's id
+            self.guard.watch(proc.pid)
             prefix = f"[rank {rank}] ".encode()
             assert proc.stdout is not None and proc.stderr is not None
-            broken = functools.partial(self.on_signal, signal.SIGPIPE)
-            for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-                self.pumps.append(asyncio.create_task(_pump(stream, out, prefix, broken)))
+            for stream, out in ((proc.stdout, self.stdout), (proc.stderr, self.stderr)):
+                self.pumps.append(asyncio.create_task(_pump(stream, out, prefix)))
 
     def on_signal(self, signum: int) -> None:
         """Signal handler: ask :meth:`supervise` to stop everything. SIGQUIT is passed on
@@ -462,7 +579,7 @@ class _Launcher:
                 )
                 self._prune_groups()  # forget emptied groups before their ids are reused
                 if stopper in done:
-                    _say(f"got {_signal_name(self.stop_signal)}; stopping all ranks")
+                    self.say(f"got {_signal_name(self.stop_signal)}; stopping all ranks")
                     return 128 + self.stop_signal
                 # In the order the exits were seen: a rank that failed because another
                 # crashed just before (in the same pass) must not be blamed for it.
@@ -470,7 +587,7 @@ class _Launcher:
                 for exited in sorted(ended, key=lambda f: f.result()[0]):
                     result = RankExit(waits.pop(exited), exited.result()[1])
                     if not result.ok:
-                        _say(f"{result.describe()}; stopping the other ranks")
+                        self.say(f"{result.describe()}; stopping the other ranks")
                         return exit_status(result.returncode)
             return 0
         finally:
@@ -483,7 +600,12 @@ class _Launcher:
                     os.killpg(proc.pid, sig)
 
     def _prune_groups(self) -> None:
-        self.groups = _live_groups(self.groups) if self.groups else self.groups
+        if not self.groups:
+            return
+        alive = _live_groups(self.groups)
+        for pgid in self.groups - alive:
+            self.guard.forget(pgid)
+        self.groups = alive
 
     def _signal_groups(self, sig: int) -> None:
         """Signal the process group of every rank, also of ranks that have exited: their
@@ -520,10 +642,10 @@ class _Launcher:
         if self._groups_alive():
             self._signal_groups(signal.SIGTERM)
             if not await self._wait_all(self.cfg.grace_s):
-                _say(f"ranks still running after {self.cfg.grace_s:g} s; sending SIGKILL")
+                self.say(f"ranks still running after {self.cfg.grace_s:g} s; sending SIGKILL")
                 self._signal_groups(signal.SIGKILL)
                 if not await self._wait_all(self.cfg.kill_wait_s):
-                    _say("some ranks did not exit even after SIGKILL")
+                    self.say("some ranks did not exit even after SIGKILL")
         if self.pumps:
             _, pending = await asyncio.wait(self.pumps, timeout=self.cfg.drain_s)
             for task in pending:
@@ -544,8 +666,10 @@ async def _run(cfg: LaunchConfig, envs: Sequence[dict[str, str]]) -> int:
         return await launcher.supervise()
     finally:
         await asyncio.shield(launcher.teardown())
+        launcher.guard.done()  # (not after a failed teardown: the guard finishes it)
         for sig in handled:
             loop.remove_signal_handler(sig)
+        launcher.close_outputs()
 
 
 def launch(cfg: LaunchConfig) -> int:

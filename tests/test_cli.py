@@ -623,6 +623,83 @@ def test_launch_stops_its_ranks_when_its_reader_goes_away(tmp_path: Path) -> Non
         _stop(proc, pids)
 
 
+def test_launch_killed_with_sigkill_still_stops_its_ranks(tmp_path: Path) -> None:
+    """The ranks run in sessions of their own, so a launcher killed with SIGKILL (or by
+    the OOM killer) used to leave them running: its guard now stops them."""
+    proc, pids = _start_waiting_ranks(
+        tmp_path, CHILD_WAITS, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        proc.kill()
+        assert proc.wait(timeout=TIMEOUT_S) == -signal.SIGKILL
+        assert _gone(pids), "a rank outlived a launcher killed with SIGKILL"
+        assert proc.stderr is not None
+        assert b"the launcher is gone" in proc.stderr.read()  # (the guard holds stderr)
+    finally:
+        _stop(proc, pids)
+
+
+def test_launch_guard_keeps_the_groups_the_launcher_names() -> None:
+    from p2pdist.launch_guard import Watch
+
+    watch = Watch()
+    for line in (b"+100\n", b"+200\n", b"-100\n", b"+1\n", b"+0\n", b"+x\n", b"?7\n"):
+        watch.feed(line)
+    assert watch.groups == {200} and not watch.done
+    watch.feed(b"done\n")
+    assert watch.done
+
+
+def test_launch_guard_kills_a_group_that_ignores_sigterm() -> None:
+    from p2pdist.launch_guard import stop_groups
+
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        assert stop_groups({child.pid}, grace_s=0.3) == {child.pid}  # SIGKILL was needed
+        assert child.wait(timeout=TIMEOUT_S) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.communicate()
+
+
+CHILD_FLOODS = textwrap.dedent(
+    """
+    import os, sys
+    path = os.path.join(sys.argv[1], os.environ["P2PDIST_RANK"] + ".pid")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)
+    while True:
+        print("x" * 100, flush=True)
+    """
+)
+
+
+def test_launch_acts_on_a_signal_while_its_output_is_blocked(tmp_path: Path) -> None:
+    """A paused terminal or a pipe nobody reads blocked the launcher in a write, and so
+    it could not act on SIGTERM: now its output is written by threads, and it stops the
+    ranks and exits 143 though its stdout never moves again."""
+    proc, pids = _start_waiting_ranks(
+        tmp_path, CHILD_FLOODS, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        time.sleep(0.5)  # the pipe to the test fills (it is never read)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=TIMEOUT_S) == 128 + signal.SIGTERM
+        assert _gone(pids), "a rank outlived the launcher"
+    finally:
+        _stop(proc, pids)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
 CHILD_DUMPS = textwrap.dedent(
     """
     import os, signal, sys, time
