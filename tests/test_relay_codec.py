@@ -229,6 +229,12 @@ def test_http_upgrade_heads() -> None:
         b"Connection : Upgrade",  # whitespace before the colon
         b"Upgrade: p2pdist-relay\r\n Upgrade: nope",  # an obsolete line continuation
         b"Upgrade: p2pdist-relay\r\nUpgrade: websocket",  # the upgrade named twice
+        # RFC 9112 5.5: a bare LF, a bare CR or a NUL in a line (a proxy that ends lines
+        # at a bare LF would read a second Upgrade or X-Forwarded-For line)
+        b"X-A: 1\nUpgrade: evil\r\nUpgrade: p2pdist-relay",
+        b"X-Forwarded-For: 192.0.2.1\nX-Forwarded-For: 198.51.100.6",
+        b"X-A: 1\rUpgrade: evil",
+        b"X-A: 1\x00",
     ]:
         with pytest.raises(RelayProtocolError):
             parse_http_head(b"GET /relay HTTP/1.1\r\nHost: x\r\n" + bad + b"\r\n\r\n")
@@ -312,3 +318,16 @@ def test_stun_parsers_only_raise_stun_errors(data: bytes) -> None:
     for parse in (stun.parse_binding_request, lambda d: stun.parse_binding_response(d, txid)):
         with contextlib.suppress(stun.StunError):
             parse(data)
+
+
+def test_relay_reader_feed_keeps_good_frames_of_earlier_buffers_with_its_error() -> None:
+    """A feed larger than the reader's buffer goes in several fills: an error in a later
+    fill came without the frames of the earlier ones."""
+    reader = RelayFrameReader(MAX_BODY)
+    good = [encode_frame(RelayFrameType.PING, bytes(MAX_BODY - 1)) for _ in range(6)]
+    data = b"".join(good) + encode_frame(RelayFrameType.ERROR, b"why") + b"\x99\0\0\0\0"
+    assert len(data) > len(reader.get_buffer())
+    with pytest.raises(RelayProtocolError, match="unknown relay frame type") as caught:
+        reader.feed(data)
+    kinds = [frame.kind for frame in caught.value.frames]
+    assert kinds == [RelayFrameType.PING] * 6 + [RelayFrameType.ERROR]

@@ -1033,6 +1033,9 @@ def test_a_proxied_session_keeps_its_age_when_its_address_is_read() -> None:
         (b"\x03\xe9going away", b"\x03\xe9"),
         (b"\x03\xed", b"\x03\xea"),  # 1005 must not be sent
         (b"\x0f\xa0", b"\x0f\xa0"),  # 4000: an application's code
+        (b"\x03\xf5", b"\x03\xf5"),  # 1013, try again later: what a full relay sends
+        (b"\x03\xf4", b"\x03\xf4"),  # 1012 and 1014 are registered too
+        (b"\x03\xf6", b"\x03\xf6"),
     ],
 )
 def test_close_codes_echoed(payload: bytes, echo: bytes) -> None:
@@ -1049,3 +1052,23 @@ async def test_the_client_says_close_after_a_reconnect() -> None:
     assert proto.done.result() == 0.5
     [event] = WebSocketReader(masked=True).feed(bytes(sink.data))
     assert (event.opcode, event.payload) == (Opcode.CLOSE, b"\x03\xe8") and sink.closed
+
+
+def test_a_framing_error_keeps_what_came_before_it() -> None:
+    """The data frames read before bad bytes in the same feed were dropped with the
+    error: a relay's ERROR just before them never told why."""
+    error = encode_frame(T.ERROR, b"why I close you")
+    with pytest.raises(WebSocketError, match="opcode") as caught:
+        WebSocketReader(masked=False).feed(frame(error, masked=False) + bytes([0x83, 0]))
+    [event] = caught.value.events
+    assert (event.opcode, event.payload) == (Opcode.BINARY, error)
+
+
+async def test_the_client_reads_the_relays_last_frame_before_bad_framing() -> None:
+    proto, _ = _session_after_101()
+    proto.dispatch_to(lambda f: 0.5 if f[0] is T.RECONNECT else None)
+    data = frame(encode_frame(T.RECONNECT, b"\x80"), masked=False) + bytes([0x83, 0])
+    buf = proto.get_buffer(len(data))
+    buf[: len(data)] = data
+    proto.buffer_updated(len(data))
+    assert proto.done.result() == 0.5  # the RECONNECT counts, though garbage followed

@@ -917,6 +917,18 @@ def test_relay_decoder_trailing_garbage_byte_by_byte(garbage: bytes, match: str)
     assert i == len(data) - 64 - 1  # the garbage header's last byte
 
 
+def test_relay_decoder_error_carries_the_frames_before_the_garbage() -> None:
+    """A relay's ERROR and then garbage in one read: the ERROR was lost with the error."""
+    dec = RelayFrameDecoder()
+    error = encode_frame(RelayFrameType.ERROR, b"why I close you")
+    with pytest.raises(RelayProtocolError, match="unknown relay frame type") as caught:
+        dec.feed(error + b"\x99\0\0\0\0")
+    assert caught.value.frames == [(RelayFrameType.ERROR, b"", b"why I close you")]
+    with pytest.raises(RelayProtocolError, match="unknown relay frame type"):
+        dec.feed(error)  # and it refuses everything after
+    assert dec.pending == 0
+
+
 @pytest.mark.parametrize("datagram", [b"", b"x", bytearray(b"abc"), memoryview(b"view")])
 def test_relay_addressed_frame_layout(datagram: bytes | bytearray | memoryview) -> None:
     peer = bytes(range(32))

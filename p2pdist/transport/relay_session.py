@@ -283,10 +283,11 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         """Relay frames from received WebSocket frames; a PING gets its PONG, a CLOSE
         ends the session."""
         assert self._websocket is not None and self._ws_writer is not None
+        broken: WebSocketError | None = None
         try:
             events = self._websocket.feed(data)
         except WebSocketError as exc:
-            raise RelayProtocolError(f"bad WebSocket framing: {exc}") from None
+            broken, events = exc, exc.events  # what came before the bad bytes counts first
         frames: list[RelayFrame] = []
         for event in events:
             if event.opcode is Opcode.BINARY:
@@ -304,6 +305,8 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
                 self._ws_writer.write_control(Opcode.CLOSE, echo_code(event.payload))
                 self._ws_closed = True
                 raise RelayProtocolError("the relay closed the WebSocket", frames)
+        if broken is not None:
+            raise RelayProtocolError(f"bad WebSocket framing: {broken}", frames)
         return frames
 
     def _keep_tls(self) -> None:

@@ -202,21 +202,32 @@ class RelayFrameDecoder:
     def __init__(self, max_body: int = MAX_BODY) -> None:
         self._buf = bytearray()
         self._max = max_body
+        self._failure: str | None = None
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[tuple[RelayFrameType, bytes]]:
-        """Add received bytes; return every complete frame."""
+        """Add received bytes; return every complete frame. Bad bytes raise
+        RelayProtocolError with the complete frames before them in ``frames`` (a relay's
+        ERROR before its garbage still tells why); after it the decoder refuses
+        everything."""
+        if self._failure is not None:
+            raise RelayProtocolError(self._failure)
         self._buf += data
         out: list[tuple[RelayFrameType, bytes]] = []
         start = 0
         buf = self._buf
-        with memoryview(buf) as view:  # released before ``del`` resizes the buffer
-            while len(buf) - start >= _HEAD.size:
-                kind, length = _header(buf, start, self._max)
-                end = start + _HEAD.size + length
-                if end > len(buf):
-                    break
-                out.append((kind, bytes(view[start + _HEAD.size : end])))  # one copy
-                start = end
+        try:
+            with memoryview(buf) as view:  # released before ``del`` resizes the buffer
+                while len(buf) - start >= _HEAD.size:
+                    kind, length = _header(buf, start, self._max)
+                    end = start + _HEAD.size + length
+                    if end > len(buf):
+                        break
+                    out.append((kind, bytes(view[start + _HEAD.size : end])))  # one copy
+                    start = end
+        except RelayProtocolError as exc:
+            self._failure = str(exc)
+            buf.clear()
+            raise RelayProtocolError(self._failure, [_frame(k, b) for k, b in out]) from None
         del buf[:start]
         return out
 
@@ -317,6 +328,15 @@ class RelayFrame(NamedTuple):
 _ADDRESSED = frozenset({RelayFrameType.SEND, RelayFrameType.RECV})
 
 
+def _frame(kind: RelayFrameType, body: bytes | bytearray | memoryview) -> RelayFrame:
+    """A decoded frame with its peer id split off (SEND and RECV)."""
+    if kind not in _ADDRESSED:
+        return RelayFrame(kind, b"", bytes(body))
+    if len(body) < ID_LEN:
+        raise RelayProtocolError("addressed frame shorter than an endpoint id")
+    return RelayFrame(kind, bytes(body[:ID_LEN]), bytes(body[ID_LEN:]))
+
+
 class RelayFrameReader:
     """Frames received in place: for an ``asyncio.BufferedProtocol``, whose transport
     writes (or TLS decrypts) straight into :meth:`get_buffer`. A
@@ -351,22 +371,23 @@ class RelayFrameReader:
         try:
             with memoryview(self._buf) as whole, whole[:nbytes] as data:
                 for kind, body in self._splitter.frames(data):
-                    if kind not in _ADDRESSED:
-                        out.append(RelayFrame(kind, b"", bytes(body)))
-                    elif len(body) >= ID_LEN:
-                        out.append(RelayFrame(kind, bytes(body[:ID_LEN]), bytes(body[ID_LEN:])))
-                    else:
-                        raise RelayProtocolError("addressed frame shorter than an endpoint id")
+                    out.append(_frame(kind, body))
         except RelayProtocolError as exc:
             self._failure = str(exc)
             raise RelayProtocolError(self._failure, out) from None  # with the good frames
         return out
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[RelayFrame]:
-        """Push bytes that arrived some other way (for tests, and bytes read before)."""
+        """Push bytes that arrived some other way (for tests, and bytes read before). A
+        RelayProtocolError carries every good frame before the bad bytes, also those of
+        earlier buffers of the same call."""
         out: list[RelayFrame] = []
-        for n in fill_buffers(self.get_buffer, data):
-            out += self.buffer_updated(n)
+        try:
+            for n in fill_buffers(self.get_buffer, data):
+                out += self.buffer_updated(n)
+        except RelayProtocolError as exc:
+            exc.frames[:0] = out
+            raise
         return out
 
 
@@ -595,6 +616,11 @@ def parse_http_head(buf: bytes | bytearray) -> tuple[HttpHead, int] | None:
     except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes everything
         raise RelayProtocolError("undecodable HTTP head") from None
     lines = text.split("\r\n")
+    for line in lines:
+        # RFC 9112 5.5: CR, LF and NUL in a field value are refused. A proxy in front of
+        # us may take a bare LF for a line end (RFC 9112 2.2) and read one line more.
+        if "\r" in line or "\n" in line or "\x00" in line:
+            raise RelayProtocolError(f"CR, LF or NUL inside an HTTP line {line[:80]!r}")
     start = lines[0].split(" ", 2)
     if len(start) < 2:
         raise RelayProtocolError(f"malformed HTTP start line {lines[0][:80]!r}")

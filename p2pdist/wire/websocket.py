@@ -64,7 +64,14 @@ class Opcode(IntEnum):
 
 
 class WebSocketError(ValueError):
-    """Bytes that break RFC 6455 (or what the relay protocol allows in it)."""
+    """Bytes that break RFC 6455 (or what the relay protocol allows in it).
+
+    ``events``: what the same :meth:`WebSocketReader.feed` read before the bad bytes (a
+    relay's last frames before them still count)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.events: list[WebSocketEvent] = []
 
 
 def client_key() -> str:
@@ -153,7 +160,7 @@ def echo_code(payload: bytes | bytearray) -> bytes:
         return b"\x03\xe8"
     if len(payload) >= 2:
         code = int.from_bytes(payload[:2], "big")
-        if 1000 <= code <= 1003 or 1007 <= code <= 1011 or 3000 <= code <= 4999:
+        if 1000 <= code <= 1003 or 1007 <= code <= 1014 or 3000 <= code <= 4999:
             return bytes(payload[:2])
     return b"\x03\xea"
 
@@ -225,9 +232,27 @@ class WebSocketReader:
         these)."""
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[WebSocketEvent]:
-        """Read ``data``; WebSocketError when it breaks the framing (then stop feeding)."""
+        """Read ``data``; WebSocketError when it breaks the framing (then stop feeding),
+        with the events read before the bad bytes."""
         events: list[WebSocketEvent] = []
         pending: list[bytes | bytearray] = []
+        try:
+            self._read(data, events, pending)
+        except WebSocketError as exc:
+            if pending:
+                events.append(WebSocketEvent(Opcode.BINARY, _joined(pending)))
+            exc.events = events
+            raise
+        if pending:
+            events.append(WebSocketEvent(Opcode.BINARY, _joined(pending)))
+        return events
+
+    def _read(
+        self,
+        data: bytes | bytearray | memoryview,
+        events: list[WebSocketEvent],
+        pending: list[bytes | bytearray],
+    ) -> None:
         view = memoryview(data).cast("B")
         pos, end = 0, len(view)
         while pos < end and not self.closed:
@@ -250,9 +275,6 @@ class WebSocketReader:
                 pending.append(clear)
             if not self._left:
                 self._complete(events, pending)
-        if pending:
-            events.append(WebSocketEvent(Opcode.BINARY, _joined(pending)))
-        return events
 
     def _read_header(self, view: memoryview, pos: int) -> int:
         """Collect header bytes from ``view[pos:]``; starts the frame once all are in."""
