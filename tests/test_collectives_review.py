@@ -697,3 +697,23 @@ def test_errors_write_a_call_of_rows_that_vary_by_rank_with_a_star() -> None:
     assert _explain(rows) == "all_to_all_v(float32[*, 3])"
     fixed = describe_call("all_reduce", "sum", "<f8", (2, 0, 4))
     assert _explain(fixed) == "all_reduce(float64[2, 0, 4], op='sum')"
+
+
+async def test_gradient_buckets_closed_right_after_add_leave_no_unawaited_call() -> None:
+    """Closing (an exception inside ``async with``) before the buckets' tasks ran: their
+    calls were never closed, and Python warned "coroutine ... was never awaited"."""
+    import gc
+
+    async def one(g: Group) -> float:
+        async with await GradientBuckets.create(g, bucket_bytes=16, op="sum") as b:
+            for _ in range(3):
+                b.add(np.ones(8, np.float32))  # each starts a bucket
+        gc.collect()
+        return float((await g.all_reduce(np.ones(2)))[0])  # the group goes on
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with groups(2) as gs:
+            assert await asyncio.wait_for(asyncio.gather(*(one(g) for g in gs)), 60) == [2.0] * 2
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)], caught

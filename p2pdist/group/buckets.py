@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import math
 import re
@@ -239,6 +240,9 @@ class GradientBuckets:
             )
         )
         task.add_done_callback(_retrieve)  # a step nobody waits for logs no "never retrieved"
+        # Cancelled before its first step (close() soon after add()), the task never ran
+        # _reduce_bucket, so nothing closed the call: Python warned it was never awaited.
+        task.add_done_callback(functools.partial(_close_if_cancelled, call))
         self._tasks.append(task)
         self._counts.append(len(arrays))
         self._last = task
@@ -446,6 +450,12 @@ def _elements(shapes: list[tuple[int, ...]]) -> int:
 def _shapes_text(shapes: list[tuple[int, ...]]) -> str:
     text = ", ".join(map(str, shapes))
     return f"{text[:80]}..." if len(text) > 80 else text
+
+
+def _close_if_cancelled(call: Coroutine[Any, Any, Any], task: asyncio.Task[None]) -> None:
+    """Close a cancelled bucket's call (a no-op if it had run: it ended with the task)."""
+    if task.cancelled():
+        call.close()
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:
