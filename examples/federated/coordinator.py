@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         print("coordinator stopped", file=sys.stderr)
         return 130
     except P2PError as exc:  # no clients in time, a relay out of reach, a busy port
-        print(f"coordinator: error: {exc}", file=sys.stderr)
+        # (the library's own messages may already say "coordinator: ")
+        print(f"coordinator: error: {str(exc).removeprefix('coordinator: ')}", file=sys.stderr)
         return 1
     return 0
 
