@@ -33,3 +33,30 @@ def test_every_ipv4_address_of_an_interface_is_listed() -> None:
     addresses, networks = json.loads(out)
     assert addresses == [lan.ip(0), "10.88.0.5", "127.0.0.1"], addresses
     assert [lan.ip(0), "10.77.0.0/24"] in networks and ["10.88.0.5", "10.88.0.0/16"] in networks
+
+
+def test_an_interface_with_many_addresses_leaves_room_for_the_others() -> None:
+    """IPVS puts a virtual address per service on one interface: listed interface by
+    interface, those pushed a later interface's LAN address past hole punching's 16
+    candidates. Now each interface's first address comes before any one's second."""
+    require_root()
+    with Lan(1) as lan:
+        ns = lan.host_ns(0)
+        ip = ["ip", "-n", ns]
+        for name in ("vips0", "lan1"):  # (veth: this kernel may have no dummy driver)
+            subprocess.run(
+                [*ip, "link", "add", name, "type", "veth", "peer", f"{name}p"], check=True
+            )
+        for i in range(1, 41):
+            subprocess.run([*ip, "addr", "add", f"10.66.0.{i}/32", "dev", "vips0"], check=True)
+        subprocess.run([*ip, "addr", "add", "10.99.0.5/24", "dev", "lan1"], check=True)
+        out = subprocess.run(
+            [*lan.exec_prefix(0), sys.executable, "-c", LIST],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+    addresses, _ = json.loads(out)
+    assert addresses[:4] == [lan.ip(0), "10.66.0.1", "10.99.0.5", "10.66.0.2"], addresses
+    assert len(addresses) == 43 and addresses[-1] == "127.0.0.1", addresses

@@ -10,6 +10,7 @@ more) from those that can, and the temporary ones the kernel prefers as a source
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
 import sys
 
@@ -25,14 +26,21 @@ _IFA_F_UNUSABLE = 0x08 | 0x20 | 0x40
 
 
 def local_ipv4() -> list[tuple[str, ipaddress.IPv4Network]]:
-    """This host's IPv4 addresses with their networks, loopback and link-local last."""
-    found: list[tuple[str, ipaddress.IPv4Network]] = []
+    """This host's IPv4 addresses with their networks: each interface's first address,
+    then each one's second, and so on (so an interface with many addresses, such as
+    IPVS's dummy with a virtual address per service, cannot push every other
+    interface's addresses past the callers' caps), loopback and link-local last."""
+    per_interface: list[list[tuple[str, ipaddress.IPv4Network]]] = []
     for adapter in _adapters():
+        found: list[tuple[str, ipaddress.IPv4Network]] = []
         for ip in adapter.ips:
             if isinstance(ip.ip, str):  # (IPv6 addresses are tuples)
                 net = ipaddress.IPv4Network(f"{ip.ip}/{ip.network_prefix}", strict=False)
                 found.append((ip.ip, net))
-    return sorted(found, key=lambda a: a[1].is_loopback or a[1].is_link_local)
+        per_interface.append(found)
+    rounds = itertools.zip_longest(*per_interface)
+    interleaved = [address for each in rounds for address in each if address is not None]
+    return sorted(interleaved, key=lambda a: a[1].is_loopback or a[1].is_link_local)
 
 
 def interface_addresses() -> list[str]:
