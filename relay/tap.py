@@ -11,9 +11,11 @@ two peers through the relay, then check it appears in no stream the tap recorded
   (so a marker split across reads is still found). Record format:
   ``conn_id u32 | direction u8 ('i' or 'o') | length u32 | data``, big-endian.
 
-The file is created with mode 0600 (whatever the umask), and the token in AUTH frames is
-written as zero bytes of the same length (:class:`AuthRedactor`): the rest of each AUTH
-frame, and everything else, is recorded as read. Never enable it on a production relay:
+The file is created with mode 0600 (whatever the umask), the token in AUTH frames is
+written as zero bytes of the same length (:class:`AuthRedactor`), and so are the record
+secrets in both HTTP heads (:class:`HeadSecretRedactor`: with them and a capture of the
+TCP stream, the AUTH could be decrypted): the rest of each AUTH frame, and everything
+else, is recorded as read. Never enable it on a production relay:
 it writes everything clients send to disk.
 """
 
@@ -21,18 +23,19 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from p2pdist.wire.relay import _HEAD, FRAME_HEADER, RelayFrameType
+from p2pdist.wire.relay import _HEAD, FRAME_HEADER, MAX_HTTP_HEAD, RelayFrameType
 from p2pdist.wire.websocket import Opcode, header_fields, header_size
 from p2pdist.wire.websocket import mask as ws_mask
 
 from .logfmt import kv
 
-__all__ = ["AuthRedactor", "FileTap", "Tap", "read_tap"]
+__all__ = ["AuthRedactor", "FileTap", "HeadSecretRedactor", "Tap", "read_tap"]
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +44,41 @@ Tap = Callable[[int, str, bytes], None]
 
 _RECORD = struct.Struct(">IBI")
 _HEAD_END = b"\r\n\r\n"
+_SECRET = re.compile(rb"key=([0-9A-Fa-f]+)", re.IGNORECASE)
 _AUTH_FIXED = 32 + 64
 """An AUTH body is ``id 32 | signature 64 | token``: what follows these bytes is secret."""
+
+
+class HeadSecretRedactor:
+    """Follows the HTTP head at the start of one byte stream, either way (a client's
+    upgrade, the relay's answer), across reads of any size, and zeroes the hex digits
+    of every ``key=`` in it: the record secrets of ``P2pdist-Relay-Records``. With them,
+    a capture of the TCP stream would decrypt the records, and the AUTH token in them.
+    After the head, bytes go through as they are (no copy)."""
+
+    def __init__(self) -> None:
+        self._head = bytearray()  # the head so far (at most MAX_HTTP_HEAD and its end)
+        self._done = False
+
+    def __call__(self, data: bytes) -> bytes:
+        """``data`` with the secret's digits in it replaced by zero bytes."""
+        if self._done:
+            return data
+        start = len(self._head)
+        self._head += data
+        end = self._head.find(_HEAD_END)
+        limit = end + len(_HEAD_END) if end >= 0 else len(self._head)
+        out: bytearray | None = None
+        # The whole head is searched again each read: digits split across reads are
+        # found as one run, and only those in this read are blanked here.
+        for match in _SECRET.finditer(self._head, 0, limit):
+            a, b = max(match.start(1), start), match.end(1)
+            if b > a:
+                out = out if out is not None else bytearray(data)
+                out[a - start : b - start] = bytes(b - a)
+        if end >= 0 or len(self._head) > MAX_HTTP_HEAD + len(_HEAD_END):
+            self._done, self._head = True, bytearray()
+        return bytes(out) if out is not None else data
 
 
 class AuthRedactor:
@@ -186,10 +222,15 @@ class FileTap:
             log.warning(kv("tap_chmod_failed", path=path, error=exc))
         self._fh: BinaryIO | None = os.fdopen(fd, "ab")
         self._redactors: dict[int, AuthRedactor] = {}
+        self._heads: dict[tuple[int, str], HeadSecretRedactor] = {}
 
     def __call__(self, conn_id: int, direction: str, data: bytes) -> None:
         if self._fh is None:
             return
+        head = self._heads.get((conn_id, direction))
+        if head is None:
+            head = self._heads[(conn_id, direction)] = HeadSecretRedactor()
+        data = head(data)
         if direction == "in":
             redact = self._redactors.get(conn_id)
             if redact is None:
@@ -203,6 +244,8 @@ class FileTap:
     def forget(self, conn_id: int) -> None:
         """Connection ``conn_id`` closed: drop its redactor (one per open connection)."""
         self._redactors.pop(conn_id, None)
+        for direction in ("in", "out"):
+            self._heads.pop((conn_id, direction), None)
 
     def close(self) -> None:
         """Stop recording and close the file."""

@@ -31,6 +31,7 @@ from p2pdist.wire.relay import (
     encode_frame,
     parse_challenge,
     upgrade_request,
+    upgrade_response,
 )
 from p2pdist.wire.websocket import Opcode, WebSocketReader, client_key
 from p2pdist.wire.websocket import frame as ws_frame
@@ -39,7 +40,7 @@ from relay.access import Allowlist, AllowlistError
 from relay.config import ConfigError
 from relay.healthcheck import HOST_ENV
 from relay.healthcheck import main as healthcheck
-from relay.tap import AuthRedactor, FileTap, read_tap
+from relay.tap import AuthRedactor, FileTap, HeadSecretRedactor, read_tap
 from relay.testclient import RelayRefused, RelayTestClient, _tls_open
 from relay.tlsconfig import RelayTls
 
@@ -497,3 +498,26 @@ def test_healthcheck_refuses_a_port_out_of_range_in_one_line(
     assert healthcheck(["--port", port, "--timeout", "1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("unhealthy: --port must be 1..65535") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 33, 4096])
+def test_the_tap_never_holds_the_record_secrets_of_either_head(tmp_path: Path, chunk: int) -> None:
+    """With the record secrets (in clear in both heads) and a capture of the TCP stream,
+    the AUTH travelling in records decrypts: the tap held them, and so the token."""
+    mine, theirs = bytes(range(32)), bytes(range(100, 132))
+    upgrade, answer = upgrade_request("relay.test", mine), upgrade_response(theirs)
+    data, _ = _auth_stream(TOKEN.encode())
+    inbound, outbound = upgrade + data[data.index(b"\r\n\r\n") + 4 :], answer + b"frames"
+    tap = FileTap(tmp_path / "tap.bin")
+    for way, stream in (("in", inbound), ("out", outbound)):
+        for i in range(0, len(stream), chunk):
+            tap(3, way, stream[i : i + chunk])
+    tap.close()
+    got = read_tap(tmp_path / "tap.bin")
+    assert len(got[(3, "in")]) == len(inbound) and len(got[(3, "out")]) == len(outbound)
+    for way, secret in (("in", mine), ("out", theirs)):
+        assert secret.hex()[:8].encode() not in got[(3, way)]  # not a digit of it kept
+    assert TOKEN.encode() not in got[(3, "in")]  # (the AUTH is still followed after it)
+    assert got[(3, "out")].endswith(b"\r\n\r\nframes")  # after the head: as it was
+    unchanged = b"GET /relay HTTP/1.1\r\nHost: x\r\n\r\n"
+    assert HeadSecretRedactor()(unchanged) is unchanged  # no secret: not copied
