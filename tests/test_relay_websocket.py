@@ -1072,3 +1072,40 @@ async def test_the_client_reads_the_relays_last_frame_before_bad_framing() -> No
     buf[: len(data)] = data
     proto.buffer_updated(len(data))
     assert proto.done.result() == 0.5  # the RECONNECT counts, though garbage followed
+
+
+async def test_a_verified_relay_url_needs_tls_1_3_as_a_pinned_one_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/security.md says the link to the relay is TLS 1.3: a pinned URL asked for it,
+    but a CA-verified one took the system's default, TLS 1.2 (a balancer or middlebox in
+    front of the relay could hold the session to it)."""
+    import threading
+
+    cert, key = _certificate(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.maximum_version = ssl.TLSVersion.TLSv1_2
+    server.load_cert_chain(cert, key)
+    outcomes: list[str] = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(10)
+
+        def serve() -> None:
+            with contextlib.suppress(OSError):
+                conn, _ = listener.accept()
+                with conn, contextlib.suppress(OSError):
+                    conn.settimeout(10)
+                    try:
+                        with server.wrap_socket(conn, server_side=True) as tls:
+                            outcomes.append(f"handshake done: {tls.version()}")
+                    except ssl.SSLError as exc:
+                        outcomes.append(f"refused: {exc.reason}")
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        port = listener.getsockname()[1]
+        report = await diagnose(f"https://127.0.0.1:{port}/", key=KEYS[0], timeout=3.0)
+        thread.join(10)
+    assert not report.relay_connected
+    assert outcomes and outcomes[0].startswith("refused"), outcomes

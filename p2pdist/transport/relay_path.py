@@ -380,6 +380,8 @@ class RelayPath:
             server_hostname = None
         else:
             ctx = ssl.create_default_context()
+            # As pinned (and as the relay's own server): a balancer in front must too.
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_3
             server_hostname = url.host
         label = f"relay {url}"
         secret = new_secret() if self.config.records else None
