@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import functools
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -80,6 +82,17 @@ def exposed_key_file(path: Path, mode: int) -> str | None:
         f"{path} is accessible by group or others "
         f"(mode {stat.S_IMODE(mode):04o}); run: chmod 600 {path}"
     )
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Create ``path`` (never an existing file, nor through a symbolic link: O_EXCL) with
+    mode 0600 whatever the umask, write ``data`` and flush it to disk."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 class EndpointId:
@@ -246,19 +259,29 @@ class SecretKey:
         )
 
     def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
-        """Write the key as PKCS#8 PEM, created with mode 0600."""
+        """Write the key as PKCS#8 PEM, in a file created with mode 0600.
+
+        With ``overwrite``, the key goes to a new file beside ``path`` that then replaces
+        it: the old file is never written into, so a reader who opened it while it was
+        readable does not see the new key, and a symbolic link at ``path`` is replaced,
+        not followed."""
         p = Path(path)
-        pem = self.to_pem()
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
+        if not overwrite:
+            try:
+                _write_private(p, self.to_pem())
+            except FileExistsError as exc:
+                raise KeyFileError(f"{p} exists; pass overwrite=True to replace it") from exc
+            except OSError as exc:  # no such directory, a directory, no permission, ...
+                raise KeyFileError(f"cannot write key file {p}: {exc.strerror or exc}") from exc
+            return
+        fresh = p.with_name(f".{p.name}.{secrets.token_hex(6)}.tmp")
         try:
-            fd = os.open(p, flags, 0o600)
-        except FileExistsError as exc:
-            raise KeyFileError(f"{p} exists; pass overwrite=True to replace it") from exc
-        except OSError as exc:  # no such directory, a directory, no permission, ...
+            _write_private(fresh, self.to_pem())
+            os.replace(fresh, p)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                fresh.unlink()
             raise KeyFileError(f"cannot write key file {p}: {exc.strerror or exc}") from exc
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o600)
-            f.write(pem)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SecretKey:

@@ -302,6 +302,35 @@ def test_save_overwrite_tightens_mode(tmp_path: Path) -> None:
     assert SecretKey.load(path).endpoint_id == key.endpoint_id
 
 
+def test_save_overwrite_writes_a_new_file_and_never_follows_a_link(tmp_path: Path) -> None:
+    """Overwriting truncated the old file and wrote into it: a reader who had opened it
+    while it was readable read the new key, and a symbolic link was followed (the key
+    went into whatever file it pointed at)."""
+    path = tmp_path / "key.pem"
+    path.write_bytes(b"old")
+    path.chmod(0o644)
+    with open(path, "rb") as reader:  # opened while it was readable
+        key = SecretKey.generate()
+        key.save(path, overwrite=True)
+        assert reader.read() == b"old"  # the old file, not the new key
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"someone's file")
+    link = tmp_path / "link.pem"
+    link.symlink_to(target)
+    key.save(link, overwrite=True)
+    assert target.read_bytes() == b"someone's file" and not link.is_symlink()
+    assert SecretKey.load(link).endpoint_id == key.endpoint_id
+    (tmp_path / "dir.pem").mkdir()
+    with pytest.raises(KeyFileError, match="cannot write key file"):
+        key.save(tmp_path / "dir.pem", overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "dir.pem",
+        "elsewhere",
+        "key.pem",
+        "link.pem",
+    ]  # no file of our own left behind
+
+
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o700 | 0o010])
 def test_load_refuses_permissive_file(tmp_path: Path, mode: int) -> None:
     path = tmp_path / "key.pem"
