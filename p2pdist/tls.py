@@ -18,6 +18,7 @@ import tempfile
 from collections import OrderedDict
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.x509.oid import NameOID
@@ -68,6 +69,13 @@ def endpoint_id_of_cert(der: bytes) -> EndpointId:
         raise ValueError(f"certificate refused by OpenSSL: {exc}") from None
     if not isinstance(pub, Ed25519PublicKey):
         raise ValueError(f"certificate key is {type(pub).__name__}, not Ed25519")
+    # Signed by its own key, as make_certificate signs: else anyone could make endless
+    # variants of a member's certificate (any serial, any name), each a fresh server
+    # context to build (TlsIdentity.server_context) that pushes real ones out.
+    try:
+        pub.verify(cert.signature, cert.tbs_certificate_bytes)
+    except InvalidSignature:
+        raise ValueError("certificate is not signed by its own key") from None
     return EndpointId(pub.public_bytes_raw())
 
 
@@ -129,7 +137,8 @@ class TlsIdentity:
 
         Contexts are kept per certificate (at most :data:`SERVER_CONTEXTS`): building one
         loads our key (about 2 ms), which every incoming connection, and every stranger
-        presenting a member's public certificate, would otherwise cost."""
+        presenting a member's public certificate, would otherwise cost (variants of it
+        need the member's key: :func:`endpoint_id_of_cert` checks the self-signature)."""
         cached = self._server_ctxs.get(client_cert_der)
         if cached is not None:
             self._server_ctxs.move_to_end(client_cert_der)

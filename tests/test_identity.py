@@ -521,6 +521,28 @@ def test_endpoint_id_of_cert_refuses_other_key_types() -> None:
         endpoint_id_of_cert(cert.public_bytes(serialization.Encoding.DER))
 
 
+def test_a_certificate_not_signed_by_its_own_key_is_refused() -> None:
+    """Anyone could build endless variants of a member's certificate (its public key,
+    any serial or name, signed with a key of their own), each a server context of 2 ms
+    for the acceptor to build and keep, pushing the real ones out of its cache."""
+    member, stranger = SecretKey.from_seed(SEED, 6), SecretKey.generate()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "a variant")])
+    variant = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(member.private_key().public_key())
+        .serial_number(12345)
+        .not_valid_before(datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC))
+        .not_valid_after(datetime.datetime(2030, 1, 1, tzinfo=datetime.UTC))
+        .sign(stranger.private_key(), None)
+        .public_bytes(serialization.Encoding.DER)
+    )
+    with pytest.raises(ValueError, match="not signed by its own key"):
+        endpoint_id_of_cert(variant)
+    assert endpoint_id_of_cert(TlsIdentity(member).cert_der) == member.endpoint_id
+
+
 def unknown_key_type_cert(key: SecretKey) -> bytes:
     """The key's certificate with its public-key algorithm OID changed to an unknown one."""
     der = bytearray(TlsIdentity(key).cert_der)

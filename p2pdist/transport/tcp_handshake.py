@@ -228,8 +228,8 @@ class TcpHandshake(FramedConnection):
             try:
                 if not isinstance(cert, bytes) or endpoint_id_of_cert(cert) != client:
                     refusal = "certificate key does not match the claimed endpoint id"
-            except ValueError:
-                refusal = "certificate is not an Ed25519 certificate"
+            except ValueError as exc:  # not Ed25519, not signed by its own key, ...
+                refusal = f"certificate is not an Ed25519 certificate: {str(exc)[:200]}"
         if refusal is not None:
             self._write(encode_record({"ok": False, "error": refusal}))
             raise PeerAuthenticationError(self.label, f"refused: {refusal}")
