@@ -154,6 +154,16 @@ def test_non_canonical_encodings_are_not_endpoint_ids(raw: bytes) -> None:
         EndpointId(raw)
 
 
+@pytest.mark.parametrize("y", [2, 7, 8, 11])
+def test_a_y_with_no_point_on_the_curve_is_not_an_endpoint_id(y: int) -> None:
+    """x^2 = (y^2 - 1) / (d y^2 + 1) must have a square root: OpenSSL loaded these all
+    the same (an id no signature can ever verify under, failing later and vaguely)."""
+    raw = y.to_bytes(32, "little")
+    Ed25519PublicKey.from_public_bytes(raw)  # (what OpenSSL takes)
+    with pytest.raises(UsageError, match="not a point of the curve"):
+        EndpointId(raw)
+
+
 def test_generated_and_derived_keys_are_all_accepted() -> None:
     keys = [SecretKey.generate() for _ in range(200)] + [
         SecretKey.from_seed(SEED, r) for r in range(200)
