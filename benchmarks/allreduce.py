@@ -40,6 +40,7 @@ installed, Open MPI over TCP (``benchmarks/_mpi.py``) runs as a second reference
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -51,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -294,6 +296,8 @@ class Point:
     world: int
     cpu: float | None = None
     """Process CPU seconds per call, max over ranks (None: not reported)."""
+    spread: tuple[float, float] | None = None
+    """The least and the greatest ``seconds`` over the rounds this point is the median of."""
 
     @property
     def algbw(self) -> float:
@@ -321,6 +325,7 @@ def median_of_rounds(rounds: list[Series]) -> Series:
     """One series from the same backend's rounds: per size, the median over rounds of
     the latency and of the CPU per call; failed if any round failed."""
     merged = Series(rounds[0].name)
+    assert all(s.name == merged.name for s in rounds), [s.name for s in rounds]
     failed = [s.error for s in rounds if s.error]
     if failed:
         merged.error = failed[0]
@@ -333,11 +338,32 @@ def median_of_rounds(rounds: list[Series]) -> Series:
             statistics.median(p.seconds for p in points),
             first.world,
             statistics.median(c for c in cpus if c is not None) if None not in cpus else None,
+            (min(p.seconds for p in points), max(p.seconds for p in points)),
         )
     barriers = [s.barrier for s in rounds]
     if None not in barriers:
         merged.barrier = statistics.median(b for b in barriers if b is not None)
     return merged
+
+
+SPREAD_MAX_BYTES = 64 * 1024
+"""Sizes up to this get their spread over rounds printed: latency-bound calls, whose
+times (Gloo's most: 0.1 to 2.6 ms at 4 KiB on the 2-core host, by where the scheduler
+put its ranks) can differ from round to round by more than the bar they are held to."""
+
+
+def small_spread(sizes: list[int], series: list[Series]) -> str:
+    """``"4K: plaintext 40-52 us, gloo 137-2108 us; ..."`` for the latency-bound sizes."""
+    parts: list[str] = []
+    for nbytes in (n for n in sizes if n <= SPREAD_MAX_BYTES):
+        cells = [
+            f"{s.name} {p.spread[0] * 1e6:.0f}-{p.spread[1] * 1e6:.0f} us"
+            for s in series
+            if (p := s.points.get(nbytes)) is not None and p.spread is not None
+        ]
+        if cells:
+            parts.append(f"{format_size(nbytes)}: " + ", ".join(cells))
+    return "; ".join(parts)
 
 
 def mpi_series(world: int, data: dict[str, Any]) -> Series:
@@ -510,9 +536,12 @@ def run_round(
     run_gloo: bool,
     loops: list[str],
     mpi_binary: Path | None = None,
+    start: int = 0,
 ) -> list[Series]:
-    """Every p2pdist mode on every loop, then Gloo, then Open MPI (with ``mpi_binary``),
-    once each at ``world``, in that order."""
+    """Every p2pdist mode on every loop, Gloo, and Open MPI (with ``mpi_binary``), once
+    each at ``world``; returned in that order, but run from the ``start``-th on (round
+    robin), so that over rounds no backend always runs first or last while the host's
+    speed drifts."""
 
     def sweep(
         name: str, role: str, extra: dict[str, Any], env: dict[str, str] | None = None
@@ -521,7 +550,7 @@ def run_round(
             name, role, world, sizes, warmup, iters, workdir, args.timeout, extra, env
         )
 
-    out: list[Series] = []
+    jobs: list[Callable[[], Series]] = []
     if run_p2p:
         seed = secrets.token_hex(32)
         for mode, loop in [(m, lp) for m in args.modes for lp in loops]:
@@ -537,22 +566,39 @@ def run_round(
                 "algorithm": ALGORITHM_OF_VARIANT.get(variant, "auto"),
                 "arrays": args.arrays,
             }
-            out.append(sweep(mode + LOOPS[loop], "p2pdist", extra))
+            jobs.append(functools.partial(sweep, mode + LOOPS[loop], "p2pdist", extra))
     if run_gloo:
         (port,) = free_ports(1)
         gloo_cfg = {"port": port, "arrays": args.arrays}
-        out.append(sweep("gloo", "gloo", gloo_cfg, env={"GLOO_SOCKET_IFNAME": "lo"}))
+        gloo_env = {"GLOO_SOCKET_IFNAME": "lo"}
+        jobs.append(functools.partial(sweep, "gloo", "gloo", gloo_cfg, env=gloo_env))
     if mpi_binary is not None and args.arrays == "host":
-        t0 = time.monotonic()
-        plan = zip(sizes, warmup, iters, strict=True)
-        try:
-            data = _mpi.sweep(mpi_binary, world, plan, workdir, args.timeout)
-            out.append(mpi_series(world, data))
-            print(f"  ompi world={world}: done in {time.monotonic() - t0:.1f}s", file=sys.stderr)
-        except (_mpi.MpiError, KeyError, ValueError) as exc:
-            out.append(Series("ompi", error=str(exc)))
-            print(f"  ompi world={world}: FAILED\n{exc}", file=sys.stderr, flush=True)
-    return out
+        plan = (mpi_binary, world, sizes, warmup, iters, workdir, args.timeout)
+        jobs.append(functools.partial(_mpi_sweep, *plan))
+    done: dict[int, Series] = {}
+    for i in [(start + k) % len(jobs) for k in range(len(jobs))]:
+        done[i] = jobs[i]()
+    return [done[i] for i in range(len(jobs))]
+
+
+def _mpi_sweep(
+    binary: Path,
+    world: int,
+    sizes: list[int],
+    warmup: list[int],
+    iters: list[int],
+    workdir: Path,
+    timeout: float,
+) -> Series:
+    t0 = time.monotonic()
+    plan = zip(sizes, warmup, iters, strict=True)
+    try:
+        data = _mpi.sweep(binary, world, plan, workdir, timeout)
+    except (_mpi.MpiError, KeyError, ValueError) as exc:
+        print(f"  ompi world={world}: FAILED\n{exc}", file=sys.stderr, flush=True)
+        return Series("ompi", error=str(exc))
+    print(f"  ompi world={world}: done in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+    return mpi_series(world, data)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -737,12 +783,8 @@ def main(argv: list[str] | None = None) -> int:
             if world < 2:
                 print(f"skipping world {world} (< 2)", file=sys.stderr)
                 continue
-            rounds = [
-                run_round(
-                    args, world, sizes, warmup, iters, workdir, run_p2p, run_gloo, loops, mpi_binary
-                )
-                for _ in range(args.rounds)
-            ]
+            plan = (args, world, sizes, warmup, iters, workdir, run_p2p, run_gloo, loops)
+            rounds = [run_round(*plan, mpi_binary, start=r) for r in range(args.rounds)]
             all_series = [median_of_rounds(list(r)) for r in zip(*rounds, strict=True)]
             refs = {s.name: s for s in all_series if s.name in REFERENCES}
             mode_series = [s for s in all_series if s.name not in REFERENCES]
@@ -756,6 +798,8 @@ def main(argv: list[str] | None = None) -> int:
             for s in all_series:
                 if s.error:
                     notes.append(f"{s.name} world={world}: failed ({s.error.splitlines()[0]})")
+            if args.rounds > 1 and (spread := small_spread(sizes, all_series)):
+                notes.append(f"world {world}, least-greatest over the rounds: {spread}")
 
     out.append(f"command: {cmd}")
     out.append(machine)
@@ -776,7 +820,8 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         )
         + (
-            f"; {args.rounds} rounds, backends alternating, each cell the median over rounds"
+            f"; {args.rounds} rounds, the backends in turn (each round starting with the "
+            "next one), each cell the median over rounds"
             if args.rounds > 1
             else ""
         )

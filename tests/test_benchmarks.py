@@ -59,7 +59,11 @@ def test_allreduce_table_in_place_and_out_of_place() -> None:
         assert aes and float(aes.group(1)) > 0, out  # tls mode runs: its cipher's speed
         where = "out of place" if extra else "both in place"
         assert where in out
-        assert ("2 rounds, backends alternating" in out) == bool(extra), out
+        assert ("2 rounds, the backends in turn" in out) == bool(extra), out
+        # latency-bound sizes: each backend's least and greatest time over the rounds
+        spread = re.search(r"least-greatest over the rounds: 4K: plaintext (\d+)-(\d+) us", out)
+        assert (spread is not None) == bool(extra), out
+        assert spread is None or int(spread.group(1)) <= int(spread.group(2))
         if "--detail" in extra:  # process CPU per call, per backend and size
             cpu = [ln for ln in out.splitlines() if ln.split()[:2] == ["plaintext", "64K"]]
             assert "cpu/rank (us)" in out and cpu and cpu[0].split()[-1] != "-", out
