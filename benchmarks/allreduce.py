@@ -646,8 +646,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds",
         type=int,
         default=1,
-        help="run every backend this many times, alternating, and report the median over "
-        "rounds of each cell (for a machine whose speed drifts; default 1)",
+        help="run every backend this many times, in turn (each round starting with the next "
+        "one), and report the median over rounds of each cell, and the least and greatest "
+        "times of sizes up to 64K (for a machine whose speed drifts; default 1)",
     )
     ap.add_argument(
         "--arrays",
