@@ -208,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor",
         "p2pdist.doctor",
         "check the network: relay, UDP, NAT mapping, direct path to a peer",
-        "%(prog)s --relay URL [--peer ID | --serve] [--json] [--timeout S]",
+        "%(prog)s --relay URL [--peer ID | --serve] [--key FILE] [--token T] [--json] "
+        "[--timeout S]",
     )
     return parser
 

@@ -455,7 +455,8 @@ def _loss(p: PeerReport) -> str:
 
 def main(argv: list[str]) -> int:
     """``p2pdist doctor``: exit 0 when the relay is reachable (and the peer, if asked),
-    1 otherwise."""
+    1 otherwise; 2 for bad arguments or a key file that cannot be used, 130 when
+    interrupted."""
     ap = argparse.ArgumentParser(
         prog="p2pdist doctor", description=__doc__.split("\n\n")[0].replace("``", "")
     )
