@@ -15,6 +15,19 @@ LIST = (
 )
 
 
+def _listed(lan: Lan) -> tuple[list[str], list[list[str]]]:
+    """interface_addresses() and local_ipv4() as host 0 of ``lan`` sees them."""
+    out = subprocess.run(
+        [*lan.exec_prefix(0), sys.executable, "-c", LIST],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    addresses, networks = json.loads(out)
+    return addresses, networks
+
+
 def test_every_ipv4_address_of_an_interface_is_listed() -> None:
     """An interface with a second address (a VIP, a container host's extra subnet): the
     ioctl the host candidates were read with gave one address per interface, so a
@@ -23,14 +36,7 @@ def test_every_ipv4_address_of_an_interface_is_listed() -> None:
     with Lan(1) as lan:
         ns = lan.host_ns(0)
         subprocess.run(["ip", "-n", ns, "addr", "add", "10.88.0.5/16", "dev", "eth0"], check=True)
-        out = subprocess.run(
-            [*lan.exec_prefix(0), sys.executable, "-c", LIST],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
-    addresses, networks = json.loads(out)
+        addresses, networks = _listed(lan)
     assert addresses == [lan.ip(0), "10.88.0.5", "127.0.0.1"], addresses
     assert [lan.ip(0), "10.77.0.0/24"] in networks and ["10.88.0.5", "10.88.0.0/16"] in networks
 
@@ -50,13 +56,6 @@ def test_an_interface_with_many_addresses_leaves_room_for_the_others() -> None:
         for i in range(1, 41):
             subprocess.run([*ip, "addr", "add", f"10.66.0.{i}/32", "dev", "vips0"], check=True)
         subprocess.run([*ip, "addr", "add", "10.99.0.5/24", "dev", "lan1"], check=True)
-        out = subprocess.run(
-            [*lan.exec_prefix(0), sys.executable, "-c", LIST],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
-    addresses, _ = json.loads(out)
+        addresses, _ = _listed(lan)
     assert addresses[:4] == [lan.ip(0), "10.66.0.1", "10.99.0.5", "10.66.0.2"], addresses
     assert len(addresses) == 43 and addresses[-1] == "127.0.0.1", addresses
