@@ -1,7 +1,7 @@
 """A rank process for tests/test_discovery.py: a group formed with neither peers= nor
 relay=, the ranks finding each other on the local network (mDNS).
 
-Usage: python discovery_worker.py SEED RANK WORLD [LISTEN [CONNECT_TIMEOUT]]
+Usage: python discovery_worker.py SEED RANK WORLD [LISTEN [CONNECT_TIMEOUT [HANDSHAKE_TIMEOUT]]]
 (SEED ``-``: ``Group.from_env()``, RANK and WORLD then only for the output)
 Prints one JSON line: ``{"sum": [...], "dialed": {rank: host:port}}`` (the lower ranks,
 which this rank dialed) after an all_reduce of ``rank + 1`` over the group, or
@@ -16,11 +16,16 @@ import sys
 
 import numpy as np
 
-from p2pdist import Group, GroupConfig, P2PError
+from p2pdist import Group, GroupConfig, P2PError, TransportConfig
 
 
-async def main(seed: str, rank: int, world: int, listen: str | None, wait: float) -> None:
+async def main(
+    seed: str, rank: int, world: int, listen: str | None, wait: float, handshake: float | None
+) -> None:
     config = GroupConfig(connect_timeout=wait, timeout=30.0)
+    if handshake is not None:
+        transport = TransportConfig(handshake_timeout=handshake)
+        config = GroupConfig(connect_timeout=wait, timeout=30.0, transport=transport)
     if seed == "-":
         group = Group.from_env(config=config)
     else:
@@ -40,4 +45,5 @@ if __name__ == "__main__":
     seed, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     listen = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
     wait = float(sys.argv[5]) if len(sys.argv) > 5 else 30.0
-    asyncio.run(asyncio.wait_for(main(seed, rank, world, listen, wait), 120))
+    handshake = float(sys.argv[6]) if len(sys.argv) > 6 else None
+    asyncio.run(asyncio.wait_for(main(seed, rank, world, listen, wait, handshake), 120))
