@@ -21,7 +21,8 @@ from . import __version__
 from .errors import KeyFileError, P2PError, UsageError
 from .eventloop import LOOP_CHOICES, LOOP_ENV, resolve_loop
 from .identity import SecretKey, derive_endpoint_ids
-from .launch import LaunchConfig, discard_output, launch
+from .launch import LaunchConfig, launch
+from .launch_output import discard_output
 
 __all__ = ["build_parser", "main"]
 

@@ -38,21 +38,18 @@ import errno
 import functools
 import itertools
 import os
-import queue
 import secrets
-import select
 import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO, TextIO, cast
+from typing import Any, BinaryIO, cast
 
 from .errors import UsageError
 from .identity import check_seed
+from .launch_guard import Guard, live_groups
+from .launch_output import OutputWriter
 
 __all__ = [
     "ENV_PEERS",
@@ -221,48 +218,6 @@ class _RankProtocol(asyncio.subprocess.SubprocessStreamProtocol):
             self.exited.set_result((next(self._order), -1 if code is None else code))
 
 
-def _live_groups(pgids: set[int]) -> set[int]:
-    """The process groups among ``pgids`` that have a process that is not a zombie. (A
-    launcher that is PID 1 or a subreaper inherits a rank's dead background children,
-    and asyncio reaps only the ranks: their zombies would keep a group "alive" forever.)
-    A group whose leader runs is alive at the cost of one small read; /proc is scanned
-    once, for all the others."""
-    alive: set[int] = set()
-    unsure: set[int] = set()
-    for pgid in pgids:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            continue
-        leader = _state_and_group(f"/proc/{pgid}/stat")
-        if leader is not None and leader[0] != b"Z" and leader[1] == pgid:
-            alive.add(pgid)
-        else:
-            unsure.add(pgid)
-    if not unsure:
-        return alive
-    try:
-        entries = [e.path for e in os.scandir("/proc") if e.name.isdigit()]
-    except OSError:  # no /proc (macOS): zombies count as alive
-        return alive | unsure
-    for path in entries:
-        member = _state_and_group(f"{path}/stat")
-        if member is not None and member[1] in unsure and member[0] != b"Z":
-            alive.add(member[1])
-    return alive
-
-
-def _state_and_group(stat_path: str) -> tuple[bytes, int] | None:
-    """A process's state letter and process group from its /proc stat file (None if it
-    is gone or there is no /proc)."""
-    try:
-        with open(stat_path, "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)"
-        return fields[0], int(fields[2])  # state, ppid, pgrp, ...
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _format_peer(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -315,97 +270,15 @@ class LineSplitter:
         return [tail] if tail else []
 
 
-def discard_output(out: BinaryIO | TextIO) -> None:
-    """Send what is still written to ``out`` to /dev/null, quietly: its reader went away
-    (a BrokenPipeError, and at exit Python's own flush would print another)."""
-    with contextlib.suppress(OSError, ValueError):
-        null = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(null, out.fileno())
-        finally:
-            os.close(null)
-
-
-class _Output:
-    """One of the launcher's outputs (its stdout or stderr), written by a thread of its
-    own: while the output is blocked (a paused terminal, a pipe nobody reads), the event
-    loop goes on, so signals and rank exits are still acted on. Writes keep their order;
-    ``broken`` is called (on the loop) once the output's reader has gone away."""
-
-    def __init__(self, out: BinaryIO, name: str, broken: Callable[[], None]) -> None:
-        self._out = out
-        self._loop = asyncio.get_running_loop()
-        self._broken = broken
-        self._queue: queue.SimpleQueue[tuple[bytes, asyncio.Future[None] | None] | None]
-        self._queue = queue.SimpleQueue()
-        # A daemon: one blocked in a write must not keep the launcher from exiting.
-        self._thread = threading.Thread(target=self._serve, name=f"launch-{name}", daemon=True)
-        self._thread.start()
-
-    async def write(self, data: bytes) -> None:
-        """Write ``data``; return once it is written (or dropped: the output is gone)."""
-        written = self._loop.create_future()
-        self._queue.put((data, written))
-        await written
-
-    def post(self, data: bytes) -> None:
-        """Write ``data`` after what is queued, without waiting for it."""
-        self._queue.put((data, None))
-
-    def close(self, timeout: float) -> None:
-        """Write what is queued, waiting up to ``timeout`` seconds; then leave the rest."""
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-    def _serve(self) -> None:
-        while (item := self._queue.get()) is not None:
-            data, written = item
-            self._write(data)
-            if written is not None:
-                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                    self._loop.call_soon_threadsafe(_resolve, written)
-
-    def _write(self, data: bytes) -> None:
-        try:
-            try:
-                fd = self._out.fileno()
-            except (OSError, ValueError):  # not a file (a test's capture): its own write
-                self._out.write(data)
-                self._out.flush()
-            else:
-                _write_all(fd, data)
-        except BrokenPipeError:  # `launch ... | head`: whoever read our output is gone
-            discard_output(self._out)
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._broken)
-        except (OSError, ValueError):  # the terminal hung up (EIO; SIGHUP stops the ranks)
-            pass
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data`` to ``fd``, as a blocking write would: a parent may have left
-    our stdout non-blocking (some CI runners do), and then a reader that lags a moment
-    made the write fail with EAGAIN, and the lines were lost."""
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[os.write(fd, view) :]
-        except BlockingIOError:
-            select.select([], [fd], [], 1.0)  # until there is room (or a second: again)
-
-
-def _resolve(written: asyncio.Future[None]) -> None:
-    if not written.done():  # (its waiter may have been cancelled)
-        written.set_result(None)
-
-
 def _prefixed(prefix: bytes, lines: list[bytes]) -> bytes:
     return b"".join(
         prefix + line if line.endswith(b"\n") else prefix + line + b"\n" for line in lines
     )
 
 
-async def _pump(stream: asyncio.StreamReader, out: _Output, prefix: bytes) -> None:
+async def _pump(
+    stream: asyncio.StreamReader, writer: OutputWriter, out: BinaryIO, prefix: bytes
+) -> None:
     """Copy ``stream`` to ``out`` line by line, each line prefixed. When ``out``'s reader
     has gone away the copying goes on, into nothing, so that no rank blocks on a full
     pipe while it is being stopped."""
@@ -413,10 +286,10 @@ async def _pump(stream: asyncio.StreamReader, out: _Output, prefix: bytes) -> No
     try:
         while chunk := await stream.read(_READ_CHUNK):
             if lines := splitter.feed(chunk):
-                await out.write(_prefixed(prefix, lines))
+                await writer.write(out, _prefixed(prefix, lines))
     finally:
         if tail := splitter.flush():
-            out.post(_prefixed(prefix, tail))
+            writer.post(out, _prefixed(prefix, tail))
 
 
 def _open_files_limit(at_least: int = 0) -> int | None:
@@ -442,55 +315,6 @@ def _say(message: str) -> None:
         print(f"p2pdist launch: {message}", file=sys.stderr, flush=True)
 
 
-class _Guard:
-    """The launcher's side of :mod:`p2pdist.launch_guard`: a process in a session of its
-    own that stops the ranks' groups if the launcher dies without doing so (SIGKILL, the
-    OOM killer). Without it (it could not start, or was killed) the launch goes on."""
-
-    def __init__(self, grace_s: float) -> None:
-        guard = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_guard.py")
-        try:
-            self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [sys.executable, "-I", "-S", guard, repr(grace_s)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                start_new_session=True,  # a terminal's signals are for the launcher
-            )
-        except OSError as exc:
-            _say(f"cannot start the guard that stops the ranks if the launcher is killed: {exc}")
-            self._proc = None
-
-    def _tell(self, line: str) -> None:
-        proc = self._proc
-        if proc is None or proc.stdin is None:
-            return
-        try:
-            proc.stdin.write(line.encode() + b"\n")
-            proc.stdin.flush()
-        except (OSError, ValueError):  # the guard is gone: go on without it
-            self._proc = None
-
-    def watch(self, pgid: int) -> None:
-        """Stop group ``pgid`` should the launcher die."""
-        self._tell(f"+{pgid}")
-
-    def forget(self, pgid: int) -> None:
-        """Group ``pgid`` is empty: its id may be reused."""
-        self._tell(f"-{pgid}")
-
-    def done(self) -> None:
-        """Every group is torn down: let the guard go (and reap it)."""
-        self._tell("done")
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        with contextlib.suppress(OSError):
-            if proc.stdin is not None:
-                proc.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=1.0)
-
-
 class _Launcher:
     """Owns the child processes of one launch and tears them down."""
 
@@ -505,21 +329,13 @@ class _Launcher:
         self.stop_signal = 0
         self.groups: set[int] = set()
         """Process groups of ranks not yet seen empty: the ones teardown may signal."""
-        broken = functools.partial(self.on_signal, signal.SIGPIPE)
-        self.stdout = _Output(sys.stdout.buffer, "stdout", broken)
-        self.stderr = _Output(sys.stderr.buffer, "stderr", broken)
-        self.guard = _Guard(cfg.grace_s)
+        self.output = OutputWriter(functools.partial(self.on_signal, signal.SIGPIPE))
+        self.guard = Guard(cfg.grace_s, self.say)
 
     def say(self, message: str) -> None:
         """One line of the launcher's own on stderr, after the ranks' lines already
-        queued there (never waiting: stderr may be blocked)."""
-        self.stderr.post(f"p2pdist launch: {message}\n".encode())
-
-    def close_outputs(self) -> None:
-        """Write what is still queued, waiting up to ``drain_s`` for a blocked output."""
-        deadline = time.monotonic() + self.cfg.drain_s
-        for out in (self.stdout, self.stderr):
-            out.close(max(0.0, deadline - time.monotonic()))
+        queued (never waiting: stderr may be blocked)."""
+        self.output.post(sys.stderr.buffer, f"p2pdist launch: {message}\n".encode())
 
     async def start(self, envs: Sequence[dict[str, str]]) -> None:
         """Spawn one child per environment, each with its output pumps."""
@@ -552,8 +368,9 @@ class _Launcher:
             self.guard.watch(proc.pid)
             prefix = f"[rank {rank}] ".encode()
             assert proc.stdout is not None and proc.stderr is not None
-            for stream, out in ((proc.stdout, self.stdout), (proc.stderr, self.stderr)):
-                self.pumps.append(asyncio.create_task(_pump(stream, out, prefix)))
+            for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+                pump = _pump(stream, self.output, out, prefix)
+                self.pumps.append(asyncio.create_task(pump))
 
     def on_signal(self, signum: int) -> None:
         """Signal handler: ask :meth:`supervise` to stop everything. SIGQUIT is passed on
@@ -602,7 +419,7 @@ class _Launcher:
     def _prune_groups(self) -> None:
         if not self.groups:
             return
-        alive = _live_groups(self.groups)
+        alive = live_groups(self.groups)
         for pgid in self.groups - alive:
             self.guard.forget(pgid)
         self.groups = alive
@@ -669,7 +486,7 @@ async def _run(cfg: LaunchConfig, envs: Sequence[dict[str, str]]) -> int:
         launcher.guard.done()  # (not after a failed teardown: the guard finishes it)
         for sig in handled:
             loop.remove_signal_handler(sig)
-        launcher.close_outputs()
+        launcher.output.close(cfg.drain_s)  # what is still queued (a blocked output: dropped)
 
 
 def launch(cfg: LaunchConfig) -> int:

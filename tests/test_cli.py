@@ -125,6 +125,38 @@ def test_launch_with_stdout_and_stderr_closed_still_runs_the_ranks(tmp_path: Pat
     assert proc.returncode == 0 and mark.exists()
 
 
+CHILD_BOTH_STREAMS = textwrap.dedent(
+    """
+    import sys
+    for i in range(1500):
+        sys.stdout.write("O" * 900 + "\\n")
+        sys.stderr.write("E" * 900 + "\\n")
+    """
+)
+
+
+def test_launch_lines_stay_whole_when_stdout_and_stderr_are_one_pipe() -> None:
+    """`p2pdist launch ... 2>&1 | tee log`: with a writer thread per stream, a write
+    the full pipe took in pieces (over PIPE_BUF a write is not atomic) had the other
+    stream's lines land inside it."""
+    launch = [sys.executable, "-m", "p2pdist.cli", "launch", "-n", "2", "--"]
+    proc = subprocess.Popen(
+        [*launch, sys.executable, "-c", CHILD_BOTH_STREAMS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    assert proc.stdout is not None
+    data = bytearray()
+    while chunk := proc.stdout.read1(16384):  # a slow reader: the pipe stays full
+        data += chunk
+        time.sleep(0.0005)
+    assert proc.wait(timeout=TIMEOUT_S) == 0
+    lines = bytes(data).splitlines()
+    whole = re.compile(rb"\[rank [01]\] (O{900}|E{900})")
+    torn = [line[:60] for line in lines if not whole.fullmatch(line)]
+    assert len(lines) == 6000 and not torn, (len(lines), torn[:3])
+
+
 def test_launch_raises_its_open_files_limit_or_says_it_is_too_low() -> None:
     """Each rank holds two pipes in the launcher: under a low soft limit it raises the
     limit (up to the hard one), and when even that is too low it says so instead of
