@@ -375,6 +375,33 @@ async def test_a_start_cancelled_after_ready_fails_the_others() -> None:
         await asyncio.gather(a.close(), b.close())
 
 
+async def test_a_rank_closed_while_starting_says_no_ok_and_no_ready_afterwards() -> None:
+    """close() during start() tells the ranks it said ready to that its start stopped,
+    but its forming tasks ran on until its transport closed: a rank that connected in
+    that window got "ok", then everyone got "ready", and their start() succeeded with
+    the closed rank counted as formed and left."""
+    peers = loopback_peers(3)
+    g0, g1, g2 = (make(r, peers) for r in range(3))
+    window, closing_began = asyncio.Event(), asyncio.Event()
+    hold(g0, "_let_sends_leave", window, entered=closing_began)  # close() paused in it
+    starts = [asyncio.create_task(g.start()) for g in (g0, g1)]
+    try:
+        await until_connected(g0, 1)
+        closing = asyncio.create_task(g0.close())
+        await asyncio.wait_for(closing_began.wait(), 10)
+        starts.append(asyncio.create_task(g2.start()))  # reaches rank 0 in the window
+        await asyncio.sleep(1.0)
+        window.set()
+        await asyncio.wait_for(closing, 10)
+        results = await asyncio.wait_for(
+            asyncio.gather(*starts, return_exceptions=True), CONNECT + 5
+        )
+        assert all(isinstance(r, BaseException) for r in results), results
+    finally:
+        window.set()
+        await asyncio.gather(*(g.close() for g in (g0, g1, g2)))
+
+
 async def test_a_cancelled_start_counts_as_a_restart_not_a_failure() -> None:
     """A start() cancelled while the group forms (Ctrl-C, an outer timeout) tells the
     others nothing: they wait for the rank to come back instead of failing with an

@@ -207,6 +207,7 @@ class Forming(Membership):
         form, self._forming = self._forming, None
         if form is None:
             return
+        form.stopped = True  # its tasks run on until the transport closes: say nothing more
         why = f"{self.peer_label(self._rank)}: its start was stopped (closed or cancelled)"
         for conn in form.told:
             _form_note(conn, "failed", why)
@@ -321,6 +322,8 @@ class Forming(Membership):
                 self._conns[r] = conn
             else:
                 conn = await form.inbox[r].get()
+                if form.stopped:
+                    raise self._closed_while_starting()
                 _form_note(conn, "ok", terms=form.terms)
                 form.join(r, conn)
             while True:
@@ -556,6 +559,8 @@ class _Formation:
         self.dial_errors: dict[int, BaseException] = {}
         """The last failed dial to each lower rank (retried until connect_timeout)."""
         self._refused_count: dict[int, int] = {}
+        self.stopped = False
+        """Its start was closed or cancelled: no more ``ok`` or ``ready`` notes."""
 
     def dial_failed(self, r: int, error: BaseException) -> None:
         """A dial to lower rank ``r`` failed with ``error`` (and is tried again)."""
@@ -578,7 +583,7 @@ class _Formation:
         """``conn`` is ``r``'s accepted connection: once every rank has one, say ready."""
         self.joined[r] = conn
         self.refusals.pop(r, None)
-        if len(self.joined) == self.size - 1:
+        if len(self.joined) == self.size - 1 and not self.stopped:
             for c in self.joined.values():
                 if c not in self.told:
                     self.told.add(c)
