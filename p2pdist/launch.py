@@ -24,10 +24,10 @@ way (SIGQUIT is passed on to the ranks first, with a grace period to dump), and 
 launcher exits with 128 + the signal's number. So does a reader of the launcher's output
 that goes away (``p2pdist launch ... | head``): the ranks are stopped and the launcher
 exits 141, as a command killed by SIGPIPE. A terminal that hung up does not stop the
-teardown: output that cannot be written is dropped. Output is written by a thread per
-stream, so a blocked output (a paused terminal) does not keep the launcher from acting on
-signals; and a launcher killed with SIGKILL has its ranks stopped by its guard
-(:mod:`p2pdist.launch_guard`).
+teardown: output that cannot be written is dropped. Output is written by a thread
+(:mod:`p2pdist.launch_output`), so a blocked output (a paused terminal) does not keep the
+launcher from acting on signals; and a launcher killed with SIGKILL has its ranks
+stopped by its guard (:mod:`p2pdist.launch_guard`).
 """
 
 from __future__ import annotations
