@@ -927,6 +927,11 @@ def test_relay_decoder_error_carries_the_frames_before_the_garbage() -> None:
     with pytest.raises(RelayProtocolError, match="unknown relay frame type"):
         dec.feed(error)  # and it refuses everything after
     assert dec.pending == 0
+    short = encode_frame(RelayFrameType.SEND, b"abc")  # (this decoder checks no ids)
+    assert RelayFrameDecoder().feed(short) == [(RelayFrameType.SEND, b"abc")]
+    with pytest.raises(RelayProtocolError, match="unknown relay frame type") as caught:
+        RelayFrameDecoder().feed(short + b"\x99\0\0\0\0")
+    assert caught.value.frames == [(RelayFrameType.SEND, b"", b"abc")]
 
 
 @pytest.mark.parametrize("datagram", [b"", b"x", bytearray(b"abc"), memoryview(b"view")])

@@ -227,7 +227,9 @@ class RelayFrameDecoder:
         except RelayProtocolError as exc:
             self._failure = str(exc)
             buf.clear()
-            raise RelayProtocolError(self._failure, [_frame(k, b) for k, b in out]) from None
+            # (as RelayFrames: this decoder checks no ids, so a short one is kept whole)
+            frames = [_frame(k, b, strict=False) for k, b in out]
+            raise RelayProtocolError(self._failure, frames) from None
         del buf[:start]
         return out
 
@@ -328,9 +330,12 @@ class RelayFrame(NamedTuple):
 _ADDRESSED = frozenset({RelayFrameType.SEND, RelayFrameType.RECV})
 
 
-def _frame(kind: RelayFrameType, body: bytes | bytearray | memoryview) -> RelayFrame:
-    """A decoded frame with its peer id split off (SEND and RECV)."""
-    if kind not in _ADDRESSED:
+def _frame(
+    kind: RelayFrameType, body: bytes | bytearray | memoryview, *, strict: bool = True
+) -> RelayFrame:
+    """A decoded frame with its peer id split off (SEND and RECV). One too short to
+    hold an id is a RelayProtocolError, or with ``strict=False`` kept whole (no peer)."""
+    if kind not in _ADDRESSED or (len(body) < ID_LEN and not strict):
         return RelayFrame(kind, b"", bytes(body))
     if len(body) < ID_LEN:
         raise RelayProtocolError("addressed frame shorter than an endpoint id")
