@@ -118,6 +118,16 @@ def _write_private(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _sync_directory(path: Path) -> None:
+    """Make a rename in directory ``path`` last through a crash (POSIX; best effort)."""
+    with contextlib.suppress(OSError, AttributeError):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 class EndpointId:
     """A peer's identity: its Ed25519 public key (32 bytes)."""
 
@@ -295,7 +305,8 @@ class SecretKey:
         With ``overwrite``, the key goes to a new file beside ``path`` that then replaces
         it: the old file is never written into, so a reader who opened it while it was
         readable does not see the new key, and a symbolic link at ``path`` is replaced,
-        not followed."""
+        not followed. That needs write permission on the directory, and ``path`` must
+        not be a mount point of its own (a file bind-mounted into a container)."""
         p = Path(path)
         if not overwrite:
             try:
@@ -309,10 +320,13 @@ class SecretKey:
         try:
             _write_private(fresh, self.to_pem())
             os.replace(fresh, p)
-        except OSError as exc:
+        except BaseException as exc:  # (a Ctrl-C too: no copy of the key left behind)
             with contextlib.suppress(OSError):
                 fresh.unlink()
-            raise KeyFileError(f"cannot write key file {p}: {exc.strerror or exc}") from exc
+            if isinstance(exc, OSError):
+                raise KeyFileError(f"cannot write key file {p}: {exc.strerror or exc}") from exc
+            raise
+        _sync_directory(p.parent)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SecretKey:

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import NameOID
 from relay_helpers import memory_handshake
 
+from p2pdist import identity as identity_module
 from p2pdist import tls
 from p2pdist.errors import KeyFileError, UsageError
 from p2pdist.identity import EndpointId, SecretKey, derive_endpoint_ids, endpoint_id_of
@@ -339,6 +340,23 @@ def test_save_overwrite_writes_a_new_file_and_never_follows_a_link(tmp_path: Pat
         "key.pem",
         "link.pem",
     ]  # no file of our own left behind
+
+
+def test_save_overwrite_interrupted_leaves_no_copy_of_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C between writing the new file and renaming it left that file (the key)
+    beside the path: only an OSError cleaned up."""
+    path = tmp_path / "key.pem"
+    path.write_bytes(b"old")
+
+    def interrupted(src: object, dst: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(identity_module.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        SecretKey.generate().save(path, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["key.pem"] and path.read_bytes() == b"old"
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o700 | 0o010])
