@@ -297,6 +297,14 @@ async def test_usage_errors_are_clear() -> None:
         Group.from_seed("test-seed-0123456789", rank=3, world=2, peers=["a:1", "b:2"])
     with pytest.raises(UsageError, match="one address per rank"):
         Group.from_seed("test-seed-0123456789", rank=0, world=2, peers=["a:1"])
+    # Found when the group is made, not after a connect_timeout spent waiting for a rank
+    # that cannot come (and blamed on the wrong address).
+    seed = "test-seed-0123456789"
+    with pytest.raises(UsageError, match=r"rank 1 and rank 2 both have 'B:2' in peers"):
+        Group.from_seed(seed, rank=0, world=3, peers=["a:1", "b:2", "B:2"])
+    with pytest.raises(UsageError, match=r"peers entry of rank 1: address 'nope' is not"):
+        Group.from_seed(seed, rank=0, world=2, peers=["a:1", "nope"])
+    Group.from_seed(seed, rank=0, world=2, peers=["a:1", "a:2"])  # one host, two ports
     # (neither peers nor relay: the ranks are found on the local network, test_discovery.py)
 
 

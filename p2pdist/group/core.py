@@ -92,6 +92,25 @@ def _label(rank: int, eid: EndpointId) -> str:
     return f"rank {rank} ({eid.short()})"
 
 
+def _check_peers(addresses: Sequence[Address]) -> None:
+    """Each entry of a peers list is ``host:port``, and no two ranks share one (each
+    rank listens on its own entry): said now, not after a whole ``connect_timeout``
+    waiting for a rank that can never come, blamed on the wrong address."""
+    seen: dict[tuple[str, int], int] = {}
+    for r, address in enumerate(addresses):
+        try:
+            host, port = parse_address(address)
+        except UsageError as exc:
+            raise UsageError(f"peers entry of rank {r}: {exc}") from None
+        where = (host.lower(), port)
+        if where in seen:
+            raise UsageError(
+                f"rank {seen[where]} and rank {r} both have {address!r} in peers: each rank "
+                "listens on its own entry, so every entry must be another host:port"
+            )
+        seen[where] = r
+
+
 class GroupCore(Runner):
     """Membership, connections, failure handling and point-to-point of a group.
 
@@ -122,6 +141,8 @@ class GroupCore(Runner):
             raise UsageError("endpoint ids of a group must be distinct")
         if addresses is not None and len(addresses) != world:
             raise UsageError(f"need one address per rank: {world} ranks, {len(addresses)} given")
+        if addresses is not None and not _subgroup:
+            _check_peers(addresses)
         if relay is not None and not _subgroup and (addresses is not None or listen is not None):
             given = "peers=" if addresses is not None else "listen="
             raise UsageError(
