@@ -380,7 +380,9 @@ async def test_rejoining_a_group_that_does_not_take_ranks_back_is_refused() -> N
     from p2pdist import PeerAuthenticationError
 
     with pytest.raises(UsageError, match="on_peer_loss"):
-        Group.from_seed("s" * 20, rank=0, world=2, peers=["127.0.0.1:1"] * 2, rejoin=True)
+        Group.from_seed(
+            "s" * 20, rank=0, world=2, peers=["127.0.0.1:1", "127.0.0.1:2"], rejoin=True
+        )
     async with groups(2, timeout=5.0) as gs:
         crash(gs[1])
         config = GroupConfig(

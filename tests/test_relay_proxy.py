@@ -372,13 +372,13 @@ async def test_the_proxy_comes_from_the_environment_unless_told_otherwise(
             with pytest.raises(UsageError, match="http://"):  # when the group is made
                 Group.from_env()
             Group.from_seed("s" * 20, rank=0, world=2, relay=relay.url, relay_proxy="")  # direct
-    Group.from_seed("s" * 20, rank=0, world=2, peers=["127.0.0.1:1"] * 2, relay_proxy="")
+    Group.from_seed("s" * 20, rank=0, world=2, peers=["127.0.0.1:1", "127.0.0.1:2"], relay_proxy="")
     with pytest.raises(UsageError, match="pass relay= too"):
         Group.from_seed(
             "s" * 20,
             rank=0,
             world=2,
-            peers=["127.0.0.1:1"] * 2,
+            peers=["127.0.0.1:1", "127.0.0.1:2"],
             relay_proxy="http://127.0.0.1:3128",
         )
     with pytest.raises(UsageError, match="needs a port"):
