@@ -567,6 +567,32 @@ async def test_ranks_with_different_settings_fail_formation_naming_the_setting(
         await asyncio.gather(*(g.close() for g in gs))
 
 
+async def test_a_mismatch_found_before_a_lower_rank_was_reached_is_told_to_it() -> None:
+    """Ranks 1 and 2 (its settings differ) meet and fail before either has reached rank
+    0, which starts a moment later: it waited out its connect_timeout and named no
+    reason ("no connection to rank 1 ..."). Now the failing ranks dial it to say why."""
+    peers = loopback_peers(3)
+    odd = GroupConfig(
+        timeout=5.0,
+        connect_timeout=CONNECT,
+        transport=TransportConfig(tls=False),
+        chunk_bytes=2 << 20,
+    )
+    gs = [make(0, peers), make(1, peers)]
+    gs.append(Group.from_seed(SEED, rank=2, world=3, peers=peers, config=odd))
+    try:
+        failing = [asyncio.create_task(g.start()) for g in gs[1:]]
+        await asyncio.sleep(0.5)  # they meet (rank 0 is not listening yet) and fail
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(MismatchError, match="chunk_bytes is"):
+            await asyncio.wait_for(gs[0].start(), CONNECT + 2)
+        assert asyncio.get_running_loop().time() - t0 < CONNECT / 2  # not its timeout
+        for res in await asyncio.gather(*failing, return_exceptions=True):
+            assert isinstance(res, MismatchError), res
+    finally:
+        await asyncio.gather(*(g.close() for g in gs))
+
+
 def test_terms_from_an_older_peer_are_accepted_and_garbage_refused() -> None:
     ours = forming.group_terms(CFG, 2)
     forming.check_terms("rank 1 (abc)", "rank 0 (d)", None, ours)

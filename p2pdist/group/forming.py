@@ -60,6 +60,9 @@ _NOTE_CHARS = 2000
 """Longest reason a formation ``failed`` note carries (it names ranks and addresses)."""
 
 
+UNREACHED_NOTICE_S = 2.0
+"""How long a rank that found a settings mismatch spends telling the lower ranks it had
+not reached yet (they would otherwise wait out their connect_timeout)."""
 FOUND_DIAL_BOUND = 2.0
 """Seconds a dial of one of a rank's several announced addresses may take, in the first
 round, before the next is tried (one address alone has the whole handshake_timeout);
@@ -193,11 +196,33 @@ class Forming(Membership):
         if self._closing or why is None:
             self._tell_start_stopped()
         else:
+            note = f"{self.peer_label(self._rank)}: {why}"
             for conn in conns.values():
-                _form_note(conn, "failed", f"{self.peer_label(self._rank)}: {why}", error=kind)
+                _form_note(conn, "failed", note, error=kind)
             _tell_start_failed(form.told, why)
+            if kind is not None:
+                await self._tell_unreached(transport, note, kind)
         self._forming = None
         await self.close()
+
+    async def _tell_unreached(
+        self, transport: TcpTransport | QuicTransport, note: str, kind: str
+    ) -> None:
+        """A settings mismatch found before this rank reached every lower rank (the
+        others may have found it first and left): those it had not reached would wait
+        out connect_timeout for it and name no reason. Dial them, briefly (at most
+        :data:`UNREACHED_NOTICE_S` in all), to say why."""
+        unreached = [r for r in range(self._rank) if r not in self._conns]
+
+        async def tell(r: int) -> None:
+            conn = await self._dial(transport, r)
+            self._conns[r] = conn  # (close() says goodbye after the note)
+            _form_note(conn, "failed", note, error=kind)
+
+        if unreached:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(UNREACHED_NOTICE_S):
+                    await asyncio.gather(*(tell(r) for r in unreached), return_exceptions=True)
 
     def _tell_start_stopped(self) -> None:
         """(Root, on close or cancellation while start() forms the group) tell the ranks
