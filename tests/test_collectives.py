@@ -305,6 +305,8 @@ async def test_usage_errors_are_clear() -> None:
     with pytest.raises(UsageError, match=r"peers entry of rank 1: address 'nope' is not"):
         Group.from_seed(seed, rank=0, world=2, peers=["a:1", "nope"])
     Group.from_seed(seed, rank=0, world=2, peers=["a:1", "a:2"])  # one host, two ports
+    with pytest.raises(UsageError, match=r"listen=: address 'garbage' is not host:port"):
+        Group.from_seed(seed, rank=0, world=2, peers=["a:1", "a:2"], listen="garbage")
     # (neither peers nor relay: the ranks are found on the local network, test_discovery.py)
 
 

@@ -165,6 +165,11 @@ class GroupCore(Runner):
         self._ids = list(peer_ids)
         self._rank_of = {eid: r for r, eid in enumerate(self._ids)}
         self._addresses = list(addresses) if addresses is not None else None
+        if listen is not None:  # (P2PDIST_LISTEN too): now, not at start()
+            try:
+                parse_address(listen)
+            except UsageError as exc:
+                raise UsageError(f"listen=: {exc}") from None
         self._listen = listen
         self._discovery: LanDiscovery | None = None
         """Neither peers nor relay: the ranks find each other on the local network."""
