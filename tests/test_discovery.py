@@ -349,3 +349,33 @@ async def test_a_group_of_one_rank_opens_nothing() -> None:
     """Neither peers nor relay at world 1: no socket, no announcement."""
     async with Group.from_seed(SEED, rank=0, world=1) as g:
         assert g.size == 1 and g._discovery is None and g._transport is None
+
+
+async def test_a_lone_address_that_drops_what_it_is_sent_is_cut_short_too() -> None:
+    """An mDNS answer may carry only some of a rank's addresses. When the only one known
+    dropped what was sent to it, the dial had no bound but the handshake's, longer than
+    a whole connect_timeout (a CI run failed so): now it is cut after FOUND_DIAL_BOUND
+    and the next round asks the network again, which names the address that works."""
+    group = Group.from_seed("lone-address-seed-0123", rank=1, world=2)  # (not started)
+    answers = [["10.99.0.1:1"], ["10.77.0.1:1"]]
+    dialed: list[str] = []
+
+    class Discovery:
+        found: ClassVar[dict[Any, list[str]]] = {}
+
+        async def lookup(self, peer: Any) -> list[str]:
+            return answers.pop(0) if len(answers) > 1 else answers[0]
+
+        def forget(self, peer: Any) -> None:
+            pass
+
+    class Transport:
+        async def connect(self, peer: Any, address: str, label: str) -> str:
+            dialed.append(address)
+            if address.startswith("10.99."):
+                await asyncio.sleep(3600)  # dropped: no answer, ever
+            return "connected"
+
+    group._discovery = Discovery()  # type: ignore[assignment]
+    got = await asyncio.wait_for(group._dial_found(Transport(), 0), 15)  # type: ignore[arg-type]
+    assert got == "connected" and dialed[-1] == "10.77.0.1:1", dialed

@@ -281,10 +281,12 @@ class Forming(Membership):
         cap = FOUND_DIAL_BOUND
         while True:
             addresses = await discovery.lookup(peer)
-            # One of several addresses that drops what is sent to it (a VPN's, another
-            # network's) must not hold the round for a whole handshake_timeout; the cap
-            # doubles each round that it cut a dial short, for a path that is just slow.
-            bound, cut = (cap if len(addresses) > 1 else None), False
+            # An address that drops what is sent to it (a VPN's, another network's) must
+            # not hold the round for a whole handshake_timeout, even when it is the only
+            # one known (an answer may carry only some of a rank's addresses: the next
+            # round asks again); the cap doubles each round that it cut a dial short, for
+            # a path that is just slow.
+            bound, cut = cap, False
             for address in addresses:
                 discovery.found[peer] = [address]  # (an error names where it dialed)
                 attempt = asyncio.timeout(bound)
