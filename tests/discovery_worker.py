@@ -22,10 +22,8 @@ from p2pdist import Group, GroupConfig, P2PError, TransportConfig
 async def main(
     seed: str, rank: int, world: int, listen: str | None, wait: float, handshake: float | None
 ) -> None:
-    config = GroupConfig(connect_timeout=wait, timeout=30.0)
-    if handshake is not None:
-        transport = TransportConfig(handshake_timeout=handshake)
-        config = GroupConfig(connect_timeout=wait, timeout=30.0, transport=transport)
+    shaking = {} if handshake is None else {"handshake_timeout": handshake}
+    config = GroupConfig(connect_timeout=wait, timeout=30.0, transport=TransportConfig(**shaking))
     if seed == "-":
         group = Group.from_env(config=config)
     else:

@@ -286,10 +286,10 @@ class Forming(Membership):
             # one known (an answer may carry only some of a rank's addresses: the next
             # round asks again); the cap doubles each round that it cut a dial short, for
             # a path that is just slow.
-            bound, cut = cap, False
+            cut = False
             for address in addresses:
                 discovery.found[peer] = [address]  # (an error names where it dialed)
-                attempt = asyncio.timeout(bound)
+                attempt = asyncio.timeout(cap)
                 try:
                     async with attempt:
                         conn = await transport.connect(peer, address, label=label)
@@ -303,7 +303,7 @@ class Forming(Membership):
                     if not attempt.expired():
                         raise
                     if self._forming is not None:
-                        why = f"no answer at {address} within {bound:g} s"
+                        why = f"no answer at {address} within {cap:g} s"
                         self._forming.dial_failed(r, PeerTimeoutError(label, why))
                     cut = True
                     continue
