@@ -173,6 +173,28 @@ async def test_a_peer_dialed_by_name_is_reached_past_a_silent_address(
         await bounded(asyncio.gather(client.close(), server.close()), "close()")
 
 
+async def test_a_peer_known_at_several_addresses_is_reached_at_the_one_that_answers() -> None:
+    """``connect_any``: a rank announced on several interfaces, the first of which drops
+    what is sent to it. The addresses are raced, so the dial does not wait out the
+    silent one (it did, one address after another, for a bound each: a CI run); the
+    connection is to the address that answered; an empty list is a usage error."""
+    keys = [SecretKey.from_seed("happy eyeballs tests", r) for r in (0, 1)]
+    server = TcpTransport(keys[1], TransportConfig(handshake_timeout=10))
+    client = TcpTransport(keys[0], TransportConfig(handshake_timeout=10))
+    try:
+        _, port = await server.listen("127.0.0.1", 0)
+        with silent_listener(port):
+            start = time.monotonic()
+            addresses = [f"{SILENT_HOST}:{port}", ("127.0.0.1", port)]
+            conn = await bounded(client.connect_any(keys[1].endpoint_id, addresses), "dial")
+            assert time.monotonic() - start < 3.0
+            assert conn.remote_address == ("127.0.0.1", port)
+            with pytest.raises(UsageError, match="no address"):
+                await client.connect_any(keys[1].endpoint_id, [])
+    finally:
+        await bounded(asyncio.gather(client.close(), server.close()), "close()")
+
+
 async def test_an_unanswered_dial_starts_afresh_with_a_new_socket(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

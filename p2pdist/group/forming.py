@@ -32,6 +32,7 @@ from ..errors import (
 )
 from ..transport.base import NOT_ADMITTED, Connection
 from ..transport.dial import dial_with_retry, retry_pauses, worth_retrying
+from ..transport.paths import path_key
 from ..transport.quic import QuicTransport
 from ..transport.tcp import TLS_MISMATCH_HINT, TcpTransport
 from .config import GroupConfig
@@ -64,10 +65,9 @@ UNREACHED_NOTICE_S = 2.0
 """How long a rank that found a settings mismatch spends telling the lower ranks it had
 not reached yet (they would otherwise wait out their connect_timeout)."""
 FOUND_DIAL_BOUND = 2.0
-"""Seconds a dial of one of a rank's several announced addresses may take, in the first
-round, before the next is tried (one address alone has the whole handshake_timeout);
-doubled after each round in which it cut a dial short, so a path slower than that to
-connect and shake hands is reached in a later round."""
+"""Seconds a round of dials to a rank's announced addresses (raced) may take, in the first
+round, before the network is asked again; doubled after each round it cut short, so a
+path slower than that to connect and shake hands is reached in a later round."""
 
 
 class Forming(Membership):
@@ -272,47 +272,44 @@ class Forming(Membership):
         )
 
     async def _dial_found(self, transport: TcpTransport, r: int) -> Connection:
-        """Dial rank ``r`` at the addresses the local network gives for it, each in turn,
-        asking the network again after each round (it may have restarted on another
-        port); retried as :func:`dial_with_retry` does, and bounded the same way."""
+        """Dial rank ``r`` at the addresses the local network gives for it, raced (the
+        first to connect wins), asking the network again after each failed round (it may
+        have restarted on another port); retried as :func:`dial_with_retry` does, and
+        bounded the same way."""
         assert self._discovery is not None
         discovery, peer, label = self._discovery, self._ids[r], self.peer_label(r)
         pauses = retry_pauses()
         cap = FOUND_DIAL_BOUND
         while True:
             addresses = await discovery.lookup(peer)
-            # An address that drops what is sent to it (a VPN's, another network's) must
-            # not hold the round for a whole handshake_timeout, even when it is the only
-            # one known (an answer may carry only some of a rank's addresses: the next
-            # round asks again); the cap doubles each round that it cut a dial short, for
-            # a path that is just slow.
-            cut = False
-            for address in addresses:
-                discovery.found[peer] = [address]  # (an error names where it dialed)
+            if addresses:
+                discovery.found[peer] = addresses  # (an error names where it dialed)
+                # Addresses that drop what is sent to them (a VPN's, another network's)
+                # must not hold the round for a whole handshake_timeout, even when they
+                # are all that is known (an answer may carry only some of a rank's
+                # addresses: the next round asks again); the cap doubles each round that
+                # it cut short, for a path that is just slow.
                 attempt = asyncio.timeout(cap)
                 try:
                     async with attempt:
-                        conn = await transport.connect(peer, address, label=label)
+                        conn = await transport.connect_any(peer, addresses, label=label)
+                    if (remote := conn.remote_address) is not None:
+                        discovery.found[peer] = [path_key(remote)]  # the one that answered
+                    return conn
                 except P2PError as exc:
                     if not worth_retrying(exc):
                         raise
                     if self._forming is not None:
                         self._forming.dial_failed(r, exc)
-                    continue
                 except TimeoutError:
                     if not attempt.expired():
                         raise
                     if self._forming is not None:
-                        why = f"no answer at {address} within {cap:g} s"
+                        where = ", ".join(addresses)
+                        why = f"no answer at {where} within {cap:g} s"
                         self._forming.dial_failed(r, PeerTimeoutError(label, why))
-                    cut = True
-                    continue
-                return conn
-            if addresses:  # all failed: a timeout names them all
-                discovery.found[peer] = addresses
+                    cap *= 2
                 discovery.forget(peer)  # the next lookup asks the network, not the cache
-            if cut:
-                cap *= 2
             await asyncio.sleep(next(pauses))
 
     async def _form_with(

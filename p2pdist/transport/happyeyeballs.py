@@ -22,7 +22,7 @@ from .paths import path_key
 
 _P = TypeVar("_P", bound=asyncio.BaseProtocol)
 
-__all__ = ["ATTEMPT_DELAY", "connect_tcp", "connection_on", "interleaved"]
+__all__ = ["ATTEMPT_DELAY", "connect_tcp", "connect_tcp_any", "connection_on", "interleaved"]
 
 ATTEMPT_DELAY = 0.25
 """Seconds before the next address is tried while the ones before still wait (RFC 8305's
@@ -71,12 +71,36 @@ async def connect_tcp(
     The caller bounds the wait (cancelling closes every socket opened here). When every
     address fails: that error if there was one address, or all of them refused, else
     an ``OSError`` listing each."""
+    return await connect_tcp_any([(host, port)], delay=delay, redial=redial, random=random)
+
+
+async def connect_tcp_any(
+    endpoints: Sequence[tuple[str, int]],
+    *,
+    delay: float = ATTEMPT_DELAY,
+    redial: float | None = None,
+    random: Callable[[], float] = _random.random,
+) -> socket.socket:
+    """:func:`connect_tcp` for one peer known at several ``(host, port)`` endpoints (a
+    rank that the local network announces on each of its interfaces): every address of
+    every endpoint, in the order given, families taking turns, raced as one list."""
     if redial is not None and not redial > 0:
         raise UsageError(f"redial must be a positive number of seconds, got {redial!r}")
+    if not endpoints:
+        raise UsageError("no address to connect to")
     loop = asyncio.get_running_loop()
-    infos = interleaved(await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+    found: list[AddrInfo] = []
+    for host, port in endpoints:
+        try:
+            found += await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError:
+            if len(endpoints) == 1:
+                raise
+            continue  # (the others may resolve)
+    infos = interleaved(found)
     if not infos:
-        raise OSError(f"{host}:{port} resolves to no address")
+        names = ", ".join(path_key(e) for e in endpoints)
+        raise OSError(f"{names} resolve{'s' if len(endpoints) == 1 else ''} to no address")
     return await _race(infos, delay, redial, random)
 
 

@@ -18,7 +18,7 @@ import socket
 import ssl
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from ..errors import (
@@ -37,7 +37,7 @@ from ..wire.handshake import RecordReader
 from .aeadpipe import CIPHER, MAX_RECORD, AeadPipe, RecordError
 from .base import Address, TransportConfig
 from .framed import EndpointBase
-from .happyeyeballs import connect_tcp, connection_on
+from .happyeyeballs import connect_tcp_any, connection_on
 from .listener import Listener
 from .pathinfo import PathInfo, single_path
 from .paths import path_key
@@ -630,20 +630,31 @@ class TcpTransport(EndpointBase[TcpConnection]):
         self, peer: EndpointId, address: Address, *, label: str | None = None
     ) -> TcpConnection:
         """Dial ``address`` and authenticate the other end as ``peer``."""
+        return await self.connect_any(peer, [address], label=label)
+
+    async def connect_any(
+        self, peer: EndpointId, addresses: Sequence[Address], *, label: str | None = None
+    ) -> TcpConnection:
+        """Dial ``peer``, known at each of ``addresses`` (in order of preference): their
+        TCP connects are raced (each starting a moment after the one before, as a name's
+        addresses are), and the first that connects is authenticated as ``peer``."""
         name = label or self.label_for(peer)
         self._check_not_closed()
+        if not addresses:
+            raise UsageError(f"{name}: no address to dial")
         try:
-            host, port = parse_address(address)
+            endpoints = [parse_address(a) for a in addresses]
         except UsageError as exc:
             raise UsageError(f"{name}: {exc}") from None
         self._check_not_self(peer, name)
+        where = ", ".join(path_key(e) for e in endpoints)
         conn: TcpConnection | None = None
         deadline = asyncio.timeout(self.config.handshake_timeout)
         try:
             async with deadline:
-                # (A name's addresses are raced: one whose packets are dropped must not
-                # hold the dial until the deadline.)
-                sock = await connect_tcp(host, port)
+                # (Addresses are raced: one whose packets are dropped must not hold the
+                # dial until the deadline.)
+                sock = await connect_tcp_any(endpoints)
                 _, conn = await connection_on(
                     sock, lambda: TcpConnection(self, server_side=False, expected=peer)
                 )
@@ -657,8 +668,7 @@ class TcpTransport(EndpointBase[TcpConnection]):
                 if conn is not None:
                     conn.abort(PeerTimeoutError(name, "handshake timed out"))
                 raise PeerTimeoutError(
-                    name,
-                    f"handshake with {host}:{port} took over {self.config.handshake_timeout} s",
+                    name, f"handshake with {where} took over {self.config.handshake_timeout} s"
                 ) from None
             if isinstance(exc, P2PError):  # a P2PTimeoutError, already naming the peer
                 if conn is not None:
@@ -667,7 +677,7 @@ class TcpTransport(EndpointBase[TcpConnection]):
             why = str(exc)
             if isinstance(exc, ConnectionRefusedError):  # asyncio says "Connect call failed"
                 why = "connection refused (nothing listens there: not started yet, or gone?)"
-            err = ConnectionBrokenError(name, f"cannot connect to {path_key((host, port))}: {why}")
+            err = ConnectionBrokenError(name, f"cannot connect to {where}: {why}")
             if conn is not None:
                 conn.abort(err)
             raise err from None
