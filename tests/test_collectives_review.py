@@ -115,23 +115,28 @@ async def test_error_feedback_recovers_after_a_non_finite_step(wire: str) -> Non
 
 
 @pytest.mark.parametrize(
-    ("world", "size", "wire", "big"),
+    ("world", "size", "wire", "big", "dtype"),
     [
-        (4, 100_000, "bfloat16", 1.5e38),  # the ring; four finite inputs sum past float32
-        (2, 64, "bfloat16", 3.0e38),  # the one-round path
-        (4, 100_000, "float16", 20007.0),  # four sum past float16's 65504
+        (4, 100_000, "bfloat16", 1.5e38, np.float32),  # the ring; four sum past float32
+        (2, 64, "bfloat16", 3.0e38, np.float32),  # the one-round path
+        (4, 100_000, "float16", 20007.0, np.float32),  # four sum past float16's 65504
+        # float16 inputs: the float32 sum is finite; it overflows as the caller's float16
+        (2, 64, "bfloat16", 40000.0, np.float16),
+        (3, 100_000, "bfloat16", 30000.0, np.float16),  # the ring
     ],
 )
 async def test_error_feedback_forgets_a_step_whose_sum_overflowed(
-    world: int, size: int, wire: str, big: float
+    world: int, size: int, wire: str, big: float, dtype: type[np.floating]
 ) -> None:
     """Every input finite, only the sum overflows: the residual that element's encoding
-    left (about 1e35 for bfloat16 at 1.5e38) must not be carried into the next steps."""
+    left (about 1e35 for bfloat16 at 1.5e38) must not be carried into the next steps.
+    With float16 inputs the float32 sum was finite and the residual kept (a review: the
+    next step gave 126 where the sum was -2); the result the caller gets decides."""
     rng = np.random.default_rng(5)
     async with groups(world) as gs:
         efs = [ErrorFeedback() for _ in gs]
         for step in range(3):
-            xs = [rng.standard_normal(size).astype(np.float32) for _ in gs]
+            xs = [rng.standard_normal(size).astype(dtype) for _ in gs]
             if step == 1:
                 for x in xs:
                     x[5] = big

@@ -424,9 +424,9 @@ class ErrorFeedback:
     the world for ``op="mean"`` (which scales before encoding); a call with another scale
     converts it. Where the value to send or its decoded form is not finite (an inf or NaN
     in the input, or a float16 overflow), and where the call's result is not finite (a
-    sum past the wire's or float32's range), the residual keeps the value it had before
-    the call: one bad step costs that step's result, and later finite inputs give finite
-    results again. A call that fails or is cancelled once it began (a timeout, a lost
+    sum past the wire's, float32's or the input dtype's range), the residual keeps the
+    value it had before the call: one bad step costs that step's result, and later
+    finite inputs give finite results again. A call that fails or is cancelled once it began (a timeout, a lost
     peer) leaves the residual as it found it: its step never reached the sum, so a
     step repeated after recovering carries what the earlier ones lost.
 
@@ -616,8 +616,9 @@ class ErrorFeedback:
         return sent
 
     def settle(self, result: np.ndarray) -> None:
-        """End the call :meth:`apply` began, given its reduced float32 ``result``: where
-        that is not finite, the residual goes back to what it was before the call. (Each
+        """End the call :meth:`apply` began, given its ``result`` (in the caller's dtype,
+        where a float32 sum can still overflow): where that is not finite, the residual
+        goes back to what it was before the call. (Each
         rank's residual holds what its own encodings lost; where the sum overflowed, the
         step is lost anyway, and carrying that loss forward would add a large finite
         error to the next steps' results.)"""

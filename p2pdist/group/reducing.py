@@ -130,10 +130,12 @@ class Reducing(GroupCore):
                 await compressed_ring_all_reduce(
                     lk, flat, bounds, codec, self._chunk(flat.dtype), residual
                 )
-            if feedback is not None:
-                feedback.settle(flat)
             if not np.may_share_memory(work, flat):
                 work.reshape(-1)[:] = flat  # under the call's errstate
+            if feedback is not None:
+                # The result as the caller gets it: a float32 sum past float16's range
+                # is finite until it is cast to the caller's float16.
+                feedback.settle(work)
             return work
 
         return await self._run(descriptor, timeout, body)
