@@ -18,7 +18,7 @@ from .group.profile import DEFAULT_SIZES, LinkProfile, profile_links
 from .launch import ENV_RANK, ENV_WORLD, LaunchConfig, launch
 from .settings import decimal_int
 
-__all__ = ["format_table", "main", "plot", "unwritable"]
+__all__ = ["format_table", "main", "plot", "report", "unwritable"]
 
 DEFAULT_PNG = "p2pdist-links.png"
 PLOT_HINT = "pip install matplotlib, or the project's plot extra: pip install -e '.[plot]'"
@@ -48,13 +48,13 @@ def _size_text(nbytes: int) -> str:
 def plot(profiles: list[LinkProfile], path: Path) -> None:
     """Bandwidth against message size, one line per link (needs matplotlib)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # A figure of its own, without pyplot: the caller's backend and figures (a
+        # notebook's, say) are left as they are.
+        from matplotlib.figure import Figure
     except ImportError:
         raise UsageError(f"writing the plot needs matplotlib: {PLOT_HINT}") from None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
     for p in profiles:
         (line,) = ax.plot(
             p.sizes, [b / 1e9 for b in p.bandwidth()], marker="o", label=f"{p.a}-{p.b}"
@@ -69,7 +69,6 @@ def plot(profiles: list[LinkProfile], path: Path) -> None:
     ax.legend(title="link")
     fig.tight_layout()
     fig.savefig(path, dpi=100, format="png")  # whatever the name ends in, as given
-    plt.close(fig)
 
 
 def unwritable(path: Path) -> str | None:
@@ -89,11 +88,21 @@ async def _worker(png: str, repeats: int) -> int:
         if g.size < 2:
             raise UsageError(f"{ENV_WORLD}=1: a group of one rank has no links to profile")
         profiles = await profile_links(g, repeats=repeats)
-        if g.rank == 0:
-            print(format_table(profiles), flush=True)
-            if png:
-                plot(profiles, Path(png))
-                print(f"plot written to {png}", flush=True)
+        return report(profiles, png) if g.rank == 0 else 0
+
+
+def report(profiles: list[LinkProfile], png: str) -> int:
+    """Print the table and write the plot to ``png`` (none when empty): the exit status,
+    1 with a one-line error when the plot cannot be written after all (a full disk:
+    what :func:`unwritable` cannot foresee)."""
+    print(format_table(profiles), flush=True)
+    if png:
+        try:
+            plot(profiles, Path(png))
+        except OSError as exc:
+            print(f"p2pdist bench: error: cannot write {png}: {exc}", file=sys.stderr)
+            return 1
+        print(f"plot written to {png}", flush=True)
     return 0
 
 

@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         "p2pdist.bench",
         "profile the links of N local ranks: alpha-beta fit and a PNG plot",
-        "%(prog)s [-n 2] [--plaintext] [--png FILE] [--repeats 5]",
+        "%(prog)s [-n 2 | --from-env] [--plaintext] [--png FILE] [--repeats 5]",
     )
     _add_passthrough(
         sub,

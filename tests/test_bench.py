@@ -67,6 +67,78 @@ def test_fit_and_profile_refuse_what_cannot_be_fitted() -> None:
         assert b == pytest.approx(1e9, rel=1e-6) and a == pytest.approx(2e-5, rel=1e-3)
 
 
+def test_noise_in_few_large_sizes_does_not_make_the_bandwidth_infinite() -> None:
+    """Sizes given by the caller, three of them: the larger half's one slope came out
+    negative (2 MiB timed faster than 1 MiB) and the fit said beta = inf, a model that
+    put 2 MiB at 60 us against the 650 measured. The slopes between all the sizes give
+    it then; times that are flat everywhere still mean no cost per byte."""
+    sizes = np.array([1024.0, 1 << 20, 2 << 20])
+    a, b = fit_alpha_beta(sizes, np.array([60e-6, 700e-6, 650e-6]))
+    assert 1e9 < b < 1e10 and a == pytest.approx(60e-6, rel=0.1)
+    assert fit_alpha_beta(np.array([1 << 20, 4 << 20]), np.array([600e-6, 590e-6]))[1] > 1e9
+    assert fit_alpha_beta(sizes, np.array([5e-5, 5e-5, 5e-5]))[1] == float("inf")
+
+
+def test_sizes_may_be_numpy_integers_and_not_bools() -> None:
+    from p2pdist.group.profile import profile_links as fn
+
+    async def refused(sizes: tuple[object, ...]) -> str:
+        with pytest.raises(UsageError, match="sizes") as info:
+            await fn(None, sizes=sizes)  # type: ignore[arg-type]
+        return str(info.value)
+
+    assert asyncio.run(refused((True, 1024)))
+    assert asyncio.run(refused((np.int64(4), 4.0)))
+
+
+async def test_profile_links_takes_numpy_sizes() -> None:
+    async with groups(2) as gs:
+        sizes = (np.int64(16), np.int64(1024))
+        results = await asyncio.gather(*(profile_links(g, sizes=sizes, repeats=1) for g in gs))
+    assert all(r[0].sizes == (16, 1024) and type(r[0].sizes[0]) is int for r in results)
+
+
+def test_the_plot_leaves_the_callers_matplotlib_alone(tmp_path: Path) -> None:
+    """It switched the process to the Agg backend (a notebook's inline plots broke)
+    and left a pyplot figure open each time the save failed."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    sizes, seconds = (1 << 10, 1 << 20), (1e-5, 1e-3)
+    profiles = [LinkProfile(0, 1, sizes, seconds, *fit_alpha_beta(np.array(sizes), seconds))]
+    backend = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        with pytest.raises(OSError):
+            plot(profiles, tmp_path / "missing" / "links.png")
+        plot(profiles, tmp_path / "links.png")
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == []
+    finally:
+        matplotlib.use(backend)
+
+
+def test_a_plot_that_cannot_be_written_is_one_line_and_status_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A write that fails after the measurement (a full disk, /proc as root: what
+    unwritable() cannot foresee) printed a traceback; it is one line, the table kept."""
+    from p2pdist import bench
+
+    def full(profiles: object, path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench, "plot", full)
+    sizes, seconds = (1 << 10, 1 << 20), (1e-5, 1e-3)
+    profiles = [LinkProfile(0, 1, sizes, seconds, *fit_alpha_beta(np.array(sizes), seconds))]
+    assert bench.report(profiles, "links.png") == 1
+    out, err = capsys.readouterr()
+    assert "0 - 1" in out
+    assert err.strip().splitlines() == [
+        "p2pdist bench: error: cannot write links.png: [Errno 28] No space left on device"
+    ]
+    assert bench.report(profiles, "") == 0
+
+
 @pytest.mark.parametrize("kwargs", [{"repeats": 0}, {"repeats": -1}, {"sizes": (4096,)}])
 async def test_profile_links_refuses_bad_arguments(kwargs: dict[str, object]) -> None:
     async with groups(2) as gs:

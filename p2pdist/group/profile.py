@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UsageError
+from ..settings import as_int
 from .group import Group
 
 __all__ = ["DEFAULT_SIZES", "LinkProfile", "fit_alpha_beta", "profile_links"]
@@ -44,7 +45,10 @@ def fit_alpha_beta(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float
     noise skew the other (a link's small messages are not on the large ones' line).
     The slope is the median of the slopes between every two of the larger sizes
     (Theil-Sen): a least-squares line there is the largest size's alone, so one slow or
-    fast run of it (a repeats=1 profile) set the bandwidth."""
+    fast run of it (a repeats=1 profile) set the bandwidth. Where noise makes that
+    median no cost per byte at all (few sizes in the larger half), the slopes between
+    every two of all the sizes give it; the bandwidth is infinite only where those say
+    so too (times that do not grow with the size)."""
     sizes, seconds = np.asarray(sizes, float), np.asarray(seconds, float)
     if sizes.shape != seconds.shape or np.unique(sizes).size < 2:
         raise UsageError("the alpha-beta fit needs times for at least two different sizes")
@@ -53,10 +57,20 @@ def fit_alpha_beta(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float
     m = np.unique(sizes)
     t = np.array([np.median(seconds[sizes == size]) for size in m])
     n = m.size
-    big = range(n - max(2, n // 2), n)
-    slope = float(np.median([(t[j] - t[i]) / (m[j] - m[i]) for i in big for j in big if j > i]))
-    if slope * m[-1] <= 1e-9 * max(float(t[-1]), 1e-12):  # no measurable cost per byte
-        slope = 0.0
+
+    def theil_sen(points: range) -> float:
+        return float(
+            np.median([(t[j] - t[i]) / (m[j] - m[i]) for i in points for j in points if j > i])
+        )
+
+    def measurable(slope: float) -> bool:
+        return bool(slope * m[-1] > 1e-9 * max(float(t[-1]), 1e-12))
+
+    slope = theil_sen(range(n - max(2, n // 2), n))
+    if not measurable(slope):
+        slope = theil_sen(range(n))
+        if not measurable(slope):  # no measurable cost per byte
+            slope = 0.0
     small = slice(0, max(1, n // 2))
     alpha = float(np.median(t[small] - m[small] * slope))
     return max(alpha, 0.0), (1.0 / slope if slope > 0 else float("inf"))
@@ -75,12 +89,16 @@ async def profile_links(
     ``timeout`` (default: the group's) bounds each message; ranks not in the pair being
     measured wait up to that times the pair's message count. ``sizes`` are measured in
     increasing order, each once (a plot joins them in that order).
+
+    Each call splits off a sub-group of everyone for its messages, and a root group has
+    32,511 sub-groups in all (``split``): a job may profile that many times.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise UsageError(f"repeats must be a positive int, got {repeats!r}")
-    if len(set(sizes)) < 2 or any(not isinstance(m, int) or m < 1 for m in sizes):
+    ints = [as_int(m) for m in sizes]
+    if len(set(ints)) < 2 or any(m is None or m < 1 for m in ints):
         raise UsageError(f"sizes must be at least two different positive ints, got {sizes!r}")
-    sizes = tuple(sorted(set(sizes)))
+    sizes = tuple(sorted({m for m in ints if m is not None}))
     # On a sub-group of everyone: its messages have channels of their own, so point to
     # point messages of the caller's still in flight are neither taken nor disturbed.
     own = await group.split(0, timeout=timeout)
