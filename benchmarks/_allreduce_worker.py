@@ -5,6 +5,10 @@ driver, runs one role, and writes a JSON result file named in the config. Roles:
 
 ``tcp-recv`` / ``tcp-send``
     Raw loopback TCP bandwidth with plain blocking sockets, one direction.
+``exchange``
+    The floor under a small world-2 all-reduce in Python: two processes swap ``size``
+    bytes over one loopback TCP connection and add what they receive in place, with
+    blocking sockets or on an event loop, and no library in between.
 ``gloo``
     One rank of a torch.distributed Gloo all-reduce sweep.
 ``p2pdist``
@@ -26,6 +30,7 @@ timer while the others still refill and check, and time their work as its wait.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import statistics
@@ -152,6 +157,141 @@ def tcp_send(cfg: dict[str, Any]) -> dict[str, Any]:
             raise ConnectionError("no acknowledgement from receiver")
         t1 = time.perf_counter()
     return {"bytes": sent, "seconds": t1 - t0}
+
+
+def _exchange_socket(cfg: dict[str, Any]) -> socket.socket:
+    """Side 0 listens on ``cfg["port"]`` and side 1 dials it; TCP_NODELAY, as p2pdist."""
+    if cfg["side"] == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as srv:
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind(("127.0.0.1", cfg["port"]))
+            srv.listen(1)
+            srv.settimeout(cfg["timeout"])
+            sock, _ = srv.accept()
+    else:
+        deadline = time.monotonic() + cfg["timeout"]
+        while True:
+            try:
+                sock = socket.create_connection(("127.0.0.1", cfg["port"]), timeout=5.0)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(cfg["timeout"])
+    return sock
+
+
+EXCHANGE_BLOCK = 100
+"""The floor's exchanges are timed in blocks of this many (after as many warm-up ones as
+timed ones): a timer call per exchange would be a large part of what it times."""
+
+
+def _exchange_result(n: int, per_block: list[float]) -> dict[str, Any]:
+    """The median block's time per exchange."""
+    return {"bytes": n, "median": statistics.median(per_block) / EXCHANGE_BLOCK}
+
+
+def _exchange_blocking(cfg: dict[str, Any]) -> dict[str, Any]:
+    n: int = cfg["size"]
+    x = np.ones(n // 4, np.float32)
+    got = np.empty_like(x)
+    out, into = memoryview(x).cast("B"), memoryview(got).cast("B")
+    with _exchange_socket(cfg) as sock:
+
+        def step() -> None:
+            sock.sendall(out)
+            have = 0
+            while have < n:
+                k = sock.recv_into(into[have:])
+                if k == 0:
+                    raise ConnectionError("the other side closed")
+                have += k
+            np.add(x, got, out=x)
+            x.fill(1)
+
+        iters: int = cfg["iters"]
+        for _ in range(iters):
+            step()
+        per_block: list[float] = []
+        for _ in range(max(1, iters // EXCHANGE_BLOCK)):
+            t0 = time.perf_counter()
+            for _ in range(EXCHANGE_BLOCK):
+                step()
+            per_block.append(time.perf_counter() - t0)
+        return _exchange_result(n, per_block)
+
+
+async def _exchange_async(cfg: dict[str, Any]) -> dict[str, Any]:
+    import asyncio
+
+    n: int = cfg["size"]
+    loop = asyncio.get_running_loop()
+
+    class Inbox(asyncio.BufferedProtocol):
+        """Received bytes in one buffer; ``whole`` is set once ``n`` of them wait."""
+
+        def __init__(self) -> None:
+            # The peer sends its next message as soon as it has ours: up to two wait.
+            self.buf = bytearray(4 * n)
+            self.start = self.end = 0
+            self.whole: asyncio.Future[None] | None = None
+
+        def get_buffer(self, sizehint: int) -> memoryview:
+            if len(self.buf) - self.end < n:  # keep room for a whole message
+                waiting = self.end - self.start
+                self.buf[:waiting] = self.buf[self.start : self.end]
+                self.start, self.end = 0, waiting
+            return memoryview(self.buf)[self.end :]
+
+        def buffer_updated(self, nbytes: int) -> None:
+            self.end += nbytes
+            if self.end - self.start >= n and self.whole is not None and not self.whole.done():
+                self.whole.set_result(None)
+
+    sock = _exchange_socket(cfg)
+    sock.setblocking(False)
+    transport, inbox = await loop.connect_accepted_socket(Inbox, sock)
+    x = np.ones(n // 4, np.float32)
+    out = memoryview(x).cast("B")
+
+    async def step() -> None:
+        transport.write(out)
+        if inbox.end - inbox.start < n:
+            # Read what has come before waiting for the loop to say so, as p2pdist does.
+            with contextlib.suppress(BlockingIOError, InterruptedError):
+                if k := sock.recv_into(inbox.get_buffer(-1)):
+                    inbox.buffer_updated(k)
+        if inbox.end - inbox.start < n:
+            inbox.whole = loop.create_future()
+            await asyncio.wait_for(inbox.whole, cfg["timeout"])
+        got = np.frombuffer(inbox.buf, np.float32, n // 4, inbox.start)
+        np.add(x, got, out=x)
+        inbox.start += n
+        x.fill(1)
+
+    iters: int = cfg["iters"]
+    for _ in range(iters):
+        await step()
+    per_block: list[float] = []
+    for _ in range(max(1, iters // EXCHANGE_BLOCK)):
+        t0 = time.perf_counter()
+        for _ in range(EXCHANGE_BLOCK):
+            await step()
+        per_block.append(time.perf_counter() - t0)
+    transport.close()
+    return _exchange_result(n, per_block)
+
+
+def exchange(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One side of the floor measurement: ``cfg["loop"]`` is "blocking", or the event
+    loop to run on (asyncio, uvloop)."""
+    if cfg["loop"] == "blocking":
+        return _exchange_blocking(cfg)
+    from p2pdist import eventloop
+
+    return eventloop.run(_exchange_async(cfg), loop=cfg["loop"])
 
 
 # ----------------------------------------------------------------------------- Gloo
@@ -308,6 +448,7 @@ def p2pdist(cfg: dict[str, Any]) -> dict[str, Any]:
 ROLES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "tcp-recv": tcp_recv,
     "tcp-send": tcp_send,
+    "exchange": exchange,
     "gloo": gloo,
     "p2pdist": p2pdist,
 }

@@ -386,6 +386,34 @@ def measure_tcp(workdir: Path, timeout: float) -> float:
     return float(send["bytes"]) / float(send["seconds"]) / 1e9
 
 
+EXCHANGE_ITERS = 5000
+
+
+def measure_exchange(workdir: Path, timeout: float, size: int, loop: str) -> float:
+    """The floor under a small world-2 all-reduce in Python, in seconds: two processes
+    swap ``size`` bytes over loopback TCP and add them in place, with no library between
+    (``loop``: "blocking" sockets, or an event loop); the greater of the two medians."""
+    (port,) = free_ports(1)
+    base = {"role": "exchange", "port": port, "size": size, "iters": EXCHANGE_ITERS, "loop": loop}
+    results = launch([{**base, "side": 0}, {**base, "side": 1}], timeout, workdir)
+    return max(float(r["median"]) for r in results)
+
+
+def exchange_line(workdir: Path, timeout: float, size: int, loops: list[str]) -> str:
+    """The floor, measured on blocking sockets and on each event loop, as one line."""
+    parts = []
+    for loop in ["blocking", *loops]:
+        try:
+            parts.append(f"{loop} {measure_exchange(workdir, timeout, size, loop) * 1e6:.1f} us")
+        except LaunchError as exc:
+            parts.append(f"{loop} FAILED ({str(exc).splitlines()[0]})")
+    return (
+        f"exchange floor ({format_size(size)} each way between two processes over loopback "
+        f"TCP, then an in-place add: a world-2 small all-reduce in Python with no library "
+        f"between): {', '.join(parts)}"
+    )
+
+
 def run_series(
     name: str,
     role: str,
@@ -771,6 +799,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"; AES-256-GCM (one core, 64 KiB records, what tls mode encrypts with): "
                 f"{aead_speed():.2f} GB/s"
             )
+        floor_line = None
+        if not args.no_tcp and sizes[0] <= SPREAD_MAX_BYTES:
+            print("measuring the exchange floor ...", file=sys.stderr, flush=True)
+            floor_line = exchange_line(workdir, args.timeout, sizes[0], loops)
 
         mpi_binary: Path | None = None
         if not args.no_mpi and mpi_note is None:
@@ -805,6 +837,8 @@ def main(argv: list[str] | None = None) -> int:
     out.append(f"command: {cmd}")
     out.append(machine)
     out.append(tcp_line)
+    if floor_line is not None:
+        out.append(floor_line)
     out.append(
         "timing: per size, warm-up then barrier then timed calls; latency = max over "
         "ranks of the per-rank median; busbw = bytes/time * 2(n-1)/n, GB/s = 1e9 B/s; "
