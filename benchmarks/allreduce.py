@@ -3,6 +3,10 @@
 Everything runs on 127.0.0.1 in the same invocation so the numbers are comparable:
 
 * raw loopback TCP bandwidth (two processes, blocking sockets, one direction);
+* the exchange floor, when the smallest size is at most 64 KiB: that size swapped
+  between two processes over loopback TCP and added in place, with blocking sockets and
+  on each event loop, no library between (what a world-2 small all-reduce in Python
+  cannot go under);
 * for every world size, a p2pdist sweep per transport mode and a Gloo sweep, each in
   ``world`` fresh worker processes (``benchmarks/_allreduce_worker.py``).
 
