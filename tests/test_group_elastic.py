@@ -873,6 +873,43 @@ async def test_a_survivor_that_ends_while_a_rank_rejoins_does_not_fail_the_rejoi
             await back.close()
 
 
+@pytest.mark.parametrize("how", ["closes", "is closing"])
+async def test_the_only_survivor_closing_while_a_rank_rejoins_fails_the_rejoin_at_once(
+    how: str,
+) -> None:
+    """World 2: rank 1 rejoins and rank 0, the only survivor, closes on purpose after
+    the dial reached it and before its hello (or was closing already). No other rank can
+    report it gone and no rank is left to rejoin: start() fails at once, naming rank 0
+    and saying it closed (it dialed rank 0 again until its connect_timeout ran out: a
+    note left from an earlier session)."""
+    async with groups(2, config=LEAVE, timeout=5) as gs:
+        crash(gs[1])
+        await until_left(gs[:1], 1)
+        take_back = gs[0]._take_back
+
+        async def ends(rank: int, conn: Any) -> None:
+            if how == "is closing":
+                closing = asyncio.ensure_future(gs[0].close())
+                await asyncio.sleep(0)
+                await take_back(rank, conn)
+                await closing
+            else:
+                await asyncio.sleep(0.3)
+                await gs[0].close()
+
+        gs[0]._take_back = ends  # type: ignore[method-assign]
+        await gs[1].close()
+        back = rejoiner(gs[1])
+        started = asyncio.get_running_loop().time()
+        try:
+            with pytest.raises(ConnectionBrokenError, match=r"rank 0 \(.*closed") as info:
+                await asyncio.wait_for(back.start(), 30)
+            assert asyncio.get_running_loop().time() - started < 10, info.value
+            assert "no other rank" in str(info.value), info.value
+        finally:
+            await back.close()
+
+
 async def test_a_rejoin_closed_while_it_starts_says_so() -> None:
     """close() while start() rejoins: start() raises GroupBrokenError "the group was
     closed while it started", as a forming start does (it raised the bare "connection ...

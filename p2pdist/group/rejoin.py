@@ -478,6 +478,16 @@ class Rejoining(Forming):
                     await conn.close()
                 if self._closing:
                     raise
+                if self.size == 2 and isinstance(exc, ConnectionBrokenError) and exc.graceful:
+                    # The only other rank left on purpose: nobody can report it gone, and
+                    # nobody is left to rejoin (dialed again, it held the rejoin for the
+                    # whole timeout).
+                    raise ConnectionBrokenError(
+                        label,
+                        f"{exc.detail} before it answered this rank's rejoin; no other "
+                        "rank is left in the group to rejoin (start every rank afresh)",
+                        graceful=True,
+                    ) from None
                 log.info("%s ended before its rejoin hello (%s); dialing again", label, exc)
                 await asyncio.sleep(next(pauses))
             except BaseException:
