@@ -36,7 +36,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -188,42 +188,39 @@ EXCHANGE_BLOCK = 100
 timed ones): a timer call per exchange would be a large part of what it times."""
 
 
-def _exchange_result(n: int, per_block: list[float]) -> dict[str, Any]:
-    """The median block's time per exchange."""
+def _exchange_timed(n: int, iters: int, run: Callable[[int], object]) -> dict[str, Any]:
+    """``run(k)`` makes k exchanges: ``iters`` of them to warm up, then ``iters`` timed in
+    blocks; the median block's time per exchange."""
+    run(iters)
+    per_block: list[float] = []
+    for _ in range(max(1, iters // EXCHANGE_BLOCK)):
+        t0 = time.perf_counter()
+        run(EXCHANGE_BLOCK)
+        per_block.append(time.perf_counter() - t0)
     return {"bytes": n, "median": statistics.median(per_block) / EXCHANGE_BLOCK}
 
 
-def _exchange_blocking(cfg: dict[str, Any]) -> dict[str, Any]:
-    n: int = cfg["size"]
+def _blocking_steps(sock: socket.socket, n: int) -> Callable[[int], None]:
     x = np.ones(n // 4, np.float32)
     got = np.empty_like(x)
     out, into = memoryview(x).cast("B"), memoryview(got).cast("B")
-    with _exchange_socket(cfg) as sock:
 
-        def step() -> None:
+    def steps(k: int) -> None:
+        for _ in range(k):
             sock.sendall(out)
             have = 0
             while have < n:
-                k = sock.recv_into(into[have:])
-                if k == 0:
+                m = sock.recv_into(into[have:])
+                if m == 0:
                     raise ConnectionError("the other side closed")
-                have += k
+                have += m
             np.add(x, got, out=x)
             x.fill(1)
 
-        iters: int = cfg["iters"]
-        for _ in range(iters):
-            step()
-        per_block: list[float] = []
-        for _ in range(max(1, iters // EXCHANGE_BLOCK)):
-            t0 = time.perf_counter()
-            for _ in range(EXCHANGE_BLOCK):
-                step()
-            per_block.append(time.perf_counter() - t0)
-        return _exchange_result(n, per_block)
+    return steps
 
 
-async def _exchange_async(cfg: dict[str, Any]) -> dict[str, Any]:
+async def _async_steps(cfg: dict[str, Any]) -> Callable[[int], Coroutine[Any, Any, None]]:
     import asyncio
 
     n: int = cfg["size"]
@@ -256,42 +253,40 @@ async def _exchange_async(cfg: dict[str, Any]) -> dict[str, Any]:
     x = np.ones(n // 4, np.float32)
     out = memoryview(x).cast("B")
 
-    async def step() -> None:
-        transport.write(out)
-        if inbox.end - inbox.start < n:
-            # Read what has come before waiting for the loop to say so, as p2pdist does.
-            with contextlib.suppress(BlockingIOError, InterruptedError):
-                if k := sock.recv_into(inbox.get_buffer(-1)):
-                    inbox.buffer_updated(k)
-        if inbox.end - inbox.start < n:
-            inbox.whole = loop.create_future()
-            await asyncio.wait_for(inbox.whole, cfg["timeout"])
-        got = np.frombuffer(inbox.buf, np.float32, n // 4, inbox.start)
-        np.add(x, got, out=x)
-        inbox.start += n
-        x.fill(1)
+    async def steps(k: int) -> None:
+        for _ in range(k):
+            transport.write(out)
+            if inbox.end - inbox.start < n:
+                # Read what has come before waiting for the loop to say so, as p2pdist does.
+                with contextlib.suppress(BlockingIOError, InterruptedError):
+                    if m := sock.recv_into(inbox.get_buffer(-1)):
+                        inbox.buffer_updated(m)
+            if inbox.end - inbox.start < n:
+                inbox.whole = loop.create_future()
+                await asyncio.wait_for(inbox.whole, cfg["timeout"])
+            got = np.frombuffer(inbox.buf, np.float32, n // 4, inbox.start)
+            np.add(x, got, out=x)
+            inbox.start += n
+            x.fill(1)
 
-    iters: int = cfg["iters"]
-    for _ in range(iters):
-        await step()
-    per_block: list[float] = []
-    for _ in range(max(1, iters // EXCHANGE_BLOCK)):
-        t0 = time.perf_counter()
-        for _ in range(EXCHANGE_BLOCK):
-            await step()
-        per_block.append(time.perf_counter() - t0)
-    transport.close()
-    return _exchange_result(n, per_block)
+    return steps
 
 
 def exchange(cfg: dict[str, Any]) -> dict[str, Any]:
     """One side of the floor measurement: ``cfg["loop"]`` is "blocking", or the event
     loop to run on (asyncio, uvloop)."""
+    n, iters = cfg["size"], cfg["iters"]
     if cfg["loop"] == "blocking":
-        return _exchange_blocking(cfg)
+        with _exchange_socket(cfg) as sock:
+            return _exchange_timed(n, iters, _blocking_steps(sock, n))
     from p2pdist import eventloop
 
-    return eventloop.run(_exchange_async(cfg), loop=cfg["loop"])
+    loop = eventloop.loop_factory(cfg["loop"])()
+    try:
+        steps = loop.run_until_complete(_async_steps(cfg))
+        return _exchange_timed(n, iters, lambda k: loop.run_until_complete(steps(k)))
+    finally:
+        loop.close()
 
 
 # ----------------------------------------------------------------------------- Gloo
