@@ -426,9 +426,10 @@ class ErrorFeedback:
     in the input, or a float16 overflow), and where the call's result is not finite (a
     sum past the wire's, float32's or the input dtype's range), the residual keeps the
     value it had before the call: one bad step costs that step's result, and later
-    finite inputs give finite results again. A call that fails or is cancelled once it began (a timeout, a lost
-    peer) leaves the residual as it found it: its step never reached the sum, so a
-    step repeated after recovering carries what the earlier ones lost.
+    finite inputs give finite results again. A call that fails or is cancelled once it
+    began (a timeout, a lost peer) leaves the residual as it found it: its step never
+    reached the sum, so a step repeated after recovering carries what the earlier ones
+    lost.
 
     One ErrorFeedback serves one call at a time: a collective holds it from when it runs
     until it ends, and the calls made with it take their turns in the order they were
