@@ -934,6 +934,24 @@ def test_huge_weights_do_not_overflow_the_mean() -> None:
         np.testing.assert_allclose(aggregate(us, floor, "mean", 0.0, f64), [1.75 * v], rtol=1e-15)
 
 
+@pytest.mark.parametrize("rule", ["mean", "median", "trimmed_mean"])
+def test_updates_near_float64s_limit_do_not_overflow_the_aggregate(rule: str) -> None:
+    """Finite float64 updates whose sum passes 1.8e308 (two clients sending 1e308, or
+    +-1e308): the mean of two equal updates came out saturated at 1.797e308, and of
+    +-1e308 as NaN, which apply_update wrote into the model silently (an audit). Every
+    rule gives the mean of what it keeps; elsewhere the same bits as before."""
+    f64 = np.dtype(np.float64)
+    same = [np.array([1e308, 1.0]), np.array([1e308, 3.0])]
+    np.testing.assert_array_equal(aggregate(same, [1, 1], rule, 0.0, f64), [1e308, 2.0])
+    apart = [np.array([1e308, 0.5]), np.array([-1e308, 0.25])]
+    got = aggregate(apart, [2, 2], rule, 0.0, f64)
+    np.testing.assert_array_equal(got, [0.0, 0.375])
+    with np.errstate(all="raise"):  # and no warning on the way
+        aggregate([np.array([1.5e308])] * 3, [1, 1, 1], rule, 0.0, f64)
+    model = apply_update(np.array([1.0, 1.0]), got, 1.0)
+    np.testing.assert_array_equal(model, [1.0, 1.375])
+
+
 def test_a_sample_count_past_what_a_submission_can_carry_is_rejected() -> None:
     st = rounds()
     st.join("a")

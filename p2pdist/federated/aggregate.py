@@ -169,30 +169,62 @@ def aggregate(
         # are huge, so the sums cannot overflow, or below 1, so that weights as small as
         # the discount floor do not take x * w into float64's subnormals.
         shift = -math.frexp(top)[1] if top > _UNSCALED_WEIGHT or top < 1.0 else 0
+        scaled = [math.ldexp(w, shift) for w in ws]
         acc = np.zeros(shape, np.float64)
         total = 0.0
-        for x, w in zip(updates, ws, strict=True):
-            w = math.ldexp(w, shift)
-            acc += np.multiply(x, w, dtype=np.float64)
-            total += w
+        with np.errstate(over="ignore", invalid="ignore"):  # (redone below if so)
+            for x, w in zip(updates, scaled, strict=True):
+                acc += np.multiply(x, w, dtype=np.float64)
+                total += w
         acc /= total
+        if not np.isfinite(acc).all():
+            acc = _mean_near_the_limit(updates, [w / total for w in scaled], shape, acc)
         return _rounded(acc, dtype)
     stacked = np.stack([np.asarray(x, np.float64).reshape(-1) for x in updates])
     stacked.sort(axis=0)
     n = len(updates)
     if rule == "median":
         mid = n // 2
-        out: np.ndarray = stacked[mid].copy() if n % 2 else (stacked[mid - 1] + stacked[mid]) * 0.5
+        if n % 2:
+            return _rounded(stacked[mid].reshape(shape), dtype)
+        low, high = stacked[mid - 1], stacked[mid]
+        with np.errstate(over="ignore"):
+            out = (low + high) * 0.5
+        # Two values near float64's limit: their sum overflows, each half does not.
+        past = np.isinf(out) & np.isfinite(low) & np.isfinite(high)
+        out[past] = low[past] * 0.5 + high[past] * 0.5
         return _rounded(out.reshape(shape), dtype)
     if rule == "trimmed_mean":
         k = trim_count(n, trim_fraction)
         kept = stacked[k : n - k]
         acc = np.array(kept[0], copy=True)
-        for row in kept[1:]:
-            acc += row
+        with np.errstate(over="ignore", invalid="ignore"):
+            for row in kept[1:]:
+                acc += row
         acc /= float(len(kept))
+        if not np.isfinite(acc).all():
+            share = 1.0 / len(kept)
+            acc = _mean_near_the_limit(list(kept), [share] * len(kept), acc.shape, acc)
         return _rounded(acc.reshape(shape), dtype)
     raise UsageError(f"unknown aggregation rule {rule!r}")
+
+
+def _mean_near_the_limit(
+    updates: Sequence[np.ndarray],
+    shares: list[float],
+    shape: tuple[int, ...],
+    first: np.ndarray,
+) -> np.ndarray:
+    """A mean whose plain sum left float64's range (finite values near 1.8e308 summed),
+    again where it did: each update times its share of the total weight (at most 1),
+    summed in the same order, so no partial sum exceeds the largest update. ``first``
+    (the plain result) is kept where it is finite, and where an update was not finite."""
+    again = np.zeros(shape, np.float64)
+    for x, share in zip(updates, shares, strict=True):
+        again += np.multiply(np.reshape(x, shape), share, dtype=np.float64)
+    redo = ~np.isfinite(first) & np.isfinite(again)
+    first[redo] = again[redo]
+    return first
 
 
 _UNSCALED_WEIGHT = 2.0**64
