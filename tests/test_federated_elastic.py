@@ -414,6 +414,37 @@ async def test_a_new_leader_after_a_round_that_applied_nothing_counts_its_update
         assert feds[1].is_leader
 
 
+async def test_a_new_leader_after_two_rounds_that_applied_nothing_counts_their_base_fresh() -> None:
+    """Rounds 1 and 2 both miss their quorum (rank 2 sends nothing), so the model is
+    still round 1's; then the leader is lost. The decision carries since when the model
+    is current (``since``), and the new leader counts rank 1's update from round 1 as
+    fresh: round 3 closes by its quorum. (The successor took the model to be round 2's,
+    one round back from its first: the update was stale for the quorum and the round
+    closed only as "complete": an audit.)"""
+    cfg = FederatedConfig(round_timeout=3.0, policy="quorum", quorum=1.0, max_staleness=3)
+    async with averaging(3, 100, cfg=cfg, first_round=True) as (gs, feds):
+
+        async def missed(f: GroupAveraging, k: int) -> GroupRound:
+            if f.group.rank == 2:
+                return await f.step(None)
+            return await f.step(update_of(f.group.rank, 1, 100), 10, base_round=1)
+
+        for k in (1, 2):
+            outs = await asyncio.wait_for(asyncio.gather(*(missed(f, k) for f in feds)), 30)
+            assert all(not o.applied for o in outs), (k, outs)
+        crash(gs[0])
+
+        async def round3(f: GroupAveraging) -> GroupRound:
+            if f.group.rank == 1:  # its round-1 update again: the model is still round 1's
+                return await f.step(update_of(1, 1, 100), 10, base_round=1)
+            return await f.step(update_of(2, 3, 100), 10)
+
+        outs = await asyncio.wait_for(asyncio.gather(*(round3(f) for f in feds[1:])), 30)
+        for o in outs:
+            assert o.applied and o.reason == "quorum" and o.participants == (1, 2), o
+        assert feds[1].is_leader
+
+
 async def test_by_default_a_crash_breaks_the_averaging_naming_the_lost_rank() -> None:
     async with averaging(3, 10, config={}) as (gs, feds):
         crash(gs[2])

@@ -139,10 +139,25 @@ def decision_body(message: Message, label: str, k: int, size: int) -> dict[str, 
             "left": left,
             "joining": joining,
             "counted": _counted(f["counted"], k, size),
+            "since": _since(f, k),
         }
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise RemoteProtocolError(label, f"malformed decision: {exc!r}") from None
     return body
+
+
+def _since(f: dict[str, Any], k: int) -> int:
+    """The first round whose model is current after decision ``k`` (``k + 1`` when it
+    applied an aggregate). A leader before 2026-12-07 sent none: then ``k`` for a round
+    that applied nothing, which may be later than the truth after several such rounds
+    (its successor then counts fewer updates fresh, as it did)."""
+    ok = bool(f["ok"])
+    since = int(f["since"]) if "since" in f else k + 1 if ok else k
+    if not (0 <= since <= k + 1) or (ok and since != k + 1):
+        raise ValueError(
+            f"since {since} after round {k} ({'applied' if ok else 'nothing applied'})"
+        )
+    return since
 
 
 def _check_ranks(what: str, ranks: list[int], size: int) -> None:

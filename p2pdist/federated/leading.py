@@ -179,6 +179,7 @@ class Leading(Recovery):
             "left": sorted(self._gone()),
             "joining": self._coming_back(),  # their averaging runs: recovery.py
             "counted": counted_of(state.aggregated),  # survives a failover: recovery.py
+            "since": state.model_from,  # the same (a successor's quorum counts from it)
         }
         self._send_decision(k, body, list(self._conns()))
         return body, outcome.aggregate

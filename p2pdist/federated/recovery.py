@@ -374,8 +374,9 @@ class Recovery:
             first_round=plan.lead_from,
             label=lambda c: self.group.peer_label(int(c)),
             aggregated=remembered(last),
-            # a last round that applied nothing left the model as it was a round earlier
-            model_from=plan.lead_from - 1 if last is not None and not last["ok"] else None,
+            # rounds that applied nothing left the model as it was rounds earlier: the
+            # decision says since when (updates from then on are fresh for the quorum)
+            model_from=None if last is None else int(last["since"]),
         )
         for r in plan.members:
             state.join(cid(r))

@@ -227,6 +227,12 @@ class FederatedRounds:
         return self._needed
 
     @property
+    def model_from(self) -> int:
+        """The first round whose model is the current one (later rounds applied nothing):
+        an update computed from it or a later round is fresh for the quorum."""
+        return self._model_from
+
+    @property
     def aggregated(self) -> dict[str, int]:
         """Per client, the newest ``base_round`` of its updates in an applied aggregate,
         sorted by client (a copy): a submission from that base or an earlier one is a
