@@ -364,8 +364,9 @@ async def relayed_pair(
     punch: PunchConfig = FAST_PUNCH,
     quic: QuicConfig | None = None,
     cfg: TransportConfig | None = None,
+    hub: FakeRelayHub | None = None,
 ) -> AsyncIterator[tuple[QuicTransport, QuicTransport, QuicConnection, QuicConnection]]:
-    hub = FakeRelayHub()
+    hub = hub or FakeRelayHub()
     cfg = cfg or transport_config()
     ta = QuicTransport(A, cfg, relay=hub.attach(A.endpoint_id), punch=punch, quic=quic)
     tb = QuicTransport(B, cfg, relay=hub.attach(B.endpoint_id), punch=punch, quic=quic)
@@ -483,6 +484,39 @@ async def test_a_close_just_after_the_direct_path_died_still_delivers() -> None:
             got = await asyncio.wait_for(cb.recv(7), 10)  # long before the idle timeout
         assert bytes(got.payload) == payload
         assert ca.path_kind == "relay"
+
+
+class DistantRelayHub(FakeRelayHub):
+    """A relay 150 ms away each way (a relay in another region)."""
+
+    def forward(self, src: Any, dst: Any, datagram: bytes) -> None:
+        asyncio.get_running_loop().call_later(0.15, FakeRelayHub.forward, self, src, dst, datagram)
+
+
+async def test_a_close_whose_path_fell_back_while_it_waited_still_delivers() -> None:
+    """The direct path dies unnoticed, the sender sends and closes 1.2 s later, and the
+    route falls back to the relay (at about 3 s) just before the close's stall check (2 s
+    after it began): the relay was up, but the resent bytes had not been acked through
+    it yet, so the close gave up ("closed with 262368 bytes undelivered") and the message
+    was lost (an audit). A close that stalls just after a fallback waits as one on a
+    direct path does."""
+    punch = replace(FAST_PUNCH, path_timeout=3.0, keepalive=0.5)
+    async with relayed_pair(punch, cfg=LONG_IDLE, hub=DistantRelayHub()) as (ta, tb, ca, cb):
+        await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct paths")
+        await asyncio.sleep(1.0)
+        payload = os.urandom(256 << 10)
+        with UdpBlock(ta), UdpBlock(tb):
+            await asyncio.sleep(1.2)
+            await ca.send(7, payload)
+            await bounded(ca.close(), "the close", 20)
+            got = await asyncio.wait_for(cb.recv(7), 10)
+        assert bytes(got.payload) == payload
+        assert ca.path_kind == "relay"
+        # And directly: a stall just after the fallback gets the fallback's time.
+        ca._fell_back_at = asyncio.get_running_loop().time() - 1.0
+        assert ca._flush_stalled() == punch.path_timeout + punch.keepalive
+        ca._fell_back_at = asyncio.get_running_loop().time() - 60.0
+        assert ca._flush_stalled() == 0.0
 
 
 async def test_a_close_on_a_working_direct_path_does_not_wait_for_a_fallback() -> None:

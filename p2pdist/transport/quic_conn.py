@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from time import monotonic as _now
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +96,8 @@ class QuicConnection(FramedConnection):
         self._heard_direct_at = self._loop.time()
         """When the last datagram of this connection arrived on a direct path (ACKs too;
         for a connection through the relay, see :meth:`heard_directly`)."""
+        self._fell_back_at = -math.inf
+        """When the route last fell back from a direct path to the relay."""
 
     # ---- what this connection runs on ------------------------------------------------------
 
@@ -384,15 +387,25 @@ class QuicConnection(FramedConnection):
         self._heard_direct_at = self._loop.time()
 
     def _flush_stalled(self) -> float:
-        """On a direct path, which may have died unnoticed: as long as hole punching
-        takes to fall back to the relay (both ends: the peer's answers must come back
-        that way too), longer than a close waits otherwise; the relay is up."""
+        """On a direct path, which may have died unnoticed, or one that has just fallen
+        back to the relay: as long as hole punching takes to fall back (both ends: the
+        peer's answers must come back that way too), longer than a close waits otherwise;
+        the relay is up."""
         route = self._route
-        if not isinstance(route, RelayRoute) or route.direct_addr is None:
+        if not isinstance(route, RelayRoute):
             return 0.0
-        if self._loop.time() - self._heard_direct_at < FLUSH_STALL:
-            return 0.0  # its datagrams still come that way: the path works, it reads nothing
         pc = self._owner.punch_config
+        now = self._loop.time()
+        if route.direct_addr is None:
+            # Fell back lately: what the dead path lost is sent again through the relay,
+            # and acked once the peer, which may fall back up to path_timeout later,
+            # answers that way too (a close then gave up with the relay healthy: an audit).
+            if now - self._fell_back_at < FLUSH_STALL + pc.path_timeout:
+                log.info("%s: closing, just fell back to the relay", self.label)
+                return pc.path_timeout + pc.keepalive
+            return 0.0
+        if now - self._heard_direct_at < FLUSH_STALL:
+            return 0.0  # its datagrams still come that way: the path works, it reads nothing
         log.info("%s: closing, nothing delivered on the direct path yet", self.label)
         return pc.path_timeout + pc.keepalive
 
@@ -404,6 +417,8 @@ class QuicConnection(FramedConnection):
     def path_changed(self) -> None:
         """The route now sends another way (hole punching): adapt and send promptly."""
         route = self._route
+        if isinstance(route, RelayRoute) and route.direct_addr is None:
+            self._fell_back_at = self._loop.time()
         name, bbr_from_rtt = self._owner.congestion_control_for(route)
         self._quic.path_changed(route.max_datagram, _now(), name, bbr_from_rtt)
         if not self._terminated.done():
