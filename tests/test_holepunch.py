@@ -898,6 +898,16 @@ async def test_stun_probe_gives_ipv6_a_grace_once_ipv4_is_in(
     answers = await bounded(probe.run(answering(probe, 0.0, 0.1), 10.0), "probe")
     assert all(a == ("198.51.100.7", 4000) for a in answers)
     assert loop.time() - start < 3.0
+
+    # A relay with IPv6 lookup addresses only: an answer ends the probe as it comes (it
+    # waited for the next resend, 0.1, 0.3 or 0.7 s in, since no IPv4 answer would come
+    # to wake it: an audit). A long first resend, so that a stall cannot pass for it.
+    monkeypatch.setattr(observe, "FIRST_RETRY", 5.0)
+    probe = StunProbe(targets[2:])
+    start = loop.time()
+    answers = await bounded(probe.run(answering(probe, 0.0, 0.05), 10.0), "probe")
+    assert answers == [("198.51.100.7", 4000)]
+    assert loop.time() - start < 3.0
     monkeypatch.undo()
 
     probe = StunProbe(targets)  # IPv6 at once, IPv4 slower than the grace: still waited for

@@ -45,6 +45,7 @@ class StunProbe:
         self._all_in = asyncio.Event()
         self._ipv4_in = asyncio.Event()
         """Set once every IPv4 target has answered (IPv6 ones then get the grace)."""
+        self._has_ipv4 = any(":" not in t[0] for t in self.targets)
 
     def on_datagram(self, data: bytes) -> bool:
         """Take a STUN message that arrived on the socket; True if it answered us. An
@@ -92,7 +93,9 @@ class StunProbe:
                 wake = min(resend_at, deadline) - loop.time()
                 if wake <= 0:
                     break
-                waiter = self._all_in if grace_set else self._ipv4_in
+                # (Without IPv4 targets, only every answer ends the wait: an IPv6-only
+                # probe answered at once waited for its next resend.)
+                waiter = self._all_in if grace_set or not self._has_ipv4 else self._ipv4_in
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(wake):
                         await waiter.wait()
