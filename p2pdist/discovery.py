@@ -40,16 +40,17 @@ _Network = ipaddress.IPv4Network
 
 def dial_order(theirs: list[str], ours: list[tuple[str, _Network]]) -> list[str]:
     """``theirs`` (a rank's announced addresses) in the order to dial them: those on a
-    network this host is on first, then the others, and last those that are this host's
-    own too (a docker bridge's, the same on every host: there, the dial would reach
-    this host; they come first only for a rank on this very host, whose addresses are
-    all ours)."""
+    network this host is on first, then the others. Those that are this host's own too
+    (a docker bridge's, the same on every host) are left out: dialed there, the dial
+    would reach this host, and raced with the others it could win over a slow answer of
+    the right one. They are all there is, and kept, for a rank on this very host."""
     mine = {address for address, _ in ours}
+    if not set(theirs) <= mine:
+        theirs = [a for a in theirs if a not in mine]
 
-    def rank(address: str) -> tuple[bool, bool]:
+    def rank(address: str) -> bool:
         ip = ipaddress.IPv4Address(address)
-        shared = any(ip in net for _, net in ours)
-        return address in mine and not set(theirs) <= mine, not shared
+        return not any(ip in net for _, net in ours)
 
     return sorted(dict.fromkeys(theirs), key=rank)
 

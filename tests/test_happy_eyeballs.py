@@ -17,7 +17,7 @@ import pytest
 from relay_helpers import running_relay
 from transport_conformance import bounded
 
-from p2pdist.errors import UsageError
+from p2pdist.errors import PeerAuthenticationError, UsageError
 from p2pdist.identity import SecretKey
 from p2pdist.transport import TcpTransport, TransportConfig
 from p2pdist.transport.happyeyeballs import connect_tcp, interleaved
@@ -193,6 +193,26 @@ async def test_a_peer_known_at_several_addresses_is_reached_at_the_one_that_answ
                 await client.connect_any(keys[1].endpoint_id, [])
     finally:
         await bounded(asyncio.gather(client.close(), server.close()), "close()")
+
+
+async def test_an_address_that_answers_as_someone_else_is_dropped_and_the_rest_raced() -> None:
+    """``connect_any``: the first address answers as another endpoint (an address gone
+    stale, or this host's own): the dial goes on at the others instead of failing, and
+    fails naming the mismatch only when every address answered so."""
+    keys = [SecretKey.from_seed("happy eyeballs tests", r) for r in (0, 1, 2)]
+    right = TcpTransport(keys[1], TransportConfig(handshake_timeout=10))
+    other = TcpTransport(keys[2], TransportConfig(handshake_timeout=10))
+    client = TcpTransport(keys[0], TransportConfig(handshake_timeout=10))
+    try:
+        _, good = await right.listen("127.0.0.1", 0)
+        _, stale = await other.listen("127.0.0.1", 0)
+        addresses = [f"127.0.0.1:{stale}", f"127.0.0.1:{good}"]
+        conn = await bounded(client.connect_any(keys[1].endpoint_id, addresses), "dial")
+        assert conn.remote_address == ("127.0.0.1", good)
+        with pytest.raises(PeerAuthenticationError, match="identity"):
+            await bounded(client.connect_any(keys[1].endpoint_id, addresses[:1]), "dial")
+    finally:
+        await bounded(asyncio.gather(client.close(), right.close(), other.close()), "close()")
 
 
 async def test_an_unanswered_dial_starts_afresh_with_a_new_socket(

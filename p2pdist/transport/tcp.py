@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import socket
@@ -151,6 +152,23 @@ def _port_text(text: str) -> int | None:
     """A port written in ASCII digits only (``int()`` would also take " 80", "+80",
     "8_0" and other scripts' digits), or None."""
     return int(text) if text.isascii() and text.isdigit() else None
+
+
+def _without(
+    endpoints: list[tuple[str, int]], answered: tuple[str, int] | None
+) -> list[tuple[str, int]]:
+    """``endpoints`` less the one (an IP literal) that ``answered`` came from."""
+    if answered is None:
+        return endpoints
+    ip, port = ipaddress.ip_address(answered[0]), answered[1]
+
+    def same(endpoint: tuple[str, int]) -> bool:
+        try:
+            return endpoint[1] == port and ipaddress.ip_address(endpoint[0]) == ip
+        except ValueError:  # a name: not the one that answered, as far as we know
+            return False
+
+    return [e for e in endpoints if not same(e)]
 
 
 def parse_address(address: Address) -> tuple[str, int]:
@@ -637,7 +655,9 @@ class TcpTransport(EndpointBase[TcpConnection]):
     ) -> TcpConnection:
         """Dial ``peer``, known at each of ``addresses`` (in order of preference): their
         TCP connects are raced (each starting a moment after the one before, as a name's
-        addresses are), and the first that connects is authenticated as ``peer``."""
+        addresses are), and the first that connects is authenticated as ``peer``. One
+        that answers as someone else (an address gone stale, or one of this host's own)
+        is dropped and the others raced again, within the same handshake_timeout."""
         name = label or self.label_for(peer)
         self._check_not_closed()
         if not addresses:
@@ -650,18 +670,28 @@ class TcpTransport(EndpointBase[TcpConnection]):
         where = ", ".join(path_key(e) for e in endpoints)
         conn: TcpConnection | None = None
         deadline = asyncio.timeout(self.config.handshake_timeout)
+        refused: PeerAuthenticationError | None = None  # the first address that did
         try:
             async with deadline:
-                # (Addresses are raced: one whose packets are dropped must not hold the
-                # dial until the deadline.)
-                sock = await connect_tcp_any(endpoints)
-                _, conn = await connection_on(
-                    sock, lambda: TcpConnection(self, server_side=False, expected=peer)
-                )
-                conn.label = name
-                self._check_not_closed()  # closed meanwhile: close() could not see conn
-                self._connections.add(conn)
-                await conn.client_handshake()
+                while True:
+                    # (Addresses are raced: one whose packets are dropped must not hold
+                    # the dial until the deadline.)
+                    sock = await connect_tcp_any(endpoints)
+                    _, conn = await connection_on(
+                        sock, lambda: TcpConnection(self, server_side=False, expected=peer)
+                    )
+                    conn.label = name
+                    self._check_not_closed()  # closed meanwhile: close() could not see it
+                    self._connections.add(conn)
+                    try:
+                        await conn.client_handshake()
+                        break
+                    except PeerAuthenticationError as exc:
+                        rest = _without(endpoints, conn.remote_address)
+                        if not rest or len(rest) == len(endpoints):
+                            raise (refused or exc) from None
+                        conn.abort(exc)
+                        conn, refused, endpoints = None, refused or exc, rest
                 self._check_not_closed()  # never hand out a live conn of a closed transport
         except OSError as exc:  # TimeoutError is one, and so is an ETIMEDOUT from connect
             if deadline.expired():
