@@ -62,6 +62,14 @@ class Stream:
     def record(self) -> Event:
         return Event(self)
 
+    def __enter__(self) -> Stream:
+        """Make it the current device's current stream, as CuPy's ``with stream:``."""
+        _entered.append((_current[-1].id, self))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _entered.pop()
+
 
 class Device:
     """A device id and a context that makes it the current device."""
@@ -85,10 +93,15 @@ class Device:
 
 _current = [Device(0)]
 _streams: dict[int, Stream] = {}
+_entered: list[tuple[int, Stream]] = []  # (device id, stream) of each ``with stream:``
 
 
 def _get_current_stream() -> Stream:
-    return _streams.setdefault(_current[-1].id, Stream())
+    device = _current[-1].id
+    for on, stream in reversed(_entered):
+        if on == device:
+            return stream
+    return _streams.setdefault(device, Stream())
 
 
 def _alloc_pinned_memory(nbytes: int) -> bytearray:

@@ -286,6 +286,26 @@ async def test_buckets_read_arrays_as_queued_when_added(monkeypatch: pytest.Monk
         np.testing.assert_array_equal(fakecupy.to_numpy(grad), np.full(1000, 3, np.float32))
 
 
+async def test_a_call_waits_on_the_stream_current_when_it_was_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A collective made inside ``with stream:`` as a task and awaited after the block:
+    its input was read on whatever stream was current when the task first ran, before
+    the caller's queued write to it landed (0 where the sum is 3: an audit). The
+    streams are those current when the call was made, as docs/collectives.md says."""
+    monkeypatch.setitem(sys.modules, "cupy", fakecupy)
+    async with groups(2) as gs:
+        xs = [fakecupy.empty(8, np.float32) for _ in gs]
+        calls = []
+        for r, (g, x) in enumerate(zip(gs, xs, strict=True)):
+            with fakecupy.Stream() as stream:  # the caller's own stream
+                x.set(np.full(8, r + 1, np.float32), stream=stream)  # queued on it
+                calls.append(asyncio.ensure_future(g.all_reduce(x)))
+        outs = await asyncio.gather(*calls)
+    for out in outs:
+        np.testing.assert_array_equal(fakecupy.to_numpy(out), np.full(8, 3, np.float32))
+
+
 def test_numpy_calls_do_not_stage() -> None:
     """A numpy call is passed straight through: no CuPy import, no copies."""
     from p2pdist.group.devices import _staged

@@ -124,6 +124,14 @@ class _Staging:
             with device:
                 self._streams[device.id] = _cupy().cuda.get_current_stream()
 
+    def see_streams(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Note the current stream of each CuPy argument's device now, as the call is
+        made: the call may run later (a task), when another stream is current."""
+        for value in (*args, *kwargs.values()):
+            for item in value if isinstance(value, list | tuple) else (value,):
+                if is_device_array(item):
+                    self._see(item)
+
     def host(self, x: Any) -> Any:
         """``x`` on the host when it is a CuPy array (a list or tuple: each item); other
         values as they are."""
@@ -216,7 +224,9 @@ def on_host(
     def wrapper(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> Coroutine[Any, Any, _R]:
         if not _staged(args, kwargs):
             return method(self, *args, **kwargs)
-        return _through_host(method, self, args, kwargs)
+        staging = _Staging()
+        staging.see_streams(args, kwargs)  # the caller's streams when it made the call
+        return _through_host(method, self, args, kwargs, staging)
 
     return as_coroutine_function(wrapper)
 
@@ -226,9 +236,9 @@ async def _through_host(
     group: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    staging: _Staging,
 ) -> _R:
     """Run ``method`` on host copies of the CUDA arrays among its arguments."""
-    staging = _Staging()
     host_args = [staging.host(a) for a in args]
     host_kwargs = {k: staging.keyword(k, v) for k, v in kwargs.items()}
     result = await method(group, *host_args, **host_kwargs)
