@@ -1147,8 +1147,11 @@ async def test_many_collectives_in_flight_past_the_buffer_limit_do_not_wait_for_
     timed out (found by an audit: 1,300 of 2 MiB at the default 512 MiB did too): every
     call sends before it receives, so each rank blocked in a send while its own reading
     had paused, its mailbox full of frames for its calls still sending. While a sender
-    of the group waits, its connections read on to four times max_buffered (past that,
-    as with 96 calls here, the timeout says reading is paused and what to change)."""
+    of the group waits, its connections read on to four times max_buffered. 96 calls
+    went past that and timed out, saying reading was paused; since concurrent senders
+    take turns for a backed-up connection (each hands over its frame as the pipe drains,
+    not all at once), they complete too. (The timeout's word on paused reading is tested
+    with all_to_all_v below.)"""
     mib = 1 << 20
     config = {"algorithm": "ring"}
     async with groups(3, timeout=20.0, max_buffered=16 * mib, config=config) as gs:
@@ -1160,12 +1163,8 @@ async def test_many_collectives_in_flight_past_the_buffer_limit_do_not_wait_for_
 
         got = await asyncio.wait_for(asyncio.gather(*(many(g, 48) for g in gs)), 60)
         assert got == [True] * 3
-    async with groups(3, timeout=4.0, max_buffered=16 * mib, config=config) as gs:
-        results = await asyncio.wait_for(
-            asyncio.gather(*(many(g, 96) for g in gs), return_exceptions=True), 30
-        )
-        told = [str(e) for e in results if isinstance(e, PeerTimeoutError)]
-        assert any(" is paused: " in t and "max_buffered" in t for t in told), results
+        got = await asyncio.wait_for(asyncio.gather(*(many(g, 96) for g in gs)), 60)
+        assert got == [True] * 3
 
 
 async def test_all_to_all_of_blocks_beyond_the_buffer_limit() -> None:

@@ -1180,6 +1180,35 @@ async def test_a_peer_that_pings_and_never_reads_cannot_grow_our_write_buffer() 
         assert not cb.closed
 
 
+@pytest.mark.parametrize("tls", [False, True])
+async def test_concurrent_senders_to_a_backed_up_pipe_take_turns(tls: bool) -> None:
+    """32 tasks each send 1 MiB on one connection whose peer has stopped reading: each
+    handed its whole frame over before waiting, so the write buffer grew by a frame per
+    sender (124 MiB against an 8 MiB mark: an audit). They now wait their turn first:
+    the buffer stays within the mark and one frame, and once the peer reads again every
+    message arrives, in the order the sends were called. Keepalive PINGs are not queued
+    behind a backed-up pipe either (one per interval grew it while the peer read nothing)."""
+    high = 1 << 20
+    cfg = {"write_buffer_high": high, "keepalive_interval": 0.05, "idle_timeout": 60.0}
+    async with tcp_pair(tls, **cfg) as p:
+        p.server._set_reading(False)  # type: ignore[attr-defined]  # reads nothing more
+        payloads = [bytes([i]) * (1 << 20) for i in range(32)]
+        sends = [asyncio.create_task(p.client.send(1, x, seq=i)) for i, x in enumerate(payloads)]
+        await asyncio.sleep(0.5)
+        transport = p.client._transport  # type: ignore[attr-defined]
+        assert p.client._write_paused  # type: ignore[attr-defined]
+        before = transport.get_write_buffer_size()
+        assert before <= high + (1 << 20) + 64 * 1024, before  # (record and frame headers)
+        await asyncio.sleep(0.5)  # ten keepalive intervals
+        assert transport.get_write_buffer_size() == before
+        assert sum(t.done() for t in sends) < 8
+        p.server._set_reading(True)  # type: ignore[attr-defined]
+        for i, x in enumerate(payloads):
+            got = await bounded(p.server.recv(1), f"message {i}")
+            assert got.seq == i and bytes(got.payload) == x
+        await bounded(asyncio.gather(*sends), "the sends")
+
+
 @pytest.mark.parametrize(("chunks", "arrives"), [(6, True), (16, False)])
 async def test_a_receiver_waiting_behind_frames_nobody_reads(chunks: int, arrives: bool) -> None:
     """max_buffered (1 MiB) of frames for channel 1 that nobody reads, then a frame for

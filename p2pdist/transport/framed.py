@@ -14,6 +14,7 @@ are named, the queue of accepted connections and the set of live ones.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import weakref
@@ -154,7 +155,8 @@ class FramedConnection:
         """PINGs sent since the last PONG, for a PONG that names none (a peer of before
         2026-12-06): a sample only when it answers the one PING out."""
         self._write_paused = False
-        self._drain_waiter: asyncio.Future[None] | None = None
+        self._turns: collections.deque[_Turn] = collections.deque()
+        """Senders waiting for room, first come first served (:meth:`_drain`)."""
         self._error: BaseException | None = None
         self._interrupted: BaseException | None = None
         self._closed_locally = False
@@ -305,16 +307,23 @@ class FramedConnection:
     ) -> None:
         """Send one message on ``channel``; waits while the byte pipe is backed up.
 
-        The whole frame is handed to the byte pipe before the first wait, so frames of
-        concurrent senders never interleave.
+        The whole frame is handed to the byte pipe at once, so frames of concurrent
+        senders never interleave. While the pipe is backed up (or other senders wait for
+        room), it first waits its turn, first come first served: concurrent senders add
+        a frame each to a backed-up pipe only as it drains, not all at once. A send
+        cancelled in that wait handed over nothing.
         """
+        if self._write_paused or self._turns:
+            await self._drain()
         self.send_nowait(channel, payload, meta=meta, seq=seq)
-        await self.drain()
+        if self._write_paused:
+            await self._drain()
 
     async def drain(self) -> None:
-        """Wait while the byte pipe is backed up (return at once when it is not); raises
-        what a send's wait would (the connection closed or broken, an interrupt)."""
-        if self._write_paused:
+        """Wait while the byte pipe is backed up, or other senders wait for room before
+        this one (return at once when neither); raises what a send's wait would (the
+        connection closed or broken, an interrupt)."""
+        if self._write_paused or self._turns:
             await self._drain()
 
     def send_nowait(
@@ -560,28 +569,40 @@ class FramedConnection:
             raise UsageError(f"connection to {self.label} is still handshaking")
 
     def _wake_drain(self) -> None:
-        w, self._drain_waiter = self._drain_waiter, None
-        if w is not None and not w.done():
-            w.set_result(None)
+        """Writing resumed (the first sender in line goes on), or the connection ended
+        or was interrupted (every sender hears of it)."""
+        if self._write_paused is False and self._error is None and self._interrupted is None:
+            if self._turns:
+                self._turns[0].wake()
+            return
+        for turn in self._turns:
+            turn.wake()
 
     async def _drain(self) -> None:
+        """Wait until writing is not paused and every sender that came before has gone
+        on (each hands over its frame in its turn, so the pipe takes one frame more at
+        a time, not one per sender)."""
         stalls = self._stalls
         self._senders_waiting += 1
         if self._senders_waiting == 1 and stalls is not None:
             stalls.sender_waits(self)  # the endpoint's connections read on, to a higher limit
+        turn = _Turn(self._loop)
+        turns = self._turns
+        turns.append(turn)
         try:
-            while self._write_paused:
+            while self._write_paused or turns[0] is not turn:
                 self._check_open()
                 if self._interrupted is not None:
                     raise self._interrupted.with_traceback(None)
-                w = self._drain_waiter
-                if w is None or w.done():
-                    w = self._drain_waiter = self._loop.create_future()
-                # Shielded: the waiter is shared by every paused sender, and cancelling
-                # one of them must not cancel the others' wait.
-                await asyncio.shield(w)
+                await turn.wait()
             self._check_open()
         finally:
+            first = turns[0] is turn
+            turns.remove(turn)
+            if first and turns and not self._write_paused:
+                # The next in line goes on once this sender has handed over its frame
+                # (in this same step): it finds the pipe backed up again, or not.
+                turns[0].wake()
             self._senders_waiting -= 1
             if not self._senders_waiting and stalls is not None:
                 stalls.senders.discard(self)
@@ -665,9 +686,36 @@ class FramedConnection:
                 )
             )
             return
-        if action is KeepaliveAction.PING and self._writable() and not self._peer_ended_unread():
+        # Not while writing is paused: the bytes already queued keep the peer's timer
+        # fed, and a PING would only grow a buffer the peer is not taking.
+        if (
+            action is KeepaliveAction.PING
+            and self._writable()
+            and not self._write_paused
+            and not self._peer_ended_unread()
+        ):
             self._send_ping()
         self._arm_keepalive()
+
+
+class _Turn:
+    """One sender's place in a connection's line of senders waiting for room."""
+
+    __slots__ = ("_future", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._future: asyncio.Future[None] = loop.create_future()
+
+    def wake(self) -> None:
+        if not self._future.done():
+            self._future.set_result(None)
+
+    async def wait(self) -> None:
+        """Until woken (since the last wait); each wait needs a new wake."""
+        if self._future.done():
+            self._future = self._loop.create_future()
+        await self._future
 
 
 class AcceptQueue(Generic[C]):
