@@ -732,6 +732,32 @@ async def test_the_last_model_sent_before_the_stop_is_not_a_new_round() -> None:
         await a.close()
 
 
+async def test_the_stop_does_not_pass_a_model_still_waiting_for_room() -> None:
+    """The coordinator's pipe to a slow client is backed up (paused by hand here) when
+    the last round's model is posted: its sender waits in the connection's line. close()
+    sends the stop after that model, not past it (send_nowait went ahead of the waiting
+    sender, which close() then cancelled: the client never got the model)."""
+    async with coordinator(np.zeros(4, np.float32), round_timeout=30.0) as c:
+        a = client_of(c)
+        await a.connect()
+        (client,) = c._clients.values()
+        conn = client.conn
+        conn._write_paused = True  # type: ignore[attr-defined]
+        c._post(client, encode("model", {"r": 8, "open": False, "left": 30.0}, np.ones(4)))
+        await asyncio.sleep(0.1)  # its sender is in line
+
+        async def drains() -> None:
+            await asyncio.sleep(0.5)
+            conn._resume_writing()  # type: ignore[attr-defined]
+
+        draining = asyncio.create_task(drains())
+        await c.close()
+        await draining
+        await wait_until(lambda: a.stopped is not None, "the stop read")
+        assert a.latest is not None and a.latest.round == 8, a.latest
+        await a.close()
+
+
 async def test_a_client_whose_connect_failed_may_connect_again_and_a_closed_one_says_why() -> None:
     """The coordinator is not up at the first connect(), which times out: a second
     connect() on the same client works once it is (it used to say "already

@@ -20,6 +20,7 @@ from transport_conformance import bounded
 from p2pdist.errors import PeerAuthenticationError, UsageError
 from p2pdist.identity import SecretKey
 from p2pdist.transport import TcpTransport, TransportConfig
+from p2pdist.transport.dial import worth_retrying
 from p2pdist.transport.happyeyeballs import connect_tcp, interleaved
 from p2pdist.transport.relay_config import RelayConfig
 from p2pdist.transport.relay_path import RelayPath
@@ -211,8 +212,55 @@ async def test_an_address_that_answers_as_someone_else_is_dropped_and_the_rest_r
         assert conn.remote_address == ("127.0.0.1", good)
         with pytest.raises(PeerAuthenticationError, match="identity"):
             await bounded(client.connect_any(keys[1].endpoint_id, addresses[:1]), "dial")
+
+        # Garbage first (another service now on that port): dropped too (a review: only
+        # an identity refusal was, and every round's race was won by the same address).
+        async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"SSH-2.0-OpenSSH_9.6\r\n" * 100)
+            await writer.drain()
+            await reader.read(1 << 16)
+            writer.close()
+
+        other_service = await asyncio.start_server(garbage, "127.0.0.1", 0)
+        wrong = other_service.sockets[0].getsockname()[1]
+        try:
+            mixed = [f"127.0.0.1:{wrong}", f"127.0.0.1:{good}"]
+            conn = await bounded(client.connect_any(keys[1].endpoint_id, mixed), "dial")
+            assert conn.remote_address == ("127.0.0.1", good)
+        finally:
+            other_service.close()
     finally:
         await bounded(asyncio.gather(client.close(), right.close(), other.close()), "close()")
+
+
+async def test_the_peers_own_refusal_outranks_a_stale_addresss_mismatch() -> None:
+    """A stale address answers as another endpoint and the right one refuses (its
+    accept queue is full): the error is the refusal, which is worth retrying, not the
+    mismatch, which is not, whichever answered first (a review)."""
+    keys = [SecretKey.from_seed("happy eyeballs tests", r) for r in (0, 1, 2, 3)]
+    cfg = TransportConfig(handshake_timeout=10, max_accept_queue=1)
+    right = TcpTransport(keys[1], cfg)
+    other = TcpTransport(keys[2], TransportConfig(handshake_timeout=10))
+    client = TcpTransport(keys[0], TransportConfig(handshake_timeout=10))
+    filler = TcpTransport(keys[3], TransportConfig(handshake_timeout=10))
+    try:
+        _, good = await right.listen("127.0.0.1", 0)
+        _, stale = await other.listen("127.0.0.1", 0)
+        await bounded(filler.connect(keys[1].endpoint_id, ("127.0.0.1", good)), "filler")
+        await asyncio.sleep(0.1)  # (its connection waits in the accept queue)
+        for addresses in (
+            [f"127.0.0.1:{stale}", f"127.0.0.1:{good}"],
+            [f"127.0.0.1:{good}", f"127.0.0.1:{stale}"],
+        ):
+            with pytest.raises(PeerAuthenticationError) as info:
+                await bounded(client.connect_any(keys[1].endpoint_id, addresses), "dial")
+            assert "identity mismatch" not in str(info.value), info.value
+            assert worth_retrying(info.value), info.value
+    finally:
+        await bounded(
+            asyncio.gather(client.close(), right.close(), other.close(), filler.close()),
+            "close()",
+        )
 
 
 async def test_an_unanswered_dial_starts_afresh_with_a_new_socket(

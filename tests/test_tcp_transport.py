@@ -1209,6 +1209,49 @@ async def test_concurrent_senders_to_a_backed_up_pipe_take_turns(tls: bool) -> N
         await bounded(asyncio.gather(*sends), "the sends")
 
 
+async def test_the_line_of_senders_survives_cancels_and_ends() -> None:
+    """The senders' line (writing paused by hand here, the peer reading): a head that is
+    cancelled hands over nothing and the next goes on; drain() waits behind the line;
+    a sender that has handed its frame over waits for the pipe only, not for the line
+    (it waited for every sender behind it: a review); an interrupt, and the end of the
+    connection, reach every sender in line."""
+    async with tcp_pair(False, write_buffer_high=64 * 1024) as p:
+        conn = p.client
+        conn._write_paused = True  # type: ignore[attr-defined]
+        first = asyncio.create_task(conn.send(1, b"first", seq=0))
+        second = asyncio.create_task(conn.send(1, b"second", seq=1))
+        drained = asyncio.create_task(conn.drain())
+        await asyncio.sleep(0.05)
+        assert not (first.done() or second.done() or drained.done())
+        first.cancel()
+        await asyncio.sleep(0.05)
+        assert first.cancelled() and not second.done()
+        conn._resume_writing()  # type: ignore[attr-defined]
+        await bounded(asyncio.gather(second, drained), "the line")
+        got = await bounded(p.server.recv(1), "the second message")
+        assert bytes(got.payload) == b"second" and got.seq == 1  # the first never went
+
+        # Handed over, waiting for the pipe: it goes on when the pipe drains, even while
+        # a sender in line hands over a frame that backs the pipe up again.
+        p.server._set_reading(False)  # type: ignore[attr-defined]
+        conn._write_paused = True  # type: ignore[attr-defined]
+        handed = asyncio.create_task(conn._drain(in_line=False))  # type: ignore[attr-defined]
+        big = asyncio.create_task(conn.send(2, bytes(4 << 20)))
+        await asyncio.sleep(0.05)
+        conn._resume_writing()  # type: ignore[attr-defined]
+        await bounded(handed, "the sender that had handed its frame over")
+        await asyncio.sleep(0.2)
+        assert not big.done() and conn._write_paused  # type: ignore[attr-defined]
+
+        # Everyone in line hears of an interrupt, and of the end.
+        waiting = [asyncio.create_task(conn.send(3, b"x", seq=i)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        conn.interrupt(ConnectionBrokenError("test", "interrupted"))
+        for task in [big, *waiting]:
+            with pytest.raises(ConnectionBrokenError, match="interrupted"):
+                await bounded(task, "an interrupted sender")
+
+
 @pytest.mark.parametrize(("chunks", "arrives"), [(6, True), (16, False)])
 async def test_a_receiver_waiting_behind_frames_nobody_reads(chunks: int, arrives: bool) -> None:
     """max_buffered (1 MiB) of frames for channel 1 that nobody reads, then a frame for

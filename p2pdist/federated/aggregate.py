@@ -185,8 +185,8 @@ def aggregate(
     n = len(updates)
     if rule == "median":
         mid = n // 2
-        if n % 2:
-            return _rounded(stacked[mid].reshape(shape), dtype)
+        if n % 2:  # (a copy: a view would keep the whole stack alive)
+            return _rounded(stacked[mid].reshape(shape).copy(), dtype)
         low, high = stacked[mid - 1], stacked[mid]
         with np.errstate(over="ignore"):
             out = (low + high) * 0.5

@@ -54,6 +54,9 @@ __all__ = ["Coordinator"]
 log = logging.getLogger(__name__)
 
 _HELLO_TIMEOUT = 10.0  # seconds a new connection has to say hello
+STOP_AFTER_MODEL = 2.0
+"""Seconds close() lets a model still waiting for room to a slow client go before the
+stop (which would otherwise pass it)."""
 _REPLACED = (
     "replaced by a newer connection with your key (the client restarted, or two clients "
     "share a key?)"
@@ -241,9 +244,18 @@ class Coordinator:
         self._closed = True
         self._wake.set()  # wait_for_members and run_round give up (see _check_open)
         meta, payload = encode("stop", {"why": why, "error": error})
-        for client in list(self._clients.values()):
+
+        async def say_stop(conn: Connection) -> None:
+            # After a model still waiting for room to a slow client (its sender is in
+            # the connection's line of senders), for a moment: the stop must not pass
+            # the last round's model. Past that, it goes at once.
+            with contextlib.suppress(P2PError, TimeoutError):
+                async with asyncio.timeout(STOP_AFTER_MODEL):
+                    await conn.drain()
             with contextlib.suppress(P2PError):
-                client.conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
+                conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
+
+        await asyncio.gather(*(say_stop(c.conn) for c in list(self._clients.values())))
         await cancel_and_wait(self._tasks)  # senders too
         if self._transport is not None:
             await asyncio.shield(self._transport.close())

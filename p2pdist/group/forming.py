@@ -280,9 +280,14 @@ class Forming(Membership):
         discovery, peer, label = self._discovery, self._ids[r], self.peer_label(r)
         pauses = retry_pauses()
         cap = FOUND_DIAL_BOUND
+        rounds = 0
         while True:
             addresses = await discovery.lookup(peer)
             if addresses:
+                # Each round starts the race at the next address: one that always wins
+                # it and then hangs in its handshake cannot hold every round.
+                k = rounds % len(addresses)
+                addresses = addresses[k:] + addresses[:k]
                 discovery.found[peer] = addresses  # (an error names where it dialed)
                 # Addresses that drop what is sent to them (a VPN's, another network's)
                 # must not hold the round for a whole handshake_timeout, even when they
@@ -310,6 +315,7 @@ class Forming(Membership):
                         self._forming.dial_failed(r, PeerTimeoutError(label, why))
                     cap *= 2
                 discovery.forget(peer)  # the next lookup asks the network, not the cache
+                rounds += 1
             await asyncio.sleep(next(pauses))
 
     async def _form_with(

@@ -162,12 +162,18 @@ class Connection(Protocol):
         meta: bytes = b"",
         seq: int = 0,
     ) -> None:
-        """Queue one message on ``channel``; waits while the peer is not keeping up."""
+        """Queue one message on ``channel``; waits while the peer is not keeping up.
+
+        While it does not, senders take turns, first come first served, and a sender
+        hands over its whole message in its turn: one cancelled before then sent nothing,
+        and a :meth:`send_nowait` meanwhile goes ahead of it (use :meth:`drain` first to
+        keep the order)."""
         ...
 
     async def drain(self) -> None:
-        """Wait until the peer keeps up again (at once when it does): after it, a
-        :meth:`send_nowait` queues no more than a :meth:`send` would."""
+        """Wait until the peer keeps up again and the senders waiting before this call
+        have gone (at once when none wait): after it, a :meth:`send_nowait` queues no
+        more than a :meth:`send` would, and after theirs."""
         ...
 
     def send_nowait(

@@ -157,6 +157,8 @@ class FramedConnection:
         self._write_paused = False
         self._turns: collections.deque[_Turn] = collections.deque()
         """Senders waiting for room, first come first served (:meth:`_drain`)."""
+        self._handed: list[_Turn] = []
+        """Senders that handed their frames over and wait for the pipe only."""
         self._error: BaseException | None = None
         self._interrupted: BaseException | None = None
         self._closed_locally = False
@@ -317,7 +319,7 @@ class FramedConnection:
             await self._drain()
         self.send_nowait(channel, payload, meta=meta, seq=seq)
         if self._write_paused:
-            await self._drain()
+            await self._drain(in_line=False)
 
     async def drain(self) -> None:
         """Wait while the byte pipe is backed up, or other senders wait for room before
@@ -569,8 +571,11 @@ class FramedConnection:
             raise UsageError(f"connection to {self.label} is still handshaking")
 
     def _wake_drain(self) -> None:
-        """Writing resumed (the first sender in line goes on), or the connection ended
-        or was interrupted (every sender hears of it)."""
+        """Writing resumed (the first sender in line goes on, and every sender that only
+        waits for the pipe to drain), or the connection ended or was interrupted (every
+        sender hears of it)."""
+        for waiter in self._handed:  # first: they go on before the line refills the pipe
+            waiter.wake()
         if self._write_paused is False and self._error is None and self._interrupted is None:
             if self._turns:
                 self._turns[0].wake()
@@ -578,31 +583,35 @@ class FramedConnection:
         for turn in self._turns:
             turn.wake()
 
-    async def _drain(self) -> None:
-        """Wait until writing is not paused and every sender that came before has gone
-        on (each hands over its frame in its turn, so the pipe takes one frame more at
-        a time, not one per sender)."""
+    async def _drain(self, *, in_line: bool = True) -> None:
+        """Wait until writing is not paused and, ``in_line`` (a sender about to hand
+        over a frame), every sender that came before has gone on: each hands over its
+        frame in its turn, so the pipe takes one frame more at a time, not one per
+        sender. A sender that has handed its frame over waits only for the pipe."""
         stalls = self._stalls
         self._senders_waiting += 1
         if self._senders_waiting == 1 and stalls is not None:
             stalls.sender_waits(self)  # the endpoint's connections read on, to a higher limit
         turn = _Turn(self._loop)
         turns = self._turns
-        turns.append(turn)
+        (turns.append if in_line else self._handed.append)(turn)
         try:
-            while self._write_paused or turns[0] is not turn:
+            while self._write_paused or (in_line and turns[0] is not turn):
                 self._check_open()
                 if self._interrupted is not None:
                     raise self._interrupted.with_traceback(None)
                 await turn.wait()
             self._check_open()
         finally:
-            first = turns[0] is turn
-            turns.remove(turn)
-            if first and turns and not self._write_paused:
-                # The next in line goes on once this sender has handed over its frame
-                # (in this same step): it finds the pipe backed up again, or not.
-                turns[0].wake()
+            if not in_line:
+                self._handed.remove(turn)
+            else:
+                first = turns[0] is turn
+                turns.remove(turn)
+                if first and turns and not self._write_paused:
+                    # The next in line goes on once this sender has handed over its
+                    # frame (in this same step): it finds the pipe backed up again, or not.
+                    turns[0].wake()
             self._senders_waiting -= 1
             if not self._senders_waiting and stalls is not None:
                 stalls.senders.discard(self)

@@ -704,7 +704,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
                 if sock is None or addr is None:
                     if route.direct is not None:  # a connection already on the relay
                         route.use_relay()  # keeps its congestion state and RTT
-                        conn.path_changed()
+                        conn.path_changed(fell_back=True)
                 else:
                     self._move(conn, sock, addr)
 

@@ -414,10 +414,11 @@ class QuicConnection(FramedConnection):
             self._transmit_soon = True
             self._loop.call_soon(self._transmit)
 
-    def path_changed(self) -> None:
-        """The route now sends another way (hole punching): adapt and send promptly."""
+    def path_changed(self, *, fell_back: bool = False) -> None:
+        """The route now sends another way (hole punching; ``fell_back``: from a direct
+        path to the relay): adapt and send promptly."""
         route = self._route
-        if isinstance(route, RelayRoute) and route.direct_addr is None:
+        if fell_back:
             self._fell_back_at = self._loop.time()
         name, bbr_from_rtt = self._owner.congestion_control_for(route)
         self._quic.path_changed(route.max_datagram, _now(), name, bbr_from_rtt)

@@ -154,6 +154,11 @@ def _port_text(text: str) -> int | None:
     return int(text) if text.isascii() and text.isdigit() else None
 
 
+def _is_mismatch(exc: P2PError) -> bool:
+    """Whether a handshake failed because the other end is another endpoint."""
+    return isinstance(exc, PeerAuthenticationError) and "identity mismatch" in exc.detail
+
+
 def _without(
     endpoints: list[tuple[str, int]], answered: tuple[str, int] | None
 ) -> list[tuple[str, int]]:
@@ -656,8 +661,11 @@ class TcpTransport(EndpointBase[TcpConnection]):
         """Dial ``peer``, known at each of ``addresses`` (in order of preference): their
         TCP connects are raced (each starting a moment after the one before, as a name's
         addresses are), and the first that connects is authenticated as ``peer``. One
-        that answers as someone else (an address gone stale, or one of this host's own)
-        is dropped and the others raced again, within the same handshake_timeout."""
+        whose handshake fails (an address gone stale that answers as someone else, or
+        with garbage, or resets) is dropped and the others raced again, within the same
+        handshake_timeout. When all fail, the error is the last one that is not an
+        identity mismatch (it came from the peer itself: a full accept queue, a refusal),
+        else the first mismatch."""
         name = label or self.label_for(peer)
         self._check_not_closed()
         if not addresses:
@@ -670,7 +678,8 @@ class TcpTransport(EndpointBase[TcpConnection]):
         where = ", ".join(path_key(e) for e in endpoints)
         conn: TcpConnection | None = None
         deadline = asyncio.timeout(self.config.handshake_timeout)
-        refused: PeerAuthenticationError | None = None  # the first address that did
+        mismatch: P2PError | None = None  # the first address that answered as another
+        said: P2PError | None = None  # the last handshake that failed otherwise
         try:
             async with deadline:
                 while True:
@@ -686,12 +695,18 @@ class TcpTransport(EndpointBase[TcpConnection]):
                     try:
                         await conn.client_handshake()
                         break
-                    except PeerAuthenticationError as exc:
+                    except P2PError as exc:
+                        if isinstance(exc, ConnectionClosedError):
+                            raise  # closed here: no address will do
+                        if not _is_mismatch(exc):
+                            said = exc
+                        elif mismatch is None:
+                            mismatch = exc
                         rest = _without(endpoints, conn.remote_address)
                         if not rest or len(rest) == len(endpoints):
-                            raise (refused or exc) from None
+                            raise (said or mismatch or exc) from None
                         conn.abort(exc)
-                        conn, refused, endpoints = None, refused or exc, rest
+                        conn, endpoints = None, rest
                 self._check_not_closed()  # never hand out a live conn of a closed transport
         except OSError as exc:  # TimeoutError is one, and so is an ETIMEDOUT from connect
             if deadline.expired():
