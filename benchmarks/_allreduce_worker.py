@@ -105,36 +105,21 @@ def _summary(times: list[float]) -> dict[str, float]:
 # ----------------------------------------------------------------------------- TCP
 
 
-def tcp_recv(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Accept one connection, receive ``total`` bytes, acknowledge with one byte."""
-    total: int = cfg["total"]
+def _accept_one(cfg: dict[str, Any]) -> socket.socket:
+    """The one connection to 127.0.0.1:``cfg["port"]`` (bounded by ``cfg["timeout"]``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as srv:
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         srv.bind(("127.0.0.1", cfg["port"]))
         srv.listen(1)
         srv.settimeout(cfg["timeout"])
         conn, _ = srv.accept()
-        with conn:
-            conn.settimeout(cfg["timeout"])
-            buf = bytearray(TCP_CHUNK)
-            view = memoryview(buf)
-            got = 0
-            t0 = 0.0
-            while got < total:
-                n = conn.recv_into(view, min(TCP_CHUNK, total - got))
-                if n == 0:
-                    raise ConnectionError(f"sender closed after {got} of {total} bytes")
-                if got == 0:
-                    t0 = time.perf_counter()
-                got += n
-            t1 = time.perf_counter()
-            conn.sendall(b"k")
-    return {"bytes": got, "seconds": t1 - t0}
+    conn.settimeout(cfg["timeout"])
+    return conn
 
 
-def tcp_send(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Connect, send ``total`` bytes in large chunks, wait for the one-byte ack."""
-    total: int = cfg["total"]
+def _dial(cfg: dict[str, Any]) -> socket.socket:
+    """A connection to 127.0.0.1:``cfg["port"]``, dialed again until the other side
+    listens (bounded by ``cfg["timeout"]``)."""
     deadline = time.monotonic() + cfg["timeout"]
     while True:
         try:
@@ -144,8 +129,34 @@ def tcp_send(cfg: dict[str, Any]) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-    with sock:
-        sock.settimeout(cfg["timeout"])
+    sock.settimeout(cfg["timeout"])
+    return sock
+
+
+def tcp_recv(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Accept one connection, receive ``total`` bytes, acknowledge with one byte."""
+    total: int = cfg["total"]
+    with _accept_one(cfg) as conn:
+        buf = bytearray(TCP_CHUNK)
+        view = memoryview(buf)
+        got = 0
+        t0 = 0.0
+        while got < total:
+            n = conn.recv_into(view, min(TCP_CHUNK, total - got))
+            if n == 0:
+                raise ConnectionError(f"sender closed after {got} of {total} bytes")
+            if got == 0:
+                t0 = time.perf_counter()
+            got += n
+        t1 = time.perf_counter()
+        conn.sendall(b"k")
+    return {"bytes": got, "seconds": t1 - t0}
+
+
+def tcp_send(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Connect, send ``total`` bytes in large chunks, wait for the one-byte ack."""
+    total: int = cfg["total"]
+    with _dial(cfg) as sock:
         payload = memoryview(np.ones(TCP_CHUNK, dtype=np.uint8).tobytes())
         sent = 0
         t0 = time.perf_counter()
@@ -161,25 +172,8 @@ def tcp_send(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _exchange_socket(cfg: dict[str, Any]) -> socket.socket:
     """Side 0 listens on ``cfg["port"]`` and side 1 dials it; TCP_NODELAY, as p2pdist."""
-    if cfg["side"] == 0:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as srv:
-            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            srv.bind(("127.0.0.1", cfg["port"]))
-            srv.listen(1)
-            srv.settimeout(cfg["timeout"])
-            sock, _ = srv.accept()
-    else:
-        deadline = time.monotonic() + cfg["timeout"]
-        while True:
-            try:
-                sock = socket.create_connection(("127.0.0.1", cfg["port"]), timeout=5.0)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+    sock = _accept_one(cfg) if cfg["side"] == 0 else _dial(cfg)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.settimeout(cfg["timeout"])
     return sock
 
 
