@@ -9,7 +9,7 @@ import contextlib
 import itertools
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -74,6 +74,20 @@ def name_resolving_to(monkeypatch: pytest.MonkeyPatch, name: str, hosts: list[st
         return infos
 
     monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+
+
+KEYS = [SecretKey.from_seed("happy eyeballs tests", r) for r in range(4)]
+DIAL = TransportConfig(handshake_timeout=10)
+
+
+@contextlib.asynccontextmanager
+async def transports(*configs: TransportConfig) -> AsyncIterator[list[TcpTransport]]:
+    """A TCP transport per config, of KEYS[0], KEYS[1], ...; closed at the end."""
+    made = [TcpTransport(KEYS[i], cfg) for i, cfg in enumerate(configs)]
+    try:
+        yield made
+    finally:
+        await bounded(asyncio.gather(*(t.close() for t in made)), "close()")
 
 
 def test_families_take_turns_starting_with_the_first() -> None:
@@ -157,21 +171,16 @@ async def test_the_relay_client_reaches_a_relay_whose_first_address_is_silent(
 async def test_a_peer_dialed_by_name_is_reached_past_a_silent_address(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    keys = [SecretKey.from_seed("happy eyeballs tests", r) for r in (0, 1)]
-    server = TcpTransport(keys[1], TransportConfig(handshake_timeout=10))
-    client = TcpTransport(keys[0], TransportConfig(handshake_timeout=10))
-    try:
+    async with transports(DIAL, DIAL) as (client, server):
         _, port = await server.listen("127.0.0.1", 0)
         with silent_listener(port):
             name_resolving_to(monkeypatch, "peer.test", [SILENT_HOST, "127.0.0.1"])
             start = time.monotonic()
-            conn = await bounded(client.connect(keys[1].endpoint_id, ("peer.test", port)), "dial")
+            conn = await bounded(client.connect(KEYS[1].endpoint_id, ("peer.test", port)), "dial")
             assert time.monotonic() - start < 3.0
             await conn.send(1, b"hello")
             accepted = await bounded(server.accept(), "accept")
             assert bytes((await bounded(accepted.recv(1), "recv")).payload) == b"hello"
-    finally:
-        await bounded(asyncio.gather(client.close(), server.close()), "close()")
 
 
 async def test_a_peer_known_at_several_addresses_is_reached_at_the_one_that_answers() -> None:
@@ -179,39 +188,30 @@ async def test_a_peer_known_at_several_addresses_is_reached_at_the_one_that_answ
     what is sent to it. The addresses are raced, so the dial does not wait out the
     silent one (it did, one address after another, for a bound each: a CI run); the
     connection is to the address that answered; an empty list is a usage error."""
-    keys = [SecretKey.from_seed("happy eyeballs tests", r) for r in (0, 1)]
-    server = TcpTransport(keys[1], TransportConfig(handshake_timeout=10))
-    client = TcpTransport(keys[0], TransportConfig(handshake_timeout=10))
-    try:
+    async with transports(DIAL, DIAL) as (client, server):
         _, port = await server.listen("127.0.0.1", 0)
         with silent_listener(port):
             start = time.monotonic()
             addresses = [f"{SILENT_HOST}:{port}", ("127.0.0.1", port)]
-            conn = await bounded(client.connect_any(keys[1].endpoint_id, addresses), "dial")
+            conn = await bounded(client.connect_any(KEYS[1].endpoint_id, addresses), "dial")
             assert time.monotonic() - start < 3.0
             assert conn.remote_address == ("127.0.0.1", port)
             with pytest.raises(UsageError, match="no address"):
-                await client.connect_any(keys[1].endpoint_id, [])
-    finally:
-        await bounded(asyncio.gather(client.close(), server.close()), "close()")
+                await client.connect_any(KEYS[1].endpoint_id, [])
 
 
 async def test_an_address_that_answers_as_someone_else_is_dropped_and_the_rest_raced() -> None:
     """``connect_any``: the first address answers as another endpoint (an address gone
     stale, or this host's own): the dial goes on at the others instead of failing, and
     fails naming the mismatch only when every address answered so."""
-    keys = [SecretKey.from_seed("happy eyeballs tests", r) for r in (0, 1, 2)]
-    right = TcpTransport(keys[1], TransportConfig(handshake_timeout=10))
-    other = TcpTransport(keys[2], TransportConfig(handshake_timeout=10))
-    client = TcpTransport(keys[0], TransportConfig(handshake_timeout=10))
-    try:
+    async with transports(DIAL, DIAL, DIAL) as (client, right, other):
         _, good = await right.listen("127.0.0.1", 0)
         _, stale = await other.listen("127.0.0.1", 0)
         addresses = [f"127.0.0.1:{stale}", f"127.0.0.1:{good}"]
-        conn = await bounded(client.connect_any(keys[1].endpoint_id, addresses), "dial")
+        conn = await bounded(client.connect_any(KEYS[1].endpoint_id, addresses), "dial")
         assert conn.remote_address == ("127.0.0.1", good)
         with pytest.raises(PeerAuthenticationError, match="identity"):
-            await bounded(client.connect_any(keys[1].endpoint_id, addresses[:1]), "dial")
+            await bounded(client.connect_any(KEYS[1].endpoint_id, addresses[:1]), "dial")
 
         # Garbage first (another service now on that port): dropped too (a review: only
         # an identity refusal was, and every round's race was won by the same address).
@@ -225,42 +225,30 @@ async def test_an_address_that_answers_as_someone_else_is_dropped_and_the_rest_r
         wrong = other_service.sockets[0].getsockname()[1]
         try:
             mixed = [f"127.0.0.1:{wrong}", f"127.0.0.1:{good}"]
-            conn = await bounded(client.connect_any(keys[1].endpoint_id, mixed), "dial")
+            conn = await bounded(client.connect_any(KEYS[1].endpoint_id, mixed), "dial")
             assert conn.remote_address == ("127.0.0.1", good)
         finally:
             other_service.close()
-    finally:
-        await bounded(asyncio.gather(client.close(), right.close(), other.close()), "close()")
 
 
 async def test_the_peers_own_refusal_outranks_a_stale_addresss_mismatch() -> None:
     """A stale address answers as another endpoint and the right one refuses (its
     accept queue is full): the error is the refusal, which is worth retrying, not the
     mismatch, which is not, whichever answered first (a review)."""
-    keys = [SecretKey.from_seed("happy eyeballs tests", r) for r in (0, 1, 2, 3)]
-    cfg = TransportConfig(handshake_timeout=10, max_accept_queue=1)
-    right = TcpTransport(keys[1], cfg)
-    other = TcpTransport(keys[2], TransportConfig(handshake_timeout=10))
-    client = TcpTransport(keys[0], TransportConfig(handshake_timeout=10))
-    filler = TcpTransport(keys[3], TransportConfig(handshake_timeout=10))
-    try:
+    full = TransportConfig(handshake_timeout=10, max_accept_queue=1)
+    async with transports(DIAL, full, DIAL, DIAL) as (client, right, other, filler):
         _, good = await right.listen("127.0.0.1", 0)
         _, stale = await other.listen("127.0.0.1", 0)
-        await bounded(filler.connect(keys[1].endpoint_id, ("127.0.0.1", good)), "filler")
+        await bounded(filler.connect(KEYS[1].endpoint_id, ("127.0.0.1", good)), "filler")
         await asyncio.sleep(0.1)  # (its connection waits in the accept queue)
         for addresses in (
             [f"127.0.0.1:{stale}", f"127.0.0.1:{good}"],
             [f"127.0.0.1:{good}", f"127.0.0.1:{stale}"],
         ):
             with pytest.raises(PeerAuthenticationError) as info:
-                await bounded(client.connect_any(keys[1].endpoint_id, addresses), "dial")
+                await bounded(client.connect_any(KEYS[1].endpoint_id, addresses), "dial")
             assert "identity mismatch" not in str(info.value), info.value
             assert worth_retrying(info.value), info.value
-    finally:
-        await bounded(
-            asyncio.gather(client.close(), right.close(), other.close(), filler.close()),
-            "close()",
-        )
 
 
 async def test_an_unanswered_dial_starts_afresh_with_a_new_socket(
