@@ -734,17 +734,21 @@ async def test_the_last_model_sent_before_the_stop_is_not_a_new_round() -> None:
 
 async def test_the_stop_does_not_pass_a_model_still_waiting_for_room() -> None:
     """The coordinator's pipe to a slow client is backed up (paused by hand here) when
-    the last round's model is posted: its sender waits in the connection's line. close()
-    sends the stop after that model, not past it (send_nowait went ahead of the waiting
-    sender, which close() then cancelled: the client never got the model)."""
+    the last rounds' models are posted. close() has the client's sender send the stop
+    after them, not past them (send_nowait went ahead of the waiting sender, which
+    close() then cancelled: the client never got the model)."""
     async with coordinator(np.zeros(4, np.float32), round_timeout=30.0) as c:
         a = client_of(c)
         await a.connect()
         (client,) = c._clients.values()
         conn = client.conn
         conn._write_paused = True  # type: ignore[attr-defined]
-        c._post(client, encode("model", {"r": 8, "open": False, "left": 30.0}, np.ones(4)))
-        await asyncio.sleep(0.1)  # its sender is in line
+        # Round 7's model: its sender waits in line with it. Round 8's: posted behind
+        # it, in no line yet (the stop went before it, a review found, when close()
+        # only waited for the line).
+        for r in (7, 8):
+            c._post(client, encode("model", {"r": r, "open": False, "left": 30.0}, np.ones(4)))
+            await asyncio.sleep(0.1)
 
         async def drains() -> None:
             await asyncio.sleep(0.5)
@@ -755,6 +759,25 @@ async def test_the_stop_does_not_pass_a_model_still_waiting_for_room() -> None:
         await draining
         await wait_until(lambda: a.stopped is not None, "the stop read")
         assert a.latest is not None and a.latest.round == 8, a.latest
+        await a.close()
+
+
+async def test_a_close_cut_short_while_the_stop_waits_still_closes_everything() -> None:
+    """close() waits (up to STOP_AFTER_MODEL) for a model still waiting for room to go
+    before the stop; a close cancelled in that wait (a caller's timeout) left the tasks
+    running and the port listening, and a second close() returned at once (a review)."""
+    async with coordinator(np.zeros(4, np.float32), round_timeout=30.0) as c:
+        a = client_of(c)
+        await a.connect()
+        (client,) = c._clients.values()
+        client.conn._write_paused = True  # type: ignore[attr-defined]  # backed up for good
+        c._post(client, encode("model", {"r": 8, "open": False, "left": 30.0}, np.ones(4)))
+        await asyncio.sleep(0.1)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await c.close()
+        assert not c._tasks, c._tasks
+        assert c._transport is not None and c._transport._closed  # type: ignore[attr-defined]
         await a.close()
 
 

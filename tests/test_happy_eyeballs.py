@@ -249,6 +249,16 @@ async def test_the_peers_own_refusal_outranks_a_stale_addresss_mismatch() -> Non
                 await bounded(client.connect_any(KEYS[1].endpoint_id, addresses), "dial")
             assert "identity mismatch" not in str(info.value), info.value
             assert worth_retrying(info.value), info.value
+        # The rest kept silent until the deadline: the refusal still (it was a bare
+        # "handshake took over N s" naming the address that had refused: a review).
+        with silent_listener(good) as silent:
+            quick = TcpTransport(KEYS[0], TransportConfig(handshake_timeout=1.5))
+            try:
+                addresses = [f"127.0.0.1:{good}", f"{SILENT_HOST}:{silent}"]
+                with pytest.raises(PeerAuthenticationError, match="accept queue full"):
+                    await bounded(quick.connect_any(KEYS[1].endpoint_id, addresses), "dial")
+            finally:
+                await bounded(quick.close(), "close()")
 
 
 async def test_an_unanswered_dial_starts_afresh_with_a_new_socket(

@@ -97,6 +97,9 @@ class _Client:
     latest: tuple[bytes, memoryview] | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     sender: asyncio.Task[None] | None = None
+    stop: tuple[bytes, memoryview] | None = None
+    """The stop its sender sends after the models it has (close())."""
+    stop_sent: bool = False
     ack_round: int = -1
     acks_in_round: int = 0
 
@@ -137,6 +140,8 @@ class Coordinator:
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._closed = False
+        self._stop: tuple[bytes, memoryview] | None = None
+        """The stop message once close() began."""
         self._announced = -1
         self._running_round = False
         self.protocol_errors = 0
@@ -243,22 +248,34 @@ class Coordinator:
             return
         self._closed = True
         self._wake.set()  # wait_for_members and run_round give up (see _check_open)
-        meta, payload = encode("stop", {"why": why, "error": error})
+        self._stop = encode("stop", {"why": why, "error": error})
+        try:
+            # Each client's sender sends the stop after the models it still has (one
+            # waiting for room to a slow client, one posted just now): the stop must not
+            # pass the last round's model. For a moment; then the stop goes at once.
+            senders = []
+            for client in list(self._clients.values()):
+                client.stop = self._stop
+                client.ready.set()
+                if client.sender is not None and not client.sender.done():
+                    senders.append(client.sender)
+            if senders:
+                await asyncio.wait(senders, timeout=STOP_AFTER_MODEL)
+            for client in list(self._clients.values()):  # (joined meanwhile too)
+                self._say_stop(client)
+        finally:  # whatever ends the wait: nothing is left running or listening
+            await cancel_and_wait(self._tasks)  # senders too
+            if self._transport is not None:
+                await asyncio.shield(self._transport.close())
 
-        async def say_stop(conn: Connection) -> None:
-            # After a model still waiting for room to a slow client (its sender is in
-            # the connection's line of senders), for a moment: the stop must not pass
-            # the last round's model. Past that, it goes at once.
-            with contextlib.suppress(P2PError, TimeoutError):
-                async with asyncio.timeout(STOP_AFTER_MODEL):
-                    await conn.drain()
-            with contextlib.suppress(P2PError):
-                conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
-
-        await asyncio.gather(*(say_stop(c.conn) for c in list(self._clients.values())))
-        await cancel_and_wait(self._tasks)  # senders too
-        if self._transport is not None:
-            await asyncio.shield(self._transport.close())
+    def _say_stop(self, client: _Client) -> None:
+        """Send ``client`` the stop now, unless its sender did."""
+        if client.stop is None or client.stop_sent:
+            return
+        client.stop_sent = True
+        meta, payload = client.stop
+        with contextlib.suppress(P2PError):
+            client.conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
 
     # ---- rounds -------------------------------------------------------------------------
 
@@ -392,6 +409,7 @@ class Coordinator:
             client.sender = self._spawn(self._sender(client))
             self._state.join(cid)
             self._post(client, self._model_message())  # a late joiner gets model + round id
+            client.stop = self._stop  # (joined while close() ran: the stop after the model)
             log.info("%s joined (%r); %d members", label, client.name, len(self._clients))
             self._wake.set()
             while True:
@@ -488,9 +506,13 @@ class Coordinator:
     async def _sender(self, client: _Client) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             while True:
-                await client.ready.wait()
+                if client.latest is None and client.stop is None:
+                    await client.ready.wait()
                 client.ready.clear()
                 if client.latest is None:
+                    if client.stop is not None:  # after every model it had: close()
+                        self._say_stop(client)
+                        return
                     continue
                 meta, payload = client.latest
                 client.latest = None

@@ -712,6 +712,8 @@ class TcpTransport(EndpointBase[TcpConnection]):
             if deadline.expired():
                 if conn is not None:
                     conn.abort(PeerTimeoutError(name, "handshake timed out"))
+                if said is not None:  # the peer's own word, before the others kept silent
+                    raise said from None
                 raise PeerTimeoutError(
                     name, f"handshake with {where} took over {self.config.handshake_timeout} s"
                 ) from None
