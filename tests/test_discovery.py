@@ -23,6 +23,7 @@ from zeroconf import NonUniqueNameException
 
 from p2pdist import Group, UsageError
 from p2pdist.discovery import LanDiscovery, dial_order
+from p2pdist.errors import ConnectionBrokenError
 from p2pdist.identity import SecretKey
 
 WORKER = Path(__file__).with_name("discovery_worker.py")
@@ -350,6 +351,39 @@ async def test_a_group_of_one_rank_opens_nothing() -> None:
     """Neither peers nor relay at world 1: no socket, no announcement."""
     async with Group.from_seed(SEED, rank=0, world=1) as g:
         assert g.size == 1 and g._discovery is None and g._transport is None
+
+
+async def test_each_discovery_round_starts_the_race_at_the_next_address() -> None:
+    """An address that always wins the TCP race and then fails its handshake (another
+    service on that port) would win every round's race, in the same order: each round
+    starts at the next address instead (a review)."""
+    group = Group.from_seed("rotating-race-seed-0123", rank=1, world=2)  # (not started)
+    orders: list[list[str]] = []
+
+    class Discovery:
+        found: ClassVar[dict[Any, list[str]]] = {}
+
+        async def lookup(self, peer: Any) -> list[str]:
+            return ["10.1.0.1:1", "10.2.0.1:1", "10.3.0.1:1"]
+
+        def forget(self, peer: Any) -> None:
+            pass
+
+    class Connected:
+        remote_address = ("10.3.0.1", 1)
+
+    class Transport:
+        async def connect_any(self, peer: Any, addresses: list[str], label: str) -> Connected:
+            orders.append(list(addresses))
+            if len(orders) < 3:
+                raise ConnectionBrokenError(label, "connection lost")  # worth retrying
+            return Connected()
+
+    group._discovery = Discovery()  # type: ignore[assignment]
+    got = await asyncio.wait_for(group._dial_found(Transport(), 0), 15)  # type: ignore[arg-type]
+    assert isinstance(got, Connected)
+    assert [order[0] for order in orders] == ["10.1.0.1:1", "10.2.0.1:1", "10.3.0.1:1"]
+    assert all(sorted(order) == sorted(orders[0]) for order in orders)
 
 
 async def test_a_lone_address_that_drops_what_it_is_sent_is_cut_short_too() -> None:
