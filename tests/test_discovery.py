@@ -353,6 +353,28 @@ async def test_a_group_of_one_rank_opens_nothing() -> None:
         assert g.size == 1 and g._discovery is None and g._transport is None
 
 
+class FakeDiscovery:
+    """A LanDiscovery stand-in for ``_dial_found``: each lookup answers the next of
+    ``answers`` (the last one again once they are used up)."""
+
+    def __init__(self, *answers: list[str]) -> None:
+        self.answers = list(answers)
+        self.found: dict[Any, list[str]] = {}
+
+    async def lookup(self, peer: Any) -> list[str]:
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+    def forget(self, peer: Any) -> None:
+        pass
+
+
+class Connected:
+    """What a stand-in transport's ``connect_any`` returns: a connection from ``ip``."""
+
+    def __init__(self, ip: str) -> None:
+        self.remote_address = (ip, 1)
+
+
 async def test_each_discovery_round_starts_the_race_at_the_next_address() -> None:
     """An address that always wins the TCP race and then fails its handshake (another
     service on that port) would win every round's race, in the same order: each round
@@ -360,26 +382,14 @@ async def test_each_discovery_round_starts_the_race_at_the_next_address() -> Non
     group = Group.from_seed("rotating-race-seed-0123", rank=1, world=2)  # (not started)
     orders: list[list[str]] = []
 
-    class Discovery:
-        found: ClassVar[dict[Any, list[str]]] = {}
-
-        async def lookup(self, peer: Any) -> list[str]:
-            return ["10.1.0.1:1", "10.2.0.1:1", "10.3.0.1:1"]
-
-        def forget(self, peer: Any) -> None:
-            pass
-
-    class Connected:
-        remote_address = ("10.3.0.1", 1)
-
     class Transport:
         async def connect_any(self, peer: Any, addresses: list[str], label: str) -> Connected:
             orders.append(list(addresses))
             if len(orders) < 3:
                 raise ConnectionBrokenError(label, "connection lost")  # worth retrying
-            return Connected()
+            return Connected("10.3.0.1")
 
-    group._discovery = Discovery()  # type: ignore[assignment]
+    group._discovery = FakeDiscovery(["10.1.0.1:1", "10.2.0.1:1", "10.3.0.1:1"])  # type: ignore[assignment]
     got = await asyncio.wait_for(group._dial_found(Transport(), 0), 15)  # type: ignore[arg-type]
     assert isinstance(got, Connected)
     assert [order[0] for order in orders] == ["10.1.0.1:1", "10.2.0.1:1", "10.3.0.1:1"]
@@ -392,29 +402,17 @@ async def test_a_lone_address_that_drops_what_it_is_sent_is_cut_short_too() -> N
     a whole connect_timeout (a CI run failed so): now it is cut after FOUND_DIAL_BOUND
     and the next round asks the network again, which names the address that works."""
     group = Group.from_seed("lone-address-seed-0123", rank=1, world=2)  # (not started)
-    answers = [["10.99.0.1:1"], ["10.77.0.1:1"]]
+    discovery = FakeDiscovery(["10.99.0.1:1"], ["10.77.0.1:1"])
     dialed: list[str] = []
-
-    class Discovery:
-        found: ClassVar[dict[Any, list[str]]] = {}
-
-        async def lookup(self, peer: Any) -> list[str]:
-            return answers.pop(0) if len(answers) > 1 else answers[0]
-
-        def forget(self, peer: Any) -> None:
-            pass
-
-    class Connected:
-        remote_address = ("10.77.0.1", 1)
 
     class Transport:
         async def connect_any(self, peer: Any, addresses: list[str], label: str) -> Connected:
             dialed.extend(addresses)
             if addresses[0].startswith("10.99."):
                 await asyncio.sleep(3600)  # dropped: no answer, ever
-            return Connected()
+            return Connected("10.77.0.1")
 
-    group._discovery = Discovery()  # type: ignore[assignment]
+    group._discovery = discovery  # type: ignore[assignment]
     got = await asyncio.wait_for(group._dial_found(Transport(), 0), 15)  # type: ignore[arg-type]
     assert isinstance(got, Connected) and dialed[-1] == "10.77.0.1:1", dialed
-    assert Discovery.found[group._ids[0]] == ["10.77.0.1:1"]
+    assert discovery.found[group._ids[0]] == ["10.77.0.1:1"]
