@@ -97,9 +97,8 @@ class _Client:
     latest: tuple[bytes, memoryview] | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     sender: asyncio.Task[None] | None = None
-    stop: tuple[bytes, memoryview] | None = None
-    """The stop its sender sends after the models it has (close())."""
     stop_sent: bool = False
+    """Whether close()'s stop went to it (its sender sends it after its models)."""
     ack_round: int = -1
     acks_in_round: int = 0
 
@@ -255,7 +254,6 @@ class Coordinator:
             # pass the last round's model. For a moment; then the stop goes at once.
             senders = []
             for client in list(self._clients.values()):
-                client.stop = self._stop
                 client.ready.set()
                 if client.sender is not None and not client.sender.done():
                     senders.append(client.sender)
@@ -269,11 +267,11 @@ class Coordinator:
                 await asyncio.shield(self._transport.close())
 
     def _say_stop(self, client: _Client) -> None:
-        """Send ``client`` the stop now, unless its sender did."""
-        if client.stop is None or client.stop_sent:
+        """Send ``client`` close()'s stop now, unless it went already."""
+        if self._stop is None or client.stop_sent:
             return
         client.stop_sent = True
-        meta, payload = client.stop
+        meta, payload = self._stop
         with contextlib.suppress(P2PError):
             client.conn.send_nowait(CLIENT_CHANNEL, payload, meta=meta)
 
@@ -409,7 +407,6 @@ class Coordinator:
             client.sender = self._spawn(self._sender(client))
             self._state.join(cid)
             self._post(client, self._model_message())  # a late joiner gets model + round id
-            client.stop = self._stop  # (joined while close() ran: the stop after the model)
             log.info("%s joined (%r); %d members", label, client.name, len(self._clients))
             self._wake.set()
             while True:
@@ -506,11 +503,11 @@ class Coordinator:
     async def _sender(self, client: _Client) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             while True:
-                if client.latest is None and client.stop is None:
+                if client.latest is None and self._stop is None:
                     await client.ready.wait()
                 client.ready.clear()
                 if client.latest is None:
-                    if client.stop is not None:  # after every model it had: close()
+                    if self._stop is not None:  # after every model it had: close()
                         self._say_stop(client)
                         return
                     continue

@@ -30,7 +30,7 @@ from ..errors import (
     PeerTimeoutError,
     RemoteProtocolError,
 )
-from ..transport.base import NOT_ADMITTED, Connection
+from ..transport.base import NOT_ADMITTED, Connection, is_identity_mismatch
 from ..transport.dial import dial_with_retry, retry_pauses, worth_retrying
 from ..transport.paths import path_key
 from ..transport.quic import QuicTransport
@@ -331,7 +331,7 @@ class Forming(Membership):
                     if _FORMED_ALREADY in exc.detail:
                         await form.refused_by(r, label, exc.detail)
                         continue
-                    if "identity mismatch" in exc.detail:
+                    if is_identity_mismatch(exc):
                         # The process there holds another key than this seed gives rank r.
                         raise PeerAuthenticationError(
                             label,

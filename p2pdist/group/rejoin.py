@@ -34,7 +34,7 @@ from ..errors import (
     UsageError,
 )
 from ..tasks import cancel_and_wait
-from ..transport.base import Connection
+from ..transport.base import Connection, is_identity_mismatch
 from ..transport.dial import retry_pauses
 from ..transport.mailbox import split_channel
 from ..transport.quic import QuicTransport
@@ -450,7 +450,7 @@ class Rejoining(Forming):
             try:
                 conn = await self._dial(transport, rank)
             except PeerAuthenticationError as exc:
-                if "identity mismatch" in exc.detail:  # another key than this seed gives it
+                if is_identity_mismatch(exc):  # another key than this seed gives it
                     hint = "do all ranks use the same seed and the same peers list, in rank order?"
                 else:
                     hint = (

@@ -6,12 +6,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from ..errors import UsageError
+from ..errors import PeerAuthenticationError, UsageError
 from ..identity import EndpointId
 from ..settings import check_int, check_seconds
 from ..wire.frames import Frame, FrameLimits
 
 __all__ = [
+    "IDENTITY_MISMATCH",
+    "is_identity_mismatch",
     "NOT_ADMITTED",
     "Address",
     "Connection",
@@ -26,6 +28,16 @@ NOT_ADMITTED = "is not allowed to connect here"
 ACCEPT_QUEUE_FULL = "accept queue full"
 """Why a dial is refused while ``TransportConfig.max_accept_queue`` connections wait for
 ``accept()`` (a passing state: the dialer may try again)."""
+
+
+IDENTITY_MISMATCH = "identity mismatch"
+"""How a handshake says the other end is another endpoint than the one dialed."""
+
+
+def is_identity_mismatch(exc: BaseException) -> bool:
+    """Whether a dial failed because the other end is another endpoint (a stale address,
+    another seed's key): as opposed to the peer itself refusing or failing."""
+    return isinstance(exc, PeerAuthenticationError) and IDENTITY_MISMATCH in exc.detail
 
 
 def routine_refusal(reason: str) -> bool:

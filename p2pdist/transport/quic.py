@@ -31,7 +31,7 @@ from ..errors import (
 )
 from ..identity import EndpointId, SecretKey
 from ..wire.probe import DatagramKind, classify
-from .base import Address, TransportConfig
+from .base import IDENTITY_MISMATCH, Address, TransportConfig
 from .framed import EndpointBase, FramedConnection
 from .holepunch import HolePuncher, PunchingUnavailable
 from .pathinfo import PathInfo, PathStats, single_path
@@ -354,7 +354,7 @@ class QuicTransport(EndpointBase[QuicConnection]):
         """Why a dialer whose certificate carries ``presented`` is refused, or None."""
         if isinstance(route, RelayRoute) and presented != route.peer:
             return (
-                f"identity mismatch: the relay authenticated {route.peer}, "
+                f"{IDENTITY_MISMATCH}: the relay authenticated {route.peer}, "
                 f"the certificate presents {presented}"
             )
         return self.refusal_for(presented)

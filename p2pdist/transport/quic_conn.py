@@ -42,6 +42,7 @@ from ..errors import (
 )
 from ..identity import EndpointId
 from ..tls import endpoint_id_of_cert
+from .base import IDENTITY_MISMATCH
 from .framed import FLUSH_STALL, FramedConnection
 from .pathinfo import LossInfo
 from .paths import PathKind, RelayRoute, Route, UdpAddress, UdpRoute
@@ -272,7 +273,7 @@ class QuicConnection(FramedConnection):
             pass
         elif not self._server_side:
             if presented != self._peer:
-                refusal = f"identity mismatch: expected {self._peer}, presented {presented}"
+                refusal = f"{IDENTITY_MISMATCH}: expected {self._peer}, presented {presented}"
         else:
             try:  # the application's accept policy: its failure refuses, never escapes
                 refusal = self._owner._refusal(self._route, presented)

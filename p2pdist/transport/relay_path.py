@@ -54,6 +54,7 @@ from ..wire.relay import (
     upgrade_request,
 )
 from .aeadpipe import new_secret
+from .base import IDENTITY_MISMATCH
 from .happyeyeballs import connect_tcp, connection_on
 from .paths import plain_ip
 from .proxytunnel import open_tunnel
@@ -448,7 +449,7 @@ class RelayPath:
                 proto.close()
                 raise _RefusedByRelay(
                     f"relay {url}",
-                    f"identity mismatch: expected {url.pin}, presented {presented}",
+                    f"{IDENTITY_MISMATCH}: expected {url.pin}, presented {presented}",
                     "pin_mismatch",
                 )
         self._cert_hash = cert_fingerprint(der)

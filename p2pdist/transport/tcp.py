@@ -36,7 +36,7 @@ from ..settings import as_int
 from ..tasks import cancel_and_wait
 from ..wire.handshake import RecordReader
 from .aeadpipe import CIPHER, MAX_RECORD, AeadPipe, RecordError
-from .base import Address, TransportConfig
+from .base import Address, TransportConfig, is_identity_mismatch
 from .framed import EndpointBase
 from .happyeyeballs import connect_tcp_any, connection_on
 from .listener import Listener
@@ -152,11 +152,6 @@ def _port_text(text: str) -> int | None:
     """A port written in ASCII digits only (``int()`` would also take " 80", "+80",
     "8_0" and other scripts' digits), or None."""
     return int(text) if text.isascii() and text.isdigit() else None
-
-
-def _is_mismatch(exc: P2PError) -> bool:
-    """Whether a handshake failed because the other end is another endpoint."""
-    return isinstance(exc, PeerAuthenticationError) and "identity mismatch" in exc.detail
 
 
 def _without(
@@ -698,7 +693,7 @@ class TcpTransport(EndpointBase[TcpConnection]):
                     except P2PError as exc:
                         if isinstance(exc, ConnectionClosedError):
                             raise  # closed here: no address will do
-                        if not _is_mismatch(exc):
+                        if not is_identity_mismatch(exc):
                             said = exc
                         elif mismatch is None:
                             mismatch = exc

@@ -35,6 +35,7 @@ from ..wire.handshake import (
     get_bytes,
 )
 from .aeadpipe import CIPHER, AeadPipe, RecordError, new_secret
+from .base import IDENTITY_MISMATCH
 from .framed import FramedConnection
 from .tlspipe import TlsPipe
 
@@ -142,7 +143,7 @@ class TcpHandshake(FramedConnection):
         if presented != self._peer:
             raise PeerAuthenticationError(
                 self.label,
-                f"identity mismatch: expected {self._peer}, presented {presented}",
+                f"{IDENTITY_MISMATCH}: expected {self._peer}, presented {presented}",
             )
 
     async def client_handshake(self) -> None:
@@ -172,7 +173,7 @@ class TcpHandshake(FramedConnection):
             raise RemoteProtocolError(self.label, str(exc)) from None
         if presented != expected:
             raise PeerAuthenticationError(
-                self.label, f"identity mismatch: expected {expected}, presented {presented}"
+                self.label, f"{IDENTITY_MISMATCH}: expected {expected}, presented {presented}"
             )
         if self._cfg.tls:
             sealed = rec.get("records") == CIPHER and self._cfg.sealed_records
@@ -220,7 +221,7 @@ class TcpHandshake(FramedConnection):
             )
         elif want != bytes(owner.endpoint_id):
             wanted = base64.b32encode(want).decode().rstrip("=").lower()
-            refusal = f"identity mismatch: expected {wanted}, presented {owner.endpoint_id}"
+            refusal = f"{IDENTITY_MISMATCH}: expected {wanted}, presented {owner.endpoint_id}"
         else:
             refusal = owner.refusal_for(client)
         cert = rec.get("cert")
