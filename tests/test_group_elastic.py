@@ -823,6 +823,31 @@ async def test_a_rank_that_dies_silently_rejoins_through_a_relay_at_once(
             await asyncio.gather(*(g.close() for g in gs))
 
 
+def ends_on_rejoin(survivor: Group, how: str) -> None:
+    """Make ``survivor`` end after a rejoining rank's dial reached it and before its
+    hello: it "dies" (every socket, its listener too), "closes" on purpose, or "is
+    closing" already when the dial comes."""
+    take_back = survivor._take_back
+
+    async def ends(rank: int, conn: Any) -> None:
+        if how == "is closing":
+            closing = asyncio.ensure_future(survivor.close())
+            await asyncio.sleep(0)
+            await take_back(rank, conn)
+            await closing
+        elif how == "closes":
+            await asyncio.sleep(0.3)
+            await survivor.close()
+        else:
+            await asyncio.sleep(0.3)
+            crash(survivor)
+            conn._transport.abort()  # the rejoiner's connection goes with it
+            assert survivor._transport is not None
+            await survivor._transport.close()  # and its listener: a dead process
+
+    survivor._take_back = ends  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize("how", ["dies", "closes", "is closing"])
 async def test_a_survivor_that_ends_while_a_rank_rejoins_does_not_fail_the_rejoin(
     how: str,
@@ -836,25 +861,7 @@ async def test_a_survivor_that_ends_while_a_rank_rejoins_does_not_fail_the_rejoi
     async with groups(3, config=LEAVE) as gs:
         crash(gs[2])
         await until_left(gs[:2], 2)
-        take_back = gs[1]._take_back
-
-        async def ends(rank: int, conn: Any) -> None:
-            if how == "is closing":
-                closing = asyncio.ensure_future(gs[1].close())
-                await asyncio.sleep(0)
-                await take_back(rank, conn)
-                await closing
-            elif how == "closes":
-                await asyncio.sleep(0.3)
-                await gs[1].close()
-            else:
-                await asyncio.sleep(0.3)
-                crash(gs[1])
-                conn._transport.abort()  # the rejoiner's connection goes with it
-                assert gs[1]._transport is not None
-                await gs[1]._transport.close()  # and its listener: a dead process
-
-        gs[1]._take_back = ends  # type: ignore[method-assign]
+        ends_on_rejoin(gs[1], how)
         await gs[2].close()
         back = rejoiner(gs[2])
         try:
@@ -885,19 +892,7 @@ async def test_the_only_survivor_closing_while_a_rank_rejoins_fails_the_rejoin_a
     async with groups(2, config=LEAVE, timeout=5) as gs:
         crash(gs[1])
         await until_left(gs[:1], 1)
-        take_back = gs[0]._take_back
-
-        async def ends(rank: int, conn: Any) -> None:
-            if how == "is closing":
-                closing = asyncio.ensure_future(gs[0].close())
-                await asyncio.sleep(0)
-                await take_back(rank, conn)
-                await closing
-            else:
-                await asyncio.sleep(0.3)
-                await gs[0].close()
-
-        gs[0]._take_back = ends  # type: ignore[method-assign]
+        ends_on_rejoin(gs[0], how)
         await gs[1].close()
         back = rejoiner(gs[1])
         started = asyncio.get_running_loop().time()
