@@ -68,7 +68,8 @@ def _write_atomically(path: Path, text: str) -> None:
 async def run(config: RelayConfig, *, exiting: bool = False) -> int:
     """Serve until SIGTERM/SIGINT, then shut down gracefully; returns the exit status.
 
-    SIGHUP reloads the allowlist and the certificate. During the drain (bounded by
+    SIGHUP reloads the allowlist and the certificate (one that comes while the relay
+    starts does so once it listens). During the drain (bounded by
     ``drain_timeout``) a reload is skipped and another stop signal changes nothing: the
     default action must not kill the process mid-drain. ``exiting``: the process ends
     when this returns (``p2pdist-relay``), so these signals stay without effect from
@@ -79,19 +80,26 @@ async def run(config: RelayConfig, *, exiting: bool = False) -> int:
     log.info(kv("event_loop", loop=eventloop.loop_name(loop)))
     server = RelayServer(config)
     stop = asyncio.Event()
+    reload_when_started = False
 
     def on_signal(sig: signal.Signals) -> None:
+        nonlocal reload_when_started
         if sig != signal.SIGHUP:
             stop.set()
         elif stop.is_set():
             log.info(kv("reload_skipped", why="stopping"))
         elif server.url:
             server.reload()
+        else:  # start may have read the files before they changed: read them again after
+            log.info(kv("reload_deferred", why="starting"))
+            reload_when_started = True
 
     # In before the url line: whoever reads it may signal at once.
     signals = ProcessSignals(loop, on_signal) if exiting else LoopSignals(loop, on_signal)
     try:
         await server.start()
+        if reload_when_started and not stop.is_set():
+            server.reload()
         if config.url_file is not None:
             _write_atomically(config.url_file, server.url + "\n")
         print(f"relay url: {server.url}", flush=True)

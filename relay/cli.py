@@ -18,7 +18,14 @@ from typing import Any
 
 from p2pdist import __version__
 
-from .config import TOKEN_ENV, ConfigError, RelayConfig, coerce, normalize_keys
+from .config import (
+    BURST_WITHOUT_RATE,
+    TOKEN_ENV,
+    ConfigError,
+    RelayConfig,
+    coerce,
+    normalize_keys,
+)
 from .logfmt import kv
 
 __all__ = ["build_parser", "load_config", "read_config_file"]
@@ -101,7 +108,11 @@ def load_config(
     except ConfigError as exc:  # a value of the wrong kind in the file
         raise ConfigError(f"config file {config_path}: {exc}") from None
     try:
-        return RelayConfig(**{**typed, **coerce(merged)})
+        config = RelayConfig(**{**typed, **coerce(merged)})
+        if not config.rate and ("burst" in given or "burst" in from_file):
+            # RelayConfig sees only a value, which may equal burst's default.
+            raise ConfigError(BURST_WITHOUT_RATE)
+        return config
     except ConfigError as exc:
         # A value the file gave (and no flag or variable replaced) is the file's to fix.
         setting = str(exc).split(" ", 1)[0].replace("-", "_")

@@ -22,7 +22,15 @@ from p2pdist.eventloop import LOOP_CHOICES
 from p2pdist.transport.relay_config import CLIENT_KEEPALIVE
 from p2pdist.wire.relay import MAX_BODY, MAX_KEEPALIVE, MAX_TOKEN_BYTES, ascii_host
 
-__all__ = ["ConfigError", "RelayConfig", "coerce", "from_mapping", "normalize_keys", "option_names"]
+__all__ = [
+    "BURST_WITHOUT_RATE",
+    "ConfigError",
+    "RelayConfig",
+    "coerce",
+    "from_mapping",
+    "normalize_keys",
+    "option_names",
+]
 
 TOKEN_ENV = "P2PDIST_RELAY_TOKEN"
 MIN_INTERVAL = 0.1
@@ -31,6 +39,7 @@ MAX_PROXY_HOPS = 16
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PROXY_CERTS = ("relay", "own")
 """Values of ``proxy-certs``: whose certificates the proxy in front of the http-port serves."""
+BURST_WITHOUT_RATE = "burst is the rate's bucket: set rate too (0 is unlimited)"
 EVENT_LOOPS = LOOP_CHOICES
 """The names ``--loop`` takes: p2pdist.eventloop's, so the relay and the library agree."""
 
@@ -400,7 +409,7 @@ def _validate(c: RelayConfig) -> None:
         )
     _positive("rate", c.rate, allow_zero=True)
     if not c.rate and c.burst != _default("burst"):
-        raise ConfigError("burst is the rate's bucket: set rate too (0 is unlimited)")
+        raise ConfigError(BURST_WITHOUT_RATE)
     if c.rate and c.burst < MAX_BODY:
         raise ConfigError(
             f"burst must be at least {MAX_BODY} bytes when rate is set, got {c.burst}: "

@@ -63,7 +63,9 @@ class Metrics:
     auth_ok_total: int = _counter("clients authenticated")
     replaced_total: int = _counter("connections replaced by a newer one with the same id")
     bytes_in_total: int = _counter("bytes read from clients (after TLS)")
-    bytes_out_total: int = _counter("bytes written to clients (before TLS)")
+    bytes_out_total: int = _counter(
+        "bytes written to clients (before TLS; WebSocket headers and controls included)"
+    )
     datagrams_in_total: int = _counter("SEND frames received")
     datagrams_out_total: int = _counter("RECV frames queued to destinations")
     peer_gone_total: int = _counter("PEER_GONE frames queued to clients")

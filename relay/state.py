@@ -583,10 +583,15 @@ class RelayCore(Inbound):
             return
         data, s.out = s.out, bytearray()  # the link keeps ``data``: never reused here
         if s.phase is not Phase.CLOSED:
-            self.metrics.bytes_out_total += len(data)
             if s.websocket is not None:
                 data[:0] = ws_header(len(data))  # one memmove, no copy of the batch
-            s.link.write(data)
+            self._send(s, data)
+
+    def _send(self, s: Session, data: bytearray) -> None:
+        """Write ``data`` to ``s``'s link, counted in ``bytes_out_total`` (every byte the
+        relay writes goes through here: batches, WebSocket PONGs and CLOSEs)."""
+        self.metrics.bytes_out_total += len(data)
+        s.link.write(data)
 
     def _has_room(self, s: Session, frame: bytes | bytearray) -> bool:
         """Whether ``frame`` fits in ``s``'s queue (``queue_bytes``)."""
@@ -631,7 +636,7 @@ class RelayCore(Inbound):
             s.out += frame
         self._write_batch(s)
         if s.websocket is not None:
-            s.link.write(ws_frame(close_code or _ws_close_code(event), Opcode.CLOSE, masked=False))
+            self._send(s, ws_frame(close_code or _ws_close_code(event), Opcode.CLOSE, masked=False))
         level = logging.DEBUG if quiet else logging.INFO
         extra = dict(fields or {})
         if level == logging.INFO and s.phase is not Phase.ACTIVE:

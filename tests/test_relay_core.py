@@ -832,6 +832,20 @@ def test_a_bad_value_is_blamed_on_where_it_came_from(tmp_path: Path) -> None:
     assert load_config(["--config", str(limit), "--max-clients", "5"], environ={}).max_clients == 5
 
 
+def test_burst_without_rate_is_refused_even_at_its_default_value(tmp_path: Path) -> None:
+    """``--burst 1048576`` without ``--rate`` was taken: equal to the default, the
+    config could not tell it was given, and the operator's bucket silently did nothing."""
+    default = str(RelayConfig().burst)
+    with pytest.raises(ConfigError, match=r"^burst is the rate's bucket"):
+        load_config(["--burst", default], environ={})
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(f"burst = {default}\n")
+    with pytest.raises(ConfigError, match=r"^config file .*: burst is the rate's bucket"):
+        load_config(["--config", str(cfg)], environ={})
+    assert load_config(["--config", str(cfg), "--rate", "1000000"], environ={}).rate == 1000000
+    assert load_config([], environ={}).burst == RelayConfig().burst
+
+
 def test_stun_alt_port_defaults_and_config_file(tmp_path: Path) -> None:
     assert RelayConfig().effective_stun_alt_port(8443) == (8444, False)
     assert RelayConfig().effective_stun_alt_port(0) == (0, False)  # STUN off: none

@@ -87,3 +87,31 @@ async def test_after_close_a_signal_is_dropped() -> None:
     signal.raise_signal(signal.SIGHUP)  # ignored: neither delivered nor the default action
     await asyncio.sleep(0.05)
     assert seen == []
+
+
+@pytest.mark.usefixtures("handlers_restored")
+async def test_a_sighup_while_the_relay_starts_reloads_once_it_listens(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A SIGHUP before the relay listened was dropped without a word, though start may
+    have read the allowlist and the certificate before the operator changed them."""
+    import relay.__main__ as relay_main
+    from relay.config import RelayConfig
+    from relay.server import RelayServer
+
+    start, reloads = RelayServer.start, []
+
+    async def slow_start(self: RelayServer) -> None:
+        signal.raise_signal(signal.SIGHUP)
+        await asyncio.sleep(0.05)  # the loop's handler runs while start is under way
+        assert reloads == []
+        await start(self)
+        signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(RelayServer, "start", slow_start)
+    monkeypatch.setattr(RelayServer, "reload", lambda self: reloads.append(self.url))
+    caplog.set_level("INFO", logger="relay")
+    config = RelayConfig(host="127.0.0.1", port=0, stun_port=0)
+    assert await asyncio.wait_for(relay_main.run(config), 30) == 0
+    assert len(reloads) == 1 and reloads[0]  # once, and once the relay had its url
+    assert "reload_deferred why=starting" in caplog.text

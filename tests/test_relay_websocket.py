@@ -284,6 +284,32 @@ def test_a_client_close_frame_ends_the_session_and_is_answered() -> None:
     assert c.clients == 0 and link.closed and link.controls[-1] == (Opcode.CLOSE, b"\x03\xe8")
 
 
+def test_bytes_out_counts_every_byte_written_pongs_and_closes_too() -> None:
+    """bytes_out_total left out WebSocket PONGs, CLOSEs and frame headers: a client
+    pinging without end made the relay write bytes its metrics never showed."""
+    c = core()
+    s, link, _ = ws_upgrade(c)
+    assert c.metrics.bytes_out_total == len(link.data)  # the 101 and the CHALLENGE
+    written = len(link.data)
+    link.head()
+    link.ws_frames()
+    write = link.write
+
+    def counted(data: bytes) -> None:
+        nonlocal written
+        written += len(data)
+        write(data)
+
+    link.write = counted  # type: ignore[method-assign]
+    c.receive(s, auth_frame_ws(KEYS[0]), 0.0)
+    for _ in range(3):
+        c.receive(s, frame(b"x" * 100, Opcode.PING, masked=True), 0.0)
+    c.receive(s, close_frame(1000, masked=True), 0.0)
+    link.ws_frames()
+    assert [op for op, _ in link.controls] == [Opcode.PONG] * 3 + [Opcode.CLOSE]
+    assert c.metrics.bytes_out_total == written
+
+
 def auth_frame_ws(key: SecretKey) -> bytes:
     return frame(auth_frame(key), masked=True)
 
