@@ -368,3 +368,18 @@ async def test_group_averaging_takes_device_updates(xp: Any) -> None:
         assert all(o.applied for o in outs)
         for f in feds:  # weights 1 and 3: (1 + 12) / 4
             np.testing.assert_array_equal(f.model, np.full(4, 3.25, np.float32))
+
+
+def test_unpack_writes_into_strided_host_arrays() -> None:
+    """unpack wrote a host array through reshape(-1), a copy for a strided array: the
+    values were lost without an error (GradientBuckets refuses those; unpack alone not)."""
+    from p2pdist.group.devices import pack, unpack
+
+    base = np.zeros((4, 6), np.float32)
+    strided, plain = base[:, ::2], np.zeros(5, np.float32)
+    flat = np.arange(strided.size + plain.size, dtype=np.float32)
+    unpack(flat, [strided, plain])
+    assert np.array_equal(strided.ravel(), flat[:12]) and np.array_equal(plain, flat[12:])
+    again = np.empty_like(flat)
+    pack([strided, plain], again)
+    assert np.array_equal(again, flat)

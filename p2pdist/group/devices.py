@@ -296,7 +296,7 @@ def unpack(flat: np.ndarray, arrays: Sequence[Any]) -> None:
     for a in arrays:
         start, offset = offset, offset + a.size
         if not is_device_array(a):
-            a.reshape(-1)[:] = flat[start:offset]
+            np.copyto(a, flat[start:offset].reshape(a.shape))  # a strided array too
             continue
         cp = cp or _cupy()
         device = a.device

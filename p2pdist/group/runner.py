@@ -394,7 +394,7 @@ class Runner(Rejoining, Reserving):
         if deadline < root._watchdog_at:
             root._arm_watchdog(deadline)
         lost: CallFailure | None = None
-        expired = closed = False
+        expired = closed = told = False
         try:
             try:
                 # IEEE arithmetic whatever the caller's np.errstate says: under "raise",
