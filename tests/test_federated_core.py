@@ -576,6 +576,17 @@ def test_median_of_even_count_and_trimmed_mean_by_hand() -> None:
     assert aggregate(xs5, [1] * 5, "trimmed_mean", 0.2, np.dtype(np.float64))[0] == 2.0
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int32, np.uint8])
+@pytest.mark.parametrize("rule", ["mean", "median", "trimmed_mean"])
+def test_an_aggregate_owns_its_memory_not_the_stack_of_updates(rule: str, dtype: type) -> None:
+    """An odd-count median is one row of the sorted stack of every update: returned as a
+    view, the model kept n times its size alive for as long as it lived."""
+    xs = [np.full((3, 4), v, dtype) for v in (5, 1, 3)]
+    out = aggregate(xs, [1] * 3, rule, 0.0, np.dtype(dtype))
+    assert out.shape == (3, 4) and out.dtype == dtype and int(out[0, 0]) == 3
+    assert out.base is None or out.base.nbytes == out.nbytes
+
+
 def test_aggregate_bits_do_not_depend_on_the_machine_order_only_on_the_input_order() -> None:
     rng = np.random.default_rng(1)
     xs = [rng.standard_normal(999).astype(np.float32) for _ in range(5)]

@@ -185,8 +185,8 @@ def aggregate(
     n = len(updates)
     if rule == "median":
         mid = n // 2
-        if n % 2:  # (a copy: a view would keep the whole stack alive)
-            return _rounded(stacked[mid].reshape(shape).copy(), dtype)
+        if n % 2:  # (_rounded makes a new array: a view would keep the stack alive)
+            return _rounded(stacked[mid].reshape(shape), dtype)
         low, high = stacked[mid - 1], stacked[mid]
         with np.errstate(over="ignore"):
             out = (low + high) * 0.5
