@@ -1209,6 +1209,29 @@ async def test_concurrent_senders_to_a_backed_up_pipe_take_turns(tls: bool) -> N
         await bounded(asyncio.gather(*sends), "the sends")
 
 
+async def test_no_keepalive_ping_while_writing_is_paused() -> None:
+    """A PING per keepalive interval went into a write buffer the peer was not taking
+    (the bytes already queued keep the peer's timer fed); once writing resumes, so do
+    the PINGs."""
+    async with tcp_pair(False, keepalive_interval=0.05, idle_timeout=60.0) as p:
+        conn = p.client
+
+        async def pinged_after(number: int) -> bool:
+            for _ in range(1000):  # up to 10 s
+                if conn._ping_number > number:  # type: ignore[attr-defined]
+                    return True
+                await asyncio.sleep(0.01)
+            return False
+
+        assert await pinged_after(0)  # the timer runs
+        conn._write_paused = True  # type: ignore[attr-defined]
+        paused_at = conn._ping_number  # type: ignore[attr-defined]
+        await asyncio.sleep(0.4)  # eight intervals
+        assert conn._ping_number == paused_at  # type: ignore[attr-defined]
+        conn._resume_writing()  # type: ignore[attr-defined]
+        assert await pinged_after(paused_at)
+
+
 async def test_the_line_of_senders_survives_cancels_and_ends() -> None:
     """The senders' line (writing paused by hand here, the peer reading): a head that is
     cancelled hands over nothing and the next goes on; drain() waits behind the line;
