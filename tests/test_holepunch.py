@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import socket
 import types
@@ -517,6 +518,23 @@ async def test_a_close_whose_path_fell_back_while_it_waited_still_delivers() -> 
         assert ca._flush_stalled() == punch.path_timeout + punch.keepalive
         ca._fell_back_at = asyncio.get_running_loop().time() - 60.0
         assert ca._flush_stalled() == 0.0
+
+
+async def test_only_a_fall_back_from_a_direct_path_counts_as_one_for_the_close() -> None:
+    """A relayed connection whose datagrams shrink (a new relay session) changes its
+    path too, but falls back from nothing: its close must not wait as after a fallback.
+    A direct path that dies does count."""
+    async with relayed_pair(PunchConfig(enabled=False)) as (ta, _tb, ca, _cb):
+        assert ca.path_kind == "relay"
+        ta._on_relay_datagram_size(1200)  # smaller than what the route builds now
+        assert ca.route.relay_datagram == 1200  # type: ignore[union-attr]  # it resized
+        assert ca._fell_back_at == -math.inf
+    async with relayed_pair() as (ta, _tb, ca, _cb):
+        await wait_until(lambda: ca.path_kind == "direct", "a direct path")
+        ta._on_relay_datagram_size(1200)
+        assert ca._fell_back_at == -math.inf
+        ta._path_change(B.endpoint_id, None, None, "dead")
+        assert ca.path_kind == "relay" and ca._fell_back_at > -math.inf
 
 
 async def test_a_close_on_a_working_direct_path_does_not_wait_for_a_fallback() -> None:
