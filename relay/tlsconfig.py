@@ -45,6 +45,11 @@ from .logfmt import kv
 
 __all__ = ["RelayTls", "load_or_create_key"]
 
+ENCRYPTED_KEY = (
+    "the key is encrypted (passphrase-protected): the relay needs an unencrypted PEM key "
+    "(mode 0600), as certbot writes"
+)
+
 log = logging.getLogger(__name__)
 
 
@@ -299,11 +304,17 @@ def _load_chain(
         raise ConfigError(f"cannot load certificate {cert_path} with key {key_path}: {mismatch}")
     try:
         with _pem_file(chain_pem) as chain, _pem_file(key_pem) as key:
-            ctx.load_cert_chain(chain, key)
+            # A password callback: for an encrypted key OpenSSL would otherwise ask on
+            # the controlling terminal, holding the event loop until someone typed.
+            ctx.load_cert_chain(chain, key, password=_no_passphrase)
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(
             f"cannot load certificate {cert_path} with key {key_path}: {exc}"
         ) from None
+
+
+def _no_passphrase() -> bytes:
+    raise ssl.SSLError("the key is encrypted")
 
 
 def _key_mismatch(chain_pem: bytes, key_pem: bytes) -> str | None:
@@ -321,6 +332,8 @@ def _key_mismatch(chain_pem: bytes, key_pem: bytes) -> str | None:
             .public_bytes(der, public)
         )
         keys = [c.public_key().public_bytes(der, public) for c in certs]
+    except TypeError:  # cryptography's word for a key that needs a password
+        return ENCRYPTED_KEY
     except Exception:  # unreadable or unusual: only a diagnosis, OpenSSL says the rest
         return None
     if keys[0] == mine:

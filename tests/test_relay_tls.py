@@ -160,3 +160,34 @@ def test_the_url_host_is_checked_against_the_certificate(files: tuple[Path, Path
         assert tls.covers(host), host
     for host in ("127.0.0.1", "other.example", "a.b.relay.test", "relay.test", "10.0.0.6"):
         assert not tls.covers(host), host
+
+
+def test_an_encrypted_key_is_refused_naming_it_and_never_prompts(
+    files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenSSL asked for a passphrase on the relay's terminal (start and every reload
+    blocked on it, the event loop too); without a terminal it said "Invalid argument"."""
+    import relay.tlsconfig as tlsconfig
+
+    crt, key = files
+    a_crt, a_key = self_signed_pem("a")
+    private = serialization.load_pem_private_key(a_key, password=None)
+    locked = private.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"secret"),
+    )
+    crt.write_bytes(a_crt)
+    key.write_bytes(locked)
+    with pytest.raises(ConfigError, match=r"live.key: the key is encrypted \(passphrase"):
+        RelayTls.from_files(crt, key)
+    # OpenSSL's own load, past the diagnosis, gets a passphrase callback that refuses.
+    monkeypatch.setattr(tlsconfig, "_key_mismatch", lambda chain, key: None)
+    with pytest.raises(ConfigError, match="encrypted"):
+        RelayTls.from_files(crt, key)
+    monkeypatch.undo()
+    key.write_bytes(a_key)
+    tls = RelayTls.from_files(crt, key)
+    key.write_bytes(locked)  # a renewal that wrote an encrypted key: the old one serves on
+    assert tls.reload() is False
+    assert served_certificate(tls.context) == _fingerprint(a_crt)
