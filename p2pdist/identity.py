@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import errno
 import functools
 import os
 import secrets
@@ -109,13 +110,50 @@ def exposed_key_file(path: Path, mode: int) -> str | None:
 
 def _write_private(path: Path, data: bytes) -> None:
     """Create ``path`` (never an existing file, nor through a symbolic link: O_EXCL) with
-    mode 0600 whatever the umask, write ``data`` and flush it to disk."""
+    mode 0600 whatever the umask, write ``data`` and flush it to disk. A write that
+    fails (a full disk) removes the file it created."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        os.fchmod(f.fileno(), 0o600)
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        raise
+
+
+def _create_private(path: Path, data: bytes) -> None:
+    """Create ``path`` holding ``data``, whole or not at all: written beside it, then
+    hard-linked into place (atomic, and never over an existing file or symbolic link).
+    A crash mid-write then leaves no empty key at ``path`` for the next start to refuse.
+    Where the file system has no hard links, ``path`` is written directly."""
+    fresh = _beside(path)
+    try:
+        _write_private(fresh, data)
+        try:
+            os.link(fresh, path, follow_symlinks=False)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            if exc.errno not in _NO_HARD_LINKS:
+                raise
+            _write_private(path, data)
+    finally:
+        with contextlib.suppress(OSError):
+            fresh.unlink()
+    _sync_directory(path.parent)
+
+
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK})
+"""What link() says on a file system without hard links (vfat, some FUSE mounts)."""
+
+
+def _beside(path: Path) -> Path:
+    """A fresh hidden name in ``path``'s directory, for a file that becomes ``path``."""
+    return path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
 
 
 def _sync_directory(path: Path) -> None:
@@ -300,7 +338,8 @@ class SecretKey:
         )
 
     def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
-        """Write the key as PKCS#8 PEM, in a file created with mode 0600.
+        """Write the key as PKCS#8 PEM, in a file created with mode 0600: whole or not
+        at all (written beside ``path``, then linked into place).
 
         With ``overwrite``, the key goes to a new file beside ``path`` that then replaces
         it: the old file is never written into, so a reader who opened it while it was
@@ -310,13 +349,13 @@ class SecretKey:
         p = Path(path)
         if not overwrite:
             try:
-                _write_private(p, self.to_pem())
+                _create_private(p, self.to_pem())
             except FileExistsError as exc:
                 raise KeyFileError(f"{p} exists; pass overwrite=True to replace it") from exc
             except OSError as exc:  # no such directory, a directory, no permission, ...
                 raise KeyFileError(f"cannot write key file {p}: {exc.strerror or exc}") from exc
             return
-        fresh = p.with_name(f".{p.name}.{secrets.token_hex(6)}.tmp")
+        fresh = _beside(p)
         try:
             _write_private(fresh, self.to_pem())
             os.replace(fresh, p)

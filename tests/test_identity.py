@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime
+import errno
 import logging
 import os
 import re
@@ -301,6 +302,46 @@ def test_save_refuses_to_overwrite(tmp_path: Path) -> None:
     with pytest.raises(KeyFileError, match="overwrite=True"):
         second.save(path)
     assert SecretKey.load(path).endpoint_id == first.endpoint_id
+
+
+def test_a_save_that_fails_leaves_no_key_file_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save whose write failed (a full disk) left an empty 0600 file at the path, and
+    every later start refused it ("not an unencrypted PEM private key") until someone
+    deleted it by hand."""
+    path, key = tmp_path / "relay.key", SecretKey.generate()
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", full)
+        with pytest.raises(KeyFileError, match="No space left on device"):
+            key.save(path)
+    assert list(tmp_path.iterdir()) == []
+    key.save(path)  # the next try works, and leaves only the key
+    assert [p.name for p in tmp_path.iterdir()] == ["relay.key"] and mode_of(path) == 0o600
+    assert SecretKey.load(path).endpoint_id == key.endpoint_id
+
+
+def test_save_without_hard_links_writes_in_place_and_never_over_a_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = SecretKey.generate()
+    dangling = tmp_path / "dangling.key"
+    dangling.symlink_to(tmp_path / "missing")
+    with pytest.raises(KeyFileError, match="exists"):
+        key.save(dangling)
+    assert dangling.is_symlink() and not (tmp_path / "missing").exists()
+
+    def no_links(src: object, dst: object, **kw: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)  # a vfat or FUSE mount
+    key.save(tmp_path / "k.pem")
+    assert SecretKey.load(tmp_path / "k.pem").endpoint_id == key.endpoint_id
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling.key", "k.pem"]
 
 
 def test_save_overwrite_tightens_mode(tmp_path: Path) -> None:

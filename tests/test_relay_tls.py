@@ -191,3 +191,17 @@ def test_an_encrypted_key_is_refused_naming_it_and_never_prompts(
     key.write_bytes(locked)  # a renewal that wrote an encrypted key: the old one serves on
     assert tls.reload() is False
     assert served_certificate(tls.context) == _fingerprint(a_crt)
+
+
+def test_a_key_path_that_is_a_dangling_link_is_named_as_one(tmp_path: Path) -> None:
+    """exists() follows the link: the relay then tried to create the key and said the
+    file exists, "pass overwrite=True" (a Python argument, to an operator)."""
+    from relay.tlsconfig import load_or_create_key
+
+    link = tmp_path / "relay.key"
+    link.symlink_to(tmp_path / "keys" / "relay.key")
+    with pytest.raises(ConfigError, match=r"relay.key is a symbolic link to .*keys/relay.key"):
+        load_or_create_key(link)
+    assert link.is_symlink() and not (tmp_path / "keys").exists()
+    made = load_or_create_key(tmp_path / "new.key")  # and a missing file is created
+    assert load_or_create_key(tmp_path / "new.key").endpoint_id == made.endpoint_id
