@@ -115,7 +115,7 @@ def load_config(
         return config
     except ConfigError as exc:
         # A value the file gave (and no flag or variable replaced) is the file's to fix.
-        setting = str(exc).split(" ", 1)[0].replace("-", "_")
+        setting = str(exc).split(" ", 1)[0].rstrip(":").replace("-", "_")
         if setting in from_file:
             raise ConfigError(f"config file {config_path}: {exc}") from None
         raise

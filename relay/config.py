@@ -20,7 +20,13 @@ from typing import Any
 from p2pdist.errors import UsageError
 from p2pdist.eventloop import LOOP_CHOICES
 from p2pdist.transport.relay_config import CLIENT_KEEPALIVE
-from p2pdist.wire.relay import MAX_BODY, MAX_KEEPALIVE, MAX_TOKEN_BYTES, ascii_host
+from p2pdist.wire.relay import (
+    MAX_BODY,
+    MAX_KEEPALIVE,
+    MAX_RETRY_AFTER,
+    MAX_TOKEN_BYTES,
+    ascii_host,
+)
 
 __all__ = [
     "BURST_WITHOUT_RATE",
@@ -305,6 +311,27 @@ def _port(name: str, value: int | None) -> None:
         raise ConfigError(f"{name} must be a port number 0..65535, got {value}")
 
 
+_UNSPECIFIED = (
+    "public-host {} is an address to bind, not one clients can dial: give the relay's "
+    "public name or address (host is where it binds)"
+)
+
+
+def _dialable_name(name: str) -> None:
+    """ConfigError for a public-host (without ':') that clients could never reach: an
+    empty label, an unspecified address, or numbers that are no IPv4 address."""
+    labels = name.removesuffix(".").split(".")
+    if not all(labels):
+        raise ConfigError(f"public-host {name!r} has an empty label")
+    if all(label.isdigit() for label in labels):
+        try:
+            address = ipaddress.IPv4Address(name)
+        except ValueError:
+            raise ConfigError(f"public-host {name!r} is not an IPv4 address") from None
+        if address.is_unspecified:
+            raise ConfigError(_UNSPECIFIED.format(name))
+
+
 def _validate(c: RelayConfig) -> None:
     _port("port", c.port)
     _port("stun-port", c.stun_port)
@@ -348,8 +375,17 @@ def _validate(c: RelayConfig) -> None:
             ascii_host(c.public_host)
         except UsageError as exc:
             raise ConfigError(f"public-host: {exc}") from None
+        _dialable_name(c.public_host)
+    if (
+        c.public_host is not None
+        and ":" in c.public_host
+        and ipaddress.ip_address(c.public_host).is_unspecified
+    ):
+        raise ConfigError(_UNSPECIFIED.format(c.public_host))
     if c.url_file is not None and (not c.url_file.name or c.url_file.is_dir()):
         raise ConfigError(f"url-file must name a file, got {str(c.url_file)!r}")
+    if c.url_file is not None and not c.url_file.parent.is_dir():
+        raise ConfigError(f"url-file {str(c.url_file)!r}: no directory {str(c.url_file.parent)!r}")
     if c.public_port is not None and not 1 <= c.public_port <= 65535:
         raise ConfigError(f"public-port must be a port number 1..65535, got {c.public_port}")
     _port("http-port", c.http_port)
@@ -434,6 +470,11 @@ def _validate(c: RelayConfig) -> None:
             "waited 3 times as long to drop a silent one)"
         )
     _positive("retry-after", c.retry_after, allow_zero=True)
+    if c.retry_after > MAX_RETRY_AFTER:
+        raise ConfigError(
+            f"retry-after must be at most {MAX_RETRY_AFTER:g} s, got {c.retry_after!r} "
+            f"(clients take a longer one as {MAX_RETRY_AFTER:g} s)"
+        )
     if c.log_level not in LOG_LEVELS:
         raise ConfigError(f"log-level must be one of {', '.join(LOG_LEVELS)}, got {c.log_level!r}")
     if c.loop is not None and c.loop not in EVENT_LOOPS:

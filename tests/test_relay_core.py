@@ -730,6 +730,14 @@ def test_tap_file_round_trip(tmp_path: Path) -> None:
         ({"public_host": "fe80::1%eth0"}, "zone id"),
         ({"public_host": "relay;example.com"}, "not a host name"),  # the URL clients refuse
         ({"public_host": "relay,b"}, "not a host name"),
+        ({"public_host": "0.0.0.0"}, "an address to bind, not one clients can dial"),
+        ({"public_host": "::"}, "an address to bind, not one clients can dial"),
+        ({"public_host": "999.1.1.1"}, "not an IPv4 address"),
+        ({"public_host": "1.2.3.4.5"}, "not an IPv4 address"),
+        ({"public_host": "relay..example.com"}, "empty label"),
+        ({"public_host": ".example.com"}, "empty label"),
+        ({"retry_after": 61}, "retry-after must be at most 60"),  # clients wait 60 s at most
+        ({"url_file": "/nonexistent-dir/relay.url"}, "no directory"),  # caught after binding
         ({"url_file": "."}, "url-file must name a file"),  # crashed after binding the ports
         ({"url_file": "/"}, "url-file must name a file"),
         ({"stun_alt_port": 70000}, "stun-alt-port must be a port"),
@@ -830,6 +838,10 @@ def test_a_bad_value_is_blamed_on_where_it_came_from(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^max-clients must be >= 1"):
         load_config(["--max-clients", "-5"], environ={})
     assert load_config(["--config", str(limit), "--max-clients", "5"], environ={}).max_clients == 5
+    brackets = tmp_path / "brackets.toml"  # a message of the form "public-host: ..."
+    brackets.write_text('public-host = "[::1]"\n')
+    with pytest.raises(ConfigError, match=r"^config file .*: public-host: give an IPv6"):
+        load_config(["--config", str(brackets)], environ={})
 
 
 def test_burst_without_rate_is_refused_even_at_its_default_value(tmp_path: Path) -> None:

@@ -92,7 +92,8 @@ class RelayConfig:
     backoff_initial: float = 0.1
     """First reconnect delay; it doubles after every session that did not last."""
     backoff_max: float = 10.0
-    """Largest reconnect delay (a RECONNECT's retry_after may ask for up to 60 s)."""
+    """Largest reconnect delay (a RECONNECT's retry_after may ask for up to 60 s:
+    MAX_RETRY_AFTER)."""
     keepalive: float | None = None
     """PING interval; None takes the relay's advertised value, at most
     :data:`CLIENT_KEEPALIVE` (3 s). Three intervals without a byte from the relay end the

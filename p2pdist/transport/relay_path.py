@@ -38,6 +38,7 @@ from ..wire.relay import (
     BAD_TOKEN_TEXT,
     CREDENTIAL_REFUSALS,
     MAX_DATAGRAM,
+    MAX_RETRY_AFTER,
     MAX_TOKEN_BYTES,
     PING_LEN,
     REPLACED_TEXT,
@@ -725,7 +726,8 @@ class RelayPath:
             reason = info.get("reason", "relay asked clients to reconnect")
             self._set(last_error=f"relay going away: {reason}")
             log.info("relay %s asks clients to reconnect: %s", self.url, reason)
-            return max(0.0, min(float(after), 60.0)) if isinstance(after, int | float) else 0.5
+            fine = isinstance(after, int | float)
+            return max(0.0, min(float(after), MAX_RETRY_AFTER)) if fine else 0.5
         elif kind is RelayFrameType.ERROR:
             text = body.decode("utf-8", "replace") or "error"
             if text == REPLACED_TEXT:

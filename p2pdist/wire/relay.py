@@ -36,6 +36,7 @@ __all__ = [
     "MALFORMED_AUTH_TEXT",
     "MAX_BODY",
     "MAX_KEEPALIVE",
+    "MAX_RETRY_AFTER",
     "MAX_TOKEN_BYTES",
     "NAME_BOUND",
     "NOT_ALLOWED_TEXT",
@@ -81,6 +82,9 @@ MAX_HTTP_HEAD = 8 * 1024
 MAX_KEEPALIVE = 300.0
 """Longest keepalive interval (seconds) a relay may advertise in AUTH_OK: clients take
 a longer one for a bad value (and ping every 3 s), so the relay refuses to start with it."""
+MAX_RETRY_AFTER = 60.0
+"""Longest ``retry_after`` (seconds) a RECONNECT asks for that clients honour (a longer
+one is taken as this), so the relay refuses to start with one past it."""
 
 MIN_READ = 16 * 1024
 """The least a relay reads from a rate-limited client at a time once it may be read
