@@ -27,6 +27,9 @@ REFUSE_REASONS = ("max_unauthenticated", "max_unauthenticated_per_ip")
 """The cap that was full of young connections when a newcomer was turned away (503)."""
 EVICT_REASONS = (*REFUSE_REASONS, "socket_budget")
 """The cap that was reached when a connection waiting to authenticate was evicted."""
+SETUP_PHASES = ("tls", "http", "auth")
+"""Where a connection that ended before it authenticated was: its TLS handshake, the
+HTTP upgrade request, or the AUTH frame (``abandoned_total``)."""
 PREFIX = "p2pdist_relay_"
 
 
@@ -35,9 +38,9 @@ def _counter(help_text: str) -> Any:
     return field(default=0, metadata={"help": help_text})
 
 
-def _labelled(name: str, help_text: str) -> dict[str, str]:
-    """Metadata of a counter with a ``reason`` label, exported as ``name``."""
-    return {"help": help_text, "name": name}
+def _labelled(name: str, help_text: str, label: str = "reason") -> dict[str, str]:
+    """Metadata of a counter with a ``label`` label, exported as ``name``."""
+    return {"help": help_text, "name": name, "label": label}
 
 
 def _per_reason(reasons: tuple[str, ...]) -> Callable[[], dict[str, int]]:
@@ -98,6 +101,16 @@ class Metrics:
             "had waited less than a second to authenticate, by the cap that was reached",
         ),
     )
+    abandoned: dict[str, int] = field(
+        default_factory=_per_reason(SETUP_PHASES),
+        metadata=_labelled(
+            "abandoned_total",
+            "connections that ended before authenticating, neither refused nor evicted: "
+            "timed out in their TLS handshake or HTTP request, or gone from the client's "
+            "side, by the phase they were in",
+            label="phase",
+        ),
+    )
     evicted: dict[str, int] = field(
         default_factory=_per_reason(EVICT_REASONS),
         metadata=_labelled(
@@ -128,7 +141,8 @@ class Metrics:
             out += [f"# HELP {name} {f.metadata['help']}", f"# TYPE {name} counter"]
             value = getattr(self, f.name)
             if isinstance(value, dict):
-                out += [f'{name}{{reason="{r}"}} {n}' for r, n in value.items()]
+                label = f.metadata["label"]
+                out += [f'{name}{{{label}="{r}"}} {n}' for r, n in value.items()]
             else:
                 out.append(f"{name} {value}")
         return "\n".join(out) + "\n"

@@ -508,6 +508,7 @@ class RelayCore(Inbound):
         why, when the glue knows (a TLS failure, a record that did not decrypt)."""
         if s.phase is not Phase.CLOSED:
             level = logging.INFO if s.phase is Phase.ACTIVE else logging.DEBUG
+            self._count_abandoned(s)
             fields = {"peer": s.observed, "after": now - s.opened_at, "error": error}
             log.log(level, kv("disconnect", conn=s.label, **fields))
             self._forget(s)
@@ -519,7 +520,13 @@ class RelayCore(Inbound):
         like any connection the relay closes (flushed, then aborted after a grace),
         even if bytes are still queued towards it."""
         fields: dict[str, object] = {"after": now - s.opened_at, "eof": True}
+        self._count_abandoned(s)
         self._close(s, "disconnect", quiet=s.phase is not Phase.ACTIVE, fields=fields)
+
+    def _count_abandoned(self, s: Session) -> None:
+        """``s`` ends before it authenticated, not by a refusal or an eviction."""
+        if s.phase in (Phase.TLS, Phase.HTTP, Phase.AUTH):
+            self.metrics.abandoned[s.phase.value] += 1
 
     def tick(self, now: float) -> None:
         """Enforce the auth timeout and keepalive silence, and forget limiter state that
@@ -536,11 +543,13 @@ class RelayCore(Inbound):
                     )
             elif s.phase is Phase.TLS:
                 if now - s.opened_at > self.config.auth_timeout:
+                    self._count_abandoned(s)
                     self._close(s, "tls_timeout", quiet=True)
             elif s.phase is not Phase.CLOSED and now - s.ready_at > self.config.auth_timeout:
                 if s.phase is Phase.AUTH:
                     self._refuse(s, AUTH_TIMEOUT)
                 else:
+                    self._count_abandoned(s)
                     self._close(s, "http_timeout", quiet=True)
         if self._buckets:
             self._buckets = {k: b for k, b in self._buckets.items() if b.full_at() > now}

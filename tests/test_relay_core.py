@@ -562,6 +562,27 @@ def test_auth_timeout_and_keepalive_silence() -> None:
     assert c.metrics.keepalive_timeouts_total == 1 and c.metrics.auth_failures["timeout"] == 1
 
 
+def test_connections_that_end_before_authenticating_are_counted_by_phase() -> None:
+    """A handshake or an upgrade request that never came ended at DEBUG only, in no
+    metric: a slow-loris flood showed as connections_total alone."""
+    c = core(auth_timeout=5.0)
+    handshaking = c.open(FakeLink(), ("192.0.2.1", 1), 0.0, handshaking=True)
+    silent = c.open(FakeLink(), ("192.0.2.2", 1), 0.0)  # TLS done, no request
+    gone, _ = upgrade(c)  # the upgrade, then the client leaves before AUTH
+    half_closed, _ = upgrade(c)
+    scraped = c.open(FakeLink(), ("192.0.2.3", 1), 0.0)
+    c.receive(scraped, b"GET /metrics HTTP/1.1\r\nHost: relay.test\r\n\r\n", 0.0)
+    c.lost(gone, 1.0, "connection reset")
+    c.eof(half_closed, 1.0)
+    c.tick(5.1)
+    assert handshaking.phase is silent.phase is Phase.CLOSED
+    assert c.metrics.abandoned == {"tls": 1, "http": 1, "auth": 2}
+    assert c.metrics.auth_failures["timeout"] == 0  # none waited for AUTH that long
+    c.lost(handshaking, 5.2)  # the link's own end, after the relay closed it: once
+    assert sum(c.metrics.abandoned.values()) == 4
+    assert 'p2pdist_relay_abandoned_total{phase="auth"} 2' in c.metrics_text()
+
+
 def test_shutdown_sends_reconnect_and_refuses_new_auth() -> None:
     c = core(retry_after=2.5)
     _sa, la = join(c, A)
