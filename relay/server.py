@@ -328,15 +328,7 @@ class RelayServer:
         if self._http_server is not None:
             await self._http_server.start_serving()
         self.url = str(public)
-        if not own and not self.tls.covers(c.url_host()):
-            log.warning(
-                kv(
-                    "url_host_not_in_certificate",
-                    host=c.url_host(),
-                    names=",".join(self.tls.names) or "none",
-                    hint="clients will refuse the certificate; set public-host to one of names",
-                )
-            )
+        self._check_url_host()
         self._all_gone = asyncio.Event()
         loop = asyncio.get_running_loop()
         self._accept_errors = AcceptErrorLimiter(loop.get_exception_handler())
@@ -565,7 +557,23 @@ class RelayServer:
         self.core.set_cert_fingerprints(
             (self.tls.fingerprint,), self.tls.previous, now + self.previous_cert_grace
         )
+        self._check_url_host()  # a renewal may have dropped the name
         return True
+
+    def _check_url_host(self) -> None:
+        """Warn when the certificate does not name the URL's host (clients refuse it);
+        not with proxy-certs own, where the proxy's certificate is the one they see."""
+        c = self.config
+        if self.tls is None or c.proxy_certs == "own" or self.tls.covers(c.url_host()):
+            return
+        log.warning(
+            kv(
+                "url_host_not_in_certificate",
+                host=c.url_host(),
+                names=",".join(self.tls.names) or "none",
+                hint="clients will refuse the certificate; set public-host to one of names",
+            )
+        )
 
     @property
     def previous_cert_grace(self) -> float:

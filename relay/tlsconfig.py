@@ -246,6 +246,7 @@ class RelayTls:
             return False
         self.previous = (self.fingerprint,)
         self.fingerprint = fp
+        self.names = certificate_names(der)
         log.info(kv("certificate_reloaded", path=self.cert_path))
         return True
 

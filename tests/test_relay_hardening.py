@@ -288,6 +288,28 @@ def test_a_reload_to_another_key_type_serves_the_new_certificate(
     assert tls.fingerprints[1:] == (tls.previous[0],) and old not in tls.fingerprints
 
 
+async def test_a_renewal_that_drops_the_urls_name_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The certificate's names were read at start only: a renewal to a certificate that
+    no longer names public-host (clients then refuse it) went without a word."""
+    from cryptography import x509
+
+    def named(host: str) -> tuple[bytes, bytes]:
+        return self_signed_pem(host, sans=[x509.DNSName(host)])
+
+    crt, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    _write(crt, key, named("relay.test"))
+    caplog.set_level(logging.INFO, logger="relay")
+    async with running(cert=crt, cert_key=key, public_host="relay.test") as srv:
+        assert "url_host_not_in_certificate" not in caplog.text
+        _write(crt, key, named("other.test"))
+        assert srv.check_certificate_files(asyncio.get_running_loop().time()) is True
+        assert srv.tls is not None and srv.tls.names == ("other.test",)
+        warned = [r.getMessage() for r in caplog.records if "url_host_not" in r.getMessage()]
+        assert len(warned) == 1 and "names=other.test" in warned[0]
+
+
 def test_the_previous_certificate_is_accepted_only_for_a_grace() -> None:
     new_fp = bytes(range(1, 33))
     c = core()
