@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from . import __version__
 from .errors import KeyFileError, P2PError, UsageError
 from .eventloop import LOOP_CHOICES, LOOP_ENV, resolve_loop
-from .identity import SecretKey, derive_endpoint_ids
+from .identity import SecretKey
 from .launch import LaunchConfig, launch
 from .launch_output import discard_output
 
@@ -85,7 +85,10 @@ def _cmd_id(args: argparse.Namespace, extra: list[str]) -> int:
             raise UsageError("id takes either FILE or --seed/--world, not both")
         if args.world is None:
             raise UsageError("id --seed needs --world N")
-        for rank, eid in enumerate(derive_endpoint_ids(args.seed, args.world)):
+        if args.world < 1:
+            raise UsageError(f"--world must be >= 1, got {args.world}")
+        for rank in range(args.world):  # each line as it is derived: a huge world streams
+            eid = SecretKey.from_seed(args.seed, rank).endpoint_id
             # An allowlist file's line: the id, then a comment the relay ignores.
             print(f"{eid}  # rank {rank}" if args.allowlist else f"{rank} {eid}")
         return 0
@@ -181,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument(
         "--loop",
+        type=str.lower,  # as $P2PDIST_LOOP is read
         choices=LOOP_CHOICES,
         default=None,
         help="event loop of demo, bench, doctor and the ranks they start: auto (uvloop when "

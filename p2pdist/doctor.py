@@ -29,7 +29,13 @@ import time
 from dataclasses import dataclass, field
 
 from . import eventloop
-from .errors import P2PError, PeerError, UsageError
+from .errors import (
+    P2PError,
+    P2PTimeoutError,
+    PeerAuthenticationError,
+    PeerError,
+    UsageError,
+)
 from .identity import EndpointId, SecretKey
 from .settings import env_token
 from .transport.base import Connection, TransportConfig
@@ -487,6 +493,8 @@ def main(argv: list[str]) -> int:
         ap.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.serve and args.peer:
         ap.error("--serve answers other doctors; --peer dials one: pass one of them")
+    if args.token == "":  # as an empty $P2PDIST_RELAY_TOKEN, not "no token" in silence
+        ap.error("--token is empty: leave it out for no token")
     try:
         if args.token is None:
             args.token = env_token()
@@ -495,7 +503,11 @@ def main(argv: list[str]) -> int:
             serving = serve(
                 args.relay, key=key, token=args.token, timeout=args.timeout, as_json=args.json
             )
-            eventloop.run(serving)
+            try:
+                eventloop.run(serving)
+            except (P2PTimeoutError, PeerAuthenticationError) as exc:  # as the report's 1
+                print(f"p2pdist doctor: {exc}", file=sys.stderr)
+                return 1
             return 0
         peer = EndpointId.parse(args.peer) if args.peer else None
         # What goes wrong is the report's to say (a relay's refusal was printed twice:

@@ -52,7 +52,8 @@ def resolve_loop(choice: str | None = None) -> str:
     ``asyncio``; ``auto`` is uvloop when installed). UsageError for an unknown name or for
     ``uvloop`` without uvloop installed."""
     from_env = choice is None and bool(os.environ.get(LOOP_ENV))
-    name = (choice if choice is not None else os.environ.get(LOOP_ENV) or "asyncio").lower()
+    name = (choice if choice is not None else os.environ.get(LOOP_ENV) or "asyncio").strip()
+    name = name.lower()
     if name not in LOOP_CHOICES:
         where = f"{LOOP_ENV} in the environment: " if from_env else ""
         raise UsageError(

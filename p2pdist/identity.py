@@ -395,6 +395,9 @@ class SecretKey:
             raise KeyFileError(f"key file {p} is not an unencrypted PEM private key") from exc
         if not isinstance(key, Ed25519PrivateKey):
             raise KeyFileError(f"key file {p} holds a {type(key).__name__}, not an Ed25519 key")
+        blocks = data.count(b"-----BEGIN ")
+        if blocks > 1:  # (keygen >> FILE twice): which one is meant cannot be told
+            raise KeyFileError(f"key file {p} holds {blocks} PEM blocks, not one key")
         # A key readable by others, once the file is known to be a key: a wrong file
         # was asked to be made private first, and only then said to be no key.
         if problem is not None:

@@ -181,6 +181,12 @@ def pick_free_ports(host: str, count: int) -> list[int]:
             s.bind((host, 0))
         return [int(s.getsockname()[1]) for s in socks]
     except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):  # not the host's fault
+            raise UsageError(
+                f"cannot pick {count} ports: too many open files (the launcher holds one "
+                f"socket per rank while it picks; ulimit -n is {_open_files_limit() or '?'}): "
+                "start fewer ranks, or raise the limit"
+            ) from exc
         raise UsageError(f"cannot bind a TCP port on {host!r}: {exc}") from exc
     finally:
         for s in socks:
@@ -503,6 +509,13 @@ def launch(cfg: LaunchConfig) -> int:
     for name in _NOT_PASSED_ON:
         if os.environ.get(name):
             _say(f"not passing {name} on: the ranks reach each other at {ENV_PEERS}")
+    # The launcher's own values: an exported one that differs would go unseen.
+    inherited_tls = os.environ.get(ENV_TLS)
+    if inherited_tls is not None and inherited_tls != ("1" if cfg.tls else "0"):
+        mode = "TLS" if cfg.tls else "plaintext (--plaintext)"
+        _say(f"not passing {ENV_TLS}={inherited_tls} on: the ranks run {mode}")
+    if cfg.seed is None and os.environ.get(ENV_SEED):
+        _say(f"not passing {ENV_SEED} on: the ranks get a random seed (--seed to choose one)")
     envs = [
         rank_env(os.environ, rank=r, world=cfg.nprocs, seed=seed, peers=peers, tls=cfg.tls)
         for r in range(cfg.nprocs)

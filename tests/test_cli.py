@@ -7,6 +7,7 @@ import contextlib
 import os
 import pty
 import re
+import select
 import signal
 import stat
 import subprocess
@@ -157,6 +158,28 @@ def test_launch_lines_stay_whole_when_stdout_and_stderr_are_one_pipe() -> None:
     assert len(lines) == 6000 and not torn, (len(lines), torn[:3])
 
 
+def test_launch_says_which_inherited_settings_it_does_not_pass_on() -> None:
+    """An exported P2PDIST_TLS=0 or P2PDIST_SEED was replaced without a word (the ranks
+    ran TLS with a random seed), while a dropped P2PDIST_RELAY was announced."""
+    env = {**os.environ, "P2PDIST_TLS": "0", "P2PDIST_SEED": "exported-seed-0123456789"}
+    env["P2PDIST_RELAY"] = "https://relay.invalid/"
+    cmd = [sys.executable, "-m", "p2pdist.cli", "launch", "-n", "1", "--"]
+    shown = "sh", "-c", 'echo "$P2PDIST_TLS $P2PDIST_SEED"'
+    proc = subprocess.run(
+        [*cmd, *shown], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "not passing P2PDIST_RELAY on" in proc.stderr
+    assert "not passing P2PDIST_TLS=0 on: the ranks run TLS" in proc.stderr
+    assert "not passing P2PDIST_SEED on" in proc.stderr
+    assert proc.stdout.startswith("[rank 0] 1 ") and "exported-seed" not in proc.stdout
+    quiet = [*cmd[:-1], "--plaintext", "--seed", "s-0123456789abcdef", "--", *shown]
+    agreed = subprocess.run(quiet, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert agreed.returncode == 0, agreed.stderr
+    assert "P2PDIST_TLS" not in agreed.stderr and "P2PDIST_SEED" not in agreed.stderr
+    assert agreed.stdout == "[rank 0] 0 s-0123456789abcdef\n"
+
+
 def test_launch_raises_its_open_files_limit_or_says_it_is_too_low() -> None:
     """Each rank holds two pipes in the launcher: under a low soft limit it raises the
     limit (up to the hard one), and when even that is too low it says so instead of
@@ -173,6 +196,12 @@ def test_launch_raises_its_open_files_limit_or_says_it_is_too_low() -> None:
     )  # fmt: skip
     assert low.returncode == 2, low.stderr
     assert "too many open files" in low.stderr and "ulimit -n is 40" in low.stderr
+    many = subprocess.run(  # more ranks than descriptors: the ports cannot be picked
+        ["bash", "-c", f"ulimit -n 40 && {launch.replace('-n 30', '-n 100')}"],
+        capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert many.returncode == 2, many.stderr
+    assert "cannot pick 100 ports: too many open files" in many.stderr, many.stderr
 
 
 CHILD_FAIL = textwrap.dedent(
@@ -393,6 +422,22 @@ def test_id_seed_world_lists_distinct_ids() -> None:
     assert len(set(ids)) == 4
     again = run_cli("id", "--seed", "a-long-enough-group-seed", "--world", "4")
     assert again.stdout == proc.stdout
+
+
+def test_id_of_a_huge_world_streams_its_lines() -> None:
+    """Every id was derived before the first was printed: a typo of a few zeros in
+    --world looked like a hang, and then ran out of memory."""
+    cmd = [sys.executable, "-m", "p2pdist.cli", "id", "--seed", "a-long-enough-seed"]
+    proc = subprocess.Popen([*cmd, "--world", "1000000000"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT_S)
+        assert ready and proc.stdout.readline().startswith("0 ")
+    finally:
+        proc.kill()
+        proc.wait(TIMEOUT_S)
+    zero = run_cli("id", "--seed", "a-long-enough-seed", "--world", "0")
+    assert zero.returncode == 2 and "--world must be >= 1, got 0" in zero.stderr
 
 
 def test_id_allowlist_lines_are_what_the_relay_reads(tmp_path: Path) -> None:
@@ -768,6 +813,7 @@ def test_launch_passes_sigquit_on_to_its_ranks(tmp_path: Path) -> None:
     [
         (["doctor", "--relay", "https://127.0.0.1:1/", "--timeout", "0"], "--timeout must be"),
         (["doctor", "--relay", "https://127.0.0.1:1/", "--serve", "--peer", "x"], "one of them"),
+        (["doctor", "--relay", "https://127.0.0.1:1/", "--token", ""], "--token is empty"),
         (["bench", "-n", "1"], "-n must be at least 2"),
         (["bench", "--png", "/nonexistent-p2pdist-dir/x.png"], "no directory"),
     ],
@@ -794,6 +840,18 @@ def test_doctor_refuses_its_own_endpoint_id_as_the_peer_at_once(tmp_path: Path) 
     proc = run_cli(*args, "--peer", peer)
     assert proc.returncode == 2, proc.stderr
     assert "own endpoint id" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_doctor_serve_that_cannot_reach_the_relay_exits_1_as_the_report_does() -> None:
+    """--serve exited 2 ("another p2pdist error") where the report's exit 1 means the
+    relay could not be reached (docs/operations.md)."""
+    from p2pdist.identity import SecretKey
+
+    pin = SecretKey.generate().endpoint_id
+    relay = f"https://127.0.0.1:1/?pin={pin}"  # nothing listens on port 1
+    proc = run_cli("doctor", "--relay", relay, "--timeout", "1", "--serve")
+    assert proc.returncode == 1, proc.stderr
+    assert "no session within 1 s" in proc.stderr and "Traceback" not in proc.stderr
 
 
 async def test_a_transport_refuses_to_dial_its_own_endpoint_id() -> None:

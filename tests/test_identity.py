@@ -344,6 +344,16 @@ def test_save_without_hard_links_writes_in_place_and_never_over_a_link(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling.key", "k.pem"]
 
 
+def test_a_key_file_with_two_keys_is_refused(tmp_path: Path) -> None:
+    """`keygen >> FILE` twice: load took the first key in silence, while the second
+    keygen had printed the other key's id."""
+    path = tmp_path / "k.pem"
+    path.write_bytes(SecretKey.generate().to_pem() + SecretKey.generate().to_pem())
+    path.chmod(0o600)
+    with pytest.raises(KeyFileError, match="holds 2 PEM blocks, not one key"):
+        SecretKey.load(path)
+
+
 def test_save_overwrite_tightens_mode(tmp_path: Path) -> None:
     path = tmp_path / "key.pem"
     path.write_bytes(b"old")

@@ -131,6 +131,15 @@ def test_resolve_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     assert eventloop.resolve_loop("auto") == auto  # an explicit choice beats the environment
     with pytest.raises(UsageError, match="one of auto, asyncio, uvloop"):
         eventloop.resolve_loop("tokio")
+    monkeypatch.setenv(eventloop.LOOP_ENV, " ASYNCIO\n")  # as a shell or a file may give it
+    assert eventloop.resolve_loop() == "asyncio"
+
+
+def test_the_loop_flag_takes_any_case_as_the_environment_does() -> None:
+    from p2pdist.cli import build_parser
+
+    args = build_parser().parse_args(["--loop", "AsyncIO", "demo"])
+    assert args.loop == "asyncio"
 
 
 def test_run_uses_the_chosen_loop_and_leaves_the_policy_alone() -> None:
