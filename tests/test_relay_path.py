@@ -16,6 +16,7 @@ from relay_helpers import RelayProcess, running_relay
 from transport_conformance import bounded, feed, wait_until
 
 from p2pdist import (
+    ConnectionBrokenError,
     ConnectionClosedError,
     EndpointId,
     P2PTimeoutError,
@@ -530,3 +531,38 @@ async def test_two_sessions_with_one_key_are_named_as_such_and_take_turns(
     # 0.05 s doubling to 0.4 s (random in [0, delay)) per client: about 15 turns in 2 s.
     assert 1 <= turns <= 60, turns
     assert len(warned) <= 4  # the 1st, 10th (and maybe 100th...) time of each
+
+
+async def test_a_ping_ends_with_its_session_not_at_its_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ping whose session ended (or whose path was closed) waited out its whole timeout
+    and then said "no PONG within 5 s" (doctor pings right after connecting)."""
+
+    def unsent(self: RelayPath, writer: object) -> bytes:  # a PING lost on the way
+        return b"\x00" * 8
+
+    async with running_relay() as relay:
+        path = RelayPath(key(0), relay.url, config=FAST)
+        try:
+            path.start()
+            await path.wait_connected(10.0)
+            monkeypatch.setattr(RelayPath, "_send_ping", unsent)
+            pinging = asyncio.create_task(path.ping(30.0))
+            await asyncio.sleep(0.1)
+            await bounded(path.close(), "close")
+            with pytest.raises(ConnectionClosedError, match="closed"):
+                await bounded(pinging, "the ping, once the path closed", 5.0)
+        finally:
+            await path.close()
+        other = RelayPath(key(1), relay.url, config=FAST)
+        try:
+            other.start()
+            await other.wait_connected(10.0)
+            pinging = asyncio.create_task(other.ping(30.0))
+            await asyncio.sleep(0.1)
+            other._writer.abort()  # type: ignore[union-attr]  # the session breaks
+            with pytest.raises(ConnectionBrokenError, match="the session ended"):
+                await bounded(pinging, "the ping, once its session ended", 5.0)
+        finally:
+            await other.close()

@@ -26,6 +26,7 @@ from dataclasses import replace
 from ..errors import (
     ConnectionBrokenError,
     ConnectionClosedError,
+    P2PError,
     P2PTimeoutError,
     PeerAuthenticationError,
     UsageError,
@@ -307,7 +308,14 @@ class RelayPath:
         self._closed.set()
         if self._task is not None:
             await cancel_and_wait([self._task])
+        self._fail_pings(ConnectionClosedError(f"relay {self.url}: closed"))
         self._set(state=RelayState.CLOSED)
+
+    def _fail_pings(self, error: P2PError) -> None:
+        """The session a :meth:`ping` waits on is gone: no PONG can come on it."""
+        for fut in self._ping_waiters.values():
+            if not fut.done():
+                fut.set_exception(error)
 
     # ---- session loop -------------------------------------------------------------------
 
@@ -358,6 +366,11 @@ class RelayPath:
             finally:
                 self._connected.clear()
                 self._writer = None
+                self._fail_pings(
+                    ConnectionClosedError(f"relay {self.url}: closed")
+                    if self._closed.is_set()
+                    else ConnectionBrokenError(f"relay {self.url}", "the session ended")
+                )
             if self._closed.is_set():
                 break
             authed = self._authed_at
@@ -630,7 +643,9 @@ class RelayPath:
         return nonce
 
     async def ping(self, timeout: float = 5.0) -> float:
-        """One round trip to the relay over the session (PING/PONG), seconds."""
+        """One round trip to the relay over the session (PING/PONG), seconds;
+        ConnectionBrokenError when the session ends first (ConnectionClosedError on
+        :meth:`close`), P2PTimeoutError when no PONG comes within ``timeout``."""
         w = self._writer
         if w is None or w.is_closing():
             raise ConnectionBrokenError(f"relay {self.url}", "no session")
