@@ -344,6 +344,10 @@ async def test_a_refused_upgrade_leaves_no_unread_error_behind(
     assert answer.start_line[1] == "503"
     feed(proto, body[10:])  # the rest of the text, in a later read
     assert not proto.done.done()
+    # Kept for the error: it said only "503 Service Unavailable", not why.
+    assert proto.refusal_text == body.decode()
+    feed(proto, b"\n" + b"x" * 1000)
+    assert len(proto.refusal_text) <= 200
     proto.close()
     del proto
     gc.collect()

@@ -501,7 +501,10 @@ class RelayPath:
                 # What a relay from before WebSocket framing answers the handshake.
                 self._bare_upgrade = True
                 status += "; trying the bare upgrade next, as an older relay may want"
-            raise RelayProtocolError(f"relay refused the upgrade: {status}")
+            said = proto.refusal_text
+            raise RelayProtocolError(
+                f"relay refused the upgrade: {status}" + (f" ({said})" if said else "")
+            )
         self._bare_upgrade = bare  # the form that worked, kept for the next sessions
         writer = proto.writer
         kind, _, body = await proto.next_frame()

@@ -56,6 +56,8 @@ FrameHandler = Callable[[RelayFrame], float | None]
 
 _HEAD_READ = 4096
 _WEBSOCKET_READ = 256 * 1024
+_REFUSAL_TEXT = 200
+"""How much of a refused upgrade's body is kept for the error (the reason is its start)."""
 _CLOSE_GRACE = 2.0
 """Seconds a session we close gently may take to flush before it is aborted."""
 
@@ -133,6 +135,8 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         self._answer: HttpHead | None = None
         self._upgraded = False
         """Whether the answer was 101 (frames follow), not a refusal (its text follows)."""
+        self._refusal = bytearray()
+        """The start of a refusal's text (at most :data:`_REFUSAL_TEXT` bytes)."""
         self._queued: deque[RelayFrame] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._handler: FrameHandler | None = None
@@ -175,6 +179,13 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         """Whether the relay answered the upgrade with 101 (frames follow)."""
         return self._upgraded
 
+    @property
+    def refusal_text(self) -> str:
+        """What a refusal's body said, as far as it has come (the relay's 503 says why:
+        "too many connections waiting to authenticate; retry later"), on one line."""
+        text = self._refusal.decode("utf-8", "replace")
+        return " ".join("".join(c if c.isprintable() else " " for c in text).split())
+
     def close(self) -> None:
         """End the session from our side: close the connection, and since we ended it,
         :attr:`done` is cancelled (not left holding an error nobody will read)."""
@@ -208,8 +219,9 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         try:
             if self._answer is None:
                 frames = self._take_answer(nbytes)
-            elif not self._upgraded:
-                return  # the rest of a refusal's body: nothing for us
+            elif not self._upgraded:  # the rest of a refusal's body: its start is kept
+                self._keep_refusal(memoryview(self._scratch)[:nbytes])
+                return
             elif self._websocket is not None:
                 frames = self._unwrap(memoryview(self._scratch)[:nbytes])
             else:
@@ -233,6 +245,11 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
 
     # ---- internals -----------------------------------------------------------------
 
+    def _keep_refusal(self, data: bytes | memoryview) -> None:
+        room = _REFUSAL_TEXT - len(self._refusal)
+        if room > 0:
+            self._refusal += data[:room]
+
     def _take_answer(self, nbytes: int) -> list[RelayFrame]:
         self._head += memoryview(self._scratch)[:nbytes]
         parsed = parse_http_head(self._head)
@@ -244,6 +261,7 @@ class RelaySessionProtocol(asyncio.BufferedProtocol):
         self._upgraded = self._answer.start_line[1:2] == ["101"]
         if not self._upgraded:
             self._keep_tls()
+            self._keep_refusal(rest)
             return []  # a refusal's body (a 503's text) is no frames: the session reads the head
         websocket = self._answer.header("upgrade").strip().lower() == "websocket"
         if websocket and (
