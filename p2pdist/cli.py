@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from . import __version__
 from .errors import KeyFileError, P2PError, UsageError
 from .eventloop import LOOP_CHOICES, LOOP_ENV, resolve_loop
-from .identity import SecretKey
+from .identity import SecretKey, iter_endpoint_ids
 from .launch import LaunchConfig, launch
 from .launch_output import discard_output
 
@@ -87,8 +87,8 @@ def _cmd_id(args: argparse.Namespace, extra: list[str]) -> int:
             raise UsageError("id --seed needs --world N")
         if args.world < 1:
             raise UsageError(f"--world must be >= 1, got {args.world}")
-        for rank in range(args.world):  # each line as it is derived: a huge world streams
-            eid = SecretKey.from_seed(args.seed, rank).endpoint_id
+        # Each line as it is derived: a huge world streams.
+        for rank, eid in enumerate(iter_endpoint_ids(args.seed, args.world)):
             # An allowlist file's line: the id, then a comment the relay ignores.
             print(f"{eid}  # rank {rank}" if args.allowlist else f"{rank} {eid}")
         return 0

@@ -19,6 +19,7 @@ import functools
 import os
 import secrets
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
@@ -28,7 +29,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .errors import KeyFileError, UsageError
 
-__all__ = ["EndpointId", "SecretKey", "check_seed", "derive_endpoint_ids"]
+__all__ = ["EndpointId", "SecretKey", "check_seed", "derive_endpoint_ids", "iter_endpoint_ids"]
 
 ID_LEN = 32
 TEXT_LEN = 52
@@ -147,7 +148,7 @@ def _create_private(path: Path, data: bytes) -> None:
     _sync_directory(path.parent)
 
 
-_NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK})
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP})
 """What link() says on a file system without hard links (vfat, some FUSE mounts)."""
 
 
@@ -411,6 +412,11 @@ _KEY_FILE_MAX = 64 * 1024
 
 def derive_endpoint_ids(seed: str | bytes, world: int) -> list[EndpointId]:
     """Every rank's endpoint id for a seed-derived group of ``world`` ranks."""
+    return list(iter_endpoint_ids(seed, world))
+
+
+def iter_endpoint_ids(seed: str | bytes, world: int) -> Iterator[EndpointId]:
+    """:func:`derive_endpoint_ids` one rank at a time (``world`` is checked at once)."""
     if world < 1:
         raise UsageError(f"world must be >= 1, got {world}")
-    return [SecretKey.from_seed(seed, r).endpoint_id for r in range(world)]
+    return (SecretKey.from_seed(seed, r).endpoint_id for r in range(world))

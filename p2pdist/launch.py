@@ -50,6 +50,7 @@ from .errors import UsageError
 from .identity import check_seed
 from .launch_guard import Guard, live_groups
 from .launch_output import OutputWriter
+from .settings import env_flag
 
 __all__ = [
     "ENV_PEERS",
@@ -510,10 +511,15 @@ def launch(cfg: LaunchConfig) -> int:
         if os.environ.get(name):
             _say(f"not passing {name} on: the ranks reach each other at {ENV_PEERS}")
     # The launcher's own values: an exported one that differs would go unseen.
-    inherited_tls = os.environ.get(ENV_TLS)
-    if inherited_tls is not None and inherited_tls != ("1" if cfg.tls else "0"):
-        mode = "TLS" if cfg.tls else "plaintext (--plaintext)"
-        _say(f"not passing {ENV_TLS}={inherited_tls} on: the ranks run {mode}")
+    inherited_tls = os.environ.get(ENV_TLS, "")
+    if inherited_tls.strip():
+        try:
+            differs = env_flag(ENV_TLS, cfg.tls) != cfg.tls
+        except UsageError:  # not a yes/no at all: replaced too
+            differs = True
+        if differs:
+            mode = "TLS" if cfg.tls else "plaintext (--plaintext)"
+            _say(f"not passing {ENV_TLS}={inherited_tls} on: the ranks run {mode}")
     if cfg.seed is None and os.environ.get(ENV_SEED):
         _say(f"not passing {ENV_SEED} on: the ranks get a random seed (--seed to choose one)")
     envs = [

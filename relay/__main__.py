@@ -98,8 +98,11 @@ async def run(config: RelayConfig, *, exiting: bool = False) -> int:
     signals = ProcessSignals(loop, on_signal) if exiting else LoopSignals(loop, on_signal)
     try:
         await server.start()
-        if reload_when_started and not stop.is_set():
-            server.reload()
+        if reload_when_started:
+            if stop.is_set():
+                log.info(kv("reload_skipped", why="stopping"))
+            else:
+                server.reload()
         if config.url_file is not None:
             _write_atomically(config.url_file, server.url + "\n")
         print(f"relay url: {server.url}", flush=True)

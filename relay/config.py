@@ -327,7 +327,8 @@ def _dialable_name(name: str) -> None:
         try:
             address = ipaddress.IPv4Address(name)
         except ValueError:
-            raise ConfigError(f"public-host {name!r} is not an IPv4 address") from None
+            why = "without the trailing dot" if name.endswith(".") else "as four numbers"
+            raise ConfigError(f"public-host {name!r}: give an IPv4 address {why}") from None
         if address.is_unspecified:
             raise ConfigError(_UNSPECIFIED.format(name))
 
@@ -370,18 +371,15 @@ def _validate(c: RelayConfig) -> None:
             raise ConfigError(f"public-host: give an IPv6 address without brackets ({inner})")
         if "%" in inner:
             raise ConfigError(f"public-host {inner!r}: clients take no IPv6 zone id")
+        v6 = ipaddress.IPv6Address(inner)
+        if v6.is_unspecified or (v6.ipv4_mapped is not None and v6.ipv4_mapped.is_unspecified):
+            raise ConfigError(_UNSPECIFIED.format(inner))
     elif c.public_host is not None:
         try:  # as clients will read it from the URL: a name they refuse is no use
-            ascii_host(c.public_host)
+            dialed = ascii_host(c.public_host)
         except UsageError as exc:
             raise ConfigError(f"public-host: {exc}") from None
-        _dialable_name(c.public_host)
-    if (
-        c.public_host is not None
-        and ":" in c.public_host
-        and ipaddress.ip_address(c.public_host).is_unspecified
-    ):
-        raise ConfigError(_UNSPECIFIED.format(c.public_host))
+        _dialable_name(dialed)  # the name clients dial (IDNA maps fullwidth digits and dots)
     if c.url_file is not None and (not c.url_file.name or c.url_file.is_dir()):
         raise ConfigError(f"url-file must name a file, got {str(c.url_file)!r}")
     if c.url_file is not None and not c.url_file.parent.is_dir():

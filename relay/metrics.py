@@ -106,8 +106,8 @@ class Metrics:
         metadata=_labelled(
             "abandoned_total",
             "connections that ended before authenticating, neither refused nor evicted: "
-            "timed out in their TLS handshake or HTTP request, or gone from the client's "
-            "side, by the phase they were in",
+            "timed out, closed or reset by the client, a failed TLS handshake, or a limit "
+            "of the stream before the upgrade, by the phase they were in",
             label="phase",
         ),
     )

@@ -35,10 +35,10 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from p2pdist.errors import KeyFileError
+from p2pdist.errors import KeyFileError, UsageError
 from p2pdist.identity import EndpointId, SecretKey, exposed_key_file
 from p2pdist.tls import load_identity, make_certificate
-from p2pdist.wire.relay import cert_fingerprint
+from p2pdist.wire.relay import ascii_host, cert_fingerprint
 
 from .config import ConfigError
 from .logfmt import kv
@@ -197,6 +197,8 @@ class RelayTls:
         (always, with a pin: pinned clients check the key, not a name)."""
         if self.pin is not None:
             return True
+        with contextlib.suppress(UsageError):
+            host = ascii_host(host)  # as clients send and check it: "münchen.de" is IDNA
         try:
             return ipaddress.ip_address(host) in {_ip(n) for n in self.names}
         except ValueError:
@@ -331,16 +333,16 @@ def _key_mismatch(chain_pem: bytes, key_pem: bytes) -> str | None:
     public = serialization.PublicFormat.SubjectPublicKeyInfo
     der = serialization.Encoding.DER
     try:
-        certs = x509.load_pem_x509_certificates(chain_pem)
-        mine = (
-            serialization.load_pem_private_key(key_pem, password=None)
-            .public_key()
-            .public_bytes(der, public)
-        )
-        keys = [c.public_key().public_bytes(der, public) for c in certs]
+        private = serialization.load_pem_private_key(key_pem, password=None)
     except TypeError:  # cryptography's word for a key that needs a password
         return ENCRYPTED_KEY
     except Exception:  # unreadable or unusual: only a diagnosis, OpenSSL says the rest
+        return None
+    try:
+        certs = x509.load_pem_x509_certificates(chain_pem)
+        mine = private.public_key().public_bytes(der, public)
+        keys = [c.public_key().public_bytes(der, public) for c in certs]
+    except Exception:
         return None
     if keys[0] == mine:
         return None

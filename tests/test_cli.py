@@ -178,6 +178,9 @@ def test_launch_says_which_inherited_settings_it_does_not_pass_on() -> None:
     assert agreed.returncode == 0, agreed.stderr
     assert "P2PDIST_TLS" not in agreed.stderr and "P2PDIST_SEED" not in agreed.stderr
     assert agreed.stdout == "[rank 0] 0 s-0123456789abcdef\n"
+    same = {**env, "P2PDIST_TLS": "off"}  # a yes/no the library reads as 0 agrees too
+    off = subprocess.run(quiet, env=same, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert off.returncode == 0 and "P2PDIST_TLS" not in off.stderr, off.stderr
 
 
 def test_launch_raises_its_open_files_limit_or_says_it_is_too_low() -> None:

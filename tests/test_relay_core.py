@@ -753,8 +753,11 @@ def test_tap_file_round_trip(tmp_path: Path) -> None:
         ({"public_host": "relay,b"}, "not a host name"),
         ({"public_host": "0.0.0.0"}, "an address to bind, not one clients can dial"),
         ({"public_host": "::"}, "an address to bind, not one clients can dial"),
-        ({"public_host": "999.1.1.1"}, "not an IPv4 address"),
-        ({"public_host": "1.2.3.4.5"}, "not an IPv4 address"),
+        ({"public_host": "999.1.1.1"}, "give an IPv4 address as four numbers"),
+        ({"public_host": "1.2.3.4.5"}, "give an IPv4 address as four numbers"),
+        ({"public_host": "1.2.3.4."}, "without the trailing dot"),
+        ({"public_host": "0\u30020\u30020\u30020"}, "not one clients can dial"),  # IDNA dots
+        ({"public_host": "::ffff:0.0.0.0"}, "not one clients can dial"),
         ({"public_host": "relay..example.com"}, "empty label"),
         ({"public_host": ".example.com"}, "empty label"),
         ({"retry_after": 61}, "retry-after must be at most 60"),  # clients wait 60 s at most

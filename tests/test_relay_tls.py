@@ -150,13 +150,15 @@ def test_the_url_host_is_checked_against_the_certificate(files: tuple[Path, Path
         x509.DNSName("relay.example.com"),
         x509.DNSName("*.relay.test"),
         x509.IPAddress(ipaddress.ip_address("10.0.0.5")),
+        x509.DNSName("xn--mnchen-3ya.de"),  # münchen.de, as certificates hold it
     ]
     pem, key_pem = self_signed_pem("names", sans=sans)
     crt.write_bytes(pem)
     key.write_bytes(key_pem)
     tls = RelayTls.from_files(crt, key)
-    assert tls.names == ("relay.example.com", "*.relay.test", "10.0.0.5")
-    for host in ("relay.example.com", "RELAY.example.com.", "eu.relay.test", "10.0.0.5"):
+    assert tls.names == ("relay.example.com", "*.relay.test", "xn--mnchen-3ya.de", "10.0.0.5")
+    covered = ("relay.example.com", "RELAY.example.com.", "eu.relay.test", "10.0.0.5")
+    for host in (*covered, "münchen.de", "xn--mnchen-3ya.de"):  # a public-host in Unicode
         assert tls.covers(host), host
     for host in ("127.0.0.1", "other.example", "a.b.relay.test", "relay.test", "10.0.0.6"):
         assert not tls.covers(host), host

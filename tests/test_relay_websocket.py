@@ -282,6 +282,9 @@ def test_a_client_close_frame_ends_the_session_and_is_answered() -> None:
     c.receive(s, close_frame(1000, masked=True), 0.0)
     link.ws_frames()
     assert c.clients == 0 and link.closed and link.controls[-1] == (Opcode.CLOSE, b"\x03\xe8")
+    before_auth, link = ws_session(c)  # a CLOSE before AUTH: counted as one that left
+    c.receive(before_auth, close_frame(1000, masked=True), 0.0)
+    assert link.closed and c.metrics.abandoned["auth"] == 1
 
 
 def test_bytes_out_counts_every_byte_written_pongs_and_closes_too() -> None:

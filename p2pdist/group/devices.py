@@ -296,14 +296,14 @@ def unpack(flat: np.ndarray, arrays: Sequence[Any]) -> None:
     for a in arrays:
         start, offset = offset, offset + a.size
         if not is_device_array(a):
-            np.copyto(a, flat[start:offset].reshape(a.shape))  # a strided array too
+            a[...] = flat[start:offset].reshape(a.shape)  # a strided array too (a cast)
             continue
         cp = cp or _cupy()
         device = a.device
         with device:
             if device.id not in on_device:  # one copy to each device, then slices there
                 on_device[device.id] = cp.asarray(flat)
-            a.reshape(-1)[:] = on_device[device.id][start:offset]
+            a[...] = on_device[device.id][start:offset].reshape(a.shape)
     for id_ in on_device:
         with cp.cuda.Device(id_):
             cp.cuda.get_current_stream().synchronize()
