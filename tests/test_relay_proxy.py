@@ -333,6 +333,38 @@ async def test_proxy_refusals_wrong_credentials_at_once_a_bad_gateway_retried(
                 await path.close()
 
 
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "answered CONNECT with 'SSH-2.0-OpenSSH_9.6', not HTTP"),
+        (b"", ": closed before answering CONNECT"),
+    ],
+)
+async def test_a_proxy_that_does_not_speak_http_is_named_once(answer: bytes, said: str) -> None:
+    """A non-HTTP answer did not name the proxy at all, and one that closed named it
+    twice ("proxy URL: proxy URL closed before answering CONNECT")."""
+
+    async def odd(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        writer.close()
+
+    server = await asyncio.start_server(odd, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    relay = f"https://127.0.0.1:9/?pin={key(6).endpoint_id}"  # never reached
+    config = RelayConfig(connect_timeout=2.0, backoff_initial=0.05, backoff_max=0.2, proxy=url)
+    path = RelayPath(key(7), relay, config=config)
+    path.start()
+    try:
+        await wait_until(lambda: path.status.last_error is not None, "a failed attempt")
+        error = path.status.last_error or ""
+        assert f"proxy {url}{' ' if answer else ''}{said}" in error, error
+        assert error.count("proxy ") == 1, error
+    finally:
+        await path.close()
+        server.close()
+
+
 async def test_the_proxy_comes_from_the_environment_unless_told_otherwise(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -26,7 +26,8 @@ async def open_tunnel(proxy: ProxyUrl, host: str, port: int) -> socket.socket:
     """A socket whose bytes reach ``host:port`` through ``proxy``. The caller bounds the
     wait. ``ProxyRefused`` when the proxy says no (its status kept), ``OSError`` when it
     cannot be reached or closes, ``RelayProtocolError`` for an answer that is not HTTP or
-    has bytes after its head (the relay speaks only after our TLS ClientHello)."""
+    has bytes after its head (the relay speaks only after our TLS ClientHello). The
+    errors do not name the proxy: the caller does."""
     loop = asyncio.get_running_loop()
     sock = await connect_tcp(proxy.host, proxy.port)
     try:
@@ -34,15 +35,13 @@ async def open_tunnel(proxy: ProxyUrl, host: str, port: int) -> socket.socket:
         answer = bytearray()
         while (used := connect_answer(answer)) is None:
             if len(answer) > MAX_ANSWER:  # interim 1xx heads without end
-                raise RelayProtocolError(
-                    f"proxy {proxy} answered CONNECT with over {MAX_ANSWER} bytes"
-                )
+                raise RelayProtocolError(f"answered CONNECT with over {MAX_ANSWER} bytes")
             more = await loop.sock_recv(sock, MAX_HTTP_HEAD)
             if not more:
-                raise ConnectionResetError(f"proxy {proxy} closed before answering CONNECT")
+                raise ConnectionResetError("closed before answering CONNECT")
             answer += more
         if used != len(answer):
-            raise RelayProtocolError(f"proxy {proxy} sent data after its CONNECT answer")
+            raise RelayProtocolError("sent data after its CONNECT answer")
         return sock
     except BaseException:
         sock.close()

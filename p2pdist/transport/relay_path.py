@@ -355,14 +355,15 @@ class RelayPath:
                 self._refused.clear()  # the latest attempt was not refused
                 msg = str(exc) or type(exc).__name__
                 self._set(last_error=msg, refusal=None)
+                why = msg.removeprefix(f"relay {self.url}: ")  # the line names the relay
                 if self._authed_at is None and not self._said_unreachable:
                     # Said once, not at every retry: a caller waits (start() up to
                     # connect_timeout) with nothing else to tell it why.
                     self._said_unreachable = True
                     again = "reconnect" if self._status.connects else "connect"
-                    log.warning("relay %s: cannot %s yet (%s); retrying", self.url, again, msg)
+                    log.warning("relay %s: cannot %s yet (%s); retrying", self.url, again, why)
                 else:
-                    log.info("relay %s: session ended: %s", self.url, msg)
+                    log.info("relay %s: session ended: %s", self.url, why)
             finally:
                 self._connected.clear()
                 self._writer = None
@@ -479,6 +480,8 @@ class RelayPath:
             if exc.status in (403, 407):
                 raise PeerAuthenticationError(f"relay {self.url}", what) from None
             raise RelayProtocolError(what) from None
+        except RelayProtocolError as exc:  # "answered CONNECT with 'SSH-2.0-...', not HTTP"
+            raise RelayProtocolError(f"proxy {proxy} {exc}") from None
         except OSError as exc:
             raise ConnectionError(f"proxy {proxy}: {exc or type(exc).__name__}") from None
 

@@ -117,12 +117,12 @@ def connect_answer(buf: bytes | bytearray) -> int | None:
         end = _head_end(buf, pos)
         if end < 0:
             if len(buf) - pos > MAX_HTTP_HEAD:
-                raise RelayProtocolError("proxy answer head too large")
+                raise RelayProtocolError("answered CONNECT with a head too large")
             return None
         line = bytes(buf[pos : buf.find(b"\n", pos)]).rstrip(b"\r").decode("latin-1")
         match = _STATUS_LINE.fullmatch(line)
         if match is None:
-            raise RelayProtocolError(f"proxy answered {line[:80]!r}")
+            raise RelayProtocolError(f"answered CONNECT with {line[:80]!r}, not HTTP")
         status, pos = int(match.group(1)), end
         if 100 <= status < 200:
             continue
