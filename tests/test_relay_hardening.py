@@ -562,20 +562,28 @@ def test_close_grace_follows_the_drain_timeout_only_while_shutting_down() -> Non
 
 
 def test_an_unwritable_url_file_names_itself_not_a_temporary_file(tmp_path: Path) -> None:
-    url_file = tmp_path / "missing" / "url"
-    proc = subprocess.run(
-        [
-            *(sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0"),
-            *("--stun-port", "0", "--key", str(tmp_path / "relay.key")),
-            *("--url-file", str(url_file)),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    def relay(url_file: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                *(sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0"),
+                *("--stun-port", "0", "--key", str(tmp_path / "relay.key")),
+                *("--url-file", str(url_file)),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+
+    missing = tmp_path / "missing" / "url"  # refused before the relay binds its ports
+    proc = relay(missing)
     assert proc.returncode == 2, proc.stderr
-    assert f"cannot write url-file {url_file}: No such file or directory" in proc.stderr
+    assert f"url-file {str(missing)!r}: no directory" in proc.stderr
+    assert "listening" not in proc.stderr and "Traceback" not in proc.stderr
+    unwritable = Path("/proc/p2pdist-url")  # a directory no one creates files in, root too
+    proc = relay(unwritable)
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot write url-file {unwritable}: " in proc.stderr
     assert ".tmp" not in proc.stderr and "Traceback" not in proc.stderr
 
 
