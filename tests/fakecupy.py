@@ -31,9 +31,11 @@ class Event:
     @property
     def done(self) -> bool:
         """Whether the copies before it landed: the stand-in's 'GPU' runs them the second
-        time it is asked (so a waiter polls at least once)."""
+        time it is asked (so a waiter polls at least once), unless the stream is held."""
         if self._stream._done >= self._upto:
             return True
+        if self._stream.held:
+            return False
         self._asked += 1
         if self._asked > 1:
             self._stream.run(self._upto)
@@ -48,6 +50,22 @@ class Stream:
     def __init__(self) -> None:
         self.pending: list[tuple[np.ndarray, np.ndarray]] = []
         self._done = 0
+        self.held = False
+        """Busy with a long kernel (:meth:`hold`): its copies wait, and so would a
+        blocking wait for it, which the stand-in refuses (it would hold the event loop)."""
+
+    def hold(self) -> None:
+        """Keep the stream busy until :meth:`release` (a long kernel queued on it)."""
+        self.held = True
+
+    def release(self) -> None:
+        """The long kernel is done: what was queued behind it may run."""
+        self.held = False
+
+    @property
+    def idle(self) -> bool:
+        """Whether everything queued on it has run."""
+        return self._done == len(self.pending)
 
     def run(self, upto: int | None = None) -> None:
         upto = len(self.pending) if upto is None else upto
@@ -57,6 +75,8 @@ class Stream:
             self._done += 1
 
     def synchronize(self) -> None:
+        if self.held:
+            raise AssertionError("a blocking wait on a busy stream: it holds the event loop")
         self.run()
 
     def record(self) -> Event:
@@ -144,13 +164,18 @@ class ndarray:
     def get(
         self, stream: Stream | None = None, out: np.ndarray | None = None, blocking: bool = True
     ) -> np.ndarray:
-        (stream or _get_current_stream()).synchronize()  # as CuPy: after the queued work
-        copies["to_host"] += 1
-        if out is None:
-            return self._data.copy()
-        if out.shape != self.shape or out.dtype != self.dtype:
+        """The values on the host, after the work queued on ``stream``: waited for, or
+        with ``blocking=False`` queued there (they land in ``out`` once it has run)."""
+        stream = stream or _get_current_stream()
+        if out is not None and (out.shape != self.shape or out.dtype != self.dtype):
             raise ValueError(f"cannot get {self.dtype}{self.shape} into {out.dtype}{out.shape}")
-        out[...] = self._data
+        copies["to_host"] += 1
+        out = np.empty(self.shape, self.dtype) if out is None else out
+        if blocking:
+            stream.synchronize()  # as CuPy: after the queued work
+            out[...] = self._data
+        else:
+            stream.pending.append((out, self._data))
         return out
 
     def set(self, arr: np.ndarray, stream: Stream | None = None) -> None:
@@ -175,9 +200,15 @@ class ndarray:
         return ndarray(self._data[key], self.device)
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        """A device copy: in order on the current stream (after what is queued there)."""
         if isinstance(value, np.ndarray):
             raise TypeError("Implicit conversion to a CuPy array is not allowed here.")
-        self._data[key] = value._data if isinstance(value, ndarray) else value
+        source = value._data if isinstance(value, ndarray) else value
+        stream = _get_current_stream()
+        if stream.idle:
+            self._data[key] = source
+        else:
+            stream.pending.append((self._data[key], np.asarray(source)))
 
     @property
     def T(self) -> ndarray:

@@ -404,21 +404,21 @@ async def test_a_bucket_that_fails_before_its_all_reduce_fails_the_others_at_onc
     if where == "pack":
         real_pack = buckets_module.pack
 
-        def pack(arrays: list[Any], out: np.ndarray) -> None:
+        async def pack(arrays: list[Any], out: np.ndarray, seconds: float, **kw: Any) -> None:
             if fail_once and any(a is poisoned for a in arrays):
                 raise fail_once.pop()
-            real_pack(arrays, out)
+            await real_pack(arrays, out, seconds, **kw)
 
         monkeypatch.setattr(buckets_module, "pack", pack)
     else:
         real_buffer = buckets_module._bucket_buffer
         made: list[int] = []
 
-        def buffer(size: int, dtype: np.dtype[Any]) -> np.ndarray:
+        def buffer(size: int, dtype: np.dtype[Any], **kw: Any) -> np.ndarray:
             made.append(size)
             if len(made) == 2 and fail_once:  # rank 1's first bucket (rank 0 adds first)
                 raise fail_once.pop()
-            return real_buffer(size, dtype)
+            return real_buffer(size, dtype, **kw)
 
         monkeypatch.setattr(buckets_module, "_bucket_buffer", buffer)
     async with groups(2, timeout=60) as gs:

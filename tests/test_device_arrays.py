@@ -17,8 +17,10 @@ import fakecupy
 import numpy as np
 import pytest
 from group_helpers import groups
+from transport_conformance import bounded
 
-from p2pdist import GradientBuckets, UsageError
+from p2pdist import GradientBuckets, P2PTimeoutError, UsageError
+from p2pdist.group import devices as devices_module
 
 
 def _real_cupy() -> ModuleType | None:
@@ -370,7 +372,7 @@ async def test_group_averaging_takes_device_updates(xp: Any) -> None:
             np.testing.assert_array_equal(f.model, np.full(4, 3.25, np.float32))
 
 
-def test_unpack_writes_into_strided_host_arrays() -> None:
+async def test_unpack_writes_into_strided_host_arrays() -> None:
     """unpack wrote a host array through reshape(-1), a copy for a strided array: the
     values were lost without an error (GradientBuckets refuses those; unpack alone not)."""
     from p2pdist.group.devices import pack, unpack
@@ -378,8 +380,89 @@ def test_unpack_writes_into_strided_host_arrays() -> None:
     base = np.zeros((4, 6), np.float32)
     strided, plain = base[:, :3], np.zeros(5, np.float32)  # rows with gaps: no flat view
     flat = np.arange(strided.size + plain.size, dtype=np.float32)
-    unpack(flat, [strided, plain])
+    await unpack(flat, [strided, plain], 5.0)
     assert np.array_equal(strided.ravel(), flat[:12]) and np.array_equal(plain, flat[12:])
     again = np.empty_like(flat)
-    pack([strided, plain], again)
+    await pack([strided, plain], again, 5.0)
     assert np.array_equal(again, flat)
+
+
+async def test_device_copies_leave_the_event_loop_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The staging copies waited for the caller's stream with the event loop held (a
+    blocking get, then synchronize): a long kernel stalled every other collective and
+    keepalive of the rank. They are queued and polled now; the stand-in's held stream
+    refuses a blocking wait, as it would hold the loop."""
+    monkeypatch.setitem(sys.modules, "cupy", fakecupy)
+    xs = inputs(2, (50_000,))
+    stream = fakecupy.cuda.get_current_stream()
+    async with groups(2) as gs:
+        dev = [fakecupy.asarray(x) for x in xs]
+        stream.hold()  # a long kernel on the caller's stream
+        try:
+            calls = [
+                asyncio.ensure_future(g.all_reduce(d, out=d)) for g, d in zip(gs, dev, strict=True)
+            ]
+            ticks = 0
+            for _ in range(20):  # the loop goes on meanwhile
+                await asyncio.sleep(0.01)
+                ticks += 1
+            assert ticks == 20 and not any(c.done() for c in calls)
+        finally:
+            stream.release()
+        await bounded(asyncio.gather(*calls), "the calls, once the kernel is done")
+        for d in dev:
+            np.testing.assert_allclose(fakecupy.to_numpy(d), xs[0] + xs[1], rtol=1e-6)
+
+
+async def test_gpu_work_that_does_not_finish_times_out_and_the_group_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """timeout= bounds the wait for the copies (it did not: a blocking wait); a call
+    that gave up before its collective began leaves the group usable."""
+    monkeypatch.setitem(sys.modules, "cupy", fakecupy)
+    xs = inputs(2, (100,))
+    stream = fakecupy.cuda.get_current_stream()
+    async with groups(2) as gs:
+        dev = [fakecupy.asarray(x) for x in xs]
+        stream.hold()
+        try:
+            late = await asyncio.gather(
+                *(g.all_reduce(d, timeout=0.3) for g, d in zip(gs, dev, strict=True)),
+                return_exceptions=True,
+            )
+        finally:
+            stream.release()
+        for err in late:
+            assert isinstance(err, P2PTimeoutError), err
+            assert "the GPU copies of a collective did not finish within 0.3 s" in str(err)
+        # The staging buffers the late copies write stay out of the pinned pool until
+        # those copies have landed.
+        assert len(devices_module._late) == 2
+        again = await asyncio.gather(*(g.all_reduce(d) for g, d in zip(gs, dev, strict=True)))
+        assert devices_module._late == []
+        for r in again:
+            np.testing.assert_allclose(host(r), xs[0] + xs[1], rtol=1e-6)
+
+
+async def test_bucket_copies_leave_the_event_loop_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GradientBuckets' pack and unpack copies ran on the current stream with blocking
+    waits: polled now, as the wait for the point of add() was."""
+    monkeypatch.setitem(sys.modules, "cupy", fakecupy)
+    stream = fakecupy.cuda.get_current_stream()
+    async with groups(2) as gs:
+        grads = [fakecupy.asarray(np.full(1000, r + 1.0, np.float32)) for r in range(2)]
+        bs = await asyncio.gather(*(GradientBuckets.create(g, op="sum") for g in gs))
+        stream.hold()
+        try:
+            for b, grad in zip(bs, grads, strict=True):
+                b.add(grad)  # the point of add() has passed: only the copies wait
+            waits = [asyncio.ensure_future(b.wait()) for b in bs]
+            await asyncio.sleep(0.2)
+            assert not any(w.done() for w in waits)
+        finally:
+            stream.release()
+        await bounded(asyncio.gather(*waits), "the buckets, once the stream is free")
+        for b in bs:
+            await b.close()
+    for grad in grads:
+        np.testing.assert_array_equal(fakecupy.to_numpy(grad), np.full(1000, 3, np.float32))

@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import GroupBrokenError, MismatchError, UsageError
 from .buffers import is_plain_array, wire_form
 from .compress import INT8_BLOCK, ErrorFeedback
-from .devices import is_device_array, pack, ready_marker, unpack, wait_ready
+from .devices import is_device_array, pack, pinned_array, ready_marker, unpack, wait_ready
 from .group import Group
 from .link import THIS_RANK
 from .reducing import BUCKET_LAYOUT
@@ -225,8 +225,9 @@ class GradientBuckets:
         # GPU wait timed out), that is thrown into it unstarted, and the others' fails at
         # once naming this rank.
         failed: MemoryError | None = None
+        pinned = any(is_device_array(a) for a in arrays)  # GPU copies fill and empty it
         try:
-            flat = _bucket_buffer(sum(a.size for a in arrays), dtype)
+            flat = _bucket_buffer(sum(a.size for a in arrays), dtype, pinned=pinned)
         except MemoryError as exc:  # the bucket fails as one whose packing failed does
             flat, failed = np.empty(0, dtype), exc
         call = self._group.all_reduce(
@@ -306,16 +307,18 @@ class GradientBuckets:
                     # The last bucket of the step before (its wait() still runs, and says
                     # how it ended): after it, whatever happened to it.
                     await asyncio.wait([after])
-            await wait_ready(ready, self._group.config.timeout)
+            seconds = self._group.config.timeout
+            pinned = any(is_device_array(a) for a in arrays)  # flat is page-locked then
+            await wait_ready(ready, seconds)
             if arrays:
-                pack(arrays, flat)
+                await pack(arrays, flat, seconds, out_pinned=pinned)
         except BaseException as exc:
             with contextlib.suppress(BaseException):
                 call.throw(exc)  # it never runs: the others are told why
             raise
         BUCKET_LAYOUT.set(layout)  # in this task's own context: for its all_reduce only
         await call
-        unpack(flat, arrays)
+        await unpack(flat, arrays, self._group.config.timeout, flat_pinned=pinned)
 
     def discard(self) -> None:
         """Abandon this step (an exception between :meth:`add` and :meth:`wait`, say), on
@@ -416,9 +419,10 @@ class GradientBuckets:
                 raise result
 
 
-def _bucket_buffer(size: int, dtype: np.dtype[Any]) -> np.ndarray:
-    """A bucket's flat host buffer (its pages are touched only when the bucket packs)."""
-    return np.empty(size, dtype)
+def _bucket_buffer(size: int, dtype: np.dtype[Any], *, pinned: bool = False) -> np.ndarray:
+    """A bucket's flat host buffer (its pages are touched only when the bucket packs);
+    ``pinned``: in page-locked memory, for a bucket holding CuPy arrays."""
+    return pinned_array(size, dtype) if pinned else np.empty(size, dtype)
 
 
 _LAYOUT = ", a bucket of "

@@ -1,14 +1,16 @@
 """CuPy (GPU) arrays in collectives: staged through host memory, results on the device.
 
 A collective given a CuPy array copies it to page-locked host memory (``ndarray.get`` on
-the array's device and its current stream, which waits for the work queued there, so
-the values are the ones the caller's kernels wrote), runs the numpy collective on the
-copy, and hands the result back on the device of the first CuPy array it was given (or
-fills the CuPy ``out=``), on the stream that was current when the call began, waiting
-until the copy is done: the result is on the device when the call returns, and the host
-buffer can go back to the pool. The network is at most a few GB/s, well below a GPU's
-copy engines, so the staging copies cost little next to the transfer;
-docs/collectives.md gives the measured figures.
+the array's device and the stream current when the call was made, queued after the work
+there, so the values are the ones the caller's kernels wrote), runs the numpy collective
+on the copy, and hands the result back on the device of the first CuPy array it was
+given (or fills the CuPy ``out=``), on that stream. Every copy is queued without
+blocking and finished by polling an event recorded after it, so the event loop goes on
+meanwhile (the other collectives, the keepalives), and the call's timeout bounds the
+wait: the result is on the device when the call returns, and the host buffer can go back
+to the pool. The network is at most a few GB/s, well below a GPU's copy engines, so the
+staging copies cost little next to the transfer; docs/collectives.md gives the measured
+figures.
 
 CuPy is imported only once a CUDA array has been seen: numpy users never pay for it.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib
+import math
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -31,6 +34,7 @@ __all__ = [
     "is_device_array",
     "on_host",
     "pack",
+    "pinned_array",
     "ready_marker",
     "unpack",
     "wait_ready",
@@ -94,6 +98,12 @@ def _cupy() -> Any:
     return importlib.import_module("cupy")
 
 
+def pinned_array(size: int, dtype: np.dtype[Any]) -> np.ndarray:
+    """An uninitialised 1-D host array of ``size`` items in page-locked memory (for a
+    buffer that GPU copies fill and empty without holding the event loop)."""
+    return _pinned((size,), dtype)
+
+
 def _pinned(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
     """An uninitialised host array in page-locked memory from CuPy's pinned pool (freed
     blocks go back to the pool and are reused): copies to and from the GPU run at the
@@ -109,12 +119,16 @@ def _pinned(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
 class _Staging:
     """One call's host copies, and the device (and stream) its results go back to."""
 
-    def __init__(self) -> None:
+    def __init__(self, seconds: float) -> None:
         self.device: Any = None
         self.out: Any = None
         self.numpy_out: Any = None
+        self._seconds = seconds  # bound on each wait for the copies
         self._streams: dict[int, Any] = {}  # device id: its stream when the call began
+        self._devices: dict[int, Any] = {}  # device id: the device
         self._copies: dict[int, np.ndarray] = {}  # id of a staged CuPy array: its copy
+        self._queued: set[int] = set()  # devices whose stream has copies not waited for
+        self._pinned: set[int] = set()  # ids of the page-locked host buffers made here
 
     def _see(self, x: Any) -> None:
         device = x.device
@@ -123,6 +137,17 @@ class _Staging:
         if device.id not in self._streams:
             with device:
                 self._streams[device.id] = _cupy().cuda.get_current_stream()
+            self._devices[device.id] = device
+
+    async def copied(self, keep: Sequence[np.ndarray]) -> None:
+        """Wait (polled) until the copies queued so far have landed; ``keep``: the host
+        buffers they read or write, held until then even if the wait times out."""
+        events = []
+        for device_id in self._queued:
+            with self._devices[device_id]:
+                events.append(self._streams[device_id].record())
+        self._queued.clear()
+        await wait_ready(events, self._seconds, "the GPU copies of a collective", keep)
 
     def see_streams(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Note the current stream of each CuPy argument's device now, as the call is
@@ -138,9 +163,11 @@ class _Staging:
         if is_device_array(x):
             self._see(x)
             copy = _pinned(x.shape, x.dtype)
-            with x.device:  # its stream: waits for the caller's kernels that write x
-                x.get(out=copy, stream=self._streams[x.device.id], blocking=True)
+            with x.device:  # its stream: after the caller's kernels that write x
+                x.get(out=copy, stream=self._streams[x.device.id], blocking=False)
             self._copies[id(x)] = copy
+            self._pinned.add(id(copy))
+            self._queued.add(x.device.id)
             return copy
         if isinstance(x, list | tuple) and any(_cuda(item) for item in x):
             return [self.host(item) for item in x]
@@ -169,25 +196,44 @@ class _Staging:
         self.out = out
         self._see(out)
         staged = self._copies.get(id(out))
-        return staged if staged is not None else _pinned(out.shape, out.dtype)
+        if staged is None:
+            staged = _pinned(out.shape, out.dtype)
+            self._pinned.add(id(staged))
+        return staged
 
-    def back(self, result: Any) -> Any:
+    def staged(self) -> list[np.ndarray]:
+        """The host copies of the call's CuPy inputs."""
+        return list(self._copies.values())
+
+    async def back(self, result: Any) -> Any:
         """``result`` on the device (the CuPy ``out=`` filled, when one was given), the
-        copy finished; a numpy ``out=`` is returned as it is."""
+        copies finished; a numpy ``out=`` is returned as it is."""
+        sources: list[np.ndarray] = []
+        placed = self._place(result, sources)
+        if sources:  # the host buffers are reused once this call returns: wait for them
+            await self.copied(sources)
+        return placed
+
+    def _place(self, result: Any, sources: list[np.ndarray]) -> Any:
+        """:meth:`back`'s copies, queued (their host buffers appended to ``sources``)."""
         if result is None or (self.numpy_out is not None and result is self.numpy_out):
             return result
         if isinstance(result, list):
-            return [self.back(item) for item in result]
+            return [self._place(item, sources) for item in result]
         target = self.out
         device = target.device if target is not None else self.device
-        stream = self._streams[device.id]
+        if id(result) not in self._pinned:
+            # From pageable memory a copy waits for the stream's earlier work first,
+            # holding the loop: through page-locked memory it is only queued.
+            pinned = _pinned(result.shape, result.dtype)
+            pinned[...] = result
+            result = pinned
         with device:
             if target is None:
-                if not result.flags.c_contiguous:
-                    result = np.ascontiguousarray(result)
                 target = _cupy().empty(result.shape, result.dtype)
-            target.set(result, stream=stream)  # queued on the stream: wait for it, since
-            stream.synchronize()  # the host buffer is reused once this call returns
+            target.set(result, stream=self._streams[device.id])  # queued on the stream
+        sources.append(result)
+        self._queued.add(device.id)
         return target
 
 
@@ -224,7 +270,7 @@ def on_host(
     def wrapper(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> Coroutine[Any, Any, _R]:
         if not _staged(args, kwargs):
             return method(self, *args, **kwargs)
-        staging = _Staging()
+        staging = _Staging(_wait_bound(self, kwargs.get("timeout")))
         staging.see_streams(args, kwargs)  # the caller's streams when it made the call
         return _through_host(method, self, args, kwargs, staging)
 
@@ -241,8 +287,18 @@ async def _through_host(
     """Run ``method`` on host copies of the CUDA arrays among its arguments."""
     host_args = [staging.host(a) for a in args]
     host_kwargs = {k: staging.keyword(k, v) for k, v in kwargs.items()}
+    await staging.copied(staging.staged())
     result = await method(group, *host_args, **host_kwargs)
-    return staging.back(result)  # type: ignore[no-any-return]
+    return await staging.back(result)  # type: ignore[no-any-return]
+
+
+def _wait_bound(group: Any, timeout: object) -> float:
+    """How long a call's GPU copies may take: its ``timeout=``, else the group's (a bad
+    value is the collective's to refuse, after the copies)."""
+    default = float(group.config.timeout)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        return default
+    return float(timeout) if 0 < timeout < math.inf else default
 
 
 def ready_marker(x: Any) -> Any:
@@ -253,10 +309,18 @@ def ready_marker(x: Any) -> Any:
         return _cupy().cuda.get_current_stream().record()
 
 
-async def wait_ready(events: Sequence[Any], seconds: float) -> None:
-    """Wait (polled, so the event loop goes on meanwhile: other buckets are in flight)
-    until every event of :func:`ready_marker` has passed; P2PTimeoutError after
-    ``seconds``."""
+async def wait_ready(
+    events: Sequence[Any],
+    seconds: float,
+    what: str = "the GPU work queued before add()",
+    keep: Sequence[np.ndarray] = (),
+) -> None:
+    """Wait (polled, so the event loop goes on meanwhile: other collectives and buckets
+    are in flight) until every CUDA event in ``events`` (:func:`ready_marker`'s, or one
+    recorded after some copies) has passed; P2PTimeoutError naming ``what`` after
+    ``seconds``. ``keep``: host buffers the GPU still reads or writes until then; on a
+    timeout they are held until the events pass (back in the pinned pool meanwhile, the
+    next call's staging would be overwritten by a late copy)."""
     try:
         async with asyncio.timeout(seconds):
             for event in events:
@@ -264,35 +328,68 @@ async def wait_ready(events: Sequence[Any], seconds: float) -> None:
                 while not event.done:  # noqa: ASYNC110
                     await asyncio.sleep(_EVENT_POLL)
     except TimeoutError:
-        raise P2PTimeoutError(
-            f"the GPU work queued before add() did not finish within {seconds:g} s"
-        ) from None
+        if keep:
+            _late.append((list(events), list(keep)))
+        raise P2PTimeoutError(f"{what} did not finish within {seconds:g} s") from None
+    finally:
+        _late[:] = [(late, held) for late, held in _late if not all(e.done for e in late)]
 
 
-def pack(arrays: Sequence[Any], out: np.ndarray) -> None:
+_late: list[tuple[list[Any], list[np.ndarray]]] = []
+"""Host buffers of copies still running after their wait timed out, with their events."""
+
+
+async def pack(
+    arrays: Sequence[Any], out: np.ndarray, seconds: float, *, out_pinned: bool = False
+) -> None:
     """``arrays`` flattened into ``out``, a host array of their total size (cast to its
     dtype); CuPy arrays on one device are joined there first, so they cross to the host
-    in one copy."""
+    in one copy. The copies are queued on each device's current stream and waited for
+    by polling (P2PTimeoutError after ``seconds``): into ``out`` itself when it is
+    page-locked (``out_pinned``: :func:`pinned_array`'s), else through a page-locked
+    buffer (a copy into pageable memory would hold the event loop until it is done)."""
     if not any(is_device_array(a) for a in arrays):
         np.concatenate([a.reshape(-1) for a in arrays], out=out)
         return
+    cp = _cupy()
+    events: list[Any] = []
     devices = {a.device.id for a in arrays if is_device_array(a)}
     if len(devices) == 1 and all(is_device_array(a) for a in arrays):
-        cp = _cupy()
+        staged = out if out_pinned else _pinned(out.shape, out.dtype)
         with arrays[0].device:
             joined = cp.concatenate([a.reshape(-1) for a in arrays]).astype(out.dtype, copy=False)
-            joined.get(out=out)  # on the current stream, after the join
+            joined.get(out=staged, blocking=False)  # on the current stream, after the join
+            events.append(cp.cuda.get_current_stream().record())
+        await wait_ready(events, seconds, "the GPU copies of a bucket", [staged])
+        if staged is not out:
+            out[...] = staged
         return
-    parts = [a.get().reshape(-1) if is_device_array(a) else a.reshape(-1) for a in arrays]
-    np.concatenate(parts, out=out)
+    parts: list[np.ndarray] = []
+    for a in arrays:
+        if is_device_array(a):
+            with a.device:
+                part = _pinned(a.shape, a.dtype)
+                a.get(out=part, blocking=False)
+                events.append(cp.cuda.get_current_stream().record())
+            parts.append(part)
+        else:
+            parts.append(a)
+    await wait_ready(events, seconds, "the GPU copies of a bucket", parts)
+    np.concatenate([part.reshape(-1) for part in parts], out=out)
 
 
-def unpack(flat: np.ndarray, arrays: Sequence[Any]) -> None:
+async def unpack(
+    flat: np.ndarray, arrays: Sequence[Any], seconds: float, *, flat_pinned: bool = False
+) -> None:
     """Write consecutive pieces of ``flat`` back into ``arrays`` (in place), as
-    :func:`pack` laid them out; the device copies are finished when it returns."""
+    :func:`pack` laid them out; the device copies are queued on each device's current
+    stream and finished when it returns (polled; P2PTimeoutError after ``seconds``),
+    from ``flat`` itself when it is page-locked (``flat_pinned``), else from a
+    page-locked copy of it."""
     offset = 0
     on_device: dict[int, Any] = {}
     cp: Any = None
+    staged: np.ndarray | None = flat if flat_pinned else None
     for a in arrays:
         start, offset = offset, offset + a.size
         if not is_device_array(a):
@@ -302,8 +399,17 @@ def unpack(flat: np.ndarray, arrays: Sequence[Any]) -> None:
         device = a.device
         with device:
             if device.id not in on_device:  # one copy to each device, then slices there
-                on_device[device.id] = cp.asarray(flat)
+                if staged is None:  # page-locked: the copy is queued, not made at once
+                    staged = _pinned(flat.shape, flat.dtype)
+                    staged[...] = flat
+                whole = cp.empty(flat.shape, flat.dtype)
+                whole.set(staged, stream=cp.cuda.get_current_stream())
+                on_device[device.id] = whole
             a[...] = on_device[device.id][start:offset].reshape(a.shape)
+    events = []
     for id_ in on_device:
         with cp.cuda.Device(id_):
-            cp.cuda.get_current_stream().synchronize()
+            events.append(cp.cuda.get_current_stream().record())
+    await wait_ready(
+        events, seconds, "the GPU copies of a bucket", [] if staged is None else [staged]
+    )
