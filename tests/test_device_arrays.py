@@ -338,8 +338,8 @@ async def test_a_federated_client_submits_a_device_update(xp: Any) -> None:
         await client.close()
 
 
-def test_host_copy_refuses_another_librarys_cuda_array() -> None:
-    from p2pdist.group.devices import host_copy
+async def test_host_copy_refuses_another_librarys_cuda_array() -> None:
+    from p2pdist.group.devices import host_copy_async
 
     class Foreign:
         @property
@@ -347,9 +347,31 @@ def test_host_copy_refuses_another_librarys_cuda_array() -> None:
             return {"shape": (1,), "typestr": "<f4"}
 
     with pytest.raises(UsageError, match=r"cupy\.asarray"):
-        host_copy(Foreign())
+        await host_copy_async(Foreign(), 5.0)
     x = np.ones(3)
-    assert host_copy(x) is x
+    assert await host_copy_async(x, 5.0) is x
+
+
+async def test_an_update_copied_off_the_gpu_leaves_the_event_loop_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A federated update's copy to the host was a blocking get: polled now, bounded."""
+    from p2pdist.group.devices import host_copy_async
+
+    monkeypatch.setitem(sys.modules, "cupy", fakecupy)
+    update = fakecupy.asarray(np.arange(6, dtype=np.float32))
+    stream = fakecupy.cuda.get_current_stream()
+    stream.hold()
+    try:
+        with pytest.raises(P2PTimeoutError, match="the GPU copy of an update did not finish"):
+            await host_copy_async(update, 0.2)
+        copying = asyncio.ensure_future(host_copy_async(update, 30.0))
+        await asyncio.sleep(0.05)
+        assert not copying.done()
+    finally:
+        stream.release()
+    got = await bounded(copying, "the copy")
+    assert type(got) is np.ndarray and np.array_equal(got, np.arange(6, dtype=np.float32))
 
 
 async def test_group_averaging_takes_device_updates(xp: Any) -> None:

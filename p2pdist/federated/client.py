@@ -22,7 +22,7 @@ from ..errors import (
     RemoteProtocolError,
     UsageError,
 )
-from ..group.devices import host_copy
+from ..group.devices import host_copy_async
 from ..identity import EndpointId, SecretKey
 from ..settings import check_int, check_seconds
 from ..tasks import cancel_and_wait
@@ -256,7 +256,7 @@ class FederatedClient:
         message = encode(
             "submit",
             {"r": round_id, "b": base_round, "n": num_samples},
-            np.asarray(host_copy(update)),
+            np.asarray(await host_copy_async(update, timeout)),
         )
         return await self._send(message, timeout, "update")
 

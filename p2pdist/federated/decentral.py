@@ -40,7 +40,7 @@ from ..errors import (
     UsageError,
 )
 from ..group.buffers import as_array
-from ..group.devices import host_copy
+from ..group.devices import host_copy_async
 from ..settings import as_int, check_int, check_seconds
 from ..tasks import cancel_and_wait
 from ..transport.base import Connection
@@ -253,7 +253,8 @@ class GroupAveraging(Leading):
                     f"base_round {base} is after the round now open ({k}): an update is "
                     "computed from the model of this round or an earlier one"
                 )
-            sent = as_array(host_copy(update))  # a CuPy update: its values, on the host
+            # A CuPy update: its values, on the host (polled: the loop goes on).
+            sent = as_array(await host_copy_async(update, self._timeout))
             if self._own is not None:  # carried from an earlier round, never aggregated
                 self._replacing_carried(k, self._own)
             self._own = OwnUpdate(sent, samples, base, await digest_async(sent))

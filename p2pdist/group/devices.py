@@ -30,7 +30,7 @@ from ..errors import P2PTimeoutError, UsageError
 from .calls import as_coroutine_function
 
 __all__ = [
-    "host_copy",
+    "host_copy_async",
     "is_device_array",
     "on_host",
     "pack",
@@ -82,16 +82,21 @@ def _refuse_foreign(x: object) -> None:
         )
 
 
-def host_copy(x: Any) -> Any:
-    """``x`` as it is, or for a CuPy array a numpy copy of its values, made on the
-    array's device once the work queued on that device's current stream is done (for
-    calls that keep or send an array whole, such as federated updates). Another
-    library's CUDA array is a UsageError."""
-    if is_device_array(x):
-        with x.device:
-            return x.get()
-    _refuse_foreign(x)
-    return x
+async def host_copy_async(x: Any, seconds: float) -> Any:
+    """``x`` as it is, or for a CuPy array a numpy copy of its values (for calls that
+    keep or send an array whole, such as federated updates), in ordinary host memory.
+    The copy is queued on the array's device's current stream, after the work there,
+    and waited for by polling (P2PTimeoutError after ``seconds``), so the event loop
+    goes on meanwhile. Another library's CUDA array is a UsageError."""
+    if not is_device_array(x):
+        _refuse_foreign(x)
+        return x
+    staged = _pinned(x.shape, x.dtype)
+    with x.device:
+        x.get(out=staged, blocking=False)
+        event = _cupy().cuda.get_current_stream().record()
+    await wait_ready([event], seconds, "the GPU copy of an update", [staged])
+    return np.array(staged)  # out of page-locked memory: an update may be kept for long
 
 
 def _cupy() -> Any:
