@@ -11,11 +11,15 @@ tests/test_device_arrays.py runs the same tests on real CuPy where a GPU is.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
 
-copies = {"to_host": 0, "to_device": 0}
+copies = {"to_host": 0, "to_device": 0, "from_pageable": 0}
+faults: list[str] = []
+"""What a GPU would have done wrong: a queued copy whose page-locked host buffer was
+freed (back in the pool) before it ran. Tests assert it stays empty."""
 
 
 class Event:
@@ -48,8 +52,11 @@ class Stream:
     changed values, as on a GPU."""
 
     def __init__(self) -> None:
-        self.pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self.pending: list[tuple[Any, Any]] = []
+        """Queued copies (target, source); a page-locked host end is held weakly, as
+        the GPU does not keep it alive (see :data:`faults`)."""
         self._done = 0
+        self.device_id = _current[-1].id
         self.held = False
         """Busy with a long kernel (:meth:`hold`): its copies wait, and so would a
         blocking wait for it, which the stand-in refuses (it would hold the event loop)."""
@@ -70,8 +77,11 @@ class Stream:
     def run(self, upto: int | None = None) -> None:
         upto = len(self.pending) if upto is None else upto
         while self._done < upto:
-            target, source = self.pending[self._done]
-            target[...] = source
+            target, source = (_live(end) for end in self.pending[self._done])
+            if target is None or source is None:
+                faults.append("a queued copy ran after its page-locked buffer was freed")
+            else:
+                target[...] = source
             self._done += 1
 
     def synchronize(self) -> None:
@@ -80,6 +90,13 @@ class Stream:
         self.run()
 
     def record(self) -> Event:
+        """An event after what is queued now (made on the current device, which must be
+        the stream's, as CUDA requires)."""
+        if _current[-1].id != self.device_id:
+            raise RuntimeError(
+                f"an event of device {_current[-1].id} recorded on a stream of device "
+                f"{self.device_id}"
+            )
         return Event(self)
 
     def __enter__(self) -> Stream:
@@ -124,8 +141,32 @@ def _get_current_stream() -> Stream:
     return _streams.setdefault(device, Stream())
 
 
-def _alloc_pinned_memory(nbytes: int) -> bytearray:
-    return bytearray(nbytes)
+class PinnedBlock(bytearray):
+    """Page-locked memory of the stand-in (a bytearray that can be referred to weakly)."""
+
+
+def _alloc_pinned_memory(nbytes: int) -> PinnedBlock:
+    return PinnedBlock(nbytes)
+
+
+def _pinned(a: np.ndarray) -> bool:
+    """Whether ``a`` lies in page-locked memory (its base chain ends in a PinnedBlock)."""
+    base: Any = a
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    return isinstance(base, PinnedBlock)
+
+
+def _host_end(a: np.ndarray) -> Any:
+    """How a queued copy holds a host array: weakly when page-locked (CUDA keeps no
+    reference: freed before the copy ran, it lands in the pool's next user)."""
+    return weakref.ref(a) if _pinned(a) else a
+
+
+def _live(end: Any) -> Any:
+    return end() if isinstance(end, weakref.ref) else end
 
 
 class _Cuda:
@@ -175,7 +216,9 @@ class ndarray:
             stream.synchronize()  # as CuPy: after the queued work
             out[...] = self._data
         else:
-            stream.pending.append((out, self._data))
+            if not _pinned(out):  # CUDA: into pageable memory it returns once done
+                raise AssertionError("an asynchronous copy into pageable memory: it blocks")
+            stream.pending.append((_host_end(out), self._data))
         return out
 
     def set(self, arr: np.ndarray, stream: Stream | None = None) -> None:
@@ -188,7 +231,9 @@ class ndarray:
         if not self._data.flags.c_contiguous:
             raise RuntimeError("Cannot set to non-contiguous array")
         copies["to_device"] += 1
-        (stream or _get_current_stream()).pending.append((self._data, arr))
+        if not _pinned(arr):  # CUDA waits for the stream's earlier work first
+            copies["from_pageable"] += 1
+        (stream or _get_current_stream()).pending.append((self._data, _host_end(arr)))
 
     def reshape(self, *shape: Any) -> ndarray:
         return ndarray(self._data.reshape(*shape), self.device)

@@ -19,7 +19,7 @@ import pytest
 from group_helpers import groups
 from transport_conformance import bounded
 
-from p2pdist import GradientBuckets, P2PTimeoutError, UsageError
+from p2pdist import GradientBuckets, P2PError, P2PTimeoutError, UsageError
 from p2pdist.group import devices as devices_module
 
 
@@ -205,13 +205,16 @@ async def test_in_place_call_copies_once_each_way(monkeypatch: pytest.MonkeyPatc
     xs = inputs(2, (100_000,))
     async with groups(2) as gs:
         dev = [fakecupy.asarray(x) for x in xs]
-        monkeypatch.setattr(fakecupy, "copies", {"to_host": 0, "to_device": 0})
+        counts = {"to_host": 0, "to_device": 0, "from_pageable": 0}
+        monkeypatch.setattr(fakecupy, "copies", counts)
         await asyncio.gather(*(g.all_reduce(d, out=d) for g, d in zip(gs, dev, strict=True)))
-        assert fakecupy.copies == {"to_host": 2, "to_device": 2}  # two ranks, one each way
+        assert fakecupy.copies == {"to_host": 2, "to_device": 2, "from_pageable": 0}
         for d in dev:  # already on the device (the queued copy waited for), not pending
             np.testing.assert_allclose(fakecupy.to_numpy(d), xs[0] + xs[1], rtol=1e-6)
         fresh = await asyncio.gather(*(g.broadcast(d) for g, d in zip(gs, dev, strict=True)))
-        assert fakecupy.copies == {"to_host": 4, "to_device": 4}
+        # A new result goes through page-locked memory too: a copy from pageable memory
+        # waits for the stream's earlier work before it is queued, holding the loop.
+        assert fakecupy.copies == {"to_host": 4, "to_device": 4, "from_pageable": 0}
     for r in (*dev, *fresh):
         np.testing.assert_allclose(host(r), xs[0] + xs[1], rtol=1e-6)
 
@@ -488,3 +491,48 @@ async def test_bucket_copies_leave_the_event_loop_running(monkeypatch: pytest.Mo
             await b.close()
     for grad in grads:
         np.testing.assert_array_equal(fakecupy.to_numpy(grad), np.full(1000, 3, np.float32))
+
+
+async def test_a_cancelled_or_refused_call_keeps_its_buffers_until_its_copies_land(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only a timed-out wait held its page-locked buffers: a call cancelled while its
+    copies were queued, or one refusing a later argument after queueing an earlier
+    one's copy, let them go back to CuPy's pool with the GPU still writing them (the
+    next call's staging would take that late copy)."""
+    import gc
+
+    monkeypatch.setitem(sys.modules, "cupy", fakecupy)
+    monkeypatch.setattr(fakecupy, "faults", [])
+    xs = inputs(2, (1000,))
+    stream = fakecupy.cuda.get_current_stream()
+
+    class Foreign:
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            return {"shape": (1000,), "typestr": "<f4"}
+
+    async with groups(2) as gs:
+        dev = [fakecupy.asarray(x) for x in xs]
+        stream.hold()
+        try:
+            first, second = (
+                asyncio.ensure_future(g.all_reduce(d)) for g, d in zip(gs, dev, strict=True)
+            )
+            await asyncio.sleep(0.05)
+            first.cancel()
+            await asyncio.wait([first])
+            del first  # the task, and with it its frames: only _late may hold the buffers
+            with pytest.raises(UsageError, match=r"cupy\.asarray"):  # x's copy was queued
+                await gs[0].all_reduce(dev[0], out=Foreign())
+            gc.collect()
+        finally:
+            stream.release()
+        stream.synchronize()
+        assert fakecupy.faults == []
+        # The other rank's call goes on once its copy lands, and is told of the gap.
+        with pytest.raises(P2PError, match="cancelled before it started"):
+            await bounded(second, "rank 1's call")
+        again = await asyncio.gather(*(g.all_reduce(d) for g, d in zip(gs, dev, strict=True)))
+        for r in again:
+            np.testing.assert_allclose(host(r), xs[0] + xs[1], rtol=1e-6)

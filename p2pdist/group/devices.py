@@ -117,7 +117,12 @@ def _pinned(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
     count = int(np.prod(shape, dtype=np.int64))
     nbytes = count * dtype.itemsize
     block = max(_PINNED_MIN, 1 << (nbytes - 1).bit_length()) if nbytes else _PINNED_MIN
-    memory = _cupy().cuda.alloc_pinned_memory(block)
+    try:
+        memory = _cupy().cuda.alloc_pinned_memory(block)
+    except MemoryError:
+        raise
+    except Exception as exc:  # CUDA's own error for a failed cudaHostAlloc
+        raise MemoryError(f"no page-locked memory for {block} bytes: {exc}") from exc
     return np.frombuffer(memory, dtype, count).reshape(shape)
 
 
@@ -146,13 +151,23 @@ class _Staging:
 
     async def copied(self, keep: Sequence[np.ndarray]) -> None:
         """Wait (polled) until the copies queued so far have landed; ``keep``: the host
-        buffers they read or write, held until then even if the wait times out."""
+        buffers they read or write, held until then however the wait ends."""
+        await wait_ready(self._recorded(), self._seconds, "the GPU copies of a collective", keep)
+
+    def abandon(self) -> None:
+        """Staging failed part way (a later argument refused): the copies already queued
+        keep their host buffers until they have landed."""
+        if self._queued:
+            _late.append((self._recorded(), list(self._copies.values())))
+
+    def _recorded(self) -> list[Any]:
+        """An event after the copies queued on each stream since the last call."""
         events = []
         for device_id in self._queued:
             with self._devices[device_id]:
                 events.append(self._streams[device_id].record())
         self._queued.clear()
-        await wait_ready(events, self._seconds, "the GPU copies of a collective", keep)
+        return events
 
     def see_streams(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Note the current stream of each CuPy argument's device now, as the call is
@@ -233,10 +248,11 @@ class _Staging:
             pinned = _pinned(result.shape, result.dtype)
             pinned[...] = result
             result = pinned
-        with device:
+        stream = self._streams[device.id]
+        with device, stream:  # (allocated from that stream's pool: used in its order)
             if target is None:
                 target = _cupy().empty(result.shape, result.dtype)
-            target.set(result, stream=self._streams[device.id])  # queued on the stream
+            target.set(result, stream=stream)  # queued on the stream
         sources.append(result)
         self._queued.add(device.id)
         return target
@@ -290,8 +306,12 @@ async def _through_host(
     staging: _Staging,
 ) -> _R:
     """Run ``method`` on host copies of the CUDA arrays among its arguments."""
-    host_args = [staging.host(a) for a in args]
-    host_kwargs = {k: staging.keyword(k, v) for k, v in kwargs.items()}
+    try:
+        host_args = [staging.host(a) for a in args]
+        host_kwargs = {k: staging.keyword(k, v) for k, v in kwargs.items()}
+    except BaseException:
+        staging.abandon()
+        raise
     await staging.copied(staging.staged())
     result = await method(group, *host_args, **host_kwargs)
     return await staging.back(result)  # type: ignore[no-any-return]
@@ -323,21 +343,34 @@ async def wait_ready(
     """Wait (polled, so the event loop goes on meanwhile: other collectives and buckets
     are in flight) until every CUDA event in ``events`` (:func:`ready_marker`'s, or one
     recorded after some copies) has passed; P2PTimeoutError naming ``what`` after
-    ``seconds``. ``keep``: host buffers the GPU still reads or writes until then; on a
-    timeout they are held until the events pass (back in the pinned pool meanwhile, the
-    next call's staging would be overwritten by a late copy)."""
+    ``seconds``. ``keep``: host buffers the GPU still reads or writes until then; if the
+    wait ends first (a timeout, a cancellation) they are held until the events pass
+    (back in the pinned pool meanwhile, another call's buffer would take a late copy)."""
     try:
         async with asyncio.timeout(seconds):
             for event in events:
                 # Polled: a CUDA event can call no one back on the loop.
                 while not event.done:  # noqa: ASYNC110
                     await asyncio.sleep(_EVENT_POLL)
-    except TimeoutError:
+    except BaseException as exc:
         if keep:
             _late.append((list(events), list(keep)))
-        raise P2PTimeoutError(f"{what} did not finish within {seconds:g} s") from None
+        if isinstance(exc, TimeoutError):
+            raise P2PTimeoutError(f"{what} did not finish within {seconds:g} s") from None
+        raise
     finally:
         _late[:] = [(late, held) for late, held in _late if not all(e.done for e in late)]
+
+
+def _abandon(devices: Sequence[Any], keep: Sequence[np.ndarray]) -> None:
+    """Copies were queued on these devices' current streams and then something failed:
+    their host buffers are held until an event after them has passed."""
+    cp = _cupy()
+    events = []
+    for device in devices:
+        with device:
+            events.append(cp.cuda.get_current_stream().record())
+    _late.append((events, list(keep)))
 
 
 _late: list[tuple[list[Any], list[np.ndarray]]] = []
@@ -370,15 +403,21 @@ async def pack(
             out[...] = staged
         return
     parts: list[np.ndarray] = []
-    for a in arrays:
-        if is_device_array(a):
-            with a.device:
-                part = _pinned(a.shape, a.dtype)
-                a.get(out=part, blocking=False)
-                events.append(cp.cuda.get_current_stream().record())
-            parts.append(part)
-        else:
-            parts.append(a)
+    queued: list[Any] = []  # the devices with a copy queued
+    try:
+        for a in arrays:
+            if is_device_array(a):
+                with a.device:
+                    part = _pinned(a.shape, a.dtype)
+                    a.get(out=part, blocking=False)
+                    queued.append(a.device)
+                    events.append(cp.cuda.get_current_stream().record())
+                parts.append(part)
+            else:
+                parts.append(a)
+    except BaseException:
+        _abandon(queued, parts)
+        raise
     await wait_ready(events, seconds, "the GPU copies of a bucket", parts)
     np.concatenate([part.reshape(-1) for part in parts], out=out)
 
@@ -395,22 +434,27 @@ async def unpack(
     on_device: dict[int, Any] = {}
     cp: Any = None
     staged: np.ndarray | None = flat if flat_pinned else None
-    for a in arrays:
-        start, offset = offset, offset + a.size
-        if not is_device_array(a):
-            a[...] = flat[start:offset].reshape(a.shape)  # a strided array too (a cast)
-            continue
-        cp = cp or _cupy()
-        device = a.device
-        with device:
-            if device.id not in on_device:  # one copy to each device, then slices there
-                if staged is None:  # page-locked: the copy is queued, not made at once
-                    staged = _pinned(flat.shape, flat.dtype)
-                    staged[...] = flat
-                whole = cp.empty(flat.shape, flat.dtype)
-                whole.set(staged, stream=cp.cuda.get_current_stream())
-                on_device[device.id] = whole
-            a[...] = on_device[device.id][start:offset].reshape(a.shape)
+    try:
+        for a in arrays:
+            start, offset = offset, offset + a.size
+            if not is_device_array(a):
+                a[...] = flat[start:offset].reshape(a.shape)  # a strided array too (a cast)
+                continue
+            cp = cp or _cupy()
+            device = a.device
+            with device:
+                if device.id not in on_device:  # one copy to each device, then slices there
+                    if staged is None:  # page-locked: the copy is queued, not made at once
+                        staged = _pinned(flat.shape, flat.dtype)
+                        staged[...] = flat
+                    whole = cp.empty(flat.shape, flat.dtype)
+                    whole.set(staged, stream=cp.cuda.get_current_stream())
+                    on_device[device.id] = whole
+                a[...] = on_device[device.id][start:offset].reshape(a.shape)
+    except BaseException:
+        if on_device and staged is not None:
+            _abandon([whole.device for whole in on_device.values()], [staged])
+        raise
     events = []
     for id_ in on_device:
         with cp.cuda.Device(id_):
