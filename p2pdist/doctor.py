@@ -159,6 +159,12 @@ class DoctorReport:
                 "the relay presented another key than the URL's pin: check the URL (a "
                 "relay restarted without --key has a new pin), or suspect interception"
             )
+        if self.relay_refusal == "proxy_refused":
+            return (
+                "the HTTP proxy refuses the tunnel to the relay (above: 407 asks for "
+                "credentials, 403 forbids it): fix the proxy URL or its user:password "
+                "($P2PDIST_RELAY_PROXY, relay_proxy=)"
+            )
         if self.relay_denied:
             return "the relay refuses this client (above): nothing works until it lets it in"
         if self.relay_reached and not self.relay_connected:

@@ -1020,6 +1020,14 @@ def test_doctor_refused_by_the_relay_says_so_and_shows_the_whole_id() -> None:
     report.fresh_key = True
     assert "made for this run only" in report.verdict()
     assert "add this endpoint id" not in report.verdict()
+    proxied = DoctorReport(  # a proxy's 407 is no relay's refusal, nor a relay not there
+        "https://relay.test/",
+        "a" * 52,
+        relay_error="proxy http://proxy.test:3128 refused the tunnel: 407",
+        relay_denied=True,
+        relay_refusal="proxy_refused",
+    )
+    assert proxied.verdict().startswith("the HTTP proxy refuses the tunnel to the relay")
 
 
 async def test_doctor_against_a_relay_that_refuses_its_key(tmp_path: Path) -> None:

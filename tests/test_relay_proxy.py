@@ -310,6 +310,9 @@ async def test_proxy_refusals_wrong_credentials_at_once_a_bad_gateway_retried(
                 with pytest.raises(PeerAuthenticationError, match="407 Proxy Authentication"):
                     await path.wait_connected(10)
                 assert "wrong" not in str(path.status)
+                # Told apart from a reachable relay that failed (doctor said "cannot reach
+                # the relay"): only a change to the proxy settings helps.
+                assert path.status.refused and path.status.refusal == "proxy_refused"
             finally:
                 await path.close()
             g = Group.from_seed("s" * 20, rank=0, world=2, relay=relay.url, relay_proxy=wrong)

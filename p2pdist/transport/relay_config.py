@@ -150,8 +150,9 @@ class RelayStatus:
     last_error: str | None = None
     refusal: str | None = None
     """Why the relay refused the latest attempt, or None: ``"bad_token"``,
-    ``"not_allowed"`` (the allowlist), ``"bad_signature"``, ``"malformed"``, or
-    ``"pin_mismatch"`` (the relay's key is not the URL's pin: we refused it)."""
+    ``"not_allowed"`` (the allowlist), ``"bad_signature"``, ``"malformed"``,
+    ``"pin_mismatch"`` (the relay's key is not the URL's pin: we refused it), or
+    ``"proxy_refused"`` (the HTTP proxy refused the tunnel: 407 for credentials, 403)."""
     datagrams_sent: int = 0
     datagrams_received: int = 0
     dropped: int = 0
@@ -188,10 +189,10 @@ class RelayStatus:
 
     @property
     def refused(self) -> bool:
-        """Whether the relay refused the latest attempt, or was not the pinned relay
-        (:attr:`refusal` and ``last_error`` say which: a bad token, an allowlist, another
-        key): retrying goes on, but only a change to the relay or to this client's
-        settings will let it in."""
+        """Whether the relay refused the latest attempt, or was not the pinned relay, or
+        the proxy refused the tunnel (:attr:`refusal` and ``last_error`` say which: a bad
+        token, an allowlist, another key, the proxy's credentials): retrying goes on, but
+        only a change to the relay or to this client's settings will let it in."""
         return self.refusal is not None
 
 

@@ -101,6 +101,13 @@ class _RefusedByRelay(PeerAuthenticationError):
         self.refusal = refusal
 
 
+class _RefusedByProxy(PeerAuthenticationError):
+    """The HTTP proxy refused the tunnel for credentials or policy (407, 403): only a
+    change to the proxy settings lets this client through (``refusal`` as the relay's)."""
+
+    refusal = "proxy_refused"
+
+
 def _power_of_ten(n: int) -> bool:
     """Whether ``n`` is 1, 10, 100...: when a repeating event is logged again."""
     return n == int(10 ** (len(str(n)) - 1))
@@ -335,7 +342,8 @@ class RelayPath:
                 # keep retrying in the background (an allowlist may be reloaded).
                 said = self._warned_refusal == exc.detail
                 self._warned_refusal = exc.detail
-                refusal = exc.refusal if isinstance(exc, _RefusedByRelay) else None
+                refused_by = (_RefusedByRelay, _RefusedByProxy)
+                refusal = exc.refusal if isinstance(exc, refused_by) else None
                 # (the error names the relay)
                 self._set(last_error=exc.detail, refusal=refusal)
                 self._refused.set()
@@ -478,7 +486,7 @@ class RelayPath:
         except ProxyRefused as exc:
             what = f"proxy {proxy} refused the tunnel: {exc}"
             if exc.status in (403, 407):
-                raise PeerAuthenticationError(f"relay {self.url}", what) from None
+                raise _RefusedByProxy(f"relay {self.url}", what) from None
             raise RelayProtocolError(what) from None
         except RelayProtocolError as exc:  # "answered CONNECT with 'SSH-2.0-...', not HTTP"
             raise RelayProtocolError(f"proxy {proxy} {exc}") from None
