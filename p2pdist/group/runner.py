@@ -238,6 +238,8 @@ class Runner(Rejoining, Reserving):
         status = path.status
         if status.state is RelayState.CONNECTED:
             return ""
+        if status.refusal == "proxy_refused":
+            return f"; the proxy to this rank's relay refuses the tunnel now ({status.last_error})"
         if status.refused:  # a relay that was fine when the group formed: what changed?
             return (
                 f"; this rank's relay refuses it now ({status.last_error}): was the relay "
