@@ -90,10 +90,11 @@ class DoctorReport:
     """The relay answered, and its allowlist refused this key."""
     relay_denied: bool = False
     """The relay answered and refused this client (a bad or missing token, its
-    allowlist), or its key is not the URL's pin (we refused it): see ``relay_error``."""
+    allowlist), or its key is not the URL's pin (we refused it), or the HTTP proxy on
+    the way refused the tunnel (the relay was not reached): see ``relay_error``."""
     relay_refusal: str | None = None
     """Which, when :attr:`relay_denied` (``RelayStatus.refusal``: ``"not_allowed"``,
-    ``"bad_token"``, ``"pin_mismatch"``...)."""
+    ``"bad_token"``, ``"pin_mismatch"``, ``"proxy_refused"``...)."""
     fresh_key: bool = False
     """The key was made for this run (no ``--key``): another run has another id."""
     relay_rtt: float | None = None

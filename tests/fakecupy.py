@@ -30,16 +30,16 @@ class Event:
         self._asked = 0
 
     def synchronize(self) -> None:
+        if self._stream.held:
+            raise AssertionError("a blocking wait on a busy stream: it holds the event loop")
         self._stream.run(self._upto)
 
     @property
     def done(self) -> bool:
         """Whether the copies before it landed: the stand-in's 'GPU' runs them the second
-        time it is asked (so a waiter polls at least once), unless the stream is held."""
+        time it is asked (so a waiter polls at least once), not past a held kernel."""
         if self._stream._done >= self._upto:
             return True
-        if self._stream.held:
-            return False
         self._asked += 1
         if self._asked > 1:
             self._stream.run(self._upto)
@@ -62,8 +62,10 @@ class Stream:
         blocking wait for it, which the stand-in refuses (it would hold the event loop)."""
 
     def hold(self) -> None:
-        """Keep the stream busy until :meth:`release` (a long kernel queued on it)."""
+        """Queue a long kernel: the stream is busy with it until :meth:`release` (what
+        is queued after it waits, and so do the events recorded after it)."""
         self.held = True
+        self.pending.append((_KERNEL, _KERNEL))
 
     def release(self) -> None:
         """The long kernel is done: what was queued behind it may run."""
@@ -78,7 +80,10 @@ class Stream:
         upto = len(self.pending) if upto is None else upto
         while self._done < upto:
             target, source = (_live(end) for end in self.pending[self._done])
-            if target is None or source is None:
+            if target is _KERNEL:
+                if self.held:
+                    return  # the long kernel runs on: nothing after it yet
+            elif target is None or source is None:
                 faults.append("a queued copy ran after its page-locked buffer was freed")
             else:
                 target[...] = source
@@ -139,6 +144,10 @@ def _get_current_stream() -> Stream:
         if on == device:
             return stream
     return _streams.setdefault(device, Stream())
+
+
+_KERNEL = object()
+"""A queue entry standing for a long kernel (:meth:`Stream.hold`)."""
 
 
 class PinnedBlock(bytearray):

@@ -8,6 +8,7 @@ the reason, elsewhere).
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 from collections.abc import Iterator
 from types import ModuleType
@@ -45,6 +46,21 @@ def xp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Itera
     if cupy is None:
         pytest.skip("CuPy with a CUDA device is not available here")
     yield cupy
+
+
+@pytest.fixture(autouse=True)
+def no_late_copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every test ends with no copy held back and, on the stand-in, none that ran into
+    a freed page-locked buffer (a GPU would have written another call's memory)."""
+    monkeypatch.setattr(fakecupy, "faults", [])
+    monkeypatch.setattr(devices_module, "_late", [])
+    yield
+    for stream in list(fakecupy._streams.values()):
+        stream.release()
+        stream.synchronize()
+    devices_module._forget_landed()
+    assert devices_module._late == []
+    assert fakecupy.faults == []
 
 
 def host(a: Any) -> np.ndarray:
@@ -427,11 +443,8 @@ async def test_device_copies_leave_the_event_loop_running(monkeypatch: pytest.Mo
             calls = [
                 asyncio.ensure_future(g.all_reduce(d, out=d)) for g, d in zip(gs, dev, strict=True)
             ]
-            ticks = 0
-            for _ in range(20):  # the loop goes on meanwhile
-                await asyncio.sleep(0.01)
-                ticks += 1
-            assert ticks == 20 and not any(c.done() for c in calls)
+            await asyncio.sleep(0.2)  # the loop goes on meanwhile; the calls wait
+            assert not any(c.done() for c in calls), [c for c in calls if c.done()]
         finally:
             stream.release()
         await bounded(asyncio.gather(*calls), "the calls, once the kernel is done")
@@ -461,7 +474,7 @@ async def test_gpu_work_that_does_not_finish_times_out_and_the_group_goes_on(
             assert isinstance(err, P2PTimeoutError), err
             assert "the GPU copies of a collective did not finish within 0.3 s" in str(err)
         # The staging buffers the late copies write stay out of the pinned pool until
-        # those copies have landed.
+        # those copies have landed (the fixture checks they did, into live buffers).
         assert len(devices_module._late) == 2
         again = await asyncio.gather(*(g.all_reduce(d) for g, d in zip(gs, dev, strict=True)))
         assert devices_module._late == []
@@ -480,7 +493,7 @@ async def test_bucket_copies_leave_the_event_loop_running(monkeypatch: pytest.Mo
         stream.hold()
         try:
             for b, grad in zip(bs, grads, strict=True):
-                b.add(grad)  # the point of add() has passed: only the copies wait
+                b.add(grad)  # after the long kernel: the bucket waits for it
             waits = [asyncio.ensure_future(b.wait()) for b in bs]
             await asyncio.sleep(0.2)
             assert not any(w.done() for w in waits)
@@ -500,7 +513,6 @@ async def test_a_cancelled_or_refused_call_keeps_its_buffers_until_its_copies_la
     copies were queued, or one refusing a later argument after queueing an earlier
     one's copy, let them go back to CuPy's pool with the GPU still writing them (the
     next call's staging would take that late copy)."""
-    import gc
 
     monkeypatch.setitem(sys.modules, "cupy", fakecupy)
     monkeypatch.setattr(fakecupy, "faults", [])
@@ -536,3 +548,41 @@ async def test_a_cancelled_or_refused_call_keeps_its_buffers_until_its_copies_la
         again = await asyncio.gather(*(g.all_reduce(d) for g, d in zip(gs, dev, strict=True)))
         for r in again:
             np.testing.assert_allclose(host(r), xs[0] + xs[1], rtol=1e-6)
+
+
+async def test_bucket_copies_that_fail_part_way_keep_their_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """pack and unpack queue copies array by array: one failing after others were
+    queued (no page-locked memory, a device copy refused) keeps the queued copies'
+    buffers until they land (the fixture checks no copy ran into a freed one)."""
+    monkeypatch.setitem(sys.modules, "cupy", fakecupy)
+    stream = fakecupy.cuda.get_current_stream()
+    arrays = [fakecupy.asarray(np.full(100, i, np.float32)) for i in range(3)]
+    mixed = [arrays[0], np.ones(5, np.float32), arrays[1]]  # the path copying each array
+    pinned, made = devices_module._pinned, []
+
+    def second_fails(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        made.append(shape)
+        if len(made) == 2:
+            raise MemoryError("no page-locked memory")
+        return pinned(shape, dtype)
+
+    stream.hold()
+    with monkeypatch.context() as m:
+        m.setattr(devices_module, "_pinned", second_fails)
+        with pytest.raises(MemoryError):
+            await devices_module.pack(mixed, np.empty(205, np.float32), 5.0)
+    flat = devices_module.pinned_array(300, np.dtype(np.float32))
+    flat[...] = 7.0
+
+    def refused(self: Any, key: Any, value: Any) -> None:
+        raise ValueError("a device copy refused")
+
+    with monkeypatch.context() as m:
+        m.setattr(fakecupy.ndarray, "__setitem__", refused)
+        with pytest.raises(ValueError, match="refused"):
+            await devices_module.unpack(flat, arrays, 5.0, flat_pinned=True)
+    del flat
+    gc.collect()
+    stream.release()

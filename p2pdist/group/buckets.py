@@ -237,7 +237,7 @@ class GradientBuckets:
         # its failure fails this one only within a step.
         task = loop.create_task(
             self._reduce_bucket(
-                call, flat, arrays, ready, self._last, bool(self._tasks), layout, failed
+                call, flat, pinned, arrays, ready, self._last, bool(self._tasks), layout, failed
             )
         )
         task.add_done_callback(_retrieve)  # a step nobody waits for logs no "never retrieved"
@@ -290,6 +290,7 @@ class GradientBuckets:
         self,
         call: Coroutine[Any, Any, np.ndarray],
         flat: np.ndarray,
+        pinned: bool,
         arrays: list[np.ndarray],
         ready: list[Any],
         after: asyncio.Task[None] | None,
@@ -308,7 +309,6 @@ class GradientBuckets:
                     # how it ended): after it, whatever happened to it.
                     await asyncio.wait([after])
             seconds = self._group.config.timeout
-            pinned = any(is_device_array(a) for a in arrays)  # flat is page-locked then
             await wait_ready(ready, seconds)
             if arrays:
                 await pack(arrays, flat, seconds, out_pinned=pinned)

@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib
-import math
+import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
 from ..errors import P2PTimeoutError, UsageError
+from ..settings import check_seconds
 from .calls import as_coroutine_function
 
 __all__ = [
@@ -44,8 +45,11 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _S = TypeVar("_S")
 
+_EVENT_SPIN = 0.0002
+"""Seconds :func:`wait_ready` looks at a CUDA event at every turn of the event loop
+(a small copy lands within this: a timed sleep costs a whole millisecond of epoll)."""
 _EVENT_POLL = 0.0005
-"""Seconds between looks at a CUDA event :func:`wait_ready` waits for."""
+"""Seconds between looks at a CUDA event after :data:`_EVENT_SPIN`."""
 _PINNED_MIN = 4096
 """Staging buffers are whole powers of two from this size up: CuPy's pinned pool keeps
 freed blocks by size for ever, so a bounded set of sizes bounds what it keeps."""
@@ -92,11 +96,17 @@ async def host_copy_async(x: Any, seconds: float) -> Any:
         _refuse_foreign(x)
         return x
     staged = _pinned(x.shape, x.dtype)
-    with x.device:
-        x.get(out=staged, blocking=False)
-        event = _cupy().cuda.get_current_stream().record()
+    event = _queue_to_host(x, staged)
     await wait_ready([event], seconds, "the GPU copy of an update", [staged])
     return np.array(staged)  # out of page-locked memory: an update may be kept for long
+
+
+def _queue_to_host(x: Any, out: np.ndarray) -> Any:
+    """Queue the copy of CuPy array ``x`` into page-locked ``out`` on its device's
+    current stream (after the work there); the event after it."""
+    with x.device:
+        x.get(out=out, blocking=False)
+        return _cupy().cuda.get_current_stream().record()
 
 
 def _cupy() -> Any:
@@ -117,13 +127,18 @@ def _pinned(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
     count = int(np.prod(shape, dtype=np.int64))
     nbytes = count * dtype.itemsize
     block = max(_PINNED_MIN, 1 << (nbytes - 1).bit_length()) if nbytes else _PINNED_MIN
+    cp = _cupy()
     try:
-        memory = _cupy().cuda.alloc_pinned_memory(block)
-    except MemoryError:
-        raise
-    except Exception as exc:  # CUDA's own error for a failed cudaHostAlloc
+        memory = cp.cuda.alloc_pinned_memory(block)
+    except cp.cuda.runtime.CUDARuntimeError as exc:  # what CuPy's pinned pool raises
+        if getattr(exc, "status", None) != _CUDA_ERROR_MEMORY_ALLOCATION:
+            raise
         raise MemoryError(f"no page-locked memory for {block} bytes: {exc}") from exc
     return np.frombuffer(memory, dtype, count).reshape(shape)
+
+
+_CUDA_ERROR_MEMORY_ALLOCATION = 2
+"""cudaErrorMemoryAllocation: a cudaHostAlloc that found no memory."""
 
 
 class _Staging:
@@ -154,11 +169,11 @@ class _Staging:
         buffers they read or write, held until then however the wait ends."""
         await wait_ready(self._recorded(), self._seconds, "the GPU copies of a collective", keep)
 
-    def abandon(self) -> None:
-        """Staging failed part way (a later argument refused): the copies already queued
-        keep their host buffers until they have landed."""
+    def abandon(self, keep: Sequence[np.ndarray]) -> None:
+        """Staging failed part way (a later argument refused, no memory for a result):
+        the copies already queued keep ``keep``, their host buffers, until they land."""
         if self._queued:
-            _late.append((self._recorded(), list(self._copies.values())))
+            _hold_until_landed(self._recorded(), keep)
 
     def _recorded(self) -> list[Any]:
         """An event after the copies queued on each stream since the last call."""
@@ -181,6 +196,9 @@ class _Staging:
         """``x`` on the host when it is a CuPy array (a list or tuple: each item); other
         values as they are."""
         if is_device_array(x):
+            staged = self._copies.get(id(x))
+            if staged is not None:  # the same array again (all_to_all_v([d, d])): one copy
+                return staged
             self._see(x)
             copy = _pinned(x.shape, x.dtype)
             with x.device:  # its stream: after the caller's kernels that write x
@@ -229,7 +247,11 @@ class _Staging:
         """``result`` on the device (the CuPy ``out=`` filled, when one was given), the
         copies finished; a numpy ``out=`` is returned as it is."""
         sources: list[np.ndarray] = []
-        placed = self._place(result, sources)
+        try:
+            placed = self._place(result, sources)
+        except BaseException:  # (no device memory for a later item of a list result)
+            self.abandon(sources)
+            raise
         if sources:  # the host buffers are reused once this call returns: wait for them
             await self.copied(sources)
         return placed
@@ -310,7 +332,7 @@ async def _through_host(
         host_args = [staging.host(a) for a in args]
         host_kwargs = {k: staging.keyword(k, v) for k, v in kwargs.items()}
     except BaseException:
-        staging.abandon()
+        staging.abandon(staging.staged())
         raise
     await staging.copied(staging.staged())
     result = await method(group, *host_args, **host_kwargs)
@@ -318,12 +340,12 @@ async def _through_host(
 
 
 def _wait_bound(group: Any, timeout: object) -> float:
-    """How long a call's GPU copies may take: its ``timeout=``, else the group's (a bad
-    value is the collective's to refuse, after the copies)."""
-    default = float(group.config.timeout)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        return default
-    return float(timeout) if 0 < timeout < math.inf else default
+    """How long each wait for a call's GPU copies may take: its ``timeout=``, else the
+    group's (a bad value is the collective's to refuse, after the copies)."""
+    try:
+        return check_seconds("timeout", timeout)
+    except UsageError:  # (None too)
+        return float(group.config.timeout)
 
 
 def ready_marker(x: Any) -> Any:
@@ -346,20 +368,24 @@ async def wait_ready(
     ``seconds``. ``keep``: host buffers the GPU still reads or writes until then; if the
     wait ends first (a timeout, a cancellation) they are held until the events pass
     (back in the pinned pool meanwhile, another call's buffer would take a late copy)."""
+    loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(seconds):
             for event in events:
-                # Polled: a CUDA event can call no one back on the loop.
+                # Polled: a CUDA event can call no one back on the loop. At every turn
+                # of the loop at first (a small copy lands within microseconds), then
+                # timed.
+                spin_until = loop.time() + _EVENT_SPIN
                 while not event.done:  # noqa: ASYNC110
-                    await asyncio.sleep(_EVENT_POLL)
+                    await asyncio.sleep(0 if loop.time() < spin_until else _EVENT_POLL)
     except BaseException as exc:
         if keep:
-            _late.append((list(events), list(keep)))
+            _hold_until_landed(events, keep)
         if isinstance(exc, TimeoutError):
             raise P2PTimeoutError(f"{what} did not finish within {seconds:g} s") from None
         raise
     finally:
-        _late[:] = [(late, held) for late, held in _late if not all(e.done for e in late)]
+        _forget_landed()
 
 
 def _abandon(devices: Sequence[Any], keep: Sequence[np.ndarray]) -> None:
@@ -370,11 +396,27 @@ def _abandon(devices: Sequence[Any], keep: Sequence[np.ndarray]) -> None:
     for device in devices:
         with device:
             events.append(cp.cuda.get_current_stream().record())
-    _late.append((events, list(keep)))
+    _hold_until_landed(events, keep)
+
+
+def _hold_until_landed(events: Sequence[Any], keep: Sequence[np.ndarray]) -> None:
+    """Keep ``keep`` (host buffers the GPU still reads or writes) out of CuPy's pinned
+    pool until every event in ``events`` has passed: back in the pool, another call's
+    buffer would take the late copy."""
+    with _late_lock:
+        _late.append((list(events), list(keep)))
+
+
+def _forget_landed() -> None:
+    """Let go of the held buffers whose copies have landed."""
+    with _late_lock:
+        _late[:] = [(late, held) for late, held in _late if not all(e.done for e in late)]
 
 
 _late: list[tuple[list[Any], list[np.ndarray]]] = []
-"""Host buffers of copies still running after their wait timed out, with their events."""
+"""Host buffers of copies still running after their wait ended early, with their events
+(looked at after each wait: groups on other threads' loops share it, under the lock)."""
+_late_lock = threading.Lock()
 
 
 async def pack(
@@ -396,8 +438,7 @@ async def pack(
         staged = out if out_pinned else _pinned(out.shape, out.dtype)
         with arrays[0].device:
             joined = cp.concatenate([a.reshape(-1) for a in arrays]).astype(out.dtype, copy=False)
-            joined.get(out=staged, blocking=False)  # on the current stream, after the join
-            events.append(cp.cuda.get_current_stream().record())
+        events.append(_queue_to_host(joined, staged))  # on the current stream, after the join
         await wait_ready(events, seconds, "the GPU copies of a bucket", [staged])
         if staged is not out:
             out[...] = staged
@@ -407,11 +448,9 @@ async def pack(
     try:
         for a in arrays:
             if is_device_array(a):
-                with a.device:
-                    part = _pinned(a.shape, a.dtype)
-                    a.get(out=part, blocking=False)
-                    queued.append(a.device)
-                    events.append(cp.cuda.get_current_stream().record())
+                part = _pinned(a.shape, a.dtype)
+                queued.append(a.device)
+                events.append(_queue_to_host(a, part))
                 parts.append(part)
             else:
                 parts.append(a)

@@ -92,20 +92,14 @@ class _Replaced(ConnectionBrokenError):
 
 
 class _RefusedByRelay(PeerAuthenticationError):
-    """The relay refused us, or is not the pinned relay: what a restart of the relay
-    could change (not a proxy's refusal of the tunnel, say). ``refusal`` names which
-    (see ``RelayStatus.refusal``)."""
+    """The relay refused us, or is not the pinned relay, or the HTTP proxy refused the
+    tunnel for credentials or policy (407, 403): what only a change to the relay or to
+    this client's settings lets through. ``refusal`` names which (see
+    ``RelayStatus.refusal``)."""
 
     def __init__(self, peer: str, detail: str, refusal: str) -> None:
         super().__init__(peer, detail)
         self.refusal = refusal
-
-
-class _RefusedByProxy(PeerAuthenticationError):
-    """The HTTP proxy refused the tunnel for credentials or policy (407, 403): only a
-    change to the proxy settings lets this client through (``refusal`` as the relay's)."""
-
-    refusal = "proxy_refused"
 
 
 def _power_of_ten(n: int) -> bool:
@@ -342,8 +336,7 @@ class RelayPath:
                 # keep retrying in the background (an allowlist may be reloaded).
                 said = self._warned_refusal == exc.detail
                 self._warned_refusal = exc.detail
-                refused_by = (_RefusedByRelay, _RefusedByProxy)
-                refusal = exc.refusal if isinstance(exc, refused_by) else None
+                refusal = exc.refusal if isinstance(exc, _RefusedByRelay) else None
                 # (the error names the relay)
                 self._set(last_error=exc.detail, refusal=refusal)
                 self._refused.set()
@@ -486,7 +479,7 @@ class RelayPath:
         except ProxyRefused as exc:
             what = f"proxy {proxy} refused the tunnel: {exc}"
             if exc.status in (403, 407):
-                raise _RefusedByProxy(f"relay {self.url}", what) from None
+                raise _RefusedByRelay(f"relay {self.url}", what, "proxy_refused") from None
             raise RelayProtocolError(what) from None
         except RelayProtocolError as exc:  # "answered CONNECT with 'SSH-2.0-...', not HTTP"
             raise RelayProtocolError(f"proxy {proxy} {exc}") from None
