@@ -53,6 +53,7 @@ from .launch_output import OutputWriter
 from .settings import env_flag
 
 __all__ = [
+    "CommandNotStarted",
     "ENV_PEERS",
     "ENV_LAN",
     "ENV_LISTEN",
@@ -166,6 +167,21 @@ MAX_LOCAL_RANKS = 1024
 """Most ranks ``launch`` starts on one machine: each is a process with its own port, and
 binding many thousands of ports at once slows to a crawl once the kernel's local port
 range runs short."""
+
+
+class CommandNotStarted(UsageError):
+    """The ranks' command could not be started; ``exit_status`` is what a shell gives:
+    127 when it is not found, 126 when it cannot be run (no permission, not a program),
+    2 otherwise."""
+
+    def __init__(self, command: str, exc: OSError) -> None:
+        super().__init__(f"cannot start {command!r}: {exc.strerror or exc}")
+        if isinstance(exc, FileNotFoundError):
+            self.exit_status = 127
+        elif isinstance(exc, PermissionError) or exc.errno == errno.ENOEXEC:
+            self.exit_status = 126
+        else:
+            self.exit_status = 2
 
 
 def pick_free_ports(host: str, count: int) -> list[int]:
@@ -367,7 +383,7 @@ class _Launcher:
                         f"two of the launcher's; ulimit -n is {_open_files_limit() or '?'}): start "
                         "fewer ranks, or raise the limit"
                     ) from exc
-                raise UsageError(f"cannot start {self.cfg.command[0]!r}: {exc}") from exc
+                raise CommandNotStarted(self.cfg.command[0], exc) from exc
             proc = asyncio.subprocess.Process(transport, protocol, loop)
             self.procs.append(proc)
             self.exits.append(exited)

@@ -158,6 +158,18 @@ def test_launch_lines_stay_whole_when_stdout_and_stderr_are_one_pipe() -> None:
     assert len(lines) == 6000 and not torn, (len(lines), torn[:3])
 
 
+def test_launch_of_a_command_that_cannot_start_exits_as_a_shell_does(tmp_path: Path) -> None:
+    """A command not found exited 2, as a typo in the launcher's own flags does: scripts
+    and shells expect 127 (not found) and 126 (found, cannot be run)."""
+    script = tmp_path / "not-executable.sh"
+    script.write_text("#!/bin/sh\necho never\n")
+    for command, status in (("/nonexistent-p2pdist-command", 127), (str(script), 126)):
+        proc = run_cli("launch", "-n", "2", "--", command)
+        assert proc.returncode == status, proc.stderr
+        assert f"cannot start {command!r}" in proc.stderr and "Traceback" not in proc.stderr
+        assert "[rank" not in proc.stdout
+
+
 def test_launch_says_which_inherited_settings_it_does_not_pass_on() -> None:
     """An exported P2PDIST_TLS=0 or P2PDIST_SEED was replaced without a word (the ranks
     ran TLS with a random seed), while a dropped P2PDIST_RELAY was announced."""
