@@ -344,15 +344,17 @@ class Rejoining(Forming):
             self._drop_cut_off(r, voters)
             here.discard(r)
         self._warn_disagreement(voters, here)
-        cids = [claims[r][1] for r in voters if r not in dropped]
-        if not cids:
-            raise UsageError("rejoin=True needs at least one other rank still in the group")
-        if len(set(cids)) > 1:
-            log.warning("survivors disagree on the next collective id: %s", sorted(set(cids)))
-        self._next_cid = max(cids)
+        me = self.peer_label(self._rank)
+        said = {r: claims[r][1] for r in voters if r not in dropped}
+        if not said:
+            raise UsageError(f"{me}: rejoin=True needs at least one other rank still in the group")
+        if len(set(said.values())) > 1:
+            each = ", ".join(f"{self.peer_label(r)} {cid}" for r, cid in sorted(said.items()))
+            log.warning("%s rejoining: survivors disagree on the next collective id (%s)", me, each)
+        self._next_cid = max(said.values())
         if self._left:
             names = ", ".join(self.peer_label(r) for r in sorted(self._left))
-            log.info("%s rejoined; %s gone", self.peer_label(self._rank), names)
+            log.info("%s rejoined; %s gone", me, names)
 
     def _warn_disagreement(self, voters: dict[int, set[int]], here: set[int]) -> None:
         """Survivors still here that say one of them left, and were not outvoted (one
