@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 
 copies = {"to_host": 0, "to_device": 0, "from_pageable": 0}
+made_streams: list[Stream] = []
+"""Every stream made (the default ones and a test's own), for a test to drain."""
 faults: list[str] = []
 """What a GPU would have done wrong: a queued copy whose page-locked host buffer was
 freed (back in the pool) before it ran. Tests assert it stays empty."""
@@ -57,6 +59,7 @@ class Stream:
         the GPU does not keep it alive (see :data:`faults`)."""
         self._done = 0
         self.device_id = _current[-1].id
+        made_streams.append(self)
         self.held = False
         """Busy with a long kernel (:meth:`hold`): its copies wait, and so would a
         blocking wait for it, which the stand-in refuses (it would hold the event loop)."""
@@ -143,7 +146,9 @@ def _get_current_stream() -> Stream:
     for on, stream in reversed(_entered):
         if on == device:
             return stream
-    return _streams.setdefault(device, Stream())
+    if device not in _streams:
+        _streams[device] = Stream()
+    return _streams[device]
 
 
 _KERNEL = object()

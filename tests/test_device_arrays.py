@@ -55,7 +55,7 @@ def no_late_copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(fakecupy, "faults", [])
     monkeypatch.setattr(devices_module, "_late", [])
     yield
-    for stream in list(fakecupy._streams.values()):
+    for stream in list(fakecupy.made_streams):  # the default ones and a test's own
         stream.release()
         stream.synchronize()
     devices_module._forget_landed()
@@ -571,8 +571,9 @@ async def test_bucket_copies_that_fail_part_way_keep_their_buffers(
     stream.hold()
     with monkeypatch.context() as m:
         m.setattr(devices_module, "_pinned", second_fails)
+        out = devices_module.pinned_array(205, np.dtype(np.float32))
         with pytest.raises(MemoryError):
-            await devices_module.pack(mixed, np.empty(205, np.float32), 5.0)
+            await devices_module.pack(mixed, out, 5.0)
     flat = devices_module.pinned_array(300, np.dtype(np.float32))
     flat[...] = 7.0
 
@@ -582,7 +583,31 @@ async def test_bucket_copies_that_fail_part_way_keep_their_buffers(
     with monkeypatch.context() as m:
         m.setattr(fakecupy.ndarray, "__setitem__", refused)
         with pytest.raises(ValueError, match="refused"):
-            await devices_module.unpack(flat, arrays, 5.0, flat_pinned=True)
+            await devices_module.unpack(flat, arrays, 5.0)
     del flat
     gc.collect()
     stream.release()
+
+
+async def test_the_same_array_twice_is_staged_once_and_its_buffer_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """all_to_all_v([d, d]) made two copies of d, and the first one's buffer was not among
+    the call's: a wait that ended early let it go back to the pool with its copy queued
+    (the fixture checks no copy ran into a freed buffer)."""
+    monkeypatch.setitem(sys.modules, "cupy", fakecupy)
+    stream = fakecupy.cuda.get_current_stream()
+    async with groups(2) as gs:
+        dev = fakecupy.asarray(np.arange(4, dtype=np.float32))
+        counts = {"to_host": 0, "to_device": 0, "from_pageable": 0}
+        monkeypatch.setattr(fakecupy, "copies", counts)
+        stream.hold()
+        try:
+            late = await asyncio.gather(
+                *(g.all_to_all_v([dev, dev], timeout=0.3) for g in gs), return_exceptions=True
+            )
+        finally:
+            stream.release()
+        assert all(isinstance(err, P2PTimeoutError) for err in late), late
+        assert counts["to_host"] == 2  # one copy per rank, not two
+        gc.collect()

@@ -237,7 +237,7 @@ class GradientBuckets:
         # its failure fails this one only within a step.
         task = loop.create_task(
             self._reduce_bucket(
-                call, flat, pinned, arrays, ready, self._last, bool(self._tasks), layout, failed
+                call, flat, arrays, ready, self._last, bool(self._tasks), layout, failed
             )
         )
         task.add_done_callback(_retrieve)  # a step nobody waits for logs no "never retrieved"
@@ -290,7 +290,6 @@ class GradientBuckets:
         self,
         call: Coroutine[Any, Any, np.ndarray],
         flat: np.ndarray,
-        pinned: bool,
         arrays: list[np.ndarray],
         ready: list[Any],
         after: asyncio.Task[None] | None,
@@ -298,6 +297,8 @@ class GradientBuckets:
         layout: str,
         failed: MemoryError | None,
     ) -> None:
+        # The GPU waits are bounded as the bucket's all_reduce is (create's timeout=).
+        seconds = self._group._seconds(self._reduce.get("timeout"))
         try:
             if failed is not None:
                 raise failed
@@ -308,17 +309,16 @@ class GradientBuckets:
                     # The last bucket of the step before (its wait() still runs, and says
                     # how it ended): after it, whatever happened to it.
                     await asyncio.wait([after])
-            seconds = self._group.config.timeout
             await wait_ready(ready, seconds)
             if arrays:
-                await pack(arrays, flat, seconds, out_pinned=pinned)
+                await pack(arrays, flat, seconds)
         except BaseException as exc:
             with contextlib.suppress(BaseException):
                 call.throw(exc)  # it never runs: the others are told why
             raise
         BUCKET_LAYOUT.set(layout)  # in this task's own context: for its all_reduce only
         await call
-        await unpack(flat, arrays, self._group.config.timeout, flat_pinned=pinned)
+        await unpack(flat, arrays, seconds)
 
     def discard(self) -> None:
         """Abandon this step (an exception between :meth:`add` and :meth:`wait`, say), on

@@ -21,13 +21,12 @@ import asyncio
 import functools
 import importlib
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
 from ..errors import P2PTimeoutError, UsageError
-from ..settings import check_seconds
 from .calls import as_coroutine_function
 
 __all__ = [
@@ -101,12 +100,13 @@ async def host_copy_async(x: Any, seconds: float) -> Any:
     return np.array(staged)  # out of page-locked memory: an update may be kept for long
 
 
-def _queue_to_host(x: Any, out: np.ndarray) -> Any:
-    """Queue the copy of CuPy array ``x`` into page-locked ``out`` on its device's
-    current stream (after the work there); the event after it."""
+def _queue_to_host(x: Any, out: np.ndarray, stream: Any = None) -> Any:
+    """Queue the copy of CuPy array ``x`` into page-locked ``out`` on ``stream`` (None:
+    its device's current stream), after the work there; the event after it."""
     with x.device:
-        x.get(out=out, blocking=False)
-        return _cupy().cuda.get_current_stream().record()
+        stream = stream or _cupy().cuda.get_current_stream()
+        x.get(out=out, stream=stream, blocking=False)
+        return stream.record()
 
 
 def _cupy() -> Any:
@@ -144,11 +144,11 @@ _CUDA_ERROR_MEMORY_ALLOCATION = 2
 class _Staging:
     """One call's host copies, and the device (and stream) its results go back to."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self) -> None:
         self.device: Any = None
         self.out: Any = None
         self.numpy_out: Any = None
-        self._seconds = seconds  # bound on each wait for the copies
+        self.seconds = 0.0  # bound on each wait for the copies (the call's timeout)
         self._streams: dict[int, Any] = {}  # device id: its stream when the call began
         self._devices: dict[int, Any] = {}  # device id: the device
         self._copies: dict[int, np.ndarray] = {}  # id of a staged CuPy array: its copy
@@ -167,7 +167,7 @@ class _Staging:
     async def copied(self, keep: Sequence[np.ndarray]) -> None:
         """Wait (polled) until the copies queued so far have landed; ``keep``: the host
         buffers they read or write, held until then however the wait ends."""
-        await wait_ready(self._recorded(), self._seconds, "the GPU copies of a collective", keep)
+        await wait_ready(self._recorded(), self.seconds, "the GPU copies of a collective", keep)
 
     def abandon(self, keep: Sequence[np.ndarray]) -> None:
         """Staging failed part way (a later argument refused, no memory for a result):
@@ -199,10 +199,10 @@ class _Staging:
             staged = self._copies.get(id(x))
             if staged is not None:  # the same array again (all_to_all_v([d, d])): one copy
                 return staged
-            self._see(x)
             copy = _pinned(x.shape, x.dtype)
-            with x.device:  # its stream: after the caller's kernels that write x
-                x.get(out=copy, stream=self._streams[x.device.id], blocking=False)
+            # On the stream of the call's making: after the caller's kernels that write x
+            # (the event after the copies is recorded when they are waited for).
+            _queue_to_host(x, copy, self._streams[x.device.id])
             self._copies[id(x)] = copy
             self._pinned.add(id(copy))
             self._queued.add(x.device.id)
@@ -218,7 +218,6 @@ class _Staging:
         if name == "out":
             return self.host_out(value)
         if name == "like" and is_device_array(value):
-            self._see(value)
             return np.empty(value.shape, value.dtype)
         return self.host(value)
 
@@ -232,7 +231,6 @@ class _Staging:
         if not out.flags.c_contiguous:
             raise UsageError("out must be a writeable C-contiguous array")
         self.out = out
-        self._see(out)
         staged = self._copies.get(id(out))
         if staged is None:
             staged = _pinned(out.shape, out.dtype)
@@ -313,7 +311,7 @@ def on_host(
     def wrapper(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> Coroutine[Any, Any, _R]:
         if not _staged(args, kwargs):
             return method(self, *args, **kwargs)
-        staging = _Staging(_wait_bound(self, kwargs.get("timeout")))
+        staging = _Staging()
         staging.see_streams(args, kwargs)  # the caller's streams when it made the call
         return _through_host(method, self, args, kwargs, staging)
 
@@ -328,6 +326,9 @@ async def _through_host(
     staging: _Staging,
 ) -> _R:
     """Run ``method`` on host copies of the CUDA arrays among its arguments."""
+    # The call's timeout bounds each wait for the copies (a bad one is refused now,
+    # before any copy, as the collective would refuse it).
+    staging.seconds = group._seconds(kwargs.get("timeout"))
     try:
         host_args = [staging.host(a) for a in args]
         host_kwargs = {k: staging.keyword(k, v) for k, v in kwargs.items()}
@@ -337,15 +338,6 @@ async def _through_host(
     await staging.copied(staging.staged())
     result = await method(group, *host_args, **host_kwargs)
     return await staging.back(result)  # type: ignore[no-any-return]
-
-
-def _wait_bound(group: Any, timeout: object) -> float:
-    """How long each wait for a call's GPU copies may take: its ``timeout=``, else the
-    group's (a bad value is the collective's to refuse, after the copies)."""
-    try:
-        return check_seconds("timeout", timeout)
-    except UsageError:  # (None too)
-        return float(group.config.timeout)
 
 
 def ready_marker(x: Any) -> Any:
@@ -388,15 +380,13 @@ async def wait_ready(
         _forget_landed()
 
 
-def _abandon(devices: Sequence[Any], keep: Sequence[np.ndarray]) -> None:
-    """Copies were queued on these devices' current streams and then something failed:
-    their host buffers are held until an event after them has passed."""
-    cp = _cupy()
+def _events_on(devices: Iterable[Any]) -> list[Any]:
+    """An event after what is queued now on each device's current stream."""
     events = []
     for device in devices:
         with device:
-            events.append(cp.cuda.get_current_stream().record())
-    _hold_until_landed(events, keep)
+            events.append(_cupy().cuda.get_current_stream().record())
+    return events
 
 
 def _hold_until_landed(events: Sequence[Any], keep: Sequence[np.ndarray]) -> None:
@@ -409,6 +399,8 @@ def _hold_until_landed(events: Sequence[Any], keep: Sequence[np.ndarray]) -> Non
 
 def _forget_landed() -> None:
     """Let go of the held buffers whose copies have landed."""
+    if not _late:  # (the common case: nothing held)
+        return
     with _late_lock:
         _late[:] = [(late, held) for late, held in _late if not all(e.done for e in late)]
 
@@ -419,85 +411,64 @@ _late: list[tuple[list[Any], list[np.ndarray]]] = []
 _late_lock = threading.Lock()
 
 
-async def pack(
-    arrays: Sequence[Any], out: np.ndarray, seconds: float, *, out_pinned: bool = False
-) -> None:
+async def pack(arrays: Sequence[Any], out: np.ndarray, seconds: float) -> None:
     """``arrays`` flattened into ``out``, a host array of their total size (cast to its
-    dtype); CuPy arrays on one device are joined there first, so they cross to the host
-    in one copy. The copies are queued on each device's current stream and waited for
-    by polling (P2PTimeoutError after ``seconds``): into ``out`` itself when it is
-    page-locked (``out_pinned``: :func:`pinned_array`'s), else through a page-locked
-    buffer (a copy into pageable memory would hold the event loop until it is done)."""
+    dtype), page-locked (:func:`pinned_array`) when any is a CuPy array; CuPy arrays on
+    one device are joined there first, so they cross to the host in one copy. The copies
+    are queued on each device's current stream and waited for by polling
+    (P2PTimeoutError after ``seconds``)."""
     if not any(is_device_array(a) for a in arrays):
         np.concatenate([a.reshape(-1) for a in arrays], out=out)
         return
-    cp = _cupy()
     events: list[Any] = []
     devices = {a.device.id for a in arrays if is_device_array(a)}
     if len(devices) == 1 and all(is_device_array(a) for a in arrays):
-        staged = out if out_pinned else _pinned(out.shape, out.dtype)
         with arrays[0].device:
-            joined = cp.concatenate([a.reshape(-1) for a in arrays]).astype(out.dtype, copy=False)
-        events.append(_queue_to_host(joined, staged))  # on the current stream, after the join
-        await wait_ready(events, seconds, "the GPU copies of a bucket", [staged])
-        if staged is not out:
-            out[...] = staged
+            joined = _cupy().concatenate([a.reshape(-1) for a in arrays])
+            joined = joined.astype(out.dtype, copy=False)
+        events.append(_queue_to_host(joined, out))  # on the current stream, after the join
+        await wait_ready(events, seconds, "the GPU copies of a bucket", [out])
         return
     parts: list[np.ndarray] = []
-    queued: list[Any] = []  # the devices with a copy queued
     try:
         for a in arrays:
             if is_device_array(a):
                 part = _pinned(a.shape, a.dtype)
-                queued.append(a.device)
                 events.append(_queue_to_host(a, part))
                 parts.append(part)
             else:
                 parts.append(a)
     except BaseException:
-        _abandon(queued, parts)
+        _hold_until_landed(events, parts)
         raise
     await wait_ready(events, seconds, "the GPU copies of a bucket", parts)
     np.concatenate([part.reshape(-1) for part in parts], out=out)
 
 
-async def unpack(
-    flat: np.ndarray, arrays: Sequence[Any], seconds: float, *, flat_pinned: bool = False
-) -> None:
+async def unpack(flat: np.ndarray, arrays: Sequence[Any], seconds: float) -> None:
     """Write consecutive pieces of ``flat`` back into ``arrays`` (in place), as
-    :func:`pack` laid them out; the device copies are queued on each device's current
-    stream and finished when it returns (polled; P2PTimeoutError after ``seconds``),
-    from ``flat`` itself when it is page-locked (``flat_pinned``), else from a
-    page-locked copy of it."""
+    :func:`pack` laid them out (``flat`` page-locked when any is a CuPy array); the
+    device copies are queued on each device's current stream and finished when it
+    returns (polled; P2PTimeoutError after ``seconds``)."""
     offset = 0
-    on_device: dict[int, Any] = {}
-    cp: Any = None
-    staged: np.ndarray | None = flat if flat_pinned else None
+    on_device: dict[int, Any] = {}  # device id: flat's copy there
     try:
         for a in arrays:
             start, offset = offset, offset + a.size
             if not is_device_array(a):
                 a[...] = flat[start:offset].reshape(a.shape)  # a strided array too (a cast)
                 continue
-            cp = cp or _cupy()
             device = a.device
             with device:
                 if device.id not in on_device:  # one copy to each device, then slices there
-                    if staged is None:  # page-locked: the copy is queued, not made at once
-                        staged = _pinned(flat.shape, flat.dtype)
-                        staged[...] = flat
+                    cp = _cupy()
                     whole = cp.empty(flat.shape, flat.dtype)
-                    whole.set(staged, stream=cp.cuda.get_current_stream())
+                    whole.set(flat, stream=cp.cuda.get_current_stream())  # queued
                     on_device[device.id] = whole
                 a[...] = on_device[device.id][start:offset].reshape(a.shape)
     except BaseException:
-        if on_device and staged is not None:
-            _abandon([whole.device for whole in on_device.values()], [staged])
+        if on_device:
+            _hold_until_landed(_events_on(w.device for w in on_device.values()), [flat])
         raise
-    events = []
-    for id_ in on_device:
-        with cp.cuda.Device(id_):
-            events.append(cp.cuda.get_current_stream().record())
-    await wait_ready(
-        events, seconds, "the GPU copies of a bucket", [] if staged is None else [staged]
-    )
+    events = _events_on(w.device for w in on_device.values())
+    await wait_ready(events, seconds, "the GPU copies of a bucket", [flat] if events else [])
