@@ -376,9 +376,10 @@ class Connected:
 
 
 async def test_each_discovery_round_starts_the_race_at_the_next_address() -> None:
-    """An address that always wins the TCP race and then fails its handshake (another
-    service on that port) would win every round's race, in the same order: each round
-    starts at the next address instead (a review)."""
+    """An address that always wins the TCP race and then hangs in its handshake (a
+    service on that port that never answers; one that fails it is dropped by
+    connect_any) would win every round's race, in the same order: each round starts at
+    the next address instead (a review)."""
     group = Group.from_seed("rotating-race-seed-0123", rank=1, world=2)  # (not started)
     orders: list[list[str]] = []
 

@@ -531,10 +531,15 @@ async def test_only_a_fall_back_from_a_direct_path_counts_as_one_for_the_close()
         assert ca._fell_back_at == -math.inf
     async with relayed_pair() as (ta, _tb, ca, _cb):
         await wait_until(lambda: ca.path_kind == "direct", "a direct path")
-        ta._on_relay_datagram_size(1200)
+        ta._on_relay_datagram_size(1300)
         assert ca._fell_back_at == -math.inf
         ta._path_change(B.endpoint_id, None, None, "dead")
         assert ca.path_kind == "relay" and ca._fell_back_at > -math.inf
+        fell_back_at = ca._fell_back_at
+        await asyncio.sleep(0.01)
+        ta._on_relay_datagram_size(1200)  # now on the relay: a resize moves no fallback
+        assert ca.route.relay_datagram == 1200  # type: ignore[union-attr]
+        assert ca._fell_back_at == fell_back_at
 
 
 async def test_a_close_on_a_working_direct_path_does_not_wait_for_a_fallback() -> None:

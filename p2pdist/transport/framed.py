@@ -133,7 +133,6 @@ class FramedConnection:
         """True while the connection waits for accept(): it reads nothing (AcceptQueue)."""
         self._decoder = FrameDecoder(config.limits)
         self._stalls = stalls
-        self._senders_waiting = 0
         self._mailbox = Mailbox(
             config.max_buffered,
             self._pause_reading,
@@ -155,9 +154,9 @@ class FramedConnection:
         """PINGs sent since the last PONG, for a PONG that names none (a peer of before
         2026-12-06): a sample only when it answers the one PING out."""
         self._write_paused = False
-        self._turns: collections.deque[_Turn] = collections.deque()
+        self._turns: collections.deque[asyncio.Event] = collections.deque()
         """Senders waiting for room, first come first served (:meth:`_drain`)."""
-        self._handed: list[_Turn] = []
+        self._handed: list[asyncio.Event] = []
         """Senders that handed their frames over and wait for the pipe only."""
         self._error: BaseException | None = None
         self._interrupted: BaseException | None = None
@@ -575,13 +574,13 @@ class FramedConnection:
         waits for the pipe to drain), or the connection ended or was interrupted (every
         sender hears of it)."""
         for waiter in self._handed:  # first: they go on before the line refills the pipe
-            waiter.wake()
+            waiter.set()
         if self._write_paused is False and self._error is None and self._interrupted is None:
             if self._turns:
-                self._turns[0].wake()
+                self._turns[0].set()
             return
         for turn in self._turns:
-            turn.wake()
+            turn.set()
 
     async def _drain(self, *, in_line: bool = True) -> None:
         """Wait until writing is not paused and, ``in_line`` (a sender about to hand
@@ -589,18 +588,18 @@ class FramedConnection:
         frame in its turn, so the pipe takes one frame more at a time, not one per
         sender. A sender that has handed its frame over waits only for the pipe."""
         stalls = self._stalls
-        self._senders_waiting += 1
-        if self._senders_waiting == 1 and stalls is not None:
-            stalls.sender_waits(self)  # the endpoint's connections read on, to a higher limit
-        turn = _Turn(self._loop)
+        turn = asyncio.Event()  # set when this sender may look again
         turns = self._turns
         (turns.append if in_line else self._handed.append)(turn)
+        if len(turns) + len(self._handed) == 1 and stalls is not None:
+            stalls.sender_waits(self)  # the endpoint's connections read on, to a higher limit
         try:
             while self._write_paused or (in_line and turns[0] is not turn):
                 self._check_open()
                 if self._interrupted is not None:
                     raise self._interrupted.with_traceback(None)
                 await turn.wait()
+                turn.clear()
             self._check_open()
         finally:
             if not in_line:
@@ -611,9 +610,8 @@ class FramedConnection:
                 if first and turns and not self._write_paused:
                     # The next in line goes on once this sender has handed over its
                     # frame (in this same step): it finds the pipe backed up again, or not.
-                    turns[0].wake()
-            self._senders_waiting -= 1
-            if not self._senders_waiting and stalls is not None:
+                    turns[0].set()
+            if not (turns or self._handed) and stalls is not None:
                 stalls.senders.discard(self)
 
     def _pause_reading(self) -> None:
@@ -705,26 +703,6 @@ class FramedConnection:
         ):
             self._send_ping()
         self._arm_keepalive()
-
-
-class _Turn:
-    """One sender's place in a connection's line of senders waiting for room."""
-
-    __slots__ = ("_future", "_loop")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._future: asyncio.Future[None] = loop.create_future()
-
-    def wake(self) -> None:
-        if not self._future.done():
-            self._future.set_result(None)
-
-    async def wait(self) -> None:
-        """Until woken (since the last wait); each wait needs a new wake."""
-        if self._future.done():
-            self._future = self._loop.create_future()
-        await self._future
 
 
 class AcceptQueue(Generic[C]):

@@ -308,8 +308,7 @@ class RelayPath:
         """End the session and stop reconnecting."""
         self._closed.set()
         if self._task is not None:
-            await cancel_and_wait([self._task])
-        self._fail_pings(ConnectionClosedError(f"relay {self.url}: closed"))
+            await cancel_and_wait([self._task])  # (its session's pings fail as it ends)
         self._set(state=RelayState.CLOSED)
 
     def _fail_pings(self, error: P2PError) -> None:

@@ -655,9 +655,10 @@ class TcpTransport(EndpointBase[TcpConnection]):
     ) -> TcpConnection:
         """Dial ``peer``, known at each of ``addresses`` (in order of preference): their
         TCP connects are raced (each starting a moment after the one before, as a name's
-        addresses are), and the first that connects is authenticated as ``peer``. One
-        whose handshake fails (an address gone stale that answers as someone else, or
-        with garbage, or resets) is dropped and the others raced again, within the same
+        addresses are), and the first that connects is authenticated as ``peer``. An IP
+        address whose handshake fails (gone stale and answering as someone else, or with
+        garbage, or resetting) is dropped and the others raced again (a host name's
+        addresses stand or fall together: discovery gives IP addresses), within the same
         handshake_timeout. When all fail, the error is the last one that is not an
         identity mismatch (it came from the peer itself: a full accept queue, a refusal),
         else the first mismatch."""
