@@ -21,7 +21,7 @@ from . import __version__
 from .errors import KeyFileError, P2PError, UsageError
 from .eventloop import LOOP_CHOICES, LOOP_ENV, resolve_loop
 from .identity import SecretKey, iter_endpoint_ids
-from .launch import CommandNotStarted, LaunchConfig, launch
+from .launch import LaunchConfig, launch
 from .launch_output import discard_output
 
 __all__ = ["build_parser", "main"]
@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args, extra)
     except P2PError as exc:
         print(f"p2pdist: error: {exc}", file=sys.stderr)
-        return exc.exit_status if isinstance(exc, CommandNotStarted) else 2
+        return exc.exit_status
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `p2pdist demo | head`: the reader went away, as for SIGPIPE

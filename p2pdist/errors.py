@@ -39,6 +39,9 @@ __all__ = [
 class P2PError(Exception):
     """Root of every exception p2pdist raises on purpose."""
 
+    exit_status = 2
+    """The status the ``p2pdist`` command exits with when it ends on this error."""
+
 
 class UsageError(P2PError, ValueError):
     """The caller misused the API (bad argument, wrong state)."""

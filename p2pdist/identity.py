@@ -126,22 +126,26 @@ def _write_private(path: Path, data: bytes) -> None:
         raise
 
 
-def _create_private(path: Path, data: bytes) -> None:
-    """Create ``path`` holding ``data``, whole or not at all: written beside it, then
-    hard-linked into place (atomic, and never over an existing file or symbolic link).
-    A crash mid-write then leaves no empty key at ``path`` for the next start to refuse.
-    Where the file system has no hard links, ``path`` is written directly."""
+def _place_private(path: Path, data: bytes, *, replace: bool) -> None:
+    """Put ``data`` at ``path`` whole or not at all: written to a new private file
+    beside it (:func:`_write_private`), which then takes the path. ``replace``: renamed
+    over it (an existing file is never written into, a symbolic link is replaced, not
+    followed); else hard-linked into place, atomic and never over an existing file or
+    link (FileExistsError), so a crash mid-write leaves no empty key there for the next
+    start to refuse (where the file system has no hard links, ``path`` is written
+    directly). The new file is removed whatever happens, a Ctrl-C too."""
     fresh = _beside(path)
     try:
         _write_private(fresh, data)
-        try:
-            os.link(fresh, path, follow_symlinks=False)
-        except FileExistsError:
-            raise
-        except OSError as exc:
-            if exc.errno not in _NO_HARD_LINKS:
-                raise
-            _write_private(path, data)
+        if replace:
+            os.replace(fresh, path)
+        else:
+            try:
+                os.link(fresh, path, follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno not in _NO_HARD_LINKS:
+                    raise
+                _write_private(path, data)
     finally:
         with contextlib.suppress(OSError):
             fresh.unlink()
@@ -348,25 +352,18 @@ class SecretKey:
         not followed. That needs write permission on the directory, and ``path`` must
         not be a mount point of its own (a file bind-mounted into a container)."""
         p = Path(path)
-        if not overwrite:
-            try:
-                _create_private(p, self.to_pem())
-            except FileExistsError as exc:
-                raise KeyFileError(f"{p} exists; pass overwrite=True to replace it") from exc
-            except OSError as exc:  # no such directory, a directory, no permission, ...
-                raise KeyFileError(f"cannot write key file {p}: {exc.strerror or exc}") from exc
-            return
-        fresh = _beside(p)
         try:
-            _write_private(fresh, self.to_pem())
-            os.replace(fresh, p)
-        except BaseException as exc:  # (a Ctrl-C too: no copy of the key left behind)
-            with contextlib.suppress(OSError):
-                fresh.unlink()
-            if isinstance(exc, OSError):
-                raise KeyFileError(f"cannot write key file {p}: {exc.strerror or exc}") from exc
-            raise
-        _sync_directory(p.parent)
+            _place_private(p, self.to_pem(), replace=overwrite)
+        except FileExistsError as exc:
+            if p.is_symlink() and not p.exists():  # (exists() follows it)
+                raise KeyFileError(
+                    f"key file {p} is a symbolic link to {os.readlink(p)}, which does not "
+                    "exist (the link exists: fix it, or remove it to have the key written "
+                    "there)"
+                ) from exc
+            raise KeyFileError(f"{p} exists; pass overwrite=True to replace it") from exc
+        except OSError as exc:  # no such directory, a directory, no permission, ...
+            raise KeyFileError(f"cannot write key file {p}: {exc.strerror or exc}") from exc
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SecretKey:

@@ -180,8 +180,18 @@ class CommandNotStarted(UsageError):
             self.exit_status = 127
         elif isinstance(exc, PermissionError) or exc.errno == errno.ENOEXEC:
             self.exit_status = 126
-        else:
-            self.exit_status = 2
+
+
+_TOO_MANY_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+def _too_many_files(what: str, takes: str) -> UsageError:
+    """The error for running out of file descriptors while the launcher does ``what``
+    (it holds ``takes`` of them)."""
+    return UsageError(
+        f"cannot {what}: too many open files (the launcher holds {takes}; ulimit -n is "
+        f"{_open_files_limit() or '?'}): start fewer ranks, or raise the limit"
+    )
 
 
 def pick_free_ports(host: str, count: int) -> list[int]:
@@ -198,11 +208,9 @@ def pick_free_ports(host: str, count: int) -> list[int]:
             s.bind((host, 0))
         return [int(s.getsockname()[1]) for s in socks]
     except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):  # not the host's fault
-            raise UsageError(
-                f"cannot pick {count} ports: too many open files (the launcher holds one "
-                f"socket per rank while it picks; ulimit -n is {_open_files_limit() or '?'}): "
-                "start fewer ranks, or raise the limit"
+        if exc.errno in _TOO_MANY_FILES:  # not the host's fault
+            raise _too_many_files(
+                f"pick {count} ports", "one socket per rank while it picks"
             ) from exc
         raise UsageError(f"cannot bind a TCP port on {host!r}: {exc}") from exc
     finally:
@@ -377,12 +385,8 @@ class _Launcher:
                     start_new_session=True,
                 )
             except OSError as exc:
-                if exc.errno == errno.EMFILE:
-                    raise UsageError(
-                        f"cannot start rank {rank}: too many open files (each rank takes "
-                        f"two of the launcher's; ulimit -n is {_open_files_limit() or '?'}): start "
-                        "fewer ranks, or raise the limit"
-                    ) from exc
+                if exc.errno in _TOO_MANY_FILES:
+                    raise _too_many_files(f"start rank {rank}", "two per rank") from exc
                 raise CommandNotStarted(self.cfg.command[0], exc) from exc
             proc = asyncio.subprocess.Process(transport, protocol, loop)
             self.procs.append(proc)
@@ -527,15 +531,13 @@ def launch(cfg: LaunchConfig) -> int:
         if os.environ.get(name):
             _say(f"not passing {name} on: the ranks reach each other at {ENV_PEERS}")
     # The launcher's own values: an exported one that differs would go unseen.
-    inherited_tls = os.environ.get(ENV_TLS, "")
-    if inherited_tls.strip():
-        try:
-            differs = env_flag(ENV_TLS, cfg.tls) != cfg.tls
-        except UsageError:  # not a yes/no at all: replaced too
-            differs = True
-        if differs:
-            mode = "TLS" if cfg.tls else "plaintext (--plaintext)"
-            _say(f"not passing {ENV_TLS}={inherited_tls} on: the ranks run {mode}")
+    try:
+        differs = env_flag(ENV_TLS, cfg.tls) != cfg.tls  # (unset or empty: cfg.tls)
+    except UsageError:  # not a yes/no at all: replaced too
+        differs = True
+    if differs:
+        mode = "TLS" if cfg.tls else "plaintext (--plaintext)"
+        _say(f"not passing {ENV_TLS}={os.environ[ENV_TLS]} on: the ranks run {mode}")
     if cfg.seed is None and os.environ.get(ENV_SEED):
         _say(f"not passing {ENV_SEED} on: the ranks get a random seed (--seed to choose one)")
     envs = [

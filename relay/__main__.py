@@ -99,10 +99,7 @@ async def run(config: RelayConfig, *, exiting: bool = False) -> int:
     try:
         await server.start()
         if reload_when_started:
-            if stop.is_set():
-                log.info(kv("reload_skipped", why="stopping"))
-            else:
-                server.reload()
+            on_signal(signal.SIGHUP)  # listening now: reloads, or says why it skips
         if config.url_file is not None:
             _write_atomically(config.url_file, server.url + "\n")
         print(f"relay url: {server.url}", flush=True)

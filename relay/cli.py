@@ -19,7 +19,6 @@ from typing import Any
 from p2pdist import __version__
 
 from .config import (
-    BURST_WITHOUT_RATE,
     TOKEN_ENV,
     ConfigError,
     RelayConfig,
@@ -108,11 +107,7 @@ def load_config(
     except ConfigError as exc:  # a value of the wrong kind in the file
         raise ConfigError(f"config file {config_path}: {exc}") from None
     try:
-        config = RelayConfig(**{**typed, **coerce(merged)})
-        if not config.rate and ("burst" in given or "burst" in from_file):
-            # RelayConfig sees only a value, which may equal burst's default.
-            raise ConfigError(BURST_WITHOUT_RATE)
-        return config
+        return RelayConfig(**{**typed, **coerce(merged)})
     except ConfigError as exc:
         # A value the file gave (and no flag or variable replaced) is the file's to fix.
         setting = str(exc).split(" ", 1)[0].rstrip(":").replace("-", "_")

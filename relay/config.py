@@ -29,7 +29,7 @@ from p2pdist.wire.relay import (
 )
 
 __all__ = [
-    "BURST_WITHOUT_RATE",
+    "DEFAULT_BURST",
     "ConfigError",
     "RelayConfig",
     "coerce",
@@ -45,7 +45,8 @@ MAX_PROXY_HOPS = 16
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PROXY_CERTS = ("relay", "own")
 """Values of ``proxy-certs``: whose certificates the proxy in front of the http-port serves."""
-BURST_WITHOUT_RATE = "burst is the rate's bucket: set rate too (0 is unlimited)"
+DEFAULT_BURST = 1 << 20
+"""The rate's bucket (bytes) when ``burst`` is not given."""
 EVENT_LOOPS = LOOP_CHOICES
 """The names ``--loop`` takes: p2pdist.eventloop's, so the relay and the library agree."""
 
@@ -202,8 +203,12 @@ class RelayConfig:
             "BYTES_PER_S",
         ),
     )
-    burst: int = field(
-        default=1 << 20, metadata=_doc("per-client token bucket size in bytes", "BYTES")
+    burst: int | None = field(
+        default=None,
+        metadata=_doc(
+            f"per-client token bucket size in bytes, with rate [default: {DEFAULT_BURST}]",
+            "BYTES",
+        ),
     )
     queue_bytes: int = field(
         default=1 << 20,
@@ -263,6 +268,11 @@ class RelayConfig:
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    @property
+    def bucket(self) -> int:
+        """The rate's token bucket in bytes: ``burst``, else :data:`DEFAULT_BURST`."""
+        return DEFAULT_BURST if self.burst is None else self.burst
 
     def effective_stun_port(self, bound_tcp_port: int) -> int:
         """The UDP port to bind for STUN (0: disabled) once the TCP port is known."""
@@ -361,7 +371,7 @@ def _validate(c: RelayConfig) -> None:
     if c.public_host is not None and ":" in c.public_host:
         inner = c.public_host.removeprefix("[").removesuffix("]")
         try:
-            ipaddress.IPv6Address(inner)
+            v6 = ipaddress.IPv6Address(inner)
         except ValueError:
             raise ConfigError(
                 f"public-host {c.public_host!r} must not include a port: the URL carries "
@@ -371,7 +381,6 @@ def _validate(c: RelayConfig) -> None:
             raise ConfigError(f"public-host: give an IPv6 address without brackets ({inner})")
         if "%" in inner:
             raise ConfigError(f"public-host {inner!r}: clients take no IPv6 zone id")
-        v6 = ipaddress.IPv6Address(inner)
         if v6.is_unspecified or (v6.ipv4_mapped is not None and v6.ipv4_mapped.is_unspecified):
             raise ConfigError(_UNSPECIFIED.format(inner))
     elif c.public_host is not None:
@@ -442,14 +451,14 @@ def _validate(c: RelayConfig) -> None:
             f"max-unauthenticated-per-ip must be >= 1, got {c.max_unauthenticated_per_ip}"
         )
     _positive("rate", c.rate, allow_zero=True)
-    if not c.rate and c.burst != _default("burst"):
-        raise ConfigError(BURST_WITHOUT_RATE)
-    if c.rate and c.burst < MAX_BODY:
+    if not c.rate and c.burst is not None:  # (given, even at the default's value)
+        raise ConfigError("burst is the rate's bucket: set rate too (0 is unlimited)")
+    if c.rate and c.bucket < MAX_BODY:
         raise ConfigError(
-            f"burst must be at least {MAX_BODY} bytes when rate is set, got {c.burst}: "
+            f"burst must be at least {MAX_BODY} bytes when rate is set, got {c.bucket}: "
             "a client may send one largest SEND at once"
         )
-    _positive("burst", c.burst)
+    _positive("burst", c.bucket)
     if c.queue_bytes < MAX_BODY + 5:
         raise ConfigError(
             f"queue-bytes must be at least {MAX_BODY + 5} (one frame), got {c.queue_bytes}"

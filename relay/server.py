@@ -311,7 +311,7 @@ class RelayServer:
             max_unauthenticated=c.max_unauthenticated,
             max_unauthenticated_per_ip=c.max_unauthenticated_per_ip,
             rate=c.rate,
-            burst=c.burst,
+            burst=c.bucket,
             queue_bytes=c.queue_bytes,
             keepalive=c.keepalive,
             auth_timeout=c.auth_timeout,

@@ -66,6 +66,9 @@ ones that expire soonest give way first (each one costs a signature check on a b
 proof)."""
 
 AUTH_TIMEOUT = Refusal("timeout", "authentication timed out")
+_ABANDONING = frozenset({"disconnect", "tls_timeout", "http_timeout"})
+"""The close events of a connection that may end before it authenticated without a
+refusal: the client went away, or timed out before its request (``abandoned_total``)."""
 SHUTTING_DOWN = Refusal("shutting_down", "relay shutting down")
 EVICTED = "evicted: too many connections waiting to authenticate"
 REFUSED = "too many connections waiting to authenticate; retry later"
@@ -520,11 +523,11 @@ class RelayCore(Inbound):
         like any connection the relay closes (flushed, then aborted after a grace),
         even if bytes are still queued towards it."""
         fields: dict[str, object] = {"after": now - s.opened_at, "eof": True}
-        self._count_abandoned(s)
         self._close(s, "disconnect", quiet=s.phase is not Phase.ACTIVE, fields=fields)
 
     def _count_abandoned(self, s: Session) -> None:
-        """``s`` ends before it authenticated, not by a refusal or an eviction."""
+        """``s`` ends before it authenticated, not by a refusal or an eviction (the
+        client went away, or timed out before its request: :data:`_ABANDONING`)."""
         if s.phase in (Phase.TLS, Phase.HTTP, Phase.AUTH):
             self.metrics.abandoned[s.phase.value] += 1
 
@@ -543,13 +546,11 @@ class RelayCore(Inbound):
                     )
             elif s.phase is Phase.TLS:
                 if now - s.opened_at > self.config.auth_timeout:
-                    self._count_abandoned(s)
                     self._close(s, "tls_timeout", quiet=True)
             elif s.phase is not Phase.CLOSED and now - s.ready_at > self.config.auth_timeout:
                 if s.phase is Phase.AUTH:
                     self._refuse(s, AUTH_TIMEOUT)
                 else:
-                    self._count_abandoned(s)
                     self._close(s, "http_timeout", quiet=True)
         if self._buckets:
             self._buckets = {k: b for k, b in self._buckets.items() if b.full_at() > now}
@@ -639,6 +640,8 @@ class RelayCore(Inbound):
         then close it."""
         if s.phase is Phase.CLOSED:
             return
+        if event in _ABANDONING:
+            self._count_abandoned(s)
         if error is not None:
             frame = encode_frame(RelayFrameType.ERROR, error.encode("utf-8")[:1024])
         if frame is not None:

@@ -69,11 +69,6 @@ def load_or_create_key(path: Path | None) -> SecretKey:
     try:
         if path.exists():
             return SecretKey.load(path)
-        if path.is_symlink():  # (exists() follows it)
-            raise ConfigError(
-                f"key file {path} is a symbolic link to {os.readlink(path)}, which does "
-                "not exist: fix the link, or remove it to have a key created there"
-            )
         key = SecretKey.generate()
         key.save(path)
     except KeyFileError as exc:

@@ -28,7 +28,7 @@ from p2pdist.wire.relay import (
 from relay.access import AccessPolicy, Allowlist, AllowlistError, parse_allowlist
 from relay.addresses import format_address, unmap_ipv4
 from relay.cli import load_config
-from relay.config import ConfigError, RelayConfig, from_mapping
+from relay.config import DEFAULT_BURST, ConfigError, RelayConfig, from_mapping
 from relay.limits import PeerGoneThrottle, TokenBucket
 from relay.metrics import AUTH_FAILURE_REASONS, DROP_REASONS, Metrics
 from relay.session import Phase, Session
@@ -871,7 +871,7 @@ def test_a_bad_value_is_blamed_on_where_it_came_from(tmp_path: Path) -> None:
 def test_burst_without_rate_is_refused_even_at_its_default_value(tmp_path: Path) -> None:
     """``--burst 1048576`` without ``--rate`` was taken: equal to the default, the
     config could not tell it was given, and the operator's bucket silently did nothing."""
-    default = str(RelayConfig().burst)
+    default = str(DEFAULT_BURST)  # (the value burst takes when not given)
     with pytest.raises(ConfigError, match=r"^burst is the rate's bucket"):
         load_config(["--burst", default], environ={})
     cfg = tmp_path / "relay.toml"
