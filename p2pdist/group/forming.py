@@ -136,10 +136,7 @@ class Forming(Membership):
             for r, refusal in sorted(form.refusals.items()):
                 if r in not_in:
                     why.append(_formed_refusal(self.peer_label(r), refusal, self._rank))
-            for r, error in sorted(form.dial_errors.items()):
-                if r in not_in and r not in form.refusals:
-                    detail = error.detail if isinstance(error, PeerError) else str(error)
-                    why.append(f"the last dial to {self.peer_label(r)} failed: {detail}")
+            why += self._failed_dials(form, not_in)
             if refused:
                 hint = "" if tls_differs else ": a rank with another seed?"
                 why.append(
@@ -159,6 +156,11 @@ class Forming(Membership):
             first = _first_error(group)
             if self._closing and isinstance(first, P2PError):
                 first = self._closed_while_starting()  # its closed transport failed it
+            elif isinstance(first, PeerError):
+                # Another rank gave up first (its note says why): what this rank knows of
+                # the ranks still missing goes with it, a failed dial to one above all.
+                missing = [r for r in range(self.size) if r != self._rank and r not in form.joined]
+                first = _with_detail(first, self._failed_dials(form, missing))
             reason = str(first) if isinstance(first, Exception) else None
             await self._fail_forming(transport, form, reason, first)
             raise first from None
@@ -168,6 +170,16 @@ class Forming(Membership):
             reason = str(exc) if isinstance(exc, Exception) else None
             await self._fail_forming(transport, form, reason)
             raise
+
+    def _failed_dials(self, form: _Formation, missing: list[int]) -> list[str]:
+        """The last failed dial to each rank in ``missing`` (one that refused this rank
+        says so in its own words)."""
+        return [
+            f"the last dial to {self.peer_label(r)} failed: "
+            + (error.detail if isinstance(error, PeerError) else str(error))
+            for r, error in sorted(form.dial_errors.items())
+            if r in missing and r not in form.refusals
+        ]
 
     def _closed_while_starting(self) -> GroupBrokenError:
         """What start() raises when close() ran while it started."""
@@ -520,6 +532,17 @@ def _read_note(label: str, meta: bytes) -> tuple[str, str, dict[str, Any]]:
         return str(note["form"]), str(note.get("why", "")), note
     except Exception as exc:  # msgpack's own exceptions, a missing key, a bad type
         raise RemoteProtocolError(label, f"malformed formation note: {exc!r}") from None
+
+
+def _with_detail(error: PeerError, more: list[str]) -> PeerError:
+    """``error`` (a copy) with ``more`` added to its message."""
+    if not more:
+        return error
+    longer = type(error).__new__(type(error))  # (its attributes, graceful..., kept)
+    longer.__dict__.update(error.__dict__)
+    longer.detail = "; ".join([error.detail, *more])
+    longer.args = (f"{error.peer}: {longer.detail}",)
+    return longer
 
 
 def _raise_for_note(label: str, kind: str, why: str, note: dict[str, Any]) -> None:
