@@ -816,36 +816,41 @@ async def test_a_dial_that_keeps_failing_is_named_in_the_formation_timeout() -> 
     until connect_timeout, each dial refused, and its error named rank 1 as "no
     connection" only, with a hint to restart with rejoin=True (a user's trial); the
     refused dials were in debug log lines."""
+    gs, err = await _ranks_0_and_2_without_1(connect_timeout=(2.0, 2.0))
+    assert isinstance(err, P2PError), err
+    assert f"the last dial to {gs[1].peer_label(1)} failed: " in str(err), err
+    assert "refused" in str(err), err
+
+
+async def _ranks_0_and_2_without_1(
+    connect_timeout: tuple[float, float],
+) -> tuple[list[Group], BaseException | None]:
+    """Ranks 0 and 2 of three start (with these connect timeouts), rank 1 never does:
+    both groups, and what rank 2's start raised."""
     peers = loopback_peers(3)
-    quick = GroupConfig(connect_timeout=2.0, transport=TransportConfig(tls=False))
-    gs = [Group.from_seed("dial-seed", rank=r, world=3, peers=peers, config=quick) for r in (0, 2)]
+    transport = TransportConfig(tls=False)
+    gs = [
+        Group.from_seed(
+            "dial-seed",
+            rank=r,
+            world=3,
+            peers=peers,
+            config=GroupConfig(connect_timeout=seconds, transport=transport),
+        )
+        for r, seconds in zip((0, 2), connect_timeout, strict=True)
+    ]
     try:
         results = await asyncio.gather(*(g.start() for g in gs), return_exceptions=True)
     finally:
         await asyncio.gather(*(g.close() for g in gs))
-    err = results[1]
-    assert isinstance(err, P2PError), err
-    assert f"the last dial to {gs[1].peer_label(1)} failed: " in str(err), err
-    assert "refused" in str(err), err
+    return gs, results[1]
 
 
 async def test_a_rank_told_of_another_giving_up_still_names_its_failed_dial() -> None:
     """Rank 0 gave up first and told rank 2 why ("no connection to rank 1"), and rank 2
     raised that alone: its own refused dials to rank 1, the cause, were left out (under
     CI's load rank 0 now and then timed out first in the test of a failing dial)."""
-    peers = loopback_peers(3)
-    transport = TransportConfig(tls=False)
-    configs = {0: GroupConfig(connect_timeout=1.0, transport=transport)}
-    configs[2] = GroupConfig(connect_timeout=10.0, transport=transport)
-    gs = [
-        Group.from_seed("dial-seed", rank=r, world=3, peers=peers, config=configs[r])
-        for r in (0, 2)
-    ]
-    try:
-        results = await asyncio.gather(*(g.start() for g in gs), return_exceptions=True)
-    finally:
-        await asyncio.gather(*(g.close() for g in gs))
-    err = results[1]
+    gs, err = await _ranks_0_and_2_without_1(connect_timeout=(1.0, 10.0))  # 0 gives up first
     assert isinstance(err, P2PError), err
     assert str(err).startswith(f"{gs[0].peer_label(0)}: could not join the group"), err
     assert f"the last dial to {gs[1].peer_label(1)} failed: " in str(err), err
