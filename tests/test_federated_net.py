@@ -781,6 +781,31 @@ async def test_a_close_cut_short_while_the_stop_waits_still_closes_everything() 
         await a.close()
 
 
+async def test_a_client_joining_while_close_waits_for_a_model_is_told_to_stop() -> None:
+    """close() waits (up to STOP_AFTER_MODEL) for a slow client's model; a client that
+    joins in that wait is taken in as any late joiner (it gets the model) and is told to
+    stop with the others, not left connected nor cut off without a word."""
+    async with coordinator(np.zeros(4, np.float32), round_timeout=30.0) as c:
+        a = client_of(c)
+        await a.connect()
+        (client,) = c._clients.values()
+        client.conn._write_paused = True  # type: ignore[attr-defined]
+        c._post(client, encode("model", {"r": 8, "open": False, "left": 30.0}, np.ones(4)))
+        await asyncio.sleep(0.1)
+        closing = asyncio.create_task(c.close("done for today"))
+        await asyncio.sleep(0.1)
+        assert not closing.done()  # in its wait for a's model
+        b = client_of(c)
+        await asyncio.wait_for(b.connect(), 10)
+        await wait_until(lambda: b.stopped is not None, "the joiner's stop")
+        assert b.stopped == "done for today" and b.latest is not None
+        client.conn._resume_writing()  # type: ignore[attr-defined]
+        await asyncio.wait_for(closing, 10)
+        await wait_until(lambda: a.stopped is not None, "the slow client's stop")
+        assert a.stopped == "done for today" and a.latest is not None and a.latest.round == 8
+        await asyncio.gather(a.close(), b.close())
+
+
 async def test_a_client_whose_connect_failed_may_connect_again_and_a_closed_one_says_why() -> None:
     """The coordinator is not up at the first connect(), which times out: a second
     connect() on the same client works once it is (it used to say "already

@@ -1450,6 +1450,25 @@ async def test_paths_say_relay_once_the_direct_socket_closed() -> None:
         assert [s.kind for s in info.paths if s.active] == ["relay"]
 
 
+async def test_a_connection_whose_direct_socket_closed_falls_back_as_from_a_dead_path() -> None:
+    """The punching socket closes under a direct connection: its route sent through the
+    relay, but QUIC went on building datagrams for the direct path under that path's
+    congestion control, and a close did not wait as after a fallback (it was never
+    stamped). The connection now falls back as when hole punching declares a path dead."""
+    async with relayed_pair() as (ta, _tb, ca, cb):
+        await wait_until(lambda: ca.path_kind == cb.path_kind == "direct", "direct paths")
+        route = ca.route
+        assert isinstance(route, RelayRoute) and ta._punch_sock is not None
+        direct_controller = ca._quic._loss._cc
+        ta._punch_sock.close()
+        await ca.send(7, b"after the socket closed")
+        got = await asyncio.wait_for(cb.recv(7), 10)
+        assert bytes(got.payload) == b"after the socket closed"
+        assert route.direct is None and ca._fell_back_at > -math.inf
+        assert ca._quic._loss._cc is not direct_controller  # the relay's, afresh
+        assert ca._quic._max_datagram_size == route.relay_datagram
+
+
 async def test_peers_of_a_relay_on_ipv6_loopback_punch_from_ipv6_loopback() -> None:
     """A relay on [::1]: the punching socket was bound to 127.0.0.1 whatever the relay's
     family, so a peer listening on ::1 never went direct (each side dropped the other's

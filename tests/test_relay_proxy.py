@@ -20,6 +20,7 @@ from p2pdist import (
     PeerAuthenticationError,
     PunchConfig,
     SecretKey,
+    TransportConfig,
     UsageError,
     eventloop,
 )
@@ -295,6 +296,38 @@ def test_a_group_through_a_proxy_and_the_relay(tmp_path: Path, loop: str) -> Non
     with RelayProcess(tmp_path) as relay:
         p = eventloop.run(_group_through_proxy(relay.url), loop=loop)
     assert len(p.targets) == 2 and len(p.carried) > 800_000
+
+
+async def test_a_proxy_that_starts_refusing_is_named_in_the_groups_loss(tmp_path: Path) -> None:
+    """The proxy in front of the relay starts refusing tunnels (its policy changed) and
+    the tunnels open through it end: the relayed peers fall silent, and the loss names
+    the proxy's refusal, not a relay that refuses this rank or cannot be reached."""
+    fast = TransportConfig(keepalive_interval=0.2, idle_timeout=6.0)
+    cfg = GroupConfig(
+        timeout=20.0, connect_timeout=30.0, punch=PunchConfig(enabled=False), transport=fast
+    )
+    with RelayProcess(tmp_path) as relay:
+        async with proxy() as p:
+            seed = "proxy-group-seed-0123456789"
+            gs = [
+                Group.from_seed(
+                    seed, rank=r, world=2, relay=relay.url, relay_proxy=p.url, config=cfg
+                )
+                for r in range(2)
+            ]
+            try:
+                await asyncio.gather(*(g.start() for g in gs))
+                await asyncio.gather(*(g.all_reduce(np.ones(10)) for g in gs))
+                p.status = "403 Forbidden"
+                for task in list(p._tasks):  # the tunnels open now end
+                    task.cancel()
+                for g in gs:
+                    await wait_until(lambda g=g: g.broken is not None, "the loss", 30)
+                    text = str(g.broken)
+                    assert "the proxy to this rank's relay refuses the tunnel now" in text, text
+                    assert "403 Forbidden" in text and "restarted with another key" not in text
+            finally:
+                await asyncio.gather(*(g.close() for g in gs))
 
 
 async def test_proxy_refusals_wrong_credentials_at_once_a_bad_gateway_retried(

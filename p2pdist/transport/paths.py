@@ -496,6 +496,13 @@ class RelayRoute:
         self.relay_datagram = size
         return changed
 
+    @property
+    def direct_closed(self) -> bool:
+        """Whether the direct path in use lost its socket: the connection then falls back
+        to the relay (:meth:`use_relay`) before it sends again."""
+        direct = self.direct
+        return direct is not None and direct[0].closed
+
     def use_relay(self) -> None:
         """Send through the relay from now on."""
         if self.direct is not None:
@@ -527,7 +534,9 @@ class RelayRoute:
 
     def send(self, datagram: bytes, addr: Any) -> None:
         """Send on the path in use; a datagram the relay refuses is dropped (QUIC resends).
-        A direct path whose socket closed is left for the relay (counted as a change)."""
+        A direct path whose socket closed is left for the relay (counted as a change; the
+        connection falls back before it sends, see :attr:`direct_closed`, so this is only
+        for a socket that closes while a batch goes out)."""
         direct = self.direct
         if direct is not None and direct[0].closed:
             log.debug("direct path to %s: socket closed, back to the relay", self.peer.short())

@@ -449,6 +449,13 @@ class QuicConnection(FramedConnection):
         if self._terminated.done():
             return
         route = self._route
+        if isinstance(route, RelayRoute) and route.direct_closed:
+            # The direct path's socket closed: fall back as when hole punching declares
+            # the path dead, so that QUIC builds datagrams for the relay, starts its
+            # congestion control afresh, and a close waits as after a fallback.
+            log.info("%s: the direct path's socket closed, back to the relay", self.label)
+            route.use_relay()
+            self.path_changed(fell_back=True)
         for data, addr in self._quic.datagrams_to_send(now=_now()):
             route.send(data, addr)
         self._arm_timer()

@@ -130,7 +130,9 @@ bulk transfer through the relay (docs/performance.md)."""
 class RelayPath:
     """Datagrams to and from peers through one relay, addressed by endpoint id.
 
-    ``random`` (a float in [0, 1), default :func:`random.random`) jitters reconnects."""
+    ``token``: the relay's shared token (None or ``""``: send none, as for an unset
+    environment variable). ``random`` (a float in [0, 1), default
+    :func:`random.random`) jitters reconnects."""
 
     def __init__(
         self,
