@@ -14,7 +14,8 @@ Layout (each module has one job):
   built from (no asyncio, time passed in).
 * :mod:`relay.server` - thin asyncio glue: TLS listener, STUN port, timers, shutdown;
   :mod:`relay.connection` - the protocol of one client connection.
-* :mod:`relay.stopsignals` - how ``p2pdist-relay`` takes SIGTERM, SIGINT and SIGHUP.
+* :mod:`relay.entry` - the entry point (it takes the signals first), :mod:`relay.app` -
+  the program, :mod:`relay.stopsignals` - how it takes SIGTERM, SIGINT and SIGHUP.
 * :mod:`relay.tlsconfig` - the relay's certificate (pinned Ed25519 key, or a real one).
 * TLS and AES-GCM records per connection: :mod:`p2pdist.transport.securestream`.
 * :mod:`relay.stun_server` - the UDP port answering STUN Binding Requests.
@@ -25,7 +26,24 @@ Layout (each module has one job):
 
 from __future__ import annotations
 
-from .config import ConfigError, RelayConfig
-from .server import RelayServer
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import ConfigError, RelayConfig
+    from .server import RelayServer
 
 __all__ = ["ConfigError", "RelayConfig", "RelayServer"]
+
+
+def __getattr__(name: str) -> object:
+    # Loaded on first use, so that ``p2pdist-relay`` (relay.entry) takes its signals
+    # before the slow imports.
+    if name in ("ConfigError", "RelayConfig"):
+        from . import config
+
+        return getattr(config, name)
+    if name == "RelayServer":
+        from .server import RelayServer
+
+        return RelayServer
+    raise AttributeError(f"module 'relay' has no attribute {name!r}")

@@ -452,7 +452,10 @@ def _validate(c: RelayConfig) -> None:
         )
     _positive("rate", c.rate, allow_zero=True)
     if not c.rate and c.burst is not None:  # (given, even at the default's value)
-        raise ConfigError("burst is the rate's bucket: set rate too (0 is unlimited)")
+        raise ConfigError(
+            "burst is the rate's bucket and rate is 0 (unlimited, no bucket): "
+            "set a rate, or leave burst out"
+        )
     if c.rate and c.bucket < MAX_BODY:
         raise ConfigError(
             f"burst must be at least {MAX_BODY} bytes when rate is set, got {c.bucket}: "

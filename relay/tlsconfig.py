@@ -97,18 +97,29 @@ def _check_private(path: Path) -> None:
         raise ConfigError(f"certificate key file {problem}")
 
 
-def _leaf_der(chain_pem: bytes, cert_path: Path) -> bytes:
-    """The leaf (first) certificate of a PEM chain, as DER; logs an expiry warning."""
+def _leaf_der(chain_pem: bytes, cert_path: Path, *, reloading: bool = False) -> bytes:
+    """The leaf (first) certificate of a PEM chain, as DER. One that is not valid now
+    (expired, or not yet valid) is logged at start and refused on a reload (ConfigError:
+    clients would refuse it, so the certificate in use stays); one that expires within
+    14 days is logged."""
     try:
         certs = x509.load_pem_x509_certificates(chain_pem)
     except ValueError as exc:
         raise ConfigError(f"{cert_path} holds no PEM certificate: {exc}") from None
     leaf = certs[0]
     now = datetime.datetime.now(datetime.UTC)
-    left = leaf.not_valid_after_utc - now
-    if left.total_seconds() < 0:
-        log.error(kv("certificate_expired", path=cert_path, not_after=leaf.not_valid_after_utc))
-    elif left.days < 14:
+    after, before = leaf.not_valid_after_utc, leaf.not_valid_before_utc
+    invalid = None
+    if now > after:
+        invalid = ("certificate_expired", "not_after", after, f"expired at {after}")
+    elif now < before:
+        invalid = ("certificate_not_yet_valid", "not_before", before, f"is valid from {before}")
+    if invalid is not None:
+        event, field, when, why = invalid
+        if reloading:
+            raise ConfigError(f"certificate {cert_path} {why}: clients would refuse it")
+        log.error(kv(event, path=cert_path, **{field: when}))
+    elif (left := after - now).days < 14:
         log.warning(kv("certificate_expires_soon", path=cert_path, days=left.days))
     return leaf.public_bytes(serialization.Encoding.DER)
 
@@ -218,14 +229,14 @@ class RelayTls:
     def reload(self) -> bool:
         """Re-read certificate files (certificate mode); True when the certificate changed.
         Errors (unreadable files, a key file readable by others, a key that does not
-        match the certificate) are logged and the old certificate stays in use. The new
-        pair is loaded into a fresh context, which then serves every new handshake
-        (whatever its key type: see the module doc)."""
+        match the certificate, a certificate expired or not valid yet) are logged and the
+        old certificate stays in use. The new pair is loaded into a fresh context, which
+        then serves every new handshake (whatever its key type: see the module doc)."""
         if self.cert_path is None or self.key_path is None:
             return False
         self._files_seen = _signature(self.cert_path, self.key_path)
         try:
-            chain_pem, key_pem, der = _read_pair(self.cert_path, self.key_path)
+            chain_pem, key_pem, der = _read_pair(self.cert_path, self.key_path, reloading=True)
             fresh = _server_context()
             _load_chain(fresh, chain_pem, key_pem, self.cert_path, self.key_path)
         except ConfigError as exc:
@@ -233,7 +244,8 @@ class RelayTls:
             return False
         fp = cert_fingerprint(der)
         loaded = hashlib.sha256(chain_pem + b"\0" + key_pem).digest()
-        if loaded == self._loaded:
+        if loaded == self._loaded:  # (after a failed reload: the operator's fix worked)
+            log.info(kv("certificate_unchanged", path=self.cert_path))
             return False
         self._loaded = loaded
         self._serving = fresh  # a new chain or key for the same leaf is served too
@@ -268,14 +280,17 @@ def _signature(*paths: Path) -> tuple[object, ...]:
     return tuple(out)
 
 
-def _read_pair(cert_path: Path, key_path: Path) -> tuple[bytes, bytes, bytes]:
+def _read_pair(
+    cert_path: Path, key_path: Path, *, reloading: bool = False
+) -> tuple[bytes, bytes, bytes]:
     """The certificate chain (PEM), its key (PEM) and the leaf certificate (DER), read
     from files; ConfigError when the key file is accessible by group or others (checked
-    before the key is read) or a file cannot be read or parsed."""
+    before the key is read) or a file cannot be read or parsed, and on a reload when the
+    certificate is not valid now (see :func:`_leaf_der`)."""
     _check_private(key_path)
     chain_pem = _read(cert_path, "certificate")
     key_pem = _read(key_path, "key")
-    return chain_pem, key_pem, _leaf_der(chain_pem, cert_path)
+    return chain_pem, key_pem, _leaf_der(chain_pem, cert_path, reloading=reloading)
 
 
 @contextlib.contextmanager

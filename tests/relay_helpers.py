@@ -112,9 +112,11 @@ def self_signed_pem(
     name: str,
     key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey | None = None,
     sans: list[x509.GeneralName] | None = None,
+    valid_days: tuple[float, float] = (-1, 90),
 ) -> tuple[bytes, bytes]:
     """A self-signed certificate (PEM) and its key (PEM); ``key`` defaults to a fresh
-    ECDSA P-256 key; ``sans``: its subjectAltName entries, if any."""
+    ECDSA P-256 key; ``sans``: its subjectAltName entries, if any; ``valid_days``: from
+    when until when it is valid, in days from now."""
     key = key or ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"relay {name}")])
     now = datetime.datetime.now(datetime.UTC)
@@ -124,8 +126,8 @@ def self_signed_pem(
         .issuer_name(subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=90))
+        .not_valid_before(now + datetime.timedelta(days=valid_days[0]))
+        .not_valid_after(now + datetime.timedelta(days=valid_days[1]))
     )
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)

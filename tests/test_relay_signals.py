@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -95,7 +98,7 @@ async def test_a_sighup_while_the_relay_starts_reloads_once_it_listens(
 ) -> None:
     """A SIGHUP before the relay listened was dropped without a word, though start may
     have read the allowlist and the certificate before the operator changed them."""
-    import relay.__main__ as relay_main
+    import relay.app as relay_main
     from relay.config import RelayConfig
     from relay.server import RelayServer
 
@@ -115,3 +118,72 @@ async def test_a_sighup_while_the_relay_starts_reloads_once_it_listens(
     assert await asyncio.wait_for(relay_main.run(config), 30) == 0
     assert len(reloads) == 1 and reloads[0]  # once, and once the relay had its url
     assert "reload_deferred why=starting" in caplog.text
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``sig`` (Linux's SigCgt)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def test_the_entry_point_takes_the_signals_before_the_slow_imports() -> None:
+    """The relay's signal handlers came in only once numpy, cryptography and the
+    configuration had loaded (a few hundred ms), and a SIGHUP meanwhile killed it with
+    exit 129 (an operator's trial). The entry point now loads nothing slow first."""
+    probe = (
+        "import sys, relay.entry; "
+        "print(sorted(m for m in ('numpy', 'cryptography', 'asyncio', 'p2pdist') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
+@pytest.mark.parametrize("command", [["-m", "relay"], ["-c", "import relay.entry as e; e.main()"]])
+def test_a_sighup_while_the_relay_loads_reloads_once_it_listens(command: list[str]) -> None:
+    """SIGHUP as soon as the process catches it (while it still loads), then SIGTERM:
+    it lives on, reloads once it listens, and stops cleanly."""
+    argv = [*command, "--host", "127.0.0.1", "--port", "0", "--stun-port", "0"]
+    proc = subprocess.Popen(
+        [sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not _catches(proc.pid, signal.SIGHUP):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGHUP)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # "" if it died
+        assert line.startswith("relay url: "), (line, proc.poll())
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "reload_deferred why=starting" in err and " reload\n" in err, err
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
+async def test_a_url_file_that_cannot_be_written_is_refused_before_binding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only its directory's existence was checked: a relay whose url-file could not be
+    written (a directory it may not write in) listened, then exited 2 (an operator's
+    trial). /proc takes no new file, even from root."""
+    import relay.app as relay_main
+    from relay.config import ConfigError, RelayConfig
+    from relay.server import RelayServer
+
+    started: list[RelayServer] = []
+    monkeypatch.setattr(RelayServer, "start", started.append)
+    config = RelayConfig(host="127.0.0.1", port=0, stun_port=0, url_file=Path("/proc/relay.url"))
+    with pytest.raises(ConfigError, match=r"cannot write url-file /proc/relay\.url"):
+        await relay_main.run(config)
+    assert started == []

@@ -62,6 +62,43 @@ def test_a_failed_reload_keeps_the_old_certificate_serving(files: tuple[Path, Pa
     assert served_certificate(tls.context) == _fingerprint(a_crt)
 
 
+@pytest.mark.parametrize(
+    ("valid_days", "event", "said"),
+    [
+        ((-90, -1), "certificate_expired", "expired at"),
+        ((1, 90), "certificate_not_yet_valid", "is valid from"),
+    ],
+)
+def test_a_reload_refuses_a_certificate_clients_would_refuse(
+    files: tuple[Path, Path],
+    caplog: pytest.LogCaptureFixture,
+    valid_days: tuple[float, float],
+    event: str,
+    said: str,
+) -> None:
+    """A renewal that put an expired (or not yet valid) certificate in place was loaded
+    and served, and every client refused the relay (an operator's trial). A reload now
+    refuses it and keeps the certificate in use; at start it is logged. Once the good
+    files are back, a reload says so."""
+    caplog.set_level("INFO", logger="relay")
+    tls, (a_crt, a_key), _ = _serving_a(files)
+    crt, key = files
+    bad_crt, bad_key = self_signed_pem("bad", valid_days=valid_days)
+    crt.write_bytes(bad_crt)
+    key.write_bytes(bad_key)
+    assert tls.reload() is False
+    assert served_certificate(tls.context) == _fingerprint(a_crt) == tls.fingerprint
+    failed = [
+        r.getMessage() for r in caplog.records if "certificate_reload_failed" in r.getMessage()
+    ]
+    assert len(failed) == 1 and said in failed[0] and "clients would refuse it" in failed[0]
+    assert RelayTls.from_files(crt, key).fingerprint == _fingerprint(bad_crt)  # at start: served,
+    assert event in caplog.text  # and logged
+    crt.write_bytes(a_crt)
+    key.write_bytes(a_key)
+    assert tls.reload() is False and "certificate_unchanged" in caplog.text
+
+
 def _serving_a(
     files: tuple[Path, Path],
 ) -> tuple[RelayTls, tuple[bytes, bytes], tuple[bytes, bytes]]:

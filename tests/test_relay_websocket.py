@@ -527,7 +527,10 @@ def test_http_port_settings_are_checked() -> None:
     # Settings that mean nothing without another were taken without a word (an audit).
     with pytest.raises(ConfigError, match="http-host is for the http-port"):
         ServerConfig(http_host="10.1.2.3")
-    with pytest.raises(ConfigError, match="burst is the rate's bucket: set rate too"):
+    with pytest.raises(
+        ConfigError,
+        match=r"burst is the rate's bucket and rate is 0 .*: set a rate, or leave burst out",
+    ):
         ServerConfig(burst=1 << 21)
     assert ServerConfig(rate=1_000_000, burst=1 << 21).burst == 1 << 21
     assert ServerConfig(http_port=0, cert=pem, cert_key=pem, proxy_hops=2).proxy_hops == 2

@@ -54,7 +54,8 @@ class PathInfo:
     remote: str
     """The peer's ``ip:port`` on a direct path, ``relay <url>`` on the relay."""
     rtt: float | None
-    """Smoothed round-trip time, seconds: QUIC's estimate (TCP: the last keepalive)."""
+    """Smoothed round-trip time, seconds: QUIC's estimate (TCP: the kernel's on Linux,
+    else the last keepalive's)."""
     transport: str
     """``"tcp"`` or ``"quic"``."""
     paths: tuple[PathStats, ...] = ()

@@ -96,11 +96,12 @@ def _tcp_info(sock: Any, size: int) -> bytes:
         return b""
 
 
-def kernel_rtt(sock: Any) -> float | None:
+def kernel_rtt(sock: Any, *, least: bool = True) -> float | None:
     """The least round trip the kernel measured on TCP socket ``sock`` (its smoothed one
-    on kernels that keep no least), seconds; None before the first sample, and off Linux."""
+    on kernels that keep no least), or with ``least=False`` its smoothed one, seconds;
+    None before the first sample, and off Linux."""
     info = _tcp_info(sock, _TCP_INFO_MIN_RTT + 4)
-    for at in (_TCP_INFO_MIN_RTT, _TCP_INFO_RTT):
+    for at in (_TCP_INFO_MIN_RTT, _TCP_INFO_RTT) if least else (_TCP_INFO_RTT,):
         if len(info) >= at + 4:
             (micros,) = struct.unpack_from("I", info, at)
             if micros and micros != _NO_RTT:
@@ -250,9 +251,18 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         """The kernel's least round trip on this TCP connection (Linux; measured from
         the first segments on, and not delayed by either end's event loop), else the
         keepalive's."""
-        sock = self._transport.get_extra_info("socket") if self._transport else None
-        rtt = kernel_rtt(sock)
+        rtt = kernel_rtt(self._socket())
         return rtt if rtt is not None else super().path_rtt
+
+    @property
+    def smoothed_rtt(self) -> float | None:
+        """The kernel's smoothed round trip on this TCP connection (Linux), else the
+        keepalive's last one (None before either has a sample)."""
+        rtt = kernel_rtt(self._socket(), least=False)
+        return rtt if rtt is not None else self._stats.rtt
+
+    def _socket(self) -> Any:
+        return self._transport.get_extra_info("socket") if self._transport else None
 
     def _remote_text(self) -> str:
         """The peer's ``ip:port`` (``[ip]:port`` for IPv6), for labels."""
@@ -732,14 +742,14 @@ class TcpTransport(EndpointBase[TcpConnection]):
 
     def paths(self) -> dict[EndpointId, PathInfo]:
         """How each connected peer is reached: one direct TCP path each, with its frame
-        counters and the last keepalive round trip (see :class:`~.pathinfo.PathInfo`)."""
+        counters and its smoothed round trip (see :class:`~.pathinfo.PathInfo`)."""
         out: dict[EndpointId, PathInfo] = {}
         for conn in sorted(self._connections, key=lambda c: c.closed):  # open ones first
             if conn._peer is None or conn._handshaking or conn._peer in out:
                 continue  # a handshaking peer's id is only claimed
             addr = conn.remote_address
             remote = path_key(addr) if addr is not None else "?"
-            out[conn._peer] = single_path(conn._peer, remote, conn.stats, conn.stats.rtt, "tcp")
+            out[conn._peer] = single_path(conn._peer, remote, conn.stats, conn.smoothed_rtt, "tcp")
         return out
 
     def _on_incoming(self, conn: TcpConnection) -> None:
