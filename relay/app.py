@@ -114,12 +114,16 @@ async def run(
             log.info(kv("reload_deferred", why="starting"))
             reload_when_started = True
 
-    # In before the url line: whoever reads it may signal at once.
     if config.url_file is not None:
         _check_writable(config.url_file)
+    # In before the url line: whoever reads it may signal at once.
     signals = ProcessSignals(loop, on_signal) if exiting else LoopSignals(loop, on_signal)
     for sig in early.take() if early is not None else ():  # (its handlers are out now)
         on_signal(sig)
+    if stop.is_set():  # told to stop while the program loaded: it never listens
+        signals.close()
+        log.info(kv("stopped", why="a stop signal came while the relay was loading"))
+        return 0
     try:
         await server.start()
         if reload_when_started:

@@ -17,17 +17,25 @@ from types import FrameType
 
 __all__ = ["EarlySignals", "main"]
 
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
 
 class EarlySignals:
     """Keeps the stop and reload signals that come before the relay's handlers are in."""
 
     def __init__(self) -> None:
         self._taken: list[signal.Signals] = []
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, self._keep)
+        self._before = {sig: signal.signal(sig, self._keep) for sig in _SIGNALS}
 
     def _keep(self, signum: int, frame: FrameType | None) -> None:
         self._taken.append(signal.Signals(signum))
+
+    def release(self) -> None:
+        """Put the handlers from before back where these are still in (the relay ended
+        before it put its own in: a bad configuration)."""
+        for sig, before in self._before.items():
+            if before is not None and signal.getsignal(sig) == self._keep:
+                signal.signal(sig, before)
 
     def take(self) -> list[signal.Signals]:
         """The signals kept so far, in order (call it once other handlers are in)."""
@@ -40,4 +48,7 @@ def main() -> int:
     early = EarlySignals()
     from .app import main as run_relay  # the slow part, with the signals taken
 
-    return run_relay(early=early)
+    try:
+        return run_relay(early=early)
+    finally:
+        early.release()

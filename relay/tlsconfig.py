@@ -97,6 +97,14 @@ def _check_private(path: Path) -> None:
         raise ConfigError(f"certificate key file {problem}")
 
 
+class _NotValidNow(ConfigError):
+    """A reload found a certificate that is not valid now (expired, or not yet)."""
+
+    def __init__(self, message: str, valid_from: datetime.datetime) -> None:
+        super().__init__(message)
+        self.valid_from = valid_from
+
+
 def _leaf_der(chain_pem: bytes, cert_path: Path, *, reloading: bool = False) -> bytes:
     """The leaf (first) certificate of a PEM chain, as DER. One that is not valid now
     (expired, or not yet valid) is logged at start and refused on a reload (ConfigError:
@@ -117,7 +125,7 @@ def _leaf_der(chain_pem: bytes, cert_path: Path, *, reloading: bool = False) -> 
     if invalid is not None:
         event, field, when, why = invalid
         if reloading:
-            raise ConfigError(f"certificate {cert_path} {why}: clients would refuse it")
+            raise _NotValidNow(f"certificate {cert_path} {why}: clients would refuse it", before)
         log.error(kv(event, path=cert_path, **{field: when}))
     elif (left := after - now).days < 14:
         log.warning(kv("certificate_expires_soon", path=cert_path, days=left.days))
@@ -159,6 +167,9 @@ class RelayTls:
     _files_seen: tuple[object, ...] = field(default=(), repr=False)
     """The certificate and key files' stat signatures when they were last read."""
     _loaded: bytes = field(default=b"", repr=False)
+    _retry_at: datetime.datetime | None = field(default=None, repr=False)
+    """When a certificate a reload found not valid yet becomes valid: the files are read
+    again then, though they did not change (a renewal a little ahead of the clock)."""
     """SHA-256 of the chain and key bytes in use (certificate mode)."""
 
     @classmethod
@@ -193,9 +204,13 @@ class RelayTls:
     def files_changed(self) -> bool:
         """Certificate mode: whether the certificate or key file changed (modification
         time, size or inode, so a renewal that swaps a symlink counts) since they were
-        last read. Only stats the files."""
+        last read, or a certificate a reload refused as not valid yet has become valid.
+        Only stats the files."""
         if self.cert_path is None or self.key_path is None:
             return False
+        retry_at = self._retry_at
+        if retry_at is not None and datetime.datetime.now(datetime.UTC) >= retry_at:
+            return True
         return _signature(self.cert_path, self.key_path) != self._files_seen
 
     def covers(self, host: str) -> bool:
@@ -235,11 +250,16 @@ class RelayTls:
         if self.cert_path is None or self.key_path is None:
             return False
         self._files_seen = _signature(self.cert_path, self.key_path)
+        self._retry_at = None
         try:
             chain_pem, key_pem, der = _read_pair(self.cert_path, self.key_path, reloading=True)
             fresh = _server_context()
             _load_chain(fresh, chain_pem, key_pem, self.cert_path, self.key_path)
         except ConfigError as exc:
+            if isinstance(exc, _NotValidNow) and exc.valid_from > datetime.datetime.now(
+                datetime.UTC
+            ):
+                self._retry_at = exc.valid_from
             log.error(kv("certificate_reload_failed", error=exc))
             return False
         fp = cert_fingerprint(der)

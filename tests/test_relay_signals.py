@@ -4,6 +4,7 @@ SIGINT and SIGHUP (the relay process itself: tests/test_relay_server.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
@@ -142,11 +143,10 @@ def test_the_entry_point_takes_the_signals_before_the_slow_imports() -> None:
     assert out.stdout.strip() == "[]", out
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
-@pytest.mark.parametrize("command", [["-m", "relay"], ["-c", "import relay.entry as e; e.main()"]])
-def test_a_sighup_while_the_relay_loads_reloads_once_it_listens(command: list[str]) -> None:
-    """SIGHUP as soon as the process catches it (while it still loads), then SIGTERM:
-    it lives on, reloads once it listens, and stops cleanly."""
+@contextlib.contextmanager
+def _relay_loading(command: list[str]) -> Iterator[subprocess.Popen[str]]:
+    """A relay process (``python COMMAND``), once it catches SIGHUP: still loading,
+    with the entry point's handlers in. Killed on the way out if still running."""
     argv = [*command, "--host", "127.0.0.1", "--port", "0", "--stun-port", "0"]
     proc = subprocess.Popen(
         [sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -156,18 +156,53 @@ def test_a_sighup_while_the_relay_loads_reloads_once_it_listens(command: list[st
         while not _catches(proc.pid, signal.SIGHUP):
             assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
             time.sleep(0.001)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
+@pytest.mark.parametrize("command", [["-m", "relay"], ["-c", "import relay.entry as e; e.main()"]])
+def test_a_sighup_while_the_relay_loads_reloads_once_it_listens(command: list[str]) -> None:
+    """SIGHUP while it still loads, then SIGTERM: it lives on, reloads once it listens,
+    and stops cleanly."""
+    with _relay_loading(command) as proc:
         proc.send_signal(signal.SIGHUP)
         assert proc.stdout is not None
         line = proc.stdout.readline()  # "" if it died
         assert line.startswith("relay url: "), (line, proc.poll())
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, err
     assert "reload_deferred why=starting" in err and " reload\n" in err, err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
+def test_a_sigterm_while_the_relay_loads_stops_it_before_it_listens() -> None:
+    """A stop signal while it loads: it exits 0 without ever listening or printing a URL
+    (a tool reading the url line would dial a relay on its way out: a reviewer)."""
+    with _relay_loading(["-m", "relay"]) as proc:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert out == "" and "listening" not in err, (out, err)
+    assert "stopped why=" in err, err
+
+
+def test_the_entry_points_handlers_give_way_when_the_relay_ends_without_its_own() -> None:
+    """A relay that ended before it put its own handlers in (a bad configuration) leaves
+    the process's handlers as they were, not swallowing every later Ctrl-C."""
+    from relay.entry import EarlySignals
+
+    before = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    early = EarlySignals()
+    try:
+        assert all(signal.getsignal(sig) != before[sig] for sig in SIGNALS)
+    finally:
+        early.release()
+    assert {sig: signal.getsignal(sig) for sig in SIGNALS} == before
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import ssl
+import time
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,27 @@ def test_a_reload_refuses_a_certificate_clients_would_refuse(
     crt.write_bytes(a_crt)
     key.write_bytes(a_key)
     assert tls.reload() is False and "certificate_unchanged" in caplog.text
+
+
+def test_a_certificate_refused_as_not_yet_valid_is_taken_once_it_is(
+    files: tuple[Path, Path],
+) -> None:
+    """A renewal a little ahead of the relay's clock is refused, and read again once it
+    is valid, though its files did not change (a reviewer: it was never retried, and
+    the old certificate served on until a SIGHUP)."""
+    tls, (a_crt, _a_key), _ = _serving_a(files)
+    crt, key = files
+    soon_crt, soon_key = self_signed_pem("soon", valid_days=(2.0 / 86400, 90))  # in 2 s
+    crt.write_bytes(soon_crt)
+    key.write_bytes(soon_key)
+    assert tls.files_changed() and tls.reload() is False
+    assert tls.fingerprint == _fingerprint(a_crt) and not tls.files_changed()
+    deadline = time.monotonic() + 10
+    while not tls.files_changed():
+        assert time.monotonic() < deadline, "never read again"
+        time.sleep(0.1)
+    assert tls.reload() is True and tls.fingerprint == _fingerprint(soon_crt)
+    assert not tls.files_changed()
 
 
 def _serving_a(

@@ -535,8 +535,8 @@ class RelayRoute:
     def send(self, datagram: bytes, addr: Any) -> None:
         """Send on the path in use; a datagram the relay refuses is dropped (QUIC resends).
         A direct path whose socket closed is left for the relay (counted as a change; the
-        connection falls back before it sends, see :attr:`direct_closed`, so this is only
-        for a socket that closes while a batch goes out)."""
+        connection falls back before it sends, see :attr:`direct_closed`, so this serves a
+        caller that sends without that check)."""
         direct = self.direct
         if direct is not None and direct[0].closed:
             log.debug("direct path to %s: socket closed, back to the relay", self.peer.short())
