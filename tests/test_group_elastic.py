@@ -518,8 +518,8 @@ async def test_a_rank_rejoining_with_other_settings_is_refused_naming_them() -> 
     async with groups(3, config=LEAVE) as gs:
         crash(gs[2])
         await until_left(gs[:2], 2)
-        odd = await restart(gs[2], config=replace(gs[2].config, chunk_bytes=2 << 20))
-        with pytest.raises(MismatchError, match=r"chunk_bytes is 2097152 on rank 2 \("):
+        odd = await restart(gs[2], config=replace(gs[2].config, chunk_bytes=4 << 20))
+        with pytest.raises(MismatchError, match=r"chunk_bytes is 4194304 on rank 2 \("):
             await asyncio.wait_for(odd.start(), 10)
         await odd.close()
         assert all(2 in g.left for g in gs[:2])

@@ -521,12 +521,12 @@ async def test_every_rank_that_times_out_forming_names_the_missing_one() -> None
 @pytest.mark.parametrize(
     ("field", "value", "late"),
     [
-        ("chunk_bytes", 2 << 20, None),
+        ("chunk_bytes", 4 << 20, None),
         ("small_bytes", 4096, None),
         ("on_peer_loss", "leave", None),
         ("algorithm", "ring", None),  # "auto" is pairwise at world 3
-        ("chunk_bytes", 2 << 20, 1),  # rank 1 starts late
-        ("chunk_bytes", 2 << 20, 0),
+        ("chunk_bytes", 4 << 20, 1),  # rank 1 starts late
+        ("chunk_bytes", 4 << 20, 0),
     ],
 )
 async def test_ranks_with_different_settings_fail_formation_naming_the_setting(
@@ -576,7 +576,7 @@ async def test_a_mismatch_found_before_a_lower_rank_was_reached_is_told_to_it() 
         timeout=5.0,
         connect_timeout=CONNECT,
         transport=TransportConfig(tls=False),
-        chunk_bytes=2 << 20,
+        chunk_bytes=4 << 20,
     )
     gs = [make(0, peers), make(1, peers)]
     gs.append(Group.from_seed(SEED, rank=2, world=3, peers=peers, config=odd))
@@ -599,7 +599,7 @@ def test_terms_from_an_older_peer_are_accepted_and_garbage_refused() -> None:
     forming.check_terms("rank 1 (abc)", "rank 0 (d)", dict(ours), ours)
     with pytest.raises(P2PError, match="malformed formation terms"):
         forming.check_terms("rank 1 (abc)", "rank 0 (d)", [1, 2], ours)
-    with pytest.raises(MismatchError, match=r"chunk_bytes is 4096 on rank 1 \(abc\), 1048576 on"):
+    with pytest.raises(MismatchError, match=r"chunk_bytes is 4096 on rank 1 \(abc\), 2097152 on"):
         forming.check_terms("rank 1 (abc)", "rank 0 (d)", {**ours, "chunk_bytes": 4096}, ours)
 
 

@@ -30,7 +30,7 @@ class GroupConfig:
     """How long forming the group may take (peers may start at different times)."""
     small_bytes: int = 64 * 1024
     """Arrays up to this size use the one-round direct algorithms instead of the ring."""
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = 2 << 20
     """Ring and pipeline chunk size: transfer of one chunk overlaps reduction of the last."""
     algorithm: str = "auto"
     """How arrays above ``small_bytes`` are reduced and gathered (all_reduce,
