@@ -4,7 +4,8 @@ Backs the choice of conversion routes in ``p2pdist/group/compress.py`` with a ta
 this machine. GB/s counts float32 bytes (4 per element) on both sides, so every column
 compares directly with a link's bandwidth and with a float32 memcpy/add. Each cell is the
 best of ``--repeat`` timings of ``--iters`` calls on one chunk of ``--n`` elements
-(Gaussian data; 1 MiB of float32 by default, the all-reduce ring's chunk).
+(Gaussian data; 1 MiB of float32 by default: half the ring's 2 MiB chunk of float32,
+a quarter of its work per chunk on a 16-bit wire, whose chunks hold 2 MiB of wire bytes).
 
     python benchmarks/codecs.py [--n 262144] [--repeat 7] [--iters 20] [--markdown]
 

@@ -257,7 +257,7 @@ async def run_checks(g: Group, seed: int, *, corrupt: bool = False) -> list[Chec
     await c.all_reduce("sum", _random(f32, (70_001,)), " ring")
     await c.all_reduce("mean", _random(f64, (150, 101)), " ring")
     await c.all_reduce("max", _random(i64, (20_000,)), " ring")
-    await c.all_reduce("sum", _random(f32, (1 << 21,)), " ring, multi-chunk")
+    await c.all_reduce("sum", _random(f32, (1 << 22,)), " ring, multi-chunk")
     await c.reduce_scatter("sum", _random(f32, (3 * n + 1, 5)))
     await c.reduce_scatter("max", _random(i32, (small, 2)), " rows < world" if small < n else "")
     await c.reduce_scatter("mean", _random(f64, (0, 4)), " empty")

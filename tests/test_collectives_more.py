@@ -723,7 +723,7 @@ async def test_large_collectives_receive_into_their_result() -> None:
     chunks straight into the result (counted by the connections), the results are right,
     and no call leaves a place behind."""
     async with groups(3) as gs:
-        xs = [np.full(1 << 20, r + 1, np.float32) for r in range(3)]  # 4 MiB: 4 chunks each
+        xs = [np.full(1 << 20, r + 1, np.float32) for r in range(3)]  # 4 MiB: 2 chunks each
         before = landed(gs)
         for _ in range(3):
             outs = await asyncio.gather(*(g.all_reduce(xs[g.rank]) for g in gs))
