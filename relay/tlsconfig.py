@@ -170,6 +170,8 @@ class RelayTls:
     _retry_at: datetime.datetime | None = field(default=None, repr=False)
     """When a certificate a reload found not valid yet becomes valid: the files are read
     again then, though they did not change (a renewal a little ahead of the clock)."""
+    _reload_failed: bool = field(default=False, repr=False)
+    """The last reload failed: the next one that finds the certificate in use says so."""
     """SHA-256 of the chain and key bytes in use (certificate mode)."""
 
     @classmethod
@@ -261,11 +263,14 @@ class RelayTls:
             ):
                 self._retry_at = exc.valid_from
             log.error(kv("certificate_reload_failed", error=exc))
+            self._reload_failed = True
             return False
+        failed_before, self._reload_failed = self._reload_failed, False
         fp = cert_fingerprint(der)
         loaded = hashlib.sha256(chain_pem + b"\0" + key_pem).digest()
-        if loaded == self._loaded:  # (after a failed reload: the operator's fix worked)
-            log.info(kv("certificate_unchanged", path=self.cert_path))
+        if loaded == self._loaded:
+            if failed_before:  # the operator's fix worked (else a SIGHUP for the allowlist)
+                log.info(kv("certificate_unchanged", path=self.cert_path))
             return False
         self._loaded = loaded
         self._serving = fresh  # a new chain or key for the same leaf is served too
