@@ -98,11 +98,12 @@ def _check_private(path: Path) -> None:
 
 
 class _NotValidNow(ConfigError):
-    """A reload found a certificate that is not valid now (expired, or not yet)."""
+    """A reload found a certificate that is not valid now: expired, or valid only from
+    ``retry_at`` (None for an expired one, which never becomes valid)."""
 
-    def __init__(self, message: str, valid_from: datetime.datetime) -> None:
+    def __init__(self, message: str, retry_at: datetime.datetime | None) -> None:
         super().__init__(message)
-        self.valid_from = valid_from
+        self.retry_at = retry_at
 
 
 def _leaf_der(chain_pem: bytes, cert_path: Path, *, reloading: bool = False) -> bytes:
@@ -117,16 +118,16 @@ def _leaf_der(chain_pem: bytes, cert_path: Path, *, reloading: bool = False) -> 
     leaf = certs[0]
     now = datetime.datetime.now(datetime.UTC)
     after, before = leaf.not_valid_after_utc, leaf.not_valid_before_utc
-    invalid = None
-    if now > after:
-        invalid = ("certificate_expired", "not_after", after, f"expired at {after}")
-    elif now < before:
-        invalid = ("certificate_not_yet_valid", "not_before", before, f"is valid from {before}")
-    if invalid is not None:
-        event, field, when, why = invalid
+    if now > after or now < before:
+        expired = now > after
         if reloading:
-            raise _NotValidNow(f"certificate {cert_path} {why}: clients would refuse it", before)
-        log.error(kv(event, path=cert_path, **{field: when}))
+            why = f"expired at {after}" if expired else f"is valid from {before}"
+            message = f"certificate {cert_path} {why}: clients would refuse it"
+            raise _NotValidNow(message, None if expired else before)
+        if expired:
+            log.error(kv("certificate_expired", path=cert_path, not_after=after))
+        else:
+            log.error(kv("certificate_not_yet_valid", path=cert_path, not_before=before))
     elif (left := after - now).days < 14:
         log.warning(kv("certificate_expires_soon", path=cert_path, days=left.days))
     return leaf.public_bytes(serialization.Encoding.DER)
@@ -258,10 +259,8 @@ class RelayTls:
             fresh = _server_context()
             _load_chain(fresh, chain_pem, key_pem, self.cert_path, self.key_path)
         except ConfigError as exc:
-            if isinstance(exc, _NotValidNow) and exc.valid_from > datetime.datetime.now(
-                datetime.UTC
-            ):
-                self._retry_at = exc.valid_from
+            if isinstance(exc, _NotValidNow):
+                self._retry_at = exc.retry_at
             log.error(kv("certificate_reload_failed", error=exc))
             self._reload_failed = True
             return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import signal
 import subprocess
 import sys
@@ -171,7 +172,8 @@ def test_a_sighup_while_the_relay_loads_reloads_once_it_listens(command: list[st
     with _relay_loading(command) as proc:
         proc.send_signal(signal.SIGHUP)
         assert proc.stdout is not None
-        line = proc.stdout.readline()  # "" if it died
+        ready, _, _ = select.select([proc.stdout], [], [], 30)  # bounded: a hang fails
+        line = proc.stdout.readline() if ready else ""  # "" also if it died
         assert line.startswith("relay url: "), (line, proc.poll())
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
