@@ -107,6 +107,22 @@ async def test_a_ring_timeout_says_when_the_awaited_rank_did_start_the_call() ->
             assert isinstance(results[1 - first], GroupBrokenError), results
 
 
+async def test_every_rank_of_a_ring_names_the_rank_that_never_called() -> None:
+    """World 5, ring, equal timeouts: rank 3 never calls. Rank 4 waits for rank 3 itself;
+    ranks 0-2 wait for neighbours that did start the call, so their timeouts give rank 4's
+    a grace to run out first, and its abort names rank 3 on every rank (before, the first
+    timeout to run out, rank 0's, named rank 4 to everyone)."""
+    async with groups(5, config={"algorithm": "ring"}) as gs:
+        x = np.ones(1 << 20, np.float32)  # 4 MiB: the ring path
+        calls = [g.all_reduce(x.copy(), timeout=3.0) for g in gs if g.rank != 3]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+    blamed = re.compile(r"rank 3 \(\w+\): all_reduce\(.*\) timed out after 3 s waiting for it$")
+    assert isinstance(results[-1], PeerTimeoutError), results  # rank 4's own timeout
+    for err in results:
+        assert isinstance(err, PeerTimeoutError | GroupBrokenError), results
+        assert blamed.search(str(err)), err
+
+
 async def test_a_pairwise_timeout_names_the_rank_that_never_called() -> None:
     """The same with the pairwise exchange (world 3's default): every rank waits for rank
     2 itself, so whichever rank times out first names rank 2."""

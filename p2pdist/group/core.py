@@ -55,6 +55,7 @@ from .membership import (
     LEAVING_MAX,
     CallFailure,
     Membership,
+    RunningCall,
 )
 from .runner import Runner, left_refusal
 from .spaces import SpaceBook
@@ -219,9 +220,8 @@ class GroupCore(Runner):
         self._kept_dials: dict[int, Connection] = {}  # root only: see Rejoining._keeps_own_dial
         if rejoin and self.config.on_peer_loss != "leave":
             raise UsageError('rejoin=True needs GroupConfig(on_peer_loss="leave")')
-        # root only: running collectives (task -> group) and those a loss cancelled
-        # (task -> group, channel, deadline), those a loss cancelled, those overdue
-        self._inflight: dict[asyncio.Task[Any], tuple[Membership, int, float]] = {}
+        # root only: running collectives, those a loss cancelled, those overdue
+        self._inflight: dict[asyncio.Task[Any], RunningCall] = {}
         self._cancelled_by_loss: dict[asyncio.Task[Any], CallFailure] = {}
         self._cancelled_by_notice: set[asyncio.Task[Any]] = set()
         self._expired: set[asyncio.Task[Any]] = set()

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Coroutine, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
 
@@ -80,6 +80,19 @@ LEAVING_MAX = 300
 """Longest reason a leaving notice carries (and a receiver keeps), characters."""
 
 
+class RunningCall(NamedTuple):
+    """A collective in flight, as the root group's watchdog and loss handling see it."""
+
+    group: Membership
+    channel: int
+    deadline: float
+    """When the watchdog ends it (loop time)."""
+    link: CollectiveLink
+    grace: float
+    """How long past ``deadline`` it may still wait once, when the rank it waits on did
+    start the call (``GroupCore._on_watchdog``); 0 once given."""
+
+
 class Membership:
     """Leaving, loss and channel-space reservations of a group."""
 
@@ -92,7 +105,7 @@ class Membership:
     _root_ranks: list[int]
     _descendants: weakref.WeakSet[Membership]
     _reserved: dict[int, str]
-    _inflight: dict[asyncio.Task[Any], tuple[Membership, int, float]]  # (group, channel, deadline)
+    _inflight: dict[asyncio.Task[Any], RunningCall]
     _cancelled_by_loss: dict[asyncio.Task[Any], CallFailure]
     _cancelled_by_notice: set[asyncio.Task[Any]]  # of those, cancelled on another's word
     _expired: set[asyncio.Task[Any]]  # collectives the watchdog cancelled (overdue)
@@ -149,6 +162,10 @@ class Membership:
 
     def _read_notices(self, rank: int, conn: Connection) -> None:
         """Act now on the notices from ``rank`` that have arrived on ``conn``."""
+        raise NotImplementedError
+
+    def _blame_unsure(self, link: CollectiveLink) -> bool:
+        """Whether a timeout of ``link`` now would name a rank that did start it."""
         raise NotImplementedError
 
     def _where(self, r: int) -> str:
@@ -274,7 +291,7 @@ class Membership:
         only this (root) group's calls, whose connection to it is replaced, and the
         other members are told here, not by ``_run`` later (its new process must not be
         told of calls it never ran)."""
-        for task, (group, channel, _) in list(self._inflight.items()):
+        for task, (group, channel, *_) in list(self._inflight.items()):
             if taken_back and group is not self:
                 continue
             if root_rank in group._root_ranks:
@@ -315,7 +332,7 @@ class Membership:
         those calls are refused (``_run``), and those running here fail at once naming
         it; the earlier ones have its part and finish."""
         group._closed_by[root_rank] = next_cid
-        for task, (running, channel, _) in list(self._inflight.items()):
+        for task, (running, channel, *_) in list(self._inflight.items()):
             if running is group and split_channel(channel)[1] >= next_cid:
                 self._cancel_for_loss(task, root_rank, told=True)
         asyncio.get_running_loop().call_soon(group._cut_p2p, root_rank)
@@ -324,7 +341,7 @@ class Membership:
         """(Root group) fail the running collectives of ``group`` (a sub-group being
         closed) and of its sub-groups; ``_run`` turns each into GroupBrokenError."""
         closing = {group, *self._split_from(group)}
-        for task, (running, channel, _) in list(self._inflight.items()):
+        for task, (running, channel, *_) in list(self._inflight.items()):
             if running not in closing or task is asyncio.current_task() or task in self._expired:
                 continue
             if task not in self._cancelled_by_loss and task not in self._closed_calls:
@@ -399,7 +416,7 @@ class Membership:
             return
         if onward:
             self._refused_onward(channel, root_rank)
-        for task, (_, running, _) in list(self._inflight.items()):
+        for task, (_, running, *_) in list(self._inflight.items()):
             if running == channel:
                 self._cancel_for_loss(task, root_rank, told=True, why=why)
                 return
@@ -420,7 +437,7 @@ class Membership:
             return
         if known is None or first < known[0]:
             self._refused_from[space] = (first, root_rank)
-        for task, (_, running, _) in list(self._inflight.items()):
+        for task, (_, running, *_) in list(self._inflight.items()):
             running_space, cid = split_channel(running)
             if running_space == space and cid > first:
                 self._cancel_for_loss(task, root_rank, told=True)

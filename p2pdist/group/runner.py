@@ -30,10 +30,16 @@ from ..transport.mailbox import split_channel
 from ..transport.relay_config import RelayState
 from .calls import Reserving, foreign_loop_error
 from .link import CollectiveLink
-from .membership import CallFailure, Membership
+from .membership import CallFailure, Membership, RunningCall
 from .rejoin import Rejoining
 
 __all__ = ["Runner", "left_refusal"]
+
+_UNSURE_GRACE_SHARE = 0.1
+"""A collective whose timeout would name a rank that did start it waits this share of
+its timeout more (at most :data:`_UNSURE_GRACE_MAX` seconds), once: see
+:meth:`Runner._on_watchdog`."""
+_UNSURE_GRACE_MAX = 5.0
 
 T = TypeVar("T")
 
@@ -248,16 +254,27 @@ class Runner(Rejoining, Reserving):
         last = f", last error: {status.last_error}" if status.last_error else ""
         return f"; this rank's relay session is not connected ({status.state.value}{last})"
 
-    def _timeout_error(self, link: CollectiveLink, seconds: float) -> P2PError:
-        what = f"{link.explain()} timed out after {seconds:g} s"
-        hint = self._unstarted_hint(link)
-        silent = sorted(  # not a peer that has left (its connection is closed)
-            ((c.idle_for(), r) for r, c in self._conns.items() if not c.closed),
-            reverse=True,
+    def _most_silent(self) -> tuple[float, int] | None:
+        """The peer (idle seconds, rank) heard from least recently, when that is longer
+        than three keepalive intervals (it may be gone); a peer that left does not count."""
+        silent = max(
+            ((c.idle_for(), r) for r, c in self._conns.items() if not c.closed), default=None
         )
         quiet_limit = 3 * self.config.transport.keepalive_interval
-        if silent and silent[0][0] > quiet_limit:
-            idle, r = silent[0]
+        return silent if silent is not None and silent[0] > quiet_limit else None
+
+    def _blame_unsure(self, link: CollectiveLink) -> bool:
+        """Whether a timeout of ``link`` now would name a rank that did start the call
+        (the one missing may be further along), with no silent peer to name instead."""
+        q = link.waiting_on
+        return q is not None and link.heard_from(q) and self._most_silent() is None
+
+    def _timeout_error(self, link: CollectiveLink, seconds: float) -> P2PError:
+        what = f"{link.explain()} timed out after {seconds:.3g} s"
+        hint = self._unstarted_hint(link)
+        silent = self._most_silent()
+        if silent is not None:
+            idle, r = silent
             extra = ""
             if link.waiting_on is not None and link.waiting_on != r:
                 extra = f" (this rank was waiting for {self._root_label(link.waiting_on)})"
@@ -389,14 +406,16 @@ class Runner(Rejoining, Reserving):
         inflight = root._inflight
         outer = inflight.get(task)  # None unless a collective runs inside another
         deadline = loop.time() + seconds
-        if outer is not None and outer[2] < deadline:
-            seconds -= deadline - outer[2]  # the enclosing call's bound comes first
-            deadline = outer[2]
-        inflight[task] = (self, channel, deadline)
+        if outer is not None and outer.deadline < deadline:
+            seconds -= deadline - outer.deadline  # the enclosing call's bound comes first
+            deadline = outer.deadline
+        grace = min(_UNSURE_GRACE_SHARE * seconds, _UNSURE_GRACE_MAX)
+        inflight[task] = RunningCall(self, channel, deadline, link, grace)
         if deadline < root._watchdog_at:
             root._arm_watchdog(deadline)
         lost: CallFailure | None = None
         expired = closed = told = False
+        granted = 0.0
         try:
             try:
                 # IEEE arithmetic whatever the caller's np.errstate says: under "raise",
@@ -404,6 +423,7 @@ class Runner(Rejoining, Reserving):
                 with np.errstate(all="ignore"):
                     result = await body(link)
             finally:
+                granted = inflight[task].deadline - deadline  # a grace given (watchdog)
                 if outer is None:
                     del inflight[task]
                 else:
@@ -444,7 +464,7 @@ class Runner(Rejoining, Reserving):
             if closed and task.uncancel() == 0:  # its sub-group was closed here
                 raise GroupBrokenError(f"{link.explain()} failed: the group was closed") from None
             if expired and task.uncancel() == 0:  # the watchdog's: this call is overdue
-                timeout_err = self._timeout_error(link, seconds)
+                timeout_err = self._timeout_error(link, seconds + granted)
                 self._break(timeout_err, notify=True, during=channel)
                 raise timeout_err from None
             me = self._root_label(self._rank)
@@ -500,11 +520,20 @@ class Runner(Rejoining, Reserving):
 
     def _on_watchdog(self) -> None:
         """(Root group) cancel every collective past its deadline (``_run`` makes that a
-        timeout error) and wait for the next deadline of those still running."""
+        timeout error) and wait for the next deadline of those still running.
+
+        A collective waiting on a rank that did start it (in a ring, the one that did
+        not is further round) first gets its grace: the rank next to the one missing,
+        whose timeout names that one, then ends the call for everyone (an abort
+        notice) with its better diagnosis, instead of this rank naming its neighbour."""
         self._watchdog, self._watchdog_at = None, math.inf
         now = asyncio.get_running_loop().time()
         upcoming = math.inf
-        for task, (_, _, deadline) in list(self._inflight.items()):
+        for task, call in list(self._inflight.items()):
+            deadline = call.deadline
+            if deadline <= now and call.grace and call.group._blame_unsure(call.link):
+                deadline = now + call.grace
+                self._inflight[task] = call._replace(deadline=deadline, grace=0.0)
             if deadline > now:
                 upcoming = min(upcoming, deadline)
             elif task not in self._cancelled_by_loss and task not in self._expired:
