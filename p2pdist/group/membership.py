@@ -90,7 +90,7 @@ class RunningCall(NamedTuple):
     link: CollectiveLink
     grace: float
     """How long past ``deadline`` it may still wait once, when the rank it waits on did
-    start the call (``GroupCore._on_watchdog``); 0 once given."""
+    start the call (``Runner._on_watchdog``); 0 once given."""
 
 
 class Membership:

@@ -270,7 +270,7 @@ class Runner(Rejoining, Reserving):
         return q is not None and link.heard_from(q) and self._most_silent() is None
 
     def _timeout_error(self, link: CollectiveLink, seconds: float) -> P2PError:
-        what = f"{link.explain()} timed out after {seconds:.3g} s"
+        what = f"{link.explain()} timed out after {seconds:g} s"
         hint = self._unstarted_hint(link)
         silent = self._most_silent()
         if silent is not None:
@@ -423,11 +423,11 @@ class Runner(Rejoining, Reserving):
                 with np.errstate(all="ignore"):
                     result = await body(link)
             finally:
-                granted = inflight[task].deadline - deadline  # a grace given (watchdog)
+                granted = grace - inflight[task].grace  # the grace given, if any
                 if outer is None:
                     del inflight[task]
-                else:
-                    inflight[task] = outer
+                else:  # (the grace given here counts as the enclosing call's too)
+                    inflight[task] = outer._replace(grace=0.0) if granted else outer
                 if root._cancelled_by_loss:
                     lost = root._cancelled_by_loss.pop(task, None)
                     told = task in root._cancelled_by_notice
@@ -531,7 +531,13 @@ class Runner(Rejoining, Reserving):
         upcoming = math.inf
         for task, call in list(self._inflight.items()):
             deadline = call.deadline
-            if deadline <= now and call.grace and call.group._blame_unsure(call.link):
+            if (
+                deadline <= now
+                and call.grace
+                and task not in self._cancelled_by_loss
+                and task not in self._expired
+                and call.group._blame_unsure(call.link)
+            ):
                 deadline = now + call.grace
                 self._inflight[task] = call._replace(deadline=deadline, grace=0.0)
             if deadline > now:
