@@ -25,7 +25,9 @@ class GroupConfig:
     """How a :class:`~p2pdist.Group` behaves."""
 
     timeout: float = 60.0
-    """Default bound on every collective and recv (override per call with ``timeout=``)."""
+    """Default bound on every collective and recv (override per call with ``timeout=``).
+    A collective waiting on a rank that did start it gets a tenth more, at most 5 s, once
+    (docs/architecture.md, section 5: the rank next to one that never called names it)."""
     connect_timeout: float = 60.0
     """How long forming the group may take (peers may start at different times)."""
     small_bytes: int = 64 * 1024
