@@ -1465,3 +1465,45 @@ async def test_a_dial_to_a_bad_address_names_the_peer() -> None:
                 await t.connect(eid(1), bad, label=f"rank 1 ({eid(1).short()})")
     finally:
         await t.close()
+
+
+class _TakesAtMost:
+    """Stands in for a connection's own handle on its socket: records each ``sendmsg``
+    and lets the kernel take at most ``limit`` bytes of it (None: all it will)."""
+
+    def __init__(self, sock: socket.socket, limit: int | None) -> None:
+        self.sock, self.limit = sock, limit
+        self.calls: list[list[int]] = []
+
+    def sendmsg(self, buffers: Any) -> int:
+        parts = [memoryview(b).cast("B") for b in buffers]
+        self.calls.append([p.nbytes for p in parts])
+        if self.limit is None:
+            return self.sock.sendmsg(parts)
+        return self.sock.send(b"".join(parts)[: self.limit])
+
+    def send(self, data: Any) -> int:
+        return self.sock.send(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("limit", [None, 0, 5, HEADER.size, HEADER.size + 1000])
+async def test_a_large_plaintext_frame_goes_out_with_its_header(limit: int | None) -> None:
+    """A large plaintext frame's header used to be written alone, then its payload: with
+    TCP_NODELAY a lone segment, and a wake-up of the peer for it. Header and payload now
+    go in one sendmsg while nothing is queued; what the kernel does not take (none of it,
+    part of the header, part of the payload) follows through the transport, in order."""
+    async with tcp_pair(False) as p:
+        conn: Any = p.client
+        handle = _TakesAtMost(conn._direct, limit)
+        conn._direct = handle
+        payloads = [np.arange(i, i + (1 << 18), dtype=np.uint32).tobytes() for i in range(3)]
+        for i, x in enumerate(payloads):
+            await bounded(p.client.send(1, x, seq=i), f"send {i}")
+        for i, x in enumerate(payloads):
+            got = await bounded(p.server.recv(1), f"message {i}")
+            assert got.seq == i and bytes(got.payload) == x
+        assert handle.calls, "no frame went out through sendmsg"
+        assert all(len(c) == 2 and c[1] == 1 << 20 for c in handle.calls), handle.calls

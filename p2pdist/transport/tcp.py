@@ -229,7 +229,8 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         self._closing = False
         """Closed locally: what still comes is read and dropped until the peer ends too."""
         self._direct: socket.socket | None = None
-        """A duplicate of the socket, to send borrowed bytes the kernel takes at once."""
+        """A duplicate of the socket, to send borrowed bytes the kernel takes at once, and
+        a large frame's header with its payload in one call (:meth:`_write_pair`)."""
         self._fd: int | None = None
         """The socket's file descriptor while it is open, for :meth:`_read_now`."""
         # Handshake phase state.
@@ -359,8 +360,26 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
             for i in range(step, payload.nbytes, step):
                 self._write_sealed(tls, payload[i : i + step])
         else:
-            t.write(header)
+            self._write_pair(header, payload)
+
+    def _write_pair(self, header: bytes, payload: memoryview) -> None:
+        """A large plaintext frame: its header and payload in one ``sendmsg`` when
+        nothing is queued. Two writes would send the header as a segment of its own
+        (TCP_NODELAY) and could wake the peer for it alone: a system call, a loop turn
+        and a read more per frame on both ends."""
+        t = self._transport
+        assert t is not None
+        sent = 0
+        if self._direct is not None and t.get_write_buffer_size() == 0:
+            with contextlib.suppress(OSError):  # a real error shows on the transport
+                sent = self._direct.sendmsg((header, payload))
+        if sent < len(header):
+            t.write(header[sent:])
             self._write_borrowed(payload)
+            return
+        rest = payload[sent - len(header) :]
+        if rest.nbytes:  # the kernel took what it could: the transport queues a copy
+            t.write(rest.tobytes() if self._write_copy else rest)
 
     def _writable(self) -> bool:
         return self._transport is not None and not self._transport.is_closing()
@@ -453,7 +472,7 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         self._write_copy = _write_keeps_reference(transport)
         transport.set_write_buffer_limits(high=self._cfg.write_buffer_high)
         sock = transport.get_extra_info("socket")
-        if self._write_copy and sock is not None:
+        if sock is not None:
             with contextlib.suppress(OSError, ValueError):
                 # Our own handle on the same (non-blocking) socket, for _write_frame;
                 # closed in connection_lost, after the transport closed its own.
