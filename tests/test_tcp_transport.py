@@ -1507,3 +1507,35 @@ async def test_a_large_plaintext_frame_goes_out_with_its_header(limit: int | Non
             assert got.seq == i and bytes(got.payload) == x
         assert handle.calls, "no frame went out through sendmsg"
         assert all(len(c) == 2 and c[1] == 1 << 20 for c in handle.calls), handle.calls
+
+
+async def test_a_reset_met_by_the_combined_send_is_named_as_a_reset() -> None:
+    """The sendmsg that takes a large frame with its header meets a reset: the send
+    fails and the connection ends naming the reset (the transport's next write would
+    have said only "broken pipe"); a socket that takes nothing now is no error."""
+
+    class Resets(_TakesAtMost):
+        def sendmsg(self, buffers: Any) -> int:
+            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+
+    async with tcp_pair(False) as p:
+        conn: Any = p.client
+        conn._direct = Resets(conn._direct, None)
+        with pytest.raises(ConnectionBrokenError, match="reset by peer"):
+            await bounded(p.client.send(1, bytes(1 << 20), seq=0), "send")
+        assert p.client.closed
+
+
+async def test_a_full_socket_sends_the_large_frame_through_the_transport() -> None:
+    class Full(_TakesAtMost):
+        def sendmsg(self, buffers: Any) -> int:
+            self.calls.append([])
+            raise BlockingIOError(errno.EAGAIN, "try again")
+
+    async with tcp_pair(False) as p:
+        conn: Any = p.client
+        handle = conn._direct = Full(conn._direct, None)
+        x = bytes(range(256)) * 4096
+        await bounded(p.client.send(1, x, seq=0), "send")
+        got = await bounded(p.server.recv(1), "message")
+        assert bytes(got.payload) == x and handle.calls == [[]]

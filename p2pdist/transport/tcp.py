@@ -327,10 +327,7 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         # asyncio's own transport did before 3.12: send what the kernel takes now (only
         # when nothing is queued, so the order holds) and give the transport a copy of the
         # rest only.
-        sent = 0
-        if self._direct is not None and t.get_write_buffer_size() == 0:
-            with contextlib.suppress(OSError):  # a real error shows on the transport
-                sent = self._direct.send(data)
+        sent = self._send_now(data)
         if sent < data.nbytes:
             t.write(data[sent:].tobytes())
 
@@ -362,6 +359,23 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         else:
             self._write_pair(header, payload)
 
+    def _send_now(self, *parts: bytes | memoryview) -> int:
+        """Send what the kernel takes at once of ``parts`` through our own handle on the
+        socket, only while the transport has nothing queued (so the order holds): the
+        bytes sent, 0 when none. A socket error ends the connection and is raised, as
+        the transport's own write would have reported it."""
+        d, t = self._direct, self._transport
+        if d is None or t is None or t.is_closing() or t.get_write_buffer_size():
+            return 0
+        try:
+            return d.sendmsg(parts) if len(parts) > 1 else d.send(parts[0])
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:  # a reset: say so (the transport's next write says EPIPE)
+            err = self._end_of_stream_error(str(exc))
+            self.abort(err)
+            raise err from None
+
     def _write_pair(self, header: bytes, payload: memoryview) -> None:
         """A large plaintext frame: its header and payload in one ``sendmsg`` when
         nothing is queued. Two writes would send the header as a segment of its own
@@ -369,10 +383,7 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         and a read more per frame on both ends."""
         t = self._transport
         assert t is not None
-        sent = 0
-        if self._direct is not None and t.get_write_buffer_size() == 0:
-            with contextlib.suppress(OSError):  # a real error shows on the transport
-                sent = self._direct.sendmsg((header, payload))
+        sent = self._send_now(header, payload)
         if sent < len(header):
             t.write(header[sent:])
             self._write_borrowed(payload)
@@ -472,10 +483,10 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         self._write_copy = _write_keeps_reference(transport)
         transport.set_write_buffer_limits(high=self._cfg.write_buffer_high)
         sock = transport.get_extra_info("socket")
-        if sock is not None:
+        if sock is not None and (self._write_copy or not self._cfg.tls):
             with contextlib.suppress(OSError, ValueError):
-                # Our own handle on the same (non-blocking) socket, for _write_frame;
-                # closed in connection_lost, after the transport closed its own.
+                # Our own handle on the same (non-blocking) socket, for _write_frame (not
+                # needed for TLS where the transport copies); closed in connection_lost.
                 self._direct = socket.socket(fileno=os.dup(sock.fileno()))
                 self._direct.setblocking(False)
         if sock is not None and _CAN_READ_NOW:
