@@ -168,12 +168,12 @@ class RelayTls:
     _files_seen: tuple[object, ...] = field(default=(), repr=False)
     """The certificate and key files' stat signatures when they were last read."""
     _loaded: bytes = field(default=b"", repr=False)
+    """SHA-256 of the chain and key bytes in use (certificate mode)."""
     _retry_at: datetime.datetime | None = field(default=None, repr=False)
     """When a certificate a reload found not valid yet becomes valid: the files are read
     again then, though they did not change (a renewal a little ahead of the clock)."""
     _reload_failed: bool = field(default=False, repr=False)
     """The last reload failed: the next one that finds the certificate in use says so."""
-    """SHA-256 of the chain and key bytes in use (certificate mode)."""
 
     @classmethod
     def pinned(cls, key: SecretKey) -> RelayTls:

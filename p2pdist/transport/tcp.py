@@ -387,10 +387,8 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         if sent < len(header):
             t.write(header[sent:])
             self._write_borrowed(payload)
-            return
-        rest = payload[sent - len(header) :]
-        if rest.nbytes:  # the kernel took what it could: the transport queues a copy
-            t.write(rest.tobytes() if self._write_copy else rest)
+        elif sent < len(header) + payload.nbytes:  # the rest as any borrowed bytes
+            self._write_borrowed(payload[sent - len(header) :])
 
     def _writable(self) -> bool:
         return self._transport is not None and not self._transport.is_closing()
