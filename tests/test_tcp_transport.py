@@ -53,7 +53,7 @@ from p2pdist.transport.mailbox import (
     RetiredChannels,
 )
 from p2pdist.transport.tcp import TcpConnection, parse_address
-from p2pdist.wire.frames import HEADER, VERSION, Frame, FrameKind, encode_header
+from p2pdist.wire.frames import HEADER, PEEK_BYTES, VERSION, Frame, FrameKind, encode_header
 from p2pdist.wire.handshake import MAGIC, RecordReader, auth_transcript, encode_record
 
 SEED = "tcp transport tests: a shared secret"
@@ -1405,6 +1405,54 @@ async def test_a_socket_error_on_the_early_read_ends_the_connection_naming_the_p
             await bounded(p.server.recv(7), "recv")
         assert eid(0).short() in str(info.value)
         assert p.server.closed
+
+
+async def waiting_bytes(conn: TcpConnection, nbytes: int) -> None:
+    """Let the loop run until ``conn``'s socket holds ``nbytes`` unread bytes."""
+    import fcntl
+    import termios
+
+    assert conn._fd is not None
+    for _ in range(1000):
+        held = int.from_bytes(fcntl.ioctl(conn._fd, termios.FIONREAD, bytes(4)), sys.byteorder)
+        if held >= nbytes:
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"only {held} of {nbytes} bytes arrived within 10 s")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="FIONREAD on a socket: Linux")
+async def test_a_large_payload_after_a_large_payload_is_read_straight_into_its_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a large payload the reader takes the next header alone (a peek) and reads
+    the payload behind it at once, into the place named for it: that payload used to come
+    into the scratch buffer with its header (up to 256 KiB) and be copied into place."""
+    async with tcp_pair(False) as p:
+        rng = np.random.default_rng(5)
+        first, second = rng.bytes(300 << 10), rng.bytes(100 << 10)  # both above 64 KiB
+        await p.client.send(7, first, seq=0)
+        assert bytes((await bounded(p.server.recv(7), "recv")).payload) == first
+        place = memoryview(bytearray(len(second)))
+        p.server.expect(7, 1, place)
+        assert p.server._transport is not None
+        p.server._transport.pause_reading()
+        await p.client.send(7, second, seq=1)
+        await waiting_bytes(p.server, HEADER.size + len(second))
+        reads: list[memoryview] = []
+
+        def recording(fd: int, buf: memoryview) -> int:
+            reads.append(buf)
+            return os.readv(fd, (buf,))
+
+        monkeypatch.setattr(tcp_module, "_recv_into", recording)
+        p.server._transport.resume_reading()
+        frame = await bounded(p.server.recv(7), "recv")
+        assert frame.payload is place and bytes(place) == second
+        # The peek (the receiver's own read, before it waits) then the payload's rest.
+        rest = len(second) - (PEEK_BYTES - HEADER.size)
+        seen = [(r.obj is place.obj, r.nbytes) for r in reads]
+        assert seen[:2] == [(False, PEEK_BYTES), (True, rest)]
 
 
 async def test_a_second_receiver_on_a_channel_is_refused_even_with_its_message_unread() -> None:

@@ -24,6 +24,7 @@ from p2pdist.wire import stun
 from p2pdist.wire.arrays import WIRE_DTYPES, ArrayHeader, ArrayHeaderError, check_dtype
 from p2pdist.wire.frames import (
     HEADER,
+    PEEK_BYTES,
     VERSION,
     Frame,
     FrameDecoder,
@@ -117,25 +118,33 @@ def feed_random(seed: int) -> Callable[[FrameDecoder, bytes], list[Frame]]:
     return feed
 
 
-def feed_in_steps(dec: FrameDecoder, data: bytes, chunks: list[int], out: list[Frame]) -> None:
+def feed_in_steps(
+    dec: FrameDecoder, data: bytes, chunks: list[int], out: list[Frame], peek: bool = False
+) -> None:
     """Drive the decoder the way asyncio.BufferedProtocol does: write ``data`` into its own
     buffers in steps of ``chunks`` (cycled; none: as much as each buffer takes), appending
-    decoded frames to ``out`` as they come (so they survive a FrameError)."""
+    decoded frames to ``out`` as they come (so they survive a FrameError). With ``peek``,
+    as the plaintext TCP reader does: it asks to peek, and reads again at once (not
+    peeking) when the decoder says so."""
     pos, i = 0, 0
+    again = False
     while pos < len(data):
-        buf = dec.get_buffer()
+        buf = dec.get_buffer(peek=peek and not again)
         assert buf.nbytes > 0, "get_buffer returned an empty buffer: the reader would spin"
         step = chunks[i % len(chunks)] if chunks else len(data)
         n = min(buf.nbytes, step, len(data) - pos)
         buf[:n] = data[pos : pos + n]
         pos, i = pos + n, i + 1
         out += dec.buffer_updated(n)
+        again = dec.read_again
 
 
-def feed_buffered(dec: FrameDecoder, data: bytes, chunk: int | None = None) -> list[Frame]:
+def feed_buffered(
+    dec: FrameDecoder, data: bytes, chunk: int | None = None, peek: bool = False
+) -> list[Frame]:
     """:func:`feed_in_steps` in steps of at most ``chunk`` bytes, returning the frames."""
     out: list[Frame] = []
-    feed_in_steps(dec, data, [chunk] if chunk else [], out)
+    feed_in_steps(dec, data, [chunk] if chunk else [], out, peek)
     return out
 
 
@@ -145,6 +154,8 @@ FEEDERS: dict[str, Callable[[FrameDecoder, bytes], list[Frame]]] = {
     "random-splits-2": feed_random(2),
     "buffered-7": lambda d, b: feed_buffered(d, b, 7),
     "buffered-4096": lambda d, b: feed_buffered(d, b, 4096),
+    "peeking-4096": lambda d, b: feed_buffered(d, b, 4096, peek=True),
+    "peeking-100": lambda d, b: feed_buffered(d, b, 100, peek=True),
 }
 
 
@@ -300,6 +311,53 @@ def test_large_payload_is_received_in_place() -> None:
     assert bytes(frame.payload) == payload
     assert frame.payload.obj is buf.obj
     assert not dec.mid_frame
+
+
+def test_after_a_large_payload_a_peek_takes_the_next_header_alone() -> None:
+    """Right after a large payload, a reader that peeks is offered room for a header
+    only: the large payload behind it then goes straight to its place (it used to arrive
+    in the scratch buffer, up to 256 KiB of it, and be copied there)."""
+    first, second = bytes(range(256)) * 40, bytes(range(255, -1, -1)) * 30
+    data = wire(channel=1, payload=first, limits=SMALL)
+    data += wire(channel=2, meta=b"m", payload=second, limits=SMALL)
+    dec = FrameDecoder(SMALL)
+    assert dec.get_buffer(peek=True).nbytes > PEEK_BYTES  # nothing large yet: full room
+    dec.get_buffer(peek=True)[:100] = data[:100]
+    assert dec.buffer_updated(100) == [] and not dec.read_again
+    rest = dec.get_buffer(peek=True)  # the payload's own buffer
+    end = len(first) + HEADER.size
+    rest[:] = data[100:end]
+    assert [bytes(f.payload) for f in dec.buffer_updated(rest.nbytes)] == [first]
+    place = place_of(len(second))
+    dec.expect(2, 0, place)
+    assert dec.get_buffer().nbytes > PEEK_BYTES  # a reader that does not peek: unchanged
+    peek = dec.get_buffer(peek=True)
+    assert peek.nbytes == PEEK_BYTES
+    peek[:] = data[end : end + PEEK_BYTES]
+    assert dec.buffer_updated(PEEK_BYTES) == [] and dec.read_again
+    copied = PEEK_BYTES - HEADER.size - 1
+    direct = dec.get_buffer()
+    assert direct.obj is place.obj and direct.nbytes == len(second) - copied
+    direct[:] = data[end + PEEK_BYTES :]
+    (frame,) = dec.buffer_updated(direct.nbytes)
+    assert frame.payload is place and bytes(place) == second and frame.meta == b"m"
+    assert not dec.read_again and dec.get_buffer(peek=True).nbytes == PEEK_BYTES
+
+
+def test_a_peek_not_filled_asks_for_no_second_read() -> None:
+    """A peek that took less than its room took all there was: no read at once."""
+    big = bytes(range(256)) * 40
+    dec = FrameDecoder(SMALL)
+    first = wire(channel=1, payload=big, limits=SMALL)
+    assert dec.feed(first[:100]) == []  # the rest goes to the payload's own buffer
+    assert len(dec.feed(first[100:])) == 1
+    small = wire(channel=1, seq=1, payload=b"tail", limits=SMALL)
+    peek = dec.get_buffer(peek=True)
+    assert peek.nbytes == PEEK_BYTES
+    peek[: len(small)] = small
+    (tail,) = dec.buffer_updated(len(small))
+    assert bytes(tail.payload) == b"tail" and not dec.read_again
+    assert dec.get_buffer(peek=True).nbytes > PEEK_BYTES  # one peek per large payload
 
 
 # ---- landing places (FrameDecoder.expect) -------------------------------------------------
@@ -539,14 +597,18 @@ frame_tuples = st.one_of(
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(frames=st.lists(frame_tuples, max_size=12), chunks=st.lists(st.integers(1, 700)))
+@given(
+    frames=st.lists(frame_tuples, max_size=12),
+    chunks=st.lists(st.integers(1, 700)),
+    peek=st.booleans(),
+)
 def test_property_round_trip_under_any_chunking(
-    frames: list[FrameTuple], chunks: list[int]
+    frames: list[FrameTuple], chunks: list[int], peek: bool
 ) -> None:
     data = stream_of(frames, SMALL)
     dec = FrameDecoder(SMALL)
     out: list[Frame] = []
-    feed_in_steps(dec, data, chunks, out)
+    feed_in_steps(dec, data, chunks, out, peek)
     assert [as_tuple(f) for f in out] == frames
     assert not dec.mid_frame
 
@@ -556,9 +618,10 @@ def test_property_round_trip_under_any_chunking(
     frames=st.lists(frame_tuples, max_size=10),
     named=st.sets(st.integers(0, 9)),
     chunks=st.lists(st.integers(1, 700)),
+    peek=st.booleans(),
 )
 def test_property_places_never_change_what_is_decoded(
-    frames: list[FrameTuple], named: set[int], chunks: list[int]
+    frames: list[FrameTuple], named: set[int], chunks: list[int], peek: bool
 ) -> None:
     """Naming places for any subset of frames (with any channel and seq) decodes the same
     frames under any chunking, and every named place of a matching frame holds its payload."""
@@ -571,7 +634,7 @@ def test_property_places_never_change_what_is_decoded(
             dec.expect(channel, seq, places[i])
         seen.add((channel, seq))
     out: list[Frame] = []
-    feed_in_steps(dec, stream_of(frames, SMALL), chunks, out)
+    feed_in_steps(dec, stream_of(frames, SMALL), chunks, out, peek)
     assert [as_tuple(f) for f in out] == frames
     for i, place in places.items():
         assert out[i].payload is place

@@ -506,17 +506,25 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
         at once, without a trip through the loop (a 4 KiB all_reduce spent some 20 us of
         its 110 on that trip). The loop's own read of the same bytes then finds nothing
         (it expects that); the end of the stream is left to it."""
-        fd, t = self._fd, self._transport
-        if fd is None or t is None or self._handshaking or self._closing:
-            return
+        if self._can_read_now() and not self._decoder.mid_frame:
+            # Not mid-frame: a large payload coming in, a piece of it now is no gain.
+            self._read_into(self.get_buffer(-1))
+
+    def _can_read_now(self) -> bool:
+        """Whether :meth:`_read_into` may read the socket itself now."""
+        t = self._transport
+        if self._fd is None or t is None or self._handshaking or self._closing:
+            return False
         # Not while paused (by us or anyone); not once the transport closes, which is also
         # what keeps fd ours: the transport closes it only after it stopped reading.
-        if self._error is not None or not t.is_reading():
-            return
-        if self._decoder.mid_frame:  # a large payload coming in: a piece of it now is no gain
-            return
+        return self._error is None and t.is_reading()
+
+    def _read_into(self, buf: memoryview) -> None:
+        """One read of the socket into ``buf``, handled as the event loop's would be; the
+        end of the stream is left to the loop's own read."""
+        assert self._fd is not None
         try:
-            n = _recv_into(fd, self.get_buffer(-1))
+            n = _recv_into(self._fd, buf)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:  # what the loop's read would have reported
@@ -534,7 +542,7 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
             return memoryview(self._hs_buf)
         if self._tls is not None:
             return self._tls.get_buffer()
-        return self._decoder.get_buffer()
+        return self._decoder.get_buffer(peek=self._fd is not None)
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._closing:
@@ -558,6 +566,10 @@ class TcpConnection(TcpHandshake, asyncio.BufferedProtocol):
             self._tls_receive()
             return
         self._decode(self._decoder.buffer_updated, nbytes)
+        if self._decoder.read_again and self._can_read_now():
+            # A peek took the header after a large payload: its payload, if that is
+            # large too, goes straight to its place (FrameDecoder.get_buffer).
+            self._read_into(self._decoder.get_buffer())
 
     def _mid_frame(self) -> bool:
         """Inside a frame also when part of a record is here, not decrypted yet (a

@@ -41,6 +41,9 @@ __all__ = [
 VERSION = 1
 HEADER = struct.Struct(">BBHIQQQ")
 assert HEADER.size == 32
+PEEK_BYTES = 256
+"""The room a peeking reader is offered after a large payload (see
+:meth:`FrameDecoder.get_buffer`): a header and a little meta."""
 U64_MAX = (1 << 64) - 1
 
 
@@ -192,6 +195,14 @@ class FrameDecoder:
         """Bytes still to throw away of a payload whose place was forgotten mid-way."""
         self.landed = 0
         """Frames received into a place named by :meth:`expect`."""
+        self._peek_next = False
+        """Whether a large payload just ended: a reader that asks to peek then gets room
+        for the next header only (:meth:`get_buffer`)."""
+        self._peeked = False
+        """Whether the last room handed out was a peek's."""
+        self.read_again = False
+        """Whether the last read filled a peek's room: more may be waiting, to be read at
+        once (the payload behind the header, straight into its place)."""
         self._places: dict[int, dict[int, memoryview]] = {}
         self._pool = BufferPool(pool_bytes)
         self._failure: str | None = None
@@ -243,12 +254,23 @@ class FrameDecoder:
             del self._places[channel]
         return place if place is not None and place.nbytes == nbytes else None
 
-    def get_buffer(self) -> memoryview:
-        """Where the next received bytes must be written (never empty)."""
+    def get_buffer(self, peek: bool = False) -> memoryview:
+        """Where the next received bytes must be written (never empty).
+
+        With ``peek``, right after a large payload, the room is :data:`PEEK_BYTES`: the
+        next frame's header comes alone, so that a large payload behind it is received
+        straight into its place, not first into the scratch buffer and then copied
+        there. A reader that peeks reads again at once when :attr:`read_again` says so
+        (the header and its payload are usually here together)."""
         if self._payload is not None:
             return self._payload[self._filled :]
         if self._discarding:
             return self._view[: min(self._discarding, len(self._scratch))]
+        if peek and self._peek_next:  # the scratch buffer is empty after a large payload
+            self._peek_next = False
+            self._peeked = True
+            return self._view[:PEEK_BYTES]
+        self._peeked = False
         if self._end == len(self._scratch) or (
             self._start > 0 and len(self._scratch) - self._end < HEADER.size
         ):
@@ -259,6 +281,8 @@ class FrameDecoder:
         """Account for ``nbytes`` written into the last buffer; return completed frames."""
         if self._failure is not None:
             raise FrameError(self._failure)
+        self.read_again = self._peeked and nbytes == PEEK_BYTES
+        self._peeked = False
         if self._payload is not None:
             self._filled += nbytes
             if self._filled < self._payload.nbytes:
@@ -297,6 +321,7 @@ class FrameDecoder:
         frame = Frame(kind, channel, seq, meta, self._payload, flags, self._into_place)
         self._pending, self._payload, self._filled = None, None, 0
         self._into_place = False
+        self._peek_next = True
         return frame  # the scratch buffer was emptied when the direct receive began
 
     def _parse(self) -> list[Frame]:
