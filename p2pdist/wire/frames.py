@@ -270,7 +270,8 @@ class FrameDecoder:
             self._peek_next = False
             self._peeked = True
             return self._view[:PEEK_BYTES]
-        self._peeked = False
+        # Any other room may be written: a peek after it would write over what came.
+        self._peeked = self._peek_next = False
         if self._end == len(self._scratch) or (
             self._start > 0 and len(self._scratch) - self._end < HEADER.size
         ):
