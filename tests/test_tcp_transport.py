@@ -1422,12 +1422,15 @@ async def waiting_bytes(conn: TcpConnection, nbytes: int) -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="FIONREAD on a socket: Linux")
+@pytest.mark.parametrize("receiver_first", [False, True], ids=["data-first", "receiver-first"])
 async def test_a_large_payload_after_a_large_payload_is_read_straight_into_its_place(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, receiver_first: bool
 ) -> None:
     """After a large payload the reader takes the next header alone (a peek) and reads
     the payload behind it at once, into the place named for it: that payload used to come
-    into the scratch buffer with its header (up to 256 KiB) and be copied into place."""
+    into the scratch buffer with its header (up to 256 KiB) and be copied into place.
+    Whether it is all there when the receiver asks, or the receiver waits first (its
+    look before it waits finds nothing: the peek must survive that)."""
     async with tcp_pair(False) as p:
         rng = np.random.default_rng(5)
         first, second = rng.bytes(300 << 10), rng.bytes(100 << 10)  # both above 64 KiB
@@ -1435,24 +1438,34 @@ async def test_a_large_payload_after_a_large_payload_is_read_straight_into_its_p
         assert bytes((await bounded(p.server.recv(7), "recv")).payload) == first
         place = memoryview(bytearray(len(second)))
         p.server.expect(7, 1, place)
-        assert p.server._transport is not None
-        p.server._transport.pause_reading()
-        await p.client.send(7, second, seq=1)
-        await waiting_bytes(p.server, HEADER.size + len(second))
         reads: list[memoryview] = []
 
         def recording(fd: int, buf: memoryview) -> int:
             reads.append(buf)
             return os.readv(fd, (buf,))
 
-        monkeypatch.setattr(tcp_module, "_recv_into", recording)
-        p.server._transport.resume_reading()
-        frame = await bounded(p.server.recv(7), "recv")
-        assert frame.payload is place and bytes(place) == second
-        # The peek (the receiver's own read, before it waits) then the payload's rest.
         rest = len(second) - (PEEK_BYTES - HEADER.size)
-        seen = [(r.obj is place.obj, r.nbytes) for r in reads]
-        assert seen[:2] == [(False, PEEK_BYTES), (True, rest)]
+        assert p.server._transport is not None
+        if receiver_first:
+            monkeypatch.setattr(tcp_module, "_recv_into", recording)
+            receiving = asyncio.ensure_future(p.server.recv(7))
+            await asyncio.sleep(0.05)  # it looked (nothing there) and waits
+            assert not receiving.done()
+            await p.client.send(7, second, seq=1)
+            frame = await bounded(receiving, "recv")
+            # The loop's read took the peek; ours read the rest into place at once.
+            assert (True, rest) in [(r.obj is place.obj, r.nbytes) for r in reads]
+        else:
+            p.server._transport.pause_reading()
+            await p.client.send(7, second, seq=1)
+            await waiting_bytes(p.server, HEADER.size + len(second))
+            monkeypatch.setattr(tcp_module, "_recv_into", recording)
+            p.server._transport.resume_reading()
+            frame = await bounded(p.server.recv(7), "recv")
+            # The peek (the receiver's own read, before it waits), then the rest.
+            seen = [(r.obj is place.obj, r.nbytes) for r in reads]
+            assert seen[:2] == [(False, PEEK_BYTES), (True, rest)]
+        assert frame.payload is place and bytes(place) == second
 
 
 async def test_a_second_receiver_on_a_channel_is_refused_even_with_its_message_unread() -> None:

@@ -64,6 +64,20 @@ def test_a_receiver_reads_before_it_waits_on_uvloop(tls: bool) -> None:
 
 
 @needs_uvloop
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="FIONREAD on a socket: Linux")
+@pytest.mark.parametrize("receiver_first", [False, True], ids=["data-first", "receiver-first"])
+def test_a_large_payload_goes_straight_into_its_place_on_uvloop(receiver_first: bool) -> None:
+    # libuv reads on after a read that filled its buffer, and such a read that finds
+    # nothing must not use up the decoder's peek.
+    with pytest.MonkeyPatch.context() as mp:
+        on_uvloop(
+            tcp_tests.test_a_large_payload_after_a_large_payload_is_read_straight_into_its_place(
+                mp, receiver_first
+            )
+        )
+
+
+@needs_uvloop
 @pytest.mark.parametrize("kind", sorted(PAIRS))
 @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__.removeprefix("check_") for c in CHECKS])
 def test_conformance_on_uvloop(check: Callable[[PairFactory], Awaitable[None]], kind: str) -> None:

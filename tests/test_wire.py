@@ -367,6 +367,18 @@ def test_no_peek_once_other_room_was_taken() -> None:
     assert bytes(tail.payload) == b"tail"
 
 
+def test_a_peek_that_found_nothing_is_offered_again() -> None:
+    """A read that got nothing (the receiver looked before it waited; uvloop's reader
+    reads on after a read that filled its room) calls no buffer_updated: the next read
+    must still peek, or the payload behind the header is copied after all."""
+    big = bytes(range(256)) * 40
+    dec = FrameDecoder(SMALL)
+    first = wire(channel=1, payload=big, limits=SMALL)
+    assert dec.feed(first[:100]) == [] and len(dec.feed(first[100:])) == 1
+    assert dec.get_buffer(peek=True).nbytes == PEEK_BYTES  # nothing came
+    assert dec.get_buffer(peek=True).nbytes == PEEK_BYTES
+
+
 def test_a_peek_not_filled_asks_for_no_second_read() -> None:
     """A peek that took less than its room took all there was: no read at once."""
     big = bytes(range(256)) * 40

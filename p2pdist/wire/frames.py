@@ -267,7 +267,8 @@ class FrameDecoder:
         if self._discarding:
             return self._view[: min(self._discarding, len(self._scratch))]
         if peek and self._peek_next:  # the scratch buffer is empty after a large payload
-            self._peek_next = False
+            # Until bytes come (buffer_updated): a read that found none (the receiver
+            # looked before it waited, or uvloop's reader read on) must not use it up.
             self._peeked = True
             return self._view[:PEEK_BYTES]
         # Any other room may be written: a peek after it would write over what came.
@@ -283,7 +284,7 @@ class FrameDecoder:
         if self._failure is not None:
             raise FrameError(self._failure)
         self.read_again = self._peeked and nbytes == PEEK_BYTES
-        self._peeked = False
+        self._peeked = self._peek_next = False  # (_finish_direct sets it again)
         if self._payload is not None:
             self._filled += nbytes
             if self._filled < self._payload.nbytes:
