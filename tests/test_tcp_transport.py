@@ -1582,8 +1582,9 @@ async def test_a_reset_met_by_the_combined_send_is_named_as_a_reset() -> None:
     async with tcp_pair(False) as p:
         conn: Any = p.client
         conn._direct = Resets(conn._direct, None)
-        with pytest.raises(ConnectionBrokenError, match="reset by peer"):
+        with pytest.raises(ConnectionBrokenError, match="reset by peer") as info:
             await bounded(p.client.send(1, bytes(1 << 20), seq=0), "send")
+        assert eid(1).short() in str(info.value)  # the error names the peer
         assert p.client.closed
 
 
