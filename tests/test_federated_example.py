@@ -393,12 +393,26 @@ def test_example_run_tells_joined_clients_to_stop_on_sigterm(tmp_path: Path) -> 
         assert all("the coordinator was interrupted" in log for log in logs), logs
 
 
+def _ctrl_c_as_at_a_terminal() -> None:
+    """In the child before it runs: SIGINT's default action, as a program started from a
+    terminal has. A test run started in the background by a shell without job control
+    (`cmd &` in a script, nohup) ignores SIGINT, its children inherit that, and Python
+    then leaves Ctrl-C ignored (asyncio.run only takes over the default handler): the
+    coordinator waited on for good and the test failed after 30 s."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_example_coordinator_stopped_with_ctrl_c_exits_130_without_a_traceback() -> None:
     """Ctrl-C while it waits for clients: a short line and exit 130 (it printed a
     KeyboardInterrupt traceback)."""
     cmd = [sys.executable, "-m", "examples.federated.coordinator", "--listen", "127.0.0.1:0"]
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ctrl_c_as_at_a_terminal,
     )
     try:
         assert proc.stdout is not None
