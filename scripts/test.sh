@@ -77,4 +77,8 @@ echo "== ruff"
 echo "== mypy --strict"
 .venv/bin/mypy --strict p2pdist relay
 echo "== pytest"
-.venv/bin/python -m pytest -q "$@"
+# Two workers (pytest-xdist): most tests wait on sockets, timers and child processes, so
+# one worker left both cores mostly idle. The NAT lab's and the benchmarks' modules all run
+# on one worker, one test at a time (tests/conftest.py). P2PDIST_TEST_WORKERS=0 runs the
+# suite in this process alone.
+.venv/bin/python -m pytest -q -n "${P2PDIST_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -40,7 +40,7 @@ def some_keys(n: int = 5) -> list[SecretKey]:
 # ---- EndpointId text form -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key", some_keys(), ids=lambda k: k.endpoint_id.short())
+@pytest.mark.parametrize("key", some_keys(), ids=[*(f"rank{r}" for r in range(5)), "generated"])
 def test_endpoint_id_text_round_trip(key: SecretKey) -> None:
     eid = key.endpoint_id
     text = str(eid)
