@@ -133,6 +133,10 @@ class Runner(Rejoining, Reserving):
         """
         await asyncio.sleep(_ATTRIBUTION_WINDOW)
         root = self._root()  # a sub-group's connections are its root's: so are its reports
+        # Breaking the group woke the control listeners with its error and ended them, so
+        # a notice that came in the window is still queued, unread: read them all now.
+        for r, conn in list(root._conns.items()):
+            root._read_notices(r, conn)
         told = self._explained(err)  # a goodbye with its leaving notice's reason, if any
         lead: P2PError = told
         if err.graceful:
