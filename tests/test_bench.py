@@ -139,7 +139,9 @@ def test_a_plot_that_cannot_be_written_is_one_line_and_status_1(
     assert bench.report(profiles, "") == 0
 
 
-@pytest.mark.parametrize("kwargs", [{"repeats": 0}, {"repeats": -1}, {"sizes": (4096,)}])
+@pytest.mark.parametrize(
+    "kwargs", [{"repeats": 0}, {"repeats": -1}, {"repeats": True}, {"sizes": (4096,)}]
+)
 async def test_profile_links_refuses_bad_arguments(kwargs: dict[str, object]) -> None:
     async with groups(2) as gs:
         for g in gs:
@@ -149,7 +151,8 @@ async def test_profile_links_refuses_bad_arguments(kwargs: dict[str, object]) ->
 
 async def test_profile_links_covers_every_pair_and_agrees() -> None:
     async with groups(3) as gs:
-        results = await asyncio.gather(*(g.profile_links(repeats=2) for g in gs))
+        # (a numpy integer is a count, as in sizes)
+        results = await asyncio.gather(*(g.profile_links(repeats=np.int64(2)) for g in gs))
         pairs = [(p.a, p.b) for p in results[0]]
         assert pairs == [(0, 1), (0, 2), (1, 2)]
         for other in results[1:]:

@@ -398,6 +398,24 @@ def test_rank_world_and_peers_from_the_environment_are_read_strictly(
         Group.from_env()
 
 
+def test_the_group_constructor_takes_ranks_as_from_seed_does() -> None:
+    """A numpy integer is a rank (it was refused as out of range) and a bool is not (True
+    was taken as rank 1), as from_seed has them."""
+    import numpy as np
+
+    from p2pdist import Group, SecretKey, UsageError, derive_endpoint_ids
+
+    ids = derive_endpoint_ids("s" * 20, 2)
+    key = SecretKey.from_seed("s" * 20, 1)
+    peers = ["127.0.0.1:1", "127.0.0.1:2"]
+    g = Group(key, np.int64(1), ids, addresses=peers)  # type: ignore[arg-type]
+    assert g.rank == 1 and type(g.rank) is int
+    with pytest.raises(UsageError, match="rank must be an int, got bool True"):
+        Group(key, True, ids, addresses=peers)
+    with pytest.raises(UsageError, match=r"rank must be in \[0, 2\), got 2"):
+        Group(key, 2, ids, addresses=peers)
+
+
 def test_from_seed_names_wrong_types() -> None:
     from p2pdist import Group, UsageError
 

@@ -87,6 +87,22 @@ async def test_float16_mean_keeps_the_input_range(n: int) -> None:
             assert np.isposinf(out).all()
 
 
+@pytest.mark.parametrize("n", [8, 1 << 16])  # the direct path and the ring
+async def test_float16_sums_become_inf_from_65520_on(n: int) -> None:
+    """The documented edge of a float16 wire: a sum of 65504 (float16's largest) stays,
+    one of 65520 (where float16 rounding goes to inf) is inf, on both paths. The inputs
+    are float16 values, so the wire adds no rounding of its own."""
+    async with groups(2) as gs:
+        for second, want in ((32736.0, 65504.0), (32752.0, np.inf)):
+            xs = [np.full(n, v, np.float32) for v in (32768.0, second)]
+            with np.errstate(over="ignore"):
+                outs = await asyncio.gather(
+                    *(g.all_reduce(x, wire_dtype="float16") for g, x in zip(gs, xs, strict=True))
+                )
+            for out in outs:
+                np.testing.assert_array_equal(out, np.full(n, want, np.float32))
+
+
 @pytest.mark.parametrize("wire", ["float16", "bfloat16", "int8"])
 async def test_error_feedback_recovers_after_a_non_finite_step(wire: str) -> None:
     n = 4096

@@ -89,6 +89,16 @@ def _leaving_reason(exc: BaseException) -> str:
     return (f"{kind}: {text}" if text else kind)[:LEAVING_MAX]
 
 
+def _checked_rank(rank: object, world: int) -> int:
+    """``rank`` as a plain int (numpy's integers taken, a bool not) in ``[0, world)``."""
+    checked = as_int(rank)
+    if checked is None:  # "0" from sys.argv, say: not a rank out of range
+        raise UsageError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
+    if not 0 <= checked < world:
+        raise UsageError(f"rank must be in [0, {world}), got {rank!r}")
+    return checked
+
+
 def _label(rank: int, eid: EndpointId) -> str:
     return f"rank {rank} ({eid.short()})"
 
@@ -134,8 +144,7 @@ class GroupCore(Runner):
         _subgroup: bool = False,
     ) -> None:
         world = len(peer_ids)
-        if not isinstance(rank, int) or not 0 <= rank < world:
-            raise UsageError(f"rank must be in [0, {world}), got {rank!r}")
+        rank = _checked_rank(rank, world)
         if peer_ids[rank] != key.endpoint_id:
             raise UsageError(f"rank {rank}'s endpoint id does not match the secret key given")
         if len(set(peer_ids)) != world:
@@ -279,13 +288,10 @@ class GroupCore(Runner):
         rank was lost (restarted with the same seed and rank; the others must run with
         ``GroupConfig(on_peer_loss="leave")``, and so must this rank): see
         docs/architecture.md §5."""
-        world_int, rank_int = as_int(world), as_int(rank)
+        world_int = as_int(world)
         if world_int is None or world_int < 1:
             raise UsageError(f"world must be an int >= 1, got {world!r}")
-        if rank_int is None:  # "0" from sys.argv, say: not a rank out of range
-            raise UsageError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
-        if not 0 <= rank_int < world_int:
-            raise UsageError(f"rank must be in [0, {world}), got {rank!r}")
+        rank_int = _checked_rank(rank, world_int)
         if isinstance(peers, str | bytes):  # one string would be taken letter by letter
             raise UsageError(
                 f"peers must be a list of host:port strings, one per rank, got a string "

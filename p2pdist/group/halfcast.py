@@ -54,6 +54,7 @@ class HalfScratch:
         self._b = np.empty(0, _U32)
 
     def get(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The two work arrays, ``n`` elements each (grown when smaller)."""
         if self._a.size < n:
             self._a = np.empty(n, _U32)
             self._b = np.empty(n, _U32)

@@ -80,16 +80,20 @@ def split_bounds(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
 
 
 def chunks(start: int, end: int, step: int) -> list[tuple[int, int]]:
+    """``[start, end)`` cut into pieces of at most ``step`` elements; one empty piece
+    for an empty range (so that one empty message still goes)."""
     if end <= start:
         return [(start, start)]
     return [(s, min(s + step, end)) for s in range(start, end, step)]
 
 
 def as_bytes(a: np.ndarray) -> memoryview:
+    """The bytes of C-contiguous ``a``, without a copy (an empty view when empty)."""
     return a.data.cast("B") if a.size else memoryview(b"")
 
 
 def view_as(payload: memoryview, dtype: np.dtype[Any]) -> np.ndarray:
+    """``payload`` seen as a 1-D array of ``dtype``, without a copy."""
     return np.frombuffer(payload, dtype=dtype) if payload.nbytes else np.empty(0, dtype)
 
 

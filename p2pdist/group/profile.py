@@ -93,8 +93,10 @@ async def profile_links(
     Each call splits off a sub-group of everyone for its messages, and a root group has
     32,511 sub-groups in all (``split``): a job may profile that many times.
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    checked = as_int(repeats)  # numpy's integers too, as for sizes; no bool
+    if checked is None or checked < 1:
         raise UsageError(f"repeats must be a positive int, got {repeats!r}")
+    repeats = checked
     ints = [as_int(m) for m in sizes]
     if len(set(ints)) < 2 or any(m is None or m < 1 for m in ints):
         raise UsageError(f"sizes must be at least two different positive ints, got {sizes!r}")

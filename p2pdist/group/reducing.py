@@ -190,11 +190,11 @@ class Reducing(GroupCore):
     ) -> np.ndarray:
         """Elementwise reduction of ``x`` over all ranks; every rank gets the same bits.
 
-        ``op`` is one of sum, mean (floating dtypes), max, min, prod. The result is written
-        to ``out`` when given (it may be ``x`` itself) and returned. ``mode`` (default
-        ``config.mode``) "deterministic" makes floating sums, means and products equal to
-        "reduce in rank order in float64, round once", whatever the timing; all ranks must
-        pass the same mode (checked).
+        ``op`` is one of sum, mean (floating and complex dtypes), max, min, prod. The
+        result is written to ``out`` when given (it may be ``x`` itself) and returned.
+        ``mode`` (default ``config.mode``) "deterministic" makes floating sums, means and
+        products equal to "reduce in rank order in float64, round once", whatever the
+        timing; all ranks must pass the same mode (checked).
 
         ``wire_dtype`` ("float16", "bfloat16" or "int8" with one scale per ``block``
         elements) compresses what travels for floating sum/mean; every hop accumulates in
