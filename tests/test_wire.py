@@ -358,6 +358,7 @@ def test_no_peek_once_other_room_was_taken() -> None:
     assert dec.feed(first[:100]) == [] and len(dec.feed(first[100:])) == 1
     small = wire(channel=1, seq=1, payload=b"tail", limits=SMALL)
     room = dec.get_buffer()  # not a peek
+    assert room.nbytes > PEEK_BYTES  # a reader that does not peek: unchanged
     room[:10] = small[:10]
     assert dec.buffer_updated(10) == []
     later = dec.get_buffer(peek=True)

@@ -135,8 +135,7 @@ class Runner(Rejoining, Reserving):
         root = self._root()  # a sub-group's connections are its root's: so are its reports
         # Breaking the group woke the control listeners with its error and ended them, so
         # a notice that came in the window is still queued, unread: read them all now.
-        for r, conn in list(root._conns.items()):
-            root._read_notices(r, conn)
+        root._read_queued_notices()
         told = self._explained(err)  # a goodbye with its leaving notice's reason, if any
         lead: P2PError = told
         if err.graceful:
@@ -177,6 +176,13 @@ class Runner(Rejoining, Reserving):
             attributed = GroupBrokenError(f"{lead}; also: " + "; ".join(others))
         self._rebreak(err, attributed)
         return attributed
+
+    def _read_queued_notices(self) -> None:
+        """Act now on the notices queued on this group's connections: a control listener
+        reads them only on its next step, and not at all once the group broke."""
+        root = self._root()
+        for r, conn in list(self._conns.items()):  # (a notice may change them)
+            root._read_notices(self._root_ranks[r], conn)
 
     def _rebreak(self, err: BaseException, attributed: P2PError) -> None:
         """Where the group (and, for a sub-group, each ancestor it broke) is broken by
@@ -447,8 +453,7 @@ class Runner(Rejoining, Reserving):
             # on with a result the others lack. Its abort may have come in with the last
             # messages, not yet read by the listener: read it now.
             if root._broken is None:  # (only this group's members can have given it up)
-                for r, conn in list(self._conns.items()):  # (a notice may change them)
-                    root._read_notices(self._root_ranks[r], conn)
+                self._read_queued_notices()
             if root._given_up and (notice := root._given_up.get(channel)) is not None:
                 raise GroupBrokenError(
                     f"{link.explain()} finished on this rank, but too late: {notice}"
