@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -159,7 +160,13 @@ async def test_profile_links_covers_every_pair_and_agrees() -> None:
             assert [p.seconds for p in other] == [p.seconds for p in results[0]]
         for p in results[0]:
             assert all(t > 0 for t in p.seconds)
-            assert p.alpha >= 0 and p.beta > 0
+            # real timings: 16 MiB takes longer than 1 byte, and the fit has a finite cost
+            # per byte that puts the largest message's time within a factor 10 of it
+            assert p.sizes[0] == 1 and p.sizes[-1] == 16 << 20
+            assert p.seconds[-1] > 10 * p.seconds[0], p.seconds
+            assert p.alpha >= 0 and 0 < p.beta < math.inf, p
+            predicted = p.alpha + p.sizes[-1] / p.beta
+            assert p.seconds[-1] / 10 < predicted < 10 * p.seconds[-1], (predicted, p)
 
 
 async def test_profile_links_bystanders_wait_out_a_pair_slower_than_one_timeout() -> None:

@@ -123,6 +123,9 @@ async def test_more_collectives_check_their_arguments() -> None:
             await g.all_to_all_v([np.ones((1, 2)), np.ones((1, 3))])
         with pytest.raises(UsageError, match=r"xs\[1\]"):  # a 0-d array after the first
             await g.all_to_all_v([np.ones((1, 2)), np.float64(1.0)])
+        empty_rows = np.empty((2**40 + 1, 0))  # 0 bytes, more rows than a receiver takes
+        with pytest.raises(UsageError, match=r"xs\[1\] has 1099511627777 rows"):
+            await g.all_to_all_v([np.empty((2**40, 0)), empty_rows])
         with pytest.raises(UsageError, match="source"):
             await g.scatter(None, src=0)
         with pytest.raises(UsageError, match="like="):
@@ -167,23 +170,61 @@ async def test_split_into_subgroups_running_beside_the_parent() -> None:
         np.testing.assert_array_equal(out[0], [2.0, 2.0])
 
 
+async def test_split_orders_by_key_then_old_rank_and_labels_peers_by_their_root_rank() -> None:
+    async with groups(5) as gs:
+        keys = {0: 0, 1: 0, 2: -1, 3: 0}  # rank 2 first, then a tie broken by old rank
+        subs = await asyncio.gather(
+            *(g.split(1 if g.rank == 4 else 0, key=keys.get(g.rank, 0)) for g in gs)
+        )
+        order = [2, 0, 1, 3]
+        members = [subs[r] for r in order]
+        assert [s.rank for s in members if s] == [0, 1, 2, 3]
+        gathered = await asyncio.gather(
+            *(s.all_gather(np.array([float(r)])) for r, s in zip(order, members, strict=True) if s)
+        )
+        for got in gathered:
+            assert got.ravel().tolist() == [2.0, 0.0, 1.0, 3.0]
+        sub = subs[0]
+        assert sub is not None
+        assert sub.peer_ids == [gs[0].peer_ids[r] for r in order]
+        assert [sub.peer_label(i) for i in range(4)] == [gs[0].peer_label(r) for r in order]
+        with pytest.raises(UsageError):
+            sub.peer_label(4)
+        with pytest.raises(UsageError):
+            sub.peer_label(-1)
+        alone = subs[4]
+        assert alone is not None and alone.peer_label(0) == gs[0].peer_label(4)
+
+
 async def test_gradient_buckets_reduce_everything_in_place_in_the_background() -> None:
     from p2pdist import GradientBuckets
 
     async with groups(3) as gs:
         shapes = [(10,), (300, 40), (7, 7), (50_000,), (3,)]
         grads = [
-            [np.full(s, float(r + i), np.float32) for i, s in enumerate(shapes)] for r in range(3)
+            # 3 + i, i, i: the mean 1 + i is no rank's own value
+            [np.full(s, float(3 * (r == 0) + i), np.float32) for i, s in enumerate(shapes)]
+            for r in range(3)
         ]
         buckets = await asyncio.gather(
-            *(GradientBuckets.create(g, bucket_bytes=64 * 1024) for g in gs)
+            *(GradientBuckets.create(g, bucket_bytes=np.int64(64 * 1024)) for g in gs)
         )
+
+        def reduced(r: int, i: int) -> bool:
+            return bool(np.array_equal(grads[r][i], np.full(shapes[i], 1.0 + i)))
 
         async def step(r: int) -> np.ndarray:
             for grad in grads[r]:
                 buckets[r].add(grad)
             # the caller carries on while buckets reduce; its own collective is unaffected
             other = await gs[r].all_reduce(np.array([float(r)]))
+            # the first four arrays passed 64 KiB: their bucket runs before wait() is called
+            for _ in range(500):
+                if reduced(r, 3):
+                    break
+                await asyncio.sleep(0.01)
+            assert all(reduced(r, i) for i in range(4)), f"rank {r}: no bucket ran before wait"
+            assert not reduced(r, 4)  # the last array's bucket is not full: wait() sends it
             await buckets[r].wait()
             return other
 
@@ -191,7 +232,7 @@ async def test_gradient_buckets_reduce_everything_in_place_in_the_background() -
         assert others[0].tolist() == [3.0]
         for r in range(3):
             for i, grad in enumerate(grads[r]):
-                np.testing.assert_array_equal(grad, np.full(shapes[i], 1.0 + i))  # mean of r+i
+                np.testing.assert_array_equal(grad, np.full(shapes[i], 1.0 + i))
 
 
 @pytest.mark.parametrize("next_dtype", [np.float64, np.float32])

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import GroupBrokenError, MismatchError, UsageError
+from ..settings import as_int
 from .buffers import is_plain_array, wire_form
 from .compress import INT8_BLOCK, ErrorFeedback
 from .devices import is_device_array, pack, pinned_array, ready_marker, unpack, wait_ready
@@ -113,8 +114,10 @@ class GradientBuckets:
         ``error_feedback=True`` gives every bucket an :class:`ErrorFeedback` of its own
         (an ErrorFeedback object is refused: one object cannot serve several buckets).
         """
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        checked = as_int(bucket_bytes)  # numpy's integers too, no bool
+        if checked is None or checked < 1:
             raise UsageError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        bucket_bytes = checked
         unknown = sorted(set(reduce) - _REDUCE_KEYWORDS - {"error_feedback"})
         if unknown:
             raise UsageError(

@@ -418,8 +418,11 @@ class GroupCore(Runner):
         return self._broken
 
     def peer_label(self, rank: int) -> str:
-        """How errors name a rank: ``"rank 2 (abcdefghij)"``."""
-        return _label(rank, self._ids[rank])
+        """How errors name this group's rank ``rank``: ``"rank 2 (abcdefghij)"``. A
+        sub-group's ranks are named by their rank in the root group, as connections and
+        every error name them (a sub-group's own numbering is local to it)."""
+        r = _checked_rank(rank, self.size)
+        return _label(self._root_ranks[r], self._ids[r])
 
     @property
     def relay_status(self) -> RelayStatus | None:
@@ -730,7 +733,7 @@ class GroupCore(Runner):
             return
         self._broken, self._broken_during = error, during
         if notify:
-            told = as_told_to_others(str(error), self._root_label(self._rank))
+            told = as_told_to_others(str(error), self.peer_label(self._rank))
             body: dict[str, Any] = {"abort": told}
             if during is not None:
                 body["during"] = during
@@ -824,7 +827,7 @@ class GroupCore(Runner):
         if conn is None:
             why = self.left.get(r)
             detail = why.detail if isinstance(why, PeerError) else str(why or "no connection")
-            raise ConnectionBrokenError(self._root_label(r), detail)
+            raise ConnectionBrokenError(self.peer_label(r), detail)
         return conn
 
     def _check_peer(self, r: int, what: str) -> int:
@@ -955,7 +958,7 @@ class GroupCore(Runner):
         never had it: its split failed)."""
         why = self._closed_reason(self._root_ranks[peer]).removeprefix("it ")
         return ConnectionBrokenError(
-            self._root_label(peer), f"{why}: this {what} it cannot complete"
+            self.peer_label(peer), f"{why}: this {what} it cannot complete"
         )
 
     async def _recv_next(
@@ -1002,7 +1005,7 @@ class GroupCore(Runner):
     def _closed_under(self, what: str, peer: int) -> GroupBrokenError:
         """What a send or recv cut short by this rank's close of the group raises: the
         error a collective raises then."""
-        return GroupBrokenError(f"{what} {self._root_label(peer)} failed: the group was closed")
+        return GroupBrokenError(f"{what} {self.peer_label(peer)} failed: the group was closed")
 
 
 def _fields(obj: Any) -> dict[str, Any]:

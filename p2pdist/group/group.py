@@ -233,7 +233,7 @@ class Group(Reducing):
     async def all_to_all_v(
         self, xs: Iterable[np.ndarray], *, timeout: float | None = None
     ) -> list[np.ndarray]:
-        """Variable-size all-to-all: ``xs[p]`` (any number of rows, zero allowed, same dtype
+        """Variable-size all-to-all: ``xs[p]`` (up to 2**40 rows, zero allowed, same dtype
         and row shape everywhere) goes to rank p; returns ``[what rank p sent us, ...]``."""
         try:  # any iterable (on_host stages CuPy pieces from a list or tuple only)
             pieces = list(xs)
@@ -257,6 +257,10 @@ class Group(Reducing):
                 raise UsageError(
                     f"all_to_all_v: xs[{i}] is {part.dtype}{list(part.shape)}, xs[0] is "
                     f"{first.dtype}{list(first.shape)}; dtype and row shape must agree"
+                )
+            if len(part) > alg.MAX_ALL_TO_ALL_V_ROWS:  # (the receiver refuses more)
+                raise UsageError(
+                    f"all_to_all_v: xs[{i}] has {len(part)} rows, over the 2**40 a piece may have"
                 )
         self._check_call(timeout)
         if self._alone():

@@ -85,7 +85,7 @@ async def profile_links(
 ) -> list[LinkProfile]:
     """Ping-pong every pair of ranks in turn (collective: call on all ranks).
 
-    Every rank returns the same list (rank 0's measurements are shared with all).
+    Every rank returns the same list (each pair's lower rank shares its timings).
     ``timeout`` (default: the group's) bounds each message; ranks not in the pair being
     measured wait up to that times the pair's message count. ``sizes`` are measured in
     increasing order, each once (a plot joins them in that order).

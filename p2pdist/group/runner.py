@@ -197,18 +197,13 @@ class Runner(Rejoining, Reserving):
             group._broken = told = GroupBrokenError("a sub-group failed", told)
             group, cause = group._parent, broken
 
-    def _root_label(self, r: int) -> str:
-        """How errors name this group's rank ``r``: by its rank in the root group, as
-        connections and every other error do (a sub-group's own numbering is local)."""
-        return self._root().peer_label(self._root_ranks[r])
-
     def _left_error(self, left: dict[int, BaseException]) -> GroupBrokenError:
         """The refusal of a collective that needs the ranks of ``left`` (this group's
         numbering, as :attr:`left` gives), with why they left where known."""
-        names = ", ".join(self._root_label(r) for r in sorted(left))
+        names = ", ".join(self.peer_label(r) for r in sorted(left))
         gone = f"collectives need every rank, but {names} left the group"
         root = self._root()  # what the root knows is by root rank
-        roots = [(self._root_label(r), self._root_ranks[r]) for r in sorted(left)]
+        roots = [(self.peer_label(r), self._root_ranks[r]) for r in sorted(left)]
         said = [f"{label}: {root._leaving[rr]}" for label, rr in roots if rr in root._leaving]
         why = f" ({'; '.join(said)})" if said else ""
         relay = next((hint for _, rr in roots if (hint := root._relay_down(rr))), "")
@@ -287,9 +282,9 @@ class Runner(Rejoining, Reserving):
             idle, r = silent
             extra = ""
             if link.waiting_on is not None and link.waiting_on != r:
-                extra = f" (this rank was waiting for {self._root_label(link.waiting_on)})"
+                extra = f" (this rank was waiting for {self.peer_label(link.waiting_on)})"
             detail = f"{what}: silent for {idle:.1f} s{extra}{self._relay_down(r)}{hint}"
-            return PeerTimeoutError(self._root_label(r), detail)
+            return PeerTimeoutError(self.peer_label(r), detail)
         if link.waiting_on is not None:
             q = link.waiting_on
             if link.heard_from(q):  # in a ring, a rank further round may be the one late
@@ -297,7 +292,7 @@ class Runner(Rejoining, Reserving):
             else:
                 what += " waiting for it"
             hint = self._paused_hint(q) + hint
-            return PeerTimeoutError(self._root_label(q), what + self._relay_down(q) + hint)
+            return PeerTimeoutError(self.peer_label(q), what + self._relay_down(q) + hint)
         return P2PTimeoutError(what + hint)
 
     def _paused_hint(self, waited_on: int) -> str:
@@ -315,7 +310,7 @@ class Runner(Rejoining, Reserving):
         _, held, r = max(paused)
         amount = f"{held / 2**20:.1f} MiB" if held >= 2**20 else f"{held} bytes"
         return (
-            f" (reading from {self._root_label(r)} is paused: {amount} of its messages "
+            f" (reading from {self.peer_label(r)} is paused: {amount} of its messages "
             "wait unread, for calls still sending or not come to yet; raise "
             "TransportConfig.max_buffered, or keep fewer calls, or messages not yet "
             "received, in flight at once)"
@@ -338,7 +333,7 @@ class Runner(Rejoining, Reserving):
             return ""
         where = f" ({elsewhere} of them on its parent group or a sub-group)" if elsewhere else ""
         return (
-            f"; {self._root_label(self._rank)} made {here + elsewhere} collective call(s) "
+            f"; {self.peer_label(self._rank)} made {here + elsewhere} collective call(s) "
             f"before it that have not started{where}: calls run in the order they were "
             "made on every rank, so await them in that order, or start them as tasks and "
             "gather them"
@@ -476,7 +471,7 @@ class Runner(Rejoining, Reserving):
                 timeout_err = self._timeout_error(link, seconds + granted)
                 self._break(timeout_err, notify=True, during=channel)
                 raise timeout_err from None
-            me = self._root_label(self._rank)
+            me = self.peer_label(self._rank)
             cancelled = GroupBrokenError(f"{link.explain()} was cancelled on {me}")
             self._break(cancelled, notify=True, during=channel)
             raise
@@ -512,7 +507,7 @@ class Runner(Rejoining, Reserving):
         except Exception as err:
             # Not ours (MemoryError, an exception in a block, a codec's error):
             # this rank's part of the call is lost, so the others must not wait for it.
-            me = self._root_label(self._rank)
+            me = self.peer_label(self._rank)
             kind = type(err).__name__
             broken = GroupBrokenError(f"{link.explain()} failed on {me} with {kind}", err)
             self._break(broken, notify=True, during=channel)
