@@ -224,6 +224,7 @@ def test_ordered_reduce_of_two_equals_the_float64_fold_bitwise(dtype: str, op: s
         rop = reduce_op(op, np.dtype(dtype))
         fold = rop.ufunc(parts[0].astype(np.float64), parts[1].astype(np.float64))
         want = fold.astype(dtype)
+        want[np.isnan(want)] = np.nan  # every NaN the one NaN (x86's inf - inf is -NaN)
         got = np.empty_like(parts[0])
         ordered_reduce(parts, rop, 2, got)
     assert got.tobytes() == want.tobytes()

@@ -36,6 +36,7 @@ __all__ = [
     "WIRE_DTYPES",
     "ErrorFeedback",
     "WireCodec",
+    "WireDtype",
     "check_block",
     "divide_for_mean",
     "make_codec",
@@ -43,6 +44,10 @@ __all__ = [
 ]
 
 WIRE_DTYPES = ("float16", "bfloat16", "int8")
+
+WireDtype = str | np.dtype[Any] | type[np.generic]
+"""What ``wire_dtype=`` takes: a name of :data:`WIRE_DTYPES`, or its numpy dtype or
+scalar type (``np.float16``, ``ml_dtypes.bfloat16``, ``np.dtype("int8")``)."""
 F16_ROUTES = ("bits", "numpy")
 """float16 conversion routes: the vectorised bit route (default) or numpy's own cast."""
 
@@ -387,19 +392,29 @@ def check_block(block: object) -> int:
     return check_int("int8 block size", block, 1)
 
 
-def make_codec(wire_dtype: str, block: int = INT8_BLOCK, *, f16_route: str = "bits") -> WireCodec:
+def make_codec(
+    wire_dtype: WireDtype, block: int = INT8_BLOCK, *, f16_route: str = "bits"
+) -> WireCodec:
     """The codec for ``wire_dtype`` (float16, bfloat16 or int8 with ``block``-sized scales).
 
     ``f16_route`` picks the float16 conversion ("bits" or "numpy"; identical results).
     """
     block = check_block(block)
-    if wire_dtype == "float16":
+    name = wire_dtype if isinstance(wire_dtype, str) else None
+    if isinstance(wire_dtype, np.dtype) or (
+        isinstance(wire_dtype, type) and issubclass(wire_dtype, np.generic)
+    ):
+        dtype = np.dtype(wire_dtype)
+        name = dtype.name if dtype.isnative else None  # (">f2" is no wire dtype)
+    if name == "float16":
         return _F16Codec(f16_route)
-    if wire_dtype == "bfloat16":
+    if name == "bfloat16":
         return _Bf16Codec()
-    if wire_dtype == "int8":
+    if name == "int8":
         return _Int8Codec(block)
-    raise UsageError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype!r}")
+    raise UsageError(
+        f"wire_dtype must be one of {WIRE_DTYPES} (or its numpy type), got {wire_dtype!r}"
+    )
 
 
 def divide_for_mean(x: np.ndarray, divisor: int, out: np.ndarray) -> None:

@@ -52,6 +52,7 @@ def ordered_reduce(
         # 24 >= 2 * 11 + 2). Same bits, no casts. Not max or min: which of +0 and -0
         # they keep depends on the loop (numpy's float16 one keeps the other one).
         op.ufunc(parts[0], parts[1], out=out)
+        _one_nan(out)
         return
     if scratch is None:
         scratch = fold_scratch(out.dtype, out.size)
@@ -73,6 +74,24 @@ def ordered_reduce(
                 op.ufunc(acc, piece, out=acc)
         op.finish(acc, world)
         np.copyto(out[s0:s1], acc, casting="same_kind")  # the single rounding
+        _one_nan(out[s0:s1])
+
+
+def _one_nan(out: np.ndarray) -> None:
+    """Every NaN in ``out`` (each part of a complex) made numpy's own quiet NaN.
+
+    Which operand's NaN a ufunc passes on (its sign and payload) depends on where an
+    element falls in numpy's vector loops, so on the chunk size and the path: the one
+    NaN keeps the result's bits independent of both (a pass over a block in cache)."""
+    if out.dtype.kind not in "fc" or out.size == 0:
+        return
+    parts = out.view(out.real.dtype) if out.dtype.kind == "c" else out  # (1-D, contiguous)
+    if parts.dtype == np.float16:  # numpy does not vectorise float16: look at the bits
+        found = np.max(parts.view(np.uint16) & 0x7FFF) > 0x7C00
+    else:  # a NaN wins a max, in half the time of isnan's pass and its temporary
+        found = np.isnan(parts.max())
+    if found:
+        np.copyto(parts, np.nan, where=np.isnan(parts))
 
 
 async def ordered_all_reduce(link: Link, flat: np.ndarray, op: ReduceOp, out: np.ndarray) -> None:

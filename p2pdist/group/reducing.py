@@ -20,6 +20,7 @@ from .compress import (
     INT8_BLOCK,
     ErrorFeedback,
     WireCodec,
+    WireDtype,
     check_block,
     divide_for_mean,
     make_codec,
@@ -156,7 +157,7 @@ class Reducing(GroupCore):
         arr: np.ndarray,
         op: str,
         mode: str | None,
-        wire_dtype: str | None,
+        wire_dtype: WireDtype | None,
         block: int,
         error_feedback: ErrorFeedback | None,
     ) -> tuple[ReduceOp, bool, WireCodec | None]:
@@ -183,7 +184,7 @@ class Reducing(GroupCore):
         *,
         out: np.ndarray | None = None,
         mode: str | None = None,
-        wire_dtype: str | None = None,
+        wire_dtype: WireDtype | None = None,
         block: int = INT8_BLOCK,
         error_feedback: ErrorFeedback | None = None,
         timeout: float | None = None,
@@ -197,12 +198,12 @@ class Reducing(GroupCore):
         timing; all ranks must pass the same mode (checked).
 
         ``wire_dtype`` ("float16", "bfloat16" or "int8" with one scale per ``block``
-        elements) compresses what travels for floating sum/mean; every hop accumulates in
-        float32; mean divides by the world before encoding, so partial sums stay in the
-        inputs' range (for sum with float16, every partial sum must fit float16, else it
-        becomes inf: docs/collectives.md). ``error_feedback`` (an :class:`ErrorFeedback`,
-        one per tensor, one call at a time) carries this call's compression error into the
-        next call's input.
+        elements, or their numpy types) compresses what travels for floating sum/mean;
+        every hop accumulates in float32; mean divides by the world before encoding, so
+        partial sums stay in the inputs' range (for sum with float16, every partial sum
+        must fit float16, else it becomes inf: docs/collectives.md). ``error_feedback``
+        (an :class:`ErrorFeedback`, one per tensor, one call at a time) carries this
+        call's compression error into the next call's input.
         """
         arr = as_array(x)
         codec: WireCodec | None = None
@@ -295,7 +296,7 @@ class Reducing(GroupCore):
         *,
         out: np.ndarray | None = None,
         mode: str | None = None,
-        wire_dtype: str | None = None,
+        wire_dtype: WireDtype | None = None,
         block: int = INT8_BLOCK,
         error_feedback: ErrorFeedback | None = None,
         timeout: float | None = None,
@@ -387,7 +388,7 @@ class Reducing(GroupCore):
         *,
         out: np.ndarray | None = None,
         mode: str | None = None,
-        wire_dtype: str | None = None,
+        wire_dtype: WireDtype | None = None,
         block: int = INT8_BLOCK,
         timeout: float | None = None,
     ) -> np.ndarray | None:
@@ -521,7 +522,7 @@ def _load_into(arr: np.ndarray, divisor: int, buf: np.ndarray) -> np.ndarray:
 
 
 def _codec_for(
-    wire_dtype: str | None,
+    wire_dtype: WireDtype | None,
     block: int,
     feedback: ErrorFeedback | None,
     rop: ReduceOp,
