@@ -48,6 +48,7 @@ WIRE_DTYPES = ("float16", "bfloat16", "int8")
 WireDtype = str | np.dtype[Any] | type[np.generic]
 """What ``wire_dtype=`` takes: a name of :data:`WIRE_DTYPES`, or its numpy dtype or
 scalar type (``np.float16``, ``ml_dtypes.bfloat16``, ``np.dtype("int8")``)."""
+
 F16_ROUTES = ("bits", "numpy")
 """float16 conversion routes: the vectorised bit route (default) or numpy's own cast."""
 
