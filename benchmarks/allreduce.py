@@ -10,8 +10,13 @@ Everything runs on 127.0.0.1 in the same invocation so the numbers are comparabl
 * for every world size, a p2pdist sweep per transport mode and a Gloo sweep, each in
   ``world`` fresh worker processes (``benchmarks/_allreduce_worker.py``).
 
-Timing: per size, a few warm-up calls, a barrier, then timed calls; each rank reports the
-median time per all-reduce and the table shows the maximum of those medians over ranks.
+Timing: per size, a few warm-up calls, a barrier, then timed calls; each rank times each
+of its calls, and a call's time is its slowest rank's; the table shows the median over
+calls (each backend's own barrier before each call, untimed, lines the ranks up). The
+ratio columns are p2pdist's bus bandwidth over Gloo's, and in the barrier row Gloo's time
+over p2pdist's: above 1, p2pdist is faster. The script exits with status 1 when anything
+it ran failed (a backend's sweep, the TCP measurement, the exchange floor): the tables
+then have holes, which the notes explain.
 ``algbw = bytes / time`` and ``busbw = algbw * 2(n-1)/n`` (the nccl-tests convention), in
 GB/s (1e9 bytes per second). Sizes are bytes of float32 data. Both sides reduce in
 place, as ``torch.distributed.all_reduce(t)`` always does: p2pdist is called as
@@ -293,7 +298,7 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 @dataclass
 class Point:
-    """Result for one size: max over ranks of the per-rank median, in seconds."""
+    """Result for one size: the median over calls of each call's slowest rank, seconds."""
 
     nbytes: int
     seconds: float
@@ -418,6 +423,15 @@ def exchange_line(workdir: Path, timeout: float, size: int, loops: list[str]) ->
     )
 
 
+def slowest_rank_median(per_rank: list[list[float]]) -> float:
+    """The median over calls of each call's slowest rank: ``per_rank[r][i]`` is rank r's
+    time of call i. (The maximum over ranks of each rank's median can be far less: when
+    the barrier before each call lets the ranks go at different times, the rank that
+    waits longest for the others changes from call to call.)"""
+    calls = zip(*per_rank, strict=True)
+    return statistics.median(max(float(t) for t in call) for call in calls)
+
+
 def run_series(
     name: str,
     role: str,
@@ -452,12 +466,12 @@ def run_series(
         print(f"  {name} world={world}: FAILED\n{exc}", file=sys.stderr, flush=True)
         return series
     for i, nbytes in enumerate(sizes):
-        worst = max(float(r["results"][i]["median"]) for r in results)
+        seconds = slowest_rank_median([r["results"][i]["times"] for r in results])
         cpus = [r["results"][i].get("cpu") for r in results]
         cpu = max(float(c) for c in cpus) if None not in cpus else None
-        series.points[nbytes] = Point(nbytes, worst, world, cpu)
+        series.points[nbytes] = Point(nbytes, seconds, world, cpu)
     if all("barrier" in r for r in results):
-        series.barrier = max(float(r["barrier"]["median"]) for r in results)
+        series.barrier = slowest_rank_median([r["barrier"]["times"] for r in results])
     print(
         f"  {name} world={world}: done in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True
     )
@@ -780,6 +794,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [f"{lp} ({LOOPS[lp] or 'no suffix'})" for lp in loops]
     machine += f"; event loops: {', '.join(names)}"
     out: list[str] = []
+    failures: list[str] = []  # what ran and failed: the tables are then incomplete
     t_start = time.monotonic()
 
     with tempfile.TemporaryDirectory(prefix="p2pdist-bench-") as tmp:
@@ -798,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             except LaunchError as exc:
                 tcp_line = f"loopback TCP: FAILED ({exc})"
+                failures.append("the loopback TCP measurement")
         if run_p2p and any(m.startswith("tls") for m in args.modes):
             tcp_line += (
                 f"; AES-256-GCM (one core, 64 KiB records, what tls mode encrypts with): "
@@ -807,6 +823,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_tcp and sizes[0] <= SPREAD_MAX_BYTES:
             print("measuring the exchange floor ...", file=sys.stderr, flush=True)
             floor_line = exchange_line(workdir, args.timeout, sizes[0], loops)
+            if "FAILED" in floor_line:
+                failures.append("the exchange floor")
 
         mpi_binary: Path | None = None
         if not args.no_mpi and mpi_note is None:
@@ -835,6 +853,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in all_series:
                 if s.error:
                     notes.append(f"{s.name} world={world}: failed ({s.error.splitlines()[0]})")
+                    failures.append(f"{s.name} at world {world}")
             if args.rounds > 1 and (spread := small_spread(sizes, all_series)):
                 notes.append(f"world {world}, least-greatest over the rounds: {spread}")
 
@@ -844,8 +863,10 @@ def main(argv: list[str] | None = None) -> int:
     if floor_line is not None:
         out.append(floor_line)
     out.append(
-        "timing: per size, warm-up then barrier then timed calls; latency = max over "
-        "ranks of the per-rank median; busbw = bytes/time * 2(n-1)/n, GB/s = 1e9 B/s; "
+        "timing: per size, warm-up then barrier then timed calls; latency = median over "
+        "calls of each call's slowest rank (its own time from its call to its result); "
+        "busbw = bytes/time * 2(n-1)/n, GB/s = 1e9 B/s; "
+        "ratios: p2pdist's busbw over Gloo's, barrier: Gloo's time over p2pdist's; "
         "input refilled before each call and every result checked, outside the timer; "
         + (
             "p2pdist out of place (a fresh result array per call), Gloo in place"
@@ -880,6 +901,9 @@ def main(argv: list[str] | None = None) -> int:
     sep = "\n\n"
     print(("  \n" if args.markdown else "\n").join(out) + sep + sep.join(tables), flush=True)
     print(f"\n(total wall time {time.monotonic() - t_start:.0f}s)", file=sys.stderr)
+    if failures:
+        print(f"FAILED: {', '.join(failures)} (see the notes)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -22,7 +22,7 @@ import _allreduce_worker as worker
 import quic_throughput
 import reduce_modes
 from _procs import wait_for
-from allreduce import Point, Series, median_of_rounds, parse_size
+from allreduce import Point, Series, median_of_rounds, parse_size, slowest_rank_median
 
 
 def test_busbw_follows_the_nccl_tests_convention() -> None:
@@ -68,6 +68,32 @@ def test_median_of_rounds_without_cpu_or_with_a_failed_round() -> None:
     failed = Series("plaintext", error="rank 1 exit 1")
     merged = median_of_rounds([_series(1, 1, 1), failed])
     assert merged.error == "rank 1 exit 1" and not merged.points
+
+
+def test_a_calls_time_is_its_slowest_ranks() -> None:
+    # rank 0 took 1, 5, 2 and rank 1 4, 1, 3: the calls took 4, 5, 3 (median 4), where
+    # the greater of the two ranks' medians (2 and 3) would say 3
+    assert slowest_rank_median([[1, 5, 2], [4, 1, 3]]) == 4
+    assert slowest_rank_median([[1, 2], [3, 1]]) == 2.5
+    with pytest.raises(ValueError):  # every rank times every call
+        slowest_rank_median([[1, 2], [3]])
+
+
+def test_allreduce_exits_1_when_a_backend_fails(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import allreduce
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise allreduce.LaunchError("rank 1 exited with status 1: simulated crash")
+
+    monkeypatch.setattr(allreduce, "launch", crash)
+    argv = ["--world", "2", "--sizes", "4K", "--iters", "1", "--warmup", "0"]
+    argv += ["--modes", "plaintext", "--loop", "asyncio", "--no-tcp", "--no-gloo", "--no-mpi"]
+    assert allreduce.main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "note: plaintext world=2: failed (rank 1 exited" in out, out
+    assert "FAILED: plaintext at world 2" in err, err
 
 
 def test_quic_median_run_odd_and_even() -> None:
