@@ -93,10 +93,12 @@ def check(got: np.ndarray[Any, Any], expected: np.ndarray[Any, Any], tol: float,
     )
 
 
-def _summary(times: list[float]) -> dict[str, Any]:
-    """This rank's time of each timed call, in seconds, in call order (the parent takes
-    each call's slowest rank), and their median."""
-    return {"times": times, "median": statistics.median(times)}
+def _summary(starts: list[float], times: list[float]) -> dict[str, Any]:
+    """When this rank started each timed call (``time.perf_counter``, which is
+    CLOCK_MONOTONIC on Linux: one clock for every process on the host) and how long it
+    took, in seconds, in call order (the parent lines the ranks' calls up), and the median
+    time."""
+    return {"starts": starts, "times": times, "median": statistics.median(times)}
 
 
 # ----------------------------------------------------------------------------- TCP
@@ -333,29 +335,34 @@ def gloo(cfg: dict[str, Any]) -> dict[str, Any]:
                 _refill_torch(base, offset, x, t, dev)
                 dist.all_reduce(dev, op=dist.ReduceOp.SUM)
             dist.barrier()
+            starts: list[float] = []
             times: list[float] = []
             cpu = 0.0
             for _ in range(iters):
                 _refill_torch(base, offset, x, t, dev)  # outside the timer: the same sums
                 dist.barrier()  # every rank's refill and last check done (untimed)
                 c0, t0 = time.process_time(), time.perf_counter()
+                starts.append(t0)
                 dist.all_reduce(dev, op=dist.ReduceOp.SUM)  # in place, as torch always is
                 if on_gpu:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
                 cpu += time.process_time() - c0
                 check(dev.cpu().numpy() if on_gpu else x, expected, 0.0, f"gloo {nbytes} B")
-            results.append({"bytes": nbytes, "iters": iters, "cpu": cpu / iters, **_summary(times)})
+            summary = _summary(starts, times)
+            results.append({"bytes": nbytes, "iters": iters, "cpu": cpu / iters, **summary})
             del t, x, base, expected
         dist.barrier()
+        barrier_starts: list[float] = []
         barrier: list[float] = []
         for _ in range(BARRIER_ITERS):
             t0 = time.perf_counter()
             dist.barrier()
+            barrier_starts.append(t0)
             barrier.append(time.perf_counter() - t0)
     finally:
         dist.destroy_process_group()
-    return {"results": results, "barrier": _summary(barrier)}
+    return {"results": results, "barrier": _summary(barrier_starts, barrier)}
 
 
 # -------------------------------------------------------------------------- p2pdist
@@ -400,12 +407,14 @@ async def _p2pdist_async(cfg: dict[str, Any]) -> dict[str, Any]:
                 _refill_cupy(base, offset, x, arr, cp)
                 await g.all_reduce(arr, op="sum", out=out, **kw)
             await g.barrier()
+            starts: list[float] = []
             times: list[float] = []
             cpu = 0.0
             for _ in range(iters):
                 _refill_cupy(base, offset, x, arr, cp)  # outside the timer: the same sums
                 await g.barrier()  # every rank's refill and last check done (untimed)
                 c0, t0 = time.process_time(), time.perf_counter()
+                starts.append(t0)
                 result = await g.all_reduce(arr, op="sum", out=out, **kw)
                 if cp is not None:
                     cp.cuda.get_current_stream().synchronize()
@@ -415,15 +424,18 @@ async def _p2pdist_async(cfg: dict[str, Any]) -> dict[str, Any]:
                     raise AssertionError(f"p2pdist {nbytes} B: all_reduce(x, out=x) not in place")
                 got = result.get() if cp is not None else np.asarray(result)
                 check(got, expected, tol, f"p2pdist {nbytes} B")
-            results.append({"bytes": nbytes, "iters": iters, "cpu": cpu / iters, **_summary(times)})
+            summary = _summary(starts, times)
+            results.append({"bytes": nbytes, "iters": iters, "cpu": cpu / iters, **summary})
             del x, arr, out, result, base, expected
         await g.barrier()
+        barrier_starts: list[float] = []
         barrier: list[float] = []
         for _ in range(BARRIER_ITERS):
             t0 = time.perf_counter()
             await g.barrier()
+            barrier_starts.append(t0)
             barrier.append(time.perf_counter() - t0)
-    return {"results": results, "barrier": _summary(barrier)}
+    return {"results": results, "barrier": _summary(barrier_starts, barrier)}
 
 
 def p2pdist(cfg: dict[str, Any]) -> dict[str, Any]:

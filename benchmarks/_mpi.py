@@ -62,8 +62,10 @@ def sweep(
     binary: Path, world: int, plan: Iterable[tuple[int, int, int]], workdir: Path, timeout: float
 ) -> dict[str, Any]:
     """One sweep in ``world`` processes, per ``(bytes, warm-up calls, timed calls)`` of
-    ``plan``: ``{"results": [{"bytes", "median", "cpu"}, ...], "barrier": {"median"}}``,
-    each the maximum over ranks, in seconds."""
+    ``plan``: ``{"results": [{"bytes", "median", "slowest", "cpu"}, ...], "barrier":
+    {"median", "slowest"}}`` in seconds: the medians over calls of the time from the last
+    rank's start to the last rank's end and of each call's slowest rank, and the maximum
+    over ranks of the CPU time per call."""
     result = workdir / f"mpi-world{world}-{time.monotonic_ns()}.json"
     specs = [f"{n}:{w}:{i}" for n, w, i in plan]
     cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(world), *TCP_ONLY]

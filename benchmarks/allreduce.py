@@ -10,9 +10,12 @@ Everything runs on 127.0.0.1 in the same invocation so the numbers are comparabl
 * for every world size, a p2pdist sweep per transport mode and a Gloo sweep, each in
   ``world`` fresh worker processes (``benchmarks/_allreduce_worker.py``).
 
-Timing: per size, a few warm-up calls, a barrier, then timed calls; each rank times each
-of its calls, and a call's time is its slowest rank's; the table shows the median over
-calls (each backend's own barrier before each call, untimed, lines the ranks up). The
+Timing: per size, a few warm-up calls, a barrier, then timed calls (each backend's own
+barrier before each call, untimed, lines the ranks up); each rank notes when it starts
+each call and how long it takes, and a call's time runs from the last rank's start to the
+last rank's end (every rank runs on this host: one clock); the tables show the median
+over calls. The notes also give, for sizes up to 64 KiB and the barrier, the median of
+each call's slowest rank, its wait for the others' start included. The
 ratio columns are p2pdist's bus bandwidth over Gloo's, and in the barrier row Gloo's time
 over p2pdist's: above 1, p2pdist is faster. The script exits with status 1 when anything
 it ran failed (a backend's sweep, the TCP measurement, the exchange floor): the tables
@@ -298,7 +301,8 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 @dataclass
 class Point:
-    """Result for one size: the median over calls of each call's slowest rank, seconds."""
+    """Result for one size: the median over calls of each call's time from the last rank's
+    start to the last rank's end, seconds."""
 
     nbytes: int
     seconds: float
@@ -307,6 +311,9 @@ class Point:
     """Process CPU seconds per call, max over ranks (None: not reported)."""
     spread: tuple[float, float] | None = None
     """The least and the greatest ``seconds`` over the rounds this point is the median of."""
+    slowest: float | None = None
+    """The median over calls of each call's slowest rank (its wait for the others to start
+    included), seconds (None: not reported)."""
 
     @property
     def algbw(self) -> float:
@@ -327,7 +334,9 @@ class Series:
     points: dict[int, Point] = field(default_factory=dict)
     error: str | None = None
     barrier: float | None = None
-    """Median barrier time, seconds (max over ranks)."""
+    """Barrier time, seconds, measured as :attr:`Point.seconds` is."""
+    barrier_slowest: float | None = None
+    """Barrier time as :attr:`Point.slowest` measures it."""
 
 
 def median_of_rounds(rounds: list[Series]) -> Series:
@@ -341,18 +350,22 @@ def median_of_rounds(rounds: list[Series]) -> Series:
         return merged
     for nbytes, first in rounds[0].points.items():
         points = [s.points[nbytes] for s in rounds]
-        cpus = [p.cpu for p in points]
         merged.points[nbytes] = Point(
             nbytes,
             statistics.median(p.seconds for p in points),
             first.world,
-            statistics.median(c for c in cpus if c is not None) if None not in cpus else None,
+            _median_or_none([p.cpu for p in points]),
             (min(p.seconds for p in points), max(p.seconds for p in points)),
+            _median_or_none([p.slowest for p in points]),
         )
-    barriers = [s.barrier for s in rounds]
-    if None not in barriers:
-        merged.barrier = statistics.median(b for b in barriers if b is not None)
+    merged.barrier = _median_or_none([s.barrier for s in rounds])
+    merged.barrier_slowest = _median_or_none([s.barrier_slowest for s in rounds])
     return merged
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    """The median, or None when any round did not report the value."""
+    return None if None in values else statistics.median(v for v in values if v is not None)
 
 
 SPREAD_MAX_BYTES = 64 * 1024
@@ -375,13 +388,33 @@ def small_spread(sizes: list[int], series: list[Series]) -> str:
     return "; ".join(parts)
 
 
+def slowest_line(sizes: list[int], series: list[Series]) -> str:
+    """The latency-bound sizes and the barrier measured by each call's slowest rank:
+    ``"4K: plaintext 61 us, gloo 480 us; barrier: plaintext 52 us, gloo 250 us"``."""
+    parts: list[str] = []
+    for nbytes in (n for n in sizes if n <= SPREAD_MAX_BYTES):
+        cells = [
+            f"{s.name} {p.slowest * 1e6:.0f} us"
+            for s in series
+            if (p := s.points.get(nbytes)) is not None and p.slowest is not None
+        ]
+        if cells:
+            parts.append(f"{format_size(nbytes)}: " + ", ".join(cells))
+    barriers = [f"{s.name} {s.barrier_slowest * 1e6:.0f} us" for s in series if s.barrier_slowest]
+    if barriers:
+        parts.append("barrier: " + ", ".join(barriers))
+    return "; ".join(parts)
+
+
 def mpi_series(world: int, data: dict[str, Any]) -> Series:
     """The Open MPI sweep's result (already the maximum over ranks) as a series."""
     series = Series("ompi")
     for r in data["results"]:
         n = int(r["bytes"])
-        series.points[n] = Point(n, float(r["median"]), world, float(r["cpu"]))
+        slowest = float(r["slowest"])
+        series.points[n] = Point(n, float(r["median"]), world, float(r["cpu"]), None, slowest)
     series.barrier = float(data["barrier"]["median"])
+    series.barrier_slowest = float(data["barrier"]["slowest"])
     return series
 
 
@@ -423,12 +456,26 @@ def exchange_line(workdir: Path, timeout: float, size: int, loops: list[str]) ->
     )
 
 
-def slowest_rank_median(per_rank: list[list[float]]) -> float:
-    """The median over calls of each call's slowest rank: ``per_rank[r][i]`` is rank r's
-    time of call i. (The maximum over ranks of each rank's median can be far less: when
-    the barrier before each call lets the ranks go at different times, the rank that
-    waits longest for the others changes from call to call.)"""
-    calls = zip(*per_rank, strict=True)
+def last_start_to_last_end(per_rank: list[dict[str, Any]]) -> float:
+    """The median over calls of the time from the last rank's start of a call to the last
+    rank's end of it: the call from the moment every rank is in it. ``per_rank[r]`` has
+    rank r's ``starts`` and ``times`` of each call; every rank runs on this host, so their
+    clocks are one (CLOCK_MONOTONIC)."""
+    starts = zip(*(r["starts"] for r in per_rank), strict=True)
+    ends = zip(
+        *([s + t for s, t in zip(r["starts"], r["times"], strict=True)] for r in per_rank),
+        strict=True,
+    )
+    return statistics.median(max(e) - max(s) for s, e in zip(starts, ends, strict=True))
+
+
+def slowest_rank_median(per_rank: list[dict[str, Any]]) -> float:
+    """The median over calls of each call's slowest rank, its own time from its start to
+    its end: a rank that starts before the others waits for them, so this counts how far
+    apart the barrier before each call let the ranks go. (The greatest of the ranks'
+    medians, which the tables showed until 2026-12-08, can be less than both measures:
+    the rank that waits longest changes from call to call.)"""
+    calls = zip(*(r["times"] for r in per_rank), strict=True)
     return statistics.median(max(float(t) for t in call) for call in calls)
 
 
@@ -466,12 +513,16 @@ def run_series(
         print(f"  {name} world={world}: FAILED\n{exc}", file=sys.stderr, flush=True)
         return series
     for i, nbytes in enumerate(sizes):
-        seconds = slowest_rank_median([r["results"][i]["times"] for r in results])
-        cpus = [r["results"][i].get("cpu") for r in results]
+        calls = [r["results"][i] for r in results]
+        cpus = [c.get("cpu") for c in calls]
         cpu = max(float(c) for c in cpus) if None not in cpus else None
-        series.points[nbytes] = Point(nbytes, seconds, world, cpu)
+        series.points[nbytes] = Point(
+            nbytes, last_start_to_last_end(calls), world, cpu, None, slowest_rank_median(calls)
+        )
     if all("barrier" in r for r in results):
-        series.barrier = slowest_rank_median([r["barrier"]["times"] for r in results])
+        barriers = [r["barrier"] for r in results]
+        series.barrier = last_start_to_last_end(barriers)
+        series.barrier_slowest = slowest_rank_median(barriers)
     print(
         f"  {name} world={world}: done in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True
     )
@@ -856,6 +907,8 @@ def main(argv: list[str] | None = None) -> int:
                     failures.append(f"{s.name} at world {world}")
             if args.rounds > 1 and (spread := small_spread(sizes, all_series)):
                 notes.append(f"world {world}, least-greatest over the rounds: {spread}")
+            if slowest := slowest_line(sizes, all_series):
+                notes.append(f"world {world}, each call's slowest rank: {slowest}")
 
     out.append(f"command: {cmd}")
     out.append(machine)
@@ -864,7 +917,9 @@ def main(argv: list[str] | None = None) -> int:
         out.append(floor_line)
     out.append(
         "timing: per size, warm-up then barrier then timed calls; latency = median over "
-        "calls of each call's slowest rank (its own time from its call to its result); "
+        "calls of the time from the last rank's start to the last rank's end (one clock: "
+        "every rank on this host; the notes give each call's slowest rank too, its wait "
+        "for the others' start included); "
         "busbw = bytes/time * 2(n-1)/n, GB/s = 1e9 B/s; "
         "ratios: p2pdist's busbw over Gloo's, barrier: Gloo's time over p2pdist's; "
         "input refilled before each call and every result checked, outside the timer; "

@@ -41,6 +41,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -174,6 +175,22 @@ def _run_size(args: argparse.Namespace, world: int, mib: float, rate: int | None
         _run_ranks(args, world, mib, rate, peers, prefixes)
 
 
+def _wait_all(procs: list[subprocess.Popen[str]], timeout: float) -> None:
+    """Until every rank has exited, waited for in short slices: a rank that fails ends
+    the wait at once, whichever rank it is (waiting for the ranks in turn waited out the
+    timeout on rank 0 when a later one had died)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for r, p in enumerate(procs):
+            if p.poll():  # its traceback went to stderr
+                raise SystemExit(f"reduce_modes: rank {r} failed (exit status {p.returncode})")
+        if all(p.returncode == 0 for p in procs):
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"reduce_modes: the ranks took over {timeout:g} s")
+        time.sleep(0.1)
+
+
 def _run_ranks(
     args: argparse.Namespace,
     world: int,
@@ -183,31 +200,34 @@ def _run_ranks(
     prefixes: list[list[str]],
 ) -> None:
     nbytes = int(mib * 2**20)
-    procs = []
-    for r in range(world):
-        cfg = {
-            "rank": r,
-            "world": world,
-            "peers": peers,
-            "nbytes": nbytes,
-            "rounds": args.rounds,
-            "iters": args.iters or max(2, int(128 // mib)),
-            "modes": args.modes,
-            "tls": args.tls,
-        }
-        cmd = [*prefixes[r], sys.executable, __file__, "--worker", json.dumps(cfg)]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
-    try:
+    procs: list[subprocess.Popen[str]] = []
+    with contextlib.ExitStack() as stack:
+        outputs = []
+        for r in range(world):
+            cfg = {
+                "rank": r,
+                "world": world,
+                "peers": peers,
+                "nbytes": nbytes,
+                "rounds": args.rounds,
+                "iters": args.iters or max(2, int(128 // mib)),
+                "modes": args.modes,
+                "tls": args.tls,
+            }
+            cmd = [*prefixes[r], sys.executable, __file__, "--worker", json.dumps(cfg)]
+            # a file, not a pipe: a rank waited for in slices never blocks on a full pipe
+            outputs.append(stack.enter_context(tempfile.TemporaryFile("w+")))
+            procs.append(subprocess.Popen(cmd, stdout=outputs[-1], text=True))
+        try:
+            _wait_all(procs, args.timeout)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
         outs = []
-        for r, p in enumerate(procs):
-            text = p.communicate(timeout=args.timeout)[0]
-            if p.returncode:  # its traceback went to stderr
-                raise SystemExit(f"reduce_modes: rank {r} failed (exit status {p.returncode})")
-            outs.append(json.loads(text))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        for f in outputs:
+            f.seek(0)
+            outs.append(json.loads(f.read()))
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
     link = "TLS" if args.tls else "plaintext"
     where = "loopback" if rate is None else f"links shaped to {_rate_text(rate)} each way"

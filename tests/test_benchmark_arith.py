@@ -22,7 +22,14 @@ import _allreduce_worker as worker
 import quic_throughput
 import reduce_modes
 from _procs import wait_for
-from allreduce import Point, Series, median_of_rounds, parse_size, slowest_rank_median
+from allreduce import (
+    Point,
+    Series,
+    last_start_to_last_end,
+    median_of_rounds,
+    parse_size,
+    slowest_rank_median,
+)
 
 
 def test_busbw_follows_the_nccl_tests_convention() -> None:
@@ -70,13 +77,20 @@ def test_median_of_rounds_without_cpu_or_with_a_failed_round() -> None:
     assert merged.error == "rank 1 exit 1" and not merged.points
 
 
-def test_a_calls_time_is_its_slowest_ranks() -> None:
-    # rank 0 took 1, 5, 2 and rank 1 4, 1, 3: the calls took 4, 5, 3 (median 4), where
-    # the greater of the two ranks' medians (2 and 3) would say 3
-    assert slowest_rank_median([[1, 5, 2], [4, 1, 3]]) == 4
-    assert slowest_rank_median([[1, 2], [3, 1]]) == 2.5
+def test_a_calls_time_runs_from_the_last_start_to_the_last_end() -> None:
+    # call 0: rank 0 in at 0 and out at 5, rank 1 in at 3 and out at 4: 5 - 3 = 2
+    # call 1: rank 0 in at 10 and out at 11, rank 1 in at 10 and out at 16: 6
+    # call 2: rank 0 in at 20 and out at 24, rank 1 in at 21 and out at 24: 3
+    ranks = [
+        {"starts": [0, 10, 20], "times": [5, 1, 4]},
+        {"starts": [3, 10, 21], "times": [1, 6, 3]},
+    ]
+    assert last_start_to_last_end(ranks) == 3
+    # each call's slowest rank: 5, 6, 4, median 5; the greater of the two ranks' medians
+    # (4 and 3) says 4
+    assert slowest_rank_median(ranks) == 5
     with pytest.raises(ValueError):  # every rank times every call
-        slowest_rank_median([[1, 2], [3]])
+        slowest_rank_median([{"starts": [0, 1], "times": [1, 2]}, {"starts": [0], "times": [3]}])
 
 
 def test_allreduce_exits_1_when_a_backend_fails(
@@ -170,6 +184,21 @@ def test_wait_for_reports_a_dead_child_at_once() -> None:
         wait_for(q, [p], 60, "rate")
     assert time.monotonic() - t0 < 10
     p.join()
+
+
+def test_reduce_modes_stops_waiting_when_any_rank_fails() -> None:
+    import subprocess
+
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], text=True)
+    failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], text=True)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(SystemExit, match=r"rank 1 failed \(exit status 3\)"):
+            reduce_modes._wait_all([slow, failing], 60)  # rank 0 still runs
+        assert time.monotonic() - t0 < 10
+    finally:
+        slow.kill()
+        slow.wait()
 
 
 def test_the_relay_cpu_is_divided_by_what_the_senders_send() -> None:
