@@ -176,30 +176,22 @@ def _exchange_socket(cfg: dict[str, Any]) -> socket.socket:
     return sock
 
 
-EXCHANGE_BLOCK = 100
-"""The floor's exchanges are timed in blocks of this many (after as many warm-up ones as
-timed ones): a timer call per exchange would be a large part of what it times."""
-
-
-def _exchange_timed(n: int, iters: int, run: Callable[[int], object]) -> dict[str, Any]:
-    """``run(k)`` makes k exchanges: ``iters`` of them to warm up, then ``iters`` timed in
-    blocks; the median block's time per exchange."""
+def _exchange_timed(n: int, iters: int, run: Callable[[int], list[float]]) -> dict[str, Any]:
+    """``run(k)`` makes k exchanges and returns each one's time: ``iters`` of them to warm
+    up, then ``iters`` timed; their median, as the all-reduce's calls are taken."""
     run(iters)
-    per_block: list[float] = []
-    for _ in range(max(1, iters // EXCHANGE_BLOCK)):
-        t0 = time.perf_counter()
-        run(EXCHANGE_BLOCK)
-        per_block.append(time.perf_counter() - t0)
-    return {"bytes": n, "median": statistics.median(per_block) / EXCHANGE_BLOCK}
+    return {"bytes": n, "median": statistics.median(run(iters))}
 
 
-def _blocking_steps(sock: socket.socket, n: int) -> Callable[[int], None]:
+def _blocking_steps(sock: socket.socket, n: int) -> Callable[[int], list[float]]:
     x = np.ones(n // 4, np.float32)
     got = np.empty_like(x)
     out, into = memoryview(x).cast("B"), memoryview(got).cast("B")
 
-    def steps(k: int) -> None:
+    def steps(k: int) -> list[float]:
+        times = []
         for _ in range(k):
+            t0 = time.perf_counter()
             sock.sendall(out)
             have = 0
             while have < n:
@@ -208,12 +200,16 @@ def _blocking_steps(sock: socket.socket, n: int) -> Callable[[int], None]:
                     raise ConnectionError("the other side closed")
                 have += m
             np.add(x, got, out=x)
+            times.append(time.perf_counter() - t0)
             x.fill(1)
+        return times
 
     return steps
 
 
-async def _async_steps(cfg: dict[str, Any]) -> Callable[[int], Coroutine[Any, Any, None]]:
+async def _async_steps(
+    cfg: dict[str, Any],
+) -> Callable[[int], Coroutine[Any, Any, list[float]]]:
     import asyncio
 
     n: int = cfg["size"]
@@ -246,8 +242,10 @@ async def _async_steps(cfg: dict[str, Any]) -> Callable[[int], Coroutine[Any, An
     x = np.ones(n // 4, np.float32)
     out = memoryview(x).cast("B")
 
-    async def steps(k: int) -> None:
+    async def steps(k: int) -> list[float]:
+        times = []
         for _ in range(k):
+            t0 = time.perf_counter()
             transport.write(out)
             if inbox.end - inbox.start < n:
                 # Read what has come before waiting for the loop to say so, as p2pdist does.
@@ -259,8 +257,10 @@ async def _async_steps(cfg: dict[str, Any]) -> Callable[[int], Coroutine[Any, An
                 await asyncio.wait_for(inbox.whole, cfg["timeout"])
             got = np.frombuffer(inbox.buf, np.float32, n // 4, inbox.start)
             np.add(x, got, out=x)
+            times.append(time.perf_counter() - t0)
             inbox.start += n
             x.fill(1)
+        return times
 
     return steps
 

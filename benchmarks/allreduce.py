@@ -400,14 +400,18 @@ def slowest_line(sizes: list[int], series: list[Series]) -> str:
         ]
         if cells:
             parts.append(f"{format_size(nbytes)}: " + ", ".join(cells))
-    barriers = [f"{s.name} {s.barrier_slowest * 1e6:.0f} us" for s in series if s.barrier_slowest]
+    barriers = [
+        f"{s.name} {s.barrier_slowest * 1e6:.0f} us"
+        for s in series
+        if s.barrier_slowest is not None
+    ]
     if barriers:
         parts.append("barrier: " + ", ".join(barriers))
     return "; ".join(parts)
 
 
 def mpi_series(world: int, data: dict[str, Any]) -> Series:
-    """The Open MPI sweep's result (already the maximum over ranks) as a series."""
+    """The Open MPI sweep's result (its ranks' calls already lined up) as a series."""
     series = Series("ompi")
     for r in data["results"]:
         n = int(r["bytes"])
@@ -441,19 +445,23 @@ def measure_exchange(workdir: Path, timeout: float, size: int, loop: str) -> flo
     return max(float(r["median"]) for r in results)
 
 
-def exchange_line(workdir: Path, timeout: float, size: int, loops: list[str]) -> str:
-    """The floor, measured on blocking sockets and on each event loop, as one line."""
+def exchange_line(workdir: Path, timeout: float, size: int, loops: list[str]) -> tuple[str, bool]:
+    """The floor, measured on blocking sockets and on each event loop, as one line, and
+    whether any of those measurements failed."""
     parts = []
+    failed = False
     for loop in ["blocking", *loops]:
         try:
             parts.append(f"{loop} {measure_exchange(workdir, timeout, size, loop) * 1e6:.1f} us")
         except LaunchError as exc:
             parts.append(f"{loop} FAILED ({str(exc).splitlines()[0]})")
-    return (
+            failed = True
+    line = (
         f"exchange floor ({format_size(size)} each way between two processes over loopback "
         f"TCP, then an in-place add: a world-2 small all-reduce in Python with no library "
         f"between): {', '.join(parts)}"
     )
+    return line, failed
 
 
 def last_start_to_last_end(per_rank: list[dict[str, Any]]) -> float:
@@ -473,7 +481,7 @@ def slowest_rank_median(per_rank: list[dict[str, Any]]) -> float:
     """The median over calls of each call's slowest rank, its own time from its start to
     its end: a rank that starts before the others waits for them, so this counts how far
     apart the barrier before each call let the ranks go. (The greatest of the ranks'
-    medians, which the tables showed until 2026-12-08, can be less than both measures:
+    medians, which the tables showed until 2026-12-08, counts that wait only in part:
     the rank that waits longest changes from call to call.)"""
     calls = zip(*(r["times"] for r in per_rank), strict=True)
     return statistics.median(max(float(t) for t in call) for call in calls)
@@ -873,8 +881,8 @@ def main(argv: list[str] | None = None) -> int:
         floor_line = None
         if not args.no_tcp and sizes[0] <= SPREAD_MAX_BYTES:
             print("measuring the exchange floor ...", file=sys.stderr, flush=True)
-            floor_line = exchange_line(workdir, args.timeout, sizes[0], loops)
-            if "FAILED" in floor_line:
+            floor_line, floor_failed = exchange_line(workdir, args.timeout, sizes[0], loops)
+            if floor_failed:
                 failures.append("the exchange floor")
 
         mpi_binary: Path | None = None

@@ -84,6 +84,16 @@ def test_allreduce_table_in_place_and_out_of_place() -> None:
 
 
 @pytest.mark.timeout(300)
+def test_allreduce_states_loopback_tcp_and_the_exchange_floor() -> None:
+    args = ["--world", "2", "--sizes", "4K", "--iters", "3", "--warmup", "1"]
+    out = bench("allreduce.py", *args, "--modes", "plaintext", "--loop", "asyncio", "--no-gloo")
+    tcp = re.search(r"loopback TCP \(1 stream[^)]*\): (\d+\.\d+) GB/s", out)
+    assert tcp and float(tcp.group(1)) > 0, out
+    floor = re.search(r"exchange floor .*: blocking (\d+\.\d) us, asyncio (\d+\.\d) us", out)
+    assert floor and 0 < float(floor.group(1)) < 50_000 and 0 < float(floor.group(2)) < 50_000
+
+
+@pytest.mark.timeout(300)
 def test_transport_throughput_one_way_and_both_ways() -> None:
     kinds = ["--kinds", "socket", "tls-socket", "p2pdist-plain", "p2pdist-tls"]
     for extra in ([], ["--both-ways"]):
