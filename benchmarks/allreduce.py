@@ -374,32 +374,40 @@ times (Gloo's most: 0.1 to 2.6 ms at 4 KiB on the 2-core host, by where the sche
 put its ranks) can differ from round to round by more than the bar they are held to."""
 
 
-def small_spread(sizes: list[int], series: list[Series]) -> str:
-    """``"4K: plaintext 40-52 us, gloo 137-2108 us; ..."`` for the latency-bound sizes."""
+def _per_small_size(
+    sizes: list[int], series: list[Series], cell: Callable[[Point], str | None]
+) -> list[str]:
+    """``"4K: plaintext <cell>, gloo <cell>"`` per latency-bound size, for each series
+    whose point there gives a cell."""
     parts: list[str] = []
     for nbytes in (n for n in sizes if n <= SPREAD_MAX_BYTES):
         cells = [
-            f"{s.name} {p.spread[0] * 1e6:.0f}-{p.spread[1] * 1e6:.0f} us"
+            f"{s.name} {text}"
             for s in series
-            if (p := s.points.get(nbytes)) is not None and p.spread is not None
+            if (p := s.points.get(nbytes)) is not None and (text := cell(p)) is not None
         ]
         if cells:
             parts.append(f"{format_size(nbytes)}: " + ", ".join(cells))
-    return "; ".join(parts)
+    return parts
+
+
+def small_spread(sizes: list[int], series: list[Series]) -> str:
+    """``"4K: plaintext 40-52 us, gloo 137-2108 us; ..."`` for the latency-bound sizes."""
+
+    def spread(p: Point) -> str | None:
+        return None if p.spread is None else f"{p.spread[0] * 1e6:.0f}-{p.spread[1] * 1e6:.0f} us"
+
+    return "; ".join(_per_small_size(sizes, series, spread))
 
 
 def slowest_line(sizes: list[int], series: list[Series]) -> str:
     """The latency-bound sizes and the barrier measured by each call's slowest rank:
     ``"4K: plaintext 61 us, gloo 480 us; barrier: plaintext 52 us, gloo 250 us"``."""
-    parts: list[str] = []
-    for nbytes in (n for n in sizes if n <= SPREAD_MAX_BYTES):
-        cells = [
-            f"{s.name} {p.slowest * 1e6:.0f} us"
-            for s in series
-            if (p := s.points.get(nbytes)) is not None and p.slowest is not None
-        ]
-        if cells:
-            parts.append(f"{format_size(nbytes)}: " + ", ".join(cells))
+
+    def slowest(p: Point) -> str | None:
+        return None if p.slowest is None else f"{p.slowest * 1e6:.0f} us"
+
+    parts = _per_small_size(sizes, series, slowest)
     barriers = [
         f"{s.name} {s.barrier_slowest * 1e6:.0f} us"
         for s in series
