@@ -714,6 +714,29 @@ def _mpi_sweep(
     return mpi_series(world, data)
 
 
+def source_commit() -> str:
+    """`` (commit abc1234)`` of the checkout this script runs from, ``+`` when its tree has
+    changes, or nothing outside a git checkout: the package version alone does not say
+    which code a table measured."""
+    git = ["git", "-C", str(Path(__file__).resolve().parent)]
+    try:
+        head = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    if head.returncode != 0 or not head.stdout.strip():
+        return ""
+    changed = "+" if dirty.returncode == 0 and dirty.stdout.strip() else ""
+    return f" (commit {head.stdout.strip()}{changed})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Command-line interface."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -824,6 +847,7 @@ def main(argv: list[str] | None = None) -> int:
         p2p_version = version("p2pdist")
     except Exception:
         pass
+    p2p_version += source_commit()
     notes: list[str] = []
     run_gloo = not args.no_gloo
     if run_gloo and tv is None:

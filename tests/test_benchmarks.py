@@ -91,6 +91,8 @@ def test_allreduce_states_loopback_tcp_and_the_exchange_floor() -> None:
     assert tcp and float(tcp.group(1)) > 0, out
     floor = re.search(r"exchange floor .*: blocking (\d+\.\d) us, asyncio (\d+\.\d) us", out)
     assert floor and 0 < float(floor.group(1)) < 50_000 and 0 < float(floor.group(2)) < 50_000
+    if (ROOT / ".git").exists():  # the code a table measured: its commit
+        assert re.search(r"p2pdist \S+ \(commit [0-9a-f]{7,}\+?\)", out), out
 
 
 @pytest.mark.timeout(300)
