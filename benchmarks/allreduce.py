@@ -659,6 +659,13 @@ def run_round(
     def sweep(
         name: str, role: str, extra: dict[str, Any], env: dict[str, str] | None = None
     ) -> Series:
+        # Ports are picked as the sweep starts, not when the round is planned: minutes of
+        # other sweeps' connections in between could take a port picked early.
+        if role == "p2pdist":
+            extra = {**extra, "peers": [f"127.0.0.1:{p}" for p in free_ports(world)]}
+        elif role == "gloo":
+            (port,) = free_ports(1)
+            extra = {**extra, "port": port}
         return run_series(
             name, role, world, sizes, warmup, iters, workdir, args.timeout, extra, env
         )
@@ -670,7 +677,6 @@ def run_round(
             variant = mode[mode.find("-") :] if "-" in mode else ""
             extra = {
                 "seed": seed,
-                "peers": [f"127.0.0.1:{p}" for p in free_ports(world)],
                 "tls": mode.startswith("tls"),
                 "sealed_records": not mode.startswith("tlsrec"),
                 "loop": loop,
@@ -681,8 +687,7 @@ def run_round(
             }
             jobs.append(functools.partial(sweep, mode + LOOPS[loop], "p2pdist", extra))
     if run_gloo:
-        (port,) = free_ports(1)
-        gloo_cfg = {"port": port, "arrays": args.arrays}
+        gloo_cfg = {"arrays": args.arrays}
         gloo_env = {"GLOO_SOCKET_IFNAME": "lo"}
         jobs.append(functools.partial(sweep, "gloo", "gloo", gloo_cfg, env=gloo_env))
     if mpi_binary is not None and args.arrays == "host":
