@@ -169,6 +169,48 @@ def tcp_send(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"bytes": sent, "seconds": t1 - t0}
 
 
+def tcp_duplex(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One end of a connection that carries ``total`` bytes each way at once (side 0
+    listens, side 1 dials): a thread sends (a blocking ``sendall`` lets go of the GIL)
+    while this one receives, as a world-2 ring's rank does; one byte each way first, so
+    both ends start together."""
+    import threading
+
+    total: int = cfg["total"]
+    with _accept_one(cfg) if cfg["side"] == 0 else _dial(cfg) as sock:
+        sock.sendall(b"s")
+        if sock.recv(1) != b"s":
+            raise ConnectionError("no start byte from the other side")
+        payload = memoryview(np.ones(TCP_CHUNK, dtype=np.uint8).tobytes())
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                sent = 0
+                while sent < total:
+                    n = min(TCP_CHUNK, total - sent)
+                    sock.sendall(payload[:n])
+                    sent += n
+            except BaseException as exc:  # (raised again below, on the main thread)
+                failed.append(exc)
+
+        view = memoryview(bytearray(TCP_CHUNK))
+        t0 = time.perf_counter()
+        sender = threading.Thread(target=send)
+        sender.start()
+        got = 0
+        while got < total:
+            n = sock.recv_into(view, min(TCP_CHUNK, total - got))
+            if n == 0:
+                raise ConnectionError(f"the other side closed after {got} of {total} bytes")
+            got += n
+        sender.join()
+        t1 = time.perf_counter()
+        if failed:
+            raise failed[0]
+    return {"bytes": got, "seconds": t1 - t0}
+
+
 def _exchange_socket(cfg: dict[str, Any]) -> socket.socket:
     """Side 0 listens on ``cfg["port"]`` and side 1 dials it; TCP_NODELAY, as p2pdist."""
     sock = _accept_one(cfg) if cfg["side"] == 0 else _dial(cfg)
@@ -448,6 +490,7 @@ def p2pdist(cfg: dict[str, Any]) -> dict[str, Any]:
 ROLES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "tcp-recv": tcp_recv,
     "tcp-send": tcp_send,
+    "tcp-duplex": tcp_duplex,
     "exchange": exchange,
     "gloo": gloo,
     "p2pdist": p2pdist,

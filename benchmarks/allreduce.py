@@ -2,7 +2,8 @@
 
 Everything runs on 127.0.0.1 in the same invocation so the numbers are comparable:
 
-* raw loopback TCP bandwidth (two processes, blocking sockets, one direction);
+* raw loopback TCP bandwidth (two processes, blocking sockets), one way and both ways
+  at once;
 * the exchange floor, when the smallest size is at most 64 KiB: that size swapped
   between two processes over loopback TCP and added in place, with blocking sockets and
   on each event loop, no library between (what a world-2 small all-reduce in Python
@@ -438,6 +439,16 @@ def measure_tcp(workdir: Path, timeout: float) -> float:
         [{**base, "role": "tcp-recv"}, {**base, "role": "tcp-send"}], timeout, workdir
     )
     return float(send["bytes"]) / float(send["seconds"]) / 1e9
+
+
+def measure_tcp_both_ways(workdir: Path, timeout: float) -> float:
+    """Raw loopback TCP bandwidth in GB/s each way, with both ways busy at once (half of
+    ``TCP_TOTAL`` each way, a sending thread and a receiving one per end): the limit of a
+    world-2 ring, whose ranks send and receive together on the same cores."""
+    (port,) = free_ports(1)
+    base = {"role": "tcp-duplex", "port": port, "total": TCP_TOTAL // 2}
+    ends = launch([{**base, "side": 0}, {**base, "side": 1}], timeout, workdir)
+    return float(ends[0]["bytes"]) / max(float(e["seconds"]) for e in ends) / 1e9
 
 
 EXCHANGE_ITERS = 5000
@@ -903,9 +914,12 @@ def main(argv: list[str] | None = None) -> int:
             print("measuring loopback TCP ...", file=sys.stderr, flush=True)
             try:
                 gbps = measure_tcp(workdir, args.timeout)
+                both = measure_tcp_both_ways(workdir, args.timeout)
                 tcp_line = (
                     f"loopback TCP (1 stream, blocking sockets, 4 MiB sends, "
-                    f"{TCP_TOTAL >> 30} GiB one way): {gbps:.2f} GB/s"
+                    f"{TCP_TOTAL >> 30} GiB one way): {gbps:.2f} GB/s; both ways at once "
+                    f"({TCP_TOTAL >> 21} MiB each way, a sending and a receiving thread per "
+                    f"end): {both:.2f} GB/s each way"
                 )
             except LaunchError as exc:
                 tcp_line = f"loopback TCP: FAILED ({exc})"

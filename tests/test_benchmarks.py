@@ -89,6 +89,8 @@ def test_allreduce_states_loopback_tcp_and_the_exchange_floor() -> None:
     out = bench("allreduce.py", *args, "--modes", "plaintext", "--loop", "asyncio", "--no-gloo")
     tcp = re.search(r"loopback TCP \(1 stream[^)]*\): (\d+\.\d+) GB/s", out)
     assert tcp and float(tcp.group(1)) > 0, out
+    both = re.search(r"both ways at once \([^)]*\): (\d+\.\d+) GB/s each way", out)
+    assert both and float(both.group(1)) > 0, out
     floor = re.search(r"exchange floor .*: blocking (\d+\.\d) us, asyncio (\d+\.\d) us", out)
     assert floor and 0 < float(floor.group(1)) < 50_000 and 0 < float(floor.group(2)) < 50_000
     if (ROOT / ".git").exists():  # the code a table measured: its commit
