@@ -979,7 +979,8 @@ def main(argv: list[str] | None = None) -> int:
         "calls of the time from the last rank's start to the last rank's end (one clock: "
         "every rank on this host; the notes give each call's slowest rank too, its wait "
         "for the others' start included); "
-        "busbw = bytes/time * 2(n-1)/n, GB/s = 1e9 B/s; "
+        "busbw = bytes/time * 2(n-1)/n, GB/s = 1e9 B/s, bytes of float32 data (a "
+        "compressed mode's wire carries fewer); "
         "ratios: p2pdist's busbw over Gloo's, barrier: Gloo's time over p2pdist's; "
         "input refilled before each call and every result checked, outside the timer; "
         + (
