@@ -5,6 +5,8 @@ driver, runs one role, and writes a JSON result file named in the config. Roles:
 
 ``tcp-recv`` / ``tcp-send``
     Raw loopback TCP bandwidth with plain blocking sockets, one direction.
+``tcp-duplex``
+    The same both ways at once: each end sends from a thread while it receives.
 ``exchange``
     The floor under a small world-2 all-reduce in Python: two processes swap ``size``
     bytes over one loopback TCP connection and add what they receive in place, with
@@ -15,17 +17,18 @@ driver, runs one role, and writes a JSON result file named in the config. Roles:
     One rank of a p2pdist ``Group.all_reduce`` sweep (TLS or plaintext), on asyncio's
     event loop or uvloop.
 
-The all-reduce roles time every call with :func:`time.perf_counter` after a barrier and
-report the per-size median; the driver takes the maximum over ranks. Before every call,
-outside the timer, rank r refills its input with ``base + r + 1`` (``base``: 0..12
-repeating, so that every sum is a small integer, exact in float32, float16 and bfloat16
-while it stays within their integer range; an odd period, so that a chunk summed into or
-returned at the wrong place, whose offsets are multiples of 2^k elements, changes the
-result); after every timed call, outside the timer, it checks the whole result against
-the exact sum (within :data:`LOOSE` where the wire cannot carry it exactly: int8, or sums
-beyond a 16-bit wire's exact integers). An untimed barrier then lines the ranks up before
-the next timed call: a rank that finished its check early would otherwise start its
-timer while the others still refill and check, and time their work as its wait.
+The all-reduce roles note when each call starts and how long it takes
+(:func:`time.perf_counter`, after a barrier); the driver lines the ranks' calls up.
+Before every call, outside the timer, rank r refills its input with ``base + r + 1``
+(``base``: 0..12 repeating, so that every sum is a small integer, exact in float32,
+float16 and bfloat16 while it stays within their integer range; an odd period, so that a
+chunk summed into or returned at the wrong place, whose offsets are multiples of 2^k
+elements, changes the result); after every timed call, outside the timer, it checks the
+whole result against the exact sum (within :data:`LOOSE` where the wire cannot carry it
+exactly: int8, or sums beyond a 16-bit wire's exact integers). An untimed barrier then
+lines the ranks up before the next timed call: a rank that finished its check early
+would otherwise start its timer while the others still refill and check, and time their
+work as its wait.
 """
 
 from __future__ import annotations
@@ -196,14 +199,21 @@ def tcp_duplex(cfg: dict[str, Any]) -> dict[str, Any]:
 
         view = memoryview(bytearray(TCP_CHUNK))
         t0 = time.perf_counter()
-        sender = threading.Thread(target=send)
+        sender = threading.Thread(target=send, daemon=True)
         sender.start()
         got = 0
-        while got < total:
-            n = sock.recv_into(view, min(TCP_CHUNK, total - got))
-            if n == 0:
-                raise ConnectionError(f"the other side closed after {got} of {total} bytes")
-            got += n
+        try:
+            while got < total:
+                n = sock.recv_into(view, min(TCP_CHUNK, total - got))
+                if n == 0:
+                    raise ConnectionError(f"the other side closed after {got} of {total} bytes")
+                got += n
+        except BaseException:
+            sock.shutdown(socket.SHUT_RDWR)  # the sender's sendall ends too
+            sender.join(timeout=5)
+            if failed:  # its error came first: the receive failed for it
+                raise failed[0] from None
+            raise
         sender.join()
         t1 = time.perf_counter()
         if failed:
@@ -220,7 +230,7 @@ def _exchange_socket(cfg: dict[str, Any]) -> socket.socket:
 
 def _exchange_timed(n: int, iters: int, run: Callable[[int], list[float]]) -> dict[str, Any]:
     """``run(k)`` makes k exchanges and returns each one's time: ``iters`` of them to warm
-    up, then ``iters`` timed; their median, as the all-reduce's calls are taken."""
+    up, then ``iters`` timed; their median (the driver takes the greater side's)."""
     run(iters)
     return {"bytes": n, "median": statistics.median(run(iters))}
 

@@ -19,8 +19,9 @@ over calls. The notes also give, for sizes up to 64 KiB and the barrier, the med
 each call's slowest rank, its wait for the others' start included. The
 ratio columns are p2pdist's bus bandwidth over Gloo's, and in the barrier row Gloo's time
 over p2pdist's: above 1, p2pdist is faster. The script exits with status 1 when anything
-it ran failed (a backend's sweep, the TCP measurement, the exchange floor): the tables
-then have holes, which the notes explain.
+it ran failed (a backend's sweep, the TCP measurements, the exchange floor): the tables
+then have holes, which the notes explain. A reference that is not there (torch, Open
+MPI, or an Open MPI program that cannot be built) is skipped with a note instead.
 ``algbw = bytes / time`` and ``busbw = algbw * 2(n-1)/n`` (the nccl-tests convention), in
 GB/s (1e9 bytes per second). Sizes are bytes of float32 data. Both sides reduce in
 place, as ``torch.distributed.all_reduce(t)`` always does: p2pdist is called as
@@ -425,7 +426,7 @@ def mpi_series(world: int, data: dict[str, Any]) -> Series:
     for r in data["results"]:
         n = int(r["bytes"])
         slowest = float(r["slowest"])
-        series.points[n] = Point(n, float(r["median"]), world, float(r["cpu"]), None, slowest)
+        series.points[n] = Point(n, float(r["median"]), world, float(r["cpu"]), slowest=slowest)
     series.barrier = float(data["barrier"]["median"])
     series.barrier_slowest = float(data["barrier"]["slowest"])
     return series
@@ -539,17 +540,24 @@ def run_series(
         series.error = str(exc)
         print(f"  {name} world={world}: FAILED\n{exc}", file=sys.stderr, flush=True)
         return series
-    for i, nbytes in enumerate(sizes):
-        calls = [r["results"][i] for r in results]
-        cpus = [c.get("cpu") for c in calls]
-        cpu = max(float(c) for c in cpus) if None not in cpus else None
-        series.points[nbytes] = Point(
-            nbytes, last_start_to_last_end(calls), world, cpu, None, slowest_rank_median(calls)
-        )
-    if all("barrier" in r for r in results):
-        barriers = [r["barrier"] for r in results]
-        series.barrier = last_start_to_last_end(barriers)
-        series.barrier_slowest = slowest_rank_median(barriers)
+    try:
+        for i, nbytes in enumerate(sizes):
+            per_rank = [r["results"][i] for r in results]
+            cpus = [c.get("cpu") for c in per_rank]
+            cpu = max(float(c) for c in cpus) if None not in cpus else None
+            seconds = last_start_to_last_end(per_rank)
+            series.points[nbytes] = Point(
+                nbytes, seconds, world, cpu, slowest=slowest_rank_median(per_rank)
+            )
+        if all("barrier" in r for r in results):
+            barriers = [r["barrier"] for r in results]
+            series.barrier = last_start_to_last_end(barriers)
+            series.barrier_slowest = slowest_rank_median(barriers)
+    except (KeyError, IndexError, ValueError, TypeError) as exc:  # a result not as written
+        series.points.clear()
+        series.error = f"unreadable worker result: {exc!r}"
+        print(f"  {name} world={world}: FAILED\n{series.error}", file=sys.stderr, flush=True)
+        return series
     print(
         f"  {name} world={world}: done in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True
     )
@@ -914,16 +922,22 @@ def main(argv: list[str] | None = None) -> int:
             print("measuring loopback TCP ...", file=sys.stderr, flush=True)
             try:
                 gbps = measure_tcp(workdir, args.timeout)
-                both = measure_tcp_both_ways(workdir, args.timeout)
                 tcp_line = (
                     f"loopback TCP (1 stream, blocking sockets, 4 MiB sends, "
-                    f"{TCP_TOTAL >> 30} GiB one way): {gbps:.2f} GB/s; both ways at once "
-                    f"({TCP_TOTAL >> 21} MiB each way, a sending and a receiving thread per "
-                    f"end): {both:.2f} GB/s each way"
+                    f"{TCP_TOTAL >> 30} GiB one way): {gbps:.2f} GB/s"
                 )
             except LaunchError as exc:
                 tcp_line = f"loopback TCP: FAILED ({exc})"
                 failures.append("the loopback TCP measurement")
+            try:
+                both = measure_tcp_both_ways(workdir, args.timeout)
+                tcp_line += (
+                    f"; both ways at once ({TCP_TOTAL >> 21} MiB each way, a sending and a "
+                    f"receiving thread per end): {both:.2f} GB/s each way"
+                )
+            except LaunchError as exc:
+                tcp_line += f"; both ways at once: FAILED ({str(exc).splitlines()[0]})"
+                failures.append("the loopback TCP measurement both ways")
         if run_p2p and any(m.startswith("tls") for m in args.modes):
             tcp_line += (
                 f"; AES-256-GCM (one core, 64 KiB records, what tls mode encrypts with): "

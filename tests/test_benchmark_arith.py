@@ -110,6 +110,21 @@ def test_allreduce_exits_1_when_a_backend_fails(
     assert "FAILED: plaintext at world 2" in err, err
 
 
+def test_an_unreadable_worker_result_fails_its_series_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import allreduce
+
+    def short(*args: object, **kwargs: object) -> list[dict[str, object]]:
+        good = {"starts": [0.0], "times": [1.0], "cpu": 0.5}
+        return [{"results": [good]}, {"results": [{"times": [1.0]}]}]  # no starts
+
+    monkeypatch.setattr(allreduce, "launch", short)
+    series = allreduce.run_series("plaintext", "p2pdist", 2, [4096], [0], [1], tmp_path, 5, {})
+    assert series.error is not None and "unreadable worker result" in series.error
+    assert not series.points
+
+
 def test_quic_median_run_odd_and_even() -> None:
     runs = [{"rate": 3.0, "cpu": 0.3}, {"rate": 1.0, "cpu": 0.1}, {"rate": 2.0, "cpu": 0.2}]
     assert quic_throughput.median_run(runs) == (2.0, {"rate": 2.0, "cpu": 0.2})

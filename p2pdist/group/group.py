@@ -260,7 +260,8 @@ class Group(Reducing):
                 )
             if len(part) > alg.MAX_ALL_TO_ALL_V_ROWS:  # (the receiver refuses more)
                 raise UsageError(
-                    f"all_to_all_v: xs[{i}] has {len(part)} rows, over the 2**40 a piece may have"
+                    f"all_to_all_v: xs[{i}] has {len(part)} rows, over the "
+                    f"{alg.MAX_ALL_TO_ALL_V_ROWS} (2**40) a piece may have"
                 )
         self._check_call(timeout)
         if self._alone():

@@ -82,7 +82,8 @@ def _one_nan(out: np.ndarray) -> None:
 
     Which operand's NaN a ufunc passes on (its sign and payload) depends on where an
     element falls in numpy's vector loops, so on the chunk size and the path: the one
-    NaN keeps the result's bits independent of both (a pass over a block in cache)."""
+    NaN keeps the result's bits independent of both (a max over ``out``: a folded block,
+    in cache, or a two-input add's whole chunk)."""
     if out.dtype.kind not in "fc" or out.size == 0:
         return
     parts = out.view(out.real.dtype) if out.dtype.kind == "c" else out  # (1-D, contiguous)
