@@ -99,9 +99,8 @@ def check(got: np.ndarray[Any, Any], expected: np.ndarray[Any, Any], tol: float,
 def _summary(starts: list[float], times: list[float]) -> dict[str, Any]:
     """When this rank started each timed call (``time.perf_counter``, which is
     CLOCK_MONOTONIC on Linux: one clock for every process on the host) and how long it
-    took, in seconds, in call order (the parent lines the ranks' calls up), and the median
-    time."""
-    return {"starts": starts, "times": times, "median": statistics.median(times)}
+    took, in seconds, in call order (the parent lines the ranks' calls up)."""
+    return {"starts": starts, "times": times}
 
 
 # ----------------------------------------------------------------------------- TCP
@@ -159,17 +158,23 @@ def tcp_send(cfg: dict[str, Any]) -> dict[str, Any]:
     """Connect, send ``total`` bytes in large chunks, wait for the one-byte ack."""
     total: int = cfg["total"]
     with _dial(cfg) as sock:
-        payload = memoryview(np.ones(TCP_CHUNK, dtype=np.uint8).tobytes())
-        sent = 0
         t0 = time.perf_counter()
-        while sent < total:
-            n = min(TCP_CHUNK, total - sent)
-            sock.sendall(payload[:n])
-            sent += n
+        sent = _send_total(sock, total)
         if sock.recv(1) != b"k":
             raise ConnectionError("no acknowledgement from receiver")
         t1 = time.perf_counter()
     return {"bytes": sent, "seconds": t1 - t0}
+
+
+def _send_total(sock: socket.socket, total: int) -> int:
+    """Send ``total`` bytes in ``TCP_CHUNK`` writes; returns ``total``."""
+    payload = memoryview(np.ones(TCP_CHUNK, dtype=np.uint8).tobytes())
+    sent = 0
+    while sent < total:
+        n = min(TCP_CHUNK, total - sent)
+        sock.sendall(payload[:n])
+        sent += n
+    return sent
 
 
 def tcp_duplex(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -184,16 +189,11 @@ def tcp_duplex(cfg: dict[str, Any]) -> dict[str, Any]:
         sock.sendall(b"s")
         if sock.recv(1) != b"s":
             raise ConnectionError("no start byte from the other side")
-        payload = memoryview(np.ones(TCP_CHUNK, dtype=np.uint8).tobytes())
         failed: list[BaseException] = []
 
         def send() -> None:
             try:
-                sent = 0
-                while sent < total:
-                    n = min(TCP_CHUNK, total - sent)
-                    sock.sendall(payload[:n])
-                    sent += n
+                _send_total(sock, total)
             except BaseException as exc:  # (raised again below, on the main thread)
                 failed.append(exc)
 

@@ -544,8 +544,8 @@ async def test_masked_arrays_and_matrices_do_not_break_the_group() -> None:
     [
         ({"wire_dtyp": "float16"}, "'wire_dtyp'"),
         ({"out": None}, "no out="),
-        ({"bucket_bytes": True}, "positive int"),
-        ({"bucket_bytes": 1.5}, "positive int"),
+        ({"bucket_bytes": True}, "bucket_bytes must be an integer of at least 1"),
+        ({"bucket_bytes": 1.5}, "bucket_bytes must be an integer of at least 1"),
         ({"timeout": -1}, "timeout must be a positive"),
         ({"timeout": True}, "timeout must be a positive"),
         ({"timeout": float("nan")}, "timeout must be a positive"),

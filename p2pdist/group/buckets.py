@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import GroupBrokenError, MismatchError, UsageError
-from ..settings import as_int
+from ..settings import check_int
 from .buffers import is_plain_array, wire_form
 from .compress import INT8_BLOCK, ErrorFeedback
 from .devices import is_device_array, pack, pinned_array, ready_marker, unpack, wait_ready
@@ -114,10 +114,7 @@ class GradientBuckets:
         ``error_feedback=True`` gives every bucket an :class:`ErrorFeedback` of its own
         (an ErrorFeedback object is refused: one object cannot serve several buckets).
         """
-        checked = as_int(bucket_bytes)  # numpy's integers too, no bool
-        if checked is None or checked < 1:
-            raise UsageError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-        bucket_bytes = checked
+        bucket_bytes = check_int("bucket_bytes", bucket_bytes, 1)  # numpy's too, no bool
         unknown = sorted(set(reduce) - _REDUCE_KEYWORDS - {"error_feedback"})
         if unknown:
             raise UsageError(
